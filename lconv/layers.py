@@ -1,0 +1,217 @@
+"""Flax linen modules for lightweight and dynamic convolutions, parameterised as fairseq does.
+
+- ``LightweightConv1d``: a learned ``[H, K]`` kernel, softmax-normalised over K, DropConnect, optional bias.
+- ``DynamicConv1d``: a kernel predicted per position by ``Dense(C -> H*K)`` (no bias) from the conv input.
+- ``LightConvBlock`` / ``DynamicConvBlock``: the paper's Fig. 2 block, a token mixer (see ``lconv.mixers``):
+  ``Dense(d -> 2d)`` + GLU, the conv, ``Dense(d -> d)``. The model owns norm, residual dropout and the residual.
+
+Decoding (``decode=True``, causal only) keeps the last ``K - 1`` conv inputs in the ``'cache'`` collection
+(``conv_state [B, K-1, C]``), whatever the output length. As in flax ``examples/wmt``, the first ``decode=True``
+call (under ``mutable=['cache']``) only creates the cache; later calls take chunks of one or more positions.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lconv import ops
+
+Dtype = Any
+
+# Logical axis names (mapped to mesh axes by the sharding rules in the config).
+EMBED, CONV, HEADS, KERNEL = "embed", "conv", "heads", "kernel"
+
+
+def xavier_dense(features, axes, *, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32, name=None):
+    """fairseq's ``Linear``: xavier-uniform kernel, zero bias, with logical axis names for sharding."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
+        name=name,
+    )
+
+
+def light_kernel_init(key, shape_HK, dtype=jnp.float32):
+    """xavier-uniform of fairseq's ``[H, 1, K]`` weight: fan_in = K, fan_out = H * K."""
+    H, K = shape_HK
+    bound = (6.0 / (K + H * K)) ** 0.5
+    return jax.random.uniform(key, shape_HK, dtype, -bound, bound)
+
+
+class _ConvBase(nn.Module):
+    """Fields and helpers shared by the two conv modules."""
+
+    num_heads: int
+    kernel_size: int
+    causal: bool = False
+    padding_left: int | None = None  # None: K-1 when causal, K//2 (odd K only) when centred
+    weight_softmax: bool = True
+    weight_dropout: float = 0.0  # DropConnect on the normalised kernel, training only
+    use_bias: bool = False
+    impl: str = "auto"
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def _padding(self):
+        K = self.kernel_size
+        if K < 1:
+            raise ValueError(f"kernel_size must be >= 1; got {K}")
+        if self.padding_left is not None:
+            if self.causal and self.padding_left != K - 1:
+                raise ValueError(f"padding_left must be K-1={K - 1} for a causal conv; got {self.padding_left}")
+            return self.padding_left
+        if self.causal:
+            return K - 1
+        if K % 2 == 0:
+            raise ValueError(f"kernel_size must be odd for a centred (non-causal) conv; got {K}")
+        return K // 2
+
+    def _check_channels(self, x_BTC):
+        if x_BTC.ndim != 3:
+            raise ValueError(f"input must be [batch, time, channels]; got shape {x_BTC.shape}")
+        C = x_BTC.shape[-1]
+        if C % self.num_heads:
+            raise ValueError(f"channels C={C} must be divisible by num_heads={self.num_heads}")
+        return C
+
+    def _normalise(self, logits, deterministic):
+        """Softmax over K in float32, then DropConnect (scaled by 1/(1-p) by Dropout)."""
+        weight = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) if self.weight_softmax else logits
+        return nn.Dropout(self.weight_dropout, name="weight_dropout")(weight, deterministic=deterministic)
+
+    def _bias(self, y_BTC):
+        if not self.use_bias:
+            return y_BTC
+        bias = self.param(
+            "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (CONV,)), (y_BTC.shape[-1],),
+            self.param_dtype,
+        )
+        return y_BTC + bias.astype(y_BTC.dtype)
+
+    def _decode_state(self, x_BTC):
+        """Returns the cache variable and whether it existed before this call (False = cache-creating call)."""
+        if not self.causal:
+            raise ValueError("decode=True needs a causal conv (causal=True)")
+        initialised = self.has_variable("cache", "conv_state")
+        B, _, C = x_BTC.shape
+        state = self.variable("cache", "conv_state", ops.init_conv_state, B, self.kernel_size, C, x_BTC.dtype)
+        return state, initialised
+
+
+class LightweightConv1d(_ConvBase):
+    """Lightweight convolution: a softmax-normalised ``[H, K]`` kernel shared over positions; ``[B,T,C] -> [B,T,C]``."""
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, deterministic=True, decode=False):
+        self._check_channels(x_BTC)
+        padding_left = self._padding()
+        logits_HK = self.param(
+            "weight", nn.with_logical_partitioning(light_kernel_init, (HEADS, KERNEL)),
+            (self.num_heads, self.kernel_size), self.param_dtype,
+        )
+        weight_HK = self._normalise(logits_HK, deterministic)
+        if decode:
+            state, initialised = self._decode_state(x_BTC)
+            if initialised:
+                y_BTC, state.value = ops.light_conv_step(x_BTC, state.value, weight_HK)
+                return self._bias(y_BTC)
+        y_BTC = ops.light_conv(x_BTC, weight_HK, padding_left, impl=self.impl, segment_ids=segment_ids)
+        return self._bias(y_BTC)
+
+
+class DynamicConv1d(_ConvBase):
+    """Dynamic convolution: per-position kernels from ``Dense(C -> H*K)`` of the input; ``[B,T,C] -> [B,T,C]``."""
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, deterministic=True, decode=False):
+        self._check_channels(x_BTC)
+        padding_left = self._padding()
+        H, K = self.num_heads, self.kernel_size
+        # fairseq's effective init of this projection is PyTorch's default Linear init, U(+-1/sqrt(C)).
+        predictor = nn.Dense(
+            H * K,
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"), (CONV, HEADS)
+            ),
+            name="weight_linear",
+        )
+        logits_BTHK = predictor(x_BTC).reshape(*x_BTC.shape[:2], H, K)  # head-major: feature h*K + k
+        weight_BTHK = self._normalise(logits_BTHK, deterministic)
+        if decode:
+            state, initialised = self._decode_state(x_BTC)
+            if initialised:
+                y_BTC, state.value = ops.dynamic_conv_step(x_BTC, state.value, weight_BTHK)
+                return self._bias(y_BTC)
+        y_BTC = ops.dynamic_conv(x_BTC, weight_BTHK, padding_left, impl=self.impl, segment_ids=segment_ids)
+        return self._bias(y_BTC)
+
+
+class LightConvBlock(nn.Module):
+    """The paper's conv block, a token mixer: ``Dense(d -> 2d)`` + GLU, input dropout, conv, ``Dense(d -> d)``.
+
+    Follows fairseq's ``LightConvEncoderLayer`` / ``DecoderLayer`` up to (not including) the residual: input
+    dropout, ``linear1`` (+ GLU: first half * sigmoid(second half)), padding positions zeroed, the conv,
+    ``linear2``. ``conv_features`` is fairseq's ``conv_dim`` (default: the model width).
+    """
+
+    num_heads: int
+    kernel_size: int
+    causal: bool = False
+    conv_type: str = "lightweight"  # or "dynamic"
+    use_glu: bool = True
+    conv_features: int | None = None
+    input_dropout: float = 0.0
+    weight_dropout: float = 0.0
+    weight_softmax: bool = True
+    conv_bias: bool = False
+    padding_left: int | None = None
+    impl: str = "auto"
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        del positions  # a conv is translation invariant
+        if self.conv_type not in ("lightweight", "dynamic"):
+            raise ValueError(f"conv_type must be 'lightweight' or 'dynamic'; got {self.conv_type!r}")
+        d = x_BTC.shape[-1]
+        conv_d = self.conv_features or d
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x_BTC = nn.Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
+        if self.use_glu:
+            h_BT2D = xavier_dense(2 * conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
+            h_BTD = h_BT2D[..., :conv_d] * jax.nn.sigmoid(h_BT2D[..., conv_d:])
+        else:
+            h_BTD = xavier_dense(conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
+        if segment_ids is not None:  # fairseq zeroes padded positions before the conv
+            h_BTD = h_BTD * (segment_ids != 0)[..., None].astype(h_BTD.dtype)
+        conv_cls = LightweightConv1d if self.conv_type == "lightweight" else DynamicConv1d
+        h_BTD = conv_cls(
+            num_heads=self.num_heads,
+            kernel_size=self.kernel_size,
+            causal=self.causal,
+            padding_left=self.padding_left,
+            weight_softmax=self.weight_softmax,
+            weight_dropout=self.weight_dropout,
+            use_bias=self.conv_bias,
+            impl=self.impl,
+            name="conv",
+            **dense,
+        )(h_BTD, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
+        return xavier_dense(d, (CONV, EMBED), name="linear2", **dense)(h_BTD)
+
+
+class DynamicConvBlock(LightConvBlock):
+    """``LightConvBlock`` with a dynamic conv (registry name ``"dynamicconv"``)."""
+
+    conv_type: str = "dynamic"

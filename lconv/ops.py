@@ -1,0 +1,294 @@
+"""Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics.
+
+Both ops are depthwise 1-D cross-correlations over time (no kernel flip), zero outside the sequence. Heads own
+contiguous channel blocks: with ``R = C // H`` channel ``c`` uses head ``c // R``::
+
+    y[b, t, c] = sum_{k < K} w[h(c), k] * x[b, t + k - padding_left, c]
+
+``light_conv`` shares one ``[H, K]`` kernel over all positions; ``dynamic_conv`` takes one kernel per position,
+``[B, T, H, K]``. ``padding_left`` is ``K // 2`` for a centred (encoder) conv and ``K - 1`` for a causal
+(decoder) conv, where tap ``K - 1`` reads the current step; any value in ``0..K-1`` works.
+
+Implementations (``impl``), all equal to 1e-5 in float32:
+
+- ``"conv"`` (light only): ``jax.lax.conv_general_dilated`` with ``feature_group_count=C`` (depthwise).
+- ``"band"``: time is cut into tiles of ``L`` steps; each tile reads its ``L`` inputs plus a ``K - 1`` halo and
+  multiplies them by a ``[L, L + K - 1]`` band matrix per head, so every tile is a small dense matmul and memory
+  stays O(T * K) (no dense ``T x T`` band). The band is built from the kernel by a pad-and-reshape skew, with no
+  gather.
+- ``"unfold"`` (dynamic, and light through it): stack the ``K`` shifted copies of ``x`` (``[B, T, K, C]``) and
+  contract with the kernel. Simple, memory ``K x`` the input.
+- ``"auto"``: see ``choose_impl``.
+
+``segment_ids`` (``[B, T]`` int, 0 = padding) makes packed rows behave exactly like separate sequences: a tap
+that would read another segment or padding reads zero, and padding positions output zero. With segments a light
+conv becomes position dependent, so it is computed as a dynamic conv whose kernel is the shared one masked per
+tap (the ``"conv"`` impl keeps the depthwise conv and subtracts the masked-out taps).
+
+Incremental decoding keeps the last ``K - 1`` inputs per channel (``init_conv_state``); ``light_conv_step`` and
+``dynamic_conv_step`` take a chunk of one or more new positions and return the outputs of the full causal conv
+for them plus the new state.
+
+All accumulation is float32; outputs take ``x``'s dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LIGHT_IMPLS = ("auto", "conv", "band", "unfold")
+DYNAMIC_IMPLS = ("auto", "band", "unfold")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+def light_conv(x_BTC, weight_HK, padding_left, *, impl="auto", segment_ids=None, block_size=None):
+    """Lightweight convolution: one normalised ``[H, K]`` kernel shared over positions. Returns ``[B, T, C]``."""
+    B, T, C, H, K = _check_light(x_BTC, weight_HK, padding_left)
+    _check_segments(segment_ids, B, T)
+    impl = _resolve_impl(impl, LIGHT_IMPLS, "light_conv", x_BTC, K)
+    if segment_ids is None:
+        if impl == "conv":
+            y = _light_conv_xla(x_BTC, weight_HK, padding_left)
+        elif impl == "band":
+            y = _light_band(x_BTC, weight_HK, padding_left, _block(block_size, T, K))
+        else:
+            y = _dynamic_unfold(x_BTC, _broadcast_kernel(weight_HK, B, T), padding_left)
+        return y.astype(x_BTC.dtype)
+    valid_BTK = tap_mask(segment_ids, K, padding_left)
+    if impl == "conv":  # depthwise conv, minus the taps that read across a boundary or from padding
+        dropped_BTHK = _broadcast_kernel(weight_HK, B, T) * ~valid_BTK[:, :, None, :]
+        y = _light_conv_xla(x_BTC, weight_HK, padding_left) - _dynamic_unfold(x_BTC, dropped_BTHK, padding_left)
+        return y.astype(x_BTC.dtype)
+    kept_BTHK = _broadcast_kernel(weight_HK, B, T) * valid_BTK[:, :, None, :]
+    return _dynamic(x_BTC, kept_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
+
+
+def dynamic_conv(x_BTC, weight_BTHK, padding_left, *, impl="auto", segment_ids=None, block_size=None):
+    """Dynamic convolution: a normalised ``[H, K]`` kernel per position (``weight [B, T, H, K]``)."""
+    B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, padding_left)
+    _check_segments(segment_ids, B, T)
+    impl = _resolve_impl(impl, DYNAMIC_IMPLS, "dynamic_conv", x_BTC, K)
+    if segment_ids is not None:
+        weight_BTHK = weight_BTHK * tap_mask(segment_ids, K, padding_left)[:, :, None, :]
+    return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
+
+
+def choose_impl(op, x_BTC, kernel_size):
+    """The ``"auto"`` rule: the band einsum everywhere.
+
+    Measured on a 2-core CPU (DESIGN.md, ``python -m lconv.bench``): XLA's depthwise conv costs 112-365 us/token
+    fwd+bwd at C=512, K=31 while the tiled band costs single-digit us, and the unfold variant moves K x the input.
+    No accelerator measurement exists yet, so accelerators use the band too until the benchmark says otherwise.
+    """
+    del op, x_BTC, kernel_size
+    return "band"
+
+
+def tap_mask(segment_ids_BT, kernel_size, padding_left):
+    """``[B, T, K]`` bool: tap ``k`` of position ``t`` reads ``t + k - padding_left`` inside ``t``'s segment."""
+    seg_BT = jnp.asarray(segment_ids_BT)
+    B, T = seg_BT.shape
+    K = kernel_size
+    seg_padded = jnp.pad(seg_BT, ((0, 0), (padding_left, K - 1 - padding_left)))  # zero = outside the sequence
+    read_BTK = jnp.stack([seg_padded[:, k : k + T] for k in range(K)], axis=-1)
+    return (read_BTK == seg_BT[:, :, None]) & (seg_BT[:, :, None] != 0)
+
+
+def init_conv_state(batch_size, kernel_size, channels, dtype=jnp.float32):
+    """Decoding state of a causal conv: the last ``K - 1`` inputs, ``[B, K-1, C]``, zeros before the start."""
+    return jnp.zeros((batch_size, kernel_size - 1, channels), dtype)
+
+
+def light_conv_step(x_BSC, state_BKC, weight_HK):
+    """Causal light conv over ``S >= 1`` new positions given the last ``K - 1`` inputs.
+
+    Returns ``(y_BSC, new_state_BKC)``; ``y`` equals ``light_conv(x_all, w, K - 1)`` at those positions.
+    """
+    B, S, C, H, K = _check_light(x_BSC, weight_HK, weight_HK.shape[-1] - 1)
+    _check_state(state_BKC, B, K, C)
+    return dynamic_conv_step(x_BSC, state_BKC, _broadcast_kernel(weight_HK, B, S))
+
+
+def dynamic_conv_step(x_BSC, state_BKC, weight_BSHK):
+    """Causal dynamic conv over ``S >= 1`` new positions, each with its own kernel ``weight [B, S, H, K]``."""
+    B, S, C, H, K = _check_dynamic(x_BSC, weight_BSHK, weight_BSHK.shape[-1] - 1)
+    _check_state(state_BKC, B, K, C)
+    x_all = jnp.concatenate([state_BKC.astype(x_BSC.dtype), x_BSC], axis=1)  # [B, K-1+S, C]
+    # Output s reads x_all[s : s + K]: a "valid" correlation, so no padding.
+    windows_BSKC = jnp.stack([x_all[:, k : k + S] for k in range(K)], axis=2)
+    y_BSHR = jnp.einsum(
+        "bskhr,bshk->bshr",
+        windows_BSKC.reshape(B, S, K, H, C // H),
+        weight_BSHK.astype(x_BSC.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return y_BSHR.reshape(B, S, C).astype(x_BSC.dtype), x_all[:, S:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Implementations
+# ----------------------------------------------------------------------------------------------------------------
+def _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size):
+    K = weight_BTHK.shape[-1]
+    if impl == "band":
+        return _dynamic_band(x_BTC, weight_BTHK, padding_left, _block(block_size, x_BTC.shape[1], K))
+    return _dynamic_unfold(x_BTC, weight_BTHK, padding_left)
+
+
+def _light_conv_xla(x_BTC, weight_HK, padding_left):
+    """Depthwise ``conv_general_dilated``; lax convs are cross-correlations, as fairseq's are."""
+    C = x_BTC.shape[-1]
+    H, K = weight_HK.shape
+    kernel_KC = jnp.repeat(weight_HK.T, C // H, axis=1)  # head h -> channels [h*R, (h+1)*R)
+    return jax.lax.conv_general_dilated(
+        x_BTC,
+        kernel_KC[:, None, :].astype(x_BTC.dtype),  # [K, in/group = 1, C]
+        window_strides=(1,),
+        padding=[(padding_left, K - 1 - padding_left)],
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=C,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _dynamic_unfold(x_BTC, weight_BTHK, padding_left):
+    B, T, C = x_BTC.shape
+    H, K = weight_BTHK.shape[-2:]
+    x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, K - 1 - padding_left), (0, 0)))
+    windows_BTKHR = jnp.stack([x_padded[:, k : k + T] for k in range(K)], axis=2).reshape(B, T, K, H, C // H)
+    y_BTHR = jnp.einsum(
+        "btkhr,bthk->bthr", windows_BTKHR, weight_BTHK.astype(x_BTC.dtype), preferred_element_type=jnp.float32
+    )
+    return y_BTHR.reshape(B, T, C)
+
+
+def _light_band(x_BTC, weight_HK, padding_left, L):
+    B, T, C = x_BTC.shape
+    H, K = weight_HK.shape
+    windows_BNWHR, N = _tile_windows(x_BTC, padding_left, K, L, H)
+    band_HLW = _skew(jnp.broadcast_to(weight_HK[:, None, :], (H, L, K)))  # band[h, i, i + k] = w[h, k]
+    y_BNLHR = jnp.einsum(
+        "hlw,bnwhr->bnlhr", band_HLW.astype(x_BTC.dtype), windows_BNWHR, preferred_element_type=jnp.float32
+    )
+    return y_BNLHR.reshape(B, N * L, C)[:, :T]
+
+
+def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
+    B, T, C = x_BTC.shape
+    H, K = weight_BTHK.shape[-2:]
+    windows_BNWHR, N = _tile_windows(x_BTC, padding_left, K, L, H)
+    weight_BNHLK = jnp.pad(weight_BTHK, ((0, 0), (0, N * L - T), (0, 0), (0, 0)))
+    weight_BNHLK = weight_BNHLK.reshape(B, N, L, H, K).transpose(0, 1, 3, 2, 4)
+    band_BNHLW = _skew(weight_BNHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
+    y_BNLHR = jnp.einsum("bnhlw,bnwhr->bnlhr", band_BNHLW, windows_BNWHR, preferred_element_type=jnp.float32)
+    return y_BNLHR.reshape(B, N * L, C)[:, :T]
+
+
+def _tile_windows(x_BTC, padding_left, K, L, H):
+    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, N, W, H, R]`` and ``N``.
+
+    Needs ``L >= K - 1`` so a tile's halo lies inside the next tile.
+    """
+    B, T, C = x_BTC.shape
+    N = -(-T // L)
+    # (N + 1) tiles cover the left padding, T inputs, the right padding and the last tile's halo.
+    x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, (N + 1) * L - T - padding_left), (0, 0)))
+    tiles_BNLC = x_padded.reshape(B, N + 1, L, C)
+    windows_BNWC = jnp.concatenate([tiles_BNLC[:, :N], tiles_BNLC[:, 1:, : K - 1]], axis=2)
+    return windows_BNWC.reshape(B, N, L + K - 1, H, C // H), N
+
+
+def _skew(rows_LK):
+    """``[..., L, K] -> [..., L, L+K-1]`` with row ``i`` shifted right by ``i`` (zeros elsewhere).
+
+    Pad each row to ``L + K`` and read the flat buffer with row stride ``L + K - 1``: row ``i`` then starts ``i``
+    places later. Pure pad/reshape/slice, so XLA fuses it and its transpose is as cheap.
+    """
+    *lead, L, K = rows_LK.shape
+    padded = jnp.pad(rows_LK, [(0, 0)] * len(lead) + [(0, 0), (0, L)])  # [..., L, L+K]
+    flat = padded.reshape(*lead, L * (L + K))[..., : L * (L + K - 1)]
+    return flat.reshape(*lead, L, L + K - 1)
+
+
+def _broadcast_kernel(weight_HK, B, T):
+    return jnp.broadcast_to(weight_HK, (B, T) + weight_HK.shape)
+
+
+def _block(block_size, T, K):
+    """Tile length: at least ``K - 1`` (the halo must fit one tile), 32 by default, never much longer than T."""
+    if block_size is None:
+        block_size = min(32, max(T, 1))
+    elif block_size < 1:
+        raise ValueError(f"block_size must be >= 1; got {block_size}")
+    return max(block_size, K - 1, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Argument checks: one-line ValueErrors naming the argument
+# ----------------------------------------------------------------------------------------------------------------
+def _check_x(x_BTC):
+    if getattr(x_BTC, "ndim", None) != 3:
+        raise ValueError(f"x must be [batch, time, channels]; got shape {getattr(x_BTC, 'shape', None)}")
+    return x_BTC.shape
+
+
+def _check_heads(C, H, what):
+    if H < 1 or C % H:
+        raise ValueError(f"{what}: channels C={C} must be divisible by the number of heads H={H}")
+
+
+def _check_padding(padding_left, K):
+    if not isinstance(padding_left, int) or not 0 <= padding_left <= K - 1:
+        raise ValueError(f"padding_left must be an int in 0..K-1 = 0..{K - 1}; got {padding_left!r}")
+
+
+def _check_light(x_BTC, weight_HK, padding_left):
+    B, T, C = _check_x(x_BTC)
+    if getattr(weight_HK, "ndim", None) != 2:
+        raise ValueError(f"weight must be [heads, kernel_size]; got shape {getattr(weight_HK, 'shape', None)}")
+    H, K = weight_HK.shape
+    if K < 1:
+        raise ValueError(f"weight: kernel_size must be >= 1; got weight shape {weight_HK.shape}")
+    _check_heads(C, H, "weight")
+    _check_padding(padding_left, K)
+    return B, T, C, H, K
+
+
+def _check_dynamic(x_BTC, weight_BTHK, padding_left):
+    B, T, C = _check_x(x_BTC)
+    if getattr(weight_BTHK, "ndim", None) != 4 or weight_BTHK.shape[:2] != (B, T):
+        raise ValueError(
+            f"weight must be [batch, time, heads, kernel_size] = [{B}, {T}, H, K]; "
+            f"got shape {getattr(weight_BTHK, 'shape', None)}"
+        )
+    H, K = weight_BTHK.shape[2:]
+    if K < 1:
+        raise ValueError(f"weight: kernel_size must be >= 1; got weight shape {weight_BTHK.shape}")
+    _check_heads(C, H, "weight")
+    _check_padding(padding_left, K)
+    return B, T, C, H, K
+
+
+def _check_segments(segment_ids, B, T):
+    if segment_ids is None:
+        return
+    shape = getattr(segment_ids, "shape", None)
+    if shape != (B, T):
+        raise ValueError(f"segment_ids must be [batch, time] = [{B}, {T}]; got shape {shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integers (0 = padding); got dtype {segment_ids.dtype}")
+
+
+def _check_state(state_BKC, B, K, C):
+    shape = getattr(state_BKC, "shape", None)
+    if shape != (B, K - 1, C):
+        raise ValueError(f"state must be [batch, K-1, channels] = [{B}, {K - 1}, {C}]; got shape {shape}")
+
+
+def _resolve_impl(impl, allowed, op, x_BTC, K):
+    if impl not in allowed:
+        raise ValueError(f"{op}: impl must be one of {allowed}; got {impl!r}")
+    return choose_impl(op, x_BTC, K) if impl == "auto" else impl
+
