@@ -56,11 +56,11 @@ def mixer_class(name: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def make_mixer(name: str, **kwargs: Any) -> nn.Module:
-    """Builds the mixer ``name`` with its constructor fields; unknown fields are a one-line error."""
-    cls = mixer_class(name)
+def make_mixer(mixer_name: str, /, **kwargs: Any) -> nn.Module:
+    """Builds mixer ``mixer_name`` with its constructor fields (plus flax's ``name``); unknown fields fail clearly."""
+    cls = mixer_class(mixer_name)
     fields = {f for f in getattr(cls, "__dataclass_fields__", {}) if f not in ("parent", "name")}
-    unknown = sorted(set(kwargs) - fields)
+    unknown = sorted(set(kwargs) - fields - {"name"})
     if unknown:
-        raise ValueError(f"mixer {name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
+        raise ValueError(f"mixer {mixer_name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
     return cls(**kwargs)

@@ -1,0 +1,388 @@
+"""Encoder-decoder and decoder-only models built from the token-mixer registry (fairseq's LightConv architecture).
+
+A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer wrapped as fairseq does::
+
+    residual = x;  x = LN(x) if normalize_before;  x = sublayer(x);  x = dropout(x);  x = residual + x
+    x = LN(x) if not normalize_before                                  (post-norm, the paper's default)
+
+Which mixer each layer uses (``"lightconv"``, ``"dynamicconv"``, ``"attention"``, ``"fixed"``, ``"hadamard"``,
+``"colt5"``, ``"knn_memory"``) and its kernel size are config values, so the paper's Transformer, LightConv and
+DynamicConv models, and the other mixers, are configs rather than code. Logits are float32.
+
+Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
+inside each packed segment, starting with ``BOS``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lconv import mixers
+from lconv.layers import CONV, EMBED, xavier_dense
+
+PAD_ID, BOS_ID = 0, 3
+VOCAB, MLP, LENGTH = "vocab", "mlp", "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of both model kinds; ``from_config`` validates a config's ``model`` field."""
+
+    vocab_size: int
+    d_model: int = 512
+    ffn_dim: int = 2048
+    num_heads: int = 8
+    encoder_layers: int = 7
+    decoder_layers: int = 6
+    # One mixer name for all layers, or one per layer.
+    encoder_mixer: str | Sequence[str] = "dynamicconv"
+    decoder_mixer: str | Sequence[str] = "dynamicconv"
+    encoder_kernel_sizes: Sequence[int] = (3, 7, 15, 31, 31, 31, 31)
+    decoder_kernel_sizes: Sequence[int] = (3, 7, 15, 31, 31, 31)
+    # Per-mixer extra constructor fields, e.g. {"fixed": {"max_len": 256}}; validated by the registry.
+    mixer_kwargs: Any = None
+    ffn_type: str = "dense"  # or "colt5" (routed light/heavy FFN)
+    ffn_kwargs: Any = None
+    use_glu: bool = True
+    conv_features: int | None = None  # fairseq's conv_dim; None = d_model
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    relu_dropout: float = 0.0
+    input_dropout: float = 0.0
+    weight_dropout: float = 0.0
+    normalize_before: bool = False
+    share_embeddings: bool = True  # one table for source, target and output
+    learned_positions: bool = False
+    max_len: int = 1024  # learned positions and position-indexed mixers
+    conv_impl: str = "auto"
+    dtype: Any = jnp.float32
+
+    @classmethod
+    def from_config(cls, cfg, **overrides):
+        """From an ml_collections ``config.model`` (or a dict); unknown fields are a one-line error."""
+        values = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+        values.update(overrides)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"config.model has unknown field(s) {unknown}; known: {sorted(names)}")
+        if isinstance(values.get("dtype"), str):
+            values["dtype"] = jnp.dtype(values["dtype"])
+        for key in ("encoder_kernel_sizes", "decoder_kernel_sizes"):
+            if key in values and isinstance(values[key], (int, np.integer)):
+                values[key] = (int(values[key]),)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self, decoder_only=False):
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
+            )
+        if self.ffn_type not in ("dense", "colt5"):
+            raise ValueError(f"config.model.ffn_type must be 'dense' or 'colt5'; got {self.ffn_type!r}")
+        sides = [("decoder", self.decoder_layers)] if decoder_only else [
+            ("encoder", self.encoder_layers), ("decoder", self.decoder_layers)]
+        for side, n in sides:
+            for name in self.layer_mixers(side):
+                mixers.mixer_class(name)  # unknown names fail here, before any tracing
+            if any(m in ("lightconv", "dynamicconv") for m in self.layer_mixers(side)):
+                self.kernel_size(side, n - 1)
+
+    def layer_mixers(self, side):
+        spec = getattr(self, f"{side}_mixer")
+        n = getattr(self, f"{side}_layers")
+        names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+        if len(names) == 1:
+            names = names * n
+        if len(names) != n:
+            raise ValueError(f"config.model.{side}_mixer names {len(names)} mixers for {n} {side} layers")
+        return names
+
+    def kernel_size(self, side, layer):
+        sizes = tuple(getattr(self, f"{side}_kernel_sizes"))
+        if len(sizes) == 1:
+            return sizes[0]
+        if layer >= len(sizes):
+            raise ValueError(
+                f"config.model.{side}_kernel_sizes has {len(sizes)} entries for {getattr(self, f'{side}_layers')}"
+                f" {side} layers"
+            )
+        return sizes[layer]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+class EncoderDecoder(nn.Module):
+    """fairseq's ``lightconv`` translation model. ``__call__`` = ``encode`` then ``decode`` (teacher forcing)."""
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.source_embed = _embedding(cfg, "source_embed")
+        self.target_embed = self.source_embed if cfg.share_embeddings else _embedding(cfg, "target_embed")
+        self.encoder = Stack(cfg, side="encoder", name="encoder")
+        self.decoder = Stack(cfg, side="decoder", name="decoder")
+        self.source_positions = ScaleAndPosition(cfg)
+        self.target_positions = ScaleAndPosition(cfg)
+        self.positions = DecodePositions()
+        if not cfg.share_embeddings:
+            self.output_projection = _output_projection(cfg)
+
+    def encode(self, inputs_BS, *, inputs_segmentation=None, inputs_position=None, deterministic=True):
+        segment_ids = _segments(inputs_BS, inputs_segmentation)
+        x = self.source_positions(self.source_embed(inputs_BS), inputs_position, deterministic=deterministic)
+        return self.encoder(x, segment_ids=segment_ids, positions=inputs_position, deterministic=deterministic)
+
+    def decode(self, encoded_BSD, inputs_BS, decoder_input_BT, *, inputs_segmentation=None,
+               targets_segmentation=None, targets_position=None, deterministic=True, decode=False):
+        """Logits ``[B, T, V]`` (float32) for ``decoder_input`` (already shifted right; see ``shift_right``)."""
+        memory_segments = _segments(inputs_BS, inputs_segmentation)
+        segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
+        positions = self.positions(decoder_input_BT, targets_position, decode)
+        x = self.target_positions(self.target_embed(decoder_input_BT), positions, deterministic=deterministic)
+        x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
+                         decode=decode, memory=encoded_BSD, memory_segment_ids=memory_segments)
+        return self._logits(x)
+
+    def __call__(self, inputs_BS, targets_BT, *, inputs_segmentation=None, inputs_position=None,
+                 targets_segmentation=None, targets_position=None, deterministic=True):
+        encoded = self.encode(inputs_BS, inputs_segmentation=inputs_segmentation, inputs_position=inputs_position,
+                              deterministic=deterministic)
+        decoder_input = shift_right(targets_BT, targets_segmentation)
+        return self.decode(encoded, inputs_BS, decoder_input, inputs_segmentation=inputs_segmentation,
+                           targets_segmentation=targets_segmentation, targets_position=targets_position,
+                           deterministic=deterministic)
+
+    def _logits(self, x_BTD):
+        if self.config.share_embeddings:
+            return self.target_embed.attend(x_BTD.astype(jnp.float32)).astype(jnp.float32)
+        return self.output_projection(x_BTD).astype(jnp.float32)
+
+
+class DecoderOnlyLM(nn.Module):
+    """fairseq's ``lightconv_lm``: a causal stack with pre-norm (forced, for stability) and a final norm."""
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = dataclasses.replace(self.config, normalize_before=True)
+        cfg.validate(decoder_only=True)
+        self.embed = _embedding(cfg, "embed")
+        self.decoder = Stack(cfg, side="decoder", cross_attention=False, name="decoder")
+        self.scale_and_position = ScaleAndPosition(cfg)
+        self.positions = DecodePositions()
+        if not cfg.share_embeddings:
+            self.output_projection = _output_projection(cfg)
+
+    def __call__(self, targets_BT, *, targets_segmentation=None, targets_position=None, deterministic=True,
+                 decode=False, shift=True):
+        """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training)."""
+        inputs = shift_right(targets_BT, targets_segmentation) if shift else targets_BT
+        segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
+        positions = self.positions(inputs, targets_position, decode)
+        x = self.scale_and_position(self.embed(inputs), positions, deterministic=deterministic)
+        x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
+        if self.config.share_embeddings:
+            return self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32)
+        return self.output_projection(x).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------------------------
+class Stack(nn.Module):
+    """Encoder or decoder layers, with the final layer norm that pre-norm models need."""
+
+    config: ModelConfig
+    side: str  # "encoder" or "decoder"
+    cross_attention: bool = True
+
+    @nn.compact
+    def __call__(self, x, *, segment_ids, positions, deterministic, decode=False, memory=None,
+                 memory_segment_ids=None):
+        cfg = self.config
+        causal = self.side == "decoder"
+        for i, mixer_name in enumerate(cfg.layer_mixers(self.side)):
+            x = Layer(cfg, mixer_name, layer=i, side=self.side, causal=causal,
+                      cross_attention=causal and self.cross_attention, name=f"layer_{i}")(
+                x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode,
+                memory=memory, memory_segment_ids=memory_segment_ids)
+        if cfg.normalize_before:
+            x = _layer_norm(cfg, "final_norm")(x)
+        return x
+
+
+class Layer(nn.Module):
+    config: ModelConfig
+    mixer_name: str
+    layer: int
+    side: str
+    causal: bool
+    cross_attention: bool = False
+
+    @nn.compact
+    def __call__(self, x, *, segment_ids, positions, deterministic, decode, memory=None, memory_segment_ids=None):
+        cfg = self.config
+        mixer = mixers.make_mixer(self.mixer_name, **_mixer_fields(cfg, self.mixer_name, self.side, self.layer,
+                                                                   self.causal), name="mixer")
+        x = self._sublayer(x, lambda h: mixer(h, segment_ids=segment_ids, positions=positions,
+                                                deterministic=deterministic, decode=decode), "mixer", deterministic)
+        if self.cross_attention:
+            from lconv.attention import CrossAttention  # imported here: attention.py is another mixer family
+
+            attend = CrossAttention(num_heads=cfg.num_heads, attention_dropout=cfg.attention_dropout,
+                                    dtype=cfg.dtype, name="encoder_attention")
+            query_segments = None if decode else segment_ids
+            x = self._sublayer(x, lambda h: attend(h, memory, query_segment_ids=query_segments,
+                                                     memory_segment_ids=memory_segment_ids,
+                                                     deterministic=deterministic, decode=decode),
+                               "encoder_attention", deterministic)
+        if cfg.ffn_type == "colt5":
+            from lconv.colt5 import CoLT5FeedForward
+
+            ffn = CoLT5FeedForward(**(dict(cfg.ffn_kwargs or {})), name="ffn")
+            x = self._sublayer(x, lambda h: ffn(h, segment_ids=segment_ids, deterministic=deterministic), "ffn",
+                               deterministic)
+        else:
+            x = self._sublayer(x, lambda h: FeedForward(cfg, name="ffn")(h, deterministic=deterministic), "ffn",
+                               deterministic)
+        return x
+
+    def _sublayer(self, x, fn, name, deterministic):
+        cfg = self.config
+        residual = x
+        if cfg.normalize_before:
+            x = _layer_norm(cfg, f"{name}_norm")(x)
+        x = nn.Dropout(cfg.dropout)(fn(x), deterministic=deterministic)
+        x = residual + x
+        if not cfg.normalize_before:
+            x = _layer_norm(cfg, f"{name}_norm")(x)
+        return x
+
+
+class FeedForward(nn.Module):
+    """``Dense(d -> ffn) -> ReLU -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, *, deterministic):
+        cfg = self.config
+        h = xavier_dense(cfg.ffn_dim, (EMBED, MLP), dtype=cfg.dtype, name="fc1")(x_BTD)
+        h = nn.Dropout(cfg.relu_dropout)(jax.nn.relu(h), deterministic=deterministic)
+        return xavier_dense(x_BTD.shape[-1], (MLP, EMBED), dtype=cfg.dtype, name="fc2")(h)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pieces
+# ----------------------------------------------------------------------------------------------------------------
+def _mixer_fields(cfg, name, side, layer, causal):
+    """The constructor fields for layer ``layer``'s mixer: shared ones it has, then the config's overrides."""
+    fields = set(getattr(mixers.mixer_class(name), "__dataclass_fields__", {}))
+    shared = dict(num_heads=cfg.num_heads, causal=causal, dtype=cfg.dtype, use_glu=cfg.use_glu,
+                  conv_features=cfg.conv_features, input_dropout=cfg.input_dropout,
+                  weight_dropout=cfg.weight_dropout, attention_dropout=cfg.attention_dropout,
+                  impl=cfg.conv_impl, max_len=cfg.max_len)
+    if name in ("lightconv", "dynamicconv"):
+        shared["kernel_size"] = cfg.kernel_size(side, layer)
+    kwargs = {k: v for k, v in shared.items() if k in fields}
+    kwargs.update(dict((cfg.mixer_kwargs or {}).get(name, {})))
+    return kwargs
+
+
+def _embedding(cfg, name):
+    """N(0, d^-1/2) embeddings with a zero PAD row, as fairseq's ``Embedding``."""
+    def init(key, shape, dtype=jnp.float32):
+        table = jax.random.normal(key, shape, dtype) * cfg.d_model ** -0.5
+        return table.at[PAD_ID].set(0.0)
+
+    return nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+                    embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
+
+
+def _output_projection(cfg):
+    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, name="output_projection",
+                    kernel_init=nn.with_logical_partitioning(
+                        nn.initializers.normal(cfg.d_model ** -0.5), (EMBED, VOCAB)))
+
+
+def _layer_norm(cfg, name):
+    return nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name,
+                        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (EMBED,)),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (EMBED,)))
+
+
+class ScaleAndPosition(nn.Module):
+    """``dropout(sqrt(d) * embedding + position embedding)`` (sinusoidal as fairseq's, or learned)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, *, deterministic):
+        cfg = self.config
+        B, T, D = x_BTD.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        if cfg.learned_positions:
+            init = nn.with_logical_partitioning(nn.initializers.normal(D ** -0.5), (LENGTH, EMBED))
+            pos_BTD = nn.Embed(cfg.max_len, D, dtype=cfg.dtype, embedding_init=init, name="learned")(positions_BT)
+        else:
+            pos_BTD = sinusoidal_positions(positions_BT, D).astype(x_BTD.dtype)
+        x_BTD = x_BTD * math.sqrt(D) + pos_BTD
+        return nn.Dropout(cfg.dropout)(x_BTD, deterministic=deterministic)
+
+
+def sinusoidal_positions(positions_BT, dim):
+    """fairseq's sinusoidal table: ``[sin(p * f_i), cos(p * f_i)]``, ``f_i = 10000^(-i / (dim/2 - 1))``."""
+    half = dim // 2
+    freq = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000.0) / max(half - 1, 1)))
+    angles = positions_BT[..., None].astype(jnp.float32) * freq  # [B, T, half]
+    table = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    return jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, dim - 2 * half)])
+
+
+def _segments(tokens_BT, segmentation_BT, allow_pad_start=False):
+    """Segment ids: the packed ``*_segmentation`` if given, else 1 on non-PAD tokens."""
+    if segmentation_BT is not None:
+        return segmentation_BT.astype(jnp.int32)
+    seg = (tokens_BT != PAD_ID).astype(jnp.int32)
+    if allow_pad_start:  # a shifted decoder input starts with BOS, never PAD, so this is only a safeguard
+        seg = seg.at[:, 0].set(1)
+    return seg
+
+
+class DecodePositions(nn.Module):
+    """Positions of the decoder inputs: given ones, or while decoding a counter in the ``'cache'`` collection."""
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT, decode):
+        if not decode:
+            return positions_BT
+        initialised = self.has_variable("cache", "position")
+        position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+        T = tokens_BT.shape[1]
+        start = position.value
+        if initialised:  # the cache-creating call does not advance the counter
+            position.value = start + T
+        return jnp.broadcast_to(start + jnp.arange(T), tokens_BT.shape)
+
+
+def shift_right(targets_BT, segmentation_BT=None):
+    """Decoder inputs: ``[BOS, y_0, ..., y_{T-2}]`` inside every packed segment (BOS at each segment start)."""
+    shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
+    if segmentation_BT is None:
+        return shifted
+    prev_seg = jnp.pad(segmentation_BT, ((0, 0), (1, 0)))[:, :-1]
+    starts = segmentation_BT != prev_seg
+    shifted = jnp.where(starts, BOS_ID, shifted)
+    return jnp.where(segmentation_BT == 0, PAD_ID, shifted)
