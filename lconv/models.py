@@ -72,6 +72,8 @@ class ModelConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"config.model has unknown field(s) {unknown}; known: {sorted(names)}")
+        if not values.get("conv_features"):
+            values["conv_features"] = None  # 0 in a config = the model width
         if isinstance(values.get("dtype"), str):
             values["dtype"] = jnp.dtype(values["dtype"])
         for key in ("encoder_kernel_sizes", "decoder_kernel_sizes"):

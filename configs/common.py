@@ -1,0 +1,146 @@
+"""Fields shared by every config family; each family file overrides what its task needs.
+
+Every field is commented here; family files only change values. Override any field from the command line:
+``python train.py --config=configs/wmt_en_de.py:dynamic,big --config.model.dropout=0.1``.
+"""
+import ml_collections
+
+# The paper's per-layer kernel sizes (Wu et al. 2019, Sec. 6.1).
+PAPER_ENCODER_KERNELS = (3, 7, 15, 31, 31, 31, 31)
+PAPER_DECODER_KERNELS = (3, 7, 15, 31, 31, 31)
+
+# Mixer variants a config's ``:variant`` argument may name -> the mixer of every layer.
+MIXER_VARIANTS = {
+    "transformer": "attention",
+    "lightconv": "lightconv",
+    "dynamic": "dynamicconv",
+    "dynamicconv": "dynamicconv",
+    "fixed": "fixed",
+    "hadamard": "hadamard",
+    "colt5": "colt5",
+    "knn": "knn_memory",
+}
+
+
+def base_config():
+    c = ml_collections.ConfigDict()
+    c.task = "translation"  # translation | summarization | lm
+    c.seed = 0  # params init, dropout (folded with the step) and data shuffling
+
+    # --- data -------------------------------------------------------------------------------------------------
+    c.data = ml_collections.ConfigDict()
+    c.data.dataset = "ddtp/en_de"  # tfds name[/config]; ddtp/* is built from the corpus bundled with lconv
+    c.data.data_dir = ""  # where tfds datasets are prepared ("" = <workdir>/data)
+    c.data.source_key = "en"  # feature holding the source text (ignored for lm)
+    c.data.target_key = "de"  # feature holding the target text
+    c.data.vocab_size = 8000  # joint SentencePiece vocabulary, trained from the training split
+    c.data.max_source_len = 128  # longer training examples are truncated (and counted)
+    c.data.max_target_len = 128
+    c.data.eval_max_len = 256  # evaluation examples are truncated only past this (counted)
+    c.data.pack = True  # pack several examples per row (segment ids keep them apart)
+    c.data.batch_size = 32  # rows per global batch (all hosts); tokens per batch ~ batch_size * max_len
+    c.data.eval_batch_size = 64
+    c.data.num_eval_examples = -1  # -1 = the whole evaluation split
+
+    # --- model (lconv.models.ModelConfig) ---------------------------------------------------------------------
+    c.model = ml_collections.ConfigDict()
+    c.model.d_model = 512  # model width (fairseq encoder_embed_dim)
+    c.model.ffn_dim = 2048  # FFN hidden size
+    c.model.num_heads = 8  # conv heads / attention heads
+    c.model.encoder_layers = 7
+    c.model.decoder_layers = 6
+    c.model.encoder_mixer = "dynamicconv"  # a registry name, or a comma list, one per layer
+    c.model.decoder_mixer = "dynamicconv"
+    c.model.encoder_kernel_sizes = PAPER_ENCODER_KERNELS  # one per layer, or one for all
+    c.model.decoder_kernel_sizes = PAPER_DECODER_KERNELS
+    c.model.mixer_kwargs = {}  # per-mixer extra fields, e.g. {"fixed": {"factorized_rank": 8}}
+    c.model.ffn_type = "dense"  # dense | colt5 (routed light/heavy FFN)
+    c.model.ffn_kwargs = {}  # fields of CoLT5FeedForward when ffn_type = colt5
+    c.model.use_glu = True  # GLU after the block's input projection
+    c.model.conv_features = 0  # fairseq conv_dim; 0 = d_model
+    c.model.dropout = 0.1  # residual and embedding dropout
+    c.model.attention_dropout = 0.0
+    c.model.relu_dropout = 0.0
+    c.model.input_dropout = 0.0  # dropout on the conv block's input
+    c.model.weight_dropout = 0.1  # DropConnect on the normalised conv kernels
+    c.model.normalize_before = False  # pre-norm; the paper's translation models are post-norm
+    c.model.share_embeddings = True  # one table for source, target and output (joint vocabulary)
+    c.model.learned_positions = False  # sinusoidal positions otherwise
+    c.model.max_len = 1024  # longest sequence for learned positions / Fixed / Hadamard attention
+    c.model.conv_impl = "auto"  # auto | band | conv | unfold (see lconv.ops)
+    c.model.dtype = "float32"  # compute dtype (bfloat16 on TPU); params and loss stay float32
+
+    # --- optimisation ----------------------------------------------------------------------------------------
+    c.optim = ml_collections.ConfigDict()
+    c.optim.optimizer = "adam"  # adam | adamw | nag
+    c.optim.learning_rate = 5e-4  # peak learning rate
+    c.optim.schedule = "inverse_sqrt"  # inverse_sqrt | cosine | constant (all with linear warmup)
+    c.optim.warmup_steps = 4000
+    c.optim.warmup_init_lr = 1e-7  # fairseq's warmup-init-lr
+    c.optim.min_lr = 1e-9  # cosine floor
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.98
+    c.optim.eps = 1e-8
+    c.optim.momentum = 0.99  # nag
+    c.optim.weight_decay = 0.0
+    c.optim.clip_norm = 0.0  # global gradient-norm clipping; 0 = off
+    c.optim.label_smoothing = 0.1
+    c.optim.grad_accum_steps = 1  # fairseq's update-freq
+
+    # --- training loop ---------------------------------------------------------------------------------------
+    c.train = ml_collections.ConfigDict()
+    c.train.num_steps = 50_000  # optimizer updates
+    c.train.max_minutes = 0.0  # stop (and checkpoint) after this wall time; 0 = no limit
+    c.train.log_every = 100
+    c.train.eval_every = 2000  # validation loss / ppl
+    c.train.checkpoint_every = 2000
+    c.train.keep_checkpoints = 5
+    c.train.eval_after_training = True  # decode the test split and report BLEU/ROUGE at the end
+
+    # --- decoding / evaluation -------------------------------------------------------------------------------
+    c.decode = ml_collections.ConfigDict()
+    c.decode.beam_size = 5
+    c.decode.lenpen = 1.0  # fairseq length penalty: score / length**lenpen
+    c.decode.max_len_a = 1.2  # max output length = a * source length + b
+    c.decode.max_len_b = 10
+    c.decode.split = "test"
+    c.decode.num_print = 5  # sample translations printed at the end
+
+    # --- sharding --------------------------------------------------------------------------------------------
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 = all remaining devices
+    c.mesh.axis_names = ("data", "fsdp", "tensor")
+    # logical axis -> mesh axis (None = replicated)
+    c.mesh.rules = (
+        ("batch", ("data", "fsdp")),
+        ("embed", "fsdp"),
+        ("vocab", "tensor"),
+        ("mlp", "tensor"),
+        ("conv", "tensor"),
+        ("heads", "tensor"),
+        ("kv", None),
+        ("kernel", None),
+        ("length", None),
+    )
+    return c
+
+
+def parse_args(arg, allowed):
+    """``"dynamic,big"`` -> ``{"dynamic", "big"}``; unknown words are a one-line error naming the choices."""
+    words = {w.strip() for w in (arg or "").split(",") if w.strip()}
+    unknown = sorted(words - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown config variant(s) {unknown}; choose from {sorted(allowed)}")
+    return words
+
+
+def set_mixer(config, words):
+    """Applies a mixer variant word (transformer/lightconv/dynamic/...) to both sides of the model."""
+    chosen = [MIXER_VARIANTS[w] for w in words if w in MIXER_VARIANTS]
+    if len(chosen) > 1:
+        raise ValueError(f"choose one mixer variant; got {sorted(words & set(MIXER_VARIANTS))}")
+    if chosen:
+        config.model.encoder_mixer = config.model.decoder_mixer = chosen[0]
+        if chosen[0] == "attention":  # the Transformer baseline has no conv kernels to drop
+            config.model.weight_dropout = 0.0
+    return config

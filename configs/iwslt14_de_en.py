@@ -1,0 +1,31 @@
+"""IWSLT'14 De->En, fairseq's ``lightconv_iwslt_de_en`` (Wu et al. 2019, Sec. 5.2).
+
+    python train.py --config=configs/iwslt14_de_en.py:dynamic --workdir=gs://BUCKET/iwslt_dynamic
+    python train.py --config=configs/iwslt14_de_en.py:lightconv --workdir=...
+    python train.py --config=configs/iwslt14_de_en.py:transformer --workdir=...
+
+d 512, FFN 1024, 4 heads, 7 encoder / 6 decoder layers, no GLU, dropout 0.3, weight dropout 0.1, Adam (0.9, 0.98),
+lr 5e-4 inverse-sqrt with 4k warmup, label smoothing 0.1, 50k updates. The data is the local-files builder
+``iwslt14`` (see README, Datasets): fairseq's ``prepare-iwslt14.sh`` output, prepared with lconv.
+"""
+from configs import common
+
+
+def get_config(arg=None):
+    words = common.parse_args(arg, common.MIXER_VARIANTS)
+    c = common.base_config()
+    c.data.dataset = "iwslt14/de_en"
+    c.data.source_key, c.data.target_key = "de", "en"
+    c.data.vocab_size = 10000
+    c.data.max_source_len = c.data.max_target_len = 256
+    c.data.batch_size = 32  # x 256 tokens packed ~ fairseq's max_tokens 4000 x 2 updates
+    c.model.d_model, c.model.ffn_dim, c.model.num_heads = 512, 1024, 4
+    c.model.encoder_layers, c.model.decoder_layers = 7, 6
+    c.model.use_glu = False
+    c.model.dropout, c.model.weight_dropout, c.model.attention_dropout = 0.3, 0.1, 0.1
+    c.model.share_embeddings = True
+    c.optim.learning_rate, c.optim.schedule, c.optim.warmup_steps = 5e-4, "inverse_sqrt", 4000
+    c.optim.weight_decay = 1e-4
+    c.train.num_steps = 50_000
+    c.decode.beam_size, c.decode.lenpen = 4, 1.0
+    return common.set_mixer(c, words or {"dynamic"})
