@@ -15,10 +15,9 @@ def get_config(arg=None):
     c = common.base_config()
     c.task = "summarization"
     c.data.dataset = "cnn_dailymail"
-    c.data.source_key, c.data.target_key = "article", "highlights"
     c.data.vocab_size = 32000
-    c.data.max_source_len, c.data.max_target_len = 400, 100
-    c.data.eval_max_len = 400
+    c.data.max_input_length, c.data.max_target_length = 400, 100
+    c.data.eval_max_input_length = 400
     c.data.pack = False
     c.data.batch_size = 128
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = 1024, 4096, 16
@@ -27,8 +26,8 @@ def get_config(arg=None):
     c.train.num_steps = 30_000
     c.decode.beam_size, c.decode.lenpen, c.decode.max_len_a, c.decode.max_len_b = 4, 2.0, 0.0, 100
     if "ddtp" in words:
-        c.data.dataset, c.data.source_key, c.data.target_key = "ddtp/summarize_en", "document", "summary"
-        c.data.vocab_size, c.data.max_source_len, c.data.max_target_len = 8000, 256, 32
+        c.data.dataset = "ddtp/summarize_en"
+        c.data.vocab_size, c.data.max_input_length, c.data.max_target_length = 8000, 256, 32
         c.model.d_model, c.model.ffn_dim, c.model.num_heads = 256, 1024, 4
         c.model.encoder_layers = c.model.decoder_layers = 3
         c.model.encoder_kernel_sizes = c.model.decoder_kernel_sizes = (3, 7, 15)

@@ -30,17 +30,18 @@ def base_config():
     # --- data -------------------------------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()
     c.data.dataset = "ddtp/en_de"  # tfds name[/config]; ddtp/* is built from the corpus bundled with lconv
-    c.data.data_dir = ""  # where tfds datasets are prepared ("" = <workdir>/data)
-    c.data.source_key = "en"  # feature holding the source text (ignored for lm)
-    c.data.target_key = "de"  # feature holding the target text
+    c.data.data_dir = "~/tensorflow_datasets"  # where tfds datasets are (or, for ddtp, get) prepared
+    c.data.raw_dir = ""  # ddtp only: raw apt Translation-* files instead of the bundled snapshot
     c.data.vocab_size = 8000  # joint SentencePiece vocabulary, trained from the training split
-    c.data.max_source_len = 128  # longer training examples are truncated (and counted)
-    c.data.max_target_len = 128
-    c.data.eval_max_len = 256  # evaluation examples are truncated only past this (counted)
+    c.data.max_input_length = 128  # longer training examples are truncated (and counted)
+    c.data.max_target_length = 128
+    c.data.eval_max_input_length = 256  # evaluation examples are truncated only past these (counted)
+    c.data.eval_max_target_length = 256
     c.data.pack = True  # pack several examples per row (segment ids keep them apart)
     c.data.batch_size = 32  # rows per global batch (all hosts); tokens per batch ~ batch_size * max_len
     c.data.eval_batch_size = 64
-    c.data.num_eval_examples = -1  # -1 = the whole evaluation split
+    c.data.seed = 0  # shuffling
+    c.data.train_long = "truncate"  # truncate | drop over-long training examples (both counted)
 
     # --- model (lconv.models.ModelConfig) ---------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()

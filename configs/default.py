@@ -13,9 +13,8 @@ def get_config(arg=None):
     words = common.parse_args(arg, ["dynamic", "lightconv", "transformer", "fixed", "hadamard"])
     c = common.base_config()
     c.data.dataset = "ddtp/en_de"
-    c.data.source_key, c.data.target_key = "en", "de"
     c.data.vocab_size = 8000
-    c.data.max_source_len = c.data.max_target_len = 64
+    c.data.max_input_length = c.data.max_target_length = 64
     c.data.batch_size = 48
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = 256, 1024, 4
     c.model.encoder_layers = c.model.decoder_layers = 3

@@ -15,9 +15,8 @@ def get_config(arg=None):
     words = common.parse_args(arg, common.MIXER_VARIANTS)
     c = common.base_config()
     c.data.dataset = "iwslt14/de_en"
-    c.data.source_key, c.data.target_key = "de", "en"
     c.data.vocab_size = 10000
-    c.data.max_source_len = c.data.max_target_len = 256
+    c.data.max_input_length = c.data.max_target_length = 256
     c.data.batch_size = 32  # x 256 tokens packed ~ fairseq's max_tokens 4000 x 2 updates
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = 512, 1024, 4
     c.model.encoder_layers, c.model.decoder_layers = 7, 6

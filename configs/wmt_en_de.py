@@ -20,9 +20,8 @@ SIZES = {
 def wmt_config(words, dataset, source_key, target_key, big_dropout):
     c = common.base_config()
     c.data.dataset = dataset
-    c.data.source_key, c.data.target_key = source_key, target_key
     c.data.vocab_size = 32000
-    c.data.max_source_len = c.data.max_target_len = 256
+    c.data.max_input_length = c.data.max_target_length = 256
     c.data.batch_size = 512  # x 256 tokens packed ~ fairseq's 3.5k tokens x 128 GPUs... per update
     size = "base" if "base" in words else "big"
     c.model.update(SIZES[size])

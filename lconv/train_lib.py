@@ -1,0 +1,293 @@
+"""Training: state, optimizer, sharded steps, the loop, evaluation and checkpoints.
+
+One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); parameters are sharded by their logical axis names
+(``config.mesh.rules``), batches along (data, fsdp). Steps are ``jax.jit`` with ``in_shardings`` /
+``out_shardings`` and a donated state — today's pjit. The dropout rng is ``fold_in(seed, step)``, so no rng
+state is saved; the data iterator's state is checkpointed beside the model, so a resume is exact.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+from lconv import checkpoints, metrics, models
+from lconv.data import pipeline
+
+
+class TrainState(train_state.TrainState):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model, optimizer, mesh
+# ----------------------------------------------------------------------------------------------------------------
+def build_model(config, vocab_size):
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size)
+    if config.task == "lm":
+        return models.DecoderOnlyLM(model_cfg)
+    if config.task in ("translation", "summarization"):
+        return models.EncoderDecoder(model_cfg)
+    raise ValueError(f"config.task must be translation, summarization or lm; got {config.task!r}")
+
+
+def learning_rate_schedule(optim, num_steps):
+    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant."""
+    peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = init + (peak - init) * step / max(warmup, 1)
+        if optim.schedule == "inverse_sqrt":
+            after = peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(step, 1.0))
+        elif optim.schedule == "cosine":
+            progress = jnp.clip((step - warmup) / max(num_steps - warmup, 1), 0.0, 1.0)
+            after = optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + jnp.cos(math.pi * progress))
+        elif optim.schedule == "constant":
+            after = jnp.asarray(peak, jnp.float32)
+        else:
+            raise ValueError(f"config.optim.schedule must be inverse_sqrt, cosine or constant; got {optim.schedule!r}")
+        return jnp.where(step < warmup, warm, after)
+
+    schedule(0)  # validates the schedule name eagerly
+    return schedule
+
+
+def build_optimizer(optim, num_steps):
+    lr = learning_rate_schedule(optim, num_steps)
+    if optim.optimizer == "adam":
+        tx = optax.adam(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps)
+        if optim.weight_decay:
+            tx = optax.chain(optax.add_decayed_weights(optim.weight_decay), tx)  # fairseq's coupled L2
+    elif optim.optimizer == "adamw":
+        tx = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
+    elif optim.optimizer == "nag":
+        tx = optax.chain(optax.add_decayed_weights(optim.weight_decay), optax.sgd(lr, optim.momentum, nesterov=True))
+    else:
+        raise ValueError(f"config.optim.optimizer must be adam, adamw or nag; got {optim.optimizer!r}")
+    if optim.clip_norm:
+        tx = optax.chain(optax.clip_by_global_norm(optim.clip_norm), tx)
+    if optim.grad_accum_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=optim.grad_accum_steps)
+    return tx, lr
+
+
+def make_mesh(mesh_config, devices=None):
+    devices = jax.devices() if devices is None else devices
+    shape = list(mesh_config.shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"config.mesh.shape may hold one -1; got {tuple(shape)}")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"config.mesh.shape={tuple(mesh_config.shape)} does not use the {len(devices)} devices")
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(tuple(shape), tuple(mesh_config.axis_names), axis_types, devices=devices)
+
+
+def _batch_sharding(mesh):
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+
+
+def _dummy_batch(config, batch_size=1):
+    lengths = {"targets": config.data.max_target_length}
+    if config.task != "lm":
+        lengths["inputs"] = config.data.max_input_length
+    batch = {}
+    for key, length in lengths.items():
+        batch[key] = np.ones((batch_size, length), np.int32)
+        batch[f"{key}_segmentation"] = np.ones((batch_size, length), np.int32)
+        batch[f"{key}_position"] = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length))
+    return batch
+
+
+def model_inputs(batch):
+    """The keyword arguments of the model's ``__call__`` from a pipeline batch."""
+    keys = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
+    kwargs = {k: batch[k] for k in keys if k in batch}
+    args = (batch["inputs"], batch["targets"]) if "inputs" in batch else (batch["targets"],)
+    return args, kwargs
+
+
+def create_state(config, model, mesh, tx):
+    """Initialises the train state directly into its shardings; returns ``(state, state_shardings)``."""
+    args, kwargs = model_inputs(_dummy_batch(config))
+
+    def init(rng):
+        variables = model.init(rng, *args, **kwargs)
+        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+
+    rng = jax.random.key(config.seed)
+    abstract = jax.eval_shape(init, rng)
+    logical_specs = nn.get_partition_spec(abstract)
+    shardings = nn.logical_to_mesh_sharding(logical_specs, mesh, [tuple(r) for r in config.mesh.rules])
+    with mesh:
+        state = jax.jit(init, out_shardings=shardings)(rng)
+    return state, shardings
+
+
+def count_params(params):
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(params))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------------------------------------------
+def make_train_step(config, lr_schedule):
+    smoothing = config.optim.label_smoothing
+
+    def train_step(state, batch):
+        dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
+        args, kwargs = model_inputs(batch)
+        weights = batch["targets_segmentation"] > 0
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, *args, **kwargs, deterministic=False,
+                                    rngs={"dropout": dropout_rng})
+            sums = metrics.label_smoothed_loss(logits, batch["targets"], weights, smoothing)
+            return sums["loss"] / jnp.maximum(sums["tokens"], 1.0), sums
+
+        grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+        sums["grad_norm"] = optax.global_norm(grads)
+        sums["lr"] = lr_schedule(state.step)
+        return state.apply_gradients(grads=grads), sums
+
+    return train_step
+
+
+def make_eval_step(config):
+    def eval_step(params, apply_fn, batch):
+        args, kwargs = model_inputs(batch)
+        logits = apply_fn({"params": params}, *args, **kwargs, deterministic=True)
+        weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
+        return metrics.label_smoothed_loss(logits, batch["targets"], weights, config.optim.label_smoothing)
+
+    return eval_step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------
+class _Preemption:
+    """SIGTERM sets a flag; the loop saves a checkpoint and exits cleanly at the next step."""
+
+    def __init__(self):
+        self.requested = False
+        try:
+            signal.signal(signal.SIGTERM, self._handler)
+        except ValueError:  # not the main thread (e.g. in a notebook worker)
+            pass
+
+    def _handler(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+
+def _global_batch(batch, sharding):
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+
+
+def train_and_evaluate(config, workdir, *, log=print):
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint), then evaluates. Returns metrics."""
+    from lconv import logging_utils
+
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    os.makedirs(workdir, exist_ok=True)
+    logging_utils.save_config(config, workdir)
+    tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
+    data = pipeline.make_datasets(config.data, tokenizer)
+    model = build_model(config, tokenizer.vocab_size)
+    tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
+    mesh = make_mesh(config.mesh)
+    state, state_shardings = create_state(config, model, mesh, tx)
+    log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; devices {jax.devices()[0].platform}")
+
+    ckpt = checkpoints.Checkpointer(workdir, keep=config.train.keep_checkpoints,
+                                    save_every=config.train.checkpoint_every)
+    if ckpt.latest_step() is not None:
+        state, data_state = ckpt.restore(checkpoints.abstract_like(state))
+        data.train_iter.set_state(data_state)
+        log(f"resumed from step {int(state.step)}")
+
+    batch_sharding = _batch_sharding(mesh)
+    train_step = jax.jit(make_train_step(config, lr_schedule), in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, None), donate_argnums=0)
+    writer = logging_utils.MetricWriter(workdir)
+    preemption = _Preemption()
+    start_step, num_steps = int(state.step), config.train.num_steps
+    t0, window_sums, window_start = time.time(), None, time.time()
+    progress = logging_utils.progress(start_step, num_steps)
+    step = start_step
+    with mesh:
+        while step < num_steps:
+            batch = _global_batch(next(data.train_iter), batch_sharding)
+            state, sums = train_step(state, batch)
+            step += 1
+            window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
+            progress.update(1)
+            out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
+            if step % config.train.log_every == 0 or step == num_steps or out_of_time or preemption.requested:
+                summary = metrics.summarize(window_sums)
+                if not np.isfinite(summary["loss"]):
+                    raise FloatingPointError(
+                        f"non-finite loss ({summary['loss']}) at step {step}; the last good checkpoint is kept "
+                        f"(step {ckpt.latest_step()}); lower config.optim.learning_rate or set clip_norm")
+                elapsed = time.time() - window_start
+                n = config.train.log_every if step % config.train.log_every == 0 else max(step - start_step, 1)
+                summary.update(lr=float(sums["lr"]), grad_norm=float(sums["grad_norm"]),
+                               tokens_per_s=summary["tokens"] / max(elapsed, 1e-9), steps=n)
+                writer.write(step, "train", summary)
+                progress.set_postfix(loss=f"{summary['loss']:.3f}", ppl=f"{summary['ppl']:.1f}",
+                                     tok_s=f"{summary['tokens_per_s']:.0f}")
+                window_sums, window_start = None, time.time()
+            if step % config.train.eval_every == 0 and step < num_steps:
+                writer.write(step, "validation", evaluate_loss(config, state, data.eval_sets["validation"], mesh))
+            ckpt.save(step, state, data.train_iter.get_state(), force=bool(out_of_time or preemption.requested))
+            if out_of_time or preemption.requested:
+                log(f"stopping at step {step}: " + ("SIGTERM" if preemption.requested else "train.max_minutes"))
+                break
+    progress.close()
+    ckpt.save(step, state, data.train_iter.get_state(), force=True)
+    ckpt.close()
+    result = {"step": step, "train_minutes": (time.time() - t0) / 60}
+    if preemption.requested:
+        return result
+    result["validation"] = evaluate_loss(config, state, data.eval_sets["validation"], mesh)
+    writer.write(step, "validation", result["validation"])
+    if config.train.eval_after_training:
+        from lconv import evaluate
+
+        result["test"] = evaluate.score_split(config, model, state.params, tokenizer, data.eval_sets, workdir,
+                                              log=log)
+        writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
+    writer.close()
+    return result
+
+
+def evaluate_loss(config, state, eval_set, mesh):
+    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero)."""
+    eval_step = jax.jit(make_eval_step(config), static_argnums=1)
+    sharding = _batch_sharding(mesh)
+    total = None
+    with mesh:
+        for batch in eval_set:
+            batch = {k: v for k, v in batch.items() if k != "example_index"}
+            sums = eval_step(state.params, state.apply_fn, _global_batch(batch, sharding))
+            total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    return metrics.summarize(total)
+
+
+def load_config_json(workdir) -> dict[str, Any]:
+    with open(os.path.join(workdir, "config.json")) as f:
+        return json.load(f)

@@ -1,0 +1,31 @@
+"""Trains (and then evaluates) a model: ``python train.py --config=configs/default.py --workdir=runs/default``.
+
+Kept short on purpose: everything lives in ``lconv.train_lib``. Re-running the same command resumes from the
+latest checkpoint in ``--workdir``. Override any config field: ``--config.model.dropout=0.2``.
+"""
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from lconv import runtime
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, the tokenizer, logs and outputs.")
+config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py[:variant].",
+                                lock_config=True)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    runtime.initialize()
+    from lconv import train_lib  # after the runtime is set up (multi-host initialisation)
+
+    with runtime.user_errors():
+        result = train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    runtime.print_summary(result)
+
+
+if __name__ == "__main__":
+    logging.set_verbosity(logging.WARNING)
+    app.run(main)
