@@ -1,0 +1,235 @@
+"""Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit.
+
+Entry point::
+
+    tokenizer = load_or_train_tokenizer(config, workdir)       # <workdir>/spm.model, reused on resume
+    data = make_datasets(config, tokenizer)
+    batch = next(data.train_iter)                              # packed, shuffled, repeated, this process's shard
+    state = data.train_iter.get_state(); data.train_iter.set_state(state)   # exact resume (grain)
+    for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
+
+``config`` is anything with these attributes or keys (an ml_collections ConfigDict, a dict, a dataclass); the
+defaults are in ``DEFAULTS``: dataset, data_dir, raw_dir, vocab_size, batch_size (global rows per step;
+each process gets batch_size / process_count), eval_batch_size, max_input_length, max_target_length,
+eval_max_input_length, eval_max_target_length, seed, num_epochs (None = repeat forever), pack, train_long
+("truncate" or "drop"), eval_splits, tokenizer_max_sentences, read_threads.
+
+Batch contract (dict of numpy arrays; B = rows of this process):
+    translation / summarization: inputs [B, Ls] int32, targets [B, Lt] int32,
+        inputs_segmentation, inputs_position [B, Ls] int32, targets_segmentation, targets_position [B, Lt] int32
+    language modelling: targets, targets_segmentation, targets_position (no inputs)
+    eval batches also: example_index [B] int32 (index into EvalSet.examples, -1 for padding rows) and
+        example_weight [B] float32 (1 real row, 0 padding row)
+Token ids: PAD=0, EOS=1 (ends every input and target), UNK=2, BOS=3. Segmentation: 1, 2, 3 ... per packed
+example, 0 = padding; position: 0, 1, ... inside each example. Targets are not shifted (the model shifts).
+Over-long examples are truncated to the length with EOS kept last (or dropped in training with
+train_long="drop"); both are counted in ``stats`` (counts of this process; not part of the checkpoint).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from lconv.data import sources
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.tokenizer import EOS_ID, PAD_ID
+
+DEFAULTS = dict(
+    dataset="ddtp/en_de", data_dir="~/tensorflow_datasets", raw_dir=None, vocab_size=8000,
+    batch_size=64, eval_batch_size=64, max_input_length=256, max_target_length=256,
+    eval_max_input_length=512, eval_max_target_length=512, seed=0, num_epochs=None, pack=True,
+    train_long="truncate", eval_splits=("validation", "test"), tokenizer_max_sentences=200_000, read_threads=2)
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """Tokenised evaluation examples of this process; iterate for padded batches (a fresh pass each time)."""
+
+    examples: list[dict[str, str]]  # this process's examples: {"inputs": text, "targets": text} (raw text)
+    tokens: list[dict[str, np.ndarray]]  # the same examples as ids (with EOS, truncated to the eval lengths)
+    batch_size: int  # rows per batch of this process
+    num_batches: int  # the same on every process, so multi-host eval steps stay in lockstep
+    lengths: dict[str, int]  # feature -> padded length
+    stats: collections.Counter
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for b in range(self.num_batches):
+            indices = range(b * self.batch_size, min((b + 1) * self.batch_size, len(self.tokens)))
+            yield pad_batch([self.tokens[i] for i in indices], list(indices), self.batch_size, self.lengths)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+
+@dataclasses.dataclass
+class Datasets:
+    train_iter: Any  # grain DatasetIterator of batches; get_state() / set_state(state)
+    eval_sets: dict[str, EvalSet]
+    input_key: str | None
+    target_key: str
+    stats: collections.Counter  # training-side counts (truncated / dropped examples) of this process
+
+
+def config_value(config: Any, name: str):
+    if isinstance(config, Mapping):
+        return config.get(name, DEFAULTS[name])
+    return getattr(config, name, DEFAULTS[name])
+
+
+def _process(process_index, process_count):
+    if process_index is None or process_count is None:
+        import jax
+
+        return jax.process_index(), jax.process_count()
+    return process_index, process_count
+
+
+def tokenizer_texts(config: Any) -> Iterator[str]:
+    """Training-split text of the dataset (inputs and targets interleaved), for the joint tokenizer."""
+    source, input_key, target_key = sources.get_source(
+        config_value(config, "dataset"), "train", config_value(config, "data_dir"), config_value(config, "raw_dir"))
+    for i in range(len(source)):
+        example = source[i]
+        for key in (input_key, target_key):
+            if key is not None:
+                yield _text(example[key])
+
+
+def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True) -> tokenizer_lib.Tokenizer:
+    """``<workdir>/spm.model`` if present, else a joint model trained on the training split and saved there."""
+    return tokenizer_lib.load_or_train(workdir, tokenizer_texts(config), config_value(config, "vocab_size"),
+                                       max_sentences=config_value(config, "tokenizer_max_sentences"), save=save)
+
+
+def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,
+                  process_count: int | None = None) -> Datasets:
+    """Train iterator and eval sets for ``config.dataset`` (see the module docstring for fields and batches)."""
+    import grain
+
+    process_index, process_count = _process(process_index, process_count)
+    get = lambda name: config_value(config, name)  # noqa: E731
+    for field in ("batch_size", "eval_batch_size"):
+        if get(field) % process_count:
+            raise ValueError(f"{field}={get(field)} is not divisible by process_count={process_count}; change it")
+    if get("train_long") not in ("truncate", "drop"):
+        raise ValueError(f"train_long={get('train_long')!r} must be 'truncate' or 'drop'")
+    source, input_key, target_key = sources.get_source(get("dataset"), "train", get("data_dir"), get("raw_dir"))
+    lengths = {"targets": get("max_target_length")}
+    if input_key is not None:
+        lengths["inputs"] = get("max_input_length")
+    rows = get("batch_size") // process_count
+    stats = collections.Counter()
+    drop = get("train_long") == "drop"
+
+    def tokenize(example):
+        out = tokenize_example(example, input_key, target_key, tokenizer, lengths, stats, drop=drop)
+        return out
+
+    ds = grain.MapDataset.source(source)[process_index::process_count]  # disjoint, covering shards
+    ds = ds.shuffle(seed=get("seed")).repeat(get("num_epochs")).map(tokenize)  # a new order every epoch
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=get("read_threads"), prefetch_buffer_size=4 * rows))
+    ds = ds.filter(lambda example: example is not None)  # over-long examples when train_long="drop"
+    if get("pack"):
+        ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=rows,
+                                                        shuffle_bins=False)
+        ds = ds.map(rename_packed)
+    else:
+        ds = ds.map(lambda example: pad_example(example, lengths))
+    ds = ds.batch(rows, drop_remainder=True)
+    eval_sets = {}
+    for split in get("eval_splits"):
+        eval_source, _, _ = sources.get_source(get("dataset"), split, get("data_dir"), get("raw_dir"))
+        eval_lengths = {"targets": get("eval_max_target_length")}
+        if input_key is not None:
+            eval_lengths["inputs"] = get("eval_max_input_length")
+        eval_sets[split] = make_eval_set(eval_source, input_key, target_key, tokenizer, eval_lengths,
+                                         get("eval_batch_size") // process_count, process_index, process_count)
+    return Datasets(iter(ds), eval_sets, input_key, target_key, stats)
+
+
+def make_eval_set(source, input_key: str | None, target_key: str, tokenizer: tokenizer_lib.Tokenizer,
+                  lengths: Mapping[str, int], rows: int, process_index: int = 0,
+                  process_count: int = 1) -> EvalSet:
+    """Every example of this process's shard of ``source`` (in source order), tokenised for padded batches."""
+    stats = collections.Counter()
+    indices = range(process_index, len(source), process_count)
+    examples = []
+    for i in indices:
+        raw = source[i]
+        example = {"targets": _text(raw[target_key])}
+        if input_key is not None:
+            example["inputs"] = _text(raw[input_key])
+        examples.append(example)
+    keys = [k for k in ("inputs", "targets") if k in lengths]
+    encoded = {k: tokenizer.encode_batch([e[k] for e in examples]) for k in keys}
+    tokens = [{k: _with_eos(encoded[k][j], lengths[k], stats, f"eval_{k}_truncated") for k in keys}
+              for j in range(len(examples))]
+    stats["eval_examples"] = len(examples)
+    per_process = math.ceil(len(source) / process_count)
+    return EvalSet(examples, tokens, rows, math.ceil(per_process / rows), dict(lengths), stats)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure functions.
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _with_eos(ids: np.ndarray, length: int, stats: collections.Counter, key: str) -> np.ndarray:
+    """ids [n] -> ids [min(n + 1, length)] int32 ending with EOS; truncation counted under ``key``."""
+    if len(ids) + 1 > length:
+        stats[key] += 1
+        ids = ids[: length - 1]
+    return np.concatenate([ids, [EOS_ID]]).astype(np.int32)
+
+
+def tokenize_example(example: Mapping, input_key: str | None, target_key: str, tokenizer, lengths: Mapping[str, int],
+                     stats: collections.Counter, *, drop: bool = False) -> dict[str, np.ndarray] | None:
+    """Source example -> {"inputs": [<=Ls], "targets": [<=Lt]} int32 ids with EOS; None if dropped for length."""
+    texts = {"targets": _text(example[target_key])}
+    if input_key is not None:
+        texts["inputs"] = _text(example[input_key])
+    ids = {key: tokenizer.encode(text) for key, text in texts.items()}
+    if drop and any(len(v) + 1 > lengths[k] for k, v in ids.items()):
+        stats["train_dropped_too_long"] += 1
+        return None
+    stats["train_examples"] += 1
+    return {key: _with_eos(v, lengths[key], stats, f"train_{key}_truncated") for key, v in ids.items()}
+
+
+def rename_packed(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """grain's ``x_segment_ids`` / ``x_positions`` -> the batch contract's ``x_segmentation`` / ``x_position``."""
+    out = {}
+    for key, value in packed.items():
+        key = key.replace("_segment_ids", "_segmentation").replace("_positions", "_position")
+        out[key] = np.asarray(value, dtype=np.int32)
+    return out
+
+
+def pad_example(example: Mapping[str, np.ndarray], lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """One example -> one row: ids padded with PAD to ``lengths``, segmentation 1/0, position 0.. / 0."""
+    out = {}
+    for key, length in lengths.items():
+        ids = example[key]
+        n = len(ids)
+        out[key] = np.pad(ids, (0, length - n), constant_values=PAD_ID).astype(np.int32)  # [L]
+        out[f"{key}_segmentation"] = (np.arange(length) < n).astype(np.int32)  # [L]
+        out[f"{key}_position"] = np.where(np.arange(length) < n, np.arange(length), 0).astype(np.int32)  # [L]
+    return out
+
+
+def pad_batch(examples: list[Mapping[str, np.ndarray]], indices: list[int], rows: int,
+              lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """Examples -> a [rows, L] batch, one example per row; missing rows are padding with example_weight 0."""
+    empty = {key: np.zeros([0], np.int32) for key in lengths}
+    padded = [pad_example(e, lengths) for e in examples] + [pad_example(empty, lengths)] * (rows - len(examples))
+    batch = {key: np.stack([p[key] for p in padded]) for key in padded[0]}
+    batch["example_index"] = np.asarray(list(indices) + [-1] * (rows - len(examples)), np.int32)  # [rows]
+    batch["example_weight"] = (batch["example_index"] >= 0).astype(np.float32)  # [rows]
+    return batch

@@ -1,0 +1,138 @@
+"""SentencePiece tokenizer: one joint model, trained from training-split text, saved in the run's workdir.
+
+Special ids (the single place they are defined; ``lconv.data`` re-exports them):
+    PAD_ID = 0   padding, and segment id 0 in packed batches
+    EOS_ID = 1   appended to every input and target; decoding stops at it
+    UNK_ID = 2
+    BOS_ID = 3   reserved (the models shift targets right with 0/PAD or BOS as they choose)
+
+The model file is ``<workdir>/spm.model`` (``tokenizer_path``) so a resumed or evaluation run reuses exactly the
+vocabulary of the run that trained it. ``load_or_train`` is the entry point. Paths may be local or anything
+``etils.epath`` opens (gs://...).
+
+Normalisation is ``identity`` (plus whitespace collapsing) and ``byte_fallback`` is on, so ``decode(encode(s))``
+gives back ``s`` for whitespace-normalised text in any script: BLEU/ROUGE see the text, not an NFKC variant.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
+MODEL_FILENAME = "spm.model"
+DEFAULT_MAX_TRAIN_SENTENCES = 200_000  # sentences sampled for training: bounded, so training takes seconds
+_MAX_SENTENCE_CHARS = 4096  # longer training lines are cut (SentencePiece would skip them)
+
+
+class Tokenizer:
+    """A loaded SentencePiece model. ``encode`` returns int32 ids without EOS; ``decode`` stops at EOS."""
+
+    def __init__(self, model_proto: bytes):
+        import sentencepiece as spm
+
+        self.model_proto = model_proto
+        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        if (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id(), self._sp.bos_id()) != (
+                PAD_ID, EOS_ID, UNK_ID, BOS_ID):
+            raise ValueError("tokenizer model has other special ids than PAD=0 EOS=1 UNK=2 BOS=3; retrain it "
+                             "with lconv.data.tokenizer.train_tokenizer")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> np.ndarray:
+        """text -> ids [n] int32, no EOS."""
+        return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
+
+    def decode(self, ids) -> str:
+        """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (detokenised, ready for BLEU/ROUGE)."""
+        out = []
+        for i in np.asarray(ids).reshape(-1).tolist():
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                out.append(int(i))
+        return self._sp.decode(out)
+
+    def decode_batch(self, ids_BL) -> list[str]:
+        return [self.decode(row) for row in np.asarray(ids_BL)]
+
+    def save(self, directory: str) -> str:
+        """Writes ``<directory>/spm.model`` (via a temporary file, so readers never see half a model)."""
+        from etils import epath
+
+        directory = epath.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (MODEL_FILENAME + ".tmp")
+        tmp.write_bytes(self.model_proto)
+        tmp.rename(directory / MODEL_FILENAME)
+        return str(directory / MODEL_FILENAME)
+
+
+def tokenizer_path(directory: str) -> str:
+    return f"{str(directory).rstrip('/')}/{MODEL_FILENAME}"
+
+
+def load_tokenizer(directory: str) -> Tokenizer:
+    from etils import epath
+
+    path = epath.Path(tokenizer_path(directory))
+    if not path.exists():
+        raise ValueError(f"no tokenizer at {path}; train one with lconv.data.tokenizer.load_or_train")
+    return Tokenizer(path.read_bytes())
+
+
+def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,
+                  max_sentences: int = DEFAULT_MAX_TRAIN_SENTENCES, save: bool = True) -> Tokenizer:
+    """Loads ``<directory>/spm.model`` if it exists (its vocab size must match), else trains and saves it.
+
+    texts: training-split text, read lazily (only the first ``max_sentences * 4`` are looked at; a
+    deterministic stride sample of them is used). Multi-host: training is deterministic, so every process may
+    train; pass ``save=jax.process_index() == 0``.
+    """
+    from etils import epath
+
+    if epath.Path(tokenizer_path(directory)).exists():
+        tokenizer = load_tokenizer(directory)
+        if tokenizer.vocab_size != vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} but {tokenizer_path(directory)} has {tokenizer.vocab_size};"
+                             " use the same vocab_size or a fresh workdir")
+        return tokenizer
+    tokenizer = train_tokenizer(texts, vocab_size, max_sentences=max_sentences)
+    if save:
+        tokenizer.save(directory)
+    return tokenizer
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int = DEFAULT_MAX_TRAIN_SENTENCES,
+                    model_type: str = "unigram", character_coverage: float = 0.9995,
+                    num_threads: int = 2) -> Tokenizer:
+    """Trains a joint SentencePiece model in memory on a bounded, deterministic sample of ``texts``."""
+    import sentencepiece as spm
+
+    sample = sample_sentences(texts, max_sentences)
+    if not sample:
+        raise ValueError("texts is empty; the tokenizer needs training-split text")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=character_coverage, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
+        pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>", bos_piece="<s>",
+        normalization_rule_name="identity", byte_fallback=True, hard_vocab_limit=False,
+        max_sentence_length=_MAX_SENTENCE_CHARS * 4, num_threads=num_threads, minloglevel=2,
+        train_extremely_large_corpus=False, shuffle_input_sentence=False)
+    return Tokenizer(model.getvalue())
+
+
+def sample_sentences(texts: Iterable[str], max_sentences: int) -> list[str]:
+    """A deterministic stride sample of at most max_sentences non-empty texts, each cut to a bounded length."""
+    pool = [t[:_MAX_SENTENCE_CHARS] for t in itertools.islice(texts, max_sentences * 4) if t and t.strip()]
+    stride = max(1, -(-len(pool) // max_sentences))  # ceil
+    return pool[::stride][:max_sentences]
