@@ -31,7 +31,7 @@ def base_config():
     c.data = ml_collections.ConfigDict()
     c.data.dataset = "ddtp/en_de"  # tfds name[/config]; ddtp/* is built from the corpus bundled with lconv
     c.data.data_dir = "~/tensorflow_datasets"  # where tfds datasets are (or, for ddtp, get) prepared
-    c.data.raw_dir = ""  # ddtp only: raw apt Translation-* files instead of the bundled snapshot
+    c.data.raw_dir = ml_collections.config_dict.placeholder(str)  # ddtp: raw apt Translation-* dir (None = bundled snapshot)
     c.data.vocab_size = 8000  # joint SentencePiece vocabulary, trained from the training split
     c.data.max_input_length = 128  # longer training examples are truncated (and counted)
     c.data.max_target_length = 128
