@@ -108,8 +108,6 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True) -> 
 def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,
                   process_count: int | None = None) -> Datasets:
     """Train iterator and eval sets for ``config.dataset`` (see the module docstring for fields and batches)."""
-    import grain
-
     process_index, process_count = _process(process_index, process_count)
     get = lambda name: config_value(config, name)  # noqa: E731
     for field in ("batch_size", "eval_batch_size"):
@@ -121,25 +119,10 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     lengths = {"targets": get("max_target_length")}
     if input_key is not None:
         lengths["inputs"] = get("max_input_length")
-    rows = get("batch_size") // process_count
-    stats = collections.Counter()
-    drop = get("train_long") == "drop"
-
-    def tokenize(example):
-        out = tokenize_example(example, input_key, target_key, tokenizer, lengths, stats, drop=drop)
-        return out
-
-    ds = grain.MapDataset.source(source)[process_index::process_count]  # disjoint, covering shards
-    ds = ds.shuffle(seed=get("seed")).repeat(get("num_epochs")).map(tokenize)  # a new order every epoch
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=get("read_threads"), prefetch_buffer_size=4 * rows))
-    ds = ds.filter(lambda example: example is not None)  # over-long examples when train_long="drop"
-    if get("pack"):
-        ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=rows,
-                                                        shuffle_bins=False)
-        ds = ds.map(rename_packed)
-    else:
-        ds = ds.map(lambda example: pad_example(example, lengths))
-    ds = ds.batch(rows, drop_remainder=True)
+    train_iter, stats = make_train_iter(
+        source, input_key, target_key, tokenizer, lengths, rows=get("batch_size") // process_count,
+        seed=get("seed"), num_epochs=get("num_epochs"), pack=get("pack"), drop_long=get("train_long") == "drop",
+        process_index=process_index, process_count=process_count, read_threads=get("read_threads"))
     eval_sets = {}
     for split in get("eval_splits"):
         eval_source, _, _ = sources.get_source(get("dataset"), split, get("data_dir"), get("raw_dir"))
@@ -148,7 +131,40 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
             eval_lengths["inputs"] = get("eval_max_input_length")
         eval_sets[split] = make_eval_set(eval_source, input_key, target_key, tokenizer, eval_lengths,
                                          get("eval_batch_size") // process_count, process_index, process_count)
-    return Datasets(iter(ds), eval_sets, input_key, target_key, stats)
+    return Datasets(train_iter, eval_sets, input_key, target_key, stats)
+
+
+def make_train_iter(source, input_key: str | None, target_key: str, tokenizer, lengths: Mapping[str, int], *,
+                    rows: int, seed: int, num_epochs: int | None = None, pack: bool = True,
+                    drop_long: bool = False, process_index: int = 0, process_count: int = 1,
+                    read_threads: int = 2):
+    """(grain DatasetIterator of train batches [rows, L], stats Counter) over this process's shard of source.
+
+    Shuffled with ``seed`` (a new order every epoch), tokenised with EOS, truncated (or dropped) to ``lengths``
+    ({"inputs": Ls, "targets": Lt}), packed first-fit into ``rows`` rows per batch. With a finite num_epochs
+    the last partial batch is padded with empty rows, so no example is lost.
+    """
+    import grain
+
+    stats = collections.Counter()
+
+    def tokenize(example):
+        return tokenize_example(example, input_key, target_key, tokenizer, lengths, stats, drop=drop_long)
+
+    ds = grain.MapDataset.source(source)[process_index::process_count]  # disjoint, covering shards
+    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(tokenize)  # shuffle then repeat: a new order every epoch
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * rows))
+    ds = ds.filter(lambda example: example is not None)  # over-long examples when drop_long
+    if pack:
+        ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=dict(lengths), num_packing_bins=rows,
+                                                        shuffle_bins=False)
+        ds = ds.map(rename_packed)
+    else:
+        ds = ds.map(lambda example: pad_example(example, lengths))
+    ds = ds.batch(rows, drop_remainder=num_epochs is None)
+    if num_epochs is not None:
+        ds = ds.map(lambda batch: pad_rows(batch, rows))
+    return iter(ds), stats
 
 
 def make_eval_set(source, input_key: str | None, target_key: str, tokenizer: tokenizer_lib.Tokenizer,
@@ -222,6 +238,11 @@ def pad_example(example: Mapping[str, np.ndarray], lengths: Mapping[str, int]) -
         out[f"{key}_segmentation"] = (np.arange(length) < n).astype(np.int32)  # [L]
         out[f"{key}_position"] = np.where(np.arange(length) < n, np.arange(length), 0).astype(np.int32)  # [L]
     return out
+
+
+def pad_rows(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """A batch with fewer than ``rows`` rows -> ``rows`` rows; the extra rows are all zeros (padding)."""
+    return {key: np.pad(v, [(0, rows - len(v))] + [(0, 0)] * (v.ndim - 1)) for key, v in batch.items()}
 
 
 def pad_batch(examples: list[Mapping[str, np.ndarray]], indices: list[int], rows: int,

@@ -77,8 +77,8 @@ class Ddtp(_LocalBuilder):
     def _split_generators(self, dl_manager):
         del dl_manager  # nothing to download
         tasks = ddtp.load_tasks(self._raw_dir, tasks=[self.builder_config.name])
-        return {split: self._generate_examples(examples)
-                for split, examples in tasks[self.builder_config.name].items()}
+        return {split: self._generate_examples(examples)  # tfds cannot write an empty split (tiny corpora)
+                for split, examples in tasks[self.builder_config.name].items() if examples}
 
     def _generate_examples(self, examples) -> Iterator[tuple[str, dict]]:
         for i, example in enumerate(examples):

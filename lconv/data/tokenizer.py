@@ -121,13 +121,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
     if not sample:
         raise ValueError("texts is empty; the tokenizer needs training-split text")
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
-        character_coverage=character_coverage, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
-        pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>", bos_piece="<s>",
-        normalization_rule_name="identity", byte_fallback=True, hard_vocab_limit=False,
-        max_sentence_length=_MAX_SENTENCE_CHARS * 4, num_threads=num_threads, minloglevel=2,
-        train_extremely_large_corpus=False, shuffle_input_sentence=False)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+            character_coverage=character_coverage, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
+            pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>", bos_piece="<s>",
+            normalization_rule_name="identity", byte_fallback=True, hard_vocab_limit=False,
+            max_sentence_length=_MAX_SENTENCE_CHARS * 4, num_threads=num_threads, minloglevel=2,
+            train_extremely_large_corpus=False, shuffle_input_sentence=False)
+    except RuntimeError as e:
+        if "required_chars" in str(e):
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the characters the text needs "
+                             f"({str(e).split('. ')[-2]}); raise vocab_size or lower character_coverage") from e
+        raise
     return Tokenizer(model.getvalue())
 
 

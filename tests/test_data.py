@@ -1,0 +1,272 @@
+"""DDTP parsing/alignment on a hand-written bad corpus, splits, the bundled snapshot, tfds builders, sources,
+tokenizer."""
+import collections
+import json
+import lzma
+import os
+
+import numpy as np
+import pytest
+
+from lconv.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ddtp, sources, tokenizer as tokenizer_lib
+
+
+
+def _md5s_in(split, n):
+    """n md5-like keys that ddtp.split_of puts in ``split`` (so a tiny corpus fills every split)."""
+    return [f"{i:032x}" for i in range(100000) if ddtp.split_of(f"{i:032x}") == split][:n]
+
+
+_TRAIN = _md5s_in("train", 6)
+MD5 = {"good": _TRAIN[0], "badutf8": _TRAIN[1], "tabs": _md5s_in("validation", 1)[0], "empty": _TRAIN[2],
+       "huge": _TRAIN[3], "mismatch": _md5s_in("test", 1)[0], "dup": _TRAIN[4], "onlyen": _TRAIN[5]}
+
+EN = f"""Package: good
+Description-md5: {MD5['good']}
+Description-en: text editor
+ A small text editor
+ for the terminal.
+ .
+ Features:
+   * syntax highlighting
+   * undo
+
+Package: badutf8
+Description-md5: {MD5['badutf8']}
+Description-en: checker
+
+Package: tabs
+Description-md5: {MD5['tabs']}
+Description-en: tab\tseparated\x07 tool
+
+Package: empty
+Description-md5: {MD5['empty']}
+Description-en: empty translation
+ Long text.
+
+Package: huge
+Description-md5: {MD5['huge']}
+Description-en: huge line
+ Short paragraph.
+
+Package: mismatch
+Description-md5: {MD5['mismatch']}
+Description-en: mismatch synopsis
+ One.
+ .
+ Two.
+
+Package: dup
+Description-md5: {MD5['dup']}
+Description-en: shared description
+
+Package: dup-too
+Description-md5: {MD5['dup']}
+Description-en: shared description
+
+Package: nomd5
+Description-en: no md5 here
+
+Package: onlyen
+Description-md5: {MD5['onlyen']}
+Description-en: untranslated
+ Only English.
+""".encode()
+
+DE = f"""Package: good
+Description-md5: {MD5['good']}
+Description-de: Texteditor
+ Ein kleiner Texteditor
+ für das Terminal.
+ \x0b
+ .
+ Funktionen:
+   * Syntaxhervorhebung
+   * Rückgängig
+
+Package: badutf8
+Description-md5: {MD5['badutf8']}
+Description-de: Pr""".encode() + b"\xff\xfe" + f"""fer
+
+Package: tabs
+Description-md5: {MD5['tabs']}
+Description-de: Werkzeug\tmit\x1b Tabs
+
+Package: empty
+Description-md5: {MD5['empty']}
+Description-de: leere Übersetzung
+ \x07\x1f
+
+Package: huge
+Description-md5: {MD5['huge']}
+Description-de: riesige Zeile
+ {'x' * 5000}
+
+Package: mismatch
+Description-md5: {MD5['mismatch']}
+Description-de: Nichtübereinstimmung
+ Eins. Zwei.
+
+Package: dup
+Description-md5: {MD5['dup']}
+Description-de: geteilte Beschreibung
+
+Package: dup-conflict
+Description-md5: {MD5['dup']}
+Description-de: andere Beschreibung
+""".encode()
+
+
+@pytest.fixture(scope="module")
+def raw_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("raw")
+    (path / "Translation-en.xz").write_bytes(lzma.compress(EN))
+    (path / "Translation-de").write_bytes(DE)  # plain text works too
+    return str(path)
+
+
+def test_parser_skips_and_counts_bad_data_and_aligns_the_rest(raw_dir):
+    counts = collections.Counter()
+    corpus = ddtp.load_raw_corpus(raw_dir, langs=("en", "de"), counts=counts)
+    records = ddtp.align_corpus(corpus, counts)
+    pairs = {r["md5"]: ddtp.translation_pairs(r, "de", counts) for r in records}
+    assert pairs[MD5["good"]] == [
+        ("text editor", "Texteditor"),
+        ("A small text editor for the terminal.", "Ein kleiner Texteditor für das Terminal."),
+        ("Features: * syntax highlighting * undo", "Funktionen: * Syntaxhervorhebung * Rückgängig")]
+    assert pairs[MD5["tabs"]] == [("tab separated tool", "Werkzeug mit Tabs")]
+    assert pairs[MD5["badutf8"]] == []  # the German record was skipped, so there is no pair
+    assert pairs[MD5["empty"]] == [("empty translation", "leere Übersetzung")]  # empty paragraph dropped -> 1 vs 2
+    assert pairs[MD5["huge"]] == [("huge line", "riesige Zeile")]  # the truncated line's pair is skipped
+    assert pairs[MD5["mismatch"]] == [("mismatch synopsis", "Nichtübereinstimmung")]
+    assert pairs[MD5["dup"]] == [("shared description", "geteilte Beschreibung")]  # first record wins
+    assert pairs[MD5["onlyen"]] == []
+    assert counts["invalid_utf8_record_de"] == 1
+    assert counts["tab_replaced"] == 2 and counts["control_chars_removed"] == 3
+    assert counts["empty_paragraph_skipped"] == 1 and counts["whitespace_line_skipped"] == 1
+    assert counts["line_truncated"] == 1 and counts["pair_too_long_de"] == 1
+    assert counts["paragraph_count_mismatch_de"] == 2  # "mismatch" and "empty"
+    assert counts["duplicate_md5_en"] == 1 and counts["conflicting_duplicate_md5_de"] == 1
+    assert counts["record_without_md5"] == 1
+    assert counts["unique_descriptions_en"] == 8 and counts["unique_descriptions_de"] == 6
+
+
+def test_empty_side_pairs_are_skipped_and_counted():
+    counts = collections.Counter()
+    record = {"md5": MD5["empty"], "en": ["synopsis", "para"], "de": ["", "Absatz"]}
+    assert ddtp.translation_pairs(record, "de", counts) == [("para", "Absatz")]
+    assert counts["empty_side_de"] == 1
+
+
+def test_cjk_lines_join_without_spaces():
+    assert ddtp.join_lines(["古代战争实时策略游戏。简而言之，它是一款基于历史的战争/经", "济游戏 A.D. x", " y"]) == \
+        "古代战争实时策略游戏。简而言之，它是一款基于历史的战争/经济游戏 A.D. x y"
+
+
+def test_split_is_a_stable_hash_of_the_md5():
+    assert ddtp.split_of("d943033bedada21853d2ae54a2578a7b") == ddtp.split_of("d943033bedada21853d2ae54a2578a7b")
+    splits = collections.Counter(ddtp.split_of(f"{i:032x}") for i in range(20000))
+    assert abs(splits["test"] / 20000 - ddtp.TEST_PER_MILLE / 1000) < 0.01
+    assert abs(splits["validation"] / 20000 - ddtp.VALIDATION_PER_MILLE / 1000) < 0.01
+
+
+@pytest.fixture(scope="module")
+def snapshot_tasks():
+    return ddtp.build_tasks(ddtp.load_snapshot_records())
+
+
+def test_snapshot_has_the_documented_counts(snapshot_tasks):
+    with open(os.path.join(ddtp.SNAPSHOT_DIR, "counts.json")) as f:
+        documented = json.load(f)["examples"]
+    with open(os.path.join(ddtp.SNAPSHOT_DIR, "README.md")) as f:
+        readme = f.read()
+    assert set(snapshot_tasks) == set(ddtp.TASKS) == set(documented)
+    for task, splits in snapshot_tasks.items():
+        counts = {split: len(examples) for split, examples in splits.items()}
+        assert counts == documented[task]
+        assert f"| `{task}` | {counts['train']} | {counts['validation']} | {counts['test']} |" in readme
+    assert 1100 <= documented["en_de"]["test"] <= 1400  # the design's ~1.2k En-De test pairs
+    size = sum(os.path.getsize(ddtp.snapshot_file(ddtp.SNAPSHOT_DIR, s)) for s in ddtp.SPLITS)
+    assert size < 15e6
+
+
+def test_no_description_or_text_crosses_splits(snapshot_tasks):
+    for task, splits in snapshot_tasks.items():
+        md5s = {split: {e["md5"] for e in examples} for split, examples in splits.items()}
+        texts = {split: {v for e in examples for k, v in e.items() if k != "md5"} for split, examples in splits.items()}
+        for a, b in (("train", "validation"), ("train", "test"), ("validation", "test")):
+            assert not md5s[a] & md5s[b], (task, a, b)
+            assert not texts[a] & texts[b], (task, a, b)
+        for split, examples in splits.items():
+            assert all(ddtp.split_of(e["md5"]) == split for e in examples)
+
+
+@pytest.fixture(scope="module")
+def tfds_quiet():
+    import tensorflow_datasets as tfds
+
+    tfds.disable_progress_bar()
+    return tfds
+
+
+def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet):
+    from lconv.data import tfds_ddtp
+
+    tfds_ddtp.prepare("ddtp/en_de", str(tmp_path), raw_dir=raw_dir)
+    assert list((tmp_path / "ddtp" / "en_de" / "1.0.0").glob("*.array_record*"))
+    expected = ddtp.load_tasks(raw_dir, tasks=["en_de"])["en_de"]
+    for split in ddtp.SPLITS:
+        source = tfds_quiet.data_source("ddtp/en_de", split=split, data_dir=str(tmp_path), download=False)
+        got = sorted((r["en"].decode(), r["de"].decode(), r["md5"].decode()) for r in source)
+        assert got == sorted((e["en"], e["de"], e["md5"]) for e in expected[split])
+    total = sum(len(v) for v in expected.values())
+    assert total == 8  # good (3 pairs), tabs, empty, huge, mismatch, dup (1 pair each)
+    assert {split: len(v) for split, v in expected.items()} == {"train": 6, "validation": 1, "test": 1}
+    # get_source gives the same, in both directions
+    source, input_key, target_key = sources.get_source("ddtp/de_en", "train", str(tmp_path), raw_dir=raw_dir)
+    assert (input_key, target_key) == ("de", "en") and len(source) == len(expected["train"])
+
+
+def test_iwslt14_local_files_builder(tmp_path, tfds_quiet):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for prefix, n in (("train", 5), ("valid", 2), ("test", 3)):
+        (raw / f"{prefix}.de").write_text("".join(f"hallo {i}\n" for i in range(n)))
+        (raw / f"{prefix}.en").write_text("".join(f"hello {i}\n" for i in range(n)))
+    source, input_key, target_key = sources.get_source("iwslt14/de_en", "test", str(tmp_path / "d"), raw_dir=str(raw))
+    assert (input_key, target_key, len(source)) == ("de", "en", 3)
+    assert sorted(source[i]["en"] for i in range(3)) == [b"hello 0", b"hello 1", b"hello 2"]
+
+
+@pytest.mark.parametrize("name, tfds_name", [("wmt14/en_de", "wmt14_translate/de-en"),
+                                             ("wmt14/fr_en", "wmt14_translate/fr-en"),
+                                             ("wmt17/zh_en", "wmt17_translate/zh-en"),
+                                             ("lm1b", "lm1b"), ("cnn_dailymail", "cnn_dailymail")])
+def test_unprepared_paper_dataset_gives_one_line_error_with_the_command(name, tfds_name, tmp_path):
+    with pytest.raises(ValueError) as error:
+        sources.get_source(name, "test", str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "not prepared" in message
+    assert f"tfds build {tfds_name} --data_dir={tmp_path} --file_format=array_record" in message
+
+
+def test_every_dataset_name_maps_to_keys():
+    for name, spec in sources.DATASETS.items():
+        assert spec.target_key and (spec.input_key is None) == (spec.kind == "lm"), name
+    with pytest.raises(ValueError, match="dataset="):
+        sources.dataset_spec("wmt99")
+
+
+def test_tokenizer_round_trip_ids_and_reuse(tmp_path):
+    assert (PAD_ID, EOS_ID, UNK_ID, BOS_ID) == (0, 1, 2, 3)
+    texts = [f"Paket {i} enthält die Bibliothek für Python {i % 7}." for i in range(300)] + \
+            [f"package {i} provides the library for Python {i % 7}; 中文软件包" for i in range(300)]
+    tokenizer = tokenizer_lib.load_or_train(str(tmp_path), iter(texts), vocab_size=400, max_sentences=500)
+    for text in ("Paket 12 enthält die Bibliothek.", "package for Python; 中文软件包", "ünïcödé ☃ ok"):
+        ids = tokenizer.encode(text)
+        assert ids.dtype == np.int32 and ids.min() > BOS_ID
+        assert tokenizer.decode(np.concatenate([ids, [EOS_ID, 57, PAD_ID]])) == text  # stops at EOS
+    again = tokenizer_lib.load_or_train(str(tmp_path), iter(()), vocab_size=tokenizer.vocab_size)
+    assert again.model_proto == tokenizer.model_proto
+    with pytest.raises(ValueError, match="vocab_size"):
+        tokenizer_lib.load_or_train(str(tmp_path), iter(texts), vocab_size=tokenizer.vocab_size + 1)

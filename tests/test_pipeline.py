@@ -1,0 +1,218 @@
+"""Input pipeline: packing invariants against an independent reference, eval batches, checkpoints, sharding."""
+import collections
+
+import numpy as np
+import pytest
+
+from lconv.data import EOS_ID, PAD_ID, pipeline
+
+
+class WordTokenizer:
+    """A fake tokenizer: "w17 w3" -> [17, 3]; makes every example's ids known to the test."""
+
+    def encode(self, text):
+        return np.asarray([int(w[1:]) for w in text.split()], np.int32)
+
+    def encode_batch(self, texts):
+        return [self.encode(t) for t in texts]
+
+
+def make_source(n, seed=0, max_words=13):
+    """n translation examples with distinct first tokens (ids >= 10), random lengths 1..max_words."""
+    rng = np.random.default_rng(seed)
+    source = []
+    for i in range(n):
+        src = [10 + i] + list(rng.integers(10, 500, rng.integers(0, max_words)))
+        tgt = [10 + i] + list(rng.integers(10, 500, rng.integers(0, max_words)))
+        source.append({"src": " ".join(f"w{t}" for t in src).encode(), "tgt": " ".join(f"w{t}" for t in tgt)})
+    return source
+
+
+def expected_examples(source, keys=("src", "tgt")):
+    """Reference tokenisation: ids + EOS per example, keyed by the example's first token."""
+    tok = WordTokenizer()
+    out = {}
+    for ex in source:
+        ids = [tuple(tok.encode(ex[k].decode() if isinstance(ex[k], bytes) else ex[k]).tolist() + [EOS_ID])
+               for k in keys]
+        out[ids[-1][0]] = tuple(ids)
+    return out
+
+
+def unpack(batches, features=("inputs", "targets")):
+    """Independent reference unpacker: every (row, segment) -> its tokens per feature; checks the layout."""
+    found = []
+    for batch in batches:
+        for row in range(batch["targets"].shape[0]):
+            segments_per_feature = []
+            for f in features:
+                ids, seg, pos = batch[f][row], batch[f"{f}_segmentation"][row], batch[f"{f}_position"][row]
+                n = int((seg > 0).sum())
+                assert (seg[n:] == 0).all() and (ids[n:] == PAD_ID).all() and (pos[n:] == 0).all()  # pad at end
+                segments = {}
+                for s in np.unique(seg[:n]):
+                    where = np.flatnonzero(seg == s)
+                    assert (np.diff(where) == 1).all()  # contiguous
+                    assert (pos[where] == np.arange(len(where))).all()  # positions restart per example
+                    assert ids[where][-1] == EOS_ID and (ids[where][:-1] != EOS_ID).all()
+                    segments[int(s)] = tuple(ids[where].tolist())
+                if n:
+                    assert sorted(segments) == list(range(1, len(segments) + 1))  # 1, 2, 3 ...
+                segments_per_feature.append(segments)
+            assert all(set(s) == set(segments_per_feature[0]) for s in segments_per_feature)  # same examples
+            for s in segments_per_feature[0]:
+                found.append(tuple(seg[s] for seg in segments_per_feature))
+    return found
+
+
+def train_iter(source, rows=4, lengths=None, **kwargs):
+    lengths = lengths or {"inputs": 16, "targets": 16}
+    kwargs.setdefault("seed", 3)
+    return pipeline.make_train_iter(source, "src", "tgt", WordTokenizer(), lengths, rows=rows, read_threads=1,
+                                    **kwargs)
+
+
+def test_packing_keeps_every_token_of_every_example_exactly_once():
+    source = make_source(57)
+    iterator, stats = train_iter(source, num_epochs=1)
+    batches = list(iterator)
+    for b in batches:
+        assert set(b) == {"inputs", "targets", "inputs_segmentation", "inputs_position", "targets_segmentation",
+                          "targets_position"}
+        assert all(v.shape == (4, 16) and v.dtype == np.int32 for v in b.values())
+    found = unpack(batches)
+    assert sorted(found) == sorted(expected_examples(source).values())
+    assert stats["train_examples"] == 57 and max(b["targets_segmentation"].max() for b in batches) > 1  # packed
+
+
+def test_long_examples_are_truncated_or_dropped_and_counted():
+    source = make_source(30, max_words=40)
+    lengths = {"inputs": 12, "targets": 12}
+    long = sum(any(len(ex[k].split()) + 1 > 12 for k in ("src", "tgt")) for ex in source)
+    assert long > 0
+    _, stats = train_iter(source, lengths=lengths, num_epochs=1)
+    batches = list(_)
+    assert sum(b["targets_segmentation"].max(axis=1).sum() for b in batches) == 30
+    assert stats["train_inputs_truncated"] + stats["train_targets_truncated"] >= long
+    iterator, stats = train_iter(source, lengths=lengths, num_epochs=1, drop_long=True)
+    assert len(unpack(list(iterator))) == 30 - long and stats["train_dropped_too_long"] == long
+
+
+def test_language_modelling_batches_have_targets_only():
+    source = [{"text": f"w{10 + i} w5 w6".encode()} for i in range(9)]
+    iterator, _ = pipeline.make_train_iter(source, None, "text", WordTokenizer(), {"targets": 8}, rows=2, seed=0,
+                                           num_epochs=1, read_threads=1)
+    batches = list(iterator)
+    assert set(batches[0]) == {"targets", "targets_segmentation", "targets_position"}
+    assert sorted(unpack(batches, ("targets",))) == sorted(expected_examples(source, ("text",)).values())
+
+
+def test_unpacked_training_rows_hold_one_example_each():
+    source = make_source(11)
+    batches = list(train_iter(source, num_epochs=1, pack=False)[0])
+    assert all(b["targets_segmentation"].max() <= 1 for b in batches)
+    assert sorted(unpack(batches)) == sorted(expected_examples(source).values())
+
+
+def test_iterator_state_restores_the_exact_following_batches():
+    source = make_source(40)
+    iterator, _ = train_iter(source)  # repeats forever, reshuffled every epoch
+    for _ in range(7):
+        next(iterator)
+    state = iterator.get_state()
+    expected = [next(iterator) for _ in range(12)]  # crosses epoch boundaries
+    restored, _ = train_iter(source)
+    restored.set_state(state)
+    for want in expected:
+        got = next(restored)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_seed_changes_the_order_and_epochs_are_reshuffled():
+    source = make_source(40)
+    first = [next(train_iter(source, seed=s)[0])["targets"] for s in (1, 2)]
+    assert not np.array_equal(*first)
+    one_epoch = [e[1][0] for e in unpack(list(train_iter(source, num_epochs=1)[0]))]
+    two_epochs = [e[1][0] for e in unpack(list(train_iter(source, num_epochs=2)[0]))]
+    assert sorted(two_epochs[40:]) == sorted(one_epoch) and two_epochs[40:] != two_epochs[:40]
+
+
+def test_process_shards_are_disjoint_and_cover_the_data():
+    source = make_source(50)
+    shards = []
+    for index in range(3):
+        iterator, _ = train_iter(source, num_epochs=1, process_index=index, process_count=3)
+        shards.append({e[1][0] for e in unpack(list(iterator))})
+    assert not (shards[0] & shards[1]) and not (shards[0] & shards[2]) and not (shards[1] & shards[2])
+    assert set().union(*shards) == {10 + i for i in range(50)}
+
+
+@pytest.mark.parametrize("process_count", [1, 3])
+def test_eval_batches_keep_every_example_including_the_last_partial_batch(process_count):
+    source = make_source(23, max_words=30)
+    lengths = {"inputs": 20, "targets": 20}
+    eval_sets = [pipeline.make_eval_set(source, "src", "tgt", WordTokenizer(), lengths, rows=5, process_index=p,
+                                        process_count=process_count) for p in range(process_count)]
+    assert len({len(e) for e in eval_sets}) == 1  # every process runs the same number of eval steps
+    seen = collections.Counter()
+    truncated = 0
+    for eval_set in eval_sets:
+        truncated += eval_set.stats["eval_inputs_truncated"] + eval_set.stats["eval_targets_truncated"]
+        for batch in eval_set:
+            assert batch["inputs"].shape == (5, 20) and batch["example_weight"].shape == (5,)
+            real = batch["example_index"] >= 0
+            assert (batch["example_weight"] == real).all()
+            assert (batch["targets_segmentation"][~real] == 0).all() and (batch["targets"][~real] == 0).all()
+            for row in np.flatnonzero(real):
+                example = eval_set.examples[batch["example_index"][row]]
+                first = WordTokenizer().encode(example["targets"])[0]
+                assert batch["targets"][row][0] == first and batch["targets_segmentation"][row][0] == 1
+                seen[first] += 1
+    assert seen == collections.Counter(10 + i for i in range(23))
+    assert truncated == sum(len(ex[k].split()) + 1 > 20 for ex in source for k in ("src", "tgt"))
+
+
+@pytest.fixture(scope="module")
+def ddtp_data(tmp_path_factory):
+    import tensorflow_datasets as tfds
+
+    tfds.disable_progress_bar()
+    root = tmp_path_factory.mktemp("ddtp")
+    config = dict(dataset="ddtp/en_zh", data_dir=str(root / "tfds"), vocab_size=2000, batch_size=6,
+                  eval_batch_size=8, max_input_length=32, max_target_length=24, tokenizer_max_sentences=2000)
+    tokenizer = pipeline.load_or_train_tokenizer(config, str(root / "workdir"))
+    return config, tokenizer, pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
+
+
+def test_make_datasets_on_the_bundled_snapshot(ddtp_data):
+    config, tokenizer, data = ddtp_data
+    batch = next(data.train_iter)
+    assert batch["inputs"].shape == (6, 32) and batch["targets"].shape == (6, 24)
+    assert (data.input_key, data.target_key) == ("en", "zh")
+    test = data.eval_sets["test"]
+    assert len(test.examples) == 106  # the documented en_zh test count
+    batches = list(test)
+    assert len(batches) == 14 and batches[-1]["example_weight"].sum() == 106 - 13 * 8
+    row = int(np.flatnonzero(batches[0]["example_index"] == 0)[0])
+    assert tokenizer.decode(batches[0]["targets"][row]) == test.examples[0]["targets"]
+
+
+def test_too_small_vocabulary_is_a_one_line_error():
+    from lconv.data import tokenizer as tokenizer_lib
+
+    with pytest.raises(ValueError, match="vocab_size=300 is smaller"):
+        tokenizer_lib.train_tokenizer([chr(0x4E00 + i) * 3 for i in range(400)], vocab_size=300)
+
+
+def test_make_datasets_rejects_bad_fields(ddtp_data):
+    config, tokenizer, _ = ddtp_data
+    with pytest.raises(ValueError, match="batch_size=6 is not divisible"):
+        pipeline.make_datasets(config, tokenizer, process_index=0, process_count=4)
+    with pytest.raises(ValueError, match="train_long"):
+        pipeline.make_datasets({**config, "train_long": "skip"}, tokenizer, process_index=0, process_count=1)
+
+
+def test_a_prepared_catalog_dataset_is_read_without_its_builder_code(ddtp_data):
+    config, _, _ = ddtp_data  # the ddtp/en_zh files stand in for a `tfds build` output
+    builder = pipeline.sources._prepared_builder("ddtp/en_zh", config["data_dir"])
+    assert len(builder.as_data_source(split="test")) == 106
