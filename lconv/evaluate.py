@@ -81,3 +81,95 @@ def format_report(scores, sources, references, hypotheses, num_print):
         head = f"{scores['split']}: " + "  ".join(f"{k} {scores[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL"))
     head += f"  on {scores['examples']} examples, {scores['sentences_per_s']:.1f} sentences/s"
     return "\n".join(["sample outputs:"] + lines + [head])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval.py: a trained workdir, its stored config, any split or text file
+# ----------------------------------------------------------------------------------------------------------------
+def restore_params(config, model, workdir, average_last=1):
+    """Params of the latest checkpoint, or the mean of the last ``average_last`` (the paper's practice)."""
+    import ml_collections  # noqa: F401
+
+    from lconv import checkpoints, train_lib
+
+    ckpt = checkpoints.Checkpointer(workdir)
+    steps = sorted(ckpt.all_steps())
+    if not steps:
+        raise ValueError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
+    tx, _ = train_lib.build_optimizer(config.optim, config.train.num_steps)
+    mesh = train_lib.make_mesh(config.mesh)
+    state, _ = train_lib.create_state(config, model, mesh, tx)
+    abstract = checkpoints.abstract_like(state)
+    chosen = steps[-max(average_last, 1):]
+    total = None
+    for step in chosen:
+        restored, _ = ckpt.restore(abstract, step=step)
+        total = restored.params if total is None else jax.tree.map(lambda a, b: a + b, total, restored.params)
+    ckpt.close()
+    return jax.tree.map(lambda x: x / len(chosen), total), chosen
+
+
+def run(workdir, *, split="test", average_last=1, beam_size=None, lenpen=None, source_file=None,
+        reference_file=None, output_file=None, log=print):
+    """``eval.py``: scores a split of the run's dataset, or translates/summarises ``source_file`` line by line."""
+    import ml_collections
+
+    from lconv import train_lib
+    from lconv.data import pipeline, tokenizer as tokenizer_lib
+
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{config_path} not found: --workdir must be a directory written by train.py")
+    with open(config_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    if beam_size is not None:
+        config.decode.beam_size = beam_size
+    if lenpen is not None:
+        config.decode.lenpen = lenpen
+    if config.task == "lm":
+        raise ValueError("eval.py decodes translation/summarization runs; an lm run reports perplexity in train.py")
+    tokenizer = tokenizer_lib.load_tokenizer(workdir)
+    model = train_lib.build_model(config, tokenizer.vocab_size)
+    params, steps = restore_params(config, model, workdir, average_last)
+    log(f"checkpoint(s) {steps}")
+    if source_file is None:
+        config.data.eval_splits = (split,)
+        data = pipeline.make_datasets(config.data, tokenizer)
+        return score_split(config, model, params, tokenizer, data.eval_sets, workdir, split=split, log=log)
+    with open(source_file, encoding="utf-8") as f:
+        sources = [line.rstrip("\n") for line in f]
+    references = None
+    if reference_file:
+        with open(reference_file, encoding="utf-8") as f:
+            references = [line.rstrip("\n") for line in f]
+        if len(references) != len(sources):
+            raise ValueError(f"--reference_file has {len(references)} lines for {len(sources)} source lines")
+    examples = [{"inputs": s, "targets": r} for s, r in zip(sources, references or [""] * len(sources))]
+    lengths = {"inputs": config.data.eval_max_input_length, "targets": config.data.eval_max_target_length}
+    eval_set = pipeline.make_eval_set(_ListSource(examples), "inputs", "targets", tokenizer, lengths,
+                                      config.data.eval_batch_size)
+    hyps = [""] * len(sources)
+    for batch, tokens in decode_batches(config, model, params, eval_set):
+        for row, index in enumerate(batch["example_index"]):
+            if index >= 0:
+                hyps[int(index)] = tokenizer.decode(tokens[row])
+    with open(output_file or os.path.join(workdir, "output.txt"), "w", encoding="utf-8") as f:
+        f.writelines(h.replace("\n", " ") + "\n" for h in hyps)
+    scores = {"examples": len(hyps)}
+    if references is not None:
+        scores.update(score_texts(config.task, hyps, references))
+        log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
+    return scores
+
+
+class _ListSource:
+    """A random-access source over in-memory examples (what ``make_eval_set`` reads)."""
+
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]

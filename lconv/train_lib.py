@@ -194,6 +194,14 @@ class _Preemption:
         self.requested = True
 
 
+def _check_batch_divides(config, mesh):
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    for field in ("batch_size", "eval_batch_size"):
+        if config.data[field] % shards:
+            raise ValueError(f"config.data.{field}={config.data[field]} must be divisible by the {shards} "
+                             f"data-parallel devices (mesh data x fsdp)")
+
+
 def _global_batch(batch, sharding):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
@@ -210,6 +218,7 @@ def train_and_evaluate(config, workdir, *, log=print):
     model = build_model(config, tokenizer.vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     mesh = make_mesh(config.mesh)
+    _check_batch_divides(config, mesh)
     state, state_shardings = create_state(config, model, mesh, tx)
     log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; devices {jax.devices()[0].platform}")
 
