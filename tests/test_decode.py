@@ -99,6 +99,46 @@ def test_small_beam_scores_its_hypotheses_and_respects_row_limits():
         assert tokens[b, 0].tolist() == _padded(_brute_force(A, Bm, Cp, bias[b], limits[b], 1.0)[0][1])
 
 
+def _beam_reference(A, Bm, Cp, bias_V, k, length, lenpen):
+    """Plain alive/finished beam search in NumPy, run to ``length`` (no early stop): the finished scores."""
+    alive, finished = [(0.0, [])], []
+    for t in range(length):
+        cands = []
+        for logp, seq in alive:
+            for tok in range(V):
+                if tok != PAD and (tok == EOS or t + 1 < length):
+                    cands.append((logp + _logp(A, Bm, Cp, bias_V, [BOS] + seq, tok), seq + [tok]))
+        cands = sorted(cands, key=lambda c: -c[0])[: 2 * k]
+        finished += [(lp / (t + 1) ** lenpen, seq) for lp, seq in cands if seq[-1] == EOS]
+        finished = sorted(finished, key=lambda c: -c[0])[:k]
+        alive = [c for c in cands if c[1][-1] != EOS][:k]
+    return [f[0] for f in finished]
+
+
+def _counting(fn):
+    """``fn`` plus a host-side count of its calls (decoding steps)."""
+    calls = [0]
+
+    def counted(tokens_BS, cache):
+        jax.debug.callback(lambda: calls.__setitem__(0, calls[0] + 1))
+        return fn(tokens_BS, cache)
+    return counted, calls
+
+
+# Seed 2 at lenpen 1 fails a bound that forgets the length bonus still to come; seed 4 stops after 6 of 8 steps.
+@pytest.mark.parametrize("lenpen,seed", [(0.0, 7), (1.0, 2), (1.0, 4), (2.0, 8)])
+def test_early_stopping_keeps_the_full_search_result(lenpen, seed):
+    A, Bm, Cp, bias = _tables(seed=seed)
+    fn, cache = _toy(A, Bm, Cp, bias)
+    fn, calls = _counting(fn)
+    _, scores = decode.beam_search(fn, cache, 2, 2, 8, lenpen=lenpen)
+    jax.effects_barrier()
+    for b in range(2):
+        np.testing.assert_allclose(scores[b], _beam_reference(A, Bm, Cp, bias[b], 2, 8, lenpen), rtol=1e-5)
+    if seed == 4:
+        assert calls[0] < 8
+
+
 def _greedy_reference(A, Bm, Cp, bias_V, steps, prompt=()):
     history, out = [BOS] + list(prompt), []
     for _ in range(steps):
@@ -116,10 +156,13 @@ def test_greedy_equals_argmax_loop_and_pads_after_eos():
     A, Bm, Cp, bias = _tables(seed=4, batch=3)
     A[2, EOS] += 4.0  # rows that emit 2 then likely stop; others run to the end
     fn, cache = _toy(A, Bm, Cp, bias)
+    fn, calls = _counting(fn)
     tokens = decode.greedy_search(fn, cache, 3, 6)
+    jax.effects_barrier()
     ref = [_greedy_reference(A, Bm, Cp, bias[b], 6) for b in range(3)]
     assert tokens.tolist() == ref
     assert any(EOS in r for r in ref)  # the EOS/PAD path is exercised
+    assert calls[0] == max(r.index(EOS) + 1 if EOS in r else 6 for r in ref)  # stops once all rows are done
 
 
 def test_tile_and_gather_cache_keep_scalars():
@@ -222,11 +265,16 @@ def test_lm_greedy_cache_path_equals_full_forward_passes():
                       decoder_mixer="lightconv,dynamicconv", decoder_kernel_sizes=(3, 4), dropout=0.0)
     model = DecoderOnlyLM(cfg)
     prompt = jnp.array([[5, 7, 2], [9, 4, 6]], jnp.int32)
-    variables = model.init(jax.random.key(1), prompt)
+    variables = jax.jit(model.init)(jax.random.key(1), prompt)
     steps = 6
     got = jax.jit(lambda v, p: decode.lm_generate(model, v, p, max_len=steps, eos_id=-1))(variables, prompt)
-    seq = jnp.concatenate([jnp.full((2, 1), BOS, jnp.int32), prompt], axis=1)
-    for _ in range(steps):  # no cache: the whole sequence every step
-        logits = model.apply(variables, seq, shift=False)[:, -1].at[:, PAD].set(-jnp.inf)
-        seq = jnp.concatenate([seq, jnp.argmax(logits, -1)[:, None].astype(jnp.int32)], axis=1)
+    # No cache: the whole sequence every step. One fixed length (filler 2 after the prefix) so it compiles once;
+    # the model is causal, so the filler cannot change the logits read at the prefix's end.
+    full = jax.jit(lambda v, s: model.apply(v, s, shift=False))
+    seq = np.full((2, 4 + steps), 2, np.int32)
+    seq[:, 0], seq[:, 1:4] = BOS, prompt
+    for t in range(4, 4 + steps):
+        logits = np.array(full(variables, seq))[:, t - 1]
+        logits[:, PAD] = -np.inf
+        seq[:, t] = logits.argmax(-1)
     assert got.tolist() == seq[:, 4:].tolist()
