@@ -7,7 +7,7 @@
 big: d 1024, FFN 4096, 16 heads, dropout 0.3; base: d 512, FFN 2048, 8 heads, dropout 0.1. Both: 7 encoder /
 6 decoder layers with kernels [3,7,15,31,31,31,31] / [3,7,15,31,31,31], GLU, weight dropout 0.1, Adam
 (0.9, 0.98), cosine lr 1e-3 with 10k warmup, 30k updates, label smoothing 0.1. Needs tfds
-``wmt14_translate/de-en`` prepared (see README, Datasets).
+``wmt14/en_de`` (tfds wmt14_translate/de-en) prepared (see README, Datasets).
 """
 from configs import common
 
@@ -38,4 +38,4 @@ def wmt_config(words, dataset, source_key, target_key, big_dropout):
 
 def get_config(arg=None):
     words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
-    return wmt_config(words or {"dynamic"}, "wmt14_translate/de-en", "en", "de", big_dropout=0.3)
+    return wmt_config(words or {"dynamic"}, "wmt14/en_de", "en", "de", big_dropout=0.3)

@@ -8,6 +8,6 @@ from configs.wmt_en_de import SIZES, wmt_config
 
 def get_config(arg=None):
     words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
-    c = wmt_config(words or {"dynamic"}, "wmt14_translate/fr-en", "en", "fr", big_dropout=0.1)
+    c = wmt_config(words or {"dynamic"}, "wmt14/en_fr", "en", "fr", big_dropout=0.1)
     c.data.vocab_size = 40000
     return c

@@ -8,6 +8,6 @@ from configs.wmt_en_de import SIZES, wmt_config
 
 def get_config(arg=None):
     words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
-    c = wmt_config(words or {"dynamic"}, "wmt17_translate/zh-en", "zh", "en", big_dropout=0.2)
+    c = wmt_config(words or {"dynamic"}, "wmt17/zh_en", "zh", "en", big_dropout=0.2)
     c.data.vocab_size = 32000  # the paper uses separate 30k BPE vocabularies; lconv trains one joint model
     return c
