@@ -49,8 +49,8 @@ def _last_logits(tokens_to_logits, tokens_BS, cache):
     return logits_BSV[:, -1].astype(jnp.float32), cache  # [B, V]
 
 
-def _mask_pad(logits_V, pad_id):
-    return logits_V.at[..., pad_id].set(NEG_INF)  # PAD is never generated
+def _mask_pad(logits_XV, pad_id):
+    return logits_XV.at[..., pad_id].set(NEG_INF)  # PAD is never generated
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -149,8 +149,9 @@ def beam_search(tokens_to_logits, cache, batch_size, beam_size, max_len, *, lenp
 
     def body(state):
         i, alive_BkL, alive_logp_Bk, finished_BkL, finished_Bk, cache = state
-        prev_B1 = jnp.where(i == 0, bos_id, jax.lax.dynamic_slice_in_dim(alive_BkL, jnp.maximum(i - 1, 0), 1, 2))
-        logits_NV, cache = _last_logits(tokens_to_logits, prev_B1.reshape(B * k, 1), cache)  # [B*beam, V]
+        last_Bk1 = jax.lax.dynamic_slice_in_dim(alive_BkL, jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
+        prev_Bk1 = jnp.where(i == 0, bos_id, last_Bk1)  # [B, beam, 1]
+        logits_NV, cache = _last_logits(tokens_to_logits, prev_Bk1.reshape(B * k, 1), cache)  # [B*beam, V]
         logp_BkV = jax.nn.log_softmax(logits_NV, axis=-1).reshape(B, k, -1)  # [B, beam, V]
         V = logp_BkV.shape[-1]
         logp_BkV = _mask_pad(logp_BkV, pad_id)  # [B, beam, V]
