@@ -140,7 +140,7 @@ class KNNMemoryAttention(nn.Module):
 
         if self.is_mutable_collection("memory") and not decode and not self.is_initializing():
             write_BT = (seg_BT == last_B1) & (seg_BT > 0)
-            keep_B1 = (last_B1 == first_B1) & (last_B1 > 0)
+            keep_B1 = (last_B1 == first_B1) | (last_B1 == 0)  # an all-padding window keeps the memory
             mem_k.value, mem_v.value, mem_valid.value = fifo_append(
                 mem_k.value, mem_v.value, old_valid_BM & keep_B1, jax.lax.stop_gradient(k_BTHD),
                 jax.lax.stop_gradient(v_BTHD), write_BT)

@@ -236,7 +236,7 @@ def test_fixed_attention_learns_to_reverse_a_sequence():
         return optax.apply_updates(p, u), s, loss
 
     state = opt.init(params)
-    for i in range(150):
+    for i in range(200):
         params, state, loss = step(params, state, jax.random.PRNGKey(i))
     tok = jax.random.randint(jax.random.PRNGKey(10_000), (64, Tr), 0, V)
     acc = float((model.apply(params, tok).argmax(-1) == tok[:, ::-1]).mean())

@@ -160,6 +160,11 @@ def test_packed_window_new_document_neither_reads_nor_keeps_old_memory():
     # The memory after the window: row 0 only segment 2 (7 entries), row 1 its 13 old + 10 real new (padding
     # is never written).
     assert list(np.asarray(upd["memory"]["valid"]).sum(-1)) == [7, 20]
+    # A window that is all padding for a row neither reads nor changes that row's memory.
+    seg_pad = np.array([[1] * T, [0] * T], np.int32)
+    _, upd2 = step(MODEL, PARAMS, upd["memory"], jnp.asarray(WINDOWS[2]), seg_pad, np.zeros(B, bool))
+    for name in ("keys", "values", "valid"):
+        np.testing.assert_array_equal(np.asarray(upd2["memory"][name][1]), np.asarray(upd["memory"][name][1]))
 
 
 def test_incremental_decoding_equals_full_pass_with_memory():
