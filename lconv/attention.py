@@ -1,143 +1,435 @@
-"""Multi-head dot-product attention: the Transformer baseline mixer and encoder-decoder attention.
+"""Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention.
 
-``SelfAttention`` is a token mixer (``lconv.mixers``): causal and padding masks, packed ``segment_ids``
-(attend only inside the same non-zero segment), and a KV cache for decoding that takes chunks of one or more
-tokens. ``CrossAttention`` attends from the decoder to the encoder output. Projections are fairseq's:
-xavier-uniform kernels, zero biases. Logits, softmax and the weighted sum accumulate in float32.
+Every mixer here follows the contract in ``lconv/mixers.py``:
+``y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)``.
+The mixer returns the update; the model owns layer norm, residual dropout and the residual add.
+
+All of them reduce to ``softmax(logits_BHTS + mask) V`` and differ only in where the logits come from:
+
+- ``SelfAttention``: ``Q Kᵀ / sqrt(D)`` (Vaswani et al. 2017; projections initialised as in fairseq).
+- ``FixedAttention``: learned, input-independent logits ``W_h[pos_q, pos_k]`` (Synthesizer-Random,
+  Tay et al. 2021), optionally factorised and optionally mixed with ``Q Kᵀ / sqrt(D)``.
+- ``HadamardAttention``: ``W_h[pos_q, pos_k] ⊙ Q Kᵀ / sqrt(D)``, a learned positional re-weighting of the
+  content logits.
+
+Masks are boolean ``[B, 1|H, T, S]``: a query attends a key only if both carry the same non-zero segment id
+(packed examples never mix, padding is never read) and, when causal, the key's index is not after the query's.
+Logits, softmax and the probability-value accumulation run in float32 whatever the activation dtype.
+
+Decoding (``decode=True``, causal mixers only) follows flax ``examples/wmt``: the first call, on a full
+max-length dummy input under ``mutable=['cache']``, only creates a zeroed cache in the ``'cache'`` collection
+(and returns the ordinary full pass of the dummy). Later calls take a chunk of ``T >= 1`` new tokens, write it
+at ``cache_index`` with ``lax.dynamic_update_slice`` and attend causally to every cached position up to
+their own. The cache always holds ``cached_segment_ids [B, L]`` (0 = not yet written, so unwritten slots are
+masked) and ``cache_index []`` plus the per-mixer arrays listed in each class. Writing past ``L`` cannot be
+detected under jit (``dynamic_update_slice`` clamps); the decoder must stop at the max length it created.
+
+The pure math (masks, logits, masked softmax attention) is at the bottom of the file and is reused by
+``lconv.colt5`` and ``lconv.memory``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import flax.linen as nn
 
-from lconv.layers import EMBED, HEADS, xavier_dense
+Array = jax.Array
+DType = Any
 
-Dtype = Any
-KV = "kv"
-NEG_INF = -1e9  # finite, so fully masked rows (padding queries) give a uniform softmax instead of NaN
+# A large negative logit for masked entries; finite so that fully-masked rows do not produce NaNs.
+NEG_INF = -1e30
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------
 
 
 class SelfAttention(nn.Module):
-    """Scaled dot-product self-attention; ``decode=True`` (causal) caches keys/values ``[B, max_len, H, D]``."""
+    """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
 
-    num_heads: int
+    ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
+    contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform with zero bias, as
+    fairseq initialises its Transformer. ``attention_dropout`` drops attention probabilities in training.
+
+    Decode cache (``'cache'`` collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``,
+    ``cached_segment_ids [B, L]`` int32, ``cache_index []`` int32.
+    """
+
+    num_heads: int = 8
     causal: bool = False
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    qkv_features: int | None = None  # total Q/K/V width; None = the input width C
     attention_dropout: float = 0.0
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        del positions  # content-based: positions enter through the embeddings
-        B, T, C = x_BTC.shape
-        H = self.num_heads
-        D = _head_dim(C, H)
-        q_BTHD, k_BTHD, v_BTHD = (
-            _project_in(self, x_BTC, H, D, name)(x_BTC) for name in ("query", "key", "value"))
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        check_dropout(self.attention_dropout)
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
+        k_BSHD = dense(H * D, "key", self)(x).reshape(B, T, H, D)
+        v_BSHD = dense(H * D, "value", self)(x).reshape(B, T, H, D)
+        mask_B1TS = attention_mask(seg_BT, seg_BT, causal=self.causal)
         if decode:
-            if not self.causal:
-                raise ValueError("decode=True needs causal self-attention (causal=True)")
-            initialised = self.has_variable("cache", "cached_key")
-            cached_k = self.variable("cache", "cached_key", jnp.zeros, k_BTHD.shape, k_BTHD.dtype)
-            cached_v = self.variable("cache", "cached_value", jnp.zeros, v_BTHD.shape, v_BTHD.dtype)
-            index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-            if initialised:  # write this chunk at the cache index; attend to everything written so far
-                start = index.value
-                cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k_BTHD, (0, start, 0, 0))
-                cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v_BTHD, (0, start, 0, 0))
-                index.value = start + T
-                k_BTHD, v_BTHD = cached_k.value, cached_v.value
-                S = k_BTHD.shape[1]
-                query_pos = start + jnp.arange(T)
-                mask_BTS = jnp.broadcast_to(jnp.arange(S)[None, :] <= query_pos[:, None], (B, T, S))
-                y = dot_product_attention(q_BTHD, k_BTHD, v_BTHD, mask_BTS[:, None])
-                return _project_out(self, y, C)
-        mask = attention_mask(segment_ids, segment_ids, B, T, T, causal=self.causal)
-        dropout_rng = None if deterministic or not self.attention_dropout else self.make_rng("dropout")
-        y = dot_product_attention(q_BTHD, k_BTHD, v_BTHD, mask, dropout_rate=self.attention_dropout,
-                                  dropout_rng=dropout_rng)
-        return _project_out(self, y, C)
+            check_decode(self.causal, type(self).__name__)
+            cache, index = decode_cache_update(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT})
+            if cache is not None:
+                k_BSHD, v_BSHD = cache["key"], cache["value"]
+                mask_B1TS = decode_mask(seg_BT, cache["segment_ids"], index)
+        out_BTHD = dot_product_attention(
+            q_BTHD, k_BSHD, v_BSHD, mask_B1TS, dropout_rate=self.attention_dropout,
+            dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
 class CrossAttention(nn.Module):
-    """Decoder-to-encoder attention: queries from ``x_BTC``, keys/values from ``memory_BSC``."""
+    """Encoder-decoder attention: decoder queries attend the encoder output ``memory_BSC``.
 
-    num_heads: int
+    Same math and initialisation as ``SelfAttention``; the mask pairs ``query_segment_ids`` with
+    ``memory_segment_ids`` (packed examples only see their own source; padding keys are never read).
+    Not a token mixer (so not in the registry). ``decode`` is accepted for interface symmetry; the encoder
+    keys/values are recomputed on each call (no cache), which is exact and keeps beam reordering trivial.
+    """
+
+    num_heads: int = 8
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    qkv_features: int | None = None
     attention_dropout: float = 0.0
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, memory_BSC, *, query_segment_ids=None, memory_segment_ids=None,
                  deterministic=True, decode=False):
-        del decode  # keys/values are recomputed from the (fixed) encoder output each step
-        B, T, C = x_BTC.shape
-        S = memory_BSC.shape[1]
-        H = self.num_heads
-        D = _head_dim(C, H)
-        q_BTHD = _project_in(self, x_BTC, H, D, "query")(x_BTC)
-        k_BSHD = _project_in(self, memory_BSC, H, D, "key")(memory_BSC)
-        v_BSHD = _project_in(self, memory_BSC, H, D, "value")(memory_BSC)
-        if query_segment_ids is None and memory_segment_ids is not None:
-            # Unpacked decoding: every query may read every non-padding source position.
-            mask = jnp.broadcast_to((memory_segment_ids != 0)[:, None, None, :], (B, 1, T, S))
+        del decode  # no cache: see the docstring
+        B, T, C = check_input(x_BTC)
+        _, S, _ = check_input(memory_BSC, "memory_BSC")
+        if memory_BSC.shape[0] != B:
+            raise ValueError(f"memory_BSC batch {memory_BSC.shape[0]} != x_BTC batch {B}")
+        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        check_dropout(self.attention_dropout)
+        q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
+        k_seg_BS, _ = segments_and_positions(memory_BSC, memory_segment_ids, None, "memory_segment_ids")
+        q_BTHD = dense(H * D, "query", self)(x_BTC.astype(self.dtype)).reshape(B, T, H, D)
+        m = memory_BSC.astype(self.dtype)
+        k_BSHD = dense(H * D, "key", self)(m).reshape(B, S, H, D)
+        v_BSHD = dense(H * D, "value", self)(m).reshape(B, S, H, D)
+        out_BTHD = dot_product_attention(
+            q_BTHD, k_BSHD, v_BSHD, attention_mask(q_seg_BT, k_seg_BS), dropout_rate=self.attention_dropout,
+            dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+
+class FixedAttention(nn.Module):
+    """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
+
+    The logits are learned parameters that do not look at the input: head ``h`` owns a
+    ``[max_len, max_len]`` table indexed by the tokens' within-segment ``positions``, so packed examples see the
+    same table as unpacked ones. Only V and the output are projected.
+
+    - ``factorized_rank > 0``: ``W_h = R1_h @ R2_h`` with ``R1 [H, max_len, r]``, ``R2 [H, r, max_len]``
+      (Synthesizer's factorised random variant; ``2 r max_len`` instead of ``max_len²`` parameters per head).
+    - ``mix_dot_product``: logits ``α_h W_h + (1 - α_h) Q Kᵀ/sqrt(D)`` with a learned per-head mixing weight
+      ``α_h = sigmoid(a_h)``, ``a_h`` initialised to 0 (an even mix); adds Q/K projections (Synthesizer's
+      "Random + Dot Product" mixture, whose weights are trainable and sum to one).
+    - ``causal``: the future is masked (index-based, so packed and cached decoding agree).
+
+    A sequence longer than ``max_len`` or positions outside ``[0, max_len)`` raise ``ValueError`` (positions
+    can only be checked when concrete, i.e. outside jit). Decode cache: ``cached_value [B, L, H, D]``,
+    ``cached_positions [B, L]``, ``cached_segment_ids [B, L]``, ``cache_index []`` (+ ``cached_key`` when
+    ``mix_dot_product``); ``L <= max_len`` is enforced when the cache is created.
+    """
+
+    num_heads: int = 8
+    causal: bool = False
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    max_len: int = 512
+    factorized_rank: int = 0  # 0 = a full [max_len, max_len] table per head
+    mix_dot_product: bool = False
+    qkv_features: int | None = None
+    attention_dropout: float = 0.0
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        check_dropout(self.attention_dropout)
+        check_max_len(self.max_len, T)
+        if self.factorized_rank < 0:
+            raise ValueError(f"factorized_rank must be >= 0 (0 = full table), got {self.factorized_rank}")
+        seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        new = {"value": dense(H * D, "value", self)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
+        if self.mix_dot_product:
+            q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
+            new["key"] = dense(H * D, "key", self)(x).reshape(B, T, H, D)
+        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
+        key_pos_BS = pos_BT
+        if decode:
+            check_decode(self.causal, type(self).__name__)
+            pos_BT = key_pos_BS = decode_positions(self, pos_BT, positions is None)
+            cache, index = decode_cache_update(self, {**new, "positions": pos_BT})
+            if cache is not None:
+                new, key_pos_BS = cache, cache["positions"]
+                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+        check_positions(pos_BT, self.max_len)
+        L, r = self.max_len, self.factorized_rank
+        if r:
+            init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
+            r1_HLR = self.param("r1", init, (H, L, r), self.param_dtype)
+            r2_HRL = self.param("r2", init, (H, r, L), self.param_dtype)
+            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, key_pos_BS)
         else:
-            mask = attention_mask(query_segment_ids, memory_segment_ids, B, T, S, causal=False)
-        dropout_rng = None if deterministic or not self.attention_dropout else self.make_rng("dropout")
-        y = dot_product_attention(q_BTHD, k_BSHD, v_BSHD, mask, dropout_rate=self.attention_dropout,
-                                  dropout_rng=dropout_rng)
-        return _project_out(self, y, C)
+            w_HLL = self.param("logits", nn.initializers.normal(stddev=0.1), (H, L, L), self.param_dtype)
+            logits_BHTS = fixed_logits(w_HLL, pos_BT, key_pos_BS)
+        if self.mix_dot_product:
+            alpha_H = jax.nn.sigmoid(self.param("mix_logit", nn.initializers.zeros, (H,), self.param_dtype))
+            alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
+            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, new["key"])
+        out_BTHD = attend(logits_BHTS, new["value"], mask, dropout_rate=self.attention_dropout,
+                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Pieces and pure math
-# ----------------------------------------------------------------------------------------------------------------
-def _head_dim(C, H):
-    if H < 1 or C % H:
-        raise ValueError(f"features C={C} must be divisible by num_heads={H}")
-    return C // H
+class HadamardAttention(nn.Module):
+    """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
+
+    ``W_h[pos_q, pos_k]`` is a learned per-head ``[max_len, max_len]`` table (initialised to ones, so training
+    starts from plain dot-product attention) multiplied element-wise with the content logits; the mask is added
+    AFTER the product, so a learned weight can never un-mask a key.
+
+    - ``project_qk=False`` (the source's form): Q = K = the input itself, split into ``num_heads`` contiguous
+      heads of size ``C / num_heads``; only V and the output are projected. Positional structure then lives
+      entirely in ``W``.
+    - ``project_qk=True``: Q and K are learned projections of width ``qkv_features`` as in ``SelfAttention``.
+
+    Decode cache: ``cached_key``, ``cached_value [B, L, H, D]``, ``cached_positions [B, L]``,
+    ``cached_segment_ids [B, L]``, ``cache_index []``; ``L <= max_len``.
+    """
+
+    num_heads: int = 8
+    causal: bool = False
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    max_len: int = 512
+    project_qk: bool = False
+    qkv_features: int | None = None
+    attention_dropout: float = 0.0
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        if not self.project_qk:
+            _, Dqk = head_dims(self.num_heads, C, "num_heads")
+        check_dropout(self.attention_dropout)
+        check_max_len(self.max_len, T)
+        seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        if self.project_qk:
+            q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
+            k_BSHD = dense(H * D, "key", self)(x).reshape(B, T, H, D)
+        else:
+            q_BTHD = k_BSHD = x.reshape(B, T, H, Dqk)
+        new = {"key": k_BSHD, "value": dense(H * D, "value", self)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
+        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
+        key_pos_BS = pos_BT
+        if decode:
+            check_decode(self.causal, type(self).__name__)
+            pos_BT = key_pos_BS = decode_positions(self, pos_BT, positions is None)
+            cache, index = decode_cache_update(self, {**new, "positions": pos_BT})
+            if cache is not None:
+                new, key_pos_BS = cache, cache["positions"]
+                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+        check_positions(pos_BT, self.max_len)
+        w_HLL = self.param("weight", nn.initializers.ones, (H, self.max_len, self.max_len), self.param_dtype)
+        logits_BHTS = fixed_logits(w_HLL, pos_BT, key_pos_BS) * dot_product_logits(q_BTHD, new["key"])
+        out_BTHD = attend(logits_BHTS, new["value"], mask, dropout_rate=self.attention_dropout,
+                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-def _project_in(module, x, H, D, name):
-    dense = xavier_dense(H * D, (EMBED, HEADS), dtype=module.dtype, param_dtype=module.param_dtype, name=name)
-    return lambda x: dense(x).reshape(*x.shape[:-1], H, D)
+# ----------------------------------------------------------------------------------------------------------
+# Module helpers (shared with lconv.colt5 and lconv.memory)
+# ----------------------------------------------------------------------------------------------------------
 
 
-def _project_out(module, y_BTHD, C):
-    y_BTC = y_BTHD.reshape(*y_BTHD.shape[:2], C)
-    return xavier_dense(C, (HEADS, EMBED), dtype=module.dtype, param_dtype=module.param_dtype, name="out")(y_BTC)
+def dense(features: int, name: str, mdl: nn.Module, use_bias: bool | None = None) -> nn.Dense:
+    """A fairseq-style projection: xavier-uniform kernel, zero bias, the module's dtypes."""
+    return nn.Dense(features, use_bias=getattr(mdl, "use_bias", True) if use_bias is None else use_bias,
+                    kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.zeros,
+                    dtype=mdl.dtype, param_dtype=mdl.param_dtype, name=name)
 
 
-def attention_mask(query_segments_BT, key_segments_BS, B, T, S, *, causal):
-    """``[B, 1, T, S]`` bool: same non-zero segment (or all, without segments), and key <= query if causal."""
-    mask = jnp.ones((B, 1, T, S), bool)
-    if query_segments_BT is not None and key_segments_BS is not None:
-        same = query_segments_BT[:, :, None] == key_segments_BS[:, None, :]
-        mask = mask & (same & (key_segments_BS[:, None, :] != 0))[:, None]
-    elif key_segments_BS is not None:
-        mask = mask & (key_segments_BS != 0)[:, None, None, :]
-    if causal:
-        mask = mask & (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None])[None, None]
-    return mask
+def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | None:
+    return None if deterministic or rate == 0.0 else mdl.make_rng("dropout")
 
 
-def dot_product_attention(q_BTHD, k_BSHD, v_BSHD, mask_B1TS=None, *, bias_BHTS=None, dropout_rate=0.0,
-                          dropout_rng=None):
-    """``softmax(q k^T / sqrt(D) + bias, masked) v`` with float32 logits, softmax and accumulation."""
-    D = q_BTHD.shape[-1]
+def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str, Array] | None, Array | None]:
+    """Writes a chunk into the ``'cache'`` collection; returns ``(full cached arrays, chunk start index)``.
+
+    ``new`` maps names to ``[B, T, ...]`` chunks, stored as ``cached_<name>``. On the first call (no cache yet)
+    the variables are created zeroed with the chunk's shape (the max length) and ``(None, None)`` is returned:
+    the caller then does its ordinary full pass. Later calls write at ``cache_index`` and advance it by ``T``.
+    """
+    initialized = mdl.has_variable("cache", "cache_index")
+    cached = {n: mdl.variable("cache", "cached_" + n, jnp.zeros, a.shape, a.dtype) for n, a in new.items()}
+    cache_index = mdl.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+        return None, None
+    i = cache_index.value
+    for n, a in new.items():
+        cached[n].value = lax.dynamic_update_slice(cached[n].value, a.astype(cached[n].value.dtype),
+                                                   (0, i) + (0,) * (a.ndim - 2))
+    cache_index.value = i + next(iter(new.values())).shape[1]
+    return {n: v.value for n, v in cached.items()}, i
+
+
+def decode_positions(mdl: nn.Module, pos_BT, default: bool):
+    """While decoding, default positions continue from the cache: ``cache_index + arange(T)``."""
+    if default and mdl.has_variable("cache", "cache_index"):
+        return mdl.get_variable("cache", "cache_index") + pos_BT
+    return pos_BT
+
+
+def check_input(x_BTC, name: str = "x_BTC") -> tuple[int, int, int]:
+    if x_BTC.ndim != 3:
+        raise ValueError(f"{name} must be [batch, time, features], got shape {x_BTC.shape}")
+    return x_BTC.shape
+
+
+def head_dims(num_heads: int, features: int, field: str) -> tuple[int, int]:
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if features <= 0 or features % num_heads:
+        raise ValueError(f"{field}={features} must be a positive multiple of num_heads={num_heads}")
+    return num_heads, features // num_heads
+
+
+def check_dropout(rate: float, field: str = "attention_dropout") -> None:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{field} must be in [0, 1), got {rate}")
+
+
+def check_decode(causal: bool, mixer: str) -> None:
+    if not causal:
+        raise ValueError(f"{mixer}: decode=True needs causal=True (a non-causal mixer cannot decode)")
+
+
+def check_max_len(max_len: int, T: int) -> None:
+    if max_len <= 0:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    if T > max_len:
+        raise ValueError(f"sequence length {T} exceeds max_len={max_len}; raise max_len in the config")
+
+
+def check_positions(pos_BT, max_len: int) -> None:
+    """Positions outside ``[0, max_len)`` are an error when they are concrete (under jit they cannot be seen)."""
+    try:
+        p = np.asarray(pos_BT)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if p.size and (p.min() < 0 or p.max() >= max_len):
+        raise ValueError(f"positions must lie in [0, max_len={max_len}), got [{p.min()}, {p.max()}]; "
+                         "raise max_len")
+
+
+def segments_and_positions(x_BTC, segment_ids, positions, seg_name: str = "segment_ids"):
+    """Defaults: one segment everywhere (ids 1), positions ``arange(T)``; checks both are ``[B, T]``."""
+    B, T = x_BTC.shape[:2]
+    if segment_ids is None:
+        segment_ids = jnp.ones((B, T), jnp.int32)
+    elif segment_ids.shape != (B, T):
+        raise ValueError(f"{seg_name} must be [batch, time] = {(B, T)}, got {segment_ids.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    elif positions.shape != (B, T):
+        raise ValueError(f"positions must be [batch, time] = {(B, T)}, got {positions.shape}")
+    return jnp.asarray(segment_ids, jnp.int32), jnp.asarray(positions, jnp.int32)
+
+
+def decode_mask(seg_BT, cached_seg_BL, index) -> Array:
+    """Mask of a decoded chunk (queries at ``index + t``) against the whole cache, causal by index."""
+    T, L = seg_BT.shape[1], cached_seg_BL.shape[1]
+    return attention_mask(seg_BT, cached_seg_BL, index + jnp.arange(T), jnp.arange(L), causal=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure math
+# ----------------------------------------------------------------------------------------------------------
+
+
+def attention_mask(q_seg_BT, k_seg_BS, q_idx_T=None, k_idx_S=None, *, causal=False, radius=None) -> Array:
+    """Boolean ``[B, 1, T, S]``: same non-zero segment; if ``causal`` key index <= query index; if ``radius``
+    is given, ``|key index - query index| <= radius`` (local attention)."""
+    m_BTS = (q_seg_BT[:, :, None] == k_seg_BS[:, None, :]) & (q_seg_BT[:, :, None] != 0)
+    if causal or radius is not None:
+        q_idx_T = jnp.arange(q_seg_BT.shape[1]) if q_idx_T is None else q_idx_T
+        k_idx_S = jnp.arange(k_seg_BS.shape[1]) if k_idx_S is None else k_idx_S
+        d_TS = k_idx_S[None, :] - q_idx_T[:, None]  # key index - query index
+        if causal:
+            m_BTS &= (d_TS <= 0)[None]
+        if radius is not None:
+            m_BTS &= (jnp.abs(d_TS) <= radius)[None]
+    return m_BTS[:, None]
+
+
+def dot_product_logits(q_BTHD, k_BSHD) -> Array:
+    """``Q Kᵀ / sqrt(D)`` accumulated and returned in float32, ``[B, H, T, S]``."""
     logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=jnp.float32)
-    logits_BHTS = logits_BHTS / jnp.sqrt(jnp.float32(D))
-    if bias_BHTS is not None:
-        logits_BHTS = logits_BHTS + bias_BHTS
-    if mask_B1TS is not None:
-        logits_BHTS = jnp.where(mask_B1TS, logits_BHTS, NEG_INF)
-    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-    if dropout_rng is not None and dropout_rate > 0:
+    return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
+
+
+def attend(logits_BHTS, v_BSHD, mask_BHTS, *, dropout_rate=0.0, dropout_rng=None, dtype=None) -> Array:
+    """``softmax(logits + mask) V`` in float32; queries with no visible key (padding) get zeros.
+
+    ``mask_BHTS`` is boolean and broadcasts against the logits (``[B, 1, T, S]`` is usual). Dropout on the
+    probabilities (scaled by ``1/(1-rate)``) when ``dropout_rng`` is given. Returns ``[B, T, H, D]`` in ``dtype``
+    (default ``v``'s).
+    """
+    logits = jnp.where(mask_BHTS, logits_BHTS.astype(jnp.float32), NEG_INF)
+    probs_BHTS = jnp.where(mask_BHTS, jax.nn.softmax(logits, axis=-1), 0.0)
+    if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
         probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
-    y_BTHD = jnp.einsum("bhts,bshd->bthd", probs_BHTS.astype(v_BSHD.dtype), v_BSHD,
-                        preferred_element_type=jnp.float32)
-    return y_BTHD.astype(q_BTHD.dtype)
+    out_BTHD = jnp.einsum("bhts,bshd->bthd", probs_BHTS.astype(v_BSHD.dtype), v_BSHD,
+                          preferred_element_type=jnp.float32)
+    return out_BTHD.astype(dtype or v_BSHD.dtype)
+
+
+def dot_product_attention(q_BTHD, k_BSHD, v_BSHD, mask_BHTS, *, bias_BHTS=None, dropout_rate=0.0,
+                          dropout_rng=None, dtype=None) -> Array:
+    """Masked scaled dot-product attention, ``[B, T, H, D]``; ``bias_BHTS`` is added to the logits."""
+    logits_BHTS = dot_product_logits(q_BTHD, k_BSHD)
+    if bias_BHTS is not None:
+        logits_BHTS = logits_BHTS + bias_BHTS
+    return attend(logits_BHTS, v_BSHD, mask_BHTS, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                  dtype=dtype)
+
+
+def fixed_logits(w_HLL, q_pos_BT, k_pos_BS) -> Array:
+    """Gathers ``W[h, q_pos[b, t], k_pos[b, s]]`` into float32 ``[B, H, T, S]``."""
+    rows_BHTL = jnp.transpose(w_HLL[:, q_pos_BT, :], (1, 0, 2, 3)).astype(jnp.float32)  # [B, H, T, L]
+    B, H, T, _ = rows_BHTL.shape
+    idx_BHTS = jnp.broadcast_to(k_pos_BS[:, None, None, :], (B, H, T, k_pos_BS.shape[1]))
+    return jnp.take_along_axis(rows_BHTL, idx_BHTS, axis=-1)
+
+
+def factorized_fixed_logits(r1_HLR, r2_HRL, q_pos_BT, k_pos_BS) -> Array:
+    """``(R1 @ R2)[h, q_pos, k_pos]`` without forming the ``[L, L]`` table, float32 ``[B, H, T, S]``."""
+    a_HBTR = r1_HLR[:, q_pos_BT, :].astype(jnp.float32)  # [H, B, T, r]
+    b_HRBS = r2_HRL[:, :, k_pos_BS].astype(jnp.float32)  # [H, r, B, S]
+    return jnp.einsum("hbtr,hrbs->bhts", a_HBTR, b_HRBS)

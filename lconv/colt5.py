@@ -1,0 +1,235 @@
+"""CoLT5 conditional computation (Ainslie et al. 2023, "CoLT5: Faster Long-Range Transformers with Conditional
+Computation"): every token takes a cheap light branch, a learned router sends the top-k tokens also through an
+expensive heavy branch, and the heavy output is weighted by the token's (differentiable) routing score:
+
+    y_i = Light(X)_i + s_i · Heavy(X_routed)_i        (s_i = 0 for tokens that are not routed)
+
+The model adds the residual X. Routing: raw scores ``r = X u / |u|`` (one learned vector ``u`` per router),
+then a soft top-k relaxation turns them into weights ``s ∈ [0, 1]`` (approximately) with ``Σ s = k``; the hard
+top-k by raw score picks which tokens are gathered. Because ``s`` multiplies the heavy output, the router gets
+gradients although the selection itself is discrete.
+
+Soft top-k (Wang et al. 2022 / Lei et al. 2023 "Conditional Adapters", coordinate descent on the dual of the
+entropy-regularised top-k LP ``max_λ r·λ + ε H(λ)``, ``Σ λ = k``, ``0 ≤ λ ≤ 1``): with dual variables ``a``
+(the sum constraint) and ``b_i ≤ 0`` (the caps), alternate
+``b_i = -relu(r_i + a)`` and ``a = ε (log k - logsumexp((r + b) / ε))``; then ``λ_i = exp((r_i + a + b_i) / ε)``.
+Ending on the ``a`` update makes ``Σ λ = k`` exact; a fixed number of iterations runs in float32, warm-started
+at the hard top-k (caps active above the k-th largest score), which converges far faster at small ε.
+
+Padding tokens (``segment_ids == 0``) are never routed: they get ``r = -inf``, ``s = 0`` and, when ``k``
+exceeds the number of real tokens, ``k`` is reduced to that number for the soft weights; any padding slot
+the hard top-k still has to fill carries weight 0 and segment 0, so it contributes nothing.
+
+``CoLT5Attention`` (registry ``"colt5"``): light = local attention (``|i - j| <= local_radius``, same
+segment) with ``light_num_heads`` heads; heavy = full attention among routed queries over routed keys/values,
+with SEPARATE query and key-value routers; heavy attention stays within segments. How the paper uses the
+key-value routing weights is not specified; here they scale the routed values (so the kv router is trained
+and an un-routed kv token fades in continuously). It is an encoder mixer: routing ranks all tokens, future ones
+included, so ``causal=True`` (and ``decode=True``) raise ``ValueError``; use ``"attention"``/conv mixers in
+the decoder, as the paper does. The light branch uses a dense ``[T, T]`` band mask (``O(T²)`` memory); a
+blocked local attention would make it ``O(T · radius)``.
+
+``CoLT5FeedForward``: light FFN (hidden ``light_hidden_dim``) on all tokens plus heavy FFN (hidden
+``heavy_hidden_dim``) on routed tokens; call ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from lconv.attention import (NEG_INF, attention_mask, check_dropout, check_input, dense, dot_product_attention,
+                             dropout_rng, head_dims, segments_and_positions)
+
+Array = jax.Array
+DType = Any
+
+
+class _RoutingFields:
+    """Shared validation of the routing fields (mixed into both modules)."""
+
+    def _num_routed(self, T: int) -> int:
+        if self.num_routed < 0:
+            raise ValueError(f"num_routed must be >= 0 (0 = use routed_fraction), got {self.num_routed}")
+        if self.num_routed == 0 and not 0.0 < self.routed_fraction <= 1.0:
+            raise ValueError(f"routed_fraction must be in (0, 1], got {self.routed_fraction}")
+        if self.router_temperature <= 0:
+            raise ValueError(f"router_temperature must be positive, got {self.router_temperature}")
+        if self.router_iterations < 1:
+            raise ValueError(f"router_iterations must be >= 1, got {self.router_iterations}")
+        k = self.num_routed or math.ceil(self.routed_fraction * T)
+        return min(k, T)
+
+    def _route(self, x_BTC, valid_BT, k: int, name: str):
+        """Soft weights ``s_BT`` (float32, Σ = k) and the indices ``[B, k]`` of the hard top-k."""
+        u_C = self.param(name, nn.initializers.normal(stddev=1.0), (x_BTC.shape[-1],), self.param_dtype)
+        r_BT = router_scores(x_BTC, u_C)
+        w_BT = soft_top_k(r_BT, k, valid_BT, temperature=self.router_temperature,
+                          iterations=self.router_iterations)
+        return w_BT, top_k_indices(r_BT, valid_BT, k)
+
+
+class CoLT5Attention(_RoutingFields, nn.Module):
+    """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (see the module docstring for the math).
+
+    Fields: ``num_heads`` heavy heads of size ``D = C / num_heads``; ``light_num_heads`` (0 = ``num_heads // 2``,
+    at least 1) local heads of the same size; ``local_radius``; capacity ``num_routed`` tokens (0 = use
+    ``routed_fraction`` of T, rounded up) for queries and for keys/values alike; soft top-k
+    ``router_temperature`` (ε) and ``router_iterations``. Parameters: ``light_{query,key,value,out}``,
+    ``heavy_{query,key,value,out}``, ``router_q``, ``router_kv`` ``[C]``.
+    """
+
+    num_heads: int = 8
+    causal: bool = False
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    light_num_heads: int = 0
+    local_radius: int = 16
+    routed_fraction: float = 0.25
+    num_routed: int = 0
+    router_temperature: float = 0.1
+    router_iterations: int = 32
+    attention_dropout: float = 0.0
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        del positions  # content-based; the local window uses token indices
+        if self.causal or decode:
+            raise ValueError("CoLT5Attention is an encoder mixer: causal=True / decode=True are not supported "
+                             "(routing ranks future tokens); use 'attention' or a conv mixer in the decoder")
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, C, "num_heads")
+        Hl = self.light_num_heads or max(1, H // 2)
+        if Hl < 0 or Hl > H:
+            raise ValueError(f"light_num_heads must be in [0, num_heads={H}], got {self.light_num_heads}")
+        if self.local_radius < 0:
+            raise ValueError(f"local_radius must be >= 0, got {self.local_radius}")
+        check_dropout(self.attention_dropout)
+        k = self._num_routed(T)
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, None)
+        valid_BT = seg_BT != 0
+        x = x_BTC.astype(self.dtype)
+        rng = dropout_rng(self, self.attention_dropout, deterministic)
+        rngs = (None, None) if rng is None else tuple(jax.random.split(rng))
+
+        # Light branch: local attention, every token.
+        ql, kl, vl = (dense(Hl * D, f"light_{n}", self)(x).reshape(B, T, Hl, D) for n in ("query", "key", "value"))
+        light_BTHD = dot_product_attention(ql, kl, vl, attention_mask(seg_BT, seg_BT, radius=self.local_radius),
+                                           dropout_rate=self.attention_dropout, dropout_rng=rngs[0], dtype=self.dtype)
+        light_BTC = dense(C, "light_out", self)(light_BTHD.reshape(B, T, Hl * D))
+
+        # Heavy branch: full attention among routed queries over routed keys/values.
+        wq_BT, iq_BK = self._route(x, valid_BT, k, "router_q")
+        wkv_BT, ikv_BK = self._route(x, valid_BT, k, "router_kv")
+        xq_BKC, xkv_BKC = gather_tokens(x, iq_BK), gather_tokens(x, ikv_BK)
+        seg_q_BK, seg_kv_BK = gather_tokens(seg_BT, iq_BK), gather_tokens(seg_BT, ikv_BK)
+        q_BKHD = dense(H * D, "heavy_query", self)(xq_BKC).reshape(B, k, H, D)
+        k_BKHD = dense(H * D, "heavy_key", self)(xkv_BKC).reshape(B, k, H, D)
+        v_BKHD = dense(H * D, "heavy_value", self)(xkv_BKC).reshape(B, k, H, D)
+        v_BKHD = v_BKHD * gather_tokens(wkv_BT, ikv_BK)[:, :, None, None].astype(self.dtype)
+        heavy_BKHD = dot_product_attention(q_BKHD, k_BKHD, v_BKHD, attention_mask(seg_q_BK, seg_kv_BK),
+                                           dropout_rate=self.attention_dropout, dropout_rng=rngs[1],
+                                           dtype=self.dtype)
+        heavy_BKC = dense(C, "heavy_out", self)(heavy_BKHD.reshape(B, k, H * D))
+        heavy_BKC = heavy_BKC * gather_tokens(wq_BT, iq_BK)[:, :, None].astype(self.dtype)
+        return (light_BTC + scatter_tokens(heavy_BKC, iq_BK, T)).astype(x_BTC.dtype)
+
+
+class CoLT5FeedForward(_RoutingFields, nn.Module):
+    """CoLT5 routed feed-forward: ``y = FFN_light(X) + s ⊙ FFN_heavy(X_routed)``, ReLU, for the model's FFN slot.
+
+    Call: ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``. Fields: ``light_hidden_dim`` (0 = C/2),
+    ``heavy_hidden_dim`` (0 = 4C), routing fields as in ``CoLT5Attention``, ``dropout_rate`` on the hidden
+    activations. Parameters: ``light_in``, ``light_out``, ``heavy_in``, ``heavy_out``, ``router`` ``[C]``.
+    """
+
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    light_hidden_dim: int = 0
+    heavy_hidden_dim: int = 0
+    routed_fraction: float = 0.25
+    num_routed: int = 0
+    router_temperature: float = 0.1
+    router_iterations: int = 32
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, deterministic=True):
+        B, T, C = check_input(x_BTC)
+        hl, hh = self.light_hidden_dim or max(1, C // 2), self.heavy_hidden_dim or 4 * C
+        if hl < 0 or hh < 0:
+            raise ValueError(f"light_hidden_dim / heavy_hidden_dim must be >= 0, got {hl}, {hh}")
+        check_dropout(self.dropout_rate, "dropout_rate")
+        k = self._num_routed(T)
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, None)
+        x = x_BTC.astype(self.dtype)
+        drop = nn.Dropout(self.dropout_rate, deterministic=deterministic)
+        light_BTC = dense(C, "light_out", self)(drop(jax.nn.relu(dense(hl, "light_in", self)(x))))
+        w_BT, idx_BK = self._route(x, seg_BT != 0, k, "router")
+        xr_BKC = gather_tokens(x, idx_BK)
+        heavy_BKC = dense(C, "heavy_out", self)(drop(jax.nn.relu(dense(hh, "heavy_in", self)(xr_BKC))))
+        heavy_BKC = heavy_BKC * gather_tokens(w_BT, idx_BK)[:, :, None].astype(self.dtype)
+        return (light_BTC + scatter_tokens(heavy_BKC, idx_BK, T)).astype(x_BTC.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure math
+# ----------------------------------------------------------------------------------------------------------
+
+
+def router_scores(x_BTC, u_C) -> Array:
+    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]`` (a unit router keeps the scale set by the input
+    norm, so the temperature means the same thing whatever ``u`` learns)."""
+    u = u_C.astype(jnp.float32)
+    return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), preferred_element_type=jnp.float32)
+
+
+def soft_top_k(scores_BT, k: int, valid_BT=None, *, temperature: float = 0.1, iterations: int = 32) -> Array:
+    """Differentiable top-k weights ``λ_BT`` with ``Σ_t λ = min(k, #valid)`` and ``λ ≈`` in ``[0, 1]``.
+
+    Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (see module docstring).
+    Invalid positions get ``λ = 0``. Runs in float32.
+    """
+    r = scores_BT.astype(jnp.float32)
+    valid = jnp.ones(r.shape, bool) if valid_BT is None else valid_BT
+    r = jnp.where(valid, r, NEG_INF)
+    k_B1 = jnp.clip(jnp.minimum(k, valid.sum(-1, keepdims=True)), 1, None).astype(jnp.float32)
+    eps = temperature
+
+    def a_update(b_BT):  # the sum constraint: Σ exp((r + a + b) / ε) = k
+        return eps * (jnp.log(k_B1) - jax.nn.logsumexp((r + b_BT) / eps, axis=-1, keepdims=True))
+
+    def body(_, ab):
+        a_B1, _ = ab
+        b_BT = -jax.nn.relu(r + a_B1)  # the caps λ_i <= 1
+        return a_update(b_BT), b_BT
+
+    # Warm start at the hard top-k: caps active above the k-th largest score (converges in far fewer steps
+    # than b = 0 when ε is small).
+    k_int_B1 = k_B1.astype(jnp.int32)
+    kth_B1 = jnp.take_along_axis(jax.lax.top_k(r, min(k, r.shape[-1]))[0], k_int_B1 - 1, axis=-1)
+    b0 = -jax.nn.relu(r - jax.lax.stop_gradient(kth_B1))
+    a_B1, b_BT = jax.lax.fori_loop(0, iterations, body, (a_update(b0), b0))
+    return jnp.where(valid, jnp.exp((r + a_B1 + b_BT) / eps), 0.0)
+
+
+def top_k_indices(scores_BT, valid_BT, k: int) -> Array:
+    """Indices ``[B, k]`` of the k highest scores, valid tokens first (padding only fills what is left)."""
+    return jax.lax.top_k(jnp.where(valid_BT, scores_BT.astype(jnp.float32), -jnp.inf), k)[1]
+
+
+def gather_tokens(x_BT_, idx_BK) -> Array:
+    """``x[b, idx[b, j]]`` for ``[B, T, ...]`` inputs, ``[B, k, ...]``."""
+    idx = idx_BK.reshape(idx_BK.shape + (1,) * (x_BT_.ndim - 2))
+    return jnp.take_along_axis(x_BT_, idx, axis=1)
+
+
+def scatter_tokens(y_BKC, idx_BK, T: int) -> Array:
+    """Adds the rows of ``y_BKC`` at token indices ``idx_BK`` into zeros ``[B, T, C]`` (indices are unique)."""
+    B = y_BKC.shape[0]
+    return jnp.zeros((B, T) + y_BKC.shape[2:], y_BKC.dtype).at[jnp.arange(B)[:, None], idx_BK].add(y_BKC)

@@ -1,0 +1,196 @@
+"""Memorizing Transformer kNN-memory attention (Wu et al. 2022, "Memorizing Transformers").
+
+A long document is fed as consecutive windows ("segments" in the paper; here "windows", since ``segment_ids``
+already means packed examples). Each layer attends two ways and gates the results:
+
+- local: (causal) dot-product self-attention inside the current window;
+- memory: each query retrieves its top-``num_neighbors`` (key, value) pairs, by exact inner product
+  (``jax.lax.top_k``), from a FIFO of the keys/values of PAST windows of the same document, and attends
+  over just those;
+- ``y = Out(g_h · mem + (1 - g_h) · local)`` with a learned per-head gate ``g_h = sigmoid(b_h)`` (``b_h``
+  starts at 0). A query with nothing to retrieve (empty memory) uses the local result alone.
+
+Queries and keys are L2-normalised and the logits are ``τ_h q̂·k̂`` with a learned per-head scale
+``τ_h = exp(log_scale_h)`` (initialised to ``sqrt(D)``): normalised keys keep stale memory entries on the same
+scale as fresh ones, and make inner-product retrieval a cosine search. The memory is never differentiated
+through (``jax.lax.stop_gradient``), as in the paper.
+
+Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, batch size fixed there):
+
+    memory/keys    [B, memory_size, H, D]  L2-normalised keys, ``dtype``
+    memory/values  [B, memory_size, H, D]  values, ``dtype``
+    memory/valid   [B, memory_size] bool   which slots hold an entry; valid entries sit at the end, oldest first
+
+The training loop threads it through consecutive windows of each batch row's document stream:
+
+    mem = model.init(rng, x0)['memory']
+    for x, pos in windows:
+        y, upd = model.apply({'params': p, 'memory': mem}, x, positions=pos, mutable=['memory'])
+        mem = upd['memory']
+
+Within a call the memory is read first and written after (only strictly past windows are ever retrieved).
+The write appends this window's non-padding keys/values and evicts the oldest beyond ``memory_size`` (FIFO).
+When ``'memory'`` is not mutable (evaluation without threading, or ``decode=True``) the memory is only read.
+
+Resets (per batch row; a document never reads another's memory):
+- ``reset_B`` (optional keyword, bool ``[B]``): clear that row's memory before reading;
+- if ``reset_B`` is None and ``positions`` are given, a row whose first position is 0 starts a new document
+  and is reset. So a loop that passes within-document positions (continuing across windows) needs nothing
+  else; ``positions=None`` never resets.
+- packed windows: only tokens of the row's first segment (the document continuing from the previous window)
+  read the memory, only tokens of the last segment (the one continuing into the next window) are written,
+  and if the two differ the old memory is dropped.
+
+``decode=True`` (``causal=True`` only): the local attention keeps a chunked KV cache in ``'cache'``
+(``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``, ``cache_index``) as in
+``lconv.attention``; the memory is read, not written.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from lconv.attention import (NEG_INF, attend, attention_mask, check_decode, check_dropout, check_input,
+                             decode_cache_update, decode_mask, dense, dropout_rng, head_dims,
+                             segments_and_positions)
+
+Array = jax.Array
+DType = Any
+
+
+class KNNMemoryAttention(nn.Module):
+    """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
+
+    Fields: ``memory_size`` entries per batch row (each entry holds all heads' key/value of one token),
+    ``num_neighbors`` retrieved per query and head (``<= memory_size``), ``qkv_features`` (None = C),
+    ``attention_dropout`` on the local attention probabilities. Parameters: ``query``, ``key``, ``value``,
+    ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Call as the mixer contract plus ``reset_B=None``.
+    """
+
+    num_heads: int = 8
+    causal: bool = True
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    memory_size: int = 1024
+    num_neighbors: int = 32
+    qkv_features: int | None = None
+    attention_dropout: float = 0.0
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False,
+                 reset_B=None):
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        check_dropout(self.attention_dropout)
+        if self.memory_size < 1:
+            raise ValueError(f"memory_size must be >= 1, got {self.memory_size}")
+        if not 1 <= self.num_neighbors <= self.memory_size:
+            raise ValueError(f"num_neighbors must be in [1, memory_size={self.memory_size}], got {self.num_neighbors}")
+        if reset_B is not None and reset_B.shape != (B,):
+            raise ValueError(f"reset_B must be [batch] = {(B,)}, got {reset_B.shape}")
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        q_BTHD = l2_normalize(dense(H * D, "query", self)(x).reshape(B, T, H, D))
+        k_BTHD = l2_normalize(dense(H * D, "key", self)(x).reshape(B, T, H, D)).astype(self.dtype)
+        v_BTHD = dense(H * D, "value", self)(x).reshape(B, T, H, D)
+        log_scale_H = self.param("log_scale", nn.initializers.constant(math.log(math.sqrt(D))), (H,),
+                                 self.param_dtype)
+        q_BTHD = (q_BTHD * jnp.exp(log_scale_H.astype(jnp.float32))[:, None]).astype(self.dtype)  # τ_h q̂
+
+        # Local attention within the window (or the decode cache).
+        keys_BSHD, values_BSHD = k_BTHD, v_BTHD
+        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
+        if decode:
+            check_decode(self.causal, type(self).__name__)
+            cache, index = decode_cache_update(self, {"key": k_BTHD, "value": v_BTHD, "segment_ids": seg_BT})
+            if cache is not None:
+                keys_BSHD, values_BSHD = cache["key"], cache["value"]
+                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+        logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, keys_BSHD, preferred_element_type=jnp.float32)
+        local_BTHD = attend(logits_BHTS, values_BSHD, mask, dropout_rate=self.attention_dropout,
+                            dropout_rng=dropout_rng(self, self.attention_dropout, deterministic),
+                            dtype=jnp.float32)
+
+        # Memory: read (past windows only), then write this window.
+        M = self.memory_size
+        mem_k = self.variable("memory", "keys", jnp.zeros, (B, M, H, D), self.dtype)
+        mem_v = self.variable("memory", "values", jnp.zeros, (B, M, H, D), self.dtype)
+        mem_valid = self.variable("memory", "valid", jnp.zeros, (B, M), bool)
+        if mem_k.value.shape[:1] != (B,) or mem_k.value.shape[1:] != (M, H, D):
+            raise ValueError(f"memory/keys has shape {mem_k.value.shape} but this call needs {(B, M, H, D)}; "
+                             "memory_size and the batch size must match the init call")
+        if reset_B is None:
+            reset_B = jnp.zeros((B,), bool) if positions is None or decode else positions[:, 0] == 0
+        first_B1 = jnp.where(seg_BT > 0, seg_BT, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
+        last_B1 = seg_BT.max(-1, keepdims=True)
+        old_valid_BM = mem_valid.value & ~reset_B[:, None]
+        read_BT = (seg_BT == first_B1) & (seg_BT > 0)
+        mem_BTHD, found_BTH = memory_attention(q_BTHD, jax.lax.stop_gradient(mem_k.value),
+                                               jax.lax.stop_gradient(mem_v.value), old_valid_BM,
+                                               self.num_neighbors)
+        found_BTH &= read_BT[:, :, None]
+        gate_H = jax.nn.sigmoid(self.param("gate", nn.initializers.zeros, (H,), self.param_dtype))
+        g = gate_H.astype(jnp.float32)[:, None]
+        out_BTHD = jnp.where(found_BTH[..., None], g * mem_BTHD + (1 - g) * local_BTHD, local_BTHD)
+
+        if self.is_mutable_collection("memory") and not decode and not self.is_initializing():
+            write_BT = (seg_BT == last_B1) & (seg_BT > 0)
+            keep_B1 = (last_B1 == first_B1) | (last_B1 == 0)  # an all-padding window keeps the memory
+            mem_k.value, mem_v.value, mem_valid.value = fifo_append(
+                mem_k.value, mem_v.value, old_valid_BM & keep_B1, jax.lax.stop_gradient(k_BTHD),
+                jax.lax.stop_gradient(v_BTHD), write_BT)
+        out_BTHD = out_BTHD.astype(self.dtype)
+        return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure math
+# ----------------------------------------------------------------------------------------------------------
+
+
+def l2_normalize(x, eps: float = 1e-6) -> Array:
+    """``x / |x|`` over the last axis, computed in float32, returned in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k: int) -> tuple[Array, Array]:
+    """Exact top-k memory entries per query and head by inner product: ``(scores, indices)``, ``[B, H, T, k]``.
+
+    Invalid slots score ``NEG_INF`` (so they come last and can be masked by score)."""
+    scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, preferred_element_type=jnp.float32)
+    scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, NEG_INF)
+    return jax.lax.top_k(scores_BHTM, k)
+
+
+def memory_attention(q_BTHD, keys_BMHD, values_BMHD, valid_BM, k: int) -> tuple[Array, Array]:
+    """Softmax attention of each query over its own top-k retrieved entries (float32).
+
+    Returns ``(out [B, T, H, D] float32, found [B, T, H] bool)``; ``found`` is False where nothing valid was
+    retrieved (then ``out`` is 0)."""
+    scores_BHTK, idx_BHTK = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
+    ok_BHTK = scores_BHTK > NEG_INF / 2
+    probs_BHTK = jnp.where(ok_BHTK, jax.nn.softmax(scores_BHTK, axis=-1), 0.0)
+    v_BH1MD = jnp.transpose(values_BMHD, (0, 2, 1, 3))[:, :, None].astype(jnp.float32)
+    v_BHTKD = jnp.take_along_axis(v_BH1MD, idx_BHTK[..., None], axis=3)  # [B, H, T, k, D]
+    out_BHTD = jnp.einsum("bhtk,bhtkd->bhtd", probs_BHTK, v_BHTKD)
+    return jnp.transpose(out_BHTD, (0, 2, 1, 3)), jnp.transpose(ok_BHTK.any(-1), (0, 2, 1))
+
+
+def fifo_append(keys_BMHD, values_BMHD, valid_BM, new_k_BTHD, new_v_BTHD, new_valid_BT):
+    """Appends the valid new entries after the valid old ones and keeps the newest ``M`` (oldest evicted).
+
+    A stable sort on ``valid`` moves empty slots to the front while keeping the valid entries in time order."""
+    M = keys_BMHD.shape[1]
+    k = jnp.concatenate([keys_BMHD, new_k_BTHD.astype(keys_BMHD.dtype)], axis=1)  # [B, M + T, H, D]
+    v = jnp.concatenate([values_BMHD, new_v_BTHD.astype(values_BMHD.dtype)], axis=1)
+    valid = jnp.concatenate([valid_BM, new_valid_BT], axis=1)  # [B, M + T]
+    keep_BM = jnp.argsort(valid, axis=1, stable=True)[:, -M:]
+    take = lambda a: jnp.take_along_axis(a, keep_BM.reshape(keep_BM.shape + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
+    k, v, valid = take(k), take(v), take(valid)
+    return jnp.where(valid[:, :, None, None], k, 0), jnp.where(valid[:, :, None, None], v, 0), valid

@@ -1,0 +1,281 @@
+"""Attention mixers against float64 NumPy loop references, plus masking, packing, decoding and learning checks."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lconv import mixers
+from lconv.attention import CrossAttention, FixedAttention, HadamardAttention, SelfAttention
+
+B, T, C, H = 2, 13, 12, 3
+D = C // H
+L = 16  # max_len of the position tables
+X = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (B, T, C)), np.float32)
+# Row 0: two packed examples (7 + 4 tokens) and 2 padding tokens; row 1: one example, 3 padding tokens.
+SEG = np.array([[1] * 7 + [2] * 4 + [0] * 2, [1] * 10 + [0] * 3], np.int32)
+POS = np.array([list(range(7)) + list(range(4)) + [0, 0], list(range(10)) + [0] * 3], np.int32)
+ONES, ARANGE = np.ones((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
+
+MIXERS = {  # name -> (class, extra fields)
+    "attention": (SelfAttention, {}),
+    "fixed": (FixedAttention, dict(max_len=L)),
+    "fixed_factorized_mix": (FixedAttention, dict(max_len=L, factorized_rank=2, mix_dot_product=True)),
+    "hadamard": (HadamardAttention, dict(max_len=L)),
+    "hadamard_projected": (HadamardAttention, dict(max_len=L, project_qk=True)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(m, method, mutable, flags):
+    if method == "init":
+        return jax.jit(lambda rng, *a: m.init(rng, *a, **dict(flags)))
+    return jax.jit(lambda v, *a, **kw: m.apply(v, *a, **kw, **dict(flags), mutable=mutable))
+
+
+def run(m, variables, *args, mutable=False, **kw):
+    """``m.apply`` under a cached ``jax.jit`` (eager dispatch recompiles every op per new shape: slower)."""
+    flags = tuple(sorted((k, v) for k, v in kw.items() if isinstance(v, bool)))
+    arrays = {k: v for k, v in kw.items() if not isinstance(v, bool)}
+    mutable = tuple(mutable) if mutable else False
+    return _jitted(m, "apply", mutable, flags)(variables, *args, **arrays)
+
+
+def init(m, *args, **kw):
+    flags = tuple(sorted(kw.items()))
+    return _jitted(m, "init", True, flags)(jax.random.PRNGKey(1), *args)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(name):
+    """Parameters do not depend on ``causal``: initialise each mixer once (eagerly) and share."""
+    cls, extra = MIXERS[name]
+    params = cls(num_heads=H, **extra).init(jax.random.PRNGKey(1), jnp.asarray(X))["params"]
+    if "weight" in params:  # Hadamard's table starts at ones; make it non-trivial for the tests
+        params = dict(params, weight=1 + 0.5 * jax.random.normal(jax.random.PRNGKey(2), params["weight"].shape))
+    return params
+
+
+def build(name, causal, **kw):
+    cls, extra = MIXERS[name]
+    return cls(num_heads=H, causal=causal, **extra, **kw), _params(name)
+
+
+# ---------------------------------------------------------------- float64 NumPy references (explicit loops)
+
+
+def np_dense(p, x):
+    return np.asarray(x, np.float64) @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
+
+
+def np_table(params, name):
+    """The [H, L, L] position table of Fixed / Hadamard attention."""
+    if name.startswith("fixed") and "r1" in params:
+        return np.einsum("hlr,hrm->hlm", np.asarray(params["r1"], np.float64), np.asarray(params["r2"], np.float64))
+    return np.asarray(params["logits" if name.startswith("fixed") else "weight"], np.float64)
+
+
+def np_mixer(name, params, x, seg, pos, causal):
+    """y[b, t] = Out(sum_s softmax_s(logit(b, h, t, s) over visible s) V[b, s, h]) with loops over b, h, t."""
+    x = np.asarray(x, np.float64)
+    Bx, Tx, _ = x.shape
+    v = np_dense(params["value"], x).reshape(Bx, Tx, H, D)
+    if "query" in params:
+        q = np_dense(params["query"], x).reshape(Bx, Tx, H, D)
+        k = np_dense(params["key"], x).reshape(Bx, Tx, H, D)
+    else:  # Hadamard, source form: Q = K = the input split into heads
+        q = k = x.reshape(Bx, Tx, H, D)
+    out = np.zeros((Bx, Tx, H, D))
+    for b in range(Bx):
+        for h in range(H):
+            for t in range(Tx):
+                if seg[b, t] == 0:
+                    continue
+                ss = [s for s in range(Tx) if seg[b, s] == seg[b, t] and (not causal or s <= t)]
+                dot = np.array([q[b, t, h] @ k[b, s, h] / np.sqrt(D) for s in ss])
+                if name == "attention":
+                    logit = dot
+                else:
+                    w = np.array([np_table(params, name)[h, pos[b, t], pos[b, s]] for s in ss])
+                    if name == "fixed":
+                        logit = w
+                    elif name == "fixed_factorized_mix":
+                        a = 1 / (1 + np.exp(-np.asarray(params["mix_logit"], np.float64)[h]))
+                        logit = a * w + (1 - a) * dot
+                    else:
+                        logit = w * dot
+                p = np.exp(logit - logit.max())
+                p /= p.sum()
+                out[b, t, h] = sum(pi * v[b, s, h] for pi, s in zip(p, ss))
+    return np_dense(params["out"], out.reshape(Bx, Tx, H * D))
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_numpy_reference_with_packing_and_padding(name, causal):
+    m, params = build(name, causal)
+    y = run(m, {"params": params}, jnp.asarray(X), segment_ids=jnp.asarray(SEG), positions=jnp.asarray(POS))
+    ref = np_mixer(name, params, X, SEG, POS, causal)
+    valid = SEG > 0
+    np.testing.assert_allclose(np.asarray(y)[valid], ref[valid], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_no_causal_leak(name):
+    m, params = build(name, True)
+    t = 5
+    x2 = X.copy()
+    x2[:, t + 1:] = np.asarray(jax.random.normal(jax.random.PRNGKey(9), x2[:, t + 1:].shape))
+    y1, y2 = (np.asarray(run(m, {"params": params}, jnp.asarray(x), segment_ids=ONES, positions=ARANGE))
+              for x in (X, x2))
+    np.testing.assert_array_equal(y1[:, :t + 1], y2[:, :t + 1])
+    assert np.abs(y1[:, t + 1:] - y2[:, t + 1:]).max() > 1e-3  # the future does matter after t
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_packed_equals_separate(name):
+    m, params = build(name, False)
+    y = np.asarray(run(m, {"params": params}, jnp.asarray(X), segment_ids=jnp.asarray(SEG),
+                       positions=jnp.asarray(POS)))
+    # The two examples packed into row 0, each alone at the start of its own row (rest padding).
+    alone_x, alone_seg = np.zeros_like(X), np.zeros_like(SEG)
+    alone_x[0, :7], alone_x[1, :4] = X[0, :7], X[0, 7:11]
+    alone_seg[0, :7], alone_seg[1, :4] = 1, 1
+    alone = np.asarray(run(m, {"params": params}, jnp.asarray(alone_x), segment_ids=alone_seg, positions=ARANGE))
+    np.testing.assert_allclose(y[0, :7], alone[0, :7], atol=1e-5)
+    np.testing.assert_allclose(y[0, 7:11], alone[1, :4], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_incremental_decoding_equals_full_pass(name):
+    m, params = build(name, True)
+    full = np.asarray(run(m, {"params": params}, jnp.asarray(X), segment_ids=ONES, positions=ARANGE))
+    cache = init(m, jnp.asarray(X), decode=True)["cache"]  # zeroed, max length T
+    assert int(cache["cache_index"]) == 0 and not np.any(np.asarray(cache["cached_value"]))
+    outs = []
+    for lo, hi in [(0, 1), (1, 2), (2, 7), (7, 8), (8, 13)]:  # chunks of 1 and of > 1 tokens
+        y, mut = run(m, {"params": params, "cache": cache}, jnp.asarray(X[:, lo:hi]), decode=True,
+                         mutable=["cache"])
+        cache = mut["cache"]
+        outs.append(np.asarray(y))
+    assert int(cache["cache_index"]) == T
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
+
+
+def test_cross_attention_matches_numpy_and_masks_memory_padding():
+    S = 7
+    mem = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (B, S, C)), np.float32)
+    mseg = np.array([[1] * 5 + [0] * 2, [1] * 7], np.int32)
+    m = CrossAttention(num_heads=H)
+    params = m.init(jax.random.PRNGKey(1), jnp.asarray(X), jnp.asarray(mem))["params"]
+    y = np.asarray(run(m, {"params": params}, jnp.asarray(X), jnp.asarray(mem),
+                           memory_segment_ids=jnp.asarray(mseg)))
+    q = np_dense(params["query"], X).reshape(B, T, H, D)
+    k = np_dense(params["key"], mem).reshape(B, S, H, D)
+    v = np_dense(params["value"], mem).reshape(B, S, H, D)
+    out = np.zeros((B, T, H, D))
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                ss = [s for s in range(S) if mseg[b, s]]
+                lg = np.array([q[b, t, h] @ k[b, s, h] for s in ss]) / np.sqrt(D)
+                p = np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum()
+                out[b, t, h] = sum(pi * v[b, s, h] for pi, s in zip(p, ss))
+    np.testing.assert_allclose(y, np_dense(params["out"], out.reshape(B, T, C)), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["attention", "fixed_factorized_mix", "hadamard"])
+def test_bfloat16_close_to_float32(name):
+    m, params = build(name, True)
+    y32 = np.asarray(run(m, {"params": params}, jnp.asarray(X)))
+    m16 = m.clone(dtype=jnp.bfloat16)
+    y16 = run(m16, {"params": params}, jnp.asarray(X, jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.1, rtol=0.05)
+
+
+def test_attention_dropout_only_in_training():
+    m, params = build("attention", False, attention_dropout=0.3)
+    det = run(m, {"params": params}, jnp.asarray(X))
+    ref = build("attention", False)[0].apply({"params": params}, jnp.asarray(X))
+    np.testing.assert_allclose(det, ref, atol=1e-6)
+    y1 = run(m, {"params": params}, jnp.asarray(X), deterministic=False, rngs={"dropout": jax.random.PRNGKey(4)})
+    assert np.all(np.isfinite(y1)) and np.abs(np.asarray(y1) - np.asarray(det)).max() > 1e-3
+
+
+def test_fixed_attention_learns_to_reverse_a_sequence():
+    """A position-only task: output token t = input token T-1-t. Fixed attention must route by position."""
+    V, Tr, Cr = 7, 11, 16
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tok_BT):
+            x = nn.Embed(V, Cr)(tok_BT)
+            x = FixedAttention(num_heads=2, max_len=Tr, factorized_rank=0)(x)
+            return nn.Dense(V)(x)
+
+    model = Model()
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, Tr), jnp.int32))
+    opt = optax.adam(0.05)
+
+    def loss_fn(p, tok):
+        logits = model.apply(p, tok)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, ::-1]).mean()
+
+    @jax.jit
+    def step(p, s, key):
+        tok = jax.random.randint(key, (32, Tr), 0, V)
+        loss, g = jax.value_and_grad(loss_fn)(p, tok)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    state = opt.init(params)
+    for i in range(200):
+        params, state, loss = step(params, state, jax.random.PRNGKey(i))
+    tok = jax.random.randint(jax.random.PRNGKey(10_000), (64, Tr), 0, V)
+    acc = float((model.apply(params, tok).argmax(-1) == tok[:, ::-1]).mean())
+    assert acc > 0.98 and float(loss) < 0.1, (acc, float(loss))
+
+
+def test_registry_builds_each_mixer():
+    for name, cls in [("attention", SelfAttention), ("fixed", FixedAttention), ("hadamard", HadamardAttention)]:
+        m = mixers.make_mixer(name, num_heads=H, causal=True, dtype=jnp.float32, param_dtype=jnp.float32)
+        assert isinstance(m, cls)
+        y, _ = m.init_with_output(jax.random.PRNGKey(0), jnp.asarray(X))
+        assert y.shape == X.shape
+
+
+@pytest.mark.parametrize("cls, kw, field", [
+    (SelfAttention, dict(num_heads=5), "qkv_features"),
+    (SelfAttention, dict(num_heads=0), "num_heads"),
+    (SelfAttention, dict(num_heads=3, attention_dropout=1.0), "attention_dropout"),
+    (SelfAttention, dict(num_heads=3, qkv_features=10), "qkv_features"),
+    (FixedAttention, dict(num_heads=3, max_len=8), "max_len"),
+    (FixedAttention, dict(num_heads=3, max_len=L, factorized_rank=-1), "factorized_rank"),
+    (HadamardAttention, dict(num_heads=5, qkv_features=10), "num_heads"),
+    (HadamardAttention, dict(num_heads=3, max_len=8), "max_len"),
+])
+def test_bad_config_raises(cls, kw, field):
+    with pytest.raises(ValueError, match=field):
+        cls(**kw).init(jax.random.PRNGKey(0), jnp.asarray(X))
+
+
+@pytest.mark.parametrize("cls, kw", [(SelfAttention, {}), (FixedAttention, dict(max_len=L)),
+                                     (HadamardAttention, dict(max_len=L))])
+def test_bad_call_raises(cls, kw):
+    m = cls(num_heads=H, **kw)
+    with pytest.raises(ValueError, match="x_BTC"):
+        m.init(jax.random.PRNGKey(0), jnp.asarray(X[0]))
+    with pytest.raises(ValueError, match="segment_ids"):
+        m.init(jax.random.PRNGKey(0), jnp.asarray(X), segment_ids=jnp.ones((B, T + 1), jnp.int32))
+    with pytest.raises(ValueError, match="causal"):
+        m.init(jax.random.PRNGKey(0), jnp.asarray(X), decode=True)
+    if cls is not SelfAttention:
+        with pytest.raises(ValueError, match="max_len"):
+            m.init(jax.random.PRNGKey(0), jnp.asarray(X), positions=jnp.full((B, T), L, jnp.int32))
