@@ -232,6 +232,7 @@ def train_and_evaluate(config, workdir, *, log=print):
     batch_sharding = _batch_sharding(mesh)
     train_step = jax.jit(make_train_step(config, lr_schedule), in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, None), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(config), static_argnums=1)
     writer = logging_utils.MetricWriter(workdir)
     preemption = _Preemption()
     start_step, num_steps = int(state.step), config.train.num_steps
@@ -261,7 +262,7 @@ def train_and_evaluate(config, workdir, *, log=print):
                                      tok_s=f"{summary['tokens_per_s']:.0f}")
                 window_sums, window_start = None, time.time()
             if step % config.train.eval_every == 0 and step < num_steps:
-                writer.write(step, "validation", evaluate_loss(config, state, data.eval_sets["validation"], mesh))
+                writer.write(step, "validation", evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh))
             ckpt.save(step, state, data.train_iter.get_state(), force=bool(out_of_time or preemption.requested))
             if out_of_time or preemption.requested:
                 log(f"stopping at step {step}: " + ("SIGTERM" if preemption.requested else "train.max_minutes"))
@@ -272,7 +273,7 @@ def train_and_evaluate(config, workdir, *, log=print):
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     if preemption.requested:
         return result
-    result["validation"] = evaluate_loss(config, state, data.eval_sets["validation"], mesh)
+    result["validation"] = evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh)
     writer.write(step, "validation", result["validation"])
     if config.train.eval_after_training:
         from lconv import evaluate
@@ -284,9 +285,12 @@ def train_and_evaluate(config, workdir, *, log=print):
     return result
 
 
-def evaluate_loss(config, state, eval_set, mesh):
-    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero)."""
-    eval_step = jax.jit(make_eval_step(config), static_argnums=1)
+def evaluate_loss(eval_step, state, eval_set, mesh):
+    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
+
+    ``eval_step`` is ``jax.jit(make_eval_step(config), static_argnums=1)``, built once per run so periodic
+    evaluations reuse its compilation.
+    """
     sharding = _batch_sharding(mesh)
     total = None
     with mesh:
