@@ -1,6 +1,6 @@
 """Evaluates a trained run with the config stored in its workdir.
 
-    python eval.py --workdir=runs/default [--split=test] [--average_last=5] [--beam_size=5 --lenpen=1.0]
+    python eval.py --workdir=runs/default [--split=test] [--average_last=5 | --checkpoint=best] [--beam_size=5 --lenpen=1.0]
     python eval.py --workdir=runs/default --source_file=F [--reference_file=R] --output_file=O
 
 Writes hypotheses and a JSON of scores (sacreBLEU with its signature, or ROUGE-1/2/L).
@@ -13,6 +13,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A directory written by train.py.")
 flags.DEFINE_string("split", "test", "Split of the run's dataset to score.")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
+flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best by validation.")
 flags.DEFINE_integer("beam_size", None, "Beam size (default: the stored config's).")
 flags.DEFINE_float("lenpen", None, "Length penalty (default: the stored config's).")
 flags.DEFINE_string("source_file", None, "Translate/summarise this file, one example per line.")
@@ -28,11 +29,12 @@ def main(argv):
     from lconv import evaluate
 
     with runtime.user_errors():
-        evaluate.run(FLAGS.workdir, split=FLAGS.split, average_last=FLAGS.average_last, beam_size=FLAGS.beam_size,
+        evaluate.run(FLAGS.workdir, split=FLAGS.split, average_last=FLAGS.average_last,
+                     checkpoint=FLAGS.checkpoint, beam_size=FLAGS.beam_size,
                      lenpen=FLAGS.lenpen, source_file=FLAGS.source_file, reference_file=FLAGS.reference_file,
                      output_file=FLAGS.output_file)
 
 
 if __name__ == "__main__":
     logging.set_verbosity(logging.WARNING)
-    app.run(main)
+    app.run(main, flags_parser=runtime.parse_flags)

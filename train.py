@@ -28,4 +28,4 @@ def main(argv):
 
 if __name__ == "__main__":
     logging.set_verbosity(logging.WARNING)
-    app.run(main)
+    app.run(main, flags_parser=runtime.parse_flags)

@@ -1,21 +1,23 @@
 """All orbax use in one place: the train state and the data-iterator state, saved together so resumes are exact.
 
-A checkpoint is ``<workdir>/checkpoints/<step>/`` with two items: ``state`` (params, optimizer state, step; restored
+A checkpoint is ``<workdir>/checkpoints/<step>/`` (the best by validation loss: ``<workdir>/best/<step>/``) with two items: ``state`` (params, optimizer state, step; restored
 straight into the target shardings) and ``data`` (the grain iterator's state as JSON). Orbax writes into a
 temporary directory and renames it when complete, so a checkpoint left half-written by a crash is never listed
 as a step and is ignored on restore.
 """
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import jax
 import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-    def __init__(self, workdir, *, keep=5, save_every=1000, async_save=False):
-        self.directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "checkpoints")
+    def __init__(self, workdir, *, keep=5, save_every=1000, subdir="checkpoints", async_save=False):
+        self.directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), subdir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
         )
@@ -27,6 +29,10 @@ class Checkpointer:
 
     def all_steps(self):
         return list(self.manager.all_steps())
+
+    def read_data(self, step):
+        """The JSON item of checkpoint ``step`` alone (no arrays are read)."""
+        return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def save(self, step, state, data_state, *, force=False):
         """Saves at multiples of ``save_every`` (or when forced); returns whether it saved."""
@@ -48,16 +54,70 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, TypeError) as err:
+        except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
             raise ValueError(
-                f"checkpoint {self.directory}/{step} does not fit this config's model ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:200]}); use the config stored with it or a new --workdir"
+                f"checkpoint {self.directory}/{step} does not fit this config's model or is unreadable "
+                f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
+                f"use the config stored with it or a new --workdir"
             ) from None
         return restored["state"], restored["data"]
+
+    def restore_latest_readable(self, abstract_state, log=print):
+        """Restores the newest checkpoint that reads; newer unreadable ones (a crash mid-write, a bad disk) are
+        moved to ``<dir>_unreadable/`` and reported, so nothing is deleted. Raises if none reads."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        errors = []
+        for step in steps:
+            try:
+                restored = self.restore(abstract_state, step)
+            except ValueError as err:
+                errors.append((step, err))
+                continue
+            if errors:
+                self._set_aside([s for s, _ in errors])
+                log(f"checkpoint(s) {[s for s, _ in errors]} unreadable, moved to {self.directory}_unreadable; "
+                    f"resuming from step {step} ({errors[0][1]})")
+            return restored
+        raise errors[0][1]
+
+    def _set_aside(self, steps):
+        if jax.process_index() == 0:
+            aside = self.directory + "_unreadable"
+            os.makedirs(aside, exist_ok=True)
+            for step in steps:
+                os.replace(os.path.join(self.directory, str(step)), os.path.join(aside, f"{step}.{int(time.time())}"))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("lconv_checkpoints_set_aside")  # every process sees the move
+        self.manager.reload()
 
     def close(self):
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+class BestCheckpointer:
+    """The state with the lowest validation loss so far: one checkpoint in ``<workdir>/best`` whose JSON item is
+    ``{"step", "validation_loss"}``. A resumed run reads the loss to beat back from it."""
+
+    def __init__(self, workdir):
+        self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best")
+        step = self.checkpointer.latest_step()
+        self.loss = math.inf if step is None else float(self.checkpointer.read_data(step)["validation_loss"])
+
+    def offer(self, step, state, validation_loss):
+        """Saves ``state`` if its loss beats the best so far; returns whether it did."""
+        if not validation_loss < self.loss:
+            return False
+        saved = self.checkpointer.save(step, state, {"step": int(step), "validation_loss": float(validation_loss)},
+                                       force=True)
+        if saved:
+            self.loss = float(validation_loss)
+        return saved
+
+    def close(self):
+        self.checkpointer.close()
 
 
 def abstract_like(tree):

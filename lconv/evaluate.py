@@ -1,6 +1,7 @@
 """Evaluation: decode a split (or any text file), detokenise, score with sacreBLEU / ROUGE, write the outputs."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -11,18 +12,37 @@ import numpy as np
 from lconv import metrics
 
 
-def decode_batches(config, model, params, batches):
-    """Best-beam token ids for each batch of ``inputs`` (padding rows included; the caller drops them)."""
-    from lconv import decode
+def decode_batches(config, model, params, eval_set):
+    """``(batch, best-beam ids [B, L])`` over every example of ``eval_set`` (padding rows included; the caller
+    drops rows with ``example_index < 0``).
 
-    translate = jax.jit(
-        lambda params, inputs, segmentation: decode.translate(
+    Examples are decoded in order of source length, each batch cut to the shortest width in ``_WIDTHS`` that holds
+    it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam search
+    stops early together. That is a handful of compiled shapes, each compiled once.
+    """
+    from lconv import decode
+    from lconv.data import pipeline
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def translate(params, inputs, segmentation, max_len):
+        return decode.translate(
             model, {"params": params}, inputs, inputs_segmentation=segmentation, beam_size=config.decode.beam_size,
-            max_len=_max_len(config, inputs.shape[1]), lenpen=config.decode.lenpen,
-            max_len_a=config.decode.max_len_a, max_len_b=config.decode.max_len_b))
-    for batch in batches:
-        segmentation = (batch["inputs"] != 0).astype(np.int32)
-        yield batch, np.asarray(translate(params, batch["inputs"], segmentation))
+            max_len=max_len, lenpen=config.decode.lenpen, max_len_a=config.decode.max_len_a,
+            max_len_b=config.decode.max_len_b)
+
+    order = sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
+    rows = eval_set.batch_size
+    for b in range(eval_set.num_batches):  # the same count on every process
+        chosen = order[b * rows:(b + 1) * rows]
+        batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
+        longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
+        width = min([w for w in _WIDTHS if w >= longest] + [batch["inputs"].shape[1]])
+        inputs = batch["inputs"][:, :width]
+        segmentation = (inputs != 0).astype(np.int32)
+        yield batch, np.asarray(translate(params, inputs, segmentation, _max_len(config, width)))
+
+
+_WIDTHS = (32, 64, 128, 256, 512, 1024)  # source widths decoding batches are cut to
 
 
 def _max_len(config, source_len):
@@ -86,13 +106,16 @@ def format_report(scores, sources, references, hypotheses, num_print):
 # ----------------------------------------------------------------------------------------------------------------
 # eval.py: a trained workdir, its stored config, any split or text file
 # ----------------------------------------------------------------------------------------------------------------
-def restore_params(config, model, workdir, average_last=1):
-    """Params of the latest checkpoint, or the mean of the last ``average_last`` (the paper's practice)."""
-    import ml_collections  # noqa: F401
-
+def restore_params(config, model, workdir, average_last=1, checkpoint="latest"):
+    """Params of the latest checkpoint, the mean of the last ``average_last`` (the paper's practice), or, with
+    ``checkpoint="best"``, of the one with the lowest validation loss."""
     from lconv import checkpoints, train_lib
 
-    ckpt = checkpoints.Checkpointer(workdir)
+    if checkpoint not in ("latest", "best"):
+        raise ValueError(f"--checkpoint must be latest or best; got {checkpoint!r}")
+    if checkpoint == "best" and average_last > 1:
+        raise ValueError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+    ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best")
     steps = sorted(ckpt.all_steps())
     if not steps:
         raise ValueError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
@@ -109,8 +132,8 @@ def restore_params(config, model, workdir, average_last=1):
     return jax.tree.map(lambda x: x / len(chosen), total), chosen
 
 
-def run(workdir, *, split="test", average_last=1, beam_size=None, lenpen=None, source_file=None,
-        reference_file=None, output_file=None, log=print):
+def run(workdir, *, split="test", average_last=1, checkpoint="latest", beam_size=None, lenpen=None,
+        source_file=None, reference_file=None, output_file=None, log=print):
     """``eval.py``: scores a split of the run's dataset, or translates/summarises ``source_file`` line by line."""
     import ml_collections
 
@@ -130,7 +153,7 @@ def run(workdir, *, split="test", average_last=1, beam_size=None, lenpen=None, s
         raise ValueError("eval.py decodes translation/summarization runs; an lm run reports perplexity in train.py")
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
     model = train_lib.build_model(config, tokenizer.vocab_size)
-    params, steps = restore_params(config, model, workdir, average_last)
+    params, steps = restore_params(config, model, workdir, average_last, checkpoint)
     log(f"checkpoint(s) {steps}")
     if source_file is None:
         config.data.eval_splits = (split,)

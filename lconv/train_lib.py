@@ -77,9 +77,7 @@ def build_optimizer(optim, num_steps):
         raise ValueError(f"config.optim.optimizer must be adam, adamw or nag; got {optim.optimizer!r}")
     if optim.clip_norm:
         tx = optax.chain(optax.clip_by_global_norm(optim.clip_norm), tx)
-    if optim.grad_accum_steps > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=optim.grad_accum_steps)
-    return tx, lr
+    return tx, lr  # gradient accumulation happens inside the train step (make_train_step)
 
 
 def make_mesh(mesh_config, devices=None):
@@ -132,7 +130,7 @@ def create_state(config, model, mesh, tx):
     abstract = jax.eval_shape(init, rng)
     logical_specs = nn.get_partition_spec(abstract)
     shardings = nn.logical_to_mesh_sharding(logical_specs, mesh, [tuple(r) for r in config.mesh.rules])
-    with mesh:
+    with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)(rng)
     return state, shardings
 
@@ -145,21 +143,44 @@ def count_params(params):
 # Steps
 # ----------------------------------------------------------------------------------------------------------------
 def make_train_step(config, lr_schedule):
+    """``(state, batch) -> (state, sums)``: one optimizer update from a global batch.
+
+    With ``optim.grad_accum_steps = n`` (fairseq's update-freq) the batch's rows are split into ``n`` micro-batches
+    (row ``r`` goes to micro-batch ``r % n``, so every data shard contributes to each) whose summed gradients are
+    scanned, then divided by the batch's total target tokens: the update equals the unsplit batch's, with a
+    ``1/n`` activation footprint.
+    """
     smoothing = config.optim.label_smoothing
+    micro = int(config.optim.grad_accum_steps)
 
     def train_step(state, batch):
-        dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
-        args, kwargs = model_inputs(batch)
-        weights = batch["targets_segmentation"] > 0
-
-        def loss_fn(params):
+        def loss_sums(params, batch, dropout_rng):
+            args, kwargs = model_inputs(batch)
             logits = state.apply_fn({"params": params}, *args, **kwargs, deterministic=False,
                                     rngs={"dropout": dropout_rng})
-            sums = metrics.label_smoothed_loss(logits, batch["targets"], weights, smoothing)
-            return sums["loss"] / jnp.maximum(sums["tokens"], 1.0), sums
+            sums = metrics.label_smoothed_loss(logits, batch["targets"], batch["targets_segmentation"] > 0,
+                                               smoothing)
+            return sums["loss"], sums
 
-        grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
-        sums["grad_norm"] = optax.global_norm(grads)
+        grad_sums = jax.grad(loss_sums, has_aux=True)  # gradient of the summed (not averaged) loss
+        dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
+        if micro == 1:
+            grads, sums = grad_sums(state.params, batch, dropout_rng)
+        else:
+            # [B, ...] -> [micro, B / micro, ...] with row r in micro-batch r % micro.
+            split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, micro, *x.shape[1:]), 0, 1), batch)
+
+            def accumulate(total, index_and_batch):
+                index, micro_batch = index_and_batch
+                out = grad_sums(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
+                return jax.tree.map(jnp.add, total, out), None
+
+            first = jax.tree.map(lambda x: x[0], split)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 jax.eval_shape(grad_sums, state.params, first, dropout_rng))
+            (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(micro), split))
+        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
+        sums["grad_norm"] = optax.tree.norm(grads)
         sums["lr"] = lr_schedule(state.step)
         return state.apply_gradients(grads=grads), sums
 
@@ -194,38 +215,90 @@ class _Preemption:
         self.requested = True
 
 
+def validate_config(config):
+    """Fails fast, before any data or compilation, with one line naming the bad field."""
+    rules = [
+        ("task", lambda v: v in ("translation", "summarization", "lm"), "translation, summarization or lm"),
+        ("optim.optimizer", lambda v: v in ("adam", "adamw", "nag"), "adam, adamw or nag"),
+        ("optim.schedule", lambda v: v in ("inverse_sqrt", "cosine", "constant"), "inverse_sqrt, cosine or constant"),
+        ("optim.learning_rate", lambda v: v > 0, "> 0"),
+        ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+        ("optim.label_smoothing", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("optim.clip_norm", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("optim.grad_accum_steps", lambda v: v >= 1, ">= 1"),
+        ("train.num_steps", lambda v: v >= 1, ">= 1"),
+        ("train.log_every", lambda v: v >= 1, ">= 1"),
+        ("train.eval_every", lambda v: v >= 1, ">= 1"),
+        ("train.checkpoint_every", lambda v: v >= 1, ">= 1"),
+        ("train.keep_checkpoints", lambda v: v >= 1, ">= 1"),
+        ("train.max_minutes", lambda v: v >= 0, ">= 0 (0 = no limit)"),
+        ("decode.beam_size", lambda v: v >= 1, ">= 1"),
+        ("data.batch_size", lambda v: v >= 1, ">= 1"),
+        ("data.max_input_length", lambda v: v >= 2, ">= 2"),
+        ("data.max_target_length", lambda v: v >= 2, ">= 2"),
+    ]
+    for dotted, ok, requirement in rules:
+        value = config
+        for part in dotted.split("."):
+            value = value[part]
+        if not ok(value):
+            raise ValueError(f"config.{dotted}={value!r}: must be {requirement}")
+    models.ModelConfig.from_config(config.model, vocab_size=max(int(config.data.vocab_size), 8))
+
+
 def _check_batch_divides(config, mesh):
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    for field in ("batch_size", "eval_batch_size"):
-        if config.data[field] % shards:
-            raise ValueError(f"config.data.{field}={config.data[field]} must be divisible by the {shards} "
-                             f"data-parallel devices (mesh data x fsdp)")
+    accum = int(config.optim.grad_accum_steps)
+    if config.data.batch_size % (shards * accum):
+        raise ValueError(f"config.data.batch_size={config.data.batch_size} must be divisible by the {shards} "
+                         f"data-parallel devices (mesh data x fsdp) times optim.grad_accum_steps={accum}")
+    if config.data.eval_batch_size % shards:
+        raise ValueError(f"config.data.eval_batch_size={config.data.eval_batch_size} must be divisible by the "
+                         f"{shards} data-parallel devices (mesh data x fsdp)")
 
 
 def _global_batch(batch, sharding):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
-def train_and_evaluate(config, workdir, *, log=print):
-    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint), then evaluates. Returns metrics."""
+def _check_finite(sums, step, ckpt):
+    """Raises on a non-finite loss in ``sums`` (a window of steps ending at ``step``); returns the summary."""
+    summary = metrics.summarize(sums)
+    if not np.isfinite(summary["loss"]):
+        raise FloatingPointError(
+            f"non-finite loss ({summary['loss']}) by step {step}; the last good checkpoint is kept "
+            f"(step {ckpt.latest_step()}); lower config.optim.learning_rate or set optim.clip_norm")
+    return summary
+
+
+def train_and_evaluate(config, workdir, *, devices=None, log=print):
+    """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint), then evaluates. Returns metrics.
+
+    ``devices``: the devices of the mesh (default: all). Checkpoints go to ``<workdir>/checkpoints`` (the last
+    ``train.keep_checkpoints``) and the best by validation loss to ``<workdir>/best``.
+    """
     from lconv import logging_utils
 
+    devices = jax.devices() if devices is None else list(devices)
+    validate_config(config)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     os.makedirs(workdir, exist_ok=True)
+    mesh = make_mesh(config.mesh, devices)
+    _check_batch_divides(config, mesh)
     logging_utils.save_config(config, workdir)
     tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
     data = pipeline.make_datasets(config.data, tokenizer)
     model = build_model(config, tokenizer.vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
-    mesh = make_mesh(config.mesh)
-    _check_batch_divides(config, mesh)
     state, state_shardings = create_state(config, model, mesh, tx)
-    log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; devices {jax.devices()[0].platform}")
+    log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
+        f"devices {len(devices)} x {devices[0].platform}")
 
     ckpt = checkpoints.Checkpointer(workdir, keep=config.train.keep_checkpoints,
                                     save_every=config.train.checkpoint_every)
+    best = checkpoints.BestCheckpointer(workdir)
     if ckpt.latest_step() is not None:
-        state, data_state = ckpt.restore(checkpoints.abstract_like(state))
+        state, data_state = ckpt.restore_latest_readable(checkpoints.abstract_like(state), log=log)
         data.train_iter.set_state(data_state)
         log(f"resumed from step {int(state.step)}")
 
@@ -234,12 +307,19 @@ def train_and_evaluate(config, workdir, *, log=print):
                          out_shardings=(state_shardings, None), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(config), static_argnums=1)
     writer = logging_utils.MetricWriter(workdir)
+
+    def validate(step):
+        scores = evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh)
+        writer.write(step, "validation", scores)
+        best.offer(step, state, scores["loss"])
+        return scores
+
     preemption = _Preemption()
     start_step, num_steps = int(state.step), config.train.num_steps
     t0, window_sums, window_start = time.time(), None, time.time()
     progress = logging_utils.progress(start_step, num_steps)
     step = start_step
-    with mesh:
+    with jax.set_mesh(mesh):
         while step < num_steps:
             batch = _global_batch(next(data.train_iter), batch_sharding)
             state, sums = train_step(state, batch)
@@ -247,24 +327,21 @@ def train_and_evaluate(config, workdir, *, log=print):
             window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
             progress.update(1)
             out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-            if step % config.train.log_every == 0 or step == num_steps or out_of_time or preemption.requested:
-                summary = metrics.summarize(window_sums)
-                if not np.isfinite(summary["loss"]):
-                    raise FloatingPointError(
-                        f"non-finite loss ({summary['loss']}) at step {step}; the last good checkpoint is kept "
-                        f"(step {ckpt.latest_step()}); lower config.optim.learning_rate or set clip_norm")
+            stopping = bool(out_of_time or preemption.requested)
+            saving = stopping or step % config.train.checkpoint_every == 0
+            if step % config.train.log_every == 0 or step == num_steps or saving:
+                summary = _check_finite(window_sums, step, ckpt)  # never checkpoint a diverged state
                 elapsed = time.time() - window_start
-                n = config.train.log_every if step % config.train.log_every == 0 else max(step - start_step, 1)
                 summary.update(lr=float(sums["lr"]), grad_norm=float(sums["grad_norm"]),
-                               tokens_per_s=summary["tokens"] / max(elapsed, 1e-9), steps=n)
+                               tokens_per_s=summary["tokens"] / max(elapsed, 1e-9))
                 writer.write(step, "train", summary)
                 progress.set_postfix(loss=f"{summary['loss']:.3f}", ppl=f"{summary['ppl']:.1f}",
                                      tok_s=f"{summary['tokens_per_s']:.0f}")
                 window_sums, window_start = None, time.time()
             if step % config.train.eval_every == 0 and step < num_steps:
-                writer.write(step, "validation", evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh))
-            ckpt.save(step, state, data.train_iter.get_state(), force=bool(out_of_time or preemption.requested))
-            if out_of_time or preemption.requested:
+                validate(step)
+            ckpt.save(step, state, data.train_iter.get_state(), force=stopping)
+            if stopping:
                 log(f"stopping at step {step}: " + ("SIGTERM" if preemption.requested else "train.max_minutes"))
                 break
     progress.close()
@@ -272,9 +349,11 @@ def train_and_evaluate(config, workdir, *, log=print):
     ckpt.close()
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     if preemption.requested:
+        best.close()
         return result
-    result["validation"] = evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh)
-    writer.write(step, "validation", result["validation"])
+    with jax.set_mesh(mesh):
+        result["validation"] = validate(step)
+    best.close()
     if config.train.eval_after_training:
         from lconv import evaluate
 
@@ -293,7 +372,7 @@ def evaluate_loss(eval_step, state, eval_set, mesh):
     """
     sharding = _batch_sharding(mesh)
     total = None
-    with mesh:
+    with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
             sums = eval_step(state.params, state.apply_fn, _global_batch(batch, sharding))

@@ -1,78 +1,289 @@
-"""The training loop end to end on the bundled corpus with a tiny model: it learns, checkpoints, and a resumed
-run continues with exactly the losses of an uninterrupted one (model, optimizer and data-iterator state)."""
+"""The training loop end to end on the bundled corpus with a tiny model (tests/tiny_config.py): it learns,
+checkpoints (the last K and the best by validation), resumes exactly, gives the same losses on 1 and 8 devices,
+skips half-written or corrupt checkpoints, stops on a non-finite loss without checkpointing it, and its step
+matches the unsplit batch under gradient accumulation and the float32 loss under bfloat16 compute."""
 import json
 import os
 import shutil
 
+import jax
+import numpy as np
 import pytest
+import sacrebleu
+import tiny_config
 
-from configs import default
-from lconv import train_lib
+from lconv import checkpoints, train_lib
+from lconv.data import sources
 
 
-def _tiny_config(data_dir, num_steps):
-    c = default.get_config()
+def _config(data_dir, num_steps=6, **train):
+    c = tiny_config.get_config()
     c.data.data_dir = str(data_dir)
-    c.data.vocab_size = 512
-    c.data.tokenizer_max_sentences = 20_000
-    c.data.batch_size, c.data.eval_batch_size = 8, 64  # divisible by the 8 test devices
-    c.data.max_input_length = c.data.max_target_length = 16
-    c.data.eval_max_input_length = c.data.eval_max_target_length = 32
-    c.data.read_threads = 1
-    c.model.d_model, c.model.ffn_dim, c.model.num_heads = 16, 32, 2
-    c.model.encoder_layers = c.model.decoder_layers = 1
-    c.model.encoder_kernel_sizes = c.model.decoder_kernel_sizes = (3,)
-    c.optim.warmup_steps = 2
-    c.train.num_steps, c.train.max_minutes = num_steps, 0.0
-    c.train.log_every = c.train.checkpoint_every = 1
-    c.train.eval_every = 1000
-    c.train.eval_after_training = False
+    c.train.num_steps = num_steps
+    c.train.update(train)
     return c
 
 
-def _train_losses(workdir):
+def _rows(workdir, split):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+        return [r for r in map(json.loads, f) if r["split"] == split]
+
+
+def _train_losses(workdir):
+    return {r["step"]: r["loss"] for r in _rows(workdir, "train")}
+
+
+def _new_workdir(root, name, like):
+    """A fresh workdir sharing ``like``'s tokenizer (no retraining, same vocabulary)."""
+    workdir = root / name
+    workdir.mkdir()
+    shutil.copy(like / "spm.model", workdir / "spm.model")
+    return workdir
+
+
+def _quiet(*args):
+    del args
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     workdir = root / "full"
-    result = train_lib.train_and_evaluate(_tiny_config(root / "tfds", 6), str(workdir), log=lambda *a: None)
+    result = train_lib.train_and_evaluate(_config(root / "tfds"), str(workdir), log=_quiet)
     return root, workdir, result
 
 
 def test_training_runs_and_writes_its_outputs(uninterrupted):
     root, workdir, result = uninterrupted
     assert result["step"] == 6
-    for name in ("config.json", "spm.model", "metrics.jsonl", "tensorboard", "checkpoints"):
+    for name in ("config.json", "spm.model", "metrics.jsonl", "tensorboard", "checkpoints", "best"):
         assert (workdir / name).exists(), name
     losses = _train_losses(workdir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert losses[6] < losses[1]  # it learns something even in six tiny steps
     assert result["validation"]["tokens"] > 1000  # every validation example was scored
+    assert sorted(int(d) for d in os.listdir(workdir / "checkpoints")) == [2, 3, 4, 5, 6]  # keep_checkpoints=5
+
+
+def test_the_best_checkpoint_is_the_lowest_validation_loss(uninterrupted):
+    root, workdir, _ = uninterrupted
+    validation = {r["step"]: r["loss"] for r in _rows(workdir, "validation")}
+    assert sorted(validation) == [3, 6]  # eval_every=3, and once at the end
+    best_step = min(validation, key=validation.get)
+    best = checkpoints.Checkpointer(workdir, subdir="best")
+    assert best.all_steps() == [best_step]
+    assert best.read_data(best_step) == {"step": best_step, "validation_loss": pytest.approx(validation[best_step])}
+    best.close()
 
 
 def test_resume_continues_exactly(uninterrupted):
     root, workdir, _ = uninterrupted
-    resumed = root / "resumed"
-    resumed.mkdir()
-    shutil.copy(workdir / "spm.model", resumed / "spm.model")  # same vocabulary, no retraining
-    train_lib.train_and_evaluate(_tiny_config(root / "tfds", 3), str(resumed), log=lambda *a: None)
-    train_lib.train_and_evaluate(_tiny_config(root / "tfds", 6), str(resumed), log=lambda *a: None)
+    resumed = _new_workdir(root, "resumed", workdir)
+    train_lib.train_and_evaluate(_config(root / "tfds", 3), str(resumed), log=_quiet)
+    train_lib.train_and_evaluate(_config(root / "tfds", 6), str(resumed), log=_quiet)
     full, again = _train_losses(workdir), _train_losses(resumed)
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert again[step] == pytest.approx(full[step], rel=1e-6), step
 
 
+def test_one_device_gives_the_losses_of_eight(uninterrupted):
+    root, workdir, _ = uninterrupted
+    single = _new_workdir(root, "single", workdir)
+    train_lib.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices()[:1], log=_quiet)
+    eight, one = _train_losses(workdir), _train_losses(single)
+    assert len(jax.devices()) == 8
+    for step in range(1, 7):
+        assert one[step] == pytest.approx(eight[step], rel=2e-5), step
+
+
+def test_half_written_and_corrupt_checkpoints_are_skipped(uninterrupted):
+    root, workdir, _ = uninterrupted
+    damaged = root / "damaged"
+    shutil.copytree(workdir, damaged)
+    half = damaged / "checkpoints" / "9.orbax-checkpoint-tmp-1700000000"  # a save killed before its rename
+    (half / "state").mkdir(parents=True)
+    (half / "state" / "partial").write_bytes(b"\0" * 100)
+    for path in (damaged / "checkpoints" / "6").rglob("*"):  # the newest complete one: every file garbage
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    messages = []
+    train_lib.train_and_evaluate(_config(root / "tfds", 7), str(damaged), log=messages.append)
+    assert any("[6] unreadable" in m and "resuming from step 5" in m for m in messages), messages
+    assert len(os.listdir(damaged / "checkpoints_unreadable")) == 1  # set aside, not deleted
+    rows = [r for r in _rows(damaged, "train") if r["step"] == 6]
+    assert rows[-1]["loss"] == pytest.approx(_train_losses(workdir)[6], rel=1e-6)  # step 6 redone from step 5
+    assert 7 in checkpoints.Checkpointer(damaged).all_steps()
+
+
 def test_a_checkpoint_that_does_not_fit_the_config_is_a_clear_error(uninterrupted):
     root, workdir, _ = uninterrupted
     other = root / "other"
     shutil.copytree(workdir, other)
-    config = _tiny_config(root / "tfds", 7)
+    config = _config(root / "tfds", 7)
     config.model.d_model = 32
     with pytest.raises(ValueError, match="does not fit"):
-        train_lib.train_and_evaluate(config, str(other), log=lambda *a: None)
+        train_lib.train_and_evaluate(config, str(other), log=_quiet)
+    assert not (other / "checkpoints_unreadable").exists()  # a config mismatch sets nothing aside
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(uninterrupted, monkeypatch):
+    root, workdir, _ = uninterrupted
+    diverging = _new_workdir(root, "diverging", workdir)
+    make_step = train_lib.make_train_step
+
+    def poisoned(config, lr_schedule):  # from the 4th update on, the params and the loss become NaN
+        step_fn = make_step(config, lr_schedule)
+
+        def train_step(state, batch):
+            new_state, sums = step_fn(state, batch)
+            bad = state.step >= 3
+            params = jax.tree.map(lambda p: jax.numpy.where(bad, jax.numpy.nan, p), new_state.params)
+            sums["loss"] = jax.numpy.where(bad, jax.numpy.nan, sums["loss"])
+            return new_state.replace(params=params), sums
+
+        return train_step
+
+    monkeypatch.setattr(train_lib, "make_train_step", poisoned)
+    with pytest.raises(FloatingPointError, match="step 4.*last good checkpoint is kept.*step 3"):
+        train_lib.train_and_evaluate(_config(root / "tfds"), str(diverging), log=_quiet)
+    ckpt = checkpoints.Checkpointer(diverging)
+    assert ckpt.latest_step() == 3
+    ckpt.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The step itself: gradient accumulation and bfloat16 compute
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def step_setup():
+    config = tiny_config.get_config()
+    config.model.dropout = config.model.weight_dropout = 0.0  # micro-batches would draw other dropout masks
+    config.optim.warmup_init_lr = config.optim.learning_rate  # a first update of a visible size
+    config.optim.optimizer = "nag"  # updates linear in the gradient (Adam's first step is ~sign(g): noise-prone)
+    model = train_lib.build_model(config, 512)
+    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
+    mesh = train_lib.make_mesh(config.mesh)
+    state, _ = train_lib.create_state(config, model, mesh, tx)
+    rng = np.random.default_rng(0)
+    batch = train_lib._dummy_batch(config, config.data.batch_size)
+    for key in ("inputs", "targets"):
+        lengths = rng.integers(3, 17, size=8)
+        batch[key] = np.where(np.arange(16) < lengths[:, None], rng.integers(4, 512, (8, 16)), 0).astype(np.int32)
+        batch[f"{key}_segmentation"] = (batch[key] > 0).astype(np.int32)
+    return config, model, tx, lr, mesh, state, batch
+
+
+def _one_step(config, lr, mesh, state, batch):
+    with jax.set_mesh(mesh):
+        return jax.jit(train_lib.make_train_step(config, lr))(state, batch)
+
+
+def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
+    config, model, tx, lr, mesh, state, batch = step_setup
+    whole, whole_sums = _one_step(config, lr, mesh, state, batch)
+    config = config.copy_and_resolve_references()
+    config.optim.grad_accum_steps = 4
+    split, split_sums = _one_step(config, lr, mesh, state, batch)
+    assert float(split_sums["tokens"]) == float(whole_sums["tokens"]) == float((batch["targets"] > 0).sum())
+    assert float(split_sums["loss"]) == pytest.approx(float(whole_sums["loss"]), rel=1e-5)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), whole.params, state.params))
+    assert max(moved) > 1e-4  # the update is not trivially zero
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
+    config, model, tx, lr, mesh, state, batch = step_setup
+    _, f32_sums = _one_step(config, lr, mesh, state, batch)
+    config = config.copy_and_resolve_references()
+    config.model.dtype = "bfloat16"
+    bf16_state = state.replace(apply_fn=train_lib.build_model(config, 512).apply)
+    new_state, bf16_sums = _one_step(config, lr, mesh, bf16_state, batch)
+    assert bf16_sums["loss"].dtype == np.float32
+    assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {np.dtype(np.float32)}
+    assert float(bf16_sums["loss"]) == pytest.approx(float(f32_sums["loss"]), rel=2e-2)
+    assert float(bf16_sums["loss"]) != float(f32_sums["loss"])  # it really computed in bfloat16
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("optim.schedule", "linear", r"config.optim.schedule='linear': must be inverse_sqrt, cosine or constant"),
+    ("optim.grad_accum_steps", 0, r"config.optim.grad_accum_steps=0: must be >= 1"),
+    ("optim.label_smoothing", 1.0, r"config.optim.label_smoothing=1.0: must be in \[0, 1\)"),
+    ("task", "tagging", r"config.task='tagging'"),
+    ("model.num_heads", 3, r"d_model=16 must be divisible by config.model.num_heads=3"),
+])
+def test_bad_config_values_fail_fast_naming_the_field(field, value, message, tmp_path):
+    config = tiny_config.get_config()
+    section, _, name = field.rpartition(".")
+    (config[section] if section else config)[name] = value
+    with pytest.raises(ValueError, match=message):
+        train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
+    assert not (tmp_path / "run").exists()  # failed before writing anything
+
+
+def test_batch_must_divide_into_devices_times_micro_batches(tmp_path):
+    config = tiny_config.get_config()
+    config.optim.grad_accum_steps = 3
+    with pytest.raises(ValueError, match="batch_size=8 must be divisible by the 8 .*grad_accum_steps=3"):
+        train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval.py's library side: splits, averaging, the best checkpoint, arbitrary text
+# ----------------------------------------------------------------------------------------------------------------
+def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
+    from lconv import evaluate
+
+    root, workdir, _ = uninterrupted
+    config = _config(root / "tfds")
+    model = train_lib.build_model(config, 512)
+    averaged, steps = evaluate.restore_params(config, model, str(workdir), average_last=3)
+    assert steps == [4, 5, 6]
+    ckpt = checkpoints.Checkpointer(workdir)
+    template = checkpoints.abstract_like(train_lib.create_state(
+        config, model, train_lib.make_mesh(config.mesh), train_lib.build_optimizer(config.optim, 6)[0])[0])
+    each = [jax.tree.leaves(ckpt.restore(template, step)[0].params) for step in steps]
+    ckpt.close()
+    for got, *separate in zip(jax.tree.leaves(averaged), *each):
+        np.testing.assert_allclose(np.asarray(got), np.mean([np.asarray(x, np.float64) for x in separate], 0),
+                                   rtol=1e-6, atol=1e-7)
+
+    messages = []
+    scores = evaluate.run(str(workdir), split="validation", average_last=3, beam_size=2, log=messages.append)
+    assert messages[0] == "checkpoint(s) [4, 5, 6]"
+    size = len(sources.get_source(config.data.dataset, "validation", config.data.data_dir, None)[0])
+    assert scores["examples"] == size > 1000 and scores["bleu_signature"].startswith("nrefs:1")
+    with open(workdir / "validation.hyp.txt") as f:
+        assert len(f.readlines()) == size  # one line per example, in the split's order
+    with open(workdir / "validation.scores.json") as f:
+        assert json.load(f)["bleu"] == pytest.approx(scores["bleu"])
+
+
+def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
+    from lconv import evaluate
+
+    root, workdir, _ = uninterrupted
+    sources = ["This package contains the documentation.", "", "A library for parsing XML files in C."]
+    (tmp_path / "in.en").write_text("\n".join(sources) + "\n")
+    out = tmp_path / "out.de"
+    messages = []
+    scores = evaluate.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
+                          output_file=str(out), beam_size=2, log=messages.append)
+    best_step = checkpoints.Checkpointer(workdir, subdir="best").all_steps()
+    assert messages[0] == f"checkpoint(s) {best_step}"
+    hypotheses = out.read_text().split("\n")[:-1]
+    assert scores == {"examples": 3} and len(hypotheses) == 3
+    # With references, the scores are sacreBLEU's own on the hypotheses and references, row by row.
+    references = ["Dieses Paket enthält die Dokumentation.", "", "Eine Bibliothek zum Parsen von XML-Dateien."]
+    (tmp_path / "ref.de").write_text("\n".join(references) + "\n")
+    scores = evaluate.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
+                          reference_file=str(tmp_path / "ref.de"), output_file=str(tmp_path / "again.de"),
+                          beam_size=2, log=messages.append)
+    assert (tmp_path / "again.de").read_text() == out.read_text()  # decoding is deterministic
+    assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    (tmp_path / "short.de").write_text("one line\n")
+    with pytest.raises(ValueError, match="--reference_file has 1 lines for 3 source lines"):
+        evaluate.run(str(workdir), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
+    with pytest.raises(ValueError, match="does not combine with --checkpoint=best"):
+        evaluate.run(str(workdir), checkpoint="best", average_last=2)

@@ -1,0 +1,137 @@
+"""train.py as a user runs it, in subprocesses: SIGTERM saves and exits cleanly, a ``kill -9`` loses nothing (the
+resumed run logs exactly the losses of an uninterrupted one), two processes on localhost train together over
+gloo, and a bad flag is one line on stderr."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import tiny_config
+
+from lconv import train_lib
+from lconv.data import pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The tfds data and a tokenizer, prepared once so the subprocesses only train."""
+    root = tmp_path_factory.mktemp("process")
+    config = tiny_config.get_config()
+    config.data.data_dir = str(root / "tfds")
+    tokenizer = pipeline.load_or_train_tokenizer(config.data, str(root / "spm"))
+    pipeline.make_datasets(config.data, tokenizer)
+    return root, config
+
+
+def _workdir(prepared, name):
+    root, _ = prepared
+    workdir = root / name
+    workdir.mkdir()
+    (workdir / "spm.model").write_bytes((root / "spm" / "spm.model").read_bytes())
+    return workdir
+
+
+def _launch(prepared, workdir, *overrides, devices=8, env=None):
+    root, _ = prepared
+    command = [sys.executable, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
+               f"--config.data.data_dir={root / 'tfds'}", *overrides]
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    return subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _logged(workdir):
+    """Every train row written so far, in order: [(step, loss)] (a resumed run writes some steps again)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    return [(r["step"], r["loss"]) for r in rows if r["split"] == "train"]
+
+
+def _wait_for_step(process, workdir, step, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(s >= step for s, _ in _logged(workdir)):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"train.py ended (rc {process.returncode}) before step {step}: "
+                                 f"{process.stderr.read()[-2000:]}")
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def _finish(process, timeout=240):
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+STEPS = ("--config.train.num_steps=40", "--config.train.checkpoint_every=5", "--config.train.eval_every=1000")
+
+
+def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared):
+    workdir = _workdir(prepared, "interrupted")
+    run = _launch(prepared, workdir, *STEPS)
+    _wait_for_step(run, workdir, 8)
+    run.send_signal(signal.SIGTERM)
+    out = _finish(run)
+    stopped = int(out.split("stopping at step ")[1].split(":")[0])
+    assert "SIGTERM" in out and stopped >= 8
+    assert str(stopped) in os.listdir(workdir / "checkpoints")  # saved on the way out, off the 5-step grid
+
+    run = _launch(prepared, workdir, *STEPS)
+    _wait_for_step(run, workdir, stopped + 10)
+    assert run.poll() is None, "the run ended before it could be killed"
+    run.kill()  # SIGKILL: no handler runs, a checkpoint may be half written
+    run.wait()
+    _finish(_launch(prepared, workdir, *STEPS))
+
+    _, config = prepared
+    reference = _workdir(prepared, "reference")
+    config = config.copy_and_resolve_references()
+    config.train.update(num_steps=40, checkpoint_every=5, eval_every=1000)
+    train_lib.train_and_evaluate(config, str(reference), log=lambda *a: None)
+    expected = dict(_logged(reference))
+    logged = _logged(workdir)
+    assert sorted(expected) == list(range(1, 41)) and {s for s, _ in logged} == set(expected)
+    assert len(logged) > 40  # some steps ran twice: after the SIGTERM resume and after the kill
+    for step, loss in logged:
+        assert loss == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_two_processes_on_localhost_train_and_checkpoint_together(prepared):
+    workdir = _workdir(prepared, "two_processes")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    runs = [_launch(prepared, workdir, "--config.train.checkpoint_every=3", devices=4,
+                    env={"LCONV_NUM_PROCESSES": "2", "LCONV_PROCESS_ID": str(i),
+                         "LCONV_COORDINATOR": f"localhost:{port}"}) for i in range(2)]
+    out = [_finish(run) for run in runs][0]
+    assert "devices 8 x cpu" in out  # one mesh over both processes' 4 devices
+    losses = dict(_logged(workdir))
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+    assert {"3", "6"} <= set(os.listdir(workdir / "checkpoints"))
+    with open(workdir / "metrics.jsonl") as f:
+        validation = [json.loads(line) for line in f if '"validation"' in line]
+    assert validation[-1]["tokens"] > 1000  # both processes' halves of the validation split were scored
+
+
+def test_a_bad_flag_is_one_line_on_stderr(prepared):
+    workdir = prepared[0] / "bad_flag"
+    run = _launch(prepared, workdir, "--config.model.dropoutt=0.2")
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 2
+    assert err.strip() == ('error: --config.model.dropoutt is not a field of the config; '
+                           'Did you mean "dropout" instead of "dropoutt"?')
+    assert not workdir.exists()
