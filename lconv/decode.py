@@ -37,11 +37,25 @@ def tile_cache(cache, batch_size, beam_size):
     return jax.tree_util.tree_map(tile, cache)
 
 
+BEAM_INVARIANT_PREFIX = "beam_invariant_"  # cache entries equal on every beam of a row (e.g. projected encoder keys)
+
+
 def gather_beams(cache, beam_idx_Bk):
-    """Reorders a tiled cache: new beam k of row b takes old beam ``beam_idx[b, k]``; scalars are kept."""
+    """Reorders a tiled cache: new beam k of row b takes old beam ``beam_idx[b, k]``.
+
+    Scalars are kept, and so are entries named ``beam_invariant_*``: every beam of a row holds the same values
+    there, so reordering them within the row is the identity (and would copy the encoder's keys every step).
+    """
     B, k = beam_idx_Bk.shape
     flat_idx = (jnp.arange(B)[:, None] * k + beam_idx_Bk).reshape(-1)  # [B*beam]
-    return jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else jnp.take(x, flat_idx, axis=0), cache)
+
+    def gather(path, x):
+        name = str(getattr(path[-1], "key", "")) if path else ""
+        if x.ndim == 0 or name.startswith(BEAM_INVARIANT_PREFIX):
+            return x
+        return jnp.take(x, flat_idx, axis=0)
+
+    return jax.tree_util.tree_map_with_path(gather, cache)
 
 
 def _last_logits(tokens_to_logits, tokens_BS, cache):

@@ -174,8 +174,9 @@ def test_tile_and_gather_cache_keep_scalars():
     beam_idx = jnp.array([[2, 2, 0], [1, 0, 0]])
     assert int(decode.gather_beams(tiled, beam_idx)["layer"]["position"]) == 7
     marked = tiled["layer"]["state"].at[:, 0, 0].set(jnp.arange(6))  # tell the beams apart
-    got = decode.gather_beams({"s": marked, "p": jnp.int32(7)}, beam_idx)
+    got = decode.gather_beams({"s": marked, "p": jnp.int32(7), "beam_invariant_key": marked}, beam_idx)
     assert got["s"][:, 0, 0].tolist() == [2, 2, 0, 4, 3, 3] and int(got["p"]) == 7
+    assert got["beam_invariant_key"] is marked  # equal on every beam of a row by contract: not copied
     with pytest.raises(ValueError, match="leading batch dim"):
         decode.tile_cache({"x": jnp.zeros((4, 2))}, 2, 3)
 
