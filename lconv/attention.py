@@ -79,15 +79,9 @@ class SelfAttention(nn.Module):
         q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
         k_BSHD = dense(H * D, "key", self)(x).reshape(B, T, H, D)
         v_BSHD = dense(H * D, "value", self)(x).reshape(B, T, H, D)
-        mask_B1TS = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        if decode:
-            check_decode(self.causal, type(self).__name__)
-            cache, index = decode_cache_update(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT})
-            if cache is not None:
-                k_BSHD, v_BSHD = cache["key"], cache["value"]
-                mask_B1TS = decode_mask(seg_BT, cache["segment_ids"], index)
+        kv, mask_B1TS = attention_context(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}, decode)
         out_BTHD = dot_product_attention(
-            q_BTHD, k_BSHD, v_BSHD, mask_B1TS, dropout_rate=self.attention_dropout,
+            q_BTHD, kv["key"], kv["value"], mask_B1TS, dropout_rate=self.attention_dropout,
             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
@@ -175,30 +169,24 @@ class FixedAttention(nn.Module):
         if self.mix_dot_product:
             q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
             new["key"] = dense(H * D, "key", self)(x).reshape(B, T, H, D)
-        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        key_pos_BS = pos_BT
         if decode:
-            check_decode(self.causal, type(self).__name__)
-            pos_BT = key_pos_BS = decode_positions(self, pos_BT, positions is None)
-            cache, index = decode_cache_update(self, {**new, "positions": pos_BT})
-            if cache is not None:
-                new, key_pos_BS = cache, cache["positions"]
-                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+            pos_BT = decode_positions(self, pos_BT, positions is None)
+        kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
         check_positions(pos_BT, self.max_len)
         L, r = self.max_len, self.factorized_rank
         if r:
             init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
             r1_HLR = self.param("r1", init, (H, L, r), self.param_dtype)
             r2_HRL = self.param("r2", init, (H, r, L), self.param_dtype)
-            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, key_pos_BS)
+            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, kv["positions"])
         else:
             w_HLL = self.param("logits", nn.initializers.normal(stddev=0.1), (H, L, L), self.param_dtype)
-            logits_BHTS = fixed_logits(w_HLL, pos_BT, key_pos_BS)
+            logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"])
         if self.mix_dot_product:
             alpha_H = jax.nn.sigmoid(self.param("mix_logit", nn.initializers.zeros, (H,), self.param_dtype))
             alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
-            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, new["key"])
-        out_BTHD = attend(logits_BHTS, new["value"], mask, dropout_rate=self.attention_dropout,
+            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, kv["key"])
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                           dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
@@ -245,19 +233,13 @@ class HadamardAttention(nn.Module):
         else:
             q_BTHD = k_BSHD = x.reshape(B, T, H, Dqk)
         new = {"key": k_BSHD, "value": dense(H * D, "value", self)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
-        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        key_pos_BS = pos_BT
         if decode:
-            check_decode(self.causal, type(self).__name__)
-            pos_BT = key_pos_BS = decode_positions(self, pos_BT, positions is None)
-            cache, index = decode_cache_update(self, {**new, "positions": pos_BT})
-            if cache is not None:
-                new, key_pos_BS = cache, cache["positions"]
-                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+            pos_BT = decode_positions(self, pos_BT, positions is None)
+        kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
         check_positions(pos_BT, self.max_len)
         w_HLL = self.param("weight", nn.initializers.ones, (H, self.max_len, self.max_len), self.param_dtype)
-        logits_BHTS = fixed_logits(w_HLL, pos_BT, key_pos_BS) * dot_product_logits(q_BTHD, new["key"])
-        out_BTHD = attend(logits_BHTS, new["value"], mask, dropout_rate=self.attention_dropout,
+        logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"]) * dot_product_logits(q_BTHD, kv["key"])
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                           dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
@@ -296,6 +278,25 @@ def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str
                                                    (0, i) + (0,) * (a.ndim - 2))
     cache_index.value = i + next(iter(new.values())).shape[1]
     return {n: v.value for n, v in cached.items()}, i
+
+
+def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
+    """What a chunk attends to: ``(arrays, mask [B, 1, T, S])`` for a self-attention-like mixer.
+
+    ``new`` holds this chunk's ``[B, T, ...]`` key-side arrays and its ``segment_ids``. In a full pass (and
+    on the cache-creating call) that is ``new`` itself under the segment mask, causal if ``mdl.causal``;
+    while decoding it is the whole cache after ``new`` is written into it (``decode_cache_update``), under
+    the mask of the chunk's queries against every cached position up to their own.
+    """
+    seg_BT = new["segment_ids"]
+    mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
+    if not decode:
+        return new, mask_B1TS
+    check_decode(mdl.causal, type(mdl).__name__)
+    cache, index = decode_cache_update(mdl, new)
+    if cache is None:
+        return new, mask_B1TS
+    return cache, decode_mask(seg_BT, cache["segment_ids"], index)
 
 
 def decode_positions(mdl: nn.Module, pos_BT, default: bool):
