@@ -50,7 +50,26 @@ NEG_INF = -1e30
 # ----------------------------------------------------------------------------------------------------------
 
 
-class SelfAttention(nn.Module):
+class AttentionFields(nn.Module):
+    """The fields every attention-family token mixer shares (``lconv.memory`` too), and their validation."""
+
+    num_heads: int = 8
+    causal: bool = False
+    dtype: DType = jnp.float32  # computation dtype; logits, softmax and accumulation stay float32
+    param_dtype: DType = jnp.float32
+    qkv_features: int | None = None  # total Q/K/V width; None = the input width C
+    attention_dropout: float = 0.0  # on the attention probabilities, training only
+    use_bias: bool = True  # in the Q/K/V/output projections
+
+    def _dims(self, x_BTC) -> tuple[int, int, int, int, int]:
+        """``(B, T, C, H, D)`` of a ``[B, T, C]`` input; bad shapes and fields are one-line errors."""
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        check_dropout(self.attention_dropout)
+        return B, T, C, H, D
+
+
+class SelfAttention(AttentionFields):
     """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
 
     ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
@@ -61,19 +80,9 @@ class SelfAttention(nn.Module):
     ``cached_segment_ids [B, L]`` int32, ``cache_index []`` int32.
     """
 
-    num_heads: int = 8
-    causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
-    qkv_features: int | None = None  # total Q/K/V width; None = the input width C
-    attention_dropout: float = 0.0
-    use_bias: bool = True
-
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
         q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
@@ -124,7 +133,7 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-class FixedAttention(nn.Module):
+class FixedAttention(AttentionFields):
     """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
 
     The logits are learned parameters that do not look at the input: head ``h`` owns a
@@ -144,22 +153,13 @@ class FixedAttention(nn.Module):
     ``mix_dot_product``); ``L <= max_len`` is enforced when the cache is created.
     """
 
-    num_heads: int = 8
-    causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
     max_len: int = 512
     factorized_rank: int = 0  # 0 = a full [max_len, max_len] table per head
     mix_dot_product: bool = False
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
         check_max_len(self.max_len, T)
         if self.factorized_rank < 0:
             raise ValueError(f"factorized_rank must be >= 0 (0 = full table), got {self.factorized_rank}")
@@ -191,7 +191,7 @@ class FixedAttention(nn.Module):
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-class HadamardAttention(nn.Module):
+class HadamardAttention(AttentionFields):
     """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
 
     ``W_h[pos_q, pos_k]`` is a learned per-head ``[max_len, max_len]`` table (initialised to ones, so training
@@ -207,23 +207,15 @@ class HadamardAttention(nn.Module):
     ``cached_segment_ids [B, L]``, ``cache_index []``; ``L <= max_len``.
     """
 
-    num_heads: int = 8
-    causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
     max_len: int = 512
     project_qk: bool = False
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        if not self.project_qk:
-            _, Dqk = head_dims(self.num_heads, C, "num_heads")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
+        if not self.project_qk and C % H:
+            raise ValueError(f"num_heads={H} must divide the input width C={C} (Q = K = the input heads when "
+                             "project_qk=False)")
         check_max_len(self.max_len, T)
         seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
@@ -231,7 +223,7 @@ class HadamardAttention(nn.Module):
             q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
             k_BSHD = dense(H * D, "key", self)(x).reshape(B, T, H, D)
         else:
-            q_BTHD = k_BSHD = x.reshape(B, T, H, Dqk)
+            q_BTHD = k_BSHD = x.reshape(B, T, H, C // H)
         new = {"key": k_BSHD, "value": dense(H * D, "value", self)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
         if decode:
             pos_BT = decode_positions(self, pos_BT, positions is None)

@@ -57,14 +57,14 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from lconv.attention import (NEG_INF, attend, attention_context, check_dropout, check_input, dense, dropout_rng,
-                             head_dims, segments_and_positions)
+from lconv.attention import (NEG_INF, AttentionFields, attend, attention_context, dense, dropout_rng,
+                             segments_and_positions)
 
 Array = jax.Array
 DType = Any
 
 
-class KNNMemoryAttention(nn.Module):
+class KNNMemoryAttention(AttentionFields):
     """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
 
     Fields: ``memory_size`` entries per batch row (each entry holds all heads' key/value of one token),
@@ -73,21 +73,13 @@ class KNNMemoryAttention(nn.Module):
     ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Called as the mixer contract (``positions`` are not used).
     """
 
-    num_heads: int = 8
-    causal: bool = True
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
+    causal: bool = True  # the Memorizing Transformer is a decoder; False gives bidirectional local attention
     memory_size: int = 1024
     num_neighbors: int = 32
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
         if self.memory_size < 1:
             raise ValueError(f"memory_size must be >= 1, got {self.memory_size}")
         if not 1 <= self.num_neighbors <= self.memory_size:
