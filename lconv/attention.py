@@ -64,7 +64,7 @@ class AttentionFields(nn.Module):
     def _dims(self, x_BTC) -> tuple[int, int, int, int, int]:
         """``(B, T, C, H, D)`` of a ``[B, T, C]`` input; bad shapes and fields are one-line errors."""
         B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        H, D = head_dims(self.num_heads, self.qkv_features, C)
         check_dropout(self.attention_dropout)
         return B, T, C, H, D
 
@@ -119,7 +119,7 @@ class CrossAttention(nn.Module):
         _, S, _ = check_input(memory_BSC, "memory_BSC")
         if memory_BSC.shape[0] != B:
             raise ValueError(f"memory_BSC batch {memory_BSC.shape[0]} != x_BTC batch {B}")
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        H, D = head_dims(self.num_heads, self.qkv_features, C)
         check_dropout(self.attention_dropout)
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(memory_BSC, memory_segment_ids, None, "memory_segment_ids")
@@ -304,12 +304,15 @@ def check_input(x_BTC, name: str = "x_BTC") -> tuple[int, int, int]:
     return x_BTC.shape
 
 
-def head_dims(num_heads: int, features: int, field: str) -> tuple[int, int]:
+def head_dims(num_heads: int, qkv_features: int | None, C: int) -> tuple[int, int]:
+    """``(H, D)``: ``num_heads`` heads of ``D = width / H`` over ``qkv_features`` (None = the input width C)."""
     if num_heads <= 0:
         raise ValueError(f"num_heads must be positive, got {num_heads}")
-    if features <= 0 or features % num_heads:
-        raise ValueError(f"{field}={features} must be a positive multiple of num_heads={num_heads}")
-    return num_heads, features // num_heads
+    width = qkv_features or C
+    if width <= 0 or width % num_heads:
+        what = f"qkv_features={qkv_features}" if qkv_features else f"the input width C={C} (qkv_features unset)"
+        raise ValueError(f"{what} must be a positive multiple of num_heads={num_heads}")
+    return num_heads, width // num_heads
 
 
 def check_dropout(rate: float, field: str = "attention_dropout") -> None:

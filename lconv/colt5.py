@@ -105,12 +105,11 @@ class CoLT5Attention(_Routed):
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        del positions  # content-based; the local window uses token indices
         if self.causal or decode:
             raise ValueError("CoLT5Attention is an encoder mixer: causal=True / decode=True are not supported "
                              "(routing ranks future tokens); use 'attention' or a conv mixer in the decoder")
         B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, C, "num_heads")
+        H, D = head_dims(self.num_heads, None, C)
         Hl = self.light_num_heads or max(1, H // 2)
         if Hl < 0 or Hl > H:
             raise ValueError(f"light_num_heads must be in [0, num_heads={H}], got {self.light_num_heads}")
@@ -118,8 +117,8 @@ class CoLT5Attention(_Routed):
             raise ValueError(f"local_radius must be >= 0, got {self.local_radius}")
         check_dropout(self.attention_dropout)
         k = self._num_routed(T)
-        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, None)
-        valid_BT = seg_BT != 0
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)  # positions unused: content routing,
+        valid_BT = seg_BT != 0  # and the local window goes by token index
         x = x_BTC.astype(self.dtype)
         rng = dropout_rng(self, self.attention_dropout, deterministic)
         rngs = (None, None) if rng is None else tuple(jax.random.split(rng))
