@@ -28,6 +28,8 @@ from lconv.layers import CONV, EMBED, xavier_dense
 
 PAD_ID, BOS_ID = 0, 3
 VOCAB, MLP, LENGTH = "vocab", "mlp", "length"
+# Mixers that see the whole sequence by design (CoLT5's routing ranks every token): encoders only.
+ENCODER_ONLY_MIXERS = ("colt5",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class ModelConfig:
     decoder_kernel_sizes: Sequence[int] = (3, 7, 15, 31, 31, 31)
     # Per-mixer extra constructor fields, e.g. {"fixed": {"max_len": 256}}; validated by the registry.
     mixer_kwargs: Any = None
-    ffn_type: str = "dense"  # or "colt5" (routed light/heavy FFN)
+    ffn_type: str = "dense"  # or "colt5": routed light/heavy FFN in ENCODER layers (decoders keep the dense one)
     ffn_kwargs: Any = None
     use_glu: bool = True
     conv_features: int | None = None  # fairseq's conv_dim; None = d_model
@@ -90,11 +92,17 @@ class ModelConfig:
             )
         if self.ffn_type not in ("dense", "colt5"):
             raise ValueError(f"config.model.ffn_type must be 'dense' or 'colt5'; got {self.ffn_type!r}")
+        if decoder_only and self.ffn_type == "colt5":
+            raise ValueError("config.model.ffn_type='colt5' routes over future tokens, so it is for encoder layers "
+                             "only; a decoder-only LM needs ffn_type='dense'")
         sides = [("decoder", self.decoder_layers)] if decoder_only else [
             ("encoder", self.encoder_layers), ("decoder", self.decoder_layers)]
         for side, n in sides:
             for name in self.layer_mixers(side):
                 mixers.mixer_class(name)  # unknown names fail here, before any tracing
+                if side == "decoder" and name in ENCODER_ONLY_MIXERS:
+                    raise ValueError(f"config.model.decoder_mixer: {name!r} is an encoder-only mixer (its routing "
+                                     "ranks future tokens); use 'attention' or a conv mixer in the decoder")
             if any(m in ("lightconv", "dynamicconv") for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
 
@@ -130,6 +138,7 @@ class EncoderDecoder(nn.Module):
 
     def setup(self):
         cfg = self.config
+        cfg.validate()
         self.source_embed = _embedding(cfg, "source_embed")
         self.target_embed = self.source_embed if cfg.share_embeddings else _embedding(cfg, "target_embed")
         self.encoder = Stack(cfg, side="encoder", name="encoder")
@@ -249,10 +258,10 @@ class Layer(nn.Module):
                                                      memory_segment_ids=memory_segment_ids,
                                                      deterministic=deterministic, decode=decode),
                                "encoder_attention", deterministic)
-        if cfg.ffn_type == "colt5":
+        if cfg.ffn_type == "colt5" and self.side == "encoder":  # routing is non-causal: never in a decoder
             from lconv.colt5 import CoLT5FeedForward
 
-            ffn = CoLT5FeedForward(**(dict(cfg.ffn_kwargs or {})), name="ffn")
+            ffn = CoLT5FeedForward(**{"dtype": cfg.dtype, **dict(cfg.ffn_kwargs or {})}, name="ffn")
             x = self._sublayer(x, lambda h: ffn(h, segment_ids=segment_ids, deterministic=deterministic), "ffn",
                                deterministic)
         else:
