@@ -1,17 +1,25 @@
 """Models and configs: every config builds and counts its parameters abstractly; decoding equals the full pass;
 the causal decoder never sees the future; bad model configs fail with one clear line."""
 import importlib
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import models, train_lib
+from lconv import memory, models, train_lib
 
 TINY = dict(vocab_size=37, d_model=16, ffn_dim=24, num_heads=4, encoder_layers=2, decoder_layers=2,
             encoder_kernel_sizes=(3, 5), decoder_kernel_sizes=(3, 4), dropout=0.0)
-MIXES = ["dynamicconv", "lightconv", "attention", "lightconv,attention"]
+# Every mixer that can be causal, with the smallest fields that fit the test shapes (T <= 9).
+CAUSAL_MIXERS = ["lightconv", "dynamicconv", "attention", "fixed", "hadamard", "knn_memory"]
+SMALL = dict(max_len=16, mixer_kwargs={"knn_memory": {"memory_size": 12, "num_neighbors": 3},
+                                       "colt5": {"local_radius": 2, "num_routed": 3}})
+
+
+def _small(**overrides):
+    return models.ModelConfig(**{**TINY, **SMALL, **overrides})
 
 
 def _tokens(shape, seed, pad_from=None):
@@ -60,46 +68,129 @@ def test_wmt_big_parameter_count_matches_hand_count(variant, dynamic):
     assert train_lib.count_params(shapes["params"]) == want
 
 
-@pytest.mark.parametrize("mix", MIXES)
-def test_encoder_decoder_cached_decoding_equals_full_pass(mix):
-    cfg = models.ModelConfig(**TINY, encoder_mixer=mix, decoder_mixer=mix)
-    m = models.EncoderDecoder(cfg)
-    src, tgt = _tokens((2, 7), 0, pad_from=5), _tokens((2, 9), 1)
-    v = m.init(jax.random.key(0), src, tgt)
-    full = m.apply(v, src, tgt)
-    encoded = m.apply(v, src, method=m.encode)
-    decoder_input = models.shift_right(tgt)
-    _, cache = m.apply(v, encoded, src, jnp.zeros((2, 9), jnp.int32), decode=True, mutable=["cache"],
-                       method=m.decode)
+_JITTED = {}  # (repr(config), kind) -> jitted functions; configs hold dicts, so they are not hashable
+
+
+def _jitted(cfg, kind):
+    """``init`` / ``full`` / ``decode`` (and ``encode``) of a model, each under ``jax.jit`` (eager dispatch of
+    a model recompiles every op for each new shape: several times slower on CPU)."""
+    key = (repr(cfg), kind)
+    if key in _JITTED:
+        return _JITTED[key]
+    if kind == "lm":
+        m = models.DecoderOnlyLM(cfg)
+        fns = types.SimpleNamespace(
+            init=jax.jit(lambda rng, tok: m.init(rng, tok)),
+            full=jax.jit(lambda v, tok: m.apply(v, tok, shift=False)),
+            decode=jax.jit(lambda v, tok: m.apply(v, tok, decode=True, shift=False, mutable=["cache"])))
+    else:
+        m = models.EncoderDecoder(cfg)
+        fns = types.SimpleNamespace(
+            init=jax.jit(lambda rng, src, tgt: m.init(rng, src, tgt)),
+            full=jax.jit(lambda v, src, tgt: m.apply(v, src, tgt)),
+            encode=jax.jit(lambda v, src: m.apply(v, src, method=m.encode)),
+            decode=jax.jit(lambda v, enc, src, dec_in: m.apply(v, enc, src, dec_in, decode=True, mutable=["cache"],
+                                                               method=m.decode)))
+    _JITTED[key] = fns
+    return fns
+
+
+PREFIX_THEN_TOKENS = [(0, 4)] + [(t, t + 1) for t in range(4, 9)]  # a prompt in one chunk, then token by token
+
+
+def _decode_in_chunks(step, variables, inputs_BT, *context):
+    """Creates the cache with a zero max-length input, then feeds ``inputs`` in PREFIX_THEN_TOKENS chunks."""
+    _, cache = step(variables, *context, jnp.zeros_like(inputs_BT))
     outs = []
-    for start, stop in [(0, 1), (1, 4), (4, 5), (5, 9)]:
-        y, cache = m.apply({**v, **cache}, encoded, src, decoder_input[:, start:stop], decode=True,
-                           mutable=["cache"], method=m.decode)
+    for start, stop in PREFIX_THEN_TOKENS:
+        y, cache = step({**variables, **cache}, *context, inputs_BT[:, start:stop])
         outs.append(y)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4)
+    return jnp.concatenate(outs, 1)
 
 
-@pytest.mark.parametrize("mix", ["lightconv,dynamicconv", "attention,dynamicconv"])
-def test_language_model_decoder_never_sees_the_future(mix):
-    cfg = models.ModelConfig(**TINY, decoder_mixer=mix)
-    m = models.DecoderOnlyLM(cfg)
-    tokens = _tokens((2, 9), 2)
-    v = m.init(jax.random.key(0), tokens)
-    y1 = m.apply(v, tokens, shift=False)
+def _change_from(tokens_BT, i):
+    """Every token at index >= i replaced by a different one."""
+    changed = jnp.where(tokens_BT == 5, 6, 5)
+    return jnp.where(jnp.arange(tokens_BT.shape[1]) >= i, changed, tokens_BT)
+
+
+def _assert_causal(full, first_logits, tokens, shifted, atol=1e-5):
+    """Logits up to ``t`` do not move when every decoder input after ``t`` changes, and later ones do (so the
+    check can fail). With ``shifted`` the model shifts ``tokens`` right first: input t+1 is token t."""
     for t in (0, 4, 7):
-        changed = tokens.at[:, t + 1:].set(5)
-        np.testing.assert_allclose(m.apply(v, changed, shift=False)[:, : t + 1], y1[:, : t + 1], atol=1e-6)
-    # Cached decoding in chunks equals the full pass.
-    _, cache = m.apply(v, jnp.zeros_like(tokens), decode=True, shift=False, mutable=["cache"])
-    outs = []
-    for start, stop in [(0, 3), (3, 4), (4, 9)]:
-        y, cache = m.apply({**v, **cache}, tokens[:, start:stop], decode=True, shift=False, mutable=["cache"])
-        outs.append(y)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), y1, atol=1e-4)
+        y = full(_change_from(tokens, t if shifted else t + 1))
+        np.testing.assert_allclose(y[:, : t + 1], first_logits[:, : t + 1], atol=atol, err_msg=f"t={t}")
+        assert np.abs(np.asarray(y[:, t + 1:] - first_logits[:, t + 1:])).max() > 1e-4, f"t={t}"
+
+
+def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_sees_the_future():
+    """One model whose decoder has a layer of every causal mixer: each must be exact for the whole to be (one
+    model, not one per mixer, because compiling dominates; each mixer's own test file checks its cache alone).
+    The encoder is CoLT5 with the routed FFN, which the decoder layers do not get (routing is non-causal)."""
+    cfg = _small(encoder_layers=2, decoder_layers=6, encoder_mixer="colt5,lightconv", decoder_mixer=CAUSAL_MIXERS,
+                 encoder_kernel_sizes=(3,), decoder_kernel_sizes=(4,), ffn_type="colt5",
+                 ffn_kwargs={"num_routed": 3})
+    fns = _jitted(cfg, "ed")
+    src, tgt = _tokens((2, 7), 0, pad_from=5), _tokens((2, 9), 1)
+    v = fns.init(jax.random.key(0), src, tgt)
+    assert "router" in v["params"]["encoder"]["layer_0"]["ffn"] and "fc1" in v["params"]["decoder"]["layer_0"]["ffn"]
+    full = fns.full(v, src, tgt)
+    _assert_causal(lambda t: fns.full(v, src, t), full, tgt, shifted=True)
+    decoded = _decode_in_chunks(fns.decode, v, models.shift_right(tgt), fns.encode(v, src), src)
+    np.testing.assert_allclose(decoded, full, atol=1e-4)
+
+
+def test_language_model_with_every_causal_mixer_decodes_like_the_full_pass_and_never_sees_the_future():
+    cfg = _small(decoder_layers=6, decoder_mixer=CAUSAL_MIXERS, decoder_kernel_sizes=(4,))
+    fns = _jitted(cfg, "lm")
+    tokens = _tokens((2, 9), 2)
+    v = fns.init(jax.random.key(0), tokens)
+    full = fns.full(v, tokens)
+    _assert_causal(lambda t: fns.full(v, t), full, tokens, shifted=False)
+    np.testing.assert_allclose(_decode_in_chunks(fns.decode, v, tokens), full, atol=1e-4)
+
+
+def test_colt5_is_encoder_only_with_one_line_errors():
+    for bad in (dict(decoder_mixer="colt5"), dict(decoder_mixer="attention,colt5")):
+        with pytest.raises(ValueError, match="decoder_mixer: 'colt5' is an encoder-only mixer") as info:
+            models.ModelConfig.from_config({**TINY, **bad})
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="ffn_type='colt5'.*encoder layers only"):
+        models.DecoderOnlyLM(models.ModelConfig(**TINY, ffn_type="colt5")).init(jax.random.key(0), _tokens((1, 3), 0))
+
+
+def test_language_model_threads_knn_memory_and_resets_a_row_at_a_new_document():
+    """A DecoderOnlyLM with a kNN-memory layer, fed a stream window by window: the 'memory' collection carries
+    the past; ``reset_memory`` makes a row start over exactly like a fresh stream; decoding reads the memory."""
+    cfg = _small(decoder_mixer="knn_memory,lightconv")
+    fns = _jitted(cfg, "lm")
+    m = models.DecoderOnlyLM(cfg)
+    thread = jax.jit(lambda v, tok: m.apply(v, tok, shift=False, mutable=["memory"]))
+    w0, w1 = _tokens((2, 9), 7), _tokens((2, 9), 8)
+    v = fns.init(jax.random.key(0), w0)
+    params, empty = {"params": v["params"]}, v["memory"]
+    _, upd = thread({**params, "memory": empty}, w0)
+    mem1 = upd["memory"]
+    y1, upd = thread({**params, "memory": mem1}, w1)  # window 1 continues both documents
+    fresh1, _ = thread({**params, "memory": empty}, w1)  # window 1 as the start of a document
+    assert np.abs(np.asarray(y1 - fresh1)).max() > 1e-3  # the memory of window 0 matters ...
+    np.testing.assert_allclose(fns.full({**params, "memory": empty}, w1), fresh1, atol=1e-6)  # ... and only it
+    # Row 0 starts a new document at window 1: it must equal the fresh stream; row 1 keeps its memory.
+    y1r, upd_r = thread({**params, "memory": memory.reset_memory(mem1, np.array([True, False]))}, w1)
+    np.testing.assert_allclose(y1r[0], fresh1[0], atol=1e-5)
+    np.testing.assert_allclose(y1r[1], y1[1], atol=1e-5)
+    valid = np.asarray(upd_r["memory"]["decoder"]["layer_0"]["mixer"]["valid"]).sum(-1)
+    assert list(valid) == [9, 12]  # row 0: window 1 only; row 1: windows 0 + 1, FIFO-capped at 12
+    # Cached decoding of window 1 reads the (read-only) memory of window 0 and equals the full pass.
+    decoded = _decode_in_chunks(fns.decode, {**params, "memory": mem1}, w1)
+    np.testing.assert_allclose(decoded, fns.full({**params, "memory": mem1}, w1), atol=1e-4)
+    np.testing.assert_allclose(decoded, y1, atol=1e-4)
 
 
 def test_packed_rows_equal_separate_sequences():
-    """Two examples packed in one row give the logits each gives alone (segments and positions honoured)."""
+    """Two examples packed in one row give the logits each gives alone (segments and positions honoured).
+    Alone, each sits at the start of a row of the same length padded with PAD, so one compiled apply serves all
+    three calls and padding is checked not to leak as well."""
     cfg = models.ModelConfig(**TINY, encoder_mixer="dynamicconv", decoder_mixer="lightconv,attention")
     m = models.EncoderDecoder(cfg)
     s1, s2, t1, t2 = _tokens((1, 4), 3), _tokens((1, 3), 4), _tokens((1, 5), 5), _tokens((1, 4), 6)
@@ -107,11 +198,17 @@ def test_packed_rows_equal_separate_sequences():
     tgt = jnp.concatenate([t1, t2], 1)
     seg = lambda a, b: jnp.asarray([[1] * a + [2] * b])  # noqa: E731
     pos = lambda a, b: jnp.asarray([list(range(a)) + list(range(b))])  # noqa: E731
-    v = m.init(jax.random.key(0), src, tgt)
-    packed = m.apply(v, src, tgt, inputs_segmentation=seg(4, 3), inputs_position=pos(4, 3),
-                     targets_segmentation=seg(5, 4), targets_position=pos(5, 4))
-    np.testing.assert_allclose(packed[:, :5], m.apply(v, s1, t1), atol=1e-4)
-    np.testing.assert_allclose(packed[:, 5:], m.apply(v, s2, t2), atol=1e-4)
+    apply = jax.jit(lambda v, src, tgt, src_seg, src_pos, tgt_seg, tgt_pos: m.apply(
+        v, src, tgt, inputs_segmentation=src_seg, inputs_position=src_pos, targets_segmentation=tgt_seg,
+        targets_position=tgt_pos))
+    v = jax.jit(m.init)(jax.random.key(0), src, tgt)
+    packed = apply(v, src, tgt, seg(4, 3), pos(4, 3), seg(5, 4), pos(5, 4))
+    padded = lambda a, n: jnp.pad(a, ((0, 0), (0, n - a.shape[1])))  # noqa: E731  PAD (0) at the end
+    ids = lambda n_real, n: padded(jnp.ones((1, n_real), jnp.int32), n)  # noqa: E731  segment 1, then padding
+    for (s_i, t_i), cols in (((s1, t1), slice(0, 5)), ((s2, t2), slice(5, 9))):
+        alone = apply(v, padded(s_i, 7), padded(t_i, 9), ids(s_i.shape[1], 7), pos(7, 0), ids(t_i.shape[1], 9),
+                      pos(9, 0))
+        np.testing.assert_allclose(packed[:, cols], alone[:, : t_i.shape[1]], atol=1e-4)
 
 
 def test_embeddings_and_linears_follow_fairseq_init():
