@@ -1,6 +1,6 @@
 """Models and configs: every config builds and counts its parameters abstractly; decoding equals the full pass;
 the causal decoder never sees the future; bad model configs fail with one clear line."""
-import importlib
+import pathlib
 import types
 
 import jax
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import memory, models, train_lib
+from lconv import memory, models
+from scripts import param_table
 
 TINY = dict(vocab_size=37, d_model=16, ffn_dim=24, num_heads=4, encoder_layers=2, decoder_layers=2,
             encoder_kernel_sizes=(3, 5), decoder_kernel_sizes=(3, 4), dropout=0.0)
@@ -29,43 +30,57 @@ def _tokens(shape, seed, pad_from=None):
     return jnp.asarray(t)
 
 
-CONFIGS = [("default", None), ("default", "transformer"), ("iwslt14_de_en", "lightconv"),
-           ("iwslt14_de_en", "dynamic"), ("wmt_en_de", "dynamic,big"), ("wmt_en_de", "lightconv,big"),
-           ("wmt_en_de", "transformer,base"), ("wmt_en_fr", None), ("wmt_zh_en", None), ("lm1b", None),
-           ("cnn_dailymail", None), ("cnn_dailymail", "ddtp")]
+DOCS_TABLE = param_table.parse_table((pathlib.Path(__file__).parents[1] / "docs" / "models.md").read_text())
+# A row of docs/models.md per mixer variant and per config family; each is recounted here.
+CONFIGS = [("default", ""), ("default", "transformer"), ("iwslt14_de_en", "lightconv"), ("iwslt14_de_en", "dynamic"),
+           ("iwslt14_de_en", "fixed"), ("iwslt14_de_en", "hadamard"), ("iwslt14_de_en", "colt5"),
+           ("iwslt14_de_en", "knn"), ("wmt_en_de", "dynamic,big"), ("wmt_en_de", "lightconv,big"),
+           ("wmt_en_de", "transformer,base"), ("wmt_en_fr", "dynamic,big"), ("wmt_zh_en", "dynamic,big"),
+           ("lm1b", "dynamic"), ("lm1b", "knn"), ("cnn_dailymail", "dynamic"), ("cnn_dailymail", "dynamic,ddtp")]
 
 
 @pytest.mark.parametrize("name,variant", CONFIGS)
-def test_every_config_builds_and_counts_parameters_without_allocating(name, variant):
-    config = importlib.import_module(f"configs.{name}").get_config(variant)
-    model = train_lib.build_model(config, vocab_size=config.data.vocab_size)
-    args, kwargs = train_lib.model_inputs(train_lib._dummy_batch(config))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
-    n = train_lib.count_params(shapes["params"])
+def test_every_config_builds_and_its_count_is_the_one_in_the_docs(name, variant):
+    """The count comes from jax.eval_shape (nothing allocated) and equals docs/models.md's row; if it does
+    not, regenerate the table: PYTHONPATH=. python scripts/param_table.py --write docs/models.md"""
+    config = param_table.get_config(name, variant)
+    n = param_table.count_parameters(config)
     assert n > 1e6
+    assert DOCS_TABLE[param_table.label(name, variant), config.data.vocab_size, False] == n
 
 
-def _analytic_count(d, ffn, H, enc_kernels, dec_kernels, vocab, dynamic):
-    """Parameters of the post-norm GLU conv model, counted by hand from fairseq's layer definitions."""
-    def conv_block(K):
-        return (d * 2 * d + 2 * d) + (d * H * K if dynamic else H * K) + (d * d + d)
+def test_docs_table_has_every_row_the_script_writes():
+    want = {(param_table.label(name, variant), vocab or param_table.get_config(name, variant).data.vocab_size,
+             vocab is not None) for name, variant, vocab in param_table.ROWS}
+    assert set(DOCS_TABLE) == want
+
+
+def _analytic_count(d, ffn, H, enc_kernels, dec_kernels, vocab, mixer):
+    """Parameters of the post-norm model, counted by hand from fairseq's layer definitions."""
+    def mixer_block(K):
+        if mixer == "attention":
+            return 4 * (d * d + d)  # Q, K, V, out
+        kernel = d * H * K if mixer == "dynamicconv" else H * K  # kernel projection (no bias) or [H, K]
+        return (d * 2 * d + 2 * d) + kernel + (d * d + d)  # GLU input projection, kernel, output projection
 
     ffn_and_norms = (d * ffn + ffn) + (ffn * d + d) + 2 * (2 * d)
-    encoder = sum(conv_block(K) + ffn_and_norms for K in enc_kernels)
+    encoder = sum(mixer_block(K) + ffn_and_norms for K in enc_kernels)
     cross_attention = 4 * (d * d + d) + 2 * d
-    decoder = sum(conv_block(K) + ffn_and_norms + cross_attention for K in dec_kernels)
+    decoder = sum(mixer_block(K) + ffn_and_norms + cross_attention for K in dec_kernels)
     return encoder + decoder + vocab * d  # one shared embedding table
 
 
-@pytest.mark.parametrize("variant,dynamic", [("lightconv,big", False), ("dynamic,big", True)])
-def test_wmt_big_parameter_count_matches_hand_count(variant, dynamic):
-    """The table in docs/models.md (beside the paper's 202M / 213M) comes from these counts."""
-    config = importlib.import_module("configs.wmt_en_de").get_config(variant)
-    model = train_lib.build_model(config, vocab_size=32_768)
-    args, kwargs = train_lib.model_inputs(train_lib._dummy_batch(config))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
-    want = _analytic_count(1024, 4096, 16, (3, 7, 15, 31, 31, 31, 31), (3, 7, 15, 31, 31, 31), 32_768, dynamic)
-    assert train_lib.count_params(shapes["params"]) == want
+@pytest.mark.parametrize("variant,mixer,enc_kernels", [
+    ("lightconv,big", "lightconv", (3, 7, 15, 31, 31, 31, 31)),
+    ("dynamic,big", "dynamicconv", (3, 7, 15, 31, 31, 31, 31)),
+    ("transformer,big", "attention", (0,) * 6),  # 6 encoder layers, no kernels
+])
+def test_wmt_big_parameter_count_matches_hand_count(variant, mixer, enc_kernels):
+    """The rows of docs/models.md beside the paper's 202M / 213M, at fairseq's 32,768-entry vocabulary."""
+    config = param_table.get_config("wmt_en_de", variant)
+    n = param_table.count_parameters(config, vocab_size=32_768)
+    assert n == _analytic_count(1024, 4096, 16, enc_kernels, (3, 7, 15, 31, 31, 31), 32_768, mixer)
+    assert DOCS_TABLE[f"wmt_en_de:{variant}", 32_768, True] == n
 
 
 _JITTED = {}  # (repr(config), kind) -> jitted functions; configs hold dicts, so they are not hashable
