@@ -9,6 +9,11 @@ Which mixer each layer uses (``"lightconv"``, ``"dynamicconv"``, ``"attention"``
 ``"colt5"``, ``"knn_memory"``) and its kernel size are config values, so the paper's Transformer, LightConv and
 DynamicConv models, and the other mixers, are configs rather than code. Logits are float32.
 
+CoLT5 (mixer and ``ffn_type="colt5"``) is encoder-only: its routing ranks future tokens, so a decoder naming
+it is a config error and decoder layers keep the dense FFN. kNN-memory layers keep past windows in the
+``'memory'`` collection, which the caller threads and resets (``lconv.memory.reset_memory``); without it they
+see no past windows. docs/models.md describes every mixer and lists each config's parameter count.
+
 Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
 inside each packed segment, starting with ``BOS``.
 """
@@ -98,11 +103,17 @@ class ModelConfig:
         sides = [("decoder", self.decoder_layers)] if decoder_only else [
             ("encoder", self.encoder_layers), ("decoder", self.decoder_layers)]
         for side, n in sides:
-            for name in self.layer_mixers(side):
-                mixers.mixer_class(name)  # unknown names fail here, before any tracing
+            for layer, name in enumerate(self.layer_mixers(side)):
+                if name not in mixers.mixer_names():  # unknown names fail here, before any tracing
+                    raise ValueError(f"config.model.{side}_mixer: unknown mixer {name!r}; choose one of "
+                                     f"{mixers.mixer_names()}")
                 if side == "decoder" and name in ENCODER_ONLY_MIXERS:
                     raise ValueError(f"config.model.decoder_mixer: {name!r} is an encoder-only mixer (its routing "
                                      "ranks future tokens); use 'attention' or a conv mixer in the decoder")
+                centred_conv = side == "encoder" and name in ("lightconv", "dynamicconv")
+                if centred_conv and self.kernel_size(side, layer) % 2 == 0:
+                    raise ValueError(f"config.model.encoder_kernel_sizes: layer {layer} has kernel "
+                                     f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
             if any(m in ("lightconv", "dynamicconv") for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
 

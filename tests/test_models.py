@@ -242,9 +242,11 @@ def test_embeddings_and_linears_follow_fairseq_init():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(encoder_mixer="dynamicconv", encoder_kernel_sizes=(4,)), "odd"),
-        (dict(d_model=18), "divisible"),
-        (dict(encoder_mixer="lightconvv"), "unknown mixer"),
+        (dict(encoder_mixer="dynamicconv", encoder_kernel_sizes=(4,)), "encoder_kernel_sizes: layer 0 .* odd"),
+        (dict(encoder_mixer="attention,lightconv", encoder_kernel_sizes=(3, 6)), "encoder_kernel_sizes: layer 1"),
+        (dict(d_model=18), "d_model=18 must be divisible by config.model.num_heads=4"),
+        (dict(encoder_mixer="lightconvv"), "encoder_mixer: unknown mixer 'lightconvv'"),
+        (dict(decoder_mixer="attention,lightconvv"), "decoder_mixer: unknown mixer 'lightconvv'"),
         (dict(encoder_mixer="attention,attention,attention"), "3 mixers for 2"),
         (dict(decoder_kernel_sizes=(3, 5, 7)), None),  # more sizes than layers: fine, extra ignored
         (dict(encoder_kernel_sizes=(3, 5, 7, 9), encoder_layers=5), "5 encoder layers"),
