@@ -155,9 +155,13 @@ def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_s
     np.testing.assert_allclose(decoded, full, atol=1e-4)
 
 
+def _lm_with_every_causal_mixer():
+    """A decoder-only LM with one layer per causal mixer (kNN memory is the last, layer 5)."""
+    return _small(decoder_layers=6, decoder_mixer=CAUSAL_MIXERS, decoder_kernel_sizes=(4,))
+
+
 def test_language_model_with_every_causal_mixer_decodes_like_the_full_pass_and_never_sees_the_future():
-    cfg = _small(decoder_layers=6, decoder_mixer=CAUSAL_MIXERS, decoder_kernel_sizes=(4,))
-    fns = _jitted(cfg, "lm")
+    fns = _jitted(_lm_with_every_causal_mixer(), "lm")
     tokens = _tokens((2, 9), 2)
     v = fns.init(jax.random.key(0), tokens)
     full = fns.full(v, tokens)
@@ -176,8 +180,9 @@ def test_colt5_is_encoder_only_with_one_line_errors():
 
 def test_language_model_threads_knn_memory_and_resets_a_row_at_a_new_document():
     """A DecoderOnlyLM with a kNN-memory layer, fed a stream window by window: the 'memory' collection carries
-    the past; ``reset_memory`` makes a row start over exactly like a fresh stream; decoding reads the memory."""
-    cfg = _small(decoder_mixer="knn_memory,lightconv")
+    the past; ``reset_memory`` makes a row start over exactly like a fresh stream; decoding reads the memory.
+    (The model of the test above, so its compiled init / full / decode are reused.)"""
+    cfg = _lm_with_every_causal_mixer()
     fns = _jitted(cfg, "lm")
     m = models.DecoderOnlyLM(cfg)
     thread = jax.jit(lambda v, tok: m.apply(v, tok, shift=False, mutable=["memory"]))
@@ -194,7 +199,7 @@ def test_language_model_threads_knn_memory_and_resets_a_row_at_a_new_document():
     y1r, upd_r = thread({**params, "memory": memory.reset_memory(mem1, np.array([True, False]))}, w1)
     np.testing.assert_allclose(y1r[0], fresh1[0], atol=1e-5)
     np.testing.assert_allclose(y1r[1], y1[1], atol=1e-5)
-    valid = np.asarray(upd_r["memory"]["decoder"]["layer_0"]["mixer"]["valid"]).sum(-1)
+    valid = np.asarray(upd_r["memory"]["decoder"]["layer_5"]["mixer"]["valid"]).sum(-1)
     assert list(valid) == [9, 12]  # row 0: window 1 only; row 1: windows 0 + 1, FIFO-capped at 12
     # Cached decoding of window 1 reads the (read-only) memory of window 0 and equals the full pass.
     decoded = _decode_in_chunks(fns.decode, {**params, "memory": mem1}, w1)
