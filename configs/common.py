@@ -9,7 +9,8 @@ import ml_collections
 PAPER_ENCODER_KERNELS = (3, 7, 15, 31, 31, 31, 31)
 PAPER_DECODER_KERNELS = (3, 7, 15, 31, 31, 31)
 
-# Mixer variants a config's ``:variant`` argument may name -> the mixer of every layer.
+# Mixer variants a config's ``:variant`` argument may name -> the mixer of every layer (but see
+# ENCODER_ONLY / DECODER_ONLY below for the two that only fit one side).
 MIXER_VARIANTS = {
     "transformer": "attention",
     "lightconv": "lightconv",
@@ -20,6 +21,12 @@ MIXER_VARIANTS = {
     "colt5": "colt5",
     "knn": "knn_memory",
 }
+
+
+# CoLT5 routes over the whole sequence (future included): its models keep a Transformer decoder, as the paper's.
+ENCODER_ONLY = {"colt5"}
+# The Memorizing Transformer is a decoder (an LM); in a translation model its encoder is a Transformer's.
+DECODER_ONLY = {"knn_memory"}
 
 
 def base_config():
@@ -141,7 +148,11 @@ def set_mixer(config, words):
     if len(chosen) > 1:
         raise ValueError(f"choose one mixer variant; got {sorted(words & set(MIXER_VARIANTS))}")
     if chosen:
-        config.model.encoder_mixer = config.model.decoder_mixer = chosen[0]
-        if chosen[0] == "attention":  # the Transformer baseline has no conv kernels to drop
+        mixer = chosen[0]
+        if mixer in ENCODER_ONLY and config.task == "lm":
+            raise ValueError(f"mixer variant {mixer!r} is encoder-only; a decoder-only LM cannot use it")
+        config.model.encoder_mixer = "attention" if mixer in DECODER_ONLY else mixer
+        config.model.decoder_mixer = "attention" if mixer in ENCODER_ONLY else mixer
+        if mixer == "attention":  # the Transformer baseline has no conv kernels to drop
             config.model.weight_dropout = 0.0
     return config

@@ -4,9 +4,10 @@
     python train.py --config=configs/iwslt14_de_en.py:lightconv --workdir=...
     python train.py --config=configs/iwslt14_de_en.py:transformer --workdir=...
 
-d 512, FFN 1024, 4 heads, 7 encoder / 6 decoder layers, no GLU, dropout 0.3, weight dropout 0.1, Adam (0.9, 0.98),
-lr 5e-4 inverse-sqrt with 4k warmup, label smoothing 0.1, 50k updates. The data is the local-files builder
-``iwslt14`` (see README, Datasets): fairseq's ``prepare-iwslt14.sh`` output, prepared with lconv.
+d 512, FFN 1024, 4 heads, 7 encoder / 6 decoder layers (transformer: 6 / 6, fairseq's transformer_iwslt_de_en),
+no GLU, dropout 0.3, weight dropout 0.1, Adam (0.9, 0.98), lr 5e-4 inverse-sqrt with 4k warmup, label smoothing
+0.1, 50k updates. The data is the local-files builder ``iwslt14`` (see README, Datasets): fairseq's
+``prepare-iwslt14.sh`` output, prepared with lconv.
 """
 from configs import common
 
@@ -27,4 +28,6 @@ def get_config(arg=None):
     c.optim.weight_decay = 1e-4
     c.train.num_steps = 50_000
     c.decode.beam_size, c.decode.lenpen = 4, 1.0
+    if "transformer" in words:  # fairseq's transformer_iwslt_de_en: 6 + 6 layers (the conv models take 7 + 6)
+        c.model.encoder_layers = 6
     return common.set_mixer(c, words or {"dynamic"})

@@ -5,7 +5,8 @@
     python train.py --config=configs/wmt_en_de.py:transformer,big --config.mesh.shape="(16,4,1)" --workdir=...
 
 big: d 1024, FFN 4096, 16 heads, dropout 0.3; base: d 512, FFN 2048, 8 heads, dropout 0.1. Both: 7 encoder /
-6 decoder layers with kernels [3,7,15,31,31,31,31] / [3,7,15,31,31,31], GLU, weight dropout 0.1, Adam
+6 decoder layers with kernels [3,7,15,31,31,31,31] / [3,7,15,31,31,31] (``transformer``: 6 / 6, as the
+paper's Transformer baselines), GLU, weight dropout 0.1, Adam
 (0.9, 0.98), cosine lr 1e-3 with 10k warmup, 30k updates, label smoothing 0.1. Needs tfds
 ``wmt14/en_de`` (tfds wmt14_translate/de-en) prepared (see README, Datasets).
 """
@@ -33,6 +34,8 @@ def wmt_config(words, dataset, source_key, target_key, big_dropout):
     c.train.num_steps = 30_000
     c.decode.beam_size, c.decode.lenpen = 5, 0.5
     c.model.dtype = "bfloat16"
+    if "transformer" in words:  # the paper's Transformer baselines (Vaswani / Ott et al.) are 6 + 6 layers;
+        c.model.encoder_layers = 6  # the conv models take a 7th encoder layer to match their size
     return common.set_mixer(c, words)
 
 

@@ -50,7 +50,26 @@ NEG_INF = -1e30
 # ----------------------------------------------------------------------------------------------------------
 
 
-class SelfAttention(nn.Module):
+class AttentionFields(nn.Module):
+    """The fields every attention-family token mixer shares (``lconv.memory`` too), and their validation."""
+
+    num_heads: int = 8
+    causal: bool = False
+    dtype: DType = jnp.float32  # computation dtype; logits, softmax and accumulation stay float32
+    param_dtype: DType = jnp.float32
+    qkv_features: int | None = None  # total Q/K/V width; None = the input width C
+    attention_dropout: float = 0.0  # on the attention probabilities, training only
+    use_bias: bool = True  # in the Q/K/V/output projections
+
+    def _dims(self, x_BTC) -> tuple[int, int, int, int, int]:
+        """``(B, T, C, H, D)`` of a ``[B, T, C]`` input; bad shapes and fields are one-line errors."""
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features, C)
+        check_dropout(self.attention_dropout)
+        return B, T, C, H, D
+
+
+class SelfAttention(AttentionFields):
     """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
 
     ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
@@ -61,33 +80,17 @@ class SelfAttention(nn.Module):
     ``cached_segment_ids [B, L]`` int32, ``cache_index []`` int32.
     """
 
-    num_heads: int = 8
-    causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
-    qkv_features: int | None = None  # total Q/K/V width; None = the input width C
-    attention_dropout: float = 0.0
-    use_bias: bool = True
-
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
         q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
         k_BSHD = dense(H * D, "key", self)(x).reshape(B, T, H, D)
         v_BSHD = dense(H * D, "value", self)(x).reshape(B, T, H, D)
-        mask_B1TS = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        if decode:
-            check_decode(self.causal, type(self).__name__)
-            cache, index = decode_cache_update(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT})
-            if cache is not None:
-                k_BSHD, v_BSHD = cache["key"], cache["value"]
-                mask_B1TS = decode_mask(seg_BT, cache["segment_ids"], index)
+        kv, mask_B1TS = attention_context(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}, decode)
         out_BTHD = dot_product_attention(
-            q_BTHD, k_BSHD, v_BSHD, mask_B1TS, dropout_rate=self.attention_dropout,
+            q_BTHD, kv["key"], kv["value"], mask_B1TS, dropout_rate=self.attention_dropout,
             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
@@ -116,7 +119,7 @@ class CrossAttention(nn.Module):
         _, S, _ = check_input(memory_BSC, "memory_BSC")
         if memory_BSC.shape[0] != B:
             raise ValueError(f"memory_BSC batch {memory_BSC.shape[0]} != x_BTC batch {B}")
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
+        H, D = head_dims(self.num_heads, self.qkv_features, C)
         check_dropout(self.attention_dropout)
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(memory_BSC, memory_segment_ids, None, "memory_segment_ids")
@@ -130,7 +133,7 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-class FixedAttention(nn.Module):
+class FixedAttention(AttentionFields):
     """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
 
     The logits are learned parameters that do not look at the input: head ``h`` owns a
@@ -150,22 +153,13 @@ class FixedAttention(nn.Module):
     ``mix_dot_product``); ``L <= max_len`` is enforced when the cache is created.
     """
 
-    num_heads: int = 8
-    causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
     max_len: int = 512
     factorized_rank: int = 0  # 0 = a full [max_len, max_len] table per head
     mix_dot_product: bool = False
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
         check_max_len(self.max_len, T)
         if self.factorized_rank < 0:
             raise ValueError(f"factorized_rank must be >= 0 (0 = full table), got {self.factorized_rank}")
@@ -175,35 +169,29 @@ class FixedAttention(nn.Module):
         if self.mix_dot_product:
             q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
             new["key"] = dense(H * D, "key", self)(x).reshape(B, T, H, D)
-        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        key_pos_BS = pos_BT
         if decode:
-            check_decode(self.causal, type(self).__name__)
-            pos_BT = key_pos_BS = decode_positions(self, pos_BT, positions is None)
-            cache, index = decode_cache_update(self, {**new, "positions": pos_BT})
-            if cache is not None:
-                new, key_pos_BS = cache, cache["positions"]
-                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+            pos_BT = decode_positions(self, pos_BT, positions is None)
+        kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
         check_positions(pos_BT, self.max_len)
         L, r = self.max_len, self.factorized_rank
         if r:
             init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
             r1_HLR = self.param("r1", init, (H, L, r), self.param_dtype)
             r2_HRL = self.param("r2", init, (H, r, L), self.param_dtype)
-            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, key_pos_BS)
+            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, kv["positions"])
         else:
             w_HLL = self.param("logits", nn.initializers.normal(stddev=0.1), (H, L, L), self.param_dtype)
-            logits_BHTS = fixed_logits(w_HLL, pos_BT, key_pos_BS)
+            logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"])
         if self.mix_dot_product:
             alpha_H = jax.nn.sigmoid(self.param("mix_logit", nn.initializers.zeros, (H,), self.param_dtype))
             alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
-            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, new["key"])
-        out_BTHD = attend(logits_BHTS, new["value"], mask, dropout_rate=self.attention_dropout,
+            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, kv["key"])
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                           dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-class HadamardAttention(nn.Module):
+class HadamardAttention(AttentionFields):
     """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
 
     ``W_h[pos_q, pos_k]`` is a learned per-head ``[max_len, max_len]`` table (initialised to ones, so training
@@ -219,23 +207,15 @@ class HadamardAttention(nn.Module):
     ``cached_segment_ids [B, L]``, ``cache_index []``; ``L <= max_len``.
     """
 
-    num_heads: int = 8
-    causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
     max_len: int = 512
     project_qk: bool = False
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        if not self.project_qk:
-            _, Dqk = head_dims(self.num_heads, C, "num_heads")
-        check_dropout(self.attention_dropout)
+        B, T, C, H, D = self._dims(x_BTC)
+        if not self.project_qk and C % H:
+            raise ValueError(f"num_heads={H} must divide the input width C={C} (Q = K = the input heads when "
+                             "project_qk=False)")
         check_max_len(self.max_len, T)
         seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
@@ -243,21 +223,15 @@ class HadamardAttention(nn.Module):
             q_BTHD = dense(H * D, "query", self)(x).reshape(B, T, H, D)
             k_BSHD = dense(H * D, "key", self)(x).reshape(B, T, H, D)
         else:
-            q_BTHD = k_BSHD = x.reshape(B, T, H, Dqk)
+            q_BTHD = k_BSHD = x.reshape(B, T, H, C // H)
         new = {"key": k_BSHD, "value": dense(H * D, "value", self)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
-        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        key_pos_BS = pos_BT
         if decode:
-            check_decode(self.causal, type(self).__name__)
-            pos_BT = key_pos_BS = decode_positions(self, pos_BT, positions is None)
-            cache, index = decode_cache_update(self, {**new, "positions": pos_BT})
-            if cache is not None:
-                new, key_pos_BS = cache, cache["positions"]
-                mask = decode_mask(seg_BT, cache["segment_ids"], index)
+            pos_BT = decode_positions(self, pos_BT, positions is None)
+        kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
         check_positions(pos_BT, self.max_len)
         w_HLL = self.param("weight", nn.initializers.ones, (H, self.max_len, self.max_len), self.param_dtype)
-        logits_BHTS = fixed_logits(w_HLL, pos_BT, key_pos_BS) * dot_product_logits(q_BTHD, new["key"])
-        out_BTHD = attend(logits_BHTS, new["value"], mask, dropout_rate=self.attention_dropout,
+        logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"]) * dot_product_logits(q_BTHD, kv["key"])
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                           dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
@@ -298,6 +272,25 @@ def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str
     return {n: v.value for n, v in cached.items()}, i
 
 
+def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
+    """What a chunk attends to: ``(arrays, mask [B, 1, T, S])`` for a self-attention-like mixer.
+
+    ``new`` holds this chunk's ``[B, T, ...]`` key-side arrays and its ``segment_ids``. In a full pass (and
+    on the cache-creating call) that is ``new`` itself under the segment mask, causal if ``mdl.causal``;
+    while decoding it is the whole cache after ``new`` is written into it (``decode_cache_update``), under
+    the mask of the chunk's queries against every cached position up to their own.
+    """
+    seg_BT = new["segment_ids"]
+    mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
+    if not decode:
+        return new, mask_B1TS
+    check_decode(mdl.causal, type(mdl).__name__)
+    cache, index = decode_cache_update(mdl, new)
+    if cache is None:
+        return new, mask_B1TS
+    return cache, decode_mask(seg_BT, cache["segment_ids"], index)
+
+
 def decode_positions(mdl: nn.Module, pos_BT, default: bool):
     """While decoding, default positions continue from the cache: ``cache_index + arange(T)``."""
     if default and mdl.has_variable("cache", "cache_index"):
@@ -311,12 +304,15 @@ def check_input(x_BTC, name: str = "x_BTC") -> tuple[int, int, int]:
     return x_BTC.shape
 
 
-def head_dims(num_heads: int, features: int, field: str) -> tuple[int, int]:
+def head_dims(num_heads: int, qkv_features: int | None, C: int) -> tuple[int, int]:
+    """``(H, D)``: ``num_heads`` heads of ``D = width / H`` over ``qkv_features`` (None = the input width C)."""
     if num_heads <= 0:
         raise ValueError(f"num_heads must be positive, got {num_heads}")
-    if features <= 0 or features % num_heads:
-        raise ValueError(f"{field}={features} must be a positive multiple of num_heads={num_heads}")
-    return num_heads, features // num_heads
+    width = qkv_features or C
+    if width <= 0 or width % num_heads:
+        what = f"qkv_features={qkv_features}" if qkv_features else f"the input width C={C} (qkv_features unset)"
+        raise ValueError(f"{what} must be a positive multiple of num_heads={num_heads}")
+    return num_heads, width // num_heads
 
 
 def check_dropout(rate: float, field: str = "attention_dropout") -> None:

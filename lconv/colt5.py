@@ -26,8 +26,10 @@ with SEPARATE query and key-value routers; heavy attention stays within segments
 key-value routing weights is not specified; here they scale the routed values (so the kv router is trained
 and an un-routed kv token fades in continuously). It is an encoder mixer: routing ranks all tokens, future ones
 included, so ``causal=True`` (and ``decode=True``) raise ``ValueError``; use ``"attention"``/conv mixers in
-the decoder, as the paper does. The light branch uses a dense ``[T, T]`` band mask (``O(T²)`` memory); a
-blocked local attention would make it ``O(T · radius)``.
+the decoder, as the paper does (``lconv.models`` rejects ``"colt5"`` as a decoder mixer for that reason).
+The light branch is blocked local attention (``local_attention``): time is cut into blocks of ``radius``
+tokens and each block attends to itself and its two neighbours, so it costs ``O(T · radius)`` memory, not
+``O(T²)``.
 
 ``CoLT5FeedForward``: light FFN (hidden ``light_hidden_dim``) on all tokens plus heavy FFN (hidden
 ``heavy_hidden_dim``) on routed tokens; call ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``.
@@ -48,8 +50,16 @@ Array = jax.Array
 DType = Any
 
 
-class _RoutingFields:
-    """Shared validation of the routing fields (mixed into both modules)."""
+class _Routed(nn.Module):
+    """What the routed attention and the routed FFN share: dtypes, the routing fields and the routing itself."""
+
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    routed_fraction: float = 0.25  # routed capacity k = ceil(routed_fraction * T) ...
+    num_routed: int = 0  # ... unless num_routed > 0 (then k = num_routed); capped at T
+    router_temperature: float = 0.1  # soft top-k ε
+    router_iterations: int = 32  # soft top-k coordinate-descent steps
+    use_bias: bool = True
 
     def _num_routed(self, T: int) -> int:
         if self.num_routed < 0:
@@ -71,8 +81,13 @@ class _RoutingFields:
                           iterations=self.router_iterations)
         return w_BT, top_k_indices(r_BT, valid_BT, k)
 
+    def _weighted_scatter(self, heavy_BKC, w_BT, idx_BK, T: int):
+        """``s_i · Heavy_i`` placed back at the routed tokens' positions; zeros elsewhere, ``[B, T, C]``."""
+        weights_BK1 = gather_tokens(w_BT, idx_BK)[:, :, None].astype(self.dtype)
+        return scatter_tokens(heavy_BKC * weights_BK1, idx_BK, T)
 
-class CoLT5Attention(_RoutingFields, nn.Module):
+
+class CoLT5Attention(_Routed):
     """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (see the module docstring for the math).
 
     Fields: ``num_heads`` heavy heads of size ``D = C / num_heads``; ``light_num_heads`` (0 = ``num_heads // 2``,
@@ -84,25 +99,17 @@ class CoLT5Attention(_RoutingFields, nn.Module):
 
     num_heads: int = 8
     causal: bool = False
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
     light_num_heads: int = 0
     local_radius: int = 16
-    routed_fraction: float = 0.25
-    num_routed: int = 0
-    router_temperature: float = 0.1
-    router_iterations: int = 32
     attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        del positions  # content-based; the local window uses token indices
         if self.causal or decode:
             raise ValueError("CoLT5Attention is an encoder mixer: causal=True / decode=True are not supported "
                              "(routing ranks future tokens); use 'attention' or a conv mixer in the decoder")
         B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, C, "num_heads")
+        H, D = head_dims(self.num_heads, None, C)
         Hl = self.light_num_heads or max(1, H // 2)
         if Hl < 0 or Hl > H:
             raise ValueError(f"light_num_heads must be in [0, num_heads={H}], got {self.light_num_heads}")
@@ -110,16 +117,16 @@ class CoLT5Attention(_RoutingFields, nn.Module):
             raise ValueError(f"local_radius must be >= 0, got {self.local_radius}")
         check_dropout(self.attention_dropout)
         k = self._num_routed(T)
-        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, None)
-        valid_BT = seg_BT != 0
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)  # positions unused: content routing,
+        valid_BT = seg_BT != 0  # and the local window goes by token index
         x = x_BTC.astype(self.dtype)
         rng = dropout_rng(self, self.attention_dropout, deterministic)
         rngs = (None, None) if rng is None else tuple(jax.random.split(rng))
 
         # Light branch: local attention, every token.
         ql, kl, vl = (dense(Hl * D, f"light_{n}", self)(x).reshape(B, T, Hl, D) for n in ("query", "key", "value"))
-        light_BTHD = dot_product_attention(ql, kl, vl, attention_mask(seg_BT, seg_BT, radius=self.local_radius),
-                                           dropout_rate=self.attention_dropout, dropout_rng=rngs[0], dtype=self.dtype)
+        light_BTHD = local_attention(ql, kl, vl, seg_BT, self.local_radius, dropout_rate=self.attention_dropout,
+                                     dropout_rng=rngs[0], dtype=self.dtype)
         light_BTC = dense(C, "light_out", self)(light_BTHD.reshape(B, T, Hl * D))
 
         # Heavy branch: full attention among routed queries over routed keys/values.
@@ -135,11 +142,10 @@ class CoLT5Attention(_RoutingFields, nn.Module):
                                            dropout_rate=self.attention_dropout, dropout_rng=rngs[1],
                                            dtype=self.dtype)
         heavy_BKC = dense(C, "heavy_out", self)(heavy_BKHD.reshape(B, k, H * D))
-        heavy_BKC = heavy_BKC * gather_tokens(wq_BT, iq_BK)[:, :, None].astype(self.dtype)
-        return (light_BTC + scatter_tokens(heavy_BKC, iq_BK, T)).astype(x_BTC.dtype)
+        return (light_BTC + self._weighted_scatter(heavy_BKC, wq_BT, iq_BK, T)).astype(x_BTC.dtype)
 
 
-class CoLT5FeedForward(_RoutingFields, nn.Module):
+class CoLT5FeedForward(_Routed):
     """CoLT5 routed feed-forward: ``y = FFN_light(X) + s ⊙ FFN_heavy(X_routed)``, ReLU, for the model's FFN slot.
 
     Call: ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``. Fields: ``light_hidden_dim`` (0 = C/2),
@@ -147,16 +153,9 @@ class CoLT5FeedForward(_RoutingFields, nn.Module):
     activations. Parameters: ``light_in``, ``light_out``, ``heavy_in``, ``heavy_out``, ``router`` ``[C]``.
     """
 
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
     light_hidden_dim: int = 0
     heavy_hidden_dim: int = 0
-    routed_fraction: float = 0.25
-    num_routed: int = 0
-    router_temperature: float = 0.1
-    router_iterations: int = 32
     dropout_rate: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, deterministic=True):
@@ -173,13 +172,48 @@ class CoLT5FeedForward(_RoutingFields, nn.Module):
         w_BT, idx_BK = self._route(x, seg_BT != 0, k, "router")
         xr_BKC = gather_tokens(x, idx_BK)
         heavy_BKC = dense(C, "heavy_out", self)(drop(jax.nn.relu(dense(hh, "heavy_in", self)(xr_BKC))))
-        heavy_BKC = heavy_BKC * gather_tokens(w_BT, idx_BK)[:, :, None].astype(self.dtype)
-        return (light_BTC + scatter_tokens(heavy_BKC, idx_BK, T)).astype(x_BTC.dtype)
+        return (light_BTC + self._weighted_scatter(heavy_BKC, w_BT, idx_BK, T)).astype(x_BTC.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Pure math
 # ----------------------------------------------------------------------------------------------------------
+
+
+def local_attention(q_BTHD, k_BTHD, v_BTHD, seg_BT, radius: int, *, dropout_rate=0.0, dropout_rng=None,
+                    dtype=None) -> Array:
+    """Each query attends the same-segment keys with ``|key index - query index| <= radius``, ``[B, T, H, D]``.
+
+    Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``, in ``O(T · radius)``
+    memory: time is cut into ``N`` blocks of ``W = clip(radius, 1, T)`` tokens (the end padded with segment
+    0); query block ``n`` attends key blocks ``n - 1, n, n + 1``, which hold every key within the radius, as
+    a batch of ``[W, 3W]`` attentions. The mask then keeps exactly the keys within the radius.
+    """
+    B, T, H, D = q_BTHD.shape
+    W = max(1, min(radius, T))
+    N = -(-T // W)
+    tail = N * W - T
+
+    def key_blocks(a_BT_):  # [B, T, ...] -> [B, N, 3W, ...]: blocks n-1, n, n+1 side by side (zeros outside)
+        pad = [(0, 0), (W, W + tail)] + [(0, 0)] * (a_BT_.ndim - 2)
+        a = jnp.pad(a_BT_, pad).reshape((B, N + 2, W) + a_BT_.shape[2:])
+        return jnp.concatenate([a[:, :-2], a[:, 1:-1], a[:, 2:]], axis=2)
+
+    def query_blocks(a_BT_):  # [B, T, ...] -> [B, N, W, ...]
+        pad = [(0, 0), (0, tail)] + [(0, 0)] * (a_BT_.ndim - 2)
+        return jnp.pad(a_BT_, pad).reshape((B, N, W) + a_BT_.shape[2:])
+
+    q_seg_BNW, k_seg_BNS = query_blocks(seg_BT), key_blocks(seg_BT)  # S = 3W; padding is segment 0
+    q_idx_NW = jnp.arange(N * W).reshape(N, W)
+    k_idx_NS = q_idx_NW[:, :1] - W + jnp.arange(3 * W)  # absolute index of each key slot
+    near_NWS = jnp.abs(k_idx_NS[:, None, :] - q_idx_NW[:, :, None]) <= radius
+    mask_BNWS = (q_seg_BNW[..., :, None] == k_seg_BNS[..., None, :]) & (q_seg_BNW != 0)[..., None] & near_NWS
+
+    fold = lambda a: a.reshape((B * N,) + a.shape[2:])  # noqa: E731  blocks into the batch
+    out_XWHD = dot_product_attention(
+        fold(query_blocks(q_BTHD)), fold(key_blocks(k_BTHD)), fold(key_blocks(v_BTHD)),
+        fold(mask_BNWS)[:, None], dropout_rate=dropout_rate, dropout_rng=dropout_rng, dtype=dtype)
+    return out_XWHD.reshape(B, N * W, H, -1)[:, :T]
 
 
 def router_scores(x_BTC, u_C) -> Array:

@@ -75,7 +75,7 @@ class _ConvBase(nn.Module):
 
     def _check_channels(self, x_BTC):
         if x_BTC.ndim != 3:
-            raise ValueError(f"input must be [batch, time, channels]; got shape {x_BTC.shape}")
+            raise ValueError(f"x_BTC must be [batch, time, channels]; got shape {x_BTC.shape}")
         C = x_BTC.shape[-1]
         if C % self.num_heads:
             raise ValueError(f"channels C={C} must be divisible by num_heads={self.num_heads}")
@@ -94,6 +94,17 @@ class _ConvBase(nn.Module):
             self.param_dtype,
         )
         return y_BTC + bias.astype(y_BTC.dtype)
+
+    def _convolve(self, x_BTC, weight, padding_left, segment_ids, decode, full_fn, step_fn):
+        """``full_fn`` over the whole input, or while decoding ``step_fn`` on the cached last K-1 inputs; + bias.
+
+        The cache-creating ``decode`` call (no cache yet) creates the zeroed state and runs the full pass."""
+        if decode:
+            state, initialised = self._decode_state(x_BTC)
+            if initialised:
+                y_BTC, state.value = step_fn(x_BTC, state.value, weight)
+                return self._bias(y_BTC)
+        return self._bias(full_fn(x_BTC, weight, padding_left, impl=self.impl, segment_ids=segment_ids))
 
     def _decode_state(self, x_BTC):
         """Returns the cache variable and whether it existed before this call (False = cache-creating call)."""
@@ -117,13 +128,8 @@ class LightweightConv1d(_ConvBase):
             (self.num_heads, self.kernel_size), self.param_dtype,
         )
         weight_HK = self._normalise(logits_HK, deterministic)
-        if decode:
-            state, initialised = self._decode_state(x_BTC)
-            if initialised:
-                y_BTC, state.value = ops.light_conv_step(x_BTC, state.value, weight_HK)
-                return self._bias(y_BTC)
-        y_BTC = ops.light_conv(x_BTC, weight_HK, padding_left, impl=self.impl, segment_ids=segment_ids)
-        return self._bias(y_BTC)
+        return self._convolve(x_BTC, weight_HK, padding_left, segment_ids, decode, ops.light_conv,
+                              ops.light_conv_step)
 
 
 class DynamicConv1d(_ConvBase):
@@ -147,13 +153,8 @@ class DynamicConv1d(_ConvBase):
         )
         logits_BTHK = predictor(x_BTC).reshape(*x_BTC.shape[:2], H, K)  # head-major: feature h*K + k
         weight_BTHK = self._normalise(logits_BTHK, deterministic)
-        if decode:
-            state, initialised = self._decode_state(x_BTC)
-            if initialised:
-                y_BTC, state.value = ops.dynamic_conv_step(x_BTC, state.value, weight_BTHK)
-                return self._bias(y_BTC)
-        y_BTC = ops.dynamic_conv(x_BTC, weight_BTHK, padding_left, impl=self.impl, segment_ids=segment_ids)
-        return self._bias(y_BTC)
+        return self._convolve(x_BTC, weight_BTHK, padding_left, segment_ids, decode, ops.dynamic_conv,
+                              ops.dynamic_conv_step)
 
 
 class LightConvBlock(nn.Module):
@@ -181,7 +182,11 @@ class LightConvBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
-        del positions  # a conv is translation invariant
+        if x_BTC.ndim != 3:
+            raise ValueError(f"x_BTC must be [batch, time, features]; got shape {x_BTC.shape}")
+        for name, ids in (("segment_ids", segment_ids), ("positions", positions)):  # positions: unused, a conv
+            if ids is not None and ids.shape != x_BTC.shape[:2]:  # is translation invariant; checked all the same
+                raise ValueError(f"{name} must be [batch, time] = {x_BTC.shape[:2]}; got {ids.shape}")
         if self.conv_type not in ("lightweight", "dynamic"):
             raise ValueError(f"conv_type must be 'lightweight' or 'dynamic'; got {self.conv_type!r}")
         d = x_BTC.shape[-1]

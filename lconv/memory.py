@@ -21,25 +21,28 @@ Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, b
     memory/values  [B, memory_size, H, D]  values, ``dtype``
     memory/valid   [B, memory_size] bool   which slots hold an entry; valid entries sit at the end, oldest first
 
-The training loop threads it through consecutive windows of each batch row's document stream:
+The memory is state of the loop that feeds a document stream window by window, and the loop owns it: it
+threads the collection from one call to the next and, where a batch row starts a new document, clears that
+row with ``reset_memory`` (every kNN layer of a model at once; any model holding these layers works alike):
 
     mem = model.init(rng, x0)['memory']
-    for x, pos in windows:
-        y, upd = model.apply({'params': p, 'memory': mem}, x, positions=pos, mutable=['memory'])
+    for x, new_document_B in windows:
+        mem = reset_memory(mem, new_document_B)      # rows that start a new document forget the old one
+        y, upd = model.apply({'params': p, 'memory': mem}, x, mutable=['memory'])
         mem = upd['memory']
 
-Within a call the memory is read first and written after (only strictly past windows are ever retrieved).
-The write appends this window's non-padding keys/values and evicts the oldest beyond ``memory_size`` (FIFO).
-When ``'memory'`` is not mutable (evaluation without threading, or ``decode=True``) the memory is only read.
+This is the only reset mechanism: it keeps the mixer contract unchanged (no extra call argument to thread
+through the models) and does not overload ``positions``, which the models also feed to position embeddings
+and position-indexed mixers. Within a call the memory is read first and written after (only strictly past
+windows are ever retrieved). The write appends this window's non-padding keys/values and evicts the oldest
+beyond ``memory_size`` (FIFO). When ``'memory'`` is passed but not mutable (evaluation of a fixed memory, or
+``decode=True``) it is only read. When no ``'memory'`` collection is passed at all (a plain
+``apply({'params': p}, ...)``, e.g. sentence-level training where every batch is a fresh document) there are
+no past windows: the memory is empty and the layer is its local attention.
 
-Resets (per batch row; a document never reads another's memory):
-- ``reset_B`` (optional keyword, bool ``[B]``): clear that row's memory before reading;
-- if ``reset_B`` is None and ``positions`` are given, a row whose first position is 0 starts a new document
-  and is reset. So a loop that passes within-document positions (continuing across windows) needs nothing
-  else; ``positions=None`` never resets.
-- packed windows: only tokens of the row's first segment (the document continuing from the previous window)
-  read the memory, only tokens of the last segment (the one continuing into the next window) are written,
-  and if the two differ the old memory is dropped.
+Packed windows (``segment_ids``): only tokens of the row's first segment (the document continuing from the
+previous window) read the memory, only tokens of the last segment (the one continuing into the next window)
+are written, and if the two differ the old memory is dropped. A row that is all padding keeps its memory.
 
 ``decode=True`` (``causal=True`` only): the local attention keeps a chunked KV cache in ``'cache'``
 (``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``, ``cache_index``) as in
@@ -54,45 +57,33 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from lconv.attention import (NEG_INF, attend, attention_mask, check_decode, check_dropout, check_input,
-                             decode_cache_update, decode_mask, dense, dropout_rng, head_dims,
+from lconv.attention import (NEG_INF, AttentionFields, attend, attention_context, dense, dropout_rng,
                              segments_and_positions)
 
 Array = jax.Array
 DType = Any
 
 
-class KNNMemoryAttention(nn.Module):
+class KNNMemoryAttention(AttentionFields):
     """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
 
     Fields: ``memory_size`` entries per batch row (each entry holds all heads' key/value of one token),
     ``num_neighbors`` retrieved per query and head (``<= memory_size``), ``qkv_features`` (None = C),
     ``attention_dropout`` on the local attention probabilities. Parameters: ``query``, ``key``, ``value``,
-    ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Call as the mixer contract plus ``reset_B=None``.
+    ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Called as the mixer contract (``positions`` are not used).
     """
 
-    num_heads: int = 8
-    causal: bool = True
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
+    causal: bool = True  # the Memorizing Transformer is a decoder; False gives bidirectional local attention
     memory_size: int = 1024
     num_neighbors: int = 32
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False,
-                 reset_B=None):
-        B, T, C = check_input(x_BTC)
-        H, D = head_dims(self.num_heads, self.qkv_features or C, "qkv_features")
-        check_dropout(self.attention_dropout)
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        B, T, C, H, D = self._dims(x_BTC)
         if self.memory_size < 1:
             raise ValueError(f"memory_size must be >= 1, got {self.memory_size}")
         if not 1 <= self.num_neighbors <= self.memory_size:
             raise ValueError(f"num_neighbors must be in [1, memory_size={self.memory_size}], got {self.num_neighbors}")
-        if reset_B is not None and reset_B.shape != (B,):
-            raise ValueError(f"reset_B must be [batch] = {(B,)}, got {reset_B.shape}")
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
         q_BTHD = l2_normalize(dense(H * D, "query", self)(x).reshape(B, T, H, D))
@@ -103,38 +94,37 @@ class KNNMemoryAttention(nn.Module):
         q_BTHD = (q_BTHD * jnp.exp(log_scale_H.astype(jnp.float32))[:, None]).astype(self.dtype)  # τ_h q̂
 
         # Local attention within the window (or the decode cache).
-        keys_BSHD, values_BSHD = k_BTHD, v_BTHD
-        mask = attention_mask(seg_BT, seg_BT, causal=self.causal)
-        if decode:
-            check_decode(self.causal, type(self).__name__)
-            cache, index = decode_cache_update(self, {"key": k_BTHD, "value": v_BTHD, "segment_ids": seg_BT})
-            if cache is not None:
-                keys_BSHD, values_BSHD = cache["key"], cache["value"]
-                mask = decode_mask(seg_BT, cache["segment_ids"], index)
-        logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, keys_BSHD, preferred_element_type=jnp.float32)
-        local_BTHD = attend(logits_BHTS, values_BSHD, mask, dropout_rate=self.attention_dropout,
+        kv, mask = attention_context(self, {"key": k_BTHD, "value": v_BTHD, "segment_ids": seg_BT}, decode)
+        logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, kv["key"], preferred_element_type=jnp.float32)
+        local_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic),
                             dtype=jnp.float32)
 
         # Memory: read (past windows only), then write this window.
-        M = self.memory_size
+        gate_H = jax.nn.sigmoid(self.param("gate", nn.initializers.zeros, (H,), self.param_dtype))
+        out_BTHD = local_BTHD
+        if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
+            out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode)
+        # else: no 'memory' collection was passed, so there are no past windows (an empty memory).
+        out_BTC = dense(C, "out", self)(out_BTHD.astype(self.dtype).reshape(B, T, H * D))
+        return out_BTC.astype(x_BTC.dtype)
+
+    def _read_then_write(self, q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode):
+        """Mixes retrieval from the memory into the local result; appends this window when it may write."""
+        B, M, (H, D) = q_BTHD.shape[0], self.memory_size, q_BTHD.shape[2:]
         mem_k = self.variable("memory", "keys", jnp.zeros, (B, M, H, D), self.dtype)
         mem_v = self.variable("memory", "values", jnp.zeros, (B, M, H, D), self.dtype)
         mem_valid = self.variable("memory", "valid", jnp.zeros, (B, M), bool)
-        if mem_k.value.shape[:1] != (B,) or mem_k.value.shape[1:] != (M, H, D):
+        if mem_k.value.shape != (B, M, H, D):
             raise ValueError(f"memory/keys has shape {mem_k.value.shape} but this call needs {(B, M, H, D)}; "
                              "memory_size and the batch size must match the init call")
-        if reset_B is None:
-            reset_B = jnp.zeros((B,), bool) if positions is None or decode else positions[:, 0] == 0
         first_B1 = jnp.where(seg_BT > 0, seg_BT, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
         last_B1 = seg_BT.max(-1, keepdims=True)
-        old_valid_BM = mem_valid.value & ~reset_B[:, None]
         read_BT = (seg_BT == first_B1) & (seg_BT > 0)
         mem_BTHD, found_BTH = memory_attention(q_BTHD, jax.lax.stop_gradient(mem_k.value),
-                                               jax.lax.stop_gradient(mem_v.value), old_valid_BM,
+                                               jax.lax.stop_gradient(mem_v.value), mem_valid.value,
                                                self.num_neighbors)
         found_BTH &= read_BT[:, :, None]
-        gate_H = jax.nn.sigmoid(self.param("gate", nn.initializers.zeros, (H,), self.param_dtype))
         g = gate_H.astype(jnp.float32)[:, None]
         out_BTHD = jnp.where(found_BTH[..., None], g * mem_BTHD + (1 - g) * local_BTHD, local_BTHD)
 
@@ -142,10 +132,29 @@ class KNNMemoryAttention(nn.Module):
             write_BT = (seg_BT == last_B1) & (seg_BT > 0)
             keep_B1 = (last_B1 == first_B1) | (last_B1 == 0)  # an all-padding window keeps the memory
             mem_k.value, mem_v.value, mem_valid.value = fifo_append(
-                mem_k.value, mem_v.value, old_valid_BM & keep_B1, jax.lax.stop_gradient(k_BTHD),
+                mem_k.value, mem_v.value, mem_valid.value & keep_B1, jax.lax.stop_gradient(k_BTHD),
                 jax.lax.stop_gradient(v_BTHD), write_BT)
-        out_BTHD = out_BTHD.astype(self.dtype)
-        return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+        return out_BTHD
+
+
+def reset_memory(memory, reset_B):
+    """Clears the rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection.
+
+    Works on the collection of any model (any nesting): every ``keys`` / ``values`` / ``valid`` leaf is a
+    ``[B, ...]`` array; the reset rows become empty (``valid`` False, entries zeroed), the others are kept.
+    """
+    reset_B = jnp.asarray(reset_B, bool)
+    if reset_B.ndim != 1:
+        raise ValueError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
+
+    def reset(path, leaf):
+        if leaf.shape[:1] != reset_B.shape:
+            raise ValueError(f"reset_B has batch {reset_B.shape[0]} but memory leaf "
+                             f"{jax.tree_util.keystr(path)} has shape {leaf.shape}")
+        keep = ~reset_B.reshape(reset_B.shape + (1,) * (leaf.ndim - 1))
+        return jnp.where(keep, leaf, jnp.zeros((), leaf.dtype))
+
+    return jax.tree_util.tree_map_with_path(reset, memory)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ Which mixer each layer uses (``"lightconv"``, ``"dynamicconv"``, ``"attention"``
 ``"colt5"``, ``"knn_memory"``) and its kernel size are config values, so the paper's Transformer, LightConv and
 DynamicConv models, and the other mixers, are configs rather than code. Logits are float32.
 
+CoLT5 (mixer and ``ffn_type="colt5"``) is encoder-only: its routing ranks future tokens, so a decoder naming
+it is a config error and decoder layers keep the dense FFN. kNN-memory layers keep past windows in the
+``'memory'`` collection, which the caller threads and resets (``lconv.memory.reset_memory``); without it they
+see no past windows. docs/models.md describes every mixer and lists each config's parameter count.
+
 Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
 inside each packed segment, starting with ``BOS``.
 """
@@ -28,6 +33,8 @@ from lconv.layers import CONV, EMBED, xavier_dense
 
 PAD_ID, BOS_ID = 0, 3
 VOCAB, MLP, LENGTH = "vocab", "mlp", "length"
+# Mixers that see the whole sequence by design (CoLT5's routing ranks every token): encoders only.
+ENCODER_ONLY_MIXERS = ("colt5",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +54,7 @@ class ModelConfig:
     decoder_kernel_sizes: Sequence[int] = (3, 7, 15, 31, 31, 31)
     # Per-mixer extra constructor fields, e.g. {"fixed": {"max_len": 256}}; validated by the registry.
     mixer_kwargs: Any = None
-    ffn_type: str = "dense"  # or "colt5" (routed light/heavy FFN)
+    ffn_type: str = "dense"  # or "colt5": routed light/heavy FFN in ENCODER layers (decoders keep the dense one)
     ffn_kwargs: Any = None
     use_glu: bool = True
     conv_features: int | None = None  # fairseq's conv_dim; None = d_model
@@ -90,11 +97,23 @@ class ModelConfig:
             )
         if self.ffn_type not in ("dense", "colt5"):
             raise ValueError(f"config.model.ffn_type must be 'dense' or 'colt5'; got {self.ffn_type!r}")
+        if decoder_only and self.ffn_type == "colt5":
+            raise ValueError("config.model.ffn_type='colt5' routes over future tokens, so it is for encoder layers "
+                             "only; a decoder-only LM needs ffn_type='dense'")
         sides = [("decoder", self.decoder_layers)] if decoder_only else [
             ("encoder", self.encoder_layers), ("decoder", self.decoder_layers)]
         for side, n in sides:
-            for name in self.layer_mixers(side):
-                mixers.mixer_class(name)  # unknown names fail here, before any tracing
+            for layer, name in enumerate(self.layer_mixers(side)):
+                if name not in mixers.mixer_names():  # unknown names fail here, before any tracing
+                    raise ValueError(f"config.model.{side}_mixer: unknown mixer {name!r}; choose one of "
+                                     f"{mixers.mixer_names()}")
+                if side == "decoder" and name in ENCODER_ONLY_MIXERS:
+                    raise ValueError(f"config.model.decoder_mixer: {name!r} is an encoder-only mixer (its routing "
+                                     "ranks future tokens); use 'attention' or a conv mixer in the decoder")
+                centred_conv = side == "encoder" and name in ("lightconv", "dynamicconv")
+                if centred_conv and self.kernel_size(side, layer) % 2 == 0:
+                    raise ValueError(f"config.model.encoder_kernel_sizes: layer {layer} has kernel "
+                                     f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
             if any(m in ("lightconv", "dynamicconv") for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
 
@@ -130,6 +149,7 @@ class EncoderDecoder(nn.Module):
 
     def setup(self):
         cfg = self.config
+        cfg.validate()
         self.source_embed = _embedding(cfg, "source_embed")
         self.target_embed = self.source_embed if cfg.share_embeddings else _embedding(cfg, "target_embed")
         self.encoder = Stack(cfg, side="encoder", name="encoder")
@@ -249,10 +269,10 @@ class Layer(nn.Module):
                                                      memory_segment_ids=memory_segment_ids,
                                                      deterministic=deterministic, decode=decode),
                                "encoder_attention", deterministic)
-        if cfg.ffn_type == "colt5":
+        if cfg.ffn_type == "colt5" and self.side == "encoder":  # routing is non-causal: never in a decoder
             from lconv.colt5 import CoLT5FeedForward
 
-            ffn = CoLT5FeedForward(**(dict(cfg.ffn_kwargs or {})), name="ffn")
+            ffn = CoLT5FeedForward(**{"dtype": cfg.dtype, **dict(cfg.ffn_kwargs or {})}, name="ffn")
             x = self._sublayer(x, lambda h: ffn(h, segment_ids=segment_ids, deterministic=deterministic), "ffn",
                                deterministic)
         else:

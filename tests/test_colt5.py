@@ -1,11 +1,12 @@
 """CoLT5 routed attention / FFN against float64 NumPy references (bisection soft top-k, brute-force routing)."""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lconv import mixers
-from lconv.colt5 import CoLT5Attention, CoLT5FeedForward, soft_top_k
+from lconv.colt5 import CoLT5Attention, CoLT5FeedForward, local_attention, soft_top_k
 
 B, T, C, H = 2, 13, 12, 3
 D = C // H
@@ -138,6 +139,42 @@ def test_soft_top_k_sums_to_k_matches_optimum_and_is_differentiable():
     for name in ("router_q", "router_kv"):
         gn = np.asarray(g[name])
         assert np.all(np.isfinite(gn)) and np.abs(gn).max() > 1e-4, name
+
+
+@pytest.mark.parametrize("radius", [0, 4, 9, 40])  # 0, blocks of 4 (T not a multiple), of 9, radius > T
+def test_blocked_local_attention_matches_numpy_over_many_blocks(radius):
+    """The light branch's blocked attention at T = 37 (10 blocks of 4): every key within the radius, same
+    segment, no other; packed segments and padding included."""
+    Tl, Hl = 37, 2
+    keys = jax.random.split(jax.random.PRNGKey(11), 3)
+    q, k, v = (np.asarray(jax.random.normal(key, (B, Tl, Hl, D)), np.float32) for key in keys)
+    seg = np.array([[1] * 15 + [2] * 18 + [0] * 4, [1] * 30 + [0] * 7], np.int32)
+    y = np.asarray(jax.jit(local_attention, static_argnums=4)(q, k, v, seg, radius))
+    ref = np.zeros((B, Tl, Hl, D))
+    for b in range(B):
+        for h in range(Hl):
+            np_attend(q[b, :, h], k[b, :, h], v[b, :, h], [t for t in range(Tl) if seg[b, t]],
+                      lambda t: [s for s in range(Tl) if seg[b, s] == seg[b, t] and abs(s - t) <= radius],
+                      ref[b, :, h])
+    np.testing.assert_allclose(y, ref, atol=1e-5, rtol=1e-5)  # padding queries: zeros in both
+
+
+def test_light_branch_memory_is_linear_in_length():
+    """No array in the traced mixer has T² elements at T = 1024 (the dense band mask had B·T² of them)."""
+    Tl, Cl = 1024, 8
+    m = CoLT5Attention(num_heads=2, light_num_heads=1, local_radius=4, routed_fraction=0.125)
+    x = jax.ShapeDtypeStruct((1, Tl, Cl), jnp.float32)
+    params = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
+    jaxpr = jax.make_jaxpr(m.apply)(params, x)
+
+    def sizes(jx):
+        for eqn in jx.eqns:
+            yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from sizes(sub)
+
+    biggest = max(sizes(jaxpr.jaxpr))
+    assert biggest < Tl * Tl // 4, biggest  # heavy logits: 2 heads x 128²; light: 256 blocks x 4 x 12
 
 
 def test_bfloat16_close_to_float32():

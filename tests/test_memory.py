@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lconv import mixers
-from lconv.memory import KNNMemoryAttention, retrieve_top_k
+from lconv.memory import KNNMemoryAttention, reset_memory, retrieve_top_k
 
 B, T, C, H = 2, 13, 12, 3
 D = C // H
@@ -22,7 +22,9 @@ EMPTY = VARS["memory"]
 
 @functools.partial(jax.jit, static_argnums=0)
 def step(m, params, mem, x, seg, reset):
-    return m.apply({"params": params, "memory": mem}, x, segment_ids=seg, reset_B=reset, mutable=["memory"])
+    """One window of the stream loop: rows flagged in ``reset`` start a new document, then the layer runs."""
+    mem = reset_memory(mem, reset)
+    return m.apply({"params": params, "memory": mem}, x, segment_ids=seg, mutable=["memory"])
 
 
 def run_stream(windows, segs=None, resets=None, m=MODEL):
@@ -130,7 +132,7 @@ def test_no_causal_leak_within_window():
     assert np.abs(y1[:, 6:] - y2[:, 6:]).max() > 1e-3
 
 
-def test_reset_flag_and_position_reset():
+def test_reset_memory_clears_only_the_flagged_rows():
     resets = [np.zeros(B, bool), np.array([True, False]), np.zeros(B, bool)]
     ys, _ = run_stream(WINDOWS[:2], resets=resets)
     ref_ys, _ = np_stream(WINDOWS[:2], resets=resets)
@@ -138,13 +140,29 @@ def test_reset_flag_and_position_reset():
     fresh = np_stream([WINDOWS[1]])[0][0]
     np.testing.assert_allclose(ys[1][0], fresh[0], atol=2e-5, rtol=1e-4)  # row 0 forgot window 1
     assert np.abs(ys[1][1] - fresh[1]).max() > 1e-3  # row 1 remembered it
-    # Without reset_B, a window whose first position is 0 starts a new document.
+    # reset_memory is the only reset: positions restarting at 0 do not clear anything.
     _, mem = run_stream(WINDOWS[:1])
-    pos = np.stack([np.arange(T), np.arange(T) + T]).astype(np.int32)  # row 0 restarts, row 1 continues
+    pos = np.stack([np.arange(T), np.arange(T) + T]).astype(np.int32)
     y, upd = MODEL.apply({"params": PARAMS, "memory": mem}, WINDOWS[1], positions=pos, mutable=["memory"])
-    np.testing.assert_allclose(np.asarray(y)[0], fresh[0], atol=2e-5, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(y)[1], ys[1][1], atol=2e-5, rtol=1e-4)
-    assert list(np.asarray(upd["memory"]["valid"]).sum(-1)) == [T, M]  # row 1: 2T entries, FIFO-capped at M
+    np.testing.assert_allclose(np.asarray(y), run_stream(WINDOWS[:2])[0][1], atol=1e-5)
+    assert list(np.asarray(upd["memory"]["valid"]).sum(-1)) == [M, M]
+    # It works on a nested collection (a model's) and leaves the kept rows bit-identical.
+    nested = {"decoder": {"layer_0": {"mixer": mem}, "layer_3": {"mixer": mem}}}
+    cleared = reset_memory(nested, np.array([False, True]))
+    for layer in ("layer_0", "layer_3"):
+        got = cleared["decoder"][layer]["mixer"]
+        for name in ("keys", "values", "valid"):
+            np.testing.assert_array_equal(np.asarray(got[name][0]), np.asarray(mem[name][0]))
+            assert not np.asarray(got[name][1]).any()
+
+
+def test_no_memory_collection_means_no_past_windows():
+    """A plain ``apply`` without the collection (sentence-level training) is the layer on an empty memory."""
+    y_plain = MODEL.apply({"params": PARAMS}, WINDOWS[1])
+    y_empty = MODEL.apply({"params": PARAMS, "memory": EMPTY}, WINDOWS[1])
+    np.testing.assert_array_equal(np.asarray(y_plain), np.asarray(y_empty))
+    _, mem = run_stream(WINDOWS[:1])
+    assert np.abs(np.asarray(MODEL.apply({"params": PARAMS, "memory": mem}, WINDOWS[1])) - y_plain).max() > 1e-3
 
 
 def test_packed_window_new_document_neither_reads_nor_keeps_old_memory():
@@ -215,8 +233,10 @@ def test_bad_config_raises(kw, field):
 
 
 def test_bad_call_raises():
-    with pytest.raises(ValueError, match="reset_B"):
-        MODEL.apply({"params": PARAMS, "memory": EMPTY}, WINDOWS[0], reset_B=jnp.zeros((B + 1,), bool))
+    with pytest.raises(ValueError, match="reset_B has batch"):
+        reset_memory(EMPTY, jnp.zeros((B + 1,), bool))
+    with pytest.raises(ValueError, match="reset_B must be"):
+        reset_memory(EMPTY, jnp.zeros((B, 1), bool))
     with pytest.raises(ValueError, match="memory_size and the batch size"):
         MODEL.apply({"params": PARAMS, "memory": EMPTY}, WINDOWS[0][:1])
     with pytest.raises(ValueError, match="causal"):

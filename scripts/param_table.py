@@ -1,0 +1,106 @@
+"""Parameter counts of every config and variant, from ``jax.eval_shape`` (nothing is allocated).
+
+    PYTHONPATH=. python scripts/param_table.py                        # print the markdown table
+    PYTHONPATH=. python scripts/param_table.py --write docs/models.md  # refresh the table in the docs
+
+``--write`` replaces what stands between the ``<!-- param-table:begin -->`` and ``<!-- param-table:end -->``
+lines, so the table in docs/models.md is generated, never hand-edited; tests/test_models.py checks rows of it
+against fresh counts. Takes about a minute on a laptop CPU (tracing only).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax  # noqa: E402
+
+from lconv import train_lib  # noqa: E402
+
+BEGIN, END = "<!-- param-table:begin -->", "<!-- param-table:end -->"
+FAIRSEQ_WMT_VOCAB = 32_768  # the joined 32K-BPE dictionary fairseq's WMT En-De models were counted with
+
+# (config, variant, vocabulary override) in table order; None = the config's own data.vocab_size.
+ROWS = [
+    ("wmt_en_de", "lightconv,big", FAIRSEQ_WMT_VOCAB),
+    ("wmt_en_de", "dynamic,big", FAIRSEQ_WMT_VOCAB),
+    ("wmt_en_de", "transformer,big", FAIRSEQ_WMT_VOCAB),
+    *[("wmt_en_de", f"{m},{size}", None) for size in ("big", "base") for m in ("lightconv", "dynamic", "transformer")],
+    *[("wmt_en_de", f"{m},big", None) for m in ("fixed", "hadamard", "colt5", "knn")],
+    *[(name, f"{m},big", None) for name in ("wmt_en_fr", "wmt_zh_en") for m in ("lightconv", "dynamic", "transformer")],
+    *[("iwslt14_de_en", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "colt5", "knn")],
+    *[("lm1b", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "knn")],
+    *[("cnn_dailymail", m, None) for m in ("lightconv", "dynamic", "transformer", "dynamic,ddtp")],
+    *[("default", m, None) for m in ("", "lightconv", "transformer", "fixed", "hadamard")],
+]
+# Wu et al. (2019), Table 1 (WMT En-De big, shared 32K BPE vocabulary).
+PAPER = {("wmt_en_de", "lightconv,big", FAIRSEQ_WMT_VOCAB): "202M",
+         ("wmt_en_de", "dynamic,big", FAIRSEQ_WMT_VOCAB): "213M"}
+
+
+def get_config(name: str, variant: str):
+    return importlib.import_module(f"configs.{name}").get_config(variant or None)
+
+
+def count_parameters(config, vocab_size: int | None = None) -> int:
+    """Parameters of the model ``config`` builds (the training init's inputs), counted abstractly."""
+    model = train_lib.build_model(config, vocab_size=vocab_size or config.data.vocab_size)
+    args, kwargs = train_lib.model_inputs(train_lib._dummy_batch(config))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+    return train_lib.count_params(shapes["params"])
+
+
+def label(name: str, variant: str) -> str:
+    return f"{name}:{variant}" if variant else name
+
+
+def table_rows():
+    """Markdown rows, one per ROWS entry."""
+    for name, variant, vocab in ROWS:
+        c = get_config(name, variant)
+        m, n = c.model, count_parameters(c, vocab)
+        mixers = m.decoder_mixer if c.task == "lm" else f"{m.encoder_mixer} / {m.decoder_mixer}"
+        layers = f"{m.decoder_layers}" if c.task == "lm" else f"{m.encoder_layers} / {m.decoder_layers}"
+        vocab_note = f"{vocab or c.data.vocab_size:,}" + (" (fairseq's)" if vocab else "")
+        yield (f"| `{label(name, variant)}` | {vocab_note} | {layers} | {mixers} | "
+               f"{m.d_model} / {m.ffn_dim} / {m.num_heads} | {n:,} ({n / 1e6:.1f}M) | "
+               f"{PAPER.get((name, variant, vocab), '')} |")
+
+
+def markdown_table() -> str:
+    head = ("| config:variant | vocabulary | layers (enc / dec) | mixers (enc / dec) | d / FFN / heads | parameters "
+            "| paper |\n|---|---|---|---|---|---|---|")
+    return "\n".join([head, *table_rows()])
+
+
+def parse_table(text: str) -> dict[tuple[str, int, bool], int]:
+    """``{(label, vocabulary, fairseq_vocab): parameters}`` from a table written by ``markdown_table``."""
+    out = {}
+    for row in re.finditer(r"^\| `([^`]+)` \| ([\d,]+)( \(fairseq's\))? \|.*\| ([\d,]+) \(", text, re.M):
+        out[row[1], int(row[2].replace(",", "")), bool(row[3])] = int(row[4].replace(",", ""))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", metavar="MARKDOWN", help="replace the table between the markers in this file")
+    args = parser.parse_args()
+    table = markdown_table()
+    if not args.write:
+        print(table)
+        return
+    with open(args.write) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{args.write} has no {BEGIN} ... {END} block to replace")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(args.write, "w") as f:
+        f.write(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()
