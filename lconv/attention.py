@@ -100,8 +100,11 @@ class CrossAttention(nn.Module):
 
     Same math and initialisation as ``SelfAttention``; the mask pairs ``query_segment_ids`` with
     ``memory_segment_ids`` (packed examples only see their own source; padding keys are never read).
-    Not a token mixer (so not in the registry). ``decode`` is accepted for interface symmetry; the encoder
-    keys/values are recomputed on each call (no cache), which is exact and keeps beam reordering trivial.
+    Not a token mixer (so not in the registry). With ``decode=True`` the projected encoder keys and values
+    ``[B, S, H, D]`` are computed once, on the cache-creating call, and read back from the ``'cache'``
+    collection on every later step (``memory_BSC`` is then only checked for shape): recomputing them each step
+    cost two ``S x C x C`` projections per token. They are named ``beam_invariant_*``, so beam search neither
+    tiles nor reorders them (``lconv.decode``); the beams' queries share their row's memory.
     """
 
     num_heads: int = 8
@@ -114,7 +117,6 @@ class CrossAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTC, memory_BSC, *, query_segment_ids=None, memory_segment_ids=None,
                  deterministic=True, decode=False):
-        del decode  # no cache: see the docstring
         B, T, C = check_input(x_BTC)
         _, S, _ = check_input(memory_BSC, "memory_BSC")
         if memory_BSC.shape[0] != B:
@@ -124,13 +126,34 @@ class CrossAttention(nn.Module):
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(memory_BSC, memory_segment_ids, None, "memory_segment_ids")
         q_BTHD = dense(H * D, "query", self)(x_BTC.astype(self.dtype)).reshape(B, T, H, D)
-        m = memory_BSC.astype(self.dtype)
-        k_BSHD = dense(H * D, "key", self)(m).reshape(B, S, H, D)
-        v_BSHD = dense(H * D, "value", self)(m).reshape(B, S, H, D)
-        out_BTHD = dot_product_attention(
-            q_BTHD, k_BSHD, v_BSHD, attention_mask(q_seg_BT, k_seg_BS), dropout_rate=self.attention_dropout,
-            dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        if decode and self.has_variable("cache", "beam_invariant_key"):
+            out_BTHD = self._attend_cached(q_BTHD, q_seg_BT)
+        else:
+            m = memory_BSC.astype(self.dtype)
+            k_BSHD = dense(H * D, "key", self)(m).reshape(B, S, H, D)
+            v_BSHD = dense(H * D, "value", self)(m).reshape(B, S, H, D)
+            if decode:
+                self.put_variable("cache", "beam_invariant_key", k_BSHD)
+                self.put_variable("cache", "beam_invariant_value", v_BSHD)
+                self.put_variable("cache", "beam_invariant_segment_ids", k_seg_BS)
+            out_BTHD = dot_product_attention(
+                q_BTHD, k_BSHD, v_BSHD, attention_mask(q_seg_BT, k_seg_BS), dropout_rate=self.attention_dropout,
+                dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+    def _attend_cached(self, q_BTHD, q_seg_BT):
+        """Queries of ``B = R * b`` rows against the cached ``[b, S, H, D]`` memory, ``R`` consecutive rows per
+        memory row (the beams of ``lconv.decode.tile_cache``, which leaves ``beam_invariant_*`` untiled): the
+        beams of a row are folded into its query axis, so the memory is read once per row, not once per beam."""
+        k_bSHD = self.get_variable("cache", "beam_invariant_key")
+        v_bSHD = self.get_variable("cache", "beam_invariant_value")
+        k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")
+        (B, T, H, D), b = q_BTHD.shape, k_bSHD.shape[0]
+        if B % b:
+            raise ValueError(f"x_BTC batch {B} is not a multiple of the cached memory batch {b}")
+        q_bQHD = q_BTHD.reshape(b, (B // b) * T, H, D)  # Q = beams * T
+        mask_b1QS = attention_mask(q_seg_BT.reshape(b, -1), k_seg_bS)
+        return dot_product_attention(q_bQHD, k_bSHD, v_bSHD, mask_b1QS, dtype=self.dtype).reshape(B, T, H, D)
 
 
 class FixedAttention(AttentionFields):

@@ -25,33 +25,40 @@ NEG_INF = -jnp.inf
 # ----------------------------------------------------------------------------------------------------------------
 # Cache helpers
 # ----------------------------------------------------------------------------------------------------------------
+BEAM_INVARIANT_PREFIX = "beam_invariant_"  # cache entries equal on every beam of a row (e.g. projected encoder keys)
+
+
 def tile_cache(cache, batch_size, beam_size):
-    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]`` (row ``b*beam + k`` = beam k of row b)."""
-    def tile(x):
-        if x.ndim == 0:  # a counter shared by all rows
+    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]`` (row ``b*beam + k`` = beam k of row b).
+
+    Scalars (counters shared by all rows) and ``beam_invariant_*`` entries (the same for every beam of a row;
+    their module folds the beams into its queries) stay as they are.
+    """
+    def tile(path, x):
+        if x.ndim == 0 or _beam_invariant(path):
             return x
         if x.shape[0] != batch_size:
             raise ValueError(f"cache leaf of shape {x.shape} has no leading batch dim {batch_size}; "
                              "cache leaves must be [batch, ...] or scalars")
         return jnp.repeat(x, beam_size, axis=0)  # [B*beam, ...]
-    return jax.tree_util.tree_map(tile, cache)
+    return jax.tree_util.tree_map_with_path(tile, cache)
 
 
-BEAM_INVARIANT_PREFIX = "beam_invariant_"  # cache entries equal on every beam of a row (e.g. projected encoder keys)
+def _beam_invariant(path):
+    return bool(path) and str(getattr(path[-1], "key", "")).startswith(BEAM_INVARIANT_PREFIX)
 
 
 def gather_beams(cache, beam_idx_Bk):
     """Reorders a tiled cache: new beam k of row b takes old beam ``beam_idx[b, k]``.
 
-    Scalars are kept, and so are entries named ``beam_invariant_*``: every beam of a row holds the same values
-    there, so reordering them within the row is the identity (and would copy the encoder's keys every step).
+    Scalars are kept, and so are ``beam_invariant_*`` entries (see ``tile_cache``): reordering the beams of a row
+    leaves them unchanged.
     """
     B, k = beam_idx_Bk.shape
     flat_idx = (jnp.arange(B)[:, None] * k + beam_idx_Bk).reshape(-1)  # [B*beam]
 
     def gather(path, x):
-        name = str(getattr(path[-1], "key", "")) if path else ""
-        if x.ndim == 0 or name.startswith(BEAM_INVARIANT_PREFIX):
+        if x.ndim == 0 or _beam_invariant(path):
             return x
         return jnp.take(x, flat_idx, axis=0)
 

@@ -188,6 +188,23 @@ def test_cross_attention_matches_numpy_and_masks_memory_padding():
                 out[b, t, h] = sum(pi * v[b, s, h] for pi, s in zip(p, ss))
     np.testing.assert_allclose(y, np_dense(params["out"], out.reshape(B, T, C)), atol=2e-5, rtol=1e-4)
 
+    # Decoding: the projected memory is cached by the first call and read back by later ones (a later call's
+    # memory_BSC is not projected again: garbage of the same shape gives the same output).
+    kwargs = dict(memory_segment_ids=jnp.asarray(mseg), decode=True)
+    first, vars_ = m.apply({"params": params}, jnp.asarray(X), jnp.asarray(mem), mutable=["cache"], **kwargs)
+    assert set(vars_["cache"]) == {"beam_invariant_key", "beam_invariant_value", "beam_invariant_segment_ids"}
+    later, _ = m.apply({"params": params, **vars_}, jnp.asarray(X), jnp.full_like(jnp.asarray(mem), 1e3),
+                       mutable=["cache"], **kwargs)
+    np.testing.assert_allclose(np.asarray(first), y, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(later), y, atol=1e-6)
+    # Beam search tiles the queries (3 consecutive rows per memory row) but not the cached memory.
+    tiled_x = jnp.repeat(jnp.asarray(X[:, ::-1]), 3, axis=0)  # other queries than the cache's first call
+    beams = m.apply({"params": params, **vars_}, tiled_x, jnp.repeat(jnp.asarray(mem), 3, axis=0),
+                    memory_segment_ids=jnp.repeat(jnp.asarray(mseg), 3, axis=0), decode=True, mutable=["cache"])[0]
+    expected = run(m, {"params": params}, jnp.asarray(X[:, ::-1]), jnp.asarray(mem),
+                   memory_segment_ids=jnp.asarray(mseg))
+    np.testing.assert_allclose(np.asarray(beams), np.repeat(np.asarray(expected), 3, axis=0), atol=1e-5)
+
 
 @pytest.mark.parametrize("name", ["attention", "fixed_factorized_mix", "hadamard"])
 def test_bfloat16_close_to_float32(name):

@@ -166,10 +166,11 @@ def test_greedy_equals_argmax_loop_and_pads_after_eos():
 
 
 def test_tile_and_gather_cache_keep_scalars():
-    cache = {"layer": {"state": jnp.arange(2 * 3 * 2).reshape(2, 3, 2), "position": jnp.int32(7)},
-             "cache_index": jnp.int32(5)}
+    cache = {"layer": {"state": jnp.arange(2 * 3 * 2).reshape(2, 3, 2), "position": jnp.int32(7),
+                       "beam_invariant_key": jnp.ones((2, 5))}, "cache_index": jnp.int32(5)}
     tiled = decode.tile_cache(cache, 2, 3)
     assert tiled["layer"]["state"].shape == (6, 3, 2) and int(tiled["cache_index"]) == 5
+    assert tiled["layer"]["beam_invariant_key"].shape == (2, 5)  # shared by the beams of a row: not tiled
     np.testing.assert_array_equal(tiled["layer"]["state"][4], cache["layer"]["state"][1])  # row 1, beam 1
     beam_idx = jnp.array([[2, 2, 0], [1, 0, 0]])
     assert int(decode.gather_beams(tiled, beam_idx)["layer"]["position"]) == 7
