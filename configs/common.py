@@ -73,6 +73,9 @@ def base_config():
     c.model.weight_dropout = 0.1  # DropConnect on the normalised conv kernels
     c.model.normalize_before = False  # pre-norm; the paper's translation models are post-norm
     c.model.share_embeddings = True  # one table for source, target and output (joint vocabulary)
+    c.model.adaptive_softmax_cutoffs = ()  # e.g. (8000, 20000): fairseq's adaptive softmax output; needs
+    c.model.adaptive_softmax_factor = 4.0  # share_embeddings=False; tail i is d / factor**(i+1) wide
+    c.model.adaptive_softmax_dropout = 0.0  # dropout inside the tails
     c.model.learned_positions = False  # sinusoidal positions otherwise
     c.model.max_len = 1024  # longest sequence for learned positions / Fixed / Hadamard attention
     c.model.conv_impl = "auto"  # auto | band | conv | unfold (see lconv.ops)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv import mixers
+from lconv import adaptive_softmax, mixers
 from lconv.layers import CONV, EMBED, xavier_dense
 
 PAD_ID, BOS_ID = 0, 3
@@ -65,6 +65,11 @@ class ModelConfig:
     weight_dropout: float = 0.0
     normalize_before: bool = False
     share_embeddings: bool = True  # one table for source, target and output
+    # Adaptive softmax output layer (fairseq's, for large vocabularies): () = a plain softmax. Needs
+    # share_embeddings=False (the output is no longer the embedding table).
+    adaptive_softmax_cutoffs: Sequence[int] = ()
+    adaptive_softmax_factor: float = 4.0
+    adaptive_softmax_dropout: float = 0.0
     learned_positions: bool = False
     max_len: int = 1024  # learned positions and position-indexed mixers
     conv_impl: str = "auto"
@@ -91,6 +96,12 @@ class ModelConfig:
         return config
 
     def validate(self, decoder_only=False):
+        if self.adaptive_softmax_cutoffs:
+            adaptive_softmax.check_cutoffs(self.adaptive_softmax_cutoffs, self.vocab_size, self.d_model,
+                                           self.adaptive_softmax_factor, "config.model.adaptive_softmax_cutoffs")
+            if self.share_embeddings:
+                raise ValueError("config.model.adaptive_softmax_cutoffs needs config.model.share_embeddings=False "
+                                 "(the output layer is no longer the embedding table)")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
@@ -174,7 +185,7 @@ class EncoderDecoder(nn.Module):
         x = self.target_positions(self.target_embed(decoder_input_BT), positions, deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
                          decode=decode, memory=encoded_BSD, memory_segment_ids=memory_segments)
-        return self._logits(x)
+        return self._logits(x, deterministic)
 
     def __call__(self, inputs_BS, targets_BT, *, inputs_segmentation=None, inputs_position=None,
                  targets_segmentation=None, targets_position=None, deterministic=True):
@@ -185,10 +196,10 @@ class EncoderDecoder(nn.Module):
                            targets_segmentation=targets_segmentation, targets_position=targets_position,
                            deterministic=deterministic)
 
-    def _logits(self, x_BTD):
+    def _logits(self, x_BTD, deterministic):
         if self.config.share_embeddings:
             return self.target_embed.attend(x_BTD.astype(jnp.float32)).astype(jnp.float32)
-        return self.output_projection(x_BTD).astype(jnp.float32)
+        return _project_output(self.config, self.output_projection, x_BTD, deterministic)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -216,7 +227,7 @@ class DecoderOnlyLM(nn.Module):
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
         if self.config.share_embeddings:
             return self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32)
-        return self.output_projection(x).astype(jnp.float32)
+        return _project_output(self.config, self.output_projection, x, deterministic)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -333,9 +344,20 @@ def _embedding(cfg, name):
 
 
 def _output_projection(cfg):
+    if cfg.adaptive_softmax_cutoffs:
+        return adaptive_softmax.AdaptiveSoftmax(cfg.vocab_size, tuple(cfg.adaptive_softmax_cutoffs),
+                                                cfg.adaptive_softmax_factor, cfg.adaptive_softmax_dropout,
+                                                name="adaptive_softmax")
     return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, name="output_projection",
                     kernel_init=nn.with_logical_partitioning(
                         nn.initializers.normal(cfg.d_model ** -0.5), (EMBED, VOCAB)))
+
+
+def _project_output(cfg, projection, x_BTD, deterministic):
+    """``[B, T, V]`` float32 logits (log-probabilities for the adaptive softmax, which has dropout)."""
+    if cfg.adaptive_softmax_cutoffs:
+        return projection(x_BTD, deterministic=deterministic)
+    return projection(x_BTD).astype(jnp.float32)
 
 
 def _layer_norm(cfg, name):

@@ -33,6 +33,7 @@ ROWS = [
     *[(name, f"{m},big", None) for name in ("wmt_en_fr", "wmt_zh_en") for m in ("lightconv", "dynamic", "transformer")],
     *[("iwslt14_de_en", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "colt5", "knn")],
     *[("lm1b", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "knn")],
+    ("lm1b", "dynamic,adaptive", None),
     *[("cnn_dailymail", m, None) for m in ("lightconv", "dynamic", "transformer", "dynamic,ddtp")],
     *[("default", m, None) for m in ("", "lightconv", "transformer", "fixed", "hadamard")],
 ]

@@ -1,0 +1,57 @@
+"""Adaptive softmax (Grave et al. 2017) with fairseq's parameterisation, as an output layer for large vocabularies.
+
+The vocabulary is cut at ``cutoffs = (c0, c1, ...)``: the head scores the ``c0`` most frequent ids plus one entry
+per tail cluster; tail cluster ``i`` (ids ``[c_i, c_{i+1})``) scores its ids from a ``d / factor**(i+1)``-wide
+projection. ``log p(w) = log p_head(w)`` for ``w < c0`` and ``log p_head(cluster i) + log p_tail_i(w)`` otherwise.
+fairseq: ``head = Linear(d, c0 + n_tails, bias=False)``; ``tail_i = Linear(d, d // factor**(i+1), bias=False)``,
+``Dropout``, ``Linear(., c_{i+1} - c_i, bias=False)``; xavier-uniform weights.
+
+The layer returns the full ``[B, T, V]`` log-probabilities (float32), so the loss, the metrics and beam search use it
+as they use logits (a log-softmax of normalised log-probabilities is the identity). The saving is in parameters and
+in the tails' matmuls (``d / factor`` wide instead of ``d``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lconv.layers import EMBED, xavier_dense
+
+VOCAB, MLP = "vocab", "mlp"
+
+
+def check_cutoffs(cutoffs: Sequence[int], vocab_size: int, d_model: int, factor: float, field: str):
+    """One-line ``ValueError`` naming ``field`` unless ``0 < c0 < c1 < ... < vocab_size`` and every tail has width."""
+    cuts = list(cutoffs)
+    if not cuts or any(b <= a for a, b in zip([0] + cuts, cuts + [vocab_size])):
+        raise ValueError(f"{field}={tuple(cuts)} must increase strictly within (0, vocab_size={vocab_size})")
+    if factor < 1 or int(d_model // factor ** len(cuts)) < 1:
+        raise ValueError(f"{field}: factor={factor} leaves tail {len(cuts)} of d_model={d_model} with no width")
+
+
+class AdaptiveSoftmax(nn.Module):
+    vocab_size: int
+    cutoffs: Sequence[int]
+    factor: float = 4.0
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x_BTD, *, deterministic=True):
+        d = x_BTD.shape[-1]
+        check_cutoffs(self.cutoffs, self.vocab_size, d, self.factor, "adaptive_softmax_cutoffs")
+        edges = [*self.cutoffs, self.vocab_size]
+        x = x_BTD.astype(jnp.float32)
+        head_BTH = xavier_dense(edges[0] + len(self.cutoffs), (EMBED, VOCAB), use_bias=False, name="head")(x)
+        head_logp_BTH = jax.nn.log_softmax(head_BTH, axis=-1)
+        parts = [head_logp_BTH[..., :edges[0]]]  # the frequent ids: [B, T, c0]
+        for i in range(len(self.cutoffs)):
+            width = int(d // self.factor ** (i + 1))
+            h_BTW = xavier_dense(width, (EMBED, MLP), use_bias=False, name=f"tail_{i}_projection")(x)
+            h_BTW = nn.Dropout(self.dropout)(h_BTW, deterministic=deterministic)
+            tail_BTN = xavier_dense(edges[i + 1] - edges[i], (MLP, VOCAB), use_bias=False, name=f"tail_{i}")(h_BTW)
+            cluster_BT1 = head_logp_BTH[..., edges[0] + i, None]  # log p(cluster i)
+            parts.append(cluster_BT1 + jax.nn.log_softmax(tail_BTN, axis=-1))  # [B, T, c_{i+1} - c_i]
+        return jnp.concatenate(parts, axis=-1)  # [B, T, V] log-probabilities
