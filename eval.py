@@ -3,7 +3,7 @@
     python eval.py --workdir=runs/default [--split=test] [--average_last=5 | --checkpoint=best] [--beam_size=5 --lenpen=1.0]
     python eval.py --workdir=runs/default --source_file=F [--reference_file=R] --output_file=O
 
-Writes hypotheses and a JSON of scores (sacreBLEU with its signature, or ROUGE-1/2/L).
+Writes hypotheses and a JSON of scores (sacreBLEU with its signature, ROUGE-1/2/L, or an LM's perplexity).
 """
 from absl import app, flags, logging
 

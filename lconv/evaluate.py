@@ -84,8 +84,9 @@ def score_texts(task, hypotheses, references):
 def write_outputs(workdir, name, hypotheses, scores):
     if jax.process_index() != 0:
         return
-    with open(os.path.join(workdir, f"{name}.hyp.txt"), "w") as f:
-        f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
+    if hypotheses is not None:
+        with open(os.path.join(workdir, f"{name}.hyp.txt"), "w") as f:
+            f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
     with open(os.path.join(workdir, f"{name}.scores.json"), "w") as f:
         json.dump(scores, f, indent=2)
 
@@ -149,12 +150,16 @@ def run(workdir, *, split="test", average_last=1, checkpoint="latest", beam_size
         config.decode.beam_size = beam_size
     if lenpen is not None:
         config.decode.lenpen = lenpen
-    if config.task == "lm":
-        raise ValueError("eval.py decodes translation/summarization runs; an lm run reports perplexity in train.py")
+    if config.task == "lm" and source_file is not None:
+        raise ValueError("--source_file is for translation/summarization runs; an lm run is scored by perplexity")
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
     model = train_lib.build_model(config, tokenizer.vocab_size)
     params, steps = restore_params(config, model, workdir, average_last, checkpoint)
     log(f"checkpoint(s) {steps}")
+    if config.task == "lm":
+        config.data.eval_splits = (split,)
+        data = pipeline.make_datasets(config.data, tokenizer)
+        return score_perplexity(config, model, params, data.eval_sets[split], workdir, split, log)
     if source_file is None:
         config.data.eval_splits = (split,)
         data = pipeline.make_datasets(config.data, tokenizer)
@@ -182,6 +187,21 @@ def run(workdir, *, split="test", average_last=1, checkpoint="latest", beam_size
     if references is not None:
         scores.update(score_texts(config.task, hyps, references))
         log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
+    return scores
+
+
+def score_perplexity(config, model, params, eval_set, workdir, split, log=print):
+    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``."""
+    import types
+
+    from lconv import train_lib
+
+    mesh = train_lib.make_mesh(config.mesh)
+    eval_step = jax.jit(train_lib.make_eval_step(config), static_argnums=1)
+    state = types.SimpleNamespace(params=params, apply_fn=model.apply)
+    scores = dict(train_lib.evaluate_loss(eval_step, state, eval_set, mesh), split=split)
+    write_outputs(workdir, split, None, scores)
+    log(f"{split}: perplexity {scores['ppl']:.2f} (nll {scores['nll']:.4f}/token over {scores['tokens']:.0f} tokens)")
     return scores
 
 

@@ -287,3 +287,21 @@ def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
         evaluate.run(str(workdir), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
     with pytest.raises(ValueError, match="does not combine with --checkpoint=best"):
         evaluate.run(str(workdir), checkpoint="best", average_last=2)
+
+
+def test_eval_scores_a_language_model_by_perplexity(tmp_path):
+    from lconv import evaluate
+
+    config = _config(tmp_path / "tfds", num_steps=2, eval_every=1000)
+    config.task, config.data.dataset = "lm", "ddtp/lm_en"
+    config.model.encoder_layers = 0
+    workdir = tmp_path / "lm"
+    result = train_lib.train_and_evaluate(config, str(workdir), log=_quiet)
+    scores = evaluate.run(str(workdir), split="validation", log=_quiet)
+    # The same params on the same split: eval.py's perplexity is the one train.py logged at the end.
+    assert scores["tokens"] == result["validation"]["tokens"] > 1000
+    assert scores["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-5)
+    with open(workdir / "validation.scores.json") as f:
+        assert json.load(f)["ppl"] == pytest.approx(scores["ppl"])
+    with pytest.raises(ValueError, match="scored by perplexity"):
+        evaluate.run(str(workdir), source_file=str(workdir / "config.json"))
