@@ -65,7 +65,7 @@ def _forward(x_BTC, weight, P):
         y_blk = _shifted_sum(x_win, w, [(k, 0, k) for k in range(K)])
         return jax.lax.dynamic_update_slice(y_BTC, y_blk, (b, t, 0))
 
-    return blocks.loop(step, jnp.zeros((B, T, C), jnp.float32))
+    return blocks.loop(step, jnp.zeros((B, T, C), jnp.float32))  # every step overwrites its block
 
 
 def _backward(x_BTC, weight, dy_BTC, P, L):
