@@ -91,8 +91,10 @@ def _backward(x_BTC, weight, dy_BTC, P, L):
         dw_BTHK = _band_weight_grad(x_win, dy_blk, K, H, L)
         return dx_BTC, jax.lax.dynamic_update_slice(dw, dw_BTHK, (b, t, 0, 0))
 
-    dw0 = jnp.zeros(weight.shape, jnp.float32)
-    return blocks.loop(step, (jnp.zeros((B, T, C), jnp.float32), dw0))
+    # Never read (every step overwrites its block), but not the forward's zeros: XLA would merge the two
+    # identical buffers and then copy it for each loop to update in place.
+    dx0 = jnp.full((B, T, C), -0.0, jnp.float32)
+    return blocks.loop(step, (dx0, jnp.zeros(weight.shape, jnp.float32)))
 
 
 class _Blocks:
