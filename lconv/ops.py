@@ -58,7 +58,7 @@ def light_conv(x_BTC, weight_HK, padding_left, *, impl="auto", segment_ids=None,
         elif impl == "band":
             y = _light_band(x_BTC, weight_HK, padding_left, _block(block_size, T, K))
         elif impl == "shift":
-            y = _light_shift(x_BTC, weight_HK, padding_left, _block(block_size, T, K))
+            y = shift_conv.shift_conv(x_BTC, weight_HK, padding_left, _block(block_size, T, K))
         else:
             y = _dynamic_unfold(x_BTC, _broadcast_kernel(weight_HK, B, T), padding_left)
         return y.astype(x_BTC.dtype)
@@ -144,7 +144,7 @@ def _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size):
     if impl == "band":
         return _dynamic_band(x_BTC, weight_BTHK, padding_left, _block(block_size, x_BTC.shape[1], K))
     if impl == "shift":
-        return _dynamic_shift(x_BTC, weight_BTHK, padding_left, _block(block_size, x_BTC.shape[1], K))
+        return shift_conv.shift_conv(x_BTC, weight_BTHK, padding_left, _block(block_size, x_BTC.shape[1], K))
     return _dynamic_unfold(x_BTC, weight_BTHK, padding_left)
 
 
@@ -195,14 +195,6 @@ def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
     band_BNHLW = _skew(weight_BNHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
     y_BNLHR = jnp.einsum("bnhlw,bnwhr->bnlhr", band_BNHLW, windows_BNWHR, preferred_element_type=jnp.float32)
     return y_BNLHR.reshape(B, N * L, C)[:, :T]
-
-
-def _light_shift(x_BTC, weight_HK, padding_left, L):
-    return shift_conv.shift_conv(x_BTC, weight_HK, padding_left, L)
-
-
-def _dynamic_shift(x_BTC, weight_BTHK, padding_left, L):
-    return shift_conv.shift_conv(x_BTC, weight_BTHK, padding_left, L)
 
 
 def _tile_windows(x_BTC, padding_left, K, L, H):

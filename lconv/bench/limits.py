@@ -8,10 +8,14 @@ memory-bound floor; ``flops / time`` against the matmul rate says the same for a
 """
 from __future__ import annotations
 
+import jax
+
+from lconv import ops
 from lconv.bench import mixers, report, timing
 
 OPS = [("light", "conv"), ("light", "band"), ("light", "shift"), ("light", "unfold"),
        ("dynamic", "band"), ("dynamic", "shift"), ("dynamic", "unfold")]
+K_SWEEP, T_SWEEP = (3, 7, 15, 31), (64, 1024)  # the evidence behind ops.choose_impl (impl="auto")
 
 
 def run(T_list, *, quick=False, log=print):
@@ -47,6 +51,23 @@ def run(T_list, *, quick=False, log=print):
     return rows
 
 
+def impl_choice(*, quick=False, log=print):
+    """fwd+bwd of each conv impl ``auto`` chooses between, over kernel sizes and lengths: ``ops._AUTO_IMPL``."""
+    rows = []
+    for K in K_SWEEP[-1:] if quick else K_SWEEP:
+        for T in T_SWEEP[-1:] if quick else T_SWEEP:
+            B = max(mixers.TOKENS // T, 1)
+            for op_name in ("light", "dynamic"):
+                for impl in ("band", "shift"):
+                    fn, args, argnums = mixers.op_config(op_name, impl, kernel_size=K).build(T, B)
+                    m = timing.measure(mixers.fwd_bwd(fn, argnums),
+                                       (*args, timing.random_normal((B, T, mixers.C), 2)), budget_s=0.5)
+                    rows.append(dict(kind="impl_choice", name=f"{op_name} {impl}", K=K, T=T,
+                                     us_per_token=m.median_s / (B * T) * 1e6, runs=m.runs, compile_s=m.compile_s))
+            log(f"  K={K:2d} T={T:5d}: " + ", ".join(f"{r['name']} {r['us_per_token']:.2f}" for r in rows[-4:]))
+    return rows
+
+
 def section(rows, info, command):
     lim = {r["name"]: r["value"] for r in rows if r["kind"] == "limit"}
     convs = [r for r in rows if r["kind"] == "conv"]
@@ -69,12 +90,32 @@ def section(rows, info, command):
         f"C={mixers.C}, H={mixers.H}, K={mixers.K}. FLOPs per token: `6KC` (forward, dx, dw).\n",
         table,
         "![fraction of copy bandwidth](bench/limits.png)\n",
+        f"**The `impl=\"auto\"` rule**: fwd+bwd µs/token of the two candidates, B*T={mixers.TOKENS}, C={mixers.C}, "
+        f"H={mixers.H}, centred kernels; `ops.choose_impl` picks `{ops.choose_impl('light_conv', None, 31)}` on "
+        f"this backend ({jax.default_backend()}).\n",
+        _choice_table(rows),
     ])
+
+
+def _choice_table(rows):
+    choice = [r for r in rows if r["kind"] == "impl_choice"]
+    get = {(r["name"], r["K"], r["T"]): r["us_per_token"] for r in choice}
+    shapes = list(dict.fromkeys((r["K"], r["T"]) for r in choice))
+    table = []
+    for K, T in shapes:
+        row = [K, T]
+        for op_name in ("light", "dynamic"):
+            band, shift = get[(f"{op_name} band", K, T)], get[(f"{op_name} shift", K, T)]
+            row += [band, shift, band / shift]
+        table.append(row)
+    return report.markdown_table(["K", "T", "light band", "light shift", "band ÷ shift", "dynamic band",
+                                  "dynamic shift", "band ÷ shift"], table)
 
 
 def run_suite(opts, info, log=print):
     T_list = (256, 4096) if not opts.quick else (256,)
     rows = run(T_list, quick=opts.quick, log=log)
+    rows += impl_choice(quick=opts.quick, log=log)
     report.write_results(opts.out, "limits", rows, section(rows, info, opts.command), opts.doc)
     convs = [r for r in rows if r["kind"] == "conv"]
     names = list(dict.fromkeys(r["name"] for r in convs))

@@ -23,11 +23,10 @@ from lconv import mixers, ops
 from lconv.bench import report, timing
 
 C, H, K = 512, 8, 31
-P = K // 2  # a centred (encoder) conv
 TOKENS = 8192
 T_FULL = (128, 256, 512, 1024, 2048, 4096, 8192)
 T_QUICK = (256, 1024)
-MAX_CALL_S = 3.0  # skip a configuration whose predicted fwd+bwd time per call is longer (see Config.max_call_s)
+MAX_CALL_S = 5.0  # skip a configuration whose predicted fwd+bwd time per call is longer (see Config.max_call_s)
 MAX_BYTES = 6 * 2**30  # ... or whose predicted peak memory is larger
 
 
@@ -41,17 +40,18 @@ class Config:
     max_call_s: float = MAX_CALL_S
 
 
-def op_config(op_name, impl):
-    dynamic = op_name == "dynamic"
+def op_config(op_name, impl, kernel_size=K):
+    """A raw conv op (centred, ``P = K // 2``) with a softmax-normalised random kernel."""
+    dynamic, pad = op_name == "dynamic", kernel_size // 2
 
     def build(T, B):
         x = timing.random_normal((B, T, C), 0)
         if dynamic:
-            w = jax.nn.softmax(timing.random_normal((B, T, H, K), 1), axis=-1)
-            fn = lambda x, w: ops.dynamic_conv(x, w, P, impl=impl)  # noqa: E731
+            w = jax.nn.softmax(timing.random_normal((B, T, H, kernel_size), 1), axis=-1)
+            fn = lambda x, w: ops.dynamic_conv(x, w, pad, impl=impl)  # noqa: E731
         else:
-            w = jax.nn.softmax(timing.random_normal((H, K), 1), axis=-1)
-            fn = lambda x, w: ops.light_conv(x, w, P, impl=impl)  # noqa: E731
+            w = jax.nn.softmax(timing.random_normal((H, kernel_size), 1), axis=-1)
+            fn = lambda x, w: ops.light_conv(x, w, pad, impl=impl)  # noqa: E731
         return fn, (x, w), (0, 1)
 
     label = {"conv": "XLA conv"}.get(impl, impl)
@@ -104,15 +104,15 @@ def fwd_bwd(fn, argnums):
 
 
 def run(T_list, *, budget_s=1.0, log=print):
-    """Measures every configuration at every T; returns the CSV rows."""
+    """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
     rows = []
-    for config in CONFIGS:
-        last: dict[str, tuple[int, float]] = {}
-        last_bytes: tuple[int, int] | None = None
-        for T in T_list:
-            B = max(TOKENS // T, 1)
+    last = {c.name: {} for c in CONFIGS}  # config -> pass -> (T, seconds per call) last measured
+    last_bytes = {c.name: None for c in CONFIGS}
+    for T in T_list:
+        B = max(TOKENS // T, 1)
+        for config in CONFIGS:
             base = dict(kind=config.kind, name=config.name, T=T, B=B)
-            skip = _skip_reason(config, T, B, last, last_bytes)
+            skip = _skip_reason(config, T, B, last[config.name], last_bytes[config.name])
             if skip:
                 rows += [dict(base, **{"pass": p, "status": f"skipped: {skip}"}) for p in ("fwd", "fwd+bwd")]
                 log(f"  {config.name:32s} T={T:5d} skipped: {skip}")
@@ -121,9 +121,9 @@ def run(T_list, *, budget_s=1.0, log=print):
             g = timing.random_normal((B, T, C), 2)
             for pass_name, f, f_args in (("fwd", fn, args), ("fwd+bwd", fwd_bwd(fn, argnums), (*args, g))):
                 m = timing.measure(f, f_args, budget_s=budget_s)
-                last[pass_name] = (T, m.median_s)
+                last[config.name][pass_name] = (T, m.median_s)
                 if pass_name == "fwd+bwd" and m.memory_bytes:
-                    last_bytes = (T, m.memory_bytes)
+                    last_bytes[config.name] = (T, m.memory_bytes)
                 rows.append(dict(base, **{"pass": pass_name}, status="ok",
                                  us_per_token=m.median_s / (B * T) * 1e6, min_us_per_token=m.min_s / (B * T) * 1e6,
                                  runs=m.runs, compile_s=m.compile_s,
@@ -132,6 +132,34 @@ def run(T_list, *, budget_s=1.0, log=print):
                 log(f"  {config.name:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
                     f"(compile {m.compile_s:.1f} s, {m.runs} runs)")
             del fn, args
+    return rows
+
+
+FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op, band", "DynamicConv op, shift",
+                    "LightConv block", "DynamicConv block")
+
+
+def interleaved_flatness(T_lo, T_hi, *, rounds=7, log=print):
+    """fwd+bwd µs/token at ``T_hi`` ÷ at ``T_lo``, timing the two programs in alternation (``rounds`` each), so
+    that the machine's load drifting during the run affects both alike. Returns CSV rows."""
+    rows = []
+    for config in (c for c in CONFIGS if c.name in FLATNESS_CONFIGS):
+        calls = {}
+        for T in (T_lo, T_hi):
+            B = max(TOKENS // T, 1)
+            fn, args, argnums = config.build(T, B)
+            f_args = (*args, timing.random_normal((B, T, C), 2))
+            compiled, _ = timing.compile_fn(fwd_bwd(fn, argnums), f_args)
+            jax.block_until_ready(compiled(*f_args))
+            calls[T] = (compiled, f_args, B * T)
+        times = {T: [] for T in calls}
+        for _ in range(rounds):
+            for T, (compiled, f_args, tokens) in calls.items():
+                times[T] += [t / tokens * 1e6 for t in timing.time_calls(lambda: compiled(*f_args), 1, warmup=0)]
+        lo, hi = (timing.summarize(times[T])["median_s"] for T in (T_lo, T_hi))
+        rows.append(dict(kind="flatness", name=config.name, T=T_hi, T_lo=T_lo, us_per_token=hi, us_per_token_lo=lo,
+                         ratio=hi / lo, runs=rounds))
+        log(f"  {config.name:32s} interleaved: {hi:.2f} us/token at T={T_hi} / {lo:.2f} at T={T_lo} = {hi / lo:.2f}")
     return rows
 
 
@@ -152,7 +180,7 @@ def _skip_reason(config, T, B, last, last_bytes):
 # ----------------------------------------------------------------------------------------------------------------
 def _cell(rows, name, T, pass_name, key="us_per_token"):
     for r in rows:
-        if r["name"] == name and r["T"] == T and r["pass"] == pass_name:
+        if r["name"] == name and r["T"] == T and r.get("pass") == pass_name:
             return r.get(key) if r["status"] == "ok" else r["status"]
     return None
 
@@ -175,7 +203,7 @@ RATIOS = [  # (label, slower, faster): how many times faster the second is, meas
 
 
 def section(rows, T_list, info, command):
-    names = list(dict.fromkeys(r["name"] for r in rows))
+    names = list(dict.fromkeys(r["name"] for r in rows if r["kind"] != "flatness"))
     header = ["configuration"] + [f"T={T}" for T in T_list]
     parts = [f"### Mixer scaling (`{command}`)\n",
              f"Machine: {timing.describe(info)}. d=C={C}, H={H}, K={K} (centred), B*T={TOKENS} tokens per call, "
@@ -196,11 +224,17 @@ def section(rows, T_list, info, command):
     flat = []
     for n in names:
         a, b = _cell(rows, n, hi, "fwd+bwd"), _cell(rows, n, lo, "fwd+bwd")
+        inter = next((r for r in rows if r["kind"] == "flatness" and r["name"] == n), None)
         if isinstance(a, float) and isinstance(b, float) and hi != lo:
-            flat.append([n, a / b])
+            flat.append([n, a / b, inter and inter["ratio"], inter and inter["us_per_token_lo"],
+                         inter and inter["us_per_token"]])
     if flat:
-        parts.append(f"**Flatness: fwd+bwd µs/token at T={hi} ÷ at T={lo}** (1.0 = linear in T)\n")
-        parts.append(report.markdown_table(["configuration", "ratio"], flat))
+        parts.append(f"**Flatness: fwd+bwd µs/token at T={hi} ÷ at T={lo}** (1.0 = linear in T). The first column "
+                     "compares the table above (measured minutes apart); the interleaved one times the two programs "
+                     "in alternation, so load drifting during the run cancels\n")
+        parts.append(report.markdown_table(
+            ["configuration", "from the table", "interleaved", f"interleaved µs/token, T={lo}",
+             f"interleaved µs/token, T={hi}"], flat))
     compile_rows = [[n, max((r["compile_s"] for r in rows if r["name"] == n and r.get("compile_s")), default=None)]
                     for n in names]
     parts.append("**Compilation, slowest over T (fwd+bwd or fwd), seconds**\n")
@@ -210,12 +244,13 @@ def section(rows, T_list, info, command):
 
 
 def plots(rows, out_dir):
-    names = list(dict.fromkeys(r["name"] for r in rows))
+    names = list(dict.fromkeys(r["name"] for r in rows if r["kind"] != "flatness"))
 
     def series(key):
         out = {}
         for n in names:
-            pts = [(r["T"], r[key]) for r in rows if r["name"] == n and r["pass"] == "fwd+bwd" and r["status"] == "ok"]
+            pts = [(r["T"], r[key]) for r in rows
+                   if r["name"] == n and r.get("pass") == "fwd+bwd" and r["status"] == "ok"]
             out[n] = ([p[0] for p in pts], [p[1] for p in pts])
         return out
 
@@ -228,6 +263,8 @@ def plots(rows, out_dir):
 def run_suite(opts, info, log=print):
     T_list = opts.T or (T_QUICK if opts.quick else T_FULL)
     rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, log=log)
+    if 256 in T_list and T_list[-1] != 256:
+        rows += interleaved_flatness(256, T_list[-1], rounds=3 if opts.quick else 7, log=log)
     report.write_results(opts.out, "mixers", rows, section(rows, T_list, info, opts.command), opts.doc)
     plots(rows, opts.out)
     return rows

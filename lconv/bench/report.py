@@ -73,17 +73,19 @@ def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[floa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
-    for label, (xs, ys) in series.items():
-        if xs:
-            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label)
+    fig, ax = plt.subplots(figsize=(8.6, 4.2), dpi=80)
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, (xs, ys)) in enumerate(series.items()):
+        if xs:  # 20 colours, then the same colours dashed
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label, color=colors[i % 20],
+                    linestyle="-" if i < 10 else "--")
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

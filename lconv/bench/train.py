@@ -5,10 +5,10 @@ self-attention, the others a K=31 conv block) are trained with lconv's own step 
 dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens, ``TOKENS`` tokens per
 batch, at T=512 and T=4096.
 
-MFU = model FLOPs per second ÷ the float32 matmul rate measured at the start of the same run. Model FLOPs are
-counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes through, the tied
-output projection included, plus attention's ``12 T d`` per layer and a conv's ``6 K d``); XLA's own count
-(``cost_analysis()``, which also counts elementwise work) is in the CSV for comparison.
+MFU = model FLOPs per second ÷ the float32 matmul rate measured in the same run (the best of several tries).
+Model FLOPs are counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes
+through, the tied output projection included, plus attention's ``12 T d`` per layer and a conv's ``6 K d``);
+XLA's own count (``cost_analysis()``, which also counts elementwise work) is in the table for comparison.
 """
 from __future__ import annotations
 
@@ -58,37 +58,53 @@ def _batch(config, seed=0):
             "targets_position": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
 
 
+def _trainer(mixer, T):
+    """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
+    config = lm_config(mixer, T)
+    model = train_lib.build_model(config, VOCAB)
+    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
+    state, _ = train_lib.create_state(config, model, train_lib.make_mesh(config.mesh, jax.devices()[:1]), tx)
+    batch = _batch(config)
+    compiled, compile_s = timing.compile_fn(train_lib.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
+    holder = {"state": state, "params": train_lib.count_params(state.params)}
+
+    def step():
+        holder["state"], sums = compiled(holder["state"], batch)
+        return sums["loss"]
+
+    return step, compiled, compile_s, holder, config.data.batch_size
+
+
 def run(T_list, *, repeats, log=print):
-    matmul = timing.matmul_flops_per_s(2048, repeats=5)
-    log(f"  matmul {matmul['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    """At each T the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds), so their
+    ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements before
+    and after each T, so a load spike during one of them does not inflate the MFU."""
+    matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []
     for T in T_list:
-        for label, mixer in MODELS.items():
-            config = lm_config(mixer, T)
-            model = train_lib.build_model(config, VOCAB)
-            tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
-            mesh = train_lib.make_mesh(config.mesh, jax.devices()[:1])
-            state, _ = train_lib.create_state(config, model, mesh, tx)
-            batch = _batch(config)
-            compiled, compile_s = timing.compile_fn(train_lib.make_train_step(config, lr), (state, batch),
-                                                    donate_argnums=(0,))
-            holder = {"state": state}
-
-            def step():
-                holder["state"], sums = compiled(holder["state"], batch)
-                return sums["loss"]
-
-            stats = timing.summarize(timing.time_calls(step, repeats))
-            tokens = config.data.batch_size * T
-            flops = model_flops_per_token(mixer, T)
-            rows.append(dict(model=label, T=T, B=config.data.batch_size, params=train_lib.count_params(state.params),
-                             step_s=stats["median_s"], tokens_per_s=tokens / stats["median_s"],
-                             model_flops_per_token=flops, xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens,
-                             mfu=flops * tokens / stats["median_s"] / matmul["matmul_flops_per_s"],
-                             matmul_flops_per_s=matmul["matmul_flops_per_s"], compile_s=compile_s, runs=repeats))
-            log(f"  {label:12s} T={T:5d}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, MFU {rows[-1]['mfu']:.3f}, "
-                f"step {stats['median_s']:.2f} s, compile {compile_s:.1f} s")
-            del state, holder
+        trainers = {label: _trainer(mixer, T) for label, mixer in MODELS.items()}
+        times = {label: [] for label in MODELS}
+        for round_ in range(repeats + 1):
+            for label, (step, *_rest) in trainers.items():
+                seconds = timing.time_calls(step, 1, warmup=0)[0]
+                if round_:  # round 0 warms up
+                    times[label].append(seconds)
+        for label, (_, compiled, compile_s, holder, B) in trainers.items():
+            median = timing.summarize(times[label])["median_s"]
+            tokens = B * T
+            rows.append(dict(model=label, T=T, B=B, params=holder["params"], step_s=median,
+                             tokens_per_s=tokens / median,
+                             model_flops_per_token=model_flops_per_token(MODELS[label], T),
+                             xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
+                             runs=repeats))
+            log(f"  {label:12s} T={T:5d}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, step {median:.2f} s, "
+                f"compile {compile_s:.1f} s")
+        del trainers
+        matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
+    matmul = max(matmul_rates)
+    log(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
+    for row in rows:
+        row.update(matmul_flops_per_s=matmul, mfu=row["model_flops_per_token"] * row["tokens_per_s"] / matmul)
     return rows
 
 
@@ -99,7 +115,8 @@ def section(rows, T_list, info, command):
     parts = [f"### Training step (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
              f"vocab {VOCAB}, conv K={K}; {TOKENS} tokens per batch; `train_lib.make_train_step` (dropout 0.1, "
-             f"label smoothing, Adam), state donated; float32. Matmul rate measured in this run: "
+             f"label smoothing, Adam), state donated; float32; the three models' steps alternate, median of the "
+             f"rounds. Matmul rate, best of three measurements in this run: "
              f"{rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s. MFU uses analytic model FLOPs.\n",
              report.markdown_table(
                  ["model", "T", "params", "tokens/s", "step s", "model GFLOP/token", "XLA GFLOP/token", "MFU",
