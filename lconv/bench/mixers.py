@@ -26,7 +26,7 @@ C, H, K = 512, 8, 31
 TOKENS = 8192
 T_FULL = (128, 256, 512, 1024, 2048, 4096, 8192)
 T_QUICK = (256, 1024)
-MAX_CALL_S = 5.0  # skip a configuration whose predicted fwd+bwd time per call is longer (see Config.max_call_s)
+MAX_CALL_S = 4.0  # skip a configuration whose predicted fwd+bwd time per call is longer (see Config.max_call_s)
 MAX_BYTES = 6 * 2**30  # ... or whose predicted peak memory is larger
 
 

@@ -74,10 +74,10 @@ def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[floa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.6, 4.2), dpi=80)
-    colors = plt.get_cmap("tab20").colors
+    colors = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
     for i, (label, (xs, ys)) in enumerate(series.items()):
-        if xs:  # 20 colours, then the same colours dashed
-            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label, color=colors[i % 20],
+        if xs:  # past 10 lines, 20 colours and the second half dashed
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label, color=colors[i % len(colors)],
                     linestyle="-" if i < 10 else "--")
     if logx:
         ax.set_xscale("log", base=2)
