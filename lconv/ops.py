@@ -81,11 +81,11 @@ def dynamic_conv(x_BTC, weight_BTHK, padding_left, *, impl="auto", segment_ids=N
     return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
 
 
-# The "auto" rule, from the measurements in docs/benchmarks.md (`python -m lconv.bench mixers` / `limits`, and the
-# K sweep there): on a 2-core x86 CPU, fwd+bwd at C=512, H=8, B*T=8192, "shift" was 2-3x faster than "band" and
-# 15-40x faster than "conv" and "unfold" at every shape measured (K in 3..31, T in 64..8192), light and dynamic,
-# forward alone 3-8x faster than "band". No accelerator has been measured yet, so other backends keep "band"
-# (dense tiles suit matrix units; "shift" loops over blocks) until the benchmark is run there.
+# The "auto" rule, from the measurements in docs/benchmarks.md (`python -m lconv.bench mixers` and `limits`, whose
+# K x T sweep is the table behind this): on a 2-core x86 CPU, fwd+bwd at C=512, H=8, B*T=8192, "shift" was
+# 2-3.5x faster than "band" at K=31 for T in 128..8192, 2.3-5.7x at K in 3..31, and 19-51x faster than "conv" and
+# "unfold", light and dynamic; forward alone 3-8x faster than "band". No accelerator has been measured yet, so other
+# backends keep "band" (dense tiles suit matrix units; "shift" loops over blocks) until the suites run there.
 _AUTO_IMPL = {"cpu": "shift"}  # backend -> impl; a backend not listed gets "band"
 
 
