@@ -16,9 +16,11 @@ Implementations (``impl``), all equal to 1e-5 in float32:
   multiplies them by a ``[L, L + K - 1]`` band matrix per head, so every tile is a small dense matmul and memory
   stays O(T * K) (no dense ``T x T`` band). The band is built from the kernel by a pad-and-reshape skew, with no
   gather.
+- ``"shift"``: ``K`` multiply-adds of time-shifted inputs, fused by XLA into one elementwise loop, with a custom
+  VJP and a loop over blocks of ~1024 tokens (``lconv.shift_conv``). Fastest on CPU.
 - ``"unfold"`` (dynamic, and light through it): stack the ``K`` shifted copies of ``x`` (``[B, T, K, C]``) and
   contract with the kernel. Simple, memory ``K x`` the input.
-- ``"auto"``: see ``choose_impl``.
+- ``"auto"``: see ``choose_impl`` (``"shift"`` on CPU, ``"band"`` elsewhere).
 
 ``segment_ids`` (``[B, T]`` int, 0 = padding) makes packed rows behave exactly like separate sequences: a tap
 that would read another segment or padding reads zero, and padding positions output zero. With segments a light
@@ -36,8 +38,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LIGHT_IMPLS = ("auto", "conv", "band", "unfold")
-DYNAMIC_IMPLS = ("auto", "band", "unfold")
+from lconv import shift_conv
+
+LIGHT_IMPLS = ("auto", "conv", "band", "shift", "unfold")
+DYNAMIC_IMPLS = ("auto", "band", "shift", "unfold")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,6 +57,8 @@ def light_conv(x_BTC, weight_HK, padding_left, *, impl="auto", segment_ids=None,
             y = _light_conv_xla(x_BTC, weight_HK, padding_left)
         elif impl == "band":
             y = _light_band(x_BTC, weight_HK, padding_left, _block(block_size, T, K))
+        elif impl == "shift":
+            y = shift_conv.shift_conv(x_BTC, weight_HK, padding_left, _block(block_size, T, K))
         else:
             y = _dynamic_unfold(x_BTC, _broadcast_kernel(weight_HK, B, T), padding_left)
         return y.astype(x_BTC.dtype)
@@ -75,15 +81,18 @@ def dynamic_conv(x_BTC, weight_BTHK, padding_left, *, impl="auto", segment_ids=N
     return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
 
 
-def choose_impl(op, x_BTC, kernel_size):
-    """The ``"auto"`` rule: the band einsum everywhere.
+# The "auto" rule, from the measurements in docs/benchmarks.md (`python -m lconv.bench mixers` and `limits`, whose
+# K x T sweep is the table behind this): on a 2-core x86 CPU, fwd+bwd at C=512, H=8, B*T=8192, "shift" was
+# 2-3.5x faster than "band" at K=31 for T in 128..8192, 2.3-5.7x at K in 3..31, and 19-51x faster than "conv" and
+# "unfold", light and dynamic; forward alone 3-8x faster than "band". No accelerator has been measured yet, so other
+# backends keep "band" (dense tiles suit matrix units; "shift" loops over blocks) until the suites run there.
+_AUTO_IMPL = {"cpu": "shift"}  # backend -> impl; a backend not listed gets "band"
 
-    Measured on a 2-core CPU (DESIGN.md, ``python -m lconv.bench``): XLA's depthwise conv costs 112-365 us/token
-    fwd+bwd at C=512, K=31 while the tiled band costs single-digit us, and the unfold variant moves K x the input.
-    No accelerator measurement exists yet, so accelerators use the band too until the benchmark says otherwise.
-    """
-    del op, x_BTC, kernel_size
-    return "band"
+
+def choose_impl(op, x_BTC, kernel_size):
+    """The ``"auto"`` rule: the implementation measured fastest on this backend (see ``_AUTO_IMPL``)."""
+    del op, x_BTC, kernel_size  # the same on every shape measured so far
+    return _AUTO_IMPL.get(jax.default_backend(), "band")
 
 
 def tap_mask(segment_ids_BT, kernel_size, padding_left):
@@ -134,6 +143,8 @@ def _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size):
     K = weight_BTHK.shape[-1]
     if impl == "band":
         return _dynamic_band(x_BTC, weight_BTHK, padding_left, _block(block_size, x_BTC.shape[1], K))
+    if impl == "shift":
+        return shift_conv.shift_conv(x_BTC, weight_BTHK, padding_left, _block(block_size, x_BTC.shape[1], K))
     return _dynamic_unfold(x_BTC, weight_BTHK, padding_left)
 
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from lconv import ops
+from lconv import ops, shift_conv
 from reference import conv_reference
 
 B, T, C = 2, 13, 12  # prime-ish T so tiling remainders show up
-LIGHT = ["conv", "band", "unfold"]
-DYNAMIC = ["band", "unfold"]
+LIGHT = [i for i in ops.LIGHT_IMPLS if i != "auto"]
+DYNAMIC = [i for i in ops.DYNAMIC_IMPLS if i != "auto"]
 
 
 def _inputs(K, H, seed=0, T=T):
@@ -180,3 +180,26 @@ def test_bad_input_raises_a_clear_error(call, message):
     x, w, _ = _inputs(3, 3)
     with pytest.raises(ValueError, match=message):
         call(jnp.asarray(x), jnp.asarray(w))
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 8, 16])
+def test_shift_blocks_match_reference(monkeypatch, chunk_tokens):
+    """The "shift" impl loops over blocks: pieces of rows (the last one overlapping) or groups of whole rows."""
+    monkeypatch.setattr(shift_conv, "CHUNK_TOKENS", chunk_tokens)
+    for K, P in [(31, 15), (4, 3), (3, 0)]:
+        x, w, wd = _inputs(K, 4)
+        seg = jnp.asarray(_packed_segments())
+        got = ops.light_conv(jnp.asarray(x), jnp.asarray(w), P, impl="shift")
+        np.testing.assert_allclose(got, conv_reference(x, w, P), atol=1e-5)
+        got = ops.dynamic_conv(jnp.asarray(x), jnp.asarray(wd), P, impl="shift", segment_ids=seg)
+        np.testing.assert_allclose(got, conv_reference(x, wd, P, np.asarray(seg)), atol=1e-5)
+        # Gradients against the unfold impl (autodiff of a plain einsum).
+        ct = np.random.default_rng(K).normal(size=x.shape).astype(np.float32)
+        for op, weight in [(ops.light_conv, w), (ops.dynamic_conv, wd)]:
+            grads = {
+                impl: jax.grad(lambda x, w: jnp.vdot(op(x, w, P, impl=impl), ct), argnums=(0, 1))(
+                    jnp.asarray(x), jnp.asarray(weight))
+                for impl in ("shift", "unfold")
+            }
+            for got, want in zip(grads["shift"], grads["unfold"]):
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

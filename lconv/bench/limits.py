@@ -1,0 +1,126 @@
+"""Suite ``limits``: the machine's float32 matmul rate and copy bandwidth, and how close the convs get to them.
+
+Measured in one run: a large matmul (FLOP/s), a large elementwise copy (bytes/s, in place and into a fresh
+buffer), then each conv op's fwd+bwd. A conv must at least move ``conv_bytes_per_token`` bytes per token (read
+x, dy, the kernel; write y, dx, the kernel gradient; see ``timing.conv_bytes_per_token``), so
+``bytes_per_token / time_per_token`` as a fraction of the copy bandwidth says how far it is from the
+memory-bound floor; ``flops / time`` against the matmul rate says the same for arithmetic.
+"""
+from __future__ import annotations
+
+import jax
+
+from lconv import ops
+from lconv.bench import mixers, report, timing
+
+OPS = [("light", "conv"), ("light", "band"), ("light", "shift"), ("light", "unfold"),
+       ("dynamic", "band"), ("dynamic", "shift"), ("dynamic", "unfold")]
+K_SWEEP, T_SWEEP = (3, 7, 15, 31), (64, 1024)  # the evidence behind ops.choose_impl (impl="auto")
+
+
+def run(T_list, *, quick=False, log=print):
+    limits = {**timing.matmul_flops_per_s(2048, repeats=5 if quick else 10),
+              **timing.copy_bytes_per_s(64 if quick else 256, repeats=5 if quick else 10)}
+    log(f"  matmul {limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; copy {limits['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"in place, {limits['copy_fresh_bytes_per_s'] / 1e9:.1f} GB/s into fresh memory")
+    rows = [dict(kind="limit", name="matmul", T=None, value=limits["matmul_flops_per_s"], unit="FLOP/s",
+                 note=f"float32 [{limits['matmul_n']}]^2 @ [{limits['matmul_n']}]^2"),
+            dict(kind="limit", name="copy (in place)", T=None, value=limits["copy_bytes_per_s"], unit="B/s",
+                 note=f"x + 1 on {limits['copy_mb']} MiB, donated; read + write bytes"),
+            dict(kind="limit", name="copy (fresh output)", T=None, value=limits["copy_fresh_bytes_per_s"],
+                 unit="B/s", note="same, a new output buffer per call (first-touch page faults)")]
+    for op_name, impl in OPS:
+        config = mixers.op_config(op_name, impl)
+        dynamic = op_name == "dynamic"
+        for T in T_list:
+            B = max(mixers.TOKENS // T, 1)
+            fn, args, argnums = config.build(T, B)
+            m = timing.measure(mixers.fwd_bwd(fn, argnums), (*args, timing.random_normal((B, T, mixers.C), 2)),
+                               budget_s=0.5 if quick else 1.0)
+            s_per_token = m.median_s / (B * T)
+            moved = timing.conv_bytes_per_token(mixers.C, mixers.H, mixers.K, dynamic=dynamic, backward=True)
+            flops = timing.conv_flops_per_token(mixers.C, mixers.K, backward=True)
+            rows.append(dict(kind="conv", name=config.name, T=T, us_per_token=s_per_token * 1e6,
+                             bytes_per_token=moved, flops_per_token=flops,
+                             copy_fraction=moved / s_per_token / limits["copy_bytes_per_s"],
+                             bound_us_per_token=moved / limits["copy_bytes_per_s"] * 1e6,
+                             matmul_fraction=flops / s_per_token / limits["matmul_flops_per_s"],
+                             compile_s=m.compile_s, runs=m.runs))
+            log(f"  {config.name:28s} T={T:5d} {s_per_token * 1e6:8.2f} us/token = "
+                f"{rows[-1]['copy_fraction']:.3f} of copy bandwidth")
+    return rows
+
+
+def impl_choice(*, quick=False, log=print):
+    """fwd+bwd of each conv impl ``auto`` chooses between, over kernel sizes and lengths: ``ops._AUTO_IMPL``."""
+    rows = []
+    for K in K_SWEEP[-1:] if quick else K_SWEEP:
+        for T in T_SWEEP[-1:] if quick else T_SWEEP:
+            B = max(mixers.TOKENS // T, 1)
+            for op_name in ("light", "dynamic"):
+                for impl in ("band", "shift"):
+                    fn, args, argnums = mixers.op_config(op_name, impl, kernel_size=K).build(T, B)
+                    m = timing.measure(mixers.fwd_bwd(fn, argnums),
+                                       (*args, timing.random_normal((B, T, mixers.C), 2)), budget_s=0.5)
+                    rows.append(dict(kind="impl_choice", name=f"{op_name} {impl}", K=K, T=T,
+                                     us_per_token=m.median_s / (B * T) * 1e6, runs=m.runs, compile_s=m.compile_s))
+            log(f"  K={K:2d} T={T:5d}: " + ", ".join(f"{r['name']} {r['us_per_token']:.2f}" for r in rows[-4:]))
+    return rows
+
+
+def section(rows, info, command):
+    lim = {r["name"]: r["value"] for r in rows if r["kind"] == "limit"}
+    convs = [r for r in rows if r["kind"] == "conv"]
+    table = report.markdown_table(
+        ["conv op (fwd+bwd)", "T", "µs/token", "bytes/token", "floor µs/token (bytes ÷ copy)",
+         "time ÷ floor", "fraction of copy bandwidth", "fraction of matmul FLOP/s"],
+        [[r["name"], r["T"], r["us_per_token"], r["bytes_per_token"], r["bound_us_per_token"],
+          r["us_per_token"] / r["bound_us_per_token"], r["copy_fraction"], r["matmul_fraction"]] for r in convs])
+    return "\n\n".join(p.strip() for p in [
+        f"### Limits of the machine (`{command}`)\n",
+        f"Machine: {timing.describe(info)}.\n",
+        f"- float32 matmul: **{lim['matmul'] / 1e9:.0f} GFLOP/s**\n"
+        f"- elementwise copy, in place: **{lim['copy (in place)'] / 1e9:.1f} GB/s** (read + write); into a fresh "
+        f"buffer every call: {lim['copy (fresh output)'] / 1e9:.1f} GB/s — the difference is the first-touch page "
+        "faults a program pays for its temporaries on this machine.\n",
+        "Bytes moved per token, fwd+bwd, float32: LightConv `5C` floats (read x, write y; read dy and x, write "
+        "dx), DynamicConv `5C + 3HK` (plus read the kernel twice and write its gradient): "
+        f"{timing.conv_bytes_per_token(mixers.C, mixers.H, mixers.K, dynamic=False, backward=True)} and "
+        f"{timing.conv_bytes_per_token(mixers.C, mixers.H, mixers.K, dynamic=True, backward=True)} bytes at "
+        f"C={mixers.C}, H={mixers.H}, K={mixers.K}. FLOPs per token: `6KC` (forward, dx, dw).\n",
+        table,
+        "![fraction of copy bandwidth](bench/limits.png)\n",
+        f"**The `impl=\"auto\"` rule**: fwd+bwd µs/token of the two candidates, B*T={mixers.TOKENS}, C={mixers.C}, "
+        f"H={mixers.H}, centred kernels; `ops.choose_impl` picks `{ops.choose_impl('light_conv', None, 31)}` on "
+        f"this backend ({jax.default_backend()}).\n",
+        _choice_table(rows),
+    ])
+
+
+def _choice_table(rows):
+    choice = [r for r in rows if r["kind"] == "impl_choice"]
+    get = {(r["name"], r["K"], r["T"]): r["us_per_token"] for r in choice}
+    shapes = list(dict.fromkeys((r["K"], r["T"]) for r in choice))
+    table = []
+    for K, T in shapes:
+        row = [K, T]
+        for op_name in ("light", "dynamic"):
+            band, shift = get[(f"{op_name} band", K, T)], get[(f"{op_name} shift", K, T)]
+            row += [band, shift, band / shift]
+        table.append(row)
+    return report.markdown_table(["K", "T", "light band", "light shift", "band ÷ shift", "dynamic band",
+                                  "dynamic shift", "band ÷ shift"], table)
+
+
+def run_suite(opts, info, log=print):
+    T_list = (256, 4096) if not opts.quick else (256,)
+    rows = run(T_list, quick=opts.quick, log=log)
+    rows += impl_choice(quick=opts.quick, log=log)
+    report.write_results(opts.out, "limits", rows, section(rows, info, opts.command), opts.doc)
+    convs = [r for r in rows if r["kind"] == "conv"]
+    names = list(dict.fromkeys(r["name"] for r in convs))
+    report.plot_bars(f"{opts.out}/limits.png", names,
+                     {f"T={T}": [next((r["copy_fraction"] for r in convs if r["name"] == n and r["T"] == T), 0)
+                                 for n in names] for T in T_list},
+                     title="conv fwd+bwd: bytes moved ÷ time, fraction of copy bandwidth", ylabel="fraction")
+    return rows

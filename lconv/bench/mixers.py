@@ -1,0 +1,270 @@
+"""Suite ``mixers``: time per token and peak memory of every token mixer vs sequence length.
+
+The tokens per batch are fixed (``B * T = TOKENS``), so a linear-time mixer should cost the same per token at
+every T and attention's per-token cost grows as T. Two kinds of rows:
+
+- ``op``: the raw conv ops, ``lconv.ops.light_conv`` / ``dynamic_conv`` with each ``impl`` (the kernel is an
+  input; fwd+bwd differentiates w.r.t. x and the kernel);
+- ``mixer``: the registry's modules (``make_mixer``) as a model uses them, projections included, with
+  ``impl="auto"`` for the convs; fwd+bwd differentiates w.r.t. the parameters and x.
+
+Fwd+bwd is one call of ``value_and_grad`` of ``<y, g>`` for a fixed random ``g``. Configurations whose
+predicted time per call (extrapolated from the previous T) or memory is past the caps are skipped and say so.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from lconv import mixers, ops
+from lconv.bench import report, timing
+
+C, H, K = 512, 8, 31
+TOKENS = 8192
+T_FULL = (128, 256, 512, 1024, 2048, 4096, 8192)
+T_QUICK = (256, 1024)
+MAX_CALL_S = 4.0  # skip a configuration whose predicted fwd+bwd time per call is longer (see Config.max_call_s)
+MAX_BYTES = 6 * 2**30  # ... or whose predicted peak memory is larger
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str  # table row label
+    kind: str  # "op" or "mixer"
+    build: Callable  # T, B -> (fwd(args), args, differentiable argnums)
+    exponent: float  # per-call time ~ T ** exponent at fixed tokens (0 linear, 1 quadratic)
+    bytes_at: Callable[[int, int], int] = lambda T, B: 0  # a lower bound on memory, checked before building
+    max_call_s: float = MAX_CALL_S
+
+
+def op_config(op_name, impl, kernel_size=K):
+    """A raw conv op (centred, ``P = K // 2``) with a softmax-normalised random kernel."""
+    dynamic, pad = op_name == "dynamic", kernel_size // 2
+
+    def build(T, B):
+        x = timing.random_normal((B, T, C), 0)
+        if dynamic:
+            w = jax.nn.softmax(timing.random_normal((B, T, H, kernel_size), 1), axis=-1)
+            fn = lambda x, w: ops.dynamic_conv(x, w, pad, impl=impl)  # noqa: E731
+        else:
+            w = jax.nn.softmax(timing.random_normal((H, kernel_size), 1), axis=-1)
+            fn = lambda x, w: ops.light_conv(x, w, pad, impl=impl)  # noqa: E731
+        return fn, (x, w), (0, 1)
+
+    label = {"conv": "XLA conv"}.get(impl, impl)
+    # The slow baselines are linear in T (a few s per call), kept at every T for the ratios.
+    return Config(f"{'DynamicConv' if dynamic else 'LightConv'} op, {label}", "op", build, 0.0, max_call_s=8.0)
+
+
+def _mixer_config(label, registry_name, exponent=0.0, bytes_at=lambda T, B: 0, max_call_s=MAX_CALL_S, **fields):
+    def build(T, B):
+        extra = {k: (v(T) if callable(v) else v) for k, v in fields.items()}
+        module = mixers.make_mixer(registry_name, num_heads=H, causal=False, **extra)
+        x = timing.random_normal((B, T, C), 0)
+        variables = jax.jit(module.init)(jax.random.key(0), x)
+        params, state = {"params": variables["params"]}, {k: v for k, v in variables.items() if k != "params"}
+        if state:  # kNN memory: read and write the memory, as in training
+            fn = lambda p, x: module.apply({**p, **state}, x, mutable=list(state))[0]  # noqa: E731
+        else:
+            fn = lambda p, x: module.apply(p, x)  # noqa: E731
+        return fn, (params, x), (0, 1)
+
+    return Config(label, "mixer", build, exponent, bytes_at, max_call_s)
+
+
+def _logits_bytes(T, B):
+    return B * H * T * T * 4  # one float32 [B, H, T, T] tensor
+
+
+CONFIGS = [
+    op_config("light", "conv"), op_config("light", "band"), op_config("light", "shift"),
+    op_config("light", "unfold"),
+    op_config("dynamic", "band"), op_config("dynamic", "shift"), op_config("dynamic", "unfold"),
+    _mixer_config("LightConv block", "lightconv", kernel_size=K),
+    _mixer_config("DynamicConv block", "dynamicconv", kernel_size=K),
+    _mixer_config("self-attention", "attention", 1.0, _logits_bytes, max_call_s=8.0),  # the main comparison
+    _mixer_config("Fixed (Synthesizer-Random)", "fixed", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4,
+                  max_len=lambda T: T),
+    _mixer_config("Hadamard", "hadamard", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4,
+                  max_len=lambda T: T),
+    _mixer_config("CoLT5", "colt5", 1.0, lambda T, B: _logits_bytes(T, B) // 2),
+    _mixer_config("kNN memory (M=1024, k=32)", "knn_memory", 1.0, _logits_bytes, memory_size=1024, num_neighbors=32),
+]
+
+
+def fwd_bwd(fn, argnums):
+    def loss_and_grads(*args_and_cotangent):
+        *args, g = args_and_cotangent
+        return jax.value_and_grad(lambda *a: jnp.vdot(fn(*a), g), argnums=argnums)(*args)
+
+    return loss_and_grads
+
+
+def run(T_list, *, budget_s=1.0, log=print):
+    """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
+    rows = []
+    last = {c.name: {} for c in CONFIGS}  # config -> pass -> (T, seconds per call) last measured
+    last_bytes = {c.name: None for c in CONFIGS}
+    for T in T_list:
+        B = max(TOKENS // T, 1)
+        for config in CONFIGS:
+            base = dict(kind=config.kind, name=config.name, T=T, B=B)
+            skip = _skip_reason(config, T, B, last[config.name], last_bytes[config.name])
+            if skip:
+                rows += [dict(base, **{"pass": p, "status": f"skipped: {skip}"}) for p in ("fwd", "fwd+bwd")]
+                log(f"  {config.name:32s} T={T:5d} skipped: {skip}")
+                continue
+            fn, args, argnums = config.build(T, B)
+            g = timing.random_normal((B, T, C), 2)
+            for pass_name, f, f_args in (("fwd", fn, args), ("fwd+bwd", fwd_bwd(fn, argnums), (*args, g))):
+                m = timing.measure(f, f_args, budget_s=budget_s)
+                last[config.name][pass_name] = (T, m.median_s)
+                if pass_name == "fwd+bwd" and m.memory_bytes:
+                    last_bytes[config.name] = (T, m.memory_bytes)
+                rows.append(dict(base, **{"pass": pass_name}, status="ok",
+                                 us_per_token=m.median_s / (B * T) * 1e6, min_us_per_token=m.min_s / (B * T) * 1e6,
+                                 runs=m.runs, compile_s=m.compile_s,
+                                 memory_mb=None if m.memory_bytes is None else m.memory_bytes / 2**20,
+                                 memory_source=m.memory_source))
+                log(f"  {config.name:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
+                    f"(compile {m.compile_s:.1f} s, {m.runs} runs)")
+            del fn, args
+    return rows
+
+
+FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op, band", "DynamicConv op, shift",
+                    "LightConv block", "DynamicConv block")
+
+
+def interleaved_flatness(T_lo, T_hi, *, rounds=7, log=print):
+    """fwd+bwd µs/token at ``T_hi`` ÷ at ``T_lo``, timing the two programs in alternation (``rounds`` each), so
+    that the machine's load drifting during the run affects both alike. Returns CSV rows."""
+    rows = []
+    for config in (c for c in CONFIGS if c.name in FLATNESS_CONFIGS):
+        calls = {}
+        for T in (T_lo, T_hi):
+            B = max(TOKENS // T, 1)
+            fn, args, argnums = config.build(T, B)
+            f_args = (*args, timing.random_normal((B, T, C), 2))
+            compiled, _ = timing.compile_fn(fwd_bwd(fn, argnums), f_args)
+            jax.block_until_ready(compiled(*f_args))
+            calls[T] = (compiled, f_args, B * T)
+        times = {T: [] for T in calls}
+        for _ in range(rounds):
+            for T, (compiled, f_args, tokens) in calls.items():
+                times[T] += [t / tokens * 1e6 for t in timing.time_calls(lambda: compiled(*f_args), 1, warmup=0)]
+        lo, hi = (timing.summarize(times[T])["median_s"] for T in (T_lo, T_hi))
+        rows.append(dict(kind="flatness", name=config.name, T=T_hi, T_lo=T_lo, us_per_token=hi, us_per_token_lo=lo,
+                         ratio=hi / lo, runs=rounds))
+        log(f"  {config.name:32s} interleaved: {hi:.2f} us/token at T={T_hi} / {lo:.2f} at T={T_lo} = {hi / lo:.2f}")
+    return rows
+
+
+def _skip_reason(config, T, B, last, last_bytes):
+    predicted = timing.predict_seconds(last.get("fwd+bwd"), T, config.exponent)
+    if predicted is not None and predicted > config.max_call_s:
+        return f"est. {predicted:.0f} s/call > {config.max_call_s:.0f} s cap"
+    floor = config.bytes_at(T, B)
+    if last_bytes:
+        floor = max(floor, last_bytes[1] * (T / last_bytes[0]) ** config.exponent)
+    if floor > MAX_BYTES:
+        return f"est. {floor / 2**30:.1f} GiB > {MAX_BYTES / 2**30:.0f} GiB cap"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables and plots
+# ----------------------------------------------------------------------------------------------------------------
+def _cell(rows, name, T, pass_name, key="us_per_token"):
+    for r in rows:
+        if r["name"] == name and r["T"] == T and r.get("pass") == pass_name:
+            return r.get(key) if r["status"] == "ok" else r["status"]
+    return None
+
+
+def _ratio(rows, num, den, T, pass_name="fwd+bwd"):
+    a, b = _cell(rows, num, T, pass_name), _cell(rows, den, T, pass_name)
+    return a / b if isinstance(a, float) and isinstance(b, float) else None
+
+
+RATIOS = [  # (label, slower, faster): how many times faster the second is, measured in the same run
+    ("LightConv: band vs XLA conv", "LightConv op, XLA conv", "LightConv op, band"),
+    ("LightConv: shift vs XLA conv", "LightConv op, XLA conv", "LightConv op, shift"),
+    ("LightConv: shift vs band", "LightConv op, band", "LightConv op, shift"),
+    ("LightConv: shift vs unfold", "LightConv op, unfold", "LightConv op, shift"),
+    ("DynamicConv: shift vs band", "DynamicConv op, band", "DynamicConv op, shift"),
+    ("DynamicConv: shift vs unfold", "DynamicConv op, unfold", "DynamicConv op, shift"),
+    ("DynamicConv block vs self-attention", "self-attention", "DynamicConv block"),
+    ("LightConv block vs self-attention", "self-attention", "LightConv block"),
+]
+
+
+def section(rows, T_list, info, command):
+    names = list(dict.fromkeys(r["name"] for r in rows if r["kind"] != "flatness"))
+    header = ["configuration"] + [f"T={T}" for T in T_list]
+    parts = [f"### Mixer scaling (`{command}`)\n",
+             f"Machine: {timing.describe(info)}. d=C={C}, H={H}, K={K} (centred), B*T={TOKENS} tokens per call, "
+             "float32. Medians of several runs after one warm-up; compilation excluded (see the CSV).\n"]
+    for pass_name in ("fwd+bwd", "fwd"):
+        parts.append(f"**{pass_name}, µs per token**\n")
+        parts.append(report.markdown_table(header, [[n] + [_cell(rows, n, T, pass_name) for T in T_list]
+                                                    for n in names]))
+    sources = sorted({r["memory_source"] for r in rows if r.get("memory_source")})
+    parts.append("**Peak memory of the fwd+bwd program, MiB** (XLA `memory_analysis()`: arguments + outputs + "
+                 f"temporaries; source per row in the CSV: {', '.join(sources)})\n")
+    parts.append(report.markdown_table(header, [[n] + [_cell(rows, n, T, "fwd+bwd", "memory_mb") for T in T_list]
+                                                for n in names]))
+    parts.append("**Speed-ups within this run (fwd+bwd time of the first ÷ the second)**\n")
+    parts.append(report.markdown_table(["comparison"] + header[1:],
+                                       [[label] + [_ratio(rows, a, b, T) for T in T_list] for label, a, b in RATIOS]))
+    lo, hi = 256, T_list[-1]
+    flat = []
+    for n in names:
+        a, b = _cell(rows, n, hi, "fwd+bwd"), _cell(rows, n, lo, "fwd+bwd")
+        inter = next((r for r in rows if r["kind"] == "flatness" and r["name"] == n), None)
+        if isinstance(a, float) and isinstance(b, float) and hi != lo:
+            flat.append([n, a / b, inter and inter["ratio"], inter and inter["us_per_token_lo"],
+                         inter and inter["us_per_token"]])
+    if flat:
+        parts.append(f"**Flatness: fwd+bwd µs/token at T={hi} ÷ at T={lo}** (1.0 = linear in T). The first column "
+                     "compares the table above (measured minutes apart); the interleaved one times the two programs "
+                     "in alternation, so load drifting during the run cancels\n")
+        parts.append(report.markdown_table(
+            ["configuration", "from the table", "interleaved", f"interleaved µs/token, T={lo}",
+             f"interleaved µs/token, T={hi}"], flat))
+    compile_rows = [[n, max((r["compile_s"] for r in rows if r["name"] == n and r.get("compile_s")), default=None)]
+                    for n in names]
+    parts.append("**Compilation, slowest over T (fwd+bwd or fwd), seconds**\n")
+    parts.append(report.markdown_table(["configuration", "compile s"], compile_rows))
+    parts.append("![fwd+bwd time per token](bench/mixers.png) ![fwd+bwd memory](bench/mixers_memory.png)\n")
+    return "\n\n".join(p.strip() for p in parts)
+
+
+def plots(rows, out_dir):
+    names = list(dict.fromkeys(r["name"] for r in rows if r["kind"] != "flatness"))
+
+    def series(key):
+        out = {}
+        for n in names:
+            pts = [(r["T"], r[key]) for r in rows
+                   if r["name"] == n and r.get("pass") == "fwd+bwd" and r["status"] == "ok"]
+            out[n] = ([p[0] for p in pts], [p[1] for p in pts])
+        return out
+
+    report.plot_lines(f"{out_dir}/mixers.png", series("us_per_token"), title=f"fwd+bwd, B*T={TOKENS}, d={C}",
+                      xlabel="sequence length T", ylabel="µs per token")
+    report.plot_lines(f"{out_dir}/mixers_memory.png", series("memory_mb"), title="fwd+bwd program memory",
+                      xlabel="sequence length T", ylabel="MiB")
+
+
+def run_suite(opts, info, log=print):
+    T_list = opts.T or (T_QUICK if opts.quick else T_FULL)
+    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, log=log)
+    if 256 in T_list and T_list[-1] != 256:
+        rows += interleaved_flatness(256, T_list[-1], rounds=3 if opts.quick else 7, log=log)
+    report.write_results(opts.out, "mixers", rows, section(rows, T_list, info, opts.command), opts.doc)
+    plots(rows, opts.out)
+    return rows

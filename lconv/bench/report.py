@@ -1,0 +1,112 @@
+"""Writing results: CSV rows, markdown tables, the generated sections of docs/benchmarks.md, and plots.
+
+A suite's section in docs/benchmarks.md sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; a
+run replaces only its own section (appending it the first time), so hand-written text around it is kept.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+from typing import Any, Iterable, Sequence
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """Compact cell text: ``None`` -> ``-``, floats to ``digits`` significant digits, strings as they are."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"row has {len(row)} cells for {len(header)} columns: {row}")
+        lines.append("| " + " | ".join(fmt(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def csv_text(rows: Sequence[dict[str, Any]]) -> str:
+    """CSV of dict rows; the columns are the union of the rows' keys in first-seen order."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def replace_section(document: str, name: str, body: str) -> str:
+    """``document`` with the ``name`` section's body replaced (or the section appended if absent)."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    if start in document and end in document:
+        head, rest = document.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
+    return document.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def write_results(out_dir: str, name: str, rows: Sequence[dict[str, Any]], section: str, doc_path: str) -> str:
+    """Writes ``out_dir/NAME.csv`` and the suite's section of ``doc_path``; returns the CSV path."""
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path = os.path.join(out_dir, f"{name}.csv")
+    with open(csv_path, "w") as f:
+        f.write(csv_text(rows))
+    document = open(doc_path).read() if os.path.exists(doc_path) else "# Benchmarks\n"
+    with open(doc_path, "w") as f:
+        f.write(replace_section(document, name, section))
+    return csv_path
+
+
+def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
+               xlabel: str, ylabel: str, logx: bool = True, logy: bool = True) -> None:
+    """One line per series (``label -> (xs, ys)``), saved as a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.6, 4.2), dpi=80)
+    colors = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
+    for i, (label, (xs, ys)) in enumerate(series.items()):
+        if xs:  # past 10 lines, 20 colours and the second half dashed
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label, color=colors[i % len(colors)],
+                    linestyle="-" if i < 10 else "--")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_bars(path: str, labels: Sequence[str], groups: dict[str, Sequence[float]], *, title: str,
+              ylabel: str) -> None:
+    """Grouped bars: one group per label, one bar per ``groups`` entry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
+    width = 0.8 / max(len(groups), 1)
+    for i, (name, values) in enumerate(groups.items()):
+        ax.bar([j + i * width for j in range(len(labels))], values, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=7, rotation=20)
+    ax.set(title=title, ylabel=ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,214 @@
+"""The bottom layer of the benchmarks: timing, memory, machine description and the cost formulas.
+
+Everything here is small and independent of the suites. Times are wall-clock medians of several runs of an
+already compiled function (compilation is timed separately), each ended by ``block_until_ready``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+F32_BYTES = 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers (unit-tested in tests/test_bench.py)
+# ----------------------------------------------------------------------------------------------------------------
+def summarize(times_s: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of per-run times; the median is what the tables report."""
+    if not times_s:
+        raise ValueError("summarize needs at least one time")
+    return {"median_s": statistics.median(times_s), "min_s": min(times_s), "max_s": max(times_s)}
+
+
+def repeats_for(estimate_s: float, budget_s: float, lo: int = 3, hi: int = 10) -> int:
+    """How many timed runs fit ``budget_s`` given one run's estimate, clamped to ``[lo, hi]``."""
+    if estimate_s <= 0:
+        return hi
+    return int(min(hi, max(lo, budget_s // estimate_s)))
+
+
+def predict_seconds(measured: tuple[int, float] | None, T: int, exponent: float) -> float | None:
+    """Extrapolates one call's time from the last measured ``(T, seconds)`` as ``s * (T / T0) ** exponent``.
+
+    At a fixed number of tokens per batch a linear-time mixer's call costs the same at every T (exponent 0)
+    and an attention layer's grows as T (exponent 1, from its ``B * T * T`` logits).
+    """
+    if measured is None:
+        return None
+    T0, seconds = measured
+    return seconds * (T / T0) ** exponent
+
+
+def conv_bytes_per_token(channels: int, heads: int, kernel_size: int, *, dynamic: bool, backward: bool) -> int:
+    """Bytes a conv must move per token (float32), the floor for a memory-bound kernel.
+
+    Forward: read x and write y (``2C``), plus, for a dynamic conv, read its ``H*K`` kernel (a light kernel is
+    shared, so ~0 per token). Backward (given dy): read dy and x, write dx (``3C``), plus read the kernel and
+    write its gradient (``2HK``, dynamic only). So fwd+bwd is ``5C`` (light) or ``5C + 3HK`` (dynamic) floats.
+    """
+    floats = 2 * channels + (heads * kernel_size if dynamic else 0)
+    if backward:
+        floats += 3 * channels + (2 * heads * kernel_size if dynamic else 0)
+    return floats * F32_BYTES
+
+
+def conv_flops_per_token(channels: int, kernel_size: int, *, backward: bool) -> int:
+    """Multiply-adds x 2 of a depthwise conv per token: forward ``2KC``; the backward's dx and dw twice that."""
+    return 2 * kernel_size * channels * (3 if backward else 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Measurement:
+    """One timed configuration: per-call times in seconds, compile time and the compiled program's memory."""
+
+    median_s: float
+    min_s: float
+    runs: int
+    compile_s: float
+    memory_bytes: int | None = None
+    memory_source: str = "n/a"
+    flops: float | None = None  # XLA's cost_analysis() count, when available
+
+
+def compile_fn(fn: Callable, args: Sequence[Any], donate_argnums=()) -> tuple[Any, float]:
+    """``jax.jit(fn)`` lowered and compiled for ``args``; returns ``(compiled, seconds spent compiling)``."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def time_calls(call: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds per call of ``call()`` (its result blocked on), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, budget_s: float = 2.0) -> Measurement:
+    """Compiles ``fn`` for ``args`` and times it: one warm-up call also sets the repeat count (``budget_s``)."""
+    compiled, compile_s = compile_fn(fn, args)
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    first_s = time.perf_counter() - start
+    n = repeats or repeats_for(first_s, budget_s)
+    stats = summarize(time_calls(lambda: compiled(*args), n, warmup=0))
+    memory, source = program_memory(compiled)
+    if memory is None:
+        memory, source = estimate_memory(args, jax.eval_shape(fn, *args)), "estimate: arguments + outputs"
+    return Measurement(stats["median_s"], stats["min_s"], n, compile_s, memory, source, xla_flops(compiled))
+
+
+def program_memory(compiled) -> tuple[int | None, str]:
+    """Peak bytes of a compiled program: arguments + outputs + XLA's temporaries (``memory_analysis()``)."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        stats = None
+    if stats is None:
+        return None, "n/a"
+    total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return int(total - getattr(stats, "alias_size_in_bytes", 0)), "memory_analysis"
+
+
+def estimate_memory(args: Sequence[Any], out_shapes: Any) -> int:
+    """Fallback when the backend has no ``memory_analysis``: arguments + outputs only (a lower bound)."""
+    leaves = jax.tree.leaves(list(args)) + jax.tree.leaves(out_shapes)
+    return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves))
+
+
+def xla_flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Machine limits, measured in the run that uses them
+# ----------------------------------------------------------------------------------------------------------------
+def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> dict[str, float]:
+    """Float32 ``[n, n] @ [n, n]``: ``2 n^3`` FLOPs per call; median rate."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    compiled, _ = compile_fn(lambda a, b: a @ b, (a, a))
+    stats = summarize(time_calls(lambda: compiled(a, a), repeats))
+    return {"matmul_n": n, "matmul_flops_per_s": 2 * n**3 / stats["median_s"], "matmul_s": stats["median_s"]}
+
+
+def copy_bytes_per_s(megabytes: int = 256, repeats: int = 10) -> dict[str, float]:
+    """Elementwise ``x + 1`` over a large float32 array; bytes = read + write.
+
+    ``in_place`` donates the input, so the output reuses its (already touched) memory: the memory bandwidth.
+    ``fresh`` writes a new buffer every call, as a program's temporaries are, and so also pays the first-touch
+    page faults of memory the allocator returned to the OS.
+    """
+    n = megabytes * 2**20 // F32_BYTES
+    moved = 2 * n * F32_BYTES
+    x = jnp.zeros((n,), jnp.float32)
+    in_place, _ = compile_fn(lambda a: a + 1.0, (x,), donate_argnums=(0,))
+    state = {"x": in_place(x)}
+
+    def step():
+        state["x"] = in_place(state["x"])
+        return state["x"]
+
+    donated = summarize(time_calls(step, repeats))
+    fresh_fn, _ = compile_fn(lambda a: a + 1.0, (state["x"],))
+    fresh = summarize(time_calls(lambda: fresh_fn(state["x"]), repeats))
+    return {"copy_mb": megabytes, "copy_bytes_per_s": moved / donated["median_s"],
+            "copy_fresh_bytes_per_s": moved / fresh["median_s"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The machine
+# ----------------------------------------------------------------------------------------------------------------
+def machine_info() -> dict[str, str]:
+    """CPU model and cores, JAX device kind and versions, date and load (the machine may be shared)."""
+    import jaxlib
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    device = jax.devices()[0]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": f"{cpu}, {os.cpu_count()} cores",
+        "device": f"{device.platform} / {device.device_kind} x{jax.device_count()}",
+        "jax": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+        "load": f"{load[0]:.1f}" if isinstance(load[0], float) else str(load[0]),
+    }
+
+
+def describe(info: dict[str, str]) -> str:
+    return (f"{info['date']}; {info['cpu']}; {info['device']}; {info['jax']}; "
+            f"1-minute load average at start {info['load']}")
+
+
+
+def random_normal(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)

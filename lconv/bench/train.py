@@ -1,0 +1,142 @@
+"""Suite ``train``: tokens/s of a full training step, and model FLOPs utilisation.
+
+Same-size decoder-only LMs (``LAYERS`` layers, d=512, FFN 2048, H=8, vocab 8000; the Transformer's mixer is
+self-attention, the others a K=31 conv block) are trained with lconv's own step (``train_lib.make_train_step``:
+dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens, ``TOKENS`` tokens per
+batch, at T=512 and T=4096.
+
+MFU = model FLOPs per second ÷ the float32 matmul rate measured in the same run (the best of several tries).
+Model FLOPs are counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes
+through, the tied output projection included, plus attention's ``12 T d`` per layer and a conv's ``6 K d``);
+XLA's own count (``cost_analysis()``, which also counts elementwise work) is in the table for comparison.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from configs import common
+from lconv import train_lib
+from lconv.bench import report, timing
+
+MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
+D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
+TOKENS = 4096
+T_FULL, T_QUICK = (512, 4096), (512,)
+
+
+def lm_config(mixer: str, T: int):
+    c = common.base_config()
+    c.task = "lm"
+    c.data.max_target_length = T
+    c.data.batch_size = max(TOKENS // T, 1)
+    c.model.d_model, c.model.ffn_dim, c.model.num_heads = D_MODEL, FFN, HEADS
+    c.model.decoder_layers = LAYERS
+    c.model.decoder_mixer = mixer
+    c.model.decoder_kernel_sizes = (K,)
+    c.model.max_len = T
+    if mixer == "attention":
+        c.model.weight_dropout = 0.0  # as configs.common.set_mixer does for the Transformer baseline
+    c.mesh.shape = (1, 1, 1)
+    return c
+
+
+def model_flops_per_token(mixer: str, T: int) -> float:
+    """Analytic fwd+bwd FLOPs per token (see the module docstring)."""
+    d = D_MODEL
+    mixer_weights = {"attention": 4 * d * d, "lightconv": 3 * d * d, "dynamicconv": 3 * d * d + d * HEADS * K}[mixer]
+    per_layer = 6 * (mixer_weights + 2 * d * FFN)
+    per_layer += 12 * T * d if mixer == "attention" else 6 * K * d
+    return LAYERS * per_layer + 6 * d * VOCAB
+
+
+def _batch(config, seed=0):
+    B, T = config.data.batch_size, config.data.max_target_length
+    rng = np.random.default_rng(seed)
+    return {"targets": rng.integers(4, VOCAB, (B, T), dtype=np.int32),
+            "targets_segmentation": np.ones((B, T), np.int32),
+            "targets_position": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
+
+
+def _trainer(mixer, T):
+    """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
+    config = lm_config(mixer, T)
+    model = train_lib.build_model(config, VOCAB)
+    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
+    state, _ = train_lib.create_state(config, model, train_lib.make_mesh(config.mesh, jax.devices()[:1]), tx)
+    batch = _batch(config)
+    compiled, compile_s = timing.compile_fn(train_lib.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
+    holder = {"state": state, "params": train_lib.count_params(state.params)}
+
+    def step():
+        holder["state"], sums = compiled(holder["state"], batch)
+        return sums["loss"]
+
+    return step, compiled, compile_s, holder, config.data.batch_size
+
+
+def run(T_list, *, repeats, log=print):
+    """At each T the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds), so their
+    ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements before
+    and after each T, so a load spike during one of them does not inflate the MFU."""
+    matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
+    rows = []
+    for T in T_list:
+        trainers = {label: _trainer(mixer, T) for label, mixer in MODELS.items()}
+        times = {label: [] for label in MODELS}
+        for round_ in range(repeats + 1):
+            for label, (step, *_rest) in trainers.items():
+                seconds = timing.time_calls(step, 1, warmup=0)[0]
+                if round_:  # round 0 warms up
+                    times[label].append(seconds)
+        for label, (_, compiled, compile_s, holder, B) in trainers.items():
+            median = timing.summarize(times[label])["median_s"]
+            tokens = B * T
+            rows.append(dict(model=label, T=T, B=B, params=holder["params"], step_s=median,
+                             tokens_per_s=tokens / median,
+                             model_flops_per_token=model_flops_per_token(MODELS[label], T),
+                             xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
+                             runs=repeats))
+            log(f"  {label:12s} T={T:5d}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, step {median:.2f} s, "
+                f"compile {compile_s:.1f} s")
+        del trainers
+        matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
+    matmul = max(matmul_rates)
+    log(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
+    for row in rows:
+        row.update(matmul_flops_per_s=matmul, mfu=row["model_flops_per_token"] * row["tokens_per_s"] / matmul)
+    return rows
+
+
+def section(rows, T_list, info, command):
+    def get(label, T, key):
+        return next((r[key] for r in rows if r["model"] == label and r["T"] == T), None)
+
+    parts = [f"### Training step (`{command}`)\n",
+             f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
+             f"vocab {VOCAB}, conv K={K}; {TOKENS} tokens per batch; `train_lib.make_train_step` (dropout 0.1, "
+             f"label smoothing, Adam), state donated; float32; the three models' steps alternate, median of the "
+             f"rounds. Matmul rate, best of three measurements in this run: "
+             f"{rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s. MFU uses analytic model FLOPs.\n",
+             report.markdown_table(
+                 ["model", "T", "params", "tokens/s", "step s", "model GFLOP/token", "XLA GFLOP/token", "MFU",
+                  "compile s"],
+                 [[r["model"], r["T"], r["params"], r["tokens_per_s"], r["step_s"], r["model_flops_per_token"] / 1e9,
+                   r["xla_flops_per_token"] / 1e9, r["mfu"], r["compile_s"]] for r in rows]),
+             "**Tokens/s relative to the Transformer, same run**\n",
+             report.markdown_table(["model"] + [f"T={T}" for T in T_list],
+                                   [[lab] + [get(lab, T, "tokens_per_s") / get("Transformer", T, "tokens_per_s")
+                                             for T in T_list] for lab in MODELS]),
+             "![training tokens/s](bench/train.png)\n"]
+    return "\n\n".join(p.strip() for p in parts)
+
+
+def run_suite(opts, info, log=print):
+    T_list = T_QUICK if opts.quick else T_FULL
+    rows = run(T_list, repeats=2 if opts.quick else 3, log=log)
+    report.write_results(opts.out, "train", rows, section(rows, T_list, info, opts.command), opts.doc)
+    report.plot_bars(f"{opts.out}/train.png", [f"T={T}" for T in T_list],
+                     {lab: [next(r["tokens_per_s"] for r in rows if r["model"] == lab and r["T"] == T)
+                            for T in T_list] for lab in MODELS},
+                     title=f"training tokens/s, {LAYERS}-layer LM, d={D_MODEL}", ylabel="tokens/s")
+    return rows

@@ -1,0 +1,186 @@
+"""The ``"shift"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: fast on CPU.
+
+The conv is computed as it is written, ``y[t] = sum_k w[t, k] x[t + k - P]``: K multiply-adds of shifted inputs
+that XLA fuses into one vectorised elementwise loop (no band matrix, no layout change, 2x fewer FLOPs than the
+band). Its custom VJP computes
+
+- the input gradient the same way, ``dx[s] = sum_k w[s + P - k, k] dy[s + P - k]`` (the taps read backwards);
+- the kernel gradient ``dw[t, h, k] = sum_r x[t + k - P, h, r] dy[t, h, r]``, a dot over each head's ``R``
+  channels, with band tiles: per tile of ``L`` steps and head, ``G = dy_tile [L, R] @ windowᵀ [R, L + K - 1]``
+  (window transposed so XLA:CPU's dot needs no transposed operand), and ``dw[l, k] = G[l, l + k]``.
+
+Autodiff of the forward's K slices would instead be K scatter-adds. Everything runs in a loop over blocks of
+about ``CHUNK_TOKENS`` tokens (several short rows or part of a long one, with a ``K - 1`` halo read from the
+neighbours), so the temporaries are a few MB whatever ``B x T``: on CPU a large temporary is fresh memory on
+every call, and first-touch page faults cost more than the arithmetic (docs/benchmarks.md). Accumulation is
+float32, as for the other implementations.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Tokens per loop step: large enough that the loop overhead is negligible, small enough that a step's
+# temporaries (a few [CHUNK_TOKENS + K, C] buffers) stay in cache. Measured in docs/benchmarks.md.
+CHUNK_TOKENS = 1024
+
+
+def shift_conv(x_BTC, weight, padding_left, tile_length):
+    """``weight`` is ``[H, K]`` (light) or ``[B, T, H, K]`` (dynamic), already normalised. Float32 result."""
+    return _shift_conv(x_BTC, weight, padding_left, tile_length)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _shift_conv(x_BTC, weight, padding_left, tile_length):
+    return _forward(x_BTC, weight, padding_left)
+
+
+def _shift_conv_fwd(x_BTC, weight, padding_left, tile_length):
+    return _forward(x_BTC, weight, padding_left), (x_BTC, weight)
+
+
+def _shift_conv_bwd(padding_left, tile_length, residuals, dy_BTC):
+    x_BTC, weight = residuals
+    dx_BTC, dw = _backward(x_BTC, weight, dy_BTC.astype(jnp.float32), padding_left, tile_length)
+    return dx_BTC.astype(x_BTC.dtype), dw.astype(weight.dtype)
+
+
+_shift_conv.defvjp(_shift_conv_fwd, _shift_conv_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loops over blocks
+# ----------------------------------------------------------------------------------------------------------------
+def _forward(x_BTC, weight, P):
+    B, T, C = x_BTC.shape
+    K = weight.shape[-1]
+    blocks = _Blocks(B, T)
+
+    def step(i, y_BTC):
+        b, t, _ = blocks.start(i)
+        x_win = blocks.window(x_BTC, b, t, P, K - P)  # [Bc, Tc + K, C]: one spare step, see _shifted_sum
+        w = weight if weight.ndim == 2 else blocks.window(weight, b, t, 0, 1)
+        y_blk = _shifted_sum(x_win, w, [(k, 0, k) for k in range(K)])
+        return jax.lax.dynamic_update_slice(y_BTC, y_blk, (b, t, 0))
+
+    return blocks.loop(step, jnp.zeros((B, T, C), jnp.float32))  # every step overwrites its block
+
+
+def _backward(x_BTC, weight, dy_BTC, P, L):
+    B, T, C = x_BTC.shape
+    H, K = weight.shape[-2:]
+    blocks = _Blocks(B, T)
+    light = weight.ndim == 2
+    left, right = K - 1 - P, P + 1  # the input gradient's taps read dy[s + P - k]
+
+    def step(i, carry):
+        dx_BTC, dw = carry
+        b, t, fresh_from = blocks.start(i)
+        dy_win = blocks.window(dy_BTC, b, t, left, right)
+        w = weight if light else blocks.window(weight, b, t, left, right)
+        dx_blk = _shifted_sum(dy_win, w, [(K - 1 - k, K - 1 - k, k) for k in range(K)])
+        dx_BTC = jax.lax.dynamic_update_slice(dx_BTC, dx_blk, (b, t, 0))
+        x_win = blocks.window(x_BTC, b, t, P, K - 1 - P)  # [Bc, Tc + K - 1, C]
+        dy_blk = dy_win[:, left : left + blocks.Tc]
+        if light:  # a block that overlaps the previous one (T not a multiple of Tc) adds only its new steps
+            fresh = (t + jnp.arange(blocks.Tc) >= fresh_from)[None, :, None]
+            dw_BTHK = _band_weight_grad(x_win, jnp.where(fresh, dy_blk, 0.0), K, H, L)
+            return dx_BTC, dw + dw_BTHK.sum((0, 1))
+        dw_BTHK = _band_weight_grad(x_win, dy_blk, K, H, L)
+        return dx_BTC, jax.lax.dynamic_update_slice(dw, dw_BTHK, (b, t, 0, 0))
+
+    # Never read (every step overwrites its block), but not the forward's zeros: XLA would merge the two
+    # identical buffers and then copy it for each loop to update in place.
+    dx0 = jnp.full((B, T, C), -0.0, jnp.float32)
+    return blocks.loop(step, (dx0, jnp.zeros(weight.shape, jnp.float32)))
+
+
+class _Blocks:
+    """Blocks of ``Bc`` rows x ``Tc`` steps covering ``[B, T]``: whole rows when T is short, else row pieces.
+
+    When ``Tc`` does not divide ``T`` the last piece of a row starts at ``T - Tc`` and overlaps its neighbour;
+    it recomputes (and rewrites) identical values, and ``start`` says from which step its values are new.
+    """
+
+    def __init__(self, B, T):
+        if T >= CHUNK_TOKENS:
+            self.Bc, self.Tc = 1, CHUNK_TOKENS
+        else:  # several whole rows: the largest divisor of B that keeps the block near CHUNK_TOKENS
+            self.Bc = max(d for d in range(1, B + 1) if B % d == 0 and d * T <= max(CHUNK_TOKENS, T))
+            self.Tc = T
+        self.T, self.n_rows, self.n_pieces = T, B // self.Bc, -(-T // self.Tc)
+
+    def start(self, i):
+        """Block ``i``'s first row, first step, and the step from which its outputs are new."""
+        row, piece = i // self.n_pieces, i % self.n_pieces
+        nominal = piece * self.Tc
+        return row * self.Bc, jnp.minimum(nominal, self.T - self.Tc), nominal
+
+    def window(self, a, b, t, left, right):
+        """Rows ``b : b + Bc``, steps ``[t - left, t + Tc + right)`` of ``a`` (``[B, T, ...]``), zero outside."""
+        n = self.Tc + left + right
+        if n > self.T:  # short rows: pad the block's rows (small) and read them at the block's start
+            rows = jax.lax.dynamic_slice_in_dim(a, b, self.Bc, axis=0)
+            return jax.lax.dynamic_slice_in_dim(_pad_time(rows, left, right), t, n, axis=1)
+        # dynamic_slice clamps its start into range; pad the clamped read and re-slice so the steps outside
+        # [0, T) come out as zeros at the right places.
+        clamped = jnp.clip(t - left, 0, self.T - n)
+        inner = jax.lax.dynamic_slice(a, (b, clamped) + (0,) * (a.ndim - 2), (self.Bc, n) + a.shape[2:])
+        return jax.lax.dynamic_slice_in_dim(_pad_time(inner, left, right), t - clamped, n, axis=1)
+
+    def loop(self, step, init):
+        n = self.n_rows * self.n_pieces
+        return step(0, init) if n == 1 else jax.lax.fori_loop(0, n, step, init)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One block
+# ----------------------------------------------------------------------------------------------------------------
+def _shifted_sum(a_BSC, weight, taps):
+    """``sum over (a_offset, w_offset, k) in taps of a[:, a_offset + t] * w[:, w_offset + t, :, k]``, float32.
+
+    ``a`` (and a dynamic ``weight``, ``[B, S', H, K]``) come with their halo, so every read is in bounds; the
+    result has ``S - K`` steps. A light ``weight`` is ``[H, K]``, the same at every step. Slices of one buffer
+    keep XLA's fused loop simple (a zero-padding ``lax.pad`` per tap vectorises 4x worse). One step more than
+    needed is computed and dropped: with that final slice XLA:CPU keeps the sum one elementwise loop instead of
+    letting a following dot fusion absorb it (which materialises every shifted copy).
+    """
+    B, S, C = a_BSC.shape
+    H, K = weight.shape[-2:]
+    T = S - K
+    a_BSHR = a_BSC.reshape(B, S, H, C // H)
+    total = None
+    for a_offset, w_offset, k in taps:
+        w_k = weight[:, k, None] if weight.ndim == 2 else weight[:, w_offset : w_offset + T + 1, :, k, None]
+        term = a_BSHR[:, a_offset : a_offset + T + 1].astype(jnp.float32) * w_k.astype(jnp.float32)
+        total = term if total is None else total + term
+    return total[:, :T].reshape(B, T, C)
+
+
+def _band_weight_grad(x_win_BSC, dy_BTC, K, H, L):
+    """``dw[b, t, h, k] = sum_r x_win[b, t + k, h, r] dy[b, t, h, r]`` as ``[B, T, H, K]`` float32."""
+    B, T, C = dy_BTC.shape
+    R, N = C // H, -(-T // L)
+    x_padded = _pad_time(x_win_BSC, 0, (N + 1) * L - x_win_BSC.shape[1])
+    tiles_BHNRL = x_padded.reshape(B, N + 1, L, H, R).transpose(0, 3, 1, 4, 2)
+    windows_BHNRW = jnp.concatenate([tiles_BHNRL[:, :, :N], tiles_BHNRL[:, :, 1:, :, : K - 1]], axis=-1)
+    dy_BHNLR = _pad_time(dy_BTC, 0, N * L - T).reshape(B, N, L, H, R).transpose(0, 3, 1, 2, 4)
+    gram_BHNLW = jnp.einsum(
+        "bhnlr,bhnrw->bhnlw", dy_BHNLR, windows_BHNRW.astype(dy_BHNLR.dtype), preferred_element_type=jnp.float32
+    )
+    dw_BHNLK = _unskew(gram_BHNLW, K)
+    return dw_BHNLK.transpose(0, 2, 3, 1, 4).reshape(B, N * L, H, K)[:, :T]
+
+
+def _unskew(band_LW, K):
+    """``[..., L, L+K-1] -> [..., L, K]``, ``out[i, k] = band[i, i + k]`` (read with row stride ``L + K``)."""
+    *lead, L, W = band_LW.shape
+    flat = jnp.pad(band_LW.reshape(*lead, L * W), [(0, 0)] * len(lead) + [(0, L)])  # [..., L * (W + 1)]
+    return flat.reshape(*lead, L, W + 1)[..., :K]
+
+
+def _pad_time(a, left, right):
+    return jnp.pad(a, [(0, 0), (left, right)] + [(0, 0)] * (a.ndim - 2))
+

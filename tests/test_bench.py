@@ -1,0 +1,47 @@
+"""The benchmark helpers' pure logic (the suites themselves are not tests: ``python -m lconv.bench``)."""
+import pytest
+
+from lconv.bench import report, timing
+from lconv.bench.__main__ import parse_T_list
+
+
+def test_timing_arithmetic():
+    assert timing.summarize([0.3, 0.1, 0.2, 5.0]) == {"median_s": 0.25, "min_s": 0.1, "max_s": 5.0}
+    assert timing.repeats_for(0.01, 1.0) == 10  # fast: capped at hi
+    assert timing.repeats_for(0.3, 1.0) == 3
+    assert timing.repeats_for(4.0, 1.0) == 3  # slow: never fewer than lo
+    assert timing.predict_seconds(None, 512, 1.0) is None
+    assert timing.predict_seconds((1024, 2.0), 4096, 1.0) == 8.0  # quadratic mixer at fixed tokens: x T
+    assert timing.predict_seconds((1024, 2.0), 4096, 0.0) == 2.0  # linear mixer: the same per call
+    # fwd+bwd floats per token: 5C for a light conv; 5C + 3HK for a dynamic one (read w twice, write dw).
+    assert timing.conv_bytes_per_token(512, 8, 31, dynamic=False, backward=True) == 5 * 512 * 4
+    assert timing.conv_bytes_per_token(512, 8, 31, dynamic=True, backward=True) == (5 * 512 + 3 * 8 * 31) * 4
+    assert timing.conv_bytes_per_token(512, 8, 31, dynamic=True, backward=False) == (2 * 512 + 8 * 31) * 4
+    with pytest.raises(ValueError):
+        timing.summarize([])
+
+
+def test_report_writers():
+    table = report.markdown_table(["name", "x"], [["a", 1234.5678], ["b", None], ["c", "skipped: too slow"]])
+    assert table.splitlines() == ["| name | x |", "|---|---|", "| a | 1,235 |", "| b | - |",
+                                  "| c | skipped: too slow |"]
+    assert report.fmt(0.012345) == "0.0123" and report.fmt(12345.6) == "12,346"
+    assert report.csv_text([{"a": 1, "b": 2}, {"a": 3, "c": 4}]) == "a,b,c\n1,2,\n3,,4\n"
+    doc = "# Benchmarks\n\nintro\n"
+    once = report.replace_section(doc, "mixers", "table 1")
+    assert once == "# Benchmarks\n\nintro\n\n<!-- bench:mixers -->\ntable 1\n<!-- /bench:mixers -->\n"
+    twice = report.replace_section(once + "\noutro\n", "mixers", "table 2")
+    assert "table 1" not in twice and "table 2" in twice and twice.endswith("outro\n") and "intro" in twice
+    with pytest.raises(ValueError, match="cells"):
+        report.markdown_table(["a", "b"], [[1]])
+
+
+@pytest.mark.parametrize("text,want", [("256", (256,)), ("128,256,8192", (128, 256, 8192))])
+def test_T_list(text, want):
+    assert parse_T_list(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "a", "256,128", "0,1", "1,1", "1.5"])
+def test_bad_T_list(text):
+    with pytest.raises(ValueError, match="--T"):
+        parse_T_list(text)
