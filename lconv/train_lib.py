@@ -225,17 +225,11 @@ def validate_config(config):
         ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
         ("optim.label_smoothing", lambda v: 0 <= v < 1, "in [0, 1)"),
         ("optim.clip_norm", lambda v: v >= 0, ">= 0 (0 = off)"),
-        ("optim.grad_accum_steps", lambda v: v >= 1, ">= 1"),
-        ("train.num_steps", lambda v: v >= 1, ">= 1"),
-        ("train.log_every", lambda v: v >= 1, ">= 1"),
-        ("train.eval_every", lambda v: v >= 1, ">= 1"),
-        ("train.checkpoint_every", lambda v: v >= 1, ">= 1"),
-        ("train.keep_checkpoints", lambda v: v >= 1, ">= 1"),
         ("train.max_minutes", lambda v: v >= 0, ">= 0 (0 = no limit)"),
-        ("decode.beam_size", lambda v: v >= 1, ">= 1"),
-        ("data.batch_size", lambda v: v >= 1, ">= 1"),
-        ("data.max_input_length", lambda v: v >= 2, ">= 2"),
-        ("data.max_target_length", lambda v: v >= 2, ">= 2"),
+        *[(field, lambda v: v >= 1, ">= 1") for field in (
+            "optim.grad_accum_steps", "train.num_steps", "train.log_every", "train.eval_every",
+            "train.checkpoint_every", "train.keep_checkpoints", "decode.beam_size", "data.batch_size")],
+        *[(field, lambda v: v >= 2, ">= 2") for field in ("data.max_input_length", "data.max_target_length")],
     ]
     for dotted, ok, requirement in rules:
         value = config
