@@ -259,12 +259,7 @@ def _check_light(x_BTC, weight_HK, padding_left):
     B, T, C = _check_x(x_BTC)
     if getattr(weight_HK, "ndim", None) != 2:
         raise ValueError(f"weight must be [heads, kernel_size]; got shape {getattr(weight_HK, 'shape', None)}")
-    H, K = weight_HK.shape
-    if K < 1:
-        raise ValueError(f"weight: kernel_size must be >= 1; got weight shape {weight_HK.shape}")
-    _check_heads(C, H, "weight")
-    _check_padding(padding_left, K)
-    return B, T, C, H, K
+    return (B, T, C, *_check_kernel(weight_HK.shape, C, padding_left))
 
 
 def _check_dynamic(x_BTC, weight_BTHK, padding_left):
@@ -274,12 +269,17 @@ def _check_dynamic(x_BTC, weight_BTHK, padding_left):
             f"weight must be [batch, time, heads, kernel_size] = [{B}, {T}, H, K]; "
             f"got shape {getattr(weight_BTHK, 'shape', None)}"
         )
-    H, K = weight_BTHK.shape[2:]
+    return (B, T, C, *_check_kernel(weight_BTHK.shape, C, padding_left))
+
+
+def _check_kernel(weight_shape, C, padding_left):
+    """``(H, K)`` from a weight shape ``[..., H, K]``, checked against the channels and ``padding_left``."""
+    H, K = weight_shape[-2:]
     if K < 1:
-        raise ValueError(f"weight: kernel_size must be >= 1; got weight shape {weight_BTHK.shape}")
+        raise ValueError(f"weight: kernel_size must be >= 1; got weight shape {weight_shape}")
     _check_heads(C, H, "weight")
     _check_padding(padding_left, K)
-    return B, T, C, H, K
+    return H, K
 
 
 def _check_segments(segment_ids, B, T):

@@ -30,21 +30,14 @@ def _packed_segments():
 CASES = [(K, P, H) for K in (1, 3, 4, 7, 31) for P in sorted({0, K // 2, K - 1}) for H in (1, 3, 4)]
 
 
+@pytest.mark.parametrize("op", ["light", "dynamic"])
 @pytest.mark.parametrize("K,P,H", CASES)
-def test_light_conv_matches_reference(K, P, H):
-    x, w, _ = _inputs(K, H)
+def test_conv_matches_reference(op, K, P, H):
+    x, w_light, w_dynamic = _inputs(K, H)
+    w, conv, impls = (w_light, ops.light_conv, LIGHT) if op == "light" else (w_dynamic, ops.dynamic_conv, DYNAMIC)
     want = conv_reference(x, w, P)
-    for impl in LIGHT:
-        got = ops.light_conv(jnp.asarray(x), jnp.asarray(w), P, impl=impl)
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=impl)
-
-
-@pytest.mark.parametrize("K,P,H", CASES)
-def test_dynamic_conv_matches_reference(K, P, H):
-    x, _, w = _inputs(K, H)
-    want = conv_reference(x, w, P)
-    for impl in DYNAMIC:
-        got = ops.dynamic_conv(jnp.asarray(x), jnp.asarray(w), P, impl=impl)
+    for impl in impls:
+        got = conv(jnp.asarray(x), jnp.asarray(w), P, impl=impl)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=impl)
 
 
