@@ -49,6 +49,8 @@ def base_config():
     c.data.eval_batch_size = 64
     c.data.seed = 0  # shuffling
     c.data.train_long = "truncate"  # truncate | drop over-long training examples (both counted)
+    c.data.stream = False  # lm only: every row reads whole documents, max_target_length tokens per step
+    # (lconv.data.stream), and the kNN memory is carried from window to window (reset at each new document)
 
     # --- model (lconv.models.ModelConfig) ---------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()

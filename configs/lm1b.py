@@ -2,6 +2,7 @@
 
     python train.py --config=configs/lm1b.py:dynamic --workdir=gs://BUCKET/lm1b_dynamic
     python train.py --config=configs/lm1b.py:transformer --workdir=...
+    python train.py --config=configs/lm1b.py:knn,ddtp --workdir=runs/lm_knn     # bundled corpus, laptop CPU
 
 d 512, FFN 4096, 16 heads, 6 layers with kernels [3,7,15,31,31,31], dropout 0.1, NAG (momentum 0.99) with
 cosine lr and gradient-norm clipping 0.1. The output layer is the shared embedding over a 32k SentencePiece
@@ -10,13 +11,25 @@ gbw recipe cuts a 793k word vocabulary at 60k/160k, here 32k pieces at 8k/20k, f
 
     python train.py --config=configs/lm1b.py:dynamic,adaptive --workdir=...
 
-Needs tfds ``lm1b`` prepared (see README).
+More variant words:
+- ``knn``: the Memorizing Transformer (Wu et al. 2022): one kNN-memory layer (the second to last, as the paper
+  puts it near the top of the stack), local causal attention in the others, trained on document streams
+  (``data.stream``: each row reads whole documents 64 tokens per step; the memory, 1024 entries per row with
+  top-32 retrieval, holds the current document's past windows and is cleared at each new one). Billion Word
+  is shuffled single sentences, so there a "document" is a sentence; ``ddtp`` has real multi-window documents.
+- ``stream``: the same document streams for any mixer (``transformer,stream`` is the no-memory baseline of
+  ``knn``: the same windows, no memory).
+- ``ddtp``: the bundled English DDTP descriptions (``ddtp/lm_en``) with a small model for a local run:
+  d 256, FFN 1024, 4 heads, 3 layers, kernels 3/7/15, an 8k vocabulary, Adam (3e-3, pre-norm, 100 warmup
+  steps), 10 minutes; with ``knn`` the memory holds 512 entries.
+
+Needs tfds ``lm1b`` prepared (see README), except with ``ddtp``.
 """
 from configs import common
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, [*common.MIXER_VARIANTS, "adaptive"])
+    words = common.parse_args(arg, [*common.MIXER_VARIANTS, "adaptive", "ddtp", "stream"])
     c = common.base_config()
     c.task = "lm"
     c.data.dataset = "lm1b"
@@ -32,8 +45,29 @@ def get_config(arg=None):
     c.optim.clip_norm = 0.1
     c.optim.label_smoothing = 0.0
     c.train.num_steps = 984_000  # fairseq's gbw recipe: max_update 984k with the cosine period
+    memory_size = 1024
     if "adaptive" in words:
         c.model.share_embeddings = False
         c.model.adaptive_softmax_cutoffs = (8000, 20000)
         c.model.adaptive_softmax_dropout = 0.1
-    return common.set_mixer(c, words or {"dynamic"})
+    if "ddtp" in words:
+        c.data.dataset, c.data.vocab_size, c.data.batch_size = "ddtp/lm_en", 8000, 32
+        c.model.d_model, c.model.ffn_dim, c.model.num_heads = 256, 1024, 4
+        c.model.decoder_layers, c.model.decoder_kernel_sizes = 3, (3, 7, 15)
+        c.model.max_len = 256
+        c.model.weight_dropout = 0.0
+        c.optim.optimizer, c.optim.learning_rate, c.optim.schedule = "adam", 3e-3, "inverse_sqrt"
+        c.optim.warmup_steps, c.optim.clip_norm = 100, 0.0
+        c.train.num_steps, c.train.max_minutes = 1500, 10.0
+        c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 50, 1000, 200
+        memory_size = 512
+    c = common.set_mixer(c, (words - {"adaptive", "ddtp", "stream"}) or {"dynamic"})
+    if "knn" in words:
+        layers = ["attention"] * c.model.decoder_layers
+        layers[-2] = "knn_memory"
+        c.model.decoder_mixer = ",".join(layers)
+        c.model.mixer_kwargs = {"knn_memory": {"memory_size": memory_size, "num_neighbors": 32}}
+    if "knn" in words or "stream" in words:
+        c.data.stream = True
+        c.data.max_target_length = 64
+    return c

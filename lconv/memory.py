@@ -23,7 +23,8 @@ Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, b
 
 The memory is state of the loop that feeds a document stream window by window, and the loop owns it: it
 threads the collection from one call to the next and, where a batch row starts a new document, clears that
-row with ``reset_memory`` (every kNN layer of a model at once; any model holding these layers works alike):
+row with ``reset_memory`` (every kNN layer of a model at once; any model holding these layers works alike).
+``lconv.train_lib`` does this on document streams (``config.data.stream``; ``lconv.data.stream``):
 
     mem = model.init(rng, x0)['memory']
     for x, new_document_B in windows:

@@ -21,12 +21,14 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from lconv import checkpoints, metrics, models
+from lconv import checkpoints, memory as memory_lib, metrics, models
 from lconv.data import pipeline
 
 
 class TrainState(train_state.TrainState):
-    pass
+    # The kNN layers' 'memory' collection ([B, ...] leaves, B = the global batch's rows) carried from one
+    # window of each row's document stream to the next; {} unless data.stream and the model has kNN layers.
+    memory: Any = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,18 +120,31 @@ def model_inputs(batch):
     return args, kwargs
 
 
+def init_memory(config, model, rows):
+    """The zeroed (empty) ``'memory'`` collection for ``rows`` stream rows; ``{}`` unless ``config.data.stream``
+    and the model has kNN-memory layers (without a stream there are no past windows to remember)."""
+    if not config.data.get("stream", False):
+        return {}
+    args, kwargs = model_inputs(_dummy_batch(config, rows))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # init's memory is all zeros
+
+
 def create_state(config, model, mesh, tx):
     """Initialises the train state directly into its shardings; returns ``(state, state_shardings)``."""
     args, kwargs = model_inputs(_dummy_batch(config))
 
     def init(rng):
         variables = model.init(rng, *args, **kwargs)
-        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 memory=init_memory(config, model, config.data.batch_size))
 
     rng = jax.random.key(config.seed)
     abstract = jax.eval_shape(init, rng)
     logical_specs = nn.get_partition_spec(abstract)
     shardings = nn.logical_to_mesh_sharding(logical_specs, mesh, [tuple(r) for r in config.mesh.rules])
+    # Memory rows belong to batch rows: shard them as the batch is, never replicate them.
+    shardings = shardings.replace(memory=jax.tree.map(lambda _: _batch_sharding(mesh), abstract.memory))
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)(rng)
     return state, shardings
@@ -142,6 +157,29 @@ def count_params(params):
 # ----------------------------------------------------------------------------------------------------------------
 # Steps
 # ----------------------------------------------------------------------------------------------------------------
+def apply_model(apply_fn, params, memory, batch, **kwargs):
+    """``(logits, memory after this window)``. With a memory (a stream batch), rows whose ``document_start``
+    is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
+    through (a plain apply)."""
+    args, model_kwargs = model_inputs(batch)
+    if not memory:
+        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), memory
+    memory = memory_lib.reset_memory(memory, batch["document_start"] > 0)
+    logits, updated = apply_fn({"params": params, "memory": memory}, *args, **model_kwargs, **kwargs,
+                               mutable=["memory"])
+    return logits, updated["memory"]
+
+
+def _split_rows(tree, micro):
+    """``[B, ...] -> [micro, B / micro, ...]`` with row ``r`` in micro-batch ``r % micro``."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, micro, *x.shape[1:]), 0, 1), tree)
+
+
+def _merge_rows(tree):
+    """The inverse of ``_split_rows``."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
 def make_train_step(config, lr_schedule):
     """``(state, batch) -> (state, sums)``: one optimizer update from a global batch.
 
@@ -154,45 +192,45 @@ def make_train_step(config, lr_schedule):
     micro = int(config.optim.grad_accum_steps)
 
     def train_step(state, batch):
-        def loss_sums(params, batch, dropout_rng):
-            args, kwargs = model_inputs(batch)
-            logits = state.apply_fn({"params": params}, *args, **kwargs, deterministic=False,
-                                    rngs={"dropout": dropout_rng})
+        def loss_sums(params, memory, batch, dropout_rng):
+            logits, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
+                                         rngs={"dropout": dropout_rng})
             sums = metrics.label_smoothed_loss(logits, batch["targets"], batch["targets_segmentation"] > 0,
                                                smoothing)
-            return sums["loss"], sums
+            return sums["loss"], (sums, memory)
 
         grad_sums = jax.grad(loss_sums, has_aux=True)  # gradient of the summed (not averaged) loss
         dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
         if micro == 1:
-            grads, sums = grad_sums(state.params, batch, dropout_rng)
+            grads, (sums, memory) = grad_sums(state.params, state.memory, batch, dropout_rng)
         else:
-            # [B, ...] -> [micro, B / micro, ...] with row r in micro-batch r % micro.
-            split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, micro, *x.shape[1:]), 0, 1), batch)
+            def accumulate(total, index_memory_batch):
+                index, micro_memory, micro_batch = index_memory_batch
+                grads, (sums, micro_memory) = grad_sums(state.params, micro_memory, micro_batch,
+                                                        jax.random.fold_in(dropout_rng, index))
+                return jax.tree.map(jnp.add, total, (grads, sums)), micro_memory
 
-            def accumulate(total, index_and_batch):
-                index, micro_batch = index_and_batch
-                out = grad_sums(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
-                return jax.tree.map(jnp.add, total, out), None
-
-            first = jax.tree.map(lambda x: x[0], split)
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                 jax.eval_shape(grad_sums, state.params, first, dropout_rng))
-            (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(micro), split))
+            split_batch, split_memory = _split_rows(batch, micro), _split_rows(state.memory, micro)
+            first = jax.tree.map(lambda x: x[0], (split_memory, split_batch))
+            grads_and_sums = jax.eval_shape(grad_sums, state.params, *first, dropout_rng)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (grads_and_sums[0], grads_and_sums[1][0]))
+            (grads, sums), split_memory = jax.lax.scan(accumulate, zeros,
+                                                       (jnp.arange(micro), split_memory, split_batch))
+            memory = _merge_rows(split_memory)
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
         sums["grad_norm"] = optax.tree.norm(grads)
         sums["lr"] = lr_schedule(state.step)
-        return state.apply_gradients(grads=grads), sums
+        return state.apply_gradients(grads=grads, memory=memory), sums
 
     return train_step
 
 
 def make_eval_step(config):
-    def eval_step(params, apply_fn, batch):
-        args, kwargs = model_inputs(batch)
-        logits = apply_fn({"params": params}, *args, **kwargs, deterministic=True)
+    """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
+    def eval_step(params, apply_fn, batch, memory):
+        logits, memory = apply_model(apply_fn, params, memory, batch, deterministic=True)
         weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
-        return metrics.label_smoothed_loss(logits, batch["targets"], weights, config.optim.label_smoothing)
+        return metrics.label_smoothed_loss(logits, batch["targets"], weights, config.optim.label_smoothing), memory
 
     return eval_step
 
@@ -237,6 +275,9 @@ def validate_config(config):
             value = value[part]
         if not ok(value):
             raise ValueError(f"config.{dotted}={value!r}: must be {requirement}")
+    if config.data.get("stream", False) and config.task != "lm":
+        raise ValueError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
+                         f"not {config.task!r}")
     models.ModelConfig.from_config(config.model, vocab_size=max(int(config.data.vocab_size), 8))
 
 
@@ -301,9 +342,10 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
                          out_shardings=(state_shardings, None), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(config), static_argnums=1)
     writer = logging_utils.MetricWriter(workdir)
+    eval_memory = init_memory(config, model, config.data.eval_batch_size)
 
     def validate(step):
-        scores = evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh)
+        scores = evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh, eval_memory)
         writer.write(step, "validation", scores)
         best.offer(step, state, scores["loss"])
         return scores
@@ -351,25 +393,30 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
     if config.train.eval_after_training:
         from lconv import evaluate
 
-        result["test"] = evaluate.score_split(config, model, state.params, tokenizer, data.eval_sets, workdir,
-                                              log=log)
+        if config.task == "lm":
+            result["test"] = evaluate.score_perplexity(config, model, state.params, data.eval_sets[config.decode.split],
+                                                       workdir, config.decode.split, log)
+        else:
+            result["test"] = evaluate.score_split(config, model, state.params, tokenizer, data.eval_sets, workdir,
+                                                  log=log)
         writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     writer.close()
     return result
 
 
-def evaluate_loss(eval_step, state, eval_set, mesh):
+def evaluate_loss(eval_step, state, eval_set, mesh, memory=None):
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
 
     ``eval_step`` is ``jax.jit(make_eval_step(config), static_argnums=1)``, built once per run so periodic
-    evaluations reuse its compilation.
+    evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
+    the eval batch's rows) that the pass threads from window to window; ``None`` or ``{}`` otherwise.
     """
     sharding = _batch_sharding(mesh)
-    total = None
+    total, memory = None, jax.device_put(memory or {}, sharding)
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
-            sums = eval_step(state.params, state.apply_fn, _global_batch(batch, sharding))
+            sums, memory = eval_step(state.params, state.apply_fn, _global_batch(batch, sharding), memory)
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     return metrics.summarize(total)
 

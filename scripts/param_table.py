@@ -34,6 +34,7 @@ ROWS = [
     *[("iwslt14_de_en", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "colt5", "knn")],
     *[("lm1b", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "knn")],
     ("lm1b", "dynamic,adaptive", None),
+    *[("lm1b", f"{m},ddtp", None) for m in ("dynamic", "transformer", "knn")],
     *[("cnn_dailymail", m, None) for m in ("lightconv", "dynamic", "transformer", "dynamic,ddtp")],
     *[("default", m, None) for m in ("", "lightconv", "transformer", "fixed", "hadamard")],
 ]

@@ -69,7 +69,7 @@ def losses():
     batch = _batch()
 
     def loss(params):
-        sums = eval_step(params, state.apply_fn, batch)
+        sums, _ = eval_step(params, state.apply_fn, batch, {})
         return float(sums["loss"]) / float(sums["tokens"])
 
     before = loss(state.params)

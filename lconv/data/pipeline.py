@@ -12,7 +12,8 @@ Entry point::
 defaults are in ``DEFAULTS``: dataset, data_dir, raw_dir, vocab_size, batch_size (global rows per step;
 each process gets batch_size / process_count), eval_batch_size, max_input_length, max_target_length,
 eval_max_input_length, eval_max_target_length, seed, num_epochs (None = repeat forever), pack, train_long
-("truncate" or "drop"), eval_splits, tokenizer_max_sentences, read_threads.
+("truncate" or "drop"), eval_splits, tokenizer_max_sentences, read_threads, stream (language modelling over
+document streams: ``lconv.data.stream``; windows of max_target_length tokens in training and evaluation).
 
 Batch contract (dict of numpy arrays; B = rows of this process):
     translation / summarization: inputs [B, Ls] int32, targets [B, Lt] int32,
@@ -34,7 +35,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from lconv.data import sources
+from lconv.data import sources, stream
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.tokenizer import EOS_ID, PAD_ID
 
@@ -42,7 +43,8 @@ DEFAULTS = dict(
     dataset="ddtp/en_de", data_dir="~/tensorflow_datasets", raw_dir=None, vocab_size=8000,
     batch_size=64, eval_batch_size=64, max_input_length=256, max_target_length=256,
     eval_max_input_length=512, eval_max_target_length=512, seed=0, num_epochs=None, pack=True,
-    train_long="truncate", eval_splits=("validation", "test"), tokenizer_max_sentences=200_000, read_threads=2)
+    train_long="truncate", eval_splits=("validation", "test"), tokenizer_max_sentences=200_000, read_threads=2,
+    stream=False)
 
 
 @dataclasses.dataclass
@@ -115,7 +117,12 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
             raise ValueError(f"{field}={get(field)} is not divisible by process_count={process_count}; change it")
     if get("train_long") not in ("truncate", "drop"):
         raise ValueError(f"train_long={get('train_long')!r} must be 'truncate' or 'drop'")
+    if get("stream") and sources.dataset_spec(get("dataset")).input_key is not None:
+        raise ValueError(f"stream=True streams documents to a language model; dataset={get('dataset')!r} "
+                         "has inputs (use a language-modelling dataset, e.g. ddtp/lm_en)")
     source, input_key, target_key = sources.get_source(get("dataset"), "train", get("data_dir"), get("raw_dir"))
+    if get("stream"):
+        return make_stream_datasets(config, source, input_key, target_key, tokenizer, process_index, process_count)
     lengths = {"targets": get("max_target_length")}
     if input_key is not None:
         lengths["inputs"] = get("max_input_length")
@@ -132,6 +139,36 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
         eval_sets[split] = make_eval_set(eval_source, input_key, target_key, tokenizer, eval_lengths,
                                          get("eval_batch_size") // process_count, process_index, process_count)
     return Datasets(train_iter, eval_sets, input_key, target_key, stats)
+
+
+def make_stream_datasets(config, source, input_key, target_key, tokenizer, process_index, process_count):
+    """``make_datasets`` for ``stream=True``: document streams for training and every eval split."""
+    get = lambda name: config_value(config, name)  # noqa: E731
+    del input_key  # None: make_datasets checked the dataset is a language-modelling one
+    window = get("max_target_length")
+    train_iter = stream.DocumentStream(source, target_key, tokenizer, window=window,
+                                       rows=get("batch_size") // process_count, seed=get("seed"),
+                                       num_epochs=get("num_epochs"), process_index=process_index,
+                                       process_count=process_count)
+    eval_sets = {}
+    for split in get("eval_splits"):
+        eval_source, _, _ = sources.get_source(get("dataset"), split, get("data_dir"), get("raw_dir"))
+        eval_set = stream.StreamEvalSet(eval_source, target_key, tokenizer, window=window,
+                                        rows=get("eval_batch_size") // process_count,
+                                        process_index=process_index, process_count=process_count)
+        eval_set.num_batches = _max_over_processes(eval_set.num_batches)  # lockstep eval steps
+        eval_sets[split] = eval_set
+    return Datasets(train_iter, eval_sets, None, target_key, train_iter.stats)
+
+
+def _max_over_processes(value: int) -> int:
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
 
 
 def make_train_iter(source, input_key: str | None, target_key: str, tokenizer, lengths: Mapping[str, int], *,

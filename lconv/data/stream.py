@@ -1,0 +1,159 @@
+"""Document streams for language models that carry state across steps (the kNN memory of ``lconv.memory``).
+
+A row of a stream batch reads whole documents, one after another, a window of ``window`` tokens per step, so
+state threaded from one step to the next (the memory) sees each document in order and only its past::
+
+    it = make_stream_iter(source, "text", tokenizer, window=L, rows=B, seed=0)
+    batch = next(it)            # targets, targets_segmentation, targets_position [B, L]; document_start [B]
+    state = it.get_state(); it.set_state(state)          # a JSON-able dict: exact resume
+
+- Documents are this process's shard of ``source`` (``process_index::process_count``), shuffled anew every
+  epoch with ``(seed, epoch)``; evaluation streams keep the source order. When a row finishes a document it
+  takes the next one of the shared order (rows served 0..B-1), so the assignment is deterministic.
+- A document is tokenised with EOS at its end, never truncated, and cut into consecutive windows; its last
+  window is padded (segmentation 0), so a window never holds two documents. Documents with no tokens are
+  skipped and counted (``stats["stream_empty_documents"]``).
+- ``document_start[r] = 1`` on the first window of a document: the loop clears row ``r``'s memory there.
+- Positions restart at 0 in every window (position embeddings and position-indexed mixers see the window);
+  the model's shift puts BOS first in every window, so a window's first token is predicted from BOS and the
+  memory, not from the previous window's last token.
+- With a finite ``num_epochs``, rows that run out of documents get all-padding windows (``document_start`` 0)
+  until every row has finished; the iterator then stops. Eval batches add ``example_weight [B]`` (1 for a row
+  holding tokens) as the padded eval batches of ``lconv.data.pipeline`` do.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from lconv.data.tokenizer import EOS_ID
+
+
+class DocumentStream:
+    """Iterator of stream batches (see the module docstring) with grain-style ``get_state`` / ``set_state``."""
+
+    def __init__(self, source, text_key: str, tokenizer, *, window: int, rows: int, seed: int = 0,
+                 num_epochs: int | None = None, shuffle: bool = True, process_index: int = 0,
+                 process_count: int = 1, with_weights: bool = False):
+        if window < 2 or rows < 1:
+            raise ValueError(f"a document stream needs window >= 2 and rows >= 1; got window={window}, rows={rows}")
+        self.source, self.text_key, self.tokenizer = source, text_key, tokenizer
+        self.window, self.rows, self.seed, self.num_epochs, self.shuffle = window, rows, seed, num_epochs, shuffle
+        self.with_weights = with_weights
+        self.shard = np.arange(process_index, len(source), process_count)  # source indices of this process
+        if not len(self.shard):
+            raise ValueError(f"the document stream of process {process_index} has no documents "
+                             f"({len(source)} in the source, {process_count} processes)")
+        self.stats = collections.Counter()
+        self._tokens: dict[int, np.ndarray] = {}  # row -> the ids of its current document (+ EOS)
+        self.set_state({"epoch": 0, "next": 0, "rows": [[-1, 0]] * rows})
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """Where every row is: ``rows[r] = [source index of its document (-1 none), next token offset]``."""
+        return {"epoch": self._epoch, "next": self._next, "rows": [list(r) for r in self._rows]}
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        rows = [[int(d), int(o)] for d, o in state["rows"]]
+        if len(rows) != self.rows:
+            raise ValueError(f"stream state has {len(rows)} rows but this stream has {self.rows}; "
+                             "data.batch_size (and the process count) must match the checkpoint's")
+        self._epoch, self._next, self._rows = int(state["epoch"]), int(state["next"]), rows
+        self._order = self._epoch_order(self._epoch)
+        self._tokens = {r: self._encode(d) for r, (d, _) in enumerate(rows) if d >= 0}
+
+    # ---- iteration -----------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        L, B = self.window, self.rows
+        targets = np.zeros((B, L), np.int32)  # PAD_ID = 0
+        starts = np.zeros((B,), np.int32)
+        lengths = np.zeros((B,), np.int32)
+        for r in range(B):
+            doc, offset = self._rows[r]
+            if doc < 0 or offset >= len(self._tokens[r]):  # finished (or never started): take the next document
+                doc, offset = self._take_document(r)
+                starts[r] = doc >= 0
+            if doc < 0:  # the stream is exhausted for this row
+                continue
+            piece = self._tokens[r][offset:offset + L]
+            targets[r, :len(piece)], lengths[r] = piece, len(piece)
+            self._rows[r] = [doc, offset + len(piece)]
+        if self.num_epochs is not None and not lengths.any():
+            raise StopIteration
+        inside_BL = np.arange(L)[None, :] < lengths[:, None]
+        self.stats["stream_windows"] += int((lengths > 0).sum())
+        self.stats["stream_padding_tokens"] += int((~inside_BL[lengths > 0]).sum())
+        batch = {"targets": targets, "targets_segmentation": inside_BL.astype(np.int32),
+                 "targets_position": np.where(inside_BL, np.arange(L)[None, :], 0).astype(np.int32),
+                 "document_start": starts}
+        if self.with_weights:
+            batch["example_weight"] = (lengths > 0).astype(np.float32)
+        return batch
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return self.shard
+        return np.random.default_rng([self.seed, epoch]).permutation(self.shard)
+
+    def _take_document(self, row: int) -> tuple[int, int]:
+        """Gives ``row`` the next non-empty document of the order: ``(source index, 0)``, or ``(-1, 0)`` at the end."""
+        while True:
+            if self._next >= len(self._order):
+                if self.num_epochs is not None and self._epoch + 1 >= self.num_epochs:
+                    self._rows[row] = [-1, 0]
+                    return -1, 0
+                self._epoch, self._next = self._epoch + 1, 0
+                self._order = self._epoch_order(self._epoch)
+            doc = int(self._order[self._next])
+            self._next += 1
+            tokens = self._encode(doc)
+            if len(tokens) > 1:  # more than the EOS
+                self._tokens[row], self._rows[row] = tokens, [doc, 0]
+                self.stats["stream_documents"] += 1
+                return doc, 0
+            self.stats["stream_empty_documents"] += 1
+
+    def _encode(self, doc: int) -> np.ndarray:
+        text = self.source[doc][self.text_key]
+        text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        return np.concatenate([np.asarray(self.tokenizer.encode(text), np.int32), [EOS_ID]]).astype(np.int32)
+
+
+class StreamEvalSet:
+    """An evaluation split as a document stream in source order; iterate for a fresh pass (every token once).
+
+    ``num_batches`` is this process's count of windows per row-slot; multi-host callers take the max over
+    processes (``lconv.train_lib`` does) so the eval steps stay in lockstep: extra batches are all padding.
+    """
+
+    def __init__(self, source, text_key, tokenizer, *, window, rows, process_index=0, process_count=1):
+        self._make = lambda: DocumentStream(source, text_key, tokenizer, window=window, rows=rows, num_epochs=1,
+                                            shuffle=False, process_index=process_index,
+                                            process_count=process_count, with_weights=True)
+        self.batch_size, self.lengths = rows, {"targets": window}
+        counting = self._make()
+        self.num_batches = sum(1 for _ in counting)
+        self.stats = counting.stats
+        self.examples = None  # a stream has no per-example decode; it is scored by perplexity
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        stream = self._make()
+        for _ in range(self.num_batches):
+            # Past this process's last window (another process has more): all-padding rows, for lockstep.
+            yield next(stream, None) or self._padding()
+
+    def _padding(self) -> dict[str, np.ndarray]:
+        B, L = self.batch_size, self.lengths["targets"]
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return {"targets": zeros(B, L), "targets_segmentation": zeros(B, L), "targets_position": zeros(B, L),
+                "document_start": zeros(B), "example_weight": np.zeros((B,), np.float32)}
+
+    def __len__(self) -> int:
+        return self.num_batches
+

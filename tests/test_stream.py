@@ -1,0 +1,223 @@
+"""Document streams and the kNN memory threaded through training.
+
+The stream is checked against an independent reconstruction of every row's documents; the train step that
+carries the memory is checked against a per-row loop (batch of one, a fresh memory per document, the params of
+each step) at the model level; resume restores the memory and the stream exactly."""
+import collections
+
+import jax
+import numpy as np
+import pytest
+import tiny_config
+
+from lconv import metrics, train_lib
+from lconv.data import EOS_ID, PAD_ID, pipeline, stream
+
+
+class WordTokenizer:
+    """"w17 w3" -> [17, 3]: every document's ids are known to the test."""
+
+    def encode(self, text):
+        return np.asarray([int(w[1:]) for w in text.split()], np.int32)
+
+
+def make_documents(n, seed=0, max_words=30, vocab=64):
+    """n documents of 1..max_words words with ids in [4, vocab)."""
+    rng = np.random.default_rng(seed)
+    return [{"text": " ".join(f"w{t}" for t in rng.integers(4, vocab, rng.integers(1, max_words + 1)))}
+            for _ in range(n)]
+
+
+def expected_tokens(doc):
+    return tuple(WordTokenizer().encode(doc["text"]).tolist()) + (EOS_ID,)
+
+
+def read_back(batches, window):
+    """Rebuilds every row's documents from its windows, checking the layout: returns {row: [doc tokens, ...]}."""
+    rows = collections.defaultdict(list)
+    for batch in batches:
+        assert batch["targets"].shape[1] == window
+        for r in range(batch["targets"].shape[0]):
+            ids, seg, pos = batch["targets"][r], batch["targets_segmentation"][r], batch["targets_position"][r]
+            n = int(seg.sum())
+            assert set(np.unique(seg)) <= {0, 1} and (seg[:n] == 1).all() and (ids[n:] == PAD_ID).all()
+            assert (pos[:n] == np.arange(n)).all() and (pos[n:] == 0).all()  # positions restart per window
+            if batch["document_start"][r]:
+                assert n > 0
+                rows[r].append([])
+            elif n:  # a continuation: the row's document so far has not ended
+                assert rows[r] and rows[r][-1][-1] != EOS_ID
+            if n:
+                rows[r][-1].extend(ids[:n].tolist())
+            if n < window and n:
+                assert ids[n - 1] == EOS_ID  # only a document's last window is padded
+    return rows
+
+
+def test_one_epoch_streams_every_document_whole_once_and_in_order():
+    docs = make_documents(40)
+    docs[5]["text"] = ""  # no tokens but EOS: skipped and counted
+    it = stream.DocumentStream(docs, "text", WordTokenizer(), window=8, rows=3, num_epochs=1, shuffle=False)
+    rows = read_back(list(it), window=8)
+    streamed = [tuple(d) for r in sorted(rows) for d in rows[r]]
+    expected = [expected_tokens(d) for i, d in enumerate(docs) if i != 5]
+    assert sorted(streamed) == sorted(expected)  # every document once, whole, untruncated
+    for r in rows:  # each row reads its documents in the source order
+        order = [expected.index(tuple(d)) for d in rows[r]]
+        assert order == sorted(order)
+    assert it.stats["stream_documents"] == 39 and it.stats["stream_empty_documents"] == 1
+
+
+def test_state_restores_the_exact_following_batches_across_epochs():
+    docs = make_documents(9, seed=1)
+    make = lambda: stream.DocumentStream(docs, "text", WordTokenizer(), window=4, rows=2, seed=3)  # noqa: E731
+    it = make()
+    for _ in range(23):  # well past the first epoch (~9 * 16 / 4 / 2 steps)
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(20)]
+    resumed = make()
+    resumed.set_state(state)
+    for want, got in zip(expected, (next(resumed) for _ in range(20))):
+        for key in want:
+            np.testing.assert_array_equal(want[key], got[key])
+    assert state["epoch"] >= 1
+    with pytest.raises(ValueError, match="stream state has 2 rows but this stream has 3"):
+        stream.DocumentStream(docs, "text", WordTokenizer(), window=4, rows=3).set_state(state)
+
+
+def test_epochs_are_reshuffled_and_processes_read_disjoint_shards():
+    docs = make_documents(30, seed=2)
+    it = stream.DocumentStream(docs, "text", WordTokenizer(), window=64, rows=1, seed=0)
+    first_docs = [tuple(next(it)["targets"][0][:3]) for _ in range(60)]  # one document per window
+    assert first_docs[:30] != first_docs[30:] and sorted(first_docs[:30]) == sorted(first_docs[30:])
+    seen = []
+    for p in range(3):
+        shard = stream.DocumentStream(docs, "text", WordTokenizer(), window=8, rows=2, num_epochs=1,
+                                      process_index=p, process_count=3)
+        seen += [tuple(d) for ds in read_back(list(shard), 8).values() for d in ds]
+    assert sorted(seen) == sorted(expected_tokens(d) for d in docs if d["text"])
+
+
+def test_eval_set_counts_every_token_once_pads_for_lockstep_and_repeats():
+    docs = make_documents(25, seed=3)
+    eval_set = stream.StreamEvalSet(docs, "text", WordTokenizer(), window=8, rows=4)
+    first, second = list(eval_set), list(eval_set)
+    assert len(first) == eval_set.num_batches == len(eval_set)
+    tokens = sum(int((b["targets_segmentation"] * b["example_weight"][:, None]).sum()) for b in first)
+    assert tokens == sum(len(expected_tokens(d)) for d in docs if d["text"])
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a["targets"], b["targets"])
+    eval_set.num_batches += 2  # another process has more windows: this one pads
+    padded = list(eval_set)
+    assert len(padded) == len(first) + 2 and not padded[-1]["targets_segmentation"].any()
+    assert not padded[-1]["example_weight"].any()
+
+
+def test_stream_needs_a_language_model():
+    config = dict(dataset="ddtp/en_de", stream=True, batch_size=8, eval_batch_size=8)
+    with pytest.raises(ValueError, match="stream=True streams documents to a language model"):
+        pipeline.make_datasets(config, WordTokenizer(), process_index=0, process_count=1)
+    translation = _knn_config()
+    translation.task = "translation"
+    with pytest.raises(ValueError, match="config.data.stream=True .* needs task=lm"):
+        train_lib.validate_config(translation)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The memory through the train step.
+
+VOCAB = 64
+
+
+def _knn_config(grad_accum_steps=1):
+    c = tiny_config.get_config()
+    c.task, c.data.stream = "lm", True
+    c.data.batch_size, c.data.max_target_length = 4, 8
+    c.model.encoder_layers, c.model.decoder_layers = 0, 2
+    c.model.decoder_mixer = "knn_memory"
+    c.model.mixer_kwargs = {"knn_memory": {"memory_size": 12, "num_neighbors": 4}}  # FIFO evicts
+    c.model.dropout = c.model.attention_dropout = c.model.relu_dropout = c.model.weight_dropout = 0.0
+    c.optim.learning_rate, c.optim.label_smoothing = 1e-2, 0.0
+    c.optim.grad_accum_steps = grad_accum_steps
+    return c
+
+
+def _row_reference(config, model, params_per_step, batches, carry=True):
+    """Per step, the summed loss of every row run alone: batch of one, its own memory, a fresh one at each new
+    document (or at every window when ``carry`` is False); also each row's final memory."""
+    apply = jax.jit(lambda p, m, b: train_lib.apply_model(model.apply, p, m, b))
+    losses, memories = [], {}
+    for params, batch in zip(params_per_step, batches):
+        total = 0.0
+        for r in range(batch["targets"].shape[0]):
+            row = {k: v[r:r + 1] for k, v in batch.items()}
+            if batch["document_start"][r] or not carry or r not in memories:
+                memories[r] = train_lib.init_memory(config, model, 1)
+            row["document_start"] = np.zeros_like(row["document_start"])  # this loop resets by itself
+            logits, memories[r] = apply(params, memories[r], row)
+            total += float(metrics.label_smoothed_loss(logits, row["targets"], row["targets_segmentation"] > 0,
+                                                       0.0)["loss"])
+        losses.append(total)
+    stacked = jax.tree.map(lambda *rows: np.concatenate(rows), *[memories[r] for r in sorted(memories)])
+    return np.array(losses), stacked
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
+    config = _knn_config(grad_accum_steps)
+    model = train_lib.build_model(config, VOCAB)
+    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
+    mesh = train_lib.make_mesh(config.mesh, devices=jax.devices()[:2])
+    state, shardings = train_lib.create_state(config, model, mesh, tx)
+    assert jax.tree.leaves(state.memory) and all(s.spec[0] == ("data", "fsdp") for s in
+                                                 jax.tree.leaves(shardings.memory))
+    it = stream.DocumentStream(make_documents(12, seed=4), "text", WordTokenizer(), window=8, rows=4, seed=0)
+    train_step = jax.jit(train_lib.make_train_step(config, lr))
+    params_per_step, batches, losses = [], [], []
+    with jax.set_mesh(mesh):
+        for _ in range(10):
+            batch = next(it)
+            params_per_step.append(jax.device_get(state.params))
+            batches.append(batch)
+            state, sums = train_step(state, train_lib._global_batch(batch, train_lib._batch_sharding(mesh)))
+            losses.append(float(sums["loss"]))
+    assert sum(b["document_start"].sum() for b in batches[1:]) >= 4  # documents end and start mid-run
+    reference, memory = _row_reference(config, model, params_per_step, batches)
+    np.testing.assert_allclose(losses, reference, rtol=2e-5)
+    for got, want in zip(jax.tree.leaves(jax.device_get(state.memory)), jax.tree.leaves(memory)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5)
+    # The memory matters: forgetting it at every window gives other losses.
+    forgetful, _ = _row_reference(config, model, params_per_step, batches, carry=False)
+    assert np.abs(forgetful - reference).max() > 1e-3
+
+
+def test_resume_restores_the_memory_and_the_stream(tmp_path):
+    config = _knn_config()
+    config.data.dataset, config.data.data_dir = "ddtp/lm_en", str(tmp_path / "tfds")
+    config.data.batch_size, config.data.max_target_length, config.data.eval_batch_size = 8, 32, 512
+    config.data.tokenizer_max_sentences = 1000  # reads 4000 documents, not all 56k
+    config.data.eval_splits = ("validation",)
+    config.train.num_steps, config.train.eval_every, config.train.checkpoint_every = 6, 1000, 3
+    full = tmp_path / "full"
+    devices = jax.devices()[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
+    result = train_lib.train_and_evaluate(config, str(full), devices=devices, log=lambda *a: None)
+    assert result["validation"]["tokens"] > 1000
+    losses = _read_losses(full)
+
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "spm.model").write_bytes((full / "spm.model").read_bytes())
+    config.train.num_steps = 3
+    train_lib.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
+    config.train.num_steps = 6
+    resumed = train_lib.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
+    assert _read_losses(half) == losses  # steps 4..6 after the restore equal the uninterrupted run's
+    assert resumed["validation"]["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-6)
+
+
+def _read_losses(workdir):
+    import json
+
+    with open(workdir / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
