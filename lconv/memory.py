@@ -64,6 +64,9 @@ from lconv.attention import (NEG_INF, AttentionFields, attend, attention_context
 Array = jax.Array
 DType = Any
 
+# The mesh axes lconv lays batch rows over (``lconv.train_lib`` shards batches and the memory this way).
+BATCH_MESH_AXES = ("data", "fsdp")
+
 
 class KNNMemoryAttention(AttentionFields):
     """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
@@ -175,7 +178,22 @@ def retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k: int) -> tuple[Array, Array]:
     Invalid slots score ``NEG_INF`` (so they come last and can be masked by score)."""
     scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, NEG_INF)
-    return jax.lax.top_k(scores_BHTM, k)
+    return rowwise_top_k(scores_BHTM, k)
+
+
+def rowwise_top_k(scores_B___, k: int) -> tuple[Array, Array]:
+    """``jax.lax.top_k`` over the last axis, run shard by shard when a mesh (``jax.set_mesh``) splits the rows.
+
+    XLA's SPMD partitioner cannot split TopK: left alone it all-gathers the whole ``[B, H, T, M]`` score array onto
+    every device (a gigabyte per layer and step for ``lm1b:knn``). Rows are independent, so each shard ranks its own.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if shards <= 1 or scores_B___.shape[0] % shards:
+        return jax.lax.top_k(scores_B___, k)
+    spec = jax.sharding.PartitionSpec(axes)
+    return jax.shard_map(lambda s: tuple(jax.lax.top_k(s, k)), in_specs=spec, out_specs=(spec, spec))(scores_B___)
 
 
 def memory_attention(q_BTHD, keys_BMHD, values_BMHD, valid_BM, k: int) -> tuple[Array, Array]:
