@@ -1,17 +1,21 @@
 """All orbax use in one place: the train state and the data-iterator state, saved together so resumes are exact.
 
-A checkpoint is ``<workdir>/checkpoints/<step>/`` (the best by validation loss: ``<workdir>/best/<step>/``) with two items: ``state`` (params, optimizer state, step; restored
-straight into the target shardings) and ``data`` (the grain iterator's state as JSON). Orbax writes into a
-temporary directory and renames it when complete, so a checkpoint left half-written by a crash is never listed
-as a step and is ignored on restore.
+A checkpoint is ``<workdir>/checkpoints/<step>/`` (the best by validation loss: ``<workdir>/best/<step>/``) with
+two items: ``state`` (params, optimizer state, step; restored straight into the target shardings) and ``data``
+(JSON). For training, ``data`` holds every process's data-iterator state (``gather_process_states``): orbax
+writes a JSON item from process 0 alone, and each process reads its own shard of the data, so each needs its own
+position back (``this_process_state``). Orbax writes into a temporary directory and renames it when complete,
+so a checkpoint left half-written by a crash is never listed as a step and is ignored on restore.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -35,11 +39,14 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def save(self, step, state, data_state, *, force=False):
-        """Saves at multiples of ``save_every`` (or when forced); returns whether it saved."""
+        """Saves at multiples of ``save_every`` (or when forced); returns whether it saved. ``data_state`` is
+        JSON-able, or a function giving it, called only when saving (e.g. a collective gather)."""
         if not force and (step % self.save_every):
             return False
         if step in self.manager.all_steps():
             return False
+        if callable(data_state):
+            data_state = data_state()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
         self.manager.wait_until_finished()
@@ -118,6 +125,34 @@ class BestCheckpointer:
 
     def close(self):
         self.checkpointer.close()
+
+
+def gather_process_states(local_state):
+    """This process's JSON-able iterator state -> ``{"process_count": P, "processes": [state of each process]}``,
+    the same on every process (a collective: every process must call it at the same step)."""
+    if jax.process_count() == 1:
+        return {"process_count": 1, "processes": [local_state]}
+    from jax.experimental import multihost_utils
+
+    encoded = np.frombuffer(json.dumps(local_state).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(encoded)], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(encoded)] = encoded
+    gathered = np.asarray(multihost_utils.process_allgather(padded))  # [P, longest]
+    return {"process_count": len(lengths),
+            "processes": [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]}
+
+
+def this_process_state(data_item, directory=""):
+    """The iterator state of this process from a checkpoint's ``data`` item (see ``gather_process_states``)."""
+    if not isinstance(data_item, dict) or "processes" not in data_item:
+        raise ValueError(f"checkpoint {directory} has no per-process data-iterator state (an older format); "
+                         "use a new --workdir")
+    if data_item["process_count"] != jax.process_count():
+        raise ValueError(f"checkpoint {directory} was written by {data_item['process_count']} processes, this run "
+                         f"has {jax.process_count()}; every process reads its own shard of the data, so resume "
+                         "with the same number of processes")
+    return data_item["processes"][jax.process_index()]
 
 
 def abstract_like(tree):

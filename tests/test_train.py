@@ -305,3 +305,13 @@ def test_eval_scores_a_language_model_by_perplexity(tmp_path):
         assert json.load(f)["ppl"] == pytest.approx(scores["ppl"])
     with pytest.raises(ValueError, match="scored by perplexity"):
         evaluate.run(str(workdir), source_file=str(workdir / "config.json"))
+
+
+def test_each_process_gets_its_own_data_position_back():
+    item = checkpoints.gather_process_states({"position": 7})
+    assert item == {"process_count": 1, "processes": [{"position": 7}]}
+    assert checkpoints.this_process_state(item) == {"position": 7}
+    with pytest.raises(ValueError, match="written by 2 processes, this run has 1"):
+        checkpoints.this_process_state({"process_count": 2, "processes": [{}, {}]}, "ckpt/6")
+    with pytest.raises(ValueError, match="no per-process data-iterator state"):
+        checkpoints.this_process_state({"position": 7}, "ckpt/6")
