@@ -97,7 +97,7 @@ def make_mesh(mesh_config, devices=None):
 
 
 def _batch_sharding(mesh):
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(memory_lib.BATCH_MESH_AXES))
 
 
 def _dummy_batch(config, batch_size=1):
@@ -120,14 +120,20 @@ def model_inputs(batch):
     return args, kwargs
 
 
-def init_memory(config, model, rows):
+def init_memory(config, model, rows, sharding=None):
     """The zeroed (empty) ``'memory'`` collection for ``rows`` stream rows; ``{}`` unless ``config.data.stream``
-    and the model has kNN-memory layers (without a stream there are no past windows to remember)."""
+    and the model has kNN-memory layers (without a stream there are no past windows to remember).
+
+    ``sharding``: lay the rows out as the batch (created by a jit, so every process builds its shards of one
+    global array); None gives plain arrays (or traced ones inside a jit)."""
     if not config.data.get("stream", False):
         return {}
     args, kwargs = model_inputs(_dummy_batch(config, rows))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # init's memory is all zeros
+    if not shapes:
+        return {}
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731 (init's are zeros)
+    return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 
 
 def create_state(config, model, mesh, tx):
@@ -333,8 +339,8 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
                                     save_every=config.train.checkpoint_every)
     best = checkpoints.BestCheckpointer(workdir)
     if ckpt.latest_step() is not None:
-        state, data_state = ckpt.restore_latest_readable(checkpoints.abstract_like(state), log=log)
-        data.train_iter.set_state(data_state)
+        state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(state), log=log)
+        data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
         log(f"resumed from step {int(state.step)}")
 
     batch_sharding = _batch_sharding(mesh)
@@ -342,7 +348,7 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
                          out_shardings=(state_shardings, None), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(config), static_argnums=1)
     writer = logging_utils.MetricWriter(workdir)
-    eval_memory = init_memory(config, model, config.data.eval_batch_size)
+    eval_memory = init_memory(config, model, config.data.eval_batch_size, _batch_sharding(mesh))
 
     def validate(step):
         scores = evaluate_loss(eval_step, state, data.eval_sets["validation"], mesh, eval_memory)
@@ -351,6 +357,7 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
         return scores
 
     preemption = _Preemption()
+    data_item = lambda: checkpoints.gather_process_states(data.train_iter.get_state())  # noqa: E731
     start_step, num_steps = int(state.step), config.train.num_steps
     t0, window_sums, window_start = time.time(), None, time.time()
     progress = logging_utils.progress(start_step, num_steps)
@@ -376,12 +383,12 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
                 window_sums, window_start = None, time.time()
             if step % config.train.eval_every == 0 and step < num_steps:
                 validate(step)
-            ckpt.save(step, state, data.train_iter.get_state(), force=stopping)
+            ckpt.save(step, state, data_item, force=stopping)
             if stopping:
                 log(f"stopping at step {step}: " + ("SIGTERM" if preemption.requested else "train.max_minutes"))
                 break
     progress.close()
-    ckpt.save(step, state, data.train_iter.get_state(), force=True)
+    ckpt.save(step, state, data_item, force=True)
     ckpt.close()
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     if preemption.requested:
@@ -409,10 +416,11 @@ def evaluate_loss(eval_step, state, eval_set, mesh, memory=None):
 
     ``eval_step`` is ``jax.jit(make_eval_step(config), static_argnums=1)``, built once per run so periodic
     evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
-    the eval batch's rows) that the pass threads from window to window; ``None`` or ``{}`` otherwise.
+    the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
+    otherwise.
     """
     sharding = _batch_sharding(mesh)
-    total, memory = None, jax.device_put(memory or {}, sharding)
+    total, memory = None, memory or {}
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}

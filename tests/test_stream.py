@@ -192,6 +192,29 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     assert np.abs(forgetful - reference).max() > 1e-3
 
 
+def test_memory_rows_stay_on_their_devices():
+    """Compiled on 8 devices, the train and eval steps of a kNN stream model move no memory or scores between
+    devices (no all-gather; top-k runs shard by shard): only the all-reduce of loss sums and gradients remains."""
+    import re
+
+    config = _knn_config()
+    config.data.batch_size = 8
+    model = train_lib.build_model(config, VOCAB)
+    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
+    mesh = train_lib.make_mesh(config.mesh)
+    state, _ = train_lib.create_state(config, model, mesh, tx)
+    sharding = train_lib._batch_sharding(mesh)
+    batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,
+                                       with_weights=True))
+    with jax.set_mesh(mesh):
+        batch = train_lib._global_batch(batch, sharding)
+        train_hlo = jax.jit(train_lib.make_train_step(config, lr)).lower(state, batch).compile().as_text()
+        eval_hlo = jax.jit(train_lib.make_eval_step(config), static_argnums=1).lower(
+            state.params, state.apply_fn, batch, train_lib.init_memory(config, model, 8, sharding)).compile().as_text()
+    collectives = lambda hlo: sorted(set(re.findall(r"(all-gather|all-to-all|all-reduce)[-a-z]*\(", hlo)))  # noqa: E731
+    assert collectives(train_hlo) == collectives(eval_hlo) == ["all-reduce"]  # the loss sums (and gradients)
+
+
 def test_resume_restores_the_memory_and_the_stream(tmp_path):
     config = _knn_config()
     config.data.dataset, config.data.data_dir = "ddtp/lm_en", str(tmp_path / "tfds")

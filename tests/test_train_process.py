@@ -2,6 +2,7 @@
 resumed run logs exactly the losses of an uninterrupted one), two processes on localhost train together over
 gloo, and a bad flag is one line on stderr."""
 import json
+import math
 import os
 import signal
 import socket
@@ -12,8 +13,9 @@ import time
 import pytest
 import tiny_config
 
-from lconv import train_lib
-from lconv.data import pipeline
+from lconv import checkpoints, train_lib
+from lconv.data import pipeline, sources
+from lconv.data import tokenizer as tokenizer_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,15 +111,20 @@ def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared)
         assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
-def test_two_processes_on_localhost_train_and_checkpoint_together(prepared):
-    workdir = _workdir(prepared, "two_processes")
+def _two_processes(prepared, workdir, *overrides):
+    """train.py as two processes of 4 CPU devices each over gloo; returns process 0's stdout."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    runs = [_launch(prepared, workdir, "--config.train.checkpoint_every=3", devices=4,
+    runs = [_launch(prepared, workdir, *overrides, devices=4,
                     env={"LCONV_NUM_PROCESSES": "2", "LCONV_PROCESS_ID": str(i),
                          "LCONV_COORDINATOR": f"localhost:{port}"}) for i in range(2)]
-    out = [_finish(run) for run in runs][0]
+    return [_finish(run) for run in runs][0]
+
+
+def test_two_processes_on_localhost_train_and_checkpoint_together(prepared):
+    workdir = _workdir(prepared, "two_processes")
+    out = _two_processes(prepared, workdir, "--config.train.checkpoint_every=3")
     assert "devices 8 x cpu" in out  # one mesh over both processes' 4 devices
     losses = dict(_logged(workdir))
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
@@ -125,6 +132,32 @@ def test_two_processes_on_localhost_train_and_checkpoint_together(prepared):
     with open(workdir / "metrics.jsonl") as f:
         validation = [json.loads(line) for line in f if '"validation"' in line]
     assert validation[-1]["tokens"] > 1000  # both processes' halves of the validation split were scored
+
+
+def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
+    """Each process streams its shard of the documents into its rows of the global batch and of the memory; the
+    validation pass scores every token of the split exactly once, the processes padding to stay in lockstep."""
+    root, config = prepared
+    source, _, key = sources.get_source("ddtp/lm_en", "validation", str(root / "tfds"))  # prepared before the launch
+    tokenizer = tokenizer_lib.load_tokenizer(str(root / "spm"))
+    expected_tokens = sum(len(tokenizer.encode(source[i][key].decode())) + 1 for i in range(len(source)))
+    workdir = _workdir(prepared, "two_processes_stream")
+    _two_processes(prepared, workdir, "--config.task=lm", "--config.data.dataset=ddtp/lm_en",
+                   "--config.data.stream=True", "--config.model.encoder_layers=0",
+                   "--config.model.decoder_mixer=knn_memory", "--config.data.max_target_length=64",
+                   "--config.data.eval_batch_size=256", "--config.train.num_steps=4", "--config.train.checkpoint_every=2",
+                   "--config.train.eval_every=1000")
+    losses = dict(_logged(workdir))
+    assert sorted(losses) == [1, 2, 3, 4] and all(map(math.isfinite, losses.values()))
+    # Both processes' stream positions are in the checkpoint, each in its own shard (documents p::2).
+    data_item = checkpoints.Checkpointer(workdir).read_data(4)
+    assert data_item["process_count"] == 2
+    for p, position in enumerate(data_item["processes"]):
+        documents = [doc for doc, _ in position["rows"]]
+        assert len(documents) == config.data.batch_size // 2 and all(d % 2 == p for d in documents if d >= 0)
+    with open(workdir / "metrics.jsonl") as f:
+        validation = [json.loads(line) for line in f if '"validation"' in line]
+    assert validation[-1]["tokens"] == expected_tokens
 
 
 def test_a_bad_flag_is_one_line_on_stderr(prepared):
