@@ -197,7 +197,7 @@ def score_perplexity(config, model, params, eval_set, workdir, split, log=print)
     from lconv import train_lib
 
     mesh = train_lib.make_mesh(config.mesh)
-    eval_step = jax.jit(train_lib.make_eval_step(config), static_argnums=1)
+    eval_step = train_lib.jit_eval_step(config, mesh)
     state = types.SimpleNamespace(params=params, apply_fn=model.apply)
     memory = train_lib.init_memory(config, model, config.data.eval_batch_size, train_lib._batch_sharding(mesh))
     scores = dict(train_lib.evaluate_loss(eval_step, state, eval_set, mesh, memory), split=split)

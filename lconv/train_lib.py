@@ -241,6 +241,13 @@ def make_eval_step(config):
     return eval_step
 
 
+def jit_eval_step(config, mesh):
+    """``make_eval_step`` jitted once per run. The memory it returns keeps the batch's sharding, so the next
+    window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
+    and every pass would compile twice)."""
+    return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, _batch_sharding(mesh)))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
@@ -346,7 +353,7 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
     batch_sharding = _batch_sharding(mesh)
     train_step = jax.jit(make_train_step(config, lr_schedule), in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, None), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(config), static_argnums=1)
+    eval_step = jit_eval_step(config, mesh)
     writer = logging_utils.MetricWriter(workdir)
     eval_memory = init_memory(config, model, config.data.eval_batch_size, _batch_sharding(mesh))
 
@@ -414,7 +421,7 @@ def train_and_evaluate(config, workdir, *, devices=None, log=print):
 def evaluate_loss(eval_step, state, eval_set, mesh, memory=None):
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
 
-    ``eval_step`` is ``jax.jit(make_eval_step(config), static_argnums=1)``, built once per run so periodic
+    ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
     evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
     the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
     otherwise.

@@ -99,10 +99,20 @@ def test_epochs_are_reshuffled_and_processes_read_disjoint_shards():
     assert sorted(seen) == sorted(expected_tokens(d) for d in docs if d["text"])
 
 
+class CountingTokenizer(WordTokenizer):
+    calls = 0
+
+    def encode(self, text):
+        self.calls += 1
+        return super().encode(text)
+
+
 def test_eval_set_counts_every_token_once_pads_for_lockstep_and_repeats():
     docs = make_documents(25, seed=3)
-    eval_set = stream.StreamEvalSet(docs, "text", WordTokenizer(), window=8, rows=4)
+    tokenizer = CountingTokenizer()
+    eval_set = stream.StreamEvalSet(docs, "text", tokenizer, window=8, rows=4)
     first, second = list(eval_set), list(eval_set)
+    assert tokenizer.calls == len(docs)  # tokenised once, by the counting pass; the passes reuse the ids
     assert len(first) == eval_set.num_batches == len(eval_set)
     tokens = sum(int((b["targets_segmentation"] * b["example_weight"][:, None]).sum()) for b in first)
     assert tokens == sum(len(expected_tokens(d)) for d in docs if d["text"])
@@ -146,15 +156,20 @@ def _knn_config(grad_accum_steps=1):
 def _row_reference(config, model, params_per_step, batches, carry=True):
     """Per step, the summed loss of every row run alone: batch of one, its own memory, a fresh one at each new
     document (or at every window when ``carry`` is False); also each row's final memory."""
-    apply = jax.jit(lambda p, m, b: train_lib.apply_model(model.apply, p, m, b))
+    @jax.jit
+    def apply(params, memory, row):  # the model's own call, no train_lib helper in between
+        logits, updated = model.apply({"params": params, "memory": memory}, row["targets"],
+                                      targets_segmentation=row["targets_segmentation"],
+                                      targets_position=row["targets_position"], mutable=["memory"])
+        return logits, updated["memory"]
+
     losses, memories = [], {}
     for params, batch in zip(params_per_step, batches):
         total = 0.0
         for r in range(batch["targets"].shape[0]):
             row = {k: v[r:r + 1] for k, v in batch.items()}
             if batch["document_start"][r] or not carry or r not in memories:
-                memories[r] = train_lib.init_memory(config, model, 1)
-            row["document_start"] = np.zeros_like(row["document_start"])  # this loop resets by itself
+                memories[r] = train_lib.init_memory(config, model, 1)  # empty: init's zeros, batch of one
             logits, memories[r] = apply(params, memories[r], row)
             total += float(metrics.label_smoothed_loss(logits, row["targets"], row["targets_segmentation"] > 0,
                                                        0.0)["loss"])
@@ -194,7 +209,8 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
 
 def test_memory_rows_stay_on_their_devices():
     """Compiled on 8 devices, the train and eval steps of a kNN stream model move no memory or scores between
-    devices (no all-gather; top-k runs shard by shard): only the all-reduce of loss sums and gradients remains."""
+    devices (no all-gather; top-k runs shard by shard): only the all-reduce of loss sums and gradients remains;
+    and an eval pass compiles once."""
     import re
 
     config = _knn_config()
@@ -206,11 +222,15 @@ def test_memory_rows_stay_on_their_devices():
     sharding = train_lib._batch_sharding(mesh)
     batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,
                                        with_weights=True))
+    eval_step, memory = train_lib.jit_eval_step(config, mesh), train_lib.init_memory(config, model, 8, sharding)
+    # A whole stream pass compiles the eval step once: the memory it returns keeps the batch's sharding.
+    eval_set = stream.StreamEvalSet(make_documents(16), "text", WordTokenizer(), window=8, rows=8)
+    assert len(eval_set) > 2 and train_lib.evaluate_loss(eval_step, state, eval_set, mesh, memory)["tokens"] > 0
+    assert eval_step._cache_size() == 1
     with jax.set_mesh(mesh):
         batch = train_lib._global_batch(batch, sharding)
         train_hlo = jax.jit(train_lib.make_train_step(config, lr)).lower(state, batch).compile().as_text()
-        eval_hlo = jax.jit(train_lib.make_eval_step(config), static_argnums=1).lower(
-            state.params, state.apply_fn, batch, train_lib.init_memory(config, model, 8, sharding)).compile().as_text()
+        eval_hlo = eval_step.lower(state.params, state.apply_fn, batch, memory).compile().as_text()
     collectives = lambda hlo: sorted(set(re.findall(r"(all-gather|all-to-all|all-reduce)[-a-z]*\(", hlo)))  # noqa: E731
     assert collectives(train_hlo) == collectives(eval_hlo) == ["all-reduce"]  # the loss sums (and gradients)
 

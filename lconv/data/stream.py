@@ -3,7 +3,7 @@
 A row of a stream batch reads whole documents, one after another, a window of ``window`` tokens per step, so
 state threaded from one step to the next (the memory) sees each document in order and only its past::
 
-    it = make_stream_iter(source, "text", tokenizer, window=L, rows=B, seed=0)
+    it = DocumentStream(source, "text", tokenizer, window=L, rows=B, seed=0)
     batch = next(it)            # targets, targets_segmentation, targets_position [B, L]; document_start [B]
     state = it.get_state(); it.set_state(state)          # a JSON-able dict: exact resume
 
@@ -36,12 +36,14 @@ class DocumentStream:
 
     def __init__(self, source, text_key: str, tokenizer, *, window: int, rows: int, seed: int = 0,
                  num_epochs: int | None = None, shuffle: bool = True, process_index: int = 0,
-                 process_count: int = 1, with_weights: bool = False):
+                 process_count: int = 1, with_weights: bool = False,
+                 token_cache: dict[int, np.ndarray] | None = None):
         if window < 2 or rows < 1:
             raise ValueError(f"a document stream needs window >= 2 and rows >= 1; got window={window}, rows={rows}")
         self.source, self.text_key, self.tokenizer = source, text_key, tokenizer
         self.window, self.rows, self.seed, self.num_epochs, self.shuffle = window, rows, seed, num_epochs, shuffle
         self.with_weights = with_weights
+        self.token_cache = token_cache  # source index -> ids + EOS, kept across passes (evaluation) when given
         self.shard = np.arange(process_index, len(source), process_count)  # source indices of this process
         if not len(self.shard):
             raise ValueError(f"the document stream of process {process_index} has no documents "
@@ -120,22 +122,30 @@ class DocumentStream:
             self.stats["stream_empty_documents"] += 1
 
     def _encode(self, doc: int) -> np.ndarray:
+        if self.token_cache is not None and doc in self.token_cache:
+            return self.token_cache[doc]
         text = self.source[doc][self.text_key]
         text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
-        return np.concatenate([np.asarray(self.tokenizer.encode(text), np.int32), [EOS_ID]]).astype(np.int32)
+        ids = np.concatenate([np.asarray(self.tokenizer.encode(text), np.int32), [EOS_ID]]).astype(np.int32)
+        if self.token_cache is not None:
+            self.token_cache[doc] = ids
+        return ids
 
 
 class StreamEvalSet:
     """An evaluation split as a document stream in source order; iterate for a fresh pass (every token once).
 
     ``num_batches`` is this process's count of windows per row-slot; multi-host callers take the max over
-    processes (``lconv.train_lib`` does) so the eval steps stay in lockstep: extra batches are all padding.
+    processes (``lconv.data.pipeline`` does) so the eval steps stay in lockstep: extra batches are all padding.
+    The split is read and tokenised once (the counting pass); later passes reuse the ids.
     """
 
     def __init__(self, source, text_key, tokenizer, *, window, rows, process_index=0, process_count=1):
+        token_cache: dict[int, np.ndarray] = {}
         self._make = lambda: DocumentStream(source, text_key, tokenizer, window=window, rows=rows, num_epochs=1,
                                             shuffle=False, process_index=process_index,
-                                            process_count=process_count, with_weights=True)
+                                            process_count=process_count, with_weights=True,
+                                            token_cache=token_cache)
         self.batch_size, self.lengths = rows, {"targets": window}
         counting = self._make()
         self.num_batches = sum(1 for _ in counting)
