@@ -1,13 +1,14 @@
 """Evaluates a trained run with the config stored in its workdir.
 
-    python eval.py --workdir=runs/default [--split=test] [--average_last=5 | --checkpoint=best] [--beam_size=5 --lenpen=1.0]
+    python eval.py --workdir=runs/default [--split=test] [--average_last=5 | --checkpoint=best]
+                   [--beam_size=5 --lenpen=1.0]
     python eval.py --workdir=runs/default --source_file=F [--reference_file=R] --output_file=O
 
 Writes hypotheses and a JSON of scores (sacreBLEU with its signature, ROUGE-1/2/L, or an LM's perplexity).
 """
 from absl import app, flags, logging
 
-from lconv import runtime
+from lconv.cli import runtime
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A directory written by train.py.")
@@ -26,7 +27,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     runtime.initialize()
-    from lconv import evaluate
+    from lconv.cli import evaluate
 
     with runtime.user_errors():
         evaluate.run(FLAGS.workdir, split=FLAGS.split, average_last=FLAGS.average_last,

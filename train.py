@@ -1,12 +1,13 @@
 """Trains (and then evaluates) a model: ``python train.py --config=configs/default.py --workdir=runs/default``.
 
-Kept short on purpose: everything lives in ``lconv.train_lib``. Re-running the same command resumes from the
-latest checkpoint in ``--workdir``. Override any config field: ``--config.model.dropout=0.2``.
+Kept short on purpose: everything lives in ``lconv.train`` (``setup`` builds the run, ``loop`` trains it).
+Re-running the same command resumes from the latest checkpoint in ``--workdir``. Override any config field:
+``--config.model.dropout=0.2``.
 """
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lconv import runtime
+from lconv.cli import runtime
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, the tokenizer, logs and outputs.")
@@ -19,10 +20,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     runtime.initialize()
-    from lconv import train_lib  # after the runtime is set up (multi-host initialisation)
+    from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
 
     with runtime.user_errors():
-        result = train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+        result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
     runtime.print_summary(result)
 
 

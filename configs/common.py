@@ -5,12 +5,15 @@ Every field is commented here; family files only change values. Override any fie
 """
 import ml_collections
 
+from lconv.errors import UserError
+from lconv.nn import mixers
+
 # The paper's per-layer kernel sizes (Wu et al. 2019, Sec. 6.1).
 PAPER_ENCODER_KERNELS = (3, 7, 15, 31, 31, 31, 31)
 PAPER_DECODER_KERNELS = (3, 7, 15, 31, 31, 31)
 
-# Mixer variants a config's ``:variant`` argument may name -> the mixer of every layer (but see
-# ENCODER_ONLY / DECODER_ONLY below for the two that only fit one side).
+# Mixer variants a config's ``:variant`` argument may name -> the mixer of every layer; a mixer that fits only
+# one side (its class's ``sides``, lconv.nn.mixers) gets a Transformer's attention on the other.
 MIXER_VARIANTS = {
     "transformer": "attention",
     "lightconv": "lightconv",
@@ -23,12 +26,6 @@ MIXER_VARIANTS = {
 }
 
 
-# CoLT5 routes over the whole sequence (future included): its models keep a Transformer decoder, as the paper's.
-ENCODER_ONLY = {"colt5"}
-# The Memorizing Transformer is a decoder (an LM); in a translation model its encoder is a Transformer's.
-DECODER_ONLY = {"knn_memory"}
-
-
 def base_config():
     c = ml_collections.ConfigDict()
     c.task = "translation"  # translation | summarization | lm
@@ -38,7 +35,8 @@ def base_config():
     c.data = ml_collections.ConfigDict()
     c.data.dataset = "ddtp/en_de"  # tfds name[/config]; ddtp/* is built from the corpus bundled with lconv
     c.data.data_dir = "~/tensorflow_datasets"  # where tfds datasets are (or, for ddtp, get) prepared
-    c.data.raw_dir = ml_collections.config_dict.placeholder(str)  # ddtp: raw apt Translation-* dir (None = bundled snapshot)
+    # ddtp: a directory of raw apt Translation-* files (None = the bundled snapshot)
+    c.data.raw_dir = ml_collections.config_dict.placeholder(str)
     c.data.vocab_size = 8000  # joint SentencePiece vocabulary, trained from the training split
     c.data.max_input_length = 128  # longer training examples are truncated (and counted)
     c.data.max_target_length = 128
@@ -52,7 +50,7 @@ def base_config():
     c.data.stream = False  # lm only: every row reads whole documents, max_target_length tokens per step
     # (lconv.data.stream), and the kNN memory is carried from window to window (reset at each new document)
 
-    # --- model (lconv.models.ModelConfig) ---------------------------------------------------------------------
+    # --- model (lconv.nn.models.ModelConfig) ---------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
     c.model.d_model = 512  # model width (fairseq encoder_embed_dim)
     c.model.ffn_dim = 2048  # FFN hidden size
@@ -80,7 +78,7 @@ def base_config():
     c.model.adaptive_softmax_dropout = 0.0  # dropout inside the tails
     c.model.learned_positions = False  # sinusoidal positions otherwise
     c.model.max_len = 1024  # longest sequence for learned positions / Fixed / Hadamard attention
-    c.model.conv_impl = "auto"  # auto | band | conv | unfold (see lconv.ops)
+    c.model.conv_impl = "auto"  # auto | band | shift | conv | unfold (see lconv.ops.conv)
     c.model.dtype = "float32"  # compute dtype (bfloat16 on TPU); params and loss stay float32
 
     # --- optimisation ----------------------------------------------------------------------------------------
@@ -125,13 +123,11 @@ def base_config():
     c.mesh.axis_names = ("data", "fsdp", "tensor")
     # logical axis -> mesh axis (None = replicated)
     c.mesh.rules = (
-        ("batch", ("data", "fsdp")),
         ("embed", "fsdp"),
         ("vocab", "tensor"),
         ("mlp", "tensor"),
         ("conv", "tensor"),
         ("heads", "tensor"),
-        ("kv", None),
         ("kernel", None),
         ("length", None),
     )
@@ -143,7 +139,7 @@ def parse_args(arg, allowed):
     words = {w.strip() for w in (arg or "").split(",") if w.strip()}
     unknown = sorted(words - set(allowed))
     if unknown:
-        raise ValueError(f"unknown config variant(s) {unknown}; choose from {sorted(allowed)}")
+        raise UserError(f"unknown config variant(s) {unknown}; choose from {sorted(allowed)}")
     return words
 
 
@@ -151,13 +147,14 @@ def set_mixer(config, words):
     """Applies a mixer variant word (transformer/lightconv/dynamic/...) to both sides of the model."""
     chosen = [MIXER_VARIANTS[w] for w in words if w in MIXER_VARIANTS]
     if len(chosen) > 1:
-        raise ValueError(f"choose one mixer variant; got {sorted(words & set(MIXER_VARIANTS))}")
+        raise UserError(f"choose one mixer variant; got {sorted(words & set(MIXER_VARIANTS))}")
     if chosen:
         mixer = chosen[0]
-        if mixer in ENCODER_ONLY and config.task == "lm":
-            raise ValueError(f"mixer variant {mixer!r} is encoder-only; a decoder-only LM cannot use it")
-        config.model.encoder_mixer = "attention" if mixer in DECODER_ONLY else mixer
-        config.model.decoder_mixer = "attention" if mixer in ENCODER_ONLY else mixer
+        sides = mixers.sides(mixer)
+        if "decoder" not in sides and config.task == "lm":
+            raise UserError(f"mixer variant {mixer!r} is encoder-only; a decoder-only LM cannot use it")
+        config.model.encoder_mixer = mixer if "encoder" in sides else "attention"
+        config.model.decoder_mixer = mixer if "decoder" in sides else "attention"
         if mixer == "attention":  # the Transformer baseline has no conv kernels to drop
             config.model.weight_dropout = 0.0
     return config

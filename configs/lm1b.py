@@ -6,7 +6,7 @@
 
 d 512, FFN 4096, 16 heads, 6 layers with kernels [3,7,15,31,31,31], dropout 0.1, NAG (momentum 0.99) with
 cosine lr and gradient-norm clipping 0.1. The output layer is the shared embedding over a 32k SentencePiece
-vocabulary; the ``adaptive`` variant word swaps in fairseq's adaptive softmax (``lconv.adaptive_softmax``; its
+vocabulary; the ``adaptive`` variant word swaps in fairseq's adaptive softmax (``lconv.nn.adaptive_softmax``; its
 gbw recipe cuts a 793k word vocabulary at 60k/160k, here 32k pieces at 8k/20k, factor 4, untied embeddings):
 
     python train.py --config=configs/lm1b.py:dynamic,adaptive --workdir=...

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
-from lconv import train_lib  # noqa: E402
+from lconv.train import setup  # noqa: E402
 
 BEGIN, END = "<!-- param-table:begin -->", "<!-- param-table:end -->"
 FAIRSEQ_WMT_VOCAB = 32_768  # the joined 32K-BPE dictionary fairseq's WMT En-De models were counted with
@@ -49,10 +49,10 @@ def get_config(name: str, variant: str):
 
 def count_parameters(config, vocab_size: int | None = None) -> int:
     """Parameters of the model ``config`` builds (the training init's inputs), counted abstractly."""
-    model = train_lib.build_model(config, vocab_size=vocab_size or config.data.vocab_size)
-    args, kwargs = train_lib.model_inputs(train_lib._dummy_batch(config))
+    model = setup.build_model(config, vocab_size=vocab_size or config.data.vocab_size)
+    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
-    return train_lib.count_params(shapes["params"])
+    return setup.count_params(shapes["params"])
 
 
 def label(name: str, variant: str) -> str:

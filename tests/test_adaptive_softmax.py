@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import models
-from lconv.adaptive_softmax import AdaptiveSoftmax
+from lconv.nn import models
+from lconv.nn.adaptive_softmax import AdaptiveSoftmax
 
 
 def _log_softmax(z):

@@ -1,14 +1,15 @@
 """Attention mixers against float64 NumPy loop references, plus masking, packing, decoding and learning checks."""
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from lconv import mixers
-from lconv.attention import CrossAttention, FixedAttention, HadamardAttention, SelfAttention
+from lconv.nn import mixers
+from lconv.nn.attention import CrossAttention, FixedAttention, HadamardAttention, SelfAttention
 
 B, T, C, H = 2, 13, 12, 3
 D = C // H
@@ -28,7 +29,7 @@ MIXERS = {  # name -> (class, extra fields)
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(m, method, mutable, flags):
     if method == "init":
         return jax.jit(lambda rng, *a: m.init(rng, *a, **dict(flags)))
@@ -48,11 +49,11 @@ def init(m, *args, **kw):
     return _jitted(m, "init", True, flags)(jax.random.PRNGKey(1), *args)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(name):
     """Parameters do not depend on ``causal``: initialise each mixer once (eagerly) and share."""
     cls, extra = MIXERS[name]
-    params = cls(num_heads=H, **extra).init(jax.random.PRNGKey(1), jnp.asarray(X))["params"]
+    params = nn.meta.unbox(cls(num_heads=H, **extra).init(jax.random.PRNGKey(1), jnp.asarray(X))["params"])
     if "weight" in params:  # Hadamard's table starts at ones; make it non-trivial for the tests
         params = dict(params, weight=1 + 0.5 * jax.random.normal(jax.random.PRNGKey(2), params["weight"].shape))
     return params
@@ -172,9 +173,9 @@ def test_cross_attention_matches_numpy_and_masks_memory_padding():
     mem = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (B, S, C)), np.float32)
     mseg = np.array([[1] * 5 + [0] * 2, [1] * 7], np.int32)
     m = CrossAttention(num_heads=H)
-    params = m.init(jax.random.PRNGKey(1), jnp.asarray(X), jnp.asarray(mem))["params"]
+    params = nn.meta.unbox(m.init(jax.random.PRNGKey(1), jnp.asarray(X), jnp.asarray(mem))["params"])
     y = np.asarray(run(m, {"params": params}, jnp.asarray(X), jnp.asarray(mem),
-                           memory_segment_ids=jnp.asarray(mseg)))
+                           encoded_segment_ids=jnp.asarray(mseg)))
     q = np_dense(params["query"], X).reshape(B, T, H, D)
     k = np_dense(params["key"], mem).reshape(B, S, H, D)
     v = np_dense(params["value"], mem).reshape(B, S, H, D)
@@ -189,8 +190,8 @@ def test_cross_attention_matches_numpy_and_masks_memory_padding():
     np.testing.assert_allclose(y, np_dense(params["out"], out.reshape(B, T, C)), atol=2e-5, rtol=1e-4)
 
     # Decoding: the projected memory is cached by the first call and read back by later ones (a later call's
-    # memory_BSC is not projected again: garbage of the same shape gives the same output).
-    kwargs = dict(memory_segment_ids=jnp.asarray(mseg), decode=True)
+    # encoded_BSC is not projected again: garbage of the same shape gives the same output).
+    kwargs = dict(encoded_segment_ids=jnp.asarray(mseg), decode=True)
     first, vars_ = m.apply({"params": params}, jnp.asarray(X), jnp.asarray(mem), mutable=["cache"], **kwargs)
     assert set(vars_["cache"]) == {"beam_invariant_key", "beam_invariant_value", "beam_invariant_segment_ids"}
     later, _ = m.apply({"params": params, **vars_}, jnp.asarray(X), jnp.full_like(jnp.asarray(mem), 1e3),
@@ -200,9 +201,9 @@ def test_cross_attention_matches_numpy_and_masks_memory_padding():
     # Beam search tiles the queries (3 consecutive rows per memory row) but not the cached memory.
     tiled_x = jnp.repeat(jnp.asarray(X[:, ::-1]), 3, axis=0)  # other queries than the cache's first call
     beams = m.apply({"params": params, **vars_}, tiled_x, jnp.repeat(jnp.asarray(mem), 3, axis=0),
-                    memory_segment_ids=jnp.repeat(jnp.asarray(mseg), 3, axis=0), decode=True, mutable=["cache"])[0]
+                    encoded_segment_ids=jnp.repeat(jnp.asarray(mseg), 3, axis=0), decode=True, mutable=["cache"])[0]
     expected = run(m, {"params": params}, jnp.asarray(X[:, ::-1]), jnp.asarray(mem),
-                   memory_segment_ids=jnp.asarray(mseg))
+                   encoded_segment_ids=jnp.asarray(mseg))
     np.testing.assert_allclose(np.asarray(beams), np.repeat(np.asarray(expected), 3, axis=0), atol=1e-5)
 
 
@@ -228,7 +229,6 @@ def test_attention_dropout_only_in_training():
 def test_fixed_attention_learns_to_reverse_a_sequence():
     """A position-only task: output token t = input token T-1-t. Fixed attention must route by position."""
     V, Tr, Cr = 7, 11, 16
-    import flax.linen as nn
 
     class Model(nn.Module):
         @nn.compact

@@ -1,12 +1,13 @@
 """CoLT5 routed attention / FFN against float64 NumPy references (bisection soft top-k, brute-force routing)."""
+import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import mixers
-from lconv.colt5 import CoLT5Attention, CoLT5FeedForward, local_attention, soft_top_k
+from lconv.nn import mixers
+from lconv.nn.colt5 import CoLT5Attention, CoLT5FeedForward, local_attention, soft_top_k
 
 B, T, C, H = 2, 13, 12, 3
 D = C // H
@@ -93,7 +94,8 @@ def attn(k, **kw):
                           router_temperature=EPS, **kw)
 
 
-PARAMS = attn(T).init(jax.random.PRNGKey(1), jnp.asarray(X))["params"]  # shapes do not depend on num_routed
+# Parameter shapes do not depend on num_routed.
+PARAMS = nn.meta.unbox(attn(T).init(jax.random.PRNGKey(1), jnp.asarray(X))["params"])
 apply = jax.jit(lambda m, p, x, seg: m.apply({"params": p}, x, segment_ids=seg), static_argnums=0)
 
 
@@ -187,7 +189,7 @@ def test_bfloat16_close_to_float32():
 @pytest.mark.parametrize("k", [4, T])
 def test_feedforward_matches_numpy_reference(k):
     f = CoLT5FeedForward(light_hidden_dim=5, heavy_hidden_dim=17, num_routed=k, router_temperature=EPS)
-    p = f.init(jax.random.PRNGKey(2), jnp.asarray(X))["params"]
+    p = nn.meta.unbox(f.init(jax.random.PRNGKey(2), jnp.asarray(X))["params"])
     y = np.asarray(jax.jit(lambda p: f.apply({"params": p}, X, segment_ids=SEG))(p))
     valid = SEG > 0
     np.testing.assert_allclose(y[valid], np_colt5_ffn(p, X, SEG, k)[valid], atol=2e-3, rtol=2e-3)

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from lconv.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ddtp, sources, tokenizer as tokenizer_lib
-
+from lconv.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ddtp, sources
+from lconv.data import tokenizer as tokenizer_lib
 
 
 def _md5s_in(split, n):

@@ -1,4 +1,4 @@
-"""lconv.decode against brute-force NumPy references on a toy second-order Markov "model", and a tiny LM.
+"""lconv.infer.search against brute-force NumPy references on a toy second-order Markov "model", and a tiny LM.
 
 The toy's next-token logits at step t are ``A[y_t] + Bm[y_{t-1}] + Cp[t] + bias[row]`` (``y_0 = BOS``,
 ``y_{-1} = PAD``): the cache carries the previous input (a batch leaf), the position (a scalar counter) and a
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import decode
-from lconv.models import DecoderOnlyLM, ModelConfig
+from lconv.infer import search as decode
+from lconv.nn.models import DecoderOnlyLM, ModelConfig
 
 PAD, EOS, BOS = 0, 1, 3
 V, L = 5, 4  # tokens 2, 3, 4 can be generated besides EOS: 1 + 3 + 9 + 27 = 40 hypotheses of <= 4 tokens
@@ -29,12 +29,12 @@ def _toy(A, Bm, Cp, bias):
     """The step function and its cache for ``batch = len(bias)`` rows."""
     A, Bm, Cp = map(jnp.asarray, (A, Bm, Cp))
 
-    def tokens_to_logits(tokens_BS, cache):
-        prev_BS = jnp.concatenate([cache["prev"][:, None], tokens_BS[:, :-1]], axis=1)  # [B, S]
-        pos_S = cache["position"] + jnp.arange(tokens_BS.shape[1])  # [S]
-        logits_BSV = A[tokens_BS] + Bm[prev_BS] + Cp[pos_S][None] + cache["bias"][:, None]  # [B, S, V]
-        new = dict(prev=tokens_BS[:, -1], position=cache["position"] + tokens_BS.shape[1], bias=cache["bias"])
-        return logits_BSV, new
+    def tokens_to_logits(tokens_BT, cache):
+        prev_BT = jnp.concatenate([cache["prev"][:, None], tokens_BT[:, :-1]], axis=1)  # [B, T]
+        pos_T = cache["position"] + jnp.arange(tokens_BT.shape[1])  # [T]
+        logits_BTV = A[tokens_BT] + Bm[prev_BT] + Cp[pos_T][None] + cache["bias"][:, None]  # [B, T, V]
+        new = dict(prev=tokens_BT[:, -1], position=cache["position"] + tokens_BT.shape[1], bias=cache["bias"])
+        return logits_BTV, new
 
     cache = dict(prev=jnp.full((len(bias),), PAD, jnp.int32), position=jnp.int32(0), bias=jnp.asarray(bias))
     return tokens_to_logits, cache
@@ -119,9 +119,9 @@ def _counting(fn):
     """``fn`` plus a host-side count of its calls (decoding steps)."""
     calls = [0]
 
-    def counted(tokens_BS, cache):
+    def counted(tokens_BT, cache):
         jax.debug.callback(lambda: calls.__setitem__(0, calls[0] + 1))
-        return fn(tokens_BS, cache)
+        return fn(tokens_BT, cache)
     return counted, calls
 
 

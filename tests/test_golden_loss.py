@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import common
-from lconv import train_lib
+from lconv.train import setup, steps
 
 VOCAB = 64
 # (loss at init, loss after one step), label-smoothed cross-entropy per target token, deterministic forward.
@@ -60,12 +60,12 @@ def _batch():
 def losses():
     """(loss before, loss after one train step), both from the deterministic evaluation forward pass."""
     config = _tiny_config()
-    model = train_lib.build_model(config, vocab_size=VOCAB)
-    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
-    mesh = train_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
-    state, _ = train_lib.create_state(config, model, mesh, tx)
-    train_step = jax.jit(train_lib.make_train_step(config, lr))
-    eval_step = jax.jit(train_lib.make_eval_step(config), static_argnums=1)
+    model = setup.build_model(config, vocab_size=VOCAB)
+    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    mesh = setup.make_mesh(config.mesh, devices=jax.devices()[:1])
+    state, _ = setup.create_state(config, model, mesh, tx)
+    train_step = jax.jit(steps.make_train_step(config, lr))
+    eval_step = jax.jit(steps.make_eval_step(config), static_argnums=1)
     batch = _batch()
 
     def loss(params):

@@ -1,12 +1,13 @@
-"""lconv.layers: fairseq's parameterisation, DropConnect, the GLU block, decoding, and errors, against NumPy."""
+"""lconv.nn.conv: fairseq's parameterisation, DropConnect, the GLU block, decoding, and errors, against NumPy."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from lconv import layers, mixers
 from reference import conv_reference, sigmoid, softmax
+
+from lconv.nn import conv as layers
+from lconv.nn import mixers
 
 B, T, C, H = 2, 11, 12, 3
 SEG = np.array([[1] * 6 + [2] * 3 + [0] * 2, [1] * 11], np.int32)

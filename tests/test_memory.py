@@ -1,13 +1,14 @@
 """kNN-memory attention against a float64 NumPy stream simulation (brute-force retrieval, Python-list FIFO)."""
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import mixers
-from lconv.memory import KNNMemoryAttention, reset_memory, retrieve_top_k
+from lconv.nn import mixers
+from lconv.nn.knn_memory import KNNMemoryAttention, reset_memory, retrieve_top_k
 
 B, T, C, H = 2, 13, 12, 3
 D = C // H
@@ -16,7 +17,7 @@ WINDOWS = [np.asarray(jax.random.normal(jax.random.PRNGKey(w), (B, T, C)), np.fl
 ONES = np.ones((B, T), np.int32)
 MODEL = KNNMemoryAttention(num_heads=H, memory_size=M, num_neighbors=K)
 VARS = MODEL.init(jax.random.PRNGKey(1), jnp.asarray(WINDOWS[0]))
-PARAMS = dict(VARS["params"], gate=jnp.array([-1.0, 0.5, 2.0]))  # distinct per-head gates
+PARAMS = dict(nn.meta.unbox(VARS["params"]), gate=jnp.array([-1.0, 0.5, 2.0]))  # distinct per-head gates
 EMPTY = VARS["memory"]
 
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import mixers
-from lconv.colt5 import CoLT5FeedForward
+from lconv.nn import mixers
+from lconv.nn.colt5 import CoLT5FeedForward
 
 B, T, C, H = 2, 13, 12, 3
 X = jax.ShapeDtypeStruct((B, T, C), jnp.float32)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lconv import memory, models
+from lconv.nn import knn_memory as memory
+from lconv.nn import models
 from scripts import param_table
 
 TINY = dict(vocab_size=37, d_model=16, ffn_dim=24, num_heads=4, encoder_layers=2, decoder_layers=2,

@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-
-from lconv import ops, shift_conv
 from reference import conv_reference
+
+from lconv import ops
+from lconv.ops import shift as shift_conv
 
 B, T, C = 2, 13, 12  # prime-ish T so tiling remainders show up
 LIGHT = [i for i in ops.LIGHT_IMPLS if i != "auto"]
@@ -190,8 +191,8 @@ def test_shift_blocks_match_reference(monkeypatch, chunk_tokens):
         ct = np.random.default_rng(K).normal(size=x.shape).astype(np.float32)
         for op, weight in [(ops.light_conv, w), (ops.dynamic_conv, wd)]:
             grads = {
-                impl: jax.grad(lambda x, w: jnp.vdot(op(x, w, P, impl=impl), ct), argnums=(0, 1))(
-                    jnp.asarray(x), jnp.asarray(weight))
+                impl: jax.grad(lambda x, w, op=op, P=P, impl=impl, ct=ct: jnp.vdot(op(x, w, P, impl=impl), ct),
+                               argnums=(0, 1))(jnp.asarray(x), jnp.asarray(weight))
                 for impl in ("shift", "unfold")
             }
             for got, want in zip(grads["shift"], grads["unfold"]):

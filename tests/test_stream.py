@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tiny_config
 
-from lconv import metrics, train_lib
 from lconv.data import EOS_ID, PAD_ID, pipeline, stream
+from lconv.train import loop, metrics, setup, steps
 
 
 class WordTokenizer:
@@ -131,7 +131,7 @@ def test_stream_needs_a_language_model():
     translation = _knn_config()
     translation.task = "translation"
     with pytest.raises(ValueError, match="config.data.stream=True .* needs task=lm"):
-        train_lib.validate_config(translation)
+        setup.validate_config(translation)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
         for r in range(batch["targets"].shape[0]):
             row = {k: v[r:r + 1] for k, v in batch.items()}
             if batch["document_start"][r] or not carry or r not in memories:
-                memories[r] = train_lib.init_memory(config, model, 1)  # empty: init's zeros, batch of one
+                memories[r] = setup.init_memory(config, model, 1)  # empty: init's zeros, batch of one
             logits, memories[r] = apply(params, memories[r], row)
             total += float(metrics.label_smoothed_loss(logits, row["targets"], row["targets_segmentation"] > 0,
                                                        0.0)["loss"])
@@ -181,21 +181,21 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
 def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     config = _knn_config(grad_accum_steps)
-    model = train_lib.build_model(config, VOCAB)
-    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
-    mesh = train_lib.make_mesh(config.mesh, devices=jax.devices()[:2])
-    state, shardings = train_lib.create_state(config, model, mesh, tx)
+    model = setup.build_model(config, VOCAB)
+    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    mesh = setup.make_mesh(config.mesh, devices=jax.devices()[:2])
+    state, shardings = setup.create_state(config, model, mesh, tx)
     assert jax.tree.leaves(state.memory) and all(s.spec[0] == ("data", "fsdp") for s in
                                                  jax.tree.leaves(shardings.memory))
     it = stream.DocumentStream(make_documents(12, seed=4), "text", WordTokenizer(), window=8, rows=4, seed=0)
-    train_step = jax.jit(train_lib.make_train_step(config, lr))
+    train_step = jax.jit(steps.make_train_step(config, lr))
     params_per_step, batches, losses = [], [], []
     with jax.set_mesh(mesh):
         for _ in range(10):
             batch = next(it)
             params_per_step.append(jax.device_get(state.params))
             batches.append(batch)
-            state, sums = train_step(state, train_lib._global_batch(batch, train_lib._batch_sharding(mesh)))
+            state, sums = train_step(state, steps.global_batch(batch, setup.batch_sharding(mesh)))
             losses.append(float(sums["loss"]))
     assert sum(b["document_start"].sum() for b in batches[1:]) >= 4  # documents end and start mid-run
     reference, memory = _row_reference(config, model, params_per_step, batches)
@@ -215,21 +215,22 @@ def test_memory_rows_stay_on_their_devices():
 
     config = _knn_config()
     config.data.batch_size = 8
-    model = train_lib.build_model(config, VOCAB)
-    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
-    mesh = train_lib.make_mesh(config.mesh)
-    state, _ = train_lib.create_state(config, model, mesh, tx)
-    sharding = train_lib._batch_sharding(mesh)
+    model = setup.build_model(config, VOCAB)
+    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    mesh = setup.make_mesh(config.mesh)
+    state, _ = setup.create_state(config, model, mesh, tx)
+    sharding = setup.batch_sharding(mesh)
     batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,
                                        with_weights=True))
-    eval_step, memory = train_lib.jit_eval_step(config, mesh), train_lib.init_memory(config, model, 8, sharding)
+    eval_step, memory = steps.jit_eval_step(config, mesh), setup.init_memory(config, model, 8, sharding)
     # A whole stream pass compiles the eval step once: the memory it returns keeps the batch's sharding.
     eval_set = stream.StreamEvalSet(make_documents(16), "text", WordTokenizer(), window=8, rows=8)
-    assert len(eval_set) > 2 and train_lib.evaluate_loss(eval_step, state, eval_set, mesh, memory)["tokens"] > 0
+    scores = steps.evaluate_loss(eval_step, state.params, state.apply_fn, eval_set, mesh, memory)
+    assert len(eval_set) > 2 and scores["tokens"] > 0
     assert eval_step._cache_size() == 1
     with jax.set_mesh(mesh):
-        batch = train_lib._global_batch(batch, sharding)
-        train_hlo = jax.jit(train_lib.make_train_step(config, lr)).lower(state, batch).compile().as_text()
+        batch = steps.global_batch(batch, sharding)
+        train_hlo = jax.jit(steps.make_train_step(config, lr)).lower(state, batch).compile().as_text()
         eval_hlo = eval_step.lower(state.params, state.apply_fn, batch, memory).compile().as_text()
     collectives = lambda hlo: sorted(set(re.findall(r"(all-gather|all-to-all|all-reduce)[-a-z]*\(", hlo)))  # noqa: E731
     assert collectives(train_hlo) == collectives(eval_hlo) == ["all-reduce"]  # the loss sums (and gradients)
@@ -244,7 +245,7 @@ def test_resume_restores_the_memory_and_the_stream(tmp_path):
     config.train.num_steps, config.train.eval_every, config.train.checkpoint_every = 6, 1000, 3
     full = tmp_path / "full"
     devices = jax.devices()[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
-    result = train_lib.train_and_evaluate(config, str(full), devices=devices, log=lambda *a: None)
+    result = loop.train_and_evaluate(config, str(full), devices=devices, log=lambda *a: None)
     assert result["validation"]["tokens"] > 1000
     losses = _read_losses(full)
 
@@ -252,9 +253,9 @@ def test_resume_restores_the_memory_and_the_stream(tmp_path):
     half.mkdir()
     (half / "spm.model").write_bytes((full / "spm.model").read_bytes())
     config.train.num_steps = 3
-    train_lib.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
+    loop.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
     config.train.num_steps = 6
-    resumed = train_lib.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
+    resumed = loop.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
     assert _read_losses(half) == losses  # steps 4..6 after the restore equal the uninterrupted run's
     assert resumed["validation"]["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-6)
 

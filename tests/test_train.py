@@ -12,8 +12,8 @@ import pytest
 import sacrebleu
 import tiny_config
 
-from lconv import checkpoints, train_lib
 from lconv.data import sources
+from lconv.train import checkpoints, loop, setup, steps
 
 
 def _config(data_dir, num_steps=6, **train):
@@ -49,7 +49,7 @@ def _quiet(*args):
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     workdir = root / "full"
-    result = train_lib.train_and_evaluate(_config(root / "tfds"), str(workdir), log=_quiet)
+    result = loop.train_and_evaluate(_config(root / "tfds"), str(workdir), log=_quiet)
     return root, workdir, result
 
 
@@ -79,8 +79,8 @@ def test_the_best_checkpoint_is_the_lowest_validation_loss(uninterrupted):
 def test_resume_continues_exactly(uninterrupted):
     root, workdir, _ = uninterrupted
     resumed = _new_workdir(root, "resumed", workdir)
-    train_lib.train_and_evaluate(_config(root / "tfds", 3), str(resumed), log=_quiet)
-    train_lib.train_and_evaluate(_config(root / "tfds", 6), str(resumed), log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds", 3), str(resumed), log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds", 6), str(resumed), log=_quiet)
     full, again = _train_losses(workdir), _train_losses(resumed)
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
@@ -90,7 +90,7 @@ def test_resume_continues_exactly(uninterrupted):
 def test_one_device_gives_the_losses_of_eight(uninterrupted):
     root, workdir, _ = uninterrupted
     single = _new_workdir(root, "single", workdir)
-    train_lib.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices()[:1], log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices()[:1], log=_quiet)
     eight, one = _train_losses(workdir), _train_losses(single)
     assert len(jax.devices()) == 8
     for step in range(1, 7):
@@ -108,7 +108,7 @@ def test_half_written_and_corrupt_checkpoints_are_skipped(uninterrupted):
         if path.is_file():
             path.write_bytes(b"garbage")
     messages = []
-    train_lib.train_and_evaluate(_config(root / "tfds", 7), str(damaged), log=messages.append)
+    loop.train_and_evaluate(_config(root / "tfds", 7), str(damaged), log=messages.append)
     assert any("[6] unreadable" in m and "resuming from step 5" in m for m in messages), messages
     assert len(os.listdir(damaged / "checkpoints_unreadable")) == 1  # set aside, not deleted
     rows = [r for r in _rows(damaged, "train") if r["step"] == 6]
@@ -123,14 +123,14 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_a_clear_error(uninterrupte
     config = _config(root / "tfds", 7)
     config.model.d_model = 32
     with pytest.raises(ValueError, match="does not fit"):
-        train_lib.train_and_evaluate(config, str(other), log=_quiet)
+        loop.train_and_evaluate(config, str(other), log=_quiet)
     assert not (other / "checkpoints_unreadable").exists()  # a config mismatch sets nothing aside
 
 
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(uninterrupted, monkeypatch):
     root, workdir, _ = uninterrupted
     diverging = _new_workdir(root, "diverging", workdir)
-    make_step = train_lib.make_train_step
+    make_step = steps.make_train_step
 
     def poisoned(config, lr_schedule):  # from the 4th update on, the params and the loss become NaN
         step_fn = make_step(config, lr_schedule)
@@ -144,9 +144,9 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(uni
 
         return train_step
 
-    monkeypatch.setattr(train_lib, "make_train_step", poisoned)
+    monkeypatch.setattr(steps, "make_train_step", poisoned)
     with pytest.raises(FloatingPointError, match="step 4.*last good checkpoint is kept.*step 3"):
-        train_lib.train_and_evaluate(_config(root / "tfds"), str(diverging), log=_quiet)
+        loop.train_and_evaluate(_config(root / "tfds"), str(diverging), log=_quiet)
     ckpt = checkpoints.Checkpointer(diverging)
     assert ckpt.latest_step() == 3
     ckpt.close()
@@ -161,12 +161,12 @@ def step_setup():
     config.model.dropout = config.model.weight_dropout = 0.0  # micro-batches would draw other dropout masks
     config.optim.warmup_init_lr = config.optim.learning_rate  # a first update of a visible size
     config.optim.optimizer = "nag"  # updates linear in the gradient (Adam's first step is ~sign(g): noise-prone)
-    model = train_lib.build_model(config, 512)
-    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
-    mesh = train_lib.make_mesh(config.mesh)
-    state, _ = train_lib.create_state(config, model, mesh, tx)
+    model = setup.build_model(config, 512)
+    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    mesh = setup.make_mesh(config.mesh)
+    state, _ = setup.create_state(config, model, mesh, tx)
     rng = np.random.default_rng(0)
-    batch = train_lib._dummy_batch(config, config.data.batch_size)
+    batch = setup.dummy_batch(config, config.data.batch_size)
     for key in ("inputs", "targets"):
         lengths = rng.integers(3, 17, size=8)
         batch[key] = np.where(np.arange(16) < lengths[:, None], rng.integers(4, 512, (8, 16)), 0).astype(np.int32)
@@ -176,7 +176,7 @@ def step_setup():
 
 def _one_step(config, lr, mesh, state, batch):
     with jax.set_mesh(mesh):
-        return jax.jit(train_lib.make_train_step(config, lr))(state, batch)
+        return jax.jit(steps.make_train_step(config, lr))(state, batch)
 
 
 def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
@@ -198,7 +198,7 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     _, f32_sums = _one_step(config, lr, mesh, state, batch)
     config = config.copy_and_resolve_references()
     config.model.dtype = "bfloat16"
-    bf16_state = state.replace(apply_fn=train_lib.build_model(config, 512).apply)
+    bf16_state = state.replace(apply_fn=setup.build_model(config, 512).apply)
     new_state, bf16_sums = _one_step(config, lr, mesh, bf16_state, batch)
     assert bf16_sums["loss"].dtype == np.float32
     assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {np.dtype(np.float32)}
@@ -218,7 +218,7 @@ def test_bad_config_values_fail_fast_naming_the_field(field, value, message, tmp
     section, _, name = field.rpartition(".")
     (config[section] if section else config)[name] = value
     with pytest.raises(ValueError, match=message):
-        train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
+        loop.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
     assert not (tmp_path / "run").exists()  # failed before writing anything
 
 
@@ -226,24 +226,25 @@ def test_batch_must_divide_into_devices_times_micro_batches(tmp_path):
     config = tiny_config.get_config()
     config.optim.grad_accum_steps = 3
     with pytest.raises(ValueError, match="batch_size=8 must be divisible by the 8 .*grad_accum_steps=3"):
-        train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
+        loop.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # eval.py's library side: splits, averaging, the best checkpoint, arbitrary text
 # ----------------------------------------------------------------------------------------------------------------
 def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
-    from lconv import evaluate
+    from lconv.cli import evaluate
 
     root, workdir, _ = uninterrupted
     config = _config(root / "tfds")
-    model = train_lib.build_model(config, 512)
-    averaged, steps = evaluate.restore_params(config, model, str(workdir), average_last=3)
-    assert steps == [4, 5, 6]
+    model = setup.build_model(config, 512)
+    trained = setup.load_trained(str(workdir), average_last=3)
+    averaged, chosen = trained.params, trained.steps
+    assert chosen == [4, 5, 6]
     ckpt = checkpoints.Checkpointer(workdir)
-    template = checkpoints.abstract_like(train_lib.create_state(
-        config, model, train_lib.make_mesh(config.mesh), train_lib.build_optimizer(config.optim, 6)[0])[0])
-    each = [jax.tree.leaves(ckpt.restore(template, step)[0].params) for step in steps]
+    template = checkpoints.abstract_like(setup.create_state(
+        config, model, setup.make_mesh(config.mesh), setup.build_optimizer(config.optim, 6)[0])[0])
+    each = [jax.tree.leaves(ckpt.restore(template, step)[0].params) for step in chosen]
     ckpt.close()
     for got, *separate in zip(jax.tree.leaves(averaged), *each):
         np.testing.assert_allclose(np.asarray(got), np.mean([np.asarray(x, np.float64) for x in separate], 0),
@@ -261,7 +262,7 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
 
 
 def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
-    from lconv import evaluate
+    from lconv.cli import evaluate
 
     root, workdir, _ = uninterrupted
     sources = ["This package contains the documentation.", "", "A library for parsing XML files in C."]
@@ -290,13 +291,13 @@ def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
 
 
 def test_eval_scores_a_language_model_by_perplexity(tmp_path):
-    from lconv import evaluate
+    from lconv.cli import evaluate
 
     config = _config(tmp_path / "tfds", num_steps=2, eval_every=1000)
     config.task, config.data.dataset = "lm", "ddtp/lm_en"
     config.model.encoder_layers = 0
     workdir = tmp_path / "lm"
-    result = train_lib.train_and_evaluate(config, str(workdir), log=_quiet)
+    result = loop.train_and_evaluate(config, str(workdir), log=_quiet)
     scores = evaluate.run(str(workdir), split="validation", log=_quiet)
     # The same params on the same split: eval.py's perplexity is the one train.py logged at the end.
     assert scores["tokens"] == result["validation"]["tokens"] > 1000

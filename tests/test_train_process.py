@@ -13,9 +13,9 @@ import time
 import pytest
 import tiny_config
 
-from lconv import checkpoints, train_lib
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.train import checkpoints, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +102,7 @@ def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared)
     reference = _workdir(prepared, "reference")
     config = config.copy_and_resolve_references()
     config.train.update(num_steps=40, checkpoint_every=5, eval_every=1000)
-    train_lib.train_and_evaluate(config, str(reference), log=lambda *a: None)
+    loop.train_and_evaluate(config, str(reference), log=lambda *a: None)
     expected = dict(_logged(reference))
     logged = _logged(workdir)
     assert sorted(expected) == list(range(1, 41)) and {s for s, _ in logged} == set(expected)
@@ -145,7 +145,8 @@ def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
     _two_processes(prepared, workdir, "--config.task=lm", "--config.data.dataset=ddtp/lm_en",
                    "--config.data.stream=True", "--config.model.encoder_layers=0",
                    "--config.model.decoder_mixer=knn_memory", "--config.data.max_target_length=64",
-                   "--config.data.eval_batch_size=256", "--config.train.num_steps=4", "--config.train.checkpoint_every=2",
+                   "--config.data.eval_batch_size=256", "--config.train.num_steps=4",
+                   "--config.train.checkpoint_every=2",
                    "--config.train.eval_every=1000")
     losses = dict(_logged(workdir))
     assert sorted(losses) == [1, 2, 3, 4] and all(map(math.isfinite, losses.values()))

@@ -10,6 +10,8 @@ import shlex
 import sys
 import time
 
+from lconv.errors import UserError
+
 SUITES = ("mixers", "limits", "decode", "train")
 
 
@@ -24,13 +26,13 @@ def parse_T_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"--T must be comma-separated integers, e.g. 256,1024; got {text!r}") from None
+        raise UserError(f"--T must be comma-separated integers, e.g. 256,1024; got {text!r}") from None
     if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
-        raise ValueError(f"--T must be positive, ascending and without repeats; got {text!r}")
+        raise UserError(f"--T must be positive, ascending and without repeats; got {text!r}")
     return values
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     parser = _Parser(prog="python -m lconv.bench", description=__doc__.splitlines()[0])
     parser.add_argument("suite", help=f"one of {', '.join(SUITES)}, all")
     parser.add_argument("--quick", action="store_true", help="short lists and fewer runs: a smoke test")

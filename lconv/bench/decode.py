@@ -2,21 +2,23 @@
 
 A small ``DecoderOnlyLM`` (``LAYERS`` layers, d=512, FFN 2048, H=8, conv K=31) decodes greedily one token per
 step on its ``'cache'`` (``decode=True``), batch 1, for output lengths up to 4096. Steps run in jitted windows of
-``WINDOW`` steps (a ``fori_loop``, the cache donated), so Python dispatch is amortised as in ``lconv.decode``;
+``WINDOW`` steps (a ``fori_loop``, the cache donated), so Python dispatch is amortised as in ``lconv.infer.search``;
 every window is timed, which gives the per-token time at every position of the output. The cache is created
-for the whole output length up front (as ``lconv.decode`` does): a Transformer's KV cache is ``[L, d]`` per
+for the whole output length ``L`` up front (as ``lconv.infer.search`` does): a Transformer's KV cache is ``[L, d]`` per
 layer, and its attention reads all of it at every step; a conv's cache is its last ``K - 1`` inputs.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from lconv import models
 from lconv.bench import report, timing
+from lconv.nn import models
 
 MIXERS = {"LightConv": "lightconv", "DynamicConv": "dynamicconv", "Transformer": "attention"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 2, 8000
@@ -45,94 +47,95 @@ def _window(model, params, cache, token_B1):
     return jax.lax.fori_loop(0, WINDOW, step, (cache, token_B1))
 
 
-def run(lengths, log=print):
+def run(lengths: Sequence[int], log: report.Log = print) -> list[report.Row]:
+    """Greedy decoding of each model at every output length, timed window by window."""
     rows = []
     for label, mixer in MIXERS.items():
         params = None
-        for N in lengths:
-            model = decoder(mixer, N)
+        for L in lengths:
+            model = decoder(mixer, L)
             if params is None:
                 params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 1), jnp.int32))["params"]
             window = compile_s = None
             per_token = []
-            for attempt in range(-(-MIN_WINDOWS * WINDOW // N)):  # short outputs are decoded several times
-                _, variables = model.apply({"params": params}, jnp.zeros((1, N), jnp.int32), decode=True,
+            for attempt in range(-(-MIN_WINDOWS * WINDOW // L)):  # short outputs are decoded several times
+                _, variables = model.apply({"params": params}, jnp.zeros((1, L), jnp.int32), decode=True,
                                            shift=False, mutable=["cache"])
                 cache, token = variables["cache"], jnp.ones((1, 1), jnp.int32)
                 cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
                 if window is None:
                     window, compile_s = timing.compile_fn(functools.partial(_window, model), (params, cache, token),
                                                           donate_argnums=(1,))
-                for i in range(N // WINDOW):
+                for i in range(L // WINDOW):
                     start = time.perf_counter()
                     cache, token = window(params, cache, token)
                     token.block_until_ready()
                     seconds = (time.perf_counter() - start) / WINDOW
                     per_token.append(seconds)
-                    rows.append(dict(model=label, output_length=N, attempt=attempt, position=(i + 1) * WINDOW,
+                    rows.append(dict(model=label, output_length=L, attempt=attempt, position=(i + 1) * WINDOW,
                                      us_per_token=seconds * 1e6, cache_bytes=cache_bytes, compile_s=compile_s,
                                      warm_up=attempt == 0 and i == 0))
                 del cache
             median = timing.summarize(per_token[1:] or per_token)["median_s"]
-            log(f"  {label:12s} length {N:5d}: {median * 1e6:8.1f} us/token (median of {len(per_token) - 1} windows), "
+            log(f"  {label:12s} length {L:5d}: {median * 1e6:8.1f} us/token (median of {len(per_token) - 1} windows), "
                 f"cache {cache_bytes / 2**20:.2f} MiB, compile {compile_s:.1f} s")
     return rows
 
 
-def _median_at(rows, label, N, lo=0, hi=None):
-    """Median per-token time of the windows of the length-``N`` runs ending at a position in ``(lo, hi]``."""
-    values = [r["us_per_token"] for r in rows if r["model"] == label and r["output_length"] == N
+def _median_at(rows, label, L, lo=0, hi=None):
+    """Median per-token time of the windows of the length-``L`` runs ending at a position in ``(lo, hi]``."""
+    values = [r["us_per_token"] for r in rows if r["model"] == label and r["output_length"] == L
               and not r["warm_up"] and r["position"] > lo and (hi is None or r["position"] <= hi)]
     return timing.summarize(values)["median_s"] if values else None
 
 
-def section(rows, lengths, info, command):
+def section(rows: Sequence[report.Row], lengths: Sequence[int], info: dict[str, str], command: str) -> str:
     labels = list(MIXERS)
-    N = lengths[-1]
-    marks = [p for p in (64, 256, 1024, 4096) if p <= N]
+    L = lengths[-1]
+    marks = [p for p in (64, 256, 1024, 4096) if p <= L]
     bands = list(zip([WINDOW] + marks[:-1], marks))
     parts = [f"### Incremental decoding (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
              f"K={K}, vocab {VOCAB}, batch 1, greedy, float32; windows of {WINDOW} steps in one jitted loop "
              f"(the first window is warm-up and left out; outputs shorter than {MIN_WINDOWS} windows are decoded "
-             "several times). The cache is created for the whole output length, as `lconv.decode` does; lconv's "
+             "several times). The cache is created for the whole output length, as `lconv.infer.search` does; lconv's "
              "attention reads all of its cache (masked) at every step, so its cost follows the cache length, "
              "not the position.\n",
              "**Median µs per token over the whole output, by output length**\n",
              report.markdown_table(["model"] + [f"length {n}" for n in lengths],
                                    [[lab] + [_median_at(rows, lab, n) for n in lengths] for lab in labels]),
-             f"**µs per token by position, in the length-{N} run** (median of the windows ending in the range)\n",
+             f"**µs per token by position, in the length-{L} run** (median of the windows ending in the range)\n",
              report.markdown_table(["model"] + [f"positions {a}-{b}" for a, b in bands],
-                                   [[lab] + [_median_at(rows, lab, N, a, b) for a, b in bands] for lab in labels]),
+                                   [[lab] + [_median_at(rows, lab, L, a, b) for a, b in bands] for lab in labels]),
              "**Cache bytes per sequence, by output length**\n",
              report.markdown_table(["model"] + [f"length {n}" for n in lengths],
                                    [[lab] + [next((r["cache_bytes"] for r in rows if r["model"] == lab
                                                    and r["output_length"] == n), None) for n in lengths]
                                     for lab in labels])]
-    ratio_rows, early_end = [], max(N // 8, 4 * WINDOW)
+    ratio_rows, early_end = [], max(L // 8, 4 * WINDOW)
     for lab in labels:
-        early, late = _median_at(rows, lab, N, 2 * WINDOW, early_end), _median_at(rows, lab, N, N // 2)
+        early, late = _median_at(rows, lab, L, 2 * WINDOW, early_end), _median_at(rows, lab, L, L // 2)
         vs_tf = [_median_at(rows, "Transformer", n) / _median_at(rows, lab, n) for n in lengths]
         ratio_rows.append([lab, late / early if early and late else None] + vs_tf)
-    parts += [f"**Within-run ratios**: flatness = median per-token time at positions {N // 2 + 1}-{N} ÷ at "
-              f"{2 * WINDOW + 1}-{early_end} of the length-{N} run (1.0 = flat); then the Transformer's per-token time "
+    parts += [f"**Within-run ratios**: flatness = median per-token time at positions {L // 2 + 1}-{L} ÷ at "
+              f"{2 * WINDOW + 1}-{early_end} of the length-{L} run (1.0 = flat); then the Transformer's per-token time "
               "÷ this model's, by output length\n",
-              report.markdown_table(["model", f"flatness (length {N})"] + [f"speed-up vs Transformer, {n}"
+              report.markdown_table(["model", f"flatness (length {L})"] + [f"speed-up vs Transformer, {n}"
                                                                         for n in lengths], ratio_rows),
               "![decode time per token by position](bench/decode.png)\n"]
     return "\n\n".join(p.strip() for p in parts)
 
 
-def run_suite(opts, info, log=print):
+def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
     lengths = LENGTHS_QUICK if opts.quick else LENGTHS_FULL
     rows = run(lengths, log=log)
     report.write_results(opts.out, "decode", rows, section(rows, lengths, info, opts.command), opts.doc)
-    N = lengths[-1]
+    L = lengths[-1]
     series = {}
     for lab in MIXERS:
-        pts = [(r["position"], r["us_per_token"]) for r in rows if r["model"] == lab and r["output_length"] == N
+        pts = [(r["position"], r["us_per_token"]) for r in rows if r["model"] == lab and r["output_length"] == L
                and not r["warm_up"]]
         series[lab] = ([p for p, _ in pts], [v for _, v in pts])
-    report.plot_lines(f"{opts.out}/decode.png", series, title=f"greedy decoding, output length {N}, batch 1",
+    report.plot_lines(f"{opts.out}/decode.png", series, title=f"greedy decoding, output length {L}, batch 1",
                       xlabel="position", ylabel="µs per token")
     return rows

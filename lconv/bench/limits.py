@@ -8,6 +8,9 @@ memory-bound floor; ``flops / time`` against the matmul rate says the same for a
 """
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+
 import jax
 
 from lconv import ops
@@ -18,7 +21,8 @@ OPS = [("light", "conv"), ("light", "band"), ("light", "shift"), ("light", "unfo
 K_SWEEP, T_SWEEP = (3, 7, 15, 31), (64, 1024)  # the evidence behind ops.choose_impl (impl="auto")
 
 
-def run(T_list, *, quick=False, log=print):
+def run(T_list: Sequence[int], *, quick: bool = False, log: report.Log = print) -> list[report.Row]:
+    """The machine's limits, then each conv op's fwd+bwd at every T against them."""
     limits = {**timing.matmul_flops_per_s(2048, repeats=5 if quick else 10),
               **timing.copy_bytes_per_s(64 if quick else 256, repeats=5 if quick else 10)}
     log(f"  matmul {limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; copy {limits['copy_bytes_per_s'] / 1e9:.1f} GB/s "
@@ -51,8 +55,8 @@ def run(T_list, *, quick=False, log=print):
     return rows
 
 
-def impl_choice(*, quick=False, log=print):
-    """fwd+bwd of each conv impl ``auto`` chooses between, over kernel sizes and lengths: ``ops._AUTO_IMPL``."""
+def impl_choice(*, quick: bool = False, log: report.Log = print) -> list[report.Row]:
+    """fwd+bwd of each conv impl ``auto`` chooses between, over kernel sizes and lengths: ``ops.choose_impl``."""
     rows = []
     for K in K_SWEEP[-1:] if quick else K_SWEEP:
         for T in T_SWEEP[-1:] if quick else T_SWEEP:
@@ -68,7 +72,7 @@ def impl_choice(*, quick=False, log=print):
     return rows
 
 
-def section(rows, info, command):
+def section(rows: Sequence[report.Row], info: dict[str, str], command: str) -> str:
     lim = {r["name"]: r["value"] for r in rows if r["kind"] == "limit"}
     convs = [r for r in rows if r["kind"] == "conv"]
     table = report.markdown_table(
@@ -91,7 +95,7 @@ def section(rows, info, command):
         table,
         "![fraction of copy bandwidth](bench/limits.png)\n",
         f"**The `impl=\"auto\"` rule**: fwd+bwd µs/token of the two candidates, B*T={mixers.TOKENS}, C={mixers.C}, "
-        f"H={mixers.H}, centred kernels; `ops.choose_impl` picks `{ops.choose_impl('light_conv', None, 31)}` on "
+        f"H={mixers.H}, centred kernels; `ops.choose_impl` picks `{ops.choose_impl()}` on "
         f"this backend ({jax.default_backend()}).\n",
         _choice_table(rows),
     ])
@@ -112,7 +116,7 @@ def _choice_table(rows):
                                   "dynamic shift", "band ÷ shift"], table)
 
 
-def run_suite(opts, info, log=print):
+def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
     T_list = (256, 4096) if not opts.quick else (256,)
     rows = run(T_list, quick=opts.quick, log=log)
     rows += impl_choice(quick=opts.quick, log=log)

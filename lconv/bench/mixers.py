@@ -13,14 +13,17 @@ predicted time per call (extrapolated from the previous T) or memory is past the
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Callable
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from lconv import mixers, ops
+from lconv import ops
 from lconv.bench import report, timing
+from lconv.nn import mixers
 
 C, H, K = 512, 8, 31
 TOKENS = 8192
@@ -40,8 +43,8 @@ class Config:
     max_call_s: float = MAX_CALL_S
 
 
-def op_config(op_name, impl, kernel_size=K):
-    """A raw conv op (centred, ``P = K // 2``) with a softmax-normalised random kernel."""
+def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
+    """A raw conv op (centred, ``padding_left = K // 2``) with a softmax-normalised random kernel."""
     dynamic, pad = op_name == "dynamic", kernel_size // 2
 
     def build(T, B):
@@ -95,7 +98,8 @@ CONFIGS = [
 ]
 
 
-def fwd_bwd(fn, argnums):
+def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
+    """``(*args, g) -> (<fn(*args), g>, its gradients w.r.t. ``argnums``)``: one fwd+bwd call."""
     def loss_and_grads(*args_and_cotangent):
         *args, g = args_and_cotangent
         return jax.value_and_grad(lambda *a: jnp.vdot(fn(*a), g), argnums=argnums)(*args)
@@ -103,7 +107,7 @@ def fwd_bwd(fn, argnums):
     return loss_and_grads
 
 
-def run(T_list, *, budget_s=1.0, log=print):
+def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print) -> list[report.Row]:
     """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
     rows = []
     last = {c.name: {} for c in CONFIGS}  # config -> pass -> (T, seconds per call) last measured
@@ -139,7 +143,7 @@ FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op
                     "LightConv block", "DynamicConv block")
 
 
-def interleaved_flatness(T_lo, T_hi, *, rounds=7, log=print):
+def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7, log: report.Log = print) -> list[report.Row]:
     """fwd+bwd µs/token at ``T_hi`` ÷ at ``T_lo``, timing the two programs in alternation (``rounds`` each), so
     that the machine's load drifting during the run affects both alike. Returns CSV rows."""
     rows = []
@@ -155,7 +159,8 @@ def interleaved_flatness(T_lo, T_hi, *, rounds=7, log=print):
         times = {T: [] for T in calls}
         for _ in range(rounds):
             for T, (compiled, f_args, tokens) in calls.items():
-                times[T] += [t / tokens * 1e6 for t in timing.time_calls(lambda: compiled(*f_args), 1, warmup=0)]
+                call = functools.partial(compiled, *f_args)
+                times[T] += [t / tokens * 1e6 for t in timing.time_calls(call, 1, warmup=0)]
         lo, hi = (timing.summarize(times[T])["median_s"] for T in (T_lo, T_hi))
         rows.append(dict(kind="flatness", name=config.name, T=T_hi, T_lo=T_lo, us_per_token=hi, us_per_token_lo=lo,
                          ratio=hi / lo, runs=rounds))
@@ -202,7 +207,7 @@ RATIOS = [  # (label, slower, faster): how many times faster the second is, meas
 ]
 
 
-def section(rows, T_list, info, command):
+def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, str], command: str) -> str:
     names = list(dict.fromkeys(r["name"] for r in rows if r["kind"] != "flatness"))
     header = ["configuration"] + [f"T={T}" for T in T_list]
     parts = [f"### Mixer scaling (`{command}`)\n",
@@ -243,7 +248,8 @@ def section(rows, T_list, info, command):
     return "\n\n".join(p.strip() for p in parts)
 
 
-def plots(rows, out_dir):
+def plots(rows: Sequence[report.Row], out_dir: str) -> None:
+    """``mixers.png`` (fwd+bwd µs/token vs T) and ``mixers_memory.png`` (its program memory) in ``out_dir``."""
     names = list(dict.fromkeys(r["name"] for r in rows if r["kind"] != "flatness"))
 
     def series(key):
@@ -260,7 +266,7 @@ def plots(rows, out_dir):
                       xlabel="sequence length T", ylabel="MiB")
 
 
-def run_suite(opts, info, log=print):
+def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
     T_list = opts.T or (T_QUICK if opts.quick else T_FULL)
     rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, log=log)
     if 256 in T_list and T_list[-1] != 256:

@@ -12,7 +12,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,8 @@ class Measurement:
     flops: float | None = None  # XLA's cost_analysis() count, when available
 
 
-def compile_fn(fn: Callable, args: Sequence[Any], donate_argnums=()) -> tuple[Any, float]:
+def compile_fn(fn: Callable, args: Sequence[Any],
+               donate_argnums: int | Sequence[int] = ()) -> tuple[jax.stages.Compiled, float]:
     """``jax.jit(fn)`` lowered and compiled for ``args``; returns ``(compiled, seconds spent compiling)``."""
     start = time.perf_counter()
     compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
@@ -116,7 +118,7 @@ def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, bu
     return Measurement(stats["median_s"], stats["min_s"], n, compile_s, memory, source, xla_flops(compiled))
 
 
-def program_memory(compiled) -> tuple[int | None, str]:
+def program_memory(compiled: jax.stages.Compiled) -> tuple[int | None, str]:
     """Peak bytes of a compiled program: arguments + outputs + XLA's temporaries (``memory_analysis()``)."""
     try:
         stats = compiled.memory_analysis()
@@ -134,7 +136,8 @@ def estimate_memory(args: Sequence[Any], out_shapes: Any) -> int:
     return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves))
 
 
-def xla_flops(compiled) -> float | None:
+def xla_flops(compiled: jax.stages.Compiled) -> float | None:
+    """XLA's FLOP count of a compiled program (``cost_analysis()``), or None where the backend has none."""
     try:
         cost = compiled.cost_analysis()
     except Exception:
@@ -209,6 +212,6 @@ def describe(info: dict[str, str]) -> str:
             f"1-minute load average at start {info['load']}")
 
 
-
-def random_normal(shape, seed=0, dtype=jnp.float32):
+def random_normal(shape: Sequence[int], seed: int = 0, dtype: Any = jnp.float32) -> jax.Array:
+    """Standard-normal values of ``shape`` from ``jax.random.key(seed)``."""
     return jax.random.normal(jax.random.key(seed), shape, dtype)

@@ -1,7 +1,7 @@
 """Suite ``train``: tokens/s of a full training step, and model FLOPs utilisation.
 
 Same-size decoder-only LMs (``LAYERS`` layers, d=512, FFN 2048, H=8, vocab 8000; the Transformer's mixer is
-self-attention, the others a K=31 conv block) are trained with lconv's own step (``train_lib.make_train_step``:
+self-attention, the others a K=31 conv block) are trained with lconv's own step (``steps.make_train_step``:
 dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens, ``TOKENS`` tokens per
 batch, at T=512 and T=4096.
 
@@ -12,12 +12,15 @@ XLA's own count (``cost_analysis()``, which also counts elementwise work) is in 
 """
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 
 from configs import common
-from lconv import train_lib
 from lconv.bench import report, timing
+from lconv.train import setup, steps
 
 MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
@@ -25,7 +28,8 @@ TOKENS = 4096
 T_FULL, T_QUICK = (512, 4096), (512,)
 
 
-def lm_config(mixer: str, T: int):
+def lm_config(mixer: str, T: int) -> setup.Config:
+    """``configs.common``'s base config as a ``mixer`` decoder-only LM at length ``T``, ``TOKENS`` per batch."""
     c = common.base_config()
     c.task = "lm"
     c.data.max_target_length = T
@@ -61,12 +65,12 @@ def _batch(config, seed=0):
 def _trainer(mixer, T):
     """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
     config = lm_config(mixer, T)
-    model = train_lib.build_model(config, VOCAB)
-    tx, lr = train_lib.build_optimizer(config.optim, config.train.num_steps)
-    state, _ = train_lib.create_state(config, model, train_lib.make_mesh(config.mesh, jax.devices()[:1]), tx)
+    model = setup.build_model(config, VOCAB)
+    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    state, _ = setup.create_state(config, model, setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
     batch = _batch(config)
-    compiled, compile_s = timing.compile_fn(train_lib.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
-    holder = {"state": state, "params": train_lib.count_params(state.params)}
+    compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
+    holder = {"state": state, "params": setup.count_params(state.params)}
 
     def step():
         holder["state"], sums = compiled(holder["state"], batch)
@@ -75,7 +79,7 @@ def _trainer(mixer, T):
     return step, compiled, compile_s, holder, config.data.batch_size
 
 
-def run(T_list, *, repeats, log=print):
+def run(T_list: Sequence[int], *, repeats: int, log: report.Log = print) -> list[report.Row]:
     """At each T the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds), so their
     ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements before
     and after each T, so a load spike during one of them does not inflate the MFU."""
@@ -108,13 +112,13 @@ def run(T_list, *, repeats, log=print):
     return rows
 
 
-def section(rows, T_list, info, command):
+def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, str], command: str) -> str:
     def get(label, T, key):
         return next((r[key] for r in rows if r["model"] == label and r["T"] == T), None)
 
     parts = [f"### Training step (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
-             f"vocab {VOCAB}, conv K={K}; {TOKENS} tokens per batch; `train_lib.make_train_step` (dropout 0.1, "
+             f"vocab {VOCAB}, conv K={K}; {TOKENS} tokens per batch; `steps.make_train_step` (dropout 0.1, "
              f"label smoothing, Adam), state donated; float32; the three models' steps alternate, median of the "
              f"rounds. Matmul rate, best of three measurements in this run: "
              f"{rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s. MFU uses analytic model FLOPs.\n",
@@ -131,7 +135,7 @@ def section(rows, T_list, info, command):
     return "\n\n".join(p.strip() for p in parts)
 
 
-def run_suite(opts, info, log=print):
+def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
     T_list = T_QUICK if opts.quick else T_FULL
     rows = run(T_list, repeats=2 if opts.quick else 3, log=log)
     report.write_results(opts.out, "train", rows, section(rows, T_list, info, opts.command), opts.doc)

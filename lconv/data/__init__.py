@@ -4,11 +4,11 @@ Modules (import what you need; this package imports nothing heavy):
     ddtp        parse apt Translation files, align by Description-md5, build tasks; the bundled snapshot
     tfds_ddtp   tfds builders (array_record, TensorFlow-free) for DDTP and local parallel text (IWSLT14)
     sources     dataset name -> (random-access source, input key, target key), incl. the paper's tfds datasets
-    tokenizer   SentencePiece joint model saved in the workdir; the special token ids below
+    tokenizer   SentencePiece joint model saved in the workdir, with lconv.constants' special ids
     pipeline    grain input pipeline: packed train batches, padded eval batches; ``make_datasets``
 
 ``python -m lconv.data <task>`` prints counts and an example batch for a task on the bundled snapshot.
 """
-from lconv.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 __all__ = ["PAD_ID", "EOS_ID", "UNK_ID", "BOS_ID"]

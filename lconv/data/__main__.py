@@ -45,7 +45,7 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     print(f"  eval batch: {', '.join(f'{k} {list(v.shape)}' for k, v in eval_batch.items())}")
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tasks", nargs="*", default=list(ddtp.TASKS), help=f"default: all of {ddtp.TASKS}")
     parser.add_argument("--data_dir", default=os.path.join(tempfile.gettempdir(), "lconv_tfds"))

@@ -35,7 +35,9 @@ import lzma
 import os
 import re
 import unicodedata
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
+
+from lconv.errors import UserError
 
 LANGS = ("en", "de", "fr", "es", "zh_CN")
 # task name -> the non-English language of the pair. Both directions are usable (``sources.py``).
@@ -83,7 +85,7 @@ def read_index_bytes(path: str | os.PathLike) -> bytes:
         try:
             import lz4.frame  # optional dependency
         except ImportError as e:
-            raise ValueError(f"{path} is lz4-compressed; pip install lz4 or pass the .xz/plain file") from e
+            raise UserError(f"{path} is lz4-compressed; pip install lz4 or pass the .xz/plain file") from e
         return lz4.frame.decompress(data)
     return data
 
@@ -107,7 +109,7 @@ def load_raw_corpus(raw_dir: str | os.PathLike, langs: Iterable[str] = LANGS,
         path = find_index_file(raw_dir, lang)
         if path is None:
             if lang == "en":
-                raise ValueError(f"raw_dir={raw_dir!r} has no Translation-en[.xz|.lz4]; point raw_dir at the apt files")
+                raise UserError(f"raw_dir={raw_dir!r} has no Translation-en[.xz|.lz4]; point raw_dir at the apt files")
             counts[f"missing_file_{lang}"] += 1
             continue
         corpus[lang] = parse_index(read_index_bytes(path), lang, counts)
@@ -305,7 +307,7 @@ def _task_examples(record: Mapping, task: str, counts: collections.Counter) -> l
     if task == "lm_en":
         text = " ".join(en)
         return [{"text": _truncate(text, MAX_DOCUMENT_CHARS, counts, "lm_en_truncated")}]
-    raise ValueError(f"task={task!r} is unknown; use one of {TASKS}")
+    raise UserError(f"task={task!r} is unknown; use one of {TASKS}")
 
 
 def build_tasks(records: Iterable[Mapping], tasks: Iterable[str] = TASKS,
@@ -377,7 +379,7 @@ def load_snapshot_records(snapshot_dir: str | os.PathLike | None = None) -> list
     for split in SPLITS:
         path = snapshot_file(snapshot_dir, split)
         if not os.path.exists(path):
-            raise ValueError(f"snapshot file {path} is missing; regenerate it with scripts/make_ddtp_snapshot.py")
+            raise UserError(f"snapshot file {path} is missing; regenerate it with scripts/make_ddtp_snapshot.py")
         with lzma.open(path, "rt", encoding="utf-8") as f:
             records += [{**json.loads(line), "split": split} for line in f if line.strip()]
     return records

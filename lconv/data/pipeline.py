@@ -31,13 +31,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
+from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import sources, stream
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.data.tokenizer import EOS_ID, PAD_ID
+from lconv.errors import UserError
 
 DEFAULTS = dict(
     dataset="ddtp/en_de", data_dir="~/tensorflow_datasets", raw_dir=None, vocab_size=8000,
@@ -76,7 +78,7 @@ class Datasets:
     stats: collections.Counter  # training-side counts (truncated / dropped examples) of this process
 
 
-def config_value(config: Any, name: str):
+def config_value(config: Any, name: str) -> Any:
     if isinstance(config, Mapping):
         return config.get(name, DEFAULTS[name])
     return getattr(config, name, DEFAULTS[name])
@@ -114,11 +116,11 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     get = lambda name: config_value(config, name)  # noqa: E731
     for field in ("batch_size", "eval_batch_size"):
         if get(field) % process_count:
-            raise ValueError(f"{field}={get(field)} is not divisible by process_count={process_count}; change it")
+            raise UserError(f"{field}={get(field)} is not divisible by process_count={process_count}; change it")
     if get("train_long") not in ("truncate", "drop"):
-        raise ValueError(f"train_long={get('train_long')!r} must be 'truncate' or 'drop'")
+        raise UserError(f"train_long={get('train_long')!r} must be 'truncate' or 'drop'")
     if get("stream") and sources.dataset_spec(get("dataset")).input_key is not None:
-        raise ValueError(f"stream=True streams documents to a language model; dataset={get('dataset')!r} "
+        raise UserError(f"stream=True streams documents to a language model; dataset={get('dataset')!r} "
                          "has inputs (use a language-modelling dataset, e.g. ddtp/lm_en)")
     source, input_key, target_key = sources.get_source(get("dataset"), "train", get("data_dir"), get("raw_dir"))
     if get("stream"):
@@ -141,7 +143,8 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     return Datasets(train_iter, eval_sets, input_key, target_key, stats)
 
 
-def make_stream_datasets(config, source, input_key, target_key, tokenizer, process_index, process_count):
+def make_stream_datasets(config: Any, source: sources.Source, input_key: str | None, target_key: str,
+                         tokenizer: tokenizer_lib.Tokenizer, process_index: int, process_count: int) -> Datasets:
     """``make_datasets`` for ``stream=True``: document streams for training and every eval split."""
     get = lambda name: config_value(config, name)  # noqa: E731
     del input_key  # None: make_datasets checked the dataset is a language-modelling one
@@ -171,10 +174,11 @@ def _max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
 
 
-def make_train_iter(source, input_key: str | None, target_key: str, tokenizer, lengths: Mapping[str, int], *,
+def make_train_iter(source: sources.Source, input_key: str | None, target_key: str, tokenizer: tokenizer_lib.Tokenizer,
+                    lengths: Mapping[str, int], *,
                     rows: int, seed: int, num_epochs: int | None = None, pack: bool = True,
                     drop_long: bool = False, process_index: int = 0, process_count: int = 1,
-                    read_threads: int = 2):
+                    read_threads: int = 2) -> tuple[Iterator[dict[str, np.ndarray]], collections.Counter]:
     """(grain DatasetIterator of train batches [rows, L], stats Counter) over this process's shard of source.
 
     Shuffled with ``seed`` (a new order every epoch), tokenised with EOS, truncated (or dropped) to ``lengths``
@@ -204,7 +208,7 @@ def make_train_iter(source, input_key: str | None, target_key: str, tokenizer, l
     return iter(ds), stats
 
 
-def make_eval_set(source, input_key: str | None, target_key: str, tokenizer: tokenizer_lib.Tokenizer,
+def make_eval_set(source: sources.Source, input_key: str | None, target_key: str, tokenizer: tokenizer_lib.Tokenizer,
                   lengths: Mapping[str, int], rows: int, process_index: int = 0,
                   process_count: int = 1) -> EvalSet:
     """Every example of this process's shard of ``source`` (in source order), tokenised for padded batches."""
@@ -242,8 +246,9 @@ def _with_eos(ids: np.ndarray, length: int, stats: collections.Counter, key: str
     return np.concatenate([ids, [EOS_ID]]).astype(np.int32)
 
 
-def tokenize_example(example: Mapping, input_key: str | None, target_key: str, tokenizer, lengths: Mapping[str, int],
-                     stats: collections.Counter, *, drop: bool = False) -> dict[str, np.ndarray] | None:
+def tokenize_example(example: Mapping, input_key: str | None, target_key: str, tokenizer: tokenizer_lib.Tokenizer,
+                     lengths: Mapping[str, int], stats: collections.Counter, *,
+                     drop: bool = False) -> dict[str, np.ndarray] | None:
     """Source example -> {"inputs": [<=Ls], "targets": [<=Lt]} int32 ids with EOS; None if dropped for length."""
     texts = {"targets": _text(example[target_key])}
     if input_key is not None:

@@ -17,8 +17,19 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from lconv.data import ddtp
+from lconv.errors import UserError
+
+
+class Source(Protocol):
+    """A random-access source: ``len(source)`` examples, ``source[i] -> {field: bytes or str}``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +44,7 @@ class DatasetSpec:
 
 def _specs() -> dict[str, DatasetSpec]:
     specs = {}
-    for task, lang in ddtp.TRANSLATION_TASKS.items():
+    for task in ddtp.TRANSLATION_TASKS:
         xx = task.split("_")[1]
         specs[f"ddtp/en_{xx}"] = DatasetSpec(f"ddtp/{task}", "en", xx, "translation", True)
         specs[f"ddtp/{xx}_en"] = DatasetSpec(f"ddtp/{task}", xx, "en", "translation", True)
@@ -57,7 +68,7 @@ DATASETS = _specs()
 
 def dataset_spec(name: str) -> DatasetSpec:
     if name not in DATASETS:
-        raise ValueError(f"dataset={name!r} is unknown; use one of {sorted(DATASETS)}")
+        raise UserError(f"dataset={name!r} is unknown; use one of {sorted(DATASETS)}")
     return DATASETS[name]
 
 
@@ -65,7 +76,7 @@ def prepare_command(tfds_name: str, data_dir: str) -> str:
     return f"tfds build {tfds_name} --data_dir={data_dir} --file_format=array_record"
 
 
-def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None):
+def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None) -> tuple[Source, str | None, str]:
     """(random-access source, input_key or None, target_key) for dataset ``name`` and split train/validation/test.
 
     raw_dir: for ``ddtp/*`` raw apt Translation files instead of the bundled snapshot (use a separate data_dir);
@@ -81,11 +92,11 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
     else:
         builder = _prepared_builder(spec.tfds_name, data_dir)
     if tfds_split not in builder.info.splits:
-        raise ValueError(f"split={split!r} is not in {spec.tfds_name} (has {sorted(builder.info.splits)})")
+        raise UserError(f"split={split!r} is not in {spec.tfds_name} (has {sorted(builder.info.splits)})")
     try:
         source = builder.as_data_source(split=tfds_split)
     except NotImplementedError as e:  # prepared in TFRecord format
-        raise ValueError(f"{spec.tfds_name} in {data_dir} is not array_record; rebuild it with: "
+        raise UserError(f"{spec.tfds_name} in {data_dir} is not array_record; rebuild it with: "
                          f"{prepare_command(spec.tfds_name, data_dir)}") from e
     return source, spec.input_key, spec.target_key
 
@@ -97,7 +108,7 @@ def _prepared_builder(tfds_name: str, data_dir: str):
     versions = sorted(glob.glob(os.path.join(data_dir, tfds_name, "*", "dataset_info.json")),
                       key=lambda p: [int(x) if x.isdigit() else 0 for x in p.split(os.sep)[-2].split(".")])
     if not versions:
-        raise ValueError(f"{tfds_name} is not prepared in {data_dir} and cannot be downloaded here; on a machine "
+        raise UserError(f"{tfds_name} is not prepared in {data_dir} and cannot be downloaded here; on a machine "
                          f"with network run: {prepare_command(tfds_name, data_dir)} (then copy {data_dir}/"
                          f"{tfds_name.split('/')[0]} here)")
     return tfds.builder_from_directory(os.path.dirname(versions[-1]))

@@ -1,4 +1,4 @@
-"""Document streams for language models that carry state across steps (the kNN memory of ``lconv.memory``).
+"""Document streams for language models that carry state across steps (the kNN memory of ``lconv.nn.knn_memory``).
 
 A row of a stream batch reads whole documents, one after another, a window of ``window`` tokens per step, so
 state threaded from one step to the next (the memory) sees each document in order and only its past::
@@ -24,11 +24,13 @@ state threaded from one step to the next (the memory) sees each document in orde
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-from lconv.data.tokenizer import EOS_ID
+from lconv.constants import EOS_ID
+from lconv.errors import UserError
 
 
 class DocumentStream:
@@ -39,14 +41,14 @@ class DocumentStream:
                  process_count: int = 1, with_weights: bool = False,
                  token_cache: dict[int, np.ndarray] | None = None):
         if window < 2 or rows < 1:
-            raise ValueError(f"a document stream needs window >= 2 and rows >= 1; got window={window}, rows={rows}")
+            raise UserError(f"a document stream needs window >= 2 and rows >= 1; got window={window}, rows={rows}")
         self.source, self.text_key, self.tokenizer = source, text_key, tokenizer
         self.window, self.rows, self.seed, self.num_epochs, self.shuffle = window, rows, seed, num_epochs, shuffle
         self.with_weights = with_weights
         self.token_cache = token_cache  # source index -> ids + EOS, kept across passes (evaluation) when given
         self.shard = np.arange(process_index, len(source), process_count)  # source indices of this process
         if not len(self.shard):
-            raise ValueError(f"the document stream of process {process_index} has no documents "
+            raise UserError(f"the document stream of process {process_index} has no documents "
                              f"({len(source)} in the source, {process_count} processes)")
         self.stats = collections.Counter()
         self._tokens: dict[int, np.ndarray] = {}  # row -> the ids of its current document (+ EOS)
@@ -60,7 +62,7 @@ class DocumentStream:
     def set_state(self, state: Mapping[str, Any]) -> None:
         rows = [[int(d), int(o)] for d, o in state["rows"]]
         if len(rows) != self.rows:
-            raise ValueError(f"stream state has {len(rows)} rows but this stream has {self.rows}; "
+            raise UserError(f"stream state has {len(rows)} rows but this stream has {self.rows}; "
                              "data.batch_size (and the process count) must match the checkpoint's")
         self._epoch, self._next, self._rows = int(state["epoch"]), int(state["next"]), rows
         self._order = self._epoch_order(self._epoch)

@@ -18,12 +18,13 @@ Two traps, both handled here: ``dataset_info_from_configs`` wants a package dire
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import tensorflow_datasets as tfds
 from etils import epath
 
 from lconv.data import ddtp
+from lconv.errors import UserError
 
 _TASK_FIELDS = {
     **{task: ("en", task.split("_")[1]) for task in ddtp.TRANSLATION_TASKS},
@@ -103,7 +104,8 @@ class Iwslt14(_LocalBuilder):
     def _split_generators(self, dl_manager):
         del dl_manager
         if self._raw_dir is None:
-            raise ValueError("iwslt14 needs raw_dir= a folder with {train,valid,test}.{de,en}; see lconv/data/sources.py")
+            raise UserError("iwslt14 needs raw_dir= a folder with {train,valid,test}.{de,en}; "
+                            "see lconv/data/sources.py")
         return {split: self._generate_examples(prefix)
                 for split, prefix in (("train", "train"), ("validation", "valid"), ("test", "test"))}
 
@@ -111,11 +113,11 @@ class Iwslt14(_LocalBuilder):
         paths = {lang: os.path.join(self._raw_dir, f"{prefix}.{lang}") for lang in ("de", "en")}
         for path in paths.values():
             if not os.path.exists(path):
-                raise ValueError(f"raw_dir is missing {path}; it needs {{train,valid,test}}.{{de,en}}")
+                raise UserError(f"raw_dir is missing {path}; it needs {{train,valid,test}}.{{de,en}}")
         with open(paths["de"], encoding="utf-8") as f_de, open(paths["en"], encoding="utf-8") as f_en:
             de_lines, en_lines = f_de.read().splitlines(), f_en.read().splitlines()
         if len(de_lines) != len(en_lines):
-            raise ValueError(f"{paths['de']} has {len(de_lines)} lines but {paths['en']} {len(en_lines)}; "
+            raise UserError(f"{paths['de']} has {len(de_lines)} lines but {paths['en']} {len(en_lines)}; "
                              "the files must be line-aligned")
         for i, (de, en) in enumerate(zip(de_lines, en_lines)):
             yield i, {"de": de.strip(), "en": en.strip()}
@@ -128,7 +130,7 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.D
     """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") as array_record in data_dir unless already there."""
     builder_name, _, config = name.partition("/")
     if builder_name not in BUILDERS or not config:
-        raise ValueError(f"name={name!r} is not a local builder; use one of "
+        raise UserError(f"name={name!r} is not a local builder; use one of "
                          f"{[f'{b}/{c.name}' for b, cls in BUILDERS.items() for c in cls.BUILDER_CONFIGS]}")
     builder = BUILDERS[builder_name](config=config, data_dir=os.path.expanduser(data_dir), raw_dir=raw_dir,
                                      file_format=tfds.core.FileFormat.ARRAY_RECORD)

@@ -1,10 +1,7 @@
 """SentencePiece tokenizer: one joint model, trained from training-split text, saved in the run's workdir.
 
-Special ids (the single place they are defined; ``lconv.data`` re-exports them):
-    PAD_ID = 0   padding, and segment id 0 in packed batches
-    EOS_ID = 1   appended to every input and target; decoding stops at it
-    UNK_ID = 2
-    BOS_ID = 3   reserved (the models shift targets right with 0/PAD or BOS as they choose)
+The model is trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3), the one place they
+are defined; ``lconv.data`` re-exports them.
 
 The model file is ``<workdir>/spm.model`` (``tokenizer_path``) so a resumed or evaluation run reuses exactly the
 vocabulary of the run that trained it. ``load_or_train`` is the entry point. Paths may be local or anything
@@ -17,11 +14,13 @@ from __future__ import annotations
 
 import io
 import itertools
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
+from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lconv.errors import UserError
+
 MODEL_FILENAME = "spm.model"
 DEFAULT_MAX_TRAIN_SENTENCES = 200_000  # sentences sampled for training: bounded, so training takes seconds
 _MAX_SENTENCE_CHARS = 4096  # longer training lines are cut (SentencePiece would skip them)
@@ -37,7 +36,7 @@ class Tokenizer:
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         if (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id(), self._sp.bos_id()) != (
                 PAD_ID, EOS_ID, UNK_ID, BOS_ID):
-            raise ValueError("tokenizer model has other special ids than PAD=0 EOS=1 UNK=2 BOS=3; retrain it "
+            raise UserError("tokenizer model has other special ids than PAD=0 EOS=1 UNK=2 BOS=3; retrain it "
                              "with lconv.data.tokenizer.train_tokenizer")
 
     @property
@@ -51,7 +50,7 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: np.ndarray | Sequence[int]) -> str:
         """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (detokenised, ready for BLEU/ROUGE)."""
         out = []
         for i in np.asarray(ids).reshape(-1).tolist():
@@ -60,9 +59,6 @@ class Tokenizer:
             if i not in (PAD_ID, BOS_ID):
                 out.append(int(i))
         return self._sp.decode(out)
-
-    def decode_batch(self, ids_BL) -> list[str]:
-        return [self.decode(row) for row in np.asarray(ids_BL)]
 
     def save(self, directory: str) -> str:
         """Writes ``<directory>/spm.model`` (via a temporary file, so readers never see half a model)."""
@@ -85,7 +81,7 @@ def load_tokenizer(directory: str) -> Tokenizer:
 
     path = epath.Path(tokenizer_path(directory))
     if not path.exists():
-        raise ValueError(f"no tokenizer at {path}; train one with lconv.data.tokenizer.load_or_train")
+        raise UserError(f"no tokenizer at {path}; train one with lconv.data.tokenizer.load_or_train")
     return Tokenizer(path.read_bytes())
 
 
@@ -102,7 +98,7 @@ def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,
     if epath.Path(tokenizer_path(directory)).exists():
         tokenizer = load_tokenizer(directory)
         if tokenizer.vocab_size != vocab_size:
-            raise ValueError(f"vocab_size={vocab_size} but {tokenizer_path(directory)} has {tokenizer.vocab_size};"
+            raise UserError(f"vocab_size={vocab_size} but {tokenizer_path(directory)} has {tokenizer.vocab_size};"
                              " use the same vocab_size or a fresh workdir")
         return tokenizer
     tokenizer = train_tokenizer(texts, vocab_size, max_sentences=max_sentences)
@@ -119,7 +115,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
 
     sample = sample_sentences(texts, max_sentences)
     if not sample:
-        raise ValueError("texts is empty; the tokenizer needs training-split text")
+        raise UserError("texts is empty; the tokenizer needs training-split text")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -131,7 +127,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
             train_extremely_large_corpus=False, shuffle_input_sentence=False)
     except RuntimeError as e:
         if "required_chars" in str(e):
-            raise ValueError(f"vocab_size={vocab_size} is smaller than the characters the text needs "
+            raise UserError(f"vocab_size={vocab_size} is smaller than the characters the text needs "
                              f"({str(e).split('. ')[-2]}); raise vocab_size or lower character_coverage") from e
         raise
     return Tokenizer(model.getvalue())

@@ -1,7 +1,7 @@
 """Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics.
 
 Both ops are depthwise 1-D cross-correlations over time (no kernel flip), zero outside the sequence. Heads own
-contiguous channel blocks: with ``R = C // H`` channel ``c`` uses head ``c // R``::
+contiguous channel blocks: with ``D = C // H`` channel ``c`` uses head ``c // D``::
 
     y[b, t, c] = sum_{k < K} w[h(c), k] * x[b, t + k - padding_left, c]
 
@@ -17,7 +17,7 @@ Implementations (``impl``), all equal to 1e-5 in float32:
   stays O(T * K) (no dense ``T x T`` band). The band is built from the kernel by a pad-and-reshape skew, with no
   gather.
 - ``"shift"``: ``K`` multiply-adds of time-shifted inputs, fused by XLA into one elementwise loop, with a custom
-  VJP and a loop over blocks of ~1024 tokens (``lconv.shift_conv``). Fastest on CPU.
+  VJP and a loop over blocks of ~1024 tokens (``lconv.ops.shift``). Fastest on CPU.
 - ``"unfold"`` (dynamic, and light through it): stack the ``K`` shifted copies of ``x`` (``[B, T, K, C]``) and
   contract with the kernel. Simple, memory ``K x`` the input.
 - ``"auto"``: see ``choose_impl`` (``"shift"`` on CPU, ``"band"`` elsewhere).
@@ -27,18 +27,23 @@ that would read another segment or padding reads zero, and padding positions out
 conv becomes position dependent, so it is computed as a dynamic conv whose kernel is the shared one masked per
 tap (the ``"conv"`` impl keeps the depthwise conv and subtracts the masked-out taps).
 
-Incremental decoding keeps the last ``K - 1`` inputs per channel (``init_conv_state``); ``light_conv_step`` and
-``dynamic_conv_step`` take a chunk of one or more new positions and return the outputs of the full causal conv
-for them plus the new state.
+Incremental decoding keeps the last ``P = K - 1`` inputs per channel (``init_conv_state``, ``[B, P, C]``);
+``light_conv_step`` and ``dynamic_conv_step`` take a chunk of ``T >= 1`` new positions and return the outputs of
+the full causal conv for them plus the new state.
 
 All accumulation is float32; outputs take ``x``'s dtype.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from lconv import shift_conv
+from lconv.errors import UserError
+from lconv.ops import shift as shift_conv
+
+Array = jax.Array
 
 LIGHT_IMPLS = ("auto", "conv", "band", "shift", "unfold")
 DYNAMIC_IMPLS = ("auto", "band", "shift", "unfold")
@@ -47,11 +52,12 @@ DYNAMIC_IMPLS = ("auto", "band", "shift", "unfold")
 # ----------------------------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------------------------
-def light_conv(x_BTC, weight_HK, padding_left, *, impl="auto", segment_ids=None, block_size=None):
+def light_conv(x_BTC: Array, weight_HK: Array, padding_left: int, *, impl: str = "auto",
+               segment_ids: Array | None = None, block_size: int | None = None) -> Array:
     """Lightweight convolution: one normalised ``[H, K]`` kernel shared over positions. Returns ``[B, T, C]``."""
     B, T, C, H, K = _check_light(x_BTC, weight_HK, padding_left)
     _check_segments(segment_ids, B, T)
-    impl = _resolve_impl(impl, LIGHT_IMPLS, "light_conv", x_BTC, K)
+    impl = _resolve_impl(impl, LIGHT_IMPLS, "light_conv")
     if segment_ids is None:
         if impl == "conv":
             y = _light_conv_xla(x_BTC, weight_HK, padding_left)
@@ -71,11 +77,12 @@ def light_conv(x_BTC, weight_HK, padding_left, *, impl="auto", segment_ids=None,
     return _dynamic(x_BTC, kept_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
 
 
-def dynamic_conv(x_BTC, weight_BTHK, padding_left, *, impl="auto", segment_ids=None, block_size=None):
+def dynamic_conv(x_BTC: Array, weight_BTHK: Array, padding_left: int, *, impl: str = "auto",
+                 segment_ids: Array | None = None, block_size: int | None = None) -> Array:
     """Dynamic convolution: a normalised ``[H, K]`` kernel per position (``weight [B, T, H, K]``)."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, padding_left)
     _check_segments(segment_ids, B, T)
-    impl = _resolve_impl(impl, DYNAMIC_IMPLS, "dynamic_conv", x_BTC, K)
+    impl = _resolve_impl(impl, DYNAMIC_IMPLS, "dynamic_conv")
     if segment_ids is not None:
         weight_BTHK = weight_BTHK * tap_mask(segment_ids, K, padding_left)[:, :, None, :]
     return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
@@ -89,13 +96,13 @@ def dynamic_conv(x_BTC, weight_BTHK, padding_left, *, impl="auto", segment_ids=N
 _AUTO_IMPL = {"cpu": "shift"}  # backend -> impl; a backend not listed gets "band"
 
 
-def choose_impl(op, x_BTC, kernel_size):
-    """The ``"auto"`` rule: the implementation measured fastest on this backend (see ``_AUTO_IMPL``)."""
-    del op, x_BTC, kernel_size  # the same on every shape measured so far
-    return _AUTO_IMPL.get(jax.default_backend(), "band")
+def choose_impl(backend: str | None = None) -> str:
+    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (default: JAX's default backend)
+    at every shape measured so far (see ``_AUTO_IMPL``), so the rule reads no shape."""
+    return _AUTO_IMPL.get(backend or jax.default_backend(), "band")
 
 
-def tap_mask(segment_ids_BT, kernel_size, padding_left):
+def tap_mask(segment_ids_BT: Array, kernel_size: int, padding_left: int) -> Array:
     """``[B, T, K]`` bool: tap ``k`` of position ``t`` reads ``t + k - padding_left`` inside ``t``'s segment."""
     seg_BT = jnp.asarray(segment_ids_BT)
     B, T = seg_BT.shape
@@ -105,35 +112,35 @@ def tap_mask(segment_ids_BT, kernel_size, padding_left):
     return (read_BTK == seg_BT[:, :, None]) & (seg_BT[:, :, None] != 0)
 
 
-def init_conv_state(batch_size, kernel_size, channels, dtype=jnp.float32):
-    """Decoding state of a causal conv: the last ``K - 1`` inputs, ``[B, K-1, C]``, zeros before the start."""
+def init_conv_state(batch_size: int, kernel_size: int, channels: int, dtype: Any = jnp.float32) -> Array:
+    """Decoding state of a causal conv: the last ``P = K - 1`` inputs, ``[B, P, C]``, zeros before the start."""
     return jnp.zeros((batch_size, kernel_size - 1, channels), dtype)
 
 
-def light_conv_step(x_BSC, state_BKC, weight_HK):
-    """Causal light conv over ``S >= 1`` new positions given the last ``K - 1`` inputs.
+def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[Array, Array]:
+    """Causal light conv over ``T >= 1`` new positions given the last ``P = K - 1`` inputs.
 
-    Returns ``(y_BSC, new_state_BKC)``; ``y`` equals ``light_conv(x_all, w, K - 1)`` at those positions.
+    Returns ``(y_BTC, new_state_BPC)``; ``y`` equals ``light_conv(x_all, w, K - 1)`` at those positions.
     """
-    B, S, C, H, K = _check_light(x_BSC, weight_HK, weight_HK.shape[-1] - 1)
-    _check_state(state_BKC, B, K, C)
-    return dynamic_conv_step(x_BSC, state_BKC, _broadcast_kernel(weight_HK, B, S))
+    B, T, C, H, K = _check_light(x_BTC, weight_HK, weight_HK.shape[-1] - 1)
+    _check_state(state_BPC, B, K, C)
+    return dynamic_conv_step(x_BTC, state_BPC, _broadcast_kernel(weight_HK, B, T))
 
 
-def dynamic_conv_step(x_BSC, state_BKC, weight_BSHK):
-    """Causal dynamic conv over ``S >= 1`` new positions, each with its own kernel ``weight [B, S, H, K]``."""
-    B, S, C, H, K = _check_dynamic(x_BSC, weight_BSHK, weight_BSHK.shape[-1] - 1)
-    _check_state(state_BKC, B, K, C)
-    x_all = jnp.concatenate([state_BKC.astype(x_BSC.dtype), x_BSC], axis=1)  # [B, K-1+S, C]
-    # Output s reads x_all[s : s + K]: a "valid" correlation, so no padding.
-    windows_BSKC = jnp.stack([x_all[:, k : k + S] for k in range(K)], axis=2)
-    y_BSHR = jnp.einsum(
-        "bskhr,bshk->bshr",
-        windows_BSKC.reshape(B, S, K, H, C // H),
-        weight_BSHK.astype(x_BSC.dtype),
+def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tuple[Array, Array]:
+    """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``."""
+    B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, weight_BTHK.shape[-1] - 1)
+    _check_state(state_BPC, B, K, C)
+    x_all = jnp.concatenate([state_BPC.astype(x_BTC.dtype), x_BTC], axis=1)  # [B, P+T, C]
+    # Output t reads x_all[t : t + K]: a "valid" correlation, so no padding.
+    windows_BTKC = jnp.stack([x_all[:, k : k + T] for k in range(K)], axis=2)
+    y_BTHD = jnp.einsum(
+        "btkhd,bthk->bthd",
+        windows_BTKC.reshape(B, T, K, H, C // H),
+        weight_BTHK.astype(x_BTC.dtype),
         preferred_element_type=jnp.float32,
     )
-    return y_BSHR.reshape(B, S, C).astype(x_BSC.dtype), x_all[:, S:]
+    return y_BTHD.reshape(B, T, C).astype(x_BTC.dtype), x_all[:, T:]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ def _light_conv_xla(x_BTC, weight_HK, padding_left):
     """Depthwise ``conv_general_dilated``; lax convs are cross-correlations, as fairseq's are."""
     C = x_BTC.shape[-1]
     H, K = weight_HK.shape
-    kernel_KC = jnp.repeat(weight_HK.T, C // H, axis=1)  # head h -> channels [h*R, (h+1)*R)
+    kernel_KC = jnp.repeat(weight_HK.T, C // H, axis=1)  # head h -> channels [h*D, (h+1)*D)
     return jax.lax.conv_general_dilated(
         x_BTC,
         kernel_KC[:, None, :].astype(x_BTC.dtype),  # [K, in/group = 1, C]
@@ -168,37 +175,37 @@ def _dynamic_unfold(x_BTC, weight_BTHK, padding_left):
     B, T, C = x_BTC.shape
     H, K = weight_BTHK.shape[-2:]
     x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, K - 1 - padding_left), (0, 0)))
-    windows_BTKHR = jnp.stack([x_padded[:, k : k + T] for k in range(K)], axis=2).reshape(B, T, K, H, C // H)
-    y_BTHR = jnp.einsum(
-        "btkhr,bthk->bthr", windows_BTKHR, weight_BTHK.astype(x_BTC.dtype), preferred_element_type=jnp.float32
+    windows_BTKHD = jnp.stack([x_padded[:, k : k + T] for k in range(K)], axis=2).reshape(B, T, K, H, C // H)
+    y_BTHD = jnp.einsum(
+        "btkhd,bthk->bthd", windows_BTKHD, weight_BTHK.astype(x_BTC.dtype), preferred_element_type=jnp.float32
     )
-    return y_BTHR.reshape(B, T, C)
+    return y_BTHD.reshape(B, T, C)
 
 
 def _light_band(x_BTC, weight_HK, padding_left, L):
     B, T, C = x_BTC.shape
     H, K = weight_HK.shape
-    windows_BNWHR, N = _tile_windows(x_BTC, padding_left, K, L, H)
+    windows_BNWHD, N = _tile_windows(x_BTC, padding_left, K, L, H)
     band_HLW = _skew(jnp.broadcast_to(weight_HK[:, None, :], (H, L, K)))  # band[h, i, i + k] = w[h, k]
-    y_BNLHR = jnp.einsum(
-        "hlw,bnwhr->bnlhr", band_HLW.astype(x_BTC.dtype), windows_BNWHR, preferred_element_type=jnp.float32
+    y_BNLHD = jnp.einsum(
+        "hlw,bnwhd->bnlhd", band_HLW.astype(x_BTC.dtype), windows_BNWHD, preferred_element_type=jnp.float32
     )
-    return y_BNLHR.reshape(B, N * L, C)[:, :T]
+    return y_BNLHD.reshape(B, N * L, C)[:, :T]
 
 
 def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
     B, T, C = x_BTC.shape
     H, K = weight_BTHK.shape[-2:]
-    windows_BNWHR, N = _tile_windows(x_BTC, padding_left, K, L, H)
+    windows_BNWHD, N = _tile_windows(x_BTC, padding_left, K, L, H)
     weight_BNHLK = jnp.pad(weight_BTHK, ((0, 0), (0, N * L - T), (0, 0), (0, 0)))
     weight_BNHLK = weight_BNHLK.reshape(B, N, L, H, K).transpose(0, 1, 3, 2, 4)
     band_BNHLW = _skew(weight_BNHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
-    y_BNLHR = jnp.einsum("bnhlw,bnwhr->bnlhr", band_BNHLW, windows_BNWHR, preferred_element_type=jnp.float32)
-    return y_BNLHR.reshape(B, N * L, C)[:, :T]
+    y_BNLHD = jnp.einsum("bnhlw,bnwhd->bnlhd", band_BNHLW, windows_BNWHD, preferred_element_type=jnp.float32)
+    return y_BNLHD.reshape(B, N * L, C)[:, :T]
 
 
 def _tile_windows(x_BTC, padding_left, K, L, H):
-    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, N, W, H, R]`` and ``N``.
+    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, N, W, H, D]`` and ``N``.
 
     Needs ``L >= K - 1`` so a tile's halo lies inside the next tile.
     """
@@ -232,7 +239,7 @@ def _block(block_size, T, K):
     if block_size is None:
         block_size = min(32, max(T, 1))
     elif block_size < 1:
-        raise ValueError(f"block_size must be >= 1; got {block_size}")
+        raise UserError(f"block_size must be >= 1; got {block_size}")
     return max(block_size, K - 1, 1)
 
 
@@ -241,31 +248,31 @@ def _block(block_size, T, K):
 # ----------------------------------------------------------------------------------------------------------------
 def _check_x(x_BTC):
     if getattr(x_BTC, "ndim", None) != 3:
-        raise ValueError(f"x must be [batch, time, channels]; got shape {getattr(x_BTC, 'shape', None)}")
+        raise UserError(f"x must be [batch, time, channels]; got shape {getattr(x_BTC, 'shape', None)}")
     return x_BTC.shape
 
 
 def _check_heads(C, H, what):
     if H < 1 or C % H:
-        raise ValueError(f"{what}: channels C={C} must be divisible by the number of heads H={H}")
+        raise UserError(f"{what}: channels C={C} must be divisible by the number of heads H={H}")
 
 
 def _check_padding(padding_left, K):
     if not isinstance(padding_left, int) or not 0 <= padding_left <= K - 1:
-        raise ValueError(f"padding_left must be an int in 0..K-1 = 0..{K - 1}; got {padding_left!r}")
+        raise UserError(f"padding_left must be an int in 0..K-1 = 0..{K - 1}; got {padding_left!r}")
 
 
 def _check_light(x_BTC, weight_HK, padding_left):
     B, T, C = _check_x(x_BTC)
     if getattr(weight_HK, "ndim", None) != 2:
-        raise ValueError(f"weight must be [heads, kernel_size]; got shape {getattr(weight_HK, 'shape', None)}")
+        raise UserError(f"weight must be [heads, kernel_size]; got shape {getattr(weight_HK, 'shape', None)}")
     return (B, T, C, *_check_kernel(weight_HK.shape, C, padding_left))
 
 
 def _check_dynamic(x_BTC, weight_BTHK, padding_left):
     B, T, C = _check_x(x_BTC)
     if getattr(weight_BTHK, "ndim", None) != 4 or weight_BTHK.shape[:2] != (B, T):
-        raise ValueError(
+        raise UserError(
             f"weight must be [batch, time, heads, kernel_size] = [{B}, {T}, H, K]; "
             f"got shape {getattr(weight_BTHK, 'shape', None)}"
         )
@@ -276,7 +283,7 @@ def _check_kernel(weight_shape, C, padding_left):
     """``(H, K)`` from a weight shape ``[..., H, K]``, checked against the channels and ``padding_left``."""
     H, K = weight_shape[-2:]
     if K < 1:
-        raise ValueError(f"weight: kernel_size must be >= 1; got weight shape {weight_shape}")
+        raise UserError(f"weight: kernel_size must be >= 1; got weight shape {weight_shape}")
     _check_heads(C, H, "weight")
     _check_padding(padding_left, K)
     return H, K
@@ -287,19 +294,19 @@ def _check_segments(segment_ids, B, T):
         return
     shape = getattr(segment_ids, "shape", None)
     if shape != (B, T):
-        raise ValueError(f"segment_ids must be [batch, time] = [{B}, {T}]; got shape {shape}")
+        raise UserError(f"segment_ids must be [batch, time] = [{B}, {T}]; got shape {shape}")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"segment_ids must be integers (0 = padding); got dtype {segment_ids.dtype}")
+        raise UserError(f"segment_ids must be integers (0 = padding); got dtype {segment_ids.dtype}")
 
 
-def _check_state(state_BKC, B, K, C):
-    shape = getattr(state_BKC, "shape", None)
+def _check_state(state_BPC, B, K, C):
+    shape = getattr(state_BPC, "shape", None)
     if shape != (B, K - 1, C):
-        raise ValueError(f"state must be [batch, K-1, channels] = [{B}, {K - 1}, {C}]; got shape {shape}")
+        raise UserError(f"state must be [batch, K-1, channels] = [{B}, {K - 1}, {C}]; got shape {shape}")
 
 
-def _resolve_impl(impl, allowed, op, x_BTC, K):
+def _resolve_impl(impl, allowed, op):
     if impl not in allowed:
-        raise ValueError(f"{op}: impl must be one of {allowed}; got {impl!r}")
-    return choose_impl(op, x_BTC, K) if impl == "auto" else impl
+        raise UserError(f"{op}: impl must be one of {allowed}; got {impl!r}")
+    return choose_impl() if impl == "auto" else impl
 

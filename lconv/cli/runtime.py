@@ -5,9 +5,13 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
+
+from lconv.errors import UserError
 
 
-def initialize():
+def initialize() -> None:
     """``jax.distributed.initialize`` when launched on several processes (env vars set by the launcher/TPU)."""
     import jax
 
@@ -24,16 +28,17 @@ def initialize():
 
 
 @contextlib.contextmanager
-def user_errors():
-    """Errors a user can fix (config, data, checkpoints) end the program with one line, not a traceback."""
+def user_errors() -> Iterator[None]:
+    """A ``UserError`` (a config field, a flag, a file, a checkpoint) ends the program with its one line and exit
+    code 2; any other exception keeps its traceback, since it is a bug to report rather than an input to fix."""
     try:
         yield
-    except (ValueError, FileNotFoundError, FloatingPointError) as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
-def parse_flags(argv):
+def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``, with bad flags and ``--config.*``
     overrides (unknown field, wrong type) reported in one line instead of a traceback."""
     from absl import flags
@@ -54,7 +59,7 @@ def parse_flags(argv):
         sys.exit(2)
 
 
-def print_summary(result):
+def print_summary(result: dict[str, Any]) -> None:
     import jax
 
     if jax.process_index() == 0 and result:

@@ -12,24 +12,24 @@ in the tails' matmuls (``d / factor`` wide instead of ``d``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lconv.layers import EMBED, xavier_dense
+from lconv.constants import EMBED, MLP, VOCAB
+from lconv.errors import UserError
+from lconv.nn.common import xavier_dense
 
-VOCAB, MLP = "vocab", "mlp"
 
-
-def check_cutoffs(cutoffs: Sequence[int], vocab_size: int, d_model: int, factor: float, field: str):
+def check_cutoffs(cutoffs: Sequence[int], vocab_size: int, d_model: int, factor: float, field: str) -> None:
     """One-line ``ValueError`` naming ``field`` unless ``0 < c0 < c1 < ... < vocab_size`` and every tail has width."""
     cuts = list(cutoffs)
     if not cuts or any(b <= a for a, b in zip([0] + cuts, cuts + [vocab_size])):
-        raise ValueError(f"{field}={tuple(cuts)} must increase strictly within (0, vocab_size={vocab_size})")
+        raise UserError(f"{field}={tuple(cuts)} must increase strictly within (0, vocab_size={vocab_size})")
     if factor < 1 or int(d_model // factor ** len(cuts)) < 1:
-        raise ValueError(f"{field}: factor={factor} leaves tail {len(cuts)} of d_model={d_model} with no width")
+        raise UserError(f"{field}: factor={factor} leaves tail {len(cuts)} of d_model={d_model} with no width")
 
 
 class AdaptiveSoftmax(nn.Module):
@@ -39,19 +39,19 @@ class AdaptiveSoftmax(nn.Module):
     dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, x_BTD, *, deterministic=True):
-        d = x_BTD.shape[-1]
+    def __call__(self, x_BTC: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        d = x_BTC.shape[-1]
         check_cutoffs(self.cutoffs, self.vocab_size, d, self.factor, "adaptive_softmax_cutoffs")
         edges = [*self.cutoffs, self.vocab_size]
-        x = x_BTD.astype(jnp.float32)
-        head_BTH = xavier_dense(edges[0] + len(self.cutoffs), (EMBED, VOCAB), use_bias=False, name="head")(x)
-        head_logp_BTH = jax.nn.log_softmax(head_BTH, axis=-1)
-        parts = [head_logp_BTH[..., :edges[0]]]  # the frequent ids: [B, T, c0]
+        x = x_BTC.astype(jnp.float32)
+        head_logits = xavier_dense(edges[0] + len(self.cutoffs), (EMBED, VOCAB), use_bias=False, name="head")(x)
+        head_logp = jax.nn.log_softmax(head_logits, axis=-1)
+        parts = [head_logp[..., :edges[0]]]  # the frequent ids: [B, T, c0]
         for i in range(len(self.cutoffs)):
             width = int(d // self.factor ** (i + 1))
             h_BTW = xavier_dense(width, (EMBED, MLP), use_bias=False, name=f"tail_{i}_projection")(x)
             h_BTW = nn.Dropout(self.dropout)(h_BTW, deterministic=deterministic)
-            tail_BTN = xavier_dense(edges[i + 1] - edges[i], (MLP, VOCAB), use_bias=False, name=f"tail_{i}")(h_BTW)
-            cluster_BT1 = head_logp_BTH[..., edges[0] + i, None]  # log p(cluster i)
-            parts.append(cluster_BT1 + jax.nn.log_softmax(tail_BTN, axis=-1))  # [B, T, c_{i+1} - c_i]
+            tail_logits = xavier_dense(edges[i + 1] - edges[i], (MLP, VOCAB), use_bias=False, name=f"tail_{i}")(h_BTW)
+            cluster_BT1 = head_logp[..., edges[0] + i, None]  # log p(cluster i)
+            parts.append(cluster_BT1 + jax.nn.log_softmax(tail_logits, axis=-1))  # [B, T, c_{i+1} - c_i]
         return jnp.concatenate(parts, axis=-1)  # [B, T, V] log-probabilities

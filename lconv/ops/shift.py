@@ -5,8 +5,8 @@ that XLA fuses into one vectorised elementwise loop (no band matrix, no layout c
 band). Its custom VJP computes
 
 - the input gradient the same way, ``dx[s] = sum_k w[s + P - k, k] dy[s + P - k]`` (the taps read backwards);
-- the kernel gradient ``dw[t, h, k] = sum_r x[t + k - P, h, r] dy[t, h, r]``, a dot over each head's ``R``
-  channels, with band tiles: per tile of ``L`` steps and head, ``G = dy_tile [L, R] @ windowᵀ [R, L + K - 1]``
+- the kernel gradient ``dw[t, h, k] = sum_d x[t + k - P, h, d] dy[t, h, d]``, a dot over each head's ``D``
+  channels, with band tiles: per tile of ``L`` steps and head, ``G = dy_tile [L, D] @ windowᵀ [D, L + K - 1]``
   (window transposed so XLA:CPU's dot needs no transposed operand), and ``dw[l, k] = G[l, l + k]``.
 
 Autodiff of the forward's K slices would instead be K scatter-adds. Everything runs in a loop over blocks of
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 CHUNK_TOKENS = 1024
 
 
-def shift_conv(x_BTC, weight, padding_left, tile_length):
+def shift_conv(x_BTC: jax.Array, weight: jax.Array, padding_left: int, tile_length: int) -> jax.Array:
     """``weight`` is ``[H, K]`` (light) or ``[B, T, H, K]`` (dynamic), already normalised. Float32 result."""
     return _shift_conv(x_BTC, weight, padding_left, tile_length)
 
@@ -150,25 +150,25 @@ def _shifted_sum(a_BSC, weight, taps):
     B, S, C = a_BSC.shape
     H, K = weight.shape[-2:]
     T = S - K
-    a_BSHR = a_BSC.reshape(B, S, H, C // H)
+    a_BSHD = a_BSC.reshape(B, S, H, C // H)
     total = None
     for a_offset, w_offset, k in taps:
         w_k = weight[:, k, None] if weight.ndim == 2 else weight[:, w_offset : w_offset + T + 1, :, k, None]
-        term = a_BSHR[:, a_offset : a_offset + T + 1].astype(jnp.float32) * w_k.astype(jnp.float32)
+        term = a_BSHD[:, a_offset : a_offset + T + 1].astype(jnp.float32) * w_k.astype(jnp.float32)
         total = term if total is None else total + term
     return total[:, :T].reshape(B, T, C)
 
 
 def _band_weight_grad(x_win_BSC, dy_BTC, K, H, L):
-    """``dw[b, t, h, k] = sum_r x_win[b, t + k, h, r] dy[b, t, h, r]`` as ``[B, T, H, K]`` float32."""
+    """``dw[b, t, h, k] = sum_d x_win[b, t + k, h, d] dy[b, t, h, d]`` as ``[B, T, H, K]`` float32."""
     B, T, C = dy_BTC.shape
-    R, N = C // H, -(-T // L)
+    D, N = C // H, -(-T // L)
     x_padded = _pad_time(x_win_BSC, 0, (N + 1) * L - x_win_BSC.shape[1])
-    tiles_BHNRL = x_padded.reshape(B, N + 1, L, H, R).transpose(0, 3, 1, 4, 2)
-    windows_BHNRW = jnp.concatenate([tiles_BHNRL[:, :, :N], tiles_BHNRL[:, :, 1:, :, : K - 1]], axis=-1)
-    dy_BHNLR = _pad_time(dy_BTC, 0, N * L - T).reshape(B, N, L, H, R).transpose(0, 3, 1, 2, 4)
+    tiles_BHNDL = x_padded.reshape(B, N + 1, L, H, D).transpose(0, 3, 1, 4, 2)
+    windows_BHNDW = jnp.concatenate([tiles_BHNDL[:, :, :N], tiles_BHNDL[:, :, 1:, :, : K - 1]], axis=-1)
+    dy_BHNLD = _pad_time(dy_BTC, 0, N * L - T).reshape(B, N, L, H, D).transpose(0, 3, 1, 2, 4)
     gram_BHNLW = jnp.einsum(
-        "bhnlr,bhnrw->bhnlw", dy_BHNLR, windows_BHNRW.astype(dy_BHNLR.dtype), preferred_element_type=jnp.float32
+        "bhnld,bhndw->bhnlw", dy_BHNLD, windows_BHNDW.astype(dy_BHNLD.dtype), preferred_element_type=jnp.float32
     )
     dw_BHNLK = _unskew(gram_BHNLW, K)
     return dw_BHNLK.transpose(0, 2, 3, 1, 4).reshape(B, N * L, H, K)[:, :T]

@@ -1,14 +1,16 @@
-"""Losses as sums + denominators (divided on the host), and the text metrics: sacreBLEU, ROUGE, perplexity."""
+"""Losses as sums + denominators (summed on devices, divided on the host): loss, perplexity, accuracy."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def label_smoothed_loss(logits_BTV, targets_BT, weights_BT, label_smoothing):
+def label_smoothed_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array,
+                        label_smoothing: float) -> dict[str, jax.Array]:
     """fairseq's label-smoothed cross-entropy, summed over weighted tokens.
 
     ``loss = (1 - eps) * nll + eps * mean_v(-log p_v)``; returns sums ``{loss, nll, correct, tokens}`` so that
@@ -28,7 +30,7 @@ def label_smoothed_loss(logits_BTV, targets_BT, weights_BT, label_smoothing):
     }
 
 
-def summarize(sums):
+def summarize(sums: dict[str, Any]) -> dict[str, float]:
     """Host-side ratios of summed metrics: loss/token, nll/token, perplexity, accuracy."""
     sums = {k: float(np.asarray(v)) for k, v in sums.items()}
     tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -36,27 +38,3 @@ def summarize(sums):
     out["ppl"] = math.exp(min(out["nll"], 50.0))
     out["tokens"] = sums.get("tokens", 0.0)
     return out
-
-
-def bleu(hypotheses, references):
-    """Corpus sacreBLEU (13a tokenisation on detokenised text) with its signature."""
-    import sacrebleu
-
-    metric = sacrebleu.metrics.BLEU()
-    result = metric.corpus_score(list(hypotheses), [list(references)])
-    return {"bleu": result.score, "bleu_signature": str(metric.get_signature()), "bleu_text": str(result)}
-
-
-def rouge(hypotheses, references):
-    """ROUGE-1/2/L F-measures (``rouge-score``, stemmed), averaged over examples, in percent."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-    totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
-    n = 0
-    for hyp, ref in zip(hypotheses, references):
-        scores = scorer.score(ref, hyp)
-        for key in totals:
-            totals[key] += scores[key].fmeasure
-        n += 1
-    return {key: 100.0 * value / max(n, 1) for key, value in totals.items()}

@@ -2,43 +2,32 @@
 
 - ``LightweightConv1d``: a learned ``[H, K]`` kernel, softmax-normalised over K, DropConnect, optional bias.
 - ``DynamicConv1d``: a kernel predicted per position by ``Dense(C -> H*K)`` (no bias) from the conv input.
-- ``LightConvBlock`` / ``DynamicConvBlock``: the paper's Fig. 2 block, a token mixer (see ``lconv.mixers``):
+- ``LightConvBlock`` / ``DynamicConvBlock``: the paper's Fig. 2 block, a token mixer (see ``lconv.nn.mixers``):
   ``Dense(d -> 2d)`` + GLU, the conv, ``Dense(d -> d)``. The model owns norm, residual dropout and the residual.
 
-Decoding (``decode=True``, causal only) keeps the last ``K - 1`` conv inputs in the ``'cache'`` collection
-(``conv_state [B, K-1, C]``), whatever the output length. As in flax ``examples/wmt``, the first ``decode=True``
+Decoding (``decode=True``, causal only) keeps the last ``P = K - 1`` conv inputs in the ``'cache'`` collection
+(``conv_state [B, P, C]``), whatever the output length. As in flax ``examples/wmt``, the first ``decode=True``
 call (under ``mutable=['cache']``) only creates the cache; later calls take chunks of one or more positions.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from lconv import ops
+from lconv.constants import CONV, EMBED, HEADS, KERNEL
+from lconv.errors import UserError
+from lconv.nn.common import xavier_dense
 
+Array = jax.Array
 Dtype = Any
 
-# Logical axis names (mapped to mesh axes by the sharding rules in the config).
-EMBED, CONV, HEADS, KERNEL = "embed", "conv", "heads", "kernel"
 
-
-def xavier_dense(features, axes, *, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32, name=None):
-    """fairseq's ``Linear``: xavier-uniform kernel, zero bias, with logical axis names for sharding."""
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
-        name=name,
-    )
-
-
-def light_kernel_init(key, shape_HK, dtype=jnp.float32):
+def light_kernel_init(key: Array, shape_HK: tuple[int, int], dtype: Dtype = jnp.float32) -> Array:
     """xavier-uniform of fairseq's ``[H, 1, K]`` weight: fan_in = K, fan_out = H * K."""
     H, K = shape_HK
     bound = (6.0 / (K + H * K)) ** 0.5
@@ -59,34 +48,34 @@ class _ConvBase(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
-    def _padding(self):
+    def _padding(self) -> int:
         K = self.kernel_size
         if K < 1:
-            raise ValueError(f"kernel_size must be >= 1; got {K}")
+            raise UserError(f"kernel_size must be >= 1; got {K}")
         if self.padding_left is not None:
             if self.causal and self.padding_left != K - 1:
-                raise ValueError(f"padding_left must be K-1={K - 1} for a causal conv; got {self.padding_left}")
+                raise UserError(f"padding_left must be K-1={K - 1} for a causal conv; got {self.padding_left}")
             return self.padding_left
         if self.causal:
             return K - 1
         if K % 2 == 0:
-            raise ValueError(f"kernel_size must be odd for a centred (non-causal) conv; got {K}")
+            raise UserError(f"kernel_size must be odd for a centred (non-causal) conv; got {K}")
         return K // 2
 
-    def _check_channels(self, x_BTC):
+    def _check_channels(self, x_BTC: Array) -> int:
         if x_BTC.ndim != 3:
-            raise ValueError(f"x_BTC must be [batch, time, channels]; got shape {x_BTC.shape}")
+            raise UserError(f"x_BTC must be [batch, time, channels]; got shape {x_BTC.shape}")
         C = x_BTC.shape[-1]
         if C % self.num_heads:
-            raise ValueError(f"channels C={C} must be divisible by num_heads={self.num_heads}")
+            raise UserError(f"channels C={C} must be divisible by num_heads={self.num_heads}")
         return C
 
-    def _normalise(self, logits, deterministic):
+    def _normalise(self, logits: Array, deterministic: bool) -> Array:
         """Softmax over K in float32, then DropConnect (scaled by 1/(1-p) by Dropout)."""
         weight = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) if self.weight_softmax else logits
         return nn.Dropout(self.weight_dropout, name="weight_dropout")(weight, deterministic=deterministic)
 
-    def _bias(self, y_BTC):
+    def _bias(self, y_BTC: Array) -> Array:
         if not self.use_bias:
             return y_BTC
         bias = self.param(
@@ -95,32 +84,34 @@ class _ConvBase(nn.Module):
         )
         return y_BTC + bias.astype(y_BTC.dtype)
 
-    def _convolve(self, x_BTC, weight, padding_left, segment_ids, decode, full_fn, step_fn):
-        """``full_fn`` over the whole input, or while decoding ``step_fn`` on the cached last K-1 inputs; + bias.
+    def _convolve(self, x_BTC: Array, weight: Array, padding_left: int, segment_ids: Array | None, decode: bool,
+                  full_fn: Callable[..., Array], step_fn: Callable[..., tuple[Array, Array]]) -> Array:
+        """``full_fn`` over the whole input, or while decoding ``step_fn`` on the cached last P = K-1 inputs; + bias.
 
         The cache-creating ``decode`` call (no cache yet) creates the zeroed state and runs the full pass."""
         if decode:
-            state, initialised = self._decode_state(x_BTC)
+            state_BPC, initialised = self._decode_state(x_BTC)
             if initialised:
-                y_BTC, state.value = step_fn(x_BTC, state.value, weight)
+                y_BTC, state_BPC.value = step_fn(x_BTC, state_BPC.value, weight)
                 return self._bias(y_BTC)
         return self._bias(full_fn(x_BTC, weight, padding_left, impl=self.impl, segment_ids=segment_ids))
 
-    def _decode_state(self, x_BTC):
+    def _decode_state(self, x_BTC: Array) -> tuple[nn.Variable, bool]:
         """Returns the cache variable and whether it existed before this call (False = cache-creating call)."""
         if not self.causal:
-            raise ValueError("decode=True needs a causal conv (causal=True)")
+            raise UserError("decode=True needs a causal conv (causal=True)")
         initialised = self.has_variable("cache", "conv_state")
         B, _, C = x_BTC.shape
-        state = self.variable("cache", "conv_state", ops.init_conv_state, B, self.kernel_size, C, x_BTC.dtype)
-        return state, initialised
+        state_BPC = self.variable("cache", "conv_state", ops.init_conv_state, B, self.kernel_size, C, x_BTC.dtype)
+        return state_BPC, initialised
 
 
 class LightweightConv1d(_ConvBase):
     """Lightweight convolution: a softmax-normalised ``[H, K]`` kernel shared over positions; ``[B,T,C] -> [B,T,C]``."""
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, deterministic=True, decode=False):
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, deterministic: bool = True,
+                 decode: bool = False) -> Array:
         self._check_channels(x_BTC)
         padding_left = self._padding()
         logits_HK = self.param(
@@ -136,7 +127,8 @@ class DynamicConv1d(_ConvBase):
     """Dynamic convolution: per-position kernels from ``Dense(C -> H*K)`` of the input; ``[B,T,C] -> [B,T,C]``."""
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, deterministic=True, decode=False):
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, deterministic: bool = True,
+                 decode: bool = False) -> Array:
         self._check_channels(x_BTC)
         padding_left = self._padding()
         H, K = self.num_heads, self.kernel_size
@@ -165,6 +157,13 @@ class LightConvBlock(nn.Module):
     ``linear2``. ``conv_features`` is fairseq's ``conv_dim`` (default: the model width).
     """
 
+    # Mixer metadata (lconv.nn.mixers): the fields a model layer fills from its config, and where it may sit.
+    model_fields: ClassVar[dict[str, str]] = {
+        "num_heads": "num_heads", "kernel_size": "kernel_size", "causal": "causal", "use_glu": "use_glu",
+        "conv_features": "conv_features", "input_dropout": "input_dropout", "weight_dropout": "weight_dropout",
+        "impl": "conv_impl", "dtype": "dtype"}
+    sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
+
     num_heads: int
     kernel_size: int
     causal: bool = False
@@ -181,27 +180,28 @@ class LightConvBlock(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> Array:
         if x_BTC.ndim != 3:
-            raise ValueError(f"x_BTC must be [batch, time, features]; got shape {x_BTC.shape}")
+            raise UserError(f"x_BTC must be [batch, time, features]; got shape {x_BTC.shape}")
         for name, ids in (("segment_ids", segment_ids), ("positions", positions)):  # positions: unused, a conv
             if ids is not None and ids.shape != x_BTC.shape[:2]:  # is translation invariant; checked all the same
-                raise ValueError(f"{name} must be [batch, time] = {x_BTC.shape[:2]}; got {ids.shape}")
+                raise UserError(f"{name} must be [batch, time] = {x_BTC.shape[:2]}; got {ids.shape}")
         if self.conv_type not in ("lightweight", "dynamic"):
-            raise ValueError(f"conv_type must be 'lightweight' or 'dynamic'; got {self.conv_type!r}")
+            raise UserError(f"conv_type must be 'lightweight' or 'dynamic'; got {self.conv_type!r}")
         d = x_BTC.shape[-1]
         conv_d = self.conv_features or d
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x_BTC = nn.Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
         if self.use_glu:
-            h_BT2D = xavier_dense(2 * conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
-            h_BTD = h_BT2D[..., :conv_d] * jax.nn.sigmoid(h_BT2D[..., conv_d:])
+            h_BT2C = xavier_dense(2 * conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
+            h_BTC = h_BT2C[..., :conv_d] * jax.nn.sigmoid(h_BT2C[..., conv_d:])
         else:
-            h_BTD = xavier_dense(conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
+            h_BTC = xavier_dense(conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
         if segment_ids is not None:  # fairseq zeroes padded positions before the conv
-            h_BTD = h_BTD * (segment_ids != 0)[..., None].astype(h_BTD.dtype)
+            h_BTC = h_BTC * (segment_ids != 0)[..., None].astype(h_BTC.dtype)
         conv_cls = LightweightConv1d if self.conv_type == "lightweight" else DynamicConv1d
-        h_BTD = conv_cls(
+        h_BTC = conv_cls(
             num_heads=self.num_heads,
             kernel_size=self.kernel_size,
             causal=self.causal,
@@ -212,8 +212,8 @@ class LightConvBlock(nn.Module):
             impl=self.impl,
             name="conv",
             **dense,
-        )(h_BTD, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
-        return xavier_dense(d, (CONV, EMBED), name="linear2", **dense)(h_BTD)
+        )(h_BTC, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
+        return xavier_dense(d, (CONV, EMBED), name="linear2", **dense)(h_BTC)
 
 
 class DynamicConvBlock(LightConvBlock):

@@ -23,6 +23,14 @@ The contract:
 - Constructor fields every mixer accepts: ``num_heads``, ``causal``, ``dtype`` (computation dtype; softmax and
   accumulation stay in float32), ``param_dtype``. The rest are mixer-specific and come from the config.
 
+Metadata on each mixer class, read by the models and the configs alike:
+
+- ``model_fields``: ``{constructor field: model value}``, the fields a model layer fills, by name, from its
+  ``ModelConfig`` (``conv_impl``, ``dropout`` rates, ...) and the layer (``causal``, ``kernel_size``). Nothing is
+  passed by a coincidence of names: a value the model does not have is an error, not a silent drop.
+- ``sides``: where the mixer may sit, ``("encoder", "decoder")`` or one of them (CoLT5's routing ranks future
+  tokens: encoder only; the kNN memory lives in a decoder's document stream: decoder only).
+
 Registered names map to ``"module:Class"`` strings imported on first use, so the registry has no import cycles
 and every mixer family can live in its own file.
 """
@@ -33,14 +41,16 @@ from typing import Any
 
 import flax.linen as nn
 
+from lconv.errors import UserError
+
 _REGISTRY: dict[str, str] = {
-    "lightconv": "lconv.layers:LightConvBlock",  # conv_type='lightweight' is the block's default
-    "dynamicconv": "lconv.layers:DynamicConvBlock",
-    "attention": "lconv.attention:SelfAttention",
-    "fixed": "lconv.attention:FixedAttention",
-    "hadamard": "lconv.attention:HadamardAttention",
-    "colt5": "lconv.colt5:CoLT5Attention",
-    "knn_memory": "lconv.memory:KNNMemoryAttention",
+    "lightconv": "lconv.nn.conv:LightConvBlock",  # conv_type='lightweight' is the block's default
+    "dynamicconv": "lconv.nn.conv:DynamicConvBlock",
+    "attention": "lconv.nn.attention:SelfAttention",
+    "fixed": "lconv.nn.attention:FixedAttention",
+    "hadamard": "lconv.nn.attention:HadamardAttention",
+    "colt5": "lconv.nn.colt5:CoLT5Attention",
+    "knn_memory": "lconv.nn.knn_memory:KNNMemoryAttention",
 }
 
 
@@ -51,9 +61,19 @@ def mixer_names() -> list[str]:
 def mixer_class(name: str) -> type[nn.Module]:
     """The module class registered under ``name``; a clear error for an unknown name."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown mixer {name!r}; choose one of {mixer_names()}")
+        raise UserError(f"unknown mixer {name!r}; choose one of {mixer_names()}")
     module_name, class_name = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def model_fields(name: str) -> dict[str, str]:
+    """``{constructor field: model value}`` that a model layer passes to mixer ``name``."""
+    return dict(getattr(mixer_class(name), "model_fields", {}))
+
+
+def sides(name: str) -> tuple[str, ...]:
+    """Where mixer ``name`` may sit: ``"encoder"``, ``"decoder"`` or both."""
+    return tuple(getattr(mixer_class(name), "sides", ("encoder", "decoder")))
 
 
 def make_mixer(mixer_name: str, /, **kwargs: Any) -> nn.Module:
@@ -62,5 +82,5 @@ def make_mixer(mixer_name: str, /, **kwargs: Any) -> nn.Module:
     fields = {f for f in getattr(cls, "__dataclass_fields__", {}) if f not in ("parent", "name")}
     unknown = sorted(set(kwargs) - fields - {"name"})
     if unknown:
-        raise ValueError(f"mixer {mixer_name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
+        raise UserError(f"mixer {mixer_name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
     return cls(**kwargs)

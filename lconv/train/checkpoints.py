@@ -13,14 +13,21 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from lconv.errors import UserError
+
+PyTree = Any
+
 
 class Checkpointer:
-    def __init__(self, workdir, *, keep=5, save_every=1000, subdir="checkpoints", async_save=False):
+    def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
+                 async_save: bool = False) -> None:
         self.directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), subdir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
@@ -28,17 +35,17 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every = save_every
 
-    def latest_step(self):
+    def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def all_steps(self):
+    def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def read_data(self, step):
+    def read_data(self, step: int) -> Any:
         """The JSON item of checkpoint ``step`` alone (no arrays are read)."""
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
-    def save(self, step, state, data_state, *, force=False):
+    def save(self, step: int, state: PyTree, data_state: Any, *, force: bool = False) -> bool:
         """Saves at multiples of ``save_every`` (or when forced); returns whether it saved. ``data_state`` is
         JSON-able, or a function giving it, called only when saving (e.g. a collective gather)."""
         if not force and (step % self.save_every):
@@ -52,7 +59,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
         return True
 
-    def restore(self, abstract_state, step=None):
+    def restore(self, abstract_state: PyTree, step: int | None = None) -> tuple[PyTree, Any]:
         """``(state, data_state)`` at ``step`` (default: latest), laid out as ``abstract_state``'s shardings.
 
         A checkpoint whose arrays do not fit the current config's shapes is a one-line ``ValueError``.
@@ -62,14 +69,24 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
-            raise ValueError(
-                f"checkpoint {self.directory}/{step} does not fit this config's model or is unreadable "
-                f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
-                f"use the config stored with it or a new --workdir"
-            ) from None
+            raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is unreadable "
+                            f"({_first_line(err)}); use the config stored with it or a new --workdir") from None
         return restored["state"], restored["data"]
 
-    def restore_latest_readable(self, abstract_state, log=print):
+    def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
+        """The ``params`` of checkpoint ``step`` alone, laid out as ``abstract_params``: an orbax partial
+        restore that reads no optimizer moments, step or memory (evaluation needs none of them)."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item={"params": abstract_params}, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                    {"params": abstract_params}), partial_restore=True)))
+        except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
+            raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is unreadable "
+                            f"({_first_line(err)}); use the config stored with it") from None
+        return restored["state"]["params"]
+
+    def restore_latest_readable(self, abstract_state: PyTree,
+                                log: Callable[[str], None] = print) -> tuple[PyTree, Any]:
         """Restores the newest checkpoint that reads; newer unreadable ones (a crash mid-write, a bad disk) are
         moved to ``<dir>_unreadable/`` and reported, so nothing is deleted. Raises if none reads."""
         steps = sorted(self.manager.all_steps(), reverse=True)
@@ -77,7 +94,7 @@ class Checkpointer:
         for step in steps:
             try:
                 restored = self.restore(abstract_state, step)
-            except ValueError as err:
+            except UserError as err:
                 errors.append((step, err))
                 continue
             if errors:
@@ -87,7 +104,7 @@ class Checkpointer:
             return restored
         raise errors[0][1]
 
-    def _set_aside(self, steps):
+    def _set_aside(self, steps: list[int]) -> None:
         if jax.process_index() == 0:
             aside = self.directory + "_unreadable"
             os.makedirs(aside, exist_ok=True)
@@ -99,7 +116,7 @@ class Checkpointer:
             multihost_utils.sync_global_devices("lconv_checkpoints_set_aside")  # every process sees the move
         self.manager.reload()
 
-    def close(self):
+    def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
 
@@ -108,12 +125,12 @@ class BestCheckpointer:
     """The state with the lowest validation loss so far: one checkpoint in ``<workdir>/best`` whose JSON item is
     ``{"step", "validation_loss"}``. A resumed run reads the loss to beat back from it."""
 
-    def __init__(self, workdir):
+    def __init__(self, workdir: str) -> None:
         self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best")
         step = self.checkpointer.latest_step()
         self.loss = math.inf if step is None else float(self.checkpointer.read_data(step)["validation_loss"])
 
-    def offer(self, step, state, validation_loss):
+    def offer(self, step: int, state: PyTree, validation_loss: float) -> bool:
         """Saves ``state`` if its loss beats the best so far; returns whether it did."""
         if not validation_loss < self.loss:
             return False
@@ -123,11 +140,11 @@ class BestCheckpointer:
             self.loss = float(validation_loss)
         return saved
 
-    def close(self):
+    def close(self) -> None:
         self.checkpointer.close()
 
 
-def gather_process_states(local_state):
+def gather_process_states(local_state: Any) -> dict[str, Any]:
     """This process's JSON-able iterator state -> ``{"process_count": P, "processes": [state of each process]}``,
     the same on every process (a collective: every process must call it at the same step)."""
     if jax.process_count() == 1:
@@ -143,19 +160,24 @@ def gather_process_states(local_state):
             "processes": [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]}
 
 
-def this_process_state(data_item, directory=""):
+def this_process_state(data_item: Any, directory: str = "") -> Any:
     """The iterator state of this process from a checkpoint's ``data`` item (see ``gather_process_states``)."""
     if not isinstance(data_item, dict) or "processes" not in data_item:
-        raise ValueError(f"checkpoint {directory} has no per-process data-iterator state (an older format); "
+        raise UserError(f"checkpoint {directory} has no per-process data-iterator state (an older format); "
                          "use a new --workdir")
     if data_item["process_count"] != jax.process_count():
-        raise ValueError(f"checkpoint {directory} was written by {data_item['process_count']} processes, this run "
+        raise UserError(f"checkpoint {directory} was written by {data_item['process_count']} processes, this run "
                          f"has {jax.process_count()}; every process reads its own shard of the data, so resume "
                          "with the same number of processes")
     return data_item["processes"][jax.process_index()]
 
 
-def abstract_like(tree):
+def abstract_like(tree: PyTree) -> PyTree:
     """Shape/dtype/sharding structs of a (possibly sharded) pytree, the target layout for a restore."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                         tree)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"

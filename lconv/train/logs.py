@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import jax
 
 
-def save_config(config, workdir):
+def save_config(config: Any, workdir: str) -> None:
     """Writes ``config.json`` (the resolved config) unless the run already has one; a resume keeps the original."""
     path = os.path.join(workdir, "config.json")
     if jax.process_index() == 0 and not os.path.exists(path):
@@ -17,7 +18,7 @@ def save_config(config, workdir):
 
 
 class MetricWriter:
-    def __init__(self, workdir):
+    def __init__(self, workdir: str) -> None:
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
@@ -26,7 +27,7 @@ class MetricWriter:
 
         self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
-    def write(self, step, split, values):
+    def write(self, step: int, split: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         scalars = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
@@ -37,13 +38,13 @@ class MetricWriter:
         if split != "train":
             print(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in scalars.items()), flush=True)
 
-    def close(self):
+    def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
             self.tensorboard.close()
 
 
-def progress(start, total):
+def progress(start: int, total: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(initial=start, total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=2.0,

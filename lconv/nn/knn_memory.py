@@ -4,7 +4,7 @@ A long document is fed as consecutive windows ("segments" in the paper; here "wi
 already means packed examples). Each layer attends two ways and gates the results:
 
 - local: (causal) dot-product self-attention inside the current window;
-- memory: each query retrieves its top-``num_neighbors`` (key, value) pairs, by exact inner product
+- memory: each query retrieves its top-``num_neighbors`` (``J``) (key, value) pairs, by exact inner product
   (``jax.lax.top_k``), from a FIFO of the keys/values of PAST windows of the same document, and attends
   over just those;
 - ``y = Out(g_h · mem + (1 - g_h) · local)`` with a learned per-head gate ``g_h = sigmoid(b_h)`` (``b_h``
@@ -17,14 +17,14 @@ through (``jax.lax.stop_gradient``), as in the paper.
 
 Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, batch size fixed there):
 
-    memory/keys    [B, memory_size, H, D]  L2-normalised keys, ``dtype``
-    memory/values  [B, memory_size, H, D]  values, ``dtype``
-    memory/valid   [B, memory_size] bool   which slots hold an entry; valid entries sit at the end, oldest first
+    memory/keys    [B, M, H, D]  L2-normalised keys, ``dtype`` (``M = memory_size`` slots)
+    memory/values  [B, M, H, D]  values, ``dtype``
+    memory/valid   [B, M] bool   which slots hold an entry; valid entries sit at the end, oldest first
 
 The memory is state of the loop that feeds a document stream window by window, and the loop owns it: it
 threads the collection from one call to the next and, where a batch row starts a new document, clears that
 row with ``reset_memory`` (every kNN layer of a model at once; any model holding these layers works alike).
-``lconv.train_lib`` does this on document streams (``config.data.stream``; ``lconv.data.stream``):
+``lconv.train.steps`` does this on document streams (``config.data.stream``; ``lconv.data.stream``):
 
     mem = model.init(rng, x0)['memory']
     for x, new_document_B in windows:
@@ -47,52 +47,59 @@ are written, and if the two differ the old memory is dropped. A row that is all 
 
 ``decode=True`` (``causal=True`` only): the local attention keeps a chunked KV cache in ``'cache'``
 (``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``, ``cache_index``) as in
-``lconv.attention``; the memory is read, not written.
+``lconv.nn.attention``; the memory is read, not written.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
+from jax.typing import ArrayLike
 
-from lconv.attention import (NEG_INF, AttentionFields, attend, attention_context, dense, dropout_rng,
-                             segments_and_positions)
+from lconv.constants import BATCH_MESH_AXES, MASKED_LOGIT
+from lconv.errors import UserError
+from lconv.nn.attention import AttentionFields
+from lconv.nn.common import FROM_HEADS, TO_HEADS, attention_context, dense, dropout_rng, segments_and_positions
+from lconv.ops.attention import attend
 
 Array = jax.Array
 DType = Any
-
-# The mesh axes lconv lays batch rows over (``lconv.train_lib`` shards batches and the memory this way).
-BATCH_MESH_AXES = ("data", "fsdp")
+PyTree = Any
 
 
 class KNNMemoryAttention(AttentionFields):
     """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
 
     Fields: ``memory_size`` entries per batch row (each entry holds all heads' key/value of one token),
-    ``num_neighbors`` retrieved per query and head (``<= memory_size``), ``qkv_features`` (None = C),
+    ``num_neighbors`` (``J``) retrieved per query and head (``<= memory_size``), ``qkv_features`` (None = C),
     ``attention_dropout`` on the local attention probabilities. Parameters: ``query``, ``key``, ``value``,
     ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Called as the mixer contract (``positions`` are not used).
     """
+
+    # Decoder only (mixer metadata, lconv.nn.mixers): its memory is carried across the windows of a document
+    # stream, which only a decoder-only LM reads; an encoder would only ever see an empty memory.
+    sides: ClassVar[tuple[str, ...]] = ("decoder",)
 
     causal: bool = True  # the Memorizing Transformer is a decoder; False gives bidirectional local attention
     memory_size: int = 1024
     num_neighbors: int = 32
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> Array:
         B, T, C, H, D = self._dims(x_BTC)
         if self.memory_size < 1:
-            raise ValueError(f"memory_size must be >= 1, got {self.memory_size}")
+            raise UserError(f"memory_size must be >= 1, got {self.memory_size}")
         if not 1 <= self.num_neighbors <= self.memory_size:
-            raise ValueError(f"num_neighbors must be in [1, memory_size={self.memory_size}], got {self.num_neighbors}")
+            raise UserError(f"num_neighbors must be in [1, memory_size={self.memory_size}], got {self.num_neighbors}")
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
-        q_BTHD = l2_normalize(dense(H * D, "query", self)(x).reshape(B, T, H, D))
-        k_BTHD = l2_normalize(dense(H * D, "key", self)(x).reshape(B, T, H, D)).astype(self.dtype)
-        v_BTHD = dense(H * D, "value", self)(x).reshape(B, T, H, D)
+        q_BTHD = l2_normalize(dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D))
+        k_BTHD = l2_normalize(dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)).astype(self.dtype)
+        v_BTHD = dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D)
         log_scale_H = self.param("log_scale", nn.initializers.constant(math.log(math.sqrt(D))), (H,),
                                  self.param_dtype)
         q_BTHD = (q_BTHD * jnp.exp(log_scale_H.astype(jnp.float32))[:, None]).astype(self.dtype)  # τ_h q̂
@@ -110,17 +117,18 @@ class KNNMemoryAttention(AttentionFields):
         if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
             out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode)
         # else: no 'memory' collection was passed, so there are no past windows (an empty memory).
-        out_BTC = dense(C, "out", self)(out_BTHD.astype(self.dtype).reshape(B, T, H * D))
+        out_BTC = dense(C, "out", self, FROM_HEADS)(out_BTHD.astype(self.dtype).reshape(B, T, H * D))
         return out_BTC.astype(x_BTC.dtype)
 
-    def _read_then_write(self, q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode):
+    def _read_then_write(self, q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, local_BTHD: Array, gate_H: Array,
+                         seg_BT: Array, decode: bool) -> Array:
         """Mixes retrieval from the memory into the local result; appends this window when it may write."""
         B, M, (H, D) = q_BTHD.shape[0], self.memory_size, q_BTHD.shape[2:]
         mem_k = self.variable("memory", "keys", jnp.zeros, (B, M, H, D), self.dtype)
         mem_v = self.variable("memory", "values", jnp.zeros, (B, M, H, D), self.dtype)
         mem_valid = self.variable("memory", "valid", jnp.zeros, (B, M), bool)
         if mem_k.value.shape != (B, M, H, D):
-            raise ValueError(f"memory/keys has shape {mem_k.value.shape} but this call needs {(B, M, H, D)}; "
+            raise UserError(f"memory/keys has shape {mem_k.value.shape} but this call needs {(B, M, H, D)}; "
                              "memory_size and the batch size must match the init call")
         first_B1 = jnp.where(seg_BT > 0, seg_BT, jnp.iinfo(jnp.int32).max).min(-1, keepdims=True)
         last_B1 = seg_BT.max(-1, keepdims=True)
@@ -141,7 +149,7 @@ class KNNMemoryAttention(AttentionFields):
         return out_BTHD
 
 
-def reset_memory(memory, reset_B):
+def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
     """Clears the rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection.
 
     Works on the collection of any model (any nesting): every ``keys`` / ``values`` / ``valid`` leaf is a
@@ -149,11 +157,11 @@ def reset_memory(memory, reset_B):
     """
     reset_B = jnp.asarray(reset_B, bool)
     if reset_B.ndim != 1:
-        raise ValueError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
+        raise UserError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
 
     def reset(path, leaf):
         if leaf.shape[:1] != reset_B.shape:
-            raise ValueError(f"reset_B has batch {reset_B.shape[0]} but memory leaf "
+            raise UserError(f"reset_B has batch {reset_B.shape[0]} but memory leaf "
                              f"{jax.tree_util.keystr(path)} has shape {leaf.shape}")
         keep = ~reset_B.reshape(reset_B.shape + (1,) * (leaf.ndim - 1))
         return jnp.where(keep, leaf, jnp.zeros((), leaf.dtype))
@@ -166,22 +174,23 @@ def reset_memory(memory, reset_B):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def l2_normalize(x, eps: float = 1e-6) -> Array:
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
     """``x / |x|`` over the last axis, computed in float32, returned in float32."""
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k: int) -> tuple[Array, Array]:
-    """Exact top-k memory entries per query and head by inner product: ``(scores, indices)``, ``[B, H, T, k]``.
+def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> tuple[Array, Array]:
+    """Exact top-k memory entries per query and head by inner product: ``(scores, indices)``, ``[B, H, T, J]``
+    (``J = k``).
 
-    Invalid slots score ``NEG_INF`` (so they come last and can be masked by score)."""
+    Invalid slots score ``MASKED_LOGIT`` (so they come last and can be masked by score)."""
     scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, preferred_element_type=jnp.float32)
-    scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, NEG_INF)
+    scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
     return rowwise_top_k(scores_BHTM, k)
 
 
-def rowwise_top_k(scores_B___, k: int) -> tuple[Array, Array]:
+def rowwise_top_k(scores_B___: Array, k: int) -> tuple[Array, Array]:
     """``jax.lax.top_k`` over the last axis, run shard by shard when a mesh (``jax.set_mesh``) splits the rows.
 
     XLA's SPMD partitioner cannot split TopK: left alone it all-gathers the whole ``[B, H, T, M]`` score array onto
@@ -196,21 +205,23 @@ def rowwise_top_k(scores_B___, k: int) -> tuple[Array, Array]:
     return jax.shard_map(lambda s: tuple(jax.lax.top_k(s, k)), in_specs=spec, out_specs=(spec, spec))(scores_B___)
 
 
-def memory_attention(q_BTHD, keys_BMHD, values_BMHD, valid_BM, k: int) -> tuple[Array, Array]:
-    """Softmax attention of each query over its own top-k retrieved entries (float32).
+def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array,
+                     k: int) -> tuple[Array, Array]:
+    """Softmax attention of each query over its own ``J = k`` retrieved entries (float32).
 
     Returns ``(out [B, T, H, D] float32, found [B, T, H] bool)``; ``found`` is False where nothing valid was
     retrieved (then ``out`` is 0)."""
-    scores_BHTK, idx_BHTK = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
-    ok_BHTK = scores_BHTK > NEG_INF / 2
-    probs_BHTK = jnp.where(ok_BHTK, jax.nn.softmax(scores_BHTK, axis=-1), 0.0)
+    scores_BHTJ, idx_BHTJ = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
+    ok_BHTJ = scores_BHTJ > MASKED_LOGIT / 2
+    probs_BHTJ = jnp.where(ok_BHTJ, jax.nn.softmax(scores_BHTJ, axis=-1), 0.0)
     v_BH1MD = jnp.transpose(values_BMHD, (0, 2, 1, 3))[:, :, None].astype(jnp.float32)
-    v_BHTKD = jnp.take_along_axis(v_BH1MD, idx_BHTK[..., None], axis=3)  # [B, H, T, k, D]
-    out_BHTD = jnp.einsum("bhtk,bhtkd->bhtd", probs_BHTK, v_BHTKD)
-    return jnp.transpose(out_BHTD, (0, 2, 1, 3)), jnp.transpose(ok_BHTK.any(-1), (0, 2, 1))
+    v_BHTJD = jnp.take_along_axis(v_BH1MD, idx_BHTJ[..., None], axis=3)
+    out_BHTD = jnp.einsum("bhtj,bhtjd->bhtd", probs_BHTJ, v_BHTJD)
+    return jnp.transpose(out_BHTD, (0, 2, 1, 3)), jnp.transpose(ok_BHTJ.any(-1), (0, 2, 1))
 
 
-def fifo_append(keys_BMHD, values_BMHD, valid_BM, new_k_BTHD, new_v_BTHD, new_valid_BT):
+def fifo_append(keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, new_k_BTHD: Array, new_v_BTHD: Array,
+                new_valid_BT: Array) -> tuple[Array, Array, Array]:
     """Appends the valid new entries after the valid old ones and keeps the newest ``M`` (oldest evicted).
 
     A stable sort on ``valid`` moves empty slots to the front while keeping the valid entries in time order."""
@@ -219,6 +230,6 @@ def fifo_append(keys_BMHD, values_BMHD, valid_BM, new_k_BTHD, new_v_BTHD, new_va
     v = jnp.concatenate([values_BMHD, new_v_BTHD.astype(values_BMHD.dtype)], axis=1)
     valid = jnp.concatenate([valid_BM, new_valid_BT], axis=1)  # [B, M + T]
     keep_BM = jnp.argsort(valid, axis=1, stable=True)[:, -M:]
-    take = lambda a: jnp.take_along_axis(a, keep_BM.reshape(keep_BM.shape + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
+    take = lambda a: jnp.take_along_axis(a, keep_BM.reshape(keep_BM.shape + (1,) * (a.ndim - 2)), axis=1)
     k, v, valid = take(k), take(v), take(valid)
     return jnp.where(valid[:, :, None, None], k, 0), jnp.where(valid[:, :, None, None], v, 0), valid

@@ -11,8 +11,8 @@ DynamicConv models, and the other mixers, are configs rather than code. Logits a
 
 CoLT5 (mixer and ``ffn_type="colt5"``) is encoder-only: its routing ranks future tokens, so a decoder naming
 it is a config error and decoder layers keep the dense FFN. kNN-memory layers keep past windows in the
-``'memory'`` collection, which the caller threads and resets (``lconv.memory.reset_memory``); without it they
-see no past windows. docs/models.md describes every mixer and lists each config's parameter count.
+``'memory'`` collection, which the caller threads and resets (``lconv.nn.knn_memory.reset_memory``); without it
+they see no past windows. docs/models.md describes every mixer and lists each config's parameter count.
 
 Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
 inside each packed segment, starting with ``BOS``.
@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv import adaptive_softmax, mixers
-from lconv.layers import CONV, EMBED, xavier_dense
+from lconv.constants import BOS_ID, EMBED, LENGTH, MLP, PAD_ID, VOCAB
+from lconv.errors import UserError
+from lconv.nn import adaptive_softmax, mixers
+from lconv.nn.attention import CrossAttention
+from lconv.nn.colt5 import CoLT5FeedForward
+from lconv.nn.common import DType, xavier_dense
 
-PAD_ID, BOS_ID = 0, 3
-VOCAB, MLP, LENGTH = "vocab", "mlp", "length"
-# Mixers that see the whole sequence by design (CoLT5's routing ranks every token): encoders only.
-ENCODER_ONLY_MIXERS = ("colt5",)
+Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +78,14 @@ class ModelConfig:
     dtype: Any = jnp.float32
 
     @classmethod
-    def from_config(cls, cfg, **overrides):
+    def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
         """From an ml_collections ``config.model`` (or a dict); unknown fields are a one-line error."""
         values = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
         values.update(overrides)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
-            raise ValueError(f"config.model has unknown field(s) {unknown}; known: {sorted(names)}")
+            raise UserError(f"config.model has unknown field(s) {unknown}; known: {sorted(names)}")
         if not values.get("conv_features"):
             values["conv_features"] = None  # 0 in a config = the model width
         if isinstance(values.get("dtype"), str):
@@ -95,55 +97,58 @@ class ModelConfig:
         config.validate()
         return config
 
-    def validate(self, decoder_only=False):
+    def validate(self, decoder_only: bool = False) -> None:
         if self.adaptive_softmax_cutoffs:
             adaptive_softmax.check_cutoffs(self.adaptive_softmax_cutoffs, self.vocab_size, self.d_model,
                                            self.adaptive_softmax_factor, "config.model.adaptive_softmax_cutoffs")
             if self.share_embeddings:
-                raise ValueError("config.model.adaptive_softmax_cutoffs needs config.model.share_embeddings=False "
+                raise UserError("config.model.adaptive_softmax_cutoffs needs config.model.share_embeddings=False "
                                  "(the output layer is no longer the embedding table)")
         if self.d_model % self.num_heads:
-            raise ValueError(
+            raise UserError(
                 f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
             )
         if self.ffn_type not in ("dense", "colt5"):
-            raise ValueError(f"config.model.ffn_type must be 'dense' or 'colt5'; got {self.ffn_type!r}")
+            raise UserError(f"config.model.ffn_type must be 'dense' or 'colt5'; got {self.ffn_type!r}")
         if decoder_only and self.ffn_type == "colt5":
-            raise ValueError("config.model.ffn_type='colt5' routes over future tokens, so it is for encoder layers "
+            raise UserError("config.model.ffn_type='colt5' routes over future tokens, so it is for encoder layers "
                              "only; a decoder-only LM needs ffn_type='dense'")
         sides = [("decoder", self.decoder_layers)] if decoder_only else [
             ("encoder", self.encoder_layers), ("decoder", self.decoder_layers)]
         for side, n in sides:
             for layer, name in enumerate(self.layer_mixers(side)):
                 if name not in mixers.mixer_names():  # unknown names fail here, before any tracing
-                    raise ValueError(f"config.model.{side}_mixer: unknown mixer {name!r}; choose one of "
+                    raise UserError(f"config.model.{side}_mixer: unknown mixer {name!r}; choose one of "
                                      f"{mixers.mixer_names()}")
-                if side == "decoder" and name in ENCODER_ONLY_MIXERS:
-                    raise ValueError(f"config.model.decoder_mixer: {name!r} is an encoder-only mixer (its routing "
-                                     "ranks future tokens); use 'attention' or a conv mixer in the decoder")
-                centred_conv = side == "encoder" and name in ("lightconv", "dynamicconv")
+                if side not in mixers.sides(name):
+                    only = mixers.sides(name)[0]
+                    raise UserError(f"config.model.{side}_mixer: {name!r} is {'an' if only == 'encoder' else 'a'} "
+                                    f"{only}-only mixer "
+                                    f"({_WHY_ONE_SIDE.get(name, 'see its class')}); use 'attention' or a conv mixer "
+                                    f"in the {side}")
+                centred_conv = side == "encoder" and "kernel_size" in mixers.model_fields(name)
                 if centred_conv and self.kernel_size(side, layer) % 2 == 0:
-                    raise ValueError(f"config.model.encoder_kernel_sizes: layer {layer} has kernel "
+                    raise UserError(f"config.model.encoder_kernel_sizes: layer {layer} has kernel "
                                      f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
-            if any(m in ("lightconv", "dynamicconv") for m in self.layer_mixers(side)):
+            if any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
 
-    def layer_mixers(self, side):
+    def layer_mixers(self, side: str) -> list[str]:
         spec = getattr(self, f"{side}_mixer")
         n = getattr(self, f"{side}_layers")
         names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
         if len(names) == 1:
             names = names * n
         if len(names) != n:
-            raise ValueError(f"config.model.{side}_mixer names {len(names)} mixers for {n} {side} layers")
+            raise UserError(f"config.model.{side}_mixer names {len(names)} mixers for {n} {side} layers")
         return names
 
-    def kernel_size(self, side, layer):
+    def kernel_size(self, side: str, layer: int) -> int:
         sizes = tuple(getattr(self, f"{side}_kernel_sizes"))
         if len(sizes) == 1:
             return sizes[0]
         if layer >= len(sizes):
-            raise ValueError(
+            raise UserError(
                 f"config.model.{side}_kernel_sizes has {len(sizes)} entries for {getattr(self, f'{side}_layers')}"
                 f" {side} layers"
             )
@@ -158,7 +163,7 @@ class EncoderDecoder(nn.Module):
 
     config: ModelConfig
 
-    def setup(self):
+    def setup(self) -> None:
         cfg = self.config
         cfg.validate()
         self.source_embed = _embedding(cfg, "source_embed")
@@ -171,35 +176,39 @@ class EncoderDecoder(nn.Module):
         if not cfg.share_embeddings:
             self.output_projection = _output_projection(cfg)
 
-    def encode(self, inputs_BS, *, inputs_segmentation=None, inputs_position=None, deterministic=True):
+    def encode(self, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
+               inputs_position: Array | None = None, deterministic: bool = True) -> Array:
+        """The encoder output ``encoded_BSC``."""
         segment_ids = _segments(inputs_BS, inputs_segmentation)
         x = self.source_positions(self.source_embed(inputs_BS), inputs_position, deterministic=deterministic)
         return self.encoder(x, segment_ids=segment_ids, positions=inputs_position, deterministic=deterministic)
 
-    def decode(self, encoded_BSD, inputs_BS, decoder_input_BT, *, inputs_segmentation=None,
-               targets_segmentation=None, targets_position=None, deterministic=True, decode=False):
+    def decode(self, encoded_BSC: Array, inputs_BS: Array, decoder_input_BT: Array, *,
+               inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
+               targets_position: Array | None = None, deterministic: bool = True, decode: bool = False) -> Array:
         """Logits ``[B, T, V]`` (float32) for ``decoder_input`` (already shifted right; see ``shift_right``)."""
-        memory_segments = _segments(inputs_BS, inputs_segmentation)
+        encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
         x = self.target_positions(self.target_embed(decoder_input_BT), positions, deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
-                         decode=decode, memory=encoded_BSD, memory_segment_ids=memory_segments)
+                         decode=decode, encoded=encoded_BSC, encoded_segment_ids=encoded_segments)
         return self._logits(x, deterministic)
 
-    def __call__(self, inputs_BS, targets_BT, *, inputs_segmentation=None, inputs_position=None,
-                 targets_segmentation=None, targets_position=None, deterministic=True):
-        encoded = self.encode(inputs_BS, inputs_segmentation=inputs_segmentation, inputs_position=inputs_position,
-                              deterministic=deterministic)
-        decoder_input = shift_right(targets_BT, targets_segmentation)
-        return self.decode(encoded, inputs_BS, decoder_input, inputs_segmentation=inputs_segmentation,
+    def __call__(self, inputs_BS: Array, targets_BT: Array, *, inputs_segmentation: Array | None = None,
+                 inputs_position: Array | None = None, targets_segmentation: Array | None = None,
+                 targets_position: Array | None = None, deterministic: bool = True) -> Array:
+        encoded_BSC = self.encode(inputs_BS, inputs_segmentation=inputs_segmentation,
+                                  inputs_position=inputs_position, deterministic=deterministic)
+        decoder_input_BT = shift_right(targets_BT, targets_segmentation)
+        return self.decode(encoded_BSC, inputs_BS, decoder_input_BT, inputs_segmentation=inputs_segmentation,
                            targets_segmentation=targets_segmentation, targets_position=targets_position,
                            deterministic=deterministic)
 
-    def _logits(self, x_BTD, deterministic):
+    def _logits(self, x_BTC: Array, deterministic: bool) -> Array:
         if self.config.share_embeddings:
-            return self.target_embed.attend(x_BTD.astype(jnp.float32)).astype(jnp.float32)
-        return _project_output(self.config, self.output_projection, x_BTD, deterministic)
+            return self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32)
+        return _project_output(self.config, self.output_projection, x_BTC, deterministic)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -207,7 +216,7 @@ class DecoderOnlyLM(nn.Module):
 
     config: ModelConfig
 
-    def setup(self):
+    def setup(self) -> None:
         cfg = dataclasses.replace(self.config, normalize_before=True)
         cfg.validate(decoder_only=True)
         self.embed = _embedding(cfg, "embed")
@@ -217,8 +226,9 @@ class DecoderOnlyLM(nn.Module):
         if not cfg.share_embeddings:
             self.output_projection = _output_projection(cfg)
 
-    def __call__(self, targets_BT, *, targets_segmentation=None, targets_position=None, deterministic=True,
-                 decode=False, shift=True):
+    def __call__(self, targets_BT: Array, *, targets_segmentation: Array | None = None,
+                 targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
+                 shift: bool = True) -> Array:
         """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training)."""
         inputs = shift_right(targets_BT, targets_segmentation) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
@@ -241,15 +251,17 @@ class Stack(nn.Module):
     cross_attention: bool = True
 
     @nn.compact
-    def __call__(self, x, *, segment_ids, positions, deterministic, decode=False, memory=None,
-                 memory_segment_ids=None):
+    def __call__(self, x: Array, *, segment_ids: Array | None, positions: Array | None, deterministic: bool,
+                 decode: bool = False, encoded: Array | None = None,
+                 encoded_segment_ids: Array | None = None) -> Array:
+        """``[B, T, C] -> [B, T, C]``; ``encoded`` is the encoder output ``[B, S, C]`` that cross-attention reads."""
         cfg = self.config
         causal = self.side == "decoder"
         for i, mixer_name in enumerate(cfg.layer_mixers(self.side)):
             x = Layer(cfg, mixer_name, layer=i, side=self.side, causal=causal,
                       cross_attention=causal and self.cross_attention, name=f"layer_{i}")(
                 x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode,
-                memory=memory, memory_segment_ids=memory_segment_ids)
+                encoded=encoded, encoded_segment_ids=encoded_segment_ids)
         if cfg.normalize_before:
             x = _layer_norm(cfg, "final_norm")(x)
         return x
@@ -264,25 +276,22 @@ class Layer(nn.Module):
     cross_attention: bool = False
 
     @nn.compact
-    def __call__(self, x, *, segment_ids, positions, deterministic, decode, memory=None, memory_segment_ids=None):
+    def __call__(self, x: Array, *, segment_ids: Array | None, positions: Array | None, deterministic: bool,
+                 decode: bool, encoded: Array | None = None, encoded_segment_ids: Array | None = None) -> Array:
         cfg = self.config
         mixer = mixers.make_mixer(self.mixer_name, **_mixer_fields(cfg, self.mixer_name, self.side, self.layer,
                                                                    self.causal), name="mixer")
         x = self._sublayer(x, lambda h: mixer(h, segment_ids=segment_ids, positions=positions,
                                                 deterministic=deterministic, decode=decode), "mixer", deterministic)
         if self.cross_attention:
-            from lconv.attention import CrossAttention  # imported here: attention.py is another mixer family
-
             attend = CrossAttention(num_heads=cfg.num_heads, attention_dropout=cfg.attention_dropout,
                                     dtype=cfg.dtype, name="encoder_attention")
             query_segments = None if decode else segment_ids
-            x = self._sublayer(x, lambda h: attend(h, memory, query_segment_ids=query_segments,
-                                                     memory_segment_ids=memory_segment_ids,
+            x = self._sublayer(x, lambda h: attend(h, encoded, query_segment_ids=query_segments,
+                                                     encoded_segment_ids=encoded_segment_ids,
                                                      deterministic=deterministic, decode=decode),
                                "encoder_attention", deterministic)
         if cfg.ffn_type == "colt5" and self.side == "encoder":  # routing is non-causal: never in a decoder
-            from lconv.colt5 import CoLT5FeedForward
-
             ffn = CoLT5FeedForward(**{"dtype": cfg.dtype, **dict(cfg.ffn_kwargs or {})}, name="ffn")
             x = self._sublayer(x, lambda h: ffn(h, segment_ids=segment_ids, deterministic=deterministic), "ffn",
                                deterministic)
@@ -291,7 +300,7 @@ class Layer(nn.Module):
                                deterministic)
         return x
 
-    def _sublayer(self, x, fn, name, deterministic):
+    def _sublayer(self, x: Array, fn: Callable[[Array], Array], name: str, deterministic: bool) -> Array:
         cfg = self.config
         residual = x
         if cfg.normalize_before:
@@ -309,33 +318,40 @@ class FeedForward(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, *, deterministic):
+    def __call__(self, x_BTC: Array, *, deterministic: bool) -> Array:
         cfg = self.config
-        h = xavier_dense(cfg.ffn_dim, (EMBED, MLP), dtype=cfg.dtype, name="fc1")(x_BTD)
+        h = xavier_dense(cfg.ffn_dim, (EMBED, MLP), dtype=cfg.dtype, name="fc1")(x_BTC)
         h = nn.Dropout(cfg.relu_dropout)(jax.nn.relu(h), deterministic=deterministic)
-        return xavier_dense(x_BTD.shape[-1], (MLP, EMBED), dtype=cfg.dtype, name="fc2")(h)
+        return xavier_dense(x_BTC.shape[-1], (MLP, EMBED), dtype=cfg.dtype, name="fc2")(h)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pieces
 # ----------------------------------------------------------------------------------------------------------------
-def _mixer_fields(cfg, name, side, layer, causal):
-    """The constructor fields for layer ``layer``'s mixer: shared ones it has, then the config's overrides."""
-    fields = set(getattr(mixers.mixer_class(name), "__dataclass_fields__", {}))
-    shared = dict(num_heads=cfg.num_heads, causal=causal, dtype=cfg.dtype, use_glu=cfg.use_glu,
-                  conv_features=cfg.conv_features, input_dropout=cfg.input_dropout,
-                  weight_dropout=cfg.weight_dropout, attention_dropout=cfg.attention_dropout,
-                  impl=cfg.conv_impl, max_len=cfg.max_len)
-    if name in ("lightconv", "dynamicconv"):
-        shared["kernel_size"] = cfg.kernel_size(side, layer)
-    kwargs = {k: v for k, v in shared.items() if k in fields}
+_WHY_ONE_SIDE = {"colt5": "its routing ranks future tokens",
+                 "knn_memory": "its memory is carried across the windows of a decoder's document stream"}
+
+
+def _mixer_fields(cfg: ModelConfig, name: str, side: str, layer: int, causal: bool) -> dict[str, Any]:
+    """Layer ``layer``'s mixer fields: the model values its class declares (``model_fields``), by name, then the
+    config's ``mixer_kwargs`` for it. A declared value the model does not provide is an error, never a drop."""
+    def value(source: str) -> Any:
+        if source == "causal":
+            return causal
+        if source == "kernel_size":
+            return cfg.kernel_size(side, layer)
+        if source not in ModelConfig.__dataclass_fields__:
+            raise TypeError(f"mixer {name!r} declares model field {source!r}, which ModelConfig does not have")
+        return getattr(cfg, source)
+
+    kwargs = {field: value(source) for field, source in mixers.model_fields(name).items()}
     kwargs.update(dict((cfg.mixer_kwargs or {}).get(name, {})))
     return kwargs
 
 
-def _embedding(cfg, name):
+def _embedding(cfg: ModelConfig, name: str) -> nn.Embed:
     """N(0, d^-1/2) embeddings with a zero PAD row, as fairseq's ``Embedding``."""
-    def init(key, shape, dtype=jnp.float32):
+    def init(key: Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> Array:
         table = jax.random.normal(key, shape, dtype) * cfg.d_model ** -0.5
         return table.at[PAD_ID].set(0.0)
 
@@ -343,7 +359,7 @@ def _embedding(cfg, name):
                     embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
 
 
-def _output_projection(cfg):
+def _output_projection(cfg: ModelConfig) -> nn.Module:
     if cfg.adaptive_softmax_cutoffs:
         return adaptive_softmax.AdaptiveSoftmax(cfg.vocab_size, tuple(cfg.adaptive_softmax_cutoffs),
                                                 cfg.adaptive_softmax_factor, cfg.adaptive_softmax_dropout,
@@ -353,14 +369,14 @@ def _output_projection(cfg):
                         nn.initializers.normal(cfg.d_model ** -0.5), (EMBED, VOCAB)))
 
 
-def _project_output(cfg, projection, x_BTD, deterministic):
+def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deterministic: bool) -> Array:
     """``[B, T, V]`` float32 logits (log-probabilities for the adaptive softmax, which has dropout)."""
     if cfg.adaptive_softmax_cutoffs:
-        return projection(x_BTD, deterministic=deterministic)
-    return projection(x_BTD).astype(jnp.float32)
+        return projection(x_BTC, deterministic=deterministic)
+    return projection(x_BTC).astype(jnp.float32)
 
 
-def _layer_norm(cfg, name):
+def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name,
                         scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (EMBED,)),
                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (EMBED,)))
@@ -372,21 +388,21 @@ class ScaleAndPosition(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, *, deterministic):
+    def __call__(self, x_BTC: Array, positions_BT: Array | None, *, deterministic: bool) -> Array:
         cfg = self.config
-        B, T, D = x_BTD.shape
+        B, T, C = x_BTC.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         if cfg.learned_positions:
-            init = nn.with_logical_partitioning(nn.initializers.normal(D ** -0.5), (LENGTH, EMBED))
-            pos_BTD = nn.Embed(cfg.max_len, D, dtype=cfg.dtype, embedding_init=init, name="learned")(positions_BT)
+            init = nn.with_logical_partitioning(nn.initializers.normal(C ** -0.5), (LENGTH, EMBED))
+            pos_BTC = nn.Embed(cfg.max_len, C, dtype=cfg.dtype, embedding_init=init, name="learned")(positions_BT)
         else:
-            pos_BTD = sinusoidal_positions(positions_BT, D).astype(x_BTD.dtype)
-        x_BTD = x_BTD * math.sqrt(D) + pos_BTD
-        return nn.Dropout(cfg.dropout)(x_BTD, deterministic=deterministic)
+            pos_BTC = sinusoidal_positions(positions_BT, C).astype(x_BTC.dtype)
+        x_BTC = x_BTC * math.sqrt(C) + pos_BTC
+        return nn.Dropout(cfg.dropout)(x_BTC, deterministic=deterministic)
 
 
-def sinusoidal_positions(positions_BT, dim):
+def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:
     """fairseq's sinusoidal table: ``[sin(p * f_i), cos(p * f_i)]``, ``f_i = 10000^(-i / (dim/2 - 1))``."""
     half = dim // 2
     freq = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000.0) / max(half - 1, 1)))
@@ -395,7 +411,7 @@ def sinusoidal_positions(positions_BT, dim):
     return jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, dim - 2 * half)])
 
 
-def _segments(tokens_BT, segmentation_BT, allow_pad_start=False):
+def _segments(tokens_BT: Array, segmentation_BT: Array | None, allow_pad_start: bool = False) -> Array:
     """Segment ids: the packed ``*_segmentation`` if given, else 1 on non-PAD tokens."""
     if segmentation_BT is not None:
         return segmentation_BT.astype(jnp.int32)
@@ -409,7 +425,7 @@ class DecodePositions(nn.Module):
     """Positions of the decoder inputs: given ones, or while decoding a counter in the ``'cache'`` collection."""
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, decode):
+    def __call__(self, tokens_BT: Array, positions_BT: Array | None, decode: bool) -> Array | None:
         if not decode:
             return positions_BT
         initialised = self.has_variable("cache", "position")
@@ -421,7 +437,7 @@ class DecodePositions(nn.Module):
         return jnp.broadcast_to(start + jnp.arange(T), tokens_BT.shape)
 
 
-def shift_right(targets_BT, segmentation_BT=None):
+def shift_right(targets_BT: Array, segmentation_BT: Array | None = None) -> Array:
     """Decoder inputs: ``[BOS, y_0, ..., y_{T-2}]`` inside every packed segment (BOS at each segment start)."""
     shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
     if segmentation_BT is None:

@@ -26,7 +26,7 @@ with SEPARATE query and key-value routers; heavy attention stays within segments
 key-value routing weights is not specified; here they scale the routed values (so the kv router is trained
 and an un-routed kv token fades in continuously). It is an encoder mixer: routing ranks all tokens, future ones
 included, so ``causal=True`` (and ``decode=True``) raise ``ValueError``; use ``"attention"``/conv mixers in
-the decoder, as the paper does (``lconv.models`` rejects ``"colt5"`` as a decoder mixer for that reason).
+the decoder, as the paper does (``lconv.nn.models`` rejects ``"colt5"`` as a decoder mixer for that reason).
 The light branch is blocked local attention (``local_attention``): time is cut into blocks of ``radius``
 tokens and each block attends to itself and its two neighbours, so it costs ``O(T · radius)`` memory, not
 ``O(T²)``.
@@ -37,14 +37,25 @@ tokens and each block attends to itself and its two neighbours, so it costs ``O(
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
-from lconv.attention import (NEG_INF, attention_mask, check_dropout, check_input, dense, dot_product_attention,
-                             dropout_rng, head_dims, segments_and_positions)
+from lconv.constants import EMBED, MASKED_LOGIT, MLP
+from lconv.errors import UserError
+from lconv.nn.common import (
+    FROM_HEADS,
+    TO_HEADS,
+    check_dropout,
+    check_input,
+    dense,
+    dropout_rng,
+    head_dims,
+    segments_and_positions,
+)
+from lconv.ops.attention import attention_mask, dot_product_attention
 
 Array = jax.Array
 DType = Any
@@ -55,36 +66,36 @@ class _Routed(nn.Module):
 
     dtype: DType = jnp.float32
     param_dtype: DType = jnp.float32
-    routed_fraction: float = 0.25  # routed capacity k = ceil(routed_fraction * T) ...
-    num_routed: int = 0  # ... unless num_routed > 0 (then k = num_routed); capped at T
+    routed_fraction: float = 0.25  # routed capacity R = ceil(routed_fraction * T) ...
+    num_routed: int = 0  # ... unless num_routed > 0 (then R = num_routed); capped at T
     router_temperature: float = 0.1  # soft top-k ε
     router_iterations: int = 32  # soft top-k coordinate-descent steps
     use_bias: bool = True
 
     def _num_routed(self, T: int) -> int:
         if self.num_routed < 0:
-            raise ValueError(f"num_routed must be >= 0 (0 = use routed_fraction), got {self.num_routed}")
+            raise UserError(f"num_routed must be >= 0 (0 = use routed_fraction), got {self.num_routed}")
         if self.num_routed == 0 and not 0.0 < self.routed_fraction <= 1.0:
-            raise ValueError(f"routed_fraction must be in (0, 1], got {self.routed_fraction}")
+            raise UserError(f"routed_fraction must be in (0, 1], got {self.routed_fraction}")
         if self.router_temperature <= 0:
-            raise ValueError(f"router_temperature must be positive, got {self.router_temperature}")
+            raise UserError(f"router_temperature must be positive, got {self.router_temperature}")
         if self.router_iterations < 1:
-            raise ValueError(f"router_iterations must be >= 1, got {self.router_iterations}")
-        k = self.num_routed or math.ceil(self.routed_fraction * T)
-        return min(k, T)
+            raise UserError(f"router_iterations must be >= 1, got {self.router_iterations}")
+        R = self.num_routed or math.ceil(self.routed_fraction * T)
+        return min(R, T)
 
-    def _route(self, x_BTC, valid_BT, k: int, name: str):
-        """Soft weights ``s_BT`` (float32, Σ = k) and the indices ``[B, k]`` of the hard top-k."""
+    def _route(self, x_BTC: Array, valid_BT: Array, R: int, name: str) -> tuple[Array, Array]:
+        """Soft weights ``s_BT`` (float32, Σ = R) and the indices ``[B, R]`` of the hard top-R."""
         u_C = self.param(name, nn.initializers.normal(stddev=1.0), (x_BTC.shape[-1],), self.param_dtype)
         r_BT = router_scores(x_BTC, u_C)
-        w_BT = soft_top_k(r_BT, k, valid_BT, temperature=self.router_temperature,
+        w_BT = soft_top_k(r_BT, R, valid_BT, temperature=self.router_temperature,
                           iterations=self.router_iterations)
-        return w_BT, top_k_indices(r_BT, valid_BT, k)
+        return w_BT, top_k_indices(r_BT, valid_BT, R)
 
-    def _weighted_scatter(self, heavy_BKC, w_BT, idx_BK, T: int):
+    def _weighted_scatter(self, heavy_BRC: Array, w_BT: Array, idx_BR: Array, T: int) -> Array:
         """``s_i · Heavy_i`` placed back at the routed tokens' positions; zeros elsewhere, ``[B, T, C]``."""
-        weights_BK1 = gather_tokens(w_BT, idx_BK)[:, :, None].astype(self.dtype)
-        return scatter_tokens(heavy_BKC * weights_BK1, idx_BK, T)
+        weights_BR1 = gather_tokens(w_BT, idx_BR)[:, :, None].astype(self.dtype)
+        return scatter_tokens(heavy_BRC * weights_BR1, idx_BR, T)
 
 
 class CoLT5Attention(_Routed):
@@ -97,6 +108,12 @@ class CoLT5Attention(_Routed):
     ``heavy_{query,key,value,out}``, ``router_q``, ``router_kv`` ``[C]``.
     """
 
+    # Mixer metadata (lconv.nn.mixers). Encoder only: the routing ranks every token of the sequence, the
+    # future included, so a decoder cannot use it (CoLT5 keeps a Transformer decoder, as here).
+    model_fields: ClassVar[dict[str, str]] = {
+        "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout"}
+    sides: ClassVar[tuple[str, ...]] = ("encoder",)
+
     num_heads: int = 8
     causal: bool = False
     light_num_heads: int = 0
@@ -104,19 +121,20 @@ class CoLT5Attention(_Routed):
     attention_dropout: float = 0.0
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> Array:
         if self.causal or decode:
-            raise ValueError("CoLT5Attention is an encoder mixer: causal=True / decode=True are not supported "
+            raise UserError("CoLT5Attention is an encoder mixer: causal=True / decode=True are not supported "
                              "(routing ranks future tokens); use 'attention' or a conv mixer in the decoder")
         B, T, C = check_input(x_BTC)
         H, D = head_dims(self.num_heads, None, C)
         Hl = self.light_num_heads or max(1, H // 2)
         if Hl < 0 or Hl > H:
-            raise ValueError(f"light_num_heads must be in [0, num_heads={H}], got {self.light_num_heads}")
+            raise UserError(f"light_num_heads must be in [0, num_heads={H}], got {self.light_num_heads}")
         if self.local_radius < 0:
-            raise ValueError(f"local_radius must be >= 0, got {self.local_radius}")
+            raise UserError(f"local_radius must be >= 0, got {self.local_radius}")
         check_dropout(self.attention_dropout)
-        k = self._num_routed(T)
+        R = self._num_routed(T)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)  # positions unused: content routing,
         valid_BT = seg_BT != 0  # and the local window goes by token index
         x = x_BTC.astype(self.dtype)
@@ -124,25 +142,26 @@ class CoLT5Attention(_Routed):
         rngs = (None, None) if rng is None else tuple(jax.random.split(rng))
 
         # Light branch: local attention, every token.
-        ql, kl, vl = (dense(Hl * D, f"light_{n}", self)(x).reshape(B, T, Hl, D) for n in ("query", "key", "value"))
-        light_BTHD = local_attention(ql, kl, vl, seg_BT, self.local_radius, dropout_rate=self.attention_dropout,
-                                     dropout_rng=rngs[0], dtype=self.dtype)
-        light_BTC = dense(C, "light_out", self)(light_BTHD.reshape(B, T, Hl * D))
+        ql_BTHD, kl_BTHD, vl_BTHD = (dense(Hl * D, f"light_{n}", self, TO_HEADS)(x).reshape(B, T, Hl, D)
+                                     for n in ("query", "key", "value"))
+        light_BTHD = local_attention(ql_BTHD, kl_BTHD, vl_BTHD, seg_BT, self.local_radius,
+                                     dropout_rate=self.attention_dropout, dropout_rng=rngs[0], dtype=self.dtype)
+        light_BTC = dense(C, "light_out", self, FROM_HEADS)(light_BTHD.reshape(B, T, Hl * D))
 
         # Heavy branch: full attention among routed queries over routed keys/values.
-        wq_BT, iq_BK = self._route(x, valid_BT, k, "router_q")
-        wkv_BT, ikv_BK = self._route(x, valid_BT, k, "router_kv")
-        xq_BKC, xkv_BKC = gather_tokens(x, iq_BK), gather_tokens(x, ikv_BK)
-        seg_q_BK, seg_kv_BK = gather_tokens(seg_BT, iq_BK), gather_tokens(seg_BT, ikv_BK)
-        q_BKHD = dense(H * D, "heavy_query", self)(xq_BKC).reshape(B, k, H, D)
-        k_BKHD = dense(H * D, "heavy_key", self)(xkv_BKC).reshape(B, k, H, D)
-        v_BKHD = dense(H * D, "heavy_value", self)(xkv_BKC).reshape(B, k, H, D)
-        v_BKHD = v_BKHD * gather_tokens(wkv_BT, ikv_BK)[:, :, None, None].astype(self.dtype)
-        heavy_BKHD = dot_product_attention(q_BKHD, k_BKHD, v_BKHD, attention_mask(seg_q_BK, seg_kv_BK),
+        wq_BT, iq_BR = self._route(x, valid_BT, R, "router_q")
+        wkv_BT, ikv_BR = self._route(x, valid_BT, R, "router_kv")
+        xq_BRC, xkv_BRC = gather_tokens(x, iq_BR), gather_tokens(x, ikv_BR)
+        seg_q_BR, seg_kv_BR = gather_tokens(seg_BT, iq_BR), gather_tokens(seg_BT, ikv_BR)
+        q_BRHD = dense(H * D, "heavy_query", self, TO_HEADS)(xq_BRC).reshape(B, R, H, D)
+        k_BRHD = dense(H * D, "heavy_key", self, TO_HEADS)(xkv_BRC).reshape(B, R, H, D)
+        v_BRHD = dense(H * D, "heavy_value", self, TO_HEADS)(xkv_BRC).reshape(B, R, H, D)
+        v_BRHD = v_BRHD * gather_tokens(wkv_BT, ikv_BR)[:, :, None, None].astype(self.dtype)
+        heavy_BRHD = dot_product_attention(q_BRHD, k_BRHD, v_BRHD, attention_mask(seg_q_BR, seg_kv_BR),
                                            dropout_rate=self.attention_dropout, dropout_rng=rngs[1],
                                            dtype=self.dtype)
-        heavy_BKC = dense(C, "heavy_out", self)(heavy_BKHD.reshape(B, k, H * D))
-        return (light_BTC + self._weighted_scatter(heavy_BKC, wq_BT, iq_BK, T)).astype(x_BTC.dtype)
+        heavy_BRC = dense(C, "heavy_out", self, FROM_HEADS)(heavy_BRHD.reshape(B, R, H * D))
+        return (light_BTC + self._weighted_scatter(heavy_BRC, wq_BT, iq_BR, T)).astype(x_BTC.dtype)
 
 
 class CoLT5FeedForward(_Routed):
@@ -158,21 +177,23 @@ class CoLT5FeedForward(_Routed):
     dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x_BTC, *, segment_ids=None, deterministic=True):
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, deterministic: bool = True) -> Array:
         B, T, C = check_input(x_BTC)
         hl, hh = self.light_hidden_dim or max(1, C // 2), self.heavy_hidden_dim or 4 * C
         if hl < 0 or hh < 0:
-            raise ValueError(f"light_hidden_dim / heavy_hidden_dim must be >= 0, got {hl}, {hh}")
+            raise UserError(f"light_hidden_dim / heavy_hidden_dim must be >= 0, got {hl}, {hh}")
         check_dropout(self.dropout_rate, "dropout_rate")
-        k = self._num_routed(T)
+        R = self._num_routed(T)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, None)
         x = x_BTC.astype(self.dtype)
         drop = nn.Dropout(self.dropout_rate, deterministic=deterministic)
-        light_BTC = dense(C, "light_out", self)(drop(jax.nn.relu(dense(hl, "light_in", self)(x))))
-        w_BT, idx_BK = self._route(x, seg_BT != 0, k, "router")
-        xr_BKC = gather_tokens(x, idx_BK)
-        heavy_BKC = dense(C, "heavy_out", self)(drop(jax.nn.relu(dense(hh, "heavy_in", self)(xr_BKC))))
-        return (light_BTC + self._weighted_scatter(heavy_BKC, w_BT, idx_BK, T)).astype(x_BTC.dtype)
+        light_in, light_out = dense(hl, "light_in", self, (EMBED, MLP)), dense(C, "light_out", self, (MLP, EMBED))
+        light_BTC = light_out(drop(jax.nn.relu(light_in(x))))
+        w_BT, idx_BR = self._route(x, seg_BT != 0, R, "router")
+        xr_BRC = gather_tokens(x, idx_BR)
+        heavy_in, heavy_out = dense(hh, "heavy_in", self, (EMBED, MLP)), dense(C, "heavy_out", self, (MLP, EMBED))
+        heavy_BRC = heavy_out(drop(jax.nn.relu(heavy_in(xr_BRC))))
+        return (light_BTC + self._weighted_scatter(heavy_BRC, w_BT, idx_BR, T)).astype(x_BTC.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -180,50 +201,51 @@ class CoLT5FeedForward(_Routed):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def local_attention(q_BTHD, k_BTHD, v_BTHD, seg_BT, radius: int, *, dropout_rate=0.0, dropout_rng=None,
-                    dtype=None) -> Array:
+def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, radius: int, *,
+                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: DType | None = None) -> Array:
     """Each query attends the same-segment keys with ``|key index - query index| <= radius``, ``[B, T, H, D]``.
 
     Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``, in ``O(T · radius)``
-    memory: time is cut into ``N`` blocks of ``W = clip(radius, 1, T)`` tokens (the end padded with segment
+    memory: time is cut into ``G`` blocks (groups) of ``W = clip(radius, 1, T)`` tokens (the end padded with segment
     0); query block ``n`` attends key blocks ``n - 1, n, n + 1``, which hold every key within the radius, as
     a batch of ``[W, 3W]`` attentions. The mask then keeps exactly the keys within the radius.
     """
     B, T, H, D = q_BTHD.shape
     W = max(1, min(radius, T))
-    N = -(-T // W)
-    tail = N * W - T
+    G = -(-T // W)
+    tail = G * W - T
 
-    def key_blocks(a_BT_):  # [B, T, ...] -> [B, N, 3W, ...]: blocks n-1, n, n+1 side by side (zeros outside)
+    def key_blocks(a_BT_):  # [B, T, ...] -> [B, G, 3W, ...]: blocks n-1, n, n+1 side by side (zeros outside)
         pad = [(0, 0), (W, W + tail)] + [(0, 0)] * (a_BT_.ndim - 2)
-        a = jnp.pad(a_BT_, pad).reshape((B, N + 2, W) + a_BT_.shape[2:])
+        a = jnp.pad(a_BT_, pad).reshape((B, G + 2, W) + a_BT_.shape[2:])
         return jnp.concatenate([a[:, :-2], a[:, 1:-1], a[:, 2:]], axis=2)
 
-    def query_blocks(a_BT_):  # [B, T, ...] -> [B, N, W, ...]
+    def query_blocks(a_BT_):  # [B, T, ...] -> [B, G, W, ...]
         pad = [(0, 0), (0, tail)] + [(0, 0)] * (a_BT_.ndim - 2)
-        return jnp.pad(a_BT_, pad).reshape((B, N, W) + a_BT_.shape[2:])
+        return jnp.pad(a_BT_, pad).reshape((B, G, W) + a_BT_.shape[2:])
 
-    q_seg_BNW, k_seg_BNS = query_blocks(seg_BT), key_blocks(seg_BT)  # S = 3W; padding is segment 0
-    q_idx_NW = jnp.arange(N * W).reshape(N, W)
-    k_idx_NS = q_idx_NW[:, :1] - W + jnp.arange(3 * W)  # absolute index of each key slot
-    near_NWS = jnp.abs(k_idx_NS[:, None, :] - q_idx_NW[:, :, None]) <= radius
-    mask_BNWS = (q_seg_BNW[..., :, None] == k_seg_BNS[..., None, :]) & (q_seg_BNW != 0)[..., None] & near_NWS
+    q_seg_BGW, k_seg_BGS = query_blocks(seg_BT), key_blocks(seg_BT)  # S = 3W; padding is segment 0
+    q_idx_GW = jnp.arange(G * W).reshape(G, W)
+    k_idx_GS = q_idx_GW[:, :1] - W + jnp.arange(3 * W)  # absolute index of each key slot
+    near_GWS = jnp.abs(k_idx_GS[:, None, :] - q_idx_GW[:, :, None]) <= radius
+    mask_BGWS = (q_seg_BGW[..., :, None] == k_seg_BGS[..., None, :]) & (q_seg_BGW != 0)[..., None] & near_GWS
 
-    fold = lambda a: a.reshape((B * N,) + a.shape[2:])  # noqa: E731  blocks into the batch
+    fold = lambda a: a.reshape((B * G,) + a.shape[2:])  # blocks into the batch
     out_XWHD = dot_product_attention(
         fold(query_blocks(q_BTHD)), fold(key_blocks(k_BTHD)), fold(key_blocks(v_BTHD)),
-        fold(mask_BNWS)[:, None], dropout_rate=dropout_rate, dropout_rng=dropout_rng, dtype=dtype)
-    return out_XWHD.reshape(B, N * W, H, -1)[:, :T]
+        fold(mask_BGWS)[:, None], dropout_rate=dropout_rate, dropout_rng=dropout_rng, dtype=dtype)
+    return out_XWHD.reshape(B, G * W, H, -1)[:, :T]
 
 
-def router_scores(x_BTC, u_C) -> Array:
+def router_scores(x_BTC: Array, u_C: Array) -> Array:
     """Raw routing scores ``X u / |u|`` in float32, ``[B, T]`` (a unit router keeps the scale set by the input
     norm, so the temperature means the same thing whatever ``u`` learns)."""
     u = u_C.astype(jnp.float32)
     return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), preferred_element_type=jnp.float32)
 
 
-def soft_top_k(scores_BT, k: int, valid_BT=None, *, temperature: float = 0.1, iterations: int = 32) -> Array:
+def soft_top_k(scores_BT: Array, k: int, valid_BT: Array | None = None, *, temperature: float = 0.1,
+               iterations: int = 32) -> Array:
     """Differentiable top-k weights ``λ_BT`` with ``Σ_t λ = min(k, #valid)`` and ``λ ≈`` in ``[0, 1]``.
 
     Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (see module docstring).
@@ -231,7 +253,7 @@ def soft_top_k(scores_BT, k: int, valid_BT=None, *, temperature: float = 0.1, it
     """
     r = scores_BT.astype(jnp.float32)
     valid = jnp.ones(r.shape, bool) if valid_BT is None else valid_BT
-    r = jnp.where(valid, r, NEG_INF)
+    r = jnp.where(valid, r, MASKED_LOGIT)
     k_B1 = jnp.clip(jnp.minimum(k, valid.sum(-1, keepdims=True)), 1, None).astype(jnp.float32)
     eps = temperature
 
@@ -252,18 +274,18 @@ def soft_top_k(scores_BT, k: int, valid_BT=None, *, temperature: float = 0.1, it
     return jnp.where(valid, jnp.exp((r + a_B1 + b_BT) / eps), 0.0)
 
 
-def top_k_indices(scores_BT, valid_BT, k: int) -> Array:
+def top_k_indices(scores_BT: Array, valid_BT: Array, k: int) -> Array:
     """Indices ``[B, k]`` of the k highest scores, valid tokens first (padding only fills what is left)."""
     return jax.lax.top_k(jnp.where(valid_BT, scores_BT.astype(jnp.float32), -jnp.inf), k)[1]
 
 
-def gather_tokens(x_BT_, idx_BK) -> Array:
-    """``x[b, idx[b, j]]`` for ``[B, T, ...]`` inputs, ``[B, k, ...]``."""
-    idx = idx_BK.reshape(idx_BK.shape + (1,) * (x_BT_.ndim - 2))
+def gather_tokens(x_BT_: Array, idx_BR: Array) -> Array:
+    """``x[b, idx[b, j]]`` for ``[B, T, ...]`` inputs, ``[B, R, ...]``."""
+    idx = idx_BR.reshape(idx_BR.shape + (1,) * (x_BT_.ndim - 2))
     return jnp.take_along_axis(x_BT_, idx, axis=1)
 
 
-def scatter_tokens(y_BKC, idx_BK, T: int) -> Array:
-    """Adds the rows of ``y_BKC`` at token indices ``idx_BK`` into zeros ``[B, T, C]`` (indices are unique)."""
-    B = y_BKC.shape[0]
-    return jnp.zeros((B, T) + y_BKC.shape[2:], y_BKC.dtype).at[jnp.arange(B)[:, None], idx_BK].add(y_BKC)
+def scatter_tokens(y_BRC: Array, idx_BR: Array, T: int) -> Array:
+    """Adds the rows of ``y_BRC`` at token indices ``idx_BR`` into zeros ``[B, T, C]`` (indices are unique)."""
+    B = y_BRC.shape[0]
+    return jnp.zeros((B, T) + y_BRC.shape[2:], y_BRC.dtype).at[jnp.arange(B)[:, None], idx_BR].add(y_BRC)

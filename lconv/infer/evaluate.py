@@ -1,0 +1,146 @@
+"""Evaluation: decode a split (or any text file), detokenise, score with sacreBLEU / ROUGE, write the outputs."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from lconv.data import pipeline
+from lconv.errors import UserError
+from lconv.infer import scoring, search
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+
+    from lconv.data.tokenizer import Tokenizer
+
+
+def decode_batches(config: Any, model: nn.Module, params: Any,
+                   eval_set: pipeline.EvalSet) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """``(batch, best-beam ids [B, L])`` over every example of ``eval_set`` (padding rows included; the caller
+    drops rows with ``example_index < 0``).
+
+    Examples are decoded in order of source length, each batch cut to the shortest width in ``_WIDTHS`` that holds
+    it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam search
+    stops early together. That is a handful of compiled shapes, each compiled once.
+    """
+    @functools.partial(jax.jit, static_argnums=3)
+    def translate(params, inputs, segmentation, max_len):
+        return search.translate(
+            model, {"params": params}, inputs, inputs_segmentation=segmentation, beam_size=config.decode.beam_size,
+            max_len=max_len, lenpen=config.decode.lenpen, max_len_a=config.decode.max_len_a,
+            max_len_b=config.decode.max_len_b)
+
+    order = sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
+    rows = eval_set.batch_size
+    for b in range(eval_set.num_batches):  # the same count on every process
+        chosen = order[b * rows:(b + 1) * rows]
+        batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
+        longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
+        width = min([w for w in _WIDTHS if w >= longest] + [batch["inputs"].shape[1]])
+        inputs = batch["inputs"][:, :width]
+        segmentation = (inputs != 0).astype(np.int32)
+        yield batch, np.asarray(translate(params, inputs, segmentation, _max_len(config, width)))
+
+
+_WIDTHS = (32, 64, 128, 256, 512, 1024)  # source widths decoding batches are cut to
+
+
+def _max_len(config, source_len):
+    return int(min(config.decode.max_len_a * source_len + config.decode.max_len_b,
+                   config.data.eval_max_target_length))
+
+
+def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
+                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None,
+                log: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``."""
+    split = split or config.decode.split
+    if split not in eval_sets:
+        raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
+    eval_set = eval_sets[split]
+    start = time.time()
+    hypotheses = {}
+    for batch, tokens in decode_batches(config, model, params, eval_set):
+        for row, index in enumerate(batch["example_index"]):
+            if index >= 0:
+                hypotheses[int(index)] = tokenizer.decode(tokens[row])
+    seconds = time.time() - start
+    order = sorted(hypotheses)
+    hyps = [hypotheses[i] for i in order]
+    refs = [eval_set.examples[i]["targets"] for i in order]
+    sources = [eval_set.examples[i]["inputs"] for i in order]
+    scores = score_texts(config.task, hyps, refs)
+    scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
+                  sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size)
+    write_outputs(workdir, split, hyps, scores)
+    log(format_report(scores, sources, refs, hyps, config.decode.num_print))
+    return scores
+
+
+def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
+    """ROUGE for summarisation, sacreBLEU for every other task."""
+    if task == "summarization":
+        return scoring.rouge(hypotheses, references)
+    return scoring.bleu(hypotheses, references)
+
+
+def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, scores: Mapping[str, Any]) -> None:
+    """``<workdir>/<name>.hyp.txt`` (one line per hypothesis, unless None) and ``<name>.scores.json``; process 0
+    only."""
+    if jax.process_index() != 0:
+        return
+    if hypotheses is not None:
+        with open(os.path.join(workdir, f"{name}.hyp.txt"), "w") as f:
+            f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
+    with open(os.path.join(workdir, f"{name}.scores.json"), "w") as f:
+        json.dump(scores, f, indent=2)
+
+
+def format_report(scores: Mapping[str, Any], sources: Sequence[str], references: Sequence[str],
+                  hypotheses: Sequence[str], num_print: int) -> str:
+    """The first ``num_print`` (source, reference, hypothesis) triples, then the scores on one line."""
+    lines = []
+    for i in range(min(num_print, len(hypotheses))):
+        lines += [f"  source:     {sources[i][:300]}", f"  reference:  {references[i][:300]}",
+                  f"  hypothesis: {hypotheses[i][:300]}", ""]
+    if "bleu" in scores:
+        head = f"{scores['split']}: sacreBLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})"
+    else:
+        head = f"{scores['split']}: " + "  ".join(f"{k} {scores[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL"))
+    head += f"  on {scores['examples']} examples, {scores['sentences_per_s']:.1f} sentences/s"
+    return "\n".join(["sample outputs:"] + lines + [head])
+
+
+class ListSource:
+    """A random-access source over in-memory examples (what ``make_eval_set`` reads)."""
+
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]
+
+
+def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
+                    sources: Sequence[str]) -> list[str]:
+    """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search."""
+    examples = [{"inputs": source, "targets": ""} for source in sources]
+    lengths = {"inputs": config.data.eval_max_input_length, "targets": config.data.eval_max_target_length}
+    eval_set = pipeline.make_eval_set(ListSource(examples), "inputs", "targets", tokenizer, lengths,
+                                      config.data.eval_batch_size)
+    hypotheses = [""] * len(sources)
+    for batch, tokens in decode_batches(config, model, params, eval_set):
+        for row, index in enumerate(batch["example_index"]):
+            if index >= 0:
+                hypotheses[int(index)] = tokenizer.decode(tokens[row])
+    return hypotheses

@@ -1,0 +1,289 @@
+"""Autoregressive decoding on incremental caches: greedy, beam search (fairseq's scoring), sampling.
+
+Everything here is model agnostic and jit-able: the token loop is a ``jax.lax.while_loop`` over one step
+function, the **``tokens_to_logits`` contract**::
+
+    logits_BTV, new_cache = tokens_to_logits(tokens_BT, cache)
+
+``tokens_BT`` is a chunk of ``T >= 1`` new decoder inputs per row (the search functions feed ``T = 1``; ``sample``
+feeds ``[BOS, prompt...]`` as one first chunk); ``logits_BTV`` are the next-token logits of every position in the
+chunk (only the last is used); ``cache`` is the Flax ``'cache'`` collection (any pytree). Cache leaves have the
+batch as leading dim, except scalar counters (``position``, ``cache_index``), which are never tiled or reordered.
+
+Token ids are ``lconv.constants``': ``PAD = 0`` (never generated; finished rows emit it after ``EOS``), ``EOS = 1``,
+``BOS = 3`` (the first decoder input). Outputs hold the generated tokens only, ``[..., max_len]``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
+from lconv.errors import UserError
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+
+Array = jax.Array
+# (tokens_BT, cache) -> (logits_BTV, new cache); the contract above
+TokensToLogits = Callable[[Array, Any], tuple[Array, Any]]
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache helpers
+# ----------------------------------------------------------------------------------------------------------------
+BEAM_INVARIANT_PREFIX = "beam_invariant_"  # cache entries equal on every beam of a row (e.g. projected encoder keys)
+
+
+def tile_cache(cache: Any, batch_size: int, beam_size: int) -> Any:
+    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]`` (row ``b*beam + n`` = beam n of row b).
+
+    Scalars (counters shared by all rows) and ``beam_invariant_*`` entries (the same for every beam of a row;
+    their module folds the beams into its queries) stay as they are.
+    """
+    def tile(path, x):
+        if x.ndim == 0 or _beam_invariant(path):
+            return x
+        if x.shape[0] != batch_size:
+            raise ValueError(f"cache leaf of shape {x.shape} has no leading batch dim {batch_size}; "
+                             "cache leaves must be [batch, ...] or scalars")
+        return jnp.repeat(x, beam_size, axis=0)  # [B*beam, ...]
+    return jax.tree_util.tree_map_with_path(tile, cache)
+
+
+def _beam_invariant(path):
+    return bool(path) and str(getattr(path[-1], "key", "")).startswith(BEAM_INVARIANT_PREFIX)
+
+
+def gather_beams(cache: Any, beam_idx_BN: Array) -> Any:
+    """Reorders a tiled cache: new beam n of row b takes old beam ``beam_idx[b, n]``.
+
+    Scalars are kept, and so are ``beam_invariant_*`` entries (see ``tile_cache``): reordering the beams of a row
+    leaves them unchanged.
+    """
+    B, N = beam_idx_BN.shape
+    flat_idx = (jnp.arange(B)[:, None] * N + beam_idx_BN).reshape(-1)  # [B*beam]
+
+    def gather(path, x):
+        if x.ndim == 0 or _beam_invariant(path):
+            return x
+        return jnp.take(x, flat_idx, axis=0)
+
+    return jax.tree_util.tree_map_with_path(gather, cache)
+
+
+def _last_logits(tokens_to_logits, tokens_BT, cache):
+    logits_BTV, cache = tokens_to_logits(tokens_BT, cache)
+    return logits_BTV[:, -1].astype(jnp.float32), cache  # [B, V]
+
+
+def _mask_pad(logits_XV, pad_id):
+    return logits_XV.at[..., pad_id].set(IMPOSSIBLE_LOGP)  # PAD is never generated
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Greedy and sampling
+# ----------------------------------------------------------------------------------------------------------------
+def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, *, bos_id: int = BOS_ID,
+                  eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+    """Argmax decoding, ``[B, max_len]``; stops when every row has emitted EOS (rows without one are cut)."""
+    return sample(tokens_to_logits, cache, batch_size, max_len, None, temperature=0.0, bos_id=bos_id,
+                  eos_id=eos_id, pad_id=pad_id)
+
+
+def filter_logits(logits_BV: Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Array:
+    """Temperature, then top-k, then nucleus (smallest set whose mass reaches ``top_p``); the rest get -inf."""
+    logits_BV = logits_BV / temperature  # [B, V]
+    if top_k:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]  # [B, 1]
+        logits_BV = jnp.where(logits_BV < kth_B1, IMPOSSIBLE_LOGP, logits_BV)  # [B, V]
+    if top_p < 1.0:
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # [B, V] descending
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)  # [B, V]
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # [B, V]; the top token always stays
+        keep_BV = mass_before_BV < top_p  # [B, V]
+        cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
+        logits_BV = jnp.where(logits_BV < cutoff_B1, IMPOSSIBLE_LOGP, logits_BV)  # [B, V]
+    return logits_BV
+
+
+def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, rng: Array | None, *,
+           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, prompt: Array | None = None,
+           bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+    """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
+
+    ``prompt [B, T]`` (one length ``T`` for all rows) is fed as one chunk ``[BOS, prompt...]`` before the first
+    sampled token, so the cache must hold ``1 + T + max_len`` positions. Step ``i`` draws with ``fold_in(rng, i)``.
+    """
+    B = batch_size
+    first_BT = jnp.full((B, 1), bos_id, jnp.int32)  # [B, 1]
+    if prompt is not None:
+        first_BT = jnp.concatenate([first_BT, jnp.asarray(prompt, jnp.int32)], axis=1)  # [B, 1+T]
+
+    def pick(logits_BV, i):
+        logits_BV = _mask_pad(logits_BV, pad_id)  # [B, V]
+        if temperature == 0.0:
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)  # [B]
+        logits_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)  # [B, V]
+        return jax.random.categorical(jax.random.fold_in(rng, i), logits_BV, axis=-1).astype(jnp.int32)  # [B]
+
+    def step(i, tokens_BL, finished_B, cache, inputs_BT):
+        logits_BV, cache = _last_logits(tokens_to_logits, inputs_BT, cache)  # [B, V]
+        next_B = jnp.where(finished_B, pad_id, pick(logits_BV, i))  # [B]
+        tokens_BL = tokens_BL.at[:, i].set(next_B)  # [B, L]
+        return i + 1, tokens_BL, finished_B | (next_B == eos_id), cache
+
+    def cond(state):
+        i, _, finished_B, _ = state
+        return (i < max_len) & ~jnp.all(finished_B)
+
+    def body(state):
+        i, tokens_BL, finished_B, cache = state
+        inputs_B1 = jax.lax.dynamic_slice_in_dim(tokens_BL, i - 1, 1, axis=1)  # [B, 1]
+        return step(i, tokens_BL, finished_B, cache, inputs_B1)
+
+    tokens_BL = jnp.full((B, max_len), pad_id, jnp.int32)  # [B, L]
+    state = step(0, tokens_BL, jnp.zeros((B,), bool), cache, first_BT)  # the (prompt) chunk, outside the loop
+    return jax.lax.while_loop(cond, body, state)[1]  # [B, L]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Beam search
+# ----------------------------------------------------------------------------------------------------------------
+def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
+                lenpen: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+                max_len_per_row: Array | None = None) -> tuple[Array, Array]:
+    """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first.
+
+    A finished hypothesis scores ``sum(log p) / length**lenpen`` (EOS counted in both). Alive and finished
+    hypotheses are kept apart, so an EOS never takes an alive slot: each step ranks the top ``2*beam``
+    extensions, the best ``beam`` non-EOS ones stay alive, EOS ones compete for the finished set. EOS is forced at
+    ``max_len_per_row[b]`` tokens (EOS included; default ``max_len``). A row stops searching once no alive
+    hypothesis can beat its worst finished one (log-probs only fall; the length bonus is at most
+    ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
+    score -inf and hold PAD.
+    """
+    B, N, L = batch_size, beam_size, max_len
+    lenpen = jnp.float32(lenpen)
+    if max_len_per_row is None:
+        limit_B = jnp.full((B,), L, jnp.int32)  # [B]
+    else:
+        limit_B = jnp.clip(jnp.asarray(max_len_per_row, jnp.int32), 1, L)  # [B]
+    max_pen_B = jnp.power(limit_B.astype(jnp.float32), lenpen)  # [B]
+
+    def cond(state):
+        i, _, alive_logp_BN, _, finished_BN, _ = state
+        best_pen_B = jnp.maximum(jnp.power((i + 1).astype(jnp.float32), lenpen), max_pen_B)  # [B]
+        best_alive_B = jnp.max(alive_logp_BN, axis=-1) / best_pen_B  # [B] upper bound of any future score
+        done_B = finished_BN[:, -1] >= best_alive_B  # [B] worst finished beats every alive hypothesis
+        return (i < L) & ~jnp.all(done_B)
+
+    def body(state):
+        i, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache = state
+        last_BN1 = jax.lax.dynamic_slice_in_dim(alive_BNL, jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
+        prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
+        flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
+        logp_BNV = jax.nn.log_softmax(flat_logits, axis=-1).reshape(B, N, -1)  # [B, beam, V]
+        V = logp_BNV.shape[-1]
+        logp_BNV = _mask_pad(logp_BNV, pad_id)  # [B, beam, V]
+        at_limit_B = i + 1 >= limit_B  # [B] this token is the row's last
+        only_eos_V = jnp.arange(V) == eos_id  # [V]
+        logp_BNV = jnp.where(at_limit_B[:, None, None] & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)  # [B, beam, V]
+        cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
+
+        # The top 2*beam extensions: at most beam of them end in EOS, so beam non-EOS ones remain alive.
+        top_logp_B2N, top_idx_B2N = jax.lax.top_k(cand_BNV.reshape(B, N * V), min(2 * N, N * V))  # [B, 2beam]
+        top_beam_B2N = top_idx_B2N // V  # [B, 2beam] which alive beam it extends
+        top_tok_B2N = (top_idx_B2N % V).astype(jnp.int32)  # [B, 2beam]
+        top_seqs_B2NL = jnp.take_along_axis(alive_BNL, top_beam_B2N[:, :, None], axis=1)  # [B, 2beam, L]
+        top_seqs_B2NL = top_seqs_B2NL.at[:, :, i].set(top_tok_B2N)  # [B, 2beam, L]
+        is_eos_B2N = top_tok_B2N == eos_id  # [B, 2beam]
+
+        # Alive: the best beam non-EOS extensions; the cache follows the beams they extend.
+        alive_cand_B2N = jnp.where(is_eos_B2N, IMPOSSIBLE_LOGP, top_logp_B2N)  # [B, 2beam]
+        alive_logp_BN, keep_BN = jax.lax.top_k(alive_cand_B2N, N)  # [B, beam]
+        alive_BNL = jnp.take_along_axis(top_seqs_B2NL, keep_BN[:, :, None], axis=1)  # [B, beam, L]
+        cache = gather_beams(cache, jnp.take_along_axis(top_beam_B2N, keep_BN, axis=1))  # [B*beam, ...]
+
+        # Finished: EOS extensions, length-normalised, merged with the finished set.
+        length_pen = jnp.power((i + 1).astype(jnp.float32), lenpen)  # ()
+        new_scores_B2N = jnp.where(is_eos_B2N, top_logp_B2N / length_pen, IMPOSSIBLE_LOGP)  # [B, 2beam]
+        all_scores_B3N = jnp.concatenate([finished_BN, new_scores_B2N], axis=1)  # [B, 3beam]
+        all_seqs_B3NL = jnp.concatenate([finished_BNL, top_seqs_B2NL], axis=1)  # [B, 3beam, L]
+        finished_BN, best_BN = jax.lax.top_k(all_scores_B3N, N)  # [B, beam]
+        finished_BNL = jnp.take_along_axis(all_seqs_B3NL, best_BN[:, :, None], axis=1)  # [B, beam, L]
+        return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache
+
+    seqs_BNL = jnp.full((B, N, L), pad_id, jnp.int32)  # [B, beam, L]
+    # [B, beam]: one live beam per row at the start
+    alive_logp_BN = jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_LOGP] * (N - 1), jnp.float32), (B, 1))
+    finished_BN = jnp.full((B, N), IMPOSSIBLE_LOGP, jnp.float32)  # [B, beam] empty
+    state = (jnp.int32(0), seqs_BNL, alive_logp_BN, seqs_BNL, finished_BN, tile_cache(cache, B, N))
+    _, _, _, finished_BNL, finished_BN, _ = jax.lax.while_loop(cond, body, state)
+    finished_BNL = jnp.where(finished_BN[:, :, None] > IMPOSSIBLE_LOGP, finished_BNL, pad_id)  # [B, beam, L]
+    return finished_BNL, finished_BN
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+def _apply_cache(model, variables, cache, *args, **kwargs):
+    out, mutated = model.apply({**variables, "cache": cache}, *args, mutable=["cache"], **kwargs)
+    return out, mutated["cache"]
+
+
+def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
+              beam_size: int = 4, max_len: int = 256, lenpen: float = 1.0, max_len_a: float | None = None,
+              max_len_b: int | None = None, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+    """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``.
+
+    Encodes once; the cache is created for ``B`` rows and tiled per beam by ``beam_search``, the encoder output
+    and source ids are tiled here the same way (row ``b*beam + n``). With ``max_len_a``/``max_len_b`` a row may
+    generate ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``.
+    """
+    variables = {name: v for name, v in variables.items() if name != "cache"}
+    B, N = inputs_BS.shape[0], beam_size
+    encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
+    tile = lambda x: None if x is None else jnp.repeat(x, N, axis=0)  # [B, ...] -> [B*beam, ...]
+    _, cache = _apply_cache(model, variables, {}, encoded_BSC, inputs_BS, jnp.zeros((B, max_len), jnp.int32),
+                            inputs_segmentation=inputs_segmentation, decode=True, method=model.decode)
+    # The decoder's rows are the B*beam hypotheses: [B*beam, S, C], [B*beam, S], [B*beam, S]
+    beam_encoded, beam_inputs, beam_segmentation = tile(encoded_BSC), tile(inputs_BS), tile(inputs_segmentation)
+
+    def tokens_to_logits(tokens_BT, cache):  # B here is B*beam
+        return _apply_cache(model, variables, cache, beam_encoded, beam_inputs, tokens_BT,
+                            inputs_segmentation=beam_segmentation, decode=True, method=model.decode)
+
+    limit_B = None
+    if max_len_a is not None or max_len_b is not None:
+        src_len_B = jnp.sum(inputs_BS != pad_id, axis=1).astype(jnp.float32)  # [B]
+        limit_B = jnp.floor((max_len_a or 0.0) * src_len_B + (max_len_b or 0)).astype(jnp.int32) + 1  # [B] + EOS
+    tokens_BNL, _ = beam_search(tokens_to_logits, cache, B, N, max_len, lenpen=lenpen, bos_id=bos_id,
+                                eos_id=eos_id, pad_id=pad_id, max_len_per_row=limit_B)
+    return tokens_BNL[:, 0]  # [B, L]
+
+
+def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int,
+                batch_size: int | None = None, rng: Array | None = None, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+    """Continues ``prompt [B, T]`` (or starts from BOS) with a ``DecoderOnlyLM``; ``[B, max_len]`` new tokens.
+
+    ``temperature=0`` (the default) is greedy; otherwise ``rng`` is needed.
+    """
+    variables = {name: v for name, v in variables.items() if name != "cache"}
+    if prompt is None and batch_size is None:
+        raise UserError("lm_generate needs a prompt [B, T] or batch_size")
+    if temperature != 0.0 and rng is None:
+        raise UserError(f"lm_generate with temperature={temperature} needs rng (or temperature=0 for greedy)")
+    B = prompt.shape[0] if prompt is not None else batch_size
+    T = prompt.shape[1] if prompt is not None else 0
+    _, cache = _apply_cache(model, variables, {}, jnp.zeros((B, 1 + T + max_len), jnp.int32), decode=True,
+                            shift=False)
+
+    def tokens_to_logits(tokens_BT, cache):
+        return _apply_cache(model, variables, cache, tokens_BT, decode=True, shift=False)
+
+    return sample(tokens_to_logits, cache, B, max_len, rng, temperature=temperature, top_k=top_k, top_p=top_p,
+                  prompt=prompt, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)

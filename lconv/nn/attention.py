@@ -1,0 +1,282 @@
+"""Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention.
+
+Every mixer here follows the contract in ``lconv/nn/mixers.py``:
+``y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)``.
+The mixer returns the update; the model owns layer norm, residual dropout and the residual add.
+
+All of them reduce to ``softmax(logits_BHTS + mask) V`` and differ only in where the logits come from:
+
+- ``SelfAttention``: ``Q Kᵀ / sqrt(D)`` (Vaswani et al. 2017; projections initialised as in fairseq).
+- ``FixedAttention``: learned, input-independent logits ``W_h[pos_q, pos_k]`` (Synthesizer-Random,
+  Tay et al. 2021), optionally factorised and optionally mixed with ``Q Kᵀ / sqrt(D)``.
+- ``HadamardAttention``: ``W_h[pos_q, pos_k] ⊙ Q Kᵀ / sqrt(D)``, a learned positional re-weighting of the
+  content logits.
+
+Masks are boolean ``[B, 1|H, T, S]``: a query attends a key only if both carry the same non-zero segment id
+(packed examples never mix, padding is never read) and, when causal, the key's index is not after the query's.
+Logits, softmax and the probability-value accumulation run in float32 whatever the activation dtype.
+
+Decoding (``decode=True``, causal mixers only) uses the cache of ``lconv.nn.common`` (see its docstring); the
+arrays each mixer keeps there are listed in its class. The math (masks, logits, masked softmax) is
+``lconv.ops.attention``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lconv.errors import UserError
+from lconv.nn.common import (
+    FROM_HEADS,
+    TO_HEADS,
+    Array,
+    DType,
+    attention_context,
+    check_dropout,
+    check_input,
+    check_max_len,
+    check_positions,
+    decode_positions,
+    dense,
+    dropout_rng,
+    head_dims,
+    segments_and_positions,
+)
+from lconv.ops.attention import (
+    attend,
+    attention_mask,
+    dot_product_attention,
+    dot_product_logits,
+    factorized_fixed_logits,
+    fixed_logits,
+)
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------
+
+
+class AttentionFields(nn.Module):
+    """The fields every attention-family token mixer shares (``lconv.nn.knn_memory`` too), and their validation."""
+
+    # Mixer metadata (lconv.nn.mixers): the fields a model layer fills from its config, and where it may sit.
+    model_fields: ClassVar[dict[str, str]] = {
+        "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout"}
+    sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
+
+    num_heads: int = 8
+    causal: bool = False
+    dtype: DType = jnp.float32  # computation dtype; logits, softmax and accumulation stay float32
+    param_dtype: DType = jnp.float32
+    qkv_features: int | None = None  # total Q/K/V width; None = the input width C
+    attention_dropout: float = 0.0  # on the attention probabilities, training only
+    use_bias: bool = True  # in the Q/K/V/output projections
+
+    def _dims(self, x_BTC: Array) -> tuple[int, int, int, int, int]:
+        """``(B, T, C, H, D)`` of a ``[B, T, C]`` input; bad shapes and fields are one-line errors."""
+        B, T, C = check_input(x_BTC)
+        H, D = head_dims(self.num_heads, self.qkv_features, C)
+        check_dropout(self.attention_dropout)
+        return B, T, C, H, D
+
+
+class SelfAttention(AttentionFields):
+    """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
+
+    ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
+    contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform with zero bias, as
+    fairseq initialises its Transformer. ``attention_dropout`` drops attention probabilities in training.
+
+    Decode cache (``'cache'`` collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``,
+    ``cached_segment_ids [B, L]`` int32, ``cache_index []`` int32.
+    """
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> Array:
+        B, T, C, H, D = self._dims(x_BTC)
+        seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        q_BTHD = dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D)
+        k_BSHD = dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)
+        v_BSHD = dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D)
+        kv, mask_B1TS = attention_context(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}, decode)
+        out_BTHD = dot_product_attention(
+            q_BTHD, kv["key"], kv["value"], mask_B1TS, dropout_rate=self.attention_dropout,
+            dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+
+class CrossAttention(nn.Module):
+    """Encoder-decoder attention: decoder queries attend the encoder output ``encoded_BSC``.
+
+    Same math and initialisation as ``SelfAttention``; the mask pairs ``query_segment_ids`` with
+    ``encoded_segment_ids`` (packed examples only see their own source; padding keys are never read).
+    Not a token mixer (so not in the registry). With ``decode=True`` the projected encoder keys and values
+    ``[B, S, H, D]`` are computed once, on the cache-creating call, and read back from the ``'cache'``
+    collection on every later step (``encoded_BSC`` is then only checked for shape): recomputing them each step
+    cost two ``S x C x C`` projections per token. They are named ``beam_invariant_*``, so beam search neither
+    tiles nor reorders them (``lconv.infer.search``); the beams' queries share their row's encoder output.
+    """
+
+    num_heads: int = 8
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    qkv_features: int | None = None
+    attention_dropout: float = 0.0
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, encoded_BSC: Array, *, query_segment_ids: Array | None = None,
+                 encoded_segment_ids: Array | None = None, deterministic: bool = True, decode: bool = False) -> Array:
+        B, T, C = check_input(x_BTC)
+        _, S, _ = check_input(encoded_BSC, "encoded_BSC")
+        if encoded_BSC.shape[0] != B:
+            raise UserError(f"encoded_BSC batch {encoded_BSC.shape[0]} != x_BTC batch {B}")
+        H, D = head_dims(self.num_heads, self.qkv_features, C)
+        check_dropout(self.attention_dropout)
+        q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
+        k_seg_BS, _ = segments_and_positions(encoded_BSC, encoded_segment_ids, None, "encoded_segment_ids")
+        q_BTHD = dense(H * D, "query", self, TO_HEADS)(x_BTC.astype(self.dtype)).reshape(B, T, H, D)
+        if decode and self.has_variable("cache", "beam_invariant_key"):
+            out_BTHD = self._attend_cached(q_BTHD, q_seg_BT)
+        else:
+            m = encoded_BSC.astype(self.dtype)
+            k_BSHD = dense(H * D, "key", self, TO_HEADS)(m).reshape(B, S, H, D)
+            v_BSHD = dense(H * D, "value", self, TO_HEADS)(m).reshape(B, S, H, D)
+            if decode:
+                self.put_variable("cache", "beam_invariant_key", k_BSHD)
+                self.put_variable("cache", "beam_invariant_value", v_BSHD)
+                self.put_variable("cache", "beam_invariant_segment_ids", k_seg_BS)
+            out_BTHD = dot_product_attention(
+                q_BTHD, k_BSHD, v_BSHD, attention_mask(q_seg_BT, k_seg_BS), dropout_rate=self.attention_dropout,
+                dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+    def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array) -> Array:
+        """Queries of ``B = N * b`` rows against the cached ``[b, S, H, D]`` encoder keys/values, ``N``
+        consecutive rows per encoded row (the beams of ``lconv.infer.search.tile_cache``, which leaves
+        ``beam_invariant_*`` untiled): the beams of a row are folded into its query axis, so the encoder output is
+        read once per row, not once per beam."""
+        k_bSHD = self.get_variable("cache", "beam_invariant_key")
+        v_bSHD = self.get_variable("cache", "beam_invariant_value")
+        k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")
+        (B, T, H, D), b = q_BTHD.shape, k_bSHD.shape[0]
+        if B % b:
+            raise UserError(f"x_BTC batch {B} is not a multiple of the cached encoder-output batch {b}")
+        q_bQHD = q_BTHD.reshape(b, (B // b) * T, H, D)  # Q = beams * T
+        mask_b1QS = attention_mask(q_seg_BT.reshape(b, -1), k_seg_bS)
+        return dot_product_attention(q_bQHD, k_bSHD, v_bSHD, mask_b1QS, dtype=self.dtype).reshape(B, T, H, D)
+
+
+class FixedAttention(AttentionFields):
+    """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
+
+    The logits are learned parameters that do not look at the input: head ``h`` owns a
+    ``[max_len, max_len]`` table indexed by the tokens' within-segment ``positions``, so packed examples see the
+    same table as unpacked ones. Only V and the output are projected.
+
+    - ``factorized_rank > 0``: ``W_h = R1_h @ R2_h`` with ``R1 [H, max_len, r]``, ``R2 [H, r, max_len]``
+      (Synthesizer's factorised random variant; ``2 r max_len`` instead of ``max_len²`` parameters per head).
+    - ``mix_dot_product``: logits ``α_h W_h + (1 - α_h) Q Kᵀ/sqrt(D)`` with a learned per-head mixing weight
+      ``α_h = sigmoid(a_h)``, ``a_h`` initialised to 0 (an even mix); adds Q/K projections (Synthesizer's
+      "Random + Dot Product" mixture, whose weights are trainable and sum to one).
+    - ``causal``: the future is masked (index-based, so packed and cached decoding agree).
+
+    A sequence longer than ``max_len`` or positions outside ``[0, max_len)`` raise ``ValueError`` (positions
+    can only be checked when concrete, i.e. outside jit). Decode cache: ``cached_value [B, L, H, D]``,
+    ``cached_positions [B, L]``, ``cached_segment_ids [B, L]``, ``cache_index []`` (+ ``cached_key`` when
+    ``mix_dot_product``); ``L <= max_len`` is enforced when the cache is created.
+    """
+
+    model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
+
+    max_len: int = 512
+    factorized_rank: int = 0  # 0 = a full [max_len, max_len] table per head
+    mix_dot_product: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> Array:
+        B, T, C, H, D = self._dims(x_BTC)
+        check_max_len(self.max_len, T)
+        if self.factorized_rank < 0:
+            raise UserError(f"factorized_rank must be >= 0 (0 = full table), got {self.factorized_rank}")
+        seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        new = {"value": dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
+        if self.mix_dot_product:
+            q_BTHD = dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D)
+            new["key"] = dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)
+        if decode:
+            pos_BT = decode_positions(self, pos_BT, positions is None)
+        kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
+        check_positions(pos_BT, self.max_len)
+        L, r = self.max_len, self.factorized_rank
+        if r:
+            init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
+            r1_HLR = self.param("r1", init, (H, L, r), self.param_dtype)
+            r2_HRL = self.param("r2", init, (H, r, L), self.param_dtype)
+            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, kv["positions"])
+        else:
+            w_HLL = self.param("logits", nn.initializers.normal(stddev=0.1), (H, L, L), self.param_dtype)
+            logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"])
+        if self.mix_dot_product:
+            alpha_H = jax.nn.sigmoid(self.param("mix_logit", nn.initializers.zeros, (H,), self.param_dtype))
+            alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
+            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, kv["key"])
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
+                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+
+class HadamardAttention(AttentionFields):
+    """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
+
+    ``W_h[pos_q, pos_k]`` is a learned per-head ``[max_len, max_len]`` table (initialised to ones, so training
+    starts from plain dot-product attention) multiplied element-wise with the content logits; the mask is added
+    AFTER the product, so a learned weight can never un-mask a key.
+
+    - ``project_qk=False`` (the source's form): Q = K = the input itself, split into ``num_heads`` contiguous
+      heads of size ``C / num_heads``; only V and the output are projected. Positional structure then lives
+      entirely in ``W``.
+    - ``project_qk=True``: Q and K are learned projections of width ``qkv_features`` as in ``SelfAttention``.
+
+    Decode cache: ``cached_key``, ``cached_value [B, L, H, D]``, ``cached_positions [B, L]``,
+    ``cached_segment_ids [B, L]``, ``cache_index []``; ``L <= max_len``.
+    """
+
+    model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
+
+    max_len: int = 512
+    project_qk: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> Array:
+        B, T, C, H, D = self._dims(x_BTC)
+        if not self.project_qk and C % H:
+            raise UserError(f"num_heads={H} must divide the input width C={C} (Q = K = the input heads when "
+                             "project_qk=False)")
+        check_max_len(self.max_len, T)
+        seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
+        x = x_BTC.astype(self.dtype)
+        if self.project_qk:
+            q_BTHD = dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D)
+            k_BSHD = dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)
+        else:
+            q_BTHD = k_BSHD = x.reshape(B, T, H, C // H)
+        v_BSHD = dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D)
+        new = {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}
+        if decode:
+            pos_BT = decode_positions(self, pos_BT, positions is None)
+        kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
+        check_positions(pos_BT, self.max_len)
+        w_HLL = self.param("weight", nn.initializers.ones, (H, self.max_len, self.max_len), self.param_dtype)
+        logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"]) * dot_product_logits(q_BTHD, kv["key"])
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
+                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)

@@ -1,0 +1,163 @@
+"""Helpers every lconv module shares: projections with logical axis names, dropout rngs, input checks, and the
+incremental-decoding cache of attention-like mixers.
+
+Decoding (``decode=True``, causal mixers only) follows flax ``examples/wmt``: the first call, on a full
+max-length dummy input under ``mutable=['cache']``, only creates a zeroed cache in the ``'cache'`` collection
+(and returns the ordinary full pass of the dummy). Later calls take a chunk of ``T >= 1`` new tokens, write it
+at ``cache_index`` with ``lax.dynamic_update_slice`` and attend causally to every cached position up to
+their own. The cache always holds ``cached_segment_ids [B, L]`` (0 = not yet written, so unwritten slots are
+masked) and ``cache_index []`` plus the per-mixer arrays. Writing past ``L`` cannot be detected under jit
+(``dynamic_update_slice`` clamps); the decoder must stop at the max length it created.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lconv.constants import EMBED, HEADS
+from lconv.errors import UserError
+from lconv.ops.attention import attention_mask, decode_mask
+
+Array = jax.Array
+DType = Any
+
+
+def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True, dtype: DType = jnp.float32,
+                 param_dtype: DType = jnp.float32, name: str | None = None) -> nn.Dense:
+    """fairseq's ``Linear``: xavier-uniform kernel, zero bias, with logical axis names ``(in, out)`` on the
+    kernel and ``(out,)`` on the bias, so every projection shards by the config's mesh rules."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
+        name=name,
+    )
+
+
+# The logical axes of attention projections: into the (flattened) heads, and back to the model width.
+TO_HEADS = (EMBED, HEADS)
+FROM_HEADS = (HEADS, EMBED)
+
+
+def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str]) -> nn.Dense:
+    """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype`` and ``param_dtype``."""
+    return xavier_dense(features, axes, use_bias=getattr(mdl, "use_bias", True), dtype=mdl.dtype,
+                        param_dtype=mdl.param_dtype, name=name)
+
+
+def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | None:
+    return None if deterministic or rate == 0.0 else mdl.make_rng("dropout")
+
+
+def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str, Array] | None, Array | None]:
+    """Writes a chunk into the ``'cache'`` collection; returns ``(full cached arrays, chunk start index)``.
+
+    ``new`` maps names to ``[B, T, ...]`` chunks, stored as ``cached_<name>``. On the first call (no cache yet)
+    the variables are created zeroed with the chunk's shape (the max length) and ``(None, None)`` is returned:
+    the caller then does its ordinary full pass. Later calls write at ``cache_index`` and advance it by ``T``.
+    """
+    initialized = mdl.has_variable("cache", "cache_index")
+    cached = {n: mdl.variable("cache", "cached_" + n, jnp.zeros, a.shape, a.dtype) for n, a in new.items()}
+    cache_index = mdl.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+        return None, None
+    i = cache_index.value
+    for n, a in new.items():
+        cached[n].value = lax.dynamic_update_slice(cached[n].value, a.astype(cached[n].value.dtype),
+                                                   (0, i) + (0,) * (a.ndim - 2))
+    cache_index.value = i + next(iter(new.values())).shape[1]
+    return {n: v.value for n, v in cached.items()}, i
+
+
+def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
+    """What a chunk attends to: ``(arrays, mask [B, 1, T, S])`` for a self-attention-like mixer.
+
+    ``new`` holds this chunk's ``[B, T, ...]`` key-side arrays and its ``segment_ids``. In a full pass (and
+    on the cache-creating call) that is ``new`` itself under the segment mask, causal if ``mdl.causal``;
+    while decoding it is the whole cache after ``new`` is written into it (``decode_cache_update``), under
+    the mask of the chunk's queries against every cached position up to their own.
+    """
+    seg_BT = new["segment_ids"]
+    mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
+    if not decode:
+        return new, mask_B1TS
+    check_decode(mdl.causal, type(mdl).__name__)
+    cache, index = decode_cache_update(mdl, new)
+    if cache is None:
+        return new, mask_B1TS
+    return cache, decode_mask(seg_BT, cache["segment_ids"], index)
+
+
+def decode_positions(mdl: nn.Module, pos_BT: Array, default: bool) -> Array:
+    """While decoding, default positions continue from the cache: ``cache_index + arange(T)``."""
+    if default and mdl.has_variable("cache", "cache_index"):
+        return mdl.get_variable("cache", "cache_index") + pos_BT
+    return pos_BT
+
+
+def check_input(x_BTC: Array, name: str = "x_BTC") -> tuple[int, int, int]:
+    if x_BTC.ndim != 3:
+        raise UserError(f"{name} must be [batch, time, features], got shape {x_BTC.shape}")
+    return x_BTC.shape
+
+
+def head_dims(num_heads: int, qkv_features: int | None, C: int) -> tuple[int, int]:
+    """``(H, D)``: ``num_heads`` heads of ``D = width / H`` over ``qkv_features`` (None = the input width C)."""
+    if num_heads <= 0:
+        raise UserError(f"num_heads must be positive, got {num_heads}")
+    width = qkv_features or C
+    if width <= 0 or width % num_heads:
+        what = f"qkv_features={qkv_features}" if qkv_features else f"the input width C={C} (qkv_features unset)"
+        raise UserError(f"{what} must be a positive multiple of num_heads={num_heads}")
+    return num_heads, width // num_heads
+
+
+def check_dropout(rate: float, field: str = "attention_dropout") -> None:
+    if not 0.0 <= rate < 1.0:
+        raise UserError(f"{field} must be in [0, 1), got {rate}")
+
+
+def check_decode(causal: bool, mixer: str) -> None:
+    if not causal:
+        raise UserError(f"{mixer}: decode=True needs causal=True (a non-causal mixer cannot decode)")
+
+
+def check_max_len(max_len: int, T: int) -> None:
+    if max_len <= 0:
+        raise UserError(f"max_len must be positive, got {max_len}")
+    if T > max_len:
+        raise UserError(f"sequence length {T} exceeds max_len={max_len}; raise max_len in the config")
+
+
+def check_positions(pos_BT: Array, max_len: int) -> None:
+    """Positions outside ``[0, max_len)`` are an error when they are concrete (under jit they cannot be seen)."""
+    try:
+        p = np.asarray(pos_BT)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if p.size and (p.min() < 0 or p.max() >= max_len):
+        raise UserError(f"positions must lie in [0, max_len={max_len}), got [{p.min()}, {p.max()}]; "
+                         "raise max_len")
+
+
+def segments_and_positions(x_BTC: Array, segment_ids: Array | None, positions: Array | None,
+                           seg_name: str = "segment_ids") -> tuple[Array, Array]:
+    """Defaults: one segment everywhere (ids 1), positions ``arange(T)``; checks both are ``[B, T]``."""
+    B, T = x_BTC.shape[:2]
+    if segment_ids is None:
+        segment_ids = jnp.ones((B, T), jnp.int32)
+    elif segment_ids.shape != (B, T):
+        raise UserError(f"{seg_name} must be [batch, time] = {(B, T)}, got {segment_ids.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    elif positions.shape != (B, T):
+        raise UserError(f"positions must be [batch, time] = {(B, T)}, got {positions.shape}")
+    return jnp.asarray(segment_ids, jnp.int32), jnp.asarray(positions, jnp.int32)

@@ -1,0 +1,86 @@
+"""The math of attention, pure ``jnp``: masks, logits, the masked softmax and its weighted sum.
+
+Shared by every attention-family module (``lconv.nn.attention``, ``lconv.nn.colt5``, ``lconv.nn.knn_memory``).
+Masks are boolean ``[B, 1|H, T, S]``; logits, softmax and the probability-value accumulation run in float32
+whatever the activation dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lconv.constants import MASKED_LOGIT
+
+Array = jax.Array
+
+
+def attention_mask(q_seg_BT: Array, k_seg_BS: Array, q_idx_T: Array | None = None, k_idx_S: Array | None = None,
+                   *, causal: bool = False, radius: int | None = None) -> Array:
+    """Boolean ``[B, 1, T, S]``: same non-zero segment; if ``causal`` key index <= query index; if ``radius``
+    is given, ``|key index - query index| <= radius`` (local attention)."""
+    m_BTS = (q_seg_BT[:, :, None] == k_seg_BS[:, None, :]) & (q_seg_BT[:, :, None] != 0)
+    if causal or radius is not None:
+        q_idx_T = jnp.arange(q_seg_BT.shape[1]) if q_idx_T is None else q_idx_T
+        k_idx_S = jnp.arange(k_seg_BS.shape[1]) if k_idx_S is None else k_idx_S
+        d_TS = k_idx_S[None, :] - q_idx_T[:, None]  # key index - query index
+        if causal:
+            m_BTS &= (d_TS <= 0)[None]
+        if radius is not None:
+            m_BTS &= (jnp.abs(d_TS) <= radius)[None]
+    return m_BTS[:, None]
+
+
+def dot_product_logits(q_BTHD: Array, k_BSHD: Array) -> Array:
+    """``Q Kᵀ / sqrt(D)`` accumulated and returned in float32, ``[B, H, T, S]``."""
+    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=jnp.float32)
+    return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
+
+
+def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate: float = 0.0,
+           dropout_rng: Array | None = None, dtype: Any = None) -> Array:
+    """``softmax(logits + mask) V`` in float32; queries with no visible key (padding) get zeros.
+
+    ``mask_BHTS`` is boolean and broadcasts against the logits (``[B, 1, T, S]`` is usual). Dropout on the
+    probabilities (scaled by ``1/(1-rate)``) when ``dropout_rng`` is given. Returns ``[B, T, H, D]`` in ``dtype``
+    (default ``v``'s).
+    """
+    logits = jnp.where(mask_BHTS, logits_BHTS.astype(jnp.float32), MASKED_LOGIT)
+    probs_BHTS = jnp.where(mask_BHTS, jax.nn.softmax(logits, axis=-1), 0.0)
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
+        probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
+    out_BTHD = jnp.einsum("bhts,bshd->bthd", probs_BHTS.astype(v_BSHD.dtype), v_BSHD,
+                          preferred_element_type=jnp.float32)
+    return out_BTHD.astype(dtype or v_BSHD.dtype)
+
+
+def dot_product_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, mask_BHTS: Array, *,
+                          dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: Any = None) -> Array:
+    """Masked scaled dot-product attention, ``[B, T, H, D]``."""
+    logits_BHTS = dot_product_logits(q_BTHD, k_BSHD)
+    return attend(logits_BHTS, v_BSHD, mask_BHTS, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                  dtype=dtype)
+
+
+def fixed_logits(w_HLL: Array, q_pos_BT: Array, k_pos_BS: Array) -> Array:
+    """Gathers ``W[h, q_pos[b, t], k_pos[b, s]]`` into float32 ``[B, H, T, S]``."""
+    rows_BHTL = jnp.transpose(w_HLL[:, q_pos_BT, :], (1, 0, 2, 3)).astype(jnp.float32)  # [B, H, T, L]
+    B, H, T, _ = rows_BHTL.shape
+    idx_BHTS = jnp.broadcast_to(k_pos_BS[:, None, None, :], (B, H, T, k_pos_BS.shape[1]))
+    return jnp.take_along_axis(rows_BHTL, idx_BHTS, axis=-1)
+
+
+def factorized_fixed_logits(r1_HLR: Array, r2_HRL: Array, q_pos_BT: Array, k_pos_BS: Array) -> Array:
+    """``(R1 @ R2)[h, q_pos, k_pos]`` without forming the ``[L, L]`` table, float32 ``[B, H, T, S]``."""
+    a_HBTR = r1_HLR[:, q_pos_BT, :].astype(jnp.float32)  # [H, B, T, r]
+    b_HRBS = r2_HRL[:, :, k_pos_BS].astype(jnp.float32)  # [H, r, B, S]
+    return jnp.einsum("hbtr,hrbs->bhts", a_HBTR, b_HRBS)
+
+
+def decode_mask(seg_BT: Array, cached_seg_BL: Array, index: int | Array) -> Array:
+    """Mask of a decoded chunk (queries at ``index + t``) against the whole cache, causal by index."""
+    T, L = seg_BT.shape[1], cached_seg_BL.shape[1]
+    return attention_mask(seg_BT, cached_seg_BL, index + jnp.arange(T), jnp.arange(L), causal=True)

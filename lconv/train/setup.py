@@ -1,0 +1,340 @@
+"""Building a run, once: the config checked, then the mesh, tokenizer, datasets, model, optimizer and the train
+state sharded onto the mesh (``build_run``); or, for evaluation, the model and its parameters alone
+(``load_trained``: an orbax partial restore, no optimizer built).
+
+One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); parameters are sharded by their logical axis names
+(``config.mesh.rules``), batches and the kNN memory's rows along ``lconv.constants.BATCH_MESH_AXES``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax.training import train_state
+
+from lconv.constants import BATCH_MESH_AXES
+from lconv.data import pipeline
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.errors import UserError
+from lconv.nn import models
+from lconv.train import checkpoints, logs
+
+Config = ml_collections.ConfigDict
+PyTree = Any
+
+
+class TrainState(train_state.TrainState):
+    # The kNN layers' 'memory' collection ([B, ...] leaves, B = the global batch's rows) carried from one
+    # window of each row's document stream to the next; {} unless data.stream and the model has kNN layers.
+    memory: Any = None
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run is built from, built once by ``build_run`` and then passed down."""
+
+    config: Config
+    workdir: str
+    mesh: jax.sharding.Mesh
+    tokenizer: tokenizer_lib.Tokenizer
+    data: pipeline.Datasets
+    model: nn.Module
+    lr_schedule: optax.Schedule
+    state: TrainState
+    state_shardings: PyTree
+
+
+@dataclasses.dataclass
+class Trained:
+    """A trained model for evaluation: its stored config, tokenizer, model and (averaged) parameters."""
+
+    config: Config
+    workdir: str
+    tokenizer: tokenizer_lib.Tokenizer
+    model: nn.Module
+    params: PyTree
+    steps: list[int]  # the checkpoint steps the parameters come from (averaged when more than one)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The config
+# ----------------------------------------------------------------------------------------------------------------
+_CHOICES = [
+    ("task", ("translation", "summarization", "lm")),
+    ("optim.optimizer", ("adam", "adamw", "nag")),
+    ("optim.schedule", ("inverse_sqrt", "cosine", "constant")),
+]
+_RULES = [  # (fields, test, the requirement as printed)
+    (("optim.learning_rate",), lambda v: v > 0, "> 0"),
+    (("optim.warmup_steps",), lambda v: v >= 0, ">= 0"),
+    (("optim.label_smoothing",), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("optim.clip_norm",), lambda v: v >= 0, ">= 0 (0 = off)"),
+    (("train.max_minutes",), lambda v: v >= 0, ">= 0 (0 = no limit)"),
+    (("optim.grad_accum_steps", "train.num_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+      "train.keep_checkpoints", "decode.beam_size", "data.batch_size"), lambda v: v >= 1, ">= 1"),
+    (("data.max_input_length", "data.max_target_length"), lambda v: v >= 2, ">= 2"),
+]
+
+
+def _field(config: Config, dotted: str) -> Any:
+    value = config
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+def validate_config(config: Config) -> None:
+    """Fails fast, before any data or compilation, with one line naming the bad field."""
+    for dotted, allowed in _CHOICES:
+        if _field(config, dotted) not in allowed:
+            choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}"
+            raise UserError(f"config.{dotted}={_field(config, dotted)!r}: must be {choices}")
+    for fields, ok, requirement in _RULES:
+        for dotted in fields:
+            if not ok(_field(config, dotted)):
+                raise UserError(f"config.{dotted}={_field(config, dotted)!r}: must be {requirement}")
+    if config.data.get("stream", False) and config.task != "lm":
+        raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
+                        f"not {config.task!r}")
+    models.ModelConfig.from_config(config.model, vocab_size=max(int(config.data.vocab_size), 8))
+
+
+def read_config(workdir: str) -> Config:
+    """The resolved config a run stored in ``<workdir>/config.json``."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"{path} not found: --workdir must be a directory written by train.py")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model, optimizer, mesh
+# ----------------------------------------------------------------------------------------------------------------
+def build_model(config: Config, vocab_size: int) -> nn.Module:
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size)
+    if config.task == "lm":
+        return models.DecoderOnlyLM(model_cfg)
+    if config.task in ("translation", "summarization"):
+        return models.EncoderDecoder(model_cfg)
+    raise UserError(f"config.task must be translation, summarization or lm; got {config.task!r}")
+
+
+def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
+    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant."""
+    peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
+    if optim.schedule not in ("inverse_sqrt", "cosine", "constant"):
+        raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine or constant; got {optim.schedule!r}")
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = init + (peak - init) * step / max(warmup, 1)
+        if optim.schedule == "inverse_sqrt":
+            after = peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(step, 1.0))
+        elif optim.schedule == "cosine":
+            progress = jnp.clip((step - warmup) / max(num_steps - warmup, 1), 0.0, 1.0)
+            after = optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + jnp.cos(math.pi * progress))
+        else:
+            after = jnp.asarray(peak, jnp.float32)
+        return jnp.where(step < warmup, warm, after)
+
+    return schedule
+
+
+def build_optimizer(optim: Config, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    lr = learning_rate_schedule(optim, num_steps)
+    if optim.optimizer == "adam":
+        tx = optax.adam(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps)
+        if optim.weight_decay:
+            tx = optax.chain(optax.add_decayed_weights(optim.weight_decay), tx)  # fairseq's coupled L2
+    elif optim.optimizer == "adamw":
+        tx = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
+    elif optim.optimizer == "nag":
+        tx = optax.chain(optax.add_decayed_weights(optim.weight_decay), optax.sgd(lr, optim.momentum, nesterov=True))
+    else:
+        raise UserError(f"config.optim.optimizer must be adam, adamw or nag; got {optim.optimizer!r}")
+    if optim.clip_norm:
+        tx = optax.chain(optax.clip_by_global_norm(optim.clip_norm), tx)
+    return tx, lr  # gradient accumulation happens inside the train step (steps.make_train_step)
+
+
+def make_mesh(mesh_config: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    devices = jax.devices() if devices is None else devices
+    shape = list(mesh_config.shape)
+    if shape.count(-1) > 1:
+        raise UserError(f"config.mesh.shape may hold one -1; got {tuple(shape)}")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) != len(devices):
+        raise UserError(f"config.mesh.shape={tuple(mesh_config.shape)} does not use the {len(devices)} devices")
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(tuple(shape), tuple(mesh_config.axis_names), axis_types, devices=devices)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """Rows of a global batch (and of the kNN memory) split over the mesh's batch axes."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_MESH_AXES))
+
+
+def check_batch_divides(config: Config, mesh: jax.sharding.Mesh) -> None:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    accum = int(config.optim.grad_accum_steps)
+    if config.data.batch_size % (shards * accum):
+        raise UserError(f"config.data.batch_size={config.data.batch_size} must be divisible by the {shards} "
+                        f"data-parallel devices (mesh data x fsdp) times optim.grad_accum_steps={accum}")
+    if config.data.eval_batch_size % shards:
+        raise UserError(f"config.data.eval_batch_size={config.data.eval_batch_size} must be divisible by the "
+                        f"{shards} data-parallel devices (mesh data x fsdp)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------------------------
+def dummy_batch(config: Config, batch_size: int = 1) -> dict[str, np.ndarray]:
+    """A batch of ones with the training shapes: what ``init`` traces."""
+    lengths = {"targets": config.data.max_target_length}
+    if config.task != "lm":
+        lengths["inputs"] = config.data.max_input_length
+    batch = {}
+    for key, length in lengths.items():
+        batch[key] = np.ones((batch_size, length), np.int32)
+        batch[f"{key}_segmentation"] = np.ones((batch_size, length), np.int32)
+        batch[f"{key}_position"] = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length))
+    return batch
+
+
+def model_inputs(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of the model's ``__call__`` from a pipeline batch."""
+    keys = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
+    kwargs = {k: batch[k] for k in keys if k in batch}
+    args = (batch["inputs"], batch["targets"]) if "inputs" in batch else (batch["targets"],)
+    return args, kwargs
+
+
+def init_memory(config: Config, model: nn.Module, rows: int,
+                sharding: jax.sharding.Sharding | None = None) -> PyTree:
+    """The zeroed (empty) ``'memory'`` collection for ``rows`` stream rows; ``{}`` unless ``config.data.stream``
+    and the model has kNN-memory layers (without a stream there are no past windows to remember).
+
+    ``sharding``: lay the rows out as the batch (created by a jit, so every process builds its shards of one
+    global array); None gives plain arrays (or traced ones inside a jit)."""
+    if not config.data.get("stream", False):
+        return {}
+    args, kwargs = model_inputs(dummy_batch(config, rows))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
+    if not shapes:
+        return {}
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731 (init's are zeros)
+    return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+
+
+def param_shardings(config: Config, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+    """Shardings of a (boxed) pytree from its logical axis names and the config's mesh rules."""
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, [tuple(r) for r in config.mesh.rules])
+
+
+def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,
+                 tx: optax.GradientTransformation) -> tuple[TrainState, PyTree]:
+    """Initialises the train state directly into its shardings; returns ``(state, state_shardings)``."""
+    args, kwargs = model_inputs(dummy_batch(config))
+
+    def init(rng):
+        variables = model.init(rng, *args, **kwargs)
+        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 memory=init_memory(config, model, config.data.batch_size))
+
+    rng = jax.random.key(config.seed)
+    abstract = jax.eval_shape(init, rng)
+    shardings = param_shardings(config, abstract, mesh)
+    # Memory rows belong to batch rows: shard them as the batch is, never replicate them.
+    shardings = shardings.replace(memory=jax.tree.map(lambda _: batch_sharding(mesh), abstract.memory))
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=shardings)(rng)
+    return state, shardings
+
+
+def count_params(params: PyTree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(params))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building a run; loading a trained one
+# ----------------------------------------------------------------------------------------------------------------
+def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None,
+              log: Callable[[str], None] = print) -> Run:
+    """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
+    (the caller restores a checkpoint into it when one exists)."""
+    devices = jax.devices() if devices is None else list(devices)
+    validate_config(config)
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    os.makedirs(workdir, exist_ok=True)
+    mesh = make_mesh(config.mesh, devices)
+    check_batch_divides(config, mesh)
+    logs.save_config(config, workdir)
+    tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
+    data = pipeline.make_datasets(config.data, tokenizer)
+    model = build_model(config, tokenizer.vocab_size)
+    tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
+    state, state_shardings = create_state(config, model, mesh, tx)
+    log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
+        f"devices {len(devices)} x {devices[0].platform}")
+    return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings)
+
+
+def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -> PyTree:
+    """Shape/dtype/sharding structs of the model's (boxed) params: the target of a params-only restore."""
+    args, kwargs = model_inputs(dummy_batch(config))
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
+    shardings = param_shardings(config, abstract, mesh)  # one per box: the tree of the unboxed params
+
+    def place(sharding, leaf):
+        boxed = isinstance(leaf, nn.meta.AxisMetadata)
+        value = leaf.unbox() if boxed else leaf
+        struct = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return leaf.replace_boxed(struct) if boxed else struct
+
+    return jax.tree.map(place, shardings, abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
+                 overrides: Callable[[Config], None] | None = None) -> Trained:
+    """The model of a trained ``workdir`` with the params of its latest checkpoint, the mean of the last
+    ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by validation loss.
+
+    Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded.
+    ``overrides`` may change the stored config (decoding fields, say) before the model is built."""
+    if checkpoint not in ("latest", "best"):
+        raise UserError(f"--checkpoint must be latest or best; got {checkpoint!r}")
+    if average_last < 1:
+        raise UserError(f"--average_last must be >= 1; got {average_last}")
+    if checkpoint == "best" and average_last > 1:
+        raise UserError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+    config = read_config(workdir)
+    if overrides is not None:
+        overrides(config)
+    tokenizer = tokenizer_lib.load_tokenizer(workdir)
+    model = build_model(config, tokenizer.vocab_size)
+    ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best")
+    steps = sorted(ckpt.all_steps())
+    if not steps:
+        raise UserError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
+    target = abstract_params(config, model, make_mesh(config.mesh))
+    chosen = steps[-average_last:]
+    total = None
+    for step in chosen:
+        params = ckpt.restore_params(target, step)
+        total = params if total is None else jax.tree.map(jnp.add, total, params)
+    ckpt.close()
+    return Trained(config, os.path.abspath(workdir), tokenizer, model,
+                   jax.tree.map(lambda x: x / len(chosen), total), chosen)

@@ -1,0 +1,144 @@
+"""The compiled steps: one optimizer update (with gradient accumulation and the kNN memory threaded through),
+the evaluation loss, and a pass of it over a split.
+
+Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and a donated state. The dropout rng is
+``fold_in(seed, step)``, so no rng state is saved.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lconv.infer import evaluate
+from lconv.nn import knn_memory
+from lconv.train import metrics, setup
+
+PyTree = Any
+Batch = dict[str, Any]
+
+
+def apply_model(apply_fn: Callable, params: PyTree, memory: PyTree, batch: Batch,
+                **kwargs: Any) -> tuple[jax.Array, PyTree]:
+    """``(logits, memory after this window)``. With a memory (a stream batch), rows whose ``document_start``
+    is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
+    through (a plain apply)."""
+    args, model_kwargs = setup.model_inputs(batch)
+    if not memory:
+        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), memory
+    memory = knn_memory.reset_memory(memory, batch["document_start"] > 0)
+    logits, updated = apply_fn({"params": params, "memory": memory}, *args, **model_kwargs, **kwargs,
+                               mutable=["memory"])
+    return logits, updated["memory"]
+
+
+def _split_rows(tree: PyTree, micro: int) -> PyTree:
+    """``[B, ...] -> [micro, B / micro, ...]`` with row ``r`` in micro-batch ``r % micro``."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, micro, *x.shape[1:]), 0, 1), tree)
+
+
+def _merge_rows(tree: PyTree) -> PyTree:
+    """The inverse of ``_split_rows``."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, Batch], tuple[Any, dict]]:
+    """``(state, batch) -> (state, sums)``: one optimizer update from a global batch.
+
+    With ``optim.grad_accum_steps = n`` (fairseq's update-freq) the batch's rows are split into ``n`` micro-batches
+    (row ``r`` goes to micro-batch ``r % n``, so every data shard contributes to each) whose summed gradients are
+    scanned, then divided by the batch's total target tokens: the update equals the unsplit batch's, with a
+    ``1/n`` activation footprint.
+    """
+    smoothing = config.optim.label_smoothing
+    micro = int(config.optim.grad_accum_steps)
+
+    def train_step(state, batch):
+        def loss_sums(params, memory, batch, dropout_rng):
+            logits, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
+                                         rngs={"dropout": dropout_rng})
+            sums = metrics.label_smoothed_loss(logits, batch["targets"], batch["targets_segmentation"] > 0,
+                                               smoothing)
+            return sums["loss"], (sums, memory)
+
+        grad_sums = jax.grad(loss_sums, has_aux=True)  # gradient of the summed (not averaged) loss
+        dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
+        if micro == 1:
+            grads, (sums, memory) = grad_sums(state.params, state.memory, batch, dropout_rng)
+        else:
+            def accumulate(total, index_memory_batch):
+                index, micro_memory, micro_batch = index_memory_batch
+                grads, (sums, micro_memory) = grad_sums(state.params, micro_memory, micro_batch,
+                                                        jax.random.fold_in(dropout_rng, index))
+                return jax.tree.map(jnp.add, total, (grads, sums)), micro_memory
+
+            split_batch, split_memory = _split_rows(batch, micro), _split_rows(state.memory, micro)
+            first = jax.tree.map(lambda x: x[0], (split_memory, split_batch))
+            grads_and_sums = jax.eval_shape(grad_sums, state.params, *first, dropout_rng)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (grads_and_sums[0], grads_and_sums[1][0]))
+            (grads, sums), split_memory = jax.lax.scan(accumulate, zeros,
+                                                       (jnp.arange(micro), split_memory, split_batch))
+            memory = _merge_rows(split_memory)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
+        sums["grad_norm"] = optax.tree.norm(grads)
+        sums["lr"] = lr_schedule(state.step)
+        return state.apply_gradients(grads=grads, memory=memory), sums
+
+    return train_step
+
+
+def make_eval_step(config: Any) -> Callable:
+    """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
+    def eval_step(params, apply_fn, batch, memory):
+        logits, memory = apply_model(apply_fn, params, memory, batch, deterministic=True)
+        weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
+        return metrics.label_smoothed_loss(logits, batch["targets"], weights, config.optim.label_smoothing), memory
+
+    return eval_step
+
+
+def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
+    """``make_eval_step`` jitted once per run. The memory it returns keeps the batch's sharding, so the next
+    window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
+    and every pass would compile twice)."""
+    return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, setup.batch_sharding(mesh)))
+
+
+def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
+    """This process's rows -> global arrays laid out by ``sharding``."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+
+
+def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
+                  mesh: jax.sharding.Mesh, memory: PyTree = None) -> dict[str, float]:
+    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
+
+    ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
+    evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
+    the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
+    otherwise.
+    """
+    sharding = setup.batch_sharding(mesh)
+    total, memory = None, memory or {}
+    with jax.set_mesh(mesh):
+        for batch in eval_set:
+            batch = {k: v for k, v in batch.items() if k != "example_index"}
+            sums, memory = eval_step(params, apply_fn, global_batch(batch, sharding), memory)
+            total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    return metrics.summarize(total)
+
+
+def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
+    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``."""
+    mesh = setup.make_mesh(config.mesh)
+    memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
+    scores = dict(evaluate_loss(jit_eval_step(config, mesh), params, model.apply, eval_set, mesh, memory),
+                  split=split)
+    evaluate.write_outputs(workdir, split, None, scores)
+    log(f"{split}: perplexity {scores['ppl']:.2f} (nll {scores['nll']:.4f}/token over {scores['tokens']:.0f} tokens)")
+    return scores

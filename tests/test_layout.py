@@ -1,0 +1,137 @@
+"""The package's shape, checked from its source (AST, function-level imports included): layers that only import
+downwards, no import cycle, no file over 500 lines, no function over 80, annotations on public functions.
+
+The layers, bottom to top (a module may import its own layer's package and any layer below):
+    0  lconv (the root), lconv.constants, lconv.errors        facts and the error type every layer shares
+    1  lconv.ops (pure jnp), lconv.data (corpus, tokenizer, pipeline)
+    2  lconv.nn        modules, the mixer registry, the models
+    3  lconv.infer     search, decoding a split, scoring
+    4  lconv.train     building a run, steps, the loop, checkpoints
+    5  lconv.cli, lconv.bench                                    what the programs run
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LAYERS = {"lconv": 0, "lconv.constants": 0, "lconv.errors": 0, "lconv.ops": 1, "lconv.data": 1, "lconv.nn": 2,
+          "lconv.infer": 3, "lconv.train": 4, "lconv.cli": 5, "lconv.bench": 5}
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    modules = {}
+    for path in sorted((ROOT / "lconv").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _group(module: str) -> str:
+    """The layer a module belongs to: its longest prefix in LAYERS."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no layer; add its package to LAYERS in tests/test_layout.py")
+
+
+def _imports(module: str) -> set[str]:
+    """The lconv modules ``module`` imports anywhere in its body."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module and not module.startswith(target + "."):
+                found.add(target)
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def test_every_import_points_down_or_stays_in_its_package():
+    wrong = []
+    for module, targets in GRAPH.items():
+        group = _group(module)
+        for target in targets:
+            target_group = _group(target)
+            if LAYERS[target_group] > LAYERS[group]:
+                wrong.append(f"{module} (layer {LAYERS[group]}) imports {target} (layer {LAYERS[target_group]})")
+            elif LAYERS[target_group] == LAYERS[group] and target_group != group and LAYERS[group] > 0:
+                wrong.append(f"{module} imports {target}, a sibling package of the same layer")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in MODULES:
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_layer_check_can_fail():
+    """The checker sees a real upward import (so the tests above are not vacuous)."""
+    assert "lconv.nn.models" in GRAPH["lconv.train.setup"]
+    assert LAYERS[_group("lconv.train.setup")] > LAYERS[_group("lconv.nn.models")]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_files_and_functions_stay_small(module):
+    source = MODULES[module].read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= MAX_FILE_LINES, f"{MODULES[module]} has over {MAX_FILE_LINES} lines"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"{MODULES[module]}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_public_functions_are_annotated(module):
+    """Every public module-level function and public method: each argument (but self/cls) and the return."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    bare = []
+    scopes = [tree] + [node for node in tree.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
+    for scope in scopes:
+        for node in scope.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            args += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            missing = [a.arg for a in args if a.annotation is None and a.arg not in ("self", "cls")]
+            if node.returns is None and node.name != "__init__":
+                missing.append("return")
+            if missing:
+                bare.append(f"{node.name}: {missing}")
+    assert not bare, f"{MODULES[module]}: unannotated {bare}"
