@@ -1,9 +1,16 @@
-"""``eval.py``: a trained workdir, scored on a split of its dataset or run over a text file."""
+"""``eval.py``: a trained workdir, scored on a split of its dataset or run over a text file.
+
+Every input a user can get wrong is checked before anything is loaded or compiled, in one line naming the flag
+or file: the flags' ranges, the stored task, the input files (UTF-8, matching line counts) and whether the
+outputs can be written. A decoding pass is never lost to a mistake that could have been seen up front.
+"""
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lconv.data import pipeline
@@ -18,37 +25,141 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or translates/summarises
     ``source_file`` line by line (scored when ``reference_file`` is given). Params only are restored."""
+    check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
+    task = setup.read_config(workdir).task
+    if task == "lm" and source_file is not None:
+        raise UserError("--source_file is for translation/summarization runs; an lm run is scored by perplexity")
+    if source_file is None:
+        for flag, value in (("--reference_file", reference_file), ("--output_file", output_file)):
+            if value is not None:
+                raise UserError(f"{flag} goes with --source_file; a split is scored against its own references "
+                                f"and written to <workdir>/{split}.hyp.txt")
+        outputs = [f"{split}.scores.json"] + ([] if task == "lm" else [f"{split}.hyp.txt"])
+        for name in outputs:
+            path = os.path.join(workdir, name)
+            _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
+        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
+        config = trained.config
+        config.data.eval_splits = (split,)
+        data = pipeline.make_datasets(config.data, trained.tokenizer)
+        if task == "lm":
+            return steps.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
+                                          split, log)
+        return evaluate.score_split(config, trained.model, trained.params, trained.tokenizer, data.eval_sets,
+                                    workdir, split=split, log=log)
+    sources = read_lines(source_file, "--source_file")
+    references = read_lines(reference_file, "--reference_file") if reference_file else None
+    if references is not None and len(references) != len(sources):
+        raise UserError(f"--reference_file has {len(references)} lines for {len(sources)} source lines "
+                        f"({reference_file} vs {source_file}); they must pair line by line")
+    if output_file is None:
+        output_file = os.path.join(workdir, "output.txt")
+        _check_writable(output_file, f"the default --output_file={output_file} (pass --output_file elsewhere)")
+    else:
+        _check_writable(output_file, f"--output_file={output_file}")
+    trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
+    return _translate_file(trained, sources, references, source_file, output_file, log)
+
+
+def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
+    """eval.py's flags against their ranges, before the workdir is read."""
+    if checkpoint not in ("latest", "best"):
+        raise UserError(f"--checkpoint={checkpoint!r}: must be latest or best")
+    if average_last < 1:
+        raise UserError(f"--average_last={average_last}: must be >= 1 (the number of latest checkpoints to average)")
+    if checkpoint == "best" and average_last > 1:
+        raise UserError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+    if beam_size is not None and beam_size < 1:
+        raise UserError(f"--beam_size={beam_size}: must be >= 1 (1 = greedy)")
+    if lenpen is not None and not (math.isfinite(lenpen) and lenpen >= 0):
+        raise UserError(f"--lenpen={lenpen}: must be a finite number >= 0 (0 = no length normalisation, "
+                        f"1 = divide by the length)")
+
+
+def read_lines(path: str, flag: str) -> list[str]:
+    """The lines of a UTF-8 text file, each without its "\\n" (or "\\r\\n"). A byte sequence that is not UTF-8
+    is an error naming the line (1-based) and the byte offset in it (0-based), never replaced: a silently
+    changed input would be decoded and scored as if it were the user's."""
+    lines = []
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+                try:
+                    lines.append(raw.decode("utf-8"))
+                except UnicodeDecodeError as err:
+                    raise UserError(
+                        f"{flag}={path}: line {number}, byte offset {err.start}: {raw[err.start]:#04x} is not UTF-8 "
+                        f"({err.reason}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    except OSError as err:
+        raise UserError(f"{flag}={path}: cannot read it ({err.strerror or err})") from None
+    return lines
+
+
+def _check_writable(path: str, what: str) -> None:
+    """Raises when ``path`` cannot be written: tried now (a temporary file beside it), not after decoding."""
+    if "://" in path:  # a remote filesystem (gs://...): no local check
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "it is a directory"
+    elif not os.path.isdir(directory):
+        problem = f"the directory {directory} does not exist"
+    else:
+        try:
+            if os.path.exists(path):
+                with open(path, "r+b"):  # open for writing without truncating
+                    pass
+            else:
+                handle, probe = tempfile.mkstemp(dir=directory, prefix=".lconv-write-check-")
+                os.close(handle)
+                os.remove(probe)
+            return
+        except OSError as err:
+            problem = err.strerror or str(err)
+    raise UserError(f"cannot write {what}: {problem}")
+
+
+def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None,
+          log: Callable[[str], None]) -> setup.Trained:
     def override(config):
         if beam_size is not None:
             config.decode.beam_size = beam_size
         if lenpen is not None:
             config.decode.lenpen = lenpen
-        if config.task == "lm" and source_file is not None:
-            raise UserError("--source_file is for translation/summarization runs; an lm run is scored by perplexity")
 
     trained = setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, overrides=override)
-    config, model, params, tokenizer = trained.config, trained.model, trained.params, trained.tokenizer
     log(f"checkpoint(s) {trained.steps}")
-    if source_file is None:
-        config.data.eval_splits = (split,)
-        data = pipeline.make_datasets(config.data, tokenizer)
-        if config.task == "lm":
-            return steps.score_perplexity(config, model, params, data.eval_sets[split], workdir, split, log)
-        return evaluate.score_split(config, model, params, tokenizer, data.eval_sets, workdir, split=split, log=log)
-    sources = _read_lines(source_file)
-    references = _read_lines(reference_file) if reference_file else None
-    if references is not None and len(references) != len(sources):
-        raise UserError(f"--reference_file has {len(references)} lines for {len(sources)} source lines")
-    hypotheses = evaluate.translate_lines(config, model, params, tokenizer, sources)
-    with open(output_file or os.path.join(workdir, "output.txt"), "w", encoding="utf-8") as f:
-        f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
-    scores = {"examples": len(hypotheses)}
-    if references is not None:
-        scores.update(evaluate.score_texts(config.task, hypotheses, references))
-        log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
+    return trained
+
+
+def _translate_file(trained: setup.Trained, sources: Sequence[str], references: Sequence[str] | None,
+                    source_file: str, output_file: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """Decodes the lines, writes one output per input line, reports what was not decoded as given, and scores
+    against ``references`` (blank sources stay in, as empty hypotheses)."""
+    config = trained.config
+    translations = evaluate.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
+    with open(output_file, "w", encoding="utf-8") as f:
+        f.writelines(h.replace("\n", " ") + "\n" for h in translations.hypotheses)
+    scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
+    if not sources:
+        log(f"--source_file={source_file} has no lines: {output_file} is empty, nothing to score")
+    if translations.blank:
+        scored = "; scored as empty hypotheses" if references is not None else ""
+        count = len(translations.blank)
+        log(f"{count} blank source line{'s' if count != 1 else ''} ({_line_numbers(translations.blank)}): empty "
+            f"output{'s' if count != 1 else ''} in place{scored}")
+    if translations.lengths.truncated:
+        log(f"{translations.lengths.note('source line')} "
+            f"({_line_numbers(translations.lengths.truncated)})")
+    if references is not None and sources:
+        scores.update(evaluate.score_texts(config.task, translations.hypotheses, references))
+    log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
 
 
-def _read_lines(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
+def _line_numbers(indices: Sequence[int], shown: int = 5) -> str:
+    """0-based indices -> "line 3, 7, 9 and 2 more" (1-based, as editors number lines)."""
+    numbers = ", ".join(str(i + 1) for i in indices[:shown])
+    more = f" and {len(indices) - shown} more" if len(indices) > shown else ""
+    return f"line{'s' if len(indices) > 1 else ''} {numbers}{more}"

@@ -1,6 +1,12 @@
-"""Evaluation: decode a split (or any text file), detokenise, score with sacreBLEU / ROUGE, write the outputs."""
+"""Evaluation: decode a split (or any text file), detokenise, score with sacreBLEU / ROUGE, write the outputs.
+
+Nothing is changed silently: sources longer than ``config.data.eval_max_input_length`` tokens are cut to it and
+counted (``truncated_sources``, ``longest_source_tokens``, ``source_token_limit`` in the scores); blank lines of a
+text file are not decoded, get empty outputs in their place and are counted by the caller.
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -76,19 +82,50 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     hyps = [hypotheses[i] for i in order]
     refs = [eval_set.examples[i]["targets"] for i in order]
     sources = [eval_set.examples[i]["inputs"] for i in order]
+    lengths = measure_sources(tokenizer, sources, eval_set.lengths["inputs"])
     scores = score_texts(config.task, hyps, refs)
     scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
-                  sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size)
+                  sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size,
+                  **lengths.counts())
     write_outputs(workdir, split, hyps, scores)
+    if lengths.truncated:
+        log(lengths.note("source"))
     log(format_report(scores, sources, refs, hyps, config.decode.num_print))
     return scores
 
 
 def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-    """ROUGE for summarisation, sacreBLEU for every other task."""
+    """ROUGE for summarisation, sacreBLEU for every other task; ``{}`` (no score) when there is no example."""
+    if not hypotheses and not references:
+        return {}
     if task == "summarization":
         return scoring.rouge(hypotheses, references)
     return scoring.bleu(hypotheses, references)
+
+
+@dataclasses.dataclass
+class SourceLengths:
+    """The sources cut to the decoder's input limit; lengths in tokens with EOS, the unit the limit counts."""
+
+    truncated: list[int]  # indices of the sources longer than ``limit``
+    longest: int  # the longest source (0 when there is none)
+    limit: int  # config.data.eval_max_input_length
+
+    def counts(self) -> dict[str, int]:
+        return {"truncated_sources": len(self.truncated), "longest_source_tokens": self.longest,
+                "source_token_limit": self.limit}
+
+    def note(self, what: str) -> str:
+        """One line: how many ``what``s (a singular noun) were cut, the limit, and the longest length."""
+        count = len(self.truncated)
+        return (f"{count} {what}{'s' if count != 1 else ''} longer than config.data.eval_max_input_length="
+                f"{self.limit} tokens (EOS included) cut to it; the longest has {self.longest} tokens")
+
+
+def measure_sources(tokenizer: Tokenizer, sources: Sequence[str], limit: int) -> SourceLengths:
+    """Which of ``sources`` decoding cuts to ``limit`` tokens (EOS included), and the longest length."""
+    lengths = [len(ids) + 1 for ids in tokenizer.encode_batch(list(sources))] if sources else []
+    return SourceLengths([i for i, n in enumerate(lengths) if n > limit], max(lengths, default=0), limit)
 
 
 def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, scores: Mapping[str, Any]) -> None:
@@ -106,6 +143,8 @@ def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, sco
 def format_report(scores: Mapping[str, Any], sources: Sequence[str], references: Sequence[str],
                   hypotheses: Sequence[str], num_print: int) -> str:
     """The first ``num_print`` (source, reference, hypothesis) triples, then the scores on one line."""
+    if not hypotheses:
+        return f"{scores['split']}: no examples, nothing to score"
     lines = []
     for i in range(min(num_print, len(hypotheses))):
         lines += [f"  source:     {sources[i][:300]}", f"  reference:  {references[i][:300]}",
@@ -131,16 +170,35 @@ class ListSource:
         return self.examples[i]
 
 
+@dataclasses.dataclass
+class Translations:
+    """``translate_lines``' outputs: one hypothesis per source line, and what was not decoded as given."""
+
+    hypotheses: list[str]  # one per source line, in order; "" for a blank line
+    blank: list[int]  # indices of the blank (empty or whitespace-only) source lines: not decoded
+    lengths: SourceLengths  # of the decoded lines; its indices are line indices too
+
+
 def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
-                    sources: Sequence[str]) -> list[str]:
-    """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search."""
-    examples = [{"inputs": source, "targets": ""} for source in sources]
-    lengths = {"inputs": config.data.eval_max_input_length, "targets": config.data.eval_max_target_length}
-    eval_set = pipeline.make_eval_set(ListSource(examples), "inputs", "targets", tokenizer, lengths,
+                    sources: Sequence[str]) -> Translations:
+    """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search.
+
+    A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output in its place, so
+    the outputs stay aligned with the input lines. Lines longer than ``config.data.eval_max_input_length`` tokens
+    are cut to it; ``Translations`` says which.
+    """
+    kept = [i for i, source in enumerate(sources) if source.strip()]
+    blank = [i for i, source in enumerate(sources) if not source.strip()]
+    limit = config.data.eval_max_input_length
+    measured = measure_sources(tokenizer, [sources[i] for i in kept], limit)
+    lengths = SourceLengths([kept[i] for i in measured.truncated], measured.longest, limit)
+    examples = [{"inputs": sources[i], "targets": ""} for i in kept]
+    eval_set = pipeline.make_eval_set(ListSource(examples), "inputs", "targets", tokenizer,
+                                      {"inputs": limit, "targets": config.data.eval_max_target_length},
                                       config.data.eval_batch_size)
     hypotheses = [""] * len(sources)
     for batch, tokens in decode_batches(config, model, params, eval_set):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
-                hypotheses[int(index)] = tokenizer.decode(tokens[row])
-    return hypotheses
+                hypotheses[kept[int(index)]] = tokenizer.decode(tokens[row])
+    return Translations(hypotheses, blank, lengths)
