@@ -7,7 +7,7 @@ Modules (import what you need; this package imports nothing heavy):
     tokenizer   SentencePiece joint model saved in the workdir, with lconv.constants' special ids
     pipeline    grain input pipeline: packed train batches, padded eval batches; ``make_datasets``
 
-``python -m lconv.data <task>`` prints counts and an example batch for a task on the bundled snapshot.
+``python -m lconv.data <task>`` prints counts, what preparing skipped, and an example batch for a task.
 """
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 

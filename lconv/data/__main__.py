@@ -1,37 +1,61 @@
-"""Counts and an example batch (ids and detokenised text) per task, on the bundled DDTP snapshot.
+"""Counts, what preparing skipped, and an example batch (ids and detokenised text) per task.
 
-    python -m lconv.data                       # every DDTP task
-    python -m lconv.data en_de lm_en           # some (or full names: ddtp/de_en, lm1b, ...)
+    python -m lconv.data                       # every DDTP task, from the bundled snapshot
+    python -m lconv.data en_de lm_en           # some (or full names: ddtp/de_en, iwslt14/de_en, lm1b, ...)
+    python -m lconv.data en_de --raw_dir=DIR   # from apt Translation-* files instead of the snapshot
     python -m lconv.data en_de --data_dir=~/tensorflow_datasets --workdir=/tmp/tok --vocab_size=8000
 
 A tokenizer per task is trained on a small training sample (``--max_sentences``) into ``--workdir/<task>``
-(reused when it exists).
+(reused when it exists). A bad argument or input is one ``error: ...`` line on stderr and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import numpy as np
 
 from lconv.data import ddtp, pipeline, sources
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.errors import UserError
 
 
-def _name(task: str) -> str:
-    return task if task in sources.DATASETS else f"ddtp/{task}"
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like the other entry points' user errors
+        _exit_with(message)
 
 
-def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences: int, batch_size: int) -> None:
-    config = dict(dataset=name, data_dir=data_dir, vocab_size=vocab_size, tokenizer_max_sentences=max_sentences,
-                  batch_size=batch_size, eval_batch_size=batch_size, max_input_length=64, max_target_length=64,
-                  read_threads=1)
+def _exit_with(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+def dataset_name(task: str) -> str:
+    """A DDTP task (``en_de``) or a dataset name (``ddtp/de_en``, ``lm1b``) -> the dataset name."""
+    if task in sources.DATASETS:
+        return task
+    if f"ddtp/{task}" in sources.DATASETS:
+        return f"ddtp/{task}"
+    others = [name for name in sources.DATASETS if not name.startswith("ddtp/")]
+    raise UserError(f"unknown task {task!r}; use a DDTP task ({', '.join(ddtp.TASKS)}, or a reverse direction such "
+                    f"as de_en) or a dataset name ({', '.join(others)})")
+
+
+def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences: int, batch_size: int,
+         raw_dir: str | None = None) -> None:
+    config = dict(dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size,
+                  tokenizer_max_sentences=max_sentences, batch_size=batch_size, eval_batch_size=batch_size,
+                  max_input_length=64, max_target_length=64, read_threads=1)
     tokenizer = pipeline.load_or_train_tokenizer(config, os.path.join(workdir, name.replace("/", "_")))
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
-    counts = {"train": len(sources.get_source(name, "train", data_dir)[0])}
+    counts = {"train": len(sources.get_source(name, "train", data_dir, raw_dir)[0])}
     counts.update({split: len(eval_set.examples) for split, eval_set in data.eval_sets.items()})
     print(f"== {name}: examples {counts}; inputs={data.input_key!r} targets={data.target_key!r}; "
           f"vocab {tokenizer.vocab_size}")
+    for line in sources.describe_report(data.source_report):
+        print(f"  {line}")
     batch = next(data.train_iter)
     for key, value in batch.items():
         print(f"  train {key:22s} {value.dtype}{list(value.shape)} row 0: {np.array2string(value[0][:24])[:-1]} ...]")
@@ -45,20 +69,40 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     print(f"  eval batch: {', '.join(f'{k} {list(v.shape)}' for k, v in eval_batch.items())}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(prog="python -m lconv.data", description=__doc__.splitlines()[0])
     parser.add_argument("tasks", nargs="*", default=list(ddtp.TASKS), help=f"default: all of {ddtp.TASKS}")
     parser.add_argument("--data_dir", default=os.path.join(tempfile.gettempdir(), "lconv_tfds"))
+    parser.add_argument("--raw_dir", default=None, help="apt Translation-* files (ddtp) or IWSLT14 text files")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lconv_data_tokenizers"))
     parser.add_argument("--vocab_size", type=int, default=2000)
     parser.add_argument("--max_sentences", type=int, default=20000)
     parser.add_argument("--batch_size", type=int, default=4)
     args = parser.parse_args(argv)
-    import tensorflow_datasets as tfds
+    if args.vocab_size < tokenizer_lib.MIN_VOCAB_SIZE:
+        parser.error(f"--vocab_size={args.vocab_size}: must be >= {tokenizer_lib.MIN_VOCAB_SIZE} (the tokenizer's "
+                     "special and byte pieces)")
+    for flag in ("batch_size", "max_sentences"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}={getattr(args, flag)}: must be >= 1")
+    try:
+        args.names = [dataset_name(task) for task in args.tasks]
+    except UserError as err:
+        parser.error(str(err))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    import tensorflow_datasets as tfds  # after the arguments are known to be good: importing it takes seconds
 
     tfds.disable_progress_bar()
-    for task in args.tasks:
-        show(_name(task), args.data_dir, args.workdir, args.vocab_size, args.max_sentences, args.batch_size)
+    try:
+        for name in args.names:
+            show(name, args.data_dir, args.workdir, args.vocab_size, args.max_sentences, args.batch_size,
+                 args.raw_dir)
+    except UserError as err:
+        _exit_with(str(err))
 
 
 if __name__ == "__main__":

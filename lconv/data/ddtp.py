@@ -76,17 +76,32 @@ class Description:
 
 
 def read_index_bytes(path: str | os.PathLike) -> bytes:
-    """Bytes of an apt Translation index: xz, lz4 (if the ``lz4`` module is installed) or plain text."""
+    """Bytes of an apt Translation index: xz, lz4 (if the ``lz4`` module is installed) or plain text.
+
+    A damaged or truncated compressed file is a one-line UserError naming it (a partial file would otherwise
+    give a partial corpus, or a decompressor traceback that does not say which file).
+    """
     with open(path, "rb") as f:
         data = f.read()
+    name = os.path.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
-        return lzma.decompress(data)
+        try:
+            return lzma.decompress(data)
+        except (lzma.LZMAError, EOFError) as e:
+            raise UserError(f"{path} is a damaged or truncated xz file ({e}); download {name} again") from e
     if data.startswith(b"\x04\x22\x4d\x18"):  # lz4 frame magic (apt's lists/*_Translation-*.lz4)
         try:
             import lz4.frame  # optional dependency
         except ImportError as e:
             raise UserError(f"{path} is lz4-compressed; pip install lz4 or pass the .xz/plain file") from e
-        return lz4.frame.decompress(data)
+        try:
+            return lz4.frame.decompress(data)
+        except RuntimeError as e:
+            raise UserError(f"{path} is a damaged or truncated lz4 file ({e}); download {name} again") from e
+    for suffix in (".xz", ".lz4"):
+        if name.endswith(suffix):
+            raise UserError(f"{path} is named {suffix} but is not {suffix[1:]} data ({len(data)} bytes); "
+                            f"download {name} again")
     return data
 
 
@@ -100,9 +115,35 @@ def find_index_file(raw_dir: str | os.PathLike, lang: str) -> str | None:
     return None
 
 
+def task_langs(task: str) -> tuple[str, ...]:
+    """The languages whose Translation files a task is built from."""
+    if task in TRANSLATION_TASKS:
+        return ("en", TRANSLATION_TASKS[task])
+    if task in TASKS:
+        return ("en",)
+    raise UserError(f"task={task!r} is unknown; use one of {TASKS}")
+
+
+def find_task_files(raw_dir: str | os.PathLike, tasks: Iterable[str]) -> dict[str, str]:
+    """{lang: path} of the Translation files ``tasks`` need; a missing one is a UserError naming them all."""
+    if not os.path.isdir(raw_dir):
+        raise UserError(f"raw_dir={str(raw_dir)!r} is not a directory; point it at the apt Translation-* files")
+    tasks = tuple(tasks)
+    langs = sorted({lang for task in tasks for lang in task_langs(task)}, key=LANGS.index)
+    files = {lang: find_index_file(raw_dir, lang) for lang in langs}
+    missing = [f"Translation-{lang}" for lang, path in files.items() if path is None]
+    if missing:
+        raise UserError(f"raw_dir={str(raw_dir)!r} has no {', '.join(missing)} (.xz, .lz4 or plain), which "
+                        f"{', '.join(tasks)} needs; add it, or unset raw_dir to use the bundled snapshot")
+    return files
+
+
 def load_raw_corpus(raw_dir: str | os.PathLike, langs: Iterable[str] = LANGS,
                     counts: collections.Counter | None = None) -> dict[str, dict[str, Description]]:
-    """Parses every ``Translation-<lang>`` file in raw_dir; English is required, missing others are counted."""
+    """Parses every ``Translation-<lang>`` file in raw_dir; English is required, missing others are counted.
+
+    A file that holds no usable description at all (an error page saved under the name, say) is a UserError.
+    """
     counts = collections.Counter() if counts is None else counts
     corpus = {}
     for lang in langs:
@@ -113,6 +154,9 @@ def load_raw_corpus(raw_dir: str | os.PathLike, langs: Iterable[str] = LANGS,
             counts[f"missing_file_{lang}"] += 1
             continue
         corpus[lang] = parse_index(read_index_bytes(path), lang, counts)
+        if not corpus[lang]:
+            raise UserError(f"{path} holds no usable package description (no record with Description-md5 and "
+                            f"Description-{lang}); is it an apt Translation-{lang} file?")
     return corpus
 
 
@@ -311,10 +355,13 @@ def _task_examples(record: Mapping, task: str, counts: collections.Counter) -> l
 
 
 def build_tasks(records: Iterable[Mapping], tasks: Iterable[str] = TASKS,
-                counts: collections.Counter | None = None) -> dict[str, dict[str, list[dict]]]:
+                counts: collections.Counter | None = None,
+                counts_by_split: Mapping[str, collections.Counter] | None = None,
+                ) -> dict[str, dict[str, list[dict]]]:
     """Aligned records -> {task: {split: [example, ...]}}, de-duplicated, no text shared across splits.
 
     Examples keep the records' md5 order within a split. Each example is a dict of strings plus ``"md5"``.
+    counts_by_split: {split: Counter} to also receive the skip counts of each split (they go to ``counts`` too).
     """
     counts = collections.Counter() if counts is None else counts
     records = list(records)
@@ -323,22 +370,25 @@ def build_tasks(records: Iterable[Mapping], tasks: Iterable[str] = TASKS,
         by_split = {split: [] for split in SPLITS}
         seen_texts: set[str] = set()  # every text field of the earlier splits' examples
         for split in SPLITS:  # train first: evaluation examples overlapping train are the ones dropped
-            seen_examples, split_texts = set(), set()
+            seen_examples, split_texts, split_counts = set(), set(), collections.Counter()
             for record in records:
                 if record["split"] != split:
                     continue
-                for example in _task_examples(record, task, counts):
+                for example in _task_examples(record, task, split_counts):
                     fields = tuple(example.values())
                     if fields in seen_examples:
-                        counts[f"{task}_duplicate"] += 1
+                        split_counts[f"{task}_duplicate"] += 1
                         continue
                     seen_examples.add(fields)
                     if split != "train" and any(text in seen_texts for text in fields):
-                        counts[f"{task}_{split}_overlap"] += 1
+                        split_counts[f"{task}_{split}_overlap"] += 1
                         continue
                     split_texts.update(fields)
                     by_split[split].append({**example, "md5": record["md5"]})
             seen_texts |= split_texts
+            counts.update(split_counts)
+            if counts_by_split is not None:
+                counts_by_split[split].update(split_counts)
         out[task] = by_split
         for split in SPLITS:
             counts[f"{task}_{split}_examples"] = len(by_split[split])
@@ -380,17 +430,29 @@ def load_snapshot_records(snapshot_dir: str | os.PathLike | None = None) -> list
         path = snapshot_file(snapshot_dir, split)
         if not os.path.exists(path):
             raise UserError(f"snapshot file {path} is missing; regenerate it with scripts/make_ddtp_snapshot.py")
-        with lzma.open(path, "rt", encoding="utf-8") as f:
-            records += [{**json.loads(line), "split": split} for line in f if line.strip()]
+        try:
+            with lzma.open(path, "rt", encoding="utf-8") as f:
+                records += [{**json.loads(line), "split": split} for line in f if line.strip()]
+        except (lzma.LZMAError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"snapshot file {path} is damaged ({e}); reinstall lconv or regenerate it with "
+                            "scripts/make_ddtp_snapshot.py") from e
     return records
 
 
 def load_tasks(raw_dir: str | os.PathLike | None = None, tasks: Iterable[str] = TASKS,
-               counts: collections.Counter | None = None) -> dict[str, dict[str, list[dict]]]:
-    """{task: {split: examples}} from raw Translation files in raw_dir, or the bundled snapshot if None."""
+               counts: collections.Counter | None = None,
+               counts_by_split: Mapping[str, collections.Counter] | None = None,
+               ) -> dict[str, dict[str, list[dict]]]:
+    """{task: {split: examples}} from raw Translation files in raw_dir, or the bundled snapshot if None.
+
+    Only the languages the tasks need are read from raw_dir, and each of them must be there (``find_task_files``).
+    """
     counts = collections.Counter() if counts is None else counts
+    tasks = tuple(tasks)
     if raw_dir is None:
         records = load_snapshot_records()
     else:
-        records = align_corpus(load_raw_corpus(raw_dir, counts=counts), counts)
-    return build_tasks(records, tasks, counts)
+        langs = find_task_files(raw_dir, tasks)
+        records = align_corpus(load_raw_corpus(raw_dir, langs=langs, counts=counts), counts)
+    return build_tasks(records, tasks, counts, counts_by_split)
+

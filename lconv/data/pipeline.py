@@ -7,6 +7,7 @@ Entry point::
     batch = next(data.train_iter)                              # packed, shuffled, repeated, this process's shard
     state = data.train_iter.get_state(); data.train_iter.set_state(state)   # exact resume (grain)
     for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
+    data.source_report                                         # what preparing the data skipped, by reason and split
 
 ``config`` is anything with these attributes or keys (an ml_collections ConfigDict, a dict, a dataclass); the
 defaults are in ``DEFAULTS``: dataset, data_dir, raw_dir, vocab_size, batch_size (global rows per step;
@@ -76,6 +77,10 @@ class Datasets:
     input_key: str | None
     target_key: str
     stats: collections.Counter  # training-side counts (truncated / dropped examples) of this process
+    # What preparing the dataset from its source skipped or altered (``sources.source_report``): JSON-able,
+    # {"skipped": {stage: {reason: n}}, "altered": ..., "examples": {split: n}, "source": ...}; {} for the
+    # datasets ``tfds build`` prepared. The same on every process.
+    source_report: dict = dataclasses.field(default_factory=dict)
 
 
 def config_value(config: Any, name: str) -> Any:
@@ -115,6 +120,8 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     process_index, process_count = _process(process_index, process_count)
     get = lambda name: config_value(config, name)  # noqa: E731
     for field in ("batch_size", "eval_batch_size"):
+        if get(field) < 1:
+            raise UserError(f"{field}={get(field)!r} must be an integer >= 1 (rows per step over all processes)")
         if get(field) % process_count:
             raise UserError(f"{field}={get(field)} is not divisible by process_count={process_count}; change it")
     if get("train_long") not in ("truncate", "drop"):
@@ -123,8 +130,10 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
         raise UserError(f"stream=True streams documents to a language model; dataset={get('dataset')!r} "
                          "has inputs (use a language-modelling dataset, e.g. ddtp/lm_en)")
     source, input_key, target_key = sources.get_source(get("dataset"), "train", get("data_dir"), get("raw_dir"))
+    report = sources.source_report(get("dataset"), get("data_dir"), get("raw_dir"))
     if get("stream"):
-        return make_stream_datasets(config, source, input_key, target_key, tokenizer, process_index, process_count)
+        data = make_stream_datasets(config, source, input_key, target_key, tokenizer, process_index, process_count)
+        return dataclasses.replace(data, source_report=report)
     lengths = {"targets": get("max_target_length")}
     if input_key is not None:
         lengths["inputs"] = get("max_input_length")
@@ -140,7 +149,7 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
             eval_lengths["inputs"] = get("eval_max_input_length")
         eval_sets[split] = make_eval_set(eval_source, input_key, target_key, tokenizer, eval_lengths,
                                          get("eval_batch_size") // process_count, process_index, process_count)
-    return Datasets(train_iter, eval_sets, input_key, target_key, stats)
+    return Datasets(train_iter, eval_sets, input_key, target_key, stats, report)
 
 
 def make_stream_datasets(config: Any, source: sources.Source, input_key: str | None, target_key: str,

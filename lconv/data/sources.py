@@ -4,7 +4,9 @@ One function, ``get_source(name, split, data_dir)``, gives ``(source, input_key,
 ``input_key`` is None for language modelling. Sources are ``tfds.data_source``-style: ``len(source)`` and
 ``source[i] -> {field: bytes}``, read from array_record files with no TensorFlow.
 
-- ``ddtp/*`` and ``iwslt14/*`` are prepared here on first use (seconds; see ``tfds_ddtp``).
+- ``ddtp/*`` and ``iwslt14/*`` are prepared here on first use (seconds; see ``tfds_ddtp``), once per source:
+  the bundled snapshot and each raw_dir's files get a copy of their own, keyed by the files' contents.
+  ``source_report`` gives what preparing one skipped or altered (a JSON-able dict).
 - The paper's datasets (WMT14 En-De/En-Fr, WMT17 Zh-En, Billion Word ``lm1b``, CNN-DailyMail) cannot be
   downloaded on these machines: prepare them where there is network with the command the error gives, e.g.
   ``tfds build wmt14_translate/de-en --data_dir=DIR --file_format=array_record``, and copy DIR here. Unprepared,
@@ -79,18 +81,13 @@ def prepare_command(tfds_name: str, data_dir: str) -> str:
 def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None) -> tuple[Source, str | None, str]:
     """(random-access source, input_key or None, target_key) for dataset ``name`` and split train/validation/test.
 
-    raw_dir: for ``ddtp/*`` raw apt Translation files instead of the bundled snapshot (use a separate data_dir);
-    for ``iwslt14/*`` the folder of text files.
+    raw_dir: for ``ddtp/*`` raw apt Translation files instead of the bundled snapshot; for ``iwslt14/*`` the
+    folder of text files. Each source is prepared into a copy of its own under data_dir (``tfds_ddtp.prepare``).
     """
     spec = dataset_spec(name)
     tfds_split = dict(spec.split_names).get(split, split)
     data_dir = os.path.expanduser(data_dir)
-    if spec.local:
-        from lconv.data import tfds_ddtp
-
-        builder = tfds_ddtp.prepare(spec.tfds_name, data_dir, raw_dir=raw_dir)
-    else:
-        builder = _prepared_builder(spec.tfds_name, data_dir)
+    builder = _builder(spec, data_dir, raw_dir)
     if tfds_split not in builder.info.splits:
         raise UserError(f"split={split!r} is not in {spec.tfds_name} (has {sorted(builder.info.splits)})")
     try:
@@ -99,6 +96,47 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
         raise UserError(f"{spec.tfds_name} in {data_dir} is not array_record; rebuild it with: "
                          f"{prepare_command(spec.tfds_name, data_dir)}") from e
     return source, spec.input_key, spec.target_key
+
+
+def source_report(name: str, data_dir: str, raw_dir: str | None = None) -> dict:
+    """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for the
+    datasets ``tfds build`` prepared, which lconv did not parse).
+
+    Keys: ``dataset``, ``source`` (one line: the bundled snapshot or raw_dir=...), ``files`` ({role: {file,
+    bytes, sha256}}), ``key``, ``examples`` ({split: n}), ``skipped`` and ``altered`` ({stage: {reason: n}},
+    stage ``parse`` or a split), ``records`` ({lang: records parsed}); see ``tfds_ddtp``.
+    """
+    spec = dataset_spec(name)
+    if not spec.local:
+        return {}
+    from lconv.data import tfds_ddtp
+
+    return tfds_ddtp.read_report(_builder(spec, os.path.expanduser(data_dir), raw_dir))
+
+
+def describe_report(report: Mapping[str, Any]) -> list[str]:
+    """A ``source_report`` as lines for a log: the source, then one line per kind and stage (none if ``{}``)."""
+    if not report:
+        return []
+    lines = [f"{report['dataset']} prepared from {report['source']}: examples {report['examples']}, "
+             f"records read {report['records']}"]
+    for kind in ("skipped", "altered"):
+        for stage, reasons in report[kind].items():
+            lines.append(f"{kind} ({stage}): {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")
+    if not report["skipped"]:
+        lines.append("skipped: nothing")
+    return lines
+
+
+def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None):
+    if spec.local:
+        from lconv.data import tfds_ddtp
+
+        return tfds_ddtp.prepare(spec.tfds_name, data_dir, raw_dir=raw_dir)
+    if raw_dir is not None:
+        raise UserError(f"raw_dir={raw_dir!r} is only read by the ddtp/* and iwslt14/* datasets; {spec.tfds_name} "
+                        "is read from data_dir: unset raw_dir")
+    return _prepared_builder(spec.tfds_name, data_dir)
 
 
 def _prepared_builder(tfds_name: str, data_dir: str):

@@ -12,13 +12,29 @@ Two traps, both handled here: ``dataset_info_from_configs`` wants a package dire
 ``_info`` builds ``tfds.core.DatasetInfo`` directly; and ``code_path`` needs ``importlib_resources`` (see
 ``_LocalBuilder``). Preparing ``ddtp/en_de`` from the snapshot takes a few seconds.
 
-    builder = prepare("ddtp/en_de", data_dir)           # idempotent; reuses a prepared copy
+The prepared copy is keyed by what it was made from (``source_fingerprint``: the bundled snapshot or raw_dir,
+and the size and SHA-256 of each input file), so a different raw_dir, or a file added or changed in it, is
+prepared anew instead of reusing stale data. Each copy is written once, like an orbax checkpoint step: built in
+a temporary directory of its own, then renamed into place (a rename that finds the copy already there, made by
+another process at the same time, counts as success), and never modified after::
+
+    <data_dir>/lconv_prepared/ddtp_en_de-<key>/ddtp/en_de/1.0.0/     the data, and lconv_report.json: the source
+                                                                     and what was skipped or altered
+    <data_dir>/ddtp/en_de/1.0.0 -> the copy lconv used last           a symlink, for plain tfds readers
+
+    builder = prepare("ddtp/en_de", data_dir)           # idempotent; reuses a prepared copy of the same source
     source = tfds.data_source("ddtp/en_de", split="train", data_dir=data_dir)   # after importing this module
 """
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
 import os
-from collections.abc import Iterator
+import re
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -47,6 +63,12 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     @classmethod
     def code_path(cls) -> epath.Path:
         return epath.Path(__file__)
+
+    def _log_download_bytes(self) -> None:  # tfds would name the temporary directory; prepare() says where
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
 
 
 class DdtpConfig(tfds.core.BuilderConfig):
@@ -77,9 +99,18 @@ class Ddtp(_LocalBuilder):
 
     def _split_generators(self, dl_manager):
         del dl_manager  # nothing to download
-        tasks = ddtp.load_tasks(self._raw_dir, tasks=[self.builder_config.name])
+        task = self.builder_config.name
+        self.counts = collections.Counter()  # what parsing and building skipped or altered: prepare() saves them
+        self.counts_by_split = {split: collections.Counter() for split in ddtp.SPLITS}
+        tasks = ddtp.load_tasks(self._raw_dir, tasks=[task], counts=self.counts,
+                                counts_by_split=self.counts_by_split)
+        if self._raw_dir is None:  # the snapshot holds parsed records: its parse counts were saved beside it
+            self.counts.update(_snapshot_parse_counts(ddtp.task_langs(task)))
+        if not tasks[task]["train"]:
+            raise UserError(f"raw_dir={self._raw_dir!r} gives no {task} training example "
+                            f"(records read: {_records(self.counts)}); check its Translation files")
         return {split: self._generate_examples(examples)  # tfds cannot write an empty split (tiny corpora)
-                for split, examples in tasks[self.builder_config.name].items() if examples}
+                for split, examples in tasks[task].items() if examples}
 
     def _generate_examples(self, examples) -> Iterator[tuple[str, dict]]:
         for i, example in enumerate(examples):
@@ -103,19 +134,14 @@ class Iwslt14(_LocalBuilder):
 
     def _split_generators(self, dl_manager):
         del dl_manager
-        if self._raw_dir is None:
-            raise UserError("iwslt14 needs raw_dir= a folder with {train,valid,test}.{de,en}; "
-                            "see lconv/data/sources.py")
+        self.counts = collections.Counter()
+        self.counts_by_split = {split: collections.Counter() for split in ddtp.SPLITS}
         return {split: self._generate_examples(prefix)
                 for split, prefix in (("train", "train"), ("validation", "valid"), ("test", "test"))}
 
     def _generate_examples(self, prefix: str) -> Iterator[tuple[str, dict]]:
         paths = {lang: os.path.join(self._raw_dir, f"{prefix}.{lang}") for lang in ("de", "en")}
-        for path in paths.values():
-            if not os.path.exists(path):
-                raise UserError(f"raw_dir is missing {path}; it needs {{train,valid,test}}.{{de,en}}")
-        with open(paths["de"], encoding="utf-8") as f_de, open(paths["en"], encoding="utf-8") as f_en:
-            de_lines, en_lines = f_de.read().splitlines(), f_en.read().splitlines()
+        de_lines, en_lines = _read_lines(paths["de"]), _read_lines(paths["en"])
         if len(de_lines) != len(en_lines):
             raise UserError(f"{paths['de']} has {len(de_lines)} lines but {paths['en']} {len(en_lines)}; "
                              "the files must be line-aligned")
@@ -123,17 +149,201 @@ class Iwslt14(_LocalBuilder):
             yield i, {"de": de.strip(), "en": en.strip()}
 
 
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
+
+
 BUILDERS = {"ddtp": Ddtp, "iwslt14": Iwslt14}
 
 
-def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.DatasetBuilder:
-    """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") as array_record in data_dir unless already there."""
+CACHE_DIRNAME = "lconv_prepared"  # under data_dir: one directory per (dataset, source) prepared
+REPORT_FILENAME = "lconv_report.json"  # in a prepared version directory: its source and skip counts
+_IWSLT_FILES = tuple(f"{prefix}.{lang}" for prefix in ("train", "valid", "test") for lang in ("de", "en"))
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: each file hashed once
+
+
+def _builder_class(name: str) -> tuple[type[_LocalBuilder], str]:
     builder_name, _, config = name.partition("/")
-    if builder_name not in BUILDERS or not config:
+    cls = BUILDERS.get(builder_name)
+    if cls is None or config not in [c.name for c in cls.BUILDER_CONFIGS]:
         raise UserError(f"name={name!r} is not a local builder; use one of "
-                         f"{[f'{b}/{c.name}' for b, cls in BUILDERS.items() for c in cls.BUILDER_CONFIGS]}")
-    builder = BUILDERS[builder_name](config=config, data_dir=os.path.expanduser(data_dir), raw_dir=raw_dir,
-                                     file_format=tfds.core.FileFormat.ARRAY_RECORD)
-    if not builder.is_prepared():
-        builder.download_and_prepare()
+                        f"{[f'{b}/{c.name}' for b, cls in BUILDERS.items() for c in cls.BUILDER_CONFIGS]}")
+    return cls, config
+
+
+def _source_files(name: str, raw_dir: str | None) -> dict[str, str]:
+    """{role: path} of the files ``name`` is prepared from; a missing one is a UserError naming them all."""
+    cls, config = _builder_class(name)
+    if cls is Ddtp:
+        if raw_dir is None:
+            return {split: ddtp.snapshot_file(ddtp.SNAPSHOT_DIR, split) for split in ddtp.SPLITS}
+        return ddtp.find_task_files(raw_dir, [config])
+    if raw_dir is None or not os.path.isdir(raw_dir):
+        raise UserError(f"{name} needs raw_dir= a folder with {{train,valid,test}}.{{de,en}} (got raw_dir="
+                        f"{raw_dir!r}); see lconv/data/sources.py")
+    missing = [f for f in _IWSLT_FILES if not os.path.isfile(os.path.join(raw_dir, f))]
+    if missing:
+        raise UserError(f"raw_dir={raw_dir!r} has no {', '.join(missing)}; {name} needs {', '.join(_IWSLT_FILES)}")
+    return {f: os.path.join(raw_dir, f) for f in _IWSLT_FILES}
+
+
+def _sha256(path: str) -> str:
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def source_fingerprint(name: str, raw_dir: str | None = None) -> dict:
+    """What ``name`` is prepared from: the bundled snapshot or raw_dir, each file's name, size and SHA-256.
+
+    The ``"key"`` (hex) names the prepared copy; it depends on the dataset, the builder version and the files'
+    contents only, so moving raw_dir keeps the copy and changing a file makes a new one.
+    """
+    cls, _ = _builder_class(name)
+    files = _source_files(name, raw_dir)
+    described = {role: {"file": os.path.basename(path), "bytes": os.path.getsize(path), "sha256": _sha256(path)}
+                 for role, path in sorted(files.items())}
+    identity = {"dataset": name, "version": str(cls.VERSION),
+                "files": {role: d["sha256"] for role, d in described.items()}}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return {"dataset": name, "version": str(cls.VERSION), "key": key,
+            "raw_dir": None if raw_dir is None else os.path.abspath(raw_dir),
+            "source": "the bundled snapshot" if raw_dir is None else f"raw_dir={os.path.abspath(raw_dir)}",
+            "files": described}
+
+
+def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.DatasetBuilder:
+    """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") from its source as array_record in data_dir, unless a
+    copy from the same source is there; returns a builder reading that copy (see the module docstring)."""
+    cls, config = _builder_class(name)
+    data_dir = os.path.abspath(os.path.expanduser(data_dir))
+    fingerprint = source_fingerprint(name, raw_dir)
+    copy_dir = os.path.join(data_dir, CACHE_DIRNAME, f"{name.replace('/', '_')}-{fingerprint['key']}")
+    if not os.path.isfile(_report_path(copy_dir, name, cls.VERSION)):
+        try:
+            _prepare_copy(name, copy_dir, raw_dir, fingerprint)
+        except PermissionError as e:
+            raise UserError(f"data_dir={data_dir!r} is not writable ({e.strerror}: {e.filename}); {name} needs "
+                            "to be prepared there once: use a writable data_dir") from e
+    builder = cls(config=config, data_dir=copy_dir, raw_dir=raw_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD)
+    _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
+
+
+def _report_path(copy_dir: str, name: str, version) -> str:
+    return os.path.join(copy_dir, *name.split("/"), str(version), REPORT_FILENAME)
+
+
+def _prepare_copy(name: str, copy_dir: str, raw_dir: str | None, fingerprint: dict) -> None:
+    """Builds the copy in a directory of this process's own, then renames it to ``copy_dir`` in one step."""
+    cls, config = _builder_class(name)
+    os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
+    temp_dir = f"{copy_dir}.tmp-{uuid.uuid4().hex}"  # unique: processes preparing together never share files
+    try:
+        builder = cls(config=config, data_dir=temp_dir, raw_dir=raw_dir,
+                      file_format=tfds.core.FileFormat.ARRAY_RECORD)
+        print(f"Preparing {name} from {fingerprint['source']} ...", flush=True)  # as tfds does: seconds to minutes
+        builder.download_and_prepare()
+        report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
+                  **_counts_report(builder.counts, builder.counts_by_split)}
+        with open(os.path.join(builder.data_dir, REPORT_FILENAME), "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, ensure_ascii=False)
+        shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
+        try:
+            os.rename(temp_dir, copy_dir)  # atomic; fails when another process renamed its copy there first
+        except OSError:
+            if not os.path.isfile(_report_path(copy_dir, name, cls.VERSION)):
+                raise UserError(f"{copy_dir} is an incomplete prepared copy (no {REPORT_FILENAME}); delete it and "
+                                "run again") from None
+        print(f"Prepared {name} ({report['examples']} examples) in {copy_dir}", flush=True)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
+    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``.
+
+    Replaced in one step (a new link renamed over the old). A real directory there (prepared before copies were
+    keyed by their source) is left alone; so is a file system without symlinks: lconv itself reads the copies.
+    """
+    link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
+    target = os.path.relpath(version_dir, os.path.dirname(link))
+    if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
+        return
+    temp_link = os.path.join(data_dir, CACHE_DIRNAME, f"link.tmp-{uuid.uuid4().hex}")
+    try:
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(target, temp_link)
+        os.replace(temp_link, link)
+    except OSError:
+        if os.path.islink(temp_link):
+            os.unlink(temp_link)
+
+
+def read_report(builder: tfds.core.DatasetBuilder) -> dict:
+    """The ``lconv_report.json`` of a copy ``prepare`` returned: source, examples, skipped and altered counts."""
+    with open(os.path.join(builder.data_dir, REPORT_FILENAME), encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The counts of ``lconv.data.ddtp`` grouped for people to read.
+
+_TOTALS_RE = re.compile(r"^(records_|unique_descriptions_|missing_file_)|_examples$")
+_ALTERED_RE = re.compile(r"^(tab_replaced|control_chars_removed|line_truncated)$|_truncated$")
+
+
+def _counts_report(counts: Mapping[str, int], counts_by_split: Mapping[str, Mapping[str, int]]) -> dict:
+    """{"skipped": {stage: {reason: n}}, "altered": {stage: {reason: n}}, "records": {lang: n}}.
+
+    stage: "parse" (reading the Translation files, before descriptions are split) or a split name. Reasons are
+    the count names of ``lconv.data.ddtp`` (e.g. ``invalid_utf8_record_de``, ``en_de_validation_overlap``);
+    "altered" holds what was kept but changed (tabs, control characters, truncation). Non-zero counts only.
+    """
+    split_totals = collections.Counter()
+    for split_counts in counts_by_split.values():
+        split_totals.update(split_counts)
+    stages = {"parse": {k: n - split_totals[k] for k, n in counts.items()}, **counts_by_split}
+    report = {"skipped": {}, "altered": {}}
+    for stage, stage_counts in stages.items():
+        for reason, n in sorted(stage_counts.items()):
+            if n and not _TOTALS_RE.search(reason):
+                kind = "altered" if _ALTERED_RE.search(reason) else "skipped"
+                report[kind].setdefault(stage, {})[reason] = int(n)
+    report["records"] = _records(counts)
+    return report
+
+
+def _records(counts: Mapping[str, int]) -> dict[str, int]:
+    """{lang: records parsed} from ddtp's counts."""
+    return {k.removeprefix("records_"): int(n) for k, n in sorted(counts.items()) if k.startswith("records_")}
+
+
+_PARSE_COUNT_RE = re.compile(
+    r"^(?:records|unique_descriptions|invalid_utf8_record|conflicting_duplicate_md5|duplicate_md5|no_english_source)"
+    r"_(?P<lang>.+)$|^(?:record_without_md5|record_without_description|whitespace_line_skipped|"
+    r"stray_continuation_line|malformed_line|empty_paragraph_skipped|tab_replaced|control_chars_removed|"
+    r"line_truncated)$")
+
+
+def _snapshot_parse_counts(langs: tuple[str, ...]) -> collections.Counter:
+    """The parse counts recorded when the bundled snapshot was made from the apt files (``counts.json``): those
+    of ``langs``, and the ones not kept per language (tabs, control characters ...: all of its languages)."""
+    with open(os.path.join(ddtp.SNAPSHOT_DIR, "counts.json"), encoding="utf-8") as f:
+        recorded = json.load(f)["processing"]
+    parse = collections.Counter()
+    for reason, n in recorded.items():
+        match = _PARSE_COUNT_RE.match(reason)
+        if match and match["lang"] in (None, *langs):
+            parse[reason] = n
+    return parse

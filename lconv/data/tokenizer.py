@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import uuid
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -24,6 +25,11 @@ from lconv.errors import UserError
 MODEL_FILENAME = "spm.model"
 DEFAULT_MAX_TRAIN_SENTENCES = 200_000  # sentences sampled for training: bounded, so training takes seconds
 _MAX_SENTENCE_CHARS = 4096  # longer training lines are cut (SentencePiece would skip them)
+_BYTE_PIECES = 256  # byte_fallback: one piece per byte value, so any text encodes without UNK
+# The smallest vocabulary SentencePiece can train here, whatever the text: the 4 special pieces (PAD EOS UNK BOS),
+# the 256 byte pieces, the word-boundary piece and one character. Text with more distinct characters needs more
+# (train_tokenizer says how many).
+MIN_VOCAB_SIZE = len({PAD_ID, EOS_ID, UNK_ID, BOS_ID}) + _BYTE_PIECES + 2
 
 
 class Tokenizer:
@@ -43,6 +49,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
+    @property
+    def requested_vocab_size(self) -> int:
+        """The vocab_size it was trained for: ``vocab_size`` or, from a corpus too small for it, more."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(self.model_proto)
+        return int(model.trainer_spec.vocab_size) or self.vocab_size
+
     def encode(self, text: str) -> np.ndarray:
         """text -> ids [n] int32, no EOS."""
         return np.asarray(self._sp.encode(text), dtype=np.int32)
@@ -61,14 +76,19 @@ class Tokenizer:
         return self._sp.decode(out)
 
     def save(self, directory: str) -> str:
-        """Writes ``<directory>/spm.model`` (via a temporary file, so readers never see half a model)."""
+        """Writes ``<directory>/spm.model`` through a temporary file of a unique name, then one rename over the
+        old file: readers never see half a model, and processes saving at the same time never share a file."""
         from etils import epath
 
         directory = epath.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (MODEL_FILENAME + ".tmp")
-        tmp.write_bytes(self.model_proto)
-        tmp.rename(directory / MODEL_FILENAME)
+        tmp = directory / f".{MODEL_FILENAME}.{uuid.uuid4().hex}.tmp"
+        try:
+            tmp.write_bytes(self.model_proto)
+            tmp.replace(directory / MODEL_FILENAME)  # os.replace locally: atomic, and an existing model is fine
+        finally:
+            if tmp.exists():
+                tmp.unlink()
         return str(directory / MODEL_FILENAME)
 
 
@@ -97,9 +117,9 @@ def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,
 
     if epath.Path(tokenizer_path(directory)).exists():
         tokenizer = load_tokenizer(directory)
-        if tokenizer.vocab_size != vocab_size:
-            raise UserError(f"vocab_size={vocab_size} but {tokenizer_path(directory)} has {tokenizer.vocab_size};"
-                             " use the same vocab_size or a fresh workdir")
+        if tokenizer.requested_vocab_size != vocab_size:
+            raise UserError(f"vocab_size={vocab_size} but {tokenizer_path(directory)} was trained for "
+                            f"{tokenizer.requested_vocab_size}; use the same vocab_size or a fresh workdir")
         return tokenizer
     tokenizer = train_tokenizer(texts, vocab_size, max_sentences=max_sentences)
     if save:
@@ -113,6 +133,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
     """Trains a joint SentencePiece model in memory on a bounded, deterministic sample of ``texts``."""
     import sentencepiece as spm
 
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise UserError(f"vocab_size={vocab_size} is below {MIN_VOCAB_SIZE}, the smallest the tokenizer can have "
+                        f"({_BYTE_PIECES} byte pieces, 4 special ids, the word boundary and a character)")
     sample = sample_sentences(texts, max_sentences)
     if not sample:
         raise UserError("texts is empty; the tokenizer needs training-split text")
@@ -130,11 +153,28 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
             raise UserError(f"vocab_size={vocab_size} is smaller than the characters the text needs "
                              f"({str(e).split('. ')[-2]}); raise vocab_size or lower character_coverage") from e
         raise
-    return Tokenizer(model.getvalue())
+    return Tokenizer(_record_requested_size(model.getvalue(), vocab_size))
+
+
+def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
+    """The model with ``vocab_size`` as its trainer spec's vocab_size. With ``hard_vocab_limit=False`` a small
+    corpus gets fewer pieces and SentencePiece records that count instead of what was asked; keeping the request
+    lets a resumed run that asks for the same size reuse the model (``load_or_train``)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(model_proto)
+    if model.trainer_spec.vocab_size == vocab_size:
+        return model_proto
+    model.trainer_spec.vocab_size = vocab_size
+    return model.SerializeToString()
 
 
 def sample_sentences(texts: Iterable[str], max_sentences: int) -> list[str]:
     """A deterministic stride sample of at most max_sentences non-empty texts, each cut to a bounded length."""
+    if max_sentences < 1:
+        raise UserError(f"max_sentences={max_sentences} must be >= 1 (tokenizer_max_sentences: the sentences the "
+                        "tokenizer is trained on)")
     pool = [t[:_MAX_SENTENCE_CHARS] for t in itertools.islice(texts, max_sentences * 4) if t and t.strip()]
     stride = max(1, -(-len(pool) // max_sentences))  # ceil
     return pool[::stride][:max_sentences]
