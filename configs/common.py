@@ -107,6 +107,11 @@ def base_config():
     c.train.checkpoint_every = 2000
     c.train.keep_checkpoints = 5
     c.train.eval_after_training = True  # decode the test split and report BLEU/ROUGE at the end
+    # Divergence guard: a log window whose mean loss is above spike_factor x the median of the windows before it
+    # is a spike; no checkpoint is written during one, and spike_windows in a row stop the run (0 = off).
+    c.train.spike_factor = 3.0
+    c.train.spike_windows = 3
+    c.train.checkpoint_checksums = True  # a SHA-256 manifest per checkpoint, verified on restore
 
     # --- decoding / evaluation -------------------------------------------------------------------------------
     c.decode = ml_collections.ConfigDict()

@@ -11,5 +11,13 @@ class UserError(ValueError):
     """A bad input, reported in one line. A ``ValueError`` so that callers catching those keep working."""
 
 
-class NonFiniteLoss(UserError, FloatingPointError):
-    """Training diverged (a NaN or inf loss); the message names the step and the last good checkpoint."""
+class Diverged(UserError, FloatingPointError):
+    """Training diverged; the message names the step and the last good checkpoint, which is kept."""
+
+
+class NonFiniteLoss(Diverged):
+    """A NaN or inf loss."""
+
+
+class LossSpike(Diverged):
+    """A finite loss far above its running median for several log windows in a row (``train.spike_factor``)."""

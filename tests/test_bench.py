@@ -45,3 +45,47 @@ def test_T_list(text, want):
 def test_bad_T_list(text):
     with pytest.raises(ValueError, match="--T"):
         parse_T_list(text)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The committed results are never overwritten by a smoke test or an empty list
+# ----------------------------------------------------------------------------------------------------------------
+_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _bench(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lconv.bench", *args], cwd=_ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _committed_results():
+    return {p: p.read_bytes() for p in [*(_ROOT / "docs" / "bench").iterdir(), _ROOT / "docs" / "benchmarks.md"]}
+
+
+def test_an_empty_T_list_and_a_quick_run_over_the_committed_results_are_refused():
+    before = _committed_results()
+    for args, message in [(["mixers", "--quick", "--T="], "error: --T must be comma-separated integers, e.g. "
+                                                          "256,1024; got ''"),
+                          (["mixers", "--quick", "--out=docs/bench"], "error: --out=docs/bench holds the committed "
+                                                                      "results; a --quick run is a smoke test"),
+                          (["train", "--quick", "--doc=docs/benchmarks.md"], "error: --doc=docs/benchmarks.md holds")]:
+        result = _bench(*args)
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(message), result.stderr
+    assert _committed_results() == before
+
+
+def test_a_quick_run_writes_to_a_scratch_folder_by_default():
+    import argparse
+
+    from lconv.bench import __main__ as bench_main
+
+    quick = argparse.Namespace(quick=True, out=None, doc=None)
+    bench_main.resolve_outputs(quick, None)
+    assert (quick.out, quick.doc) == (bench_main.QUICK_DIR, f"{bench_main.QUICK_DIR}/benchmarks.md")
+    full = argparse.Namespace(quick=False, out=None, doc=None)
+    bench_main.resolve_outputs(full, None)
+    assert (full.out, full.doc) == ("docs/bench", "docs/benchmarks.md")

@@ -122,9 +122,14 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_a_clear_error(uninterrupte
     shutil.copytree(workdir, other)
     config = _config(root / "tfds", 7)
     config.model.d_model = 32
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match=r"changes the config its checkpoints were trained with \(config.model."
+                                         r"d_model: 16 -> 32\)"):
         loop.train_and_evaluate(config, str(other), log=_quiet)
+    with pytest.raises(ValueError, match=r"does not fit this config's model: params/.* is \(16,\) there and "
+                                         r"\(32,\) here"):
+        loop.train_and_evaluate(config, str(other), log=_quiet, accept_config_changes=True)
     assert not (other / "checkpoints_unreadable").exists()  # a config mismatch sets nothing aside
+    assert json.loads((other / "config.json").read_text())["model"]["d_model"] == 16  # still the checkpoints' own
 
 
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(uninterrupted, monkeypatch):
@@ -207,9 +212,9 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("optim.schedule", "linear", r"config.optim.schedule='linear': must be inverse_sqrt, cosine or constant"),
-    ("optim.grad_accum_steps", 0, r"config.optim.grad_accum_steps=0: must be >= 1"),
-    ("optim.label_smoothing", 1.0, r"config.optim.label_smoothing=1.0: must be in \[0, 1\)"),
+    ("optim.schedule", "linear", r"config.optim.schedule='linear': must be one of inverse_sqrt, cosine, constant"),
+    ("optim.grad_accum_steps", 0, r"config.optim.grad_accum_steps=0: must be an integer >= 1"),
+    ("optim.label_smoothing", 1.0, r"config.optim.label_smoothing=1.0: must be a number in \[0, 1\)"),
     ("task", "tagging", r"config.task='tagging'"),
     ("model.num_heads", 3, r"d_model=16 must be divisible by config.model.num_heads=3"),
 ])
@@ -274,7 +279,8 @@ def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
     best_step = checkpoints.Checkpointer(workdir, subdir="best").all_steps()
     assert messages[0] == f"checkpoint(s) {best_step}"
     hypotheses = out.read_text().split("\n")[:-1]
-    assert scores == {"examples": 3} and len(hypotheses) == 3
+    assert len(hypotheses) == 3 and hypotheses[1] == ""  # a blank line stays blank, in place
+    assert scores["examples"] == 3 and scores["blank_sources"] == 1 and scores["truncated_sources"] == 0
     # With references, the scores are sacreBLEU's own on the hypotheses and references, row by row.
     references = ["Dieses Paket enthält die Dokumentation.", "", "Eine Bibliothek zum Parsen von XML-Dateien."]
     (tmp_path / "ref.de").write_text("\n".join(references) + "\n")

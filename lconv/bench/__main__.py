@@ -1,18 +1,24 @@
 """``python -m lconv.bench <suite> [--quick] [--out docs/bench] [--doc docs/benchmarks.md] [--T 256,1024]``.
 
 Suites: mixers, limits, decode, train, or all. Kept thin: argument checks here, the work in the suite modules.
+A ``--quick`` run is a smoke test: its numbers go to a scratch folder (``QUICK_DIR``), never over the committed
+results in docs/bench and docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shlex
 import sys
+import tempfile
 import time
 
 from lconv.errors import UserError
 
 SUITES = ("mixers", "limits", "decode", "train")
+COMMITTED_OUT, COMMITTED_DOC = "docs/bench", "docs/benchmarks.md"
+QUICK_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench_quick")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,20 +38,35 @@ def parse_T_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fills ``--out``/``--doc``; a ``--quick`` run writing over the committed results is refused."""
+    if not opts.quick:
+        opts.out, opts.doc = opts.out or COMMITTED_OUT, opts.doc or COMMITTED_DOC
+        return
+    opts.out, opts.doc = opts.out or QUICK_DIR, opts.doc or os.path.join(QUICK_DIR, "benchmarks.md")
+    for flag, path, committed in (("--out", opts.out, COMMITTED_OUT), ("--doc", opts.doc, COMMITTED_DOC)):
+        if os.path.abspath(path) == os.path.abspath(committed):
+            parser.error(f"{flag}={path} holds the committed results; a --quick run is a smoke test and writes "
+                         f"elsewhere (default {QUICK_DIR})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = _Parser(prog="python -m lconv.bench", description=__doc__.splitlines()[0])
     parser.add_argument("suite", help=f"one of {', '.join(SUITES)}, all")
     parser.add_argument("--quick", action="store_true", help="short lists and fewer runs: a smoke test")
-    parser.add_argument("--out", default="docs/bench", help="folder for the CSV and PNG files")
-    parser.add_argument("--doc", default="docs/benchmarks.md", help="markdown file whose suite section is rewritten")
+    parser.add_argument("--out", default=None, help=f"folder for the CSV and PNG files (default {COMMITTED_OUT}; "
+                                                    f"with --quick {QUICK_DIR})")
+    parser.add_argument("--doc", default=None, help=f"markdown file whose suite section is rewritten (default "
+                                                    f"{COMMITTED_DOC}; with --quick {QUICK_DIR}/benchmarks.md)")
     parser.add_argument("--T", default=None, help="sequence lengths for the mixers suite, e.g. 256,1024,4096")
     opts = parser.parse_args(argv)
     if opts.suite not in SUITES + ("all",):
         parser.error(f"unknown suite {opts.suite!r}; choose one of {', '.join(SUITES)}, all")
     try:
-        opts.T = parse_T_list(opts.T) if opts.T else None
+        opts.T = parse_T_list(opts.T) if opts.T is not None else None  # an empty --T= is an error, not "unset"
     except ValueError as err:
         parser.error(str(err))
+    resolve_outputs(opts, parser)
     opts.command = "python -m lconv.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 
     from lconv.bench import timing  # imports jax: after the arguments are known to be good

@@ -4,9 +4,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from lconv.errors import UserError
 
@@ -30,33 +31,76 @@ def initialize() -> None:
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """A ``UserError`` (a config field, a flag, a file, a checkpoint) ends the program with its one line and exit
-    code 2; any other exception keeps its traceback, since it is a bug to report rather than an input to fix."""
+    code 2; Ctrl-C ends it with exit code 130 and no traceback; any other exception keeps its traceback, since it
+    is a bug to report rather than an input to fix."""
     try:
         yield
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints and stops by itself)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``, with bad flags and ``--config.*``
-    overrides (unknown field, wrong type) reported in one line instead of a traceback."""
+    """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``, with bad flags, config files that do not
+    load (missing, a syntax error, an unknown ``:variant``) and ``--config.*`` overrides (unknown field, wrong type)
+    reported in one line instead of a traceback."""
     from absl import flags
 
     try:
-        return flags.FLAGS(argv)
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
-        while err.args and isinstance(err.args[0], BaseException):  # ml_collections wraps its KeyError
-            err = err.args[0]
-        lines = str(err.args[0] if err.args else err).strip().splitlines() or [type(err).__name__]
-        text = lines[0]
-        if isinstance(err, (AttributeError, KeyError)):  # a --config.a.b override with no such field
-            field = text.strip("'\"")
-            culprit = [a for a in argv[1:] if a.startswith("--config.") and f".{field}" in a.split("=")[0]]
-            text = f"{culprit[0].split('=')[0] if culprit else 'a --config override'} is not a field of the config"
-            text += "".join(f"; {line.strip()}" for line in lines[1:2])  # ml_collections' "did you mean"
-        print(f"error: {text}", file=sys.stderr)
-        sys.exit(2)
+        remaining = flags.FLAGS(argv)
+    except Exception as err:  # noqa: BLE001 (every flag and config-file error is an input to fix)
+        _exit_with(_flag_error_line(err, argv))
+    config_arg = next((a for a in argv[1:] if a.startswith("--config=")), None)
+    if config_arg is not None and "config" in flags.FLAGS:
+        try:  # ml_collections defers a config file's load error to the first use of the config
+            flags.FLAGS["config"].value.keys()
+        except OSError as err:
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            _exit_with(f"{config_arg}: {lines[-1] if lines else type(err).__name__}")
+    return remaining
+
+
+def _flag_error_line(err: BaseException, argv: list[str]) -> str:
+    lines = str(err.args[0] if err.args else err).strip().splitlines() or [type(err).__name__]
+    named = re.match(r"flag (--[\w.]+)=", lines[0])
+    prefix = named.group(1) + "=" if named else "--config="
+    arg = next((a for a in argv[1:] if a.startswith(prefix)), prefix.rstrip("="))
+    cause = _root_cause(err)
+    if isinstance(cause, UserError) and cause is not err:  # a config file's own check (e.g. an unknown :variant)
+        return f"{arg}: {cause}"
+    if cause is not err and lines[0].rstrip().endswith(":"):  # ml_collections dropped the cause's text
+        return f"{arg}: {type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1]}"
+    if isinstance(err, SyntaxError):
+        return f"{arg}: SyntaxError: {err}"
+    if isinstance(err, AttributeError) and "get_config" in lines[0]:
+        return f"{arg}: the file defines no get_config(); a config file is a Python module with get_config(arg=None)"
+    while err.args and isinstance(err.args[0], BaseException):  # ml_collections wraps its KeyError
+        err = err.args[0]
+    lines = str(err.args[0] if err.args else err).strip().splitlines() or [type(err).__name__]
+    text = lines[0]
+    if isinstance(err, (AttributeError, KeyError)):  # a --config.a.b override with no such field
+        field = text.strip("'\"")
+        culprit = [a for a in argv[1:] if a.startswith("--config.") and f".{field}" in a.split("=")[0]]
+        text = f"{culprit[0].split('=')[0] if culprit else 'a --config override'} is not a field of the config"
+        text += "".join(f"; {line.strip()}" for line in lines[1:2])  # ml_collections' "did you mean"
+    return text.removeprefix("flag ")
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The first ``UserError`` in ``err``'s chain of causes, else the innermost exception."""
+    chain = [err]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    users = [e for e in chain[1:] if isinstance(e, UserError) and "Traceback" not in str(e)]
+    return users[-1] if users else chain[-1]
+
+
+def _exit_with(line: str) -> NoReturn:
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(2)
 
 
 def print_summary(result: dict[str, Any]) -> None:

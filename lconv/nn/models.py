@@ -35,8 +35,11 @@ from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.attention import CrossAttention
 from lconv.nn.colt5 import CoLT5FeedForward
 from lconv.nn.common import DType, xavier_dense
+from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
 
 Array = jax.Array
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # params and the loss stay float32 whatever this is
+CONV_IMPLS = tuple(dict.fromkeys(LIGHT_IMPLS + DYNAMIC_IMPLS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,8 @@ class ModelConfig:
         if not values.get("conv_features"):
             values["conv_features"] = None  # 0 in a config = the model width
         if isinstance(values.get("dtype"), str):
+            if values["dtype"] not in COMPUTE_DTYPES:
+                raise UserError(f"config.model.dtype={values['dtype']!r}: must be one of {', '.join(COMPUTE_DTYPES)}")
             values["dtype"] = jnp.dtype(values["dtype"])
         for key in ("encoder_kernel_sizes", "decoder_kernel_sizes"):
             if key in values and isinstance(values[key], (int, np.integer)):
@@ -98,6 +103,7 @@ class ModelConfig:
         return config
 
     def validate(self, decoder_only: bool = False) -> None:
+        self._check_ranges()
         if self.adaptive_softmax_cutoffs:
             adaptive_softmax.check_cutoffs(self.adaptive_softmax_cutoffs, self.vocab_size, self.d_model,
                                            self.adaptive_softmax_factor, "config.model.adaptive_softmax_cutoffs")
@@ -108,8 +114,6 @@ class ModelConfig:
             raise UserError(
                 f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
             )
-        if self.ffn_type not in ("dense", "colt5"):
-            raise UserError(f"config.model.ffn_type must be 'dense' or 'colt5'; got {self.ffn_type!r}")
         if decoder_only and self.ffn_type == "colt5":
             raise UserError("config.model.ffn_type='colt5' routes over future tokens, so it is for encoder layers "
                              "only; a decoder-only LM needs ffn_type='dense'")
@@ -132,6 +136,31 @@ class ModelConfig:
                                      f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
             if any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
+
+    def _check_ranges(self) -> None:
+        """Each field's own range, before any arithmetic with it (a zero head count would divide by zero)."""
+        def require(name: str, ok: bool, requirement: str) -> None:
+            if not ok:
+                raise UserError(f"config.model.{name}={getattr(self, name)!r}: must be {requirement}")
+
+        def integer(v: Any) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        for name in ("vocab_size", "d_model", "ffn_dim", "num_heads", "decoder_layers", "max_len"):
+            require(name, integer(getattr(self, name)) and getattr(self, name) >= 1, "an integer >= 1")
+        require("encoder_layers", integer(self.encoder_layers) and self.encoder_layers >= 0, "an integer >= 0")
+        require("conv_features", self.conv_features is None or (integer(self.conv_features)
+                                                                and self.conv_features >= 1), "0 (= d_model) or >= 1")
+        for name in ("dropout", "attention_dropout", "relu_dropout", "input_dropout", "weight_dropout",
+                     "adaptive_softmax_dropout"):
+            value = getattr(self, name)
+            require(name, isinstance(value, (int, float)) and 0 <= value < 1, "a rate in [0, 1)")
+        for side in ("encoder", "decoder"):
+            sizes = getattr(self, f"{side}_kernel_sizes")
+            require(f"{side}_kernel_sizes", all(integer(k) and k >= 1 for k in sizes), "kernel sizes >= 1")
+        require("conv_impl", self.conv_impl in CONV_IMPLS, f"one of {', '.join(CONV_IMPLS)}")
+        require("ffn_type", self.ffn_type in ("dense", "colt5"), "'dense' or 'colt5'")
+        require("dtype", jnp.dtype(self.dtype).name in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
 
     def layer_mixers(self, side: str) -> list[str]:
         spec = getattr(self, f"{side}_mixer")

@@ -21,19 +21,23 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lconv.errors import UserError
+from lconv.train import integrity
 
 PyTree = Any
 
 
 class Checkpointer:
     def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, checksums: bool = True) -> None:
         self.directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), subdir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every = save_every
+        self.checksums = checksums
+        self.verified = False  # whether the last restore was checked against its manifest
+        self.error_log = os.path.join(os.path.dirname(self.directory), integrity.ERROR_LOG_FILENAME)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -57,7 +61,12 @@ class Checkpointer:
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
         self.manager.wait_until_finished()
+        if self.checksums:
+            integrity.write_manifest(self._step_dir(step))
         return True
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def restore(self, abstract_state: PyTree, step: int | None = None) -> tuple[PyTree, Any]:
         """``(state, data_state)`` at ``step`` (default: latest), laid out as ``abstract_state``'s shardings.
@@ -65,24 +74,36 @@ class Checkpointer:
         A checkpoint whose arrays do not fit the current config's shapes is a one-line ``ValueError``.
         """
         step = self.manager.latest_step() if step is None else step
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
-            raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is unreadable "
-                            f"({_first_line(err)}); use the config stored with it or a new --workdir") from None
+        self.verified = integrity.verify_manifest(self._step_dir(step), required=False)
+        integrity.check_shapes(os.path.join(self._step_dir(step), "state"), abstract_state, self._step_dir(step),
+                               self.error_log)
+        with integrity.quiet_orbax(self.error_log) as details:
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
+                raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is "
+                                f"unreadable ({_first_line(err)}); use the config stored with it or a new --workdir"
+                                f"{details.where()}") from None
+        integrity.check_finite(restored["state"], f"{self.directory}/{step}")
         return restored["state"], restored["data"]
 
     def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
         """The ``params`` of checkpoint ``step`` alone, laid out as ``abstract_params``: an orbax partial
         restore that reads no optimizer moments, step or memory (evaluation needs none of them)."""
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item={"params": abstract_params}, restore_args=ocp.checkpoint_utils.construct_restore_args(
-                    {"params": abstract_params}), partial_restore=True)))
-        except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
-            raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is unreadable "
-                            f"({_first_line(err)}); use the config stored with it") from None
+        integrity.verify_manifest(self._step_dir(step), required=False)
+        integrity.check_shapes(os.path.join(self._step_dir(step), "state"), abstract_params, self._step_dir(step),
+                               self.error_log, prefix=("params",))
+        with integrity.quiet_orbax(self.error_log) as details:
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item={"params": abstract_params}, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                        {"params": abstract_params}), partial_restore=True)))
+            except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
+                raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is "
+                                f"unreadable ({_first_line(err)}); use the config stored with it"
+                                f"{details.where()}") from None
+        integrity.check_finite(restored["state"]["params"], f"{self.directory}/{step}")
         return restored["state"]["params"]
 
     def restore_latest_readable(self, abstract_state: PyTree,
@@ -99,8 +120,11 @@ class Checkpointer:
                 continue
             if errors:
                 self._set_aside([s for s, _ in errors])
-                log(f"checkpoint(s) {[s for s, _ in errors]} unreadable, moved to {self.directory}_unreadable; "
-                    f"resuming from step {step} ({errors[0][1]})")
+                log(f"checkpoint(s) {[s for s, _ in errors]} unreadable or corrupt, moved to "
+                    f"{self.directory}_unreadable; resuming from step {step} ({errors[0][1]})")
+            if not self.verified and self.checksums:
+                log(f"checkpoint {step} has no {integrity.MANIFEST_FILENAME} (an older lconv, or a crash right after "
+                    "it was written): restored unverified; its values are finite")
             return restored
         raise errors[0][1]
 
@@ -125,8 +149,8 @@ class BestCheckpointer:
     """The state with the lowest validation loss so far: one checkpoint in ``<workdir>/best`` whose JSON item is
     ``{"step", "validation_loss"}``. A resumed run reads the loss to beat back from it."""
 
-    def __init__(self, workdir: str) -> None:
-        self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best")
+    def __init__(self, workdir: str, *, checksums: bool = True) -> None:
+        self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best", checksums=checksums)
         step = self.checkpointer.latest_step()
         self.loss = math.inf if step is None else float(self.checkpointer.read_data(step)["validation_loss"])
 
@@ -142,6 +166,15 @@ class BestCheckpointer:
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+def has_checkpoint(workdir: str) -> bool:
+    """Whether ``workdir`` holds a finished checkpoint (latest or best); cheap: lists directories only."""
+    for subdir in ("checkpoints", "best"):
+        directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), subdir)
+        if os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory)):
+            return True
+    return False
 
 
 def gather_process_states(local_state: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Run bookkeeping: the resolved config, a JSON-lines metrics log, TensorBoard events (tensorboardX, no
+"""Run bookkeeping: a JSON-lines metrics log, TensorBoard events (tensorboardX, no
 TensorFlow) and a progress bar with ETA."""
 from __future__ import annotations
 
@@ -7,14 +7,6 @@ import os
 from typing import Any
 
 import jax
-
-
-def save_config(config: Any, workdir: str) -> None:
-    """Writes ``config.json`` (the resolved config) unless the run already has one; a resume keeps the original."""
-    path = os.path.join(workdir, "config.json")
-    if jax.process_index() == 0 and not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 class MetricWriter:

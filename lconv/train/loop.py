@@ -6,8 +6,11 @@
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import signal
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,24 +18,68 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lconv.errors import NonFiniteLoss
+from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import evaluate
 from lconv.train import checkpoints, logs, metrics, setup, steps
+from lconv.train import workdir as workdir_lib
 
 
 class Preemption:
-    """SIGTERM sets a flag; the loop saves a checkpoint and exits cleanly at the next step."""
+    """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) sets a flag; the loop saves a checkpoint and stops
+    cleanly at the next step. A second Ctrl-C interrupts at once."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.signal_name: str | None = None
         try:
             signal.signal(signal.SIGTERM, self._handler)
+            signal.signal(signal.SIGINT, self._handler)
         except ValueError:  # not the main thread (e.g. in a notebook worker)
             pass
 
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
     def _handler(self, signum, frame) -> None:
-        del signum, frame
-        self.requested = True
+        del frame
+        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class SpikeGuard:
+    """The divergence guard: a log window whose mean loss exceeds ``factor`` x the median of the (up to
+    ``history``) windows before it is a spike. No checkpoint is written during a spike, so the last one is from
+    before it; ``windows`` spikes in a row stop the run. Judged from the second window on: the first is about
+    ln(vocab), the loss of a uniform guess, so a window far above it has diverged, however early."""
+
+    def __init__(self, factor: float, windows: int, history: int = 20, min_history: int = 1) -> None:
+        self.factor, self.windows, self.min_history = factor, windows, min_history
+        self.losses: collections.deque[float] = collections.deque(maxlen=history)
+        self.in_a_row = 0
+
+    def observe(self, loss: float, step: int, last_checkpoint: int | None) -> bool:
+        """Records a window's mean ``loss``; returns whether it is a spike; raises ``LossSpike`` on the
+        ``windows``-th in a row."""
+        median = statistics.median(self.losses) if len(self.losses) >= self.min_history else math.inf
+        spike = bool(self.factor) and loss > self.factor * median
+        if not spike:
+            self.losses.append(loss)
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        if self.in_a_row >= self.windows:
+            raise LossSpike(
+                f"loss {loss:.4g} by step {step} is above {self.factor:g} x its running median {median:.4g} for "
+                f"{self.in_a_row} log windows in a row; stopped, and the last checkpoint before the spike is kept "
+                f"(step {last_checkpoint}); lower config.optim.learning_rate, set optim.clip_norm, or set "
+                "train.spike_factor=0 to turn the guard off")
+        return True
 
 
 def check_finite(sums: dict[str, Any], step: int, ckpt: checkpoints.Checkpointer) -> dict[str, float]:
@@ -46,20 +93,33 @@ def check_finite(sums: dict[str, Any], step: int, ckpt: checkpoints.Checkpointer
 
 
 def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Device] | None = None,
-                       log: Callable[[str], None] = print) -> dict[str, Any]:
+                       log: Callable[[str], None] = print, accept_config_changes: bool = False) -> dict[str, Any]:
     """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint), then evaluates. Returns metrics.
 
     ``devices``: the devices of the mesh (default: all). Checkpoints go to ``<workdir>/checkpoints`` (the last
-    ``train.keep_checkpoints``) and the best by validation loss to ``<workdir>/best``.
+    ``train.keep_checkpoints``) and the best by validation loss to ``<workdir>/best``. The workdir is locked for
+    the run (``lconv.train.workdir``); ``accept_config_changes`` lets a resumed run change fields of the config its
+    checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any.
     """
-    run = setup.build_run(config, workdir, devices, log)
+    devices = jax.devices() if devices is None else list(devices)
+    setup.check_config(config, devices)  # before anything is written, the workdir included
+    path = workdir_lib.make_workdir(workdir)
+    with workdir_lib.lock(path, log):
+        run = setup.build_run(config, path, devices, log, accept_config_changes=accept_config_changes)
+        return _train_and_evaluate(run, log)
+
+
+def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str, Any]:
+    config = run.config
+    verify = config.train.get("checkpoint_checksums", True)
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
-                                    save_every=config.train.checkpoint_every)
-    best = checkpoints.BestCheckpointer(run.workdir)
+                                    save_every=config.train.checkpoint_every, checksums=verify)
+    best = checkpoints.BestCheckpointer(run.workdir, checksums=verify)
     if ckpt.latest_step() is not None:
         run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state), log=log)
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
         log(f"resumed from step {int(run.state.step)}")
+        workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True, log=log)
     writer = logs.MetricWriter(run.workdir)
     eval_step = steps.jit_eval_step(config, run.mesh)
     eval_memory = setup.init_memory(config, run.model, config.data.eval_batch_size, setup.batch_sharding(run.mesh))
@@ -72,67 +132,77 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
         return scores
 
     t0 = time.time()
-    step, preempted = train(run, ckpt, writer, validate, log)
+    step, stopped_by = train(run, ckpt, writer, validate, log)
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
-    if not preempted:
+    if stopped_by:
+        result["stopped_by"] = stopped_by
+    else:
         with jax.set_mesh(run.mesh):
             result["validation"] = validate(step)
     best.close()
-    if not preempted and config.train.eval_after_training:
-        result["test"] = evaluate_test_split(run, log)
+    if not stopped_by and config.train.eval_after_training:
+        result["test"] = evaluate_test_split(run, log, eval_step)
         writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     writer.close()
     return result
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          validate: Callable[[int], Any], log: Callable[[str], None] = print) -> tuple[int, bool]:
-    """Steps ``run.state`` to ``train.num_steps`` (or ``train.max_minutes``, or SIGTERM); returns
-    ``(last step, whether SIGTERM stopped it)``. Saves the final checkpoint and closes ``ckpt``."""
+          validate: Callable[[int], Any], log: Callable[[str], None] = print) -> tuple[int, str | None]:
+    """Steps ``run.state`` to ``train.num_steps`` (or ``train.max_minutes``, SIGTERM or SIGINT); returns
+    ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
     config, mesh = run.config, run.mesh
     sharding = setup.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
                          in_shardings=(run.state_shardings, sharding), out_shardings=(run.state_shardings, None),
                          donate_argnums=0)
     preemption = Preemption()
+    guard = SpikeGuard(config.train.get("spike_factor", 0.0), config.train.get("spike_windows", 1))
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
     step, num_steps = int(run.state.step), config.train.num_steps
-    t0, window_sums, window_start = time.time(), None, time.time()
+    t0, window_sums, window_start, spiking = time.time(), None, time.time(), False
     progress = logs.progress(step, num_steps)
-    with jax.set_mesh(mesh):
-        while step < num_steps:
-            run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding))
-            step += 1
-            window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
-            progress.update(1)
-            out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-            stopping = bool(out_of_time or preemption.requested)
-            saving = stopping or step % config.train.checkpoint_every == 0
-            if step % config.train.log_every == 0 or step == num_steps or saving:
-                summary = check_finite(window_sums, step, ckpt)  # never checkpoint a diverged state
-                summary.update(lr=float(sums["lr"]), grad_norm=float(sums["grad_norm"]),
-                               tokens_per_s=summary["tokens"] / max(time.time() - window_start, 1e-9))
-                writer.write(step, "train", summary)
-                progress.set_postfix(loss=f"{summary['loss']:.3f}", ppl=f"{summary['ppl']:.1f}",
-                                     tok_s=f"{summary['tokens_per_s']:.0f}")
-                window_sums, window_start = None, time.time()
-            if step % config.train.eval_every == 0 and step < num_steps:
-                validate(step)
-            ckpt.save(step, run.state, data_item, force=stopping)
-            if stopping:
-                log(f"stopping at step {step}: " + ("SIGTERM" if preemption.requested else "train.max_minutes"))
-                break
-    progress.close()
-    ckpt.save(step, run.state, data_item, force=True)
+    try:
+        with jax.set_mesh(mesh):
+            while step < num_steps:
+                run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding))
+                step += 1
+                window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
+                progress.update(1)
+                out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
+                stopping = bool(out_of_time or preemption.requested)
+                saving = stopping or step % config.train.checkpoint_every == 0
+                if step % config.train.log_every == 0 or step == num_steps or saving:
+                    summary = check_finite(window_sums, step, ckpt)  # never checkpoint a diverged state
+                    spiking = guard.observe(summary["loss"], step, ckpt.latest_step())
+                    summary.update(lr=float(sums["lr"]), grad_norm=float(sums["grad_norm"]),
+                                   tokens_per_s=summary["tokens"] / max(time.time() - window_start, 1e-9))
+                    writer.write(step, "train", summary)
+                    progress.set_postfix(loss=f"{summary['loss']:.3f}", ppl=f"{summary['ppl']:.1f}",
+                                         tok_s=f"{summary['tokens_per_s']:.0f}")
+                    window_sums, window_start = None, time.time()
+                if step % config.train.eval_every == 0 and step < num_steps:
+                    validate(step)
+                if not spiking:  # a state in a loss spike is never checkpointed
+                    ckpt.save(step, run.state, data_item, force=stopping)
+                if stopping:
+                    log(f"stopping at step {step}: {preemption.signal_name or 'train.max_minutes'}")
+                    break
+    finally:
+        preemption.close()
+        progress.close()
+    if not spiking:
+        ckpt.save(step, run.state, data_item, force=True)
     ckpt.close()
-    return step, preemption.requested
+    return step, preemption.signal_name
 
 
-def evaluate_test_split(run: setup.Run, log: Callable[[str], None] = print) -> dict[str, Any]:
+def evaluate_test_split(run: setup.Run, log: Callable[[str], None] = print,
+                        eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
     """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE."""
     config, split = run.config, run.config.decode.split
     if config.task == "lm":
         return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
-                                      split, log)
+                                      split, log, mesh=run.mesh, eval_step=eval_step)
     return evaluate.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
                                 run.workdir, log=log)

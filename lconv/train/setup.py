@@ -23,11 +23,13 @@ import optax
 from flax.training import train_state
 
 from lconv.constants import BATCH_MESH_AXES
-from lconv.data import pipeline
+from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.nn import models
-from lconv.train import checkpoints, logs
+from lconv.train import checkpoints
+from lconv.train import workdir as workdir_lib
+from lconv.train.config_rules import validate_config
 
 Config = ml_collections.ConfigDict
 PyTree = Any
@@ -52,6 +54,8 @@ class Run:
     lr_schedule: optax.Schedule
     state: TrainState
     state_shardings: PyTree
+    # Changes to config.json this launch makes to a run with checkpoints: written once the checkpoint restores.
+    config_changes: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -69,46 +73,6 @@ class Trained:
 # ----------------------------------------------------------------------------------------------------------------
 # The config
 # ----------------------------------------------------------------------------------------------------------------
-_CHOICES = [
-    ("task", ("translation", "summarization", "lm")),
-    ("optim.optimizer", ("adam", "adamw", "nag")),
-    ("optim.schedule", ("inverse_sqrt", "cosine", "constant")),
-]
-_RULES = [  # (fields, test, the requirement as printed)
-    (("optim.learning_rate",), lambda v: v > 0, "> 0"),
-    (("optim.warmup_steps",), lambda v: v >= 0, ">= 0"),
-    (("optim.label_smoothing",), lambda v: 0 <= v < 1, "in [0, 1)"),
-    (("optim.clip_norm",), lambda v: v >= 0, ">= 0 (0 = off)"),
-    (("train.max_minutes",), lambda v: v >= 0, ">= 0 (0 = no limit)"),
-    (("optim.grad_accum_steps", "train.num_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-      "train.keep_checkpoints", "decode.beam_size", "data.batch_size"), lambda v: v >= 1, ">= 1"),
-    (("data.max_input_length", "data.max_target_length"), lambda v: v >= 2, ">= 2"),
-]
-
-
-def _field(config: Config, dotted: str) -> Any:
-    value = config
-    for part in dotted.split("."):
-        value = value[part]
-    return value
-
-
-def validate_config(config: Config) -> None:
-    """Fails fast, before any data or compilation, with one line naming the bad field."""
-    for dotted, allowed in _CHOICES:
-        if _field(config, dotted) not in allowed:
-            choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}"
-            raise UserError(f"config.{dotted}={_field(config, dotted)!r}: must be {choices}")
-    for fields, ok, requirement in _RULES:
-        for dotted in fields:
-            if not ok(_field(config, dotted)):
-                raise UserError(f"config.{dotted}={_field(config, dotted)!r}: must be {requirement}")
-    if config.data.get("stream", False) and config.task != "lm":
-        raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
-                        f"not {config.task!r}")
-    models.ModelConfig.from_config(config.model, vocab_size=max(int(config.data.vocab_size), 8))
-
-
 def read_config(workdir: str) -> Config:
     """The resolved config a run stored in ``<workdir>/config.json``."""
     path = os.path.join(workdir, "config.json")
@@ -271,25 +235,48 @@ def count_params(params: PyTree) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # Building a run; loading a trained one
 # ----------------------------------------------------------------------------------------------------------------
-def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None,
-              log: Callable[[str], None] = print) -> Run:
-    """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
-    (the caller restores a checkpoint into it when one exists)."""
-    devices = jax.devices() if devices is None else list(devices)
+def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """Every check that needs no data: the fields (``config_rules``), the mesh and the batch's split over it.
+    Returns the mesh."""
     validate_config(config)
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    os.makedirs(workdir, exist_ok=True)
     mesh = make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)
-    logs.save_config(config, workdir)
+    return mesh
+
+
+def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None,
+              log: Callable[[str], None] = print, *, accept_config_changes: bool = False) -> Run:
+    """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
+    (the caller restores a checkpoint into it when one exists, and holds the workdir's lock)."""
+    devices = jax.devices() if devices is None else list(devices)
+    mesh = check_config(config, devices)
+    workdir = workdir_lib.make_workdir(workdir)
+    has_checkpoint = checkpoints.has_checkpoint(workdir)
+    config_changes = workdir_lib.check_config_change(config, workdir, has_checkpoint=has_checkpoint,
+                                                     accept_changes=accept_config_changes)
+    if not has_checkpoint:  # nothing to restore: the config is this launch's (a failed launch pins nothing)
+        workdir_lib.write_config(config, workdir, config_changes, has_checkpoint=False, log=log)
+        config_changes = None
     tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
     data = pipeline.make_datasets(config.data, tokenizer)
+    _report_data_source(data.source_report, workdir, log)
     model = build_model(config, tokenizer.vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
     log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
         f"devices {len(devices)} x {devices[0].platform}")
-    return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings)
+    return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings, config_changes)
+
+
+def _report_data_source(report: dict[str, Any], workdir: str, log: Callable[[str], None]) -> None:
+    """What the prepared data was built from and how many records were skipped or altered, and why: logged and
+    written to ``<workdir>/data_report.json`` (process 0)."""
+    if not report or jax.process_index() != 0:
+        return
+    for line in sources.describe_report(report):
+        log(line)
+    with open(os.path.join(workdir, "data_report.json"), "w") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
 
 
 def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -> PyTree:

@@ -133,12 +133,14 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
 
 
 def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
-                     log: Callable[[str], None] = print) -> dict[str, Any]:
-    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``."""
-    mesh = setup.make_mesh(config.mesh)
+                     log: Callable[[str], None] = print, *, mesh: jax.sharding.Mesh | None = None,
+                     eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
+    ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new."""
+    mesh = setup.make_mesh(config.mesh) if mesh is None else mesh
+    eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
     memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
-    scores = dict(evaluate_loss(jit_eval_step(config, mesh), params, model.apply, eval_set, mesh, memory),
-                  split=split)
+    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory), split=split)
     evaluate.write_outputs(workdir, split, None, scores)
     log(f"{split}: perplexity {scores['ppl']:.2f} (nll {scores['nll']:.4f}/token over {scores['tokens']:.0f} tokens)")
     return scores

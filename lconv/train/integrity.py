@@ -1,0 +1,194 @@
+"""Checkpoint integrity: a SHA-256 manifest written beside each checkpoint and verified before it is restored,
+a finiteness check of what was restored, and orbax's failure noise kept out of the terminal.
+
+Orbax writes a checkpoint into a temporary directory and renames it when complete, which catches a crash
+mid-write, but nothing checks the bytes afterwards: a flipped block restores "fine" and NaNs show up steps
+later. ``lconv_manifest.json`` in each step directory lists every file's size and SHA-256 (written by process 0
+once orbax has finished; hashing runs at disk speed, ~1 s per GB). A checkpoint without one (written by an older
+lconv, or a crash between orbax's rename and the manifest) is restored unverified and reported as such.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from lconv.errors import UserError
+
+MANIFEST_FILENAME = "lconv_manifest.json"
+ERROR_LOG_FILENAME = "checkpoint_errors.log"
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint whose files changed since they were written, or whose values are not finite."""
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(step_dir: str) -> list[str]:
+    paths = []
+    for root, _, names in os.walk(step_dir):
+        paths += [os.path.relpath(os.path.join(root, n), step_dir) for n in names if n != MANIFEST_FILENAME]
+    return sorted(paths)
+
+
+def write_manifest(step_dir: str) -> None:
+    """Writes ``<step_dir>/lconv_manifest.json`` (process 0; every process waits for it)."""
+    if jax.process_index() == 0:
+        manifest = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _file_digest(os.path.join(step_dir, rel))]
+                    for rel in _files(step_dir)}
+        temporary = os.path.join(step_dir, f".{MANIFEST_FILENAME}.{os.getpid()}.tmp")
+        with open(temporary, "w") as f:
+            json.dump({"sha256": manifest}, f, indent=0, sort_keys=True)
+        os.replace(temporary, os.path.join(step_dir, MANIFEST_FILENAME))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("lconv_checkpoint_manifest")
+
+
+def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
+    """Checks every file of a checkpoint against its manifest; returns False when there is no manifest (an error
+    if ``required``). A missing, resized or changed file is a ``CorruptCheckpoint``."""
+    path = os.path.join(step_dir, MANIFEST_FILENAME)
+    if not os.path.exists(path):
+        if required:
+            raise CorruptCheckpoint(f"checkpoint {step_dir} has no {MANIFEST_FILENAME}")
+        return False
+    try:
+        with open(path) as f:
+            expected = json.load(f)["sha256"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} is unreadable ({err})") from None
+    for rel, (size, digest) in expected.items():
+        file = os.path.join(step_dir, rel)
+        if not os.path.exists(file):
+            raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} is missing")
+        if os.path.getsize(file) != size or _file_digest(file) != digest:
+            raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} changed since it was written (SHA-256 mismatch)")
+    extra = sorted(set(_files(step_dir)) - set(expected))
+    if extra:
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: {extra[0]} was not part of it when it was written")
+    return True
+
+
+def check_finite(tree: Any, where: str) -> None:
+    """A restored state with a NaN or inf anywhere (params, optimizer moments) is a ``CorruptCheckpoint``."""
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype,
+                                                                                               jax.numpy.inexact)]
+    if not leaves:
+        return
+    all_finite = jax.jit(lambda xs: jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs])))
+    if not bool(np.asarray(all_finite(leaves))):
+        path = next(jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                    if hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+                    and not bool(np.isfinite(np.asarray(x)).all()))
+        raise CorruptCheckpoint(f"checkpoint {where} holds non-finite values (first in {path})")
+
+
+def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A pytree key path as plain names, the same for a train state and orbax's metadata of it."""
+    return tuple(str(next(getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a))) for k in path)
+
+
+def _display(path: tuple[str, ...]) -> str:
+    return "/".join(k for k in path if k != "value")  # "value": the box of a logically partitioned param
+
+
+def check_shapes(item_dir: str, abstract: Any, where: str, error_log: str, prefix: tuple[str, ...] = ()) -> None:
+    """Compares the array shapes stored in an orbax item (its metadata: no array is read) with ``abstract``'s,
+    so a checkpoint of another model is one clear line naming the first missing or differing array, before orbax
+    tries (and fails noisily) to read it. Unreadable metadata is left to the restore to report."""
+    import orbax.checkpoint as ocp
+
+    try:
+        with quiet_orbax(error_log), ocp.StandardCheckpointer() as reader:
+            stored_tree = reader.metadata(item_dir).item_metadata
+    except Exception:  # noqa: BLE001 (unreadable metadata: the restore itself reports it)
+        return
+    stored = {_path_names(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(stored_tree)
+              if hasattr(leaf, "shape")}
+    wanted = {prefix + _path_names(p): tuple(leaf.shape)
+              for p, leaf in jax.tree_util.tree_leaves_with_path(abstract) if hasattr(leaf, "shape")}
+    if not stored or not wanted:
+        return
+    missing = [k for k in wanted if k not in stored]
+    if missing:
+        raise UserError(f"checkpoint {where} does not fit this config's model: it has no {_display(missing[0])} "
+                        f"({len(missing)} of this model's arrays are not in it); use the config stored with it or a "
+                        "new --workdir")
+    differing = [k for k in wanted if wanted[k] != stored[k]]
+    if differing:
+        name = _display(differing[0])
+        raise UserError(f"checkpoint {where} does not fit this config's model: {name} is "
+                        f"{stored[differing[0]]} there and {wanted[differing[0]]} here ({len(differing)} arrays "
+                        "differ); use the config stored with it or a new --workdir")
+
+
+class _Details:
+    def __init__(self, path: str) -> None:
+        self.path, self.records = path, []
+
+    def where(self) -> str:
+        """`` (orbax's details: <log>)`` once anything was captured, for the end of the one-line error."""
+        return f" (orbax's details: {self.path})" if self.records else ""
+
+
+class _Collector(io.TextIOBase):
+    def __init__(self, buffer: list[str]) -> None:
+        self.buffer = buffer
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            self.buffer.append(text.rstrip("\n"))
+        return len(text)
+
+
+@contextlib.contextmanager
+def quiet_orbax(error_log: str) -> Iterator[_Details]:
+    """Orbax and tensorstore report a failed restore with many log records and tracebacks from their worker
+    threads; inside this block they go to the file ``error_log`` (the workdir's ``checkpoint_errors.log``) instead
+    of the terminal, so the user sees lconv's one line (which names the log when anything was written to it)."""
+    details = _Details(error_log)
+    buffer = details.records
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            buffer.append(self.format(record))
+
+    handler = Collect(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio", "orbax", "tensorstore")]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    thread_hook, unraisable_hook, stderr = threading.excepthook, sys.unraisablehook, sys.stderr
+    for lg in loggers:
+        lg.handlers, lg.propagate = [handler], False
+    threading.excepthook = lambda args: buffer.append(f"thread {args.thread}: {args.exc_type.__name__}: "
+                                                      f"{args.exc_value}")
+    sys.unraisablehook = lambda args: buffer.append(f"unraisable: {args.exc_type.__name__}: {args.exc_value}")
+    sys.stderr = _Collector(buffer)  # tracebacks printed from tensorstore's callback threads
+    try:
+        yield details
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers, lg.propagate = handlers, propagate
+        threading.excepthook, sys.unraisablehook, sys.stderr = thread_hook, unraisable_hook, stderr
+        if buffer:
+            with contextlib.suppress(OSError), open(details.path, "a") as f:
+                f.write("\n".join(buffer) + "\n")

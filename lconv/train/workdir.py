@@ -1,0 +1,161 @@
+"""A run's workdir: one training process at a time (``lock``) and a ``config.json`` that matches its checkpoints
+(``check_config_change``, ``write_config``).
+
+The lock is an OS file lock (``flock``) on ``<workdir>/train.lock``, which also holds the owner's host, pid and
+start time for the error message. The OS drops the lock when its process dies, however it dies, so a crashed
+run never leaves a stale lock behind: the next run takes it over and says whose it was.
+
+``config.json`` is the config the checkpoints were trained with; eval.py builds the model from it. Before the
+first checkpoint it simply follows the latest launch. After, fields that shape the model, the data or the
+optimisation may change only on purpose (``accept_changes``); fields that only steer the run (``RUN_FIELDS``:
+more steps, logging, decoding, the mesh, where the data lives) follow the latest launch. Every change is
+appended to ``config_changes.jsonl``.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import ml_collections
+
+from lconv.errors import UserError
+
+CONFIG_FILENAME = "config.json"
+LOCK_FILENAME = "train.lock"
+# Fields a resumed run may change freely: they steer the run, not what its checkpoints hold.
+RUN_FIELDS = ("train.", "decode.", "mesh.", "data.data_dir", "data.eval_batch_size", "data.read_threads")
+
+
+def make_workdir(workdir: str) -> str:
+    """The absolute workdir, created; an unwritable location is a one-line error."""
+    path = os.path.abspath(os.path.expanduser(workdir))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--workdir={workdir}: cannot create it ({err.strerror})") from None
+    return path
+
+
+@contextlib.contextmanager
+def lock(workdir: str, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Holds ``<workdir>/train.lock`` for the body (on process 0; the other processes of a multi-host run share
+    its workdir). A second run on the workdir fails at once naming the owner."""
+    if jax.process_index() != 0:
+        yield
+        return
+    import fcntl
+
+    path = os.path.join(workdir, LOCK_FILENAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise UserError(f"--workdir={workdir} is not writable ({err.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):  # e.g. ENOLCK: this filesystem has no locks
+                log(f"warning: {path}: file locks are not supported here ({err.strerror}); nothing stops a second "
+                    "train.py on this workdir")
+            else:
+                raise UserError(f"--workdir={workdir} is in use by another train.py ({_owner(fd)}); wait for it "
+                                "to finish, stop it, or use another --workdir") from None
+        previous = _owner(fd)
+        if previous != "owner unknown":
+            log(f"took over {path} from a run that is gone ({previous})")
+        _write_owner(fd)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # an empty lock file: the run ended cleanly
+        os.close(fd)  # releases the flock
+
+
+def _owner(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        owner = json.loads(os.read(fd, 4096).decode() or "null")
+    except (ValueError, UnicodeDecodeError):
+        owner = None
+    if not isinstance(owner, dict):
+        return "owner unknown"
+    return f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}"
+
+
+def _write_owner(fd: int) -> None:
+    owner = {"pid": os.getpid(), "host": socket.gethostname(),
+             "started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv}
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps(owner).encode())
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(values, dict) or prefix.endswith(("mixer_kwargs.", "ffn_kwargs.")):
+        return {prefix.rstrip("."): values}
+    flat = {}
+    for key, value in values.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def _as_json(config: Any) -> dict[str, Any]:
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def config_changes(stored: dict[str, Any], config: Any) -> dict[str, tuple[Any, Any]]:
+    """``{dotted field: (stored value, new value)}`` of every field that differs (JSON-normalised)."""
+    old, new = _flatten(stored), _flatten(_as_json(config))
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_checkpoint: bool,
+                        accept_changes: bool = False) -> dict[str, tuple[Any, Any]] | None:
+    """The changes this launch makes to ``config.json`` (None: nothing to write); raises when the workdir has a
+    checkpoint and a field other than ``RUN_FIELDS`` changes without ``accept_changes`` (module docstring)."""
+    path = os.path.join(workdir, CONFIG_FILENAME)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is unreadable ({err}); restore it or use a new --workdir") from None
+    changes = config_changes(stored, config)
+    fixed = [k for k in changes if not k.startswith(RUN_FIELDS)]
+    if has_checkpoint and fixed and not accept_changes:
+        shown = "; ".join(f"config.{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fixed[:3])
+        more = f" and {len(fixed) - 3} more" if len(fixed) > 3 else ""
+        raise UserError(f"this launch changes the config its checkpoints were trained with ({shown}{more}); drop "
+                        "the override(s), use a new --workdir, or pass --accept_config_changes to change it on "
+                        "purpose")
+    return changes or None
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
+                 has_checkpoint: bool, log: Callable[[str], None] = print) -> None:
+    """Writes ``config.json`` (process 0) after ``check_config_change``; a resumed run calls it once its
+    checkpoint has restored, so an accepted change that does not fit never reaches the file. Changes are logged
+    and appended to ``config_changes.jsonl``."""
+    if changes is None or jax.process_index() != 0:
+        return
+    if changes:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:5])
+        log(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
+        with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+            f.write(json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
+                                "after_checkpoint": has_checkpoint,
+                                "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+    path = os.path.join(workdir, CONFIG_FILENAME)
+    temporary = f"{path}.{os.getpid()}.tmp"  # unique, then an atomic rename: a crash never leaves half a file
+    with open(temporary, "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(temporary, path)
