@@ -322,3 +322,52 @@ def test_the_run_writes_what_its_data_was_built_from_and_what_was_skipped(traine
     assert report == sources.source_report("ddtp/en_de", str(root / "tfds"), None)
     assert report["source"] == "the bundled snapshot" and report["examples"]["train"] > 1000
     assert "skipped" in report and "parse" in report["skipped"]  # the parser's counts, kept
+
+
+def _two_checkpoints(directory):
+    ckpt = checkpoints.Checkpointer(str(directory), save_every=1)
+    ckpt.retry_seconds = 0.0
+    for step in (1, 2):
+        ckpt.save(step, {"w": np.full((3,), step, np.float32)}, {"process_count": 1, "processes": [None]})
+    return ckpt, checkpoints.abstract_like({"w": np.ones((3,), np.float32)})
+
+
+def _failing(manager, failures):
+    """``manager.restore`` raising an OSError for its first ``failures`` calls (a flaky filesystem)."""
+    real, calls = manager.restore, []
+
+    def restore(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) <= failures:
+            raise OSError(5, "Input/output error")
+        return real(*args, **kwargs)
+
+    return restore, calls
+
+
+def test_a_transient_read_error_is_retried_and_never_falls_back_past_a_good_checkpoint(tmp_path, monkeypatch):
+    ckpt, abstract = _two_checkpoints(tmp_path)
+    restore, calls = _failing(ckpt.manager, failures=2)
+    monkeypatch.setattr(ckpt.manager, "restore", restore)
+    state, _ = ckpt.restore_latest_readable(abstract, log=_quiet)
+    assert float(state["w"][0]) == 2 and calls == [2, 2, 2]  # the third attempt read the newest
+
+    restore, calls = _failing(ckpt.manager, failures=100)
+    monkeypatch.setattr(ckpt.manager, "restore", restore)
+    with pytest.raises(integrity.CheckpointReadError, match=r"checkpoint .*/2 verified but could not be read in 3 "
+                                                            r"attempts \(OSError: .*nothing was moved"):
+        ckpt.restore_latest_readable(abstract, log=_quiet)
+    assert calls == [2, 2, 2] and ckpt.all_steps() == [1, 2]  # no older fallback, nothing set aside
+    ckpt.close()
+
+
+def test_an_unverified_checkpoint_that_does_not_read_is_set_aside(tmp_path, monkeypatch):
+    ckpt, abstract = _two_checkpoints(tmp_path)
+    (tmp_path / "checkpoints" / "2" / integrity.MANIFEST_FILENAME).unlink()  # e.g. written by an older lconv
+    real = ckpt.manager.restore
+    monkeypatch.setattr(ckpt.manager, "restore", lambda step, **kw: real(step, **kw) if step == 1 else 1 / 0)
+    messages = []
+    state, _ = ckpt.restore_latest_readable(abstract, log=messages.append)
+    assert float(state["w"][0]) == 1 and ckpt.all_steps() == [1]
+    assert "[2] unreadable or corrupt" in messages[0] and "ZeroDivisionError" in messages[0]
+    ckpt.close()

@@ -38,6 +38,7 @@ class Checkpointer:
         self.checksums = checksums
         self.verified = False  # whether the last restore was checked against its manifest
         self.error_log = os.path.join(os.path.dirname(self.directory), integrity.ERROR_LOG_FILENAME)
+        self.read_attempts, self.retry_seconds = 3, 1.0  # a failed read is tried again after 1 s, then 2 s
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -71,51 +72,55 @@ class Checkpointer:
     def restore(self, abstract_state: PyTree, step: int | None = None) -> tuple[PyTree, Any]:
         """``(state, data_state)`` at ``step`` (default: latest), laid out as ``abstract_state``'s shardings.
 
-        A checkpoint whose arrays do not fit the current config's shapes is a one-line ``ValueError``.
+        Raises ``integrity.CheckpointMismatch`` (another model), ``CorruptCheckpoint`` (changed bytes, NaN),
+        ``UnreadableCheckpoint`` (an unverified one orbax cannot read) or ``CheckpointReadError`` (a verified one
+        that still fails to read after retries: a storage problem, not the checkpoint's).
         """
         step = self.manager.latest_step() if step is None else step
-        self.verified = integrity.verify_manifest(self._step_dir(step), required=False)
-        integrity.check_shapes(os.path.join(self._step_dir(step), "state"), abstract_state, self._step_dir(step),
-                               self.error_log)
-        with integrity.quiet_orbax(self.error_log) as details:
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-            except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
-                raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is "
-                                f"unreadable ({_first_line(err)}); use the config stored with it or a new --workdir"
-                                f"{details.where()}") from None
-        integrity.check_finite(restored["state"], f"{self.directory}/{step}")
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        restored = self._read(step, args, abstract_state, prefix=())
+        integrity.check_finite(restored["state"], self._step_dir(step))
         return restored["state"], restored["data"]
 
     def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
         """The ``params`` of checkpoint ``step`` alone, laid out as ``abstract_params``: an orbax partial
         restore that reads no optimizer moments, step or memory (evaluation needs none of them)."""
-        integrity.verify_manifest(self._step_dir(step), required=False)
-        integrity.check_shapes(os.path.join(self._step_dir(step), "state"), abstract_params, self._step_dir(step),
-                               self.error_log, prefix=("params",))
-        with integrity.quiet_orbax(self.error_log) as details:
-            try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                    item={"params": abstract_params}, restore_args=ocp.checkpoint_utils.construct_restore_args(
-                        {"params": abstract_params}), partial_restore=True)))
-            except Exception as err:  # orbax/tensorstore raise many types; all mean "cannot use this checkpoint"
-                raise UserError(f"checkpoint {self.directory}/{step} does not fit this config's model or is "
-                                f"unreadable ({_first_line(err)}); use the config stored with it"
-                                f"{details.where()}") from None
-        integrity.check_finite(restored["state"]["params"], f"{self.directory}/{step}")
-        return restored["state"]["params"]
+        item = {"params": abstract_params}
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        params = self._read(step, args, abstract_params, prefix=("params",))["state"]["params"]
+        integrity.check_finite(params, self._step_dir(step))
+        return params
+
+    def _read(self, step: int, args: Any, abstract: PyTree, prefix: tuple[str, ...]) -> Any:
+        where = self._step_dir(step)
+        self.verified = integrity.verify_manifest(where, required=False)
+        integrity.check_shapes(os.path.join(where, "state"), abstract, where, self.error_log, prefix=prefix)
+        for attempt in range(self.read_attempts):
+            with integrity.quiet_orbax(self.error_log) as details:
+                try:
+                    return self.manager.restore(step, args=args)
+                except Exception as err:  # noqa: BLE001 (orbax/tensorstore raise many types)
+                    failure = f"{_first_line(err)}{details.where()}"
+            if attempt + 1 < self.read_attempts:
+                time.sleep(self.retry_seconds * 2 ** attempt)  # a flaky filesystem or network: try again
+        if self.verified:  # its bytes are the ones written: the storage failed, not the checkpoint
+            raise integrity.CheckpointReadError(
+                f"checkpoint {where} verified but could not be read in {self.read_attempts} attempts ({failure}); "
+                "nothing was moved: check the storage and run again")
+        raise integrity.UnreadableCheckpoint(f"checkpoint {where} is unreadable ({failure})")
 
     def restore_latest_readable(self, abstract_state: PyTree,
                                 log: Callable[[str], None] = print) -> tuple[PyTree, Any]:
-        """Restores the newest checkpoint that reads; newer unreadable ones (a crash mid-write, a bad disk) are
-        moved to ``<dir>_unreadable/`` and reported, so nothing is deleted. Raises if none reads."""
+        """Restores the newest checkpoint that reads. Newer corrupt or unreadable ones (a crash mid-write, a bad
+        disk) are moved to ``<dir>_unreadable/`` and reported, so nothing is deleted; a checkpoint of another
+        model or a storage failure on a verified one stops here (nothing moved, never an older fallback)."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         errors = []
         for step in steps:
             try:
                 restored = self.restore(abstract_state, step)
-            except UserError as err:
+            except (integrity.CorruptCheckpoint, integrity.UnreadableCheckpoint) as err:
                 errors.append((step, err))
                 continue
             if errors:

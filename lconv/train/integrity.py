@@ -30,7 +30,19 @@ ERROR_LOG_FILENAME = "checkpoint_errors.log"
 
 
 class CorruptCheckpoint(UserError):
-    """A checkpoint whose files changed since they were written, or whose values are not finite."""
+    """A checkpoint whose files changed since they were written, or whose values are not finite: set aside."""
+
+
+class UnreadableCheckpoint(UserError):
+    """An unverified checkpoint (no manifest) that orbax cannot read: set aside like a corrupt one."""
+
+
+class CheckpointMismatch(UserError):
+    """A checkpoint of another model (arrays missing or of other shapes): an error, nothing moved."""
+
+
+class CheckpointReadError(UserError):
+    """A verified checkpoint that failed to read even after retries: the storage's fault, nothing moved."""
 
 
 def _file_digest(path: str) -> str:
@@ -130,15 +142,16 @@ def check_shapes(item_dir: str, abstract: Any, where: str, error_log: str, prefi
         return
     missing = [k for k in wanted if k not in stored]
     if missing:
-        raise UserError(f"checkpoint {where} does not fit this config's model: it has no {_display(missing[0])} "
-                        f"({len(missing)} of this model's arrays are not in it); use the config stored with it or a "
-                        "new --workdir")
+        raise CheckpointMismatch(
+            f"checkpoint {where} does not fit this config's model: it has no {_display(missing[0])} ({len(missing)} "
+            "of this model's arrays are not in it); use the config stored with it or a new --workdir")
     differing = [k for k in wanted if wanted[k] != stored[k]]
     if differing:
         name = _display(differing[0])
-        raise UserError(f"checkpoint {where} does not fit this config's model: {name} is "
-                        f"{stored[differing[0]]} there and {wanted[differing[0]]} here ({len(differing)} arrays "
-                        "differ); use the config stored with it or a new --workdir")
+        raise CheckpointMismatch(
+            f"checkpoint {where} does not fit this config's model: {name} is {stored[differing[0]]} there and "
+            f"{wanted[differing[0]]} here ({len(differing)} arrays differ); use the config stored with it or a new "
+            "--workdir")
 
 
 class _Details:
