@@ -29,10 +29,10 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    runtime.initialize()
-    from lconv.cli import evaluate
-
     with runtime.user_errors():
+        runtime.initialize()
+        from lconv.cli import evaluate
+
         evaluate.run(FLAGS.workdir, split=FLAGS.split, average_last=FLAGS.average_last,
                      checkpoint=FLAGS.checkpoint, beam_size=FLAGS.beam_size,
                      lenpen=FLAGS.lenpen, source_file=FLAGS.source_file, reference_file=FLAGS.reference_file,

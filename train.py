@@ -24,10 +24,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    runtime.initialize()
-    from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
-
     with runtime.user_errors():
+        runtime.initialize()
+        from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
+
         result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir,
                                          accept_config_changes=FLAGS.accept_config_changes)
     runtime.print_summary(result)

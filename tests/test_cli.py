@@ -61,3 +61,36 @@ def test_mixers_declare_where_they_fit_and_the_models_enforce_it():
         models.ModelConfig(**base, encoder_mixer="knn_memory", decoder_mixer="attention").validate()
     with pytest.raises(UserError, match="decoder_mixer: 'colt5' is an encoder-only mixer"):
         models.ModelConfig(**base, encoder_mixer="attention", decoder_mixer="colt5").validate()
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, None),
+    ({"LCONV_NUM_PROCESSES": "2", "LCONV_COORDINATOR": "h:1", "LCONV_PROCESS_ID": "0"}, "lconv"),
+    ({"LCONV_NUM_PROCESSES": "1"}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "8"}, "slurm"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1"}, None),  # one task: one process
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}, None),  # sbatch's shell, not an srun step
+    ({"OMPI_MCA_orte_hnp_uri": "1;tcp://h:1", "OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, "tpu"),
+    ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),  # a single-host TPU VM
+    ({"MEGASCALE_COORDINATOR_ADDRESS": "c:8080"}, "tpu"),
+])
+def test_the_launcher_is_detected_from_its_environment(environ, expected):
+    assert runtime.cluster_environment(environ) == expected
+
+
+def test_a_cluster_launch_initializes_jax_distributed_from_the_environment(monkeypatch):
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    for name in [n for n in __import__("os").environ if n.startswith(("LCONV_", "SLURM_", "OMPI_", "TPU_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    runtime.initialize()
+    assert calls == [{}]  # no arguments: JAX's own SLURM detection fills them
+    monkeypatch.setenv("LCONV_NUM_PROCESSES", "2")
+    with pytest.raises(UserError, match="LCONV_NUM_PROCESSES=2 needs LCONV_COORDINATOR and LCONV_PROCESS_ID too"):
+        runtime.initialize()

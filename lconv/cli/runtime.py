@@ -6,17 +6,49 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 from lconv.errors import UserError
 
 
+def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """The multi-process launcher this process was started by, or None for a single process.
+
+    ``lconv``: the manual fallback, ``LCONV_NUM_PROCESSES`` > 1 with ``LCONV_COORDINATOR`` and
+    ``LCONV_PROCESS_ID``. ``slurm`` (``srun`` with more than one task), ``openmpi`` (``mpirun -np`` > 1),
+    ``tpu`` (a Cloud TPU pod slice or multislice): ``jax.distributed.initialize()`` reads each from the
+    environment. Checked in that order; one task under SLURM or MPI is a single process.
+    """
+    env = os.environ if environ is None else environ
+
+    def count(name: str) -> int:
+        try:
+            return int(env.get(name, "1"))
+        except ValueError:
+            raise UserError(f"environment variable {name}={env[name]!r} must be a process count") from None
+
+    if count("LCONV_NUM_PROCESSES") > 1:
+        return "lconv"
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_NODELIST" in env and count("SLURM_NTASKS") > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "openmpi"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", "") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return "tpu"
+    return None
+
+
 def initialize() -> None:
-    """``jax.distributed.initialize`` when launched on several processes (env vars set by the launcher/TPU)."""
+    """``jax.distributed.initialize`` when this process is one of several (``cluster_environment``)."""
     import jax
 
-    if int(os.environ.get("LCONV_NUM_PROCESSES", "1")) > 1:
+    cluster = cluster_environment()
+    if cluster == "lconv":
+        missing = [v for v in ("LCONV_COORDINATOR", "LCONV_PROCESS_ID") if v not in os.environ]
+        if missing:
+            raise UserError(f"LCONV_NUM_PROCESSES={os.environ['LCONV_NUM_PROCESSES']} needs {' and '.join(missing)} "
+                            "too (the coordinator's host:port and this process's index)")
         # CPU devices of different processes talk over gloo (TPU/GPU use their own interconnect regardless).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
@@ -24,8 +56,8 @@ def initialize() -> None:
             num_processes=int(os.environ["LCONV_NUM_PROCESSES"]),
             process_id=int(os.environ["LCONV_PROCESS_ID"]),
         )
-    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()  # Cloud TPU pods: everything comes from the environment
+    elif cluster is not None:
+        jax.distributed.initialize()  # SLURM, Open MPI, Cloud TPU: JAX reads everything from the environment
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,9 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from lconv.errors import UserError
 from lconv.train import integrity
+from lconv.train import workdir as workdir_lib
 
 PyTree = Any
 
@@ -29,7 +30,7 @@ PyTree = Any
 class Checkpointer:
     def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
                  async_save: bool = False, checksums: bool = True) -> None:
-        self.directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), subdir)
+        self.directory = str(epath.Path(workdir_lib.resolve(workdir)) / subdir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
         )
@@ -37,7 +38,7 @@ class Checkpointer:
         self.save_every = save_every
         self.checksums = checksums
         self.verified = False  # whether the last restore was checked against its manifest
-        self.error_log = os.path.join(os.path.dirname(self.directory), integrity.ERROR_LOG_FILENAME)
+        self.error_log = str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
         self.read_attempts, self.retry_seconds = 3, 1.0  # a failed read is tried again after 1 s, then 2 s
 
     def latest_step(self) -> int | None:
@@ -67,7 +68,7 @@ class Checkpointer:
         return True
 
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return str(epath.Path(self.directory) / str(step))
 
     def restore(self, abstract_state: PyTree, step: int | None = None) -> tuple[PyTree, Any]:
         """``(state, data_state)`` at ``step`` (default: latest), laid out as ``abstract_state``'s shardings.
@@ -95,7 +96,7 @@ class Checkpointer:
     def _read(self, step: int, args: Any, abstract: PyTree, prefix: tuple[str, ...]) -> Any:
         where = self._step_dir(step)
         self.verified = integrity.verify_manifest(where, required=False)
-        integrity.check_shapes(os.path.join(where, "state"), abstract, where, self.error_log, prefix=prefix)
+        integrity.check_shapes(str(epath.Path(where) / "state"), abstract, where, self.error_log, prefix=prefix)
         for attempt in range(self.read_attempts):
             with integrity.quiet_orbax(self.error_log) as details:
                 try:
@@ -135,10 +136,10 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> None:
         if jax.process_index() == 0:
-            aside = self.directory + "_unreadable"
-            os.makedirs(aside, exist_ok=True)
+            aside = epath.Path(self.directory + "_unreadable")
+            aside.mkdir(parents=True, exist_ok=True)
             for step in steps:
-                os.replace(os.path.join(self.directory, str(step)), os.path.join(aside, f"{step}.{int(time.time())}"))
+                epath.Path(self._step_dir(step)).rename(aside / f"{step}.{int(time.time())}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -176,8 +177,8 @@ class BestCheckpointer:
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``workdir`` holds a finished checkpoint (latest or best); cheap: lists directories only."""
     for subdir in ("checkpoints", "best"):
-        directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), subdir)
-        if os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory)):
+        directory = epath.Path(workdir_lib.resolve(workdir)) / subdir
+        if directory.is_dir() and any(path.name.isdigit() for path in directory.iterdir()):
             return True
     return False
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from lconv.errors import UserError
 
@@ -45,30 +46,35 @@ class CheckpointReadError(UserError):
     """A verified checkpoint that failed to read even after retries: the storage's fault, nothing moved."""
 
 
-def _file_digest(path: str) -> str:
+def _file_digest(path: epath.Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
 
 
-def _files(step_dir: str) -> list[str]:
-    paths = []
-    for root, _, names in os.walk(step_dir):
-        paths += [os.path.relpath(os.path.join(root, n), step_dir) for n in names if n != MANIFEST_FILENAME]
-    return sorted(paths)
+def _files(step_dir: epath.Path, prefix: str = "") -> list[str]:
+    """Every file under ``step_dir`` but the manifest, as sorted relative paths (walked level by level: epath's
+    remote backends refuse recursive globs)."""
+    found = []
+    for child in step_dir.iterdir():
+        relative = f"{prefix}{child.name}"
+        if child.is_dir():
+            found += _files(child, relative + "/")
+        elif relative != MANIFEST_FILENAME:
+            found.append(relative)
+    return sorted(found)
 
 
 def write_manifest(step_dir: str) -> None:
     """Writes ``<step_dir>/lconv_manifest.json`` (process 0; every process waits for it)."""
     if jax.process_index() == 0:
-        manifest = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _file_digest(os.path.join(step_dir, rel))]
-                    for rel in _files(step_dir)}
-        temporary = os.path.join(step_dir, f".{MANIFEST_FILENAME}.{os.getpid()}.tmp")
-        with open(temporary, "w") as f:
-            json.dump({"sha256": manifest}, f, indent=0, sort_keys=True)
-        os.replace(temporary, os.path.join(step_dir, MANIFEST_FILENAME))
+        root = epath.Path(step_dir)
+        manifest = {rel: [(root / rel).stat().length, _file_digest(root / rel)] for rel in _files(root)}
+        temporary = root / f".{MANIFEST_FILENAME}.{os.getpid()}.tmp"
+        temporary.write_text(json.dumps({"sha256": manifest}, indent=0, sort_keys=True))
+        temporary.replace(root / MANIFEST_FILENAME)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -78,23 +84,23 @@ def write_manifest(step_dir: str) -> None:
 def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
     """Checks every file of a checkpoint against its manifest; returns False when there is no manifest (an error
     if ``required``). A missing, resized or changed file is a ``CorruptCheckpoint``."""
-    path = os.path.join(step_dir, MANIFEST_FILENAME)
-    if not os.path.exists(path):
+    root = epath.Path(step_dir)
+    path = root / MANIFEST_FILENAME
+    if not path.exists():
         if required:
             raise CorruptCheckpoint(f"checkpoint {step_dir} has no {MANIFEST_FILENAME}")
         return False
     try:
-        with open(path) as f:
-            expected = json.load(f)["sha256"]
+        expected = json.loads(path.read_text())["sha256"]
     except (OSError, ValueError, KeyError) as err:
         raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} is unreadable ({err})") from None
     for rel, (size, digest) in expected.items():
-        file = os.path.join(step_dir, rel)
-        if not os.path.exists(file):
+        file = root / rel
+        if not file.exists():
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} is missing")
-        if os.path.getsize(file) != size or _file_digest(file) != digest:
+        if file.stat().length != size or _file_digest(file) != digest:
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} changed since it was written (SHA-256 mismatch)")
-    extra = sorted(set(_files(step_dir)) - set(expected))
+    extra = sorted(set(_files(root)) - set(expected))
     if extra:
         raise CorruptCheckpoint(f"checkpoint {step_dir}: {extra[0]} was not part of it when it was written")
     return True
@@ -203,5 +209,6 @@ def quiet_orbax(error_log: str) -> Iterator[_Details]:
             lg.handlers, lg.propagate = handlers, propagate
         threading.excepthook, sys.unraisablehook, sys.stderr = thread_hook, unraisable_hook, stderr
         if buffer:
-            with contextlib.suppress(OSError), open(details.path, "a") as f:
-                f.write("\n".join(buffer) + "\n")
+            with contextlib.suppress(OSError):  # rewritten whole: object stores cannot append
+                log = epath.Path(details.path)
+                log.write_text((log.read_text() if log.exists() else "") + "\n".join(buffer) + "\n")

@@ -3,21 +3,42 @@ TensorFlow) and a progress bar with ETA."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import jax
+from etils import epath
+
+
+class _RemoteLines:
+    """An append-only text file on an object store (gs://...), which cannot append: the lines are kept and the
+    whole file is rewritten on each flush (metrics are small: a row per log step)."""
+
+    def __init__(self, path: epath.Path) -> None:
+        self.path = path
+        self.text = path.read_text() if path.exists() else ""
+
+    def write(self, line: str) -> None:
+        self.text += line
+
+    def flush(self) -> None:
+        self.path.write_text(self.text)
+
+    def close(self) -> None:
+        self.flush()
 
 
 class MetricWriter:
+    """``metrics.jsonl`` and TensorBoard scalars, written by process 0; local or remote workdirs."""
+
     def __init__(self, workdir: str) -> None:
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
-        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-        from tensorboardX import SummaryWriter
+        path = epath.Path(workdir) / "metrics.jsonl"
+        self.jsonl = _RemoteLines(path) if "://" in str(workdir) else open(path, "a")
+        from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
-        self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self.tensorboard = SummaryWriter(f"{workdir}/tensorboard")
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
         if not self.enabled:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from etils import epath
 from flax.training import train_state
 
 from lconv.constants import BATCH_MESH_AXES
@@ -75,11 +75,10 @@ class Trained:
 # ----------------------------------------------------------------------------------------------------------------
 def read_config(workdir: str) -> Config:
     """The resolved config a run stored in ``<workdir>/config.json``."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    path = epath.Path(workdir_lib.resolve(workdir)) / workdir_lib.CONFIG_FILENAME
+    if not path.exists():
         raise UserError(f"{path} not found: --workdir must be a directory written by train.py")
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,8 +274,7 @@ def _report_data_source(report: dict[str, Any], workdir: str, log: Callable[[str
         return
     for line in sources.describe_report(report):
         log(line)
-    with open(os.path.join(workdir, "data_report.json"), "w") as f:
-        json.dump(report, f, indent=1, sort_keys=True)
+    (epath.Path(workdir) / "data_report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
 
 
 def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -> PyTree:
@@ -323,5 +321,5 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
         params = ckpt.restore_params(target, step)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     ckpt.close()
-    return Trained(config, os.path.abspath(workdir), tokenizer, model,
+    return Trained(config, workdir_lib.resolve(workdir), tokenizer, model,
                    jax.tree.map(lambda x: x / len(chosen), total), chosen)

@@ -20,11 +20,13 @@ import json
 import os
 import socket
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import ml_collections
+from etils import epath
 
 from lconv.errors import UserError
 
@@ -34,13 +36,23 @@ LOCK_FILENAME = "train.lock"
 RUN_FIELDS = ("train.", "decode.", "mesh.", "data.data_dir", "data.eval_batch_size", "data.read_threads")
 
 
+def is_remote(path: str) -> bool:
+    """A URL (gs://, s3://, ...) rather than a local path: read and written through ``etils.epath``."""
+    return "://" in str(path)
+
+
+def resolve(workdir: str) -> str:
+    """The workdir as every module names it: absolute when local, unchanged when a URL."""
+    return str(workdir) if is_remote(workdir) else os.path.abspath(os.path.expanduser(workdir))
+
+
 def make_workdir(workdir: str) -> str:
-    """The absolute workdir, created; an unwritable location is a one-line error."""
-    path = os.path.abspath(os.path.expanduser(workdir))
+    """The resolved workdir, created; an unwritable location is a one-line error."""
+    path = resolve(workdir)
     try:
-        os.makedirs(path, exist_ok=True)
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"--workdir={workdir}: cannot create it ({err.strerror})") from None
+        raise UserError(f"--workdir={workdir}: cannot create it ({err.strerror or err})") from None
     return path
 
 
@@ -49,6 +61,10 @@ def lock(workdir: str, log: Callable[[str], None] = print) -> Iterator[None]:
     """Holds ``<workdir>/train.lock`` for the body (on process 0; the other processes of a multi-host run share
     its workdir). A second run on the workdir fails at once naming the owner."""
     if jax.process_index() != 0:
+        yield
+        return
+    if is_remote(workdir):  # object stores have no file locks
+        log(f"warning: {workdir} is remote: nothing stops a second train.py on it (file locks are local only)")
         yield
         return
     import fcntl
@@ -121,12 +137,11 @@ def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_
                         accept_changes: bool = False) -> dict[str, tuple[Any, Any]] | None:
     """The changes this launch makes to ``config.json`` (None: nothing to write); raises when the workdir has a
     checkpoint and a field other than ``RUN_FIELDS`` changes without ``accept_changes`` (module docstring)."""
-    path = os.path.join(workdir, CONFIG_FILENAME)
-    if not os.path.exists(path):
+    path = epath.Path(workdir) / CONFIG_FILENAME
+    if not path.exists():
         return {}
     try:
-        with open(path) as f:
-            stored = json.load(f)
+        stored = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"{path} is unreadable ({err}); restore it or use a new --workdir") from None
     changes = config_changes(stored, config)
@@ -150,12 +165,17 @@ def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[
     if changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:5])
         log(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
-        with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
-            f.write(json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
-                                "after_checkpoint": has_checkpoint,
-                                "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
-    path = os.path.join(workdir, CONFIG_FILENAME)
-    temporary = f"{path}.{os.getpid()}.tmp"  # unique, then an atomic rename: a crash never leaves half a file
-    with open(temporary, "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(temporary, path)
+        record = json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
+                             "after_checkpoint": has_checkpoint,
+                             "changes": {k: list(v) for k, v in changes.items()}}) + "\n"
+        history = epath.Path(workdir) / "config_changes.jsonl"  # rewritten whole: object stores cannot append
+        history.write_text((history.read_text() if history.exists() else "") + record)
+    write_atomically(epath.Path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def write_atomically(path: epath.Path, text: str) -> None:
+    """Writes through a temporary file of a unique name, then a rename: a crash never leaves half a file (on an
+    object store the rename is a copy, still never a partial object)."""
+    temporary = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    temporary.write_text(text)
+    temporary.replace(path)
