@@ -185,37 +185,37 @@ def _dynamic_unfold(x_BTC, weight_BTHK, padding_left):
 def _light_band(x_BTC, weight_HK, padding_left, L):
     B, T, C = x_BTC.shape
     H, K = weight_HK.shape
-    windows_BNWHD, N = _tile_windows(x_BTC, padding_left, K, L, H)
+    windows_BGWHD, G = _tile_windows(x_BTC, padding_left, K, L, H)
     band_HLW = _skew(jnp.broadcast_to(weight_HK[:, None, :], (H, L, K)))  # band[h, i, i + k] = w[h, k]
-    y_BNLHD = jnp.einsum(
-        "hlw,bnwhd->bnlhd", band_HLW.astype(x_BTC.dtype), windows_BNWHD, preferred_element_type=jnp.float32
+    y_BGLHD = jnp.einsum(
+        "hlw,bgwhd->bglhd", band_HLW.astype(x_BTC.dtype), windows_BGWHD, preferred_element_type=jnp.float32
     )
-    return y_BNLHD.reshape(B, N * L, C)[:, :T]
+    return y_BGLHD.reshape(B, G * L, C)[:, :T]
 
 
 def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
     B, T, C = x_BTC.shape
     H, K = weight_BTHK.shape[-2:]
-    windows_BNWHD, N = _tile_windows(x_BTC, padding_left, K, L, H)
-    weight_BNHLK = jnp.pad(weight_BTHK, ((0, 0), (0, N * L - T), (0, 0), (0, 0)))
-    weight_BNHLK = weight_BNHLK.reshape(B, N, L, H, K).transpose(0, 1, 3, 2, 4)
-    band_BNHLW = _skew(weight_BNHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
-    y_BNLHD = jnp.einsum("bnhlw,bnwhd->bnlhd", band_BNHLW, windows_BNWHD, preferred_element_type=jnp.float32)
-    return y_BNLHD.reshape(B, N * L, C)[:, :T]
+    windows_BGWHD, G = _tile_windows(x_BTC, padding_left, K, L, H)
+    weight_BGHLK = jnp.pad(weight_BTHK, ((0, 0), (0, G * L - T), (0, 0), (0, 0)))
+    weight_BGHLK = weight_BGHLK.reshape(B, G, L, H, K).transpose(0, 1, 3, 2, 4)
+    band_BGHLW = _skew(weight_BGHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
+    y_BGLHD = jnp.einsum("bghlw,bgwhd->bglhd", band_BGHLW, windows_BGWHD, preferred_element_type=jnp.float32)
+    return y_BGLHD.reshape(B, G * L, C)[:, :T]
 
 
 def _tile_windows(x_BTC, padding_left, K, L, H):
-    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, N, W, H, D]`` and ``N``.
+    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, G, W, H, D]`` and ``G``.
 
     Needs ``L >= K - 1`` so a tile's halo lies inside the next tile.
     """
     B, T, C = x_BTC.shape
-    N = -(-T // L)
-    # (N + 1) tiles cover the left padding, T inputs, the right padding and the last tile's halo.
-    x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, (N + 1) * L - T - padding_left), (0, 0)))
-    tiles_BNLC = x_padded.reshape(B, N + 1, L, C)
-    windows_BNWC = jnp.concatenate([tiles_BNLC[:, :N], tiles_BNLC[:, 1:, : K - 1]], axis=2)
-    return windows_BNWC.reshape(B, N, L + K - 1, H, C // H), N
+    G = -(-T // L)
+    # (G + 1) tiles cover the left padding, T inputs, the right padding and the last tile's halo.
+    x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, (G + 1) * L - T - padding_left), (0, 0)))
+    tiles_BGLC = x_padded.reshape(B, G + 1, L, C)
+    windows_BGWC = jnp.concatenate([tiles_BGLC[:, :G], tiles_BGLC[:, 1:, : K - 1]], axis=2)
+    return windows_BGWC.reshape(B, G, L + K - 1, H, C // H), G
 
 
 def _skew(rows_LK):

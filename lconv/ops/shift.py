@@ -162,16 +162,16 @@ def _shifted_sum(a_BSC, weight, taps):
 def _band_weight_grad(x_win_BSC, dy_BTC, K, H, L):
     """``dw[b, t, h, k] = sum_d x_win[b, t + k, h, d] dy[b, t, h, d]`` as ``[B, T, H, K]`` float32."""
     B, T, C = dy_BTC.shape
-    D, N = C // H, -(-T // L)
-    x_padded = _pad_time(x_win_BSC, 0, (N + 1) * L - x_win_BSC.shape[1])
-    tiles_BHNDL = x_padded.reshape(B, N + 1, L, H, D).transpose(0, 3, 1, 4, 2)
-    windows_BHNDW = jnp.concatenate([tiles_BHNDL[:, :, :N], tiles_BHNDL[:, :, 1:, :, : K - 1]], axis=-1)
-    dy_BHNLD = _pad_time(dy_BTC, 0, N * L - T).reshape(B, N, L, H, D).transpose(0, 3, 1, 2, 4)
-    gram_BHNLW = jnp.einsum(
-        "bhnld,bhndw->bhnlw", dy_BHNLD, windows_BHNDW.astype(dy_BHNLD.dtype), preferred_element_type=jnp.float32
+    D, G = C // H, -(-T // L)
+    x_padded = _pad_time(x_win_BSC, 0, (G + 1) * L - x_win_BSC.shape[1])
+    tiles_BHGDL = x_padded.reshape(B, G + 1, L, H, D).transpose(0, 3, 1, 4, 2)
+    windows_BHGDW = jnp.concatenate([tiles_BHGDL[:, :, :G], tiles_BHGDL[:, :, 1:, :, : K - 1]], axis=-1)
+    dy_BHGLD = _pad_time(dy_BTC, 0, G * L - T).reshape(B, G, L, H, D).transpose(0, 3, 1, 2, 4)
+    gram_BHGLW = jnp.einsum(
+        "bhgld,bhgdw->bhglw", dy_BHGLD, windows_BHGDW.astype(dy_BHGLD.dtype), preferred_element_type=jnp.float32
     )
-    dw_BHNLK = _unskew(gram_BHNLW, K)
-    return dw_BHNLK.transpose(0, 2, 3, 1, 4).reshape(B, N * L, H, K)[:, :T]
+    dw_BHGLK = _unskew(gram_BHGLW, K)
+    return dw_BHGLK.transpose(0, 2, 3, 1, 4).reshape(B, G * L, H, K)[:, :T]
 
 
 def _unskew(band_LW, K):
