@@ -134,9 +134,5 @@ def validate_config(config: Any) -> None:
     if data.get("stream", False) and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
-    for side in ("input", "target"):
-        if data[f"eval_max_{side}_length"] < data[f"max_{side}_length"]:
-            raise UserError(f"config.data.eval_max_{side}_length={data[f'eval_max_{side}_length']} must be >= "
-                            f"config.data.max_{side}_length={data[f'max_{side}_length']}")
     model_cfg = models.ModelConfig.from_config(config.model, vocab_size=int(data["vocab_size"]))
     model_cfg.validate(decoder_only=values["task"] == "lm")
