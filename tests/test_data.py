@@ -10,6 +10,7 @@ import pytest
 
 from lconv.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ddtp, sources
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.errors import UserError
 
 
 def _md5s_in(split, n):
@@ -272,3 +273,132 @@ def test_tokenizer_round_trip_ids_and_reuse(tmp_path):
     assert again.model_proto == tokenizer.model_proto
     with pytest.raises(ValueError, match=f"vocab_size={tokenizer.vocab_size} but .* was trained for 400"):
         tokenizer_lib.load_or_train(str(tmp_path), iter(texts), vocab_size=tokenizer.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's datasets: `python -m lconv.data prepare NAME` (lconv.data.catalog)
+# ----------------------------------------------------------------------------------------------------------------
+CATALOG = ["wmt14/en_de", "wmt14/en_fr", "wmt17/zh_en", "lm1b", "cnn_dailymail"]
+
+
+def _prepare_cli(capsys, *argv):
+    """``python -m lconv.data prepare ...`` in this process: (exit code, stdout, stderr)."""
+    from lconv.data import __main__ as data_main
+
+    try:
+        data_main.main(["prepare", *argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", CATALOG)
+def test_prepare_without_tensorflow_is_one_line_naming_what_to_install(name, tmp_path, capsys, monkeypatch):
+    from lconv.data import catalog
+
+    monkeypatch.setattr(catalog, "has_tensorflow", lambda: False)
+    code, _, err = _prepare_cli(capsys, name, f"--data_dir={tmp_path / 'tfds'}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: preparing {name} needs TensorFlow (") and "pip install tensorflow-cpu" in err
+    assert not (tmp_path / "tfds").exists()  # checked before anything is downloaded or written
+
+
+def test_tfds_needs_tensorflow_to_unpack_downloads_and_its_lm1b_and_cnn_builders_use_it(tmp_path, monkeypatch):
+    """The facts catalog.TENSORFLOW_NEEDED states, from tfds itself: every catalog builder downloads archives, and
+    tfds cannot unpack one without TensorFlow; lm1b and cnn_dailymail also call tf.io.gfile themselves."""
+    import inspect
+    import sys
+    import tarfile
+
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.download import extractor
+    from tensorflow_datasets.datasets.lm1b import lm1b_dataset_builder
+    from tensorflow_datasets.summarization import cnn_dailymail
+
+    from lconv.data import catalog
+
+    archive = tmp_path / "a.tgz"
+    (tmp_path / "a.txt").write_text("x")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "a.txt", arcname="a.txt")
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # as where TensorFlow is not installed
+    manager = tfds.download.DownloadManager(download_dir=tmp_path / "downloads")
+    with pytest.raises(extractor.ExtractError, match="tensorflow") as error:
+        manager.extract(archive)
+    assert isinstance(error.value.__cause__, ModuleNotFoundError)
+    for module in (lm1b_dataset_builder, cnn_dailymail):
+        assert "tf.io.gfile." in inspect.getsource(module)
+    assert set(catalog.TENSORFLOW_NEEDED) == {sources.DATASETS[n].tfds_name.split("/")[0] for n in CATALOG}
+
+
+@pytest.mark.parametrize("name", CATALOG)
+def test_prepare_reaches_the_download_and_a_failed_download_is_one_line(name, tmp_path, monkeypatch):
+    """Up to the download step with tfds's real builder (TensorFlow is only needed after it); the network is
+    absent here, so the download fails, as it does on a machine without network."""
+    import requests
+    import tensorflow_datasets as tfds
+
+    from lconv.data import catalog
+
+    monkeypatch.setattr(catalog, "has_tensorflow", lambda: True)
+    asked, prepared_with = [], {}
+    real = tfds.core.DatasetBuilder.download_and_prepare
+
+    def spy(self, **kwargs):
+        prepared_with.update(kwargs)
+        return real(self, **kwargs)
+
+    def flat(urls):
+        if isinstance(urls, dict):
+            return [u for v in urls.values() for u in flat(v)]
+        return [u for v in urls for u in flat(v)] if isinstance(urls, (list, tuple)) else [urls]
+
+    def no_network(self, urls, *args, **kwargs):
+        asked.extend(flat(urls))
+        raise requests.ConnectionError("Failed to resolve 'www.statmt.org' (Name or service not known)")
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", spy)
+    for method in ("download", "download_and_extract"):
+        monkeypatch.setattr(tfds.download.DownloadManager, method, no_network)
+    with pytest.raises(UserError) as error:
+        catalog.prepare(name, str(tmp_path / "tfds"), log=lambda line: None)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"downloading {name} failed (ConnectionError: Failed to")
+    assert "run this where there is network" in message
+    assert asked and all(str(url).startswith(("http", "ftp")) for url in asked)
+    assert prepared_with["file_format"] == "array_record"
+    assert catalog.prepared_dir(sources.DATASETS[name].tfds_name, str(tmp_path / "tfds")) is None
+
+
+def test_prepare_cli_prepares_ddtp_and_reuses_a_prepared_catalog_dataset(tmp_path, capsys, tfds_quiet):
+    code, out, err = _prepare_cli(capsys, "ddtp/de_en", f"--data_dir={tmp_path}")
+    assert code == 0, err
+    assert "ddtp/de_en: examples {'train': 30249, 'validation': 1244, 'test': 1216} in " in out
+    # ddtp/en_de's files under the lm1b name stand in for a finished `tfds build lm1b` (dataset_info.json there)
+    os.makedirs(tmp_path / "lm1b")
+    os.symlink(tmp_path / "ddtp" / "en_de" / "1.0.0", tmp_path / "lm1b" / "1.1.0")
+    code, out, err = _prepare_cli(capsys, "lm1b", f"--data_dir={tmp_path}")
+    assert code == 0 and out == f"lm1b is already prepared in {tmp_path / 'lm1b' / '1.1.0'}\n", err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["nonsense"], "unknown task 'nonsense'"),
+    (["lm1b", "--raw_dir=/x"], "--raw_dir is read by ddtp/* and iwslt14/* only; lm1b is downloaded by tfds"),
+    ([], "the following arguments are required: name"),
+])
+def test_prepare_cli_bad_arguments_are_one_line(argv, named, tmp_path, capsys):
+    code, _, err = _prepare_cli(capsys, *argv, f"--data_dir={tmp_path / 'tfds'}")
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1 and named in err, err
+    assert not (tmp_path / "tfds").exists()
+
+
+@pytest.mark.parametrize("name, tfds_name", [("wmt14/en_de", "wmt14_translate/de-en"), ("lm1b", "lm1b"),
+                                             ("cnn_dailymail", "cnn_dailymail")])
+def test_unprepared_paper_dataset_error_gives_the_prepare_command(name, tfds_name, tmp_path):
+    with pytest.raises(ValueError) as error:
+        sources.get_source(name, "test", str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and f"python -m lconv.data prepare {name} --data_dir={tmp_path} " in message
+    assert "pip install tensorflow-cpu" in message

@@ -318,6 +318,71 @@ def test_two_real_processes_preparing_one_copy_at_once(tmp_path):
     assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["8", "8"]
 
 
+def test_two_real_processes_training_one_tokenizer_at_once_both_succeed(tmp_path):
+    """Two runs (one process each) sharing data_dir and workdir, started together: both prepare the data and train,
+    both save through their own temporary file, and both end with the same model, the one on disk."""
+    code = ("import hashlib, sys, time; from lconv.data import pipeline;"
+            " time.sleep(max(0, float(sys.argv[1]) - time.time()));"
+            " config = dict(dataset='ddtp/en_zh', data_dir=sys.argv[2], vocab_size=400, tokenizer_max_sentences=500);"
+            " t = pipeline.load_or_train_tokenizer(config, sys.argv[3], process_index=0, process_count=1);"
+            " print(hashlib.sha256(t.model_proto).hexdigest())")
+    import hashlib
+    import time
+
+    start = time.time() + 6
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(start), str(tmp_path / "tfds"), str(tmp_path / "run")],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=240) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    digests = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert digests == {hashlib.sha256((tmp_path / "run" / "spm.model").read_bytes()).hexdigest()}
+    assert os.listdir(tmp_path / "run") == ["spm.model"]
+
+
+_JAX_PROCESS = """
+import hashlib, json, os, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from lconv.data import pipeline
+from lconv.errors import UserError
+config, workdir = json.loads(sys.argv[3]), sys.argv[4]
+for vocab_size in (config["vocab_size"], config["vocab_size"] + 1):  # then one the saved model was not trained for
+    try:
+        tokenizer = pipeline.load_or_train_tokenizer({**config, "vocab_size": vocab_size}, workdir)
+        print("model", hashlib.sha256(tokenizer.model_proto).hexdigest(), flush=True)
+    except UserError as e:
+        print("error", e, flush=True)
+"""
+
+
+def test_several_jax_processes_train_the_tokenizer_once_on_process_0_and_all_hold_it(tmp_path):
+    """Process 1 has a data_dir with no data and a workdir of its own (hosts need not share one): it reads and
+    writes nothing, receives process 0's model, and raises process 0's one-line error when there is one."""
+    import hashlib
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    config = dict(dataset="ddtp/en_zh", vocab_size=400, tokenizer_max_sentences=500)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # several devices per process, as in training
+    runs = [subprocess.Popen([sys.executable, "-c", _JAX_PROCESS, f"localhost:{port}", str(i),
+                              json.dumps({**config, "data_dir": str(tmp_path / f"tfds{i}")}),
+                              str(tmp_path / f"run{i}")],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    lines = [[line for line in out.splitlines() if line.startswith(("model", "error"))] for out, _ in outputs]
+    saved = hashlib.sha256((tmp_path / "run0" / "spm.model").read_bytes()).hexdigest()
+    assert lines[0] == lines[1] and lines[0][0] == f"model {saved}", outputs
+    assert lines[0][1] == (f"error vocab_size=401 but {tmp_path / 'run0' / 'spm.model'} was trained for 400; use the "
+                           "same vocab_size or a fresh workdir")  # process 0's message, on both
+    assert not (tmp_path / "tfds1").exists() and not (tmp_path / "run1").exists()  # process 1 touched nothing
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 6. python -m lconv.data: one line and exit code 2; the tokenizer's and the pipeline's own checks
 # ----------------------------------------------------------------------------------------------------------------

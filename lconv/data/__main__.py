@@ -1,12 +1,16 @@
-"""Counts, what preparing skipped, and an example batch (ids and detokenised text) per task.
+"""Counts, what preparing skipped, and an example batch (ids and detokenised text) per task; or prepare one.
 
     python -m lconv.data                       # every DDTP task, from the bundled snapshot
     python -m lconv.data en_de lm_en           # some (or full names: ddtp/de_en, iwslt14/de_en, lm1b, ...)
     python -m lconv.data en_de --raw_dir=DIR   # from apt Translation-* files instead of the snapshot
     python -m lconv.data en_de --data_dir=~/tensorflow_datasets --workdir=/tmp/tok --vocab_size=8000
+    python -m lconv.data prepare wmt14/en_de --data_dir=gs://bucket/tfds     # once, where there is network
 
 A tokenizer per task is trained on a small training sample (``--max_sentences``) into ``--workdir/<task>``
-(reused when it exists). A bad argument or input is one ``error: ...`` line on stderr and exit code 2.
+(reused when it exists). ``prepare`` writes a dataset as array_record under ``--data_dir`` (default: the configs'
+``~/tensorflow_datasets``): the paper's datasets through their tfds builders (``lconv.data.catalog``: they need
+TensorFlow to prepare, not to train), ``ddtp/*`` and ``iwslt14/*`` as training would. A bad argument or input is
+one ``error: ...`` line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from lconv.data import ddtp, pipeline, sources
+from lconv.data import catalog, ddtp, paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 
@@ -48,7 +52,8 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     config = dict(dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size,
                   tokenizer_max_sentences=max_sentences, batch_size=batch_size, eval_batch_size=batch_size,
                   max_input_length=64, max_target_length=64, read_threads=1)
-    tokenizer = pipeline.load_or_train_tokenizer(config, os.path.join(workdir, name.replace("/", "_")))
+    tokenizer = pipeline.load_or_train_tokenizer(config, paths.join(workdir, name.replace("/", "_")),
+                                                 process_index=0, process_count=1)
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
     counts = {"train": len(sources.get_source(name, "train", data_dir, raw_dir)[0])}
     counts.update({split: len(eval_set.examples) for split, eval_set in data.eval_sets.items()})
@@ -92,7 +97,45 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _parse_prepare(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m lconv.data prepare", description="Prepares a dataset as array_record.")
+    parser.add_argument("name", help="a dataset name (wmt14/en_de, lm1b, cnn_dailymail, ddtp/en_de, ...)")
+    parser.add_argument("--data_dir", default="~/tensorflow_datasets", help="local folder or URL (gs://...)")
+    parser.add_argument("--raw_dir", default=None, help="ddtp/* and iwslt14/* only: their raw files")
+    parser.add_argument("--download_dir", default=None, help="where tfds keeps downloads (default: data_dir's)")
+    parser.add_argument("--manual_dir", default=None, help="tfds's folder of manually downloaded files")
+    args = parser.parse_args(argv)
+    try:
+        args.name = dataset_name(args.name)
+    except UserError as err:
+        parser.error(str(err))
+    if args.raw_dir is not None and not sources.dataset_spec(args.name).local:
+        parser.error(f"--raw_dir is read by ddtp/* and iwslt14/* only; {args.name} is downloaded by tfds")
+    return args
+
+
+def prepare_main(argv: list[str]) -> None:
+    """``python -m lconv.data prepare NAME``: prepares one dataset where training will read it."""
+    args = _parse_prepare(argv)
+    try:
+        if sources.dataset_spec(args.name).local:
+            from lconv.data import tfds_ddtp
+
+            spec = sources.dataset_spec(args.name)
+            builder = tfds_ddtp.prepare(spec.tfds_name, args.data_dir, raw_dir=args.raw_dir)
+            report = tfds_ddtp.read_report(builder)
+            print(f"{args.name}: examples {report['examples']} in {builder.data_dir}")
+        else:
+            catalog.prepare(args.name, args.data_dir, download_dir=args.download_dir, manual_dir=args.manual_dir)
+    except UserError as err:
+        _exit_with(str(err))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prepare"]:
+        prepare_main(argv[1:])
+        return
     args = _parse(argv)
     import tensorflow_datasets as tfds  # after the arguments are known to be good: importing it takes seconds
 

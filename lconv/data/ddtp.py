@@ -37,6 +37,9 @@ import re
 import unicodedata
 from collections.abc import Iterable, Mapping
 
+from etils import epath
+
+from lconv.data import paths
 from lconv.errors import UserError
 
 LANGS = ("en", "de", "fr", "es", "zh_CN")
@@ -81,9 +84,8 @@ def read_index_bytes(path: str | os.PathLike) -> bytes:
     A damaged or truncated compressed file is a one-line UserError naming it (a partial file would otherwise
     give a partial corpus, or a decompressor traceback that does not say which file).
     """
-    with open(path, "rb") as f:
-        data = f.read()
-    name = os.path.basename(path)
+    data = epath.Path(path).read_bytes()  # local or a URL (raw_dir=gs://...)
+    name = paths.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
         try:
             return lzma.decompress(data)
@@ -107,11 +109,11 @@ def read_index_bytes(path: str | os.PathLike) -> bytes:
 
 def find_index_file(raw_dir: str | os.PathLike, lang: str) -> str | None:
     """Path of ``Translation-<lang>`` in raw_dir (.xz, .lz4, plain, or apt's ``*_i18n_Translation-<lang>``)."""
-    names = sorted(os.listdir(raw_dir))
+    names = sorted(child.name for child in epath.Path(raw_dir).iterdir())
     for suffix in (".xz", ".lz4", ""):
         for name in names:
             if name == f"Translation-{lang}{suffix}" or name.endswith(f"_i18n_Translation-{lang}{suffix}"):
-                return os.path.join(raw_dir, name)
+                return paths.join(raw_dir, name)
     return None
 
 
@@ -126,7 +128,8 @@ def task_langs(task: str) -> tuple[str, ...]:
 
 def find_task_files(raw_dir: str | os.PathLike, tasks: Iterable[str]) -> dict[str, str]:
     """{lang: path} of the Translation files ``tasks`` need; a missing one is a UserError naming them all."""
-    if not os.path.isdir(raw_dir):
+    paths.check_url(raw_dir, "raw_dir")
+    if not epath.Path(raw_dir).is_dir():
         raise UserError(f"raw_dir={str(raw_dir)!r} is not a directory; point it at the apt Translation-* files")
     tasks = tuple(tasks)
     langs = sorted({lang for task in tasks for lang in task_langs(task)}, key=LANGS.index)

@@ -108,10 +108,55 @@ def tokenizer_texts(config: Any) -> Iterator[str]:
                 yield _text(example[key])
 
 
-def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present, else a joint model trained on the training split and saved there."""
-    return tokenizer_lib.load_or_train(workdir, tokenizer_texts(config), config_value(config, "vocab_size"),
-                                       max_sentences=config_value(config, "tokenizer_max_sentences"), save=save)
+def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, process_index: int | None = None,
+                            process_count: int | None = None) -> tokenizer_lib.Tokenizer:
+    """``<workdir>/spm.model`` if present, else a joint model trained on the training split and saved there.
+
+    With several processes (``jax.process_count()`` unless given), process 0 alone loads or trains (and saves)
+    the model and sends it to the others (a collective: every process calls this at once). So every process
+    holds the same bytes, the training split is read once, and the workdir need not be shared; a UserError on
+    process 0 (say a vocab_size mismatch) is raised on every process instead of leaving the others waiting.
+    """
+    def load_or_train() -> tokenizer_lib.Tokenizer:
+        return tokenizer_lib.load_or_train(workdir, tokenizer_texts(config), config_value(config, "vocab_size"),
+                                           max_sentences=config_value(config, "tokenizer_max_sentences"), save=save)
+
+    process_index, process_count = _process(process_index, process_count)
+    if process_count == 1:
+        return load_or_train()
+    status, payload = _OK, b""
+    if process_index == 0:
+        try:
+            payload = load_or_train().model_proto
+        except UserError as e:
+            status, payload, error = _USER_ERROR, str(e).encode(), e
+        except Exception as e:
+            status, payload, error = _FAILED, f"{type(e).__name__}: {e}".encode(), e
+    status, payload = _broadcast_from_process_0(status, payload)
+    if process_index == 0 and status != _OK:
+        raise error
+    if status == _USER_ERROR:
+        raise UserError(payload.decode())
+    if status == _FAILED:
+        raise RuntimeError(f"process 0 failed to load or train the tokenizer: {payload.decode()}")
+    return tokenizer_lib.Tokenizer(payload)
+
+
+_OK, _USER_ERROR, _FAILED = 0, 1, 2
+
+
+def _broadcast_from_process_0(status: int, payload: bytes) -> tuple[int, bytes]:
+    """(status, bytes) of process 0 on every process: the header first, so the others know the length."""
+    from jax.experimental import multihost_utils
+
+    header = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([status, len(payload)], np.int32)))
+    if not header[1]:
+        return int(header[0]), b""
+    buffer = np.zeros(int(header[1]), np.uint8)
+    if payload:
+        buffer[:] = np.frombuffer(payload, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return int(header[0]), data.astype(np.uint8).tobytes()
 
 
 def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,

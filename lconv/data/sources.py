@@ -7,22 +7,24 @@ One function, ``get_source(name, split, data_dir)``, gives ``(source, input_key,
 - ``ddtp/*`` and ``iwslt14/*`` are prepared here on first use (seconds; see ``tfds_ddtp``), once per source:
   the bundled snapshot and each raw_dir's files get a copy of their own, keyed by the files' contents.
   ``source_report`` gives what preparing one skipped or altered (a JSON-able dict).
-- The paper's datasets (WMT14 En-De/En-Fr, WMT17 Zh-En, Billion Word ``lm1b``, CNN-DailyMail) cannot be
-  downloaded on these machines: prepare them where there is network with the command the error gives, e.g.
-  ``tfds build wmt14_translate/de-en --data_dir=DIR --file_format=array_record``, and copy DIR here. Unprepared,
-  ``get_source`` raises a one-line ValueError saying exactly that.
+- The paper's datasets (WMT14 En-De/En-Fr, WMT17 Zh-En, Billion Word ``lm1b``, CNN-DailyMail) are prepared once,
+  where there is network, with ``python -m lconv.data prepare <name> --data_dir=DIR`` (``lconv.data.catalog``:
+  tfds's builders for them need TensorFlow to unpack their downloads; the command says what to install).
+  Unprepared, ``get_source`` raises a one-line UserError giving that command (and ``tfds build``'s equivalent).
+- data_dir (and raw_dir) may be a URL (``gs://bucket/tfds``): every file access goes through ``etils.epath``
+  (``lconv.data.paths``). array_record reads prepared catalog datasets from local disk or ``gs://`` only.
 - IWSLT14 De-En: ``raw_dir`` holds ``{train,valid,test}.{de,en}`` (e.g. fairseq's prepare-iwslt14.sh output
   before BPE); ``get_source("iwslt14/de_en", split, data_dir, raw_dir=...)`` prepares it once.
 """
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from lconv.data import ddtp
+from etils import epath
+
+from lconv.data import ddtp, paths
 from lconv.errors import UserError
 
 
@@ -75,7 +77,11 @@ def dataset_spec(name: str) -> DatasetSpec:
 
 
 def prepare_command(tfds_name: str, data_dir: str) -> str:
-    return f"tfds build {tfds_name} --data_dir={data_dir} --file_format=array_record"
+    """The command that prepares a catalog dataset (``lconv.data.catalog``), and ``tfds build``'s equivalent."""
+    name = next((n for n, spec in DATASETS.items() if spec.tfds_name == tfds_name and not spec.local), tfds_name)
+    return (f"python -m lconv.data prepare {name} --data_dir={data_dir} (where there is network; it needs pip "
+            f"install tensorflow-cpu; the same as: tfds build {tfds_name} --data_dir={data_dir} "
+            "--file_format=array_record, which needs importlib_resources too)")
 
 
 def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None) -> tuple[Source, str | None, str]:
@@ -86,15 +92,15 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
     """
     spec = dataset_spec(name)
     tfds_split = dict(spec.split_names).get(split, split)
-    data_dir = os.path.expanduser(data_dir)
+    data_dir = paths.expand(data_dir)
     builder = _builder(spec, data_dir, raw_dir)
     if tfds_split not in builder.info.splits:
         raise UserError(f"split={split!r} is not in {spec.tfds_name} (has {sorted(builder.info.splits)})")
     try:
         source = builder.as_data_source(split=tfds_split)
     except NotImplementedError as e:  # prepared in TFRecord format
-        raise UserError(f"{spec.tfds_name} in {data_dir} is not array_record; rebuild it with: "
-                         f"{prepare_command(spec.tfds_name, data_dir)}") from e
+        raise UserError(f"{spec.tfds_name} in {data_dir} is not array_record; delete {builder.data_dir} and "
+                        f"prepare it again with: {prepare_command(spec.tfds_name, data_dir)}") from e
     return source, spec.input_key, spec.target_key
 
 
@@ -111,7 +117,7 @@ def source_report(name: str, data_dir: str, raw_dir: str | None = None) -> dict:
         return {}
     from lconv.data import tfds_ddtp
 
-    return tfds_ddtp.read_report(_builder(spec, os.path.expanduser(data_dir), raw_dir))
+    return tfds_ddtp.read_report(_builder(spec, paths.expand(data_dir), raw_dir))
 
 
 def describe_report(report: Mapping[str, Any]) -> list[str]:
@@ -139,14 +145,24 @@ def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None):
     return _prepared_builder(spec.tfds_name, data_dir)
 
 
+def prepared_version_dir(tfds_name: str, data_dir: str) -> epath.Path:
+    """The newest version folder of ``tfds_name`` that ``tfds build`` (or ``lconv.data.catalog``) finished under
+    data_dir: its ``dataset_info.json``, written last, is there. Unprepared: a UserError giving the command."""
+    paths.check_url(data_dir, "data_dir")
+    versions = sorted(epath.Path(data_dir).glob(f"{tfds_name}/*/dataset_info.json"),
+                      key=lambda p: [int(x) if x.isdigit() else 0 for x in p.parent.name.split(".")])
+    if not versions:
+        raise UserError(f"{tfds_name} is not prepared in {data_dir}; prepare it once with: "
+                        f"{prepare_command(tfds_name, data_dir)}")
+    return versions[-1].parent
+
+
 def _prepared_builder(tfds_name: str, data_dir: str):
     """A read-only builder of a dataset prepared by ``tfds build`` (no builder code, so no TensorFlow needed)."""
     import tensorflow_datasets as tfds
 
-    versions = sorted(glob.glob(os.path.join(data_dir, tfds_name, "*", "dataset_info.json")),
-                      key=lambda p: [int(x) if x.isdigit() else 0 for x in p.split(os.sep)[-2].split(".")])
-    if not versions:
-        raise UserError(f"{tfds_name} is not prepared in {data_dir} and cannot be downloaded here; on a machine "
-                         f"with network run: {prepare_command(tfds_name, data_dir)} (then copy {data_dir}/"
-                         f"{tfds_name.split('/')[0]} here)")
-    return tfds.builder_from_directory(os.path.dirname(versions[-1]))
+    version_dir = prepared_version_dir(tfds_name, data_dir)
+    if paths.is_url(data_dir) and paths.scheme(data_dir) != "gs":
+        raise UserError(f"data_dir={data_dir!r}: array_record (tfds.data_source) reads local files and gs:// only; "
+                        f"copy {data_dir}/{tfds_name} to local disk or gs://")
+    return tfds.builder_from_directory(str(version_dir))

@@ -24,6 +24,12 @@ another process at the same time, counts as success), and never modified after::
 
     builder = prepare("ddtp/en_de", data_dir)           # idempotent; reuses a prepared copy of the same source
     source = tfds.data_source("ddtp/en_de", split="train", data_dir=data_dir)   # after importing this module
+
+A URL data_dir (``gs://bucket/tfds``, any ``etils.epath`` file system) keeps the same layout without the symlink
+(object stores have none) and without the rename (not atomic there): the copy is built locally, then uploaded
+with ``lconv_report.json`` last, which is what marks it complete (``paths.upload_tree``). It is read from a local
+mirror (``paths.local_cache_dir``; downloaded from data_dir when another machine prepared it), since array_record
+reads no URL but ``gs://``, and random reads over the network would starve training. raw_dir may be a URL too.
 """
 from __future__ import annotations
 
@@ -33,13 +39,12 @@ import json
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv.data import ddtp
+from lconv.data import ddtp, paths
 from lconv.errors import UserError
 
 _TASK_FIELDS = {
@@ -140,19 +145,18 @@ class Iwslt14(_LocalBuilder):
                 for split, prefix in (("train", "train"), ("validation", "valid"), ("test", "test"))}
 
     def _generate_examples(self, prefix: str) -> Iterator[tuple[str, dict]]:
-        paths = {lang: os.path.join(self._raw_dir, f"{prefix}.{lang}") for lang in ("de", "en")}
-        de_lines, en_lines = _read_lines(paths["de"]), _read_lines(paths["en"])
+        files = {lang: paths.join(self._raw_dir, f"{prefix}.{lang}") for lang in ("de", "en")}
+        de_lines, en_lines = _read_lines(files["de"]), _read_lines(files["en"])
         if len(de_lines) != len(en_lines):
-            raise UserError(f"{paths['de']} has {len(de_lines)} lines but {paths['en']} {len(en_lines)}; "
+            raise UserError(f"{files['de']} has {len(de_lines)} lines but {files['en']} {len(en_lines)}; "
                              "the files must be line-aligned")
         for i, (de, en) in enumerate(zip(de_lines, en_lines)):
             yield i, {"de": de.strip(), "en": en.strip()}
 
 
 def _read_lines(path: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
+    try:  # decoded whole then split: the same lines as text-mode open() gives (splitlines takes \r\n and \r)
+        return epath.Path(path).read_bytes().decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
 
@@ -182,25 +186,47 @@ def _source_files(name: str, raw_dir: str | None) -> dict[str, str]:
         if raw_dir is None:
             return {split: ddtp.snapshot_file(ddtp.SNAPSHOT_DIR, split) for split in ddtp.SPLITS}
         return ddtp.find_task_files(raw_dir, [config])
-    if raw_dir is None or not os.path.isdir(raw_dir):
+    if raw_dir is not None:
+        paths.check_url(raw_dir, "raw_dir")
+    if raw_dir is None or not epath.Path(raw_dir).is_dir():
         raise UserError(f"{name} needs raw_dir= a folder with {{train,valid,test}}.{{de,en}} (got raw_dir="
                         f"{raw_dir!r}); see lconv/data/sources.py")
-    missing = [f for f in _IWSLT_FILES if not os.path.isfile(os.path.join(raw_dir, f))]
+    missing = [f for f in _IWSLT_FILES if not epath.Path(paths.join(raw_dir, f)).is_file()]
     if missing:
         raise UserError(f"raw_dir={raw_dir!r} has no {', '.join(missing)}; {name} needs {', '.join(_IWSLT_FILES)}")
-    return {f: os.path.join(raw_dir, f) for f in _IWSLT_FILES}
+    return {f: paths.join(raw_dir, f) for f in _IWSLT_FILES}
 
 
 def _sha256(path: str) -> str:
+    """The file's SHA-256, computed once per (path, size, modification time)."""
+    if paths.is_url(path):
+        stat = epath.Path(path).stat()
+        key = (path, stat.length, stat.mtime)
+        if key not in _DIGESTS or not stat.mtime:  # a store that gives no mtime is read every time
+            with epath.Path(path).open("rb") as f:
+                _DIGESTS[key] = _digest(f)
+        return _DIGESTS[key]
     stat = os.stat(path)
     key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS:
-        digest = hashlib.sha256()
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _DIGESTS[key] = digest.hexdigest()
+            _DIGESTS[key] = _digest(f)
     return _DIGESTS[key]
+
+
+def _digest(f) -> str:
+    digest = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def _size(path: str) -> int:
+    return epath.Path(path).stat().length if paths.is_url(path) else os.path.getsize(path)
+
+
+def _absolute(path: str) -> str:
+    return path if paths.is_url(path) else os.path.abspath(path)
 
 
 def source_fingerprint(name: str, raw_dir: str | None = None) -> dict:
@@ -211,14 +237,14 @@ def source_fingerprint(name: str, raw_dir: str | None = None) -> dict:
     """
     cls, _ = _builder_class(name)
     files = _source_files(name, raw_dir)
-    described = {role: {"file": os.path.basename(path), "bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    described = {role: {"file": paths.basename(path), "bytes": _size(path), "sha256": _sha256(path)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
                 "files": {role: d["sha256"] for role, d in described.items()}}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return {"dataset": name, "version": str(cls.VERSION), "key": key,
-            "raw_dir": None if raw_dir is None else os.path.abspath(raw_dir),
-            "source": "the bundled snapshot" if raw_dir is None else f"raw_dir={os.path.abspath(raw_dir)}",
+            "raw_dir": None if raw_dir is None else _absolute(raw_dir),
+            "source": "the bundled snapshot" if raw_dir is None else f"raw_dir={_absolute(raw_dir)}",
             "files": described}
 
 
@@ -226,29 +252,42 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.D
     """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") from its source as array_record in data_dir, unless a
     copy from the same source is there; returns a builder reading that copy (see the module docstring)."""
     cls, config = _builder_class(name)
-    data_dir = os.path.abspath(os.path.expanduser(data_dir))
+    data_dir = paths.normalize(data_dir)
+    paths.check_url(data_dir, "data_dir")
     fingerprint = source_fingerprint(name, raw_dir)
-    copy_dir = os.path.join(data_dir, CACHE_DIRNAME, f"{name.replace('/', '_')}-{fingerprint['key']}")
-    if not os.path.isfile(_report_path(copy_dir, name, cls.VERSION)):
-        try:
-            _prepare_copy(name, copy_dir, raw_dir, fingerprint)
-        except PermissionError as e:
-            raise UserError(f"data_dir={data_dir!r} is not writable ({e.strerror}: {e.filename}); {name} needs "
-                            "to be prepared there once: use a writable data_dir") from e
-    builder = cls(config=config, data_dir=copy_dir, raw_dir=raw_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD)
-    _point_plain_readers(data_dir, name, builder.data_dir)
+    copy_name = f"{name.replace('/', '_')}-{fingerprint['key']}"
+    copy_dir = paths.join(data_dir, CACHE_DIRNAME, copy_name)
+    if paths.is_url(data_dir):
+        read_dir = _mirror_url_copy(name, copy_dir, os.path.join(paths.local_cache_dir(), copy_name), raw_dir,
+                                    fingerprint)
+    else:
+        read_dir = copy_dir
+        if not _is_complete(copy_dir, name):
+            try:
+                _prepare_copy(name, copy_dir, raw_dir, fingerprint)
+            except PermissionError as e:
+                raise UserError(f"data_dir={data_dir!r} is not writable ({e.strerror}: {e.filename}); {name} "
+                                "needs to be prepared there once: use a writable data_dir") from e
+    builder = cls(config=config, data_dir=read_dir, raw_dir=raw_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD)
+    if not paths.is_url(data_dir):  # object stores have no symlinks
+        _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
 
 
 def _report_path(copy_dir: str, name: str, version) -> str:
-    return os.path.join(copy_dir, *name.split("/"), str(version), REPORT_FILENAME)
+    return paths.join(copy_dir, *name.split("/"), str(version), REPORT_FILENAME)
+
+
+def _is_complete(copy_dir: str, name: str) -> bool:
+    """A copy counts only once its report is there: the report is the last file written (or renamed) into it."""
+    return epath.Path(_report_path(copy_dir, name, _builder_class(name)[0].VERSION)).is_file()
 
 
 def _prepare_copy(name: str, copy_dir: str, raw_dir: str | None, fingerprint: dict) -> None:
-    """Builds the copy in a directory of this process's own, then renames it to ``copy_dir`` in one step."""
+    """Builds the copy in a local directory of this process's own, then renames it to ``copy_dir`` in one step."""
     cls, config = _builder_class(name)
     os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
-    temp_dir = f"{copy_dir}.tmp-{uuid.uuid4().hex}"  # unique: processes preparing together never share files
+    temp_dir = paths.unique_temp(copy_dir)  # unique: processes preparing together never share files
     try:
         builder = cls(config=config, data_dir=temp_dir, raw_dir=raw_dir,
                       file_format=tfds.core.FileFormat.ARRAY_RECORD)
@@ -259,15 +298,45 @@ def _prepare_copy(name: str, copy_dir: str, raw_dir: str | None, fingerprint: di
         with open(os.path.join(builder.data_dir, REPORT_FILENAME), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, ensure_ascii=False)
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
-        try:
-            os.rename(temp_dir, copy_dir)  # atomic; fails when another process renamed its copy there first
-        except OSError:
-            if not os.path.isfile(_report_path(copy_dir, name, cls.VERSION)):
-                raise UserError(f"{copy_dir} is an incomplete prepared copy (no {REPORT_FILENAME}); delete it and "
-                                "run again") from None
+        _commit(temp_dir, copy_dir, name)
         print(f"Prepared {name} ({report['examples']} examples) in {copy_dir}", flush=True)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
+    """Renames a complete local ``temp_dir`` to ``copy_dir``; another process's copy already there is as good."""
+    try:
+        os.rename(temp_dir, copy_dir)  # atomic; fails when another process renamed its copy there first
+    except OSError:
+        if not _is_complete(copy_dir, name):
+            raise UserError(f"{copy_dir} is an incomplete prepared copy (no {REPORT_FILENAME}); delete it and "
+                            "run again") from None
+
+
+def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, raw_dir: str | None, fingerprint: dict) -> str:
+    """For a URL data_dir: makes sure the copy is both at ``copy_dir`` (shared, e.g. by a pod's hosts) and at
+    ``local_dir`` (read by array_record at local speed); returns ``local_dir``."""
+    on_url = _is_complete(copy_dir, name)
+    if not _is_complete(local_dir, name):
+        if on_url:  # prepared by another machine: fetch it rather than parse again
+            os.makedirs(os.path.dirname(local_dir), exist_ok=True)
+            temp_dir = paths.unique_temp(local_dir)
+            try:
+                paths.download_tree(copy_dir, temp_dir)
+                _commit(temp_dir, local_dir, name)
+            finally:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+        else:
+            _prepare_copy(name, local_dir, raw_dir, fingerprint)
+    if not on_url:
+        try:
+            paths.upload_tree(local_dir, copy_dir, commit_last=[REPORT_FILENAME])
+        except OSError as e:
+            raise UserError(f"data_dir: cannot write {copy_dir} ({type(e).__name__}: {e}); check that data_dir "
+                            "is reachable and writable and run again (the upload is redone)") from e
+        print(f"Stored {name} in {copy_dir}", flush=True)
+    return local_dir
 
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
@@ -275,12 +344,13 @@ def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
 
     Replaced in one step (a new link renamed over the old). A real directory there (prepared before copies were
     keyed by their source) is left alone; so is a file system without symlinks: lconv itself reads the copies.
+    Local data_dirs only: under a URL, plain readers name the copy (``<data_dir>/lconv_prepared/<name>-<key>``).
     """
     link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
     target = os.path.relpath(version_dir, os.path.dirname(link))
     if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
         return
-    temp_link = os.path.join(data_dir, CACHE_DIRNAME, f"link.tmp-{uuid.uuid4().hex}")
+    temp_link = paths.unique_temp(os.path.join(data_dir, CACHE_DIRNAME, "link"))
     try:
         os.makedirs(os.path.dirname(link), exist_ok=True)
         os.symlink(target, temp_link)
@@ -292,8 +362,7 @@ def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
 
 def read_report(builder: tfds.core.DatasetBuilder) -> dict:
     """The ``lconv_report.json`` of a copy ``prepare`` returned: source, examples, skipped and altered counts."""
-    with open(os.path.join(builder.data_dir, REPORT_FILENAME), encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads((epath.Path(builder.data_dir) / REPORT_FILENAME).read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -110,11 +110,14 @@ def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,
     """Loads ``<directory>/spm.model`` if it exists (its vocab size must match), else trains and saves it.
 
     texts: training-split text, read lazily (only the first ``max_sentences * 4`` are looked at; a
-    deterministic stride sample of them is used). Multi-host: training is deterministic, so every process may
-    train; pass ``save=jax.process_index() == 0``.
+    deterministic stride sample of them is used). Several processes: ``lconv.data.pipeline.load_or_train_tokenizer``
+    calls this on process 0 only and sends the model to the others.
     """
     from etils import epath
 
+    from lconv.data import paths
+
+    paths.check_url(directory, "workdir")
     if epath.Path(tokenizer_path(directory)).exists():
         tokenizer = load_tokenizer(directory)
         if tokenizer.requested_vocab_size != vocab_size:

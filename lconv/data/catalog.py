@@ -1,0 +1,129 @@
+"""Preparing the paper's datasets (tfds catalog builders) as array_record: ``python -m lconv.data prepare NAME``.
+
+Reading a prepared dataset needs no TensorFlow (``sources`` reads it with ``tfds.data_source``); preparing one
+does, for every catalog dataset lconv names. From tensorflow-datasets 4.9.10's source:
+
+- all of them: ``tfds.core.download.extractor`` unpacks downloaded archives with ``tf.compat.as_text`` and
+  ``tf.io.gfile.GFile``, and each builder downloads archives: WMT14/WMT17 the europarl / commoncrawl /
+  news-commentary / UN ``.tgz`` files, ``lm1b`` one ``.tar.gz``, ``cnn_dailymail`` the stories ``.tgz``;
+- ``lm1b`` also lists the unpacked files with ``tf.io.gfile.glob``; ``cnn_dailymail`` reads them with
+  ``tf.io.gfile.listdir`` / ``GFile``.
+
+The download (``requests``) and the array_record writer need no TensorFlow, so ``prepare`` checks for it before
+downloading anything and says in one line what to install. tfds 4.9.10 also imports ``importlib_resources`` (a
+backport it declares for Python < 3.9 only) to locate a builder's checksums; the standard library's
+``importlib.resources`` stands in for it here. A URL data_dir (``gs://...``) is prepared in a local staging
+folder (array_record writes local files only) and uploaded with ``dataset_info.json`` last: readers look for that
+file (``sources``), so they never see half a dataset.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+
+from etils import epath
+
+from lconv.data import paths, sources
+from lconv.errors import UserError
+
+# Why each catalog builder needs TensorFlow to prepare (see the module docstring); its module, which tfds without
+# TensorFlow does not import (so does not register) by itself.
+TENSORFLOW_NEEDED = {
+    "wmt14_translate": "tfds unpacks its .tgz downloads with tf.io.gfile",
+    "wmt17_translate": "tfds unpacks its .tgz downloads with tf.io.gfile",
+    "lm1b": "tfds unpacks its .tar.gz with tf.io.gfile and the builder lists it with tf.io.gfile.glob",
+    "cnn_dailymail": "tfds unpacks its .tgz with tf.io.gfile and the builder reads it with tf.io.gfile",
+}
+_MODULES = {
+    "wmt14_translate": "tensorflow_datasets.translate.wmt14",
+    "wmt17_translate": "tensorflow_datasets.translate.wmt17",
+    "cnn_dailymail": "tensorflow_datasets.summarization.cnn_dailymail",
+}
+INSTALL = "pip install tensorflow-cpu"  # any TensorFlow 2 works; the CPU wheel is the smallest
+
+
+def has_tensorflow() -> bool:
+    return importlib.util.find_spec("tensorflow") is not None
+
+
+def prepared_dir(tfds_name: str, data_dir: str) -> str | None:
+    """The newest prepared version of ``tfds_name`` under data_dir (its ``dataset_info.json`` present), or None."""
+    try:
+        return str(sources.prepared_version_dir(tfds_name, data_dir))
+    except UserError:
+        return None
+
+
+def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual_dir: str | None = None,
+            log: Callable[[str], None] = print) -> str:
+    """Prepares catalog dataset ``name`` (``wmt14/en_de``, ``lm1b``, ...) as array_record under data_dir unless it
+    is there; returns its version folder. A missing requirement or a failed download is a one-line UserError."""
+    spec = sources.dataset_spec(name)
+    if spec.local:
+        raise UserError(f"{name} is prepared by lconv itself (lconv.data.tfds_ddtp.prepare), not from the catalog")
+    data_dir = paths.normalize(data_dir)
+    paths.check_url(data_dir, "--data_dir")
+    done = prepared_dir(spec.tfds_name, data_dir)
+    if done is not None:
+        log(f"{spec.tfds_name} is already prepared in {done}")
+        return done
+    builder_name = spec.tfds_name.split("/")[0]
+    if not has_tensorflow():
+        raise UserError(f"preparing {name} needs TensorFlow ({TENSORFLOW_NEEDED.get(builder_name, 'tfds')}): "
+                        f"{INSTALL}, then run this again (training reads it without TensorFlow)")
+    staging = None
+    if paths.is_url(data_dir):  # downloads kept locally (a rerun resumes them); the build staged beside them
+        download_dir = download_dir or os.path.join(paths.local_cache_dir(), "downloads")
+        os.makedirs(download_dir, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix="lconv_prepare_", dir=os.path.dirname(os.path.abspath(download_dir)))
+    try:
+        builder = _catalog_builder(spec.tfds_name, staging or data_dir)
+        log(f"Preparing {spec.tfds_name} in {staging or data_dir} (downloads: "
+            f"{download_dir or os.path.join(data_dir, 'downloads')}) ...")
+        _download_and_prepare(builder, name, download_dir, manual_dir)
+        if staging is not None:  # array_record writes local files only: upload, dataset_info.json last
+            target = paths.join(data_dir, *spec.tfds_name.split("/"), epath.Path(builder.data_dir).name)
+            try:
+                paths.upload_tree(str(builder.data_dir), target, commit_last=["dataset_info.json"])
+            except OSError as e:
+                raise UserError(f"cannot write {target} ({type(e).__name__}: {e}); check that --data_dir is "
+                                "reachable and writable and run again (the downloads are kept)") from e
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    done = str(sources.prepared_version_dir(spec.tfds_name, data_dir))
+    log(f"Prepared {spec.tfds_name} in {done}")
+    return done
+
+
+def _catalog_builder(tfds_name: str, data_dir: str):
+    import tensorflow_datasets as tfds
+
+    if importlib.util.find_spec("importlib_resources") is None:  # see the module docstring
+        sys.modules.setdefault("importlib_resources", importlib.resources)
+    module = _MODULES.get(tfds_name.split("/")[0])
+    if module is not None:
+        importlib.import_module(module)  # registers the builder
+    return tfds.builder(tfds_name, data_dir=data_dir)
+
+
+def _download_and_prepare(builder, name: str, download_dir: str | None, manual_dir: str | None) -> None:
+    import requests
+    import tensorflow_datasets as tfds
+
+    config = tfds.download.DownloadConfig(manual_dir=manual_dir)
+    try:
+        builder.download_and_prepare(file_format="array_record", download_dir=download_dir, download_config=config)
+    except PermissionError as e:
+        raise UserError(f"cannot write {e.filename} ({e.strerror}); pass a writable --data_dir / --download_dir") \
+            from e
+    except (tfds.download.DownloadError, requests.RequestException, ConnectionError) as e:
+        detail = " ".join(str(e).split())[:300]
+        raise UserError(f"downloading {name} failed ({type(e).__name__}: {detail}); run this where there is "
+                        "network (a rerun keeps the downloads that finished)") from e

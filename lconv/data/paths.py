@@ -1,0 +1,121 @@
+"""Paths of data_dir, raw_dir and workdir: local folders or any ``etils.epath`` URL (``gs://bucket/tfds``, ...).
+
+Every file operation of ``lconv.data`` on a user-given path goes through ``epath`` (local paths take its ``os``
+backend, so they behave exactly as ``os``/``open`` do). What object stores lack is done the local way only for
+local paths, with a safe alternative for URLs:
+
+- no atomic rename of a directory (GCS "renames" object by object): a URL copy is uploaded file by file with a
+  commit file last (``upload_tree``), and readers count a copy as there only when its commit file is;
+- no symlinks: the links kept for plain tfds readers are made for local data_dirs only;
+- array_record (what ``tfds.data_source`` reads) opens local files and, through its own GCS client, ``gs://``
+  objects: nothing else. Small prepared copies are therefore read from a local mirror (``local_cache_dir``).
+
+Without TensorFlow, epath reaches ``gs://`` through fsspec, which needs ``gcsfs`` (``check_url`` says so).
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import tempfile
+import uuid
+from collections.abc import Iterable
+
+from etils import epath
+
+from lconv.errors import UserError
+
+CACHE_ENV = "LCONV_DATA_CACHE"  # where copies prepared under a URL data_dir are mirrored for reading
+_FS_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_hub"}
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for ``scheme://...`` (read through an epath/fsspec backend), False for a local path."""
+    return "://" in os.fspath(path)
+
+
+def scheme(path: str | os.PathLike) -> str | None:
+    return os.fspath(path).split("://", 1)[0] if is_url(path) else None
+
+
+def normalize(path: str | os.PathLike) -> str:
+    """A local path made absolute (``~`` expanded); a URL with no trailing slash (``os.path`` would mangle it)."""
+    path = os.fspath(path)
+    return path.rstrip("/") if is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def expand(path: str | os.PathLike) -> str:
+    """``~`` expanded in a local path; a URL as it is."""
+    path = os.fspath(path)
+    return path if is_url(path) else os.path.expanduser(path)
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """``os.path.join`` for local paths (unchanged behaviour), ``/``-joined for URLs."""
+    base = os.fspath(base)
+    return posixpath.join(base, *parts) if is_url(base) else os.path.join(base, *parts)
+
+
+def basename(path: str | os.PathLike) -> str:
+    return posixpath.basename(os.fspath(path).rstrip("/"))
+
+
+def check_url(path: str | os.PathLike, flag: str) -> None:
+    """A one-line UserError when ``path`` is a URL whose file system cannot be reached from Python here (e.g.
+    ``gs://`` without ``gcsfs`` or TensorFlow); local paths and reachable URLs pass."""
+    if not is_url(path):
+        return
+    try:
+        epath.Path(path).exists()
+    except ImportError as e:
+        package = _FS_PACKAGES.get(scheme(path), "its fsspec implementation")
+        raise UserError(f"{flag}={os.fspath(path)!r} is on {scheme(path)}://, which needs {package} here: "
+                        f"pip install {package}") from e
+    except (KeyError, NotImplementedError) as e:  # epath knows no such scheme
+        raise UserError(f"{flag}={os.fspath(path)!r}: etils.epath has no {scheme(path)}:// file system; use a "
+                        "local path or gs:// (s3://, az://, hf://)") from e
+
+
+def local_cache_dir() -> str:
+    """The local folder where copies prepared under a URL data_dir are mirrored: ``$LCONV_DATA_CACHE``, else
+    ``<tmp>/lconv_data_cache``. Each copy's name holds its source's SHA-256 key, so a mirror is never stale."""
+    return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "lconv_data_cache")
+
+
+def upload_tree(local_dir: str, remote_dir: str, commit_last: Iterable[str]) -> None:
+    """Copies every file under ``local_dir`` to ``remote_dir`` (any epath URL), the files named ``commit_last``
+    (base names) after all others. A reader that checks the commit file sees either nothing or every file: an
+    interrupted upload is resumed by the next one (same content, objects overwritten whole), and processes
+    uploading the same copy at once write the same records."""
+    commit_last = set(commit_last)
+    files = []
+    for root, _, names in os.walk(local_dir):
+        files += [os.path.relpath(os.path.join(root, name), local_dir) for name in names]
+    files.sort(key=lambda rel: (os.path.basename(rel) in commit_last, rel))
+    for rel in files:
+        target = epath.Path(remote_dir).joinpath(*rel.split(os.sep))
+        target.parent.mkdir(parents=True, exist_ok=True)  # a no-op on object stores
+        target.write_bytes(_read_local(os.path.join(local_dir, rel)))
+
+
+def download_tree(remote_dir: str, local_dir: str) -> None:
+    """Copies every file under ``remote_dir`` (any epath URL) into ``local_dir`` (which must not exist yet)."""
+    def copy(source: epath.Path, target: str) -> None:
+        os.makedirs(target, exist_ok=True)
+        for child in source.iterdir():  # listdir + join: fsspec's walk would drop the URL scheme
+            if child.is_dir():
+                copy(child, os.path.join(target, child.name))
+            else:
+                with open(os.path.join(target, child.name), "wb") as f:
+                    f.write(child.read_bytes())
+
+    copy(epath.Path(remote_dir), local_dir)
+
+
+def unique_temp(path: str) -> str:
+    """``<path>.tmp-<uuid>``: a name of this process's own next to ``path`` (processes never share one)."""
+    return f"{path}.tmp-{uuid.uuid4().hex}"
+
+
+def _read_local(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
