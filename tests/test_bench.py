@@ -1,6 +1,12 @@
 """The benchmark helpers' pure logic (the suites themselves are not tests: ``python -m lconv.bench``)."""
+import argparse
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
+from lconv.bench import __main__ as bench_main
 from lconv.bench import report, timing
 from lconv.bench.__main__ import parse_T_list
 
@@ -50,13 +56,10 @@ def test_bad_T_list(text):
 # ----------------------------------------------------------------------------------------------------------------
 # The committed results are never overwritten by a smoke test or an empty list
 # ----------------------------------------------------------------------------------------------------------------
-_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _bench(*args):
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, "-m", "lconv.bench", *args], cwd=_ROOT, capture_output=True, text=True,
                           timeout=120)
 
@@ -79,10 +82,6 @@ def test_an_empty_T_list_and_a_quick_run_over_the_committed_results_are_refused(
 
 
 def test_a_quick_run_writes_to_a_scratch_folder_by_default():
-    import argparse
-
-    from lconv.bench import __main__ as bench_main
-
     quick = argparse.Namespace(quick=True, out=None, doc=None)
     bench_main.resolve_outputs(quick, None)
     assert (quick.out, quick.doc) == (bench_main.QUICK_DIR, f"{bench_main.QUICK_DIR}/benchmarks.md")

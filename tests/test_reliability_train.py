@@ -24,12 +24,7 @@ from lconv.train import workdir as workdir_lib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _config(data_dir, num_steps=6, **train):
-    c = tiny_config.get_config()
-    c.data.data_dir = str(data_dir)
-    c.train.num_steps = num_steps
-    c.train.update(train)
-    return c
+_config = tiny_config.training_config
 
 
 def _train_py(*args, timeout=300):
@@ -44,8 +39,7 @@ def _one_line_error(result):
     return lines[0]
 
 
-def _quiet(*args):
-    del args
+_quiet = tiny_config.quiet
 
 
 @pytest.fixture(scope="module")

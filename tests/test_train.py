@@ -15,13 +15,7 @@ import tiny_config
 from lconv.data import sources
 from lconv.train import checkpoints, loop, setup, steps
 
-
-def _config(data_dir, num_steps=6, **train):
-    c = tiny_config.get_config()
-    c.data.data_dir = str(data_dir)
-    c.train.num_steps = num_steps
-    c.train.update(train)
-    return c
+_config = tiny_config.training_config
 
 
 def _rows(workdir, split):
@@ -41,8 +35,7 @@ def _new_workdir(root, name, like):
     return workdir
 
 
-def _quiet(*args):
-    del args
+_quiet = tiny_config.quiet
 
 
 @pytest.fixture(scope="module")

@@ -23,3 +23,17 @@ def get_config(arg=None):
     c.train.eval_every = 3
     c.train.eval_after_training = False
     return c
+
+
+def training_config(data_dir, num_steps=6, **train):
+    """The tiny config reading ``data_dir``, trained for ``num_steps`` with ``train`` fields overridden."""
+    c = get_config()
+    c.data.data_dir = str(data_dir)
+    c.train.num_steps = num_steps
+    c.train.update(train)
+    return c
+
+
+def quiet(*args):
+    """A ``log`` that prints nothing."""
+    del args

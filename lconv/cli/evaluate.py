@@ -63,12 +63,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
     """eval.py's flags against their ranges, before the workdir is read."""
-    if checkpoint not in ("latest", "best"):
-        raise UserError(f"--checkpoint={checkpoint!r}: must be latest or best")
-    if average_last < 1:
-        raise UserError(f"--average_last={average_last}: must be >= 1 (the number of latest checkpoints to average)")
-    if checkpoint == "best" and average_last > 1:
-        raise UserError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+    setup.check_checkpoint_choice(average_last, checkpoint)
     if beam_size is not None and beam_size < 1:
         raise UserError(f"--beam_size={beam_size}: must be >= 1 (1 = greedy)")
     if lenpen is not None and not (math.isfinite(lenpen) and lenpen >= 0):

@@ -25,6 +25,7 @@ import numpy as np
 from etils import epath
 
 from lconv.errors import UserError
+from lconv.train import workdir as workdir_lib
 
 MANIFEST_FILENAME = "lconv_manifest.json"
 ERROR_LOG_FILENAME = "checkpoint_errors.log"
@@ -209,6 +210,5 @@ def quiet_orbax(error_log: str) -> Iterator[_Details]:
             lg.handlers, lg.propagate = handlers, propagate
         threading.excepthook, sys.unraisablehook, sys.stderr = thread_hook, unraisable_hook, stderr
         if buffer:
-            with contextlib.suppress(OSError):  # rewritten whole: object stores cannot append
-                log = epath.Path(details.path)
-                log.write_text((log.read_text() if log.exists() else "") + "\n".join(buffer) + "\n")
+            with contextlib.suppress(OSError):
+                workdir_lib.append_text(epath.Path(details.path), "\n".join(buffer) + "\n")

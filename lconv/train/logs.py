@@ -8,6 +8,8 @@ from typing import Any
 import jax
 from etils import epath
 
+from lconv.train import workdir as workdir_lib
+
 
 class _RemoteLines:
     """An append-only text file on an object store (gs://...), which cannot append: the lines are kept and the
@@ -35,7 +37,7 @@ class MetricWriter:
         if not self.enabled:
             return
         path = epath.Path(workdir) / "metrics.jsonl"
-        self.jsonl = _RemoteLines(path) if "://" in str(workdir) else open(path, "a")
+        self.jsonl = _RemoteLines(path) if workdir_lib.is_remote(workdir) else open(path, "a")
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
         self.tensorboard = SummaryWriter(f"{workdir}/tensorboard")

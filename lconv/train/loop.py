@@ -102,10 +102,10 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
     checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any.
     """
     devices = jax.devices() if devices is None else list(devices)
-    setup.check_config(config, devices)  # before anything is written, the workdir included
+    mesh = setup.check_config(config, devices)  # before anything is written, the workdir included
     path = workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(path, log):
-        run = setup.build_run(config, path, devices, log, accept_config_changes=accept_config_changes)
+        run = setup.build_run(config, path, devices, log, accept_config_changes=accept_config_changes, mesh=mesh)
         return _train_and_evaluate(run, log)
 
 

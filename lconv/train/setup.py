@@ -244,11 +244,13 @@ def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.
 
 
 def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None,
-              log: Callable[[str], None] = print, *, accept_config_changes: bool = False) -> Run:
+              log: Callable[[str], None] = print, *, accept_config_changes: bool = False,
+              mesh: jax.sharding.Mesh | None = None) -> Run:
     """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
-    (the caller restores a checkpoint into it when one exists, and holds the workdir's lock)."""
+    (the caller restores a checkpoint into it when one exists, and holds the workdir's lock). ``mesh``: the one
+    ``check_config`` returned, when the caller checked already."""
     devices = jax.devices() if devices is None else list(devices)
-    mesh = check_config(config, devices)
+    mesh = check_config(config, devices) if mesh is None else mesh
     workdir = workdir_lib.make_workdir(workdir)
     has_checkpoint = checkpoints.has_checkpoint(workdir)
     config_changes = workdir_lib.check_config_change(config, workdir, has_checkpoint=has_checkpoint,
@@ -292,6 +294,16 @@ def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -
     return jax.tree.map(place, shardings, abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
+def check_checkpoint_choice(average_last: int, checkpoint: str) -> None:
+    """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags."""
+    if checkpoint not in ("latest", "best"):
+        raise UserError(f"--checkpoint={checkpoint!r}: must be latest or best")
+    if average_last < 1:
+        raise UserError(f"--average_last={average_last}: must be >= 1 (the number of latest checkpoints to average)")
+    if checkpoint == "best" and average_last > 1:
+        raise UserError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+
+
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
                  overrides: Callable[[Config], None] | None = None) -> Trained:
     """The model of a trained ``workdir`` with the params of its latest checkpoint, the mean of the last
@@ -299,12 +311,7 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
 
     Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded.
     ``overrides`` may change the stored config (decoding fields, say) before the model is built."""
-    if checkpoint not in ("latest", "best"):
-        raise UserError(f"--checkpoint must be latest or best; got {checkpoint!r}")
-    if average_last < 1:
-        raise UserError(f"--average_last must be >= 1; got {average_last}")
-    if checkpoint == "best" and average_last > 1:
-        raise UserError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+    check_checkpoint_choice(average_last, checkpoint)
     config = read_config(workdir)
     if overrides is not None:
         overrides(config)

@@ -168,9 +168,17 @@ def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[
         record = json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
                              "after_checkpoint": has_checkpoint,
                              "changes": {k: list(v) for k, v in changes.items()}}) + "\n"
-        history = epath.Path(workdir) / "config_changes.jsonl"  # rewritten whole: object stores cannot append
-        history.write_text((history.read_text() if history.exists() else "") + record)
+        append_text(epath.Path(workdir) / "config_changes.jsonl", record)
     write_atomically(epath.Path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def append_text(path: epath.Path, text: str) -> None:
+    """Appends ``text``: a real append locally; on an object store, which cannot append, a rewrite."""
+    if not is_remote(path):
+        with open(path, "a") as f:
+            f.write(text)
+    else:
+        path.write_text((path.read_text() if path.exists() else "") + text)
 
 
 def write_atomically(path: epath.Path, text: str) -> None:
