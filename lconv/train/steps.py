@@ -117,6 +117,9 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
                   mesh: jax.sharding.Mesh, memory: PyTree = None) -> dict[str, float]:
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
 
+    With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
+    batches on every process), so the sums cover the whole split once and are the same on every process.
+
     ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
     evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
     the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
