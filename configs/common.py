@@ -80,6 +80,7 @@ def base_config():
     c.model.max_len = 1024  # longest sequence for learned positions / Fixed / Hadamard attention
     c.model.conv_impl = "auto"  # auto | band | shift | conv | unfold (see lconv.ops.conv)
     c.model.dtype = "float32"  # compute dtype (bfloat16 on TPU); params and loss stay float32
+    c.model.remat = "none"  # recompute in the backward pass: none | full (keep layer inputs) | dots (keep matmuls)
 
     # --- optimisation ----------------------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()
@@ -135,7 +136,9 @@ def base_config():
         ("heads", "tensor"),
         ("kernel", None),
         ("length", None),
+        ("key_length", "fsdp"),  # Fixed / Hadamard attention's [T, T] tables
     )
+    # Activations (activation_batch, _heads, _mlp, ...) follow lconv.constants.DEFAULT_AXIS_RULES unless named here.
     return c
 
 

@@ -11,6 +11,8 @@ Shape letters used in names across the package (``x_BTC``, ``w_HK``, ``logits_BH
     V  vocabulary                      N  beams of a beam search
     M  kNN-memory slots                J  neighbours retrieved from the kNN memory (its top-k)
     R  tokens CoLT5 routes to its heavy branch
+    G  tiles of a tiled computation (the band conv: T / L of them)
+    W  the inputs one tile reads (its L positions and the K - 1 before them: L + K - 1)
 
 A ``_`` separates letters of a rank-agnostic name (``scores_B___``: batch first, any dims after).
 """
@@ -42,3 +44,37 @@ MASKED_LOGIT = -1e30
 # A log-probability that can never win (dead beams, filtered tokens): only compared or max-ed, never
 # softmaxed over a whole row, so -inf is safe and exact.
 IMPOSSIBLE_LOGP = float("-inf")
+
+# --- more logical axis names (appended with the pods-and-clusters sharding work) -------------------------------
+# The key-position side of a [H, L, L] position-pair table (Fixed / Hadamard attention): max_len² entries per
+# head, too many to replicate, so it is sharded like the model width (fsdp); the query side stays LENGTH.
+KEY_LENGTH = "key_length"
+PARAM_AXES = LOGICAL_AXES + (KEY_LENGTH,)
+
+# Activations carry their own names: a [B, T, C] activation's batch takes the data and fsdp mesh axes, so its
+# width cannot also go to fsdp as a parameter's EMBED does (one array cannot use a mesh axis twice).
+ACT_BATCH = "activation_batch"
+ACT_LENGTH = "activation_length"
+ACT_EMBED = "activation_embed"  # the model width of a [B, T, C] activation: replicated (params are gathered)
+ACT_HEADS = "activation_heads"  # the H of [B, T, H, D] queries / keys / values and of [B, T, H, K] conv kernels
+ACT_MLP = "activation_mlp"  # FFN hidden units
+ACT_CONV = "activation_conv"  # the conv block's inner width
+ACT_VOCAB = "activation_vocab"  # logits
+
+# What lconv maps when the config's mesh rules do not name an axis (lconv.nn.common.axis_rules merges them,
+# the config's rules first): the config then only needs the parameter names of configs/common.py.
+DEFAULT_AXIS_RULES = (
+    (KEY_LENGTH, "fsdp"),
+    (ACT_BATCH, BATCH_MESH_AXES),
+    (ACT_LENGTH, None),
+    (ACT_EMBED, None),
+    (ACT_HEADS, "tensor"),
+    (ACT_MLP, "tensor"),
+    (ACT_CONV, "tensor"),
+    (ACT_VOCAB, "tensor"),
+)
+
+# Per-layer rematerialisation (config.model.remat): what the backward pass keeps from the forward pass of a
+# layer; the rest is recomputed.
+REMAT_POLICIES = ("none", "full", "dots")  # none: keep all; full: keep only the layer's inputs; dots: keep the
+# outputs of matmuls against parameters (projections, FFN), recompute attention scores, softmax, convs, norms

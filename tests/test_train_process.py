@@ -1,9 +1,11 @@
 """train.py as a user runs it, in subprocesses: SIGTERM saves and exits cleanly, a ``kill -9`` loses nothing (the
 resumed run logs exactly the losses of an uninterrupted one), two processes on localhost train together over
-gloo, and a bad flag is one line on stderr."""
+gloo, score the whole test split exactly as one process does and stop together when one of them is preempted,
+and a bad flag is one line on stderr."""
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import time
 import pytest
 import tiny_config
 
+from lconv.cli import evaluate as cli_evaluate
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.train import checkpoints, loop
@@ -73,7 +76,12 @@ def _wait_for_step(process, workdir, step, timeout=240):
 
 
 def _finish(process, timeout=240):
-    out, err = process.communicate(timeout=timeout)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # e.g. processes waiting on each other's collectives: never leave them
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"train.py did not end within {timeout}s: {err[-3000:]}") from None
     assert process.returncode == 0, err[-3000:]
     return out
 
@@ -111,27 +119,126 @@ def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared)
         assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
-def _two_processes(prepared, workdir, *overrides):
-    """train.py as two processes of 4 CPU devices each over gloo; returns process 0's stdout."""
+def _launch_two(prepared, workdir, *overrides):
+    """train.py as two processes of 4 CPU devices each over gloo (not yet finished)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    runs = [_launch(prepared, workdir, *overrides, devices=4,
+    return [_launch(prepared, workdir, *overrides, devices=4,
                     env={"LCONV_NUM_PROCESSES": "2", "LCONV_PROCESS_ID": str(i),
                          "LCONV_COORDINATOR": f"localhost:{port}"}) for i in range(2)]
-    return [_finish(run) for run in runs][0]
 
 
-def test_two_processes_on_localhost_train_and_checkpoint_together(prepared):
+def _finish_all(runs):
+    """Every run's stdout; when one fails, the others are killed (left alone they would wait on it for ever)."""
+    try:
+        return [_finish(run) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+
+
+def _two_processes(prepared, workdir, *overrides):
+    """train.py as two processes to the end; returns both processes' stdout."""
+    return _finish_all(_launch_two(prepared, workdir, *overrides))
+
+
+TWO_STEPS = ("--config.train.num_steps=20", "--config.train.checkpoint_every=5", "--config.train.eval_every=10")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(prepared):
+    """One uninterrupted two-process run, scoring the test split after training: ``(workdir, both stdouts)``.
+    Shared by the tests below (each launch of two processes costs about a minute on 2 cores)."""
     workdir = _workdir(prepared, "two_processes")
-    out = _two_processes(prepared, workdir, "--config.train.checkpoint_every=3")
-    assert "devices 8 x cpu" in out  # one mesh over both processes' 4 devices
+    return workdir, _two_processes(prepared, workdir, *TWO_STEPS, "--config.train.eval_after_training=True")
+
+
+def test_two_processes_on_localhost_train_and_checkpoint_together(two_process_run):
+    workdir, outs = two_process_run
+    assert "devices 8 x cpu" in outs[0]  # one mesh over both processes' 4 devices
     losses = dict(_logged(workdir))
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
-    assert {"3", "6"} <= set(os.listdir(workdir / "checkpoints"))
+    assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1]
+    assert {"15", "20"} <= set(os.listdir(workdir / "checkpoints"))
     with open(workdir / "metrics.jsonl") as f:
         validation = [json.loads(line) for line in f if '"validation"' in line]
     assert validation[-1]["tokens"] > 1000  # both processes' halves of the validation split were scored
+
+
+def _score_line(out):
+    """The ``test: sacreBLEU ...`` line a process printed, without its speed."""
+    return next(line for line in out.splitlines() if line.startswith("test: sacreBLEU")).split(", ")[0]
+
+
+def test_two_processes_score_the_whole_test_split_as_one_process_does(prepared, two_process_run, tmp_path):
+    """Each process holds half of the test split; together they decode all of it once, in the same batches and
+    widths on both, so the BLEU and the hypotheses are one process's, not those of process 0's half."""
+    root, _ = prepared
+    workdir, outs = two_process_run
+    test_split, _, _ = sources.get_source("ddtp/en_de", "test", str(root / "tfds"))
+    scores = json.loads((workdir / "test.scores.json").read_text())
+    hypotheses = (workdir / "test.hyp.txt").read_bytes()
+    assert scores["examples"] == len(test_split) == hypotheses.count(b"\n")
+    assert _score_line(outs[0]) == _score_line(outs[1])  # the same score on both processes
+    assert f"on {len(test_split)} examples" in _score_line(outs[0])
+    # eval.py's code in this one process (8 devices) on the same checkpoint: the same file and the same score.
+    single = tmp_path / "one_process"
+    shutil.copytree(workdir, single)
+    one = cli_evaluate.run(str(single), log=lambda *a: None)
+    assert (single / "test.hyp.txt").read_bytes() == hypotheses
+    for key in ("bleu", "bleu_text", "examples", "truncated_sources", "longest_source_tokens"):
+        assert one[key] == scores[key], key
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(prepared, two_process_run):
+    """A scheduler preempting one host: both processes agree to stop after the same step, checkpoint it together
+    and exit 0; the relaunched pair logs exactly the uninterrupted run's losses."""
+    reference, _ = two_process_run
+    workdir = _workdir(prepared, "two_processes_sigterm")
+    runs = _launch_two(prepared, workdir, *TWO_STEPS)
+    try:
+        _wait_for_step(runs[0], workdir, 5)
+    except AssertionError:
+        for run in runs:
+            run.kill()
+        raise
+    runs[1].send_signal(signal.SIGTERM)  # process 1 alone
+    outs = _finish_all(runs)
+    stopped = [int(out.split("stopping at step ")[1].split(":")[0]) for out in outs]
+    assert stopped[0] == stopped[1] and 5 <= stopped[0] < 20, stopped
+    assert all(f"stopping at step {stopped[0]}: SIGTERM" in out for out in outs)
+    assert str(stopped[0]) in os.listdir(workdir / "checkpoints")
+    assert checkpoints.Checkpointer(workdir).read_data(stopped[0])["process_count"] == 2
+
+    _two_processes(prepared, workdir, *TWO_STEPS)
+    expected = dict(_logged(reference))
+    logged = _logged(workdir)
+    assert {s for s, _ in logged} == set(expected) == set(range(1, 21))
+    for step, loss in logged:
+        assert loss == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_two_processes_score_a_language_models_perplexity_on_the_whole_split(prepared, tmp_path):
+    """The end-of-training perplexity of two processes covers every token of the test split once, as one
+    process's does."""
+    root, _ = prepared
+    test_split, _, key = sources.get_source("ddtp/lm_en", "test", str(root / "tfds"))  # prepared before the launch
+    tokenizer = tokenizer_lib.load_tokenizer(str(root / "spm"))
+    limit = tiny_config.get_config().data.eval_max_target_length  # each example cut to it, EOS kept
+    expected_tokens = sum(min(len(tokenizer.encode(test_split[i][key].decode())) + 1, limit)
+                          for i in range(len(test_split)))
+    workdir = _workdir(prepared, "two_processes_lm")
+    _two_processes(prepared, workdir, "--config.task=lm", "--config.data.dataset=ddtp/lm_en",
+                   "--config.model.encoder_layers=0", "--config.train.num_steps=2",
+                   "--config.train.eval_every=1000", "--config.train.eval_after_training=True")
+    scores = json.loads((workdir / "test.scores.json").read_text())
+    assert scores["tokens"] == expected_tokens
+    single = tmp_path / "one_process"
+    shutil.copytree(workdir, single)
+    one = cli_evaluate.run(str(single), log=lambda *a: None)  # eval.py's code, in this one process
+    assert one["tokens"] == expected_tokens and one["ppl"] == pytest.approx(scores["ppl"], rel=1e-5)
 
 
 def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
@@ -145,6 +252,7 @@ def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
     _two_processes(prepared, workdir, "--config.task=lm", "--config.data.dataset=ddtp/lm_en",
                    "--config.data.stream=True", "--config.model.encoder_layers=0",
                    "--config.model.decoder_mixer=knn_memory", "--config.data.max_target_length=64",
+                   "--config.data.eval_max_target_length=64",  # config_rules: >= max_target_length
                    "--config.data.eval_batch_size=256", "--config.train.num_steps=4",
                    "--config.train.checkpoint_every=2",
                    "--config.train.eval_every=1000")

@@ -1,14 +1,20 @@
 """Evaluation: decode a split (or any text file), detokenise, score with sacreBLEU / ROUGE, write the outputs.
 
+With several processes (a pod) each holds a shard of an eval split. ``score_split`` gathers the shards, so every
+process builds the same batches of the whole split and runs the same programs (each batch's rows split over the
+mesh), every process gets every hypothesis and the same scores, and process 0 writes them.
+
 Nothing is changed silently: sources longer than ``config.data.eval_max_input_length`` tokens are cut to it and
 counted (``truncated_sources``, ``longest_source_tokens``, ``source_token_limit`` in the scores); blank lines of a
 text file are not decoded, get empty outputs in their place and are counted by the caller.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,10 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from lconv.constants import BATCH_MESH_AXES
 from lconv.data import pipeline
 from lconv.errors import UserError
 from lconv.infer import scoring, search
+from lconv.nn import common as nn_common
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -29,30 +38,69 @@ if TYPE_CHECKING:
 
 def decode_batches(config: Any, model: nn.Module, params: Any,
                    eval_set: pipeline.EvalSet) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-    """``(batch, best-beam ids [B, L])`` over every example of ``eval_set`` (padding rows included; the caller
-    drops rows with ``example_index < 0``).
+    """``(batch, best-beam ids [B, L])`` over every example of ``eval_set``, the whole split (``whole_split``),
+    ``eval_set.batch_size`` rows per batch (padding rows included; the caller drops rows with
+    ``example_index < 0``).
 
     Examples are decoded in order of source length, each batch cut to the shortest width in ``_WIDTHS`` that holds
     it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam search
     stops early together. That is a handful of compiled shapes, each compiled once.
+
+    With several processes every one of them holds the whole split, so all build the same plan (order, batches,
+    widths) and run the same programs in step. Each batch is one global array whose rows are split over the batch
+    axes of the mesh ``params`` live on, and the best beams come back whole to every process.
     """
-    @functools.partial(jax.jit, static_argnums=3)
+    mesh = _mesh_of(params)
+    rows = eval_set.batch_size
+    inputs_sharding, output_sharding = _decode_shardings(mesh, rows)
+
     def translate(params, inputs, segmentation, max_len):
         return search.translate(
             model, {"params": params}, inputs, inputs_segmentation=segmentation, beam_size=config.decode.beam_size,
             max_len=max_len, lenpen=config.decode.lenpen, max_len_a=config.decode.max_len_a,
             max_len_b=config.decode.max_len_b)
 
+    translate = jax.jit(nn_common.under_axis_rules(translate, config.mesh.rules), static_argnums=3,
+                        out_shardings=output_sharding)
     order = sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
-    rows = eval_set.batch_size
-    for b in range(eval_set.num_batches):  # the same count on every process
+    for b in range(math.ceil(len(order) / rows)):
         chosen = order[b * rows:(b + 1) * rows]
         batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
         longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
         width = min([w for w in _WIDTHS if w >= longest] + [batch["inputs"].shape[1]])
-        inputs = batch["inputs"][:, :width]
-        segmentation = (inputs != 0).astype(np.int32)
-        yield batch, np.asarray(translate(params, inputs, segmentation, _max_len(config, width)))
+        inputs = batch["inputs"][:, :width]  # [rows, width]
+        segmentation = (inputs != 0).astype(np.int32)  # [rows, width]
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            tokens = translate(params, _place(inputs, inputs_sharding), _place(segmentation, inputs_sharding),
+                               _max_len(config, width))
+            tokens = np.asarray(tokens)  # [rows, L]: replicated, so every process reads all of it
+        yield batch, tokens
+
+
+def _mesh_of(params: Any) -> jax.sharding.Mesh | None:
+    """The mesh ``params`` are laid out on, or None for plain arrays (decoded where they are)."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding):
+            return leaf.sharding.mesh
+    return None
+
+
+def _decode_shardings(mesh: jax.sharding.Mesh | None, rows: int) -> tuple[Any, Any]:
+    """``(sources, best beams)`` shardings: sources' rows split over the mesh's batch axes (replicated when
+    ``rows`` does not divide), the output replicated, so every process gets every hypothesis."""
+    if mesh is None:
+        return None, None
+    axes = tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    rows_spec = PartitionSpec(axes) if shards > 1 and rows % shards == 0 else PartitionSpec()
+    return NamedSharding(mesh, rows_spec), NamedSharding(mesh, PartitionSpec())
+
+
+def _place(array: np.ndarray, sharding: NamedSharding | None) -> Any:
+    """The same numpy array on every process -> one global array laid out by ``sharding`` (None: as it is)."""
+    if sharding is None:
+        return array
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 _WIDTHS = (32, 64, 128, 256, 512, 1024)  # source widths decoding batches are cut to
@@ -66,11 +114,15 @@ def _max_len(config, source_len):
 def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
                 eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None,
                 log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``."""
+    """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``.
+
+    With several processes each holds a shard of the split; they decode the whole split together
+    (``whole_split``, ``decode_batches``), so every process gets every hypothesis and the same scores, and process
+    0 writes them. A collective: every process calls it."""
     split = split or config.decode.split
     if split not in eval_sets:
         raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
-    eval_set = eval_sets[split]
+    eval_set = whole_split(eval_sets[split], config.data.eval_batch_size)
     start = time.time()
     hypotheses = {}
     for batch, tokens in decode_batches(config, model, params, eval_set):
@@ -92,6 +144,48 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
         log(lengths.note("source"))
     log(format_report(scores, sources, refs, hyps, config.decode.num_print))
     return scores
+
+
+def whole_split(eval_set: pipeline.EvalSet, rows: int) -> pipeline.EvalSet:
+    """The whole split on every process, in source order, ``rows`` (``data.eval_batch_size``) rows per batch.
+
+    ``eval_set`` is either already whole (one process, or ``rows`` rows per batch) or this process's shard as
+    ``pipeline.make_datasets`` builds it: process ``p`` of ``P`` holds examples ``p, p + P, p + 2P, ...`` in
+    ``rows / P`` rows per batch. The shards are gathered (a collective) and interleaved back into source order.
+    """
+    count = jax.process_count()
+    if count == 1 or eval_set.batch_size == rows:
+        return eval_set
+    if eval_set.batch_size * count != rows:
+        raise ValueError(f"an eval set of {eval_set.batch_size} rows per batch is neither the whole split "
+                         f"({rows} rows) nor one of {count} process shards of it ({rows // count} rows)")
+    local = {"examples": eval_set.examples, "stats": dict(eval_set.stats),
+             "tokens": [{key: ids.tolist() for key, ids in example.items()} for example in eval_set.tokens]}
+    shards = allgather_json(local)
+    total = sum(len(shard["examples"]) for shard in shards)
+    if [len(shard["examples"]) for shard in shards] != [len(range(p, total, count)) for p in range(count)]:
+        raise ValueError(f"eval shards of {[len(s['examples']) for s in shards]} examples are not the "
+                         f"p::{count} shards of {total} examples that pipeline.make_eval_set builds")
+    examples = [shards[i % count]["examples"][i // count] for i in range(total)]
+    tokens = [{key: np.asarray(ids, np.int32) for key, ids in shards[i % count]["tokens"][i // count].items()}
+              for i in range(total)]
+    stats = sum((collections.Counter(shard["stats"]) for shard in shards), collections.Counter())
+    return pipeline.EvalSet(examples, tokens, rows, math.ceil(total / rows), dict(eval_set.lengths), stats)
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order; the same list on every process (a collective:
+    every process calls it at the same point)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(encoded)], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)  # process_allgather needs one shape on every process
+    padded[:len(encoded)] = encoded
+    gathered = np.asarray(multihost_utils.process_allgather(padded))  # [P, longest]
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]
 
 
 def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -185,7 +279,8 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
 
     A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output in its place, so
     the outputs stay aligned with the input lines. Lines longer than ``config.data.eval_max_input_length`` tokens
-    are cut to it; ``Translations`` says which.
+    are cut to it; ``Translations`` says which. With several processes each passes the same lines (and gets
+    every output).
     """
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]

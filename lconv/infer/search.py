@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
 from lconv.errors import UserError
+from lconv.nn.knn_memory import rowwise_top_k  # per shard of the rows: XLA cannot split a TopK
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -64,12 +65,14 @@ def gather_beams(cache: Any, beam_idx_BN: Array) -> Any:
     leaves them unchanged.
     """
     B, N = beam_idx_BN.shape
-    flat_idx = (jnp.arange(B)[:, None] * N + beam_idx_BN).reshape(-1)  # [B*beam]
 
     def gather(path, x):
         if x.ndim == 0 or _beam_invariant(path):
             return x
-        return jnp.take(x, flat_idx, axis=0)
+        # Per row (not a gather over the flat B*beam axis), so a mesh's batch split stays local to each device.
+        x_BN_ = x.reshape(B, N, *x.shape[1:])  # [B, beam, ...]
+        index_BN_ = beam_idx_BN.reshape(B, N, *([1] * (x.ndim - 1)))  # [B, beam, 1...]
+        return jnp.take_along_axis(x_BN_, index_BN_, axis=1).reshape(x.shape)  # [B*beam, ...]
 
     return jax.tree_util.tree_map_with_path(gather, cache)
 
@@ -194,7 +197,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
 
         # The top 2*beam extensions: at most beam of them end in EOS, so beam non-EOS ones remain alive.
-        top_logp_B2N, top_idx_B2N = jax.lax.top_k(cand_BNV.reshape(B, N * V), min(2 * N, N * V))  # [B, 2beam]
+        top_logp_B2N, top_idx_B2N = rowwise_top_k(cand_BNV.reshape(B, N * V), min(2 * N, N * V))  # [B, 2beam]
         top_beam_B2N = top_idx_B2N // V  # [B, 2beam] which alive beam it extends
         top_tok_B2N = (top_idx_B2N % V).astype(jnp.int32)  # [B, 2beam]
         top_seqs_B2NL = jnp.take_along_axis(alive_BNL, top_beam_B2N[:, :, None], axis=1)  # [B, 2beam, L]
@@ -203,7 +206,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
 
         # Alive: the best beam non-EOS extensions; the cache follows the beams they extend.
         alive_cand_B2N = jnp.where(is_eos_B2N, IMPOSSIBLE_LOGP, top_logp_B2N)  # [B, 2beam]
-        alive_logp_BN, keep_BN = jax.lax.top_k(alive_cand_B2N, N)  # [B, beam]
+        alive_logp_BN, keep_BN = rowwise_top_k(alive_cand_B2N, N)  # [B, beam]
         alive_BNL = jnp.take_along_axis(top_seqs_B2NL, keep_BN[:, :, None], axis=1)  # [B, beam, L]
         cache = gather_beams(cache, jnp.take_along_axis(top_beam_B2N, keep_BN, axis=1))  # [B*beam, ...]
 
@@ -212,7 +215,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         new_scores_B2N = jnp.where(is_eos_B2N, top_logp_B2N / length_pen, IMPOSSIBLE_LOGP)  # [B, 2beam]
         all_scores_B3N = jnp.concatenate([finished_BN, new_scores_B2N], axis=1)  # [B, 3beam]
         all_seqs_B3NL = jnp.concatenate([finished_BNL, top_seqs_B2NL], axis=1)  # [B, 3beam, L]
-        finished_BN, best_BN = jax.lax.top_k(all_scores_B3N, N)  # [B, beam]
+        finished_BN, best_BN = rowwise_top_k(all_scores_B3N, N)  # [B, beam]
         finished_BNL = jnp.take_along_axis(all_seqs_B3NL, best_BN[:, :, None], axis=1)  # [B, beam, L]
         return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache
 

@@ -51,7 +51,10 @@ class AdaptiveSoftmax(nn.Module):
             width = int(d // self.factor ** (i + 1))
             h_BTW = xavier_dense(width, (EMBED, MLP), use_bias=False, name=f"tail_{i}_projection")(x)
             h_BTW = nn.Dropout(self.dropout)(h_BTW, deterministic=deterministic)
-            tail_logits = xavier_dense(edges[i + 1] - edges[i], (MLP, VOCAB), use_bias=False, name=f"tail_{i}")(h_BTW)
+            # The tail's input side is named EMBED: the rules send mlp and vocab both to the tensor axis, and one
+            # array cannot use an axis twice, so EMBED (fsdp) is the side FSDP shards.
+            tail = xavier_dense(edges[i + 1] - edges[i], (EMBED, VOCAB), use_bias=False, name=f"tail_{i}")
+            tail_logits = tail(h_BTW)
             cluster_BT1 = head_logp[..., edges[0] + i, None]  # log p(cluster i)
             parts.append(cluster_BT1 + jax.nn.log_softmax(tail_logits, axis=-1))  # [B, T, c_{i+1} - c_i]
         return jnp.concatenate(parts, axis=-1)  # [B, T, V] log-probabilities

@@ -28,10 +28,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lconv.constants import ACT_HEADS, HEADS, KEY_LENGTH, LENGTH
 from lconv.errors import UserError
 from lconv.nn.common import (
+    BTHD,
     FROM_HEADS,
-    TO_HEADS,
     Array,
     DType,
     attention_context,
@@ -39,10 +40,12 @@ from lconv.nn.common import (
     check_input,
     check_max_len,
     check_positions,
+    constrain,
     decode_positions,
     dense,
     dropout_rng,
     head_dims,
+    project_heads,
     segments_and_positions,
 )
 from lconv.ops.attention import (
@@ -100,13 +103,12 @@ class SelfAttention(AttentionFields):
         B, T, C, H, D = self._dims(x_BTC)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
-        q_BTHD = dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D)
-        k_BSHD = dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)
-        v_BSHD = dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D)
+        q_BTHD, k_BSHD, v_BSHD = (project_heads(self, n, x, H, D) for n in ("query", "key", "value"))
         kv, mask_B1TS = attention_context(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}, decode)
         out_BTHD = dot_product_attention(
             q_BTHD, kv["key"], kv["value"], mask_B1TS, dropout_rate=self.attention_dropout,
             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        out_BTHD = constrain(out_BTHD, BTHD)
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
@@ -140,13 +142,12 @@ class CrossAttention(nn.Module):
         check_dropout(self.attention_dropout)
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(encoded_BSC, encoded_segment_ids, None, "encoded_segment_ids")
-        q_BTHD = dense(H * D, "query", self, TO_HEADS)(x_BTC.astype(self.dtype)).reshape(B, T, H, D)
+        q_BTHD = project_heads(self, "query", x_BTC.astype(self.dtype), H, D)
         if decode and self.has_variable("cache", "beam_invariant_key"):
             out_BTHD = self._attend_cached(q_BTHD, q_seg_BT)
         else:
             m = encoded_BSC.astype(self.dtype)
-            k_BSHD = dense(H * D, "key", self, TO_HEADS)(m).reshape(B, S, H, D)
-            v_BSHD = dense(H * D, "value", self, TO_HEADS)(m).reshape(B, S, H, D)
+            k_BSHD, v_BSHD = project_heads(self, "key", m, H, D), project_heads(self, "value", m, H, D)
             if decode:
                 self.put_variable("cache", "beam_invariant_key", k_BSHD)
                 self.put_variable("cache", "beam_invariant_value", v_BSHD)
@@ -207,10 +208,10 @@ class FixedAttention(AttentionFields):
             raise UserError(f"factorized_rank must be >= 0 (0 = full table), got {self.factorized_rank}")
         seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
-        new = {"value": dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D), "segment_ids": seg_BT}
+        new = {"value": project_heads(self, "value", x, H, D), "segment_ids": seg_BT}
         if self.mix_dot_product:
-            q_BTHD = dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D)
-            new["key"] = dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)
+            q_BTHD = project_heads(self, "query", x, H, D)
+            new["key"] = project_heads(self, "key", x, H, D)
         if decode:
             pos_BT = decode_positions(self, pos_BT, positions is None)
         kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
@@ -218,14 +219,16 @@ class FixedAttention(AttentionFields):
         L, r = self.max_len, self.factorized_rank
         if r:
             init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
-            r1_HLR = self.param("r1", init, (H, L, r), self.param_dtype)
-            r2_HRL = self.param("r2", init, (H, r, L), self.param_dtype)
-            logits_BHTS = factorized_fixed_logits(r1_HLR, r2_HRL, pos_BT, kv["positions"])
+            r1_HLR = self.param("r1", _named(init, (HEADS, LENGTH, None)), (H, L, r), self.param_dtype)
+            r2_HRL = self.param("r2", _named(init, (HEADS, None, KEY_LENGTH)), (H, r, L), self.param_dtype)
+            logits_BHTS = factorized_fixed_logits(_gathered(r1_HLR), _gathered(r2_HRL), pos_BT, kv["positions"])
         else:
-            w_HLL = self.param("logits", nn.initializers.normal(stddev=0.1), (H, L, L), self.param_dtype)
-            logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"])
+            w_HLL = self.param("logits", _named(nn.initializers.normal(stddev=0.1), (HEADS, LENGTH, KEY_LENGTH)),
+                               (H, L, L), self.param_dtype)
+            logits_BHTS = fixed_logits(_gathered(w_HLL), pos_BT, kv["positions"])
         if self.mix_dot_product:
-            alpha_H = jax.nn.sigmoid(self.param("mix_logit", nn.initializers.zeros, (H,), self.param_dtype))
+            alpha_H = jax.nn.sigmoid(self.param("mix_logit", _named(nn.initializers.zeros, (HEADS,)), (H,),
+                                                self.param_dtype))
             alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
             logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, kv["key"])
         out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
@@ -265,18 +268,30 @@ class HadamardAttention(AttentionFields):
         seg_BT, pos_BT = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
         if self.project_qk:
-            q_BTHD = dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D)
-            k_BSHD = dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)
+            q_BTHD = project_heads(self, "query", x, H, D)
+            k_BSHD = project_heads(self, "key", x, H, D)
         else:
             q_BTHD = k_BSHD = x.reshape(B, T, H, C // H)
-        v_BSHD = dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D)
+        v_BSHD = project_heads(self, "value", x, H, D)
         new = {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}
         if decode:
             pos_BT = decode_positions(self, pos_BT, positions is None)
         kv, mask = attention_context(self, {**new, "positions": pos_BT}, decode)
         check_positions(pos_BT, self.max_len)
-        w_HLL = self.param("weight", nn.initializers.ones, (H, self.max_len, self.max_len), self.param_dtype)
-        logits_BHTS = fixed_logits(w_HLL, pos_BT, kv["positions"]) * dot_product_logits(q_BTHD, kv["key"])
+        w_HLL = self.param("weight", _named(nn.initializers.ones, (HEADS, LENGTH, KEY_LENGTH)),
+                           (H, self.max_len, self.max_len), self.param_dtype)
+        logits_BHTS = fixed_logits(_gathered(w_HLL), pos_BT, kv["positions"]) * dot_product_logits(q_BTHD, kv["key"])
         out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                           dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+
+def _named(init: nn.initializers.Initializer, axes: tuple[str | None, ...]) -> nn.initializers.Initializer:
+    return nn.with_logical_partitioning(init, axes)
+
+
+def _gathered(table_H__: Array) -> Array:
+    """A position table gathered over its positions before it is indexed (FSDP's gather-before-use), heads kept
+    split: indexing a position-sharded table would leave [B, H, T, S] logits split by key position, which the
+    partitioner cannot turn batch-split without replicating them."""
+    return constrain(table_H__, (ACT_HEADS,) + (None,) * (table_H__.ndim - 1))

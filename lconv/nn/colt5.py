@@ -86,7 +86,8 @@ class _Routed(nn.Module):
 
     def _route(self, x_BTC: Array, valid_BT: Array, R: int, name: str) -> tuple[Array, Array]:
         """Soft weights ``s_BT`` (float32, Σ = R) and the indices ``[B, R]`` of the hard top-R."""
-        u_C = self.param(name, nn.initializers.normal(stddev=1.0), (x_BTC.shape[-1],), self.param_dtype)
+        init = nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), (EMBED,))
+        u_C = self.param(name, init, (x_BTC.shape[-1],), self.param_dtype)
         r_BT = router_scores(x_BTC, u_C)
         w_BT = soft_top_k(r_BT, R, valid_BT, temperature=self.router_temperature,
                           iterations=self.router_iterations)

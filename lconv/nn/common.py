@@ -1,5 +1,13 @@
-"""Helpers every lconv module shares: projections with logical axis names, dropout rngs, input checks, and the
-incremental-decoding cache of attention-like mixers.
+"""Helpers every lconv module shares: projections with logical axis names, activation sharding constraints,
+dropout rngs, input checks, and the incremental-decoding cache of attention-like mixers.
+
+Sharding: every parameter carries logical axis names (``lconv.constants``), which ``config.mesh.rules`` maps to
+mesh axes (``axis_rules`` adds lconv's defaults for names a config lacks). Activations are pinned at block
+boundaries with ``constrain`` (``[B, T, C]``: batch over the data and fsdp axes, width replicated), so their layout
+is stated rather than left to XLA's propagation. Parameters read by index (embedding and position tables) and the
+GLU kernel are gathered before use (``Embed``, ``GLUProjection``): read sharded, their outputs inherit a split
+that XLA's partitioner can only undo by replicating them ("involuntary full rematerialization").
+``constrain`` works under the mesh set by ``jax.set_mesh`` (as the train and eval steps run), else it is a no-op.
 
 Decoding (``decode=True``, causal mixers only) follows flax ``examples/wmt``: the first call, on a full
 max-length dummy input under ``mutable=['cache']``, only creates a zeroed cache in the ``'cache'`` collection
@@ -11,6 +19,9 @@ masked) and ``cache_index []`` plus the per-mixer arrays. Writing past ``L`` can
 """
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -19,7 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lconv.constants import EMBED, HEADS
+from lconv.constants import (
+    ACT_BATCH,
+    ACT_CONV,
+    ACT_EMBED,
+    ACT_HEADS,
+    ACT_LENGTH,
+    ACT_MLP,
+    ACT_VOCAB,
+    DEFAULT_AXIS_RULES,
+    EMBED,
+    HEADS,
+)
 from lconv.errors import UserError
 from lconv.ops.attention import attention_mask, decode_mask
 
@@ -47,10 +69,70 @@ TO_HEADS = (EMBED, HEADS)
 FROM_HEADS = (HEADS, EMBED)
 
 
+# Logical layouts of activations, for ``constrain``.
+BTC = (ACT_BATCH, ACT_LENGTH, ACT_EMBED)  # the residual stream, a block's input and output
+BTHD = (ACT_BATCH, ACT_LENGTH, ACT_HEADS, None)  # queries / keys / values; [B, T, H, K] dynamic conv kernels
+BTF = (ACT_BATCH, ACT_LENGTH, ACT_MLP)  # FFN hidden units
+BT_CONV = (ACT_BATCH, ACT_LENGTH, ACT_CONV)  # the conv block's inner width
+BTV = (ACT_BATCH, ACT_LENGTH, ACT_VOCAB)  # logits
+
+AxisRules = tuple[tuple[str, Any], ...]
+
+
+def axis_rules(rules: Sequence[Sequence[Any]] = ()) -> AxisRules:
+    """``rules`` (e.g. ``config.mesh.rules``) followed by ``lconv.constants.DEFAULT_AXIS_RULES`` for the logical
+    names ``rules`` does not map: the config's mapping wins, and a config that predates a name still shards it."""
+    given = tuple((str(name), target if isinstance(target, (str, type(None))) else tuple(target))
+                  for name, target in rules)
+    named = {name for name, _ in given}
+    return given + tuple(rule for rule in DEFAULT_AXIS_RULES if rule[0] not in named)
+
+
+def under_axis_rules(fn: Callable, rules: Sequence[Sequence[Any]] = ()) -> Callable:
+    """``fn`` run with ``axis_rules(rules)`` as flax's logical axis rules, so that the activation constraints of a
+    step traced from it follow ``config.mesh.rules`` (the rules are read at trace time; wrap before ``jax.jit``)."""
+    merged = list(axis_rules(rules))
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with nn.logical_axis_rules(merged):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+    """Pins ``x``'s layout by logical axis names under the current mesh (``jax.set_mesh``); a no-op without one.
+
+    The names map through ``axis_rules`` of the active ``nn.logical_axis_rules`` context (none = lconv's
+    defaults). Mesh axes the mesh lacks are dropped, and a dim keeps only the leading mesh axes whose sizes
+    divide it (a decode batch of 1 stays whole), so the constraint never asks for an uneven split.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = nn.logical_to_mesh_axes(axes, axis_rules(nn.get_logical_axis_rules()))
+    fitted = []
+    for size, target in zip(x.shape, spec):
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        kept: list[str] = []
+        for name in names:
+            if name not in mesh.axis_names or size % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[name]):
+                break
+            kept.append(name)
+        fitted.append(tuple(kept) if len(kept) > 1 else (kept[0] if kept else None))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*fitted))
+
+
 def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str]) -> nn.Dense:
     """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype`` and ``param_dtype``."""
     return xavier_dense(features, axes, use_bias=getattr(mdl, "use_bias", True), dtype=mdl.dtype,
                         param_dtype=mdl.param_dtype, name=name)
+
+
+def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int) -> Array:
+    """``dense`` into ``H`` heads of width ``D``: ``[B, T, C] -> [B, T, H, D]``, pinned batch- and head-split."""
+    return constrain(dense(H * D, name, mdl, TO_HEADS)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
 
 
 def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | None:
@@ -161,3 +243,26 @@ def segments_and_positions(x_BTC: Array, segment_ids: Array | None, positions: A
     elif positions.shape != (B, T):
         raise UserError(f"positions must be [batch, time] = {(B, T)}, got {positions.shape}")
     return jnp.asarray(segment_ids, jnp.int32), jnp.asarray(positions, jnp.int32)
+
+
+class Embed(nn.Embed):
+    """``nn.Embed`` (the same ``embedding`` parameter) whose table is gathered along its width before it is read,
+    as FSDP gathers every parameter before use.
+
+    Left to XLA, a lookup from a width-sharded table gives width-sharded ``[B, T, C]`` rows, which its partitioner
+    can only make batch-sharded by replicating them ("involuntary full rematerialization"). ``table_axes``: the
+    activation names the gathered table keeps (vocabulary rows stay split over the tensor axis)."""
+
+    table_axes: tuple[str | None, str | None] = (ACT_VOCAB, None)
+
+    def __call__(self, inputs: Array) -> Array:
+        """``[...] int -> [..., features]``."""
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Embed: input type must be an integer")
+        (table,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+        return jnp.take(constrain(table, self.table_axes), inputs, axis=0)
+
+    def attend(self, query: Array) -> Array:
+        """``[..., features] -> [..., num_embeddings]``: inner products with every row (tied output logits)."""
+        query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
+        return jnp.dot(query, constrain(table, self.table_axes).T)

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from lconv import ops
-from lconv.constants import CONV, EMBED, HEADS, KERNEL
+from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
-from lconv.nn.common import xavier_dense
+from lconv.nn.common import BT_CONV, BTHD, constrain, xavier_dense
 
 Array = jax.Array
 Dtype = Any
@@ -132,21 +132,51 @@ class DynamicConv1d(_ConvBase):
         self._check_channels(x_BTC)
         padding_left = self._padding()
         H, K = self.num_heads, self.kernel_size
-        # fairseq's effective init of this projection is PyTorch's default Linear init, U(+-1/sqrt(C)).
+        # fairseq's effective init of this projection is PyTorch's default Linear init, U(+-1/sqrt(C)). Its input
+        # side is named EMBED although it is the conv width: the rules send conv and heads both to the tensor axis,
+        # and one array cannot use an axis twice, so EMBED (fsdp) is the side FSDP shards.
         predictor = nn.Dense(
             H * K,
             use_bias=False,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.with_logical_partitioning(
-                nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"), (CONV, HEADS)
+                nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"), (EMBED, HEADS)
             ),
             name="weight_linear",
         )
-        logits_BTHK = predictor(x_BTC).reshape(*x_BTC.shape[:2], H, K)  # head-major: feature h*K + k
+        logits_BTHK = constrain(predictor(x_BTC).reshape(*x_BTC.shape[:2], H, K), BTHD)  # head-major: h*K + k
         weight_BTHK = self._normalise(logits_BTHK, deterministic)
         return self._convolve(x_BTC, weight_BTHK, padding_left, segment_ids, decode, ops.dynamic_conv,
                               ops.dynamic_conv_step)
+
+
+class GLUProjection(nn.Module):
+    """``Dense(C -> 2 * features)`` + GLU, ``first half * sigmoid(second half)``: fairseq's ``linear1`` + GLU, the
+    same ``kernel [C, 2F]`` / ``bias [2F]`` parameters and values as ``xavier_dense(2 * features)``.
+
+    The kernel is applied as ``[C, 2, F]`` with F split over the tensor axis, so each device holds matching value
+    and gate halves and the GLU is local. Sliced from a ``[.., 2F]`` output split over that axis, the halves sit
+    on different devices and every layer would swap ``[B, T, F]`` activations between them; this moves the
+    (smaller, FSDP-gathered anyway) kernel instead."""
+
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTC: Array) -> Array:
+        C, F = x_BTC.shape[-1], self.features
+        kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.xavier_uniform(), (EMBED, CONV)),
+                            (C, 2 * F), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (CONV,)), (2 * F,),
+                          self.param_dtype)
+        x_BTC, kernel, bias = nn.dtypes.promote_dtype(x_BTC, kernel, bias, dtype=self.dtype)
+        # Gathered whole, then split by F: XLA's partitioner cannot move a split between the merged and the unmerged
+        # dims of the reshape directly (it would replicate, with a warning), but gathers and local slices it can.
+        kernel_CGF = constrain(constrain(kernel.reshape(C, 2, F), (None, None, None)), (None, None, ACT_CONV))
+        h_BTGF = jnp.einsum("btc,cgf->btgf", x_BTC, kernel_CGF) + bias.reshape(2, F)
+        return h_BTGF[..., 0, :] * jax.nn.sigmoid(h_BTGF[..., 1, :])
 
 
 class LightConvBlock(nn.Module):
@@ -194,12 +224,12 @@ class LightConvBlock(nn.Module):
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x_BTC = nn.Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
         if self.use_glu:
-            h_BT2C = xavier_dense(2 * conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
-            h_BTC = h_BT2C[..., :conv_d] * jax.nn.sigmoid(h_BT2C[..., conv_d:])
+            h_BTC = GLUProjection(conv_d, name="linear1", **dense)(x_BTC)
         else:
             h_BTC = xavier_dense(conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
         if segment_ids is not None:  # fairseq zeroes padded positions before the conv
             h_BTC = h_BTC * (segment_ids != 0)[..., None].astype(h_BTC.dtype)
+        h_BTC = constrain(h_BTC, BT_CONV)  # channels (= heads' blocks) split like the heads
         conv_cls = LightweightConv1d if self.conv_type == "lightweight" else DynamicConv1d
         h_BTC = conv_cls(
             num_heads=self.num_heads,
@@ -213,6 +243,7 @@ class LightConvBlock(nn.Module):
             name="conv",
             **dense,
         )(h_BTC, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
+        h_BTC = constrain(h_BTC, BT_CONV)
         return xavier_dense(d, (CONV, EMBED), name="linear2", **dense)(h_BTC)
 
 

@@ -59,10 +59,17 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lconv.constants import BATCH_MESH_AXES, MASKED_LOGIT
+from lconv.constants import BATCH_MESH_AXES, HEADS, MASKED_LOGIT
 from lconv.errors import UserError
 from lconv.nn.attention import AttentionFields
-from lconv.nn.common import FROM_HEADS, TO_HEADS, attention_context, dense, dropout_rng, segments_and_positions
+from lconv.nn.common import (
+    FROM_HEADS,
+    attention_context,
+    dense,
+    dropout_rng,
+    project_heads,
+    segments_and_positions,
+)
 from lconv.ops.attention import attend
 
 Array = jax.Array
@@ -97,10 +104,10 @@ class KNNMemoryAttention(AttentionFields):
             raise UserError(f"num_neighbors must be in [1, memory_size={self.memory_size}], got {self.num_neighbors}")
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
-        q_BTHD = l2_normalize(dense(H * D, "query", self, TO_HEADS)(x).reshape(B, T, H, D))
-        k_BTHD = l2_normalize(dense(H * D, "key", self, TO_HEADS)(x).reshape(B, T, H, D)).astype(self.dtype)
-        v_BTHD = dense(H * D, "value", self, TO_HEADS)(x).reshape(B, T, H, D)
-        log_scale_H = self.param("log_scale", nn.initializers.constant(math.log(math.sqrt(D))), (H,),
+        q_BTHD = l2_normalize(project_heads(self, "query", x, H, D))
+        k_BTHD = l2_normalize(project_heads(self, "key", x, H, D)).astype(self.dtype)
+        v_BTHD = project_heads(self, "value", x, H, D)
+        log_scale_H = self.param("log_scale", per_head(nn.initializers.constant(math.log(math.sqrt(D)))), (H,),
                                  self.param_dtype)
         q_BTHD = (q_BTHD * jnp.exp(log_scale_H.astype(jnp.float32))[:, None]).astype(self.dtype)  # τ_h q̂
 
@@ -112,7 +119,7 @@ class KNNMemoryAttention(AttentionFields):
                             dtype=jnp.float32)
 
         # Memory: read (past windows only), then write this window.
-        gate_H = jax.nn.sigmoid(self.param("gate", nn.initializers.zeros, (H,), self.param_dtype))
+        gate_H = jax.nn.sigmoid(self.param("gate", per_head(nn.initializers.zeros), (H,), self.param_dtype))
         out_BTHD = local_BTHD
         if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
             out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode)
@@ -147,6 +154,11 @@ class KNNMemoryAttention(AttentionFields):
                 mem_k.value, mem_v.value, mem_valid.value & keep_B1, jax.lax.stop_gradient(k_BTHD),
                 jax.lax.stop_gradient(v_BTHD), write_BT)
         return out_BTHD
+
+
+def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
+    """An ``[H]`` parameter's initializer, named by ``HEADS``."""
+    return nn.with_logical_partitioning(init, (HEADS,))
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:

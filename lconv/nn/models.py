@@ -20,6 +20,7 @@ inside each packed segment, starting with ``BOS``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv.constants import BOS_ID, EMBED, LENGTH, MLP, PAD_ID, VOCAB
+from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMAT_POLICIES, VOCAB
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.attention import CrossAttention
 from lconv.nn.colt5 import CoLT5FeedForward
-from lconv.nn.common import DType, xavier_dense
+from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
 from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
 
 Array = jax.Array
@@ -79,6 +80,7 @@ class ModelConfig:
     max_len: int = 1024  # learned positions and position-indexed mixers
     conv_impl: str = "auto"
     dtype: Any = jnp.float32
+    remat: str = "none"  # per-layer rematerialisation: none | full | dots (lconv.constants.REMAT_POLICIES)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
@@ -160,6 +162,7 @@ class ModelConfig:
             require(f"{side}_kernel_sizes", all(integer(k) and k >= 1 for k in sizes), "kernel sizes >= 1")
         require("conv_impl", self.conv_impl in CONV_IMPLS, f"one of {', '.join(CONV_IMPLS)}")
         require("ffn_type", self.ffn_type in ("dense", "colt5"), "'dense' or 'colt5'")
+        require("remat", self.remat in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}")
         require("dtype", jnp.dtype(self.dtype).name in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
 
     def layer_mixers(self, side: str) -> list[str]:
@@ -236,7 +239,7 @@ class EncoderDecoder(nn.Module):
 
     def _logits(self, x_BTC: Array, deterministic: bool) -> Array:
         if self.config.share_embeddings:
-            return self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32)
+            return constrain(self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32), BTV)
         return _project_output(self.config, self.output_projection, x_BTC, deterministic)
 
 
@@ -265,7 +268,7 @@ class DecoderOnlyLM(nn.Module):
         x = self.scale_and_position(self.embed(inputs), positions, deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
         if self.config.share_embeddings:
-            return self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32)
+            return constrain(self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32), BTV)
         return _project_output(self.config, self.output_projection, x, deterministic)
 
 
@@ -286,14 +289,27 @@ class Stack(nn.Module):
         """``[B, T, C] -> [B, T, C]``; ``encoded`` is the encoder output ``[B, S, C]`` that cross-attention reads."""
         cfg = self.config
         causal = self.side == "decoder"
+        layer_class = Layer if decode else remat_layer(cfg.remat)  # decoding computes no gradients
         for i, mixer_name in enumerate(cfg.layer_mixers(self.side)):
-            x = Layer(cfg, mixer_name, layer=i, side=self.side, causal=causal,
-                      cross_attention=causal and self.cross_attention, name=f"layer_{i}")(
-                x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode,
-                encoded=encoded, encoded_segment_ids=encoded_segment_ids)
+            x = layer_class(cfg, mixer_name, layer=i, side=self.side, causal=causal,
+                            cross_attention=causal and self.cross_attention, name=f"layer_{i}")(
+                x, segment_ids, positions, deterministic, decode, encoded, encoded_segment_ids)
         if cfg.normalize_before:
             x = _layer_norm(cfg, "final_norm")(x)
-        return x
+        return constrain(x, BTC)
+
+
+@functools.cache
+def remat_layer(policy: str) -> type[nn.Module]:
+    """``Layer``, or ``Layer`` under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``).
+
+    ``dots`` keeps matmul outputs without batch dimensions (projections and FFN, whose recomputation would cost
+    the most) and recomputes the attention scores, softmax, convs and norms. The parameter tree is the same
+    under every policy. ``deterministic`` and ``decode`` (arguments 4 and 5, counting ``self``) are static."""
+    if policy not in REMAT_POLICIES:
+        raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
+    policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+    return Layer if policy == "none" else nn.remat(Layer, policy=policies[policy], static_argnums=(4, 5))
 
 
 class Layer(nn.Module):
@@ -305,8 +321,10 @@ class Layer(nn.Module):
     cross_attention: bool = False
 
     @nn.compact
-    def __call__(self, x: Array, *, segment_ids: Array | None, positions: Array | None, deterministic: bool,
+    def __call__(self, x: Array, segment_ids: Array | None, positions: Array | None, deterministic: bool,
                  decode: bool, encoded: Array | None = None, encoded_segment_ids: Array | None = None) -> Array:
+        """One layer, ``[B, T, C] -> [B, T, C]``. Arguments are positional so that ``nn.remat`` can hold
+        ``deterministic`` and ``decode`` static (``remat_layer``)."""
         cfg = self.config
         mixer = mixers.make_mixer(self.mixer_name, **_mixer_fields(cfg, self.mixer_name, self.side, self.layer,
                                                                    self.causal), name="mixer")
@@ -334,11 +352,11 @@ class Layer(nn.Module):
         residual = x
         if cfg.normalize_before:
             x = _layer_norm(cfg, f"{name}_norm")(x)
-        x = nn.Dropout(cfg.dropout)(fn(x), deterministic=deterministic)
+        x = nn.Dropout(cfg.dropout)(constrain(fn(x), BTC), deterministic=deterministic)
         x = residual + x
         if not cfg.normalize_before:
             x = _layer_norm(cfg, f"{name}_norm")(x)
-        return x
+        return constrain(x, BTC)
 
 
 class FeedForward(nn.Module):
@@ -349,7 +367,7 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: Array, *, deterministic: bool) -> Array:
         cfg = self.config
-        h = xavier_dense(cfg.ffn_dim, (EMBED, MLP), dtype=cfg.dtype, name="fc1")(x_BTC)
+        h = constrain(xavier_dense(cfg.ffn_dim, (EMBED, MLP), dtype=cfg.dtype, name="fc1")(x_BTC), BTF)
         h = nn.Dropout(cfg.relu_dropout)(jax.nn.relu(h), deterministic=deterministic)
         return xavier_dense(x_BTC.shape[-1], (MLP, EMBED), dtype=cfg.dtype, name="fc2")(h)
 
@@ -378,14 +396,14 @@ def _mixer_fields(cfg: ModelConfig, name: str, side: str, layer: int, causal: bo
     return kwargs
 
 
-def _embedding(cfg: ModelConfig, name: str) -> nn.Embed:
+def _embedding(cfg: ModelConfig, name: str) -> Embed:
     """N(0, d^-1/2) embeddings with a zero PAD row, as fairseq's ``Embedding``."""
     def init(key: Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> Array:
         table = jax.random.normal(key, shape, dtype) * cfg.d_model ** -0.5
         return table.at[PAD_ID].set(0.0)
 
-    return nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
-                    embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
+    return Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+                 embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
 
 
 def _output_projection(cfg: ModelConfig) -> nn.Module:
@@ -401,8 +419,8 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
 def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deterministic: bool) -> Array:
     """``[B, T, V]`` float32 logits (log-probabilities for the adaptive softmax, which has dropout)."""
     if cfg.adaptive_softmax_cutoffs:
-        return projection(x_BTC, deterministic=deterministic)
-    return projection(x_BTC).astype(jnp.float32)
+        return constrain(projection(x_BTC, deterministic=deterministic), BTV)
+    return constrain(projection(x_BTC).astype(jnp.float32), BTV)
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
@@ -424,10 +442,11 @@ class ScaleAndPosition(nn.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         if cfg.learned_positions:
             init = nn.with_logical_partitioning(nn.initializers.normal(C ** -0.5), (LENGTH, EMBED))
-            pos_BTC = nn.Embed(cfg.max_len, C, dtype=cfg.dtype, embedding_init=init, name="learned")(positions_BT)
+            pos_BTC = Embed(cfg.max_len, C, dtype=cfg.dtype, embedding_init=init, table_axes=(ACT_LENGTH, None),
+                            name="learned")(positions_BT)
         else:
             pos_BTC = sinusoidal_positions(positions_BT, C).astype(x_BTC.dtype)
-        x_BTC = x_BTC * math.sqrt(C) + pos_BTC
+        x_BTC = constrain(x_BTC * math.sqrt(C) + pos_BTC, BTC)
         return nn.Dropout(cfg.dropout)(x_BTC, deterministic=deterministic)
 
 

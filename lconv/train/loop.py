@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import evaluate
@@ -50,6 +51,24 @@ class Preemption:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def agreed_stop(self, out_of_time: bool) -> str | None:
+        """Why every process stops after this step (``"SIGINT"``, ``"SIGTERM"``, ``"train.max_minutes"``), or None.
+
+        Signals and clocks are per process, but the checkpoint save that follows a stop is a collective: one process
+        saving while another starts the next step hangs a pod. So the processes agree, at every step boundary, on
+        the strongest local reason (``STOP_REASONS`` order): one process's SIGTERM stops all of them at the same
+        step, and they all exit the same way. A tiny all-gather, only when there are several processes."""
+        local = self.signal_name or ("train.max_minutes" if out_of_time else None)
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        codes = multihost_utils.process_allgather(np.asarray(STOP_REASONS.index(local), np.int32))  # [P]
+        return STOP_REASONS[int(np.max(codes))]
+
+
+STOP_REASONS = (None, "train.max_minutes", "SIGTERM", "SIGINT")  # weakest first: Ctrl-C wins over a preemption
 
 
 class SpikeGuard:
@@ -170,7 +189,8 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.update(1)
                 out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-                stopping = bool(out_of_time or preemption.requested)
+                stop_reason = preemption.agreed_stop(bool(out_of_time))  # the same on every process
+                stopping = stop_reason is not None
                 saving = stopping or step % config.train.checkpoint_every == 0
                 if step % config.train.log_every == 0 or step == num_steps or saving:
                     summary = check_finite(window_sums, step, ckpt)  # never checkpoint a diverged state
@@ -186,7 +206,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 if not spiking:  # a state in a loss spike is never checkpointed
                     ckpt.save(step, run.state, data_item, force=stopping)
                 if stopping:
-                    log(f"stopping at step {step}: {preemption.signal_name or 'train.max_minutes'}")
+                    log(f"stopping at step {step}: {stop_reason}")
                     break
     finally:
         preemption.close()
@@ -194,7 +214,8 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     if not spiking:
         ckpt.save(step, run.state, data_item, force=True)
     ckpt.close()
-    return step, preemption.signal_name
+    # Agreed once more: a signal that came during the last step's save still skips the evaluation on every process.
+    return step, preemption.agreed_stop(out_of_time=False)
 
 
 def evaluate_test_split(run: setup.Run, log: Callable[[str], None] = print,

@@ -26,6 +26,7 @@ from lconv.constants import BATCH_MESH_AXES
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
+from lconv.nn import common as nn_common
 from lconv.nn import models
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
@@ -204,7 +205,8 @@ def init_memory(config: Config, model: nn.Module, rows: int,
 
 def param_shardings(config: Config, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Shardings of a (boxed) pytree from its logical axis names and the config's mesh rules."""
-    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, [tuple(r) for r in config.mesh.rules])
+    rules = nn_common.axis_rules(config.mesh.rules)
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, list(rules))
 
 
 def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from lconv.infer import evaluate
+from lconv.nn import common as nn_common
 from lconv.nn import knn_memory
 from lconv.train import metrics, setup
 
@@ -88,7 +89,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, 
         sums["lr"] = lr_schedule(state.step)
         return state.apply_gradients(grads=grads, memory=memory), sums
 
-    return train_step
+    return nn_common.under_axis_rules(train_step, config.mesh.rules)
 
 
 def make_eval_step(config: Any) -> Callable:
@@ -98,7 +99,7 @@ def make_eval_step(config: Any) -> Callable:
         weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
         return metrics.label_smoothed_loss(logits, batch["targets"], weights, config.optim.label_smoothing), memory
 
-    return eval_step
+    return nn_common.under_axis_rules(eval_step, config.mesh.rules)
 
 
 def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
@@ -116,6 +117,9 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
                   mesh: jax.sharding.Mesh, memory: PyTree = None) -> dict[str, float]:
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
+
+    With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
+    batches on every process), so the sums cover the whole split once and are the same on every process.
 
     ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
     evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
