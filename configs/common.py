@@ -80,6 +80,7 @@ def base_config():
     c.model.max_len = 1024  # longest sequence for learned positions / Fixed / Hadamard attention
     c.model.conv_impl = "auto"  # auto | band | shift | conv | unfold (see lconv.ops.conv)
     c.model.dtype = "float32"  # compute dtype (bfloat16 on TPU); params and loss stay float32
+    c.model.matmul_precision = "default"  # dots outside the conv ops: default (TF32 on GPU) | high | highest
     c.model.remat = "none"  # recompute in the backward pass: none | full (keep layer inputs) | dots (keep matmuls)
 
     # --- optimisation ----------------------------------------------------------------------------------------

@@ -76,5 +76,8 @@ DEFAULT_AXIS_RULES = (
 
 # Per-layer rematerialisation (config.model.remat): what the backward pass keeps from the forward pass of a
 # layer; the rest is recomputed.
+# config.model.matmul_precision: the precision of dots outside the conv ops (those always run float32 exactly at
+# "highest"). "default" is the backend's fast path (TF32 on GPU, one bfloat16 pass on TPU, exact on CPU).
+MATMUL_PRECISIONS = ("default", "high", "highest")
 REMAT_POLICIES = ("none", "full", "dots")  # none: keep all; full: keep only the layer's inputs; dots: keep the
 # outputs of matmuls against parameters (projections, FFN), recompute attention scores, softmax, convs, norms

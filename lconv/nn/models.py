@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMAT_POLICIES, VOCAB
+from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MATMUL_PRECISIONS, MLP, PAD_ID, REMAT_POLICIES, VOCAB
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.attention import CrossAttention
@@ -81,6 +81,7 @@ class ModelConfig:
     conv_impl: str = "auto"
     dtype: Any = jnp.float32
     remat: str = "none"  # per-layer rematerialisation: none | full | dots (lconv.constants.REMAT_POLICIES)
+    matmul_precision: str = "default"  # dots outside the conv ops: default | high | highest (lconv.ops.precision)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
@@ -162,7 +163,8 @@ class ModelConfig:
             require(f"{side}_kernel_sizes", all(integer(k) and k >= 1 for k in sizes), "kernel sizes >= 1")
         require("conv_impl", self.conv_impl in CONV_IMPLS, f"one of {', '.join(CONV_IMPLS)}")
         require("ffn_type", self.ffn_type in ("dense", "colt5"), "'dense' or 'colt5'")
-        require("remat", self.remat in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}")
+        for name, choices in (("remat", REMAT_POLICIES), ("matmul_precision", MATMUL_PRECISIONS)):
+            require(name, getattr(self, name) in choices, f"one of {', '.join(choices)}")
         require("dtype", jnp.dtype(self.dtype).name in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
 
     def layer_mixers(self, side: str) -> list[str]:
