@@ -114,6 +114,7 @@ def base_config():
     c.train.spike_factor = 3.0
     c.train.spike_windows = 3
     c.train.checkpoint_checksums = True  # a SHA-256 manifest per checkpoint, verified on restore
+    c.train.async_checkpoints = True  # checkpoint files are written while training goes on (orbax async)
 
     # --- decoding / evaluation -------------------------------------------------------------------------------
     c.decode = ml_collections.ConfigDict()

@@ -228,6 +228,29 @@ def test_a_file_added_to_or_missing_from_a_checkpoint_fails_verification(tmp_pat
     assert integrity.verify_manifest(str(tmp_path / "no_manifest")) is False
 
 
+
+def test_an_async_save_keeps_the_values_it_was_given_while_their_buffers_are_donated(tmp_path):
+    """train_step donates the state it is given: the async save must hold its own copy. The manifest is made
+    once the files are written (the next save or close), and the restore equals the saved values."""
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=True)
+    step_fn = jax.jit(lambda tree: jax.tree.map(lambda x: x * 0 - 7, tree), donate_argnums=0)
+    state = {"w": jax.device_put(np.arange(1 << 18, dtype=np.float32)), "count": jax.device_put(np.int32(1))}
+    expected = jax.tree.map(np.array, state)
+    ckpt.save(1, state, {"process_count": 1, "processes": [None]})
+    state = step_fn(state)  # overwrites the donated buffers while orbax may still be writing
+    state = step_fn(state)
+    assert ckpt.unfinished == 1
+    ckpt.save(2, state, {"process_count": 1, "processes": [None]})  # finishes step 1 (its manifest) first
+    assert integrity.verify_manifest(str(tmp_path / "checkpoints" / "1"), required=True)
+    ckpt.close()
+    assert integrity.verify_manifest(str(tmp_path / "checkpoints" / "2"), required=True)
+    reader = checkpoints.Checkpointer(str(tmp_path))
+    restored, _ = reader.restore(checkpoints.abstract_like(expected), 1)
+    np.testing.assert_array_equal(restored["w"], expected["w"])
+    restored, _ = reader.restore(checkpoints.abstract_like(expected), 2)
+    np.testing.assert_array_equal(restored["w"], np.full(1 << 18, -7, np.float32))
+    reader.close()
+
 # ----------------------------------------------------------------------------------------------------------------
 # Divergence guard and Ctrl-C
 # ----------------------------------------------------------------------------------------------------------------

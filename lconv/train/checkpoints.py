@@ -35,11 +35,12 @@ class Checkpointer:
             max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
-        self.save_every = save_every
+        self.save_every, self.async_save = save_every, async_save
         self.checksums = checksums
         self.verified = False  # whether the last restore was checked against its manifest
         self.error_log = str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
         self.read_attempts, self.retry_seconds = 3, 1.0  # a failed read is tried again after 1 s, then 2 s
+        self.unfinished: int | None = None  # an async save still being written, its manifest not yet made
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -60,12 +61,23 @@ class Checkpointer:
             return False
         if callable(data_state):
             data_state = data_state()
+        self.finish()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
-        self.manager.wait_until_finished()
-        if self.checksums:
-            integrity.write_manifest(self._step_dir(step))
+        self.unfinished = step
+        if not self.async_save:
+            self.finish()
         return True
+
+    def finish(self) -> None:
+        """Waits for an async save to be written, then makes its manifest. An async save copies the arrays to
+        host memory and returns; the files are written while training goes on, and are hashed (process 0) at
+        the next save or at ``close``. A crash in between leaves a complete checkpoint without a manifest, which
+        restores as "unverified" (it is still checked finite)."""
+        self.manager.wait_until_finished()
+        if self.unfinished is not None and self.checksums:
+            integrity.write_manifest(self._step_dir(self.unfinished))
+        self.unfinished = None
 
     def _step_dir(self, step: int) -> str:
         return str(epath.Path(self.directory) / str(step))
@@ -147,7 +159,7 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.finish()
         self.manager.close()
 
 
@@ -155,8 +167,9 @@ class BestCheckpointer:
     """The state with the lowest validation loss so far: one checkpoint in ``<workdir>/best`` whose JSON item is
     ``{"step", "validation_loss"}``. A resumed run reads the loss to beat back from it."""
 
-    def __init__(self, workdir: str, *, checksums: bool = True) -> None:
-        self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best", checksums=checksums)
+    def __init__(self, workdir: str, *, checksums: bool = True, async_save: bool = False) -> None:
+        self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best", checksums=checksums,
+                                         async_save=async_save)
         step = self.checkpointer.latest_step()
         self.loss = math.inf if step is None else float(self.checkpointer.read_data(step)["validation_loss"])
 

@@ -75,6 +75,7 @@ TRAIN = {
     "spike_factor": (float, lambda v: v == 0 or v > 1, "0 (off) or a number > 1"),
     "spike_windows": _POSITIVE,
     "checkpoint_checksums": _BOOL,
+    "async_checkpoints": _BOOL,
 }
 DECODE = {
     "beam_size": _POSITIVE,
@@ -92,7 +93,8 @@ MESH = {
               "(logical axis, mesh axis or None) pairs"),
 }
 SECTIONS = {"data": DATA, "optim": OPTIM, "train": TRAIN, "decode": DECODE, "mesh": MESH}
-OPTIONAL = {"data": set(pipeline.DEFAULTS), "train": {"spike_factor", "spike_windows", "checkpoint_checksums"}}
+OPTIONAL = {"data": set(pipeline.DEFAULTS),
+            "train": {"spike_factor", "spike_windows", "checkpoint_checksums", "async_checkpoints"}}
 
 
 def _check(name: str, value: Any, rule: Rule) -> None:

@@ -130,10 +130,10 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
 
 def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str, Any]:
     config = run.config
-    verify = config.train.get("checkpoint_checksums", True)
+    verify, async_save = config.train.get("checkpoint_checksums", True), config.train.get("async_checkpoints", True)
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
-                                    save_every=config.train.checkpoint_every, checksums=verify)
-    best = checkpoints.BestCheckpointer(run.workdir, checksums=verify)
+                                    save_every=config.train.checkpoint_every, checksums=verify, async_save=async_save)
+    best = checkpoints.BestCheckpointer(run.workdir, checksums=verify, async_save=async_save)
     if ckpt.latest_step() is not None:
         run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state), log=log)
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
@@ -151,7 +151,11 @@ def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str,
         return scores
 
     t0 = time.time()
-    step, stopped_by = train(run, ckpt, writer, validate, log)
+    try:
+        step, stopped_by = train(run, ckpt, writer, validate, log)
+    except BaseException:
+        best.close()  # complete a best checkpoint still being written
+        raise
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     if stopped_by:
         result["stopped_by"] = stopped_by
@@ -211,6 +215,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     finally:
         preemption.close()
         progress.close()
+        ckpt.finish()  # a save still being written when an error stops the run is the last good one: complete it
     if not spiking:
         ckpt.save(step, run.state, data_item, force=True)
     ckpt.close()
