@@ -129,10 +129,10 @@ def _launch_two(prepared, workdir, *overrides):
                          "LCONV_COORDINATOR": f"localhost:{port}"}) for i in range(2)]
 
 
-def _finish_all(runs):
+def _finish_all(runs, timeout=240):
     """Every run's stdout; when one fails, the others are killed (left alone they would wait on it for ever)."""
     try:
-        return [_finish(run) for run in runs]
+        return [_finish(run, timeout) for run in runs]
     finally:
         for run in runs:
             if run.poll() is None:
@@ -140,9 +140,9 @@ def _finish_all(runs):
                 run.wait()
 
 
-def _two_processes(prepared, workdir, *overrides):
+def _two_processes(prepared, workdir, *overrides, timeout=240):
     """train.py as two processes to the end; returns both processes' stdout."""
-    return _finish_all(_launch_two(prepared, workdir, *overrides))
+    return _finish_all(_launch_two(prepared, workdir, *overrides), timeout)
 
 
 TWO_STEPS = ("--config.train.num_steps=20", "--config.train.checkpoint_every=5", "--config.train.eval_every=10")
@@ -218,6 +218,20 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     assert {s for s, _ in logged} == set(expected) == set(range(1, 21))
     for step, loss in logged:
         assert loss == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_two_processes_start_from_an_empty_data_dir_and_workdir(prepared, tmp_path):
+    """A first launch on a pod: nothing prepared. Process 0 prepares the data and trains the tokenizer while the
+    other waits; both train on the same vocabulary and end together."""
+    workdir, data_dir = tmp_path / "fresh_run", tmp_path / "fresh_tfds"
+    outs = _two_processes(prepared, workdir, "--config.train.num_steps=2", "--config.train.eval_every=1000",
+                          "--config.train.eval_after_training=False", f"--config.data.data_dir={data_dir}",
+                          timeout=600)  # preparing the data and the tokenizer comes first
+    assert (workdir / "spm.model").exists() and sorted(s for s, _ in _logged(workdir)) == [1, 2]
+    assert len(list((data_dir / "lconv_prepared").iterdir())) == 1  # one prepared copy, not one per process
+    assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("incomplete.*"))
+    sizes = [[line for line in out.splitlines() if line.startswith("model: ")] for out in outs]
+    assert sizes[0] and sizes[0] == sizes[1], sizes  # the same vocabulary, so the same parameter count
 
 
 def test_two_processes_score_a_language_models_perplexity_on_the_whole_split(prepared, tmp_path):

@@ -145,8 +145,32 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
 _OK, _USER_ERROR, _FAILED = 0, 1, 2
 
 
+# How long the other processes wait for process 0 to prepare the data and train the tokenizer (a big corpus on a
+# first launch takes many minutes; a device collective would time out long before).
+PREPARE_TIMEOUT_S = 4 * 3600
+_broadcasts = 0  # numbers each broadcast's key in the coordinator's key-value store
+
+
 def _broadcast_from_process_0(status: int, payload: bytes) -> tuple[int, bytes]:
-    """(status, bytes) of process 0 on every process: the header first, so the others know the length."""
+    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` coordinator's key-value
+    store: the others wait without a device collective, so a long preparation on process 0 cannot time out
+    their collectives (without a coordinator, e.g. one process: a collective broadcast)."""
+    global _broadcasts
+    from jax._src import distributed  # the coordinator client (orbax reads it the same way)
+
+    _broadcasts += 1
+    client = distributed.global_state.client
+    if client is None:
+        return _collective_broadcast(status, payload)
+    key = f"lconv/process_0_broadcast/{_broadcasts}"
+    if distributed.global_state.process_id == 0:
+        client.key_value_set_bytes(key, bytes([status]) + payload)
+        return status, payload
+    message = client.blocking_key_value_get_bytes(key, PREPARE_TIMEOUT_S * 1000)
+    return message[0], bytes(message[1:])
+
+
+def _collective_broadcast(status: int, payload: bytes) -> tuple[int, bytes]:
     from jax.experimental import multihost_utils
 
     header = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([status, len(payload)], np.int32)))
