@@ -116,15 +116,15 @@ def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
 
 
 def build_optimizer(optim: Config, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """fairseq's optimisers. Weight decay is decoupled as in fairseq (since 2018): ``p -= lr * weight_decay * p``
+    beside the update, never added to the gradient that Adam normalises or NAG's momentum accumulates. ``adamw`` is
+    the same optimiser as ``adam`` under its PyTorch name."""
     lr = learning_rate_schedule(optim, num_steps)
-    if optim.optimizer == "adam":
-        tx = optax.adam(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps)
-        if optim.weight_decay:
-            tx = optax.chain(optax.add_decayed_weights(optim.weight_decay), tx)  # fairseq's coupled L2
-    elif optim.optimizer == "adamw":
+    if optim.optimizer in ("adam", "adamw"):
         tx = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
     elif optim.optimizer == "nag":
-        tx = optax.chain(optax.add_decayed_weights(optim.weight_decay), optax.sgd(lr, optim.momentum, nesterov=True))
+        tx = optax.chain(optax.trace(decay=optim.momentum, nesterov=True),
+                         optax.add_decayed_weights(optim.weight_decay), optax.scale_by_learning_rate(lr))
     else:
         raise UserError(f"config.optim.optimizer must be adam, adamw or nag; got {optim.optimizer!r}")
     if optim.clip_norm:
