@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lconv.data import pipeline
+from lconv.errors import UserError
 from lconv.infer import evaluate
 from lconv.infer import search as decode
 from lconv.nn.models import DecoderOnlyLM, EncoderDecoder, ModelConfig
@@ -119,6 +120,45 @@ def _beam_reference(A, Bm, Cp, bias_V, k, length, lenpen):
         finished = sorted(finished, key=lambda c: -c[0])[:k]
         alive = [c for c in cands if c[1][-1] != EOS][:k]
     return [f[0] for f in finished]
+
+
+def _fairseq_reference(A, Bm, Cp, bias_V, k, limit, lenpen):
+    """fairseq's SequenceGenerator rule in plain Python: no EOS first; EOS among the top-k of the 2k candidates
+    (ranked by summed log-prob) finalizes, in rank order, until k are final; only EOS at the length limit."""
+    alive, final = [(0.0, [])], []
+    for t in range(limit):
+        cands = []
+        for logp, seq in alive:
+            for tok in range(V):
+                allowed = tok == EOS if t + 1 == limit else (tok != PAD and not (tok == EOS and t == 0))
+                if allowed:
+                    cands.append((logp + _logp(A, Bm, Cp, bias_V, [BOS] + seq, tok), seq + [tok]))
+        cands = sorted(cands, key=lambda c: -c[0])[: 2 * k]
+        for logp, seq in cands[:k]:
+            if seq[-1] == EOS and len(final) < k:
+                final.append((logp / (t + 1) ** lenpen, seq))
+        if len(final) == k:
+            break
+        alive = [c for c in cands if c[1][-1] != EOS][:k]
+    return sorted(final, key=lambda c: -c[0])
+
+
+@pytest.mark.parametrize("lenpen,seed,beam", [(1.0, 2, 2), (1.0, 5, 3), (0.5, 9, 2), (2.0, 8, 3)])
+def test_the_fairseq_stop_rule_equals_a_plain_reading_of_fairseqs_generator(lenpen, seed, beam):
+    A, Bm, Cp, bias = _tables(seed=seed)
+    A[:, EOS] += 1.0  # EOS competitive, so early finishes and the first-come rule matter
+    fn, cache = _toy(A, Bm, Cp, bias)
+    limits = np.array([6, 8])
+    tokens, scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits, stop="fairseq")
+    optimal_tokens, optimal_scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits)
+    for b in range(2):
+        ref = _fairseq_reference(A, Bm, Cp, bias[b], beam, limits[b], lenpen)
+        np.testing.assert_allclose(scores[b], [s for s, _ in ref], rtol=1e-5, atol=1e-6)
+        for n, (_, seq) in enumerate(ref):
+            assert tokens[b, n].tolist() == _padded(seq, 8), (b, n)
+        assert np.all(optimal_scores[b] >= np.asarray(scores[b]) - 1e-6)  # first come is never better
+    with pytest.raises(UserError, match="decode.stop='greedy'"):
+        decode.beam_search(fn, cache, 2, 2, 8, stop="greedy")
 
 
 def _counting(fn):

@@ -25,6 +25,8 @@ from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
 from lconv.errors import UserError
 from lconv.nn.knn_memory import rowwise_top_k  # per shard of the rows: XLA cannot split a TopK
 
+STOP_RULES = ("optimal", "fairseq")  # config.decode.stop: see beam_search
+
 if TYPE_CHECKING:
     import flax.linen as nn
 
@@ -157,8 +159,13 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
 # ----------------------------------------------------------------------------------------------------------------
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
                 lenpen: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                max_len_per_row: Array | None = None) -> tuple[Array, Array]:
+                max_len_per_row: Array | None = None, stop: str = "optimal") -> tuple[Array, Array]:
     """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first.
+
+    ``stop="fairseq"`` follows fairseq's SequenceGenerator instead, so BLEU compares like for like: no EOS as the
+    first token (its min_len 1); only EOS extensions ranked in the step's top ``beam`` (by summed log-prob)
+    finish, taken in rank order; a row is done once ``beam`` hypotheses have finished, first come, even if an
+    alive one could still score higher. The default ``"optimal"`` rule below keeps searching until none can.
 
     A finished hypothesis scores ``sum(log p) / length**lenpen`` (EOS counted in both). Alive and finished
     hypotheses are kept apart, so an EOS never takes an alive slot: each step ranks the top ``2*beam``
@@ -169,6 +176,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     score -inf and hold PAD.
     """
     B, N, L = batch_size, beam_size, max_len
+    if stop not in STOP_RULES:
+        raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
+    fairseq = stop == "fairseq"
     lenpen = jnp.float32(lenpen)
     if max_len_per_row is None:
         limit_B = jnp.full((B,), L, jnp.int32)  # [B]
@@ -177,14 +187,16 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     max_pen_B = jnp.power(limit_B.astype(jnp.float32), lenpen)  # [B]
 
     def cond(state):
-        i, _, alive_logp_BN, _, finished_BN, _ = state
+        i, _, alive_logp_BN, _, finished_BN, _, count_B = state
+        if fairseq:
+            return (i < L) & ~jnp.all(count_B >= N)
         best_pen_B = jnp.maximum(jnp.power((i + 1).astype(jnp.float32), lenpen), max_pen_B)  # [B]
         best_alive_B = jnp.max(alive_logp_BN, axis=-1) / best_pen_B  # [B] upper bound of any future score
         done_B = finished_BN[:, -1] >= best_alive_B  # [B] worst finished beats every alive hypothesis
         return (i < L) & ~jnp.all(done_B)
 
     def body(state):
-        i, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache = state
+        i, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B = state
         last_BN1 = jax.lax.dynamic_slice_in_dim(alive_BNL, jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
         prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
         flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
@@ -194,6 +206,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         at_limit_B = i + 1 >= limit_B  # [B] this token is the row's last
         only_eos_V = jnp.arange(V) == eos_id  # [V]
         logp_BNV = jnp.where(at_limit_B[:, None, None] & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)  # [B, beam, V]
+        if fairseq:  # fairseq's min_len = 1: no empty hypothesis
+            logp_BNV = jnp.where((i == 0) & only_eos_V & ~at_limit_B[:, None, None], IMPOSSIBLE_LOGP, logp_BNV)
         cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
 
         # The top 2*beam extensions: at most beam of them end in EOS, so beam non-EOS ones remain alive.
@@ -213,20 +227,46 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         # Finished: EOS extensions, length-normalised, merged with the finished set.
         length_pen = jnp.power((i + 1).astype(jnp.float32), lenpen)  # ()
         new_scores_B2N = jnp.where(is_eos_B2N, top_logp_B2N / length_pen, IMPOSSIBLE_LOGP)  # [B, 2beam]
+        if fairseq:
+            finished_BNL, finished_BN, count_B = _append_finished(
+                finished_BNL, finished_BN, count_B, top_seqs_B2NL, new_scores_B2N, is_eos_B2N, top_logp_B2N)
+            return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B
         all_scores_B3N = jnp.concatenate([finished_BN, new_scores_B2N], axis=1)  # [B, 3beam]
         all_seqs_B3NL = jnp.concatenate([finished_BNL, top_seqs_B2NL], axis=1)  # [B, 3beam, L]
         finished_BN, best_BN = rowwise_top_k(all_scores_B3N, N)  # [B, beam]
         finished_BNL = jnp.take_along_axis(all_seqs_B3NL, best_BN[:, :, None], axis=1)  # [B, beam, L]
-        return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache
+        return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B
 
     seqs_BNL = jnp.full((B, N, L), pad_id, jnp.int32)  # [B, beam, L]
     # [B, beam]: one live beam per row at the start
     alive_logp_BN = jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_LOGP] * (N - 1), jnp.float32), (B, 1))
     finished_BN = jnp.full((B, N), IMPOSSIBLE_LOGP, jnp.float32)  # [B, beam] empty
-    state = (jnp.int32(0), seqs_BNL, alive_logp_BN, seqs_BNL, finished_BN, tile_cache(cache, B, N))
-    _, _, _, finished_BNL, finished_BN, _ = jax.lax.while_loop(cond, body, state)
+    state = (jnp.int32(0), seqs_BNL, alive_logp_BN, seqs_BNL, finished_BN, tile_cache(cache, B, N),
+             jnp.zeros((B,), jnp.int32))
+    _, _, _, finished_BNL, finished_BN, _, _ = jax.lax.while_loop(cond, body, state)
+    if fairseq:  # slots are in order of finishing: best first
+        finished_BN, order_BN = rowwise_top_k(finished_BN, N)
+        finished_BNL = jnp.take_along_axis(finished_BNL, order_BN[:, :, None], axis=1)
     finished_BNL = jnp.where(finished_BN[:, :, None] > IMPOSSIBLE_LOGP, finished_BNL, pad_id)  # [B, beam, L]
     return finished_BNL, finished_BN
+
+
+def _append_finished(finished_BNL, finished_BN, count_B, top_seqs_B2NL, scores_B2N, is_eos_B2N, top_logp_B2N):
+    """fairseq's rule: the EOS extensions among the top ``beam`` candidates fill a row's free finished slots in
+    rank order; ``count_B`` counts the filled ones."""
+    N = finished_BN.shape[1]
+    rank_2N = jnp.arange(2 * N)
+    eligible_B2N = is_eos_B2N & (rank_2N < N)[None] & (top_logp_B2N > IMPOSSIBLE_LOGP / 2)  # [B, 2beam]
+    slot_B2N = count_B[:, None] + jnp.cumsum(eligible_B2N, axis=1) - 1  # [B, 2beam] the slot each would fill
+    take_B2N = eligible_B2N & (slot_B2N < N)
+    into_B2NN = (slot_B2N[:, :, None] == jnp.arange(N)) & take_B2N[:, :, None]  # [B, 2beam, beam] one-hot
+    filled_BN = jnp.any(into_B2NN, axis=1)  # [B, beam]
+    # Selections as masked sums, not dots: a float32 dot may run as TF32 on a GPU and round the scores.
+    new_scores_BN = jnp.sum(jnp.where(into_B2NN, scores_B2N[:, :, None], 0.0), axis=1)  # [B, beam]
+    new_seqs_BNL = jnp.sum(jnp.where(into_B2NN[..., None], top_seqs_B2NL[:, :, None], 0), axis=1)  # [B, beam, L]
+    finished_BN = jnp.where(filled_BN, new_scores_BN, finished_BN)
+    finished_BNL = jnp.where(filled_BN[:, :, None], new_seqs_BNL, finished_BNL)
+    return finished_BNL, finished_BN, count_B + jnp.sum(take_B2N, axis=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -239,7 +279,8 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
 
 def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
               beam_size: int = 4, max_len: int = 256, lenpen: float = 1.0, max_len_a: float | None = None,
-              max_len_b: int | None = None, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+              max_len_b: int | None = None, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+              stop: str = "optimal") -> Array:
     """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``.
 
     Encodes once; the cache is created for ``B`` rows and tiled per beam by ``beam_search``, the encoder output
@@ -264,7 +305,7 @@ def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segm
         src_len_B = jnp.sum(inputs_BS != pad_id, axis=1).astype(jnp.float32)  # [B]
         limit_B = jnp.floor((max_len_a or 0.0) * src_len_B + (max_len_b or 0)).astype(jnp.int32) + 1  # [B] + EOS
     tokens_BNL, _ = beam_search(tokens_to_logits, cache, B, N, max_len, lenpen=lenpen, bos_id=bos_id,
-                                eos_id=eos_id, pad_id=pad_id, max_len_per_row=limit_B)
+                                eos_id=eos_id, pad_id=pad_id, max_len_per_row=limit_B, stop=stop)
     return tokens_BNL[:, 0]  # [B, L]
 
 
