@@ -5,6 +5,8 @@ report "nothing to score" instead), and a length mismatch would silently score t
 """
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,3 +42,59 @@ def rouge(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str, flo
         for key in totals:
             totals[key] += scores[key].fmeasure
     return {key: 100.0 * value / len(hypotheses) for key, value in totals.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's metrics, beside the modern ones
+# ----------------------------------------------------------------------------------------------------------------
+_COMPOUND = re.compile(r"(\S)-(\S)")
+
+
+def compound_split(text: str) -> str:
+    r"""fairseq's ``compound_split_bleu.sh`` rewrite: ``"co-operation"`` -> ``"co ##AT##-##AT## operation"``.
+
+    Like the script's ``perl s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g``, matches do not overlap: a match consumes the
+    character after its hyphen, so ``"a-b-c-d"`` -> ``"a ##AT##-##AT## b-c ##AT##-##AT## d"``.
+    """
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", text)
+
+
+def tokenized_bleu(hypotheses: Iterable[str], references: Iterable[str], *, tokenize: str = "13a",
+                   split_compounds: bool = True) -> dict[str, Any]:
+    """The paper's WMT En-De BLEU: tokenized text (here sacreBLEU's ``tokenize`` tokenizer on detokenized
+    output, where the paper's data was Moses-tokenized), hyphenated compounds split as fairseq's script does,
+    then plain corpus BLEU on whitespace tokens without smoothing (fairseq-score's). Not comparable with
+    sacreBLEU: it is higher on the same output."""
+    import sacrebleu
+
+    hypotheses, references = _pairs(hypotheses, references)
+    tokenizer = sacrebleu.metrics.BLEU(tokenize=tokenize).tokenizer
+    prepare = (lambda s: compound_split(tokenizer(s.strip()))) if split_compounds else (lambda s: tokenizer(s.strip()))
+    metric = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", force=True)
+    result = metric.corpus_score([prepare(h) for h in hypotheses], [[prepare(r) for r in references]])
+    name = f"tokenized BLEU ({tokenize}{', compound split' if split_compounds else ''})"
+    return {"tokenized_bleu": result.score, "tokenized_bleu_text": f"{name} = {result.score:.2f}"}
+
+
+def rouge_lsum(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str, float]:
+    """ROUGE-Lsum (summary-level LCS over sentences, as ROUGE-1.5.5 computes the ROUGE-L that summarization
+    papers report), stemmed, averaged over examples, in percent. Sentences are split on " . " boundaries when
+    the text has no newlines (one summary per line)."""
+    from rouge_score import rouge_scorer
+
+    hypotheses, references = _pairs(hypotheses, references)
+    scorer = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=True)
+    lines = lambda text: text if "\n" in text else re.sub(r"(?<=[.!?])\s+", "\n", text.strip())  # noqa: E731
+    total = sum(scorer.score(lines(ref), lines(hyp))["rougeLsum"].fmeasure for hyp, ref in zip(hypotheses, references))
+    return {"rougeLsum": 100.0 * total / len(hypotheses)}
+
+
+def word_perplexity(total_nll: float, texts: Iterable[str]) -> dict[str, float]:
+    """Per-word perplexity from a summed natural-log NLL over an LM's pieces (EOS included): ``exp(nll / words)``
+    with words = whitespace-separated words plus one end-of-sentence per text, as word-level LMs (the paper's
+    Billion Word figure) count them. The pieces' NLL is the text's NLL, so the two perplexities compare."""
+    texts = list(texts)
+    words = sum(len(t.split()) + 1 for t in texts)
+    if not words:
+        raise ValueError("no words to score: word perplexity needs at least one text")
+    return {"word_ppl": math.exp(total_nll / words), "words": float(words)}

@@ -1,0 +1,67 @@
+"""The paper's metrics beside the modern ones, against independent computations: fairseq's compound-splitting
+script (its Perl rewrite's outputs), a hand-written corpus BLEU, a hand-computed ROUGE-Lsum and word perplexity."""
+import collections
+import math
+
+import pytest
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+from lconv.infer import scoring
+
+# `perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'` (fairseq's scripts/compound_split_bleu.sh), run on each input.
+PERL_OUTPUTS = {
+    "state-of-the-art": "state ##AT##-##AT## of ##AT##-##AT## the ##AT##-##AT## art",
+    "a-b-c-d": "a ##AT##-##AT## b-c ##AT##-##AT## d",
+    "x - y": "x - y",
+    "-a b-": "-a b-",
+    "Baden-Württemberg's co-operation": "Baden ##AT##-##AT## Württemberg's co ##AT##-##AT## operation",
+}
+
+
+@pytest.mark.parametrize("text", sorted(PERL_OUTPUTS))
+def test_compound_split_is_the_scripts_rewrite(text):
+    assert scoring.compound_split(text) == PERL_OUTPUTS[text]
+
+
+def _corpus_bleu(hyps, refs):
+    """Papineni et al.'s corpus BLEU on whitespace tokens: clipped n-gram precisions (n <= 4), geometric mean,
+    brevity penalty; no smoothing."""
+    matches, totals, hyp_len, ref_len = [0] * 4, [0] * 4, 0, 0
+    for hyp, ref in zip(hyps, refs):
+        h, r = hyp.split(), ref.split()
+        hyp_len, ref_len = hyp_len + len(h), ref_len + len(r)
+        for n in range(1, 5):
+            hc = collections.Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
+            rc = collections.Counter(tuple(r[i:i + n]) for i in range(len(r) - n + 1))
+            matches[n - 1] += sum(min(c, rc[g]) for g, c in hc.items())
+            totals[n - 1] += max(len(h) - n + 1, 0)
+    log_precision = sum(math.log(m / t) for m, t in zip(matches, totals)) / 4
+    brevity = min(0.0, 1 - ref_len / hyp_len)
+    return 100 * math.exp(log_precision + brevity)
+
+
+def test_tokenized_bleu_splits_compounds_then_scores_plain_bleu():
+    hyps = ["The state-of-the-art model, a well-known one, translates.", "Baden-Württemberg is green.",
+            "A co-operation of long-term partners works here today."]
+    refs = ["The state-of-the-art system, a well-known one, translates well.", "Baden-Württemberg is very green.",
+            "The co-operation of long-term partners works today."]
+    tokenize = Tokenizer13a()
+    prepared = lambda texts: [scoring.compound_split(tokenize(t)) for t in texts]  # noqa: E731
+    got = scoring.tokenized_bleu(hyps, refs)
+    assert got["tokenized_bleu"] == pytest.approx(_corpus_bleu(prepared(hyps), prepared(refs)), rel=1e-9)
+    plain = scoring.tokenized_bleu(hyps, refs, split_compounds=False)["tokenized_bleu"]
+    assert plain == pytest.approx(_corpus_bleu([tokenize(t) for t in hyps], [tokenize(t) for t in refs]), rel=1e-9)
+    assert got["tokenized_bleu"] > plain  # matched compounds count as several n-grams: the paper's number is higher
+
+
+def test_rouge_lsum_takes_the_union_of_sentence_lcs_where_rouge_l_takes_one_lcs():
+    hyp, ref = "b c. a.", "a. b c."  # the same sentences, swapped
+    assert scoring.rouge_lsum([hyp], [ref])["rougeLsum"] == pytest.approx(100.0)  # every ref word is hit
+    assert scoring.rouge([hyp], [ref])["rougeL"] == pytest.approx(100 * 2 / 3)  # LCS "b c" of 3 words each way
+
+
+def test_word_perplexity_counts_words_plus_one_end_of_sentence_per_text():
+    got = scoring.word_perplexity(12.0, ["the cat sat", "a dog"])  # 3 + 1 + 2 + 1 = 7 words
+    assert got["words"] == 7 and got["word_ppl"] == pytest.approx(math.exp(12.0 / 7))
+    with pytest.raises(ValueError, match="no words"):
+        scoring.word_perplexity(1.0, [])
