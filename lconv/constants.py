@@ -79,5 +79,8 @@ DEFAULT_AXIS_RULES = (
 # config.model.matmul_precision: the precision of dots outside the conv ops (those always run float32 exactly at
 # "highest"). "default" is the backend's fast path (TF32 on GPU, one bfloat16 pass on TPU, exact on CPU).
 MATMUL_PRECISIONS = ("default", "high", "highest")
+# config.model.attention_impl: the attention kernel (lconv.ops.flash): auto = cuDNN flash where it applies on CUDA,
+# blockwise (online softmax) on long sequences, else materialised logits.
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn")
 REMAT_POLICIES = ("none", "full", "dots")  # none: keep all; full: keep only the layer's inputs; dots: keep the
 # outputs of matmuls against parameters (projections, FFN), recompute attention scores, softmax, convs, norms

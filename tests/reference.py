@@ -1,4 +1,6 @@
-"""Independent float64 NumPy references for the conv ops (plain loops over the formula, no shared code)."""
+"""Independent float64 NumPy references for the conv ops (plain loops over the formula, no shared code), and the
+tolerances of comparisons with them by dtype and matmul precision (``tolerance``)."""
+import jax
 import numpy as np
 
 
@@ -37,3 +39,36 @@ def softmax(z, axis=-1):
 
 def sigmoid(z):
     return 1.0 / (1.0 + np.exp(-np.asarray(z, np.float64)))
+
+
+# --- tolerances ---------------------------------------------------------------------------------------------------
+# How a dot rounds its float32 inputs, by backend and matmul precision (XLA's documented behaviour): CPU computes
+# every float32 dot exactly; a GPU uses TF32 (10-bit mantissa) for "default" and "high"; a TPU one bfloat16 pass
+# (7 bits) for "default" and three (about 16 bits) for "high". "highest" is exact float32 everywhere.
+_DOT_ROUNDING = {"gpu": {"default": "tf32", "high": "tf32"}, "tpu": {"default": "bf16", "high": "bf16_3x"}}
+_DTYPE_ROUNDING = {"bfloat16": "bf16", "float16": "fp16"}
+# The smallest rtol and atol at each rounding: a few hundred units of it, as errors add over a dot's terms and
+# over a model's layers. Coarser roundings rank later.
+_FLOOR = {"exact": 0.0, "bf16_3x": 1e-4, "fp16": 1e-2, "tf32": 1e-2, "bf16": 2e-2}
+
+
+def rounding(dtype=np.float32, precision="highest", backend=None):
+    """The coarsest rounding a computation in ``dtype`` with dots at ``precision`` meets on ``backend``
+    (default: JAX's default backend): ``"exact"`` (float32), ``"bf16_3x"``, ``"tf32"``, ``"fp16"`` or ``"bf16"``."""
+    backend = backend or jax.default_backend()
+    by_dot = _DOT_ROUNDING.get(backend, {}).get(precision, "exact")
+    by_dtype = _DTYPE_ROUNDING.get(np.dtype(dtype).name, "exact")
+    return max(by_dot, by_dtype, key=list(_FLOOR).index)
+
+
+def tolerance(dtype=np.float32, precision="highest", *, rtol=1e-7, atol=0.0, backend=None):
+    """``assert_allclose`` keyword arguments for a result computed in ``dtype`` with dots at ``precision``
+    (``config.model.matmul_precision``), compared with a float64 reference or a float32 computation.
+
+    ``rtol`` / ``atol`` are the test's own tolerances for what it computes (default: ``assert_allclose``'s); they
+    are returned unchanged where the computation is exact float32 (CPU at any precision; "highest" anywhere) and
+    otherwise raised to the floor of the rounding that the dtype and precision imply on the backend (never to
+    what a backend happened to give).
+    """
+    floor = _FLOOR[rounding(dtype, precision, backend)]
+    return {"rtol": max(rtol, floor), "atol": max(atol, floor)}

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from lconv.errors import UserError
 from lconv.nn import mixers
 from lconv.nn.attention import CrossAttention, FixedAttention, HadamardAttention, SelfAttention
 
@@ -296,3 +297,57 @@ def test_bad_call_raises(cls, kw):
     if cls is not SelfAttention:
         with pytest.raises(ValueError, match="max_len"):
             m.init(jax.random.PRNGKey(0), jnp.asarray(X), positions=jnp.full((B, T), L, jnp.int32))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_kernel_in_the_module_matches_numpy_reference(causal):
+    """attention_impl='chunked' (lconv.ops.flash): the same numbers as the reference, packing and padding kept."""
+    m, params = build("attention", causal, attention_impl="chunked")
+    y = run(m, {"params": params}, jnp.asarray(X), segment_ids=jnp.asarray(SEG))
+    ref = np_mixer("attention", params, X, SEG, POS, causal)
+    valid = SEG > 0
+    np.testing.assert_allclose(np.asarray(y)[valid], ref[valid], atol=2e-5, rtol=1e-4)
+
+
+def test_cross_attention_kernels_agree():
+    mem = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (B, 7, C)), np.float32)
+    mseg = np.array([[1] * 5 + [0] * 2, [1] * 7], np.int32)
+    m = CrossAttention(num_heads=H, attention_impl="xla")
+    params = nn.meta.unbox(m.init(jax.random.PRNGKey(1), jnp.asarray(X), jnp.asarray(mem))["params"])
+    kw = dict(query_segment_ids=jnp.asarray(SEG), encoded_segment_ids=jnp.asarray(mseg))
+    ys = [run(m.clone(attention_impl=impl), {"params": params}, jnp.asarray(X), jnp.asarray(mem), **kw)
+          for impl in ("xla", "chunked")]
+    np.testing.assert_allclose(np.asarray(ys[1]), np.asarray(ys[0]), atol=1e-6)
+
+
+def _dot_precisions(m, *args):
+    """The precision attribute of every dot in ``m.apply``'s lowered program."""
+    params = m.init(jax.random.PRNGKey(0), *args)["params"]
+    text = jax.jit(lambda p, *a: m.apply({"params": p}, *a)).lower(params, *args).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= 6, len(dots)  # four projections, the logits and the value sum at least
+    return {("HIGHEST" if "HIGHEST" in d else "DEFAULT" if "DEFAULT" in d or "precision" not in d else "other")
+            for d in dots}
+
+
+@pytest.mark.parametrize("cls, extra", [(SelfAttention, {}), (SelfAttention, dict(attention_impl="chunked")),
+                                        (HadamardAttention, dict(max_len=L, project_qk=True)),
+                                        (FixedAttention, dict(max_len=L, factorized_rank=2, mix_dot_product=True))])
+def test_matmul_precision_reaches_every_dot(cls, extra):
+    """matmul_precision (a model field) sets the projections' and the attention dots' precision, none left out."""
+    assert cls.model_fields["matmul_precision"] == "matmul_precision"
+    x = jnp.asarray(X)
+    assert _dot_precisions(cls(num_heads=H, causal=True, matmul_precision="highest", **extra), x) == {"HIGHEST"}
+    assert _dot_precisions(cls(num_heads=H, causal=True, **extra), x) == {"DEFAULT"}
+    m = CrossAttention(num_heads=H, matmul_precision="highest")
+    assert _dot_precisions(m, x, jnp.asarray(X[:, :5])) == {"HIGHEST"}
+
+
+@pytest.mark.parametrize("cls, kw, field", [
+    (SelfAttention, dict(matmul_precision="exact"), "matmul precision"),
+    (SelfAttention, dict(attention_impl="flash"), "attention_impl"),
+    (HadamardAttention, dict(max_len=L, matmul_precision="exact"), "matmul precision"),
+])
+def test_bad_kernel_fields_raise(cls, kw, field):
+    with pytest.raises(UserError, match=field):
+        cls(num_heads=H, **kw).init(jax.random.PRNGKey(0), jnp.asarray(X))

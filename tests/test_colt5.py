@@ -1,10 +1,13 @@
 """CoLT5 routed attention / FFN against float64 NumPy references (bisection soft top-k, brute-force routing)."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import tolerance
 
 from lconv.nn import mixers
 from lconv.nn.colt5 import CoLT5Attention, CoLT5FeedForward, local_attention, soft_top_k
@@ -89,9 +92,16 @@ def np_colt5_ffn(params, x, seg, k):
 # ---------------------------------------------------------------- tests
 
 
+PRECISION = "highest"  # exact float32 on every backend, so float32's tolerances hold on all of them
+
+
+def _tol(atol, rtol=1e-7, dtype=np.float32):
+    return tolerance(dtype, PRECISION, atol=atol, rtol=rtol)
+
+
 def attn(k, **kw):
     return CoLT5Attention(num_heads=H, light_num_heads=2, local_radius=RADIUS, num_routed=k,
-                          router_temperature=EPS, **kw)
+                          router_temperature=EPS, matmul_precision=PRECISION, **kw)
 
 
 # Parameter shapes do not depend on num_routed.
@@ -104,7 +114,7 @@ def test_attention_matches_numpy_reference(k):
     y = np.asarray(apply(attn(k), PARAMS, X, SEG))
     ref = np_colt5_attention(PARAMS, X, SEG, k, light_heads=2)
     valid = SEG > 0
-    np.testing.assert_allclose(y[valid], ref[valid], atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(y[valid], ref[valid], **_tol(2e-3, 2e-3))
 
 
 def test_every_token_routed_packed_equals_separate():
@@ -113,26 +123,26 @@ def test_every_token_routed_packed_equals_separate():
     alone_x[0, :7], alone_x[1, :4] = X[0, :7], X[0, 7:11]
     alone_seg[0, :7], alone_seg[1, :4] = 1, 1
     alone = np.asarray(apply(attn(T), PARAMS, alone_x, alone_seg))
-    np.testing.assert_allclose(y[0, :7], alone[0, :7], atol=2e-4)
-    np.testing.assert_allclose(y[0, 7:11], alone[1, :4], atol=2e-4)
+    np.testing.assert_allclose(y[0, :7], alone[0, :7], **_tol(2e-4))
+    np.testing.assert_allclose(y[0, 7:11], alone[1, :4], **_tol(2e-4))
 
 
 def test_padding_is_never_routed_and_does_not_leak():
     x2 = X.copy()
     x2[SEG == 0] = 100.0  # huge padding activations would win any routing contest they were allowed into
     y1, y2 = np.asarray(apply(attn(5), PARAMS, X, SEG)), np.asarray(apply(attn(5), PARAMS, x2, SEG))
-    np.testing.assert_allclose(y1[SEG > 0], y2[SEG > 0], atol=1e-5)
+    np.testing.assert_allclose(y1[SEG > 0], y2[SEG > 0], **_tol(1e-5))
 
 
 def test_soft_top_k_sums_to_k_matches_optimum_and_is_differentiable():
     r = jax.random.normal(jax.random.PRNGKey(5), (B, T))
     valid = jnp.asarray(SEG > 0)
     w = np.asarray(soft_top_k(r, 5, valid, temperature=EPS, iterations=32))
-    np.testing.assert_allclose(w.sum(-1), [5, 5], atol=1e-4)
+    np.testing.assert_allclose(w.sum(-1), [5, 5], **_tol(1e-4))
     assert np.all(w[SEG == 0] == 0) and w.min() >= 0 and w.max() <= 1 + 1e-3
-    np.testing.assert_allclose(w, np_soft_top_k(np.asarray(r), 5, SEG > 0), atol=1e-3)
+    np.testing.assert_allclose(w, np_soft_top_k(np.asarray(r), 5, SEG > 0), **_tol(1e-3))
     # k above the number of real tokens: capped at the real count, all of them fully on.
-    np.testing.assert_allclose(np.asarray(soft_top_k(r, T, valid)).sum(-1), [11, 10], atol=1e-3)
+    np.testing.assert_allclose(np.asarray(soft_top_k(r, T, valid)).sum(-1), [11, 10], **_tol(1e-3))
 
     def loss(p):
         return (apply(attn(5), p, X, SEG) ** 2).sum()
@@ -151,14 +161,15 @@ def test_blocked_local_attention_matches_numpy_over_many_blocks(radius):
     keys = jax.random.split(jax.random.PRNGKey(11), 3)
     q, k, v = (np.asarray(jax.random.normal(key, (B, Tl, Hl, D)), np.float32) for key in keys)
     seg = np.array([[1] * 15 + [2] * 18 + [0] * 4, [1] * 30 + [0] * 7], np.int32)
-    y = np.asarray(jax.jit(local_attention, static_argnums=4)(q, k, v, seg, radius))
+    exact = functools.partial(local_attention, precision=jax.lax.Precision.HIGHEST)  # on every backend
+    y = np.asarray(jax.jit(exact, static_argnums=4)(q, k, v, seg, radius))
     ref = np.zeros((B, Tl, Hl, D))
     for b in range(B):
         for h in range(Hl):
             np_attend(q[b, :, h], k[b, :, h], v[b, :, h], [t for t in range(Tl) if seg[b, t]],
                       lambda t: [s for s in range(Tl) if seg[b, s] == seg[b, t] and abs(s - t) <= radius],
                       ref[b, :, h])
-    np.testing.assert_allclose(y, ref, atol=1e-5, rtol=1e-5)  # padding queries: zeros in both
+    np.testing.assert_allclose(y, ref, **_tol(1e-5, 1e-5))  # padding queries: zeros in both
 
 
 def test_light_branch_memory_is_linear_in_length():
@@ -183,16 +194,18 @@ def test_bfloat16_close_to_float32():
     y32 = np.asarray(apply(attn(5), PARAMS, X, SEG))
     y16 = apply(attn(5, dtype=jnp.bfloat16), PARAMS, jnp.asarray(X, jnp.bfloat16), SEG)
     assert y16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(y16, np.float32)[SEG > 0], y32[SEG > 0], atol=0.1, rtol=0.05)
+    np.testing.assert_allclose(np.asarray(y16, np.float32)[SEG > 0], y32[SEG > 0],
+                               **_tol(0.1, 0.05, jnp.bfloat16))
 
 
 @pytest.mark.parametrize("k", [4, T])
 def test_feedforward_matches_numpy_reference(k):
-    f = CoLT5FeedForward(light_hidden_dim=5, heavy_hidden_dim=17, num_routed=k, router_temperature=EPS)
+    f = CoLT5FeedForward(light_hidden_dim=5, heavy_hidden_dim=17, num_routed=k, router_temperature=EPS,
+                         matmul_precision=PRECISION)
     p = nn.meta.unbox(f.init(jax.random.PRNGKey(2), jnp.asarray(X))["params"])
     y = np.asarray(jax.jit(lambda p: f.apply({"params": p}, X, segment_ids=SEG))(p))
     valid = SEG > 0
-    np.testing.assert_allclose(y[valid], np_colt5_ffn(p, X, SEG, k)[valid], atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(y[valid], np_colt5_ffn(p, X, SEG, k)[valid], **_tol(2e-3, 2e-3))
 
 
 def test_registry_builds_colt5():

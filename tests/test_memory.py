@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import tolerance
 
 from lconv.nn import mixers
 from lconv.nn.knn_memory import KNNMemoryAttention, reset_memory, retrieve_top_k
@@ -15,10 +16,15 @@ D = C // H
 M, K = 20, 4  # memory_size (so the third window evicts), neighbours
 WINDOWS = [np.asarray(jax.random.normal(jax.random.PRNGKey(w), (B, T, C)), np.float32) for w in range(3)]
 ONES = np.ones((B, T), np.int32)
-MODEL = KNNMemoryAttention(num_heads=H, memory_size=M, num_neighbors=K)
+PRECISION = "highest"  # exact float32 on every backend, so float32's tolerances hold on all of them
+MODEL = KNNMemoryAttention(num_heads=H, memory_size=M, num_neighbors=K, matmul_precision=PRECISION)
 VARS = MODEL.init(jax.random.PRNGKey(1), jnp.asarray(WINDOWS[0]))
 PARAMS = dict(nn.meta.unbox(VARS["params"]), gate=jnp.array([-1.0, 0.5, 2.0]))  # distinct per-head gates
 EMPTY = VARS["memory"]
+
+
+def _tol(atol, rtol=1e-7, dtype=np.float32):
+    return tolerance(dtype, PRECISION, atol=atol, rtol=rtol)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -89,12 +95,12 @@ def test_stream_matches_numpy_reference_and_fifo_eviction():
     ys, mem = run_stream(WINDOWS)
     ref_ys, ref_mem = np_stream(WINDOWS)
     for y, ref in zip(ys, ref_ys):
-        np.testing.assert_allclose(y, ref, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(y, ref, **_tol(2e-5, 1e-4))
     # After 3 windows of 13 tokens, the FIFO of 20 holds the last 7 of window 2 and all of window 3, in order.
     assert np.all(np.asarray(mem["valid"]))
     for b in range(B):
-        np.testing.assert_allclose(np.asarray(mem["keys"][b]), np.stack([k for k, _ in ref_mem[b]]), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(mem["values"][b]), np.stack([v for _, v in ref_mem[b]]), atol=1e-5)
+        for name, i in (("keys", 0), ("values", 1)):
+            np.testing.assert_allclose(np.asarray(mem[name][b]), np.stack([e[i] for e in ref_mem[b]]), **_tol(1e-5))
 
 
 def test_retrieval_equals_brute_force_top_k():
@@ -109,7 +115,7 @@ def test_retrieval_equals_brute_force_top_k():
                 cand = [m for m in range(M) if valid[b, m]]
                 best = sorted(cand, key=lambda m: -s[b, h, t, m])[:K]
                 assert set(idx[b, h, t]) == set(best)
-                np.testing.assert_allclose(scores[b, h, t], s[b, h, t, best], atol=1e-5)
+                np.testing.assert_allclose(scores[b, h, t], s[b, h, t, best], **_tol(1e-5))
 
 
 def test_memory_holds_only_past_windows():
@@ -117,11 +123,11 @@ def test_memory_holds_only_past_windows():
     # Window 1 reads an empty memory: its output is local attention alone, and it is written afterwards.
     no_mem = PARAMS | {"gate": jnp.full((H,), -50.0)}  # gate ≈ 0: local only
     y_local, _ = MODEL.apply({"params": no_mem, "memory": EMPTY}, WINDOWS[0], mutable=["memory"])
-    np.testing.assert_allclose(ys[0], np.asarray(y_local), atol=1e-5)
+    np.testing.assert_allclose(ys[0], np.asarray(y_local), **_tol(1e-5))
     assert int(np.asarray(mem["valid"]).sum()) == B * T
     # Window 2's output does not depend on what window 2 itself writes: same output with a read-only memory.
     y2_ro = MODEL.apply({"params": PARAMS, "memory": mem}, WINDOWS[1], segment_ids=ONES)
-    np.testing.assert_allclose(run_stream(WINDOWS[:2])[0][1], np.asarray(y2_ro), atol=1e-5)
+    np.testing.assert_allclose(run_stream(WINDOWS[:2])[0][1], np.asarray(y2_ro), **_tol(1e-5))
 
 
 def test_no_causal_leak_within_window():
@@ -129,7 +135,7 @@ def test_no_causal_leak_within_window():
     x2 = WINDOWS[1].copy()
     x2[:, 6:] += 3.0
     y1, y2 = (np.asarray(step(MODEL, PARAMS, mem, x, ONES, np.zeros(B, bool))[0]) for x in (WINDOWS[1], x2))
-    np.testing.assert_allclose(y1[:, :6], y2[:, :6], atol=1e-6)
+    np.testing.assert_allclose(y1[:, :6], y2[:, :6], **_tol(1e-6))
     assert np.abs(y1[:, 6:] - y2[:, 6:]).max() > 1e-3
 
 
@@ -137,15 +143,15 @@ def test_reset_memory_clears_only_the_flagged_rows():
     resets = [np.zeros(B, bool), np.array([True, False]), np.zeros(B, bool)]
     ys, _ = run_stream(WINDOWS[:2], resets=resets)
     ref_ys, _ = np_stream(WINDOWS[:2], resets=resets)
-    np.testing.assert_allclose(ys[1], ref_ys[1], atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(ys[1], ref_ys[1], **_tol(2e-5, 1e-4))
     fresh = np_stream([WINDOWS[1]])[0][0]
-    np.testing.assert_allclose(ys[1][0], fresh[0], atol=2e-5, rtol=1e-4)  # row 0 forgot window 1
+    np.testing.assert_allclose(ys[1][0], fresh[0], **_tol(2e-5, 1e-4))  # row 0 forgot window 1
     assert np.abs(ys[1][1] - fresh[1]).max() > 1e-3  # row 1 remembered it
     # reset_memory is the only reset: positions restarting at 0 do not clear anything.
     _, mem = run_stream(WINDOWS[:1])
     pos = np.stack([np.arange(T), np.arange(T) + T]).astype(np.int32)
     y, upd = MODEL.apply({"params": PARAMS, "memory": mem}, WINDOWS[1], positions=pos, mutable=["memory"])
-    np.testing.assert_allclose(np.asarray(y), run_stream(WINDOWS[:2])[0][1], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), run_stream(WINDOWS[:2])[0][1], **_tol(1e-5))
     assert list(np.asarray(upd["memory"]["valid"]).sum(-1)) == [M, M]
     # It works on a nested collection (a model's) and leaves the kept rows bit-identical.
     nested = {"decoder": {"layer_0": {"mixer": mem}, "layer_3": {"mixer": mem}}}
@@ -175,7 +181,7 @@ def test_packed_window_new_document_neither_reads_nor_keeps_old_memory():
     alone[0, :7] = WINDOWS[1][0, 6:]
     seg_alone = np.array([[1] * 7 + [0] * 6, [0] * T], np.int32)
     y_alone = np.asarray(step(MODEL, PARAMS, EMPTY, jnp.asarray(alone), seg_alone, np.zeros(B, bool))[0])
-    np.testing.assert_allclose(np.asarray(y)[0, 6:], y_alone[0, :7], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y)[0, 6:], y_alone[0, :7], **_tol(1e-5))
     # The memory after the window: row 0 only segment 2 (7 entries), row 1 its 13 old + 10 real new (padding
     # is never written).
     assert list(np.asarray(upd["memory"]["valid"]).sum(-1)) == [7, 20]
@@ -197,7 +203,7 @@ def test_incremental_decoding_equals_full_pass_with_memory():
         y, upd = decode(cache, jnp.asarray(WINDOWS[1][:, lo:hi]))
         cache = upd["cache"]
         outs.append(np.asarray(y))
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, **_tol(1e-5))
 
 
 def test_bfloat16_close_to_float32():
@@ -209,7 +215,7 @@ def test_bfloat16_close_to_float32():
         y, upd = step(m16, PARAMS, mem16, jnp.asarray(x, jnp.bfloat16), ONES, np.zeros(B, bool))
         mem16 = upd["memory"]
     assert y.dtype == jnp.bfloat16 and mem16["keys"].dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(y, np.float32), ys[1], atol=0.1, rtol=0.05)
+    np.testing.assert_allclose(np.asarray(y, np.float32), ys[1], **_tol(0.1, 0.05, jnp.bfloat16))
 
 
 def test_registry_builds_knn_memory():

@@ -5,6 +5,8 @@ Everything here only traces (``jax.eval_shape`` / ``jax.make_jaxpr``): nothing i
 whole file costs a few seconds. The numerics of each mixer are tested against float64 references in its
 own test file.
 """
+import collections
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -109,6 +111,30 @@ def test_unknown_mixer_and_unknown_field_are_named():
         mixers.make_mixer("lightconvv", num_heads=H)
     with pytest.raises(ValueError, match=r"mixer 'fixed' has no field\(s\) \['kernel_size'\]"):
         mixers.make_mixer("fixed", num_heads=H, kernel_size=3)
+
+
+def _dot_precisions(jaxpr):
+    """The precision of every dot and conv in a jaxpr, sub-jaxprs included (unset = the backend's default)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            precision = eqn.params.get("precision")
+            yield "default" if precision is None else precision[0].name.lower()
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _dot_precisions(sub)
+
+
+@pytest.mark.parametrize("name", mixers.mixer_names() + ["colt5_ffn"])
+def test_matmul_precision_is_a_model_field_and_reaches_every_dot(name):
+    """``matmul_precision`` comes from the model (``model_fields``) and sets every dot of the mixer, projections
+    and attention alike, except those that must be exact whatever it is (the conv, top-k scores: HIGHEST)."""
+    if name == "colt5_ffn":
+        m = CoLT5FeedForward(num_routed=4, matmul_precision="high")
+    else:
+        assert mixers.model_fields(name)["matmul_precision"] == "matmul_precision"
+        m = make(name, matmul_precision="high")
+    variables = trace_init(m)
+    precisions = collections.Counter(_dot_precisions(jax.make_jaxpr(m.apply)(variables, X).jaxpr))
+    assert precisions["high"] >= 2 and set(precisions) <= {"high", "highest"}, precisions
 
 
 def test_exp_finder_sees_a_bfloat16_softmax():

@@ -7,13 +7,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import tolerance
 
 from lconv.nn import knn_memory as memory
 from lconv.nn import models
 from scripts import param_table
 
+# The models compare paths (decoding with the full pass, packed with separate rows) at float32's tolerances, so their
+# dots run at "highest": exact on every backend, not only on CPU (tests/test_precision.py checks the setting's reach).
 TINY = dict(vocab_size=37, d_model=16, ffn_dim=24, num_heads=4, encoder_layers=2, decoder_layers=2,
-            encoder_kernel_sizes=(3, 5), decoder_kernel_sizes=(3, 4), dropout=0.0)
+            encoder_kernel_sizes=(3, 5), decoder_kernel_sizes=(3, 4), dropout=0.0, matmul_precision="highest")
+
+
+def _tol(atol):
+    return tolerance(np.float32, TINY["matmul_precision"], atol=atol)
+
+
 # Every mixer that can be causal, with the smallest fields that fit the test shapes (T <= 9).
 CAUSAL_MIXERS = ["lightconv", "dynamicconv", "attention", "fixed", "hadamard", "knn_memory"]
 SMALL = dict(max_len=16, mixer_kwargs={"knn_memory": {"memory_size": 12, "num_neighbors": 3},
@@ -138,7 +147,7 @@ def _assert_causal(full, first_logits, tokens, shifted, atol=1e-5):
     check can fail). With ``shifted`` the model shifts ``tokens`` right first: input t+1 is token t."""
     for t in (0, 4, 7):
         y = full(_change_from(tokens, t if shifted else t + 1))
-        np.testing.assert_allclose(y[:, : t + 1], first_logits[:, : t + 1], atol=atol, err_msg=f"t={t}")
+        np.testing.assert_allclose(y[:, : t + 1], first_logits[:, : t + 1], **_tol(atol), err_msg=f"t={t}")
         assert np.abs(np.asarray(y[:, t + 1:] - first_logits[:, t + 1:])).max() > 1e-4, f"t={t}"
 
 
@@ -156,7 +165,7 @@ def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_s
     full = fns.full(v, src, tgt)
     _assert_causal(lambda t: fns.full(v, src, t), full, tgt, shifted=True)
     decoded = _decode_in_chunks(fns.decode, v, models.shift_right(tgt), fns.encode(v, src), src)
-    np.testing.assert_allclose(decoded, full, atol=1e-4)
+    np.testing.assert_allclose(decoded, full, **_tol(1e-4))
 
 
 def _lm_with_every_causal_mixer():
@@ -170,7 +179,7 @@ def test_language_model_with_every_causal_mixer_decodes_like_the_full_pass_and_n
     v = fns.init(jax.random.key(0), tokens)
     full = fns.full(v, tokens)
     _assert_causal(lambda t: fns.full(v, t), full, tokens, shifted=False)
-    np.testing.assert_allclose(_decode_in_chunks(fns.decode, v, tokens), full, atol=1e-4)
+    np.testing.assert_allclose(_decode_in_chunks(fns.decode, v, tokens), full, **_tol(1e-4))
 
 
 def test_colt5_is_encoder_only_with_one_line_errors():
@@ -198,17 +207,17 @@ def test_language_model_threads_knn_memory_and_resets_a_row_at_a_new_document():
     y1, upd = thread({**params, "memory": mem1}, w1)  # window 1 continues both documents
     fresh1, _ = thread({**params, "memory": empty}, w1)  # window 1 as the start of a document
     assert np.abs(np.asarray(y1 - fresh1)).max() > 1e-3  # the memory of window 0 matters ...
-    np.testing.assert_allclose(fns.full({**params, "memory": empty}, w1), fresh1, atol=1e-6)  # ... and only it
+    np.testing.assert_allclose(fns.full({**params, "memory": empty}, w1), fresh1, **_tol(1e-6))  # ... and only it
     # Row 0 starts a new document at window 1: it must equal the fresh stream; row 1 keeps its memory.
     y1r, upd_r = thread({**params, "memory": memory.reset_memory(mem1, np.array([True, False]))}, w1)
-    np.testing.assert_allclose(y1r[0], fresh1[0], atol=1e-5)
-    np.testing.assert_allclose(y1r[1], y1[1], atol=1e-5)
+    np.testing.assert_allclose(y1r[0], fresh1[0], **_tol(1e-5))
+    np.testing.assert_allclose(y1r[1], y1[1], **_tol(1e-5))
     valid = np.asarray(upd_r["memory"]["decoder"]["layer_5"]["mixer"]["valid"]).sum(-1)
     assert list(valid) == [9, 12]  # row 0: window 1 only; row 1: windows 0 + 1, FIFO-capped at 12
     # Cached decoding of window 1 reads the (read-only) memory of window 0 and equals the full pass.
     decoded = _decode_in_chunks(fns.decode, {**params, "memory": mem1}, w1)
-    np.testing.assert_allclose(decoded, fns.full({**params, "memory": mem1}, w1), atol=1e-4)
-    np.testing.assert_allclose(decoded, y1, atol=1e-4)
+    np.testing.assert_allclose(decoded, fns.full({**params, "memory": mem1}, w1), **_tol(1e-4))
+    np.testing.assert_allclose(decoded, y1, **_tol(1e-4))
 
 
 def test_packed_rows_equal_separate_sequences():
@@ -232,7 +241,7 @@ def test_packed_rows_equal_separate_sequences():
     for (s_i, t_i), cols in (((s1, t1), slice(0, 5)), ((s2, t2), slice(5, 9))):
         alone = apply(v, padded(s_i, 7), padded(t_i, 9), ids(s_i.shape[1], 7), pos(7, 0), ids(t_i.shape[1], 9),
                       pos(9, 0))
-        np.testing.assert_allclose(packed[:, cols], alone[:, : t_i.shape[1]], atol=1e-4)
+        np.testing.assert_allclose(packed[:, cols], alone[:, : t_i.shape[1]], **_tol(1e-4))
 
 
 def test_embeddings_and_linears_follow_fairseq_init():

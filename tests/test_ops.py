@@ -4,14 +4,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import conv_reference
+from reference import conv_reference, tolerance
 
 from lconv import ops
 from lconv.ops import shift as shift_conv
 
 B, T, C = 2, 13, 12  # prime-ish T so tiling remainders show up
-LIGHT = [i for i in ops.LIGHT_IMPLS if i != "auto"]
-DYNAMIC = [i for i in ops.DYNAMIC_IMPLS if i != "auto"]
+# "pallas" runs in interpret mode on CPU (slow): tests/test_pallas_conv.py covers it against the same references.
+LIGHT = [i for i in ops.LIGHT_IMPLS if i not in ("auto", "pallas")]
+DYNAMIC = [i for i in ops.DYNAMIC_IMPLS if i not in ("auto", "pallas")]
+# The ops' dots run at lconv.ops.precision.CONV (HIGHEST) whatever the model's setting: float32 results are exact on
+# every backend, so these tolerances hold on all of them; bfloat16 inputs get bfloat16's.
+EXACT = tolerance(np.float32, "highest", atol=1e-5)
+BF16 = tolerance(jnp.bfloat16, "highest", rtol=2e-2, atol=5e-2)
 
 
 def _inputs(K, H, seed=0, T=T):
@@ -39,7 +44,8 @@ def test_conv_matches_reference(op, K, P, H):
     want = conv_reference(x, w, P)
     for impl in impls:
         got = conv(jnp.asarray(x), jnp.asarray(w), P, impl=impl)
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(got, want, **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5),
+                                   err_msg=impl)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 5, 13, 64])
@@ -48,9 +54,9 @@ def test_band_any_tile_length(block_size):
     K, P, H = 7, 3, 3
     x, w, wd = _inputs(K, H)
     got = ops.light_conv(jnp.asarray(x), jnp.asarray(w), P, impl="band", block_size=block_size)
-    np.testing.assert_allclose(got, conv_reference(x, w, P), atol=1e-5)
+    np.testing.assert_allclose(got, conv_reference(x, w, P), **EXACT)
     got = ops.dynamic_conv(jnp.asarray(x), jnp.asarray(wd), P, impl="band", block_size=block_size)
-    np.testing.assert_allclose(got, conv_reference(x, wd, P), atol=1e-5)
+    np.testing.assert_allclose(got, conv_reference(x, wd, P), **EXACT)
 
 
 @pytest.mark.parametrize("K,P", [(3, 1), (7, 6), (31, 15)])
@@ -60,17 +66,17 @@ def test_segments_match_reference_and_separate_sequences(K, P):
     seg = _packed_segments()
     for impl in LIGHT:
         got = ops.light_conv(jnp.asarray(x), jnp.asarray(w), P, impl=impl, segment_ids=jnp.asarray(seg))
-        np.testing.assert_allclose(got, conv_reference(x, w, P, seg), atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(got, conv_reference(x, w, P, seg), **EXACT, err_msg=impl)
     for impl in DYNAMIC:
         got = ops.dynamic_conv(jnp.asarray(x), jnp.asarray(wd), P, impl=impl, segment_ids=jnp.asarray(seg))
-        np.testing.assert_allclose(got, conv_reference(x, wd, P, seg), atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(got, conv_reference(x, wd, P, seg), **EXACT, err_msg=impl)
     # Each packed segment equals the op run on that segment alone.
     packed = np.asarray(ops.dynamic_conv(jnp.asarray(x), jnp.asarray(wd), P, segment_ids=jnp.asarray(seg)))
     for b in range(B):
         for s in set(seg[b]) - {0}:
             idx = np.flatnonzero(seg[b] == s)
             alone = ops.dynamic_conv(jnp.asarray(x[b : b + 1, idx]), jnp.asarray(wd[b : b + 1, idx]), P)
-            np.testing.assert_allclose(packed[b, idx], np.asarray(alone)[0], atol=1e-5)
+            np.testing.assert_allclose(packed[b, idx], np.asarray(alone)[0], **EXACT)
         np.testing.assert_array_equal(packed[b, seg[b] == 0], 0.0)  # padding outputs zero
 
 
@@ -120,8 +126,8 @@ def test_incremental_chunks_equal_full_causal_pass(K):
         y, state_d = ops.dynamic_conv_step(jnp.asarray(x[:, start:stop]), state_d, jnp.asarray(wd[:, start:stop]))
         outs_d.append(y)
         assert state_l.shape == (B, K - 1, C)  # the state never grows with the output length
-    np.testing.assert_allclose(jnp.concatenate(outs_l, 1), full_light, atol=1e-5)
-    np.testing.assert_allclose(jnp.concatenate(outs_d, 1), full_dyn, atol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs_l, 1), full_light, **EXACT)
+    np.testing.assert_allclose(jnp.concatenate(outs_d, 1), full_dyn, **EXACT)
 
 
 def test_bfloat16_within_tolerance_and_keeps_dtype():
@@ -132,11 +138,11 @@ def test_bfloat16_within_tolerance_and_keeps_dtype():
     for impl in LIGHT:
         y = ops.light_conv(xb, jnp.asarray(w), P, impl=impl)
         assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(y, np.float32), conv_reference(x, w, P), atol=5e-2, rtol=2e-2)
+        np.testing.assert_allclose(np.asarray(y, np.float32), conv_reference(x, w, P), **BF16)
     for impl in DYNAMIC:
         y = ops.dynamic_conv(xb, jnp.asarray(wd), P, impl=impl)
         assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(y, np.float32), conv_reference(x, wd, P), atol=5e-2, rtol=2e-2)
+        np.testing.assert_allclose(np.asarray(y, np.float32), conv_reference(x, wd, P), **BF16)
 
 
 def test_jit_and_vmap():
@@ -144,12 +150,12 @@ def test_jit_and_vmap():
     x, w, wd = _inputs(K, H)
     want = conv_reference(x, wd, P)
     jitted = jax.jit(lambda x, w: ops.dynamic_conv(x, w, P, impl="band"))
-    np.testing.assert_allclose(jitted(jnp.asarray(x), jnp.asarray(wd)), want, atol=1e-5)
+    np.testing.assert_allclose(jitted(jnp.asarray(x), jnp.asarray(wd)), want, **EXACT)
     # vmap over a leading "model" axis: per-example calls of batch 1 stacked back.
     per_example = jax.vmap(lambda x1, w1: ops.dynamic_conv(x1[None], w1[None], P)[0])
-    np.testing.assert_allclose(per_example(jnp.asarray(x), jnp.asarray(wd)), want, atol=1e-5)
+    np.testing.assert_allclose(per_example(jnp.asarray(x), jnp.asarray(wd)), want, **EXACT)
     vmapped_light = jax.vmap(lambda x1: ops.light_conv(x1[None], jnp.asarray(w), P, impl="conv")[0])
-    np.testing.assert_allclose(vmapped_light(jnp.asarray(x)), conv_reference(x, w, P), atol=1e-5)
+    np.testing.assert_allclose(vmapped_light(jnp.asarray(x)), conv_reference(x, w, P), **EXACT)
 
 
 @pytest.mark.parametrize(
@@ -184,9 +190,9 @@ def test_shift_blocks_match_reference(monkeypatch, chunk_tokens):
         x, w, wd = _inputs(K, 4)
         seg = jnp.asarray(_packed_segments())
         got = ops.light_conv(jnp.asarray(x), jnp.asarray(w), P, impl="shift")
-        np.testing.assert_allclose(got, conv_reference(x, w, P), atol=1e-5)
+        np.testing.assert_allclose(got, conv_reference(x, w, P), **EXACT)
         got = ops.dynamic_conv(jnp.asarray(x), jnp.asarray(wd), P, impl="shift", segment_ids=seg)
-        np.testing.assert_allclose(got, conv_reference(x, wd, P, np.asarray(seg)), atol=1e-5)
+        np.testing.assert_allclose(got, conv_reference(x, wd, P, np.asarray(seg)), **EXACT)
         # Gradients against the unfold impl (autodiff of a plain einsum).
         ct = np.random.default_rng(K).normal(size=x.shape).astype(np.float32)
         for op, weight in [(ops.light_conv, w), (ops.dynamic_conv, wd)]:
@@ -196,4 +202,4 @@ def test_shift_blocks_match_reference(monkeypatch, chunk_tokens):
                 for impl in ("shift", "unfold")
             }
             for got, want in zip(grads["shift"], grads["unfold"]):
-                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+                np.testing.assert_allclose(got, want, **tolerance(np.float32, "highest", rtol=1e-4, atol=1e-4))

@@ -164,7 +164,7 @@ def _packed_batch(config, seed=0):
 def _loss_and_grads(config, shape, batch):
     """``(loss sum, gradients)`` of ``batch`` with dropout on, on a mesh of ``shape`` built as train.py builds it."""
     config.mesh.shape = shape
-    mesh = setup.make_mesh(config.mesh, jax.devices()[:int(np.prod(shape))])
+    mesh = setup.make_mesh(config.mesh, jax.devices("cpu")[:int(np.prod(shape))])
     model = setup.build_model(config, config.data.vocab_size)
     state, shardings = setup.create_state(config, model, mesh, setup.build_optimizer(config.optim, 10)[0])
     sharding = setup.batch_sharding(mesh)

@@ -183,7 +183,7 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     config = _knn_config(grad_accum_steps)
     model = setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = setup.make_mesh(config.mesh, devices=jax.devices()[:2])
+    mesh = setup.make_mesh(config.mesh, devices=jax.devices("cpu")[:2])
     state, shardings = setup.create_state(config, model, mesh, tx)
     assert jax.tree.leaves(state.memory) and all(s.spec[0] == ("data", "fsdp") for s in
                                                  jax.tree.leaves(shardings.memory))
@@ -244,7 +244,7 @@ def test_resume_restores_the_memory_and_the_stream(tmp_path):
     config.data.eval_splits = ("validation",)
     config.train.num_steps, config.train.eval_every, config.train.checkpoint_every = 6, 1000, 3
     full = tmp_path / "full"
-    devices = jax.devices()[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
+    devices = jax.devices("cpu")[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
     result = loop.train_and_evaluate(config, str(full), devices=devices, log=lambda *a: None)
     assert result["validation"]["tokens"] > 1000
     losses = _read_losses(full)

@@ -37,6 +37,7 @@ class AdaptiveSoftmax(nn.Module):
     cutoffs: Sequence[int]
     factor: float = 4.0
     dropout: float = 0.0
+    matmul_precision: str = "default"  # lconv.ops.precision
 
     @nn.compact
     def __call__(self, x_BTC: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -44,16 +45,20 @@ class AdaptiveSoftmax(nn.Module):
         check_cutoffs(self.cutoffs, self.vocab_size, d, self.factor, "adaptive_softmax_cutoffs")
         edges = [*self.cutoffs, self.vocab_size]
         x = x_BTC.astype(jnp.float32)
-        head_logits = xavier_dense(edges[0] + len(self.cutoffs), (EMBED, VOCAB), use_bias=False, name="head")(x)
+
+        def linear(features, axes, name):
+            return xavier_dense(features, axes, use_bias=False, precision=self.matmul_precision, name=name)
+
+        head_logits = linear(edges[0] + len(self.cutoffs), (EMBED, VOCAB), "head")(x)
         head_logp = jax.nn.log_softmax(head_logits, axis=-1)
         parts = [head_logp[..., :edges[0]]]  # the frequent ids: [B, T, c0]
         for i in range(len(self.cutoffs)):
             width = int(d // self.factor ** (i + 1))
-            h_BTW = xavier_dense(width, (EMBED, MLP), use_bias=False, name=f"tail_{i}_projection")(x)
+            h_BTW = linear(width, (EMBED, MLP), f"tail_{i}_projection")(x)
             h_BTW = nn.Dropout(self.dropout)(h_BTW, deterministic=deterministic)
             # The tail's input side is named EMBED: the rules send mlp and vocab both to the tensor axis, and one
             # array cannot use an axis twice, so EMBED (fsdp) is the side FSDP shards.
-            tail = xavier_dense(edges[i + 1] - edges[i], (EMBED, VOCAB), use_bias=False, name=f"tail_{i}")
+            tail = linear(edges[i + 1] - edges[i], (EMBED, VOCAB), f"tail_{i}")
             tail_logits = tail(h_BTW)
             cluster_BT1 = head_logp[..., edges[0] + i, None]  # log p(cluster i)
             parts.append(cluster_BT1 + jax.nn.log_softmax(tail_logits, axis=-1))  # [B, T, c_{i+1} - c_i]

@@ -14,7 +14,14 @@ All of them reduce to ``softmax(logits_BHTS + mask) V`` and differ only in where
 
 Masks are boolean ``[B, 1|H, T, S]``: a query attends a key only if both carry the same non-zero segment id
 (packed examples never mix, padding is never read) and, when causal, the key's index is not after the query's.
-Logits, softmax and the probability-value accumulation run in float32 whatever the activation dtype.
+Logits, softmax and the probability-value accumulation run in float32 whatever the activation dtype;
+``matmul_precision`` (``lconv.ops.precision``) sets the precision of the projections and the attention dots.
+
+``SelfAttention`` and ``CrossAttention`` compute ``softmax(Q Kᵀ / sqrt(D) + mask) V`` with the kernel
+``attention_impl`` names (``lconv.ops.flash``): ``"auto"`` is cuDNN flash attention on CUDA where it applies
+(16-bit inputs, no attention dropout), else a blockwise kernel that never forms ``[B, H, T, S]`` logits for long
+sequences (``T * S >= 1024²``), else the materialised path; ``"xla"``, ``"chunked"`` and ``"cudnn"`` force one.
+Decoding steps against a cache always take the materialised path (a chunk of queries is short).
 
 Decoding (``decode=True``, causal mixers only) uses the cache of ``lconv.nn.common`` (see its docstring); the
 arrays each mixer keeps there are listed in its class. The math (masks, logits, masked softmax) is
@@ -22,13 +29,13 @@ arrays each mixer keeps there are listed in its class. The math (masks, logits, 
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lconv.constants import ACT_HEADS, HEADS, KEY_LENGTH, LENGTH
+from lconv.constants import ACT_HEADS, ATTENTION_IMPLS, HEADS, KEY_LENGTH, LENGTH
 from lconv.errors import UserError
 from lconv.nn.common import (
     BTHD,
@@ -56,6 +63,8 @@ from lconv.ops.attention import (
     factorized_fixed_logits,
     fixed_logits,
 )
+from lconv.ops.flash import segment_attention
+from lconv.ops.precision import lax_precision
 
 # ----------------------------------------------------------------------------------------------------------
 # Modules
@@ -67,7 +76,8 @@ class AttentionFields(nn.Module):
 
     # Mixer metadata (lconv.nn.mixers): the fields a model layer fills from its config, and where it may sit.
     model_fields: ClassVar[dict[str, str]] = {
-        "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout"}
+        "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout",
+        "matmul_precision": "matmul_precision"}
     sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
 
     num_heads: int = 8
@@ -77,13 +87,18 @@ class AttentionFields(nn.Module):
     qkv_features: int | None = None  # total Q/K/V width; None = the input width C
     attention_dropout: float = 0.0  # on the attention probabilities, training only
     use_bias: bool = True  # in the Q/K/V/output projections
+    matmul_precision: str = "default"  # projections and attention dots: default | high | highest
 
     def _dims(self, x_BTC: Array) -> tuple[int, int, int, int, int]:
         """``(B, T, C, H, D)`` of a ``[B, T, C]`` input; bad shapes and fields are one-line errors."""
         B, T, C = check_input(x_BTC)
         H, D = head_dims(self.num_heads, self.qkv_features, C)
         check_dropout(self.attention_dropout)
+        lax_precision(self.matmul_precision)  # a bad name fails here, before any projection
         return B, T, C, H, D
+
+    def _precision(self) -> Any:
+        return lax_precision(self.matmul_precision)
 
 
 class SelfAttention(AttentionFields):
@@ -93,21 +108,32 @@ class SelfAttention(AttentionFields):
     contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform with zero bias, as
     fairseq initialises its Transformer. ``attention_dropout`` drops attention probabilities in training.
 
-    Decode cache (``'cache'`` collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``,
-    ``cached_segment_ids [B, L]`` int32, ``cache_index []`` int32.
+    ``attention_impl``: the kernel (``lconv.ops.flash``; the module docstring). Decode cache (``'cache'``
+    collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``, ``cached_segment_ids [B, L]`` int32,
+    ``cache_index []`` int32.
     """
+
+    model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "attention_impl": "attention_impl"}
+    attention_impl: str = "auto"  # auto | xla | chunked | cudnn
 
     @nn.compact
     def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
                  deterministic: bool = True, decode: bool = False) -> Array:
         B, T, C, H, D = self._dims(x_BTC)
+        _check_impl(self.attention_impl)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
         q_BTHD, k_BSHD, v_BSHD = (project_heads(self, n, x, H, D) for n in ("query", "key", "value"))
+        cached = decode and self.has_variable("cache", "cache_index")  # a step against a filled cache
         kv, mask_B1TS = attention_context(self, {"key": k_BSHD, "value": v_BSHD, "segment_ids": seg_BT}, decode)
-        out_BTHD = dot_product_attention(
-            q_BTHD, kv["key"], kv["value"], mask_B1TS, dropout_rate=self.attention_dropout,
-            dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+        kw = dict(dropout_rate=self.attention_dropout, dtype=self.dtype, precision=self._precision(),
+                  dropout_rng=dropout_rng(self, self.attention_dropout, deterministic))
+        if cached:
+            out_BTHD = dot_product_attention(q_BTHD, kv["key"], kv["value"], mask_B1TS, **kw)
+        else:  # no segment ids = one segment per row: cuDNN then needs no mask at all
+            seg = None if segment_ids is None else seg_BT
+            out_BTHD = segment_attention(q_BTHD, k_BSHD, v_BSHD, seg, seg, causal=self.causal,
+                                         impl=self.attention_impl, **kw)
         out_BTHD = constrain(out_BTHD, BTHD)
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
@@ -122,6 +148,7 @@ class CrossAttention(nn.Module):
     collection on every later step (``encoded_BSC`` is then only checked for shape): recomputing them each step
     cost two ``S x C x C`` projections per token. They are named ``beam_invariant_*``, so beam search neither
     tiles nor reorders them (``lconv.infer.search``); the beams' queries share their row's encoder output.
+    ``attention_impl`` and ``matmul_precision`` as in ``SelfAttention``.
     """
 
     num_heads: int = 8
@@ -130,6 +157,8 @@ class CrossAttention(nn.Module):
     qkv_features: int | None = None
     attention_dropout: float = 0.0
     use_bias: bool = True
+    matmul_precision: str = "default"  # projections and attention dots: default | high | highest
+    attention_impl: str = "auto"  # auto | xla | chunked | cudnn
 
     @nn.compact
     def __call__(self, x_BTC: Array, encoded_BSC: Array, *, query_segment_ids: Array | None = None,
@@ -140,11 +169,13 @@ class CrossAttention(nn.Module):
             raise UserError(f"encoded_BSC batch {encoded_BSC.shape[0]} != x_BTC batch {B}")
         H, D = head_dims(self.num_heads, self.qkv_features, C)
         check_dropout(self.attention_dropout)
+        _check_impl(self.attention_impl)
+        precision = lax_precision(self.matmul_precision)
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(encoded_BSC, encoded_segment_ids, None, "encoded_segment_ids")
         q_BTHD = project_heads(self, "query", x_BTC.astype(self.dtype), H, D)
         if decode and self.has_variable("cache", "beam_invariant_key"):
-            out_BTHD = self._attend_cached(q_BTHD, q_seg_BT)
+            out_BTHD = self._attend_cached(q_BTHD, q_seg_BT, precision)
         else:
             m = encoded_BSC.astype(self.dtype)
             k_BSHD, v_BSHD = project_heads(self, "key", m, H, D), project_heads(self, "value", m, H, D)
@@ -152,12 +183,14 @@ class CrossAttention(nn.Module):
                 self.put_variable("cache", "beam_invariant_key", k_BSHD)
                 self.put_variable("cache", "beam_invariant_value", v_BSHD)
                 self.put_variable("cache", "beam_invariant_segment_ids", k_seg_BS)
-            out_BTHD = dot_product_attention(
-                q_BTHD, k_BSHD, v_BSHD, attention_mask(q_seg_BT, k_seg_BS), dropout_rate=self.attention_dropout,
-                dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+            segmented = query_segment_ids is not None or encoded_segment_ids is not None
+            out_BTHD = segment_attention(
+                q_BTHD, k_BSHD, v_BSHD, q_seg_BT if segmented else None, k_seg_BS if segmented else None,
+                impl=self.attention_impl, dropout_rate=self.attention_dropout, dtype=self.dtype, precision=precision,
+                dropout_rng=dropout_rng(self, self.attention_dropout, deterministic))
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
-    def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array) -> Array:
+    def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array, precision: Any) -> Array:
         """Queries of ``B = N * b`` rows against the cached ``[b, S, H, D]`` encoder keys/values, ``N``
         consecutive rows per encoded row (the beams of ``lconv.infer.search.tile_cache``, which leaves
         ``beam_invariant_*`` untiled): the beams of a row are folded into its query axis, so the encoder output is
@@ -170,7 +203,8 @@ class CrossAttention(nn.Module):
             raise UserError(f"x_BTC batch {B} is not a multiple of the cached encoder-output batch {b}")
         q_bQHD = q_BTHD.reshape(b, (B // b) * T, H, D)  # Q = beams * T
         mask_b1QS = attention_mask(q_seg_BT.reshape(b, -1), k_seg_bS)
-        return dot_product_attention(q_bQHD, k_bSHD, v_bSHD, mask_b1QS, dtype=self.dtype).reshape(B, T, H, D)
+        return dot_product_attention(q_bQHD, k_bSHD, v_bSHD, mask_b1QS, dtype=self.dtype,
+                                     precision=precision).reshape(B, T, H, D)
 
 
 class FixedAttention(AttentionFields):
@@ -221,7 +255,8 @@ class FixedAttention(AttentionFields):
             init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
             r1_HLR = self.param("r1", _named(init, (HEADS, LENGTH, None)), (H, L, r), self.param_dtype)
             r2_HRL = self.param("r2", _named(init, (HEADS, None, KEY_LENGTH)), (H, r, L), self.param_dtype)
-            logits_BHTS = factorized_fixed_logits(_gathered(r1_HLR), _gathered(r2_HRL), pos_BT, kv["positions"])
+            logits_BHTS = factorized_fixed_logits(_gathered(r1_HLR), _gathered(r2_HRL), pos_BT, kv["positions"],
+                                                  precision=self._precision())
         else:
             w_HLL = self.param("logits", _named(nn.initializers.normal(stddev=0.1), (HEADS, LENGTH, KEY_LENGTH)),
                                (H, L, L), self.param_dtype)
@@ -230,9 +265,11 @@ class FixedAttention(AttentionFields):
             alpha_H = jax.nn.sigmoid(self.param("mix_logit", _named(nn.initializers.zeros, (HEADS,)), (H,),
                                                 self.param_dtype))
             alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
-            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * dot_product_logits(q_BTHD, kv["key"])
+            content_BHTS = dot_product_logits(q_BTHD, kv["key"], precision=self._precision())
+            logits_BHTS = alpha * logits_BHTS + (1 - alpha) * content_BHTS
         out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
-                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype,
+                          precision=self._precision())
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
@@ -280,10 +317,17 @@ class HadamardAttention(AttentionFields):
         check_positions(pos_BT, self.max_len)
         w_HLL = self.param("weight", _named(nn.initializers.ones, (HEADS, LENGTH, KEY_LENGTH)),
                            (H, self.max_len, self.max_len), self.param_dtype)
-        logits_BHTS = fixed_logits(_gathered(w_HLL), pos_BT, kv["positions"]) * dot_product_logits(q_BTHD, kv["key"])
+        content_BHTS = dot_product_logits(q_BTHD, kv["key"], precision=self._precision())
+        logits_BHTS = fixed_logits(_gathered(w_HLL), pos_BT, kv["positions"]) * content_BHTS
         out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
-                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype)
+                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype,
+                          precision=self._precision())
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in ATTENTION_IMPLS:
+        raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
 
 
 def _named(init: nn.initializers.Initializer, axes: tuple[str | None, ...]) -> nn.initializers.Initializer:

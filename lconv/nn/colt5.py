@@ -56,6 +56,7 @@ from lconv.nn.common import (
     segments_and_positions,
 )
 from lconv.ops.attention import attention_mask, dot_product_attention
+from lconv.ops.precision import lax_precision
 
 Array = jax.Array
 DType = Any
@@ -71,6 +72,7 @@ class _Routed(nn.Module):
     router_temperature: float = 0.1  # soft top-k ε
     router_iterations: int = 32  # soft top-k coordinate-descent steps
     use_bias: bool = True
+    matmul_precision: str = "default"  # of the projections (lconv.ops.precision); routing scores are HIGHEST
 
     def _num_routed(self, T: int) -> int:
         if self.num_routed < 0:
@@ -112,7 +114,8 @@ class CoLT5Attention(_Routed):
     # Mixer metadata (lconv.nn.mixers). Encoder only: the routing ranks every token of the sequence, the
     # future included, so a decoder cannot use it (CoLT5 keeps a Transformer decoder, as here).
     model_fields: ClassVar[dict[str, str]] = {
-        "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout"}
+        "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout",
+        "matmul_precision": "matmul_precision"}
     sides: ClassVar[tuple[str, ...]] = ("encoder",)
 
     num_heads: int = 8
@@ -145,8 +148,10 @@ class CoLT5Attention(_Routed):
         # Light branch: local attention, every token.
         ql_BTHD, kl_BTHD, vl_BTHD = (dense(Hl * D, f"light_{n}", self, TO_HEADS)(x).reshape(B, T, Hl, D)
                                      for n in ("query", "key", "value"))
+        precision = lax_precision(self.matmul_precision)
         light_BTHD = local_attention(ql_BTHD, kl_BTHD, vl_BTHD, seg_BT, self.local_radius,
-                                     dropout_rate=self.attention_dropout, dropout_rng=rngs[0], dtype=self.dtype)
+                                     dropout_rate=self.attention_dropout, dropout_rng=rngs[0], dtype=self.dtype,
+                                     precision=precision)
         light_BTC = dense(C, "light_out", self, FROM_HEADS)(light_BTHD.reshape(B, T, Hl * D))
 
         # Heavy branch: full attention among routed queries over routed keys/values.
@@ -160,7 +165,7 @@ class CoLT5Attention(_Routed):
         v_BRHD = v_BRHD * gather_tokens(wkv_BT, ikv_BR)[:, :, None, None].astype(self.dtype)
         heavy_BRHD = dot_product_attention(q_BRHD, k_BRHD, v_BRHD, attention_mask(seg_q_BR, seg_kv_BR),
                                            dropout_rate=self.attention_dropout, dropout_rng=rngs[1],
-                                           dtype=self.dtype)
+                                           dtype=self.dtype, precision=precision)
         heavy_BRC = dense(C, "heavy_out", self, FROM_HEADS)(heavy_BRHD.reshape(B, R, H * D))
         return (light_BTC + self._weighted_scatter(heavy_BRC, wq_BT, iq_BR, T)).astype(x_BTC.dtype)
 
@@ -203,8 +208,10 @@ class CoLT5FeedForward(_Routed):
 
 
 def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, radius: int, *,
-                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: DType | None = None) -> Array:
-    """Each query attends the same-segment keys with ``|key index - query index| <= radius``, ``[B, T, H, D]``.
+                    dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: DType | None = None,
+                    precision: jax.lax.Precision | None = None) -> Array:
+    """Each query attends the same-segment keys with ``|key index - query index| <= radius``, ``[B, T, H, D]``;
+    ``precision`` is its dots' (None = the backend's default).
 
     Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``, in ``O(T · radius)``
     memory: time is cut into ``G`` blocks (groups) of ``W = clip(radius, 1, T)`` tokens (the end padded with segment
@@ -234,15 +241,19 @@ def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, 
     fold = lambda a: a.reshape((B * G,) + a.shape[2:])  # blocks into the batch
     out_XWHD = dot_product_attention(
         fold(query_blocks(q_BTHD)), fold(key_blocks(k_BTHD)), fold(key_blocks(v_BTHD)),
-        fold(mask_BGWS)[:, None], dropout_rate=dropout_rate, dropout_rng=dropout_rng, dtype=dtype)
+        fold(mask_BGWS)[:, None], dropout_rate=dropout_rate, dropout_rng=dropout_rng, dtype=dtype,
+        precision=precision)
     return out_XWHD.reshape(B, G * W, H, -1)[:, :T]
 
 
 def router_scores(x_BTC: Array, u_C: Array) -> Array:
     """Raw routing scores ``X u / |u|`` in float32, ``[B, T]`` (a unit router keeps the scale set by the input
-    norm, so the temperature means the same thing whatever ``u`` learns)."""
+    norm, so the temperature means the same thing whatever ``u`` learns). Exact float32 on every backend
+    (HIGHEST): they pick the routed tokens, a choice TF32 rounding must not flip, and a matrix-vector product
+    costs little either way."""
     u = u_C.astype(jnp.float32)
-    return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), preferred_element_type=jnp.float32)
+    return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
 
 
 def soft_top_k(scores_BT: Array, k: int, valid_BT: Array | None = None, *, temperature: float = 0.1,

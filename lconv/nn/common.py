@@ -44,20 +44,23 @@ from lconv.constants import (
 )
 from lconv.errors import UserError
 from lconv.ops.attention import attention_mask, decode_mask
+from lconv.ops.precision import lax_precision
 
 Array = jax.Array
 DType = Any
 
 
 def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True, dtype: DType = jnp.float32,
-                 param_dtype: DType = jnp.float32, name: str | None = None) -> nn.Dense:
+                 param_dtype: DType = jnp.float32, precision: str = "default", name: str | None = None) -> nn.Dense:
     """fairseq's ``Linear``: xavier-uniform kernel, zero bias, with logical axis names ``(in, out)`` on the
-    kernel and ``(out,)`` on the bias, so every projection shards by the config's mesh rules."""
+    kernel and ``(out,)`` on the bias, so every projection shards by the config's mesh rules. ``precision``:
+    a ``config.model.matmul_precision`` name (``lconv.ops.precision``)."""
     return nn.Dense(
         features,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=param_dtype,
+        precision=lax_precision(precision),
         kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
         name=name,
@@ -125,9 +128,10 @@ def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
 
 
 def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str]) -> nn.Dense:
-    """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype`` and ``param_dtype``."""
+    """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype``, ``param_dtype`` and
+    ``matmul_precision`` (default ``"default"``)."""
     return xavier_dense(features, axes, use_bias=getattr(mdl, "use_bias", True), dtype=mdl.dtype,
-                        param_dtype=mdl.param_dtype, name=name)
+                        param_dtype=mdl.param_dtype, precision=getattr(mdl, "matmul_precision", "default"), name=name)
 
 
 def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int) -> Array:
@@ -254,6 +258,7 @@ class Embed(nn.Embed):
     activation names the gathered table keeps (vocabulary rows stay split over the tensor axis)."""
 
     table_axes: tuple[str | None, str | None] = (ACT_VOCAB, None)
+    matmul_precision: str = "default"  # of ``attend`` (tied output logits); lookups are exact whatever it is
 
     def __call__(self, inputs: Array) -> Array:
         """``[...] int -> [..., features]``."""
@@ -263,6 +268,8 @@ class Embed(nn.Embed):
         return jnp.take(constrain(table, self.table_axes), inputs, axis=0)
 
     def attend(self, query: Array) -> Array:
-        """``[..., features] -> [..., num_embeddings]``: inner products with every row (tied output logits)."""
+        """``[..., features] -> [..., num_embeddings]``: inner products with every row (tied output logits),
+        accumulated and returned in float32 whatever ``dtype`` (the loss's softmax reads them)."""
         query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        return jnp.dot(query, constrain(table, self.table_axes).T)
+        return jnp.dot(query, constrain(table, self.table_axes).T, precision=lax_precision(self.matmul_precision),
+                       preferred_element_type=jnp.float32)

@@ -5,6 +5,9 @@
 - ``LightConvBlock`` / ``DynamicConvBlock``: the paper's Fig. 2 block, a token mixer (see ``lconv.nn.mixers``):
   ``Dense(d -> 2d)`` + GLU, the conv, ``Dense(d -> d)``. The model owns norm, residual dropout and the residual.
 
+The conv itself is exact in float32 on every backend (``lconv.ops``); the projections run at ``matmul_precision``
+(``config.model.matmul_precision``: ``"default"`` is the backend's fast path, TF32 on GPU).
+
 Decoding (``decode=True``, causal only) keeps the last ``P = K - 1`` conv inputs in the ``'cache'`` collection
 (``conv_state [B, P, C]``), whatever the output length. As in flax ``examples/wmt``, the first ``decode=True``
 call (under ``mutable=['cache']``) only creates the cache; later calls take chunks of one or more positions.
@@ -22,6 +25,7 @@ from lconv import ops
 from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
 from lconv.nn.common import BT_CONV, BTHD, constrain, xavier_dense
+from lconv.ops.precision import lax_precision
 
 Array = jax.Array
 Dtype = Any
@@ -47,6 +51,7 @@ class _ConvBase(nn.Module):
     impl: str = "auto"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    matmul_precision: str = "default"  # of DynamicConv1d's kernel projection; the conv itself is always HIGHEST
 
     def _padding(self) -> int:
         K = self.kernel_size
@@ -140,6 +145,7 @@ class DynamicConv1d(_ConvBase):
             use_bias=False,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            precision=lax_precision(self.matmul_precision),
             kernel_init=nn.with_logical_partitioning(
                 nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform"), (EMBED, HEADS)
             ),
@@ -163,6 +169,7 @@ class GLUProjection(nn.Module):
     features: int
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    matmul_precision: str = "default"
 
     @nn.compact
     def __call__(self, x_BTC: Array) -> Array:
@@ -175,7 +182,8 @@ class GLUProjection(nn.Module):
         # Gathered whole, then split by F: XLA's partitioner cannot move a split between the merged and the unmerged
         # dims of the reshape directly (it would replicate, with a warning), but gathers and local slices it can.
         kernel_CGF = constrain(constrain(kernel.reshape(C, 2, F), (None, None, None)), (None, None, ACT_CONV))
-        h_BTGF = jnp.einsum("btc,cgf->btgf", x_BTC, kernel_CGF) + bias.reshape(2, F)
+        h_BTGF = jnp.einsum("btc,cgf->btgf", x_BTC, kernel_CGF, precision=lax_precision(self.matmul_precision))
+        h_BTGF = h_BTGF + bias.reshape(2, F)
         return h_BTGF[..., 0, :] * jax.nn.sigmoid(h_BTGF[..., 1, :])
 
 
@@ -191,7 +199,7 @@ class LightConvBlock(nn.Module):
     model_fields: ClassVar[dict[str, str]] = {
         "num_heads": "num_heads", "kernel_size": "kernel_size", "causal": "causal", "use_glu": "use_glu",
         "conv_features": "conv_features", "input_dropout": "input_dropout", "weight_dropout": "weight_dropout",
-        "impl": "conv_impl", "dtype": "dtype"}
+        "impl": "conv_impl", "dtype": "dtype", "matmul_precision": "matmul_precision"}
     sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
 
     num_heads: int
@@ -208,6 +216,7 @@ class LightConvBlock(nn.Module):
     impl: str = "auto"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    matmul_precision: str = "default"  # of the projections (lconv.ops.precision); the conv is always HIGHEST
 
     @nn.compact
     def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
@@ -222,11 +231,12 @@ class LightConvBlock(nn.Module):
         d = x_BTC.shape[-1]
         conv_d = self.conv_features or d
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        precision = self.matmul_precision
         x_BTC = nn.Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
         if self.use_glu:
-            h_BTC = GLUProjection(conv_d, name="linear1", **dense)(x_BTC)
+            h_BTC = GLUProjection(conv_d, name="linear1", matmul_precision=precision, **dense)(x_BTC)
         else:
-            h_BTC = xavier_dense(conv_d, (EMBED, CONV), name="linear1", **dense)(x_BTC)
+            h_BTC = xavier_dense(conv_d, (EMBED, CONV), name="linear1", precision=precision, **dense)(x_BTC)
         if segment_ids is not None:  # fairseq zeroes padded positions before the conv
             h_BTC = h_BTC * (segment_ids != 0)[..., None].astype(h_BTC.dtype)
         h_BTC = constrain(h_BTC, BT_CONV)  # channels (= heads' blocks) split like the heads
@@ -240,11 +250,12 @@ class LightConvBlock(nn.Module):
             weight_dropout=self.weight_dropout,
             use_bias=self.conv_bias,
             impl=self.impl,
+            matmul_precision=precision,
             name="conv",
             **dense,
         )(h_BTC, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
         h_BTC = constrain(h_BTC, BT_CONV)
-        return xavier_dense(d, (CONV, EMBED), name="linear2", **dense)(h_BTC)
+        return xavier_dense(d, (CONV, EMBED), name="linear2", precision=precision, **dense)(h_BTC)
 
 
 class DynamicConvBlock(LightConvBlock):

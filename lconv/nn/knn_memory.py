@@ -113,22 +113,24 @@ class KNNMemoryAttention(AttentionFields):
 
         # Local attention within the window (or the decode cache).
         kv, mask = attention_context(self, {"key": k_BTHD, "value": v_BTHD, "segment_ids": seg_BT}, decode)
-        logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, kv["key"], preferred_element_type=jnp.float32)
+        precision = self._precision()  # matmul_precision: projections and attention; retrieval is always HIGHEST
+        logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, kv["key"], precision=precision,
+                                 preferred_element_type=jnp.float32)
         local_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
                             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic),
-                            dtype=jnp.float32)
+                            dtype=jnp.float32, precision=precision)
 
         # Memory: read (past windows only), then write this window.
         gate_H = jax.nn.sigmoid(self.param("gate", per_head(nn.initializers.zeros), (H,), self.param_dtype))
         out_BTHD = local_BTHD
         if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
-            out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode)
+            out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode, precision)
         # else: no 'memory' collection was passed, so there are no past windows (an empty memory).
         out_BTC = dense(C, "out", self, FROM_HEADS)(out_BTHD.astype(self.dtype).reshape(B, T, H * D))
         return out_BTC.astype(x_BTC.dtype)
 
     def _read_then_write(self, q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, local_BTHD: Array, gate_H: Array,
-                         seg_BT: Array, decode: bool) -> Array:
+                         seg_BT: Array, decode: bool, precision: jax.lax.Precision) -> Array:
         """Mixes retrieval from the memory into the local result; appends this window when it may write."""
         B, M, (H, D) = q_BTHD.shape[0], self.memory_size, q_BTHD.shape[2:]
         mem_k = self.variable("memory", "keys", jnp.zeros, (B, M, H, D), self.dtype)
@@ -142,7 +144,7 @@ class KNNMemoryAttention(AttentionFields):
         read_BT = (seg_BT == first_B1) & (seg_BT > 0)
         mem_BTHD, found_BTH = memory_attention(q_BTHD, jax.lax.stop_gradient(mem_k.value),
                                                jax.lax.stop_gradient(mem_v.value), mem_valid.value,
-                                               self.num_neighbors)
+                                               self.num_neighbors, precision=precision)
         found_BTH &= read_BT[:, :, None]
         g = gate_H.astype(jnp.float32)[:, None]
         out_BTHD = jnp.where(found_BTH[..., None], g * mem_BTHD + (1 - g) * local_BTHD, local_BTHD)
@@ -196,8 +198,10 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
     """Exact top-k memory entries per query and head by inner product: ``(scores, indices)``, ``[B, H, T, J]``
     (``J = k``).
 
-    Invalid slots score ``MASKED_LOGIT`` (so they come last and can be masked by score)."""
-    scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, preferred_element_type=jnp.float32)
+    The scores are exact float32 on every backend (HIGHEST): TF32 rounding must not change which entries are
+    retrieved. Invalid slots score ``MASKED_LOGIT`` (so they come last and can be masked by score)."""
+    scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
     return rowwise_top_k(scores_BHTM, k)
 
@@ -217,9 +221,10 @@ def rowwise_top_k(scores_B___: Array, k: int) -> tuple[Array, Array]:
     return jax.shard_map(lambda s: tuple(jax.lax.top_k(s, k)), in_specs=spec, out_specs=(spec, spec))(scores_B___)
 
 
-def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array,
-                     k: int) -> tuple[Array, Array]:
-    """Softmax attention of each query over its own ``J = k`` retrieved entries (float32).
+def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,
+                     precision: jax.lax.Precision | None = None) -> tuple[Array, Array]:
+    """Softmax attention of each query over its own ``J = k`` retrieved entries (float32); ``precision`` is the
+    weighted sum's (retrieval is always HIGHEST).
 
     Returns ``(out [B, T, H, D] float32, found [B, T, H] bool)``; ``found`` is False where nothing valid was
     retrieved (then ``out`` is 0)."""
@@ -228,7 +233,7 @@ def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_
     probs_BHTJ = jnp.where(ok_BHTJ, jax.nn.softmax(scores_BHTJ, axis=-1), 0.0)
     v_BH1MD = jnp.transpose(values_BMHD, (0, 2, 1, 3))[:, :, None].astype(jnp.float32)
     v_BHTJD = jnp.take_along_axis(v_BH1MD, idx_BHTJ[..., None], axis=3)
-    out_BHTD = jnp.einsum("bhtj,bhtjd->bhtd", probs_BHTJ, v_BHTJD)
+    out_BHTD = jnp.einsum("bhtj,bhtjd->bhtd", probs_BHTJ, v_BHTJD, precision=precision)
     return jnp.transpose(out_BHTD, (0, 2, 1, 3)), jnp.transpose(ok_BHTJ.any(-1), (0, 2, 1))
 
 

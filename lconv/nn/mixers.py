@@ -21,7 +21,9 @@ The contract:
   ``decode=True`` under ``mutable=['cache']`` on a full-length (max decode length) dummy input, as in flax
   ``examples/wmt``; non-causal mixers raise ``ValueError`` when asked to decode.
 - Constructor fields every mixer accepts: ``num_heads``, ``causal``, ``dtype`` (computation dtype; softmax and
-  accumulation stay in float32), ``param_dtype``. The rest are mixer-specific and come from the config.
+  accumulation stay in float32), ``param_dtype``, ``matmul_precision`` (``"default" | "high" | "highest"``, the
+  precision of its dots, ``lconv.ops.precision``; a conv's own arithmetic is always exact). The rest are
+  mixer-specific and come from the config.
 
 Metadata on each mixer class, read by the models and the configs alike:
 

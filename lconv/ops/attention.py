@@ -33,36 +33,41 @@ def attention_mask(q_seg_BT: Array, k_seg_BS: Array, q_idx_T: Array | None = Non
     return m_BTS[:, None]
 
 
-def dot_product_logits(q_BTHD: Array, k_BSHD: Array) -> Array:
-    """``Q Kᵀ / sqrt(D)`` accumulated and returned in float32, ``[B, H, T, S]``."""
-    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, preferred_element_type=jnp.float32)
+def dot_product_logits(q_BTHD: Array, k_BSHD: Array, *, precision: Any = None) -> Array:
+    """``Q Kᵀ / sqrt(D)`` accumulated and returned in float32, ``[B, H, T, S]``; ``precision``: a
+    ``jax.lax.Precision`` for the dot (None = the backend's default)."""
+    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, precision=precision,
+                             preferred_element_type=jnp.float32)
     return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
 
 
 def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate: float = 0.0,
-           dropout_rng: Array | None = None, dtype: Any = None) -> Array:
+           dropout_rng: Array | None = None, dtype: Any = None, precision: Any = None) -> Array:
     """``softmax(logits + mask) V`` in float32; queries with no visible key (padding) get zeros.
 
     ``mask_BHTS`` is boolean and broadcasts against the logits (``[B, 1, T, S]`` is usual). Dropout on the
-    probabilities (scaled by ``1/(1-rate)``) when ``dropout_rng`` is given. Returns ``[B, T, H, D]`` in ``dtype``
-    (default ``v``'s).
+    probabilities (scaled by ``1/(1-rate)``) when ``dropout_rng`` is given. ``precision`` is the probability-value
+    dot's (``jax.lax.Precision``; None = the backend's default). Returns ``[B, T, H, D]`` in ``dtype`` (default
+    ``v``'s).
     """
     logits = jnp.where(mask_BHTS, logits_BHTS.astype(jnp.float32), MASKED_LOGIT)
     probs_BHTS = jnp.where(mask_BHTS, jax.nn.softmax(logits, axis=-1), 0.0)
     if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
         probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
-    out_BTHD = jnp.einsum("bhts,bshd->bthd", probs_BHTS.astype(v_BSHD.dtype), v_BSHD,
+    out_BTHD = jnp.einsum("bhts,bshd->bthd", probs_BHTS.astype(v_BSHD.dtype), v_BSHD, precision=precision,
                           preferred_element_type=jnp.float32)
     return out_BTHD.astype(dtype or v_BSHD.dtype)
 
 
 def dot_product_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, mask_BHTS: Array, *,
-                          dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: Any = None) -> Array:
-    """Masked scaled dot-product attention, ``[B, T, H, D]``."""
-    logits_BHTS = dot_product_logits(q_BTHD, k_BSHD)
+                          dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: Any = None,
+                          precision: Any = None) -> Array:
+    """Masked scaled dot-product attention, ``[B, T, H, D]``, on materialised ``[B, H, T, S]`` logits (the
+    reference; ``lconv.ops.flash.segment_attention`` picks a kernel that does not materialise them)."""
+    logits_BHTS = dot_product_logits(q_BTHD, k_BSHD, precision=precision)
     return attend(logits_BHTS, v_BSHD, mask_BHTS, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                  dtype=dtype)
+                  dtype=dtype, precision=precision)
 
 
 def fixed_logits(w_HLL: Array, q_pos_BT: Array, k_pos_BS: Array) -> Array:
@@ -73,11 +78,12 @@ def fixed_logits(w_HLL: Array, q_pos_BT: Array, k_pos_BS: Array) -> Array:
     return jnp.take_along_axis(rows_BHTL, idx_BHTS, axis=-1)
 
 
-def factorized_fixed_logits(r1_HLR: Array, r2_HRL: Array, q_pos_BT: Array, k_pos_BS: Array) -> Array:
+def factorized_fixed_logits(r1_HLR: Array, r2_HRL: Array, q_pos_BT: Array, k_pos_BS: Array, *,
+                            precision: Any = None) -> Array:
     """``(R1 @ R2)[h, q_pos, k_pos]`` without forming the ``[L, L]`` table, float32 ``[B, H, T, S]``."""
     a_HBTR = r1_HLR[:, q_pos_BT, :].astype(jnp.float32)  # [H, B, T, r]
     b_HRBS = r2_HRL[:, :, k_pos_BS].astype(jnp.float32)  # [H, r, B, S]
-    return jnp.einsum("hbtr,hrbs->bhts", a_HBTR, b_HRBS)
+    return jnp.einsum("hbtr,hrbs->bhts", a_HBTR, b_HRBS, precision=precision)
 
 
 def decode_mask(seg_BT: Array, cached_seg_BL: Array, index: int | Array) -> Array:

@@ -9,7 +9,9 @@ contiguous channel blocks: with ``D = C // H`` channel ``c`` uses head ``c // D`
 ``[B, T, H, K]``. ``padding_left`` is ``K // 2`` for a centred (encoder) conv and ``K - 1`` for a causal
 (decoder) conv, where tap ``K - 1`` reads the current step; any value in ``0..K-1`` works.
 
-Implementations (``impl``), all equal to 1e-5 in float32:
+Implementations (``impl``), all equal to 1e-5 in float32 on every backend: each dot and conv that does the
+convolution's arithmetic runs at ``precision=lconv.ops.precision.CONV`` (HIGHEST), so a GPU does not round its
+inputs to TF32 nor a TPU to one bfloat16 pass (measured on an H100: +6% time for ``band``, which is memory-bound):
 
 - ``"conv"`` (light only): ``jax.lax.conv_general_dilated`` with ``feature_group_count=C`` (depthwise).
 - ``"band"``: time is cut into tiles of ``L`` steps; each tile reads its ``L`` inputs plus a ``K - 1`` halo and
@@ -20,7 +22,11 @@ Implementations (``impl``), all equal to 1e-5 in float32:
   VJP and a loop over blocks of ~1024 tokens (``lconv.ops.shift``). Fastest on CPU.
 - ``"unfold"`` (dynamic, and light through it): stack the ``K`` shifted copies of ``x`` (``[B, T, K, C]``) and
   contract with the kernel. Simple, memory ``K x`` the input.
-- ``"auto"``: see ``choose_impl`` (``"shift"`` on CPU, ``"band"`` elsewhere).
+- ``"pallas"``: one fused Pallas kernel per direction (``lconv.ops.pallas_conv``): Triton on GPU, interpret mode
+  on CPU (tests only); segment masking inside the kernel. Not chosen by ``"auto"`` until measured faster on a GPU.
+- ``"auto"``: ``"shift"`` on CPU, ``"band"`` elsewhere (``choose_impl``), decided for the platform the program
+  is compiled for, not the host that traces it: both are traced and ``jax.lax.platform_dependent`` keeps one when
+  the program is lowered (an export for several platforms keeps both, picked when it is compiled).
 
 ``segment_ids`` (``[B, T]`` int, 0 = padding) makes packed rows behave exactly like separate sequences: a tap
 that would read another segment or padding reads zero, and padding positions output zero. With segments a light
@@ -31,22 +37,25 @@ Incremental decoding keeps the last ``P = K - 1`` inputs per channel (``init_con
 ``light_conv_step`` and ``dynamic_conv_step`` take a chunk of ``T >= 1`` new positions and return the outputs of
 the full causal conv for them plus the new state.
 
-All accumulation is float32; outputs take ``x``'s dtype.
+All accumulation is float32 (``preferred_element_type``), bfloat16 inputs included; outputs take ``x``'s dtype.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from lconv.errors import UserError
+from lconv.ops import pallas_conv
 from lconv.ops import shift as shift_conv
+from lconv.ops.precision import CONV
 
 Array = jax.Array
 
-LIGHT_IMPLS = ("auto", "conv", "band", "shift", "unfold")
-DYNAMIC_IMPLS = ("auto", "band", "shift", "unfold")
+LIGHT_IMPLS = ("auto", "conv", "band", "shift", "unfold", "pallas")
+DYNAMIC_IMPLS = ("auto", "band", "shift", "unfold", "pallas")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -57,7 +66,11 @@ def light_conv(x_BTC: Array, weight_HK: Array, padding_left: int, *, impl: str =
     """Lightweight convolution: one normalised ``[H, K]`` kernel shared over positions. Returns ``[B, T, C]``."""
     B, T, C, H, K = _check_light(x_BTC, weight_HK, padding_left)
     _check_segments(segment_ids, B, T)
-    impl = _resolve_impl(impl, LIGHT_IMPLS, "light_conv")
+    impl = _check_impl(impl, LIGHT_IMPLS, "light_conv")
+    if impl == "auto":
+        return _per_platform(light_conv, x_BTC, weight_HK, padding_left, segment_ids, block_size)
+    if impl == "pallas":  # masks segments inside the kernel; its time tile is pallas_conv.BLOCK_T, not block_size
+        return pallas_conv.light_conv_pallas(x_BTC, weight_HK, padding_left, segment_ids)
     if segment_ids is None:
         if impl == "conv":
             y = _light_conv_xla(x_BTC, weight_HK, padding_left)
@@ -82,7 +95,11 @@ def dynamic_conv(x_BTC: Array, weight_BTHK: Array, padding_left: int, *, impl: s
     """Dynamic convolution: a normalised ``[H, K]`` kernel per position (``weight [B, T, H, K]``)."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, padding_left)
     _check_segments(segment_ids, B, T)
-    impl = _resolve_impl(impl, DYNAMIC_IMPLS, "dynamic_conv")
+    impl = _check_impl(impl, DYNAMIC_IMPLS, "dynamic_conv")
+    if impl == "auto":
+        return _per_platform(dynamic_conv, x_BTC, weight_BTHK, padding_left, segment_ids, block_size)
+    if impl == "pallas":  # the kernel masks taps itself: no [B, T, H, K] masked copy
+        return pallas_conv.dynamic_conv_pallas(x_BTC, weight_BTHK, padding_left, segment_ids)
     if segment_ids is not None:
         weight_BTHK = weight_BTHK * tap_mask(segment_ids, K, padding_left)[:, :, None, :]
     return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
@@ -91,15 +108,32 @@ def dynamic_conv(x_BTC: Array, weight_BTHK: Array, padding_left: int, *, impl: s
 # The "auto" rule, from the measurements in docs/benchmarks.md (`python -m lconv.bench mixers` and `limits`, whose
 # K x T sweep is the table behind this): on a 2-core x86 CPU, fwd+bwd at C=512, H=8, B*T=8192, "shift" was
 # 2-3.5x faster than "band" at K=31 for T in 128..8192, 2.3-5.7x at K in 3..31, and 19-51x faster than "conv" and
-# "unfold", light and dynamic; forward alone 3-8x faster than "band". No accelerator has been measured yet, so other
-# backends keep "band" (dense tiles suit matrix units; "shift" loops over blocks) until the suites run there.
-_AUTO_IMPL = {"cpu": "shift"}  # backend -> impl; a backend not listed gets "band"
+# "unfold", light and dynamic; forward alone 3-8x faster than "band". On one H100 (issue 15) "band" was 1.8-2.4x
+# faster than "shift" and 6x faster than "conv"; other backends keep "band" (dense tiles suit matrix units).
+_AUTO_IMPL = {"cpu": "shift"}  # platform (as jax.lax.platform_dependent names it) -> impl; others get "band"
+_AUTO_DEFAULT = "band"
 
 
 def choose_impl(backend: str | None = None) -> str:
-    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (default: JAX's default backend)
-    at every shape measured so far (see ``_AUTO_IMPL``), so the rule reads no shape."""
-    return _AUTO_IMPL.get(backend or jax.default_backend(), "band")
+    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (``"cpu"``, ``"cuda"``, ``"tpu"``,
+    ...; default: JAX's default backend) at every shape measured so far (see ``_AUTO_IMPL``), so the rule reads
+    no shape. ``impl="auto"`` applies it per platform of the program being compiled (``_per_platform``)."""
+    return _AUTO_IMPL.get(backend or jax.default_backend(), _AUTO_DEFAULT)
+
+
+def _per_platform(op, x_BTC, weight, padding_left, segment_ids, block_size):
+    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the one
+    ``choose_impl`` names for the platform the program is lowered for. So a program exported or lowered for a GPU
+    on a CPU host carries the GPU's choice, not the host's (a Python choice at trace time would bake in the host's)."""
+    def run(impl):
+        return functools.partial(_run_impl, op, impl=impl, padding_left=padding_left, block_size=block_size)
+
+    per_platform = {platform: run(impl) for platform, impl in _AUTO_IMPL.items()}
+    return jax.lax.platform_dependent(x_BTC, weight, segment_ids, default=run(_AUTO_DEFAULT), **per_platform)
+
+
+def _run_impl(op, x_BTC, weight, segment_ids, *, impl, padding_left, block_size):
+    return op(x_BTC, weight, padding_left, impl=impl, segment_ids=segment_ids, block_size=block_size)
 
 
 def tap_mask(segment_ids_BT: Array, kernel_size: int, padding_left: int) -> Array:
@@ -138,6 +172,7 @@ def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tup
         "btkhd,bthk->bthd",
         windows_BTKC.reshape(B, T, K, H, C // H),
         weight_BTHK.astype(x_BTC.dtype),
+        precision=CONV,
         preferred_element_type=jnp.float32,
     )
     return y_BTHD.reshape(B, T, C).astype(x_BTC.dtype), x_all[:, T:]
@@ -167,6 +202,7 @@ def _light_conv_xla(x_BTC, weight_HK, padding_left):
         padding=[(padding_left, K - 1 - padding_left)],
         dimension_numbers=("NWC", "WIO", "NWC"),
         feature_group_count=C,
+        precision=CONV,
         preferred_element_type=jnp.float32,
     )
 
@@ -177,7 +213,8 @@ def _dynamic_unfold(x_BTC, weight_BTHK, padding_left):
     x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, K - 1 - padding_left), (0, 0)))
     windows_BTKHD = jnp.stack([x_padded[:, k : k + T] for k in range(K)], axis=2).reshape(B, T, K, H, C // H)
     y_BTHD = jnp.einsum(
-        "btkhd,bthk->bthd", windows_BTKHD, weight_BTHK.astype(x_BTC.dtype), preferred_element_type=jnp.float32
+        "btkhd,bthk->bthd", windows_BTKHD, weight_BTHK.astype(x_BTC.dtype), precision=CONV,
+        preferred_element_type=jnp.float32,
     )
     return y_BTHD.reshape(B, T, C)
 
@@ -188,7 +225,8 @@ def _light_band(x_BTC, weight_HK, padding_left, L):
     windows_BGWHD, G = _tile_windows(x_BTC, padding_left, K, L, H)
     band_HLW = _skew(jnp.broadcast_to(weight_HK[:, None, :], (H, L, K)))  # band[h, i, i + k] = w[h, k]
     y_BGLHD = jnp.einsum(
-        "hlw,bgwhd->bglhd", band_HLW.astype(x_BTC.dtype), windows_BGWHD, preferred_element_type=jnp.float32
+        "hlw,bgwhd->bglhd", band_HLW.astype(x_BTC.dtype), windows_BGWHD, precision=CONV,
+        preferred_element_type=jnp.float32,
     )
     return y_BGLHD.reshape(B, G * L, C)[:, :T]
 
@@ -200,7 +238,8 @@ def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
     weight_BGHLK = jnp.pad(weight_BTHK, ((0, 0), (0, G * L - T), (0, 0), (0, 0)))
     weight_BGHLK = weight_BGHLK.reshape(B, G, L, H, K).transpose(0, 1, 3, 2, 4)
     band_BGHLW = _skew(weight_BGHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
-    y_BGLHD = jnp.einsum("bghlw,bgwhd->bglhd", band_BGHLW, windows_BGWHD, preferred_element_type=jnp.float32)
+    y_BGLHD = jnp.einsum("bghlw,bgwhd->bglhd", band_BGHLW, windows_BGWHD, precision=CONV,
+                         preferred_element_type=jnp.float32)
     return y_BGLHD.reshape(B, G * L, C)[:, :T]
 
 
@@ -305,8 +344,8 @@ def _check_state(state_BPC, B, K, C):
         raise UserError(f"state must be [batch, K-1, channels] = [{B}, {K - 1}, {C}]; got shape {shape}")
 
 
-def _resolve_impl(impl, allowed, op):
+def _check_impl(impl, allowed, op):
     if impl not in allowed:
         raise UserError(f"{op}: impl must be one of {allowed}; got {impl!r}")
-    return choose_impl() if impl == "auto" else impl
+    return impl
 

@@ -13,7 +13,8 @@ Autodiff of the forward's K slices would instead be K scatter-adds. Everything r
 about ``CHUNK_TOKENS`` tokens (several short rows or part of a long one, with a ``K - 1`` halo read from the
 neighbours), so the temporaries are a few MB whatever ``B x T``: on CPU a large temporary is fresh memory on
 every call, and first-touch page faults cost more than the arithmetic (docs/benchmarks.md). Accumulation is
-float32, as for the other implementations.
+float32, as for the other implementations, and the kernel gradient's dot runs at ``precision=CONV`` (HIGHEST):
+exact float32 on GPU and TPU too.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from lconv.ops.precision import CONV
 
 # Tokens per loop step: large enough that the loop overhead is negligible, small enough that a step's
 # temporaries (a few [CHUNK_TOKENS + K, C] buffers) stay in cache. Measured in docs/benchmarks.md.
@@ -168,7 +171,8 @@ def _band_weight_grad(x_win_BSC, dy_BTC, K, H, L):
     windows_BHGDW = jnp.concatenate([tiles_BHGDL[:, :, :G], tiles_BHGDL[:, :, 1:, :, : K - 1]], axis=-1)
     dy_BHGLD = _pad_time(dy_BTC, 0, G * L - T).reshape(B, G, L, H, D).transpose(0, 3, 1, 2, 4)
     gram_BHGLW = jnp.einsum(
-        "bhgld,bhgdw->bhglw", dy_BHGLD, windows_BHGDW.astype(dy_BHGLD.dtype), preferred_element_type=jnp.float32
+        "bhgld,bhgdw->bhglw", dy_BHGLD, windows_BHGDW.astype(dy_BHGLD.dtype), precision=CONV,
+        preferred_element_type=jnp.float32,
     )
     dw_BHGLK = _unskew(gram_BHGLW, K)
     return dw_BHGLK.transpose(0, 2, 3, 1, 4).reshape(B, G * L, H, K)[:, :T]
