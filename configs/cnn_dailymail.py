@@ -7,7 +7,7 @@ Inputs truncated to 400 tokens, targets to 100; 7 encoder / 6 decoder layers, d 
 dropout 0.3 (the WMT big recipe the paper reuses), Adam with cosine lr. ``ddtp`` swaps in the bundled Debian
 long-description -> synopsis task for a quick local run. Needs tfds ``cnn_dailymail`` prepared (see README).
 """
-from configs import common
+from lconv.configs import common
 
 
 def get_config(arg=None):

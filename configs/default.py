@@ -9,7 +9,7 @@ warmup, no DropConnect, a 4k vocabulary for 30k sentence pairs, and small packed
 minute). Measured from a fresh clone on an idle 2-core CPU (README): 779 updates in 10 minutes, test sacreBLEU
 19.3 (431 updates and 15.1 on the same machine shared with other jobs).
 """
-from configs import common
+from lconv.configs import common
 
 
 def get_config(arg=None):

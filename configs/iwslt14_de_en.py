@@ -9,7 +9,7 @@ no GLU, dropout 0.3, weight dropout 0.1, Adam (0.9, 0.98), lr 5e-4 inverse-sqrt 
 0.1, 50k updates. The data is the local-files builder ``iwslt14`` (see README, Datasets): fairseq's
 ``prepare-iwslt14.sh`` output, prepared with lconv.
 """
-from configs import common
+from lconv.configs import common
 
 
 def get_config(arg=None):

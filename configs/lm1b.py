@@ -25,7 +25,7 @@ More variant words:
 
 Needs tfds ``lm1b`` prepared (see README), except with ``ddtp``.
 """
-from configs import common
+from lconv.configs import common
 
 
 def get_config(arg=None):

@@ -1,5 +1,21 @@
 """lconv: lightweight and dynamic convolutions (Wu et al., ICLR 2019) and other self-attention replacements in
 JAX/Flax. The layers, bottom to top: ``constants``/``errors``, ``ops`` and ``data``, ``nn``, ``infer``, ``train``,
-``cli`` (README "Layout"); the shape letters in names are ``lconv.constants``' legend."""
+``cli`` (README "Layout"); the shape letters in names are ``lconv.constants``' legend.
+
+``lconv.load(workdir)`` returns a trained run as an ``lconv.api.Model`` (translate, score, generate, kernels).
+"""
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # ``load`` / ``Model`` come from the top layer (lconv.api) on first use, so ``import lconv`` stays light (no
+    # JAX) and the root imports nothing above it (tests/test_layout.py).
+    if name in ("load", "Model"):
+        import importlib
+
+        return getattr(importlib.import_module("lconv.api"), name)
+    raise AttributeError(f"module 'lconv' has no attribute {name!r}")

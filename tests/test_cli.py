@@ -2,7 +2,10 @@
 other exception keeps its traceback, since it is a bug to report, not an input to fix."""
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -94,3 +97,149 @@ def test_a_cluster_launch_initializes_jax_distributed_from_the_environment(monke
     monkeypatch.setenv("LCONV_NUM_PROCESSES", "2")
     with pytest.raises(UserError, match="LCONV_NUM_PROCESSES=2 needs LCONV_COORDINATOR and LCONV_PROCESS_ID too"):
         runtime.initialize()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval.py: LM prompts, --interactive, flag combinations, process-0 writes; --config by packaged name
+# ----------------------------------------------------------------------------------------------------------------
+def _workdir_of(tmp_path, trained, monkeypatch):
+    """A workdir holding ``trained``'s config.json, whose ``load_trained`` gives ``trained`` (an untrained
+    in-memory run: eval's logic is under test, not the model)."""
+    from lconv.train import setup
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(trained.config.to_json())
+    monkeypatch.setattr(setup, "load_trained", lambda *args, **kwargs: trained)
+    return workdir
+
+
+def test_eval_continues_an_lm_runs_prompts_as_the_api_does(tmp_path, monkeypatch):
+    import tiny_runs
+
+    from lconv.api import Model
+    from lconv.cli import evaluate
+
+    trained = tiny_runs.in_memory(tiny_runs.lm_config())
+    workdir = _workdir_of(tmp_path, trained, monkeypatch)
+    prompts = ["The small package", "", "Fonts and images for the server"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    report = evaluate.run(str(workdir), source_file=str(tmp_path / "prompts.txt"),
+                          output_file=str(tmp_path / "out.txt"), max_len=5, temperature=1.0, top_p=0.9, seed=3,
+                          log=lambda *_: None)
+    expected = Model(trained).generate(prompts, max_len=5, temperature=1.0, top_p=0.9, seed=3)
+    assert (tmp_path / "out.txt").read_text().split("\n")[:-1] == [e.replace("\n", " ") for e in expected]
+    assert report["examples"] == 3 and report["truncated_prompts"] == 0 and report["top_p"] == 0.9
+
+
+def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, monkeypatch):
+    import io
+
+    import tiny_runs
+
+    from lconv.api import Model
+    from lconv.cli import evaluate
+    from lconv.infer import compiled
+
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    workdir = _workdir_of(tmp_path, trained, monkeypatch)
+    built, original = [], compiled.Translator
+
+    def recording(*args):
+        built.append(original(*args))
+        return built[-1]
+
+    monkeypatch.setattr(compiled, "Translator", recording)
+    lines = ["Fast tool.", "A library for the window system and fonts.", "Data"]
+    stdout = io.StringIO()
+    report = evaluate.run(str(workdir), interactive=True, stdin=io.StringIO("\n".join(lines) + "\n"),
+                          stdout=stdout, log=lambda *_: None)
+    assert report == {"examples": 3} and len(built) == 1
+    assert built[0].jitted._cache_size() == 1  # three lengths, one (1 row, 32 wide) bucket: compiled once
+    model = Model(trained)
+    assert stdout.getvalue().splitlines() == [model.translate([line])[0] for line in lines]
+
+
+def _config_only(tmp_path, config):
+    workdir = tmp_path / "run"
+    workdir.mkdir(exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json())
+    return str(workdir)
+
+
+@pytest.mark.parametrize("task, flags, message", [
+    ("lm", dict(beam_size=4), "--beam_size: an lm run samples rather than beam-searches"),
+    ("lm", dict(source_file="p.txt", reference_file="r.txt"), "--reference_file: an lm run continues the prompts"),
+    ("lm", dict(temperature=0.7), "--temperature go with prompts: --source_file (one per line) or --interactive"),
+    ("translation", dict(top_k=5, seed=1), "--top_k, --seed: for lm runs (sampling); a translation run is decoded"),
+    ("translation", dict(interactive=True, source_file="s.txt"), "--source_file does not go with --interactive"),
+    ("translation", dict(interactive=True, output_file="o.txt"), "--output_file does not go with --interactive"),
+    ("lm", dict(top_p=0.0, source_file="p.txt"), "--top_p=0.0: must be in (0, 1]"),
+    ("lm", dict(max_len=0, source_file="p.txt"), "--max_len=0: must be an integer >= 1"),
+    ("lm", dict(temperature=float("nan"), interactive=True), "--temperature=nan: must be a finite number >= 0"),
+])
+def test_eval_flag_combinations_that_do_not_fit_are_one_line_errors(task, flags, message, tmp_path, monkeypatch):
+    import tiny_config
+    import tiny_runs
+
+    from lconv.cli import evaluate
+    from lconv.train import setup
+
+    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: pytest.fail("loaded before the flags were checked"))
+    config = tiny_runs.lm_config() if task == "lm" else tiny_config.get_config()
+    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+        evaluate.run(_config_only(tmp_path, config), **flags)
+
+
+def test_eval_py_prints_a_flag_combination_error_in_one_line(tmp_path):
+    import tiny_config
+
+    workdir = _config_only(tmp_path, tiny_config.get_config())
+    result = subprocess.run([sys.executable, "eval.py", f"--workdir={workdir}", "--temperature=0.5"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr == (
+        "error: --temperature: for lm runs (sampling); a translation run is decoded by beam search (--beam_size, "
+        "--lenpen)\n"), result.stderr
+
+
+def test_outputs_are_written_by_process_0_only(tmp_path, monkeypatch):
+    import jax
+
+    from lconv.cli import evaluate as cli_evaluate
+    from lconv.infer import evaluate
+
+    evaluate.write_outputs(str(tmp_path), "test", ["a\nb", "c"], {"bleu": 1.0})
+    cli_evaluate._write_lines(str(tmp_path / "out.txt"), ["x"])
+    assert (tmp_path / "test.hyp.txt").read_text() == "a b\nc\n" and (tmp_path / "out.txt").read_text() == "x\n"
+    assert json.loads((tmp_path / "test.scores.json").read_text()) == {"bleu": 1.0}
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    evaluate.write_outputs(str(tmp_path / "p1"), "test", ["a"], {"bleu": 1.0})  # the folder does not even exist
+    cli_evaluate._write_lines(str(tmp_path / "p1.txt"), ["x"])
+    assert not (tmp_path / "p1").exists() and not (tmp_path / "p1.txt").exists()
+
+
+def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    packaged = str(ROOT / "lconv" / "configs" / "default.py")
+    assert runtime.resolve_config_argument(["p", "--config=default:transformer", "--workdir=w"]) == [
+        "p", f"--config={packaged}:transformer", "--workdir=w"]
+    assert runtime.resolve_config_argument(["p", "--config", "wmt_en_de.py"])[2] == packaged.replace(
+        "default.py", "wmt_en_de.py")
+    (tmp_path / "mine.py").write_text("")
+    assert runtime.resolve_config_argument(["p", "--config=mine.py:x"]) == ["p", "--config=mine.py:x"]
+    assert runtime.resolve_config_argument(["p", "--config=configs/default.py"]) == [
+        "p", "--config=configs/default.py"]  # a path: left for ml_collections to load (or name as missing)
+    with pytest.raises(UserError, match="^--config=nope: no such file, nor a config packaged with lconv; "
+                                        "packaged: .*default.*wmt_en_de"):
+        runtime.resolve_config_argument(["p", "--config=nope"])
+    assert "common" not in runtime.packaged_configs() and "lm1b" in runtime.packaged_configs()
+
+
+def test_python_m_lconv_train_loads_a_packaged_config_outside_the_checkout(tmp_path):
+    """From another directory, with lconv importable as an install makes it: the config is found by name and
+    loaded (its variant check runs), and a bad variant is one line naming what the user typed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "lconv.train", "--config=default:nope", f"--workdir={tmp_path}"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(
+        "error: --config=default:nope: unknown config variant(s) ['nope']"), result.stderr

@@ -89,12 +89,13 @@ def test_eval_py_prints_a_bad_flag_in_one_line(flag, message, tmp_path):
     assert _one_line_error(_eval_py(f"--workdir={tmp_path}", flag)).startswith(message)
 
 
-def test_an_lm_run_refuses_a_source_file_before_loading(config_only):
+def test_an_lm_run_refuses_references_for_its_prompts_before_loading(config_only):
+    """An LM run continues --source_file's prompts; references have nothing to score against."""
     config = json.loads((config_only / "config.json").read_text())
     (config_only / "config.json").write_text(json.dumps({**config, "task": "lm"}))
-    with pytest.raises(UserError, match="^--source_file is for translation/summarization runs; an lm run is "
-                                        "scored by perplexity$"):
-        evaluate.run(str(config_only), source_file=str(config_only / "config.json"))
+    with pytest.raises(UserError, match="^--reference_file: an lm run continues the prompts of --source_file"):
+        evaluate.run(str(config_only), source_file=str(config_only / "config.json"),
+                     reference_file=str(config_only / "config.json"))
 
 
 def test_reference_and_output_files_without_a_source_file_are_not_ignored(config_only):

@@ -2,7 +2,9 @@
 
 Suites: mixers, limits, decode, train, or all. Kept thin: argument checks here, the work in the suite modules.
 A ``--quick`` run is a smoke test: its numbers go to a scratch folder (``QUICK_DIR``), never over the committed
-results in docs/bench and docs/benchmarks.md.
+results in docs/bench and docs/benchmarks.md. Those are the defaults of a full run only from the root of a clone
+(the folder holding the imported lconv and docs/benchmarks.md); from an installed package a full run writes to
+``--out`` / ``--doc`` or, by default, to ``INSTALLED_DIR``.
 """
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ from lconv.errors import UserError
 SUITES = ("mixers", "limits", "decode", "train")
 COMMITTED_OUT, COMMITTED_DOC = "docs/bench", "docs/benchmarks.md"
 QUICK_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench_quick")
+INSTALLED_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench")  # a full run's default outside a clone
+
+
+def in_clone_root() -> bool:
+    """Whether the working directory is the root of the clone lconv is imported from (docs/ is committed there)."""
+    import lconv
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lconv.__file__)))
+    return os.path.samefile(root, os.getcwd()) and os.path.isfile(COMMITTED_DOC)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +52,9 @@ def parse_T_list(text: str) -> tuple[int, ...]:
 def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fills ``--out``/``--doc``; a ``--quick`` run writing over the committed results is refused."""
     if not opts.quick:
-        opts.out, opts.doc = opts.out or COMMITTED_OUT, opts.doc or COMMITTED_DOC
+        clone = in_clone_root()
+        out, doc = (COMMITTED_OUT, COMMITTED_DOC) if clone else (INSTALLED_DIR, f"{INSTALLED_DIR}/benchmarks.md")
+        opts.out, opts.doc = opts.out or out, opts.doc or doc
         return
     opts.out, opts.doc = opts.out or QUICK_DIR, opts.doc or os.path.join(QUICK_DIR, "benchmarks.md")
     for flag, path, committed in (("--out", opts.out, COMMITTED_OUT), ("--doc", opts.doc, COMMITTED_DOC)):
@@ -54,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = _Parser(prog="python -m lconv.bench", description=__doc__.splitlines()[0])
     parser.add_argument("suite", help=f"one of {', '.join(SUITES)}, all")
     parser.add_argument("--quick", action="store_true", help="short lists and fewer runs: a smoke test")
-    parser.add_argument("--out", default=None, help=f"folder for the CSV and PNG files (default {COMMITTED_OUT}; "
-                                                    f"with --quick {QUICK_DIR})")
+    parser.add_argument("--out", default=None, help=f"folder for the CSV and PNG files (default {COMMITTED_OUT} in a "
+                                                    f"clone, else {INSTALLED_DIR}; with --quick {QUICK_DIR})")
     parser.add_argument("--doc", default=None, help=f"markdown file whose suite section is rewritten (default "
                                                     f"{COMMITTED_DOC}; with --quick {QUICK_DIR}/benchmarks.md)")
     parser.add_argument("--T", default=None, help="sequence lengths for the mixers suite, e.g. 256,1024,4096")

@@ -1,4 +1,5 @@
-"""``eval.py``: a trained workdir, scored on a split of its dataset or run over a text file.
+"""``eval.py``: a trained workdir, scored on a split of its dataset, run over a text file (sources to translate or
+summarise, or an LM's prompts to continue), or over stdin a line at a time (``--interactive``).
 
 Every input a user can get wrong is checked before anything is loaded or compiled, in one line naming the flag
 or file: the flags' ranges, the stored task, the input files (UTF-8, matching line counts) and whether the
@@ -9,35 +10,42 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
+
+import jax
+from etils import epath
 
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.infer import evaluate
+from lconv.infer import compiled, evaluate
 from lconv.train import setup, steps
+
+SAMPLING_DEFAULTS = {"max_len": 50, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # greedy, 50 tokens
 
 
 def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint: str = "latest",
         beam_size: int | None = None, lenpen: float | None = None, source_file: str | None = None,
-        reference_file: str | None = None, output_file: str | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or translates/summarises
-    ``source_file`` line by line (scored when ``reference_file`` is given). Params only are restored."""
-    check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
-    task = setup.read_config(workdir).task
-    if task == "lm" and source_file is not None:
-        raise UserError("--source_file is for translation/summarization runs; an lm run is scored by perplexity")
+        reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
+        log: Callable[[str], None] = print, stdin: TextIO | None = None, stdout: TextIO | None = None,
+        **sampling: Any) -> dict[str, Any]:
+    """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or decodes ``source_file``
+    line by line: translations / summaries (scored when ``reference_file`` is given), or an LM's continuations of
+    the prompts in it (``sampling``: ``max_len``, ``temperature``, ``top_k``, ``top_p``, ``seed``). With
+    ``interactive`` the lines come from ``stdin`` and each output goes to ``stdout`` as soon as it is decoded.
+    Params only are restored."""
+    sampling = {name: value for name, value in sampling.items() if value is not None}
+    task = _check_run_flags(workdir, split=split, average_last=average_last, checkpoint=checkpoint,
+                            beam_size=beam_size, lenpen=lenpen, source_file=source_file,
+                            reference_file=reference_file, output_file=output_file, interactive=interactive,
+                            sampling=sampling)
+    sampling = {**SAMPLING_DEFAULTS, **sampling}
+    if interactive:
+        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
+        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, sampling, log)
     if source_file is None:
-        for flag, value in (("--reference_file", reference_file), ("--output_file", output_file)):
-            if value is not None:
-                raise UserError(f"{flag} goes with --source_file; a split is scored against its own references "
-                                f"and written to <workdir>/{split}.hyp.txt")
-        outputs = [f"{split}.scores.json"] + ([] if task == "lm" else [f"{split}.hyp.txt"])
-        for name in outputs:
-            path = os.path.join(workdir, name)
-            _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
         trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
         config = trained.config
         config.data.eval_splits = (split,)
@@ -58,7 +66,52 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     else:
         _check_writable(output_file, f"--output_file={output_file}")
     trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
+    if task == "lm":
+        return _generate_file(trained, sources, source_file, output_file, sampling, log)
     return _translate_file(trained, sources, references, source_file, output_file, log)
+
+
+def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
+                     lenpen: float | None, source_file: str | None, reference_file: str | None,
+                     output_file: str | None, interactive: bool, sampling: dict[str, Any]) -> str:
+    """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's task."""
+    check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
+    compiled.check_sampling(**{k: v for k, v in {**SAMPLING_DEFAULTS, **sampling}.items() if k != "seed"},
+                            flags=True)
+    given = lambda names: [f"--{n}" for n in names if sampling.get(n) is not None]  # noqa: E731
+    if interactive:
+        for flag, value in (("--source_file", source_file), ("--reference_file", reference_file),
+                            ("--output_file", output_file)):
+            if value is not None:
+                raise UserError(f"{flag} does not go with --interactive, which reads lines from stdin and prints "
+                                f"each output to stdout")
+        if jax.process_count() > 1:
+            raise UserError("--interactive reads this process's stdin: run it as a single process")
+    task = setup.read_config(workdir).task
+    if task == "lm":
+        beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
+        if beam:
+            raise UserError(f"{', '.join(beam)}: an lm run samples rather than beam-searches; use --temperature, "
+                            f"--top_k, --top_p, --seed (temperature 0 = greedy)")
+        if reference_file is not None:
+            raise UserError("--reference_file: an lm run continues the prompts of --source_file and scores nothing; "
+                            "its perplexity is scored on a split (eval.py --split=...)")
+        if source_file is None and not interactive and given(SAMPLING_DEFAULTS):
+            raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))} go with prompts: --source_file (one per line) "
+                            f"or --interactive; without them eval.py scores the split's perplexity")
+    elif given(SAMPLING_DEFAULTS):
+        raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))}: for lm runs (sampling); a {task} run is decoded by "
+                        f"beam search (--beam_size, --lenpen)")
+    if source_file is None and not interactive:
+        for flag, value in (("--reference_file", reference_file), ("--output_file", output_file)):
+            if value is not None:
+                raise UserError(f"{flag} goes with --source_file; a split is scored against its own references "
+                                f"and written to <workdir>/{split}.hyp.txt")
+        outputs = [f"{split}.scores.json"] + ([] if task == "lm" else [f"{split}.hyp.txt"])
+        for name in outputs:
+            path = os.path.join(workdir, name)
+            _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
+    return task
 
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
@@ -134,8 +187,7 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
     against ``references`` (blank sources stay in, as empty hypotheses)."""
     config = trained.config
     translations = evaluate.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
-    with open(output_file, "w", encoding="utf-8") as f:
-        f.writelines(h.replace("\n", " ") + "\n" for h in translations.hypotheses)
+    _write_lines(output_file, translations.hypotheses)
     scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
     if not sources:
         log(f"--source_file={source_file} has no lines: {output_file} is empty, nothing to score")
@@ -148,9 +200,54 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
         log(f"{translations.lengths.note('source line')} "
             f"({_line_numbers(translations.lengths.truncated)})")
     if references is not None and sources:
-        scores.update(evaluate.score_texts(config.task, translations.hypotheses, references))
+        scores.update(evaluate.score_texts(config.task, translations.hypotheses, references,
+                                           split_compounds=config.decode.get("compound_split", False)))
     log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
+
+
+def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: str, output_file: str,
+                   sampling: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
+    generator = compiled.Generator(trained.config, trained.model, trained.params)
+    outputs = evaluate.generate_lines(trained.config, trained.tokenizer, prompts, generator, **sampling)
+    _write_lines(output_file, outputs.hypotheses)
+    if outputs.lengths.truncated:
+        log(f"{len(outputs.lengths.truncated)} prompt(s) longer than {outputs.lengths.limit} tokens (what "
+            f"config.model.max_len leaves beside --max_len={sampling['max_len']}) keep their last tokens "
+            f"({_line_numbers(outputs.lengths.truncated)})")
+    report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
+              "longest_prompt_tokens": outputs.lengths.longest, "prompt_token_limit": outputs.lengths.limit,
+              **sampling}
+    log(json.dumps(report))
+    return report
+
+
+def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any],
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    """Decodes each line of ``stdin`` as it arrives and prints its output (one line) to ``stdout``. The programs
+    are built once: a line compiles only when its length falls in a width bucket not seen before."""
+    config = trained.config
+    if config.task == "lm":
+        generator = compiled.Generator(config, trained.model, trained.params)
+        decode = lambda line: evaluate.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
+                                                      **sampling).hypotheses[0]
+    else:
+        translator = compiled.Translator(config, trained.model, trained.params)
+        decode = lambda line: evaluate.translate_lines(config, trained.model, trained.params,  # noqa: E731
+                                                       trained.tokenizer, [line], translator=translator).hypotheses[0]
+    log(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
+    count = 0
+    for line in stdin:
+        print(decode(line.removesuffix("\n").removesuffix("\r")).replace("\n", " "), file=stdout, flush=True)
+        count += 1
+    return {"examples": count}
+
+
+def _write_lines(path: str, outputs: Sequence[str]) -> None:
+    """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
+    if jax.process_index() == 0:
+        epath.Path(path).write_text(evaluate.lines_text(outputs), encoding="utf-8")
 
 
 def _line_numbers(indices: Sequence[int], shown: int = 5) -> str:

@@ -82,7 +82,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     from absl import flags
 
     try:
-        remaining = flags.FLAGS(argv)
+        resolved = resolve_config_argument(argv)
+    except UserError as err:
+        _exit_with(str(err))
+    try:
+        remaining = flags.FLAGS(resolved)
     except Exception as err:  # noqa: BLE001 (every flag and config-file error is an input to fix)
         _exit_with(_flag_error_line(err, argv))
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), None)
@@ -93,6 +97,43 @@ def parse_flags(argv: list[str]) -> list[str]:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             _exit_with(f"{config_arg}: {lines[-1] if lines else type(err).__name__}")
     return remaining
+
+
+def packaged_configs() -> list[str]:
+    """The configs shipped with lconv (``lconv.configs``: the repository's configs/ folder), by name."""
+    return sorted(name.removesuffix(".py") for name in os.listdir(_packaged_config_dir())
+                  if name.endswith(".py") and name not in ("__init__.py", "common.py"))
+
+
+def _packaged_config_dir() -> str:
+    import importlib.util
+
+    return list(importlib.util.find_spec("lconv.configs").submodule_search_locations)[0]
+
+
+def resolve_config_argument(argv: list[str]) -> list[str]:
+    """``--config=NAME[:ARGS]`` naming a packaged config (``default``, ``wmt_en_de.py``) rather than an existing
+    file -> the packaged file's path, which is what ml_collections loads: ``python -m lconv.train
+    --config=default`` works from any directory. A path that exists is kept as it is, and so is anything else
+    (ml_collections then names the missing file)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            out[i + 1] = _config_path(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + _config_path(arg.removeprefix("--config="))
+    return out
+
+
+def _config_path(value: str) -> str:
+    name, colon, args = value.partition(":")
+    if os.path.exists(name) or "/" in name or os.sep in name:
+        return value
+    packaged = os.path.join(_packaged_config_dir(), name.removesuffix(".py") + ".py")
+    if not os.path.isfile(packaged):
+        raise UserError(f"--config={value}: no such file, nor a config packaged with lconv; packaged: "
+                        f"{', '.join(packaged_configs())}")
+    return packaged + colon + args
 
 
 def _flag_error_line(err: BaseException, argv: list[str]) -> str:

@@ -11,24 +11,20 @@ text file are not decoded, get empty outputs in their place and are counted by t
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from etils import epath
 
-from lconv.constants import BATCH_MESH_AXES
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.infer import scoring, search
-from lconv.nn import common as nn_common
+from lconv.infer import compiled, scoring
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -36,79 +32,33 @@ if TYPE_CHECKING:
     from lconv.data.tokenizer import Tokenizer
 
 
-def decode_batches(config: Any, model: nn.Module, params: Any,
-                   eval_set: pipeline.EvalSet) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
+                   translator: compiled.Translator | None = None,
+                   **search: Any) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     """``(batch, best-beam ids [B, L])`` over every example of ``eval_set``, the whole split (``whole_split``),
     ``eval_set.batch_size`` rows per batch (padding rows included; the caller drops rows with
-    ``example_index < 0``).
+    ``example_index < 0``); fewer rows (``compiled.row_bucket``) when the whole set is smaller than one batch.
 
-    Examples are decoded in order of source length, each batch cut to the shortest width in ``_WIDTHS`` that holds
-    it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam search
-    stops early together. That is a handful of compiled shapes, each compiled once.
+    Examples are decoded in order of source length, each batch cut to the shortest width in ``compiled.WIDTHS``
+    that holds it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam
+    search stops early together. That is a handful of compiled shapes, each compiled once per ``translator`` (pass
+    one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``).
 
     With several processes every one of them holds the whole split, so all build the same plan (order, batches,
     widths) and run the same programs in step. Each batch is one global array whose rows are split over the batch
     axes of the mesh ``params`` live on, and the best beams come back whole to every process.
     """
-    mesh = _mesh_of(params)
+    translator = translator or compiled.Translator(config, model, params)
     rows = eval_set.batch_size
-    inputs_sharding, output_sharding = _decode_shardings(mesh, rows)
-
-    def translate(params, inputs, segmentation, max_len):
-        return search.translate(
-            model, {"params": params}, inputs, inputs_segmentation=segmentation, beam_size=config.decode.beam_size,
-            max_len=max_len, lenpen=config.decode.lenpen, max_len_a=config.decode.max_len_a,
-            max_len_b=config.decode.max_len_b)
-
-    translate = jax.jit(nn_common.under_axis_rules(translate, config.mesh.rules), static_argnums=3,
-                        out_shardings=output_sharding)
+    if len(eval_set.tokens) < rows:
+        rows = compiled.row_bucket(len(eval_set.tokens), rows)
     order = sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
     for b in range(math.ceil(len(order) / rows)):
         chosen = order[b * rows:(b + 1) * rows]
         batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
         longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
-        width = min([w for w in _WIDTHS if w >= longest] + [batch["inputs"].shape[1]])
-        inputs = batch["inputs"][:, :width]  # [rows, width]
-        segmentation = (inputs != 0).astype(np.int32)  # [rows, width]
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            tokens = translate(params, _place(inputs, inputs_sharding), _place(segmentation, inputs_sharding),
-                               _max_len(config, width))
-            tokens = np.asarray(tokens)  # [rows, L]: replicated, so every process reads all of it
-        yield batch, tokens
-
-
-def _mesh_of(params: Any) -> jax.sharding.Mesh | None:
-    """The mesh ``params`` are laid out on, or None for plain arrays (decoded where they are)."""
-    for leaf in jax.tree.leaves(params):
-        if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding):
-            return leaf.sharding.mesh
-    return None
-
-
-def _decode_shardings(mesh: jax.sharding.Mesh | None, rows: int) -> tuple[Any, Any]:
-    """``(sources, best beams)`` shardings: sources' rows split over the mesh's batch axes (replicated when
-    ``rows`` does not divide), the output replicated, so every process gets every hypothesis."""
-    if mesh is None:
-        return None, None
-    axes = tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names)
-    shards = math.prod(mesh.shape[a] for a in axes)
-    rows_spec = PartitionSpec(axes) if shards > 1 and rows % shards == 0 else PartitionSpec()
-    return NamedSharding(mesh, rows_spec), NamedSharding(mesh, PartitionSpec())
-
-
-def _place(array: np.ndarray, sharding: NamedSharding | None) -> Any:
-    """The same numpy array on every process -> one global array laid out by ``sharding`` (None: as it is)."""
-    if sharding is None:
-        return array
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
-_WIDTHS = (32, 64, 128, 256, 512, 1024)  # source widths decoding batches are cut to
-
-
-def _max_len(config, source_len):
-    return int(min(config.decode.max_len_a * source_len + config.decode.max_len_b,
-                   config.data.eval_max_target_length))
+        width = compiled.width_bucket(longest, batch["inputs"].shape[1])
+        yield batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
 
 
 def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
@@ -135,7 +85,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     refs = [eval_set.examples[i]["targets"] for i in order]
     sources = [eval_set.examples[i]["inputs"] for i in order]
     lengths = measure_sources(tokenizer, sources, eval_set.lengths["inputs"])
-    scores = score_texts(config.task, hyps, refs)
+    scores = score_texts(config.task, hyps, refs, split_compounds=config.decode.get("compound_split", False))
     scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
                   sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size,
                   **lengths.counts())
@@ -188,13 +138,17 @@ def allgather_json(value: Any) -> list[Any]:
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]
 
 
-def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-    """ROUGE for summarisation, sacreBLEU for every other task; ``{}`` (no score) when there is no example."""
+def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str], *,
+                split_compounds: bool = False) -> dict[str, Any]:
+    """ROUGE-1/2/L and the paper's ROUGE-Lsum for summarisation; for every other task sacreBLEU and, beside it,
+    tokenized BLEU (with fairseq's compound splitting when ``split_compounds``, ``config.decode.compound_split``:
+    the paper's WMT En-De number). ``{}`` (no score) when there is no example."""
     if not hypotheses and not references:
         return {}
     if task == "summarization":
-        return scoring.rouge(hypotheses, references)
-    return scoring.bleu(hypotheses, references)
+        return {**scoring.rouge(hypotheses, references), **scoring.rouge_lsum(hypotheses, references)}
+    return {**scoring.bleu(hypotheses, references),
+            **scoring.tokenized_bleu(hypotheses, references, split_compounds=split_compounds)}
 
 
 @dataclasses.dataclass
@@ -223,15 +177,19 @@ def measure_sources(tokenizer: Tokenizer, sources: Sequence[str], limit: int) ->
 
 
 def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, scores: Mapping[str, Any]) -> None:
-    """``<workdir>/<name>.hyp.txt`` (one line per hypothesis, unless None) and ``<name>.scores.json``; process 0
-    only."""
+    """``<workdir>/<name>.hyp.txt`` (one line per hypothesis, unless None) and ``<name>.scores.json``, local or a
+    URL (``gs://``); process 0 only."""
     if jax.process_index() != 0:
         return
+    directory = epath.Path(workdir)
     if hypotheses is not None:
-        with open(os.path.join(workdir, f"{name}.hyp.txt"), "w") as f:
-            f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
-    with open(os.path.join(workdir, f"{name}.scores.json"), "w") as f:
-        json.dump(scores, f, indent=2)
+        (directory / f"{name}.hyp.txt").write_text(lines_text(hypotheses), encoding="utf-8")
+    (directory / f"{name}.scores.json").write_text(json.dumps(scores, indent=2), encoding="utf-8")
+
+
+def lines_text(outputs: Sequence[str]) -> str:
+    """One output per line: a newline inside an output becomes a space, so line i stays example i's."""
+    return "".join(h.replace("\n", " ") + "\n" for h in outputs)
 
 
 def format_report(scores: Mapping[str, Any], sources: Sequence[str], references: Sequence[str],
@@ -273,9 +231,10 @@ class Translations:
     lengths: SourceLengths  # of the decoded lines; its indices are line indices too
 
 
-def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
-                    sources: Sequence[str]) -> Translations:
-    """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search.
+def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
+                    translator: compiled.Translator | None = None, **search: Any) -> Translations:
+    """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
+    ``search``'s ``beam_size`` / ``lenpen``), on ``translator``'s programs when given.
 
     A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output in its place, so
     the outputs stay aligned with the input lines. Lines longer than ``config.data.eval_max_input_length`` tokens
@@ -292,8 +251,45 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
                                       {"inputs": limit, "targets": config.data.eval_max_target_length},
                                       config.data.eval_batch_size)
     hypotheses = [""] * len(sources)
-    for batch, tokens in decode_batches(config, model, params, eval_set):
+    for batch, tokens in decode_batches(config, model, params, eval_set, translator=translator, **search):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[kept[int(index)]] = tokenizer.decode(tokens[row])
     return Translations(hypotheses, blank, lengths)
+
+
+def prompt_limit(config: Any, max_len: int) -> int:
+    """The most prompt tokens an LM can read before ``max_len`` new ones: BOS + prompt + output fit
+    ``config.model.max_len`` positions."""
+    limit = int(config.model.max_len) - 1 - int(max_len)
+    if limit < 0:
+        raise UserError(f"max_len={max_len} new tokens do not fit the model's config.model.max_len="
+                        f"{config.model.max_len} positions (BOS included); ask for at most {config.model.max_len - 1}")
+    return limit
+
+
+def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
+                   max_len: int, **sampling: Any) -> Translations:
+    """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
+    ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). A blank prompt starts from BOS alone. A prompt
+    longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation); ``Translations.lengths``
+    says which were cut. Prompts of similar length share a batch, and a batch one program per shape bucket."""
+    limit = prompt_limit(config, max_len)
+    encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
+    lengths = SourceLengths([i for i, ids in enumerate(encoded) if len(ids) > limit],
+                            max((len(ids) for ids in encoded), default=0), limit)
+    encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
+    rows = compiled.row_bucket(len(encoded), config.data.eval_batch_size)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    outputs = [""] * len(prompts)
+    for b in range(math.ceil(len(order) / rows)):
+        chosen = order[b * rows:(b + 1) * rows]
+        width = compiled.width_bucket(max(len(encoded[i]) for i in chosen), limit) or 1
+        prompt_BP = np.zeros((rows, width), np.int32)  # PAD rows for a short last batch
+        prompt_len_B = np.zeros((rows,), np.int32)
+        for row, i in enumerate(chosen):
+            prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
+        tokens_BL = generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)
+        for row, i in enumerate(chosen):
+            outputs[i] = tokenizer.decode(tokens_BL[row])
+    return Translations(outputs, [], lengths)

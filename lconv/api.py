@@ -1,0 +1,217 @@
+"""A trained run as a Python object, for notebooks and scripts::
+
+    import lconv
+    model = lconv.load("runs/default")
+    model.translate(["Tool to convert images between formats."])      # -> ["Werkzeug zum ..."]
+
+``load`` restores the params only (the latest checkpoint, the mean of the last ``average_last``, or the best by
+validation loss), the tokenizer and the config stored in the workdir. Decoding programs are compiled once per
+shape bucket (rows: a power of two up to ``config.data.eval_batch_size``; width: 32, 64, 128, ... tokens) and kept
+by the ``Model``, so calling it again on other sentences of similar length compiles nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import meta as nn_meta
+
+from lconv.constants import BOS_ID, EOS_ID, PAD_ID
+from lconv.errors import UserError
+from lconv.infer import compiled, evaluate
+from lconv.train import metrics, setup
+
+
+def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> Model:
+    """The run in ``workdir`` (written by train.py): ``checkpoint`` is ``"latest"`` or ``"best"``; with
+    ``average_last=N`` the params are the mean of the last N checkpoints (eval.py's ``--average_last``)."""
+    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint))
+
+
+class Model:
+    """A trained run: ``translate`` / ``score`` (translation, summarisation), ``generate`` / ``perplexity``
+    (language models), ``kernels`` (the normalised conv kernels, for plots). Fields: ``config`` (the stored
+    config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they come from)."""
+
+    def __init__(self, trained: setup.Trained):
+        self.config, self.tokenizer, self.module = trained.config, trained.tokenizer, trained.model
+        self.params = nn_meta.unbox(trained.params)  # plain arrays (their shardings kept): what kernels() reads
+        self.steps, self.workdir = trained.steps, trained.workdir
+        self.task = self.config.task
+        self._translator: compiled.Translator | None = None
+        self._generator: compiled.Generator | None = None
+        self._jitted: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"lconv.Model({self.workdir!r}, task={self.task!r}, steps={self.steps})"
+
+    # --- translation and summarisation ---------------------------------------------------------------------
+    def translate(self, sources: Sequence[str], *, beam_size: int | None = None,
+                  lenpen: float | None = None) -> list[str]:
+        """One output per source (``""`` for a blank one), by beam search; ``beam_size`` / ``lenpen`` default to
+        the stored ``config.decode``'s. Sources longer than ``config.data.eval_max_input_length`` are cut to it."""
+        self._need("translate", ("translation", "summarization"))
+        _check_search(beam_size, lenpen)
+        if self._translator is None:
+            self._translator = compiled.Translator(self.config, self.module, self.params)
+        search = {k: v for k, v in (("beam_size", beam_size), ("lenpen", lenpen)) if v is not None}
+        return evaluate.translate_lines(self.config, self.module, self.params, self.tokenizer, _lines(sources),
+                                        translator=self._translator, **search).hypotheses
+
+    def score(self, sources: Sequence[str], references: Sequence[str], *, beam_size: int | None = None,
+              lenpen: float | None = None) -> dict[str, Any]:
+        """Translates ``sources`` and scores them against ``references``: sacreBLEU (``bleu``, ``bleu_signature``)
+        for translation, ROUGE-1/2/L for summarisation."""
+        sources, references = _lines(sources), _lines(references)
+        if len(sources) != len(references):
+            raise UserError(f"{len(sources)} sources for {len(references)} references; they pair one to one")
+        hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen)
+        return evaluate.score_texts(self.task, hypotheses, references)
+
+    # --- language models -----------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> list[str]:
+        """Continues each prompt by up to ``max_len`` tokens: greedy at ``temperature=0``, else sampled (after
+        ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; the same prompts and seed give the same texts.
+        A prompt too long for ``config.model.max_len`` keeps its last tokens."""
+        self._need("generate", ("lm",))
+        compiled.check_sampling(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+        if self._generator is None:
+            self._generator = compiled.Generator(self.config, self.module, self.params)
+        return evaluate.generate_lines(self.config, self.tokenizer, _lines(prompts), self._generator,
+                                       max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       seed=seed).hypotheses
+
+    def perplexity(self, texts: Sequence[str]) -> dict[str, float]:
+        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM; each text
+        is cut to ``config.data.eval_max_target_length`` tokens."""
+        self._need("perplexity", ("lm",))
+        if self.config.data.get("stream", False):
+            raise UserError("a document-stream run carries its kNN memory across windows: score it with "
+                            "eval.py --split=... instead")
+        limit = int(self.config.data.eval_max_target_length)
+        encoded = [np.append(ids[:limit - 1], EOS_ID) for ids in self.tokenizer.encode_batch(_lines(texts))]
+        rows = compiled.row_bucket(len(encoded), self.config.data.eval_batch_size)
+        loss = self._function("nll", self._nll_sums)
+        total = {"nll": 0.0, "tokens": 0.0}
+        for start in range(0, len(encoded), rows):
+            chunk = encoded[start:start + rows]
+            targets_BT = _pad_rows(chunk, rows, compiled.width_bucket(max(map(len, chunk)), limit))
+            sums = loss(self.params, targets_BT)
+            total = {k: total[k] + float(sums[k]) for k in total}
+        nll = total["nll"] / max(total["tokens"], 1.0)
+        return {"ppl": math.exp(min(nll, 50.0)), "nll": nll, "tokens": total["tokens"]}
+
+    def _nll_sums(self, params: Any, targets_BT: jax.Array) -> dict[str, jax.Array]:
+        logits_BTV = self.module.apply({"params": params}, targets_BT,
+                                       targets_segmentation=(targets_BT != PAD_ID).astype(jnp.int32))
+        return metrics.label_smoothed_loss(logits_BTV, targets_BT, targets_BT != PAD_ID, 0.0)
+
+    # --- kernels -------------------------------------------------------------------------------------------
+    def kernels(self, sentence: str) -> dict[str, Any]:
+        """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
+
+        Returns ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}``: a
+        LightConv layer's entry is its ``[H, K]`` kernel (the same at every position), a DynamicConv layer's its
+        ``[T, H, K]`` kernels (one per token), any other mixer's ``None``. For translation the encoder reads the
+        sentence (+ EOS) and the decoder its translation, teacher-forced: decoder position t reads
+        ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
+        (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
+        encoder, ``K - 1`` in the decoder)."""
+        if self.task == "lm":
+            targets = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_target_length]
+            inputs = None
+        else:
+            inputs = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_input_length]
+            translation = self.translate([sentence])[0]
+            limit = self.config.data.eval_max_target_length
+            targets = np.append(self.tokenizer.encode(translation), EOS_ID)[:limit]
+        kernel_logits = self._function("kernel_logits", self._kernel_logits)
+        sides = {"decoder": len(targets)} if inputs is None else {"encoder": len(inputs), "decoder": len(targets)}
+        data = self.config.data
+        ids = [_pad_rows([x], 1, compiled.width_bucket(len(x), limit)) for x, limit in
+               ([] if inputs is None else [(inputs, data.eval_max_input_length)])
+               + [(targets, data.eval_max_target_length)]]
+        out = {}
+        for side, layers in kernel_logits(self.params, *ids).items():
+            out[side] = [_normalised(logits, sides[side]) for logits in layers]
+        if inputs is not None:
+            out["source_tokens"] = [self._piece(i) for i in inputs.tolist()]
+        out["target_tokens"] = [self._piece(i) for i in [BOS_ID] + targets[:-1].tolist()]
+        return out
+
+    def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:
+        """Per side, per layer: the LightConv kernel's logits ``[H, K]``, the DynamicConv kernel predictor's
+        output as ``[T, H, K]`` (captured as the model runs on row 0 of ``ids``), or None for another mixer."""
+        is_predictor = lambda module, method: method == "__call__" and module.name == "weight_linear"  # noqa: E731
+        segmentation = [(x != PAD_ID).astype(jnp.int32) for x in ids]
+        if self.task == "lm":
+            kwargs = dict(targets_segmentation=segmentation[0])
+        else:
+            kwargs = dict(inputs_segmentation=segmentation[0], targets_segmentation=segmentation[1])
+        _, state = self.module.apply({"params": params}, *ids, **kwargs, capture_intermediates=is_predictor,
+                                     mutable=["intermediates"])
+        out = {}
+        for side in ("decoder",) if self.task == "lm" else ("encoder", "decoder"):
+            out[side] = []
+            for i in range(sum(k.startswith("layer_") for k in params[side])):
+                conv = params[side][f"layer_{i}"].get("mixer", {}).get("conv", {})
+                if "weight" in conv:  # LightConv: [H, K]
+                    out[side].append(conv["weight"])
+                elif "weight_linear" in conv:  # DynamicConv: [1, T, H*K] head-major -> [T, H, K]
+                    captured = state["intermediates"][side][f"layer_{i}"]["mixer"]["conv"]["weight_linear"]
+                    K = self.module.config.kernel_size(side, i)
+                    out[side].append(captured["__call__"][0][0].reshape(ids[0].shape[1] if side == "encoder"
+                                                                        else ids[-1].shape[1], -1, K))
+                else:
+                    out[side].append(None)
+        return out
+
+    # --- helpers -------------------------------------------------------------------------------------------
+    def _function(self, name: str, fn: Any) -> Any:
+        """``fn`` jitted once per model (one compilation per shape bucket)."""
+        if name not in self._jitted:
+            self._jitted[name] = jax.jit(fn)
+        return self._jitted[name]
+
+    def _need(self, method: str, tasks: tuple[str, ...]) -> None:
+        if self.task not in tasks:
+            other = "translate / score" if self.task != "lm" else "generate / perplexity"
+            raise UserError(f"{method}() is for {' and '.join(tasks)} runs; {self.workdir} is a {self.task} run "
+                            f"(use {other})")
+
+    def _piece(self, token: int) -> str:
+        return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.decode([token]) or "▁"
+
+
+def _normalised(logits: Any, length: int) -> np.ndarray | None:
+    """Softmax over K in float32, as the conv modules normalise their kernels; ``[T, H, K]`` cut to ``length``."""
+    if logits is None:
+        return None
+    kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    return kernels[:length] if kernels.ndim == 3 else kernels
+
+
+def _check_search(beam_size: int | None, lenpen: float | None) -> None:
+    if beam_size is not None and not (isinstance(beam_size, int) and beam_size >= 1):
+        raise UserError(f"beam_size={beam_size}: must be an integer >= 1 (1 = greedy)")
+    if lenpen is not None and not (math.isfinite(lenpen) and lenpen >= 0):
+        raise UserError(f"lenpen={lenpen}: must be a finite number >= 0")
+
+
+def _lines(texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str):
+        raise UserError("pass a list of strings (one per example), e.g. model.translate([sentence])")
+    return [str(t) for t in texts]
+
+
+def _pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:
+    """Id arrays -> ``[rows, width]`` int32, PAD after each and in the missing rows."""
+    out = np.full((rows, width), PAD_ID, np.int32)
+    for row, x in enumerate(ids):
+        out[row, :len(x)] = x
+    return out

@@ -1,0 +1,88 @@
+"""The programs behind ``train.py`` / ``eval.py`` and, from an installed package, ``python -m lconv.train`` /
+``python -m lconv.evaluate``: their flags and ``main``s. Flags are defined when a program starts (not on import),
+so one process may import both."""
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from lconv.cli import runtime
+
+FLAGS = flags.FLAGS
+
+
+def train(argv: list[str] | None = None) -> None:
+    """``train.py``: ``--config`` (a file, or a config packaged with lconv by name: ``default``,
+    ``wmt_en_de:dynamic,big``, ...), ``--workdir``, ``--accept_config_changes``."""
+    from ml_collections import config_flags
+
+    flags.DEFINE_string("workdir", None, "Directory for checkpoints, the tokenizer, logs and outputs.")
+    config_flags.DEFINE_config_file(
+        "config", None, "Config file, e.g. configs/default.py[:variant], or the name of a config packaged with "
+        f"lconv ({', '.join(runtime.packaged_configs())}), e.g. default:transformer.", lock_config=True)
+    flags.DEFINE_bool("accept_config_changes", False,
+                      "Let a resumed run change config fields its checkpoints were trained with (model, data, "
+                      "optim); without it such a change is an error.")
+    flags.mark_flags_as_required(["config", "workdir"])
+    _run(_train_main, argv)
+
+
+def _train_main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    with runtime.user_errors():
+        runtime.initialize()
+        from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
+
+        result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir,
+                                         accept_config_changes=FLAGS.accept_config_changes)
+    runtime.print_summary(result)
+    if result.get("stopped_by") == "SIGINT":
+        sys.exit(130)  # the shell's code for Ctrl-C; the checkpoint is saved and the run resumes from it
+
+
+def evaluate(argv: list[str] | None = None) -> None:
+    """``eval.py``: scores a split, decodes a file (translations, or an LM's continuations of prompts), or
+    decodes stdin line by line (``--interactive``)."""
+    flags.DEFINE_string("workdir", None, "A directory written by train.py.")
+    flags.DEFINE_string("split", "test", "Split of the run's dataset to score.")
+    flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
+    flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"],
+                      "The latest checkpoint(s), or the best by validation.")
+    flags.DEFINE_integer("beam_size", None, "Beam size >= 1 (default: the stored config's). Translation runs.")
+    flags.DEFINE_float("lenpen", None, "Length penalty, finite and >= 0 (default: the stored config's).")
+    flags.DEFINE_string("source_file", None, "Decode this UTF-8 file, one example per line: sources to "
+                        "translate/summarise, or an LM's prompts.")
+    flags.DEFINE_string("reference_file", None, "References for --source_file, one per line.")
+    flags.DEFINE_string("output_file", None, "Where --source_file's outputs go (default: <workdir>/output.txt).")
+    flags.DEFINE_bool("interactive", False, "Read lines from stdin and print each one's output as it is decoded.")
+    flags.DEFINE_integer("max_len", None, "LM runs: new tokens per prompt (default 50).")
+    flags.DEFINE_float("temperature", None, "LM runs: sampling temperature >= 0 (default 0: greedy).")
+    flags.DEFINE_integer("top_k", None, "LM runs: sample from the k most likely tokens (default 0: all).")
+    flags.DEFINE_float("top_p", None, "LM runs: nucleus sampling, in (0, 1] (default 1: off).")
+    flags.DEFINE_integer("seed", None, "LM runs: the sampling seed (default 0).")
+    flags.mark_flags_as_required(["workdir"])
+    _run(_evaluate_main, argv)
+
+
+def _evaluate_main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    with runtime.user_errors():
+        runtime.initialize()
+        from lconv.cli import evaluate
+
+        names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
+                 "output_file", "interactive", "max_len", "temperature", "top_k", "top_p", "seed")
+        evaluate.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
+
+
+def _run(main, argv: list[str] | None) -> None:
+    for name in ("workdir", "config", "accept_config_changes", "split", "average_last", "checkpoint", "beam_size",
+                 "lenpen", "source_file", "reference_file", "output_file", "interactive", "max_len",
+                 "temperature", "top_k", "top_p", "seed"):
+        if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
+            FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+    logging.set_verbosity(logging.WARNING)
+    app.run(main, argv=argv, flags_parser=runtime.parse_flags)

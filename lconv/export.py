@@ -1,0 +1,235 @@
+"""Export a trained run for serving: ``jax.export`` programs of its search, serialised, with a JSON sidecar.
+
+    python -m lconv.export --workdir=runs/default --out=exported/default --platforms=cpu,cuda,tpu
+    python -m lconv.export --workdir=runs/lm --out=exported/lm --max_len=64 --temperature=0.8 --top_p=0.9
+
+Writes into ``--out`` (local or ``gs://``):
+
+- one program per shape bucket, ``translate_r{rows}_w{width}.jax`` (encoder + beam search: source ids
+  ``[rows, width]`` (EOS-terminated, PAD after) and a float32 length penalty -> best beams ``[rows, L]``) or, for an
+  LM run, ``generate_r{rows}_w{width}.jax`` (prompt ids ``[rows, width]`` right-padded, their lengths ``[rows]``
+  and a uint32 seed -> ``[rows, width + max_len]`` tokens, the prompt first; ``lconv.infer.compiled.generate``);
+  each lowered for every platform in ``--platforms`` (one artifact runs on any of them);
+- ``params.npz`` (the params, the programs' first argument: kept out of the programs so they stay small),
+  ``spm.model`` (the tokenizer) and ``lconv_export.json``: the config, the buckets and each program's
+  signature, the platforms and the conv implementation each platform runs.
+
+``conv_impl="auto"`` is decided per platform of the lowered program (``lconv.ops.conv``'s ``choose_impl``: the
+shift conv on CPU, the band conv elsewhere), not by the exporting host. ``load(out)`` gives a callable that
+takes texts (or token ids) and runs the serialised programs, with no model code involved.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from flax import traverse_util
+from flax.linen import meta as nn_meta
+
+from lconv.constants import EOS_ID, PAD_ID
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.errors import UserError
+from lconv.infer import compiled
+from lconv.ops import conv as ops_conv
+from lconv.train import setup
+
+SIDECAR = "lconv_export.json"
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
+FORMAT_VERSION = 1
+
+
+def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
+           widths: Sequence[int] = (32, 64), beam_size: int | None = None, max_len: int = 50,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> dict[str, Any]:
+    """Writes ``trained``'s programs (one per ``rows`` x ``widths`` bucket), params, tokenizer and sidecar into
+    ``out``; returns the sidecar."""
+    config = trained.config
+    _check(config, platforms, rows, widths)
+    # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
+    params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    lm = config.task == "lm"
+    sampling = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+    if lm:
+        compiled.check_sampling(**sampling)
+        widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
+        function = functools.partial(compiled.Generator(config, trained.model, params).function, **sampling)
+    else:
+        beam_size = int(beam_size or config.decode.beam_size)
+        function = compiled.Translator(config, trained.model, params).function
+    directory = epath.Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    programs = []
+    for r in rows:
+        for w in widths:
+            if lm:
+                exported = jax.export.export(jax.jit(function), platforms=tuple(platforms))(
+                    abstract, _spec((r, w), jnp.int32), _spec((r,), jnp.int32), _spec((), jnp.uint32))
+                entry = dict(file=f"generate_r{r}_w{w}.jax", rows=r, width=w, output_len=w + max_len)
+            else:
+                length = compiled.max_output_len(config, w)
+                fn = functools.partial(function, max_len=length, beam_size=beam_size)
+                exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
+                    abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
+                entry = dict(file=f"translate_r{r}_w{w}.jax", rows=r, width=w, output_len=length)
+            (directory / entry["file"]).write_bytes(bytes(exported.serialize()))
+            programs.append(entry)
+    buffer = io.BytesIO()
+    np.savez(buffer, **traverse_util.flatten_dict(params, sep="/"))
+    (directory / "params.npz").write_bytes(buffer.getvalue())
+    (directory / "spm.model").write_bytes(trained.tokenizer.model_proto)
+    impl = config.model.conv_impl
+    sidecar = {
+        "format": FORMAT_VERSION, "task": config.task, "workdir": trained.workdir, "steps": trained.steps,
+        "platforms": list(platforms),
+        "conv_impl": {p: ops_conv.choose_impl(p) if impl == "auto" else impl for p in platforms},
+        "tokenizer": "spm.model", "params": "params.npz", "programs": programs,
+        "search": sampling if lm else {"beam_size": beam_size, "lenpen": float(config.decode.lenpen)},
+        "ids": {"pad": PAD_ID, "eos": EOS_ID},
+        "jax_version": jax.__version__, "config": json.loads(config.to_json()),
+    }
+    (directory / SIDECAR).write_text(json.dumps(sidecar, indent=2))
+    return sidecar
+
+
+def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _prompt_limit(config: Any, max_len: int) -> int:
+    limit = int(config.model.max_len) - 1 - max_len
+    if limit < 1:
+        raise UserError(f"--max_len={max_len} leaves no room for a prompt in config.model.max_len="
+                        f"{config.model.max_len} positions")
+    return limit
+
+
+def _check(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int]) -> None:
+    unknown = [p for p in platforms if p not in PLATFORMS]
+    if unknown or not platforms:
+        raise UserError(f"--platforms={','.join(platforms)}: choose from {', '.join(PLATFORMS)}")
+    for flag, values in (("--rows", rows), ("--widths", widths)):
+        if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
+            raise UserError(f"{flag}={','.join(map(str, values))}: positive integers, ascending, no repeats")
+    if config.task != "lm" and widths[-1] > config.data.eval_max_input_length:
+        raise UserError(f"--widths={','.join(map(str, widths))}: at most config.data.eval_max_input_length="
+                        f"{config.data.eval_max_input_length} (the longest source the model decodes)")
+
+
+class Served:
+    """An exported run: ``served(texts) -> texts`` or ``served(ids [B, S]) -> ids``, through the serialised
+    programs (the smallest bucket that holds the batch; a batch larger than every bucket is split)."""
+
+    def __init__(self, path: str):
+        directory = epath.Path(path)
+        if not (directory / SIDECAR).exists():
+            raise UserError(f"{path}: no {SIDECAR}; export a run there with python -m lconv.export")
+        self.sidecar = json.loads((directory / SIDECAR).read_text())
+        self.task = self.sidecar["task"]
+        self.tokenizer = tokenizer_lib.Tokenizer((directory / self.sidecar["tokenizer"]).read_bytes())
+        with np.load(io.BytesIO((directory / self.sidecar["params"]).read_bytes())) as flat:
+            self.params = traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
+        self.programs = {(p["rows"], p["width"]): (p, jax.export.deserialize(bytearray(
+            (directory / p["file"]).read_bytes()))) for p in self.sidecar["programs"]}
+
+    def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int = 0) -> list[str] | np.ndarray:
+        if isinstance(inputs, str):
+            raise UserError("pass a list of strings (or an id array [B, S])")
+        if isinstance(inputs, np.ndarray):
+            return self.run_ids([row[row != PAD_ID] for row in inputs], seed=seed)
+        encoded = self.tokenizer.encode_batch(list(inputs))
+        if self.task != "lm":
+            encoded = [np.append(ids, EOS_ID) for ids in encoded]
+        return [self.tokenizer.decode(row) for row in self.run_ids(encoded, seed=seed)]
+
+    def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int = 0) -> np.ndarray:
+        """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS."""
+        max_rows = max(r for r, _ in self.programs)
+        outputs = []
+        for start in range(0, len(sequences), max_rows):
+            chunk = list(sequences[start:start + max_rows])
+            outputs.append(self._run_bucket(chunk, seed))
+        length = max([o.shape[1] for o in outputs], default=0)
+        return np.concatenate([np.pad(o, ((0, 0), (0, length - o.shape[1]))) for o in outputs]) if outputs else \
+            np.zeros((0, 0), np.int32)
+
+    def _run_bucket(self, chunk: list[np.ndarray], seed: int) -> np.ndarray:
+        longest = max(len(x) for x in chunk)
+        fits = sorted((r, w) for r, w in self.programs if r >= len(chunk) and w >= longest)
+        if not fits:
+            widest = max(w for _, w in self.programs)
+            raise UserError(f"an input of {longest} tokens is wider than every exported bucket (at most {widest}); "
+                            f"export with larger --widths")
+        entry, exported = self.programs[fits[0]]
+        batch = np.full((entry["rows"], entry["width"]), PAD_ID, np.int32)
+        for row, x in enumerate(chunk):
+            batch[row, :len(x)] = x
+        if self.task == "lm":
+            lengths = np.asarray([len(x) for x in chunk] + [0] * (entry["rows"] - len(chunk)), np.int32)
+            tokens = exported.call(self.params, batch, lengths, np.uint32(seed))
+            out = compiled.continuations(np.asarray(tokens), lengths, self.sidecar["search"]["max_len"])
+        else:
+            out = np.asarray(exported.call(self.params, batch, np.float32(self.sidecar["search"]["lenpen"])))
+        return out[:len(chunk)]
+
+
+def load(path: str) -> Served:
+    """The run exported into ``path`` by ``python -m lconv.export``, ready to call."""
+    return Served(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lconv.export``: the flags, then ``export``."""
+    from absl import app, flags
+
+    from lconv.cli import runtime
+
+    flags.DEFINE_string("workdir", None, "A directory written by train.py.")
+    flags.DEFINE_string("out", None, "Where to write the programs, params, tokenizer and sidecar.")
+    flags.DEFINE_list("platforms", ["cpu"], f"Platforms to lower for, from {', '.join(PLATFORMS)}.")
+    flags.DEFINE_list("rows", ["1", "8"], "Batch rows of the exported buckets.")
+    flags.DEFINE_list("widths", ["32", "64"], "Input widths (tokens) of the exported buckets.")
+    flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
+    flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best.")
+    flags.DEFINE_integer("beam_size", None, "Translation: beam size (default: the stored config's).")
+    flags.DEFINE_integer("max_len", 50, "LM: new tokens per prompt.")
+    flags.DEFINE_float("temperature", 0.0, "LM: sampling temperature (0 = greedy).")
+    flags.DEFINE_integer("top_k", 0, "LM: top-k filter (0 = off).")
+    flags.DEFINE_float("top_p", 1.0, "LM: nucleus filter (1 = off).")
+    flags.mark_flags_as_required(["workdir", "out"])
+    F = flags.FLAGS
+
+    def run(argv: list[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        with runtime.user_errors():
+            rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
+            setup.check_checkpoint_choice(F.average_last, F.checkpoint)
+            if F.beam_size is not None and F.beam_size < 1:
+                raise UserError(f"--beam_size={F.beam_size}: must be >= 1")
+            _check(setup.read_config(F.workdir), F.platforms, rows, widths)
+            trained = setup.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)
+            sidecar = export(trained, F.out, platforms=F.platforms, rows=rows, widths=widths,
+                             beam_size=F.beam_size, max_len=F.max_len, temperature=F.temperature, top_k=F.top_k,
+                             top_p=F.top_p)
+            print(f"exported {len(sidecar['programs'])} programs for {','.join(sidecar['platforms'])} to {F.out}")
+
+    app.run(run, argv=argv, flags_parser=runtime.parse_flags)
+
+
+def _integers(values: Sequence[str], flag: str) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        raise UserError(f"{flag}={','.join(values)}: comma-separated integers") from None
+
+
+if __name__ == "__main__":
+    main()

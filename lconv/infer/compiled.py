@@ -1,0 +1,198 @@
+"""Decoding programs jitted once per model and reused: a call compiles only for a shape bucket it has not seen.
+
+Inputs are padded to a bucket of rows (``row_bucket``: powers of two up to the batch size) and a width
+(``width_bucket``: ``WIDTHS``), so sentences of different lengths share a program. ``Translator`` runs beam search
+(``search.translate``); ``Generator`` continues LM prompts of different lengths in one program (``generate``).
+Both take the params as an argument (not a constant folded into the program), which is also what
+``lconv.export`` serialises.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
+from lconv.errors import UserError
+from lconv.infer import search
+from lconv.nn import common as nn_common
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+
+WIDTHS = (32, 64, 128, 256, 512, 1024)  # source (or prompt) widths inputs are padded to
+
+
+def width_bucket(length: int, limit: int) -> int:
+    """The smallest of ``WIDTHS`` that holds ``length`` tokens, or ``limit`` (the padded width) when smaller."""
+    return min([w for w in WIDTHS if w >= length] + [limit])
+
+
+def row_bucket(count: int, rows: int) -> int:
+    """Rows for ``count`` examples in batches of ``rows``: the next power of two, at most ``rows``."""
+    return min(rows, 1 << max(count - 1, 0).bit_length())
+
+
+def max_output_len(config: Any, width: int) -> int:
+    """The decoded length for sources ``width`` wide: ``max_len_a * width + max_len_b``, at most the eval limit."""
+    return int(min(config.decode.max_len_a * width + config.decode.max_len_b, config.data.eval_max_target_length))
+
+
+def mesh_of(params: Any) -> jax.sharding.Mesh | None:
+    """The mesh ``params`` are laid out on, or None for plain arrays (decoded where they are)."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding):
+            return leaf.sharding.mesh
+    return None
+
+
+def row_sharding(mesh: jax.sharding.Mesh | None, rows: int) -> NamedSharding | None:
+    """Rows split over the mesh's batch axes (replicated when ``rows`` does not divide); None without a mesh."""
+    if mesh is None:
+        return None
+    axes = tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    return NamedSharding(mesh, PartitionSpec(axes) if shards > 1 and rows % shards == 0 else PartitionSpec())
+
+
+def place(array: np.ndarray, sharding: NamedSharding | None) -> Any:
+    """The same numpy array on every process -> one global array laid out by ``sharding`` (None: as it is)."""
+    if sharding is None:
+        return array
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+class Translator:
+    """Beam search over one model's params: ``translator(inputs_BS) -> best beams [B, L]`` (numpy, every row on
+    every process). One program per (rows, width, beam size); ``lenpen`` is an argument, so changing it compiles
+    nothing."""
+
+    def __init__(self, config: Any, model: nn.Module, params: Any):
+        self.config, self.params, self.mesh = config, params, mesh_of(params)
+        decode = config.decode
+
+        def translate(params, inputs_BS, lenpen, *, max_len, beam_size):
+            segmentation_BS = (inputs_BS != PAD_ID).astype(jnp.int32)  # [B, S]
+            return search.translate(model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS,
+                                    beam_size=beam_size, max_len=max_len, lenpen=lenpen,
+                                    max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
+                                    stop=decode.get("stop", "optimal"))  # [B, L]
+
+        self.function = nn_common.under_axis_rules(translate, _rules(config))  # what lconv.export lowers
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        self.jitted = jax.jit(self.function, static_argnames=("max_len", "beam_size"), out_shardings=replicated)
+
+    def __call__(self, inputs_BS: np.ndarray, *, beam_size: int | None = None,
+                 lenpen: float | None = None) -> np.ndarray:
+        """``inputs_BS``: source ids ending in EOS, PAD after, already cut to a bucket."""
+        beam_size = self.config.decode.beam_size if beam_size is None else beam_size
+        lenpen = self.config.decode.lenpen if lenpen is None else lenpen
+        inputs_BS = np.asarray(inputs_BS, np.int32)
+        with _mesh_context(self.mesh):
+            tokens_BL = self.jitted(self.params, place(inputs_BS, row_sharding(self.mesh, inputs_BS.shape[0])),
+                                    jnp.float32(lenpen), max_len=max_output_len(self.config, inputs_BS.shape[1]),
+                                    beam_size=int(beam_size))
+            return np.asarray(tokens_BL)  # [B, L]: replicated, so every process reads all of it
+
+
+def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,
+             rng: jax.Array | None, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0) -> jax.Array:
+    """Continues right-padded prompts of different lengths ``[B, P]`` (``prompt_len_B`` real tokens each) with a
+    ``DecoderOnlyLM``; returns ``[B, P + max_len]`` tokens whose first ``prompt_len_B[b]`` are row b's prompt.
+
+    ``search.sample`` feeds a prompt as one chunk, so every row's prompt must have one length. Here the prompt is
+    fed a token per step instead: while step ``i < prompt_len[b]`` the logits row b samples from are replaced by
+    a one-hot on its prompt token, which greedy and every filter then pick with certainty. So a batch of ragged
+    prompts (and one width bucket of them) is a single program, at the price of feeding prompts step by step.
+    """
+    variables = {name: v for name, v in variables.items() if name != "cache"}
+    B, P = prompt_BP.shape
+    total = P + max_len
+
+    def apply(tokens_BT, cache):
+        logits_BTV, mutated = model.apply({**variables, "cache": cache}, tokens_BT, decode=True, shift=False,
+                                          mutable=["cache"])
+        return logits_BTV, mutated["cache"]
+
+    _, cache = apply(jnp.zeros((B, 1 + total), jnp.int32), {})  # positions for BOS + prompt + continuation
+
+    def tokens_to_logits(tokens_BT, state):
+        cache, i = state
+        logits_BTV, cache = apply(tokens_BT, cache)
+        V = logits_BTV.shape[-1]
+        forced_B = jax.lax.dynamic_index_in_dim(prompt_BP, jnp.minimum(i, P - 1), axis=1, keepdims=False)  # [B]
+        one_hot_BV = jnp.where(jnp.arange(V) == forced_B[:, None], 0.0, IMPOSSIBLE_LOGP)  # [B, V]
+        forcing_B1 = (i < prompt_len_B)[:, None]  # [B, 1]
+        logits_BV = jnp.where(forcing_B1, one_hot_BV, logits_BTV[:, -1].astype(jnp.float32))  # [B, V]
+        return logits_BV[:, None], (cache, i + 1)  # [B, 1, V]
+
+    return search.sample(tokens_to_logits, (cache, jnp.int32(0)), B, total, rng, temperature=temperature,
+                         top_k=top_k, top_p=top_p)  # [B, P + max_len]
+
+
+class Generator:
+    """LM sampling over one model's params: ``generator(prompt_BP, prompt_len_B, max_len=...)`` -> continuations
+    ``[B, max_len]`` (numpy, PAD after EOS). One program per (rows, width, max_len, temperature, top_k, top_p);
+    the seed is an argument."""
+
+    def __init__(self, config: Any, model: nn.Module, params: Any):
+        self.config, self.params, self.mesh = config, params, mesh_of(params)
+
+        def run(params, prompt_BP, prompt_len_B, seed, *, max_len, temperature, top_k, top_p):
+            rng = jax.random.key(seed) if temperature else None
+            return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len, rng=rng,
+                            temperature=temperature, top_k=top_k, top_p=top_p)
+
+        self.function = nn_common.under_axis_rules(run, _rules(config))
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        self.jitted = jax.jit(self.function, static_argnames=("max_len", "temperature", "top_k", "top_p"),
+                              out_shardings=replicated)
+
+    def __call__(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+        prompt_BP, prompt_len_B = np.asarray(prompt_BP, np.int32), np.asarray(prompt_len_B, np.int32)
+        sharding = row_sharding(self.mesh, prompt_BP.shape[0])
+        with _mesh_context(self.mesh):
+            tokens_BX = self.jitted(self.params, place(prompt_BP, sharding), place(prompt_len_B, sharding),
+                                    jnp.uint32(seed), max_len=int(max_len), temperature=float(temperature),
+                                    top_k=int(top_k), top_p=float(top_p))
+            return continuations(np.asarray(tokens_BX), prompt_len_B, max_len)
+
+
+def continuations(tokens_BX: np.ndarray, prompt_len_B: np.ndarray, max_len: int) -> np.ndarray:
+    """``generate``'s output -> each row's ``max_len`` tokens after its prompt, PAD after the first EOS."""
+    out_BL = np.full((tokens_BX.shape[0], max_len), PAD_ID, np.int32)
+    for b, start in enumerate(prompt_len_B.tolist()):
+        row = tokens_BX[b, start:start + max_len]
+        ends = np.flatnonzero(row == EOS_ID)
+        row = row[:ends[0] + 1] if len(ends) else row
+        out_BL[b, :len(row)] = row
+    return out_BL
+
+
+def check_sampling(*, max_len: int, temperature: float, top_k: int, top_p: float, flags: bool = False) -> None:
+    """Sampling settings against their ranges (``flags``: name them as eval.py's flags)."""
+    name = (lambda n: f"--{n}") if flags else (lambda n: n)
+    if not (isinstance(max_len, int) and max_len >= 1):
+        raise UserError(f"{name('max_len')}={max_len}: must be an integer >= 1 (new tokens per prompt)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"{name('temperature')}={temperature}: must be a finite number >= 0 (0 = greedy)")
+    if not (isinstance(top_k, int) and top_k >= 0):
+        raise UserError(f"{name('top_k')}={top_k}: must be an integer >= 0 (0 = no top-k filter)")
+    if not (0 < top_p <= 1):
+        raise UserError(f"{name('top_p')}={top_p}: must be in (0, 1] (1 = no nucleus filter)")
+
+
+def _rules(config: Any) -> Any:
+    """``config.mesh.rules``, or lconv's default rules for a config without a mesh section."""
+    return getattr(getattr(config, "mesh", None), "rules", ())
+
+
+def _mesh_context(mesh: jax.sharding.Mesh | None) -> Any:
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()

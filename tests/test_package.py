@@ -1,0 +1,64 @@
+"""The installable package: pyproject's dependencies agree with requirements.txt, and a wheel built from the
+source holds every module (namespace packages, the configs as ``lconv.configs``, ``lconv.bench``, the entry
+points) and the bundled corpus, and declares the dependencies. (.ci/run installs that wheel into a fresh virtualenv
+and runs it from outside the checkout.)"""
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEST_TOOLS = {"pytest", "pytest-xdist", "ruff"}
+
+
+def _requirement(line: str) -> tuple[str, str]:
+    """``"etils[epath]>=1.7  # why"`` -> ``("etils", ">=1.7")``; names normalised as pip does."""
+    spec = line.split("#")[0].strip()
+    name = re.match(r"[A-Za-z0-9_.-]+", spec).group(0)
+    bounds = re.sub(r"\[[^\]]*\]", "", spec)[len(name):].replace(" ", "")
+    return re.sub(r"[-_.]+", "-", name).lower(), ",".join(sorted(bounds.split(",")))
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_pyproject_declares_requirements_txt_with_the_same_bounds():
+    pinned = dict(_requirement(line) for line in (ROOT / "requirements.txt").read_text().splitlines()
+                  if line.split("#")[0].strip())
+    project = _pyproject()["project"]
+    declared = dict(_requirement(r) for r in project["dependencies"])
+    runtime = {name: bounds for name, bounds in pinned.items() if name not in TEST_TOOLS}
+    assert declared == runtime  # the same names and bounds: CI tests what `pip install .` installs
+    assert {_requirement(r)[0] for r in project["optional-dependencies"]["test"]} == TEST_TOOLS
+    assert "flatbuffers" in declared  # jax.export's serialize() (lconv.export)
+
+
+def test_a_wheel_holds_every_module_the_configs_and_the_corpus(tmp_path):
+    source = tmp_path / "src"  # a copy, so the build's build/ folder does not land in the checkout
+    source.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("lconv", "configs"):
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"),
+                    str(source)], check=True, capture_output=True, timeout=600)
+    (wheel,) = (tmp_path / "dist").glob("lconv-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "lconv").rglob("*.py") if "__pycache__" not in p.parts}
+    configs = {f"lconv/configs/{p.name}" for p in (ROOT / "configs").glob("*.py")}
+    snapshot = {f"lconv/data/snapshot/{p.name}" for p in (ROOT / "lconv" / "data" / "snapshot").iterdir()}
+    assert modules | configs | snapshot <= names, sorted((modules | configs | snapshot) - names)
+    assert {"lconv/nn/models.py", "lconv/bench/__main__.py", "lconv/train/__main__.py", "lconv/configs/default.py",
+            "lconv/export.py", "lconv/api.py"} <= names
+    assert not any(n.startswith(("configs/", "tests/")) for n in names)  # nothing outside the lconv package
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()
+    required = {_requirement(line.split(":", 1)[1].split(";")[0])[0] for line in metadata.splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    assert required == {_requirement(r)[0] for r in _pyproject()["project"]["dependencies"]}
