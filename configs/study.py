@@ -1,0 +1,133 @@
+"""The reproduction study: every mixer on the three bundled DDTP tasks, same data, budget and seeds.
+
+    python -m lconv.study --config=configs/study.py --output_dir=runs/study              # full: ~3 h, 2-core CPU
+    python -m lconv.study --config=configs/study.py:quick --output_dir=/tmp/study_quick --docs_dir=/tmp/study_quick
+    python -m lconv.study --config=configs/study.py:gpu --output_dir=runs/study_gpu      # one accelerator
+
+Re-running a command skips finished runs and resumes interrupted ones. ``--docs_dir`` (default ``docs``) receives
+``results.md`` and ``results/`` (plots, results.json, results.csv); ``--config.seeds=0,1`` and the other fields
+below override as in train.py. How runs are matched and measured: lconv/study/plan.py and measure.py.
+
+Modes (the variant word):
+- ``full`` (default): d 192, FFN 768 (the Transformer's; the other mixers' FFN is searched to match its parameter
+  count within 5%), 4 heads, 2+2 layers (LM: 3 decoder layers), packed rows of 64 tokens, 16 rows (LM: 32 rows
+  of 64-token windows), Adam 3e-3 with a 60-step warm-up, 3 seeds, every mixer on every task. Step budgets:
+  translation 400, LM 400, summarization 300 updates (past warm-up by 5-6x; the training loss is still falling,
+  so the table compares early learning, not converged models), the last 3 checkpoints (every 40 updates)
+  averaged, beam 4 on all 1,216 En->De / 2,609 summarization test examples.
+  Estimate (not yet confirmed by a full run): a measured sample of this mode (translation, DynamicConv, 60
+  updates) on this project's 2-core AMD EPYC CPU ran at 1.5-1.8 s/update (~570 target tokens/s) while other jobs
+  held the load average at ~8; training the 4k tokenizer took 135 s (once per study). An idle machine runs the
+  README's larger default model at ~2.5k tokens/s, so this model should take ~0.25 s/update: ~100 s of training
+  per run, plus ~40-60 s decoding the test split (beam 4) and ~30 s start-up, compilation, validation and the
+  memory measurement -> ~3 minutes per translation/summarization run, ~2 per LM run: 21 + 18 + 21 runs (CoLT5
+  has no LM run) -> about 2.7 hours idle. On a machine shared as above expect several times that. Every run's
+  own time is in docs/results.md, and the report states the study's wall time.
+- ``quick``: a smoke test in a few minutes: d 32, one layer each side, vocabulary 512, 12 updates, one seed,
+  greedy decoding of test examples cut to 32 tokens. The numbers mean nothing; it exercises every step.
+- ``gpu``: the same command on one accelerator: d 512, FFN 2048, 8 heads, 6+6 layers (LM: 6) with the paper's
+  kernels (3, 7, 15, 31, 31, 31), 8k vocabulary, 64 rows of 128 tokens, 6,000 updates (LM 4,000, windows of
+  256), 3 seeds, beam 5, the last 5 checkpoints averaged. Not run in this project (no accelerator was lent to the
+  session that wrote it); expect roughly 60 runs x 10-20 minutes on an H100.
+"""
+import ml_collections
+
+from lconv.configs import common
+from lconv.errors import UserError
+
+MIXERS = ("transformer", "lightconv", "dynamic", "fixed", "hadamard", "colt5", "knn")
+TASKS = ("translation", "lm", "summarization")
+MODES = ("full", "quick", "gpu")
+
+
+def _task(family, words, overrides):
+    """One task of the study: a family config (``lconv.configs.<family>``), its variant words besides the mixer,
+    and fields that every run of the task overrides (a nested dict: section -> field -> value)."""
+    return ml_collections.ConfigDict({"family": family, "words": words, "overrides": overrides})
+
+
+def _shared(d_model, ffn_dim, heads, layers, kernels, steps, warmup, rows, length, checkpoint_every):
+    """The overrides every task shares in a mode: the model size, optimisation and the step budget."""
+    return {
+        "model": {"d_model": d_model, "ffn_dim": ffn_dim, "num_heads": heads, "encoder_layers": layers,
+                  "decoder_layers": layers, "encoder_kernel_sizes": kernels[:layers],
+                  "decoder_kernel_sizes": kernels[:layers], "dropout": 0.1, "weight_dropout": 0.0,
+                  "normalize_before": True},
+        "optim": {"optimizer": "adam", "learning_rate": 3e-3, "schedule": "inverse_sqrt", "warmup_steps": warmup,
+                  "clip_norm": 0.0},
+        "data": {"batch_size": rows, "max_input_length": length, "max_target_length": length},
+        "train": {"num_steps": steps, "checkpoint_every": checkpoint_every},
+    }
+
+
+def _merge(base, extra):
+    out = {k: dict(v) for k, v in base.items()}
+    for section, fields in extra.items():
+        out.setdefault(section, {}).update(fields)
+    return out
+
+
+def get_config(arg=None):
+    words = common.parse_args(arg, MODES)
+    if len(words) > 1:
+        raise UserError(f"choose one study mode; got {sorted(words)}")
+    mode = next(iter(words), "full")
+    c = ml_collections.ConfigDict()
+    c.mode = mode
+    c.mixers = MIXERS  # variant words of lconv.configs.common.MIXER_VARIANTS
+    c.tasks = TASKS
+    c.seeds = (0, 1, 2)  # each seed sets config.seed (init, dropout) and data.seed (shuffling) for every mixer
+    c.data_dir = "~/tensorflow_datasets"  # where the bundled DDTP tasks are prepared
+    c.param_tolerance = 0.05  # every mixer's parameter count within this fraction of the reference mixer's
+    c.reference_mixer = "transformer"  # whose parameter count (at the task's sizes) the others match
+    c.ffn_multiple = 8  # the matched FFN width is a multiple of this
+    c.average_last = 3  # the test split is scored with the mean of the last checkpoints (the paper's practice)
+    c.run_timeout_minutes = 30.0  # a run that takes longer is stopped and reported as failed
+    c.prune_checkpoints = True  # delete a finished run's checkpoints (its result, logs and outputs stay)
+    c.lm_generate_rows, c.lm_generate_tokens = 16, 64  # LM decoding speed: greedy generation of this shape
+    # Per-mixer overrides (variant word -> section -> field -> value), applied after the task's; e.g.
+    # {"knn": {"model": {"mixer_kwargs": {"knn_memory": {"memory_size": 1024, "num_neighbors": 32}}}}}.
+    c.mixer_overrides = {}
+
+    if mode == "full":
+        shared = _shared(192, 768, 4, 2, (3, 7, 15), steps=400, warmup=60, rows=16, length=64, checkpoint_every=40)
+        c.translation = _task("default", "", _merge(shared, {"decode": {"beam_size": 4}, "train": {"log_every": 20}}))
+        c.lm = _task("lm1b", "ddtp,stream", _merge(shared, {
+            "model": {"encoder_layers": 0, "decoder_layers": 3, "decoder_kernel_sizes": (3, 7, 15), "max_len": 64},
+            "data": {"batch_size": 32},
+            "train": {"log_every": 20}}))
+        c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, {
+            "data": {"max_input_length": 128, "max_target_length": 32, "pack": True, "eval_max_input_length": 256},
+            "model": {"max_len": 256},  # cnn_dailymail's 1024 would give Fixed/Hadamard 16x larger tables
+            "train": {"num_steps": 300, "checkpoint_every": 30, "log_every": 15}}))
+    elif mode == "quick":
+        c.seeds = (0,)
+        c.average_last = 2
+        c.run_timeout_minutes = 10.0
+        c.lm_generate_rows, c.lm_generate_tokens = 4, 8
+        shared = _shared(32, 64, 2, 1, (3,), steps=12, warmup=2, rows=8, length=16, checkpoint_every=4)
+        tiny = {"data": {"vocab_size": 512, "tokenizer_max_sentences": 2_000, "eval_batch_size": 64,
+                         "eval_max_input_length": 32, "eval_max_target_length": 32, "read_threads": 1},
+                "model": {"max_len": 32}, "decode": {"beam_size": 1, "num_print": 0},
+                "train": {"log_every": 2, "spike_factor": 0.0}}
+        c.translation = _task("default", "", _merge(shared, tiny))
+        c.lm = _task("lm1b", "ddtp,stream", _merge(_merge(shared, tiny), {
+            "data": {"max_target_length": 16}, "model": {"encoder_layers": 0, "max_len": 16}}))
+        c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, tiny))
+    else:  # gpu
+        c.average_last = 5
+        c.run_timeout_minutes = 120.0
+        c.lm_generate_rows, c.lm_generate_tokens = 64, 256
+        kernels = (3, 7, 15, 31, 31, 31)
+        shared = _shared(512, 2048, 8, 6, kernels, steps=6000, warmup=1000, rows=64, length=128,
+                         checkpoint_every=500)
+        shared = _merge(shared, {"optim": {"learning_rate": 1e-3}, "data": {"vocab_size": 8000},
+                                 "train": {"log_every": 100}})
+        c.translation = _task("default", "", _merge(shared, {"decode": {"beam_size": 5}}))
+        c.lm = _task("lm1b", "ddtp,stream", _merge(shared, {
+            "data": {"max_target_length": 256}, "model": {"encoder_layers": 0, "max_len": 256},
+            "train": {"num_steps": 4000}}))
+        c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, {
+            "data": {"max_input_length": 256, "max_target_length": 32, "pack": True, "eval_max_input_length": 256},
+            "model": {"max_len": 256}}))
+    return c

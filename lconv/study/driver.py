@@ -1,0 +1,110 @@
+"""The study from start to end: tokenizers, the plan, every run (skipping finished ones), then the report.
+
+Layout of ``--output_dir``::
+
+    tokenizers/<task>-<vocab>/spm.model     one SentencePiece model per task, copied into each of its runs
+    runs/<task>/<mixer>/seed<k>/            a train.py workdir + study_spec.json, study.log and the outcome
+                                            (study_result.json or study_failure.json; lconv.study.run)
+    records.json                            every run's record so far (rewritten after each run)
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+from lconv.study import plan, report
+from lconv.study import run as run_lib
+
+
+def run_dir(output_dir: str, key: plan.RunKey) -> str:
+    return os.path.join(output_dir, "runs", key.task, key.mixer, f"seed{key.seed}")
+
+
+def prepare_tokenizers(study: ml_collections.ConfigDict, output_dir: str,
+                       log: Callable[[str], None] = print) -> dict[str, tuple[str, int]]:
+    """``{task: (spm.model path, vocab size)}``: one tokenizer per task, trained once on its training split (the
+    reference mixer's data fields), so every mixer and seed reads the same token ids."""
+    from lconv.data import pipeline
+
+    tokenizers = {}
+    for task in study.tasks:
+        config = plan.training_config(study, plan.RunKey(task, study.reference_mixer, 0))
+        directory = os.path.join(output_dir, "tokenizers", f"{task}-{config.data.vocab_size}")
+        os.makedirs(directory, exist_ok=True)
+        start = time.time()
+        tokenizer = pipeline.load_or_train_tokenizer(config.data, directory)
+        log(f"tokenizer {task}: {tokenizer.vocab_size} pieces ({time.time() - start:.0f} s)")
+        tokenizers[task] = (os.path.join(directory, "spm.model"), tokenizer.vocab_size)
+    return tokenizers
+
+
+def base_record(planned: plan.Planned, output_dir: str) -> dict[str, Any]:
+    """What the plan knows of a run: its key, matched size and what the mixer means in the task."""
+    key, config = planned.key, planned.config
+    return {"task": key.task, "mixer": key.mixer, "label": plan.LABELS[key.mixer], "seed": key.seed,
+            "params": planned.params, "reference_params": planned.reference_params, "note": planned.note,
+            "ffn_dim": config.model.ffn_dim if config is not None else None,
+            "d_model": config.model.d_model if config is not None else None,
+            "workdir": os.path.relpath(run_dir(output_dir, key), output_dir)}
+
+
+def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir: str,
+            tokenizers: dict[str, tuple[str, int]], *, launch: bool,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
+    """A run's record: n/a or a planning error as they are; else launched (``launch``) or read from its
+    workdir (``status`` "not run" when it has neither a result nor a failure)."""
+    record = base_record(planned, output_dir)
+    if planned.not_applicable:
+        return {**record, "status": "n/a", "error": planned.not_applicable}
+    if planned.error:
+        return {**record, "status": "failed", "error": planned.error, "stage": "plan"}
+    workdir = run_dir(output_dir, planned.key)
+    if not launch:
+        found = run_lib.read_json(os.path.join(workdir, run_lib.RESULT))
+        failed = run_lib.read_json(os.path.join(workdir, run_lib.FAILURE))
+        return found or ({**record, **failed, "status": "failed"} if failed else {**record, "status": "not run"})
+    spec = {"config": planned.config.to_dict(), "workdir": workdir, "record": record,
+            "average_last": study.average_last, "prune_checkpoints": study.prune_checkpoints,
+            "lm_generate_rows": study.lm_generate_rows, "lm_generate_tokens": study.lm_generate_tokens}
+    return run_lib.launch(spec, workdir, tokenizers[planned.key.task][0], study.run_timeout_minutes, log)
+
+
+def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
+              command: str = "", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Runs (or, with ``report_only``, only collects) every planned run, then writes the report into
+    ``docs_dir``. Returns the records, one per (task, mixer, seed)."""
+    study = plan.normalize(study)
+    plan.check_study(study)
+    start = time.time()
+    output_dir = os.path.abspath(os.path.expanduser(output_dir))
+    os.makedirs(output_dir, exist_ok=True)
+    tokenizers = prepare_tokenizers(study, output_dir, log)
+    log("planning: matching parameter counts")
+    planned = plan.plan(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
+    records = []
+    for i, item in enumerate(planned, start=1):
+        record = outcome(item, study, output_dir, tokenizers, launch=not report_only, log=log)
+        records.append(record)
+        log(f"[{i}/{len(planned)}] {item.key.name}: {describe(record)}")
+        run_lib.write_json(os.path.join(output_dir, "records.json"), records)
+    meta = {"command": command, "output_dir": output_dir, "invocation_seconds": time.time() - start,
+            "report_only": report_only}
+    report.write_report(study, records, docs_dir, meta, output_dir, log=log)
+    return records
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One progress line: the outcome and the headline number."""
+    status = record.get("status")
+    if status != "ok":
+        return f"{status}: {record.get('error', '')}"
+    skipped = " (finished before, skipped)" if record.get("skipped") else ""
+    score = {"translation": lambda r: f"BLEU {r['bleu']:.2f}",
+             "lm": lambda r: f"ppl {r['ppl']:.2f}/token, {r['ppl_word']:.2f}/word",
+             "summarization": lambda r: f"ROUGE-1/2/L {r['rouge1']:.2f}/{r['rouge2']:.2f}/{r['rougeL']:.2f}"}
+    return (f"{score[record['task']](record)}, {record.get('train_tokens_per_s', 0):.0f} train tokens/s, "
+            f"{record.get('wall_seconds', 0):.0f} s{skipped}")

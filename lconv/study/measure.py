@@ -1,0 +1,124 @@
+"""What a study run measures besides its score, in the run's own process (so on the same machine, same load):
+
+- training tokens/s: the median of the training log windows' ``tokens_per_s`` (``metrics.jsonl``: target tokens,
+  padding excluded, over each window's wall time), the first window of the run left out (it holds compilation);
+- the training step's memory: XLA's ``memory_analysis()`` of the run's own compiled train step (arguments +
+  outputs + temporaries − donated aliases: the bytes the step needs, state and batch included), via
+  ``lconv.bench.timing.program_memory``; and the process's peak resident memory (``ru_maxrss``), which also holds
+  the runtime, data and compilations;
+- LM decoding speed: greedy generation (``lconv.infer.search.lm_generate``) of a fixed shape from BOS, timed after
+  a first, compiling call;
+- per-word perplexity: the summed token NLL over the split's words (whitespace-separated, plus one end of
+  document per document, the token the LM also predicts), so tokenisers of any granularity compare.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from lconv.bench import timing
+from lconv.constants import PAD_ID
+from lconv.data import sources
+from lconv.infer import search
+from lconv.train import setup, steps
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """``metrics.jsonl``'s rows; a step logged twice (a resumed run repeats the steps after its checkpoint) keeps
+    its last row."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows[(row["split"], row["step"])] = row
+    return sorted(rows.values(), key=lambda r: (r["split"], r["step"]))
+
+
+def training_speed(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median training tokens/s over the log windows after the first, and the total target tokens trained on."""
+    train = [r for r in rows if r["split"] == "train"]
+    if not train:
+        return {}
+    speeds = [r["tokens_per_s"] for r in train[1:]] or [train[0]["tokens_per_s"]]
+    return {"train_tokens_per_s": statistics.median(speeds), "train_tokens": sum(r["tokens"] for r in train),
+            "train_windows": len(speeds)}
+
+
+def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
+    """The compiled train step's bytes (``memory_analysis``), compiled for the run's shapes and shardings."""
+    mesh = setup.make_mesh(config.mesh)
+    model = setup.build_model(config, vocab_size)
+    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    state, shardings = setup.create_state(config, model, mesh, tx)
+    batch = setup.dummy_batch(config, config.data.batch_size)
+    if config.data.get("stream", False):
+        batch["document_start"] = np.zeros((config.data.batch_size,), np.int32)
+    sharding = setup.batch_sharding(mesh)
+    step = jax.jit(steps.make_train_step(config, lr), in_shardings=(shardings, sharding),
+                   out_shardings=(shardings, None), donate_argnums=0)
+    with jax.set_mesh(mesh):
+        compiled = step.lower(state, steps.global_batch(batch, sharding)).compile()
+    memory, source = timing.program_memory(compiled)
+    return {"train_step_bytes": memory, "train_step_memory_source": source}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def lm_generation_speed(trained: setup.Trained, rows: int, length: int) -> dict[str, float]:
+    """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens (up to each row's EOS) per
+    second of the second call (the first compiles)."""
+    model, params = trained.model, trained.params
+
+    @jax.jit
+    def generate(params):
+        return search.lm_generate(model, {"params": params}, batch_size=rows, max_len=length)
+
+    start = time.perf_counter()
+    jax.block_until_ready(generate(params))
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = np.asarray(jax.block_until_ready(generate(params)))  # [rows, length]
+    seconds = time.perf_counter() - start
+    generated = int((tokens != PAD_ID).sum())
+    return {"decode_tokens_per_s": generated / seconds, "decode_sentences_per_s": rows / seconds,
+            "decode_seconds": seconds, "decode_compile_seconds": compile_s, "decode_tokens": generated}
+
+
+def word_count(config: Any, split: str) -> int:
+    """Words in an LM split: whitespace-separated words plus one end of document per non-empty document."""
+    source, _, key = sources.get_source(config.data.dataset, split, config.data.data_dir, config.data.raw_dir)
+    total = 0
+    for i in range(len(source)):
+        value = source[i][key]
+        words = len((value.decode() if isinstance(value, bytes) else str(value)).split())
+        total += words + 1 if words else 0
+    return total
+
+
+def per_word_perplexity(scores: dict[str, Any], words: int) -> float:
+    """``exp(summed token NLL / words)``: the same total log-likelihood, spread over words instead of pieces."""
+    total_nll = scores["nll"] * scores["tokens"]
+    return float(np.exp(min(total_nll / max(words, 1), 50.0)))
+
+
+def hypothesis_tokens(workdir: str, split: str, tokenizer: Any) -> int:
+    """Tokens (with EOS) of the decoded hypotheses in ``<workdir>/<split>.hyp.txt``."""
+    with open(os.path.join(workdir, f"{split}.hyp.txt"), encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f]
+    return sum(len(ids) + 1 for ids in tokenizer.encode_batch(lines)) if lines else 0

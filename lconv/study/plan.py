@@ -1,0 +1,249 @@
+"""The study's runs: one training config per (task, mixer, seed), with parameter counts matched across mixers.
+
+A task's config is its family config (``lconv.configs.<family>``) with the mixer's variant word applied the way
+the configs apply it (``lconv.configs.common.set_mixer``: a mixer that fits one side gets attention on the other),
+then the study mode's overrides for the task, then the per-mixer overrides. What each mixer means per task:
+
+- CoLT5 (encoder-only: its routing ranks future tokens): CoLT5 attention in the encoder, attention in the
+  decoder for translation and summarization (the ``colt5`` variant of the configs); no LM run, since a
+  decoder-only LM has no encoder layer to put it in (``not_applicable`` gives the reason).
+- kNN memory (decoder-only): the Memorizing Transformer layout of ``configs/lm1b.py:knn``, one kNN-memory layer
+  second to last in the decoder, attention elsewhere. In the LM it reads document streams (its memory holds the
+  document's past windows). Translation and summarization have no document streams (``data.stream`` is for
+  LMs), so there every example starts with an empty memory and the layer is its gated local attention.
+- The LM runs of every mixer read the same document streams (``lm1b.py``'s ``stream`` word): the same windows,
+  so the same test tokens are scored; only the kNN model carries state between windows.
+
+Parameters are matched to the reference mixer (the Transformer) by the FFN width alone: a model's count is
+affine in ``model.ffn_dim`` (every layer's FFN has ``(2 d + 1) ffn + d`` weights), so two counts of the model's
+own ``init`` (``jax.eval_shape``, no arrays) give the slope, the width that hits the reference is rounded to
+``ffn_multiple`` and counted once more to check the tolerance.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+
+from lconv.configs import common
+from lconv.errors import UserError
+from lconv.nn import mixers
+from lconv.train import setup
+
+Config = ml_collections.ConfigDict
+
+TASKS = ("translation", "lm", "summarization")
+LABELS = {"transformer": "Transformer", "lightconv": "LightConv", "dynamic": "DynamicConv", "dynamicconv":
+          "DynamicConv", "fixed": "Fixed (Synthesizer-R)", "hadamard": "Hadamard", "colt5": "CoLT5",
+          "knn": "kNN memory"}
+KNN_FIELDS = {"memory_size": 512, "num_neighbors": 32}  # configs/lm1b.py's ddtp values
+
+
+@dataclasses.dataclass(frozen=True)
+class RunKey:
+    task: str
+    mixer: str  # a variant word of lconv.configs.common.MIXER_VARIANTS
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.mixer}/seed{self.seed}"
+
+
+@dataclasses.dataclass
+class Planned:
+    """One run of the study: its training config, or why it has none (the mixer does not fit the task, or the
+    config could not be built / matched: ``error``)."""
+
+    key: RunKey
+    config: Config | None = None
+    params: int | None = None
+    reference_params: int | None = None
+    note: str = ""  # what the mixer means in this task, shown in the report
+    not_applicable: str | None = None
+    error: str | None = None
+
+
+def normalize(study: Config) -> Config:
+    """An unlocked copy with ``mixers``, ``tasks`` and ``seeds`` as tuples, whether the config file or the command
+    line gave them (``--config.mixers=transformer,dynamic`` arrives as one comma-separated string)."""
+    def split(values: Any) -> list[str]:
+        values = [values] if isinstance(values, (str, int)) else list(values)
+        return [w.strip() for v in values for w in str(v).split(",") if w.strip()]
+
+    c = ml_collections.ConfigDict(study.to_dict())
+    c.mixers, c.tasks = tuple(split(study.mixers)), tuple(split(study.tasks))
+    try:
+        c.seeds = tuple(int(s) for s in split(study.seeds))
+    except ValueError:
+        raise UserError(f"config.seeds={study.seeds!r}: must be integers, e.g. --config.seeds=0,1,2") from None
+    return c
+
+
+def check_study(study: Config) -> None:
+    """The study config's own fields, one line each, before anything is built."""
+    unknown = sorted(set(study.mixers) - set(common.MIXER_VARIANTS))
+    if unknown or not study.mixers:
+        raise UserError(f"config.mixers: unknown or empty {unknown or list(study.mixers)}; choose from "
+                        f"{sorted(common.MIXER_VARIANTS)}")
+    bad_tasks = sorted(set(study.tasks) - set(TASKS))
+    if bad_tasks or not study.tasks:
+        raise UserError(f"config.tasks: unknown or empty {bad_tasks or list(study.tasks)}; choose from {list(TASKS)}")
+    seeds = list(study.seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise UserError(f"config.seeds={seeds}: must be distinct integers >= 0, at least one")
+    if study.reference_mixer not in common.MIXER_VARIANTS:
+        raise UserError(f"config.reference_mixer={study.reference_mixer!r}: must be one of "
+                        f"{sorted(common.MIXER_VARIANTS)}")
+    checks = (("param_tolerance", 0 < study.param_tolerance < 1, "a fraction in (0, 1)"),
+              ("ffn_multiple", isinstance(study.ffn_multiple, int) and study.ffn_multiple >= 1, "an integer >= 1"),
+              ("average_last", isinstance(study.average_last, int) and study.average_last >= 1, "an integer >= 1"),
+              ("run_timeout_minutes", study.run_timeout_minutes > 0, "a number > 0"),
+              ("lm_generate_rows", study.lm_generate_rows >= 1, "an integer >= 1"),
+              ("lm_generate_tokens", study.lm_generate_tokens >= 1, "an integer >= 1"))
+    for name, ok, requirement in checks:
+        if not ok:
+            raise UserError(f"config.{name}={study[name]!r}: must be {requirement}")
+    for task in study.tasks:
+        if task not in study or "family" not in study[task]:
+            raise UserError(f"config.{task} is missing: a task needs family, words and overrides")
+
+
+def fit(task: str, mixer: str) -> tuple[str | None, str]:
+    """``(reason the mixer cannot run this task or None, what the mixer means in this task)``."""
+    name = common.MIXER_VARIANTS[mixer]
+    sides = mixers.sides(name)
+    if mixer == "knn":
+        if task == "lm":
+            return None, "Memorizing Transformer: kNN layer second to last, reads the document's past windows"
+        return None, ("kNN layer second to last in the decoder; no document streams here, so its memory is "
+                      "empty and it acts as gated local attention")
+    if task == "lm" and "decoder" not in sides:
+        return (f"{LABELS[mixer]} is {sides[0]}-only (its routing ranks future tokens); a decoder-only LM has no "
+                f"encoder layer for it"), ""
+    if "decoder" not in sides:
+        return None, f"{LABELS[mixer]} in the encoder, attention in the decoder (it is encoder-only)"
+    return None, ""
+
+
+def training_config(study: Config, key: RunKey) -> Config:
+    """The full training config of one run (mixer applied, overrides, seed, the study's training fields)."""
+    spec = study[key.task]
+    module = importlib.import_module(f"lconv.configs.{spec.family}")
+    words = [w for w in spec.words.split(",") if w.strip()]
+    if key.task == "lm":  # lm1b.py applies the mixer word itself (its knn layout included)
+        c = module.get_config(",".join([key.mixer] + words))
+    else:
+        c = common.set_mixer(module.get_config(",".join(words) or None), {key.mixer})
+    c.update(_plain(spec.overrides))
+    if key.mixer == "knn":  # after the overrides: the layout depends on the number of decoder layers
+        _memorizing_decoder(c)
+    c.update(_plain(dict(study.mixer_overrides).get(key.mixer, {})))
+    c.seed = c.data.seed = key.seed
+    c.data.data_dir = study.data_dir
+    c.train.max_minutes = 0.0  # the same step budget for every mixer, whatever its speed
+    c.train.eval_after_training = False  # the study scores the averaged checkpoints itself
+    c.train.keep_checkpoints = max(study.average_last, 1)
+    c.train.eval_every = c.train.num_steps  # one validation pass, at the end
+    return c
+
+
+def _memorizing_decoder(c: Config) -> None:
+    """configs/lm1b.py's knn layout for a decoder: one kNN-memory layer second to last, attention elsewhere."""
+    layers = ["attention"] * c.model.decoder_layers
+    layers[-2 if len(layers) > 1 else -1] = "knn_memory"
+    c.model.encoder_mixer = "attention"
+    c.model.decoder_mixer = ",".join(layers)
+    c.model.mixer_kwargs = {"knn_memory": dict(KNN_FIELDS)}
+
+
+def _plain(value: Any) -> Any:
+    """A ConfigDict / mapping as nested plain dicts (``ConfigDict.update`` merges them field by field)."""
+    if isinstance(value, Mapping) or hasattr(value, "to_dict"):
+        items = value.to_dict().items() if hasattr(value, "to_dict") else value.items()
+        return {k: _plain(v) for k, v in items}
+    return copy.deepcopy(value)
+
+
+def count_params(config: Config, vocab_size: int) -> int:
+    """The model's parameter count from its own ``init``, traced abstractly (nothing is allocated)."""
+    model = setup.build_model(config, vocab_size)
+    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
+    return setup.count_params(shapes)
+
+
+def match_ffn(config: Config, reference: int, tolerance: float, multiple: int,
+              count: Callable[[Config], int]) -> int:
+    """Sets ``config.model.ffn_dim`` so the model's count is within ``tolerance`` of ``reference``; returns it.
+
+    The count is affine in the FFN width, so one probe gives the slope; the solution is rounded to ``multiple``
+    and counted again (the check is on the model's own count, not on the formula)."""
+    f0 = int(config.model.ffn_dim)
+    p0 = count(config)
+    if p0 == reference:
+        return p0
+    config.model.ffn_dim = f0 + 16 * multiple
+    slope = (count(config) - p0) / (16 * multiple)
+    width = max(multiple, multiple * round((f0 + (reference - p0) / slope) / multiple))
+    config.model.ffn_dim = width
+    params = count(config)
+    if abs(p0 - reference) <= abs(params - reference):  # rounding made it no better: keep the config's width
+        config.model.ffn_dim, width, params = f0, f0, p0
+    if abs(params / reference - 1) > tolerance:
+        raise UserError(f"cannot match the parameter count: FFN width {width} gives {params:,} parameters, "
+                        f"{params / reference - 1:+.1%} from the reference's {reference:,} (tolerance "
+                        f"{tolerance:.0%}); change the task's model sizes")
+    return params
+
+
+def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
+    """Every (task, mixer, seed) run, tasks outermost and seeds innermost. A config that cannot be built or
+    matched is an ``error`` of its runs (reported as failed), not of the study."""
+    runs = []
+    for task in study.tasks:
+        vocab = vocab_sizes[task]
+        reference = _reference_count(study, task, vocab)
+        for mixer in study.mixers:
+            reason, note = fit(task, mixer)
+            matched, error, params = None, None, None
+            if reason is None:
+                try:
+                    matched = training_config(study, RunKey(task, mixer, 0))
+                    params = match_ffn(matched, reference, study.param_tolerance, study.ffn_multiple,
+                                       lambda c, vocab=vocab: count_params(c, vocab))
+                except (UserError, ValueError, TypeError) as err:
+                    error = _one_line(err)
+            for seed in study.seeds:
+                key = RunKey(task, mixer, seed)
+                config = None
+                if matched is not None:
+                    config = training_config(study, key)
+                    config.model.ffn_dim = matched.model.ffn_dim
+                runs.append(Planned(key, config, params, reference, note, reason, error))
+    return runs
+
+
+def _reference_count(study: Config, task: str, vocab: int) -> int:
+    try:
+        return count_params(training_config(study, RunKey(task, study.reference_mixer, 0)), vocab)
+    except (UserError, ValueError, TypeError) as err:
+        raise UserError(f"the reference mixer {study.reference_mixer!r} cannot be built for {task}: "
+                        f"{_one_line(err)}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}" if not isinstance(err, UserError) else text[0]
+
+
+def spread(values: Sequence[float]) -> float:
+    """The largest relative distance of ``values`` from their mean (the matched counts' spread)."""
+    mean = sum(values) / len(values)
+    return max(abs(v / mean - 1) for v in values) if values and mean else math.nan

@@ -1,0 +1,93 @@
+"""The study's figures (matplotlib, Agg): quality vs training speed (marker area ∝ parameters) per task, and
+training curves from each run's ``metrics.jsonl``."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lconv.study import measure, plan
+
+Record = dict[str, Any]
+
+
+def write_plots(records: Sequence[Record], rows: Sequence[Record], output_dir: str, results_dir: str,
+                metrics: Mapping[str, Sequence[tuple[str, str, bool]]]) -> list[str]:
+    """Writes ``quality_vs_speed.png`` and ``training_curves.png`` into ``results_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    if not tasks:
+        return []
+    return [quality_vs_speed(rows, tasks, metrics, os.path.join(results_dir, "quality_vs_speed.png")),
+            training_curves(records, tasks, output_dir, os.path.join(results_dir, "training_curves.png"))]
+
+
+def _colors(mixers: Sequence[str]) -> dict[str, Any]:
+    import matplotlib.pyplot as plt
+
+    cycle = plt.get_cmap("tab10")
+    return {m: cycle(i % 10) for i, m in enumerate(mixers)}
+
+
+def quality_vs_speed(rows: Sequence[Record], tasks: Sequence[str],
+                     metrics: Mapping[str, Sequence[tuple[str, str, bool]]], path: str) -> str:
+    """Per task: headline metric (mean ± sd over seeds) against training tokens/s; marker area ∝ parameters."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
+    colors = _colors(list(plan.LABELS))
+    for ax, task in zip(axes[0], tasks):
+        key, title, higher = metrics[task][0]
+        done = [r for r in rows if r["task"] == task and r["ok"]]
+        largest = max([r["params"] for r in done if r["params"]] + [1])
+        for r in done:
+            sd = r.get(f"{key}_sd")
+            ax.errorbar(r["train_tokens_per_s"], r[key], yerr=sd if sd is not None and math.isfinite(sd) else None,
+                        fmt="o", color=colors[r["mixer"]], markersize=4 + 10 * (r["params"] or 0) / largest,
+                        capsize=3, label=f"{r['label']} ({(r['params'] or 0) / 1e6:.2f}M)")
+        ax.set_xlabel("training target tokens/s")
+        ax.set_ylabel(f"{title} ({'higher' if higher else 'lower'} is better)")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+        if done:
+            ax.legend(fontsize=7)
+    fig.suptitle("quality vs training speed (marker area ∝ parameters; bars: ± sd over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def training_curves(records: Sequence[Record], tasks: Sequence[str], output_dir: str, path: str) -> str:
+    """Per task: training loss against updates, one line per run (colour = mixer)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
+    colors = _colors(list(plan.LABELS))
+    for ax, task in zip(axes[0], tasks):
+        labelled = set()
+        for r in records:
+            if r["task"] != task or r["status"] != "ok":
+                continue
+            train = [row for row in measure.read_metrics(os.path.join(output_dir, r["workdir"]))
+                     if row["split"] == "train"]
+            if not train:
+                continue
+            label = None if r["mixer"] in labelled else r["label"]
+            labelled.add(r["mixer"])
+            ax.plot([row["step"] for row in train], [row["loss"] for row in train], color=colors[r["mixer"]],
+                    alpha=0.8, linewidth=1, label=label)
+        ax.set_xlabel("update")
+        ax.set_ylabel("training loss (label-smoothed, per token)")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+        if labelled:
+            ax.legend(fontsize=7)
+    fig.suptitle("training curves (one line per seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

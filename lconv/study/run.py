@@ -1,0 +1,209 @@
+"""One study run, in a process of its own: train (resuming), score the averaged last checkpoints, measure.
+
+The study process writes ``<workdir>/study_spec.json`` and runs ``python -m lconv.study.run <spec>``; that
+process's output goes to ``<workdir>/study.log``. A separate process per run keeps one run's failure (or crash, or
+memory) from the others, and gives each run its own peak-memory figure. The run's outcome is a file:
+
+- ``study_result.json``: finished; a later study skips the run;
+- ``study_failure.json``: ``{"error": one line, "stage": ...}``; a later study tries the run again, resuming from
+  its checkpoints (``lconv.train.loop``'s own resume), so an interrupted or timed-out run loses little.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from lconv.errors import UserError
+
+RESULT, FAILURE, SPEC, LOG = "study_result.json", "study_failure.json", "study_spec.json", "study.log"
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: str, value: Any) -> None:
+    """Written whole or not at all (a temporary file renamed), so a killed run never leaves half a result."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The study's side: launch a run's process, wait, read its outcome
+# ----------------------------------------------------------------------------------------------------------------
+def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minutes: float,
+           log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs one planned run unless its result exists; returns its record (``status`` ok / failed)."""
+    done = read_json(os.path.join(workdir, RESULT))
+    if done is not None:
+        return {**done, "skipped": True}
+    os.makedirs(workdir, exist_ok=True)
+    if not os.path.exists(os.path.join(workdir, "spm.model")):  # every run of a task shares one tokenizer
+        shutil.copy(tokenizer_file, os.path.join(workdir, "spm.model"))
+    write_json(os.path.join(workdir, SPEC), spec)
+    failure_path = os.path.join(workdir, FAILURE)
+    if os.path.exists(failure_path):
+        os.remove(failure_path)
+    start = time.time()
+    code, timed_out = _run_process(workdir, timeout_minutes)
+    result = read_json(os.path.join(workdir, RESULT))
+    if result is not None:
+        return result
+    failure = read_json(failure_path) or {"error": _last_line(os.path.join(workdir, LOG)) or f"exit code {code}",
+                                          "stage": "unknown"}
+    if timed_out:
+        failure = {"error": f"timed out after {timeout_minutes:g} minutes (config.run_timeout_minutes); stopped "
+                            "with a checkpoint, a re-run resumes it", "stage": failure.get("stage", "unknown")}
+    failure.update(status="failed", wall_seconds=time.time() - start, exit_code=code)
+    write_json(failure_path, failure)
+    return {**spec["record"], **failure}
+
+
+def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
+    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the training
+    loop checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    with open(os.path.join(workdir, LOG), "a") as out:
+        out.write(f"\n=== study run started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+        out.flush()
+        process = subprocess.Popen([sys.executable, "-m", "lconv.study.run", os.path.join(workdir, SPEC)],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            return process.wait(timeout=timeout_minutes * 60), False
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)
+            try:
+                return process.wait(timeout=60), True
+            except subprocess.TimeoutExpired:
+                process.kill()
+                return process.wait(), True
+        except KeyboardInterrupt:  # the run got the Ctrl-C too: let it checkpoint, then stop the study
+            process.wait()
+            raise
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run's side (this module as a program)
+# ----------------------------------------------------------------------------------------------------------------
+def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains the run (resuming), scores the test split on the mean of the last checkpoints, measures; returns
+    the record written to ``study_result.json``. Raises on failure; ``stage`` in the spec dict says where."""
+    import ml_collections
+
+    from lconv.cli import evaluate as cli_evaluate
+    from lconv.data import tokenizer as tokenizer_lib
+    from lconv.study import measure
+    from lconv.train import loop, setup
+
+    config, workdir = ml_collections.ConfigDict(spec["config"]), spec["workdir"]
+    record, times = dict(spec["record"]), {}
+    spec["stage"], start = "train", time.time()
+    trained = loop.train_and_evaluate(config, workdir, log=log)
+    if trained.get("stopped_by"):
+        raise UserError(f"training stopped by {trained['stopped_by']} at step {trained['step']}; a re-run resumes it")
+    times["train_seconds"] = time.time() - start
+    spec["stage"], start = "evaluate", time.time()
+    split = config.decode.split
+    scores = cli_evaluate.run(workdir, split=split, average_last=spec["average_last"], log=log)
+    times["evaluate_seconds"] = time.time() - start
+    tokenizer = tokenizer_lib.load_tokenizer(workdir)
+    spec["stage"], start = "measure", time.time()
+    if config.task == "lm":
+        words = measure.word_count(config, split)
+        quality = {"ppl": scores["ppl"], "ppl_word": measure.per_word_perplexity(scores, words),
+                   "nll": scores["nll"], "test_tokens": scores["tokens"], "test_words": words}
+        restored = setup.load_trained(workdir, average_last=spec["average_last"])
+        decode = measure.lm_generation_speed(restored, spec["lm_generate_rows"], spec["lm_generate_tokens"])
+        decode["decode_kind"] = (f"greedy LM generation, {spec['lm_generate_rows']} rows x "
+                                 f"{spec['lm_generate_tokens']} tokens, compiled first")
+    else:
+        keys = ("bleu", "bleu_signature") if config.task == "translation" else ("rouge1", "rouge2", "rougeL")
+        quality = {k: scores[k] for k in keys}
+        quality["test_examples"] = scores["examples"]
+        hyp_tokens = measure.hypothesis_tokens(workdir, split, tokenizer)
+        decode = {"decode_sentences_per_s": scores["sentences_per_s"], "decode_seconds": scores["decode_seconds"],
+                  "decode_tokens_per_s": hyp_tokens / max(scores["decode_seconds"], 1e-9),
+                  "decode_tokens": hyp_tokens,
+                  "decode_kind": f"beam {config.decode.beam_size} over the {split} split, compilation included"}
+    memory = measure.train_step_memory(config, tokenizer.vocab_size)
+    times["measure_seconds"] = time.time() - start
+    rows = measure.read_metrics(workdir)
+    steps_saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    record.update(status="ok", step=trained["step"], averaged_steps=steps_saved[-spec["average_last"]:],
+                  validation=trained.get("validation", {}), **quality, **decode, **memory,
+                  **measure.training_speed(rows), **times, peak_rss_bytes=measure.peak_rss_bytes())
+    return record
+
+
+def _cache_compilations(directory: str) -> None:
+    """JAX's persistent compilation cache, private to the run: the train step that ``measure.train_step_memory``
+    compiles again for its ``memory_analysis`` is the one training compiled, so it is read back instead of
+    compiled twice. Private, so no run's timings (decoding includes compilation) profit from another run."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m lconv.study.run <spec.json>``: exit 0 with ``study_result.json``, else 1 with
+    ``study_failure.json`` (the one-line error; the traceback, for a bug, is in the log)."""
+    spec = read_json(argv[1])
+    if spec is None:
+        print(f"error: cannot read the run spec {argv[1]}", file=sys.stderr)
+        return 2
+    workdir, start = spec["workdir"], time.time()
+    _cache_compilations(os.path.join(workdir, "xla_cache"))
+    try:
+        record = execute(spec, log=lambda line: print(line, flush=True))
+    except (UserError, Exception) as err:  # noqa: BLE001 (every failure is recorded; the study goes on)
+        if not isinstance(err, UserError):
+            traceback.print_exc()
+        lines = str(err).strip().splitlines() or [""]
+        error = lines[0] if isinstance(err, UserError) else f"{type(err).__name__}: {lines[0]}"
+        write_json(os.path.join(workdir, FAILURE), {"error": error[:500], "stage": spec.get("stage", "start")})
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        write_json(os.path.join(workdir, FAILURE), {"error": "interrupted (Ctrl-C); a re-run resumes it",
+                                                    "stage": spec.get("stage", "start")})
+        return 130
+    record["wall_seconds"] = time.time() - start
+    write_json(os.path.join(workdir, RESULT), record)
+    if spec.get("prune_checkpoints"):  # the result is safe: the checkpoints (most of the disk) can go
+        for name in ("checkpoints", "best", "xla_cache"):
+            shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    sys.exit(main(sys.argv))

@@ -1,0 +1,169 @@
+"""The study (``python -m lconv.study``) end to end in its quick mode, on a scratch output and docs folder: one
+run per task finishes and is scored, a deliberately broken run is reported as failed with its one-line error while
+the study goes on, a mixer that does not fit a task is reported with the reason, and a second invocation skips
+finished runs and resumes an unfinished one from its checkpoint."""
+import csv
+import json
+import math
+import os
+
+import ml_collections
+import pytest
+
+from lconv.configs import study as study_config
+from lconv.errors import UserError
+from lconv.study import driver, plan, report
+
+
+def _quick(tmp_path, **fields):
+    """The quick study: the Transformer on every task, and CoLT5 made to fail (an invalid training field) where it
+    fits: translation and summarization; it does not fit the LM (encoder-only)."""
+    c = plan.normalize(study_config.get_config("quick"))
+    c.mixers = ("transformer", "colt5")
+    c.data_dir = str(tmp_path / "tfds")
+    c.mixer_overrides = {"colt5": {"train": {"log_every": 0}}}
+    c.update(fields)
+    return c
+
+
+@pytest.fixture(scope="module")
+def studied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    study = _quick(root, prune_checkpoints=False)  # kept, so the re-run below can resume from them
+    lines = []
+    os.environ.pop("XLA_FLAGS", None)  # conftest's 8 virtual devices are for this process, not the runs
+    records = driver.run_study(study, str(root / "out"), str(root / "docs"), command="test", log=lines.append)
+    return root, study, records, lines
+
+
+def _by_name(records):
+    return {f"{r['task']}/{r['mixer']}": r for r in records}
+
+
+def test_every_task_has_a_scored_run(studied):
+    _, _, records, _ = studied
+    runs = _by_name(records)
+    assert {runs[f"{t}/transformer"]["status"] for t in plan.TASKS} == {"ok"}
+    translation, lm, summary = (runs[f"{t}/transformer"] for t in plan.TASKS)
+    assert 0 <= translation["bleu"] <= 100 and translation["bleu_signature"].startswith("nrefs:1")
+    assert translation["test_examples"] == 1216  # the whole test split is decoded
+    assert 1 < lm["ppl"] < 512 * 4  # an untrained model is near the uniform guess over its 512 pieces
+    # The same summed NLL over fewer units: words hold several pieces, so a word costs more than a piece.
+    assert lm["test_words"] < lm["test_tokens"] and lm["ppl_word"] > lm["ppl"]
+    assert math.isclose(math.log(lm["ppl_word"]) * lm["test_words"], math.log(lm["ppl"]) * lm["test_tokens"],
+                        rel_tol=1e-4)
+    assert all(0 <= summary[k] <= 100 for k in ("rouge1", "rouge2", "rougeL"))
+    for record in (translation, lm, summary):
+        assert record["step"] == 12 and record["averaged_steps"] == [8, 12]  # the last 2 checkpoints averaged
+        assert record["train_tokens_per_s"] > 0 and record["decode_tokens_per_s"] > 0
+        assert record["train_step_bytes"] > 0 and record["train_step_memory_source"] == "memory_analysis"
+        assert record["peak_rss_bytes"] > 100 * 2**20  # a whole JAX process
+        assert record["params"] == record["reference_params"]  # the reference is the Transformer itself
+
+
+def test_a_failing_run_is_reported_and_the_study_goes_on(studied):
+    root, _, records, lines = studied
+    runs = _by_name(records)
+    for task in ("translation", "summarization"):
+        failed = runs[f"{task}/colt5"]
+        assert failed["status"] == "failed"
+        assert failed["error"] == "config.train.log_every=0: must be an integer >= 1"
+        assert failed["stage"] == "train"
+        assert os.path.exists(root / "out" / failed["workdir"] / "study_failure.json")
+    assert runs["lm/colt5"]["status"] == "n/a" and "encoder-only" in runs["lm/colt5"]["error"]
+    assert runs["summarization/transformer"]["status"] == "ok"  # planned after the first failure
+    assert any("translation/colt5/seed0: failed: config.train.log_every=0" in line for line in lines)
+
+
+def test_the_report_files(studied):
+    root, _, records, _ = studied
+    docs = root / "docs"
+    text = (docs / "results.md").read_text()
+    for task in plan.TASKS:
+        assert report.TASK_TITLES[task] in text
+    assert "**failed** seed 0: config.train.log_every=0: must be an integer >= 1" in text
+    assert "**not applicable**: CoLT5 is encoder-only" in text
+    assert "## Against the paper's ordering" in text and "Not compared" in text  # no LightConv/DynamicConv runs
+    assert "3 finished, 2 failed, 1 not applicable, 0 not run" in text.replace("**", "")
+    saved = json.loads((docs / "results" / "results.json").read_text())
+    assert len(saved["runs"]) == len(records) == 6
+    assert {(r["task"], r["mixer"]) for r in saved["aggregate"]} == {(t, m) for t in plan.TASKS
+                                                                     for m in ("transformer", "colt5")}
+    with open(docs / "results" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows].count("ok") == 3
+    for name in ("quality_vs_speed.png", "training_curves.png"):
+        assert (docs / "results" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rerun_skips_finished_runs_and_resumes_unfinished_ones(studied):
+    root, study, _, _ = studied
+    out = root / "out"
+    finished = out / "runs" / "lm" / "transformer" / "seed0" / "study_result.json"
+    before = finished.stat().st_mtime_ns
+    unfinished = out / "runs" / "translation" / "transformer" / "seed0"
+    (unfinished / "study_result.json").unlink()  # as if the run had been stopped after its last checkpoint
+    study.mixers = ("transformer",)
+    lines = []
+    records = driver.run_study(study, str(out), str(root / "docs2"), command="test", log=lines.append)
+    runs = _by_name(records)
+    assert runs["lm/transformer"].get("skipped") and runs["summarization/transformer"].get("skipped")
+    assert finished.stat().st_mtime_ns == before
+    assert not runs["translation/transformer"].get("skipped") and runs["translation/transformer"]["status"] == "ok"
+    log = (unfinished / "study.log").read_text()
+    assert "resumed from step 12" in log  # train.py's own resume: no step was trained again
+    train_rows = [json.loads(line) for line in (unfinished / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in train_rows if r["split"] == "train") == 12
+
+
+def test_param_matching_lands_within_the_tolerance():
+    """Every mixer's FFN width found by the search gives a count within 5% of the Transformer's (at the quick
+    sizes CoLT5's routers and light heads cost FFN width, LightConv's ~3 d^2 per layer instead of 4 d^2 buys some)."""
+    study = plan.normalize(study_config.get_config("quick"))
+    study.tasks = ("translation",)
+    runs = plan.plan(study, {"translation": 512})
+    by_mixer = {r.key.mixer: r for r in runs}
+    reference = by_mixer["transformer"].params
+    for mixer, run in by_mixer.items():
+        assert run.error is None, (mixer, run.error)
+        assert abs(run.params / reference - 1) <= 0.05, mixer
+        assert run.params == plan.count_params(run.config, 512)  # the config the run gets has that count
+    assert by_mixer["colt5"].config.model.ffn_dim < by_mixer["transformer"].config.model.ffn_dim
+    assert by_mixer["lightconv"].config.model.ffn_dim > by_mixer["transformer"].config.model.ffn_dim
+
+
+def test_bad_study_fields_are_one_line_errors():
+    study = plan.normalize(study_config.get_config("quick"))
+    study.mixers = ("transformer", "mamba")
+    with pytest.raises(UserError, match=r"config.mixers: unknown or empty \['mamba'\]"):
+        plan.check_study(study)
+    fields = study_config.get_config("quick").to_dict()
+    fields["seeds"] = "0,x"
+    with pytest.raises(UserError, match="config.seeds="):
+        plan.normalize(ml_collections.ConfigDict(fields))
+    with pytest.raises(UserError, match="choose one study mode"):
+        study_config.get_config("quick,gpu")
+
+
+
+def _translation_row(mixer, bleus):
+    row = {"task": "translation", "mixer": mixer, "label": plan.LABELS[mixer], "ok": len(bleus)}
+    row["bleu"], row["bleu_sd"], _ = report.mean_sd(bleus)
+    return row
+
+
+def test_the_comparison_with_the_paper_is_written_from_the_numbers():
+    rows = [_translation_row("transformer", [10.0, 10.4, 10.2]), _translation_row("lightconv", [10.3, 10.7, 10.0]),
+            _translation_row("dynamic", [12.0, 12.3, 12.1])]
+    lines = {line.split(". Here")[0]: line for line in report.compare_with_paper(rows)}
+    assert "exceeds the seed spread: at this scale the data agree" in lines[
+        "- IWSLT14 De-En: Transformer 34.4 < DynamicConv 35.2"]
+    assert "within the seed spread: consistent with the paper, not evidence" in lines[
+        "- IWSLT14 De-En: Transformer 34.4 < LightConv 34.8"]
+    rows[2] = _translation_row("dynamic", [8.0, 8.2, 8.1])  # DynamicConv now clearly behind
+    reversed_line = [line for line in report.compare_with_paper(rows) if "WMT14" in line][0]
+    assert "the opposite order" in reversed_line and "the paper's ordering does not hold" in reversed_line
+    one_seed = report.compare_with_paper([_translation_row("transformer", [10.0]), _translation_row("dynamic", [11.0])])
+    assert "fewer than two seeds" in one_seed[1]
+    expected = "LightConv (10.33) ≈ Transformer (10.20) > DynamicConv (8.10)"
+    assert report.ordering(rows, "translation").startswith(expected)
