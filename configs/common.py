@@ -81,6 +81,7 @@ def base_config():
     c.model.conv_impl = "auto"  # auto | band | shift | conv | unfold (see lconv.ops.conv)
     c.model.dtype = "float32"  # compute dtype (bfloat16 on TPU); params and loss stay float32
     c.model.matmul_precision = "default"  # dots outside the conv ops: default (TF32 on GPU) | high | highest
+    c.model.attention_impl = "auto"  # auto (cuDNN flash on GPU; blockwise when long) | xla | chunked | cudnn
     c.model.remat = "none"  # recompute in the backward pass: none | full (keep layer inputs) | dots (keep matmuls)
 
     # --- optimisation ----------------------------------------------------------------------------------------
@@ -124,6 +125,8 @@ def base_config():
     c.decode.max_len_b = 10
     c.decode.split = "test"
     c.decode.num_print = 5  # sample translations printed at the end
+    c.decode.stop = "optimal"  # beam search ends when no alive hypothesis can win | "fairseq" (its generator's rule)
+    c.decode.compound_split = False  # tokenized BLEU splits hyphenated compounds (the paper's WMT En-De BLEU)
 
     # --- sharding --------------------------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()

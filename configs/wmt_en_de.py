@@ -10,7 +10,7 @@ paper's Transformer baselines), GLU, weight dropout 0.1, Adam
 (0.9, 0.98), cosine lr 1e-3 with 10k warmup, 30k updates, label smoothing 0.1. Needs tfds
 ``wmt14/en_de`` (tfds wmt14_translate/de-en) prepared (see README, Datasets).
 """
-from configs import common
+from lconv.configs import common
 
 SIZES = {
     "base": dict(d_model=512, ffn_dim=2048, num_heads=8, dropout=0.1),
@@ -33,6 +33,7 @@ def wmt_config(words, dataset, source_key, target_key, big_dropout):
     c.optim.clip_norm = 0.0
     c.train.num_steps = 30_000
     c.decode.beam_size, c.decode.lenpen = 5, 0.5
+    c.decode.compound_split = True  # the paper's En-De BLEU: tokenized, compounds split (fairseq's script)
     c.model.dtype = "bfloat16"
     if "transformer" in words:  # the paper's Transformer baselines (Vaswani / Ott et al.) are 6 + 6 layers;
         c.model.encoder_layers = 6  # the conv models take a 7th encoder layer to match their size

@@ -2,12 +2,13 @@
 
     python train.py --config=configs/wmt_en_fr.py:dynamic,big --workdir=gs://BUCKET/wmt_enfr_dynamic
 """
-from configs import common
-from configs.wmt_en_de import SIZES, wmt_config
+from lconv.configs import common
+from lconv.configs.wmt_en_de import SIZES, wmt_config
 
 
 def get_config(arg=None):
     words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
     c = wmt_config(words or {"dynamic"}, "wmt14/en_fr", "en", "fr", big_dropout=0.1)
     c.data.vocab_size = 40000
+    c.decode.compound_split = False  # compound splitting is the paper's En-De convention only
     return c

@@ -42,7 +42,8 @@ _quiet = tiny_config.quiet
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     workdir = root / "full"
-    result = loop.train_and_evaluate(_config(root / "tfds"), str(workdir), log=_quiet)
+    # The 8 virtual CPU devices (tests/conftest.py), whichever backend the suite runs on.
+    result = loop.train_and_evaluate(_config(root / "tfds"), str(workdir), devices=jax.devices("cpu"), log=_quiet)
     return root, workdir, result
 
 
@@ -83,9 +84,9 @@ def test_resume_continues_exactly(uninterrupted):
 def test_one_device_gives_the_losses_of_eight(uninterrupted):
     root, workdir, _ = uninterrupted
     single = _new_workdir(root, "single", workdir)
-    loop.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices()[:1], log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices("cpu")[:1], log=_quiet)
     eight, one = _train_losses(workdir), _train_losses(single)
-    assert len(jax.devices()) == 8
+    assert len(jax.devices("cpu")) == 8
     for step in range(1, 7):
         assert one[step] == pytest.approx(eight[step], rel=2e-5), step
 
@@ -210,6 +211,8 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     ("optim.label_smoothing", 1.0, r"config.optim.label_smoothing=1.0: must be a number in \[0, 1\)"),
     ("task", "tagging", r"config.task='tagging'"),
     ("model.num_heads", 3, r"d_model=16 must be divisible by config.model.num_heads=3"),
+    ("decode.stop", "greedy", r"config.decode.stop='greedy': must be one of optimal, fairseq"),
+    ("model.attention_impl", "flash", r"config.model.attention_impl='flash': must be one of auto, xla, chunked"),
 ])
 def test_bad_config_values_fail_fast_naming_the_field(field, value, message, tmp_path):
     config = tiny_config.get_config()

@@ -162,10 +162,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
                 max_len_per_row: Array | None = None, stop: str = "optimal") -> tuple[Array, Array]:
     """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first.
 
-    ``stop="fairseq"`` follows fairseq's SequenceGenerator instead, so BLEU compares like for like: no EOS as the
-    first token (its min_len 1); only EOS extensions ranked in the step's top ``beam`` (by summed log-prob)
-    finish, taken in rank order; a row is done once ``beam`` hypotheses have finished, first come, even if an
-    alive one could still score higher. The default ``"optimal"`` rule below keeps searching until none can.
+    ``stop="fairseq"`` is fairseq's SequenceGenerator, for like-for-like BLEU: no EOS first (min_len 1); only EOS
+    extensions in the step's top ``beam`` (by summed log-prob) finish, in rank order; a row is done at ``beam``
+    finished, first come, even if an alive one could score higher. The default ``"optimal"`` rule follows.
 
     A finished hypothesis scores ``sum(log p) / length**lenpen`` (EOS counted in both). Alive and finished
     hypotheses are kept apart, so an EOS never takes an alive slot: each step ranks the top ``2*beam``
@@ -180,10 +179,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
     fairseq = stop == "fairseq"
     lenpen = jnp.float32(lenpen)
-    if max_len_per_row is None:
-        limit_B = jnp.full((B,), L, jnp.int32)  # [B]
-    else:
-        limit_B = jnp.clip(jnp.asarray(max_len_per_row, jnp.int32), 1, L)  # [B]
+    limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
+    limit_B = limit_B.astype(jnp.int32)  # [B] tokens a row may have, EOS included
     max_pen_B = jnp.power(limit_B.astype(jnp.float32), lenpen)  # [B]
 
     def cond(state):
@@ -200,14 +197,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         last_BN1 = jax.lax.dynamic_slice_in_dim(alive_BNL, jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
         prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
         flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
-        logp_BNV = jax.nn.log_softmax(flat_logits, axis=-1).reshape(B, N, -1)  # [B, beam, V]
+        logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq)
         V = logp_BNV.shape[-1]
-        logp_BNV = _mask_pad(logp_BNV, pad_id)  # [B, beam, V]
-        at_limit_B = i + 1 >= limit_B  # [B] this token is the row's last
-        only_eos_V = jnp.arange(V) == eos_id  # [V]
-        logp_BNV = jnp.where(at_limit_B[:, None, None] & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)  # [B, beam, V]
-        if fairseq:  # fairseq's min_len = 1: no empty hypothesis
-            logp_BNV = jnp.where((i == 0) & only_eos_V & ~at_limit_B[:, None, None], IMPOSSIBLE_LOGP, logp_BNV)
         cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
 
         # The top 2*beam extensions: at most beam of them end in EOS, so beam non-EOS ones remain alive.
@@ -231,10 +222,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
             finished_BNL, finished_BN, count_B = _append_finished(
                 finished_BNL, finished_BN, count_B, top_seqs_B2NL, new_scores_B2N, is_eos_B2N, top_logp_B2N)
             return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B
-        all_scores_B3N = jnp.concatenate([finished_BN, new_scores_B2N], axis=1)  # [B, 3beam]
-        all_seqs_B3NL = jnp.concatenate([finished_BNL, top_seqs_B2NL], axis=1)  # [B, 3beam, L]
-        finished_BN, best_BN = rowwise_top_k(all_scores_B3N, N)  # [B, beam]
-        finished_BNL = jnp.take_along_axis(all_seqs_B3NL, best_BN[:, :, None], axis=1)  # [B, beam, L]
+        finished_BNL, finished_BN = _best_finished(finished_BNL, finished_BN, top_seqs_B2NL, new_scores_B2N, N)
         return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B
 
     seqs_BNL = jnp.full((B, N, L), pad_id, jnp.int32)  # [B, beam, L]
@@ -245,10 +233,31 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
              jnp.zeros((B,), jnp.int32))
     _, _, _, finished_BNL, finished_BN, _, _ = jax.lax.while_loop(cond, body, state)
     if fairseq:  # slots are in order of finishing: best first
-        finished_BN, order_BN = rowwise_top_k(finished_BN, N)
-        finished_BNL = jnp.take_along_axis(finished_BNL, order_BN[:, :, None], axis=1)
+        none_BNL, none_BN = finished_BNL[:, :0], finished_BN[:, :0]
+        finished_BNL, finished_BN = _best_finished(none_BNL, none_BN, finished_BNL, finished_BN, N)
     finished_BNL = jnp.where(finished_BN[:, :, None] > IMPOSSIBLE_LOGP, finished_BNL, pad_id)  # [B, beam, L]
     return finished_BNL, finished_BN
+
+
+def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq):
+    """Log-probs of step ``i`` with what may not come masked: PAD always, all but EOS at a row's length limit, and
+    (fairseq's min_len = 1) EOS as the first token."""
+    logp_BNV = _mask_pad(jax.nn.log_softmax(logits_BNV, axis=-1), pad_id)  # [B, beam, V]
+    at_limit_B11 = (i + 1 >= limit_B)[:, None, None]  # this token is the row's last
+    only_eos_V = jnp.arange(logp_BNV.shape[-1]) == eos_id  # [V]
+    logp_BNV = jnp.where(at_limit_B11 & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)
+    if fairseq:
+        logp_BNV = jnp.where((i == 0) & only_eos_V & ~at_limit_B11, IMPOSSIBLE_LOGP, logp_BNV)
+    return logp_BNV
+
+
+def _best_finished(finished_BNL, finished_BN, top_seqs_B2NL, scores_B2N, keep):
+    """The default rule: the ``keep`` best of the finished set and this step's EOS extensions (also sorts the
+    fairseq rule's set, given as the new ones beside an empty set)."""
+    all_scores_B3N = jnp.concatenate([finished_BN, scores_B2N], axis=1)  # [B, 3beam]
+    all_seqs_B3NL = jnp.concatenate([finished_BNL, top_seqs_B2NL], axis=1)  # [B, 3beam, L]
+    finished_BN, best_BN = rowwise_top_k(all_scores_B3N, keep)  # [B, beam]
+    return jnp.take_along_axis(all_seqs_B3NL, best_BN[:, :, None], axis=1), finished_BN  # [B, beam, L], [B, beam]
 
 
 def _append_finished(finished_BNL, finished_BN, count_B, top_seqs_B2NL, scores_B2N, is_eos_B2N, top_logp_B2N):

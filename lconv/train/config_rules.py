@@ -14,6 +14,7 @@ from typing import Any
 from lconv.data import pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
+from lconv.infer.search import STOP_RULES
 from lconv.nn import models
 
 Rule = tuple[type | tuple[type, ...], Callable[[Any], bool], str]
@@ -84,6 +85,8 @@ DECODE = {
     "max_len_b": _NON_NEGATIVE,
     "split": (str, bool, "a split name"),
     "num_print": _NON_NEGATIVE,
+    "stop": (str, lambda v: v in STOP_RULES, f"one of {', '.join(STOP_RULES)}"),
+    "compound_split": _BOOL,
 }
 MESH = {
     "shape": ((tuple, list), lambda v: len(v) == 3 and all(isinstance(s, int) and (s >= 1 or s == -1) for s in v),
@@ -94,7 +97,8 @@ MESH = {
 }
 SECTIONS = {"data": DATA, "optim": OPTIM, "train": TRAIN, "decode": DECODE, "mesh": MESH}
 OPTIONAL = {"data": set(pipeline.DEFAULTS),
-            "train": {"spike_factor", "spike_windows", "checkpoint_checksums", "async_checkpoints"}}
+            "train": {"spike_factor", "spike_windows", "checkpoint_checksums", "async_checkpoints"},
+            "decode": {"stop", "compound_split"}}
 
 
 def _check(name: str, value: Any, rule: Rule) -> None:
