@@ -48,17 +48,9 @@ def quality_vs_speed(rows: Sequence[Record], tasks: Sequence[str],
             ax.errorbar(r["train_tokens_per_s"], r[key], yerr=sd if sd is not None and math.isfinite(sd) else None,
                         fmt="o", color=colors[r["mixer"]], markersize=4 + 10 * (r["params"] or 0) / largest,
                         capsize=3, label=f"{r['label']} ({(r['params'] or 0) / 1e6:.2f}M)")
-        ax.set_xlabel("training target tokens/s")
-        ax.set_ylabel(f"{title} ({'higher' if higher else 'lower'} is better)")
-        ax.set_title(task)
-        ax.grid(alpha=0.3)
-        if done:
-            ax.legend(fontsize=7)
-    fig.suptitle("quality vs training speed (marker area ∝ parameters; bars: ± sd over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _label_axes(ax, "training target tokens/s", f"{title} ({'higher' if higher else 'lower'} is better)", task,
+                    legend=bool(done))
+    return _save(fig, "quality vs training speed (marker area ∝ parameters; bars: ± sd over seeds)", path)
 
 
 def training_curves(records: Sequence[Record], tasks: Sequence[str], output_dir: str, path: str) -> str:
@@ -80,13 +72,23 @@ def training_curves(records: Sequence[Record], tasks: Sequence[str], output_dir:
             labelled.add(r["mixer"])
             ax.plot([row["step"] for row in train], [row["loss"] for row in train], color=colors[r["mixer"]],
                     alpha=0.8, linewidth=1, label=label)
-        ax.set_xlabel("update")
-        ax.set_ylabel("training loss (label-smoothed, per token)")
-        ax.set_title(task)
-        ax.grid(alpha=0.3)
-        if labelled:
-            ax.legend(fontsize=7)
-    fig.suptitle("training curves (one line per seed)")
+        _label_axes(ax, "update", "training loss (label-smoothed, per token)", task, legend=bool(labelled))
+    return _save(fig, "training curves (one line per seed)", path)
+
+
+def _label_axes(ax: Any, xlabel: str, ylabel: str, title: str, *, legend: bool) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+
+
+def _save(fig: Any, title: str, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
