@@ -13,7 +13,7 @@ import tomllib
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TEST_TOOLS = {"pytest", "pytest-xdist", "ruff"}
+TEST_TOOLS = {"pytest", "pytest-xdist", "ruff", "nbclient", "nbformat", "ipykernel"}
 
 
 def _requirement(line: str) -> tuple[str, str]:
