@@ -61,10 +61,12 @@ def test_rouge_lsum_takes_the_union_of_sentence_lcs_where_rouge_l_takes_one_lcs(
 
 
 def test_word_perplexity_counts_words_plus_one_end_of_sentence_per_text():
-    got = scoring.word_perplexity(12.0, ["the cat sat", "a dog"])  # 3 + 1 + 2 + 1 = 7 words
+    words = scoring.word_count(["the cat sat", "a  dog\n"])  # 3 + 1 + 2 + 1
+    assert words == 7
+    got = scoring.word_perplexity(12.0, words)
     assert got["words"] == 7 and got["word_ppl"] == pytest.approx(math.exp(12.0 / 7))
     with pytest.raises(ValueError, match="no words"):
-        scoring.word_perplexity(1.0, [])
+        scoring.word_perplexity(1.0, scoring.word_count([]))
 
 
 def test_evaluation_reports_the_papers_metrics_beside_the_modern_ones():
@@ -75,3 +77,16 @@ def test_evaluation_reports_the_papers_metrics_beside_the_modern_ones():
     assert "compound split" in translation["tokenized_bleu_text"]
     summary = evaluate.score_texts("summarization", hyps, refs)
     assert summary["rougeLsum"] == scoring.rouge_lsum(hyps, refs)["rougeLsum"] and "rouge2" in summary
+
+
+def test_an_lms_eval_set_of_whole_texts_gets_a_per_word_perplexity_and_a_cut_one_none():
+    from types import SimpleNamespace
+
+    from lconv.train import steps
+
+    texts = ["the cat sat", "a dog ran far"]  # 4 + 5 words with their end-of-sentence
+    whole = SimpleNamespace(examples=[{"targets": t} for t in texts], tokens=[{}, {}], stats={})
+    scores = {"nll": 2.0, "tokens": 12.0}  # 24 nats over the pieces
+    assert steps._word_perplexity(whole, scores) == {"word_ppl": pytest.approx(math.exp(24.0 / 9)), "words": 9.0}
+    cut = SimpleNamespace(examples=whole.examples, tokens=whole.tokens, stats={"eval_targets_truncated": 1})
+    assert steps._word_perplexity(cut, scores) == {}

@@ -201,7 +201,7 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
             f"({_line_numbers(translations.lengths.truncated)})")
     if references is not None and sources:
         scores.update(evaluate.score_texts(config.task, translations.hypotheses, references,
-                                           split_compounds=config.decode.get("compound_split", False)))
+                                           split_compounds=getattr(config.decode, "compound_split", False)))
     log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
 

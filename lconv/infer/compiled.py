@@ -81,7 +81,7 @@ class Translator:
             return search.translate(model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS,
                                     beam_size=beam_size, max_len=max_len, lenpen=lenpen,
                                     max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
-                                    stop=decode.get("stop", "optimal"))  # [B, L]
+                                    stop=getattr(decode, "stop", "optimal"))  # [B, L]
 
         self.function = nn_common.under_axis_rules(translate, _rules(config))  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())

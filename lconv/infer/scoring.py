@@ -89,12 +89,16 @@ def rouge_lsum(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str
     return {"rougeLsum": 100.0 * total / len(hypotheses)}
 
 
-def word_perplexity(total_nll: float, texts: Iterable[str]) -> dict[str, float]:
-    """Per-word perplexity from a summed natural-log NLL over an LM's pieces (EOS included): ``exp(nll / words)``
-    with words = whitespace-separated words plus one end-of-sentence per text, as word-level LMs (the paper's
-    Billion Word figure) count them. The pieces' NLL is the text's NLL, so the two perplexities compare."""
-    texts = list(texts)
-    words = sum(len(t.split()) + 1 for t in texts)
-    if not words:
+def word_count(texts: Iterable[str]) -> int:
+    """Words as word-level LMs (the paper's Billion Word figure) count them: whitespace-separated words plus one
+    end-of-sentence per text."""
+    return sum(len(t.split()) + 1 for t in texts)
+
+
+def word_perplexity(total_nll: float, words: int) -> dict[str, float]:
+    """Per-word perplexity ``exp(nll / words)`` from a summed natural-log NLL over an LM's pieces (EOS included)
+    of texts holding ``words`` words (``word_count``): the pieces' NLL is the text's, so it compares with a
+    word-level model's perplexity where the per-piece one does not."""
+    if words < 1:
         raise ValueError("no words to score: word perplexity needs at least one text")
     return {"word_ppl": math.exp(total_nll / words), "words": float(words)}
