@@ -10,6 +10,8 @@ from nbclient import NotebookClient
 
 from lconv.data import sources
 
+pytestmark = pytest.mark.slow  # each notebook trains a tiny model: run by CI, skipped by the quick command
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))

@@ -14,6 +14,8 @@ from lconv.configs import study as study_config
 from lconv.errors import UserError
 from lconv.study import driver, plan, report
 
+pytestmark = pytest.mark.slow  # the quick study trains a run per task: run by CI, skipped by the quick command
+
 
 def _quick(tmp_path, **fields):
     """The quick study: the Transformer on every task, and CoLT5 made to fail (an invalid training field) where it

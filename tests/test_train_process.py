@@ -20,6 +20,8 @@ from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.train import checkpoints, loop
 
+pytestmark = pytest.mark.slow  # each case launches train.py processes: run by CI, skipped by the quick command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
