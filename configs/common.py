@@ -105,6 +105,7 @@ def base_config():
     c.train = ml_collections.ConfigDict()
     c.train.num_steps = 50_000  # optimizer updates
     c.train.max_minutes = 0.0  # stop (and checkpoint) after this wall time; 0 = no limit
+    c.train.stop_check_every = 10  # several processes agree on a stop (signal, max_minutes) every N steps
     c.train.log_every = 100
     c.train.eval_every = 2000  # validation loss / ppl
     c.train.checkpoint_every = 2000

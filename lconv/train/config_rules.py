@@ -71,6 +71,7 @@ OPTIM = {
 TRAIN = {
     "num_steps": _POSITIVE,
     "max_minutes": (float, lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
+    "stop_check_every": _POSITIVE,
     "log_every": _POSITIVE, "eval_every": _POSITIVE, "checkpoint_every": _POSITIVE, "keep_checkpoints": _POSITIVE,
     "eval_after_training": _BOOL,
     "spike_factor": (float, lambda v: v == 0 or v > 1, "0 (off) or a number > 1"),
@@ -97,7 +98,8 @@ MESH = {
 }
 SECTIONS = {"data": DATA, "optim": OPTIM, "train": TRAIN, "decode": DECODE, "mesh": MESH}
 OPTIONAL = {"data": set(pipeline.DEFAULTS),
-            "train": {"spike_factor", "spike_windows", "checkpoint_checksums", "async_checkpoints"},
+            "train": {"spike_factor", "spike_windows", "checkpoint_checksums", "async_checkpoints",
+                      "stop_check_every"},
             "decode": {"stop", "compound_split"}}
 
 

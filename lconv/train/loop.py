@@ -52,16 +52,20 @@ class Preemption:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    def agreed_stop(self, out_of_time: bool) -> str | None:
+    def agreed_stop(self, out_of_time: bool, step: int | None = None, every: int = 1) -> str | None:
         """Why every process stops after this step (``"SIGINT"``, ``"SIGTERM"``, ``"train.max_minutes"``), or None.
 
         Signals and clocks are per process, but the checkpoint save that follows a stop is a collective: one process
-        saving while another starts the next step hangs a pod. So the processes agree, at every step boundary, on
-        the strongest local reason (``STOP_REASONS`` order): one process's SIGTERM stops all of them at the same
-        step, and they all exit the same way. A tiny all-gather, only when there are several processes."""
+        saving while another starts the next step hangs a pod. So the processes agree on the strongest local reason
+        (``STOP_REASONS`` order): one process's SIGTERM stops all of them at the same step, and they all exit the
+        same way. With several processes that is an all-gather the host waits for, which would stall the device
+        queue if done every step: it is done at steps that are multiples of ``every`` (always when ``step`` is
+        None); a signal or the clock is kept until then. One process needs no agreement and checks every step."""
         local = self.signal_name or ("train.max_minutes" if out_of_time else None)
         if jax.process_count() == 1:
             return local
+        if step is not None and step % max(every, 1):
+            return None
         from jax.experimental import multihost_utils
 
         codes = multihost_utils.process_allgather(np.asarray(STOP_REASONS.index(local), np.int32))  # [P]
@@ -193,7 +197,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.update(1)
                 out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-                stop_reason = preemption.agreed_stop(bool(out_of_time))  # the same on every process
+                stop_reason = preemption.agreed_stop(bool(out_of_time), step, config.train.get("stop_check_every", 1))
                 stopping = stop_reason is not None
                 saving = stopping or step % config.train.checkpoint_every == 0
                 if step % config.train.log_every == 0 or step == num_steps or saving:
