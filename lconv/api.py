@@ -141,7 +141,8 @@ class Model:
             out[side] = [_normalised(logits, sides[side]) for logits in layers]
         if inputs is not None:
             out["source_tokens"] = [self._piece(i) for i in inputs.tolist()]
-        out["target_tokens"] = [self._piece(i) for i in [BOS_ID] + targets[:-1].tolist()]
+        start = self.module.config.decoder_start_id  # BOS, or EOS for a model imported from fairseq
+        out["target_tokens"] = [self._piece(i) for i in [start] + targets[:-1].tolist()]
         return out
 
     def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:

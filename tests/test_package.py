@@ -14,6 +14,7 @@ import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST_TOOLS = {"pytest", "pytest-xdist", "ruff", "nbclient", "nbformat", "ipykernel"}
+OPTIONAL = {"fairseq": {"torch"}}  # extra -> packages requirements.txt pins (exactly: CI's build) and CI installs
 
 
 def _requirement(line: str) -> tuple[str, str]:
@@ -33,8 +34,11 @@ def test_pyproject_declares_requirements_txt_with_the_same_bounds():
                   if line.split("#")[0].strip())
     project = _pyproject()["project"]
     declared = dict(_requirement(r) for r in project["dependencies"])
-    runtime = {name: bounds for name, bounds in pinned.items() if name not in TEST_TOOLS}
+    extras = {name: extra for extra, names in OPTIONAL.items() for name in names}
+    runtime = {name: bounds for name, bounds in pinned.items() if name not in TEST_TOOLS | set(extras)}
     assert declared == runtime  # the same names and bounds: CI tests what `pip install .` installs
+    for name, extra in extras.items():  # CI installs the optional extras' packages too, for their tests
+        assert name in pinned and name in {_requirement(r)[0] for r in project["optional-dependencies"][extra]}
     assert {_requirement(r)[0] for r in project["optional-dependencies"]["test"]} == TEST_TOOLS
     assert "flatbuffers" in declared  # jax.export's serialize() (lconv.export)
 

@@ -281,6 +281,11 @@ def _append_finished(finished_BNL, finished_BN, count_B, top_seqs_B2NL, scores_B
 # ----------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------
+def decoder_start_id(model: nn.Module) -> int:
+    """The first decoder input of ``model``: its config's ``decoder_start_id`` (BOS, or EOS for a fairseq model)."""
+    return getattr(getattr(model, "config", None), "decoder_start_id", BOS_ID)
+
+
 def _apply_cache(model, variables, cache, *args, **kwargs):
     out, mutated = model.apply({**variables, "cache": cache}, *args, mutable=["cache"], **kwargs)
     return out, mutated["cache"]
@@ -288,7 +293,7 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
 
 def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
               beam_size: int = 4, max_len: int = 256, lenpen: float = 1.0, max_len_a: float | None = None,
-              max_len_b: int | None = None, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+              max_len_b: int | None = None, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
               stop: str = "optimal") -> Array:
     """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``.
 
@@ -297,6 +302,7 @@ def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segm
     generate ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
+    bos_id = decoder_start_id(model) if bos_id is None else bos_id
     B, N = inputs_BS.shape[0], beam_size
     encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
     tile = lambda x: None if x is None else jnp.repeat(x, N, axis=0)  # [B, ...] -> [B*beam, ...]
@@ -320,12 +326,13 @@ def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segm
 
 def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int,
                 batch_size: int | None = None, rng: Array | None = None, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+                top_p: float = 1.0, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
     """Continues ``prompt [B, T]`` (or starts from BOS) with a ``DecoderOnlyLM``; ``[B, max_len]`` new tokens.
 
     ``temperature=0`` (the default) is greedy; otherwise ``rng`` is needed.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
+    bos_id = decoder_start_id(model) if bos_id is None else bos_id
     if prompt is None and batch_size is None:
         raise UserError("lm_generate needs a prompt [B, T] or batch_size")
     if temperature != 0.0 and rng is None:

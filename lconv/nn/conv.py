@@ -199,7 +199,8 @@ class LightConvBlock(nn.Module):
     model_fields: ClassVar[dict[str, str]] = {
         "num_heads": "num_heads", "kernel_size": "kernel_size", "causal": "causal", "use_glu": "use_glu",
         "conv_features": "conv_features", "input_dropout": "input_dropout", "weight_dropout": "weight_dropout",
-        "impl": "conv_impl", "dtype": "dtype", "matmul_precision": "matmul_precision"}
+        "impl": "conv_impl", "dtype": "dtype", "matmul_precision": "matmul_precision",
+        "weight_softmax": "weight_softmax"}
     sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
 
     num_heads: int

@@ -9,12 +9,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lconv.constants import ATTENTION_IMPLS, MATMUL_PRECISIONS, REMAT_POLICIES
+from lconv.constants import ATTENTION_IMPLS, BOS_ID, EOS_ID, MATMUL_PRECISIONS, REMAT_POLICIES
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, mixers
 from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # params and the loss stay float32 whatever this is
+DECODER_STARTS = {"bos": BOS_ID, "eos": EOS_ID}  # config.model.decoder_start -> the token id
 CONV_IMPLS = tuple(dict.fromkeys(LIGHT_IMPLS + DYNAMIC_IMPLS))
 
 
@@ -58,6 +59,14 @@ class ModelConfig:
     remat: str = "none"  # per-layer rematerialisation: none | full | dots (lconv.constants.REMAT_POLICIES)
     matmul_precision: str = "default"  # dots outside the conv ops: default | high | highest (lconv.ops.precision)
     attention_impl: str = "auto"  # the attention kernel: auto | xla | chunked | cudnn (lconv.ops.flash)
+    weight_softmax: bool = True  # softmax-normalise conv kernels over K (fairseq's --weight-softmax)
+    # Conventions a model imported from fairseq needs (lconv.interop.fairseq); the defaults are lconv's own.
+    decoder_start: str = "bos"  # the first decoder input: "bos" (lconv) or "eos" (fairseq)
+    position_offset: int = 0  # added to positions before the position embedding (fairseq: padding id + 1 = 2)
+    scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (fairseq's --no-scale-embedding: False)
+    # With share_embeddings=False: the target embedding is also the output layer (fairseq's
+    # --share-decoder-input-output-embed); else the output layer is a table of its own.
+    share_decoder_input_output: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
@@ -89,6 +98,12 @@ class ModelConfig:
             if self.share_embeddings:
                 raise UserError("config.model.adaptive_softmax_cutoffs needs config.model.share_embeddings=False "
                                  "(the output layer is no longer the embedding table)")
+        if self.share_decoder_input_output and self.share_embeddings:
+            raise UserError("config.model.share_decoder_input_output is for share_embeddings=False (with "
+                            "share_embeddings=True one table is already the input and the output)")
+        if self.share_decoder_input_output and self.adaptive_softmax_cutoffs:
+            raise UserError("config.model.share_decoder_input_output and adaptive_softmax_cutoffs both set the "
+                            "output layer; choose one")
         if self.d_model % self.num_heads:
             raise UserError(
                 f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
@@ -139,10 +154,17 @@ class ModelConfig:
             require(f"{side}_kernel_sizes", all(integer(k) and k >= 1 for k in sizes), "kernel sizes >= 1")
         require("conv_impl", self.conv_impl in CONV_IMPLS, f"one of {', '.join(CONV_IMPLS)}")
         require("ffn_type", self.ffn_type in ("dense", "colt5"), "'dense' or 'colt5'")
+        require("decoder_start", self.decoder_start in DECODER_STARTS, f"one of {', '.join(DECODER_STARTS)}")
+        require("position_offset", integer(self.position_offset) and self.position_offset >= 0, "an integer >= 0")
         for name, choices in (("remat", REMAT_POLICIES), ("matmul_precision", MATMUL_PRECISIONS),
                               ("attention_impl", ATTENTION_IMPLS)):
             require(name, getattr(self, name) in choices, f"one of {', '.join(choices)}")
         require("dtype", jnp.dtype(self.dtype).name in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
+
+    @property
+    def decoder_start_id(self) -> int:
+        """The token id the decoder reads first (targets shifted right, and the first step of a search)."""
+        return DECODER_STARTS[self.decoder_start]
 
     def layer_mixers(self, side: str) -> list[str]:
         spec = getattr(self, f"{side}_mixer")

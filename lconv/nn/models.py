@@ -61,7 +61,7 @@ class EncoderDecoder(nn.Module):
         self.source_positions = ScaleAndPosition(cfg)
         self.target_positions = ScaleAndPosition(cfg)
         self.positions = DecodePositions()
-        if not cfg.share_embeddings:
+        if not (cfg.share_embeddings or cfg.share_decoder_input_output):
             self.output_projection = _output_projection(cfg)
 
     def encode(self, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
@@ -88,15 +88,16 @@ class EncoderDecoder(nn.Module):
                  targets_position: Array | None = None, deterministic: bool = True) -> Array:
         encoded_BSC = self.encode(inputs_BS, inputs_segmentation=inputs_segmentation,
                                   inputs_position=inputs_position, deterministic=deterministic)
-        decoder_input_BT = shift_right(targets_BT, targets_segmentation)
+        decoder_input_BT = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id)
         return self.decode(encoded_BSC, inputs_BS, decoder_input_BT, inputs_segmentation=inputs_segmentation,
                            targets_segmentation=targets_segmentation, targets_position=targets_position,
                            deterministic=deterministic)
 
     def _logits(self, x_BTC: Array, deterministic: bool) -> Array:
-        if self.config.share_embeddings:
+        cfg = self.config
+        if cfg.share_embeddings or cfg.share_decoder_input_output:
             return constrain(self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(self.config, self.output_projection, x_BTC, deterministic)
+        return _project_output(cfg, self.output_projection, x_BTC, deterministic)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -111,19 +112,19 @@ class DecoderOnlyLM(nn.Module):
         self.decoder = Stack(cfg, side="decoder", cross_attention=False, name="decoder")
         self.scale_and_position = ScaleAndPosition(cfg)
         self.positions = DecodePositions()
-        if not cfg.share_embeddings:
+        if not (cfg.share_embeddings or cfg.share_decoder_input_output):
             self.output_projection = _output_projection(cfg)
 
     def __call__(self, targets_BT: Array, *, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                  shift: bool = True) -> Array:
         """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training)."""
-        inputs = shift_right(targets_BT, targets_segmentation) if shift else targets_BT
+        inputs = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
         positions = self.positions(inputs, targets_position, decode)
         x = self.scale_and_position(self.embed(inputs), positions, deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
-        if self.config.share_embeddings:
+        if self.config.share_embeddings or self.config.share_decoder_input_output:
             return constrain(self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32), BTV)
         return _project_output(self.config, self.output_projection, x, deterministic)
 
@@ -286,7 +287,10 @@ def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
 
 
 class ScaleAndPosition(nn.Module):
-    """``dropout(sqrt(d) * embedding + position embedding)`` (sinusoidal as fairseq's, or learned)."""
+    """``dropout(sqrt(d) * embedding + position embedding)`` (sinusoidal as fairseq's, or learned).
+
+    The embedding is looked up at ``position + config.position_offset``: fairseq counts positions from its padding
+    id + 1 (= 2), so a model imported from it has an offset of 2 and a learned table ``offset`` rows longer."""
 
     config: ModelConfig
 
@@ -296,13 +300,15 @@ class ScaleAndPosition(nn.Module):
         B, T, C = x_BTC.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        positions_BT = positions_BT + cfg.position_offset
         if cfg.learned_positions:
             init = nn.with_logical_partitioning(nn.initializers.normal(C ** -0.5), (LENGTH, EMBED))
-            pos_BTC = Embed(cfg.max_len, C, dtype=cfg.dtype, embedding_init=init, table_axes=(ACT_LENGTH, None),
-                            name="learned")(positions_BT)
+            pos_BTC = Embed(cfg.max_len + cfg.position_offset, C, dtype=cfg.dtype, embedding_init=init,
+                            table_axes=(ACT_LENGTH, None), name="learned")(positions_BT)
         else:
             pos_BTC = sinusoidal_positions(positions_BT, C).astype(x_BTC.dtype)
-        x_BTC = constrain(x_BTC * math.sqrt(C) + pos_BTC, BTC)
+        scale = math.sqrt(C) if cfg.scale_embeddings else 1.0
+        x_BTC = constrain(x_BTC * scale + pos_BTC, BTC)
         return nn.Dropout(cfg.dropout)(x_BTC, deterministic=deterministic)
 
 
@@ -341,12 +347,13 @@ class DecodePositions(nn.Module):
         return jnp.broadcast_to(start + jnp.arange(T), tokens_BT.shape)
 
 
-def shift_right(targets_BT: Array, segmentation_BT: Array | None = None) -> Array:
-    """Decoder inputs: ``[BOS, y_0, ..., y_{T-2}]`` inside every packed segment (BOS at each segment start)."""
-    shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
+def shift_right(targets_BT: Array, segmentation_BT: Array | None = None, start_id: int = BOS_ID) -> Array:
+    """Decoder inputs: ``[start, y_0, ..., y_{T-2}]`` inside every packed segment (``start_id`` at each segment
+    start: BOS, or EOS for a fairseq model, ``ModelConfig.decoder_start_id``)."""
+    shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
     if segmentation_BT is None:
         return shifted
     prev_seg = jnp.pad(segmentation_BT, ((0, 0), (1, 0)))[:, :-1]
     starts = segmentation_BT != prev_seg
-    shifted = jnp.where(starts, BOS_ID, shifted)
+    shifted = jnp.where(starts, start_id, shifted)
     return jnp.where(segmentation_BT == 0, PAD_ID, shifted)

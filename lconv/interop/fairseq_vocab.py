@@ -1,0 +1,100 @@
+"""fairseq's dictionary and SentencePiece model as one lconv tokenizer, and the id map between the two.
+
+fairseq numbers its vocabulary ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3, then line n of ``dict.txt`` as
+n + 3; text becomes ids as SentencePiece pieces (strings) looked up in that dictionary. lconv's ids are
+``lconv.constants``' (PAD 0, EOS 1, UNK 2, BOS 3) and its tokenizer is one SentencePiece model whose piece ids are
+the model's token ids. So the import writes a SentencePiece model whose pieces are re-ordered into the
+dictionary's order: the four special pieces at lconv's ids, then line n of ``dict.txt`` at id n + 3 (fairseq's
+id), every piece keeping its score, so text is segmented exactly as fairseq's SentencePiece model segments it.
+Only the four special ids differ between the two numberings (``FAIRSEQ_TO_LCONV``); embedding rows are permuted
+by them (``lconv_rows``).
+
+Dictionary entries that are not SentencePiece pieces (``madeupword0000``: fairseq pads the vocabulary to a
+multiple of 8) become unused pieces: never produced by encoding, decoded as their text. SentencePiece pieces the
+dictionary lacks (fairseq maps them to ``<unk>``) become unused pieces too, so lconv's tokenizer segments around
+them where fairseq would emit ``<unk>``; they are counted and reported by the import (none in a dictionary built
+from the same SentencePiece model's output, as fairseq-preprocess builds it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lconv.data.tokenizer import Tokenizer
+from lconv.errors import UserError
+
+FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq ids 0..3
+FAIRSEQ_TO_LCONV = {0: BOS_ID, 1: PAD_ID, 2: EOS_ID, 3: UNK_ID}  # every other id is the same in both
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    tokenizer: Tokenizer
+    size: int  # rows of the embedding tables: 4 special ids + the dictionary's lines
+    pieces_not_in_dictionary: int  # SentencePiece pieces fairseq would map to <unk> (see the module docstring)
+
+
+def read_dictionary(path: str) -> list[str]:
+    """The symbols of a fairseq ``dict.txt`` (``<symbol> <count> [#fairseq:overwrite]`` per line), in id order
+    from id 4."""
+    from etils import epath
+
+    try:
+        lines = epath.Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read the fairseq dictionary {path}: {err}") from None
+    symbols = []
+    for number, line in enumerate(lines, 1):
+        fields = line.rstrip("\n").split(" ")
+        if len(fields) < 2 or not fields[1].lstrip("-").isdigit():
+            raise UserError(f"{path}:{number}: not a fairseq dictionary line ('<symbol> <count>'): {line[:60]!r}")
+        symbols.append(fields[0])
+    if len(set(symbols)) != len(symbols):
+        raise UserError(f"{path} lists a symbol twice; is it a fairseq dict.txt?")
+    return symbols
+
+
+def lconv_rows(table_VC: np.ndarray) -> np.ndarray:
+    """A table indexed by fairseq ids (embeddings, an output layer) -> the same rows at lconv's ids."""
+    order = np.arange(table_VC.shape[0])
+    for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():
+        order[lconv_id] = fairseq_id
+    return table_VC[order]
+
+
+def build_vocabulary(dictionary_path: str, spm_path: str) -> Vocabulary:
+    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (module docstring)."""
+    from etils import epath
+    from sentencepiece import sentencepiece_model_pb2
+
+    symbols = read_dictionary(dictionary_path)
+    clash = sorted(set(symbols) & set(FAIRSEQ_SPECIALS))
+    if clash:
+        raise UserError(f"{dictionary_path} lists fairseq's special symbols {clash}; they are implicit (ids 0-3)")
+    source = sentencepiece_model_pb2.ModelProto()
+    try:
+        source.ParseFromString(epath.Path(spm_path).read_bytes())
+    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError, or a file that cannot be read
+        raise UserError(f"{spm_path} is not a SentencePiece model ({type(err).__name__}: {err})") from None
+    Piece = sentencepiece_model_pb2.ModelProto.SentencePiece
+    by_text = {p.piece: p for p in source.pieces if p.type in (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE)}
+    model = sentencepiece_model_pb2.ModelProto()
+    model.CopyFrom(source)
+    del model.pieces[:]
+    specials = {PAD_ID: ("<pad>", Piece.CONTROL), EOS_ID: ("</s>", Piece.CONTROL), UNK_ID: ("<unk>", Piece.UNKNOWN),
+                BOS_ID: ("<s>", Piece.CONTROL)}
+    for i in range(len(specials)):
+        model.pieces.add(piece=specials[i][0], score=0.0, type=specials[i][1])
+    for symbol in symbols:
+        known = by_text.get(symbol)
+        model.pieces.add(piece=symbol, score=known.score if known else 0.0, type=known.type if known else Piece.UNUSED)
+    missing = [p for text, p in by_text.items() if text not in set(symbols)]
+    for piece in missing:
+        model.pieces.add(piece=piece.piece, score=piece.score, type=Piece.UNUSED)
+    spec = model.trainer_spec
+    spec.pad_id, spec.eos_id, spec.unk_id, spec.bos_id = PAD_ID, EOS_ID, UNK_ID, BOS_ID
+    spec.pad_piece, spec.eos_piece, spec.unk_piece, spec.bos_piece = "<pad>", "</s>", "<unk>", "<s>"
+    spec.vocab_size = len(model.pieces)
+    return Vocabulary(Tokenizer(model.SerializeToString()), 4 + len(symbols), len(missing))

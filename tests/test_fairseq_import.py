@@ -1,0 +1,312 @@
+"""The fairseq importer (``python -m lconv.import_fairseq``) against fairseq's own outputs.
+
+The references are fairseq's, never lconv's: two models trained by fairseq 0.12.2 (a DynamicConv ``lightconv``
+model and a Transformer), their teacher-forced log-probabilities, fairseq-generate's beam-search translations and
+scores of 200 test sentences, and their sacreBLEU (tests/fixtures/fairseq/README.md). The ids are checked against
+fairseq's rule applied by hand: SentencePiece pieces looked up in ``dict.txt``.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+
+import fairseq_reference
+import jax
+import numpy as np
+import pytest
+import sacrebleu
+import sentencepiece as spm
+from reference import tolerance
+
+from lconv.errors import UserError
+from lconv.interop import fairseq, fairseq_vocab, fairseq_workdir
+
+pytest.importorskip("torch", reason="reading a .pt needs torch (the [fairseq] extra; CI installs it)")
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "fairseq"
+MODELS = ("dynamic", "transformer")
+# fairseq-generate's settings for generate.txt
+GENERATE = {"beam_size": 4, "lenpen": 1.0, "max_len_a": 1.2, "max_len_b": 10}
+
+
+def _lines(path: pathlib.Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    """Each model imported once: ``dynamic`` through the command line, ``transformer`` through the function."""
+    root = tmp_path_factory.mktemp("imported")
+    out = {}
+    for name in MODELS:
+        out[name] = str(root / name)
+        args = dict(checkpoint=str(FIXTURES / name / "checkpoint_last.pt"), dict=str(FIXTURES / "dict.txt"),
+                    spm=str(FIXTURES / "spm.model"), workdir=out[name])
+        if name == "dynamic":
+            flags = [f"--{k}={v}" for k, v in {**args, **GENERATE}.items()]
+            done = subprocess.run([sys.executable, "-m", "lconv.import_fairseq", *flags], capture_output=True,
+                                  text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert "imported lightconv (220,416 parameters, 1500 updates)" in done.stdout
+        else:
+            fairseq_workdir.import_checkpoint(args["checkpoint"], args["dict"], args["spm"], args["workdir"],
+                                              decode=GENERATE, log=lambda _: None)
+    return out
+
+
+def test_text_becomes_fairseqs_ids():
+    """fairseq's rule by hand (SentencePiece pieces as strings, looked up in dict.txt, ids from 4; EOS 2 last),
+    against the imported tokenizer on all 200 sources, and against fairseq's own batch of the first 8."""
+    vocab = fairseq_vocab.build_vocabulary(str(FIXTURES / "dict.txt"), str(FIXTURES / "spm.model"))
+    assert (vocab.size, vocab.pieces_not_in_dictionary) == (1008, 0)
+    pieces = spm.SentencePieceProcessor(model_file=str(FIXTURES / "spm.model"))
+    symbols = {s: i + 4 for i, s in enumerate(line.split(" ")[0] for line in _lines(FIXTURES / "dict.txt"))}
+    sources = _lines(FIXTURES / "test.src")
+    for source in sources:
+        by_hand = [symbols.get(p, 3) for p in pieces.encode(source, out_type=str)]
+        assert vocab.tokenizer.encode(source).tolist() == by_hand, source  # ids >= 4 are the same in both
+        assert vocab.tokenizer.decode(vocab.tokenizer.encode(source)) == " ".join(source.split())
+    golden = np.load(FIXTURES / "dynamic" / "golden_lprobs.npz")
+    for row, source in zip(golden["src_tokens"], sources):
+        assert row[row != 1].tolist() == vocab.tokenizer.encode(source).tolist() + [2]
+
+
+def _to_lconv(ids: np.ndarray) -> np.ndarray:
+    out = ids.copy()
+    for fairseq_id, lconv_id in fairseq_vocab.FAIRSEQ_TO_LCONV.items():
+        out[ids == fairseq_id] = lconv_id
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_imported_log_probabilities_equal_fairseqs(workdirs, name):
+    """Teacher-forced log-probabilities of every vocabulary entry at every target position of fairseq's batch
+    (left-padded sources, right-padded targets; lconv's inputs are right-padded) equal fairseq's in float32."""
+    import lconv
+
+    model = lconv.load(workdirs[name])
+    assert model.module.config.matmul_precision == "highest"  # float32 as fairseq's PyTorch, on every backend
+    golden = np.load(FIXTURES / name / "golden_lprobs.npz")
+    rows = [_to_lconv(r[r != 1]) for r in golden["src_tokens"]]
+    inputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        inputs[i, :len(r)] = r
+    targets = np.where(golden["target"] == 1, 0, _to_lconv(golden["target"])).astype(np.int32)
+    logits = model.module.apply({"params": model.params}, inputs, targets,
+                                inputs_segmentation=(inputs != 0).astype(np.int32),
+                                targets_segmentation=(targets != 0).astype(np.int32))
+    lprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    columns = np.array([fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(lprobs.shape[-1])])
+    real = golden["target"] != 1
+    np.testing.assert_allclose(lprobs[..., columns][real], golden["lprobs"][real],
+                               **tolerance(np.float32, "highest", rtol=1e-5, atol=2e-5))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_beam_search_reproduces_fairseq_generate(workdirs, name):
+    """eval.py on the imported workdir with fairseq's stopping rule, beam 4: every translation of the 200
+    sentences is fairseq's (or, where one differs, the two hypotheses' scores tie), and sacreBLEU is fairseq's."""
+    from lconv.cli import evaluate
+
+    output = pathlib.Path(workdirs[name]) / "generate.txt"
+    result = evaluate.run(workdirs[name], source_file=str(FIXTURES / "test.src"),
+                          reference_file=str(FIXTURES / "test.ref"), output_file=str(output), log=lambda _: None)
+    ours, theirs = _lines(output), _lines(FIXTURES / name / "generate.txt")
+    differing = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    assert len(ours) == len(theirs) == 200
+    assert not differing, [(i, ours[i], theirs[i]) for i in differing[:3]]
+    bleu = float(_lines(FIXTURES / name / "bleu.txt")[0].split(" = ")[1].split(" ")[0])
+    assert abs(result["bleu"] - bleu) <= 0.1, (result["bleu"], bleu)
+    assert sacrebleu.corpus_bleu(ours, [_lines(FIXTURES / "test.ref")]).score == pytest.approx(result["bleu"])
+
+
+@pytest.fixture(scope="module")
+def dynamic_checkpoint():
+    return fairseq.read_checkpoint(str(FIXTURES / "dynamic" / "checkpoint_last.pt"))
+
+
+def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
+    _, args, updates = dynamic_checkpoint
+    assert updates == 1500 and args["arch"] == "lightconv"
+    changed = {**args, "decoder_embed_dim": 128, "decoder_glu": False, "adaptive_softmax_cutoff": "1000,5000"}
+    with pytest.raises(UserError) as err:
+        fairseq.model_fields(changed, 1008)
+    message = str(err.value)
+    assert "\n" not in message
+    for named in ("decoder_embed_dim=128", "decoder_glu=False", "adaptive_softmax_cutoff"):
+        assert named in message
+    with pytest.raises(UserError, match="'lightconv_lm' is not importable"):
+        fairseq.model_fields({**args, "arch": "lightconv_lm"}, 1008)
+
+
+def test_a_state_dict_that_does_not_fit_its_arguments_is_refused(dynamic_checkpoint):
+    weights, args, _ = dynamic_checkpoint
+    fields = fairseq.model_fields(args, 1008)
+    with pytest.raises(UserError, match=r"would not use: \['encoder.layers.2.fc1.weight'\]"):
+        fairseq.lconv_params({**weights, "encoder.layers.2.fc1.weight": np.zeros((128, 64))}, fields)
+    trimmed = {k: v for k, v in weights.items() if k != "decoder.layers.1.fc2.bias"}
+    with pytest.raises(UserError, match="lacks 'decoder.layers.1.fc2.bias'"):
+        fairseq.lconv_params(trimmed, fields)
+    with pytest.raises(UserError, match="should be a copy of the shared embedding"):
+        fairseq.lconv_params({**weights, "decoder.embed_tokens.weight": weights["decoder.embed_tokens.weight"] + 1},
+                             fields)
+
+
+def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
+    checkpoint, dictionary, model = (str(FIXTURES / "dynamic" / "checkpoint_last.pt"), str(FIXTURES / "dict.txt"),
+                                     str(FIXTURES / "spm.model"))
+    not_a_checkpoint = tmp_path / "model.pt"
+    not_a_checkpoint.write_bytes(b"not a zip")
+    cases = [
+        ((str(not_a_checkpoint), dictionary, model), "cannot read .* as a torch checkpoint"),
+        ((str(tmp_path / "missing.pt"), dictionary, model), "no fairseq checkpoint at"),
+        ((checkpoint, str(FIXTURES / "test.src"), model), r"test.src:1: not a fairseq dictionary line"),
+        ((checkpoint, dictionary, str(FIXTURES / "dict.txt")), "is not a SentencePiece model"),
+    ]
+    short = tmp_path / "dict.txt"
+    short.write_text("\n".join(_lines(FIXTURES / "dict.txt")[:-8]) + "\n", encoding="utf-8")
+    cases.append(((checkpoint, str(short), model), "gives 1000 ids .* embeddings have 1008 rows"))
+    for (ckpt, dict_path, spm_path), pattern in cases:
+        with pytest.raises(UserError, match=pattern):
+            fairseq_workdir.import_checkpoint(ckpt, dict_path, spm_path, str(tmp_path / "run"), log=lambda _: None)
+        assert not (tmp_path / "run").exists()  # nothing is written before everything has been checked
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, workdirs["dynamic"], log=lambda _: None)
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    with pytest.raises(UserError, match=r'needs PyTorch: pip install "lconv\[fairseq\]"'):
+        fairseq.read_checkpoint(checkpoint)
+
+
+def test_the_import_record_names_its_source_and_counts_fairseqs_parameters(workdirs):
+    import json
+
+    record = json.loads((pathlib.Path(workdirs["transformer"]) / "imported.json").read_text())
+    # fairseq's 231,936 trained parameters (its file also holds 66,432 unused zeros, which are not imported)
+    assert (record["arch"], record["parameters"], record["updates"]) == ("transformer", 231_936, 1500)
+    assert len(record["sha256"]) == 64 and record["fairseq_model_args"]["share_all_embeddings"] is True
+    assert math.isclose(record["fairseq_model_args"]["dropout"], 0.1)
+
+
+def test_the_numpy_reference_is_fairseqs_forward_pass(dynamic_checkpoint):
+    """The float64 reference the variant test below trusts reproduces fairseq's golden log-probabilities."""
+    for name in MODELS:
+        weights, args, _ = (dynamic_checkpoint if name == "dynamic" else
+                            fairseq.read_checkpoint(str(FIXTURES / name / "checkpoint_last.pt")))
+        golden = np.load(FIXTURES / name / "golden_lprobs.npz")
+        target = golden["target"]
+        previous = np.concatenate([np.full((len(target), 1), 2), target[:, :-1]], axis=1)  # EOS first
+        logits = fairseq_reference.forward(weights, args, golden["src_tokens"], previous)
+        lprobs = logits - logits.max(-1, keepdims=True)
+        lprobs -= np.log(np.exp(lprobs).sum(-1, keepdims=True))
+        real = target != 1
+        np.testing.assert_allclose(lprobs[real], golden["lprobs"][real], rtol=1e-5, atol=2e-5)
+
+
+# Architectures no fixture covers: (fairseq arguments over _BASE_ARGS). Together they take every importable
+# option both ways: conv type, GLU, pre/post-norm, learned/sinusoidal positions, shared / decoder-tied / separate
+# embeddings, conv width != model width, embedding scaling.
+VARIANTS = {
+    "lightweight_noglu_prenorm_learned_tied_decoder": dict(
+        arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="lightweight", encoder_glu=False,
+        decoder_glu=False, encoder_normalize_before=True, decoder_normalize_before=True, encoder_learned_pos=True,
+        decoder_learned_pos=True, share_all_embeddings=False, share_decoder_input_output_embed=True,
+        encoder_conv_dim=24, decoder_conv_dim=24),
+    "dynamic_glu_postnorm_separate_output": dict(
+        arch="lightconv_wmt_en_de", encoder_conv_type="dynamic", decoder_conv_type="dynamic",
+        share_all_embeddings=False, share_decoder_input_output_embed=False),
+    "transformer_prenorm_learned_unscaled": dict(
+        arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, encoder_learned_pos=True,
+        decoder_learned_pos=True, no_scale_embedding=True, activation_fn="relu"),
+}
+_BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
+                  encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_kernel_size_list=[3, 5], decoder_kernel_size_list=[2, 4], encoder_glu=True,
+                  decoder_glu=True, encoder_normalize_before=False, decoder_normalize_before=False,
+                  encoder_learned_pos=False, decoder_learned_pos=False, share_all_embeddings=True,
+                  max_source_positions=16, max_target_positions=16, weight_softmax=True, dropout=0.1)
+_V = 24
+
+
+def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random state dict under fairseq's names and [out, in] layouts for ``args``."""
+    C, F, H = args["encoder_embed_dim"], args["encoder_ffn_embed_dim"], args["encoder_attention_heads"]
+    conv = args.get("encoder_conv_dim", C)
+    w: dict[str, np.ndarray] = {}
+    normal = lambda *shape: rng.normal(0.0, 0.3, shape).astype(np.float32)
+
+    def linear(name, out, inp, bias=True):
+        w[f"{name}.weight"] = normal(out, inp)
+        if bias:
+            w[f"{name}.bias"] = normal(out)
+
+    def norm(name):
+        w[f"{name}.weight"], w[f"{name}.bias"] = 1.0 + normal(C), normal(C)
+
+    for side in ("encoder", "decoder"):
+        w[f"{side}.embed_tokens.weight"] = normal(_V, C)
+        if args[f"{side}_learned_pos"]:
+            w[f"{side}.embed_positions.weight"] = normal(args["max_source_positions"] + 2, C)
+        for i in range(args[f"{side}_layers"]):
+            p = f"{side}.layers.{i}"
+            if args["arch"].startswith("lightconv"):
+                K = args[f"{side}_kernel_size_list"][i]
+                linear(f"{p}.linear1", 2 * conv if args[f"{side}_glu"] else conv, C)
+                if args[f"{side}_conv_type"] == "dynamic":
+                    linear(f"{p}.conv.weight_linear", H * K, conv, bias=False)
+                else:
+                    w[f"{p}.conv.weight"] = normal(H, 1, K)
+                linear(f"{p}.linear2", C, conv)
+                norm(f"{p}.layer_norms.0" if side == "encoder" else f"{p}.conv_layer_norm")
+            else:
+                for proj in ("q", "k", "v", "out"):
+                    linear(f"{p}.self_attn.{proj}_proj", C, C)
+                norm(f"{p}.self_attn_layer_norm")
+            if side == "decoder":
+                for proj in ("q", "k", "v", "out"):
+                    linear(f"{p}.encoder_attn.{proj}_proj", C, C)
+                norm(f"{p}.encoder_attn_layer_norm")
+            linear(f"{p}.fc1", F, C)
+            linear(f"{p}.fc2", C, F)
+            norm(f"{p}.layer_norms.1" if side == "encoder" and args["arch"].startswith("lightconv")
+                 else f"{p}.final_layer_norm")
+        if args[f"{side}_normalize_before"]:
+            norm(f"{side}.layer_norm")
+    if args["share_all_embeddings"]:
+        w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]
+    elif not args["share_decoder_input_output_embed"]:
+        w["decoder.embed_out"] = normal(_V, C)
+    return w
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_importable_architecture_matches_the_reference(variant):
+    """Random weights under fairseq's names, imported, give the float64 reference's logits."""
+    from lconv.nn.models import EncoderDecoder, ModelConfig
+
+    args = {**_BASE_ARGS, **VARIANTS[variant]}
+    rng = np.random.default_rng(0)
+    weights = _fairseq_weights(args, rng)
+    fields = fairseq.model_fields(args, _V)
+    model = EncoderDecoder(ModelConfig.from_config(fields, matmul_precision="highest"))
+    params = fairseq.lconv_params(weights, fields)
+    lengths, target_lengths = [7, 4, 6], [5, 7, 3]
+    source = np.ones((3, 7), np.int64)  # fairseq: left-padded, EOS last
+    previous = np.ones((3, 7), np.int64)  # fairseq: EOS first, right-padded
+    target = np.zeros((3, 7), np.int32)  # lconv: the targets (EOS last), right-padded; the model shifts them
+    for b, (n, m) in enumerate(zip(lengths, target_lengths)):
+        source[b, 7 - n:] = np.append(rng.integers(4, _V, n - 1), 2)
+        tokens = np.append(rng.integers(4, _V, m - 1), 2)
+        previous[b, :m] = np.append(2, tokens[:-1])
+        target[b, :m] = _to_lconv(tokens)
+    inputs = np.zeros((3, 7), np.int32)
+    for b, n in enumerate(lengths):
+        inputs[b, :n] = _to_lconv(source[b, 7 - n:])
+    logits = model.apply({"params": params}, inputs, target, inputs_segmentation=(inputs != 0).astype(np.int32),
+                         targets_segmentation=(target != 0).astype(np.int32))
+    expected = fairseq_reference.forward(weights, args, source, previous)
+    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(_V)]
+    real = target != 0
+    np.testing.assert_allclose(np.asarray(logits)[..., columns][real], expected[real],
+                               **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5))
