@@ -6,8 +6,13 @@
 
 d 512, FFN 1024, 4 heads, 7 encoder / 6 decoder layers (transformer: 6 / 6, fairseq's transformer_iwslt_de_en),
 no GLU, dropout 0.3, weight dropout 0.1, Adam (0.9, 0.98), lr 5e-4 inverse-sqrt with 4k warmup, label smoothing
-0.1, 50k updates. The data is the local-files builder ``iwslt14`` (see README, Datasets): fairseq's
-``prepare-iwslt14.sh`` output, prepared with lconv.
+0.1, 50k updates: fairseq's training command (examples/pay_less_attention_paper/README.md), compared value by value
+in docs/recipes.md. A batch is 16 packed rows of 256 tokens = 4,096 target tokens per update, fairseq's
+``--max-tokens 4000`` on one GPU with no update-freq; tokens per update = batch_size x max_target_length whatever
+``optim.grad_accum_steps`` (it only splits the rows into micro-batches). fairseq evaluates the average of the last
+10 epoch checkpoints (about the last 10k updates): ``python eval.py --workdir=... --average_last=5`` averages the 5
+kept checkpoints, 2k updates apart. The data is the local-files builder ``iwslt14`` (see README, Datasets):
+fairseq's ``prepare-iwslt14.sh`` output, prepared with lconv.
 """
 from lconv.configs import common
 
@@ -18,7 +23,7 @@ def get_config(arg=None):
     c.data.dataset = "iwslt14/de_en"
     c.data.vocab_size = 10000
     c.data.max_input_length = c.data.max_target_length = 256
-    c.data.batch_size = 32  # x 256 tokens packed ~ fairseq's max_tokens 4000 x 2 updates
+    c.data.batch_size = 16  # x 256 tokens packed = 4,096 ~ fairseq's --max-tokens 4000 per update
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = 512, 1024, 4
     c.model.encoder_layers, c.model.decoder_layers = 7, 6
     c.model.use_glu = False

@@ -4,10 +4,14 @@
     python train.py --config=configs/lm1b.py:transformer --workdir=...
     python train.py --config=configs/lm1b.py:knn,ddtp --workdir=runs/lm_knn     # bundled corpus, laptop CPU
 
-d 512, FFN 4096, 16 heads, 6 layers with kernels [3,7,15,31,31,31], dropout 0.1, NAG (momentum 0.99) with
-cosine lr and gradient-norm clipping 0.1. The output layer is the shared embedding over a 32k SentencePiece
-vocabulary; the ``adaptive`` variant word swaps in fairseq's adaptive softmax (``lconv.nn.adaptive_softmax``; its
-gbw recipe cuts a 793k word vocabulary at 60k/160k, here 32k pieces at 8k/20k, factor 4, untied embeddings):
+d 512, FFN 4096, 16 heads, 6 layers with kernels [3,7,15,31,31,31], dropout, attention, weight and input dropout
+0.1 (fairseq's architecture); fairseq has no training command for it, so the optimisation is that of fairseq's
+LM command (examples/language_model/README.adaptive_inputs.md): NAG (momentum 0.99), lr warmed up from 1e-7 to 1
+over 16k updates, then here one cosine, gradient-norm clipping 0.1; 256 rows x 256 tokens = 65,536 tokens per
+update (docs/recipes.md compares every value). The output layer is the shared
+embedding over a 32k SentencePiece vocabulary; the ``adaptive`` variant word swaps in fairseq's adaptive softmax
+(``lconv.nn.adaptive_softmax``; its gbw recipe cuts a 793k word vocabulary at 60k/160k, here 32k pieces at 8k/20k,
+factor 4, untied embeddings):
 
     python train.py --config=configs/lm1b.py:dynamic,adaptive --workdir=...
 
@@ -40,8 +44,12 @@ def get_config(arg=None):
     c.model.encoder_layers, c.model.decoder_layers = 0, 6
     c.model.normalize_before = True
     c.model.dropout, c.model.attention_dropout, c.model.weight_dropout = 0.1, 0.1, 0.1
+    c.model.input_dropout = 0.1  # lightconv_lm's default
     c.optim.optimizer, c.optim.momentum = "nag", 0.99
-    c.optim.learning_rate, c.optim.schedule, c.optim.warmup_steps = 1e-4, "cosine", 16_000
+    # Peak lr 1: fairseq's LM command (0.12.2: --optimizer nag --lr 1.0 --min-lr 0.0001). 1e-4 here was the cosine
+    # floor of its pre-2020 form (--max-lr 1.0 --lr 0.0001: that cosine scheduler warmed up to --max-lr), read as
+    # the peak.
+    c.optim.learning_rate, c.optim.schedule, c.optim.warmup_steps = 1.0, "cosine", 16_000
     c.optim.clip_norm = 0.1
     c.optim.label_smoothing = 0.0
     c.train.num_steps = 984_000  # fairseq's gbw recipe: max_update 984k with the cosine period
@@ -55,7 +63,7 @@ def get_config(arg=None):
         c.model.d_model, c.model.ffn_dim, c.model.num_heads = 256, 1024, 4
         c.model.decoder_layers, c.model.decoder_kernel_sizes = 3, (3, 7, 15)
         c.model.max_len = 256
-        c.model.weight_dropout = 0.0
+        c.model.weight_dropout = c.model.input_dropout = 0.0
         c.optim.optimizer, c.optim.learning_rate, c.optim.schedule = "adam", 3e-3, "inverse_sqrt"
         c.optim.warmup_steps, c.optim.clip_norm = 100, 0.0
         c.train.num_steps, c.train.max_minutes = 1500, 10.0

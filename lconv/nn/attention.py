@@ -105,8 +105,9 @@ class SelfAttention(AttentionFields):
     """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
 
     ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
-    contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform with zero bias, as
-    fairseq initialises its Transformer. ``attention_dropout`` drops attention probabilities in training.
+    contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform (Q/K/V with gain
+    1/sqrt(2), the output with gain 1) with zero bias, as fairseq's MultiheadAttention. ``attention_dropout``
+    drops attention probabilities in training.
 
     ``attention_impl``: the kernel (``lconv.ops.flash``; the module docstring). Decode cache (``'cache'``
     collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``, ``cached_segment_ids [B, L]`` int32,

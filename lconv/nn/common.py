@@ -50,18 +50,26 @@ Array = jax.Array
 DType = Any
 
 
+# fairseq's MultiheadAttention initialises q/k/v_proj with xavier_uniform(gain=1/sqrt(2)) when Q, K and V share
+# the model width (its note: this scaled init converges much better empirically); out_proj keeps gain 1.
+QKV_GAIN = 1 / math.sqrt(2)
+
+
 def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True, dtype: DType = jnp.float32,
-                 param_dtype: DType = jnp.float32, precision: str = "default", name: str | None = None) -> nn.Dense:
-    """fairseq's ``Linear``: xavier-uniform kernel, zero bias, with logical axis names ``(in, out)`` on the
-    kernel and ``(out,)`` on the bias, so every projection shards by the config's mesh rules. ``precision``:
-    a ``config.model.matmul_precision`` name (``lconv.ops.precision``)."""
+                 param_dtype: DType = jnp.float32, precision: str = "default", name: str | None = None,
+                 gain: float = 1.0) -> nn.Dense:
+    """fairseq's ``Linear``: xavier-uniform kernel (PyTorch's ``gain``: bound ``gain * sqrt(6 / (fan_in +
+    fan_out))``), zero bias, with logical axis names ``(in, out)`` on the kernel and ``(out,)`` on the bias, so
+    every projection shards by the config's mesh rules. ``precision``: a ``config.model.matmul_precision`` name
+    (``lconv.ops.precision``)."""
+    kernel_init = nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")  # gain 1 = xavier_uniform()
     return nn.Dense(
         features,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=param_dtype,
         precision=lax_precision(precision),
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
+        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
         name=name,
     )
@@ -127,16 +135,18 @@ def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*fitted))
 
 
-def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str]) -> nn.Dense:
+def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str], gain: float = 1.0) -> nn.Dense:
     """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype``, ``param_dtype`` and
     ``matmul_precision`` (default ``"default"``)."""
     return xavier_dense(features, axes, use_bias=getattr(mdl, "use_bias", True), dtype=mdl.dtype,
-                        param_dtype=mdl.param_dtype, precision=getattr(mdl, "matmul_precision", "default"), name=name)
+                        param_dtype=mdl.param_dtype, precision=getattr(mdl, "matmul_precision", "default"), name=name,
+                        gain=gain)
 
 
 def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int) -> Array:
-    """``dense`` into ``H`` heads of width ``D``: ``[B, T, C] -> [B, T, H, D]``, pinned batch- and head-split."""
-    return constrain(dense(H * D, name, mdl, TO_HEADS)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
+    """An attention Q/K/V projection: ``dense`` (xavier gain ``QKV_GAIN``, as fairseq) into ``H`` heads of width
+    ``D``: ``[B, T, C] -> [B, T, H, D]``, pinned batch- and head-split."""
+    return constrain(dense(H * D, name, mdl, TO_HEADS, gain=QKV_GAIN)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
 
 
 def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | None:
