@@ -11,8 +11,8 @@ Writes into ``--out`` (local or ``gs://``):
   and a uint32 seed -> ``[rows, width + max_len]`` tokens, the prompt first; ``lconv.infer.compiled.generate``);
   each lowered for every platform in ``--platforms`` (one artifact runs on any of them);
 - ``params.npz`` (the params, the programs' first argument: kept out of the programs so they stay small),
-  ``spm.model`` (the tokenizer) and ``lconv_export.json``: the config, the buckets and each program's
-  signature, the platforms and the conv implementation each platform runs.
+  ``spm.model`` (the tokenizer; ``pieces.json`` for an imported BPE model) and ``lconv_export.json``: the
+  config, the buckets and each program's signature, the platforms and the conv implementation each platform runs.
 
 ``conv_impl="auto"`` is decided per platform of the lowered program (``lconv.ops.conv``'s ``choose_impl``: the
 shift conv on CPU, the band conv elsewhere), not by the exporting host. ``load(out)`` gives a callable that
@@ -84,13 +84,13 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     buffer = io.BytesIO()
     np.savez(buffer, **traverse_util.flatten_dict(params, sep="/"))
     (directory / "params.npz").write_bytes(buffer.getvalue())
-    (directory / "spm.model").write_bytes(trained.tokenizer.model_proto)
+    (directory / trained.tokenizer.filename).write_bytes(trained.tokenizer.to_bytes())
     impl = config.model.conv_impl
     sidecar = {
         "format": FORMAT_VERSION, "task": config.task, "workdir": trained.workdir, "steps": trained.steps,
         "platforms": list(platforms),
         "conv_impl": {p: ops_conv.choose_impl(p) if impl == "auto" else impl for p in platforms},
-        "tokenizer": "spm.model", "params": "params.npz", "programs": programs,
+        "tokenizer": trained.tokenizer.filename, "params": "params.npz", "programs": programs,
         "search": sampling if lm else {"beam_size": beam_size, "lenpen": float(config.decode.lenpen)},
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
         "jax_version": jax.__version__, "config": json.loads(config.to_json()),
@@ -133,7 +133,8 @@ class Served:
             raise UserError(f"{path}: no {SIDECAR}; export a run there with python -m lconv.export")
         self.sidecar = json.loads((directory / SIDECAR).read_text())
         self.task = self.sidecar["task"]
-        self.tokenizer = tokenizer_lib.Tokenizer((directory / self.sidecar["tokenizer"]).read_bytes())
+        name = self.sidecar["tokenizer"]
+        self.tokenizer = tokenizer_lib.tokenizer_from_bytes(name, (directory / name).read_bytes())
         with np.load(io.BytesIO((directory / self.sidecar["params"]).read_bytes())) as flat:
             self.params = traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
         self.programs = {(p["rows"], p["width"]): (p, jax.export.deserialize(bytearray(

@@ -167,11 +167,17 @@ def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
     ]
     short = tmp_path / "dict.txt"
     short.write_text("\n".join(_lines(FIXTURES / "dict.txt")[:-8]) + "\n", encoding="utf-8")
-    cases.append(((checkpoint, str(short), model), "gives 1000 ids .* embeddings have 1008 rows"))
+    cases.append(((checkpoint, str(short), model), "gives 1000 ids .* encoder embeddings have 1008 rows"))
     for (ckpt, dict_path, spm_path), pattern in cases:
         with pytest.raises(UserError, match=pattern):
             fairseq_workdir.import_checkpoint(ckpt, dict_path, spm_path, str(tmp_path / "run"), log=lambda _: None)
         assert not (tmp_path / "run").exists()  # nothing is written before everything has been checked
+    other = tmp_path / "dict.de.txt"
+    other.write_text("\n".join(reversed(_lines(FIXTURES / "dict.txt"))) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match="dict.de.txt differs from .*one dictionary for source and target"):
+        fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, str(tmp_path / "run"),
+                                          target_dictionary=str(other), log=lambda _: None)
+    assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="already holds checkpoints"):
         fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, workdirs["dynamic"], log=lambda _: None)
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
@@ -310,3 +316,35 @@ def test_every_importable_architecture_matches_the_reference(variant):
     real = target != 0
     np.testing.assert_allclose(np.asarray(logits)[..., columns][real], expected[real],
                                **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5))
+
+
+def test_without_sentencepiece_text_split_into_pieces_translates_as_fairseq(tmp_path):
+    """The dictionary alone (the tokenizer of fairseq's published, BPE-split models): sources given as their
+    pieces give fairseq-generate's hypotheses as pieces (generate_pieces.txt), for all 200 sentences."""
+    import lconv
+
+    workdir = str(tmp_path / "pieces")
+    record = fairseq_workdir.import_checkpoint(str(FIXTURES / "dynamic" / "checkpoint_last.pt"),
+                                               str(FIXTURES / "dict.txt"), None, workdir, decode=GENERATE,
+                                               continuation="", log=lambda _: None)
+    assert record["tokenizer"] == "pieces.json" and record["spm"] is None
+    pieces = spm.SentencePieceProcessor(model_file=str(FIXTURES / "spm.model"))
+    sources = [" ".join(pieces.encode(s, out_type=str)) for s in _lines(FIXTURES / "test.src")]
+    model = lconv.load(workdir)
+    assert model.translate(sources) == _lines(FIXTURES / "dynamic" / "generate_pieces.txt")
+
+
+def test_the_pieces_tokenizer_joins_bpe_units_as_remove_bpe_does(tmp_path):
+    from lconv.data import tokenizer as tokenizer_lib
+    from lconv.data.pieces_tokenizer import PiecesTokenizer
+
+    tokenizer = PiecesTokenizer(["Werk@@", "zeug", "zum", "Um@@", "wand@@", "eln", "."], continuation="@@")
+    ids = tokenizer.encode("Werk@@ zeug zum Um@@ wand@@ eln unbekannt .")
+    assert ids.tolist() == [4, 5, 6, 7, 8, 9, 2, 10]  # an unknown piece is UNK (2)
+    assert tokenizer.decode(np.append(ids, [1, 4])) == "Werkzeug zum Umwandeln <unk> ."  # stops at EOS (1)
+    tokenizer_lib.save_tokenizer(tokenizer, str(tmp_path))
+    loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
+    assert (loaded.symbols, loaded.continuation) == (tokenizer.symbols, "@@")
+    (tmp_path / "pieces.json").write_text("{not json")
+    with pytest.raises(UserError, match="is not a pieces vocabulary"):
+        tokenizer_lib.load_tokenizer(str(tmp_path))

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lconv.data.pieces_tokenizer import PiecesTokenizer
 from lconv.errors import UserError
 
 MODEL_FILENAME = "spm.model"
@@ -34,6 +35,8 @@ MIN_VOCAB_SIZE = len({PAD_ID, EOS_ID, UNK_ID, BOS_ID}) + _BYTE_PIECES + 2
 
 class Tokenizer:
     """A loaded SentencePiece model. ``encode`` returns int32 ids without EOS; ``decode`` stops at EOS."""
+
+    filename = MODEL_FILENAME
 
     def __init__(self, model_proto: bytes):
         import sentencepiece as spm
@@ -75,31 +78,49 @@ class Tokenizer:
                 out.append(int(i))
         return self._sp.decode(out)
 
-    def save(self, directory: str) -> str:
-        """Writes ``<directory>/spm.model`` through a temporary file of a unique name, then one rename over the
-        old file: readers never see half a model, and processes saving at the same time never share a file."""
-        from etils import epath
+    def to_bytes(self) -> bytes:
+        return self.model_proto
 
-        directory = epath.Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{MODEL_FILENAME}.{uuid.uuid4().hex}.tmp"
-        try:
-            tmp.write_bytes(self.model_proto)
-            tmp.replace(directory / MODEL_FILENAME)  # os.replace locally: atomic, and an existing model is fine
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        return str(directory / MODEL_FILENAME)
+    def save(self, directory: str) -> str:
+        return save_tokenizer(self, directory)
+
+
+def save_tokenizer(tokenizer: Tokenizer | PiecesTokenizer, directory: str) -> str:
+    """Writes ``<directory>/<tokenizer.filename>`` through a temporary file of a unique name, then one rename over
+    the old file: readers never see half a model, and processes saving at the same time never share a file."""
+    from etils import epath
+
+    directory = epath.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{tokenizer.filename}.{uuid.uuid4().hex}.tmp"
+    try:
+        tmp.write_bytes(tokenizer.to_bytes())
+        tmp.replace(directory / tokenizer.filename)  # os.replace locally: atomic, and an existing file is fine
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return str(directory / tokenizer.filename)
+
+
+def tokenizer_from_bytes(filename: str, data: bytes) -> Tokenizer | PiecesTokenizer:
+    """The tokenizer a saved file holds, by its name: ``spm.model`` or ``pieces.json``."""
+    return PiecesTokenizer.from_bytes(data, filename) if filename.endswith(PiecesTokenizer.filename) \
+        else Tokenizer(data)
 
 
 def tokenizer_path(directory: str) -> str:
     return f"{str(directory).rstrip('/')}/{MODEL_FILENAME}"
 
 
-def load_tokenizer(directory: str) -> Tokenizer:
+def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
+    """The workdir's SentencePiece model, or, for an imported model whose text comes split into pieces (BPE), its
+    pieces vocabulary (``lconv.data.pieces_tokenizer``)."""
     from etils import epath
 
     path = epath.Path(tokenizer_path(directory))
+    pieces = epath.Path(directory) / PiecesTokenizer.filename
+    if not path.exists() and pieces.exists():
+        return PiecesTokenizer.from_bytes(pieces.read_bytes(), str(pieces))
     if not path.exists():
         raise UserError(f"no tokenizer at {path}; train one with lconv.data.tokenizer.load_or_train")
     return Tokenizer(path.read_bytes())

@@ -9,6 +9,10 @@ id), every piece keeping its score, so text is segmented exactly as fairseq's Se
 Only the four special ids differ between the two numberings (``FAIRSEQ_TO_LCONV``); embedding rows are permuted
 by them (``lconv_rows``).
 
+Without a SentencePiece model (fairseq's published paper models: Moses + subword-nmt BPE) the tokenizer is the
+dictionary alone (``lconv.data.pieces_tokenizer``): text comes already split into pieces, and decoding joins BPE
+units as ``--remove-bpe`` does; the ids are the same as above.
+
 Dictionary entries that are not SentencePiece pieces (``madeupword0000``: fairseq pads the vocabulary to a
 multiple of 8) become unused pieces: never produced by encoding, decoded as their text. SentencePiece pieces the
 dictionary lacks (fairseq maps them to ``<unk>``) become unused pieces too, so lconv's tokenizer segments around
@@ -22,6 +26,7 @@ import dataclasses
 import numpy as np
 
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lconv.data.pieces_tokenizer import PiecesTokenizer
 from lconv.data.tokenizer import Tokenizer
 from lconv.errors import UserError
 
@@ -31,7 +36,7 @@ FAIRSEQ_TO_LCONV = {0: BOS_ID, 1: PAD_ID, 2: EOS_ID, 3: UNK_ID}  # every other i
 
 @dataclasses.dataclass(frozen=True)
 class Vocabulary:
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | PiecesTokenizer
     size: int  # rows of the embedding tables: 4 special ids + the dictionary's lines
     pieces_not_in_dictionary: int  # SentencePiece pieces fairseq would map to <unk> (see the module docstring)
 
@@ -64,15 +69,23 @@ def lconv_rows(table_VC: np.ndarray) -> np.ndarray:
     return table_VC[order]
 
 
-def build_vocabulary(dictionary_path: str, spm_path: str) -> Vocabulary:
-    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (module docstring)."""
-    from etils import epath
-    from sentencepiece import sentencepiece_model_pb2
-
+def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@") -> Vocabulary:
+    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (module docstring); without a
+    SentencePiece model, the dictionary alone for text already split into its pieces (Moses + subword-nmt BPE,
+    ``continuation`` its joining marker), as fairseq-generate reads binarized data and prints ``--remove-bpe``."""
     symbols = read_dictionary(dictionary_path)
     clash = sorted(set(symbols) & set(FAIRSEQ_SPECIALS))
     if clash:
         raise UserError(f"{dictionary_path} lists fairseq's special symbols {clash}; they are implicit (ids 0-3)")
+    if spm_path is None:
+        return Vocabulary(PiecesTokenizer(symbols, continuation), 4 + len(symbols), 0)
+    return _sentencepiece_vocabulary(symbols, spm_path)
+
+
+def _sentencepiece_vocabulary(symbols: list[str], spm_path: str) -> Vocabulary:
+    from etils import epath
+    from sentencepiece import sentencepiece_model_pb2
+
     source = sentencepiece_model_pb2.ModelProto()
     try:
         source.ParseFromString(epath.Path(spm_path).read_bytes())

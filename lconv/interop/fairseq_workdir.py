@@ -1,4 +1,4 @@
-"""``python -m lconv.import_fairseq``: a fairseq checkpoint written as an lconv workdir that ``eval.py``,
+"""A fairseq checkpoint written as an lconv workdir (``python -m lconv.import_fairseq``) that ``eval.py``,
 ``lconv.load`` and the study read like a trained run.
 
 The workdir holds ``config.json`` (a translation config whose ``model`` follows fairseq's arguments and
@@ -22,6 +22,7 @@ import numpy as np
 from etils import epath
 from flax.linen import meta as nn_meta
 
+from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_vocab
 
@@ -30,24 +31,25 @@ IMPORT_RECORD = "imported.json"
 
 # fairseq-generate's defaults, written as config.decode unless the import is told the settings a model is used with
 GENERATE_DEFAULTS = {"beam_size": 5, "lenpen": 1.0, "max_len_a": 0.0, "max_len_b": 200}
+# and the scoring: tokenized BLEU with compound splitting (the paper's WMT En-De number) or without
+SCORING_DEFAULTS = {"compound_split": False}
 
 
-def import_checkpoint(checkpoint: str, dictionary: str, spm: str, workdir: str, *, dataset: str = "",
-                      decode: dict[str, Any] | None = None, trust: bool = False,
-                      log: Callable[[str], None] = print) -> dict[str, Any]:
+def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir: str, *, dataset: str = "",
+                      decode: dict[str, Any] | None = None, continuation: str = "@@", target_dictionary: str = "",
+                      trust: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Writes ``workdir`` from a fairseq translation checkpoint; returns the import record. ``decode``: fields of
-    ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``)."""
+    ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``). ``spm=None``: text is given split
+    into the dictionary's pieces (BPE, ``continuation`` its joining marker). ``target_dictionary``: the target
+    side's, checked to be the same (lconv has one vocabulary)."""
     from lconv.train import checkpoints, setup
     from lconv.train import workdir as workdir_lib
 
     if checkpoints.has_checkpoint(workdir):
         raise UserError(f"{workdir} already holds checkpoints; import into a new --workdir")
     weights, args, updates = fairseq.read_checkpoint(checkpoint, trust=trust)
-    vocab = fairseq_vocab.build_vocabulary(dictionary, spm)
-    rows = weights.get("encoder.embed_tokens.weight", np.zeros((0, 0))).shape[0]
-    if rows != vocab.size:
-        raise UserError(f"{dictionary} gives {vocab.size} ids (4 special + {vocab.size - 4} lines) but the "
-                        f"checkpoint's embeddings have {rows} rows: is it the dictionary the model was trained with?")
+    vocab = fairseq_vocab.build_vocabulary(dictionary, spm, continuation)
+    _check_one_vocabulary(weights, vocab.size, dictionary, target_dictionary)
     fields = fairseq.model_fields(args, vocab.size)
     config = translation_config(fields, dataset, decode)
     params = fairseq.lconv_params(weights, fields)
@@ -55,13 +57,14 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str, workdir: str, 
     boxed = _as_model_tree(model, config, params)
     workdir = workdir_lib.make_workdir(workdir)
     workdir_lib.write_config(config, workdir, {}, has_checkpoint=False, log=log)
-    vocab.tokenizer.save(workdir)
+    tokenizer_lib.save_tokenizer(vocab.tokenizer, workdir)
     step = max(updates, 1)
     saver = checkpoints.Checkpointer(workdir)
     saver.save(step, {"params": boxed}, {"imported_from": str(checkpoint)}, force=True)
     saver.close()
     record = {"checkpoint": str(checkpoint), "sha256": _sha256(checkpoint), "dictionary": str(dictionary),
-              "spm": str(spm), "updates": updates, "step": step, "arch": args.get("arch"),
+              "spm": None if spm is None else str(spm), "tokenizer": vocab.tokenizer.filename,
+              "updates": updates, "step": step, "arch": args.get("arch"),
               "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
               "spm_pieces_not_in_dictionary": vocab.pieces_not_in_dictionary,
               "imported_at": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -72,6 +75,20 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str, workdir: str, 
         log(f"note: {vocab.pieces_not_in_dictionary} SentencePiece pieces are not in {dictionary}; fairseq maps "
             "them to <unk>, lconv's tokenizer segments around them")
     return record
+
+
+def _check_one_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary: str, target_dictionary: str) -> None:
+    """lconv has one vocabulary: the dictionary must number both embedding tables' rows (and equal the target's)."""
+    for side in ("encoder", "decoder"):
+        rows = weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
+        if rows != size:
+            raise UserError(f"{dictionary} gives {size} ids (4 special + {size - 4} lines) but the checkpoint's "
+                            f"{side} embeddings have {rows} rows: the dictionary it was trained with is needed, and "
+                            "lconv imports models with one dictionary for source and target")
+    if target_dictionary and fairseq_vocab.read_dictionary(target_dictionary) != \
+            fairseq_vocab.read_dictionary(dictionary):
+        raise UserError(f"{target_dictionary} differs from {dictionary}: lconv imports models with one dictionary "
+                        "for source and target (fairseq-preprocess --joined-dictionary)")
 
 
 def translation_config(fields: dict[str, Any], dataset: str = "",
@@ -90,10 +107,11 @@ def translation_config(fields: dict[str, Any], dataset: str = "",
     model = {k: v for k, v in fields.items() if k != "vocab_size"}
     config.model.update({k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
     config.model.matmul_precision = "highest"
-    unknown = sorted(set(decode or {}) - set(GENERATE_DEFAULTS))
+    allowed = {**GENERATE_DEFAULTS, **SCORING_DEFAULTS}
+    unknown = sorted(set(decode or {}) - set(allowed))
     if unknown:
-        raise UserError(f"decode settings {unknown} are not importable; choose from {sorted(GENERATE_DEFAULTS)}")
-    config.decode.update({**GENERATE_DEFAULTS, **(decode or {}), "stop": "fairseq"})
+        raise UserError(f"decode settings {unknown} are not importable; choose from {sorted(allowed)}")
+    config.decode.update({**allowed, **(decode or {}), "stop": "fairseq"})
     return config
 
 
@@ -130,34 +148,3 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
 
-
-def main(argv: list[str] | None = None) -> None:
-    from absl import app, flags, logging
-
-    from lconv.cli import runtime
-
-    flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a lightconv* or transformer* model.")
-    flags.DEFINE_string("dict", None, "The dictionary it was trained with (dict.txt; source and target joined).")
-    flags.DEFINE_string("spm", None, "The SentencePiece model whose pieces the dictionary lists.")
-    flags.DEFINE_string("workdir", None, "The lconv workdir to write (new, or without checkpoints).")
-    flags.DEFINE_string("dataset", "", "config.data.dataset of the workdir (what eval.py scores without "
-                        "--source_file), e.g. wmt14/en_de.")
-    flags.DEFINE_integer("beam_size", GENERATE_DEFAULTS["beam_size"], "config.decode.beam_size (fairseq --beam).")
-    flags.DEFINE_float("lenpen", GENERATE_DEFAULTS["lenpen"], "config.decode.lenpen (fairseq --lenpen).")
-    flags.DEFINE_float("max_len_a", GENERATE_DEFAULTS["max_len_a"], "config.decode.max_len_a (--max-len-a).")
-    flags.DEFINE_integer("max_len_b", GENERATE_DEFAULTS["max_len_b"], "config.decode.max_len_b (--max-len-b).")
-    flags.DEFINE_bool("trust_checkpoint", False, "Unpickle any object the file holds (only for files you trust); "
-                      "without it only tensors, containers and argparse.Namespace are read.")
-    flags.mark_flags_as_required(["checkpoint", "dict", "spm", "workdir"])
-    F = flags.FLAGS
-
-    def run(args: list[str]) -> None:
-        if len(args) > 1:
-            raise app.UsageError(f"unexpected arguments: {args[1:]}")
-        with runtime.user_errors():
-            decode = {name: F[name].value for name in GENERATE_DEFAULTS}
-            import_checkpoint(F.checkpoint, F.dict, F.spm, F.workdir, dataset=F.dataset, decode=decode,
-                              trust=F.trust_checkpoint)
-
-    logging.set_verbosity(logging.WARNING)  # orbax's info lines
-    app.run(run, argv=argv, flags_parser=runtime.parse_flags)

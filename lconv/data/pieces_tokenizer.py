@@ -1,0 +1,68 @@
+"""A tokenizer for text that is already split into pieces (words or BPE units, separated by spaces): a
+vocabulary and nothing else, for models whose pieces come from an external tool (fairseq's published
+checkpoints: Moses tokenization and subword-nmt BPE, ``lconv.interop``).
+
+``encode`` looks each whitespace-separated piece up (UNK when unknown); ``decode`` joins the pieces with spaces and,
+given a ``continuation`` marker (subword-nmt's ``@@``), joins ``piece@@ next`` into one word, as fairseq-generate's
+``--remove-bpe`` does. Ids are ``lconv.constants``' specials (PAD 0, EOS 1, UNK 2, BOS 3), then the vocabulary's
+symbols in order from id 4. Saved as ``<dir>/pieces.json``.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lconv.errors import UserError
+
+FILENAME = "pieces.json"
+SPECIALS = {PAD_ID: "<pad>", EOS_ID: "</s>", UNK_ID: "<unk>", BOS_ID: "<s>"}
+
+
+class PiecesTokenizer:
+    """``encode(text) -> ids`` (no EOS) by whitespace pieces; ``decode(ids) -> text`` stops at EOS."""
+
+    filename = FILENAME
+
+    def __init__(self, symbols: Sequence[str], continuation: str = ""):
+        self.symbols = [SPECIALS[i] for i in range(len(SPECIALS))] + list(symbols)
+        self.continuation = continuation
+        self._ids = {s: i for i, s in enumerate(self.symbols)}
+        if len(self._ids) != len(self.symbols):
+            raise UserError("a pieces vocabulary lists a symbol twice (or one of <pad> </s> <unk> <s>)")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.symbols)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray([self._ids.get(p, UNK_ID) for p in text.split()], np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: np.ndarray | Sequence[int]) -> str:
+        pieces = []
+        for i in np.asarray(ids).reshape(-1).tolist():
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                pieces.append(self.symbols[i] if 0 <= i < len(self.symbols) else SPECIALS[UNK_ID])
+        text = " ".join(pieces)
+        if self.continuation:
+            text = (text + " ").replace(self.continuation + " ", "").rstrip()
+        return text
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"symbols": self.symbols[len(SPECIALS):], "continuation": self.continuation},
+                          ensure_ascii=False).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = FILENAME) -> PiecesTokenizer:
+        try:
+            spec = json.loads(data.decode("utf-8"))
+            return cls(list(spec["symbols"]), str(spec.get("continuation", "")))
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(f"{where} is not a pieces vocabulary ({type(err).__name__}: {err})") from None
