@@ -9,7 +9,6 @@ against fresh counts. Takes about a minute on a laptop CPU (tracing only).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import re
@@ -86,23 +85,7 @@ def parse_table(text: str) -> dict[tuple[str, int, bool], int]:
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", metavar="MARKDOWN", help="replace the table between the markers in this file")
-    args = parser.parse_args()
-    table = markdown_table()
-    if not args.write:
-        print(table)
-        return
-    with open(args.write) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{args.write} has no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(args.write, "w") as f:
-        f.write(f"{head}{BEGIN}\n{table}\n{END}{tail}")
-
-
 if __name__ == "__main__":
-    main()
+    from scripts import markdown_block
+
+    markdown_block.main(__doc__.splitlines()[0], markdown_table, BEGIN, END)

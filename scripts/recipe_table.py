@@ -11,7 +11,6 @@ the paper's) except for the documented ``EXCEPTIONS``.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import math
@@ -304,23 +303,7 @@ def markdown() -> str:
     return "\n\n".join([head, *(recipe_markdown(r) for r in RECIPES)])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", metavar="MARKDOWN", help="replace the tables between the markers in this file")
-    args = parser.parse_args()
-    tables = markdown()
-    if not args.write:
-        print(tables)
-        return
-    with open(args.write) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{args.write} has no {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(args.write, "w") as f:
-        f.write(f"{head}{BEGIN}\n{tables}\n{END}{tail}")
-
-
 if __name__ == "__main__":
-    main()
+    from scripts import markdown_block
+
+    markdown_block.main(__doc__.splitlines()[0], markdown, BEGIN, END)
