@@ -92,6 +92,7 @@ def base_config():
     c.optim.warmup_steps = 4000
     c.optim.warmup_init_lr = 1e-7  # fairseq's warmup-init-lr
     c.optim.min_lr = 1e-9  # cosine floor
+    c.optim.cosine_period = 0  # cosine updates after warmup (fairseq's --lr-period-updates); 0 = the rest of the run
     c.optim.b1 = 0.9
     c.optim.b2 = 0.98
     c.optim.eps = 1e-8

@@ -1,7 +1,7 @@
 """WMT'14 En->Fr big (Wu et al. 2019): fairseq's ``lightconv_wmt_en_fr_big`` and its training command (fairseq
 examples/pay_less_attention_paper/README.md): as ``wmt_en_de`` big with dropout 0.1, a 70k-update cosine period
-(80k updates in all with the 10k warmup) and length penalty 0.9. Batch and grad_accum_steps per hardware: see
-``wmt_en_de``'s docstring (the same 458,752 tokens per update).
+of which the recipe's 30k updates run the first 20k after warmup, and length penalty 0.9. Batch and
+grad_accum_steps per hardware: see ``wmt_en_de``'s docstring (the same 458,752 tokens per update).
 
     python train.py --config=configs/wmt_en_fr.py:dynamic,big --workdir=gs://BUCKET/wmt_enfr_dynamic
 """
@@ -13,9 +13,7 @@ def get_config(arg=None):
     words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
     c = wmt_config(words or {"dynamic"}, "wmt14/en_fr", "en", "fr", big_dropout=0.1)
     c.data.vocab_size = 40000
-    # fairseq's --lr-period-updates 70000 after 10k warmup; its README's --max-update 30000 would stop the run at
-    # 3/7 of that cosine, so lconv trains the whole period (80k updates).
-    c.train.num_steps = 80_000
+    c.optim.cosine_period = 70_000  # fairseq's --lr-period-updates 70000, cut at its --max-update 30000
     c.decode.lenpen = 0.9  # the recipe's fairseq-generate --lenpen 0.9
     c.decode.compound_split = False  # compound splitting is the paper's En-De convention only
     return c

@@ -71,3 +71,32 @@ def test_nag_is_fairseqs_nag_with_decoupled_weight_decay_through_a_changing_lear
     got, lr = _run(optim, jnp.asarray(p0), [jnp.asarray(g) for g in grads])
     want = _fairseq_nag(p0.astype(np.float64), grads, lambda t: float(lr(t)), optim.momentum, optim.weight_decay)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("period", [0, 70])
+def test_the_cosine_runs_over_fairseqs_period_and_stays_at_its_floor(period):
+    """fairseq's cosine with --t-mult 1 --lr-shrink 1: warmup from warmup_init_lr, then lr = min + (max - min) *
+    (1 + cos(pi * (t - warmup) / period)) / 2 over ``--lr-period-updates`` (lconv: the rest of the run when 0);
+    a run shorter than the period (wmt_en_fr: 30k updates of a 70k period) is cut before the floor."""
+    optim = _optim(schedule="cosine", warmup_steps=10, warmup_init_lr=1e-7, learning_rate=1e-3, min_lr=1e-7,
+                   cosine_period=period)
+    num_steps = 40
+    schedule = setup.learning_rate_schedule(optim, num_steps)
+    span = period or num_steps - 10
+    for t in (0, 5, 10, 20, 25, 39, 40, 85, 200):
+        if t < 10:
+            expected = 1e-7 + (1e-3 - 1e-7) * t / 10
+        else:
+            progress = min((t - 10) / span, 1.0)
+            expected = 1e-7 + 0.5 * (1e-3 - 1e-7) * (1 + np.cos(np.pi * progress))
+        assert float(schedule(t)) == pytest.approx(expected, rel=1e-5), t
+
+
+def test_wmt_en_fr_is_fairseqs_command_30k_updates_of_a_70k_cosine():
+    from lconv.configs import wmt_en_fr
+
+    c = wmt_en_fr.get_config("dynamic,big")
+    assert (c.train.num_steps, c.optim.warmup_steps, c.optim.cosine_period, c.decode.lenpen) == (30_000, 10_000,
+                                                                                                 70_000, 0.9)
+    lr = setup.learning_rate_schedule(c.optim, c.train.num_steps)
+    assert float(lr(c.train.num_steps)) > 0.5 * c.optim.learning_rate  # 20k of 70k: still above half the peak

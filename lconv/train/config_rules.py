@@ -61,6 +61,7 @@ OPTIM = {
     "schedule": _choice("inverse_sqrt", "cosine", "constant"),
     "warmup_steps": _NON_NEGATIVE,
     "warmup_init_lr": _NON_NEGATIVE_FLOAT, "min_lr": _NON_NEGATIVE_FLOAT,
+    "cosine_period": _NON_NEGATIVE,
     "b1": _PROBABILITY, "b2": _PROBABILITY, "momentum": _PROBABILITY,
     "eps": (float, lambda v: v > 0, "a number > 0"),
     "weight_decay": _NON_NEGATIVE_FLOAT,

@@ -95,7 +95,9 @@ def build_model(config: Config, vocab_size: int) -> nn.Module:
 
 
 def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
-    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant."""
+    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant. The cosine falls
+    from the peak to ``min_lr`` over ``cosine_period`` updates after warmup (fairseq's ``--lr-period-updates``;
+    0 = the rest of the run), and stays at ``min_lr`` after it."""
     peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
     if optim.schedule not in ("inverse_sqrt", "cosine", "constant"):
         raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine or constant; got {optim.schedule!r}")
@@ -106,7 +108,8 @@ def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
         if optim.schedule == "inverse_sqrt":
             after = peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(step, 1.0))
         elif optim.schedule == "cosine":
-            progress = jnp.clip((step - warmup) / max(num_steps - warmup, 1), 0.0, 1.0)
+            period = int(optim.get("cosine_period", 0)) or num_steps - warmup
+            progress = jnp.clip((step - warmup) / max(period, 1), 0.0, 1.0)
             after = optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + jnp.cos(math.pi * progress))
         else:
             after = jnp.asarray(peak, jnp.float32)
