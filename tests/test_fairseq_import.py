@@ -23,8 +23,6 @@ from reference import tolerance
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_vocab, fairseq_workdir
 
-pytest.importorskip("torch", reason="reading a .pt needs torch (the [fairseq] extra; CI installs it)")
-
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "fairseq"
 MODELS = ("dynamic", "transformer")
 # fairseq-generate's settings for generate.txt
@@ -137,6 +135,11 @@ def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
     assert "\n" not in message
     for named in ("decoder_embed_dim=128", "decoder_glu=False", "adaptive_softmax_cutoff"):
         assert named in message
+    # sinusoidal positions: different source and target limits only bound lengths (learned tables must agree)
+    assert fairseq.model_fields({**args, "max_target_positions": 512}, 1008)["max_len"] == 1024
+    with pytest.raises(UserError, match="max_source_positions=1024 differs from max_target_positions=512"):
+        fairseq.model_fields({**args, "max_target_positions": 512, "encoder_learned_pos": True,
+                              "decoder_learned_pos": True}, 1008)
     with pytest.raises(UserError, match="'lightconv_lm' is not importable"):
         fairseq.model_fields({**args, "arch": "lightconv_lm"}, 1008)
 

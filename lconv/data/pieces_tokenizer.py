@@ -21,6 +21,17 @@ FILENAME = "pieces.json"
 SPECIALS = {PAD_ID: "<pad>", EOS_ID: "</s>", UNK_ID: "<unk>", BOS_ID: "<s>"}
 
 
+def content_ids(ids: np.ndarray | Sequence[int]) -> list[int]:
+    """The ids a text is decoded from: up to the first EOS, without PAD and BOS."""
+    out = []
+    for i in np.asarray(ids).reshape(-1).tolist():
+        if i == EOS_ID:
+            break
+        if i not in (PAD_ID, BOS_ID):
+            out.append(int(i))
+    return out
+
+
 class PiecesTokenizer:
     """``encode(text) -> ids`` (no EOS) by whitespace pieces; ``decode(ids) -> text`` stops at EOS."""
 
@@ -44,13 +55,8 @@ class PiecesTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: np.ndarray | Sequence[int]) -> str:
-        pieces = []
-        for i in np.asarray(ids).reshape(-1).tolist():
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                pieces.append(self.symbols[i] if 0 <= i < len(self.symbols) else SPECIALS[UNK_ID])
-        text = " ".join(pieces)
+        text = " ".join(self.symbols[i] if 0 <= i < len(self.symbols) else SPECIALS[UNK_ID]
+                        for i in content_ids(ids))
         if self.continuation:
             text = (text + " ").replace(self.continuation + " ", "").rstrip()
         return text

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from lconv.data.pieces_tokenizer import PiecesTokenizer
+from lconv.data.pieces_tokenizer import PiecesTokenizer, content_ids
 from lconv.errors import UserError
 
 MODEL_FILENAME = "spm.model"
@@ -70,13 +70,7 @@ class Tokenizer:
 
     def decode(self, ids: np.ndarray | Sequence[int]) -> str:
         """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (detokenised, ready for BLEU/ROUGE)."""
-        out = []
-        for i in np.asarray(ids).reshape(-1).tolist():
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                out.append(int(i))
-        return self._sp.decode(out)
+        return self._sp.decode(content_ids(ids))
 
     def to_bytes(self) -> bytes:
         return self.model_proto
@@ -117,13 +111,12 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
     pieces vocabulary (``lconv.data.pieces_tokenizer``)."""
     from etils import epath
 
-    path = epath.Path(tokenizer_path(directory))
-    pieces = epath.Path(directory) / PiecesTokenizer.filename
-    if not path.exists() and pieces.exists():
-        return PiecesTokenizer.from_bytes(pieces.read_bytes(), str(pieces))
-    if not path.exists():
-        raise UserError(f"no tokenizer at {path}; train one with lconv.data.tokenizer.load_or_train")
-    return Tokenizer(path.read_bytes())
+    for name in (Tokenizer.filename, PiecesTokenizer.filename):
+        path = epath.Path(directory) / name
+        if path.exists():
+            return tokenizer_from_bytes(str(path), path.read_bytes())
+    raise UserError(f"no tokenizer at {tokenizer_path(directory)}; train one with "
+                    "lconv.data.tokenizer.load_or_train")
 
 
 def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,

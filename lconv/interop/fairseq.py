@@ -106,7 +106,9 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         dropout=args.get("dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.0),
         normalize_before=same("encoder_normalize_before", "decoder_normalize_before"),
         learned_positions=same("encoder_learned_pos", "decoder_learned_pos"),
-        max_len=same("max_source_positions", "max_target_positions"),
+        # learned tables must have one size; sinusoidal positions only bound the lengths lconv accepts
+        max_len=same("max_source_positions", "max_target_positions") if args.get("encoder_learned_pos")
+        else max(args.get("max_source_positions", 1024), args.get("max_target_positions", 1024)),
         share_embeddings=bool(args.get("share_all_embeddings")),
         share_decoder_input_output=bool(args.get("share_decoder_input_output_embed"))
         and not args.get("share_all_embeddings"),

@@ -119,8 +119,7 @@ def _as_model_tree(model: Any, config: ml_collections.ConfigDict, params: dict[s
     """``params`` in the model's own (boxed, logically partitioned) tree; a tree or shape mismatch is an error."""
     from lconv.train import setup
 
-    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
+    abstract = setup.abstract_params(config, model, setup.make_mesh(config.mesh))  # the tree a restore reads
     expected = nn_meta.unbox(abstract)
     paths = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}
     given = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
