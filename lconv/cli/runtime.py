@@ -75,6 +75,9 @@ def user_errors() -> Iterator[None]:
         sys.exit(130)
 
 
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpfull", "-helpfull", "--helpshort", "-helpshort")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing for ``app.run(..., flags_parser=parse_flags)``, with bad flags, config files that do not
     load (missing, a syntax error, an unknown ``:variant``) and ``--config.*`` overrides (unknown field, wrong type)
@@ -87,6 +90,11 @@ def parse_flags(argv: list[str]) -> list[str]:
         _exit_with(str(err))
     try:
         remaining = flags.FLAGS(resolved)
+    except SystemExit as exit_:
+        # absl prints --help/--helpfull/--helpshort and exits 1; asking for help is a success (exit 0).
+        if exit_.code == 1 and any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+            raise SystemExit(0) from None
+        raise
     except Exception as err:  # noqa: BLE001 (every flag and config-file error is an input to fix)
         _exit_with(_flag_error_line(err, argv))
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), None)
