@@ -6,6 +6,11 @@ import csv
 import json
 import math
 import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
 
 import ml_collections
 import pytest
@@ -169,3 +174,55 @@ def test_the_comparison_with_the_paper_is_written_from_the_numbers():
     assert "fewer than two seeds" in one_seed[1]
     expected = "LightConv (10.33) ≈ Transformer (10.20) > DynamicConv (8.10)"
     assert report.ordering(rows, "translation").startswith(expected)
+
+
+def test_a_study_config_edited_since_its_runs_were_made_is_refused(studied):
+    """Otherwise an edited study would skip (or resume) runs trained with the old config and report them as its
+    own: every run folder's stored config is compared with the plan before anything runs."""
+    root, study, _, _ = studied
+    edited = plan.normalize(study)
+    edited.mixer_overrides = {**edited.mixer_overrides.to_dict(), "transformer": {"model": {"dropout": 0.25}}}
+    with pytest.raises(UserError, match=r"holds runs made with another study config: translation/transformer/seed0 "
+                                        r"\(config\.model\.dropout: 0\.1 -> 0\.25\) and 2 more; use a new"):
+        driver.run_study(edited, str(root / "out"), str(root / "docs3"), command="test", log=lambda line: None)
+    assert not (root / "docs3").exists()
+
+
+def _processes_running(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text``."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the run's process through /proc (Linux)")
+def test_sigterm_to_the_study_stops_the_run_it_is_waiting_for(studied, tmp_path):
+    """``kill <study>`` (or a scheduler's SIGTERM to the main process) must not leave the run training on unseen:
+    the study passes the signal on, waits for the run to exit, and ends with one line."""
+    root = studied[0]
+    out = tmp_path / "out"
+    shutil.copytree(root / "out" / "tokenizers", out / "tokenizers")  # no tokenizer to train again
+    spec = out / "runs" / "lm" / "transformer" / "seed0" / "study_spec.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    study = subprocess.Popen([sys.executable, "-m", "lconv.study", "--config=configs/study.py:quick",
+                              "--config.tasks=lm", "--config.mixers=transformer", f"--config.data_dir={root / 'tfds'}",
+                              f"--output_dir={out}", f"--docs_dir={tmp_path / 'docs'}"],
+                             cwd=pathlib.Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not _processes_running(str(spec)) and study.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    run_pids = _processes_running(str(spec))
+    assert run_pids, "the run's process never started"
+    study.terminate()
+    _, stderr = study.communicate(timeout=120)
+    assert study.returncode == 2 and stderr.strip().splitlines()[-1].startswith(
+        "error: stopped by SIGTERM while running"), stderr[-800:]
+    assert not _processes_running(str(spec)), "the run outlived the study"

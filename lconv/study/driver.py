@@ -16,6 +16,7 @@ from typing import Any
 
 import ml_collections
 
+from lconv.errors import UserError
 from lconv.study import plan, report
 from lconv.study import run as run_lib
 
@@ -85,6 +86,7 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     tokenizers = prepare_tokenizers(study, output_dir, log)
     log("planning: matching parameter counts")
     planned = plan.plan(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
+    check_runs_match_plan(planned, output_dir)
     records = []
     for i, item in enumerate(planned, start=1):
         record = outcome(item, study, output_dir, tokenizers, launch=not report_only, log=log)
@@ -95,6 +97,26 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
             "report_only": report_only}
     report.write_report(study, records, docs_dir, meta, output_dir, log=log)
     return records
+
+
+def check_runs_match_plan(planned: list[plan.Planned], output_dir: str) -> None:
+    """Raises when a run folder was made with another training config than the plan's (the study config was
+    edited since): its result would be skipped, or its checkpoints resumed, as if it were the planned run."""
+    from lconv.train import workdir as workdir_lib
+
+    stale = []
+    for item in planned:
+        spec = run_lib.read_json(os.path.join(run_dir(output_dir, item.key), run_lib.SPEC))
+        if item.config is None or spec is None:
+            continue
+        changes = workdir_lib.config_changes(spec["config"], item.config)
+        if changes:
+            field, (old, new) = next(iter(changes.items()))
+            stale.append(f"{item.key.name} (config.{field}: {old!r} -> {new!r})")
+    if stale:
+        more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
+        raise UserError(f"--output_dir={output_dir} holds runs made with another study config: {stale[0]}{more}; "
+                        "use a new --output_dir, or restore the config they were made with")
 
 
 def describe(record: dict[str, Any]) -> str:
