@@ -10,6 +10,7 @@ memory) from the others, and gives each run its own peak-memory figure. The run'
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lconv.errors import UserError
@@ -75,11 +76,14 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
 
 def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
     """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the training
-    loop checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``."""
+    loop checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``.
+
+    A SIGTERM to the study itself (``kill``, a scheduler) is passed on to the run, which checkpoints; then the
+    study stops with one line. Without that the run would train on unseen, holding the CPU and its workdir."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    with open(os.path.join(workdir, LOG), "a") as out:
+    with open(os.path.join(workdir, LOG), "a") as out, _sigterm_raises():
         out.write(f"\n=== study run started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         out.flush()
         process = subprocess.Popen([sys.executable, "-m", "lconv.study.run", os.path.join(workdir, SPEC)],
@@ -87,15 +91,45 @@ def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
         try:
             return process.wait(timeout=timeout_minutes * 60), False
         except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGTERM)
-            try:
-                return process.wait(timeout=60), True
-            except subprocess.TimeoutExpired:
-                process.kill()
-                return process.wait(), True
+            return _stop(process), True
+        except _Terminated:
+            _stop(process)
+            raise UserError(f"stopped by SIGTERM while running {workdir}; the same command resumes the study "
+                            "from that run's last checkpoint") from None
         except KeyboardInterrupt:  # the run got the Ctrl-C too: let it checkpoint, then stop the study
             process.wait()
             raise
+
+
+class _Terminated(Exception):
+    """The study process got SIGTERM."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        del signum, frame
+        raise _Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(process: subprocess.Popen) -> int:
+    """SIGTERM (the run checkpoints and exits), SIGKILL if it has not exited a minute later; its exit code."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def _last_line(path: str) -> str:
