@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from lconv import ops
 from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
-from lconv.nn.common import BT_CONV, BTHD, constrain, xavier_dense
+from lconv.nn.common import BT_CONV, BTHD, check_input, constrain, xavier_dense
 from lconv.ops.precision import lax_precision
 
 Array = jax.Array
@@ -68,9 +68,7 @@ class _ConvBase(nn.Module):
         return K // 2
 
     def _check_channels(self, x_BTC: Array) -> int:
-        if x_BTC.ndim != 3:
-            raise UserError(f"x_BTC must be [batch, time, channels]; got shape {x_BTC.shape}")
-        C = x_BTC.shape[-1]
+        _, _, C = check_input(x_BTC)
         if C % self.num_heads:
             raise UserError(f"channels C={C} must be divisible by num_heads={self.num_heads}")
         return C
