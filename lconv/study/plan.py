@@ -204,29 +204,33 @@ def match_ffn(config: Config, reference: int, tolerance: float, multiple: int,
 
 
 def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
-    """Every (task, mixer, seed) run, tasks outermost and seeds innermost. A config that cannot be built or
-    matched is an ``error`` of its runs (reported as failed), not of the study."""
-    runs = []
+    """Every (task, mixer, seed) run, seeds outermost: a study stopped part-way has every task and mixer at its
+    first seeds rather than one task at every seed. A config that cannot be built or matched is an ``error`` of
+    its runs (reported as failed), not of the study."""
+    matched = {}  # (task, mixer) -> (config with the matched FFN, params, reference params, note, n/a, error)
     for task in study.tasks:
         vocab = vocab_sizes[task]
         reference = _reference_count(study, task, vocab)
         for mixer in study.mixers:
             reason, note = fit(task, mixer)
-            matched, error, params = None, None, None
+            config, error, params = None, None, None
             if reason is None:
                 try:
-                    matched = training_config(study, RunKey(task, mixer, 0))
-                    params = match_ffn(matched, reference, study.param_tolerance, study.ffn_multiple,
+                    config = training_config(study, RunKey(task, mixer, 0))
+                    params = match_ffn(config, reference, study.param_tolerance, study.ffn_multiple,
                                        lambda c, vocab=vocab: count_params(c, vocab))
                 except (UserError, ValueError, TypeError) as err:
-                    error = _one_line(err)
-            for seed in study.seeds:
-                key = RunKey(task, mixer, seed)
-                config = None
-                if matched is not None:
-                    config = training_config(study, key)
-                    config.model.ffn_dim = matched.model.ffn_dim
-                runs.append(Planned(key, config, params, reference, note, reason, error))
+                    config, error = None, _one_line(err)
+            matched[task, mixer] = (config, params, reference, note, reason, error)
+    runs = []
+    for seed in study.seeds:
+        for (task, mixer), (config, params, reference, note, reason, error) in matched.items():
+            key = RunKey(task, mixer, seed)
+            seeded = None
+            if config is not None:
+                seeded = training_config(study, key)
+                seeded.model.ffn_dim = config.model.ffn_dim
+            runs.append(Planned(key, seeded, params, reference, note, reason, error))
     return runs
 
 
