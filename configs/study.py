@@ -9,19 +9,19 @@ Re-running a command skips finished runs and resumes interrupted ones. ``--docs_
 below override as in train.py. How runs are matched and measured: lconv/study/plan.py and measure.py.
 
 Modes (the variant word):
-- ``full`` (default): d 192, FFN 768 (the Transformer's; the other mixers' FFN is searched to match its parameter
-  count within 5%), 4 heads, 2+2 layers (LM: 3 decoder layers), packed rows of 64 tokens, 16 rows (LM: 32 rows
-  of 64-token windows), Adam 3e-3 with a 60-step warm-up, 3 seeds, every mixer on every task. Step budgets:
-  translation 400, LM 400, summarization 300 updates (past warm-up by 5-6x; the training loss is still falling,
-  so the table compares early learning, not converged models), the last 3 checkpoints (every 40 updates)
+- ``full`` (default): d 128, FFN 512 (the Transformer's; the other mixers' FFN is searched to match its parameter
+  count within 5%), 4 heads, 2+2 layers (LM: 3 decoder layers), a 4k SentencePiece vocabulary per task, packed
+  rows of 64 tokens, 32 rows (LM: 32 windows of 64 tokens of document streams), Adam 3e-3 with a 50-step warm-up,
+  300 updates on every task, 3 seeds, every mixer on every task; the last 3 checkpoints (every 30 updates)
   averaged, beam 4 on all 1,216 En->De / 2,609 summarization test examples.
-  Measured on this project's 2-core CPU, idle, at commit 9c3bccd (one seed each, then stopped): a translation run
-  took 356 s (Transformer: training 243 s at 2.2k target tokens/s, beam-4 decoding of the test split 103 s; BLEU
-  3.5), an LM run 469-500 s (1.6-1.75k tokens/s), a summarization run 636 s (training 274 s, decoding 344 s) whose
-  outputs had not yet learned to stop (ROUGE-1 1.5: 300 updates are too few for that task, and unfinished outputs
-  run to the length limit). So this mode as written takes about 7 hours for 60 runs, not the ~3 its budget asks,
-  and its summarization numbers would mean nothing: the sizes and budgets above are to be re-chosen (a smaller
-  width, LM rows 16, more summarization updates) before the full run that writes docs/results.md.
+  Why this size: on this project's 2-core CPU a run's fixed costs (process start, data, compilation, the test
+  split's beam search, measurement) are about 2 minutes, so 60 runs spend over an hour and a half before training
+  anything, and training runs at ~3.2k target tokens/s (d 128). 300
+  updates of ~2k tokens is what is left per run: every model is 6x past its warm-up but early in learning
+  (a probe Transformer, 500 updates: validation perplexity 72, test BLEU 5.7), so the table compares how fast
+  each mixer learns, not converged models; docs/results.md says where the differences exceed the seed spread.
+  Expect about 4 hours on 2 idle cores, more than the ~3 the study was asked to fit: 3 seeds x 20 runs cannot
+  fit 3 hours here with every model past warm-up. Re-running the command resumes a study that was stopped.
 - ``quick``: a smoke test in a few minutes: d 32, one layer each side, vocabulary 512, 12 updates, one seed,
   greedy decoding of test examples cut to 32 tokens. The numbers mean nothing; it exercises every step.
 - ``gpu``: the same command on one accelerator: d 512, FFN 2048, 8 heads, 6+6 layers (LM: 6) with the paper's
@@ -89,16 +89,16 @@ def get_config(arg=None):
     c.mixer_overrides = {}
 
     if mode == "full":
-        shared = _shared(192, 768, 4, 2, (3, 7, 15), steps=400, warmup=60, rows=16, length=64, checkpoint_every=40)
-        c.translation = _task("default", "", _merge(shared, {"decode": {"beam_size": 4}, "train": {"log_every": 20}}))
+        shared = _merge(_shared(128, 512, 4, 2, (3, 7, 15), steps=300, warmup=50, rows=32, length=64,
+                                checkpoint_every=30), {"data": {"vocab_size": 4000}, "train": {"log_every": 25}})
+        wide_eval = {"data": {"eval_batch_size": 128}}  # beam search on 2 cores: fewer, wider batches are faster
+        c.translation = _task("default", "", _merge(shared, {"decode": {"beam_size": 4}, **wide_eval}))
         c.lm = _task("lm1b", "ddtp,stream", _merge(shared, {
-            "model": {"encoder_layers": 0, "decoder_layers": 3, "decoder_kernel_sizes": (3, 7, 15), "max_len": 64},
-            "data": {"batch_size": 32},
-            "train": {"log_every": 20}}))
+            "model": {"encoder_layers": 0, "decoder_layers": 3, "decoder_kernel_sizes": (3, 7, 15), "max_len": 64}}))
         c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, {
-            "data": {"max_input_length": 128, "max_target_length": 32, "pack": True, "eval_max_input_length": 256},
-            "model": {"max_len": 256},  # cnn_dailymail's 1024 would give Fixed/Hadamard 16x larger tables
-            "train": {"num_steps": 300, "checkpoint_every": 30, "log_every": 15}}))
+            "data": {"max_input_length": 128, "max_target_length": 32, "pack": True, "eval_max_input_length": 256,
+                     "eval_batch_size": 128},
+            "model": {"max_len": 256}}))  # cnn_dailymail's 1024 would give Fixed/Hadamard 16x larger tables
     elif mode == "quick":
         c.seeds = (0,)
         c.average_last = 2
