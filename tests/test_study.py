@@ -139,6 +139,20 @@ def test_param_matching_lands_within_the_tolerance():
     assert by_mixer["lightconv"].config.model.ffn_dim > by_mixer["transformer"].config.model.ffn_dim
 
 
+@pytest.mark.parametrize("mode", ["full", "gpu"])
+def test_every_mixer_fits_every_task_of_the_long_modes(mode):
+    """The modes nobody runs in the suite still plan: each mixer's count is matched on each task at that mode's
+    sizes (Fixed and Hadamard's [max_len, max_len] tables can outweigh every FFN width if max_len is too long)."""
+    study = plan.normalize(study_config.get_config(mode))
+    study.seeds = (0,)
+    vocab = {task: plan.training_config(study, plan.RunKey(task, "transformer", 0)).data.vocab_size
+             for task in plan.TASKS}
+    for run in plan.plan(study, vocab):
+        assert run.error is None, (run.key.name, run.error)
+        if run.not_applicable is None:
+            assert abs(run.params / run.reference_params - 1) <= study.param_tolerance, run.key.name
+
+
 def test_bad_study_fields_are_one_line_errors():
     study = plan.normalize(study_config.get_config("quick"))
     study.mixers = ("transformer", "mamba")
