@@ -17,7 +17,7 @@ import pytest
 import tiny_config
 
 from lconv.cli import runtime
-from lconv.errors import Diverged, LossSpike
+from lconv.errors import Diverged, LossSpike, UserError
 from lconv.train import checkpoints, integrity, loop, steps
 from lconv.train import workdir as workdir_lib
 
@@ -141,6 +141,22 @@ def test_before_its_first_checkpoint_a_workdir_takes_the_new_launchs_config(tmp_
     workdir_lib.write_config(second, str(tmp_path), changes, has_checkpoint=False, log=_quiet)
     assert json.loads((tmp_path / "config.json").read_text())["model"]["d_model"] == 32  # what eval.py will build
     assert json.loads((tmp_path / "config_changes.jsonl").read_text())["changes"] == {"model.d_model": [16, 32]}
+
+
+def test_resuming_a_run_made_before_a_field_existed_takes_its_default_without_asking(tmp_path):
+    """A field added to lconv after the run was made is absent from its config.json: at its default (which keeps
+    the old behaviour) it is recorded, not refused; at any other value it changes what the run trained with."""
+    config = tiny_config.get_config()
+    workdir_lib.write_config(config, str(tmp_path), {}, has_checkpoint=False)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    del stored["optim"]["cosine_period"]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    assert workdir_lib.check_config_change(config, str(tmp_path), has_checkpoint=True) == {
+        "optim.cosine_period": (None, 0)}
+    config.optim.cosine_period = 500
+    with pytest.raises(UserError, match=r"^this launch changes the config its checkpoints were trained with "
+                                        r"\(config\.optim\.cosine_period: None -> 500\)"):
+        workdir_lib.check_config_change(config, str(tmp_path), has_checkpoint=True)
 
 
 def test_on_resume_run_fields_may_change_and_model_fields_only_on_purpose(trained):

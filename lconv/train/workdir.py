@@ -8,8 +8,9 @@ run never leaves a stale lock behind: the next run takes it over and says whose 
 ``config.json`` is the config the checkpoints were trained with; eval.py builds the model from it. Before the
 first checkpoint it simply follows the latest launch. After, fields that shape the model, the data or the
 optimisation may change only on purpose (``accept_changes``); fields that only steer the run (``RUN_FIELDS``:
-more steps, logging, decoding, the mesh, where the data lives) follow the latest launch. Every change is
-appended to ``config_changes.jsonl``.
+more steps, logging, decoding, the mesh, where the data lives) follow the latest launch, and so do fields added to
+lconv since the run was made, at their defaults (``fields_added_at_their_defaults``). Every change is appended to
+``config_changes.jsonl``.
 """
 from __future__ import annotations
 
@@ -133,6 +134,16 @@ def config_changes(stored: dict[str, Any], config: Any) -> dict[str, tuple[Any, 
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
+def fields_added_at_their_defaults(stored: dict[str, Any], changes: dict[str, tuple[Any, Any]]) -> set[str]:
+    """The changed fields that the stored config lacks and the launch sets to lconv's default
+    (``lconv.configs.common.base_config``): fields added to lconv after the run was made, whose defaults keep the
+    behaviour the run had. Resuming an older run needs no ``accept_changes`` for them."""
+    from lconv.configs import common
+
+    stored_fields, defaults = _flatten(stored), _flatten(_as_json(common.base_config()))
+    return {k for k, (_, new) in changes.items() if k not in stored_fields and k in defaults and new == defaults[k]}
+
+
 def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_checkpoint: bool,
                         accept_changes: bool = False) -> dict[str, tuple[Any, Any]] | None:
     """The changes this launch makes to ``config.json`` (None: nothing to write); raises when the workdir has a
@@ -145,7 +156,8 @@ def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_
     except (OSError, ValueError) as err:
         raise UserError(f"{path} is unreadable ({err}); restore it or use a new --workdir") from None
     changes = config_changes(stored, config)
-    fixed = [k for k in changes if not k.startswith(RUN_FIELDS)]
+    added = fields_added_at_their_defaults(stored, changes)
+    fixed = [k for k in changes if not k.startswith(RUN_FIELDS) and k not in added]
     if has_checkpoint and fixed and not accept_changes:
         shown = "; ".join(f"config.{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fixed[:3])
         more = f" and {len(fixed) - 3} more" if len(fixed) > 3 else ""
