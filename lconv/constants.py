@@ -10,7 +10,7 @@ Shape letters used in names across the package (``x_BTC``, ``w_HK``, ``logits_BH
     L  a length fixed ahead: time tile of the band conv, max decode length of a cache, max_len of a table
     V  vocabulary                      N  beams of a beam search
     M  kNN-memory slots                J  neighbours retrieved from the kNN memory (its top-k)
-    R  tokens CoLT5 routes to its heavy branch
+    R  tokens CoLT5 routes to its heavy branch        F  factors of Fixed attention's factorized table (its rank)
     G  tiles of a tiled computation (the band conv: T / L of them)
     W  the inputs one tile reads (its L positions and the K - 1 before them: L + K - 1)
 

@@ -215,8 +215,8 @@ class FixedAttention(AttentionFields):
     ``[max_len, max_len]`` table indexed by the tokens' within-segment ``positions``, so packed examples see the
     same table as unpacked ones. Only V and the output are projected.
 
-    - ``factorized_rank > 0``: ``W_h = R1_h @ R2_h`` with ``R1 [H, max_len, r]``, ``R2 [H, r, max_len]``
-      (Synthesizer's factorised random variant; ``2 r max_len`` instead of ``max_len²`` parameters per head).
+    - ``factorized_rank > 0``: ``W_h = R1_h @ R2_h`` with ``R1 [H, max_len, F]``, ``R2 [H, F, max_len]``, F the
+      rank (Synthesizer's factorised random variant; ``2 F max_len`` instead of ``max_len²`` parameters per head).
     - ``mix_dot_product``: logits ``α_h W_h + (1 - α_h) Q Kᵀ/sqrt(D)`` with a learned per-head mixing weight
       ``α_h = sigmoid(a_h)``, ``a_h`` initialised to 0 (an even mix); adds Q/K projections (Synthesizer's
       "Random + Dot Product" mixture, whose weights are trainable and sum to one).
@@ -254,9 +254,9 @@ class FixedAttention(AttentionFields):
         L, r = self.max_len, self.factorized_rank
         if r:
             init = nn.initializers.normal(stddev=(0.01 / r) ** 0.25)  # entries of R1 @ R2 have std 0.1
-            r1_HLR = self.param("r1", _named(init, (HEADS, LENGTH, None)), (H, L, r), self.param_dtype)
-            r2_HRL = self.param("r2", _named(init, (HEADS, None, KEY_LENGTH)), (H, r, L), self.param_dtype)
-            logits_BHTS = factorized_fixed_logits(_gathered(r1_HLR), _gathered(r2_HRL), pos_BT, kv["positions"],
+            r1_HLF = self.param("r1", _named(init, (HEADS, LENGTH, None)), (H, L, r), self.param_dtype)
+            r2_HFL = self.param("r2", _named(init, (HEADS, None, KEY_LENGTH)), (H, r, L), self.param_dtype)
+            logits_BHTS = factorized_fixed_logits(_gathered(r1_HLF), _gathered(r2_HFL), pos_BT, kv["positions"],
                                                   precision=self._precision())
         else:
             w_HLL = self.param("logits", _named(nn.initializers.normal(stddev=0.1), (HEADS, LENGTH, KEY_LENGTH)),

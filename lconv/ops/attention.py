@@ -78,12 +78,12 @@ def fixed_logits(w_HLL: Array, q_pos_BT: Array, k_pos_BS: Array) -> Array:
     return jnp.take_along_axis(rows_BHTL, idx_BHTS, axis=-1)
 
 
-def factorized_fixed_logits(r1_HLR: Array, r2_HRL: Array, q_pos_BT: Array, k_pos_BS: Array, *,
+def factorized_fixed_logits(r1_HLF: Array, r2_HFL: Array, q_pos_BT: Array, k_pos_BS: Array, *,
                             precision: Any = None) -> Array:
     """``(R1 @ R2)[h, q_pos, k_pos]`` without forming the ``[L, L]`` table, float32 ``[B, H, T, S]``."""
-    a_HBTR = r1_HLR[:, q_pos_BT, :].astype(jnp.float32)  # [H, B, T, r]
-    b_HRBS = r2_HRL[:, :, k_pos_BS].astype(jnp.float32)  # [H, r, B, S]
-    return jnp.einsum("hbtr,hrbs->bhts", a_HBTR, b_HRBS, precision=precision)
+    a_HBTF = r1_HLF[:, q_pos_BT, :].astype(jnp.float32)  # [H, B, T, F]
+    b_HFBS = r2_HFL[:, :, k_pos_BS].astype(jnp.float32)  # [H, F, B, S]
+    return jnp.einsum("hbtf,hfbs->bhts", a_HBTF, b_HFBS, precision=precision)
 
 
 def decode_mask(seg_BT: Array, cached_seg_BL: Array, index: int | Array) -> Array:
