@@ -11,17 +11,19 @@ below override as in train.py. How runs are matched and measured: lconv/study/pl
 Modes (the variant word):
 - ``full`` (default): d 128, FFN 512 (the Transformer's; the other mixers' FFN is searched to match its parameter
   count within 5%), 4 heads, 2+2 layers (LM: 3 decoder layers), a 4k SentencePiece vocabulary per task, packed
-  rows of 64 tokens, 32 rows (LM: 32 windows of 64 tokens of document streams), Adam 3e-3 with a 50-step warm-up,
-  300 updates on every task, 3 seeds, every mixer on every task; the last 3 checkpoints (every 30 updates)
-  averaged, beam 4 on all 1,216 En->De / 2,609 summarization test examples.
+  rows of 64 tokens, 32 rows (LM: 32 windows of 64 tokens of document streams), positions up to 128 (test sources
+  and outputs cut there), Adam 3e-3 with a 50-step warm-up, 300 updates on every task, 3 seeds, every mixer on
+  every task; the last 3 checkpoints (every 30 updates) averaged, beam 4 on all 1,216 En->De / 2,609
+  summarization test examples.
   Why this size: on this project's 2-core CPU a run's fixed costs (process start, data, compilation, the test
-  split's beam search, measurement) are about 2 minutes, so 60 runs spend over an hour and a half before training
-  anything, and training runs at ~3.2k target tokens/s (d 128). 300
-  updates of ~2k tokens is what is left per run: every model is 6x past its warm-up but early in learning
-  (a probe Transformer, 500 updates: validation perplexity 72, test BLEU 5.7), so the table compares how fast
-  each mixer learns, not converged models; docs/results.md says where the differences exceed the seed spread.
-  Expect about 4 hours on 2 idle cores, more than the ~3 the study was asked to fit: 3 seeds x 20 runs cannot
-  fit 3 hours here with every model past warm-up. Re-running the command resumes a study that was stopped.
+  split's beam search, measurement) are 1-1.5 minutes, and training runs at ~3.2k target tokens/s, so 300
+  updates of ~2k tokens is what a run can have. Every model is 6x past its warm-up but early in learning (test
+  BLEU 3-4.5, LM perplexity ~220/token), so the table compares how fast each mixer learns, not converged
+  models; docs/results.md says where the differences exceed the seed spread. Measured at commit 706d45c (idle,
+  seed 0): translation runs 247-312 s, LM runs 224 s; with summarization like translation (not yet
+  measured), about 85 minutes per seed and 4.3 hours for the three. That is more than the ~3 hours the study
+  was asked to fit: 3 seeds x 20 runs with every model past its warm-up do not fit 3 hours here
+  (``--config.seeds=0,1`` takes ~2.9). Re-running the command resumes a stopped study.
 - ``quick``: a smoke test in a few minutes: d 32, one layer each side, vocabulary 512, 12 updates, one seed,
   greedy decoding of test examples cut to 32 tokens. The numbers mean nothing; it exercises every step.
 - ``gpu``: the same command on one accelerator: d 512, FFN 2048, 8 heads, 6+6 layers (LM: 6) with the paper's
