@@ -110,6 +110,8 @@ def check_runs_match_plan(planned: list[plan.Planned], output_dir: str) -> None:
         if item.config is None or spec is None:
             continue
         changes = workdir_lib.config_changes(spec["config"], item.config)
+        for added in workdir_lib.fields_added_at_their_defaults(spec["config"], changes):
+            del changes[added]
         if changes:
             field, (old, new) = next(iter(changes.items()))
             stale.append(f"{item.key.name} (config.{field}: {old!r} -> {new!r})")

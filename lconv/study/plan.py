@@ -207,7 +207,7 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
     """Every (task, mixer, seed) run, seeds outermost: a study stopped part-way has every task and mixer at its
     first seeds rather than one task at every seed. A config that cannot be built or matched is an ``error`` of
     its runs (reported as failed), not of the study."""
-    matched = {}  # (task, mixer) -> (config with the matched FFN, params, reference params, note, n/a, error)
+    templates = []  # one Planned per (task, mixer): seed 0's, with the matched FFN width
     for task in study.tasks:
         vocab = vocab_sizes[task]
         reference = _reference_count(study, task, vocab)
@@ -221,16 +221,16 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
                                        lambda c, vocab=vocab: count_params(c, vocab))
                 except (UserError, ValueError, TypeError) as err:
                     config, error = None, _one_line(err)
-            matched[task, mixer] = (config, params, reference, note, reason, error)
+            templates.append(Planned(RunKey(task, mixer, 0), config, params, reference, note, reason, error))
     runs = []
     for seed in study.seeds:
-        for (task, mixer), (config, params, reference, note, reason, error) in matched.items():
-            key = RunKey(task, mixer, seed)
-            seeded = None
-            if config is not None:
-                seeded = training_config(study, key)
-                seeded.model.ffn_dim = config.model.ffn_dim
-            runs.append(Planned(key, seeded, params, reference, note, reason, error))
+        for template in templates:
+            key = dataclasses.replace(template.key, seed=seed)
+            config = None
+            if template.config is not None:
+                config = training_config(study, key)
+                config.model.ffn_dim = template.config.model.ffn_dim
+            runs.append(dataclasses.replace(template, key=key, config=config))
     return runs
 
 
