@@ -308,13 +308,16 @@ def test_translate_tiles_encoder_output_and_cache_per_beam():
         assert got[b].tolist() == _padded(best)
 
 
-def test_lm_greedy_cache_path_equals_full_forward_passes():
-    cfg = ModelConfig(vocab_size=11, d_model=8, ffn_dim=16, num_heads=2, decoder_layers=2,
-                      decoder_mixer="lightconv,dynamicconv", decoder_kernel_sizes=(3, 4), dropout=0.0)
+@pytest.mark.parametrize("mixer, position_tables", [("lightconv,dynamicconv", False), ("fixed,hadamard", True)])
+def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables):
+    """Greedy decoding from a prompt equals re-running the whole sequence each step. ``max_len`` is exactly the
+    positions fed (BOS, prompt and every new token but the last): Fixed and Hadamard's tables hold no more."""
+    steps = 6
+    cfg = ModelConfig(vocab_size=11, d_model=8, ffn_dim=16, num_heads=2, decoder_layers=2, decoder_mixer=mixer,
+                      decoder_kernel_sizes=(3, 4), dropout=0.0, max_len=1 + 3 + steps - 1)
     model = DecoderOnlyLM(cfg)
     prompt = jnp.array([[5, 7, 2], [9, 4, 6]], jnp.int32)
     variables = jax.jit(model.init)(jax.random.key(1), prompt)
-    steps = 6
     got = jax.jit(lambda v, p: decode.lm_generate(model, v, p, max_len=steps, eos_id=-1))(variables, prompt)
     # No cache: the whole sequence every step. One fixed length (filler 2 after the prefix) so it compiles once;
     # the model is causal, so the filler cannot change the logits read at the prefix's end.
@@ -322,10 +325,13 @@ def test_lm_greedy_cache_path_equals_full_forward_passes():
     seq = np.full((2, 4 + steps), 2, np.int32)
     seq[:, 0], seq[:, 1:4] = BOS, prompt
     for t in range(4, 4 + steps):
-        logits = np.array(full(variables, seq))[:, t - 1]
+        logits = np.array(full(variables, seq[:, :cfg.max_len]))[:, t - 1]
         logits[:, PAD] = -np.inf
         seq[:, t] = logits.argmax(-1)
     assert got.tolist() == seq[:, 4:].tolist()
+    if position_tables:  # one more new token needs one more position than the tables hold
+        with pytest.raises(UserError, match="exceeds max_len"):
+            decode.lm_generate(model, variables, prompt, max_len=steps + 1, eos_id=-1)
 
 
 def _batch_mesh():

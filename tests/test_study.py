@@ -166,6 +166,17 @@ def test_bad_study_fields_are_one_line_errors():
         study_config.get_config("quick,gpu")
 
 
+def test_an_lm_generation_longer_than_the_lms_positions_is_refused_before_any_run():
+    study = plan.normalize(study_config.get_config("quick"))
+    study.tasks, study.mixers = ("lm",), ("fixed",)
+    limit = plan.training_config(study, plan.RunKey("lm", "fixed", 0)).model.max_len
+    study.lm_generate_tokens = limit  # fits: BOS and the first limit - 1 tokens are fed
+    assert [run.error for run in plan.plan(study, {"lm": 512})] == [None]
+    study.lm_generate_tokens = limit + 1
+    with pytest.raises(UserError, match=rf"config.lm_generate_tokens={limit + 1}: .* at most {limit}$"):
+        plan.plan(study, {"lm": 512})
+
+
 
 def _translation_row(mixer, bleus):
     row = {"task": "translation", "mixer": mixer, "label": plan.LABELS[mixer], "ok": len(bleus)}

@@ -120,7 +120,8 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
                                           mutable=["cache"])
         return logits_BTV, mutated["cache"]
 
-    _, cache = apply(jnp.zeros((B, 1 + total), jnp.int32), {})  # positions for BOS + prompt + continuation
+    # Positions fed: BOS, the prompt and every new token but the last (``search.sample`` never feeds the last).
+    _, cache = apply(jnp.zeros((B, total), jnp.int32), {})
 
     def tokens_to_logits(tokens_BT, state):
         cache, i = state

@@ -120,7 +120,9 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
     ``prompt [B, T]`` (one length ``T`` for all rows) is fed as one chunk ``[BOS, prompt...]`` before the first
-    sampled token, so the cache must hold ``1 + T + max_len`` positions. Step ``i`` draws with ``fold_in(rng, i)``.
+    sampled token; the last sampled token is never fed, so the cache must hold ``T + max_len`` positions (a
+    model of ``max_len`` positions generates ``max_len`` tokens from BOS). Step ``i`` draws with
+    ``fold_in(rng, i)``.
     """
     B = batch_size
     first_BT = jnp.full((B, 1), bos_id, jnp.int32)  # [B, 1]
@@ -339,7 +341,8 @@ def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *
         raise UserError(f"lm_generate with temperature={temperature} needs rng (or temperature=0 for greedy)")
     B = prompt.shape[0] if prompt is not None else batch_size
     T = prompt.shape[1] if prompt is not None else 0
-    _, cache = _apply_cache(model, variables, {}, jnp.zeros((B, 1 + T + max_len), jnp.int32), decode=True,
+    # Positions fed: BOS + prompt + every new token but the last (``sample`` never feeds the last one).
+    _, cache = _apply_cache(model, variables, {}, jnp.zeros((B, T + max_len), jnp.int32), decode=True,
                             shift=False)
 
     def tokens_to_logits(tokens_BT, cache):

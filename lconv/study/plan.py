@@ -221,6 +221,8 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
                                        lambda c, vocab=vocab: count_params(c, vocab))
                 except (UserError, ValueError, TypeError) as err:
                     config, error = None, _one_line(err)
+            if config is not None and task == "lm":
+                check_generation_fits(study, config)
             templates.append(Planned(RunKey(task, mixer, 0), config, params, reference, note, reason, error))
     runs = []
     for seed in study.seeds:
@@ -232,6 +234,15 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
                 config.model.ffn_dim = template.config.model.ffn_dim
             runs.append(dataclasses.replace(template, key=key, config=config))
     return runs
+
+
+def check_generation_fits(study: Config, config: Config) -> None:
+    """The LM's decoding-speed measure generates ``lm_generate_tokens`` from BOS, feeding BOS and all but the
+    last: as many positions as tokens, which must fit the positions a Fixed or Hadamard table holds."""
+    if study.lm_generate_tokens > config.model.max_len:
+        raise UserError(f"config.lm_generate_tokens={study.lm_generate_tokens}: more than the LM's model.max_len="
+                        f"{config.model.max_len} positions (the decoding-speed measure feeds BOS and every "
+                        f"generated token but the last); at most {config.model.max_len}")
 
 
 def _reference_count(study: Config, task: str, vocab: int) -> int:
