@@ -6,8 +6,8 @@
   outputs + temporaries − donated aliases: the bytes the step needs, state and batch included), via
   ``lconv.bench.timing.program_memory``; and the process's peak resident memory (``ru_maxrss``), which also holds
   the runtime, data and compilations;
-- LM decoding speed: greedy generation (``lconv.infer.search.lm_generate``) of a fixed shape from BOS, timed after
-  a first, compiling call;
+- LM decoding speed: greedy generation (``lconv.infer.search.lm_generate``) of a fixed shape from BOS, the median
+  of ``LM_DECODE_REPEATS`` calls after a first, compiling one;
 - per-word perplexity: the summed token NLL over the split's words (whitespace-separated, plus one end of
   document per document, the token the LM also predicts), so tokenisers of any granularity compare.
 """
@@ -80,9 +80,14 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def lm_generation_speed(trained: setup.Trained, rows: int, length: int) -> dict[str, float]:
+LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is reported
+
+
+def lm_generation_speed(trained: setup.Trained, rows: int, length: int,
+                        repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
     """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens (up to each row's EOS) per
-    second of the second call (the first compiles)."""
+    second of the median of ``repeats`` calls after the first, compiling one (one call takes ~0.1 s at the
+    study's sizes: too short to trust alone on a shared CPU)."""
     model, params = trained.model, trained.params
 
     @jax.jit
@@ -90,14 +95,13 @@ def lm_generation_speed(trained: setup.Trained, rows: int, length: int) -> dict[
         return search.lm_generate(model, {"params": params}, batch_size=rows, max_len=length)
 
     start = time.perf_counter()
-    jax.block_until_ready(generate(params))
+    tokens = np.asarray(jax.block_until_ready(generate(params)))  # [rows, length]; greedy: every call alike
     compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = np.asarray(jax.block_until_ready(generate(params)))  # [rows, length]
-    seconds = time.perf_counter() - start
+    seconds = timing.summarize(timing.time_calls(lambda: generate(params), repeats, warmup=0))["median_s"]
     generated = int((tokens != PAD_ID).sum())
     return {"decode_tokens_per_s": generated / seconds, "decode_sentences_per_s": rows / seconds,
-            "decode_seconds": seconds, "decode_compile_seconds": compile_s, "decode_tokens": generated}
+            "decode_seconds": seconds, "decode_compile_seconds": compile_s, "decode_tokens": generated,
+            "decode_repeats": repeats}
 
 
 def word_count(config: Any, split: str) -> int:

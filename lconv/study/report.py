@@ -17,7 +17,7 @@ from typing import Any
 
 import ml_collections
 
-from lconv.study import plan, plots
+from lconv.study import measure, plan, plots
 
 Record = dict[str, Any]
 # task -> [(record key, column title, higher is better)]; the first is the task's headline metric
@@ -241,9 +241,11 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "**How it is measured** (all in each run's own process): train tokens/s = median over the training log "
         "windows (first window, with compilation, left out) of target tokens per second; decode = beam search over "
         "the whole test split, compilation included (sentences/s and hypothesis tokens/s), or for the LM greedy "
-        "generation from BOS after a compiling call; train step MiB = XLA `memory_analysis()` of the run's compiled "
-        "train step (arguments + outputs + temporaries − donated); peak RSS = the run process's `ru_maxrss` "
-        "(runtime, data and compilations included); s/run = the run's wall time. Spread: ± sample standard "
+        f"generation from BOS, the median of {measure.LM_DECODE_REPEATS} calls after a compiling one; train step "
+        "MiB = XLA "
+        "`memory_analysis()` of the run's compiled train step (arguments + outputs + temporaries − donated); peak "
+        "RSS = the run process's `ru_maxrss` (runtime, data and compilations included); s/run = the run's wall "
+        "time. Spread: ± sample standard "
         "deviation over n finished seeds; \"> spread\" = the gap exceeds the sum of the two sds.\n",
     ]
     for task in study.tasks:

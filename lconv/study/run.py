@@ -174,7 +174,8 @@ def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[st
         restored = setup.load_trained(workdir, average_last=spec["average_last"])
         decode = measure.lm_generation_speed(restored, spec["lm_generate_rows"], spec["lm_generate_tokens"])
         decode["decode_kind"] = (f"greedy LM generation, {spec['lm_generate_rows']} rows x "
-                                 f"{spec['lm_generate_tokens']} tokens, compiled first")
+                                 f"{spec['lm_generate_tokens']} tokens, median of {decode['decode_repeats']} calls "
+                                 "after a compiling one")
     else:
         keys = ("bleu", "bleu_signature") if config.task == "translation" else ("rouge1", "rouge2", "rougeL")
         quality = {k: scores[k] for k in keys}
