@@ -90,6 +90,17 @@ def test_every_import_points_down_or_stays_in_its_package():
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_package_imports_its_configs_as_lconv_configs():
+    """``configs`` is a top-level package only in a checkout: an installed lconv has ``lconv.configs`` alone."""
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            wrong += [f"{module} imports {name}" for name in names if name.split(".")[0] == "configs"]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_import_cycles():
     state: dict[str, str] = {}
     cycles = []

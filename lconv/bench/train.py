@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from configs import common
 from lconv.bench import report, timing
+from lconv.configs import common
 from lconv.train import setup, steps
 
 MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
