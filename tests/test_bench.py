@@ -88,3 +88,48 @@ def test_a_quick_run_writes_to_a_scratch_folder_by_default():
     full = argparse.Namespace(quick=False, out=None, doc=None)
     bench_main.resolve_outputs(full, None)
     assert (full.out, full.doc) == ("docs/bench", "docs/benchmarks.md")
+
+
+def test_the_pytorch_baseline_is_lconvs_light_conv_with_its_gradients():
+    """The PyTorch row times the same op as lconv's rows: values and both gradients equal ``ops.light_conv``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from lconv import ops
+    from lconv.bench import external
+    from tests.reference import tolerance
+
+    torch, missing = external.torch_or_reason()
+    assert missing is None, missing  # torch is a test dependency (requirements.txt)
+    B, T, C, H, K = 2, 9, 8, 2, 5
+    fn, (x_BCT, w_HK) = external.build(torch, "depthwise", False, B, T, C, H, K, "float64")
+    x_BCT, w_HK = x_BCT.cpu().requires_grad_(True), w_HK.cpu().requires_grad_(True)
+    g_BCT = torch.randn_like(x_BCT)
+    y_BCT = fn(x_BCT, w_HK)
+    y_BCT.backward(g_BCT)
+
+    def lconv_op(x_BTC, w_HK):
+        return ops.light_conv(x_BTC, w_HK, K // 2, impl="band")
+
+    x_BTC, w = jnp.asarray(x_BCT.detach().numpy().transpose(0, 2, 1), jnp.float32), jnp.asarray(w_HK.detach().numpy())
+    y_BTC, vjp = jax.vjp(lconv_op, x_BTC, w.astype(jnp.float32))
+    dx_BTC, dw_HK = vjp(jnp.asarray(g_BCT.numpy().transpose(0, 2, 1), jnp.float32))
+    close = tolerance(np.float32, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y_BTC), y_BCT.detach().numpy().transpose(0, 2, 1), **close)
+    np.testing.assert_allclose(np.asarray(dx_BTC), x_BCT.grad.numpy().transpose(0, 2, 1), **close)
+    np.testing.assert_allclose(np.asarray(dw_HK), w_HK.grad.numpy(), **close)
+
+
+def test_baselines_that_cannot_run_here_are_rows_that_say_why():
+    from lconv.bench import external, mixers
+
+    rows = mixers.external_rows(256, 4, {}, budget_s=0.05, log=lambda line: None)
+    by_name = {(r["name"], r["pass"]): r for r in rows}
+    assert {name for name, _ in by_name} == {label for label, _, _ in external.BASELINES}
+    torch, _ = external.torch_or_reason()
+    for (name, _), row in by_name.items():
+        if "PyTorch" in name:
+            assert row["status"] == "ok" and row["us_per_token"] > 0 and row["device"] == external.device_name(torch)
+        elif not torch.cuda.is_available():  # fairseq's kernels are CUDA-only
+            assert row["status"] == "skipped: fairseq's CUDA kernels need a CUDA device", row

@@ -33,7 +33,8 @@ def run(T_list: Sequence[int], *, quick: bool = False, log: report.Log = print) 
                  note=f"x + 1 on {limits['copy_mb']} MiB, donated; read + write bytes"),
             dict(kind="limit", name="copy (fresh output)", T=None, value=limits["copy_fresh_bytes_per_s"],
                  unit="B/s", note="same, a new output buffer per call (first-touch page faults)")]
-    for op_name, impl in OPS:
+    pallas = [("light", "pallas"), ("dynamic", "pallas")] if mixers.pallas_backend() else []
+    for op_name, impl in OPS + pallas:
         config = mixers.op_config(op_name, impl)
         dynamic = op_name == "dynamic"
         for T in T_list:
@@ -61,14 +62,16 @@ def impl_choice(*, quick: bool = False, log: report.Log = print) -> list[report.
     for K in K_SWEEP[-1:] if quick else K_SWEEP:
         for T in T_SWEEP[-1:] if quick else T_SWEEP:
             B = max(mixers.TOKENS // T, 1)
+            impls = ("band", "shift") + (("pallas",) if mixers.pallas_backend() else ())
             for op_name in ("light", "dynamic"):
-                for impl in ("band", "shift"):
+                for impl in impls:
                     fn, args, argnums = mixers.op_config(op_name, impl, kernel_size=K).build(T, B)
                     m = timing.measure(mixers.fwd_bwd(fn, argnums),
                                        (*args, timing.random_normal((B, T, mixers.C), 2)), budget_s=0.5)
                     rows.append(dict(kind="impl_choice", name=f"{op_name} {impl}", K=K, T=T,
                                      us_per_token=m.median_s / (B * T) * 1e6, runs=m.runs, compile_s=m.compile_s))
-            log(f"  K={K:2d} T={T:5d}: " + ", ".join(f"{r['name']} {r['us_per_token']:.2f}" for r in rows[-4:]))
+            latest = rows[-2 * len(impls):]
+            log(f"  K={K:2d} T={T:5d}: " + ", ".join(f"{r['name']} {r['us_per_token']:.2f}" for r in latest))
     return rows
 
 
@@ -94,7 +97,7 @@ def section(rows: Sequence[report.Row], info: dict[str, str], command: str) -> s
         f"C={mixers.C}, H={mixers.H}, K={mixers.K}. FLOPs per token: `6KC` (forward, dx, dw).\n",
         table,
         "![fraction of copy bandwidth](bench/limits.png)\n",
-        f"**The `impl=\"auto\"` rule**: fwd+bwd µs/token of the two candidates, B*T={mixers.TOKENS}, C={mixers.C}, "
+        f"**The `impl=\"auto\"` rule**: fwd+bwd µs/token of the candidates, B*T={mixers.TOKENS}, C={mixers.C}, "
         f"H={mixers.H}, centred kernels; `ops.choose_impl` picks `{ops.choose_impl()}` on "
         f"this backend ({jax.default_backend()}).\n",
         _choice_table(rows),
@@ -102,18 +105,19 @@ def section(rows: Sequence[report.Row], info: dict[str, str], command: str) -> s
 
 
 def _choice_table(rows):
+    """µs/token of each candidate impl per (K, T) and op, the fastest named: the evidence for ``choose_impl``."""
     choice = [r for r in rows if r["kind"] == "impl_choice"]
     get = {(r["name"], r["K"], r["T"]): r["us_per_token"] for r in choice}
-    shapes = list(dict.fromkeys((r["K"], r["T"]) for r in choice))
+    impls = list(dict.fromkeys(r["name"].split()[1] for r in choice))
     table = []
-    for K, T in shapes:
+    for K, T in dict.fromkeys((r["K"], r["T"]) for r in choice):
         row = [K, T]
         for op_name in ("light", "dynamic"):
-            band, shift = get[(f"{op_name} band", K, T)], get[(f"{op_name} shift", K, T)]
-            row += [band, shift, band / shift]
+            times = {impl: get[(f"{op_name} {impl}", K, T)] for impl in impls}
+            row += [*times.values(), min(times, key=times.get)]
         table.append(row)
-    return report.markdown_table(["K", "T", "light band", "light shift", "band ÷ shift", "dynamic band",
-                                  "dynamic shift", "band ÷ shift"], table)
+    header = ["K", "T"] + [f"{op_name} {column}" for op_name in ("light", "dynamic") for column in impls + ["fastest"]]
+    return report.markdown_table(header, table)
 
 
 def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:

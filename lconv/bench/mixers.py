@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lconv import ops
-from lconv.bench import report, timing
+from lconv.bench import external, report, timing
 from lconv.nn import mixers
 
 C, H, K = 512, 8, 31
@@ -41,6 +41,19 @@ class Config:
     exponent: float  # per-call time ~ T ** exponent at fixed tokens (0 linear, 1 quadratic)
     bytes_at: Callable[[int, int], int] = lambda T, B: 0  # a lower bound on memory, checked before building
     max_call_s: float = MAX_CALL_S
+
+
+def pallas_backend() -> bool:
+    """Whether ``impl="pallas"`` compiles here (Triton on a GPU); on CPU it runs in interpret mode, a test tool
+    whose time means nothing, and there is no TPU kernel (``lconv.ops.pallas_conv``)."""
+    return jax.default_backend() == "gpu"
+
+
+def op_configs() -> list[Config]:
+    """``CONFIGS``, with the fused Pallas ops where they compile (``pallas_backend``)."""
+    if not pallas_backend():
+        return list(CONFIGS)
+    return [*CONFIGS[:7], op_config("light", "pallas"), op_config("dynamic", "pallas"), *CONFIGS[7:]]
 
 
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
@@ -109,12 +122,12 @@ def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
 
 def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print) -> list[report.Row]:
     """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
-    rows = []
-    last = {c.name: {} for c in CONFIGS}  # config -> pass -> (T, seconds per call) last measured
-    last_bytes = {c.name: None for c in CONFIGS}
+    rows, configs = [], op_configs()
+    last = {c.name: {} for c in configs}  # config -> pass -> (T, seconds per call) last measured
+    last_bytes = {c.name: None for c in configs}
     for T in T_list:
         B = max(TOKENS // T, 1)
-        for config in CONFIGS:
+        for config in configs:
             base = dict(kind=config.kind, name=config.name, T=T, B=B)
             skip = _skip_reason(config, T, B, last[config.name], last_bytes[config.name])
             if skip:
@@ -136,6 +149,37 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print
                 log(f"  {config.name:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
                     f"(compile {m.compile_s:.1f} s, {m.runs} runs)")
             del fn, args
+        rows += external_rows(T, B, last, budget_s=budget_s, log=log)
+    return rows
+
+
+def external_rows(T: int, B: int, last: dict, *, budget_s: float, log: report.Log = print) -> list[report.Row]:
+    """The PyTorch / fairseq baselines (``lconv.bench.external``) at one T, in the op rows' shapes; skipped rows
+    say why (torch or fairseq's CUDA extension missing, or past the time cap)."""
+    torch, missing = external.torch_or_reason()
+    rows = []
+    for label, builder, dynamic in external.BASELINES:
+        base = dict(kind="op", name=label, T=T, B=B, device=torch and external.device_name(torch))
+        history = last.setdefault(label, {})
+        skip = missing or _skip_reason(Config(label, "op", None, 0.0, max_call_s=8.0), T, B, history, None)
+        built = None
+        if not skip:
+            try:
+                built = external.build(torch, builder, dynamic, B, T, C, H, K)
+            except ImportError as err:
+                skip = f"{err}"
+        if skip:
+            rows += [dict(base, **{"pass": p, "status": f"skipped: {skip}"}) for p in ("fwd", "fwd+bwd")]
+            continue
+        fn, args = built
+        for pass_name in ("fwd", "fwd+bwd"):
+            m = external.measure(torch, fn, args, backward=pass_name == "fwd+bwd", budget_s=budget_s)
+            history[pass_name] = (T, m["median_s"])
+            rows.append(dict(base, **{"pass": pass_name}, status="ok", us_per_token=m["median_s"] / (B * T) * 1e6,
+                             min_us_per_token=m["min_s"] / (B * T) * 1e6, runs=m["runs"], compile_s=None,
+                             memory_mb=None if m["memory_bytes"] is None else m["memory_bytes"] / 2**20,
+                             memory_source=m["memory_source"]))
+            log(f"  {label:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token ({base['device']})")
     return rows
 
 
@@ -202,6 +246,13 @@ RATIOS = [  # (label, slower, faster): how many times faster the second is, meas
     ("LightConv: shift vs unfold", "LightConv op, unfold", "LightConv op, shift"),
     ("DynamicConv: shift vs band", "DynamicConv op, band", "DynamicConv op, shift"),
     ("DynamicConv: shift vs unfold", "DynamicConv op, unfold", "DynamicConv op, shift"),
+    ("LightConv: pallas vs band", "LightConv op, band", "LightConv op, pallas"),
+    ("DynamicConv: pallas vs band", "DynamicConv op, band", "DynamicConv op, pallas"),
+    ("LightConv: pallas vs fairseq CUDA", "LightConv op, fairseq lightconv_cuda", "LightConv op, pallas"),
+    ("DynamicConv: pallas vs fairseq CUDA", "DynamicConv op, fairseq dynamicconv_cuda", "DynamicConv op, pallas"),
+    ("LightConv: band vs PyTorch conv1d", "LightConv op, PyTorch conv1d", "LightConv op, band"),
+    ("LightConv: band vs fairseq CUDA", "LightConv op, fairseq lightconv_cuda", "LightConv op, band"),
+    ("DynamicConv: band vs fairseq CUDA", "DynamicConv op, fairseq dynamicconv_cuda", "DynamicConv op, band"),
     ("DynamicConv block vs self-attention", "self-attention", "DynamicConv block"),
     ("LightConv block vs self-attention", "self-attention", "LightConv block"),
 ]
@@ -213,6 +264,10 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
     parts = [f"### Mixer scaling (`{command}`)\n",
              f"Machine: {timing.describe(info)}. d=C={C}, H={H}, K={K} (centred), B*T={TOKENS} tokens per call, "
              "float32. Medians of several runs after one warm-up; compilation excluded (see the CSV).\n"]
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    if devices:
+        parts.append(f"PyTorch and fairseq rows ran on torch's {', '.join(devices)} device; their memory is "
+                     "`torch.cuda.max_memory_allocated` (none on CPU).\n")
     for pass_name in ("fwd+bwd", "fwd"):
         parts.append(f"**{pass_name}, µs per token**\n")
         parts.append(report.markdown_table(header, [[n] + [_cell(rows, n, T, pass_name) for T in T_list]
