@@ -126,6 +126,11 @@ def test_auto_picks_per_lowering_platform():
     assert "stablehlo.while" not in _lowered(lambda q: f(q, q, q), "cuda", q)
     assert "stablehlo.while" not in _lowered(lambda q: f(q, q, q, impl="xla"), "cpu", q)
     assert "stablehlo.while" in _lowered(lambda q: f(q, q, q, impl="chunked"), "cuda", q)
+    # auto_impl, the report's name for the same decision
+    shape = (1, n, H, D)
+    assert flash.auto_impl("cpu", shape, shape, jnp.float32, segmented=True, causal=True) == "chunked"
+    assert flash.auto_impl("cuda", shape, shape, jnp.float32, segmented=True, causal=True) == "xla"
+    assert flash.auto_impl("tpu", (1, 1024, H, D), (1, 1024, H, D), jnp.float32, segmented=True) == "chunked"
 
 
 def test_cudnn_branch_is_lowered_for_cuda_only(monkeypatch):
@@ -144,6 +149,11 @@ def test_cudnn_branch_is_lowered_for_cuda_only(monkeypatch):
     drop = functools.partial(f, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))
     assert "stablehlo.cosine" not in _lowered(lambda q: drop(q, q, q), "cuda", q)
     assert "stablehlo.cosine" not in _lowered(lambda q: segment_attention(q, q, q, radius=2), "cuda", q)
+    shape = q.shape
+    assert flash.auto_impl("cuda", shape, shape, jnp.bfloat16, segmented=False, causal=True) == "cudnn"
+    assert flash.auto_impl("cuda", shape, shape, jnp.float32, segmented=False, causal=True) == "xla"
+    assert flash.auto_impl("cuda", shape, shape, jnp.bfloat16, segmented=False, causal=True, dropout=True) == "xla"
+    assert flash.auto_impl("cpu", shape, shape, jnp.bfloat16, segmented=False, causal=True) == "xla"
 
 
 def test_bad_calls_raise_one_line_errors():

@@ -133,3 +133,20 @@ def test_baselines_that_cannot_run_here_are_rows_that_say_why():
             assert row["status"] == "ok" and row["us_per_token"] > 0 and row["device"] == external.device_name(torch)
         elif not torch.cuda.is_available():  # fairseq's kernels are CUDA-only
             assert row["status"] == "skipped: fairseq's CUDA kernels need a CUDA device", row
+
+
+def test_the_train_suite_names_the_attention_kernel_and_tables_each_dtype():
+    from lconv.bench import timing
+    from lconv.bench import train as train_suite
+
+    assert train_suite.dtypes() == ("float32",) and train_suite.tokens_per_batch() == 4096  # CPU: no bfloat16
+    assert train_suite.attention_kernel(train_suite.lm_config("attention", 512)) == "chunked"  # 512² >= CPU's 128²
+    assert train_suite.attention_kernel(train_suite.lm_config("lightconv", 512)) is None
+    rows = [dict(model=label, T=512, dtype=dtype, attention="cudnn" if label == "Transformer" else None, B=128,
+                 params=1, step_s=1.0, tokens_per_s=speed, model_flops_per_token=1e9, xla_flops_per_token=1e9,
+                 compile_s=1.0, runs=3, matmul_flops_per_s=1e12, mfu=0.5)
+            for dtype, speeds in (("float32", (1.0, 2.0, 3.0)), ("bfloat16", (4.0, 2.0, 1.0)))
+            for label, speed in zip(train_suite.MODELS, speeds)]
+    text = train_suite.section(rows, [512], timing.machine_info(), "cmd")
+    assert "| model | T=512 float32 | T=512 bfloat16 |" in text
+    assert "| DynamicConv | 3 | 0.25 |" in text  # each model's speed over the Transformer's of the same dtype

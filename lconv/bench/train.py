@@ -2,8 +2,11 @@
 
 Same-size decoder-only LMs (``LAYERS`` layers, d=512, FFN 2048, H=8, vocab 8000; the Transformer's mixer is
 self-attention, the others a K=31 conv block) are trained with lconv's own step (``steps.make_train_step``:
-dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens, ``TOKENS`` tokens per
-batch, at T=512 and T=4096.
+dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens at T=512 and T=4096:
+``tokens_per_batch()`` tokens per batch (4,096 on CPU; 65,536 on an accelerator, issue 15's H100 anchor), in
+float32 and, on an accelerator, bfloat16 compute too (``model.dtype``). The Transformer's attention is
+``attention_impl="auto"``: cuDNN flash attention on a GPU where it applies (bfloat16; no attention dropout), the
+blockwise kernel for long rows, the materialised one otherwise; each row names the kernel (``flash.auto_impl``).
 
 MFU = model FLOPs per second ÷ the float32 matmul rate measured in the same run (the best of several tries).
 Model FLOPs are counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes
@@ -16,24 +19,39 @@ import argparse
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lconv.bench import report, timing
 from lconv.configs import common
+from lconv.ops import flash
 from lconv.train import setup, steps
 
 MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
-TOKENS = 4096
 T_FULL, T_QUICK = (512, 4096), (512,)
 
 
-def lm_config(mixer: str, T: int) -> setup.Config:
-    """``configs.common``'s base config as a ``mixer`` decoder-only LM at length ``T``, ``TOKENS`` per batch."""
+def accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def tokens_per_batch() -> int:
+    return 65_536 if accelerator() else 4096
+
+
+def dtypes() -> tuple[str, ...]:
+    """Compute dtypes measured: bfloat16 too on an accelerator (on CPU it is emulated, so slower, not faster)."""
+    return ("float32", "bfloat16") if accelerator() else ("float32",)
+
+
+def lm_config(mixer: str, T: int, dtype: str = "float32") -> setup.Config:
+    """``configs.common``'s base config as a ``mixer`` decoder-only LM at length ``T``, ``tokens_per_batch()``."""
     c = common.base_config()
     c.task = "lm"
+    c.model.dtype = dtype
     c.data.max_target_length = T
-    c.data.batch_size = max(TOKENS // T, 1)
+    c.data.batch_size = max(tokens_per_batch() // T, 1)
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = D_MODEL, FFN, HEADS
     c.model.decoder_layers = LAYERS
     c.model.decoder_mixer = mixer
@@ -62,15 +80,26 @@ def _batch(config, seed=0):
             "targets_position": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
 
 
-def _trainer(mixer, T):
+def attention_kernel(config: setup.Config) -> str | None:
+    """The attention kernel the Transformer LM's ``"auto"`` runs on this backend (None for other mixers)."""
+    if config.model.decoder_mixer != "attention":
+        return None
+    B, T, H = config.data.batch_size, config.data.max_target_length, config.model.num_heads
+    shape = (B, T, H, config.model.d_model // H)
+    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    return flash.auto_impl(platform, shape, shape, jnp.dtype(config.model.dtype), segmented=True, causal=True,
+                           dropout=config.model.attention_dropout > 0)
+
+
+def _trainer(mixer, T, dtype):
     """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
-    config = lm_config(mixer, T)
+    config = lm_config(mixer, T, dtype)
     model = setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
     batch = _batch(config)
     compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
-    holder = {"state": state, "params": setup.count_params(state.params)}
+    holder = {"state": state, "params": setup.count_params(state.params), "attention": attention_kernel(config)}
 
     def step():
         holder["state"], sums = compiled(holder["state"], batch)
@@ -80,30 +109,14 @@ def _trainer(mixer, T):
 
 
 def run(T_list: Sequence[int], *, repeats: int, log: report.Log = print) -> list[report.Row]:
-    """At each T the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds), so their
-    ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements before
-    and after each T, so a load spike during one of them does not inflate the MFU."""
+    """At each (T, dtype) the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds),
+    so their ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements
+    before and after each T, so a load spike during one of them does not inflate the MFU."""
     matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []
     for T in T_list:
-        trainers = {label: _trainer(mixer, T) for label, mixer in MODELS.items()}
-        times = {label: [] for label in MODELS}
-        for round_ in range(repeats + 1):
-            for label, (step, *_rest) in trainers.items():
-                seconds = timing.time_calls(step, 1, warmup=0)[0]
-                if round_:  # round 0 warms up
-                    times[label].append(seconds)
-        for label, (_, compiled, compile_s, holder, B) in trainers.items():
-            median = timing.summarize(times[label])["median_s"]
-            tokens = B * T
-            rows.append(dict(model=label, T=T, B=B, params=holder["params"], step_s=median,
-                             tokens_per_s=tokens / median,
-                             model_flops_per_token=model_flops_per_token(MODELS[label], T),
-                             xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
-                             runs=repeats))
-            log(f"  {label:12s} T={T:5d}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, step {median:.2f} s, "
-                f"compile {compile_s:.1f} s")
-        del trainers
+        for dtype in dtypes():
+            rows += _alternate(T, dtype, repeats, log)
         matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
     matmul = max(matmul_rates)
     log(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
@@ -112,25 +125,51 @@ def run(T_list: Sequence[int], *, repeats: int, log: report.Log = print) -> list
     return rows
 
 
-def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, str], command: str) -> str:
-    def get(label, T, key):
-        return next((r[key] for r in rows if r["model"] == label and r["T"] == T), None)
+def _alternate(T: int, dtype: str, repeats: int, log: report.Log) -> list[report.Row]:
+    trainers = {label: _trainer(mixer, T, dtype) for label, mixer in MODELS.items()}
+    times = {label: [] for label in MODELS}
+    for round_ in range(repeats + 1):
+        for label, (step, *_rest) in trainers.items():
+            seconds = timing.time_calls(step, 1, warmup=0)[0]
+            if round_:  # round 0 warms up
+                times[label].append(seconds)
+    rows = []
+    for label, (_, compiled, compile_s, holder, B) in trainers.items():
+        median = timing.summarize(times[label])["median_s"]
+        tokens = B * T
+        rows.append(dict(model=label, T=T, dtype=dtype, attention=holder["attention"], B=B, params=holder["params"],
+                         step_s=median, tokens_per_s=tokens / median,
+                         model_flops_per_token=model_flops_per_token(MODELS[label], T),
+                         xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
+                         runs=repeats))
+        log(f"  {label:12s} T={T:5d} {dtype:8s}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, step {median:.2f} s, "
+            f"compile {compile_s:.1f} s" + (f", attention {holder['attention']}" if holder["attention"] else ""))
+    return rows
 
+
+def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, str], command: str) -> str:
+    def get(label, T, dtype, key):
+        return next((r[key] for r in rows if r["model"] == label and r["T"] == T and r["dtype"] == dtype), None)
+
+    runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows))
     parts = [f"### Training step (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
-             f"vocab {VOCAB}, conv K={K}; {TOKENS} tokens per batch; `steps.make_train_step` (dropout 0.1, "
-             f"label smoothing, Adam), state donated; float32; the three models' steps alternate, median of the "
-             f"rounds. Matmul rate, best of three measurements in this run: "
-             f"{rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s. MFU uses analytic model FLOPs.\n",
+             f"vocab {VOCAB}, conv K={K}; {tokens_per_batch():,} tokens per batch; `steps.make_train_step` "
+             f"(dropout 0.1, label smoothing, Adam), state donated; compute in {' and '.join(dtypes())} (params "
+             f"float32); the three models' steps alternate, median of the rounds. The Transformer's attention "
+             f"kernel is `attention_impl=\"auto\"`'s choice, named per row. Matmul rate, best of the measurements "
+             f"in this run: {rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (float32). MFU uses analytic model "
+             "FLOPs.\n",
              report.markdown_table(
-                 ["model", "T", "params", "tokens/s", "step s", "model GFLOP/token", "XLA GFLOP/token", "MFU",
-                  "compile s"],
-                 [[r["model"], r["T"], r["params"], r["tokens_per_s"], r["step_s"], r["model_flops_per_token"] / 1e9,
-                   r["xla_flops_per_token"] / 1e9, r["mfu"], r["compile_s"]] for r in rows]),
+                 ["model", "T", "dtype", "attention", "params", "tokens/s", "step s", "model GFLOP/token",
+                  "XLA GFLOP/token", "MFU", "compile s"],
+                 [[r["model"], r["T"], r["dtype"], r["attention"], r["params"], r["tokens_per_s"], r["step_s"],
+                   r["model_flops_per_token"] / 1e9, r["xla_flops_per_token"] / 1e9, r["mfu"], r["compile_s"]]
+                  for r in rows]),
              "**Tokens/s relative to the Transformer, same run**\n",
-             report.markdown_table(["model"] + [f"T={T}" for T in T_list],
-                                   [[lab] + [get(lab, T, "tokens_per_s") / get("Transformer", T, "tokens_per_s")
-                                             for T in T_list] for lab in MODELS]),
+             report.markdown_table(["model"] + [f"T={T} {dtype}" for T, dtype in runs],
+                                   [[lab] + [get(lab, T, dt, "tokens_per_s") / get("Transformer", T, dt, "tokens_per_s")
+                                             for T, dt in runs] for lab in MODELS]),
              "![training tokens/s](bench/train.png)\n"]
     return "\n\n".join(p.strip() for p in parts)
 
@@ -139,8 +178,9 @@ def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = 
     T_list = T_QUICK if opts.quick else T_FULL
     rows = run(T_list, repeats=2 if opts.quick else 3, log=log)
     report.write_results(opts.out, "train", rows, section(rows, T_list, info, opts.command), opts.doc)
-    report.plot_bars(f"{opts.out}/train.png", [f"T={T}" for T in T_list],
-                     {lab: [next(r["tokens_per_s"] for r in rows if r["model"] == lab and r["T"] == T)
-                            for T in T_list] for lab in MODELS},
+    runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows))
+    report.plot_bars(f"{opts.out}/train.png", [f"T={T} {dtype}" for T, dtype in runs],
+                     {lab: [next(r["tokens_per_s"] for r in rows if (r["model"], r["T"], r["dtype"]) == (lab, T, dt))
+                            for T, dt in runs] for lab in MODELS},
                      title=f"training tokens/s, {LAYERS}-layer LM, d={D_MODEL}", ylabel="tokens/s")
     return rows

@@ -299,6 +299,19 @@ def cudnn_unsupported(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, *, segmented:
     return _cudnn_probe(q_BTHD.shape, k_BSHD.shape, jnp.dtype(q_BTHD.dtype), segmented, causal, radius)
 
 
+def auto_impl(platform: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: Any, *, segmented: bool,
+              causal: bool = False, radius: int | None = None, dropout: bool = False) -> str:
+    """The kernel ``impl="auto"`` runs for these shapes when lowered for ``platform`` (cpu, cuda, rocm, tpu):
+    ``"cudnn"``, ``"chunked"`` or ``"xla"``; what ``segment_attention`` decides, for reports and benchmarks."""
+    if platform == "cuda":
+        q = jax.ShapeDtypeStruct(q_shape, dtype)
+        k = jax.ShapeDtypeStruct(k_shape, dtype)
+        if cudnn_unsupported(q, k, k, segmented=segmented, causal=causal, radius=radius, dropout=dropout) is None:
+            return "cudnn"
+    min_pairs, _ = XLA_RULES.get(platform, XLA_RULES["default"])
+    return "chunked" if q_shape[1] * k_shape[1] >= min_pairs else "xla"
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The dispatch
 # ----------------------------------------------------------------------------------------------------------
