@@ -251,3 +251,35 @@ def test_asking_an_absl_entry_point_for_help_prints_its_flags_and_succeeds(entry
     """absl exits 1 after printing --help; a user (and CI's install check) asking for help gets exit code 0."""
     result = subprocess.run([sys.executable, *entry, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--" in result.stdout and "flags:" in result.stdout, result.stderr[-500:]
+
+
+def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_cache(tmp_path):
+    """eval.py keeps what it compiles in <workdir>/compilation_cache: the same command again compiles nothing
+    (every program a persistent-cache hit, none a miss), adds no entry and writes the same outputs."""
+    from lconv.interop import fairseq_workdir
+
+    fixtures = ROOT / "tests" / "fixtures" / "fairseq"
+    workdir = tmp_path / "run"
+    fairseq_workdir.import_checkpoint(str(fixtures / "dynamic" / "checkpoint_last.pt"), str(fixtures / "dict.txt"),
+                                      str(fixtures / "spm.model"), str(workdir), decode={"beam_size": 2},
+                                      log=lambda _: None)
+    sources = (fixtures / "test.src").read_text(encoding="utf-8").splitlines()[:4]
+    (tmp_path / "sources.txt").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_LOG_COMPILES": "1",
+           "JAX_EXPLAIN_CACHE_MISSES": "1"}  # cache every program; log each hit and miss
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+    def evaluate(output):
+        done = subprocess.run([sys.executable, "eval.py", f"--workdir={workdir}",
+                               f"--source_file={tmp_path / 'sources.txt'}", f"--output_file={tmp_path / output}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    first = evaluate("first.txt")
+    entries = sorted(os.listdir(workdir / runtime.COMPILATION_CACHE))
+    assert "PERSISTENT COMPILATION CACHE MISS" in first and entries
+    second = evaluate("second.txt")
+    assert "Persistent compilation cache hit" in second and "PERSISTENT COMPILATION CACHE MISS" not in second
+    assert sorted(os.listdir(workdir / runtime.COMPILATION_CACHE)) == entries
+    assert (tmp_path / "second.txt").read_text() == (tmp_path / "first.txt").read_text()

@@ -24,8 +24,15 @@ def train(argv: list[str] | None = None) -> None:
     flags.DEFINE_bool("accept_config_changes", False,
                       "Let a resumed run change config fields its checkpoints were trained with (model, data, "
                       "optim); without it such a change is an error.")
+    _define_compilation_cache()
     flags.mark_flags_as_required(["config", "workdir"])
     _run(_train_main, argv)
+
+
+def _define_compilation_cache() -> None:
+    flags.DEFINE_string("compilation_cache", None, "Where compiled XLA programs are kept for the next run of this "
+                        "workdir (default: $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache); "
+                        "'none' compiles every time.")
 
 
 def _train_main(argv: list[str]) -> None:
@@ -33,6 +40,7 @@ def _train_main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     with runtime.user_errors():
         runtime.initialize()
+        runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
         from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
 
         result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir,
@@ -62,6 +70,7 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("top_k", None, "LM runs: sample from the k most likely tokens (default 0: all).")
     flags.DEFINE_float("top_p", None, "LM runs: nucleus sampling, in (0, 1] (default 1: off).")
     flags.DEFINE_integer("seed", None, "LM runs: the sampling seed (default 0).")
+    _define_compilation_cache()
     flags.mark_flags_as_required(["workdir"])
     _run(_evaluate_main, argv)
 
@@ -71,6 +80,7 @@ def _evaluate_main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     with runtime.user_errors():
         runtime.initialize()
+        runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
         from lconv.cli import evaluate
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
@@ -79,9 +89,9 @@ def _evaluate_main(argv: list[str]) -> None:
 
 
 def _run(main, argv: list[str] | None) -> None:
-    for name in ("workdir", "config", "accept_config_changes", "split", "average_last", "checkpoint", "beam_size",
-                 "lenpen", "source_file", "reference_file", "output_file", "interactive", "max_len",
-                 "temperature", "top_k", "top_p", "seed"):
+    for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
+                 "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
+                 "max_len", "temperature", "top_k", "top_p", "seed"):
         if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
             FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)

@@ -1,4 +1,5 @@
-"""Process set-up shared by the entry points: multi-host initialisation and one-line user errors."""
+"""Process set-up shared by the entry points: multi-host initialisation, the compilation cache and one-line user
+errors."""
 from __future__ import annotations
 
 import contextlib
@@ -58,6 +59,29 @@ def initialize() -> None:
         )
     elif cluster is not None:
         jax.distributed.initialize()  # SLURM, Open MPI, Cloud TPU: JAX reads everything from the environment
+
+
+COMPILATION_CACHE = "compilation_cache"  # the default cache folder, inside the run's workdir
+
+
+def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | None:
+    """Keeps the XLA programs a run compiles (train step, evaluation, beam search) in a folder, so that a resumed
+    run or a later ``eval.py`` of the same workdir reads them back instead of compiling again (JAX's persistent
+    cache; an entry is keyed by the program, the compiler options, the device kind and the jax version, so a
+    changed model or a new jax compiles afresh). Before anything compiles.
+
+    ``choice``: a folder (local or URL), ``"none"`` to compile every time, or None for ``$JAX_COMPILATION_CACHE_DIR``
+    when set, else ``<workdir>/compilation_cache``. Returns the folder in use, or None when off."""
+    import jax
+    from etils import epath
+
+    if choice is not None and choice.lower() == "none":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    folder = (choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+              or os.fspath(epath.Path(workdir) / COMPILATION_CACHE))
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
 
 
 @contextlib.contextmanager
