@@ -150,3 +150,12 @@ def test_the_train_suite_names_the_attention_kernel_and_tables_each_dtype():
     text = train_suite.section(rows, [512], timing.machine_info(), "cmd")
     assert "| model | T=512 float32 | T=512 bfloat16 |" in text
     assert "| DynamicConv | 3 | 0.25 |" in text  # each model's speed over the Transformer's of the same dtype
+
+
+def test_another_backends_results_go_beside_the_cpu_ones_never_over_them():
+    assert bench_main.committed_paths("cpu") == ("docs/bench", "docs/benchmarks.md")
+    assert bench_main.committed_paths("gpu") == ("docs/bench/gpu", "docs/benchmarks-gpu.md")
+    full = argparse.Namespace(quick=False, out=None, doc=None)
+    bench_main.resolve_outputs(full, None, "gpu")
+    assert (full.out, full.doc) == ("docs/bench/gpu", "docs/benchmarks-gpu.md")
+    assert report.figure("train.png") == "bench/train.png"  # this CPU run's figures, linked from docs/benchmarks.md

@@ -49,18 +49,28 @@ def parse_T_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Fills ``--out``/``--doc``; a ``--quick`` run writing over the committed results is refused."""
+def committed_paths(backend: str) -> tuple[str, str]:
+    """Where a clone keeps a backend's results: CPU's in docs/bench and docs/benchmarks.md, another backend's in
+    docs/bench/<backend> and docs/benchmarks-<backend>.md, so a GPU run never overwrites the CPU tables."""
+    if backend == "cpu":
+        return COMMITTED_OUT, COMMITTED_DOC
+    return f"{COMMITTED_OUT}/{backend}", COMMITTED_DOC.replace(".md", f"-{backend}.md")
+
+
+def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, backend: str = "cpu") -> None:
+    """Fills ``--out``/``--doc`` (``backend``: where the suites run); a ``--quick`` run writing over committed
+    results is refused."""
     if not opts.quick:
         clone = in_clone_root()
-        out, doc = (COMMITTED_OUT, COMMITTED_DOC) if clone else (INSTALLED_DIR, f"{INSTALLED_DIR}/benchmarks.md")
+        out, doc = committed_paths(backend) if clone else (INSTALLED_DIR, f"{INSTALLED_DIR}/benchmarks.md")
         opts.out, opts.doc = opts.out or out, opts.doc or doc
         return
     opts.out, opts.doc = opts.out or QUICK_DIR, opts.doc or os.path.join(QUICK_DIR, "benchmarks.md")
-    for flag, path, committed in (("--out", opts.out, COMMITTED_OUT), ("--doc", opts.doc, COMMITTED_DOC)):
-        if os.path.abspath(path) == os.path.abspath(committed):
-            parser.error(f"{flag}={path} holds the committed results; a --quick run is a smoke test and writes "
-                         f"elsewhere (default {QUICK_DIR})")
+    for out, doc in {committed_paths("cpu"), committed_paths(backend)}:
+        for flag, path, committed in (("--out", opts.out, out), ("--doc", opts.doc, doc)):
+            if os.path.abspath(path) == os.path.abspath(committed):
+                parser.error(f"{flag}={path} holds the committed results; a --quick run is a smoke test and "
+                             f"writes elsewhere (default {QUICK_DIR})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         opts.T = parse_T_list(opts.T) if opts.T is not None else None  # an empty --T= is an error, not "unset"
     except ValueError as err:
         parser.error(str(err))
-    resolve_outputs(opts, parser)
-    opts.command = "python -m lconv.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-
     from lconv.bench import timing  # imports jax: after the arguments are known to be good
+
+    resolve_outputs(opts, parser, timing.backend())
+    opts.command = "python -m lconv.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 
     info = timing.machine_info()
     print(f"machine: {timing.describe(info)}", flush=True)

@@ -122,7 +122,7 @@ def section(rows: Sequence[report.Row], lengths: Sequence[int], info: dict[str, 
               "÷ this model's, by output length\n",
               report.markdown_table(["model", f"flatness (length {L})"] + [f"speed-up vs Transformer, {n}"
                                                                         for n in lengths], ratio_rows),
-              "![decode time per token by position](bench/decode.png)\n"]
+              f"![decode time per token by position]({report.figure('decode.png')})\n"]
     return "\n\n".join(p.strip() for p in parts)
 
 

@@ -96,7 +96,7 @@ def section(rows: Sequence[report.Row], info: dict[str, str], command: str) -> s
         f"{timing.conv_bytes_per_token(mixers.C, mixers.H, mixers.K, dynamic=True, backward=True)} bytes at "
         f"C={mixers.C}, H={mixers.H}, K={mixers.K}. FLOPs per token: `6KC` (forward, dx, dw).\n",
         table,
-        "![fraction of copy bandwidth](bench/limits.png)\n",
+        f"![fraction of copy bandwidth]({report.figure('limits.png')})\n",
         f"**The `impl=\"auto\"` rule**: fwd+bwd µs/token of the candidates, B*T={mixers.TOKENS}, C={mixers.C}, "
         f"H={mixers.H}, centred kernels; `ops.choose_impl` picks `{ops.choose_impl()}` on "
         f"this backend ({jax.default_backend()}).\n",

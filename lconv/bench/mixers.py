@@ -299,7 +299,8 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
                     for n in names]
     parts.append("**Compilation, slowest over T (fwd+bwd or fwd), seconds**\n")
     parts.append(report.markdown_table(["configuration", "compile s"], compile_rows))
-    parts.append("![fwd+bwd time per token](bench/mixers.png) ![fwd+bwd memory](bench/mixers_memory.png)\n")
+    parts.append(f"![fwd+bwd time per token]({report.figure('mixers.png')}) "
+                 f"![fwd+bwd memory]({report.figure('mixers_memory.png')})\n")
     return "\n\n".join(p.strip() for p in parts)
 
 

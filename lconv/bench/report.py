@@ -57,6 +57,15 @@ def replace_section(document: str, name: str, body: str) -> str:
     return document.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def figure(name: str) -> str:
+    """A suite's PNG as linked from its committed doc: docs/bench/NAME on CPU, docs/bench/<backend>/NAME
+    elsewhere (``lconv.bench.__main__.committed_paths``)."""
+    from lconv.bench import timing  # imports jax, which writing CSV and markdown does not need
+
+    backend = timing.backend()
+    return f"bench/{name}" if backend == "cpu" else f"bench/{backend}/{name}"
+
+
 def write_results(out_dir: str, name: str, rows: Sequence[dict[str, Any]], section: str, doc_path: str) -> str:
     """Writes ``out_dir/NAME.csv`` and the suite's section of ``doc_path``; returns the CSV path."""
     os.makedirs(out_dir, exist_ok=True)

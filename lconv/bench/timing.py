@@ -185,6 +185,11 @@ def copy_bytes_per_s(megabytes: int = 256, repeats: int = 10) -> dict[str, float
 # ----------------------------------------------------------------------------------------------------------------
 # The machine
 # ----------------------------------------------------------------------------------------------------------------
+def backend() -> str:
+    """Where the suites run: ``jax.default_backend()`` (cpu, gpu, tpu)."""
+    return jax.default_backend()
+
+
 def machine_info() -> dict[str, str]:
     """CPU model and cores, JAX device kind and versions, date and load (the machine may be shared)."""
     import jaxlib

@@ -170,7 +170,7 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
              report.markdown_table(["model"] + [f"T={T} {dtype}" for T, dtype in runs],
                                    [[lab] + [get(lab, T, dt, "tokens_per_s") / get("Transformer", T, dt, "tokens_per_s")
                                              for T, dt in runs] for lab in MODELS]),
-             "![training tokens/s](bench/train.png)\n"]
+             f"![training tokens/s]({report.figure('train.png')})\n"]
     return "\n\n".join(p.strip() for p in parts)
 
 
