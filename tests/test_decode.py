@@ -314,7 +314,8 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
     positions fed (BOS, prompt and every new token but the last): Fixed and Hadamard's tables hold no more."""
     steps = 6
     cfg = ModelConfig(vocab_size=11, d_model=8, ffn_dim=16, num_heads=2, decoder_layers=2, decoder_mixer=mixer,
-                      decoder_kernel_sizes=(3, 4), dropout=0.0, max_len=1 + 3 + steps - 1)
+                      decoder_kernel_sizes=(3, 4), dropout=0.0, max_len=1 + 3 + steps - 1,
+                      matmul_precision="highest")  # float32 dots on every backend: the argmaxes must agree
     model = DecoderOnlyLM(cfg)
     prompt = jnp.array([[5, 7, 2], [9, 4, 6]], jnp.int32)
     variables = jax.jit(model.init)(jax.random.key(1), prompt)
