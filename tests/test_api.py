@@ -87,7 +87,9 @@ def test_lightconv_kernels_are_the_softmax_of_the_weights_and_attention_layers_h
 
 
 def test_dynamic_kernels_match_a_numpy_recomputation_from_the_conv_input():
-    model = Model(tiny_runs.in_memory(tiny_runs.translation_config()))  # the default: DynamicConv both sides
+    config = tiny_runs.translation_config()  # the default: DynamicConv both sides
+    config.model.matmul_precision = "highest"  # the kernel projection in float32 on every backend (GPU: not TF32)
+    model = Model(tiny_runs.in_memory(config))
     sentence = "The small package for images and fonts."  # tiny_runs' words: a few tokens, within the 32 limit
     kernels = model.kernels(sentence)
     ids_1S = np.append(model.tokenizer.encode(sentence), EOS_ID)[None].astype(np.int32)

@@ -61,8 +61,10 @@ def _params(name):
 
 
 def build(name, causal, **kw):
+    """A mixer whose float32 dots are float32 on every backend (a GPU's default is TF32): the references are
+    float64 loops. What the default precision does is tests/test_precision.py's and test_matmul_precision_*."""
     cls, extra = MIXERS[name]
-    return cls(num_heads=H, causal=causal, **extra, **kw), _params(name)
+    return cls(num_heads=H, causal=causal, **{"matmul_precision": "highest", **extra, **kw}), _params(name)
 
 
 # ---------------------------------------------------------------- float64 NumPy references (explicit loops)
@@ -173,7 +175,7 @@ def test_cross_attention_matches_numpy_and_masks_memory_padding():
     S = 7
     mem = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (B, S, C)), np.float32)
     mseg = np.array([[1] * 5 + [0] * 2, [1] * 7], np.int32)
-    m = CrossAttention(num_heads=H)
+    m = CrossAttention(num_heads=H, matmul_precision="highest")
     params = nn.meta.unbox(m.init(jax.random.PRNGKey(1), jnp.asarray(X), jnp.asarray(mem))["params"])
     y = np.asarray(run(m, {"params": params}, jnp.asarray(X), jnp.asarray(mem),
                            encoded_segment_ids=jnp.asarray(mseg)))
@@ -312,7 +314,7 @@ def test_chunked_kernel_in_the_module_matches_numpy_reference(causal):
 def test_cross_attention_kernels_agree():
     mem = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (B, 7, C)), np.float32)
     mseg = np.array([[1] * 5 + [0] * 2, [1] * 7], np.int32)
-    m = CrossAttention(num_heads=H, attention_impl="xla")
+    m = CrossAttention(num_heads=H, attention_impl="xla", matmul_precision="highest")
     params = nn.meta.unbox(m.init(jax.random.PRNGKey(1), jnp.asarray(X), jnp.asarray(mem))["params"])
     kw = dict(query_segment_ids=jnp.asarray(SEG), encoded_segment_ids=jnp.asarray(mseg))
     ys = [run(m.clone(attention_impl=impl), {"params": params}, jnp.asarray(X), jnp.asarray(mem), **kw)

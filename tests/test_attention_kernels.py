@@ -13,6 +13,7 @@ from lconv.ops.attention import attention_mask, dot_product_attention
 from lconv.ops.flash import chunked_attention, segment_attention
 
 B, T, S, H, D = 2, 13, 7, 2, 4
+HIGHEST = jax.lax.Precision.HIGHEST  # float32 dots on every backend (a GPU's default is TF32): float64 references
 # Row 0: two packed examples (7 + 4 tokens) and 2 padding tokens; row 1: one example, 3 padding tokens.
 SEG = np.array([[1] * 7 + [2] * 4 + [0] * 2, [1] * 10 + [0] * 3], np.int32)
 # Encoder side of the cross cases: row 0 has no segment 2 (its second query example sees nothing: zeros).
@@ -72,10 +73,10 @@ def test_chunked_matches_numpy_and_plain_gradients(case):
     ones_q, ones_k = np.ones((B, T), np.int32), np.ones((B, s), np.int32)
     # blocks 4 x 3: lengths 13 and 7 divide neither; several blocks fall outside the causal / local band
     chunked = functools.partial(chunked_attention, q_seg_BT=qs, k_seg_BS=ks, causal=causal, radius=radius,
-                                block_q=4, block_k=3)
+                                block_q=4, block_k=3, precision=HIGHEST)
     mask = attention_mask(jnp.asarray(ones_q if qseg is None else qseg), jnp.asarray(ones_k if kseg is None else kseg),
                           causal=causal, radius=radius)
-    plain = functools.partial(dot_product_attention, mask_BHTS=mask)
+    plain = functools.partial(dot_product_attention, mask_BHTS=mask, precision=HIGHEST)
 
     (out, grads), (_, ref_grads) = _out_and_grads(chunked, q, k, v, g), _out_and_grads(plain, q, k, v, g)
     ref = np_attention(q, k, v, ones_q if qseg is None else qseg, ones_k if kseg is None else kseg, causal, radius)
@@ -90,7 +91,7 @@ def test_chunked_dropout_matches_numpy_with_its_keep_mask_and_autodiff():
     q, k, v, g = _qkv(T, T, seed=1)
     rate, rng, bq, bk = 0.3, jax.random.PRNGKey(5), 4, 3
     f = functools.partial(chunked_attention, q_seg_BT=jnp.asarray(SEG), k_seg_BS=jnp.asarray(SEG), causal=True,
-                          dropout_rate=rate, dropout_rng=rng, block_q=bq, block_k=bk)
+                          dropout_rate=rate, dropout_rng=rng, block_q=bq, block_k=bk, precision=HIGHEST)
     nq, nk = -(-T // bq), -(-T // bk)
     block_keep = jax.jit(lambda i, j: flash._keep(rng, i, j, (B, H, bq, bk), rate))  # compiled once
     keep = np.concatenate([np.concatenate([np.asarray(block_keep(i, j))
@@ -102,9 +103,9 @@ def test_chunked_dropout_matches_numpy_with_its_keep_mask_and_autodiff():
 
     def reference(q, k, v):  # the materialised softmax with the same keep mask
         mask = attention_mask(jnp.asarray(SEG), jnp.asarray(SEG), causal=True)
-        logits = jnp.where(mask, jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D), -1e30)
+        logits = jnp.where(mask, jnp.einsum("bthd,bshd->bhts", q, k, precision=HIGHEST) / np.sqrt(D), -1e30)
         probs = jnp.where(mask, jax.nn.softmax(logits, -1), 0.0) * keep / (1 - rate)
-        return jnp.einsum("bhts,bshd->bthd", probs, v)
+        return jnp.einsum("bhts,bshd->bthd", probs, v, precision=HIGHEST)
 
     ref_grads = _out_and_grads(reference, q, k, v, g)[1]
     for name, got, want in zip("qkv", grads, ref_grads):

@@ -150,6 +150,7 @@ def _knn_config(grad_accum_steps=1):
     c.model.dropout = c.model.attention_dropout = c.model.relu_dropout = c.model.weight_dropout = 0.0
     c.optim.learning_rate, c.optim.label_smoothing = 1e-2, 0.0
     c.optim.grad_accum_steps = grad_accum_steps
+    c.model.matmul_precision = "highest"  # float32 on every backend: the reference's rows run alone, in other shapes
     return c
 
 
