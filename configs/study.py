@@ -4,9 +4,13 @@
     python -m lconv.study --config=configs/study.py:quick --output_dir=/tmp/study_quick --docs_dir=/tmp/study_quick
     python -m lconv.study --config=configs/study.py:gpu --output_dir=runs/study_gpu      # one accelerator
 
-Re-running a command skips finished runs and resumes interrupted ones. ``--docs_dir`` (default ``docs``) receives
-``results.md`` and ``results/`` (plots, results.json, results.csv); ``--config.seeds=0,1`` and the other fields
-below override as in train.py. How runs are matched and measured: lconv/study/plan.py and measure.py.
+Re-running a command skips finished runs and resumes interrupted ones. Each finished run is also archived in
+``<docs_dir>/results/runs/`` (a few KB: record, config, training curve; committed with the results), and
+``--resume_from=docs`` copies those runs into a new ``--output_dir`` instead of training them again, so a study
+split over sessions or machines goes on from its committed archive (lconv/study/archive.py). ``--docs_dir``
+(default ``docs``) receives ``results.md`` and ``results/`` (plots, results.json, results.csv); ``--config.seeds=0,1``
+and the other fields below override as in train.py. How runs are matched and measured: lconv/study/plan.py and
+measure.py.
 
 Modes (the variant word):
 - ``full`` (default): d 128, FFN 512 (the Transformer's; the other mixers' FFN is searched to match its parameter

@@ -18,6 +18,7 @@ import pytest
 from lconv.configs import study as study_config
 from lconv.errors import UserError
 from lconv.study import driver, plan, report
+from lconv.study import run as run_lib
 
 pytestmark = pytest.mark.slow  # the quick study trains a run per task: run by CI, skipped by the quick command
 
@@ -66,6 +67,7 @@ def test_every_task_has_a_scored_run(studied):
         assert record["train_step_bytes"] > 0 and record["train_step_memory_source"] == "memory_analysis"
         assert record["peak_rss_bytes"] > 100 * 2**20  # a whole JAX process
         assert record["params"] == record["reference_params"]  # the reference is the Transformer itself
+        assert record["machine"]["cpu"] and record["machine"]["jax"].startswith("jax ")  # measured where, kept
 
 
 def test_a_failing_run_is_reported_and_the_study_goes_on(studied):
@@ -211,6 +213,50 @@ def test_a_study_config_edited_since_its_runs_were_made_is_refused(studied):
                                         r"\(config\.model\.dropout: 0\.1 -> 0\.25\) and 2 more; use a new"):
         driver.run_study(edited, str(root / "out"), str(root / "docs3"), command="test", log=lambda line: None)
     assert not (root / "docs3").exists()
+
+
+def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_runs(studied, tmp_path,
+                                                                                   monkeypatch):
+    """The scratch output dir is gone (a new machine, a session cut off): the archive the report wrote into the
+    docs dir, a few KB per finished run, stands in for the finished runs, figures and training curves intact."""
+    root, study, records, _ = studied
+    archive_root = root / "docs" / "results" / "runs"
+    assert sorted(p.relative_to(archive_root).as_posix() for p in archive_root.rglob("*.json")) == [
+        f"{task}/transformer/seed0.json" for task in sorted(plan.TASKS)]  # the finished runs; not the failed ones
+    out = tmp_path / "out"
+    shutil.copytree(root / "out" / "tokenizers", out / "tokenizers")  # no tokenizer to train again
+    monkeypatch.setattr(run_lib, "_run_process", lambda *args: pytest.fail("a restored run was trained again"))
+    only = plan.normalize(study)
+    only.mixers = ("transformer",)
+    lines = []
+    resumed = driver.run_study(only, str(out), str(tmp_path / "docs"), resume_from=str(root / "docs"),
+                               command="test", log=lines.append)
+    assert any(line.startswith("restored 3 finished runs from") for line in lines)
+    before, after = _by_name(records), _by_name(resumed)
+    for name, record in after.items():
+        assert record["status"] == "ok" and record["restored"]
+        for key in ("bleu", "ppl", "ppl_word", "rougeL", "train_tokens_per_s", "decode_tokens_per_s", "machine",
+                    "wall_seconds", "step", "params"):
+            assert record.get(key) == before[name].get(key), (name, key)
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "3 finished runs were restored from an earlier invocation's run archive" in text
+    assert (tmp_path / "docs" / "results" / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+    rewritten = tmp_path / "docs" / "results" / "runs" / "lm" / "transformer" / "seed0.json"
+    original = json.loads((archive_root / "lm" / "transformer" / "seed0.json").read_text())
+    assert json.loads(rewritten.read_text()) == original  # archiving a restored run gives back the same entry
+
+    edited = plan.normalize(only)
+    edited.mixer_overrides = {**edited.mixer_overrides.to_dict(), "transformer": {"model": {"dropout": 0.25}}}
+    shutil.copytree(root / "out" / "tokenizers", tmp_path / "out2" / "tokenizers")
+    with pytest.raises(UserError, match=r"archive .* holds runs made with another study config: "
+                                        r"translation/transformer/seed0 \(config\.model\.dropout: 0\.1 -> 0\.25\) "
+                                        r"and 2 more"):
+        driver.run_study(edited, str(tmp_path / "out2"), str(tmp_path / "docs2"), resume_from=str(root / "docs"),
+                         command="test", log=lambda line: None)
+    assert not (tmp_path / "out2" / "runs").exists()  # refused before anything was copied
+    with pytest.raises(UserError, match=r"^--resume_from=.* has no results/runs/ \(the run archive"):
+        driver.run_study(only, str(tmp_path / "out3"), str(tmp_path / "docs3"), resume_from=str(tmp_path),
+                         command="test", log=lambda line: None)
 
 
 def _processes_running(text: str) -> list[int]:

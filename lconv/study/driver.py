@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from lconv.errors import UserError
-from lconv.study import plan, report
+from lconv.study import archive, plan, report
 from lconv.study import run as run_lib
 
 
@@ -75,22 +75,29 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
 
 
 def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
-              command: str = "", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              resume_from: str | None = None, command: str = "",
+              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Runs (or, with ``report_only``, only collects) every planned run, then writes the report into
-    ``docs_dir``. Returns the records, one per (task, mixer, seed)."""
+    ``docs_dir``. ``resume_from``: a study's docs dir whose archived finished runs are copied in first instead of
+    trained again (``lconv.study.archive``). Returns the records, one per (task, mixer, seed)."""
     study = plan.normalize(study)
     plan.check_study(study)
     start = time.time()
+    archive_root = archive.resolve(resume_from) if resume_from else None
     output_dir = os.path.abspath(os.path.expanduser(output_dir))
     os.makedirs(output_dir, exist_ok=True)
     tokenizers = prepare_tokenizers(study, output_dir, log)
     log("planning: matching parameter counts")
     planned = plan.plan(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
     check_runs_match_plan(planned, output_dir)
+    if archive_root:
+        archive.restore(planned, archive_root, lambda key: run_dir(output_dir, key), log)
     records = []
     for i, item in enumerate(planned, start=1):
         record = outcome(item, study, output_dir, tokenizers, launch=not report_only, log=log)
         records.append(record)
+        if not report_only and record["status"] == "ok" and not record.get("skipped"):
+            archive.write_archive([record], output_dir, docs_dir, log)  # committed as it goes: see archive.py
         log(f"[{i}/{len(planned)}] {item.key.name}: {describe(record)}")
         run_lib.write_json(os.path.join(output_dir, "records.json"), records)
     meta = {"command": command, "output_dir": output_dir, "invocation_seconds": time.time() - start,
@@ -102,16 +109,12 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
 def check_runs_match_plan(planned: list[plan.Planned], output_dir: str) -> None:
     """Raises when a run folder was made with another training config than the plan's (the study config was
     edited since): its result would be skipped, or its checkpoints resumed, as if it were the planned run."""
-    from lconv.train import workdir as workdir_lib
-
     stale = []
     for item in planned:
         spec = run_lib.read_json(os.path.join(run_dir(output_dir, item.key), run_lib.SPEC))
         if item.config is None or spec is None:
             continue
-        changes = workdir_lib.config_changes(spec["config"], item.config)
-        for added in workdir_lib.fields_added_at_their_defaults(spec["config"], changes):
-            del changes[added]
+        changes = plan.stored_config_changes(spec["config"], item.config)
         if changes:
             field, (old, new) = next(iter(changes.items()))
             stale.append(f"{item.key.name} (config.{field}: {old!r} -> {new!r})")
@@ -126,7 +129,8 @@ def describe(record: dict[str, Any]) -> str:
     status = record.get("status")
     if status != "ok":
         return f"{status}: {record.get('error', '')}"
-    skipped = " (finished before, skipped)" if record.get("skipped") else ""
+    skipped = (" (restored from the archive)" if record.get("restored") else
+               " (finished before, skipped)" if record.get("skipped") else "")
     score = {"translation": lambda r: f"BLEU {r['bleu']:.2f}",
              "lm": lambda r: f"ppl {r['ppl']:.2f}/token, {r['ppl_word']:.2f}/word",
              "summarization": lambda r: f"ROUGE-1/2/L {r['rouge1']:.2f}/{r['rouge2']:.2f}/{r['rougeL']:.2f}"}

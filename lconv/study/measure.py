@@ -80,6 +80,13 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def machine() -> dict[str, str]:
+    """What the run was measured on (CPU, device, JAX; and when it finished): kept in its record, so a study
+    resumed from an archive made elsewhere says which figures came from which machine."""
+    info = timing.machine_info()
+    return {key: info[key] for key in ("cpu", "device", "jax", "date")}
+
+
 LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is reported
 
 

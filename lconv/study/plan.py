@@ -245,6 +245,17 @@ def check_generation_fits(study: Config, config: Config) -> None:
                         f"generated token but the last); at most {config.model.max_len}")
 
 
+def stored_config_changes(stored: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
+    """``{dotted field: (stored, planned)}`` where a run's stored training config differs from the planned one;
+    fields added to lconv since the run was made, at their defaults, do not count (they keep its behaviour)."""
+    from lconv.train import workdir as workdir_lib
+
+    changes = workdir_lib.config_changes(stored, config)
+    for added in workdir_lib.fields_added_at_their_defaults(stored, changes):
+        del changes[added]
+    return changes
+
+
 def _reference_count(study: Config, task: str, vocab: int) -> int:
     try:
         return count_params(training_config(study, RunKey(task, study.reference_mixer, 0)), vocab)

@@ -17,7 +17,7 @@ from typing import Any
 
 import ml_collections
 
-from lconv.study import measure, plan, plots
+from lconv.study import archive, measure, plan, plots
 
 Record = dict[str, Any]
 # task -> [(record key, column title, higher is better)]; the first is the task's headline metric
@@ -210,6 +210,7 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
         writer.writeheader()
         writer.writerows(records)
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
+    archive.write_archive(records, output_dir, docs_dir, log, prune=True)
     text = markdown(study, rows, records, meta, figures)
     with open(os.path.join(docs_dir, "results.md"), "w") as f:
         f.write(text)
@@ -226,11 +227,11 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         f"Written by `{meta['command'] or 'python -m lconv.study'}` (mode `{study.mode}`) from the runs in its "
         "output directory; nothing here is edited by hand. Machine-readable: [results/results.json]"
         "(results/results.json), [results/results.csv](results/results.csv).\n",
-        f"**Machine**: {machine['cpu']}; {machine['device']}; {machine['jax']}; 1-minute load at the report "
-        f"{machine['load']}. **Runs**: {counts['ok']} finished, {counts['failed']} failed, {counts['n/a']} not "
-        f"applicable, {counts['not run']} not run. **Wall time**: the runs took {meta['runs_seconds'] / 3600:.2f} "
-        f"hours in all (each run's own process, start-up to result); this invocation took "
-        f"{meta['invocation_seconds'] / 3600:.2f} hours{' (report only)' if meta['report_only'] else ''}.\n",
+        f"{machines_line(records, machine)} **Runs**: {counts['ok']} finished, {counts['failed']} failed, "
+        f"{counts['n/a']} not applicable, {counts['not run']} not run. **Wall time**: the runs took "
+        f"{meta['runs_seconds'] / 3600:.2f} hours in all (each run's own process, start-up to result); this "
+        f"invocation took {meta['invocation_seconds'] / 3600:.2f} hours"
+        f"{' (report only)' if meta['report_only'] else ''}.{restored_line(records)}\n",
         "## Budget\n",
         f"Every mixer of a task gets the same step budget, data order, tokenizer and seeds "
         f"({', '.join(map(str, study.seeds))}: each sets the init/dropout seed and the data-shuffling seed); "
@@ -259,8 +260,40 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
               "Wu et al. (2019) report BLEU on IWSLT14 De-En (Transformer 34.4, LightConv 34.8, DynamicConv 35.2) "
               "and WMT14 En-De (Transformer 28.9, DynamicConv 29.7). Each ordered pair of theirs, against this "
               "study's translation runs:\n", *compare_with_paper(rows), "",
-              caveat(study, rows), "## Headline\n", *headline(study, rows, meta)]
+              caveat(study, rows), "## Headline\n", *headline(study, rows, records, meta)]
     return "\n".join(parts)
+
+
+def run_machines(records: Sequence[Record]) -> dict[str, int]:
+    """``{machine: finished runs measured on it}``, from each run's record."""
+    machines: dict[str, int] = {}
+    for r in records:
+        if r["status"] == "ok":
+            m = r.get("machine")
+            name = f"{m['cpu']}; {m['device']}; {m['jax']}" if m else "not recorded"
+            machines[name] = machines.get(name, 0) + 1
+    return machines
+
+
+def machines_line(records: Sequence[Record], report_machine: Record) -> str:
+    """Where the runs were measured (one machine, or which runs on which), and the load as the report was written."""
+    machines = run_machines(records)
+    load = f"1-minute load at the report {report_machine['load']}."
+    if len(machines) <= 1:
+        name = next(iter(machines), "no finished run")
+        if name in ("not recorded", "no finished run"):
+            name = f"{report_machine['cpu']}; {report_machine['device']}; {report_machine['jax']} (the report's)"
+        return f"**Machine**: {name}; {load}"
+    listed = "; ".join(f"{name} ({n} runs)" for name, n in machines.items())
+    return f"**Machines** (speeds compare only within one): {listed}. {load}"
+
+
+def restored_line(records: Sequence[Record]) -> str:
+    restored = sum(bool(r.get("restored")) for r in records if r["status"] == "ok")
+    if not restored:
+        return ""
+    return (f" {restored} finished runs were restored from an earlier invocation's run archive (`--resume_from`, "
+            "lconv/study/archive.py): their figures are as measured then, on the machine listed for them.")
 
 
 def caveat(study: ml_collections.ConfigDict, rows: Sequence[Record]) -> str:
@@ -277,9 +310,11 @@ def caveat(study: ml_collections.ConfigDict, rows: Sequence[Record]) -> str:
             "so only gaps that exceed the spread count either way.\n")
 
 
-def headline(study: ml_collections.ConfigDict, rows: Sequence[Record], meta: Record) -> list[str]:
+def headline(study: ml_collections.ConfigDict, rows: Sequence[Record], records: Sequence[Record],
+             meta: Record) -> list[str]:
     """The closing note: each task's ordering and the wall time, from the numbers."""
     lines = [f"- {task}: {ordering([r for r in rows if r['task'] == task], task)}." for task in study.tasks]
-    lines.append(f"- Wall time: {meta['runs_seconds'] / 3600:.2f} hours of runs on {meta['machine']['cpu']} "
-                 f"({meta['machine']['device']}), mode `{study.mode}`, {len(study.seeds)} seed(s) per mixer.")
+    machines = " and ".join(m for m in run_machines(records) if m != "not recorded") or meta["machine"]["cpu"]
+    lines.append(f"- Wall time: {meta['runs_seconds'] / 3600:.2f} hours of runs on {machines}, mode "
+                 f"`{study.mode}`, {len(study.seeds)} seed(s) per mixer.")
     return lines

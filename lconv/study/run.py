@@ -191,7 +191,8 @@ def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[st
     steps_saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
     record.update(status="ok", step=trained["step"], averaged_steps=steps_saved[-spec["average_last"]:],
                   validation=trained.get("validation", {}), **quality, **decode, **memory,
-                  **measure.training_speed(rows), **times, peak_rss_bytes=measure.peak_rss_bytes())
+                  **measure.training_speed(rows), **times, peak_rss_bytes=measure.peak_rss_bytes(),
+                  machine=measure.machine())
     return record
 
 

@@ -1,0 +1,105 @@
+"""The study's run archive: every finished run, small enough to commit, and a later study resumed from it.
+
+The report writes ``<docs_dir>/results/runs/<task>/<mixer>/seed<k>.json`` for each finished run: its record (the
+scores and measurements), the training config it ran with and its ``metrics.jsonl`` rows (the training curve),
+a few KB where the run's workdir holds MBs. ``python -m lconv.study ... --resume_from=<docs_dir>`` copies each
+archived run whose config equals the plan's into ``--output_dir`` as a finished run, so a study split over
+several machines' sessions (or cut off with its scratch folder) goes on where its committed archive ends, and the
+report is still written from whole runs. A restored record keeps the machine it was measured on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lconv.errors import UserError
+from lconv.study import measure, plan
+from lconv.study import run as run_lib
+
+ARCHIVE_DIR = os.path.join("results", "runs")  # under the docs dir
+
+
+def archive_path(archive_root: str, key: plan.RunKey) -> str:
+    return os.path.join(archive_root, key.task, key.mixer, f"seed{key.seed}.json")
+
+
+def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str,
+                  log: Callable[[str], None] = print, *, prune: bool = False) -> int:
+    """Archives every finished run of ``records`` whose workdir still holds its spec; returns how many.
+    ``prune``: ``records`` are the whole study, so entries of runs that are not among them are deleted (the
+    archive mirrors the report)."""
+    root, written, kept = os.path.join(docs_dir, ARCHIVE_DIR), 0, set()
+    for record in records:
+        if record.get("status") != "ok":
+            continue
+        workdir = os.path.join(output_dir, record["workdir"])
+        spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))
+        if spec is None:
+            log(f"archive: {record['workdir']} has no {run_lib.SPEC}; not archived")
+            continue
+        entry = {"record": {k: v for k, v in record.items() if k not in ("skipped", "restored")},
+                 "config": spec["config"], "metrics": measure.read_metrics(workdir)}
+        path = archive_path(root, plan.RunKey(record["task"], record["mixer"], record["seed"]))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        run_lib.write_json(path, entry)
+        kept.add(os.path.abspath(path))
+        written += 1
+    if prune:
+        for folder, _, names in os.walk(root):
+            for name in names:
+                if name.endswith(".json") and os.path.abspath(os.path.join(folder, name)) not in kept:
+                    os.remove(os.path.join(folder, name))
+    return written
+
+
+def resolve(resume_from: str) -> str:
+    """The archive folder of ``--resume_from`` (a study's docs dir); a one-line error when it has none."""
+    root = os.path.join(os.path.abspath(os.path.expanduser(resume_from)), ARCHIVE_DIR)
+    if not os.path.isdir(root):
+        raise UserError(f"--resume_from={resume_from} has no {ARCHIVE_DIR}/ (the run archive a study's report "
+                        "writes into its --docs_dir)")
+    return root
+
+
+def restore(planned: Sequence[plan.Planned], archive_root: str, run_dir: Callable[[plan.RunKey], str],
+            log: Callable[[str], None] = print) -> int:
+    """Copies each archived run into its planned workdir as a finished run, unless that workdir already has a
+    result; returns how many. Raises (before copying anything) when an archived run was made with another
+    config than the plan's, naming the run and the first differing field."""
+    todo, stale = [], []
+    for item in planned:
+        path = archive_path(archive_root, item.key)
+        if item.config is None or not os.path.exists(path):
+            continue
+        if os.path.exists(os.path.join(run_dir(item.key), run_lib.RESULT)):
+            continue
+        entry = run_lib.read_json(path)
+        if entry is None or not {"record", "config", "metrics"} <= set(entry):
+            raise UserError(f"{path} is not a study run archive entry (unreadable JSON or missing fields)")
+        changes = plan.stored_config_changes(entry["config"], item.config)
+        if changes:
+            field, (old, new) = next(iter(changes.items()))
+            stale.append(f"{item.key.name} (config.{field}: {old!r} -> {new!r})")
+        todo.append((item, entry))
+    if stale:
+        more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
+        raise UserError(f"--resume_from archive {archive_root} holds runs made with another study config: "
+                        f"{stale[0]}{more}; resume into a study with the config they were made with")
+    for item, entry in todo:
+        _write_run(run_dir(item.key), entry)
+    if todo:
+        log(f"restored {len(todo)} finished runs from {archive_root}")
+    return len(todo)
+
+
+def _write_run(workdir: str, entry: dict[str, Any]) -> None:
+    """The files a finished run leaves that the study and its report read: spec, metrics and, last, the result
+    (whose presence marks the run finished, so a copy cut short is simply done again)."""
+    os.makedirs(workdir, exist_ok=True)
+    run_lib.write_json(os.path.join(workdir, run_lib.SPEC),
+                       {"config": entry["config"], "workdir": workdir, "record": entry["record"]})
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in entry["metrics"])
+    run_lib.write_json(os.path.join(workdir, run_lib.RESULT), {**entry["record"], "restored": True})
