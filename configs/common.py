@@ -122,6 +122,7 @@ def base_config():
     # --- decoding / evaluation -------------------------------------------------------------------------------
     c.decode = ml_collections.ConfigDict()
     c.decode.beam_size = 5
+    c.decode.batch_size = 0  # sources per decoding batch; 0 = auto: data.eval_batch_size on CPU, wider on a GPU/TPU
     c.decode.lenpen = 1.0  # fairseq length penalty: score / length**lenpen
     c.decode.max_len_a = 1.2  # max output length = a * source length + b
     c.decode.max_len_b = 10

@@ -6,8 +6,8 @@
 
 ``load`` restores the params only (the latest checkpoint, the mean of the last ``average_last``, or the best by
 validation loss), the tokenizer and the config stored in the workdir. Decoding programs are compiled once per
-shape bucket (rows: a power of two up to ``config.data.eval_batch_size``; width: 32, 64, 128, ... tokens) and kept
-by the ``Model``, so calling it again on other sentences of similar length compiles nothing.
+shape bucket (rows: a power of two up to the decoding batch, ``config.decode.batch_size``; width: 32, 64, 128, ...
+tokens) and kept by the ``Model``, so calling it again on other sentences of similar length compiles nothing.
 """
 from __future__ import annotations
 

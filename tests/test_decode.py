@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.infer import evaluate
+from lconv.infer import compiled, evaluate
 from lconv.infer import search as decode
 from lconv.nn.models import DecoderOnlyLM, EncoderDecoder, ModelConfig
 
@@ -362,28 +362,85 @@ def test_beam_search_on_a_mesh_keeps_each_row_on_its_devices():
     assert "all-gather" not in compiled and "all-to-all" not in compiled
 
 
-def test_decoding_a_split_on_the_params_mesh_matches_one_device():
-    """``decode_batches`` splits each batch's rows over the mesh the params live on and hands every row back;
-    the hypotheses are those of plain single-device params."""
+def _tiny_split_decoder(batch_size=0):
+    """A tiny conv translator, its params and a split of 20 sources decoded 8 rows per eval batch."""
     cfg = ModelConfig(vocab_size=13, d_model=8, ffn_dim=16, num_heads=2, encoder_layers=1, decoder_layers=1,
                       encoder_kernel_sizes=(3,), decoder_kernel_sizes=(3,), dropout=0.0)
     model = EncoderDecoder(cfg)
     params = jax.jit(model.init)(jax.random.key(3), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
-    params = params["params"]
-    config = types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=3, lenpen=1.0, max_len_a=1.0, max_len_b=4),
+    config = types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=3, lenpen=1.0, max_len_a=1.0, max_len_b=4,
+                                                                batch_size=batch_size),
                                    data=types.SimpleNamespace(eval_max_target_length=16))
     r = np.random.default_rng(0)
     tokens = [{"inputs": np.append(r.integers(4, 13, r.integers(1, 12)), 1).astype(np.int32)} for _ in range(20)]
     eval_set = pipeline.EvalSet([{}] * 20, tokens, 8, 3, {"inputs": 16}, collections.Counter())
+    return config, model, params["params"], eval_set
 
-    def hypotheses(params):
-        found = {}
-        for batch, best in evaluate.decode_batches(config, model, params, eval_set):
-            assert best.shape[0] == 8  # every row of the global batch, on this (every) process
-            found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
-        return found
 
-    one_device = hypotheses(params)
-    on_mesh = hypotheses(jax.device_put(params, NamedSharding(_batch_mesh(), P())))
+def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
+    """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
+    found = {}
+    for batch, best in evaluate.decode_batches(config, model, params, eval_set, **kwargs):
+        assert best.shape[0] == rows  # every row of the global batch, on this (every) process
+        found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
+    return found
+
+
+def test_decoding_a_split_on_the_params_mesh_matches_one_device():
+    """``decode_batches`` splits each batch's rows over the mesh the params live on and hands every row back;
+    the hypotheses are those of plain single-device params."""
+    config, model, params, eval_set = _tiny_split_decoder()
+    one_device = _split_hypotheses(config, model, params, eval_set, 8)
+    on_mesh = _split_hypotheses(config, model, jax.device_put(params, NamedSharding(_batch_mesh(), P())), eval_set, 8)
     assert sorted(one_device) == list(range(20)) and on_mesh == one_device
     assert len({tuple(h) for h in one_device.values()}) > 1  # the sources steer the outputs
+
+
+def test_the_decoding_batch_size_changes_the_batches_not_the_hypotheses():
+    by_eval_batch = _split_hypotheses(*_tiny_split_decoder(), 8)  # auto on CPU: the eval set's 8 rows
+    assert sorted(by_eval_batch) == list(range(20))
+    assert _split_hypotheses(*_tiny_split_decoder(batch_size=4), 4) == by_eval_batch
+    assert _split_hypotheses(*_tiny_split_decoder(batch_size=32), 32) == by_eval_batch  # one batch: 20 rows + 12 pad
+
+
+def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerators():
+    config = types.SimpleNamespace(decode=types.SimpleNamespace(batch_size=0))
+    assert compiled.decode_rows(config, "cpu", 64, 4) == 64
+    assert compiled.decode_rows(config, "gpu", 64, 4) == 512  # 2,048 hypotheses
+    assert compiled.decode_rows(config, "tpu", 64, 5) == 256  # 512 x 5 would pass 2,048
+    assert compiled.decode_rows(config, "gpu", 48, 1) == 1536  # a multiple of the eval batch: the mesh splits it alike
+    assert compiled.decode_rows(config, "gpu", 4096, 4) == 4096  # never fewer than the eval batch
+    config.decode.batch_size = 100
+    assert [compiled.decode_rows(config, p, 64, 4) for p in ("cpu", "gpu")] == [100, 100]
+
+
+def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch):
+    config, model, params, eval_set = _tiny_split_decoder()
+    expected = _split_hypotheses(config, model, params, eval_set, 8)
+    real, asked = compiled.Translator(config, model, params), []
+
+    def translator(inputs_BS, **search):  # a device that holds 2 rows at most
+        asked.append(inputs_BS.shape[0])
+        if inputs_BS.shape[0] > 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
+        return real(inputs_BS, **search)
+
+    logged = []
+    found = {}
+    for batch, best in evaluate.decode_batches(config, model, params, eval_set, translator=translator,
+                                               log=logged.append):
+        found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
+    assert found == expected and asked[:3] == [8, 4, 2] and set(asked[3:]) == {2}
+    assert logged == ["decoding 8 rows per batch ran out of device memory: going on with 4 "
+                      "(config.decode.batch_size sets it)",
+                      "decoding 4 rows per batch ran out of device memory: going on with 2 "
+                      "(config.decode.batch_size sets it)"]
+
+    def broken(inputs_BS, **search):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
+        list(evaluate.decode_batches(config, model, params, eval_set, translator=broken))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
+    with pytest.raises(UserError, match=r"^decoding 8 rows per batch ran out of device memory; set config.decode"):
+        list(evaluate.decode_batches(config, model, params, eval_set, translator=translator))

@@ -212,6 +212,7 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     ("task", "tagging", r"config.task='tagging'"),
     ("model.num_heads", 3, r"d_model=16 must be divisible by config.model.num_heads=3"),
     ("decode.stop", "greedy", r"config.decode.stop='greedy': must be one of optimal, fairseq"),
+    ("decode.batch_size", -1, r"config.decode.batch_size=-1: must be an integer >= 0 \(0 = auto"),
     ("model.attention_impl", "flash", r"config.model.attention_impl='flash': must be one of auto, xla, chunked"),
 ])
 def test_bad_config_values_fail_fast_naming_the_field(field, value, message, tmp_path):

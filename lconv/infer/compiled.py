@@ -38,6 +38,40 @@ def row_bucket(count: int, rows: int) -> int:
     return min(rows, 1 << max(count - 1, 0).bit_length())
 
 
+# ``decode.batch_size = 0`` (auto) on a GPU/TPU: widen the eval batch by powers of two while rows x beam stay within
+# this many hypotheses. A search step over a few hundred hypotheses of a base-sized model is a few dozen small
+# kernels whose launches, not arithmetic, set its time there, so wider batches decode a split in fewer steps. On
+# CPU a step's time grows with its rows, so the eval batch stays. Memory is the limit: see ``decode_batches``.
+ACCELERATOR_HYPOTHESES = 2048
+
+
+def decode_rows(config: Any, platform: str, eval_rows: int, beam_size: int) -> int:
+    """Rows (sources or prompts) per decoding batch: ``config.decode.batch_size``, or for 0 (auto) ``eval_rows``
+    (``data.eval_batch_size``) on CPU and, on other platforms, ``eval_rows`` doubled while ``rows * beam_size``
+    stays within ``ACCELERATOR_HYPOTHESES`` (a multiple of the eval batch, so it splits over the mesh alike)."""
+    chosen = int(getattr(config.decode, "batch_size", 0) or 0)
+    if chosen:
+        return chosen
+    rows = eval_rows
+    if platform != "cpu":
+        while rows * 2 * max(beam_size, 1) <= ACCELERATOR_HYPOTHESES:
+            rows *= 2
+    return rows
+
+
+def platform_of(params: Any) -> str:
+    """The platform (cpu, cuda, rocm, tpu) ``params`` live on; the default backend's for host arrays."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether a JAX runtime error is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
 def max_output_len(config: Any, width: int) -> int:
     """The decoded length for sources ``width`` wide: ``max_len_a * width + max_len_b``, at most the eval limit."""
     return int(min(config.decode.max_len_a * width + config.decode.max_len_b, config.data.eval_max_target_length))

@@ -33,32 +33,62 @@ if TYPE_CHECKING:
 
 
 def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
-                   translator: compiled.Translator | None = None,
+                   translator: compiled.Translator | None = None, log: Callable[[str], Any] = print,
                    **search: Any) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     """``(batch, best-beam ids [B, L])`` over every example of ``eval_set``, the whole split (``whole_split``),
-    ``eval_set.batch_size`` rows per batch (padding rows included; the caller drops rows with
-    ``example_index < 0``); fewer rows (``compiled.row_bucket``) when the whole set is smaller than one batch.
+    ``compiled.decode_rows`` rows per batch (``config.decode.batch_size``; auto: the eval batch on CPU, wider on an
+    accelerator; padding rows included, the caller drops rows with ``example_index < 0``); fewer rows
+    (``compiled.row_bucket``) when the whole set is smaller than one batch.
 
     Examples are decoded in order of source length, each batch cut to the shortest width in ``compiled.WIDTHS``
     that holds it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam
     search stops early together. That is a handful of compiled shapes, each compiled once per ``translator`` (pass
     one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``).
 
+    A batch that runs the device out of memory is decoded again in halves (``in_batches``).
+
     With several processes every one of them holds the whole split, so all build the same plan (order, batches,
     widths) and run the same programs in step. Each batch is one global array whose rows are split over the batch
     axes of the mesh ``params`` live on, and the best beams come back whole to every process.
     """
     translator = translator or compiled.Translator(config, model, params)
-    rows = eval_set.batch_size
-    if len(eval_set.tokens) < rows:
-        rows = compiled.row_bucket(len(eval_set.tokens), rows)
+    beam_size = search.get("beam_size") or config.decode.beam_size
+    rows = compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size, beam_size)
+    rows = compiled.row_bucket(len(eval_set.tokens), rows)
     order = sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
-    for b in range(math.ceil(len(order) / rows)):
-        chosen = order[b * rows:(b + 1) * rows]
+
+    def decode(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
         longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
         width = compiled.width_bucket(longest, batch["inputs"].shape[1])
-        yield batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
+        return batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
+
+    for _, decoded in in_batches(order, rows, decode, log):
+        yield decoded
+
+
+def in_batches(order: Sequence[int], rows: int, decode: Callable[[list[int], int], Any],
+               log: Callable[[str], Any]) -> Iterator[tuple[list[int], Any]]:
+    """``(chosen, decode(chosen, rows))`` for consecutive runs of ``rows`` indices of ``order``. A batch that runs
+    the device out of memory is decoded again as batches of half the rows (logged), down to one row; with several
+    processes, which must all run the same batches, that is a one-line error naming the field instead."""
+    start = 0
+    while start < len(order):
+        chosen = list(order[start:start + rows])
+        try:
+            decoded = decode(chosen, rows)
+        except jax.errors.JaxRuntimeError as error:
+            if not compiled.is_out_of_memory(error):
+                raise
+            if rows == 1 or jax.process_count() > 1:
+                raise UserError(f"decoding {rows} rows per batch ran out of device memory; set "
+                                f"config.decode.batch_size lower (0 = auto) or shorten the inputs") from None
+            log(f"decoding {rows} rows per batch ran out of device memory: going on with {rows // 2} "
+                f"(config.decode.batch_size sets it)")
+            rows //= 2
+            continue
+        yield chosen, decoded
+        start += len(chosen)
 
 
 def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
@@ -75,7 +105,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     eval_set = whole_split(eval_sets[split], config.data.eval_batch_size)
     start = time.time()
     hypotheses = {}
-    for batch, tokens in decode_batches(config, model, params, eval_set):
+    for batch, tokens in decode_batches(config, model, params, eval_set, log=log):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[int(index)] = tokenizer.decode(tokens[row])
@@ -269,7 +299,7 @@ def prompt_limit(config: Any, max_len: int) -> int:
 
 
 def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
-                   max_len: int, **sampling: Any) -> Translations:
+                   max_len: int, log: Callable[[str], Any] = print, **sampling: Any) -> Translations:
     """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
     ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). A blank prompt starts from BOS alone. A prompt
     longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation); ``Translations.lengths``
@@ -279,17 +309,20 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
     lengths = SourceLengths([i for i, ids in enumerate(encoded) if len(ids) > limit],
                             max((len(ids) for ids in encoded), default=0), limit)
     encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
-    rows = compiled.row_bucket(len(encoded), config.data.eval_batch_size)
+    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size, 1)
+    rows = compiled.row_bucket(len(encoded), rows)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    outputs = [""] * len(prompts)
-    for b in range(math.ceil(len(order) / rows)):
-        chosen = order[b * rows:(b + 1) * rows]
+
+    def decode(chosen: list[int], rows: int) -> np.ndarray:
         width = compiled.width_bucket(max(len(encoded[i]) for i in chosen), limit) or 1
         prompt_BP = np.zeros((rows, width), np.int32)  # PAD rows for a short last batch
         prompt_len_B = np.zeros((rows,), np.int32)
         for row, i in enumerate(chosen):
             prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
-        tokens_BL = generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)
+        return generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, max_len]
+
+    outputs = [""] * len(prompts)
+    for chosen, tokens_BL in in_batches(order, rows, decode, log):
         for row, i in enumerate(chosen):
             outputs[i] = tokenizer.decode(tokens_BL[row])
     return Translations(outputs, [], lengths)

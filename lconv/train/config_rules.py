@@ -89,6 +89,7 @@ DECODE = {
     "num_print": _NON_NEGATIVE,
     "stop": (str, lambda v: v in STOP_RULES, f"one of {', '.join(STOP_RULES)}"),
     "compound_split": _BOOL,
+    "batch_size": (int, lambda v: v >= 0, "an integer >= 0 (0 = auto: the eval batch on CPU, wider on a GPU/TPU)"),
 }
 MESH = {
     "shape": ((tuple, list), lambda v: len(v) == 3 and all(isinstance(s, int) and (s >= 1 or s == -1) for s in v),
@@ -101,7 +102,7 @@ SECTIONS = {"data": DATA, "optim": OPTIM, "train": TRAIN, "decode": DECODE, "mes
 OPTIONAL = {"data": set(pipeline.DEFAULTS),
             "train": {"spike_factor", "spike_windows", "checkpoint_checksums", "async_checkpoints",
                       "stop_check_every"},
-            "decode": {"stop", "compound_split"}}
+            "decode": {"stop", "compound_split", "batch_size"}}
 
 
 def _check(name: str, value: Any, rule: Rule) -> None:
