@@ -167,3 +167,19 @@ def test_another_backends_results_go_beside_the_cpu_ones_never_over_them():
 
     backend = jax.default_backend()  # this run's figures, linked from its backend's doc
     assert report.figure("train.png") == ("bench/train.png" if backend == "cpu" else f"bench/{backend}/train.png")
+
+
+def test_the_beam_suite_decodes_a_split_of_short_sources_and_tables_the_speed_up_over_64_rows():
+    from lconv.bench import beam
+
+    split = beam.synthetic_split(100, 4000, 64)
+    lengths = [len(t["inputs"]) for t in split.tokens]
+    assert (split.batch_size, split.num_batches, len(lengths)) == (64, 2, 100)
+    assert min(lengths) >= beam.SOURCE_TOKENS[0] and max(lengths) <= beam.SOURCE_TOKENS[1]
+    assert all(t["inputs"][-1] == 1 and 1 not in t["inputs"][:-1] for t in split.tokens)  # EOS once, at the end
+    rows = [dict(model=label, rows=n, auto=n == 512, sentences=1216, batches=-(-1216 // n), beam=4, seconds=1216 / rate,
+                 sentences_per_s=rate, first_pass_s=9.0)
+            for label in beam.MODELS for n, rate in ((64, 50.0), (512, 400.0))]
+    text = beam.section(rows, timing.machine_info(), "cmd")
+    assert "| model | 64 rows | 512 rows |" in text and "| DynamicConv | 1 | 8 |" in text
+    assert "picks DynamicConv: 512, Transformer: 512 rows here" in text

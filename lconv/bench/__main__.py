@@ -1,6 +1,6 @@
 """``python -m lconv.bench <suite> [--quick] [--out docs/bench] [--doc docs/benchmarks.md] [--T 256,1024]``.
 
-Suites: mixers, limits, decode, train, or all. Kept thin: argument checks here, the work in the suite modules.
+Suites: mixers, limits, decode, beam, train, or all. Kept thin: argument checks here, the work in the suite modules.
 A ``--quick`` run is a smoke test: its numbers go to a scratch folder (``QUICK_DIR``), never over the committed
 results in docs/bench and docs/benchmarks.md. Those are the defaults of a full run only from the root of a clone
 (the folder holding the imported lconv and docs/benchmarks.md); from an installed package a full run writes to
@@ -18,7 +18,7 @@ import time
 
 from lconv.errors import UserError
 
-SUITES = ("mixers", "limits", "decode", "train")
+SUITES = ("mixers", "limits", "decode", "beam", "train")
 COMMITTED_OUT, COMMITTED_DOC = "docs/bench", "docs/benchmarks.md"
 QUICK_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench_quick")
 INSTALLED_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench")  # a full run's default outside a clone

@@ -1,0 +1,119 @@
+"""Suite ``beam``: beam search over a whole split, sentences/s by decoding batch size (``decode.batch_size``).
+
+The README default's translation models (configs/default.py: DynamicConv and its Transformer; d=256, 3+3 layers,
+vocab 4000, beam 4), untrained, decode a split of synthetic sources (6-40 tokens each, seeded, as DDTP's test
+sentences: width buckets 32 and 64) through ``lconv.infer.evaluate.decode_batches``, the path eval.py and the
+end of train.py take, at each decoding batch size of ``ROWS`` (up to the split's size). ``auto`` marks the size
+``decode.batch_size = 0`` picks on this backend. Each size decodes the split once to compile its programs (timed
+apart as compile + first pass) and then ``REPEATS`` more times; sentences/s is from the median pass. An untrained
+model seldom ends a beam, so beams run to their length limit (1.2 x width + 10): more steps than a trained model
+takes, the same at every batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import time
+
+import jax
+import numpy as np
+
+from lconv.bench import report, timing
+from lconv.configs import default
+from lconv.constants import EOS_ID
+from lconv.data import pipeline
+from lconv.infer import compiled, evaluate
+from lconv.train import setup
+
+MODELS = {"DynamicConv": None, "Transformer": "transformer"}  # label -> configs/default.py's word
+ROWS = (16, 64, 256, 512, 1024)
+REPEATS = 3
+SOURCE_TOKENS = (6, 40)  # fewest and most tokens of a synthetic source, EOS included
+
+
+def sentences() -> int:
+    """The split's size: DDTP's 1,216 test sentences on an accelerator; fewer on CPU, where a pass takes long."""
+    return 1216 if jax.default_backend() != "cpu" else 256
+
+
+def synthetic_split(count: int, vocab: int, rows: int, seed: int = 0) -> pipeline.EvalSet:
+    """``count`` random sources of ``SOURCE_TOKENS`` lengths as an eval set of ``rows`` rows per batch."""
+    rng = np.random.default_rng(seed)
+    low, high = SOURCE_TOKENS
+    tokens = [{"inputs": np.append(rng.integers(4, vocab, n - 1), EOS_ID).astype(np.int32),
+               "targets": np.asarray([EOS_ID], np.int32)} for n in rng.integers(low, high + 1, count)]
+    return pipeline.EvalSet([{"inputs": "", "targets": ""}] * count, tokens, rows, math.ceil(count / rows),
+                            {"inputs": 64, "targets": 64}, collections.Counter())
+
+
+def run(count: int, rows_list: tuple[int, ...], log: report.Log = print) -> list[report.Row]:
+    """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's."""
+    results = []
+    for label, word in MODELS.items():
+        config = default.get_config(word)
+        model = setup.build_model(config, config.data.vocab_size)
+        args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+        params = jax.jit(model.init)(jax.random.key(0), *args, **kwargs)["params"]
+        eval_set = synthetic_split(count, config.data.vocab_size, config.data.eval_batch_size)
+        auto = min(count, compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size,
+                                               config.decode.beam_size))
+        for rows in sorted({r for r in rows_list if r <= count} | {auto}):
+            config.decode.batch_size = rows
+            row = dict(model=label, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
+                       beam=config.decode.beam_size, **_time_split(config, model, params, eval_set))
+            results.append(row)
+            log(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: {row['sentences_per_s']:8.1f} "
+                f"sentences/s ({row['batches']} batches; first pass with compile {row['first_pass_s']:.1f} s)")
+    return results
+
+
+def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, float]:
+    """Seconds of the first pass over ``eval_set`` (it compiles) and the median of ``REPEATS`` more."""
+    translator = compiled.Translator(config, model, params)  # fresh programs: each batch size compiles its own
+
+    def decode_split():
+        return [best for _, best in evaluate.decode_batches(config, model, params, eval_set, translator=translator)]
+
+    start = time.perf_counter()
+    decode_split()
+    first_s = time.perf_counter() - start
+    median_s = timing.summarize(timing.time_calls(decode_split, REPEATS, warmup=0))["median_s"]
+    return dict(seconds=median_s, sentences_per_s=len(eval_set.tokens) / median_s, first_pass_s=first_s)
+
+
+def section(rows: list[report.Row], info: dict[str, str], command: str) -> str:
+    sizes = sorted({r["rows"] for r in rows})
+    labels = list(MODELS)
+
+    def cell(label, size, key):
+        return next((r[key] for r in rows if r["model"] == label and r["rows"] == size), None)
+
+    def speedup(label, size):
+        base, value = cell(label, 64, "sentences_per_s"), cell(label, size, "sentences_per_s")
+        return value / base if base and value else None
+
+    auto = {r["model"]: r["rows"] for r in rows if r["auto"]}
+    parts = [f"### Beam search over a split by decoding batch size (`{command}`)\n",
+             f"Machine: {timing.describe(info)}. configs/default.py's translation models, untrained, beam "
+             f"{rows[0]['beam']}, {rows[0]['sentences']} synthetic sources of {SOURCE_TOKENS[0]}-{SOURCE_TOKENS[1]} "
+             f"tokens through `decode_batches` (eval.py's path); median of {REPEATS} passes after a first pass that "
+             f"compiles. `decode.batch_size = 0` picks {', '.join(f'{m}: {n}' for m, n in auto.items())} rows here. "
+             "Untrained beams run to the length limit, so the absolute rates are below a trained model's.\n",
+             "**Sentences/s, by rows per decoding batch**\n",
+             report.markdown_table(["model"] + [f"{n} rows" for n in sizes],
+                                   [[lab] + [cell(lab, n, "sentences_per_s") for n in sizes] for lab in labels]),
+             "**Speed-up over 64 rows (the eval batch the issue measured)**\n",
+             report.markdown_table(["model"] + [f"{n} rows" for n in sizes],
+                                   [[lab] + [speedup(lab, n) for n in sizes] for lab in labels]),
+             "**First pass, compilation included, seconds**\n",
+             report.markdown_table(["model"] + [f"{n} rows" for n in sizes],
+                                   [[lab] + [cell(lab, n, "first_pass_s") for n in sizes] for lab in labels])]
+    return "\n\n".join(p.strip() for p in parts)
+
+
+def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+    count = 32 if opts.quick else sentences()
+    rows = run(count, (16, 32) if opts.quick else ROWS, log=log)
+    report.write_results(opts.out, "beam", rows, section(rows, info, opts.command), opts.doc)
+    return rows
