@@ -64,7 +64,8 @@ def run(count: int, rows_list: tuple[int, ...], log: report.Log = print) -> list
                        beam=config.decode.beam_size, **_time_split(config, model, params, eval_set))
             results.append(row)
             log(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: {row['sentences_per_s']:8.1f} "
-                f"sentences/s ({row['batches']} batches; first pass with compile {row['first_pass_s']:.1f} s)")
+                f"sentences/s ({row['batches']} batch{'es' if row['batches'] != 1 else ''}; first pass with compile "
+                f"{row['first_pass_s']:.1f} s)")
     return results
 
 
