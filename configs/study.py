@@ -23,11 +23,11 @@ Modes (the variant word):
   split's beam search, measurement) are 1-1.5 minutes, and training runs at ~3.2k target tokens/s, so 300
   updates of ~2k tokens is what a run can have. Every model is 6x past its warm-up but early in learning (test
   BLEU 3-4.5, LM perplexity ~220/token), so the table compares how fast each mixer learns, not converged
-  models; docs/results.md says where the differences exceed the seed spread. Measured at commit 706d45c (idle,
-  seed 0): translation runs 247-312 s, LM runs 224 s; with summarization like translation (not yet
-  measured), about 85 minutes per seed and 4.3 hours for the three. That is more than the ~3 hours the study
+  models; docs/results.md says where the differences exceed the seed spread. Measured by the committed run
+  (docs/results.md): the 60 runs took about 3.5 hours of run time, 2-4 minutes each on a 2-core AMD EPYC (seed 0
+  and most of seed 1) and 3-5 minutes on a 2-core Intel Xeon (the rest). That is more than the ~3 hours the study
   was asked to fit: 3 seeds x 20 runs with every model past its warm-up do not fit 3 hours here
-  (``--config.seeds=0,1`` takes ~2.9). Re-running the command resumes a stopped study.
+  (``--config.seeds=0,1`` takes ~2.4). Re-running the command resumes a stopped study.
 - ``quick``: a smoke test in a few minutes: d 32, one layer each side, vocabulary 512, 12 updates, one seed,
   greedy decoding of test examples cut to 32 tokens. The numbers mean nothing; it exercises every step.
 - ``gpu``: the same command on one accelerator: d 512, FFN 2048, 8 heads, 6+6 layers (LM: 6) with the paper's
