@@ -60,7 +60,8 @@ def decode_rows(config: Any, platform: str, eval_rows: int, beam_size: int) -> i
 
 
 def platform_of(params: Any) -> str:
-    """The platform (cpu, cuda, rocm, tpu) ``params`` live on; the default backend's for host arrays."""
+    """The platform ``params`` live on as JAX names devices (``cpu``, ``gpu``, ``tpu``); the default backend's for
+    host arrays. Only "cpu or not" is read from it (``decode_rows``)."""
     for leaf in jax.tree.leaves(params):
         if isinstance(leaf, jax.Array):
             return next(iter(leaf.devices())).platform
