@@ -13,7 +13,7 @@ from lconv.configs import common
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, list(common.MIXER_VARIANTS) + ["ddtp"])
+    words = common.parse_args(arg, list(common.mixer_variants()) + ["ddtp"])
     c = common.base_config()
     c.task = "summarization"
     c.data.dataset = "cnn_dailymail"

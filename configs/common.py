@@ -12,18 +12,15 @@ from lconv.nn import mixers
 PAPER_ENCODER_KERNELS = (3, 7, 15, 31, 31, 31, 31)
 PAPER_DECODER_KERNELS = (3, 7, 15, 31, 31, 31)
 
-# Mixer variants a config's ``:variant`` argument may name -> the mixer of every layer; a mixer that fits only
-# one side (its class's ``sides``, lconv.nn.mixers) gets a Transformer's attention on the other.
-MIXER_VARIANTS = {
-    "transformer": "attention",
-    "lightconv": "lightconv",
-    "dynamic": "dynamicconv",
-    "dynamicconv": "dynamicconv",
-    "fixed": "fixed",
-    "hadamard": "hadamard",
-    "colt5": "colt5",
-    "knn": "knn_memory",
-}
+
+
+def mixer_variants(both_sides: bool = False) -> dict[str, str]:
+    """``{word: mixer}`` a config's ``:variant`` argument may name to set the mixer of every layer: each registered
+    mixer's name and its class's ``variant`` word (lconv.nn.mixers), plugins included; a ``package.module:Class``
+    word names a mixer too. A mixer that fits only one side gets a Transformer's attention on the other;
+    ``both_sides`` keeps only the mixers that fit both."""
+    words = mixers.variants()
+    return {w: m for w, m in words.items() if not both_sides or mixers.info(m).both_sides}
 
 
 def base_config():
@@ -151,21 +148,24 @@ def base_config():
 
 
 def parse_args(arg, allowed):
-    """``"dynamic,big"`` -> ``{"dynamic", "big"}``; unknown words are a one-line error naming the choices."""
+    """``"dynamic,big"`` -> ``{"dynamic", "big"}``; unknown words are a one-line error naming the choices. A
+    ``package.module:Class`` word (a mixer plugin) is always allowed; ``set_mixer`` imports it."""
     words = {w.strip() for w in (arg or "").split(",") if w.strip()}
-    unknown = sorted(words - set(allowed))
+    unknown = sorted(w for w in words - set(allowed) if not mixers.is_spec(w))
     if unknown:
         raise UserError(f"unknown config variant(s) {unknown}; choose from {sorted(allowed)}")
     return words
 
 
 def set_mixer(config, words):
-    """Applies a mixer variant word (transformer/lightconv/dynamic/...) to both sides of the model."""
-    chosen = [MIXER_VARIANTS[w] for w in words if w in MIXER_VARIANTS]
-    if len(chosen) > 1:
-        raise UserError(f"choose one mixer variant; got {sorted(words & set(MIXER_VARIANTS))}")
-    if chosen:
-        mixer = chosen[0]
+    """Applies a mixer variant word (transformer/lightconv/dynamic/..., a plugin's, or ``package.module:Class``) to
+    both sides of the model."""
+    variants = mixer_variants()
+    picked = sorted(w for w in words if w in variants or mixers.is_spec(w))
+    if len(picked) > 1:
+        raise UserError(f"choose one mixer variant; got {picked}")
+    if picked:
+        mixer = variants.get(picked[0], picked[0])
         sides = mixers.sides(mixer)
         if "decoder" not in sides and config.task == "lm":
             raise UserError(f"mixer variant {mixer!r} is encoder-only; a decoder-only LM cannot use it")

@@ -3,7 +3,8 @@
     python train.py --config=configs/default.py --workdir=runs/default
     python train.py --config=configs/default.py:transformer --workdir=runs/default_transformer
 
-Variants: dynamic (default), lightconv, transformer, fixed, hadamard. Tuned for a 10-minute budget rather than
+Variants: a mixer that fits both sides: dynamic (default), lightconv, transformer, fixed, hadamard, a registered
+plugin, or package.module:Class. Tuned for a 10-minute budget rather than
 for the paper's final numbers: pre-norm (stable at a 6x higher peak learning rate than the paper's), a 100-step
 warmup, no DropConnect, a 4k vocabulary for 30k sentence pairs, and small packed batches (more updates per
 minute). Measured from a fresh clone on an idle 2-core CPU (README): 779 updates in 10 minutes, test sacreBLEU
@@ -13,7 +14,7 @@ from lconv.configs import common
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, ["dynamic", "lightconv", "transformer", "fixed", "hadamard"])
+    words = common.parse_args(arg, common.mixer_variants(both_sides=True))
     c = common.base_config()
     c.data.dataset = "ddtp/en_de"
     c.data.vocab_size = 4000

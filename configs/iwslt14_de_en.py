@@ -18,7 +18,7 @@ from lconv.configs import common
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, common.MIXER_VARIANTS)
+    words = common.parse_args(arg, common.mixer_variants())
     c = common.base_config()
     c.data.dataset = "iwslt14/de_en"
     c.data.vocab_size = 10000

@@ -33,7 +33,7 @@ from lconv.configs import common
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, [*common.MIXER_VARIANTS, "adaptive", "ddtp", "stream"])
+    words = common.parse_args(arg, [*common.mixer_variants(), "adaptive", "ddtp", "stream"])
     c = common.base_config()
     c.task = "lm"
     c.data.dataset = "lm1b"

@@ -39,8 +39,9 @@ import ml_collections
 
 from lconv.configs import common
 from lconv.errors import UserError
+from lconv.nn import mixers
 
-MIXERS = ("transformer", "lightconv", "dynamic", "fixed", "hadamard", "colt5", "knn")
+REFERENCE_MIXER = "transformer"
 TASKS = ("translation", "lm", "summarization")
 MODES = ("full", "quick", "gpu")
 
@@ -79,12 +80,14 @@ def get_config(arg=None):
     mode = next(iter(words), "full")
     c = ml_collections.ConfigDict()
     c.mode = mode
-    c.mixers = MIXERS  # variant words of lconv.configs.common.MIXER_VARIANTS
+    # Every registered mixer (plugins too), by its variant word, the reference first; a package.module:Class word
+    # adds a mixer from a file of your own: --config.mixers=transformer,dynamic,my_mixers:MyMixer
+    c.mixers = tuple(dict.fromkeys([REFERENCE_MIXER, *(mixers.info(m).variant for m in mixers.mixer_names())]))
     c.tasks = TASKS
     c.seeds = (0, 1, 2)  # each seed sets config.seed (init, dropout) and data.seed (shuffling) for every mixer
     c.data_dir = "~/tensorflow_datasets"  # where the bundled DDTP tasks are prepared
     c.param_tolerance = 0.05  # every mixer's parameter count within this fraction of the reference mixer's
-    c.reference_mixer = "transformer"  # whose parameter count (at the task's sizes) the others match
+    c.reference_mixer = REFERENCE_MIXER  # whose parameter count (at the task's sizes) the others match
     c.ffn_multiple = 8  # the matched FFN width is a multiple of this
     c.average_last = 3  # the test split is scored with the mean of the last checkpoints (the paper's practice)
     c.run_timeout_minutes = 30.0  # a run that takes longer is stopped and reported as failed

@@ -59,5 +59,5 @@ def wmt_config(words, dataset, source_key, target_key, big_dropout):
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
+    words = common.parse_args(arg, list(common.mixer_variants()) + list(SIZES))
     return wmt_config(words or {"dynamic"}, "wmt14/en_de", "en", "de", big_dropout=0.3)

@@ -10,7 +10,7 @@ from lconv.configs.wmt_en_de import SIZES, wmt_config
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
+    words = common.parse_args(arg, list(common.mixer_variants()) + list(SIZES))
     c = wmt_config(words or {"dynamic"}, "wmt14/en_fr", "en", "fr", big_dropout=0.1)
     c.data.vocab_size = 40000
     c.optim.cosine_period = 70_000  # fairseq's --lr-period-updates 70000, cut at its --max-update 30000

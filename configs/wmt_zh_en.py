@@ -9,7 +9,7 @@ from lconv.configs.wmt_en_de import SIZES, wmt_config
 
 
 def get_config(arg=None):
-    words = common.parse_args(arg, list(common.MIXER_VARIANTS) + list(SIZES))
+    words = common.parse_args(arg, list(common.mixer_variants()) + list(SIZES))
     c = wmt_config(words or {"dynamic"}, "wmt17/zh_en", "zh", "en", big_dropout=0.2)
     c.data.vocab_size = 32000  # the paper uses separate 30k BPE vocabularies; lconv trains one joint model
     if "base" not in words:  # lightconv_wmt_zh_en_big's attention and weight dropout

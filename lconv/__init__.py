@@ -3,6 +3,8 @@ JAX/Flax. The layers, bottom to top: ``constants``/``errors``, ``ops`` and ``dat
 ``cli`` (README "Layout"); the shape letters in names are ``lconv.constants``' legend.
 
 ``lconv.load(workdir)`` returns a trained run as an ``lconv.api.Model`` (translate, score, generate, kernels).
+``lconv.register_mixer(name, cls_or_"module:Class")`` adds a token mixer, ``lconv.testing.check_mixer`` checks
+one against the mixer contract.
 """
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # ``load`` / ``Model`` come from the top layer (lconv.api) on first use, so ``import lconv`` stays light (no
     # JAX) and the root imports nothing above it (tests/test_layout.py).
-    if name in ("load", "Model"):
-        import importlib
+    import importlib
 
+    if name in ("load", "Model"):
         return getattr(importlib.import_module("lconv.api"), name)
+    if name in ("register_mixer", "register_ffn"):
+        return getattr(importlib.import_module("lconv.nn.mixers"), name)
+    if name in ("testing", "export", "api"):  # submodules, imported on first use as attributes
+        return importlib.import_module(f"lconv.{name}")
     raise AttributeError(f"module 'lconv' has no attribute {name!r}")

@@ -17,25 +17,32 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
+from lconv.nn import mixers  # noqa: E402
 from lconv.train import setup  # noqa: E402
 
 BEGIN, END = "<!-- param-table:begin -->", "<!-- param-table:end -->"
 FAIRSEQ_WMT_VOCAB = 32_768  # the joined 32K-BPE dictionary fairseq's WMT En-De models were counted with
+
+PAPER_MIXERS = ("lightconv", "dynamic", "transformer")  # the models of the paper's tables
+# Every registered mixer's variant word, in registry order; the LM and the default config take those that fit.
+MIXER_WORDS = [mixers.info(name).variant for name in mixers.mixer_names()]
+DECODER_WORDS = [mixers.info(name).variant for name in mixers.mixer_names() if "decoder" in mixers.sides(name)]
+BOTH_SIDES_WORDS = [mixers.info(name).variant for name in mixers.mixer_names() if mixers.info(name).both_sides]
 
 # (config, variant, vocabulary override) in table order; None = the config's own data.vocab_size.
 ROWS = [
     ("wmt_en_de", "lightconv,big", FAIRSEQ_WMT_VOCAB),
     ("wmt_en_de", "dynamic,big", FAIRSEQ_WMT_VOCAB),
     ("wmt_en_de", "transformer,big", FAIRSEQ_WMT_VOCAB),
-    *[("wmt_en_de", f"{m},{size}", None) for size in ("big", "base") for m in ("lightconv", "dynamic", "transformer")],
-    *[("wmt_en_de", f"{m},big", None) for m in ("fixed", "hadamard", "colt5", "knn")],
-    *[(name, f"{m},big", None) for name in ("wmt_en_fr", "wmt_zh_en") for m in ("lightconv", "dynamic", "transformer")],
-    *[("iwslt14_de_en", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "colt5", "knn")],
-    *[("lm1b", m, None) for m in ("lightconv", "dynamic", "transformer", "fixed", "hadamard", "knn")],
+    *[("wmt_en_de", f"{m},{size}", None) for size in ("big", "base") for m in PAPER_MIXERS],
+    *[("wmt_en_de", f"{m},big", None) for m in MIXER_WORDS if m not in PAPER_MIXERS],
+    *[(name, f"{m},big", None) for name in ("wmt_en_fr", "wmt_zh_en") for m in PAPER_MIXERS],
+    *[("iwslt14_de_en", m, None) for m in MIXER_WORDS],
+    *[("lm1b", m, None) for m in DECODER_WORDS],
     ("lm1b", "dynamic,adaptive", None),
     *[("lm1b", f"{m},ddtp", None) for m in ("dynamic", "transformer", "knn")],
     *[("cnn_dailymail", m, None) for m in ("lightconv", "dynamic", "transformer", "dynamic,ddtp")],
-    *[("default", m, None) for m in ("", "lightconv", "transformer", "fixed", "hadamard")],
+    *[("default", m, None) for m in ["", *(w for w in BOTH_SIDES_WORDS if w != "dynamic")]],
 ]
 # Wu et al. (2019), Table 1 (WMT En-De big, shared 32K BPE vocabulary).
 PAPER = {("wmt_en_de", "lightconv,big", FAIRSEQ_WMT_VOCAB): "202M",

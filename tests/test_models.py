@@ -10,7 +10,7 @@ import pytest
 from reference import tolerance
 
 from lconv.nn import knn_memory as memory
-from lconv.nn import models
+from lconv.nn import mixers, models
 from scripts import param_table
 
 # The models compare paths (decoding with the full pass, packed with separate rows) at float32's tolerances, so their
@@ -23,8 +23,8 @@ def _tol(atol):
     return tolerance(np.float32, TINY["matmul_precision"], atol=atol)
 
 
-# Every mixer that can be causal, with the smallest fields that fit the test shapes (T <= 9).
-CAUSAL_MIXERS = ["lightconv", "dynamicconv", "attention", "fixed", "hadamard", "knn_memory"]
+# Every registered mixer that can be causal, with the smallest fields that fit the test shapes (T <= 9).
+CAUSAL_MIXERS = [name for name in mixers.mixer_names() if "decoder" in mixers.sides(name)]
 SMALL = dict(max_len=16, mixer_kwargs={"knn_memory": {"memory_size": 12, "num_neighbors": 3},
                                        "colt5": {"local_radius": 2, "num_routed": 3}})
 
@@ -155,8 +155,8 @@ def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_s
     """One model whose decoder has a layer of every causal mixer: each must be exact for the whole to be (one
     model, not one per mixer, because compiling dominates; each mixer's own test file checks its cache alone).
     The encoder is CoLT5 with the routed FFN, which the decoder layers do not get (routing is non-causal)."""
-    cfg = _small(encoder_layers=2, decoder_layers=6, encoder_mixer="colt5,lightconv", decoder_mixer=CAUSAL_MIXERS,
-                 encoder_kernel_sizes=(3,), decoder_kernel_sizes=(4,), ffn_type="colt5",
+    cfg = _small(encoder_layers=2, decoder_layers=len(CAUSAL_MIXERS), encoder_mixer="colt5,lightconv",
+                 decoder_mixer=CAUSAL_MIXERS, encoder_kernel_sizes=(3,), decoder_kernel_sizes=(4,), ffn_type="colt5",
                  ffn_kwargs={"num_routed": 3})
     fns = _jitted(cfg, "ed")
     src, tgt = _tokens((2, 7), 0, pad_from=5), _tokens((2, 9), 1)
@@ -170,7 +170,7 @@ def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_s
 
 def _lm_with_every_causal_mixer():
     """A decoder-only LM with one layer per causal mixer (kNN memory is the last, layer 5)."""
-    return _small(decoder_layers=6, decoder_mixer=CAUSAL_MIXERS, decoder_kernel_sizes=(4,))
+    return _small(decoder_layers=len(CAUSAL_MIXERS), decoder_mixer=CAUSAL_MIXERS, decoder_kernel_sizes=(4,))
 
 
 def test_language_model_with_every_causal_mixer_decodes_like_the_full_pass_and_never_sees_the_future():

@@ -181,7 +181,7 @@ def test_an_lm_generation_longer_than_the_lms_positions_is_refused_before_any_ru
 
 
 def _translation_row(mixer, bleus):
-    row = {"task": "translation", "mixer": mixer, "label": plan.LABELS[mixer], "ok": len(bleus)}
+    row = {"task": "translation", "mixer": mixer, "label": plan.label(mixer), "ok": len(bleus)}
     row["bleu"], row["bleu_sd"], _ = report.mean_sd(bleus)
     return row
 

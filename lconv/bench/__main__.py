@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--doc", default=None, help=f"markdown file whose suite section is rewritten (default "
                                                     f"{COMMITTED_DOC}; with --quick {QUICK_DIR}/benchmarks.md)")
     parser.add_argument("--T", default=None, help="sequence lengths for the mixers suite, e.g. 256,1024,4096")
+    parser.add_argument("--mixers", default="", help="more mixers for the mixers suite, beside every registered "
+                        "one: names or package.module:Class, comma-separated")
     opts = parser.parse_args(argv)
     if opts.suite not in SUITES + ("all",):
         parser.error(f"unknown suite {opts.suite!r}; choose one of {', '.join(SUITES)}, all")
@@ -89,8 +91,15 @@ def main(argv: list[str] | None = None) -> None:
         opts.T = parse_T_list(opts.T) if opts.T is not None else None  # an empty --T= is an error, not "unset"
     except ValueError as err:
         parser.error(str(err))
+    opts.mixers = [m.strip() for m in opts.mixers.split(",") if m.strip()]
     from lconv.bench import timing  # imports jax: after the arguments are known to be good
+    from lconv.nn import mixers
 
+    for name in opts.mixers:  # a plugin that cannot be imported fails now, not after the other rows
+        try:
+            mixers.mixer_class(name)
+        except UserError as err:
+            parser.error(f"--mixers: {err}")
     resolve_outputs(opts, parser, timing.backend())
     opts.command = "python -m lconv.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 

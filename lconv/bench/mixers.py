@@ -41,6 +41,7 @@ class Config:
     exponent: float  # per-call time ~ T ** exponent at fixed tokens (0 linear, 1 quadratic)
     bytes_at: Callable[[int, int], int] = lambda T, B: 0  # a lower bound on memory, checked before building
     max_call_s: float = MAX_CALL_S
+    mixer: str | None = None  # the registry name a "mixer" row measures
 
 
 def pallas_backend() -> bool:
@@ -49,11 +50,19 @@ def pallas_backend() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def op_configs() -> list[Config]:
-    """``CONFIGS``, with the fused Pallas ops where they compile (``pallas_backend``)."""
-    if not pallas_backend():
-        return list(CONFIGS)
-    return [*CONFIGS[:7], op_config("light", "pallas"), op_config("dynamic", "pallas"), *CONFIGS[7:]]
+def op_configs(extra_mixers: Sequence[str] = ()) -> list[Config]:
+    """``CONFIGS``, with the fused Pallas ops where they compile (``pallas_backend``), then a row for each
+    registered mixer no row measures yet (plugins) and for each of ``extra_mixers`` (``package.module:Class``)."""
+    configs = list(CONFIGS)
+    if pallas_backend():
+        configs = [*CONFIGS[:7], op_config("light", "pallas"), op_config("dynamic", "pallas"), *CONFIGS[7:]]
+    measured = {c.mixer for c in configs}
+    for name in dict.fromkeys([*mixers.mixer_names(), *extra_mixers]):
+        if name not in measured:
+            info = mixers.info(name)  # unknown: quadratic, so a slow one is skipped early rather than late
+            configs.append(_mixer_config(info.label, name, 1.0, causal="encoder" not in info.sides,
+                                         **info.example_fields))
+    return configs
 
 
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
@@ -75,10 +84,11 @@ def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
     return Config(f"{'DynamicConv' if dynamic else 'LightConv'} op, {label}", "op", build, 0.0, max_call_s=8.0)
 
 
-def _mixer_config(label, registry_name, exponent=0.0, bytes_at=lambda T, B: 0, max_call_s=MAX_CALL_S, **fields):
+def _mixer_config(label, registry_name, exponent=0.0, bytes_at=lambda T, B: 0, max_call_s=MAX_CALL_S, causal=False,
+                  **fields):
     def build(T, B):
         extra = {k: (v(T) if callable(v) else v) for k, v in fields.items()}
-        module = mixers.make_mixer(registry_name, num_heads=H, causal=False, **extra)
+        module = mixers.make_mixer(registry_name, num_heads=H, causal=causal, **extra)
         x = timing.random_normal((B, T, C), 0)
         variables = jax.jit(module.init)(jax.random.key(0), x)
         params, state = {"params": variables["params"]}, {k: v for k, v in variables.items() if k != "params"}
@@ -88,7 +98,7 @@ def _mixer_config(label, registry_name, exponent=0.0, bytes_at=lambda T, B: 0, m
             fn = lambda p, x: module.apply(p, x)  # noqa: E731
         return fn, (params, x), (0, 1)
 
-    return Config(label, "mixer", build, exponent, bytes_at, max_call_s)
+    return Config(label, "mixer", build, exponent, bytes_at, max_call_s, mixer=registry_name)
 
 
 def _logits_bytes(T, B):
@@ -120,9 +130,10 @@ def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
     return loss_and_grads
 
 
-def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print) -> list[report.Row]:
+def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print,
+        extra_mixers: Sequence[str] = ()) -> list[report.Row]:
     """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
-    rows, configs = [], op_configs()
+    rows, configs = [], op_configs(extra_mixers)
     last = {c.name: {} for c in configs}  # config -> pass -> (T, seconds per call) last measured
     last_bytes = {c.name: None for c in configs}
     for T in T_list:
@@ -324,7 +335,7 @@ def plots(rows: Sequence[report.Row], out_dir: str) -> None:
 
 def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
     T_list = opts.T or (T_QUICK if opts.quick else T_FULL)
-    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, log=log)
+    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, log=log, extra_mixers=opts.mixers)
     if 256 in T_list and T_list[-1] != 256:
         rows += interleaved_flatness(256, T_list[-1], rounds=3 if opts.quick else 7, log=log)
     report.write_results(opts.out, "mixers", rows, section(rows, T_list, info, opts.command), opts.doc)

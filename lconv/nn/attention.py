@@ -115,6 +115,8 @@ class SelfAttention(AttentionFields):
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "attention_impl": "attention_impl"}
+    label: ClassVar[str] = "Transformer"  # the model every layer of which uses it
+    variant: ClassVar[str] = "transformer"
     attention_impl: str = "auto"  # auto | xla | chunked | cudnn
 
     @nn.compact
@@ -229,6 +231,8 @@ class FixedAttention(AttentionFields):
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
+    label: ClassVar[str] = "Fixed (Synthesizer-R)"
+    example_fields: ClassVar[dict[str, Any]] = {"max_len": 16}
 
     max_len: int = 512
     factorized_rank: int = 0  # 0 = a full [max_len, max_len] table per head
@@ -291,6 +295,8 @@ class HadamardAttention(AttentionFields):
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
+    label: ClassVar[str] = "Hadamard"
+    example_fields: ClassVar[dict[str, Any]] = {"max_len": 16}
 
     max_len: int = 512
     project_qk: bool = False

@@ -117,6 +117,10 @@ class CoLT5Attention(_Routed):
         "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout",
         "matmul_precision": "matmul_precision"}
     sides: ClassVar[tuple[str, ...]] = ("encoder",)
+    side_reason: ClassVar[str] = "its routing ranks future tokens"
+    label: ClassVar[str] = "CoLT5"
+    # Every token of a short test sequence routed: a capacity below the tokens makes segments compete for it.
+    example_fields: ClassVar[dict[str, Any]] = {"local_radius": 2, "num_routed": 64}
 
     num_heads: int = 8
     causal: bool = False
@@ -177,6 +181,11 @@ class CoLT5FeedForward(_Routed):
     ``heavy_hidden_dim`` (0 = 4C), routing fields as in ``CoLT5Attention``, ``dropout_rate`` on the hidden
     activations. Parameters: ``light_in``, ``light_out``, ``heavy_in``, ``heavy_out``, ``router`` ``[C]``.
     """
+
+    # Feed-forward metadata (lconv.nn.mixers.ffn_class): filled from the model; encoder layers only, as the
+    # attention (a decoder layer keeps the dense FFN).
+    model_fields: ClassVar[dict[str, str]] = {"dtype": "dtype", "matmul_precision": "matmul_precision"}
+    sides: ClassVar[tuple[str, ...]] = ("encoder",)
 
     light_hidden_dim: int = 0
     heavy_hidden_dim: int = 0

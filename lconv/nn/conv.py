@@ -200,6 +200,8 @@ class LightConvBlock(nn.Module):
         "impl": "conv_impl", "dtype": "dtype", "matmul_precision": "matmul_precision",
         "weight_softmax": "weight_softmax"}
     sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
+    label: ClassVar[str] = "LightConv"
+    example_fields: ClassVar[dict[str, Any]] = {"kernel_size": 3}
 
     num_heads: int
     kernel_size: int
@@ -259,5 +261,8 @@ class LightConvBlock(nn.Module):
 
 class DynamicConvBlock(LightConvBlock):
     """``LightConvBlock`` with a dynamic conv (registry name ``"dynamicconv"``)."""
+
+    label: ClassVar[str] = "DynamicConv"
+    variant: ClassVar[str] = "dynamic"
 
     conv_type: str = "dynamic"

@@ -89,6 +89,11 @@ class KNNMemoryAttention(AttentionFields):
     # Decoder only (mixer metadata, lconv.nn.mixers): its memory is carried across the windows of a document
     # stream, which only a decoder-only LM reads; an encoder would only ever see an empty memory.
     sides: ClassVar[tuple[str, ...]] = ("decoder",)
+    side_reason: ClassVar[str] = "its memory is carried across the windows of a decoder's document stream"
+    label: ClassVar[str] = "kNN memory"
+    variant: ClassVar[str] = "knn"
+    example_fields: ClassVar[dict[str, Any]] = {"memory_size": 8, "num_neighbors": 2}
+    state: ClassVar[tuple[str, ...]] = ("memory",)  # past windows' keys and values, threaded by the caller
 
     causal: bool = True  # the Memorizing Transformer is a decoder; False gives bidirectional local attention
     memory_size: int = 1024

@@ -1,11 +1,11 @@
-"""The token-mixer registry: one name -> one Flax linen module, one call signature for all.
+"""The token-mixer registry: one name -> one Flax linen module, one call signature for all. Open to plugins.
 
-Every token mixer (LightConv, DynamicConv, self-attention, Fixed, Hadamard, CoLT5, kNN memory) is a
-``flax.linen.Module`` that maps an (already normalised) sequence to an update of the same shape. The model
-layer around it owns the layer norm, the residual dropout and the residual add, so mixers are swappable
-per layer by name.
+Every token mixer (LightConv, DynamicConv, self-attention, Fixed, Hadamard, CoLT5, kNN memory, and any a user
+registers) is a ``flax.linen.Module`` that maps an (already normalised) sequence to an update of the same shape.
+The model layer around it owns the layer norm, the residual dropout and the residual add, so mixers are
+swappable per layer by name.
 
-The contract:
+The contract (executable: ``lconv.testing.check_mixer`` checks each rule and names the one a mixer breaks):
 
     y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)
 
@@ -15,37 +15,53 @@ The contract:
 - ``positions``: ``[batch, time]`` int, position of each token inside its segment (needed by position-dependent
   mixers such as Fixed / Hadamard attention). ``None`` means ``arange(time)`` (or, while decoding, the
   position kept in the cache).
-- ``deterministic``: ``False`` enables dropout / DropConnect (needs a ``'dropout'`` rng).
+- ``deterministic``: ``False`` enables dropout / DropConnect (needs a ``'dropout'`` rng); ``True`` needs none.
 - ``decode``: causal mixers keep their state in the ``'cache'`` collection and accept a chunk of one or more new
   positions per call; the outputs equal the full causal pass. The cache is created by a first call with
   ``decode=True`` under ``mutable=['cache']`` on a full-length (max decode length) dummy input, as in flax
   ``examples/wmt``; non-causal mixers raise ``ValueError`` when asked to decode.
+- Parameters carry logical axis names (``nn.with_logical_partitioning``) so the mesh rules can shard them.
 - Constructor fields every mixer accepts: ``num_heads``, ``causal``, ``dtype`` (computation dtype; softmax and
   accumulation stay in float32), ``param_dtype``, ``matmul_precision`` (``"default" | "high" | "highest"``, the
   precision of its dots, ``lconv.ops.precision``; a conv's own arithmetic is always exact). The rest are
   mixer-specific and come from the config.
 
-Metadata on each mixer class, read by the models and the configs alike:
+Everything the rest of lconv knows about a mixer is read from class attributes (``info``), each optional:
 
 - ``model_fields``: ``{constructor field: model value}``, the fields a model layer fills, by name, from its
   ``ModelConfig`` (``conv_impl``, ``dropout`` rates, ...) and the layer (``causal``, ``kernel_size``). Nothing is
   passed by a coincidence of names: a value the model does not have is an error, not a silent drop.
-- ``sides``: where the mixer may sit, ``("encoder", "decoder")`` or one of them (CoLT5's routing ranks future
-  tokens: encoder only; the kNN memory lives in a decoder's document stream: decoder only).
+- ``sides`` and ``side_reason``: where the mixer may sit, ``("encoder", "decoder")`` or one of them, and why.
+- ``label``: its name in tables and plots; ``variant``: the word that picks it in ``--config=file.py:WORD``.
+- ``example_fields``: the smallest mixer-specific fields that make it valid on a short test sequence (the
+  checker, the tests and the bench start from them).
+- ``state``: the collections besides ``cache`` it carries from call to call (the kNN memory's ``'memory'``).
 
-Registered names map to ``"module:Class"`` strings imported on first use, so the registry has no import cycles
-and every mixer family can live in its own file.
+Feed-forward sublayers have a registry of their own (``ffn_class``; ``config.model.ffn_type``), with the same
+plugin rules. A name is a registered name or a ``"package.module:Class"`` string imported on first use, so a
+mixer can live in the user's own file: ``--config.model.encoder_mixer=my_mixers:MyMixer``. In-process,
+``register_mixer("mine", MyMixer)`` adds a name; installed packages add names through the ``lconv.mixers`` entry
+point group (``{name} = "package.module:Class"``).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
+import re
+from importlib import metadata
 from typing import Any
 
 import flax.linen as nn
 
 from lconv.errors import UserError
 
-_REGISTRY: dict[str, str] = {
+BOTH_SIDES = ("encoder", "decoder")
+ENTRY_POINT_GROUP = "lconv.mixers"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+
+# Registered name -> a class, or a "module:Class" string imported on first use (no import cycles at load time).
+_MIXERS: dict[str, type[nn.Module] | str] = {
     "lightconv": "lconv.nn.conv:LightConvBlock",  # conv_type='lightweight' is the block's default
     "dynamicconv": "lconv.nn.conv:DynamicConvBlock",
     "attention": "lconv.nn.attention:SelfAttention",
@@ -54,35 +70,221 @@ _REGISTRY: dict[str, str] = {
     "colt5": "lconv.nn.colt5:CoLT5Attention",
     "knn_memory": "lconv.nn.knn_memory:KNNMemoryAttention",
 }
+_FFNS: dict[str, type[nn.Module] | str] = {
+    "dense": "lconv.nn.models:FeedForward",
+    "colt5": "lconv.nn.colt5:CoLT5FeedForward",  # routed light/heavy FFN; encoder layers only
+}
+_entry_points_loaded = False
+log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class MixerInfo:
+    """What lconv knows about a mixer, read from its class (the module docstring lists the attributes)."""
+
+    name: Any  # the registered name, the "module:Class" string it was named by, or the class itself
+    cls: type[nn.Module]
+    model_fields: dict[str, str]
+    sides: tuple[str, ...]
+    side_reason: str
+    label: str
+    variant: str
+    example_fields: dict[str, Any]
+    state: tuple[str, ...]
+    fields: frozenset[str]  # its constructor fields
+
+    @property
+    def both_sides(self) -> bool:
+        return set(BOTH_SIDES) <= set(self.sides)
+
+
+# ---------------------------------------------------------------------------------------------------- registering
+def register_mixer(name: str, mixer: type[nn.Module] | str | None = None, *, replace: bool = False) -> Any:
+    """Adds mixer ``name``: a ``flax.linen.Module`` class or a ``"package.module:Class"`` string (imported on first
+    use). A taken name is refused unless ``replace=True``. Without ``mixer`` it is a class decorator::
+
+        @lconv.register_mixer("mean_pool")
+        class MeanPool(nn.Module): ...
+    """
+    if mixer is None:
+        return lambda cls: register_mixer(name, cls, replace=replace)
+    _register(_MIXERS, "mixer", name, mixer, replace)
+    return mixer
+
+
+def register_ffn(name: str, ffn: type[nn.Module] | str | None = None, *, replace: bool = False) -> Any:
+    """Adds feed-forward sublayer ``name`` (``config.model.ffn_type``), as ``register_mixer`` does mixers."""
+    if ffn is None:
+        return lambda cls: register_ffn(name, cls, replace=replace)
+    _register(_FFNS, "ffn", name, ffn, replace)
+    return ffn
+
+
+def _register(table: dict, kind: str, name: str, target: Any, replace: bool) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise UserError(f"{kind} name {name!r}: must be a Python identifier (letters, digits, '_'); "
+                        f"a 'module:Class' string is already accepted wherever a {kind} is named")
+    if isinstance(target, str):
+        _split_spec(target, kind)
+    elif not (isinstance(target, type) and issubclass(target, nn.Module)):
+        raise UserError(f"{kind} {name!r}: {target!r} is not a flax.linen.Module class or a 'module:Class' string")
+    _load_entry_points()
+    if name in table and not replace and table[name] is not target:
+        raise UserError(f"{kind} {name!r} is already registered ({_describe(table[name])}); pass replace=True to "
+                        f"replace it")
+    table[name] = target
+
+
+def _load_entry_points() -> None:
+    """Mixers that installed packages declare (``[project.entry-points."lconv.mixers"]``), once per process."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name in _MIXERS:
+            log.warning("entry point %s = %s ignored: mixer %r is already registered", entry.name, entry.value,
+                        entry.name)
+        else:
+            _MIXERS[entry.name] = entry.value
+
+
+# ---------------------------------------------------------------------------------------------------- resolving
 def mixer_names() -> list[str]:
-    return sorted(_REGISTRY)
+    """The registered names, built-in mixers first in their canonical order, then plugins as registered."""
+    _load_entry_points()
+    return list(_MIXERS)
+
+
+def ffn_names() -> list[str]:
+    return list(_FFNS)
+
+
+def is_spec(name: Any) -> bool:
+    """Whether ``name`` is a ``"package.module:Class"`` string rather than a registered name."""
+    return isinstance(name, str) and ":" in name
 
 
 def mixer_class(name: str) -> type[nn.Module]:
-    """The module class registered under ``name``; a clear error for an unknown name."""
-    if name not in _REGISTRY:
-        raise UserError(f"unknown mixer {name!r}; choose one of {mixer_names()}")
-    module_name, class_name = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The module class registered under ``name`` or named by ``"module:Class"``; a one-line error otherwise."""
+    return _resolve("mixer", name)
+
+
+def ffn_class(name: str) -> type[nn.Module]:
+    return _resolve("ffn", name)
+
+
+def _resolve(kind: str, name: Any) -> type[nn.Module]:
+    if isinstance(name, type) and issubclass(name, nn.Module):  # a class in hand (lconv.testing, notebooks)
+        return name
+    if not isinstance(name, str):
+        raise UserError(f"{kind} {name!r}: must be a registered name or a 'module:Class' string")
+    _load_entry_points()
+    table = _MIXERS if kind == "mixer" else _FFNS
+    target = table.get(name, name if is_spec(name) else None)
+    if target is None:
+        raise UserError(f"unknown {kind} {name!r}; choose one of {list(table)} or name a class as "
+                        f"'package.module:Class'")
+    return _import(kind, name, target) if isinstance(target, str) else target
+
+
+def _import_module_class(kind: str, name: str, target: str) -> type[nn.Module]:
+    module_name, class_name = _split_spec(target, kind)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"{kind} {name!r}: cannot import module {module_name!r} ({e}); is its folder on "
+                        f"PYTHONPATH?") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        found = "nothing" if cls is None else type(cls).__name__
+        raise UserError(f"{kind} {name!r}: {module_name}.{class_name} is {found}, not a flax.linen.Module class")
+    return cls
+
+
+_imported: dict[str, type[nn.Module]] = {}  # "module:Class" -> the class, imported once
+
+
+def _import(kind: str, name: str, target: str) -> type[nn.Module]:
+    if target not in _imported:
+        _imported[target] = _import_module_class(kind, name, target)
+    return _imported[target]
+
+
+def _split_spec(spec: str, kind: str) -> tuple[str, str]:
+    module_name, sep, class_name = spec.partition(":")
+    if not (sep and module_name and class_name.isidentifier()
+            and all(p.isidentifier() for p in module_name.split("."))):
+        raise UserError(f"{kind} {spec!r}: a class is named as 'package.module:Class'")
+    return module_name, class_name
+
+
+def _describe(target: Any) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+# ---------------------------------------------------------------------------------------------------- metadata
+def info(name: str | type[nn.Module]) -> MixerInfo:
+    """Mixer ``name``'s metadata (a registered name, ``"module:Class"`` or a class), from its class attributes."""
+    cls = mixer_class(name)
+    sides = tuple(getattr(cls, "sides", BOTH_SIDES))
+    bad = sorted(set(sides) - set(BOTH_SIDES))
+    if bad or not sides:
+        raise UserError(f"mixer {name!r}: sides={sides!r} must name 'encoder' and/or 'decoder'")
+    if not isinstance(name, str):
+        name = cls
+    short = cls.__name__ if not isinstance(name, str) else name.rpartition(":")[2] if is_spec(name) else name
+    own = vars(cls)  # a subclass names itself: an inherited label or variant word would name its parent
+    return MixerInfo(
+        name=name, cls=cls, model_fields=dict(getattr(cls, "model_fields", {})), sides=sides,
+        side_reason=str(getattr(cls, "side_reason", "")), label=str(own.get("label", short)),
+        variant=str(own.get("variant", short)), example_fields=dict(getattr(cls, "example_fields", {})),
+        state=tuple(getattr(cls, "state", ())), fields=frozenset(constructor_fields(cls)))
 
 
 def model_fields(name: str) -> dict[str, str]:
     """``{constructor field: model value}`` that a model layer passes to mixer ``name``."""
-    return dict(getattr(mixer_class(name), "model_fields", {}))
+    return info(name).model_fields
 
 
 def sides(name: str) -> tuple[str, ...]:
     """Where mixer ``name`` may sit: ``"encoder"``, ``"decoder"`` or both."""
-    return tuple(getattr(mixer_class(name), "sides", ("encoder", "decoder")))
+    return info(name).sides
 
 
+def variants() -> dict[str, str]:
+    """``{variant word: registered name}``: each mixer's ``variant`` word and its registered name both pick it."""
+    words: dict[str, str] = {}
+    for name in mixer_names():
+        words.setdefault(name, name)
+        words.setdefault(info(name).variant, name)
+    return words
+
+
+def constructor_fields(cls: type[nn.Module]) -> set[str]:
+    return {f for f in getattr(cls, "__dataclass_fields__", {}) if f not in ("parent", "name")}
+
+
+# ---------------------------------------------------------------------------------------------------- building
 def make_mixer(mixer_name: str, /, **kwargs: Any) -> nn.Module:
     """Builds mixer ``mixer_name`` with its constructor fields (plus flax's ``name``); unknown fields fail clearly."""
-    cls = mixer_class(mixer_name)
-    fields = {f for f in getattr(cls, "__dataclass_fields__", {}) if f not in ("parent", "name")}
+    return _build("mixer", mixer_class(mixer_name), mixer_name, kwargs)
+
+
+def make_ffn(ffn_name: str, /, **kwargs: Any) -> nn.Module:
+    return _build("ffn", ffn_class(ffn_name), ffn_name, kwargs)
+
+
+def _build(kind: str, cls: type[nn.Module], name: str, kwargs: dict[str, Any]) -> nn.Module:
+    fields = constructor_fields(cls)
     unknown = sorted(set(kwargs) - fields - {"name"})
     if unknown:
-        raise UserError(f"mixer {mixer_name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
+        raise UserError(f"{kind} {name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
     return cls(**kwargs)
+
+
+def ffn_for_side(name: str, side: str) -> str:
+    """The feed-forward a ``side`` layer uses when the config names ``name``: an FFN that cannot sit there (CoLT5's
+    routing ranks future tokens: encoder only) leaves that side the dense one."""
+    return name if side in getattr(ffn_class(name), "sides", BOTH_SIDES) else "dense"
+

@@ -12,6 +12,7 @@ import numpy as np
 from lconv.constants import ATTENTION_IMPLS, BOS_ID, EOS_ID, MATMUL_PRECISIONS, REMAT_POLICIES
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, mixers
+from lconv.nn.mixers import BOTH_SIDES
 from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # params and the loss stay float32 whatever this is
@@ -108,23 +109,21 @@ class ModelConfig:
             raise UserError(
                 f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
             )
-        if decoder_only and self.ffn_type == "colt5":
-            raise UserError("config.model.ffn_type='colt5' routes over future tokens, so it is for encoder layers "
-                             "only; a decoder-only LM needs ffn_type='dense'")
+        ffn_sides = getattr(_registered("ffn_type", mixers.ffn_class, self.ffn_type), "sides", BOTH_SIDES)
+        if decoder_only and "decoder" not in ffn_sides:
+            raise UserError(f"config.model.ffn_type={self.ffn_type!r} is for encoder layers only (its routing ranks "
+                            f"future tokens); a decoder-only LM needs ffn_type='dense'")
         sides = [("decoder", self.decoder_layers)] if decoder_only else [
             ("encoder", self.encoder_layers), ("decoder", self.decoder_layers)]
         for side, n in sides:
             for layer, name in enumerate(self.layer_mixers(side)):
-                if name not in mixers.mixer_names():  # unknown names fail here, before any tracing
-                    raise UserError(f"config.model.{side}_mixer: unknown mixer {name!r}; choose one of "
-                                     f"{mixers.mixer_names()}")
-                if side not in mixers.sides(name):
-                    only = mixers.sides(name)[0]
+                info = _registered(f"{side}_mixer", mixers.info, name)  # unknown names fail here, before tracing
+                if side not in info.sides:
+                    only = info.sides[0]
                     raise UserError(f"config.model.{side}_mixer: {name!r} is {'an' if only == 'encoder' else 'a'} "
-                                    f"{only}-only mixer "
-                                    f"({_WHY_ONE_SIDE.get(name, 'see its class')}); use 'attention' or a conv mixer "
-                                    f"in the {side}")
-                centred_conv = side == "encoder" and "kernel_size" in mixers.model_fields(name)
+                                    f"{only}-only mixer ({info.side_reason or 'see its class'}); use 'attention' "
+                                    f"or a conv mixer in the {side}")
+                centred_conv = side == "encoder" and "kernel_size" in info.model_fields
                 if centred_conv and self.kernel_size(side, layer) % 2 == 0:
                     raise UserError(f"config.model.encoder_kernel_sizes: layer {layer} has kernel "
                                      f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
@@ -153,7 +152,7 @@ class ModelConfig:
             sizes = getattr(self, f"{side}_kernel_sizes")
             require(f"{side}_kernel_sizes", all(integer(k) and k >= 1 for k in sizes), "kernel sizes >= 1")
         require("conv_impl", self.conv_impl in CONV_IMPLS, f"one of {', '.join(CONV_IMPLS)}")
-        require("ffn_type", self.ffn_type in ("dense", "colt5"), "'dense' or 'colt5'")
+        require("ffn_type", isinstance(self.ffn_type, str), f"one of {mixers.ffn_names()} or 'module:Class'")
         require("decoder_start", self.decoder_start in DECODER_STARTS, f"one of {', '.join(DECODER_STARTS)}")
         require("position_offset", integer(self.position_offset) and self.position_offset >= 0, "an integer >= 0")
         for name, choices in (("remat", REMAT_POLICIES), ("matmul_precision", MATMUL_PRECISIONS),
@@ -188,5 +187,9 @@ class ModelConfig:
         return sizes[layer]
 
 
-_WHY_ONE_SIDE = {"colt5": "its routing ranks future tokens",
-                 "knn_memory": "its memory is carried across the windows of a decoder's document stream"}
+def _registered(field: str, lookup: Any, name: Any) -> Any:
+    """``lookup(name)`` with a failure named by the config field (``config.model.<field>: ...``)."""
+    try:
+        return lookup(name)
+    except UserError as e:
+        raise UserError(f"config.model.{field}: {e}") from None

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -35,7 +35,6 @@ from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMA
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.attention import CrossAttention
-from lconv.nn.colt5 import CoLT5FeedForward
 from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
 from lconv.nn.model_config import ModelConfig  # re-exported: models.ModelConfig is the documented name
 from lconv.ops.precision import lax_precision
@@ -196,14 +195,13 @@ class Layer(nn.Module):
                                                      encoded_segment_ids=encoded_segment_ids,
                                                      deterministic=deterministic, decode=decode),
                                "encoder_attention", deterministic)
-        if cfg.ffn_type == "colt5" and self.side == "encoder":  # routing is non-causal: never in a decoder
-            ffn = CoLT5FeedForward(**{"dtype": cfg.dtype, "matmul_precision": cfg.matmul_precision,
-                                      **dict(cfg.ffn_kwargs or {})}, name="ffn")
-            x = self._sublayer(x, lambda h: ffn(h, segment_ids=segment_ids, deterministic=deterministic), "ffn",
-                               deterministic)
-        else:
-            x = self._sublayer(x, lambda h: FeedForward(cfg, name="ffn")(h, deterministic=deterministic), "ffn",
-                               deterministic)
+        ffn_name = mixers.ffn_for_side(cfg.ffn_type, self.side)  # CoLT5's routed FFN: encoder layers only
+        ffn_fields = _model_values(cfg, ffn_name, mixers.ffn_class(ffn_name), self.side, self.layer, self.causal)
+        if ffn_name == cfg.ffn_type:
+            ffn_fields.update(dict(cfg.ffn_kwargs or {}))
+        ffn = mixers.make_ffn(ffn_name, **ffn_fields, name="ffn")
+        x = self._sublayer(x, lambda h: ffn(h, segment_ids=segment_ids, deterministic=deterministic), "ffn",
+                           deterministic)
         return x
 
     def _sublayer(self, x: Array, fn: Callable[[Array], Array], name: str, deterministic: bool) -> Array:
@@ -219,16 +217,22 @@ class Layer(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """``Dense(d -> ffn) -> ReLU -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases."""
+    """``Dense(d -> ffn) -> ReLU -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases (``ffn_type``
+    ``"dense"``). Feed-forward sublayers take ``segment_ids`` too (CoLT5's routes within segments)."""
 
-    config: ModelConfig
+    model_fields: ClassVar[dict[str, str]] = {"hidden_dim": "ffn_dim", "relu_dropout": "relu_dropout",
+                                              "dtype": "dtype", "matmul_precision": "matmul_precision"}
+
+    hidden_dim: int = 2048
+    relu_dropout: float = 0.0
+    dtype: DType = jnp.float32
+    matmul_precision: str = "default"
 
     @nn.compact
-    def __call__(self, x_BTC: Array, *, deterministic: bool) -> Array:
-        cfg = self.config
-        linear = functools.partial(xavier_dense, dtype=cfg.dtype, precision=cfg.matmul_precision)
-        h = constrain(linear(cfg.ffn_dim, (EMBED, MLP), name="fc1")(x_BTC), BTF)
-        h = nn.Dropout(cfg.relu_dropout)(jax.nn.relu(h), deterministic=deterministic)
+    def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, deterministic: bool = True) -> Array:
+        linear = functools.partial(xavier_dense, dtype=self.dtype, precision=self.matmul_precision)
+        h = constrain(linear(self.hidden_dim, (EMBED, MLP), name="fc1")(x_BTC), BTF)
+        h = nn.Dropout(self.relu_dropout)(jax.nn.relu(h), deterministic=deterministic)
         return linear(x_BTC.shape[-1], (MLP, EMBED), name="fc2")(h)
 
 
@@ -238,18 +242,26 @@ class FeedForward(nn.Module):
 def _mixer_fields(cfg: ModelConfig, name: str, side: str, layer: int, causal: bool) -> dict[str, Any]:
     """Layer ``layer``'s mixer fields: the model values its class declares (``model_fields``), by name, then the
     config's ``mixer_kwargs`` for it. A declared value the model does not provide is an error, never a drop."""
+    kwargs = _model_values(cfg, name, mixers.mixer_class(name), side, layer, causal)
+    extra = dict(cfg.mixer_kwargs or {})  # keyed by the name a layer uses (a plugin's also by its class name)
+    kwargs.update(dict(extra.get(name, extra.get(name.rpartition(":")[2], {}) if mixers.is_spec(name) else {})))
+    return kwargs
+
+
+def _model_values(cfg: ModelConfig, name: str, cls: type[nn.Module], side: str, layer: int,
+                  causal: bool) -> dict[str, Any]:
+    """``{constructor field: value}`` for the model values ``cls.model_fields`` declares."""
     def value(source: str) -> Any:
         if source == "causal":
             return causal
         if source == "kernel_size":
             return cfg.kernel_size(side, layer)
         if source not in ModelConfig.__dataclass_fields__:
-            raise TypeError(f"mixer {name!r} declares model field {source!r}, which ModelConfig does not have")
+            raise UserError(f"{name!r} declares model field {source!r}, which ModelConfig does not have; "
+                            f"known: {sorted(ModelConfig.__dataclass_fields__)} (and causal, kernel_size)")
         return getattr(cfg, source)
 
-    kwargs = {field: value(source) for field, source in mixers.model_fields(name).items()}
-    kwargs.update(dict((cfg.mixer_kwargs or {}).get(name, {})))
-    return kwargs
+    return {field: value(source) for field, source in getattr(cls, "model_fields", {}).items()}
 
 
 def _embedding(cfg: ModelConfig, name: str) -> Embed:

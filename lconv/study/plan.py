@@ -39,16 +39,28 @@ from lconv.train import setup
 Config = ml_collections.ConfigDict
 
 TASKS = ("translation", "lm", "summarization")
-LABELS = {"transformer": "Transformer", "lightconv": "LightConv", "dynamic": "DynamicConv", "dynamicconv":
-          "DynamicConv", "fixed": "Fixed (Synthesizer-R)", "hadamard": "Hadamard", "colt5": "CoLT5",
-          "knn": "kNN memory"}
+
+
+def mixer_name(word: str) -> str:
+    """The registered mixer (or ``package.module:Class``) a study's mixer word picks (``common.mixer_variants``)."""
+    return common.mixer_variants().get(word, word)
+
+
+def label(word: str) -> str:
+    """A mixer word's name in tables and plots: its class's ``label``."""
+    return mixers.info(mixer_name(word)).label
+
+
+def known_words() -> list[str]:
+    """Every registered mixer's variant word, in registry order (a stable colour per mixer in the plots)."""
+    return [mixers.info(name).variant for name in mixers.mixer_names()]
 KNN_FIELDS = {"memory_size": 512, "num_neighbors": 32}  # configs/lm1b.py's ddtp values
 
 
 @dataclasses.dataclass(frozen=True)
 class RunKey:
     task: str
-    mixer: str  # a variant word of lconv.configs.common.MIXER_VARIANTS
+    mixer: str  # a variant word of lconv.configs.common.mixer_variants(), or package.module:Class
     seed: int
 
     @property
@@ -88,19 +100,21 @@ def normalize(study: Config) -> Config:
 
 def check_study(study: Config) -> None:
     """The study config's own fields, one line each, before anything is built."""
-    unknown = sorted(set(study.mixers) - set(common.MIXER_VARIANTS))
+    words = common.mixer_variants()
+    unknown = sorted(w for w in set(study.mixers) - set(words) if not mixers.is_spec(w))
     if unknown or not study.mixers:
         raise UserError(f"config.mixers: unknown or empty {unknown or list(study.mixers)}; choose from "
-                        f"{sorted(common.MIXER_VARIANTS)}")
+                        f"{sorted(words)} or name a class as package.module:Class")
+    for word in study.mixers:
+        mixers.mixer_class(mixer_name(word))  # a plugin that cannot be imported fails here, before any run
     bad_tasks = sorted(set(study.tasks) - set(TASKS))
     if bad_tasks or not study.tasks:
         raise UserError(f"config.tasks: unknown or empty {bad_tasks or list(study.tasks)}; choose from {list(TASKS)}")
     seeds = list(study.seeds)
     if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and s >= 0 for s in seeds):
         raise UserError(f"config.seeds={seeds}: must be distinct integers >= 0, at least one")
-    if study.reference_mixer not in common.MIXER_VARIANTS:
-        raise UserError(f"config.reference_mixer={study.reference_mixer!r}: must be one of "
-                        f"{sorted(common.MIXER_VARIANTS)}")
+    if study.reference_mixer not in words and not mixers.is_spec(study.reference_mixer):
+        raise UserError(f"config.reference_mixer={study.reference_mixer!r}: must be one of {sorted(words)}")
     checks = (("param_tolerance", 0 < study.param_tolerance < 1, "a fraction in (0, 1)"),
               ("ffn_multiple", isinstance(study.ffn_multiple, int) and study.ffn_multiple >= 1, "an integer >= 1"),
               ("average_last", isinstance(study.average_last, int) and study.average_last >= 1, "an integer >= 1"),
@@ -117,18 +131,18 @@ def check_study(study: Config) -> None:
 
 def fit(task: str, mixer: str) -> tuple[str | None, str]:
     """``(reason the mixer cannot run this task or None, what the mixer means in this task)``."""
-    name = common.MIXER_VARIANTS[mixer]
-    sides = mixers.sides(name)
-    if mixer == "knn":
+    info = mixers.info(mixer_name(mixer))
+    sides = info.sides
+    if info.name == "knn_memory":
         if task == "lm":
             return None, "Memorizing Transformer: kNN layer second to last, reads the document's past windows"
         return None, ("kNN layer second to last in the decoder; no document streams here, so its memory is "
                       "empty and it acts as gated local attention")
     if task == "lm" and "decoder" not in sides:
-        return (f"{LABELS[mixer]} is {sides[0]}-only (its routing ranks future tokens); a decoder-only LM has no "
-                f"encoder layer for it"), ""
+        return (f"{info.label} is {sides[0]}-only ({info.side_reason or 'see its class'}); a decoder-only LM has "
+                f"no encoder layer for it"), ""
     if "decoder" not in sides:
-        return None, f"{LABELS[mixer]} in the encoder, attention in the decoder (it is encoder-only)"
+        return None, f"{info.label} in the encoder, attention in the decoder (it is encoder-only)"
     return None, ""
 
 
@@ -142,7 +156,7 @@ def training_config(study: Config, key: RunKey) -> Config:
     else:
         c = common.set_mixer(module.get_config(",".join(words) or None), {key.mixer})
     c.update(_plain(spec.overrides))
-    if key.mixer == "knn":  # after the overrides: the layout depends on the number of decoder layers
+    if mixer_name(key.mixer) == "knn_memory":  # after the overrides: the layout depends on the number of decoder layers
         _memorizing_decoder(c)
     c.update(_plain(dict(study.mixer_overrides).get(key.mixer, {})))
     c.seed = c.data.seed = key.seed

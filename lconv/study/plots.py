@@ -29,7 +29,7 @@ def _colors(mixers: Sequence[str]) -> dict[str, Any]:
     import matplotlib.pyplot as plt
 
     cycle = plt.get_cmap("tab10")
-    return {m: cycle(i % 10) for i, m in enumerate(mixers)}
+    return {m: cycle(i % 10) for i, m in enumerate(dict.fromkeys(mixers))}  # first place wins: stable colours
 
 
 def quality_vs_speed(rows: Sequence[Record], tasks: Sequence[str],
@@ -38,7 +38,7 @@ def quality_vs_speed(rows: Sequence[Record], tasks: Sequence[str],
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
-    colors = _colors(list(plan.LABELS))
+    colors = _colors(plan.known_words() + [r["mixer"] for r in rows])
     for ax, task in zip(axes[0], tasks):
         key, title, higher = metrics[task][0]
         done = [r for r in rows if r["task"] == task and r["ok"]]
@@ -58,7 +58,7 @@ def training_curves(records: Sequence[Record], tasks: Sequence[str], output_dir:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
-    colors = _colors(list(plan.LABELS))
+    colors = _colors(plan.known_words() + [r["mixer"] for r in records])
     for ax, task in zip(axes[0], tasks):
         labelled = set()
         for r in records:

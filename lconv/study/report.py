@@ -52,7 +52,7 @@ def aggregate(records: Sequence[Record]) -> list[Record]:
         for mixer in dict.fromkeys(r["mixer"] for r in records if r["task"] == task):
             runs = [r for r in records if r["task"] == task and r["mixer"] == mixer]
             ok = [r for r in runs if r["status"] == "ok"]
-            row = {"task": task, "mixer": mixer, "label": plan.LABELS[mixer], "seeds": len(runs), "ok": len(ok),
+            row = {"task": task, "mixer": mixer, "label": plan.label(mixer), "seeds": len(runs), "ok": len(ok),
                    "params": runs[0].get("params"), "reference_params": runs[0].get("reference_params"),
                    "ffn_dim": runs[0].get("ffn_dim"), "note": runs[0].get("note", ""),
                    "failed": [f"seed {r['seed']}: {r.get('error', '')}" for r in runs if r["status"] == "failed"],
@@ -141,7 +141,7 @@ def compare_with_paper(rows: Sequence[Record]) -> list[str]:
         order = sorted(scores, key=scores.get)
         for i, a in enumerate(order):
             for b in order[i + 1:]:
-                paper = f"{bench}: {plan.LABELS[a]} {scores[a]} < {plan.LABELS[b]} {scores[b]}"
+                paper = f"{bench}: {plan.label(a)} {scores[a]} < {plan.label(b)} {scores[b]}"
                 if a not in ours or b not in ours:
                     lines.append(f"- {paper}. Not compared: the study has no finished translation runs of both.")
                     continue
@@ -235,7 +235,7 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "## Budget\n",
         f"Every mixer of a task gets the same step budget, data order, tokenizer and seeds "
         f"({', '.join(map(str, study.seeds))}: each sets the init/dropout seed and the data-shuffling seed); "
-        f"parameter counts are matched to the {plan.LABELS[study.reference_mixer]}'s within "
+        f"parameter counts are matched to the {plan.label(study.reference_mixer)}'s within "
         f"{study.param_tolerance:.0%} by the FFN width alone (lconv/study/plan.py).\n",
         *budget_lines(study, rows, records),
         "",
