@@ -1,37 +1,148 @@
-"""The mixer contract (lconv/mixers.py), checked the same way for every registered mixer: float32 softmax under
-bfloat16, output shape and dtype, and one-line ValueErrors that name the bad field or argument.
+"""The mixer contract (lconv/nn/mixers.py), checked the same way for every registered mixer: the executable
+contract (``lconv.testing.check_mixer``: segments, padding, causality, decoding = the full pass, ...) and mixers
+broken on purpose that it must catch, float32 softmax under bfloat16, one-line ValueErrors that name the bad field
+or argument, and the plugin route (``register_mixer``, ``package.module:Class``) through configs and models.
 
-Everything here only traces (``jax.eval_shape`` / ``jax.make_jaxpr``): nothing is compiled or run, so the
-whole file costs a few seconds. The numerics of each mixer are tested against float64 references in its
-own test file.
+The numerics of each mixer are tested against float64 references in its own test file.
 """
 import collections
 
+import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import toy_mixers
 
-from lconv.nn import mixers
+import lconv
+import lconv.testing
+from lconv.configs import common, default
+from lconv.configs import study as study_config
+from lconv.errors import UserError
+from lconv.nn import mixers, models
 from lconv.nn.colt5 import CoLT5FeedForward
 
 B, T, C, H = 2, 13, 12, 3
 X = jax.ShapeDtypeStruct((B, T, C), jnp.float32)
-EXTRA = {  # the smallest mixer-specific fields that make each mixer valid at these shapes
-    "lightconv": dict(kernel_size=3),
-    "dynamicconv": dict(kernel_size=3),
-    "fixed": dict(max_len=16),
-    "hadamard": dict(max_len=16),
-    "colt5": dict(local_radius=2, num_routed=4),
-    "knn_memory": dict(memory_size=8, num_neighbors=2),
-}
-CAUSAL_OK = [n for n in mixers.mixer_names() if n != "colt5"]  # CoLT5 is an encoder mixer only
+CAUSAL_OK = [n for n in mixers.mixer_names() if "decoder" in mixers.sides(n)]
 
 
 def make(name, **kw):
-    fields = dict(num_heads=H, causal=name in CAUSAL_OK) | EXTRA.get(name, {}) | kw
+    fields = dict(num_heads=H, causal=name in CAUSAL_OK) | mixers.info(name).example_fields | kw
     return mixers.make_mixer(name, **fields)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The registry as it is, restored after the test (a test's plugins do not leak into others)."""
+    monkeypatch.setattr(mixers, "_MIXERS", dict(mixers._MIXERS))
+    monkeypatch.setattr(mixers, "_FFNS", dict(mixers._FFNS))
+    return mixers
+
+
+# ---------------------------------------------------------------- the executable contract
+CONTRACT_CASES = [(name, {}) for name in mixers.mixer_names()] + [  # and the mixers' optional forms
+    ("fixed", dict(factorized_rank=2, mix_dot_product=True)), ("hadamard", dict(project_qk=True)),
+    ("lightconv", dict(kernel_size=4, use_glu=False)), ("dynamicconv", dict(kernel_size=4))]
+
+
+@pytest.mark.parametrize("name, fields", CONTRACT_CASES, ids=lambda v: str(v) if v else "-")
+def test_every_registered_mixer_meets_the_contract(name, fields):
+    if fields.get("kernel_size", 1) % 2 == 0:  # an even kernel only fits causal use: check the decoder side
+        fields["causal"] = True
+    lconv.testing.check_mixer(name, **fields)
+
+
+def test_a_user_mixer_from_its_own_module_meets_the_contract():
+    lconv.testing.check_mixer("toy_mixers:PrefixMean")
+
+
+@pytest.mark.parametrize("broken", list(toy_mixers.BROKEN), ids=lambda cls: cls.__name__)
+def test_a_mixer_broken_on_purpose_fails_on_its_rule(broken):
+    with pytest.raises(AssertionError) as info:
+        lconv.testing.check_mixer(broken)
+    first_line = str(info.value).splitlines()[0]
+    assert first_line.startswith(f"rule {toy_mixers.BROKEN[broken]!r} broken by {broken.__name__}"), first_line
+
+
+def test_every_rule_has_a_mixer_that_breaks_it():
+    assert set(toy_mixers.BROKEN.values()) == set(lconv.testing.RULES)
+
+
+# ---------------------------------------------------------------- plugins
+def test_register_mixer_adds_a_name_everywhere_a_mixer_is_chosen(registry):
+    lconv.register_mixer("prefix_mean", toy_mixers.PrefixMean)
+    assert "prefix_mean" in mixers.mixer_names() and mixers.info("prefix_mean").label == "Prefix mean"
+    assert common.mixer_variants()["prefix_mean"] == "prefix_mean"
+    config = default.get_config("prefix_mean")  # a :variant word, on both sides
+    assert config.model.encoder_mixer == config.model.decoder_mixer == "prefix_mean"
+    assert "prefix_mean" in study_config.get_config("quick").mixers  # the study runs it beside the others
+    with pytest.raises(UserError, match="prefix_mean"):
+        lconv.register_mixer("prefix_mean", toy_mixers.SegmentLeak)  # a taken name needs replace=True
+    lconv.register_mixer("prefix_mean", toy_mixers.SegmentLeak, replace=True)
+    assert mixers.mixer_class("prefix_mean") is toy_mixers.SegmentLeak
+
+    @lconv.register_mixer("decorated")
+    class Decorated(toy_mixers.PrefixMean):
+        pass
+
+    assert mixers.mixer_class("decorated") is Decorated and mixers.info("decorated").label == "decorated"
+
+
+@pytest.mark.parametrize("bad, names", [
+    (("has space", toy_mixers.PrefixMean), "has space"),
+    (("ok", "no_colon_here"), "no_colon_here"),
+    (("ok", int), "int"),
+    (("lightconv", toy_mixers.PrefixMean), "lightconv"),
+])
+def test_register_mixer_refuses_bad_names_and_targets_in_one_line(registry, bad, names):
+    with pytest.raises(UserError) as info:
+        lconv.register_mixer(*bad)
+    assert names in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("spec, names", [("no_such_module:Mixer", "no_such_module"),
+                                         ("toy_mixers:NoSuchClass", "NoSuchClass"),
+                                         ("toy_mixers:BROKEN", "BROKEN"), ("toy_mixers:", "toy_mixers:")])
+def test_a_module_class_name_that_cannot_be_used_is_one_line_naming_it(spec, names):
+    with pytest.raises(UserError) as info:
+        models.ModelConfig(vocab_size=11, encoder_mixer=spec).validate()
+    message = str(info.value)
+    assert "encoder_mixer" in message and names in message and "\n" not in message
+
+
+def test_a_module_class_mixer_builds_a_model_with_its_mixer_kwargs():
+    """``package.module:Class`` in a config: the model imports it, fills its model fields and its
+    ``mixer_kwargs`` (keyed by the spec or by the class name), and runs."""
+    spec = "toy_mixers:PrefixMean"
+    config = models.ModelConfig(vocab_size=11, d_model=12, ffn_dim=8, num_heads=3, encoder_layers=1,
+                                decoder_layers=1, encoder_mixer=spec, decoder_mixer=f"{spec}",
+                                mixer_kwargs={"PrefixMean": {"dropout": 0.25}})
+    model = models.EncoderDecoder(config)
+    tokens = jnp.array([[5, 6, 7, 1]], jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens, tokens)
+    assert "proj" in variables["params"]["encoder"]["layer_0"]["mixer"]
+    layer = models.Layer(config, spec, layer=0, side="decoder", causal=True)
+    assert models._mixer_fields(config, spec, "decoder", 0, True) == {"causal": True, "dropout": 0.25,
+                                                                     "dtype": jnp.float32}
+    assert layer.mixer_name == spec
+
+
+def test_an_ffn_plugin_replaces_the_dense_ffn(registry):
+    class DoubleFFN(nn.Module):  # the smallest feed-forward: 2x, no parameters
+        @nn.compact
+        def __call__(self, x, *, segment_ids=None, deterministic=True):
+            return 2 * x
+
+    lconv.register_ffn("double", DoubleFFN)
+    config = models.ModelConfig(vocab_size=11, d_model=12, ffn_dim=8, num_heads=3, encoder_layers=1,
+                                decoder_layers=1, ffn_type="double")
+    tokens = jnp.array([[5, 6, 7, 1]], jnp.int32)
+    params = jax.eval_shape(models.EncoderDecoder(config).init, jax.random.key(0), tokens, tokens)["params"]
+    assert "ffn" not in params["encoder"]["layer_0"] and "ffn" not in params["decoder"]["layer_0"]
+    with pytest.raises(UserError, match="ffn_type"):
+        models.ModelConfig(vocab_size=11, ffn_type="nope").validate()
 
 
 def trace_init(m, x=X, **call):
@@ -45,10 +156,6 @@ def _exp_input_dtypes(jaxpr):
             yield eqn.invars[0].aval.dtype
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _exp_input_dtypes(sub)
-
-
-def test_every_registered_mixer_is_covered():
-    assert set(EXTRA) | {"attention"} == set(mixers.mixer_names())
 
 
 @pytest.mark.parametrize("name", mixers.mixer_names() + ["colt5_ffn"])
