@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import meta as nn_meta
 
+from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
 from lconv.infer import compiled, evaluate
@@ -55,7 +56,7 @@ class Model:
         """One output per source (``""`` for a blank one), by beam search; ``beam_size`` / ``lenpen`` default to
         the stored ``config.decode``'s. Sources longer than ``config.data.eval_max_input_length`` are cut to it."""
         self._need("translate", ("translation", "summarization"))
-        _check_search(beam_size, lenpen)
+        schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
         search = {k: v for k, v in (("beam_size", beam_size), ("lenpen", lenpen)) if v is not None}
@@ -90,7 +91,7 @@ class Model:
         """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM; each text
         is cut to ``config.data.eval_max_target_length`` tokens."""
         self._need("perplexity", ("lm",))
-        if self.config.data.get("stream", False):
+        if self.config.data.stream:
             raise UserError("a document-stream run carries its kNN memory across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
@@ -195,13 +196,6 @@ def _normalised(logits: Any, length: int) -> np.ndarray | None:
         return None
     kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     return kernels[:length] if kernels.ndim == 3 else kernels
-
-
-def _check_search(beam_size: int | None, lenpen: float | None) -> None:
-    if beam_size is not None and not (isinstance(beam_size, int) and beam_size >= 1):
-        raise UserError(f"beam_size={beam_size}: must be an integer >= 1 (1 = greedy)")
-    if lenpen is not None and not (math.isfinite(lenpen) and lenpen >= 0):
-        raise UserError(f"lenpen={lenpen}: must be a finite number >= 0")
 
 
 def _lines(texts: Sequence[str]) -> list[str]:

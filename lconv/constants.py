@@ -82,5 +82,7 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 # config.model.attention_impl: the attention kernel (lconv.ops.flash): auto = cuDNN flash where it applies on CUDA,
 # blockwise (online softmax) on long sequences, else materialised logits.
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn")
+# config.decode.stop: when beam search ends (lconv.infer.search.beam_search).
+STOP_RULES = ("optimal", "fairseq")
 REMAT_POLICIES = ("none", "full", "dots")  # none: keep all; full: keep only the layer's inputs; dots: keep the
 # outputs of matmuls against parameters (projections, FFN), recompute attention scores, softmax, convs, norms

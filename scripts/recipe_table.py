@@ -92,7 +92,7 @@ FIELDS: dict[str, Callable[[Any], Any]] = {
     "warmup updates": lambda c: c.optim.warmup_steps,
     "warmup init lr": lambda c: c.optim.warmup_init_lr,
     "cosine floor (min lr)": lambda c: _cosine(c, c.optim.min_lr),
-    "cosine period (updates)": lambda c: _cosine(c, c.optim.get("cosine_period", 0)
+    "cosine period (updates)": lambda c: _cosine(c, c.optim.cosine_period
                                                  or c.train.num_steps - c.optim.warmup_steps),
     "updates": lambda c: c.train.num_steps,
     "weight decay": lambda c: c.optim.weight_decay,

@@ -369,8 +369,9 @@ def _tiny_split_decoder(batch_size=0):
     model = EncoderDecoder(cfg)
     params = jax.jit(model.init)(jax.random.key(3), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
     config = types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=3, lenpen=1.0, max_len_a=1.0, max_len_b=4,
-                                                                batch_size=batch_size),
-                                   data=types.SimpleNamespace(eval_max_target_length=16))
+                                                                batch_size=batch_size, stop="optimal"),
+                                   data=types.SimpleNamespace(eval_max_target_length=16),
+                                   mesh=types.SimpleNamespace(rules=()))
     r = np.random.default_rng(0)
     tokens = [{"inputs": np.append(r.integers(4, 13, r.integers(1, 12)), 1).astype(np.int32)} for _ in range(20)]
     eval_set = pipeline.EvalSet([{}] * 20, tokens, 8, 3, {"inputs": 16}, collections.Counter())

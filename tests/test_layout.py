@@ -25,7 +25,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = {"lconv": 0, "lconv.constants": 0, "lconv.errors": 0, "lconv.ops": 1, "lconv.data": 1, "lconv.nn": 2,
-          "lconv.infer": 3, "lconv.configs": 3, "lconv.testing": 3, "lconv.train": 4, "lconv.cli": 5, "lconv.bench": 5, "lconv.api": 5,
+          "lconv.infer": 3, "lconv.configs": 3, "lconv.testing": 3, "lconv.train": 4, "lconv.cli": 5,
+          "lconv.bench": 5, "lconv.api": 5,
           "lconv.interop": 5, "lconv.import_fairseq": 6, "lconv.train.__main__": 6, "lconv.evaluate": 6,
           "lconv.export": 6, "lconv.study": 6}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80

@@ -8,7 +8,6 @@ outputs can be written. A decoding pass is never lost to a mistake that could ha
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from typing import Any, TextIO
 import jax
 from etils import epath
 
+from lconv.configs import schema
 from lconv.data import pipeline
 from lconv.errors import UserError
 from lconv.infer import compiled, evaluate
@@ -117,11 +117,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
     """eval.py's flags against their ranges, before the workdir is read."""
     setup.check_checkpoint_choice(average_last, checkpoint)
-    if beam_size is not None and beam_size < 1:
-        raise UserError(f"--beam_size={beam_size}: must be >= 1 (1 = greedy)")
-    if lenpen is not None and not (math.isfinite(lenpen) and lenpen >= 0):
-        raise UserError(f"--lenpen={lenpen}: must be a finite number >= 0 (0 = no length normalisation, "
-                        f"1 = divide by the length)")
+    schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=lambda name: f"--{name}")
 
 
 def read_lines(path: str, flag: str) -> list[str]:
@@ -201,7 +197,7 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
             f"({_line_numbers(translations.lengths.truncated)})")
     if references is not None and sources:
         scores.update(evaluate.score_texts(config.task, translations.hypotheses, references,
-                                           split_compounds=getattr(config.decode, "compound_split", False)))
+                                           split_compounds=config.decode.compound_split))
     log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
 

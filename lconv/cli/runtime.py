@@ -134,7 +134,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def packaged_configs() -> list[str]:
     """The configs shipped with lconv (``lconv.configs``: the repository's configs/ folder), by name."""
     return sorted(name.removesuffix(".py") for name in os.listdir(_packaged_config_dir())
-                  if name.endswith(".py") and name not in ("__init__.py", "common.py"))
+                  if name.endswith(".py") and name not in ("__init__.py", "common.py", "schema.py"))
 
 
 def _packaged_config_dir() -> str:

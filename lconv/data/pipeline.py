@@ -9,12 +9,11 @@ Entry point::
     for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
     data.source_report                                         # what preparing the data skipped, by reason and split
 
-``config`` is anything with these attributes or keys (an ml_collections ConfigDict, a dict, a dataclass); the
-defaults are in ``DEFAULTS``: dataset, data_dir, raw_dir, vocab_size, batch_size (global rows per step;
-each process gets batch_size / process_count), eval_batch_size, max_input_length, max_target_length,
-eval_max_input_length, eval_max_target_length, seed, num_epochs (None = repeat forever), pack, train_long
-("truncate" or "drop"), eval_splits, tokenizer_max_sentences, read_threads, stream (language modelling over
-document streams: ``lconv.data.stream``; windows of max_target_length tokens in training and evaluation).
+``config`` is a config's ``data`` section: a ConfigDict, a dict naming some fields, or a ``DataConfig``; the
+fields, their defaults and what each allows are ``lconv.data.data_config.DataConfig`` (docs/config.md). Among them:
+batch_size (global rows per step; each process gets batch_size / process_count), num_epochs (None = repeat
+forever), train_long ("truncate" or "drop"), stream (language modelling over document streams:
+``lconv.data.stream``; windows of max_target_length tokens in training and evaluation).
 
 Batch contract (dict of numpy arrays; B = rows of this process):
     translation / summarization: inputs [B, Ls] int32, targets [B, Lt] int32,
@@ -40,14 +39,8 @@ import numpy as np
 from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import sources, stream
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
-
-DEFAULTS = dict(
-    dataset="ddtp/en_de", data_dir="~/tensorflow_datasets", raw_dir=None, vocab_size=8000,
-    batch_size=64, eval_batch_size=64, max_input_length=256, max_target_length=256,
-    eval_max_input_length=512, eval_max_target_length=512, seed=0, num_epochs=None, pack=True,
-    train_long="truncate", eval_splits=("validation", "test"), tokenizer_max_sentences=200_000, read_threads=2,
-    stream=False)
 
 
 @dataclasses.dataclass
@@ -83,12 +76,6 @@ class Datasets:
     source_report: dict = dataclasses.field(default_factory=dict)
 
 
-def config_value(config: Any, name: str) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(name, DEFAULTS[name])
-    return getattr(config, name, DEFAULTS[name])
-
-
 def _process(process_index, process_count):
     if process_index is None or process_count is None:
         import jax
@@ -99,8 +86,8 @@ def _process(process_index, process_count):
 
 def tokenizer_texts(config: Any) -> Iterator[str]:
     """Training-split text of the dataset (inputs and targets interleaved), for the joint tokenizer."""
-    source, input_key, target_key = sources.get_source(
-        config_value(config, "dataset"), "train", config_value(config, "data_dir"), config_value(config, "raw_dir"))
+    cfg = DataConfig.from_config(config)
+    source, input_key, target_key = sources.get_source(cfg.dataset, "train", cfg.data_dir, cfg.raw_dir)
     for i in range(len(source)):
         example = source[i]
         for key in (input_key, target_key):
@@ -117,9 +104,11 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
     holds the same bytes, the training split is read once, and the workdir need not be shared; a UserError on
     process 0 (say a vocab_size mismatch) is raised on every process instead of leaving the others waiting.
     """
+    cfg = DataConfig.from_config(config)
+
     def load_or_train() -> tokenizer_lib.Tokenizer:
-        return tokenizer_lib.load_or_train(workdir, tokenizer_texts(config), config_value(config, "vocab_size"),
-                                           max_sentences=config_value(config, "tokenizer_max_sentences"), save=save)
+        return tokenizer_lib.load_or_train(workdir, tokenizer_texts(cfg), cfg.vocab_size,
+                                           max_sentences=cfg.tokenizer_max_sentences, save=save)
 
     process_index, process_count = _process(process_index, process_count)
     if process_count == 1:
@@ -187,55 +176,52 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
                   process_count: int | None = None) -> Datasets:
     """Train iterator and eval sets for ``config.dataset`` (see the module docstring for fields and batches)."""
     process_index, process_count = _process(process_index, process_count)
-    get = lambda name: config_value(config, name)  # noqa: E731
+    cfg = DataConfig.from_config(config)  # each field's own range is checked there, before any data is read
     for field in ("batch_size", "eval_batch_size"):
-        if get(field) < 1:
-            raise UserError(f"{field}={get(field)!r} must be an integer >= 1 (rows per step over all processes)")
-        if get(field) % process_count:
-            raise UserError(f"{field}={get(field)} is not divisible by process_count={process_count}; change it")
-    if get("train_long") not in ("truncate", "drop"):
-        raise UserError(f"train_long={get('train_long')!r} must be 'truncate' or 'drop'")
-    if get("stream") and sources.dataset_spec(get("dataset")).input_key is not None:
-        raise UserError(f"stream=True streams documents to a language model; dataset={get('dataset')!r} "
+        if getattr(cfg, field) % process_count:
+            raise UserError(f"{field}={getattr(cfg, field)} is not divisible by process_count={process_count}; "
+                            f"change it")
+    if cfg.stream and sources.dataset_spec(cfg.dataset).input_key is not None:
+        raise UserError(f"stream=True streams documents to a language model; dataset={cfg.dataset!r} "
                          "has inputs (use a language-modelling dataset, e.g. ddtp/lm_en)")
-    source, input_key, target_key = sources.get_source(get("dataset"), "train", get("data_dir"), get("raw_dir"))
-    report = sources.source_report(get("dataset"), get("data_dir"), get("raw_dir"))
-    if get("stream"):
-        data = make_stream_datasets(config, source, input_key, target_key, tokenizer, process_index, process_count)
+    source, input_key, target_key = sources.get_source(cfg.dataset, "train", cfg.data_dir, cfg.raw_dir)
+    report = sources.source_report(cfg.dataset, cfg.data_dir, cfg.raw_dir)
+    if cfg.stream:
+        data = make_stream_datasets(cfg, source, input_key, target_key, tokenizer, process_index, process_count)
         return dataclasses.replace(data, source_report=report)
-    lengths = {"targets": get("max_target_length")}
+    lengths = {"targets": cfg.max_target_length}
     if input_key is not None:
-        lengths["inputs"] = get("max_input_length")
+        lengths["inputs"] = cfg.max_input_length
     train_iter, stats = make_train_iter(
-        source, input_key, target_key, tokenizer, lengths, rows=get("batch_size") // process_count,
-        seed=get("seed"), num_epochs=get("num_epochs"), pack=get("pack"), drop_long=get("train_long") == "drop",
-        process_index=process_index, process_count=process_count, read_threads=get("read_threads"))
+        source, input_key, target_key, tokenizer, lengths, rows=cfg.batch_size // process_count,
+        seed=cfg.seed, num_epochs=cfg.num_epochs, pack=cfg.pack, drop_long=cfg.train_long == "drop",
+        process_index=process_index, process_count=process_count, read_threads=cfg.read_threads)
     eval_sets = {}
-    for split in get("eval_splits"):
-        eval_source, _, _ = sources.get_source(get("dataset"), split, get("data_dir"), get("raw_dir"))
-        eval_lengths = {"targets": get("eval_max_target_length")}
+    for split in cfg.eval_splits:
+        eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_lengths = {"targets": cfg.eval_max_target_length}
         if input_key is not None:
-            eval_lengths["inputs"] = get("eval_max_input_length")
+            eval_lengths["inputs"] = cfg.eval_max_input_length
         eval_sets[split] = make_eval_set(eval_source, input_key, target_key, tokenizer, eval_lengths,
-                                         get("eval_batch_size") // process_count, process_index, process_count)
+                                         cfg.eval_batch_size // process_count, process_index, process_count)
     return Datasets(train_iter, eval_sets, input_key, target_key, stats, report)
 
 
 def make_stream_datasets(config: Any, source: sources.Source, input_key: str | None, target_key: str,
                          tokenizer: tokenizer_lib.Tokenizer, process_index: int, process_count: int) -> Datasets:
     """``make_datasets`` for ``stream=True``: document streams for training and every eval split."""
-    get = lambda name: config_value(config, name)  # noqa: E731
+    cfg = DataConfig.from_config(config)
     del input_key  # None: make_datasets checked the dataset is a language-modelling one
-    window = get("max_target_length")
+    window = cfg.max_target_length
     train_iter = stream.DocumentStream(source, target_key, tokenizer, window=window,
-                                       rows=get("batch_size") // process_count, seed=get("seed"),
-                                       num_epochs=get("num_epochs"), process_index=process_index,
+                                       rows=cfg.batch_size // process_count, seed=cfg.seed,
+                                       num_epochs=cfg.num_epochs, process_index=process_index,
                                        process_count=process_count)
     eval_sets = {}
-    for split in get("eval_splits"):
-        eval_source, _, _ = sources.get_source(get("dataset"), split, get("data_dir"), get("raw_dir"))
+    for split in cfg.eval_splits:
+        eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
         eval_set = stream.StreamEvalSet(eval_source, target_key, tokenizer, window=window,
-                                        rows=get("eval_batch_size") // process_count,
+                                        rows=cfg.eval_batch_size // process_count,
                                         process_index=process_index, process_count=process_count)
         eval_set.num_batches = _max_over_processes(eval_set.num_batches)  # lockstep eval steps
         eval_sets[split] = eval_set

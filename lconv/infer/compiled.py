@@ -49,7 +49,7 @@ def decode_rows(config: Any, platform: str, eval_rows: int, beam_size: int) -> i
     """Rows (sources or prompts) per decoding batch: ``config.decode.batch_size``, or for 0 (auto) ``eval_rows``
     (``data.eval_batch_size``) on CPU and, on other platforms, ``eval_rows`` doubled while ``rows * beam_size``
     stays within ``ACCELERATOR_HYPOTHESES`` (a multiple of the eval batch, so it splits over the mesh alike)."""
-    chosen = int(getattr(config.decode, "batch_size", 0) or 0)
+    chosen = config.decode.batch_size
     if chosen:
         return chosen
     rows = eval_rows
@@ -116,9 +116,9 @@ class Translator:
             return search.translate(model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS,
                                     beam_size=beam_size, max_len=max_len, lenpen=lenpen,
                                     max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
-                                    stop=getattr(decode, "stop", "optimal"))  # [B, L]
+                                    stop=decode.stop)  # [B, L]
 
-        self.function = nn_common.under_axis_rules(translate, _rules(config))  # what lconv.export lowers
+        self.function = nn_common.under_axis_rules(translate, config.mesh.rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(self.function, static_argnames=("max_len", "beam_size"), out_shardings=replicated)
 
@@ -185,7 +185,7 @@ class Generator:
             return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len, rng=rng,
                             temperature=temperature, top_k=top_k, top_p=top_p)
 
-        self.function = nn_common.under_axis_rules(run, _rules(config))
+        self.function = nn_common.under_axis_rules(run, config.mesh.rules)
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(self.function, static_argnames=("max_len", "temperature", "top_k", "top_p"),
                               out_shardings=replicated)
@@ -223,11 +223,6 @@ def check_sampling(*, max_len: int, temperature: float, top_k: int, top_p: float
         raise UserError(f"{name('top_k')}={top_k}: must be an integer >= 0 (0 = no top-k filter)")
     if not (0 < top_p <= 1):
         raise UserError(f"{name('top_p')}={top_p}: must be in (0, 1] (1 = no nucleus filter)")
-
-
-def _rules(config: Any) -> Any:
-    """``config.mesh.rules``, or lconv's default rules for a config without a mesh section."""
-    return getattr(getattr(config, "mesh", None), "rules", ())
 
 
 def _mesh_context(mesh: jax.sharding.Mesh | None) -> Any:

@@ -115,7 +115,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     refs = [eval_set.examples[i]["targets"] for i in order]
     sources = [eval_set.examples[i]["inputs"] for i in order]
     lengths = measure_sources(tokenizer, sources, eval_set.lengths["inputs"])
-    scores = score_texts(config.task, hyps, refs, split_compounds=getattr(config.decode, "compound_split", False))
+    scores = score_texts(config.task, hyps, refs, split_compounds=config.decode.compound_split)
     scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
                   sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size,
                   **lengths.counts())

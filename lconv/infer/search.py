@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
+from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID, STOP_RULES
 from lconv.errors import UserError
 from lconv.nn.knn_memory import rowwise_top_k  # per shard of the rows: XLA cannot split a TopK
-
-STOP_RULES = ("optimal", "fairseq")  # config.decode.stop: see beam_search
 
 if TYPE_CHECKING:
     import flax.linen as nn

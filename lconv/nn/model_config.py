@@ -1,5 +1,9 @@
 """``ModelConfig``: the hyper-parameters of both model kinds (``lconv.nn.models``) and their validation, one
-place for every check a config's ``model`` field gets before anything is traced."""
+place for every check a config's ``model`` field gets before anything is traced.
+
+Each field carries its default, rule and doc (``lconv.fields``): the config's ``model`` section
+(``configs/common.py``) and docs/config.md are read from them, and a model built without a config file gets the
+same defaults."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +15,7 @@ import numpy as np
 
 from lconv.constants import ATTENTION_IMPLS, BOS_ID, EOS_ID, MATMUL_PRECISIONS, REMAT_POLICIES
 from lconv.errors import UserError
+from lconv.fields import BOOL, Rule, anything, check, choice, field, integer, number
 from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.mixers import BOTH_SIDES
 from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
@@ -18,56 +23,97 @@ from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # params and the loss stay float32 whatever this is
 DECODER_STARTS = {"bos": BOS_ID, "eos": EOS_ID}  # config.model.decoder_start -> the token id
 CONV_IMPLS = tuple(dict.fromkeys(LIGHT_IMPLS + DYNAMIC_IMPLS))
+# The paper's per-layer kernel sizes (Wu et al. 2019, Sec. 6.1): the defaults.
+PAPER_ENCODER_KERNELS = (3, 7, 15, 31, 31, 31, 31)
+PAPER_DECODER_KERNELS = (3, 7, 15, 31, 31, 31)
+
+_COUNT = integer(1)
+_RATE = number(lambda v: 0 <= v < 1, "a rate in [0, 1)")
+_KERNELS = Rule(lambda v: not isinstance(v, str) and all(_COUNT.test(k) for k in v), "kernel sizes >= 1")
+
+
+def _empty_dict(value: Any) -> dict:
+    """A config spells "none" as {}: a dict the command line can fill."""
+    return dict(value or {})
+
+
+def _dtype_name(value: Any) -> str | None:
+    try:
+        return jnp.dtype(value).name
+    except TypeError:
+        return None
+
+
+_DTYPE = Rule(lambda v: _dtype_name(v) in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of both model kinds; ``from_config`` validates a config's ``model`` field."""
 
-    vocab_size: int
-    d_model: int = 512
-    ffn_dim: int = 2048
-    num_heads: int = 8
-    encoder_layers: int = 7
-    decoder_layers: int = 6
-    # One mixer name for all layers, or one per layer.
-    encoder_mixer: str | Sequence[str] = "dynamicconv"
-    decoder_mixer: str | Sequence[str] = "dynamicconv"
-    encoder_kernel_sizes: Sequence[int] = (3, 7, 15, 31, 31, 31, 31)
-    decoder_kernel_sizes: Sequence[int] = (3, 7, 15, 31, 31, 31)
-    # Per-mixer extra constructor fields, e.g. {"fixed": {"max_len": 256}}; validated by the registry.
-    mixer_kwargs: Any = None
-    ffn_type: str = "dense"  # or "colt5": routed light/heavy FFN in ENCODER layers (decoders keep the dense one)
-    ffn_kwargs: Any = None
-    use_glu: bool = True
-    conv_features: int | None = None  # fairseq's conv_dim; None = d_model
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    relu_dropout: float = 0.0
-    input_dropout: float = 0.0
-    weight_dropout: float = 0.0
-    normalize_before: bool = False
-    share_embeddings: bool = True  # one table for source, target and output
-    # Adaptive softmax output layer (fairseq's, for large vocabularies): () = a plain softmax. Needs
-    # share_embeddings=False (the output is no longer the embedding table).
-    adaptive_softmax_cutoffs: Sequence[int] = ()
-    adaptive_softmax_factor: float = 4.0
-    adaptive_softmax_dropout: float = 0.0
-    learned_positions: bool = False
-    max_len: int = 1024  # learned positions and position-indexed mixers
-    conv_impl: str = "auto"
-    dtype: Any = jnp.float32
-    remat: str = "none"  # per-layer rematerialisation: none | full | dots (lconv.constants.REMAT_POLICIES)
-    matmul_precision: str = "default"  # dots outside the conv ops: default | high | highest (lconv.ops.precision)
-    attention_impl: str = "auto"  # the attention kernel: auto | xla | chunked | cudnn (lconv.ops.flash)
-    weight_softmax: bool = True  # softmax-normalise conv kernels over K (fairseq's --weight-softmax)
+    # From the tokenizer (config.data.vocab_size): no default, so not a field of the config's model section.
+    vocab_size: int = dataclasses.field(metadata={"doc": "the vocabulary's size", "rule": _COUNT})
+    d_model: int = field(512, "model width (fairseq encoder_embed_dim)", _COUNT)
+    ffn_dim: int = field(2048, "FFN hidden size", _COUNT)
+    num_heads: int = field(8, "conv heads / attention heads", _COUNT)
+    encoder_layers: int = field(7, "encoder layers (0 for a decoder-only LM's unused side)", integer(0))
+    decoder_layers: int = field(6, "decoder layers", _COUNT)
+    # One mixer name for all layers, or one per layer; checked against the registry by ``validate``.
+    encoder_mixer: str | Sequence[str] = field("dynamicconv", "a registered mixer or package.module:Class, or "
+                                               "a comma list, one per layer",
+                                               anything("a mixer name, or one per layer"))
+    decoder_mixer: str | Sequence[str] = field("dynamicconv", "a registered mixer or package.module:Class, or "
+                                               "a comma list, one per layer",
+                                               anything("a mixer name, or one per layer"))
+    encoder_kernel_sizes: Sequence[int] = field(PAPER_ENCODER_KERNELS, "one per layer, or one for all (the "
+                                                "paper's, Wu et al. 2019 Sec. 6.1)", _KERNELS)
+    decoder_kernel_sizes: Sequence[int] = field(PAPER_DECODER_KERNELS, "one per layer, or one for all", _KERNELS)
+    mixer_kwargs: Any = field(None, 'per-mixer extra fields, e.g. {"fixed": {"factorized_rank": 8}}',
+                              anything("{mixer name: {field: value}}, checked by the registry"), to_config=_empty_dict)
+    ffn_type: str = field("dense", "dense | colt5 (a routed light/heavy FFN in ENCODER layers; decoders keep the "
+                          "dense one) | a registered FFN | package.module:Class",
+                          Rule(lambda v: isinstance(v, str) and bool(v), "a feed-forward name or 'module:Class'"))
+    ffn_kwargs: Any = field(None, "fields of CoLT5FeedForward when ffn_type = colt5",
+                            anything("{field: value} of CoLT5FeedForward"), to_config=_empty_dict)
+    use_glu: bool = field(True, "GLU after the block's input projection", BOOL)
+    conv_features: int | None = field(None, "fairseq's conv_dim; 0 (None) = d_model", Rule(
+        lambda v: v is None or v == 0 or _COUNT.test(v), "0 (= d_model) or >= 1"), to_config=lambda v: v or 0)
+    dropout: float = field(0.1, "residual and embedding dropout", _RATE)
+    attention_dropout: float = field(0.0, "dropout on attention weights", _RATE)
+    relu_dropout: float = field(0.0, "dropout after the FFN's ReLU", _RATE)
+    input_dropout: float = field(0.0, "dropout on the conv block's input", _RATE)
+    weight_dropout: float = field(0.1, "DropConnect on the normalised conv kernels", _RATE)
+    normalize_before: bool = field(False, "pre-norm; the paper's translation models are post-norm", BOOL)
+    share_embeddings: bool = field(True, "one table for source, target and output (joint vocabulary)", BOOL)
+    adaptive_softmax_cutoffs: Sequence[int] = field(
+        (), "e.g. (8000, 20000): fairseq's adaptive softmax output, () = a plain softmax; needs "
+        "share_embeddings=False (the output is no longer the embedding table)",
+        anything("increasing vocabulary cutoffs (checked with the vocabulary)"))
+    adaptive_softmax_factor: float = field(4.0, "adaptive softmax tail i is d_model / factor**(i+1) wide",
+                                           number(lambda v: v > 0, "a number > 0"))
+    adaptive_softmax_dropout: float = field(0.0, "dropout inside the adaptive softmax tails", _RATE)
+    learned_positions: bool = field(False, "learned position embeddings; sinusoidal otherwise", BOOL)
+    max_len: int = field(1024, "longest sequence for learned positions / Fixed / Hadamard attention", _COUNT)
+    conv_impl: str = field("auto", "the conv op's implementation (lconv.ops.conv)", choice(*CONV_IMPLS))
+    dtype: Any = field(jnp.float32, "compute dtype (bfloat16 on TPU); params and loss stay float32",
+                       _DTYPE, to_config=_dtype_name)
+    remat: str = field("none", "recompute in the backward pass: none | full (keep layer inputs) | dots (keep "
+                       "matmuls)", choice(*REMAT_POLICIES))
+    matmul_precision: str = field("default", "dots outside the conv ops: default (TF32 on GPU) | high | highest "
+                                  "(lconv.ops.precision)", choice(*MATMUL_PRECISIONS))
+    attention_impl: str = field("auto", "the attention kernel: auto (cuDNN flash on GPU; blockwise when long) | "
+                                "xla | chunked | cudnn (lconv.ops.flash)", choice(*ATTENTION_IMPLS))
+    weight_softmax: bool = field(True, "softmax-normalise conv kernels over K (fairseq's --weight-softmax)", BOOL)
     # Conventions a model imported from fairseq needs (lconv.interop.fairseq); the defaults are lconv's own.
-    decoder_start: str = "bos"  # the first decoder input: "bos" (lconv) or "eos" (fairseq)
-    position_offset: int = 0  # added to positions before the position embedding (fairseq: padding id + 1 = 2)
-    scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (fairseq's --no-scale-embedding: False)
-    # With share_embeddings=False: the target embedding is also the output layer (fairseq's
-    # --share-decoder-input-output-embed); else the output layer is a table of its own.
-    share_decoder_input_output: bool = False
+    decoder_start: str = field("bos", 'the first decoder input: "bos" (lconv) or "eos" (fairseq)',
+                               choice(*DECODER_STARTS))
+    position_offset: int = field(0, "added to positions before the position embedding (fairseq: padding id + 1)",
+                                 integer(0))
+    scale_embeddings: bool = field(True, "token embeddings times sqrt(d_model) (fairseq's --no-scale-embedding: "
+                                   "False)", BOOL)
+    share_decoder_input_output: bool = field(
+        False, "with share_embeddings=False: the target embedding is also the output layer (fairseq's "
+        "--share-decoder-input-output-embed)", BOOL)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
@@ -78,11 +124,11 @@ class ModelConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise UserError(f"config.model has unknown field(s) {unknown}; known: {sorted(names)}")
-        if not values.get("conv_features"):
-            values["conv_features"] = None  # 0 in a config = the model width
+        for name in ("conv_features", "mixer_kwargs", "ffn_kwargs"):  # a config's 0 / {} = none: the dataclass's None
+            if not values.get(name):
+                values[name] = None
         if isinstance(values.get("dtype"), str):
-            if values["dtype"] not in COMPUTE_DTYPES:
-                raise UserError(f"config.model.dtype={values['dtype']!r}: must be one of {', '.join(COMPUTE_DTYPES)}")
+            check("config.model.dtype", values["dtype"], _DTYPE)
             values["dtype"] = jnp.dtype(values["dtype"])
         for key in ("encoder_kernel_sizes", "decoder_kernel_sizes"):
             if key in values and isinstance(values[key], (int, np.integer)):
@@ -131,34 +177,9 @@ class ModelConfig:
                 self.kernel_size(side, n - 1)
 
     def _check_ranges(self) -> None:
-        """Each field's own range, before any arithmetic with it (a zero head count would divide by zero)."""
-        def require(name: str, ok: bool, requirement: str) -> None:
-            if not ok:
-                raise UserError(f"config.model.{name}={getattr(self, name)!r}: must be {requirement}")
-
-        def integer(v: Any) -> bool:
-            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-        for name in ("vocab_size", "d_model", "ffn_dim", "num_heads", "decoder_layers", "max_len"):
-            require(name, integer(getattr(self, name)) and getattr(self, name) >= 1, "an integer >= 1")
-        require("encoder_layers", integer(self.encoder_layers) and self.encoder_layers >= 0, "an integer >= 0")
-        require("conv_features", self.conv_features is None or (integer(self.conv_features)
-                                                                and self.conv_features >= 1), "0 (= d_model) or >= 1")
-        for name in ("dropout", "attention_dropout", "relu_dropout", "input_dropout", "weight_dropout",
-                     "adaptive_softmax_dropout"):
-            value = getattr(self, name)
-            require(name, isinstance(value, (int, float)) and 0 <= value < 1, "a rate in [0, 1)")
-        for side in ("encoder", "decoder"):
-            sizes = getattr(self, f"{side}_kernel_sizes")
-            require(f"{side}_kernel_sizes", all(integer(k) and k >= 1 for k in sizes), "kernel sizes >= 1")
-        require("conv_impl", self.conv_impl in CONV_IMPLS, f"one of {', '.join(CONV_IMPLS)}")
-        require("ffn_type", isinstance(self.ffn_type, str), f"one of {mixers.ffn_names()} or 'module:Class'")
-        require("decoder_start", self.decoder_start in DECODER_STARTS, f"one of {', '.join(DECODER_STARTS)}")
-        require("position_offset", integer(self.position_offset) and self.position_offset >= 0, "an integer >= 0")
-        for name, choices in (("remat", REMAT_POLICIES), ("matmul_precision", MATMUL_PRECISIONS),
-                              ("attention_impl", ATTENTION_IMPLS)):
-            require(name, getattr(self, name) in choices, f"one of {', '.join(choices)}")
-        require("dtype", jnp.dtype(self.dtype).name in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
+        """Each field's own rule, before any arithmetic with it (a zero head count would divide by zero)."""
+        for f in dataclasses.fields(self):
+            check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
 
     @property
     def decoder_start_id(self) -> int:

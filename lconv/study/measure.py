@@ -63,7 +63,7 @@ def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, shardings = setup.create_state(config, model, mesh, tx)
     batch = setup.dummy_batch(config, config.data.batch_size)
-    if config.data.get("stream", False):
+    if config.data.stream:
         batch["document_start"] = np.zeros((config.data.batch_size,), np.int32)
     sharding = setup.batch_sharding(mesh)
     step = jax.jit(steps.make_train_step(config, lr), in_shardings=(shardings, sharding),

@@ -134,7 +134,7 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
 
 def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str, Any]:
     config = run.config
-    verify, async_save = config.train.get("checkpoint_checksums", True), config.train.get("async_checkpoints", True)
+    verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
                                     save_every=config.train.checkpoint_every, checksums=verify, async_save=async_save)
     best = checkpoints.BestCheckpointer(run.workdir, checksums=verify, async_save=async_save)
@@ -184,7 +184,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                          in_shardings=(run.state_shardings, sharding), out_shardings=(run.state_shardings, None),
                          donate_argnums=0)
     preemption = Preemption()
-    guard = SpikeGuard(config.train.get("spike_factor", 0.0), config.train.get("spike_windows", 1))
+    guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
     step, num_steps = int(run.state.step), config.train.num_steps
     t0, window_sums, window_start, spiking = time.time(), None, time.time(), False
@@ -197,7 +197,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.update(1)
                 out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-                stop_reason = preemption.agreed_stop(bool(out_of_time), step, config.train.get("stop_check_every", 1))
+                stop_reason = preemption.agreed_stop(bool(out_of_time), step, config.train.stop_check_every)
                 stopping = stop_reason is not None
                 saving = stopping or step % config.train.checkpoint_every == 0
                 if step % config.train.log_every == 0 or step == num_steps or saving:

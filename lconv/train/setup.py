@@ -22,6 +22,7 @@ import optax
 from etils import epath
 from flax.training import train_state
 
+from lconv.configs.schema import complete, validate_config
 from lconv.constants import BATCH_MESH_AXES
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
@@ -30,7 +31,6 @@ from lconv.nn import common as nn_common
 from lconv.nn import models
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
-from lconv.train.config_rules import validate_config
 
 Config = ml_collections.ConfigDict
 PyTree = Any
@@ -75,11 +75,12 @@ class Trained:
 # The config
 # ----------------------------------------------------------------------------------------------------------------
 def read_config(workdir: str) -> Config:
-    """The resolved config a run stored in ``<workdir>/config.json``."""
+    """The resolved config a run stored in ``<workdir>/config.json``, with the fields lconv added since at their
+    defaults."""
     path = epath.Path(workdir_lib.resolve(workdir)) / workdir_lib.CONFIG_FILENAME
     if not path.exists():
         raise UserError(f"{path} not found: --workdir must be a directory written by train.py")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    return complete(ml_collections.ConfigDict(json.loads(path.read_text())))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
         if optim.schedule == "inverse_sqrt":
             after = peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(step, 1.0))
         elif optim.schedule == "cosine":
-            period = int(optim.get("cosine_period", 0)) or num_steps - warmup
+            period = int(optim.cosine_period) or num_steps - warmup
             progress = jnp.clip((step - warmup) / max(period, 1), 0.0, 1.0)
             after = optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + jnp.cos(math.pi * progress))
         else:
@@ -196,7 +197,7 @@ def init_memory(config: Config, model: nn.Module, rows: int,
 
     ``sharding``: lay the rows out as the batch (created by a jit, so every process builds its shards of one
     global array); None gives plain arrays (or traced ones inside a jit)."""
-    if not config.data.get("stream", False):
+    if not config.data.stream:
         return {}
     args, kwargs = model_inputs(dummy_batch(config, rows))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
@@ -240,7 +241,7 @@ def count_params(params: PyTree) -> int:
 # Building a run; loading a trained one
 # ----------------------------------------------------------------------------------------------------------------
 def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    """Every check that needs no data: the fields (``config_rules``), the mesh and the batch's split over it.
+    """Every check that needs no data: the fields (``lconv.configs.schema``), the mesh and the batch's split over it.
     Returns the mesh."""
     validate_config(config)
     mesh = make_mesh(config.mesh, devices)

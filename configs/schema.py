@@ -1,0 +1,227 @@
+"""The config schema: every field of a config, each defined once with its default, rule and one-line doc.
+
+A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it: ``data`` is
+``lconv.data.data_config.DataConfig``, ``model`` is ``lconv.nn.model_config.ModelConfig`` (which also serves users
+who build a model without a config file), and the top level, ``optim``, ``train``, ``decode`` and ``mesh`` are
+below. Everything else is read from them:
+- ``base_config()``: every field at its default (configs/common.py's; family files override values);
+- ``complete(config)``: the fields a config lacks filled with their defaults (a config file that does not start
+  from base_config, or a stored config.json from an older lconv), so no reader needs a fallback of its own;
+- ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
+- ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
+- ``markdown()``: docs/config.md's tables (``python -m lconv.configs.schema > docs/config.md``; a test keeps
+  the committed file equal to it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+from lconv.constants import STOP_RULES
+from lconv.data.data_config import DataConfig
+from lconv.errors import UserError
+from lconv.fields import (
+    BOOL,
+    RATE,
+    Rule,
+    as_dict,
+    check,
+    check_values,
+    choice,
+    default_of,
+    field,
+    integer,
+    markdown_table,
+    number,
+    schema_fields,
+)
+from lconv.nn.model_config import ModelConfig
+
+_POSITIVE = integer(1)
+_NON_NEGATIVE = integer(0)
+_NON_NEGATIVE_NUMBER = number(lambda v: v >= 0, "a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopConfig:
+    """The config's own fields, beside its sections."""
+
+    task: str = field("translation", "what the run learns; lm is a decoder-only language model",
+                      choice("translation", "summarization", "lm"))
+    seed: int = field(0, "params init, dropout (folded with the step) and data shuffling", integer())
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The optimiser and its learning-rate schedule (``lconv.train.setup``)."""
+
+    optimizer: str = field("adam", "adam | adamw | nag", choice("adam", "adamw", "nag"))
+    learning_rate: float = field(5e-4, "peak learning rate", number(lambda v: v > 0, "a number > 0"))
+    schedule: str = field("inverse_sqrt", "inverse_sqrt | cosine | constant (all with linear warmup)",
+                          choice("inverse_sqrt", "cosine", "constant"))
+    warmup_steps: int = field(4000, "linear warmup updates", _NON_NEGATIVE)
+    warmup_init_lr: float = field(1e-7, "the learning rate warmup starts from (fairseq's warmup-init-lr)",
+                                  _NON_NEGATIVE_NUMBER)
+    min_lr: float = field(1e-9, "cosine floor", _NON_NEGATIVE_NUMBER)
+    cosine_period: int = field(0, "cosine updates after warmup (fairseq's --lr-period-updates); 0 = the rest of "
+                               "the run", _NON_NEGATIVE)
+    b1: float = field(0.9, "Adam's beta1", RATE)
+    b2: float = field(0.98, "Adam's beta2", RATE)
+    eps: float = field(1e-8, "Adam's epsilon", number(lambda v: v > 0, "a number > 0"))
+    momentum: float = field(0.99, "nag's momentum", RATE)
+    weight_decay: float = field(0.0, "decoupled weight decay (adamw)", _NON_NEGATIVE_NUMBER)
+    clip_norm: float = field(0.0, "global gradient-norm clipping; 0 = off",
+                             number(lambda v: v >= 0, "a number >= 0 (0 = off)"))
+    label_smoothing: float = field(0.1, "label smoothing of the cross-entropy loss", RATE)
+    grad_accum_steps: int = field(1, "micro-batches per update (fairseq's update-freq)", _POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop (``lconv.train.loop``)."""
+
+    num_steps: int = field(50_000, "optimizer updates", _POSITIVE)
+    max_minutes: float = field(0.0, "stop (and checkpoint) after this wall time; 0 = no limit",
+                               number(lambda v: v >= 0, "a number >= 0 (0 = no limit)"))
+    stop_check_every: int = field(10, "several processes agree on a stop (signal, max_minutes) every N steps",
+                                  _POSITIVE)
+    log_every: int = field(100, "steps per log line (and per divergence-guard window)", _POSITIVE)
+    eval_every: int = field(2000, "steps per validation loss / ppl", _POSITIVE)
+    checkpoint_every: int = field(2000, "steps per checkpoint", _POSITIVE)
+    keep_checkpoints: int = field(5, "latest checkpoints kept", _POSITIVE)
+    eval_after_training: bool = field(True, "decode the test split and report BLEU/ROUGE at the end", BOOL)
+    spike_factor: float = field(3.0, "divergence guard: a log window whose mean loss is above spike_factor x the "
+                                "median of the windows before it is a spike (no checkpoint during one); 0 = off",
+                                number(lambda v: v == 0 or v > 1, "0 (off) or a number > 1"))
+    spike_windows: int = field(3, "spike windows in a row that stop the run", _POSITIVE)
+    checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
+    async_checkpoints: bool = field(True, "checkpoint files are written while training goes on (orbax async)", BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Decoding and scoring a split (``lconv.infer``), at the end of training and by eval.py."""
+
+    beam_size: int = field(5, "beam width (1 = greedy)", Rule(_POSITIVE.test, ">= 1 (1 = greedy), an integer"))
+    batch_size: int = field(0, "sources per decoding batch; 0 = auto: data.eval_batch_size on CPU, wider on a "
+                            "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)"))
+    lenpen: float = field(1.0, "fairseq length penalty: score / length**lenpen", number(
+        lambda v: v >= 0, "a finite number >= 0 (0 = no length normalisation, 1 = divide by the length)"))
+    max_len_a: float = field(1.2, "max output length = a * source length + b", _NON_NEGATIVE_NUMBER)
+    max_len_b: int = field(10, "max output length = a * source length + b", _NON_NEGATIVE)
+    split: str = field("test", "the split decoded and scored", Rule(lambda v: isinstance(v, str) and bool(v),
+                                                                     "a split name"))
+    num_print: int = field(5, "sample translations printed at the end", _NON_NEGATIVE)
+    stop: str = field("optimal", 'beam search ends when no alive hypothesis can win | "fairseq" (its generator\'s '
+                      "rule)", choice(*STOP_RULES))
+    compound_split: bool = field(False, "tokenized BLEU splits hyphenated compounds (the paper's WMT En-De BLEU)",
+                                 BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sharding: the device mesh and where each logical axis goes on it."""
+
+    shape: tuple = field((-1, 1, 1), "(data, fsdp, tensor); -1 = all remaining devices", Rule(
+        lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and all(integer().test(s) and (s >= 1 or s == -1)
+                                                                        for s in v),
+        "three sizes (data, fsdp, tensor), each >= 1 or one -1"))
+    axis_names: tuple = field(("data", "fsdp", "tensor"), "the mesh axes' names", Rule(
+        lambda v: isinstance(v, (tuple, list)) and tuple(v) == ("data", "fsdp", "tensor"),
+        "('data', 'fsdp', 'tensor')"))
+    rules: tuple = field(
+        (("embed", "fsdp"), ("vocab", "tensor"), ("mlp", "tensor"), ("conv", "tensor"), ("heads", "tensor"),
+         ("kernel", None), ("length", None), ("key_length", "fsdp")),  # key_length: Fixed / Hadamard's [T, T]
+        "logical axis -> mesh axis (None = replicated); activations follow lconv.constants.DEFAULT_AXIS_RULES "
+        "unless named here",
+        Rule(lambda v: isinstance(v, (tuple, list)) and all(len(r) == 2 and isinstance(r[0], str) for r in v),
+             "(logical axis, mesh axis or None) pairs"))
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
+            "decode": DecodeConfig, "mesh": MeshConfig}
+
+
+def _fill(target: Any, section: type) -> None:
+    """Sets each field ``target`` lacks to its default; a None default of a ConfigDict becomes a typed placeholder,
+    so that the command line can still set it."""
+    for f in schema_fields(section):
+        if f.name not in target:
+            value, kind = default_of(f), f.metadata["placeholder"]
+            if value is None and kind is not None and isinstance(target, ml_collections.ConfigDict):
+                value = ml_collections.config_dict.placeholder(kind)
+            target[f.name] = value
+
+
+def complete(config: Any) -> Any:
+    """Fills, in place, every field ``config`` (a ConfigDict or a dict) lacks with its default; returns it."""
+    unlocked = config.unlocked() if isinstance(config, ml_collections.ConfigDict) else contextlib.nullcontext()
+    with unlocked:
+        _fill(config, TopConfig)
+        for name, section in SECTIONS.items():
+            if name not in config:
+                config[name] = ml_collections.ConfigDict() if isinstance(config, ml_collections.ConfigDict) else {}
+            _fill(config[name], section)
+    return config
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field at its default."""
+    return complete(ml_collections.ConfigDict())
+
+
+def validate_config(config: Any) -> None:
+    """Fills the fields ``config`` lacks with their defaults (in place), then checks every field: one line naming
+    the first bad one, before any data is read or file written."""
+    complete(config)
+    values = as_dict(config)
+    top = {f.name for f in schema_fields(TopConfig)}
+    unknown = sorted(set(values) - set(SECTIONS) - top)
+    if unknown:
+        raise UserError(f"config has unknown field(s) {unknown}; known: {sorted(set(SECTIONS) | top)}")
+    check_values(TopConfig, {name: values[name] for name in top}, "config")
+    for name, section in SECTIONS.items():
+        if section is not ModelConfig:  # the model's fields are checked by ModelConfig, below
+            check_values(section, values[name], f"config.{name}")
+    if values["data"]["stream"] and values["task"] != "lm":
+        raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
+                        f"not {values['task']!r}")
+    model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
+    model_cfg.validate(decoder_only=values["task"] == "lm")
+
+
+def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
+                 spell: Callable[[str], str] = lambda name: f"config.decode.{name}") -> None:
+    """The decode section's rules for the beam search's settings, for every place that takes them: the config,
+    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given."""
+    rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
+    for name, value in (("beam_size", beam_size), ("lenpen", lenpen)):
+        if value is not None:
+            check(spell(name), value, rules[name])
+
+
+_DOCS_HEADER = """# Config fields
+
+Every field of a config, with its default, what it allows and what it does. Generated from the schema
+(`lconv/configs/schema.py`, `lconv/data/data_config.py`, `lconv/nn/model_config.py`) by
+`python -m lconv.configs.schema > docs/config.md`; a test keeps this file equal to it. Family configs
+(`configs/*.py`) override values; any field can be set from the command line, e.g.
+`python train.py --config=configs/default.py --config.model.dropout=0.2`. A config that lacks a field gets its
+default, so a `config.json` written by an older lconv still loads."""
+
+
+def markdown() -> str:
+    """docs/config.md: one table per section."""
+    parts = [_DOCS_HEADER, "## Top level\n\n" + markdown_table(TopConfig, "config")]
+    for name, section in SECTIONS.items():
+        about = (section.__doc__ or "").strip().splitlines()[0]
+        parts.append(f"## {name}\n\n{about}\n\n" + markdown_table(section, f"config.{name}"))
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

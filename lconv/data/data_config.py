@@ -1,0 +1,61 @@
+"""``DataConfig``: the fields of a config's ``data`` section, each with its default, rule and doc (``lconv.fields``).
+The input pipeline reads its settings through it, so a dict naming only some fields gets the same defaults as a
+config built from ``configs/common.py``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.fields import BOOL, Rule, as_dict, check_values, choice, field, integer
+
+_LENGTH = integer(2, " (EOS and at least one token)")
+_ROWS = integer(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The dataset, its tokenizer and the input pipeline's batches (``lconv.data.pipeline``)."""
+
+    dataset: str = field("ddtp/en_de", "tfds name[/config]; ddtp/* is built from the corpus bundled with lconv",
+                         Rule(lambda v: isinstance(v, str) and bool(v), "a dataset name, e.g. ddtp/en_de"))
+    data_dir: str = field("~/tensorflow_datasets", "where tfds datasets are (or, for ddtp, get) prepared",
+                          Rule(lambda v: isinstance(v, str) and bool(v), "a directory"))
+    raw_dir: str | None = field(None, "ddtp: a directory of raw apt Translation-* files (None = the bundled snapshot)",
+                                Rule(lambda v: v is None or isinstance(v, str), "a directory or None"),
+                                placeholder=str)
+    vocab_size: int = field(8000, "joint SentencePiece vocabulary, trained from the training split",
+                            integer(tokenizer_lib.MIN_VOCAB_SIZE, " (the tokenizer's special and byte pieces)"))
+    max_input_length: int = field(128, "longer training examples are truncated (and counted)", _LENGTH)
+    max_target_length: int = field(128, "longer training targets are truncated (and counted)", _LENGTH)
+    eval_max_input_length: int = field(256, "evaluation examples are truncated only past this (counted)", _LENGTH)
+    eval_max_target_length: int = field(256, "evaluation targets are truncated only past this (counted)", _LENGTH)
+    pack: bool = field(True, "pack several examples per row (segment ids keep them apart)", BOOL)
+    batch_size: int = field(32, "rows per global batch (all hosts); tokens per batch ~ batch_size * max_len", _ROWS)
+    eval_batch_size: int = field(64, "rows per global evaluation batch", _ROWS)
+    seed: int = field(0, "shuffling", integer())
+    num_epochs: int | None = field(None, "passes over the training split (None = repeat forever)",
+                                   Rule(lambda v: v is None or _ROWS.test(v),
+                                        "None (repeat forever) or an integer >= 1"), placeholder=int)
+    train_long: str = field("truncate", "over-long training examples are truncated or dropped (both counted)",
+                            choice("truncate", "drop"))
+    eval_splits: tuple[str, ...] = field(
+        ("validation", "test"), "the splits prepared for evaluation (validation loss in training; decode.split "
+        "at the end)",
+        Rule(lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(s, str) for s in v),
+             "a non-empty list of split names"))
+    tokenizer_max_sentences: int = field(200_000, "training-split sentences the tokenizer is trained on", _ROWS)
+    read_threads: int = field(2, "threads reading and tokenising training examples (grain)", _ROWS)
+    stream: bool = field(False, "lm only: every row reads whole documents, max_target_length tokens per step "
+                         "(lconv.data.stream); the kNN memory is carried from window to window (reset at each new "
+                         "document)", BOOL)
+
+    @classmethod
+    def from_config(cls, config: Any) -> DataConfig:
+        """From a config's ``data`` section (a ConfigDict or a dict naming some fields; the rest get their
+        defaults); an unknown field or a value out of range is a one-line error naming it."""
+        if isinstance(config, cls):
+            return config
+        values = as_dict(config)
+        check_values(cls, values, "config.data")
+        return cls(**values)

@@ -1,0 +1,142 @@
+"""The config schema (lconv.configs.schema): each field defined once, and everything else derived from it.
+
+Fast: no model is traced and no data is read.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+
+import ml_collections
+import pytest
+
+from lconv.configs import common, schema
+from lconv.data.data_config import DataConfig
+from lconv.errors import UserError
+from lconv.fields import schema_fields
+from lconv.nn.model_config import ModelConfig
+from lconv.train import setup
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "config.md"
+
+
+def test_docs_field_tables_are_the_schemas():
+    assert DOCS.read_text(encoding="utf-8") == schema.markdown(), (
+        "docs/config.md differs from the schema; refresh it: python -m lconv.configs.schema > docs/config.md")
+
+
+def test_every_field_has_a_doc_and_a_default_its_own_rule_allows():
+    config = common.base_config()
+    for name, section in [(None, schema.TopConfig), *schema.SECTIONS.items()]:
+        values = config if name is None else config[name]
+        for f in schema_fields(section):
+            assert f.metadata["doc"].strip(), f"{section.__name__}.{f.name} has no doc"
+            assert f.metadata["rule"].test(values[f.name]), f"{section.__name__}.{f.name}={values[f.name]!r}"
+
+
+def test_base_config_holds_every_field_at_its_default_and_validates():
+    config = common.base_config()
+    schema.validate_config(config)
+    assert set(config) == {f.name for f in schema_fields(schema.TopConfig)} | set(schema.SECTIONS)
+    for name, section in schema.SECTIONS.items():
+        assert set(config[name]) == {f.name for f in schema_fields(section)}, name
+
+
+def test_a_model_built_without_a_config_file_gets_the_configs_defaults():
+    assert ModelConfig.from_config(common.base_config().model, vocab_size=400) == ModelConfig(vocab_size=400)
+    assert DataConfig.from_config({}) == DataConfig.from_config(common.base_config().data)
+
+
+def test_a_config_lacking_fields_gets_their_defaults_not_a_readers_fallback():
+    """The divergence guard used to be off (spike_factor 0.0) for a config without train.spike_factor."""
+    config = common.base_config()
+    del config.train["spike_factor"], config.train["stop_check_every"], config.data["stream"]
+    schema.validate_config(config)
+    assert config.train.spike_factor == 3.0 and config.train.stop_check_every == 10 and config.data.stream is False
+
+
+def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
+    stored = common.base_config().to_dict()
+    del stored["decode"]["compound_split"], stored["data"]["eval_splits"], stored["model"]["decoder_start"]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    config = setup.read_config(str(tmp_path))
+    assert config.decode.compound_split is False and tuple(config.data.eval_splits) == ("validation", "test")
+    assert config.model.decoder_start == "bos"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("train.spike_factor", 0.5, "config.train.spike_factor=0.5: must be 0 (off) or a number > 1"),
+    ("data.read_threads", 0, "config.data.read_threads=0: must be an integer >= 1"),
+    ("mesh.shape", (2, 2), "config.mesh.shape=(2, 2): must be three sizes"),
+    ("decode.beam_size", 0, "config.decode.beam_size=0: must be >= 1 (1 = greedy)"),
+    ("model.weight_dropout", 1.0, "config.model.weight_dropout=1.0: must be a rate in [0, 1)"),
+    ("train.spike_windows_typo", 1, "config.train has unknown field(s) ['spike_windows_typo']"),
+])
+def test_a_bad_field_is_one_line_naming_it(field, value, message):
+    config = common.base_config()
+    section, name = field.split(".")
+    config[section][name] = value
+    with pytest.raises(UserError) as error:
+        schema.validate_config(config)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("spell, shown", [(lambda n: f"config.decode.{n}", "config.decode."),
+                                          (lambda n: f"--{n}", "--"), (str, "")])
+def test_beam_settings_have_one_rule_wherever_they_are_given(spell, shown):
+    for kwargs, message in [(dict(beam_size=0), "beam_size=0: must be >= 1"),
+                            (dict(beam_size=2.5), "beam_size=2.5: must be >= 1"),
+                            (dict(lenpen=float("nan")), "lenpen=nan: must be a finite number >= 0")]:
+        with pytest.raises(UserError) as error:
+            schema.check_search(spell=spell, **kwargs)
+        assert str(error.value).startswith(shown + message)
+    schema.check_search(beam_size=1, lenpen=0.0, spell=spell)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every config field the sources read is in the schema, and none is read with a fallback of its own
+# ----------------------------------------------------------------------------------------------------------------
+_CONFIG_NAMES = {"config", "cfg", "c"}
+_CONFIG_DICT_METHODS = set(dir(ml_collections.ConfigDict))
+
+
+def _sources() -> list[pathlib.Path]:
+    package = [p for p in sorted((ROOT / "lconv").rglob("*.py")) if "configs" not in p.relative_to(ROOT).parts]
+    return package + sorted((ROOT / "configs").glob("*.py"))  # lconv/configs is a link to configs/
+
+
+def _is_config(node: ast.expr) -> bool:
+    """``config``, ``cfg``, ``c`` or ``<anything>.config`` (``self.config``, ``run.config``)."""
+    return (isinstance(node, ast.Name) and node.id in _CONFIG_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr == "config")
+
+
+def _section_reads() -> list[tuple[str, str, str]]:
+    """(section, field, where) of every ``<config>.<section>.<field>`` in the sources."""
+    reads = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr in schema.SECTIONS and _is_config(node.value.value)):
+                reads.append((node.value.attr, node.attr, f"{path.relative_to(ROOT)}:{node.lineno}"))
+    return reads
+
+
+def test_the_scan_finds_the_reads_it_looks_for():
+    fields = {(section, name) for section, name, _ in _section_reads()}
+    assert {("train", "spike_factor"), ("data", "stream"), ("decode", "beam_size"), ("model", "d_model")} <= fields
+
+
+def test_every_config_field_read_in_lconv_and_configs_is_in_the_schema():
+    known = {name: {f.name for f in schema_fields(section)} for name, section in schema.SECTIONS.items()}
+    unknown = [f"{where}: config.{section}.{name}" for section, name, where in _section_reads()
+               if name not in known[section] and name not in _CONFIG_DICT_METHODS]
+    assert not unknown, "fields read but not in the schema (add them to it):\n" + "\n".join(unknown)
+
+
+def test_no_config_field_is_read_with_a_fallback_of_its_own():
+    """``config.train.get("spike_factor", 0.0)`` would shadow the schema's default; the schema fills it."""
+    fallbacks = [where for section, name, where in _section_reads() if name == "get"]
+    assert not fallbacks, "read the field: the schema fills what a config lacks:\n" + "\n".join(fallbacks)
