@@ -22,13 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lconv.nn import mixers
+from lconv.nn.common import axis_rules
 
 RULES = {
     "fields": "the model can build it: model_fields name constructor fields and model values, and a mixer that "
               "may sit in a decoder takes `causal` from the model",
     "output": "y has x's shape and dtype",
     "deterministic": "deterministic=True runs with no 'dropout' rng (and deterministic=False runs with one)",
-    "logical_axes": "every parameter carries logical axis names, one per dimension",
+    "logical_axes": "every parameter carries logical axis names, one per dimension, that the default mesh rules "
+                    "can map (no name twice)",
     "segments": "nothing crosses segments: each packed example's output equals its output alone",
     "padding": "padding does not leak: what padded positions hold changes no real token's output",
     "causality": "a causal mixer never reads the future",
@@ -157,6 +159,9 @@ class _Checker:
 
     # ------------------------------------------------------------------------------------------------ rules
     def _check_logical_axes(self, variables: dict[str, Any]) -> None:
+        from lconv.configs.schema import MeshConfig
+
+        rules = axis_rules(MeshConfig().rules)  # the base config's, as a training run maps them
         leaves = jax.tree_util.tree_leaves_with_path(variables.get("params", {}),
                                                      is_leaf=lambda v: isinstance(v, nn.Partitioned))
         for path, leaf in leaves:
@@ -167,6 +172,11 @@ class _Checker:
             if len(leaf.names) != np.ndim(leaf.value):
                 raise _Broken("logical_axes", f"parameter {where} of shape {np.shape(leaf.value)} has names "
                                               f"{leaf.names}: one per dimension")
+            try:
+                nn.logical_to_mesh_axes(leaf.names, rules)
+            except ValueError as e:
+                raise _Broken("logical_axes", f"parameter {where}'s names {leaf.names} cannot be mapped to the "
+                                              f"mesh: {_first_line(e)}") from None
 
     def _check_output_and_determinism(self) -> None:
         self._run(self.x, SEGMENTS_BT, POSITIONS_BT, rule="deterministic")

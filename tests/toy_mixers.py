@@ -30,7 +30,7 @@ class PrefixMean(nn.Module):
         return same & jnp.tril(jnp.ones((T, T), bool)) if self.causal else same
 
     def project(self, mean_BTC: jax.Array, deterministic: bool) -> jax.Array:
-        kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "embed"))
+        kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
         y = nn.Dense(mean_BTC.shape[-1], kernel_init=kernel, use_bias=False, dtype=self.dtype, name="proj",
                      precision=jax.lax.Precision.HIGHEST)(mean_BTC)
         return nn.Dropout(self.dropout)(y, deterministic=deterministic)
@@ -80,6 +80,13 @@ class AlwaysDropout(PrefixMean):  # deterministic: needs a dropout rng even when
         y = super().__call__(x_BTC, **kwargs)
         keep = jax.random.bernoulli(self.make_rng("dropout"), 0.9, y.shape)
         return jnp.where(keep, y, 0.0)
+
+
+class SameAxisTwice(PrefixMean):  # logical_axes: one name on both dimensions, which no mesh can shard
+    def project(self, mean_BTC, deterministic):
+        kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "embed"))
+        mix = self.param("mix", kernel, (mean_BTC.shape[-1],) * 2)
+        return super().project(mean_BTC @ mix.astype(mean_BTC.dtype), deterministic)
 
 
 class NoAxisNames(PrefixMean):  # logical_axes: a bias created without names
@@ -132,6 +139,6 @@ class NaNGradient(PrefixMean):  # gradients: sqrt at 0 has an infinite slope (ti
 
 BROKEN = {  # class -> the rule it must fail
     NoCausalField: "fields", WrongDtype: "output", AlwaysDropout: "deterministic", NoAxisNames: "logical_axes",
-    SegmentLeak: "segments", PaddingLeak: "padding", PeeksAhead: "causality", ForgetfulDecoder: "decoding",
-    EncoderThatDecodes: "decode_refusal", NaNGradient: "gradients",
+    SameAxisTwice: "logical_axes", SegmentLeak: "segments", PaddingLeak: "padding", PeeksAhead: "causality",
+    ForgetfulDecoder: "decoding", EncoderThatDecodes: "decode_refusal", NaNGradient: "gradients",
 }
