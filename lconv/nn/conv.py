@@ -25,6 +25,7 @@ from lconv import ops
 from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
 from lconv.nn.common import BT_CONV, BTHD, check_input, constrain, xavier_dense
+from lconv.ops import conv as conv_ops
 from lconv.ops.precision import lax_precision
 
 Array = jax.Array
@@ -69,8 +70,7 @@ class _ConvBase(nn.Module):
 
     def _check_channels(self, x_BTC: Array) -> int:
         _, _, C = check_input(x_BTC)
-        if C % self.num_heads:
-            raise UserError(f"channels C={C} must be divisible by num_heads={self.num_heads}")
+        conv_ops.check_heads(C, self.num_heads, "num_heads")
         return C
 
     def _normalise(self, logits: Array, deterministic: bool) -> Array:

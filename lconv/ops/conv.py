@@ -291,7 +291,8 @@ def _check_x(x_BTC):
     return x_BTC.shape
 
 
-def _check_heads(C, H, what):
+def check_heads(C: int, H: int, what: str) -> None:
+    """The one rule that heads own equal contiguous channel blocks (the conv ops, and the conv modules' fields)."""
     if H < 1 or C % H:
         raise UserError(f"{what}: channels C={C} must be divisible by the number of heads H={H}")
 
@@ -323,7 +324,7 @@ def _check_kernel(weight_shape, C, padding_left):
     H, K = weight_shape[-2:]
     if K < 1:
         raise UserError(f"weight: kernel_size must be >= 1; got weight shape {weight_shape}")
-    _check_heads(C, H, "weight")
+    check_heads(C, H, "weight")
     _check_padding(padding_left, K)
     return H, K
 
