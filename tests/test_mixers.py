@@ -265,3 +265,14 @@ def test_a_module_class_mixer_translates_through_the_api():
     assert len(translations) == 2 and all(isinstance(t, str) for t in translations)
     # Batched with padding = each alone: the plugin's segments and cache keep the rows apart.
     assert translations == [model.translate([s], beam_size=2)[0] for s in sources]
+
+
+def test_the_docs_example_mixer_meets_the_contract(tmp_path, monkeypatch):
+    """docs/models.md's "Adding a mixer" code, as a user would save it, passes the checker by its module name."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    start = text.index("# my_mixers.py")
+    (tmp_path / "my_mixers.py").write_text(text[start:text.index("```", start)])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lconv.testing.check_mixer("my_mixers:GatedMean")
