@@ -276,3 +276,16 @@ def test_the_docs_example_mixer_meets_the_contract(tmp_path, monkeypatch):
     (tmp_path / "my_mixers.py").write_text(text[start:text.index("```", start)])
     monkeypatch.syspath_prepend(str(tmp_path))
     lconv.testing.check_mixer("my_mixers:GatedMean")
+
+
+def test_an_installed_package_adds_mixers_through_its_entry_points(registry, tmp_path, monkeypatch):
+    """A distribution declaring ``[lconv.mixers]`` entry points (as ``pip install`` leaves it) adds its names."""
+    dist = tmp_path / "my_mixers_pkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-mixers-pkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[lconv.mixers]\nprefix_from_ep = toy_mixers:PrefixMean\n"
+                                           "lightconv = toy_mixers:SegmentLeak\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(mixers, "_entry_points_loaded", False)
+    assert mixers.mixer_class("prefix_from_ep") is toy_mixers.PrefixMean
+    assert mixers.mixer_class("lightconv").__name__ == "LightConvBlock"  # a built-in name is never taken over
