@@ -1,0 +1,120 @@
+"""The ownership rule of every lconv writer (``lconv.outputs``): each kind of output claims a new, empty or own
+folder, and no file output lands on an input, on another command's output or in a checkout's committed docs/.
+Each writer meets each foreign target here; the CLIs' tests check that they call these rules first."""
+import json
+import pathlib
+
+import pytest
+
+from lconv import outputs
+from lconv.errors import UserError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _make(tmp_path, kind):
+    """A folder holding ``kind`` output as its command leaves it (a marker-less one for the older kinds)."""
+    folder = tmp_path / f"a_{kind}"
+    folder.mkdir()
+    if kind == "workdir":
+        (folder / "config.json").write_text("{}")
+        (folder / "spm.model").write_bytes(b"x")
+        (folder / "checkpoints").mkdir()
+    elif kind == "export":
+        (folder / "lconv_export.json").write_text("{}")
+        (folder / "params.npz").write_bytes(b"x")
+    elif kind == "study":
+        (folder / "records.json").write_text("[]")
+    elif kind == "bench":
+        outputs.claim_directory(str(folder), "bench", "--out")
+        (folder / "mixers.csv").write_text("a,b\n")
+    elif kind == "other":
+        (folder / "notes.txt").write_text("mine")
+    return folder
+
+
+def _one_line_naming(info, *names):
+    message = str(info.value)
+    assert "\n" not in message and all(n in message for n in names), message
+
+
+@pytest.mark.parametrize("kind", sorted(outputs.KIND_NAMES))
+@pytest.mark.parametrize("target", sorted(outputs.KIND_NAMES) + ["other"])
+def test_a_directory_holds_only_its_own_kind_of_output(tmp_path, kind, target):
+    folder = _make(tmp_path, target)
+    before = sorted(p.name for p in folder.iterdir())
+    if target == kind:
+        assert outputs.claim_directory(str(folder), kind, "--out") == str(folder)
+        assert outputs.kind_of(str(folder)) == kind
+        return
+    with pytest.raises(UserError) as info:
+        outputs.claim_directory(str(folder), kind, "--out")
+    _one_line_naming(info, "--out", str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == before  # refused before writing anything
+
+
+@pytest.mark.parametrize("kind", sorted(outputs.KIND_NAMES))
+def test_a_new_or_empty_folder_is_claimed_and_marked(tmp_path, kind):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for folder in (tmp_path / "new" / "deeper", empty):
+        outputs.claim_directory(str(folder), kind, "--out")
+        assert json.loads((folder / outputs.MARKER).read_text()) == {"kind": kind}
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_flag_is_refused_not_the_current_directory(value):
+    with pytest.raises(UserError) as info:
+        outputs.claim_directory(value, "workdir", "--workdir")
+    _one_line_naming(info, "--workdir")
+
+
+def test_a_file_where_a_folder_goes_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError) as info:
+        outputs.claim_directory(str(tmp_path / "f"), "export", "--out")
+    _one_line_naming(info, "--out")
+
+
+@pytest.mark.parametrize("relative", ["config.json", "spm.model", "checkpoints/10/x", "metrics.jsonl",
+                                      "best/state", outputs.MARKER])
+def test_a_file_output_never_lands_on_a_workdirs_core(tmp_path, relative):
+    workdir = _make(tmp_path, "workdir")
+    with pytest.raises(UserError) as info:
+        outputs.check_output_file(str(workdir / relative), "--output_file")
+    _one_line_naming(info, "--output_file", str(workdir))
+
+
+def test_a_file_output_beside_a_workdirs_core_is_eval_pys_to_write(tmp_path):
+    workdir = _make(tmp_path, "workdir")
+    outputs.check_output_file(str(workdir / "test.hyp.txt"), "--output_file")
+    outputs.check_output_file(str(tmp_path / "elsewhere.txt"), "--output_file")
+
+
+@pytest.mark.parametrize("kind", ["export", "study", "bench"])
+def test_a_file_output_never_lands_in_another_commands_folder(tmp_path, kind):
+    folder = _make(tmp_path, kind)
+    with pytest.raises(UserError) as info:
+        outputs.check_output_file(str(folder / "out.txt"), "--output_file")
+    _one_line_naming(info, "--output_file", outputs.KIND_NAMES[kind])
+
+
+def test_a_file_output_is_never_an_input(tmp_path):
+    source = tmp_path / "in.en"
+    source.write_text("a\n")
+    with pytest.raises(UserError) as info:
+        outputs.check_output_file(str(tmp_path / "." / "in.en"), "--output_file",
+                                  inputs=[("--source_file", str(source))])
+    _one_line_naming(info, "--output_file", "--source_file")
+
+
+def test_committed_docs_are_refused_from_any_directory_but_a_commands_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the checkout
+    docs = ROOT / "docs"
+    assert outputs.checkout_docs(str(docs / "bench")) == str(docs)
+    for call in (lambda: outputs.check_output_file(str(docs / "benchmarks.md"), "--doc"),
+                 lambda: outputs.claim_directory(str(docs / "bench"), "bench", "--out")):
+        with pytest.raises(UserError) as info:
+            call()
+        _one_line_naming(info, str(docs), "committed")
+    assert outputs.checkout_docs(str(tmp_path / "docs" / "x")) is None  # a docs/ of no lconv checkout is not
