@@ -33,6 +33,7 @@ from etils import epath
 from flax import traverse_util
 from flax.linen import meta as nn_meta
 
+from lconv import outputs
 from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
@@ -52,6 +53,7 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     ``out``; returns the sidecar."""
     config = trained.config
     _check(config, platforms, rows, widths)
+    outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             if F.beam_size is not None and F.beam_size < 1:
                 raise UserError(f"--beam_size={F.beam_size}: must be >= 1")
             _check(setup.read_config(F.workdir), F.platforms, rows, widths)
+            outputs.check_directory(F.out, "export", "--out")  # before the checkpoint is read
             trained = setup.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)
             sidecar = export(trained, F.out, platforms=F.platforms, rows=rows, widths=widths,
                              beam_size=F.beam_size, max_len=F.max_len, temperature=F.temperature, top_k=F.top_k,

@@ -6,7 +6,7 @@ never over a file that another command produced, over an input it reads, or over
 ``UserError`` line naming the flag and the path, raised before any work.
 
 Each kind of output directory is recognised by its marker (``.lconv-output.json``, written by the command that
-claims it) or, for one made before markers, by the file only that kind writes (``KIND_SIGNATURES``). Inside a
+claims it) or, for one made before markers, by a file only that kind writes (``KIND_SIGNATURES``). Inside a
 workdir, the entries that make it a run (``WORKDIR_CORE``: the config, tokenizer, checkpoints, ...) are written by
 train.py and the fairseq importer alone; eval.py writes its outputs beside them.
 """
@@ -23,10 +23,13 @@ from lconv.errors import UserError
 MARKER = ".lconv-output.json"
 KIND_NAMES = {"workdir": "a training workdir", "export": "an exported model", "bench": "benchmark results",
               "study": "a study's runs"}
-KIND_SIGNATURES = {"workdir": ("config.json",), "export": ("lconv_export.json",), "study": ("records.json",)}
+KIND_SIGNATURES = {  # any one of these files marks a folder made before markers
+    "workdir": ("config.json",), "export": ("lconv_export.json",), "study": ("records.json",),
+    "bench": tuple(f"{suite}.csv" for suite in ("mixers", "limits", "decode", "beam", "train"))}
 # The entries of a workdir that only train.py / the importer write (eval.py's outputs go beside them).
 WORKDIR_CORE = ("config.json", "spm.model", "pieces.json", "checkpoints", "best", "metrics.jsonl", "tensorboard",
                 "train.lock", "compilation_cache", "checkpoint_errors.log", MARKER)
+EVAL_OUTPUTS = (".hyp.txt", ".scores.json", "output.txt")  # what eval.py writes into a workdir by default
 
 
 def _is_url(path: str) -> bool:
@@ -47,7 +50,7 @@ def kind_of(directory: str) -> str | None:
             if kind in KIND_NAMES:
                 return kind
         for kind, files in KIND_SIGNATURES.items():
-            if all((root / name).exists() for name in files):
+            if any((root / name).exists() for name in files):
                 return kind
     except (OSError, ValueError, AttributeError):
         return None
@@ -84,53 +87,93 @@ def _refuse_committed_docs(path: str, flag: str, committed_ok: str | None) -> No
                         f"default, run from the checkout's root, writes there; choose another folder")
 
 
-def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> str:
-    """Checks that ``path`` may hold ``kind`` output (new, empty, or already of that kind), creates it and marks it
-    as ``kind``'s; returns it. ``committed_ok``: the one path inside a checkout's docs/ this command may write
-    (its default from the checkout's root)."""
+def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> bool:
+    """Refuses ``path`` unless it may hold ``kind`` output: new, empty, or already of that kind. Writes nothing.
+    ``committed_ok``: the one path inside a checkout's docs/ this command may write (its default from the
+    checkout's root); returns True for it (it is not marked)."""
     if not path or not str(path).strip():
         raise UserError(f"{flag} is empty: name a folder for {KIND_NAMES[kind]}")
     path = str(path)
-    _refuse_committed_docs(path, flag, committed_ok)
-    root = epath.Path(path if _is_url(path) else os.path.expanduser(path))
+    if committed_ok and _absolute(committed_ok) == _absolute(path) and checkout_docs(path):
+        return True  # the command's own committed results, by its default from the checkout's root
+    _refuse_committed_docs(path, flag, None)
+    root = _path(path)
     try:
         if root.exists() and not root.is_dir():
             raise UserError(f"{flag}={path} is a file; {KIND_NAMES[kind]} is a folder")
-        if root.exists() and any(True for _ in root.iterdir()):
-            found = kind_of(str(root))
-            if found is None:
-                raise UserError(f"{flag}={path} is a folder with other files and no lconv output in it; "
-                                f"{KIND_NAMES[kind]} goes into a new or empty folder")
-            if found != kind:
-                raise UserError(f"{flag}={path} holds {KIND_NAMES[found]}, not {KIND_NAMES[kind]}; "
-                                f"choose another folder")
+        entries = [entry.name for entry in root.iterdir()] if root.exists() else []
+    except OSError as err:
+        raise UserError(f"{flag}={path}: cannot read it ({err.strerror or err})") from None
+    if entries:
+        found = kind_of(path)
+        if found is None and all(_made_by(kind, name) for name in entries):
+            found = kind  # made before markers, or a run's pieces put there first (a shared tokenizer)
+        if found is None:
+            raise UserError(f"{flag}={path} is a folder with other files and no lconv output in it; "
+                            f"{KIND_NAMES[kind]} goes into a new or empty folder")
+        if found != kind:
+            raise UserError(f"{flag}={path} holds {KIND_NAMES[found]}, not {KIND_NAMES[kind]}; choose another folder")
+    return False
+
+
+def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> str:
+    """``check_directory``, then creates ``path`` and marks it as ``kind``'s; returns it."""
+    if check_directory(path, kind, flag, committed_ok=committed_ok):
+        return str(path)
+    root = _path(str(path))
+    try:
         root.mkdir(parents=True, exist_ok=True)
         if not (root / MARKER).exists():
             (root / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
     except OSError as err:
         raise UserError(f"{flag}={path}: cannot write there ({err.strerror or err})") from None
-    return path
+    return str(path)
 
 
-def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str | None]] = ()) -> None:
+def _path(path: str) -> epath.Path:
+    return epath.Path(path if _is_url(path) else os.path.expanduser(path))
+
+
+# What each command writes at the top of its folder (a folder holding only such entries is that command's).
+_ENTRIES = {"export": ("lconv_export.json", "params.npz", "spm.model", "pieces.json"),
+            "study": ("tokenizers", "runs", "records.json"),
+            "bench": ("benchmarks.md",)}
+
+
+def _made_by(kind: str, name: str) -> bool:
+    if name.startswith("."):
+        return True
+    if kind == "workdir":
+        return name in WORKDIR_CORE or name.endswith(EVAL_OUTPUTS)
+    if kind == "bench":
+        return name.endswith((".csv", ".png")) or name in _ENTRIES["bench"]
+    return name in _ENTRIES[kind] or (kind == "export" and name.endswith(".jax"))
+
+
+def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str | None]] = (),
+                      own_kind: str | None = None, committed_ok: str | None = None) -> None:
     """Refuses a file output that is one of ``inputs`` (``(flag, path)`` pairs), lies in an lconv checkout's
-    committed docs/, or is part of another command's output: a workdir's core entries (``WORKDIR_CORE``) or
-    anything in an export, a study or benchmark folder."""
+    committed docs/ (but for ``committed_ok``, the command's default), or is part of another command's output: a
+    workdir's core entries (``WORKDIR_CORE``) or anything in an export, a study or benchmark folder (but for the
+    writer's ``own_kind``)."""
     if not path or not str(path).strip():
         raise UserError(f"{flag} is empty: name a file")
     target = _absolute(str(path))
     for input_flag, input_path in inputs:
         if input_path and _absolute(str(input_path)) == target:
             raise UserError(f"{flag}={path} is the file {input_flag} reads; write the output elsewhere")
+    if committed_ok and _absolute(committed_ok) == target and checkout_docs(target):
+        return
     _refuse_committed_docs(str(path), flag, None)
     parent = os.path.dirname(target) if not _is_url(target) else target.rsplit("/", 1)[0]
     for _ in range(64):  # each folder above the file, up to the root
         kind = kind_of(parent)
-        if kind is not None:
+        if kind is not None:  # the nearest owner decides (a study's runs are workdirs inside its folder)
             first = (target[len(parent):].lstrip("/" + os.sep).replace(os.sep, "/").split("/") or [""])[0]
-            if kind != "workdir" or first in WORKDIR_CORE:
+            if kind != own_kind and (kind != "workdir" or first in WORKDIR_CORE):
                 raise UserError(f"{flag}={path} would overwrite part of {KIND_NAMES[kind]} ({parent}); write the "
                                 f"output elsewhere")
+            return
         up = os.path.dirname(parent) if not _is_url(parent) else parent.rsplit("/", 1)[0]
         if up == parent or not up or up.endswith(":/"):
             return

@@ -118,3 +118,26 @@ def test_committed_docs_are_refused_from_any_directory_but_a_commands_default(tm
             call()
         _one_line_naming(info, str(docs), "committed")
     assert outputs.checkout_docs(str(tmp_path / "docs" / "x")) is None  # a docs/ of no lconv checkout is not
+
+
+def test_the_nearest_owner_decides(tmp_path):
+    """A study's runs are workdirs inside the study's folder: eval.py may write beside a run's core there."""
+    study = _make(tmp_path, "study")
+    run = study / "translation" / "dynamic"
+    run.mkdir(parents=True)
+    outputs.claim_directory(str(run), "workdir", "--workdir")
+    outputs.check_output_file(str(run / "test.hyp.txt"), "--output_file")
+    with pytest.raises(UserError):
+        outputs.check_output_file(str(run / "config.json"), "--output_file")
+    with pytest.raises(UserError):
+        outputs.check_output_file(str(study / "notes.txt"), "--output_file")
+
+
+def test_a_workdir_seeded_with_its_pieces_is_still_a_workdir(tmp_path):
+    """A tokenizer copied in to share it (notebook 03 does), or a first launch that failed before config.json."""
+    seeded = tmp_path / "seeded"
+    seeded.mkdir()
+    (seeded / "spm.model").write_bytes(b"x")
+    outputs.claim_directory(str(seeded), "workdir", "--workdir")
+    with pytest.raises(UserError):
+        outputs.claim_directory(str(seeded), "export", "--out")

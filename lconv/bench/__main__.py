@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from lconv import outputs
 from lconv.errors import UserError
 
 SUITES = ("mixers", "limits", "decode", "beam", "train")
@@ -60,17 +61,24 @@ def committed_paths(backend: str) -> tuple[str, str]:
 def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, backend: str = "cpu") -> None:
     """Fills ``--out``/``--doc`` (``backend``: where the suites run); a ``--quick`` run writing over committed
     results is refused."""
+    default_out, default_doc = opts.out is None, opts.doc is None
     if not opts.quick:
         clone = in_clone_root()
         out, doc = committed_paths(backend) if clone else (INSTALLED_DIR, f"{INSTALLED_DIR}/benchmarks.md")
         opts.out, opts.doc = opts.out or out, opts.doc or doc
-        return
-    opts.out, opts.doc = opts.out or QUICK_DIR, opts.doc or os.path.join(QUICK_DIR, "benchmarks.md")
-    for out, doc in {committed_paths("cpu"), committed_paths(backend)}:
-        for flag, path, committed in (("--out", opts.out, out), ("--doc", opts.doc, doc)):
-            if os.path.abspath(path) == os.path.abspath(committed):
-                parser.error(f"{flag}={path} holds the committed results; a --quick run is a smoke test and "
-                             f"writes elsewhere (default {QUICK_DIR})")
+    else:
+        opts.out, opts.doc = opts.out or QUICK_DIR, opts.doc or os.path.join(QUICK_DIR, "benchmarks.md")
+        for out, doc in {committed_paths("cpu"), committed_paths(backend)}:
+            for flag, path, committed in (("--out", opts.out, out), ("--doc", opts.doc, doc)):
+                if os.path.abspath(path) == os.path.abspath(committed):
+                    parser.error(f"{flag}={path} holds the committed results; a --quick run is a smoke test and "
+                                 f"writes elsewhere (default {QUICK_DIR})")
+    # Committed results are written only by the default of a full run from the clone's root (lconv.outputs).
+    try:
+        outputs.claim_directory(opts.out, "bench", "--out", committed_ok=opts.out if default_out else None)
+        outputs.check_output_file(opts.doc, "--doc", own_kind="bench", committed_ok=opts.doc if default_doc else None)
+    except UserError as err:
+        parser.error(str(err))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,6 @@
 
 Kept thin: flags and one-line errors here (``lconv.cli.runtime``), the work in ``lconv.study.driver``.
 """
-import os
 import shlex
 import sys
 
@@ -28,13 +27,13 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     with runtime.user_errors():
-        from lconv.errors import UserError
+        from lconv import outputs
         from lconv.study import driver
 
-        for flag in ("output_dir", "docs_dir"):
-            path = os.path.abspath(os.path.expanduser(getattr(FLAGS, flag)))
-            if os.path.exists(path) and not os.path.isdir(path):
-                raise UserError(f"--{flag}={getattr(FLAGS, flag)} is a file; it must be a directory")
+        # Each folder new, empty or a study's; the committed docs/ only by --docs_dir's default (lconv.outputs).
+        outputs.claim_directory(FLAGS.output_dir, "study", "--output_dir")
+        docs_default = FLAGS.docs_dir if not FLAGS["docs_dir"].present else None
+        outputs.claim_directory(FLAGS.docs_dir, "study", "--docs_dir", committed_ok=docs_default)
         command = "python -m lconv.study " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         records = driver.run_study(FLAGS.config, FLAGS.output_dir, FLAGS.docs_dir, report_only=FLAGS.report_only,
                                    resume_from=FLAGS.resume_from, command=command)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lconv import outputs
 from lconv.errors import UserError
 from lconv.study import measure, plan
 from lconv.study import run as run_lib
@@ -97,7 +98,7 @@ def restore(planned: Sequence[plan.Planned], archive_root: str, run_dir: Callabl
 def _write_run(workdir: str, entry: dict[str, Any]) -> None:
     """The files a finished run leaves that the study and its report read: spec, metrics and, last, the result
     (whose presence marks the run finished, so a copy cut short is simply done again)."""
-    os.makedirs(workdir, exist_ok=True)
+    outputs.claim_directory(workdir, "workdir", "a study run's folder")
     run_lib.write_json(os.path.join(workdir, run_lib.SPEC),
                        {"config": entry["config"], "workdir": workdir, "record": entry["record"]})
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:

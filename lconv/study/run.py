@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lconv import outputs
 from lconv.errors import UserError
 
 RESULT, FAILURE, SPEC, LOG = "study_result.json", "study_failure.json", "study_spec.json", "study.log"
@@ -52,7 +53,7 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
     done = read_json(os.path.join(workdir, RESULT))
     if done is not None:
         return {**done, "skipped": True}
-    os.makedirs(workdir, exist_ok=True)
+    outputs.claim_directory(workdir, "workdir", "a study run's folder")  # a run's workdir, the study's files beside
     if not os.path.exists(os.path.join(workdir, "spm.model")):  # every run of a task shares one tokenizer
         shutil.copy(tokenizer_file, os.path.join(workdir, "spm.model"))
     write_json(os.path.join(workdir, SPEC), spec)

@@ -29,6 +29,7 @@ import jax
 import ml_collections
 from etils import epath
 
+from lconv import outputs
 from lconv.errors import UserError
 
 CONFIG_FILENAME = "config.json"
@@ -48,7 +49,9 @@ def resolve(workdir: str) -> str:
 
 
 def make_workdir(workdir: str) -> str:
-    """The resolved workdir, created; an unwritable location is a one-line error."""
+    """The resolved workdir, created; a folder holding something else than a run (``lconv.outputs``) or an
+    unwritable location is a one-line error."""
+    outputs.claim_directory(str(workdir), "workdir", "--workdir")
     path = resolve(workdir)
     try:
         epath.Path(path).mkdir(parents=True, exist_ok=True)
