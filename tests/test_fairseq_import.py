@@ -106,10 +106,10 @@ def test_imported_log_probabilities_equal_fairseqs(workdirs, name):
 def test_beam_search_reproduces_fairseq_generate(workdirs, name):
     """eval.py on the imported workdir with fairseq's stopping rule, beam 4: every translation of the 200
     sentences is fairseq's (or, where one differs, the two hypotheses' scores tie), and sacreBLEU is fairseq's."""
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     output = pathlib.Path(workdirs[name]) / "generate.txt"
-    result = evaluate.run(workdirs[name], source_file=str(FIXTURES / "test.src"),
+    result = eval_program.run(workdirs[name], source_file=str(FIXTURES / "test.src"),
                           reference_file=str(FIXTURES / "test.ref"), output_file=str(output), log=lambda _: None)
     ours, theirs = _lines(output), _lines(FIXTURES / name / "generate.txt")
     differing = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]

@@ -235,7 +235,7 @@ def test_batch_must_divide_into_devices_times_micro_batches(tmp_path):
 # eval.py's library side: splits, averaging, the best checkpoint, arbitrary text
 # ----------------------------------------------------------------------------------------------------------------
 def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     root, workdir, _ = uninterrupted
     config = _config(root / "tfds")
@@ -253,7 +253,7 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
                                    rtol=1e-6, atol=1e-7)
 
     messages = []
-    scores = evaluate.run(str(workdir), split="validation", average_last=3, beam_size=2, log=messages.append)
+    scores = eval_program.run(str(workdir), split="validation", average_last=3, beam_size=2, log=messages.append)
     assert messages[0] == "checkpoint(s) [4, 5, 6]"
     size = len(sources.get_source(config.data.dataset, "validation", config.data.data_dir, None)[0])
     assert scores["examples"] == size > 1000 and scores["bleu_signature"].startswith("nrefs:1")
@@ -264,14 +264,14 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
 
 
 def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     root, workdir, _ = uninterrupted
     sources = ["This package contains the documentation.", "", "A library for parsing XML files in C."]
     (tmp_path / "in.en").write_text("\n".join(sources) + "\n")
     out = tmp_path / "out.de"
     messages = []
-    scores = evaluate.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
+    scores = eval_program.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
                           output_file=str(out), beam_size=2, log=messages.append)
     best_step = checkpoints.Checkpointer(workdir, subdir="best").all_steps()
     assert messages[0] == f"checkpoint(s) {best_step}"
@@ -281,27 +281,27 @@ def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
     # With references, the scores are sacreBLEU's own on the hypotheses and references, row by row.
     references = ["Dieses Paket enthält die Dokumentation.", "", "Eine Bibliothek zum Parsen von XML-Dateien."]
     (tmp_path / "ref.de").write_text("\n".join(references) + "\n")
-    scores = evaluate.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
+    scores = eval_program.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
                           reference_file=str(tmp_path / "ref.de"), output_file=str(tmp_path / "again.de"),
                           beam_size=2, log=messages.append)
     assert (tmp_path / "again.de").read_text() == out.read_text()  # decoding is deterministic
     assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
     (tmp_path / "short.de").write_text("one line\n")
     with pytest.raises(ValueError, match="--reference_file has 1 lines for 3 source lines"):
-        evaluate.run(str(workdir), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
+        eval_program.run(str(workdir), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
     with pytest.raises(ValueError, match="does not combine with --checkpoint=best"):
-        evaluate.run(str(workdir), checkpoint="best", average_last=2)
+        eval_program.run(str(workdir), checkpoint="best", average_last=2)
 
 
 def test_eval_scores_a_language_model_by_perplexity(tmp_path):
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     config = _config(tmp_path / "tfds", num_steps=2, eval_every=1000)
     config.task, config.data.dataset = "lm", "ddtp/lm_en"
     config.model.encoder_layers = 0
     workdir = tmp_path / "lm"
     result = loop.train_and_evaluate(config, str(workdir), log=_quiet)
-    scores = evaluate.run(str(workdir), split="validation", log=_quiet)
+    scores = eval_program.run(str(workdir), split="validation", log=_quiet)
     # The same params on the same split: eval.py's perplexity is the one train.py logged at the end.
     assert scores["tokens"] == result["validation"]["tokens"] > 1000
     assert scores["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-5)
@@ -309,7 +309,7 @@ def test_eval_scores_a_language_model_by_perplexity(tmp_path):
         assert json.load(f)["ppl"] == pytest.approx(scores["ppl"])
     assert "word_ppl" not in scores  # validation texts are cut to 32 tokens here: their NLL is not the texts'
     with pytest.raises(ValueError, match="--reference_file: an lm run continues the prompts"):
-        evaluate.run(str(workdir), source_file=str(workdir / "config.json"), reference_file=str(workdir / "x"))
+        eval_program.run(str(workdir), source_file=str(workdir / "config.json"), reference_file=str(workdir / "x"))
 
 
 def test_each_process_gets_its_own_data_position_back():

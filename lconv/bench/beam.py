@@ -2,7 +2,7 @@
 
 The README default's translation models (configs/default.py: DynamicConv and its Transformer; d=256, 3+3 layers,
 vocab 4000, beam 4), untrained, decode a split of synthetic sources (6-40 tokens each, seeded, as DDTP's test
-sentences: width buckets 32 and 64) through ``lconv.infer.evaluate.decode_batches``, the path eval.py and the
+sentences: width buckets 32 and 64) through ``lconv.infer.decode_and_score.decode_batches``, the path eval.py and the
 end of train.py take, at each decoding batch size of ``ROWS`` (up to the split's size). ``auto`` marks the size
 ``decode.batch_size = 0`` picks on this backend. Each size decodes the split once to compile its programs (timed
 apart as compile + first pass) and then ``REPEATS`` more times; sentences/s is from the median pass. An untrained
@@ -23,7 +23,7 @@ from lconv.bench import report, timing
 from lconv.configs import default
 from lconv.constants import EOS_ID
 from lconv.data import pipeline
-from lconv.infer import compiled, evaluate
+from lconv.infer import compiled, decode_and_score
 from lconv.train import setup
 
 MODELS = {"DynamicConv": None, "Transformer": "transformer"}  # label -> configs/default.py's word
@@ -74,7 +74,8 @@ def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, 
     translator = compiled.Translator(config, model, params)  # fresh programs: each batch size compiles its own
 
     def decode_split():
-        return [best for _, best in evaluate.decode_batches(config, model, params, eval_set, translator=translator)]
+        batches = decode_and_score.decode_batches(config, model, params, eval_set, translator=translator)
+        return [best for _, best in batches]
 
     start = time.perf_counter()
     decode_split()

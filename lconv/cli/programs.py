@@ -81,11 +81,11 @@ def _evaluate_main(argv: list[str]) -> None:
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
-        from lconv.cli import evaluate
+        from lconv.cli import eval_program
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
                  "output_file", "interactive", "max_len", "temperature", "top_k", "top_p", "seed")
-        evaluate.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
+        eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
 
 def _run(main, argv: list[str] | None) -> None:

@@ -149,7 +149,7 @@ def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[st
     the record written to ``study_result.json``. Raises on failure; ``stage`` in the spec dict says where."""
     import ml_collections
 
-    from lconv.cli import evaluate as cli_evaluate
+    from lconv.cli import eval_program
     from lconv.data import tokenizer as tokenizer_lib
     from lconv.study import measure
     from lconv.train import loop, setup
@@ -163,7 +163,7 @@ def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[st
     times["train_seconds"] = time.time() - start
     spec["stage"], start = "evaluate", time.time()
     split = config.decode.split
-    scores = cli_evaluate.run(workdir, split=split, average_last=spec["average_last"], log=log)
+    scores = eval_program.run(workdir, split=split, average_last=spec["average_last"], log=log)
     times["evaluate_seconds"] = time.time() - start
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
     spec["stage"], start = "measure", time.time()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
-from lconv.infer import evaluate
+from lconv.infer import decode_and_score
 from lconv.train import checkpoints, logs, metrics, setup, steps
 from lconv.train import workdir as workdir_lib
 
@@ -234,5 +234,5 @@ def evaluate_test_split(run: setup.Run, log: Callable[[str], None] = print,
     if config.task == "lm":
         return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
                                       split, log, mesh=run.mesh, eval_step=eval_step)
-    return evaluate.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
+    return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
                                 run.workdir, log=log)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lconv.infer import evaluate, scoring
+from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
 from lconv.nn import knn_memory
 from lconv.train import metrics, setup
@@ -146,7 +146,7 @@ def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable
     memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
     scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory), split=split)
     scores.update(_word_perplexity(eval_set, scores))
-    evaluate.write_outputs(workdir, split, None, scores)
+    decode_and_score.write_outputs(workdir, split, None, scores)
     per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
     log(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
         f"{scores['tokens']:.0f} tokens)")
@@ -160,7 +160,7 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
     if examples is None or not hasattr(eval_set, "tokens"):
         return {}
     local = [scoring.word_count(e["targets"] for e in examples), int(stats.get("eval_targets_truncated", 0))]
-    words, truncated = np.sum(evaluate.allgather_json(local), axis=0) if jax.process_count() > 1 else local
+    words, truncated = np.sum(decode_and_score.allgather_json(local), axis=0) if jax.process_count() > 1 else local
     if truncated or not words:
         return {}
     return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))

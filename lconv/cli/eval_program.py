@@ -20,7 +20,7 @@ from etils import epath
 from lconv.configs import schema
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.infer import compiled, evaluate
+from lconv.infer import compiled, decode_and_score
 from lconv.train import setup, steps
 
 SAMPLING_DEFAULTS = {"max_len": 50, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # greedy, 50 tokens
@@ -53,7 +53,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         if task == "lm":
             return steps.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
                                           split, log)
-        return evaluate.score_split(config, trained.model, trained.params, trained.tokenizer, data.eval_sets,
+        return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer, data.eval_sets,
                                     workdir, split=split, log=log)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
@@ -182,7 +182,7 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
     """Decodes the lines, writes one output per input line, reports what was not decoded as given, and scores
     against ``references`` (blank sources stay in, as empty hypotheses)."""
     config = trained.config
-    translations = evaluate.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
+    translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
     _write_lines(output_file, translations.hypotheses)
     scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
     if not sources:
@@ -196,7 +196,7 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
         log(f"{translations.lengths.note('source line')} "
             f"({_line_numbers(translations.lengths.truncated)})")
     if references is not None and sources:
-        scores.update(evaluate.score_texts(config.task, translations.hypotheses, references,
+        scores.update(decode_and_score.score_texts(config.task, translations.hypotheses, references,
                                            split_compounds=config.decode.compound_split))
     log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
@@ -206,7 +206,7 @@ def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: 
                    sampling: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
-    outputs = evaluate.generate_lines(trained.config, trained.tokenizer, prompts, generator, **sampling)
+    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, **sampling)
     _write_lines(output_file, outputs.hypotheses)
     if outputs.lengths.truncated:
         log(f"{len(outputs.lengths.truncated)} prompt(s) longer than {outputs.lengths.limit} tokens (what "
@@ -226,11 +226,11 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
     config = trained.config
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
-        decode = lambda line: evaluate.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
+        decode = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
                                                       **sampling).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
-        decode = lambda line: evaluate.translate_lines(config, trained.model, trained.params,  # noqa: E731
+        decode = lambda line: decode_and_score.translate_lines(config, trained.model, trained.params,  # noqa: E731
                                                        trained.tokenizer, [line], translator=translator).hypotheses[0]
     log(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
     count = 0
@@ -243,7 +243,7 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
 def _write_lines(path: str, outputs: Sequence[str]) -> None:
     """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
     if jax.process_index() == 0:
-        epath.Path(path).write_text(evaluate.lines_text(outputs), encoding="utf-8")
+        epath.Path(path).write_text(decode_and_score.lines_text(outputs), encoding="utf-8")
 
 
 def _line_numbers(indices: Sequence[int], shown: int = 5) -> str:
