@@ -2,7 +2,7 @@
 
     python train.py --config=tests/tiny_config.py --workdir=/tmp/tiny --config.data.data_dir=/tmp/tfds
 """
-from configs import default
+from lconv.configs import default
 
 
 def get_config(arg=None):
