@@ -125,8 +125,7 @@ def test_eval_continues_an_lm_runs_prompts_as_the_api_does(tmp_path, monkeypatch
     prompts = ["The small package", "", "Fonts and images for the server"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     report = eval_program.run(str(workdir), source_file=str(tmp_path / "prompts.txt"),
-                          output_file=str(tmp_path / "out.txt"), max_len=5, temperature=1.0, top_p=0.9, seed=3,
-                          log=lambda *_: None)
+                          output_file=str(tmp_path / "out.txt"), max_len=5, temperature=1.0, top_p=0.9, seed=3)
     expected = Model(trained).generate(prompts, max_len=5, temperature=1.0, top_p=0.9, seed=3)
     assert (tmp_path / "out.txt").read_text().split("\n")[:-1] == [e.replace("\n", " ") for e in expected]
     assert report["examples"] == 3 and report["truncated_prompts"] == 0 and report["top_p"] == 0.9
@@ -153,7 +152,7 @@ def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, mon
     lines = ["Fast tool.", "A library for the window system and fonts.", "Data"]
     stdout = io.StringIO()
     report = eval_program.run(str(workdir), interactive=True, stdin=io.StringIO("\n".join(lines) + "\n"),
-                          stdout=stdout, log=lambda *_: None)
+                          stdout=stdout)
     assert report == {"examples": 3} and len(built) == 1
     assert built[0].jitted._cache_size() == 1  # three lengths, one (1 row, 32 wide) bucket: compiled once
     model = Model(trained)
@@ -261,8 +260,7 @@ def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_ca
     fixtures = ROOT / "tests" / "fixtures" / "fairseq"
     workdir = tmp_path / "run"
     fairseq_workdir.import_checkpoint(str(fixtures / "dynamic" / "checkpoint_last.pt"), str(fixtures / "dict.txt"),
-                                      str(fixtures / "spm.model"), str(workdir), decode={"beam_size": 2},
-                                      log=lambda _: None)
+                                      str(fixtures / "spm.model"), str(workdir), decode={"beam_size": 2})
     sources = (fixtures / "test.src").read_text(encoding="utf-8").splitlines()[:4]
     (tmp_path / "sources.txt").write_text("\n".join(sources) + "\n", encoding="utf-8")
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_LOG_COMPILES": "1",

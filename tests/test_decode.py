@@ -415,7 +415,7 @@ def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerat
     assert [compiled.decode_rows(config, p, 64, 4) for p in ("cpu", "gpu")] == [100, 100]
 
 
-def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch):
+def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch, lconv_log):
     config, model, params, eval_set = _tiny_split_decoder()
     expected = _split_hypotheses(config, model, params, eval_set, 8)
     real, asked = compiled.Translator(config, model, params), []
@@ -426,16 +426,14 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
         return real(inputs_BS, **search)
 
-    logged = []
     found = {}
-    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, translator=translator,
-                                               log=logged.append):
+    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, translator=translator):
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     assert found == expected and asked[:3] == [8, 4, 2] and set(asked[3:]) == {2}
-    assert logged == ["decoding 8 rows per batch ran out of device memory: going on with 4 "
-                      "(config.decode.batch_size sets it)",
-                      "decoding 4 rows per batch ran out of device memory: going on with 2 "
-                      "(config.decode.batch_size sets it)"]
+    assert lconv_log() == ["decoding 8 rows per batch ran out of device memory: going on with 4 "
+                           "(config.decode.batch_size sets it)",
+                           "decoding 4 rows per batch ran out of device memory: going on with 2 "
+                           "(config.decode.batch_size sets it)"]
 
     def broken(inputs_BS, **search):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")

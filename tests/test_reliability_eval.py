@@ -31,7 +31,7 @@ def trained(tmp_path_factory) -> pathlib.Path:
     config.data.data_dir = str(root / "tfds")
     config.data.tokenizer_max_sentences = 2000
     config.train.num_steps = 1
-    loop.train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1], log=lambda *_: None)
+    loop.train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1])
     return root / "run"
 
 
@@ -176,28 +176,25 @@ def test_a_read_only_directory_is_an_error_before_loading(config_only, tmp_path)
 # ----------------------------------------------------------------------------------------------------------------
 # Decoding a text file: empty files, blank lines and over-long lines are reported, outputs stay line-aligned
 # ----------------------------------------------------------------------------------------------------------------
-def test_an_empty_source_file_gives_an_empty_output_and_no_score(trained, tmp_path):
+def test_an_empty_source_file_gives_an_empty_output_and_no_score(trained, tmp_path, lconv_log):
     (tmp_path / "empty.en").write_text("")
     (tmp_path / "empty.de").write_text("")
-    messages = []
     scores = eval_program.run(str(trained), source_file=str(tmp_path / "empty.en"),
-                          reference_file=str(tmp_path / "empty.de"), output_file=str(tmp_path / "out.de"),
-                          log=messages.append)
+                          reference_file=str(tmp_path / "empty.de"), output_file=str(tmp_path / "out.de"))
     assert (tmp_path / "out.de").read_text() == ""
     assert scores["examples"] == 0 and "bleu" not in scores
-    assert any("has no lines" in m and "nothing to score" in m for m in messages), messages
+    assert any("has no lines" in m and "nothing to score" in m for m in lconv_log()), lconv_log()
 
 
-def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained, tmp_path):
+def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained, tmp_path, lconv_log):
     long_line = " ".join(["word"] * 5000)
     sources = ["This package contains the documentation.", "", long_line, "   ", "A library for parsing XML."]
     references = ["Dieses Paket enthält die Dokumentation.", "Leer.", "Wort", "", "Eine Bibliothek für XML."]
     (tmp_path / "in.en").write_text("\n".join(sources) + "\n")
     (tmp_path / "ref.de").write_text("\n".join(references) + "\n")
-    messages = []
     scores = eval_program.run(str(trained), source_file=str(tmp_path / "in.en"),
                               reference_file=str(tmp_path / "ref.de"), output_file=str(tmp_path / "out.de"),
-                              beam_size=2, log=messages.append)
+                              beam_size=2)
     hypotheses = (tmp_path / "out.de").read_text().split("\n")[:-1]
     assert len(hypotheses) == 5 and hypotheses[1] == hypotheses[3] == ""  # blank in, blank out, in place
     assert all(hypotheses[i] for i in (0, 2, 4))  # the others were decoded (the tiny model never stops at once)
@@ -210,10 +207,10 @@ def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained
         "source_token_limit": limit}
     # Blank sources stay in the scored corpus as empty hypotheses.
     assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
-    assert "2 blank source lines (lines 2, 4): empty outputs in place; scored as empty hypotheses" in messages
+    assert "2 blank source lines (lines 2, 4): empty outputs in place; scored as empty hypotheses" in lconv_log()
     assert (f"1 source line longer than config.data.eval_max_input_length={limit} tokens (EOS included) cut to it; "
-            f"the longest has {longest} tokens (line 3)") in messages
-    assert json.loads(messages[-1])["blank_sources"] == 2  # the log's JSON line carries the counts too
+            f"the longest has {longest} tokens (line 3)") in lconv_log()
+    assert json.loads(lconv_log()[-1])["blank_sources"] == 2  # the log's JSON line carries the counts too
 
 
 def test_measure_sources_counts_what_decoding_cuts(trained):

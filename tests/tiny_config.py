@@ -32,8 +32,3 @@ def training_config(data_dir, num_steps=6, **train):
     c.train.num_steps = num_steps
     c.train.update(train)
     return c
-
-
-def quiet(*args):
-    """A ``log`` that prints nothing."""
-    del args

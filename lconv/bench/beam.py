@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import math
 import time
 
@@ -25,6 +26,8 @@ from lconv.constants import EOS_ID
 from lconv.data import pipeline
 from lconv.infer import compiled, decode_and_score
 from lconv.train import setup
+
+logger = logging.getLogger(__name__)
 
 MODELS = {"DynamicConv": None, "Transformer": "transformer"}  # label -> configs/default.py's word
 ROWS = (16, 64, 256, 512, 1024)
@@ -47,7 +50,7 @@ def synthetic_split(count: int, vocab: int, rows: int, seed: int = 0) -> pipelin
                             {"inputs": 64, "targets": 64}, collections.Counter())
 
 
-def run(count: int, rows_list: tuple[int, ...], log: report.Log = print) -> list[report.Row]:
+def run(count: int, rows_list: tuple[int, ...]) -> list[report.Row]:
     """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's."""
     results = []
     for label, word in MODELS.items():
@@ -63,9 +66,10 @@ def run(count: int, rows_list: tuple[int, ...], log: report.Log = print) -> list
             row = dict(model=label, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
                        beam=config.decode.beam_size, **_time_split(config, model, params, eval_set))
             results.append(row)
-            log(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: {row['sentences_per_s']:8.1f} "
-                f"sentences/s ({row['batches']} batch{'es' if row['batches'] != 1 else ''}; first pass with compile "
-                f"{row['first_pass_s']:.1f} s)")
+            batches = f"{row['batches']} batch{'es' if row['batches'] != 1 else ''}"
+            logger.info(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
+                        f"{row['sentences_per_s']:8.1f} sentences/s ({batches}; first pass with compile "
+                        f"{row['first_pass_s']:.1f} s)")
     return results
 
 
@@ -114,8 +118,8 @@ def section(rows: list[report.Row], info: dict[str, str], command: str) -> str:
     return "\n\n".join(p.strip() for p in parts)
 
 
-def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     count = 32 if opts.quick else sentences()
-    rows = run(count, (16, 32) if opts.quick else ROWS, log=log)
+    rows = run(count, (16, 32) if opts.quick else ROWS)
     report.write_results(opts.out, "beam", rows, section(rows, info, opts.command), opts.doc)
     return rows

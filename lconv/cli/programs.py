@@ -7,6 +7,7 @@ import sys
 
 from absl import app, flags, logging
 
+from lconv import console
 from lconv.cli import runtime
 
 FLAGS = flags.FLAGS
@@ -38,6 +39,7 @@ def _define_compilation_cache() -> None:
 def _train_main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    console.show_log("stdout")
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
@@ -78,6 +80,7 @@ def evaluate(argv: list[str] | None = None) -> None:
 def _evaluate_main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    console.show_log("stderr" if FLAGS.interactive else "stdout")  # --interactive's stdout holds outputs only
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)

@@ -6,6 +6,7 @@ Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and a donated st
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,6 +19,8 @@ from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
 from lconv.nn import knn_memory
 from lconv.train import metrics, setup
+
+logger = logging.getLogger(__name__)
 
 PyTree = Any
 Batch = dict[str, Any]
@@ -137,7 +140,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
 
 
 def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
-                     log: Callable[[str], None] = print, *, mesh: jax.sharding.Mesh | None = None,
+                     *, mesh: jax.sharding.Mesh | None = None,
                      eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
     """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
     ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new."""
@@ -148,8 +151,8 @@ def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable
     scores.update(_word_perplexity(eval_set, scores))
     decode_and_score.write_outputs(workdir, split, None, scores)
     per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
-    log(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
-        f"{scores['tokens']:.0f} tokens)")
+    logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
+                f"{scores['tokens']:.0f} tokens)")
     return scores
 
 
