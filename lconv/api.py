@@ -23,7 +23,7 @@ from flax.linen import meta as nn_meta
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
-from lconv.infer import compiled, evaluate
+from lconv.infer import compiled, decode_and_score
 from lconv.train import metrics, setup
 
 
@@ -60,7 +60,7 @@ class Model:
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
         search = {k: v for k, v in (("beam_size", beam_size), ("lenpen", lenpen)) if v is not None}
-        return evaluate.translate_lines(self.config, self.module, self.params, self.tokenizer, _lines(sources),
+        return decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, _lines(sources),
                                         translator=self._translator, **search).hypotheses
 
     def score(self, sources: Sequence[str], references: Sequence[str], *, beam_size: int | None = None,
@@ -71,7 +71,7 @@ class Model:
         if len(sources) != len(references):
             raise UserError(f"{len(sources)} sources for {len(references)} references; they pair one to one")
         hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen)
-        return evaluate.score_texts(self.task, hypotheses, references)
+        return decode_and_score.score_texts(self.task, hypotheses, references)
 
     # --- language models -----------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
@@ -83,7 +83,7 @@ class Model:
         compiled.check_sampling(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
-        return evaluate.generate_lines(self.config, self.tokenizer, _lines(prompts), self._generator,
+        return decode_and_score.generate_lines(self.config, self.tokenizer, _lines(prompts), self._generator,
                                        max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=seed).hypotheses
 

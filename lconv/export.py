@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m lconv.export``: the flags, then ``export``."""
     from absl import app, flags
 
+    from lconv import console
     from lconv.cli import runtime
 
     flags.DEFINE_string("workdir", None, "A directory written by train.py.")
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     def run(argv: list[str]) -> None:
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        console.show_log("stdout")
         with runtime.user_errors():
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             setup.check_checkpoint_choice(F.average_last, F.checkpoint)

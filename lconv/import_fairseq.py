@@ -6,6 +6,7 @@ from __future__ import annotations
 def main(argv: list[str] | None = None) -> None:
     from absl import app, flags, logging
 
+    from lconv import console
     from lconv.cli import runtime
     from lconv.interop import fairseq_workdir
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
                                               target_dictionary=F.target_dict, trust=F.trust_checkpoint)
 
     logging.set_verbosity(logging.WARNING)  # orbax's info lines
+    console.show_log("stdout")
     app.run(run, argv=argv, flags_parser=runtime.parse_flags)
 
 

@@ -50,7 +50,7 @@ PAPER = {("wmt_en_de", "lightconv,big", FAIRSEQ_WMT_VOCAB): "202M",
 
 
 def get_config(name: str, variant: str):
-    return importlib.import_module(f"configs.{name}").get_config(variant or None)
+    return importlib.import_module(f"lconv.configs.{name}").get_config(variant or None)
 
 
 def count_parameters(config, vocab_size: int | None = None) -> int:

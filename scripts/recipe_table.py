@@ -231,7 +231,7 @@ NOTES = {
 
 
 def get_config(name: str, variant: str):
-    return importlib.import_module(f"configs.{name}").get_config(variant or None)
+    return importlib.import_module(f"lconv.configs.{name}").get_config(variant or None)
 
 
 def lconv_values(recipe: Recipe) -> dict[str, Any]:

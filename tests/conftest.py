@@ -7,6 +7,8 @@ default backend), and ``cpu`` is added after them so that tests about CPU virtua
 """
 import os
 
+import pytest
+
 # Must happen before jax is imported anywhere.
 _DEVICE_COUNT = "--xla_force_host_platform_device_count"
 if _DEVICE_COUNT not in os.environ.get("XLA_FLAGS", ""):
@@ -21,3 +23,12 @@ jax.config.update("jax_enable_x64", False)  # tests opt in to float64 explicitly
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, default backend {jax.default_backend()}: {jax.devices()}"
+
+
+@pytest.fixture
+def lconv_log(caplog):
+    """``lconv_log()``: the messages lconv logged so far in the test, in order, as its programs print them."""
+    import log_capture
+
+    with log_capture.attached(caplog.handler):
+        yield lambda: [r.getMessage() for r in caplog.records if r.name.split(".")[0] == "lconv"]

@@ -28,7 +28,7 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
     config = tiny_config.training_config(root / "tfds", num_steps=1)
     config.data.tokenizer_max_sentences = 2000
-    loop.train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1], log=tiny_config.quiet)
+    loop.train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1])
     return root / "run"
 
 

@@ -124,7 +124,7 @@ def test_the_pytorch_baseline_is_lconvs_light_conv_with_its_gradients():
 def test_baselines_that_cannot_run_here_are_rows_that_say_why():
     from lconv.bench import external, mixers
 
-    rows = mixers.external_rows(256, 4, {}, budget_s=0.05, log=lambda line: None)
+    rows = mixers.external_rows(256, 4, {}, budget_s=0.05)
     by_name = {(r["name"], r["pass"]): r for r in rows}
     assert {name for name, _ in by_name} == {label for label, _, _ in external.BASELINES}
     torch, _ = external.torch_or_reason()

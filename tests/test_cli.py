@@ -119,15 +119,14 @@ def test_eval_continues_an_lm_runs_prompts_as_the_api_does(tmp_path, monkeypatch
     import tiny_runs
 
     from lconv.api import Model
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     trained = tiny_runs.in_memory(tiny_runs.lm_config())
     workdir = _workdir_of(tmp_path, trained, monkeypatch)
     prompts = ["The small package", "", "Fonts and images for the server"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    report = evaluate.run(str(workdir), source_file=str(tmp_path / "prompts.txt"),
-                          output_file=str(tmp_path / "out.txt"), max_len=5, temperature=1.0, top_p=0.9, seed=3,
-                          log=lambda *_: None)
+    report = eval_program.run(str(workdir), source_file=str(tmp_path / "prompts.txt"),
+                          output_file=str(tmp_path / "out.txt"), max_len=5, temperature=1.0, top_p=0.9, seed=3)
     expected = Model(trained).generate(prompts, max_len=5, temperature=1.0, top_p=0.9, seed=3)
     assert (tmp_path / "out.txt").read_text().split("\n")[:-1] == [e.replace("\n", " ") for e in expected]
     assert report["examples"] == 3 and report["truncated_prompts"] == 0 and report["top_p"] == 0.9
@@ -139,7 +138,7 @@ def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, mon
     import tiny_runs
 
     from lconv.api import Model
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
     from lconv.infer import compiled
 
     trained = tiny_runs.in_memory(tiny_runs.translation_config())
@@ -153,8 +152,8 @@ def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, mon
     monkeypatch.setattr(compiled, "Translator", recording)
     lines = ["Fast tool.", "A library for the window system and fonts.", "Data"]
     stdout = io.StringIO()
-    report = evaluate.run(str(workdir), interactive=True, stdin=io.StringIO("\n".join(lines) + "\n"),
-                          stdout=stdout, log=lambda *_: None)
+    report = eval_program.run(str(workdir), interactive=True, stdin=io.StringIO("\n".join(lines) + "\n"),
+                          stdout=stdout)
     assert report == {"examples": 3} and len(built) == 1
     assert built[0].jitted._cache_size() == 1  # three lengths, one (1 row, 32 wide) bucket: compiled once
     model = Model(trained)
@@ -183,13 +182,13 @@ def test_eval_flag_combinations_that_do_not_fit_are_one_line_errors(task, flags,
     import tiny_config
     import tiny_runs
 
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
     from lconv.train import setup
 
     monkeypatch.setattr(setup, "load_trained", lambda *a, **k: pytest.fail("loaded before the flags were checked"))
     config = tiny_runs.lm_config() if task == "lm" else tiny_config.get_config()
     with pytest.raises(UserError, match=f"^{re.escape(message)}"):
-        evaluate.run(_config_only(tmp_path, config), **flags)
+        eval_program.run(_config_only(tmp_path, config), **flags)
 
 
 def test_eval_py_prints_a_flag_combination_error_in_one_line(tmp_path):
@@ -206,16 +205,16 @@ def test_eval_py_prints_a_flag_combination_error_in_one_line(tmp_path):
 def test_outputs_are_written_by_process_0_only(tmp_path, monkeypatch):
     import jax
 
-    from lconv.cli import evaluate as cli_evaluate
-    from lconv.infer import evaluate
+    from lconv.cli import eval_program
+    from lconv.infer import decode_and_score
 
-    evaluate.write_outputs(str(tmp_path), "test", ["a\nb", "c"], {"bleu": 1.0})
-    cli_evaluate._write_lines(str(tmp_path / "out.txt"), ["x"])
+    decode_and_score.write_outputs(str(tmp_path), "test", ["a\nb", "c"], {"bleu": 1.0})
+    eval_program._write_lines(str(tmp_path / "out.txt"), ["x"])
     assert (tmp_path / "test.hyp.txt").read_text() == "a b\nc\n" and (tmp_path / "out.txt").read_text() == "x\n"
     assert json.loads((tmp_path / "test.scores.json").read_text()) == {"bleu": 1.0}
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    evaluate.write_outputs(str(tmp_path / "p1"), "test", ["a"], {"bleu": 1.0})  # the folder does not even exist
-    cli_evaluate._write_lines(str(tmp_path / "p1.txt"), ["x"])
+    decode_and_score.write_outputs(str(tmp_path / "p1"), "test", ["a"], {"bleu": 1.0})  # the folder does not even exist
+    eval_program._write_lines(str(tmp_path / "p1.txt"), ["x"])
     assert not (tmp_path / "p1").exists() and not (tmp_path / "p1.txt").exists()
 
 
@@ -262,8 +261,7 @@ def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_ca
     fixtures = ROOT / "tests" / "fixtures" / "fairseq"
     workdir = tmp_path / "run"
     fairseq_workdir.import_checkpoint(str(fixtures / "dynamic" / "checkpoint_last.pt"), str(fixtures / "dict.txt"),
-                                      str(fixtures / "spm.model"), str(workdir), decode={"beam_size": 2},
-                                      log=lambda _: None)
+                                      str(fixtures / "spm.model"), str(workdir), decode={"beam_size": 2})
     sources = (fixtures / "test.src").read_text(encoding="utf-8").splitlines()[:4]
     (tmp_path / "sources.txt").write_text("\n".join(sources) + "\n", encoding="utf-8")
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_LOG_COMPILES": "1",

@@ -363,7 +363,7 @@ def test_prepare_reaches_the_download_and_a_failed_download_is_one_line(name, tm
     for method in ("download", "download_and_extract"):
         monkeypatch.setattr(tfds.download.DownloadManager, method, no_network)
     with pytest.raises(UserError) as error:
-        catalog.prepare(name, str(tmp_path / "tfds"), log=lambda line: None)
+        catalog.prepare(name, str(tmp_path / "tfds"))
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"downloading {name} failed (ConnectionError: Failed to")
     assert "run this where there is network" in message

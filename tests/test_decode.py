@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.infer import compiled, evaluate
+from lconv.infer import compiled, decode_and_score
 from lconv.infer import search as decode
 from lconv.nn.models import DecoderOnlyLM, EncoderDecoder, ModelConfig
 
@@ -381,7 +381,7 @@ def _tiny_split_decoder(batch_size=0):
 def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
     found = {}
-    for batch, best in evaluate.decode_batches(config, model, params, eval_set, **kwargs):
+    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, **kwargs):
         assert best.shape[0] == rows  # every row of the global batch, on this (every) process
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     return found
@@ -415,7 +415,7 @@ def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerat
     assert [compiled.decode_rows(config, p, 64, 4) for p in ("cpu", "gpu")] == [100, 100]
 
 
-def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch):
+def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch, lconv_log):
     config, model, params, eval_set = _tiny_split_decoder()
     expected = _split_hypotheses(config, model, params, eval_set, 8)
     real, asked = compiled.Translator(config, model, params), []
@@ -426,22 +426,20 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
         return real(inputs_BS, **search)
 
-    logged = []
     found = {}
-    for batch, best in evaluate.decode_batches(config, model, params, eval_set, translator=translator,
-                                               log=logged.append):
+    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, translator=translator):
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     assert found == expected and asked[:3] == [8, 4, 2] and set(asked[3:]) == {2}
-    assert logged == ["decoding 8 rows per batch ran out of device memory: going on with 4 "
-                      "(config.decode.batch_size sets it)",
-                      "decoding 4 rows per batch ran out of device memory: going on with 2 "
-                      "(config.decode.batch_size sets it)"]
+    assert lconv_log() == ["decoding 8 rows per batch ran out of device memory: going on with 4 "
+                           "(config.decode.batch_size sets it)",
+                           "decoding 4 rows per batch ran out of device memory: going on with 2 "
+                           "(config.decode.batch_size sets it)"]
 
     def broken(inputs_BS, **search):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
-        list(evaluate.decode_batches(config, model, params, eval_set, translator=broken))
+        list(decode_and_score.decode_batches(config, model, params, eval_set, translator=broken))
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
     with pytest.raises(UserError, match=r"^decoding 8 rows per batch ran out of device memory; set config.decode"):
-        list(evaluate.decode_batches(config, model, params, eval_set, translator=translator))
+        list(decode_and_score.decode_batches(config, model, params, eval_set, translator=translator))

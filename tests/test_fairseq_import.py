@@ -50,7 +50,7 @@ def workdirs(tmp_path_factory):
             assert "imported lightconv (220,416 parameters, 1500 updates)" in done.stdout
         else:
             fairseq_workdir.import_checkpoint(args["checkpoint"], args["dict"], args["spm"], args["workdir"],
-                                              decode=GENERATE, log=lambda _: None)
+                                              decode=GENERATE)
     return out
 
 
@@ -106,11 +106,11 @@ def test_imported_log_probabilities_equal_fairseqs(workdirs, name):
 def test_beam_search_reproduces_fairseq_generate(workdirs, name):
     """eval.py on the imported workdir with fairseq's stopping rule, beam 4: every translation of the 200
     sentences is fairseq's (or, where one differs, the two hypotheses' scores tie), and sacreBLEU is fairseq's."""
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     output = pathlib.Path(workdirs[name]) / "generate.txt"
-    result = evaluate.run(workdirs[name], source_file=str(FIXTURES / "test.src"),
-                          reference_file=str(FIXTURES / "test.ref"), output_file=str(output), log=lambda _: None)
+    result = eval_program.run(workdirs[name], source_file=str(FIXTURES / "test.src"),
+                          reference_file=str(FIXTURES / "test.ref"), output_file=str(output))
     ours, theirs = _lines(output), _lines(FIXTURES / name / "generate.txt")
     differing = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert len(ours) == len(theirs) == 200
@@ -173,16 +173,16 @@ def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
     cases.append(((checkpoint, str(short), model), "gives 1000 ids .* encoder embeddings have 1008 rows"))
     for (ckpt, dict_path, spm_path), pattern in cases:
         with pytest.raises(UserError, match=pattern):
-            fairseq_workdir.import_checkpoint(ckpt, dict_path, spm_path, str(tmp_path / "run"), log=lambda _: None)
+            fairseq_workdir.import_checkpoint(ckpt, dict_path, spm_path, str(tmp_path / "run"))
         assert not (tmp_path / "run").exists()  # nothing is written before everything has been checked
     other = tmp_path / "dict.de.txt"
     other.write_text("\n".join(reversed(_lines(FIXTURES / "dict.txt"))) + "\n", encoding="utf-8")
     with pytest.raises(UserError, match="dict.de.txt differs from .*one dictionary for source and target"):
         fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, str(tmp_path / "run"),
-                                          target_dictionary=str(other), log=lambda _: None)
+                                          target_dictionary=str(other))
     assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="already holds checkpoints"):
-        fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, workdirs["dynamic"], log=lambda _: None)
+        fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, workdirs["dynamic"])
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
     with pytest.raises(UserError, match=r'needs PyTorch: pip install "lconv\[fairseq\]"'):
         fairseq.read_checkpoint(checkpoint)
@@ -329,7 +329,7 @@ def test_without_sentencepiece_text_split_into_pieces_translates_as_fairseq(tmp_
     workdir = str(tmp_path / "pieces")
     record = fairseq_workdir.import_checkpoint(str(FIXTURES / "dynamic" / "checkpoint_last.pt"),
                                                str(FIXTURES / "dict.txt"), None, workdir, decode=GENERATE,
-                                               continuation="", log=lambda _: None)
+                                               continuation="")
     assert record["tokenizer"] == "pieces.json" and record["spm"] is None
     pieces = spm.SentencePieceProcessor(model_file=str(FIXTURES / "spm.model"))
     sources = [" ".join(pieces.encode(s, out_type=str)) for s in _lines(FIXTURES / "test.src")]

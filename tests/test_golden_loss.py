@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from reference import tolerance
 
-from configs import common
+from lconv.configs import common
 from lconv.train import setup, steps
 
 VOCAB = 64

@@ -19,6 +19,7 @@ The root's ``lconv.load`` is a lazy attribute (PEP 562, ``importlib``): ``import
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 
 import pytest
@@ -92,14 +93,44 @@ def test_every_import_points_down_or_stays_in_its_package():
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_package_imports_its_configs_as_lconv_configs():
-    """``configs`` is a top-level package only in a checkout: an installed lconv has ``lconv.configs`` alone."""
+def _imported_names(tree: ast.AST) -> list[str]:
+    """Every module a source imports: import statements, and ``importlib.import_module("...")`` /
+    ``import_module(f"...{x}")`` calls by the constant start of their argument."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.append(node.module or "")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              == "import_module" and node.args):
+            arg = node.args[0]
+            first = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.append(first.value)
+    return names
+
+
+def _sources() -> dict[str, str]:
+    """The Python a checkout runs: the package, scripts, tests, the top-level programs, the notebooks' cells."""
+    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+               for folder in ("lconv", "scripts", "tests") for p in sorted((ROOT / folder).rglob("*.py"))}
+    sources.update({p.name: p.read_text(encoding="utf-8") for p in sorted(ROOT.glob("*.py"))})
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+        sources[str(path.relative_to(ROOT))] = "\n".join(  # IPython's magics and shell lines are not Python
+            line for cell in code for line in cell.splitlines() if not line.lstrip().startswith(("%", "!")))
+    return sources
+
+
+def test_everything_imports_the_configs_as_lconv_configs():
+    """``configs`` is a top-level package only in a checkout (``lconv/configs`` links to it), and importing a file
+    both as ``configs.X`` and ``lconv.configs.X`` makes two module objects of it: one name, ``lconv.configs``."""
     wrong = []
-    for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            wrong += [f"{module} imports {name}" for name in names if name.split(".")[0] == "configs"]
+    for where, text in _sources().items():
+        wrong += [f"{where} imports {name}" for name in _imported_names(ast.parse(text))
+                  if name.split(".")[0] == "configs"]
     assert not wrong, "\n".join(wrong)
 
 

@@ -13,8 +13,8 @@ B, T, C = 2, 13, 12  # prime-ish T so tiling remainders show up
 # "pallas" runs in interpret mode on CPU (slow): tests/test_pallas_conv.py covers it against the same references.
 LIGHT = [i for i in ops.LIGHT_IMPLS if i not in ("auto", "pallas")]
 DYNAMIC = [i for i in ops.DYNAMIC_IMPLS if i not in ("auto", "pallas")]
-# The ops' dots run at lconv.ops.precision.CONV (HIGHEST) whatever the model's setting: float32 results are exact on
-# every backend, so these tolerances hold on all of them; bfloat16 inputs get bfloat16's.
+# The ops' dots run at lconv.ops.precision.CONV_PRECISION (HIGHEST) whatever the model's setting: float32 results
+# are exact on every backend, so these tolerances hold on all of them; bfloat16 inputs get bfloat16's.
 EXACT = tolerance(np.float32, "highest", atol=1e-5)
 BF16 = tolerance(jnp.bfloat16, "highest", rtol=2e-2, atol=5e-2)
 

@@ -286,7 +286,7 @@ def test_a_url_without_its_file_system_package_is_one_line_naming_the_flag_and_t
 
 
 def test_preparing_a_catalog_dataset_into_gs_stages_locally_and_uploads_dataset_info_last(bucket, monkeypatch,
-                                                                                            tmp_path):
+                                                                                            tmp_path, lconv_log):
     """``python -m lconv.data prepare lm1b --data_dir=gs://...``: tfds writes array_record to local files only, so
     the build is staged locally and uploaded; readers look for dataset_info.json, so it goes last."""
     import tensorflow_datasets as tfds
@@ -311,13 +311,12 @@ def test_preparing_a_catalog_dataset_into_gs_stages_locally_and_uploads_dataset_
         return real_write(self, data)
 
     monkeypatch.setattr(epath.Path, "write_bytes", recording_write)
-    logged = []
-    assert catalog.prepare("lm1b", "gs://bucket/tfds/", log=logged.append) == "gs://bucket/tfds/lm1b/1.1.0"
+    assert catalog.prepare("lm1b", "gs://bucket/tfds/") == "gs://bucket/tfds/lm1b/1.1.0"
     assert uploaded[-1] == "dataset_info.json" and len(uploaded) == len(list(epath.Path(built).iterdir()))
     assert sorted(os.listdir(bucket / "bucket" / "tfds" / "lm1b" / "1.1.0")) == sorted(uploaded)
     assert os.listdir(os.environ[paths.CACHE_ENV]) == ["downloads"]  # the staging folder is gone
-    assert catalog.prepare("lm1b", "gs://bucket/tfds", log=logged.append) == "gs://bucket/tfds/lm1b/1.1.0"
-    assert logged[-1] == "lm1b is already prepared in gs://bucket/tfds/lm1b/1.1.0"
+    assert catalog.prepare("lm1b", "gs://bucket/tfds") == "gs://bucket/tfds/lm1b/1.1.0"
+    assert lconv_log()[-1] == "lm1b is already prepared in gs://bucket/tfds/lm1b/1.1.0"
     assert bucket.os_calls == []
 
 

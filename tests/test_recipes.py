@@ -5,7 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from configs import common
+from lconv.configs import common
 from lconv.train import setup
 
 

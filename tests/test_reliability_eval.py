@@ -13,10 +13,10 @@ import pytest
 import sacrebleu
 import tiny_config
 
-from lconv.cli import evaluate
+from lconv.cli import eval_program
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.infer import evaluate as infer_evaluate
+from lconv.infer import decode_and_score
 from lconv.train import loop, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def trained(tmp_path_factory) -> pathlib.Path:
     config.data.data_dir = str(root / "tfds")
     config.data.tokenizer_max_sentences = 2000
     config.train.num_steps = 1
-    loop.train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1], log=lambda *_: None)
+    loop.train_and_evaluate(config, str(root / "run"), devices=jax.devices()[:1])
     return root / "run"
 
 
@@ -78,7 +78,7 @@ _BAD_FLAGS = [
 @pytest.mark.parametrize("flags, message", _BAD_FLAGS)
 def test_bad_flags_are_rejected_before_the_workdir_is_read(flags, message, tmp_path):
     with pytest.raises(UserError) as info:
-        evaluate.run(str(tmp_path / "no_such_run"), **flags)  # a workdir read first would fail on its config.json
+        eval_program.run(str(tmp_path / "no_such_run"), **flags)  # a workdir read first would fail on its config.json
     assert str(info.value).startswith(message)
 
 
@@ -94,14 +94,14 @@ def test_an_lm_run_refuses_references_for_its_prompts_before_loading(config_only
     config = json.loads((config_only / "config.json").read_text())
     (config_only / "config.json").write_text(json.dumps({**config, "task": "lm"}))
     with pytest.raises(UserError, match="^--reference_file: an lm run continues the prompts of --source_file"):
-        evaluate.run(str(config_only), source_file=str(config_only / "config.json"),
+        eval_program.run(str(config_only), source_file=str(config_only / "config.json"),
                      reference_file=str(config_only / "config.json"))
 
 
 def test_reference_and_output_files_without_a_source_file_are_not_ignored(config_only):
     for flag, value in (("reference_file", "ref.de"), ("output_file", "out.de")):
         with pytest.raises(UserError, match=f"^--{flag} goes with --source_file"):
-            evaluate.run(str(config_only), split="validation", **{flag: value})
+            eval_program.run(str(config_only), split="validation", **{flag: value})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_a_non_utf8_byte_names_the_file_line_and_byte_offset(config_only, tmp_pa
     expected = (f"--source_file={source}: line 2, byte offset 16: 0xe9 is not UTF-8 (invalid continuation byte); "
                 f"convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
     with pytest.raises(UserError) as info:
-        evaluate.run(str(config_only), source_file=str(source))
+        eval_program.run(str(config_only), source_file=str(source))
     assert str(info.value) == expected
     assert _one_line_error(_eval_py(f"--workdir={config_only}", f"--source_file={source}")) == expected
 
@@ -122,20 +122,21 @@ def test_a_bad_reference_file_is_named_too(config_only, tmp_path):
     (tmp_path / "in.en").write_text("one\ntwo\n")
     (tmp_path / "ref.de").write_bytes(b"eins\n\xffzwei\n")
     with pytest.raises(UserError, match=r"^--reference_file=.*ref.de: line 2, byte offset 0: 0xff is not UTF-8"):
-        evaluate.run(str(config_only), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "ref.de"))
+        eval_program.run(str(config_only), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "ref.de"))
     with pytest.raises(UserError, match=r"^--source_file=.*missing.en: cannot read it \(No such file"):
-        evaluate.run(str(config_only), source_file=str(tmp_path / "missing.en"))
+        eval_program.run(str(config_only), source_file=str(tmp_path / "missing.en"))
     (tmp_path / "short.de").write_text("eins\n")
     with pytest.raises(UserError, match=r"^--reference_file has 1 lines for 2 source lines \(.*short.de vs "):
-        evaluate.run(str(config_only), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
+        eval_program.run(str(config_only), source_file=str(tmp_path / "in.en"),
+                         reference_file=str(tmp_path / "short.de"))
 
 
 def test_lines_end_at_newlines_and_a_crlf_loses_its_cr(tmp_path):
     path = tmp_path / "in.txt"
     path.write_bytes("a b\r\nc\rd\n\n  \nlast, no newline: ü".encode())
-    assert evaluate.read_lines(str(path), "--source_file") == ["a b", "c\rd", "", "  ", "last, no newline: ü"]
+    assert eval_program.read_lines(str(path), "--source_file") == ["a b", "c\rd", "", "  ", "last, no newline: ü"]
     path.write_bytes(b"")
-    assert evaluate.read_lines(str(path), "--source_file") == []
+    assert eval_program.read_lines(str(path), "--source_file") == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,55 +148,53 @@ def test_an_output_file_that_cannot_be_written_is_an_error_before_loading(config
     missing = tmp_path / "no_such_dir" / "out.de"
     expected = f"cannot write --output_file={missing}: the directory {missing.parent} does not exist"
     with pytest.raises(UserError) as info:
-        evaluate.run(str(config_only), source_file=source, output_file=str(missing))
+        eval_program.run(str(config_only), source_file=source, output_file=str(missing))
     assert str(info.value) == expected
     assert _one_line_error(_eval_py(f"--workdir={config_only}", f"--source_file={source}",
                                     f"--output_file={missing}")) == expected
     with pytest.raises(UserError, match=f"^cannot write --output_file={tmp_path}: it is a directory$"):
-        evaluate.run(str(config_only), source_file=source, output_file=str(tmp_path))
+        eval_program.run(str(config_only), source_file=source, output_file=str(tmp_path))
     (config_only / "output.txt").mkdir()  # the default output, <workdir>/output.txt, cannot be a file
     with pytest.raises(UserError, match=r"^cannot write the default --output_file=.*output.txt \(pass "):
-        evaluate.run(str(config_only), source_file=source)
+        eval_program.run(str(config_only), source_file=source)
 
 
 def test_a_split_whose_outputs_cannot_be_written_is_an_error_before_loading(config_only):
     (config_only / "validation.hyp.txt").mkdir()
     with pytest.raises(UserError, match=r"^cannot write .*validation.hyp.txt \(eval writes a split's outputs into "
                                         r"--workdir\): it is a directory$"):
-        evaluate.run(str(config_only), split="validation")
+        eval_program.run(str(config_only), split="validation")
 
 
 def test_a_read_only_directory_is_an_error_before_loading(config_only, tmp_path):
     # /sys is read-only for every user, root included (a chmod'ed directory would not stop root).
     (tmp_path / "in.en").write_text("one line\n")
     with pytest.raises(UserError, match="^cannot write --output_file=/sys/out.de: Permission denied$"):
-        evaluate.run(str(config_only), source_file=str(tmp_path / "in.en"), output_file="/sys/out.de")
+        eval_program.run(str(config_only), source_file=str(tmp_path / "in.en"), output_file="/sys/out.de")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Decoding a text file: empty files, blank lines and over-long lines are reported, outputs stay line-aligned
 # ----------------------------------------------------------------------------------------------------------------
-def test_an_empty_source_file_gives_an_empty_output_and_no_score(trained, tmp_path):
+def test_an_empty_source_file_gives_an_empty_output_and_no_score(trained, tmp_path, lconv_log):
     (tmp_path / "empty.en").write_text("")
     (tmp_path / "empty.de").write_text("")
-    messages = []
-    scores = evaluate.run(str(trained), source_file=str(tmp_path / "empty.en"),
-                          reference_file=str(tmp_path / "empty.de"), output_file=str(tmp_path / "out.de"),
-                          log=messages.append)
+    scores = eval_program.run(str(trained), source_file=str(tmp_path / "empty.en"),
+                          reference_file=str(tmp_path / "empty.de"), output_file=str(tmp_path / "out.de"))
     assert (tmp_path / "out.de").read_text() == ""
     assert scores["examples"] == 0 and "bleu" not in scores
-    assert any("has no lines" in m and "nothing to score" in m for m in messages), messages
+    assert any("has no lines" in m and "nothing to score" in m for m in lconv_log()), lconv_log()
 
 
-def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained, tmp_path):
+def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained, tmp_path, lconv_log):
     long_line = " ".join(["word"] * 5000)
     sources = ["This package contains the documentation.", "", long_line, "   ", "A library for parsing XML."]
     references = ["Dieses Paket enthält die Dokumentation.", "Leer.", "Wort", "", "Eine Bibliothek für XML."]
     (tmp_path / "in.en").write_text("\n".join(sources) + "\n")
     (tmp_path / "ref.de").write_text("\n".join(references) + "\n")
-    messages = []
-    scores = evaluate.run(str(trained), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "ref.de"),
-                          output_file=str(tmp_path / "out.de"), beam_size=2, log=messages.append)
+    scores = eval_program.run(str(trained), source_file=str(tmp_path / "in.en"),
+                              reference_file=str(tmp_path / "ref.de"), output_file=str(tmp_path / "out.de"),
+                              beam_size=2)
     hypotheses = (tmp_path / "out.de").read_text().split("\n")[:-1]
     assert len(hypotheses) == 5 and hypotheses[1] == hypotheses[3] == ""  # blank in, blank out, in place
     assert all(hypotheses[i] for i in (0, 2, 4))  # the others were decoded (the tiny model never stops at once)
@@ -208,19 +207,19 @@ def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained
         "source_token_limit": limit}
     # Blank sources stay in the scored corpus as empty hypotheses.
     assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
-    assert "2 blank source lines (lines 2, 4): empty outputs in place; scored as empty hypotheses" in messages
+    assert "2 blank source lines (lines 2, 4): empty outputs in place; scored as empty hypotheses" in lconv_log()
     assert (f"1 source line longer than config.data.eval_max_input_length={limit} tokens (EOS included) cut to it; "
-            f"the longest has {longest} tokens (line 3)") in messages
-    assert json.loads(messages[-1])["blank_sources"] == 2  # the log's JSON line carries the counts too
+            f"the longest has {longest} tokens (line 3)") in lconv_log()
+    assert json.loads(lconv_log()[-1])["blank_sources"] == 2  # the log's JSON line carries the counts too
 
 
 def test_measure_sources_counts_what_decoding_cuts(trained):
     tokenizer = tokenizer_lib.load_tokenizer(str(trained))
     lengths = [len(tokenizer.encode(s)) + 1 for s in ("a", "a b c d e f g", "word " * 40)]
     limit = lengths[1]  # exactly at the limit is not cut
-    measured = infer_evaluate.measure_sources(tokenizer, ["a", "a b c d e f g", "word " * 40], limit)
+    measured = decode_and_score.measure_sources(tokenizer, ["a", "a b c d e f g", "word " * 40], limit)
     assert measured.truncated == [2] and measured.longest == lengths[2] > limit
     assert measured.counts() == {"truncated_sources": 1, "longest_source_tokens": lengths[2],
                                  "source_token_limit": limit}
-    assert infer_evaluate.measure_sources(tokenizer, [], 8).counts()["longest_source_tokens"] == 0
-    assert infer_evaluate.score_texts("translation", [], []) == {}
+    assert decode_and_score.measure_sources(tokenizer, [], 8).counts()["longest_source_tokens"] == 0
+    assert decode_and_score.score_texts("translation", [], []) == {}

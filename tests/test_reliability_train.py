@@ -39,7 +39,6 @@ def _one_line_error(result):
     return lines[0]
 
 
-_quiet = tiny_config.quiet
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def trained(tmp_path_factory):
     """A finished 6-step run (checkpoints 2..6 with manifests) and its data dir."""
     root = tmp_path_factory.mktemp("reliability")
     workdir = root / "run"
-    loop.train_and_evaluate(_config(root / "tfds"), str(workdir), devices=jax.devices()[:1], log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds"), str(workdir), devices=jax.devices()[:1])
     return root, workdir
 
 
@@ -120,15 +119,14 @@ def test_a_second_train_py_on_a_workdir_is_refused_naming_the_first(trained):
     assert line.startswith(f"error: --workdir={workdir} is in use by another train.py (pid {os.getpid()} on ")
 
 
-def test_a_lock_left_by_a_dead_run_is_taken_over_and_reported(tmp_path):
+def test_a_lock_left_by_a_dead_run_is_taken_over_and_reported(tmp_path, lconv_log):
     dead = {"pid": 999999, "host": "gone", "started": "2026-01-01T00:00:00"}
     (tmp_path / workdir_lib.LOCK_FILENAME).write_text(json.dumps(dead))  # a crash: the file without its flock
-    messages = []
-    with workdir_lib.lock(str(tmp_path), log=messages.append):
+    with workdir_lib.lock(str(tmp_path)):
         owner = json.loads((tmp_path / workdir_lib.LOCK_FILENAME).read_text())
         assert owner["pid"] == os.getpid()
-    assert messages == [f"took over {tmp_path / workdir_lib.LOCK_FILENAME} from a run that is gone (pid 999999 on "
-                        "gone, started 2026-01-01T00:00:00)"]
+    assert lconv_log() == [f"took over {tmp_path / workdir_lib.LOCK_FILENAME} from a run that is gone (pid 999999 "
+                           "on gone, started 2026-01-01T00:00:00)"]
     assert (tmp_path / workdir_lib.LOCK_FILENAME).read_text() == ""  # released cleanly
 
 
@@ -138,7 +136,7 @@ def test_before_its_first_checkpoint_a_workdir_takes_the_new_launchs_config(tmp_
     workdir_lib.write_config(first, str(tmp_path), {}, has_checkpoint=False)  # a launch killed before step 1
     changes = workdir_lib.check_config_change(second, str(tmp_path), has_checkpoint=False)
     assert changes == {"model.d_model": (16, 32)}
-    workdir_lib.write_config(second, str(tmp_path), changes, has_checkpoint=False, log=_quiet)
+    workdir_lib.write_config(second, str(tmp_path), changes, has_checkpoint=False)
     assert json.loads((tmp_path / "config.json").read_text())["model"]["d_model"] == 32  # what eval.py will build
     assert json.loads((tmp_path / "config_changes.jsonl").read_text())["changes"] == {"model.d_model": [16, 32]}
 
@@ -201,31 +199,28 @@ def _flip_bytes(step_dir, count=4096):
     return target
 
 
-def test_a_checkpoint_with_flipped_bytes_is_set_aside_and_the_run_resumes_from_the_one_before(trained):
+def test_a_checkpoint_with_flipped_bytes_is_set_aside_and_the_run_resumes_from_the_one_before(trained, lconv_log):
     workdir = _copy(trained, "flipped")
     damaged = _flip_bytes(workdir / "checkpoints" / "6")
-    messages = []
-    result = loop.train_and_evaluate(_config(trained[0] / "tfds", 7), str(workdir), devices=jax.devices()[:1],
-                                     log=messages.append)
+    result = loop.train_and_evaluate(_config(trained[0] / "tfds", 7), str(workdir), devices=jax.devices()[:1])
     rel = damaged.relative_to(workdir / "checkpoints" / "6")
     assert any("[6] unreadable or corrupt" in m and "resuming from step 5" in m and f"{rel} changed since it was "
-               "written (SHA-256 mismatch)" in m for m in messages), messages
+               "written (SHA-256 mismatch)" in m for m in lconv_log()), lconv_log()
     assert result["step"] == 7 and len(os.listdir(workdir / "checkpoints_unreadable")) == 1
     steps_kept = checkpoints.Checkpointer(workdir).all_steps()
     assert 7 in steps_kept and integrity.verify_manifest(str(workdir / "checkpoints" / "7"), required=True)
 
 
-def test_a_checkpoint_holding_nan_is_corrupt_even_with_a_valid_manifest(tmp_path):
+def test_a_checkpoint_holding_nan_is_corrupt_even_with_a_valid_manifest(tmp_path, lconv_log):
     ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1)
     good = {"w": np.ones((3,), np.float32), "count": np.int32(1)}
     ckpt.save(1, good, {"process_count": 1, "processes": [None]})
     ckpt.save(2, {"w": np.array([1.0, np.nan, 1.0], np.float32), "count": np.int32(2)},
               {"process_count": 1, "processes": [None]})
     assert integrity.verify_manifest(str(tmp_path / "checkpoints" / "2"), required=True)  # the bytes are intact
-    messages = []
-    state, _ = ckpt.restore_latest_readable(checkpoints.abstract_like(good), log=messages.append)
+    state, _ = ckpt.restore_latest_readable(checkpoints.abstract_like(good))
     assert int(state["count"]) == 1
-    assert "holds non-finite values (first in ['w'])" in messages[0], messages
+    assert "holds non-finite values (first in ['w'])" in lconv_log()[0], lconv_log()
     ckpt.close()
 
 
@@ -295,7 +290,7 @@ def test_a_finite_divergence_stops_and_keeps_the_checkpoint_before_it(trained):
     config = _config(root / "tfds", 30, spike_windows=2)
     config.optim.learning_rate = 1e4  # the issue's case: loss 6.9 -> 5.8e9, and it used to run to the end
     with pytest.raises(Diverged, match=r"by step \d+.*the last (good )?checkpoint.* is kept \(step (\d+)\)") as info:
-        loop.train_and_evaluate(config, str(diverging), devices=jax.devices()[:1], log=_quiet)
+        loop.train_and_evaluate(config, str(diverging), devices=jax.devices()[:1])
     stopped_at = int(str(info.value).split("by step ")[1].split()[0].rstrip(";"))
     rows = [json.loads(r) for r in (diverging / "metrics.jsonl").read_text().splitlines()]
     train_losses = {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
@@ -323,8 +318,7 @@ def test_a_loss_spike_is_never_checkpointed(trained, monkeypatch):
 
     monkeypatch.setattr(steps, "make_train_step", spiked)
     with pytest.raises(LossSpike, match=r"by step 6 .* for 2 log windows in a row.*kept \(step 4\)"):
-        loop.train_and_evaluate(_config(root / "tfds", 8, spike_windows=2), str(spiking), devices=jax.devices()[:1],
-                                log=_quiet)
+        loop.train_and_evaluate(_config(root / "tfds", 8, spike_windows=2), str(spiking), devices=jax.devices()[:1])
     assert checkpoints.Checkpointer(spiking).all_steps() == [1, 2, 3, 4]
 
 
@@ -382,25 +376,24 @@ def test_a_transient_read_error_is_retried_and_never_falls_back_past_a_good_chec
     ckpt, abstract = _two_checkpoints(tmp_path)
     restore, calls = _failing(ckpt.manager, failures=2)
     monkeypatch.setattr(ckpt.manager, "restore", restore)
-    state, _ = ckpt.restore_latest_readable(abstract, log=_quiet)
+    state, _ = ckpt.restore_latest_readable(abstract)
     assert float(state["w"][0]) == 2 and calls == [2, 2, 2]  # the third attempt read the newest
 
     restore, calls = _failing(ckpt.manager, failures=100)
     monkeypatch.setattr(ckpt.manager, "restore", restore)
     with pytest.raises(integrity.CheckpointReadError, match=r"checkpoint .*/2 verified but could not be read in 3 "
                                                             r"attempts \(OSError: .*nothing was moved"):
-        ckpt.restore_latest_readable(abstract, log=_quiet)
+        ckpt.restore_latest_readable(abstract)
     assert calls == [2, 2, 2] and ckpt.all_steps() == [1, 2]  # no older fallback, nothing set aside
     ckpt.close()
 
 
-def test_an_unverified_checkpoint_that_does_not_read_is_set_aside(tmp_path, monkeypatch):
+def test_an_unverified_checkpoint_that_does_not_read_is_set_aside(tmp_path, monkeypatch, lconv_log):
     ckpt, abstract = _two_checkpoints(tmp_path)
     (tmp_path / "checkpoints" / "2" / integrity.MANIFEST_FILENAME).unlink()  # e.g. written by an older lconv
     real = ckpt.manager.restore
     monkeypatch.setattr(ckpt.manager, "restore", lambda step, **kw: real(step, **kw) if step == 1 else 1 / 0)
-    messages = []
-    state, _ = ckpt.restore_latest_readable(abstract, log=messages.append)
+    state, _ = ckpt.restore_latest_readable(abstract)
     assert float(state["w"][0]) == 1 and ckpt.all_steps() == [1]
-    assert "[2] unreadable or corrupt" in messages[0] and "ZeroDivisionError" in messages[0]
+    assert "[2] unreadable or corrupt" in lconv_log()[0] and "ZeroDivisionError" in lconv_log()[0]
     ckpt.close()

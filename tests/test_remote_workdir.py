@@ -28,9 +28,8 @@ def test_a_remote_metrics_file_is_rewritten_whole_and_keeps_earlier_rows(tmp_pat
     assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [1, 2, 3]
 
 
-def test_a_remote_workdir_is_not_locked_and_says_so():
-    messages = []
-    with workdir_lib.lock("gs://bucket/run", log=messages.append):
+def test_a_remote_workdir_is_not_locked_and_says_so(lconv_log):
+    with workdir_lib.lock("gs://bucket/run"):
         pass
-    assert messages == ["warning: gs://bucket/run is remote: nothing stops a second train.py on it (file locks "
-                        "are local only)"]
+    assert lconv_log() == ["warning: gs://bucket/run is remote: nothing stops a second train.py on it (file "
+                           "locks are local only)"]

@@ -11,8 +11,8 @@ import pytest
 import tiny_config
 from flax import linen as nn
 
-from configs import common
 from lconv import constants
+from lconv.configs import common
 from lconv.errors import UserError
 from lconv.nn import knn_memory, models
 from lconv.nn.common import BTC, axis_rules, constrain, under_axis_rules

@@ -246,7 +246,7 @@ def test_resume_restores_the_memory_and_the_stream(tmp_path):
     config.train.num_steps, config.train.eval_every, config.train.checkpoint_every = 6, 1000, 3
     full = tmp_path / "full"
     devices = jax.devices("cpu")[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
-    result = loop.train_and_evaluate(config, str(full), devices=devices, log=lambda *a: None)
+    result = loop.train_and_evaluate(config, str(full), devices=devices)
     assert result["validation"]["tokens"] > 1000
     losses = _read_losses(full)
 
@@ -254,9 +254,9 @@ def test_resume_restores_the_memory_and_the_stream(tmp_path):
     half.mkdir()
     (half / "spm.model").write_bytes((full / "spm.model").read_bytes())
     config.train.num_steps = 3
-    loop.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
+    loop.train_and_evaluate(config, str(half), devices=devices)
     config.train.num_steps = 6
-    resumed = loop.train_and_evaluate(config, str(half), devices=devices, log=lambda *a: None)
+    resumed = loop.train_and_evaluate(config, str(half), devices=devices)
     assert _read_losses(half) == losses  # steps 4..6 after the restore equal the uninterrupted run's
     assert resumed["validation"]["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-6)
 

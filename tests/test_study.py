@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import log_capture
 import ml_collections
 import pytest
 
@@ -38,10 +39,11 @@ def _quick(tmp_path, **fields):
 def studied(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     study = _quick(root, prune_checkpoints=False)  # kept, so the re-run below can resume from them
-    lines = []
     os.environ.pop("XLA_FLAGS", None)  # conftest's 8 virtual devices are for this process, not the runs
-    records = driver.run_study(study, str(root / "out"), str(root / "docs"), command="test", log=lines.append)
-    return root, study, records, lines
+    collect = log_capture.Collect()  # caplog is per test; this fixture is per module
+    with log_capture.attached(collect):
+        records = driver.run_study(study, str(root / "out"), str(root / "docs"), command="test")
+    return root, study, records, collect.messages
 
 
 def _by_name(records):
@@ -113,8 +115,7 @@ def test_a_rerun_skips_finished_runs_and_resumes_unfinished_ones(studied):
     unfinished = out / "runs" / "translation" / "transformer" / "seed0"
     (unfinished / "study_result.json").unlink()  # as if the run had been stopped after its last checkpoint
     study.mixers = ("transformer",)
-    lines = []
-    records = driver.run_study(study, str(out), str(root / "docs2"), command="test", log=lines.append)
+    records = driver.run_study(study, str(out), str(root / "docs2"), command="test")
     runs = _by_name(records)
     assert runs["lm/transformer"].get("skipped") and runs["summarization/transformer"].get("skipped")
     assert finished.stat().st_mtime_ns == before
@@ -211,12 +212,12 @@ def test_a_study_config_edited_since_its_runs_were_made_is_refused(studied):
     edited.mixer_overrides = {**edited.mixer_overrides.to_dict(), "transformer": {"model": {"dropout": 0.25}}}
     with pytest.raises(UserError, match=r"holds runs made with another study config: translation/transformer/seed0 "
                                         r"\(config\.model\.dropout: 0\.1 -> 0\.25\) and 2 more; use a new"):
-        driver.run_study(edited, str(root / "out"), str(root / "docs3"), command="test", log=lambda line: None)
+        driver.run_study(edited, str(root / "out"), str(root / "docs3"), command="test")
     assert not (root / "docs3").exists()
 
 
 def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_runs(studied, tmp_path,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, lconv_log):
     """The scratch output dir is gone (a new machine, a session cut off): the archive the report wrote into the
     docs dir, a few KB per finished run, stands in for the finished runs, figures and training curves intact."""
     root, study, records, _ = studied
@@ -228,10 +229,9 @@ def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_ru
     monkeypatch.setattr(run_lib, "_run_process", lambda *args: pytest.fail("a restored run was trained again"))
     only = plan.normalize(study)
     only.mixers = ("transformer",)
-    lines = []
     resumed = driver.run_study(only, str(out), str(tmp_path / "docs"), resume_from=str(root / "docs"),
-                               command="test", log=lines.append)
-    assert any(line.startswith("restored 3 finished runs from") for line in lines)
+                               command="test")
+    assert any(line.startswith("restored 3 finished runs from") for line in lconv_log())
     before, after = _by_name(records), _by_name(resumed)
     for name, record in after.items():
         assert record["status"] == "ok" and record["restored"]
@@ -252,11 +252,11 @@ def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_ru
                                         r"translation/transformer/seed0 \(config\.model\.dropout: 0\.1 -> 0\.25\) "
                                         r"and 2 more"):
         driver.run_study(edited, str(tmp_path / "out2"), str(tmp_path / "docs2"), resume_from=str(root / "docs"),
-                         command="test", log=lambda line: None)
+                         command="test")
     assert not (tmp_path / "out2" / "runs").exists()  # refused before anything was copied
     with pytest.raises(UserError, match=r"^--resume_from=.* has no results/runs/ \(the run archive"):
         driver.run_study(only, str(tmp_path / "out3"), str(tmp_path / "docs3"), resume_from=str(tmp_path),
-                         command="test", log=lambda line: None)
+                         command="test")
 
 
 def _processes_running(text: str) -> list[int]:

@@ -35,7 +35,6 @@ def _new_workdir(root, name, like):
     return workdir
 
 
-_quiet = tiny_config.quiet
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     workdir = root / "full"
     # The 8 virtual CPU devices (tests/conftest.py), whichever backend the suite runs on.
-    result = loop.train_and_evaluate(_config(root / "tfds"), str(workdir), devices=jax.devices("cpu"), log=_quiet)
+    result = loop.train_and_evaluate(_config(root / "tfds"), str(workdir), devices=jax.devices("cpu"))
     return root, workdir, result
 
 
@@ -73,8 +72,8 @@ def test_the_best_checkpoint_is_the_lowest_validation_loss(uninterrupted):
 def test_resume_continues_exactly(uninterrupted):
     root, workdir, _ = uninterrupted
     resumed = _new_workdir(root, "resumed", workdir)
-    loop.train_and_evaluate(_config(root / "tfds", 3), str(resumed), log=_quiet)
-    loop.train_and_evaluate(_config(root / "tfds", 6), str(resumed), log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds", 3), str(resumed))
+    loop.train_and_evaluate(_config(root / "tfds", 6), str(resumed))
     full, again = _train_losses(workdir), _train_losses(resumed)
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
@@ -84,14 +83,14 @@ def test_resume_continues_exactly(uninterrupted):
 def test_one_device_gives_the_losses_of_eight(uninterrupted):
     root, workdir, _ = uninterrupted
     single = _new_workdir(root, "single", workdir)
-    loop.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices("cpu")[:1], log=_quiet)
+    loop.train_and_evaluate(_config(root / "tfds"), str(single), devices=jax.devices("cpu")[:1])
     eight, one = _train_losses(workdir), _train_losses(single)
     assert len(jax.devices("cpu")) == 8
     for step in range(1, 7):
         assert one[step] == pytest.approx(eight[step], rel=2e-5), step
 
 
-def test_half_written_and_corrupt_checkpoints_are_skipped(uninterrupted):
+def test_half_written_and_corrupt_checkpoints_are_skipped(uninterrupted, lconv_log):
     root, workdir, _ = uninterrupted
     damaged = root / "damaged"
     shutil.copytree(workdir, damaged)
@@ -101,9 +100,8 @@ def test_half_written_and_corrupt_checkpoints_are_skipped(uninterrupted):
     for path in (damaged / "checkpoints" / "6").rglob("*"):  # the newest complete one: every file garbage
         if path.is_file():
             path.write_bytes(b"garbage")
-    messages = []
-    loop.train_and_evaluate(_config(root / "tfds", 7), str(damaged), log=messages.append)
-    assert any("[6] unreadable" in m and "resuming from step 5" in m for m in messages), messages
+    loop.train_and_evaluate(_config(root / "tfds", 7), str(damaged))
+    assert any("[6] unreadable" in m and "resuming from step 5" in m for m in lconv_log()), lconv_log()
     assert len(os.listdir(damaged / "checkpoints_unreadable")) == 1  # set aside, not deleted
     rows = [r for r in _rows(damaged, "train") if r["step"] == 6]
     assert rows[-1]["loss"] == pytest.approx(_train_losses(workdir)[6], rel=1e-6)  # step 6 redone from step 5
@@ -118,10 +116,10 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_a_clear_error(uninterrupte
     config.model.d_model = 32
     with pytest.raises(ValueError, match=r"changes the config its checkpoints were trained with \(config.model."
                                          r"d_model: 16 -> 32\)"):
-        loop.train_and_evaluate(config, str(other), log=_quiet)
+        loop.train_and_evaluate(config, str(other))
     with pytest.raises(ValueError, match=r"does not fit this config's model: params/.* is \(16,\) there and "
                                          r"\(32,\) here"):
-        loop.train_and_evaluate(config, str(other), log=_quiet, accept_config_changes=True)
+        loop.train_and_evaluate(config, str(other), accept_config_changes=True)
     assert not (other / "checkpoints_unreadable").exists()  # a config mismatch sets nothing aside
     assert json.loads((other / "config.json").read_text())["model"]["d_model"] == 16  # still the checkpoints' own
 
@@ -145,7 +143,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(uni
 
     monkeypatch.setattr(steps, "make_train_step", poisoned)
     with pytest.raises(FloatingPointError, match="step 4.*last good checkpoint is kept.*step 3"):
-        loop.train_and_evaluate(_config(root / "tfds"), str(diverging), log=_quiet)
+        loop.train_and_evaluate(_config(root / "tfds"), str(diverging))
     ckpt = checkpoints.Checkpointer(diverging)
     assert ckpt.latest_step() == 3
     ckpt.close()
@@ -220,7 +218,7 @@ def test_bad_config_values_fail_fast_naming_the_field(field, value, message, tmp
     section, _, name = field.rpartition(".")
     (config[section] if section else config)[name] = value
     with pytest.raises(ValueError, match=message):
-        loop.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
+        loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # failed before writing anything
 
 
@@ -228,14 +226,14 @@ def test_batch_must_divide_into_devices_times_micro_batches(tmp_path):
     config = tiny_config.get_config()
     config.optim.grad_accum_steps = 3
     with pytest.raises(ValueError, match="batch_size=8 must be divisible by the 8 .*grad_accum_steps=3"):
-        loop.train_and_evaluate(config, str(tmp_path / "run"), log=_quiet)
+        loop.train_and_evaluate(config, str(tmp_path / "run"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # eval.py's library side: splits, averaging, the best checkpoint, arbitrary text
 # ----------------------------------------------------------------------------------------------------------------
-def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
-    from lconv.cli import evaluate
+def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted, lconv_log):
+    from lconv.cli import eval_program
 
     root, workdir, _ = uninterrupted
     config = _config(root / "tfds")
@@ -252,9 +250,8 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
         np.testing.assert_allclose(np.asarray(got), np.mean([np.asarray(x, np.float64) for x in separate], 0),
                                    rtol=1e-6, atol=1e-7)
 
-    messages = []
-    scores = evaluate.run(str(workdir), split="validation", average_last=3, beam_size=2, log=messages.append)
-    assert messages[0] == "checkpoint(s) [4, 5, 6]"
+    scores = eval_program.run(str(workdir), split="validation", average_last=3, beam_size=2)
+    assert lconv_log()[0] == "checkpoint(s) [4, 5, 6]"
     size = len(sources.get_source(config.data.dataset, "validation", config.data.data_dir, None)[0])
     assert scores["examples"] == size > 1000 and scores["bleu_signature"].startswith("nrefs:1")
     with open(workdir / "validation.hyp.txt") as f:
@@ -263,45 +260,44 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(uninterrupted):
         assert json.load(f)["bleu"] == pytest.approx(scores["bleu"])
 
 
-def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path):
-    from lconv.cli import evaluate
+def test_eval_translates_a_text_file_and_scores_it(uninterrupted, tmp_path, lconv_log):
+    from lconv.cli import eval_program
 
     root, workdir, _ = uninterrupted
     sources = ["This package contains the documentation.", "", "A library for parsing XML files in C."]
     (tmp_path / "in.en").write_text("\n".join(sources) + "\n")
     out = tmp_path / "out.de"
-    messages = []
-    scores = evaluate.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
-                          output_file=str(out), beam_size=2, log=messages.append)
+    scores = eval_program.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
+                          output_file=str(out), beam_size=2)
     best_step = checkpoints.Checkpointer(workdir, subdir="best").all_steps()
-    assert messages[0] == f"checkpoint(s) {best_step}"
+    assert lconv_log()[0] == f"checkpoint(s) {best_step}"
     hypotheses = out.read_text().split("\n")[:-1]
     assert len(hypotheses) == 3 and hypotheses[1] == ""  # a blank line stays blank, in place
     assert scores["examples"] == 3 and scores["blank_sources"] == 1 and scores["truncated_sources"] == 0
     # With references, the scores are sacreBLEU's own on the hypotheses and references, row by row.
     references = ["Dieses Paket enthält die Dokumentation.", "", "Eine Bibliothek zum Parsen von XML-Dateien."]
     (tmp_path / "ref.de").write_text("\n".join(references) + "\n")
-    scores = evaluate.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
+    scores = eval_program.run(str(workdir), checkpoint="best", source_file=str(tmp_path / "in.en"),
                           reference_file=str(tmp_path / "ref.de"), output_file=str(tmp_path / "again.de"),
-                          beam_size=2, log=messages.append)
+                          beam_size=2)
     assert (tmp_path / "again.de").read_text() == out.read_text()  # decoding is deterministic
     assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
     (tmp_path / "short.de").write_text("one line\n")
     with pytest.raises(ValueError, match="--reference_file has 1 lines for 3 source lines"):
-        evaluate.run(str(workdir), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
+        eval_program.run(str(workdir), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
     with pytest.raises(ValueError, match="does not combine with --checkpoint=best"):
-        evaluate.run(str(workdir), checkpoint="best", average_last=2)
+        eval_program.run(str(workdir), checkpoint="best", average_last=2)
 
 
 def test_eval_scores_a_language_model_by_perplexity(tmp_path):
-    from lconv.cli import evaluate
+    from lconv.cli import eval_program
 
     config = _config(tmp_path / "tfds", num_steps=2, eval_every=1000)
     config.task, config.data.dataset = "lm", "ddtp/lm_en"
     config.model.encoder_layers = 0
     workdir = tmp_path / "lm"
-    result = loop.train_and_evaluate(config, str(workdir), log=_quiet)
-    scores = evaluate.run(str(workdir), split="validation", log=_quiet)
+    result = loop.train_and_evaluate(config, str(workdir))
+    scores = eval_program.run(str(workdir), split="validation")
     # The same params on the same split: eval.py's perplexity is the one train.py logged at the end.
     assert scores["tokens"] == result["validation"]["tokens"] > 1000
     assert scores["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-5)
@@ -309,7 +305,7 @@ def test_eval_scores_a_language_model_by_perplexity(tmp_path):
         assert json.load(f)["ppl"] == pytest.approx(scores["ppl"])
     assert "word_ppl" not in scores  # validation texts are cut to 32 tokens here: their NLL is not the texts'
     with pytest.raises(ValueError, match="--reference_file: an lm run continues the prompts"):
-        evaluate.run(str(workdir), source_file=str(workdir / "config.json"), reference_file=str(workdir / "x"))
+        eval_program.run(str(workdir), source_file=str(workdir / "config.json"), reference_file=str(workdir / "x"))
 
 
 def test_each_process_gets_its_own_data_position_back():

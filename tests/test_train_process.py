@@ -15,7 +15,7 @@ import time
 import pytest
 import tiny_config
 
-from lconv.cli import evaluate as cli_evaluate
+from lconv.cli import eval_program
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.train import checkpoints, loop
@@ -112,7 +112,7 @@ def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared)
     reference = _workdir(prepared, "reference")
     config = config.copy_and_resolve_references()
     config.train.update(num_steps=40, checkpoint_every=5, eval_every=1000)
-    loop.train_and_evaluate(config, str(reference), log=lambda *a: None)
+    loop.train_and_evaluate(config, str(reference))
     expected = dict(_logged(reference))
     logged = _logged(workdir)
     assert sorted(expected) == list(range(1, 41)) and {s for s, _ in logged} == set(expected)
@@ -188,7 +188,7 @@ def test_two_processes_score_the_whole_test_split_as_one_process_does(prepared, 
     # eval.py's code in this one process (8 devices) on the same checkpoint: the same file and the same score.
     single = tmp_path / "one_process"
     shutil.copytree(workdir, single)
-    one = cli_evaluate.run(str(single), log=lambda *a: None)
+    one = eval_program.run(str(single))
     assert (single / "test.hyp.txt").read_bytes() == hypotheses
     for key in ("bleu", "bleu_text", "examples", "truncated_sources", "longest_source_tokens"):
         assert one[key] == scores[key], key
@@ -254,7 +254,7 @@ def test_two_processes_score_a_language_models_perplexity_on_the_whole_split(pre
     assert scores["tokens"] == expected_tokens
     single = tmp_path / "one_process"
     shutil.copytree(workdir, single)
-    one = cli_evaluate.run(str(single), log=lambda *a: None)  # eval.py's code, in this one process
+    one = eval_program.run(str(single))  # eval.py's code, in this one process
     assert one["tokens"] == expected_tokens and one["ppl"] == pytest.approx(scores["ppl"], rel=1e-5)
 
 

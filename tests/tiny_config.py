@@ -2,7 +2,7 @@
 
     python train.py --config=tests/tiny_config.py --workdir=/tmp/tiny --config.data.data_dir=/tmp/tfds
 """
-from configs import default
+from lconv.configs import default
 
 
 def get_config(arg=None):
@@ -32,8 +32,3 @@ def training_config(data_dir, num_steps=6, **train):
     c.train.num_steps = num_steps
     c.train.update(train)
     return c
-
-
-def quiet(*args):
-    """A ``log`` that prints nothing."""
-    del args

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from lconv import outputs
+from lconv import console, outputs
 from lconv.errors import UserError
 
 SUITES = ("mixers", "limits", "decode", "beam", "train")
@@ -111,12 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     resolve_outputs(opts, parser, timing.backend())
     opts.command = "python -m lconv.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
 
+    console.show_log("stdout")  # each suite's progress lines, between the suite headers printed here
     info = timing.machine_info()
     print(f"machine: {timing.describe(info)}", flush=True)
     for name in SUITES if opts.suite == "all" else (opts.suite,):
         start = time.perf_counter()
         print(f"suite {name}", flush=True)
-        importlib.import_module(f"lconv.bench.{name}").run_suite(opts, info, log=lambda s: print(s, flush=True))
+        importlib.import_module(f"lconv.bench.{name}").run_suite(opts, info)
         print(f"suite {name} done in {time.perf_counter() - start:.0f} s; results in {opts.out} and {opts.doc}",
               flush=True)
 

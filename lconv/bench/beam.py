@@ -2,7 +2,7 @@
 
 The README default's translation models (configs/default.py: DynamicConv and its Transformer; d=256, 3+3 layers,
 vocab 4000, beam 4), untrained, decode a split of synthetic sources (6-40 tokens each, seeded, as DDTP's test
-sentences: width buckets 32 and 64) through ``lconv.infer.evaluate.decode_batches``, the path eval.py and the
+sentences: width buckets 32 and 64) through ``lconv.infer.decode_and_score.decode_batches``, the path eval.py and the
 end of train.py take, at each decoding batch size of ``ROWS`` (up to the split's size). ``auto`` marks the size
 ``decode.batch_size = 0`` picks on this backend. Each size decodes the split once to compile its programs (timed
 apart as compile + first pass) and then ``REPEATS`` more times; sentences/s is from the median pass. An untrained
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import math
 import time
 
@@ -23,8 +24,10 @@ from lconv.bench import report, timing
 from lconv.configs import default
 from lconv.constants import EOS_ID
 from lconv.data import pipeline
-from lconv.infer import compiled, evaluate
+from lconv.infer import compiled, decode_and_score
 from lconv.train import setup
+
+logger = logging.getLogger(__name__)
 
 MODELS = {"DynamicConv": None, "Transformer": "transformer"}  # label -> configs/default.py's word
 ROWS = (16, 64, 256, 512, 1024)
@@ -47,7 +50,7 @@ def synthetic_split(count: int, vocab: int, rows: int, seed: int = 0) -> pipelin
                             {"inputs": 64, "targets": 64}, collections.Counter())
 
 
-def run(count: int, rows_list: tuple[int, ...], log: report.Log = print) -> list[report.Row]:
+def run(count: int, rows_list: tuple[int, ...]) -> list[report.Row]:
     """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's."""
     results = []
     for label, word in MODELS.items():
@@ -63,9 +66,10 @@ def run(count: int, rows_list: tuple[int, ...], log: report.Log = print) -> list
             row = dict(model=label, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
                        beam=config.decode.beam_size, **_time_split(config, model, params, eval_set))
             results.append(row)
-            log(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: {row['sentences_per_s']:8.1f} "
-                f"sentences/s ({row['batches']} batch{'es' if row['batches'] != 1 else ''}; first pass with compile "
-                f"{row['first_pass_s']:.1f} s)")
+            batches = f"{row['batches']} batch{'es' if row['batches'] != 1 else ''}"
+            logger.info(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
+                        f"{row['sentences_per_s']:8.1f} sentences/s ({batches}; first pass with compile "
+                        f"{row['first_pass_s']:.1f} s)")
     return results
 
 
@@ -74,7 +78,8 @@ def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, 
     translator = compiled.Translator(config, model, params)  # fresh programs: each batch size compiles its own
 
     def decode_split():
-        return [best for _, best in evaluate.decode_batches(config, model, params, eval_set, translator=translator)]
+        batches = decode_and_score.decode_batches(config, model, params, eval_set, translator=translator)
+        return [best for _, best in batches]
 
     start = time.perf_counter()
     decode_split()
@@ -113,8 +118,8 @@ def section(rows: list[report.Row], info: dict[str, str], command: str) -> str:
     return "\n\n".join(p.strip() for p in parts)
 
 
-def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     count = 32 if opts.quick else sentences()
-    rows = run(count, (16, 32) if opts.quick else ROWS, log=log)
+    rows = run(count, (16, 32) if opts.quick else ROWS)
     report.write_results(opts.out, "beam", rows, section(rows, info, opts.command), opts.doc)
     return rows

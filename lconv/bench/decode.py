@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -19,6 +20,8 @@ import jax.numpy as jnp
 
 from lconv.bench import report, timing
 from lconv.nn import models
+
+logger = logging.getLogger(__name__)
 
 MIXERS = {"LightConv": "lightconv", "DynamicConv": "dynamicconv", "Transformer": "attention"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 2, 8000
@@ -47,7 +50,7 @@ def _window(model, params, cache, token_B1):
     return jax.lax.fori_loop(0, WINDOW, step, (cache, token_B1))
 
 
-def run(lengths: Sequence[int], log: report.Log = print) -> list[report.Row]:
+def run(lengths: Sequence[int]) -> list[report.Row]:
     """Greedy decoding of each model at every output length, timed window by window."""
     rows = []
     for label, mixer in MIXERS.items():
@@ -77,8 +80,9 @@ def run(lengths: Sequence[int], log: report.Log = print) -> list[report.Row]:
                                      warm_up=attempt == 0 and i == 0))
                 del cache
             median = timing.summarize(per_token[1:] or per_token)["median_s"]
-            log(f"  {label:12s} length {L:5d}: {median * 1e6:8.1f} us/token (median of {len(per_token) - 1} windows), "
-                f"cache {cache_bytes / 2**20:.2f} MiB, compile {compile_s:.1f} s")
+            logger.info(f"  {label:12s} length {L:5d}: {median * 1e6:8.1f} us/token (median of "
+                        f"{len(per_token) - 1} windows), cache {cache_bytes / 2**20:.2f} MiB, "
+                        f"compile {compile_s:.1f} s")
     return rows
 
 
@@ -126,9 +130,9 @@ def section(rows: Sequence[report.Row], lengths: Sequence[int], info: dict[str, 
     return "\n\n".join(p.strip() for p in parts)
 
 
-def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     lengths = LENGTHS_QUICK if opts.quick else LENGTHS_FULL
-    rows = run(lengths, log=log)
+    rows = run(lengths)
     report.write_results(opts.out, "decode", rows, section(rows, lengths, info, opts.command), opts.doc)
     L = lengths[-1]
     series = {}

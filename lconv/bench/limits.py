@@ -9,6 +9,7 @@ memory-bound floor; ``flops / time`` against the matmul rate says the same for a
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -16,17 +17,20 @@ import jax
 from lconv import ops
 from lconv.bench import mixers, report, timing
 
+logger = logging.getLogger(__name__)
+
 OPS = [("light", "conv"), ("light", "band"), ("light", "shift"), ("light", "unfold"),
        ("dynamic", "band"), ("dynamic", "shift"), ("dynamic", "unfold")]
 K_SWEEP, T_SWEEP = (3, 7, 15, 31), (64, 1024)  # the evidence behind ops.choose_impl (impl="auto")
 
 
-def run(T_list: Sequence[int], *, quick: bool = False, log: report.Log = print) -> list[report.Row]:
+def run(T_list: Sequence[int], *, quick: bool = False) -> list[report.Row]:
     """The machine's limits, then each conv op's fwd+bwd at every T against them."""
     limits = {**timing.matmul_flops_per_s(2048, repeats=5 if quick else 10),
               **timing.copy_bytes_per_s(64 if quick else 256, repeats=5 if quick else 10)}
-    log(f"  matmul {limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; copy {limits['copy_bytes_per_s'] / 1e9:.1f} GB/s "
-        f"in place, {limits['copy_fresh_bytes_per_s'] / 1e9:.1f} GB/s into fresh memory")
+    logger.info(f"  matmul {limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; "
+                f"copy {limits['copy_bytes_per_s'] / 1e9:.1f} GB/s in place, "
+                f"{limits['copy_fresh_bytes_per_s'] / 1e9:.1f} GB/s into fresh memory")
     rows = [dict(kind="limit", name="matmul", T=None, value=limits["matmul_flops_per_s"], unit="FLOP/s",
                  note=f"float32 [{limits['matmul_n']}]^2 @ [{limits['matmul_n']}]^2"),
             dict(kind="limit", name="copy (in place)", T=None, value=limits["copy_bytes_per_s"], unit="B/s",
@@ -51,12 +55,12 @@ def run(T_list: Sequence[int], *, quick: bool = False, log: report.Log = print) 
                              bound_us_per_token=moved / limits["copy_bytes_per_s"] * 1e6,
                              matmul_fraction=flops / s_per_token / limits["matmul_flops_per_s"],
                              compile_s=m.compile_s, runs=m.runs))
-            log(f"  {config.name:28s} T={T:5d} {s_per_token * 1e6:8.2f} us/token = "
-                f"{rows[-1]['copy_fraction']:.3f} of copy bandwidth")
+            logger.info(f"  {config.name:28s} T={T:5d} {s_per_token * 1e6:8.2f} us/token = "
+                        f"{rows[-1]['copy_fraction']:.3f} of copy bandwidth")
     return rows
 
 
-def impl_choice(*, quick: bool = False, log: report.Log = print) -> list[report.Row]:
+def impl_choice(*, quick: bool = False) -> list[report.Row]:
     """fwd+bwd of each conv impl ``auto`` chooses between, over kernel sizes and lengths: ``ops.choose_impl``."""
     rows = []
     for K in K_SWEEP[-1:] if quick else K_SWEEP:
@@ -71,7 +75,7 @@ def impl_choice(*, quick: bool = False, log: report.Log = print) -> list[report.
                     rows.append(dict(kind="impl_choice", name=f"{op_name} {impl}", K=K, T=T,
                                      us_per_token=m.median_s / (B * T) * 1e6, runs=m.runs, compile_s=m.compile_s))
             latest = rows[-2 * len(impls):]
-            log(f"  K={K:2d} T={T:5d}: " + ", ".join(f"{r['name']} {r['us_per_token']:.2f}" for r in latest))
+            logger.info(f"  K={K:2d} T={T:5d}: " + ", ".join(f"{r['name']} {r['us_per_token']:.2f}" for r in latest))
     return rows
 
 
@@ -120,10 +124,10 @@ def _choice_table(rows):
     return report.markdown_table(header, table)
 
 
-def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     T_list = (256, 4096) if not opts.quick else (256,)
-    rows = run(T_list, quick=opts.quick, log=log)
-    rows += impl_choice(quick=opts.quick, log=log)
+    rows = run(T_list, quick=opts.quick)
+    rows += impl_choice(quick=opts.quick)
     report.write_results(opts.out, "limits", rows, section(rows, info, opts.command), opts.doc)
     convs = [r for r in rows if r["kind"] == "conv"]
     names = list(dict.fromkeys(r["name"] for r in convs))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 
 import jax
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 from lconv import ops
 from lconv.bench import external, report, timing
 from lconv.nn import mixers
+
+logger = logging.getLogger(__name__)
 
 C, H, K = 512, 8, 31
 TOKENS = 8192
@@ -130,7 +133,7 @@ def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
     return loss_and_grads
 
 
-def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print,
+def run(T_list: Sequence[int], *, budget_s: float = 1.0,
         extra_mixers: Sequence[str] = ()) -> list[report.Row]:
     """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
     rows, configs = [], op_configs(extra_mixers)
@@ -143,7 +146,7 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print
             skip = _skip_reason(config, T, B, last[config.name], last_bytes[config.name])
             if skip:
                 rows += [dict(base, **{"pass": p, "status": f"skipped: {skip}"}) for p in ("fwd", "fwd+bwd")]
-                log(f"  {config.name:32s} T={T:5d} skipped: {skip}")
+                logger.info(f"  {config.name:32s} T={T:5d} skipped: {skip}")
                 continue
             fn, args, argnums = config.build(T, B)
             g = timing.random_normal((B, T, C), 2)
@@ -157,14 +160,14 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0, log: report.Log = print
                                  runs=m.runs, compile_s=m.compile_s,
                                  memory_mb=None if m.memory_bytes is None else m.memory_bytes / 2**20,
                                  memory_source=m.memory_source))
-                log(f"  {config.name:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
-                    f"(compile {m.compile_s:.1f} s, {m.runs} runs)")
+                logger.info(f"  {config.name:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
+                            f"(compile {m.compile_s:.1f} s, {m.runs} runs)")
             del fn, args
-        rows += external_rows(T, B, last, budget_s=budget_s, log=log)
+        rows += external_rows(T, B, last, budget_s=budget_s)
     return rows
 
 
-def external_rows(T: int, B: int, last: dict, *, budget_s: float, log: report.Log = print) -> list[report.Row]:
+def external_rows(T: int, B: int, last: dict, *, budget_s: float) -> list[report.Row]:
     """The PyTorch / fairseq baselines (``lconv.bench.external``) at one T, in the op rows' shapes; skipped rows
     say why (torch or fairseq's CUDA extension missing, or past the time cap)."""
     torch, missing = external.torch_or_reason()
@@ -190,7 +193,8 @@ def external_rows(T: int, B: int, last: dict, *, budget_s: float, log: report.Lo
                              min_us_per_token=m["min_s"] / (B * T) * 1e6, runs=m["runs"], compile_s=None,
                              memory_mb=None if m["memory_bytes"] is None else m["memory_bytes"] / 2**20,
                              memory_source=m["memory_source"]))
-            log(f"  {label:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token ({base['device']})")
+            logger.info(f"  {label:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
+                        f"({base['device']})")
     return rows
 
 
@@ -198,7 +202,7 @@ FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op
                     "LightConv block", "DynamicConv block")
 
 
-def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7, log: report.Log = print) -> list[report.Row]:
+def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7) -> list[report.Row]:
     """fwd+bwd µs/token at ``T_hi`` ÷ at ``T_lo``, timing the two programs in alternation (``rounds`` each), so
     that the machine's load drifting during the run affects both alike. Returns CSV rows."""
     rows = []
@@ -219,7 +223,8 @@ def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7, log: report.L
         lo, hi = (timing.summarize(times[T])["median_s"] for T in (T_lo, T_hi))
         rows.append(dict(kind="flatness", name=config.name, T=T_hi, T_lo=T_lo, us_per_token=hi, us_per_token_lo=lo,
                          ratio=hi / lo, runs=rounds))
-        log(f"  {config.name:32s} interleaved: {hi:.2f} us/token at T={T_hi} / {lo:.2f} at T={T_lo} = {hi / lo:.2f}")
+        logger.info(f"  {config.name:32s} interleaved: {hi:.2f} us/token at T={T_hi} / {lo:.2f} at T={T_lo} "
+                    f"= {hi / lo:.2f}")
     return rows
 
 
@@ -333,11 +338,11 @@ def plots(rows: Sequence[report.Row], out_dir: str) -> None:
                       xlabel="sequence length T", ylabel="MiB")
 
 
-def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     T_list = opts.T or (T_QUICK if opts.quick else T_FULL)
-    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, log=log, extra_mixers=opts.mixers)
+    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, extra_mixers=opts.mixers)
     if 256 in T_list and T_list[-1] != 256:
-        rows += interleaved_flatness(256, T_list[-1], rounds=3 if opts.quick else 7, log=log)
+        rows += interleaved_flatness(256, T_list[-1], rounds=3 if opts.quick else 7)
     report.write_results(opts.out, "mixers", rows, section(rows, T_list, info, opts.command), opts.doc)
     plots(rows, opts.out)
     return rows

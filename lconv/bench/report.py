@@ -8,11 +8,10 @@ from __future__ import annotations
 import csv
 import io
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 Row = dict[str, Any]  # one result row of a suite (a CSV line)
-Log = Callable[[str], Any]  # where a suite prints its progress (``print`` by default)
 
 
 def fmt(value: Any, digits: int = 3) -> str:

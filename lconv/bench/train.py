@@ -16,6 +16,7 @@ XLA's own count (``cost_analysis()``, which also counts elementwise work) is in 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -26,6 +27,8 @@ from lconv.bench import report, timing
 from lconv.configs import common
 from lconv.ops import flash
 from lconv.train import setup, steps
+
+logger = logging.getLogger(__name__)
 
 MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
@@ -108,7 +111,7 @@ def _trainer(mixer, T, dtype):
     return step, compiled, compile_s, holder, config.data.batch_size
 
 
-def run(T_list: Sequence[int], *, repeats: int, log: report.Log = print) -> list[report.Row]:
+def run(T_list: Sequence[int], *, repeats: int) -> list[report.Row]:
     """At each (T, dtype) the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds),
     so their ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements
     before and after each T, so a load spike during one of them does not inflate the MFU."""
@@ -116,16 +119,16 @@ def run(T_list: Sequence[int], *, repeats: int, log: report.Log = print) -> list
     rows = []
     for T in T_list:
         for dtype in dtypes():
-            rows += _alternate(T, dtype, repeats, log)
+            rows += _alternate(T, dtype, repeats)
         matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
     matmul = max(matmul_rates)
-    log(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
+    logger.info(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
     for row in rows:
         row.update(matmul_flops_per_s=matmul, mfu=row["model_flops_per_token"] * row["tokens_per_s"] / matmul)
     return rows
 
 
-def _alternate(T: int, dtype: str, repeats: int, log: report.Log) -> list[report.Row]:
+def _alternate(T: int, dtype: str, repeats: int) -> list[report.Row]:
     trainers = {label: _trainer(mixer, T, dtype) for label, mixer in MODELS.items()}
     times = {label: [] for label in MODELS}
     for round_ in range(repeats + 1):
@@ -142,8 +145,9 @@ def _alternate(T: int, dtype: str, repeats: int, log: report.Log) -> list[report
                          model_flops_per_token=model_flops_per_token(MODELS[label], T),
                          xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
                          runs=repeats))
-        log(f"  {label:12s} T={T:5d} {dtype:8s}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, step {median:.2f} s, "
-            f"compile {compile_s:.1f} s" + (f", attention {holder['attention']}" if holder["attention"] else ""))
+        attention = f", attention {holder['attention']}" if holder["attention"] else ""
+        logger.info(f"  {label:12s} T={T:5d} {dtype:8s}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, "
+                    f"step {median:.2f} s, compile {compile_s:.1f} s{attention}")
     return rows
 
 
@@ -174,9 +178,9 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
     return "\n\n".join(p.strip() for p in parts)
 
 
-def run_suite(opts: argparse.Namespace, info: dict[str, str], log: report.Log = print) -> list[report.Row]:
+def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     T_list = T_QUICK if opts.quick else T_FULL
-    rows = run(T_list, repeats=2 if opts.quick else 3, log=log)
+    rows = run(T_list, repeats=2 if opts.quick else 3)
     report.write_results(opts.out, "train", rows, section(rows, T_list, info, opts.command), opts.doc)
     runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows))
     report.plot_bars(f"{opts.out}/train.png", [f"T={T} {dtype}" for T, dtype in runs],

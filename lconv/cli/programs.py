@@ -7,6 +7,7 @@ import sys
 
 from absl import app, flags, logging
 
+from lconv import console
 from lconv.cli import runtime
 
 FLAGS = flags.FLAGS
@@ -38,6 +39,7 @@ def _define_compilation_cache() -> None:
 def _train_main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    console.show_log("stdout")
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
@@ -78,14 +80,15 @@ def evaluate(argv: list[str] | None = None) -> None:
 def _evaluate_main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    console.show_log("stderr" if FLAGS.interactive else "stdout")  # --interactive's stdout holds outputs only
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
-        from lconv.cli import evaluate
+        from lconv.cli import eval_program
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
                  "output_file", "interactive", "max_len", "temperature", "top_k", "top_p", "seed")
-        evaluate.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
+        eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
 
 def _run(main, argv: list[str] | None) -> None:

@@ -21,6 +21,7 @@ import tempfile
 
 import numpy as np
 
+from lconv import console
 from lconv.data import catalog, ddtp, paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
@@ -133,6 +134,7 @@ def prepare_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    console.show_log("stdout")  # catalog.prepare's progress
     if argv[:1] == ["prepare"]:
         prepare_main(argv[1:])
         return

@@ -21,16 +21,18 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import importlib.util
+import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
 
 from etils import epath
 
 from lconv.data import paths, sources
 from lconv.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 # Why each catalog builder needs TensorFlow to prepare (see the module docstring); its module, which tfds without
 # TensorFlow does not import (so does not register) by itself.
@@ -60,8 +62,7 @@ def prepared_dir(tfds_name: str, data_dir: str) -> str | None:
         return None
 
 
-def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual_dir: str | None = None,
-            log: Callable[[str], None] = print) -> str:
+def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual_dir: str | None = None) -> str:
     """Prepares catalog dataset ``name`` (``wmt14/en_de``, ``lm1b``, ...) as array_record under data_dir unless it
     is there; returns its version folder. A missing requirement or a failed download is a one-line UserError."""
     spec = sources.dataset_spec(name)
@@ -71,7 +72,7 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
     paths.check_url(data_dir, "--data_dir")
     done = prepared_dir(spec.tfds_name, data_dir)
     if done is not None:
-        log(f"{spec.tfds_name} is already prepared in {done}")
+        logger.info(f"{spec.tfds_name} is already prepared in {done}")
         return done
     builder_name = spec.tfds_name.split("/")[0]
     if not has_tensorflow():
@@ -84,8 +85,8 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
         staging = tempfile.mkdtemp(prefix="lconv_prepare_", dir=os.path.dirname(os.path.abspath(download_dir)))
     try:
         builder = _catalog_builder(spec.tfds_name, staging or data_dir)
-        log(f"Preparing {spec.tfds_name} in {staging or data_dir} (downloads: "
-            f"{download_dir or os.path.join(data_dir, 'downloads')}) ...")
+        logger.info(f"Preparing {spec.tfds_name} in {staging or data_dir} (downloads: "
+                    f"{download_dir or os.path.join(data_dir, 'downloads')}) ...")
         _download_and_prepare(builder, name, download_dir, manual_dir)
         if staging is not None:  # array_record writes local files only: upload, dataset_info.json last
             target = paths.join(data_dir, *spec.tfds_name.split("/"), epath.Path(builder.data_dir).name)
@@ -98,7 +99,7 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     done = str(sources.prepared_version_dir(spec.tfds_name, data_dir))
-    log(f"Prepared {spec.tfds_name} in {done}")
+    logger.info(f"Prepared {spec.tfds_name} in {done}")
     return done
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from collections.abc import Callable
+import logging
 from typing import Any
 
 import jax
@@ -27,6 +27,8 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_vocab
 
+logger = logging.getLogger(__name__)
+
 IMPORT_RECORD = "imported.json"
 
 
@@ -38,7 +40,7 @@ SCORING_DEFAULTS = {"compound_split": False}
 
 def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir: str, *, dataset: str = "",
                       decode: dict[str, Any] | None = None, continuation: str = "@@", target_dictionary: str = "",
-                      trust: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+                      trust: bool = False) -> dict[str, Any]:
     """Writes ``workdir`` from a fairseq translation checkpoint; returns the import record. ``decode``: fields of
     ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``). ``spm=None``: text is given split
     into the dictionary's pieces (BPE, ``continuation`` its joining marker). ``target_dictionary``: the target
@@ -58,7 +60,7 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     model = setup.build_model(config, vocab.size)
     boxed = _as_model_tree(model, config, params)
     workdir = workdir_lib.make_workdir(workdir)
-    workdir_lib.write_config(config, workdir, {}, has_checkpoint=False, log=log)
+    workdir_lib.write_config(config, workdir, {}, has_checkpoint=False)
     tokenizer_lib.save_tokenizer(vocab.tokenizer, workdir)
     step = max(updates, 1)
     saver = checkpoints.Checkpointer(workdir)
@@ -72,10 +74,10 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
               "imported_at": datetime.datetime.now().isoformat(timespec="seconds"),
               "fairseq_model_args": {k: v for k, v in args.items() if _jsonable(v)}}
     workdir_lib.write_atomically(epath.Path(workdir) / IMPORT_RECORD, json.dumps(record, indent=2, sort_keys=True))
-    log(f"imported {args.get('arch')} ({record['parameters']:,} parameters, {updates} updates) into {workdir}")
+    logger.info(f"imported {args.get('arch')} ({record['parameters']:,} parameters, {updates} updates) into {workdir}")
     if vocab.pieces_not_in_dictionary:
-        log(f"note: {vocab.pieces_not_in_dictionary} SentencePiece pieces are not in {dictionary}; fairseq maps "
-            "them to <unk>, lconv's tokenizer segments around them")
+        logger.info(f"note: {vocab.pieces_not_in_dictionary} SentencePiece pieces are not in {dictionary}; "
+                    "fairseq maps them to <unk>, lconv's tokenizer segments around them")
     return record
 
 

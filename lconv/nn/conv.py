@@ -197,7 +197,7 @@ class LightConvBlock(nn.Module):
     model_fields: ClassVar[dict[str, str]] = {
         "num_heads": "num_heads", "kernel_size": "kernel_size", "causal": "causal", "use_glu": "use_glu",
         "conv_features": "conv_features", "input_dropout": "input_dropout", "weight_dropout": "weight_dropout",
-        "impl": "conv_impl", "dtype": "dtype", "matmul_precision": "matmul_precision",
+        "conv_impl": "conv_impl", "dtype": "dtype", "matmul_precision": "matmul_precision",
         "weight_softmax": "weight_softmax"}
     sides: ClassVar[tuple[str, ...]] = ("encoder", "decoder")
     label: ClassVar[str] = "LightConv"
@@ -214,7 +214,7 @@ class LightConvBlock(nn.Module):
     weight_softmax: bool = True
     conv_bias: bool = False
     padding_left: int | None = None
-    impl: str = "auto"
+    conv_impl: str = "auto"  # the conv op's impl (lconv.ops.conv), named as in config.model
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     matmul_precision: str = "default"  # of the projections (lconv.ops.precision); the conv is always HIGHEST
@@ -250,7 +250,7 @@ class LightConvBlock(nn.Module):
             weight_softmax=self.weight_softmax,
             weight_dropout=self.weight_dropout,
             use_bias=self.conv_bias,
-            impl=self.impl,
+            impl=self.conv_impl,
             matmul_precision=precision,
             name="conv",
             **dense,

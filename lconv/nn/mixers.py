@@ -75,7 +75,7 @@ _FFNS: dict[str, type[nn.Module] | str] = {
     "colt5": "lconv.nn.colt5:CoLT5FeedForward",  # routed light/heavy FFN; encoder layers only
 }
 _entry_points_loaded = False
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry.name in _MIXERS:
-            log.warning("entry point %s = %s ignored: mixer %r is already registered", entry.name, entry.value,
+            logger.warning("entry point %s = %s ignored: mixer %r is already registered", entry.name, entry.value,
                         entry.name)
         else:
             _MIXERS[entry.name] = entry.value

@@ -5,8 +5,9 @@ the math of attention. Nothing here holds parameters; ``lconv.nn`` builds module
 - ``lconv.ops.pallas_conv``: the fused Pallas kernel, forward and backward (Triton on GPU; interpret mode on CPU).
 - ``lconv.ops.shift``: the fused shifted multiply-add conv with its custom VJP (the CPU default).
 - ``lconv.ops.attention``: masks, logits and the masked softmax shared by every attention-family module.
-- ``lconv.ops.precision``: ``config.model.matmul_precision`` names -> ``jax.lax.Precision``, and ``CONV`` (HIGHEST),
-  the precision of every dot the conv ops do, so they are exact float32 on GPU and TPU as on CPU.
+- ``lconv.ops.precision``: ``config.model.matmul_precision`` names -> ``jax.lax.Precision``, and
+  ``CONV_PRECISION`` (HIGHEST), the precision of every dot the conv ops do, so they are exact float32 on GPU and
+  TPU as on CPU.
 """
 from lconv.ops.conv import (
                             DYNAMIC_IMPLS,

@@ -10,7 +10,7 @@ contiguous channel blocks: with ``D = C // H`` channel ``c`` uses head ``c // D`
 (decoder) conv, where tap ``K - 1`` reads the current step; any value in ``0..K-1`` works.
 
 Implementations (``impl``), all equal to 1e-5 in float32 on every backend: each dot and conv that does the
-convolution's arithmetic runs at ``precision=lconv.ops.precision.CONV`` (HIGHEST), so a GPU does not round its
+convolution's arithmetic runs at ``precision=lconv.ops.precision.CONV_PRECISION`` (HIGHEST), so a GPU does not round its
 inputs to TF32 nor a TPU to one bfloat16 pass (measured on an H100: +6% time for ``band``, which is memory-bound):
 
 - ``"conv"`` (light only): ``jax.lax.conv_general_dilated`` with ``feature_group_count=C`` (depthwise).
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from lconv.errors import UserError
 from lconv.ops import pallas_conv
 from lconv.ops import shift as shift_conv
-from lconv.ops.precision import CONV
+from lconv.ops.precision import CONV_PRECISION
 
 Array = jax.Array
 
@@ -172,7 +172,7 @@ def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tup
         "btkhd,bthk->bthd",
         windows_BTKC.reshape(B, T, K, H, C // H),
         weight_BTHK.astype(x_BTC.dtype),
-        precision=CONV,
+        precision=CONV_PRECISION,
         preferred_element_type=jnp.float32,
     )
     return y_BTHD.reshape(B, T, C).astype(x_BTC.dtype), x_all[:, T:]
@@ -202,7 +202,7 @@ def _light_conv_xla(x_BTC, weight_HK, padding_left):
         padding=[(padding_left, K - 1 - padding_left)],
         dimension_numbers=("NWC", "WIO", "NWC"),
         feature_group_count=C,
-        precision=CONV,
+        precision=CONV_PRECISION,
         preferred_element_type=jnp.float32,
     )
 
@@ -213,7 +213,7 @@ def _dynamic_unfold(x_BTC, weight_BTHK, padding_left):
     x_padded = jnp.pad(x_BTC, ((0, 0), (padding_left, K - 1 - padding_left), (0, 0)))
     windows_BTKHD = jnp.stack([x_padded[:, k : k + T] for k in range(K)], axis=2).reshape(B, T, K, H, C // H)
     y_BTHD = jnp.einsum(
-        "btkhd,bthk->bthd", windows_BTKHD, weight_BTHK.astype(x_BTC.dtype), precision=CONV,
+        "btkhd,bthk->bthd", windows_BTKHD, weight_BTHK.astype(x_BTC.dtype), precision=CONV_PRECISION,
         preferred_element_type=jnp.float32,
     )
     return y_BTHD.reshape(B, T, C)
@@ -225,7 +225,7 @@ def _light_band(x_BTC, weight_HK, padding_left, L):
     windows_BGWHD, G = _tile_windows(x_BTC, padding_left, K, L, H)
     band_HLW = _skew(jnp.broadcast_to(weight_HK[:, None, :], (H, L, K)))  # band[h, i, i + k] = w[h, k]
     y_BGLHD = jnp.einsum(
-        "hlw,bgwhd->bglhd", band_HLW.astype(x_BTC.dtype), windows_BGWHD, precision=CONV,
+        "hlw,bgwhd->bglhd", band_HLW.astype(x_BTC.dtype), windows_BGWHD, precision=CONV_PRECISION,
         preferred_element_type=jnp.float32,
     )
     return y_BGLHD.reshape(B, G * L, C)[:, :T]
@@ -238,7 +238,7 @@ def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
     weight_BGHLK = jnp.pad(weight_BTHK, ((0, 0), (0, G * L - T), (0, 0), (0, 0)))
     weight_BGHLK = weight_BGHLK.reshape(B, G, L, H, K).transpose(0, 1, 3, 2, 4)
     band_BGHLW = _skew(weight_BGHLK.astype(x_BTC.dtype))  # band[.., i, i + k] = w[.., i, k]
-    y_BGLHD = jnp.einsum("bghlw,bgwhd->bglhd", band_BGHLW, windows_BGWHD, precision=CONV,
+    y_BGLHD = jnp.einsum("bghlw,bgwhd->bglhd", band_BGHLW, windows_BGWHD, precision=CONV_PRECISION,
                          preferred_element_type=jnp.float32)
     return y_BGLHD.reshape(B, G * L, C)[:, :T]
 

@@ -2,7 +2,7 @@
 
 ``"highest"`` makes a float32 dot float32 on every backend (on GPU the default is TF32, on TPU one bfloat16
 pass); ``"high"`` is bfloat16x3 on TPU and TF32 on GPU; ``"default"`` is the backend's fast path. The conv ops
-use ``CONV`` for the einsums that do the convolution's own arithmetic, whatever the model's setting.
+use ``CONV_PRECISION`` for the einsums that do the convolution's own arithmetic, whatever the model's setting.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _BY_NAME = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH
             "highest": jax.lax.Precision.HIGHEST}
 assert set(_BY_NAME) == set(MATMUL_PRECISIONS)
 
-CONV = jax.lax.Precision.HIGHEST  # the conv ops are exact in float32 on every backend
+CONV_PRECISION = jax.lax.Precision.HIGHEST  # the conv ops are exact in float32 on every backend
 
 
 def lax_precision(name: str) -> jax.lax.Precision:

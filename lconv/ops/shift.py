@@ -13,7 +13,7 @@ Autodiff of the forward's K slices would instead be K scatter-adds. Everything r
 about ``CHUNK_TOKENS`` tokens (several short rows or part of a long one, with a ``K - 1`` halo read from the
 neighbours), so the temporaries are a few MB whatever ``B x T``: on CPU a large temporary is fresh memory on
 every call, and first-touch page faults cost more than the arithmetic (docs/benchmarks.md). Accumulation is
-float32, as for the other implementations, and the kernel gradient's dot runs at ``precision=CONV`` (HIGHEST):
+float32, as for the other implementations, and the kernel gradient's dot runs at ``precision=CONV_PRECISION`` (HIGHEST):
 exact float32 on GPU and TPU too.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lconv.ops.precision import CONV
+from lconv.ops.precision import CONV_PRECISION
 
 # Tokens per loop step: large enough that the loop overhead is negligible, small enough that a step's
 # temporaries (a few [CHUNK_TOKENS + K, C] buffers) stay in cache. Measured in docs/benchmarks.md.
@@ -171,7 +171,7 @@ def _band_weight_grad(x_win_BSC, dy_BTC, K, H, L):
     windows_BHGDW = jnp.concatenate([tiles_BHGDL[:, :, :G], tiles_BHGDL[:, :, 1:, :, : K - 1]], axis=-1)
     dy_BHGLD = _pad_time(dy_BTC, 0, G * L - T).reshape(B, G, L, H, D).transpose(0, 3, 1, 2, 4)
     gram_BHGLW = jnp.einsum(
-        "bhgld,bhgdw->bhglw", dy_BHGLD, windows_BHGDW.astype(dy_BHGLD.dtype), precision=CONV,
+        "bhgld,bhgdw->bhglw", dy_BHGLD, windows_BHGDW.astype(dy_BHGLD.dtype), precision=CONV_PRECISION,
         preferred_element_type=jnp.float32,
     )
     dw_BHGLK = _unskew(gram_BHGLW, K)

@@ -9,6 +9,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from lconv import console
 from lconv.cli import runtime
 
 FLAGS = flags.FLAGS
@@ -26,6 +27,7 @@ flags.mark_flags_as_required(["config", "output_dir"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    console.show_log("stdout")  # the study's progress, a line per run
     with runtime.user_errors():
         from lconv import outputs
         from lconv.study import driver

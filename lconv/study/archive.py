@@ -10,6 +10,7 @@ report is still written from whole runs. A restored record keeps the machine it 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from lconv.errors import UserError
 from lconv.study import measure, plan
 from lconv.study import run as run_lib
 
+logger = logging.getLogger(__name__)
+
 ARCHIVE_DIR = os.path.join("results", "runs")  # under the docs dir
 
 
@@ -26,8 +29,7 @@ def archive_path(archive_root: str, key: plan.RunKey) -> str:
     return os.path.join(archive_root, key.task, key.mixer, f"seed{key.seed}.json")
 
 
-def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str,
-                  log: Callable[[str], None] = print, *, prune: bool = False) -> int:
+def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str, *, prune: bool = False) -> int:
     """Archives every finished run of ``records`` whose workdir still holds its spec; returns how many.
     ``prune``: ``records`` are the whole study, so entries of runs that are not among them are deleted (the
     archive mirrors the report)."""
@@ -38,7 +40,7 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
         workdir = os.path.join(output_dir, record["workdir"])
         spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))
         if spec is None:
-            log(f"archive: {record['workdir']} has no {run_lib.SPEC}; not archived")
+            logger.info(f"archive: {record['workdir']} has no {run_lib.SPEC}; not archived")
             continue
         entry = {"record": {k: v for k, v in record.items() if k not in ("skipped", "restored")},
                  "config": spec["config"], "metrics": measure.read_metrics(workdir)}
@@ -64,8 +66,7 @@ def resolve(resume_from: str) -> str:
     return root
 
 
-def restore(planned: Sequence[plan.Planned], archive_root: str, run_dir: Callable[[plan.RunKey], str],
-            log: Callable[[str], None] = print) -> int:
+def restore(planned: Sequence[plan.Planned], archive_root: str, run_dir: Callable[[plan.RunKey], str]) -> int:
     """Copies each archived run into its planned workdir as a finished run, unless that workdir already has a
     result; returns how many. Raises (before copying anything) when an archived run was made with another
     config than the plan's, naming the run and the first differing field."""
@@ -91,7 +92,7 @@ def restore(planned: Sequence[plan.Planned], archive_root: str, run_dir: Callabl
     for item, entry in todo:
         _write_run(run_dir(item.key), entry)
     if todo:
-        log(f"restored {len(todo)} finished runs from {archive_root}")
+        logger.info(f"restored {len(todo)} finished runs from {archive_root}")
     return len(todo)
 
 

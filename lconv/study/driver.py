@@ -9,9 +9,9 @@ Layout of ``--output_dir``::
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ml_collections
@@ -20,13 +20,14 @@ from lconv.errors import UserError
 from lconv.study import archive, plan, report
 from lconv.study import run as run_lib
 
+logger = logging.getLogger(__name__)
+
 
 def run_dir(output_dir: str, key: plan.RunKey) -> str:
     return os.path.join(output_dir, "runs", key.task, key.mixer, f"seed{key.seed}")
 
 
-def prepare_tokenizers(study: ml_collections.ConfigDict, output_dir: str,
-                       log: Callable[[str], None] = print) -> dict[str, tuple[str, int]]:
+def prepare_tokenizers(study: ml_collections.ConfigDict, output_dir: str) -> dict[str, tuple[str, int]]:
     """``{task: (spm.model path, vocab size)}``: one tokenizer per task, trained once on its training split (the
     reference mixer's data fields), so every mixer and seed reads the same token ids."""
     from lconv.data import pipeline
@@ -38,7 +39,7 @@ def prepare_tokenizers(study: ml_collections.ConfigDict, output_dir: str,
         os.makedirs(directory, exist_ok=True)
         start = time.time()
         tokenizer = pipeline.load_or_train_tokenizer(config.data, directory)
-        log(f"tokenizer {task}: {tokenizer.vocab_size} pieces ({time.time() - start:.0f} s)")
+        logger.info(f"tokenizer {task}: {tokenizer.vocab_size} pieces ({time.time() - start:.0f} s)")
         tokenizers[task] = (os.path.join(directory, "spm.model"), tokenizer.vocab_size)
     return tokenizers
 
@@ -54,8 +55,7 @@ def base_record(planned: plan.Planned, output_dir: str) -> dict[str, Any]:
 
 
 def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir: str,
-            tokenizers: dict[str, tuple[str, int]], *, launch: bool,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+            tokenizers: dict[str, tuple[str, int]], *, launch: bool) -> dict[str, Any]:
     """A run's record: n/a or a planning error as they are; else launched (``launch``) or read from its
     workdir (``status`` "not run" when it has neither a result nor a failure)."""
     record = base_record(planned, output_dir)
@@ -71,12 +71,11 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
     spec = {"config": planned.config.to_dict(), "workdir": workdir, "record": record,
             "average_last": study.average_last, "prune_checkpoints": study.prune_checkpoints,
             "lm_generate_rows": study.lm_generate_rows, "lm_generate_tokens": study.lm_generate_tokens}
-    return run_lib.launch(spec, workdir, tokenizers[planned.key.task][0], study.run_timeout_minutes, log)
+    return run_lib.launch(spec, workdir, tokenizers[planned.key.task][0], study.run_timeout_minutes)
 
 
 def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
-              resume_from: str | None = None, command: str = "",
-              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              resume_from: str | None = None, command: str = "") -> list[dict[str, Any]]:
     """Runs (or, with ``report_only``, only collects) every planned run, then writes the report into
     ``docs_dir``. ``resume_from``: a study's docs dir whose archived finished runs are copied in first instead of
     trained again (``lconv.study.archive``). Returns the records, one per (task, mixer, seed)."""
@@ -86,23 +85,23 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     archive_root = archive.resolve(resume_from) if resume_from else None
     output_dir = os.path.abspath(os.path.expanduser(output_dir))
     os.makedirs(output_dir, exist_ok=True)
-    tokenizers = prepare_tokenizers(study, output_dir, log)
-    log("planning: matching parameter counts")
+    tokenizers = prepare_tokenizers(study, output_dir)
+    logger.info("planning: matching parameter counts")
     planned = plan.plan(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
     check_runs_match_plan(planned, output_dir)
     if archive_root:
-        archive.restore(planned, archive_root, lambda key: run_dir(output_dir, key), log)
+        archive.restore(planned, archive_root, lambda key: run_dir(output_dir, key))
     records = []
     for i, item in enumerate(planned, start=1):
-        record = outcome(item, study, output_dir, tokenizers, launch=not report_only, log=log)
+        record = outcome(item, study, output_dir, tokenizers, launch=not report_only)
         records.append(record)
         if not report_only and record["status"] == "ok" and not record.get("skipped"):
-            archive.write_archive([record], output_dir, docs_dir, log)  # committed as it goes: see archive.py
-        log(f"[{i}/{len(planned)}] {item.key.name}: {describe(record)}")
+            archive.write_archive([record], output_dir, docs_dir)  # committed as it goes: see archive.py
+        logger.info(f"[{i}/{len(planned)}] {item.key.name}: {describe(record)}")
         run_lib.write_json(os.path.join(output_dir, "records.json"), records)
     meta = {"command": command, "output_dir": output_dir, "invocation_seconds": time.time() - start,
             "report_only": report_only}
-    report.write_report(study, records, docs_dir, meta, output_dir, log=log)
+    report.write_report(study, records, docs_dir, meta, output_dir)
     return records
 
 

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 
 from lconv.study import archive, measure, plan, plots
+
+logger = logging.getLogger(__name__)
 
 Record = dict[str, Any]
 # task -> [(record key, column title, higher is better)]; the first is the task's headline metric
@@ -193,7 +196,7 @@ def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], recor
 
 
 def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], docs_dir: str, meta: Record,
-                 output_dir: str, log: Callable[[str], None] = print) -> str:
+                 output_dir: str) -> str:
     """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown."""
     from lconv.bench import timing
 
@@ -210,11 +213,11 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
         writer.writeheader()
         writer.writerows(records)
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
-    archive.write_archive(records, output_dir, docs_dir, log, prune=True)
+    archive.write_archive(records, output_dir, docs_dir, prune=True)
     text = markdown(study, rows, records, meta, figures)
     with open(os.path.join(docs_dir, "results.md"), "w") as f:
         f.write(text)
-    log(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
+    logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
     return text
 
 

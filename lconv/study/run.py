@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -19,11 +20,13 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from lconv import outputs
+from lconv import console, outputs
 from lconv.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 RESULT, FAILURE, SPEC, LOG = "study_result.json", "study_failure.json", "study_spec.json", "study.log"
 
@@ -47,8 +50,7 @@ def write_json(path: str, value: Any) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # The study's side: launch a run's process, wait, read its outcome
 # ----------------------------------------------------------------------------------------------------------------
-def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minutes: float,
-           log: Callable[[str], None] = print) -> dict[str, Any]:
+def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minutes: float) -> dict[str, Any]:
     """Runs one planned run unless its result exists; returns its record (``status`` ok / failed)."""
     done = read_json(os.path.join(workdir, RESULT))
     if done is not None:
@@ -145,12 +147,12 @@ def _last_line(path: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # The run's side (this module as a program)
 # ----------------------------------------------------------------------------------------------------------------
-def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+def execute(spec: dict[str, Any]) -> dict[str, Any]:
     """Trains the run (resuming), scores the test split on the mean of the last checkpoints, measures; returns
     the record written to ``study_result.json``. Raises on failure; ``stage`` in the spec dict says where."""
     import ml_collections
 
-    from lconv.cli import evaluate as cli_evaluate
+    from lconv.cli import eval_program
     from lconv.data import tokenizer as tokenizer_lib
     from lconv.study import measure
     from lconv.train import loop, setup
@@ -158,13 +160,13 @@ def execute(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[st
     config, workdir = ml_collections.ConfigDict(spec["config"]), spec["workdir"]
     record, times = dict(spec["record"]), {}
     spec["stage"], start = "train", time.time()
-    trained = loop.train_and_evaluate(config, workdir, log=log)
+    trained = loop.train_and_evaluate(config, workdir)
     if trained.get("stopped_by"):
         raise UserError(f"training stopped by {trained['stopped_by']} at step {trained['step']}; a re-run resumes it")
     times["train_seconds"] = time.time() - start
     spec["stage"], start = "evaluate", time.time()
     split = config.decode.split
-    scores = cli_evaluate.run(workdir, split=split, average_last=spec["average_last"], log=log)
+    scores = eval_program.run(workdir, split=split, average_last=spec["average_last"])
     times["evaluate_seconds"] = time.time() - start
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
     spec["stage"], start = "measure", time.time()
@@ -216,9 +218,10 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot read the run spec {argv[1]}", file=sys.stderr)
         return 2
     workdir, start = spec["workdir"], time.time()
+    console.show_log("stdout")  # into study.log, with the run's other output
     _cache_compilations(os.path.join(workdir, "xla_cache"))
     try:
-        record = execute(spec, log=lambda line: print(line, flush=True))
+        record = execute(spec)
     except (UserError, Exception) as err:  # noqa: BLE001 (every failure is recorded; the study goes on)
         if not isinstance(err, UserError):
             traceback.print_exc()

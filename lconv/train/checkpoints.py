@@ -10,9 +10,9 @@ so a checkpoint left half-written by a crash is never listed as a step and is ig
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,6 +23,8 @@ from etils import epath
 from lconv.errors import UserError
 from lconv.train import integrity
 from lconv.train import workdir as workdir_lib
+
+logger = logging.getLogger(__name__)
 
 PyTree = Any
 
@@ -123,8 +125,7 @@ class Checkpointer:
                 "nothing was moved: check the storage and run again")
         raise integrity.UnreadableCheckpoint(f"checkpoint {where} is unreadable ({failure})")
 
-    def restore_latest_readable(self, abstract_state: PyTree,
-                                log: Callable[[str], None] = print) -> tuple[PyTree, Any]:
+    def restore_latest_readable(self, abstract_state: PyTree) -> tuple[PyTree, Any]:
         """Restores the newest checkpoint that reads. Newer corrupt or unreadable ones (a crash mid-write, a bad
         disk) are moved to ``<dir>_unreadable/`` and reported, so nothing is deleted; a checkpoint of another
         model or a storage failure on a verified one stops here (nothing moved, never an older fallback)."""
@@ -138,11 +139,11 @@ class Checkpointer:
                 continue
             if errors:
                 self._set_aside([s for s, _ in errors])
-                log(f"checkpoint(s) {[s for s, _ in errors]} unreadable or corrupt, moved to "
-                    f"{self.directory}_unreadable; resuming from step {step} ({errors[0][1]})")
+                logger.info(f"checkpoint(s) {[s for s, _ in errors]} unreadable or corrupt, moved to "
+                            f"{self.directory}_unreadable; resuming from step {step} ({errors[0][1]})")
             if not self.verified and self.checksums:
-                log(f"checkpoint {step} has no {integrity.MANIFEST_FILENAME} (an older lconv, or a crash right after "
-                    "it was written): restored unverified; its values are finite")
+                logger.info(f"checkpoint {step} has no {integrity.MANIFEST_FILENAME} (an older lconv, or a crash "
+                            "right after it was written): restored unverified; its values are finite")
             return restored
         raise errors[0][1]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import signal
 import statistics
@@ -20,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
-from lconv.infer import evaluate
+from lconv.infer import decode_and_score
 from lconv.train import checkpoints, logs, metrics, setup, steps
 from lconv.train import workdir as workdir_lib
+
+logger = logging.getLogger(__name__)
 
 
 class Preemption:
@@ -116,7 +119,7 @@ def check_finite(sums: dict[str, Any], step: int, ckpt: checkpoints.Checkpointer
 
 
 def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Device] | None = None,
-                       log: Callable[[str], None] = print, accept_config_changes: bool = False) -> dict[str, Any]:
+                       accept_config_changes: bool = False) -> dict[str, Any]:
     """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint), then evaluates. Returns metrics.
 
     ``devices``: the devices of the mesh (default: all). Checkpoints go to ``<workdir>/checkpoints`` (the last
@@ -127,22 +130,22 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
     devices = jax.devices() if devices is None else list(devices)
     mesh = setup.check_config(config, devices)  # before anything is written, the workdir included
     path = workdir_lib.make_workdir(workdir)
-    with workdir_lib.lock(path, log):
-        run = setup.build_run(config, path, devices, log, accept_config_changes=accept_config_changes, mesh=mesh)
-        return _train_and_evaluate(run, log)
+    with workdir_lib.lock(path):
+        run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes, mesh=mesh)
+        return _train_and_evaluate(run)
 
 
-def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str, Any]:
+def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
     config = run.config
     verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
                                     save_every=config.train.checkpoint_every, checksums=verify, async_save=async_save)
     best = checkpoints.BestCheckpointer(run.workdir, checksums=verify, async_save=async_save)
     if ckpt.latest_step() is not None:
-        run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state), log=log)
+        run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state))
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
-        log(f"resumed from step {int(run.state.step)}")
-        workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True, log=log)
+        logger.info(f"resumed from step {int(run.state.step)}")
+        workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True)
     writer = logs.MetricWriter(run.workdir)
     eval_step = steps.jit_eval_step(config, run.mesh)
     eval_memory = setup.init_memory(config, run.model, config.data.eval_batch_size, setup.batch_sharding(run.mesh))
@@ -156,7 +159,7 @@ def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str,
 
     t0 = time.time()
     try:
-        step, stopped_by = train(run, ckpt, writer, validate, log)
+        step, stopped_by = train(run, ckpt, writer, validate)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
@@ -168,14 +171,14 @@ def _train_and_evaluate(run: setup.Run, log: Callable[[str], None]) -> dict[str,
             result["validation"] = validate(step)
     best.close()
     if not stopped_by and config.train.eval_after_training:
-        result["test"] = evaluate_test_split(run, log, eval_step)
+        result["test"] = evaluate_test_split(run, eval_step)
         writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     writer.close()
     return result
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          validate: Callable[[int], Any], log: Callable[[str], None] = print) -> tuple[int, str | None]:
+          validate: Callable[[int], Any]) -> tuple[int, str | None]:
     """Steps ``run.state`` to ``train.num_steps`` (or ``train.max_minutes``, SIGTERM or SIGINT); returns
     ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
     config, mesh = run.config, run.mesh
@@ -214,7 +217,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 if not spiking:  # a state in a loss spike is never checkpointed
                     ckpt.save(step, run.state, data_item, force=stopping)
                 if stopping:
-                    log(f"stopping at step {step}: {stop_reason}")
+                    logger.info(f"stopping at step {step}: {stop_reason}")
                     break
     finally:
         preemption.close()
@@ -227,12 +230,11 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     return step, preemption.agreed_stop(out_of_time=False)
 
 
-def evaluate_test_split(run: setup.Run, log: Callable[[str], None] = print,
-                        eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
+def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
     """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE."""
     config, split = run.config, run.config.decode.split
     if config.task == "lm":
         return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
-                                      split, log, mesh=run.mesh, eval_step=eval_step)
-    return evaluate.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
-                                run.workdir, log=log)
+                                      split, mesh=run.mesh, eval_step=eval_step)
+    return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
+                                run.workdir)

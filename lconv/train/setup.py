@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from lconv.nn import common as nn_common
 from lconv.nn import models
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
+
+logger = logging.getLogger(__name__)
 
 Config = ml_collections.ConfigDict
 PyTree = Any
@@ -249,9 +252,8 @@ def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.
     return mesh
 
 
-def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None,
-              log: Callable[[str], None] = print, *, accept_config_changes: bool = False,
-              mesh: jax.sharding.Mesh | None = None) -> Run:
+def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None, *,
+              accept_config_changes: bool = False, mesh: jax.sharding.Mesh | None = None) -> Run:
     """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
     (the caller restores a checkpoint into it when one exists, and holds the workdir's lock). ``mesh``: the one
     ``check_config`` returned, when the caller checked already."""
@@ -262,26 +264,26 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
     config_changes = workdir_lib.check_config_change(config, workdir, has_checkpoint=has_checkpoint,
                                                      accept_changes=accept_config_changes)
     if not has_checkpoint:  # nothing to restore: the config is this launch's (a failed launch pins nothing)
-        workdir_lib.write_config(config, workdir, config_changes, has_checkpoint=False, log=log)
+        workdir_lib.write_config(config, workdir, config_changes, has_checkpoint=False)
         config_changes = None
     tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
     data = pipeline.make_datasets(config.data, tokenizer)
-    _report_data_source(data.source_report, workdir, log)
+    _report_data_source(data.source_report, workdir)
     model = build_model(config, tokenizer.vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
-    log(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
-        f"devices {len(devices)} x {devices[0].platform}")
+    logger.info(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
+                f"devices {len(devices)} x {devices[0].platform}")
     return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings, config_changes)
 
 
-def _report_data_source(report: dict[str, Any], workdir: str, log: Callable[[str], None]) -> None:
+def _report_data_source(report: dict[str, Any], workdir: str) -> None:
     """What the prepared data was built from and how many records were skipped or altered, and why: logged and
     written to ``<workdir>/data_report.json`` (process 0)."""
     if not report or jax.process_index() != 0:
         return
     for line in sources.describe_report(report):
-        log(line)
+        logger.info(line)
     (epath.Path(workdir) / "data_report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
 
 

@@ -6,6 +6,7 @@ Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and a donated st
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lconv.infer import evaluate, scoring
+from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
 from lconv.nn import knn_memory
 from lconv.train import metrics, setup
+
+logger = logging.getLogger(__name__)
 
 PyTree = Any
 Batch = dict[str, Any]
@@ -137,7 +140,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
 
 
 def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
-                     log: Callable[[str], None] = print, *, mesh: jax.sharding.Mesh | None = None,
+                     *, mesh: jax.sharding.Mesh | None = None,
                      eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
     """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
     ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new."""
@@ -146,10 +149,10 @@ def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable
     memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
     scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory), split=split)
     scores.update(_word_perplexity(eval_set, scores))
-    evaluate.write_outputs(workdir, split, None, scores)
+    decode_and_score.write_outputs(workdir, split, None, scores)
     per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
-    log(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
-        f"{scores['tokens']:.0f} tokens)")
+    logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
+                f"{scores['tokens']:.0f} tokens)")
     return scores
 
 
@@ -160,7 +163,7 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
     if examples is None or not hasattr(eval_set, "tokens"):
         return {}
     local = [scoring.word_count(e["targets"] for e in examples), int(stats.get("eval_targets_truncated", 0))]
-    words, truncated = np.sum(evaluate.allgather_json(local), axis=0) if jax.process_count() > 1 else local
+    words, truncated = np.sum(decode_and_score.allgather_json(local), axis=0) if jax.process_count() > 1 else local
     if truncated or not words:
         return {}
     return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))

@@ -18,11 +18,12 @@ import contextlib
 import datetime
 import errno
 import json
+import logging
 import os
 import socket
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -31,6 +32,8 @@ from etils import epath
 
 from lconv import outputs
 from lconv.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILENAME = "config.json"
 LOCK_FILENAME = "train.lock"
@@ -61,14 +64,15 @@ def make_workdir(workdir: str) -> str:
 
 
 @contextlib.contextmanager
-def lock(workdir: str, log: Callable[[str], None] = print) -> Iterator[None]:
+def lock(workdir: str) -> Iterator[None]:
     """Holds ``<workdir>/train.lock`` for the body (on process 0; the other processes of a multi-host run share
     its workdir). A second run on the workdir fails at once naming the owner."""
     if jax.process_index() != 0:
         yield
         return
     if is_remote(workdir):  # object stores have no file locks
-        log(f"warning: {workdir} is remote: nothing stops a second train.py on it (file locks are local only)")
+        logger.warning(f"warning: {workdir} is remote: nothing stops a second train.py on it (file locks are local "
+                       "only)")
         yield
         return
     import fcntl
@@ -83,14 +87,14 @@ def lock(workdir: str, log: Callable[[str], None] = print) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):  # e.g. ENOLCK: this filesystem has no locks
-                log(f"warning: {path}: file locks are not supported here ({err.strerror}); nothing stops a second "
-                    "train.py on this workdir")
+                logger.warning(f"warning: {path}: file locks are not supported here ({err.strerror}); nothing "
+                               "stops a second train.py on this workdir")
             else:
                 raise UserError(f"--workdir={workdir} is in use by another train.py ({_owner(fd)}); wait for it "
                                 "to finish, stop it, or use another --workdir") from None
         previous = _owner(fd)
         if previous != "owner unknown":
-            log(f"took over {path} from a run that is gone ({previous})")
+            logger.info(f"took over {path} from a run that is gone ({previous})")
         _write_owner(fd)
         yield
     finally:
@@ -171,7 +175,7 @@ def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
-                 has_checkpoint: bool, log: Callable[[str], None] = print) -> None:
+                 has_checkpoint: bool) -> None:
     """Writes ``config.json`` (process 0) after ``check_config_change``; a resumed run calls it once its
     checkpoint has restored, so an accepted change that does not fit never reaches the file. Changes are logged
     and appended to ``config_changes.jsonl``."""
@@ -179,7 +183,7 @@ def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[
         return
     if changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:5])
-        log(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
+        logger.info(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
         record = json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
                              "after_checkpoint": has_checkpoint,
                              "changes": {k: list(v) for k, v in changes.items()}}) + "\n"

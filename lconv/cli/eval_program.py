@@ -8,10 +8,11 @@ outputs can be written. A decoding pass is never lost to a mistake that could ha
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import jax
@@ -20,8 +21,10 @@ from etils import epath
 from lconv.configs import schema
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.infer import compiled, evaluate
+from lconv.infer import compiled, decode_and_score
 from lconv.train import setup, steps
+
+logger = logging.getLogger(__name__)
 
 SAMPLING_DEFAULTS = {"max_len": 50, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # greedy, 50 tokens
 
@@ -29,8 +32,7 @@ SAMPLING_DEFAULTS = {"max_len": 50, "temperature": 0.0, "top_k": 0, "top_p": 1.0
 def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint: str = "latest",
         beam_size: int | None = None, lenpen: float | None = None, source_file: str | None = None,
         reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
-        log: Callable[[str], None] = print, stdin: TextIO | None = None, stdout: TextIO | None = None,
-        **sampling: Any) -> dict[str, Any]:
+        stdin: TextIO | None = None, stdout: TextIO | None = None, **sampling: Any) -> dict[str, Any]:
     """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or decodes ``source_file``
     line by line: translations / summaries (scored when ``reference_file`` is given), or an LM's continuations of
     the prompts in it (``sampling``: ``max_len``, ``temperature``, ``top_k``, ``top_p``, ``seed``). With
@@ -43,18 +45,18 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
                             sampling=sampling)
     sampling = {**SAMPLING_DEFAULTS, **sampling}
     if interactive:
-        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
-        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, sampling, log)
+        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
+        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, sampling)
     if source_file is None:
-        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
+        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
         config = trained.config
         config.data.eval_splits = (split,)
         data = pipeline.make_datasets(config.data, trained.tokenizer)
         if task == "lm":
             return steps.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
-                                          split, log)
-        return evaluate.score_split(config, trained.model, trained.params, trained.tokenizer, data.eval_sets,
-                                    workdir, split=split, log=log)
+                                          split)
+        return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer, data.eval_sets,
+                                    workdir, split=split)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
     if references is not None and len(references) != len(sources):
@@ -65,10 +67,10 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         _check_writable(output_file, f"the default --output_file={output_file} (pass --output_file elsewhere)")
     else:
         _check_writable(output_file, f"--output_file={output_file}")
-    trained = _load(workdir, average_last, checkpoint, beam_size, lenpen, log)
+    trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
     if task == "lm":
-        return _generate_file(trained, sources, source_file, output_file, sampling, log)
-    return _translate_file(trained, sources, references, source_file, output_file, log)
+        return _generate_file(trained, sources, source_file, output_file, sampling)
+    return _translate_file(trained, sources, references, source_file, output_file)
 
 
 def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
@@ -164,8 +166,8 @@ def _check_writable(path: str, what: str) -> None:
     raise UserError(f"cannot write {what}: {problem}")
 
 
-def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None,
-          log: Callable[[str], None]) -> setup.Trained:
+def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
+          lenpen: float | None) -> setup.Trained:
     def override(config):
         if beam_size is not None:
             config.decode.beam_size = beam_size
@@ -173,66 +175,65 @@ def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | Non
             config.decode.lenpen = lenpen
 
     trained = setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, overrides=override)
-    log(f"checkpoint(s) {trained.steps}")
+    logger.info(f"checkpoint(s) {trained.steps}")
     return trained
 
 
 def _translate_file(trained: setup.Trained, sources: Sequence[str], references: Sequence[str] | None,
-                    source_file: str, output_file: str, log: Callable[[str], None]) -> dict[str, Any]:
+                    source_file: str, output_file: str) -> dict[str, Any]:
     """Decodes the lines, writes one output per input line, reports what was not decoded as given, and scores
     against ``references`` (blank sources stay in, as empty hypotheses)."""
     config = trained.config
-    translations = evaluate.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
+    translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
     _write_lines(output_file, translations.hypotheses)
     scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
     if not sources:
-        log(f"--source_file={source_file} has no lines: {output_file} is empty, nothing to score")
+        logger.info(f"--source_file={source_file} has no lines: {output_file} is empty, nothing to score")
     if translations.blank:
         scored = "; scored as empty hypotheses" if references is not None else ""
         count = len(translations.blank)
-        log(f"{count} blank source line{'s' if count != 1 else ''} ({_line_numbers(translations.blank)}): empty "
-            f"output{'s' if count != 1 else ''} in place{scored}")
+        logger.info(f"{count} blank source line{'s' if count != 1 else ''} ({_line_numbers(translations.blank)}): "
+                    f"empty output{'s' if count != 1 else ''} in place{scored}")
     if translations.lengths.truncated:
-        log(f"{translations.lengths.note('source line')} "
-            f"({_line_numbers(translations.lengths.truncated)})")
+        logger.info(f"{translations.lengths.note('source line')} "
+                    f"({_line_numbers(translations.lengths.truncated)})")
     if references is not None and sources:
-        scores.update(evaluate.score_texts(config.task, translations.hypotheses, references,
+        scores.update(decode_and_score.score_texts(config.task, translations.hypotheses, references,
                                            split_compounds=config.decode.compound_split))
-    log(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
+    logger.info(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
 
 
 def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: str, output_file: str,
-                   sampling: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+                   sampling: dict[str, Any]) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
-    outputs = evaluate.generate_lines(trained.config, trained.tokenizer, prompts, generator, **sampling)
+    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, **sampling)
     _write_lines(output_file, outputs.hypotheses)
     if outputs.lengths.truncated:
-        log(f"{len(outputs.lengths.truncated)} prompt(s) longer than {outputs.lengths.limit} tokens (what "
-            f"config.model.max_len leaves beside --max_len={sampling['max_len']}) keep their last tokens "
-            f"({_line_numbers(outputs.lengths.truncated)})")
+        logger.info(f"{len(outputs.lengths.truncated)} prompt(s) longer than {outputs.lengths.limit} tokens (what "
+                    f"config.model.max_len leaves beside --max_len={sampling['max_len']}) keep their last tokens "
+                    f"({_line_numbers(outputs.lengths.truncated)})")
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
               "longest_prompt_tokens": outputs.lengths.longest, "prompt_token_limit": outputs.lengths.limit,
               **sampling}
-    log(json.dumps(report))
+    logger.info(json.dumps(report))
     return report
 
 
-def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any],
-                 log: Callable[[str], None]) -> dict[str, Any]:
+def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any]) -> dict[str, Any]:
     """Decodes each line of ``stdin`` as it arrives and prints its output (one line) to ``stdout``. The programs
     are built once: a line compiles only when its length falls in a width bucket not seen before."""
     config = trained.config
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
-        decode = lambda line: evaluate.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
+        decode = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
                                                       **sampling).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
-        decode = lambda line: evaluate.translate_lines(config, trained.model, trained.params,  # noqa: E731
+        decode = lambda line: decode_and_score.translate_lines(config, trained.model, trained.params,  # noqa: E731
                                                        trained.tokenizer, [line], translator=translator).hypotheses[0]
-    log(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
+    logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
     count = 0
     for line in stdin:
         print(decode(line.removesuffix("\n").removesuffix("\r")).replace("\n", " "), file=stdout, flush=True)
@@ -243,7 +244,7 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
 def _write_lines(path: str, outputs: Sequence[str]) -> None:
     """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
     if jax.process_index() == 0:
-        epath.Path(path).write_text(evaluate.lines_text(outputs), encoding="utf-8")
+        epath.Path(path).write_text(decode_and_score.lines_text(outputs), encoding="utf-8")
 
 
 def _line_numbers(indices: Sequence[int], shown: int = 5) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,8 @@ from lconv.data import pipeline
 from lconv.errors import UserError
 from lconv.infer import compiled, scoring
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     import flax.linen as nn
 
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
-                   translator: compiled.Translator | None = None, log: Callable[[str], Any] = print,
+                   translator: compiled.Translator | None = None,
                    **search: Any) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     """``(batch, best-beam ids [B, L])`` over every example of ``eval_set``, the whole split (``whole_split``),
     ``compiled.decode_rows`` rows per batch (``config.decode.batch_size``; auto: the eval batch on CPU, wider on an
@@ -63,12 +66,12 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
         width = compiled.width_bucket(longest, batch["inputs"].shape[1])
         return batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
 
-    for _, decoded in in_batches(order, rows, decode, log):
+    for _, decoded in in_batches(order, rows, decode):
         yield decoded
 
 
-def in_batches(order: Sequence[int], rows: int, decode: Callable[[list[int], int], Any],
-               log: Callable[[str], Any]) -> Iterator[tuple[list[int], Any]]:
+def in_batches(order: Sequence[int], rows: int,
+               decode: Callable[[list[int], int], Any]) -> Iterator[tuple[list[int], Any]]:
     """``(chosen, decode(chosen, rows))`` for consecutive runs of ``rows`` indices of ``order``. A batch that runs
     the device out of memory is decoded again as batches of half the rows (logged), down to one row; with several
     processes, which must all run the same batches, that is a one-line error naming the field instead."""
@@ -83,8 +86,8 @@ def in_batches(order: Sequence[int], rows: int, decode: Callable[[list[int], int
             if rows == 1 or jax.process_count() > 1:
                 raise UserError(f"decoding {rows} rows per batch ran out of device memory; set "
                                 f"config.decode.batch_size lower (0 = auto) or shorten the inputs") from None
-            log(f"decoding {rows} rows per batch ran out of device memory: going on with {rows // 2} "
-                f"(config.decode.batch_size sets it)")
+            logger.info(f"decoding {rows} rows per batch ran out of device memory: going on with {rows // 2} "
+                        f"(config.decode.batch_size sets it)")
             rows //= 2
             continue
         yield chosen, decoded
@@ -92,8 +95,7 @@ def in_batches(order: Sequence[int], rows: int, decode: Callable[[list[int], int
 
 
 def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
-                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None,
-                log: Callable[[str], Any] = print) -> dict[str, Any]:
+                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None) -> dict[str, Any]:
     """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``.
 
     With several processes each holds a shard of the split; they decode the whole split together
@@ -105,7 +107,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     eval_set = whole_split(eval_sets[split], config.data.eval_batch_size)
     start = time.time()
     hypotheses = {}
-    for batch, tokens in decode_batches(config, model, params, eval_set, log=log):
+    for batch, tokens in decode_batches(config, model, params, eval_set):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[int(index)] = tokenizer.decode(tokens[row])
@@ -121,8 +123,8 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
                   **lengths.counts())
     write_outputs(workdir, split, hyps, scores)
     if lengths.truncated:
-        log(lengths.note("source"))
-    log(format_report(scores, sources, refs, hyps, config.decode.num_print))
+        logger.info(lengths.note("source"))
+    logger.info(format_report(scores, sources, refs, hyps, config.decode.num_print))
     return scores
 
 
@@ -299,7 +301,7 @@ def prompt_limit(config: Any, max_len: int) -> int:
 
 
 def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
-                   max_len: int, log: Callable[[str], Any] = print, **sampling: Any) -> Translations:
+                   max_len: int, **sampling: Any) -> Translations:
     """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
     ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). A blank prompt starts from BOS alone. A prompt
     longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation); ``Translations.lengths``
@@ -322,7 +324,7 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
         return generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, max_len]
 
     outputs = [""] * len(prompts)
-    for chosen, tokens_BL in in_batches(order, rows, decode, log):
+    for chosen, tokens_BL in in_batches(order, rows, decode):
         for row, i in enumerate(chosen):
             outputs[i] = tokenizer.decode(tokens_BL[row])
     return Translations(outputs, [], lengths)

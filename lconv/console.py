@@ -1,0 +1,43 @@
+"""Where lconv's log reaches the terminal: every module logs to ``logging.getLogger(__name__)`` (under the
+``lconv`` logger) and each program (train.py, eval.py, ``python -m lconv.*``) calls ``show_log`` once.
+
+As a library lconv configures no handler, as the ``logging`` documentation asks of libraries: a notebook or a
+script that wants the progress lines calls ``show_log()`` itself (or configures ``logging`` its own way).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+ROOT_LOGGER = "lconv"
+
+
+class _MessageHandler(logging.StreamHandler):
+    """Each record's message alone, flushed, on ``sys.stdout`` or ``sys.stderr`` as it is when the record is
+    written: a stream redirected or captured after ``show_log`` (pytest's capsys) still gets the lines."""
+
+    def __init__(self, stream_name: str) -> None:
+        super().__init__(getattr(sys, stream_name))
+        self.stream_name = stream_name
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = getattr(sys, self.stream_name)
+        super().emit(record)
+
+
+def show_log(stream: str = "stdout") -> None:
+    """lconv's log from INFO up, one message a line as ``print`` wrote it before lconv used ``logging``, on
+    ``sys.stdout`` or ``sys.stderr`` (``stream``). Replaces an earlier call's handler, so a process that runs two
+    programs shows each line once.
+
+    A plain message rather than absl's format (level, time, file: line) keeps what users and scripts read the same;
+    the records do not propagate to the root logger, where absl's handler would print them a second time."""
+    if stream not in ("stdout", "stderr"):
+        raise ValueError(f"stream must be 'stdout' or 'stderr'; got {stream!r}")
+    logger = logging.getLogger(ROOT_LOGGER)
+    for handler in [h for h in logger.handlers if isinstance(h, _MessageHandler)]:
+        logger.removeHandler(handler)
+    logger.addHandler(_MessageHandler(stream))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
