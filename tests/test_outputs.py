@@ -141,3 +141,88 @@ def test_a_workdir_seeded_with_its_pieces_is_still_a_workdir(tmp_path):
     outputs.claim_directory(str(seeded), "workdir", "--workdir")
     with pytest.raises(UserError):
         outputs.claim_directory(str(seeded), "export", "--out")
+
+
+# ---------------------------------------------------------------- each writer, as a user calls it
+def _config_workdir(tmp_path):
+    from lconv.configs import default
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(default.get_config().to_json())
+    (workdir / "spm.model").write_bytes(b"tokenizer")
+    return workdir
+
+
+@pytest.mark.parametrize("target", ["config.json", "spm.model", "source", "reference"])
+def test_eval_never_writes_over_a_runs_files_or_its_own_inputs(tmp_path, target):
+    from lconv.cli import eval_program
+
+    workdir = _config_workdir(tmp_path)
+    source, reference = tmp_path / "in.en", tmp_path / "ref.de"
+    source.write_text("A tool.\n")
+    reference.write_text("Ein Werkzeug.\n")
+    output = {"source": source, "reference": reference}.get(target, workdir / target)
+    before = output.read_bytes()
+    with pytest.raises(UserError) as info:
+        eval_program.run(str(workdir), source_file=str(source), reference_file=str(reference),
+                         output_file=str(output))
+    _one_line_naming(info, "--output_file")
+    assert output.read_bytes() == before
+
+
+@pytest.mark.parametrize("target", ["workdir", "study", "other"])
+def test_export_refuses_a_folder_it_does_not_own_before_reading_the_run(tmp_path, target):
+    import types
+
+    from lconv import export
+    from lconv.configs import default
+
+    folder = _config_workdir(tmp_path) if target == "workdir" else _make(tmp_path, target)
+    before = sorted(p.name for p in folder.iterdir())
+    trained = types.SimpleNamespace(config=default.get_config())  # refused before the params are touched
+    with pytest.raises(UserError) as info:
+        export.export(trained, str(folder))
+    _one_line_naming(info, "--out", str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+@pytest.mark.parametrize("target", ["export", "study", "other"])
+def test_the_fairseq_importer_refuses_a_folder_it_does_not_own_before_reading_anything(tmp_path, target):
+    from lconv.interop import fairseq_workdir
+
+    folder = _make(tmp_path, target)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(UserError) as info:  # the checkpoint does not exist: the folder is refused first
+        fairseq_workdir.import_checkpoint(str(tmp_path / "none.pt"), str(tmp_path / "dict.txt"), None, str(folder))
+    _one_line_naming(info, "--workdir", str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_bench_never_writes_committed_results_from_another_directory(tmp_path, monkeypatch):
+    import argparse
+
+    from lconv.bench import __main__ as bench
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UserError(message)
+
+    monkeypatch.chdir(tmp_path)
+    for out, doc in ((ROOT / "docs" / "bench", tmp_path / "b.md"), (tmp_path / "b", ROOT / "docs" / "benchmarks.md")):
+        opts = argparse.Namespace(quick=False, out=str(out), doc=str(doc))
+        with pytest.raises(UserError) as info:
+            bench.resolve_outputs(opts, Parser())
+        _one_line_naming(info, "committed")
+    opts = argparse.Namespace(quick=True, out=None, doc=None)  # its own scratch folder: fine, and marked
+    bench.resolve_outputs(opts, Parser())
+    assert outputs.kind_of(opts.out) == "bench"
+
+
+def test_train_refuses_an_empty_workdir_flag_and_a_folder_of_something_else(tmp_path):
+    from lconv.train import workdir as workdir_lib
+
+    for value in ("", str(_make(tmp_path, "export")), str(_make(tmp_path, "other"))):
+        with pytest.raises(UserError) as info:
+            workdir_lib.make_workdir(value)
+        _one_line_naming(info, "--workdir")

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import jax
 from etils import epath
 
+from lconv import outputs
 from lconv.configs import schema
 from lconv.data import pipeline
 from lconv.errors import UserError
@@ -55,8 +56,8 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         if task == "lm":
             return steps.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
                                           split)
-        return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer, data.eval_sets,
-                                    workdir, split=split)
+        return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer,
+                                            data.eval_sets, workdir, split=split)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
     if references is not None and len(references) != len(sources):
@@ -65,7 +66,9 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     if output_file is None:
         output_file = os.path.join(workdir, "output.txt")
         _check_writable(output_file, f"the default --output_file={output_file} (pass --output_file elsewhere)")
-    else:
+    else:  # never over an input, another command's output or committed docs (lconv.outputs), then writable
+        outputs.check_output_file(output_file, "--output_file",
+                                  inputs=[("--source_file", source_file), ("--reference_file", reference_file)])
         _check_writable(output_file, f"--output_file={output_file}")
     trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
     if task == "lm":
