@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_collections
@@ -198,8 +198,15 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
                  spell: Callable[[str], str] = lambda name: f"config.decode.{name}") -> None:
     """The decode section's rules for the beam search's settings, for every place that takes them: the config,
     eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given."""
+    check_decode({"beam_size": beam_size, "lenpen": lenpen}, spell)
+
+
+def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
+                 ) -> None:
+    """Each given (not None) ``config.decode`` field of ``values`` by its rule, named as ``spell`` says (a flag's
+    name on the command line): the one check of decoding settings, whichever surface takes them."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
-    for name, value in (("beam_size", beam_size), ("lenpen", lenpen)):
+    for name, value in values.items():
         if value is not None:
             check(spell(name), value, rules[name])
 

@@ -226,3 +226,16 @@ def test_train_refuses_an_empty_workdir_flag_and_a_folder_of_something_else(tmp_
         with pytest.raises(UserError) as info:
             workdir_lib.make_workdir(value)
         _one_line_naming(info, "--workdir")
+
+
+@pytest.mark.parametrize("decode, flag", [({"lenpen": float("nan")}, "--lenpen"), ({"beam_size": 0}, "--beam_size"),
+                                          ({"max_len_b": -1}, "--max_len_b")])
+def test_the_fairseq_importer_checks_decode_settings_as_eval_py_does(tmp_path, decode, flag):
+    """The importer's decode flags go through the config's own rules before anything is read or written."""
+    from lconv.interop import fairseq_workdir
+
+    with pytest.raises(UserError) as info:
+        fairseq_workdir.import_checkpoint(str(tmp_path / "none.pt"), str(tmp_path / "dict.txt"), None,
+                                          str(tmp_path / "run"), decode=decode)
+    _one_line_naming(info, flag)
+    assert not (tmp_path / "run").exists()

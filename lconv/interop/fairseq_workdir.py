@@ -23,6 +23,7 @@ from etils import epath
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
+from lconv.configs import schema
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_vocab
@@ -49,6 +50,7 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     from lconv.train import workdir as workdir_lib
 
     outputs.check_directory(workdir, "workdir", "--workdir")  # before the checkpoint is read; nothing written
+    schema.check_decode(decode or {}, spell=lambda name: f"--{name}")  # --lenpen=nan: one line, not a NaN config
     if checkpoints.has_checkpoint(workdir):
         raise UserError(f"{workdir} already holds checkpoints; import into a new --workdir")
     weights, args, updates = fairseq.read_checkpoint(checkpoint, trust=trust)
