@@ -126,7 +126,7 @@ def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
         if not (root / MARKER).exists():
             (root / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
     except OSError as err:
-        raise UserError(f"{flag}={path}: cannot write there ({err.strerror or err})") from None
+        raise UserError(f"{flag}={path}: cannot create it ({err.strerror or err})") from None
     return str(path)
 
 
