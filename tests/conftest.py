@@ -38,6 +38,14 @@ def pytest_configure(config):
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tiers (README): a test that reads the shared tiny data or run is ``integration``; one that launches
+    processes is marked ``slow`` where it is defined; the rest are unit tests."""
+    for item in items:
+        if {"tiny_data", "tiny_run"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_report_header(config):
     return f"jax {jax.__version__}, default backend {jax.default_backend()}: {jax.devices()}"
 

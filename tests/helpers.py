@@ -51,11 +51,12 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
     program defines are removed afterwards and the JAX compilation-cache settings it changes are put back, so the
     next call (or test) starts clean."""
     import jax
-    from absl import app, flags  # noqa: F401 (absl.app defines its own flags on import: before the snapshot)
+    from absl import app, flags  # absl.app defines its own flags on import: before the snapshot
 
     from lconv.cli import programs
     from lconv.data import __main__ as data_main
 
+    app.define_help_flags()  # absl defines --help & co. on its first run only: keep them out of the snapshot's diff
     saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
     before = set(flags.FLAGS)
     capsys.readouterr()

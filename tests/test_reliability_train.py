@@ -50,6 +50,7 @@ def test_a_bad_config_field_is_one_line_before_anything_is_written(args, named, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # launches a process: the slow tier
 @pytest.mark.parametrize("config, named", [
     ("configs/default.py:nonsense", ["--config=configs/default.py:nonsense", "nonsense"]),
     ("configs/nope.py", ["--config=configs/nope.py", "No such file"]),
@@ -302,6 +303,7 @@ def test_a_loss_spike_is_never_checkpointed(tiny_data, tmp_path, monkeypatch):
     assert checkpoints.Checkpointer(spiking).all_steps() == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # launches a process: the slow tier
 def test_ctrl_c_checkpoints_and_exits_130_like_a_preemption(tiny_run, tmp_path):
     workdir = helpers.copy_run(tiny_run, tmp_path / "ctrl_c")
     process = subprocess.Popen([sys.executable, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
