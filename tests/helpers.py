@@ -2,7 +2,6 @@
 artefacts of tests/conftest.py (built once per test run, copied by the tests that change them)."""
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import pathlib
 import shutil
@@ -119,13 +118,3 @@ def copy_run(tiny_run, path: pathlib.Path) -> pathlib.Path:
     shutil.copytree(tiny_run.workdir, path)
     return path
 
-
-@contextlib.contextmanager
-def no_call(module, name: str, why: str):
-    """``module.name`` fails the test if called inside the block."""
-    real = getattr(module, name)
-    setattr(module, name, lambda *a, **k: pytest.fail(f"{name} was called: {why}"))
-    try:
-        yield
-    finally:
-        setattr(module, name, real)
