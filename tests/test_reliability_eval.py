@@ -77,15 +77,17 @@ def test_an_lm_run_refuses_references_for_its_prompts_before_loading(config_only
     """An LM run continues --source_file's prompts; references have nothing to score against."""
     config = json.loads((config_only / "config.json").read_text())
     (config_only / "config.json").write_text(json.dumps({**config, "task": "lm"}))
-    with pytest.raises(UserError, match="^--reference_file: an lm run continues the prompts of --source_file"):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=str(config_only / "config.json"),
                      reference_file=str(config_only / "config.json"))
+    assert helpers.one_line_error(error, "--reference_file", "--source_file").startswith("--reference_file")
 
 
 def test_reference_and_output_files_without_a_source_file_are_not_ignored(config_only):
     for flag, value in (("reference_file", "ref.de"), ("output_file", "out.de")):
-        with pytest.raises(UserError, match=f"^--{flag} goes with --source_file"):
+        with pytest.raises(UserError) as error:
             evaluate.run(str(config_only), split="validation", **{flag: value})
+        assert helpers.one_line_error(error, f"--{flag}", "--source_file").startswith(f"--{flag}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -105,13 +107,16 @@ def test_a_non_utf8_byte_names_the_file_line_and_byte_offset(config_only, tmp_pa
 def test_a_bad_reference_file_is_named_too(config_only, tmp_path):
     (tmp_path / "in.en").write_text("one\ntwo\n")
     (tmp_path / "ref.de").write_bytes(b"eins\n\xffzwei\n")
-    with pytest.raises(UserError, match=r"^--reference_file=.*ref.de: line 2, byte offset 0: 0xff is not UTF-8"):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "ref.de"))
-    with pytest.raises(UserError, match=r"^--source_file=.*missing.en: cannot read it \(No such file"):
+    helpers.one_line_error(error, f"--reference_file={tmp_path / 'ref.de'}", "line 2", "byte offset 0", "0xff")
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=str(tmp_path / "missing.en"))
+    helpers.one_line_error(error, f"--source_file={tmp_path / 'missing.en'}", "No such file")
     (tmp_path / "short.de").write_text("eins\n")
-    with pytest.raises(UserError, match=r"^--reference_file has 1 lines for 2 source lines \(.*short.de vs "):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=str(tmp_path / "in.en"), reference_file=str(tmp_path / "short.de"))
+    helpers.one_line_error(error, "--reference_file", "1 lines", "2 source lines", str(tmp_path / "short.de"))
 
 
 def test_lines_end_at_newlines_and_a_crlf_loses_its_cr(tmp_path):
@@ -135,25 +140,28 @@ def test_an_output_file_that_cannot_be_written_is_an_error_before_loading(config
     assert str(info.value) == expected
     assert helpers.one_line_error(_eval_py(capsys, f"--workdir={config_only}", f"--source_file={source}",
                                            f"--output_file={missing}")) == expected
-    with pytest.raises(UserError, match=f"^cannot write --output_file={tmp_path}: it is a directory$"):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=source, output_file=str(tmp_path))
+    helpers.one_line_error(error, f"--output_file={tmp_path}:", "a directory")
     (config_only / "output.txt").mkdir()  # the default output, <workdir>/output.txt, cannot be a file
-    with pytest.raises(UserError, match=r"^cannot write the default --output_file=.*output.txt \(pass "):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=source)
+    helpers.one_line_error(error, f"--output_file={config_only / 'output.txt'}")
 
 
 def test_a_split_whose_outputs_cannot_be_written_is_an_error_before_loading(config_only):
     (config_only / "validation.hyp.txt").mkdir()
-    with pytest.raises(UserError, match=r"^cannot write .*validation.hyp.txt \(eval writes a split's outputs into "
-                                        r"--workdir\): it is a directory$"):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), split="validation")
+    helpers.one_line_error(error, str(config_only / "validation.hyp.txt"), "--workdir", "a directory")
 
 
 def test_a_read_only_directory_is_an_error_before_loading(config_only, tmp_path):
     # /sys is read-only for every user, root included (a chmod'ed directory would not stop root).
     (tmp_path / "in.en").write_text("one line\n")
-    with pytest.raises(UserError, match="^cannot write --output_file=/sys/out.de: Permission denied$"):
+    with pytest.raises(UserError) as error:
         evaluate.run(str(config_only), source_file=str(tmp_path / "in.en"), output_file="/sys/out.de")
+    helpers.one_line_error(error, "--output_file=/sys/out.de", "Permission denied")
 
 
 # ----------------------------------------------------------------------------------------------------------------
