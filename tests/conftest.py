@@ -21,6 +21,32 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", False)  # tests opt in to float64 explicitly with numpy references
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """One persistent compilation cache per test run, shared by the xdist workers and every process the tests
+    launch (they inherit $JAX_COMPILATION_CACHE_DIR): a program that many tests compile alike (the tiny run's
+    train, eval and beam-search steps) is compiled once and read back after. It lives in the run's base temp
+    folder, so every run starts cold, and pytest removes it with the folder. A cache the user set is kept."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # the user's cache, or (in an xdist worker) the controller's, which jax read from the environment
+    cache = factory.getbasetemp() / "jax_compilation_cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers (README): a test that reads the shared tiny data or run is ``integration``; one that launches
+    processes is marked ``slow`` where it is defined; the rest are unit tests."""
+    for item in items:
+        if {"tiny_data", "tiny_run"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_report_header(config):
     return f"jax {jax.__version__}, default backend {jax.default_backend()}: {jax.devices()}"
 
@@ -32,3 +58,72 @@ def lconv_log(caplog):
 
     with log_capture.attached(caplog.handler):
         yield lambda: [r.getMessage() for r in caplog.records if r.name.split(".")[0] == "lconv"]
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared artefacts: one prepared tiny dataset, one tokenizer and one tiny trained run per test run
+# ----------------------------------------------------------------------------------------------------------------
+# Preparing data, training a tokenizer and training a run cost seconds to tens of seconds each on 2 cores; every
+# module that needs them asks for these session fixtures instead of making its own. Under pytest-xdist each worker
+# is a process with its own session, so each artefact is built once per test run under a file lock in a folder
+# every worker sees, and the other workers read it (tests/helpers.py:build_once). Tests treat them as read-only: a
+# test that changes a run works on a copy (helpers.copy_run). Imports are inside the fixtures: CI runs the notebook
+# test from an installed package with only this file beside it.
+import json  # noqa: E402
+import types  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def shared_root(tmp_path_factory):
+    """A folder of this test run that every xdist worker sees (each worker's base temp is a subfolder of it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_data(shared_root):
+    """The bundled DDTP corpus prepared once in ``data_dir`` (ddtp/en_de for translation, ddtp/lm_en for the LM),
+    and tests/tiny_config.py's SentencePiece model trained once on it (``spm``: copy it into a workdir with
+    ``helpers.new_workdir``)."""
+    import helpers
+    import tiny_config
+
+    def build(path):
+        import tensorflow_datasets as tfds
+
+        from lconv.data import pipeline, sources
+
+        tfds.disable_progress_bar()
+        config = tiny_config.training_config(path / "tfds")
+        tokenizer = pipeline.load_or_train_tokenizer(config.data, str(path / "tokenizer"), process_index=0,
+                                                     process_count=1)
+        pipeline.make_datasets(config.data, tokenizer, process_index=0, process_count=1)
+        for split in ("train", "validation", "test"):
+            sources.get_source("ddtp/lm_en", split, str(path / "tfds"))
+
+    path = helpers.build_once(shared_root, "tiny_data", build)
+    return types.SimpleNamespace(data_dir=path / "tfds", spm=path / "tokenizer" / "spm.model")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(shared_root, tiny_data):
+    """tests/tiny_config.py trained for its 6 steps on one CPU device: checkpoints 2..6 (keep 5), validation at
+    steps 3 and 6, the best checkpoint, metrics.jsonl, data_report.json. ``workdir`` is shared: read it, or
+    ``helpers.copy_run`` it to change it. ``result`` is what ``train_and_evaluate`` returned (through JSON)."""
+    import helpers
+    import jax
+    import tiny_config
+
+    from lconv.train import loop
+
+    def build(path):
+        path.mkdir()
+        workdir = helpers.new_workdir(tiny_data, path / "run")
+        result = loop.train_and_evaluate(tiny_config.training_config(tiny_data.data_dir), str(workdir),
+                                         devices=jax.devices("cpu")[:1])
+        (path / "result.json").write_text(json.dumps(result, default=float))
+
+    path = helpers.build_once(shared_root, "tiny_run", build)
+    return types.SimpleNamespace(workdir=path / "run", data_dir=tiny_data.data_dir,
+                                 result=json.loads((path / "result.json").read_text()))

@@ -68,6 +68,7 @@ def _committed_results():
     return {p: p.read_bytes() for p in [*(_ROOT / "docs" / "bench").iterdir(), _ROOT / "docs" / "benchmarks.md"]}
 
 
+@pytest.mark.slow  # launches python -m lconv.bench three times: the slow tier
 def test_an_empty_T_list_and_a_quick_run_over_the_committed_results_are_refused():
     before = _committed_results()
     for args, message in [(["mixers", "--quick", "--T="], "error: --T must be comma-separated integers, e.g. "

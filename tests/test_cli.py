@@ -39,6 +39,7 @@ def test_any_other_exception_keeps_its_traceback(error):
         raise error
 
 
+@pytest.mark.slow  # launches a process: the slow tier
 def test_eval_py_on_a_directory_without_a_run_prints_one_line(tmp_path):
     result = subprocess.run([sys.executable, "eval.py", f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
@@ -191,15 +192,15 @@ def test_eval_flag_combinations_that_do_not_fit_are_one_line_errors(task, flags,
         eval_program.run(_config_only(tmp_path, config), **flags)
 
 
-def test_eval_py_prints_a_flag_combination_error_in_one_line(tmp_path):
+def test_eval_py_prints_a_flag_combination_error_in_one_line(tmp_path, capsys):
+    import helpers
     import tiny_config
 
     workdir = _config_only(tmp_path, tiny_config.get_config())
-    result = subprocess.run([sys.executable, "eval.py", f"--workdir={workdir}", "--temperature=0.5"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr == (
-        "error: --temperature: for lm runs (sampling); a translation run is decoded by beam search (--beam_size, "
-        "--lenpen)\n"), result.stderr
+    code, _, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--temperature=0.5")  # main, in-process
+    assert helpers.one_line_error((code, "", err), "--temperature", "--beam_size")
+    assert err == ("error: --temperature: for lm runs (sampling); a translation run is decoded by beam search "
+                   "(--beam_size, --lenpen)\n")
 
 
 def test_outputs_are_written_by_process_0_only(tmp_path, monkeypatch):
@@ -235,6 +236,7 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
     assert "common" not in runtime.packaged_configs() and "lm1b" in runtime.packaged_configs()
 
 
+@pytest.mark.slow  # launches a process: the slow tier
 def test_python_m_lconv_train_loads_a_packaged_config_outside_the_checkout(tmp_path):
     """From another directory, with lconv importable as an install makes it: the config is found by name and
     loaded (its variant check runs), and a bad variant is one line naming what the user typed."""
@@ -245,14 +247,22 @@ def test_python_m_lconv_train_loads_a_packaged_config_outside_the_checkout(tmp_p
         "error: --config=default:nope: unknown config variant(s) ['nope']"), result.stderr
 
 
-@pytest.mark.parametrize("entry", [["train.py"], ["eval.py"], ["-m", "lconv.export"], ["-m", "lconv.import_fairseq"],
-                                   ["-m", "lconv.study"]])
-def test_asking_an_absl_entry_point_for_help_prints_its_flags_and_succeeds(entry):
-    """absl exits 1 after printing --help; a user (and CI's install check) asking for help gets exit code 0."""
-    result = subprocess.run([sys.executable, *entry, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "--" in result.stdout and "flags:" in result.stdout, result.stderr[-500:]
+@pytest.mark.parametrize("entry", [["train.py"], ["eval.py"], *[pytest.param(e, marks=pytest.mark.slow) for e in (
+    ["-m", "lconv.export"], ["-m", "lconv.import_fairseq"], ["-m", "lconv.study"])]])  # launched: the slow tier
+def test_asking_an_absl_entry_point_for_help_prints_its_flags_and_succeeds(entry, capsys):
+    """absl exits 1 after printing --help; a user (and CI's install check) asking for help gets exit code 0.
+    train.py and eval.py run in this process (their mains are in lconv.cli.programs); the others are launched."""
+    import helpers
+
+    if entry[0].endswith(".py"):
+        code, stdout, stderr = helpers.run_cli(capsys, entry[0], "--help")
+    else:
+        result = helpers.launch(*entry, "--help", timeout=120)
+        code, stdout, stderr = result.returncode, result.stdout, result.stderr
+    assert code == 0 and "--" in stdout and "flags:" in stdout, stderr[-500:]
 
 
+@pytest.mark.slow  # launches a process: the slow tier
 def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_cache(tmp_path):
     """eval.py keeps what it compiles in <workdir>/compilation_cache: the same command again compiles nothing
     (every program a persistent-cache hit, none a miss), adds no entry and writes the same outputs."""

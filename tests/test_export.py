@@ -55,6 +55,7 @@ def _padded(ids, rows, width):
     return out
 
 
+@pytest.mark.slow  # launches python -m lconv.export: the slow tier
 @pytest.mark.parametrize("flags, message", [
     (["--platforms=cpu,gpu"], "--platforms=cpu,gpu: choose from cpu, cuda, rocm, tpu"),
     (["--rows=8,1"], "--rows=8,1: positive integers, ascending, no repeats"),

@@ -7,6 +7,7 @@ fairseq's rule applied by hand: SentencePiece pieces looked up in ``dict.txt``.
 """
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import subprocess
@@ -35,23 +36,36 @@ def _lines(path: pathlib.Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workdirs(tmp_path_factory):
-    """Each model imported once: ``dynamic`` through the command line, ``transformer`` through the function."""
+    """Each model imported once, through the function (the command line: test_the_command_line_imports_alike)."""
     root = tmp_path_factory.mktemp("imported")
     out = {}
     for name in MODELS:
         out[name] = str(root / name)
-        args = dict(checkpoint=str(FIXTURES / name / "checkpoint_last.pt"), dict=str(FIXTURES / "dict.txt"),
-                    spm=str(FIXTURES / "spm.model"), workdir=out[name])
-        if name == "dynamic":
-            flags = [f"--{k}={v}" for k, v in {**args, **GENERATE}.items()]
-            done = subprocess.run([sys.executable, "-m", "lconv.import_fairseq", *flags], capture_output=True,
-                                  text=True, timeout=600)
-            assert done.returncode == 0, done.stderr[-2000:]
-            assert "imported lightconv (220,416 parameters, 1500 updates)" in done.stdout
-        else:
-            fairseq_workdir.import_checkpoint(args["checkpoint"], args["dict"], args["spm"], args["workdir"],
-                                              decode=GENERATE)
+        args = _import_args(name, out[name])
+        fairseq_workdir.import_checkpoint(args["checkpoint"], args["dict"], args["spm"], args["workdir"],
+                                          decode=GENERATE)
     return out
+
+
+def _import_args(name, workdir):
+    return dict(checkpoint=str(FIXTURES / name / "checkpoint_last.pt"), dict=str(FIXTURES / "dict.txt"),
+                spm=str(FIXTURES / "spm.model"), workdir=workdir)
+
+
+@pytest.mark.slow  # launches python -m lconv.import_fairseq: the slow tier
+def test_the_command_line_imports_alike(workdirs, tmp_path):
+    """``python -m lconv.import_fairseq`` writes the workdir the function writes (config, tokenizer, checkpoint)."""
+    workdir = tmp_path / "dynamic"
+    flags = [f"--{k}={v}" for k, v in {**_import_args("dynamic", str(workdir)), **GENERATE}.items()]
+    done = subprocess.run([sys.executable, "-m", "lconv.import_fairseq", *flags], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "imported lightconv (220,416 parameters, 1500 updates)" in done.stdout
+    function = pathlib.Path(workdirs["dynamic"])
+    assert json.loads((workdir / "config.json").read_text()) == json.loads((function / "config.json").read_text())
+    assert (workdir / "spm.model").read_bytes() == (function / "spm.model").read_bytes()
+    assert sorted(p.name for p in workdir.iterdir()) == sorted(p.name for p in function.iterdir())
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1500"]
 
 
 def test_text_becomes_fairseqs_ids():

@@ -15,8 +15,6 @@ from nbclient import NotebookClient
 import lconv
 from lconv.data import sources
 
-pytestmark = pytest.mark.slow  # each notebook trains a tiny model: run by CI, skipped by the quick command
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
@@ -46,6 +44,7 @@ def data_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # each notebook trains a tiny model in a kernel process: run by CI, skipped by the quick command
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LCONV_NOTEBOOK_FAST", "1")

@@ -12,6 +12,8 @@ import sys
 import tomllib
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST_TOOLS = {"pytest", "pytest-xdist", "ruff", "nbclient", "nbformat", "ipykernel"}
 OPTIONAL = {"fairseq": {"torch"}}  # extra -> packages requirements.txt pins (exactly: CI's build) and CI installs
@@ -43,6 +45,7 @@ def test_pyproject_declares_requirements_txt_with_the_same_bounds():
     assert "flatbuffers" in declared  # jax.export's serialize() (lconv.export)
 
 
+@pytest.mark.slow  # builds a wheel with pip: the slow tier
 def test_a_wheel_holds_every_module_the_configs_and_the_corpus(tmp_path):
     source = tmp_path / "src"  # a copy, so the build's build/ folder does not land in the checkout
     source.mkdir()

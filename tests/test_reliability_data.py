@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import helpers
 import numpy as np
 import pytest
 
@@ -63,12 +64,6 @@ def _texts(name: str, split: str, data_dir: str, raw_dir: str | None) -> set[str
     return {source[i][target_key].decode() for i in range(len(source))}
 
 
-def _one_line(error: pytest.ExceptionInfo) -> str:
-    message = str(error.value)
-    assert message and "\n" not in message, message
-    return message
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # 1. The prepared copy is keyed by its source
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,7 +111,7 @@ def test_plain_tfds_readers_see_the_copy_in_use(tmp_path):
 def test_raw_dir_with_a_dataset_that_does_not_read_it_is_an_error(tmp_path):
     with pytest.raises(UserError) as error:
         sources.get_source("lm1b", "test", str(tmp_path), raw_dir=str(tmp_path))
-    assert _one_line(error).startswith(f"raw_dir={str(tmp_path)!r} is only read by the ddtp/* and iwslt14/*")
+    assert helpers.one_line_error(error, f"raw_dir={str(tmp_path)!r}", "ddtp/*", "iwslt14/*")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,7 +125,7 @@ def test_a_missing_translation_file_is_one_line_naming_it_and_nothing_is_cached(
     data_dir, raw = str(tmp_path / "tfds"), _simple_raw(tmp_path / "raw", "alpha", with_de=False)
     with pytest.raises(UserError) as error:
         sources.get_source("ddtp/en_de", "train", data_dir, raw_dir=raw)
-    message = _one_line(error)
+    message = helpers.one_line_error(error)
     assert "Translation-de" in message and raw in message
     assert _prepared_files(data_dir) == []
     assert len(_texts("ddtp/lm_en", "train", data_dir, raw)) == 4  # English alone is enough for lm_en
@@ -138,7 +133,7 @@ def test_a_missing_translation_file_is_one_line_naming_it_and_nothing_is_cached(
     assert len(_texts("ddtp/en_de", "train", data_dir, raw)) == 8  # 4 descriptions x (synopsis + paragraph)
     with pytest.raises(UserError) as error:
         sources.get_source("ddtp/en_de", "train", data_dir, raw_dir=str(tmp_path / "nowhere"))
-    assert "nowhere" in _one_line(error)
+    assert "nowhere" in helpers.one_line_error(error)
 
 
 @pytest.mark.parametrize("damage", ["first 64 bytes", "first 64 lines", "half", "not xz at all"])
@@ -155,7 +150,7 @@ def test_a_damaged_xz_file_is_one_line_naming_it_and_nothing_is_cached(tmp_path,
                       "half": data[: len(data) // 2], "not xz at all": b"<html>Not Found</html>\n"}[damage])
     with pytest.raises(UserError) as error:
         sources.get_source("ddtp/en_de", "train", data_dir, raw_dir=str(tmp_path / "raw"))
-    message = _one_line(error)
+    message = helpers.one_line_error(error)
     assert str(path) in message and ("truncated" in message or "not xz" in message), message
     assert _prepared_files(data_dir) == []
 
@@ -166,7 +161,7 @@ def test_a_file_with_no_description_is_one_line_naming_it(tmp_path):
     (tmp_path / "raw" / "Translation-de").write_bytes(b"<html>Not Found</html>\n")
     with pytest.raises(UserError) as error:
         sources.get_source("ddtp/en_de", "train", str(tmp_path / "tfds"), raw_dir=raw)
-    assert "Translation-de" in _one_line(error)
+    assert "Translation-de" in helpers.one_line_error(error)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,6 +298,7 @@ def test_two_processes_preparing_one_copy_at_once_both_succeed(tmp_path, monkeyp
     assert [p for p in os.listdir(os.path.join(data_dir, tfds_ddtp.CACHE_DIRNAME)) if ".tmp-" in p] == []
 
 
+@pytest.mark.slow  # launches processes: the slow tier
 def test_two_real_processes_preparing_one_copy_at_once(tmp_path):
     raw = _simple_raw(tmp_path / "raw", "alpha")
     code = ("import sys, time; from lconv.data import tfds_ddtp; time.sleep(max(0, float(sys.argv[1]) - time.time()));"
@@ -318,6 +314,7 @@ def test_two_real_processes_preparing_one_copy_at_once(tmp_path):
     assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["8", "8"]
 
 
+@pytest.mark.slow  # launches processes: the slow tier
 def test_two_real_processes_training_one_tokenizer_at_once_both_succeed(tmp_path):
     """Two runs (one process each) sharing data_dir and workdir, started together: both prepare the data and train,
     both save through their own temporary file, and both end with the same model, the one on disk."""
@@ -356,6 +353,7 @@ for vocab_size in (config["vocab_size"], config["vocab_size"] + 1):  # then one 
 """
 
 
+@pytest.mark.slow  # launches processes: the slow tier
 def test_several_jax_processes_train_the_tokenizer_once_on_process_0_and_all_hold_it(tmp_path):
     """Process 1 has a data_dir with no data and a workdir of its own (hosts need not share one): it reads and
     writes nothing, receives process 0's model, and raises process 0's one-line error when there is one."""
@@ -386,46 +384,47 @@ def test_several_jax_processes_train_the_tokenizer_once_on_process_0_and_all_hol
 # ----------------------------------------------------------------------------------------------------------------
 # 6. python -m lconv.data: one line and exit code 2; the tokenizer's and the pipeline's own checks
 # ----------------------------------------------------------------------------------------------------------------
-def _data_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lconv.data", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-
-
-def _one_line_error(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0].removeprefix("error: ")
+def _data_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``python -m lconv.data ARGS`` in this process: (exit code, stdout, stderr)."""
+    return helpers.run_cli(capsys, "lconv.data", *args)
 
 
 @pytest.mark.parametrize("args, named", [
     (["nonsense"], "'nonsense'"),
-    (["en_de", "--vocab_size=0"], f"--vocab_size=0: must be >= {tokenizer_lib.MIN_VOCAB_SIZE}"),
-    (["en_de", "--batch_size=0"], "--batch_size=0: must be >= 1"),
-    (["en_de", "--max_sentences=0"], "--max_sentences=0: must be >= 1"),
+    (["en_de", "--vocab_size=0"], "--vocab_size=0"),
+    (["en_de", "--batch_size=0"], "--batch_size=0"),
+    (["en_de", "--max_sentences=0"], "--max_sentences=0"),
     (["en_de", "--batch_size=two"], "--batch_size"),
 ])
-def test_data_cli_bad_arguments_are_one_line(tmp_path, args, named):
-    message = _one_line_error(_data_cli(*args, f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'tok'}"))
-    assert named in message
+def test_data_cli_bad_arguments_are_one_line(tmp_path, args, named, capsys):
+    helpers.one_line_error(_data_cli(capsys, *args, f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'tok'}"),
+                           named)
     assert not (tmp_path / "tok").exists()  # rejected before any work
 
 
-def test_data_cli_unprepared_catalog_dataset_is_one_line_with_the_command(tmp_path):
-    message = _one_line_error(_data_cli("wmt14/en_de", f"--data_dir={tmp_path}", f"--workdir={tmp_path / 'tok'}"))
-    assert "not prepared" in message and f"tfds build wmt14_translate/de-en --data_dir={tmp_path}" in message
+@pytest.mark.slow  # launches processes: the slow tier
+def test_python_m_lconv_data_as_a_process_is_one_line_with_exit_code_2(tmp_path):
+    """The process boundary itself (the cases around it call the same main in this process)."""
+    result = helpers.launch("-m", "lconv.data", "en_de", "--vocab_size=0", f"--data_dir={tmp_path}")
+    helpers.one_line_error(result, "--vocab_size=0", str(tokenizer_lib.MIN_VOCAB_SIZE))
 
 
-def test_data_cli_bad_raw_file_is_one_line_and_skip_counts_are_printed(tmp_path):
+def test_data_cli_unprepared_catalog_dataset_is_one_line_with_the_command(tmp_path, capsys):
+    message = helpers.one_line_error(_data_cli(capsys, "wmt14/en_de", f"--data_dir={tmp_path}",
+                                               f"--workdir={tmp_path / 'tok'}"), "not prepared")
+    assert f"tfds build wmt14_translate/de-en --data_dir={tmp_path}" in message
+
+
+def test_data_cli_bad_raw_file_is_one_line_and_skip_counts_are_printed(tmp_path, capsys):
     n = _planted_corpus(tmp_path / "raw")
     common = [f"--raw_dir={tmp_path / 'raw'}", f"--data_dir={tmp_path / 'tfds'}", "--vocab_size=300"]
-    result = _data_cli("en_de", *common, f"--workdir={tmp_path / 'tok'}")
-    assert result.returncode == 0, result.stderr
-    assert f"invalid_utf8_record_de {n['utf8']}" in result.stdout
-    assert f"en_de_validation_overlap {n['overlap']}" in result.stdout
+    code, out, err = _data_cli(capsys, "en_de", *common, f"--workdir={tmp_path / 'tok'}")
+    assert code == 0, err
+    assert f"invalid_utf8_record_de {n['utf8']}" in out
+    assert f"en_de_validation_overlap {n['overlap']}" in out
     path = tmp_path / "raw" / "Translation-de.xz"
     path.write_bytes(path.read_bytes()[:64])
-    assert str(path) in _one_line_error(_data_cli("en_de", *common, f"--workdir={tmp_path / 'tok2'}"))
+    helpers.one_line_error(_data_cli(capsys, "en_de", *common, f"--workdir={tmp_path / 'tok2'}"), str(path))
 
 
 def test_tokenizer_minimum_vocab_size_is_the_real_one():
@@ -435,10 +434,10 @@ def test_tokenizer_minimum_vocab_size_is_the_real_one():
     for vocab_size in (0, tokenizer_lib.MIN_VOCAB_SIZE - 1):
         with pytest.raises(UserError) as error:
             tokenizer_lib.train_tokenizer(texts, vocab_size)
-        assert f"vocab_size={vocab_size}" in _one_line(error) and str(tokenizer_lib.MIN_VOCAB_SIZE) in str(error.value)
+        helpers.one_line_error(error, f"vocab_size={vocab_size}", str(tokenizer_lib.MIN_VOCAB_SIZE))
     with pytest.raises(UserError) as error:
         tokenizer_lib.train_tokenizer(texts, 300, max_sentences=0)
-    assert "max_sentences=0" in _one_line(error)
+    assert "max_sentences=0" in helpers.one_line_error(error)
 
 
 @pytest.mark.parametrize("field", ["batch_size", "eval_batch_size"])
@@ -446,5 +445,5 @@ def test_pipeline_rejects_zero_rows_in_one_line(tmp_path, field):
     config = {"dataset": "ddtp/en_de", "data_dir": str(tmp_path), field: 0}
     with pytest.raises(UserError) as error:
         pipeline.make_datasets(config, _CharTokenizer(), process_index=0, process_count=1)
-    assert f"{field}=0" in _one_line(error)
+    assert f"{field}=0" in helpers.one_line_error(error)
     assert os.listdir(tmp_path) == []  # checked before any data is read

@@ -5,6 +5,7 @@ carries the memory is checked against a per-row loop (batch of one, a fresh memo
 each step) at the model level; resume restores the memory and the stream exactly."""
 import collections
 
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -237,22 +238,19 @@ def test_memory_rows_stay_on_their_devices():
     assert collectives(train_hlo) == collectives(eval_hlo) == ["all-reduce"]  # the loss sums (and gradients)
 
 
-def test_resume_restores_the_memory_and_the_stream(tmp_path):
+def test_resume_restores_the_memory_and_the_stream(tiny_data, tmp_path):
     config = _knn_config()
-    config.data.dataset, config.data.data_dir = "ddtp/lm_en", str(tmp_path / "tfds")
+    config.data.dataset, config.data.data_dir = "ddtp/lm_en", str(tiny_data.data_dir)  # prepared once, shared
     config.data.batch_size, config.data.max_target_length, config.data.eval_batch_size = 8, 32, 512
-    config.data.tokenizer_max_sentences = 1000  # reads 4000 documents, not all 56k
     config.data.eval_splits = ("validation",)
     config.train.num_steps, config.train.eval_every, config.train.checkpoint_every = 6, 1000, 3
-    full = tmp_path / "full"
+    full = helpers.new_workdir(tiny_data, tmp_path / "full")  # the shared joint tokenizer reads English too
     devices = jax.devices("cpu")[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
     result = loop.train_and_evaluate(config, str(full), devices=devices)
     assert result["validation"]["tokens"] > 1000
     losses = _read_losses(full)
 
-    half = tmp_path / "half"
-    half.mkdir()
-    (half / "spm.model").write_bytes((full / "spm.model").read_bytes())
+    half = helpers.new_workdir(tiny_data, tmp_path / "half")
     config.train.num_steps = 3
     loop.train_and_evaluate(config, str(half), devices=devices)
     config.train.num_steps = 6

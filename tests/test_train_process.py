@@ -12,11 +12,12 @@ import subprocess
 import sys
 import time
 
+import helpers
 import pytest
 import tiny_config
 
 from lconv.cli import eval_program
-from lconv.data import pipeline, sources
+from lconv.data import sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.train import checkpoints, loop
 
@@ -25,29 +26,23 @@ pytestmark = pytest.mark.slow  # each case launches train.py processes: run by C
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """The tfds data and a tokenizer, prepared once so the subprocesses only train."""
-    root = tmp_path_factory.mktemp("process")
-    config = tiny_config.get_config()
-    config.data.data_dir = str(root / "tfds")
-    tokenizer = pipeline.load_or_train_tokenizer(config.data, str(root / "spm"))
-    pipeline.make_datasets(config.data, tokenizer)
-    return root, config
+@pytest.fixture
+def prepared(tiny_data, tmp_path):
+    """The shared prepared data and tokenizer (tests/conftest.py), so the subprocesses only train: (folder for
+    this test's workdirs, tiny_data)."""
+    return tmp_path, tiny_data
 
 
 def _workdir(prepared, name):
-    root, _ = prepared
-    workdir = root / name
-    workdir.mkdir()
-    (workdir / "spm.model").write_bytes((root / "spm" / "spm.model").read_bytes())
-    return workdir
+    root, tiny_data = prepared
+    return helpers.new_workdir(tiny_data, root / name)
 
 
-def _launch(prepared, workdir, *overrides, devices=8, env=None):
-    root, _ = prepared
+def _launch(prepared, workdir, *overrides, devices=8, env=None, data_dir=None):
+    _, tiny_data = prepared
     command = [sys.executable, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
-               f"--config.data.data_dir={root / 'tfds'}", *overrides]
+               f"--config.data.data_dir={data_dir or tiny_data.data_dir}", *overrides]
+    # $JAX_COMPILATION_CACHE_DIR (tests/conftest.py) is inherited: the launches share their compiled programs.
     full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
     return subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -108,10 +103,9 @@ def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared)
     run.wait()
     _finish(_launch(prepared, workdir, *STEPS))
 
-    _, config = prepared
+    _, tiny_data = prepared
     reference = _workdir(prepared, "reference")
-    config = config.copy_and_resolve_references()
-    config.train.update(num_steps=40, checkpoint_every=5, eval_every=1000)
+    config = tiny_config.training_config(tiny_data.data_dir, num_steps=40, checkpoint_every=5, eval_every=1000)
     loop.train_and_evaluate(config, str(reference))
     expected = dict(_logged(reference))
     logged = _logged(workdir)
@@ -121,12 +115,12 @@ def test_sigterm_then_kill_9_then_resume_logs_the_uninterrupted_losses(prepared)
         assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
-def _launch_two(prepared, workdir, *overrides):
+def _launch_two(prepared, workdir, *overrides, data_dir=None):
     """train.py as two processes of 4 CPU devices each over gloo (not yet finished)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    return [_launch(prepared, workdir, *overrides, devices=4,
+    return [_launch(prepared, workdir, *overrides, devices=4, data_dir=data_dir,
                     env={"LCONV_NUM_PROCESSES": "2", "LCONV_PROCESS_ID": str(i),
                          "LCONV_COORDINATOR": f"localhost:{port}"}) for i in range(2)]
 
@@ -142,24 +136,40 @@ def _finish_all(runs, timeout=240):
                 run.wait()
 
 
-def _two_processes(prepared, workdir, *overrides, timeout=240):
+def _two_processes(prepared, workdir, *overrides, timeout=240, data_dir=None):
     """train.py as two processes to the end; returns both processes' stdout."""
-    return _finish_all(_launch_two(prepared, workdir, *overrides), timeout)
+    return _finish_all(_launch_two(prepared, workdir, *overrides, data_dir=data_dir), timeout)
 
 
 TWO_STEPS = ("--config.train.num_steps=20", "--config.train.checkpoint_every=5", "--config.train.eval_every=10")
 
 
 @pytest.fixture(scope="module")
-def two_process_run(prepared):
-    """One uninterrupted two-process run, scoring the test split after training: ``(workdir, both stdouts)``.
-    Shared by the tests below (each launch of two processes costs about a minute on 2 cores)."""
-    workdir = _workdir(prepared, "two_processes")
-    return workdir, _two_processes(prepared, workdir, *TWO_STEPS, "--config.train.eval_after_training=True")
+def two_process_run(tmp_path_factory):
+    """One uninterrupted two-process run from an empty data dir and workdir (a first launch on a pod), scoring the
+    test split after training: ``(workdir, data_dir, both stdouts)``. Shared by the tests below (each launch of two
+    processes costs about a minute on 2 cores)."""
+    root = tmp_path_factory.mktemp("two_processes")
+    workdir, data_dir = root / "run", root / "fresh_tfds"
+    outs = _two_processes((root, None), workdir, *TWO_STEPS, "--config.train.eval_after_training=True",
+                          data_dir=data_dir, timeout=600)  # preparing the data and the tokenizer comes first
+    return workdir, data_dir, outs
+
+
+def test_two_processes_start_from_an_empty_data_dir_and_workdir(two_process_run):
+    """Process 0 prepares the data and trains the tokenizer while the other waits; both train on the same
+    vocabulary and end together."""
+    workdir, data_dir, outs = two_process_run
+    assert (workdir / "spm.model").exists() and sorted(s for s, _ in _logged(workdir)) == list(range(1, 21))
+    assert len(list((data_dir / "lconv_prepared").iterdir())) == 1  # one prepared copy, not one per process
+    root = workdir.parent
+    assert not list(root.rglob("*.tmp*")) and not list(root.rglob("incomplete.*"))
+    sizes = [[line for line in out.splitlines() if line.startswith("model: ")] for out in outs]
+    assert sizes[0] and sizes[0] == sizes[1], sizes  # the same vocabulary, so the same parameter count
 
 
 def test_two_processes_on_localhost_train_and_checkpoint_together(two_process_run):
-    workdir, outs = two_process_run
+    workdir, _, outs = two_process_run
     assert "devices 8 x cpu" in outs[0]  # one mesh over both processes' 4 devices
     losses = dict(_logged(workdir))
     assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1]
@@ -174,12 +184,11 @@ def _score_line(out):
     return next(line for line in out.splitlines() if line.startswith("test: sacreBLEU")).split(", ")[0]
 
 
-def test_two_processes_score_the_whole_test_split_as_one_process_does(prepared, two_process_run, tmp_path):
+def test_two_processes_score_the_whole_test_split_as_one_process_does(two_process_run, tmp_path):
     """Each process holds half of the test split; together they decode all of it once, in the same batches and
     widths on both, so the BLEU and the hypotheses are one process's, not those of process 0's half."""
-    root, _ = prepared
-    workdir, outs = two_process_run
-    test_split, _, _ = sources.get_source("ddtp/en_de", "test", str(root / "tfds"))
+    workdir, data_dir, outs = two_process_run
+    test_split, _, _ = sources.get_source("ddtp/en_de", "test", str(data_dir))
     scores = json.loads((workdir / "test.scores.json").read_text())
     hypotheses = (workdir / "test.hyp.txt").read_bytes()
     assert scores["examples"] == len(test_split) == hypotheses.count(b"\n")
@@ -197,9 +206,11 @@ def test_two_processes_score_the_whole_test_split_as_one_process_does(prepared, 
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(prepared, two_process_run):
     """A scheduler preempting one host: both processes agree to stop after the same step, checkpoint it together
     and exit 0; the relaunched pair logs exactly the uninterrupted run's losses."""
-    reference, _ = two_process_run
-    workdir = _workdir(prepared, "two_processes_sigterm")
-    runs = _launch_two(prepared, workdir, *TWO_STEPS, "--config.train.stop_check_every=5")
+    reference, data_dir, _ = two_process_run
+    workdir = prepared[0] / "two_processes_sigterm"
+    workdir.mkdir()
+    shutil.copy(reference / "spm.model", workdir / "spm.model")  # the reference's data and vocabulary
+    runs = _launch_two(prepared, workdir, *TWO_STEPS, "--config.train.stop_check_every=5", data_dir=data_dir)
     try:
         _wait_for_step(runs[0], workdir, 5)
     except AssertionError:
@@ -215,7 +226,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     assert str(stopped[0]) in os.listdir(workdir / "checkpoints")
     assert checkpoints.Checkpointer(workdir).read_data(stopped[0])["process_count"] == 2
 
-    _two_processes(prepared, workdir, *TWO_STEPS)
+    _two_processes(prepared, workdir, *TWO_STEPS, data_dir=data_dir)
     expected = dict(_logged(reference))
     logged = _logged(workdir)
     assert {s for s, _ in logged} == set(expected) == set(range(1, 21))
@@ -223,26 +234,12 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
         assert loss == pytest.approx(expected[step], rel=1e-6), step
 
 
-def test_two_processes_start_from_an_empty_data_dir_and_workdir(prepared, tmp_path):
-    """A first launch on a pod: nothing prepared. Process 0 prepares the data and trains the tokenizer while the
-    other waits; both train on the same vocabulary and end together."""
-    workdir, data_dir = tmp_path / "fresh_run", tmp_path / "fresh_tfds"
-    outs = _two_processes(prepared, workdir, "--config.train.num_steps=2", "--config.train.eval_every=1000",
-                          "--config.train.eval_after_training=False", f"--config.data.data_dir={data_dir}",
-                          timeout=600)  # preparing the data and the tokenizer comes first
-    assert (workdir / "spm.model").exists() and sorted(s for s, _ in _logged(workdir)) == [1, 2]
-    assert len(list((data_dir / "lconv_prepared").iterdir())) == 1  # one prepared copy, not one per process
-    assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("incomplete.*"))
-    sizes = [[line for line in out.splitlines() if line.startswith("model: ")] for out in outs]
-    assert sizes[0] and sizes[0] == sizes[1], sizes  # the same vocabulary, so the same parameter count
-
-
 def test_two_processes_score_a_language_models_perplexity_on_the_whole_split(prepared, tmp_path):
     """The end-of-training perplexity of two processes covers every token of the test split once, as one
     process's does."""
-    root, _ = prepared
-    test_split, _, key = sources.get_source("ddtp/lm_en", "test", str(root / "tfds"))  # prepared before the launch
-    tokenizer = tokenizer_lib.load_tokenizer(str(root / "spm"))
+    _, tiny_data = prepared
+    test_split, _, key = sources.get_source("ddtp/lm_en", "test", str(tiny_data.data_dir))  # prepared already
+    tokenizer = tokenizer_lib.load_tokenizer(str(tiny_data.spm.parent))
     limit = tiny_config.get_config().data.eval_max_target_length  # each example cut to it, EOS kept
     expected_tokens = sum(min(len(tokenizer.encode(test_split[i][key].decode())) + 1, limit)
                           for i in range(len(test_split)))
@@ -261,9 +258,10 @@ def test_two_processes_score_a_language_models_perplexity_on_the_whole_split(pre
 def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
     """Each process streams its shard of the documents into its rows of the global batch and of the memory; the
     validation pass scores every token of the split exactly once, the processes padding to stay in lockstep."""
-    root, config = prepared
-    source, _, key = sources.get_source("ddtp/lm_en", "validation", str(root / "tfds"))  # prepared before the launch
-    tokenizer = tokenizer_lib.load_tokenizer(str(root / "spm"))
+    _, tiny_data = prepared
+    config = tiny_config.get_config()
+    source, _, key = sources.get_source("ddtp/lm_en", "validation", str(tiny_data.data_dir))  # prepared already
+    tokenizer = tokenizer_lib.load_tokenizer(str(tiny_data.spm.parent))
     expected_tokens = sum(len(tokenizer.encode(source[i][key].decode())) + 1 for i in range(len(source)))
     workdir = _workdir(prepared, "two_processes_stream")
     _two_processes(prepared, workdir, "--config.task=lm", "--config.data.dataset=ddtp/lm_en",
@@ -288,7 +286,7 @@ def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
 
 def test_a_bad_flag_is_one_line_on_stderr(prepared):
     workdir = prepared[0] / "bad_flag"
-    run = _launch(prepared, workdir, "--config.model.dropoutt=0.2")
+    run = _launch(prepared, workdir, "--config.model.dropoutt=0.2")  # with the env of the launches above
     out, err = run.communicate(timeout=120)
     assert run.returncode == 2
     assert err.strip() == ('error: --config.model.dropoutt is not a field of the config; '

@@ -3,6 +3,8 @@ preparation, a SentencePiece model trained in a second on synthetic sentences. W
 tokens through different programs) does not need a trained model."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import tiny_config
@@ -20,7 +22,9 @@ def sentences(count: int = 600, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS, rng.integers(3, 12))).capitalize() + "." for _ in range(count)]
 
 
+@functools.cache
 def tokenizer() -> tokenizer_lib.Tokenizer:
+    """One per test process (the same sentences give the same model; nothing changes a Tokenizer)."""
     return tokenizer_lib.train_tokenizer(sentences(), 400, num_threads=1)
 
 
