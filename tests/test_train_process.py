@@ -21,7 +21,10 @@ from lconv.data import sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.train import checkpoints, loop
 
-pytestmark = pytest.mark.slow  # each case launches train.py processes: run by CI, skipped by the quick command
+# slow: each case launches train.py processes (run by CI, skipped by the quick command).
+# One xdist worker runs them all (pyproject:
+# --dist loadgroup), so their module fixture is built once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_process")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
