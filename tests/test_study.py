@@ -21,7 +21,10 @@ from lconv.errors import UserError
 from lconv.study import driver, plan, report
 from lconv.study import run as run_lib
 
-pytestmark = pytest.mark.slow  # the quick study trains a run per task: run by CI, skipped by the quick command
+# slow: the quick study trains a run per task (run by CI, skipped by the quick command).
+# One xdist worker runs them all (pyproject:
+# --dist loadgroup), so their module fixture is built once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("study")]
 
 
 def _quick(tmp_path, **fields):

@@ -21,7 +21,10 @@ from lconv.data import sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.train import checkpoints, loop
 
-pytestmark = pytest.mark.slow  # each case launches train.py processes: run by CI, skipped by the quick command
+# slow: each case launches train.py processes (run by CI, skipped by the quick command).
+# One xdist worker runs them all (pyproject:
+# --dist loadgroup), so their module fixture is built once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_process")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,9 +45,14 @@ def _launch(prepared, workdir, *overrides, devices=8, env=None, data_dir=None):
     _, tiny_data = prepared
     command = [sys.executable, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
                f"--config.data.data_dir={data_dir or tiny_data.data_dir}", *overrides]
-    # $JAX_COMPILATION_CACHE_DIR (tests/conftest.py) is inherited: the launches share their compiled programs.
+    # A single process inherits $JAX_COMPILATION_CACHE_DIR (tests/conftest.py): the launches share compiled
+    # programs. Processes of a multi-process run keep train.py's own per-workdir cache, as a user's run does (a
+    # full run once saw one of two concurrent two-process runs stall with the shared cache; not understood yet).
     full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    if "LCONV_NUM_PROCESSES" in full_env:
+        full_env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        full_env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
     return subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
