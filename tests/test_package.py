@@ -69,3 +69,14 @@ def test_a_wheel_holds_every_module_the_configs_and_the_corpus(tmp_path):
     required = {_requirement(line.split(":", 1)[1].split(";")[0])[0] for line in metadata.splitlines()
                 if line.startswith("Requires-Dist:") and "extra ==" not in line}
     assert required == {_requirement(r)[0] for r in _pyproject()["project"]["dependencies"]}
+
+
+def test_the_top_level_names_the_readme_uses_are_attributes_of_lconv():
+    """``import lconv`` then ``lconv.export.load`` / ``lconv.testing.check_mixer`` / ``lconv.register_mixer``: the
+    README writes them so (``lconv.export`` was an AttributeError); the lazy attributes import on first use."""
+    import lconv
+
+    assert callable(lconv.export.load) and callable(lconv.testing.check_mixer)
+    assert callable(lconv.register_mixer) and callable(lconv.register_ffn) and callable(lconv.load)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        lconv.no_such_name  # noqa: B018
