@@ -51,23 +51,26 @@ class Model:
         return f"lconv.Model({self.workdir!r}, task={self.task!r}, steps={self.steps})"
 
     # --- translation and summarisation ---------------------------------------------------------------------
-    def translate(self, sources: Sequence[str], *, beam_size: int | None = None,
-                  lenpen: float | None = None) -> list[str]:
-        """One output per source (``""`` for a blank one), by beam search; ``beam_size`` / ``lenpen`` default to
-        the stored ``config.decode``'s. Sources longer than ``config.data.eval_max_input_length`` are cut to it."""
+    def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None,
+                  lenpen: float | None = None) -> str | list[str]:
+        """One output per source (``""`` for a blank one), by beam search: a string for a string, a list for a
+        list. ``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s. Sources longer than
+        ``config.data.eval_max_input_length`` are cut to it."""
         self._need("translate", ("translation", "summarization"))
+        lines = _lines(sources, "sources", one_allowed=True)
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
         search = {k: v for k, v in (("beam_size", beam_size), ("lenpen", lenpen)) if v is not None}
-        return decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, _lines(sources),
-                                        translator=self._translator, **search).hypotheses
+        outputs = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
+                                                   translator=self._translator, **search).hypotheses
+        return outputs[0] if isinstance(sources, str) else outputs
 
     def score(self, sources: Sequence[str], references: Sequence[str], *, beam_size: int | None = None,
               lenpen: float | None = None) -> dict[str, Any]:
         """Translates ``sources`` and scores them against ``references``: sacreBLEU (``bleu``, ``bleu_signature``)
         for translation, ROUGE-1/2/L for summarisation."""
-        sources, references = _lines(sources), _lines(references)
+        sources, references = _lines(sources, "sources"), _lines(references, "references")
         if len(sources) != len(references):
             raise UserError(f"{len(sources)} sources for {len(references)} references; they pair one to one")
         hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen)
@@ -80,12 +83,14 @@ class Model:
         ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; the same prompts and seed give the same texts.
         A prompt too long for ``config.model.max_len`` keeps its last tokens."""
         self._need("generate", ("lm",))
+        lines = _lines(prompts, "prompts", one_allowed=True)
         compiled.check_sampling(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
-        return decode_and_score.generate_lines(self.config, self.tokenizer, _lines(prompts), self._generator,
-                                       max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       seed=seed).hypotheses
+        outputs = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator,
+                                                  max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                  seed=seed).hypotheses
+        return outputs[0] if isinstance(prompts, str) else outputs
 
     def perplexity(self, texts: Sequence[str]) -> dict[str, float]:
         """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM; each text
@@ -95,7 +100,8 @@ class Model:
             raise UserError("a document-stream run carries its kNN memory across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
-        encoded = [np.append(ids[:limit - 1], EOS_ID) for ids in self.tokenizer.encode_batch(_lines(texts))]
+        encoded = [np.append(ids[:limit - 1], EOS_ID)
+                   for ids in self.tokenizer.encode_batch(_lines(texts, "texts"))]
         rows = compiled.row_bucket(len(encoded), self.config.data.eval_batch_size)
         loss = self._function("nll", self._nll_sums)
         total = {"nll": 0.0, "tokens": 0.0}
@@ -198,10 +204,20 @@ def _normalised(logits: Any, length: int) -> np.ndarray | None:
     return kernels[:length] if kernels.ndim == 3 else kernels
 
 
-def _lines(texts: Sequence[str]) -> list[str]:
+def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
+    """``texts`` as a list of str, checked like the CLIs check their input: a one-line ``UserError`` naming the
+    argument (and the index) for anything else; ``None``, bytes or numbers are not turned into ``"None"``."""
     if isinstance(texts, str):
-        raise UserError("pass a list of strings (one per example), e.g. model.translate([sentence])")
-    return [str(t) for t in texts]
+        if one_allowed:
+            return [texts]
+        raise UserError(f"{argument}: pass a list of strings (one per example), not one string")
+    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
+            raise UserError(f"{argument}[{i}]: must be a string; got {type(text).__name__}{hint}")
+    return list(texts)
 
 
 def _pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:

@@ -137,9 +137,15 @@ def test_calls_that_do_not_fit_the_run_are_one_line_errors(lm):
     with pytest.raises(UserError) as error:
         lm.translate(["x"])
     helpers.one_line_error(error, "translate()", "in-memory", "lm run", "generate", "perplexity")
+    assert lm.generate("The package", max_len=4) == lm.generate(["The package"], max_len=4)[0]  # str in, str out
+    for prompts, named in [([None], "prompts[0]"), (["ok", b"bytes"], "prompts[1]"), ([3], "prompts[0]"),
+                           (None, "prompts"), (b"bytes", "prompts")]:
+        with pytest.raises(UserError) as error:  # never decoded as "None" or "b'...'"
+            lm.generate(prompts)
+        helpers.one_line_error(error, named)
     with pytest.raises(UserError) as error:
-        lm.generate("The package")
-    helpers.one_line_error(error, "list of strings")
+        lm.perplexity("one text")  # a corpus measure: a list, even of one
+    helpers.one_line_error(error, "texts", "list of strings")
     for kwargs, named in [(dict(max_len=0), ["max_len=0"]),
                           (dict(temperature=-1.0), ["temperature=-1.0"]),
                           (dict(top_k=-2), ["top_k=-2"]),
@@ -148,3 +154,16 @@ def test_calls_that_do_not_fit_the_run_are_one_line_errors(lm):
         with pytest.raises(UserError) as error:
             lm.generate(["x"], **kwargs)
         assert helpers.one_line_error(error, *named).startswith(named[0])
+
+
+def test_translate_takes_one_string_or_a_list_of_strings_and_nothing_else():
+    model = Model(tiny_runs.in_memory(tiny_runs.translation_config()))
+    one = model.translate("Fast text editor.", beam_size=2)
+    assert isinstance(one, str) and one == model.translate(["Fast text editor."], beam_size=2)[0]
+    for call, named in [(lambda: model.translate([None]), "sources[0]"),
+                        (lambda: model.translate(["a", b"b"]), "sources[1]"),
+                        (lambda: model.score(["a"], [None]), "references[0]"),
+                        (lambda: model.score("a", ["b"]), "sources")]:
+        with pytest.raises(UserError) as error:
+            call()
+        helpers.one_line_error(error, named)
