@@ -82,7 +82,7 @@ def get_config(arg=None):
     c.mode = mode
     # Every registered mixer (plugins too), by its variant word, the reference first; a package.module:Class word
     # adds a mixer from a file of your own: --config.mixers=transformer,dynamic,my_mixers:MyMixer
-    c.mixers = tuple(dict.fromkeys([REFERENCE_MIXER, *(mixers.info(m).variant for m in mixers.mixer_names())]))
+    c.mixers = tuple(dict.fromkeys([REFERENCE_MIXER, *mixers.variant_words()]))
     c.tasks = TASKS
     c.seeds = (0, 1, 2)  # each seed sets config.seed (init, dropout) and data.seed (shuffling) for every mixer
     c.data_dir = "~/tensorflow_datasets"  # where the bundled DDTP tasks are prepared

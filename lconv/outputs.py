@@ -80,9 +80,9 @@ def _is_lconv_checkout(directory: str) -> bool:
         return False
 
 
-def _refuse_committed_docs(path: str, flag: str, committed_ok: str | None) -> None:
+def _refuse_committed_docs(path: str, flag: str) -> None:
     docs = checkout_docs(path)
-    if docs and not (committed_ok and _absolute(committed_ok) == _absolute(path)):
+    if docs:
         raise UserError(f"{flag}={path} is inside the lconv checkout's committed {docs}: only the command's own "
                         f"default, run from the checkout's root, writes there; choose another folder")
 
@@ -96,7 +96,7 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     path = str(path)
     if committed_ok and _absolute(committed_ok) == _absolute(path) and checkout_docs(path):
         return True  # the command's own committed results, by its default from the checkout's root
-    _refuse_committed_docs(path, flag, None)
+    _refuse_committed_docs(path, flag)
     root = _path(path)
     try:
         if root.exists() and not root.is_dir():
@@ -164,7 +164,7 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
             raise UserError(f"{flag}={path} is the file {input_flag} reads; write the output elsewhere")
     if committed_ok and _absolute(committed_ok) == target and checkout_docs(target):
         return
-    _refuse_committed_docs(str(path), flag, None)
+    _refuse_committed_docs(str(path), flag)
     parent = os.path.dirname(target) if not _is_url(target) else target.rsplit("/", 1)[0]
     for _ in range(64):  # each folder above the file, up to the root
         kind = kind_of(parent)

@@ -38,7 +38,6 @@ RULES = {
     "decode_refusal": "a non-causal mixer refuses decode=True with a one-line ValueError",
     "gradients": "gradients with respect to the parameters and the input are finite",
 }
-MODEL_VALUES = ("causal", "kernel_size")  # filled by the layer, not read from ModelConfig
 
 B, T, C, H = 2, 13, 12, 3
 # Row 0: two packed examples (7 + 4 tokens) and 2 padding; row 1: one example of 10 and 3 padding.
@@ -93,7 +92,7 @@ def _fields(info: mixers.MixerInfo, given: dict[str, Any], causal: bool | None) 
 def _check_fields(info: mixers.MixerInfo) -> None:
     from lconv.nn.model_config import ModelConfig
 
-    model_values = set(ModelConfig.__dataclass_fields__) | set(MODEL_VALUES)
+    model_values = set(ModelConfig.__dataclass_fields__) | set(mixers.LAYER_VALUES)
     for field, source in info.model_fields.items():
         if field not in info.fields:
             raise _Broken("fields", f"model_fields names {field!r}, which is not a constructor field of "

@@ -25,9 +25,8 @@ FAIRSEQ_WMT_VOCAB = 32_768  # the joined 32K-BPE dictionary fairseq's WMT En-De 
 
 PAPER_MIXERS = ("lightconv", "dynamic", "transformer")  # the models of the paper's tables
 # Every registered mixer's variant word, in registry order; the LM and the default config take those that fit.
-MIXER_WORDS = [mixers.info(name).variant for name in mixers.mixer_names()]
-DECODER_WORDS = [mixers.info(name).variant for name in mixers.mixer_names() if "decoder" in mixers.sides(name)]
-BOTH_SIDES_WORDS = [mixers.info(name).variant for name in mixers.mixer_names() if mixers.info(name).both_sides]
+MIXER_WORDS, DECODER_WORDS = mixers.variant_words(), mixers.variant_words("decoder")
+BOTH_SIDES_WORDS = mixers.variant_words(both_sides=True)
 
 # (config, variant, vocabulary override) in table order; None = the config's own data.vocab_size.
 ROWS = [

@@ -46,6 +46,7 @@ point group (``{name} = "package.module:Class"``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import re
@@ -57,6 +58,7 @@ import flax.linen as nn
 from lconv.errors import UserError
 
 BOTH_SIDES = ("encoder", "decoder")
+LAYER_VALUES = ("causal", "kernel_size")  # model values a layer fills itself; the rest come from ModelConfig
 ENTRY_POINT_GROUP = "lconv.mixers"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -188,7 +190,9 @@ def _resolve(kind: str, name: Any) -> type[nn.Module]:
     return _import(kind, name, target) if isinstance(target, str) else target
 
 
-def _import_module_class(kind: str, name: str, target: str) -> type[nn.Module]:
+@functools.cache  # a failure is not cached: the user may fix PYTHONPATH and try again in the same session
+def _import(kind: str, name: str, target: str) -> type[nn.Module]:
+    """The class a ``"module:Class"`` string names, imported once."""
     module_name, class_name = _split_spec(target, kind)
     try:
         module = importlib.import_module(module_name)
@@ -200,15 +204,6 @@ def _import_module_class(kind: str, name: str, target: str) -> type[nn.Module]:
         found = "nothing" if cls is None else type(cls).__name__
         raise UserError(f"{kind} {name!r}: {module_name}.{class_name} is {found}, not a flax.linen.Module class")
     return cls
-
-
-_imported: dict[str, type[nn.Module]] = {}  # "module:Class" -> the class, imported once
-
-
-def _import(kind: str, name: str, target: str) -> type[nn.Module]:
-    if target not in _imported:
-        _imported[target] = _import_module_class(kind, name, target)
-    return _imported[target]
 
 
 def _split_spec(spec: str, kind: str) -> tuple[str, str]:
@@ -259,6 +254,12 @@ def variants() -> dict[str, str]:
         words.setdefault(name, name)
         words.setdefault(info(name).variant, name)
     return words
+
+
+def variant_words(side: str | None = None, both_sides: bool = False) -> list[str]:
+    """Each registered mixer's ``variant`` word, in registry order; only those that fit ``side`` / both sides."""
+    infos = [info(name) for name in mixer_names()]
+    return [i.variant for i in infos if (side is None or side in i.sides) and (i.both_sides or not both_sides)]
 
 
 def constructor_fields(cls: type[nn.Module]) -> set[str]:

@@ -258,7 +258,7 @@ def _model_values(cfg: ModelConfig, name: str, cls: type[nn.Module], side: str, 
             return cfg.kernel_size(side, layer)
         if source not in ModelConfig.__dataclass_fields__:
             raise UserError(f"{name!r} declares model field {source!r}, which ModelConfig does not have; "
-                            f"known: {sorted(ModelConfig.__dataclass_fields__)} (and causal, kernel_size)")
+                            f"known: {sorted(ModelConfig.__dataclass_fields__)} and {mixers.LAYER_VALUES}")
         return getattr(cfg, source)
 
     return {field: value(source) for field, source in getattr(cls, "model_fields", {}).items()}

@@ -53,7 +53,7 @@ def label(word: str) -> str:
 
 def known_words() -> list[str]:
     """Every registered mixer's variant word, in registry order (a stable colour per mixer in the plots)."""
-    return [mixers.info(name).variant for name in mixers.mixer_names()]
+    return mixers.variant_words()
 KNN_FIELDS = {"memory_size": 512, "num_neighbors": 32}  # configs/lm1b.py's ddtp values
 
 
