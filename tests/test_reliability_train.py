@@ -244,6 +244,43 @@ def test_an_async_save_keeps_the_values_it_was_given_while_their_buffers_are_don
     np.testing.assert_array_equal(restored["w"], np.full(1 << 18, -7, np.float32))
     reader.close()
 
+def test_the_latest_and_the_best_checkpoint_of_one_step_wait_at_different_cross_process_barriers(tmp_path,
+                                                                                                     monkeypatch):
+    """At a validation step a run saves the latest and the best checkpoint of the same step, both async. Their
+    background threads wait at cross-process barriers, and the coordination service pairs the arrivals at one name
+    in order: with a name shared by both directories, process 0's "latest" could pass with process 1's "best" and
+    commit a step still being written (a two-process CI run hung there). Recorded in one process by making orbax's
+    save threads believe they have a peer: no barrier name is waited at by both directories."""
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+    from orbax.checkpoint._src.multihost import multihost as orbax_multihost
+
+    class TwoProcessJax:  # jax as orbax's save thread sees it: one of two processes
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        @staticmethod
+        def process_count():
+            return 2
+
+    waited = []
+    monkeypatch.setattr(async_checkpointer, "jax", TwoProcessJax())
+    monkeypatch.setattr(orbax_multihost, "should_skip_process_sync", lambda processes=None: False)
+    monkeypatch.setattr(orbax_multihost, "get_barrier_sync_fn",
+                        lambda processes=None: lambda key, timeout_ms: waited.append(key))
+    state = {"w": jax.device_put(np.arange(8, dtype=np.float32))}
+    latest = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=True)
+    best = checkpoints.BestCheckpointer(str(tmp_path), async_save=True)
+    best.offer(10, state, validation_loss=1.0)
+    latest.save(10, state, {"process_count": 1, "processes": [None]})
+    best.close()
+    latest.close()
+    writes = [key for key in waited if "async_write_complete" in key]
+    assert len(writes) == 2, f"orbax's save threads no longer wait as they did; look again: {waited}"
+    by_directory = [{key for key in waited if f"lconv_{name}_" in key} for name in ("checkpoints", "best")]
+    assert by_directory[0] | by_directory[1] == set(waited), waited  # every name belongs to a directory
+    assert not by_directory[0] & by_directory[1]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Divergence guard and Ctrl-C
 # ----------------------------------------------------------------------------------------------------------------

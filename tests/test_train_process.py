@@ -46,9 +46,8 @@ def _launch(prepared, workdir, *overrides, devices=8, env=None, data_dir=None):
     command = [sys.executable, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
                f"--config.data.data_dir={data_dir or tiny_data.data_dir}", *overrides]
     # A single process inherits $JAX_COMPILATION_CACHE_DIR (tests/conftest.py): the launches share compiled
-    # programs. Processes of a multi-process run keep train.py's own per-workdir cache, as a user's run does (a
-    # full run once saw one of two concurrent two-process runs stall with the shared cache; not understood yet).
-    full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+    # programs. Processes of a multi-process run keep train.py's own per-workdir cache, as a user's run does.
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
     if "LCONV_NUM_PROCESSES" in full_env:
         full_env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -84,9 +83,9 @@ def _finish(process, timeout=240):
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # e.g. processes waiting on each other's collectives: never leave them
-        process.kill()
+        process.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's Python stack goes to stderr
         out, err = process.communicate()
-        raise AssertionError(f"train.py did not end within {timeout}s: {err[-3000:]}") from None
+        raise AssertionError(f"train.py did not end within {timeout}s; its threads' stacks: {err[-6000:]}") from None
     assert process.returncode == 0, err[-3000:]
     return out
 
@@ -134,9 +133,20 @@ def _launch_two(prepared, workdir, *overrides, data_dir=None):
 
 
 def _finish_all(runs, timeout=240):
-    """Every run's stdout; when one fails, the others are killed (left alone they would wait on it for ever)."""
+    """Every run's stdout. When one fails or hangs, the others are stopped too (left alone they would wait on it for
+    ever), and their stacks are part of the failure: a hang is one process waiting on another."""
     try:
         return [_finish(run, timeout) for run in runs]
+    except AssertionError as failure:
+        others = []
+        for index, run in enumerate(runs):
+            if run.stderr.closed:  # the failed one, already read
+                continue
+            if run.poll() is None:
+                run.send_signal(signal.SIGABRT)
+            err = run.communicate()[1]
+            others.append(f"process {index} (rc {run.returncode}), the end of its stderr: {err[-6000:]}")
+        raise AssertionError("\n".join([str(failure), *others])) from None
     finally:
         for run in runs:
             if run.poll() is None:

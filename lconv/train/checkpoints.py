@@ -33,8 +33,13 @@ class Checkpointer:
     def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
                  async_save: bool = False, checksums: bool = True) -> None:
         self.directory = str(epath.Path(workdir_lib.resolve(workdir)) / subdir)
+        # Each directory's own barrier names: orbax names an async save's cross-process barriers after the step
+        # alone, so the latest and the best checkpoint of one step (both saved at a validation step) would wait at
+        # the same barrier. The coordination service pairs arrivals in order, so process 0's "latest" could pass
+        # with process 1's "best", commit a step another process is still writing, and hang the run.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=f"lconv_{subdir}"),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every, self.async_save = save_every, async_save
