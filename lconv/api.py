@@ -28,9 +28,10 @@ from lconv.train import metrics, setup
 
 
 def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> Model:
-    """The run in ``workdir`` (written by train.py): ``checkpoint`` is ``"latest"`` or ``"best"``; with
-    ``average_last=N`` the params are the mean of the last N checkpoints (eval.py's ``--average_last``)."""
-    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint))
+    """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
+    ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
+    checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only."""
+    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load"))
 
 
 class Model:

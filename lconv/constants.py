@@ -86,3 +86,6 @@ ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn")
 STOP_RULES = ("optimal", "fairseq")
 REMAT_POLICIES = ("none", "full", "dots")  # none: keep all; full: keep only the layer's inputs; dots: keep the
 # outputs of matmuls against parameters (projections, FFN), recompute attention scores, softmax, convs, norms
+
+# --- files ---------------------------------------------------------------------------------------------------
+EXPORT_SIDECAR = "lconv_export.json"  # marks a folder written by python -m lconv.export (lconv.export.SIDECAR)

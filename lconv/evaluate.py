@@ -1,4 +1,20 @@
-"""``python -m lconv.evaluate --workdir=runs/default``: eval.py from an installed package (see eval.py)."""
+"""Evaluates a trained run with the config stored in its workdir: ``python -m lconv.evaluate`` from an installed
+package, ``python eval.py`` from a clone (the same program and flags).
+
+    python -m lconv.evaluate --workdir=runs/default [--split=test] [--average_last=5 | --checkpoint=best]
+                             [--beam_size=5 --lenpen=1.0]
+    python -m lconv.evaluate --workdir=runs/default --source_file=F [--reference_file=R] --output_file=O
+    python -m lconv.evaluate --workdir=runs/lm --source_file=prompts.txt [--max_len=50 --temperature=0.8 --top_p=0.9]
+    python -m lconv.evaluate --workdir=runs/default --interactive          # stdin -> stdout, a line at a time
+
+Writes hypotheses and a JSON of scores (sacreBLEU with its signature, ROUGE-1/2/L, or an LM's perplexity); for
+an LM run, ``--source_file`` holds prompts and the output file their continuations. ``--workdir`` may be a URL
+(``gs://...``) or read-only: only a split's outputs (and, when it can, the compilation cache) are written into it.
+Bad flags (and flag combinations), unreadable or non-UTF-8 input files and unwritable outputs are reported in one
+line (exit code 2) before anything is loaded. A blank --source_file line gets an empty output line; a line longer
+than config.data.eval_max_input_length tokens is cut to it with a warning naming it; both are counted in the
+scores.
+"""
 from lconv.cli import programs
 
 if __name__ == "__main__":

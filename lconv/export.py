@@ -34,14 +34,15 @@ from flax import traverse_util
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
-from lconv.constants import EOS_ID, PAD_ID
+from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
+from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.infer import compiled
+from lconv.infer import compiled, decode_and_score
 from lconv.ops import conv as ops_conv
 from lconv.train import setup
 
-SIDECAR = "lconv_export.json"
+SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
 FORMAT_VERSION = 1
 
@@ -130,9 +131,15 @@ class Served:
     programs (the smallest bucket that holds the batch; a batch larger than every bucket is split)."""
 
     def __init__(self, path: str):
-        directory = epath.Path(path)
+        label = f"lconv.export.load({str(path)!r})"
+        paths.check_url(path, "path", label=label)
+        directory = epath.Path(paths.normalize(path))
         if not (directory / SIDECAR).exists():
-            raise UserError(f"{path}: no {SIDECAR}; export a run there with python -m lconv.export")
+            if not directory.exists():
+                raise UserError(f"{label}: no such directory ({directory})")
+            hint = "a run's workdir: load it with lconv.load" if (directory / "config.json").exists() else \
+                "export a run there with python -m lconv.export"
+            raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
         self.sidecar = json.loads((directory / SIDECAR).read_text())
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
@@ -153,7 +160,10 @@ class Served:
         return [self.tokenizer.decode(row) for row in self.run_ids(encoded, seed=seed)]
 
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int = 0) -> np.ndarray:
-        """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS."""
+        """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS.
+        An input wider than every exported bucket is cut to the widest, with the warning ``lconv.load`` and
+        eval.py give (a source keeps its first tokens and EOS, a prompt its last tokens)."""
+        sequences = self._cut(sequences)
         max_rows = max(r for r, _ in self.programs)
         outputs = []
         for start in range(0, len(sequences), max_rows):
@@ -163,14 +173,21 @@ class Served:
         return np.concatenate([np.pad(o, ((0, 0), (0, length - o.shape[1]))) for o in outputs]) if outputs else \
             np.zeros((0, 0), np.int32)
 
+    def _cut(self, sequences: Sequence[np.ndarray]) -> list[np.ndarray]:
+        widest = max(w for _, w in self.programs)
+        lengths = [len(x) for x in sequences]
+        cut = [i for i, n in enumerate(lengths) if n > widest]
+        decode_and_score.SourceLengths(cut, max(lengths, default=0), widest, [lengths[i] for i in cut]).log(
+            "inputs[{}]".format, "the widest exported bucket; export with larger --widths to keep more",
+            keeps="cut to the last" if self.task == "lm" else "cut to")
+        if self.task == "lm":  # the tokens nearest the continuation, as generate_lines keeps them
+            return [np.asarray(x[-widest:]) if len(x) > widest else np.asarray(x) for x in sequences]
+        return [np.append(x[:widest - 1], EOS_ID) if len(x) > widest else np.asarray(x) for x in sequences]
+
     def _run_bucket(self, chunk: list[np.ndarray], seed: int) -> np.ndarray:
         longest = max(len(x) for x in chunk)
         fits = sorted((r, w) for r, w in self.programs if r >= len(chunk) and w >= longest)
-        if not fits:
-            widest = max(w for _, w in self.programs)
-            raise UserError(f"an input of {longest} tokens is wider than every exported bucket (at most {widest}); "
-                            f"export with larger --widths")
-        entry, exported = self.programs[fits[0]]
+        entry, exported = self.programs[fits[0]]  # there is one: run_ids cut every input to the widest
         batch = np.full((entry["rows"], entry["width"]), PAD_ID, np.int32)
         for row, x in enumerate(chunk):
             batch[row, :len(x)] = x

@@ -52,6 +52,15 @@ def pytest_report_header(config):
 
 
 @pytest.fixture
+def bucket(tmp_path, monkeypatch):
+    """A local folder behind gs:// and s3:// (tests/buckets.py), with ``bucket.os_calls``: the os-level calls made
+    on a gs:// path, which should be none."""
+    import buckets
+
+    yield from buckets.store(tmp_path, monkeypatch)
+
+
+@pytest.fixture
 def lconv_log(caplog):
     """``lconv_log()``: the messages lconv logged so far in the test, in order, as its programs print them."""
     import log_capture

@@ -54,6 +54,7 @@ def test_a_wheel_holds_every_module_the_configs_and_the_corpus(tmp_path):
         shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "docs" / "results", source / "docs" / "results")  # lconv/study/results links there
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"),
                     str(source)], check=True, capture_output=True, timeout=600)
     (wheel,) = (tmp_path / "dist").glob("lconv-*.whl")
@@ -63,12 +64,23 @@ def test_a_wheel_holds_every_module_the_configs_and_the_corpus(tmp_path):
     snapshot = {f"lconv/data/snapshot/{p.name}" for p in (ROOT / "lconv" / "data" / "snapshot").iterdir()}
     assert modules | configs | snapshot <= names, sorted((modules | configs | snapshot) - names)
     assert {"lconv/nn/models.py", "lconv/bench/__main__.py", "lconv/train/__main__.py", "lconv/configs/default.py",
-            "lconv/export.py", "lconv/api.py"} <= names
+            "lconv/export.py", "lconv/api.py", "lconv/study/results/results.json"} <= names
+    shipped = zipfile.ZipFile(wheel).read("lconv/study/results/results.json")
+    assert shipped == (ROOT / "docs" / "results" / "results.json").read_bytes()  # the study's table, one copy
     assert not any(n.startswith(("configs/", "tests/")) for n in names)  # nothing outside the lconv package
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()
     required = {_requirement(line.split(":", 1)[1].split(";")[0])[0] for line in metadata.splitlines()
                 if line.startswith("Requires-Dist:") and "extra ==" not in line}
     assert required == {_requirement(r)[0] for r in _pyproject()["project"]["dependencies"]}
+
+
+def test_the_study_results_the_package_reads_are_the_committed_ones():
+    """Notebook 03 reads the study's table through ``lconv.study.results_file`` (shipped in the package, issue 28:
+    an installed lconv found none); in a clone it is docs/results', not a copy that could drift."""
+    from lconv import study
+
+    assert study.results_file().resolve() == (ROOT / "docs" / "results" / "results.json").resolve()
+    assert study.results_file("results.csv").read_bytes() == (ROOT / "docs" / "results" / "results.csv").read_bytes()
 
 
 def test_the_top_level_names_the_readme_uses_are_attributes_of_lconv():

@@ -1,56 +1,31 @@
 """lconv.data on a URL data_dir / workdir / raw_dir: every file access goes through etils.epath, none through os.
 
-``gs://`` is served by a stand-in for gcsfs (an fsspec file system over a local folder, the route epath takes to
-gs:// when TensorFlow is absent), so the tests run without network. Every os-level call on a ``gs:`` path
-(``open``, ``os.stat``, ``os.makedirs``, ``os.rename``, ``os.symlink``, ...) is recorded: a single one would mean
-some code treated the URL as a local path. The one thing that cannot go through epath is array_record's reader
-(C++; it opens local files and, with its own GCS client, gs:// objects): lconv reads copies it prepared from a
-local mirror, and the test of a catalog dataset on gs:// stands in for array_record's GCS client.
+``gs://`` is served by a stand-in for gcsfs (tests/buckets.py: an fsspec file system over a local folder, the route
+epath takes to gs:// when TensorFlow is absent), so the tests run without network. Every os-level call on a
+``gs:`` path is recorded: a single one would mean some code treated the URL as a local path. The one thing that
+cannot go through epath is array_record's reader (C++; it opens local files and, with its own GCS client, gs://
+objects): lconv reads copies it prepared from a local mirror, and the test of a catalog dataset on gs:// stands in
+for array_record's GCS client.
 """
 from __future__ import annotations
 
-import builtins
-import importlib
 import json
 import lzma
 import os
-import pathlib
 
 import numpy as np
 import pytest
+from buckets import REGISTRY
 from etils import epath
 from etils.epath import backend as epath_backend
 from etils.epath import gpath
-from fsspec.implementations.dirfs import DirFileSystem
-from fsspec.implementations.local import LocalFileSystem
 
 from lconv.data import ddtp, paths, pipeline, sources, tfds_ddtp
 from lconv.errors import UserError
 
-_REGISTRY = importlib.import_module("fsspec.registry")  # the module: fsspec.registry is its read-only view
 CONFIG = dict(dataset="ddtp/en_de", vocab_size=500, tokenizer_max_sentences=2000, batch_size=4, eval_batch_size=8,
               max_input_length=32, max_target_length=32, eval_max_input_length=48, eval_max_target_length=48,
               read_threads=1)
-_OS_CALLS = ("stat", "lstat", "listdir", "scandir", "makedirs", "mkdir", "rename", "replace", "symlink", "remove",
-             "unlink", "rmdir", "open")
-
-
-class _Bucket(DirFileSystem):
-    """gs:// and s3:// (the stand-ins for gcsfs / s3fs): objects are files under ``root``; like an object store,
-    writing a file needs no folder made first."""
-
-    protocol = ("gs", "gcs", "s3", "s3a")
-    cachable = False  # a new instance, over the current root, each time epath asks
-    root = ""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(path=type(self).root, fs=LocalFileSystem(auto_mkdir=True))
-
-
-class _Objects(type(pathlib.Path())):
-    """The bucket's local folder, with ``os_calls``: the os-level calls made on a gs:// path (should be none)."""
-
-    os_calls: list
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,41 +33,6 @@ def _quiet_tfds():
     import tensorflow_datasets as tfds
 
     tfds.disable_progress_bar()
-
-
-@pytest.fixture
-def bucket(tmp_path, monkeypatch):
-    """Local folder behind gs:// (and s3://); returns it, with ``bucket.os_calls`` the os calls on URLs."""
-    root = _Objects(tmp_path / "objects")
-    root.mkdir()
-    monkeypatch.setattr(_Bucket, "root", str(root))
-    for protocol in ("gs", "gcs", "s3"):
-        monkeypatch.setitem(_REGISTRY._registry, protocol, _Bucket)
-    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)  # the fsspec route even if TensorFlow is there
-    epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
-    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "mirror"))
-    cwd = tmp_path / "cwd"  # a URL taken for a relative local path would land here
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    calls = []
-
-    def recording(module, name):
-        real = getattr(module, name)
-
-        def call(*args, **kwargs):
-            for arg in args[:2]:
-                if isinstance(arg, (str, os.PathLike)) and not isinstance(arg, int) and "gs:/" in os.fspath(arg):
-                    calls.append(f"{name}({os.fspath(arg)!r})")
-            return real(*args, **kwargs)
-        return call
-
-    for name in _OS_CALLS:
-        monkeypatch.setattr(os, name, recording(os, name))
-    monkeypatch.setattr(builtins, "open", recording(builtins, "open"))
-    root.os_calls = calls
-    yield root
-    epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
-    assert not os.listdir(cwd), "a URL was written as a relative local path"
 
 
 def _run(data_dir: str, workdir: str) -> tuple[bytes, pipeline.Datasets]:
@@ -265,8 +205,8 @@ def test_a_catalog_dataset_prepared_under_gs_is_found_and_read(bucket, local_run
 def test_a_url_without_its_file_system_package_is_one_line_naming_the_flag_and_the_package(monkeypatch, tmp_path):
     monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
     for protocol in ("gs", "gcs"):
-        monkeypatch.delitem(_REGISTRY._registry, protocol, raising=False)
-        monkeypatch.setitem(_REGISTRY.known_implementations, protocol,
+        monkeypatch.delitem(REGISTRY._registry, protocol, raising=False)
+        monkeypatch.setitem(REGISTRY.known_implementations, protocol,
                             {"class": "lconv_no_such_module.GCSFileSystem", "err": "Install gcsfs"})
     epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
     try:

@@ -187,7 +187,8 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
     """Decodes the lines, writes one output per input line, reports what was not decoded as given, and scores
     against ``references`` (blank sources stay in, as empty hypotheses)."""
     config = trained.config
-    translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources)
+    translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
+                                                    name=_line_name)
     _write_lines(output_file, translations.hypotheses)
     scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
     if not sources:
@@ -197,9 +198,6 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
         count = len(translations.blank)
         logger.info(f"{count} blank source line{'s' if count != 1 else ''} ({_line_numbers(translations.blank)}): "
                     f"empty output{'s' if count != 1 else ''} in place{scored}")
-    if translations.lengths.truncated:
-        logger.info(f"{translations.lengths.note('source line')} "
-                    f"({_line_numbers(translations.lengths.truncated)})")
     if references is not None and sources:
         scores.update(decode_and_score.score_texts(config.task, translations.hypotheses, references,
                                            split_compounds=config.decode.compound_split))
@@ -211,12 +209,9 @@ def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: 
                    sampling: dict[str, Any]) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
-    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, **sampling)
+    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, name=_line_name,
+                                              **sampling)
     _write_lines(output_file, outputs.hypotheses)
-    if outputs.lengths.truncated:
-        logger.info(f"{len(outputs.lengths.truncated)} prompt(s) longer than {outputs.lengths.limit} tokens (what "
-                    f"config.model.max_len leaves beside --max_len={sampling['max_len']}) keep their last tokens "
-                    f"({_line_numbers(outputs.lengths.truncated)})")
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
               "longest_prompt_tokens": outputs.lengths.longest, "prompt_token_limit": outputs.lengths.limit,
               **sampling}
@@ -228,16 +223,18 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
     """Decodes each line of ``stdin`` as it arrives and prints its output (one line) to ``stdout``. The programs
     are built once: a line compiles only when its length falls in a width bucket not seen before."""
     config = trained.config
+    count = 0
+    name = lambda _: f"stdin line {count + 1}"  # noqa: E731 (the line being decoded)
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
         decode = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
-                                                      **sampling).hypotheses[0]
+                                                              name=name, **sampling).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
-        decode = lambda line: decode_and_score.translate_lines(config, trained.model, trained.params,  # noqa: E731
-                                                       trained.tokenizer, [line], translator=translator).hypotheses[0]
+        decode = lambda line: decode_and_score.translate_lines(  # noqa: E731
+            config, trained.model, trained.params, trained.tokenizer, [line], translator=translator,
+            name=name).hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
-    count = 0
     for line in stdin:
         print(decode(line.removesuffix("\n").removesuffix("\r")).replace("\n", " "), file=stdout, flush=True)
         count += 1
@@ -248,6 +245,10 @@ def _write_lines(path: str, outputs: Sequence[str]) -> None:
     """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
     if jax.process_index() == 0:
         epath.Path(path).write_text(decode_and_score.lines_text(outputs), encoding="utf-8")
+
+
+def _line_name(index: int) -> str:
+    return f"line {index + 1}"  # 1-based, as editors number lines
 
 
 def _line_numbers(indices: Sequence[int], shown: int = 5) -> str:

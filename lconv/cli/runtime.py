@@ -71,7 +71,8 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
     changed model or a new jax compiles afresh). Before anything compiles.
 
     ``choice``: a folder (local or URL), ``"none"`` to compile every time, or None for ``$JAX_COMPILATION_CACHE_DIR``
-    when set, else ``<workdir>/compilation_cache``. Returns the folder in use, or None when off."""
+    when set, else ``<workdir>/compilation_cache``, unless that is a local folder this process cannot write (an
+    eval of a read-only workdir): then nothing is kept. Returns the folder in use, or None when off."""
     import jax
     from etils import epath
 
@@ -80,8 +81,18 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         return None
     folder = (choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
               or os.fspath(epath.Path(workdir) / COMPILATION_CACHE))
+    if not (choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")) and _read_only(folder):
+        return None  # a read never writes into the workdir
     jax.config.update("jax_compilation_cache_dir", folder)
     return folder
+
+
+def _read_only(folder: str) -> bool:
+    """A local ``folder`` (or, when it is not there yet, its parent) that exists and this process cannot write."""
+    if "://" in folder:
+        return False  # an object store: no cheap check; JAX warns when it cannot write an entry
+    existing = folder if os.path.exists(folder) else os.path.dirname(folder)
+    return os.path.isdir(existing) and not os.access(existing, os.W_OK)
 
 
 @contextlib.contextmanager

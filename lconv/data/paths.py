@@ -59,20 +59,21 @@ def basename(path: str | os.PathLike) -> str:
     return posixpath.basename(os.fspath(path).rstrip("/"))
 
 
-def check_url(path: str | os.PathLike, flag: str) -> None:
+def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -> None:
     """A one-line UserError when ``path`` is a URL whose file system cannot be reached from Python here (e.g.
-    ``gs://`` without ``gcsfs`` or TensorFlow); local paths and reachable URLs pass."""
+    ``gs://`` without ``gcsfs`` or TensorFlow); local paths and reachable URLs pass. The error starts with
+    ``label``, by default ``flag=path``."""
     if not is_url(path):
         return
+    shown = label or f"{flag}={os.fspath(path)!r}"
     try:
         epath.Path(path).exists()
     except ImportError as e:
         package = _FS_PACKAGES.get(scheme(path), "its fsspec implementation")
-        raise UserError(f"{flag}={os.fspath(path)!r} is on {scheme(path)}://, which needs {package} here: "
-                        f"pip install {package}") from e
+        raise UserError(f"{shown} is on {scheme(path)}://, which needs {package} here: pip install {package}") from e
     except (KeyError, NotImplementedError) as e:  # epath knows no such scheme
-        raise UserError(f"{flag}={os.fspath(path)!r}: etils.epath has no {scheme(path)}:// file system; use a "
-                        "local path or gs:// (s3://, az://, hf://)") from e
+        raise UserError(f"{shown}: etils.epath has no {scheme(path)}:// file system; use a local path or gs:// "
+                        "(s3://, az://, hf://)") from e
 
 
 def local_cache_dir() -> str:

@@ -4,9 +4,10 @@ With several processes (a pod) each holds a shard of an eval split. ``score_spli
 process builds the same batches of the whole split and runs the same programs (each batch's rows split over the
 mesh), every process gets every hypothesis and the same scores, and process 0 writes them.
 
-Nothing is changed silently: sources longer than ``config.data.eval_max_input_length`` tokens are cut to it and
-counted (``truncated_sources``, ``longest_source_tokens``, ``source_token_limit`` in the scores); blank lines of a
-text file are not decoded, get empty outputs in their place and are counted by the caller.
+Nothing is changed silently: sources longer than ``config.data.eval_max_input_length`` tokens are cut to it with a
+warning naming each and its length (``SourceLengths.warning``, the rule every surface follows) and counted
+(``truncated_sources``, ``longest_source_tokens``, ``source_token_limit`` in the scores); blank lines of a text
+file are not decoded, get empty outputs in their place and are counted by the caller.
 """
 from __future__ import annotations
 
@@ -122,8 +123,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
                   sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size,
                   **lengths.counts())
     write_outputs(workdir, split, hyps, scores)
-    if lengths.truncated:
-        logger.info(lengths.note("source"))
+    lengths.log(lambda i: f"{split}[{order[i]}]", SOURCE_LIMIT)
     logger.info(format_report(scores, sources, refs, hyps, config.decode.num_print))
     return scores
 
@@ -190,22 +190,36 @@ class SourceLengths:
     truncated: list[int]  # indices of the sources longer than ``limit``
     longest: int  # the longest source (0 when there is none)
     limit: int  # config.data.eval_max_input_length
+    cut_from: list[int] = dataclasses.field(default_factory=list)  # the lengths of the ``truncated`` ones
 
     def counts(self) -> dict[str, int]:
         return {"truncated_sources": len(self.truncated), "longest_source_tokens": self.longest,
                 "source_token_limit": self.limit}
 
-    def note(self, what: str) -> str:
-        """One line: how many ``what``s (a singular noun) were cut, the limit, and the longest length."""
-        count = len(self.truncated)
-        return (f"{count} {what}{'s' if count != 1 else ''} longer than config.data.eval_max_input_length="
-                f"{self.limit} tokens (EOS included) cut to it; the longest has {self.longest} tokens")
+    def warning(self, name: Callable[[int], str], limit: str, *, keeps: str = "cut to") -> str:
+        """The one rule for over-long inputs on every surface (the API, eval.py, an exported program): each is cut
+        and this line says which and by how much, e.g. ``warning: 1 input cut to 32 tokens
+        (config.data.eval_max_input_length, EOS included): sources[3] had 81``. ``name(index)`` names an input as
+        its caller knows it; ``limit`` says where the limit comes from; ``keeps``: ``"cut to the last"`` for an
+        LM prompt, which keeps the tokens nearest its continuation."""
+        count, shown = len(self.truncated), 5
+        cut = ", ".join(f"{name(i)} had {n}" for i, n in zip(self.truncated[:shown], self.cut_from))
+        more = f" and {count - shown} more" if count > shown else ""
+        return f"warning: {count} input{'s' if count != 1 else ''} {keeps} {self.limit} tokens ({limit}): {cut}{more}"
+
+    def log(self, name: Callable[[int], str], limit: str, **kwargs: Any) -> None:
+        if self.truncated:
+            logger.warning(self.warning(name, limit, **kwargs))
 
 
 def measure_sources(tokenizer: Tokenizer, sources: Sequence[str], limit: int) -> SourceLengths:
     """Which of ``sources`` decoding cuts to ``limit`` tokens (EOS included), and the longest length."""
     lengths = [len(ids) + 1 for ids in tokenizer.encode_batch(list(sources))] if sources else []
-    return SourceLengths([i for i, n in enumerate(lengths) if n > limit], max(lengths, default=0), limit)
+    cut = [i for i, n in enumerate(lengths) if n > limit]
+    return SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut])
+
+
+SOURCE_LIMIT = "config.data.eval_max_input_length, EOS included"  # where a source's limit comes from
 
 
 def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, scores: Mapping[str, Any]) -> None:
@@ -264,20 +278,22 @@ class Translations:
 
 
 def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
-                    translator: compiled.Translator | None = None, **search: Any) -> Translations:
+                    translator: compiled.Translator | None = None, name: Callable[[int], str] = "sources[{}]".format,
+                    **search: Any) -> Translations:
     """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
     ``search``'s ``beam_size`` / ``lenpen``), on ``translator``'s programs when given.
 
     A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output in its place, so
     the outputs stay aligned with the input lines. Lines longer than ``config.data.eval_max_input_length`` tokens
-    are cut to it; ``Translations`` says which. With several processes each passes the same lines (and gets
-    every output).
+    are cut to it with a warning naming each by ``name(index)`` (``SourceLengths.warning``); ``Translations`` says
+    which. With several processes each passes the same lines (and gets every output).
     """
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]
     limit = config.data.eval_max_input_length
     measured = measure_sources(tokenizer, [sources[i] for i in kept], limit)
-    lengths = SourceLengths([kept[i] for i in measured.truncated], measured.longest, limit)
+    lengths = SourceLengths([kept[i] for i in measured.truncated], measured.longest, limit, measured.cut_from)
+    lengths.log(name, SOURCE_LIMIT)
     examples = [{"inputs": sources[i], "targets": ""} for i in kept]
     eval_set = pipeline.make_eval_set(ListSource(examples), "inputs", "targets", tokenizer,
                                       {"inputs": limit, "targets": config.data.eval_max_target_length},
@@ -301,15 +317,18 @@ def prompt_limit(config: Any, max_len: int) -> int:
 
 
 def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
-                   max_len: int, **sampling: Any) -> Translations:
+                   max_len: int, name: Callable[[int], str] = "prompts[{}]".format, **sampling: Any) -> Translations:
     """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
     ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). A blank prompt starts from BOS alone. A prompt
-    longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation); ``Translations.lengths``
-    says which were cut. Prompts of similar length share a batch, and a batch one program per shape bucket."""
+    longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation), with a warning naming it
+    by ``name(index)``; ``Translations.lengths`` says which were cut. Prompts of similar length share a batch,
+    and a batch one program per shape bucket."""
     limit = prompt_limit(config, max_len)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
-    lengths = SourceLengths([i for i, ids in enumerate(encoded) if len(ids) > limit],
-                            max((len(ids) for ids in encoded), default=0), limit)
+    cut = [i for i, ids in enumerate(encoded) if len(ids) > limit]
+    lengths = SourceLengths(cut, max((len(ids) for ids in encoded), default=0), limit, [len(encoded[i]) for i in cut])
+    lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={max_len} new ones "
+                "and BOS", keeps="cut to the last")
     encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
     rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size, 1)
     rows = compiled.row_bucket(len(encoded), rows)

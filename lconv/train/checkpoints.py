@@ -31,21 +31,23 @@ PyTree = Any
 
 class Checkpointer:
     def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
-                 async_save: bool = False, checksums: bool = True) -> None:
+                 async_save: bool = False, checksums: bool = True, read_only: bool = False) -> None:
+        """``read_only``: for restoring params (``lconv.load``, eval.py), into a workdir that may be read-only or a
+        bucket without write access: nothing is created, and orbax's warnings go to the log, not to a file."""
         self.directory = str(epath.Path(workdir_lib.resolve(workdir)) / subdir)
         # Each directory's own barrier names: orbax names an async save's cross-process barriers after the step
         # alone, so the latest and the best checkpoint of one step (both saved at a validation step) would wait at
         # the same barrier. The coordination service pairs arrivals in order, so process 0's "latest" could pass
         # with process 1's "best", commit a step another process is still writing, and hang the run.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
+            max_to_keep=keep, save_interval_steps=1, create=not read_only, enable_async_checkpointing=async_save,
             multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=f"lconv_{subdir}"),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every, self.async_save = save_every, async_save
         self.checksums = checksums
         self.verified = False  # whether the last restore was checked against its manifest
-        self.error_log = str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
+        self.error_log = None if read_only else str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
         self.read_attempts, self.retry_seconds = 3, 1.0  # a failed read is tried again after 1 s, then 2 s
         self.unfinished: int | None = None  # an async save still being written, its manifest not yet made
 
@@ -117,11 +119,11 @@ class Checkpointer:
         self.verified = integrity.verify_manifest(where, required=False)
         integrity.check_shapes(str(epath.Path(where) / "state"), abstract, where, self.error_log, prefix=prefix)
         for attempt in range(self.read_attempts):
-            with integrity.quiet_orbax(self.error_log) as details:
-                try:
+            try:
+                with integrity.quiet_orbax(self.error_log) as details:  # sees the failure: read-only, it logs it
                     return self.manager.restore(step, args=args)
-                except Exception as err:  # noqa: BLE001 (orbax/tensorstore raise many types)
-                    failure = f"{_first_line(err)}{details.where()}"
+            except Exception as err:  # noqa: BLE001 (orbax/tensorstore raise many types)
+                failure = f"{_first_line(err)}{details.where()}"
             if attempt + 1 < self.read_attempts:
                 time.sleep(self.retry_seconds * 2 ** attempt)  # a flaky filesystem or network: try again
         if self.verified:  # its bytes are the ones written: the storage failed, not the checkpoint

@@ -27,6 +27,8 @@ from etils import epath
 from lconv.errors import UserError
 from lconv.train import workdir as workdir_lib
 
+logger = logging.getLogger(__name__)
+
 MANIFEST_FILENAME = "lconv_manifest.json"
 ERROR_LOG_FILENAME = "checkpoint_errors.log"
 
@@ -130,7 +132,7 @@ def _display(path: tuple[str, ...]) -> str:
     return "/".join(k for k in path if k != "value")  # "value": the box of a logically partitioned param
 
 
-def check_shapes(item_dir: str, abstract: Any, where: str, error_log: str, prefix: tuple[str, ...] = ()) -> None:
+def check_shapes(item_dir: str, abstract: Any, where: str, error_log: str | None, prefix: tuple[str, ...] = ()) -> None:
     """Compares the array shapes stored in an orbax item (its metadata: no array is read) with ``abstract``'s,
     so a checkpoint of another model is one clear line naming the first missing or differing array, before orbax
     tries (and fails noisily) to read it. Unreadable metadata is left to the restore to report."""
@@ -162,12 +164,14 @@ def check_shapes(item_dir: str, abstract: Any, where: str, error_log: str, prefi
 
 
 class _Details:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None) -> None:
         self.path, self.records = path, []
 
     def where(self) -> str:
         """`` (orbax's details: <log>)`` once anything was captured, for the end of the one-line error."""
-        return f" (orbax's details: {self.path})" if self.records else ""
+        if not self.records:
+            return ""
+        return f" (orbax's details: {self.path})" if self.path else " (orbax's details: in the log above)"
 
 
 class _Collector(io.TextIOBase):
@@ -181,10 +185,14 @@ class _Collector(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def quiet_orbax(error_log: str) -> Iterator[_Details]:
+def quiet_orbax(error_log: str | None) -> Iterator[_Details]:
     """Orbax and tensorstore report a failed restore with many log records and tracebacks from their worker
     threads; inside this block they go to the file ``error_log`` (the workdir's ``checkpoint_errors.log``) instead
-    of the terminal, so the user sees lconv's one line (which names the log when anything was written to it)."""
+    of the terminal, so the user sees lconv's one line (which names the log when anything was written to it).
+
+    ``error_log=None`` (a read: ``lconv.load``, eval.py) writes nothing into the workdir, which may be read-only:
+    the records go to lconv's log instead, as warnings when the block raised, else at debug level (orbax warns
+    on every partial restore)."""
     details = _Details(error_log)
     buffer = details.records
 
@@ -203,12 +211,17 @@ def quiet_orbax(error_log: str) -> Iterator[_Details]:
                                                       f"{args.exc_value}")
     sys.unraisablehook = lambda args: buffer.append(f"unraisable: {args.exc_type.__name__}: {args.exc_value}")
     sys.stderr = _Collector(buffer)  # tracebacks printed from tensorstore's callback threads
+    failed = True
     try:
         yield details
+        failed = False
     finally:
         for lg, handlers, propagate in saved:
             lg.handlers, lg.propagate = handlers, propagate
         threading.excepthook, sys.unraisablehook, sys.stderr = thread_hook, unraisable_hook, stderr
-        if buffer:
+        if buffer and details.path is None:
+            for line in buffer:
+                logger.log(logging.WARNING if failed else logging.DEBUG, line)
+        elif buffer:
             with contextlib.suppress(OSError):
                 workdir_lib.append_text(epath.Path(details.path), "\n".join(buffer) + "\n")

@@ -24,8 +24,8 @@ from etils import epath
 from flax.training import train_state
 
 from lconv.configs.schema import complete, validate_config
-from lconv.constants import BATCH_MESH_AXES
-from lconv.data import pipeline, sources
+from lconv.constants import BATCH_MESH_AXES, EXPORT_SIDECAR
+from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.nn import common as nn_common
@@ -77,12 +77,28 @@ class Trained:
 # ----------------------------------------------------------------------------------------------------------------
 # The config
 # ----------------------------------------------------------------------------------------------------------------
-def read_config(workdir: str) -> Config:
+def find_run(workdir: str, caller: str = "--workdir") -> str:
+    """The resolved workdir (local or an ``etils.epath`` URL) of a run, or a one-line error naming the path as
+    ``caller`` was given it (``--workdir=runs/x``, ``lconv.load('runs/x')``) and what is there instead: nothing,
+    an export, or a folder without a ``config.json``."""
+    label = f"{caller}={workdir}" if caller.startswith("-") else f"{caller}({str(workdir)!r})"
+    paths.check_url(workdir, caller, label=label)
+    resolved = workdir_lib.resolve(workdir)
+    root = epath.Path(resolved)
+    if (root / workdir_lib.CONFIG_FILENAME).exists():
+        return resolved
+    where = "" if resolved == str(workdir) else f" ({resolved})"
+    if not root.exists():
+        raise UserError(f"{label}: no such directory{where}")
+    if (root / EXPORT_SIDECAR).exists():
+        raise UserError(f"{label} is an export, not a run: load it with lconv.export.load")
+    raise UserError(f"{label}: not a run written by train.py (no {workdir_lib.CONFIG_FILENAME} in {resolved})")
+
+
+def read_config(workdir: str, caller: str = "--workdir") -> Config:
     """The resolved config a run stored in ``<workdir>/config.json``, with the fields lconv added since at their
-    defaults."""
-    path = epath.Path(workdir_lib.resolve(workdir)) / workdir_lib.CONFIG_FILENAME
-    if not path.exists():
-        raise UserError(f"{path} not found: --workdir must be a directory written by train.py")
+    defaults; ``caller``: as ``find_run``'s."""
+    path = epath.Path(find_run(workdir, caller)) / workdir_lib.CONFIG_FILENAME
     return complete(ml_collections.ConfigDict(json.loads(path.read_text())))
 
 
@@ -313,19 +329,23 @@ def check_checkpoint_choice(average_last: int, checkpoint: str) -> None:
 
 
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
-                 overrides: Callable[[Config], None] | None = None) -> Trained:
-    """The model of a trained ``workdir`` with the params of its latest checkpoint, the mean of the last
-    ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by validation loss.
+                 overrides: Callable[[Config], None] | None = None, caller: str = "--workdir") -> Trained:
+    """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
+    the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
+    validation loss. ``caller``: how the path was given, for errors (``find_run``).
 
-    Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded.
-    ``overrides`` may change the stored config (decoding fields, say) before the model is built."""
+    Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
+    nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
+    (decoding fields, say) before the model is built."""
     check_checkpoint_choice(average_last, checkpoint)
-    config = read_config(workdir)
+    config = read_config(workdir, caller)
     if overrides is not None:
         overrides(config)
+    workdir = workdir_lib.resolve(workdir)
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
     model = build_model(config, tokenizer.vocab_size)
-    ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best")
+    ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best",
+                                    read_only=True)
     steps = sorted(ckpt.all_steps())
     if not steps:
         raise UserError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
@@ -336,5 +356,5 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
         params = ckpt.restore_params(target, step)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     ckpt.close()
-    return Trained(config, workdir_lib.resolve(workdir), tokenizer, model,
+    return Trained(config, workdir, tokenizer, model,
                    jax.tree.map(lambda x: x / len(chosen), total), chosen)
