@@ -211,7 +211,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     ``max_len_per_row[b]`` tokens (EOS included; default ``max_len``). A row stops searching once no alive
     hypothesis can beat its worst finished one (log-probs only fall; the length bonus is at most
     ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
-    score -inf and hold PAD.
+    score -inf and hold PAD. Inside, a set of hypotheses is a pair (tokens, their log-probs), ``[B, X, L]`` each.
     """
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
@@ -231,7 +231,6 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         done_B = finished_BN[:, -1] >= best_alive_B  # [B] worst finished beats every alive hypothesis
         return (i < L) & ~jnp.all(done_B)
 
-    # A hypothesis set is a pair (tokens [B, X, L], each token's log-prob [B, X, L]), gathered alike.
     def body(state):
         i, alive, alive_logp_BN, finished, finished_BN, cache, count_B = state
         last_BN1 = jax.lax.dynamic_slice_in_dim(alive[0], jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
@@ -266,21 +265,24 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
             finished, finished_BN = _best_finished(finished, finished_BN, top, new_scores_B2N, N)
         return i + 1, alive, alive_logp_BN, finished, finished_BN, cache, count_B
 
-    empty = (jnp.full((B, N, L), pad_id, jnp.int32), jnp.zeros((B, N, L), jnp.float32))  # [B, beam, L] each
+    empty = (jnp.full((B, N, L), pad_id, jnp.int32), jnp.zeros((B, N, L), jnp.float32))
     # [B, beam]: one live beam per row at the start
     alive_logp_BN = jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_LOGP] * (N - 1), jnp.float32), (B, 1))
     finished_BN = jnp.full((B, N), IMPOSSIBLE_LOGP, jnp.float32)  # [B, beam] empty
     state = (jnp.int32(0), empty, alive_logp_BN, empty, finished_BN, tile_cache(cache, B, N),
              jnp.zeros((B,), jnp.int32))
     _, _, _, finished, finished_BN, _, _ = jax.lax.while_loop(cond, body, state)
-    if fairseq:  # slots are in order of finishing: best first
+    found = _sorted_finished(finished, finished_BN, fairseq, pad_id)
+    return found if with_token_scores else (found.tokens, found.scores)
+
+
+def _sorted_finished(finished, finished_BN, fairseq, pad_id) -> Hypotheses:
+    """The finished set, best first, empty slots holding PAD (and token scores 0)."""
+    if fairseq:  # slots are in order of finishing
         none = jax.tree.map(lambda seqs: seqs[:, :0], finished)
-        finished, finished_BN = _best_finished(none, finished_BN[:, :0], finished, finished_BN, N)
+        finished, finished_BN = _best_finished(none, finished_BN[:, :0], finished, finished_BN, finished_BN.shape[1])
     filled_BN1 = (finished_BN > IMPOSSIBLE_LOGP)[:, :, None]
-    tokens_BNL = jnp.where(filled_BN1, finished[0], pad_id)  # [B, beam, L]
-    if not with_token_scores:
-        return tokens_BNL, finished_BN
-    return Hypotheses(tokens_BNL, finished_BN, jnp.where(filled_BN1, finished[1], 0.0))
+    return Hypotheses(jnp.where(filled_BN1, finished[0], pad_id), finished_BN, jnp.where(filled_BN1, finished[1], 0.0))
 
 
 def _take(seqs_BXL: Array, index_BY: Array) -> Array:
