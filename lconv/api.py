@@ -3,6 +3,8 @@
     import lconv
     model = lconv.load("runs/default")
     model.translate(["Tool to convert images between formats."])      # -> ["Werkzeug zum ..."]
+    model.translate("Tool to convert images.", nbest=2)               # -> [{"text", "score", "token_scores", ...}]
+    model.score(["Tool to convert images."], ["Werkzeug zum Konvertieren von Bildern."])  # -> [{"score", ...}]
 
 ``load`` restores the params only (the latest checkpoint, the mean of the last ``average_last``, or the best by
 validation loss), the tokenizer and the config stored in the workdir. Decoding programs are compiled once per
@@ -35,9 +37,10 @@ def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> 
 
 
 class Model:
-    """A trained run: ``translate`` / ``score`` (translation, summarisation), ``generate`` / ``perplexity``
-    (language models), ``kernels`` (the normalised conv kernels, for plots). Fields: ``config`` (the stored
-    config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they come from)."""
+    """A trained run: ``translate`` / ``score`` / ``bleu`` (translation, summarisation), ``generate`` /
+    ``perplexity`` (language models), ``kernels`` (the normalised conv kernels, for plots). Fields: ``config``
+    (the stored config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they
+    come from)."""
 
     def __init__(self, trained: setup.Trained):
         self.config, self.tokenizer, self.module = trained.config, trained.tokenizer, trained.model
@@ -52,25 +55,98 @@ class Model:
         return f"lconv.Model({self.workdir!r}, task={self.task!r}, steps={self.steps})"
 
     # --- translation and summarisation ---------------------------------------------------------------------
-    def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None,
-                  lenpen: float | None = None) -> str | list[str]:
-        """One output per source (``""`` for a blank one), by beam search: a string for a string, a list for a
-        list. ``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s. Sources longer than
-        ``config.data.eval_max_input_length`` are cut to it."""
+    def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None, lenpen: float | None = None,
+                  nbest: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
+        """One output per source (``""`` for a blank one), a string for a string and a list for a list: by beam
+        search (``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s), or with ``temperature > 0``
+        a sample (after ``top_k`` and nucleus ``top_p`` filtering), drawn from ``seed`` and the source alone: the
+        same source and seed give the same sample alone or in any batch.
+
+        With ``nbest=k`` each output is instead a list of up to k dicts, best first (a blank source's is empty):
+        ``"text"``; ``"score"``, the search's ``sum(token_scores) / len(token_scores)**lenpen`` (fairseq's);
+        ``"token_scores"``, each output token's log-probability under the model (EOS included; before temperature
+        and filters, so ``score`` gives the same numbers); ``"tokens"``, the token ids (what ``score`` takes to
+        rescore exactly this hypothesis). Beam search gives the best k of its beams (k <= the beam size);
+        sampling draws k samples. Sources longer than ``config.data.eval_max_input_length`` tokens are cut to it."""
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
+        limit = int(self.config.data.eval_max_target_length)
+        compiled.check_sampling(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p)
+        search = {"beam_size": self._hypotheses_per_source(nbest, beam_size, temperature)}
+        if lenpen is not None:
+            search["lenpen"] = lenpen
+        if temperature:
+            _check_seed(seed)
+            search.update(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
-        search = {k: v for k, v in (("beam_size", beam_size), ("lenpen", lenpen)) if v is not None}
-        outputs = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
-                                                   translator=self._translator, **search).hypotheses
+        found = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
+                                                 translator=self._translator, nbest=nbest or 0, **search)
+        outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(sources, str) else outputs
 
-    def score(self, sources: Sequence[str], references: Sequence[str], *, beam_size: int | None = None,
-              lenpen: float | None = None) -> dict[str, Any]:
+    def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
+        """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
+        if nbest is not None and not (isinstance(nbest, int) and not isinstance(nbest, bool) and nbest >= 1):
+            raise UserError(f"nbest={nbest!r}: must be an integer >= 1 (hypotheses per source)")
+        if temperature:
+            if beam_size is not None:
+                raise UserError(f"beam_size={beam_size}: not used when sampling (temperature={temperature}); "
+                                "nbest sets the number of samples per source")
+            return nbest or 1
+        beams = self.config.decode.beam_size if beam_size is None else beam_size
+        if nbest is not None and nbest > beams:
+            raise UserError(f"nbest={nbest}: must be at most the beam size ({beams}); pass beam_size={nbest} or more")
+        return beams
+
+    def score(self, sources: str | Sequence[str],
+              targets: str | Sequence[int] | Sequence[str | Sequence[int]]) -> dict[str, Any] | list[dict[str, Any]]:
+        """The log-probability of each target given its source, teacher-forced (fairseq hub's ``score``): per
+        pair ``{"score": sum of token_scores, "token_scores": [log p of each target token, EOS included]}``; a
+        dict for a string source, a list for a list. A target is a string, or token ids (an n-best entry's
+        ``"tokens"``, to rescore exactly that hypothesis: a decoded text may re-tokenise otherwise). Cut as
+        ``translate`` cuts: sources to ``config.data.eval_max_input_length`` tokens and targets to
+        ``config.data.eval_max_target_length`` (EOS included in both), so a translation scores whole."""
+        self._need("score", ("translation", "summarization"))
+        one = isinstance(sources, str)
+        source_lines = _lines(sources, "sources", one_allowed=True)
+        target_ids = _target_ids(self.tokenizer, [targets] if one else targets, one)
+        if len(source_lines) != len(target_ids):
+            raise UserError(f"{len(source_lines)} sources for {len(target_ids)} targets; they pair one to one")
+        data = self.config.data
+        inputs = [np.append(ids[:data.eval_max_input_length - 1], EOS_ID)
+                  for ids in self.tokenizer.encode_batch(source_lines)]
+        targets_ = [np.append(ids[:data.eval_max_target_length - 1], EOS_ID) for ids in target_ids]
+        rows = compiled.row_bucket(len(inputs), data.eval_batch_size)
+        log_probs = self._function("token_log_probs", self._token_log_probs)
+        out = []
+        for start in range(0, len(inputs), rows):
+            chunk = slice(start, start + rows)
+            inputs_BS = _pad_rows(inputs[chunk], rows, compiled.width_bucket(max(map(len, inputs[chunk])),
+                                                                              data.eval_max_input_length))
+            targets_BT = _pad_rows(targets_[chunk], rows, compiled.width_bucket(max(map(len, targets_[chunk])),
+                                                                                 data.eval_max_target_length))
+            logp_BT = np.asarray(log_probs(self.params, inputs_BS, targets_BT))
+            for row, target in enumerate(targets_[chunk]):
+                token_scores = logp_BT[row, :len(target)]
+                out.append({"score": float(np.sum(token_scores, dtype=np.float64)),
+                            "token_scores": token_scores.tolist()})
+        return out[0] if one else out
+
+    def _token_log_probs(self, params: Any, inputs_BS: jax.Array, targets_BT: jax.Array) -> jax.Array:
+        """``[B, T]``: log p(target token t | source, targets before t), as the search scores a token."""
+        logits_BTV = self.module.apply({"params": params}, inputs_BS, targets_BT,
+                                       inputs_segmentation=(inputs_BS != PAD_ID).astype(jnp.int32),
+                                       targets_segmentation=(targets_BT != PAD_ID).astype(jnp.int32))
+        logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)  # [B, T, V]
+        return jnp.take_along_axis(logp_BTV, targets_BT[:, :, None], axis=-1)[:, :, 0]  # [B, T]
+
+    def bleu(self, sources: Sequence[str], references: Sequence[str], *, beam_size: int | None = None,
+             lenpen: float | None = None) -> dict[str, Any]:
         """Translates ``sources`` and scores them against ``references``: sacreBLEU (``bleu``, ``bleu_signature``)
-        for translation, ROUGE-1/2/L for summarisation."""
+        and tokenized BLEU for translation, ROUGE-1/2/L and ROUGE-Lsum for summarisation."""
         sources, references = _lines(sources, "sources"), _lines(references, "references")
         if len(sources) != len(references):
             raise UserError(f"{len(sources)} sources for {len(references)} references; they pair one to one")
@@ -81,11 +157,13 @@ class Model:
     def generate(self, prompts: Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> list[str]:
         """Continues each prompt by up to ``max_len`` tokens: greedy at ``temperature=0``, else sampled (after
-        ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; the same prompts and seed give the same texts.
-        A prompt too long for ``config.model.max_len`` keeps its last tokens."""
+        ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; a prompt's sample depends on it, the seed and
+        the settings alone, not on the other prompts or its place among them. A prompt too long for
+        ``config.model.max_len`` keeps its last tokens."""
         self._need("generate", ("lm",))
         lines = _lines(prompts, "prompts", one_allowed=True)
         compiled.check_sampling(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+        _check_seed(seed)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
         outputs = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator,
@@ -189,7 +267,7 @@ class Model:
 
     def _need(self, method: str, tasks: tuple[str, ...]) -> None:
         if self.task not in tasks:
-            other = "translate / score" if self.task != "lm" else "generate / perplexity"
+            other = "translate / score / bleu" if self.task != "lm" else "generate / perplexity"
             raise UserError(f"{method}() is for {' and '.join(tasks)} runs; {self.workdir} is a {self.task} run "
                             f"(use {other})")
 
@@ -219,6 +297,32 @@ def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
             hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
             raise UserError(f"{argument}[{i}]: must be a string; got {type(text).__name__}{hint}")
     return list(texts)
+
+
+def _target_ids(tokenizer: Any, targets: Any, one: bool) -> list[np.ndarray]:
+    """``score``'s targets as id arrays without EOS: a string is encoded, ids are taken as they are (an n-best
+    entry's ``"tokens"``, whose last, EOS, is dropped: ``score`` appends it). One-line errors name the target."""
+    if isinstance(targets, str) or not isinstance(targets, Sequence):
+        raise UserError(f"targets: pass {'one string (or token ids) for one source' if one else 'a list'}; "
+                        f"got {type(targets).__name__}")
+    out = []
+    for i, target in enumerate(targets):
+        name = "targets" if one else f"targets[{i}]"
+        if isinstance(target, str):
+            out.append(np.asarray(tokenizer.encode(target), np.int32))
+            continue
+        ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) and len(target) else None
+        if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any() \
+                or (ids >= tokenizer.vocab_size).any() or (ids[:-1] == EOS_ID).any():
+            raise UserError(f"{name}: must be a string or a non-empty list of token ids in [0, "
+                            f"{tokenizer.vocab_size}) with EOS ({EOS_ID}) last if anywhere; got {target!r:.60}")
+        out.append(ids[:-1] if ids[-1] == EOS_ID else ids)
+    return out
+
+
+def _check_seed(seed: Any) -> None:
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
+        raise UserError(f"seed={seed!r}: must be an integer in [0, 2**32)")
 
 
 def _pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:

@@ -443,3 +443,47 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
     with pytest.raises(UserError, match=r"^decoding 8 rows per batch ran out of device memory; set config.decode"):
         list(decode_and_score.decode_batches(config, model, params, eval_set, translator=translator))
+
+
+@pytest.mark.parametrize("stop,lenpen", [("optimal", 1.0), ("fairseq", 0.5)])
+def test_token_scores_kept_along_the_beams_are_the_models_log_probs(stop, lenpen):
+    A, Bm, Cp, bias = _tables(seed=3)
+    A[:, EOS] += 1.0  # early finishes: hypotheses of several lengths
+    fn, cache = _toy(A, Bm, Cp, bias)
+    limits = np.array([5, 8])
+    found = decode.beam_search(fn, cache, 2, 3, 8, lenpen=lenpen, max_len_per_row=limits, stop=stop,
+                               with_token_scores=True)
+    tokens, scores = decode.beam_search(fn, cache, 2, 3, 8, lenpen=lenpen, max_len_per_row=limits, stop=stop)
+    assert found.tokens.tolist() == tokens.tolist() and found.scores.tolist() == scores.tolist()
+    for b in range(2):
+        for n in range(3):
+            seq = found.tokens[b, n].tolist()
+            length = seq.index(EOS) + 1
+            expected = [_logp(A, Bm, Cp, bias[b], [BOS] + seq[:j], seq[j]) for j in range(length)]
+            np.testing.assert_allclose(found.token_scores[b, n, :length], expected, rtol=1e-5, atol=1e-6)
+            assert not np.any(found.token_scores[b, n, length:])
+            assert float(found.scores[b, n]) == pytest.approx(sum(expected) / length ** lenpen, rel=1e-5)
+
+
+def test_samples_with_a_length_limit_end_in_eos_and_do_not_depend_on_their_row():
+    A, Bm, Cp, bias = _tables(seed=7, batch=5)
+    A[:, EOS] -= 3.0  # EOS unlikely: most rows reach their limit, where it is forced
+    fn, cache = _toy(A, Bm, Cp, bias)
+    limits = jnp.array([3, 6, 8, 4, 8])
+    tokens, token_scores = decode.sample(fn, cache, 5, 8, jax.random.key(0), max_len_per_row=limits,
+                                         with_token_scores=True)
+    for b in range(5):
+        seq = tokens[b].tolist()
+        assert EOS in seq and seq.index(EOS) < int(limits[b])
+        length = seq.index(EOS) + 1
+        expected = [_logp(A, Bm, Cp, bias[b], [BOS] + seq[:j], seq[j]) for j in range(length)]
+        np.testing.assert_allclose(token_scores[b, :length], expected, rtol=1e-5, atol=1e-6)
+    # Row 3 sampled alone (its own cache row, limit and the same key) draws what it drew in the batch of 5.
+    fn_alone, cache_alone = _toy(A, Bm, Cp, bias[3:4])
+    alone = decode.sample(fn_alone, cache_alone, 1, 8, jax.random.key(0), max_len_per_row=limits[3:4])
+    assert alone[0].tolist() == tokens[3].tolist()
+    keys = decode.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0], [5, 6, 0, 0], [6, 5, 0, 0]]))
+    as_data = jax.random.key_data(keys).tolist()
+    assert as_data[0] == as_data[1] != as_data[2]  # by content, not by row
+    padded = decode.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0, 0, 0, 0, 0]]))
+    assert jax.random.key_data(padded).tolist()[0] == as_data[0]  # the padded width changes nothing

@@ -134,6 +134,21 @@ def test_beam_search_reproduces_fairseq_generate(workdirs, name):
     assert sacrebleu.corpus_bleu(ours, [_lines(FIXTURES / "test.ref")]).score == pytest.approx(result["bleu"])
 
 
+def test_nbest_scores_are_fairseq_generates_and_score_gives_them_back(workdirs):
+    """``translate(..., nbest=1)``'s score of each of the first 8 test sentences is the one fairseq-generate
+    printed (base 2 there: ln-score / ln 2), and ``score`` of the same pair, teacher-forced, adds up to it."""
+    import lconv
+
+    model = lconv.load(workdirs["dynamic"])
+    sources = _lines(FIXTURES / "test.src")[:8]
+    theirs = [float(line) * math.log(2) for line in _lines(FIXTURES / "dynamic" / "generate_scores.txt")[:8]]
+    best = [entries[0] for entries in model.translate(sources, nbest=1)]
+    assert [entry["text"] for entry in best] == _lines(FIXTURES / "dynamic" / "generate.txt")[:8]
+    np.testing.assert_allclose([entry["score"] for entry in best], theirs, rtol=1e-5)
+    scored = model.score(sources, [entry["tokens"] for entry in best])
+    np.testing.assert_allclose([s["score"] / len(e["tokens"]) for s, e in zip(scored, best)], theirs, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def dynamic_checkpoint():
     return fairseq.read_checkpoint(str(FIXTURES / "dynamic" / "checkpoint_last.pt"))

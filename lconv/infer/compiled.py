@@ -1,8 +1,9 @@
 """Decoding programs jitted once per model and reused: a call compiles only for a shape bucket it has not seen.
 
 Inputs are padded to a bucket of rows (``row_bucket``: powers of two up to the batch size) and a width
-(``width_bucket``: ``WIDTHS``), so sentences of different lengths share a program. ``Translator`` runs beam search
-(``search.translate``); ``Generator`` continues LM prompts of different lengths in one program (``generate``).
+(``width_bucket``: ``WIDTHS``), so sentences of different lengths share a program. ``Translator`` runs beam search or
+samples (``search.translate_hypotheses``); ``Generator`` continues LM prompts of different lengths in one program
+(``generate``).
 Both take the params as an argument (not a constant folded into the program), which is also what
 ``lconv.export`` serialises.
 """
@@ -103,36 +104,51 @@ def place(array: np.ndarray, sharding: NamedSharding | None) -> Any:
 
 
 class Translator:
-    """Beam search over one model's params: ``translator(inputs_BS) -> best beams [B, L]`` (numpy, every row on
-    every process). One program per (rows, width, beam size); ``lenpen`` is an argument, so changing it compiles
-    nothing."""
+    """Beam search (or sampling) over one model's params: ``translator(inputs_BS) -> best beams [B, L]``,
+    ``translator.hypotheses(inputs_BS, ...) -> search.Hypotheses`` (numpy, every row on every process). One program
+    per (rows, width, hypotheses per source, sampling settings); ``lenpen`` and the seed are arguments, so changing
+    them compiles nothing, and the best beam and the n-best lists come from the same program."""
 
     def __init__(self, config: Any, model: nn.Module, params: Any):
         self.config, self.params, self.mesh = config, params, mesh_of(params)
         decode = config.decode
 
-        def translate(params, inputs_BS, lenpen, *, max_len, beam_size):
+        def hypotheses(params, inputs_BS, lenpen, seed, *, max_len, beam_size, temperature=0.0, top_k=0, top_p=1.0):
             segmentation_BS = (inputs_BS != PAD_ID).astype(jnp.int32)  # [B, S]
-            return search.translate(model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS,
-                                    beam_size=beam_size, max_len=max_len, lenpen=lenpen,
-                                    max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
-                                    stop=decode.stop)  # [B, L]
+            return search.translate_hypotheses(
+                model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS, beam_size=beam_size,
+                max_len=max_len, lenpen=lenpen, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
+                stop=decode.stop, rng=jax.random.key(seed) if temperature else None, temperature=temperature,
+                top_k=top_k, top_p=top_p)  # [B, N, L], [B, N], [B, N, L]
 
-        self.function = nn_common.under_axis_rules(translate, config.mesh.rules)  # what lconv.export lowers
+        def best(params, inputs_BS, lenpen, *, max_len, beam_size):
+            return hypotheses(params, inputs_BS, lenpen, jnp.uint32(0), max_len=max_len,
+                              beam_size=beam_size).tokens[:, 0]  # [B, L]
+
+        self.function = nn_common.under_axis_rules(best, config.mesh.rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        self.jitted = jax.jit(self.function, static_argnames=("max_len", "beam_size"), out_shardings=replicated)
+        self.jitted = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules), out_shardings=replicated,
+                              static_argnames=("max_len", "beam_size", "temperature", "top_k", "top_p"))
 
     def __call__(self, inputs_BS: np.ndarray, *, beam_size: int | None = None,
                  lenpen: float | None = None) -> np.ndarray:
         """``inputs_BS``: source ids ending in EOS, PAD after, already cut to a bucket."""
+        return self.hypotheses(inputs_BS, beam_size=beam_size, lenpen=lenpen).tokens[:, 0]  # [B, L]
+
+    def hypotheses(self, inputs_BS: np.ndarray, *, beam_size: int | None = None, lenpen: float | None = None,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int = 0) -> search.Hypotheses:
+        """``beam_size`` hypotheses per source, best first (``search.translate_hypotheses``): beams, or with
+        ``temperature > 0`` samples drawn from ``seed``."""
         beam_size = self.config.decode.beam_size if beam_size is None else beam_size
         lenpen = self.config.decode.lenpen if lenpen is None else lenpen
         inputs_BS = np.asarray(inputs_BS, np.int32)
+        sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)) if temperature else {}
         with _mesh_context(self.mesh):
-            tokens_BL = self.jitted(self.params, place(inputs_BS, row_sharding(self.mesh, inputs_BS.shape[0])),
-                                    jnp.float32(lenpen), max_len=max_output_len(self.config, inputs_BS.shape[1]),
-                                    beam_size=int(beam_size))
-            return np.asarray(tokens_BL)  # [B, L]: replicated, so every process reads all of it
+            found = self.jitted(self.params, place(inputs_BS, row_sharding(self.mesh, inputs_BS.shape[0])),
+                                jnp.float32(lenpen), jnp.uint32(seed), beam_size=int(beam_size),
+                                max_len=max_output_len(self.config, inputs_BS.shape[1]), **sampling)
+            return search.Hypotheses(*map(np.asarray, found))  # replicated: every process reads all of it
 
 
 def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,
@@ -181,7 +197,8 @@ class Generator:
         self.config, self.params, self.mesh = config, params, mesh_of(params)
 
         def run(params, prompt_BP, prompt_len_B, seed, *, max_len, temperature, top_k, top_p):
-            rng = jax.random.key(seed) if temperature else None
+            # One key per prompt, from its ids: a prompt samples alike alone or anywhere in any batch.
+            rng = search.row_keys(jax.random.key(seed), prompt_BP) if temperature else None
             return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len, rng=rng,
                             temperature=temperature, top_k=top_k, top_p=top_p)
 

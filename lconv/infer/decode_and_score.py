@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from lconv.constants import PAD_ID
 from lconv.data import pipeline
 from lconv.errors import UserError
 from lconv.infer import compiled, scoring
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 
 
 def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
-                   translator: compiled.Translator | None = None,
-                   **search: Any) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-    """``(batch, best-beam ids [B, L])`` over every example of ``eval_set``, the whole split (``whole_split``),
+                   translator: Callable[..., Any] | None = None,
+                   **search: Any) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
+    """``(batch, translator(batch's sources, **search))`` over every example of ``eval_set`` (a
+    ``compiled.Translator``'s best-beam ids ``[B, L]``, or its ``hypotheses``), the whole split (``whole_split``),
     ``compiled.decode_rows`` rows per batch (``config.decode.batch_size``; auto: the eval batch on CPU, wider on an
     accelerator; padding rows included, the caller drops rows with ``example_index < 0``); fewer rows
     (``compiled.row_bucket``) when the whole set is smaller than one batch.
@@ -275,18 +277,22 @@ class Translations:
     hypotheses: list[str]  # one per source line, in order; "" for a blank line
     blank: list[int]  # indices of the blank (empty or whitespace-only) source lines: not decoded
     lengths: SourceLengths  # of the decoded lines; its indices are line indices too
+    nbest: list[list[dict[str, Any]]] | None = None  # with ``nbest``: per line, best first (``nbest_entries``)
 
 
 def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
                     translator: compiled.Translator | None = None, name: Callable[[int], str] = "sources[{}]".format,
-                    **search: Any) -> Translations:
+                    nbest: int = 0, **search: Any) -> Translations:
     """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
-    ``search``'s ``beam_size`` / ``lenpen``), on ``translator``'s programs when given.
+    ``search``: ``Translator.hypotheses``' ``beam_size``, ``lenpen``, and for sampling ``temperature``,
+    ``top_k``, ``top_p``, ``seed``), on ``translator``'s programs when given. With ``nbest``, also the first
+    ``nbest`` hypotheses of each line (``Translations.nbest``).
 
-    A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output in its place, so
-    the outputs stay aligned with the input lines. Lines longer than ``config.data.eval_max_input_length`` tokens
-    are cut to it with a warning naming each by ``name(index)`` (``SourceLengths.warning``); ``Translations`` says
-    which. With several processes each passes the same lines (and gets every output).
+    A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output (and n-best list)
+    in its place, so the outputs stay aligned with the input lines. Lines longer than
+    ``config.data.eval_max_input_length`` tokens are cut to it with a warning naming each by ``name(index)``
+    (``SourceLengths.warning``); ``Translations`` says which. With several processes each passes the same lines
+    (and gets every output).
     """
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]
@@ -298,12 +304,32 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
     eval_set = pipeline.make_eval_set(ListSource(examples), "inputs", "targets", tokenizer,
                                       {"inputs": limit, "targets": config.data.eval_max_target_length},
                                       config.data.eval_batch_size)
+    translator = translator or compiled.Translator(config, model, params)
     hypotheses = [""] * len(sources)
-    for batch, tokens in decode_batches(config, model, params, eval_set, translator=translator, **search):
+    lists = [[] for _ in sources] if nbest else None
+    for batch, found in decode_batches(config, model, params, eval_set, translator=translator.hypotheses, **search):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
-                hypotheses[kept[int(index)]] = tokenizer.decode(tokens[row])
-    return Translations(hypotheses, blank, lengths)
+                hypotheses[kept[int(index)]] = tokenizer.decode(found.tokens[row, 0])
+                if nbest:
+                    lists[kept[int(index)]] = nbest_entries(tokenizer, found, row, nbest)
+    return Translations(hypotheses, blank, lengths, lists)
+
+
+def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
+    """Row ``row``'s first ``count`` hypotheses of ``found`` (a ``search.Hypotheses``), best first: ``text``,
+    ``score`` (the search's length-penalised score), ``token_scores`` and ``tokens`` (the ids, EOS included).
+    Empty slots (a search that finished fewer) are left out."""
+    entries = []
+    for n in range(count):
+        if not np.isfinite(found.scores[row, n]):
+            break  # empty slots come last (-inf)
+        tokens = found.tokens[row, n]
+        length = int(np.sum(tokens != PAD_ID))  # PAD is never generated: the tokens up to EOS
+        entries.append({"text": tokenizer.decode(tokens), "score": float(found.scores[row, n]),
+                        "token_scores": found.token_scores[row, n, :length].tolist(),
+                        "tokens": tokens[:length].tolist()})
+    return entries
 
 
 def prompt_limit(config: Any, max_len: int) -> int:

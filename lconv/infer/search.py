@@ -16,7 +16,7 @@ Token ids are ``lconv.constants``': ``PAD = 0`` (never generated; finished rows 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 Array = jax.Array
 # (tokens_BT, cache) -> (logits_BTV, new cache); the contract above
 TokensToLogits = Callable[[Array, Any], tuple[Array, Any]]
+
+
+class Hypotheses(NamedTuple):
+    """``N`` hypotheses per row, best first (``translate_hypotheses``, ``beam_search(..., with_token_scores=True)``)."""
+
+    tokens: Array  # [B, N, L] the generated tokens, EOS last, PAD after (an empty slot: all PAD)
+    scores: Array  # [B, N] sum(token_scores) / length**lenpen, EOS counted in both (an empty slot: -inf)
+    token_scores: Array  # [B, N, L] each token's log-prob under the model (log_softmax of its logits), 0 after EOS
 
 # ----------------------------------------------------------------------------------------------------------------
 # Cache helpers
@@ -114,44 +122,73 @@ def filter_logits(logits_BV: Array, *, temperature: float = 1.0, top_k: int = 0,
 
 def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, rng: Array | None, *,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, prompt: Array | None = None,
-           bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+           bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID, max_len_per_row: Array | None = None,
+           with_token_scores: bool = False) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
     ``prompt [B, T]`` (one length ``T`` for all rows) is fed as one chunk ``[BOS, prompt...]`` before the first
     sampled token; the last sampled token is never fed, so the cache must hold ``T + max_len`` positions (a
-    model of ``max_len`` positions generates ``max_len`` tokens from BOS). Step ``i`` draws with
-    ``fold_in(rng, i)``.
+    model of ``max_len`` positions generates ``max_len`` tokens from BOS).
+
+    ``rng`` is one key, used alike by every row, or ``[B]`` keys (``row_keys``); step ``i`` of a row draws with
+    ``fold_in(its key, i)``, so what a row samples does not depend on its index or on the other rows. With
+    ``max_len_per_row [B]`` EOS is forced at a row's limit (EOS included), as ``beam_search`` does; without it a
+    row that has not ended at ``max_len`` is cut. ``with_token_scores``: also ``[B, max_len]`` log-probs of the
+    chosen tokens under the model (before temperature and filters), 0 after EOS.
     """
     B = batch_size
     first_BT = jnp.full((B, 1), bos_id, jnp.int32)  # [B, 1]
     if prompt is not None:
         first_BT = jnp.concatenate([first_BT, jnp.asarray(prompt, jnp.int32)], axis=1)  # [B, 1+T]
+    keys_B = None
+    if temperature != 0.0:
+        keys_B = rng if rng.shape == (B,) else jnp.broadcast_to(rng, (B,))  # [B] keys
 
     def pick(logits_BV, i):
         logits_BV = _mask_pad(logits_BV, pad_id)  # [B, V]
+        if max_len_per_row is not None:
+            at_limit_B1 = (i + 1 >= max_len_per_row)[:, None]  # this token is the row's last
+            logits_BV = jnp.where(at_limit_B1 & (jnp.arange(logits_BV.shape[-1]) != eos_id), IMPOSSIBLE_LOGP,
+                                  logits_BV)  # [B, V]
         if temperature == 0.0:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)  # [B]
         logits_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)  # [B, V]
-        return jax.random.categorical(jax.random.fold_in(rng, i), logits_BV, axis=-1).astype(jnp.int32)  # [B]
+        draw = lambda key, logits_V: jax.random.categorical(jax.random.fold_in(key, i), logits_V)  # noqa: E731
+        return jax.vmap(draw)(keys_B, logits_BV).astype(jnp.int32)  # [B]: row by row, each with its own key
 
-    def step(i, tokens_BL, finished_B, cache, inputs_BT):
+    def step(i, tokens_BL, scores_BL, finished_B, cache, inputs_BT):
         logits_BV, cache = _last_logits(tokens_to_logits, inputs_BT, cache)  # [B, V]
         next_B = jnp.where(finished_B, pad_id, pick(logits_BV, i))  # [B]
         tokens_BL = tokens_BL.at[:, i].set(next_B)  # [B, L]
-        return i + 1, tokens_BL, finished_B | (next_B == eos_id), cache
+        if with_token_scores:
+            logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), next_B[:, None], axis=1)[:, 0]  # [B]
+            scores_BL = scores_BL.at[:, i].set(jnp.where(finished_B, 0.0, logp_B))  # [B, L]
+        return i + 1, tokens_BL, scores_BL, finished_B | (next_B == eos_id), cache
 
     def cond(state):
-        i, _, finished_B, _ = state
+        i, _, _, finished_B, _ = state
         return (i < max_len) & ~jnp.all(finished_B)
 
     def body(state):
-        i, tokens_BL, finished_B, cache = state
+        i, tokens_BL, scores_BL, finished_B, cache = state
         inputs_B1 = jax.lax.dynamic_slice_in_dim(tokens_BL, i - 1, 1, axis=1)  # [B, 1]
-        return step(i, tokens_BL, finished_B, cache, inputs_B1)
+        return step(i, tokens_BL, scores_BL, finished_B, cache, inputs_B1)
 
     tokens_BL = jnp.full((B, max_len), pad_id, jnp.int32)  # [B, L]
-    state = step(0, tokens_BL, jnp.zeros((B,), bool), cache, first_BT)  # the (prompt) chunk, outside the loop
-    return jax.lax.while_loop(cond, body, state)[1]  # [B, L]
+    scores_BL = jnp.zeros((B, max_len if with_token_scores else 0), jnp.float32)  # [B, L] (or none kept)
+    state = step(0, tokens_BL, scores_BL, jnp.zeros((B,), bool), cache, first_BT)  # the (prompt) chunk first
+    _, tokens_BL, scores_BL, _, _ = jax.lax.while_loop(cond, body, state)
+    return (tokens_BL, scores_BL) if with_token_scores else tokens_BL  # [B, L]
+
+
+def row_keys(rng: Array, ids_BT: Array) -> Array:
+    """One key per row, ``[B]``: ``rng`` folded with a hash of the row's ids (PAD after them changes nothing). A
+    row's draws then depend on its content and ``rng`` only, not on its index, the batch or the padded width,
+    and rows of different content draw independently (one key for all would share their noise)."""
+    multiplier = jnp.uint32(0x01000193)  # FNV-1's 32-bit prime: odd, so each position's term is a bijection
+    powers_T = jnp.cumprod(jnp.full((ids_BT.shape[1],), multiplier, jnp.uint32))  # [T], wrapping mod 2**32
+    hash_B = jnp.sum(ids_BT.astype(jnp.uint32) * powers_T, axis=1, dtype=jnp.uint32)  # [B]; PAD = 0 adds 0
+    return jax.vmap(jax.random.fold_in, (None, 0))(rng, hash_B)  # [B]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,8 +196,10 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
 # ----------------------------------------------------------------------------------------------------------------
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
                 lenpen: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                max_len_per_row: Array | None = None, stop: str = "optimal") -> tuple[Array, Array]:
-    """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first.
+                max_len_per_row: Array | None = None, stop: str = "optimal",
+                with_token_scores: bool = False) -> tuple[Array, Array] | Hypotheses:
+    """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first
+    (with ``with_token_scores``, a ``Hypotheses`` holding also each token's log-prob).
 
     ``stop="fairseq"`` is fairseq's SequenceGenerator, for like-for-like BLEU: no EOS first (min_len 1); only EOS
     extensions in the step's top ``beam`` (by summed log-prob) finish, in rank order; a row is done at ``beam``
@@ -172,7 +211,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     ``max_len_per_row[b]`` tokens (EOS included; default ``max_len``). A row stops searching once no alive
     hypothesis can beat its worst finished one (log-probs only fall; the length bonus is at most
     ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
-    score -inf and hold PAD.
+    score -inf and hold PAD. Inside, a set of hypotheses is a pair (tokens, their log-probs), ``[B, X, L]`` each.
     """
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
@@ -193,8 +232,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         return (i < L) & ~jnp.all(done_B)
 
     def body(state):
-        i, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B = state
-        last_BN1 = jax.lax.dynamic_slice_in_dim(alive_BNL, jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
+        i, alive, alive_logp_BN, finished, finished_BN, cache, count_B = state
+        last_BN1 = jax.lax.dynamic_slice_in_dim(alive[0], jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
         prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
         flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
         logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq)
@@ -205,38 +244,50 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         top_logp_B2N, top_idx_B2N = rowwise_top_k(cand_BNV.reshape(B, N * V), min(2 * N, N * V))  # [B, 2beam]
         top_beam_B2N = top_idx_B2N // V  # [B, 2beam] which alive beam it extends
         top_tok_B2N = (top_idx_B2N % V).astype(jnp.int32)  # [B, 2beam]
-        top_seqs_B2NL = jnp.take_along_axis(alive_BNL, top_beam_B2N[:, :, None], axis=1)  # [B, 2beam, L]
-        top_seqs_B2NL = top_seqs_B2NL.at[:, :, i].set(top_tok_B2N)  # [B, 2beam, L]
+        top_tok_logp_B2N = jnp.take_along_axis(logp_BNV.reshape(B, N * V), top_idx_B2N, axis=1)  # [B, 2beam]
+        top = jax.tree.map(lambda seqs_BNL, new_B2N: _take(seqs_BNL, top_beam_B2N).at[:, :, i].set(new_B2N),
+                           alive, (top_tok_B2N, top_tok_logp_B2N))  # [B, 2beam, L] each
         is_eos_B2N = top_tok_B2N == eos_id  # [B, 2beam]
 
         # Alive: the best beam non-EOS extensions; the cache follows the beams they extend.
         alive_cand_B2N = jnp.where(is_eos_B2N, IMPOSSIBLE_LOGP, top_logp_B2N)  # [B, 2beam]
         alive_logp_BN, keep_BN = rowwise_top_k(alive_cand_B2N, N)  # [B, beam]
-        alive_BNL = jnp.take_along_axis(top_seqs_B2NL, keep_BN[:, :, None], axis=1)  # [B, beam, L]
+        alive = jax.tree.map(lambda seqs: _take(seqs, keep_BN), top)  # [B, beam, L] each
         cache = gather_beams(cache, jnp.take_along_axis(top_beam_B2N, keep_BN, axis=1))  # [B*beam, ...]
 
         # Finished: EOS extensions, length-normalised, merged with the finished set.
         length_pen = jnp.power((i + 1).astype(jnp.float32), lenpen)  # ()
         new_scores_B2N = jnp.where(is_eos_B2N, top_logp_B2N / length_pen, IMPOSSIBLE_LOGP)  # [B, 2beam]
         if fairseq:
-            finished_BNL, finished_BN, count_B = _append_finished(
-                finished_BNL, finished_BN, count_B, top_seqs_B2NL, new_scores_B2N, is_eos_B2N, top_logp_B2N)
-            return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B
-        finished_BNL, finished_BN = _best_finished(finished_BNL, finished_BN, top_seqs_B2NL, new_scores_B2N, N)
-        return i + 1, alive_BNL, alive_logp_BN, finished_BNL, finished_BN, cache, count_B
+            finished, finished_BN, count_B = _append_finished(
+                finished, finished_BN, count_B, top, new_scores_B2N, is_eos_B2N, top_logp_B2N)
+        else:
+            finished, finished_BN = _best_finished(finished, finished_BN, top, new_scores_B2N, N)
+        return i + 1, alive, alive_logp_BN, finished, finished_BN, cache, count_B
 
-    seqs_BNL = jnp.full((B, N, L), pad_id, jnp.int32)  # [B, beam, L]
+    empty = (jnp.full((B, N, L), pad_id, jnp.int32), jnp.zeros((B, N, L), jnp.float32))
     # [B, beam]: one live beam per row at the start
     alive_logp_BN = jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_LOGP] * (N - 1), jnp.float32), (B, 1))
     finished_BN = jnp.full((B, N), IMPOSSIBLE_LOGP, jnp.float32)  # [B, beam] empty
-    state = (jnp.int32(0), seqs_BNL, alive_logp_BN, seqs_BNL, finished_BN, tile_cache(cache, B, N),
+    state = (jnp.int32(0), empty, alive_logp_BN, empty, finished_BN, tile_cache(cache, B, N),
              jnp.zeros((B,), jnp.int32))
-    _, _, _, finished_BNL, finished_BN, _, _ = jax.lax.while_loop(cond, body, state)
-    if fairseq:  # slots are in order of finishing: best first
-        none_BNL, none_BN = finished_BNL[:, :0], finished_BN[:, :0]
-        finished_BNL, finished_BN = _best_finished(none_BNL, none_BN, finished_BNL, finished_BN, N)
-    finished_BNL = jnp.where(finished_BN[:, :, None] > IMPOSSIBLE_LOGP, finished_BNL, pad_id)  # [B, beam, L]
-    return finished_BNL, finished_BN
+    _, _, _, finished, finished_BN, _, _ = jax.lax.while_loop(cond, body, state)
+    found = _sorted_finished(finished, finished_BN, fairseq, pad_id)
+    return found if with_token_scores else (found.tokens, found.scores)
+
+
+def _sorted_finished(finished, finished_BN, fairseq, pad_id) -> Hypotheses:
+    """The finished set, best first, empty slots holding PAD (and token scores 0)."""
+    if fairseq:  # slots are in order of finishing
+        none = jax.tree.map(lambda seqs: seqs[:, :0], finished)
+        finished, finished_BN = _best_finished(none, finished_BN[:, :0], finished, finished_BN, finished_BN.shape[1])
+    filled_BN1 = (finished_BN > IMPOSSIBLE_LOGP)[:, :, None]
+    return Hypotheses(jnp.where(filled_BN1, finished[0], pad_id), finished_BN, jnp.where(filled_BN1, finished[1], 0.0))
+
+
+def _take(seqs_BXL: Array, index_BY: Array) -> Array:
+    """Hypotheses ``index[b, y]`` of each row: ``[B, X, L] -> [B, Y, L]``."""
+    return jnp.take_along_axis(seqs_BXL, index_BY[:, :, None], axis=1)
 
 
 def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq):
@@ -251,18 +302,19 @@ def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq):
     return logp_BNV
 
 
-def _best_finished(finished_BNL, finished_BN, top_seqs_B2NL, scores_B2N, keep):
+def _best_finished(finished, finished_BN, top, scores_B2N, keep):
     """The default rule: the ``keep`` best of the finished set and this step's EOS extensions (also sorts the
-    fairseq rule's set, given as the new ones beside an empty set)."""
+    fairseq rule's set, given as the new ones beside an empty set). Sets are (tokens, token log-probs) pairs."""
     all_scores_B3N = jnp.concatenate([finished_BN, scores_B2N], axis=1)  # [B, 3beam]
-    all_seqs_B3NL = jnp.concatenate([finished_BNL, top_seqs_B2NL], axis=1)  # [B, 3beam, L]
     finished_BN, best_BN = rowwise_top_k(all_scores_B3N, keep)  # [B, beam]
-    return jnp.take_along_axis(all_seqs_B3NL, best_BN[:, :, None], axis=1), finished_BN  # [B, beam, L], [B, beam]
+    # [B, 3beam, L] -> [B, beam, L] each
+    return jax.tree.map(lambda old, new: _take(jnp.concatenate([old, new], axis=1), best_BN), finished, top), \
+        finished_BN
 
 
-def _append_finished(finished_BNL, finished_BN, count_B, top_seqs_B2NL, scores_B2N, is_eos_B2N, top_logp_B2N):
+def _append_finished(finished, finished_BN, count_B, top, scores_B2N, is_eos_B2N, top_logp_B2N):
     """fairseq's rule: the EOS extensions among the top ``beam`` candidates fill a row's free finished slots in
-    rank order; ``count_B`` counts the filled ones."""
+    rank order; ``count_B`` counts the filled ones. Sets are (tokens, token log-probs) pairs."""
     N = finished_BN.shape[1]
     rank_2N = jnp.arange(2 * N)
     eligible_B2N = is_eos_B2N & (rank_2N < N)[None] & (top_logp_B2N > IMPOSSIBLE_LOGP / 2)  # [B, 2beam]
@@ -272,10 +324,13 @@ def _append_finished(finished_BNL, finished_BN, count_B, top_seqs_B2NL, scores_B
     filled_BN = jnp.any(into_B2NN, axis=1)  # [B, beam]
     # Selections as masked sums, not dots: a float32 dot may run as TF32 on a GPU and round the scores.
     new_scores_BN = jnp.sum(jnp.where(into_B2NN, scores_B2N[:, :, None], 0.0), axis=1)  # [B, beam]
-    new_seqs_BNL = jnp.sum(jnp.where(into_B2NN[..., None], top_seqs_B2NL[:, :, None], 0), axis=1)  # [B, beam, L]
     finished_BN = jnp.where(filled_BN, new_scores_BN, finished_BN)
-    finished_BNL = jnp.where(filled_BN[:, :, None], new_seqs_BNL, finished_BNL)
-    return finished_BNL, finished_BN, count_B + jnp.sum(take_B2N, axis=1)
+
+    def fill(old_BNL, new_B2NL):
+        selected_BNL = jnp.sum(jnp.where(into_B2NN[..., None], new_B2NL[:, :, None], 0), axis=1)  # [B, beam, L]
+        return jnp.where(filled_BN[:, :, None], selected_BNL, old_BNL)
+
+    return jax.tree.map(fill, finished, top), finished_BN, count_B + jnp.sum(take_B2N, axis=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,11 +350,27 @@ def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segm
               beam_size: int = 4, max_len: int = 256, lenpen: float = 1.0, max_len_a: float | None = None,
               max_len_b: int | None = None, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
               stop: str = "optimal") -> Array:
-    """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``.
+    """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``: the
+    first of ``translate_hypotheses``."""
+    return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
+                                beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
+                                max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                                stop=stop).tokens[:, 0]  # [B, L]
 
-    Encodes once; the cache is created for ``B`` rows and tiled per beam by ``beam_search``, the encoder output
-    and source ids are tiled here the same way (row ``b*beam + n``). With ``max_len_a``/``max_len_b`` a row may
-    generate ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``.
+
+def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
+                         inputs_segmentation: Array | None = None, beam_size: int = 4, max_len: int = 256,
+                         lenpen: float = 1.0, max_len_a: float | None = None, max_len_b: int | None = None,
+                         bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID, stop: str = "optimal",
+                         rng: Array | None = None, temperature: float = 0.0, top_k: int = 0,
+                         top_p: float = 1.0) -> Hypotheses:
+    """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: the finished beams of a beam search
+    or, with ``temperature > 0``, as many samples (``sample``'s filters; sample n of a row draws with
+    ``fold_in(row_keys(rng, inputs)[b], n)``, so it depends on the source, ``rng`` and n only), scored alike.
+
+    Encodes once; the cache is created for ``B`` rows and tiled per hypothesis, the encoder output and source ids
+    are tiled here the same way (row ``b*beam + n``). With ``max_len_a``/``max_len_b`` a row may generate
+    ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = decoder_start_id(model) if bos_id is None else bos_id
@@ -315,13 +386,27 @@ def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segm
         return _apply_cache(model, variables, cache, beam_encoded, beam_inputs, tokens_BT,
                             inputs_segmentation=beam_segmentation, decode=True, method=model.decode)
 
-    limit_B = None
+    limit_B = jnp.full((B,), max_len, jnp.int32)  # [B] tokens a row may have, EOS included
     if max_len_a is not None or max_len_b is not None:
         src_len_B = jnp.sum(inputs_BS != pad_id, axis=1).astype(jnp.float32)  # [B]
         limit_B = jnp.floor((max_len_a or 0.0) * src_len_B + (max_len_b or 0)).astype(jnp.int32) + 1  # [B] + EOS
-    tokens_BNL, _ = beam_search(tokens_to_logits, cache, B, N, max_len, lenpen=lenpen, bos_id=bos_id,
-                                eos_id=eos_id, pad_id=pad_id, max_len_per_row=limit_B, stop=stop)
-    return tokens_BNL[:, 0]  # [B, L]
+    limit_B = jnp.clip(limit_B, 1, max_len)
+    if not temperature:
+        return beam_search(tokens_to_logits, cache, B, N, max_len, lenpen=lenpen, bos_id=bos_id, eos_id=eos_id,
+                           pad_id=pad_id, max_len_per_row=limit_B, stop=stop, with_token_scores=True)
+    if rng is None:
+        raise UserError(f"translate_hypotheses with temperature={temperature} needs rng (or temperature=0)")
+    fold_n = lambda key: jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(N))  # noqa: E731  [N]
+    keys = jax.vmap(fold_n)(row_keys(rng, inputs_BS)).reshape(B * N)  # [B*N]: row b*N + n
+    tokens, token_scores = sample(tokens_to_logits, tile_cache(cache, B, N), B * N, max_len, keys,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id,
+                                  pad_id=pad_id, max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True)
+    tokens_BNL, token_scores_BNL = tokens.reshape(B, N, max_len), token_scores.reshape(B, N, max_len)
+    length_BN = jnp.sum(tokens_BNL != pad_id, axis=-1).astype(jnp.float32)  # [B, N] EOS included
+    scores_BN = jnp.sum(token_scores_BNL, axis=-1) / jnp.power(length_BN, jnp.float32(lenpen))  # [B, N]
+    order_BN = jnp.argsort(-scores_BN, axis=1)  # [B, N] best first, as beams are
+    return Hypotheses(_take(tokens_BNL, order_BN), jnp.take_along_axis(scores_BN, order_BN, axis=1),
+                      _take(token_scores_BNL, order_BN))
 
 
 def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int,
