@@ -166,7 +166,7 @@ def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
         assert named in message
     # sinusoidal positions: different source and target limits only bound lengths (learned tables must agree)
     assert fairseq.model_fields({**args, "max_target_positions": 512}, 1008)["max_len"] == 1024
-    with pytest.raises(UserError, match="max_source_positions=1024 differs from max_target_positions=512"):
+    with pytest.raises(UserError, match="max_source_positions=1024.*max_target_positions=512"):
         fairseq.model_fields({**args, "max_target_positions": 512, "encoder_learned_pos": True,
                               "decoder_learned_pos": True}, 1008)
     with pytest.raises(UserError, match="'lightconv_lm' is not importable"):
@@ -206,14 +206,14 @@ def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
         assert not (tmp_path / "run").exists()  # nothing is written before everything has been checked
     other = tmp_path / "dict.de.txt"
     other.write_text("\n".join(reversed(_lines(FIXTURES / "dict.txt"))) + "\n", encoding="utf-8")
-    with pytest.raises(UserError, match="dict.de.txt differs from .*one dictionary for source and target"):
+    with pytest.raises(UserError, match="dict.de.txt"):
         fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, str(tmp_path / "run"),
                                           target_dictionary=str(other))
     assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="already holds checkpoints"):
         fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, workdirs["dynamic"])
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
-    with pytest.raises(UserError, match=r'needs PyTorch: pip install "lconv\[fairseq\]"'):
+    with pytest.raises(UserError, match=r'lconv\[fairseq\]'):
         fairseq.read_checkpoint(checkpoint)
 
 

@@ -216,7 +216,7 @@ def test_even_kernel_in_a_centred_conv_is_an_error(name):
 def test_unknown_mixer_and_unknown_field_are_named():
     with pytest.raises(ValueError, match="unknown mixer 'lightconvv'.*'attention'"):
         mixers.make_mixer("lightconvv", num_heads=H)
-    with pytest.raises(ValueError, match=r"mixer 'fixed' has no field\(s\) \['kernel_size'\]"):
+    with pytest.raises(ValueError, match=r"'fixed'.*'kernel_size'"):
         mixers.make_mixer("fixed", num_heads=H, kernel_size=3)
 
 

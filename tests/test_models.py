@@ -184,7 +184,7 @@ def test_language_model_with_every_causal_mixer_decodes_like_the_full_pass_and_n
 
 def test_colt5_is_encoder_only_with_one_line_errors():
     for bad in (dict(decoder_mixer="colt5"), dict(decoder_mixer="attention,colt5")):
-        with pytest.raises(ValueError, match="decoder_mixer: 'colt5' is an encoder-only mixer") as info:
+        with pytest.raises(ValueError, match="decoder_mixer.*'colt5'.*encoder") as info:
             models.ModelConfig.from_config({**TINY, **bad})
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="ffn_type='colt5'.*encoder layers only"):

@@ -112,8 +112,7 @@ def test_an_interrupted_upload_is_not_taken_for_a_copy_and_is_completed_next_tim
         return real_write(self, data)
 
     monkeypatch.setattr(epath.Path, "write_bytes", failing_write)
-    with pytest.raises(UserError, match=r"cannot write gs://bucket/tfds/lconv_prepared/ddtp_en_fr-\w+ "
-                                        r"\(ConnectionError: network lost\)"):
+    with pytest.raises(UserError, match=r"gs://bucket/tfds/lconv_prepared/ddtp_en_fr-\w+ .*network lost"):
         tfds_ddtp.prepare("ddtp/en_fr", "gs://bucket/tfds")
     copy, files = _copy_files(bucket, "ddtp_en_fr")
     assert len(files) == 2 and not any(tfds_ddtp.REPORT_FILENAME in f for f in files)  # the report goes last
@@ -192,13 +191,12 @@ def test_a_catalog_dataset_prepared_under_gs_is_found_and_read(bucket, local_run
     assert len(source) == 106 and source[0]["zh"]
     assert opened and all(p.startswith("gs://bucket/tfds/ddtp/en_zh/1.0.0/") for p in opened)
     assert bucket.os_calls == []
-    with pytest.raises(UserError, match="reads local files and gs:// only"):  # s3://: nothing can read it
+    with pytest.raises(UserError, match="s3://"):  # s3://: nothing can read it
         target_s3 = bucket / "s3bucket" / "tfds" / "ddtp" / "en_zh" / "1.0.0"
         target_s3.mkdir(parents=True)
         (target_s3 / "dataset_info.json").write_bytes((target / "dataset_info.json").read_bytes())
         sources._prepared_builder("ddtp/en_zh", "s3://s3bucket/tfds")
-    with pytest.raises(UserError, match=r"lm1b is not prepared in gs://bucket/tfds; prepare it once with: "
-                                        r"python -m lconv.data prepare lm1b --data_dir=gs://bucket/tfds"):
+    with pytest.raises(UserError, match=r"lm1b.*gs://bucket/tfds.*python -m lconv.data prepare lm1b --data_dir=gs://bucket/tfds"):
         sources.get_source("lm1b", "test", "gs://bucket/tfds")
 
 
@@ -221,7 +219,7 @@ def test_a_url_without_its_file_system_package_is_one_line_naming_the_flag_and_t
             assert "\n" not in message and f"{flag}='gs://b/" in message and "pip install gcsfs" in message
     finally:
         epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
-    with pytest.raises(UserError, match=r"^data_dir='foo://b/tfds': etils.epath has no foo:// file system; use a "):
+    with pytest.raises(UserError, match=r"^data_dir='foo://b/tfds'"):
         sources.get_source("ddtp/en_de", "train", "foo://b/tfds")
 
 

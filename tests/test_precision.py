@@ -142,12 +142,11 @@ def test_colt5_ffn_takes_matmul_precision_and_routes_at_highest(precision):
 
 
 def test_an_invalid_matmul_precision_is_a_one_line_error():
-    with pytest.raises(ValueError, match="config.model.matmul_precision='fast': must be one of default, high, "
-                                         "highest") as info:
+    with pytest.raises(ValueError, match=r"matmul_precision='fast'.*default.*high.*highest") as info:
         models.ModelConfig.from_config({**LM, "matmul_precision": "fast"})
     assert "\n" not in str(info.value)
     block = LightConvBlock(num_heads=H, kernel_size=3, matmul_precision="TF32")
-    with pytest.raises(ValueError, match="matmul precision 'TF32': must be one of default, high, highest") as info:
+    with pytest.raises(ValueError, match=r"'TF32'.*default.*high.*highest") as info:
         jax.eval_shape(block.init, jax.random.key(0), jax.ShapeDtypeStruct((B, T, C), jnp.float32))
     assert "\n" not in str(info.value)
 

@@ -83,7 +83,7 @@ def test_state_restores_the_exact_following_batches_across_epochs():
         for key in want:
             np.testing.assert_array_equal(want[key], got[key])
     assert state["epoch"] >= 1
-    with pytest.raises(ValueError, match="stream state has 2 rows but this stream has 3"):
+    with pytest.raises(ValueError, match=r"\b2\b.*\b3\b"):
         stream.DocumentStream(docs, "text", WordTokenizer(), window=4, rows=3).set_state(state)
 
 
@@ -127,7 +127,7 @@ def test_eval_set_counts_every_token_once_pads_for_lockstep_and_repeats():
 
 def test_stream_needs_a_language_model():
     config = dict(dataset="ddtp/en_de", stream=True, batch_size=8, eval_batch_size=8)
-    with pytest.raises(ValueError, match="stream=True streams documents to a language model"):
+    with pytest.raises(ValueError, match=r"stream=True.*language model"):
         pipeline.make_datasets(config, WordTokenizer(), process_index=0, process_count=1)
     translation = _knn_config()
     translation.task = "translation"

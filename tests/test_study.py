@@ -162,7 +162,7 @@ def test_every_mixer_fits_every_task_of_the_long_modes(mode):
 def test_bad_study_fields_are_one_line_errors():
     study = plan.normalize(study_config.get_config("quick"))
     study.mixers = ("transformer", "mamba")
-    with pytest.raises(UserError, match=r"config.mixers: unknown or empty \['mamba'\]"):
+    with pytest.raises(UserError, match=r"config.mixers.*'mamba'"):
         plan.check_study(study)
     fields = study_config.get_config("quick").to_dict()
     fields["seeds"] = "0,x"
@@ -213,8 +213,7 @@ def test_a_study_config_edited_since_its_runs_were_made_is_refused(studied):
     root, study, _, _ = studied
     edited = plan.normalize(study)
     edited.mixer_overrides = {**edited.mixer_overrides.to_dict(), "transformer": {"model": {"dropout": 0.25}}}
-    with pytest.raises(UserError, match=r"holds runs made with another study config: translation/transformer/seed0 "
-                                        r"\(config\.model\.dropout: 0\.1 -> 0\.25\) and 2 more; use a new"):
+    with pytest.raises(UserError, match=r"translation/transformer/seed0.*config\.model\.dropout.*0\.1.*0\.25"):
         driver.run_study(edited, str(root / "out"), str(root / "docs3"), command="test")
     assert not (root / "docs3").exists()
 
@@ -251,13 +250,11 @@ def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_ru
     edited = plan.normalize(only)
     edited.mixer_overrides = {**edited.mixer_overrides.to_dict(), "transformer": {"model": {"dropout": 0.25}}}
     shutil.copytree(root / "out" / "tokenizers", tmp_path / "out2" / "tokenizers")
-    with pytest.raises(UserError, match=r"archive .* holds runs made with another study config: "
-                                        r"translation/transformer/seed0 \(config\.model\.dropout: 0\.1 -> 0\.25\) "
-                                        r"and 2 more"):
+    with pytest.raises(UserError, match=r"translation/transformer/seed0.*config\.model\.dropout.*0\.1.*0\.25"):
         driver.run_study(edited, str(tmp_path / "out2"), str(tmp_path / "docs2"), resume_from=str(root / "docs"),
                          command="test")
     assert not (tmp_path / "out2" / "runs").exists()  # refused before anything was copied
-    with pytest.raises(UserError, match=r"^--resume_from=.* has no results/runs/ \(the run archive"):
+    with pytest.raises(UserError, match=r"^--resume_from=.*results/runs/"):
         driver.run_study(only, str(tmp_path / "out3"), str(tmp_path / "docs3"), resume_from=str(tmp_path),
                          command="test")
 
