@@ -36,6 +36,7 @@ def test_matches_a_float64_reference_and_normalises():
     np.testing.assert_allclose(np.exp(got.astype(np.float64)).sum(-1), 1.0, atol=1e-5)  # log-softmaxes: any precision
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_an_lm_with_an_adaptive_output_layer():
     cfg = models.ModelConfig(vocab_size=64, d_model=16, ffn_dim=32, num_heads=2, encoder_layers=0,
                              decoder_layers=1, decoder_mixer="lightconv", decoder_kernel_sizes=(3,),

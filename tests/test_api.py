@@ -51,6 +51,7 @@ def _alone(model: Model, source: str, beam_size: int) -> str:
     return model.tokenizer.decode(np.asarray(best_1L)[0])
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_three_lines_from_import_to_a_translation(workdir):
     model = lconv.load(str(workdir))
     translations = model.translate(SOURCES[:2] + [""], beam_size=2)
@@ -70,6 +71,7 @@ def test_bleu_is_sacrebleu_of_the_translations(workdir):
     helpers.one_line_error(error, "3 sources", "2 references")
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_calls_in_one_shape_bucket_compile_once():
     model = Model(tiny_runs.in_memory(tiny_runs.translation_config()))
     model.translate(["Fast tool.", "A library for the window system."])
@@ -92,6 +94,7 @@ def test_lightconv_kernels_are_the_softmax_of_the_weights_and_attention_layers_h
     assert kernels["source_tokens"][-1] == "</s>" and kernels["target_tokens"][0] == "<s>"
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_dynamic_kernels_match_a_numpy_recomputation_from_the_conv_input():
     config = tiny_runs.translation_config()  # the default: DynamicConv both sides
     config.model.matmul_precision = "highest"  # the kernel projection in float32 on every backend (GPU: not TF32)
@@ -114,6 +117,7 @@ def test_dynamic_kernels_match_a_numpy_recomputation_from_the_conv_input():
     np.testing.assert_allclose(decoder_THK.sum(-1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_lm_generation_of_ragged_prompts_equals_each_prompt_alone(lm):
     prompts = ["A small library for the window system", ""]  # ragged: 7 tokens and none (BOS alone)
     greedy = lm.generate(prompts, max_len=6)
@@ -128,6 +132,7 @@ def test_lm_generation_of_ragged_prompts_equals_each_prompt_alone(lm):
     assert lm._generator.jitted._cache_size() == 2  # greedy, top-k sampling: the seed is an argument
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_lm_perplexity_matches_a_numpy_log_softmax(lm):
     texts = ["The package provides tools.", "Fonts"]
     nll, tokens = 0.0, 0

@@ -182,6 +182,7 @@ def test_attention_dropout_only_in_training():
     assert np.all(np.isfinite(y1)) and np.abs(np.asarray(y1) - np.asarray(det)).max() > 1e-3
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_fixed_attention_learns_to_reverse_a_sequence():
     """A position-only task: output token t = input token T-1-t. Fixed attention must route by position."""
     V, Tr, Cr = 7, 11, 16

@@ -92,6 +92,7 @@ def _to_lconv(ids: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("name", MODELS)
 def test_imported_log_probabilities_equal_fairseqs(workdirs, name):
     """Teacher-forced log-probabilities of every vocabulary entry at every target position of fairseq's batch
@@ -116,6 +117,7 @@ def test_imported_log_probabilities_equal_fairseqs(workdirs, name):
                                **tolerance(np.float32, "highest", rtol=1e-5, atol=2e-5))
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("name", MODELS)
 def test_beam_search_reproduces_fairseq_generate(workdirs, name):
     """eval.py on the imported workdir with fairseq's stopping rule, beam 4: every translation of the 200
@@ -318,6 +320,7 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
     return w
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_importable_architecture_matches_the_reference(variant):
     """Random weights under fairseq's names, imported, give the float64 reference's logits."""
@@ -350,6 +353,7 @@ def test_every_importable_architecture_matches_the_reference(variant):
                                **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5))
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_without_sentencepiece_text_split_into_pieces_translates_as_fairseq(tmp_path):
     """The dictionary alone (the tokenizer of fairseq's published, BPE-split models): sources given as their
     pieces give fairseq-generate's hypotheses as pieces (generate_pieces.txt), for all 200 sentences."""

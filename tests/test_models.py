@@ -151,6 +151,7 @@ def _assert_causal(full, first_logits, tokens, shifted, atol=1e-5):
         assert np.abs(np.asarray(y[:, t + 1:] - first_logits[:, t + 1:])).max() > 1e-4, f"t={t}"
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_sees_the_future():
     """One model whose decoder has a layer of every causal mixer: each must be exact for the whole to be (one
     model, not one per mixer, because compiling dominates; each mixer's own test file checks its cache alone).
@@ -173,6 +174,7 @@ def _lm_with_every_causal_mixer():
     return _small(decoder_layers=len(CAUSAL_MIXERS), decoder_mixer=CAUSAL_MIXERS, decoder_kernel_sizes=(4,))
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_language_model_with_every_causal_mixer_decodes_like_the_full_pass_and_never_sees_the_future():
     fns = _jitted(_lm_with_every_causal_mixer(), "lm")
     tokens = _tokens((2, 9), 2)
@@ -220,6 +222,7 @@ def test_language_model_threads_knn_memory_and_resets_a_row_at_a_new_document():
     np.testing.assert_allclose(decoded, y1, **_tol(1e-4))
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_packed_rows_equal_separate_sequences():
     """Two examples packed in one row give the logits each gives alone (segments and positions honoured).
     Alone, each sits at the start of a row of the same length padded with PAD, so one compiled apply serves all

@@ -182,6 +182,7 @@ def test_bad_input_raises_a_clear_error(call, message):
         call(jnp.asarray(x), jnp.asarray(w))
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("chunk_tokens", [5, 8, 16])
 def test_shift_blocks_match_reference(monkeypatch, chunk_tokens):
     """The "shift" impl loops over blocks: pieces of rows (the last one overlapping) or groups of whole rows."""

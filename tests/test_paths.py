@@ -70,6 +70,7 @@ def _copy_files(bucket, name="ddtp_en_de"):
     return copy, {str(p.relative_to(copy)): p.read_bytes() for p in sorted(copy.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_tokenizer_and_data_on_a_url_match_the_local_run_with_no_os_call_on_the_url(bucket, local_run):
     local_model, local_data = local_run
     model, data = _run("gs://bucket/tfds", "gs://bucket/run")
@@ -85,6 +86,7 @@ def test_tokenizer_and_data_on_a_url_match_the_local_run_with_no_os_call_on_the_
     assert bucket.os_calls == []
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_a_copy_stored_under_the_url_is_fetched_by_another_machine_not_prepared_again(bucket, local_run, tmp_path,
                                                                                        monkeypatch):
     _run("gs://bucket/tfds", "gs://bucket/run")
@@ -101,6 +103,7 @@ def test_a_copy_stored_under_the_url_is_fetched_by_another_machine_not_prepared_
     assert bucket.os_calls == []
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_an_interrupted_upload_is_not_taken_for_a_copy_and_is_completed_next_time(bucket, monkeypatch):
     real_write = epath.Path.write_bytes
     written = []
@@ -166,6 +169,7 @@ def test_raw_dir_on_a_url_gives_the_data_of_the_same_local_files(bucket, tmp_pat
     assert bucket.os_calls == []
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_a_catalog_dataset_prepared_under_gs_is_found_and_read(bucket, local_run, monkeypatch, tmp_path):
     """What tfds limits: array_record opens gs:// with its own GCS client (C++, not epath); here that client is
     stood in for by reading the same objects from the bucket's folder. Everything else goes through epath."""

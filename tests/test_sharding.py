@@ -196,6 +196,7 @@ def assert_trees_close(actual, expected, tol, what):
 SHARDED_TOL = 64 * F32_EPS
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("variant", ["dynamic", "transformer", "fixed"])
 def test_a_2x2x2_mesh_gives_one_devices_loss_and_gradients(variant, capfd):
     """Fixed attention's [H, L, L] table is split over fsdp by its key positions ('key_length', a rule lconv adds
@@ -225,6 +226,7 @@ REMAT_BASE = dict(TINY, d_model=16, num_heads=2, ffn_dim=32, encoder_mixer="dyna
 REMAT_TOL = 16 * F32_EPS
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_remat_leaves_loss_and_gradients_unchanged():
     """A conv encoder and an attention decoder under each policy, from the same parameters (the tree is the same
     under every policy, so checkpoints restore across them). Dropout is on: the recomputed forward pass must draw
@@ -250,6 +252,7 @@ def test_remat_leaves_loss_and_gradients_unchanged():
         assert_trees_close(results[remat][1], grads, REMAT_TOL, f"remat={remat}")
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_remat_keeps_the_knn_memory_a_window_writes():
     """The 'memory' collection is mutable inside the rematerialised layer: the written memory and the gradients
     match the plain layer's."""

@@ -180,6 +180,7 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
     return np.array(losses), stacked
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
 def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     config = _knn_config(grad_accum_steps)
@@ -209,6 +210,7 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     assert np.abs(forgetful - reference).max() > 1e-3
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_memory_rows_stay_on_their_devices():
     """Compiled on 8 devices, the train and eval steps of a kNN stream model move no memory or scores between
     devices (no all-gather; top-k runs shard by shard): only the all-reduce of loss sums and gradients remains;
@@ -238,6 +240,7 @@ def test_memory_rows_stay_on_their_devices():
     assert collectives(train_hlo) == collectives(eval_hlo) == ["all-reduce"]  # the loss sums (and gradients)
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_resume_restores_the_memory_and_the_stream(tiny_data, tmp_path):
     config = _knn_config()
     config.data.dataset, config.data.data_dir = "ddtp/lm_en", str(tiny_data.data_dir)  # prepared once, shared

@@ -63,6 +63,7 @@ def test_resume_continues_exactly(tiny_run, tiny_data, tmp_path):
         assert again[step] == pytest.approx(full[step], rel=1e-6), step
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_eight_devices_give_the_losses_of_one(tiny_run, tiny_data, tmp_path):
     eight_devices = helpers.new_workdir(tiny_data, tmp_path / "eight")
     loop.train_and_evaluate(_config(tiny_run.data_dir), str(eight_devices), devices=jax.devices("cpu"))
