@@ -141,19 +141,26 @@ class Served:
         directory = epath.Path(path)
         if not (directory / SIDECAR).exists():
             raise UserError(f"{path}: no {SIDECAR}; export a run there with python -m lconv.export")
-        self.sidecar = json.loads((directory / SIDECAR).read_text())
+        # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
+        # what is wrong with it, never a traceback (or wrong outputs) at the first call.
+        self.sidecar = _read_part(directory, SIDECAR, _parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
-        self.tokenizer = tokenizer_lib.tokenizer_from_bytes(name, (directory / name).read_bytes())
-        with np.load(io.BytesIO((directory / self.sidecar["params"]).read_bytes())) as flat:
-            self.params = traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
-        self.programs = {(p["rows"], p["width"]): (p, jax.export.deserialize(bytearray(
-            (directory / p["file"]).read_bytes()))) for p in self.sidecar["programs"]}
+        self.tokenizer = _read_part(directory, name, functools.partial(tokenizer_lib.tokenizer_from_bytes, name),
+                                    "a tokenizer model")
+        self.params = _read_part(directory, self.sidecar["params"], _parse_params, "a .npz of the params")
+        self.programs = {(p["rows"], p["width"]): (p, _read_part(directory, p["file"], _parse_program,
+                                                                 "a serialised jax.export program"))
+                         for p in self.sidecar["programs"]}
+        for entry, exported in self.programs.values():
+            _check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
 
     def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int = 0) -> list[str] | np.ndarray:
         if isinstance(inputs, str):
             raise UserError("pass a list of strings (or an id array [B, S])")
         if isinstance(inputs, np.ndarray):
+            if inputs.ndim != 2:
+                raise UserError(f"an id array must be [B, S] (rows of ids, PAD after); got shape {inputs.shape}")
             return self.run_ids([row[row != PAD_ID] for row in inputs], seed=seed)
         encoded = self.tokenizer.encode_batch(list(inputs))
         if self.task != "lm":
@@ -163,6 +170,7 @@ class Served:
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int = 0) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS."""
         schema.check_sampling({"seed": seed})  # a uint32 argument of the programs
+        sequences = [self._checked_ids(x, i) for i, x in enumerate(sequences)]
         max_rows = max(r for r, _ in self.programs)
         outputs = []
         for start in range(0, len(sequences), max_rows):
@@ -171,6 +179,19 @@ class Served:
         length = max([o.shape[1] for o in outputs], default=0)
         return np.concatenate([np.pad(o, ((0, 0), (0, length - o.shape[1]))) for o in outputs]) if outputs else \
             np.zeros((0, 0), np.int32)
+
+    def _checked_ids(self, ids: Any, index: int) -> np.ndarray:
+        """Integer ids within the vocabulary: the programs would read an embedding row that is not there (XLA
+        clamps the gather) and return plausible-looking garbage."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise UserError(f"input {index}: token ids must be a 1-D integer array; got {ids.dtype} {ids.shape}")
+        vocab = self.tokenizer.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise UserError(f"input {index}, position {bad[0]}: token id {ids[bad[0]]} is out of range; the exported "
+                            f"model's vocabulary has {vocab} ids (0..{vocab - 1})")
+        return ids.astype(np.int32)
 
     def _run_bucket(self, chunk: list[np.ndarray], seed: int) -> np.ndarray:
         longest = max(len(x) for x in chunk)
@@ -190,6 +211,70 @@ class Served:
         else:
             out = np.asarray(exported.call(self.params, batch, np.float32(self.sidecar["search"]["lenpen"])))
         return out[:len(chunk)]
+
+
+def _read_part(directory: epath.Path, name: str, parse: Any, what: str) -> Any:
+    """``parse(bytes of directory/name)``; a missing, unreadable or damaged file is one line naming it."""
+    path = directory / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing from the export (listed in its {SIDECAR}); export the run again") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        return parse(data)
+    except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{path}: not {what} ({reason}); the file is damaged: export the run again") from None
+
+
+def _parse_sidecar(data: bytes) -> dict[str, Any]:
+    sidecar = json.loads(data)
+    if not isinstance(sidecar, dict):
+        raise ValueError(f"a JSON {type(sidecar).__name__}, not an object")
+    if sidecar.get("format") != FORMAT_VERSION:
+        raise ValueError(f"format {sidecar.get('format')!r}, where this lconv reads format {FORMAT_VERSION}")
+    if sidecar.get("task") not in ("translation", "summarization", "lm"):
+        raise ValueError(f"task {sidecar.get('task')!r}")
+    if not isinstance(sidecar.get("tokenizer"), str) or not isinstance(sidecar.get("params"), str):
+        raise ValueError("no tokenizer or params file named")
+    programs = sidecar.get("programs")
+    if not programs or not all(isinstance(p, dict) and isinstance(p.get("file"), str)
+                               and all(isinstance(p.get(k), int) and p[k] >= 1 for k in ("rows", "width"))
+                               for p in programs):
+        raise ValueError("no programs, or a program without file, rows and width")
+    search, needed = sidecar.get("search"), "max_len" if sidecar["task"] == "lm" else "lenpen"
+    if not isinstance(search, dict) or needed not in search:
+        raise ValueError(f"no search.{needed}")
+    if needed == "max_len":
+        schema.check_sampling(search)  # the settings the programs were lowered with
+    else:
+        schema.check_search(lenpen=search["lenpen"], spell=lambda name: f"search.{name}")
+    return sidecar
+
+
+def _parse_params(data: bytes) -> Any:
+    with np.load(io.BytesIO(data)) as flat:
+        return traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
+
+
+def _parse_program(data: bytes) -> jax.export.Exported:
+    return jax.export.deserialize(bytearray(data))
+
+
+def _check_params_fit(params: Any, exported: jax.export.Exported, params_path: epath.Path, program: str) -> None:
+    """The params are the programs' first argument: the same tree, shapes and dtypes, or one line saying what
+    differs (a params.npz from another export, or edited)."""
+    expected = exported.in_tree.children()[0].children()[0]
+    if jax.tree.structure(params) != expected:
+        raise UserError(f"{params_path} does not hold the params {program} takes (another export's, or damaged); "
+                        "export the run again")
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (key, leaf), aval in zip(flat, exported.in_avals):
+        if (leaf.shape, leaf.dtype) != (aval.shape, aval.dtype):
+            raise UserError(f"{params_path}: {jax.tree_util.keystr(key)} is {leaf.dtype}{list(leaf.shape)} where "
+                            f"{program} takes {aval.dtype}{list(aval.shape)}; export the run again")
 
 
 def load(path: str) -> Served:

@@ -11,9 +11,12 @@ Each ends in one ``error: ...`` line and exit code 2 on the command line, a one-
 """
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import helpers
+import numpy as np
 import pytest
 import tiny_runs
 
@@ -115,3 +118,73 @@ def test_the_importer_refuses_decode_settings_on_the_command_line(flag, tmp_path
                               f"--dict={tmp_path}/dict.txt", f"--workdir={tmp_path}/run", flag)
     helpers.one_line_error(outcome, flag.split("=")[0])
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An exported model: token ids in range
+# ----------------------------------------------------------------------------------------------------------------
+def test_an_export_refuses_token_ids_outside_its_vocabulary(exported):
+    served = export.load(str(exported))
+    vocab = served.tokenizer.vocab_size
+    for call, shown in [(lambda: served.run_ids([np.array([5, vocab, 1])]), f"token id {vocab}"),
+                        (lambda: served(np.array([[5, 7, 1, 0], [4, -2, 1, 0]])), "token id -2"),
+                        (lambda: served.run_ids([np.array([5.0, 1.0])]), "float64")]:
+        with pytest.raises(UserError) as error:  # not an all-padding output
+            call()
+        helpers.one_line_error(error, shown, *([str(vocab)] if "id" in shown else []))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A damaged export: one line naming the file
+# ----------------------------------------------------------------------------------------------------------------
+def _damage(folder, name, how):
+    path = folder / name
+    if how is None:  # a field whose value breaks its rule, as a hand edit might leave it
+        config = json.loads(path.read_text())
+        config["model"]["d_model"] = "big"
+        path.write_text(json.dumps(config))
+    elif isinstance(how, slice):
+        path.write_bytes(path.read_bytes()[how])
+    else:
+        path.write_bytes(how)
+    return path
+
+
+_EXPORT_DAMAGE = {
+    "sidecar not JSON": (export.SIDECAR, b"{"),
+    "sidecar without programs": (export.SIDECAR, "programs"),
+    "sidecar of another format": (export.SIDECAR, "format"),
+    "params.npz truncated": ("params.npz", slice(0, 300)),
+    "params.npz of another model": ("params.npz", "shape"),
+    "program missing": ("translate_r1_w32.jax", "delete"),
+    "program truncated": ("translate_r1_w32.jax", slice(0, 200)),
+    "spm.model garbage": ("spm.model", b"\x00garbage"),
+}
+
+
+def _damage_export(folder, name, how):
+    path = folder / name
+    if how == "delete":
+        path.unlink()
+    elif how in ("programs", "format"):
+        sidecar = json.loads(path.read_text())
+        sidecar.pop("programs") if how == "programs" else sidecar.update(format=99)
+        path.write_text(json.dumps(sidecar))
+    elif how == "shape":
+        with np.load(path) as flat:
+            params = {k: flat[k] for k in flat.files}
+        first = sorted(params)[0]
+        params[first] = np.zeros(params[first].shape[0] + 1, params[first].dtype)
+        np.savez(path, **params)
+    else:
+        _damage(folder, name, how)
+    return path
+
+
+@pytest.mark.parametrize("damage", list(_EXPORT_DAMAGE))
+def test_a_damaged_export_is_one_line_naming_the_file(damage, exported, tmp_path):
+    copy = shutil.copytree(exported, tmp_path / "export")
+    path = _damage_export(copy, *_EXPORT_DAMAGE[damage])
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(path))
