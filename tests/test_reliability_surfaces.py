@@ -18,8 +18,10 @@ import shutil
 import helpers
 import numpy as np
 import pytest
+import tiny_config
 import tiny_runs
 
+import lconv
 from lconv import export
 from lconv.api import Model
 from lconv.configs import schema
@@ -135,8 +137,19 @@ def test_an_export_refuses_token_ids_outside_its_vocabulary(exported):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A damaged export: one line naming the file
+# A damaged workdir or export: one line naming the file
 # ----------------------------------------------------------------------------------------------------------------
+_WORKDIR_DAMAGE = {
+    "config.json not JSON": ("config.json", b'{"task": "translation",'),
+    "config.json not an object": ("config.json", b"[1, 2]"),
+    "config.json not UTF-8": ("config.json", b"\xff\xfe{}"),
+    "config.json with a bad field": ("config.json", None),
+    "spm.model truncated": ("spm.model", slice(0, 100)),
+    "spm.model empty": ("spm.model", b""),
+    "spm.model garbage": ("spm.model", b"\x00\x01garbage" * 20),
+}
+
+
 def _damage(folder, name, how):
     path = folder / name
     if how is None:  # a field whose value breaks its rule, as a hand edit might leave it
@@ -148,6 +161,18 @@ def _damage(folder, name, how):
     else:
         path.write_bytes(how)
     return path
+
+
+@pytest.mark.parametrize("damage", list(_WORKDIR_DAMAGE))
+def test_a_damaged_workdir_is_one_line_naming_the_file(damage, tmp_path, capsys):
+    workdir = _workdir(tmp_path, tiny_config.get_config())
+    path = _damage(workdir, *_WORKDIR_DAMAGE[damage])
+    for args in ([], [f"--source_file={tmp_path}/none.txt"]):  # a split, and a file to translate
+        (tmp_path / "none.txt").write_text("A tool.\n")
+        helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", *args), str(path))
+    with pytest.raises(UserError) as error:
+        lconv.load(str(workdir))
+    helpers.one_line_error(error, str(path))
 
 
 _EXPORT_DAMAGE = {

@@ -23,7 +23,7 @@ import optax
 from etils import epath
 from flax.training import train_state
 
-from lconv.configs.schema import complete, validate_config
+from lconv.configs.schema import validate_config
 from lconv.constants import BATCH_MESH_AXES
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
@@ -83,7 +83,21 @@ def read_config(workdir: str) -> Config:
     path = epath.Path(workdir_lib.resolve(workdir)) / workdir_lib.CONFIG_FILENAME
     if not path.exists():
         raise UserError(f"{path} not found: --workdir must be a directory written by train.py")
-    return complete(ml_collections.ConfigDict(json.loads(path.read_text())))
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
+        raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None
+    if not isinstance(stored, dict):
+        raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
+    try:  # the fields by the schema's rules, as train.py checked them: a hand-edited value is named here
+        config = ml_collections.ConfigDict(stored)
+        validate_config(config)
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
+    return config
 
 
 # ----------------------------------------------------------------------------------------------------------------
