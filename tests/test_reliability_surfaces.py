@@ -11,9 +11,11 @@ Each ends in one ``error: ...`` line and exit code 2 on the command line, a one-
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
+import sys
 
 import helpers
 import numpy as np
@@ -213,3 +215,18 @@ def test_a_damaged_export_is_one_line_naming_the_file(damage, exported, tmp_path
     with pytest.raises(UserError) as error:
         export.load(str(copy))
     helpers.one_line_error(error, str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval.py --interactive: a line that is not UTF-8 is reported and skipped; the session goes on
+# ----------------------------------------------------------------------------------------------------------------
+def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(tmp_path, capsys, monkeypatch):
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    workdir = _workdir(tmp_path, trained.config)
+    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: trained)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Fast tool.\nBad \xff\xfe line\nData\n")))
+    code, out, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--interactive")
+    assert code == 0, err
+    model = Model(trained)
+    assert out.split("\n") == [model.translate("Fast tool."), "", model.translate("Data"), ""]  # paired by line
+    assert "line 2" in err and "0xff" in err and "Traceback" not in err

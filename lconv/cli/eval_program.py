@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import jax
@@ -240,11 +240,37 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
         decode = lambda line: decode_and_score.translate_lines(config, trained.model, trained.params,  # noqa: E731
                                                        trained.tokenizer, [line], translator=translator).hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
-    count = 0
-    for line in stdin:
-        print(decode(line.removesuffix("\n").removesuffix("\r")).replace("\n", " "), file=stdout, flush=True)
+    count, not_utf8 = 0, []
+    for number, line in _stdin_lines(stdin):
+        if line is None:  # reported; an empty output line keeps outputs paired with inputs
+            not_utf8.append(number - 1)
+            print("", file=stdout, flush=True)
+            continue
+        print(decode(line).replace("\n", " "), file=stdout, flush=True)
         count += 1
-    return {"examples": count}
+    if not_utf8:
+        logger.warning(f"{len(not_utf8)} stdin line(s) not UTF-8, each skipped with an empty output "
+                       f"({_line_numbers(not_utf8)})")
+    return {"examples": count, "not_utf8_lines": len(not_utf8)}
+
+
+def _stdin_lines(stdin: TextIO) -> Iterator[tuple[int, str | None]]:
+    """(line number, the line without its newline), or None for a line that is not UTF-8 (logged, naming the byte).
+    Lines are read as bytes: a text stream would end the session at the first bad byte (or, under the C locale's
+    surrogateescape, pass the tokenizer lone surrogates it refuses)."""
+    for number, raw in enumerate(getattr(stdin, "buffer", stdin), start=1):
+        if isinstance(raw, str):  # a text stream without bytes beneath (io.StringIO): its bad characters as bytes
+            try:
+                raw = raw.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raw = raw.encode("utf-8", "surrogatepass")
+        raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            logger.warning(f"stdin line {number}, byte offset {err.start}: {raw[err.start]:#04x} is not UTF-8 "
+                           f"({err.reason}); line skipped")
+            yield number, None
 
 
 def _write_lines(path: str, outputs: Sequence[str]) -> None:
