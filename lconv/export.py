@@ -284,7 +284,7 @@ def load(path: str) -> Served:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m lconv.export``: the flags, then ``export``."""
-    from absl import app, flags
+    from absl import app, flags, logging
 
     from lconv import console
     from lconv.cli import runtime
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         console.show_log("stdout")
         with runtime.user_errors():
+            runtime.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, first
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             setup.check_checkpoint_choice(F.average_last, F.checkpoint)
             schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
                              top_p=F.top_p)
             print(f"exported {len(sidecar['programs'])} programs for {','.join(sidecar['platforms'])} to {F.out}")
 
+    logging.set_verbosity(logging.WARNING)  # orbax's and JAX's info lines: stderr holds errors alone
     app.run(run, argv=argv, flags_parser=runtime.parse_flags)
 
 

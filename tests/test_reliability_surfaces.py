@@ -11,9 +11,11 @@ Each ends in one ``error: ...`` line and exit code 2 on the command line, a one-
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
+import os
 import shutil
 import sys
 
@@ -230,3 +232,38 @@ def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(tmp_path, capsys,
     model = Model(trained)
     assert out.split("\n") == [model.translate("Fast tool."), "", model.translate("Data"), ""]  # paired by line
     assert "line 2" in err and "0xff" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where a folder goes: a file, or nothing at all
+# ----------------------------------------------------------------------------------------------------------------
+def test_export_out_on_a_file_and_an_empty_train_workdir_are_one_line(tmp_path, capsys):
+    workdir = _workdir(tmp_path, tiny_config.get_config())
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    outcome = helpers.run_cli(capsys, "lconv.export", f"--workdir={workdir}", f"--out={target}", "--widths=32")
+    helpers.one_line_error(outcome, f"--out={target}")
+    assert target.read_text() == "mine\n"
+    before = sorted(os.listdir(helpers.ROOT))  # run_cli runs from the checkout's root: nothing is made there
+    outcome = helpers.run_cli(capsys, "train.py", "--config=tests/tiny_config.py", "--workdir=",
+                              f"--config.data.data_dir={tmp_path}/tfds")
+    helpers.one_line_error(outcome, "--workdir")
+    assert sorted(os.listdir(helpers.ROOT)) == before and not (tmp_path / "tfds").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A backend that is not there
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # launches processes: the backend is chosen once per process
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="this host may have a TPU")
+@pytest.mark.parametrize("program", [
+    ["train.py", "--config=tests/tiny_config.py", "--workdir={tmp}/run"],
+    ["eval.py", "--workdir={tmp}/run"],
+    ["-m", "lconv.export", "--workdir={tmp}/run", "--out={tmp}/out"],
+    ["-m", "lconv.import_fairseq", "--checkpoint={tmp}/m.pt", "--dict={tmp}/d.txt", "--workdir={tmp}/run"],
+], ids=["train", "eval", "export", "import_fairseq"])
+def test_a_backend_that_is_not_there_is_one_line_naming_it(program, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "tpu"}
+    result = helpers.launch(*[arg.format(tmp=tmp_path) for arg in program], env=env, timeout=120)
+    line = helpers.one_line_error(result, "JAX_PLATFORMS=tpu", "cpu")
+    assert "tpu backend" in line and not (tmp_path / "run").exists()
