@@ -80,7 +80,7 @@ def test_sampling_settings_have_one_rule_wherever_they_are_given(settings, shown
     schema.check_sampling({**schema.SAMPLING_DEFAULTS, "top_k": 400, "seed": 2**32 - 1}, spell, vocab_size=400)
 
 
-@pytest.mark.parametrize("flag", ["--seed=-1", "--seed=4294967296", "--top_k=100000"])
+@pytest.mark.parametrize("flag", ["--seed=-1", "--seed=4294967296", "--top_k=100000", "--max_len=100000"])
 def test_eval_py_refuses_sampling_out_of_range_before_loading(flag, tmp_path, capsys, not_loaded):
     workdir = _workdir(tmp_path, tiny_runs.lm_config())
     (tmp_path / "prompts.txt").write_text("The small package\n")

@@ -92,21 +92,11 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                                 f"each output to stdout")
         if jax.process_count() > 1:
             raise UserError("--interactive reads this process's stdin: run it as a single process")
-    task = setup.read_config(workdir).task
+    config = setup.read_config(workdir)
+    task = config.task
     if task == "lm":
-        beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
-        if beam:
-            raise UserError(f"{', '.join(beam)}: an lm run samples rather than beam-searches; use --temperature, "
-                            f"--top_k, --top_p, --seed (temperature 0 = greedy)")
-        if reference_file is not None:
-            raise UserError("--reference_file: an lm run continues the prompts of --source_file and scores nothing; "
-                            "its perplexity is scored on a split (eval.py --split=...)")
-        if source_file is None and not interactive and given(SAMPLING_DEFAULTS):
-            raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))} go with prompts: --source_file (one per line) "
-                            f"or --interactive; without them eval.py scores the split's perplexity")
-        if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
-            vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
-            schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+        _check_lm_flags(config, workdir, beam_size=beam_size, lenpen=lenpen, source_file=source_file,
+                        reference_file=reference_file, interactive=interactive, sampling=sampling)
     elif given(SAMPLING_DEFAULTS):
         raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))}: for lm runs (sampling); a {task} run is decoded by "
                         f"beam search (--beam_size, --lenpen)")
@@ -120,6 +110,30 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
             path = os.path.join(workdir, name)
             _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
     return task
+
+
+def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen: float | None,
+                    source_file: str | None, reference_file: str | None, interactive: bool,
+                    sampling: dict[str, Any]) -> None:
+    """What an LM run refuses: beam settings, references, sampling without prompts, and sampling settings its
+    model cannot take (``--max_len`` beyond its positions, ``--top_k`` beyond its vocabulary)."""
+    given = [f"--{n}" for n in SAMPLING_DEFAULTS if sampling.get(n) is not None]
+    beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
+    if beam:
+        raise UserError(f"{', '.join(beam)}: an lm run samples rather than beam-searches; use --temperature, "
+                        f"--top_k, --top_p, --seed (temperature 0 = greedy)")
+    if reference_file is not None:
+        raise UserError("--reference_file: an lm run continues the prompts of --source_file and scores nothing; "
+                        "its perplexity is scored on a split (eval.py --split=...)")
+    if source_file is None and not interactive:
+        if given:
+            raise UserError(f"{', '.join(given)} go with prompts: --source_file (one per line) or --interactive; "
+                            "without them eval.py scores the split's perplexity")
+        return
+    decode_and_score.prompt_limit(config, sampling.get("max_len", SAMPLING_DEFAULTS["max_len"]), "--max_len")
+    if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
+        vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
+        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
