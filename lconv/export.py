@@ -146,8 +146,7 @@ class Served:
         self.sidecar = _read_part(directory, SIDECAR, _parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
-        self.tokenizer = _read_part(directory, name, functools.partial(tokenizer_lib.tokenizer_from_bytes, name),
-                                    "a tokenizer model")
+        self.tokenizer = tokenizer_lib.read_tokenizer(directory / name)
         self.params = _read_part(directory, self.sidecar["params"], _parse_params, "a .npz of the params")
         self.programs = {(p["rows"], p["width"]): (p, _read_part(directory, p["file"], _parse_program,
                                                                  "a serialised jax.export program"))
