@@ -9,6 +9,8 @@ below. Everything else is read from them:
   from base_config, or a stored config.json from an older lconv), so no reader needs a fallback of its own;
 - ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
 - ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
+- ``check_sampling``: an LM's sampling settings (``SamplingSettings``: not config fields, but eval.py's flags, the
+  API's and export's arguments), by one set of rules whichever surface takes them;
 - ``markdown()``: docs/config.md's tables (``python -m lconv.configs.schema > docs/config.md``; a test keeps
   the committed file equal to it).
 """
@@ -33,6 +35,7 @@ from lconv.fields import (
     check_values,
     choice,
     default_of,
+    defaults,
     field,
     integer,
     markdown_table,
@@ -142,6 +145,23 @@ class MeshConfig:
              "(logical axis, mesh axis or None) pairs"))
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """An LM's sampling settings: eval.py's flags, ``Model.generate``'s and ``lconv.export``'s arguments (not
+    config fields: they are chosen per call)."""
+
+    max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
+    temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
+        lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"))
+    top_k: int = field(0, "sample from the k most likely tokens; 0 = all", integer(0, " (0 = no top-k filter)"))
+    top_p: float = field(1.0, "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
+                         number(lambda v: 0 < v <= 1, "in (0, 1] (1 = no nucleus filter)"))
+    seed: int = field(0, "the sampling seed (a uint32 on the device)", Rule(
+        lambda v: integer().test(v) and 0 <= v < 2**32, "an integer in [0, 2**32)"))
+
+
+SAMPLING_DEFAULTS = defaults(SamplingSettings)  # greedy, 50 tokens
+
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
             "decode": DecodeConfig, "mesh": MeshConfig}
 
@@ -209,6 +229,24 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
     for name, value in values.items():
         if value is not None:
             check(spell(name), value, rules[name])
+
+
+def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
+                   vocab_size: int | None = None) -> None:
+    """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
+    ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
+    ``top_k`` may not exceed it."""
+    rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
+    unknown = sorted(set(values) - set(rules))
+    if unknown:
+        raise UserError(f"unknown sampling setting(s) {unknown}; known: {sorted(rules)}")
+    for name, value in values.items():
+        if value is not None:
+            check(spell(name), value, rules[name])
+    top_k = values.get("top_k")
+    if vocab_size is not None and top_k is not None and top_k > vocab_size:
+        raise UserError(f"{spell('top_k')}={top_k}: must be at most the model's vocabulary of {vocab_size} tokens "
+                        "(0 = no top-k filter)")
 
 
 _DOCS_HEADER = """# Config fields

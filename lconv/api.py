@@ -73,12 +73,12 @@ class Model:
         lines = _lines(sources, "sources", one_allowed=True)
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
         limit = int(self.config.data.eval_max_target_length)
-        compiled.check_sampling(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p)
+        schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                              vocab_size=self.tokenizer.vocab_size)
         search = {"beam_size": self._hypotheses_per_source(nbest, beam_size, temperature)}
         if lenpen is not None:
             search["lenpen"] = lenpen
         if temperature:
-            _check_seed(seed)
             search.update(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
@@ -162,8 +162,8 @@ class Model:
         ``config.model.max_len`` keeps its last tokens."""
         self._need("generate", ("lm",))
         lines = _lines(prompts, "prompts", one_allowed=True)
-        compiled.check_sampling(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
-        _check_seed(seed)
+        schema.check_sampling(dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                              vocab_size=self.tokenizer.vocab_size)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
         outputs = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator,
@@ -318,11 +318,6 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool) -> list[np.ndarray]:
                             f"{tokenizer.vocab_size}) with EOS ({EOS_ID}) last if anywhere; got {target!r:.60}")
         out.append(ids[:-1] if ids[-1] == EOS_ID else ids)
     return out
-
-
-def _check_seed(seed: Any) -> None:
-    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
-        raise UserError(f"seed={seed!r}: must be an integer in [0, 2**32)")
 
 
 def _pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:

@@ -34,6 +34,7 @@ from flax import traverse_util
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
+from lconv.configs import schema
 from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
@@ -54,15 +55,18 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     ``out``; returns the sidecar."""
     config = trained.config
     _check(config, platforms, rows, widths)
+    lm = config.task == "lm"
+    sampling = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+    if lm:  # the rules eval.py and the API apply, before anything is written
+        schema.check_sampling(sampling, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
+        widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
+    else:
+        schema.check_search(beam_size=beam_size, spell=_flag)
     outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    lm = config.task == "lm"
-    sampling = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
     if lm:
-        compiled.check_sampling(**sampling)
-        widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
         function = functools.partial(compiled.Generator(config, trained.model, params).function, **sampling)
     else:
         beam_size = int(beam_size or config.decode.beam_size)
@@ -100,6 +104,10 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     }
     (directory / SIDECAR).write_text(json.dumps(sidecar, indent=2))
     return sidecar
+
+
+def _flag(name: str) -> str:
+    return f"--{name}"
 
 
 def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -140,19 +148,25 @@ class Served:
             hint = "a run's workdir: load it with lconv.load" if (directory / "config.json").exists() else \
                 "export a run there with python -m lconv.export"
             raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
-        self.sidecar = json.loads((directory / SIDECAR).read_text())
+        # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
+        # what is wrong with it, never a traceback (or wrong outputs) at the first call.
+        self.sidecar = _read_part(directory, SIDECAR, _parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
-        self.tokenizer = tokenizer_lib.tokenizer_from_bytes(name, (directory / name).read_bytes())
-        with np.load(io.BytesIO((directory / self.sidecar["params"]).read_bytes())) as flat:
-            self.params = traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
-        self.programs = {(p["rows"], p["width"]): (p, jax.export.deserialize(bytearray(
-            (directory / p["file"]).read_bytes()))) for p in self.sidecar["programs"]}
+        self.tokenizer = tokenizer_lib.read_tokenizer(directory / name)
+        self.params = _read_part(directory, self.sidecar["params"], _parse_params, "a .npz of the params")
+        self.programs = {(p["rows"], p["width"]): (p, _read_part(directory, p["file"], _parse_program,
+                                                                 "a serialised jax.export program"))
+                         for p in self.sidecar["programs"]}
+        for entry, exported in self.programs.values():
+            _check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
 
     def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int = 0) -> list[str] | np.ndarray:
         if isinstance(inputs, str):
             raise UserError("pass a list of strings (or an id array [B, S])")
         if isinstance(inputs, np.ndarray):
+            if inputs.ndim != 2:
+                raise UserError(f"an id array must be [B, S] (rows of ids, PAD after); got shape {inputs.shape}")
             return self.run_ids([row[row != PAD_ID] for row in inputs], seed=seed)
         encoded = self.tokenizer.encode_batch(list(inputs))
         if self.task != "lm":
@@ -161,9 +175,11 @@ class Served:
 
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int = 0) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS.
-        An input wider than every exported bucket is cut to the widest, with the warning ``lconv.load`` and
-        eval.py give (a source keeps its first tokens and EOS, a prompt its last tokens)."""
-        sequences = self._cut(sequences)
+        Ids outside the vocabulary are refused; an input wider than every exported bucket is cut to the widest,
+        with the warning ``lconv.load`` and eval.py give (a source keeps its first tokens and EOS, a prompt its
+        last tokens)."""
+        schema.check_sampling({"seed": seed})  # a uint32 argument of the programs
+        sequences = self._cut([self._checked_ids(x, i) for i, x in enumerate(sequences)])
         max_rows = max(r for r, _ in self.programs)
         outputs = []
         for start in range(0, len(sequences), max_rows):
@@ -184,6 +200,19 @@ class Served:
             return [np.asarray(x[-widest:]) if len(x) > widest else np.asarray(x) for x in sequences]
         return [np.append(x[:widest - 1], EOS_ID) if len(x) > widest else np.asarray(x) for x in sequences]
 
+    def _checked_ids(self, ids: Any, index: int) -> np.ndarray:
+        """Integer ids within the vocabulary: the programs would read an embedding row that is not there (XLA
+        clamps the gather) and return plausible-looking garbage."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise UserError(f"input {index}: token ids must be a 1-D integer array; got {ids.dtype} {ids.shape}")
+        vocab = self.tokenizer.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise UserError(f"input {index}, position {bad[0]}: token id {ids[bad[0]]} is out of range; the exported "
+                            f"model's vocabulary has {vocab} ids (0..{vocab - 1})")
+        return ids.astype(np.int32)
+
     def _run_bucket(self, chunk: list[np.ndarray], seed: int) -> np.ndarray:
         longest = max(len(x) for x in chunk)
         fits = sorted((r, w) for r, w in self.programs if r >= len(chunk) and w >= longest)
@@ -200,6 +229,70 @@ class Served:
         return out[:len(chunk)]
 
 
+def _read_part(directory: epath.Path, name: str, parse: Any, what: str) -> Any:
+    """``parse(bytes of directory/name)``; a missing, unreadable or damaged file is one line naming it."""
+    path = directory / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing from the export (listed in its {SIDECAR}); export the run again") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        return parse(data)
+    except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{path}: not {what} ({reason}); the file is damaged: export the run again") from None
+
+
+def _parse_sidecar(data: bytes) -> dict[str, Any]:
+    sidecar = json.loads(data)
+    if not isinstance(sidecar, dict):
+        raise ValueError(f"a JSON {type(sidecar).__name__}, not an object")
+    if sidecar.get("format") != FORMAT_VERSION:
+        raise ValueError(f"format {sidecar.get('format')!r}, where this lconv reads format {FORMAT_VERSION}")
+    if sidecar.get("task") not in ("translation", "summarization", "lm"):
+        raise ValueError(f"task {sidecar.get('task')!r}")
+    if not isinstance(sidecar.get("tokenizer"), str) or not isinstance(sidecar.get("params"), str):
+        raise ValueError("no tokenizer or params file named")
+    programs = sidecar.get("programs")
+    if not programs or not all(isinstance(p, dict) and isinstance(p.get("file"), str)
+                               and all(isinstance(p.get(k), int) and p[k] >= 1 for k in ("rows", "width"))
+                               for p in programs):
+        raise ValueError("no programs, or a program without file, rows and width")
+    search, needed = sidecar.get("search"), "max_len" if sidecar["task"] == "lm" else "lenpen"
+    if not isinstance(search, dict) or needed not in search:
+        raise ValueError(f"no search.{needed}")
+    if needed == "max_len":
+        schema.check_sampling(search)  # the settings the programs were lowered with
+    else:
+        schema.check_search(lenpen=search["lenpen"], spell=lambda name: f"search.{name}")
+    return sidecar
+
+
+def _parse_params(data: bytes) -> Any:
+    with np.load(io.BytesIO(data)) as flat:
+        return traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
+
+
+def _parse_program(data: bytes) -> jax.export.Exported:
+    return jax.export.deserialize(bytearray(data))
+
+
+def _check_params_fit(params: Any, exported: jax.export.Exported, params_path: epath.Path, program: str) -> None:
+    """The params are the programs' first argument: the same tree, shapes and dtypes, or one line saying what
+    differs (a params.npz from another export, or edited)."""
+    expected = exported.in_tree.children()[0].children()[0]
+    if jax.tree.structure(params) != expected:
+        raise UserError(f"{params_path} does not hold the params {program} takes (another export's, or damaged); "
+                        "export the run again")
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (key, leaf), aval in zip(flat, exported.in_avals):
+        if (leaf.shape, leaf.dtype) != (aval.shape, aval.dtype):
+            raise UserError(f"{params_path}: {jax.tree_util.keystr(key)} is {leaf.dtype}{list(leaf.shape)} where "
+                            f"{program} takes {aval.dtype}{list(aval.shape)}; export the run again")
+
+
 def load(path: str) -> Served:
     """The run exported into ``path`` by ``python -m lconv.export``, ready to call."""
     return Served(path)
@@ -207,7 +300,7 @@ def load(path: str) -> Served:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m lconv.export``: the flags, then ``export``."""
-    from absl import app, flags
+    from absl import app, flags, logging
 
     from lconv import console
     from lconv.cli import runtime
@@ -220,10 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
     flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best.")
     flags.DEFINE_integer("beam_size", None, "Translation: beam size (default: the stored config's).")
-    flags.DEFINE_integer("max_len", 50, "LM: new tokens per prompt.")
-    flags.DEFINE_float("temperature", 0.0, "LM: sampling temperature (0 = greedy).")
-    flags.DEFINE_integer("top_k", 0, "LM: top-k filter (0 = off).")
-    flags.DEFINE_float("top_p", 1.0, "LM: nucleus filter (1 = off).")
+    sampling = schema.SAMPLING_DEFAULTS  # eval.py's and the API's defaults
+    flags.DEFINE_integer("max_len", sampling["max_len"], "LM: new tokens per prompt.")
+    flags.DEFINE_float("temperature", sampling["temperature"], "LM: sampling temperature (0 = greedy).")
+    flags.DEFINE_integer("top_k", sampling["top_k"], "LM: top-k filter (0 = off).")
+    flags.DEFINE_float("top_p", sampling["top_p"], "LM: nucleus filter (1 = off).")
     flags.mark_flags_as_required(["workdir", "out"])
     F = flags.FLAGS
 
@@ -232,10 +326,12 @@ def main(argv: list[str] | None = None) -> None:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         console.show_log("stdout")
         with runtime.user_errors():
+            runtime.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, first
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             setup.check_checkpoint_choice(F.average_last, F.checkpoint)
-            if F.beam_size is not None and F.beam_size < 1:
-                raise UserError(f"--beam_size={F.beam_size}: must be >= 1")
+            schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
+            schema.check_sampling({name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")},
+                                  spell=_flag)
             _check(setup.read_config(F.workdir), F.platforms, rows, widths)
             outputs.check_directory(F.out, "export", "--out")  # before the checkpoint is read
             trained = setup.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)
@@ -244,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                              top_p=F.top_p)
             print(f"exported {len(sidecar['programs'])} programs for {','.join(sidecar['platforms'])} to {F.out}")
 
+    logging.set_verbosity(logging.WARNING)  # orbax's and JAX's info lines: stderr holds errors alone
     app.run(run, argv=argv, flags_parser=runtime.parse_flags)
 
 

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(args) > 1:
             raise app.UsageError(f"unexpected arguments: {args[1:]}")
         with runtime.user_errors():
+            runtime.check_backend()
             decode = {name: F[name].value for name in (*defaults, "compound_split")}
             fairseq_workdir.import_checkpoint(F.checkpoint, F.dict, F.spm, F.workdir, dataset=F.dataset, decode=decode,
                                               continuation=F.bpe_continuation,

@@ -45,13 +45,14 @@ def one_line_error(outcome, *named: str) -> str:
 # The CLIs in this process (a process launch only where the process boundary is what a test checks)
 # ----------------------------------------------------------------------------------------------------------------
 def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
-    """``python train.py ARGS`` / ``python eval.py ARGS`` / ``python -m lconv.data ARGS`` in this process, as the
-    entry point runs it (absl flags, ``runtime.user_errors``): (exit code, stdout, stderr). The absl flags the
-    program defines are removed afterwards and the JAX compilation-cache settings it changes are put back, so the
-    next call (or test) starts clean."""
+    """``python train.py ARGS`` / ``python eval.py ARGS`` / ``python -m lconv.data|export|import_fairseq ARGS`` in
+    this process, as the entry point runs it (absl flags, ``runtime.user_errors``): (exit code, stdout, stderr). The
+    absl flags the program defines are removed afterwards and the JAX compilation-cache settings it changes are put
+    back, so the next call (or test) starts clean."""
     import jax
     from absl import app, flags  # absl.app defines its own flags on import: before the snapshot
 
+    from lconv import export, import_fairseq
     from lconv.cli import programs
     from lconv.data import __main__ as data_main
 
@@ -67,7 +68,8 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
         if program == "lconv.data":
             data_main.main(list(args))
         else:
-            {"train.py": programs.train, "eval.py": programs.evaluate}[program]([program, *args])
+            {"train.py": programs.train, "eval.py": programs.evaluate, "lconv.export": export.main,
+             "lconv.import_fairseq": import_fairseq.main}[program]([program, *args])
     except SystemExit as exit_:
         code = 0 if exit_.code is None else exit_.code
     finally:

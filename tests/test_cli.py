@@ -154,7 +154,7 @@ def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, mon
     stdout = io.StringIO()
     report = eval_program.run(str(workdir), interactive=True, stdin=io.StringIO("\n".join(lines) + "\n"),
                           stdout=stdout)
-    assert report == {"examples": 3} and len(built) == 1
+    assert report == {"examples": 3, "not_utf8_lines": 0} and len(built) == 1
     assert built[0].jitted._cache_size() == 1  # three lengths, one (1 row, 32 wide) bucket: compiled once
     model = Model(trained)
     assert stdout.getvalue().splitlines() == [model.translate([line])[0] for line in lines]

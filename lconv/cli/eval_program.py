@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import jax
@@ -21,13 +21,14 @@ from etils import epath
 from lconv import outputs
 from lconv.configs import schema
 from lconv.data import pipeline
+from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.train import setup, steps
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_DEFAULTS = {"max_len": 50, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}  # greedy, 50 tokens
+SAMPLING_DEFAULTS = schema.SAMPLING_DEFAULTS
 
 
 def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint: str = "latest",
@@ -81,8 +82,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                      output_file: str | None, interactive: bool, sampling: dict[str, Any]) -> str:
     """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's task."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
-    compiled.check_sampling(**{k: v for k, v in {**SAMPLING_DEFAULTS, **sampling}.items() if k != "seed"},
-                            flags=True)
+    schema.check_sampling(sampling, spell=lambda name: f"--{name}")
     given = lambda names: [f"--{n}" for n in names if sampling.get(n) is not None]  # noqa: E731
     if interactive:
         for flag, value in (("--source_file", source_file), ("--reference_file", reference_file),
@@ -92,18 +92,11 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                                 f"each output to stdout")
         if jax.process_count() > 1:
             raise UserError("--interactive reads this process's stdin: run it as a single process")
-    task = setup.read_config(workdir).task
+    config = setup.read_config(workdir)
+    task = config.task
     if task == "lm":
-        beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
-        if beam:
-            raise UserError(f"{', '.join(beam)}: an lm run samples rather than beam-searches; use --temperature, "
-                            f"--top_k, --top_p, --seed (temperature 0 = greedy)")
-        if reference_file is not None:
-            raise UserError("--reference_file: an lm run continues the prompts of --source_file and scores nothing; "
-                            "its perplexity is scored on a split (eval.py --split=...)")
-        if source_file is None and not interactive and given(SAMPLING_DEFAULTS):
-            raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))} go with prompts: --source_file (one per line) "
-                            f"or --interactive; without them eval.py scores the split's perplexity")
+        _check_lm_flags(config, workdir, beam_size=beam_size, lenpen=lenpen, source_file=source_file,
+                        reference_file=reference_file, interactive=interactive, sampling=sampling)
     elif given(SAMPLING_DEFAULTS):
         raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))}: for lm runs (sampling); a {task} run is decoded by "
                         f"beam search (--beam_size, --lenpen)")
@@ -117,6 +110,30 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
             path = os.path.join(workdir, name)
             _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
     return task
+
+
+def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen: float | None,
+                    source_file: str | None, reference_file: str | None, interactive: bool,
+                    sampling: dict[str, Any]) -> None:
+    """What an LM run refuses: beam settings, references, sampling without prompts, and sampling settings its
+    model cannot take (``--max_len`` beyond its positions, ``--top_k`` beyond its vocabulary)."""
+    given = [f"--{n}" for n in SAMPLING_DEFAULTS if sampling.get(n) is not None]
+    beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
+    if beam:
+        raise UserError(f"{', '.join(beam)}: an lm run samples rather than beam-searches; use --temperature, "
+                        f"--top_k, --top_p, --seed (temperature 0 = greedy)")
+    if reference_file is not None:
+        raise UserError("--reference_file: an lm run continues the prompts of --source_file and scores nothing; "
+                        "its perplexity is scored on a split (eval.py --split=...)")
+    if source_file is None and not interactive:
+        if given:
+            raise UserError(f"{', '.join(given)} go with prompts: --source_file (one per line) or --interactive; "
+                            "without them eval.py scores the split's perplexity")
+        return
+    decode_and_score.prompt_limit(config, sampling.get("max_len", SAMPLING_DEFAULTS["max_len"]), "--max_len")
+    if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
+        vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
+        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
@@ -223,8 +240,8 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
     """Decodes each line of ``stdin`` as it arrives and prints its output (one line) to ``stdout``. The programs
     are built once: a line compiles only when its length falls in a width bucket not seen before."""
     config = trained.config
-    count = 0
-    name = lambda _: f"stdin line {count + 1}"  # noqa: E731 (the line being decoded)
+    current = {"line": 0}  # the stdin line being decoded, for the warning when it is cut
+    name = lambda _: f"stdin line {current['line']}"  # noqa: E731
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
         decode = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
@@ -235,10 +252,38 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
             config, trained.model, trained.params, trained.tokenizer, [line], translator=translator,
             name=name).hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
-    for line in stdin:
-        print(decode(line.removesuffix("\n").removesuffix("\r")).replace("\n", " "), file=stdout, flush=True)
+    count, not_utf8 = 0, []
+    for number, line in _stdin_lines(stdin):
+        if line is None:  # reported; an empty output line keeps outputs paired with inputs
+            not_utf8.append(number - 1)
+            print("", file=stdout, flush=True)
+            continue
+        current["line"] = number
+        print(decode(line).replace("\n", " "), file=stdout, flush=True)
         count += 1
-    return {"examples": count}
+    if not_utf8:
+        logger.warning(f"{len(not_utf8)} stdin line(s) not UTF-8, each skipped with an empty output "
+                       f"({_line_numbers(not_utf8)})")
+    return {"examples": count, "not_utf8_lines": len(not_utf8)}
+
+
+def _stdin_lines(stdin: TextIO) -> Iterator[tuple[int, str | None]]:
+    """(line number, the line without its newline), or None for a line that is not UTF-8 (logged, naming the byte).
+    Lines are read as bytes: a text stream would end the session at the first bad byte (or, under the C locale's
+    surrogateescape, pass the tokenizer lone surrogates it refuses)."""
+    for number, raw in enumerate(getattr(stdin, "buffer", stdin), start=1):
+        if isinstance(raw, str):  # a text stream without bytes beneath (io.StringIO): its bad characters as bytes
+            try:
+                raw = raw.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raw = raw.encode("utf-8", "surrogatepass")
+        raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            logger.warning(f"stdin line {number}, byte offset {err.start}: {raw[err.start]:#04x} is not UTF-8 "
+                           f"({err.reason}); line skipped")
+            yield number, None
 
 
 def _write_lines(path: str, outputs: Sequence[str]) -> None:

@@ -16,6 +16,7 @@ import io
 import itertools
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -114,9 +115,29 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
     for name in (Tokenizer.filename, PiecesTokenizer.filename):
         path = epath.Path(directory) / name
         if path.exists():
-            return tokenizer_from_bytes(str(path), path.read_bytes())
+            return read_tokenizer(path)
     raise UserError(f"no tokenizer at {tokenizer_path(directory)}; train one with "
                     "lconv.data.tokenizer.load_or_train")
+
+
+def read_tokenizer(path: Any) -> Tokenizer | PiecesTokenizer:
+    """The tokenizer the file ``path`` (an ``epath.Path``: ``spm.model`` or ``pieces.json``) holds; a missing,
+    unreadable, truncated or foreign file is one line naming it."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing; restore it from a copy") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
+    if not data:
+        raise UserError(f"{path}: empty (a write cut short?); restore it from a copy")
+    try:
+        return tokenizer_from_bytes(str(path), data)
+    except UserError as err:  # the special ids, or a pieces.json that names itself
+        raise UserError(str(err) if str(path) in str(err) else f"{path}: {err}") from None
+    except RuntimeError:  # SentencePiece's parser: "INTERNAL: ... ParseFromArray(...)"
+        raise UserError(f"{path}: not a SentencePiece model ({len(data):,} bytes; truncated or damaged); restore "
+                        "it from a copy: the model it belongs to fits no other tokenizer") from None
 
 
 def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,

@@ -19,7 +19,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
-from lconv.errors import UserError
 from lconv.infer import search
 from lconv.nn import common as nn_common
 
@@ -227,19 +226,6 @@ def continuations(tokens_BX: np.ndarray, prompt_len_B: np.ndarray, max_len: int)
         row = row[:ends[0] + 1] if len(ends) else row
         out_BL[b, :len(row)] = row
     return out_BL
-
-
-def check_sampling(*, max_len: int, temperature: float, top_k: int, top_p: float, flags: bool = False) -> None:
-    """Sampling settings against their ranges (``flags``: name them as eval.py's flags)."""
-    name = (lambda n: f"--{n}") if flags else (lambda n: n)
-    if not (isinstance(max_len, int) and max_len >= 1):
-        raise UserError(f"{name('max_len')}={max_len}: must be an integer >= 1 (new tokens per prompt)")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise UserError(f"{name('temperature')}={temperature}: must be a finite number >= 0 (0 = greedy)")
-    if not (isinstance(top_k, int) and top_k >= 0):
-        raise UserError(f"{name('top_k')}={top_k}: must be an integer >= 0 (0 = no top-k filter)")
-    if not (0 < top_p <= 1):
-        raise UserError(f"{name('top_p')}={top_p}: must be in (0, 1] (1 = no nucleus filter)")
 
 
 def _mesh_context(mesh: jax.sharding.Mesh | None) -> Any:

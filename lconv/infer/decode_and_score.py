@@ -332,12 +332,12 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
     return entries
 
 
-def prompt_limit(config: Any, max_len: int) -> int:
+def prompt_limit(config: Any, max_len: int, name: str = "max_len") -> int:
     """The most prompt tokens an LM can read before ``max_len`` new ones: BOS + prompt + output fit
-    ``config.model.max_len`` positions."""
+    ``config.model.max_len`` positions. ``name``: the setting's name in the error (``--max_len`` for a flag)."""
     limit = int(config.model.max_len) - 1 - int(max_len)
     if limit < 0:
-        raise UserError(f"max_len={max_len} new tokens do not fit the model's config.model.max_len="
+        raise UserError(f"{name}={max_len} new tokens do not fit the model's config.model.max_len="
                         f"{config.model.max_len} positions (BOS included); ask for at most {config.model.max_len - 1}")
     return limit
 

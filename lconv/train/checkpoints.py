@@ -9,9 +9,13 @@ so a checkpoint left half-written by a crash is never listed as a step and is ig
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import gc
 import json
 import logging
 import math
+import re
 import time
 from typing import Any
 
@@ -193,6 +197,46 @@ class BestCheckpointer:
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+class DiskFull(UserError):
+    """No space left on the device while the run wrote its checkpoints or logs; the finished checkpoints stay."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` or an exception in its chain is the device running out of space: an ``OSError`` ENOSPC
+    (Python's writes: logs, manifests, config) or tensorstore's "No space left on device" (orbax's arrays)."""
+    return _disk_full_cause(err) is not None
+
+
+def _disk_full_cause(err: BaseException | None) -> BaseException | None:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err) \
+                or "os_error_code='28'" in str(err):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def disk_full(err: BaseException, ckpt: Checkpointer, best: BestCheckpointer) -> DiskFull:
+    """The one line for a run that filled its disk, naming the last finished checkpoint, once the checkpointers'
+    unfinished writes are given up quietly (orbax's threads report each failed write, then again at exit: pages
+    of noise, with details kept in ``checkpoint_errors.log`` when there is room for it)."""
+    with integrity.quiet_orbax(ckpt.error_log):
+        for manager in (ckpt.manager, best.checkpointer.manager):
+            with contextlib.suppress(Exception):
+                manager.close()
+        gc.collect()  # orbax's abandoned tasks report "exception never retrieved" when collected: now, quietly
+    integrity.quiet_until_exit(ckpt.error_log)  # writes still failing in tensorstore's threads say it again later
+    cause = _disk_full_cause(err)
+    path = getattr(cause, "filename", None) or next(iter(re.findall(r'"(/[^"]+)"', str(cause))), None)
+    steps = sorted(int(p.name) for p in epath.Path(ckpt.directory).iterdir() if p.name.isdigit()) \
+        if epath.Path(ckpt.directory).is_dir() else []
+    last = f"step {steps[-1]} ({epath.Path(ckpt.directory) / str(steps[-1])})" if steps else "none (no step finished)"
+    return DiskFull(f"no space left on the device{f' writing {path}' if path else ''}; the last good checkpoint is "
+                    f"{last}; free space (or move --workdir) and run the same command to resume from it")
 
 
 def has_checkpoint(workdir: str) -> bool:

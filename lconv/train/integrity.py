@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 import threading
+import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,3 +227,83 @@ def quiet_orbax(error_log: str | None) -> Iterator[_Details]:
         elif buffer:
             with contextlib.suppress(OSError):
                 workdir_lib.append_text(epath.Path(details.path), "\n".join(buffer) + "\n")
+
+
+_FORMAT = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+_QUIET_UNTIL_EXIT: list[str] = []  # the error logs ``quiet_until_exit`` was given: once set, for the process
+
+
+def _append(error_log: str, text: str) -> None:
+    with contextlib.suppress(OSError):  # no room for the details either, when the disk is full
+        workdir_lib.append_text(epath.Path(error_log), text)
+
+
+class MainThreadStderr(io.TextIOBase):
+    """``sys.stderr`` for a run: the main thread's text (the progress bar, warnings, errors) goes through; text
+    other threads print (tensorstore's callbacks print tracebacks when orbax's event loop has closed) goes to
+    ``error_log``."""
+
+    def __init__(self, stream: Any, error_log: str) -> None:
+        self.stream, self.error_log = stream, error_log
+
+    def write(self, text: str) -> int:
+        if threading.current_thread() is threading.main_thread():
+            return self.stream.write(text)
+        _append(self.error_log, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding...: the real stream's
+        return getattr(self.stream, name)
+
+
+class _OrbaxToFile(logging.Filter):
+    """On the ``absl`` logger: orbax's warnings and errors go to ``error_log`` rather than the terminal."""
+
+    def __init__(self, error_log: str) -> None:
+        super().__init__()
+        self.error_log = error_log
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname or record.levelno < logging.WARNING:
+            return True
+        _append(self.error_log, _FORMAT.format(record) + "\n")
+        return False
+
+
+@contextlib.contextmanager
+def orbax_errors_to_file(error_log: str) -> Iterator[None]:
+    """For a whole run: orbax's warnings and errors (with their tracebacks), logged from its background save
+    threads as each write fails, and what other threads print go to ``error_log`` instead of the terminal. A failed
+    save surfaces in the main thread at the next save or at the end, as one error; a disk that fills up would
+    otherwise print pages of the same failure from every thread first."""
+    diverted, absl_logger, stderr = _OrbaxToFile(error_log), logging.getLogger("absl"), sys.stderr
+    absl_logger.addFilter(diverted)
+    sys.stderr = MainThreadStderr(stderr, error_log)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(diverted)
+        if not _QUIET_UNTIL_EXIT:
+            sys.stderr = stderr
+
+
+def quiet_until_exit(error_log: str) -> None:
+    """After a full disk (``checkpoints.DiskFull``), which ends the run: writes still failing in tensorstore's
+    threads, orbax's tasks collected at exit and tensorboard's retried close at exit would each repeat the failure
+    after its one line. For the rest of the process, what other threads print, orbax's log records and exceptions
+    nothing can catch go to ``error_log`` (when there is room); the main thread's output is untouched."""
+    _QUIET_UNTIL_EXIT.append(error_log)
+
+    def about_orbax(record: logging.LogRecord) -> bool:
+        text = record.getMessage() + ("".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
+        return "orbax" not in text
+
+    logging.getLogger("asyncio").addFilter(about_orbax)
+    logging.getLogger("absl").addFilter(_OrbaxToFile(error_log))
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)  # orbax's, collected at exit
+    sys.unraisablehook = lambda args: _append(error_log, f"unraisable: {args.exc_type.__name__}: {args.exc_value}\n")
+    if not isinstance(sys.stderr, MainThreadStderr):
+        sys.stderr = MainThreadStderr(sys.stderr, error_log)

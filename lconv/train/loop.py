@@ -22,18 +22,29 @@ import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import decode_and_score
-from lconv.train import checkpoints, logs, metrics, setup, steps
+from lconv.train import checkpoints, integrity, logs, metrics, setup, steps
 from lconv.train import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 
 
+class Stopped(BaseException):
+    """A signal during the final evaluation (``Preemption(interrupt=True)``); a BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 class Preemption:
     """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) sets a flag; the loop saves a checkpoint and stops
-    cleanly at the next step. A second Ctrl-C interrupts at once."""
+    cleanly at the next step. A second Ctrl-C interrupts at once. With ``interrupt`` (the final validation and
+    test decoding, which have no step to stop at and nothing left to save) the signal raises ``Stopped`` instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, interrupt: bool = False) -> None:
         self.signal_name: str | None = None
+        self.interrupt = interrupt
         try:
             signal.signal(signal.SIGTERM, self._handler)
             signal.signal(signal.SIGINT, self._handler)
@@ -49,11 +60,19 @@ class Preemption:
         self.signal_name = signal.Signals(signum).name
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.interrupt:
+            raise Stopped(self.signal_name)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     def agreed_stop(self, out_of_time: bool, step: int | None = None, every: int = 1) -> str | None:
         """Why every process stops after this step (``"SIGINT"``, ``"SIGTERM"``, ``"train.max_minutes"``), or None.
@@ -157,6 +176,18 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
         best.offer(step, run.state, scores["loss"])
         return scores
 
+    with integrity.orbax_errors_to_file(ckpt.error_log):
+        try:
+            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step)
+        except Exception as err:
+            if not checkpoints.is_disk_full(err):
+                raise
+            raise checkpoints.disk_full(err, ckpt, best) from None
+
+
+def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
+                         writer: logs.MetricWriter, validate: Callable[[int], Any],
+                         eval_step: Callable[..., Any]) -> dict[str, Any]:
     t0 = time.time()
     try:
         step, stopped_by = train(run, ckpt, writer, validate)
@@ -164,17 +195,36 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
         best.close()  # complete a best checkpoint still being written
         raise
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
+    try:
+        if not stopped_by:
+            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer)
+    finally:
+        best.close()
     if stopped_by:
         result["stopped_by"] = stopped_by
-    else:
-        with jax.set_mesh(run.mesh):
-            result["validation"] = validate(step)
-    best.close()
-    if not stopped_by and config.train.eval_after_training:
-        result["test"] = evaluate_test_split(run, eval_step)
-        writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     writer.close()
     return result
+
+
+def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validate: Callable[[int], Any],
+                      eval_step: Callable[..., Any], writer: logs.MetricWriter) -> str | None:
+    """The last validation and the test split's score into ``result``; returns the signal that stopped them, if
+    any. The final checkpoint is saved by now, so a SIGTERM (or Ctrl-C) here stops at once and cleanly: the same
+    command resumes at this step and evaluates it."""
+    # One process stops at once. Several would stop at different points of a collective and leave the others
+    # waiting in it: there the signal is only kept from killing the process, and the evaluation completes.
+    try:
+        with Preemption(interrupt=jax.process_count() == 1):
+            with jax.set_mesh(run.mesh):
+                result["validation"] = validate(step)
+            if run.config.train.eval_after_training:
+                result["test"] = evaluate_test_split(run, eval_step)
+                writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
+    except Stopped as stop:
+        logger.info(f"stopping the final evaluation: {stop.signal_name}; the checkpoint of step {step} is saved, and "
+                    "the same command evaluates it")
+        return stop.signal_name
+    return None
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,

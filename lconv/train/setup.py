@@ -23,7 +23,7 @@ import optax
 from etils import epath
 from flax.training import train_state
 
-from lconv.configs.schema import complete, validate_config
+from lconv.configs.schema import validate_config
 from lconv.constants import BATCH_MESH_AXES, EXPORT_SIDECAR
 from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
@@ -99,7 +99,21 @@ def read_config(workdir: str, caller: str = "--workdir") -> Config:
     """The resolved config a run stored in ``<workdir>/config.json``, with the fields lconv added since at their
     defaults; ``caller``: as ``find_run``'s."""
     path = epath.Path(find_run(workdir, caller)) / workdir_lib.CONFIG_FILENAME
-    return complete(ml_collections.ConfigDict(json.loads(path.read_text())))
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
+        raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None
+    if not isinstance(stored, dict):
+        raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
+    try:  # the fields by the schema's rules, as train.py checked them: a hand-edited value is named here
+        config = ml_collections.ConfigDict(stored)
+        validate_config(config)  # also fills the fields lconv added since the run was made
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
+    return config
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Faults during a run, in-process on a copy of the shared tiny run (tests/conftest.py): a disk that fills up is
+one line naming the last good checkpoint, and SIGTERM during the final validation or test decoding stops the run
+cleanly (the final checkpoint is saved before them) instead of killing it."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+import helpers
+import jax
+import pytest
+import tiny_config
+
+from lconv.errors import UserError
+from lconv.train import checkpoints, integrity, loop, steps
+
+_ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's
+
+
+def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(tiny_run, tmp_path, monkeypatch, capsys):
+    workdir = helpers.copy_run(tiny_run, tmp_path / "full")
+    write_manifest = integrity.write_manifest
+
+    def no_space_from_step_8(step_dir):  # the device fills up while step 8 is written
+        if int(os.path.basename(step_dir)) >= 8:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(step_dir, integrity.MANIFEST_FILENAME))
+        write_manifest(step_dir)
+
+    monkeypatch.setattr(integrity, "write_manifest", no_space_from_step_8)
+    with pytest.raises(UserError) as error:
+        loop.train_and_evaluate(tiny_config.training_config(tiny_run.data_dir, 9), str(workdir), devices=_ONE_DEVICE)
+    last = checkpoints.Checkpointer(str(workdir)).latest_step()
+    line = helpers.one_line_error(error, "no space left", f"step {last}", str(workdir / "checkpoints" / str(last)))
+    assert isinstance(error.value, checkpoints.DiskFull) and last in (7, 8), line
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def _signal_here(name):
+    """A stand-in for a phase of the run that receives SIGTERM while it runs (the handler then interrupts it)."""
+
+    def phase(*args, **kwargs):
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            pytest.fail(f"no SIGTERM handler during {name}: a preemption now kills the process")
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail(f"SIGTERM during {name} did not stop it")
+
+    return phase
+
+
+@pytest.mark.parametrize("phase", ["validation", "test"])
+def test_sigterm_during_the_final_evaluation_stops_cleanly(phase, tiny_run, tmp_path, monkeypatch, lconv_log):
+    workdir = helpers.copy_run(tiny_run, tmp_path / phase)
+    if phase == "validation":
+        monkeypatch.setattr(steps, "evaluate_loss", _signal_here("the final validation"))
+    else:
+        monkeypatch.setattr(loop, "evaluate_test_split", _signal_here("the test decoding"))
+    config = tiny_config.training_config(tiny_run.data_dir, 6, eval_after_training=True)  # trained: evaluates only
+    result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
+    assert result["stopped_by"] == "SIGTERM" and "test" not in result
+    assert ("validation" in result) == (phase == "test")
+    assert any("stopping the final evaluation: SIGTERM" in m and "step 6" in m for m in lconv_log()), lconv_log()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handed back

@@ -1,0 +1,269 @@
+"""Issue 27's surfaces as a user meets them: every CLI (train.py, eval.py, ``python -m lconv.export``,
+``python -m lconv.import_fairseq``) and the Python API (``lconv.load``, ``Model``, ``lconv.export.load``).
+
+- One set of decode and sampling rules (``lconv.configs.schema``) wherever the settings are given;
+- token ids out of the vocabulary refused by an exported model;
+- a damaged workdir or export is one line naming the file and what is wrong with it;
+- ``eval.py --interactive`` survives a line that is not UTF-8;
+- a backend named in ``JAX_PLATFORMS`` that is not there is one line (a process of its own: the backend is
+  chosen once per process).
+Each ends in one ``error: ...`` line and exit code 2 on the command line, a one-line ``UserError`` in Python.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import os
+import shutil
+import sys
+
+import helpers
+import numpy as np
+import pytest
+import tiny_config
+import tiny_runs
+
+import lconv
+from lconv import export
+from lconv.api import Model
+from lconv.configs import schema
+from lconv.errors import UserError
+from lconv.train import setup
+
+
+def _workdir(tmp_path, config, name="run"):
+    """A workdir holding ``config``'s config.json and the in-memory runs' tokenizer: what eval.py and
+    ``lconv.load`` read before any checkpoint."""
+    workdir = tmp_path / name
+    workdir.mkdir()
+    (workdir / "config.json").write_text(config.to_json())
+    (workdir / "spm.model").write_bytes(tiny_runs.tokenizer().to_bytes())
+    return workdir
+
+
+@pytest.fixture
+def not_loaded(monkeypatch):
+    """``load_trained`` fails the test: an error raised with it in place was raised before anything was loaded."""
+    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: pytest.fail("loaded before the input was checked"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return Model(tiny_runs.in_memory(tiny_runs.lm_config()))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One small translation export (one bucket); tests that damage it work on a copy."""
+    out = tmp_path_factory.mktemp("export") / "out"
+    export.export(tiny_runs.in_memory(tiny_runs.translation_config()), str(out), rows=(1,), widths=(32,),
+                  beam_size=2)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One validation of decode and sampling settings
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings, shown", [
+    ({"seed": -1}, "seed=-1"), ({"seed": 2**32}, f"seed={2**32}"), ({"seed": 1.5}, "seed=1.5"),
+    ({"top_k": -1}, "top_k=-1"), ({"top_k": 2.0}, "top_k=2.0"), ({"top_p": math.nan}, "top_p=nan"),
+    ({"top_p": 0.0}, "top_p=0.0"), ({"temperature": math.inf}, "temperature=inf"), ({"max_len": 0}, "max_len=0"),
+    ({"top_k": 401}, "top_k=401"),
+])
+@pytest.mark.parametrize("spell", [str, lambda name: f"--{name}"])
+def test_sampling_settings_have_one_rule_wherever_they_are_given(settings, shown, spell):
+    with pytest.raises(UserError) as error:
+        schema.check_sampling(settings, spell, vocab_size=400)
+    assert helpers.one_line_error(error, spell(shown.split("=")[0])).startswith(spell(shown))
+    schema.check_sampling({**schema.SAMPLING_DEFAULTS, "top_k": 400, "seed": 2**32 - 1}, spell, vocab_size=400)
+
+
+@pytest.mark.parametrize("flag", ["--seed=-1", "--seed=4294967296", "--top_k=100000", "--max_len=100000"])
+def test_eval_py_refuses_sampling_out_of_range_before_loading(flag, tmp_path, capsys, not_loaded):
+    workdir = _workdir(tmp_path, tiny_runs.lm_config())
+    (tmp_path / "prompts.txt").write_text("The small package\n")
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", f"--source_file={tmp_path}/prompts.txt",
+                              f"--output_file={tmp_path}/out.txt", "--temperature=1", flag)
+    vocab = [str(tiny_runs.tokenizer().vocab_size)] if "top_k" in flag else []  # the bound, from the tokenizer
+    helpers.one_line_error(outcome, flag, *vocab)
+
+
+@pytest.mark.parametrize("kwargs, named", [(dict(seed=-1), "seed=-1"), (dict(seed=2**32), "seed="),
+                                           (dict(top_k=10**6), "top_k=1000000")])
+def test_the_api_refuses_sampling_out_of_range(lm, kwargs, named):
+    with pytest.raises(UserError) as error:
+        lm.generate(["The small package"], temperature=1.0, **kwargs)
+    helpers.one_line_error(error, named)
+
+
+def test_export_refuses_sampling_and_search_settings_by_the_same_rules(lm, tmp_path, capsys):
+    with pytest.raises(UserError) as error:  # the vocabulary's bound, once the run is known; nothing written
+        export.export(tiny_runs.in_memory(tiny_runs.lm_config()), str(tmp_path / "out"), top_k=10**6,
+                      temperature=1.0)
+    helpers.one_line_error(error, "--top_k=1000000", str(lm.tokenizer.vocab_size))
+    assert not (tmp_path / "out").exists()
+    for flag in ("--beam_size=0", "--top_p=nan", "--temperature=-1", "--max_len=0", "--top_k=-3"):
+        outcome = helpers.run_cli(capsys, "lconv.export", f"--workdir={tmp_path}/none", f"--out={tmp_path}/x", flag)
+        helpers.one_line_error(outcome, flag)
+
+
+def test_an_exported_lm_refuses_a_seed_out_of_range(tmp_path):
+    export.export(tiny_runs.in_memory(tiny_runs.lm_config()), str(tmp_path), rows=(1,), widths=(32,), max_len=3)
+    served = export.load(str(tmp_path))
+    for seed in (-1, 2**32):
+        with pytest.raises(UserError) as error:
+            served(["The small package"], seed=seed)
+        helpers.one_line_error(error, f"seed={seed}")
+
+
+@pytest.mark.parametrize("flag", ["--lenpen=nan", "--beam_size=0", "--max_len_a=-1"])
+def test_the_importer_refuses_decode_settings_on_the_command_line(flag, tmp_path, capsys):
+    outcome = helpers.run_cli(capsys, "lconv.import_fairseq", f"--checkpoint={tmp_path}/none.pt",
+                              f"--dict={tmp_path}/dict.txt", f"--workdir={tmp_path}/run", flag)
+    helpers.one_line_error(outcome, flag.split("=")[0])
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An exported model: token ids in range
+# ----------------------------------------------------------------------------------------------------------------
+def test_an_export_refuses_token_ids_outside_its_vocabulary(exported):
+    served = export.load(str(exported))
+    vocab = served.tokenizer.vocab_size
+    for call, shown in [(lambda: served.run_ids([np.array([5, vocab, 1])]), f"token id {vocab}"),
+                        (lambda: served(np.array([[5, 7, 1, 0], [4, -2, 1, 0]])), "token id -2"),
+                        (lambda: served.run_ids([np.array([5.0, 1.0])]), "float64")]:
+        with pytest.raises(UserError) as error:  # not an all-padding output
+            call()
+        helpers.one_line_error(error, shown, *([str(vocab)] if "id" in shown else []))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A damaged workdir or export: one line naming the file
+# ----------------------------------------------------------------------------------------------------------------
+_WORKDIR_DAMAGE = {
+    "config.json not JSON": ("config.json", b'{"task": "translation",'),
+    "config.json not an object": ("config.json", b"[1, 2]"),
+    "config.json not UTF-8": ("config.json", b"\xff\xfe{}"),
+    "config.json with a bad field": ("config.json", None),
+    "spm.model truncated": ("spm.model", slice(0, 100)),
+    "spm.model empty": ("spm.model", b""),
+    "spm.model garbage": ("spm.model", b"\x00\x01garbage" * 20),
+}
+
+
+def _damage(folder, name, how):
+    path = folder / name
+    if how is None:  # a field whose value breaks its rule, as a hand edit might leave it
+        config = json.loads(path.read_text())
+        config["model"]["d_model"] = "big"
+        path.write_text(json.dumps(config))
+    elif isinstance(how, slice):
+        path.write_bytes(path.read_bytes()[how])
+    else:
+        path.write_bytes(how)
+    return path
+
+
+@pytest.mark.parametrize("damage", list(_WORKDIR_DAMAGE))
+def test_a_damaged_workdir_is_one_line_naming_the_file(damage, tmp_path, capsys):
+    workdir = _workdir(tmp_path, tiny_config.get_config())
+    path = _damage(workdir, *_WORKDIR_DAMAGE[damage])
+    for args in ([], [f"--source_file={tmp_path}/none.txt"]):  # a split, and a file to translate
+        (tmp_path / "none.txt").write_text("A tool.\n")
+        helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", *args), str(path))
+    with pytest.raises(UserError) as error:
+        lconv.load(str(workdir))
+    helpers.one_line_error(error, str(path))
+
+
+_EXPORT_DAMAGE = {
+    "sidecar not JSON": (export.SIDECAR, b"{"),
+    "sidecar without programs": (export.SIDECAR, "programs"),
+    "sidecar of another format": (export.SIDECAR, "format"),
+    "params.npz truncated": ("params.npz", slice(0, 300)),
+    "params.npz of another model": ("params.npz", "shape"),
+    "program missing": ("translate_r1_w32.jax", "delete"),
+    "program truncated": ("translate_r1_w32.jax", slice(0, 200)),
+    "spm.model garbage": ("spm.model", b"\x00garbage"),
+}
+
+
+def _damage_export(folder, name, how):
+    path = folder / name
+    if how == "delete":
+        path.unlink()
+    elif how in ("programs", "format"):
+        sidecar = json.loads(path.read_text())
+        sidecar.pop("programs") if how == "programs" else sidecar.update(format=99)
+        path.write_text(json.dumps(sidecar))
+    elif how == "shape":
+        with np.load(path) as flat:
+            params = {k: flat[k] for k in flat.files}
+        first = sorted(params)[0]
+        params[first] = np.zeros(params[first].shape[0] + 1, params[first].dtype)
+        np.savez(path, **params)
+    else:
+        _damage(folder, name, how)
+    return path
+
+
+@pytest.mark.parametrize("damage", list(_EXPORT_DAMAGE))
+def test_a_damaged_export_is_one_line_naming_the_file(damage, exported, tmp_path):
+    copy = shutil.copytree(exported, tmp_path / "export")
+    path = _damage_export(copy, *_EXPORT_DAMAGE[damage])
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eval.py --interactive: a line that is not UTF-8 is reported and skipped; the session goes on
+# ----------------------------------------------------------------------------------------------------------------
+def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(tmp_path, capsys, monkeypatch):
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    workdir = _workdir(tmp_path, trained.config)
+    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: trained)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Fast tool.\nBad \xff\xfe line\nData\n")))
+    code, out, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--interactive")
+    assert code == 0, err
+    model = Model(trained)
+    assert out.split("\n") == [model.translate("Fast tool."), "", model.translate("Data"), ""]  # paired by line
+    assert "line 2" in err and "0xff" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where a folder goes: a file, or nothing at all
+# ----------------------------------------------------------------------------------------------------------------
+def test_export_out_on_a_file_and_an_empty_train_workdir_are_one_line(tmp_path, capsys):
+    workdir = _workdir(tmp_path, tiny_config.get_config())
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    outcome = helpers.run_cli(capsys, "lconv.export", f"--workdir={workdir}", f"--out={target}", "--widths=32")
+    helpers.one_line_error(outcome, f"--out={target}")
+    assert target.read_text() == "mine\n"
+    before = sorted(os.listdir(helpers.ROOT))  # run_cli runs from the checkout's root: nothing is made there
+    outcome = helpers.run_cli(capsys, "train.py", "--config=tests/tiny_config.py", "--workdir=",
+                              f"--config.data.data_dir={tmp_path}/tfds")
+    helpers.one_line_error(outcome, "--workdir")
+    assert sorted(os.listdir(helpers.ROOT)) == before and not (tmp_path / "tfds").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A backend that is not there
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # launches processes: the backend is chosen once per process
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="this host may have a TPU")
+@pytest.mark.parametrize("program", [
+    ["train.py", "--config=tests/tiny_config.py", "--workdir={tmp}/run"],
+    ["eval.py", "--workdir={tmp}/run"],
+    ["-m", "lconv.export", "--workdir={tmp}/run", "--out={tmp}/out"],
+    ["-m", "lconv.import_fairseq", "--checkpoint={tmp}/m.pt", "--dict={tmp}/d.txt", "--workdir={tmp}/run"],
+], ids=["train", "eval", "export", "import_fairseq"])
+def test_a_backend_that_is_not_there_is_one_line_naming_it(program, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "tpu"}
+    result = helpers.launch(*[arg.format(tmp=tmp_path) for arg in program], env=env, timeout=120)
+    line = helpers.one_line_error(result, "JAX_PLATFORMS=tpu", "cpu")
+    assert "tpu backend" in line and not (tmp_path / "run").exists()
