@@ -238,16 +238,17 @@ def _append(error_log: str, text: str) -> None:
         workdir_lib.append_text(epath.Path(error_log), text)
 
 
-class MainThreadStderr(io.TextIOBase):
-    """``sys.stderr`` for a run: the main thread's text (the progress bar, warnings, errors) goes through; text
-    other threads print (tensorstore's callbacks print tracebacks when orbax's event loop has closed) goes to
-    ``error_log``."""
+class ForeignThreadStderr(io.TextIOBase):
+    """``sys.stderr`` for a run: what Python's threads print (the progress bar, warnings, errors) goes through;
+    what threads started outside Python print (tensorstore's callbacks print tracebacks once orbax's event loop has
+    closed) goes to ``error_log``."""
 
     def __init__(self, stream: Any, error_log: str) -> None:
         self.stream, self.error_log = stream, error_log
 
     def write(self, text: str) -> int:
-        if threading.current_thread() is threading.main_thread():
+        # A thread Python did not start is a "dummy" to the threading module (its class is private: by name).
+        if type(threading.current_thread()).__name__ != "_DummyThread":
             return self.stream.write(text)
         _append(self.error_log, text)
         return len(text)
@@ -276,12 +277,12 @@ class _OrbaxToFile(logging.Filter):
 @contextlib.contextmanager
 def orbax_errors_to_file(error_log: str) -> Iterator[None]:
     """For a whole run: orbax's warnings and errors (with their tracebacks), logged from its background save
-    threads as each write fails, and what other threads print go to ``error_log`` instead of the terminal. A failed
-    save surfaces in the main thread at the next save or at the end, as one error; a disk that fills up would
-    otherwise print pages of the same failure from every thread first."""
+    threads as each write fails, and what threads started outside Python print go to ``error_log`` instead of the
+    terminal. A failed save surfaces in the main thread at the next save or at the end, as one error; a disk that
+    fills up would otherwise print pages of the same failure from every thread first."""
     diverted, absl_logger, stderr = _OrbaxToFile(error_log), logging.getLogger("absl"), sys.stderr
     absl_logger.addFilter(diverted)
-    sys.stderr = MainThreadStderr(stderr, error_log)
+    sys.stderr = ForeignThreadStderr(stderr, error_log)
     try:
         yield
     finally:
@@ -293,8 +294,8 @@ def orbax_errors_to_file(error_log: str) -> Iterator[None]:
 def quiet_until_exit(error_log: str) -> None:
     """After a full disk (``checkpoints.DiskFull``), which ends the run: writes still failing in tensorstore's
     threads, orbax's tasks collected at exit and tensorboard's retried close at exit would each repeat the failure
-    after its one line. For the rest of the process, what other threads print, orbax's log records and exceptions
-    nothing can catch go to ``error_log`` (when there is room); the main thread's output is untouched."""
+    after its one line. For the rest of the process, what threads started outside Python print, orbax's log records
+    and exceptions nothing can catch go to ``error_log`` (when there is room); Python's own output is untouched."""
     _QUIET_UNTIL_EXIT.append(error_log)
 
     def about_orbax(record: logging.LogRecord) -> bool:
@@ -305,5 +306,5 @@ def quiet_until_exit(error_log: str) -> None:
     logging.getLogger("absl").addFilter(_OrbaxToFile(error_log))
     warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)  # orbax's, collected at exit
     sys.unraisablehook = lambda args: _append(error_log, f"unraisable: {args.exc_type.__name__}: {args.exc_value}\n")
-    if not isinstance(sys.stderr, MainThreadStderr):
-        sys.stderr = MainThreadStderr(sys.stderr, error_log)
+    if not isinstance(sys.stderr, ForeignThreadStderr):
+        sys.stderr = ForeignThreadStderr(sys.stderr, error_log)
