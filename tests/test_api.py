@@ -31,12 +31,12 @@ def workdir(tiny_run):
     return tiny_run.workdir
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lm():
     return Model(tiny_runs.in_memory(tiny_runs.lm_config()))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mt():
     """An untrained tiny translation model (what is checked, the same numbers two ways, needs no training)."""
     return Model(tiny_runs.in_memory(tiny_runs.translation_config()))

@@ -43,7 +43,7 @@ def _chmod_tree(root, writable: bool) -> None:
         path.chmod(mode | stat.S_IWUSR if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def read_only(tiny_run, tmp_path_factory):
     """A copy of the tiny run made read-only (``chmod -R a-w``) and its snapshot from before; write access is given
     back afterwards, so the temporary folder can be removed."""

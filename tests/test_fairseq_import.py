@@ -34,7 +34,7 @@ def _lines(path: pathlib.Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workdirs(tmp_path_factory):
     """Each model imported once, through the function (the command line: test_the_command_line_imports_alike)."""
     root = tmp_path_factory.mktemp("imported")

@@ -23,7 +23,8 @@ from lconv.study import run as run_lib
 
 # slow: the quick study trains a run per task (run by CI, skipped by the quick command).
 # One xdist worker runs them all (pyproject:
-# --dist loadgroup), so their module fixture is built once, not once per worker.
+# --dist loadgroup), so their shared fixture is built once, not once per worker. It is session-scoped: the
+# worker may run other modules' tests between these, and a module fixture would then be torn down and built again.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("study")]
 
 
@@ -38,7 +39,7 @@ def _quick(tmp_path, **fields):
     return c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def studied(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     study = _quick(root, prune_checkpoints=False)  # kept, so the re-run below can resume from them

@@ -131,7 +131,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tin
 # ----------------------------------------------------------------------------------------------------------------
 # The step itself: gradient accumulation and bfloat16 compute
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def step_setup():
     config = tiny_config.get_config()
     config.model.dropout = config.model.weight_dropout = 0.0  # micro-batches would draw other dropout masks

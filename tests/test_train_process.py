@@ -23,7 +23,8 @@ from lconv.train import checkpoints, loop
 
 # slow: each case launches train.py processes (run by CI, skipped by the quick command).
 # One xdist worker runs them all (pyproject:
-# --dist loadgroup), so their module fixture is built once, not once per worker.
+# --dist loadgroup), so their shared fixture is built once, not once per worker. It is session-scoped: the
+# worker may run other modules' tests between these, and a module fixture would then be torn down and built again.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_process")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,7 +163,7 @@ def _two_processes(prepared, workdir, *overrides, timeout=240, data_dir=None):
 TWO_STEPS = ("--config.train.num_steps=20", "--config.train.checkpoint_every=5", "--config.train.eval_every=10")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory):
     """One uninterrupted two-process run from an empty data dir and workdir (a first launch on a pod), scoring the
     test split after training: ``(workdir, data_dir, both stdouts)``. Shared by the tests below (each launch of two
