@@ -73,6 +73,9 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
         function = compiled.Translator(config, trained.model, params).function
     directory = epath.Path(out)
     directory.mkdir(parents=True, exist_ok=True)
+    # The sidecar goes first and comes back last: an export stopped half-way (SIGTERM, a full disk), even over an
+    # earlier one, never looks complete, and load() names the missing sidecar instead of mixing two exports.
+    (directory / SIDECAR).unlink(missing_ok=True)
     programs = []
     for r in rows:
         for w in widths:

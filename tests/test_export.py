@@ -2,6 +2,7 @@
 run give the live model's tokens on the same inputs; bad flags are one-line errors."""
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -9,10 +10,12 @@ import sys
 import numpy as np
 import pytest
 import tiny_runs
+from etils import epath
 
 from lconv import export
 from lconv.api import Model
 from lconv.constants import EOS_ID
+from lconv.errors import UserError
 from lconv.infer import compiled
 
 SOURCES = ["The small package for images.", "Fast text editor with python support and fonts.", "Data."]
@@ -36,15 +39,30 @@ def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path)
     np.testing.assert_array_equal(served.run_ids([wide]), served.run_ids([np.append(wide[:31], EOS_ID)]))
 
 
-def test_lm_round_trip_gives_the_live_continuations(tmp_path):
+def test_lm_round_trip_gives_the_live_continuations(tmp_path, monkeypatch):
     trained = tiny_runs.in_memory(tiny_runs.lm_config())
-    export.export(trained, str(tmp_path), rows=(2,), widths=(32,), max_len=5, temperature=1.0, top_k=3)
+    settings = dict(rows=(2,), widths=(32,), max_len=5, temperature=1.0, top_k=3)
+    export.export(trained, str(tmp_path), **settings)
     prompts = ["The small package", "Fonts and images for the server", ""]
     served = export.load(str(tmp_path))
     # Two prompts fill the exported 2-row bucket, as they do the live model's: the same draws from the same seed.
     live = Model(trained).generate(prompts[:2], max_len=5, temperature=1.0, top_k=3, seed=4)
     assert served(prompts[:2], seed=4) == live
     assert len(served(prompts, seed=4)) == 3  # three prompts: two batches of the 2-row program
+
+    # Exported again over it, stopped half-way (the disk fills up at the params): not taken for an export.
+    write_bytes = epath.Path.write_bytes
+
+    def full_disk_at_the_params(path, data):
+        if path.name == "params.npz":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(epath.Path, "write_bytes", full_disk_at_the_params)
+    with pytest.raises(OSError):
+        export.export(trained, str(tmp_path), **settings)
+    with pytest.raises(UserError, match=export.SIDECAR):
+        export.load(str(tmp_path))
 
 
 def _padded(ids, rows, width):
