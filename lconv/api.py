@@ -26,13 +26,14 @@ from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
-from lconv.train import metrics, setup
+from lconv.train import backend, metrics, setup
 
 
 def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> Model:
     """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
     checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only."""
+    backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
     return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load"))
 
 

@@ -34,6 +34,7 @@ from flax import traverse_util
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
+from lconv.cli import runtime
 from lconv.configs import schema
 from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
@@ -41,7 +42,7 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.ops import conv as ops_conv
-from lconv.train import setup
+from lconv.train import backend, setup
 
 SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
@@ -142,6 +143,7 @@ class Served:
     programs (the smallest bucket that holds the batch; a batch larger than every bucket is split)."""
 
     def __init__(self, path: str):
+        backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
         label = f"lconv.export.load({str(path)!r})"
         paths.check_url(path, "path", label=label)
         directory = epath.Path(paths.normalize(path))
@@ -306,7 +308,6 @@ def main(argv: list[str] | None = None) -> None:
     from absl import app, flags, logging
 
     from lconv import console
-    from lconv.cli import runtime
 
     flags.DEFINE_string("workdir", None, "A directory written by train.py.")
     flags.DEFINE_string("out", None, "Where to write the programs, params, tokenizer and sidecar.")

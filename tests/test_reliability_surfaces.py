@@ -267,3 +267,15 @@ def test_a_backend_that_is_not_there_is_one_line_naming_it(program, tmp_path):
     result = helpers.launch(*[arg.format(tmp=tmp_path) for arg in program], env=env, timeout=120)
     line = helpers.one_line_error(result, "JAX_PLATFORMS=tpu", "cpu")
     assert "tpu backend" in line and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # launches a process: the backend is chosen once per process
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="this host may have a TPU")
+@pytest.mark.parametrize("call", ["lconv.load", "lconv.export.load"])
+def test_a_backend_that_is_not_there_is_one_user_error_in_python(call, tmp_path):
+    script = (f"import lconv, lconv.export\nfrom lconv.errors import UserError\ntry:\n    {call}({str(tmp_path)!r})\n"
+              "except UserError as err:\n    print('UserError:', err)")
+    result = helpers.launch("-c", script, env={**os.environ, "JAX_PLATFORMS": "tpu"}, timeout=120)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("UserError: JAX_PLATFORMS=tpu") and "cpu" in lines[0]

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 from lconv.errors import UserError
+from lconv.train.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
 
 def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:
@@ -60,36 +61,6 @@ def initialize() -> None:
     elif cluster is not None:
         jax.distributed.initialize()  # SLURM, Open MPI, Cloud TPU: JAX reads everything from the environment
     check_backend()
-
-
-def check_backend() -> None:
-    """Brings up the backends JAX is told to use (``JAX_PLATFORMS``), here rather than wherever a device is first
-    asked for: a backend that is not there (``JAX_PLATFORMS=tpu`` on a GPU host) is one line naming it and the
-    platforms this host has, not JAX's traceback."""
-    import jax
-
-    try:
-        jax.devices()
-    except (RuntimeError, AssertionError) as err:  # JAX asserts when no plugin at all serves a name (cuda on CPU)
-        wanted = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-        first = (str(err).strip().splitlines() or [""])[0]
-        named = re.search(r"backend '(\w+)'", first)
-        reason = first.split(": ", 1)[-1].split(" (set JAX_PLATFORMS")[0][:200] or "no plugin provides it"
-        raise UserError(f"JAX_PLATFORMS={wanted}: the {named.group(1) if named else wanted} backend is not available "
-                        f"here ({reason}); this host has: {', '.join(_available_platforms()) or 'none'}; set "
-                        "JAX_PLATFORMS to one of them, or unset it") from None
-
-
-def _available_platforms() -> list[str]:
-    """The platforms JAX brings up when it chooses for itself (after a failed ``JAX_PLATFORMS``)."""
-    import jax
-    from jax.extend import backend
-
-    jax.config.update("jax_platforms", None)
-    try:
-        return sorted(backend.backends())
-    except RuntimeError:
-        return []
 
 
 COMPILATION_CACHE = "compilation_cache"  # the default cache folder, inside the run's workdir
