@@ -98,6 +98,14 @@ def test_a_cluster_launch_initializes_jax_distributed_from_the_environment(monke
     monkeypatch.setenv("LCONV_NUM_PROCESSES", "2")
     with pytest.raises(UserError, match="LCONV_NUM_PROCESSES=2 needs LCONV_COORDINATOR and LCONV_PROCESS_ID too"):
         runtime.initialize()
+    # The manual launcher on CPUs: gloo, and one program at a time (collectives reach gloo in program order).
+    settings = {}
+    monkeypatch.setattr(jax.config, "update", lambda name, value: settings.update({name: value}))
+    monkeypatch.setenv("LCONV_COORDINATOR", "localhost:1234")
+    monkeypatch.setenv("LCONV_PROCESS_ID", "1")
+    runtime.initialize()
+    assert calls[-1] == {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1}
+    assert settings == {"jax_cpu_collectives_implementation": "gloo", "jax_cpu_enable_async_dispatch": False}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -53,6 +53,11 @@ def initialize() -> None:
                             "too (the coordinator's host:port and this process's index)")
         # CPU devices of different processes talk over gloo (TPU/GPU use their own interconnect regardless).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Each CPU program runs to its end before the next is dispatched. With JAX's async CPU dispatch, programs
+        # holding collectives (a train or eval step, a psum barrier) can be in flight together and reach gloo in
+        # different orders on different processes: a CI run hung that way inside the final validation, both
+        # processes waiting (jax-ml/jax#25861 reports hangs of CPU async dispatch even in one process).
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
         jax.distributed.initialize(
             coordinator_address=os.environ["LCONV_COORDINATOR"],
             num_processes=int(os.environ["LCONV_NUM_PROCESSES"]),
