@@ -237,12 +237,7 @@ class Served:
 def _read_part(directory: epath.Path, name: str, parse: Any, what: str) -> Any:
     """``parse(bytes of directory/name)``; a missing, unreadable or damaged file is one line naming it."""
     path = directory / name
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing from the export (listed in its {SIDECAR}); export the run again") from None
-    except OSError as err:
-        raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
+    data = paths.read_bytes(path, f"missing from the export (listed in its {SIDECAR}); export the run again")
     try:
         return parse(data)
     except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)

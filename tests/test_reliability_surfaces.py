@@ -254,8 +254,12 @@ def test_export_out_on_a_file_and_an_empty_train_workdir_are_one_line(tmp_path, 
 # ----------------------------------------------------------------------------------------------------------------
 # A backend that is not there
 # ----------------------------------------------------------------------------------------------------------------
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None  # then JAX_PLATFORMS=tpu may well be served
+TPU_MAY_BE_HERE = "libtpu is installed: a TPU may be here, so tpu is not a backend known to be missing"
+
+
 @pytest.mark.slow  # launches processes: the backend is chosen once per process
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="this host may have a TPU")
+@pytest.mark.skipif(HAS_LIBTPU, reason=TPU_MAY_BE_HERE)
 @pytest.mark.parametrize("program", [
     ["train.py", "--config=tests/tiny_config.py", "--workdir={tmp}/run"],
     ["eval.py", "--workdir={tmp}/run"],
@@ -270,7 +274,7 @@ def test_a_backend_that_is_not_there_is_one_line_naming_it(program, tmp_path):
 
 
 @pytest.mark.slow  # launches a process: the backend is chosen once per process
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="this host may have a TPU")
+@pytest.mark.skipif(HAS_LIBTPU, reason=TPU_MAY_BE_HERE)
 @pytest.mark.parametrize("call", ["lconv.load", "lconv.export.load"])
 def test_a_backend_that_is_not_there_is_one_user_error_in_python(call, tmp_path):
     script = (f"import lconv, lconv.export\nfrom lconv.errors import UserError\ntry:\n    {call}({str(tmp_path)!r})\n"

@@ -120,3 +120,14 @@ def unique_temp(path: str) -> str:
 def _read_local(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def read_bytes(path: epath.Path, missing: str) -> bytes:
+    """The bytes of ``path``; a missing or unreadable file is one ``UserError`` line naming it (``missing``: what
+    to say when it is not there, e.g. "missing; restore it from a copy")."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: {missing}") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None

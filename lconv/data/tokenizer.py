@@ -123,12 +123,9 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
 def read_tokenizer(path: Any) -> Tokenizer | PiecesTokenizer:
     """The tokenizer the file ``path`` (an ``epath.Path``: ``spm.model`` or ``pieces.json``) holds; a missing,
     unreadable, truncated or foreign file is one line naming it."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing; restore it from a copy") from None
-    except OSError as err:
-        raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
+    from lconv.data import paths
+
+    data = paths.read_bytes(path, "missing; restore it from a copy")
     if not data:
         raise UserError(f"{path}: empty (a write cut short?); restore it from a copy")
     try:
