@@ -16,7 +16,7 @@ from reference import tolerance
 from lconv.errors import UserError
 from lconv.interop import fairseq_lm, fairseq_vocab
 
-_V = 40  # fairseq ids: 0-3 special, then the dictionary's 36 lines
+_V = 264  # fairseq ids: 0-3 special, then the dictionary's 260 lines (lconv configs ask for >= 262)
 _BASE = dict(decoder_embed_dim=16, decoder_ffn_embed_dim=24, decoder_layers=2, decoder_attention_heads=4,
              decoder_normalize_before=True, decoder_learned_pos=False, max_target_positions=12, dropout=0.1,
              share_decoder_input_output_embed=False, adaptive_input=False, adaptive_softmax_cutoff=None,
@@ -219,3 +219,54 @@ def write_checkpoint(path, args: dict, weights: dict[str, np.ndarray], updates: 
     state = collections.OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in weights.items())
     torch.save({"args": None, "cfg": {"model": argparse.Namespace(**args), "task": {"_name": "language_modeling"}},
                 "model": state, "optimizer_history": [{"num_updates": updates}], "extra_state": {}}, str(path))
+
+
+def _reference_greedy(weights, args, prompt: list[int], steps: int) -> list[int]:
+    """Greedy continuation by the reference: argmax over every id but <pad>, stopping after EOS."""
+    tokens = [2, *prompt]
+    out: list[int] = []
+    for _ in range(steps):
+        logp = fairseq_lm_reference.log_probs(weights, args, np.array([tokens]))[0, -1]
+        logp[1] = -np.inf
+        out.append(int(np.argmax(logp)))
+        if out[-1] == 2:
+            break
+        tokens.append(out[-1])
+    return out
+
+
+def test_an_imported_lm_workdir_scores_and_continues_as_fairseq(tmp_path):
+    """``python -m lconv.import_fairseq``'s function on a fairseq-written ``.pt`` (tied adaptive input and softmax):
+    ``lconv.load`` opens an LM whose perplexity is fairseq-eval-lm's (``--sample-break-mode eos``: each line read
+    as [EOS, w...] and scored on [w..., EOS], EOS counted) and whose greedy continuation is the reference's."""
+    import lconv
+    from lconv.interop import fairseq_workdir
+
+    args = _args("lightconv_adaptive_tied_proj")
+    weights = lm_weights(args, np.random.default_rng(7))  # a seed whose greedy continuations vary
+    write_checkpoint(tmp_path / "checkpoint_best.pt", args, weights)
+    symbols = [f"w{i}" for i in range(4, _V)]
+    (tmp_path / "dict.txt").write_text("".join(f"{s} {100 - i}\n" for i, s in enumerate(symbols)))
+    workdir = str(tmp_path / "lm")
+    record = fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint_best.pt"), str(tmp_path / "dict.txt"),
+                                               None, workdir, continuation="")
+    assert (record["arch"], record["updates"], record["step"]) == ("lightconv_lm", 7, 7)
+    model = lconv.load(workdir)
+    assert model.task == "lm" and model.config.model.decoder_start == "eos"
+    rng = np.random.default_rng(4)
+    lines = [rng.integers(4, _V, n).tolist() for n in (5, 9, 1, 7)]
+    total, count = 0.0, 0
+    for ids in lines:
+        previous = np.array([[2, *ids]])
+        logp = fairseq_lm_reference.log_probs(weights, args, previous)[0]
+        total += sum(logp[t, target] for t, target in enumerate([*ids, 2]))
+        count += len(ids) + 1
+    scored = model.perplexity([" ".join(f"w{i}" for i in ids) for ids in lines])
+    assert scored["tokens"] == count
+    np.testing.assert_allclose(scored["nll"], -total / count, rtol=1e-5)
+    np.testing.assert_allclose(scored["ppl"], 2 ** (-total / count / np.log(2)), rtol=1e-4)  # eval-lm's 2**loss
+    prompts = [lines[0], lines[2]]
+    continued = [_reference_greedy(weights, args, p, 6) for p in prompts]
+    assert all(len(set(c)) > 2 and min(c) >= 4 for c in continued)  # six tokens, several words, no special id
+    expected = [" ".join(f"w{i}" for i in c) for c in continued]
+    assert model.generate([" ".join(f"w{i}" for i in p) for p in prompts], max_len=6) == expected

@@ -128,7 +128,7 @@ def _decoder_ends(args: Mapping[str, Any], vocab_size: int, d_model: int, proble
                     and args.get("adaptive_input_factor") == args.get("adaptive_softmax_factor")
                     and input_dim == output_dim == d_model):
         problems.append("tie_adaptive_weights needs adaptive input and softmax with the same cutoffs and factor, "
-                        f"and decoder_input_dim = decoder_output_dim = decoder_embed_dim (fairseq asserts it)")
+                        "and decoder_input_dim = decoder_output_dim = decoder_embed_dim (fairseq asserts it)")
     if shared and (input_cutoffs or input_dim != output_dim):
         problems.append("share_decoder_input_output_embed with adaptive input or decoder_input_dim != "
                         "decoder_output_dim (fairseq itself cannot run it)")

@@ -44,9 +44,9 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
                       decode: dict[str, Any] | None = None, continuation: str = "@@", target_dictionary: str = "",
                       trust: bool = False) -> dict[str, Any]:
     """Writes ``workdir`` from a fairseq translation or language model checkpoint; returns the import record.
-    ``decode``: fields of ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``; translation). ``spm=None``: text is given split
-    into the dictionary's pieces (BPE, ``continuation`` its joining marker). ``target_dictionary``: the target
-    side's, checked to be the same (lconv has one vocabulary)."""
+    ``decode``: fields of ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``; translation
+    only). ``spm=None``: text is given split into the dictionary's pieces (BPE, ``continuation`` its joining
+    marker). ``target_dictionary``: the target side's, checked to be the same (lconv has one vocabulary)."""
     from lconv.train import checkpoints, setup
     from lconv.train import workdir as workdir_lib
 
