@@ -265,6 +265,19 @@ def test_an_imported_lm_workdir_scores_and_continues_as_fairseq(tmp_path):
     assert scored["tokens"] == count
     np.testing.assert_allclose(scored["nll"], -total / count, rtol=1e-5)
     np.testing.assert_allclose(scored["ppl"], 2 ** (-total / count / np.log(2)), rtol=1e-4)  # eval-lm's 2**loss
+    # fairseq-eval-lm's default rows: one stream (EOS after each line) in blocks of tokens_per_sample -
+    # context_window tokens, each read after the context_window inputs before it, positions from each row's start
+    stream = np.concatenate([[*ids, 2] for ids in lines])
+    shifted = np.append(2, stream[:-1])  # the input of each stream position
+    total, block, context = 0.0, 8 - 3, 3
+    for start in range(0, len(stream), block):
+        first = max(0, start - context)
+        logp = fairseq_lm_reference.log_probs(weights, args, shifted[None, first:start + block])[0]
+        total += sum(logp[start - first + t, target] for t, target in enumerate(stream[start:start + block]))
+    scored = model.perplexity([" ".join(f"w{i}" for i in ids) for ids in lines], sample_break_mode="none",
+                              tokens_per_sample=8, context_window=3)
+    assert scored["tokens"] == len(stream)
+    np.testing.assert_allclose(scored["nll"], -total / len(stream), rtol=1e-5)
     prompts = [lines[0], lines[2]]
     continued = [_reference_greedy(weights, args, p, 6) for p in prompts]
     assert all(len(set(c)) > 2 and min(c) >= 4 for c in continued)  # six tokens, several words, no special id
