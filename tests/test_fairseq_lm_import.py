@@ -9,6 +9,8 @@ import argparse
 import collections
 
 import fairseq_lm_reference
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 from reference import tolerance
@@ -154,6 +156,9 @@ def test_every_lm_variant_matches_the_reference(variant):
     model = DecoderOnlyLM(ModelConfig.from_config(fields, matmul_precision="highest"))
     params = fairseq_lm.lconv_params(weights, fields)
     previous, target = _batch(rng, [9, 4, 7], 9)
+    # the import fills exactly the model's tree (apply alone would ignore a parameter the model never reads)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), target)["params"]
+    assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, nn.meta.unbox(shapes))
     logits = model.apply({"params": params}, target, targets_segmentation=(target != 0).astype(np.int32))
     logp = np.asarray(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))  # logits or log-probs alike
     expected = fairseq_lm_reference.log_probs(weights, args, previous)
