@@ -144,6 +144,7 @@ def _batch(rng: np.random.Generator, lengths: list[int], width: int):
 LCONV_COLUMNS = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(_V)]
 
 
+@pytest.mark.slow  # compiles four models: CI runs it, the quick command skips it (the workdir test is quick)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_lm_variant_matches_the_reference(variant):
     """Random weights under fairseq's names, imported, give the float64 reference's log-probabilities."""
