@@ -179,9 +179,11 @@ def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
     # an output projection (decoder_output_dim) needs an output table of its width: fairseq cannot run it shared
     with pytest.raises(UserError, match="decoder_output_dim=32 with shared output embeddings 64 wide"):
         fairseq.model_fields({**args, "decoder_output_dim": 32}, 1008)
-    assert fairseq.model_fields({**args, "decoder_output_dim": 32, "share_all_embeddings": False,
-                                 "share_decoder_input_output_embed": False},
-                                1008)["decoder_output_dim"] == 32
+    separate = {**args, "share_all_embeddings": False, "share_decoder_input_output_embed": False}
+    assert fairseq.model_fields({**separate, "decoder_output_dim": 32}, 1008)["decoder_output_dim"] == 32
+    # fairseq's transformer stores it as a string (its flag has no argparse type)
+    assert fairseq.model_fields({**separate, "decoder_output_dim": "32"}, 1008)["decoder_output_dim"] == 32
+    assert fairseq.model_fields({**separate, "decoder_output_dim": "64"}, 1008)["decoder_output_dim"] == 0
 
 
 def test_a_state_dict_that_does_not_fit_its_arguments_is_refused(dynamic_checkpoint):

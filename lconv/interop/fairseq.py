@@ -104,7 +104,7 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
 
     d_model = same("encoder_embed_dim", "decoder_embed_dim")
     # decoder_input_dim is not read here: fairseq's translation models embed targets decoder_embed_dim wide
-    output_dim = args.get("decoder_output_dim") or d_model
+    output_dim = int(args.get("decoder_output_dim") or d_model)  # a str in transformer checkpoints (no argparse type)
     if output_dim != d_model and (args.get("share_all_embeddings") or args.get("share_decoder_input_output_embed")):
         problems.append(f"decoder_output_dim={output_dim} with shared output embeddings {d_model} wide (fairseq "
                         "itself cannot run it)")
