@@ -125,7 +125,7 @@ def _decoder_ends(args: Mapping[str, Any], vocab_size: int, d_model: int, proble
     tie = bool(args.get("tie_adaptive_weights"))
     shared = bool(args.get("share_decoder_input_output_embed")) and not softmax_cutoffs
     if tie and not (input_cutoffs and softmax_cutoffs and input_cutoffs == softmax_cutoffs
-                    and args.get("adaptive_input_factor") == args.get("adaptive_softmax_factor")
+                    and float(args.get("adaptive_input_factor") or 4) == float(args.get("adaptive_softmax_factor") or 4)
                     and input_dim == output_dim == d_model):
         problems.append("tie_adaptive_weights needs adaptive input and softmax with the same cutoffs and factor, "
                         "and decoder_input_dim = decoder_output_dim = decoder_embed_dim (fairseq asserts it)")
