@@ -37,7 +37,7 @@ def log_probs(weights: Mapping[str, np.ndarray], args: Mapping[str, Any], tokens
     pad = tokens == PAD
     for i in range(args["decoder_layers"]):
         x = fairseq_reference._layer(W, args, f"decoder.layers.{i}", x, pad, None, lightconv, encoder=False)
-    if not lightconv and not args.get("no_decoder_final_norm"):
+    if not lightconv and args["decoder_normalize_before"] and not args.get("no_decoder_final_norm"):
         x = fairseq_reference._norm(W, "decoder.layer_norm", x)
     if "decoder.project_out_dim.weight" in W:
         x = x @ W["decoder.project_out_dim.weight"].T

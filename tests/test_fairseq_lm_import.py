@@ -28,7 +28,7 @@ _LIGHTCONV = dict(arch="lightconv_lm", decoder_kernel_size_list=[2, 4], decoder_
                   weight_softmax=True, decoder_conv_dim=16, input_dropout=0.1, weight_dropout=0.1)
 # Together: both architectures, adaptive input tied with and without the projections, an untied adaptive
 # softmax, projections in and out, shared / separate output tables, learned / sinusoidal positions, the final norm
-# on and off, conv types and GLU.
+# on and off, pre- and post-norm, conv types and GLU.
 VARIANTS = {
     "lightconv_adaptive_tied_proj": dict(
         _LIGHTCONV, adaptive_input=True, adaptive_input_cutoff="10,20", adaptive_softmax_cutoff="10,20",
@@ -39,6 +39,9 @@ VARIANTS = {
     "transformer_adaptive_tied_no_final_norm": dict(
         arch="transformer_lm_gbw", activation_fn="relu", adaptive_input=True, adaptive_input_cutoff="8,24",
         adaptive_softmax_cutoff="8,24", tie_adaptive_weights=True, no_decoder_final_norm=True),
+    "transformer_postnorm_shared_output": dict(  # fairseq 0.12's plain transformer_lm: the flag's default
+        arch="transformer_lm", activation_fn="relu", decoder_normalize_before=False,
+        share_decoder_input_output_embed=True),
     "lightconv_lightweight_shared_output": dict(
         _LIGHTCONV, decoder_conv_type="lightweight", decoder_glu=False, decoder_conv_dim=12,
         share_decoder_input_output_embed=True, decoder_learned_pos=True),
@@ -94,7 +97,8 @@ def lm_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         linear(f"{p}.fc1", F, C)
         linear(f"{p}.fc2", C, F)
         norm(f"{p}.final_layer_norm")
-    if args["arch"].startswith("transformer") and not args.get("no_decoder_final_norm"):
+    if args["arch"].startswith("transformer") and args["decoder_normalize_before"] \
+            and not args.get("no_decoder_final_norm"):
         norm("decoder.layer_norm")
     if d_out != C:
         linear("decoder.project_out_dim", d_out, C, bias=False)
@@ -144,7 +148,7 @@ def _batch(rng: np.random.Generator, lengths: list[int], width: int):
 LCONV_COLUMNS = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(_V)]
 
 
-@pytest.mark.slow  # compiles four models: CI runs it, the quick command skips it (the workdir test is quick)
+@pytest.mark.slow  # compiles five models: CI runs it, the quick command skips it (the workdir test is quick)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_lm_variant_matches_the_reference(variant):
     """Random weights under fairseq's names, imported, give the float64 reference's log-probabilities."""
@@ -179,6 +183,10 @@ def test_the_lm_fields_follow_fairseqs_arguments():
     assert (lightconv["decoder_final_norm"], lightconv["tie_adaptive_proj"], lightconv["decoder_output_dim"]) == (
         False, True, 0)
     assert lightconv["decoder_mixer"] == "dynamicconv" and lightconv["decoder_kernel_sizes"] == (2, 4)
+    post = fairseq_lm.model_fields(_args("transformer_postnorm_shared_output"), _V)
+    # the flag as stored: post-norm (no final norm then), and the LM does not force pre-norm over it
+    assert (post["normalize_before"], post["lm_pre_norm"], post["decoder_final_norm"]) == (False, False, False)
+    assert post["share_decoder_input_output"] and not post["share_embeddings"]
     old = {**_args("transformer_adaptive_tied_no_final_norm"), "no_tie_adaptive_proj": False,
            "no_decoder_final_norm": False}  # pre-0.10 spelling: no final norm, projections tied
     assert fairseq_lm.model_fields(old, _V)["decoder_final_norm"] is False
@@ -187,13 +195,12 @@ def test_the_lm_fields_follow_fairseqs_arguments():
 
 def test_what_lconv_cannot_express_is_one_line_naming_each_flag():
     args = {**_args("transformer_projected_untied_adaptive_softmax"), "character_embeddings": True,
-            "activation_fn": "gelu", "layernorm_embedding": True, "decoder_normalize_before": False}
+            "activation_fn": "gelu", "layernorm_embedding": True}
     with pytest.raises(UserError) as err:
         fairseq_lm.model_fields(args, _V)
     message = str(err.value)
     assert "\n" not in message and message.startswith("this transformer_lm checkpoint has settings")
-    for named in ("character_embeddings=True", "activation_fn='gelu'", "layernorm_embedding=True",
-                  "decoder_normalize_before=False"):
+    for named in ("character_embeddings=True", "activation_fn='gelu'", "layernorm_embedding=True"):
         assert named in message
     untieable = {**_args("lightconv_adaptive_tied_proj"), "adaptive_softmax_cutoff": "10,30"}
     with pytest.raises(UserError, match="tie_adaptive_weights needs adaptive input and softmax with the same cutoffs"):

@@ -1,8 +1,10 @@
 """A fairseq language model checkpoint (``lightconv_lm*`` or ``transformer_lm*``) as lconv's config and params.
 
-Both are fairseq decoders without encoder attention (``DecoderOnlyLM``): pre-norm always (their architectures
-force ``decoder_normalize_before``), with a final LayerNorm in ``transformer_lm`` unless ``--no-decoder-final-norm``
-(the Baevski & Auli wiki103/gbw models set it) and never in ``lightconv_lm`` (built with ``final_norm=False``).
+Both are fairseq decoders without encoder attention (``DecoderOnlyLM``): pre-norm where the architecture forces
+``decoder_normalize_before`` (``lightconv_lm*`` and the named ``transformer_lm_*``; fairseq 0.12's plain
+``transformer_lm`` registers no architecture function, so it keeps the flag's default, post-norm), with a final
+LayerNorm in a pre-norm ``transformer_lm`` unless ``--no-decoder-final-norm`` (the Baevski & Auli wiki103/gbw
+models set it) and never in ``lightconv_lm`` (built with ``final_norm=False``).
 Their ends (``lconv.nn.decoder_ends``): one embedding table ``decoder_input_dim`` wide, or adaptive input bands
 (``--adaptive-input``, ``--adaptive-input-cutoff``, ``--adaptive-input-factor``), scaled by
 ``sqrt(decoder_embed_dim)``, projected in when narrower than the model; projected out to ``decoder_output_dim``;
@@ -68,7 +70,6 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
 
     for key, why in _NOT_IN_LCONV.items():
         require(key, lambda v: not v, why)
-    require("decoder_normalize_before", bool, "lconv's language model is pre-norm, as fairseq's LM architectures")
     if not lightconv:
         require("activation_fn", lambda v: v == "relu", "lconv's FFN is ReLU")
     d_model = int(args["decoder_embed_dim"])
@@ -80,11 +81,15 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         vocab_size=vocab_size, d_model=d_model, ffn_dim=int(args["decoder_ffn_embed_dim"]),
         num_heads=int(args["decoder_attention_heads"]), encoder_layers=0, decoder_layers=int(args["decoder_layers"]),
         dropout=args.get("dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.0),
-        normalize_before=True, learned_positions=bool(args.get("decoder_learned_pos")), max_len=int(max_len),
+        # fairseq's named LM architectures force pre-norm; its plain transformer_lm (0.12) keeps the flag's default,
+        # post-norm: lconv follows the flag as stored
+        normalize_before=bool(args.get("decoder_normalize_before", True)), lm_pre_norm=False,
+        learned_positions=bool(args.get("decoder_learned_pos")), max_len=int(max_len),
         decoder_start="eos", position_offset=fairseq.PADDING_IDX + 1,
         scale_embeddings=lightconv or not args.get("no_scale_embedding", False),
-        # lightconv_lm builds its decoder with final_norm=False whatever the flags say
-        decoder_final_norm=not lightconv and not args.get("no_decoder_final_norm", False), **ends)
+        # lightconv_lm builds its decoder with final_norm=False whatever the flags say; post-norm has none
+        decoder_final_norm=not lightconv and bool(args.get("decoder_normalize_before", True))
+        and not args.get("no_decoder_final_norm", False), **ends)
     if lightconv:
         kernels = list(args["decoder_kernel_size_list"])
         fields.update(

@@ -122,6 +122,9 @@ class ModelConfig:
                                     integer(0))
     decoder_final_norm: bool = field(True, "with normalize_before: a LayerNorm after the last decoder layer "
                                      "(fairseq's --no-decoder-final-norm and lightconv_lm: False)", BOOL)
+    lm_pre_norm: bool = field(True, "a decoder-only LM is pre-norm whatever normalize_before says (as fairseq's "
+                              "lightconv_lm forces it); False: it follows normalize_before (fairseq 0.12's plain "
+                              "transformer_lm is post-norm)", BOOL)
     adaptive_input_cutoffs: Sequence[int] = field(
         (), "e.g. (8000, 20000): fairseq's adaptive input: the decoder's embeddings in bands, band i "
         "decoder_input_dim / factor**i wide and projected to d_model; () = one table; needs share_embeddings=False",

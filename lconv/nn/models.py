@@ -106,13 +106,14 @@ class EncoderDecoder(nn.Module):
 
 
 class DecoderOnlyLM(nn.Module):
-    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack with pre-norm (forced, for stability) and
-    a final norm (unless ``decoder_final_norm=False``); the ends of ``lconv.nn.decoder_ends``."""
+    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack with pre-norm (forced, for stability, unless
+    ``lm_pre_norm=False``) and a final norm (unless ``decoder_final_norm=False``); the ends of
+    ``lconv.nn.decoder_ends``."""
 
     config: ModelConfig
 
     def setup(self) -> None:
-        cfg = dataclasses.replace(self.config, normalize_before=True)
+        cfg = dataclasses.replace(self.config, normalize_before=True) if self.config.lm_pre_norm else self.config
         cfg.validate(decoder_only=True)
         self.embed = decoder_ends.token_embedding(cfg, "embed")
         self.project_in = decoder_ends.project_in(cfg)
