@@ -257,7 +257,8 @@ def test_the_numpy_reference_is_fairseqs_forward_pass(dynamic_checkpoint):
 
 # Architectures no fixture covers: (fairseq arguments over _BASE_ARGS). Together they take every importable
 # option both ways: conv type, GLU, pre/post-norm, learned/sinusoidal positions, shared / decoder-tied / separate
-# embeddings, conv width != model width, embedding scaling, an output projection (decoder_output_dim).
+# embeddings, conv width != model width, embedding scaling, an output projection (decoder_output_dim), no final
+# decoder norm.
 VARIANTS = {
     "lightweight_noglu_prenorm_learned_tied_decoder": dict(
         arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="lightweight", encoder_glu=False,
@@ -273,6 +274,9 @@ VARIANTS = {
     "transformer_prenorm_learned_unscaled": dict(
         arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, encoder_learned_pos=True,
         decoder_learned_pos=True, no_scale_embedding=True, activation_fn="relu"),
+    "transformer_prenorm_no_decoder_final_norm": dict(
+        arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, activation_fn="relu",
+        no_decoder_final_norm=True),
 }
 _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -325,7 +329,7 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
             linear(f"{p}.fc2", C, F)
             norm(f"{p}.layer_norms.1" if side == "encoder" and args["arch"].startswith("lightconv")
                  else f"{p}.final_layer_norm")
-        if args[f"{side}_normalize_before"]:
+        if args[f"{side}_normalize_before"] and not (side == "decoder" and args.get("no_decoder_final_norm")):
             norm(f"{side}.layer_norm")
     if args["share_all_embeddings"]:
         w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]

@@ -138,7 +138,8 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
             require(f"{side}_conv_type", lambda v: v in CONV_MIXERS, "lightweight or dynamic")
     else:
         fields.update(encoder_mixer="attention", decoder_mixer="attention", encoder_kernel_sizes=(3,),
-                      decoder_kernel_sizes=(3,), weight_dropout=0.0, relu_dropout=args.get("activation_dropout", 0.0))
+                      decoder_kernel_sizes=(3,), weight_dropout=0.0, relu_dropout=args.get("activation_dropout", 0.0),
+                      decoder_final_norm=not args.get("no_decoder_final_norm", False))
         require("activation_fn", lambda v: v == "relu", "lconv's FFN is ReLU")
         for key in ("layernorm_embedding", "no_cross_attention", "cross_self_attention", "adaptive_input",
                     "tie_adaptive_weights"):
@@ -221,7 +222,7 @@ def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -
     for side in ("encoder", "decoder"):
         layers = {f"layer_{i}": layer_params(state, f"{side}.layers.{i}", side, lightconv)
                   for i in range(fields[f"{side}_layers"])}
-        if fields["normalize_before"]:
+        if fields["normalize_before"] and (side == "encoder" or fields.get("decoder_final_norm", True)):
             layers["final_norm"] = state.norm(f"{side}.layer_norm")
         params[side] = layers
     state.check_all_used()
