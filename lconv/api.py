@@ -25,7 +25,7 @@ from flax.linen import meta as nn_meta
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import compiled, decode_and_score, lm_blocks
 from lconv.train import backend, metrics, setup
 
 
@@ -172,14 +172,23 @@ class Model:
                                                   seed=seed).hypotheses
         return outputs[0] if isinstance(prompts, str) else outputs
 
-    def perplexity(self, texts: Sequence[str]) -> dict[str, float]:
-        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM; each text
-        is cut to ``config.data.eval_max_target_length`` tokens."""
+    def perplexity(self, texts: Sequence[str], *, sample_break_mode: str = "eos", tokens_per_sample: int | None = None,
+                   context_window: int = 0) -> dict[str, float]:
+        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM.
+
+        By default each text is scored alone, cut to ``config.data.eval_max_target_length`` tokens. The keyword
+        arguments are ``fairseq-eval-lm``'s (``lconv.infer.lm_blocks``): ``sample_break_mode="none"`` scores the
+        texts as one stream in blocks of ``tokens_per_sample`` tokens (default ``eval_max_target_length``),
+        ``"complete"`` packs whole texts into such blocks, and ``context_window`` gives each block that many
+        tokens before it as unscored context. fairseq prints its loss in base 2 and ``2**loss`` as its perplexity:
+        ``nll / ln 2`` and ``ppl`` here."""
         self._need("perplexity", ("lm",))
         if self.config.data.stream:
             raise UserError("a document-stream run carries its kNN memory across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
+        if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
+            return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
         encoded = [np.append(ids[:limit - 1], EOS_ID)
                    for ids in self.tokenizer.encode_batch(_lines(texts, "texts"))]
         rows = compiled.row_bucket(len(encoded), self.config.data.eval_batch_size)
@@ -192,6 +201,33 @@ class Model:
             total = {k: total[k] + float(sums[k]) for k in total}
         nll = total["nll"] / max(total["tokens"], 1.0)
         return {"ppl": math.exp(min(nll, 50.0)), "nll": nll, "tokens": total["tokens"]}
+
+    def _fairseq_perplexity(self, texts: Sequence[str], mode: str, tokens_per_sample: int,
+                            context_window: int) -> dict[str, float]:
+        """``perplexity`` on fairseq-eval-lm's rows: whole texts (no cut), each row's scored tokens counted."""
+        lm_blocks.check_settings(mode, tokens_per_sample, context_window, int(self.config.model.max_len))
+        rows = lm_blocks.fairseq_rows(self.tokenizer.encode_batch(_lines(texts, "texts")), sample_break_mode=mode,
+                                      tokens_per_sample=tokens_per_sample, context_window=context_window,
+                                      start_id=self.module.config.decoder_start_id, eos_id=EOS_ID)
+        batch = compiled.row_bucket(len(rows), self.config.data.eval_batch_size)
+        loss = self._function("row_nll", self._row_nll_sums)
+        total = {"nll": 0.0, "tokens": 0.0}
+        for start in range(0, len(rows), batch):
+            chunk = rows[start:start + batch]
+            width = compiled.width_bucket(max(len(r.inputs) for r in chunk), tokens_per_sample)
+            inputs_BT = _pad_rows([r.inputs for r in chunk], batch, width)
+            targets_BT = _pad_rows([r.targets for r in chunk], batch, width)
+            scored_BT = _pad_rows([np.arange(len(r.inputs)) >= r.first_scored for r in chunk], batch, width)
+            sums = loss(self.params, inputs_BT, targets_BT, scored_BT)
+            total = {k: total[k] + float(sums[k]) for k in total}
+        nll = total["nll"] / max(total["tokens"], 1.0)
+        return {"ppl": math.exp(min(nll, 50.0)), "nll": nll, "tokens": total["tokens"]}
+
+    def _row_nll_sums(self, params: Any, inputs_BT: jax.Array, targets_BT: jax.Array,
+                      scored_BT: jax.Array) -> dict[str, jax.Array]:
+        logits_BTV = self.module.apply({"params": params}, inputs_BT, shift=False,
+                                       targets_segmentation=(inputs_BT != PAD_ID).astype(jnp.int32))
+        return metrics.label_smoothed_loss(logits_BTV, targets_BT, scored_BT, 0.0)
 
     def _nll_sums(self, params: Any, targets_BT: jax.Array) -> dict[str, jax.Array]:
         logits_BTV = self.module.apply({"params": params}, targets_BT,

@@ -1,5 +1,6 @@
 """``python -m lconv.import_fairseq --checkpoint=model.pt --dict=dict.txt --spm=spm.model --workdir=runs/x``:
-a fairseq translation checkpoint as an lconv workdir (``lconv.interop.fairseq_workdir``; docs/fairseq.md)."""
+a fairseq translation or language model checkpoint as an lconv workdir (``lconv.interop.fairseq_workdir``;
+docs/fairseq.md)."""
 from __future__ import annotations
 
 
@@ -10,8 +11,10 @@ def main(argv: list[str] | None = None) -> None:
     from lconv.cli import runtime
     from lconv.interop import fairseq_workdir
 
-    flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a lightconv* or transformer* model.")
-    flags.DEFINE_string("dict", None, "The dictionary it was trained with (dict.txt; source and target joined).")
+    flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a lightconv* or transformer* translation "
+                        "model, or a lightconv_lm* or transformer_lm* language model.")
+    flags.DEFINE_string("dict", None, "The dictionary it was trained with (dict.txt; a translation model's "
+                        "source and target joined).")
     flags.DEFINE_string("target_dict", "", "The target side's dictionary, if it is another file: it must list the "
                         "same symbols (lconv has one vocabulary for source and target).")
     flags.DEFINE_string("spm", None, "The SentencePiece model whose pieces the dictionary lists. Without it, "
@@ -21,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_string("workdir", None, "The lconv workdir to write (new, or without checkpoints).")
     flags.DEFINE_string("dataset", "", "config.data.dataset of the workdir (what eval.py scores without "
                         "--source_file), e.g. wmt14/en_de.")
-    defaults = fairseq_workdir.GENERATE_DEFAULTS  # fairseq-generate's
+    defaults = fairseq_workdir.GENERATE_DEFAULTS  # fairseq-generate's; a language model's import reads none
     flags.DEFINE_integer("beam_size", defaults["beam_size"], "config.decode.beam_size (fairseq --beam).")
     flags.DEFINE_float("lenpen", defaults["lenpen"], "config.decode.lenpen (fairseq --lenpen).")
     flags.DEFINE_float("max_len_a", defaults["max_len_a"], "config.decode.max_len_a (fairseq --max-len-a).")

@@ -34,8 +34,10 @@ def forward(weights: Mapping[str, np.ndarray], args: Mapping[str, Any], src_toke
     for i in range(args["decoder_layers"]):
         y = _layer(W, args, f"decoder.layers.{i}", y, prev_output_tokens == PAD, (x, src_pad), lightconv,
                    encoder=False)
-    if args["decoder_normalize_before"]:
+    if args["decoder_normalize_before"] and not args.get("no_decoder_final_norm"):
         y = _norm(W, "decoder.layer_norm", y)
+    if "decoder.project_out_dim.weight" in W:  # decoder_output_dim != decoder_embed_dim
+        y = y @ W["decoder.project_out_dim.weight"].T
     if args.get("share_all_embeddings") or args.get("share_decoder_input_output_embed"):
         return y @ W["decoder.embed_tokens.weight"].T
     out = W.get("decoder.embed_out", W.get("decoder.output_projection.weight"))

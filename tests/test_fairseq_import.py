@@ -171,8 +171,19 @@ def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
     with pytest.raises(UserError, match="max_source_positions=1024.*max_target_positions=512"):
         fairseq.model_fields({**args, "max_target_positions": 512, "encoder_learned_pos": True,
                               "decoder_learned_pos": True}, 1008)
-    with pytest.raises(UserError, match="'lightconv_lm' is not importable"):
+    with pytest.raises(UserError, match="'fconv' is not importable"):
+        fairseq.model_fields({**args, "arch": "fconv"}, 1008)
+    # language models have their own importer (tests/test_fairseq_lm_import.py)
+    with pytest.raises(UserError, match="'lightconv_lm' is a language model: import it with"):
         fairseq.model_fields({**args, "arch": "lightconv_lm"}, 1008)
+    # an output projection (decoder_output_dim) needs an output table of its width: fairseq cannot run it shared
+    with pytest.raises(UserError, match="decoder_output_dim=32 with shared output embeddings 64 wide"):
+        fairseq.model_fields({**args, "decoder_output_dim": 32}, 1008)
+    separate = {**args, "share_all_embeddings": False, "share_decoder_input_output_embed": False}
+    assert fairseq.model_fields({**separate, "decoder_output_dim": 32}, 1008)["decoder_output_dim"] == 32
+    # fairseq's transformer stores it as a string (its flag has no argparse type)
+    assert fairseq.model_fields({**separate, "decoder_output_dim": "32"}, 1008)["decoder_output_dim"] == 32
+    assert fairseq.model_fields({**separate, "decoder_output_dim": "64"}, 1008)["decoder_output_dim"] == 0
 
 
 def test_a_state_dict_that_does_not_fit_its_arguments_is_refused(dynamic_checkpoint):
@@ -246,7 +257,8 @@ def test_the_numpy_reference_is_fairseqs_forward_pass(dynamic_checkpoint):
 
 # Architectures no fixture covers: (fairseq arguments over _BASE_ARGS). Together they take every importable
 # option both ways: conv type, GLU, pre/post-norm, learned/sinusoidal positions, shared / decoder-tied / separate
-# embeddings, conv width != model width, embedding scaling.
+# embeddings, conv width != model width, embedding scaling, an output projection (decoder_output_dim), no final
+# decoder norm.
 VARIANTS = {
     "lightweight_noglu_prenorm_learned_tied_decoder": dict(
         arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="lightweight", encoder_glu=False,
@@ -256,9 +268,15 @@ VARIANTS = {
     "dynamic_glu_postnorm_separate_output": dict(
         arch="lightconv_wmt_en_de", encoder_conv_type="dynamic", decoder_conv_type="dynamic",
         share_all_embeddings=False, share_decoder_input_output_embed=False),
+    "transformer_output_projection": dict(
+        arch="transformer", share_all_embeddings=False, share_decoder_input_output_embed=False, decoder_output_dim=12,
+        activation_fn="relu"),
     "transformer_prenorm_learned_unscaled": dict(
         arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, encoder_learned_pos=True,
         decoder_learned_pos=True, no_scale_embedding=True, activation_fn="relu"),
+    "transformer_prenorm_no_decoder_final_norm": dict(
+        arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, activation_fn="relu",
+        no_decoder_final_norm=True),
 }
 _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -311,12 +329,15 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
             linear(f"{p}.fc2", C, F)
             norm(f"{p}.layer_norms.1" if side == "encoder" and args["arch"].startswith("lightconv")
                  else f"{p}.final_layer_norm")
-        if args[f"{side}_normalize_before"]:
+        if args[f"{side}_normalize_before"] and not (side == "decoder" and args.get("no_decoder_final_norm")):
             norm(f"{side}.layer_norm")
     if args["share_all_embeddings"]:
         w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]
     elif not args["share_decoder_input_output_embed"]:
-        w["decoder.embed_out"] = normal(_V, C)
+        d_out = args.get("decoder_output_dim", C)
+        w["decoder.embed_out"] = normal(_V, d_out)
+        if d_out != C:
+            w["decoder.project_out_dim.weight"] = normal(d_out, C)
     return w
 
 

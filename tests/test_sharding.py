@@ -44,6 +44,12 @@ FAMILIES = {  # name -> (ModelConfig overrides, decoder-only)
     "decoder_only_lm": (dict(decoder_mixer="dynamicconv"), True),
     "adaptive_softmax_lm": (dict(decoder_mixer="attention", share_embeddings=False,
                                  adaptive_softmax_cutoffs=(16, 32)), True),
+    "adaptive_input_tied_lm": (dict(decoder_mixer="dynamicconv", share_embeddings=False,
+                                    adaptive_input_cutoffs=(16, 32), adaptive_softmax_cutoffs=(16, 32),
+                                    adaptive_input_factor=2.0,
+                                    adaptive_softmax_factor=2.0, tie_adaptive_weights=True), True),
+    "projected_in_and_out_lm": (dict(decoder_mixer="attention", share_embeddings=False, decoder_input_dim=16,
+                                     decoder_output_dim=48, decoder_final_norm=False), True),
 }
 # Leaves of two or more dims that are legitimately split over only one of fsdp / tensor (path suffix -> why).
 # Nothing is fully replicated: even layer-norm scales, biases and per-head scalars are split along their one axis.

@@ -24,8 +24,11 @@ class DataConfig:
     raw_dir: str | None = field(None, "ddtp: a directory of raw apt Translation-* files (None = the bundled snapshot)",
                                 Rule(lambda v: v is None or isinstance(v, str), "a directory or None"),
                                 placeholder=str)
+    # An imported vocabulary (a fairseq dictionary) can be smaller than any lconv trains: the rule is the 4 special
+    # ids and a piece; training a tokenizer checks its own minimum (tokenizer.MIN_VOCAB_SIZE) when it trains.
     vocab_size: int = field(8000, "joint SentencePiece vocabulary, trained from the training split",
-                            integer(tokenizer_lib.MIN_VOCAB_SIZE, " (the tokenizer's special and byte pieces)"))
+                            integer(5, f" (4 special ids and a piece; a tokenizer lconv trains needs >= "
+                                       f"{tokenizer_lib.MIN_VOCAB_SIZE}: its special and byte pieces)"))
     max_input_length: int = field(128, "longer training examples are truncated (and counted)", _LENGTH)
     max_target_length: int = field(128, "longer training targets are truncated (and counted)", _LENGTH)
     eval_max_input_length: int = field(256, "evaluation examples are truncated only past this (counted)", _LENGTH)

@@ -3,7 +3,9 @@
 ``read_checkpoint`` reads the ``.pt`` file (torch is needed for that alone: ``pip install "lconv[fairseq]"``);
 ``model_fields`` turns fairseq's model arguments into ``config.model`` fields, refusing in one line what lconv's
 model cannot express; ``lconv_params`` maps the state dict onto lconv's parameter tree and fails on any tensor
-left over or missing. ``lconv.interop.fairseq_workdir`` writes the result as a workdir.
+left over or missing. ``lconv.interop.fairseq_workdir`` writes the result as a workdir. Language models
+(``lightconv_lm*``, ``transformer_lm*``) go through ``lconv.interop.fairseq_lm``, which reuses the reading and
+the layers here.
 
 fairseq's conventions become model options, not a fork of the model (``ModelConfig``): the decoder starts from
 EOS (``decoder_start="eos"``), positions count from the padding id + 1 (``position_offset=2``), embeddings are
@@ -25,6 +27,7 @@ from lconv.interop.fairseq_vocab import lconv_rows
 
 LIGHTCONV_ARCHS = "lightconv"  # lightconv, lightconv_iwslt_de_en, lightconv_wmt_en_de(_big), ...
 TRANSFORMER_ARCHS = "transformer"  # transformer, transformer_wmt_en_de(_big), transformer_iwslt_de_en, ...
+LM_ARCHS = ("lightconv_lm", "transformer_lm")  # lightconv_lm_gbw, transformer_lm_wiki103, ...: fairseq_lm
 CONV_MIXERS = {"lightweight": "lightconv", "dynamic": "dynamicconv"}
 PADDING_IDX = 1  # fairseq's <pad>; its positions start at PADDING_IDX + 1
 # Never trained in fairseq 0.12: copies registered for its BetterTransformer path, refilled from the real keys.
@@ -80,9 +83,12 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """``config.model`` fields equal to fairseq's model arguments; one ``UserError`` lists all that lconv cannot
     express (different encoder and decoder widths, adaptive softmax, a non-ReLU activation, ...)."""
     arch = str(args.get("arch") or "")
-    if arch.startswith("lightconv_lm") or not arch.startswith((LIGHTCONV_ARCHS, TRANSFORMER_ARCHS)):
+    if is_language_model(args):
+        raise UserError(f"fairseq architecture {arch!r} is a language model: import it with "
+                        "lconv.interop.fairseq_lm (python -m lconv.import_fairseq does)")
+    if not arch.startswith((LIGHTCONV_ARCHS, TRANSFORMER_ARCHS)):
         raise UserError(f"fairseq architecture {arch!r} is not importable; lconv imports lightconv* and "
-                        "transformer* translation models")
+                        "transformer* translation models and lightconv_lm* and transformer_lm* language models")
     lightconv = arch.startswith(LIGHTCONV_ARCHS)
     problems: list[str] = []
 
@@ -97,8 +103,11 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
             problems.append(f"{key}={args[key]!r} ({why})")
 
     d_model = same("encoder_embed_dim", "decoder_embed_dim")
-    for key in ("decoder_input_dim", "decoder_output_dim"):
-        require(key, lambda v: v in (None, d_model), "lconv's decoder has no input/output projection")
+    # decoder_input_dim is not read here: fairseq's translation models embed targets decoder_embed_dim wide
+    output_dim = int(args.get("decoder_output_dim") or d_model)  # a str in transformer checkpoints (no argparse type)
+    if output_dim != d_model and (args.get("share_all_embeddings") or args.get("share_decoder_input_output_embed")):
+        problems.append(f"decoder_output_dim={output_dim} with shared output embeddings {d_model} wide (fairseq "
+                        "itself cannot run it)")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size, d_model=d_model, ffn_dim=same("encoder_ffn_embed_dim", "decoder_ffn_embed_dim"),
         num_heads=same("encoder_attention_heads", "decoder_attention_heads"),
@@ -113,7 +122,8 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         share_decoder_input_output=bool(args.get("share_decoder_input_output_embed"))
         and not args.get("share_all_embeddings"),
         decoder_start="eos", position_offset=PADDING_IDX + 1,
-        scale_embeddings=not args.get("no_scale_embedding", False))
+        scale_embeddings=not args.get("no_scale_embedding", False),
+        decoder_output_dim=0 if output_dim == d_model else int(output_dim))
     if lightconv:
         fields.update(
             encoder_mixer=CONV_MIXERS.get(args.get("encoder_conv_type"), args.get("encoder_conv_type")),
@@ -121,14 +131,15 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
             encoder_kernel_sizes=tuple(args["encoder_kernel_size_list"]),
             decoder_kernel_sizes=tuple(args["decoder_kernel_size_list"]),
             use_glu=bool(same("encoder_glu", "decoder_glu")),
-            conv_features=_conv_features(same("encoder_conv_dim", "decoder_conv_dim"), d_model),
+            conv_features=conv_features_field(same("encoder_conv_dim", "decoder_conv_dim"), d_model),
             relu_dropout=args.get("relu_dropout", 0.0), input_dropout=args.get("input_dropout", 0.0),
             weight_dropout=args.get("weight_dropout", 0.0), weight_softmax=bool(args.get("weight_softmax", True)))
         for side in ("encoder", "decoder"):
             require(f"{side}_conv_type", lambda v: v in CONV_MIXERS, "lightweight or dynamic")
     else:
         fields.update(encoder_mixer="attention", decoder_mixer="attention", encoder_kernel_sizes=(3,),
-                      decoder_kernel_sizes=(3,), weight_dropout=0.0, relu_dropout=args.get("activation_dropout", 0.0))
+                      decoder_kernel_sizes=(3,), weight_dropout=0.0, relu_dropout=args.get("activation_dropout", 0.0),
+                      decoder_final_norm=not args.get("no_decoder_final_norm", False))
         require("activation_fn", lambda v: v == "relu", "lconv's FFN is ReLU")
         for key in ("layernorm_embedding", "no_cross_attention", "cross_self_attention", "adaptive_input",
                     "tie_adaptive_weights"):
@@ -143,11 +154,11 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     return fields
 
 
-def _conv_features(conv_dim: Any, d_model: int) -> int:
+def conv_features_field(conv_dim: Any, d_model: int) -> int:
     return 0 if conv_dim in (None, d_model) else int(conv_dim)  # 0 = the model width
 
 
-class _StateDict:
+class StateDict:
     """The checkpoint's tensors, handed out once each, so that ``leftover`` lists what no lconv parameter used."""
 
     def __init__(self, weights: Mapping[str, np.ndarray]):
@@ -177,43 +188,50 @@ class _StateDict:
         ignored = ("version", "_float_tensor") + _BETTER_TRANSFORMER
         return sorted(k for k in self.weights if k not in self.used and not k.endswith(ignored))
 
+    def check_all_used(self) -> None:
+        leftover = self.leftover()
+        if leftover:
+            raise UserError(f"the fairseq checkpoint has tensors lconv's model would not use: {leftover[:6]}"
+                            f"{' ...' if len(leftover) > 6 else ''}; is its architecture argument right?")
+
 
 def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -> dict[str, Any]:
     """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe."""
-    state = _StateDict(weights)
+    state = StateDict(weights)
     lightconv = fields["encoder_mixer"] != "attention"
     params: dict[str, Any] = {}
     if fields["share_embeddings"]:
         params["source_embed"] = {"embedding": lconv_rows(state.take("encoder.embed_tokens.weight"))}
         for copy in ("decoder.embed_tokens.weight", "decoder.output_projection.weight", "decoder.embed_out"):
             if copy in weights:  # the same tensor stored again
-                _check_copy(state.take(copy), params["source_embed"]["embedding"], copy)
+                check_copy(state.take(copy), params["source_embed"]["embedding"], copy)
     else:
         params["source_embed"] = {"embedding": lconv_rows(state.take("encoder.embed_tokens.weight"))}
         params["target_embed"] = {"embedding": lconv_rows(state.take("decoder.embed_tokens.weight"))}
         output = "decoder.embed_out" if "decoder.embed_out" in weights else "decoder.output_projection.weight"
         if fields["share_decoder_input_output"]:
             if output in weights:
-                _check_copy(state.take(output), params["target_embed"]["embedding"], output)
+                check_copy(state.take(output), params["target_embed"]["embedding"], output)
         else:
             params["output_projection"] = {"kernel": lconv_rows(state.take(output)).T}
+    if fields.get("decoder_output_dim"):
+        params["project_out"] = state.linear("decoder.project_out_dim", bias=False)
     if fields["learned_positions"]:
         for side, ours in (("encoder", "source_positions"), ("decoder", "target_positions")):
             params[ours] = {"learned": {"embedding": state.take(f"{side}.embed_positions.weight")}}
     for side in ("encoder", "decoder"):
-        layers = {f"layer_{i}": _layer(state, f"{side}.layers.{i}", side, lightconv)
+        layers = {f"layer_{i}": layer_params(state, f"{side}.layers.{i}", side, lightconv)
                   for i in range(fields[f"{side}_layers"])}
-        if fields["normalize_before"]:
+        if fields["normalize_before"] and (side == "encoder" or fields.get("decoder_final_norm", True)):
             layers["final_norm"] = state.norm(f"{side}.layer_norm")
         params[side] = layers
-    leftover = state.leftover()
-    if leftover:
-        raise UserError(f"the fairseq checkpoint has tensors lconv's model would not use: {leftover[:6]}"
-                        f"{' ...' if len(leftover) > 6 else ''}; is its architecture argument right?")
+    state.check_all_used()
     return params
 
 
-def _layer(state: _StateDict, prefix: str, side: str, lightconv: bool) -> dict[str, Any]:
+def layer_params(state: StateDict, prefix: str, side: str, lightconv: bool,
+                 cross_attention: bool = True) -> dict[str, Any]:
+    """One encoder or decoder layer's params (a decoder layer without ``cross_attention``: a language model's)."""
     if lightconv:
         mixer_norm = f"{prefix}.layer_norms.0" if side == "encoder" else f"{prefix}.conv_layer_norm"
         ffn_norm = f"{prefix}.layer_norms.1" if side == "encoder" else f"{prefix}.final_layer_norm"
@@ -222,7 +240,7 @@ def _layer(state: _StateDict, prefix: str, side: str, lightconv: bool) -> dict[s
         mixer_norm, ffn_norm = f"{prefix}.self_attn_layer_norm", f"{prefix}.final_layer_norm"
         layer = {"mixer": state.attention(f"{prefix}.self_attn")}
     layer["mixer_norm"] = state.norm(mixer_norm)
-    if side == "decoder":
+    if side == "decoder" and cross_attention:
         layer["encoder_attention"] = state.attention(f"{prefix}.encoder_attn")
         layer["encoder_attention_norm"] = state.norm(f"{prefix}.encoder_attn_layer_norm")
     layer["ffn"] = {"fc1": state.linear(f"{prefix}.fc1"), "fc2": state.linear(f"{prefix}.fc2")}
@@ -230,7 +248,7 @@ def _layer(state: _StateDict, prefix: str, side: str, lightconv: bool) -> dict[s
     return layer
 
 
-def _conv_block(state: _StateDict, prefix: str) -> dict[str, Any]:
+def _conv_block(state: StateDict, prefix: str) -> dict[str, Any]:
     """``linear1`` (GLU or not: the same ``[in, out]`` kernel), the conv, ``linear2``."""
     if f"{prefix}.conv.bias" in state.weights:
         raise UserError(f"{prefix}.conv.bias: a conv bias is not in lconv's conv block (fairseq's lightconv "
@@ -242,6 +260,13 @@ def _conv_block(state: _StateDict, prefix: str) -> dict[str, Any]:
     return {"linear1": state.linear(f"{prefix}.linear1"), "conv": conv, "linear2": state.linear(f"{prefix}.linear2")}
 
 
-def _check_copy(copy: np.ndarray, embedding_VC: np.ndarray, key: str) -> None:
-    if copy.shape != embedding_VC.shape or not np.array_equal(lconv_rows(copy), embedding_VC):
-        raise UserError(f"{key} should be a copy of the shared embedding (share_all_embeddings) but differs")
+def check_copy(copy: np.ndarray, embedding_VC: np.ndarray, key: str, what: str = "the shared embedding "
+               "(share_all_embeddings)", rows: Callable[[np.ndarray], np.ndarray] = lconv_rows) -> None:
+    """A tensor fairseq stores twice (tied weights) must be the same tensor: ``rows`` maps it as its original was."""
+    mapped = rows(copy)
+    if mapped.shape != embedding_VC.shape or not np.array_equal(mapped, embedding_VC):
+        raise UserError(f"{key} should be a copy of {what} but differs")
+
+
+def is_language_model(args: Mapping[str, Any]) -> bool:
+    return str(args.get("arch") or "").startswith(LM_ARCHS)

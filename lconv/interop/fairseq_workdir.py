@@ -2,7 +2,8 @@
 ``lconv.load`` and the study read like a trained run.
 
 The workdir holds ``config.json`` (a translation config whose ``model`` follows fairseq's arguments and
-conventions, and whose ``decode`` is fairseq-generate's: beam 5, lenpen 1, fairseq's stopping rule),
+conventions, and whose ``decode`` is fairseq-generate's: beam 5, lenpen 1, fairseq's stopping rule; or, for a
+``lightconv_lm*`` / ``transformer_lm*`` checkpoint, a language-model config, ``lconv.interop.fairseq_lm``),
 ``spm.model`` (fairseq's SentencePiece model re-numbered to its dictionary, ``fairseq_vocab``), one params
 checkpoint at the checkpoint's update count, and ``imported.json`` (where it came from: path, SHA-256, fairseq's
 model arguments, anything the import counted). The params are checked against the model's own tree, shape by
@@ -26,7 +27,7 @@ from lconv import outputs
 from lconv.configs import schema
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.interop import fairseq, fairseq_vocab
+from lconv.interop import fairseq, fairseq_lm, fairseq_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,10 @@ SCORING_DEFAULTS = {"compound_split": False}
 def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir: str, *, dataset: str = "",
                       decode: dict[str, Any] | None = None, continuation: str = "@@", target_dictionary: str = "",
                       trust: bool = False) -> dict[str, Any]:
-    """Writes ``workdir`` from a fairseq translation checkpoint; returns the import record. ``decode``: fields of
-    ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``). ``spm=None``: text is given split
-    into the dictionary's pieces (BPE, ``continuation`` its joining marker). ``target_dictionary``: the target
-    side's, checked to be the same (lconv has one vocabulary)."""
+    """Writes ``workdir`` from a fairseq translation or language model checkpoint; returns the import record.
+    ``decode``: fields of ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``; translation
+    only). ``spm=None``: text is given split into the dictionary's pieces (BPE, ``continuation`` its joining
+    marker). ``target_dictionary``: the target side's, checked to be the same (lconv has one vocabulary)."""
     from lconv.train import checkpoints, setup
     from lconv.train import workdir as workdir_lib
 
@@ -55,10 +56,16 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
         raise UserError(f"{workdir} already holds checkpoints; import into a new --workdir")
     weights, args, updates = fairseq.read_checkpoint(checkpoint, trust=trust)
     vocab = fairseq_vocab.build_vocabulary(dictionary, spm, continuation)
-    _check_one_vocabulary(weights, vocab.size, dictionary, target_dictionary)
-    fields = fairseq.model_fields(args, vocab.size)
-    config = translation_config(fields, dataset, decode)
-    params = fairseq.lconv_params(weights, fields)
+    if fairseq.is_language_model(args):
+        _check_language_model_vocabulary(weights, vocab.size, dictionary)
+        fields = fairseq_lm.model_fields(args, vocab.size)
+        config = language_model_config(fields, dataset)
+        params = fairseq_lm.lconv_params(weights, fields)
+    else:
+        _check_one_vocabulary(weights, vocab.size, dictionary, target_dictionary)
+        fields = fairseq.model_fields(args, vocab.size)
+        config = translation_config(fields, dataset, decode)
+        params = fairseq.lconv_params(weights, fields)
     model = setup.build_model(config, vocab.size)
     boxed = _as_model_tree(model, config, params)
     workdir = workdir_lib.make_workdir(workdir)
@@ -95,6 +102,32 @@ def _check_one_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary:
             fairseq_vocab.read_dictionary(dictionary):
         raise UserError(f"{target_dictionary} differs from {dictionary}: lconv imports models with one dictionary "
                         "for source and target (fairseq-preprocess --joined-dictionary)")
+
+
+def _check_language_model_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary: str) -> None:
+    """The dictionary must number the embedding's rows (all bands' rows with adaptive input)."""
+    bands = [v.shape[0] for k, v in weights.items()
+             if k.startswith("decoder.embed_tokens.embeddings.") and k.endswith(".0.weight")]
+    rows = sum(bands) if bands else weights.get("decoder.embed_tokens.weight", np.zeros((0, 0))).shape[0]
+    if rows != size:
+        raise UserError(f"{dictionary} gives {size} ids (4 special + {size - 4} lines) but the checkpoint's "
+                        f"embeddings have {rows} rows: the dictionary it was trained with is needed")
+
+
+def language_model_config(fields: dict[str, Any], dataset: str = "") -> ml_collections.ConfigDict:
+    """lconv's base config as a language model with the imported ``model`` (dots at "highest", as
+    ``translation_config``); texts are read up to fairseq's ``max_target_positions`` tokens, EOS included."""
+    from lconv.configs import common
+
+    config = common.base_config()
+    config.task = "lm"
+    config.data.vocab_size = fields["vocab_size"]
+    config.data.dataset = dataset or "lm1b"
+    config.data.max_target_length = config.data.eval_max_target_length = int(fields["max_len"])
+    model = {k: v for k, v in fields.items() if k != "vocab_size"}
+    config.model.update({k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
+    config.model.matmul_precision = "highest"
+    return config
 
 
 def translation_config(fields: dict[str, Any], dataset: str = "",

@@ -114,6 +114,27 @@ class ModelConfig:
     share_decoder_input_output: bool = field(
         False, "with share_embeddings=False: the target embedding is also the output layer (fairseq's "
         "--share-decoder-input-output-embed)", BOOL)
+    # --- The decoder's two ends as fairseq's language models build them (lconv.nn.decoder_ends) -------------------
+    decoder_input_dim: int = field(0, "token embedding width of the decoder, projected to d_model without bias "
+                                   "(fairseq's decoder_input_dim, project_in_dim); 0 = d_model", integer(0))
+    decoder_output_dim: int = field(0, "width the decoder's output is projected to, without bias, before the "
+                                    "output layer (fairseq's decoder_output_dim, project_out_dim); 0 = d_model",
+                                    integer(0))
+    decoder_final_norm: bool = field(True, "with normalize_before: a LayerNorm after the last decoder layer "
+                                     "(fairseq's --no-decoder-final-norm and lightconv_lm: False)", BOOL)
+    lm_pre_norm: bool = field(True, "a decoder-only LM is pre-norm whatever normalize_before says (as fairseq's "
+                              "lightconv_lm forces it); False: it follows normalize_before (fairseq 0.12's plain "
+                              "transformer_lm is post-norm)", BOOL)
+    adaptive_input_cutoffs: Sequence[int] = field(
+        (), "e.g. (8000, 20000): fairseq's adaptive input: the decoder's embeddings in bands, band i "
+        "decoder_input_dim / factor**i wide and projected to d_model; () = one table; needs share_embeddings=False",
+        anything("increasing vocabulary cutoffs (checked with the vocabulary)"))
+    adaptive_input_factor: float = field(4.0, "adaptive input band i is decoder_input_dim / factor**i wide",
+                                         number(lambda v: v > 0, "a number > 0"))
+    tie_adaptive_weights: bool = field(False, "the adaptive softmax scores against the adaptive input's tables "
+                                       "(fairseq's --tie-adaptive-weights; same cutoffs and factor)", BOOL)
+    tie_adaptive_proj: bool = field(False, "with tie_adaptive_weights: the adaptive softmax tails' projections are "
+                                    "the adaptive input's, transposed (fairseq's --tie-adaptive-proj)", BOOL)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
@@ -139,8 +160,9 @@ class ModelConfig:
 
     def validate(self, decoder_only: bool = False) -> None:
         self._check_ranges()
+        self._check_decoder_ends()
         if self.adaptive_softmax_cutoffs:
-            adaptive_softmax.check_cutoffs(self.adaptive_softmax_cutoffs, self.vocab_size, self.d_model,
+            adaptive_softmax.check_cutoffs(self.adaptive_softmax_cutoffs, self.vocab_size, self.decoder_output_width,
                                            self.adaptive_softmax_factor, "config.model.adaptive_softmax_cutoffs")
             if self.share_embeddings:
                 raise UserError("config.model.adaptive_softmax_cutoffs needs config.model.share_embeddings=False "
@@ -180,6 +202,46 @@ class ModelConfig:
         """Each field's own rule, before any arithmetic with it (a zero head count would divide by zero)."""
         for f in dataclasses.fields(self):
             check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
+
+    @property
+    def decoder_input_width(self) -> int:
+        """The width of the decoder's token embeddings (band 0's with adaptive input)."""
+        return self.decoder_input_dim or self.d_model
+
+    @property
+    def decoder_output_width(self) -> int:
+        """The width the output layer reads."""
+        return self.decoder_output_dim or self.d_model
+
+    def _check_decoder_ends(self) -> None:
+        """The decoder's embeddings, projections and output layer fit together (as fairseq can build them)."""
+        name = "config.model"
+        if self.adaptive_input_cutoffs:
+            adaptive_softmax.check_cutoffs(self.adaptive_input_cutoffs, self.vocab_size, self.decoder_input_width,
+                                           self.adaptive_input_factor, f"{name}.adaptive_input_cutoffs")
+            if self.share_embeddings or self.share_decoder_input_output:
+                raise UserError(f"{name}.adaptive_input_cutoffs needs share_embeddings=False and "
+                                "share_decoder_input_output=False (the output layer cannot be the adaptive input; "
+                                "tie_adaptive_weights ties an adaptive softmax to it)")
+        if self.decoder_input_dim and self.decoder_input_dim != self.d_model and self.share_embeddings:
+            raise UserError(f"{name}.decoder_input_dim={self.decoder_input_dim} needs share_embeddings=False (the "
+                            f"source embeddings are d_model={self.d_model} wide)")
+        reads_table = self.share_embeddings or self.share_decoder_input_output
+        if reads_table and self.decoder_output_width != self.decoder_input_width:
+            raise UserError(f"{name}.decoder_output_dim={self.decoder_output_width} differs from the embedding width "
+                            f"{self.decoder_input_width}, which the tied output layer reads; set them equal or "
+                            "share_embeddings=share_decoder_input_output=False")
+        if self.tie_adaptive_weights:
+            same = (tuple(self.adaptive_input_cutoffs) == tuple(self.adaptive_softmax_cutoffs) != ()
+                    and self.adaptive_input_factor == self.adaptive_softmax_factor
+                    and self.decoder_input_width == self.decoder_output_width == self.d_model)
+            if not same:
+                raise UserError(f"{name}.tie_adaptive_weights needs adaptive_input_cutoffs = adaptive_softmax_cutoffs, "
+                                "adaptive_input_factor = adaptive_softmax_factor and decoder_input_dim = "
+                                "decoder_output_dim = d_model")
+        elif self.tie_adaptive_proj:
+            raise UserError(f"{name}.tie_adaptive_proj ties the adaptive softmax's projections to the adaptive "
+                            "input's: it needs tie_adaptive_weights=True")
 
     @property
     def decoder_start_id(self) -> int:

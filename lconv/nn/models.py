@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMAT_POLICIES, VOCAB
 from lconv.errors import UserError
-from lconv.nn import adaptive_softmax, mixers
+from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
 from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
 from lconv.nn.model_config import ModelConfig  # re-exported: models.ModelConfig is the documented name
@@ -54,7 +54,10 @@ class EncoderDecoder(nn.Module):
         cfg = self.config
         cfg.validate()
         self.source_embed = _embedding(cfg, "source_embed")
-        self.target_embed = self.source_embed if cfg.share_embeddings else _embedding(cfg, "target_embed")
+        self.target_embed = (self.source_embed if cfg.share_embeddings
+                             else decoder_ends.token_embedding(cfg, "target_embed"))
+        self.project_in = decoder_ends.project_in(cfg)
+        self.project_out = decoder_ends.project_out(cfg)
         self.encoder = Stack(cfg, side="encoder", name="encoder")
         self.decoder = Stack(cfg, side="decoder", name="decoder")
         self.source_positions = ScaleAndPosition(cfg)
@@ -77,7 +80,8 @@ class EncoderDecoder(nn.Module):
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
-        x = self.target_positions(self.target_embed(decoder_input_BT), positions, deterministic=deterministic)
+        x = self.target_positions(_project(self.project_in, self.target_embed(decoder_input_BT)), positions,
+                                  deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
                          decode=decode, encoded=encoded_BSC, encoded_segment_ids=encoded_segments)
         return self._logits(x, deterministic)
@@ -94,20 +98,26 @@ class EncoderDecoder(nn.Module):
 
     def _logits(self, x_BTC: Array, deterministic: bool) -> Array:
         cfg = self.config
+        x_BTC = _project(self.project_out, x_BTC)
         if cfg.share_embeddings or cfg.share_decoder_input_output:
             return constrain(self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(cfg, self.output_projection, x_BTC, deterministic)
+        return _project_output(cfg, self.output_projection, x_BTC, deterministic,
+                               tied=decoder_ends.tied_bands(cfg, self.target_embed))
 
 
 class DecoderOnlyLM(nn.Module):
-    """fairseq's ``lightconv_lm``: a causal stack with pre-norm (forced, for stability) and a final norm."""
+    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack with pre-norm (forced, for stability, unless
+    ``lm_pre_norm=False``) and a final norm (unless ``decoder_final_norm=False``); the ends of
+    ``lconv.nn.decoder_ends``."""
 
     config: ModelConfig
 
     def setup(self) -> None:
-        cfg = dataclasses.replace(self.config, normalize_before=True)
+        cfg = dataclasses.replace(self.config, normalize_before=True) if self.config.lm_pre_norm else self.config
         cfg.validate(decoder_only=True)
-        self.embed = _embedding(cfg, "embed")
+        self.embed = decoder_ends.token_embedding(cfg, "embed")
+        self.project_in = decoder_ends.project_in(cfg)
+        self.project_out = decoder_ends.project_out(cfg)
         self.decoder = Stack(cfg, side="decoder", cross_attention=False, name="decoder")
         self.scale_and_position = ScaleAndPosition(cfg)
         self.positions = DecodePositions()
@@ -121,11 +131,14 @@ class DecoderOnlyLM(nn.Module):
         inputs = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
         positions = self.positions(inputs, targets_position, decode)
-        x = self.scale_and_position(self.embed(inputs), positions, deterministic=deterministic)
+        x = self.scale_and_position(_project(self.project_in, self.embed(inputs)), positions,
+                                    deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
+        x = _project(self.project_out, x)
         if self.config.share_embeddings or self.config.share_decoder_input_output:
             return constrain(self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(self.config, self.output_projection, x, deterministic)
+        return _project_output(self.config, self.output_projection, x, deterministic,
+                               tied=decoder_ends.tied_bands(self.config, self.embed))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -150,7 +163,7 @@ class Stack(nn.Module):
             x = layer_class(cfg, mixer_name, layer=i, side=self.side, causal=causal,
                             cross_attention=causal and self.cross_attention, name=f"layer_{i}")(
                 x, segment_ids, positions, deterministic, decode, encoded, encoded_segment_ids)
-        if cfg.normalize_before:
+        if cfg.normalize_before and (self.side == "encoder" or cfg.decoder_final_norm):
             x = _layer_norm(cfg, "final_norm")(x)
         return constrain(x, BTC)
 
@@ -278,18 +291,25 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
     if cfg.adaptive_softmax_cutoffs:
         return adaptive_softmax.AdaptiveSoftmax(cfg.vocab_size, tuple(cfg.adaptive_softmax_cutoffs),
                                                 cfg.adaptive_softmax_factor, cfg.adaptive_softmax_dropout,
-                                                cfg.matmul_precision, name="adaptive_softmax")
+                                                cfg.matmul_precision, cfg.tie_adaptive_proj, name="adaptive_softmax")
     return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, name="output_projection",
                     precision=lax_precision(cfg.matmul_precision),
                     kernel_init=nn.with_logical_partitioning(
                         nn.initializers.normal(cfg.d_model ** -0.5), (EMBED, VOCAB)))
 
 
-def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deterministic: bool) -> Array:
-    """``[B, T, V]`` float32 logits (log-probabilities for the adaptive softmax, which has dropout)."""
+def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deterministic: bool,
+                    tied: Any = None) -> Array:
+    """``[B, T, V]`` float32 logits (log-probabilities for the adaptive softmax, which has dropout; ``tied``: the
+    adaptive input's bands it scores against, ``decoder_ends.tied_bands``)."""
     if cfg.adaptive_softmax_cutoffs:
-        return constrain(projection(x_BTC, deterministic=deterministic), BTV)
+        return constrain(projection(x_BTC, deterministic=deterministic, tied=tied), BTV)
     return constrain(projection(x_BTC).astype(jnp.float32), BTV)
+
+
+def _project(projection: nn.Module | None, x: Array) -> Array:
+    """``decoder_ends.project_in`` / ``project_out``, where the widths differ."""
+    return x if projection is None else projection(x)
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

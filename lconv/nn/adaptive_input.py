@@ -1,0 +1,83 @@
+"""Adaptive input embeddings (Baevski & Auli 2019) with fairseq's parameterisation (``fairseq.modules.AdaptiveInput``).
+
+The vocabulary is cut at ``cutoffs = (c0, c1, ...)`` into bands, the most frequent ids first: band ``i`` (ids
+``[c_{i-1}, c_i)``, band 0 from id 0, the last band up to the vocabulary's size) has its own embedding table
+``d_in / factor**i`` wide, followed by its own bias-free projection to the model width ``d``. Rare words get
+narrow embeddings, so most of a large vocabulary's parameters are saved. fairseq's names: band ``i`` is
+``embeddings.i.0`` (``nn.Embedding``, ``N(0, dim^-1/2)``, the padding row zeroed in band 0) and ``embeddings.i.1``
+(``Linear(dim, d, bias=False)``, xavier-uniform).
+
+The tables are also the output layer's when the adaptive softmax is tied to them (fairseq's
+``--tie-adaptive-weights``, ``lconv.nn.adaptive_softmax``): ``band_weights`` hands them out.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lconv.constants import ACT_VOCAB, EMBED, MLP, PAD_ID, VOCAB
+from lconv.nn.common import DType, constrain
+from lconv.ops.precision import lax_precision
+
+
+def band_edges(cutoffs: Sequence[int], vocab_size: int) -> list[tuple[int, int]]:
+    """``[(first id, end id)]`` of each band: ``[0, c0), [c0, c1), ..., [c_last, vocab_size)``."""
+    edges = [0, *cutoffs, vocab_size]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def band_width(input_dim: int, factor: float, band: int) -> int:
+    """fairseq's ``int(initial_dim // factor**band)`` (the same rounding, so the shapes match its checkpoints)."""
+    return int(input_dim // factor**band)
+
+
+class AdaptiveInput(nn.Module):
+    """``[B, T] int -> [B, T, output_dim]``: each token looked up in its band's table and projected to the width."""
+
+    vocab_size: int
+    cutoffs: Sequence[int]
+    input_dim: int  # band 0's width (fairseq's decoder_input_dim)
+    output_dim: int  # the model width every band is projected to (fairseq's decoder_embed_dim)
+    factor: float = 4.0
+    dtype: DType = jnp.float32
+    matmul_precision: str = "default"  # lconv.ops.precision
+
+    def setup(self) -> None:
+        tables, projections = [], []
+        for band, (start, end) in enumerate(band_edges(self.cutoffs, self.vocab_size)):
+            width = band_width(self.input_dim, self.factor, band)
+            tables.append(self.param(f"band_{band}", nn.with_logical_partitioning(
+                _embedding_init(zero_row=PAD_ID if band == 0 else None), (VOCAB, EMBED)), (end - start, width)))
+            # xavier-uniform as fairseq's Linear; [width, d] as every flax kernel ([in, out])
+            projections.append(self.param(f"band_{band}_projection", nn.with_logical_partitioning(
+                nn.initializers.xavier_uniform(), (MLP, EMBED)), (width, self.output_dim)))
+        self.tables, self.projections = tables, projections
+
+    def band_weights(self, band: int) -> tuple[jax.Array, jax.Array]:
+        """Band ``band``'s ``(table [ids, width], projection [width, d])``: what a tied adaptive softmax reads."""
+        return self.tables[band], self.projections[band]
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        out_BTC = jnp.zeros((*tokens_BT.shape, self.output_dim), self.dtype)
+        for band, (start, end) in enumerate(band_edges(self.cutoffs, self.vocab_size)):
+            in_band_BT = (tokens_BT >= start) & (tokens_BT < end)
+            # every token reads some row of every band (clipped ids), and only its own band's result is kept:
+            # static shapes, and B·T·Σ width·d flops, far below the output layer's
+            table = constrain(self.tables[band].astype(self.dtype), (ACT_VOCAB, None))  # gathered, as Embed
+            rows_BTW = jnp.take(table, jnp.clip(tokens_BT - start, 0, end - start - 1), axis=0)
+            projected_BTC = jnp.dot(rows_BTW, self.projections[band].astype(self.dtype),
+                                    precision=lax_precision(self.matmul_precision))
+            out_BTC = jnp.where(in_band_BT[..., None], projected_BTC, out_BTC)
+        return out_BTC
+
+
+def _embedding_init(zero_row: int | None):
+    """fairseq's ``N(0, width^-1/2)`` embedding init, with the padding row zeroed in band 0."""
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> jax.Array:
+        table = jax.random.normal(key, shape, dtype) * shape[1] ** -0.5
+        return table if zero_row is None else table.at[zero_row].set(0.0)
+
+    return init
