@@ -361,9 +361,11 @@ def make_case(name: str, scratch: pathlib.Path) -> dict:
     rng = np.random.default_rng(SEED)
     torch.manual_seed(SEED)
     record = {"name": name, "task": case.task, "covers": case.covers, "flags": list(matrix.flags(name)),
-              "share": case.share, "joined": case.joined, "files": dictionaries, "seed": SEED,
-              "init_std": INIT_STD, "fairseq": _version("fairseq"), "torch": torch.__version__,
-              "model_args": {k: v for k, v in sorted(vars(cfg.model).items()) if _jsonable(v)},
+              "share": case.share, "joined": case.joined, "cfg_model_type": type(cfg.model).__name__,
+              "files": dictionaries, "seed": SEED,
+              "init": {"std": INIT_STD, "linear_gain": LINEAR_GAIN, "embed_std": EMBED_STD},
+              "fairseq": _version("fairseq"), "torch": torch.__version__,
+              "model_args": {k: v for k, v in sorted(_model_args(cfg.model).items()) if _jsonable(v)},
               "parameters": sum(p.numel() for p in model.parameters()),
               "synthetic_training": {"steps": TRAIN_STEPS, "lr": TRAIN_LR, "losses": losses}}
     if case.task == "translation":
@@ -379,6 +381,14 @@ def make_case(name: str, scratch: pathlib.Path) -> dict:
     print(f"{name}: {record['parameters']:,} parameters, {size / 1024:.1f} KB", flush=True)
     return {"task": case.task, "covers": case.covers, "files": sorted(p.name for p in target.iterdir()),
             "bytes": size}
+
+
+def _model_args(model_cfg) -> dict:
+    """``cfg.model``: an ``argparse.Namespace`` for fairseq's legacy models (lightconv*, transformer), a config
+    for its dataclass models (transformer_lm), which the checkpoint stores as a plain dict."""
+    if isinstance(model_cfg, argparse.Namespace):
+        return vars(model_cfg)
+    return OmegaConf.to_container(model_cfg, resolve=True, enum_to_str=True)
 
 
 def _version(package: str) -> str:
