@@ -26,14 +26,16 @@ RESULTS = os.path.join(ROOT, "docs", "results", "fairseq_parity.json")
 
 def compare(name: str, workdir: str) -> dict:
     """One case's results: ``refused`` (the importer's line) or the worst differences of each comparison."""
-    from lconv.errors import UserError
+    import lconv
 
     try:
-        model = parity.import_case(name, workdir)
-    except UserError as err:
-        return {"imported": False, "refused": str(err)}
-    except Exception as err:  # noqa: BLE001 - a crash is a result too: the table says which
-        return {"imported": False, "refused": f"{type(err).__name__}: {err}"}
+        parity.import_workdir(name, workdir)
+    except Exception as err:  # noqa: BLE001 - a crash (not a UserError) is a result too: the table names it
+        return {"imported": False, "refused": _message(err, workdir)}
+    try:
+        model = lconv.load(workdir)
+    except Exception as err:  # noqa: BLE001 - as above
+        return {"imported": False, "refused": "the import's workdir does not load: " + _message(err, workdir)}
     result: dict = {"imported": True, "lprobs": parity.lprobs_difference(model, name)}
     if parity.case(name)["task"] == "translation":
         for beams in (1, 4):
@@ -46,6 +48,13 @@ def compare(name: str, workdir: str) -> dict:
         ours, theirs = parity.greedy_continuations(model, name)
         result["greedy"] = {"identical": sum(a == b for a, b in zip(ours, theirs)), "of": len(theirs)}
     return result
+
+
+def _message(err: Exception, workdir: str) -> str:
+    from lconv.errors import UserError
+
+    text = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+    return text.replace(workdir, "<workdir>").replace(str(parity.FIXTURES) + os.sep, "")
 
 
 def _cell(result: dict, key: str) -> str:

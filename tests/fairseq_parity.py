@@ -52,6 +52,14 @@ def to_fairseq(ids) -> list[int]:
 def import_case(name: str, workdir: str):
     """The case's checkpoint imported into ``workdir`` as a user imports it, loaded by ``lconv.load``."""
     import lconv
+
+    import_workdir(name, workdir)
+    return lconv.load(workdir)
+
+
+def import_workdir(name: str, workdir: str) -> None:
+    """``python -m lconv.import_fairseq`` of the case: its dictionaries, no SentencePiece model, and for
+    translation the decoding settings fairseq's searches used (``case.json``)."""
     from lconv.interop import fairseq_workdir
 
     record = case(name)
@@ -64,7 +72,6 @@ def import_case(name: str, workdir: str):
     fairseq_workdir.import_checkpoint(str(folder / "checkpoint.pt"), str(folder / record["files"]["dict"]), None,
                                       workdir, decode=decode, continuation="",
                                       target_dictionary=str(folder / target) if target else "")
-    return lconv.load(workdir)
 
 
 def _columns(vocab_size: int) -> np.ndarray:
