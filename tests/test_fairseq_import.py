@@ -159,13 +159,20 @@ def dynamic_checkpoint():
 def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
     _, args, updates = dynamic_checkpoint
     assert updates == 1500 and args["arch"] == "lightconv"
-    changed = {**args, "decoder_embed_dim": 128, "decoder_glu": False, "adaptive_softmax_cutoff": "1000,5000"}
+    changed = {**args, "decoder_embed_dim": 128, "decoder_conv_type": "separable",
+               "adaptive_softmax_cutoff": "1000,5000"}
     with pytest.raises(UserError) as err:
         fairseq.model_fields(changed, 1008)
     message = str(err.value)
     assert "\n" not in message
-    for named in ("decoder_embed_dim=128", "decoder_glu=False", "adaptive_softmax_cutoff"):
+    for named in ("decoder_embed_dim=128", "decoder_conv_type='separable'", "adaptive_softmax_cutoff"):
         assert named in message
+    transformer = {**args, "arch": "transformer", "activation_fn": "swish", "cross_self_attention": True,
+                   "decoder_normalize_before": True, "no_decoder_final_norm": True}
+    with pytest.raises(UserError) as err:
+        fairseq.model_fields(transformer, 1008)
+    for named in ("activation_fn='swish'", "cross_self_attention=True", "no_decoder_final_norm=True"):
+        assert named in str(err.value) and "\n" not in str(err.value)
     # sinusoidal positions: different source and target limits only bound lengths (learned tables must agree)
     assert fairseq.model_fields({**args, "max_target_positions": 512}, 1008)["max_len"] == 1024
     with pytest.raises(UserError, match="max_source_positions=1024.*max_target_positions=512"):
@@ -246,7 +253,8 @@ def test_the_numpy_reference_is_fairseqs_forward_pass(dynamic_checkpoint):
 
 # Architectures no fixture covers: (fairseq arguments over _BASE_ARGS). Together they take every importable
 # option both ways: conv type, GLU, pre/post-norm, learned/sinusoidal positions, shared / decoder-tied / separate
-# embeddings, conv width != model width, embedding scaling.
+# embeddings, conv width != model width, embedding scaling (lightconv ignores --no-scale-embedding), each per side,
+# different encoder and decoder widths (transformer), GELU both ways, embedding layer norm, no positions.
 VARIANTS = {
     "lightweight_noglu_prenorm_learned_tied_decoder": dict(
         arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="lightweight", encoder_glu=False,
@@ -259,6 +267,19 @@ VARIANTS = {
     "transformer_prenorm_learned_unscaled": dict(
         arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, encoder_learned_pos=True,
         decoder_learned_pos=True, no_scale_embedding=True, activation_fn="relu"),
+    # Per-side settings: every block setting differs between encoder and decoder.
+    "lightconv_sides_differ": dict(
+        arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="dynamic", encoder_glu=True,
+        decoder_glu=False, encoder_normalize_before=True, decoder_normalize_before=False, encoder_learned_pos=False,
+        decoder_learned_pos=True, encoder_attention_heads=4, decoder_attention_heads=2, encoder_ffn_embed_dim=32,
+        decoder_ffn_embed_dim=20, encoder_conv_dim=24, decoder_conv_dim=16, no_scale_embedding=True),
+    "transformer_widths_differ_gelu_layernorm_embedding": dict(
+        arch="transformer", decoder_embed_dim=12, decoder_attention_heads=3, decoder_ffn_embed_dim=20,
+        encoder_normalize_before=True, share_all_embeddings=False, share_decoder_input_output_embed=True,
+        activation_fn="gelu", layernorm_embedding=True, decoder_learned_pos=True),
+    "transformer_gelu_fast_no_positions": dict(
+        arch="transformer", activation_fn="gelu_fast", no_token_positional_embeddings=True, decoder_learned_pos=True,
+        share_all_embeddings=False, share_decoder_input_output_embed=False),
 }
 _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -270,27 +291,31 @@ _V = 24
 
 
 def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A random state dict under fairseq's names and [out, in] layouts for ``args``."""
-    C, F, H = args["encoder_embed_dim"], args["encoder_ffn_embed_dim"], args["encoder_attention_heads"]
-    conv = args.get("encoder_conv_dim", C)
+    """A random state dict under fairseq's names and [out, in] layouts for ``args``, each side at its own widths
+    (the decoder's encoder attention reads keys and values of the encoder's width, fairseq's kdim = vdim)."""
     w: dict[str, np.ndarray] = {}
     normal = lambda *shape: rng.normal(0.0, 0.3, shape).astype(np.float32)
+    lightconv = args["arch"].startswith("lightconv")
 
     def linear(name, out, inp, bias=True):
         w[f"{name}.weight"] = normal(out, inp)
         if bias:
             w[f"{name}.bias"] = normal(out)
 
-    def norm(name):
+    def norm(name, C):
         w[f"{name}.weight"], w[f"{name}.bias"] = 1.0 + normal(C), normal(C)
 
     for side in ("encoder", "decoder"):
+        C, F = args[f"{side}_embed_dim"], args[f"{side}_ffn_embed_dim"]
+        H, conv = args[f"{side}_attention_heads"], args.get(f"{side}_conv_dim", C)
         w[f"{side}.embed_tokens.weight"] = normal(_V, C)
-        if args[f"{side}_learned_pos"]:
+        if args[f"{side}_learned_pos"] and not args.get("no_token_positional_embeddings"):
             w[f"{side}.embed_positions.weight"] = normal(args["max_source_positions"] + 2, C)
+        if args.get("layernorm_embedding") and not lightconv:
+            norm(f"{side}.layernorm_embedding", C)
         for i in range(args[f"{side}_layers"]):
             p = f"{side}.layers.{i}"
-            if args["arch"].startswith("lightconv"):
+            if lightconv:
                 K = args[f"{side}_kernel_size_list"][i]
                 linear(f"{p}.linear1", 2 * conv if args[f"{side}_glu"] else conv, C)
                 if args[f"{side}_conv_type"] == "dynamic":
@@ -298,25 +323,25 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
                 else:
                     w[f"{p}.conv.weight"] = normal(H, 1, K)
                 linear(f"{p}.linear2", C, conv)
-                norm(f"{p}.layer_norms.0" if side == "encoder" else f"{p}.conv_layer_norm")
+                norm(f"{p}.layer_norms.0" if side == "encoder" else f"{p}.conv_layer_norm", C)
             else:
                 for proj in ("q", "k", "v", "out"):
                     linear(f"{p}.self_attn.{proj}_proj", C, C)
-                norm(f"{p}.self_attn_layer_norm")
+                norm(f"{p}.self_attn_layer_norm", C)
             if side == "decoder":
                 for proj in ("q", "k", "v", "out"):
-                    linear(f"{p}.encoder_attn.{proj}_proj", C, C)
-                norm(f"{p}.encoder_attn_layer_norm")
+                    linear(f"{p}.encoder_attn.{proj}_proj", C,
+                           args["encoder_embed_dim"] if proj in ("k", "v") else C)
+                norm(f"{p}.encoder_attn_layer_norm", C)
             linear(f"{p}.fc1", F, C)
             linear(f"{p}.fc2", C, F)
-            norm(f"{p}.layer_norms.1" if side == "encoder" and args["arch"].startswith("lightconv")
-                 else f"{p}.final_layer_norm")
+            norm(f"{p}.layer_norms.1" if side == "encoder" and lightconv else f"{p}.final_layer_norm", C)
         if args[f"{side}_normalize_before"]:
-            norm(f"{side}.layer_norm")
+            norm(f"{side}.layer_norm", C)
     if args["share_all_embeddings"]:
         w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]
     elif not args["share_decoder_input_output_embed"]:
-        w["decoder.embed_out"] = normal(_V, C)
+        w["decoder.embed_out"] = normal(_V, args["decoder_embed_dim"])
     return w
 
 
