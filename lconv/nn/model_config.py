@@ -269,6 +269,12 @@ class ModelConfig:
         values["conv_features"] = values["conv_features"] or values["d_model"]
         return SideConfig(name=name, **values)
 
+    def per_side(self, name: str, decoder_only: bool = False) -> Any:
+        """Side field ``name`` as tables show it: the value both sides resolve to, or ``(encoder, decoder)`` where
+        they differ (a decoder-only LM: the decoder's)."""
+        encoder, decoder = (getattr(self.side(s), name) for s in BOTH_SIDES)
+        return decoder if decoder_only or encoder == decoder else (encoder, decoder)
+
     @property
     def decoder_start_id(self) -> int:
         """The token id the decoder reads first (targets shifted right, and the first step of a search)."""
