@@ -290,7 +290,7 @@ _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_
 _V = 24
 
 
-def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _fairseq_weights(args: dict, rng: np.random.Generator, vocab: int = _V) -> dict[str, np.ndarray]:
     """A random state dict under fairseq's names and [out, in] layouts for ``args``, each side at its own widths
     (the decoder's encoder attention reads keys and values of the encoder's width, fairseq's kdim = vdim)."""
     w: dict[str, np.ndarray] = {}
@@ -308,7 +308,7 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
     for side in ("encoder", "decoder"):
         C, F = args[f"{side}_embed_dim"], args[f"{side}_ffn_embed_dim"]
         H, conv = args[f"{side}_attention_heads"], args.get(f"{side}_conv_dim", C)
-        w[f"{side}.embed_tokens.weight"] = normal(_V, C)
+        w[f"{side}.embed_tokens.weight"] = normal(vocab, C)
         if args[f"{side}_learned_pos"] and not args.get("no_token_positional_embeddings"):
             w[f"{side}.embed_positions.weight"] = normal(args["max_source_positions"] + 2, C)
         if args.get("layernorm_embedding") and not lightconv:
@@ -341,7 +341,7 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
     if args["share_all_embeddings"]:
         w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]
     elif not args["share_decoder_input_output_embed"]:
-        w["decoder.embed_out"] = normal(_V, args["decoder_embed_dim"])
+        w["decoder.embed_out"] = normal(vocab, args["decoder_embed_dim"])
     return w
 
 
@@ -356,14 +356,19 @@ def test_every_importable_architecture_matches_the_reference(variant):
     weights = _fairseq_weights(args, rng)
     fields = fairseq.model_fields(args, _V)
     model = EncoderDecoder(ModelConfig.from_config(fields, matmul_precision="highest"))
-    params = fairseq.lconv_params(weights, fields)
+    _assert_logits_are_the_references(model, fairseq.lconv_params(weights, fields), weights, args, _V, rng)
+
+
+def _assert_logits_are_the_references(model, params, weights, args, vocab, rng):
+    """Teacher-forced logits of a batch of random sentences (fairseq's padding on fairseq's side, lconv's on
+    lconv's) equal ``fairseq_reference.forward``'s in float32."""
     lengths, target_lengths = [7, 4, 6], [5, 7, 3]
     source = np.ones((3, 7), np.int64)  # fairseq: left-padded, EOS last
     previous = np.ones((3, 7), np.int64)  # fairseq: EOS first, right-padded
     target = np.zeros((3, 7), np.int32)  # lconv: the targets (EOS last), right-padded; the model shifts them
     for b, (n, m) in enumerate(zip(lengths, target_lengths)):
-        source[b, 7 - n:] = np.append(rng.integers(4, _V, n - 1), 2)
-        tokens = np.append(rng.integers(4, _V, m - 1), 2)
+        source[b, 7 - n:] = np.append(rng.integers(4, vocab, n - 1), 2)
+        tokens = np.append(rng.integers(4, vocab, m - 1), 2)
         previous[b, :m] = np.append(2, tokens[:-1])
         target[b, :m] = _to_lconv(tokens)
     inputs = np.zeros((3, 7), np.int32)
@@ -372,10 +377,39 @@ def test_every_importable_architecture_matches_the_reference(variant):
     logits = model.apply({"params": params}, inputs, target, inputs_segmentation=(inputs != 0).astype(np.int32),
                          targets_segmentation=(target != 0).astype(np.int32))
     expected = fairseq_reference.forward(weights, args, source, previous)
-    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(_V)]
+    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(vocab)]
     real = target != 0
     np.testing.assert_allclose(np.asarray(logits)[..., columns][real], expected[real],
                                **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
+def test_a_checkpoint_whose_sides_differ_imports_into_a_workdir_lconv_load_reads(tmp_path):
+    """The whole path for per-side settings and the transformer's flags: a fairseq checkpoint file (written as
+    fairseq writes one: cfg["model"] a Namespace) -> python -m lconv.import_fairseq's function -> config.json
+    -> lconv.load, whose model gives the reference's logits."""
+    import argparse
+    import collections
+
+    import torch
+
+    import lconv
+
+    args = {**_BASE_ARGS, **VARIANTS["transformer_widths_differ_gelu_layernorm_embedding"]}
+    rng = np.random.default_rng(1)
+    weights = _fairseq_weights(args, rng, vocab=1008)  # the fixtures' dictionary: 1008 ids
+    state = {"args": None, "cfg": {"model": argparse.Namespace(**args, _name=args["arch"])},
+             "model": collections.OrderedDict((k, torch.from_numpy(v)) for k, v in weights.items()),
+             "optimizer_history": [{"num_updates": 7}]}
+    torch.save(state, tmp_path / "checkpoint.pt")
+    workdir = str(tmp_path / "run")
+    fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
+                                      str(FIXTURES / "spm.model"), workdir)
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert (stored["d_model"], stored["decoder_d_model"], stored["decoder_num_heads"], stored["activation"],
+            stored["layernorm_embedding"], stored["encoder_normalize_before"]) == (16, 12, 3, "gelu", True, None)
+    model = lconv.load(workdir)
+    _assert_logits_are_the_references(model.module, model.params, weights, args, 1008, rng)
 
 
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
