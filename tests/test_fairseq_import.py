@@ -388,20 +388,12 @@ def test_a_checkpoint_whose_sides_differ_imports_into_a_workdir_lconv_load_reads
     """The whole path for per-side settings and the transformer's flags: a fairseq checkpoint file (written as
     fairseq writes one: cfg["model"] a Namespace) -> python -m lconv.import_fairseq's function -> config.json
     -> lconv.load, whose model gives the reference's logits."""
-    import argparse
-    import collections
-
-    import torch
-
     import lconv
 
     args = {**_BASE_ARGS, **VARIANTS["transformer_widths_differ_gelu_layernorm_embedding"]}
     rng = np.random.default_rng(1)
     weights = _fairseq_weights(args, rng, vocab=1008)  # the fixtures' dictionary: 1008 ids
-    state = {"args": None, "cfg": {"model": argparse.Namespace(**args, _name=args["arch"])},
-             "model": collections.OrderedDict((k, torch.from_numpy(v)) for k, v in weights.items()),
-             "optimizer_history": [{"num_updates": 7}]}
-    torch.save(state, tmp_path / "checkpoint.pt")
+    _save_checkpoint(tmp_path / "checkpoint.pt", weights, args)
     workdir = str(tmp_path / "run")
     fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
                                       str(FIXTURES / "spm.model"), workdir)
@@ -443,3 +435,29 @@ def test_the_pieces_tokenizer_joins_bpe_units_as_remove_bpe_does(tmp_path):
     (tmp_path / "pieces.json").write_text("{not json")
     with pytest.raises(UserError, match="is not a pieces vocabulary"):
         tokenizer_lib.load_tokenizer(str(tmp_path))
+
+
+def _save_checkpoint(path: pathlib.Path, weights: dict[str, np.ndarray], args: dict) -> None:
+    """A checkpoint file as fairseq 0.12 writes one: ``cfg["model"]`` an ``argparse.Namespace``."""
+    import argparse
+    import collections
+
+    import torch
+
+    torch.save({"args": None, "cfg": {"model": argparse.Namespace(**args, _name=args["arch"])},
+                "model": collections.OrderedDict((k, torch.from_numpy(v)) for k, v in weights.items()),
+                "optimizer_history": [{"num_updates": 7}]}, path)
+
+
+def test_separate_source_and_target_dictionaries_are_refused_in_one_line(tmp_path):
+    """fairseq-preprocess without --joined-dictionary: lconv's one tokenizer cannot number both sides."""
+    args = {**_BASE_ARGS, "arch": "transformer", "share_all_embeddings": False}
+    weights = {"encoder.embed_tokens.weight": np.zeros((1008, 16), np.float32),
+               "decoder.embed_tokens.weight": np.zeros((1000, 16), np.float32)}
+    _save_checkpoint(tmp_path / "checkpoint.pt", weights, args)
+    with pytest.raises(UserError) as err:
+        fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
+                                          str(FIXTURES / "spm.model"), str(tmp_path / "run"))
+    assert str(err.value).startswith("the checkpoint's source and target dictionaries differ (1008 and 1000 "
+                                     "embedding rows: fairseq-preprocess without --joined-dictionary)")
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()

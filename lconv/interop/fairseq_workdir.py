@@ -84,12 +84,19 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
 
 
 def _check_one_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary: str, target_dictionary: str) -> None:
-    """lconv has one vocabulary: the dictionary must number both embedding tables' rows (and equal the target's)."""
-    for side in ("encoder", "decoder"):
-        rows = weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
-        if rows != size:
+    """lconv has one vocabulary: the dictionary must number both embedding tables' rows (and equal the target's).
+    Separate source and target dictionaries (fairseq-preprocess without --joined-dictionary) would need a tokenizer
+    and a vocabulary per side through data, search and the API; they are refused in one line."""
+    rows = {side: weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
+            for side in ("encoder", "decoder")}
+    if rows["encoder"] != rows["decoder"]:
+        raise UserError(f"the checkpoint's source and target dictionaries differ ({rows['encoder']} and "
+                        f"{rows['decoder']} embedding rows: fairseq-preprocess without --joined-dictionary); lconv "
+                        "imports models with one dictionary for source and target")
+    for side, count in rows.items():
+        if count != size:
             raise UserError(f"{dictionary} gives {size} ids (4 special + {size - 4} lines) but the checkpoint's "
-                            f"{side} embeddings have {rows} rows: the dictionary it was trained with is needed, and "
+                            f"{side} embeddings have {count} rows: the dictionary it was trained with is needed, and "
                             "lconv imports models with one dictionary for source and target")
     if target_dictionary and fairseq_vocab.read_dictionary(target_dictionary) != \
             fairseq_vocab.read_dictionary(dictionary):
