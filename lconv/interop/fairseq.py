@@ -125,7 +125,8 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
                         "(fairseq's lightconv decoder attends the encoder output with keys of its own width, so "
                         "such a model cannot run in fairseq either)")
     for key in ("decoder_input_dim", "decoder_output_dim"):
-        require(key, lambda v: v in (None, widths["decoder"]), "lconv's decoder has no input/output projection")
+        require(key, lambda v: v is None or str(v) == str(widths["decoder"]),  # argparse may leave it a string
+                "lconv's decoder has no input/output projection")
     if lightconv:
         fields.update(_lightconv_fields(args, require))
     else:
@@ -221,8 +222,21 @@ class _StateDict:
         return sorted(k for k in self.weights if k not in self.used and not k.endswith(ignored))
 
 
+def check_one_dictionary(weights: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """``{side: embedding rows}``, refusing in one line a model trained with separate source and target
+    dictionaries: lconv's tokenizer is one vocabulary for both sides."""
+    rows = {side: np.shape(weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))))[0]
+            for side in ("encoder", "decoder")}
+    if rows["encoder"] != rows["decoder"]:
+        raise UserError(f"the checkpoint's source and target dictionaries differ ({rows['encoder']} and "
+                        f"{rows['decoder']} embedding rows: fairseq-preprocess without --joined-dictionary); lconv "
+                        "imports models with one dictionary for source and target")
+    return rows
+
+
 def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -> dict[str, Any]:
     """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe."""
+    check_one_dictionary(weights)
     state = _StateDict(weights)
     lightconv = fields["encoder_mixer"] != "attention"
     params: dict[str, Any] = {}

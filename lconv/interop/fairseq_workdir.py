@@ -87,12 +87,7 @@ def _check_one_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary:
     """lconv has one vocabulary: the dictionary must number both embedding tables' rows (and equal the target's).
     Separate source and target dictionaries (fairseq-preprocess without --joined-dictionary) would need a tokenizer
     and a vocabulary per side through data, search and the API; they are refused in one line."""
-    rows = {side: weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
-            for side in ("encoder", "decoder")}
-    if rows["encoder"] != rows["decoder"]:
-        raise UserError(f"the checkpoint's source and target dictionaries differ ({rows['encoder']} and "
-                        f"{rows['decoder']} embedding rows: fairseq-preprocess without --joined-dictionary); lconv "
-                        "imports models with one dictionary for source and target")
+    rows = fairseq.check_one_dictionary(weights)
     for side, count in rows.items():
         if count != size:
             raise UserError(f"{dictionary} gives {size} ids (4 special + {size - 4} lines) but the checkpoint's "
