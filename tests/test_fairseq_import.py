@@ -290,7 +290,8 @@ _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_
 _V = 24
 
 
-def _fairseq_weights(args: dict, rng: np.random.Generator, vocab: int = _V) -> dict[str, np.ndarray]:
+def _fairseq_weights(args: dict, rng: np.random.Generator, vocab: int = _V,
+                     target_vocab: int | None = None) -> dict[str, np.ndarray]:
     """A random state dict under fairseq's names and [out, in] layouts for ``args``, each side at its own widths
     (the decoder's encoder attention reads keys and values of the encoder's width, fairseq's kdim = vdim)."""
     w: dict[str, np.ndarray] = {}
@@ -308,7 +309,7 @@ def _fairseq_weights(args: dict, rng: np.random.Generator, vocab: int = _V) -> d
     for side in ("encoder", "decoder"):
         C, F = args[f"{side}_embed_dim"], args[f"{side}_ffn_embed_dim"]
         H, conv = args[f"{side}_attention_heads"], args.get(f"{side}_conv_dim", C)
-        w[f"{side}.embed_tokens.weight"] = normal(vocab, C)
+        w[f"{side}.embed_tokens.weight"] = normal(vocab if side == "encoder" else target_vocab or vocab, C)
         if args[f"{side}_learned_pos"] and not args.get("no_token_positional_embeddings"):
             w[f"{side}.embed_positions.weight"] = normal(args["max_source_positions"] + 2, C)
         if args.get("layernorm_embedding") and not lightconv:
@@ -341,7 +342,7 @@ def _fairseq_weights(args: dict, rng: np.random.Generator, vocab: int = _V) -> d
     if args["share_all_embeddings"]:
         w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]
     elif not args["share_decoder_input_output_embed"]:
-        w["decoder.embed_out"] = normal(vocab, args["decoder_embed_dim"])
+        w["decoder.embed_out"] = normal(target_vocab or vocab, args["decoder_embed_dim"])
     return w
 
 
@@ -359,28 +360,32 @@ def test_every_importable_architecture_matches_the_reference(variant):
     _assert_logits_are_the_references(model, fairseq.lconv_params(weights, fields), weights, args, _V, rng)
 
 
-def _assert_logits_are_the_references(model, params, weights, args, vocab, rng):
+def _assert_logits_are_the_references(model, params, weights, args, vocab, rng, target_vocab=None,
+                                      source_ids=_to_lconv):
     """Teacher-forced logits of a batch of random sentences (fairseq's padding on fairseq's side, lconv's on
-    lconv's) equal ``fairseq_reference.forward``'s in float32."""
+    lconv's) equal ``fairseq_reference.forward``'s in float32. ``source_ids``: fairseq's source ids -> lconv's;
+    the target's ids are lconv's but for the four specials, and logits past the target's ids are -inf."""
+    target_vocab = target_vocab or vocab
     lengths, target_lengths = [7, 4, 6], [5, 7, 3]
     source = np.ones((3, 7), np.int64)  # fairseq: left-padded, EOS last
     previous = np.ones((3, 7), np.int64)  # fairseq: EOS first, right-padded
     target = np.zeros((3, 7), np.int32)  # lconv: the targets (EOS last), right-padded; the model shifts them
     for b, (n, m) in enumerate(zip(lengths, target_lengths)):
         source[b, 7 - n:] = np.append(rng.integers(4, vocab, n - 1), 2)
-        tokens = np.append(rng.integers(4, vocab, m - 1), 2)
+        tokens = np.append(rng.integers(4, target_vocab, m - 1), 2)
         previous[b, :m] = np.append(2, tokens[:-1])
         target[b, :m] = _to_lconv(tokens)
     inputs = np.zeros((3, 7), np.int32)
     for b, n in enumerate(lengths):
-        inputs[b, :n] = _to_lconv(source[b, 7 - n:])
+        inputs[b, :n] = source_ids(source[b, 7 - n:])
     logits = model.apply({"params": params}, inputs, target, inputs_segmentation=(inputs != 0).astype(np.int32),
                          targets_segmentation=(target != 0).astype(np.int32))
     expected = fairseq_reference.forward(weights, args, source, previous)
-    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(vocab)]
+    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(target_vocab)]
     real = target != 0
     np.testing.assert_allclose(np.asarray(logits)[..., columns][real], expected[real],
                                **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5))
+    assert np.all(np.asarray(logits)[..., target_vocab:] == -np.inf)
 
 
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
@@ -449,8 +454,8 @@ def _save_checkpoint(path: pathlib.Path, weights: dict[str, np.ndarray], args: d
                 "optimizer_history": [{"num_updates": 7}]}, path)
 
 
-def test_separate_source_and_target_dictionaries_are_refused_in_one_line(tmp_path):
-    """fairseq-preprocess without --joined-dictionary: lconv's one tokenizer cannot number both sides."""
+def test_separate_dictionaries_without_the_target_one_are_refused_in_one_line(tmp_path):
+    """fairseq-preprocess without --joined-dictionary, imported with the source dictionary alone."""
     args = {**_BASE_ARGS, "arch": "transformer", "share_all_embeddings": False}
     weights = {"encoder.embed_tokens.weight": np.zeros((1008, 16), np.float32),
                "decoder.embed_tokens.weight": np.zeros((1000, 16), np.float32)}
@@ -459,5 +464,39 @@ def test_separate_source_and_target_dictionaries_are_refused_in_one_line(tmp_pat
         fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
                                           str(FIXTURES / "spm.model"), str(tmp_path / "run"))
     assert str(err.value).startswith("the checkpoint's source and target dictionaries differ (1008 and 1000 "
-                                     "embedding rows: fairseq-preprocess without --joined-dictionary)")
+                                     "embedding rows: fairseq-preprocess without --joined-dictionary); give the "
+                                     "target side's dict.txt too (--target_dict)")
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
+def test_separate_dictionaries_import_as_one_vocabulary_the_decoder_predicts_only_the_targets_of(tmp_path):
+    """fairseq-preprocess without --joined-dictionary: the source is the fixtures' dictionary, the target 300 of its
+    lines in another order. lconv's vocabulary is the target's symbols, then the source's others; the encoder
+    reads each source piece at its source row, the decoder predicts over the target's ids alone."""
+    import lconv
+
+    source = _lines(FIXTURES / "dict.txt")
+    target = source[::-3][:300]
+    (tmp_path / "dict.de.txt").write_text("\n".join(target) + "\n", encoding="utf-8")
+    args = {**_BASE_ARGS, **VARIANTS["transformer_gelu_fast_no_positions"], "share_decoder_input_output_embed": True}
+    rng = np.random.default_rng(2)
+    weights = _fairseq_weights(args, rng, vocab=1008, target_vocab=304)
+    _save_checkpoint(tmp_path / "checkpoint.pt", weights, args)
+    workdir = str(tmp_path / "run")
+    fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
+                                      str(FIXTURES / "spm.model"), workdir, target_dictionary=str(tmp_path /
+                                                                                                  "dict.de.txt"))
+    model = lconv.load(workdir)
+    assert (model.config.model.output_vocab_size, model.config.optim.label_smoothing) == (304, 0.0)
+    symbols = [line.split(" ")[0] for line in target] + [
+        s for s in (line.split(" ")[0] for line in source) if s not in {t.split(" ")[0] for t in target}]
+    lconv_id = {symbol: i + 4 for i, symbol in enumerate(symbols)}
+    by_fairseq_source_id = {i + 4: lconv_id[line.split(" ")[0]] for i, line in enumerate(source)}
+    to_lconv = lambda ids: np.array([by_fairseq_source_id.get(int(i), fairseq_vocab.FAIRSEQ_TO_LCONV.get(int(i)))
+                                     for i in ids])
+    sentence = _lines(FIXTURES / "test.src")[1]
+    pieces = spm.SentencePieceProcessor(model_file=str(FIXTURES / "spm.model")).encode(sentence, out_type=str)
+    assert model.tokenizer.encode(sentence).tolist() == [lconv_id[p] for p in pieces]
+    _assert_logits_are_the_references(model.module, model.params, weights, args, 1008, rng, target_vocab=304,
+                                      source_ids=to_lconv)

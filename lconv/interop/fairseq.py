@@ -222,38 +222,32 @@ class _StateDict:
         return sorted(k for k in self.weights if k not in self.used and not k.endswith(ignored))
 
 
-def check_one_dictionary(weights: Mapping[str, np.ndarray]) -> dict[str, int]:
-    """``{side: embedding rows}``, refusing in one line a model trained with separate source and target
-    dictionaries: lconv's tokenizer is one vocabulary for both sides."""
-    rows = {side: np.shape(weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))))[0]
-            for side in ("encoder", "decoder")}
-    if rows["encoder"] != rows["decoder"]:
-        raise UserError(f"the checkpoint's source and target dictionaries differ ({rows['encoder']} and "
-                        f"{rows['decoder']} embedding rows: fairseq-preprocess without --joined-dictionary); lconv "
-                        "imports models with one dictionary for source and target")
-    return rows
-
-
-def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -> dict[str, Any]:
-    """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe."""
-    check_one_dictionary(weights)
+def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any],
+                 orders: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe.
+    ``orders``: ``{side: the fairseq id of each lconv id}`` (``fairseq_vocab.side_order``) for a model trained with
+    separate dictionaries; without it both sides have one dictionary."""
+    if orders is None and len(weights.get("encoder.embed_tokens.weight", ())) != \
+            len(weights.get("decoder.embed_tokens.weight", ())):  # rows: one per dictionary entry
+        raise UserError("the checkpoint's source and target dictionaries differ (fairseq-preprocess without "
+                        "--joined-dictionary): each side's row order is needed (fairseq_vocab.side_order)")
+    rows = lambda side, table: lconv_rows(table, None if orders is None else orders[side])  # noqa: E731
     state = _StateDict(weights)
     lightconv = fields["encoder_mixer"] != "attention"
     params: dict[str, Any] = {}
+    params["source_embed"] = {"embedding": rows("encoder", state.take("encoder.embed_tokens.weight"))}
     if fields["share_embeddings"]:
-        params["source_embed"] = {"embedding": lconv_rows(state.take("encoder.embed_tokens.weight"))}
         for copy in ("decoder.embed_tokens.weight", "decoder.output_projection.weight", "decoder.embed_out"):
             if copy in weights:  # the same tensor stored again
-                _check_copy(state.take(copy), params["source_embed"]["embedding"], copy)
+                _check_copy(rows("decoder", state.take(copy)), params["source_embed"]["embedding"], copy)
     else:
-        params["source_embed"] = {"embedding": lconv_rows(state.take("encoder.embed_tokens.weight"))}
-        params["target_embed"] = {"embedding": lconv_rows(state.take("decoder.embed_tokens.weight"))}
+        params["target_embed"] = {"embedding": rows("decoder", state.take("decoder.embed_tokens.weight"))}
         output = "decoder.embed_out" if "decoder.embed_out" in weights else "decoder.output_projection.weight"
         if fields["share_decoder_input_output"]:
             if output in weights:
-                _check_copy(state.take(output), params["target_embed"]["embedding"], output)
+                _check_copy(rows("decoder", state.take(output)), params["target_embed"]["embedding"], output)
         else:
-            params["output_projection"] = {"kernel": lconv_rows(state.take(output)).T}
+            params["output_projection"] = {"kernel": rows("decoder", state.take(output)).T}
     config = ModelConfig.from_config(fields)  # each side's settings, resolved as the model resolves them
     for side, ours in (("encoder", "source_positions"), ("decoder", "target_positions")):
         embedding = {}
@@ -306,5 +300,6 @@ def _conv_block(state: _StateDict, prefix: str) -> dict[str, Any]:
 
 
 def _check_copy(copy: np.ndarray, embedding_VC: np.ndarray, key: str) -> None:
-    if copy.shape != embedding_VC.shape or not np.array_equal(lconv_rows(copy), embedding_VC):
+    """``copy``, in lconv's rows already, equals the table it should be a copy of."""
+    if copy.shape != embedding_VC.shape or not np.array_equal(copy, embedding_VC):
         raise UserError(f"{key} should be a copy of the shared embedding (share_all_embeddings) but differs")

@@ -143,6 +143,9 @@ class ModelConfig:
                                       "(fairseq's --layernorm-embedding)", BOOL)
     token_positions: bool = field(True, "add position embeddings to the tokens (fairseq's "
                                   "--no-token-positional-embeddings: False)", BOOL)
+    output_vocab_size: int = field(0, "the decoder predicts only ids below this; 0 = every id (a model imported "
+                                   "with separate source and target dictionaries: the target's come first)",
+                                   integer(0))
 
     # ---- Per-side overrides (fairseq's encoder_* / decoder_* arguments): None = the shared field of the same
     # name above. Model code reads them through ``side(name)``, never directly.
@@ -202,6 +205,9 @@ class ModelConfig:
         if self.share_decoder_input_output and self.adaptive_softmax_cutoffs:
             raise UserError("config.model.share_decoder_input_output and adaptive_softmax_cutoffs both set the "
                             "output layer; choose one")
+        if self.output_vocab_size and (self.output_vocab_size > self.vocab_size or self.adaptive_softmax_cutoffs):
+            raise UserError(f"config.model.output_vocab_size={self.output_vocab_size}: must be at most the "
+                            f"vocabulary's {self.vocab_size} ids, and without adaptive_softmax_cutoffs")
         ffn_class = _registered("ffn_type", mixers.ffn_class, self.ffn_type)
         if self.activation != "relu" and "activation" not in mixers.constructor_fields(ffn_class):
             raise UserError(f"config.model.activation={self.activation!r} needs an FFN with an activation field; "

@@ -96,8 +96,10 @@ class EncoderDecoder(nn.Module):
     def _logits(self, x_BTC: Array, deterministic: bool) -> Array:
         cfg = self.config
         if cfg.share_embeddings or cfg.share_decoder_input_output:
-            return constrain(self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(cfg, self.output_projection, x_BTC, deterministic)
+            logits_BTV = self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32)
+        else:
+            logits_BTV = _project_output(cfg, self.output_projection, x_BTC, deterministic)
+        return constrain(_only_outputs(cfg, logits_BTV), BTV)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -125,8 +127,10 @@ class DecoderOnlyLM(nn.Module):
         x = self.scale_and_position(self.embed(inputs), positions, deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
         if self.config.share_embeddings or self.config.share_decoder_input_output:
-            return constrain(self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(self.config, self.output_projection, x, deterministic)
+            logits_BTV = self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32)
+        else:
+            logits_BTV = _project_output(self.config, self.output_projection, x, deterministic)
+        return constrain(_only_outputs(self.config, logits_BTV), BTV)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,6 +305,14 @@ def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deter
     if cfg.adaptive_softmax_cutoffs:
         return constrain(projection(x_BTC, deterministic=deterministic), BTV)
     return constrain(projection(x_BTC).astype(jnp.float32), BTV)
+
+
+def _only_outputs(cfg: ModelConfig, logits_BTV: Array) -> Array:
+    """Logits of ids at or above ``output_vocab_size`` (source-only pieces of a model with separate dictionaries)
+    set to -inf, so the softmax is over the target dictionary alone, as fairseq's."""
+    if not cfg.output_vocab_size:
+        return logits_BTV
+    return jnp.where(jnp.arange(logits_BTV.shape[-1]) < cfg.output_vocab_size, logits_BTV, -jnp.inf)
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
