@@ -489,14 +489,15 @@ def test_separate_dictionaries_import_as_one_vocabulary_the_decoder_predicts_onl
                                                                                                   "dict.de.txt"))
     model = lconv.load(workdir)
     assert (model.config.model.output_vocab_size, model.config.optim.label_smoothing) == (304, 0.0)
-    symbols = [line.split(" ")[0] for line in target] + [
-        s for s in (line.split(" ")[0] for line in source) if s not in {t.split(" ")[0] for t in target}]
+    source_symbols, target_symbols = ([line.split(" ")[0] for line in lines] for lines in (source, target))
+    symbols = target_symbols + [s for s in source_symbols if s not in set(target_symbols)]  # by hand
     lconv_id = {symbol: i + 4 for i, symbol in enumerate(symbols)}
-    by_fairseq_source_id = {i + 4: lconv_id[line.split(" ")[0]] for i, line in enumerate(source)}
-    to_lconv = lambda ids: np.array([by_fairseq_source_id.get(int(i), fairseq_vocab.FAIRSEQ_TO_LCONV.get(int(i)))
-                                     for i in ids])
+    by_source_id = fairseq_vocab.lconv_ids(fairseq_vocab.joined_symbols(source_symbols, target_symbols),
+                                           source_symbols)
+    assert [by_source_id[i + 4] for i in range(len(source))] == [lconv_id[s] for s in source_symbols]
+    assert fairseq_vocab.lconv_ids(symbols, target_symbols)[4:].tolist() == list(range(4, 304))  # target first
     sentence = _lines(FIXTURES / "test.src")[1]
     pieces = spm.SentencePieceProcessor(model_file=str(FIXTURES / "spm.model")).encode(sentence, out_type=str)
     assert model.tokenizer.encode(sentence).tolist() == [lconv_id[p] for p in pieces]
     _assert_logits_are_the_references(model.module, model.params, weights, args, 1008, rng, target_vocab=304,
-                                      source_ids=to_lconv)
+                                      source_ids=lambda ids: by_source_id[ids])

@@ -78,6 +78,13 @@ def joined_symbols(source: list[str], target: list[str]) -> list[str]:
     return target + [symbol for symbol in source if symbol not in known]
 
 
+def lconv_ids(symbols: list[str], dictionary: list[str]) -> np.ndarray:
+    """``[4 + len(dictionary)]``: the lconv id of each fairseq id of one side's ``dictionary``, in the vocabulary
+    ``symbols`` (ids from 4) that holds every symbol of it: how a batch of fairseq ids becomes lconv's."""
+    ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(symbols)}
+    return np.array([FAIRSEQ_TO_LCONV[i] for i in range(len(FAIRSEQ_SPECIALS))] + [ids[s] for s in dictionary])
+
+
 def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
     """For each lconv id of the vocabulary ``symbols`` (ids from 4), the fairseq id of its symbol in one side's
     ``dictionary``, or that side's ``<unk>`` (3) where the dictionary lacks it, as fairseq maps such a piece."""
