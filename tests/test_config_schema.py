@@ -173,6 +173,7 @@ def test_an_old_model_section_loads_with_each_side_taking_the_shared_values(tmp_
     assert ModelConfig.from_config(_OLD_MODEL_SECTION, vocab_size=400) == model
 
 
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections loading the file
 def test_a_side_value_overrides_the_shared_one_and_the_command_line_sets_it():
     from absl import flags
     from ml_collections import config_flags
