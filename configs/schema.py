@@ -212,6 +212,10 @@ def validate_config(config: Any) -> None:
                         f"not {values['task']!r}")
     model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
     model_cfg.validate(decoder_only=values["task"] == "lm")
+    if model_cfg.output_vocab_size and values["optim"]["label_smoothing"]:
+        raise UserError(f"config.optim.label_smoothing={values['optim']['label_smoothing']}: must be 0 with "
+                        f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
+                        "probability onto the ids the decoder cannot predict)")
 
 
 def check_search(*, beam_size: int | None = None, lenpen: float | None = None,

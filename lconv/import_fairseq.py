@@ -13,10 +13,11 @@ def main(argv: list[str] | None = None) -> None:
 
     flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a lightconv* or transformer* translation "
                         "model, or a lightconv_lm* or transformer_lm* language model.")
-    flags.DEFINE_string("dict", None, "The dictionary it was trained with (dict.txt; a translation model's "
-                        "source and target joined).")
-    flags.DEFINE_string("target_dict", "", "The target side's dictionary, if it is another file: it must list the "
-                        "same symbols (lconv has one vocabulary for source and target).")
+    flags.DEFINE_string("dict", None, "The dictionary it was trained with (dict.txt; the source side's when the "
+                        "model has separate dictionaries).")
+    flags.DEFINE_string("target_dict", "", "The target side's dictionary, for a model trained without "
+                        "--joined-dictionary: lconv's one vocabulary is then the target's symbols, then the source's "
+                        "others, and the decoder predicts only the target's.")
     flags.DEFINE_string("spm", None, "The SentencePiece model whose pieces the dictionary lists. Without it, "
                         "text is given already split into the dictionary's pieces (Moses + BPE).")
     flags.DEFINE_string("bpe_continuation", "@@", "Without --spm: the marker of a piece continued by the next "

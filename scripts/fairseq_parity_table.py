@@ -69,7 +69,8 @@ def _cell(result: dict, key: str) -> str:
 
 
 def table(results: dict) -> str:
-    lines = ["| case | covers | import | worst log-prob difference (relative below -1) | greedy | beam 4 | eval-lm ppl difference |",
+    lines = ["| case | covers | import | worst log-prob difference (relative below -1) | greedy | beam 4 | "
+             "eval-lm ppl difference |",
              "|---|---|---|---|---|---|---|"]
     for name, entry in parity.manifest()["cases"].items():
         result = results[name]

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from lconv.nn import mixers  # noqa: E402
+from lconv.nn.model_config import ModelConfig  # noqa: E402
 from lconv.train import setup  # noqa: E402
 
 BEGIN, END = "<!-- param-table:begin -->", "<!-- param-table:end -->"
@@ -72,9 +73,16 @@ def table_rows():
         mixers = m.decoder_mixer if c.task == "lm" else f"{m.encoder_mixer} / {m.decoder_mixer}"
         layers = f"{m.decoder_layers}" if c.task == "lm" else f"{m.encoder_layers} / {m.decoder_layers}"
         vocab_note = f"{vocab or c.data.vocab_size:,}" + (" (fairseq's)" if vocab else "")
+        sides = ModelConfig.from_config(m, vocab_size=vocab or c.data.vocab_size)
+        widths = " / ".join(_per_side(sides.per_side(f, c.task == "lm")) for f in ("d_model", "ffn_dim", "num_heads"))
         yield (f"| `{label(name, variant)}` | {vocab_note} | {layers} | {mixers} | "
-               f"{m.d_model} / {m.ffn_dim} / {m.num_heads} | {n:,} ({n / 1e6:.1f}M) | "
+               f"{widths} | {n:,} ({n / 1e6:.1f}M) | "
                f"{PAPER.get((name, variant, vocab), '')} |")
+
+
+def _per_side(value) -> str:
+    """One value, or ``encoder+decoder`` where the config sets the sides apart."""
+    return "+".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def markdown_table() -> str:

@@ -64,6 +64,13 @@ def _adam(c, value):
     return value if c.optim.optimizer in ("adam", "adamw") else None
 
 
+def _sides(c, name):
+    """A per-side setting: one value, or (encoder, decoder) where the config sets the sides apart."""
+    from lconv.nn.model_config import ModelConfig
+
+    return ModelConfig.from_config(c.model, vocab_size=c.data.vocab_size).per_side(name, decoder_only=_lm(c))
+
+
 def _translation(c, value):
     return None if _lm(c) else value
 
@@ -72,11 +79,11 @@ def _translation(c, value):
 FIELDS: dict[str, Callable[[Any], Any]] = {
     "layers (enc / dec)": lambda c: c.model.decoder_layers if _lm(c) else
     (c.model.encoder_layers, c.model.decoder_layers),
-    "d / FFN / heads": lambda c: (c.model.d_model, c.model.ffn_dim, c.model.num_heads),
+    "d / FFN / heads": lambda c: tuple(_sides(c, name) for name in ("d_model", "ffn_dim", "num_heads")),
     "kernel sizes (enc / dec)": lambda c: (tuple(c.model.decoder_kernel_sizes),) if _lm(c) else
     (tuple(c.model.encoder_kernel_sizes), tuple(c.model.decoder_kernel_sizes)),
-    "GLU": lambda c: c.model.use_glu,
-    "pre-norm": lambda c: c.model.normalize_before,
+    "GLU": lambda c: _sides(c, "use_glu"),
+    "pre-norm": lambda c: _sides(c, "normalize_before"),
     "shared embeddings": lambda c: c.model.share_embeddings,
     "dropout": lambda c: c.model.dropout,
     "attention dropout": lambda c: c.model.attention_dropout,

@@ -15,6 +15,13 @@ from typing import Any
 import numpy as np
 
 PAD = 1
+_ERF = np.vectorize(math.erf)
+ACTIVATIONS = {  # fairseq's --activation-fn (fairseq.utils.get_activation_fn), in float64
+    "relu": lambda x: np.maximum(x, 0.0),
+    "gelu": lambda x: 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0))),
+    "gelu_accurate": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
+}
+ACTIVATIONS["gelu_fast"] = ACTIVATIONS["gelu_accurate"]
 
 
 def forward(weights: Mapping[str, np.ndarray], args: Mapping[str, Any], src_tokens: np.ndarray,
@@ -45,8 +52,20 @@ def forward(weights: Mapping[str, np.ndarray], args: Mapping[str, Any], src_toke
 
 
 def _embed(W, args, side, tokens):
+    """scale * embedding + positions, then (transformer only) the embedding layer norm: fairseq's lightconv reads
+    neither --no-scale-embedding nor --layernorm-embedding."""
     C = W[f"{side}.embed_tokens.weight"].shape[1]
-    scale = 1.0 if args.get("no_scale_embedding") else math.sqrt(C)
+    transformer = not str(args["arch"]).startswith("lightconv")
+    scale = 1.0 if transformer and args.get("no_scale_embedding") else math.sqrt(C)
+    x = scale * W[f"{side}.embed_tokens.weight"][tokens]
+    if not args.get("no_token_positional_embeddings"):
+        x = x + _positions(W, args, side, tokens, C)
+    if transformer and args.get("layernorm_embedding"):
+        x = _norm(W, f"{side}.layernorm_embedding", x)
+    return x
+
+
+def _positions(W, args, side, tokens, C):
     real = tokens != PAD
     positions = np.cumsum(real, axis=1) * real + PAD  # pad -> 1, the first real token -> 2
     if args[f"{side}_learned_pos"]:
@@ -57,7 +76,7 @@ def _embed(W, args, side, tokens):
         angles = np.arange(int(positions.max()) + 1)[:, None] * freq[None]
         table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
         table[PAD] = 0.0
-    return scale * W[f"{side}.embed_tokens.weight"][tokens] + table[positions]
+    return table[positions]
 
 
 def _linear(W, name, x):
@@ -93,7 +112,8 @@ def _layer(W, args, prefix, x, pad, encoded, lightconv, encoder):
         x = _sublayer(W, args, f"{prefix}.encoder_attn_layer_norm", x,
                       lambda h: _attention(W, args, f"{prefix}.encoder_attn", h, memory, memory_pad, causal=False),
                       encoder)
-    ffn = lambda h: _linear(W, f"{prefix}.fc2", np.maximum(_linear(W, f"{prefix}.fc1", h), 0.0))
+    act = ACTIVATIONS[args.get("activation_fn", "relu") if not lightconv else "relu"]  # lightconv: ReLU only
+    ffn = lambda h: _linear(W, f"{prefix}.fc2", act(_linear(W, f"{prefix}.fc1", h)))
     return _sublayer(W, args, norms[1], x, ffn, encoder)
 
 

@@ -15,7 +15,7 @@ from lconv.configs import common, schema
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.fields import schema_fields
-from lconv.nn.model_config import ModelConfig
+from lconv.nn.model_config import ModelConfig, SideConfig
 from lconv.train import setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -140,3 +140,80 @@ def test_no_config_field_is_read_with_a_fallback_of_its_own():
     """``config.train.get("spike_factor", 0.0)`` would shadow the schema's default; the schema fills it."""
     fallbacks = [where for section, name, where in _section_reads() if name == "get"]
     assert not fallbacks, "read the field: the schema fills what a config lacks:\n" + "\n".join(fallbacks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-side model settings: encoder_<field> / decoder_<field> override the shared field (ModelConfig.side)
+# ----------------------------------------------------------------------------------------------------------------
+# config.model as lconv wrote it before the per-side fields (and activation, layernorm_embedding, token_positions)
+# existed: a workdir's config.json from then must load to the same model.
+_OLD_MODEL_SECTION = {
+    "d_model": 48, "ffn_dim": 96, "num_heads": 4, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_mixer": "lightconv", "decoder_mixer": "dynamicconv", "encoder_kernel_sizes": [3, 5],
+    "decoder_kernel_sizes": [3], "mixer_kwargs": {}, "ffn_type": "dense", "ffn_kwargs": {}, "use_glu": False,
+    "conv_features": 24, "dropout": 0.1, "attention_dropout": 0.0, "relu_dropout": 0.0, "input_dropout": 0.0,
+    "weight_dropout": 0.1, "normalize_before": True, "share_embeddings": True, "adaptive_softmax_cutoffs": [],
+    "adaptive_softmax_factor": 4.0, "adaptive_softmax_dropout": 0.0, "learned_positions": True, "max_len": 64,
+    "conv_impl": "auto", "dtype": "float32", "remat": "none", "matmul_precision": "default",
+    "attention_impl": "auto", "weight_softmax": True, "decoder_start": "bos", "position_offset": 0,
+    "scale_embeddings": True, "share_decoder_input_output": False}
+
+
+def test_an_old_model_section_loads_with_each_side_taking_the_shared_values(tmp_path):
+    stored = common.base_config().to_dict()
+    stored["model"] = dict(_OLD_MODEL_SECTION)
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    config = setup.read_config(str(tmp_path))
+    schema.validate_config(config)
+    model = ModelConfig.from_config(config.model, vocab_size=400)
+    assert (model.activation, model.layernorm_embedding, model.token_positions) == ("relu", False, True)
+    for side in ("encoder", "decoder"):
+        assert model.side(side) == SideConfig(name=side, d_model=48, ffn_dim=96, num_heads=4, use_glu=False,
+                                              conv_features=24, normalize_before=True, learned_positions=True)
+    assert ModelConfig.from_config(_OLD_MODEL_SECTION, vocab_size=400) == model
+
+
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections loading the file
+def test_a_side_value_overrides_the_shared_one_and_the_command_line_sets_it():
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["train.py", "--config=configs/default.py", "--config.model.decoder_ffn_dim=256",
+            "--config.model.encoder_use_glu=False", "--config.model.decoder_d_model=128",
+            "--config.model.decoder_conv_features=64", "--config.model.encoder_normalize_before=False",
+            "--config.model.share_embeddings=False"]  # one table needs one width
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
+    flag_values(argv)
+    config = flag_values.config
+    schema.validate_config(config)
+    model = ModelConfig.from_config(config.model, vocab_size=400)
+    assert model.side("encoder") == SideConfig(name="encoder", d_model=256, ffn_dim=1024, num_heads=4,
+                                               use_glu=False, conv_features=256, normalize_before=False,
+                                               learned_positions=False)
+    assert model.side("decoder") == SideConfig(name="decoder", d_model=128, ffn_dim=256, num_heads=4, use_glu=True,
+                                               conv_features=64, normalize_before=True, learned_positions=False)
+    assert config.model.encoder_ffn_dim is None  # unset: the shared ffn_dim (1024)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(decoder_num_heads=5), "config.model.d_model=256 must be divisible by config.model.decoder_num_heads=5"),
+    (dict(encoder_d_model=250), "config.model.encoder_d_model=250 must be divisible by config.model.num_heads=4"),
+    (dict(decoder_conv_features=30), "config.model.decoder_conv_features=30 (the decoder's conv width) must be "
+                                     "divisible by config.model.num_heads=4"),
+    (dict(decoder_d_model=128, share_embeddings=True), "config.model.share_embeddings needs one width: encoder "
+                                                       "256, decoder 128"),
+    (dict(decoder_ffn_dim=0), "config.model.decoder_ffn_dim=0: must be None (= the shared field) or an integer"),
+    (dict(encoder_conv_features=-1), "config.model.encoder_conv_features=-1: must be None (= the shared field), 0 "
+                                     "(= the side's width) or an integer >= 1"),
+    (dict(activation="swish"), "config.model.activation='swish': must be one of relu, gelu, gelu_accurate"),
+    (dict(activation="gelu", ffn_type="colt5"), "config.model.activation='gelu' needs an FFN with an activation "
+                                                "field; ffn_type='colt5' has none"),
+])
+def test_a_bad_side_setting_is_one_line_naming_its_field(overrides, message):
+    config = common.base_config()
+    config.model.d_model, config.model.num_heads = 256, 4
+    config.model.update(overrides)
+    with pytest.raises(UserError) as error:
+        schema.validate_config(config)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)

@@ -159,13 +159,20 @@ def dynamic_checkpoint():
 def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
     _, args, updates = dynamic_checkpoint
     assert updates == 1500 and args["arch"] == "lightconv"
-    changed = {**args, "decoder_embed_dim": 128, "decoder_glu": False, "adaptive_softmax_cutoff": "1000,5000"}
+    changed = {**args, "decoder_embed_dim": 128, "decoder_conv_type": "separable",
+               "adaptive_softmax_cutoff": "1000,5000"}
     with pytest.raises(UserError) as err:
         fairseq.model_fields(changed, 1008)
     message = str(err.value)
     assert "\n" not in message
-    for named in ("decoder_embed_dim=128", "decoder_glu=False", "adaptive_softmax_cutoff"):
+    for named in ("decoder_embed_dim=128", "decoder_conv_type='separable'", "adaptive_softmax_cutoff"):
         assert named in message
+    transformer = {**args, "arch": "transformer", "activation_fn": "swish", "cross_self_attention": True,
+                   "decoder_normalize_before": True, "no_decoder_final_norm": True}
+    with pytest.raises(UserError) as err:
+        fairseq.model_fields(transformer, 1008)
+    for named in ("activation_fn='swish'", "cross_self_attention=True", "no_decoder_final_norm=True"):
+        assert named in str(err.value) and "\n" not in str(err.value)
     # sinusoidal positions: different source and target limits only bound lengths (learned tables must agree)
     assert fairseq.model_fields({**args, "max_target_positions": 512}, 1008)["max_len"] == 1024
     with pytest.raises(UserError, match="max_source_positions=1024.*max_target_positions=512"):
@@ -257,8 +264,9 @@ def test_the_numpy_reference_is_fairseqs_forward_pass(dynamic_checkpoint):
 
 # Architectures no fixture covers: (fairseq arguments over _BASE_ARGS). Together they take every importable
 # option both ways: conv type, GLU, pre/post-norm, learned/sinusoidal positions, shared / decoder-tied / separate
-# embeddings, conv width != model width, embedding scaling, an output projection (decoder_output_dim), no final
-# decoder norm.
+# embeddings, conv width != model width, embedding scaling (lightconv ignores --no-scale-embedding), each per side,
+# different encoder and decoder widths (transformer), GELU both ways, embedding layer norm, no positions, an output
+# projection (decoder_output_dim), no final decoder norm.
 VARIANTS = {
     "lightweight_noglu_prenorm_learned_tied_decoder": dict(
         arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="lightweight", encoder_glu=False,
@@ -277,6 +285,19 @@ VARIANTS = {
     "transformer_prenorm_no_decoder_final_norm": dict(
         arch="transformer", encoder_normalize_before=True, decoder_normalize_before=True, activation_fn="relu",
         no_decoder_final_norm=True),
+    # Per-side settings: every block setting differs between encoder and decoder.
+    "lightconv_sides_differ": dict(
+        arch="lightconv", encoder_conv_type="lightweight", decoder_conv_type="dynamic", encoder_glu=True,
+        decoder_glu=False, encoder_normalize_before=True, decoder_normalize_before=False, encoder_learned_pos=False,
+        decoder_learned_pos=True, encoder_attention_heads=4, decoder_attention_heads=2, encoder_ffn_embed_dim=32,
+        decoder_ffn_embed_dim=20, encoder_conv_dim=24, decoder_conv_dim=16, no_scale_embedding=True),
+    "transformer_widths_differ_gelu_layernorm_embedding": dict(
+        arch="transformer", decoder_embed_dim=12, decoder_attention_heads=3, decoder_ffn_embed_dim=20,
+        encoder_normalize_before=True, share_all_embeddings=False, share_decoder_input_output_embed=True,
+        activation_fn="gelu", layernorm_embedding=True, decoder_learned_pos=True),
+    "transformer_gelu_fast_no_positions": dict(
+        arch="transformer", activation_fn="gelu_fast", no_token_positional_embeddings=True, decoder_learned_pos=True,
+        share_all_embeddings=False, share_decoder_input_output_embed=False),
 }
 _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -287,28 +308,33 @@ _BASE_ARGS = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_
 _V = 24
 
 
-def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A random state dict under fairseq's names and [out, in] layouts for ``args``."""
-    C, F, H = args["encoder_embed_dim"], args["encoder_ffn_embed_dim"], args["encoder_attention_heads"]
-    conv = args.get("encoder_conv_dim", C)
+def _fairseq_weights(args: dict, rng: np.random.Generator, vocab: int = _V,
+                     target_vocab: int | None = None) -> dict[str, np.ndarray]:
+    """A random state dict under fairseq's names and [out, in] layouts for ``args``, each side at its own widths
+    (the decoder's encoder attention reads keys and values of the encoder's width, fairseq's kdim = vdim)."""
     w: dict[str, np.ndarray] = {}
     normal = lambda *shape: rng.normal(0.0, 0.3, shape).astype(np.float32)
+    lightconv = args["arch"].startswith("lightconv")
 
     def linear(name, out, inp, bias=True):
         w[f"{name}.weight"] = normal(out, inp)
         if bias:
             w[f"{name}.bias"] = normal(out)
 
-    def norm(name):
+    def norm(name, C):
         w[f"{name}.weight"], w[f"{name}.bias"] = 1.0 + normal(C), normal(C)
 
     for side in ("encoder", "decoder"):
-        w[f"{side}.embed_tokens.weight"] = normal(_V, C)
-        if args[f"{side}_learned_pos"]:
+        C, F = args[f"{side}_embed_dim"], args[f"{side}_ffn_embed_dim"]
+        H, conv = args[f"{side}_attention_heads"], args.get(f"{side}_conv_dim", C)
+        w[f"{side}.embed_tokens.weight"] = normal(vocab if side == "encoder" else target_vocab or vocab, C)
+        if args[f"{side}_learned_pos"] and not args.get("no_token_positional_embeddings"):
             w[f"{side}.embed_positions.weight"] = normal(args["max_source_positions"] + 2, C)
+        if args.get("layernorm_embedding") and not lightconv:
+            norm(f"{side}.layernorm_embedding", C)
         for i in range(args[f"{side}_layers"]):
             p = f"{side}.layers.{i}"
-            if args["arch"].startswith("lightconv"):
+            if lightconv:
                 K = args[f"{side}_kernel_size_list"][i]
                 linear(f"{p}.linear1", 2 * conv if args[f"{side}_glu"] else conv, C)
                 if args[f"{side}_conv_type"] == "dynamic":
@@ -316,28 +342,28 @@ def _fairseq_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarr
                 else:
                     w[f"{p}.conv.weight"] = normal(H, 1, K)
                 linear(f"{p}.linear2", C, conv)
-                norm(f"{p}.layer_norms.0" if side == "encoder" else f"{p}.conv_layer_norm")
+                norm(f"{p}.layer_norms.0" if side == "encoder" else f"{p}.conv_layer_norm", C)
             else:
                 for proj in ("q", "k", "v", "out"):
                     linear(f"{p}.self_attn.{proj}_proj", C, C)
-                norm(f"{p}.self_attn_layer_norm")
+                norm(f"{p}.self_attn_layer_norm", C)
             if side == "decoder":
                 for proj in ("q", "k", "v", "out"):
-                    linear(f"{p}.encoder_attn.{proj}_proj", C, C)
-                norm(f"{p}.encoder_attn_layer_norm")
+                    linear(f"{p}.encoder_attn.{proj}_proj", C,
+                           args["encoder_embed_dim"] if proj in ("k", "v") else C)
+                norm(f"{p}.encoder_attn_layer_norm", C)
             linear(f"{p}.fc1", F, C)
             linear(f"{p}.fc2", C, F)
-            norm(f"{p}.layer_norms.1" if side == "encoder" and args["arch"].startswith("lightconv")
-                 else f"{p}.final_layer_norm")
+            norm(f"{p}.layer_norms.1" if side == "encoder" and lightconv else f"{p}.final_layer_norm", C)
         if args[f"{side}_normalize_before"] and not (side == "decoder" and args.get("no_decoder_final_norm")):
-            norm(f"{side}.layer_norm")
+            norm(f"{side}.layer_norm", C)
     if args["share_all_embeddings"]:
         w["decoder.embed_tokens.weight"] = w["encoder.embed_tokens.weight"]
     elif not args["share_decoder_input_output_embed"]:
-        d_out = args.get("decoder_output_dim", C)
-        w["decoder.embed_out"] = normal(_V, d_out)
-        if d_out != C:
-            w["decoder.project_out_dim.weight"] = normal(d_out, C)
+        d_out = args.get("decoder_output_dim", args["decoder_embed_dim"])
+        w["decoder.embed_out"] = normal(target_vocab or vocab, d_out)
+        if d_out != args["decoder_embed_dim"]:
+            w["decoder.project_out_dim.weight"] = normal(d_out, args["decoder_embed_dim"])
     return w
 
 
@@ -352,26 +378,56 @@ def test_every_importable_architecture_matches_the_reference(variant):
     weights = _fairseq_weights(args, rng)
     fields = fairseq.model_fields(args, _V)
     model = EncoderDecoder(ModelConfig.from_config(fields, matmul_precision="highest"))
-    params = fairseq.lconv_params(weights, fields)
+    _assert_logits_are_the_references(model, fairseq.lconv_params(weights, fields), weights, args, _V, rng)
+
+
+def _assert_logits_are_the_references(model, params, weights, args, vocab, rng, target_vocab=None,
+                                      source_ids=_to_lconv):
+    """Teacher-forced logits of a batch of random sentences (fairseq's padding on fairseq's side, lconv's on
+    lconv's) equal ``fairseq_reference.forward``'s in float32. ``source_ids``: fairseq's source ids -> lconv's;
+    the target's ids are lconv's but for the four specials, and logits past the target's ids are -inf."""
+    target_vocab = target_vocab or vocab
     lengths, target_lengths = [7, 4, 6], [5, 7, 3]
     source = np.ones((3, 7), np.int64)  # fairseq: left-padded, EOS last
     previous = np.ones((3, 7), np.int64)  # fairseq: EOS first, right-padded
     target = np.zeros((3, 7), np.int32)  # lconv: the targets (EOS last), right-padded; the model shifts them
     for b, (n, m) in enumerate(zip(lengths, target_lengths)):
-        source[b, 7 - n:] = np.append(rng.integers(4, _V, n - 1), 2)
-        tokens = np.append(rng.integers(4, _V, m - 1), 2)
+        source[b, 7 - n:] = np.append(rng.integers(4, vocab, n - 1), 2)
+        tokens = np.append(rng.integers(4, target_vocab, m - 1), 2)
         previous[b, :m] = np.append(2, tokens[:-1])
         target[b, :m] = _to_lconv(tokens)
     inputs = np.zeros((3, 7), np.int32)
     for b, n in enumerate(lengths):
-        inputs[b, :n] = _to_lconv(source[b, 7 - n:])
+        inputs[b, :n] = source_ids(source[b, 7 - n:])
     logits = model.apply({"params": params}, inputs, target, inputs_segmentation=(inputs != 0).astype(np.int32),
                          targets_segmentation=(target != 0).astype(np.int32))
     expected = fairseq_reference.forward(weights, args, source, previous)
-    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(_V)]
+    columns = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(target_vocab)]
     real = target != 0
     np.testing.assert_allclose(np.asarray(logits)[..., columns][real], expected[real],
                                **tolerance(np.float32, "highest", rtol=1e-5, atol=1e-5))
+    assert np.all(np.asarray(logits)[..., target_vocab:] == -np.inf)
+
+
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
+def test_a_checkpoint_whose_sides_differ_imports_into_a_workdir_lconv_load_reads(tmp_path):
+    """The whole path for per-side settings and the transformer's flags: a fairseq checkpoint file (written as
+    fairseq writes one: cfg["model"] a Namespace) -> python -m lconv.import_fairseq's function -> config.json
+    -> lconv.load, whose model gives the reference's logits."""
+    import lconv
+
+    args = {**_BASE_ARGS, **VARIANTS["transformer_widths_differ_gelu_layernorm_embedding"]}
+    rng = np.random.default_rng(1)
+    weights = _fairseq_weights(args, rng, vocab=1008)  # the fixtures' dictionary: 1008 ids
+    _save_checkpoint(tmp_path / "checkpoint.pt", weights, args)
+    workdir = str(tmp_path / "run")
+    fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
+                                      str(FIXTURES / "spm.model"), workdir)
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert (stored["d_model"], stored["decoder_d_model"], stored["decoder_num_heads"], stored["activation"],
+            stored["layernorm_embedding"], stored["encoder_normalize_before"]) == (16, 12, 3, "gelu", True, None)
+    model = lconv.load(workdir)
+    _assert_logits_are_the_references(model.module, model.params, weights, args, 1008, rng)
 
 
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
@@ -405,3 +461,64 @@ def test_the_pieces_tokenizer_joins_bpe_units_as_remove_bpe_does(tmp_path):
     (tmp_path / "pieces.json").write_text("{not json")
     with pytest.raises(UserError, match="is not a pieces vocabulary"):
         tokenizer_lib.load_tokenizer(str(tmp_path))
+
+
+def _save_checkpoint(path: pathlib.Path, weights: dict[str, np.ndarray], args: dict) -> None:
+    """A checkpoint file as fairseq 0.12 writes one: ``cfg["model"]`` an ``argparse.Namespace``."""
+    import argparse
+    import collections
+
+    import torch
+
+    torch.save({"args": None, "cfg": {"model": argparse.Namespace(**args, _name=args["arch"])},
+                "model": collections.OrderedDict((k, torch.from_numpy(v)) for k, v in weights.items()),
+                "optimizer_history": [{"num_updates": 7}]}, path)
+
+
+def test_separate_dictionaries_without_the_target_one_are_refused_in_one_line(tmp_path):
+    """fairseq-preprocess without --joined-dictionary, imported with the source dictionary alone."""
+    args = {**_BASE_ARGS, "arch": "transformer", "share_all_embeddings": False}
+    weights = {"encoder.embed_tokens.weight": np.zeros((1008, 16), np.float32),
+               "decoder.embed_tokens.weight": np.zeros((1000, 16), np.float32)}
+    _save_checkpoint(tmp_path / "checkpoint.pt", weights, args)
+    with pytest.raises(UserError) as err:
+        fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
+                                          str(FIXTURES / "spm.model"), str(tmp_path / "run"))
+    assert str(err.value).startswith("the checkpoint's source and target dictionaries differ (1008 and 1000 "
+                                     "embedding rows: fairseq-preprocess without --joined-dictionary); give the "
+                                     "target side's dict.txt too (--target_dict)")
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
+def test_separate_dictionaries_import_as_one_vocabulary_the_decoder_predicts_only_the_targets_of(tmp_path):
+    """fairseq-preprocess without --joined-dictionary: the source is the fixtures' dictionary, the target 300 of its
+    lines in another order. lconv's vocabulary is the target's symbols, then the source's others; the encoder
+    reads each source piece at its source row, the decoder predicts over the target's ids alone."""
+    import lconv
+
+    source = _lines(FIXTURES / "dict.txt")
+    target = source[::-3][:300]
+    (tmp_path / "dict.de.txt").write_text("\n".join(target) + "\n", encoding="utf-8")
+    args = {**_BASE_ARGS, **VARIANTS["transformer_gelu_fast_no_positions"], "share_decoder_input_output_embed": True}
+    rng = np.random.default_rng(2)
+    weights = _fairseq_weights(args, rng, vocab=1008, target_vocab=304)
+    _save_checkpoint(tmp_path / "checkpoint.pt", weights, args)
+    workdir = str(tmp_path / "run")
+    fairseq_workdir.import_checkpoint(str(tmp_path / "checkpoint.pt"), str(FIXTURES / "dict.txt"),
+                                      str(FIXTURES / "spm.model"), workdir, target_dictionary=str(tmp_path /
+                                                                                                  "dict.de.txt"))
+    model = lconv.load(workdir)
+    assert (model.config.model.output_vocab_size, model.config.optim.label_smoothing) == (304, 0.0)
+    source_symbols, target_symbols = ([line.split(" ")[0] for line in lines] for lines in (source, target))
+    symbols = target_symbols + [s for s in source_symbols if s not in set(target_symbols)]  # by hand
+    lconv_id = {symbol: i + 4 for i, symbol in enumerate(symbols)}
+    by_source_id = fairseq_vocab.lconv_ids(fairseq_vocab.joined_symbols(source_symbols, target_symbols),
+                                           source_symbols)
+    assert [by_source_id[i + 4] for i in range(len(source))] == [lconv_id[s] for s in source_symbols]
+    assert fairseq_vocab.lconv_ids(symbols, target_symbols)[4:].tolist() == list(range(4, 304))  # target first
+    sentence = _lines(FIXTURES / "test.src")[1]
+    pieces = spm.SentencePieceProcessor(model_file=str(FIXTURES / "spm.model")).encode(sentence, out_type=str)
+    assert model.tokenizer.encode(sentence).tolist() == [lconv_id[p] for p in pieces]
+    _assert_logits_are_the_references(model.module, model.params, weights, args, 1008, rng, target_vocab=304,
+                                      source_ids=lambda ids: by_source_id[ids])

@@ -1,9 +1,9 @@
 """The fairseq parity matrix (issue 29): every case of tests/fixtures/fairseq_parity, a tiny fairseq 0.12.2 model
 for one flag or pair of flags, imported as a user imports it (``python -m lconv.import_fairseq``, then
-``lconv.load``), gives fairseq's teacher-forced log-probabilities (1e-5, relative below -1), its greedy and beam-4 n-best lists
-token for token (scores 1e-4) and, for language models, fairseq-eval-lm's perplexity (0.1%) and its greedy
-continuation. The references are fairseq's own outputs (scripts/make_fairseq_parity.py; docs/fairseq.md shows
-the matrix); fairseq is not needed here.
+``lconv.load``), gives fairseq's teacher-forced log-probabilities (1e-5, relative below -1), its greedy and
+beam-4 n-best lists token for token (scores 1e-4) and, for language models, fairseq-eval-lm's perplexity (0.1%)
+and its greedy continuation. The references are fairseq's own outputs (scripts/make_fairseq_parity.py;
+docs/fairseq.md shows the matrix); fairseq is not needed here.
 
 A case lconv cannot import yet fails with the importer's one-line refusal: that is the matrix's point.
 """
@@ -52,7 +52,8 @@ def test_the_manifest_lists_every_case_folder():
 @pytest.mark.parametrize("name", by_case(list(CASES)))
 def test_log_probabilities_are_fairseqs(imported, name):
     difference = parity.lprobs_difference(imported(name), name)
-    assert parity.within_float32(difference), f"{name}: max |lconv - fairseq| / max(1, |fairseq|) log-prob = {difference:.3g}"
+    assert parity.within_float32(difference), \
+        f"{name}: max |lconv - fairseq| / max(1, |fairseq|) log-prob = {difference:.3g}"
 
 
 @pytest.mark.slow  # compiles a beam search per case and beam size (~6 s each)

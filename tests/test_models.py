@@ -3,6 +3,7 @@ the causal decoder never sees the future; bad model configs fail with one clear 
 import pathlib
 import types
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,6 +164,41 @@ def test_encoder_decoder_with_every_mixer_decodes_like_the_full_pass_and_never_s
     src, tgt = _tokens((2, 7), 0, pad_from=5), _tokens((2, 9), 1)
     v = fns.init(jax.random.key(0), src, tgt)
     assert "router" in v["params"]["encoder"]["layer_0"]["ffn"] and "fc1" in v["params"]["decoder"]["layer_0"]["ffn"]
+    full = fns.full(v, src, tgt)
+    _assert_causal(lambda t: fns.full(v, src, t), full, tgt, shifted=True)
+    decoded = _decode_in_chunks(fns.decode, v, models.shift_right(tgt), fns.encode(v, src), src)
+    np.testing.assert_allclose(decoded, full, **_tol(1e-4))
+
+
+# Every side setting differs between encoder and decoder (ModelConfig.side), plus the fairseq transformer flags.
+SIDES_APART = dict(encoder_layers=1, decoder_layers=2, encoder_mixer="lightconv", decoder_mixer="dynamicconv,attention",
+                   encoder_kernel_sizes=(3,), decoder_kernel_sizes=(4,), share_embeddings=False,
+                   d_model=16, decoder_d_model=12, ffn_dim=24, decoder_ffn_dim=20, num_heads=4, decoder_num_heads=3,
+                   use_glu=True, decoder_use_glu=False, conv_features=8, decoder_conv_features=0,
+                   normalize_before=False, decoder_normalize_before=True, learned_positions=True,
+                   decoder_learned_positions=False, activation="gelu", layernorm_embedding=True)
+
+
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
+def test_a_model_whose_sides_differ_has_each_sides_shapes_and_decodes_like_the_full_pass():
+    """Each side's parameters have its own widths (the decoder's encoder attention projects keys and values from
+    the encoder's width), and the decoder, pre-norm and narrower, decodes exactly like its full pass."""
+    fns = _jitted(_small(**SIDES_APART), "ed")
+    src, tgt = _tokens((2, 7), 0, pad_from=5), _tokens((2, 9), 1)
+    v = fns.init(jax.random.key(0), src, tgt)
+    shapes = jax.tree.map(np.shape, flax.linen.unbox(v["params"]))
+    encoder, decoder = shapes["encoder"]["layer_0"], shapes["decoder"]
+    assert encoder["mixer"]["linear1"]["kernel"] == (16, 2 * 8)  # GLU over its conv width 8
+    assert encoder["ffn"]["fc1"]["kernel"] == (16, 24)
+    assert decoder["layer_0"]["mixer"]["linear1"]["kernel"] == (12, 12)  # no GLU, conv width = its own
+    assert decoder["layer_0"]["mixer"]["conv"]["weight_linear"]["kernel"] == (12, 3 * 4)  # 3 heads, K = 4
+    assert decoder["layer_1"]["ffn"]["fc1"]["kernel"] == (12, 20)
+    cross = decoder["layer_1"]["encoder_attention"]
+    assert (cross["query"]["kernel"], cross["key"]["kernel"], cross["value"]["kernel"]) == ((12, 12), (16, 12),
+                                                                                            (16, 12))
+    assert "final_norm" in decoder and "final_norm" not in shapes["encoder"]  # pre-norm decoder, post-norm encoder
+    assert "learned" in shapes["source_positions"] and "learned" not in shapes["target_positions"]
+    assert shapes["target_embed"]["embedding"] == (37, 12) and shapes["output_projection"]["kernel"] == (12, 37)
     full = fns.full(v, src, tgt)
     _assert_causal(lambda t: fns.full(v, src, t), full, tgt, shifted=True)
     decoded = _decode_in_chunks(fns.decode, v, models.shift_right(tgt), fns.encode(v, src), src)

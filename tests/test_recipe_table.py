@@ -93,6 +93,14 @@ def test_self_and_cross_attention_init_as_fairseq():
                        "CrossAttention")
 
 
+def test_cross_attention_to_an_encoder_of_another_width_inits_qkv_at_gain_one_as_fairseq():
+    """fairseq's qkv_same_dim is False when kdim = vdim = the encoder's width differs: plain xavier-uniform."""
+    params = _params(CrossAttention(num_heads=H), jnp.zeros((1, 3, C)), jnp.zeros((1, 5, 3 * C // 2)))
+    assert params["key"]["kernel"].shape == (3 * C // 2, C)
+    for name in ("query", "key", "value", "out"):
+        _check_xavier(params[name]["kernel"], 1.0, f"CrossAttention.{name}")
+
+
 @pytest.mark.parametrize("name,fields,qkv", [
     ("fixed", dict(max_len=8, mix_dot_product=True), ("query", "key", "value")),
     ("hadamard", dict(max_len=8, project_qk=True), ("query", "key", "value")),

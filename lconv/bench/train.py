@@ -25,6 +25,7 @@ import numpy as np
 
 from lconv.bench import report, timing
 from lconv.configs import common
+from lconv.nn.model_config import ModelConfig
 from lconv.ops import flash
 from lconv.train import setup, steps
 
@@ -87,8 +88,9 @@ def attention_kernel(config: setup.Config) -> str | None:
     """The attention kernel the Transformer LM's ``"auto"`` runs on this backend (None for other mixers)."""
     if config.model.decoder_mixer != "attention":
         return None
-    B, T, H = config.data.batch_size, config.data.max_target_length, config.model.num_heads
-    shape = (B, T, H, config.model.d_model // H)
+    decoder = ModelConfig.from_config(config.model, vocab_size=VOCAB).side("decoder")
+    B, T, H = config.data.batch_size, config.data.max_target_length, decoder.num_heads
+    shape = (B, T, H, decoder.d_model // H)
     platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     return flash.auto_impl(platform, shape, shape, jnp.dtype(config.model.dtype), segmented=True, causal=True,
                            dropout=config.model.attention_dropout > 0)

@@ -24,6 +24,7 @@ import numpy as np
 
 from lconv.errors import UserError
 from lconv.interop.fairseq_vocab import lconv_rows
+from lconv.nn.model_config import ModelConfig
 
 LIGHTCONV_ARCHS = "lightconv"  # lightconv, lightconv_iwslt_de_en, lightconv_wmt_en_de(_big), ...
 TRANSFORMER_ARCHS = "transformer"  # transformer, transformer_wmt_en_de(_big), transformer_iwslt_de_en, ...
@@ -79,9 +80,27 @@ def _model_args(state: Mapping[str, Any], path: str) -> dict[str, Any]:
     return args
 
 
+# lconv's per-side model fields and the fairseq arguments that set them ("{side}_" + the argument's tail).
+SIDE_ARGS = {"d_model": "embed_dim", "ffn_dim": "ffn_embed_dim", "num_heads": "attention_heads",
+             "normalize_before": "normalize_before", "learned_positions": "learned_pos"}
+LIGHTCONV_SIDE_ARGS = {"use_glu": "glu"}  # and conv_dim (conv_features: 0 = the side's width)
+# fairseq's --activation-fn names lconv has, under lconv's name (gelu_fast is fairseq's old name of gelu_accurate)
+ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_fast": "gelu_accurate", "gelu_accurate": "gelu_accurate",
+                    "relu_squared": "relu_squared", "tanh": "tanh", "linear": "linear"}
+# Transformer arguments that add parameters or computation lconv's model lacks: any true value is refused.
+_TRANSFORMER_ABSENT = {
+    "no_cross_attention": "a decoder without encoder attention", "cross_self_attention": "cross+self attention",
+    "adaptive_input": "adaptive input is for language models", "tie_adaptive_weights": "adaptive input",
+    "encoder_layers_to_keep": "pruned layers", "decoder_layers_to_keep": "pruned layers",
+    "quant_noise_pq": "quantisation noise", "base_layers": "BASE layers", "scale_attn": "NormFormer",
+    "scale_fc": "NormFormer", "scale_heads": "NormFormer", "scale_resids": "NormFormer",
+    "char_inputs": "character inputs"}
+
+
 def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """``config.model`` fields equal to fairseq's model arguments; one ``UserError`` lists all that lconv cannot
-    express (different encoder and decoder widths, adaptive softmax, a non-ReLU activation, ...)."""
+    express (adaptive softmax, an activation lconv lacks, ...). The shared fields take the encoder's values and
+    ``decoder_<field>`` is set where the decoder's differ."""
     arch = str(args.get("arch") or "")
     if is_language_model(args):
         raise UserError(f"fairseq architecture {arch!r} is a language model: import it with "
@@ -92,70 +111,93 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     lightconv = arch.startswith(LIGHTCONV_ARCHS)
     problems: list[str] = []
 
-    def same(encoder_key: str, decoder_key: str) -> Any:
-        if args.get(encoder_key) != args.get(decoder_key):
-            problems.append(f"{encoder_key}={args.get(encoder_key)} differs from {decoder_key}="
-                            f"{args.get(decoder_key)} (lconv has one value for both)")
-        return args.get(encoder_key)
-
     def require(key: str, allowed: Callable[[Any], bool], why: str) -> None:
         if key in args and not allowed(args[key]):
             problems.append(f"{key}={args[key]!r} ({why})")
 
-    d_model = same("encoder_embed_dim", "decoder_embed_dim")
-    # decoder_input_dim is not read here: fairseq's translation models embed targets decoder_embed_dim wide
-    output_dim = int(args.get("decoder_output_dim") or d_model)  # a str in transformer checkpoints (no argparse type)
-    if output_dim != d_model and (args.get("share_all_embeddings") or args.get("share_decoder_input_output_embed")):
-        problems.append(f"decoder_output_dim={output_dim} with shared output embeddings {d_model} wide (fairseq "
-                        "itself cannot run it)")
     fields: dict[str, Any] = dict(
-        vocab_size=vocab_size, d_model=d_model, ffn_dim=same("encoder_ffn_embed_dim", "decoder_ffn_embed_dim"),
-        num_heads=same("encoder_attention_heads", "decoder_attention_heads"),
-        encoder_layers=args["encoder_layers"], decoder_layers=args["decoder_layers"],
+        vocab_size=vocab_size, encoder_layers=args["encoder_layers"], decoder_layers=args["decoder_layers"],
         dropout=args.get("dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.0),
-        normalize_before=same("encoder_normalize_before", "decoder_normalize_before"),
-        learned_positions=same("encoder_learned_pos", "decoder_learned_pos"),
-        # learned tables must have one size; sinusoidal positions only bound the lengths lconv accepts
-        max_len=same("max_source_positions", "max_target_positions") if args.get("encoder_learned_pos")
-        else max(args.get("max_source_positions", 1024), args.get("max_target_positions", 1024)),
-        share_embeddings=bool(args.get("share_all_embeddings")),
+        max_len=_max_len(args, problems), share_embeddings=bool(args.get("share_all_embeddings")),
         share_decoder_input_output=bool(args.get("share_decoder_input_output_embed"))
         and not args.get("share_all_embeddings"),
-        decoder_start="eos", position_offset=PADDING_IDX + 1,
-        scale_embeddings=not args.get("no_scale_embedding", False),
-        decoder_output_dim=0 if output_dim == d_model else int(output_dim))
+        token_positions=not args.get("no_token_positional_embeddings", False),
+        decoder_start="eos", position_offset=PADDING_IDX + 1)
+    for name, tail in {**SIDE_ARGS, **(LIGHTCONV_SIDE_ARGS if lightconv else {})}.items():
+        _per_side(fields, name, args.get(f"encoder_{tail}"), args.get(f"decoder_{tail}"))
+    widths = {side: args.get(f"{side}_embed_dim") for side in ("encoder", "decoder")}
+    if lightconv and widths["encoder"] != widths["decoder"]:
+        problems.append(f"encoder_embed_dim={widths['encoder']} differs from decoder_embed_dim={widths['decoder']} "
+                        "(fairseq's lightconv decoder attends the encoder output with keys of its own width, so "
+                        "such a model cannot run in fairseq either)")
+    # decoder_input_dim is not read: fairseq's translation decoders embed targets decoder_embed_dim wide
+    output_dim = int(args.get("decoder_output_dim") or widths["decoder"])  # a str in transformer checkpoints
+    if output_dim != widths["decoder"] and (args.get("share_all_embeddings")
+                                             or args.get("share_decoder_input_output_embed")):
+        problems.append(f"decoder_output_dim={output_dim} with shared output embeddings {widths['decoder']} wide "
+                        "(fairseq itself cannot run it)")
+    fields["decoder_output_dim"] = 0 if output_dim == widths["decoder"] else output_dim
     if lightconv:
-        fields.update(
-            encoder_mixer=CONV_MIXERS.get(args.get("encoder_conv_type"), args.get("encoder_conv_type")),
-            decoder_mixer=CONV_MIXERS.get(args.get("decoder_conv_type"), args.get("decoder_conv_type")),
-            encoder_kernel_sizes=tuple(args["encoder_kernel_size_list"]),
-            decoder_kernel_sizes=tuple(args["decoder_kernel_size_list"]),
-            use_glu=bool(same("encoder_glu", "decoder_glu")),
-            conv_features=conv_features_field(same("encoder_conv_dim", "decoder_conv_dim"), d_model),
-            relu_dropout=args.get("relu_dropout", 0.0), input_dropout=args.get("input_dropout", 0.0),
-            weight_dropout=args.get("weight_dropout", 0.0), weight_softmax=bool(args.get("weight_softmax", True)))
-        for side in ("encoder", "decoder"):
-            require(f"{side}_conv_type", lambda v: v in CONV_MIXERS, "lightweight or dynamic")
+        fields.update(_lightconv_fields(args, require))
     else:
-        fields.update(encoder_mixer="attention", decoder_mixer="attention", encoder_kernel_sizes=(3,),
-                      decoder_kernel_sizes=(3,), weight_dropout=0.0, relu_dropout=args.get("activation_dropout", 0.0),
-                      decoder_final_norm=not args.get("no_decoder_final_norm", False))
-        require("activation_fn", lambda v: v == "relu", "lconv's FFN is ReLU")
-        for key in ("layernorm_embedding", "no_cross_attention", "cross_self_attention", "adaptive_input",
-                    "tie_adaptive_weights"):
-            require(key, lambda v: not v, "not in lconv's model")
-        for key in ("encoder_layers_to_keep", "decoder_layers_to_keep"):
-            require(key, lambda v: not v, "pruned layers")
-        require("quant_noise_pq", lambda v: not v, "quantisation noise")
+        fields.update(_transformer_fields(args, require))
     require("adaptive_softmax_cutoff", lambda v: not v, "adaptive softmax is for language models")
-    require("no_token_positional_embeddings", lambda v: not v, "lconv's models always add positions")
     if problems:
         raise UserError(f"this {arch} checkpoint has settings lconv's model lacks: {'; '.join(problems)}")
     return fields
 
 
+def _per_side(fields: dict[str, Any], name: str, encoder_value: Any, decoder_value: Any) -> None:
+    """The shared field takes the encoder's value; ``decoder_<name>`` only where the decoder's differs."""
+    fields[name] = encoder_value
+    if decoder_value != encoder_value:
+        fields[f"decoder_{name}"] = decoder_value
+
+
+def _max_len(args: Mapping[str, Any], problems: list[str]) -> int:
+    """Learned tables must have one size; sinusoidal positions only bound the lengths lconv accepts."""
+    source, target = args.get("max_source_positions", 1024), args.get("max_target_positions", 1024)
+    if (args.get("encoder_learned_pos") or args.get("decoder_learned_pos")) and source != target:
+        problems.append(f"max_source_positions={source} differs from max_target_positions={target} (lconv's "
+                        "learned position tables have one size)")
+    return max(source, target)
+
+
+def _lightconv_fields(args: Mapping[str, Any], require: Callable[..., None]) -> dict[str, Any]:
+    """fairseq's lightconv ignores --activation-fn, --layernorm-embedding and --no-scale-embedding (ReLU, no
+    embedding norm, always scaled), so they are not read here."""
+    fields: dict[str, Any] = dict(
+        encoder_mixer=CONV_MIXERS.get(args.get("encoder_conv_type"), args.get("encoder_conv_type")),
+        decoder_mixer=CONV_MIXERS.get(args.get("decoder_conv_type"), args.get("decoder_conv_type")),
+        encoder_kernel_sizes=tuple(args["encoder_kernel_size_list"]),
+        decoder_kernel_sizes=tuple(args["decoder_kernel_size_list"]),
+        relu_dropout=args.get("relu_dropout", 0.0), input_dropout=args.get("input_dropout", 0.0),
+        weight_dropout=args.get("weight_dropout", 0.0), weight_softmax=bool(args.get("weight_softmax", True)),
+        scale_embeddings=True)
+    convs = [conv_features_field(args.get(f"{side}_conv_dim"), args.get(f"{side}_embed_dim"))
+             for side in ("encoder", "decoder")]
+    _per_side(fields, "conv_features", *convs)
+    for side in ("encoder", "decoder"):
+        require(f"{side}_conv_type", lambda v: v in CONV_MIXERS, "lightweight or dynamic")
+    return fields
+
+
+def _transformer_fields(args: Mapping[str, Any], require: Callable[..., None]) -> dict[str, Any]:
+    activation = args.get("activation_fn", "relu")
+    require("activation_fn", lambda v: v in ACTIVATION_NAMES, f"lconv has {', '.join(ACTIVATION_NAMES)}")
+    for key, why in _TRANSFORMER_ABSENT.items():
+        require(key, lambda v: not v, why)
+    return dict(encoder_mixer="attention", decoder_mixer="attention", encoder_kernel_sizes=(3,),
+                decoder_kernel_sizes=(3,), weight_dropout=0.0,
+                decoder_final_norm=not args.get("no_decoder_final_norm", False),
+                relu_dropout=args.get("activation_dropout", 0.0) or args.get("relu_dropout", 0.0) or 0.0,
+                activation=ACTIVATION_NAMES.get(activation, activation),
+                layernorm_embedding=bool(args.get("layernorm_embedding", False)),
+                scale_embeddings=not args.get("no_scale_embedding", False))
+
+
 def conv_features_field(conv_dim: Any, d_model: int) -> int:
-    return 0 if conv_dim in (None, d_model) else int(conv_dim)  # 0 = the model width
+    return 0 if conv_dim in (None, d_model) else int(conv_dim)  # 0 = the side's width
 
 
 class StateDict:
@@ -195,34 +237,49 @@ class StateDict:
                             f"{' ...' if len(leftover) > 6 else ''}; is its architecture argument right?")
 
 
-def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -> dict[str, Any]:
-    """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe."""
+def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any],
+                 orders: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe.
+    ``orders``: ``{side: the fairseq id of each lconv id}`` (``fairseq_vocab.side_order``) for a model trained with
+    separate dictionaries; without it both sides have one dictionary."""
+    if orders is None and len(weights.get("encoder.embed_tokens.weight", ())) != \
+            len(weights.get("decoder.embed_tokens.weight", ())):  # rows: one per dictionary entry
+        raise UserError("the checkpoint's source and target dictionaries differ (fairseq-preprocess without "
+                        "--joined-dictionary): each side's row order is needed (fairseq_vocab.side_order)")
+    rows = lambda side, table: lconv_rows(table, None if orders is None else orders[side])  # noqa: E731
     state = StateDict(weights)
     lightconv = fields["encoder_mixer"] != "attention"
     params: dict[str, Any] = {}
+    params["source_embed"] = {"embedding": rows("encoder", state.take("encoder.embed_tokens.weight"))}
     if fields["share_embeddings"]:
-        params["source_embed"] = {"embedding": lconv_rows(state.take("encoder.embed_tokens.weight"))}
         for copy in ("decoder.embed_tokens.weight", "decoder.output_projection.weight", "decoder.embed_out"):
             if copy in weights:  # the same tensor stored again
-                check_copy(state.take(copy), params["source_embed"]["embedding"], copy)
+                check_copy(state.take(copy), params["source_embed"]["embedding"], copy,
+                           rows=lambda table: rows("decoder", table))
     else:
-        params["source_embed"] = {"embedding": lconv_rows(state.take("encoder.embed_tokens.weight"))}
-        params["target_embed"] = {"embedding": lconv_rows(state.take("decoder.embed_tokens.weight"))}
+        params["target_embed"] = {"embedding": rows("decoder", state.take("decoder.embed_tokens.weight"))}
         output = "decoder.embed_out" if "decoder.embed_out" in weights else "decoder.output_projection.weight"
         if fields["share_decoder_input_output"]:
             if output in weights:
-                check_copy(state.take(output), params["target_embed"]["embedding"], output)
+                check_copy(state.take(output), params["target_embed"]["embedding"], output,
+                           rows=lambda table: rows("decoder", table))
         else:
-            params["output_projection"] = {"kernel": lconv_rows(state.take(output)).T}
+            params["output_projection"] = {"kernel": rows("decoder", state.take(output)).T}
     if fields.get("decoder_output_dim"):
         params["project_out"] = state.linear("decoder.project_out_dim", bias=False)
-    if fields["learned_positions"]:
-        for side, ours in (("encoder", "source_positions"), ("decoder", "target_positions")):
-            params[ours] = {"learned": {"embedding": state.take(f"{side}.embed_positions.weight")}}
+    config = ModelConfig.from_config(fields)  # each side's settings, resolved as the model resolves them
+    for side, ours in (("encoder", "source_positions"), ("decoder", "target_positions")):
+        embedding = {}
+        if config.token_positions and config.side(side).learned_positions:
+            embedding["learned"] = {"embedding": state.take(f"{side}.embed_positions.weight")}
+        if config.layernorm_embedding:
+            embedding["embedding_norm"] = state.norm(f"{side}.layernorm_embedding")
+        if embedding:
+            params[ours] = embedding
     for side in ("encoder", "decoder"):
         layers = {f"layer_{i}": layer_params(state, f"{side}.layers.{i}", side, lightconv)
                   for i in range(fields[f"{side}_layers"])}
-        if fields["normalize_before"] and (side == "encoder" or fields.get("decoder_final_norm", True)):
+        if config.side(side).normalize_before and (side == "encoder" or config.decoder_final_norm):
             layers["final_norm"] = state.norm(f"{side}.layer_norm")
         params[side] = layers
     state.check_all_used()

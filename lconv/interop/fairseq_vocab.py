@@ -61,19 +61,50 @@ def read_dictionary(path: str) -> list[str]:
     return symbols
 
 
-def lconv_rows(table_VC: np.ndarray) -> np.ndarray:
-    """A table indexed by fairseq ids (embeddings, an output layer) -> the same rows at lconv's ids."""
-    order = np.arange(table_VC.shape[0])
-    for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():
-        order[lconv_id] = fairseq_id
+def lconv_rows(table_VC: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """A table indexed by fairseq ids (embeddings, an output layer) -> the same rows at lconv's ids. ``order``:
+    the fairseq id of each lconv id (``side_order``); default: the table's own ids, the four specials re-numbered."""
+    if order is None:
+        order = np.arange(table_VC.shape[0])
+        for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():
+            order[lconv_id] = fairseq_id
     return table_VC[order]
 
 
-def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@") -> Vocabulary:
+def joined_symbols(source: list[str], target: list[str]) -> list[str]:
+    """One vocabulary for a model trained with separate dictionaries: the target's symbols first, so its ids stay
+    fairseq's target ids (and the decoder predicts only ids below ``4 + len(target)``), then the source's others."""
+    known = set(target)
+    return target + [symbol for symbol in source if symbol not in known]
+
+
+def lconv_ids(symbols: list[str], dictionary: list[str]) -> np.ndarray:
+    """``[4 + len(dictionary)]``: the lconv id of each fairseq id of one side's ``dictionary``, in the vocabulary
+    ``symbols`` (ids from 4) that holds every symbol of it: how a batch of fairseq ids becomes lconv's."""
+    ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(symbols)}
+    return np.array([FAIRSEQ_TO_LCONV[i] for i in range(len(FAIRSEQ_SPECIALS))] + [ids[s] for s in dictionary])
+
+
+def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
+    """For each lconv id of the vocabulary ``symbols`` (ids from 4), the fairseq id of its symbol in one side's
+    ``dictionary``, or that side's ``<unk>`` (3) where the dictionary lacks it, as fairseq maps such a piece."""
+    ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(dictionary)}
+    order = np.array([FAIRSEQ_SPECIALS.index("<unk>")] * (len(FAIRSEQ_SPECIALS) + len(symbols)))
+    for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():
+        order[lconv_id] = fairseq_id
+    for i, symbol in enumerate(symbols):
+        order[len(FAIRSEQ_SPECIALS) + i] = ids.get(symbol, FAIRSEQ_SPECIALS.index("<unk>"))
+    return order
+
+
+def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@",
+                     symbols: list[str] | None = None) -> Vocabulary:
     """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (module docstring); without a
     SentencePiece model, the dictionary alone for text already split into its pieces (Moses + subword-nmt BPE,
-    ``continuation`` its joining marker), as fairseq-generate reads binarized data and prints ``--remove-bpe``."""
-    symbols = read_dictionary(dictionary_path)
+    ``continuation`` its joining marker), as fairseq-generate reads binarized data and prints ``--remove-bpe``.
+    ``symbols``: the vocabulary's pieces in id order, when they are not ``dictionary_path``'s (``joined_symbols``
+    of separate source and target dictionaries)."""
+    symbols = read_dictionary(dictionary_path) if symbols is None else symbols
     clash = sorted(set(symbols) & set(FAIRSEQ_SPECIALS))
     if clash:
         raise UserError(f"{dictionary_path} lists fairseq's special symbols {clash}; they are implicit (ids 0-3)")

@@ -46,7 +46,8 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     """Writes ``workdir`` from a fairseq translation or language model checkpoint; returns the import record.
     ``decode``: fields of ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``; translation
     only). ``spm=None``: text is given split into the dictionary's pieces (BPE, ``continuation`` its joining
-    marker). ``target_dictionary``: the target side's, checked to be the same (lconv has one vocabulary)."""
+    marker). ``target_dictionary``: the target side's, when the model was trained with separate dictionaries
+    (``_vocabulary``)."""
     from lconv.train import checkpoints, setup
     from lconv.train import workdir as workdir_lib
 
@@ -55,17 +56,23 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     if checkpoints.has_checkpoint(workdir):
         raise UserError(f"{workdir} already holds checkpoints; import into a new --workdir")
     weights, args, updates = fairseq.read_checkpoint(checkpoint, trust=trust)
-    vocab = fairseq_vocab.build_vocabulary(dictionary, spm, continuation)
     if fairseq.is_language_model(args):
+        vocab = fairseq_vocab.build_vocabulary(dictionary, spm, continuation)
         _check_language_model_vocabulary(weights, vocab.size, dictionary)
         fields = fairseq_lm.model_fields(args, vocab.size)
         config = language_model_config(fields, dataset)
         params = fairseq_lm.lconv_params(weights, fields)
     else:
-        _check_one_vocabulary(weights, vocab.size, dictionary, target_dictionary)
+        vocab, orders = _vocabulary(weights, dictionary, target_dictionary, spm, continuation)
         fields = fairseq.model_fields(args, vocab.size)
+        if orders is not None and fields["share_embeddings"]:
+            raise UserError(f"{target_dictionary} differs from {dictionary}, but the checkpoint shares all "
+                            "embeddings (fairseq's --share-all-embeddings needs one joined dictionary): is it the "
+                            "one it was trained with?")
+        if orders is not None:  # the target's ids come first; the decoder predicts only them
+            fields["output_vocab_size"] = 4 + len(fairseq_vocab.read_dictionary(target_dictionary))
         config = translation_config(fields, dataset, decode)
-        params = fairseq.lconv_params(weights, fields)
+        params = fairseq.lconv_params(weights, fields, orders)
     model = setup.build_model(config, vocab.size)
     boxed = _as_model_tree(model, config, params)
     workdir = workdir_lib.make_workdir(workdir)
@@ -90,18 +97,34 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     return record
 
 
-def _check_one_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary: str, target_dictionary: str) -> None:
-    """lconv has one vocabulary: the dictionary must number both embedding tables' rows (and equal the target's)."""
-    for side in ("encoder", "decoder"):
-        rows = weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
-        if rows != size:
-            raise UserError(f"{dictionary} gives {size} ids (4 special + {size - 4} lines) but the checkpoint's "
-                            f"{side} embeddings have {rows} rows: the dictionary it was trained with is needed, and "
-                            "lconv imports models with one dictionary for source and target")
-    if target_dictionary and fairseq_vocab.read_dictionary(target_dictionary) != \
-            fairseq_vocab.read_dictionary(dictionary):
-        raise UserError(f"{target_dictionary} differs from {dictionary}: lconv imports models with one dictionary "
-                        "for source and target (fairseq-preprocess --joined-dictionary)")
+def _vocabulary(weights: dict[str, np.ndarray], dictionary: str, target_dictionary: str, spm: str | None,
+                continuation: str) -> tuple[fairseq_vocab.Vocabulary, dict[str, np.ndarray] | None]:
+    """lconv's one vocabulary, and for separate source and target dictionaries each side's row order.
+
+    One dictionary (``target_dictionary`` empty or the same): it numbers both embedding tables. Separate ones
+    (fairseq-preprocess without --joined-dictionary): the vocabulary is the target's symbols, then the source's
+    others (``fairseq_vocab.joined_symbols``); each side's table is gathered into it, a symbol its dictionary
+    lacks reading that side's <unk> row, as fairseq maps it."""
+    source = fairseq_vocab.read_dictionary(dictionary)
+    target = fairseq_vocab.read_dictionary(target_dictionary) if target_dictionary else source
+    rows = {side: weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
+            for side in ("encoder", "decoder")}
+    if target == source and rows["encoder"] != rows["decoder"]:
+        raise UserError(f"the checkpoint's source and target dictionaries differ ({rows['encoder']} and "
+                        f"{rows['decoder']} embedding rows: fairseq-preprocess without --joined-dictionary); give "
+                        "the target side's dict.txt too (--target_dict)")
+    paths = {"encoder": (dictionary, source), "decoder": (target_dictionary or dictionary, target)}
+    for side, (path, symbols) in paths.items():
+        if rows[side] != 4 + len(symbols):
+            raise UserError(f"{path} gives {4 + len(symbols)} ids (4 special + {len(symbols)} lines) but the "
+                            f"checkpoint's {side} embeddings have {rows[side]} rows: the dictionary it was trained "
+                            "with is needed")
+    if target == source:
+        return fairseq_vocab.build_vocabulary(dictionary, spm, continuation), None
+    symbols = fairseq_vocab.joined_symbols(source, target)
+    vocab = fairseq_vocab.build_vocabulary(dictionary, spm, continuation, symbols=symbols)
+    return vocab, {"encoder": fairseq_vocab.side_order(symbols, source),
+                   "decoder": fairseq_vocab.side_order(symbols, target)}
 
 
 def _check_language_model_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary: str) -> None:
@@ -146,6 +169,8 @@ def translation_config(fields: dict[str, Any], dataset: str = "",
     model = {k: v for k, v in fields.items() if k != "vocab_size"}
     config.model.update({k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
     config.model.matmul_precision = "highest"
+    if fields.get("output_vocab_size"):  # smoothing would put probability on the ids the decoder cannot predict
+        config.optim.label_smoothing = 0.0
     allowed = {**GENERATE_DEFAULTS, **SCORING_DEFAULTS}
     unknown = sorted(set(decode or {}) - set(allowed))
     if unknown:

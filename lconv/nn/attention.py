@@ -40,6 +40,7 @@ from lconv.errors import UserError
 from lconv.nn.common import (
     BTHD,
     FROM_HEADS,
+    QKV_GAIN,
     Array,
     DType,
     attention_context,
@@ -176,12 +177,15 @@ class CrossAttention(nn.Module):
         precision = lax_precision(self.matmul_precision)
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(encoded_BSC, encoded_segment_ids, None, "encoded_segment_ids")
-        q_BTHD = project_heads(self, "query", x_BTC.astype(self.dtype), H, D)
+        # fairseq scales the Q/K/V init by QKV_GAIN only when keys and values have the queries' width (its
+        # qkv_same_dim); a decoder narrower or wider than its encoder gets plain xavier-uniform.
+        gain = QKV_GAIN if encoded_BSC.shape[-1] == C else 1.0
+        q_BTHD = project_heads(self, "query", x_BTC.astype(self.dtype), H, D, gain)
         if decode and self.has_variable("cache", "beam_invariant_key"):
             out_BTHD = self._attend_cached(q_BTHD, q_seg_BT, precision)
         else:
             m = encoded_BSC.astype(self.dtype)
-            k_BSHD, v_BSHD = project_heads(self, "key", m, H, D), project_heads(self, "value", m, H, D)
+            k_BSHD, v_BSHD = project_heads(self, "key", m, H, D, gain), project_heads(self, "value", m, H, D, gain)
             if decode:
                 self.put_variable("cache", "beam_invariant_key", k_BSHD)
                 self.put_variable("cache", "beam_invariant_value", v_BSHD)

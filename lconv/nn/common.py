@@ -143,10 +143,10 @@ def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str], gain:
                         gain=gain)
 
 
-def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int) -> Array:
+def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int, gain: float = QKV_GAIN) -> Array:
     """An attention Q/K/V projection: ``dense`` (xavier gain ``QKV_GAIN``, as fairseq) into ``H`` heads of width
     ``D``: ``[B, T, C] -> [B, T, H, D]``, pinned batch- and head-split."""
-    return constrain(dense(H * D, name, mdl, TO_HEADS, gain=QKV_GAIN)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
+    return constrain(dense(H * D, name, mdl, TO_HEADS, gain=gain)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
 
 
 def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | None:

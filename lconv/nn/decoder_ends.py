@@ -28,7 +28,7 @@ def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
     table ``decoder_input_width`` wide with a zero PAD row, as fairseq's ``Embedding``."""
     width = cfg.decoder_input_width
     if cfg.adaptive_input_cutoffs:
-        return AdaptiveInput(cfg.vocab_size, tuple(cfg.adaptive_input_cutoffs), width, cfg.d_model,
+        return AdaptiveInput(cfg.vocab_size, tuple(cfg.adaptive_input_cutoffs), width, cfg.side("decoder").d_model,
                              cfg.adaptive_input_factor, dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
                              name=name)
 
@@ -42,15 +42,15 @@ def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
 def project_in(cfg: ModelConfig) -> nn.Module | None:
     """``decoder_input_width -> d_model`` without bias, for a single table of another width (adaptive input
     projects each band itself)."""
-    if cfg.adaptive_input_cutoffs or cfg.decoder_input_width == cfg.d_model:
+    if cfg.adaptive_input_cutoffs or cfg.decoder_input_width == cfg.side("decoder").d_model:
         return None
-    return xavier_dense(cfg.d_model, (MLP, EMBED), use_bias=False, dtype=cfg.dtype,
+    return xavier_dense(cfg.side("decoder").d_model, (MLP, EMBED), use_bias=False, dtype=cfg.dtype,
                         precision=cfg.matmul_precision, name="project_in")
 
 
 def project_out(cfg: ModelConfig) -> nn.Module | None:
     """``d_model -> decoder_output_width`` without bias, before the output layer."""
-    if cfg.decoder_output_width == cfg.d_model:
+    if cfg.decoder_output_width == cfg.side("decoder").d_model:
         return None
     return xavier_dense(cfg.decoder_output_width, (EMBED, MLP), use_bias=False, dtype=cfg.dtype,
                         precision=cfg.matmul_precision, name="project_out")

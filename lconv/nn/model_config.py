@@ -18,6 +18,7 @@ from lconv.errors import UserError
 from lconv.fields import BOOL, Rule, anything, check, choice, field, integer, number
 from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.mixers import BOTH_SIDES
+from lconv.ops.activations import ACTIVATIONS
 from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # params and the loss stay float32 whatever this is
@@ -45,6 +46,28 @@ def _dtype_name(value: Any) -> str | None:
 
 
 _DTYPE = Rule(lambda v: _dtype_name(v) in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
+_SIDE_COUNT = Rule(lambda v: v is None or _COUNT.test(v), "None (= the shared field) or an integer >= 1")
+_SIDE_BOOL = Rule(lambda v: v is None or isinstance(v, bool), "None (= the shared field), True or False")
+_SIDE_CONV = Rule(lambda v: v is None or v == 0 or _COUNT.test(v), "None (= the shared field), 0 (= the side's "
+                  "width) or an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SideConfig:
+    """One side's block settings with its overrides applied (``ModelConfig.side``): what the model code reads."""
+
+    name: str  # "encoder" or "decoder"
+    d_model: int
+    ffn_dim: int
+    num_heads: int
+    use_glu: bool
+    conv_features: int  # the conv block's inner width: fairseq's {side}_conv_dim, the side's width unless set
+    normalize_before: bool
+    learned_positions: bool
+
+
+# The ModelConfig fields that encoder_<name> / decoder_<name> override for one side.
+SIDE_FIELDS = tuple(f.name for f in dataclasses.fields(SideConfig) if f.name != "name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +158,36 @@ class ModelConfig:
                                        "(fairseq's --tie-adaptive-weights; same cutoffs and factor)", BOOL)
     tie_adaptive_proj: bool = field(False, "with tie_adaptive_weights: the adaptive softmax tails' projections are "
                                     "the adaptive input's, transposed (fairseq's --tie-adaptive-proj)", BOOL)
+    activation: str = field("relu", "the FFN's activation (fairseq's --activation-fn): gelu is the exact erf form, "
+                            "gelu_accurate its tanh approximation", choice(*ACTIVATIONS))
+    layernorm_embedding: bool = field(False, "a layer norm after embedding + positions, before dropout, on each side "
+                                      "(fairseq's --layernorm-embedding)", BOOL)
+    token_positions: bool = field(True, "add position embeddings to the tokens (fairseq's "
+                                  "--no-token-positional-embeddings: False)", BOOL)
+    output_vocab_size: int = field(0, "the decoder predicts only ids below this; 0 = every id (a model imported "
+                                   "with separate source and target dictionaries: the target's come first)",
+                                   integer(0))
+
+    # ---- Per-side overrides (fairseq's encoder_* / decoder_* arguments): None = the shared field of the same
+    # name above. Model code reads them through ``side(name)``, never directly.
+    encoder_d_model: int | None = field(None, "encoder width; None = d_model", _SIDE_COUNT, placeholder=int)
+    decoder_d_model: int | None = field(None, "decoder width; None = d_model (the encoder-decoder attention reads "
+                                        "keys and values of the encoder's width)", _SIDE_COUNT, placeholder=int)
+    encoder_ffn_dim: int | None = field(None, "encoder FFN hidden size; None = ffn_dim", _SIDE_COUNT, placeholder=int)
+    decoder_ffn_dim: int | None = field(None, "decoder FFN hidden size; None = ffn_dim", _SIDE_COUNT, placeholder=int)
+    encoder_num_heads: int | None = field(None, "encoder heads; None = num_heads", _SIDE_COUNT, placeholder=int)
+    decoder_num_heads: int | None = field(None, "decoder heads (its self- and encoder attention); None = num_heads",
+                                          _SIDE_COUNT, placeholder=int)
+    encoder_use_glu: bool | None = field(None, "None = use_glu", _SIDE_BOOL, placeholder=bool)
+    decoder_use_glu: bool | None = field(None, "None = use_glu", _SIDE_BOOL, placeholder=bool)
+    encoder_conv_features: int | None = field(None, "None = conv_features; 0 = the encoder's width", _SIDE_CONV,
+                                              placeholder=int)
+    decoder_conv_features: int | None = field(None, "None = conv_features; 0 = the decoder's width", _SIDE_CONV,
+                                              placeholder=int)
+    encoder_normalize_before: bool | None = field(None, "None = normalize_before", _SIDE_BOOL, placeholder=bool)
+    decoder_normalize_before: bool | None = field(None, "None = normalize_before", _SIDE_BOOL, placeholder=bool)
+    encoder_learned_positions: bool | None = field(None, "None = learned_positions", _SIDE_BOOL, placeholder=bool)
+    decoder_learned_positions: bool | None = field(None, "None = learned_positions", _SIDE_BOOL, placeholder=bool)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
@@ -173,11 +226,14 @@ class ModelConfig:
         if self.share_decoder_input_output and self.adaptive_softmax_cutoffs:
             raise UserError("config.model.share_decoder_input_output and adaptive_softmax_cutoffs both set the "
                             "output layer; choose one")
-        if self.d_model % self.num_heads:
-            raise UserError(
-                f"config.model.d_model={self.d_model} must be divisible by config.model.num_heads={self.num_heads}"
-            )
-        ffn_sides = getattr(_registered("ffn_type", mixers.ffn_class, self.ffn_type), "sides", BOTH_SIDES)
+        if self.output_vocab_size and (self.output_vocab_size > self.vocab_size or self.adaptive_softmax_cutoffs):
+            raise UserError(f"config.model.output_vocab_size={self.output_vocab_size}: must be at most the "
+                            f"vocabulary's {self.vocab_size} ids, and without adaptive_softmax_cutoffs")
+        ffn_class = _registered("ffn_type", mixers.ffn_class, self.ffn_type)
+        if self.activation != "relu" and "activation" not in mixers.constructor_fields(ffn_class):
+            raise UserError(f"config.model.activation={self.activation!r} needs an FFN with an activation field; "
+                            f"ffn_type={self.ffn_type!r} has none (use ffn_type='dense')")
+        ffn_sides = getattr(ffn_class, "sides", BOTH_SIDES)
         if decoder_only and "decoder" not in ffn_sides:
             raise UserError(f"config.model.ffn_type={self.ffn_type!r} is for encoder layers only (its routing ranks "
                             f"future tokens); a decoder-only LM needs ffn_type='dense'")
@@ -197,25 +253,68 @@ class ModelConfig:
                                      f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
             if any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
+        self._check_widths(decoder_only)  # after the mixer names are known to resolve
+
+    def _check_widths(self, decoder_only: bool) -> None:
+        """Each side's heads divide its width and its conv width (named by the field that set the value)."""
+        for side in ("decoder",) if decoder_only else BOTH_SIDES:
+            resolved = self.side(side)
+            heads = self._field_name(side, "num_heads")
+            if resolved.d_model % resolved.num_heads:
+                raise UserError(f"config.model.{self._field_name(side, 'd_model')}={resolved.d_model} must be "
+                                f"divisible by config.model.{heads}={resolved.num_heads}")
+            convs = any("conv_features" in mixers.model_fields(m) for m in self.layer_mixers(side))
+            if convs and resolved.conv_features % resolved.num_heads:
+                raise UserError(f"config.model.{self._field_name(side, 'conv_features')}={resolved.conv_features} "
+                                f"(the {side}'s conv width) must be divisible by config.model.{heads}="
+                                f"{resolved.num_heads}")
+        widths = {side: self.side(side).d_model for side in BOTH_SIDES}
+        if self.share_embeddings and not decoder_only and widths["encoder"] != widths["decoder"]:
+            raise UserError(f"config.model.share_embeddings needs one width: encoder {widths['encoder']}, decoder "
+                            f"{widths['decoder']} (fairseq's --share-all-embeddings requires equal embed dims too)")
+
+    def _field_name(self, side: str, name: str) -> str:
+        """The field that gives ``side`` its ``name``: the override where it is set, else the shared field."""
+        if name == "conv_features" and not getattr(self, f"{side}_conv_features") and not self.conv_features:
+            return f"{side}_d_model" if getattr(self, f"{side}_d_model") is not None else "d_model"
+        return f"{side}_{name}" if getattr(self, f"{side}_{name}") is not None else name
 
     def _check_ranges(self) -> None:
         """Each field's own rule, before any arithmetic with it (a zero head count would divide by zero)."""
         for f in dataclasses.fields(self):
             check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
 
+    def side(self, name: str) -> SideConfig:
+        """``name``'s ("encoder" or "decoder") block settings: its ``{name}_<field>`` where set, else the shared
+        field; a conv width of 0 / None is the side's own width."""
+        if name not in BOTH_SIDES:
+            raise ValueError(f"side must be one of {BOTH_SIDES}; got {name!r}")
+        values = {}
+        for field_name in SIDE_FIELDS:
+            override = getattr(self, f"{name}_{field_name}")
+            values[field_name] = getattr(self, field_name) if override is None else override
+        values["conv_features"] = values["conv_features"] or values["d_model"]
+        return SideConfig(name=name, **values)
+
+    def per_side(self, name: str, decoder_only: bool = False) -> Any:
+        """Side field ``name`` as tables show it: the value both sides resolve to, or ``(encoder, decoder)`` where
+        they differ (a decoder-only LM: the decoder's)."""
+        encoder, decoder = (getattr(self.side(s), name) for s in BOTH_SIDES)
+        return decoder if decoder_only or encoder == decoder else (encoder, decoder)
+
     @property
     def decoder_input_width(self) -> int:
         """The width of the decoder's token embeddings (band 0's with adaptive input)."""
-        return self.decoder_input_dim or self.d_model
+        return self.decoder_input_dim or self.side("decoder").d_model
 
     @property
     def decoder_output_width(self) -> int:
         """The width the output layer reads."""
-        return self.decoder_output_dim or self.d_model
+        return self.decoder_output_dim or self.side("decoder").d_model
 
     def _check_decoder_ends(self) -> None:
         """The decoder's embeddings, projections and output layer fit together (as fairseq can build them)."""
-        name = "config.model"
+        name, width = "config.model", self.side("decoder").d_model
         if self.adaptive_input_cutoffs:
             adaptive_softmax.check_cutoffs(self.adaptive_input_cutoffs, self.vocab_size, self.decoder_input_width,
                                            self.adaptive_input_factor, f"{name}.adaptive_input_cutoffs")
@@ -223,9 +322,9 @@ class ModelConfig:
                 raise UserError(f"{name}.adaptive_input_cutoffs needs share_embeddings=False and "
                                 "share_decoder_input_output=False (the output layer cannot be the adaptive input; "
                                 "tie_adaptive_weights ties an adaptive softmax to it)")
-        if self.decoder_input_dim and self.decoder_input_dim != self.d_model and self.share_embeddings:
+        if self.decoder_input_dim and self.decoder_input_dim != width and self.share_embeddings:
             raise UserError(f"{name}.decoder_input_dim={self.decoder_input_dim} needs share_embeddings=False (the "
-                            f"source embeddings are d_model={self.d_model} wide)")
+                            f"source embeddings are {width} wide)")
         reads_table = self.share_embeddings or self.share_decoder_input_output
         if reads_table and self.decoder_output_width != self.decoder_input_width:
             raise UserError(f"{name}.decoder_output_dim={self.decoder_output_width} differs from the embedding width "
@@ -234,7 +333,7 @@ class ModelConfig:
         if self.tie_adaptive_weights:
             same = (tuple(self.adaptive_input_cutoffs) == tuple(self.adaptive_softmax_cutoffs) != ()
                     and self.adaptive_input_factor == self.adaptive_softmax_factor
-                    and self.decoder_input_width == self.decoder_output_width == self.d_model)
+                    and self.decoder_input_width == self.decoder_output_width == width)
             if not same:
                 raise UserError(f"{name}.tie_adaptive_weights needs adaptive_input_cutoffs = adaptive_softmax_cutoffs, "
                                 "adaptive_input_factor = adaptive_softmax_factor and decoder_input_dim = "

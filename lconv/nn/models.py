@@ -36,7 +36,8 @@ from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
 from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
-from lconv.nn.model_config import ModelConfig  # re-exported: models.ModelConfig is the documented name
+from lconv.nn.model_config import SIDE_FIELDS, ModelConfig  # re-exported: models.ModelConfig is documented
+from lconv.ops import activations
 from lconv.ops.precision import lax_precision
 
 Array = jax.Array
@@ -53,15 +54,15 @@ class EncoderDecoder(nn.Module):
     def setup(self) -> None:
         cfg = self.config
         cfg.validate()
-        self.source_embed = _embedding(cfg, "source_embed")
+        self.source_embed = _embedding(cfg, "encoder", "source_embed")
         self.target_embed = (self.source_embed if cfg.share_embeddings
                              else decoder_ends.token_embedding(cfg, "target_embed"))
         self.project_in = decoder_ends.project_in(cfg)
         self.project_out = decoder_ends.project_out(cfg)
         self.encoder = Stack(cfg, side="encoder", name="encoder")
         self.decoder = Stack(cfg, side="decoder", name="decoder")
-        self.source_positions = ScaleAndPosition(cfg)
-        self.target_positions = ScaleAndPosition(cfg)
+        self.source_positions = ScaleAndPosition(cfg, side="encoder")
+        self.target_positions = ScaleAndPosition(cfg, side="decoder")
         self.positions = DecodePositions()
         if not (cfg.share_embeddings or cfg.share_decoder_input_output):
             self.output_projection = _output_projection(cfg)
@@ -100,9 +101,11 @@ class EncoderDecoder(nn.Module):
         cfg = self.config
         x_BTC = _project(self.project_out, x_BTC)
         if cfg.share_embeddings or cfg.share_decoder_input_output:
-            return constrain(self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(cfg, self.output_projection, x_BTC, deterministic,
-                               tied=decoder_ends.tied_bands(cfg, self.target_embed))
+            logits_BTV = self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32)
+        else:
+            logits_BTV = _project_output(cfg, self.output_projection, x_BTC, deterministic,
+                                         tied=decoder_ends.tied_bands(cfg, self.target_embed))
+        return constrain(_only_outputs(cfg, logits_BTV), BTV)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -113,13 +116,15 @@ class DecoderOnlyLM(nn.Module):
     config: ModelConfig
 
     def setup(self) -> None:
-        cfg = dataclasses.replace(self.config, normalize_before=True) if self.config.lm_pre_norm else self.config
+        cfg = self.config
+        if cfg.lm_pre_norm:  # lightconv_lm's and lconv's LMs; fairseq 0.12's transformer_lm follows its flag
+            cfg = dataclasses.replace(cfg, normalize_before=True, decoder_normalize_before=True)
         cfg.validate(decoder_only=True)
         self.embed = decoder_ends.token_embedding(cfg, "embed")
         self.project_in = decoder_ends.project_in(cfg)
         self.project_out = decoder_ends.project_out(cfg)
         self.decoder = Stack(cfg, side="decoder", cross_attention=False, name="decoder")
-        self.scale_and_position = ScaleAndPosition(cfg)
+        self.scale_and_position = ScaleAndPosition(cfg, side="decoder")
         self.positions = DecodePositions()
         if not (cfg.share_embeddings or cfg.share_decoder_input_output):
             self.output_projection = _output_projection(cfg)
@@ -136,9 +141,11 @@ class DecoderOnlyLM(nn.Module):
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
         x = _project(self.project_out, x)
         if self.config.share_embeddings or self.config.share_decoder_input_output:
-            return constrain(self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32), BTV)
-        return _project_output(self.config, self.output_projection, x, deterministic,
-                               tied=decoder_ends.tied_bands(self.config, self.embed))
+            logits_BTV = self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32)
+        else:
+            logits_BTV = _project_output(self.config, self.output_projection, x, deterministic,
+                                         tied=decoder_ends.tied_bands(self.config, self.embed))
+        return constrain(_only_outputs(self.config, logits_BTV), BTV)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,7 +170,7 @@ class Stack(nn.Module):
             x = layer_class(cfg, mixer_name, layer=i, side=self.side, causal=causal,
                             cross_attention=causal and self.cross_attention, name=f"layer_{i}")(
                 x, segment_ids, positions, deterministic, decode, encoded, encoded_segment_ids)
-        if cfg.normalize_before and (self.side == "encoder" or cfg.decoder_final_norm):
+        if cfg.side(self.side).normalize_before and (self.side == "encoder" or cfg.decoder_final_norm):
             x = _layer_norm(cfg, "final_norm")(x)
         return constrain(x, BTC)
 
@@ -200,7 +207,8 @@ class Layer(nn.Module):
         x = self._sublayer(x, lambda h: mixer(h, segment_ids=segment_ids, positions=positions,
                                                 deterministic=deterministic, decode=decode), "mixer", deterministic)
         if self.cross_attention:
-            attend = CrossAttention(num_heads=cfg.num_heads, attention_dropout=cfg.attention_dropout,
+            # fairseq: decoder_attention_heads, and keys/values from the encoder's width (kdim = vdim)
+            attend = CrossAttention(num_heads=cfg.side(self.side).num_heads, attention_dropout=cfg.attention_dropout,
                                     dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
                                     attention_impl=cfg.attention_impl, name="encoder_attention")
             query_segments = None if decode else segment_ids
@@ -219,25 +227,29 @@ class Layer(nn.Module):
 
     def _sublayer(self, x: Array, fn: Callable[[Array], Array], name: str, deterministic: bool) -> Array:
         cfg = self.config
+        normalize_before = cfg.side(self.side).normalize_before
         residual = x
-        if cfg.normalize_before:
+        if normalize_before:
             x = _layer_norm(cfg, f"{name}_norm")(x)
         x = nn.Dropout(cfg.dropout)(constrain(fn(x), BTC), deterministic=deterministic)
         x = residual + x
-        if not cfg.normalize_before:
+        if not normalize_before:
             x = _layer_norm(cfg, f"{name}_norm")(x)
         return constrain(x, BTC)
 
 
 class FeedForward(nn.Module):
-    """``Dense(d -> ffn) -> ReLU -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases (``ffn_type``
-    ``"dense"``). Feed-forward sublayers take ``segment_ids`` too (CoLT5's routes within segments)."""
+    """``Dense(d -> ffn) -> activation -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases
+    (``ffn_type`` ``"dense"``; ReLU unless ``activation`` names another, ``lconv.ops.activations``). Feed-forward
+    sublayers take ``segment_ids`` too (CoLT5's routes within segments)."""
 
     model_fields: ClassVar[dict[str, str]] = {"hidden_dim": "ffn_dim", "relu_dropout": "relu_dropout",
-                                              "dtype": "dtype", "matmul_precision": "matmul_precision"}
+                                              "activation": "activation", "dtype": "dtype",
+                                              "matmul_precision": "matmul_precision"}
 
     hidden_dim: int = 2048
-    relu_dropout: float = 0.0
+    relu_dropout: float = 0.0  # after the activation, whichever it is (fairseq's activation_dropout)
+    activation: str = "relu"
     dtype: DType = jnp.float32
     matmul_precision: str = "default"
 
@@ -245,7 +257,7 @@ class FeedForward(nn.Module):
     def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, deterministic: bool = True) -> Array:
         linear = functools.partial(xavier_dense, dtype=self.dtype, precision=self.matmul_precision)
         h = constrain(linear(self.hidden_dim, (EMBED, MLP), name="fc1")(x_BTC), BTF)
-        h = nn.Dropout(self.relu_dropout)(jax.nn.relu(h), deterministic=deterministic)
+        h = nn.Dropout(self.relu_dropout)(activations.activation(self.activation, h), deterministic=deterministic)
         return linear(x_BTC.shape[-1], (MLP, EMBED), name="fc2")(h)
 
 
@@ -269,6 +281,8 @@ def _model_values(cfg: ModelConfig, name: str, cls: type[nn.Module], side: str, 
             return causal
         if source == "kernel_size":
             return cfg.kernel_size(side, layer)
+        if source in SIDE_FIELDS:  # the side's own value where the config overrides the shared one
+            return getattr(cfg.side(side), source)
         if source not in ModelConfig.__dataclass_fields__:
             raise UserError(f"{name!r} declares model field {source!r}, which ModelConfig does not have; "
                             f"known: {sorted(ModelConfig.__dataclass_fields__)} and {mixers.LAYER_VALUES}")
@@ -277,17 +291,20 @@ def _model_values(cfg: ModelConfig, name: str, cls: type[nn.Module], side: str, 
     return {field: value(source) for field, source in getattr(cls, "model_fields", {}).items()}
 
 
-def _embedding(cfg: ModelConfig, name: str) -> Embed:
-    """N(0, d^-1/2) embeddings with a zero PAD row, as fairseq's ``Embedding``."""
+def _embedding(cfg: ModelConfig, side: str, name: str) -> Embed:
+    """N(0, d^-1/2) embeddings of ``side``'s width with a zero PAD row, as fairseq's ``Embedding``."""
+    width = cfg.side(side).d_model
+
     def init(key: Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> Array:
-        table = jax.random.normal(key, shape, dtype) * cfg.d_model ** -0.5
+        table = jax.random.normal(key, shape, dtype) * width ** -0.5
         return table.at[PAD_ID].set(0.0)
 
-    return Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
+    return Embed(cfg.vocab_size, width, dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
                  embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
 
 
 def _output_projection(cfg: ModelConfig) -> nn.Module:
+    width = cfg.decoder_output_width
     if cfg.adaptive_softmax_cutoffs:
         return adaptive_softmax.AdaptiveSoftmax(cfg.vocab_size, tuple(cfg.adaptive_softmax_cutoffs),
                                                 cfg.adaptive_softmax_factor, cfg.adaptive_softmax_dropout,
@@ -295,7 +312,7 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
     return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, name="output_projection",
                     precision=lax_precision(cfg.matmul_precision),
                     kernel_init=nn.with_logical_partitioning(
-                        nn.initializers.normal(cfg.d_model ** -0.5), (EMBED, VOCAB)))
+                        nn.initializers.normal(width ** -0.5), (EMBED, VOCAB)))
 
 
 def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deterministic: bool,
@@ -310,6 +327,12 @@ def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deter
 def _project(projection: nn.Module | None, x: Array) -> Array:
     """``decoder_ends.project_in`` / ``project_out``, where the widths differ."""
     return x if projection is None else projection(x)
+def _only_outputs(cfg: ModelConfig, logits_BTV: Array) -> Array:
+    """Logits of ids at or above ``output_vocab_size`` (source-only pieces of a model with separate dictionaries)
+    set to -inf, so the softmax is over the target dictionary alone, as fairseq's."""
+    if not cfg.output_vocab_size:
+        return logits_BTV
+    return jnp.where(jnp.arange(logits_BTV.shape[-1]) < cfg.output_vocab_size, logits_BTV, -jnp.inf)
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
@@ -319,29 +342,39 @@ def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
 
 
 class ScaleAndPosition(nn.Module):
-    """``dropout(sqrt(d) * embedding + position embedding)`` (sinusoidal as fairseq's, or learned).
+    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side: positions sinusoidal as fairseq's,
+    learned, or none (``token_positions=False``); the layer norm only with ``layernorm_embedding``, where fairseq's
+    transformer puts it (after the positions, before dropout).
 
     The embedding is looked up at ``position + config.position_offset``: fairseq counts positions from its padding
     id + 1 (= 2), so a model imported from it has an offset of 2 and a learned table ``offset`` rows longer."""
 
     config: ModelConfig
+    side: str  # "encoder" or "decoder": whose learned_positions
 
     @nn.compact
     def __call__(self, x_BTC: Array, positions_BT: Array | None, *, deterministic: bool) -> Array:
+        cfg = self.config
+        C = x_BTC.shape[-1]
+        scale = math.sqrt(C) if cfg.scale_embeddings else 1.0
+        x_BTC = x_BTC * scale
+        if cfg.token_positions:
+            x_BTC = x_BTC + self._positions(x_BTC, positions_BT)
+        if cfg.layernorm_embedding:
+            x_BTC = _layer_norm(cfg, "embedding_norm")(x_BTC)
+        return nn.Dropout(cfg.dropout)(constrain(x_BTC, BTC), deterministic=deterministic)
+
+    def _positions(self, x_BTC: Array, positions_BT: Array | None) -> Array:
         cfg = self.config
         B, T, C = x_BTC.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         positions_BT = positions_BT + cfg.position_offset
-        if cfg.learned_positions:
+        if cfg.side(self.side).learned_positions:
             init = nn.with_logical_partitioning(nn.initializers.normal(C ** -0.5), (LENGTH, EMBED))
-            pos_BTC = Embed(cfg.max_len + cfg.position_offset, C, dtype=cfg.dtype, embedding_init=init,
-                            table_axes=(ACT_LENGTH, None), name="learned")(positions_BT)
-        else:
-            pos_BTC = sinusoidal_positions(positions_BT, C).astype(x_BTC.dtype)
-        scale = math.sqrt(C) if cfg.scale_embeddings else 1.0
-        x_BTC = constrain(x_BTC * scale + pos_BTC, BTC)
-        return nn.Dropout(cfg.dropout)(x_BTC, deterministic=deterministic)
+            return Embed(cfg.max_len + cfg.position_offset, C, dtype=cfg.dtype, embedding_init=init,
+                         table_axes=(ACT_LENGTH, None), name="learned")(positions_BT)
+        return sinusoidal_positions(positions_BT, C).astype(x_BTC.dtype)
 
 
 def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:

@@ -199,6 +199,9 @@ def match_ffn(config: Config, reference: int, tolerance: float, multiple: int,
 
     The count is affine in the FFN width, so one probe gives the slope; the solution is rounded to ``multiple``
     and counted again (the check is on the model's own count, not on the formula)."""
+    if config.model.encoder_ffn_dim is not None or config.model.decoder_ffn_dim is not None:
+        raise UserError("the study matches parameter counts through config.model.ffn_dim, which "
+                        "config.model.encoder_ffn_dim / decoder_ffn_dim override; leave them unset (None)")
     f0 = int(config.model.ffn_dim)
     p0 = count(config)
     if p0 == reference:

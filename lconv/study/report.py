@@ -18,6 +18,7 @@ from typing import Any
 
 import ml_collections
 
+from lconv.nn.model_config import ModelConfig
 from lconv.study import archive, measure, plan, plots
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,9 @@ def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], recor
                      f"{d.batch_size} {'packed ' if d.pack else ''}rows of {d.max_input_length}/"
                      f"{d.max_target_length} tokens")
         decode = "" if task == "lm" else f"; beam {c.decode.beam_size}, length penalty {c.decode.lenpen}"
-        lines.append(f"- **{task}**: {c.train.num_steps} updates of {rows_text}; d {m.d_model}, {m.num_heads} heads, "
+        sides = ModelConfig.from_config(m, vocab_size=d.vocab_size)
+        width, heads = (sides.per_side(name, task == "lm") for name in ("d_model", "num_heads"))
+        lines.append(f"- **{task}**: {c.train.num_steps} updates of {rows_text}; d {width}, {heads} heads, "
                      f"{layers} layers, kernels {tuple(m.decoder_kernel_sizes)}, vocabulary {d.vocab_size}; "
                      f"{c.optim.optimizer} {c.optim.learning_rate:g}, {c.optim.schedule} after "
                      f"{c.optim.warmup_steps} warm-up steps; checkpoints every {c.train.checkpoint_every} updates, "

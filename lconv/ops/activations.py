@@ -1,0 +1,33 @@
+"""The FFN's activation functions by name (``config.model.activation``; fairseq's ``--activation-fn``).
+
+``gelu`` is the exact erf form (fairseq's ``gelu``, PyTorch's default); ``gelu_accurate`` is the tanh approximation
+(fairseq's ``gelu_accurate``, which its ``gelu_fast`` is an old name of). Each is computed in float32 and cast
+back, as fairseq's ``gelu`` does, so a bfloat16 model's activation is rounded once, not at every step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _relu_squared(x: Array) -> Array:
+    return jnp.square(jax.nn.relu(x))
+
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_accurate": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu_squared": _relu_squared,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+}
+
+
+def activation(name: str, x: Array) -> Array:
+    """``ACTIVATIONS[name](x)`` in float32, returned in ``x``'s dtype."""
+    return ACTIVATIONS[name](x.astype(jnp.float32)).astype(x.dtype)
