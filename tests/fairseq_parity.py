@@ -74,6 +74,17 @@ def import_workdir(name: str, workdir: str) -> None:
                                       target_dictionary=str(folder / target) if target else "")
 
 
+def _source_to_lconv(name: str, ids: np.ndarray) -> np.ndarray:
+    """fairseq source ids as lconv's: with separate dictionaries the import's vocabulary is the target's symbols,
+    then the source's others (``fairseq_vocab.joined_symbols``), so a source id moves; otherwise ``to_lconv``."""
+    files = case(name)["files"]
+    if not files.get("target_dict"):
+        return to_lconv(ids)
+    source = fairseq_vocab.read_dictionary(str(FIXTURES / name / files["dict"]))
+    target = fairseq_vocab.read_dictionary(str(FIXTURES / name / files["target_dict"]))
+    return fairseq_vocab.lconv_ids(fairseq_vocab.joined_symbols(source, target), source)[np.asarray(ids)]
+
+
 def _columns(vocab_size: int) -> np.ndarray:
     """lconv's column of each fairseq id."""
     return np.array([fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(vocab_size)])
@@ -90,7 +101,7 @@ def lprobs_difference(model, name: str) -> float:
     params = {"params": model.params}
     apply = jax.jit(model.module.apply)  # one compilation: faster than running the ops one by one
     if case(name)["task"] == "translation":
-        rows = [to_lconv(r[r != FAIRSEQ_PAD]) for r in out["src_tokens"]]
+        rows = [_source_to_lconv(name, r[r != FAIRSEQ_PAD]) for r in out["src_tokens"]]
         inputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
         for i, r in enumerate(rows):
             inputs[i, :len(r)] = r

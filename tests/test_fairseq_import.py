@@ -168,10 +168,10 @@ def test_settings_lconv_lacks_are_one_line_naming_each(dynamic_checkpoint):
     for named in ("decoder_embed_dim=128", "decoder_conv_type='separable'", "adaptive_softmax_cutoff"):
         assert named in message
     transformer = {**args, "arch": "transformer", "activation_fn": "swish", "cross_self_attention": True,
-                   "decoder_normalize_before": True, "no_decoder_final_norm": True}
+                   "quant_noise_pq": 0.1}
     with pytest.raises(UserError) as err:
         fairseq.model_fields(transformer, 1008)
-    for named in ("activation_fn='swish'", "cross_self_attention=True", "no_decoder_final_norm=True"):
+    for named in ("activation_fn='swish'", "cross_self_attention=True", "quant_noise_pq=0.1"):
         assert named in str(err.value) and "\n" not in str(err.value)
     # sinusoidal positions: different source and target limits only bound lengths (learned tables must agree)
     assert fairseq.model_fields({**args, "max_target_positions": 512}, 1008)["max_len"] == 1024
