@@ -88,7 +88,9 @@ class TrainConfig:
     """The training loop (``lconv.train.loop``)."""
 
     num_steps: int = field(50_000, "optimizer updates", _POSITIVE)
-    max_minutes: float = field(0.0, "stop (and checkpoint) after this wall time; 0 = no limit",
+    max_minutes: float = field(0.0, "the whole run's wall-time budget: training stops (and checkpoints) early enough "
+                               "for the final validation and test, timed on their first batches, to end within it "
+                               "(docs/training.md); 0 = no limit",
                                number(lambda v: v >= 0, "a number >= 0 (0 = no limit)"))
     stop_check_every: int = field(10, "several processes agree on a stop (signal, max_minutes) every N steps",
                                   _POSITIVE)

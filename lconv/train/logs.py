@@ -59,8 +59,37 @@ class MetricWriter:
             self.tensorboard.close()
 
 
-def progress(start: int, total: int) -> Any:
-    from tqdm import tqdm
+class Progress:
+    """The training bar. It counts steps to ``train.num_steps``, or with a time budget (``train.max_minutes``, which
+    then ends the run unless num_steps comes first) the budget's seconds, with the step beside them: its end is the
+    run's end, the final evaluation included, which takes the part of the bar training leaves."""
 
-    return tqdm(initial=start, total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=2.0,
-                disable=jax.process_index() != 0)
+    def __init__(self, step: int, num_steps: int, budget: Any) -> None:
+        from tqdm import tqdm
+
+        self.budget, self.num_steps, self.step = budget, num_steps, step
+        timed = budget is not None and budget.enabled
+        self.bar = tqdm(initial=round(budget.elapsed()) if timed else step,
+                        total=round(budget.seconds) if timed else num_steps, desc="train",
+                        unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
+                        disable=jax.process_index() != 0)
+
+    @property
+    def total(self) -> float:
+        return self.bar.total
+
+    def advance(self, step: int) -> None:
+        """After ``step``: a step more, or the seconds elapsed (and the step, in the postfix)."""
+        self.step = step
+        if self.budget is None or not self.budget.enabled:
+            self.bar.update(1)
+            return
+        self.bar.update(max(min(round(self.budget.elapsed()), self.bar.total) - self.bar.n, 0))
+
+    def set_postfix(self, **values: str) -> None:
+        if self.budget is not None and self.budget.enabled:
+            values = {"step": f"{self.step}/{self.num_steps}", **values}
+        self.bar.set_postfix(**values)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -3,6 +3,7 @@
 ``train_and_evaluate`` builds the run once (``setup.build_run``), restores its latest readable checkpoint
 (state and data-iterator position, so a resume is exact), trains until ``train.num_steps``,
 ``train.max_minutes`` or SIGTERM, and then scores the test split (BLEU / ROUGE, or perplexity for LMs).
+``train.max_minutes`` budgets the whole run, the final evaluation included (``lconv.train.budget``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
-from lconv.infer import decode_and_score
+from lconv.infer import compiled, decode_and_score
+from lconv.train import budget as budget_lib
 from lconv.train import checkpoints, integrity, logs, metrics, setup, steps
 from lconv.train import workdir as workdir_lib
 
@@ -188,26 +190,49 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
 def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
                          writer: logs.MetricWriter, validate: Callable[[int], Any],
                          eval_step: Callable[..., Any]) -> dict[str, Any]:
-    t0 = time.time()
+    t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes)
+    translator = _reserve_final_evaluation(run, budget, eval_step) if budget.enabled else None
     try:
-        step, stopped_by = train(run, ckpt, writer, validate)
+        step, stopped_by = train(run, ckpt, writer, validate, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     try:
         if not stopped_by:
-            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer)
+            evaluation_start = budget_lib.clock()
+            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer, budget, translator)
+            result["final_evaluation_seconds"] = budget_lib.clock() - evaluation_start
     finally:
         best.close()
     if stopped_by:
         result["stopped_by"] = stopped_by
+    if budget.enabled:
+        result.update(budget_seconds=budget.seconds, run_seconds=budget.elapsed(),
+                      final_evaluation_estimate_seconds=budget.reserve)
     writer.close()
     return result
 
 
+def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
+                              eval_step: Callable[..., Any]) -> compiled.Translator | None:
+    """Measures what the final evaluation will take (``budget.estimate_final_evaluation``) and keeps that much of
+    the budget for it; returns the translator it compiled, for the test split's decoding to reuse."""
+    decodes = run.config.task != "lm" and run.config.train.eval_after_training
+    translator = compiled.Translator(run.config, run.model, run.state.params) if decodes else None
+    memory = setup.init_memory(run.config, run.model, run.config.data.eval_batch_size, setup.batch_sharding(run.mesh))
+    evaluate = lambda batches: steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
+                                                   run.mesh, memory)
+    budget.reserve = budget_lib.estimate_final_evaluation(run, evaluate, translator)
+    logger.info(f"train.max_minutes={run.config.train.max_minutes:g} covers the final evaluation too: training "
+                f"stops {budget.reserve:.0f} s before the budget ends, the final validation and test's time measured "
+                "on their first batches")
+    return translator
+
+
 def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validate: Callable[[int], Any],
-                      eval_step: Callable[..., Any], writer: logs.MetricWriter) -> str | None:
+                      eval_step: Callable[..., Any], writer: logs.MetricWriter, budget: budget_lib.Budget,
+                      translator: compiled.Translator | None) -> str | None:
     """The last validation and the test split's score into ``result``; returns the signal that stopped them, if
     any. The final checkpoint is saved by now, so a SIGTERM (or Ctrl-C) here stops at once and cleanly: the same
     command resumes at this step and evaluates it."""
@@ -218,7 +243,7 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
             with jax.set_mesh(run.mesh):
                 result["validation"] = validate(step)
             if run.config.train.eval_after_training:
-                result["test"] = evaluate_test_split(run, eval_step)
+                result["test"] = evaluate_test_split(run, eval_step, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     except Stopped as stop:
         logger.info(f"stopping the final evaluation: {stop.signal_name}; the checkpoint of step {step} is saved, and "
@@ -228,9 +253,10 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          validate: Callable[[int], Any]) -> tuple[int, str | None]:
-    """Steps ``run.state`` to ``train.num_steps`` (or ``train.max_minutes``, SIGTERM or SIGINT); returns
-    ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
+          validate: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
+    """Steps ``run.state`` to ``train.num_steps`` (or until ``budget`` leaves only the final evaluation's time,
+    SIGTERM or SIGINT); returns ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and
+    closes ``ckpt``."""
     config, mesh = run.config, run.mesh
     sharding = setup.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
@@ -240,17 +266,16 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
     step, num_steps = int(run.state.step), config.train.num_steps
-    t0, window_sums, window_start, spiking = time.time(), None, time.time(), False
-    progress = logs.progress(step, num_steps)
+    window_sums, window_start, spiking = None, time.time(), False
+    progress = logs.Progress(step, num_steps, budget)
     try:
         with jax.set_mesh(mesh):
             while step < num_steps:
                 run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding))
                 step += 1
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
-                progress.update(1)
-                out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-                stop_reason = preemption.agreed_stop(bool(out_of_time), step, config.train.stop_check_every)
+                progress.advance(step)
+                stop_reason = preemption.agreed_stop(budget.training_over(), step, config.train.stop_check_every)
                 stopping = stop_reason is not None
                 saving = stopping or step % config.train.checkpoint_every == 0
                 if step % config.train.log_every == 0 or step == num_steps or saving:
@@ -280,11 +305,16 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     return step, preemption.agreed_stop(out_of_time=False)
 
 
-def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE."""
+def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None, *,
+                        translator: compiled.Translator | None = None,
+                        budget: budget_lib.Budget | None = None) -> dict[str, Any]:
+    """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE (with
+    ``translator``'s programs when given; with one process, decoding stops where ``budget`` runs out)."""
     config, split = run.config, run.config.decode.split
     if config.task == "lm":
         return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
                                       split, mesh=run.mesh, eval_step=eval_step)
+    capped = budget is not None and budget.enabled and jax.process_count() == 1
     return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
-                                run.workdir)
+                                        run.workdir, translator=translator and translator.with_params(run.state.params),
+                                        stop_when=(budget.over, "train.max_minutes") if capped else None)
