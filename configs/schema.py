@@ -103,6 +103,11 @@ class TrainConfig:
                                 "median of the windows before it is a spike (no checkpoint during one); 0 = off",
                                 number(lambda v: v == 0 or v > 1, "0 (off) or a number > 1"))
     spike_windows: int = field(3, "spike windows in a row that stop the run", _POSITIVE)
+    init_from: str = field("", "a run (its workdir: a path or URL) whose params a new run starts from, with a new "
+                           "optimizer at step 0 (fine-tuning); its task, model and tokenizer are this run's; '' = "
+                           "random init", Rule(lambda v: isinstance(v, str), "a workdir path or URL, or '' (none)"))
+    init_checkpoint: str = field("latest", "init_from's latest checkpoint, or its best by validation loss",
+                                 choice("latest", "best"))
     checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
     async_checkpoints: bool = field(True, "checkpoint files are written while training goes on (orbax async)", BOOL)
 

@@ -24,10 +24,11 @@ PROBE_BATCHES = 3  # validation batches timed for the estimate: the first compil
 
 
 class Budget:
-    """``train.max_minutes`` from the moment the run starts; 0 = no budget (nothing is ever over)."""
+    """``train.max_minutes`` from ``start`` (the ``clock()`` when the run started; default now); 0 = no budget
+    (nothing is ever over)."""
 
-    def __init__(self, minutes: float) -> None:
-        self.seconds, self.start = 60.0 * minutes, clock()
+    def __init__(self, minutes: float, start: float | None = None) -> None:
+        self.seconds, self.start = 60.0 * minutes, clock() if start is None else start
         self.reserve = 0.0  # seconds kept for the final evaluation (``estimate_final_evaluation``)
 
     @property

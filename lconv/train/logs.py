@@ -59,6 +59,9 @@ class MetricWriter:
             self.tensorboard.close()
 
 
+BUDGET_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the budget{postfix}"
+
+
 class Progress:
     """The training bar. It counts steps to ``train.num_steps``, or with a time budget (``train.max_minutes``, which
     then ends the run unless num_steps comes first) the budget's seconds, with the step beside them: its end is the
@@ -72,7 +75,7 @@ class Progress:
         self.bar = tqdm(initial=round(budget.elapsed()) if timed else step,
                         total=round(budget.seconds) if timed else num_steps, desc="train",
                         unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
-                        disable=jax.process_index() != 0)
+                        disable=jax.process_index() != 0, **({"bar_format": BUDGET_BAR} if timed else {}))
 
     @property
     def total(self) -> float:

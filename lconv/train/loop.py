@@ -24,7 +24,7 @@ import numpy as np
 from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import compiled, decode_and_score
 from lconv.train import budget as budget_lib
-from lconv.train import checkpoints, integrity, logs, metrics, setup, steps
+from lconv.train import checkpoints, init_from, integrity, logs, metrics, setup, steps
 from lconv.train import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -146,17 +146,24 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
     ``devices``: the devices of the mesh (default: all). Checkpoints go to ``<workdir>/checkpoints`` (the last
     ``train.keep_checkpoints``) and the best by validation loss to ``<workdir>/best``. The workdir is locked for
     the run (``lconv.train.workdir``); ``accept_config_changes`` lets a resumed run change fields of the config its
-    checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any.
+    checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any. With
+    ``train.init_from`` a new run starts from another run's params (``lconv.train.init_from``).
     """
+    started = budget_lib.clock()  # train.max_minutes counts from here: data preparation and setup included
     devices = jax.devices() if devices is None else list(devices)
     mesh = setup.check_config(config, devices)  # before anything is written, the workdir included
+    source = init_from.prepare(config, workdir)  # train.init_from's run, checked against this one
     path = workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(path):
+        if source is not None:
+            source.copy_tokenizer(path)  # before build_run loads the workdir's tokenizer
         run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes, mesh=mesh)
-        return _train_and_evaluate(run)
+        if source is not None and not checkpoints.has_checkpoint(path):
+            source.restore_params(run)
+        return _train_and_evaluate(run, started)
 
 
-def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
+def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
     config = run.config
     verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
@@ -180,7 +187,7 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
 
     with integrity.orbax_errors_to_file(ckpt.error_log):
         try:
-            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step)
+            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step, started)
         except Exception as err:
             if not checkpoints.is_disk_full(err):
                 raise
@@ -189,8 +196,8 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
 
 def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
                          writer: logs.MetricWriter, validate: Callable[[int], Any],
-                         eval_step: Callable[..., Any]) -> dict[str, Any]:
-    t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes)
+                         eval_step: Callable[..., Any], started: float) -> dict[str, Any]:
+    t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
     translator = _reserve_final_evaluation(run, budget, eval_step) if budget.enabled else None
     try:
         step, stopped_by = train(run, ckpt, writer, validate, budget)
