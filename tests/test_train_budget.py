@@ -27,16 +27,16 @@ class FakeClock:
         return self.now
 
 
-@pytest.mark.slow  # trains in-process (compiles a train and an eval step)
-def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(tiny_data, tmp_path, monkeypatch):
+@pytest.fixture
+def timed_run(tiny_data, tmp_path, monkeypatch):
+    """``timed_run(max_minutes)``: the tiny config trained for up to 1000 steps on a fake clock where every batch
+    put on the device, trained or evaluated, takes 1 s; returns ``(result, progress bar, validation batches)``."""
     clock = FakeClock()
     monkeypatch.setattr(budget, "clock", clock)
-    fed = collections.Counter()
     real_global_batch = steps.global_batch
 
-    def one_second_per_batch(batch, sharding):  # every batch put on the device, trained or evaluated, takes 1 s
+    def one_second_per_batch(batch, sharding):
         clock.now += 1.0
-        fed["batches"] += 1
         return real_global_batch(batch, sharding)
 
     monkeypatch.setattr(steps, "global_batch", one_second_per_batch)
@@ -48,23 +48,42 @@ def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_i
             bars.append(self)
 
     monkeypatch.setattr(logs, "Progress", RecordedProgress)
-    config = tiny_config.training_config(tiny_data.data_dir, 1000, max_minutes=1.0, eval_every=1000,
-                                         checkpoint_every=1000, log_every=5)
-    workdir = helpers.new_workdir(tiny_data, tmp_path / "budget")
-    start = clock.now
-    result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
 
-    tokenizer = tokenizer_lib.load_tokenizer(str(workdir))
-    validation_batches = len(pipeline.make_datasets(config.data, tokenizer).eval_sets["validation"])
+    def run(max_minutes):
+        config = tiny_config.training_config(tiny_data.data_dir, 1000, max_minutes=max_minutes, eval_every=1000,
+                                             checkpoint_every=1000, log_every=5)
+        workdir = helpers.new_workdir(tiny_data, tmp_path / f"budget_{max_minutes}")
+        start = clock.now
+        result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
+        assert clock.now - start == result["run_seconds"]
+        tokenizer = tokenizer_lib.load_tokenizer(str(workdir))
+        validation_batches = len(pipeline.make_datasets(config.data, tokenizer).eval_sets["validation"])
+        return result, bars[-1], validation_batches
+
+    return run
+
+
+@pytest.mark.slow  # trains in-process (compiles a train and an eval step)
+def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(timed_run):
+    result, bar, validation_batches = timed_run(1.0)
     # Probe: 1 batch compiled untimed + 2 timed; then the steps; then the final validation, whole.
-    assert fed["batches"] == 3 + result["step"] + validation_batches
-    assert clock.now - start == result["run_seconds"] == 60.0  # the budget, to the second: the last step fits it
+    assert result["run_seconds"] == 60.0  # the budget, to the second: the last step fits it
     assert result["final_evaluation_estimate_seconds"] == validation_batches == result["final_evaluation_seconds"]
     assert result["step"] == 60 - 3 - validation_batches < 1000  # the budget, not num_steps, ended training
-    assert result["validation"]["tokens"] > 1000  # the whole split was scored, not a part of it
-    (bar,) = bars
+    assert "unscored_batches" not in result["validation"] and result["validation"]["tokens"] > 1000  # all of it
     assert bar.total == 60 and bar.bar.unit == "s"  # counts to the budget, in seconds
     assert bar.bar.n == 60 - validation_batches  # where training ended: the rest of the bar is the evaluation
+
+
+@pytest.mark.slow  # trains in-process
+def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run, lconv_log):
+    result, bar, validation_batches = timed_run(0.25)  # 15 s: less than the validation's batches alone
+    assert validation_batches > 15 and result["step"] == 1  # one step, then the evaluation's turn
+    assert result["run_seconds"] == 15.0
+    assert result["validation"]["unscored_batches"] == validation_batches - (15 - 3 - 1)
+    (warning,) = [m for m in lconv_log() if "train.max_minutes ran out" in m]
+    assert f"after {15 - 3 - 1} of {validation_batches} batches" in warning
+    assert bar.total == 15
 
 
 def test_without_a_budget_the_bar_counts_steps():

@@ -3,8 +3,9 @@
 Training stops when the time left is what the final evaluation needs, so that the whole run ends within the budget.
 What the evaluation needs is measured before the first update (``estimate_final_evaluation``): the validation loss
 over a few batches of the validation split, and for a decoded test split (BLEU / ROUGE) its first batch decoded
-twice, extrapolated to every batch of both splits. Decoding, the part an estimate can miss most, also stops at the
-budget (one process; ``Budget.over``): the test score then covers the sentences decoded by then, and says so.
+twice, extrapolated to every batch of both splits. When the estimate was short (or the evaluation alone needs more than
+the budget), the final passes stop at the budget too (one process; ``Budget.stop_when``): their scores then cover the
+batches done by then, and a warning says so.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from lconv.infer import compiled, decode_and_score
 
@@ -44,6 +47,11 @@ class Budget:
 
     def over(self) -> bool:
         return self.enabled and self.elapsed() >= self.seconds
+
+    def stop_when(self) -> tuple[Callable[[], bool], str] | None:
+        """What the final evaluation's passes stop at (``over``, named): with one process and a budget; several
+        processes would stop at different batches of their collectives, so they finish the passes."""
+        return (self.over, "train.max_minutes") if self.enabled and jax.process_count() == 1 else None
 
 
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:

@@ -72,7 +72,7 @@ class Progress:
 
         self.budget, self.num_steps, self.step = budget, num_steps, step
         timed = budget is not None and budget.enabled
-        self.bar = tqdm(initial=round(budget.elapsed()) if timed else step,
+        self.bar = tqdm(initial=min(round(budget.elapsed()), round(budget.seconds)) if timed else step,
                         total=round(budget.seconds) if timed else num_steps, desc="train",
                         unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
                         disable=jax.process_index() != 0, **({"bar_format": BUDGET_BAR} if timed else {}))

@@ -178,11 +178,12 @@ def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
     eval_step = steps.jit_eval_step(config, run.mesh)
     eval_memory = setup.init_memory(config, run.model, config.data.eval_batch_size, setup.batch_sharding(run.mesh))
 
-    def validate(step: int) -> dict[str, float]:
+    def validate(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
         scores = steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, run.data.eval_sets["validation"],
-                                     run.mesh, eval_memory)
+                                     run.mesh, eval_memory, stop_when)
         writer.write(step, "validation", scores)
-        best.offer(step, run.state, scores["loss"])
+        if "unscored_batches" not in scores:  # a part of the split is not comparable with earlier passes
+            best.offer(step, run.state, scores["loss"])
         return scores
 
     with integrity.orbax_errors_to_file(ckpt.error_log):
@@ -248,7 +249,7 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
     try:
         with Preemption(interrupt=jax.process_count() == 1):
             with jax.set_mesh(run.mesh):
-                result["validation"] = validate(step)
+                result["validation"] = validate(step, budget.stop_when())
             if run.config.train.eval_after_training:
                 result["test"] = evaluate_test_split(run, eval_step, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
@@ -316,12 +317,12 @@ def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = N
                         translator: compiled.Translator | None = None,
                         budget: budget_lib.Budget | None = None) -> dict[str, Any]:
     """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE (with
-    ``translator``'s programs when given; with one process, decoding stops where ``budget`` runs out)."""
+    ``translator``'s programs when given; with one process, the pass stops where ``budget`` runs out)."""
     config, split = run.config, run.config.decode.split
+    stop_when = budget.stop_when() if budget is not None else None
     if config.task == "lm":
         return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
-                                      split, mesh=run.mesh, eval_step=eval_step)
-    capped = budget is not None and budget.enabled and jax.process_count() == 1
+                                      split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
+    translator = translator and translator.with_params(run.state.params)
     return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
-                                        run.workdir, translator=translator and translator.with_params(run.state.params),
-                                        stop_when=(budget.over, "train.max_minutes") if capped else None)
+                                        run.workdir, translator=translator, stop_when=stop_when)
