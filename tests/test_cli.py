@@ -304,6 +304,8 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
         "p", f"--config={packaged}:transformer", "--workdir=w"]
     assert runtime.resolve_config_argument(["p", "--config", "wmt_en_de.py"])[2] == packaged.replace(
         "default.py", "wmt_en_de.py")
+    (tmp_path / "default").mkdir()  # `--config=default --workdir=default`, run again to resume: found by name again
+    assert runtime.resolve_config_argument(["p", "--config=default"]) == ["p", f"--config={packaged}"]
     (tmp_path / "mine.py").write_text("")
     assert runtime.resolve_config_argument(["p", "--config=mine.py:x"]) == ["p", "--config=mine.py:x"]
     assert runtime.resolve_config_argument(["p", "--config=configs/default.py"]) == [
