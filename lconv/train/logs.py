@@ -70,7 +70,7 @@ class Progress:
     def __init__(self, step: int, num_steps: int, budget: Any) -> None:
         from tqdm import tqdm
 
-        self.budget, self.num_steps, self.step = budget, num_steps, step
+        self.budget, self.num_steps, self.step, self.shown = budget, num_steps, step, {}
         timed = budget is not None and budget.enabled
         self.bar = tqdm(initial=min(round(budget.elapsed()), round(budget.seconds)) if timed else step,
                         total=round(budget.seconds) if timed else num_steps, desc="train",
@@ -87,12 +87,17 @@ class Progress:
         if self.budget is None or not self.budget.enabled:
             self.bar.update(1)
             return
+        self.bar.set_postfix(self._postfix(), refresh=False)  # the step as it is at the bar's next refresh
         self.bar.update(max(min(round(self.budget.elapsed()), self.bar.total) - self.bar.n, 0))
 
     def set_postfix(self, **values: str) -> None:
-        if self.budget is not None and self.budget.enabled:
-            values = {"step": f"{self.step}/{self.num_steps}", **values}
-        self.bar.set_postfix(**values)
+        """The last log window's values, shown until the next (with a budget, beside the current step)."""
+        self.shown = values
+        self.bar.set_postfix(self._postfix())
+
+    def _postfix(self) -> dict[str, str]:
+        timed = self.budget is not None and self.budget.enabled
+        return {"step": f"{self.step}/{self.num_steps}", **self.shown} if timed else self.shown
 
     def close(self) -> None:
         self.bar.close()
