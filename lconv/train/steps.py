@@ -139,8 +139,10 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
             sums, memory = eval_step(params, apply_fn, global_batch(batch, sharding), memory)
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
             done += 1
-            if stop_when and done < len(eval_set) and stop_when[0]():
-                break
+            if stop_when and done < len(eval_set):
+                jax.block_until_ready(total)  # the clock is read when the batch is done, not when it is dispatched
+                if stop_when[0]():
+                    break
     scores = metrics.summarize(total)
     if stop_when and done < len(eval_set):
         scores["unscored_batches"] = len(eval_set) - done
