@@ -81,7 +81,7 @@ def test_a_source_that_is_not_a_run_is_one_line(tmp_path):
     config = tiny_config.training_config(tmp_path, 1, init_from=str(tmp_path / "nowhere"))
     with pytest.raises(UserError) as error:
         init_from.prepare(config, str(tmp_path / "new"))
-    helpers.one_line_error(error, "config.train.init_from", "nowhere")
+    helpers.one_line_error(error, f"config.train.init_from={tmp_path / 'nowhere'}")
 
 
 def test_a_resumed_run_restores_its_own_checkpoint_not_the_source(tiny_run):
