@@ -2,6 +2,7 @@
 stops when the time left is the final evaluation's measured estimate, the progress bar counts to the budget, and
 decoding that would run past it stops there, saying so. Timed on a fake clock, so the numbers are exact."""
 import collections
+import math
 import types
 
 import helpers
@@ -83,6 +84,9 @@ def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run
     assert result["validation"]["unscored_batches"] == validation_batches - (15 - 3 - 1)
     (warning,) = [m for m in lconv_log() if "train.max_minutes ran out" in m]
     assert f"after {15 - 3 - 1} of {validation_batches} batches" in warning
+    (ahead,) = [m for m in lconv_log() if "estimated at" in m]  # said before training, with a budget that fits
+    assert f"at {validation_batches} s" in ahead and "train.max_minutes=0.25 has 12 s left" in ahead
+    assert f"train.max_minutes={math.ceil((3 + validation_batches) / 60) + 1} " in ahead
     assert bar.total == 15
 
 

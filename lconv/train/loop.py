@@ -232,6 +232,13 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     evaluate = lambda batches: steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
                                                    run.mesh, memory)
     budget.reserve = budget_lib.estimate_final_evaluation(run, evaluate, translator)
+    left = budget.seconds - budget.elapsed()
+    if budget.reserve >= left:
+        logger.warning(f"warning: the final evaluation alone is estimated at {budget.reserve:.0f} s, and "
+                       f"train.max_minutes={run.config.train.max_minutes:g} has {max(left, 0):.0f} s left: one "
+                       "update, then the validation and test passes stop at the budget with part of their splits; "
+                       f"train.max_minutes={math.ceil((budget.elapsed() + budget.reserve) / 60) + 1} leaves "
+                       "training a minute")
     logger.info(f"train.max_minutes={run.config.train.max_minutes:g} covers the final evaluation too: training "
                 f"stops {budget.reserve:.0f} s before the budget ends, the final validation and test's time measured "
                 "on their first batches")
