@@ -90,7 +90,8 @@ class TrainConfig:
 
     num_steps: int = field(50_000, "optimizer updates", _POSITIVE)
     max_minutes: float = field(0.0, "the whole run's wall-time budget: training stops (and checkpoints) early enough "
-                               "for the final validation and test, timed on their first batches, to end within it "
+                               "for the final validation and test (1.5 x their time on their first batches) to end "
+                               "within it "
                                "(docs/training.md); 0 = no limit",
                                number(lambda v: v >= 0, "a number >= 0 (0 = no limit)"))
     stop_check_every: int = field(10, "several processes agree on a stop (signal, max_minutes) every N steps",

@@ -67,13 +67,16 @@ def timed_run(tiny_data, tmp_path, monkeypatch):
 @pytest.mark.slow  # trains in-process (compiles a train and an eval step)
 def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(timed_run):
     result, bar, validation_batches = timed_run(1.0)
-    # Probe: 1 batch compiled untimed + 2 timed; then the steps; then the final validation, whole.
-    assert result["run_seconds"] == 60.0  # the budget, to the second: the last step fits it
+    # Probe: 1 batch compiled untimed + 2 timed (3 s); then the steps, until what is left is the reserve (the
+    # estimate, 1 s a batch, x the margin); then the final validation, whole.
     assert result["final_evaluation_estimate_seconds"] == validation_batches == result["final_evaluation_seconds"]
-    assert result["step"] == 60 - 3 - validation_batches < 1000  # the budget, not num_steps, ended training
+    reserve = budget.SAFETY_MARGIN * validation_batches
+    assert result["step"] == math.ceil(60 - 3 - reserve) < 1000  # the budget, not num_steps, ended training
+    assert result["run_seconds"] == 3 + result["step"] + validation_batches <= 60  # within the budget
+    assert 60 - result["run_seconds"] < reserve - validation_batches + 1  # less than the margin and a step unused
     assert "unscored_batches" not in result["validation"] and result["validation"]["tokens"] > 1000  # all of it
     assert bar.total == 60 and bar.bar.unit == "s"  # counts to the budget, in seconds
-    assert bar.bar.n == 60 - validation_batches  # where training ended: the rest of the bar is the evaluation
+    assert bar.bar.n == 3 + result["step"]  # where training ended: the rest of the bar is the evaluation
 
 
 @pytest.mark.slow  # trains in-process
@@ -86,7 +89,7 @@ def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run
     assert f"after {15 - 3 - 1} of {validation_batches} batches" in warning
     (ahead,) = [m for m in lconv_log() if "estimated at" in m]  # said before training, with a budget that fits
     assert f"at {validation_batches} s" in ahead and "train.max_minutes=0.25 has 12 s left" in ahead
-    assert f"train.max_minutes={math.ceil((3 + validation_batches) / 60) + 1} " in ahead
+    assert f"train.max_minutes={math.ceil((3 + budget.SAFETY_MARGIN * validation_batches) / 60) + 1} " in ahead
     assert bar.total == 15
 
 

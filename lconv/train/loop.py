@@ -217,7 +217,7 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         result["stopped_by"] = stopped_by
     if budget.enabled:
         result.update(budget_seconds=budget.seconds, run_seconds=budget.elapsed(),
-                      final_evaluation_estimate_seconds=budget.reserve)
+                      final_evaluation_estimate_seconds=budget.estimate)
     writer.close()
     return result
 
@@ -231,17 +231,18 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     memory = setup.init_memory(run.config, run.model, run.config.data.eval_batch_size, setup.batch_sharding(run.mesh))
     evaluate = lambda batches: steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
                                                    run.mesh, memory)
-    budget.reserve = budget_lib.estimate_final_evaluation(run, evaluate, translator)
+    budget.estimate = budget_lib.estimate_final_evaluation(run, evaluate, translator)
+    budget.reserve = budget_lib.SAFETY_MARGIN * budget.estimate
     left = budget.seconds - budget.elapsed()
     if budget.reserve >= left:
-        logger.warning(f"warning: the final evaluation alone is estimated at {budget.reserve:.0f} s, and "
+        logger.warning(f"warning: the final evaluation alone is estimated at {budget.estimate:.0f} s, and "
                        f"train.max_minutes={run.config.train.max_minutes:g} has {max(left, 0):.0f} s left: one "
                        "update, then the validation and test passes stop at the budget with part of their splits; "
                        f"train.max_minutes={math.ceil((budget.elapsed() + budget.reserve) / 60) + 1} leaves "
                        "training a minute")
     logger.info(f"train.max_minutes={run.config.train.max_minutes:g} covers the final evaluation too: training "
-                f"stops {budget.reserve:.0f} s before the budget ends, the final validation and test's time measured "
-                "on their first batches")
+                f"stops {budget.reserve:.0f} s before the budget ends ({budget_lib.SAFETY_MARGIN:g} x the final "
+                f"validation and test's {budget.estimate:.0f} s, measured on their first batches)")
     return translator
 
 
