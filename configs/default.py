@@ -30,7 +30,7 @@ def get_config(arg=None):
     c.optim.learning_rate = 3e-3
     c.optim.warmup_steps = 100
     c.train.num_steps = 1500  # inverse-sqrt does not depend on it; max_minutes usually ends the run first
-    c.train.max_minutes = 10.0  # the README's budget; stops (and checkpoints) when reached, then decodes
+    c.train.max_minutes = 10.0  # the README's budget for the whole run: training stops early enough to decode in it
     # A validation pass costs ~40 s here (1.2k examples at eval width 256), so only the final one runs by default.
     c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 50, 1000, 200
     c.decode.beam_size = 4

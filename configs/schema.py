@@ -9,6 +9,7 @@ below. Everything else is read from them:
   from base_config, or a stored config.json from an older lconv), so no reader needs a fallback of its own;
 - ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
 - ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
+- ``hypotheses_per_source``: n-best lists' rule (at most the beam, or k samples), for the API and eval.py;
 - ``check_sampling``: an LM's sampling settings (``SamplingSettings``: not config fields, but eval.py's flags, the
   API's and export's arguments), by one set of rules whichever surface takes them;
 - ``markdown()``: docs/config.md's tables (``python -m lconv.configs.schema > docs/config.md``; a test keeps
@@ -88,7 +89,10 @@ class TrainConfig:
     """The training loop (``lconv.train.loop``)."""
 
     num_steps: int = field(50_000, "optimizer updates", _POSITIVE)
-    max_minutes: float = field(0.0, "stop (and checkpoint) after this wall time; 0 = no limit",
+    max_minutes: float = field(0.0, "the whole run's wall-time budget: training stops (and checkpoints) early enough "
+                               "for the final validation and test (1.5 x their time on their first batches) to end "
+                               "within it "
+                               "(docs/training.md); 0 = no limit",
                                number(lambda v: v >= 0, "a number >= 0 (0 = no limit)"))
     stop_check_every: int = field(10, "several processes agree on a stop (signal, max_minutes) every N steps",
                                   _POSITIVE)
@@ -101,6 +105,11 @@ class TrainConfig:
                                 "median of the windows before it is a spike (no checkpoint during one); 0 = off",
                                 number(lambda v: v == 0 or v > 1, "0 (off) or a number > 1"))
     spike_windows: int = field(3, "spike windows in a row that stop the run", _POSITIVE)
+    init_from: str = field("", "a run (its workdir: a path or URL) whose params a new run starts from, with a new "
+                           "optimizer at step 0 (fine-tuning); its task, model and tokenizer are this run's; '' = "
+                           "random init", Rule(lambda v: isinstance(v, str), "a workdir path or URL, or '' (none)"))
+    init_checkpoint: str = field("latest", "init_from's latest checkpoint, or its best by validation loss",
+                                 choice("latest", "best"))
     checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
     async_checkpoints: bool = field(True, "checkpoint files are written while training goes on (orbax async)", BOOL)
 
@@ -233,6 +242,25 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
     for name, value in values.items():
         if value is not None:
             check(spell(name), value, rules[name])
+
+
+def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
+                          spell: Callable[[str], str] = str) -> int:
+    """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
+    (hypotheses returned per source; None = the best alone) checked against it: the one rule for the API's
+    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``."""
+    if nbest is not None and not (integer().test(nbest) and nbest >= 1):
+        raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
+    if temperature:
+        if beam_size is not None:
+            raise UserError(f"{spell('beam_size')}={beam_size}: not used when sampling ({spell('temperature')}="
+                            f"{temperature}); {spell('nbest')} sets the number of samples per source")
+        return nbest or 1
+    beams = stored_beam_size if beam_size is None else beam_size
+    if nbest is not None and nbest > beams:
+        raise UserError(f"{spell('nbest')}={nbest}: must be at most the beam size ({beams}); pass "
+                        f"{spell('beam_size')}={nbest} or more")
+    return beams
 
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,

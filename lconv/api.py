@@ -90,17 +90,8 @@ class Model:
 
     def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
         """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
-        if nbest is not None and not (isinstance(nbest, int) and not isinstance(nbest, bool) and nbest >= 1):
-            raise UserError(f"nbest={nbest!r}: must be an integer >= 1 (hypotheses per source)")
-        if temperature:
-            if beam_size is not None:
-                raise UserError(f"beam_size={beam_size}: not used when sampling (temperature={temperature}); "
-                                "nbest sets the number of samples per source")
-            return nbest or 1
-        beams = self.config.decode.beam_size if beam_size is None else beam_size
-        if nbest is not None and nbest > beams:
-            raise UserError(f"nbest={nbest}: must be at most the beam size ({beams}); pass beam_size={nbest} or more")
-        return beams
+        return schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=temperature,
+                                            stored_beam_size=self.config.decode.beam_size)
 
     def score(self, sources: str | Sequence[str],
               targets: str | Sequence[int] | Sequence[str | Sequence[int]]) -> dict[str, Any] | list[dict[str, Any]]:

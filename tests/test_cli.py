@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import helpers
+import numpy as np
 import pytest
 
 from lconv.cli import runtime
@@ -168,6 +169,69 @@ def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, mon
     assert stdout.getvalue().splitlines() == [model.translate([line])[0] for line in lines]
 
 
+def _nbest_blocks(text):
+    """fairseq-generate's H/P lines -> {source index: [(score, text, token scores), ...]} in file order."""
+    blocks, lines = {}, text.split("\n")[:-1]
+    assert len(lines) % 2 == 0
+    for h, p in zip(lines[::2], lines[1::2]):
+        tag, score, hypothesis = h.split("\t")
+        p_tag, token_scores = p.split("\t")
+        assert tag.startswith("H-") and p_tag == "P-" + tag[2:]
+        blocks.setdefault(int(tag[2:]), []).append((float(score), hypothesis, [float(x) for x in token_scores.split()]))
+    return blocks
+
+
+def test_eval_py_writes_nbest_lists_with_the_apis_scores(tmp_path, monkeypatch, capsys):
+    import helpers
+    import tiny_runs
+
+    from lconv.api import Model
+
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    workdir = _workdir_of(tmp_path, trained, monkeypatch)
+    sources = ["Fast tool.", "", "A library for the window system and fonts."]
+    (tmp_path / "in.txt").write_text("\n".join(sources) + "\n")
+    code, _, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", f"--source_file={tmp_path / 'in.txt'}",
+                                   f"--output_file={tmp_path / 'out.txt'}", "--beam_size=3", "--nbest=2",
+                                   "--compilation_cache=none")
+    assert code == 0, err
+    blocks = _nbest_blocks((tmp_path / "out.txt").read_text())
+    expected = Model(trained).translate(sources, beam_size=3, nbest=2)
+    assert sorted(blocks) == [0, 2]  # 0-based as fairseq numbers sources; a blank source has no hypothesis
+    for index, entries in blocks.items():
+        written = [(e["text"].replace("\n", " ").replace("\t", " "), e["score"]) for e in expected[index]]
+        assert [(text, score) for score, text, _ in entries] == written
+        for (_, _, token_scores), entry in zip(entries, expected[index], strict=True):
+            np.testing.assert_allclose(token_scores, entry["token_scores"], atol=5e-5)  # printed to 4 decimals
+
+
+def test_eval_py_samples_translations_as_the_api_does(tmp_path, monkeypatch):
+    import io
+
+    import tiny_runs
+
+    from lconv.api import Model
+    from lconv.cli import eval_program
+
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    workdir = _workdir_of(tmp_path, trained, monkeypatch)
+    (workdir / "spm.model").write_bytes(trained.tokenizer.model_proto)  # --top_k is checked against its vocabulary
+    sources = ["Fast tool.", "Data files for the small editor."]
+    (tmp_path / "in.txt").write_text("\n".join(sources) + "\n")
+    sampling = dict(temperature=1.0, top_k=20, top_p=0.9, seed=5)
+    eval_program.run(str(workdir), source_file=str(tmp_path / "in.txt"), output_file=str(tmp_path / "out.txt"),
+                     **sampling)
+    model = Model(trained)
+    expected = [text.replace("\n", " ") for text in model.translate(sources, **sampling)]
+    assert (tmp_path / "out.txt").read_text().split("\n")[:-1] == expected
+    stdout = io.StringIO()
+    eval_program.run(str(workdir), interactive=True, nbest=2, stdin=io.StringIO(sources[1] + "\n"), stdout=stdout,
+                     **sampling)
+    (entries,) = _nbest_blocks(stdout.getvalue()).values()
+    samples = model.translate(sources[1], nbest=2, **sampling)
+    assert [text for _, text, _ in entries] == [e["text"].replace("\n", " ").replace("\t", " ") for e in samples]
+
+
 def _config_only(tmp_path, config):
     workdir = tmp_path / "run"
     workdir.mkdir(exist_ok=True)
@@ -179,7 +243,14 @@ def _config_only(tmp_path, config):
     ("lm", dict(beam_size=4), "--beam_size: an lm run samples rather than beam-searches"),
     ("lm", dict(source_file="p.txt", reference_file="r.txt"), "--reference_file: an lm run continues the prompts"),
     ("lm", dict(temperature=0.7), "--temperature go with prompts: --source_file (one per line) or --interactive"),
-    ("translation", dict(top_k=5, seed=1), "--top_k, --seed: for lm runs (sampling); a translation run is decoded"),
+    ("translation", dict(top_k=5, seed=1), "--top_k, --seed go with sources: --source_file (one per line) or "
+                                           "--interactive"),
+    ("translation", dict(nbest=2), "--nbest go with sources: --source_file (one per line) or --interactive"),
+    ("translation", dict(max_len=5, source_file="s.txt"), "--max_len: for lm runs"),
+    ("translation", dict(nbest=5, beam_size=4, source_file="s.txt"), "--nbest=5: must be at most the beam size (4)"),
+    ("translation", dict(nbest=0, source_file="s.txt"), "--nbest=0: must be an integer >= 1"),
+    ("translation", dict(temperature=0.5, beam_size=3, interactive=True), "--beam_size=3: not used when sampling"),
+    ("lm", dict(nbest=2, source_file="p.txt"), "--nbest=2: for translation and summarization runs"),
     ("translation", dict(interactive=True, source_file="s.txt"), "--source_file does not go with --interactive"),
     ("translation", dict(interactive=True, output_file="o.txt"), "--output_file does not go with --interactive"),
     ("lm", dict(top_p=0.0, source_file="p.txt"), "--top_p=0.0: must be in (0, 1]"),
@@ -205,9 +276,9 @@ def test_eval_py_prints_a_flag_combination_error_in_one_line(tmp_path, capsys):
 
     workdir = _config_only(tmp_path, tiny_config.get_config())
     code, _, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--temperature=0.5")  # main, in-process
-    assert helpers.one_line_error((code, "", err), "--temperature", "--beam_size")
-    assert err == ("error: --temperature: for lm runs (sampling); a translation run is decoded by beam search "
-                   "(--beam_size, --lenpen)\n")
+    assert helpers.one_line_error((code, "", err), "--temperature", "--source_file", "--interactive")
+    assert err == ("error: --temperature go with sources: --source_file (one per line) or --interactive; a split is "
+                   "scored on its beam search's best hypotheses\n")
 
 
 def test_outputs_are_written_by_process_0_only(tmp_path, monkeypatch):
@@ -233,6 +304,8 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
         "p", f"--config={packaged}:transformer", "--workdir=w"]
     assert runtime.resolve_config_argument(["p", "--config", "wmt_en_de.py"])[2] == packaged.replace(
         "default.py", "wmt_en_de.py")
+    (tmp_path / "default").mkdir()  # `--config=default --workdir=default`, run again to resume: found by name again
+    assert runtime.resolve_config_argument(["p", "--config=default"]) == ["p", f"--config={packaged}"]
     (tmp_path / "mine.py").write_text("")
     assert runtime.resolve_config_argument(["p", "--config=mine.py:x"]) == ["p", "--config=mine.py:x"]
     assert runtime.resolve_config_argument(["p", "--config=configs/default.py"]) == [

@@ -34,21 +34,24 @@ SAMPLING_DEFAULTS = schema.SAMPLING_DEFAULTS
 def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint: str = "latest",
         beam_size: int | None = None, lenpen: float | None = None, source_file: str | None = None,
         reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
-        stdin: TextIO | None = None, stdout: TextIO | None = None, **sampling: Any) -> dict[str, Any]:
+        nbest: int | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None,
+        **sampling: Any) -> dict[str, Any]:
     """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or decodes ``source_file``
-    line by line: translations / summaries (scored when ``reference_file`` is given), or an LM's continuations of
-    the prompts in it (``sampling``: ``max_len``, ``temperature``, ``top_k``, ``top_p``, ``seed``). With
-    ``interactive`` the lines come from ``stdin`` and each output goes to ``stdout`` as soon as it is decoded.
-    Params only are restored."""
+    line by line: translations / summaries (scored when ``reference_file`` is given; by beam search, or sampled
+    with ``temperature > 0``; with ``nbest``, k hypotheses per line with their scores, ``write_nbest``), or an LM's
+    continuations of the prompts in it (``sampling``: ``max_len``, ``temperature``, ``top_k``, ``top_p``,
+    ``seed``). With ``interactive`` the lines come from ``stdin`` and each output goes to ``stdout`` as soon as it
+    is decoded. Params only are restored."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     task = _check_run_flags(workdir, split=split, average_last=average_last, checkpoint=checkpoint,
                             beam_size=beam_size, lenpen=lenpen, source_file=source_file,
                             reference_file=reference_file, output_file=output_file, interactive=interactive,
-                            sampling=sampling)
+                            sampling=sampling, nbest=nbest)
+    search = _translation_search(sampling, nbest, beam_size) if task != "lm" else {}
     sampling = {**SAMPLING_DEFAULTS, **sampling}
     if interactive:
         trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
-        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, sampling)
+        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, sampling, search, nbest)
     if source_file is None:
         trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
         config = trained.config
@@ -74,16 +77,15 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
     if task == "lm":
         return _generate_file(trained, sources, source_file, output_file, sampling)
-    return _translate_file(trained, sources, references, source_file, output_file)
+    return _translate_file(trained, sources, references, source_file, output_file, search, nbest)
 
 
 def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
                      lenpen: float | None, source_file: str | None, reference_file: str | None,
-                     output_file: str | None, interactive: bool, sampling: dict[str, Any]) -> str:
+                     output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None) -> str:
     """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's task."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
     schema.check_sampling(sampling, spell=lambda name: f"--{name}")
-    given = lambda names: [f"--{n}" for n in names if sampling.get(n) is not None]  # noqa: E731
     if interactive:
         for flag, value in (("--source_file", source_file), ("--reference_file", reference_file),
                             ("--output_file", output_file)):
@@ -95,11 +97,14 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
     config = setup.read_config(workdir)
     task = config.task
     if task == "lm":
+        if nbest is not None:
+            raise UserError(f"--nbest={nbest}: for translation and summarization runs (hypotheses of a beam search "
+                            "or samples); an lm run continues prompts")
         _check_lm_flags(config, workdir, beam_size=beam_size, lenpen=lenpen, source_file=source_file,
                         reference_file=reference_file, interactive=interactive, sampling=sampling)
-    elif given(SAMPLING_DEFAULTS):
-        raise UserError(f"{', '.join(given(SAMPLING_DEFAULTS))}: for lm runs (sampling); a {task} run is decoded by "
-                        f"beam search (--beam_size, --lenpen)")
+    else:
+        _check_translation_flags(config, workdir, beam_size=beam_size, source_file=source_file,
+                                 interactive=interactive, sampling=sampling, nbest=nbest)
     if source_file is None and not interactive:
         for flag, value in (("--reference_file", reference_file), ("--output_file", output_file)):
             if value is not None:
@@ -134,6 +139,35 @@ def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen:
     if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
         vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
         schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+
+
+def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None, source_file: str | None,
+                             interactive: bool, sampling: dict[str, Any], nbest: int | None) -> None:
+    """What a translation or summarization run refuses: ``--max_len`` (its lengths are config.decode.max_len_a and
+    _b), sampling or ``--nbest`` without sources to decode, ``--nbest`` beyond the beam (the API's rule,
+    ``schema.hypotheses_per_source``) and ``--top_k`` beyond the vocabulary."""
+    if sampling.get("max_len") is not None:
+        raise UserError(f"--max_len: for lm runs; a {config.task} run's output length is config.decode.max_len_a * "
+                        "source length + max_len_b")
+    given = [f"--{n}" for n in SAMPLING_DEFAULTS if sampling.get(n) is not None] + (["--nbest"] if nbest else [])
+    if given and source_file is None and not interactive:
+        raise UserError(f"{', '.join(given)} go with sources: --source_file (one per line) or --interactive; a "
+                        "split is scored on its beam search's best hypotheses")
+    schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=sampling.get("temperature", 0.0),
+                                 stored_beam_size=config.decode.beam_size, spell=lambda name: f"--{name}")
+    if sampling.get("top_k"):
+        vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
+        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+
+
+def _translation_search(sampling: dict[str, Any], nbest: int | None, beam_size: int | None) -> dict[str, Any]:
+    """``translate_lines``' search settings from the flags: the beams (or samples) per source, and with
+    ``--temperature > 0`` the sampling settings (the beam size and length penalty are in the loaded config)."""
+    temperature = sampling.get("temperature", 0.0)
+    if not temperature:
+        return {}
+    return {"beam_size": nbest or 1, "temperature": temperature, "top_k": sampling.get("top_k", 0),
+            "top_p": sampling.get("top_p", 1.0), "seed": sampling.get("seed", 0)}
 
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
@@ -200,13 +234,17 @@ def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | Non
 
 
 def _translate_file(trained: setup.Trained, sources: Sequence[str], references: Sequence[str] | None,
-                    source_file: str, output_file: str) -> dict[str, Any]:
-    """Decodes the lines, writes one output per input line, reports what was not decoded as given, and scores
-    against ``references`` (blank sources stay in, as empty hypotheses)."""
+                    source_file: str, output_file: str, search: dict[str, Any], nbest: int | None) -> dict[str, Any]:
+    """Decodes the lines, writes one output per input line (with ``nbest``: ``write_nbest``'s lines), reports what
+    was not decoded as given, and scores the best hypotheses against ``references`` (blank sources stay in, as
+    empty hypotheses)."""
     config = trained.config
     translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
-                                                    name=_line_name)
-    _write_lines(output_file, translations.hypotheses)
+                                                    name=_line_name, nbest=nbest or 0, **search)
+    if nbest:
+        _write_text(output_file, "".join(nbest_lines(i, entries) for i, entries in enumerate(translations.nbest)))
+    else:
+        _write_lines(output_file, translations.hypotheses)
     scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
     if not sources:
         logger.info(f"--source_file={source_file} has no lines: {output_file} is empty, nothing to score")
@@ -236,9 +274,11 @@ def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: 
     return report
 
 
-def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any]) -> dict[str, Any]:
-    """Decodes each line of ``stdin`` as it arrives and prints its output (one line) to ``stdout``. The programs
-    are built once: a line compiles only when its length falls in a width bucket not seen before."""
+def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any],
+                 search: dict[str, Any], nbest: int | None) -> dict[str, Any]:
+    """Decodes each line of ``stdin`` as it arrives and prints its output (one line; with ``nbest``,
+    ``nbest_lines``' block) to ``stdout``. The programs are built once: a line compiles only when its length falls
+    in a width bucket not seen before."""
     config = trained.config
     current = {"line": 0}  # the stdin line being decoded, for the warning when it is cut
     name = lambda _: f"stdin line {current['line']}"  # noqa: E731
@@ -248,9 +288,11 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
                                                               name=name, **sampling).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
-        decode = lambda line: decode_and_score.translate_lines(  # noqa: E731
-            config, trained.model, trained.params, trained.tokenizer, [line], translator=translator,
-            name=name).hypotheses[0]
+
+        def decode(line: str) -> str:
+            found = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
+                                                     translator=translator, name=name, nbest=nbest or 0, **search)
+            return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
     count, not_utf8 = 0, []
     for number, line in _stdin_lines(stdin):
@@ -259,7 +301,8 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
             print("", file=stdout, flush=True)
             continue
         current["line"] = number
-        print(decode(line).replace("\n", " "), file=stdout, flush=True)
+        output = decode(line)
+        print(output if nbest else output.replace("\n", " "), file=stdout, flush=True)
         count += 1
     if not_utf8:
         logger.warning(f"{len(not_utf8)} stdin line(s) not UTF-8, each skipped with an empty output "
@@ -288,8 +331,24 @@ def _stdin_lines(stdin: TextIO) -> Iterator[tuple[int, str | None]]:
 
 def _write_lines(path: str, outputs: Sequence[str]) -> None:
     """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
+    _write_text(path, decode_and_score.lines_text(outputs))
+
+
+def _write_text(path: str, text: str) -> None:
     if jax.process_index() == 0:
-        epath.Path(path).write_text(decode_and_score.lines_text(outputs), encoding="utf-8")
+        epath.Path(path).write_text(text, encoding="utf-8")
+
+
+def nbest_lines(index: int, entries: Sequence[dict[str, Any]]) -> str:
+    """fairseq-generate's lines for source ``index`` (0-based, as fairseq numbers them), per hypothesis best first:
+    ``H-<index>\t<score>\t<text>`` (the search's length-penalised score, a natural log: fairseq prints base 2)
+    and ``P-<index>\t<each output token's log-probability, EOS included>``; nothing for a blank source."""
+    lines = []
+    for entry in entries:
+        text = entry["text"].replace("\n", " ").replace("\t", " ")
+        lines.append(f"H-{index}\t{entry['score']!r}\t{text}\n")
+        lines.append(f"P-{index}\t" + " ".join(f"{score:.4f}" for score in entry["token_scores"]) + "\n")
+    return "".join(lines)
 
 
 def _line_name(index: int) -> str:

@@ -67,11 +67,15 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_string("reference_file", None, "References for --source_file, one per line.")
     flags.DEFINE_string("output_file", None, "Where --source_file's outputs go (default: <workdir>/output.txt).")
     flags.DEFINE_bool("interactive", False, "Read lines from stdin and print each one's output as it is decoded.")
+    flags.DEFINE_integer("nbest", None, "Translation runs with --source_file or --interactive: the k best hypotheses "
+                         "(or k samples) per source, k <= the beam size, written as fairseq-generate's H-<i> (score, "
+                         "text) and P-<i> (token log-probabilities) lines.")
     flags.DEFINE_integer("max_len", None, "LM runs: new tokens per prompt (default 50).")
-    flags.DEFINE_float("temperature", None, "LM runs: sampling temperature >= 0 (default 0: greedy).")
-    flags.DEFINE_integer("top_k", None, "LM runs: sample from the k most likely tokens (default 0: all).")
-    flags.DEFINE_float("top_p", None, "LM runs: nucleus sampling, in (0, 1] (default 1: off).")
-    flags.DEFINE_integer("seed", None, "LM runs: the sampling seed (default 0).")
+    flags.DEFINE_float("temperature", None, "Sampling temperature >= 0 (default 0: greedy for an LM, beam search for "
+                       "a translation run); with --source_file or --interactive.")
+    flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (default 0: all).")
+    flags.DEFINE_float("top_p", None, "Nucleus sampling, in (0, 1] (default 1: off).")
+    flags.DEFINE_integer("seed", None, "The sampling seed (default 0).")
     _define_compilation_cache()
     flags.mark_flags_as_required(["workdir"])
     _run(_evaluate_main, argv)
@@ -87,14 +91,14 @@ def _evaluate_main(argv: list[str]) -> None:
         from lconv.cli import eval_program
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
-                 "output_file", "interactive", "max_len", "temperature", "top_k", "top_p", "seed")
+                 "output_file", "interactive", "nbest", "max_len", "temperature", "top_k", "top_p", "seed")
         eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
 
 def _run(main, argv: list[str] | None) -> None:
     for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
                  "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
-                 "max_len", "temperature", "top_k", "top_p", "seed"):
+                 "nbest", "max_len", "temperature", "top_k", "top_p", "seed"):
         if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
             FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)

@@ -164,8 +164,8 @@ def _packaged_config_dir() -> str:
 def resolve_config_argument(argv: list[str]) -> list[str]:
     """``--config=NAME[:ARGS]`` naming a packaged config (``default``, ``wmt_en_de.py``) rather than an existing
     file -> the packaged file's path, which is what ml_collections loads: ``python -m lconv.train
-    --config=default`` works from any directory. A path that exists is kept as it is, and so is anything else
-    (ml_collections then names the missing file)."""
+    --config=default`` works from any directory, one holding a workdir named ``default`` too. A file that exists is
+    kept as it is, and so is anything with a slash (ml_collections then names the missing file)."""
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == "--config" and i + 1 < len(out):
@@ -177,7 +177,7 @@ def resolve_config_argument(argv: list[str]) -> list[str]:
 
 def _config_path(value: str) -> str:
     name, colon, args = value.partition(":")
-    if os.path.exists(name) or "/" in name or os.sep in name:
+    if os.path.isfile(name) or "/" in name or os.sep in name:  # a folder named "default" (a workdir) is no config
         return value
     packaged = os.path.join(_packaged_config_dir(), name.removesuffix(".py") + ".py")
     if not os.path.isfile(packaged):

@@ -10,6 +10,7 @@ Both take the params as an argument (not a constant folded into the program), wh
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +129,13 @@ class Translator:
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules), out_shardings=replicated,
                               static_argnames=("max_len", "beam_size", "temperature", "top_k", "top_p"))
+
+    def with_params(self, params: Any) -> Translator:
+        """The same programs over other params of the same shapes (a training run's final ones): nothing compiles
+        again."""
+        other = copy.copy(self)
+        other.params = params
+        return other
 
     def __call__(self, inputs_BS: np.ndarray, *, beam_size: int | None = None,
                  lenpen: float | None = None) -> np.ndarray:

@@ -58,19 +58,52 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     axes of the mesh ``params`` live on, and the best beams come back whole to every process.
     """
     translator = translator or compiled.Translator(config, model, params)
-    beam_size = search.get("beam_size") or config.decode.beam_size
-    rows = compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size, beam_size)
-    rows = compiled.row_bucket(len(eval_set.tokens), rows)
-    order = sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
+    rows, order = _decode_plan(config, params, eval_set, search.get("beam_size"))
 
     def decode(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
-        longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
-        width = compiled.width_bucket(longest, batch["inputs"].shape[1])
+        batch, width = _padded_batch(eval_set, chosen, rows)
         return batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
 
     for _, decoded in in_batches(order, rows, decode):
         yield decoded
+
+
+def _decode_plan(config: Any, params: Any, eval_set: pipeline.EvalSet,
+                 beam_size: int | None) -> tuple[int, list[int]]:
+    """``(rows per batch, the examples' order)`` of ``decode_batches``: shortest sources first."""
+    beam_size = beam_size or config.decode.beam_size
+    rows = compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size, beam_size)
+    rows = compiled.row_bucket(len(eval_set.tokens), rows)
+    return rows, sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
+
+
+def _padded_batch(eval_set: pipeline.EvalSet, chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], int]:
+    """The ``chosen`` examples padded to ``rows`` rows, and the width bucket their sources are cut to."""
+    batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
+    longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
+    return batch, compiled.width_bucket(longest, batch["inputs"].shape[1])
+
+
+def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator: compiled.Translator,
+                            clock: Callable[[], float] = time.monotonic) -> float:
+    """Seconds ``decode_batches`` will take over ``eval_set`` with ``translator``, measured on its first batch
+    decoded twice: the second call's time is a batch's run time, scaled to each batch by its width bucket, and the
+    first call's extra time the compilation, paid once per width bucket of the plan. The program compiled here is
+    ``translator``'s, so the split's decoding with the same ``translator`` reuses it."""
+    eval_set = whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
+    if not eval_set.tokens:
+        return 0.0
+    rows, order = _decode_plan(config, translator.params, eval_set, None)
+    batches = [order[start:start + rows] for start in range(0, len(order), rows)]
+    widths = [_padded_batch(eval_set, chosen, rows)[1] for chosen in batches]
+    inputs = _padded_batch(eval_set, batches[0], rows)[0]["inputs"][:, :widths[0]]
+    seconds = []
+    for _ in range(2):
+        start = clock()
+        translator(inputs)
+        seconds.append(clock() - start)
+    run, compile_ = seconds[1], max(seconds[0] - seconds[1], 0.0)
+    return compile_ * len(set(widths)) + run * sum(width / widths[0] for width in widths)
 
 
 def in_batches(order: Sequence[int], rows: int,
@@ -98,22 +131,31 @@ def in_batches(order: Sequence[int], rows: int,
 
 
 def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
-                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None) -> dict[str, Any]:
+                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None,
+                translator: compiled.Translator | None = None,
+                stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
     """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``.
 
     With several processes each holds a shard of the split; they decode the whole split together
     (``whole_split``, ``decode_batches``), so every process gets every hypothesis and the same scores, and process
-    0 writes them. A collective: every process calls it."""
+    0 writes them. A collective: every process calls it. ``translator``: one whose programs to reuse.
+    ``stop_when``: ``(over, why)``; decoding stops once ``over()`` (one process only: a time budget, ``why`` naming
+    it), and the scores cover the examples decoded by then (``undecoded`` counts the rest; a warning says so)."""
     split = split or config.decode.split
     if split not in eval_sets:
         raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
     eval_set = whole_split(eval_sets[split], config.data.eval_batch_size)
     start = time.time()
     hypotheses = {}
-    for batch, tokens in decode_batches(config, model, params, eval_set):
+    for batch, tokens in decode_batches(config, model, params, eval_set, translator=translator):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[int(index)] = tokenizer.decode(tokens[row])
+        if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
+            logger.warning(f"warning: {stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
+                           f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those only, "
+                           f"and eval.py --split={split} scores them all")
+            break
     seconds = time.time() - start
     order = sorted(hypotheses)
     hyps = [hypotheses[i] for i in order]
@@ -124,6 +166,8 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
                   sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size,
                   **lengths.counts())
+    if len(hyps) < len(eval_set.tokens):
+        scores["undecoded"] = len(eval_set.tokens) - len(hyps)
     write_outputs(workdir, split, hyps, scores)
     lengths.log(lambda i: f"{split}[{order[i]}]", SOURCE_LIMIT)
     logger.info(format_report(scores, sources, refs, hyps, config.decode.num_print))

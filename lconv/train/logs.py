@@ -59,8 +59,45 @@ class MetricWriter:
             self.tensorboard.close()
 
 
-def progress(start: int, total: int) -> Any:
-    from tqdm import tqdm
+BUDGET_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the budget{postfix}"
 
-    return tqdm(initial=start, total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=2.0,
-                disable=jax.process_index() != 0)
+
+class Progress:
+    """The training bar. It counts steps to ``train.num_steps``, or with a time budget (``train.max_minutes``, which
+    then ends the run unless num_steps comes first) the budget's seconds, with the step beside them: its end is the
+    run's end, the final evaluation included, which takes the part of the bar training leaves."""
+
+    def __init__(self, step: int, num_steps: int, budget: Any) -> None:
+        from tqdm import tqdm
+
+        self.budget, self.num_steps, self.step, self.shown = budget, num_steps, step, {}
+        timed = budget is not None and budget.enabled
+        self.bar = tqdm(initial=min(round(budget.elapsed()), round(budget.seconds)) if timed else step,
+                        total=round(budget.seconds) if timed else num_steps, desc="train",
+                        unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
+                        disable=jax.process_index() != 0, **({"bar_format": BUDGET_BAR} if timed else {}))
+
+    @property
+    def total(self) -> float:
+        return self.bar.total
+
+    def advance(self, step: int) -> None:
+        """After ``step``: a step more, or the seconds elapsed (and the step, in the postfix)."""
+        self.step = step
+        if self.budget is None or not self.budget.enabled:
+            self.bar.update(1)
+            return
+        self.bar.set_postfix(self._postfix(), refresh=False)  # the step as it is at the bar's next refresh
+        self.bar.update(max(min(round(self.budget.elapsed()), self.bar.total) - self.bar.n, 0))
+
+    def set_postfix(self, **values: str) -> None:
+        """The last log window's values, shown until the next (with a budget, beside the current step)."""
+        self.shown = values
+        self.bar.set_postfix(self._postfix())
+
+    def _postfix(self) -> dict[str, str]:
+        timed = self.budget is not None and self.budget.enabled
+        return {"step": f"{self.step}/{self.num_steps}", **self.shown} if timed else self.shown
+
+    def close(self) -> None:
+        self.bar.close()

@@ -3,6 +3,7 @@
 ``train_and_evaluate`` builds the run once (``setup.build_run``), restores its latest readable checkpoint
 (state and data-iterator position, so a resume is exact), trains until ``train.num_steps``,
 ``train.max_minutes`` or SIGTERM, and then scores the test split (BLEU / ROUGE, or perplexity for LMs).
+``train.max_minutes`` budgets the whole run, the final evaluation included (``lconv.train.budget``).
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
-from lconv.infer import decode_and_score
-from lconv.train import checkpoints, integrity, logs, metrics, setup, steps
+from lconv.infer import compiled, decode_and_score
+from lconv.train import budget as budget_lib
+from lconv.train import checkpoints, init_from, integrity, logs, metrics, setup, steps
 from lconv.train import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -144,17 +146,24 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
     ``devices``: the devices of the mesh (default: all). Checkpoints go to ``<workdir>/checkpoints`` (the last
     ``train.keep_checkpoints``) and the best by validation loss to ``<workdir>/best``. The workdir is locked for
     the run (``lconv.train.workdir``); ``accept_config_changes`` lets a resumed run change fields of the config its
-    checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any.
+    checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any. With
+    ``train.init_from`` a new run starts from another run's params (``lconv.train.init_from``).
     """
+    started = budget_lib.clock()  # train.max_minutes counts from here: data preparation and setup included
     devices = jax.devices() if devices is None else list(devices)
     mesh = setup.check_config(config, devices)  # before anything is written, the workdir included
+    source = init_from.prepare(config, workdir)  # train.init_from's run, checked against this one
     path = workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(path):
+        if source is not None:
+            source.copy_tokenizer(path)  # before build_run loads the workdir's tokenizer
         run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes, mesh=mesh)
-        return _train_and_evaluate(run)
+        if source is not None and not checkpoints.has_checkpoint(path):
+            source.restore_params(run)
+        return _train_and_evaluate(run, started)
 
 
-def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
+def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
     config = run.config
     verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
@@ -169,16 +178,17 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
     eval_step = steps.jit_eval_step(config, run.mesh)
     eval_memory = setup.init_memory(config, run.model, config.data.eval_batch_size, setup.batch_sharding(run.mesh))
 
-    def validate(step: int) -> dict[str, float]:
+    def validate(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
         scores = steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, run.data.eval_sets["validation"],
-                                     run.mesh, eval_memory)
+                                     run.mesh, eval_memory, stop_when)
         writer.write(step, "validation", scores)
-        best.offer(step, run.state, scores["loss"])
+        if "unscored_batches" not in scores:  # a part of the split is not comparable with earlier passes
+            best.offer(step, run.state, scores["loss"])
         return scores
 
     with integrity.orbax_errors_to_file(ckpt.error_log):
         try:
-            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step)
+            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step, started)
         except Exception as err:
             if not checkpoints.is_disk_full(err):
                 raise
@@ -187,27 +197,58 @@ def _train_and_evaluate(run: setup.Run) -> dict[str, Any]:
 
 def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
                          writer: logs.MetricWriter, validate: Callable[[int], Any],
-                         eval_step: Callable[..., Any]) -> dict[str, Any]:
-    t0 = time.time()
+                         eval_step: Callable[..., Any], started: float) -> dict[str, Any]:
+    t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
+    translator = _reserve_final_evaluation(run, budget, eval_step) if budget.enabled else None
     try:
-        step, stopped_by = train(run, ckpt, writer, validate)
+        step, stopped_by = train(run, ckpt, writer, validate, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     try:
         if not stopped_by:
-            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer)
+            evaluation_start = budget_lib.clock()
+            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer, budget, translator)
+            result["final_evaluation_seconds"] = budget_lib.clock() - evaluation_start
     finally:
         best.close()
     if stopped_by:
         result["stopped_by"] = stopped_by
+    if budget.enabled:
+        result.update(budget_seconds=budget.seconds, run_seconds=budget.elapsed(),
+                      final_evaluation_estimate_seconds=budget.estimate)
     writer.close()
     return result
 
 
+def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
+                              eval_step: Callable[..., Any]) -> compiled.Translator | None:
+    """Measures what the final evaluation will take (``budget.estimate_final_evaluation``) and keeps that much of
+    the budget for it; returns the translator it compiled, for the test split's decoding to reuse."""
+    decodes = run.config.task != "lm" and run.config.train.eval_after_training
+    translator = compiled.Translator(run.config, run.model, run.state.params) if decodes else None
+    memory = setup.init_memory(run.config, run.model, run.config.data.eval_batch_size, setup.batch_sharding(run.mesh))
+    evaluate = lambda batches: steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
+                                                   run.mesh, memory)
+    budget.estimate = budget_lib.estimate_final_evaluation(run, evaluate, translator)
+    budget.reserve = budget_lib.SAFETY_MARGIN * budget.estimate
+    left = budget.seconds - budget.elapsed()
+    if budget.reserve >= left:
+        logger.warning(f"warning: the final evaluation alone is estimated at {budget.estimate:.0f} s, and "
+                       f"train.max_minutes={run.config.train.max_minutes:g} has {max(left, 0):.0f} s left: one "
+                       "update, then the validation and test passes stop at the budget with part of their splits; "
+                       f"train.max_minutes={math.ceil((budget.elapsed() + budget.reserve) / 60) + 1} leaves "
+                       "training a minute")
+    logger.info(f"train.max_minutes={run.config.train.max_minutes:g} covers the final evaluation too: training "
+                f"stops {budget.reserve:.0f} s before the budget ends ({budget_lib.SAFETY_MARGIN:g} x the final "
+                f"validation and test's {budget.estimate:.0f} s, measured on their first batches)")
+    return translator
+
+
 def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validate: Callable[[int], Any],
-                      eval_step: Callable[..., Any], writer: logs.MetricWriter) -> str | None:
+                      eval_step: Callable[..., Any], writer: logs.MetricWriter, budget: budget_lib.Budget,
+                      translator: compiled.Translator | None) -> str | None:
     """The last validation and the test split's score into ``result``; returns the signal that stopped them, if
     any. The final checkpoint is saved by now, so a SIGTERM (or Ctrl-C) here stops at once and cleanly: the same
     command resumes at this step and evaluates it."""
@@ -216,9 +257,9 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
     try:
         with Preemption(interrupt=jax.process_count() == 1):
             with jax.set_mesh(run.mesh):
-                result["validation"] = validate(step)
+                result["validation"] = validate(step, budget.stop_when())
             if run.config.train.eval_after_training:
-                result["test"] = evaluate_test_split(run, eval_step)
+                result["test"] = evaluate_test_split(run, eval_step, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     except Stopped as stop:
         logger.info(f"stopping the final evaluation: {stop.signal_name}; the checkpoint of step {step} is saved, and "
@@ -228,9 +269,10 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          validate: Callable[[int], Any]) -> tuple[int, str | None]:
-    """Steps ``run.state`` to ``train.num_steps`` (or ``train.max_minutes``, SIGTERM or SIGINT); returns
-    ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
+          validate: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
+    """Steps ``run.state`` to ``train.num_steps`` (or until ``budget`` leaves only the final evaluation's time,
+    SIGTERM or SIGINT); returns ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and
+    closes ``ckpt``."""
     config, mesh = run.config, run.mesh
     sharding = setup.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
@@ -240,17 +282,16 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
     step, num_steps = int(run.state.step), config.train.num_steps
-    t0, window_sums, window_start, spiking = time.time(), None, time.time(), False
-    progress = logs.progress(step, num_steps)
+    window_sums, window_start, spiking = None, time.time(), False
+    progress = logs.Progress(step, num_steps, budget)
     try:
         with jax.set_mesh(mesh):
             while step < num_steps:
                 run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding))
                 step += 1
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
-                progress.update(1)
-                out_of_time = config.train.max_minutes and (time.time() - t0) / 60 >= config.train.max_minutes
-                stop_reason = preemption.agreed_stop(bool(out_of_time), step, config.train.stop_check_every)
+                progress.advance(step)
+                stop_reason = preemption.agreed_stop(budget.training_over(), step, config.train.stop_check_every)
                 stopping = stop_reason is not None
                 saving = stopping or step % config.train.checkpoint_every == 0
                 if step % config.train.log_every == 0 or step == num_steps or saving:
@@ -280,11 +321,16 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     return step, preemption.agreed_stop(out_of_time=False)
 
 
-def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE."""
+def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None, *,
+                        translator: compiled.Translator | None = None,
+                        budget: budget_lib.Budget | None = None) -> dict[str, Any]:
+    """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE (with
+    ``translator``'s programs when given; with one process, the pass stops where ``budget`` runs out)."""
     config, split = run.config, run.config.decode.split
+    stop_when = budget.stop_when() if budget is not None else None
     if config.task == "lm":
         return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
-                                      split, mesh=run.mesh, eval_step=eval_step)
+                                      split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
+    translator = translator and translator.with_params(run.state.params)
     return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
-                                run.workdir)
+                                        run.workdir, translator=translator, stop_when=stop_when)

@@ -80,8 +80,8 @@ class Trained:
 def find_run(workdir: str, caller: str = "--workdir") -> str:
     """The resolved workdir (local or an ``etils.epath`` URL) of a run, or a one-line error naming the path as
     ``caller`` was given it (``--workdir=runs/x``, ``lconv.load('runs/x')``) and what is there instead: nothing,
-    an export, or a folder without a ``config.json``."""
-    label = f"{caller}={workdir}" if caller.startswith("-") else f"{caller}({str(workdir)!r})"
+    an export, or a folder without a ``config.json``. ``caller`` may be a config field (``config.train.init_from``)."""
+    label = f"{caller}={workdir}" if caller.startswith(("-", "config.")) else f"{caller}({str(workdir)!r})"
     paths.check_url(workdir, caller, label=label)
     resolved = workdir_lib.resolve(workdir)
     root = epath.Path(resolved)

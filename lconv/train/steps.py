@@ -118,7 +118,8 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 
 
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
-                  mesh: jax.sharding.Mesh, memory: PyTree = None) -> dict[str, float]:
+                  mesh: jax.sharding.Mesh, memory: PyTree = None,
+                  stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
 
     With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
@@ -127,28 +128,41 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
     evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
     the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
-    otherwise.
+    otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once ``over()`` (a time budget, ``why``
+    naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
     """
     sharding = setup.batch_sharding(mesh)
-    total, memory = None, memory or {}
+    total, memory, done = None, memory or {}, 0
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
             sums, memory = eval_step(params, apply_fn, global_batch(batch, sharding), memory)
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-    return metrics.summarize(total)
+            done += 1
+            if stop_when and done < len(eval_set):
+                jax.block_until_ready(total)  # the clock is read when the batch is done, not when it is dispatched
+                if stop_when[0]():
+                    break
+    scores = metrics.summarize(total)
+    if stop_when and done < len(eval_set):
+        scores["unscored_batches"] = len(eval_set) - done
+        logger.warning(f"warning: {stop_when[1]} ran out: the loss pass stopped after {done} of {len(eval_set)} "
+                       f"batches ({scores['tokens']:.0f} tokens); its scores cover those only")
+    return scores
 
 
 def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
-                     *, mesh: jax.sharding.Mesh | None = None,
-                     eval_step: Callable[..., Any] | None = None) -> dict[str, Any]:
+                     *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
+                     stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
     """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
-    ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new."""
+    ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new;
+    ``stop_when``: ``evaluate_loss``'s (a pass cut short has no per-word perplexity)."""
     mesh = setup.make_mesh(config.mesh) if mesh is None else mesh
     eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
     memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
-    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory), split=split)
-    scores.update(_word_perplexity(eval_set, scores))
+    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory, stop_when), split=split)
+    if "unscored_batches" not in scores:
+        scores.update(_word_perplexity(eval_set, scores))
     decode_and_score.write_outputs(workdir, split, None, scores)
     per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
     logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "

@@ -1,0 +1,113 @@
+"""Starting a run from another run's params (``train.init_from``): fine-tuning on new data or with another config,
+as t5x's ``initial checkpoint`` does.
+
+The new run is a new run: its own optimizer state, step 0, its own schedule and data. What it takes from the source
+workdir (a path or URL, what ``lconv.load`` accepts) is the params of its latest checkpoint (``train.init_checkpoint
+= "best"``: of the best by validation loss) and its tokenizer, copied into the new workdir, since the embeddings
+are rows of that vocabulary. So the model must be the source's: its task and every model field that shapes the
+params (dropout rates and other fields that leave the params alone may differ), and ``data.vocab_size`` the
+source's; otherwise one line names the differing fields. Once the new run has a checkpoint of its own, a resume
+restores that, and ``init_from`` is not read again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import jax
+from etils import epath
+
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.errors import UserError
+from lconv.train import checkpoints, setup
+from lconv.train import workdir as workdir_lib
+
+logger = logging.getLogger(__name__)
+
+FIELD = "config.train.init_from"
+
+
+class Source:
+    """The run ``config.train.init_from`` names: its resolved workdir and stored config, checked against
+    ``config`` (``check``) before anything is written."""
+
+    def __init__(self, config: Any) -> None:
+        self.given = config.train.init_from
+        self.workdir = setup.find_run(self.given, FIELD)
+        self.config = setup.read_config(self.workdir, FIELD)
+        self.label = f"{FIELD}={self.given}"
+
+    def check(self, config: Any) -> None:
+        """The task, ``data.vocab_size`` and the model's fields against the source's: one line naming what
+        differs when the params would not fit."""
+        theirs, ours = self.config, config
+        if theirs.task != ours.task:
+            raise UserError(f"{self.label}: config.task is {ours.task!r} here and {theirs.task!r} there; a run "
+                            "starts only from a run of its own task")
+        if theirs.data.vocab_size != ours.data.vocab_size:
+            raise UserError(f"{self.label}: config.data.vocab_size is {ours.data.vocab_size} here and "
+                            f"{theirs.data.vocab_size} there; the run takes the source's tokenizer, so set "
+                            f"--config.data.vocab_size={theirs.data.vocab_size}")
+        differing = [name for name in sorted(set(ours.model) | set(theirs.model))
+                     if _plain(ours.model.get(name)) != _plain(theirs.model.get(name))]
+        if differing and _param_shapes(ours) != _param_shapes(theirs):
+            changes = ", ".join(f"config.model.{name} is {ours.model.get(name)!r} here and "
+                                f"{theirs.model.get(name)!r} there" for name in differing)
+            raise UserError(f"{self.label}: its params do not fit this model: {changes}")
+
+    def copy_tokenizer(self, workdir: str) -> None:
+        """The source's tokenizer into ``workdir`` (process 0; the others receive it from there), unless the
+        same file is there already; another one there is an error naming both."""
+        if jax.process_index() != 0:
+            return
+        for name in (tokenizer_lib.Tokenizer.filename, tokenizer_lib.PiecesTokenizer.filename):
+            theirs = epath.Path(self.workdir) / name
+            if not theirs.exists():
+                continue
+            ours = epath.Path(workdir) / name
+            if ours.exists() and ours.read_bytes() != theirs.read_bytes():
+                raise UserError(f"{self.label}: {ours} is another tokenizer than the source's {theirs}; a run "
+                                "started from another run uses that run's (remove this one)")
+            if not ours.exists():
+                workdir_lib.write_atomically(ours, theirs.read_bytes())
+            return
+        raise UserError(f"{self.label}: no tokenizer in {self.workdir}")
+
+    def restore_params(self, run: setup.Run) -> None:
+        """The source checkpoint's params into ``run.state`` (laid out as its own), the rest of the state kept:
+        a fresh optimizer at step 0."""
+        which = run.config.train.init_checkpoint
+        ckpt = checkpoints.Checkpointer(self.workdir, subdir="checkpoints" if which == "latest" else "best",
+                                        read_only=True)
+        step = ckpt.latest_step()
+        if step is None:
+            raise UserError(f"{self.label}: no checkpoint in {ckpt.directory}")
+        params = ckpt.restore_params(checkpoints.abstract_like(run.state.params), step)
+        ckpt.close()
+        run.state = run.state.replace(params=params)
+        logger.info(f"starting from the params of {self.workdir} ({which} checkpoint, step {step}); a new "
+                    "optimizer state, step 0")
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as config.json holds it (tuples as lists), so a stored config compares equal to a live one."""
+    return json.loads(json.dumps(value.to_dict() if hasattr(value, "to_dict") else value))
+
+
+def prepare(config: Any, workdir: str) -> Source | None:
+    """The source run of a new run that has ``train.init_from``, checked against ``config`` (call before anything
+    is written); None without one, or when ``workdir`` has a checkpoint (a resume restores its own)."""
+    if not config.train.init_from or checkpoints.has_checkpoint(workdir):
+        return None
+    source = Source(config)
+    source.check(config)
+    return source
+
+
+def _param_shapes(config: Any) -> Any:
+    """The shapes and dtypes of ``config``'s model params (no array is made)."""
+    model = setup.build_model(config, int(config.data.vocab_size))
+    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
+    return jax.tree.map(lambda x: (x.shape, str(x.dtype)), abstract)

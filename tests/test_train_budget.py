@@ -1,0 +1,165 @@
+"""``train.max_minutes`` budgets the whole run, the final evaluation included (``lconv.train.budget``): training
+stops when the time left is the final evaluation's measured estimate, the progress bar counts to the budget, and
+decoding that would run past it stops there, saying so. Timed on a fake clock, so the numbers are exact."""
+import collections
+import math
+import types
+
+import helpers
+import jax
+import numpy as np
+import pytest
+import tiny_config
+import tiny_runs
+
+from lconv.data import pipeline
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.infer import decode_and_score
+from lconv.train import budget, logs, loop, steps
+
+_ONE_DEVICE = jax.devices("cpu")[:1]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def timed_run(tiny_data, tmp_path, monkeypatch):
+    """``timed_run(max_minutes)``: the tiny config trained for up to 1000 steps on a fake clock where every batch
+    put on the device, trained or evaluated, takes 1 s; returns ``(result, progress bar, validation batches)``."""
+    clock = FakeClock()
+    monkeypatch.setattr(budget, "clock", clock)
+    real_global_batch = steps.global_batch
+
+    def one_second_per_batch(batch, sharding):
+        clock.now += 1.0
+        return real_global_batch(batch, sharding)
+
+    monkeypatch.setattr(steps, "global_batch", one_second_per_batch)
+    bars = []
+
+    class RecordedProgress(logs.Progress):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(logs, "Progress", RecordedProgress)
+
+    def run(max_minutes):
+        config = tiny_config.training_config(tiny_data.data_dir, 1000, max_minutes=max_minutes, eval_every=1000,
+                                             checkpoint_every=1000, log_every=5)
+        workdir = helpers.new_workdir(tiny_data, tmp_path / f"budget_{max_minutes}")
+        start = clock.now
+        result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
+        assert clock.now - start == result["run_seconds"]
+        tokenizer = tokenizer_lib.load_tokenizer(str(workdir))
+        validation_batches = len(pipeline.make_datasets(config.data, tokenizer).eval_sets["validation"])
+        return result, bars[-1], validation_batches
+
+    return run
+
+
+@pytest.mark.slow  # trains in-process (compiles a train and an eval step)
+def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(timed_run):
+    result, bar, validation_batches = timed_run(1.0)
+    # Probe: 1 batch compiled untimed + 2 timed (3 s); then the steps, until what is left is the reserve (the
+    # estimate, 1 s a batch, x the margin); then the final validation, whole.
+    assert result["final_evaluation_estimate_seconds"] == validation_batches == result["final_evaluation_seconds"]
+    reserve = budget.SAFETY_MARGIN * validation_batches
+    assert result["step"] == math.ceil(60 - 3 - reserve) < 1000  # the budget, not num_steps, ended training
+    assert result["run_seconds"] == 3 + result["step"] + validation_batches <= 60  # within the budget
+    assert 60 - result["run_seconds"] < reserve - validation_batches + 1  # less than the margin and a step unused
+    assert "unscored_batches" not in result["validation"] and result["validation"]["tokens"] > 1000  # all of it
+    assert bar.total == 60 and bar.bar.unit == "s"  # counts to the budget, in seconds
+    assert bar.bar.n == 3 + result["step"]  # where training ended: the rest of the bar is the evaluation
+
+
+@pytest.mark.slow  # trains in-process
+def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run, lconv_log):
+    result, bar, validation_batches = timed_run(0.25)  # 15 s: less than the validation's batches alone
+    assert validation_batches > 15 and result["step"] == 1  # one step, then the evaluation's turn
+    assert result["run_seconds"] == 15.0
+    assert result["validation"]["unscored_batches"] == validation_batches - (15 - 3 - 1)
+    (warning,) = [m for m in lconv_log() if "train.max_minutes ran out" in m]
+    assert f"after {15 - 3 - 1} of {validation_batches} batches" in warning
+    (ahead,) = [m for m in lconv_log() if "estimated at" in m]  # said before training, with a budget that fits
+    assert f"at {validation_batches} s" in ahead and "train.max_minutes=0.25 has 12 s left" in ahead
+    assert f"train.max_minutes={math.ceil((3 + budget.SAFETY_MARGIN * validation_batches) / 60) + 1} " in ahead
+    assert bar.total == 15
+
+
+def test_without_a_budget_the_bar_counts_steps():
+    bar = logs.Progress(3, 10, budget.Budget(0.0))
+    bar.advance(4)
+    assert (bar.total, bar.bar.n, bar.bar.unit) == (10, 4, "step")
+    bar.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoding: the estimate and the cap
+# ----------------------------------------------------------------------------------------------------------------
+COMPILE_SECONDS, SECONDS_PER_WIDTH = 5.0, 0.01
+
+
+class FakeTranslator:
+    """Decodes nothing (every hypothesis is EOS) and costs fake time: a compilation per new width, then a run
+    time proportional to the width: the cost model ``estimate_decode_seconds`` assumes."""
+
+    def __init__(self, clock):
+        self.clock, self.params, self.widths = clock, {"w": np.zeros(1)}, set()
+
+    def __call__(self, inputs_BS, **search):
+        width = inputs_BS.shape[1]
+        self.clock.now += SECONDS_PER_WIDTH * width + (COMPILE_SECONDS if width not in self.widths else 0.0)
+        self.widths.add(width)
+        return np.ones((inputs_BS.shape[0], 2), np.int32)
+
+
+def _split(lengths, rows=4):
+    tokens = [{"inputs": np.append(np.full(n - 1, 7), 1).astype(np.int32), "targets": np.ones(2, np.int32)}
+              for n in lengths]
+    examples = [{"inputs": f"source {i}", "targets": f"Target {i}."} for i in range(len(lengths))]
+    return pipeline.EvalSet(examples, tokens, rows, -(-len(lengths) // rows), {"inputs": 200, "targets": 8},
+                            collections.Counter())
+
+
+def _config(rows=4):
+    return types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=2, batch_size=0, compound_split=False,
+                                                              num_print=0, split="test", lenpen=1.0),
+                                 data=types.SimpleNamespace(eval_batch_size=rows), task="translation")
+
+
+def test_the_decoding_estimate_is_what_decoding_the_split_takes():
+    clock = FakeClock()
+    lengths = [5, 9, 20, 31, 40, 60, 70, 100, 130, 150, 3]  # widths 32, 64, 128, 256 over three batches of four
+    eval_set, config = _split(lengths), _config()
+    estimate = decode_and_score.estimate_decode_seconds(config, eval_set, FakeTranslator(clock), clock)
+    start = clock.now
+    batches = list(decode_and_score.decode_batches(config, None, {"w": np.zeros(1)}, eval_set,
+                                                   translator=FakeTranslator(clock)))
+    assert len(batches) == 3
+    assert estimate == pytest.approx(clock.now - start)  # 3 widths compiled, each batch's run by its width
+
+
+def test_decoding_stops_where_the_budget_runs_out_and_the_scores_say_how_much(tmp_path, lconv_log):
+    clock = FakeClock()
+    eval_set, config = _split([5, 6, 7, 8, 9, 10, 11, 12, 13, 14]), _config()
+    calls = collections.Counter()
+
+    class Counting(FakeTranslator):
+        def __call__(self, inputs_BS, **search):
+            calls["batches"] += 1
+            return super().__call__(inputs_BS, **search)
+
+    scores = decode_and_score.score_split(config, None, {"w": np.zeros(1)}, tiny_runs.tokenizer(),
+                                          {"test": eval_set}, str(tmp_path), translator=Counting(clock),
+                                          stop_when=(lambda: calls["batches"] >= 2, "train.max_minutes"))
+    assert calls["batches"] == 2 and scores["examples"] == 8 and scores["undecoded"] == 2
+    assert len((tmp_path / "test.hyp.txt").read_text().splitlines()) == 8
+    (warning,) = [m for m in lconv_log() if "train.max_minutes" in m]
+    assert "8 of 10" in warning and "--split=test" in warning
