@@ -279,6 +279,7 @@ def _argmax_reference(model: Model, source: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_translation_samples_depend_on_the_source_and_seed_alone(mt):
     sampling = dict(temperature=1.0, seed=7, nbest=2)
     alone = mt.translate(SOURCES[1], **sampling)

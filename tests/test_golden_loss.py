@@ -79,6 +79,7 @@ def losses():
     return before, loss(state.params)
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_initial_loss_and_one_step_match_the_recorded_values():
     before, after = losses()
     # Independent of the golden values: an untrained model with ~unit-variance logits scores about

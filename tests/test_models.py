@@ -229,6 +229,7 @@ def test_colt5_is_encoder_only_with_one_line_errors():
         models.DecoderOnlyLM(models.ModelConfig(**TINY, ffn_type="colt5")).init(jax.random.key(0), _tokens((1, 3), 0))
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_language_model_threads_knn_memory_and_resets_a_row_at_a_new_document():
     """A DecoderOnlyLM with a kNN-memory layer, fed a stream window by window: the 'memory' collection carries
     the past; ``reset_memory`` makes a row start over exactly like a fresh stream; decoding reads the memory.

@@ -53,6 +53,7 @@ def test_the_best_checkpoint_is_the_lowest_validation_loss(tiny_run):
     best.close()
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_resume_continues_exactly(tiny_run, tiny_data, tmp_path):
     resumed = helpers.new_workdir(tiny_data, tmp_path / "resumed")
     loop.train_and_evaluate(_config(tiny_run.data_dir, 3), str(resumed), devices=_ONE_DEVICE)
@@ -213,6 +214,7 @@ def test_batch_must_divide_into_devices_times_micro_batches(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # eval.py's library side: splits, averaging, the best checkpoint, arbitrary text
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_path, lconv_log):
     from lconv.cli import eval_program
 
@@ -272,6 +274,7 @@ def test_eval_translates_a_text_file_and_scores_it(tiny_run, tmp_path, lconv_log
     helpers.one_line_error(error, "--checkpoint=best", "--average_last")
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_eval_scores_a_language_model_by_perplexity(tiny_data, tmp_path):
     from lconv.cli import eval_program
 
