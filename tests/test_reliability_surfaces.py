@@ -254,12 +254,20 @@ def test_export_out_on_a_file_and_an_empty_train_workdir_are_one_line(tmp_path, 
 # ----------------------------------------------------------------------------------------------------------------
 # A backend that is not there
 # ----------------------------------------------------------------------------------------------------------------
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None  # then JAX_PLATFORMS=tpu may well be served
-TPU_MAY_BE_HERE = "libtpu is installed: a TPU may be here, so tpu is not a backend known to be missing"
+def _missing_platform() -> str:
+    """A backend this host certainly lacks, so the tests below run everywhere instead of being skipped: tpu unless
+    libtpu is installed (a TPU host), then cuda unless JAX's CUDA plugin is, then rocm."""
+    for platform, providers in (("tpu", ("libtpu",)), ("cuda", ("jax_cuda12_plugin", "jax_cuda13_plugin")),
+                                ("rocm", ("jax_rocm60_plugin", "jax_rocm7_plugin"))):
+        if not any(importlib.util.find_spec(name) for name in providers):
+            return platform
+    raise AssertionError("every accelerator plugin is installed here; name a platform this host lacks")
+
+
+MISSING = _missing_platform()
 
 
 @pytest.mark.slow  # launches processes: the backend is chosen once per process
-@pytest.mark.skipif(HAS_LIBTPU, reason=TPU_MAY_BE_HERE)
 @pytest.mark.parametrize("program", [
     ["train.py", "--config=tests/tiny_config.py", "--workdir={tmp}/run"],
     ["eval.py", "--workdir={tmp}/run"],
@@ -267,19 +275,18 @@ TPU_MAY_BE_HERE = "libtpu is installed: a TPU may be here, so tpu is not a backe
     ["-m", "lconv.import_fairseq", "--checkpoint={tmp}/m.pt", "--dict={tmp}/d.txt", "--workdir={tmp}/run"],
 ], ids=["train", "eval", "export", "import_fairseq"])
 def test_a_backend_that_is_not_there_is_one_line_naming_it(program, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "tpu"}
+    env = {**os.environ, "JAX_PLATFORMS": MISSING}
     result = helpers.launch(*[arg.format(tmp=tmp_path) for arg in program], env=env, timeout=120)
-    line = helpers.one_line_error(result, "JAX_PLATFORMS=tpu", "cpu")
-    assert "tpu backend" in line and not (tmp_path / "run").exists()
+    line = helpers.one_line_error(result, f"JAX_PLATFORMS={MISSING}", "cpu")
+    assert f"{MISSING} backend" in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow  # launches a process: the backend is chosen once per process
-@pytest.mark.skipif(HAS_LIBTPU, reason=TPU_MAY_BE_HERE)
 @pytest.mark.parametrize("call", ["lconv.load", "lconv.export.load"])
 def test_a_backend_that_is_not_there_is_one_user_error_in_python(call, tmp_path):
     script = (f"import lconv, lconv.export\nfrom lconv.errors import UserError\ntry:\n    {call}({str(tmp_path)!r})\n"
               "except UserError as err:\n    print('UserError:', err)")
-    result = helpers.launch("-c", script, env={**os.environ, "JAX_PLATFORMS": "tpu"}, timeout=120)
+    result = helpers.launch("-c", script, env={**os.environ, "JAX_PLATFORMS": MISSING}, timeout=120)
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0 and len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith("UserError: JAX_PLATFORMS=tpu") and "cpu" in lines[0]
+    assert lines[0].startswith(f"UserError: JAX_PLATFORMS={MISSING}") and "cpu" in lines[0]
