@@ -132,7 +132,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
     """
     sharding = setup.batch_sharding(mesh)
-    total, memory, done = None, memory or {}, 0
+    total, memory, done, previous = None, memory or {}, 0, None
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
@@ -140,7 +140,11 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
             done += 1
             if stop_when and done < len(eval_set):
-                jax.block_until_ready(total)  # the clock is read when the batch is done, not when it is dispatched
+                # The clock must not run ahead of the device (async dispatch would queue every batch before the
+                # first is done), but waiting for this batch would leave the device idle while the next is fed:
+                # wait for the one before, so one batch stays in flight.
+                jax.block_until_ready(previous)
+                previous = total
                 if stop_when[0]():
                     break
     scores = metrics.summarize(total)
