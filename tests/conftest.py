@@ -34,6 +34,7 @@ def pytest_configure(config):
     launch (they inherit $JAX_COMPILATION_CACHE_DIR): a program that many tests compile alike (the tiny run's
     train, eval and beam-search steps) is compiled once and read back after. It lives in the run's base temp
     folder, so every run starts cold, and pytest removes it with the folder. A cache the user set is kept."""
+    _check_xdist_can_group(config)
     factory = getattr(config, "_tmp_path_factory", None)
     if factory is None or "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return  # the user's cache, or (in an xdist worker) the controller's, which jax read from the environment
@@ -52,6 +53,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"tiny_data", "tiny_run"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+
+
+def _check_xdist_can_group(config):
+    """Under ``-n`` (pyproject: ``--dist loadgroup``) the tests of one ``xdist_group`` share a costly session
+    fixture on one worker. pytest-xdist up to 3.8.0 cannot group under pytest 9.2 (pytest-xdist#1386): it spreads
+    the tests silently and each worker builds the fixtures again (the full suite took half as long again)."""
+    if getattr(config.option, "dist", "no") != "loadgroup" or not getattr(config.option, "numprocesses", None):
+        return
+    from importlib.metadata import version
+
+    xdist = tuple(int(part) for part in version("pytest-xdist").split(".")[:3] if part.isdigit())
+    if pytest.version_tuple[:2] >= (9, 2) and xdist <= (3, 8, 0):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} runs "
+                                "the xdist_group tests on every worker (pytest-xdist#1386): pip install "
+                                "'pytest<9.2' (requirements.txt)")
 
 
 def pytest_report_header(config):
