@@ -282,12 +282,13 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
     step, num_steps = int(run.state.step), config.train.num_steps
-    window_sums, window_start, spiking = None, time.time(), False
+    window_sums, window_start, spiking, previous_sums = None, time.time(), False, None
     progress = logs.Progress(step, num_steps, budget)
     try:
         with jax.set_mesh(mesh):
             while step < num_steps:
                 run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding))
+                previous_sums = steps.one_step_ahead(previous_sums, sums)
                 step += 1
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.advance(step)

@@ -112,6 +112,19 @@ def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
     return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, setup.batch_sharding(mesh)))
 
 
+def one_step_ahead(previous: PyTree, current: PyTree) -> PyTree:
+    """Waits for ``previous`` (the outputs of the step before this one) and returns ``current``, to be passed as
+    ``previous`` next time: the host dispatches at most one step ahead of the device, so the device always has the
+    next step queued and never a long queue.
+
+    Unbounded async dispatch deadlocked two processes on CPU: XLA's CPU client admits a fixed number of programs
+    per device and launches a program's per-device parts from a thread pool, so a device's places filled with later
+    programs while an earlier one, whose all-reduce the other devices were already in (over gloo), waited for one.
+    A loop that reads nothing back for many steps (an evaluation pass) now waits here each step."""
+    jax.block_until_ready(previous)
+    return current
+
+
 def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
     """This process's rows -> global arrays laid out by ``sharding``."""
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
@@ -139,14 +152,9 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
             sums, memory = eval_step(params, apply_fn, global_batch(batch, sharding), memory)
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
             done += 1
-            if stop_when and done < len(eval_set):
-                # The clock must not run ahead of the device (async dispatch would queue every batch before the
-                # first is done), but waiting for this batch would leave the device idle while the next is fed:
-                # wait for the one before, so one batch stays in flight.
-                jax.block_until_ready(previous)
-                previous = total
-                if stop_when[0]():
-                    break
+            previous = one_step_ahead(previous, total)
+            if stop_when and done < len(eval_set) and stop_when[0]():  # the clock is now the device's, less a batch
+                break
     scores = metrics.summarize(total)
     if stop_when and done < len(eval_set):
         scores["unscored_batches"] = len(eval_set) - done
