@@ -3,12 +3,15 @@ artefacts of tests/conftest.py (built once per test run, copied by the tests tha
 from __future__ import annotations
 
 import fcntl
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -81,6 +84,13 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
         monkeypatch.undo()
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """This process's $XLA_FLAGS for a process a test launches, with ``devices`` virtual CPU devices instead of
+    conftest's 8 (None: XLA's default, one): the rest (conftest's LLVM level 0, a user's flags) carries over."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join(kept + ([f"{DEVICE_COUNT_FLAG}={devices}"] if devices else []))
 
 
 def launch(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:

@@ -8,6 +8,7 @@ this file with ``notebooks/`` from a directory outside the checkout, in a venv w
 import os
 import pathlib
 
+import helpers
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -53,7 +54,7 @@ def test_notebook_runs(name, data_dir, tmp_path, monkeypatch):
     # The kernel imports the lconv this process does (ROOT is the checkout, or in CI's package check a folder
     # holding only tests/ and notebooks/), on one CPU device: conftest's 8 virtual devices are for sharding tests.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", helpers.xla_flags())
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     notebook = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     client = NotebookClient(notebook, timeout=600, kernel_name="python3",

@@ -365,7 +365,7 @@ def test_several_jax_processes_train_the_tokenizer_once_on_process_0_and_all_hol
         port = s.getsockname()[1]
     config = dict(dataset="ddtp/en_zh", vocab_size=400, tokenizer_max_sentences=500)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # several devices per process, as in training
+           "XLA_FLAGS": helpers.xla_flags(2)}  # several devices per process, as in training
     runs = [subprocess.Popen([sys.executable, "-c", _JAX_PROCESS, f"localhost:{port}", str(i),
                               json.dumps({**config, "data_dir": str(tmp_path / f"tfds{i}")}),
                               str(tmp_path / f"run{i}")],

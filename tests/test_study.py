@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import helpers
 import log_capture
 import ml_collections
 import pytest
@@ -43,9 +44,9 @@ def _quick(tmp_path, **fields):
 def studied(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     study = _quick(root, prune_checkpoints=False)  # kept, so the re-run below can resume from them
-    os.environ.pop("XLA_FLAGS", None)  # conftest's 8 virtual devices are for this process, not the runs
     collect = log_capture.Collect()  # caplog is per test; this fixture is per module
-    with log_capture.attached(collect):
+    with log_capture.attached(collect), pytest.MonkeyPatch.context() as env:
+        env.setenv("XLA_FLAGS", helpers.xla_flags())  # conftest's 8 virtual devices are for this process, not the runs
         records = driver.run_study(study, str(root / "out"), str(root / "docs"), command="test")
     return root, study, records, collect.messages
 
@@ -275,7 +276,7 @@ def test_sigterm_to_the_study_stops_the_run_it_is_waiting_for(studied, tmp_path)
     out = tmp_path / "out"
     shutil.copytree(root / "out" / "tokenizers", out / "tokenizers")  # no tokenizer to train again
     spec = out / "runs" / "lm" / "transformer" / "seed0" / "study_spec.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": helpers.xla_flags()}
     study = subprocess.Popen([sys.executable, "-m", "lconv.study", "--config=configs/study.py:quick",
                               "--config.tasks=lm", "--config.mixers=transformer", f"--config.data_dir={root / 'tfds'}",
                               f"--output_dir={out}", f"--docs_dir={tmp_path / 'docs'}"],

@@ -49,7 +49,7 @@ def _launch(prepared, workdir, *overrides, devices=8, env=None, data_dir=None):
     # A single process inherits $JAX_COMPILATION_CACHE_DIR (tests/conftest.py): the launches share compiled
     # programs. Processes of a multi-process run keep train.py's own per-workdir cache, as a user's run does.
     full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+                "XLA_FLAGS": helpers.xla_flags(devices), **(env or {})}
     if "LCONV_NUM_PROCESSES" in full_env:
         full_env.pop("JAX_COMPILATION_CACHE_DIR", None)
         full_env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
