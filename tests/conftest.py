@@ -7,12 +7,12 @@ default backend), and ``cpu`` is added after them so that tests about CPU virtua
 """
 import os
 
+import helpers  # imports no jax: XLA_FLAGS can still be set below
 import pytest
 
 # Must happen before jax is imported anywhere.
-_DEVICE_COUNT = "--xla_force_host_platform_device_count"
-if _DEVICE_COUNT not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT}=8".strip()
+if helpers.DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {helpers.DEVICE_COUNT_FLAG}=8".strip()
 _platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
 os.environ["JAX_PLATFORMS"] = ",".join(_platforms + ["cpu"] * ("cpu" not in _platforms))
 # On the CPU, compiling ~1,000 small programs is most of the suite's time, and most of that is LLVM optimising
@@ -80,7 +80,8 @@ def pytest_collection_modifyitems(config, items):
 def _check_xdist_can_group(config):
     """Under ``-n`` (pyproject: ``--dist loadgroup``) the tests of one ``xdist_group`` share a costly session
     fixture on one worker. pytest-xdist up to 3.8.0 cannot group under pytest 9.2 (pytest-xdist#1386): it spreads
-    the tests silently and each worker builds the fixtures again (the full suite took half as long again)."""
+    the tests silently, each worker builds the study's and the two-process run's fixtures again, and two
+    two-process runs can overlap on the same cores."""
     if getattr(config.option, "dist", "no") != "loadgroup" or not getattr(config.option, "numprocesses", None):
         return
     from importlib.metadata import version
@@ -120,8 +121,8 @@ def lconv_log(caplog):
 # module that needs them asks for these session fixtures instead of making its own. Under pytest-xdist each worker
 # is a process with its own session, so each artefact is built once per test run under a file lock in a folder
 # every worker sees, and the other workers read it (tests/helpers.py:build_once). Tests treat them as read-only: a
-# test that changes a run works on a copy (helpers.copy_run). Imports are inside the fixtures: CI runs the notebook
-# test from an installed package with only this file beside it.
+# test that changes a run works on a copy (helpers.copy_run). lconv's imports are inside the fixtures: CI runs the
+# notebook test from an installed package with only this file and helpers.py beside it.
 import json  # noqa: E402
 import types  # noqa: E402
 
@@ -140,7 +141,6 @@ def tiny_data(shared_root):
     """The bundled DDTP corpus prepared once in ``data_dir`` (ddtp/en_de for translation, ddtp/lm_en for the LM),
     and tests/tiny_config.py's SentencePiece model trained once on it (``spm``: copy it into a workdir with
     ``helpers.new_workdir``)."""
-    import helpers
     import tiny_config
 
     def build(path):
@@ -165,7 +165,6 @@ def tiny_run(shared_root, tiny_data):
     """tests/tiny_config.py trained for its 6 steps on one CPU device: checkpoints 2..6 (keep 5), validation at
     steps 3 and 6, the best checkpoint, metrics.jsonl, data_report.json. ``workdir`` is shared: read it, or
     ``helpers.copy_run`` it to change it. ``result`` is what ``train_and_evaluate`` returned (through JSON)."""
-    import helpers
     import jax
     import tiny_config
 
