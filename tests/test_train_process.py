@@ -286,6 +286,9 @@ def test_two_processes_stream_documents_and_carry_the_knn_memory(prepared):
     _two_processes(prepared, workdir, "--config.task=lm", "--config.data.dataset=ddtp/lm_en",
                    "--config.data.stream=True", "--config.model.encoder_layers=0",
                    "--config.model.decoder_mixer=knn_memory", "--config.data.max_target_length=64",
+                   # 16 slots, not 1024: the memory's FIFO evicts within a document, and the validation's 256 rows
+                   # do not search 1024 slots each for 610k tokens
+                   '--config.model.mixer_kwargs={"knn_memory": {"memory_size": 16, "num_neighbors": 4}}',
                    "--config.data.eval_max_target_length=64",  # config_rules: >= max_target_length
                    "--config.data.eval_batch_size=256", "--config.train.num_steps=4",
                    "--config.train.checkpoint_every=2",
