@@ -202,11 +202,11 @@ def check_batch_divides(config: Config, mesh: jax.sharding.Mesh) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # State
 # ----------------------------------------------------------------------------------------------------------------
-def dummy_batch(config: Config, batch_size: int = 1) -> dict[str, np.ndarray]:
-    """A batch of ones with the training shapes: what ``init`` traces."""
-    lengths = {"targets": config.data.max_target_length}
+def dummy_batch(config: Config, batch_size: int = 1, length: int | None = None) -> dict[str, np.ndarray]:
+    """A batch of ones with the training shapes (``length``: every sequence's, if given): what ``init`` traces."""
+    lengths = {"targets": length or config.data.max_target_length}
     if config.task != "lm":
-        lengths["inputs"] = config.data.max_input_length
+        lengths["inputs"] = length or config.data.max_input_length
     batch = {}
     for key, length in lengths.items():
         batch[key] = np.ones((batch_size, length), np.int32)
