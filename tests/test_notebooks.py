@@ -14,7 +14,6 @@ import pytest
 from nbclient import NotebookClient
 
 import lconv
-from lconv.data import sources
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -36,13 +35,11 @@ def test_notebook_is_committed_without_outputs(name):
                 "(jupyter nbconvert --clear-output --inplace notebooks/*.ipynb)")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """The bundled corpus prepared once for every notebook (the notebooks' own first run does this too)."""
-    path = str(tmp_path_factory.mktemp("notebook_data"))
-    for dataset in ("ddtp/en_de", "ddtp/lm_en"):
-        sources.get_source(dataset, "train", path)
-    return path
+@pytest.fixture
+def data_dir(tiny_data):
+    """The bundled corpus as the suite prepared it once (tests/conftest.py; the notebooks' own first run prepares
+    it too), shared by the notebooks on every xdist worker."""
+    return str(tiny_data.data_dir)
 
 
 @pytest.mark.slow  # each notebook trains a tiny model in a kernel process: run by CI, skipped by the quick command
