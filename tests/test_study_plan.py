@@ -1,0 +1,88 @@
+"""Planning the study (``lconv.study.plan``) and writing its comparison (``lconv.study.report``), without training:
+parameter counts matched within the tolerance in every mode, study fields refused in one line, and the comparison
+with the paper written from the numbers. tests/test_study.py runs the quick study itself."""
+import ml_collections
+import pytest
+
+from lconv.configs import study as study_config
+from lconv.errors import UserError
+from lconv.study import plan, report
+
+
+def test_param_matching_lands_within_the_tolerance():
+    """Every mixer's FFN width found by the search gives a count within 5% of the Transformer's (at the quick
+    sizes CoLT5's routers and light heads cost FFN width, LightConv's ~3 d^2 per layer instead of 4 d^2 buys some)."""
+    study = plan.normalize(study_config.get_config("quick"))
+    study.tasks = ("translation",)
+    runs = plan.plan(study, {"translation": 512})
+    by_mixer = {r.key.mixer: r for r in runs}
+    reference = by_mixer["transformer"].params
+    for mixer, run in by_mixer.items():
+        assert run.error is None, (mixer, run.error)
+        assert abs(run.params / reference - 1) <= 0.05, mixer
+        assert run.params == plan.count_params(run.config, 512, length=None)  # at the training lengths too
+    assert by_mixer["colt5"].config.model.ffn_dim < by_mixer["transformer"].config.model.ffn_dim
+    assert by_mixer["lightconv"].config.model.ffn_dim > by_mixer["transformer"].config.model.ffn_dim
+
+
+@pytest.mark.slow  # traces about 60 deep models (the gpu mode's alone ~20 s): CI runs it, the quick command skips it
+@pytest.mark.parametrize("mode", ["full", "gpu"])
+def test_every_mixer_fits_every_task_of_the_long_modes(mode):
+    """The modes nobody runs in the suite still plan: each mixer's count is matched on each task at that mode's
+    sizes (Fixed and Hadamard's [max_len, max_len] tables can outweigh every FFN width if max_len is too long)."""
+    study = plan.normalize(study_config.get_config(mode))
+    study.seeds = (0,)
+    vocab = {task: plan.training_config(study, plan.RunKey(task, "transformer", 0)).data.vocab_size
+             for task in plan.TASKS}
+    for run in plan.plan(study, vocab):
+        assert run.error is None, (run.key.name, run.error)
+        if run.not_applicable is None:
+            assert abs(run.params / run.reference_params - 1) <= study.param_tolerance, run.key.name
+
+
+def test_bad_study_fields_are_one_line_errors():
+    study = plan.normalize(study_config.get_config("quick"))
+    study.mixers = ("transformer", "mamba")
+    with pytest.raises(UserError, match=r"config.mixers.*'mamba'"):
+        plan.check_study(study)
+    fields = study_config.get_config("quick").to_dict()
+    fields["seeds"] = "0,x"
+    with pytest.raises(UserError, match="config.seeds="):
+        plan.normalize(ml_collections.ConfigDict(fields))
+    with pytest.raises(UserError, match="choose one study mode"):
+        study_config.get_config("quick,gpu")
+
+
+def test_an_lm_generation_longer_than_the_lms_positions_is_refused_before_any_run():
+    study = plan.normalize(study_config.get_config("quick"))
+    study.tasks, study.mixers = ("lm",), ("fixed",)
+    limit = plan.training_config(study, plan.RunKey("lm", "fixed", 0)).model.max_len
+    study.lm_generate_tokens = limit  # fits: BOS and the first limit - 1 tokens are fed
+    assert [run.error for run in plan.plan(study, {"lm": 512})] == [None]
+    study.lm_generate_tokens = limit + 1
+    with pytest.raises(UserError, match=rf"config.lm_generate_tokens={limit + 1}: .* at most {limit}$"):
+        plan.plan(study, {"lm": 512})
+
+
+
+def _translation_row(mixer, bleus):
+    row = {"task": "translation", "mixer": mixer, "label": plan.label(mixer), "ok": len(bleus)}
+    row["bleu"], row["bleu_sd"], _ = report.mean_sd(bleus)
+    return row
+
+
+def test_the_comparison_with_the_paper_is_written_from_the_numbers():
+    rows = [_translation_row("transformer", [10.0, 10.4, 10.2]), _translation_row("lightconv", [10.3, 10.7, 10.0]),
+            _translation_row("dynamic", [12.0, 12.3, 12.1])]
+    lines = {line.split(". Here")[0]: line for line in report.compare_with_paper(rows)}
+    assert "exceeds the seed spread: at this scale the data agree" in lines[
+        "- IWSLT14 De-En: Transformer 34.4 < DynamicConv 35.2"]
+    assert "within the seed spread: consistent with the paper, not evidence" in lines[
+        "- IWSLT14 De-En: Transformer 34.4 < LightConv 34.8"]
+    rows[2] = _translation_row("dynamic", [8.0, 8.2, 8.1])  # DynamicConv now clearly behind
+    reversed_line = [line for line in report.compare_with_paper(rows) if "WMT14" in line][0]
+    assert "the opposite order" in reversed_line and "the paper's ordering does not hold" in reversed_line
+    one_seed = report.compare_with_paper([_translation_row("transformer", [10.0]), _translation_row("dynamic", [11.0])])
+    assert "fewer than two seeds" in one_seed[1]
+    expected = "LightConv (10.33) ≈ Transformer (10.20) > DynamicConv (8.10)"
+    assert report.ordering(rows, "translation").startswith(expected)
