@@ -16,14 +16,21 @@ if helpers.DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
 _platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
 os.environ["JAX_PLATFORMS"] = ",".join(_platforms + ["cpu"] * ("cpu" not in _platforms))
 # On the CPU, compiling ~1,000 small programs is most of the suite's time, and most of that is LLVM optimising
-# machine code that then runs for milliseconds. Level 0 keeps the same XLA programs (HLO passes, precision and
-# numerics rules are untouched) and skips LLVM's optimisation: the quick tier spends ~37% less CPU time. Not on
-# an accelerator (the user's platforms), and a level the user set wins.
-# XLA's older LLVM IR emitter for fused loops compiles these small programs faster than its MLIR fusion emitters
-# (the quick tier: 197 s -> 153 s on the idle 2-core host, every test passing): the same fused HLO, emitted by
-# the other of XLA's two CPU code generators. Set only where this jaxlib knows the flag (XLA aborts on an unknown
-# one), and a value the user set wins.
-_OPT_LEVEL, _FUSION_EMITTERS = "--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters"
+# machine code that then runs for milliseconds. These flags change how XLA compiles and runs the same programs (HLO
+# passes, precision and numerics rules are untouched). Not on an accelerator (the user's platforms); a value the
+# user set wins, and a flag this jaxlib does not know is left out (XLA aborts on an unknown flag).
+_CPU_FLAGS = {
+    # LLVM level 0: the quick tier spent ~37% less CPU time.
+    "--xla_backend_optimization_level": "0",
+    # XLA's older LLVM IR emitter for fused loops, not its MLIR fusion emitters: the same fused HLO, written by the
+    # other of its two CPU code generators, faster to compile here (the quick tier: 197 s -> 153 s).
+    "--xla_cpu_use_fusion_emitters": "false",
+    # One LLVM module per program, not split for parallel compile threads, and single-threaded Eigen inside a dot
+    # or convolution: the two xdist workers already fill the two cores, and extra threads only contend with them
+    # (the quick tier: 140 s -> 131 s in two runs each on the idle host).
+    "--xla_cpu_parallel_codegen_split_count": "1",
+    "--xla_cpu_multi_thread_eigen": "false",
+}
 
 
 def _jaxlib_knows(flag: str) -> bool:
@@ -39,10 +46,9 @@ def _jaxlib_knows(flag: str) -> bool:
 
 
 if _platforms in ([], ["cpu"]):
-    if _OPT_LEVEL not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += f" {_OPT_LEVEL}=0"
-    if _FUSION_EMITTERS not in os.environ["XLA_FLAGS"] and _jaxlib_knows(_FUSION_EMITTERS):
-        os.environ["XLA_FLAGS"] += f" {_FUSION_EMITTERS}=false"
+    for _flag, _value in _CPU_FLAGS.items():
+        if _flag not in os.environ["XLA_FLAGS"] and _jaxlib_knows(_flag):
+            os.environ["XLA_FLAGS"] += f" {_flag}={_value}"
 
 import jax  # noqa: E402
 
