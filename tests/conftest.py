@@ -33,22 +33,22 @@ _CPU_FLAGS = {
 }
 
 
-def _jaxlib_knows(flag: str) -> bool:
+def _known_to_jaxlib(flags) -> list[str]:
+    """The ``flags`` whose names this jaxlib's library contains (one mapping of the file for all of them)."""
     import importlib.util
     import mmap
     import pathlib
 
     library = pathlib.Path(importlib.util.find_spec("jaxlib").origin).parent / "libjax_common.so"
-    if not library.is_file():
-        return False
+    if not flags or not library.is_file():
+        return []
     with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
-        return image.find(flag.lstrip("-").encode()) >= 0
+        return [flag for flag in flags if image.find(flag.lstrip("-").encode()) >= 0]
 
 
 if _platforms in ([], ["cpu"]):
-    for _flag, _value in _CPU_FLAGS.items():
-        if _flag not in os.environ["XLA_FLAGS"] and _jaxlib_knows(_flag):
-            os.environ["XLA_FLAGS"] += f" {_flag}={_value}"
+    for _flag in _known_to_jaxlib([f for f in _CPU_FLAGS if f not in os.environ["XLA_FLAGS"]]):
+        os.environ["XLA_FLAGS"] += f" {_flag}={_CPU_FLAGS[_flag]}"
 
 import jax  # noqa: E402
 
@@ -128,7 +128,7 @@ def lconv_log(caplog):
 # is a process with its own session, so each artefact is built once per test run under a file lock in a folder
 # every worker sees, and the other workers read it (tests/helpers.py:build_once). Tests treat them as read-only: a
 # test that changes a run works on a copy (helpers.copy_run). lconv's imports are inside the fixtures: CI runs the
-# notebook test from an installed package with only this file and helpers.py beside it.
+# notebook test from an installed package with only this file, helpers.py and tiny_config.py beside it.
 import json  # noqa: E402
 import types  # noqa: E402
 

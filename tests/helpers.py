@@ -88,7 +88,7 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
 
 def xla_flags(devices: int | None = None) -> str:
     """This process's $XLA_FLAGS for a process a test launches, with ``devices`` virtual CPU devices instead of
-    conftest's 8 (None: XLA's default, one): the rest (conftest's LLVM level 0, a user's flags) carries over."""
+    conftest's 8 (None: XLA's default, one): the rest (conftest's CPU compile flags, a user's flags) carries over."""
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
     return " ".join(kept + ([f"{DEVICE_COUNT_FLAG}={devices}"] if devices else []))
 

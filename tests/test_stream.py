@@ -247,8 +247,8 @@ def first_validation_documents(monkeypatch):
     split was three quarters of this test's time."""
     whole = sources.get_source
 
-    def first_documents(name, split, *args):
-        source, input_key, target_key = whole(name, split, *args)
+    def first_documents(name, split, *args, **kwargs):
+        source, input_key, target_key = whole(name, split, *args, **kwargs)
         return ([source[i] for i in range(100)] if split == "validation" else source), input_key, target_key
 
     monkeypatch.setattr(sources, "get_source", first_documents)

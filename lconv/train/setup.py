@@ -204,14 +204,15 @@ def check_batch_divides(config: Config, mesh: jax.sharding.Mesh) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 def dummy_batch(config: Config, batch_size: int = 1, length: int | None = None) -> dict[str, np.ndarray]:
     """A batch of ones with the training shapes (``length``: every sequence's, if given): what ``init`` traces."""
-    lengths = {"targets": length or config.data.max_target_length}
+    lengths = {"targets": config.data.max_target_length}
     if config.task != "lm":
-        lengths["inputs"] = length or config.data.max_input_length
+        lengths["inputs"] = config.data.max_input_length
     batch = {}
-    for key, length in lengths.items():
-        batch[key] = np.ones((batch_size, length), np.int32)
-        batch[f"{key}_segmentation"] = np.ones((batch_size, length), np.int32)
-        batch[f"{key}_position"] = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length))
+    for key, T in lengths.items():
+        T = T if length is None else length
+        batch[key] = np.ones((batch_size, T), np.int32)
+        batch[f"{key}_segmentation"] = np.ones((batch_size, T), np.int32)
+        batch[f"{key}_position"] = np.broadcast_to(np.arange(T, dtype=np.int32), (batch_size, T))
     return batch
 
 
