@@ -82,6 +82,9 @@ class OptimConfig:
                              number(lambda v: v >= 0, "a number >= 0 (0 = off)"))
     label_smoothing: float = field(0.1, "label smoothing of the cross-entropy loss", RATE)
     grad_accum_steps: int = field(1, "micro-batches per update (fairseq's update-freq)", _POSITIVE)
+    fused_loss: bool = field(True, "the output layer and the loss make the logits a chunk of tokens at a time, "
+                             "forward and backward, never the whole [tokens, vocab] array (docs/training.md); False "
+                             "= a log-softmax over the materialised logits", BOOL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,10 +175,10 @@ def _loss_and_grads(config, shape, batch):
     state, shardings = setup.create_state(config, model, mesh, setup.build_optimizer(config.optim, 10)[0])
     sharding = setup.batch_sharding(mesh)
 
-    def loss(params, batch):
-        logits, _ = steps.apply_model(state.apply_fn, params, {}, batch, deterministic=False,
-                                      rngs={"dropout": jax.random.key(7)})
-        return metrics.label_smoothed_loss(logits, batch["targets"], batch["targets_segmentation"] > 0,
+    def loss(params, batch):  # the train step's loss: the fused output layer unless the config turns it off
+        outputs, _ = steps.apply_model(state.apply_fn, params, {}, batch, deterministic=False,
+                                       rngs={"dropout": jax.random.key(7)}, logits=not config.optim.fused_loss)
+        return metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
                                            config.optim.label_smoothing)["loss"]
 
     # Gradients leave in the parameters' layout, as the train step's optimizer update needs them.

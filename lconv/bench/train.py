@@ -8,6 +8,10 @@ float32 and, on an accelerator, bfloat16 compute too (``model.dtype``). The Tran
 ``attention_impl="auto"``: cuDNN flash attention on a GPU where it applies (bfloat16; no attention dropout), the
 blockwise kernel for long rows, the materialised one otherwise; each row names the kernel (``flash.auto_impl``).
 
+Each row also gives the compiled step's XLA temporaries (``memory_analysis().temp_size_in_bytes``). A vocabulary
+sweep (``VOCABS``) trains the DynamicConv LM with the fused output layer and loss (``config.optim.fused_loss``,
+``lconv.ops.linear_cross_entropy``) and with a log-softmax over materialised float32 logits, alternating, at T=512.
+
 MFU = model FLOPs per second ÷ the float32 matmul rate measured in the same run (the best of several tries).
 Model FLOPs are counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes
 through, the tied output projection included, plus attention's ``12 T d`` per layer and a conv's ``6 K d``);
@@ -34,6 +38,8 @@ logger = logging.getLogger(__name__)
 MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
 T_FULL, T_QUICK = (512, 4096), (512,)
+VOCABS = (8000, 32000)  # the vocabulary sweep: the bench LM's, and WMT's / lm1b's joint BPE
+LOSSES = {"fused": True, "logits": False}  # config.optim.fused_loss
 
 
 def accelerator() -> bool:
@@ -49,9 +55,10 @@ def dtypes() -> tuple[str, ...]:
     return ("float32", "bfloat16") if accelerator() else ("float32",)
 
 
-def lm_config(mixer: str, T: int, dtype: str = "float32") -> setup.Config:
+def lm_config(mixer: str, T: int, dtype: str = "float32", fused_loss: bool = True) -> setup.Config:
     """``configs.common``'s base config as a ``mixer`` decoder-only LM at length ``T``, ``tokens_per_batch()``."""
     c = common.base_config()
+    c.optim.fused_loss = fused_loss
     c.task = "lm"
     c.model.dtype = dtype
     c.data.max_target_length = T
@@ -67,19 +74,19 @@ def lm_config(mixer: str, T: int, dtype: str = "float32") -> setup.Config:
     return c
 
 
-def model_flops_per_token(mixer: str, T: int) -> float:
+def model_flops_per_token(mixer: str, T: int, vocab: int = VOCAB) -> float:
     """Analytic fwd+bwd FLOPs per token (see the module docstring)."""
     d = D_MODEL
     mixer_weights = {"attention": 4 * d * d, "lightconv": 3 * d * d, "dynamicconv": 3 * d * d + d * HEADS * K}[mixer]
     per_layer = 6 * (mixer_weights + 2 * d * FFN)
     per_layer += 12 * T * d if mixer == "attention" else 6 * K * d
-    return LAYERS * per_layer + 6 * d * VOCAB
+    return LAYERS * per_layer + 6 * d * vocab
 
 
-def _batch(config, seed=0):
+def _batch(config, vocab, seed=0):
     B, T = config.data.batch_size, config.data.max_target_length
     rng = np.random.default_rng(seed)
-    return {"targets": rng.integers(4, VOCAB, (B, T), dtype=np.int32),
+    return {"targets": rng.integers(4, vocab, (B, T), dtype=np.int32),
             "targets_segmentation": np.ones((B, T), np.int32),
             "targets_position": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
 
@@ -96,15 +103,17 @@ def attention_kernel(config: setup.Config) -> str | None:
                            dropout=config.model.attention_dropout > 0)
 
 
-def _trainer(mixer, T, dtype):
+def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True):
     """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
-    config = lm_config(mixer, T, dtype)
-    model = setup.build_model(config, VOCAB)
+    config = lm_config(mixer, T, dtype, fused_loss)
+    model = setup.build_model(config, vocab)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
-    batch = _batch(config)
+    batch = _batch(config, vocab)
     compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
-    holder = {"state": state, "params": setup.count_params(state.params), "attention": attention_kernel(config)}
+    memory = compiled.memory_analysis()
+    holder = {"state": state, "params": setup.count_params(state.params), "attention": attention_kernel(config),
+              "temp_bytes": None if memory is None else memory.temp_size_in_bytes}
 
     def step():
         holder["state"], sums = compiled(holder["state"], batch)
@@ -121,8 +130,12 @@ def run(T_list: Sequence[int], *, repeats: int) -> list[report.Row]:
     rows = []
     for T in T_list:
         for dtype in dtypes():
-            rows += _alternate(T, dtype, repeats)
+            rows += _alternate({label: (mixer, T, dtype, VOCAB, True) for label, mixer in MODELS.items()}, repeats)
         matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
+    for vocab in VOCABS:
+        for dtype in dtypes():
+            rows += _alternate({f"DynamicConv, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused)
+                                for loss, fused in LOSSES.items()}, repeats)
     matmul = max(matmul_rates)
     logger.info(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
     for row in rows:
@@ -130,9 +143,10 @@ def run(T_list: Sequence[int], *, repeats: int) -> list[report.Row]:
     return rows
 
 
-def _alternate(T: int, dtype: str, repeats: int) -> list[report.Row]:
-    trainers = {label: _trainer(mixer, T, dtype) for label, mixer in MODELS.items()}
-    times = {label: [] for label in MODELS}
+def _alternate(settings: dict[str, tuple], repeats: int) -> list[report.Row]:
+    """Rows of the trainers ``settings`` names (``label: _trainer's arguments``), their steps in alternation."""
+    trainers = {label: _trainer(*args) for label, args in settings.items()}
+    times = {label: [] for label in settings}
     for round_ in range(repeats + 1):
         for label, (step, *_rest) in trainers.items():
             seconds = timing.time_calls(step, 1, warmup=0)[0]
@@ -140,51 +154,74 @@ def _alternate(T: int, dtype: str, repeats: int) -> list[report.Row]:
                 times[label].append(seconds)
     rows = []
     for label, (_, compiled, compile_s, holder, B) in trainers.items():
+        mixer, T, dtype, vocab, fused = settings[label]
         median = timing.summarize(times[label])["median_s"]
         tokens = B * T
-        rows.append(dict(model=label, T=T, dtype=dtype, attention=holder["attention"], B=B, params=holder["params"],
-                         step_s=median, tokens_per_s=tokens / median,
-                         model_flops_per_token=model_flops_per_token(MODELS[label], T),
+        rows.append(dict(model=label, T=T, dtype=dtype, vocab=vocab, loss="fused" if fused else "logits",
+                         attention=holder["attention"], B=B, params=holder["params"], step_s=median,
+                         tokens_per_s=tokens / median, model_flops_per_token=model_flops_per_token(mixer, T, vocab),
                          xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
-                         runs=repeats))
+                         temp_mib=None if holder["temp_bytes"] is None else holder["temp_bytes"] / 2**20,
+                         logits_mib=tokens * vocab * 4 / 2**20, runs=repeats))
         attention = f", attention {holder['attention']}" if holder["attention"] else ""
-        logger.info(f"  {label:12s} T={T:5d} {dtype:8s}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, "
-                    f"step {median:.2f} s, compile {compile_s:.1f} s{attention}")
+        logger.info(f"  {label:24s} T={T:5d} {dtype:8s} V={vocab}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, "
+                    f"step {median:.2f} s, temporaries {rows[-1]['temp_mib'] or 0:.0f} MiB, compile "
+                    f"{compile_s:.1f} s{attention}")
     return rows
 
 
 def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, str], command: str) -> str:
-    def get(label, T, dtype, key):
-        return next((r[key] for r in rows if r["model"] == label and r["T"] == T and r["dtype"] == dtype), None)
+    models = [r for r in rows if r["model"] in MODELS]
+    sweep = [r for r in rows if r["model"] not in MODELS]
 
-    runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows))
+    def get(label, T, dtype, key):
+        return next((r[key] for r in models if r["model"] == label and r["T"] == T and r["dtype"] == dtype), None)
+
+    runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in models))
     parts = [f"### Training step (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
              f"vocab {VOCAB}, conv K={K}; {tokens_per_batch():,} tokens per batch; `steps.make_train_step` "
-             f"(dropout 0.1, label smoothing, Adam), state donated; compute in {' and '.join(dtypes())} (params "
-             f"float32); the three models' steps alternate, median of the rounds. The Transformer's attention "
-             f"kernel is `attention_impl=\"auto\"`'s choice, named per row. Matmul rate, best of the measurements "
-             f"in this run: {rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (float32). MFU uses analytic model "
-             "FLOPs.\n",
+             f"(dropout 0.1, label smoothing, Adam; the fused output layer and loss), state donated; compute in "
+             f"{' and '.join(dtypes())} (params float32); the three models' steps alternate, median of the rounds. "
+             f"The Transformer's attention kernel is `attention_impl=\"auto\"`'s choice, named per row. Matmul "
+             f"rate, best of the measurements in this run: {rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s "
+             "(float32). MFU uses analytic model FLOPs; temporaries are XLA's (`memory_analysis()`).\n",
              report.markdown_table(
                  ["model", "T", "dtype", "attention", "params", "tokens/s", "step s", "model GFLOP/token",
-                  "XLA GFLOP/token", "MFU", "compile s"],
+                  "XLA GFLOP/token", "MFU", "temporaries MiB", "compile s"],
                  [[r["model"], r["T"], r["dtype"], r["attention"], r["params"], r["tokens_per_s"], r["step_s"],
-                   r["model_flops_per_token"] / 1e9, r["xla_flops_per_token"] / 1e9, r["mfu"], r["compile_s"]]
-                  for r in rows]),
+                   r["model_flops_per_token"] / 1e9, r["xla_flops_per_token"] / 1e9, r["mfu"], r.get("temp_mib"),
+                   r["compile_s"]] for r in models]),
              "**Tokens/s relative to the Transformer, same run**\n",
              report.markdown_table(["model"] + [f"T={T} {dtype}" for T, dtype in runs],
                                    [[lab] + [get(lab, T, dt, "tokens_per_s") / get("Transformer", T, dt, "tokens_per_s")
-                                             for T, dt in runs] for lab in MODELS]),
-             f"![training tokens/s]({report.figure('train.png')})\n"]
+                                             for T, dt in runs] for lab in MODELS])]
+    if sweep:
+        parts += [f"**The output layer and loss by vocabulary** (DynamicConv, T={sweep[0]['T']}; the fused loss, "
+                  "`config.optim.fused_loss=True`, against a log-softmax over materialised float32 logits, their "
+                  "steps alternating)\n", _sweep_table(sweep)]
+    parts.append(f"![training tokens/s]({report.figure('train.png')})\n")
     return "\n\n".join(p.strip() for p in parts)
+
+
+def _sweep_table(sweep: Sequence[report.Row]) -> str:
+    """Per vocabulary and dtype: each loss's tokens/s and temporaries, against one float32 logits array."""
+    def speed_up(r):
+        other = next(o for o in sweep if (o["vocab"], o["dtype"], o["loss"]) == (r["vocab"], r["dtype"], "logits"))
+        return r["tokens_per_s"] / other["tokens_per_s"]
+
+    return report.markdown_table(
+        ["vocab", "dtype", "loss", "tokens/s", "vs logits", "temporaries MiB", "one f32 logits array MiB",
+         "temporaries / logits array"],
+        [[r["vocab"], r["dtype"], r["loss"], r["tokens_per_s"], speed_up(r), r["temp_mib"], r["logits_mib"],
+          None if r["temp_mib"] is None else r["temp_mib"] / r["logits_mib"]] for r in sweep])
 
 
 def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     T_list = T_QUICK if opts.quick else T_FULL
     rows = run(T_list, repeats=2 if opts.quick else 3)
     report.write_results(opts.out, "train", rows, section(rows, T_list, info, opts.command), opts.doc)
-    runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows))
+    runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows if r["model"] in MODELS))
     report.plot_bars(f"{opts.out}/train.png", [f"T={T} {dtype}" for T, dtype in runs],
                      {lab: [next(r["tokens_per_s"] for r in rows if (r["model"], r["T"], r["dtype"]) == (lab, T, dt))
                             for T, dt in runs] for lab in MODELS},

@@ -122,17 +122,35 @@ def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
+    fitted = [tuple(kept) if len(kept) > 1 else (kept[0] if kept else None)
+              for kept in _fitted_axes(mesh, x.shape, axes)]
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*fitted))
+
+
+def local_shape(shape: Sequence[int], axes: tuple[str | None, ...]) -> tuple[int, ...]:
+    """The shape of one device's block of an array of ``shape`` pinned by ``constrain(x, axes)`` (``shape`` itself
+    without a mesh): what a chunked computation sizes its chunks by."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tuple(shape)
+    return tuple(size // math.prod(mesh.shape[name] for name in kept)
+                 for size, kept in zip(shape, _fitted_axes(mesh, shape, axes)))
+
+
+def _fitted_axes(mesh: Any, shape: Sequence[int], axes: tuple[str | None, ...]) -> list[list[str]]:
+    """Per dim, the mesh axes ``axes`` names (through the active rules) that the mesh has and whose sizes divide
+    the dim, leading ones first (``constrain``'s rule)."""
     spec = nn.logical_to_mesh_axes(axes, axis_rules(nn.get_logical_axis_rules()))
     fitted = []
-    for size, target in zip(x.shape, spec):
+    for size, target in zip(shape, spec):
         names = (target,) if isinstance(target, str) else tuple(target or ())
         kept: list[str] = []
         for name in names:
             if name not in mesh.axis_names or size % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[name]):
                 break
             kept.append(name)
-        fitted.append(tuple(kept) if len(kept) > 1 else (kept[0] if kept else None))
-    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*fitted))
+        fitted.append(kept)
+    return fitted
 
 
 def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str], gain: float = 1.0) -> nn.Dense:
@@ -280,6 +298,11 @@ class Embed(nn.Embed):
     def attend(self, query: Array) -> Array:
         """``[..., features] -> [..., num_embeddings]``: inner products with every row (tied output logits),
         accumulated and returned in float32 whatever ``dtype`` (the loss's softmax reads them)."""
-        query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        return jnp.dot(query, constrain(table, self.table_axes).T, precision=lax_precision(self.matmul_precision),
+        query, table = self.promote_dtype(query, self.output_table(), dtype=self.dtype)
+        return jnp.dot(query, table.T, precision=lax_precision(self.matmul_precision),
                        preferred_element_type=jnp.float32)
+
+    def output_table(self) -> Array:
+        """The table as a tied output layer reads it (``[V, C]``, its own dtype, vocabulary rows split as
+        ``table_axes``)."""
+        return constrain(self.embedding, self.table_axes)

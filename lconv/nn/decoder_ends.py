@@ -12,15 +12,19 @@ whatever the embedding's: lconv scales after the projection (``ScaleAndPosition`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from lconv.constants import EMBED, MLP, PAD_ID, VOCAB
+from lconv.constants import ACT_VOCAB, EMBED, MLP, PAD_ID, VOCAB
 from lconv.nn.adaptive_input import AdaptiveInput
-from lconv.nn.common import Embed, xavier_dense
+from lconv.nn.common import BTC, Embed, constrain, local_shape, xavier_dense
 from lconv.nn.model_config import ModelConfig
+from lconv.ops import linear_cross_entropy
+from lconv.ops.precision import lax_precision
 
 
 def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
@@ -61,3 +65,56 @@ def tied_bands(cfg: ModelConfig, embedding: nn.Module) -> Sequence[tuple[jax.Arr
     if not cfg.tie_adaptive_weights:
         return None
     return [embedding.band_weights(band) for band in range(len(cfg.adaptive_input_cutoffs) + 1)]
+
+
+@struct.dataclass
+class OutputLayer:
+    """The output layer's inputs instead of its logits (a model called with ``logits=False``): the last features
+    ``[B, T, C]`` and the output table ``[V, C]``, for a loss that makes the logits a chunk at a time
+    (``loss_sums``). ``logits()`` materialises what the model would have returned."""
+
+    features_BTC: jax.Array
+    table_VC: jax.Array
+    valid_vocab: int = struct.field(pytree_node=False)  # ids at or above it are never predicted
+    dtype: Any = struct.field(pytree_node=False)  # the matmuls' input dtype; they accumulate in float32
+    matmul_precision: str = struct.field(pytree_node=False)
+
+    def loss_sums(self, targets_BT: jax.Array, weights_BT: jax.Array, label_smoothing: float) -> dict[str, jax.Array]:
+        """``linear_cross_entropy.cross_entropy_sums`` (``{loss, nll, correct}``), its chunks sized by the rows one
+        device holds."""
+        rows = local_shape(self.features_BTC.shape, BTC)[0]
+        return linear_cross_entropy.cross_entropy_sums(
+            self.features_BTC, self.table_VC, targets_BT, weights_BT, label_smoothing=label_smoothing,
+            valid_vocab=self.valid_vocab, dtype=self.dtype, precision=lax_precision(self.matmul_precision),
+            rows_per_device=rows)
+
+    def logits(self) -> jax.Array:
+        """The float32 logits ``[B, T, V]`` (ids from ``valid_vocab`` on at -inf)."""
+        logits_BTV = jnp.einsum("btc,vc->btv", self.features_BTC.astype(self.dtype), self.table_VC.astype(self.dtype),
+                                precision=lax_precision(self.matmul_precision), preferred_element_type=jnp.float32)
+        V = logits_BTV.shape[-1]
+        return logits_BTV if self.valid_vocab == V else jnp.where(jnp.arange(V) < self.valid_vocab, logits_BTV,
+                                                                   -jnp.inf)
+
+
+class OutputProjection(nn.Module):
+    """An untied output layer: ``kernel [C, V]`` (``N(0, C^-1/2)``, fairseq's), read in ``dtype`` with float32
+    accumulation, as the tied table (``Embed.attend``)."""
+
+    vocab_size: int
+    width: int
+    dtype: Any = jnp.float32
+    matmul_precision: str = "default"
+
+    def setup(self) -> None:
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.width ** -0.5), (EMBED, VOCAB))
+        self.kernel = self.param("kernel", init, (self.width, self.vocab_size), jnp.float32)
+
+    def __call__(self, x_BTC: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, T, V]``."""
+        return jnp.einsum("btc,vc->btv", x_BTC.astype(self.dtype), self.table().astype(self.dtype),
+                          precision=lax_precision(self.matmul_precision), preferred_element_type=jnp.float32)
+
+    def table(self) -> jax.Array:
+        """The kernel as an output table ``[V, C]``, vocabulary rows split as ``Embed``'s."""
+        return constrain(self.kernel.T, (ACT_VOCAB, None))

@@ -38,7 +38,6 @@ from lconv.nn.attention import CrossAttention
 from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
 from lconv.nn.model_config import SIDE_FIELDS, ModelConfig  # re-exported: models.ModelConfig is documented
 from lconv.ops import activations
-from lconv.ops.precision import lax_precision
 
 Array = jax.Array
 
@@ -76,8 +75,10 @@ class EncoderDecoder(nn.Module):
 
     def decode(self, encoded_BSC: Array, inputs_BS: Array, decoder_input_BT: Array, *,
                inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
-               targets_position: Array | None = None, deterministic: bool = True, decode: bool = False) -> Array:
-        """Logits ``[B, T, V]`` (float32) for ``decoder_input`` (already shifted right; see ``shift_right``)."""
+               targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
+               logits: bool = True) -> Array | decoder_ends.OutputLayer:
+        """Logits ``[B, T, V]`` (float32) for ``decoder_input`` (already shifted right; see ``shift_right``); with
+        ``logits=False`` the output layer's inputs instead (``_output``)."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
@@ -85,27 +86,19 @@ class EncoderDecoder(nn.Module):
                                   deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
                          decode=decode, encoded=encoded_BSC, encoded_segment_ids=encoded_segments)
-        return self._logits(x, deterministic)
+        return _output(self.config, _project(self.project_out, x), self.target_embed,
+                       getattr(self, "output_projection", None), deterministic, logits)
 
     def __call__(self, inputs_BS: Array, targets_BT: Array, *, inputs_segmentation: Array | None = None,
                  inputs_position: Array | None = None, targets_segmentation: Array | None = None,
-                 targets_position: Array | None = None, deterministic: bool = True) -> Array:
+                 targets_position: Array | None = None, deterministic: bool = True,
+                 logits: bool = True) -> Array | decoder_ends.OutputLayer:
         encoded_BSC = self.encode(inputs_BS, inputs_segmentation=inputs_segmentation,
                                   inputs_position=inputs_position, deterministic=deterministic)
         decoder_input_BT = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id)
         return self.decode(encoded_BSC, inputs_BS, decoder_input_BT, inputs_segmentation=inputs_segmentation,
                            targets_segmentation=targets_segmentation, targets_position=targets_position,
-                           deterministic=deterministic)
-
-    def _logits(self, x_BTC: Array, deterministic: bool) -> Array:
-        cfg = self.config
-        x_BTC = _project(self.project_out, x_BTC)
-        if cfg.share_embeddings or cfg.share_decoder_input_output:
-            logits_BTV = self.target_embed.attend(x_BTC.astype(jnp.float32)).astype(jnp.float32)
-        else:
-            logits_BTV = _project_output(cfg, self.output_projection, x_BTC, deterministic,
-                                         tied=decoder_ends.tied_bands(cfg, self.target_embed))
-        return constrain(_only_outputs(cfg, logits_BTV), BTV)
+                           deterministic=deterministic, logits=logits)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -131,21 +124,17 @@ class DecoderOnlyLM(nn.Module):
 
     def __call__(self, targets_BT: Array, *, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
-                 shift: bool = True) -> Array:
-        """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training)."""
+                 shift: bool = True, logits: bool = True) -> Array | decoder_ends.OutputLayer:
+        """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training); with
+        ``logits=False`` the output layer's inputs instead (``_output``)."""
         inputs = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
         positions = self.positions(inputs, targets_position, decode)
         x = self.scale_and_position(_project(self.project_in, self.embed(inputs)), positions,
                                     deterministic=deterministic)
         x = self.decoder(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
-        x = _project(self.project_out, x)
-        if self.config.share_embeddings or self.config.share_decoder_input_output:
-            logits_BTV = self.embed.attend(x.astype(jnp.float32)).astype(jnp.float32)
-        else:
-            logits_BTV = _project_output(self.config, self.output_projection, x, deterministic,
-                                         tied=decoder_ends.tied_bands(self.config, self.embed))
-        return constrain(_only_outputs(self.config, logits_BTV), BTV)
+        return _output(self.config, _project(self.project_out, x), self.embed, getattr(self, "output_projection", None),
+                       deterministic, logits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -304,35 +293,37 @@ def _embedding(cfg: ModelConfig, side: str, name: str) -> Embed:
 
 
 def _output_projection(cfg: ModelConfig) -> nn.Module:
-    width = cfg.decoder_output_width
+    """The untied output layer: the adaptive softmax, or one ``[C, V]`` kernel."""
     if cfg.adaptive_softmax_cutoffs:
         return adaptive_softmax.AdaptiveSoftmax(cfg.vocab_size, tuple(cfg.adaptive_softmax_cutoffs),
                                                 cfg.adaptive_softmax_factor, cfg.adaptive_softmax_dropout,
                                                 cfg.matmul_precision, cfg.tie_adaptive_proj, name="adaptive_softmax")
-    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=jnp.float32, name="output_projection",
-                    precision=lax_precision(cfg.matmul_precision),
-                    kernel_init=nn.with_logical_partitioning(
-                        nn.initializers.normal(width ** -0.5), (EMBED, VOCAB)))
+    return decoder_ends.OutputProjection(cfg.vocab_size, cfg.decoder_output_width, dtype=cfg.dtype,
+                                         matmul_precision=cfg.matmul_precision, name="output_projection")
 
 
-def _project_output(cfg: ModelConfig, projection: nn.Module, x_BTC: Array, deterministic: bool,
-                    tied: Any = None) -> Array:
-    """``[B, T, V]`` float32 logits (log-probabilities for the adaptive softmax, which has dropout; ``tied``: the
-    adaptive input's bands it scores against, ``decoder_ends.tied_bands``)."""
+def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn.Module | None, deterministic: bool,
+            logits: bool) -> Array | decoder_ends.OutputLayer:
+    """The output layer: float32 logits ``[B, T, V]`` (log-probabilities from the adaptive softmax, which has
+    dropout), or with ``logits=False`` its inputs (``decoder_ends.OutputLayer``: the features and the tied
+    embedding or the untied kernel as a ``[V, C]`` table) for a loss that makes the logits itself. The adaptive
+    softmax always gives its log-probabilities. Ids at or above ``output_vocab_size`` (source-only pieces of a
+    model with separate dictionaries) score -inf, so the softmax is over the target dictionary alone, as
+    fairseq's."""
     if cfg.adaptive_softmax_cutoffs:
+        tied = decoder_ends.tied_bands(cfg, embedding)
         return constrain(projection(x_BTC, deterministic=deterministic, tied=tied), BTV)
-    return constrain(projection(x_BTC).astype(jnp.float32), BTV)
+    table_VC = embedding.output_table() if projection is None else projection.table()
+    layer = decoder_ends.OutputLayer(constrain(x_BTC, BTC), table_VC, cfg.output_vocab_size or cfg.vocab_size,
+                                     cfg.dtype, cfg.matmul_precision)
+    return constrain(layer.logits(), BTV) if logits else layer
 
 
 def _project(projection: nn.Module | None, x: Array) -> Array:
     """``decoder_ends.project_in`` / ``project_out``, where the widths differ."""
     return x if projection is None else projection(x)
-def _only_outputs(cfg: ModelConfig, logits_BTV: Array) -> Array:
-    """Logits of ids at or above ``output_vocab_size`` (source-only pieces of a model with separate dictionaries)
-    set to -inf, so the softmax is over the target dictionary alone, as fairseq's."""
-    if not cfg.output_vocab_size:
-        return logits_BTV
-    return jnp.where(jnp.arange(logits_BTV.shape[-1]) < cfg.output_vocab_size, logits_BTV, -jnp.inf)
+
+
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

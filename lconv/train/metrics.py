@@ -8,20 +8,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lconv.nn.decoder_ends import OutputLayer
 
-def label_smoothed_loss(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array,
+
+def label_smoothed_loss(outputs: jax.Array | OutputLayer, targets_BT: jax.Array, weights_BT: jax.Array,
                         label_smoothing: float) -> dict[str, jax.Array]:
     """fairseq's label-smoothed cross-entropy, summed over weighted tokens.
 
     ``loss = (1 - eps) * nll + eps * mean_v(-log p_v)``; returns sums ``{loss, nll, correct, tokens}`` so that
     gradient accumulation and multi-device reductions stay exact (divide on the host).
+
+    ``outputs``: the logits ``[B, T, V]`` (float32 log-softmax over them), or a model's ``OutputLayer``
+    (``logits=False``), whose logits are made and consumed a chunk at a time with the loss's gradient
+    (``OutputLayer.loss_sums``: only ``loss`` is differentiable there); the two agree to rounding. Without
+    smoothing the loss is the nll (an output vocabulary's -inf logits would make the smoothing term ``0 * inf``).
     """
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    smooth_BT = -logp_BTV.mean(axis=-1)
-    loss_BT = (1.0 - label_smoothing) * nll_BT + label_smoothing * smooth_BT
     weights_BT = weights_BT.astype(jnp.float32)
-    correct_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
+    if isinstance(outputs, OutputLayer):
+        return {**outputs.loss_sums(targets_BT, weights_BT, label_smoothing), "tokens": weights_BT.sum()}
+    logp_BTV = jax.nn.log_softmax(outputs.astype(jnp.float32), axis=-1)
+    nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    smooth_BT = -logp_BTV.mean(axis=-1)  # inf with an output vocabulary's -inf ids: the config forbids smoothing
+    loss_BT = nll_BT if label_smoothing == 0 else (1.0 - label_smoothing) * nll_BT + label_smoothing * smooth_BT
+    correct_BT = (jnp.argmax(outputs, axis=-1) == targets_BT).astype(jnp.float32)
     return {
         "loss": (loss_BT * weights_BT).sum(),
         "nll": (nll_BT * weights_BT).sum(),

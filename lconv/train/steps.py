@@ -28,7 +28,8 @@ Batch = dict[str, Any]
 
 def apply_model(apply_fn: Callable, params: PyTree, memory: PyTree, batch: Batch,
                 **kwargs: Any) -> tuple[jax.Array, PyTree]:
-    """``(logits, memory after this window)``. With a memory (a stream batch), rows whose ``document_start``
+    """``(logits, memory after this window)`` (with ``logits=False`` among ``kwargs``, the model's
+    ``OutputLayer`` instead of logits). With a memory (a stream batch), rows whose ``document_start``
     is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
     through (a plain apply)."""
     args, model_kwargs = setup.model_inputs(batch)
@@ -63,9 +64,9 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, 
 
     def train_step(state, batch):
         def loss_sums(params, memory, batch, dropout_rng):
-            logits, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
-                                         rngs={"dropout": dropout_rng})
-            sums = metrics.label_smoothed_loss(logits, batch["targets"], batch["targets_segmentation"] > 0,
+            outputs, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
+                                          rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
+            sums = metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
                                                smoothing)
             return sums["loss"], (sums, memory)
 
@@ -98,9 +99,10 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, 
 def make_eval_step(config: Any) -> Callable:
     """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
     def eval_step(params, apply_fn, batch, memory):
-        logits, memory = apply_model(apply_fn, params, memory, batch, deterministic=True)
+        outputs, memory = apply_model(apply_fn, params, memory, batch, deterministic=True,
+                                      logits=not config.optim.fused_loss)
         weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
-        return metrics.label_smoothed_loss(logits, batch["targets"], weights, config.optim.label_smoothing), memory
+        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), memory
 
     return nn_common.under_axis_rules(eval_step, config.mesh.rules)
 
