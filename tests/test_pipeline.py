@@ -172,6 +172,18 @@ def test_eval_batches_keep_every_example_including_the_last_partial_batch(proces
     assert truncated == sum(len(ex[k].split()) + 1 > 20 for ex in source for k in ("src", "tgt"))
 
 
+def test_packed_eval_batches_hold_every_example_once_in_fewer_batches_of_the_same_shape():
+    source = make_source(41, max_words=9)
+    lengths = {"inputs": 24, "targets": 24}
+    eval_set = pipeline.make_eval_set(source, "src", "tgt", WordTokenizer(), lengths, rows=4)
+    packed = list(eval_set.packed())
+    assert len(packed) == len(eval_set.packed()) < len(eval_set) / 2  # ~3 examples a row here, against one
+    assert all(b[k].shape == (4, 24) for b in packed for k in ("inputs", "targets", "targets_position"))
+    assert sorted(unpack(packed)) == sorted(expected_examples(source).values())  # each example, whole, once
+    for batch in packed:  # rows without an example weigh nothing; the others weigh one
+        assert (batch["example_weight"] == (batch["targets_segmentation"] > 0).any(1)).all()
+
+
 @pytest.fixture(scope="module")
 def ddtp_data(tmp_path_factory):
     import tensorflow_datasets as tfds

@@ -12,7 +12,8 @@ import pytest
 import sacrebleu
 import tiny_config
 
-from lconv.data import sources
+from lconv.data import pipeline, sources
+from lconv.infer import compiled
 from lconv.train import checkpoints, loop, setup, steps
 
 _config = tiny_config.training_config
@@ -112,8 +113,8 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tin
     def poisoned(config, lr_schedule):  # from the 4th update on, the params and the loss become NaN
         step_fn = make_step(config, lr_schedule)
 
-        def train_step(state, batch):
-            new_state, sums = step_fn(state, batch)
+        def train_step(state, batch, lr_factor):
+            new_state, sums = step_fn(state, batch, lr_factor)
             bad = state.step >= 3
             params = jax.tree.map(lambda p: jax.numpy.where(bad, jax.numpy.nan, p), new_state.params)
             sums["loss"] = jax.numpy.where(bad, jax.numpy.nan, sums["loss"])
@@ -185,6 +186,8 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
 
 @pytest.mark.parametrize("field, value", [
     ("optim.schedule", "linear"),
+    ("optim.schedule", "budget"),  # without train.max_minutes it has no end to decay to
+    ("optim.warmup_fraction", 1.0),
     ("optim.grad_accum_steps", 0),
     ("optim.label_smoothing", 1.0),
     ("task", "tagging"),
@@ -241,6 +244,23 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
         assert len(f.readlines()) == size  # one line per example, in the split's order
     with open(workdir / "validation.scores.json") as f:
         assert json.load(f)["bleu"] == pytest.approx(scores["bleu"])
+
+
+def test_a_packed_loss_pass_scores_what_one_example_per_row_scores(tiny_run):
+    """The validation pass packs examples several to a row; no mixer may let one example see another."""
+    trained = setup.load_trained(str(tiny_run.workdir))
+    config = trained.config
+    config.data.eval_max_input_length = config.data.eval_max_target_length = 256  # rows with room for several
+    validation = pipeline.make_datasets(config.data, trained.tokenizer, process_index=0,
+                                        process_count=1).eval_sets["validation"]
+    mesh = compiled.mesh_of(trained.params)  # the mesh load_trained put the params on
+    eval_step = steps.jit_eval_step(config, mesh)
+    packed = steps.evaluate_loss(eval_step, trained.params, trained.model.apply, validation, mesh)
+    padded = steps.evaluate_loss(eval_step, trained.params, trained.model.apply, list(validation), mesh)
+    assert len(validation.packed()) < len(validation) / 2
+    assert packed["tokens"] == padded["tokens"] > 10_000
+    for key in ("loss", "nll", "accuracy"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5), key
 
 
 def test_eval_translates_a_text_file_and_scores_it(tiny_run, tmp_path, lconv_log):

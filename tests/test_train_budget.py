@@ -2,6 +2,7 @@
 stops when the time left is the final evaluation's measured estimate, the progress bar counts to the budget, and
 decoding that would run past it stops there, saying so. Timed on a fake clock, so the numbers are exact."""
 import collections
+import json
 import math
 import types
 
@@ -50,16 +51,17 @@ def timed_run(tiny_data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(logs, "Progress", RecordedProgress)
 
-    def run(max_minutes):
+    def run(max_minutes, **optim):
         config = tiny_config.training_config(tiny_data.data_dir, 1000, max_minutes=max_minutes, eval_every=1000,
                                              checkpoint_every=1000, log_every=5)
+        config.optim.update(optim)
         workdir = helpers.new_workdir(tiny_data, tmp_path / f"budget_{max_minutes}")
         start = clock.now
         result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
         assert clock.now - start == result["run_seconds"]
         tokenizer = tokenizer_lib.load_tokenizer(str(workdir))
-        validation_batches = len(pipeline.make_datasets(config.data, tokenizer).eval_sets["validation"])
-        return result, bars[-1], validation_batches
+        validation = pipeline.make_datasets(config.data, tokenizer).eval_sets["validation"]
+        return result, bars[-1], len(pipeline.loss_batches(validation))  # the loss pass's (packed) batches
 
     return run
 
@@ -91,6 +93,38 @@ def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run
     assert f"at {validation_batches} s" in ahead and "train.max_minutes=0.25 has 12 s left" in ahead
     assert f"train.max_minutes={math.ceil((3 + budget.SAFETY_MARGIN * validation_batches) / 60) + 1} " in ahead
     assert bar.total == 15
+
+
+@pytest.mark.slow  # trains in-process
+def test_the_budget_schedule_warms_up_and_decays_to_zero_where_training_stops(timed_run, tmp_path):
+    result, _, validation_batches = timed_run(1.0, schedule="budget", warmup_fraction=0.2, learning_rate=1e-3)
+    workdir = tmp_path / "budget_1.0"
+    rows = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    lrs = {r["step"]: r["lr"] for r in rows}  # the rate of each window's last update, one update a fake second
+    training_seconds = 60 - 3 - budget.SAFETY_MARGIN * validation_batches  # after the 3 s probe, before the reserve
+    for step, lr in lrs.items():  # update n takes its rate n - 1 fake seconds into training
+        progress = (step - 1) / training_seconds
+        want = 1e-3 * max(budget.time_factor(progress, 0.2), budget.TimeSchedule.FLOOR if progress < 0.2 else 0)
+        assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
+    assert max(lrs.values()) > 0.8e-3 and lrs[max(lrs)] < 0.1e-3  # near the peak, then near 0 at the end
+
+
+def test_the_time_schedule_follows_the_budgets_training_time():
+    clock = FakeClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(budget, "clock", clock)
+        run_budget = budget.Budget(2.0)  # 120 s from now; the evaluation keeps the last 20
+        run_budget.reserve = 20.0
+        clock.now += 10.0  # setup: training starts 10 s in, so it has 90 s
+        schedule = budget.TimeSchedule(run_budget, "budget", 0.1)
+        factors = {}
+        for second in (0, 4.5, 9, 45, 81, 90, 95):
+            clock.now = run_budget.start + 10.0 + second
+            factors[second] = schedule.factor()
+        assert factors == pytest.approx({0: budget.TimeSchedule.FLOOR, 4.5: 0.5, 9: 1.0, 45: 0.5 / 0.9, 81: 0.1 / 0.9,
+                                         90: 0.0, 95: 0.0})
+        assert budget.TimeSchedule(run_budget, "inverse_sqrt", 0.1).factor() == 1.0  # other schedules: untouched
+        assert budget.TimeSchedule(budget.Budget(0.0), "budget", 0.1).factor() == 1.0  # no budget: no shape
 
 
 def test_without_a_budget_the_bar_counts_steps():

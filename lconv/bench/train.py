@@ -109,14 +109,15 @@ def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True):
     model = setup.build_model(config, vocab)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
-    batch = _batch(config, vocab)
-    compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch), donate_argnums=(0,))
+    batch, lr_factor = _batch(config, vocab), np.float32(1.0)  # the learning-rate factor, as the training loop
+    compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch, lr_factor),
+                                            donate_argnums=(0,))
     memory = compiled.memory_analysis()
     holder = {"state": state, "params": setup.count_params(state.params), "attention": attention_kernel(config),
               "temp_bytes": None if memory is None else memory.temp_size_in_bytes}
 
     def step():
-        holder["state"], sums = compiled(holder["state"], batch)
+        holder["state"], sums = compiled(holder["state"], batch, lr_factor)
         return sums["loss"]
 
     return step, compiled, compile_s, holder, config.data.batch_size

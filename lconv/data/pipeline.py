@@ -62,6 +62,70 @@ class EvalSet:
     def __len__(self) -> int:
         return self.num_batches
 
+    def packed(self) -> PackedBatches:
+        """The same examples packed several to a row (``PackedBatches``), for a loss pass: every token scored once,
+        in the batches' fixed shape, with far fewer padding positions than one example per row."""
+        if self._packed is None:
+            self._packed = PackedBatches(self)
+        return self._packed
+
+    _packed: PackedBatches | None = dataclasses.field(default=None, repr=False, compare=False)
+
+
+class PackedBatches:
+    """An ``EvalSet``'s examples for a loss pass: shortest first, each row filled with the next examples while they
+    fit in every feature's length (segment ids 1, 2, ... and positions from 0 per example, as training packs),
+    ``batch_size`` rows per batch, the same shape as the set's padded batches (so the same compiled step). Rows
+    holding nothing weigh zero (``example_weight``). With several processes every one has the most batches any
+    has, the extra ones empty, so their steps stay in lockstep."""
+
+    def __init__(self, eval_set: EvalSet) -> None:
+        self.lengths, self.batch_size = eval_set.lengths, eval_set.batch_size
+        order = sorted(range(len(eval_set.tokens)), key=lambda i: max(len(v) for v in eval_set.tokens[i].values()))
+        self.rows: list[list[dict[str, np.ndarray]]] = []
+        used = dict.fromkeys(self.lengths, math.inf)
+        for i in order:
+            example = eval_set.tokens[i]
+            if any(used[k] + len(example[k]) > length for k, length in self.lengths.items()):
+                self.rows.append([])
+                used = dict.fromkeys(self.lengths, 0)
+            self.rows[-1].append(example)
+            used = {k: used[k] + len(example[k]) for k in self.lengths}
+        self.num_batches = _max_over_processes(math.ceil(len(self.rows) / self.batch_size))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for b in range(self.num_batches):
+            rows = self.rows[b * self.batch_size:(b + 1) * self.batch_size]
+            rows += [[]] * (self.batch_size - len(rows))
+            batch = {}
+            for key, length in self.lengths.items():
+                packed = [pack_row([example[key] for example in row], length) for row in rows]
+                for part, name in enumerate((key, f"{key}_segmentation", f"{key}_position")):
+                    batch[name] = np.stack([p[part] for p in packed])  # [rows, length]
+            batch["example_weight"] = np.asarray([float(bool(row)) for row in rows], np.float32)  # [rows]
+            yield batch
+
+
+def pack_row(sequences: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Id sequences -> one row ``(ids, segmentation 1.. per sequence, position 0.. per sequence)``, each ``[length]``
+    and padded with zeros."""
+    ids, segments, positions = (np.zeros(length, np.int32) for _ in range(3))
+    start = 0
+    for segment, sequence in enumerate(sequences, 1):
+        end = start + len(sequence)
+        ids[start:end], segments[start:end], positions[start:end] = sequence, segment, np.arange(len(sequence))
+        start = end
+    return ids, segments, positions
+
+
+def loss_batches(eval_set: Any) -> Any:
+    """What a loss pass over ``eval_set`` iterates: an ``EvalSet``'s packed batches; anything else (document-stream
+    windows, a slice of batches) as it is."""
+    return eval_set.packed() if isinstance(eval_set, EvalSet) else eval_set
+
 
 @dataclasses.dataclass
 class Datasets:

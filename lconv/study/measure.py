@@ -66,10 +66,10 @@ def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
     if config.data.stream:
         batch["document_start"] = np.zeros((config.data.batch_size,), np.int32)
     sharding = setup.batch_sharding(mesh)
-    step = jax.jit(steps.make_train_step(config, lr), in_shardings=(shardings, sharding),
-                   out_shardings=(shardings, None), donate_argnums=0)
+    step = jax.jit(steps.make_train_step(config, lr), in_shardings=(shardings, sharding, None),
+                   out_shardings=(shardings, None), donate_argnums=0)  # as the training loop jits it
     with jax.set_mesh(mesh):
-        compiled = step.lower(state, steps.global_batch(batch, sharding)).compile()
+        compiled = step.lower(state, steps.global_batch(batch, sharding), np.float32(1.0)).compile()
     memory, source = timing.program_memory(compiled)
     return {"train_step_bytes": memory, "train_step_memory_source": source}
 

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
+from lconv.data import pipeline
 from lconv.infer import compiled, decode_and_score
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,51 @@ class Budget:
         return (self.over, "train.max_minutes") if self.enabled and jax.process_count() == 1 else None
 
 
+class TimeSchedule:
+    """``optim.schedule="budget"``: the learning rate's factor (0 to 1, the train step's ``lr_factor``) by the
+    share of this launch's training time gone, from its first update to where ``budget`` stops training (its end
+    less the final evaluation's reserve): a linear warmup over ``warmup_fraction`` of it, then a linear decay to 0
+    at its end. In time, not steps, so a slow host does not spend a fixed number of its few updates warming up,
+    and the decay ends where training does whatever the host's speed. Other schedules: always 1."""
+
+    FLOOR = 0.01  # the factor of the very first update (progress 0), so that it is not wasted
+
+    def __init__(self, budget: Budget, schedule: str, warmup_fraction: float) -> None:
+        self.budget, self.active, self.warmup = budget, schedule == "budget" and budget.enabled, warmup_fraction
+        self.first_update: float | None = None
+        self._agreed: float | None = None
+
+    def agreed_factor(self, step: int, every: int) -> float:
+        """``factor()``, the same on every process: with several, process 0's, taken at steps that are multiples
+        of ``every`` (a collective; the processes' clocks differ, and a replicated update must not) and kept
+        between them."""
+        if jax.process_count() == 1 or not self.active:
+            return self.factor()
+        if step % max(every, 1) == 0 or self._agreed is None:
+            from jax.experimental import multihost_utils
+
+            self._agreed = float(multihost_utils.broadcast_one_to_all(np.float32(self.factor())))
+        return self._agreed
+
+    def factor(self) -> float:
+        """This process's factor now (the first call starts the training time)."""
+        if not self.active:
+            return 1.0
+        now = clock()
+        if self.first_update is None:
+            self.first_update = now
+        end = self.budget.start + self.budget.seconds - self.budget.reserve
+        progress = min(max((now - self.first_update) / max(end - self.first_update, 1e-9), 0.0), 1.0)
+        return max(time_factor(progress, self.warmup), self.FLOOR if progress < self.warmup else 0.0)
+
+
+def time_factor(progress: float, warmup_fraction: float) -> float:
+    """The budget schedule's shape: ``progress / w`` up to ``w``, then ``(1 - progress) / (1 - w)``."""
+    if progress < warmup_fraction:
+        return progress / warmup_fraction
+    return (1.0 - progress) / (1.0 - warmup_fraction)
+
+
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:
     """The time of one batch of ``evaluate(batches)`` over ``eval_set``: its first batch compiles untimed, the next
     ``PROBE_BATCHES - 1`` are timed; a set of one batch is timed with its compilation (an upper bound)."""
@@ -79,12 +126,13 @@ def estimate_final_evaluation(run: Any, evaluate_loss: Callable[[Any], Any],
     and with ``train.eval_after_training`` the test split's (an LM's perplexity: the same pass; else decoding
     with ``translator``, ``decode_and_score.estimate_decode_seconds``)."""
     config, eval_sets = run.config, run.data.eval_sets
-    per_batch = _seconds_per_batch(evaluate_loss, eval_sets["validation"])
-    seconds = per_batch * len(eval_sets["validation"])
+    validation = pipeline.loss_batches(eval_sets["validation"])
+    per_batch = _seconds_per_batch(evaluate_loss, validation)
+    seconds = per_batch * len(validation)
     split = config.decode.split
     if config.train.eval_after_training and split in eval_sets:
         if config.task == "lm":
-            seconds += per_batch * len(eval_sets[split])
+            seconds += per_batch * len(pipeline.loss_batches(eval_sets[split]))
         else:
             seconds += decode_and_score.estimate_decode_seconds(config, eval_sets[split], translator, clock)
     return seconds

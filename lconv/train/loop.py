@@ -276,8 +276,9 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     config, mesh = run.config, run.mesh
     sharding = setup.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
-                         in_shardings=(run.state_shardings, sharding), out_shardings=(run.state_shardings, None),
+                         in_shardings=(run.state_shardings, sharding, None), out_shardings=(run.state_shardings, None),
                          donate_argnums=0)
+    time_schedule = budget_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction)
     preemption = Preemption()
     guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
@@ -287,7 +288,9 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     try:
         with jax.set_mesh(mesh):
             while step < num_steps:
-                run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding))
+                lr_factor = np.float32(time_schedule.agreed_factor(step, config.train.stop_check_every))
+                run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding),
+                                             lr_factor)
                 previous_sums = steps.one_step_ahead(previous_sums, sums)
                 step += 1
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)

@@ -131,10 +131,14 @@ def build_model(config: Config, vocab_size: int) -> nn.Module:
 def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
     """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant. The cosine falls
     from the peak to ``min_lr`` over ``cosine_period`` updates after warmup (fairseq's ``--lr-period-updates``;
-    0 = the rest of the run), and stays at ``min_lr`` after it."""
+    0 = the rest of the run), and stays at ``min_lr`` after it. ``budget`` is the peak at every step: its shape is
+    in time (``lconv.train.budget.TimeSchedule``), a factor the train step multiplies the update by."""
     peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
-    if optim.schedule not in ("inverse_sqrt", "cosine", "constant"):
-        raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine or constant; got {optim.schedule!r}")
+    if optim.schedule not in ("inverse_sqrt", "cosine", "constant", "budget"):
+        raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine, constant or budget; got "
+                        f"{optim.schedule!r}")
+    if optim.schedule == "budget":
+        return lambda step: jnp.full((), peak, jnp.float32)
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lconv.data import pipeline
 from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
 from lconv.nn import knn_memory
@@ -51,8 +52,12 @@ def _merge_rows(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
-def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, Batch], tuple[Any, dict]]:
-    """``(state, batch) -> (state, sums)``: one optimizer update from a global batch.
+def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., tuple[Any, dict]]:
+    """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch.
+
+    ``lr_factor`` (a float32 scalar, default 1) multiplies the update, so the learning rate is the schedule's times
+    it: the time-shaped schedule of ``optim.schedule="budget"`` (``lconv.train.budget.TimeSchedule``). Every
+    optimiser lconv builds ends in the learning rate's scaling, so that is the same as scaling the rate.
 
     With ``optim.grad_accum_steps = n`` (fairseq's update-freq) the batch's rows are split into ``n`` micro-batches
     (row ``r`` goes to micro-batch ``r % n``, so every data shard contributes to each) whose summed gradients are
@@ -62,7 +67,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, 
     smoothing = config.optim.label_smoothing
     micro = int(config.optim.grad_accum_steps)
 
-    def train_step(state, batch):
+    def train_step(state, batch, lr_factor=None):
         def loss_sums(params, memory, batch, dropout_rng):
             outputs, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
                                           rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
@@ -91,7 +96,13 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[[Any, 
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
         sums["grad_norm"] = optax.tree.norm(grads)
         sums["lr"] = lr_schedule(state.step)
-        return state.apply_gradients(grads=grads, memory=memory), sums
+        if lr_factor is None:
+            return state.apply_gradients(grads=grads, memory=memory), sums
+        sums["lr"] = sums["lr"] * lr_factor
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        updates = jax.tree.map(lambda u: (u * lr_factor).astype(u.dtype), updates)
+        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state, memory=memory), sums
 
     return nn_common.under_axis_rules(train_step, config.mesh.rules)
 
@@ -135,7 +146,8 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
                   mesh: jax.sharding.Mesh, memory: PyTree = None,
                   stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
-    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero).
+    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero); an ``EvalSet``'s
+    examples packed several to a row (``pipeline.loss_batches``).
 
     With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
     batches on every process), so the sums cover the whole split once and are the same on every process.
@@ -147,6 +159,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
     """
     sharding = setup.batch_sharding(mesh)
+    eval_set = pipeline.loss_batches(eval_set)
     total, memory, done, previous = None, memory or {}, 0, None
     with jax.set_mesh(mesh):
         for batch in eval_set:
