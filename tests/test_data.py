@@ -275,6 +275,19 @@ def test_tokenizer_round_trip_ids_and_reuse(tmp_path):
         tokenizer_lib.load_or_train(str(tmp_path), iter(texts), vocab_size=tokenizer.vocab_size)
 
 
+def test_the_tokenizers_sample_keeps_both_sides_of_alternating_source_and_target_texts():
+    texts = [f"{side}{i}" for i in range(6000) for side in ("en", "de")]  # as pipeline.tokenizer_texts yields them
+    for max_sentences in (2000, 3000, 5999):  # strides of 6, 4 and 2 would each keep one side alone
+        sample = tokenizer_lib.sample_sentences(iter(texts), max_sentences)
+        sides = collections.Counter(t[:2] for t in sample)
+        assert len(sample) == max_sentences and len(set(sample)) == max_sentences
+        assert abs(sides["en"] - sides["de"]) < 0.1 * max_sentences, sides
+        position = {text: i for i, text in enumerate(texts)}
+        assert sample == sorted(sample, key=position.get)  # in the corpus's order
+    assert tokenizer_lib.sample_sentences(iter(texts), 12000) == texts  # all of them when they fit
+    assert tokenizer_lib.sample_sentences(iter(texts), 2000) == tokenizer_lib.sample_sentences(iter(texts), 2000)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's datasets: `python -m lconv.data prepare NAME` (lconv.data.catalog)
 # ----------------------------------------------------------------------------------------------------------------

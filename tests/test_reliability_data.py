@@ -320,7 +320,7 @@ def test_two_real_processes_training_one_tokenizer_at_once_both_succeed(tmp_path
     both save through their own temporary file, and both end with the same model, the one on disk."""
     code = ("import hashlib, sys, time; from lconv.data import pipeline;"
             " time.sleep(max(0, float(sys.argv[1]) - time.time()));"
-            " config = dict(dataset='ddtp/en_zh', data_dir=sys.argv[2], vocab_size=400, tokenizer_max_sentences=500);"
+            " config = dict(dataset='ddtp/en_zh', data_dir=sys.argv[2], vocab_size=1600, tokenizer_max_sentences=500);"
             " t = pipeline.load_or_train_tokenizer(config, sys.argv[3], process_index=0, process_count=1);"
             " print(hashlib.sha256(t.model_proto).hexdigest())")
     import hashlib
@@ -363,7 +363,8 @@ def test_several_jax_processes_train_the_tokenizer_once_on_process_0_and_all_hol
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    config = dict(dataset="ddtp/en_zh", vocab_size=400, tokenizer_max_sentences=500)
+    # 1,600: room for the ~1,100 Chinese characters of a sample of both sides (every k-th text once kept English only)
+    config = dict(dataset="ddtp/en_zh", vocab_size=1600, tokenizer_max_sentences=500)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
            "XLA_FLAGS": helpers.xla_flags(2)}  # several devices per process, as in training
     runs = [subprocess.Popen([sys.executable, "-c", _JAX_PROCESS, f"localhost:{port}", str(i),
@@ -376,8 +377,8 @@ def test_several_jax_processes_train_the_tokenizer_once_on_process_0_and_all_hol
     lines = [[line for line in out.splitlines() if line.startswith(("model", "error"))] for out, _ in outputs]
     saved = hashlib.sha256((tmp_path / "run0" / "spm.model").read_bytes()).hexdigest()
     assert lines[0] == lines[1] and lines[0][0] == f"model {saved}", outputs
-    assert lines[0][1] == (f"error vocab_size=401 but {tmp_path / 'run0' / 'spm.model'} was trained for 400; use the "
-                           "same vocab_size or a fresh workdir")  # process 0's message, on both
+    assert lines[0][1] == (f"error vocab_size=1601 but {tmp_path / 'run0' / 'spm.model'} was trained for 1600; use "
+                           "the same vocab_size or a fresh workdir")  # process 0's message, on both
     assert not (tmp_path / "tfds1").exists() and not (tmp_path / "run1").exists()  # process 1 touched nothing
 
 
