@@ -7,8 +7,8 @@ Variants: a mixer that fits both sides: dynamic (default), lightconv, transforme
 plugin, or package.module:Class. Tuned for a 10-minute budget rather than
 for the paper's final numbers: pre-norm (stable at a 6x higher peak learning rate than the paper's), a 100-step
 warmup, no DropConnect, a 4k vocabulary for 30k sentence pairs, and small packed batches (more updates per
-minute). Measured from a fresh clone on an idle 2-core CPU (README): 779 updates in 10 minutes, test sacreBLEU
-19.3 (431 updates and 15.1 on the same machine shared with other jobs).
+minute). Measured from a fresh clone on an idle 2-core CPU (README): 975 updates in 10 minutes, test sacreBLEU
+20.3; on a slow 2-core CPU (134 GFLOP/s) 323 updates and 10.6 (docs/default-run.md).
 """
 from lconv.configs import common
 
@@ -20,6 +20,7 @@ def get_config(arg=None):
     c.data.vocab_size = 4000
     c.data.max_input_length = c.data.max_target_length = 64
     c.data.batch_size = 32  # packed rows of 64 tokens: ~2k target tokens per update
+    c.data.tokenizer_max_sentences = 20_000  # a third of the 60k training sentences: 3 s to train, not 18 (slow CPU)
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = 256, 1024, 4
     c.model.encoder_layers = c.model.decoder_layers = 3
     c.model.encoder_kernel_sizes = (3, 7, 15)

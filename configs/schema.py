@@ -66,11 +66,13 @@ class OptimConfig:
     optimizer: str = field("adam", "adam | adamw | nag", choice("adam", "adamw", "nag"))
     learning_rate: float = field(5e-4, "peak learning rate", number(lambda v: v > 0, "a number > 0"))
     schedule: str = field("inverse_sqrt", "inverse_sqrt | cosine | constant (all with linear warmup) | budget (in "
-                          "time: warmup over warmup_fraction of the training time, then a linear decay to 0 where "
-                          "train.max_minutes stops training; docs/training.md)",
-                          choice("inverse_sqrt", "cosine", "constant", "budget"))
+                          "time: warmup over warmup_fraction of the training time, the peak, then a linear decay to 0 "
+                          "over its last decay_fraction, ending where train.max_minutes stops training; "
+                          "docs/training.md)", choice("inverse_sqrt", "cosine", "constant", "budget"))
     warmup_fraction: float = field(0.05, "schedule=budget: the share of the training time spent warming up",
                                    number(lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    decay_fraction: float = field(0.2, "schedule=budget: the final share of the training time over which the rate "
+                                  "falls to 0", number(lambda v: 0 < v <= 1, "a number in (0, 1]"))
     warmup_steps: int = field(4000, "linear warmup updates", _NON_NEGATIVE)
     warmup_init_lr: float = field(1e-7, "the learning rate warmup starts from (fairseq's warmup-init-lr)",
                                   _NON_NEGATIVE_NUMBER)
@@ -228,6 +230,9 @@ def validate_config(config: Any) -> None:
                         f"not {values['task']!r}")
     model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
     model_cfg.validate(decoder_only=values["task"] == "lm")
+    if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
+        raise UserError(f"config.optim.warmup_fraction={values['optim']['warmup_fraction']} and decay_fraction="
+                        f"{values['optim']['decay_fraction']} share the training time: they must add up to at most 1")
     if values["optim"]["schedule"] == "budget" and not values["train"]["max_minutes"]:
         raise UserError("config.optim.schedule='budget' decays the learning rate to 0 where train.max_minutes stops "
                         "training; set train.max_minutes, or choose another schedule")

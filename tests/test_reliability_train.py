@@ -322,8 +322,8 @@ def test_a_loss_spike_is_never_checkpointed(tiny_data, tmp_path, monkeypatch):
     def spiked(config, lr_schedule):  # from the 5th update on, the loss reads 1000x (finite)
         step_fn = make_step(config, lr_schedule)
 
-        def train_step(state, batch):
-            new_state, sums = step_fn(state, batch)
+        def train_step(state, batch, lr_factor):
+            new_state, sums = step_fn(state, batch, lr_factor)
             sums["loss"] = jax.numpy.where(state.step >= 4, sums["loss"] * 1000, sums["loss"])
             return new_state, sums
 

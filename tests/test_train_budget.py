@@ -69,8 +69,8 @@ def timed_run(tiny_data, tmp_path, monkeypatch):
 @pytest.mark.slow  # trains in-process (compiles a train and an eval step)
 def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(timed_run):
     result, bar, validation_batches = timed_run(1.0)
-    # Probe: 1 batch compiled untimed + 2 timed (3 s); then the steps, until what is left is the reserve (the
-    # estimate, 1 s a batch, x the margin); then the final validation, whole.
+    # Probe (once MEASURE_AT_SHARE of the budget is gone): 1 batch compiled untimed + 2 timed (3 s); the steps go
+    # on until what is left is the reserve (the estimate, 1 s a batch, x the margin); then the final validation.
     assert result["final_evaluation_estimate_seconds"] == validation_batches == result["final_evaluation_seconds"]
     reserve = budget.SAFETY_MARGIN * validation_batches
     assert result["step"] == math.ceil(60 - 3 - reserve) < 1000  # the budget, not num_steps, ended training
@@ -84,27 +84,36 @@ def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_i
 @pytest.mark.slow  # trains in-process
 def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run, lconv_log):
     result, bar, validation_batches = timed_run(0.25)  # 15 s: less than the validation's batches alone
-    assert validation_batches > 15 and result["step"] == 1  # one step, then the evaluation's turn
-    assert result["run_seconds"] == 15.0
-    assert result["validation"]["unscored_batches"] == validation_batches - (15 - 3 - 1)
+    # Training runs until MEASURE_AT_SHARE of the budget is gone (a step a second), then the 3 s measurement finds
+    # the evaluation longer than what is left: training stops there, and the evaluation has the rest.
+    steps_before = math.ceil(budget.MEASURE_AT_SHARE * 15)
+    assert validation_batches > 15 and result["step"] == steps_before
+    assert result["run_seconds"] == 15.0 and result["first_update_seconds"] == 1.0
+    left = 15 - steps_before - 3
+    assert result["validation"]["unscored_batches"] == validation_batches - left
     (warning,) = [m for m in lconv_log() if "train.max_minutes ran out" in m]
-    assert f"after {15 - 3 - 1} of {validation_batches} batches" in warning
-    (ahead,) = [m for m in lconv_log() if "estimated at" in m]  # said before training, with a budget that fits
-    assert f"at {validation_batches} s" in ahead and "train.max_minutes=0.25 has 12 s left" in ahead
-    assert f"train.max_minutes={math.ceil((3 + budget.SAFETY_MARGIN * validation_batches) / 60) + 1} " in ahead
+    assert f"after {left} of {validation_batches} batches" in warning
+    (ahead,) = [m for m in lconv_log() if "estimated at" in m]  # said when measured, with a budget that fits
+    assert f"at {validation_batches} s" in ahead and f"train.max_minutes=0.25 has {left} s left" in ahead
+    needed = steps_before + 3 + budget.SAFETY_MARGIN * validation_batches
+    assert f"train.max_minutes={math.ceil(needed / 60) + 1} " in ahead
     assert bar.total == 15
 
 
 @pytest.mark.slow  # trains in-process
 def test_the_budget_schedule_warms_up_and_decays_to_zero_where_training_stops(timed_run, tmp_path):
-    result, _, validation_batches = timed_run(1.0, schedule="budget", warmup_fraction=0.2, learning_rate=1e-3)
+    result, _, validation_batches = timed_run(1.0, schedule="budget", warmup_fraction=0.2, decay_fraction=0.5,
+                                              learning_rate=1e-3)
     workdir = tmp_path / "budget_1.0"
     rows = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
     lrs = {r["step"]: r["lr"] for r in rows}  # the rate of each window's last update, one update a fake second
-    training_seconds = 60 - 3 - budget.SAFETY_MARGIN * validation_batches  # after the 3 s probe, before the reserve
-    for step, lr in lrs.items():  # update n takes its rate n - 1 fake seconds into training
-        progress = (step - 1) / training_seconds
-        want = 1e-3 * max(budget.time_factor(progress, 0.2), budget.TimeSchedule.FLOOR if progress < 0.2 else 0)
+    measured_after = budget.MEASURE_AT_SHARE * 60  # updates until then; the 3 s measurement; the rest
+    for step, lr in lrs.items():  # update n takes its rate n - 1 fake seconds into training (+3 after the probe)
+        if step <= measured_after:  # the provisional reserve's end
+            progress = (step - 1) / (60 - budget.PROVISIONAL_RESERVE_SHARE * 60)
+        else:
+            progress = (step - 1 + 3) / (60 - budget.SAFETY_MARGIN * validation_batches)
+        want = 1e-3 * max(budget.time_factor(progress, 0.2, 0.5), budget.TimeSchedule.FLOOR if progress < 0.2 else 0)
         assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
     assert max(lrs.values()) > 0.8e-3 and lrs[max(lrs)] < 0.1e-3  # near the peak, then near 0 at the end
 
@@ -116,15 +125,15 @@ def test_the_time_schedule_follows_the_budgets_training_time():
         run_budget = budget.Budget(2.0)  # 120 s from now; the evaluation keeps the last 20
         run_budget.reserve = 20.0
         clock.now += 10.0  # setup: training starts 10 s in, so it has 90 s
-        schedule = budget.TimeSchedule(run_budget, "budget", 0.1)
+        schedule = budget.TimeSchedule(run_budget, "budget", 0.1, 0.3)
         factors = {}
-        for second in (0, 4.5, 9, 45, 81, 90, 95):
+        for second in (0, 4.5, 9, 45, 63, 72, 81, 90, 95):
             clock.now = run_budget.start + 10.0 + second
             factors[second] = schedule.factor()
-        assert factors == pytest.approx({0: budget.TimeSchedule.FLOOR, 4.5: 0.5, 9: 1.0, 45: 0.5 / 0.9, 81: 0.1 / 0.9,
-                                         90: 0.0, 95: 0.0})
-        assert budget.TimeSchedule(run_budget, "inverse_sqrt", 0.1).factor() == 1.0  # other schedules: untouched
-        assert budget.TimeSchedule(budget.Budget(0.0), "budget", 0.1).factor() == 1.0  # no budget: no shape
+        assert factors == pytest.approx({0: budget.TimeSchedule.FLOOR, 4.5: 0.5, 9: 1.0, 45: 1.0, 63: 1.0,
+                                         72: 2 / 3, 81: 1 / 3, 90: 0.0, 95: 0.0})
+        assert budget.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3).factor() == 1.0  # other schedules: 1
+        assert budget.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3).factor() == 1.0  # no budget: no shape
 
 
 def test_without_a_budget_the_bar_counts_steps():

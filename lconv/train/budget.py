@@ -2,9 +2,10 @@
 
 Training stops when the time left is what the final evaluation needs (its estimate x ``SAFETY_MARGIN``), so that the
 whole run ends within the budget.
-What the evaluation needs is measured before the first update (``estimate_final_evaluation``): the validation loss
-over a few batches of the validation split, and for a decoded test split (BLEU / ROUGE) its first batch decoded
-twice, extrapolated to every batch of both splits. When the estimate was short (or the evaluation alone needs more than
+What the evaluation needs is measured (``estimate_final_evaluation``) once training has had ``MEASURE_AT_SHARE`` of
+the budget (one process; several measure before the first update, together): the validation loss over a few
+batches of the validation split, and for a decoded test split (BLEU / ROUGE) its first batch decoded twice,
+extrapolated to every batch of both splits. When the estimate was short (or the evaluation alone needs more than
 the budget), the final passes stop at the budget too (one process; ``Budget.stop_when``): their scores then cover the
 batches done by then, and a warning says so.
 """
@@ -31,6 +32,12 @@ PROBE_BATCHES = 3  # validation batches timed for the estimate: the first compil
 # shared machine's load changes (the walk-through's default run on a busy 2-core CPU needed about twice its
 # estimate, and its test decoding was cut to 64 of 1,216 sentences); a cut evaluation costs more than the margin.
 SAFETY_MARGIN = 1.5
+# One process measures the final evaluation once training has had this share of the budget (or when the provisional
+# reserve is all that is left), not before the first update: the measurement compiles the evaluation and decoding
+# programs (about 25 s on a slow 2-core CPU), which the end needs anyway, so moving it only moves time; and a model
+# some minutes in decodes as the final one will, where an untrained one babbles to the length limit.
+MEASURE_AT_SHARE = 0.2
+PROVISIONAL_RESERVE_SHARE = 0.25  # training's reserve for the final evaluation until it is measured
 
 
 class Budget:
@@ -41,6 +48,9 @@ class Budget:
         self.seconds, self.start = 60.0 * minutes, clock() if start is None else start
         self.estimate = 0.0  # seconds the final evaluation is estimated to take (``estimate_final_evaluation``)
         self.reserve = 0.0  # seconds training leaves it: the estimate x SAFETY_MARGIN
+        self._measure: Callable[[], None] | None = None  # ``measure_later``'s, until it has run
+        self.first_update_seconds: float | None = None  # this launch's first update was done this long after start
+        self._measure_at = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -49,9 +59,27 @@ class Budget:
     def elapsed(self) -> float:
         return clock() - self.start
 
+    def measure_later(self, measure: Callable[[], None]) -> None:
+        """Keeps ``PROVISIONAL_RESERVE_SHARE`` of the budget for the final evaluation until ``measure`` (which sets
+        ``estimate`` and ``reserve``) has run: ``training_over`` runs it once ``MEASURE_AT_SHARE`` of the budget is
+        gone, or sooner if only the provisional reserve is left."""
+        self._measure, self._measure_at = measure, MEASURE_AT_SHARE * self.seconds
+        self.reserve = PROVISIONAL_RESERVE_SHARE * self.seconds
+
+    @property
+    def measured(self) -> bool:
+        return self._measure is None
+
     def training_over(self) -> bool:
-        """Whether training must stop now to leave the final evaluation its time."""
-        return self.enabled and self.seconds - self.elapsed() <= self.reserve
+        """Whether training must stop now to leave the final evaluation its time (measuring it first when
+        ``measure_later``'s time has come)."""
+        if not self.enabled:
+            return False
+        if self._measure is not None and (self.elapsed() >= self._measure_at
+                                          or self.seconds - self.elapsed() <= self.reserve):
+            measure, self._measure = self._measure, None
+            measure()
+        return self.seconds - self.elapsed() <= self.reserve
 
     def over(self) -> bool:
         return self.enabled and self.elapsed() >= self.seconds
@@ -65,14 +93,16 @@ class Budget:
 class TimeSchedule:
     """``optim.schedule="budget"``: the learning rate's factor (0 to 1, the train step's ``lr_factor``) by the
     share of this launch's training time gone, from its first update to where ``budget`` stops training (its end
-    less the final evaluation's reserve): a linear warmup over ``warmup_fraction`` of it, then a linear decay to 0
-    at its end. In time, not steps, so a slow host does not spend a fixed number of its few updates warming up,
-    and the decay ends where training does whatever the host's speed. Other schedules: always 1."""
+    less the final evaluation's reserve): a linear warmup over ``warmup_fraction`` of it, the peak, then a linear
+    decay to 0 over its last ``decay_fraction`` (warmup-stable-decay). In time, not steps, so a slow host does not
+    spend a fixed number of its few updates warming up, and the decay ends where training does whatever the
+    host's speed. Other schedules: always 1."""
 
     FLOOR = 0.01  # the factor of the very first update (progress 0), so that it is not wasted
 
-    def __init__(self, budget: Budget, schedule: str, warmup_fraction: float) -> None:
-        self.budget, self.active, self.warmup = budget, schedule == "budget" and budget.enabled, warmup_fraction
+    def __init__(self, budget: Budget, schedule: str, warmup_fraction: float, decay_fraction: float) -> None:
+        self.budget, self.active = budget, schedule == "budget" and budget.enabled
+        self.warmup, self.decay = warmup_fraction, decay_fraction
         self.first_update: float | None = None
         self._agreed: float | None = None
 
@@ -97,14 +127,14 @@ class TimeSchedule:
             self.first_update = now
         end = self.budget.start + self.budget.seconds - self.budget.reserve
         progress = min(max((now - self.first_update) / max(end - self.first_update, 1e-9), 0.0), 1.0)
-        return max(time_factor(progress, self.warmup), self.FLOOR if progress < self.warmup else 0.0)
+        return max(time_factor(progress, self.warmup, self.decay), self.FLOOR if progress < self.warmup else 0.0)
 
 
-def time_factor(progress: float, warmup_fraction: float) -> float:
-    """The budget schedule's shape: ``progress / w`` up to ``w``, then ``(1 - progress) / (1 - w)``."""
+def time_factor(progress: float, warmup_fraction: float, decay_fraction: float) -> float:
+    """The budget schedule's shape: ``progress / w`` up to ``w``, 1 until ``1 - d``, then ``(1 - progress) / d``."""
     if progress < warmup_fraction:
         return progress / warmup_fraction
-    return (1.0 - progress) / (1.0 - warmup_fraction)
+    return min(1.0, (1.0 - progress) / decay_fraction)
 
 
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:

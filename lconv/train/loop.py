@@ -199,17 +199,28 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
                          writer: logs.MetricWriter, validate: Callable[[int], Any],
                          eval_step: Callable[..., Any], started: float) -> dict[str, Any]:
     t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
-    translator = _reserve_final_evaluation(run, budget, eval_step) if budget.enabled else None
+    reservation = {}  # the translator the measurement compiled, for the test split's decoding to reuse
+    if budget.enabled:
+        def measure() -> None:
+            reservation["translator"] = _reserve_final_evaluation(run, budget, eval_step)
+
+        if jax.process_count() == 1:  # one clock: measured once training is under way (budget.measure_later)
+            budget.measure_later(measure)
+        else:  # each process's clock would pick another step for the measurement's collectives: all of them, now
+            measure()
     try:
         step, stopped_by = train(run, ckpt, writer, validate, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
+    if budget.first_update_seconds is not None:
+        result["first_update_seconds"] = budget.first_update_seconds
     try:
         if not stopped_by:
             evaluation_start = budget_lib.clock()
-            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer, budget, translator)
+            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer, budget,
+                                           reservation.get("translator"))
             result["final_evaluation_seconds"] = budget_lib.clock() - evaluation_start
     finally:
         best.close()
@@ -236,8 +247,8 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     left = budget.seconds - budget.elapsed()
     if budget.reserve >= left:
         logger.warning(f"warning: the final evaluation alone is estimated at {budget.estimate:.0f} s, and "
-                       f"train.max_minutes={run.config.train.max_minutes:g} has {max(left, 0):.0f} s left: one "
-                       "update, then the validation and test passes stop at the budget with part of their splits; "
+                       f"train.max_minutes={run.config.train.max_minutes:g} has {max(left, 0):.0f} s left: training "
+                       "stops now, and the validation and test passes stop at the budget with part of their splits; "
                        f"train.max_minutes={math.ceil((budget.elapsed() + budget.reserve) / 60) + 1} leaves "
                        "training a minute")
     logger.info(f"train.max_minutes={run.config.train.max_minutes:g} covers the final evaluation too: training "
@@ -278,7 +289,8 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
                          in_shardings=(run.state_shardings, sharding, None), out_shardings=(run.state_shardings, None),
                          donate_argnums=0)
-    time_schedule = budget_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction)
+    time_schedule = budget_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
+                                            config.optim.decay_fraction)
     preemption = Preemption()
     guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
@@ -292,6 +304,9 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding),
                                              lr_factor)
                 previous_sums = steps.one_step_ahead(previous_sums, sums)
+                if budget.first_update_seconds is None:  # the device's time: the update done, not dispatched
+                    jax.block_until_ready(sums)
+                    budget.first_update_seconds = budget.elapsed()
                 step += 1
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.advance(step)
