@@ -67,8 +67,11 @@ def timed_run(tiny_data, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # trains in-process (compiles a train and an eval step)
-def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(timed_run):
-    result, bar, validation_batches = timed_run(1.0)
+def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_it(timed_run, tmp_path):
+    """With optim.schedule=budget too (where training ends does not depend on the rate): each logged rate is the
+    time schedule's at its update's fake second."""
+    result, bar, validation_batches = timed_run(1.0, schedule="budget", warmup_fraction=0.2, decay_fraction=0.5,
+                                                learning_rate=1e-3)
     # Probe (once MEASURE_AT_SHARE of the budget is gone): 1 batch compiled untimed + 2 timed (3 s); the steps go
     # on until what is left is the reserve (the estimate, 1 s a batch, x the margin); then the final validation.
     assert result["final_evaluation_estimate_seconds"] == validation_batches == result["final_evaluation_seconds"]
@@ -79,6 +82,18 @@ def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_i
     assert "unscored_batches" not in result["validation"] and result["validation"]["tokens"] > 1000  # all of it
     assert bar.total == 60 and bar.bar.unit == "s"  # counts to the budget, in seconds
     assert bar.bar.n == 3 + result["step"]  # where training ended: the rest of the bar is the evaluation
+
+    rows = [json.loads(r) for r in (tmp_path / "budget_1.0" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}  # each log window's last update's rate
+    measured_after = budget.MEASURE_AT_SHARE * 60  # updates until then; the 3 s measurement; the rest
+    for step, lr in lrs.items():  # update n takes its rate n - 1 fake seconds into training (+3 after the probe)
+        if step <= measured_after:  # until the measurement, training ends where the provisional reserve begins
+            progress = (step - 1) / (60 - budget.PROVISIONAL_RESERVE_SHARE * 60)
+        else:
+            progress = (step - 1 + 3) / (60 - reserve)
+        want = 1e-3 * max(budget.time_factor(progress, 0.2, 0.5), budget.TimeSchedule.FLOOR if progress < 0.2 else 0)
+        assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
+    assert max(lrs.values()) > 0.8e-3 and lrs[max(lrs)] < 0.1e-3  # near the peak, then near 0 at the end
 
 
 @pytest.mark.slow  # trains in-process
@@ -98,24 +113,6 @@ def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run
     needed = steps_before + 3 + budget.SAFETY_MARGIN * validation_batches
     assert f"train.max_minutes={math.ceil(needed / 60) + 1} " in ahead
     assert bar.total == 15
-
-
-@pytest.mark.slow  # trains in-process
-def test_the_budget_schedule_warms_up_and_decays_to_zero_where_training_stops(timed_run, tmp_path):
-    result, _, validation_batches = timed_run(1.0, schedule="budget", warmup_fraction=0.2, decay_fraction=0.5,
-                                              learning_rate=1e-3)
-    workdir = tmp_path / "budget_1.0"
-    rows = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
-    lrs = {r["step"]: r["lr"] for r in rows}  # the rate of each window's last update, one update a fake second
-    measured_after = budget.MEASURE_AT_SHARE * 60  # updates until then; the 3 s measurement; the rest
-    for step, lr in lrs.items():  # update n takes its rate n - 1 fake seconds into training (+3 after the probe)
-        if step <= measured_after:  # the provisional reserve's end
-            progress = (step - 1) / (60 - budget.PROVISIONAL_RESERVE_SHARE * 60)
-        else:
-            progress = (step - 1 + 3) / (60 - budget.SAFETY_MARGIN * validation_batches)
-        want = 1e-3 * max(budget.time_factor(progress, 0.2, 0.5), budget.TimeSchedule.FLOOR if progress < 0.2 else 0)
-        assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
-    assert max(lrs.values()) > 0.8e-3 and lrs[max(lrs)] < 0.1e-3  # near the peak, then near 0 at the end
 
 
 def test_the_time_schedule_follows_the_budgets_training_time():

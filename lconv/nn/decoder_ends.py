@@ -90,30 +90,20 @@ class OutputLayer:
 
     def logits(self) -> jax.Array:
         """The float32 logits ``[B, T, V]`` (ids from ``valid_vocab`` on at -inf)."""
-        logits_BTV = jnp.einsum("btc,vc->btv", self.features_BTC.astype(self.dtype), self.table_VC.astype(self.dtype),
-                                precision=lax_precision(self.matmul_precision), preferred_element_type=jnp.float32)
-        V = logits_BTV.shape[-1]
-        return logits_BTV if self.valid_vocab == V else jnp.where(jnp.arange(V) < self.valid_vocab, logits_BTV,
-                                                                   -jnp.inf)
+        return linear_cross_entropy.logits(self.features_BTC, self.table_VC, self.valid_vocab, self.dtype,
+                                           lax_precision(self.matmul_precision))
 
 
 class OutputProjection(nn.Module):
-    """An untied output layer: ``kernel [C, V]`` (``N(0, C^-1/2)``, fairseq's), read in ``dtype`` with float32
-    accumulation, as the tied table (``Embed.attend``)."""
+    """An untied output layer's parameter, ``kernel [C, V]`` (``N(0, C^-1/2)``, fairseq's); ``OutputLayer`` reads
+    it as its table, as it reads a tied embedding."""
 
     vocab_size: int
     width: int
-    dtype: Any = jnp.float32
-    matmul_precision: str = "default"
 
     def setup(self) -> None:
         init = nn.with_logical_partitioning(nn.initializers.normal(self.width ** -0.5), (EMBED, VOCAB))
         self.kernel = self.param("kernel", init, (self.width, self.vocab_size), jnp.float32)
-
-    def __call__(self, x_BTC: jax.Array) -> jax.Array:
-        """Float32 logits ``[B, T, V]``."""
-        return jnp.einsum("btc,vc->btv", x_BTC.astype(self.dtype), self.table().astype(self.dtype),
-                          precision=lax_precision(self.matmul_precision), preferred_element_type=jnp.float32)
 
     def table(self) -> jax.Array:
         """The kernel as an output table ``[V, C]``, vocabulary rows split as ``Embed``'s."""

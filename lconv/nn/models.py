@@ -298,8 +298,7 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
         return adaptive_softmax.AdaptiveSoftmax(cfg.vocab_size, tuple(cfg.adaptive_softmax_cutoffs),
                                                 cfg.adaptive_softmax_factor, cfg.adaptive_softmax_dropout,
                                                 cfg.matmul_precision, cfg.tie_adaptive_proj, name="adaptive_softmax")
-    return decoder_ends.OutputProjection(cfg.vocab_size, cfg.decoder_output_width, dtype=cfg.dtype,
-                                         matmul_precision=cfg.matmul_precision, name="output_projection")
+    return decoder_ends.OutputProjection(cfg.vocab_size, cfg.decoder_output_width, name="output_projection")
 
 
 def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn.Module | None, deterministic: bool,
@@ -322,8 +321,6 @@ def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn
 def _project(projection: nn.Module | None, x: Array) -> Array:
     """``decoder_ends.project_in`` / ``project_out``, where the widths differ."""
     return x if projection is None else projection(x)
-
-
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

@@ -33,7 +33,17 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-CHUNK_LOGITS = 2**23  # float32 logits a chunk may hold (per device): 64 MiB, e.g. 2,048 tokens x 8,192 ids
+CHUNK_LOGITS = 2**23  # float32 logits a chunk may hold (per device): 32 MiB, e.g. 1,024 tokens x 8,192 ids
+
+
+def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
+           precision: jax.lax.Precision) -> Array:
+    """Float32 logits ``[B, T, V]`` of ``x`` against the table, read in ``dtype`` with float32 accumulation; the
+    ids from ``valid_vocab`` on at -inf (never predicted)."""
+    z_BTV = jnp.einsum("btc,vc->btv", x_BTC.astype(dtype), table_VC.astype(dtype), precision=precision,
+                       preferred_element_type=jnp.float32)
+    V = z_BTV.shape[-1]
+    return z_BTV if valid_vocab >= V else jnp.where(jnp.arange(V) < valid_vocab, z_BTV, -jnp.inf)
 
 
 def chunk_length(rows: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
@@ -87,11 +97,8 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, with_grads):
     _, valid_vocab, eps, dtype, precision = settings
     V = table_VC.shape[0]
     table_VC = table_VC.astype(dtype)
-    z_BLV = jnp.einsum("blc,vc->blv", x_BLC.astype(dtype), table_VC, precision=precision,
-                       preferred_element_type=jnp.float32)
+    z_BLV = logits(x_BLC, table_VC, valid_vocab, dtype, precision)
     predicted_V = jnp.arange(V) < valid_vocab
-    if valid_vocab < V:
-        z_BLV = jnp.where(predicted_V, z_BLV, -jnp.inf)
     max_BL = jnp.max(z_BLV, axis=-1)
     exp_BLV = jnp.exp(z_BLV - max_BL[..., None])
     sum_BL = jnp.sum(exp_BLV, axis=-1)
@@ -110,8 +117,10 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, with_grads):
     dz_BLV = dz_BLV.astype(dtype)
     dx_BLC = jnp.einsum("blv,vc->blc", dz_BLV, table_VC, precision=precision,
                         preferred_element_type=jnp.float32).astype(x_BLC.dtype)
-    dtable_CV = jnp.einsum("blc,blv->cv", x_BLC.astype(dtype), dz_BLV, precision=precision,
-                           preferred_element_type=jnp.float32)
+    # One contracting dim of B*L tokens, not two: XLA:CPU's dot runtime has no bfloat16 x bfloat16 -> float32 dot
+    # over two contracting dims (UNIMPLEMENTED on one device), and on every backend it is the same matmul.
+    dtable_CV = jnp.einsum("nc,nv->cv", x_BLC.astype(dtype).reshape(-1, x_BLC.shape[-1]), dz_BLV.reshape(-1, V),
+                           precision=precision, preferred_element_type=jnp.float32)
     return sums, (dx_BLC, dtable_CV)
 
 

@@ -66,20 +66,19 @@ class Budget:
         self._measure, self._measure_at = measure, MEASURE_AT_SHARE * self.seconds
         self.reserve = PROVISIONAL_RESERVE_SHARE * self.seconds
 
-    @property
-    def measured(self) -> bool:
-        return self._measure is None
-
     def training_over(self) -> bool:
         """Whether training must stop now to leave the final evaluation its time (measuring it first when
         ``measure_later``'s time has come)."""
         if not self.enabled:
             return False
-        if self._measure is not None and (self.elapsed() >= self._measure_at
-                                          or self.seconds - self.elapsed() <= self.reserve):
+        if self._measure is not None and (self.elapsed() >= self._measure_at or clock() >= self.training_end()):
             measure, self._measure = self._measure, None
             measure()
-        return self.seconds - self.elapsed() <= self.reserve
+        return clock() >= self.training_end()
+
+    def training_end(self) -> float:
+        """The ``clock()`` at which training stops: the budget's end less the final evaluation's reserve."""
+        return self.start + self.seconds - self.reserve
 
     def over(self) -> bool:
         return self.enabled and self.elapsed() >= self.seconds
@@ -125,8 +124,8 @@ class TimeSchedule:
         now = clock()
         if self.first_update is None:
             self.first_update = now
-        end = self.budget.start + self.budget.seconds - self.budget.reserve
-        progress = min(max((now - self.first_update) / max(end - self.first_update, 1e-9), 0.0), 1.0)
+        span = max(self.budget.training_end() - self.first_update, 1e-9)
+        progress = min(max((now - self.first_update) / span, 0.0), 1.0)
         return max(time_factor(progress, self.warmup, self.decay), self.FLOOR if progress < self.warmup else 0.0)
 
 

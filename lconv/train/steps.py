@@ -55,9 +55,10 @@ def _merge_rows(tree: PyTree) -> PyTree:
 def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., tuple[Any, dict]]:
     """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch.
 
-    ``lr_factor`` (a float32 scalar, default 1) multiplies the update, so the learning rate is the schedule's times
-    it: the time-shaped schedule of ``optim.schedule="budget"`` (``lconv.train.budget.TimeSchedule``). Every
-    optimiser lconv builds ends in the learning rate's scaling, so that is the same as scaling the rate.
+    ``lr_factor`` (a float32 scalar; 1 when not given) multiplies the update, so the learning rate is the
+    schedule's times it: the time-shaped schedule of ``optim.schedule="budget"``
+    (``lconv.train.budget.TimeSchedule``). Every optimiser lconv builds ends in the learning rate's scaling, so
+    that is the same as scaling the rate.
 
     With ``optim.grad_accum_steps = n`` (fairseq's update-freq) the batch's rows are split into ``n`` micro-batches
     (row ``r`` goes to micro-batch ``r % n``, so every data shard contributes to each) whose summed gradients are
@@ -67,7 +68,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
     smoothing = config.optim.label_smoothing
     micro = int(config.optim.grad_accum_steps)
 
-    def train_step(state, batch, lr_factor=None):
+    def train_step(state, batch, lr_factor=1.0):
         def loss_sums(params, memory, batch, dropout_rng):
             outputs, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
                                           rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
@@ -95,10 +96,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
             memory = _merge_rows(split_memory)
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
         sums["grad_norm"] = optax.tree.norm(grads)
-        sums["lr"] = lr_schedule(state.step)
-        if lr_factor is None:
-            return state.apply_gradients(grads=grads, memory=memory), sums
-        sums["lr"] = sums["lr"] * lr_factor
+        sums["lr"] = lr_schedule(state.step) * lr_factor
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: (u * lr_factor).astype(u.dtype), updates)
         return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
