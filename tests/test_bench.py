@@ -184,3 +184,69 @@ def test_the_beam_suite_decodes_a_split_of_short_sources_and_tables_the_speed_up
     text = beam.section(rows, timing.machine_info(), "cmd")
     assert "| model | 64 rows | 512 rows |" in text and "| DynamicConv | 1 | 8 |" in text
     assert "picks DynamicConv: 512, Transformer: 512 rows here" in text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# python -m lconv.bench gpu: one command, its stages under caps
+# ----------------------------------------------------------------------------------------------------------------
+def test_the_gpu_floor_moves_each_array_once_in_its_dtype_and_the_plan_measures_the_fast_impls_first():
+    from lconv.bench import gpu
+
+    C, HK = gpu.C, gpu.H * gpu.K  # read x, dy, w and write y, dx, dw once; fwd: read x (w), write y
+    assert gpu.floor_bytes_per_token("light", "float32", "fwd+bwd") == 16 * C
+    assert gpu.floor_bytes_per_token("dynamic", "float32", "fwd+bwd") == 16 * C + 8 * HK
+    assert gpu.floor_bytes_per_token("dynamic", "bfloat16", "fwd") == 2 * (2 * C + HK)
+    plan = gpu._op_plan(quick=False)
+    assert len(plan) == len(set(plan))
+    fast = [p for p in plan if p[1] in gpu.FAST_IMPLS and p[4] == "fwd+bwd"]
+    assert plan[:len(fast)] == fast and len(fast) == 2 * len(gpu.T_FULL) * 2 * 2  # dtypes x T x ops x impls
+    assert {(op, impl) for op, impl, *_ in plan} == {(op, impl) for op, impls in gpu.OPS.items() for impl in impls}
+
+
+def test_a_gpu_stage_past_its_cap_is_killed_reported_and_the_next_stage_runs(tmp_path, monkeypatch):
+    from lconv.bench import gpu
+
+    launched = []
+
+    def fake_launch(command, timeout):
+        stage = next(a.split("=", 1)[1] for a in command if a.startswith("--stage="))
+        launched.append((stage, timeout))
+        if stage == "train":
+            raise subprocess.TimeoutExpired(command, timeout)
+        return 3 if stage == "beam" else 0
+
+    monkeypatch.setattr(gpu, "launch_stage", fake_launch)
+    opts = argparse.Namespace(stage=None, minutes=8.0, quick=True, data_dir=None, out=str(tmp_path),
+                              doc=str(tmp_path / "b.md"), command="cmd")
+    rows = gpu.run_suite(opts, timing.machine_info())
+    caps = [share * 480 for _, share in gpu.STAGES]
+    assert launched == [(stage, cap + gpu.KILL_GRACE_S) for (stage, _), cap in zip(gpu.STAGES, caps)]
+    assert sum(caps) == pytest.approx(480)
+    status = {r["stage"]: r["status"] for r in rows}
+    assert status["ops"] == status["run"] == "done" and status["train"].startswith("killed at its cap")
+    assert status["beam"].startswith("failed (exit 3")
+    assert "| train | killed at its cap" in (tmp_path / "b.md").read_text()
+
+
+@pytest.mark.slow  # four processes that compile tiny models for about two minutes: the slow tier
+def test_the_gpu_command_runs_every_stage_at_tiny_sizes_on_cpu(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "lconv.bench", "gpu", "--quick", "--minutes=6",
+                             f"--out={tmp_path}", f"--doc={tmp_path}/b.md"], cwd=_ROOT, capture_output=True,
+                            text=True, timeout=480)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for stage, _ in __import__("lconv.bench.gpu", fromlist=["STAGES"]).STAGES:
+        assert f"stage {stage}: done" in result.stdout, result.stdout[-3000:]
+    doc = (tmp_path / "b.md").read_text()
+    for section in ("gpu", "gpu_ops", "gpu_train", "gpu_run", "gpu_beam"):
+        assert f"<!-- bench:{section} -->" in doc and (tmp_path / f"{section}.csv").is_file()
+    import csv
+
+    ops_rows = list(csv.DictReader(open(tmp_path / "gpu_ops.csv")))
+    measured = [r for r in ops_rows if r["status"] == "ok"]
+    assert len(measured) == 4 and all(  # the ratio to the floor is the time over the floor, both per token
+        float(r["x_floor"]) == pytest.approx(float(r["us_per_token"]) / float(r["floor_us_per_token"]))
+        for r in measured)
+    assert [r["status"] for r in ops_rows if r["impl"] == "pallas"] == [
+        "skipped: the Pallas kernel compiles on a GPU only (interpret mode here)"]
+    run = next(csv.DictReader(open(tmp_path / "gpu_run.csv")))
+    assert int(run["updates"]) == 4 and int(run["test_sentences"]) > 1000 and float(run["first_update_s"]) > 0

@@ -336,8 +336,14 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
 
 
 def _batch_mesh():
-    """The 8 test devices as a training mesh's batch axes (data x fsdp)."""
-    return jax.make_mesh((8, 1), ("data", "fsdp"), (jax.sharding.AxisType.Auto,) * 2)
+    """The 8 virtual CPU devices as a training mesh's batch axes (data x fsdp): asked of the CPU, so that the mesh
+    tests hold whatever the default backend is (conftest adds the CPU to a user's ``JAX_PLATFORMS``)."""
+    return jax.make_mesh((8, 1), ("data", "fsdp"), (jax.sharding.AxisType.Auto,) * 2, devices=jax.devices("cpu")[:8])
+
+
+def _on_cpu(tree):
+    """``tree`` on the first CPU device: the one-device reference a CPU mesh's result is compared with."""
+    return jax.device_put(tree, jax.devices("cpu")[0])
 
 
 def test_beam_search_on_a_mesh_keeps_each_row_on_its_devices():
@@ -352,7 +358,7 @@ def test_beam_search_on_a_mesh_keeps_each_row_on_its_devices():
         return decode.beam_search(fn, dict(cache, prev=prev), 8, 3, L, lenpen=1.0)
 
     prev = np.full((8,), PAD, np.int32)
-    expected = jax.jit(search)(prev, bias)
+    expected = jax.jit(search)(*_on_cpu((prev, bias)))
     prev, bias = jax.device_put((prev, bias), rows)
     with jax.set_mesh(mesh):
         got = jax.jit(search)(prev, bias)
@@ -378,6 +384,12 @@ def _tiny_split_decoder(batch_size=0):
     return config, model, params["params"], eval_set
 
 
+def _auto_rows(config, params, eval_set):
+    """The rows per batch "auto" decodes ``eval_set`` with, for ``params`` on the platform they live on: the eval
+    set's 8 rows on CPU, wider on an accelerator (the 20 sources' 32 on a GPU)."""
+    return decode_and_score._decode_plan(config, params, eval_set, None)[0]
+
+
 def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
     found = {}
@@ -391,14 +403,15 @@ def test_decoding_a_split_on_the_params_mesh_matches_one_device():
     """``decode_batches`` splits each batch's rows over the mesh the params live on and hands every row back;
     the hypotheses are those of plain single-device params."""
     config, model, params, eval_set = _tiny_split_decoder()
-    one_device = _split_hypotheses(config, model, params, eval_set, 8)
+    one_device = _split_hypotheses(config, model, _on_cpu(params), eval_set, 8)  # auto on CPU: the eval set's 8 rows
     on_mesh = _split_hypotheses(config, model, jax.device_put(params, NamedSharding(_batch_mesh(), P())), eval_set, 8)
     assert sorted(one_device) == list(range(20)) and on_mesh == one_device
     assert len({tuple(h) for h in one_device.values()}) > 1  # the sources steer the outputs
 
 
 def test_the_decoding_batch_size_changes_the_batches_not_the_hypotheses():
-    by_eval_batch = _split_hypotheses(*_tiny_split_decoder(), 8)  # auto on CPU: the eval set's 8 rows
+    config, model, params, eval_set = _tiny_split_decoder()
+    by_eval_batch = _split_hypotheses(config, model, params, eval_set, _auto_rows(config, params, eval_set))
     assert sorted(by_eval_batch) == list(range(20))
     assert _split_hypotheses(*_tiny_split_decoder(batch_size=4), 4) == by_eval_batch
     assert _split_hypotheses(*_tiny_split_decoder(batch_size=32), 32) == by_eval_batch  # one batch: 20 rows + 12 pad
@@ -417,7 +430,8 @@ def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerat
 
 def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch, lconv_log):
     config, model, params, eval_set = _tiny_split_decoder()
-    expected = _split_hypotheses(config, model, params, eval_set, 8)
+    auto = _auto_rows(config, params, eval_set)
+    expected = _split_hypotheses(config, model, params, eval_set, auto)
     real, asked = compiled.Translator(config, model, params), []
 
     def translator(inputs_BS, **search):  # a device that holds 2 rows at most
@@ -429,11 +443,10 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
     found = {}
     for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, translator=translator):
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
-    assert found == expected and asked[:3] == [8, 4, 2] and set(asked[3:]) == {2}
-    assert lconv_log() == ["decoding 8 rows per batch ran out of device memory: going on with 4 "
-                           "(config.decode.batch_size sets it)",
-                           "decoding 4 rows per batch ran out of device memory: going on with 2 "
-                           "(config.decode.batch_size sets it)"]
+    halvings = [auto >> i for i in range(auto.bit_length() - 1)]  # 8, 4, 2 on CPU
+    assert found == expected and asked[:len(halvings)] == halvings and set(asked[len(halvings):]) == {2}
+    assert lconv_log() == [f"decoding {rows} rows per batch ran out of device memory: going on with {rows // 2} "
+                           "(config.decode.batch_size sets it)" for rows in halvings[:-1]]
 
     def broken(inputs_BS, **search):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
@@ -441,7 +454,7 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
         list(decode_and_score.decode_batches(config, model, params, eval_set, translator=broken))
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
-    with pytest.raises(UserError, match=r"^.*\b8 rows.*memory.*config\.decode"):
+    with pytest.raises(UserError, match=rf"^.*\b{auto} rows.*memory.*config\.decode"):
         list(decode_and_score.decode_batches(config, model, params, eval_set, translator=translator))
 
 

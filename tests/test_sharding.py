@@ -62,6 +62,12 @@ ONE_AXIS_OK = {
 }
 
 
+def _cpu_mesh_2x2x2():
+    """A data x fsdp x tensor mesh of the 8 virtual CPU devices (asked of the CPU: any default backend)."""
+    return jax.make_mesh((2, 2, 2), constants.MESH_AXES, (jax.sharding.AxisType.Auto,) * 3,
+                         devices=jax.devices("cpu")[:8])
+
+
 def _abstract_params(overrides, decoder_only):
     cfg = models.ModelConfig(**{**TINY, **overrides})
     model = models.DecoderOnlyLM(cfg) if decoder_only else models.EncoderDecoder(cfg)
@@ -105,7 +111,7 @@ def test_real_configs_hold_a_quarter_of_their_parameters_per_device(name, varian
     """On a 2x2x2 mesh (fsdp x tensor = 4) each device holds ~1/4 of the parameters (param_shardings' path)."""
     config = param_table.get_config(name, variant)
     config.mesh.rules = axis_rules(config.mesh.rules)
-    mesh = jax.make_mesh((2, 2, 2), constants.MESH_AXES, (jax.sharding.AxisType.Auto,) * 3)
+    mesh = _cpu_mesh_2x2x2()
     model = setup.build_model(config, config.data.vocab_size)
     args, kwargs = setup.model_inputs(setup.dummy_batch(config))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))["params"]
@@ -126,7 +132,7 @@ def test_axis_rules_put_the_configs_mapping_first():
 def test_constrain_is_a_no_op_without_a_mesh_and_pins_the_batch_with_one():
     x = jnp.arange(8 * 3 * 4, dtype=jnp.float32).reshape(8, 3, 4)
     assert constrain(x, BTC) is x
-    mesh = jax.make_mesh((2, 2, 2), constants.MESH_AXES, (jax.sharding.AxisType.Auto,) * 3)
+    mesh = _cpu_mesh_2x2x2()
     P = jax.sharding.PartitionSpec
     with jax.set_mesh(mesh):
         y = jax.jit(lambda a: constrain(a * 2, BTC))(x)
@@ -140,7 +146,7 @@ def test_constrain_is_a_no_op_without_a_mesh_and_pins_the_batch_with_one():
 def test_a_step_wrapped_in_the_configs_rules_constrains_activations_by_them():
     """A config that maps activation_batch to 'data' only (not data+fsdp) is what the traced step pins."""
     x = jnp.arange(8 * 3 * 4, dtype=jnp.float32).reshape(8, 3, 4)
-    mesh = jax.make_mesh((2, 2, 2), constants.MESH_AXES, (jax.sharding.AxisType.Auto,) * 3)
+    mesh = _cpu_mesh_2x2x2()
     P = jax.sharding.PartitionSpec
     step = under_axis_rules(lambda a: constrain(a * 2, BTC), ((constants.ACT_BATCH, "data"),))
     with jax.set_mesh(mesh):

@@ -221,7 +221,7 @@ def test_memory_rows_stay_on_their_devices():
     config.data.batch_size = 8
     model = setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = setup.make_mesh(config.mesh)
+    mesh = setup.make_mesh(config.mesh, jax.devices("cpu")[:8])
     state, _ = setup.create_state(config, model, mesh, tx)
     sharding = setup.batch_sharding(mesh)
     batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,

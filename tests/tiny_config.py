@@ -2,21 +2,13 @@
 
     python train.py --config=tests/tiny_config.py --workdir=/tmp/tiny --config.data.data_dir=/tmp/tfds
 """
-from lconv.configs import default
+from lconv.configs import common, default
 
 
 def get_config(arg=None):
     del arg
-    c = default.get_config()
-    c.data.vocab_size = 512
-    c.data.tokenizer_max_sentences = 2_000  # a tokenizer trained in about a second; the tests need no better one
-    c.data.batch_size, c.data.eval_batch_size = 8, 64  # divisible by the 8 test devices
-    c.data.max_input_length = c.data.max_target_length = 16
-    c.data.eval_max_input_length = c.data.eval_max_target_length = 32
+    c = common.smoke_test_sizes(default.get_config())
     c.data.read_threads = 1
-    c.model.d_model, c.model.ffn_dim, c.model.num_heads = 16, 32, 2
-    c.model.encoder_layers = c.model.decoder_layers = 1
-    c.model.encoder_kernel_sizes = c.model.decoder_kernel_sizes = (3,)
     c.optim.warmup_steps = 2
     c.train.num_steps, c.train.max_minutes = 6, 0.0
     c.train.log_every = c.train.checkpoint_every = 1

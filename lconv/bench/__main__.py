@@ -1,6 +1,8 @@
 """``python -m lconv.bench <suite> [--quick] [--out docs/bench] [--doc docs/benchmarks.md] [--T 256,1024]``.
 
-Suites: mixers, limits, decode, beam, train, or all. Kept thin: argument checks here, the work in the suite modules.
+Suites: mixers, limits, decode, beam, train, or all of them; and gpu, one command of about 8 minutes for an
+accelerator session (``lconv.bench.gpu``: its own op table, train step, default run and beam stages). Kept thin:
+argument checks here, the work in the suite modules.
 A ``--quick`` run is a smoke test: its numbers go to a scratch folder (``QUICK_DIR``), never over the committed
 results in docs/bench and docs/benchmarks.md. Those are the defaults of a full run only from the root of a clone
 (the folder holding the imported lconv and docs/benchmarks.md); from an installed package a full run writes to
@@ -19,7 +21,8 @@ import time
 from lconv import console, outputs
 from lconv.errors import UserError
 
-SUITES = ("mixers", "limits", "decode", "beam", "train")
+SUITES = ("mixers", "limits", "decode", "beam", "train")  # "all" runs these
+ONE_COMMAND_SUITES = ("gpu",)  # each a whole session's figures by itself: not part of "all"
 COMMITTED_OUT, COMMITTED_DOC = "docs/bench", "docs/benchmarks.md"
 QUICK_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench_quick")
 INSTALLED_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench")  # a full run's default outside a clone
@@ -83,7 +86,7 @@ def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, b
 
 def main(argv: list[str] | None = None) -> None:
     parser = _Parser(prog="python -m lconv.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("suite", help=f"one of {', '.join(SUITES)}, all")
+    parser.add_argument("suite", help=f"one of {', '.join(SUITES + ONE_COMMAND_SUITES)}, all")
     parser.add_argument("--quick", action="store_true", help="short lists and fewer runs: a smoke test")
     parser.add_argument("--out", default=None, help=f"folder for the CSV and PNG files (default {COMMITTED_OUT} in a "
                                                     f"clone, else {INSTALLED_DIR}; with --quick {QUICK_DIR})")
@@ -92,9 +95,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--T", default=None, help="sequence lengths for the mixers suite, e.g. 256,1024,4096")
     parser.add_argument("--mixers", default="", help="more mixers for the mixers suite, beside every registered "
                         "one: names or package.module:Class, comma-separated")
+    parser.add_argument("--minutes", type=float, default=8.0, help="gpu: the whole command's minutes, shared by "
+                        "its stages")
+    parser.add_argument("--data_dir", default=None, help="gpu: the prepared corpus of its default-run stage "
+                        "(default: configs/default.py's)")
+    parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # gpu: the stage a child process runs
+    parser.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # ... and its cap
     opts = parser.parse_args(argv)
-    if opts.suite not in SUITES + ("all",):
-        parser.error(f"unknown suite {opts.suite!r}; choose one of {', '.join(SUITES)}, all")
+    if opts.suite not in SUITES + ONE_COMMAND_SUITES + ("all",):
+        parser.error(f"unknown suite {opts.suite!r}; choose one of {', '.join(SUITES + ONE_COMMAND_SUITES)}, all")
+    if not 0.5 <= opts.minutes <= 60:
+        parser.error(f"--minutes must be between 0.5 and 60; got {opts.minutes}")
     try:
         opts.T = parse_T_list(opts.T) if opts.T is not None else None  # an empty --T= is an error, not "unset"
     except ValueError as err:
@@ -108,10 +119,17 @@ def main(argv: list[str] | None = None) -> None:
             mixers.mixer_class(name)
         except UserError as err:
             parser.error(f"--mixers: {err}")
+    console.show_log("stdout")  # each suite's progress lines, between the suite headers printed here
+    if opts.stage:  # a child process of the gpu suite: one stage, into the outputs its parent checked
+        from lconv.bench import gpu
+
+        if opts.suite != "gpu" or opts.stage not in gpu.STAGE_FUNCTIONS or not opts.seconds or not opts.out:
+            parser.error("--stage is the gpu suite's own: run python -m lconv.bench gpu")
+        opts.command = "python -m lconv.bench gpu" + " --quick" * opts.quick
+        gpu.run_suite(opts, timing.machine_info())
+        return
     resolve_outputs(opts, parser, timing.backend())
     opts.command = "python -m lconv.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-
-    console.show_log("stdout")  # each suite's progress lines, between the suite headers printed here
     info = timing.machine_info()
     print(f"machine: {timing.describe(info)}", flush=True)
     for name in SUITES if opts.suite == "all" else (opts.suite,):

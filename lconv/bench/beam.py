@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from lconv.bench import report, timing
-from lconv.configs import default
+from lconv.configs import common, default
 from lconv.constants import EOS_ID
 from lconv.data import pipeline
 from lconv.infer import compiled, decode_and_score
@@ -50,18 +50,30 @@ def synthetic_split(count: int, vocab: int, rows: int, seed: int = 0) -> pipelin
                             {"inputs": 64, "targets": 64}, collections.Counter())
 
 
-def run(count: int, rows_list: tuple[int, ...]) -> list[report.Row]:
-    """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's."""
-    results = []
+def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
+        smoke: bool = False) -> list[report.Row]:
+    """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's, size by
+    size (the models alternate); no new size starts after ``deadline`` (``time.monotonic()``), if given. ``smoke``:
+    the models at a smoke test's sizes (``configs.common.smoke_test_sizes``)."""
+    setups = {}
     for label, word in MODELS.items():
         config = default.get_config(word)
+        if smoke:
+            common.smoke_test_sizes(config)
         model = setup.build_model(config, config.data.vocab_size)
         args, kwargs = setup.model_inputs(setup.dummy_batch(config))
         params = jax.jit(model.init)(jax.random.key(0), *args, **kwargs)["params"]
-        eval_set = synthetic_split(count, config.data.vocab_size, config.data.eval_batch_size)
-        auto = min(count, compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size,
-                                               config.decode.beam_size))
-        for rows in sorted({r for r in rows_list if r <= count} | {auto}):
+        setups[label] = (config, model, params, synthetic_split(count, config.data.vocab_size,
+                                                                config.data.eval_batch_size))
+    config, _, params, eval_set = next(iter(setups.values()))
+    auto = min(count, compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size,
+                                           config.decode.beam_size))
+    results = []
+    for rows in sorted({r for r in rows_list if r <= count} | {auto}):
+        if deadline is not None and time.monotonic() > deadline:
+            logger.info(f"  rows {rows} and more: cut, the time ran out")
+            break
+        for label, (config, model, params, eval_set) in setups.items():
             config.decode.batch_size = rows
             row = dict(model=label, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
                        beam=config.decode.beam_size, **_time_split(config, model, params, eval_set))

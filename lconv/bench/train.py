@@ -20,6 +20,7 @@ XLA's own count (``cost_analysis()``, which also counts elementwise work) is in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -37,6 +38,21 @@ logger = logging.getLogger(__name__)
 
 MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSize:
+    """The benchmark LM's shape: the suite's (``FULL``) or a smoke test's (``SMOKE``, seconds to compile on CPU)."""
+
+    d_model: int = D_MODEL
+    ffn: int = FFN
+    heads: int = HEADS
+    kernel: int = K
+    layers: int = LAYERS
+    tokens: int | None = None  # per batch; None: tokens_per_batch()
+
+
+FULL, SMOKE = LMSize(), LMSize(d_model=32, ffn=64, heads=2, kernel=3, layers=1, tokens=256)
 T_FULL, T_QUICK = (512, 4096), (512,)
 VOCABS = (8000, 32000)  # the vocabulary sweep: the bench LM's, and WMT's / lm1b's joint BPE
 LOSSES = {"fused": True, "logits": False}  # config.optim.fused_loss
@@ -55,18 +71,19 @@ def dtypes() -> tuple[str, ...]:
     return ("float32", "bfloat16") if accelerator() else ("float32",)
 
 
-def lm_config(mixer: str, T: int, dtype: str = "float32", fused_loss: bool = True) -> setup.Config:
-    """``configs.common``'s base config as a ``mixer`` decoder-only LM at length ``T``, ``tokens_per_batch()``."""
+def lm_config(mixer: str, T: int, dtype: str = "float32", fused_loss: bool = True,
+              size: LMSize = FULL) -> setup.Config:
+    """``configs.common``'s base config as a ``mixer`` decoder-only LM of ``size`` at length ``T``."""
     c = common.base_config()
     c.optim.fused_loss = fused_loss
     c.task = "lm"
     c.model.dtype = dtype
     c.data.max_target_length = T
-    c.data.batch_size = max(tokens_per_batch() // T, 1)
-    c.model.d_model, c.model.ffn_dim, c.model.num_heads = D_MODEL, FFN, HEADS
-    c.model.decoder_layers = LAYERS
+    c.data.batch_size = max((size.tokens or tokens_per_batch()) // T, 1)
+    c.model.d_model, c.model.ffn_dim, c.model.num_heads = size.d_model, size.ffn, size.heads
+    c.model.decoder_layers = size.layers
     c.model.decoder_mixer = mixer
-    c.model.decoder_kernel_sizes = (K,)
+    c.model.decoder_kernel_sizes = (size.kernel,)
     c.model.max_len = T
     if mixer == "attention":
         c.model.weight_dropout = 0.0  # as configs.common.set_mixer does for the Transformer baseline
@@ -74,13 +91,13 @@ def lm_config(mixer: str, T: int, dtype: str = "float32", fused_loss: bool = Tru
     return c
 
 
-def model_flops_per_token(mixer: str, T: int, vocab: int = VOCAB) -> float:
+def model_flops_per_token(mixer: str, T: int, vocab: int = VOCAB, size: LMSize = FULL) -> float:
     """Analytic fwd+bwd FLOPs per token (see the module docstring)."""
-    d = D_MODEL
-    mixer_weights = {"attention": 4 * d * d, "lightconv": 3 * d * d, "dynamicconv": 3 * d * d + d * HEADS * K}[mixer]
-    per_layer = 6 * (mixer_weights + 2 * d * FFN)
+    d, K = size.d_model, size.kernel
+    mixer_weights = {"attention": 4 * d * d, "lightconv": 3 * d * d, "dynamicconv": 3 * d * d + d * size.heads * K}
+    per_layer = 6 * (mixer_weights[mixer] + 2 * d * size.ffn)
     per_layer += 12 * T * d if mixer == "attention" else 6 * K * d
-    return LAYERS * per_layer + 6 * d * vocab
+    return size.layers * per_layer + 6 * d * vocab
 
 
 def _batch(config, vocab, seed=0):
@@ -103,9 +120,9 @@ def attention_kernel(config: setup.Config) -> str | None:
                            dropout=config.model.attention_dropout > 0)
 
 
-def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True):
+def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
     """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
-    config = lm_config(mixer, T, dtype, fused_loss)
+    config = lm_config(mixer, T, dtype, fused_loss, size)
     model = setup.build_model(config, vocab)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
@@ -123,19 +140,24 @@ def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True):
     return step, compiled, compile_s, holder, config.data.batch_size
 
 
-def run(T_list: Sequence[int], *, repeats: int) -> list[report.Row]:
+def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None = None,
+        vocabs: Sequence[int] = VOCABS, size: LMSize = FULL) -> list[report.Row]:
     """At each (T, dtype) the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds),
     so their ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements
-    before and after each T, so a load spike during one of them does not inflate the MFU."""
+    before and after each T, so a load spike during one of them does not inflate the MFU. ``dtype_list``: the
+    compute dtypes (default ``dtypes()``); ``vocabs``: the vocabulary sweep's sizes (none: no sweep); ``size``: the
+    LMs' shape."""
+    dtype_list = dtypes() if dtype_list is None else tuple(dtype_list)
     matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []
     for T in T_list:
-        for dtype in dtypes():
-            rows += _alternate({label: (mixer, T, dtype, VOCAB, True) for label, mixer in MODELS.items()}, repeats)
+        for dtype in dtype_list:
+            rows += _alternate({label: (mixer, T, dtype, VOCAB, True, size) for label, mixer in MODELS.items()},
+                               repeats)
         matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
-    for vocab in VOCABS:
-        for dtype in dtypes():
-            rows += _alternate({f"DynamicConv, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused)
+    for vocab in vocabs:
+        for dtype in dtype_list:
+            rows += _alternate({f"DynamicConv, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused, size)
                                 for loss, fused in LOSSES.items()}, repeats)
     matmul = max(matmul_rates)
     logger.info(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
@@ -155,15 +177,17 @@ def _alternate(settings: dict[str, tuple], repeats: int) -> list[report.Row]:
                 times[label].append(seconds)
     rows = []
     for label, (_, compiled, compile_s, holder, B) in trainers.items():
-        mixer, T, dtype, vocab, fused = settings[label]
+        mixer, T, dtype, vocab, fused, size = settings[label]
         median = timing.summarize(times[label])["median_s"]
         tokens = B * T
         rows.append(dict(model=label, T=T, dtype=dtype, vocab=vocab, loss="fused" if fused else "logits",
                          attention=holder["attention"], B=B, params=holder["params"], step_s=median,
-                         tokens_per_s=tokens / median, model_flops_per_token=model_flops_per_token(mixer, T, vocab),
+                         tokens_per_s=tokens / median,
+                         model_flops_per_token=model_flops_per_token(mixer, T, vocab, size),
                          xla_flops_per_token=(timing.xla_flops(compiled) or 0) / tokens, compile_s=compile_s,
                          temp_mib=None if holder["temp_bytes"] is None else holder["temp_bytes"] / 2**20,
-                         logits_mib=tokens * vocab * 4 / 2**20, runs=repeats))
+                         logits_mib=tokens * vocab * 4 / 2**20, runs=repeats, d_model=size.d_model,
+                         layers=size.layers))
         attention = f", attention {holder['attention']}" if holder["attention"] else ""
         logger.info(f"  {label:24s} T={T:5d} {dtype:8s} V={vocab}: {rows[-1]['tokens_per_s']:8.0f} tokens/s, "
                     f"step {median:.2f} s, temporaries {rows[-1]['temp_mib'] or 0:.0f} MiB, compile "
@@ -180,10 +204,11 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
 
     runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in models))
     parts = [f"### Training step (`{command}`)\n",
-             f"Machine: {timing.describe(info)}. DecoderOnlyLM, {LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, "
-             f"vocab {VOCAB}, conv K={K}; {tokens_per_batch():,} tokens per batch; `steps.make_train_step` "
+             f"Machine: {timing.describe(info)}. DecoderOnlyLM, {_size_text(models[0])}; "
+             f"{models[0]['B'] * models[0]['T']:,} tokens per batch; `steps.make_train_step` "
              f"(dropout 0.1, label smoothing, Adam; the fused output layer and loss), state donated; compute in "
-             f"{' and '.join(dtypes())} (params float32); the three models' steps alternate, median of the rounds. "
+             f"{' and '.join(dict.fromkeys(r['dtype'] for r in models))} (params float32); the three models' "
+             "steps alternate, median of the rounds. "
              f"The Transformer's attention kernel is `attention_impl=\"auto\"`'s choice, named per row. Matmul "
              f"rate, best of the measurements in this run: {rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s "
              "(float32). MFU uses analytic model FLOPs; temporaries are XLA's (`memory_analysis()`).\n",
@@ -205,6 +230,12 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
     return "\n\n".join(p.strip() for p in parts)
 
 
+def _size_text(row: report.Row) -> str:
+    if row.get("d_model", D_MODEL) == D_MODEL:
+        return f"{LAYERS} layers, d={D_MODEL}, FFN {FFN}, H={HEADS}, vocab {VOCAB}, conv K={K}"
+    return f"a smoke test's size: {row['layers']} layer(s), d={row['d_model']}, vocab {VOCAB}"
+
+
 def _sweep_table(sweep: Sequence[report.Row]) -> str:
     """Per vocabulary and dtype: each loss's tokens/s and temporaries, against one float32 logits array."""
     def speed_up(r):
@@ -222,9 +253,15 @@ def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row
     T_list = T_QUICK if opts.quick else T_FULL
     rows = run(T_list, repeats=2 if opts.quick else 3)
     report.write_results(opts.out, "train", rows, section(rows, T_list, info, opts.command), opts.doc)
+    plot(rows, f"{opts.out}/train.png")
+    return rows
+
+
+def plot(rows: Sequence[report.Row], path: str) -> None:
+    """Tokens/s of the three models, a bar group per (T, dtype)."""
     runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in rows if r["model"] in MODELS))
-    report.plot_bars(f"{opts.out}/train.png", [f"T={T} {dtype}" for T, dtype in runs],
+    report.plot_bars(path, [f"T={T} {dtype}" for T, dtype in runs],
                      {lab: [next(r["tokens_per_s"] for r in rows if (r["model"], r["T"], r["dtype"]) == (lab, T, dt))
                             for T, dt in runs] for lab in MODELS},
-                     title=f"training tokens/s, {LAYERS}-layer LM, d={D_MODEL}", ylabel="tokens/s")
-    return rows
+                     title=f"training tokens/s, {rows[0].get('layers', LAYERS)}-layer LM, "
+                           f"d={rows[0].get('d_model', D_MODEL)}", ylabel="tokens/s")
