@@ -50,3 +50,18 @@ def set_mixer(config, words):
         if mixer == "attention":  # the Transformer baseline has no conv kernels to drop
             config.model.weight_dropout = 0.0
     return config
+
+
+def smoke_test_sizes(config):
+    """``config`` (a translation config) shrunk to a model, tokenizer and batches that compile and run in seconds
+    on a CPU: tests/tiny_config.py's sizes, and the gpu benchmark's smoke test (``python -m lconv.bench gpu
+    --quick``)."""
+    config.data.vocab_size = 512
+    config.data.tokenizer_max_sentences = 2_000  # a tokenizer trained in about a second
+    config.data.batch_size, config.data.eval_batch_size = 8, 64  # divisible by the 8 test devices
+    config.data.max_input_length = config.data.max_target_length = 16
+    config.data.eval_max_input_length = config.data.eval_max_target_length = 32
+    config.model.d_model, config.model.ffn_dim, config.model.num_heads = 16, 32, 2
+    config.model.encoder_layers = config.model.decoder_layers = 1
+    config.model.encoder_kernel_sizes = config.model.decoder_kernel_sizes = (3,)
+    return config
