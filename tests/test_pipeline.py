@@ -209,6 +209,29 @@ def test_make_datasets_on_the_bundled_snapshot(ddtp_data):
     assert tokenizer.decode(batches[0]["targets"][row]) == test.examples[0]["targets"]
 
 
+def test_a_new_workdir_reuses_the_tokenizer_trained_for_the_same_data_and_settings(ddtp_data, tmp_path, monkeypatch,
+                                                                                    lconv_log):
+    """The fixture's run trained en_zh's tokenizer and kept it under data_dir: a second workdir copies it (the same
+    bytes, nothing trained), and other settings are another tokenizer, trained."""
+    from lconv.data import tokenizer as tokenizer_lib
+
+    config, tokenizer, _ = ddtp_data
+    kept = pipeline.kept_tokenizer_dir(config)
+    assert tokenizer_lib.load_tokenizer(kept).to_bytes() == tokenizer.to_bytes()
+    trained = []
+    real_train = tokenizer_lib.train_tokenizer
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: trained.append(1) or real_train(*a, **k))
+    again = pipeline.load_or_train_tokenizer(config, str(tmp_path / "second"))
+    assert again.to_bytes() == tokenizer.to_bytes() and not trained
+    assert (tmp_path / "second" / "spm.model").read_bytes() == tokenizer.to_bytes()
+    assert lconv_log() == [f"tokenizer: {kept}/spm.model reused (trained by an earlier run on the same data and "
+                           "settings)"]
+    other = {**config, "tokenizer_max_sentences": 1000}
+    assert pipeline.kept_tokenizer_dir(other) != kept
+    pipeline.load_or_train_tokenizer(other, str(tmp_path / "third"))
+    assert trained == [1]
+
+
 def test_too_small_vocabulary_is_a_one_line_error():
     from lconv.data import tokenizer as tokenizer_lib
 

@@ -166,3 +166,10 @@ def _prepared_builder(tfds_name: str, data_dir: str):
         raise UserError(f"data_dir={data_dir!r}: array_record (tfds.data_source) reads local files and gs:// only; "
                         f"copy {data_dir}/{tfds_name} to local disk or gs://")
     return tfds.builder_from_directory(str(version_dir))
+
+
+def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None) -> str:
+    """The folder dataset ``name``'s prepared copy is read from (a ddtp/iwslt14 source's copy is keyed by its files'
+    contents, so another raw_dir or snapshot has another folder); prepares it if need be."""
+    return str(_builder(dataset_spec(name), paths.expand(data_dir), raw_dir).data_dir)
+

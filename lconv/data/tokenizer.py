@@ -27,6 +27,10 @@ from lconv.errors import UserError
 MODEL_FILENAME = "spm.model"
 DEFAULT_MAX_TRAIN_SENTENCES = 200_000  # sentences sampled for training: bounded, so training takes seconds
 _MAX_SENTENCE_CHARS = 4096  # longer training lines are cut (SentencePiece would skip them)
+# Names how ``train_tokenizer`` makes a model from a text (its sample and trainer settings): a tokenizer kept for
+# later runs (``lconv.data.pipeline.load_or_train_tokenizer``) is reused only under the same version. Change it
+# with either.
+TRAINING_VERSION = 2  # 2: the seeded, uniform sample (1: every k-th text)
 _BYTE_PIECES = 256  # byte_fallback: one piece per byte value, so any text encodes without UNK
 # The smallest vocabulary SentencePiece can train here, whatever the text: the 4 special pieces (PAD EOS UNK BOS),
 # the 256 byte pieces, the word-boundary piece and one character. Text with more distinct characters needs more
