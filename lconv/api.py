@@ -26,22 +26,53 @@ from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks
+from lconv.nn import ensemble as model_ensemble
 from lconv.train import backend, metrics, setup
 
 
-def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> Model:
+def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1) -> Model:
     """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
-    checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only."""
+    checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only. A list of workdirs
+    loads each alike and gives their ``ensemble``."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
+    if not isinstance(workdir, str) and isinstance(workdir, Sequence):
+        return ensemble([load(path, checkpoint=checkpoint, average_last=average_last) for path in workdir])
     return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load"))
+
+
+def ensemble(models: Sequence[Model]) -> Model:
+    """``models`` decoding together, as fairseq-generate's ``--path a.pt:b.pt``: at each step their next-token
+    distributions are averaged (the log of the mean probability, ``lconv.nn.ensemble``). The result is a
+    ``Model``: ``translate`` / ``score`` / ``bleu`` or ``generate`` / ``perplexity`` run the ensemble, with the
+    first model's config (its decoding settings and limits) and tokenizer, which every member must share. A
+    member that is itself an ensemble adds its members, so every model weighs the same."""
+    if isinstance(models, (str, Model)) or not isinstance(models, Sequence) or not models:
+        raise UserError("models: pass a non-empty list of lconv.Model (lconv.load(...) of each run)")
+    members: list[tuple[Any, Any, str]] = []  # (module, params, name) of every single model
+    for i, model in enumerate(models):
+        if not isinstance(model, Model):
+            raise UserError(f"models[{i}]: must be an lconv.Model; got {type(model).__name__}")
+        if model.tokenizer.to_bytes() != models[0].tokenizer.to_bytes():
+            raise UserError(f"models[{i}] ({model.workdir}) has another tokenizer than models[0] "
+                            f"({models[0].workdir}): an ensemble's members share one vocabulary")
+        if isinstance(model.module, model_ensemble.Ensemble):
+            members += [(m, model.params[f"members_{j}"], f"models[{i}]") for j, m in enumerate(model.module.members)]
+        else:
+            members.append((model.module, model.params, f"models[{i}]"))
+    model_ensemble.check_members([m for m, _, _ in members], [name for _, _, name in members])
+    module = model_ensemble.Ensemble(tuple(m for m, _, _ in members))
+    params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(members)}
+    first = models[0]
+    return Model(setup.Trained(first.config, ":".join(m.workdir for m in models), first.tokenizer, module, params,
+                               [step for m in models for step in m.steps]))
 
 
 class Model:
     """A trained run: ``translate`` / ``score`` / ``bleu`` (translation, summarisation), ``generate`` /
     ``perplexity`` (language models), ``kernels`` (the normalised conv kernels, for plots). Fields: ``config``
     (the stored config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they
-    come from)."""
+    come from; an ensemble's: every member's, in order)."""
 
     def __init__(self, trained: setup.Trained):
         self.config, self.tokenizer, self.module = trained.config, trained.tokenizer, trained.model
@@ -58,7 +89,8 @@ class Model:
     # --- translation and summarisation ---------------------------------------------------------------------
     def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None, lenpen: float | None = None,
                   nbest: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
+                  seed: int = 0, prefix: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None
+                  ) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """One output per source (``""`` for a blank one), a string for a string and a list for a list: by beam
         search (``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s), or with ``temperature > 0``
         a sample (after ``top_k`` and nucleus ``top_p`` filtering), drawn from ``seed`` and the source alone: the
@@ -69,9 +101,14 @@ class Model:
         ``"token_scores"``, each output token's log-probability under the model (EOS included; before temperature
         and filters, so ``score`` gives the same numbers); ``"tokens"``, the token ids (what ``score`` takes to
         rescore exactly this hypothesis). Beam search gives the best k of its beams (k <= the beam size);
-        sampling draws k samples. Sources longer than ``config.data.eval_max_input_length`` tokens are cut to it."""
+        sampling draws k samples. Sources longer than ``config.data.eval_max_input_length`` tokens are cut to it.
+
+        ``prefix`` forces the start of each output (fairseq's ``prefix_tokens``): a string or token ids for a
+        string source, a list of them (one per source) for a list. The outputs hold the prefix, and its tokens are
+        scored under the model as the rest are (so ``score`` of an output gives its scores)."""
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
+        prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str))
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
         limit = int(self.config.data.eval_max_target_length)
         schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
@@ -84,9 +121,27 @@ class Model:
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
         found = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
-                                                 translator=self._translator, nbest=nbest or 0, **search)
+                                                 translator=self._translator, nbest=nbest or 0, prefixes=prefixes,
+                                                 **search)
         outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(sources, str) else outputs
+
+    def _prefix_ids(self, prefix: Any, lines: list[str], one: bool) -> list[np.ndarray]:
+        """``translate``'s ``prefix`` as id arrays, one per line, each checked to leave room for EOS in the output
+        limit of the line's own bucket (a batch's programs are at least as long)."""
+        ids = _target_ids(self.tokenizer, [prefix] if one else prefix, one, name="prefix", eos_allowed=False,
+                          empty_allowed=True)
+        if len(ids) != len(lines):
+            raise UserError(f"{len(lines)} sources for {len(ids)} prefixes; they pair one to one")
+        data = self.config.data
+        for i, (line, forced) in enumerate(zip(lines, ids)):
+            source_len = min(len(self.tokenizer.encode(line)) + 1, data.eval_max_input_length)
+            limit = compiled.max_output_len(self.config, compiled.width_bucket(source_len, data.eval_max_input_length))
+            if len(forced) >= limit:
+                raise UserError(f"{'prefix' if one else f'prefix[{i}]'}: {len(forced)} tokens; the output of this "
+                                f"source holds at most {limit} (config.decode.max_len_a/b, "
+                                f"config.data.eval_max_target_length), EOS included")
+        return ids
 
     def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
         """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
@@ -236,6 +291,7 @@ class Model:
         ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
         (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
         encoder, ``K - 1`` in the decoder)."""
+        self._one_model("kernels")
         if self.task == "lm":
             targets = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_target_length]
             inputs = None
@@ -293,6 +349,11 @@ class Model:
             self._jitted[name] = jax.jit(fn)
         return self._jitted[name]
 
+    def _one_model(self, method: str) -> None:
+        if isinstance(self.module, model_ensemble.Ensemble):
+            raise UserError(f"{method}() reads one model's layers; {self.workdir} is an ensemble: call it on one of "
+                            "its models")
+
     def _need(self, method: str, tasks: tuple[str, ...]) -> None:
         if self.task not in tasks:
             other = "translate / score / bleu" if self.task != "lm" else "generate / perplexity"
@@ -327,24 +388,33 @@ def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     return list(texts)
 
 
-def _target_ids(tokenizer: Any, targets: Any, one: bool) -> list[np.ndarray]:
-    """``score``'s targets as id arrays without EOS: a string is encoded, ids are taken as they are (an n-best
-    entry's ``"tokens"``, whose last, EOS, is dropped: ``score`` appends it). One-line errors name the target."""
+def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets", eos_allowed: bool = True,
+                empty_allowed: bool = False) -> list[np.ndarray]:
+    """``score``'s targets (or ``translate``'s prefixes: ``name``) as id arrays without EOS: a string is encoded,
+    ids are taken as they are (an n-best entry's ``"tokens"``, whose last, EOS, is dropped: ``score`` appends it;
+    a prefix holds no EOS, and may be empty). One-line errors name the target."""
     if isinstance(targets, str) or not isinstance(targets, Sequence):
-        raise UserError(f"targets: pass {'one string (or token ids) for one source' if one else 'a list'}; "
+        raise UserError(f"{name}: pass {'one string (or token ids) for one source' if one else 'a list'}; "
                         f"got {type(targets).__name__}")
     out = []
     for i, target in enumerate(targets):
-        name = "targets" if one else f"targets[{i}]"
+        named = name if one else f"{name}[{i}]"
         if isinstance(target, str):
             out.append(np.asarray(tokenizer.encode(target), np.int32))
             continue
-        ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) and len(target) else None
-        if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any() \
-                or (ids >= tokenizer.vocab_size).any() or (ids[:-1] == EOS_ID).any():
-            raise UserError(f"{name}: must be a string or a non-empty list of token ids in [0, "
-                            f"{tokenizer.vocab_size}) with EOS ({EOS_ID}) last if anywhere; got {target!r:.60}")
-        out.append(ids[:-1] if ids[-1] == EOS_ID else ids)
+        ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) else None
+        ids = ids if ids is not None and (len(ids) or empty_allowed) else None
+        if ids is not None and len(ids) == 0:
+            out.append(np.zeros((0,), np.int32))
+            continue
+        lowest = 0 if eos_allowed else PAD_ID + 1  # a prefix is forced as given: never PAD
+        if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < lowest).any() \
+                or (ids >= tokenizer.vocab_size).any() or (ids[:-1] == EOS_ID).any() \
+                or (ids[-1] == EOS_ID and not eos_allowed):
+            rule = f"with EOS ({EOS_ID}) last if anywhere" if eos_allowed else f"without EOS ({EOS_ID})"
+            raise UserError(f"{named}: must be a string or a {'' if empty_allowed else 'non-empty '}list of token "
+                            f"ids in [{lowest}, {tokenizer.vocab_size}) {rule}; got {target!r:.60}")
+        out.append(ids[:-1].astype(np.int32) if ids[-1] == EOS_ID else ids.astype(np.int32))
     return out
 
 

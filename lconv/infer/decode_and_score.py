@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
                    translator: Callable[..., Any] | None = None,
+                   per_batch: Callable[[list[int]], dict[str, Any]] | None = None,
                    **search: Any) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
     """``(batch, translator(batch's sources, **search))`` over every example of ``eval_set`` (a
     ``compiled.Translator``'s best-beam ids ``[B, L]``, or its ``hypotheses``), the whole split (``whole_split``),
@@ -49,7 +50,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     Examples are decoded in order of source length, each batch cut to the shortest width in ``compiled.WIDTHS``
     that holds it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam
     search stops early together. That is a handful of compiled shapes, each compiled once per ``translator`` (pass
-    one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``).
+    one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``; ``per_batch(examples)``:
+    more arguments for the batch of those example indices, such as their ``prefixes``).
 
     A batch that runs the device out of memory is decoded again in halves (``in_batches``).
 
@@ -62,7 +64,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
 
     def decode(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch, width = _padded_batch(eval_set, chosen, rows)
-        return batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
+        more = per_batch(chosen) if per_batch else {}
+        return batch, translator(batch["inputs"][:, :width], **search, **more)  # [rows, L]
 
     for _, decoded in in_batches(order, rows, decode):
         yield decoded
@@ -326,11 +329,12 @@ class Translations:
 
 def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
                     translator: compiled.Translator | None = None, name: Callable[[int], str] = "sources[{}]".format,
-                    nbest: int = 0, **search: Any) -> Translations:
+                    nbest: int = 0, prefixes: Sequence[np.ndarray] | None = None, **search: Any) -> Translations:
     """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
     ``search``: ``Translator.hypotheses``' ``beam_size``, ``lenpen``, and for sampling ``temperature``,
     ``top_k``, ``top_p``, ``seed``), on ``translator``'s programs when given. With ``nbest``, also the first
-    ``nbest`` hypotheses of each line (``Translations.nbest``).
+    ``nbest`` hypotheses of each line (``Translations.nbest``). ``prefixes``: per line, the ids each of its
+    outputs starts with (``search.Prefix``; checked by the caller to fit the output limit).
 
     A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output (and n-best list)
     in its place, so the outputs stay aligned with the input lines. Lines longer than
@@ -351,7 +355,9 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
     translator = translator or compiled.Translator(config, model, params)
     hypotheses = [""] * len(sources)
     lists = [[] for _ in sources] if nbest else None
-    for batch, found in decode_batches(config, model, params, eval_set, translator=translator.hypotheses, **search):
+    per_batch = None if prefixes is None else (lambda chosen: {"prefixes": [prefixes[kept[i]] for i in chosen]})
+    for batch, found in decode_batches(config, model, params, eval_set, translator=translator.hypotheses,
+                                       per_batch=per_batch, **search):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[kept[int(index)]] = tokenizer.decode(found.tokens[row, 0])
