@@ -13,6 +13,7 @@ tokens) and kept by the ``Model``, so calling it again on other sentences of sim
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from flax.linen import meta as nn_meta
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score, lm_blocks
+from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring
 from lconv.nn import ensemble as model_ensemble
 from lconv.train import backend, metrics, setup
 
@@ -155,13 +156,23 @@ class Model:
         dict for a string source, a list for a list. A target is a string, or token ids (an n-best entry's
         ``"tokens"``, to rescore exactly that hypothesis: a decoded text may re-tokenise otherwise). Cut as
         ``translate`` cuts: sources to ``config.data.eval_max_input_length`` tokens and targets to
-        ``config.data.eval_max_target_length`` (EOS included in both), so a translation scores whole."""
-        self._need("score", ("translation", "summarization"))
+        ``config.data.eval_max_target_length`` (EOS included in both), so a translation scores whole.
+
+        For an LM the sources are prompts and the targets their continuations: log p of each continuation token
+        and EOS given BOS and the prompt (what ``generate``'s n-best entries hold), a pair longer than
+        ``config.model.max_len`` keeping the prompt's last tokens."""
+        self._need("score", ("translation", "summarization", "lm"))
         one = isinstance(sources, str)
         source_lines = _lines(sources, "sources", one_allowed=True)
         target_ids = _target_ids(self.tokenizer, [targets] if one else targets, one)
         if len(source_lines) != len(target_ids):
             raise UserError(f"{len(source_lines)} sources for {len(target_ids)} targets; they pair one to one")
+        if self.task == "lm":
+            log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs,
+                                                                               self.module))
+            out = lm_scoring.continuation_scores(self.config, log_probs, self.params,
+                                                 self.tokenizer.encode_batch(source_lines), target_ids)
+            return out[0] if one else out
         data = self.config.data
         inputs = [np.append(ids[:data.eval_max_input_length - 1], EOS_ID)
                   for ids in self.tokenizer.encode_batch(source_lines)]
@@ -201,26 +212,45 @@ class Model:
         return decode_and_score.score_texts(self.task, hypotheses, references)
 
     # --- language models -----------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> list[str]:
+    def generate(self, prompts: str | Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, beam_size: int | None = None, lenpen: float | None = None,
+                 nbest: int | None = None) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """Continues each prompt by up to ``max_len`` tokens: greedy at ``temperature=0``, else sampled (after
         ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; a prompt's sample depends on it, the seed and
         the settings alone, not on the other prompts or its place among them. A prompt too long for
-        ``config.model.max_len`` keeps its last tokens."""
+        ``config.model.max_len`` keeps its last tokens.
+
+        With ``beam_size`` or ``nbest``, a beam search instead (``beam_size`` / ``lenpen`` default to the stored
+        ``config.decode``'s), or with ``temperature > 0`` ``nbest`` samples; with ``nbest=k`` each output is a
+        list of up to k dicts, best first, as ``translate`` gives them: ``"text"`` and ``"tokens"`` (the
+        continuation, EOS last: forced at ``max_len``), ``"token_scores"`` (each one's log-prob given BOS, the
+        prompt and the tokens before it: ``score(prompt, tokens)`` gives them again) and ``"score"``
+        (``sum(token_scores) / len**lenpen`` over the continuation, which the beam ranks by)."""
         self._need("generate", ("lm",))
         lines = _lines(prompts, "prompts", one_allowed=True)
         schema.check_sampling(dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
+        search = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        scored = beam_size is not None or nbest is not None
+        if lenpen is not None and not scored:
+            raise UserError(f"lenpen={lenpen}: ranks a beam search's or n samples' hypotheses; pass beam_size or "
+                            "nbest with it")
+        if scored:
+            schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)
+            search.update(beam_size=self._hypotheses_per_source(nbest, beam_size, temperature),
+                          lenpen=self.config.decode.lenpen if lenpen is None else lenpen)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
-        outputs = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator,
-                                                  max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                  seed=seed).hypotheses
+        found = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator, max_len=max_len,
+                                                nbest=(nbest or 1) if scored else 0, **search)
+        outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(prompts, str) else outputs
 
-    def perplexity(self, texts: Sequence[str], *, sample_break_mode: str = "eos", tokens_per_sample: int | None = None,
-                   context_window: int = 0) -> dict[str, float]:
-        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM.
+    def perplexity(self, texts: str | Sequence[str], *, sample_break_mode: str = "eos",
+                   tokens_per_sample: int | None = None, context_window: int = 0,
+                   per_text: bool = False) -> dict[str, float] | list[dict[str, float]]:
+        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM: of the
+        corpus for a list, or with ``per_text=True`` a list of them, one per text; one text's for a string.
 
         By default each text is scored alone, cut to ``config.data.eval_max_target_length`` tokens. The keyword
         arguments are ``fairseq-eval-lm``'s (``lconv.infer.lm_blocks``): ``sample_break_mode="none"`` scores the
@@ -233,6 +263,8 @@ class Model:
             raise UserError("a document-stream run carries its kNN memory across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
+        if isinstance(texts, str) or per_text:
+            return self._text_perplexities(texts, (sample_break_mode, tokens_per_sample, context_window))
         if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
             return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
         encoded = [np.append(ids[:limit - 1], EOS_ID)
@@ -247,6 +279,16 @@ class Model:
             total = {k: total[k] + float(sums[k]) for k in total}
         nll = total["nll"] / max(total["tokens"], 1.0)
         return {"ppl": math.exp(min(nll, 50.0)), "nll": nll, "tokens": total["tokens"]}
+
+    def _text_perplexities(self, texts: str | Sequence[str], blocks: tuple[Any, ...]) -> Any:
+        """``perplexity`` of each text alone (fairseq-eval-lm's ``--sample-break-mode eos``, per text)."""
+        if blocks != ("eos", None, 0):
+            raise UserError(f"sample_break_mode={blocks[0]!r}, tokens_per_sample={blocks[1]}, context_window="
+                            f"{blocks[2]}: blocks span texts; per-text results score each text alone (the defaults)")
+        encoded = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
+        log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs, self.module))
+        out = lm_scoring.text_perplexities(self.config, log_probs, self.params, encoded)
+        return out[0] if isinstance(texts, str) else out
 
     def _fairseq_perplexity(self, texts: Sequence[str], mode: str, tokens_per_sample: int,
                             context_window: int) -> dict[str, float]:

@@ -159,3 +159,65 @@ def test_ensembles_of_what_cannot_decode_together_are_one_line_errors(mt):
         with pytest.raises(UserError) as error:
             lconv.ensemble(models)
         helpers.one_line_error(error, *named)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Language models: beams, n samples and per-text perplexity
+# ----------------------------------------------------------------------------------------------------------------
+PROMPTS = ["A small library for the window system", "", "Fonts"]  # ragged: 7 tokens, none (BOS alone), one
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return Model(tiny_runs.in_memory(tiny_runs.lm_config()))
+
+
+def _assert_scored_as_score_scores(lm: Model, prompt: str, entries: list[dict], lenpen: float, max_len: int) -> None:
+    """Each entry's token scores are ``score(prompt, its tokens)``'s (a teacher-forced pass over BOS, the prompt
+    and the continuation), and its score their sum over ``len**lenpen``; EOS last, within ``max_len``."""
+    for entry in entries:
+        tokens = entry["tokens"]
+        assert tokens[-1] == EOS_ID and EOS_ID not in tokens[:-1] and len(tokens) <= max_len
+        assert entry["text"] == lm.tokenizer.decode(tokens)
+        by_score = lm.score(prompt, tokens)
+        np.testing.assert_allclose(entry["token_scores"], by_score["token_scores"], rtol=1e-5, atol=1e-5)
+        assert entry["score"] == pytest.approx(np.sum(by_score["token_scores"]) / len(tokens) ** lenpen, rel=1e-5)
+    assert [e["score"] for e in entries] == sorted((e["score"] for e in entries), reverse=True)
+
+
+def test_lm_beam_nbest_scores_are_score_of_the_same_texts(lm):
+    found = lm.generate(PROMPTS, max_len=6, beam_size=3, lenpen=0.6, nbest=3)
+    for prompt, entries in zip(PROMPTS, found):
+        assert len(entries) == 3 and len({tuple(e["tokens"]) for e in entries}) == 3
+        _assert_scored_as_score_scores(lm, prompt, entries, 0.6, 6)
+    assert lm.generate(PROMPTS, max_len=6, beam_size=3, lenpen=0.6) == [entries[0]["text"] for entries in found]
+    (alone,) = lm.generate(PROMPTS[0], max_len=6, beam_size=3, lenpen=0.6, nbest=1)  # alone: the same beam
+    assert alone["tokens"] == found[0][0]["tokens"] and alone["score"] == pytest.approx(found[0][0]["score"], rel=1e-6)
+
+
+def test_lm_samples_per_prompt_come_with_their_token_scores_and_depend_on_the_prompt_alone(lm):
+    samples = lm.generate(PROMPTS, max_len=6, temperature=1.0, seed=4, nbest=3)
+    for prompt, entries in zip(PROMPTS, samples):
+        assert len(entries) == 3
+        _assert_scored_as_score_scores(lm, prompt, entries, lm.config.decode.lenpen, 6)
+    alone = lm.generate(PROMPTS[2], max_len=6, temperature=1.0, seed=4, nbest=3)
+    assert [e["tokens"] for e in alone] == [e["tokens"] for e in samples[2]]
+    assert [e["tokens"] for e in lm.generate(PROMPTS[2], max_len=6, temperature=1.0, seed=5, nbest=3)] != \
+        [e["tokens"] for e in samples[2]]
+
+
+def test_per_text_perplexity_adds_up_to_the_corpus_perplexity(lm):
+    texts = ["The package provides tools.", "Fonts", "A small library for the window system with fonts."]
+    per_text = lm.perplexity(texts, per_text=True)
+    corpus = lm.perplexity(texts)  # the corpus path (a summed loss): token-weighted, the per-text numbers add up
+    assert sum(t["tokens"] for t in per_text) == corpus["tokens"]
+    assert sum(t["nll"] * t["tokens"] for t in per_text) / corpus["tokens"] == pytest.approx(corpus["nll"], rel=1e-5)
+    for text, got in zip(texts, per_text):
+        alone = lm.perplexity([text])  # a corpus of one: the same numbers
+        assert got["tokens"] == alone["tokens"] == len(lm.tokenizer.encode(text)) + 1
+        assert got["nll"] == pytest.approx(alone["nll"], rel=1e-5) and got["ppl"] == pytest.approx(math.exp(got["nll"]))
+    one = lm.perplexity(texts[1])  # a string: one dict (a batch of one row: float32 sums in another order)
+    assert one.keys() == per_text[1].keys() and one["nll"] == pytest.approx(per_text[1]["nll"], rel=1e-6)
+    with pytest.raises(UserError) as error:
+        lm.perplexity(texts, per_text=True, sample_break_mode="none")
+    helpers.one_line_error(error, "sample_break_mode='none'", "per-text")

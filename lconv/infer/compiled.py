@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
-from lconv.infer import search
+from lconv.infer import lm_search, search
 from lconv.nn import common as nn_common
 
 if TYPE_CHECKING:
@@ -227,10 +227,35 @@ class Generator:
             return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len, rng=rng,
                             temperature=temperature, top_k=top_k, top_p=top_p)
 
+        def hypotheses(params, prompt_BP, prompt_len_B, lenpen, seed, *, max_len, beam_size, temperature, top_k,
+                       top_p):
+            return lm_search.lm_hypotheses(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len,
+                                           beam_size=beam_size, lenpen=lenpen, stop=config.decode.stop,
+                                           rng=jax.random.key(seed) if temperature else None,
+                                           temperature=temperature, top_k=top_k, top_p=top_p)
+
         self.function = nn_common.under_axis_rules(run, config.mesh.rules)
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(self.function, static_argnames=("max_len", "temperature", "top_k", "top_p"),
                               out_shardings=replicated)
+        self.jitted_hypotheses = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules),
+                                         static_argnames=("max_len", "beam_size", "temperature", "top_k", "top_p"),
+                                         out_shardings=replicated)
+
+    def hypotheses(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, beam_size: int,
+                   lenpen: float = 1.0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int = 0) -> search.Hypotheses:
+        """``beam_size`` scored continuations per prompt, best first (``lm_search.lm_hypotheses``): beams, or
+        with ``temperature > 0`` samples; ``[B, N, max_len]`` numpy. One program per (rows, width, max_len,
+        beam_size, sampling settings); ``lenpen`` and the seed are arguments."""
+        prompt_BP, prompt_len_B = np.asarray(prompt_BP, np.int32), np.asarray(prompt_len_B, np.int32)
+        sharding = row_sharding(self.mesh, prompt_BP.shape[0])
+        sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        with _mesh_context(self.mesh):
+            found = self.jitted_hypotheses(self.params, place(prompt_BP, sharding), place(prompt_len_B, sharding),
+                                           jnp.float32(lenpen), jnp.uint32(seed), max_len=int(max_len),
+                                           beam_size=int(beam_size), **sampling)
+            return search.Hypotheses(*map(np.asarray, found))
 
     def __call__(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:

@@ -393,9 +393,12 @@ def prompt_limit(config: Any, max_len: int, name: str = "max_len") -> int:
 
 
 def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
-                   max_len: int, name: Callable[[int], str] = "prompts[{}]".format, **sampling: Any) -> Translations:
+                   max_len: int, name: Callable[[int], str] = "prompts[{}]".format, nbest: int = 0,
+                   **sampling: Any) -> Translations:
     """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
-    ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). A blank prompt starts from BOS alone. A prompt
+    ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). With ``nbest``, the first ``nbest`` of
+    ``Generator.hypotheses`` per prompt instead (``sampling`` then also holds its ``beam_size`` and ``lenpen``):
+    ``Translations.nbest``, and the best one's text as the output. A blank prompt starts from BOS alone. A prompt
     longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation), with a warning naming it
     by ``name(index)``; ``Translations.lengths`` says which were cut. Prompts of similar length share a batch,
     and a batch one program per shape bucket."""
@@ -406,7 +409,8 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
     lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={max_len} new ones "
                 "and BOS", keeps="cut to the last")
     encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
-    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size, 1)
+    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size,
+                                sampling.get("beam_size", 1))
     rows = compiled.row_bucket(len(encoded), rows)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
 
@@ -416,10 +420,17 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
         prompt_len_B = np.zeros((rows,), np.int32)
         for row, i in enumerate(chosen):
             prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
+        if nbest:
+            return generator.hypotheses(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, N, max_len]
         return generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, max_len]
 
     outputs = [""] * len(prompts)
-    for chosen, tokens_BL in in_batches(order, rows, decode):
+    lists = [[] for _ in prompts] if nbest else None
+    for chosen, found in in_batches(order, rows, decode):
         for row, i in enumerate(chosen):
-            outputs[i] = tokenizer.decode(tokens_BL[row])
-    return Translations(outputs, [], lengths)
+            if nbest:
+                lists[i] = nbest_entries(tokenizer, found, row, nbest)
+                outputs[i] = lists[i][0]["text"] if lists[i] else ""
+            else:
+                outputs[i] = tokenizer.decode(found[row])
+    return Translations(outputs, [], lengths, lists)
