@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import meta as nn_meta
 
+from lconv import probing
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
@@ -69,7 +70,7 @@ def ensemble(models: Sequence[Model]) -> Model:
                                [step for m in models for step in m.steps]))
 
 
-class Model:
+class Model(probing.Probing):
     """A trained run: ``translate`` / ``score`` / ``bleu`` (translation, summarisation), ``generate`` /
     ``perplexity`` (language models), ``kernels`` (the normalised conv kernels, for plots). Fields: ``config``
     (the stored config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they
@@ -322,68 +323,6 @@ class Model:
                                        targets_segmentation=(targets_BT != PAD_ID).astype(jnp.int32))
         return metrics.label_smoothed_loss(logits_BTV, targets_BT, targets_BT != PAD_ID, 0.0)
 
-    # --- kernels -------------------------------------------------------------------------------------------
-    def kernels(self, sentence: str) -> dict[str, Any]:
-        """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
-
-        Returns ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}``: a
-        LightConv layer's entry is its ``[H, K]`` kernel (the same at every position), a DynamicConv layer's its
-        ``[T, H, K]`` kernels (one per token), any other mixer's ``None``. For translation the encoder reads the
-        sentence (+ EOS) and the decoder its translation, teacher-forced: decoder position t reads
-        ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
-        (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
-        encoder, ``K - 1`` in the decoder)."""
-        self._one_model("kernels")
-        if self.task == "lm":
-            targets = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_target_length]
-            inputs = None
-        else:
-            inputs = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_input_length]
-            translation = self.translate([sentence])[0]
-            limit = self.config.data.eval_max_target_length
-            targets = np.append(self.tokenizer.encode(translation), EOS_ID)[:limit]
-        kernel_logits = self._function("kernel_logits", self._kernel_logits)
-        sides = {"decoder": len(targets)} if inputs is None else {"encoder": len(inputs), "decoder": len(targets)}
-        data = self.config.data
-        ids = [_pad_rows([x], 1, compiled.width_bucket(len(x), limit)) for x, limit in
-               ([] if inputs is None else [(inputs, data.eval_max_input_length)])
-               + [(targets, data.eval_max_target_length)]]
-        out = {}
-        for side, layers in kernel_logits(self.params, *ids).items():
-            out[side] = [_normalised(logits, sides[side]) for logits in layers]
-        if inputs is not None:
-            out["source_tokens"] = [self._piece(i) for i in inputs.tolist()]
-        start = self.module.config.decoder_start_id  # BOS, or EOS for a model imported from fairseq
-        out["target_tokens"] = [self._piece(i) for i in [start] + targets[:-1].tolist()]
-        return out
-
-    def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:
-        """Per side, per layer: the LightConv kernel's logits ``[H, K]``, the DynamicConv kernel predictor's
-        output as ``[T, H, K]`` (captured as the model runs on row 0 of ``ids``), or None for another mixer."""
-        is_predictor = lambda module, method: method == "__call__" and module.name == "weight_linear"  # noqa: E731
-        segmentation = [(x != PAD_ID).astype(jnp.int32) for x in ids]
-        if self.task == "lm":
-            kwargs = dict(targets_segmentation=segmentation[0])
-        else:
-            kwargs = dict(inputs_segmentation=segmentation[0], targets_segmentation=segmentation[1])
-        _, state = self.module.apply({"params": params}, *ids, **kwargs, capture_intermediates=is_predictor,
-                                     mutable=["intermediates"])
-        out = {}
-        for side in ("decoder",) if self.task == "lm" else ("encoder", "decoder"):
-            out[side] = []
-            for i in range(sum(k.startswith("layer_") for k in params[side])):
-                conv = params[side][f"layer_{i}"].get("mixer", {}).get("conv", {})
-                if "weight" in conv:  # LightConv: [H, K]
-                    out[side].append(conv["weight"])
-                elif "weight_linear" in conv:  # DynamicConv: [1, T, H*K] head-major -> [T, H, K]
-                    captured = state["intermediates"][side][f"layer_{i}"]["mixer"]["conv"]["weight_linear"]
-                    K = self.module.config.kernel_size(side, i)
-                    out[side].append(captured["__call__"][0][0].reshape(ids[0].shape[1] if side == "encoder"
-                                                                        else ids[-1].shape[1], -1, K))
-                else:
-                    out[side].append(None)
-        return out
-
     # --- helpers -------------------------------------------------------------------------------------------
     def _function(self, name: str, fn: Any) -> Any:
         """``fn`` jitted once per model (one compilation per shape bucket)."""
@@ -404,14 +343,6 @@ class Model:
 
     def _piece(self, token: int) -> str:
         return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.decode([token]) or "▁"
-
-
-def _normalised(logits: Any, length: int) -> np.ndarray | None:
-    """Softmax over K in float32, as the conv modules normalise their kernels; ``[T, H, K]`` cut to ``length``."""
-    if logits is None:
-        return None
-    kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-    return kernels[:length] if kernels.ndim == 3 else kernels
 
 
 def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
@@ -460,9 +391,4 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets
     return out
 
 
-def _pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:
-    """Id arrays -> ``[rows, width]`` int32, PAD after each and in the missing rows."""
-    out = np.full((rows, width), PAD_ID, np.int32)
-    for row, x in enumerate(ids):
-        out[row, :len(x)] = x
-    return out
+_pad_rows = compiled.pad_rows  # Id arrays -> [rows, width] int32, PAD after each and in the missing rows

@@ -165,6 +165,14 @@ class Translator:
             return search.Hypotheses(*map(np.asarray, found))  # replicated: every process reads all of it
 
 
+def pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:
+    """Id arrays -> ``[rows, width]`` int32, PAD after each and in the missing rows."""
+    out = np.full((rows, width), PAD_ID, np.int32)
+    for row, x in enumerate(ids):
+        out[row, :len(x)] = x
+    return out
+
+
 def padded_prefixes(prefixes: Sequence[np.ndarray], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-row prefix ids -> ``(tokens [rows, width] PAD after each, lengths [rows])``; missing rows have none."""
     if any(len(ids) >= width for ids in prefixes):
