@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import meta as nn_meta
 
-from lconv import probing
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring
+from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
 from lconv.train import backend, metrics, setup
 

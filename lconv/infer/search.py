@@ -51,17 +51,15 @@ class Prefix(NamedTuple):
 
     def at(self, i: Array) -> tuple[Array, Array]:
         """``(forcing_B, forced_B)`` at step ``i``: whether each row is still forced, and the token it is forced to."""
-        forced_B = jax.lax.dynamic_index_in_dim(self.tokens, jnp.minimum(i, self.tokens.shape[1] - 1), axis=1,
-                                                keepdims=False)  # [B]
-        return i < self.length, forced_B.astype(jnp.int32)
+        column = jnp.minimum(i, self.tokens.shape[1] - 1)
+        return i < self.length, jax.lax.dynamic_index_in_dim(self.tokens, column, 1, keepdims=False).astype(jnp.int32)
 
     def limits(self, limit_B: Array | None, batch_size: int, max_len: int) -> Array:
         """Each row's length limit (EOS included) raised to hold its prefix and EOS, within ``max_len``."""
         limit_B = jnp.full((batch_size,), max_len, jnp.int32) if limit_B is None else jnp.asarray(limit_B, jnp.int32)
         return jnp.clip(jnp.maximum(limit_B, self.length + 1), 1, max_len)  # [B]
 
-    def repeat(self, n: int) -> Prefix:
-        """Row b's prefix for rows ``b*n .. b*n + n-1`` (its hypotheses, as ``tile_cache`` lays them out)."""
+    def repeat(self, n: int) -> Prefix:  # row b's prefix for rows b*n .. b*n + n-1, as tile_cache lays them out
         return Prefix(jnp.repeat(self.tokens, n, axis=0), jnp.repeat(self.length, n, axis=0))
 
 
@@ -247,25 +245,13 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     hypothesis can beat its worst finished one (log-probs only fall; the length bonus is at most
     ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
     score -inf and hold PAD. Inside, a set of hypotheses is a pair (tokens, their log-probs), ``[B, X, L]`` each.
-
-    ``prefix`` forces each row's first tokens (``Prefix``), its limit raised to hold them and EOS. With
-    ``prefix_scored=False`` (an LM's prompt) the forced tokens count neither in the score nor in its length:
-    hypotheses rank by their continuations alone (their token scores are then 0).
-    """
+    ``prefix`` forces each row's first tokens (``Prefix``), unscored (an LM's prompt: ``_limits_and_penalty``)
+    with ``prefix_scored=False``."""
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
         raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
     fairseq = stop == "fairseq"
-    lenpen = jnp.float32(lenpen)
-    limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
-    limit_B = limit_B.astype(jnp.int32)  # [B] tokens a row may have, EOS included
-    if prefix is not None:
-        limit_B = prefix.limits(limit_B, B, L)
-    unscored_B = jnp.zeros((B,), jnp.int32) if prefix is None or prefix_scored else prefix.length  # [B]
-
-    def penalty(length_B):  # [B] the length penalty of hypotheses of ``length_B`` tokens (EOS included)
-        return jnp.power(jnp.maximum(length_B - unscored_B, 1).astype(jnp.float32), lenpen)
-
+    limit_B, penalty = _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, jnp.float32(lenpen))
     max_pen_B = penalty(limit_B)  # [B]
 
     def cond(state):
@@ -282,9 +268,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         last_BN1 = jax.lax.dynamic_slice_in_dim(alive[0], jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
         prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
         flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
-        logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq)
-        if prefix is not None:
-            logp_BNV = _forced_logp(logp_BNV, flat_logits.reshape(B, N, -1), prefix, i, prefix_scored)
+        logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq, prefix,
+                                 prefix_scored)  # [B, beam, V]
         V = logp_BNV.shape[-1]
         cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
 
@@ -338,15 +323,33 @@ def _take(seqs_BXL: Array, index_BY: Array) -> Array:
     return jnp.take_along_axis(seqs_BXL, index_BY[:, :, None], axis=1)
 
 
-def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq):
+def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
+    """``(limit_B, penalty)``: the tokens each row may have (EOS included; raised to hold a prefix and EOS), and
+    the length penalty ``penalty(length_B) -> [B]`` of hypotheses that long, whose unscored prefix tokens (an LM's
+    prompt) do not count."""
+    limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
+    limit_B = limit_B.astype(jnp.int32)  # [B]
+    if prefix is not None:
+        limit_B = prefix.limits(limit_B, B, L)
+    unscored_B = jnp.zeros((B,), jnp.int32) if prefix is None or prefix_scored else prefix.length  # [B]
+
+    def penalty(length_B):  # [B]
+        return jnp.power(jnp.maximum(length_B - unscored_B, 1).astype(jnp.float32), lenpen)
+
+    return limit_B, penalty
+
+
+def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, prefix_scored=True):
     """Log-probs of step ``i`` with what may not come masked: PAD always, all but EOS at a row's length limit, and
-    (fairseq's min_len = 1) EOS as the first token."""
+    (fairseq's min_len = 1) EOS as the first token; the rows still in their ``prefix`` forced (``_forced_logp``)."""
     logp_BNV = _mask_pad(jax.nn.log_softmax(logits_BNV, axis=-1), pad_id)  # [B, beam, V]
     at_limit_B11 = (i + 1 >= limit_B)[:, None, None]  # this token is the row's last
     only_eos_V = jnp.arange(logp_BNV.shape[-1]) == eos_id  # [V]
     logp_BNV = jnp.where(at_limit_B11 & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)
     if fairseq:
         logp_BNV = jnp.where((i == 0) & only_eos_V & ~at_limit_B11, IMPOSSIBLE_LOGP, logp_BNV)
+    if prefix is not None:
+        logp_BNV = _forced_logp(logp_BNV, logits_BNV, prefix, i, prefix_scored)
     return logp_BNV
 
 

@@ -1,6 +1,6 @@
-"""Reading a trained model's insides, for plots and probing: the ``Model`` methods ``kernels`` (the normalised conv
-kernels each layer applies) and ``extract_features`` (each layer's hidden states). One model's layers: an ensemble
-has none of its own (``Model._one_model``)."""
+"""Reading a trained model's insides, for plots and probing: ``lconv.api.Model``'s methods ``kernels`` (the
+normalised conv kernels each layer applies) and ``extract_features`` (each layer's hidden states). One model's
+layers: an ensemble has none of its own (``Model._one_model``)."""
 from __future__ import annotations
 
 import functools
