@@ -28,18 +28,31 @@ from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
-from lconv.train import backend, metrics, setup
+from lconv.train import backend, load_options, metrics, setup
 
 
-def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1) -> Model:
+def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1, dtype: str | None = None,
+         decode_batch_size: int | None = None, max_input_length: int | None = None,
+         devices: Sequence[jax.Device] | None = None) -> Model:
     """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
     checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only. A list of workdirs
-    loads each alike and gives their ``ensemble``."""
+    loads each alike and gives their ``ensemble``.
+
+    The stored config, changed for this load only: ``dtype`` the compute dtype (``"bfloat16"`` on an
+    accelerator; the params stay float32, as in training: ``config.model.dtype``), ``decode_batch_size`` the rows
+    per decoding batch (``config.decode.batch_size``; 0 = auto), ``max_input_length`` the longest source in
+    tokens (``config.data.eval_max_input_length``; longer ones are cut). ``devices``: the mesh the params are laid
+    out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
+    options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
+                   decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices)
     if not isinstance(workdir, str) and isinstance(workdir, Sequence):
-        return ensemble([load(path, checkpoint=checkpoint, average_last=average_last) for path in workdir])
-    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load"))
+        return ensemble([load(path, **options) for path in workdir])
+    overrides = load_options.overrides(dtype=dtype, decode_batch_size=decode_batch_size,
+                                       max_input_length=max_input_length)
+    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load",
+                                    overrides=overrides, devices=load_options.checked_devices(devices)))
 
 
 def ensemble(models: Sequence[Model]) -> Model:

@@ -99,11 +99,19 @@ def test_a_prefix_forced_beam_equals_a_beam_whose_first_steps_are_forced_by_hand
             assert entry["tokens"][:len(ids)] == ids
             by_score = mt.score(source, entry["tokens"])
             np.testing.assert_allclose(entry["token_scores"], by_score["token_scores"], rtol=1e-5, atol=1e-5)
-    greedy = mt.translate(SOURCES[0], beam_size=1, nbest=1, prefix=prefixes[1])
-    _assert_like_reference(greedy, _reference_beam([mt], SOURCES[0], beam=1, lenpen=1.0, prefix=prefixes[1]))
-    sample = mt.translate(SOURCES[1], temperature=1.0, seed=3, nbest=2, prefix=prefixes[0])
-    assert all(entry["tokens"][:len(forced[0])] == forced[0] for entry in sample)
-    assert mt._translator.jitted._cache_size() == 3  # beams, greedy, samples: one program each for any prefix
+
+
+@pytest.mark.slow  # two more programs (a beam of one, sampling): CI runs it, the quick command skips it
+def test_a_prefix_forces_a_greedy_search_and_samples_too(mt):
+    prefix = [7, 11, 13]
+    greedy = mt.translate(SOURCES[0], beam_size=1, nbest=1, prefix=prefix)
+    _assert_like_reference(greedy, _reference_beam([mt], SOURCES[0], beam=1, lenpen=1.0, prefix=prefix))
+    samples = mt.translate(SOURCES, temperature=1.0, seed=3, nbest=2, prefix=[prefix, "Werkzeug"])
+    forced = [prefix, list(mt.tokenizer.encode("Werkzeug"))]
+    assert all(entry["tokens"][:len(ids)] == ids for ids, entries in zip(forced, samples) for entry in entries)
+    programs = mt._translator.jitted._cache_size()
+    mt.translate(SOURCES[:1], beam_size=1, nbest=1, prefix=[[5, 6, 7, 8, 9]])  # another prefix: the same program
+    assert mt._translator.jitted._cache_size() == programs
 
 
 def test_prefix_arguments_are_checked(mt):
@@ -136,6 +144,7 @@ def _assert_same_up_to_rounding(a: list[list[dict]], b: list[list[dict]]) -> Non
         np.testing.assert_allclose([e["score"] for e in entries_a], [e["score"] for e in entries_b], rtol=1e-6)
 
 
+@pytest.mark.slow  # the ensemble's programs and each member's reference passes: CI runs it, the quick command skips it
 def test_an_ensemble_of_two_decodes_the_mean_of_their_distributions(mt, mt_other):
     pair = lconv.ensemble([mt, mt_other])
     found = pair.translate(SOURCES, beam_size=2, lenpen=0.6, nbest=2)
@@ -195,6 +204,7 @@ def test_lm_beam_nbest_scores_are_score_of_the_same_texts(lm):
     assert alone["tokens"] == found[0][0]["tokens"] and alone["score"] == pytest.approx(found[0][0]["score"], rel=1e-6)
 
 
+@pytest.mark.slow  # the sampling program: CI runs it, the quick command skips it
 def test_lm_samples_per_prompt_come_with_their_token_scores_and_depend_on_the_prompt_alone(lm):
     samples = lm.generate(PROMPTS, max_len=6, temperature=1.0, seed=4, nbest=3)
     for prompt, entries in zip(PROMPTS, samples):
