@@ -112,6 +112,9 @@ def test_load_options_change_the_stored_config_for_this_load_only(tiny_run, lcon
     assert bf16 != f32 and jax.tree.leaves(model.params)[0].dtype == jnp.float32
     model.translate([LONG])
     assert any("cut to 16 tokens" in m and "sources[0] had" in m for m in lconv_log())
+    twice = lconv.load([str(tiny_run.workdir)] * 2)  # an ensemble of a run with itself: the run's distributions
+    assert len(twice.module.members) == 2 and twice.steps == stored.steps * 2
+    np.testing.assert_allclose(twice.score(SENTENCE, target)["token_scores"], f32, rtol=1e-5, atol=1e-6)
     for kwargs, named in [(dict(dtype="float64"), "dtype='float64'"), (dict(decode_batch_size=-1), "decode_batch_size"),
                           (dict(max_input_length=0), "max_input_length=0"), (dict(max_input_length=10 ** 6),
                                                                               "config.model.max_len"),
