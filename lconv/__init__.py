@@ -2,7 +2,8 @@
 JAX/Flax. The layers, bottom to top: ``constants``/``errors``, ``ops`` and ``data``, ``nn``, ``infer``, ``train``,
 ``cli`` (README "Layout"); the shape letters in names are ``lconv.constants``' legend.
 
-``lconv.load(workdir)`` returns a trained run as an ``lconv.api.Model`` (translate, score, generate, kernels).
+``lconv.load(workdir)`` returns a trained run as an ``lconv.api.Model`` (translate, score, generate, kernels);
+``lconv.ensemble([model, ...])`` several of them decoding together.
 ``lconv.register_mixer(name, cls_or_"module:Class")`` adds a token mixer, ``lconv.testing.check_mixer`` checks
 one against the mixer contract.
 """
@@ -18,7 +19,7 @@ def __getattr__(name: str) -> Any:
     # JAX) and the root imports nothing above it (tests/test_layout.py).
     import importlib
 
-    if name in ("load", "Model"):
+    if name in ("load", "Model", "ensemble"):
         return getattr(importlib.import_module("lconv.api"), name)
     if name in ("register_mixer", "register_ffn"):
         return getattr(importlib.import_module("lconv.nn.mixers"), name)

@@ -13,6 +13,7 @@ tokens) and kept by the ``Model``, so calling it again on other sentences of sim
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,23 +26,67 @@ from flax.linen import meta as nn_meta
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score, lm_blocks
-from lconv.train import backend, metrics, setup
+from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
+from lconv.nn import ensemble as model_ensemble
+from lconv.train import backend, load_options, metrics, setup
 
 
-def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> Model:
+def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1, dtype: str | None = None,
+         decode_batch_size: int | None = None, max_input_length: int | None = None,
+         devices: Sequence[jax.Device] | None = None) -> Model:
     """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
-    checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only."""
+    checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only. A list of workdirs
+    loads each alike and gives their ``ensemble``.
+
+    The stored config, changed for this load only: ``dtype`` the compute dtype (``"bfloat16"`` on an
+    accelerator; the params stay float32, as in training: ``config.model.dtype``), ``decode_batch_size`` the rows
+    per decoding batch (``config.decode.batch_size``; 0 = auto), ``max_input_length`` the longest source in
+    tokens (``config.data.eval_max_input_length``; longer ones are cut). ``devices``: the mesh the params are laid
+    out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
-    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load"))
+    options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
+                   decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices)
+    if not isinstance(workdir, str) and isinstance(workdir, Sequence):
+        return ensemble([load(path, **options) for path in workdir])
+    overrides = load_options.overrides(dtype=dtype, decode_batch_size=decode_batch_size,
+                                       max_input_length=max_input_length)
+    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load",
+                                    overrides=overrides, devices=load_options.checked_devices(devices)))
 
 
-class Model:
+def ensemble(models: Sequence[Model]) -> Model:
+    """``models`` decoding together, as fairseq-generate's ``--path a.pt:b.pt``: at each step their next-token
+    distributions are averaged (the log of the mean probability, ``lconv.nn.ensemble``). The result is a
+    ``Model``: ``translate`` / ``score`` / ``bleu`` or ``generate`` / ``perplexity`` run the ensemble, with the
+    first model's config (its decoding settings and limits) and tokenizer, which every member must share. A
+    member that is itself an ensemble adds its members, so every model weighs the same."""
+    if isinstance(models, (str, Model)) or not isinstance(models, Sequence) or not models:
+        raise UserError("models: pass a non-empty list of lconv.Model (lconv.load(...) of each run)")
+    members: list[tuple[Any, Any, str]] = []  # (module, params, name) of every single model
+    for i, model in enumerate(models):
+        if not isinstance(model, Model):
+            raise UserError(f"models[{i}]: must be an lconv.Model; got {type(model).__name__}")
+        if model.tokenizer.to_bytes() != models[0].tokenizer.to_bytes():
+            raise UserError(f"models[{i}] ({model.workdir}) has another tokenizer than models[0] "
+                            f"({models[0].workdir}): an ensemble's members share one vocabulary")
+        if isinstance(model.module, model_ensemble.Ensemble):
+            members += [(m, model.params[f"members_{j}"], f"models[{i}]") for j, m in enumerate(model.module.members)]
+        else:
+            members.append((model.module, model.params, f"models[{i}]"))
+    model_ensemble.check_members([m for m, _, _ in members], [name for _, _, name in members])
+    module = model_ensemble.Ensemble(tuple(m for m, _, _ in members))
+    params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(members)}
+    first = models[0]
+    return Model(setup.Trained(first.config, ":".join(m.workdir for m in models), first.tokenizer, module, params,
+                               [step for m in models for step in m.steps]))
+
+
+class Model(probing.Probing):
     """A trained run: ``translate`` / ``score`` / ``bleu`` (translation, summarisation), ``generate`` /
     ``perplexity`` (language models), ``kernels`` (the normalised conv kernels, for plots). Fields: ``config``
     (the stored config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they
-    come from)."""
+    come from; an ensemble's: every member's, in order)."""
 
     def __init__(self, trained: setup.Trained):
         self.config, self.tokenizer, self.module = trained.config, trained.tokenizer, trained.model
@@ -58,7 +103,8 @@ class Model:
     # --- translation and summarisation ---------------------------------------------------------------------
     def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None, lenpen: float | None = None,
                   nbest: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
+                  seed: int = 0, prefix: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None
+                  ) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """One output per source (``""`` for a blank one), a string for a string and a list for a list: by beam
         search (``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s), or with ``temperature > 0``
         a sample (after ``top_k`` and nucleus ``top_p`` filtering), drawn from ``seed`` and the source alone: the
@@ -69,9 +115,14 @@ class Model:
         ``"token_scores"``, each output token's log-probability under the model (EOS included; before temperature
         and filters, so ``score`` gives the same numbers); ``"tokens"``, the token ids (what ``score`` takes to
         rescore exactly this hypothesis). Beam search gives the best k of its beams (k <= the beam size);
-        sampling draws k samples. Sources longer than ``config.data.eval_max_input_length`` tokens are cut to it."""
+        sampling draws k samples. Sources longer than ``config.data.eval_max_input_length`` tokens are cut to it.
+
+        ``prefix`` forces the start of each output (fairseq's ``prefix_tokens``): a string or token ids for a
+        string source, a list of them (one per source) for a list. The outputs hold the prefix, and its tokens are
+        scored under the model as the rest are (so ``score`` of an output gives its scores)."""
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
+        prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str))
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
         limit = int(self.config.data.eval_max_target_length)
         schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
@@ -84,9 +135,27 @@ class Model:
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
         found = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
-                                                 translator=self._translator, nbest=nbest or 0, **search)
+                                                 translator=self._translator, nbest=nbest or 0, prefixes=prefixes,
+                                                 **search)
         outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(sources, str) else outputs
+
+    def _prefix_ids(self, prefix: Any, lines: list[str], one: bool) -> list[np.ndarray]:
+        """``translate``'s ``prefix`` as id arrays, one per line, each checked to leave room for EOS in the output
+        limit of the line's own bucket (a batch's programs are at least as long)."""
+        ids = _target_ids(self.tokenizer, [prefix] if one else prefix, one, name="prefix", eos_allowed=False,
+                          empty_allowed=True)
+        if len(ids) != len(lines):
+            raise UserError(f"{len(lines)} sources for {len(ids)} prefixes; they pair one to one")
+        data = self.config.data
+        for i, (line, forced) in enumerate(zip(lines, ids)):
+            source_len = min(len(self.tokenizer.encode(line)) + 1, data.eval_max_input_length)
+            limit = compiled.max_output_len(self.config, compiled.width_bucket(source_len, data.eval_max_input_length))
+            if len(forced) >= limit:
+                raise UserError(f"{'prefix' if one else f'prefix[{i}]'}: {len(forced)} tokens; the output of this "
+                                f"source holds at most {limit} (config.decode.max_len_a/b, "
+                                f"config.data.eval_max_target_length), EOS included")
+        return ids
 
     def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
         """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
@@ -100,13 +169,23 @@ class Model:
         dict for a string source, a list for a list. A target is a string, or token ids (an n-best entry's
         ``"tokens"``, to rescore exactly that hypothesis: a decoded text may re-tokenise otherwise). Cut as
         ``translate`` cuts: sources to ``config.data.eval_max_input_length`` tokens and targets to
-        ``config.data.eval_max_target_length`` (EOS included in both), so a translation scores whole."""
-        self._need("score", ("translation", "summarization"))
+        ``config.data.eval_max_target_length`` (EOS included in both), so a translation scores whole.
+
+        For an LM the sources are prompts and the targets their continuations: log p of each continuation token
+        and EOS given BOS and the prompt (what ``generate``'s n-best entries hold), a pair longer than
+        ``config.model.max_len`` keeping the prompt's last tokens."""
+        self._need("score", ("translation", "summarization", "lm"))
         one = isinstance(sources, str)
         source_lines = _lines(sources, "sources", one_allowed=True)
         target_ids = _target_ids(self.tokenizer, [targets] if one else targets, one)
         if len(source_lines) != len(target_ids):
             raise UserError(f"{len(source_lines)} sources for {len(target_ids)} targets; they pair one to one")
+        if self.task == "lm":
+            log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs,
+                                                                               self.module))
+            out = lm_scoring.continuation_scores(self.config, log_probs, self.params,
+                                                 self.tokenizer.encode_batch(source_lines), target_ids)
+            return out[0] if one else out
         data = self.config.data
         inputs = [np.append(ids[:data.eval_max_input_length - 1], EOS_ID)
                   for ids in self.tokenizer.encode_batch(source_lines)]
@@ -146,26 +225,45 @@ class Model:
         return decode_and_score.score_texts(self.task, hypotheses, references)
 
     # --- language models -----------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> list[str]:
+    def generate(self, prompts: str | Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, beam_size: int | None = None, lenpen: float | None = None,
+                 nbest: int | None = None) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """Continues each prompt by up to ``max_len`` tokens: greedy at ``temperature=0``, else sampled (after
         ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; a prompt's sample depends on it, the seed and
         the settings alone, not on the other prompts or its place among them. A prompt too long for
-        ``config.model.max_len`` keeps its last tokens."""
+        ``config.model.max_len`` keeps its last tokens.
+
+        With ``beam_size`` or ``nbest``, a beam search instead (``beam_size`` / ``lenpen`` default to the stored
+        ``config.decode``'s), or with ``temperature > 0`` ``nbest`` samples; with ``nbest=k`` each output is a
+        list of up to k dicts, best first, as ``translate`` gives them: ``"text"`` and ``"tokens"`` (the
+        continuation, EOS last: forced at ``max_len``), ``"token_scores"`` (each one's log-prob given BOS, the
+        prompt and the tokens before it: ``score(prompt, tokens)`` gives them again) and ``"score"``
+        (``sum(token_scores) / len**lenpen`` over the continuation, which the beam ranks by)."""
         self._need("generate", ("lm",))
         lines = _lines(prompts, "prompts", one_allowed=True)
         schema.check_sampling(dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
+        search = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        scored = beam_size is not None or nbest is not None
+        if lenpen is not None and not scored:
+            raise UserError(f"lenpen={lenpen}: ranks a beam search's or n samples' hypotheses; pass beam_size or "
+                            "nbest with it")
+        if scored:
+            schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)
+            search.update(beam_size=self._hypotheses_per_source(nbest, beam_size, temperature),
+                          lenpen=self.config.decode.lenpen if lenpen is None else lenpen)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
-        outputs = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator,
-                                                  max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                  seed=seed).hypotheses
+        found = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator, max_len=max_len,
+                                                nbest=(nbest or 1) if scored else 0, **search)
+        outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(prompts, str) else outputs
 
-    def perplexity(self, texts: Sequence[str], *, sample_break_mode: str = "eos", tokens_per_sample: int | None = None,
-                   context_window: int = 0) -> dict[str, float]:
-        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM.
+    def perplexity(self, texts: str | Sequence[str], *, sample_break_mode: str = "eos",
+                   tokens_per_sample: int | None = None, context_window: int = 0,
+                   per_text: bool = False) -> dict[str, float] | list[dict[str, float]]:
+        """Token-level ``ppl``, ``nll`` per token and ``tokens`` (EOS counted) of ``texts`` under an LM: of the
+        corpus for a list, or with ``per_text=True`` a list of them, one per text; one text's for a string.
 
         By default each text is scored alone, cut to ``config.data.eval_max_target_length`` tokens. The keyword
         arguments are ``fairseq-eval-lm``'s (``lconv.infer.lm_blocks``): ``sample_break_mode="none"`` scores the
@@ -178,6 +276,8 @@ class Model:
             raise UserError("a document-stream run carries its kNN memory across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
+        if isinstance(texts, str) or per_text:
+            return self._text_perplexities(texts, (sample_break_mode, tokens_per_sample, context_window))
         if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
             return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
         encoded = [np.append(ids[:limit - 1], EOS_ID)
@@ -192,6 +292,16 @@ class Model:
             total = {k: total[k] + float(sums[k]) for k in total}
         nll = total["nll"] / max(total["tokens"], 1.0)
         return {"ppl": math.exp(min(nll, 50.0)), "nll": nll, "tokens": total["tokens"]}
+
+    def _text_perplexities(self, texts: str | Sequence[str], blocks: tuple[Any, ...]) -> Any:
+        """``perplexity`` of each text alone (fairseq-eval-lm's ``--sample-break-mode eos``, per text)."""
+        if blocks != ("eos", None, 0):
+            raise UserError(f"sample_break_mode={blocks[0]!r}, tokens_per_sample={blocks[1]}, context_window="
+                            f"{blocks[2]}: blocks span texts; per-text results score each text alone (the defaults)")
+        encoded = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
+        log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs, self.module))
+        out = lm_scoring.text_perplexities(self.config, log_probs, self.params, encoded)
+        return out[0] if isinstance(texts, str) else out
 
     def _fairseq_perplexity(self, texts: Sequence[str], mode: str, tokens_per_sample: int,
                             context_window: int) -> dict[str, float]:
@@ -225,73 +335,17 @@ class Model:
                                        targets_segmentation=(targets_BT != PAD_ID).astype(jnp.int32))
         return metrics.label_smoothed_loss(logits_BTV, targets_BT, targets_BT != PAD_ID, 0.0)
 
-    # --- kernels -------------------------------------------------------------------------------------------
-    def kernels(self, sentence: str) -> dict[str, Any]:
-        """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
-
-        Returns ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}``: a
-        LightConv layer's entry is its ``[H, K]`` kernel (the same at every position), a DynamicConv layer's its
-        ``[T, H, K]`` kernels (one per token), any other mixer's ``None``. For translation the encoder reads the
-        sentence (+ EOS) and the decoder its translation, teacher-forced: decoder position t reads
-        ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
-        (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
-        encoder, ``K - 1`` in the decoder)."""
-        if self.task == "lm":
-            targets = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_target_length]
-            inputs = None
-        else:
-            inputs = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_input_length]
-            translation = self.translate([sentence])[0]
-            limit = self.config.data.eval_max_target_length
-            targets = np.append(self.tokenizer.encode(translation), EOS_ID)[:limit]
-        kernel_logits = self._function("kernel_logits", self._kernel_logits)
-        sides = {"decoder": len(targets)} if inputs is None else {"encoder": len(inputs), "decoder": len(targets)}
-        data = self.config.data
-        ids = [_pad_rows([x], 1, compiled.width_bucket(len(x), limit)) for x, limit in
-               ([] if inputs is None else [(inputs, data.eval_max_input_length)])
-               + [(targets, data.eval_max_target_length)]]
-        out = {}
-        for side, layers in kernel_logits(self.params, *ids).items():
-            out[side] = [_normalised(logits, sides[side]) for logits in layers]
-        if inputs is not None:
-            out["source_tokens"] = [self._piece(i) for i in inputs.tolist()]
-        start = self.module.config.decoder_start_id  # BOS, or EOS for a model imported from fairseq
-        out["target_tokens"] = [self._piece(i) for i in [start] + targets[:-1].tolist()]
-        return out
-
-    def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:
-        """Per side, per layer: the LightConv kernel's logits ``[H, K]``, the DynamicConv kernel predictor's
-        output as ``[T, H, K]`` (captured as the model runs on row 0 of ``ids``), or None for another mixer."""
-        is_predictor = lambda module, method: method == "__call__" and module.name == "weight_linear"  # noqa: E731
-        segmentation = [(x != PAD_ID).astype(jnp.int32) for x in ids]
-        if self.task == "lm":
-            kwargs = dict(targets_segmentation=segmentation[0])
-        else:
-            kwargs = dict(inputs_segmentation=segmentation[0], targets_segmentation=segmentation[1])
-        _, state = self.module.apply({"params": params}, *ids, **kwargs, capture_intermediates=is_predictor,
-                                     mutable=["intermediates"])
-        out = {}
-        for side in ("decoder",) if self.task == "lm" else ("encoder", "decoder"):
-            out[side] = []
-            for i in range(sum(k.startswith("layer_") for k in params[side])):
-                conv = params[side][f"layer_{i}"].get("mixer", {}).get("conv", {})
-                if "weight" in conv:  # LightConv: [H, K]
-                    out[side].append(conv["weight"])
-                elif "weight_linear" in conv:  # DynamicConv: [1, T, H*K] head-major -> [T, H, K]
-                    captured = state["intermediates"][side][f"layer_{i}"]["mixer"]["conv"]["weight_linear"]
-                    K = self.module.config.kernel_size(side, i)
-                    out[side].append(captured["__call__"][0][0].reshape(ids[0].shape[1] if side == "encoder"
-                                                                        else ids[-1].shape[1], -1, K))
-                else:
-                    out[side].append(None)
-        return out
-
     # --- helpers -------------------------------------------------------------------------------------------
     def _function(self, name: str, fn: Any) -> Any:
         """``fn`` jitted once per model (one compilation per shape bucket)."""
         if name not in self._jitted:
             self._jitted[name] = jax.jit(fn)
         return self._jitted[name]
+
+    def _one_model(self, method: str) -> None:
+        if isinstance(self.module, model_ensemble.Ensemble):
+            raise UserError(f"{method}() reads one model's layers; {self.workdir} is an ensemble: call it on one of "
+                            "its models")
 
     def _need(self, method: str, tasks: tuple[str, ...]) -> None:
         if self.task not in tasks:
@@ -301,14 +355,6 @@ class Model:
 
     def _piece(self, token: int) -> str:
         return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.decode([token]) or "▁"
-
-
-def _normalised(logits: Any, length: int) -> np.ndarray | None:
-    """Softmax over K in float32, as the conv modules normalise their kernels; ``[T, H, K]`` cut to ``length``."""
-    if logits is None:
-        return None
-    kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-    return kernels[:length] if kernels.ndim == 3 else kernels
 
 
 def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
@@ -327,30 +373,34 @@ def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     return list(texts)
 
 
-def _target_ids(tokenizer: Any, targets: Any, one: bool) -> list[np.ndarray]:
-    """``score``'s targets as id arrays without EOS: a string is encoded, ids are taken as they are (an n-best
-    entry's ``"tokens"``, whose last, EOS, is dropped: ``score`` appends it). One-line errors name the target."""
+def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets", eos_allowed: bool = True,
+                empty_allowed: bool = False) -> list[np.ndarray]:
+    """``score``'s targets (or ``translate``'s prefixes: ``name``) as id arrays without EOS: a string is encoded,
+    ids are taken as they are (an n-best entry's ``"tokens"``, whose last, EOS, is dropped: ``score`` appends it;
+    a prefix holds no EOS, and may be empty). One-line errors name the target."""
     if isinstance(targets, str) or not isinstance(targets, Sequence):
-        raise UserError(f"targets: pass {'one string (or token ids) for one source' if one else 'a list'}; "
+        raise UserError(f"{name}: pass {'one string (or token ids) for one source' if one else 'a list'}; "
                         f"got {type(targets).__name__}")
     out = []
     for i, target in enumerate(targets):
-        name = "targets" if one else f"targets[{i}]"
+        named = name if one else f"{name}[{i}]"
         if isinstance(target, str):
             out.append(np.asarray(tokenizer.encode(target), np.int32))
             continue
-        ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) and len(target) else None
-        if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any() \
-                or (ids >= tokenizer.vocab_size).any() or (ids[:-1] == EOS_ID).any():
-            raise UserError(f"{name}: must be a string or a non-empty list of token ids in [0, "
-                            f"{tokenizer.vocab_size}) with EOS ({EOS_ID}) last if anywhere; got {target!r:.60}")
-        out.append(ids[:-1] if ids[-1] == EOS_ID else ids)
+        ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) else None
+        ids = ids if ids is not None and (len(ids) or empty_allowed) else None
+        if ids is not None and len(ids) == 0:
+            out.append(np.zeros((0,), np.int32))
+            continue
+        lowest = 0 if eos_allowed else PAD_ID + 1  # a prefix is forced as given: never PAD
+        if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < lowest).any() \
+                or (ids >= tokenizer.vocab_size).any() or (ids[:-1] == EOS_ID).any() \
+                or (ids[-1] == EOS_ID and not eos_allowed):
+            rule = f"with EOS ({EOS_ID}) last if anywhere" if eos_allowed else f"without EOS ({EOS_ID})"
+            raise UserError(f"{named}: must be a string or a {'' if empty_allowed else 'non-empty '}list of token "
+                            f"ids in [{lowest}, {tokenizer.vocab_size}) {rule}; got {target!r:.60}")
+        out.append(ids[:-1].astype(np.int32) if ids[-1] == EOS_ID else ids.astype(np.int32))
     return out
 
 
-def _pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:
-    """Id arrays -> ``[rows, width]`` int32, PAD after each and in the missing rows."""
-    out = np.full((rows, width), PAD_ID, np.int32)
-    for row, x in enumerate(ids):
-        out[row, :len(x)] = x
-    return out
+_pad_rows = compiled.pad_rows  # Id arrays -> [rows, width] int32, PAD after each and in the missing rows

@@ -159,9 +159,10 @@ def test_calls_that_do_not_fit_the_run_are_one_line_errors(lm):
         with pytest.raises(UserError) as error:  # never decoded as "None" or "b'...'"
             lm.generate(prompts)
         helpers.one_line_error(error, named)
-    with pytest.raises(UserError) as error:
-        lm.perplexity("one text")  # a corpus measure: a list, even of one
-    helpers.one_line_error(error, "texts", "list of strings")
+    for texts, named in [(["ok", None], "texts[1]"), (None, "texts"), (b"bytes", "texts")]:
+        with pytest.raises(UserError) as error:  # a string is one text (one dict); anything else but strings errs
+            lm.perplexity(texts)
+        helpers.one_line_error(error, named)
     for kwargs, named in [(dict(max_len=0), ["max_len=0"]),
                           (dict(temperature=-1.0), ["temperature=-1.0"]),
                           (dict(top_k=-2), ["top_k=-2"]),

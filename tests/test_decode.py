@@ -500,3 +500,57 @@ def test_samples_with_a_length_limit_end_in_eos_and_do_not_depend_on_their_row()
     assert as_data[0] == as_data[1] != as_data[2]  # by content, not by row
     padded = decode.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0, 0, 0, 0, 0]]))
     assert jax.random.key_data(padded).tolist()[0] == as_data[0]  # the padded width changes nothing
+
+
+def _brute_force_prefixed(A, Bm, Cp, bias_V, limit, lenpen, prefix, scored):
+    """``_brute_force`` over the hypotheses that start with ``prefix``; unscored, the prefix counts in neither the
+    log-prob nor the length."""
+    hyps = []
+    for n in range(limit - len(prefix)):
+        for body in itertools.product([t for t in range(V) if t not in (PAD, EOS)], repeat=n):
+            seq = list(prefix) + list(body) + [EOS]
+            first = 0 if scored else len(prefix)
+            logp = sum(_logp(A, Bm, Cp, bias_V, [BOS] + seq[:j], seq[j]) for j in range(first, len(seq)))
+            hyps.append((logp / (len(seq) - first) ** lenpen, seq))
+    return sorted(hyps, key=lambda h: -h[0])
+
+
+@pytest.mark.parametrize("scored,lenpen,stop", [(True, 1.0, "optimal"), (False, 0.5, "optimal"),
+                                                (True, 1.0, "fairseq")])
+def test_an_exhaustive_beam_with_a_forced_prefix_equals_brute_force_over_the_prefixed_hypotheses(scored, lenpen,
+                                                                                                 stop):
+    A, Bm, Cp, bias = _tables(seed=5)
+    A[:, 4] += 2.0  # the model prefers token 4: the prefixes below go against it
+    fn, cache = _toy(A, Bm, Cp, bias)
+    prefixes = [[2], [3, 2]]  # one per row, ragged
+    prefix = decode.Prefix(jnp.asarray([[2, PAD, PAD], [3, 2, PAD]]), jnp.asarray([1, 2]))
+    found = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen, stop=stop, with_token_scores=True,
+                               prefix=prefix, prefix_scored=scored)
+    for b in range(2):
+        ref = _brute_force_prefixed(A, Bm, Cp, bias[b], L, lenpen, prefixes[b], scored)
+        count = len(ref)  # fewer than the beam: the other slots stay empty
+        np.testing.assert_allclose(found.scores[b, :count], [s for s, _ in ref], rtol=1e-5, atol=1e-5)
+        assert np.all(np.isneginf(found.scores[b, count:]))
+        assert sorted(map(tuple, found.tokens[b, :count].tolist())) == sorted(tuple(_padded(q)) for _, q in ref)
+        best = ref[0][1]
+        expected = [_logp(A, Bm, Cp, bias[b], [BOS] + best[:j], best[j]) for j in range(len(best))]
+        if not scored:
+            expected[:len(prefixes[b])] = [0.0] * len(prefixes[b])
+        np.testing.assert_allclose(found.token_scores[b, 0, :len(best)], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_samples_with_a_forced_prefix_start_with_it_and_score_it_under_the_model():
+    A, Bm, Cp, bias = _tables(seed=6, batch=3)
+    fn, cache = _toy(A, Bm, Cp, bias)
+    prefix = decode.Prefix(jnp.asarray([[4, 4, 2], [2, PAD, PAD], [PAD, PAD, PAD]]), jnp.asarray([3, 1, 0]))
+    limits = jnp.asarray([2, 8, 8])  # row 0's limit is raised to hold its prefix and EOS
+    tokens, token_scores = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits,
+                                         with_token_scores=True, prefix=prefix)
+    free, _ = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits, with_token_scores=True)
+    assert tokens[0].tolist() == [4, 4, 2, EOS] + [PAD] * 4 and tokens[1, 0] == 2
+    assert tokens[2].tolist() == free[2].tolist()  # no prefix: the same draws as without any
+    for b in range(3):
+        seq = tokens[b].tolist()
+        length = seq.index(EOS) + 1
+        expected = [_logp(A, Bm, Cp, bias[b], [BOS] + seq[:j], seq[j]) for j in range(length)]
+        np.testing.assert_allclose(token_scores[b, :length], expected, rtol=1e-5, atol=1e-6)

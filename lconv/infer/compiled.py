@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -20,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
-from lconv.infer import search
+from lconv.infer import lm_search, search
 from lconv.nn import common as nn_common
 
 if TYPE_CHECKING:
@@ -113,13 +114,14 @@ class Translator:
         self.config, self.params, self.mesh = config, params, mesh_of(params)
         decode = config.decode
 
-        def hypotheses(params, inputs_BS, lenpen, seed, *, max_len, beam_size, temperature=0.0, top_k=0, top_p=1.0):
+        def hypotheses(params, inputs_BS, lenpen, seed, prefix=None, *, max_len, beam_size, temperature=0.0, top_k=0,
+                       top_p=1.0):
             segmentation_BS = (inputs_BS != PAD_ID).astype(jnp.int32)  # [B, S]
             return search.translate_hypotheses(
                 model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS, beam_size=beam_size,
                 max_len=max_len, lenpen=lenpen, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
                 stop=decode.stop, rng=jax.random.key(seed) if temperature else None, temperature=temperature,
-                top_k=top_k, top_p=top_p)  # [B, N, L], [B, N], [B, N, L]
+                top_k=top_k, top_p=top_p, prefix=prefix)  # [B, N, L], [B, N], [B, N, L]
 
         def best(params, inputs_BS, lenpen, *, max_len, beam_size):
             return hypotheses(params, inputs_BS, lenpen, jnp.uint32(0), max_len=max_len,
@@ -143,19 +145,43 @@ class Translator:
         return self.hypotheses(inputs_BS, beam_size=beam_size, lenpen=lenpen).tokens[:, 0]  # [B, L]
 
     def hypotheses(self, inputs_BS: np.ndarray, *, beam_size: int | None = None, lenpen: float | None = None,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   seed: int = 0) -> search.Hypotheses:
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                   prefixes: Sequence[np.ndarray] | None = None) -> search.Hypotheses:
         """``beam_size`` hypotheses per source, best first (``search.translate_hypotheses``): beams, or with
-        ``temperature > 0`` samples drawn from ``seed``."""
+        ``temperature > 0`` samples drawn from ``seed``. ``prefixes``: per row the ids its outputs start with
+        (``search.Prefix``; at most ``max_output_len - 1`` each), padded here to the output length, so a prefix
+        adds one program per bucket, not one per prefix length."""
         beam_size = self.config.decode.beam_size if beam_size is None else beam_size
         lenpen = self.config.decode.lenpen if lenpen is None else lenpen
         inputs_BS = np.asarray(inputs_BS, np.int32)
         sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)) if temperature else {}
+        max_len = max_output_len(self.config, inputs_BS.shape[1])
+        rows = row_sharding(self.mesh, inputs_BS.shape[0])
+        prefix = None if prefixes is None else search.Prefix(
+            *(place(x, rows) for x in padded_prefixes(prefixes, inputs_BS.shape[0], max_len)))
         with _mesh_context(self.mesh):
-            found = self.jitted(self.params, place(inputs_BS, row_sharding(self.mesh, inputs_BS.shape[0])),
-                                jnp.float32(lenpen), jnp.uint32(seed), beam_size=int(beam_size),
-                                max_len=max_output_len(self.config, inputs_BS.shape[1]), **sampling)
+            found = self.jitted(self.params, place(inputs_BS, rows), jnp.float32(lenpen), jnp.uint32(seed), prefix,
+                                beam_size=int(beam_size), max_len=max_len, **sampling)
             return search.Hypotheses(*map(np.asarray, found))  # replicated: every process reads all of it
+
+
+def pad_rows(ids: Sequence[np.ndarray], rows: int, width: int) -> np.ndarray:
+    """Id arrays -> ``[rows, width]`` int32, PAD after each and in the missing rows."""
+    out = np.full((rows, width), PAD_ID, np.int32)
+    for row, x in enumerate(ids):
+        out[row, :len(x)] = x
+    return out
+
+
+def padded_prefixes(prefixes: Sequence[np.ndarray], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row prefix ids -> ``(tokens [rows, width] PAD after each, lengths [rows])``; missing rows have none."""
+    if any(len(ids) >= width for ids in prefixes):
+        raise ValueError(f"a prefix of {max(map(len, prefixes))} tokens leaves no room for EOS in {width}")
+    tokens_BL = np.full((rows, width), PAD_ID, np.int32)
+    length_B = np.zeros((rows,), np.int32)
+    for row, ids in enumerate(prefixes):
+        tokens_BL[row, :len(ids)], length_B[row] = ids, len(ids)
+    return tokens_BL, length_B
 
 
 def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,
@@ -209,10 +235,35 @@ class Generator:
             return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len, rng=rng,
                             temperature=temperature, top_k=top_k, top_p=top_p)
 
+        def hypotheses(params, prompt_BP, prompt_len_B, lenpen, seed, *, max_len, beam_size, temperature, top_k,
+                       top_p):
+            return lm_search.lm_hypotheses(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len,
+                                           beam_size=beam_size, lenpen=lenpen, stop=config.decode.stop,
+                                           rng=jax.random.key(seed) if temperature else None,
+                                           temperature=temperature, top_k=top_k, top_p=top_p)
+
         self.function = nn_common.under_axis_rules(run, config.mesh.rules)
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(self.function, static_argnames=("max_len", "temperature", "top_k", "top_p"),
                               out_shardings=replicated)
+        self.jitted_hypotheses = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules),
+                                         static_argnames=("max_len", "beam_size", "temperature", "top_k", "top_p"),
+                                         out_shardings=replicated)
+
+    def hypotheses(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, beam_size: int,
+                   lenpen: float = 1.0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int = 0) -> search.Hypotheses:
+        """``beam_size`` scored continuations per prompt, best first (``lm_search.lm_hypotheses``): beams, or
+        with ``temperature > 0`` samples; ``[B, N, max_len]`` numpy. One program per (rows, width, max_len,
+        beam_size, sampling settings); ``lenpen`` and the seed are arguments."""
+        prompt_BP, prompt_len_B = np.asarray(prompt_BP, np.int32), np.asarray(prompt_len_B, np.int32)
+        sharding = row_sharding(self.mesh, prompt_BP.shape[0])
+        sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        with _mesh_context(self.mesh):
+            found = self.jitted_hypotheses(self.params, place(prompt_BP, sharding), place(prompt_len_B, sharding),
+                                           jnp.float32(lenpen), jnp.uint32(seed), max_len=int(max_len),
+                                           beam_size=int(beam_size), **sampling)
+            return search.Hypotheses(*map(np.asarray, found))
 
     def __call__(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
                    translator: Callable[..., Any] | None = None,
+                   per_batch: Callable[[list[int]], dict[str, Any]] | None = None,
                    **search: Any) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
     """``(batch, translator(batch's sources, **search))`` over every example of ``eval_set`` (a
     ``compiled.Translator``'s best-beam ids ``[B, L]``, or its ``hypotheses``), the whole split (``whole_split``),
@@ -49,7 +50,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     Examples are decoded in order of source length, each batch cut to the shortest width in ``compiled.WIDTHS``
     that holds it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam
     search stops early together. That is a handful of compiled shapes, each compiled once per ``translator`` (pass
-    one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``).
+    one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``; ``per_batch(examples)``:
+    more arguments for the batch of those example indices, such as their ``prefixes``).
 
     A batch that runs the device out of memory is decoded again in halves (``in_batches``).
 
@@ -62,7 +64,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
 
     def decode(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch, width = _padded_batch(eval_set, chosen, rows)
-        return batch, translator(batch["inputs"][:, :width], **search)  # [rows, L]
+        more = per_batch(chosen) if per_batch else {}
+        return batch, translator(batch["inputs"][:, :width], **search, **more)  # [rows, L]
 
     for _, decoded in in_batches(order, rows, decode):
         yield decoded
@@ -326,11 +329,12 @@ class Translations:
 
 def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
                     translator: compiled.Translator | None = None, name: Callable[[int], str] = "sources[{}]".format,
-                    nbest: int = 0, **search: Any) -> Translations:
+                    nbest: int = 0, prefixes: Sequence[np.ndarray] | None = None, **search: Any) -> Translations:
     """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
     ``search``: ``Translator.hypotheses``' ``beam_size``, ``lenpen``, and for sampling ``temperature``,
     ``top_k``, ``top_p``, ``seed``), on ``translator``'s programs when given. With ``nbest``, also the first
-    ``nbest`` hypotheses of each line (``Translations.nbest``).
+    ``nbest`` hypotheses of each line (``Translations.nbest``). ``prefixes``: per line, the ids each of its
+    outputs starts with (``search.Prefix``; checked by the caller to fit the output limit).
 
     A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output (and n-best list)
     in its place, so the outputs stay aligned with the input lines. Lines longer than
@@ -351,7 +355,9 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
     translator = translator or compiled.Translator(config, model, params)
     hypotheses = [""] * len(sources)
     lists = [[] for _ in sources] if nbest else None
-    for batch, found in decode_batches(config, model, params, eval_set, translator=translator.hypotheses, **search):
+    per_batch = None if prefixes is None else (lambda chosen: {"prefixes": [prefixes[kept[i]] for i in chosen]})
+    for batch, found in decode_batches(config, model, params, eval_set, translator=translator.hypotheses,
+                                       per_batch=per_batch, **search):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[kept[int(index)]] = tokenizer.decode(found.tokens[row, 0])
@@ -387,9 +393,12 @@ def prompt_limit(config: Any, max_len: int, name: str = "max_len") -> int:
 
 
 def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
-                   max_len: int, name: Callable[[int], str] = "prompts[{}]".format, **sampling: Any) -> Translations:
+                   max_len: int, name: Callable[[int], str] = "prompts[{}]".format, nbest: int = 0,
+                   **sampling: Any) -> Translations:
     """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
-    ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). A blank prompt starts from BOS alone. A prompt
+    ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). With ``nbest``, the first ``nbest`` of
+    ``Generator.hypotheses`` per prompt instead (``sampling`` then also holds its ``beam_size`` and ``lenpen``):
+    ``Translations.nbest``, and the best one's text as the output. A blank prompt starts from BOS alone. A prompt
     longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation), with a warning naming it
     by ``name(index)``; ``Translations.lengths`` says which were cut. Prompts of similar length share a batch,
     and a batch one program per shape bucket."""
@@ -400,7 +409,8 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
     lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={max_len} new ones "
                 "and BOS", keeps="cut to the last")
     encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
-    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size, 1)
+    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size,
+                                sampling.get("beam_size", 1))
     rows = compiled.row_bucket(len(encoded), rows)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
 
@@ -410,10 +420,17 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
         prompt_len_B = np.zeros((rows,), np.int32)
         for row, i in enumerate(chosen):
             prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
+        if nbest:
+            return generator.hypotheses(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, N, max_len]
         return generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, max_len]
 
     outputs = [""] * len(prompts)
-    for chosen, tokens_BL in in_batches(order, rows, decode):
+    lists = [[] for _ in prompts] if nbest else None
+    for chosen, found in in_batches(order, rows, decode):
         for row, i in enumerate(chosen):
-            outputs[i] = tokenizer.decode(tokens_BL[row])
-    return Translations(outputs, [], lengths)
+            if nbest:
+                lists[i] = nbest_entries(tokenizer, found, row, nbest)
+                outputs[i] = lists[i][0]["text"] if lists[i] else ""
+            else:
+                outputs[i] = tokenizer.decode(found[row])
+    return Translations(outputs, [], lengths, lists)

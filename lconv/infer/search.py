@@ -40,6 +40,29 @@ class Hypotheses(NamedTuple):
     scores: Array  # [B, N] sum(token_scores) / length**lenpen, EOS counted in both (an empty slot: -inf)
     token_scores: Array  # [B, N, L] each token's log-prob under the model (log_softmax of its logits), 0 after EOS
 
+
+class Prefix(NamedTuple):
+    """Tokens forced at the start of each row's output (fairseq's ``prefix_tokens``): while ``i < length[b]`` row
+    b's token ``i`` is ``tokens[b, i]``, whatever the model prefers. A forced token keeps the model's log-prob as
+    its token score, so a hypothesis scores as ``score`` rescores it (its prefix included)."""
+
+    tokens: Array  # [B, P] int32, anything after a row's length (PAD)
+    length: Array  # [B] forced tokens per row (0: none)
+
+    def at(self, i: Array) -> tuple[Array, Array]:
+        """``(forcing_B, forced_B)`` at step ``i``: whether each row is still forced, and the token it is forced to."""
+        column = jnp.minimum(i, self.tokens.shape[1] - 1)
+        return i < self.length, jax.lax.dynamic_index_in_dim(self.tokens, column, 1, keepdims=False).astype(jnp.int32)
+
+    def limits(self, limit_B: Array | None, batch_size: int, max_len: int) -> Array:
+        """Each row's length limit (EOS included) raised to hold its prefix and EOS, within ``max_len``."""
+        limit_B = jnp.full((batch_size,), max_len, jnp.int32) if limit_B is None else jnp.asarray(limit_B, jnp.int32)
+        return jnp.clip(jnp.maximum(limit_B, self.length + 1), 1, max_len)  # [B]
+
+    def repeat(self, n: int) -> Prefix:  # row b's prefix for rows b*n .. b*n + n-1, as tile_cache lays them out
+        return Prefix(jnp.repeat(self.tokens, n, axis=0), jnp.repeat(self.length, n, axis=0))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Cache helpers
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,7 +146,7 @@ def filter_logits(logits_BV: Array, *, temperature: float = 1.0, top_k: int = 0,
 def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, rng: Array | None, *,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, prompt: Array | None = None,
            bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID, max_len_per_row: Array | None = None,
-           with_token_scores: bool = False) -> Array | tuple[Array, Array]:
+           with_token_scores: bool = False, prefix: Prefix | None = None) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
     ``prompt [B, T]`` (one length ``T`` for all rows) is fed as one chunk ``[BOS, prompt...]`` before the first
@@ -134,9 +157,12 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
     ``fold_in(its key, i)``, so what a row samples does not depend on its index or on the other rows. With
     ``max_len_per_row [B]`` EOS is forced at a row's limit (EOS included), as ``beam_search`` does; without it a
     row that has not ended at ``max_len`` is cut. ``with_token_scores``: also ``[B, max_len]`` log-probs of the
-    chosen tokens under the model (before temperature and filters), 0 after EOS.
+    chosen tokens under the model (before temperature and filters), 0 after EOS. ``prefix``: each row's first
+    tokens are forced (``Prefix``; their token scores are still the model's log-probs).
     """
     B = batch_size
+    if prefix is not None:
+        max_len_per_row = prefix.limits(max_len_per_row, B, max_len)
     first_BT = jnp.full((B, 1), bos_id, jnp.int32)  # [B, 1]
     if prompt is not None:
         first_BT = jnp.concatenate([first_BT, jnp.asarray(prompt, jnp.int32)], axis=1)  # [B, 1+T]
@@ -156,9 +182,16 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
         draw = lambda key, logits_V: jax.random.categorical(jax.random.fold_in(key, i), logits_V)  # noqa: E731
         return jax.vmap(draw)(keys_B, logits_BV).astype(jnp.int32)  # [B]: row by row, each with its own key
 
+    def pick_or_force(logits_BV, i):
+        picked_B = pick(logits_BV, i)  # [B]
+        if prefix is None:
+            return picked_B
+        forcing_B, forced_B = prefix.at(i)
+        return jnp.where(forcing_B, forced_B, picked_B)  # [B]
+
     def step(i, tokens_BL, scores_BL, finished_B, cache, inputs_BT):
         logits_BV, cache = _last_logits(tokens_to_logits, inputs_BT, cache)  # [B, V]
-        next_B = jnp.where(finished_B, pad_id, pick(logits_BV, i))  # [B]
+        next_B = jnp.where(finished_B, pad_id, pick_or_force(logits_BV, i))  # [B]
         tokens_BL = tokens_BL.at[:, i].set(next_B)  # [B, L]
         if with_token_scores:
             logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), next_B[:, None], axis=1)[:, 0]  # [B]
@@ -196,8 +229,8 @@ def row_keys(rng: Array, ids_BT: Array) -> Array:
 # ----------------------------------------------------------------------------------------------------------------
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
                 lenpen: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                max_len_per_row: Array | None = None, stop: str = "optimal",
-                with_token_scores: bool = False) -> tuple[Array, Array] | Hypotheses:
+                max_len_per_row: Array | None = None, stop: str = "optimal", with_token_scores: bool = False,
+                prefix: Prefix | None = None, prefix_scored: bool = True) -> tuple[Array, Array] | Hypotheses:
     """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first
     (with ``with_token_scores``, a ``Hypotheses`` holding also each token's log-prob).
 
@@ -212,21 +245,20 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     hypothesis can beat its worst finished one (log-probs only fall; the length bonus is at most
     ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
     score -inf and hold PAD. Inside, a set of hypotheses is a pair (tokens, their log-probs), ``[B, X, L]`` each.
-    """
+    ``prefix`` forces each row's first tokens (``Prefix``), unscored (an LM's prompt: ``_limits_and_penalty``)
+    with ``prefix_scored=False``."""
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
         raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
     fairseq = stop == "fairseq"
-    lenpen = jnp.float32(lenpen)
-    limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
-    limit_B = limit_B.astype(jnp.int32)  # [B] tokens a row may have, EOS included
-    max_pen_B = jnp.power(limit_B.astype(jnp.float32), lenpen)  # [B]
+    limit_B, penalty = _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, jnp.float32(lenpen))
+    max_pen_B = penalty(limit_B)  # [B]
 
     def cond(state):
         i, _, alive_logp_BN, _, finished_BN, _, count_B = state
         if fairseq:
             return (i < L) & ~jnp.all(count_B >= N)
-        best_pen_B = jnp.maximum(jnp.power((i + 1).astype(jnp.float32), lenpen), max_pen_B)  # [B]
+        best_pen_B = jnp.maximum(penalty(i + 1), max_pen_B)  # [B]
         best_alive_B = jnp.max(alive_logp_BN, axis=-1) / best_pen_B  # [B] upper bound of any future score
         done_B = finished_BN[:, -1] >= best_alive_B  # [B] worst finished beats every alive hypothesis
         return (i < L) & ~jnp.all(done_B)
@@ -236,7 +268,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         last_BN1 = jax.lax.dynamic_slice_in_dim(alive[0], jnp.maximum(i - 1, 0), 1, axis=2)  # [B, beam, 1]
         prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
         flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
-        logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq)
+        logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq, prefix,
+                                 prefix_scored)  # [B, beam, V]
         V = logp_BNV.shape[-1]
         cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
 
@@ -256,8 +289,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         cache = gather_beams(cache, jnp.take_along_axis(top_beam_B2N, keep_BN, axis=1))  # [B*beam, ...]
 
         # Finished: EOS extensions, length-normalised, merged with the finished set.
-        length_pen = jnp.power((i + 1).astype(jnp.float32), lenpen)  # ()
-        new_scores_B2N = jnp.where(is_eos_B2N, top_logp_B2N / length_pen, IMPOSSIBLE_LOGP)  # [B, 2beam]
+        length_pen_B1 = penalty(i + 1)[:, None]  # [B, 1]
+        new_scores_B2N = jnp.where(is_eos_B2N, top_logp_B2N / length_pen_B1, IMPOSSIBLE_LOGP)  # [B, 2beam]
         if fairseq:
             finished, finished_BN, count_B = _append_finished(
                 finished, finished_BN, count_B, top, new_scores_B2N, is_eos_B2N, top_logp_B2N)
@@ -290,16 +323,44 @@ def _take(seqs_BXL: Array, index_BY: Array) -> Array:
     return jnp.take_along_axis(seqs_BXL, index_BY[:, :, None], axis=1)
 
 
-def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq):
+def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
+    """``(limit_B, penalty)``: the tokens each row may have (EOS included; raised to hold a prefix and EOS), and
+    the length penalty ``penalty(length_B) -> [B]`` of hypotheses that long, whose unscored prefix tokens (an LM's
+    prompt) do not count."""
+    limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
+    limit_B = limit_B.astype(jnp.int32)  # [B]
+    if prefix is not None:
+        limit_B = prefix.limits(limit_B, B, L)
+    unscored_B = jnp.zeros((B,), jnp.int32) if prefix is None or prefix_scored else prefix.length  # [B]
+
+    def penalty(length_B):  # [B]
+        return jnp.power(jnp.maximum(length_B - unscored_B, 1).astype(jnp.float32), lenpen)
+
+    return limit_B, penalty
+
+
+def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, prefix_scored=True):
     """Log-probs of step ``i`` with what may not come masked: PAD always, all but EOS at a row's length limit, and
-    (fairseq's min_len = 1) EOS as the first token."""
+    (fairseq's min_len = 1) EOS as the first token; the rows still in their ``prefix`` forced (``_forced_logp``)."""
     logp_BNV = _mask_pad(jax.nn.log_softmax(logits_BNV, axis=-1), pad_id)  # [B, beam, V]
     at_limit_B11 = (i + 1 >= limit_B)[:, None, None]  # this token is the row's last
     only_eos_V = jnp.arange(logp_BNV.shape[-1]) == eos_id  # [V]
     logp_BNV = jnp.where(at_limit_B11 & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)
     if fairseq:
         logp_BNV = jnp.where((i == 0) & only_eos_V & ~at_limit_B11, IMPOSSIBLE_LOGP, logp_BNV)
+    if prefix is not None:
+        logp_BNV = _forced_logp(logp_BNV, logits_BNV, prefix, i, prefix_scored)
     return logp_BNV
+
+
+def _forced_logp(logp_BNV, logits_BNV, prefix, i, scored):
+    """Step ``i``'s log-probs with the rows still in their prefix forced: the prefix token keeps its log-prob under
+    the model (or 0 when the prefix is not scored), every other token -inf."""
+    forcing_B, forced_B = prefix.at(i)  # [B], [B]
+    is_forced_BNV = jnp.arange(logp_BNV.shape[-1]) == forced_B[:, None, None]  # [B, 1, V]
+    model_BNV = jax.nn.log_softmax(logits_BNV, axis=-1) if scored else jnp.zeros_like(logp_BNV)  # [B, beam, V]
+    kept_BNV = jnp.where(is_forced_BNV, model_BNV, IMPOSSIBLE_LOGP)  # [B, beam, V]
+    return jnp.where(forcing_B[:, None, None], kept_BNV, logp_BNV)  # [B, beam, V]
 
 
 def _best_finished(finished, finished_BN, top, scores_B2N, keep):
@@ -363,20 +424,22 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                          lenpen: float = 1.0, max_len_a: float | None = None, max_len_b: int | None = None,
                          bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID, stop: str = "optimal",
                          rng: Array | None = None, temperature: float = 0.0, top_k: int = 0,
-                         top_p: float = 1.0) -> Hypotheses:
+                         top_p: float = 1.0, prefix: Prefix | None = None) -> Hypotheses:
     """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: the finished beams of a beam search
     or, with ``temperature > 0``, as many samples (``sample``'s filters; sample n of a row draws with
     ``fold_in(row_keys(rng, inputs)[b], n)``, so it depends on the source, ``rng`` and n only), scored alike.
 
     Encodes once; the cache is created for ``B`` rows and tiled per hypothesis, the encoder output and source ids
     are tiled here the same way (row ``b*beam + n``). With ``max_len_a``/``max_len_b`` a row may generate
-    ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``.
+    ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``. ``prefix``: each
+    row's outputs start with its forced tokens (``Prefix``), scored as the model scores them.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = decoder_start_id(model) if bos_id is None else bos_id
     B, N = inputs_BS.shape[0], beam_size
     encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
-    tile = lambda x: None if x is None else jnp.repeat(x, N, axis=0)  # [B, ...] -> [B*beam, ...]
+    # [B, ...] -> [B*beam, ...]; the encoder output may be a tuple of arrays (an ensemble's, one per member)
+    tile = lambda x: jax.tree.map(lambda leaf: jnp.repeat(leaf, N, axis=0), x)  # noqa: E731
     _, cache = _apply_cache(model, variables, {}, encoded_BSC, inputs_BS, jnp.zeros((B, max_len), jnp.int32),
                             inputs_segmentation=inputs_segmentation, decode=True, method=model.decode)
     # The decoder's rows are the B*beam hypotheses: [B*beam, S, C], [B*beam, S], [B*beam, S]
@@ -393,14 +456,15 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
     limit_B = jnp.clip(limit_B, 1, max_len)
     if not temperature:
         return beam_search(tokens_to_logits, cache, B, N, max_len, lenpen=lenpen, bos_id=bos_id, eos_id=eos_id,
-                           pad_id=pad_id, max_len_per_row=limit_B, stop=stop, with_token_scores=True)
+                           pad_id=pad_id, max_len_per_row=limit_B, stop=stop, with_token_scores=True, prefix=prefix)
     if rng is None:
         raise UserError(f"translate_hypotheses with temperature={temperature} needs rng (or temperature=0)")
     fold_n = lambda key: jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(N))  # noqa: E731  [N]
     keys = jax.vmap(fold_n)(row_keys(rng, inputs_BS)).reshape(B * N)  # [B*N]: row b*N + n
     tokens, token_scores = sample(tokens_to_logits, tile_cache(cache, B, N), B * N, max_len, keys,
                                   temperature=temperature, top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id,
-                                  pad_id=pad_id, max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True)
+                                  pad_id=pad_id, max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True,
+                                  prefix=None if prefix is None else prefix.repeat(N))
     tokens_BNL, token_scores_BNL = tokens.reshape(B, N, max_len), token_scores.reshape(B, N, max_len)
     length_BN = jnp.sum(tokens_BNL != pad_id, axis=-1).astype(jnp.float32)  # [B, N] EOS included
     scores_BN = jnp.sum(token_scores_BNL, axis=-1) / jnp.power(length_BN, jnp.float32(lenpen))  # [B, N]

@@ -348,14 +348,15 @@ def check_checkpoint_choice(average_last: int, checkpoint: str) -> None:
 
 
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
-                 overrides: Callable[[Config], None] | None = None, caller: str = "--workdir") -> Trained:
+                 overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
+                 devices: Sequence[jax.Device] | None = None) -> Trained:
     """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
     the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
     validation loss. ``caller``: how the path was given, for errors (``find_run``).
 
     Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
     nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
-    (decoding fields, say) before the model is built."""
+    (decoding fields, say) before the model is built. ``devices``: the mesh's (``config.mesh``; default all)."""
     check_checkpoint_choice(average_last, checkpoint)
     config = read_config(workdir, caller)
     if overrides is not None:
@@ -368,7 +369,7 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
     steps = sorted(ckpt.all_steps())
     if not steps:
         raise UserError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
-    target = abstract_params(config, model, make_mesh(config.mesh))
+    target = abstract_params(config, model, make_mesh(config.mesh, devices))
     chosen = steps[-average_last:]
     total = None
     for step in chosen:

@@ -1,0 +1,124 @@
+"""Reading a trained model's insides, for plots and probing: ``lconv.api.Model``'s methods ``kernels`` (the
+normalised conv kernels each layer applies) and ``extract_features`` (each layer's hidden states). One model's
+layers: an ensemble has none of its own (``Model._one_model``)."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lconv.constants import EOS_ID, PAD_ID
+from lconv.errors import UserError
+from lconv.infer import compiled, features
+
+
+class Probing:
+    """``lconv.api.Model``'s probing methods; they read ``config``, ``tokenizer``, ``module``, ``params``,
+    ``task`` and the model's helpers (``translate``, ``_function``, ``_piece``, ``_one_model``)."""
+
+    def kernels(self, sentence: str) -> dict[str, Any]:
+        """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
+
+        Returns ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}``: a
+        LightConv layer's entry is its ``[H, K]`` kernel (the same at every position), a DynamicConv layer's its
+        ``[T, H, K]`` kernels (one per token), any other mixer's ``None``. For translation the encoder reads the
+        sentence (+ EOS) and the decoder its translation, teacher-forced: decoder position t reads
+        ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
+        (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
+        encoder, ``K - 1`` in the decoder)."""
+        self._one_model("kernels")
+        inputs, targets, ids = self._teacher_forced_ids(sentence, None)
+        kernel_logits = self._function("kernel_logits", self._kernel_logits)
+        sides = {"decoder": len(targets)} if inputs is None else {"encoder": len(inputs), "decoder": len(targets)}
+        out = {}
+        for side, layers in kernel_logits(self.params, *ids).items():
+            out[side] = [_normalised(logits, sides[side]) for logits in layers]
+        return {**out, **self._tokens_read(inputs, targets)}
+
+    def extract_features(self, sentence: str, *, layer: int | None = None,
+                         target: str | None = None) -> dict[str, Any]:
+        """Each layer's hidden states as the model computes them on ``sentence`` (``lconv.infer.features``), for
+        probing: ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}`` as
+        ``kernels`` reads them (an LM: ``"decoder"`` and ``"target_tokens"``). A side of L layers has L + 1
+        float32 ``[T, C]`` states: 0 the embeddings its first layer reads, i layer i's output, the last the
+        side's output (after its final norm, if any). With ``layer=i`` (negative counts from the end) each side
+        gives that state alone. The decoder reads ``target`` when given, else the model's own translation."""
+        self._one_model("extract_features")
+        if target is not None and self.task == "lm":
+            raise UserError("target: an LM reads the sentence itself; pass target= to a translation run only")
+        for name, text in (("sentence", sentence), ("target", target)):
+            if text is not None and not isinstance(text, str):
+                raise UserError(f"{name}: must be a string; got {type(text).__name__}")
+        inputs, targets, ids = self._teacher_forced_ids(sentence, target)
+        states = self._function("layer_states", functools.partial(features.layer_states, self.module,
+                                                                   lm=self.task == "lm"))(self.params, *ids)
+        lengths = {"decoder": len(targets)} if inputs is None else {"encoder": len(inputs), "decoder": len(targets)}
+        out = {}
+        for side, side_states in states.items():
+            cut = [np.asarray(x[0, :lengths[side]], np.float32) for x in side_states]
+            if layer is not None and not (isinstance(layer, int) and -len(cut) <= layer < len(cut)):
+                raise UserError(f"layer={layer!r}: the {side} has {len(cut)} states (0 = its embeddings, "
+                                f"{len(cut) - 1} = its output); pass one of -{len(cut)}..{len(cut) - 1}")
+            out[side] = cut if layer is None else cut[layer]
+        return {**out, **self._tokens_read(inputs, targets)}
+
+    def _teacher_forced_ids(self, sentence: str, target: str | None) -> tuple[Any, np.ndarray, list[np.ndarray]]:
+        """``(source ids or None for an LM, target ids, the padded [1, width] rows the model reads)``: the
+        sentence (+ EOS) and, for translation, ``target`` or the model's own translation (+ EOS), cut to the
+        eval limits."""
+        data = self.config.data
+        if self.task == "lm":
+            inputs, targets = None, np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_target_length]
+        else:
+            inputs = np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_input_length]
+            translation = self.translate([sentence])[0] if target is None else target
+            targets = np.append(self.tokenizer.encode(translation), EOS_ID)[:data.eval_max_target_length]
+        ids = [compiled.pad_rows([x], 1, compiled.width_bucket(len(x), limit)) for x, limit in
+               ([] if inputs is None else [(inputs, data.eval_max_input_length)])
+               + [(targets, data.eval_max_target_length)]]
+        return inputs, targets, ids
+
+    def _tokens_read(self, inputs: np.ndarray | None, targets: np.ndarray) -> dict[str, list[str]]:
+        """The pieces each side reads: the source, and the decoder's inputs (its start token, then the targets)."""
+        out = {} if inputs is None else {"source_tokens": [self._piece(i) for i in inputs.tolist()]}
+        start = self.module.config.decoder_start_id  # BOS, or EOS for a model imported from fairseq
+        out["target_tokens"] = [self._piece(i) for i in [start] + targets[:-1].tolist()]
+        return out
+
+    def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:
+        """Per side, per layer: the LightConv kernel's logits ``[H, K]``, the DynamicConv kernel predictor's
+        output as ``[T, H, K]`` (captured as the model runs on row 0 of ``ids``), or None for another mixer."""
+        is_predictor = lambda module, method: method == "__call__" and module.name == "weight_linear"  # noqa: E731
+        segmentation = [(x != PAD_ID).astype(jnp.int32) for x in ids]
+        if self.task == "lm":
+            kwargs = dict(targets_segmentation=segmentation[0])
+        else:
+            kwargs = dict(inputs_segmentation=segmentation[0], targets_segmentation=segmentation[1])
+        _, state = self.module.apply({"params": params}, *ids, **kwargs, capture_intermediates=is_predictor,
+                                     mutable=["intermediates"])
+        out = {}
+        for side in ("decoder",) if self.task == "lm" else ("encoder", "decoder"):
+            out[side] = []
+            for i in range(sum(k.startswith("layer_") for k in params[side])):
+                conv = params[side][f"layer_{i}"].get("mixer", {}).get("conv", {})
+                if "weight" in conv:  # LightConv: [H, K]
+                    out[side].append(conv["weight"])
+                elif "weight_linear" in conv:  # DynamicConv: [1, T, H*K] head-major -> [T, H, K]
+                    captured = state["intermediates"][side][f"layer_{i}"]["mixer"]["conv"]["weight_linear"]
+                    K = self.module.config.kernel_size(side, i)
+                    out[side].append(captured["__call__"][0][0].reshape(ids[0].shape[1] if side == "encoder"
+                                                                        else ids[-1].shape[1], -1, K))
+                else:
+                    out[side].append(None)
+        return out
+
+
+def _normalised(logits: Any, length: int) -> np.ndarray | None:
+    """Softmax over K in float32, as the conv modules normalise their kernels; ``[T, H, K]`` cut to ``length``."""
+    if logits is None:
+        return None
+    kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    return kernels[:length] if kernels.ndim == 3 else kernels

@@ -1,0 +1,53 @@
+"""``lconv.load``'s options: changes to a stored config for one load (compute dtype, decoding batch, source limit)
+and the devices its params are laid out on, each checked and named as the argument the user passed."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from lconv.configs import schema
+from lconv.errors import UserError
+from lconv.fields import integer
+from lconv.nn.model_config import COMPUTE_DTYPES
+
+
+def overrides(*, dtype: str | None, decode_batch_size: int | None,
+              max_input_length: int | None) -> Callable[[Any], None] | None:
+    """What ``setup.load_trained`` applies to the stored config before it builds the model (None: nothing)."""
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise UserError(f"dtype={dtype!r}: must be one of {', '.join(COMPUTE_DTYPES)} (the compute dtype; params "
+                        "stay float32)")
+    if decode_batch_size is not None:
+        schema.check_decode({"batch_size": decode_batch_size}, spell=lambda name: "decode_batch_size")
+    if max_input_length is not None and not (integer().test(max_input_length) and max_input_length >= 1):
+        raise UserError(f"max_input_length={max_input_length!r}: must be an integer >= 1 (source tokens, EOS "
+                        "included)")
+    if (dtype, decode_batch_size, max_input_length) == (None, None, None):
+        return None
+
+    def change(config: Any) -> None:
+        if max_input_length is not None and max_input_length > config.model.max_len:
+            raise UserError(f"max_input_length={max_input_length}: at most the model's config.model.max_len="
+                            f"{config.model.max_len} positions")
+        if dtype is not None:
+            config.model.dtype = dtype
+        if decode_batch_size is not None:
+            config.decode.batch_size = decode_batch_size
+        if max_input_length is not None:
+            config.data.eval_max_input_length = max_input_length
+
+    return change
+
+
+def checked_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device] | None:
+    """``devices`` as a list of JAX devices, or a one-line error naming the argument."""
+    if devices is None:
+        return None
+    if isinstance(devices, jax.Device):
+        devices = [devices]
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence) or not devices \
+            or not all(isinstance(d, jax.Device) for d in devices):
+        raise UserError(f"devices: pass a non-empty list of JAX devices (jax.devices()[:n]); got {devices!r:.60}")
+    return list(devices)

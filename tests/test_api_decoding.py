@@ -1,0 +1,233 @@
+"""The API's decoding, round 2: forced prefixes and ensembles, each against an independent reference, a beam
+search by brute force on the models' full teacher-forced passes (its first steps forced by hand, its step
+distribution the mean of the members'), and the per-token mixture of the members' own ``score``."""
+from __future__ import annotations
+
+import functools
+import math
+
+import helpers
+import jax
+import numpy as np
+import pytest
+import tiny_runs
+
+import lconv
+from lconv.api import Model
+from lconv.constants import EOS_ID, PAD_ID
+from lconv.errors import UserError
+from lconv.infer import compiled
+
+SOURCES = ["A small tool to convert images.", "Library for the X window system, with fonts and files."]
+WIDTH = 32  # the tiny runs' sources and outputs fit one 32-wide bucket
+
+
+@pytest.fixture(scope="module")
+def mt():
+    return Model(tiny_runs.in_memory(tiny_runs.translation_config()))
+
+
+@pytest.fixture(scope="module")
+def mt_other():
+    """The same architecture from another seed: a second member with other distributions."""
+    return Model(tiny_runs.in_memory(tiny_runs.translation_config(), seed=1))
+
+
+@functools.cache
+def _teacher_forced(model: Model):
+    return jax.jit(lambda inputs_BS, targets_BT: model.module.apply({"params": model.params}, inputs_BS, targets_BT))
+
+
+def _step_log_probs(members: list[Model], source_ids: list[int], hypotheses: list[list[int]], rows: int) -> np.ndarray:
+    """``[len(hypotheses), V]`` float64: log of the members' mean next-token probability after each hypothesis,
+    each member's from its full teacher-forced pass (a causal decoder: the position after the hypothesis reads it
+    alone)."""
+    inputs_BS = np.tile(np.asarray(source_ids, np.int32), (rows, 1))
+    targets_BT = np.full((rows, WIDTH), PAD_ID, np.int32)
+    for row, tokens in enumerate(hypotheses):
+        targets_BT[row, :len(tokens)] = tokens
+    position = np.asarray([len(tokens) for tokens in hypotheses])
+    probs = 0.0
+    for member in members:
+        logits_BTV = np.asarray(_teacher_forced(member)(inputs_BS, targets_BT), np.float64)
+        logits_BV = logits_BTV[np.arange(len(hypotheses)), position]
+        logits_BV -= logits_BV.max(-1, keepdims=True)
+        probs = probs + np.exp(logits_BV) / np.exp(logits_BV).sum(-1, keepdims=True)
+    return np.log(probs / len(members))
+
+
+def _reference_beam(members: list[Model], source: str, *, beam: int, lenpen: float,
+                    prefix: list[int] = ()) -> list[tuple[float, list[int]]]:
+    """The best ``beam`` finished hypotheses, best first, as ``(score, tokens)``: each step extends every alive
+    hypothesis by every token (PAD never; only EOS at the length limit; while in ``prefix``, only its token, with
+    its log-prob), keeps the best ``2 * beam`` extensions, of which those ending in EOS finish (scored
+    ``sum(log p) / len**lenpen``) and the best ``beam`` others stay alive; run to the limit, no early stop."""
+    decode = members[0].config.decode
+    source_ids = list(members[0].tokenizer.encode(source)) + [EOS_ID]
+    limit = min(int(decode.max_len_a * len(source_ids) + decode.max_len_b) + 1,
+                compiled.max_output_len(members[0].config, WIDTH))
+    limit = max(limit, len(prefix) + 1)
+    alive, finished = [(0.0, [])], []
+    for i in range(limit):
+        logp_AV = _step_log_probs(members, source_ids, [tokens for _, tokens in alive], beam)
+        logp_AV[:, PAD_ID] = -np.inf
+        allowed = [prefix[i]] if i < len(prefix) else [EOS_ID] if i + 1 == limit else range(logp_AV.shape[1])
+        extensions = [(score + logp_AV[a, v], tokens + [v]) for a, (score, tokens) in enumerate(alive)
+                      for v in allowed if np.isfinite(logp_AV[a, v])]
+        best = sorted(extensions, key=lambda e: -e[0])[:2 * beam]
+        finished += [(score / len(tokens) ** lenpen, tokens) for score, tokens in best if tokens[-1] == EOS_ID]
+        alive = [(score, tokens) for score, tokens in best if tokens[-1] != EOS_ID][:beam]
+    return sorted(finished, key=lambda f: -f[0])[:beam]
+
+
+def _assert_like_reference(entries: list[dict], reference: list[tuple[float, list[int]]]) -> None:
+    assert [entry["tokens"] for entry in entries] == [tokens for _, tokens in reference]
+    np.testing.assert_allclose([entry["score"] for entry in entries], [score for score, _ in reference],
+                               rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forced prefixes
+# ----------------------------------------------------------------------------------------------------------------
+def test_a_prefix_forced_beam_equals_a_beam_whose_first_steps_are_forced_by_hand(mt):
+    prefixes = ["Werkzeug", [7, 11, 13]]  # a string (tokenised) and token ids
+    forced = [list(mt.tokenizer.encode(prefixes[0])), prefixes[1]]
+    found = mt.translate(SOURCES, beam_size=3, lenpen=0.6, nbest=3, prefix=prefixes)
+    for source, ids, entries in zip(SOURCES, forced, found):
+        _assert_like_reference(entries, _reference_beam([mt], source, beam=3, lenpen=0.6, prefix=ids))
+        for entry in entries:  # the prefix's tokens are scored as score() scores them
+            assert entry["tokens"][:len(ids)] == ids
+            by_score = mt.score(source, entry["tokens"])
+            np.testing.assert_allclose(entry["token_scores"], by_score["token_scores"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two more programs (a beam of one, sampling): CI runs it, the quick command skips it
+def test_a_prefix_forces_a_greedy_search_and_samples_too(mt):
+    prefix = [7, 11, 13]
+    greedy = mt.translate(SOURCES[0], beam_size=1, nbest=1, prefix=prefix)
+    _assert_like_reference(greedy, _reference_beam([mt], SOURCES[0], beam=1, lenpen=1.0, prefix=prefix))
+    samples = mt.translate(SOURCES, temperature=1.0, seed=3, nbest=2, prefix=[prefix, "Werkzeug"])
+    forced = [prefix, list(mt.tokenizer.encode("Werkzeug"))]
+    assert all(entry["tokens"][:len(ids)] == ids for ids, entries in zip(forced, samples) for entry in entries)
+    programs = mt._translator.jitted._cache_size()
+    mt.translate(SOURCES[:1], beam_size=1, nbest=1, prefix=[[5, 6, 7, 8, 9]])  # another prefix: the same program
+    assert mt._translator.jitted._cache_size() == programs
+
+
+def test_prefix_arguments_are_checked(mt):
+    for kwargs, named in [(dict(prefix=["a"]), ["2 sources", "1 prefixes"]),
+                          (dict(prefix=[[5, EOS_ID], "b"]), ["prefix[0]", "without EOS"]),
+                          (dict(prefix=["a", [PAD_ID]]), ["prefix[1]"]),
+                          (dict(prefix=["a", [5] * 40]), ["prefix[1]", "40 tokens", "at most"]),
+                          (dict(prefix="a"), ["prefix", "a list"])]:
+        with pytest.raises(UserError) as error:
+            mt.translate(SOURCES, **kwargs)
+        helpers.one_line_error(error, *named)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ensembles
+# ----------------------------------------------------------------------------------------------------------------
+def test_an_ensemble_of_one_model_is_that_model(mt):
+    alone = lconv.ensemble([mt])
+    _assert_same_up_to_rounding(alone.translate(SOURCES, beam_size=3, nbest=3), mt.translate(SOURCES, beam_size=3,
+                                                                                             nbest=3))
+    np.testing.assert_allclose(alone.score(SOURCES[0], "Ein Werkzeug.")["token_scores"],
+                               mt.score(SOURCES[0], "Ein Werkzeug.")["token_scores"], rtol=1e-6, atol=1e-6)
+
+
+def _assert_same_up_to_rounding(a: list[list[dict]], b: list[list[dict]]) -> None:
+    """The same hypotheses, scores equal to float32 rounding (the ensemble normalises its log-probs twice)."""
+    assert len(a) == len(b)
+    for entries_a, entries_b in zip(a, b):
+        assert [e["tokens"] for e in entries_a] == [e["tokens"] for e in entries_b]
+        np.testing.assert_allclose([e["score"] for e in entries_a], [e["score"] for e in entries_b], rtol=1e-6)
+
+
+@pytest.mark.slow  # the ensemble's programs and each member's reference passes: CI runs it, the quick command skips it
+def test_an_ensemble_of_two_decodes_the_mean_of_their_distributions(mt, mt_other):
+    pair = lconv.ensemble([mt, mt_other])
+    found = pair.translate(SOURCES, beam_size=2, lenpen=0.6, nbest=2)
+    for source, entries in zip(SOURCES, found):
+        _assert_like_reference(entries, _reference_beam([mt, mt_other], source, beam=2, lenpen=0.6))
+    # score(): per token, the log of the members' mean probability of it, from each member's own score().
+    target = found[0][0]["tokens"]
+    expected = np.logaddexp(mt.score(SOURCES[0], target)["token_scores"],
+                            mt_other.score(SOURCES[0], target)["token_scores"]) - math.log(2)
+    np.testing.assert_allclose(pair.score(SOURCES[0], target)["token_scores"], expected, rtol=1e-5, atol=1e-6)
+    assert lconv.ensemble([pair, mt]).module.members[2] is not None  # members of members: three, weighed alike
+    with pytest.raises(UserError) as error:
+        pair.kernels(SOURCES[0])
+    helpers.one_line_error(error, "kernels()", "ensemble")
+
+
+def test_ensembles_of_what_cannot_decode_together_are_one_line_errors(mt):
+    lm = Model(tiny_runs.in_memory(tiny_runs.lm_config()))
+    for models, named in [([], ["models", "non-empty"]), (mt, ["models", "list"]), ([mt, "runs/x"], ["models[1]"]),
+                          ([mt, lm], ["models[1]", "DecoderOnlyLM", "translation models"])]:
+        with pytest.raises(UserError) as error:
+            lconv.ensemble(models)
+        helpers.one_line_error(error, *named)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Language models: beams, n samples and per-text perplexity
+# ----------------------------------------------------------------------------------------------------------------
+PROMPTS = ["A small library for the window system", "", "Fonts"]  # ragged: 7 tokens, none (BOS alone), one
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return Model(tiny_runs.in_memory(tiny_runs.lm_config()))
+
+
+def _assert_scored_as_score_scores(lm: Model, prompt: str, entries: list[dict], lenpen: float, max_len: int) -> None:
+    """Each entry's token scores are ``score(prompt, its tokens)``'s (a teacher-forced pass over BOS, the prompt
+    and the continuation), and its score their sum over ``len**lenpen``; EOS last, within ``max_len``."""
+    for entry in entries:
+        tokens = entry["tokens"]
+        assert tokens[-1] == EOS_ID and EOS_ID not in tokens[:-1] and len(tokens) <= max_len
+        assert entry["text"] == lm.tokenizer.decode(tokens)
+        by_score = lm.score(prompt, tokens)
+        np.testing.assert_allclose(entry["token_scores"], by_score["token_scores"], rtol=1e-5, atol=1e-5)
+        assert entry["score"] == pytest.approx(np.sum(by_score["token_scores"]) / len(tokens) ** lenpen, rel=1e-5)
+    assert [e["score"] for e in entries] == sorted((e["score"] for e in entries), reverse=True)
+
+
+def test_lm_beam_nbest_scores_are_score_of_the_same_texts(lm):
+    found = lm.generate(PROMPTS, max_len=6, beam_size=3, lenpen=0.6, nbest=3)
+    for prompt, entries in zip(PROMPTS, found):
+        assert len(entries) == 3 and len({tuple(e["tokens"]) for e in entries}) == 3
+        _assert_scored_as_score_scores(lm, prompt, entries, 0.6, 6)
+    assert lm.generate(PROMPTS, max_len=6, beam_size=3, lenpen=0.6) == [entries[0]["text"] for entries in found]
+    (alone,) = lm.generate(PROMPTS[0], max_len=6, beam_size=3, lenpen=0.6, nbest=1)  # alone: the same beam
+    assert alone["tokens"] == found[0][0]["tokens"] and alone["score"] == pytest.approx(found[0][0]["score"], rel=1e-6)
+
+
+@pytest.mark.slow  # the sampling program: CI runs it, the quick command skips it
+def test_lm_samples_per_prompt_come_with_their_token_scores_and_depend_on_the_prompt_alone(lm):
+    samples = lm.generate(PROMPTS, max_len=6, temperature=1.0, seed=4, nbest=3)
+    for prompt, entries in zip(PROMPTS, samples):
+        assert len(entries) == 3
+        _assert_scored_as_score_scores(lm, prompt, entries, lm.config.decode.lenpen, 6)
+    alone = lm.generate(PROMPTS[2], max_len=6, temperature=1.0, seed=4, nbest=3)
+    assert [e["tokens"] for e in alone] == [e["tokens"] for e in samples[2]]
+    assert [e["tokens"] for e in lm.generate(PROMPTS[2], max_len=6, temperature=1.0, seed=5, nbest=3)] != \
+        [e["tokens"] for e in samples[2]]
+
+
+def test_per_text_perplexity_adds_up_to_the_corpus_perplexity(lm):
+    texts = ["The package provides tools.", "Fonts", "A small library for the window system with fonts."]
+    per_text = lm.perplexity(texts, per_text=True)
+    corpus = lm.perplexity(texts)  # the corpus path (a summed loss): token-weighted, the per-text numbers add up
+    assert sum(t["tokens"] for t in per_text) == corpus["tokens"]
+    assert sum(t["nll"] * t["tokens"] for t in per_text) / corpus["tokens"] == pytest.approx(corpus["nll"], rel=1e-5)
+    for text, got in zip(texts, per_text):
+        alone = lm.perplexity([text])  # a corpus of one: the same numbers
+        assert got["tokens"] == alone["tokens"] == len(lm.tokenizer.encode(text)) + 1
+        assert got["nll"] == pytest.approx(alone["nll"], rel=1e-5) and got["ppl"] == pytest.approx(math.exp(got["nll"]))
+    one = lm.perplexity(texts[1])  # a string: one dict (a batch of one row: float32 sums in another order)
+    assert one.keys() == per_text[1].keys() and one["nll"] == pytest.approx(per_text[1]["nll"], rel=1e-6)
+    with pytest.raises(UserError) as error:
+        lm.perplexity(texts, per_text=True, sample_break_mode="none")
+    helpers.one_line_error(error, "sample_break_mode='none'", "per-text")
