@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from lconv.bench import beam, mixers, report, timing, train
 
@@ -198,7 +199,7 @@ def train_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float)
 # ----------------------------------------------------------------------------------------------------------------
 # Stage run: the README's default command end to end
 # ----------------------------------------------------------------------------------------------------------------
-def run_config(opts: argparse.Namespace, seconds: float):
+def run_config(opts: argparse.Namespace, seconds: float) -> ml_collections.ConfigDict:
     """configs/default.py with ``train.max_minutes`` set to ``seconds`` (the budget counts setup and the final
     evaluation too); in a quick run, tests/tiny_config.py's sizes."""
     from lconv.configs import common, default
