@@ -1,7 +1,13 @@
 """fairseq's language models (``lightconv_lm``, ``transformer_lm``) in float64 NumPy, written from fairseq 0.12.2's
 ``LightConvDecoder`` / ``TransformerDecoder`` built with ``no_encoder_attn``, ``AdaptiveInput`` and
 ``AdaptiveSoftmax.get_log_prob``, on fairseq's own state-dict names and ids (pad 1, EOS 2): the independent
-reference for the LM importer. The layers are ``fairseq_reference``'s (checked there against fairseq's goldens).
+reference for the LM importer. The layers are ``fairseq_reference``'s (checked there against fairseq's goldens):
+a ``transformer_lm``'s FFN applies ``--activation-fn``, a ``lightconv_lm``'s ReLU whatever it says.
+
+The embedding is ``TransformerDecoderBase`` / ``LightConvDecoder``'s: ``embed_scale * embed_tokens``, then
+``project_in_dim``, then the positions (none with ``--no-token-positional-embeddings``), then, in a
+``transformer_lm`` with ``--layernorm-embedding`` only (``LightConvDecoder`` has no such module), the
+``decoder.layernorm_embedding`` LayerNorm, and dropout (nothing in eval mode).
 
 Every band is computed by a plain loop over tokens (``AdaptiveInput.forward`` selects each token's band by mask;
 ``get_log_prob`` fills each tail's columns), so nothing here shares the vectorised form lconv uses.
@@ -33,7 +39,10 @@ def log_probs(weights: Mapping[str, np.ndarray], args: Mapping[str, Any], tokens
     x = scale * _embed_tokens(W, args, tokens)
     if "decoder.project_in_dim.weight" in W:
         x = x @ W["decoder.project_in_dim.weight"].T
-    x = x + _positions(W, args, tokens, d)
+    if not args.get("no_token_positional_embeddings"):
+        x = x + _positions(W, args, tokens, d)
+    if not lightconv and args.get("layernorm_embedding"):
+        x = fairseq_reference._norm(W, "decoder.layernorm_embedding", x)
     pad = tokens == PAD
     for i in range(args["decoder_layers"]):
         x = fairseq_reference._layer(W, args, f"decoder.layers.{i}", x, pad, None, lightconv, encoder=False)

@@ -27,8 +27,9 @@ _BASE = dict(decoder_embed_dim=16, decoder_ffn_embed_dim=24, decoder_layers=2, d
 _LIGHTCONV = dict(arch="lightconv_lm", decoder_kernel_size_list=[2, 4], decoder_glu=True, decoder_conv_type="dynamic",
                   weight_softmax=True, decoder_conv_dim=16, input_dropout=0.1, weight_dropout=0.1)
 # Together: both architectures, adaptive input tied with and without the projections, an untied adaptive
-# softmax, projections in and out, shared / separate output tables, learned / sinusoidal positions, the final norm
-# on and off, pre- and post-norm, conv types and GLU.
+# softmax, projections in and out, shared / separate output tables, learned / sinusoidal / no positions, the final
+# norm on and off, pre- and post-norm, conv types and GLU; a transformer_lm's --activation-fn (gelu, gelu_fast) and
+# --layernorm-embedding (after the projection in and the positions, or alone), which a lightconv_lm ignores.
 VARIANTS = {
     "lightconv_adaptive_tied_proj": dict(
         _LIGHTCONV, adaptive_input=True, adaptive_input_cutoff="10,20", adaptive_softmax_cutoff="10,20",
@@ -45,6 +46,14 @@ VARIANTS = {
     "lightconv_lightweight_shared_output": dict(
         _LIGHTCONV, decoder_conv_type="lightweight", decoder_glu=False, decoder_conv_dim=12,
         share_decoder_input_output_embed=True, decoder_learned_pos=True),
+    "transformer_gelu_layernorm_embedding_projected_in": dict(
+        arch="transformer_lm_gpt", activation_fn="gelu", layernorm_embedding=True, decoder_input_dim=8,
+        decoder_learned_pos=True),
+    "transformer_no_positions_gelu_fast_layernorm_embedding": dict(  # learned_pos without a table: no positions
+        arch="transformer_lm", activation_fn="gelu_fast", no_token_positional_embeddings=True,
+        layernorm_embedding=True, decoder_learned_pos=True, share_decoder_input_output_embed=True),
+    "lightconv_no_positions_ignores_activation_and_embedding_norm": dict(  # LightConvDecoder reads neither
+        _LIGHTCONV, no_token_positional_embeddings=True, activation_fn="gelu", layernorm_embedding=True),
 }
 
 
@@ -77,8 +86,10 @@ def lm_weights(args: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         w["decoder.embed_tokens.weight"] = normal(_V, d_in)
         if d_in != C:
             linear("decoder.project_in_dim", C, d_in, bias=False)
-    if args["decoder_learned_pos"]:
+    if args["decoder_learned_pos"] and not args["no_token_positional_embeddings"]:
         w["decoder.embed_positions.weight"] = normal(args["max_target_positions"] + 2, C)
+    if args["arch"].startswith("transformer") and args.get("layernorm_embedding"):
+        norm("decoder.layernorm_embedding")
     for i in range(args["decoder_layers"]):
         p = f"decoder.layers.{i}"
         if args["arch"].startswith("lightconv"):
@@ -148,7 +159,7 @@ def _batch(rng: np.random.Generator, lengths: list[int], width: int):
 LCONV_COLUMNS = [fairseq_vocab.FAIRSEQ_TO_LCONV.get(i, i) for i in range(_V)]
 
 
-@pytest.mark.slow  # compiles five models: CI runs it, the quick command skips it (the workdir test is quick)
+@pytest.mark.slow  # compiles eight models: CI runs it, the quick command skips it (the workdir test is quick)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_lm_variant_matches_the_reference(variant):
     """Random weights under fairseq's names, imported, give the float64 reference's log-probabilities."""
@@ -191,17 +202,28 @@ def test_the_lm_fields_follow_fairseqs_arguments():
            "no_decoder_final_norm": False}  # pre-0.10 spelling: no final norm, projections tied
     assert fairseq_lm.model_fields(old, _V)["decoder_final_norm"] is False
     assert fairseq_lm.model_fields(old, _V)["tie_adaptive_proj"] is True
+    # the translation importer's mapping: fairseq's activation names as lconv's, the embedding norm, no positions
+    gelu = fairseq_lm.model_fields(_args("transformer_gelu_layernorm_embedding_projected_in"), _V)
+    assert (gelu["activation"], gelu["layernorm_embedding"], gelu["token_positions"]) == ("gelu", True, True)
+    fast = fairseq_lm.model_fields(_args("transformer_no_positions_gelu_fast_layernorm_embedding"), _V)
+    assert (fast["activation"], fast["layernorm_embedding"], fast["token_positions"]) == ("gelu_accurate", True, False)
+    conv = fairseq_lm.model_fields(_args("lightconv_no_positions_ignores_activation_and_embedding_norm"), _V)
+    assert (conv["activation"], conv["layernorm_embedding"], conv["token_positions"]) == ("relu", False, False)
+    assert fairseq_lm.model_fields({**_args("transformer_postnorm_shared_output"), "activation_dropout": 0.0,
+                                    "relu_dropout": 0.2}, _V)["relu_dropout"] == 0.2  # fairseq's fallback
 
 
 def test_what_lconv_cannot_express_is_one_line_naming_each_flag():
     args = {**_args("transformer_projected_untied_adaptive_softmax"), "character_embeddings": True,
-            "activation_fn": "gelu", "layernorm_embedding": True}
+            "activation_fn": "swish", "add_bos_token": True, "layernorm_embedding": True,
+            "no_token_positional_embeddings": True}
     with pytest.raises(UserError) as err:
         fairseq_lm.model_fields(args, _V)
     message = str(err.value)
     assert "\n" not in message and message.startswith("this transformer_lm checkpoint has settings")
-    for named in ("character_embeddings=True", "activation_fn='gelu'", "layernorm_embedding=True"):
+    for named in ("character_embeddings=True", "activation_fn='swish' (lconv has relu, gelu", "add_bos_token=True"):
         assert named in message
+    assert "layernorm_embedding" not in message and "no_token_positional" not in message  # both imported now
     untieable = {**_args("lightconv_adaptive_tied_proj"), "adaptive_softmax_cutoff": "10,30"}
     with pytest.raises(UserError, match="tie_adaptive_weights needs adaptive input and softmax with the same cutoffs"):
         fairseq_lm.model_fields(untieable, _V)

@@ -11,6 +11,10 @@ Their ends (``lconv.nn.decoder_ends``): one embedding table ``decoder_input_dim`
 then an output table (``--share-decoder-input-output-embed``: the embedding) or an adaptive softmax
 (``--adaptive-softmax-cutoff``, ``--adaptive-softmax-factor``), whose output weights can be the adaptive input's
 tables (``--tie-adaptive-weights``) and its tail projections the input's, transposed (``--tie-adaptive-proj``).
+Positions are added unless ``--no-token-positional-embeddings`` (both architectures). A ``transformer_lm`` also
+maps, as the translation importer does, ``--activation-fn`` (``fairseq.ACTIVATION_NAMES``) and
+``--layernorm-embedding`` (a LayerNorm after the projection in and the positions, before dropout); fairseq's
+``LightConvDecoder`` reads neither (ReLU, no embedding norm, whatever the arguments say), so neither does the import.
 
 fairseq's language-model data is a token stream whose every sentence ends with EOS, read with EOS before the first
 token (``--sample-break-mode eos``: each line is ``[EOS, w1 ... wn]`` -> ``[w1 ... wn, EOS]``): lconv's LM with
@@ -31,8 +35,6 @@ from lconv.interop.fairseq_vocab import FAIRSEQ_TO_LCONV, lconv_rows
 
 _NOT_IN_LCONV = {  # flag -> why lconv refuses a checkpoint that sets it (to a true value)
     "character_embeddings": "character CNN embeddings are not in lconv's model",
-    "layernorm_embedding": "no embedding LayerNorm in lconv's language model",
-    "no_token_positional_embeddings": "lconv's models always add positions",
     "add_bos_token": "its inputs start with BOS; lconv's imported LMs start from EOS",
     "decoder_layers_to_keep": "pruned layers",
     "quant_noise_pq": "quantisation noise",
@@ -71,7 +73,8 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     for key, why in _NOT_IN_LCONV.items():
         require(key, lambda v: not v, why)
     if not lightconv:
-        require("activation_fn", lambda v: v == "relu", "lconv's FFN is ReLU")
+        require("activation_fn", lambda v: v in fairseq.ACTIVATION_NAMES,
+                f"lconv has {', '.join(fairseq.ACTIVATION_NAMES)}")
     d_model = int(args["decoder_embed_dim"])
     ends = _decoder_ends(args, vocab_size, d_model, problems)
     if problems:
@@ -85,6 +88,7 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         # post-norm: lconv follows the flag as stored
         normalize_before=bool(args.get("decoder_normalize_before", True)), lm_pre_norm=False,
         learned_positions=bool(args.get("decoder_learned_pos")), max_len=int(max_len),
+        token_positions=not args.get("no_token_positional_embeddings", False),
         decoder_start="eos", position_offset=fairseq.PADDING_IDX + 1,
         scale_embeddings=lightconv or not args.get("no_scale_embedding", False),
         # lightconv_lm builds its decoder with final_norm=False whatever the flags say; post-norm has none
@@ -98,12 +102,17 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
             use_glu=bool(args.get("decoder_glu", True)),
             conv_features=fairseq.conv_features_field(args.get("decoder_conv_dim"), d_model),
             relu_dropout=args.get("relu_dropout", 0.0), input_dropout=args.get("input_dropout", 0.0),
-            weight_dropout=args.get("weight_dropout", 0.0), weight_softmax=bool(args.get("weight_softmax", True)))
+            weight_dropout=args.get("weight_dropout", 0.0), weight_softmax=bool(args.get("weight_softmax", True)),
+            activation="relu", layernorm_embedding=False)  # LightConvDecoder: F.relu, no embedding norm
         if fields["decoder_mixer"] == "?":
             raise UserError(f"decoder_conv_type={args.get('decoder_conv_type')!r}: lightweight or dynamic")
     else:
+        activation = args.get("activation_fn", "relu")
         fields.update(decoder_mixer="attention", decoder_kernel_sizes=(3,), weight_dropout=0.0,
-                      relu_dropout=args.get("activation_dropout", 0.0))
+                      # fairseq's layer reads relu_dropout where activation_dropout is 0 (older checkpoints)
+                      relu_dropout=args.get("activation_dropout", 0.0) or args.get("relu_dropout", 0.0) or 0.0,
+                      activation=fairseq.ACTIVATION_NAMES.get(activation, activation),
+                      layernorm_embedding=bool(args.get("layernorm_embedding", False)))
     fields.update(encoder_mixer=fields["decoder_mixer"], encoder_kernel_sizes=(3,))  # no encoder: any valid value
     return fields
 
@@ -167,8 +176,13 @@ def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -
     params: dict[str, Any] = {"embed": _embedding(state, fields)}
     if fields["decoder_input_dim"] and not fields["adaptive_input_cutoffs"]:
         params["project_in"] = state.linear("decoder.project_in_dim", bias=False)
-    if fields["learned_positions"]:
-        params["scale_and_position"] = {"learned": {"embedding": state.take("decoder.embed_positions.weight")}}
+    scale_and_position = {}
+    if fields["token_positions"] and fields["learned_positions"]:
+        scale_and_position["learned"] = {"embedding": state.take("decoder.embed_positions.weight")}
+    if fields["layernorm_embedding"]:
+        scale_and_position["embedding_norm"] = state.norm("decoder.layernorm_embedding")
+    if scale_and_position:
+        params["scale_and_position"] = scale_and_position
     decoder = {f"layer_{i}": fairseq.layer_params(state, f"decoder.layers.{i}", "decoder", lightconv,
                                                   cross_attention=False)
                for i in range(fields["decoder_layers"])}
