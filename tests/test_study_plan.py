@@ -1,6 +1,7 @@
 """Planning the study (``lconv.study.plan``) and writing its comparison (``lconv.study.report``), without training:
 parameter counts matched within the tolerance in every mode, study fields refused in one line, and the comparison
 with the paper written from the numbers. tests/test_study.py runs the quick study itself."""
+import helpers
 import ml_collections
 import pytest
 
@@ -51,6 +52,19 @@ def test_bad_study_fields_are_one_line_errors():
         plan.normalize(ml_collections.ConfigDict(fields))
     with pytest.raises(UserError, match="choose one study mode"):
         study_config.get_config("quick,gpu")
+
+
+def test_a_mixer_named_twice_is_refused_and_a_module_class_word_parses():
+    """One mixer twice (by a word and its registered name) would report n=2 from one seed; docs/models.md's
+    ``--config.mixers=transformer,my_mixers:GatedMean`` reaches ml_collections as a tuple it can parse."""
+    study = plan.normalize(study_config.get_config("quick"))
+    for twice in (("transformer", "dynamic", "dynamicconv"), ("toy_mixers:PrefixMean",) * 2):
+        study.mixers = twice
+        with pytest.raises(UserError) as error:
+            plan.check_study(study)
+        helpers.one_line_error(error, "config.mixers", "twice")
+    quoted = plan.quote_word_lists(["study", "--config.mixers=transformer,toy_mixers:PrefixMean", "--config.seeds=0"])
+    assert quoted == ["study", "--config.mixers=('transformer', 'toy_mixers:PrefixMean')", "--config.seeds=0"]
 
 
 def test_an_lm_generation_longer_than_the_lms_positions_is_refused_before_any_run():
