@@ -29,7 +29,10 @@ from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.fields import (
     BOOL,
+    MAX_ROWS,
+    MAX_TOKENS,
     RATE,
+    SIZE_REASON,
     Rule,
     as_dict,
     check,
@@ -127,13 +130,18 @@ class TrainConfig:
 class DecodeConfig:
     """Decoding and scoring a split (``lconv.infer``), at the end of training and by eval.py."""
 
-    beam_size: int = field(5, "beam width (1 = greedy)", Rule(_POSITIVE.test, ">= 1 (1 = greedy), an integer"))
+    beam_size: int = field(5, "beam width (1 = greedy)", Rule(
+        _POSITIVE.test, ">= 1 (1 = greedy), an integer, at most the vocabulary's size - 1 (fairseq's cap: a beam "
+        "holds distinct continuations)"))
     batch_size: int = field(0, "sources per decoding batch; 0 = auto: data.eval_batch_size on CPU, wider on a "
-                            "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)"))
+                            "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)",
+                                               maximum=MAX_ROWS, reason=SIZE_REASON))
     lenpen: float = field(1.0, "fairseq length penalty: score / length**lenpen", number(
         lambda v: v >= 0, "a finite number >= 0 (0 = no length normalisation, 1 = divide by the length)"))
-    max_len_a: float = field(1.2, "max output length = a * source length + b", _NON_NEGATIVE_NUMBER)
-    max_len_b: int = field(10, "max output length = a * source length + b", _NON_NEGATIVE)
+    max_len_a: float = field(1.2, "max output length = a * source length + b", number(
+        lambda v: 0 <= v <= 1000, f"a number in [0, 1000] ({SIZE_REASON})"))
+    max_len_b: int = field(10, "max output length = a * source length + b",
+                           integer(0, maximum=MAX_TOKENS, reason=SIZE_REASON))
     split: str = field("test", "the split decoded and scored", Rule(lambda v: isinstance(v, str) and bool(v),
                                                                      "a split name"))
     num_print: int = field(5, "sample translations printed at the end", _NON_NEGATIVE)
@@ -228,6 +236,7 @@ def validate_config(config: Any) -> None:
     if values["data"]["stream"] and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
+    check_search(beam_size=values["decode"]["beam_size"], vocab_size=values["data"]["vocab_size"])
     model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
     model_cfg.validate(decoder_only=values["task"] == "lm")
     if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
@@ -243,10 +252,16 @@ def validate_config(config: Any) -> None:
 
 
 def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
-                 spell: Callable[[str], str] = lambda name: f"config.decode.{name}") -> None:
+                 spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
+                 vocab_size: int | None = None) -> None:
     """The decode section's rules for the beam search's settings, for every place that takes them: the config,
-    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given."""
+    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given. With
+    ``vocab_size`` (once it is known) the beam is at most ``vocab_size - 1``, as fairseq caps it: a wider beam
+    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB)."""
     check_decode({"beam_size": beam_size, "lenpen": lenpen}, spell)
+    if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
+        raise UserError(f"{spell('beam_size')}={beam_size}: must be at most the vocabulary's size - 1 "
+                        f"({vocab_size - 1}; fairseq's cap: a wider beam holds no more distinct continuations)")
 
 
 def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"

@@ -72,7 +72,8 @@ class Model:
         sampling draws k samples. Sources longer than ``config.data.eval_max_input_length`` tokens are cut to it."""
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
-        schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
+        schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str,  # the arguments' own names
+                            vocab_size=self.tokenizer.vocab_size)
         limit = int(self.config.data.eval_max_target_length)
         schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)

@@ -62,7 +62,7 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
         schema.check_sampling(sampling, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
         widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
     else:
-        schema.check_search(beam_size=beam_size, spell=_flag)
+        schema.check_search(beam_size=beam_size, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
     outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
@@ -266,7 +266,8 @@ def _parse_sidecar(data: bytes) -> dict[str, Any]:
     if needed == "max_len":
         schema.check_sampling(search)  # the settings the programs were lowered with
     else:
-        schema.check_search(lenpen=search["lenpen"], spell=lambda name: f"search.{name}")
+        schema.check_search(beam_size=search.get("beam_size"), lenpen=search["lenpen"],
+                            spell=lambda name: f"search.{name}")
     return sidecar
 
 

@@ -410,3 +410,19 @@ def test_an_unverified_checkpoint_that_does_not_read_is_set_aside(tmp_path, monk
     assert float(state["w"][0]) == 1 and ckpt.all_steps() == [1]
     assert "[2] unreadable or corrupt" in lconv_log()[0] and "ZeroDivisionError" in lconv_log()[0]
     ckpt.close()
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """Rows a run logged after the checkpoint it resumes from are dropped: the resumed run logs those steps
+    again (issue 41: after kill -9 and resume metrics.jsonl held them twice); a row the kill cut goes too."""
+    import json
+
+    from lconv.train import logs
+
+    rows = [json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in range(1, 7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows) + '{"step": 7, "spl')
+    writer = logs.MetricWriter(str(tmp_path), resumed_step=4)
+    writer.write(5, "train", {"loss": 0.5})
+    writer.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]

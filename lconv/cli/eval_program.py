@@ -155,9 +155,10 @@ def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None
                         "split is scored on its beam search's best hypotheses")
     schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=sampling.get("temperature", 0.0),
                                  stored_beam_size=config.decode.beam_size, spell=lambda name: f"--{name}")
-    if sampling.get("top_k"):
+    if sampling.get("top_k") or beam_size:  # their upper bound is the vocabulary's size (the tokenizer's)
         vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
-        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+        schema.check_search(beam_size=beam_size, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+        schema.check_sampling({"top_k": sampling.get("top_k")}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
 def _translation_search(sampling: dict[str, Any], nbest: int | None, beam_size: int | None) -> dict[str, Any]:
