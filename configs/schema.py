@@ -233,6 +233,7 @@ def validate_config(config: Any) -> None:
     for name, section in SECTIONS.items():
         if section is not ModelConfig:  # the model's fields are checked by ModelConfig, below
             check_values(section, values[name], f"config.{name}")
+    _check_splits(values)
     if values["data"]["stream"] and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
@@ -249,6 +250,18 @@ def validate_config(config: Any) -> None:
         raise UserError(f"config.optim.label_smoothing={values['optim']['label_smoothing']}: must be 0 with "
                         f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
                         "probability onto the ids the decoder cannot predict)")
+
+
+def _check_splits(values: Mapping[str, Any]) -> None:
+    """Training validates on ``validation`` and, with ``train.eval_after_training``, scores ``decode.split``: both
+    among the prepared ``data.eval_splits`` (else a KeyError before training, or after all of it)."""
+    splits = tuple(values["data"]["eval_splits"])
+    if "validation" not in splits:
+        raise UserError(f"config.data.eval_splits={splits}: must include 'validation' (training reports its loss "
+                        "and keeps the best checkpoint by it)")
+    if values["train"]["eval_after_training"] and values["decode"]["split"] not in splits:
+        raise UserError(f"config.decode.split={values['decode']['split']!r}: must be one of config.data.eval_splits="
+                        f"{splits} (the split scored after training), or set train.eval_after_training=False")
 
 
 def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
@@ -297,7 +310,8 @@ def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str,
                    vocab_size: int | None = None) -> None:
     """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
     ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
-    ``top_k`` may not exceed it."""
+    ``top_k`` may not exceed it. A filter or a seed without a temperature (0 or not given) is refused: greedy
+    decoding and beam search would ignore it."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:
@@ -309,6 +323,13 @@ def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str,
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise UserError(f"{spell('top_k')}={top_k}: must be at most the model's vocabulary of {vocab_size} tokens "
                         "(0 = no top-k filter)")
+    if not values.get("temperature"):  # greedy (0 or not given): a filter or a seed would be ignored
+        idle = [f"{spell(name)}={values[name]}" for name, off in (("top_k", 0), ("top_p", 1.0), ("seed", 0))
+                if values.get(name) is not None and values[name] != off]
+        if idle:
+            raise UserError(f"{', '.join(idle)}: {'a sampling setting' if len(idle) == 1 else 'sampling settings'}"
+                            f" for {spell('temperature')} > 0; at {spell('temperature')}=0 (greedy, or beam search) it "
+                            "would be ignored")
 
 
 _DOCS_HEADER = """# Config fields

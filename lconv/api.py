@@ -14,6 +14,7 @@ tokens) and kept by the ``Model``, so calling it again on other sentences of sim
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from flax.linen import meta as nn_meta
 
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
+from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks
 from lconv.train import backend, metrics, setup
@@ -34,7 +36,10 @@ def load(workdir: str, *, checkpoint: str = "latest", average_last: int = 1) -> 
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
     checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
-    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load"))
+    if not isinstance(workdir, (str, os.PathLike)) or not str(workdir):
+        raise UserError(f"workdir: must be a path or URL of a run (a non-empty string); got {workdir!r:.60}")
+    return Model(setup.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
+                                    caller="lconv.load"))
 
 
 class Model:
@@ -181,8 +186,13 @@ class Model:
         limit = int(self.config.data.eval_max_target_length)
         if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
             return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
-        encoded = [np.append(ids[:limit - 1], EOS_ID)
-                   for ids in self.tokenizer.encode_batch(_lines(texts, "texts"))]
+        ids = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
+        lengths = [len(x) + 1 for x in ids]  # the one rule for long inputs: cut, and a warning names each
+        cut = [i for i, n in enumerate(lengths) if n > limit]
+        decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
+            "texts[{}]".format, "config.data.eval_max_target_length, EOS included; sample_break_mode='none' scores "
+            "long texts whole")
+        encoded = [np.append(x[:limit - 1], EOS_ID) for x in ids]
         rows = compiled.row_bucket(len(encoded), self.config.data.eval_batch_size)
         loss = self._function("nll", self._nll_sums)
         total = {"nll": 0.0, "tokens": 0.0}
@@ -198,7 +208,8 @@ class Model:
                             context_window: int) -> dict[str, float]:
         """``perplexity`` on fairseq-eval-lm's rows: whole texts (no cut), each row's scored tokens counted."""
         lm_blocks.check_settings(mode, tokens_per_sample, context_window, int(self.config.model.max_len))
-        rows = lm_blocks.fairseq_rows(self.tokenizer.encode_batch(_lines(texts, "texts")), sample_break_mode=mode,
+        rows = lm_blocks.fairseq_rows(self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True)),
+                                      sample_break_mode=mode,
                                       tokens_per_sample=tokens_per_sample, context_window=context_window,
                                       start_id=self.module.config.decoder_start_id, eos_id=EOS_ID)
         batch = compiled.row_bucket(len(rows), self.config.data.eval_batch_size)
@@ -237,6 +248,7 @@ class Model:
         ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
         (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
         encoder, ``K - 1`` in the decoder)."""
+        tokenizer_lib.check_text(sentence, "sentence")
         if self.task == "lm":
             targets = np.append(self.tokenizer.encode(sentence), EOS_ID)[:self.config.data.eval_max_target_length]
             inputs = None
@@ -317,15 +329,9 @@ def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     argument (and the index) for anything else; ``None``, bytes or numbers are not turned into ``"None"``."""
     if isinstance(texts, str):
         if one_allowed:
-            return [texts]
+            return tokenizer_lib.check_texts([texts], argument)
         raise UserError(f"{argument}: pass a list of strings (one per example), not one string")
-    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
-        raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
-            raise UserError(f"{argument}[{i}]: must be a string; got {type(text).__name__}{hint}")
-    return list(texts)
+    return tokenizer_lib.check_texts(texts, argument)
 
 
 def _target_ids(tokenizer: Any, targets: Any, one: bool) -> list[np.ndarray]:
@@ -338,7 +344,7 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool) -> list[np.ndarray]:
     for i, target in enumerate(targets):
         name = "targets" if one else f"targets[{i}]"
         if isinstance(target, str):
-            out.append(np.asarray(tokenizer.encode(target), np.int32))
+            out.append(np.asarray(tokenizer.encode(tokenizer_lib.check_text(target, name)), np.int32))
             continue
         ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) and len(target) else None
         if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any() \

@@ -136,6 +136,16 @@ def test_a_path_that_holds_no_run_is_one_line_naming_it(tmp_path, monkeypatch, t
         helpers.one_line_error(error, path, fact)
 
 
+def test_averaging_more_checkpoints_than_there_are_is_one_line(tiny_run, tmp_path, capsys):
+    """``average_last`` above the checkpoints kept averaged fewer without a word (issue 41)."""
+    with pytest.raises(UserError) as error:
+        lconv.load(str(tiny_run.workdir), average_last=50)
+    helpers.one_line_error(error, "average_last=50", "5 checkpoints")
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={tiny_run.workdir}", "--average_last=50",
+                              f"--source_file={tiny_run.workdir}/config.json", f"--output_file={tmp_path}/out.txt")
+    helpers.one_line_error(outcome, "--average_last=50", "5 checkpoints")
+
+
 def test_the_installed_evaluate_program_documents_itself():
     """``python -m lconv.evaluate --help`` prints lconv/evaluate.py's docstring: its own usage, not "see eval.py"
     (an installed user has no eval.py)."""

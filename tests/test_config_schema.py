@@ -74,6 +74,8 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
     ("data.max_input_length", 10**11, f"config.data.max_input_length={10**11}: must be an integer in [2, 1,048,576]"),
     ("model.encoder_layers", 10**8, f"config.model.encoder_layers={10**8}: must be an integer in [0, 1,024]"),
     ("decode.beam_size", 8000, "config.decode.beam_size=8000: must be at most the vocabulary's size - 1 (7999;"),
+    ("data.eval_splits", ("test",), "config.data.eval_splits=('test',): must include 'validation'"),
+    ("decode.split", "train", "config.decode.split='train': must be one of config.data.eval_splits="),
     ("mesh.shape", (2, 2), "config.mesh.shape=(2, 2): must be three sizes"),
     ("decode.beam_size", 0, "config.decode.beam_size=0: must be >= 1 (1 = greedy)"),
     ("model.weight_dropout", 1.0, "config.model.weight_dropout=1.0: must be a rate in [0, 1)"),

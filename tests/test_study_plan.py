@@ -100,3 +100,27 @@ def test_the_comparison_with_the_paper_is_written_from_the_numbers():
     assert "fewer than two seeds" in one_seed[1]
     expected = "LightConv (10.33) ≈ Transformer (10.20) > DynamicConv (8.10)"
     assert report.ordering(rows, "translation").startswith(expected)
+
+
+def test_a_second_sigterm_while_the_study_stops_its_run_is_ignored():
+    """The first SIGTERM stops the study (passed on to its run); a second one during that stop raised again
+    inside the handler: two tracebacks instead of the study's one line (issue 41)."""
+    import os
+    import signal
+    import time
+
+    from lconv.study import run
+
+    first = second = False
+    with run._sigterm_raises():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at once; the sleep only bounds the wait
+        except run._Terminated:
+            first = True
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)  # while stopping
+                time.sleep(0.2)
+            except run._Terminated:
+                second = True
+    assert first and not second

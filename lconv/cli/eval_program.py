@@ -138,7 +138,8 @@ def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen:
     decode_and_score.prompt_limit(config, sampling.get("max_len", SAMPLING_DEFAULTS["max_len"]), "--max_len")
     if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
         vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
-        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+        schema.check_sampling({"top_k": sampling["top_k"], "temperature": sampling.get("temperature")},
+                              spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
 def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None, source_file: str | None,
@@ -158,7 +159,8 @@ def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None
     if sampling.get("top_k") or beam_size:  # their upper bound is the vocabulary's size (the tokenizer's)
         vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
         schema.check_search(beam_size=beam_size, spell=lambda name: f"--{name}", vocab_size=vocab_size)
-        schema.check_sampling({"top_k": sampling.get("top_k")}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+        schema.check_sampling({"top_k": sampling.get("top_k"), "temperature": sampling.get("temperature")},
+                              spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
 def _translation_search(sampling: dict[str, Any], nbest: int | None, beam_size: int | None) -> dict[str, Any]:
