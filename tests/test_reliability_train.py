@@ -43,9 +43,23 @@ def _train_py(capsys, *args):
     (["--config.optim.b2=nan"], ["config.optim.b2=nan"]),
     (["--config.model.conv_impl=fast"], ["config.model.conv_impl='fast'", "auto"]),
     (["--config.train.spike_factor=0.5"], ["config.train.spike_factor=0.5"]),
+    # Issue 41: an OverflowError, a 373 GiB MemoryError and a hang after data preparation; ignored or KeyError later
+    ([f"--config.model.d_model={10**20}"], [f"config.model.d_model={10**20}", "65,536"]),
+    ([f"--config.data.max_input_length={10**11}"], [f"config.data.max_input_length={10**11}", "1,048,576"]),
+    ([f"--config.model.encoder_layers={10**8}"], [f"config.model.encoder_layers={10**8}", "1,024"]),
+    (["--config.data.eval_splits=('test',)"], ["config.data.eval_splits", "'validation'"]),
+    (["--config.model.mixer_kwargs={'dynamicconv': 5}"], ["config.model.mixer_kwargs['dynamicconv']=5"]),
+    (["--config.model.encoder_kernel_sizes=(3, 5)"], ["config.model.encoder_kernel_sizes", "ignored"]),
 ])
 def test_a_bad_config_field_is_one_line_before_anything_is_written(args, named, tmp_path, capsys):
     helpers.one_line_error(_train_py(capsys, *args, f"--workdir={tmp_path / 'run'}"), *named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_whose_get_config_returns_no_config_is_one_line(tmp_path, capsys):
+    (tmp_path / "returns_42.py").write_text("def get_config(arg=None):\n    return 42\n")
+    outcome = _train_py(capsys, f"--config={tmp_path}/returns_42.py", f"--workdir={tmp_path / 'run'}")
+    helpers.one_line_error(outcome, "returns_42.py", "get_config() returned int")
     assert not (tmp_path / "run").exists()
 
 

@@ -340,6 +340,7 @@ def _write_lines(path: str, outputs: Sequence[str]) -> None:
 def _write_text(path: str, text: str) -> None:
     if jax.process_index() == 0:
         epath.Path(path).write_text(text, encoding="utf-8")
+        logger.info(f"outputs written to {path}")  # the default, <workdir>/output.txt, is not on the command line
 
 
 def nbest_lines(index: int, entries: Sequence[dict[str, Any]]) -> str:
