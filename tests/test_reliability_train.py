@@ -440,3 +440,25 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     writer.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+
+
+def test_a_tensorboard_write_that_fails_in_its_thread_is_one_warning(tmp_path, monkeypatch, capsys, lconv_log):
+    """A full disk: the run's one line was followed by a tensorboardX thread traceback (issue 41)."""
+    import errno
+
+    from tensorboardX import event_file_writer
+
+    from lconv.train import logs
+
+    writer = logs.MetricWriter(str(tmp_path))
+
+    def full(self, event_str):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(event_file_writer.EventsWriter, "_write_serialized_event", full)
+    writer.write(1, "train", {"loss": 1.0})
+    writer.close()
+    assert "Traceback" not in capsys.readouterr().err
+    assert [m for m in lconv_log() if "TensorBoard" in m] == [
+        "warning: TensorBoard events are no longer written (OSError: [Errno 28] No space left on device); "
+        "metrics.jsonl has every value"]

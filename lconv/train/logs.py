@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -52,6 +53,7 @@ class MetricWriter:
         self.jsonl = _RemoteLines(path) if workdir_lib.is_remote(workdir) else open(path, "a")
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
+        _quiet_event_thread()
         self.tensorboard = SummaryWriter(f"{workdir}/tensorboard")
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
@@ -68,7 +70,29 @@ class MetricWriter:
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
-            self.tensorboard.close()
+            try:
+                self.tensorboard.close()
+            except (OSError, ValueError) as err:  # its file failed already (a full disk): said once, by the thread
+                logger.debug(f"TensorBoard writer closed with {type(err).__name__}: {err}")
+
+
+def _quiet_event_thread() -> None:
+    """tensorboardX writes events in a thread of its own: a write that fails there (a full disk) printed a thread
+    traceback after the run's one line. It is a warning instead (metrics.jsonl keeps every value); other threads'
+    exceptions are untouched."""
+    previous = threading.excepthook
+    if getattr(previous, "lconv_quiet_events", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_EventLoggerThread":
+            previous(args)
+            return
+        logger.warning(f"TensorBoard events are no longer written ({args.exc_type.__name__}: {args.exc_value}); "
+                       "metrics.jsonl has every value")
+
+    hook.lconv_quiet_events = True
+    threading.excepthook = hook
 
 
 def _drop_rows_after(path: epath.Path, step: int) -> None:
