@@ -154,3 +154,17 @@ def test_the_installed_evaluate_program_documents_itself():
     assert "see eval.py" not in evaluate.__doc__
     for usage in ("python -m lconv.evaluate --workdir=", "--source_file=", "--interactive", "--checkpoint=best"):
         assert usage in evaluate.__doc__
+
+
+@pytest.mark.slow  # compiles the tiny run's beam search, n-best, scoring and sampling programs: ~1 minute
+def test_the_readmes_python_api_block_runs_as_written(tiny_run, tmp_path, monkeypatch):
+    """README.md's Python API block, on the shared tiny run in place of runs/default (issue 41: a new user's first
+    day walks it)."""
+    text = (helpers.ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("```python", text.index("## Python API")) + len("```python")
+    block = text[start:text.index("```", start)]
+    assert 'lconv.load("runs/default")' in block
+    monkeypatch.chdir(tmp_path)  # "runs/default" -> the tiny run, through a link named so
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "default").symlink_to(tiny_run.workdir)
+    exec(compile(block, "README.md", "exec"), {})
