@@ -288,16 +288,20 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
 
 
 def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
-                          spell: Callable[[str], str] = str) -> int:
+                          spell: Callable[[str], str] = str, vocab_size: int | None = None) -> int:
     """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
     (hypotheses returned per source; None = the best alone) checked against it: the one rule for the API's
-    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``."""
+    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``. Samples are
+    held as a beam's hypotheses are: with ``vocab_size``, at most ``vocab_size - 1`` of them, as a beam."""
     if nbest is not None and not (integer().test(nbest) and nbest >= 1):
         raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
     if temperature:
         if beam_size is not None:
             raise UserError(f"{spell('beam_size')}={beam_size}: not used when sampling ({spell('temperature')}="
                             f"{temperature}); {spell('nbest')} sets the number of samples per source")
+        if vocab_size is not None and nbest is not None and nbest > vocab_size - 1:
+            raise UserError(f"{spell('nbest')}={nbest}: at most {vocab_size - 1} samples per source (the vocabulary's "
+                            "size - 1, the beam's bound: samples are held as a beam's hypotheses are)")
         return nbest or 1
     beams = stored_beam_size if beam_size is None else beam_size
     if nbest is not None and nbest > beams:
@@ -307,11 +311,12 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
-                   vocab_size: int | None = None) -> None:
+                   vocab_size: int | None = None, idle: bool = True) -> None:
     """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
     ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
     ``top_k`` may not exceed it. A filter or a seed without a temperature (0 or not given) is refused: greedy
-    decoding and beam search would ignore it."""
+    decoding and beam search would ignore it (``idle=False`` leaves that to a later call, after checks whose
+    message says more)."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:
@@ -323,7 +328,7 @@ def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str,
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise UserError(f"{spell('top_k')}={top_k}: must be at most the model's vocabulary of {vocab_size} tokens "
                         "(0 = no top-k filter)")
-    if not values.get("temperature"):  # greedy (0 or not given): a filter or a seed would be ignored
+    if idle and not values.get("temperature"):  # greedy (0 or not given): a filter or a seed would be ignored
         idle = [f"{spell(name)}={values[name]}" for name, off in (("top_k", 0), ("top_p", 1.0), ("seed", 0))
                 if values.get(name) is not None and values[name] != off]
         if idle:

@@ -97,7 +97,8 @@ class Model:
     def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
         """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
         return schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=temperature,
-                                            stored_beam_size=self.config.decode.beam_size)
+                                            stored_beam_size=self.config.decode.beam_size,
+                                            vocab_size=self.tokenizer.vocab_size)
 
     def score(self, sources: str | Sequence[str],
               targets: str | Sequence[int] | Sequence[str | Sequence[int]]) -> dict[str, Any] | list[dict[str, Any]]:

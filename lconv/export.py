@@ -48,6 +48,7 @@ from lconv.train import backend, setup
 SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
 FORMAT_VERSION = 1
+MAX_EXPORT_ROWS = 4096
 
 
 def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
@@ -159,6 +160,9 @@ def _check(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: S
     for flag, values in (("--rows", rows), ("--widths", widths)):
         if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
             raise UserError(f"{flag}={','.join(map(str, values))}: positive integers, ascending, no repeats")
+    if rows[-1] > MAX_EXPORT_ROWS:
+        raise UserError(f"--rows={','.join(map(str, rows))}: at most {MAX_EXPORT_ROWS} (a program holds its rows' "
+                        "search in memory at once; the exported model splits a larger batch over its largest bucket)")
     if config.task != "lm" and widths[-1] > config.data.eval_max_input_length:
         raise UserError(f"--widths={','.join(map(str, widths))}: at most config.data.eval_max_input_length="
                         f"{config.data.eval_max_input_length} (the longest source the model decodes)")

@@ -159,8 +159,8 @@ def test_calls_that_do_not_fit_the_run_are_one_line_errors(lm):
         with pytest.raises(UserError) as error:  # never decoded as "None" or "b'...'"
             lm.generate(prompts)
         helpers.one_line_error(error, named)
-    with pytest.raises(UserError) as error:
-        lm.perplexity("one text")  # a corpus measure: a list, even of one
+    with pytest.raises(UserError) as error:  # one string is a corpus of one text, as translate takes one (issue 41)
+        lm.perplexity(b"one text")
     helpers.one_line_error(error, "texts", "list of strings")
     for kwargs, named in [(dict(max_len=0), ["max_len=0"]),
                           (dict(temperature=-1.0), ["temperature=-1.0"]),

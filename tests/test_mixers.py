@@ -296,7 +296,8 @@ def test_an_installed_package_adds_mixers_through_its_entry_points(registry, tmp
 # ---------------------------------------------------------------- plugins that fail (issue 41)
 @pytest.mark.parametrize("source, named", [("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import"),
                                            ("def broken(:\n", "SyntaxError"),
-                                           ("import no_such_dependency_41\n", "no_such_dependency_41")])
+                                           ("import no_such_dependency_41\n", "no_such_dependency_41"),
+                                           ("import sys\nsys.exit(3)\n", "SystemExit")])
 def test_a_plugin_module_that_fails_to_import_is_one_line_naming_it(source, named, tmp_path, monkeypatch):
     (tmp_path / "failing_plugin.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))

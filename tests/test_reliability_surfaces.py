@@ -316,6 +316,7 @@ def test_the_api_refuses_what_it_would_ignore_or_could_not_hold(translator, lm):
     for call, named in [
         (lambda: translator.translate(["A tool."], beam_size=10**9), ("beam_size=1000000000", str(vocab - 1))),
         (lambda: translator.translate(["A tool."], top_p=0.9), ("top_p=0.9", "temperature")),
+        (lambda: translator.translate(["A tool."], temperature=1.0, nbest=10**6), ("nbest=1000000", str(vocab - 1))),
         (lambda: lm.generate(["The small"], top_k=5), ("top_k=5", "temperature")),
         (lambda: lm.generate(["The small"], seed=3), ("seed=3", "temperature")),
     ]:
@@ -370,6 +371,9 @@ def test_export_refuses_the_other_tasks_settings_and_reaches_the_loaded_models_w
     with pytest.raises(UserError) as error:
         export.export(tiny_runs.in_memory(tiny_runs.translation_config()), str(tmp_path / "a"), temperature=0.8)
     helpers.one_line_error(error, "--temperature")
+    with pytest.raises(UserError) as error:  # a million rows of beam search in one program
+        export.export(tiny_runs.in_memory(tiny_runs.translation_config()), str(tmp_path / "a"), rows=(10**6,))
+    helpers.one_line_error(error, "--rows=1000000", str(export.MAX_EXPORT_ROWS))
     workdir = _workdir(tmp_path, tiny_runs.lm_config(), "lm")
     outcome = helpers.run_cli(capsys, "lconv.export", f"--workdir={workdir}", f"--out={tmp_path}/b",
                               "--beam_size=4")

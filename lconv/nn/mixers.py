@@ -225,7 +225,7 @@ def import_plugin_module(module_name: str, what: str) -> Any:
         if e.name and module_name.startswith(e.name):  # the module itself, not one it imports
             raise UserError(f"{what}: no module named {module_name!r}; is its folder on PYTHONPATH?") from None
         raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
-    except Exception as e:  # noqa: BLE001 (whatever a plugin raises on import is reported in one line)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 (whatever a plugin raises on import: one line)
         raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
 
 
