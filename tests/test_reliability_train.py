@@ -50,6 +50,8 @@ def _train_py(capsys, *args):
     (["--config.data.eval_splits=('test',)"], ["config.data.eval_splits", "'validation'"]),
     (["--config.model.mixer_kwargs={'dynamicconv': 5}"], ["config.model.mixer_kwargs['dynamicconv']=5"]),
     (["--config.model.encoder_kernel_sizes=(3, 5)"], ["config.model.encoder_kernel_sizes", "ignored"]),
+    (["--config.model.encoder_mixer=toy_mixers:TupleOutput"], ["toy_mixers:TupleOutput", "encoder layer 0"]),
+    (["--config.model.decoder_mixer=toy_mixers:RaisesOnCall"], ["toy_mixers:RaisesOnCall", "RuntimeError"]),
 ])
 def test_a_bad_config_field_is_one_line_before_anything_is_written(args, named, tmp_path, capsys):
     helpers.one_line_error(_train_py(capsys, *args, f"--workdir={tmp_path / 'run'}"), *named)

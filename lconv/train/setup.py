@@ -30,7 +30,7 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.fields import is_integer
 from lconv.nn import common as nn_common
-from lconv.nn import models
+from lconv.nn import mixers, models
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
 
@@ -285,7 +285,32 @@ def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.
     validate_config(config)
     mesh = make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)
+    check_plugins_trace(config)
     return mesh
+
+
+def check_plugins_trace(config: Config) -> None:
+    """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
+    data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
+    naming it, rather than after data preparation."""
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=int(config.data.vocab_size))
+    sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
+    names = [name for side in sides for name in model_cfg.layer_mixers(side)]
+    plugins = sorted({name for name in names if not mixers.mixer_class(name).__module__.startswith("lconv.")})
+    if not mixers.ffn_class(model_cfg.ffn_type).__module__.startswith("lconv."):
+        plugins.append(f"ffn_type={model_cfg.ffn_type}")
+    if not plugins:
+        return
+    model = build_model(config, int(config.data.vocab_size))
+    args, kwargs = model_inputs(dummy_batch(config, length=8))
+    try:
+        jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 (the plugin's own code failed: one line naming it and the checker)
+        line = (str(err).strip().splitlines() or [""])[0]
+        raise UserError(f"the model with plugin(s) {', '.join(plugins)} fails to trace ({type(err).__name__}: "
+                        f"{line}); lconv.testing.check_mixer names the rule a mixer breaks") from None
 
 
 def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None, *,
