@@ -240,6 +240,7 @@ def validate_config(config: Any) -> None:
     check_search(beam_size=values["decode"]["beam_size"], vocab_size=values["data"]["vocab_size"])
     model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
     model_cfg.validate(decoder_only=values["task"] == "lm")
+    model_cfg.check_kernel_counts(decoder_only=values["task"] == "lm")
     if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
         raise UserError(f"config.optim.warmup_fraction={values['optim']['warmup_fraction']} and decay_fraction="
                         f"{values['optim']['decay_fraction']} share the training time: they must add up to at most 1")

@@ -275,17 +275,23 @@ class ModelConfig:
                     raise UserError(f"config.model.encoder_kernel_sizes: layer {layer} has kernel "
                                      f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
             if any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
-                self._check_kernel_count(side, n)
+                self.kernel_size(side, n - 1)
         self._check_mixer_kwargs(decoder_only)
         self._check_widths(decoder_only)  # after the mixer names are known to resolve
 
-    def _check_kernel_count(self, side: str, layers: int) -> None:
-        """One kernel size for all layers, or exactly one per layer: a surplus would be ignored without a word."""
-        sizes = tuple(getattr(self, f"{side}_kernel_sizes"))
-        if len(sizes) != 1 and len(sizes) != layers:
-            surplus = f"; the last {len(sizes) - layers} would be ignored" if len(sizes) > layers else ""
-            raise UserError(f"config.model.{side}_kernel_sizes has {len(sizes)} entries for {layers} {side} layers"
-                            f"{surplus}: give one per layer, or one for all")
+    def check_kernel_counts(self, decoder_only: bool = False) -> None:
+        """A config's rule (``lconv.configs.schema.validate_config``): one kernel size for all layers, or exactly one
+        per layer of a side whose mixers take one, since a surplus would be ignored without a word. A model built
+        in code keeps the dataclass's lenience: the paper's kernels by default, the first ``layers`` of them."""
+        for side in ("decoder",) if decoder_only else BOTH_SIDES:
+            layers = getattr(self, f"{side}_layers")
+            if not any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
+                continue
+            sizes = tuple(getattr(self, f"{side}_kernel_sizes"))
+            if len(sizes) != 1 and len(sizes) != layers:
+                surplus = f"; the last {len(sizes) - layers} would be ignored" if len(sizes) > layers else ""
+                raise UserError(f"config.model.{side}_kernel_sizes has {len(sizes)} entries for {layers} {side} "
+                                f"layers{surplus}: give one per layer, or one for all")
 
     def _check_mixer_kwargs(self, decoder_only: bool) -> None:
         """``mixer_kwargs`` names registered mixers or the layers' (a plugin's spec or class name), and fields they

@@ -23,6 +23,16 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
+class _Discard:
+    """Where a bar goes when its lines are printed plainly instead (it still counts, for its readers)."""
+
+    def write(self, text: str) -> None:
+        del text
+
+    def flush(self) -> None:
+        pass
+
+
 class _RemoteLines:
     """An append-only text file on an object store (gs://...), which cannot append: the lines are kept and the
     whole file is rewritten on each flush (metrics are small: a row per log step)."""
@@ -131,7 +141,7 @@ class Progress:
         self.bar = tqdm(initial=min(round(budget.elapsed()), round(budget.seconds)) if timed else step,
                         total=round(budget.seconds) if timed else num_steps, desc="train",
                         unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
-                        disable=jax.process_index() != 0 or self.plain,
+                        disable=jax.process_index() != 0, file=_Discard() if self.plain else None,
                         **({"bar_format": BUDGET_BAR} if timed else {}))
 
     @property
