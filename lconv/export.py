@@ -70,7 +70,8 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
         schema.check_sampling(sampling, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
         widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
     else:
-        schema.check_search(beam_size=beam_size, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
+        schema.check_search(beam_size=beam_size, spell=_flag,
+                            vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
     outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
