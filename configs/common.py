@@ -15,7 +15,10 @@ def mixer_variants(both_sides: bool = False) -> dict[str, str]:
     word names a mixer too. A mixer that fits only one side gets a Transformer's attention on the other;
     ``both_sides`` keeps only the mixers that fit both."""
     words = mixers.variants()
-    return {w: m for w, m in words.items() if not both_sides or mixers.info(m).both_sides}
+    if not both_sides:
+        return words
+    fit_both = {i.name for i in mixers.importable_infos() if i.both_sides}  # one that cannot be imported: neither
+    return {w: m for w, m in words.items() if m in fit_both}
 
 
 def base_config():
@@ -28,6 +31,9 @@ def parse_args(arg, allowed):
     ``package.module:Class`` word (a mixer plugin) is always allowed; ``set_mixer`` imports it."""
     words = {w.strip() for w in (arg or "").split(",") if w.strip()}
     unknown = sorted(w for w in words - set(allowed) if not mixers.is_spec(w))
+    for word in unknown:
+        if word in mixers.mixer_names():  # registered, but its module cannot be imported: say why
+            mixers.mixer_class(word)
     if unknown:
         raise UserError(f"unknown config variant(s) {unknown}; choose from {sorted(allowed)}")
     return words

@@ -29,7 +29,10 @@ from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.fields import (
     BOOL,
+    MAX_ROWS,
+    MAX_TOKENS,
     RATE,
+    SIZE_REASON,
     Rule,
     as_dict,
     check,
@@ -127,13 +130,18 @@ class TrainConfig:
 class DecodeConfig:
     """Decoding and scoring a split (``lconv.infer``), at the end of training and by eval.py."""
 
-    beam_size: int = field(5, "beam width (1 = greedy)", Rule(_POSITIVE.test, ">= 1 (1 = greedy), an integer"))
+    beam_size: int = field(5, "beam width (1 = greedy)", Rule(
+        _POSITIVE.test, ">= 1 (1 = greedy), an integer, at most the vocabulary's size - 1 (fairseq's cap: a beam "
+        "holds distinct continuations)"))
     batch_size: int = field(0, "sources per decoding batch; 0 = auto: data.eval_batch_size on CPU, wider on a "
-                            "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)"))
+                            "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)",
+                                               maximum=MAX_ROWS, reason=SIZE_REASON))
     lenpen: float = field(1.0, "fairseq length penalty: score / length**lenpen", number(
         lambda v: v >= 0, "a finite number >= 0 (0 = no length normalisation, 1 = divide by the length)"))
-    max_len_a: float = field(1.2, "max output length = a * source length + b", _NON_NEGATIVE_NUMBER)
-    max_len_b: int = field(10, "max output length = a * source length + b", _NON_NEGATIVE)
+    max_len_a: float = field(1.2, "max output length = a * source length + b", number(
+        lambda v: 0 <= v <= 1000, f"a number in [0, 1000] ({SIZE_REASON})"))
+    max_len_b: int = field(10, "max output length = a * source length + b",
+                           integer(0, maximum=MAX_TOKENS, reason=SIZE_REASON))
     split: str = field("test", "the split decoded and scored", Rule(lambda v: isinstance(v, str) and bool(v),
                                                                      "a split name"))
     num_print: int = field(5, "sample translations printed at the end", _NON_NEGATIVE)
@@ -225,11 +233,14 @@ def validate_config(config: Any) -> None:
     for name, section in SECTIONS.items():
         if section is not ModelConfig:  # the model's fields are checked by ModelConfig, below
             check_values(section, values[name], f"config.{name}")
+    _check_splits(values)
     if values["data"]["stream"] and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
+    check_search(beam_size=values["decode"]["beam_size"], vocab_size=values["data"]["vocab_size"])
     model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
     model_cfg.validate(decoder_only=values["task"] == "lm")
+    model_cfg.check_kernel_counts(decoder_only=values["task"] == "lm")
     if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
         raise UserError(f"config.optim.warmup_fraction={values['optim']['warmup_fraction']} and decay_fraction="
                         f"{values['optim']['decay_fraction']} share the training time: they must add up to at most 1")
@@ -242,11 +253,29 @@ def validate_config(config: Any) -> None:
                         "probability onto the ids the decoder cannot predict)")
 
 
+def _check_splits(values: Mapping[str, Any]) -> None:
+    """Training validates on ``validation`` and, with ``train.eval_after_training``, scores ``decode.split``: both
+    among the prepared ``data.eval_splits`` (else a KeyError before training, or after all of it)."""
+    splits = tuple(values["data"]["eval_splits"])
+    if "validation" not in splits:
+        raise UserError(f"config.data.eval_splits={splits}: must include 'validation' (training reports its loss "
+                        "and keeps the best checkpoint by it)")
+    if values["train"]["eval_after_training"] and values["decode"]["split"] not in splits:
+        raise UserError(f"config.decode.split={values['decode']['split']!r}: must be one of config.data.eval_splits="
+                        f"{splits} (the split scored after training), or set train.eval_after_training=False")
+
+
 def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
-                 spell: Callable[[str], str] = lambda name: f"config.decode.{name}") -> None:
+                 spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
+                 vocab_size: int | None = None) -> None:
     """The decode section's rules for the beam search's settings, for every place that takes them: the config,
-    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given."""
+    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given. With
+    ``vocab_size`` (once it is known) the beam is at most ``vocab_size - 1``, as fairseq caps it: a wider beam
+    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB)."""
     check_decode({"beam_size": beam_size, "lenpen": lenpen}, spell)
+    if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
+        raise UserError(f"{spell('beam_size')}={beam_size}: must be at most the vocabulary's size - 1 "
+                        f"({vocab_size - 1}; fairseq's cap: a wider beam holds no more distinct continuations)")
 
 
 def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
@@ -260,16 +289,20 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
 
 
 def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
-                          spell: Callable[[str], str] = str) -> int:
+                          spell: Callable[[str], str] = str, vocab_size: int | None = None) -> int:
     """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
     (hypotheses returned per source; None = the best alone) checked against it: the one rule for the API's
-    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``."""
+    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``. Samples are
+    held as a beam's hypotheses are: with ``vocab_size``, at most ``vocab_size - 1`` of them, as a beam."""
     if nbest is not None and not (integer().test(nbest) and nbest >= 1):
         raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
     if temperature:
         if beam_size is not None:
             raise UserError(f"{spell('beam_size')}={beam_size}: not used when sampling ({spell('temperature')}="
                             f"{temperature}); {spell('nbest')} sets the number of samples per source")
+        if vocab_size is not None and nbest is not None and nbest > vocab_size - 1:
+            raise UserError(f"{spell('nbest')}={nbest}: at most {vocab_size - 1} samples per source (the vocabulary's "
+                            "size - 1, the beam's bound: samples are held as a beam's hypotheses are)")
         return nbest or 1
     beams = stored_beam_size if beam_size is None else beam_size
     if nbest is not None and nbest > beams:
@@ -279,10 +312,12 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
-                   vocab_size: int | None = None) -> None:
+                   vocab_size: int | None = None, idle: bool = True) -> None:
     """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
     ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
-    ``top_k`` may not exceed it."""
+    ``top_k`` may not exceed it. A filter or a seed without a temperature (0 or not given) is refused: greedy
+    decoding and beam search would ignore it (``idle=False`` leaves that to a later call, after checks whose
+    message says more)."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:
@@ -294,6 +329,13 @@ def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str,
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise UserError(f"{spell('top_k')}={top_k}: must be at most the model's vocabulary of {vocab_size} tokens "
                         "(0 = no top-k filter)")
+    if idle and not values.get("temperature"):  # greedy (0 or not given): a filter or a seed would be ignored
+        idle = [f"{spell(name)}={values[name]}" for name, off in (("top_k", 0), ("top_p", 1.0), ("seed", 0))
+                if values.get(name) is not None and values[name] != off]
+        if idle:
+            raise UserError(f"{', '.join(idle)}: {'a sampling setting' if len(idle) == 1 else 'sampling settings'}"
+                            f" for {spell('temperature')} > 0; at {spell('temperature')}=0 (greedy, or beam search) it "
+                            "would be ignored")
 
 
 _DOCS_HEADER = """# Config fields

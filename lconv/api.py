@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from flax.linen import meta as nn_meta
 
 from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
+from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
@@ -45,14 +47,18 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     tokens (``config.data.eval_max_input_length``; longer ones are cut). ``devices``: the mesh the params are laid
     out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
-    options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
-                   decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices)
-    if not isinstance(workdir, str) and isinstance(workdir, Sequence):
+    if not isinstance(workdir, (str, os.PathLike)) and isinstance(workdir, Sequence) and workdir:
+        options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
+                       decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices)
         return ensemble([load(path, **options) for path in workdir])
+    if not isinstance(workdir, (str, os.PathLike)) or not str(workdir):
+        raise UserError(f"workdir: must be a path or URL of a run (a non-empty string), or a list of them; got "
+                        f"{workdir!r:.60}")
     overrides = load_options.overrides(dtype=dtype, decode_batch_size=decode_batch_size,
                                        max_input_length=max_input_length)
-    return Model(setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, caller="lconv.load",
-                                    overrides=overrides, devices=load_options.checked_devices(devices)))
+    return Model(setup.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
+                                    caller="lconv.load", overrides=overrides,
+                                    devices=load_options.checked_devices(devices)))
 
 
 def ensemble(models: Sequence[Model]) -> Model:
@@ -123,7 +129,8 @@ class Model(probing.Probing):
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
         prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str))
-        schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)  # the arguments' own names
+        schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str,  # the arguments' own names
+                            vocab_size=self.tokenizer.vocab_size)
         limit = int(self.config.data.eval_max_target_length)
         schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
@@ -160,7 +167,8 @@ class Model(probing.Probing):
     def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
         """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
         return schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=temperature,
-                                            stored_beam_size=self.config.decode.beam_size)
+                                            stored_beam_size=self.config.decode.beam_size,
+                                            vocab_size=self.tokenizer.vocab_size)
 
     def score(self, sources: str | Sequence[str],
               targets: str | Sequence[int] | Sequence[str | Sequence[int]]) -> dict[str, Any] | list[dict[str, Any]]:
@@ -280,8 +288,13 @@ class Model(probing.Probing):
             return self._text_perplexities(texts, (sample_break_mode, tokens_per_sample, context_window))
         if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
             return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
-        encoded = [np.append(ids[:limit - 1], EOS_ID)
-                   for ids in self.tokenizer.encode_batch(_lines(texts, "texts"))]
+        ids = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
+        lengths = [len(x) + 1 for x in ids]  # the one rule for long inputs: cut, and a warning names each
+        cut = [i for i, n in enumerate(lengths) if n > limit]
+        decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
+            "texts[{}]".format, "config.data.eval_max_target_length, EOS included; sample_break_mode='none' scores "
+            "long texts whole")
+        encoded = [np.append(x[:limit - 1], EOS_ID) for x in ids]
         rows = compiled.row_bucket(len(encoded), self.config.data.eval_batch_size)
         loss = self._function("nll", self._nll_sums)
         total = {"nll": 0.0, "tokens": 0.0}
@@ -307,7 +320,8 @@ class Model(probing.Probing):
                             context_window: int) -> dict[str, float]:
         """``perplexity`` on fairseq-eval-lm's rows: whole texts (no cut), each row's scored tokens counted."""
         lm_blocks.check_settings(mode, tokens_per_sample, context_window, int(self.config.model.max_len))
-        rows = lm_blocks.fairseq_rows(self.tokenizer.encode_batch(_lines(texts, "texts")), sample_break_mode=mode,
+        rows = lm_blocks.fairseq_rows(self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True)),
+                                      sample_break_mode=mode,
                                       tokens_per_sample=tokens_per_sample, context_window=context_window,
                                       start_id=self.module.config.decoder_start_id, eos_id=EOS_ID)
         batch = compiled.row_bucket(len(rows), self.config.data.eval_batch_size)
@@ -362,15 +376,9 @@ def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     argument (and the index) for anything else; ``None``, bytes or numbers are not turned into ``"None"``."""
     if isinstance(texts, str):
         if one_allowed:
-            return [texts]
+            return tokenizer_lib.check_texts([texts], argument)
         raise UserError(f"{argument}: pass a list of strings (one per example), not one string")
-    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
-        raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
-            raise UserError(f"{argument}[{i}]: must be a string; got {type(text).__name__}{hint}")
-    return list(texts)
+    return tokenizer_lib.check_texts(texts, argument)
 
 
 def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets", eos_allowed: bool = True,
@@ -385,7 +393,7 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets
     for i, target in enumerate(targets):
         named = name if one else f"{name}[{i}]"
         if isinstance(target, str):
-            out.append(np.asarray(tokenizer.encode(target), np.int32))
+            out.append(np.asarray(tokenizer.encode(tokenizer_lib.check_text(target, name)), np.int32))
             continue
         ids = np.asarray(target) if isinstance(target, (Sequence, np.ndarray)) else None
         ids = ids if ids is not None and (len(ids) or empty_allowed) else None

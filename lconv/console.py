@@ -12,6 +12,18 @@ import sys
 ROOT_LOGGER = "lconv"
 
 
+def line(record: logging.LogRecord) -> str:
+    """A record as the programs print it: its message, after ``warning: `` for a warning. The messages themselves
+    carry no level, so a notebook's own logging config (``WARNING:lconv...:``) does not print it twice."""
+    message = record.getMessage()
+    return f"warning: {message}" if record.levelno == logging.WARNING else message
+
+
+class _LineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return line(record)
+
+
 class _MessageHandler(logging.StreamHandler):
     """Each record's message alone, flushed, on ``sys.stdout`` or ``sys.stderr`` as it is when the record is
     written: a stream redirected or captured after ``show_log`` (pytest's capsys) still gets the lines."""
@@ -19,7 +31,7 @@ class _MessageHandler(logging.StreamHandler):
     def __init__(self, stream_name: str) -> None:
         super().__init__(getattr(sys, stream_name))
         self.stream_name = stream_name
-        self.setFormatter(logging.Formatter("%(message)s"))
+        self.setFormatter(_LineFormatter())
 
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = getattr(sys, self.stream_name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,22 +48,30 @@ from lconv.train import backend, setup
 SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
 FORMAT_VERSION = 1
+MAX_EXPORT_ROWS = 4096
 
 
 def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
-           widths: Sequence[int] = (32, 64), beam_size: int | None = None, max_len: int = 50,
-           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> dict[str, Any]:
+           widths: Sequence[int] | None = None, beam_size: int | None = None, max_len: int | None = None,
+           temperature: float | None = None, top_k: int | None = None, top_p: float | None = None) -> dict[str, Any]:
     """Writes ``trained``'s programs (one per ``rows`` x ``widths`` bucket), params, tokenizer and sidecar into
-    ``out``; returns the sidecar."""
+    ``out``; returns the sidecar. ``widths`` default to ``default_widths``: inputs as long as ``lconv.load`` takes
+    are decoded whole, so an exported model translates what the loaded one does. The sampling settings are an LM's
+    (None = ``schema.SAMPLING_DEFAULTS``), ``beam_size`` a translation's; the other task's are refused."""
     config = trained.config
-    _check(config, platforms, rows, widths)
     lm = config.task == "lm"
-    sampling = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+    given = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
+    check_task_settings(config.task, beam_size, [name for name, value in given.items() if value is not None])
+    widths = default_widths(config) if widths is None else widths
+    _check(config, platforms, rows, widths)
+    sampling = {name: schema.SAMPLING_DEFAULTS[name] if value is None else value for name, value in given.items()}
+    max_len = sampling["max_len"]
     if lm:  # the rules eval.py and the API apply, before anything is written
         schema.check_sampling(sampling, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
         widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
     else:
-        schema.check_search(beam_size=beam_size, spell=_flag)
+        schema.check_search(beam_size=beam_size, spell=_flag,
+                            vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
     outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
@@ -114,6 +123,25 @@ def _flag(name: str) -> str:
     return f"--{name}"
 
 
+def default_widths(config: Any) -> list[int]:
+    """The width buckets up to the longest input ``lconv.load`` takes: a source's
+    ``config.data.eval_max_input_length``, an LM prompt's ``config.model.max_len`` (export cuts a prompt's widths
+    to what its ``max_len`` leaves)."""
+    limit = int(config.model.max_len if config.task == "lm" else config.data.eval_max_input_length)
+    return sorted({min(w, limit) for w in compiled.WIDTHS if w < limit * 2})
+
+
+def check_task_settings(task: str, beam_size: int | None, sampling_given: Sequence[str]) -> None:
+    """A translation export beam-searches and an LM export samples: the other task's settings would be ignored."""
+    if task == "lm" and beam_size is not None:
+        raise UserError(f"--beam_size={beam_size}: an lm export samples (--temperature, --top_k, --top_p, "
+                        "--max_len); it would ignore a beam size")
+    if task != "lm" and sampling_given:
+        flags = ", ".join(f"--{name}" for name in sampling_given)
+        raise UserError(f"{flags}: for lm exports; a {task} export beam-searches (--beam_size) and would ignore "
+                        f"{'it' if len(sampling_given) == 1 else 'them'}")
+
+
 def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -133,6 +161,9 @@ def _check(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: S
     for flag, values in (("--rows", rows), ("--widths", widths)):
         if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
             raise UserError(f"{flag}={','.join(map(str, values))}: positive integers, ascending, no repeats")
+    if rows[-1] > MAX_EXPORT_ROWS:
+        raise UserError(f"--rows={','.join(map(str, rows))}: at most {MAX_EXPORT_ROWS} (a program holds its rows' "
+                        "search in memory at once; the exported model splits a larger batch over its largest bucket)")
     if config.task != "lm" and widths[-1] > config.data.eval_max_input_length:
         raise UserError(f"--widths={','.join(map(str, widths))}: at most config.data.eval_max_input_length="
                         f"{config.data.eval_max_input_length} (the longest source the model decodes)")
@@ -144,6 +175,10 @@ class Served:
 
     def __init__(self, path: str):
         backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise UserError(f"lconv.export.load: path must be an export's folder (a non-empty string); got "
+                            f"{path!r:.60}")
+        path = os.fspath(path)
         label = f"lconv.export.load({str(path)!r})"
         paths.check_url(path, "path", label=label)
         directory = epath.Path(paths.normalize(path))
@@ -165,15 +200,16 @@ class Served:
                          for p in self.sidecar["programs"]}
         for entry, exported in self.programs.values():
             _check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
+            _check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)
 
     def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int = 0) -> list[str] | np.ndarray:
         if isinstance(inputs, str):
-            raise UserError("pass a list of strings (or an id array [B, S])")
+            raise UserError("inputs: pass a list of strings (or an id array [B, S])")
         if isinstance(inputs, np.ndarray):
             if inputs.ndim != 2:
                 raise UserError(f"an id array must be [B, S] (rows of ids, PAD after); got shape {inputs.shape}")
             return self.run_ids([row[row != PAD_ID] for row in inputs], seed=seed)
-        encoded = self.tokenizer.encode_batch(list(inputs))
+        encoded = self.tokenizer.encode_batch(tokenizer_lib.check_texts(inputs, "inputs"))
         if self.task != "lm":
             encoded = [np.append(ids, EOS_ID) for ids in encoded]
         return [self.tokenizer.decode(row) for row in self.run_ids(encoded, seed=seed)]
@@ -183,7 +219,8 @@ class Served:
         Ids outside the vocabulary are refused; an input wider than every exported bucket is cut to the widest,
         with the warning ``lconv.load`` and eval.py give (a source keeps its first tokens and EOS, a prompt its
         last tokens)."""
-        schema.check_sampling({"seed": seed})  # a uint32 argument of the programs
+        # A uint32 argument of an LM's programs, which only a sampling export reads.
+        schema.check_sampling({"seed": seed, "temperature": self.sidecar["search"].get("temperature", 0.0)})
         sequences = self._cut([self._checked_ids(x, i) for i, x in enumerate(sequences)])
         max_rows = max(r for r, _ in self.programs)
         outputs = []
@@ -266,7 +303,8 @@ def _parse_sidecar(data: bytes) -> dict[str, Any]:
     if needed == "max_len":
         schema.check_sampling(search)  # the settings the programs were lowered with
     else:
-        schema.check_search(lenpen=search["lenpen"], spell=lambda name: f"search.{name}")
+        schema.check_search(beam_size=search.get("beam_size"), lenpen=search["lenpen"],
+                            spell=lambda name: f"search.{name}")
     return sidecar
 
 
@@ -293,6 +331,23 @@ def _check_params_fit(params: Any, exported: jax.export.Exported, params_path: e
                             f"{program} takes {aval.dtype}{list(aval.shape)}; export the run again")
 
 
+def _check_entry_fits(entry: dict[str, Any], exported: jax.export.Exported, sidecar: dict[str, Any],
+                      sidecar_path: epath.Path) -> None:
+    """The sidecar's rows, width and (an LM's) max_len are what the program was lowered for: an edited sidecar
+    would otherwise fail at the first call with XLA's "Shape mismatch"."""
+    ids = exported.in_avals[len(exported.in_avals) - (3 if sidecar["task"] == "lm" else 2)]
+    out = exported.out_avals[0]
+    expected = {"rows x width": (entry["rows"], entry["width"])}
+    found = {"rows x width": tuple(ids.shape)}
+    if sidecar["task"] == "lm":
+        expected["output width (width + search.max_len)"] = entry["width"] + sidecar["search"]["max_len"]
+        found["output width (width + search.max_len)"] = out.shape[1]
+    for what, value in expected.items():
+        if found[what] != value:
+            raise UserError(f"{sidecar_path}: {entry['file']} is listed with {what} {value}, but the program takes "
+                            f"{found[what]}; the sidecar was edited or is another export's: export the run again")
+
+
 def load(path: str) -> Served:
     """The run exported into ``path`` by ``python -m lconv.export``, ready to call."""
     return Served(path)
@@ -308,15 +363,16 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_string("out", None, "Where to write the programs, params, tokenizer and sidecar.")
     flags.DEFINE_list("platforms", ["cpu"], f"Platforms to lower for, from {', '.join(PLATFORMS)}.")
     flags.DEFINE_list("rows", ["1", "8"], "Batch rows of the exported buckets.")
-    flags.DEFINE_list("widths", ["32", "64"], "Input widths (tokens) of the exported buckets.")
+    flags.DEFINE_list("widths", [], "Input widths (tokens) of the exported buckets (default: 32, 64, ... up to the "
+                      "longest input lconv.load takes: config.data.eval_max_input_length, an LM's model.max_len).")
     flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
     flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best.")
     flags.DEFINE_integer("beam_size", None, "Translation: beam size (default: the stored config's).")
     sampling = schema.SAMPLING_DEFAULTS  # eval.py's and the API's defaults
-    flags.DEFINE_integer("max_len", sampling["max_len"], "LM: new tokens per prompt.")
-    flags.DEFINE_float("temperature", sampling["temperature"], "LM: sampling temperature (0 = greedy).")
-    flags.DEFINE_integer("top_k", sampling["top_k"], "LM: top-k filter (0 = off).")
-    flags.DEFINE_float("top_p", sampling["top_p"], "LM: nucleus filter (1 = off).")
+    flags.DEFINE_integer("max_len", None, f"LM: new tokens per prompt (default {sampling['max_len']}).")
+    flags.DEFINE_float("temperature", None, f"LM: sampling temperature (default {sampling['temperature']}: greedy).")
+    flags.DEFINE_integer("top_k", None, f"LM: top-k filter (default {sampling['top_k']}: off).")
+    flags.DEFINE_float("top_p", None, f"LM: nucleus filter (default {sampling['top_p']}: off).")
     flags.mark_flags_as_required(["workdir", "out"])
     F = flags.FLAGS
 
@@ -329,9 +385,12 @@ def main(argv: list[str] | None = None) -> None:
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             setup.check_checkpoint_choice(F.average_last, F.checkpoint)
             schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
-            schema.check_sampling({name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")},
-                                  spell=_flag)
-            _check(setup.read_config(F.workdir), F.platforms, rows, widths)
+            sampling = {name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")}
+            schema.check_sampling(sampling, spell=_flag)
+            config = setup.read_config(F.workdir)
+            check_task_settings(config.task, F.beam_size, [name for name, v in sampling.items() if v is not None])
+            widths = widths or default_widths(config)
+            _check(config, F.platforms, rows, widths)
             outputs.check_directory(F.out, "export", "--out")  # before the checkpoint is read
             trained = setup.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)
             sidecar = export(trained, F.out, platforms=F.platforms, rows=rows, widths=widths,

@@ -35,10 +35,24 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def integer(minimum: int | None = None, note: str = "") -> Rule:
+def integer(minimum: int | None = None, note: str = "", *, maximum: int | None = None, reason: str = "") -> Rule:
+    """An integer >= ``minimum``; with ``maximum`` also <= it, the requirement saying ``reason`` (why the bound)."""
     if minimum is None:
         return Rule(is_integer, "an integer")
-    return Rule(lambda v: is_integer(v) and v >= minimum, f"an integer >= {minimum}{note}")
+    if maximum is None:
+        return Rule(lambda v: is_integer(v) and v >= minimum, f"an integer >= {minimum}{note}")
+    return Rule(lambda v: is_integer(v) and minimum <= v <= maximum,
+                f"an integer in [{minimum}, {maximum:,}]{note}{f' ({reason})' if reason else ''}")
+
+
+# Upper bounds on sizes: far above any real run, low enough that a typo (an extra zero, 1e20) is refused in one line
+# before data is prepared, instead of an overflow, a MemoryError or an hours-long loop later.
+MAX_WIDTH = 2**16  # model and FFN widths, heads
+MAX_LAYERS = 1024
+MAX_TOKENS = 2**20  # one sequence's tokens (lengths, positions, kernel taps)
+MAX_ROWS = 2**20  # rows of a batch
+MAX_VOCAB = 2**22
+SIZE_REASON = "the upper bound is far above any real run; a larger value is taken for a typo"
 
 
 def number(test: Callable[[float], bool], requirement: str) -> Rule:

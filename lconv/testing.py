@@ -27,7 +27,8 @@ from lconv.nn.common import axis_rules
 RULES = {
     "fields": "the model can build it: model_fields name constructor fields and model values, and a mixer that "
               "may sit in a decoder takes `causal` from the model",
-    "output": "y has x's shape and dtype",
+    "runs": "init (with a 'params' rng) and a call return without raising",
+    "output": "y is one array of x's shape and dtype, finite for a finite x",
     "deterministic": "deterministic=True runs with no 'dropout' rng (and deterministic=False runs with one)",
     "logical_axes": "every parameter carries logical axis names, one per dimension, that the default mesh rules "
                     "can map (no name twice)",
@@ -116,7 +117,7 @@ class _Checker:
         variables = self._init()
         self._check_logical_axes(variables)
         variables = nn.meta.unbox(variables)
-        self.params = variables["params"]
+        self.params = variables.get("params", {})  # a mixer may have no parameters
         self.state = {k: v for k, v in variables.items() if k not in ("params", "cache")}
         self._apply = jax.jit(self._pass)
         self._check_output_and_determinism()
@@ -131,16 +132,21 @@ class _Checker:
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _init(self) -> dict[str, Any]:
+        init = lambda rngs: self.module.init(rngs, self.x)  # noqa: E731
         try:
-            return jax.jit(lambda: self.module.init({"params": jax.random.key(1)}, self.x))()
+            return jax.jit(lambda: init({"params": jax.random.key(1)}))()
         except Exception as e:  # noqa: BLE001 - the checker reports any failure as the rule it broke
-            raise _Broken("deterministic", f"init with only a 'params' rng failed: {_first_line(e)}") from None
+            # Only a mixer that runs once it is given a 'dropout' rng breaks 'deterministic'; the rest fail anyway.
+            rule = "deterministic" if _succeeds(lambda: init({"params": jax.random.key(1),
+                                                               "dropout": jax.random.key(2)})) else "runs"
+            raise _Broken(rule, f"init with only a 'params' rng failed: {_first_line(e)}") from None
 
-    def _pass(self, params, x, segment_ids, positions, dropout_rng=None):
+    def _pass(self, params, x, segment_ids, positions, dropout_rng=None, deterministic=None):
         variables = {"params": params, **self.state}
         rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+        deterministic = dropout_rng is None if deterministic is None else deterministic
         return self.module.apply(variables, x, segment_ids=segment_ids, positions=positions,
-                                 deterministic=dropout_rng is None, rngs=rngs)
+                                 deterministic=deterministic, rngs=rngs)
 
     def _run(self, x: Any, segment_ids: Any = None, positions: Any = None, rule: str = "output") -> np.ndarray:
         segment_ids = np.ones((B, T), np.int32) if segment_ids is None else segment_ids
@@ -178,10 +184,20 @@ class _Checker:
                                               f"mesh: {_first_line(e)}") from None
 
     def _check_output_and_determinism(self) -> None:
-        self._run(self.x, SEGMENTS_BT, POSITIONS_BT, rule="deterministic")
-        out = jax.eval_shape(self._apply, self.params, self.x, SEGMENTS_BT, POSITIONS_BT)
+        try:
+            out = jax.eval_shape(self._apply, self.params, self.x, SEGMENTS_BT, POSITIONS_BT)
+        except Exception as e:  # noqa: BLE001
+            with_rng = lambda: jax.eval_shape(  # noqa: E731
+                lambda p, x, rng: self._pass(p, x, SEGMENTS_BT, POSITIONS_BT, rng, deterministic=True),
+                self.params, self.x, jax.random.key(2))
+            rule = "deterministic" if _succeeds(with_rng) else "runs"
+            raise _Broken(rule, f"a deterministic call without rngs failed: {_first_line(e)}") from None
+        if not isinstance(out, jax.ShapeDtypeStruct):
+            raise _Broken("output", f"x {self.x.shape} {self.x.dtype} gave {mixers.describe_output(out)}")
         if out.shape != self.x.shape or out.dtype != self.x.dtype:
             raise _Broken("output", f"x {self.x.shape} {self.x.dtype} gave y {out.shape} {out.dtype}")
+        if not np.all(np.isfinite(self._run(self.x, rule="output"))):
+            raise _Broken("output", "y holds NaN or inf for a finite x (one segment, no padding)")
         if "dtype" in self.info.fields:  # bfloat16 computation: y keeps the input's dtype
             half = mixers.make_mixer(self.info.name, **{**self.fields, "dtype": jnp.bfloat16})
             x16 = jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16)
@@ -285,6 +301,14 @@ class _Checker:
 def _noise(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     """Inputs far from the test's own (3 sigma): a leak of them cannot hide under the tolerance."""
     return 3.0 * np.asarray(jax.random.normal(jax.random.key(seed), shape), np.float32)
+
+
+def _succeeds(thunk: Any) -> bool:
+    try:
+        thunk()
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def _first_line(error: BaseException) -> str:

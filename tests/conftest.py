@@ -117,8 +117,10 @@ def lconv_log(caplog):
     """``lconv_log()``: the messages lconv logged so far in the test, in order, as its programs print them."""
     import log_capture
 
+    from lconv import console
+
     with log_capture.attached(caplog.handler):
-        yield lambda: [r.getMessage() for r in caplog.records if r.name.split(".")[0] == "lconv"]
+        yield lambda: [console.line(r) for r in caplog.records if r.name.split(".")[0] == "lconv"]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Shared artefacts: one prepared tiny dataset, one tokenizer and one tiny trained run per test run

@@ -16,7 +16,9 @@ class Collect(logging.Handler):
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        from lconv import console
+
+        self.messages.append(console.line(record))
 
 
 @contextlib.contextmanager

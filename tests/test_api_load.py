@@ -136,6 +136,16 @@ def test_a_path_that_holds_no_run_is_one_line_naming_it(tmp_path, monkeypatch, t
         helpers.one_line_error(error, path, fact)
 
 
+def test_averaging_more_checkpoints_than_there_are_is_one_line(tiny_run, tmp_path, capsys):
+    """``average_last`` above the checkpoints kept averaged fewer without a word (issue 41)."""
+    with pytest.raises(UserError) as error:
+        lconv.load(str(tiny_run.workdir), average_last=50)
+    helpers.one_line_error(error, "average_last=50", "5 checkpoints")
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={tiny_run.workdir}", "--average_last=50",
+                              f"--source_file={tiny_run.workdir}/config.json", f"--output_file={tmp_path}/out.txt")
+    helpers.one_line_error(outcome, "--average_last=50", "5 checkpoints")
+
+
 def test_the_installed_evaluate_program_documents_itself():
     """``python -m lconv.evaluate --help`` prints lconv/evaluate.py's docstring: its own usage, not "see eval.py"
     (an installed user has no eval.py)."""
@@ -144,3 +154,17 @@ def test_the_installed_evaluate_program_documents_itself():
     assert "see eval.py" not in evaluate.__doc__
     for usage in ("python -m lconv.evaluate --workdir=", "--source_file=", "--interactive", "--checkpoint=best"):
         assert usage in evaluate.__doc__
+
+
+@pytest.mark.slow  # compiles the tiny run's beam search, n-best, scoring and sampling programs: ~1 minute
+def test_the_readmes_python_api_block_runs_as_written(tiny_run, tmp_path, monkeypatch):
+    """README.md's Python API block, on the shared tiny run in place of runs/default (issue 41: a new user's first
+    day walks it)."""
+    text = (helpers.ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("```python", text.index("## Python API")) + len("```python")
+    block = text[start:text.index("```", start)]
+    assert 'lconv.load("runs/default")' in block
+    monkeypatch.chdir(tmp_path)  # "runs/default" -> the tiny run, through a link named so
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "default").symlink_to(tiny_run.workdir)
+    exec(compile(block, "README.md", "exec"), {})

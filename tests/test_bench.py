@@ -91,6 +91,27 @@ def test_a_quick_run_writes_to_a_scratch_folder_by_default():
     assert (full.out, full.doc) == ("docs/bench", "docs/benchmarks.md")
 
 
+def test_out_takes_the_report_along_and_mixers_replaces_the_mixer_rows(tmp_path):
+    """``--out=DIR`` alone puts the report beside its figures in DIR (not the scratch folder); ``--mixers=`` names
+    the mixer rows (the op rows stay), and a plugin that fails at a small shape is one line before any row runs."""
+    import helpers
+
+    from lconv.bench import mixers as bench_mixers
+    from lconv.errors import UserError
+
+    for quick in (True, False):
+        opts = argparse.Namespace(quick=quick, out=str(tmp_path / f"out{quick}"), doc=None)
+        bench_main.resolve_outputs(opts, None)
+        assert opts.doc == str(tmp_path / f"out{quick}" / "benchmarks.md")
+    configs = bench_mixers.op_configs(["attention", "toy_mixers:PrefixMean"])
+    assert [c.mixer for c in configs if c.kind == "mixer"] == ["attention", "toy_mixers:PrefixMean"]
+    assert any(c.kind == "op" for c in configs)
+    for broken, named in (("toy_mixers:TupleOutput", "tuple"), ("toy_mixers:RaisesOnCall", "RuntimeError")):
+        with pytest.raises(UserError) as error:
+            bench_mixers.op_configs([broken])
+        helpers.one_line_error(error, broken, named)
+
+
 def test_the_pytorch_baseline_is_lconvs_light_conv_with_its_gradients():
     """The PyTorch row times the same op as lconv's rows: values and both gradients equal ``ops.light_conv``."""
     import jax

@@ -68,7 +68,14 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
 
 @pytest.mark.parametrize("field, value, message", [
     ("train.spike_factor", 0.5, "config.train.spike_factor=0.5: must be 0 (off) or a number > 1"),
-    ("data.read_threads", 0, "config.data.read_threads=0: must be an integer >= 1"),
+    ("data.read_threads", 0, "config.data.read_threads=0: must be an integer in [1, 1,024]"),
+    # Sizes have upper bounds (issue 41: an overflow, a 373 GiB MemoryError and a hang, each after data preparation)
+    ("model.d_model", 10**20, f"config.model.d_model={10**20}: must be an integer in [1, 65,536] (the upper bound"),
+    ("data.max_input_length", 10**11, f"config.data.max_input_length={10**11}: must be an integer in [2, 1,048,576]"),
+    ("model.encoder_layers", 10**8, f"config.model.encoder_layers={10**8}: must be an integer in [0, 1,024]"),
+    ("decode.beam_size", 8000, "config.decode.beam_size=8000: must be at most the vocabulary's size - 1 (7999;"),
+    ("data.eval_splits", ("test",), "config.data.eval_splits=('test',): must include 'validation'"),
+    ("decode.split", "train", "config.decode.split='train': must be one of config.data.eval_splits="),
     ("mesh.shape", (2, 2), "config.mesh.shape=(2, 2): must be three sizes"),
     ("decode.beam_size", 0, "config.decode.beam_size=0: must be >= 1 (1 = greedy)"),
     ("model.weight_dropout", 1.0, "config.model.weight_dropout=1.0: must be a rate in [0, 1)"),
@@ -88,11 +95,14 @@ def test_a_bad_field_is_one_line_naming_it(field, value, message):
 def test_beam_settings_have_one_rule_wherever_they_are_given(spell, shown):
     for kwargs, message in [(dict(beam_size=0), "beam_size=0: must be >= 1"),
                             (dict(beam_size=2.5), "beam_size=2.5: must be >= 1"),
-                            (dict(lenpen=float("nan")), "lenpen=nan: must be a finite number >= 0")]:
+                            (dict(lenpen=float("nan")), "lenpen=nan: must be a finite number >= 0"),
+                            (dict(beam_size=10**9, vocab_size=400), f"beam_size={10**9}: must be at most the "
+                                                                    "vocabulary's size - 1 (399")]:
         with pytest.raises(UserError) as error:
             schema.check_search(spell=spell, **kwargs)
         assert str(error.value).startswith(shown + message)
     schema.check_search(beam_size=1, lenpen=0.0, spell=spell)
+    schema.check_search(beam_size=399, spell=spell, vocab_size=400)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,8 +215,17 @@ def test_a_side_value_overrides_the_shared_one_and_the_command_line_sets_it():
                                                        "256, decoder 128"),
     (dict(decoder_ffn_dim=0), "config.model.decoder_ffn_dim=0: must be None (= the shared field) or an integer"),
     (dict(encoder_conv_features=-1), "config.model.encoder_conv_features=-1: must be None (= the shared field), 0 "
-                                     "(= the side's width) or an integer >= 1"),
+                                     "(= the side's width) or an integer in [1, 65,536]"),
     (dict(activation="swish"), "config.model.activation='swish': must be one of relu, gelu, gelu_accurate"),
+    # Settings that would be ignored are refused (issue 41)
+    (dict(encoder_layers=2, encoder_kernel_sizes=(3, 5, 7)), "config.model.encoder_kernel_sizes has 3 entries for 2 "
+                                                            "encoder layers; the last 1 would be ignored"),
+    (dict(mixer_kwargs={"dynamic_conv": {"kernel_size": 3}}), "config.model.mixer_kwargs['dynamic_conv']: "
+                                                              "'dynamic_conv' is no registered mixer"),
+    (dict(mixer_kwargs={"dynamicconv": 5}), "config.model.mixer_kwargs['dynamicconv']=5: must be a dict"),
+    (dict(mixer_kwargs={"dynamicconv": {"kernel": 3}}), "config.model.mixer_kwargs['dynamicconv']: mixer "
+                                                        "'dynamicconv' has no field(s) ['kernel']"),
+    (dict(ffn_kwargs={"hidden": 3}), "config.model.ffn_kwargs: ffn_type 'dense' has no field(s) ['hidden']"),
     (dict(activation="gelu", ffn_type="colt5"), "config.model.activation='gelu' needs an FFN with an activation "
                                                 "field; ffn_type='colt5' has none"),
 ])

@@ -1,4 +1,5 @@
-"""lconv.console: how the programs show lconv's log (the lines ``print`` wrote before lconv used ``logging``)."""
+"""lconv.console: how the programs show lconv's log (the lines ``print`` wrote before lconv used ``logging``), and
+the training progress when stderr is a file."""
 import logging
 
 import pytest
@@ -25,7 +26,7 @@ def test_each_message_is_one_plain_line_on_the_chosen_stream_once(stream, restor
     logging.getLogger().addHandler(root_handler)
     try:
         logging.getLogger("lconv.train.loop").info("resumed from step %d", 12)
-        logging.getLogger("lconv.train.workdir").warning("warning: gs://b/run is remote")
+        logging.getLogger("lconv.train.workdir").warning("gs://b/run is remote")
         logging.getLogger("lconv.train.loop").debug("not shown")
     finally:
         logging.getLogger().removeHandler(root_handler)
@@ -38,3 +39,28 @@ def test_each_message_is_one_plain_line_on_the_chosen_stream_once(stream, restor
 def test_a_stream_is_stdout_or_stderr(restored):
     with pytest.raises(ValueError, match="stdout"):
         console.show_log("stdin")
+
+
+def test_a_warning_under_the_users_own_logging_config_says_warning_once(restored):
+    """The message carries no level of its own: ``logging.basicConfig``'s ``WARNING:lconv...:`` prefix is the
+    only one (issue 41: it read ``WARNING:lconv...:warning: ...``)."""
+    record = logging.LogRecord("lconv.infer.decode_and_score", logging.WARNING, __file__, 1, "1 input cut to %d "
+                               "tokens", (32,), None)
+    assert logging.Formatter(logging.BASIC_FORMAT).format(record) == \
+        "WARNING:lconv.infer.decode_and_score:1 input cut to 32 tokens"
+    assert console.line(record) == "warning: 1 input cut to 32 tokens"
+
+
+def test_a_training_log_redirected_to_a_file_has_plain_lines_not_a_bar(restored, capsys, monkeypatch):
+    """Under ``> train.log 2>&1`` the progress bar's carriage returns and cursor moves (``\\r``, ``ESC[A``) would
+    fill the file: a plain line per log window instead."""
+    from lconv.train import logs
+
+    console.show_log("stdout")
+    progress = logs.Progress(0, 10, None)  # pytest's stderr is no terminal
+    progress.advance(1)
+    progress.set_postfix(loss="3.210", ppl="24.8")
+    progress.close()
+    out, err = capsys.readouterr()
+    assert out == "step 1/10 train: loss=3.210 ppl=24.8\n" and "\r" not in err and "\x1b[" not in err, (out, err)
+

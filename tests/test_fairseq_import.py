@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import sacrebleu
 import sentencepiece as spm
+import tiny_runs
 from reference import tolerance
 
 from lconv.errors import UserError
@@ -220,6 +221,9 @@ def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
     short = tmp_path / "dict.txt"
     short.write_text("\n".join(_lines(FIXTURES / "dict.txt")[:-8]) + "\n", encoding="utf-8")
     cases.append(((checkpoint, str(short), model), "gives 1000 ids .* encoder embeddings have 1008 rows"))
+    other_spm = tmp_path / "other_spm.model"  # another model's (byte pieces the dictionary lacks): was SentencePiece's
+    other_spm.write_bytes(tiny_runs.tokenizer().to_bytes())
+    cases.append(((checkpoint, dictionary, str(other_spm)), "other_spm.model does not fit .*dict.txt"))
     for (ckpt, dict_path, spm_path), pattern in cases:
         with pytest.raises(UserError, match=pattern):
             fairseq_workdir.import_checkpoint(ckpt, dict_path, spm_path, str(tmp_path / "run"))

@@ -12,6 +12,7 @@ The layers, bottom to top (a module may import its own layer's package and any l
     5  lconv.cli, lconv.bench, lconv.api                         what the programs run; a trained run as an object
        lconv.interop   fairseq checkpoints read and written as lconv workdirs
     6  lconv.train.__main__, lconv.evaluate, lconv.export        ``python -m`` entry points (on lconv.cli.runtime)
+       lconv.data.__main__ (its defaults are the default config's, so it prepares what training reads)
        lconv.import_fairseq
        lconv.study     the reproduction study (``python -m lconv.study``), above train/infer/cli/bench
 The root's ``lconv.load`` is a lazy attribute (PEP 562, ``importlib``): ``import lconv`` imports nothing above it.
@@ -28,7 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = {"lconv": 0, "lconv.constants": 0, "lconv.errors": 0, "lconv.ops": 1, "lconv.data": 1, "lconv.nn": 2,
           "lconv.infer": 3, "lconv.configs": 3, "lconv.train": 4, "lconv.testing": 4, "lconv.cli": 5,
           "lconv.bench": 5, "lconv.api": 5,
-          "lconv.interop": 5, "lconv.import_fairseq": 6, "lconv.train.__main__": 6, "lconv.evaluate": 6,
+          "lconv.interop": 5, "lconv.import_fairseq": 6, "lconv.train.__main__": 6, "lconv.data.__main__": 6,
+          "lconv.evaluate": 6,
           "lconv.export": 6, "lconv.study": 6}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
 

@@ -6,8 +6,10 @@ or argument, and the plugin route (``register_mixer``, ``package.module:Class``)
 The numerics of each mixer are tested against float64 references in its own test file.
 """
 import collections
+from typing import ClassVar
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -289,3 +291,64 @@ def test_an_installed_package_adds_mixers_through_its_entry_points(registry, tmp
     monkeypatch.setattr(mixers, "_entry_points_loaded", False)
     assert mixers.mixer_class("prefix_from_ep") is toy_mixers.PrefixMean
     assert mixers.mixer_class("lightconv").__name__ == "LightConvBlock"  # a built-in name is never taken over
+
+
+# ---------------------------------------------------------------- plugins that fail (issue 41)
+@pytest.mark.parametrize("source, named", [("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import"),
+                                           ("def broken(:\n", "SyntaxError"),
+                                           ("import no_such_dependency_41\n", "no_such_dependency_41"),
+                                           ("import sys\nsys.exit(3)\n", "SystemExit")])
+def test_a_plugin_module_that_fails_to_import_is_one_line_naming_it(source, named, tmp_path, monkeypatch):
+    (tmp_path / "failing_plugin.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for attempt in (lambda: lconv.testing.check_mixer("failing_plugin:Mixer"),
+                    lambda: models.ModelConfig(vocab_size=11, encoder_mixer="failing_plugin:Mixer").validate()):
+        with pytest.raises(UserError) as info:
+            attempt()
+        helpers.one_line_error(info, "failing_plugin", named)
+
+
+def test_class_attributes_are_not_constructor_fields():
+    assert mixers.constructor_fields(toy_mixers.PrefixMean) == {"num_heads", "causal", "dropout", "dtype"}
+    with pytest.raises(UserError) as info:  # a ClassVar is no field: refused in one line, not a TypeError
+        mixers.make_mixer(toy_mixers.PrefixMean, label="x")
+    helpers.one_line_error(info, "label")
+
+
+def test_a_variant_word_that_cannot_pick_the_mixer_is_refused_or_left_out(registry, tmp_path, monkeypatch):
+    class Lightish(toy_mixers.PrefixMean):
+        variant: ClassVar[str] = "lightconv"
+
+    with pytest.raises(UserError) as info:
+        lconv.register_mixer("lightish", Lightish)
+    helpers.one_line_error(info, "lightish", "'lightconv'")
+    with pytest.raises(UserError) as info:  # a name that is another mixer's variant word
+        lconv.register_mixer("dynamic", toy_mixers.PrefixMean)
+    helpers.one_line_error(info, "'dynamic'", "dynamicconv")
+    # Registered by a string (or an entry point), the class is only seen later: its word is left out, once.
+    (tmp_path / "lightish_plugin.py").write_text("import toy_mixers\n\nclass Lightish(toy_mixers.PrefixMean):\n"
+                                                 "    variant = 'lightconv'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lconv.register_mixer("lightish_lazy", "lightish_plugin:Lightish")
+    words = mixers.variant_words()
+    assert len(words) == len(set(words)) and "lightish_lazy" in words, words
+    assert mixers.variants()["lightconv"] == "lightconv"
+
+
+def test_a_registered_plugin_that_cannot_be_imported_breaks_no_other_config(registry):
+    registry._MIXERS["gone"] = "no_such_module_41:Mixer"  # a lazily registered or entry-point mixer
+    config = default.get_config("transformer")
+    assert config.model.encoder_mixer == "attention"
+    assert "gone" not in mixers.variant_words() and "prefix_mean" not in mixers.variant_words()
+    with pytest.raises(UserError) as info:  # naming it is the one line
+        default.get_config("gone")
+    helpers.one_line_error(info, "no_such_module_41")
+
+
+def test_a_plugin_with_the_wrong_output_fails_the_model_build_naming_it():
+    config = models.ModelConfig(vocab_size=11, d_model=12, ffn_dim=8, num_heads=3, encoder_layers=1,
+                                decoder_layers=1, encoder_mixer="toy_mixers:TupleOutput")
+    tokens = jnp.array([[5, 6, 7, 1]], jnp.int32)
+    with pytest.raises(UserError) as info:
+        jax.eval_shape(models.EncoderDecoder(config).init, jax.random.key(0), tokens, tokens)
+    helpers.one_line_error(info, "toy_mixers:TupleOutput", "encoder layer 0", "tuple")

@@ -13,6 +13,7 @@ import json
 import lzma
 import os
 
+import helpers
 import numpy as np
 import pytest
 from buckets import REGISTRY
@@ -268,3 +269,12 @@ def test_the_recorder_sees_os_calls_on_urls(bucket):
     with pytest.raises(FileNotFoundError):
         open("gs://bucket/tfds/x", "rb")
     assert bucket.os_calls == ["stat('gs://bucket/tfds/x')", "stat('gs://bucket')", "open('gs://bucket/tfds/x')"]
+
+
+def test_a_data_dir_that_is_a_file_is_one_line_naming_it(tmp_path):
+    """``--config.data.data_dir=<a file>`` (or a folder under one) was tfds' NotADirectoryError traceback."""
+    (tmp_path / "notes.txt").write_text("not a folder")
+    for data_dir in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "tfds"):
+        with pytest.raises(UserError) as error:
+            sources.get_source("ddtp/en_de", "train", str(data_dir))
+        helpers.one_line_error(error, "config.data.data_dir", "notes.txt")

@@ -403,6 +403,17 @@ def test_data_cli_bad_arguments_are_one_line(tmp_path, args, named, capsys):
     assert not (tmp_path / "tok").exists()  # rejected before any work
 
 
+def test_data_cli_defaults_are_the_ones_training_reads():
+    """It prepared a second copy in /tmp with a 2,000-piece vocabulary while training read ~/tensorflow_datasets
+    with the default config's 4,000 (issue 41)."""
+    from lconv.configs import default
+    from lconv.data import __main__ as data_main
+
+    args, data = data_main._parse(["en_de"]), default.get_config().data
+    assert (args.data_dir, args.vocab_size, args.max_sentences) == (data.data_dir, data.vocab_size,
+                                                                      data.tokenizer_max_sentences)
+
+
 @pytest.mark.slow  # launches processes: the slow tier
 def test_python_m_lconv_data_as_a_process_is_one_line_with_exit_code_2(tmp_path):
     """The process boundary itself (the cases around it call the same main in this process)."""

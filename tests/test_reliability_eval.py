@@ -176,6 +176,7 @@ def test_an_empty_source_file_gives_an_empty_output_and_no_score(trained, tmp_pa
     assert (tmp_path / "out.de").read_text() == ""
     assert scores["examples"] == 0 and "bleu" not in scores
     assert any("has no lines" in m and "nothing to score" in m for m in lconv_log()), lconv_log()
+    assert f"outputs written to {tmp_path / 'out.de'}" in lconv_log()  # where, said (issue 41)
 
 
 def test_blank_and_overlong_lines_are_kept_in_place_counted_and_reported(trained, tmp_path, lconv_log):

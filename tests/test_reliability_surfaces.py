@@ -77,7 +77,8 @@ def test_sampling_settings_have_one_rule_wherever_they_are_given(settings, shown
     with pytest.raises(UserError) as error:
         schema.check_sampling(settings, spell, vocab_size=400)
     assert helpers.one_line_error(error, spell(shown.split("=")[0])).startswith(spell(shown))
-    schema.check_sampling({**schema.SAMPLING_DEFAULTS, "top_k": 400, "seed": 2**32 - 1}, spell, vocab_size=400)
+    schema.check_sampling({**schema.SAMPLING_DEFAULTS, "temperature": 1.0, "top_k": 400, "seed": 2**32 - 1}, spell,
+                          vocab_size=400)
 
 
 @pytest.mark.parametrize("flag", ["--seed=-1", "--seed=4294967296", "--top_k=100000", "--max_len=100000"])
@@ -188,6 +189,9 @@ _EXPORT_DAMAGE = {
     "program missing": ("translate_r1_w32.jax", "delete"),
     "program truncated": ("translate_r1_w32.jax", slice(0, 200)),
     "spm.model garbage": ("spm.model", b"\x00garbage"),
+    "sidecar width edited": (export.SIDECAR, "width"),  # fails at call time with XLA's "Shape mismatch" otherwise
+    "sidecar rows edited": (export.SIDECAR, "rows"),
+    "sidecar beam size not a number": (export.SIDECAR, "beam"),
 }
 
 
@@ -195,9 +199,16 @@ def _damage_export(folder, name, how):
     path = folder / name
     if how == "delete":
         path.unlink()
-    elif how in ("programs", "format"):
+    elif how in ("programs", "format", "width", "rows", "beam"):
         sidecar = json.loads(path.read_text())
-        sidecar.pop("programs") if how == "programs" else sidecar.update(format=99)
+        if how == "programs":
+            sidecar.pop("programs")
+        elif how == "format":
+            sidecar.update(format=99)
+        elif how == "beam":
+            sidecar["search"]["beam_size"] = "four"
+        else:
+            sidecar["programs"][0][how] *= 2
         path.write_text(json.dumps(sidecar))
     elif how == "shape":
         with np.load(path) as flat:
@@ -290,3 +301,98 @@ def test_a_backend_that_is_not_there_is_one_user_error_in_python(call, tmp_path)
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 0 and len(lines) == 1, result.stderr[-2000:]
     assert lines[0].startswith(f"UserError: JAX_PLATFORMS={MISSING}") and "cpu" in lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 41: bounded sizes, nothing ignored, and text that is not text refused at the API boundary
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def translator():
+    return Model(tiny_runs.in_memory(tiny_runs.translation_config()))
+
+
+def test_the_api_refuses_what_it_would_ignore_or_could_not_hold(translator, lm):
+    vocab = translator.tokenizer.vocab_size
+    for call, named in [
+        (lambda: translator.translate(["A tool."], beam_size=10**9), ("beam_size=1000000000", str(vocab - 1))),
+        (lambda: translator.translate(["A tool."], top_p=0.9), ("top_p=0.9", "temperature")),
+        (lambda: translator.translate(["A tool."], temperature=1.0, nbest=10**6), ("nbest=1000000", str(vocab - 1))),
+        (lambda: lm.generate(["The small"], top_k=5), ("top_k=5", "temperature")),
+        (lambda: lm.generate(["The small"], seed=3), ("seed=3", "temperature")),
+    ]:
+        with pytest.raises(UserError) as error:
+            call()
+        helpers.one_line_error(error, *named)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda m, lm: m.translate(["A tool.", "Bad \udcff byte"]), "sources[1]"),
+    (lambda m, lm: m.score("A tool.", "Werkzeug \ud800"), "targets"),
+    (lambda m, lm: m.kernels("Bad \udcff"), "sentence"),
+    (lambda m, lm: m.kernels(None), "sentence"),
+    (lambda m, lm: lm.generate(["\ud800"]), "prompts[0]"),
+    (lambda m, lm: lm.perplexity(["ok", "\udcff"]), "texts[1]"),
+    (lambda m, lm: lconv.load(None), "workdir"),
+    (lambda m, lm: lconv.load("runs/x", average_last=2.5), "average_last=2.5"),
+    (lambda m, lm: export.load(None), "path"),
+], ids=["translate", "score", "kernels", "kernels-None", "generate", "perplexity", "load-None", "load-2.5",
+        "export-None"])
+def test_text_that_is_not_text_is_one_line_naming_the_argument(translator, lm, call, named):
+    """A lone surrogate (what ``surrogateescape`` makes of a byte that is not UTF-8) was SentencePiece's
+    TypeError in every text entry point; None and a fractional count were tracebacks too."""
+    with pytest.raises(UserError) as error:
+        call(translator, lm)
+    helpers.one_line_error(error, named)
+
+
+def test_an_exported_model_refuses_what_is_not_text(exported):
+    served = export.load(str(exported))
+    for inputs, named in ((None, "inputs"), (["A tool.", None], "inputs[1]"), (["\udcff"], "inputs[0]")):
+        with pytest.raises(UserError) as error:
+            served(inputs)
+        helpers.one_line_error(error, named)
+    with pytest.raises(UserError) as error:  # a translation export beam-searches: a seed would be ignored
+        served(["A tool."], seed=3)
+    helpers.one_line_error(error, "seed=3")
+
+
+def test_perplexity_takes_one_string_and_warns_of_a_text_it_cuts(lm, lconv_log):
+    long_text = " ".join(["The small package for the window system."] * 6)  # > the LM's 32-token limit
+    one = lm.perplexity("The small package.")
+    assert one == lm.perplexity(["The small package."]) and one["tokens"] > 0
+    lm.perplexity(["The small package.", long_text])
+    (warning,) = [m for m in lconv_log() if "cut to" in m]
+    assert warning.startswith("warning: 1 input cut to 32 tokens") and "texts[1] had" in warning
+
+
+def test_export_refuses_the_other_tasks_settings_and_reaches_the_loaded_models_widths(tmp_path, capsys):
+    """A translation export beam-searches (``--temperature`` was ignored), an LM export samples (``--beam_size``
+    was), and by default the widths reach the longest source ``lconv.load`` takes (they stopped at 64 tokens)."""
+    with pytest.raises(UserError) as error:
+        export.export(tiny_runs.in_memory(tiny_runs.translation_config()), str(tmp_path / "a"), temperature=0.8)
+    helpers.one_line_error(error, "--temperature")
+    with pytest.raises(UserError) as error:  # a million rows of beam search in one program
+        export.export(tiny_runs.in_memory(tiny_runs.translation_config()), str(tmp_path / "a"), rows=(10**6,))
+    helpers.one_line_error(error, "--rows=1000000", str(export.MAX_EXPORT_ROWS))
+    workdir = _workdir(tmp_path, tiny_runs.lm_config(), "lm")
+    outcome = helpers.run_cli(capsys, "lconv.export", f"--workdir={workdir}", f"--out={tmp_path}/b",
+                              "--beam_size=4")
+    helpers.one_line_error(outcome, "--beam_size=4")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    from lconv.configs import default
+
+    assert export.default_widths(default.get_config()) == [32, 64, 128, 256]  # eval_max_input_length 256
+    assert export.default_widths(tiny_runs.translation_config()) == [32]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--beam_size=1000000"], ["--beam_size=1000000", "vocabulary"]),  # std::bad_alloc before
+    (["--top_p=0.9"], ["--top_p=0.9", "--temperature"]),  # greedy beam search would ignore it
+    (["extra"], ["unexpected argument extra"]),  # a positional argument: 62 lines of usage, exit 1, before
+])
+def test_eval_py_refuses_what_it_would_ignore_before_loading(flags, named, tmp_path, capsys, not_loaded):
+    workdir = _workdir(tmp_path, tiny_runs.translation_config())
+    (tmp_path / "sources.txt").write_text("A small tool.\n")
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", f"--source_file={tmp_path}/sources.txt",
+                              f"--output_file={tmp_path}/out.txt", *flags)
+    helpers.one_line_error(outcome, *named)

@@ -43,9 +43,25 @@ def _train_py(capsys, *args):
     (["--config.optim.b2=nan"], ["config.optim.b2=nan"]),
     (["--config.model.conv_impl=fast"], ["config.model.conv_impl='fast'", "auto"]),
     (["--config.train.spike_factor=0.5"], ["config.train.spike_factor=0.5"]),
+    # Issue 41: an OverflowError, a 373 GiB MemoryError and a hang after data preparation; ignored or KeyError later
+    ([f"--config.model.d_model={10**20}"], [f"config.model.d_model={10**20}", "65,536"]),
+    ([f"--config.data.max_input_length={10**11}"], [f"config.data.max_input_length={10**11}", "1,048,576"]),
+    ([f"--config.model.encoder_layers={10**8}"], [f"config.model.encoder_layers={10**8}", "1,024"]),
+    (["--config.data.eval_splits=('test',)"], ["config.data.eval_splits", "'validation'"]),
+    (["--config.model.mixer_kwargs={'dynamicconv': 5}"], ["config.model.mixer_kwargs['dynamicconv']=5"]),
+    (["--config.model.encoder_kernel_sizes=(3, 5)"], ["config.model.encoder_kernel_sizes", "ignored"]),
+    (["--config.model.encoder_mixer=toy_mixers:TupleOutput"], ["toy_mixers:TupleOutput", "encoder layer 0"]),
+    (["--config.model.decoder_mixer=toy_mixers:RaisesOnCall"], ["toy_mixers:RaisesOnCall", "RuntimeError"]),
 ])
 def test_a_bad_config_field_is_one_line_before_anything_is_written(args, named, tmp_path, capsys):
     helpers.one_line_error(_train_py(capsys, *args, f"--workdir={tmp_path / 'run'}"), *named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_whose_get_config_returns_no_config_is_one_line(tmp_path, capsys):
+    (tmp_path / "returns_42.py").write_text("def get_config(arg=None):\n    return 42\n")
+    outcome = _train_py(capsys, f"--config={tmp_path}/returns_42.py", f"--workdir={tmp_path / 'run'}")
+    helpers.one_line_error(outcome, "returns_42.py", "get_config() returned int")
     assert not (tmp_path / "run").exists()
 
 
@@ -410,3 +426,41 @@ def test_an_unverified_checkpoint_that_does_not_read_is_set_aside(tmp_path, monk
     assert float(state["w"][0]) == 1 and ckpt.all_steps() == [1]
     assert "[2] unreadable or corrupt" in lconv_log()[0] and "ZeroDivisionError" in lconv_log()[0]
     ckpt.close()
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """Rows a run logged after the checkpoint it resumes from are dropped: the resumed run logs those steps
+    again (issue 41: after kill -9 and resume metrics.jsonl held them twice); a row the kill cut goes too."""
+    import json
+
+    from lconv.train import logs
+
+    rows = [json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in range(1, 7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows) + '{"step": 7, "spl')
+    writer = logs.MetricWriter(str(tmp_path), resumed_step=4)
+    writer.write(5, "train", {"loss": 0.5})
+    writer.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_a_tensorboard_write_that_fails_in_its_thread_is_one_warning(tmp_path, monkeypatch, capsys, lconv_log):
+    """A full disk: the run's one line was followed by a tensorboardX thread traceback (issue 41)."""
+    import errno
+
+    from tensorboardX import event_file_writer
+
+    from lconv.train import logs
+
+    writer = logs.MetricWriter(str(tmp_path))
+
+    def full(self, event_str):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(event_file_writer.EventsWriter, "_write_serialized_event", full)
+    writer.write(1, "train", {"loss": 1.0})
+    writer.close()
+    assert "Traceback" not in capsys.readouterr().err
+    assert [m for m in lconv_log() if "TensorBoard" in m] == [
+        "warning: TensorBoard events are no longer written (OSError: [Errno 28] No space left on device); "
+        "metrics.jsonl has every value"]

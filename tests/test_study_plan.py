@@ -1,6 +1,7 @@
 """Planning the study (``lconv.study.plan``) and writing its comparison (``lconv.study.report``), without training:
 parameter counts matched within the tolerance in every mode, study fields refused in one line, and the comparison
 with the paper written from the numbers. tests/test_study.py runs the quick study itself."""
+import helpers
 import ml_collections
 import pytest
 
@@ -53,6 +54,19 @@ def test_bad_study_fields_are_one_line_errors():
         study_config.get_config("quick,gpu")
 
 
+def test_a_mixer_named_twice_is_refused_and_a_module_class_word_parses():
+    """One mixer twice (by a word and its registered name) would report n=2 from one seed; docs/models.md's
+    ``--config.mixers=transformer,my_mixers:GatedMean`` reaches ml_collections as a tuple it can parse."""
+    study = plan.normalize(study_config.get_config("quick"))
+    for twice in (("transformer", "dynamic", "dynamicconv"), ("toy_mixers:PrefixMean",) * 2):
+        study.mixers = twice
+        with pytest.raises(UserError) as error:
+            plan.check_study(study)
+        helpers.one_line_error(error, "config.mixers", "twice")
+    quoted = plan.quote_word_lists(["study", "--config.mixers=transformer,toy_mixers:PrefixMean", "--config.seeds=0"])
+    assert quoted == ["study", "--config.mixers=('transformer', 'toy_mixers:PrefixMean')", "--config.seeds=0"]
+
+
 def test_an_lm_generation_longer_than_the_lms_positions_is_refused_before_any_run():
     study = plan.normalize(study_config.get_config("quick"))
     study.tasks, study.mixers = ("lm",), ("fixed",)
@@ -86,3 +100,27 @@ def test_the_comparison_with_the_paper_is_written_from_the_numbers():
     assert "fewer than two seeds" in one_seed[1]
     expected = "LightConv (10.33) ≈ Transformer (10.20) > DynamicConv (8.10)"
     assert report.ordering(rows, "translation").startswith(expected)
+
+
+def test_a_second_sigterm_while_the_study_stops_its_run_is_ignored():
+    """The first SIGTERM stops the study (passed on to its run); a second one during that stop raised again
+    inside the handler: two tracebacks instead of the study's one line (issue 41)."""
+    import os
+    import signal
+    import time
+
+    from lconv.study import run
+
+    first = second = False
+    with run._sigterm_raises():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at once; the sleep only bounds the wait
+        except run._Terminated:
+            first = True
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)  # while stopping
+                time.sleep(0.2)
+            except run._Terminated:
+                second = True
+    assert first and not second

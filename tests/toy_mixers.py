@@ -75,6 +75,22 @@ class WrongDtype(PrefixMean):  # output: float16 out of a float32 input
         return super().__call__(x_BTC, **kwargs).astype(jnp.float16)
 
 
+class TupleOutput(PrefixMean):  # output: (y, aux) instead of y
+    def __call__(self, x_BTC, **kwargs):
+        y = super().__call__(x_BTC, **kwargs)
+        return y, jnp.zeros(())
+
+
+class NaNOutput(PrefixMean):  # output: NaN wherever it looks
+    def __call__(self, x_BTC, **kwargs):
+        return super().__call__(x_BTC, **kwargs) * jnp.nan
+
+
+class RaisesOnCall(PrefixMean):  # runs: its own code raises, whatever the rngs
+    def __call__(self, x_BTC, **kwargs):
+        raise RuntimeError("RaisesOnCall: a bug in the mixer")
+
+
 class AlwaysDropout(PrefixMean):  # deterministic: needs a dropout rng even when deterministic
     def __call__(self, x_BTC, **kwargs):
         y = super().__call__(x_BTC, **kwargs)
@@ -138,7 +154,8 @@ class NaNGradient(PrefixMean):  # gradients: sqrt at 0 has an infinite slope (ti
 
 
 BROKEN = {  # class -> the rule it must fail
-    NoCausalField: "fields", WrongDtype: "output", AlwaysDropout: "deterministic", NoAxisNames: "logical_axes",
+    NoCausalField: "fields", RaisesOnCall: "runs", WrongDtype: "output", TupleOutput: "output", NaNOutput: "output",
+    AlwaysDropout: "deterministic", NoAxisNames: "logical_axes",
     SameAxisTwice: "logical_axes", SegmentLeak: "segments", PaddingLeak: "padding", PeeksAhead: "causality",
     ForgetfulDecoder: "decoding", EncoderThatDecodes: "decode_refusal", NaNGradient: "gradients",
 }

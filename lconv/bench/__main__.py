@@ -65,6 +65,8 @@ def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, b
     """Fills ``--out``/``--doc`` (``backend``: where the suites run); a ``--quick`` run writing over committed
     results is refused."""
     default_out, default_doc = opts.out is None, opts.doc is None
+    if opts.out is not None and opts.doc is None:  # the report goes beside the figures it shows
+        opts.doc = os.path.join(opts.out, "benchmarks.md")
     if not opts.quick:
         clone = in_clone_root()
         out, doc = committed_paths(backend) if clone else (INSTALLED_DIR, f"{INSTALLED_DIR}/benchmarks.md")
@@ -91,10 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help=f"folder for the CSV and PNG files (default {COMMITTED_OUT} in a "
                                                     f"clone, else {INSTALLED_DIR}; with --quick {QUICK_DIR})")
     parser.add_argument("--doc", default=None, help=f"markdown file whose suite section is rewritten (default "
+                                                    f"<--out>/benchmarks.md when --out is given, else "
                                                     f"{COMMITTED_DOC}; with --quick {QUICK_DIR}/benchmarks.md)")
     parser.add_argument("--T", default=None, help="sequence lengths for the mixers suite, e.g. 256,1024,4096")
-    parser.add_argument("--mixers", default="", help="more mixers for the mixers suite, beside every registered "
-                        "one: names or package.module:Class, comma-separated")
+    parser.add_argument("--mixers", default="", help="the mixers suite's mixer rows, instead of every registered "
+                        "mixer's: names or package.module:Class, comma-separated (the conv op rows stay)")
     parser.add_argument("--minutes", type=float, default=8.0, help="gpu: the whole command's minutes, shared by "
                         "its stages")
     parser.add_argument("--data_dir", default=None, help="gpu: the prepared corpus of its default-run stage "
@@ -114,9 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     from lconv.bench import timing  # imports jax: after the arguments are known to be good
     from lconv.nn import mixers
 
-    for name in opts.mixers:  # a plugin that cannot be imported fails now, not after the other rows
+    if opts.mixers and opts.suite not in ("mixers", "all"):
+        parser.error(f"--mixers chooses the mixers suite's rows; the {opts.suite} suite has none")
+    if opts.mixers and len(set(opts.mixers)) != len(opts.mixers):
+        parser.error(f"--mixers={','.join(opts.mixers)} names a mixer twice")
+    for name in opts.mixers:  # a plugin that cannot be imported or run fails now, not after the other rows
         try:
             mixers.mixer_class(name)
+            if opts.suite in ("mixers", "all"):
+                from lconv.bench.mixers import op_configs
+
+                op_configs([name])
         except UserError as err:
             parser.error(f"--mixers: {err}")
     console.show_log("stdout")  # each suite's progress lines, between the suite headers printed here

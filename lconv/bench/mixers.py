@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from lconv import ops
 from lconv.bench import external, report, timing
+from lconv.errors import UserError
 from lconv.nn import mixers
 
 logger = logging.getLogger(__name__)
@@ -53,19 +54,40 @@ def pallas_backend() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def op_configs(extra_mixers: Sequence[str] = ()) -> list[Config]:
+def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
     """``CONFIGS``, with the fused Pallas ops where they compile (``pallas_backend``), then a row for each
-    registered mixer no row measures yet (plugins) and for each of ``extra_mixers`` (``package.module:Class``)."""
+    registered mixer no row measures yet (plugins). ``only_mixers`` (registered names or ``package.module:Class``,
+    ``--mixers``) replaces the mixer rows: the op rows, then a row for each of them."""
     configs = list(CONFIGS)
     if pallas_backend():
         configs = [*CONFIGS[:7], op_config("light", "pallas"), op_config("dynamic", "pallas"), *CONFIGS[7:]]
+    if only_mixers:
+        configs = [c for c in configs if c.kind == "op" or c.mixer in only_mixers]
     measured = {c.mixer for c in configs}
-    for name in dict.fromkeys([*mixers.mixer_names(), *extra_mixers]):
+    for name in dict.fromkeys(only_mixers or [i.name for i in mixers.importable_infos()]):
         if name not in measured:
-            info = mixers.info(name)  # unknown: quadratic, so a slow one is skipped early rather than late
-            configs.append(_mixer_config(info.label, name, 1.0, causal="encoder" not in info.sides,
-                                         **info.example_fields))
+            configs.append(_plugin_config(name))
     return configs
+
+
+def _plugin_config(name: str) -> Config:
+    """A row for a mixer no built-in row measures, built first at a small shape: a mixer that fails there (its
+    own code raises, or its output is not x's shape and dtype) is one line before any row is measured."""
+    info = mixers.info(name)
+    causal = "encoder" not in info.sides
+    try:
+        module = mixers.make_mixer(name, num_heads=H, causal=causal, **info.example_fields)
+        x = jax.ShapeDtypeStruct((2, 16, C), jnp.float32)
+        variables = jax.eval_shape(module.init, jax.random.key(0), x)
+        mixers.check_output(name, x, jax.eval_shape(module.apply, variables, x), "a [2, 16, 512] input")
+    except Exception as err:  # noqa: BLE001 (whatever the plugin raises: one line naming it)
+        if isinstance(err, UserError) and "returned" in str(err):
+            raise
+        line = (str(err).strip().splitlines() or [""])[0]
+        raise UserError(f"mixer {name!r} fails on a [2, 16, {C}] input ({type(err).__name__}: {line}); "
+                        f"lconv.testing.check_mixer({name!r}) names the rule it breaks") from None
+    # unknown cost: quadratic, so a slow one is skipped early rather than late
+    return _mixer_config(info.label, name, 1.0, causal=causal, **info.example_fields)
 
 
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
@@ -134,9 +156,9 @@ def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
 
 
 def run(T_list: Sequence[int], *, budget_s: float = 1.0,
-        extra_mixers: Sequence[str] = ()) -> list[report.Row]:
+        only_mixers: Sequence[str] = ()) -> list[report.Row]:
     """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
-    rows, configs = [], op_configs(extra_mixers)
+    rows, configs = [], op_configs(only_mixers)
     last = {c.name: {} for c in configs}  # config -> pass -> (T, seconds per call) last measured
     last_bytes = {c.name: None for c in configs}
     for T in T_list:
@@ -340,7 +362,7 @@ def plots(rows: Sequence[report.Row], out_dir: str) -> None:
 
 def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     T_list = opts.T or (T_QUICK if opts.quick else T_FULL)
-    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, extra_mixers=opts.mixers)
+    rows = run(T_list, budget_s=0.5 if opts.quick else 1.0, only_mixers=opts.mixers)
     if 256 in T_list and T_list[-1] != 256:
         rows += interleaved_flatness(256, T_list[-1], rounds=3 if opts.quick else 7)
     report.write_results(opts.out, "mixers", rows, section(rows, T_list, info, opts.command), opts.doc)

@@ -85,7 +85,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                      output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None) -> str:
     """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's task."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
-    schema.check_sampling(sampling, spell=lambda name: f"--{name}")
+    schema.check_sampling(sampling, spell=lambda name: f"--{name}", idle=False)  # ranges; the rest per task below
     if interactive:
         for flag, value in (("--source_file", source_file), ("--reference_file", reference_file),
                             ("--output_file", output_file)):
@@ -136,9 +136,17 @@ def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen:
                             "without them eval.py scores the split's perplexity")
         return
     decode_and_score.prompt_limit(config, sampling.get("max_len", SAMPLING_DEFAULTS["max_len"]), "--max_len")
-    if sampling.get("top_k"):  # its upper bound is the vocabulary's size: the tokenizer says it, not the config
-        vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
-        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+    vocab_size = _vocab_size(config, workdir) if sampling.get("top_k") else None
+    schema.check_sampling(sampling, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+
+
+def _vocab_size(config: Any, workdir: str) -> int:
+    """The upper bound of ``--top_k``, ``--beam_size`` and ``--nbest``: the tokenizer's vocabulary (the model's), or
+    where there is no tokenizer to read the config's (loading the run then says what is missing)."""
+    try:
+        return tokenizer_lib.load_tokenizer(workdir).vocab_size
+    except UserError:
+        return int(config.data.vocab_size)
 
 
 def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None, source_file: str | None,
@@ -153,11 +161,13 @@ def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None
     if given and source_file is None and not interactive:
         raise UserError(f"{', '.join(given)} go with sources: --source_file (one per line) or --interactive; a "
                         "split is scored on its beam search's best hypotheses")
+    # top_k's, the beam's and the samples' upper bound is the vocabulary's size (the tokenizer's)
+    vocab_size = _vocab_size(config, workdir) if sampling.get("top_k") or beam_size or nbest else None
     schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=sampling.get("temperature", 0.0),
-                                 stored_beam_size=config.decode.beam_size, spell=lambda name: f"--{name}")
-    if sampling.get("top_k"):
-        vocab_size = tokenizer_lib.load_tokenizer(workdir).vocab_size
-        schema.check_sampling({"top_k": sampling["top_k"]}, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+                                 stored_beam_size=config.decode.beam_size, spell=lambda name: f"--{name}",
+                                 vocab_size=vocab_size)
+    schema.check_search(beam_size=beam_size, spell=lambda name: f"--{name}", vocab_size=vocab_size)
+    schema.check_sampling(sampling, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
 def _translation_search(sampling: dict[str, Any], nbest: int | None, beam_size: int | None) -> dict[str, Any]:
@@ -337,6 +347,7 @@ def _write_lines(path: str, outputs: Sequence[str]) -> None:
 def _write_text(path: str, text: str) -> None:
     if jax.process_index() == 0:
         epath.Path(path).write_text(text, encoding="utf-8")
+        logger.info(f"outputs written to {path}")  # the default, <workdir>/output.txt, is not on the command line
 
 
 def nbest_lines(index: int, entries: Sequence[dict[str, Any]]) -> str:

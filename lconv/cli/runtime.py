@@ -139,13 +139,20 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise
     except Exception as err:  # noqa: BLE001 (every flag and config-file error is an input to fix)
         _exit_with(_flag_error_line(err, argv))
+    if len(remaining) > 1:  # absl's UsageError would print the whole --help and exit 1
+        _exit_with(f"unexpected argument{'s' if len(remaining) > 2 else ''} {' '.join(remaining[1:])}: every setting "
+                   "is a flag, --name=value (see --help)")
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), None)
     if config_arg is not None and "config" in flags.FLAGS:
         try:  # ml_collections defers a config file's load error to the first use of the config
-            flags.FLAGS["config"].value.keys()
+            value = flags.FLAGS["config"].value
+            value.keys()
         except OSError as err:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             _exit_with(f"{config_arg}: {lines[-1] if lines else type(err).__name__}")
+        except AttributeError:
+            _exit_with(f"{config_arg}: get_config() returned {type(value).__name__} {value!r:.40}; it must return an "
+                       "ml_collections.ConfigDict (start from lconv.configs.common.base_config())")
     return remaining
 
 

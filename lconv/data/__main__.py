@@ -3,14 +3,15 @@
     python -m lconv.data                       # every DDTP task, from the bundled snapshot
     python -m lconv.data en_de lm_en           # some (or full names: ddtp/de_en, iwslt14/de_en, lm1b, ...)
     python -m lconv.data en_de --raw_dir=DIR   # from apt Translation-* files instead of the snapshot
-    python -m lconv.data en_de --data_dir=~/tensorflow_datasets --workdir=/tmp/tok --vocab_size=8000
+    python -m lconv.data en_de --data_dir=/tmp/tfds --workdir=/tmp/tok --vocab_size=8000
     python -m lconv.data prepare wmt14/en_de --data_dir=gs://bucket/tfds     # once, where there is network
 
 A tokenizer per task is trained on a small training sample (``--max_sentences``) into ``--workdir/<task>``
-(reused when it exists). ``prepare`` writes a dataset as array_record under ``--data_dir`` (default: the configs'
-``~/tensorflow_datasets``): the paper's datasets through their tfds builders (``lconv.data.catalog``: they need
-TensorFlow to prepare, not to train), ``ddtp/*`` and ``iwslt14/*`` as training would. A bad argument or input is
-one ``error: ...`` line on stderr and exit code 2.
+(reused when it exists). ``--data_dir``, ``--vocab_size`` and ``--max_sentences`` default to configs/default.py's,
+so the data prepared here is the copy train.py reads. ``prepare`` writes a dataset as array_record under
+``--data_dir`` (default: the configs' ``~/tensorflow_datasets``): the paper's datasets through their tfds
+builders (``lconv.data.catalog``: they need TensorFlow to prepare, not to train), ``ddtp/*`` and ``iwslt14/*`` as
+training would. A bad argument or input is one ``error: ...`` line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -76,13 +77,20 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    from lconv.configs import default
+
+    # The default config's data settings: the copy prepared here is the one train.py reads, and the example batch
+    # is cut into the pieces of the vocabulary training would use.
+    data = default.get_config().data
     parser = _Parser(prog="python -m lconv.data", description=__doc__.splitlines()[0])
     parser.add_argument("tasks", nargs="*", default=list(ddtp.TASKS), help=f"default: all of {ddtp.TASKS}")
-    parser.add_argument("--data_dir", default=os.path.join(tempfile.gettempdir(), "lconv_tfds"))
+    parser.add_argument("--data_dir", default=data.data_dir, help="default: the configs' (where train.py reads)")
     parser.add_argument("--raw_dir", default=None, help="apt Translation-* files (ddtp) or IWSLT14 text files")
-    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lconv_data_tokenizers"))
-    parser.add_argument("--vocab_size", type=int, default=2000)
-    parser.add_argument("--max_sentences", type=int, default=20000)
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lconv_data_tokenizers"),
+                        help="where the inspection's tokenizers go (a run trains its own in its workdir)")
+    parser.add_argument("--vocab_size", type=int, default=data.vocab_size, help="default: configs/default.py's")
+    parser.add_argument("--max_sentences", type=int, default=data.tokenizer_max_sentences,
+                        help="default: configs/default.py's")
     parser.add_argument("--batch_size", type=int, default=4)
     args = parser.parse_args(argv)
     if args.vocab_size < tokenizer_lib.MIN_VOCAB_SIZE:

@@ -7,10 +7,22 @@ import dataclasses
 from typing import Any
 
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.fields import BOOL, Rule, as_dict, check_values, choice, field, integer
+from lconv.fields import (
+    BOOL,
+    MAX_ROWS,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    SIZE_REASON,
+    Rule,
+    as_dict,
+    check_values,
+    choice,
+    field,
+    integer,
+)
 
-_LENGTH = integer(2, " (EOS and at least one token)")
-_ROWS = integer(1)
+_LENGTH = integer(2, " (EOS and at least one token)", maximum=MAX_TOKENS, reason=SIZE_REASON)
+_ROWS = integer(1, maximum=MAX_ROWS, reason=SIZE_REASON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +40,8 @@ class DataConfig:
     # ids and a piece; training a tokenizer checks its own minimum (tokenizer.MIN_VOCAB_SIZE) when it trains.
     vocab_size: int = field(8000, "joint SentencePiece vocabulary, trained from the training split",
                             integer(5, f" (4 special ids and a piece; a tokenizer lconv trains needs >= "
-                                       f"{tokenizer_lib.MIN_VOCAB_SIZE}: its special and byte pieces)"))
+                                       f"{tokenizer_lib.MIN_VOCAB_SIZE}: its special and byte pieces)",
+                                    maximum=MAX_VOCAB, reason=SIZE_REASON))
     max_input_length: int = field(128, "longer training examples are truncated (and counted)", _LENGTH)
     max_target_length: int = field(128, "longer training targets are truncated (and counted)", _LENGTH)
     eval_max_input_length: int = field(256, "evaluation examples are truncated only past this (counted)", _LENGTH)
@@ -38,7 +51,7 @@ class DataConfig:
     eval_batch_size: int = field(64, "rows per global evaluation batch", _ROWS)
     seed: int = field(0, "shuffling", integer())
     num_epochs: int | None = field(None, "passes over the training split (None = repeat forever)",
-                                   Rule(lambda v: v is None or _ROWS.test(v),
+                                   Rule(lambda v: v is None or integer(1).test(v),
                                         "None (repeat forever) or an integer >= 1"), placeholder=int)
     train_long: str = field("truncate", "over-long training examples are truncated or dropped (both counted)",
                             choice("truncate", "drop"))
@@ -47,8 +60,10 @@ class DataConfig:
         "at the end)",
         Rule(lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(s, str) for s in v),
              "a non-empty list of split names"))
-    tokenizer_max_sentences: int = field(200_000, "training-split sentences the tokenizer is trained on", _ROWS)
-    read_threads: int = field(2, "threads reading and tokenising training examples (grain)", _ROWS)
+    tokenizer_max_sentences: int = field(200_000, "training-split sentences the tokenizer is trained on",
+                                         integer(1))
+    read_threads: int = field(2, "threads reading and tokenising training examples (grain)",
+                              integer(1, maximum=1024, reason="one thread per core is plenty"))
     stream: bool = field(False, "lm only: every row reads whole documents, max_target_length tokens per step "
                          "(lconv.data.stream); the kNN memory is carried from window to window (reset at each new "
                          "document)", BOOL)

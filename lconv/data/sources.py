@@ -19,6 +19,7 @@ One function, ``get_source(name, split, data_dir)``, gives ``(source, input_key,
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -84,6 +85,20 @@ def prepare_command(tfds_name: str, data_dir: str) -> str:
             "--file_format=array_record, which needs importlib_resources too)")
 
 
+def _data_dir(data_dir: str) -> str:
+    """``data_dir`` expanded; a local one under a file (the path itself, or a folder on it) is one line, not tfds'
+    NotADirectoryError."""
+    data_dir = paths.expand(data_dir)
+    if not paths.is_url(data_dir):
+        existing = os.path.abspath(data_dir)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise UserError(f"config.data.data_dir={data_dir}: {existing} is a file, not a folder; name a folder "
+                            "where datasets are (or get) prepared")
+    return data_dir
+
+
 def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None) -> tuple[Source, str | None, str]:
     """(random-access source, input_key or None, target_key) for dataset ``name`` and split train/validation/test.
 
@@ -92,7 +107,7 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
     """
     spec = dataset_spec(name)
     tfds_split = dict(spec.split_names).get(split, split)
-    data_dir = paths.expand(data_dir)
+    data_dir = _data_dir(data_dir)
     builder = _builder(spec, data_dir, raw_dir)
     if tfds_split not in builder.info.splits:
         raise UserError(f"split={split!r} is not in {spec.tfds_name} (has {sorted(builder.info.splits)})")
@@ -117,7 +132,7 @@ def source_report(name: str, data_dir: str, raw_dir: str | None = None) -> dict:
         return {}
     from lconv.data import tfds_ddtp
 
-    return tfds_ddtp.read_report(_builder(spec, paths.expand(data_dir), raw_dir))
+    return tfds_ddtp.read_report(_builder(spec, _data_dir(data_dir), raw_dir))
 
 
 def describe_report(report: Mapping[str, Any]) -> list[str]:

@@ -84,6 +84,32 @@ class Tokenizer:
         return save_tokenizer(self, directory)
 
 
+def check_texts(texts: Any, argument: str) -> list[str]:
+    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the
+    index: ``None``, bytes and numbers are not turned into ``"None"``, and a lone surrogate (``"\\ud800"``, what
+    ``surrogateescape`` makes of a byte that is not UTF-8) is refused here rather than by SentencePiece's
+    TypeError."""
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        check_text(text, f"{argument}[{i}]")
+    return list(texts)
+
+
+def check_text(text: Any, name: str) -> str:
+    """``text`` if it is a str that UTF-8 can hold, else a one-line ``UserError`` naming ``name``."""
+    if not isinstance(text, str):
+        hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
+        raise UserError(f"{name}: must be a string; got {type(text).__name__}{hint}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{name}: character {err.start} ({text[err.start]!r}) is a lone surrogate, not text that "
+                        "UTF-8 can hold (a file read with errors='surrogateescape'?); decode the input as UTF-8") \
+            from None
+    return text
+
+
 def save_tokenizer(tokenizer: Tokenizer | PiecesTokenizer, directory: str) -> str:
     """Writes ``<directory>/<tokenizer.filename>`` through a temporary file of a unique name, then one rename over
     the old file: readers never see half a model, and processes saving at the same time never share a file."""

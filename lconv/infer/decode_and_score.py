@@ -155,7 +155,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
             if index >= 0:
                 hypotheses[int(index)] = tokenizer.decode(tokens[row])
         if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
-            logger.warning(f"warning: {stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
+            logger.warning(f"{stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
                            f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those only, "
                            f"and eval.py --split={split} scores them all")
             break
@@ -254,7 +254,7 @@ class SourceLengths:
         count, shown = len(self.truncated), 5
         cut = ", ".join(f"{name(i)} had {n}" for i, n in zip(self.truncated[:shown], self.cut_from))
         more = f" and {count - shown} more" if count > shown else ""
-        return f"warning: {count} input{'s' if count != 1 else ''} {keeps} {self.limit} tokens ({limit}): {cut}{more}"
+        return f"{count} input{'s' if count != 1 else ''} {keeps} {self.limit} tokens ({limit}): {cut}{more}"
 
     def log(self, name: Callable[[int], str], limit: str, **kwargs: Any) -> None:
         if self.truncated:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lconv.constants import EOS_ID, PAD_ID
+from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, features
 
@@ -49,9 +50,6 @@ class Probing:
         self._one_model("extract_features")
         if target is not None and self.task == "lm":
             raise UserError("target: an LM reads the sentence itself; pass target= to a translation run only")
-        for name, text in (("sentence", sentence), ("target", target)):
-            if text is not None and not isinstance(text, str):
-                raise UserError(f"{name}: must be a string; got {type(text).__name__}")
         inputs, targets, ids = self._teacher_forced_ids(sentence, target)
         states = self._function("layer_states", functools.partial(features.layer_states, self.module,
                                                                    lm=self.task == "lm"))(self.params, *ids)
@@ -68,7 +66,10 @@ class Probing:
     def _teacher_forced_ids(self, sentence: str, target: str | None) -> tuple[Any, np.ndarray, list[np.ndarray]]:
         """``(source ids or None for an LM, target ids, the padded [1, width] rows the model reads)``: the
         sentence (+ EOS) and, for translation, ``target`` or the model's own translation (+ EOS), cut to the
-        eval limits."""
+        eval limits. Text that is not a str UTF-8 can hold is a one-line error naming the argument."""
+        tokenizer_lib.check_text(sentence, "sentence")
+        if target is not None:
+            tokenizer_lib.check_text(target, "target")
         data = self.config.data
         if self.task == "lm":
             inputs, targets = None, np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_target_length]

@@ -110,10 +110,10 @@ def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: s
         raise UserError(f"{dictionary_path} lists fairseq's special symbols {clash}; they are implicit (ids 0-3)")
     if spm_path is None:
         return Vocabulary(PiecesTokenizer(symbols, continuation), 4 + len(symbols), 0)
-    return _sentencepiece_vocabulary(symbols, spm_path)
+    return _sentencepiece_vocabulary(symbols, spm_path, dictionary_path)
 
 
-def _sentencepiece_vocabulary(symbols: list[str], spm_path: str) -> Vocabulary:
+def _sentencepiece_vocabulary(symbols: list[str], spm_path: str, dictionary_path: str) -> Vocabulary:
     from etils import epath
     from sentencepiece import sentencepiece_model_pb2
 
@@ -141,4 +141,10 @@ def _sentencepiece_vocabulary(symbols: list[str], spm_path: str) -> Vocabulary:
     spec.pad_id, spec.eos_id, spec.unk_id, spec.bos_id = PAD_ID, EOS_ID, UNK_ID, BOS_ID
     spec.pad_piece, spec.eos_piece, spec.unk_piece, spec.bos_piece = "<pad>", "</s>", "<unk>", "<s>"
     spec.vocab_size = len(model.pieces)
-    return Vocabulary(Tokenizer(model.SerializeToString()), 4 + len(symbols), len(missing))
+    try:
+        tokenizer = Tokenizer(model.SerializeToString())
+    except Exception as err:  # noqa: BLE001 - SentencePiece's own check of the rebuilt model, e.g. its byte pieces
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{spm_path} does not fit {dictionary_path}: SentencePiece refuses the model rebuilt in the "
+                        f"dictionary's order ({reason}); pass the spm.model the dictionary was made with") from None
+    return Vocabulary(tokenizer, 4 + len(symbols), len(missing))

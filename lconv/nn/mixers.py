@@ -134,7 +134,20 @@ def _register(table: dict, kind: str, name: str, target: Any, replace: bool) -> 
     if name in table and not replace and table[name] is not target:
         raise UserError(f"{kind} {name!r} is already registered ({_describe(table[name])}); pass replace=True to "
                         f"replace it")
+    if kind == "mixer":
+        _check_words(name, target)
     table[name] = target
+
+
+def _check_words(name: str, target: Any) -> None:
+    """A new mixer's name and (a class's) ``variant`` word may not be words that already pick another mixer:
+    ``--config=file.py:WORD`` could never pick it."""
+    taken = {word: owner for word, owner in variants().items() if owner != name}
+    word = vars(target).get("variant", name) if isinstance(target, type) else name
+    for what, value in (("name", name), ("variant word", word)):
+        if value in taken:
+            raise UserError(f"mixer {name!r}: its {what} {value!r} already picks mixer {taken[value]!r} in "
+                            f"--config=file.py:{value}; choose another")
 
 
 def _load_entry_points() -> None:
@@ -194,16 +207,39 @@ def _resolve(kind: str, name: Any) -> type[nn.Module]:
 def _import(kind: str, name: str, target: str) -> type[nn.Module]:
     """The class a ``"module:Class"`` string names, imported once."""
     module_name, class_name = _split_spec(target, kind)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"{kind} {name!r}: cannot import module {module_name!r} ({e}); is its folder on "
-                        f"PYTHONPATH?") from None
+    module = import_plugin_module(module_name, f"{kind} {name!r}")
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         found = "nothing" if cls is None else type(cls).__name__
         raise UserError(f"{kind} {name!r}: {module_name}.{class_name} is {found}, not a flax.linen.Module class")
     return cls
+
+
+def import_plugin_module(module_name: str, what: str) -> Any:
+    """The plugin module ``module_name``, imported for ``what`` (e.g. "mixer 'my_mixers:Gated'"): any exception
+    its import raises (a missing module, a syntax error, an error in its own code) is one line naming the module
+    and where it failed. The user's code is to blame, not lconv, so no traceback."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):  # the module itself, not one it imports
+            raise UserError(f"{what}: no module named {module_name!r}; is its folder on PYTHONPATH?") from None
+        raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 (whatever a plugin raises on import: one line)
+        raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
+
+
+def _error_line(error: BaseException) -> str:
+    """``Type: first line of the message (file:line)``: where in the user's module it went wrong."""
+    import traceback
+
+    text = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}:{error.lineno})"
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if "importlib" not in f.filename]
+    where = f" ({own[-1].filename}:{own[-1].lineno})" if own else ""
+    return f"{type(error).__name__}: {text}{where}"
 
 
 def _split_spec(spec: str, kind: str) -> tuple[str, str]:
@@ -248,22 +284,53 @@ def sides(name: str) -> tuple[str, ...]:
 
 
 def variants() -> dict[str, str]:
-    """``{variant word: registered name}``: each mixer's ``variant`` word and its registered name both pick it."""
-    words: dict[str, str] = {}
-    for name in mixer_names():
-        words.setdefault(name, name)
-        words.setdefault(info(name).variant, name)
+    """``{variant word: registered name}``: each mixer's registered name picks it, and so does its ``variant``
+    word unless that word already picks another mixer (refused at ``register_mixer`` for a class; for a mixer
+    registered by a ``"module:Class"`` string or an entry point, warned about and left out)."""
+    words = {name: name for name in mixer_names()}
+    for i in importable_infos():
+        if words.setdefault(i.variant, i.name) != i.name:
+            _warn_once(f"mixer {i.name!r}: its variant word {i.variant!r} already picks mixer {words[i.variant]!r}; "
+                       f"only {i.name!r} picks it")
     return words
 
 
 def variant_words(side: str | None = None, both_sides: bool = False) -> list[str]:
-    """Each registered mixer's ``variant`` word, in registry order; only those that fit ``side`` / both sides."""
-    infos = [info(name) for name in mixer_names()]
-    return [i.variant for i in infos if (side is None or side in i.sides) and (i.both_sides or not both_sides)]
+    """The word that picks each registered mixer (its ``variant``, or its registered name where another mixer
+    has that word), in registry order, once each; only those that fit ``side`` / both sides."""
+    words = variants()
+    return [i.variant if words[i.variant] == i.name else i.name for i in importable_infos()
+            if (side is None or side in i.sides) and (i.both_sides or not both_sides)]
+
+
+def importable_infos() -> list[MixerInfo]:
+    """``info`` of each registered mixer. One registered by a ``"module:Class"`` string or an entry point whose
+    module cannot be imported is left out with a warning, so that it breaks no config that does not name it
+    (naming it is the one-line error of ``mixer_class``)."""
+    out = []
+    for name in mixer_names():
+        try:
+            out.append(info(name))
+        except UserError as e:
+            _warn_once(f"mixer {name!r} is registered but cannot be used: {e}")
+    return out
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def constructor_fields(cls: type[nn.Module]) -> set[str]:
-    return {f for f in getattr(cls, "__dataclass_fields__", {}) if f not in ("parent", "name")}
+    """The fields ``cls(...)`` takes: its dataclass fields, not the ``ClassVar`` attributes (``label``,
+    ``model_fields``) that ``__dataclass_fields__`` lists too."""
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    return {f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
 
 
 # ---------------------------------------------------------------------------------------------------- building
@@ -282,6 +349,27 @@ def _build(kind: str, cls: type[nn.Module], name: str, kwargs: dict[str, Any]) -
     if unknown:
         raise UserError(f"{kind} {name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
     return cls(**kwargs)
+
+
+def check_output(name: Any, x: Any, y: Any, where: str) -> None:
+    """The checker's cheap rule (``lconv.testing``'s 'output': one array of x's shape and dtype), applied as a model
+    traces each mixer, so that a plugin's wrong output is one line naming it rather than a shape error deep in the
+    model."""
+    if not (hasattr(y, "shape") and hasattr(y, "dtype")) or (y.shape, y.dtype) != (x.shape, x.dtype):
+        raise UserError(f"mixer {_describe(name) if not isinstance(name, str) else name!r} ({where}) returned "
+                        f"{describe_output(y)} for x {x.dtype}{list(x.shape)}: a mixer returns one array of x's shape "
+                        "and dtype (lconv.testing.check_mixer checks the whole contract)")
+
+
+def describe_output(out: Any) -> str:
+    """What a mixer returned, abstractly: ``a tuple of 2 (float32[2, 13, 12], ...)``, ``float32[2, 13, 24]``."""
+    def one(leaf: Any) -> str:
+        return f"{leaf.dtype}{list(leaf.shape)}" if hasattr(leaf, "shape") else type(leaf).__name__
+
+    if isinstance(out, (tuple, list, dict)):
+        leaves = [one(leaf) for leaf in (out.values() if isinstance(out, dict) else out)]
+        return f"a {type(out).__name__} of {len(out)} ({', '.join(leaves[:3])}{', ...' * (len(leaves) > 3)})"
+    return one(out)
 
 
 def ffn_for_side(name: str, side: str) -> str:

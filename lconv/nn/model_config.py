@@ -15,7 +15,21 @@ import numpy as np
 
 from lconv.constants import ATTENTION_IMPLS, BOS_ID, EOS_ID, MATMUL_PRECISIONS, REMAT_POLICIES
 from lconv.errors import UserError
-from lconv.fields import BOOL, Rule, anything, check, choice, field, integer, number
+from lconv.fields import (
+    BOOL,
+    MAX_LAYERS,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    SIZE_REASON,
+    Rule,
+    anything,
+    check,
+    choice,
+    field,
+    integer,
+    number,
+)
 from lconv.nn import adaptive_softmax, mixers
 from lconv.nn.mixers import BOTH_SIDES
 from lconv.ops.activations import ACTIVATIONS
@@ -29,8 +43,14 @@ PAPER_ENCODER_KERNELS = (3, 7, 15, 31, 31, 31, 31)
 PAPER_DECODER_KERNELS = (3, 7, 15, 31, 31, 31)
 
 _COUNT = integer(1)
+_WIDTH = integer(1, maximum=MAX_WIDTH, reason=SIZE_REASON)
+_OPTIONAL_WIDTH = integer(0, " (0 = none)", maximum=MAX_WIDTH, reason=SIZE_REASON)
+_LAYERS = integer(1, maximum=MAX_LAYERS, reason=SIZE_REASON)
+_POSITIONS = integer(1, maximum=MAX_TOKENS, reason=SIZE_REASON)
+_VOCAB = integer(1, maximum=MAX_VOCAB, reason=SIZE_REASON)
 _RATE = number(lambda v: 0 <= v < 1, "a rate in [0, 1)")
-_KERNELS = Rule(lambda v: not isinstance(v, str) and all(_COUNT.test(k) for k in v), "kernel sizes >= 1")
+_KERNELS = Rule(lambda v: not isinstance(v, str) and all(_POSITIONS.test(k) for k in v),
+                f"kernel sizes in [1, {MAX_TOKENS:,}] ({SIZE_REASON})")
 
 
 def _empty_dict(value: Any) -> dict:
@@ -46,10 +66,11 @@ def _dtype_name(value: Any) -> str | None:
 
 
 _DTYPE = Rule(lambda v: _dtype_name(v) in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}")
-_SIDE_COUNT = Rule(lambda v: v is None or _COUNT.test(v), "None (= the shared field) or an integer >= 1")
+_SIDE_COUNT = Rule(lambda v: v is None or _WIDTH.test(v), f"None (= the shared field) or an integer in [1, "
+                   f"{MAX_WIDTH:,}] ({SIZE_REASON})")
 _SIDE_BOOL = Rule(lambda v: v is None or isinstance(v, bool), "None (= the shared field), True or False")
-_SIDE_CONV = Rule(lambda v: v is None or v == 0 or _COUNT.test(v), "None (= the shared field), 0 (= the side's "
-                  "width) or an integer >= 1")
+_SIDE_CONV = Rule(lambda v: v is None or v == 0 or _WIDTH.test(v), f"None (= the shared field), 0 (= the side's "
+                  f"width) or an integer in [1, {MAX_WIDTH:,}] ({SIZE_REASON})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +96,13 @@ class ModelConfig:
     """Hyper-parameters of both model kinds; ``from_config`` validates a config's ``model`` field."""
 
     # From the tokenizer (config.data.vocab_size): no default, so not a field of the config's model section.
-    vocab_size: int = dataclasses.field(metadata={"doc": "the vocabulary's size", "rule": _COUNT})
-    d_model: int = field(512, "model width (fairseq encoder_embed_dim)", _COUNT)
-    ffn_dim: int = field(2048, "FFN hidden size", _COUNT)
-    num_heads: int = field(8, "conv heads / attention heads", _COUNT)
-    encoder_layers: int = field(7, "encoder layers (0 for a decoder-only LM's unused side)", integer(0))
-    decoder_layers: int = field(6, "decoder layers", _COUNT)
+    vocab_size: int = dataclasses.field(metadata={"doc": "the vocabulary's size", "rule": _VOCAB})
+    d_model: int = field(512, "model width (fairseq encoder_embed_dim)", _WIDTH)
+    ffn_dim: int = field(2048, "FFN hidden size", _WIDTH)
+    num_heads: int = field(8, "conv heads / attention heads", _WIDTH)
+    encoder_layers: int = field(7, "encoder layers (0 for a decoder-only LM's unused side)",
+                                integer(0, maximum=MAX_LAYERS, reason=SIZE_REASON))
+    decoder_layers: int = field(6, "decoder layers", _LAYERS)
     # One mixer name for all layers, or one per layer; checked against the registry by ``validate``.
     encoder_mixer: str | Sequence[str] = field("dynamicconv", "a registered mixer or package.module:Class, or "
                                                "a comma list, one per layer",
@@ -100,7 +122,8 @@ class ModelConfig:
                             anything("{field: value} of CoLT5FeedForward"), to_config=_empty_dict)
     use_glu: bool = field(True, "GLU after the block's input projection", BOOL)
     conv_features: int | None = field(None, "fairseq's conv_dim; 0 (None) = d_model", Rule(
-        lambda v: v is None or v == 0 or _COUNT.test(v), "0 (= d_model) or >= 1"), to_config=lambda v: v or 0)
+        lambda v: v is None or v == 0 or _WIDTH.test(v), f"0 (= d_model) or in [1, {MAX_WIDTH:,}] ({SIZE_REASON})"),
+        to_config=lambda v: v or 0)
     dropout: float = field(0.1, "residual and embedding dropout", _RATE)
     attention_dropout: float = field(0.0, "dropout on attention weights", _RATE)
     relu_dropout: float = field(0.0, "dropout after the FFN's ReLU", _RATE)
@@ -116,7 +139,7 @@ class ModelConfig:
                                            number(lambda v: v > 0, "a number > 0"))
     adaptive_softmax_dropout: float = field(0.0, "dropout inside the adaptive softmax tails", _RATE)
     learned_positions: bool = field(False, "learned position embeddings; sinusoidal otherwise", BOOL)
-    max_len: int = field(1024, "longest sequence for learned positions / Fixed / Hadamard attention", _COUNT)
+    max_len: int = field(1024, "longest sequence for learned positions / Fixed / Hadamard attention", _POSITIONS)
     conv_impl: str = field("auto", "the conv op's implementation (lconv.ops.conv)", choice(*CONV_IMPLS))
     dtype: Any = field(jnp.float32, "compute dtype (bfloat16 on TPU); params and loss stay float32",
                        _DTYPE, to_config=_dtype_name)
@@ -139,10 +162,10 @@ class ModelConfig:
         "--share-decoder-input-output-embed)", BOOL)
     # --- The decoder's two ends as fairseq's language models build them (lconv.nn.decoder_ends) -------------------
     decoder_input_dim: int = field(0, "token embedding width of the decoder, projected to d_model without bias "
-                                   "(fairseq's decoder_input_dim, project_in_dim); 0 = d_model", integer(0))
+                                   "(fairseq's decoder_input_dim, project_in_dim); 0 = d_model", _OPTIONAL_WIDTH)
     decoder_output_dim: int = field(0, "width the decoder's output is projected to, without bias, before the "
                                     "output layer (fairseq's decoder_output_dim, project_out_dim); 0 = d_model",
-                                    integer(0))
+                                    _OPTIONAL_WIDTH)
     decoder_final_norm: bool = field(True, "with normalize_before: a LayerNorm after the last decoder layer "
                                      "(fairseq's --no-decoder-final-norm and lightconv_lm: False)", BOOL)
     lm_pre_norm: bool = field(True, "a decoder-only LM is pre-norm whatever normalize_before says (as fairseq's "
@@ -253,7 +276,49 @@ class ModelConfig:
                                      f"{self.kernel_size(side, layer)}; an encoder (centred) conv needs an odd kernel")
             if any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
+        self._check_mixer_kwargs(decoder_only)
         self._check_widths(decoder_only)  # after the mixer names are known to resolve
+
+    def check_kernel_counts(self, decoder_only: bool = False) -> None:
+        """A config's rule (``lconv.configs.schema.validate_config``): one kernel size for all layers, or exactly one
+        per layer of a side whose mixers take one, since a surplus would be ignored without a word. A model built
+        in code keeps the dataclass's lenience: the paper's kernels by default, the first ``layers`` of them."""
+        for side in ("decoder",) if decoder_only else BOTH_SIDES:
+            layers = getattr(self, f"{side}_layers")
+            if not any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
+                continue
+            sizes = tuple(getattr(self, f"{side}_kernel_sizes"))
+            if len(sizes) != 1 and len(sizes) != layers:
+                surplus = f"; the last {len(sizes) - layers} would be ignored" if len(sizes) > layers else ""
+                raise UserError(f"config.model.{side}_kernel_sizes has {len(sizes)} entries for {layers} {side} "
+                                f"layers{surplus}: give one per layer, or one for all")
+
+    def _check_mixer_kwargs(self, decoder_only: bool) -> None:
+        """``mixer_kwargs`` names registered mixers or the layers' (a plugin's spec or class name), and fields they
+        have: a typo (``dynamic_conv``) would otherwise be ignored; ``ffn_kwargs`` names the FFN's fields."""
+        used: dict[str, set[str]] = {}
+        for side in ("decoder",) if decoder_only else BOTH_SIDES:
+            for name in self.layer_mixers(side):
+                fields = mixers.constructor_fields(mixers.mixer_class(name))
+                used.setdefault(name, fields)
+                if mixers.is_spec(name):
+                    used.setdefault(name.rpartition(":")[2], fields)
+        kwargs = self.mixer_kwargs or {}
+        if not isinstance(kwargs, dict):
+            raise UserError(f"config.model.mixer_kwargs={kwargs!r}: must be {{mixer name: {{field: value}}}}")
+        for key, values in kwargs.items():
+            where = f"config.model.mixer_kwargs[{key!r}]"
+            if key in used:
+                fields = used[key]
+            elif key in mixers.mixer_names():  # a registered mixer this model does not use (a shared config)
+                fields = mixers.constructor_fields(mixers.mixer_class(key))
+            else:
+                raise UserError(f"{where}: {key!r} is no registered mixer and no layer's (the layers use "
+                                f"{sorted(used)}); it would be ignored")
+            _check_field_dict(where, values, fields, f"mixer {key!r}")
+        ffn = mixers.ffn_class(self.ffn_type)
+        _check_field_dict("config.model.ffn_kwargs", self.ffn_kwargs or {}, mixers.constructor_fields(ffn),
+                          f"ffn_type {self.ffn_type!r}")
 
     def _check_widths(self, decoder_only: bool) -> None:
         """Each side's heads divide its width and its conv width (named by the field that set the value)."""
@@ -367,6 +432,14 @@ class ModelConfig:
                 f" {side} layers"
             )
         return sizes[layer]
+
+
+def _check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> None:
+    if not isinstance(values, dict):
+        raise UserError(f"{where}={values!r}: must be a dict of {owner}'s fields ({sorted(fields)})")
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise UserError(f"{where}: {owner} has no field(s) {unknown}; its fields are {sorted(fields)}")
 
 
 def _registered(field: str, lookup: Any, name: Any) -> Any:

@@ -193,8 +193,12 @@ class Layer(nn.Module):
         cfg = self.config
         mixer = mixers.make_mixer(self.mixer_name, **_mixer_fields(cfg, self.mixer_name, self.side, self.layer,
                                                                    self.causal), name="mixer")
-        x = self._sublayer(x, lambda h: mixer(h, segment_ids=segment_ids, positions=positions,
-                                                deterministic=deterministic, decode=decode), "mixer", deterministic)
+        def mix(h: Array) -> Array:
+            y = mixer(h, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
+            mixers.check_output(self.mixer_name, h, y, f"{self.side} layer {self.layer}")
+            return y
+
+        x = self._sublayer(x, mix, "mixer", deterministic)
         if self.cross_attention:
             # fairseq: decoder_attention_heads, and keys/values from the encoder's width (kdim = vdim)
             attend = CrossAttention(num_heads=cfg.side(self.side).num_heads, attention_dropout=cfg.attention_dropout,

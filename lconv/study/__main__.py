@@ -44,6 +44,12 @@ def main(argv: list[str]) -> None:
           f"{sum(r['status'] == 'n/a' for r in records)} n/a; report in {FLAGS.docs_dir}/results.md")
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    from lconv.study import plan
+
+    return runtime.parse_flags(plan.quote_word_lists(argv))
+
+
 if __name__ == "__main__":
     logging.set_verbosity(logging.WARNING)
-    app.run(main, flags_parser=runtime.parse_flags)
+    app.run(main, flags_parser=_parse_flags)

@@ -98,6 +98,18 @@ def normalize(study: Config) -> Config:
     return c
 
 
+def quote_word_lists(argv: list[str]) -> list[str]:
+    """``--config.mixers=transformer,my_mixers:GatedMean`` as the tuple literal ml_collections parses: its own
+    parser reads ``a,b`` as a tuple only when every word is a Python literal or a plain name, not ``module:Class``."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if eq and name in ("--config.mixers", "--config.tasks") and value and value[0] not in "('\"[":
+            arg = f"{name}={tuple(w.strip() for w in value.split(',') if w.strip())!r}"
+        out.append(arg)
+    return out
+
+
 def check_study(study: Config) -> None:
     """The study config's own fields, one line each, before anything is built."""
     words = common.mixer_variants()
@@ -105,8 +117,13 @@ def check_study(study: Config) -> None:
     if unknown or not study.mixers:
         raise UserError(f"config.mixers: unknown or empty {unknown or list(study.mixers)}; choose from "
                         f"{sorted(words)} or name a class as package.module:Class")
+    picked: dict[str, str] = {}
     for word in study.mixers:
         mixers.mixer_class(mixer_name(word))  # a plugin that cannot be imported fails here, before any run
+        if mixer_name(word) in picked:  # two runs of one mixer and seed would count as two seeds
+            raise UserError(f"config.mixers names mixer {mixer_name(word)!r} twice ({picked[mixer_name(word)]!r} "
+                            f"and {word!r}); name each mixer once")
+        picked[mixer_name(word)] = word
     bad_tasks = sorted(set(study.tasks) - set(TASKS))
     if bad_tasks or not study.tasks:
         raise UserError(f"config.tasks: unknown or empty {bad_tasks or list(study.tasks)}; choose from {list(TASKS)}")

@@ -110,9 +110,15 @@ class _Terminated(Exception):
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``_Terminated`` once; a second one while the study stops its run is ignored (it raised again
+    inside the stop, two tracebacks deep)."""
+    raised = []
+
     def handler(signum: int, frame: Any) -> None:
         del signum, frame
-        raise _Terminated
+        if not raised:
+            raised.append(True)
+            raise _Terminated
 
     try:
         previous = signal.signal(signal.SIGTERM, handler)

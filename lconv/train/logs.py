@@ -3,12 +3,34 @@ TensorFlow) and a progress bar with ETA."""
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import threading
 from typing import Any
 
 import jax
 from etils import epath
 
 from lconv.train import workdir as workdir_lib
+
+logger = logging.getLogger(__name__)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or unusual stream: not a terminal
+        return False
+
+
+class _Discard:
+    """Where a bar goes when its lines are printed plainly instead (it still counts, for its readers)."""
+
+    def write(self, text: str) -> None:
+        del text
+
+    def flush(self) -> None:
+        pass
 
 
 class _RemoteLines:
@@ -32,14 +54,16 @@ class _RemoteLines:
 class MetricWriter:
     """``metrics.jsonl`` and TensorBoard scalars, written by process 0; local or remote workdirs."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, workdir: str, resumed_step: int = 0) -> None:
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
         path = epath.Path(workdir) / "metrics.jsonl"
+        _drop_rows_after(path, resumed_step)
         self.jsonl = _RemoteLines(path) if workdir_lib.is_remote(workdir) else open(path, "a")
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
+        _quiet_event_thread()
         self.tensorboard = SummaryWriter(f"{workdir}/tensorboard")
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
@@ -56,7 +80,47 @@ class MetricWriter:
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
-            self.tensorboard.close()
+            try:
+                self.tensorboard.close()
+            except (OSError, ValueError) as err:  # its file failed already (a full disk): said once, by the thread
+                logger.debug(f"TensorBoard writer closed with {type(err).__name__}: {err}")
+
+
+def _quiet_event_thread() -> None:
+    """tensorboardX writes events in a thread of its own: a write that fails there (a full disk) printed a thread
+    traceback after the run's one line. It is a warning instead (metrics.jsonl keeps every value); other threads'
+    exceptions are untouched."""
+    previous = threading.excepthook
+    if getattr(previous, "lconv_quiet_events", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_EventLoggerThread":
+            previous(args)
+            return
+        logger.warning(f"TensorBoard events are no longer written ({args.exc_type.__name__}: {args.exc_value}); "
+                       "metrics.jsonl has every value")
+
+    hook.lconv_quiet_events = True
+    threading.excepthook = hook
+
+
+def _drop_rows_after(path: epath.Path, step: int) -> None:
+    """Removes the rows of steps after ``step`` (the checkpoint a run resumes from): a run killed after it logged
+    them trains those steps again and logs them anew, and each step is in the log once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _row_step(line) <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))
+
+
+def _row_step(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a line cut by the kill: dropped too
 
 
 BUDGET_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the budget{postfix}"
@@ -72,10 +136,13 @@ class Progress:
 
         self.budget, self.num_steps, self.step, self.shown = budget, num_steps, step, {}
         timed = budget is not None and budget.enabled
+        # Redirected to a file, a bar is carriage returns and cursor moves: a plain line per log window instead.
+        self.plain = jax.process_index() == 0 and not _is_terminal(sys.stderr)
         self.bar = tqdm(initial=min(round(budget.elapsed()), round(budget.seconds)) if timed else step,
                         total=round(budget.seconds) if timed else num_steps, desc="train",
                         unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
-                        disable=jax.process_index() != 0, **({"bar_format": BUDGET_BAR} if timed else {}))
+                        disable=jax.process_index() != 0, file=_Discard() if self.plain else None,
+                        **({"bar_format": BUDGET_BAR} if timed else {}))
 
     @property
     def total(self) -> float:
@@ -94,6 +161,11 @@ class Progress:
         """The last log window's values, shown until the next (with a budget, beside the current step)."""
         self.shown = values
         self.bar.set_postfix(self._postfix())
+        if self.plain:
+            timed = self.budget is not None and self.budget.enabled
+            budget = f" ({self.budget.elapsed():.0f}/{self.budget.seconds:.0f} s of the budget)" if timed else ""
+            logger.info(f"step {self.step}/{self.num_steps} train{budget}: "
+                        + " ".join(f"{k}={v}" for k, v in values.items()))
 
     def _postfix(self) -> dict[str, str]:
         timed = self.budget is not None and self.budget.enabled

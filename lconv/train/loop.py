@@ -174,7 +174,7 @@ def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
         logger.info(f"resumed from step {int(run.state.step)}")
         workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True)
-    writer = logs.MetricWriter(run.workdir)
+    writer = logs.MetricWriter(run.workdir, resumed_step=int(run.state.step))
     eval_step = steps.jit_eval_step(config, run.mesh)
     eval_memory = setup.init_memory(config, run.model, config.data.eval_batch_size, setup.batch_sharding(run.mesh))
 
@@ -246,7 +246,7 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     budget.reserve = budget_lib.SAFETY_MARGIN * budget.estimate
     left = budget.seconds - budget.elapsed()
     if budget.reserve >= left:
-        logger.warning(f"warning: the final evaluation alone is estimated at {budget.estimate:.0f} s, and "
+        logger.warning(f"the final evaluation alone is estimated at {budget.estimate:.0f} s, and "
                        f"train.max_minutes={run.config.train.max_minutes:g} has {max(left, 0):.0f} s left: training "
                        "stops now, and the validation and test passes stop at the budget with part of their splits; "
                        f"train.max_minutes={math.ceil((budget.elapsed() + budget.reserve) / 60) + 1} leaves "

@@ -28,8 +28,9 @@ from lconv.constants import BATCH_MESH_AXES, EXPORT_SIDECAR
 from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
+from lconv.fields import is_integer
 from lconv.nn import common as nn_common
-from lconv.nn import models
+from lconv.nn import mixers, models
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
 
@@ -284,7 +285,32 @@ def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.
     validate_config(config)
     mesh = make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)
+    check_plugins_trace(config)
     return mesh
+
+
+def check_plugins_trace(config: Config) -> None:
+    """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
+    data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
+    naming it, rather than after data preparation."""
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=int(config.data.vocab_size))
+    sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
+    names = [name for side in sides for name in model_cfg.layer_mixers(side)]
+    plugins = sorted({name for name in names if not mixers.mixer_class(name).__module__.startswith("lconv.")})
+    if not mixers.ffn_class(model_cfg.ffn_type).__module__.startswith("lconv."):
+        plugins.append(f"ffn_type={model_cfg.ffn_type}")
+    if not plugins:
+        return
+    model = build_model(config, int(config.data.vocab_size))
+    args, kwargs = model_inputs(dummy_batch(config, length=8))
+    try:
+        jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 (the plugin's own code failed: one line naming it and the checker)
+        line = (str(err).strip().splitlines() or [""])[0]
+        raise UserError(f"the model with plugin(s) {', '.join(plugins)} fails to trace ({type(err).__name__}: "
+                        f"{line}); lconv.testing.check_mixer names the rule a mixer breaks") from None
 
 
 def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None, *,
@@ -337,14 +363,18 @@ def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -
     return jax.tree.map(place, shardings, abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
-def check_checkpoint_choice(average_last: int, checkpoint: str) -> None:
-    """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags."""
-    if checkpoint not in ("latest", "best"):
-        raise UserError(f"--checkpoint={checkpoint!r}: must be latest or best")
-    if average_last < 1:
-        raise UserError(f"--average_last={average_last}: must be >= 1 (the number of latest checkpoints to average)")
+def check_checkpoint_choice(average_last: int, checkpoint: str,
+                            spell: Callable[[str], str] = lambda name: f"--{name}") -> None:
+    """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags (``spell=str``: as
+    the API's arguments)."""
+    if not isinstance(checkpoint, str) or checkpoint not in ("latest", "best"):
+        raise UserError(f"{spell('checkpoint')}={checkpoint!r}: must be latest or best")
+    if not is_integer(average_last) or average_last < 1:
+        raise UserError(f"{spell('average_last')}={average_last!r}: must be >= 1, an integer (the number of latest "
+                        "checkpoints to average)")
     if checkpoint == "best" and average_last > 1:
-        raise UserError("--average_last averages the latest checkpoints; it does not combine with --checkpoint=best")
+        raise UserError(f"{spell('average_last')} averages the latest checkpoints; it does not combine with "
+                        f"{spell('checkpoint')}=best")
 
 
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
@@ -357,7 +387,8 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
     Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
     nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
     (decoding fields, say) before the model is built. ``devices``: the mesh's (``config.mesh``; default all)."""
-    check_checkpoint_choice(average_last, checkpoint)
+    spell = str if caller == "lconv.load" else lambda name: f"--{name}"  # the API's arguments, or the flags
+    check_checkpoint_choice(average_last, checkpoint, spell)
     config = read_config(workdir, caller)
     if overrides is not None:
         overrides(config)
@@ -369,6 +400,10 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
     steps = sorted(ckpt.all_steps())
     if not steps:
         raise UserError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
+    if average_last > len(steps):  # fewer would be averaged without a word
+        raise UserError(f"{spell('average_last')}={average_last}: {ckpt.directory} holds {len(steps)} checkpoint"
+                        f"{'s' if len(steps) != 1 else ''} (steps {', '.join(map(str, steps))}); average at most "
+                        f"{len(steps)}")
     target = abstract_params(config, model, make_mesh(config.mesh, devices))
     chosen = steps[-average_last:]
     total = None

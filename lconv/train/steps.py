@@ -171,7 +171,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     scores = metrics.summarize(total)
     if stop_when and done < len(eval_set):
         scores["unscored_batches"] = len(eval_set) - done
-        logger.warning(f"warning: {stop_when[1]} ran out: the loss pass stopped after {done} of {len(eval_set)} "
+        logger.warning(f"{stop_when[1]} ran out: the loss pass stopped after {done} of {len(eval_set)} "
                        f"batches ({scores['tokens']:.0f} tokens); its scores cover those only")
     return scores
 

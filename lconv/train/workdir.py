@@ -71,7 +71,7 @@ def lock(workdir: str) -> Iterator[None]:
         yield
         return
     if is_remote(workdir):  # object stores have no file locks
-        logger.warning(f"warning: {workdir} is remote: nothing stops a second train.py on it (file locks are local "
+        logger.warning(f"{workdir} is remote: nothing stops a second train.py on it (file locks are local "
                        "only)")
         yield
         return
@@ -87,7 +87,7 @@ def lock(workdir: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):  # e.g. ENOLCK: this filesystem has no locks
-                logger.warning(f"warning: {path}: file locks are not supported here ({err.strerror}); nothing "
+                logger.warning(f"{path}: file locks are not supported here ({err.strerror}); nothing "
                                "stops a second train.py on this workdir")
             else:
                 raise UserError(f"--workdir={workdir} is in use by another train.py ({_owner(fd)}); wait for it "
