@@ -158,13 +158,18 @@ def test_the_installed_evaluate_program_documents_itself():
 
 @pytest.mark.slow  # compiles the tiny run's beam search, n-best, scoring and sampling programs: ~1 minute
 def test_the_readmes_python_api_block_runs_as_written(tiny_run, tmp_path, monkeypatch):
-    """README.md's Python API block, on the shared tiny run in place of runs/default (issue 41: a new user's first
-    day walks it)."""
+    """README.md's Python API block, on the shared tiny run in place of runs/default and runs/other (issue 41: a
+    new user's first day walks it), and an untrained tiny LM, in memory, in place of runs/lm (no LM run is trained
+    for the tests; loading an LM workdir is test_fairseq_lm_import's)."""
     text = (helpers.ROOT / "README.md").read_text(encoding="utf-8")
     start = text.index("```python", text.index("## Python API")) + len("```python")
     block = text[start:text.index("```", start)]
-    assert 'lconv.load("runs/default")' in block
+    assert 'lconv.load("runs/default")' in block and 'lconv.load("runs/lm")' in block
     monkeypatch.chdir(tmp_path)  # "runs/default" -> the tiny run, through a link named so
     (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "default").symlink_to(tiny_run.workdir)
+    for name in ("default", "other"):
+        (tmp_path / "runs" / name).symlink_to(tiny_run.workdir)
+    real_load = lconv.load
+    monkeypatch.setattr(lconv, "load", lambda workdir, **kwargs: Model(tiny_runs.in_memory(tiny_runs.lm_config()))
+                        if workdir == "runs/lm" else real_load(workdir, **kwargs))
     exec(compile(block, "README.md", "exec"), {})
