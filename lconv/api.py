@@ -286,6 +286,8 @@ class Model(probing.Probing):
         limit = int(self.config.data.eval_max_target_length)
         if isinstance(texts, str) or per_text:
             return self._text_perplexities(texts, (sample_break_mode, tokens_per_sample, context_window))
+        if isinstance(texts, Sequence) and not isinstance(texts, (bytes, bytearray)) and len(texts) == 0:
+            raise UserError("texts: an empty list has no perplexity (0 tokens); give at least one text")
         if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
             return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
         ids = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))

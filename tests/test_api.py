@@ -159,10 +159,11 @@ def test_calls_that_do_not_fit_the_run_are_one_line_errors(lm):
         with pytest.raises(UserError) as error:  # never decoded as "None" or "b'...'"
             lm.generate(prompts)
         helpers.one_line_error(error, named)
-    for texts, named in [(["ok", None], "texts[1]"), (None, "texts"), (b"bytes", "texts")]:
+    for texts, named in [(["ok", None], "texts[1]"), (None, "texts"), (b"bytes", "texts"), ([], "texts")]:
         with pytest.raises(UserError) as error:  # a string is one text (one dict); anything else but strings errs
-            lm.perplexity(texts)
+            lm.perplexity(texts)  # and no text has no perplexity (not a ppl of 1.0 over 0 tokens)
         helpers.one_line_error(error, named)
+    assert lm.perplexity([], per_text=True) == []  # one result per text: none
     for kwargs, named in [(dict(max_len=0), ["max_len=0"]),
                           (dict(temperature=-1.0), ["temperature=-1.0"]),
                           (dict(top_k=-2), ["top_k=-2"]),
