@@ -229,6 +229,8 @@ class Model(probing.Probing):
         sources, references = _lines(sources, "sources"), _lines(references, "references")
         if len(sources) != len(references):
             raise UserError(f"{len(sources)} sources for {len(references)} references; they pair one to one")
+        if not sources:
+            raise UserError("sources: an empty corpus has no BLEU; give at least one source and reference")
         hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen)
         return decode_and_score.score_texts(self.task, hypotheses, references)
 

@@ -181,7 +181,8 @@ def test_translate_takes_one_string_or_a_list_of_strings_and_nothing_else():
     for call, named in [(lambda: model.translate([None]), "sources[0]"),
                         (lambda: model.translate(["a", b"b"]), "sources[1]"),
                         (lambda: model.bleu(["a"], [None]), "references[0]"),
-                        (lambda: model.bleu("a", ["b"]), "sources")]:
+                        (lambda: model.bleu("a", ["b"]), "sources"),
+                        (lambda: model.bleu([], []), "sources")]:  # an empty corpus: no BLEU, not {}
         with pytest.raises(UserError) as error:
             call()
         helpers.one_line_error(error, named)
