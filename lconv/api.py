@@ -286,18 +286,18 @@ class Model(probing.Probing):
             raise UserError("a document-stream run carries its kNN memory across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
-        if isinstance(texts, str) or per_text:
+        blocks = dict(sample_break_mode=sample_break_mode, tokens_per_sample=tokens_per_sample,
+                      context_window=context_window)
+        if isinstance(texts, str) and not per_text:  # one text: a corpus of one, the same program and numbers
+            return self.perplexity([texts], **blocks)
+        if per_text:
             return self._text_perplexities(texts, (sample_break_mode, tokens_per_sample, context_window))
         if isinstance(texts, Sequence) and not isinstance(texts, (bytes, bytearray)) and len(texts) == 0:
             raise UserError("texts: an empty list has no perplexity (0 tokens); give at least one text")
         if (sample_break_mode, tokens_per_sample, context_window) != ("eos", None, 0):
             return self._fairseq_perplexity(texts, sample_break_mode, tokens_per_sample or limit, context_window)
         ids = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
-        lengths = [len(x) + 1 for x in ids]  # the one rule for long inputs: cut, and a warning names each
-        cut = [i for i, n in enumerate(lengths) if n > limit]
-        decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
-            "texts[{}]".format, "config.data.eval_max_target_length, EOS included; sample_break_mode='none' scores "
-            "long texts whole")
+        _warn_of_cut_texts(ids, limit)
         encoded = [np.append(x[:limit - 1], EOS_ID) for x in ids]
         rows = compiled.row_bucket(len(encoded), self.config.data.eval_batch_size)
         loss = self._function("nll", self._nll_sums)
@@ -316,6 +316,7 @@ class Model(probing.Probing):
             raise UserError(f"sample_break_mode={blocks[0]!r}, tokens_per_sample={blocks[1]}, context_window="
                             f"{blocks[2]}: blocks span texts; per-text results score each text alone (the defaults)")
         encoded = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
+        _warn_of_cut_texts(encoded, int(self.config.data.eval_max_target_length))
         log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs, self.module))
         out = lm_scoring.text_perplexities(self.config, log_probs, self.params, encoded)
         return out[0] if isinstance(texts, str) else out
@@ -374,6 +375,16 @@ class Model(probing.Probing):
     def _piece(self, token: int) -> str:
         return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.decode([token]) or "▁"
 
+
+
+def _warn_of_cut_texts(ids: Sequence[Sequence[int]], limit: int) -> None:
+    """The one rule for long inputs, for ``perplexity``'s texts: each is cut to ``limit`` tokens (EOS included),
+    and one warning names those that were."""
+    lengths = [len(x) + 1 for x in ids]
+    cut = [i for i, n in enumerate(lengths) if n > limit]
+    decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
+        "texts[{}]".format, "config.data.eval_max_target_length, EOS included; sample_break_mode='none' scores "
+        "long texts whole")
 
 def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     """``texts`` as a list of str, checked like the CLIs check their input: a one-line ``UserError`` naming the
