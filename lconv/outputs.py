@@ -32,12 +32,14 @@ WORKDIR_CORE = ("config.json", "spm.model", "pieces.json", "checkpoints", "best"
 EVAL_OUTPUTS = (".hyp.txt", ".scores.json", "output.txt")  # what eval.py writes into a workdir by default
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
+def is_url(path: str | os.PathLike) -> bool:
+    """True for ``scheme://...`` (read and written through an epath/fsspec backend), False for a local path. The
+    one test of it in lconv (``lconv.data.paths`` and the CLIs use this one), kept in this bottom layer."""
+    return "://" in (os.fspath(path) if isinstance(path, os.PathLike) else str(path))
 
 
 def _absolute(path: str) -> str:
-    return path if _is_url(path) else os.path.realpath(os.path.expanduser(path))
+    return path if is_url(path) else os.path.realpath(os.path.expanduser(path))
 
 
 def kind_of(directory: str) -> str | None:
@@ -59,7 +61,7 @@ def kind_of(directory: str) -> str | None:
 
 def checkout_docs(path: str) -> str | None:
     """The ``docs/`` folder of the lconv checkout that ``path`` lies in, or None."""
-    if _is_url(path):
+    if is_url(path):
         return None
     path = _absolute(path)
     parent = path
@@ -131,7 +133,7 @@ def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
 
 
 def _path(path: str) -> epath.Path:
-    return epath.Path(path if _is_url(path) else os.path.expanduser(path))
+    return epath.Path(path if is_url(path) else os.path.expanduser(path))
 
 
 # What each command writes at the top of its folder (a folder holding only such entries is that command's).
@@ -165,7 +167,7 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
     if committed_ok and _absolute(committed_ok) == target and checkout_docs(target):
         return
     _refuse_committed_docs(str(path), flag)
-    parent = os.path.dirname(target) if not _is_url(target) else target.rsplit("/", 1)[0]
+    parent = os.path.dirname(target) if not is_url(target) else target.rsplit("/", 1)[0]
     for _ in range(64):  # each folder above the file, up to the root
         kind = kind_of(parent)
         if kind is not None:  # the nearest owner decides (a study's runs are workdirs inside its folder)
@@ -174,7 +176,7 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
                 raise UserError(f"{flag}={path} would overwrite part of {KIND_NAMES[kind]} ({parent}); write the "
                                 f"output elsewhere")
             return
-        up = os.path.dirname(parent) if not _is_url(parent) else parent.rsplit("/", 1)[0]
+        up = os.path.dirname(parent) if not is_url(parent) else parent.rsplit("/", 1)[0]
         if up == parent or not up or up.endswith(":/"):
             return
         parent = up

@@ -20,7 +20,7 @@ from etils import epath
 
 from lconv import outputs
 from lconv.configs import schema
-from lconv.data import pipeline
+from lconv.data import paths, pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
@@ -208,7 +208,7 @@ def read_lines(path: str, flag: str) -> list[str]:
 
 def _check_writable(path: str, what: str) -> None:
     """Raises when ``path`` cannot be written: tried now (a temporary file beside it), not after decoding."""
-    if "://" in path:  # a remote filesystem (gs://...): no local check
+    if paths.is_url(path):  # a remote filesystem (gs://...): no local check
         return
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
+from lconv.data import paths
 from lconv.errors import UserError
 from lconv.train.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
@@ -96,7 +97,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
 
 def _read_only(folder: str) -> bool:
     """A local ``folder`` (or, when it is not there yet, its parent) that exists and this process cannot write."""
-    if "://" in folder:
+    if paths.is_url(folder):
         return False  # an object store: no cheap check; JAX warns when it cannot write an entry
     existing = folder if os.path.exists(folder) else os.path.dirname(folder)
     return os.path.isdir(existing) and not os.access(existing, os.W_OK)

@@ -22,15 +22,14 @@ from collections.abc import Iterable
 
 from etils import epath
 
+from lconv import outputs
 from lconv.errors import UserError
 
 CACHE_ENV = "LCONV_DATA_CACHE"  # where copies prepared under a URL data_dir are mirrored for reading
 _FS_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_hub"}
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    """True for ``scheme://...`` (read through an epath/fsspec backend), False for a local path."""
-    return "://" in os.fspath(path)
+is_url = outputs.is_url  # ``scheme://...``, not a local path: one definition, in the bottom layer
 
 
 def scheme(path: str | os.PathLike) -> str | None:

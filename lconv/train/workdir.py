@@ -31,6 +31,7 @@ import ml_collections
 from etils import epath
 
 from lconv import outputs
+from lconv.data import paths
 from lconv.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ RUN_FIELDS = ("train.", "decode.", "mesh.", "data.data_dir", "data.eval_batch_si
 
 def is_remote(path: str) -> bool:
     """A URL (gs://, s3://, ...) rather than a local path: read and written through ``etils.epath``."""
-    return "://" in str(path)
+    return paths.is_url(path)
 
 
 def resolve(workdir: str) -> str:
