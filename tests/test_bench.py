@@ -23,6 +23,9 @@ def test_timing_arithmetic():
     assert timing.conv_bytes_per_token(512, 8, 31, dynamic=False, backward=True) == 5 * 512 * 4
     assert timing.conv_bytes_per_token(512, 8, 31, dynamic=True, backward=True) == (5 * 512 + 3 * 8 * 31) * 4
     assert timing.conv_bytes_per_token(512, 8, 31, dynamic=True, backward=False) == (2 * 512 + 8 * 31) * 4
+    # fwd+bwd as one program reads x and the kernel once: 4C (+ 2HK), here in bfloat16's 2 bytes a number
+    assert timing.conv_bytes_per_token(512, 8, 31, dynamic=True, backward=True, one_program=True,
+                                       itemsize=2) == (4 * 512 + 2 * 8 * 31) * 2
     with pytest.raises(ValueError):
         timing.summarize([])
 

@@ -43,7 +43,7 @@ C, H, K = mixers.C, mixers.H, mixers.K
 T_FULL, T_QUICK = (256, 1024, 4096, 16384), (64, 128)
 FWD_ONLY_T = 4096  # the forward alone is measured at this T (T_QUICK[-1] in a quick run)
 OPS = {"light": ("band", "pallas", "conv", "shift", "unfold"), "dynamic": ("band", "pallas", "shift", "unfold")}
-FAST_IMPLS = ("band", "pallas")  # measured at every T and dtype; the others (baselines) at one T in float32
+FAST_IMPLS = ("band", "pallas")  # measured first; the others (baselines) after, as the stage's time allows
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,18 +87,15 @@ def _summary(rows: Sequence[report.Row], info: dict[str, str], command: str) -> 
 # Stage ops: the conv ops against the memory floor
 # ----------------------------------------------------------------------------------------------------------------
 def floor_bytes_per_token(op: str, dtype: str, passes: str) -> int:
-    """Bytes a conv must move per token in one program: read x (and the kernel) and write y; fwd+bwd reads x, dy and
-    the kernel once and writes y, dx and the kernel's gradient once (``lconv.ops.pallas_conv``'s count), each in
-    ``dtype``. A light kernel is shared by every token (~0 bytes per token)."""
-    size, dynamic = jnp.dtype(dtype).itemsize, op == "dynamic"
-    per_token_kernel = H * K if dynamic else 0
-    floats = 2 * C + per_token_kernel if passes == "fwd" else 4 * C + 2 * per_token_kernel
-    return floats * size
+    """The op's floor at C, H, K in ``dtype``: ``timing.conv_bytes_per_token`` of one program."""
+    return timing.conv_bytes_per_token(C, H, K, dynamic=op == "dynamic", backward=passes != "fwd", one_program=True,
+                                       itemsize=jnp.dtype(dtype).itemsize)
 
 
 def _op_plan(quick: bool) -> list[tuple[str, str, str, int, str]]:
-    """``(op, impl, dtype, T, pass)`` in the order measured: the fast impls at every T and dtype first, then the
-    forward alone, then the baselines at one T in float32 (what a cut stage leaves out is the least needed)."""
+    """``(op, impl, dtype, T, pass)`` in the order measured: the fast impls at every T and dtype first, then their
+    forward alone, then the baselines (XLA conv, shift, unfold) at every T and dtype: what the stage's cap cuts is
+    the least needed."""
     T_list = T_QUICK if quick else T_FULL
     fwd_T = T_list[-1] if quick else FWD_ONLY_T
     if quick:  # the smoke test: each kind of row once (XLA's depthwise conv alone takes a minute on CPU)
@@ -111,8 +108,8 @@ def _op_plan(quick: bool) -> list[tuple[str, str, str, int, str]]:
             for op in OPS for impl in FAST_IMPLS]
     forward = [(op, impl, dtype, fwd_T, "fwd") for dtype in ("float32", "bfloat16") for op in OPS
                for impl in FAST_IMPLS]
-    baselines = [(op, impl, "float32", T_list[1], passes) for op, impls in OPS.items() for impl in impls
-                 if impl not in FAST_IMPLS for passes in ("fwd+bwd", "fwd")]
+    baselines = [(op, impl, dtype, T, "fwd+bwd") for dtype in ("float32", "bfloat16") for T in T_list
+                 for op, impls in OPS.items() for impl in impls if impl not in FAST_IMPLS]
     return fast + forward + baselines
 
 

@@ -50,17 +50,20 @@ def predict_seconds(measured: tuple[int, float] | None, T: int, exponent: float)
     return seconds * (T / T0) ** exponent
 
 
-def conv_bytes_per_token(channels: int, heads: int, kernel_size: int, *, dynamic: bool, backward: bool) -> int:
-    """Bytes a conv must move per token (float32), the floor for a memory-bound kernel.
+def conv_bytes_per_token(channels: int, heads: int, kernel_size: int, *, dynamic: bool, backward: bool,
+                         one_program: bool = False, itemsize: int = F32_BYTES) -> int:
+    """Bytes a conv must move per token (``itemsize`` bytes a number), the floor for a memory-bound kernel.
 
     Forward: read x and write y (``2C``), plus, for a dynamic conv, read its ``H*K`` kernel (a light kernel is
     shared, so ~0 per token). Backward (given dy): read dy and x, write dx (``3C``), plus read the kernel and
-    write its gradient (``2HK``, dynamic only). So fwd+bwd is ``5C`` (light) or ``5C + 3HK`` (dynamic) floats.
-    """
-    floats = 2 * channels + (heads * kernel_size if dynamic else 0)
+    write its gradient (``2HK``, dynamic only). So fwd+bwd is ``5C`` (light) or ``5C + 3HK`` (dynamic) numbers.
+    ``one_program``: fwd+bwd as one program (``value_and_grad``), which reads x and the kernel once: ``4C``
+    (light) or ``4C + 2HK`` (``lconv.ops.pallas_conv``'s count)."""
+    kernel = heads * kernel_size if dynamic else 0
+    numbers = 2 * channels + kernel
     if backward:
-        floats += 3 * channels + (2 * heads * kernel_size if dynamic else 0)
-    return floats * F32_BYTES
+        numbers += (2 * channels + kernel) if one_program else (3 * channels + 2 * kernel)
+    return numbers * itemsize
 
 
 def conv_flops_per_token(channels: int, kernel_size: int, *, backward: bool) -> int:

@@ -189,17 +189,15 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
 
         paths.check_url(workdir, "workdir")  # a URL whose file system is not installed: one line, before any read
         kept = kept_tokenizer_dir(cfg) if save else None
-
-        if kept and not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists() \
-                and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists():
+        in_workdir = epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
+        kept_exists = kept is not None and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
+        if kept_exists and not in_workdir:  # the workdir gets the kept copy; load_or_train then checks its size
             tokenizer_lib.load_tokenizer(kept).save(workdir)
             logger.info(f"tokenizer: {tokenizer_lib.tokenizer_path(kept)} reused (trained by an earlier run on the "
                         "same data and settings)")
-            return tokenizer_lib.load_or_train(workdir, (), cfg.vocab_size)  # the workdir's: vocab_size checked
-        trained = not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
         tokenizer = tokenizer_lib.load_or_train(workdir, tokenizer_texts(cfg), cfg.vocab_size,
                                                 max_sentences=cfg.tokenizer_max_sentences, save=save)
-        if kept and trained:
+        if kept is not None and not kept_exists and not in_workdir:  # trained just now: kept for later runs
             try:
                 tokenizer.save(kept)
             except OSError as err:  # a read-only data_dir: the next run trains it again
