@@ -258,7 +258,9 @@ def test_the_gpu_command_runs_every_stage_at_tiny_sizes_on_cpu(tmp_path):
                              f"--out={tmp_path}", f"--doc={tmp_path}/b.md"], cwd=_ROOT, capture_output=True,
                             text=True, timeout=480)
     assert result.returncode == 0, result.stderr[-2000:]
-    for stage, _ in __import__("lconv.bench.gpu", fromlist=["STAGES"]).STAGES:
+    from lconv.bench import gpu
+
+    for stage, _ in gpu.STAGES:
         assert f"stage {stage}: done" in result.stdout, result.stdout[-3000:]
     doc = (tmp_path / "b.md").read_text()
     for section in ("gpu", "gpu_ops", "gpu_train", "gpu_run", "gpu_beam"):
