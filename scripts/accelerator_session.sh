@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One accelerator session's figures and checks from one command, each part under its own cap:
+#   1. `python -m lconv.bench gpu --minutes BENCH_MINUTES`: the op table, the LM train step, the default run and beam
+#      decoding (docs/benchmarks-gpu.md and docs/bench/gpu/, packed into OUT/bench.tgz as it ends);
+#   2. the quick tier of the suite on the accelerator (JAX_PLATFORMS=cuda) for TEST_SECONDS, the files that touch
+#      devices, kernels and numerics first; one line per test in OUT/tests.log, so a cut run still says what passed.
+# The bench runs alone first: tests sharing the GPU would make its timings wrong.
+#
+#   [TOTAL_SECONDS=N] scripts/accelerator_session.sh BENCH_MINUTES TEST_SECONDS OUT [extra bench flags, e.g. --quick]
+# On CPU, `TEST_PLATFORMS=cpu scripts/accelerator_session.sh 2 60 /tmp/session --quick` smoke-tests the script.
+set -uo pipefail
+bench_minutes=$1 test_seconds=$2 out=$3
+shift 3
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{ nvidia-smi -L 2>/dev/null; python -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
+  2>&1 | tee "$out/machine.txt"
+
+# The bench stops its own stages at their caps; the outer timeout is only a backstop (its grace is 20 s a stage).
+timeout "$(python -c "print(int($bench_minutes * 60 + 100))")" python -m lconv.bench gpu --minutes "$bench_minutes" "$@" \
+  2>&1 | tee "$out/bench.log"
+if [ "$*" = "--quick" ]; then results=/tmp/lconv_bench_quick; else results="docs/benchmarks-gpu.md docs/bench/gpu"; fi
+tar czf "$out/bench.tgz" $results 2>/dev/null || echo "no bench results to pack" | tee -a "$out/bench.log"
+
+first=(test_decode test_sharding test_stream test_pallas_conv test_ops test_mixers test_linear_cross_entropy
+       test_fairseq_parity test_golden_loss test_precision test_attention test_attention_kernels test_models
+       test_api test_api_decoding test_api_features test_api_load test_train test_layers test_memory test_colt5)
+files=("${first[@]/#/tests/}"); files=("${files[@]/%/.py}")
+for f in tests/test_*.py; do
+  case " ${files[*]} " in *" $f "*) ;; *) [ "$f" = tests/test_notebooks.py ] || files+=("$f") ;; esac
+done
+# TOTAL_SECONDS, when set, is the whole script's limit: the tests get what the bench left of it, up to TEST_SECONDS.
+[ -n "${TOTAL_SECONDS:-}" ] && test_seconds=$(( TOTAL_SECONDS - SECONDS - 15 < test_seconds ? TOTAL_SECONDS - SECONDS - 15 : test_seconds ))
+workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 2 ))
+JAX_PLATFORMS=${TEST_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$test_seconds" \
+  python -m pytest -v -p no:cacheprovider -n "$workers" -m "not slow" "${files[@]}" > "$out/tests.log" 2>&1
+echo "tests: exit $? (124: cut at ${test_seconds} s)" | tee -a "$out/tests.log"
+grep -c " PASSED " "$out/tests.log" | sed 's/^/passed: /'
+grep -E " (FAILED|ERROR) " "$out/tests.log" | head -40
