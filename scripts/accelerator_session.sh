@@ -3,7 +3,8 @@
 #   1. `python -m lconv.bench gpu --minutes BENCH_MINUTES`: the op table, the LM train step, the default run and beam
 #      decoding (docs/benchmarks-gpu.md and docs/bench/gpu/, packed into OUT/bench.tgz as it ends);
 #   2. the quick tier of the suite on the accelerator (JAX_PLATFORMS=cuda) for TEST_SECONDS, the files that touch
-#      devices, kernels and numerics first; one line per test in OUT/tests.log, so a cut run still says what passed.
+#      devices, kernels and numerics first; one line per test in OUT/tests.log, and each failure's traceback in
+#      OUT/failures.log as it happens (tests/failures_now.py), so a cut run still says what passed and why not.
 # The bench runs alone first: tests sharing the GPU would make its timings wrong.
 #
 #   [TOTAL_SECONDS=N] scripts/accelerator_session.sh BENCH_MINUTES TEST_SECONDS OUT [extra bench flags, e.g. --quick]
@@ -32,8 +33,9 @@ done
 # TOTAL_SECONDS, when set, is the whole script's limit: the tests get what the bench left of it, up to TEST_SECONDS.
 [ -n "${TOTAL_SECONDS:-}" ] && test_seconds=$(( TOTAL_SECONDS - SECONDS - 15 < test_seconds ? TOTAL_SECONDS - SECONDS - 15 : test_seconds ))
 workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 2 ))
-JAX_PLATFORMS=${TEST_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$test_seconds" \
-  python -m pytest -v -p no:cacheprovider -n "$workers" -m "not slow" "${files[@]}" > "$out/tests.log" 2>&1
+JAX_PLATFORMS=${TEST_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false LCONV_FAILURES_LOG="$out/failures.log" \
+  PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}tests" timeout "$test_seconds" \
+  python -m pytest -v -p no:cacheprovider -p failures_now -n "$workers" -m "not slow" "${files[@]}" > "$out/tests.log" 2>&1
 echo "tests: exit $? (124: cut at ${test_seconds} s)" | tee -a "$out/tests.log"
 grep -c " PASSED " "$out/tests.log" | sed 's/^/passed: /'
 grep -E " (FAILED|ERROR) " "$out/tests.log" | head -40

@@ -169,7 +169,8 @@ def _split(lengths, rows=4):
 
 
 def _config(rows=4):
-    return types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=2, batch_size=0, compound_split=False,
+    # decode.batch_size = rows, not auto: auto widens the batch on an accelerator, and these tests count batches
+    return types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=2, batch_size=rows, compound_split=False,
                                                               num_print=0, split="test", lenpen=1.0),
                                  data=types.SimpleNamespace(eval_batch_size=rows), task="translation")
 
