@@ -68,7 +68,8 @@ def _bench(*args):
 
 
 def _committed_results():
-    return {p: p.read_bytes() for p in [*(_ROOT / "docs" / "bench").iterdir(), _ROOT / "docs" / "benchmarks.md"]}
+    files = [p for p in (_ROOT / "docs" / "bench").rglob("*") if p.is_file()]  # the GPU's subfolder too
+    return {p: p.read_bytes() for p in [*files, *(_ROOT / "docs").glob("benchmarks*.md")]}
 
 
 @pytest.mark.slow  # launches python -m lconv.bench three times: the slow tier
@@ -276,3 +277,4 @@ def test_the_gpu_command_runs_every_stage_at_tiny_sizes_on_cpu(tmp_path):
         "skipped: the Pallas kernel compiles on a GPU only (interpret mode here)"]
     run = next(csv.DictReader(open(tmp_path / "gpu_run.csv")))
     assert int(run["updates"]) == 4 and int(run["test_sentences"]) > 1000 and float(run["first_update_s"]) > 0
+    assert run["setup_parts"].startswith("data and tokenizer ") and "model and optimizer state" in run["setup_parts"]

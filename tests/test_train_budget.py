@@ -104,6 +104,9 @@ def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run
     steps_before = math.ceil(budget.MEASURE_AT_SHARE * 15)
     assert validation_batches > 15 and result["step"] == steps_before
     assert result["run_seconds"] == 15.0 and result["first_update_seconds"] == 1.0
+    # the start's parts, on the same clock: setup takes no fake time, the first update its one second
+    assert result["setup_seconds"] == {"data and tokenizer": 0.0, "datasets": 0.0, "model and optimizer state": 0.0}
+    assert any(m.startswith("update 1 done 1.0 s after the start: data and tokenizer 0.0 s") for m in lconv_log())
     left = 15 - steps_before - 3
     assert result["validation"]["unscored_batches"] == validation_batches - left
     (warning,) = [m for m in lconv_log() if "train.max_minutes ran out" in m]

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,17 @@ from lconv.bench import beam, mixers, report, timing, train
 logger = logging.getLogger(__name__)
 
 # Each stage's share of --minutes: (stage, share). The shares sum to 1; each includes its process's start.
-STAGES = (("ops", 0.24), ("train", 0.26), ("run", 0.36), ("beam", 0.14))
+# Sized from the H100's run (docs/benchmarks-gpu.md): beam needs ~35 s a batch size (two models compile), the op
+# table fits its share once its programs compile in parallel
+STAGES = (("ops", 0.20), ("train", 0.26), ("run", 0.32), ("beam", 0.22))
 KILL_GRACE_S = 20  # past its cap a stage is killed: it stops starting work at the cap, one measurement may run on
 C, H, K = mixers.C, mixers.H, mixers.K
 T_FULL, T_QUICK = (256, 1024, 4096, 16384), (64, 128)
 FWD_ONLY_T = 4096  # the forward alone is measured at this T (T_QUICK[-1] in a quick run)
 OPS = {"light": ("band", "pallas", "conv", "shift", "unfold"), "dynamic": ("band", "pallas", "shift", "unfold")}
+# Programs compiled at once in the op stage: on the H100's 16 cores, compiling one by one took most of its time
+# (1-7 s a program, 24 of the 80 rows in 100 s); XLA compiles outside the GIL
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1)))
 FAST_IMPLS = ("band", "pallas")  # measured first; the others (baselines) after, as the stage's time allows
 
 
@@ -117,40 +123,68 @@ def ops_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -
     tokens = 1024 if opts.quick else train.tokens_per_batch()
     bandwidth = timing.copy_bytes_per_s(64 if opts.quick else 1024, repeats=5)["copy_bytes_per_s"]
     logger.info(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-    rows = []
-    for op, impl, dtype, T, passes in _op_plan(opts.quick):
-        B = max(tokens // T, 1)
-        floor_us = floor_bytes_per_token(op, dtype, passes) / bandwidth * 1e6
-        base = dict(op=op, impl=impl, dtype=dtype, T=T, B=B, passes=passes, floor_us_per_token=floor_us,
-                    copy_bytes_per_s=bandwidth)
-        if impl == "pallas" and not mixers.pallas_backend():
-            rows.append(dict(base, status="skipped: the Pallas kernel compiles on a GPU only (interpret mode here)"))
-        elif time.monotonic() > deadline:
-            rows.append(dict(base, status="cut: the stage's time ran out"))
-        else:
-            rows.append(dict(base, **_time_op(op, impl, dtype, T, B, passes)))
-            if "us_per_token" in rows[-1]:
-                rows[-1]["x_floor"] = rows[-1]["us_per_token"] / floor_us
-            logger.info(f"  {op:7s} {impl:6s} {dtype:8s} T={T:5d} {passes:7s} "
-                        f"{rows[-1].get('us_per_token', float('nan')):.4f} us/token "
-                        f"({rows[-1].get('x_floor', float('nan')):.1f}x the floor) {rows[-1]['status']}")
+    plan, rows = _op_plan(opts.quick), []
+    for start in range(0, len(plan), COMPILE_THREADS):  # a group compiles at once, then its rows are timed in turn
+        group = []
+        for op, impl, dtype, T, passes in plan[start:start + COMPILE_THREADS]:
+            B = max(tokens // T, 1)
+            floor_us = floor_bytes_per_token(op, dtype, passes) / bandwidth * 1e6
+            rows.append(dict(op=op, impl=impl, dtype=dtype, T=T, B=B, passes=passes, floor_us_per_token=floor_us,
+                             copy_bytes_per_s=bandwidth))
+            if impl == "pallas" and not mixers.pallas_backend():
+                rows[-1]["status"] = "skipped: the Pallas kernel compiles on a GPU only (interpret mode here)"
+            elif time.monotonic() > deadline:
+                rows[-1]["status"] = "cut: the stage's time ran out"
+            else:
+                group.append(rows[-1])
+        for row, result in zip(group, _time_ops(group)):
+            row.update(result)
+            if "us_per_token" in result:
+                row["x_floor"] = result["us_per_token"] / row["floor_us_per_token"]
+            logger.info(f"  {row['op']:7s} {row['impl']:6s} {row['dtype']:8s} T={row['T']:5d} {row['passes']:7s} "
+                        f"{row.get('us_per_token', float('nan')):.4f} us/token "
+                        f"({row.get('x_floor', float('nan')):.1f}x the floor) {row['status']}")
         report.write_results(opts.out, "gpu_ops", rows, _ops_section(rows, info), opts.doc)
     return rows
 
 
-def _time_op(op: str, impl: str, dtype: str, T: int, B: int, passes: str) -> report.Row:
-    config = mixers.op_config(op, impl)
-    try:
-        fn, (x, w), argnums = config.build(T, B)
-        x, w = x.astype(dtype), w.astype(dtype)
-        if passes == "fwd":
-            m = timing.measure(fn, (x, w), budget_s=0.5)
-        else:
-            g = timing.random_normal((B, T, C), 2, jnp.dtype(dtype))
-            m = timing.measure(mixers.fwd_bwd(fn, argnums), (x, w, g), budget_s=0.5)
-    except Exception as err:  # noqa: BLE001 - one impl failing (memory, a kernel limit) is a row, not the run's end
-        return dict(status=f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
-    return dict(status="ok", us_per_token=m.median_s / (B * T) * 1e6, compile_s=m.compile_s, runs=m.runs)
+def _time_ops(group: Sequence[report.Row]) -> list[report.Row]:
+    """Each row's op (``op``, ``impl``, ``dtype``, ``T``, ``B``, ``passes``) timed: the programs traced here, compiled
+    ``COMPILE_THREADS`` at once, then run one after another (timings never overlap)."""
+    prepared, results = [], [None] * len(group)
+    for i, row in enumerate(group):
+        try:
+            fn, args = _op_program(row)
+            prepared.append((i, fn, args, jax.jit(fn).lower(*args)))
+        except Exception as err:  # noqa: BLE001 - one impl failing (memory, a kernel limit) is a row, not the run's end
+            results[i] = _failed(err)
+    compiled = timing.compile_many([lowered for *_, lowered in prepared], COMPILE_THREADS)
+    for (i, fn, args, _), (program, compile_s) in zip(prepared, compiled):
+        if isinstance(program, Exception):
+            results[i] = _failed(program)
+            continue
+        try:
+            m = timing.measure_compiled(program, compile_s, fn, args, budget_s=0.5)
+        except Exception as err:  # noqa: BLE001
+            results[i] = _failed(err)
+            continue
+        results[i] = dict(status="ok", us_per_token=m.median_s / (group[i]["B"] * group[i]["T"]) * 1e6,
+                          compile_s=m.compile_s, runs=m.runs)
+    return results
+
+
+def _op_program(row: report.Row) -> tuple[Callable, tuple]:
+    """``(fn, args)`` of one op row: the op alone (``fwd``), or its forward and both gradients (``fwd+bwd``)."""
+    fn, (x, w), argnums = mixers.op_config(row["op"], row["impl"]).build(row["T"], row["B"])
+    x, w = x.astype(row["dtype"]), w.astype(row["dtype"])
+    if row["passes"] == "fwd":
+        return fn, (x, w)
+    g = timing.random_normal((row["B"], row["T"], C), 2, jnp.dtype(row["dtype"]))
+    return mixers.fwd_bwd(fn, argnums), (x, w, g)
+
+
+def _failed(err: BaseException) -> report.Row:
+    return dict(status=f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}")
 
 
 def _ops_section(rows: Sequence[report.Row], info: dict[str, str]) -> str:
@@ -220,7 +254,10 @@ def run_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -
     with tempfile.TemporaryDirectory(prefix="lconv_gpu_run_") as workdir:
         result = loop.train_and_evaluate(config, workdir, devices=jax.devices()[:1])
     test = result.get("test", {})
+    setup_parts = result.get("setup_seconds", {})
     rows = [dict(budget_s=seconds, first_update_s=result.get("first_update_seconds"), updates=result["step"],
+                 setup_parts="; ".join(f"{name} {t:.1f}" for name, t in setup_parts.items()),
+                 compile_and_first_update_s=result.get("first_update_seconds", 0.0) - sum(setup_parts.values()),
                  run_s=result.get("run_seconds"), final_evaluation_s=result.get("final_evaluation_seconds"),
                  bleu=test.get("bleu"), test_sentences=test.get("examples"),
                  sentences_per_s=test.get("sentences_per_s"), quick=opts.quick)]
@@ -235,10 +272,11 @@ def _run_section(rows: Sequence[report.Row], info: dict[str, str]) -> str:
         "### The README's default run\n",
         f"Machine: {timing.describe(info)}. `python train.py --config=configs/default.py` ({what}) on one device, "
         f"with `train.max_minutes` the stage's {r['budget_s']:.0f} s: setup and the final evaluation count in it.",
-        report.markdown_table(["seconds to update 1", "updates", "run s", "final evaluation s", "test BLEU",
-                               "test sentences", "decode sentences/s"],
-                              [[r["first_update_s"], r["updates"], r["run_s"], r["final_evaluation_s"], r["bleu"],
-                                r["test_sentences"], r["sentences_per_s"]]])])
+        report.markdown_table(["seconds to update 1", "of which setup, s", "then compile + update 1, s", "updates",
+                               "run s", "final evaluation s", "test BLEU", "test sentences", "decode sentences/s"],
+                              [[r["first_update_s"], r.get("setup_parts", "-"), r.get("compile_and_first_update_s"),
+                                r["updates"], r["run_s"], r["final_evaluation_s"], r["bleu"], r["test_sentences"],
+                                r["sentences_per_s"]]])])
 
 
 # ----------------------------------------------------------------------------------------------------------------

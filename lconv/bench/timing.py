@@ -5,6 +5,7 @@ already compiled function (compilation is timed separately), each ended by ``blo
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import math
@@ -110,6 +111,27 @@ def time_calls(call: Callable[[], Any], repeats: int, warmup: int = 1) -> list[f
 def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, budget_s: float = 2.0) -> Measurement:
     """Compiles ``fn`` for ``args`` and times it: one warm-up call also sets the repeat count (``budget_s``)."""
     compiled, compile_s = compile_fn(fn, args)
+    return measure_compiled(compiled, compile_s, fn, args, repeats=repeats, budget_s=budget_s)
+
+
+def compile_many(lowered: Sequence[jax.stages.Lowered], threads: int) -> list[tuple[Any, float]]:
+    """``[(compiled or the exception compiling it raised, seconds)]`` for each lowered program, ``threads`` of them
+    compiling at once: XLA compiles outside the GIL, so on a many-core host a table of programs compiles several
+    times faster than one by one (lowering, which traces Python, stays in the caller's thread)."""
+    def one(program: jax.stages.Lowered) -> tuple[Any, float]:
+        start = time.perf_counter()
+        try:
+            return program.compile(), time.perf_counter() - start
+        except Exception as err:  # noqa: BLE001 - one program failing (memory, a kernel limit) is its row's
+            return err, time.perf_counter() - start
+
+    with concurrent.futures.ThreadPoolExecutor(max(threads, 1)) as pool:
+        return list(pool.map(one, lowered))
+
+
+def measure_compiled(compiled: jax.stages.Compiled, compile_s: float, fn: Callable, args: Sequence[Any], *,
+                     repeats: int | None = None, budget_s: float = 2.0) -> Measurement:
+    """``measure`` of a program already compiled (``compile_s`` seconds) from ``fn`` for ``args``."""
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     first_s = time.perf_counter() - start

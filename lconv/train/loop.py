@@ -216,6 +216,7 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
     result = {"step": step, "train_minutes": (time.time() - t0) / 60}
     if budget.first_update_seconds is not None:
         result["first_update_seconds"] = budget.first_update_seconds
+        result["setup_seconds"] = dict(run.setup_seconds)
     try:
         if not stopped_by:
             evaluation_start = budget_lib.clock()
@@ -307,6 +308,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 if budget.first_update_seconds is None:  # the device's time: the update done, not dispatched
                     jax.block_until_ready(sums)
                     budget.first_update_seconds = budget.elapsed()
+                    _log_first_update(run, budget.first_update_seconds)
                 step += 1
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.advance(step)
@@ -338,6 +340,15 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     ckpt.close()
     # Agreed once more: a signal that came during the last step's save still skips the evaluation on every process.
     return step, preemption.agreed_stop(out_of_time=False)
+
+
+def _log_first_update(run: setup.Run, seconds: float) -> None:
+    """Where the launch's time went before its first update: ``build_run``'s parts, then the train step's compile
+    and first update (with a restored checkpoint, its restore too)."""
+    parts = ", ".join(f"{name} {t:.1f} s" for name, t in run.setup_seconds.items())
+    rest = seconds - sum(run.setup_seconds.values())
+    logger.info(f"update {int(run.state.step)} done {seconds:.1f} s after the start: {parts}; then {rest:.1f} s to "
+                f"compile the train step and run it (and start up, check the config, restore a checkpoint)")
 
 
 def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None, *,

@@ -31,6 +31,7 @@ from lconv.errors import UserError
 from lconv.fields import is_integer
 from lconv.nn import common as nn_common
 from lconv.nn import mixers, models
+from lconv.train import budget as budget_lib
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
 
@@ -61,6 +62,8 @@ class Run:
     state_shardings: PyTree
     # Changes to config.json this launch makes to a run with checkpoints: written once the checkpoint restores.
     config_changes: dict[str, Any] | None = None
+    # Seconds ``build_run`` spent in each part (tokenizer, data, state): where a run's start goes, logged and returned
+    setup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -327,15 +330,25 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
     if not has_checkpoint:  # nothing to restore: the config is this launch's (a failed launch pins nothing)
         workdir_lib.write_config(config, workdir, config_changes, has_checkpoint=False)
         config_changes = None
-    tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
+    seconds, mark = {}, budget_lib.clock()  # the budget's clock: first_update_seconds is on it too
+
+    def phase_done(name: str) -> None:
+        nonlocal mark
+        seconds[name], mark = budget_lib.clock() - mark, budget_lib.clock()
+
+    tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)  # the data prepared first, where it is not
+    phase_done("data and tokenizer")
     data = pipeline.make_datasets(config.data, tokenizer)
     _report_data_source(data.source_report, workdir)
+    phase_done("datasets")
     model = build_model(config, tokenizer.vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
+    phase_done("model and optimizer state")
     logger.info(f"model: {count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
                 f"devices {len(devices)} x {devices[0].platform}")
-    return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings, config_changes)
+    return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings, config_changes,
+               seconds)
 
 
 def _report_data_source(report: dict[str, Any], workdir: str) -> None:
