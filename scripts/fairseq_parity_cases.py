@@ -114,6 +114,16 @@ CASES: dict[str, Case] = {
     "tflm_adaptive_tied_proj": Case(_L, _f(_ADAPTIVE_TIED + " --tie-adaptive-proj"),
                                     "adaptive input × softmax, tie_adaptive_weights + tie_adaptive_proj", share="none"),
     "tflm_io_dims": Case(_L, _f(_IO_DIMS), "decoder_input_dim / decoder_output_dim != embed_dim", share="none"),
+    # the flags the translation importer maps: fairseq's LightConvDecoder has no embedding norm and a ReLU FFN
+    # whatever --activation-fn says (and lightconv_lm takes neither flag), so those two are transformer_lm's
+    "lclm_no_positions": Case(_L, _f("--no-token-positional-embeddings"), "no_token_positional_embeddings",
+                              share="decoder"),
+    "tflm_layernorm_embedding": Case(_L, _f("--layernorm-embedding"), "layernorm_embedding", share="decoder"),
+    "tflm_no_positions": Case(_L, _f("--no-token-positional-embeddings"), "no_token_positional_embeddings",
+                              share="decoder"),
+    "tflm_gelu": Case(_L, _f("--activation-fn gelu"), "activation_fn=gelu", share="decoder"),
+    "tflm_gelu_accurate": Case(_L, _f("--activation-fn gelu_accurate"), "activation_fn=gelu_accurate (tanh)",
+                               share="decoder"),
 }
 
 
