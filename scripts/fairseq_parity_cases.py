@@ -107,6 +107,8 @@ CASES: dict[str, Case] = {
     "lclm_adaptive_tied_proj": Case(_L, _f(_ADAPTIVE_TIED + " --tie-adaptive-proj"),
                                     "adaptive input × softmax, tie_adaptive_weights + tie_adaptive_proj", share="none"),
     "lclm_io_dims": Case(_L, _f(_IO_DIMS), "decoder_input_dim / decoder_output_dim != embed_dim", share="none"),
+    "lclm_no_positions": Case(_L, _f("--no-token-positional-embeddings"), "no_token_positional_embeddings",
+                              share="decoder"),
     "tflm_base": Case(_L, (), "transformer_lm, tied input/output embedding", share="decoder"),
     "tflm_adaptive_softmax": Case(_L, _f(_ADAPTIVE_SOFTMAX), "adaptive softmax (factor 3)", share="none"),
     "tflm_adaptive_input": Case(_L, _f(_ADAPTIVE_INPUT), "adaptive input (factor 2), plain output", share="none"),
@@ -114,6 +116,14 @@ CASES: dict[str, Case] = {
     "tflm_adaptive_tied_proj": Case(_L, _f(_ADAPTIVE_TIED + " --tie-adaptive-proj"),
                                     "adaptive input × softmax, tie_adaptive_weights + tie_adaptive_proj", share="none"),
     "tflm_io_dims": Case(_L, _f(_IO_DIMS), "decoder_input_dim / decoder_output_dim != embed_dim", share="none"),
+    "tflm_no_positions": Case(_L, _f("--no-token-positional-embeddings"), "no_token_positional_embeddings",
+                              share="decoder"),
+    # transformer_lm only: fairseq's LightConvDecoder has no embedding norm and a ReLU FFN whatever
+    # --activation-fn says (lightconv_lm takes neither flag)
+    "tflm_layernorm_embedding": Case(_L, _f("--layernorm-embedding"), "layernorm_embedding", share="decoder"),
+    "tflm_gelu": Case(_L, _f("--activation-fn gelu"), "activation_fn=gelu", share="decoder"),
+    "tflm_gelu_accurate": Case(_L, _f("--activation-fn gelu_accurate"), "activation_fn=gelu_accurate (tanh)",
+                               share="decoder"),
 }
 
 

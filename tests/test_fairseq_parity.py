@@ -48,7 +48,7 @@ def test_the_manifest_lists_every_case_folder():
         assert sorted(p.name for p in (parity.FIXTURES / name).iterdir()) == entry["files"], name
 
 
-@pytest.mark.slow  # imports and compiles each of 45 models: ~15 min for the file on one core; CI runs it
+@pytest.mark.slow  # imports and compiles each of 50 models: ~16 min for the file on one core; CI runs it
 @pytest.mark.parametrize("name", by_case(list(CASES)))
 def test_log_probabilities_are_fairseqs(imported, name):
     difference = parity.lprobs_difference(imported(name), name)
