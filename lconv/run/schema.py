@@ -12,7 +12,7 @@ below. Everything else is read from them:
 - ``hypotheses_per_source``: n-best lists' rule (at most the beam, or k samples), for the API and eval.py;
 - ``check_sampling``: an LM's sampling settings (``SamplingSettings``: not config fields, but eval.py's flags, the
   API's and export's arguments), by one set of rules whichever surface takes them;
-- ``markdown()``: docs/config.md's tables (``python -m lconv.configs.schema > docs/config.md``; a test keeps
+- ``markdown()``: docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps
   the committed file equal to it).
 """
 from __future__ import annotations
@@ -341,8 +341,8 @@ def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str,
 _DOCS_HEADER = """# Config fields
 
 Every field of a config, with its default, what it allows and what it does. Generated from the schema
-(`lconv/configs/schema.py`, `lconv/data/data_config.py`, `lconv/nn/model_config.py`) by
-`python -m lconv.configs.schema > docs/config.md`; a test keeps this file equal to it. Family configs
+(`lconv/run/schema.py`, `lconv/data/data_config.py`, `lconv/nn/model_config.py`) by
+`python -m lconv.run.schema > docs/config.md`; a test keeps this file equal to it. Family configs
 (`configs/*.py`) override values; any field can be set from the command line, e.g.
 `python train.py --config=configs/default.py --config.model.dropout=0.2`. A config that lacks a field gets its
 default, so a `config.json` written by an older lconv still loads."""
