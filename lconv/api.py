@@ -56,7 +56,7 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     overrides = load_options.overrides(dtype=dtype, decode_batch_size=decode_batch_size,
                                        max_input_length=max_input_length)
     return Model(restore.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
-                                      caller="lconv.load", overrides=overrides,
+                                      caller="lconv.load", spell=str, overrides=overrides,
                                       devices=load_options.checked_devices(devices)))
 
 

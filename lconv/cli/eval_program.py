@@ -293,12 +293,12 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, sampli
     name = lambda _: f"stdin line {current['line']}"  # noqa: E731
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
-        decode = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
-                                                              name=name, **sampling).hypotheses[0]
+        output_of = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line],  # noqa: E731
+                                                                 generator, name=name, **sampling).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
 
-        def decode(line: str) -> str:
+        def output_of(line: str) -> str:
             found = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
                                                      translator=translator, name=name, nbest=nbest or 0, **search)
             return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
@@ -310,7 +310,7 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, sampli
             print("", file=stdout, flush=True)
             continue
         current["line"] = number
-        output = decode(line)
+        output = output_of(line)
         print(output if nbest else output.replace("\n", " "), file=stdout, flush=True)
         count += 1
     if not_utf8:

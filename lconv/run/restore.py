@@ -79,8 +79,13 @@ def read_config(workdir: str, caller: str = "--workdir") -> Config:
     return config
 
 
-def check_checkpoint_choice(average_last: int, checkpoint: str,
-                            spell: Callable[[str], str] = lambda name: f"--{name}") -> None:
+def as_flag(name: str) -> str:
+    """An option as the programs' flags spell it (``average_last`` -> ``--average_last``): errors name what the user
+    typed; the API passes ``spell=str``, so its errors name its own arguments."""
+    return f"--{name}"
+
+
+def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[[str], str] = as_flag) -> None:
     """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags (``spell=str``: as
     the API's arguments)."""
     if not isinstance(checkpoint, str) or checkpoint not in ("latest", "best"):
@@ -95,15 +100,15 @@ def check_checkpoint_choice(average_last: int, checkpoint: str,
 
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
                  overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
-                 devices: Sequence[jax.Device] | None = None) -> Trained:
+                 spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None) -> Trained:
     """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
     the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
-    validation loss. ``caller``: how the path was given, for errors (``find_run``).
+    validation loss. ``caller``: how the path was given, for errors (``find_run``); ``spell``: how the other
+    options are named in them (``check_checkpoint_choice``).
 
     Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
     nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
     (decoding fields, say) before the model is built. ``devices``: the mesh's (``config.mesh``; default all)."""
-    spell = str if caller == "lconv.load" else lambda name: f"--{name}"  # the API's arguments, or the flags
     check_checkpoint_choice(average_last, checkpoint, spell)
     config = read_config(workdir, caller)
     if overrides is not None:

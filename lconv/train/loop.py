@@ -161,10 +161,13 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
         run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes, mesh=mesh)
         if source is not None and not checkpoints.has_checkpoint(path):
             source.restore_params(run)
-        return _train_and_evaluate(run, started)
+        return _resume_then_train(run, started)
 
 
-def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
+def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
+    """Restores ``run``'s latest readable checkpoint (if any), sets up checkpointing, the metric writer and the
+    validation pass (which also offers the best checkpoint), then ``_train_within_budget``; a full disk becomes
+    ``checkpoints.disk_full``'s one-line error."""
     config = run.config
     verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
@@ -180,7 +183,7 @@ def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
     eval_memory = model_setup.init_memory(config, run.model, config.data.eval_batch_size,
                                           model_setup.batch_sharding(run.mesh))
 
-    def validate(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
+    def score_validation(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
         scores = loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn,
                                          run.data.eval_sets["validation"], run.mesh, eval_memory, stop_when)
         writer.write(step, "validation", scores)
@@ -190,16 +193,18 @@ def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
 
     with integrity.orbax_errors_to_file(ckpt.error_log):
         try:
-            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step, started)
+            return _train_within_budget(run, ckpt, best, writer, score_validation, eval_step, started)
         except Exception as err:
             if not checkpoints.is_disk_full(err):
                 raise
             raise checkpoints.disk_full(err, ckpt, best) from None
 
 
-def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
-                         writer: logs.MetricWriter, validate: Callable[[int], Any],
+def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
+                         writer: logs.MetricWriter, score_validation: Callable[[int], Any],
                          eval_step: Callable[..., Any], started: float) -> dict[str, Any]:
+    """Trains within ``train.max_minutes`` (its final evaluation's share measured and reserved), then runs the
+    final evaluation unless a signal stopped training; returns the run's result."""
     t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
     reservation = {}  # the translator the measurement compiled, for the test split's decoding to reuse
     if budget.enabled:
@@ -211,7 +216,7 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         else:  # each process's clock would pick another step for the measurement's collectives: all of them, now
             measure()
     try:
-        step, stopped_by = train(run, ckpt, writer, validate, budget)
+        step, stopped_by = train(run, ckpt, writer, score_validation, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
@@ -221,7 +226,7 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
     try:
         if not stopped_by:
             evaluation_start = budget_lib.clock()
-            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer, budget,
+            stopped_by = _final_evaluation(run, step, result, score_validation, eval_step, writer, budget,
                                            reservation.get("translator"))
             result["final_evaluation_seconds"] = budget_lib.clock() - evaluation_start
     finally:
@@ -260,7 +265,7 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     return translator
 
 
-def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validate: Callable[[int], Any],
+def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_validation: Callable[[int], Any],
                       eval_step: Callable[..., Any], writer: logs.MetricWriter, budget: budget_lib.Budget,
                       translator: compiled.Translator | None) -> str | None:
     """The last validation and the test split's score into ``result``; returns the signal that stopped them, if
@@ -271,7 +276,7 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
     try:
         with Preemption(interrupt=jax.process_count() == 1):
             with jax.set_mesh(run.mesh):
-                result["validation"] = validate(step, budget.stop_when())
+                result["validation"] = score_validation(step, budget.stop_when())
             if run.config.train.eval_after_training:
                 result["test"] = evaluate_test_split(run, eval_step, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
@@ -283,7 +288,7 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          validate: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
+          score_validation: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
     """Steps ``run.state`` to ``train.num_steps`` (or until ``budget`` leaves only the final evaluation's time,
     SIGTERM or SIGINT); returns ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and
     closes ``ckpt``."""
@@ -326,7 +331,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                                          tok_s=f"{summary['tokens_per_s']:.0f}")
                     window_sums, window_start = None, time.time()
                 if step % config.train.eval_every == 0 and step < num_steps:
-                    validate(step)
+                    score_validation(step)
                 if not spiking:  # a state in a loss spike is never checkpointed
                     ckpt.save(step, run.state, data_item, force=stopping)
                 if stopping:
