@@ -1,12 +1,12 @@
 """The base every config family starts from; each family file overrides what its task needs.
 
 Every field is defined once, with its default, what it allows and a one-line doc, in the schema
-(``lconv.configs.schema``; the table is docs/config.md); family files only change values. Override any field from
+(``lconv.run.schema``; the table is docs/config.md); family files only change values. Override any field from
 the command line: ``python train.py --config=configs/wmt_en_de.py:dynamic,big --config.model.dropout=0.1``.
 """
-from lconv.configs import schema
 from lconv.errors import UserError
 from lconv.nn import mixers
+from lconv.run import schema
 
 
 def mixer_variants(both_sides: bool = False) -> dict[str, str]:
@@ -22,7 +22,7 @@ def mixer_variants(both_sides: bool = False) -> dict[str, str]:
 
 
 def base_config():
-    """Every field at its default (``lconv.configs.schema``)."""
+    """Every field at its default (``lconv.run.schema``)."""
     return schema.base_config()
 
 

@@ -24,13 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import meta as nn_meta
 
-from lconv.configs import schema
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
-from lconv.train import backend, load_options, metrics, setup
+from lconv.run import backend, load_options, metrics, restore, schema
 
 
 def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1, dtype: str | None = None,
@@ -56,9 +55,9 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
                         f"{workdir!r:.60}")
     overrides = load_options.overrides(dtype=dtype, decode_batch_size=decode_batch_size,
                                        max_input_length=max_input_length)
-    return Model(setup.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
-                                    caller="lconv.load", overrides=overrides,
-                                    devices=load_options.checked_devices(devices)))
+    return Model(restore.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
+                                      caller="lconv.load", spell=str, overrides=overrides,
+                                      devices=load_options.checked_devices(devices)))
 
 
 def ensemble(models: Sequence[Model]) -> Model:
@@ -84,8 +83,8 @@ def ensemble(models: Sequence[Model]) -> Model:
     module = model_ensemble.Ensemble(tuple(m for m, _, _ in members))
     params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(members)}
     first = models[0]
-    return Model(setup.Trained(first.config, ":".join(m.workdir for m in models), first.tokenizer, module, params,
-                               [step for m in models for step in m.steps]))
+    return Model(restore.Trained(first.config, ":".join(m.workdir for m in models), first.tokenizer, module, params,
+                                 [step for m in models for step in m.steps]))
 
 
 class Model(probing.Probing):
@@ -94,7 +93,7 @@ class Model(probing.Probing):
     (the stored config), ``tokenizer``, ``module`` (the flax model), ``params``, ``steps`` (the checkpoints they
     come from; an ensemble's: every member's, in order)."""
 
-    def __init__(self, trained: setup.Trained):
+    def __init__(self, trained: restore.Trained):
         self.config, self.tokenizer, self.module = trained.config, trained.tokenizer, trained.model
         self.params = nn_meta.unbox(trained.params)  # plain arrays (their shardings kept): what kernels() reads
         self.steps, self.workdir = trained.steps, trained.workdir

@@ -3,7 +3,7 @@ one-line doc, so that each config field is written once.
 
 Each config section is a dataclass of such fields, at the lowest layer that uses it:
 ``lconv.data.data_config.DataConfig``, ``lconv.nn.model_config.ModelConfig``, and the optimiser, loop, decoding
-and mesh sections in ``lconv.configs.schema``. The base config (``configs/common.py``), the checks
+and mesh sections in ``lconv.run.schema``. The base config (``configs/common.py``), the checks
 (``validate_config``) and docs/config.md's field tables are all read from these fields.
 
 A rule is a test (type and range together: a value is checked, never coerced) and the requirement it prints: a

@@ -164,7 +164,7 @@ class _Checker:
 
     # ------------------------------------------------------------------------------------------------ rules
     def _check_logical_axes(self, variables: dict[str, Any]) -> None:
-        from lconv.configs.schema import MeshConfig
+        from lconv.run.schema import MeshConfig
 
         rules = axis_rules(MeshConfig().rules)  # the base config's, as a training run maps them
         leaves = jax.tree_util.tree_leaves_with_path(variables.get("params", {}),

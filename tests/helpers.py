@@ -55,9 +55,11 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
     import jax
     from absl import app, flags  # absl.app defines its own flags on import: before the snapshot
 
-    from lconv import export, import_fairseq
+    from lconv import import_fairseq
     from lconv.cli import programs
     from lconv.data import __main__ as data_main
+    from lconv.export import __main__ as export_main
+    from lconv.train import __main__ as train_program
 
     app.define_help_flags()  # absl defines --help & co. on its first run only: keep them out of the snapshot's diff
     saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
@@ -71,7 +73,7 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
         if program == "lconv.data":
             data_main.main(list(args))
         else:
-            {"train.py": programs.train, "eval.py": programs.evaluate, "lconv.export": export.main,
+            {"train.py": train_program.train, "eval.py": programs.evaluate, "lconv.export": export_main.main,
              "lconv.import_fairseq": import_fairseq.main}[program]([program, *args])
     except SystemExit as exit_:
         code = 0 if exit_.code is None else exit_.code

@@ -148,6 +148,18 @@ def test_a_path_that_holds_no_run_is_one_line_naming_it(tmp_path, monkeypatch, t
         helpers.one_line_error(error, path, fact)
 
 
+@pytest.mark.parametrize("options, named", [(dict(average_last=0), "average_last=0"),
+                                             (dict(average_last=2, checkpoint="best"), "checkpoint=best"),
+                                             (dict(checkpoint="first"), "checkpoint='first'")])
+def test_the_apis_checkpoint_errors_name_its_arguments_not_the_flags(tmp_path, options, named):
+    """``lconv.load``'s errors name ``average_last`` / ``checkpoint`` as its caller passed them, never eval.py's
+    ``--average_last`` (checked before anything is read: the path holds no run)."""
+    with pytest.raises(UserError) as error:
+        lconv.load(str(tmp_path), **options)
+    line = helpers.one_line_error(error, named)
+    assert "--" not in line, line
+
+
 def test_averaging_more_checkpoints_than_there_are_is_one_line(tiny_run, tmp_path, capsys):
     """``average_last`` above the checkpoints kept averaged fewer without a word (issue 41)."""
     with pytest.raises(UserError) as error:

@@ -115,12 +115,12 @@ def test_a_cluster_launch_initializes_jax_distributed_from_the_environment(monke
 def _workdir_of(tmp_path, trained, monkeypatch):
     """A workdir holding ``trained``'s config.json, whose ``load_trained`` gives ``trained`` (an untrained
     in-memory run: eval's logic is under test, not the model)."""
-    from lconv.train import setup
+    from lconv.run import restore
 
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / "config.json").write_text(trained.config.to_json())
-    monkeypatch.setattr(setup, "load_trained", lambda *args, **kwargs: trained)
+    monkeypatch.setattr(restore, "load_trained", lambda *args, **kwargs: trained)
     return workdir
 
 
@@ -262,9 +262,9 @@ def test_eval_flag_combinations_that_do_not_fit_are_one_line_errors(task, flags,
     import tiny_runs
 
     from lconv.cli import eval_program
-    from lconv.train import setup
+    from lconv.run import restore
 
-    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: pytest.fail("loaded before the flags were checked"))
+    monkeypatch.setattr(restore, "load_trained", lambda *a, **k: pytest.fail("loaded before the flags were checked"))
     config = tiny_runs.lm_config() if task == "lm" else tiny_config.get_config()
     with pytest.raises(UserError, match=f"^{re.escape(message)}"):
         eval_program.run(_config_only(tmp_path, config), **flags)
@@ -331,7 +331,8 @@ def test_python_m_lconv_train_loads_a_packaged_config_outside_the_checkout(tmp_p
     ["-m", "lconv.export"], ["-m", "lconv.import_fairseq"], ["-m", "lconv.study"])]])  # launched: the slow tier
 def test_asking_an_absl_entry_point_for_help_prints_its_flags_and_succeeds(entry, capsys):
     """absl exits 1 after printing --help; a user (and CI's install check) asking for help gets exit code 0.
-    train.py and eval.py run in this process (their mains are in lconv.cli.programs); the others are launched."""
+    train.py and eval.py run in this process (their mains are lconv.train.__main__'s and lconv.cli.programs'); the
+    others are launched."""
     import helpers
 
     if entry[0].endswith(".py"):

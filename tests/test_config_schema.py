@@ -1,4 +1,4 @@
-"""The config schema (lconv.configs.schema): each field defined once, and everything else derived from it.
+"""The config schema (lconv.run.schema): each field defined once, and everything else derived from it.
 
 Fast: no model is traced and no data is read.
 """
@@ -16,7 +16,7 @@ from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.fields import schema_fields
 from lconv.nn.model_config import ModelConfig, SideConfig
-from lconv.train import setup
+from lconv.run import restore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "config.md"
@@ -24,7 +24,7 @@ DOCS = ROOT / "docs" / "config.md"
 
 def test_docs_field_tables_are_the_schemas():
     assert DOCS.read_text(encoding="utf-8") == schema.markdown(), (
-        "docs/config.md differs from the schema; refresh it: python -m lconv.configs.schema > docs/config.md")
+        "docs/config.md differs from the schema; refresh it: python -m lconv.run.schema > docs/config.md")
 
 
 def test_every_field_has_a_doc_and_a_default_its_own_rule_allows():
@@ -61,7 +61,7 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
     stored = common.base_config().to_dict()
     del stored["decode"]["compound_split"], stored["data"]["eval_splits"], stored["model"]["decoder_start"]
     (tmp_path / "config.json").write_text(json.dumps(stored))
-    config = setup.read_config(str(tmp_path))
+    config = restore.read_config(str(tmp_path))
     assert config.decode.compound_split is False and tuple(config.data.eval_splits) == ("validation", "test")
     assert config.model.decoder_start == "bos"
 
@@ -173,7 +173,7 @@ def test_an_old_model_section_loads_with_each_side_taking_the_shared_values(tmp_
     stored = common.base_config().to_dict()
     stored["model"] = dict(_OLD_MODEL_SECTION)
     (tmp_path / "config.json").write_text(json.dumps(stored))
-    config = setup.read_config(str(tmp_path))
+    config = restore.read_config(str(tmp_path))
     schema.validate_config(config)
     model = ModelConfig.from_config(config.model, vocab_size=400)
     assert (model.activation, model.layernorm_embedding, model.token_positions) == ("relu", False, True)

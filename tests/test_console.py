@@ -26,7 +26,7 @@ def test_each_message_is_one_plain_line_on_the_chosen_stream_once(stream, restor
     logging.getLogger().addHandler(root_handler)
     try:
         logging.getLogger("lconv.train.loop").info("resumed from step %d", 12)
-        logging.getLogger("lconv.train.workdir").warning("gs://b/run is remote")
+        logging.getLogger("lconv.run.workdir").warning("gs://b/run is remote")
         logging.getLogger("lconv.train.loop").debug("not shown")
     finally:
         logging.getLogger().removeHandler(root_handler)

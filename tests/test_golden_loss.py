@@ -18,6 +18,7 @@ import pytest
 from reference import tolerance
 
 from lconv.configs import common
+from lconv.run import loss_pass, model_setup
 from lconv.train import setup, steps
 
 VOCAB = 64
@@ -62,12 +63,12 @@ def _batch():
 def losses():
     """(loss before, loss after one train step), both from the deterministic evaluation forward pass."""
     config = _tiny_config()
-    model = setup.build_model(config, vocab_size=VOCAB)
+    model = model_setup.build_model(config, vocab_size=VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = setup.make_mesh(config.mesh, devices=jax.devices()[:1])
+    mesh = model_setup.make_mesh(config.mesh, devices=jax.devices()[:1])
     state, _ = setup.create_state(config, model, mesh, tx)
     train_step = jax.jit(steps.make_train_step(config, lr))
-    eval_step = jax.jit(steps.make_eval_step(config), static_argnums=1)
+    eval_step = jax.jit(loss_pass.make_eval_step(config), static_argnums=1)
     batch = _batch()
 
     def loss(params):

@@ -10,7 +10,8 @@ import pytest
 import tiny_config
 
 from lconv.errors import UserError
-from lconv.train import checkpoints, init_from, loop, setup
+from lconv.run import checkpoints, model_setup, restore
+from lconv.train import init_from, loop, setup
 
 _ONE_DEVICE = jax.devices("cpu")[:1]
 
@@ -27,7 +28,7 @@ def test_a_run_started_from_another_starts_at_its_params_with_a_new_optimizer(ti
     result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
     assert result["step"] == 1 and checkpoints.Checkpointer(workdir).all_steps() == [1]  # a new run: step 0 first
     assert (workdir / "spm.model").read_bytes() == (tiny_run.workdir / "spm.model").read_bytes()
-    source, started = setup.load_trained(str(tiny_run.workdir)), setup.load_trained(str(workdir))
+    source, started = restore.load_trained(str(tiny_run.workdir)), restore.load_trained(str(workdir))
     assert source.steps == [6]
     for ours, theirs in zip(jax.tree.leaves(started.params), jax.tree.leaves(source.params), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
@@ -42,9 +43,9 @@ def test_a_run_started_from_another_starts_at_its_params_with_a_new_optimizer(ti
 def _fresh_state(config, workdir):
     from lconv.data import tokenizer
 
-    model = setup.build_model(config, tokenizer.load_tokenizer(str(workdir)).vocab_size)
+    model = model_setup.build_model(config, tokenizer.load_tokenizer(str(workdir)).vocab_size)
     optimizer, _ = setup.build_optimizer(config.optim, config.train.num_steps)
-    return setup.create_state(config, model, setup.make_mesh(config.mesh, _ONE_DEVICE), optimizer)[0]
+    return setup.create_state(config, model, model_setup.make_mesh(config.mesh, _ONE_DEVICE), optimizer)[0]
 
 
 def test_a_model_that_does_not_fit_is_one_line_naming_the_fields_before_anything_is_written(tiny_run, tmp_path):

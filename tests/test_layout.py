@@ -6,15 +6,20 @@ The layers, bottom to top (a module may import its own layer's package and any l
     1  lconv.ops (pure jnp), lconv.data (corpus, tokenizer, pipeline)
     2  lconv.nn        modules, the mixer registry, the models
     3  lconv.infer     search, decoding a split, scoring
-       lconv.configs   the shipped configs (the repository's configs/), their defaults
-    4  lconv.train     building a run, steps, the loop, checkpoints
+    4  lconv.run       a run as every layer above reads it: the config schema, reading a stored config, building
+                       the model and its mesh, the workdir and checkpoints, restoring trained params, the loss pass
+    5  lconv.configs   the shipped configs (the repository's configs/), their defaults
+       lconv.train     building a training run, the train step, the loop
        lconv.testing   the mixer contract as an executable checker (``check_mixer``), with the base mesh rules
-    5  lconv.cli, lconv.bench, lconv.api                         what the programs run; a trained run as an object
+    6  lconv.cli, lconv.bench, lconv.api, lconv.export           what the programs run; a trained run as an object,
+                                                                 or exported for serving
        lconv.interop   fairseq checkpoints read and written as lconv workdirs
-    6  lconv.train.__main__, lconv.evaluate, lconv.export        ``python -m`` entry points (on lconv.cli.runtime)
+    7  lconv.train.__main__, lconv.evaluate, lconv.export.__main__   the programs (on lconv.cli)
        lconv.data.__main__ (its defaults are the default config's, so it prepares what training reads)
        lconv.import_fairseq
        lconv.study     the reproduction study (``python -m lconv.study``), above train/infer/cli/bench
+The surfaces (api, export, cli, bench, study, interop and the programs on them) stand on lconv.run and never import
+lconv.train; a bench or study module that trains imports training's entry points only (``TRAINERS``).
 The root's ``lconv.load`` is a lazy attribute (PEP 562, ``importlib``): ``import lconv`` imports nothing above it.
 """
 from __future__ import annotations
@@ -27,11 +32,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = {"lconv": 0, "lconv.constants": 0, "lconv.errors": 0, "lconv.ops": 1, "lconv.data": 1, "lconv.nn": 2,
-          "lconv.infer": 3, "lconv.configs": 3, "lconv.train": 4, "lconv.testing": 4, "lconv.cli": 5,
-          "lconv.bench": 5, "lconv.api": 5,
-          "lconv.interop": 5, "lconv.import_fairseq": 6, "lconv.train.__main__": 6, "lconv.data.__main__": 6,
-          "lconv.evaluate": 6,
-          "lconv.export": 6, "lconv.study": 6}
+          "lconv.infer": 3, "lconv.run": 4, "lconv.configs": 5, "lconv.train": 5, "lconv.testing": 5,
+          "lconv.cli": 6, "lconv.bench": 6, "lconv.api": 6, "lconv.export": 6, "lconv.interop": 6,
+          "lconv.train.__main__": 7, "lconv.export.__main__": 7, "lconv.data.__main__": 7,
+          "lconv.evaluate": 7, "lconv.import_fairseq": 7, "lconv.study": 7}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
 
 
@@ -92,6 +96,37 @@ def test_every_import_points_down_or_stays_in_its_package():
                 wrong.append(f"{module} (layer {LAYERS[group]}) imports {target} (layer {LAYERS[target_group]})")
             elif LAYERS[target_group] == LAYERS[group] and target_group != group and LAYERS[group] > 0:
                 wrong.append(f"{module} imports {target}, a sibling package of the same layer")
+    assert not wrong, "\n".join(wrong)
+
+
+# The surfaces stand on lconv.run (a run's config, model, checkpoints, restore, loss pass), never on lconv.train:
+# changing how a run trains cannot break evaluating, loading, exporting or importing one.
+SURFACES = ("lconv.api", "lconv.export", "lconv.evaluate", "lconv.import_fairseq", "lconv.cli", "lconv.interop",
+            "lconv.bench", "lconv.study")
+# What a surface that trains may import (training's entry points), and why each such module trains.
+TRAINING_ENTRY = ("lconv.train.loop", "lconv.train.steps", "lconv.train.setup")
+TRAINERS = {"lconv.bench.train": "times the train step", "lconv.bench.gpu": "times training runs",
+            "lconv.study.measure": "times each study task's train step", "lconv.study.run": "trains the study's runs"}
+
+
+def test_surfaces_never_import_train():
+    wrong = []
+    for module, targets in GRAPH.items():
+        if not any(module == s or module.startswith(s + ".") for s in SURFACES):
+            continue
+        for target in sorted(t for t in targets if t == "lconv.train" or t.startswith("lconv.train.")):
+            if module in TRAINERS and target in TRAINING_ENTRY:
+                continue  # it trains (TRAINERS says why), through training's entry points only
+            wrong.append(f"{module} imports {target}: a surface imports lconv.run (config, model, restore), never "
+                         "lconv.train" + (f" beyond {', '.join(TRAINING_ENTRY)}" if module in TRAINERS else ""))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_export_never_imports_the_cli():
+    """The export library is a surface beside the CLIs; only its program (``python -m lconv.export``) uses them."""
+    wrong = [f"{module} imports {target}" for module, targets in GRAPH.items()
+             if module == "lconv.export" or (module.startswith("lconv.export.") and module != "lconv.export.__main__")
+             for target in sorted(targets) if target == "lconv.cli" or target.startswith("lconv.cli.")]
     assert not wrong, "\n".join(wrong)
 
 
@@ -157,8 +192,8 @@ def test_no_import_cycles():
 
 def test_the_layer_check_can_fail():
     """The checker sees a real upward import (so the tests above are not vacuous)."""
-    assert "lconv.nn.models" in GRAPH["lconv.train.setup"]
-    assert LAYERS[_group("lconv.train.setup")] > LAYERS[_group("lconv.nn.models")]
+    assert "lconv.nn.models" in GRAPH["lconv.run.model_setup"]
+    assert LAYERS[_group("lconv.run.model_setup")] > LAYERS[_group("lconv.nn.models")]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -220,7 +220,7 @@ def test_bench_never_writes_committed_results_from_another_directory(tmp_path, m
 
 
 def test_train_refuses_an_empty_workdir_flag_and_a_folder_of_something_else(tmp_path):
-    from lconv.train import workdir as workdir_lib
+    from lconv.run import workdir as workdir_lib
 
     for value in ("", str(_make(tmp_path, "export")), str(_make(tmp_path, "other"))):
         with pytest.raises(UserError) as info:

@@ -64,7 +64,8 @@ def test_a_wheel_holds_every_module_the_configs_and_the_corpus(tmp_path):
     snapshot = {f"lconv/data/snapshot/{p.name}" for p in (ROOT / "lconv" / "data" / "snapshot").iterdir()}
     assert modules | configs | snapshot <= names, sorted((modules | configs | snapshot) - names)
     assert {"lconv/nn/models.py", "lconv/bench/__main__.py", "lconv/train/__main__.py", "lconv/configs/default.py",
-            "lconv/export.py", "lconv/api.py", "lconv/study/results/results.json"} <= names
+            "lconv/export/__init__.py", "lconv/export/__main__.py", "lconv/run/schema.py", "lconv/api.py",
+            "lconv/study/results/results.json"} <= names
     shipped = zipfile.ZipFile(wheel).read("lconv/study/results/results.json")
     assert shipped == (ROOT / "docs" / "results" / "results.json").read_bytes()  # the study's table, one copy
     assert not any(n.startswith(("configs/", "tests/")) for n in names)  # nothing outside the lconv package

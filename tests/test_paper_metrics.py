@@ -82,11 +82,11 @@ def test_evaluation_reports_the_papers_metrics_beside_the_modern_ones():
 def test_an_lms_eval_set_of_whole_texts_gets_a_per_word_perplexity_and_a_cut_one_none():
     from types import SimpleNamespace
 
-    from lconv.train import steps
+    from lconv.run import loss_pass
 
     texts = ["the cat sat", "a dog ran far"]  # 4 + 5 words with their end-of-sentence
     whole = SimpleNamespace(examples=[{"targets": t} for t in texts], tokens=[{}, {}], stats={})
     scores = {"nll": 2.0, "tokens": 12.0}  # 24 nats over the pieces
-    assert steps._word_perplexity(whole, scores) == {"word_ppl": pytest.approx(math.exp(24.0 / 9)), "words": 9.0}
+    assert loss_pass._word_perplexity(whole, scores) == {"word_ppl": pytest.approx(math.exp(24.0 / 9)), "words": 9.0}
     cut = SimpleNamespace(examples=whole.examples, tokens=whole.tokens, stats={"eval_targets_truncated": 1})
-    assert steps._word_perplexity(cut, scores) == {}
+    assert loss_pass._word_perplexity(cut, scores) == {}

@@ -15,7 +15,7 @@ from lconv.cli import eval_program
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import decode_and_score
-from lconv.train import setup
+from lconv.run import restore
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def config_only(tmp_path, monkeypatch) -> pathlib.Path:
     def load_trained(*args, **kwargs):
         raise AssertionError("load_trained was called before the input was checked")
 
-    monkeypatch.setattr(setup, "load_trained", load_trained)
+    monkeypatch.setattr(restore, "load_trained", load_trained)
     return workdir
 
 

@@ -13,7 +13,8 @@ import pytest
 import tiny_config
 
 from lconv.errors import UserError
-from lconv.train import checkpoints, integrity, loop, steps
+from lconv.run import checkpoints, integrity, loss_pass
+from lconv.train import loop
 
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's
 
@@ -52,7 +53,7 @@ def _signal_here(name):
 def test_sigterm_during_the_final_evaluation_stops_cleanly(phase, tiny_run, tmp_path, monkeypatch, lconv_log):
     workdir = helpers.copy_run(tiny_run, tmp_path / phase)
     if phase == "validation":
-        monkeypatch.setattr(steps, "evaluate_loss", _signal_here("the final validation"))
+        monkeypatch.setattr(loss_pass, "evaluate_loss", _signal_here("the final validation"))
     else:
         monkeypatch.setattr(loop, "evaluate_test_split", _signal_here("the test decoding"))
     config = tiny_config.training_config(tiny_run.data_dir, 6, eval_after_training=True)  # trained: evaluates only

@@ -1,7 +1,7 @@
 """Issue 27's surfaces as a user meets them: every CLI (train.py, eval.py, ``python -m lconv.export``,
 ``python -m lconv.import_fairseq``) and the Python API (``lconv.load``, ``Model``, ``lconv.export.load``).
 
-- One set of decode and sampling rules (``lconv.configs.schema``) wherever the settings are given;
+- One set of decode and sampling rules (``lconv.run.schema``) wherever the settings are given;
 - token ids out of the vocabulary refused by an exported model;
 - a damaged workdir or export is one line naming the file and what is wrong with it;
 - ``eval.py --interactive`` survives a line that is not UTF-8;
@@ -28,9 +28,8 @@ import tiny_runs
 import lconv
 from lconv import export
 from lconv.api import Model
-from lconv.configs import schema
 from lconv.errors import UserError
-from lconv.train import setup
+from lconv.run import restore, schema
 
 
 def _workdir(tmp_path, config, name="run"):
@@ -46,7 +45,7 @@ def _workdir(tmp_path, config, name="run"):
 @pytest.fixture
 def not_loaded(monkeypatch):
     """``load_trained`` fails the test: an error raised with it in place was raised before anything was loaded."""
-    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: pytest.fail("loaded before the input was checked"))
+    monkeypatch.setattr(restore, "load_trained", lambda *a, **k: pytest.fail("loaded before the input was checked"))
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +235,7 @@ def test_a_damaged_export_is_one_line_naming_the_file(damage, exported, tmp_path
 def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(tmp_path, capsys, monkeypatch):
     trained = tiny_runs.in_memory(tiny_runs.translation_config())
     workdir = _workdir(tmp_path, trained.config)
-    monkeypatch.setattr(setup, "load_trained", lambda *a, **k: trained)
+    monkeypatch.setattr(restore, "load_trained", lambda *a, **k: trained)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Fast tool.\nBad \xff\xfe line\nData\n")))
     code, out, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--interactive")
     assert code == 0, err

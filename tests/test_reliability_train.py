@@ -17,8 +17,9 @@ import tiny_config
 
 from lconv.cli import runtime
 from lconv.errors import Diverged, LossSpike, UserError
-from lconv.train import checkpoints, integrity, loop, steps
-from lconv.train import workdir as workdir_lib
+from lconv.run import checkpoints, integrity
+from lconv.run import workdir as workdir_lib
+from lconv.train import loop, steps
 
 _config = tiny_config.training_config
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's (tests/conftest.py:tiny_run)

@@ -6,8 +6,8 @@ import json
 
 from etils import epath
 
+from lconv.run import workdir as workdir_lib
 from lconv.train import logs
-from lconv.train import workdir as workdir_lib
 
 
 def test_a_url_workdir_stays_a_url_and_a_local_one_becomes_absolute(tmp_path, monkeypatch):

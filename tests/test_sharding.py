@@ -16,7 +16,8 @@ from lconv.configs import common
 from lconv.errors import UserError
 from lconv.nn import knn_memory, models
 from lconv.nn.common import BTC, axis_rules, constrain, under_axis_rules
-from lconv.train import metrics, setup, steps
+from lconv.run import metrics, model_setup
+from lconv.train import setup
 from scripts import param_table
 
 MESH_SIZES = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -112,10 +113,10 @@ def test_real_configs_hold_a_quarter_of_their_parameters_per_device(name, varian
     config = param_table.get_config(name, variant)
     config.mesh.rules = axis_rules(config.mesh.rules)
     mesh = _cpu_mesh_2x2x2()
-    model = setup.build_model(config, config.data.vocab_size)
-    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+    model = model_setup.build_model(config, config.data.vocab_size)
+    args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))["params"]
-    shardings = jax.tree.leaves(setup.param_shardings(config, abstract, mesh))
+    shardings = jax.tree.leaves(model_setup.param_shardings(config, abstract, mesh))
     shapes = [x.shape for x in jax.tree.leaves(nn.meta.unbox(abstract))]
     total = sum(np.prod(s) for s in shapes)
     per_device = sum(np.prod(sh.shard_shape(s)) for sh, s in zip(shardings, shapes, strict=True))
@@ -176,14 +177,14 @@ def _packed_batch(config, seed=0):
 def _loss_and_grads(config, shape, batch):
     """``(loss sum, gradients)`` of ``batch`` with dropout on, on a mesh of ``shape`` built as train.py builds it."""
     config.mesh.shape = shape
-    mesh = setup.make_mesh(config.mesh, jax.devices("cpu")[:int(np.prod(shape))])
-    model = setup.build_model(config, config.data.vocab_size)
+    mesh = model_setup.make_mesh(config.mesh, jax.devices("cpu")[:int(np.prod(shape))])
+    model = model_setup.build_model(config, config.data.vocab_size)
     state, shardings = setup.create_state(config, model, mesh, setup.build_optimizer(config.optim, 10)[0])
-    sharding = setup.batch_sharding(mesh)
+    sharding = model_setup.batch_sharding(mesh)
 
     def loss(params, batch):  # the train step's loss: the fused output layer unless the config turns it off
-        outputs, _ = steps.apply_model(state.apply_fn, params, {}, batch, deterministic=False,
-                                       rngs={"dropout": jax.random.key(7)}, logits=not config.optim.fused_loss)
+        outputs, _ = model_setup.apply_model(state.apply_fn, params, {}, batch, deterministic=False,
+                                             rngs={"dropout": jax.random.key(7)}, logits=not config.optim.fused_loss)
         return metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
                                            config.optim.label_smoothing)["loss"]
 
@@ -191,7 +192,7 @@ def _loss_and_grads(config, shape, batch):
     loss_and_grads = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings.params, sharding),
                              out_shardings=(None, shardings.params))
     with jax.set_mesh(mesh):
-        value, grads = loss_and_grads(state.params, steps.global_batch(batch, sharding))
+        value, grads = loss_and_grads(state.params, model_setup.global_batch(batch, sharding))
     return jax.device_get(state.params), float(value), jax.device_get(grads)
 
 

@@ -12,7 +12,8 @@ import pytest
 import tiny_config
 
 from lconv.data import EOS_ID, PAD_ID, pipeline, sources, stream
-from lconv.train import loop, metrics, setup, steps
+from lconv.run import loss_pass, metrics, model_setup
+from lconv.train import loop, setup, steps
 
 
 class WordTokenizer:
@@ -171,7 +172,7 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
         for r in range(batch["targets"].shape[0]):
             row = {k: v[r:r + 1] for k, v in batch.items()}
             if batch["document_start"][r] or not carry or r not in memories:
-                memories[r] = setup.init_memory(config, model, 1)  # empty: init's zeros, batch of one
+                memories[r] = model_setup.init_memory(config, model, 1)  # empty: init's zeros, batch of one
             logits, memories[r] = apply(params, memories[r], row)
             total += float(metrics.label_smoothed_loss(logits, row["targets"], row["targets_segmentation"] > 0,
                                                        0.0)["loss"])
@@ -184,9 +185,9 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
 def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     config = _knn_config(grad_accum_steps)
-    model = setup.build_model(config, VOCAB)
+    model = model_setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = setup.make_mesh(config.mesh, devices=jax.devices("cpu")[:2])
+    mesh = model_setup.make_mesh(config.mesh, devices=jax.devices("cpu")[:2])
     state, shardings = setup.create_state(config, model, mesh, tx)
     assert jax.tree.leaves(state.memory) and all(s.spec[0] == ("data", "fsdp") for s in
                                                  jax.tree.leaves(shardings.memory))
@@ -198,7 +199,7 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
             batch = next(it)
             params_per_step.append(jax.device_get(state.params))
             batches.append(batch)
-            state, sums = train_step(state, steps.global_batch(batch, setup.batch_sharding(mesh)))
+            state, sums = train_step(state, model_setup.global_batch(batch, model_setup.batch_sharding(mesh)))
             losses.append(float(sums["loss"]))
     assert sum(b["document_start"].sum() for b in batches[1:]) >= 4  # documents end and start mid-run
     reference, memory = _row_reference(config, model, params_per_step, batches)
@@ -219,21 +220,21 @@ def test_memory_rows_stay_on_their_devices():
 
     config = _knn_config()
     config.data.batch_size = 8
-    model = setup.build_model(config, VOCAB)
+    model = model_setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = setup.make_mesh(config.mesh, jax.devices("cpu")[:8])
+    mesh = model_setup.make_mesh(config.mesh, jax.devices("cpu")[:8])
     state, _ = setup.create_state(config, model, mesh, tx)
-    sharding = setup.batch_sharding(mesh)
+    sharding = model_setup.batch_sharding(mesh)
     batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,
                                        with_weights=True))
-    eval_step, memory = steps.jit_eval_step(config, mesh), setup.init_memory(config, model, 8, sharding)
+    eval_step, memory = loss_pass.jit_eval_step(config, mesh), model_setup.init_memory(config, model, 8, sharding)
     # A whole stream pass compiles the eval step once: the memory it returns keeps the batch's sharding.
     eval_set = stream.StreamEvalSet(make_documents(16), "text", WordTokenizer(), window=8, rows=8)
-    scores = steps.evaluate_loss(eval_step, state.params, state.apply_fn, eval_set, mesh, memory)
+    scores = loss_pass.evaluate_loss(eval_step, state.params, state.apply_fn, eval_set, mesh, memory)
     assert len(eval_set) > 2 and scores["tokens"] > 0
     assert eval_step._cache_size() == 1
     with jax.set_mesh(mesh):
-        batch = steps.global_batch(batch, sharding)
+        batch = model_setup.global_batch(batch, sharding)
         train_hlo = jax.jit(steps.make_train_step(config, lr)).lower(state, batch).compile().as_text()
         eval_hlo = eval_step.lower(state.params, state.apply_fn, batch, memory).compile().as_text()
     collectives = lambda hlo: sorted(set(re.findall(r"(all-gather|all-to-all|all-reduce)[-a-z]*\(", hlo)))  # noqa: E731

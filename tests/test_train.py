@@ -14,7 +14,8 @@ import tiny_config
 
 from lconv.data import pipeline, sources
 from lconv.infer import compiled
-from lconv.train import checkpoints, loop, setup, steps
+from lconv.run import checkpoints, loss_pass, model_setup, restore
+from lconv.train import loop, setup, steps
 
 _config = tiny_config.training_config
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's (tests/conftest.py:tiny_run)
@@ -139,12 +140,12 @@ def step_setup():
     config.model.dropout = config.model.weight_dropout = 0.0  # micro-batches would draw other dropout masks
     config.optim.warmup_init_lr = config.optim.learning_rate  # a first update of a visible size
     config.optim.optimizer = "nag"  # updates linear in the gradient (Adam's first step is ~sign(g): noise-prone)
-    model = setup.build_model(config, 512)
+    model = model_setup.build_model(config, 512)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = setup.make_mesh(config.mesh)
+    mesh = model_setup.make_mesh(config.mesh)
     state, _ = setup.create_state(config, model, mesh, tx)
     rng = np.random.default_rng(0)
-    batch = setup.dummy_batch(config, config.data.batch_size)
+    batch = model_setup.dummy_batch(config, config.data.batch_size)
     for key in ("inputs", "targets"):
         lengths = rng.integers(3, 17, size=8)
         batch[key] = np.where(np.arange(16) < lengths[:, None], rng.integers(4, 512, (8, 16)), 0).astype(np.int32)
@@ -176,7 +177,7 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     _, f32_sums = _one_step(config, lr, mesh, state, batch)
     config = config.copy_and_resolve_references()
     config.model.dtype = "bfloat16"
-    bf16_state = state.replace(apply_fn=setup.build_model(config, 512).apply)
+    bf16_state = state.replace(apply_fn=model_setup.build_model(config, 512).apply)
     new_state, bf16_sums = _one_step(config, lr, mesh, bf16_state, batch)
     assert bf16_sums["loss"].dtype == np.float32
     assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {np.dtype(np.float32)}
@@ -224,13 +225,13 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
 
     workdir = helpers.copy_run(tiny_run, tmp_path / "run")  # eval.py writes its outputs into the workdir
     config = _config(tiny_run.data_dir)
-    model = setup.build_model(config, 512)
-    trained = setup.load_trained(str(workdir), average_last=3)
+    model = model_setup.build_model(config, 512)
+    trained = restore.load_trained(str(workdir), average_last=3)
     averaged, chosen = trained.params, trained.steps
     assert chosen == [4, 5, 6]
     ckpt = checkpoints.Checkpointer(workdir)
     template = checkpoints.abstract_like(setup.create_state(
-        config, model, setup.make_mesh(config.mesh), setup.build_optimizer(config.optim, 6)[0])[0])
+        config, model, model_setup.make_mesh(config.mesh), setup.build_optimizer(config.optim, 6)[0])[0])
     each = [jax.tree.leaves(ckpt.restore(template, step)[0].params) for step in chosen]
     ckpt.close()
     for got, *separate in zip(jax.tree.leaves(averaged), *each):
@@ -249,15 +250,15 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
 
 def test_a_packed_loss_pass_scores_what_one_example_per_row_scores(tiny_run):
     """The validation pass packs examples several to a row; no mixer may let one example see another."""
-    trained = setup.load_trained(str(tiny_run.workdir))
+    trained = restore.load_trained(str(tiny_run.workdir))
     config = trained.config
     config.data.eval_max_input_length = config.data.eval_max_target_length = 256  # rows with room for several
     validation = pipeline.make_datasets(config.data, trained.tokenizer, process_index=0,
                                         process_count=1).eval_sets["validation"]
     mesh = compiled.mesh_of(trained.params)  # the mesh load_trained put the params on
-    eval_step = steps.jit_eval_step(config, mesh)
-    packed = steps.evaluate_loss(eval_step, trained.params, trained.model.apply, validation, mesh)
-    padded = steps.evaluate_loss(eval_step, trained.params, trained.model.apply, list(validation), mesh)
+    eval_step = loss_pass.jit_eval_step(config, mesh)
+    packed = loss_pass.evaluate_loss(eval_step, trained.params, trained.model.apply, validation, mesh)
+    padded = loss_pass.evaluate_loss(eval_step, trained.params, trained.model.apply, list(validation), mesh)
     assert len(validation.packed()) < len(validation) / 2
     assert packed["tokens"] == padded["tokens"] > 10_000
     for key in ("loss", "nll", "accuracy"):

@@ -16,7 +16,8 @@ import tiny_runs
 from lconv.data import pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.infer import decode_and_score
-from lconv.train import budget, logs, loop, steps
+from lconv.run import model_setup
+from lconv.train import budget, logs, loop
 
 _ONE_DEVICE = jax.devices("cpu")[:1]
 
@@ -35,13 +36,13 @@ def timed_run(tiny_data, tmp_path, monkeypatch):
     put on the device, trained or evaluated, takes 1 s; returns ``(result, progress bar, validation batches)``."""
     clock = FakeClock()
     monkeypatch.setattr(budget, "clock", clock)
-    real_global_batch = steps.global_batch
+    real_global_batch = model_setup.global_batch
 
     def one_second_per_batch(batch, sharding):
         clock.now += 1.0
         return real_global_batch(batch, sharding)
 
-    monkeypatch.setattr(steps, "global_batch", one_second_per_batch)
+    monkeypatch.setattr(model_setup, "global_batch", one_second_per_batch)
     bars = []
 
     class RecordedProgress(logs.Progress):

@@ -19,7 +19,8 @@ import tiny_config
 from lconv.cli import eval_program
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.train import checkpoints, loop
+from lconv.run import checkpoints
+from lconv.train import loop
 
 # slow: each case launches train.py processes (run by CI, skipped by the quick command).
 # One xdist worker runs them all (pyproject:

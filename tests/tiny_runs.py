@@ -1,4 +1,4 @@
-"""Untrained tiny runs held in memory (``setup.Trained``) for the API and export tests: no training, no dataset
+"""Untrained tiny runs held in memory (``restore.Trained``) for the API and export tests: no training, no dataset
 preparation, a SentencePiece model trained in a second on synthetic sentences. What these tests check (the same
 tokens through different programs) does not need a trained model."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tiny_config
 
 from lconv.configs import lm1b
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.train import setup
+from lconv.run import model_setup, restore
 
 WORDS = ("the a package tool library for and of to with files images convert data system window small fast "
          "server client network text editor font support python module documentation").split()
@@ -38,13 +38,13 @@ def lm_config():
     return c
 
 
-def in_memory(config, tok: tokenizer_lib.Tokenizer | None = None, seed: int = 0) -> setup.Trained:
+def in_memory(config, tok: tokenizer_lib.Tokenizer | None = None, seed: int = 0) -> restore.Trained:
     """``config``'s model with freshly initialised params (single device) and a tokenizer."""
     tok = tok or tokenizer()
-    model = setup.build_model(config, tok.vocab_size)
-    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+    model = model_setup.build_model(config, tok.vocab_size)
+    args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     params = jax.jit(model.init)(jax.random.key(seed), *args, **kwargs)["params"]
-    return setup.Trained(config, "in-memory", tok, model, params, [0])
+    return restore.Trained(config, "in-memory", tok, model, params, [0])
 
 
 def translation_config(mixer: str | None = None):

@@ -25,7 +25,7 @@ from lconv.configs import common, default
 from lconv.constants import EOS_ID
 from lconv.data import pipeline
 from lconv.infer import compiled, decode_and_score
-from lconv.train import setup
+from lconv.run import model_setup
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
         config = default.get_config(word)
         if smoke:
             common.smoke_test_sizes(config)
-        model = setup.build_model(config, config.data.vocab_size)
-        args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+        model = model_setup.build_model(config, config.data.vocab_size)
+        args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
         params = jax.jit(model.init)(jax.random.key(0), *args, **kwargs)["params"]
         setups[label] = (config, model, params, synthetic_split(count, config.data.vocab_size,
                                                                 config.data.eval_batch_size))

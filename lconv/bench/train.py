@@ -32,6 +32,7 @@ from lconv.bench import report, timing
 from lconv.configs import common
 from lconv.nn.model_config import ModelConfig
 from lconv.ops import flash
+from lconv.run import model_setup
 from lconv.train import setup, steps
 
 logger = logging.getLogger(__name__)
@@ -123,14 +124,14 @@ def attention_kernel(config: setup.Config) -> str | None:
 def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
     """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
     config = lm_config(mixer, T, dtype, fused_loss, size)
-    model = setup.build_model(config, vocab)
+    model = model_setup.build_model(config, vocab)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    state, _ = setup.create_state(config, model, setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
+    state, _ = setup.create_state(config, model, model_setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
     batch, lr_factor = _batch(config, vocab), np.float32(1.0)  # the learning-rate factor, as the training loop
     compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch, lr_factor),
                                             donate_argnums=(0,))
     memory = compiled.memory_analysis()
-    holder = {"state": state, "params": setup.count_params(state.params), "attention": attention_kernel(config),
+    holder = {"state": state, "params": model_setup.count_params(state.params), "attention": attention_kernel(config),
               "temp_bytes": None if memory is None else memory.temp_size_in_bytes}
 
     def step():

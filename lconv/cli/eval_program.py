@@ -19,12 +19,11 @@ import jax
 from etils import epath
 
 from lconv import outputs
-from lconv.configs import schema
 from lconv.data import paths, pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
-from lconv.train import setup, steps
+from lconv.run import loss_pass, restore, schema
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,8 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         config.data.eval_splits = (split,)
         data = pipeline.make_datasets(config.data, trained.tokenizer)
         if task == "lm":
-            return steps.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
-                                          split)
+            return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
+                                              split)
         return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer,
                                             data.eval_sets, workdir, split=split)
     sources = read_lines(source_file, "--source_file")
@@ -94,7 +93,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                                 f"each output to stdout")
         if jax.process_count() > 1:
             raise UserError("--interactive reads this process's stdin: run it as a single process")
-    config = setup.read_config(workdir)
+    config = restore.read_config(workdir)
     task = config.task
     if task == "lm":
         if nbest is not None:
@@ -182,7 +181,7 @@ def _translation_search(sampling: dict[str, Any], nbest: int | None, beam_size: 
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
     """eval.py's flags against their ranges, before the workdir is read."""
-    setup.check_checkpoint_choice(average_last, checkpoint)
+    restore.check_checkpoint_choice(average_last, checkpoint)
     schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=lambda name: f"--{name}")
 
 
@@ -231,19 +230,19 @@ def _check_writable(path: str, what: str) -> None:
 
 
 def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
-          lenpen: float | None) -> setup.Trained:
+          lenpen: float | None) -> restore.Trained:
     def override(config):
         if beam_size is not None:
             config.decode.beam_size = beam_size
         if lenpen is not None:
             config.decode.lenpen = lenpen
 
-    trained = setup.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, overrides=override)
+    trained = restore.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, overrides=override)
     logger.info(f"checkpoint(s) {trained.steps}")
     return trained
 
 
-def _translate_file(trained: setup.Trained, sources: Sequence[str], references: Sequence[str] | None,
+def _translate_file(trained: restore.Trained, sources: Sequence[str], references: Sequence[str] | None,
                     source_file: str, output_file: str, search: dict[str, Any], nbest: int | None) -> dict[str, Any]:
     """Decodes the lines, writes one output per input line (with ``nbest``: ``write_nbest``'s lines), reports what
     was not decoded as given, and scores the best hypotheses against ``references`` (blank sources stay in, as
@@ -270,7 +269,7 @@ def _translate_file(trained: setup.Trained, sources: Sequence[str], references: 
     return scores
 
 
-def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: str, output_file: str,
+def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file: str, output_file: str,
                    sampling: dict[str, Any]) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
@@ -284,7 +283,7 @@ def _generate_file(trained: setup.Trained, prompts: Sequence[str], source_file: 
     return report
 
 
-def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any],
+def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any],
                  search: dict[str, Any], nbest: int | None) -> dict[str, Any]:
     """Decodes each line of ``stdin`` as it arrives and prints its output (one line; with ``nbest``,
     ``nbest_lines``' block) to ``stdout``. The programs are built once: a line compiles only when its length falls
@@ -294,12 +293,12 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
     name = lambda _: f"stdin line {current['line']}"  # noqa: E731
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
-        decode = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line], generator,  # noqa: E731
-                                                              name=name, **sampling).hypotheses[0]
+        output_of = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line],  # noqa: E731
+                                                                 generator, name=name, **sampling).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
 
-        def decode(line: str) -> str:
+        def output_of(line: str) -> str:
             found = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
                                                      translator=translator, name=name, nbest=nbest or 0, **search)
             return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
@@ -311,7 +310,7 @@ def _interactive(trained: setup.Trained, stdin: TextIO, stdout: TextIO, sampling
             print("", file=stdout, flush=True)
             continue
         current["line"] = number
-        output = decode(line)
+        output = output_of(line)
         print(output if nbest else output.replace("\n", " "), file=stdout, flush=True)
         count += 1
     if not_utf8:

@@ -1,9 +1,11 @@
-"""The programs behind ``train.py`` / ``eval.py`` and, from an installed package, ``python -m lconv.train`` /
-``python -m lconv.evaluate``: their flags and ``main``s. Flags are defined when a program starts (not on import),
-so one process may import both."""
+"""The program behind ``eval.py`` (``python -m lconv.evaluate`` from an installed package): its flags and ``main``;
+and what every program shares (``run_program``, the compilation cache's flag). The training program is
+``lconv.train.program``, above training. Flags are defined when a program starts (not on import), so one process
+may import several programs."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from absl import app, flags, logging
 
@@ -13,43 +15,10 @@ from lconv.cli import runtime
 FLAGS = flags.FLAGS
 
 
-def train(argv: list[str] | None = None) -> None:
-    """``train.py``: ``--config`` (a file, or a config packaged with lconv by name: ``default``,
-    ``wmt_en_de:dynamic,big``, ...), ``--workdir``, ``--accept_config_changes``."""
-    from ml_collections import config_flags
-
-    flags.DEFINE_string("workdir", None, "Directory for checkpoints, the tokenizer, logs and outputs.")
-    config_flags.DEFINE_config_file(
-        "config", None, "Config file, e.g. configs/default.py[:variant], or the name of a config packaged with "
-        f"lconv ({', '.join(runtime.packaged_configs())}), e.g. default:transformer.", lock_config=True)
-    flags.DEFINE_bool("accept_config_changes", False,
-                      "Let a resumed run change config fields its checkpoints were trained with (model, data, "
-                      "optim); without it such a change is an error.")
-    _define_compilation_cache()
-    flags.mark_flags_as_required(["config", "workdir"])
-    _run(_train_main, argv)
-
-
-def _define_compilation_cache() -> None:
+def define_compilation_cache() -> None:
     flags.DEFINE_string("compilation_cache", None, "Where compiled XLA programs are kept for the next run of this "
                         "workdir (default: $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache); "
                         "'none' compiles every time.")
-
-
-def _train_main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    console.show_log("stdout")
-    with runtime.user_errors():
-        runtime.initialize()
-        runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
-        from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
-
-        result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir,
-                                         accept_config_changes=FLAGS.accept_config_changes)
-    runtime.print_summary(result)
-    if result.get("stopped_by") == "SIGINT":
-        sys.exit(130)  # the shell's code for Ctrl-C; the checkpoint is saved and the run resumes from it
 
 
 def evaluate(argv: list[str] | None = None) -> None:
@@ -76,9 +45,9 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (default 0: all).")
     flags.DEFINE_float("top_p", None, "Nucleus sampling, in (0, 1] (default 1: off).")
     flags.DEFINE_integer("seed", None, "The sampling seed (default 0).")
-    _define_compilation_cache()
+    define_compilation_cache()
     flags.mark_flags_as_required(["workdir"])
-    _run(_evaluate_main, argv)
+    run_program(_evaluate_main, argv)
 
 
 def _evaluate_main(argv: list[str]) -> None:
@@ -95,7 +64,8 @@ def _evaluate_main(argv: list[str]) -> None:
         eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
 
-def _run(main, argv: list[str] | None) -> None:
+def run_program(main: Callable[[list[str]], None], argv: list[str] | None) -> None:
+    """Runs a program's ``main`` under absl with its flags listed by ``--help`` and lconv's flag parser."""
     for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
                  "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
                  "nbest", "max_len", "temperature", "top_k", "top_p", "seed"):

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from lconv.data import paths
 from lconv.errors import UserError
-from lconv.train.backend import check_backend  # noqa: F401 (the CLIs' name for it)
+from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
 
 def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:

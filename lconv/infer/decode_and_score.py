@@ -62,12 +62,12 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     translator = translator or compiled.Translator(config, model, params)
     rows, order = _decode_plan(config, params, eval_set, search.get("beam_size"))
 
-    def decode(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def translate_batch(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch, width = _padded_batch(eval_set, chosen, rows)
         more = per_batch(chosen) if per_batch else {}
         return batch, translator(batch["inputs"][:, :width], **search, **more)  # [rows, L]
 
-    for _, decoded in in_batches(order, rows, decode):
+    for _, decoded in in_batches(order, rows, translate_batch):
         yield decoded
 
 
@@ -318,28 +318,29 @@ class ListSource:
 
 
 @dataclasses.dataclass
-class Translations:
-    """``translate_lines``' outputs: one hypothesis per source line, and what was not decoded as given."""
+class LineOutputs:
+    """One output per input line, in order, and what was not decoded as given: ``translate_lines``' translations
+    (or summaries) of source lines, ``generate_lines``' continuations of an LM's prompts."""
 
-    hypotheses: list[str]  # one per source line, in order; "" for a blank line
-    blank: list[int]  # indices of the blank (empty or whitespace-only) source lines: not decoded
+    hypotheses: list[str]  # one per input line, in order; "" for a blank source line
+    blank: list[int]  # indices of the blank (empty or whitespace-only) source lines: not decoded ([] for prompts)
     lengths: SourceLengths  # of the decoded lines; its indices are line indices too
     nbest: list[list[dict[str, Any]]] | None = None  # with ``nbest``: per line, best first (``nbest_entries``)
 
 
 def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
                     translator: compiled.Translator | None = None, name: Callable[[int], str] = "sources[{}]".format,
-                    nbest: int = 0, prefixes: Sequence[np.ndarray] | None = None, **search: Any) -> Translations:
+                    nbest: int = 0, prefixes: Sequence[np.ndarray] | None = None, **search: Any) -> LineOutputs:
     """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
     ``search``: ``Translator.hypotheses``' ``beam_size``, ``lenpen``, and for sampling ``temperature``,
     ``top_k``, ``top_p``, ``seed``), on ``translator``'s programs when given. With ``nbest``, also the first
-    ``nbest`` hypotheses of each line (``Translations.nbest``). ``prefixes``: per line, the ids each of its
+    ``nbest`` hypotheses of each line (``LineOutputs.nbest``). ``prefixes``: per line, the ids each of its
     outputs starts with (``search.Prefix``; checked by the caller to fit the output limit).
 
     A blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output (and n-best list)
     in its place, so the outputs stay aligned with the input lines. Lines longer than
     ``config.data.eval_max_input_length`` tokens are cut to it with a warning naming each by ``name(index)``
-    (``SourceLengths.warning``); ``Translations`` says which. With several processes each passes the same lines
+    (``SourceLengths.warning``); ``LineOutputs`` says which. With several processes each passes the same lines
     (and gets every output).
     """
     kept = [i for i, source in enumerate(sources) if source.strip()]
@@ -363,7 +364,7 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
                 hypotheses[kept[int(index)]] = tokenizer.decode(found.tokens[row, 0])
                 if nbest:
                     lists[kept[int(index)]] = nbest_entries(tokenizer, found, row, nbest)
-    return Translations(hypotheses, blank, lengths, lists)
+    return LineOutputs(hypotheses, blank, lengths, lists)
 
 
 def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
@@ -394,13 +395,13 @@ def prompt_limit(config: Any, max_len: int, name: str = "max_len") -> int:
 
 def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
                    max_len: int, name: Callable[[int], str] = "prompts[{}]".format, nbest: int = 0,
-                   **sampling: Any) -> Translations:
+                   **sampling: Any) -> LineOutputs:
     """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
     ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). With ``nbest``, the first ``nbest`` of
     ``Generator.hypotheses`` per prompt instead (``sampling`` then also holds its ``beam_size`` and ``lenpen``):
-    ``Translations.nbest``, and the best one's text as the output. A blank prompt starts from BOS alone. A prompt
+    ``LineOutputs.nbest``, and the best one's text as the output. A blank prompt starts from BOS alone. A prompt
     longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation), with a warning naming it
-    by ``name(index)``; ``Translations.lengths`` says which were cut. Prompts of similar length share a batch,
+    by ``name(index)``; ``LineOutputs.lengths`` says which were cut. Prompts of similar length share a batch,
     and a batch one program per shape bucket."""
     limit = prompt_limit(config, max_len)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
@@ -414,7 +415,7 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
     rows = compiled.row_bucket(len(encoded), rows)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
 
-    def decode(chosen: list[int], rows: int) -> np.ndarray:
+    def generate_batch(chosen: list[int], rows: int) -> np.ndarray:
         width = compiled.width_bucket(max(len(encoded[i]) for i in chosen), limit) or 1
         prompt_BP = np.zeros((rows, width), np.int32)  # PAD rows for a short last batch
         prompt_len_B = np.zeros((rows,), np.int32)
@@ -426,11 +427,11 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
 
     outputs = [""] * len(prompts)
     lists = [[] for _ in prompts] if nbest else None
-    for chosen, found in in_batches(order, rows, decode):
+    for chosen, found in in_batches(order, rows, generate_batch):
         for row, i in enumerate(chosen):
             if nbest:
                 lists[i] = nbest_entries(tokenizer, found, row, nbest)
                 outputs[i] = lists[i][0]["text"] if lists[i] else ""
             else:
                 outputs[i] = tokenizer.decode(found[row])
-    return Translations(outputs, [], lengths, lists)
+    return LineOutputs(outputs, [], lengths, lists)

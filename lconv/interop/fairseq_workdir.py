@@ -24,10 +24,10 @@ from etils import epath
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
-from lconv.configs import schema
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_lm, fairseq_vocab
+from lconv.run import schema
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     only). ``spm=None``: text is given split into the dictionary's pieces (BPE, ``continuation`` its joining
     marker). ``target_dictionary``: the target side's, when the model was trained with separate dictionaries
     (``_vocabulary``)."""
-    from lconv.train import checkpoints, setup
-    from lconv.train import workdir as workdir_lib
+    from lconv.run import checkpoints, model_setup
+    from lconv.run import workdir as workdir_lib
 
     outputs.check_directory(workdir, "workdir", "--workdir")  # before the checkpoint is read; nothing written
     schema.check_decode(decode or {}, spell=lambda name: f"--{name}")  # --lenpen=nan: one line, not a NaN config
@@ -73,7 +73,7 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
             fields["output_vocab_size"] = 4 + len(fairseq_vocab.read_dictionary(target_dictionary))
         config = translation_config(fields, dataset, decode)
         params = fairseq.lconv_params(weights, fields, orders)
-    model = setup.build_model(config, vocab.size)
+    model = model_setup.build_model(config, vocab.size)
     boxed = _as_model_tree(model, config, params)
     workdir = workdir_lib.make_workdir(workdir)
     workdir_lib.write_config(config, workdir, {}, has_checkpoint=False)
@@ -181,9 +181,10 @@ def translation_config(fields: dict[str, Any], dataset: str = "",
 
 def _as_model_tree(model: Any, config: ml_collections.ConfigDict, params: dict[str, Any]) -> Any:
     """``params`` in the model's own (boxed, logically partitioned) tree; a tree or shape mismatch is an error."""
-    from lconv.train import setup
+    from lconv.run import model_setup
 
-    abstract = setup.abstract_params(config, model, setup.make_mesh(config.mesh))  # the tree a restore reads
+    # the tree a restore reads
+    abstract = model_setup.abstract_params(config, model, model_setup.make_mesh(config.mesh))
     expected = nn_meta.unbox(abstract)
     paths = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}
     given = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}

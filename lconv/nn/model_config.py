@@ -280,7 +280,7 @@ class ModelConfig:
         self._check_widths(decoder_only)  # after the mixer names are known to resolve
 
     def check_kernel_counts(self, decoder_only: bool = False) -> None:
-        """A config's rule (``lconv.configs.schema.validate_config``): one kernel size for all layers, or exactly one
+        """A config's rule (``lconv.run.schema.validate_config``): one kernel size for all layers, or exactly one
         per layer of a side whose mixers take one, since a surplus would be ignored without a word. A model built
         in code keeps the dataclass's lenience: the paper's kernels by default, the first ``layers`` of them."""
         for side in ("decoder",) if decoder_only else BOTH_SIDES:

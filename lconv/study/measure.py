@@ -28,6 +28,7 @@ from lconv.bench import timing
 from lconv.constants import PAD_ID
 from lconv.data import sources
 from lconv.infer import search
+from lconv.run import model_setup, restore
 from lconv.train import setup, steps
 
 
@@ -58,18 +59,18 @@ def training_speed(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
     """The compiled train step's bytes (``memory_analysis``), compiled for the run's shapes and shardings."""
-    mesh = setup.make_mesh(config.mesh)
-    model = setup.build_model(config, vocab_size)
+    mesh = model_setup.make_mesh(config.mesh)
+    model = model_setup.build_model(config, vocab_size)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, shardings = setup.create_state(config, model, mesh, tx)
-    batch = setup.dummy_batch(config, config.data.batch_size)
+    batch = model_setup.dummy_batch(config, config.data.batch_size)
     if config.data.stream:
         batch["document_start"] = np.zeros((config.data.batch_size,), np.int32)
-    sharding = setup.batch_sharding(mesh)
+    sharding = model_setup.batch_sharding(mesh)
     step = jax.jit(steps.make_train_step(config, lr), in_shardings=(shardings, sharding, None),
                    out_shardings=(shardings, None), donate_argnums=0)  # as the training loop jits it
     with jax.set_mesh(mesh):
-        compiled = step.lower(state, steps.global_batch(batch, sharding), np.float32(1.0)).compile()
+        compiled = step.lower(state, model_setup.global_batch(batch, sharding), np.float32(1.0)).compile()
     memory, source = timing.program_memory(compiled)
     return {"train_step_bytes": memory, "train_step_memory_source": source}
 
@@ -90,7 +91,7 @@ def machine() -> dict[str, str]:
 LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is reported
 
 
-def lm_generation_speed(trained: setup.Trained, rows: int, length: int,
+def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
                         repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
     """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens (up to each row's EOS) per
     second of the median of ``repeats`` calls after the first, compiling one (one call takes ~0.1 s at the

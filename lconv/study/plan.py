@@ -34,7 +34,7 @@ import ml_collections
 from lconv.configs import common
 from lconv.errors import UserError
 from lconv.nn import mixers
-from lconv.train import setup
+from lconv.run import model_setup
 
 Config = ml_collections.ConfigDict
 
@@ -207,10 +207,10 @@ def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int
     ``length`` tokens (None: the training lengths). No parameter's shape depends on the input's length (a model
     decodes one token at a time with the parameters it trained with at full length); 8 tokens plan the gpu mode's
     256-token models in 13% less time (22.7 s -> 19.8 s on 2 CPU cores)."""
-    model = setup.build_model(config, vocab_size)
-    args, kwargs = setup.model_inputs(setup.dummy_batch(config, length=length))
+    model = model_setup.build_model(config, vocab_size)
+    args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config, length=length))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
-    return setup.count_params(shapes)
+    return model_setup.count_params(shapes)
 
 
 def match_ffn(config: Config, reference: int, tolerance: float, multiple: int,
@@ -285,7 +285,7 @@ def check_generation_fits(study: Config, config: Config) -> None:
 def stored_config_changes(stored: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
     """``{dotted field: (stored, planned)}`` where a run's stored training config differs from the planned one;
     fields added to lconv since the run was made, at their defaults, do not count (they keep its behaviour)."""
-    from lconv.train import workdir as workdir_lib
+    from lconv.run import workdir as workdir_lib
 
     changes = workdir_lib.config_changes(stored, config)
     for added in workdir_lib.fields_added_at_their_defaults(stored, changes):

@@ -160,8 +160,9 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lconv.cli import eval_program
     from lconv.data import tokenizer as tokenizer_lib
+    from lconv.run import restore
     from lconv.study import measure
-    from lconv.train import loop, setup
+    from lconv.train import loop
 
     config, workdir = ml_collections.ConfigDict(spec["config"]), spec["workdir"]
     record, times = dict(spec["record"]), {}
@@ -180,7 +181,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
         words = measure.word_count(config, split)
         quality = {"ppl": scores["ppl"], "ppl_word": measure.per_word_perplexity(scores, words),
                    "nll": scores["nll"], "test_tokens": scores["tokens"], "test_words": words}
-        restored = setup.load_trained(workdir, average_last=spec["average_last"])
+        restored = restore.load_trained(workdir, average_last=spec["average_last"])
         decode = measure.lm_generation_speed(restored, spec["lm_generate_rows"], spec["lm_generate_tokens"])
         decode["decode_kind"] = (f"greedy LM generation, {spec['lm_generate_rows']} rows x "
                                  f"{spec['lm_generate_tokens']} tokens, median of {decode['decode_repeats']} calls "

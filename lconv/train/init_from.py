@@ -20,8 +20,9 @@ from etils import epath
 
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.train import checkpoints, setup
-from lconv.train import workdir as workdir_lib
+from lconv.run import checkpoints, model_setup, restore
+from lconv.run import workdir as workdir_lib
+from lconv.train import setup
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ class Source:
 
     def __init__(self, config: Any) -> None:
         self.given = config.train.init_from
-        self.workdir = setup.find_run(self.given, FIELD)
-        self.config = setup.read_config(self.workdir, FIELD)
+        self.workdir = restore.find_run(self.given, FIELD)
+        self.config = restore.read_config(self.workdir, FIELD)
         self.label = f"{FIELD}={self.given}"
 
     def check(self, config: Any) -> None:
@@ -107,7 +108,7 @@ def prepare(config: Any, workdir: str) -> Source | None:
 
 def _param_shapes(config: Any) -> Any:
     """The shapes and dtypes of ``config``'s model params (no array is made)."""
-    model = setup.build_model(config, int(config.data.vocab_size))
-    args, kwargs = setup.model_inputs(setup.dummy_batch(config))
+    model = model_setup.build_model(config, int(config.data.vocab_size))
+    args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
     return jax.tree.map(lambda x: (x.shape, str(x.dtype)), abstract)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from lconv.train import workdir as workdir_lib
+from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,10 @@ import numpy as np
 
 from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import compiled, decode_and_score
+from lconv.run import checkpoints, integrity, loss_pass, metrics, model_setup
+from lconv.run import workdir as workdir_lib
 from lconv.train import budget as budget_lib
-from lconv.train import checkpoints, init_from, integrity, logs, metrics, setup, steps
-from lconv.train import workdir as workdir_lib
+from lconv.train import init_from, logs, setup, steps
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
 
     ``devices``: the devices of the mesh (default: all). Checkpoints go to ``<workdir>/checkpoints`` (the last
     ``train.keep_checkpoints``) and the best by validation loss to ``<workdir>/best``. The workdir is locked for
-    the run (``lconv.train.workdir``); ``accept_config_changes`` lets a resumed run change fields of the config its
+    the run (``lconv.run.workdir``); ``accept_config_changes`` lets a resumed run change fields of the config its
     checkpoints were trained with. ``result["stopped_by"]`` names the signal that stopped it early, if any. With
     ``train.init_from`` a new run starts from another run's params (``lconv.train.init_from``).
     """
@@ -160,10 +161,13 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
         run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes, mesh=mesh)
         if source is not None and not checkpoints.has_checkpoint(path):
             source.restore_params(run)
-        return _train_and_evaluate(run, started)
+        return _resume_then_train(run, started)
 
 
-def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
+def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
+    """Restores ``run``'s latest readable checkpoint (if any), sets up checkpointing, the metric writer and the
+    validation pass (which also offers the best checkpoint), then ``_train_within_budget``; a full disk becomes
+    ``checkpoints.disk_full``'s one-line error."""
     config = run.config
     verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
@@ -175,12 +179,13 @@ def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
         logger.info(f"resumed from step {int(run.state.step)}")
         workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True)
     writer = logs.MetricWriter(run.workdir, resumed_step=int(run.state.step))
-    eval_step = steps.jit_eval_step(config, run.mesh)
-    eval_memory = setup.init_memory(config, run.model, config.data.eval_batch_size, setup.batch_sharding(run.mesh))
+    eval_step = loss_pass.jit_eval_step(config, run.mesh)
+    eval_memory = model_setup.init_memory(config, run.model, config.data.eval_batch_size,
+                                          model_setup.batch_sharding(run.mesh))
 
-    def validate(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
-        scores = steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, run.data.eval_sets["validation"],
-                                     run.mesh, eval_memory, stop_when)
+    def score_validation(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
+        scores = loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn,
+                                         run.data.eval_sets["validation"], run.mesh, eval_memory, stop_when)
         writer.write(step, "validation", scores)
         if "unscored_batches" not in scores:  # a part of the split is not comparable with earlier passes
             best.offer(step, run.state, scores["loss"])
@@ -188,16 +193,18 @@ def _train_and_evaluate(run: setup.Run, started: float) -> dict[str, Any]:
 
     with integrity.orbax_errors_to_file(ckpt.error_log):
         try:
-            return _train_then_evaluate(run, ckpt, best, writer, validate, eval_step, started)
+            return _train_within_budget(run, ckpt, best, writer, score_validation, eval_step, started)
         except Exception as err:
             if not checkpoints.is_disk_full(err):
                 raise
             raise checkpoints.disk_full(err, ckpt, best) from None
 
 
-def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
-                         writer: logs.MetricWriter, validate: Callable[[int], Any],
+def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
+                         writer: logs.MetricWriter, score_validation: Callable[[int], Any],
                          eval_step: Callable[..., Any], started: float) -> dict[str, Any]:
+    """Trains within ``train.max_minutes`` (its final evaluation's share measured and reserved), then runs the
+    final evaluation unless a signal stopped training; returns the run's result."""
     t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
     reservation = {}  # the translator the measurement compiled, for the test split's decoding to reuse
     if budget.enabled:
@@ -209,7 +216,7 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         else:  # each process's clock would pick another step for the measurement's collectives: all of them, now
             measure()
     try:
-        step, stopped_by = train(run, ckpt, writer, validate, budget)
+        step, stopped_by = train(run, ckpt, writer, score_validation, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
@@ -220,7 +227,7 @@ def _train_then_evaluate(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
     try:
         if not stopped_by:
             evaluation_start = budget_lib.clock()
-            stopped_by = _final_evaluation(run, step, result, validate, eval_step, writer, budget,
+            stopped_by = _final_evaluation(run, step, result, score_validation, eval_step, writer, budget,
                                            reservation.get("translator"))
             result["final_evaluation_seconds"] = budget_lib.clock() - evaluation_start
     finally:
@@ -240,9 +247,10 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     the budget for it; returns the translator it compiled, for the test split's decoding to reuse."""
     decodes = run.config.task != "lm" and run.config.train.eval_after_training
     translator = compiled.Translator(run.config, run.model, run.state.params) if decodes else None
-    memory = setup.init_memory(run.config, run.model, run.config.data.eval_batch_size, setup.batch_sharding(run.mesh))
-    evaluate = lambda batches: steps.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
-                                                   run.mesh, memory)
+    memory = model_setup.init_memory(run.config, run.model, run.config.data.eval_batch_size,
+                                     model_setup.batch_sharding(run.mesh))
+    evaluate = lambda batches: loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
+                                                       run.mesh, memory)
     budget.estimate = budget_lib.estimate_final_evaluation(run, evaluate, translator)
     budget.reserve = budget_lib.SAFETY_MARGIN * budget.estimate
     left = budget.seconds - budget.elapsed()
@@ -258,7 +266,7 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     return translator
 
 
-def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validate: Callable[[int], Any],
+def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_validation: Callable[[int], Any],
                       eval_step: Callable[..., Any], writer: logs.MetricWriter, budget: budget_lib.Budget,
                       translator: compiled.Translator | None) -> str | None:
     """The last validation and the test split's score into ``result``; returns the signal that stopped them, if
@@ -269,7 +277,7 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
     try:
         with Preemption(interrupt=jax.process_count() == 1):
             with jax.set_mesh(run.mesh):
-                result["validation"] = validate(step, budget.stop_when())
+                result["validation"] = score_validation(step, budget.stop_when())
             if run.config.train.eval_after_training:
                 result["test"] = evaluate_test_split(run, eval_step, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
@@ -281,12 +289,12 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], validat
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          validate: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
+          score_validation: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
     """Steps ``run.state`` to ``train.num_steps`` (or until ``budget`` leaves only the final evaluation's time,
     SIGTERM or SIGINT); returns ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and
     closes ``ckpt``."""
     config, mesh = run.config, run.mesh
-    sharding = setup.batch_sharding(mesh)
+    sharding = model_setup.batch_sharding(mesh)
     train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
                          in_shardings=(run.state_shardings, sharding, None), out_shardings=(run.state_shardings, None),
                          donate_argnums=0)
@@ -302,9 +310,9 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
         with jax.set_mesh(mesh):
             while step < num_steps:
                 lr_factor = np.float32(time_schedule.agreed_factor(step, config.train.stop_check_every))
-                run.state, sums = train_step(run.state, steps.global_batch(next(run.data.train_iter), sharding),
+                run.state, sums = train_step(run.state, model_setup.global_batch(next(run.data.train_iter), sharding),
                                              lr_factor)
-                previous_sums = steps.one_step_ahead(previous_sums, sums)
+                previous_sums = model_setup.one_step_ahead(previous_sums, sums)
                 if budget.first_update_seconds is None:  # the device's time: the update done, not dispatched
                     jax.block_until_ready(sums)
                     budget.first_update_seconds = budget.elapsed()
@@ -325,7 +333,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                                          tok_s=f"{summary['tokens_per_s']:.0f}")
                     window_sums, window_start = None, time.time()
                 if step % config.train.eval_every == 0 and step < num_steps:
-                    validate(step)
+                    score_validation(step)
                 if not spiking:  # a state in a loss spike is never checkpointed
                     ckpt.save(step, run.state, data_item, force=stopping)
                 if stopping:
@@ -359,8 +367,8 @@ def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = N
     config, split = run.config, run.config.decode.split
     stop_when = budget.stop_when() if budget is not None else None
     if config.task == "lm":
-        return steps.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
-                                      split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
+        return loss_pass.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
+                                          split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
     translator = translator and translator.with_params(run.state.params)
     return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
                                         run.workdir, translator=translator, stop_when=stop_when)

@@ -1,45 +1,22 @@
-"""The compiled steps: one optimizer update (with gradient accumulation and the kNN memory threaded through),
-the evaluation loss, and a pass of it over a split.
+"""The compiled train step: one optimizer update (with gradient accumulation and the kNN memory threaded through).
+The evaluation loss and its pass over a split are ``lconv.run.loss_pass``'s, shared with eval.py.
 
 Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and a donated state. The dropout rng is
 ``fold_in(seed, step)``, so no rng state is saved.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from lconv.data import pipeline
-from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
-from lconv.nn import knn_memory
-from lconv.train import metrics, setup
-
-logger = logging.getLogger(__name__)
+from lconv.run import metrics, model_setup
 
 PyTree = Any
-Batch = dict[str, Any]
-
-
-def apply_model(apply_fn: Callable, params: PyTree, memory: PyTree, batch: Batch,
-                **kwargs: Any) -> tuple[jax.Array, PyTree]:
-    """``(logits, memory after this window)`` (with ``logits=False`` among ``kwargs``, the model's
-    ``OutputLayer`` instead of logits). With a memory (a stream batch), rows whose ``document_start``
-    is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
-    through (a plain apply)."""
-    args, model_kwargs = setup.model_inputs(batch)
-    if not memory:
-        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), memory
-    memory = knn_memory.reset_memory(memory, batch["document_start"] > 0)
-    logits, updated = apply_fn({"params": params, "memory": memory}, *args, **model_kwargs, **kwargs,
-                               mutable=["memory"])
-    return logits, updated["memory"]
 
 
 def _split_rows(tree: PyTree, micro: int) -> PyTree:
@@ -70,8 +47,8 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
 
     def train_step(state, batch, lr_factor=1.0):
         def loss_sums(params, memory, batch, dropout_rng):
-            outputs, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
-                                          rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
+            outputs, memory = model_setup.apply_model(state.apply_fn, params, memory, batch, deterministic=False,
+                                                      rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
             sums = metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
                                                smoothing)
             return sums["loss"], (sums, memory)
@@ -103,106 +80,3 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
                              opt_state=opt_state, memory=memory), sums
 
     return nn_common.under_axis_rules(train_step, config.mesh.rules)
-
-
-def make_eval_step(config: Any) -> Callable:
-    """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
-    def eval_step(params, apply_fn, batch, memory):
-        outputs, memory = apply_model(apply_fn, params, memory, batch, deterministic=True,
-                                      logits=not config.optim.fused_loss)
-        weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
-        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), memory
-
-    return nn_common.under_axis_rules(eval_step, config.mesh.rules)
-
-
-def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
-    """``make_eval_step`` jitted once per run. The memory it returns keeps the batch's sharding, so the next
-    window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
-    and every pass would compile twice)."""
-    return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, setup.batch_sharding(mesh)))
-
-
-def one_step_ahead(previous: PyTree, current: PyTree) -> PyTree:
-    """Waits for ``previous`` (the outputs of the step before this one) and returns ``current``, to be passed as
-    ``previous`` next time: the host dispatches at most one step ahead of the device, so the device always has the
-    next step queued and never a long queue.
-
-    Unbounded async dispatch deadlocked two processes on CPU: XLA's CPU client admits a fixed number of programs
-    per device and launches a program's per-device parts from a thread pool, so a device's places filled with later
-    programs while an earlier one, whose all-reduce the other devices were already in (over gloo), waited for one.
-    A loop that reads nothing back for many steps (an evaluation pass) now waits here each step."""
-    jax.block_until_ready(previous)
-    return current
-
-
-def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
-    """This process's rows -> global arrays laid out by ``sharding``."""
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
-
-
-def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
-                  mesh: jax.sharding.Mesh, memory: PyTree = None,
-                  stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
-    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero); an ``EvalSet``'s
-    examples packed several to a row (``pipeline.loss_batches``).
-
-    With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
-    batches on every process), so the sums cover the whole split once and are the same on every process.
-
-    ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
-    evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
-    the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
-    otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once ``over()`` (a time budget, ``why``
-    naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
-    """
-    sharding = setup.batch_sharding(mesh)
-    eval_set = pipeline.loss_batches(eval_set)
-    total, memory, done, previous = None, memory or {}, 0, None
-    with jax.set_mesh(mesh):
-        for batch in eval_set:
-            batch = {k: v for k, v in batch.items() if k != "example_index"}
-            sums, memory = eval_step(params, apply_fn, global_batch(batch, sharding), memory)
-            total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-            done += 1
-            previous = one_step_ahead(previous, total)
-            if stop_when and done < len(eval_set) and stop_when[0]():  # the clock is now the device's, less a batch
-                break
-    scores = metrics.summarize(total)
-    if stop_when and done < len(eval_set):
-        scores["unscored_batches"] = len(eval_set) - done
-        logger.warning(f"{stop_when[1]} ran out: the loss pass stopped after {done} of {len(eval_set)} "
-                       f"batches ({scores['tokens']:.0f} tokens); its scores cover those only")
-    return scores
-
-
-def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
-                     *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
-                     stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
-    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
-    ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new;
-    ``stop_when``: ``evaluate_loss``'s (a pass cut short has no per-word perplexity)."""
-    mesh = setup.make_mesh(config.mesh) if mesh is None else mesh
-    eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
-    memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
-    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory, stop_when), split=split)
-    if "unscored_batches" not in scores:
-        scores.update(_word_perplexity(eval_set, scores))
-    decode_and_score.write_outputs(workdir, split, None, scores)
-    per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
-    logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
-                f"{scores['tokens']:.0f} tokens)")
-    return scores
-
-
-def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
-    """The per-word perplexity of an eval set of whole texts (``scoring.word_count`` over every process's
-    examples); ``{}`` for document-stream windows or when a text was cut (its NLL would not be the text's)."""
-    examples, stats = getattr(eval_set, "examples", None), getattr(eval_set, "stats", {})
-    if examples is None or not hasattr(eval_set, "tokens"):
-        return {}
-    local = [scoring.word_count(e["targets"] for e in examples), int(stats.get("eval_targets_truncated", 0))]
-    words, truncated = np.sum(decode_and_score.allgather_json(local), axis=0) if jax.process_count() > 1 else local
-    if truncated or not words:
-        return {}
-    return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))

@@ -25,8 +25,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lconv.errors import UserError
-from lconv.train import integrity
-from lconv.train import workdir as workdir_lib
+from lconv.run import integrity
+from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 

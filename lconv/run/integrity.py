@@ -27,7 +27,7 @@ import numpy as np
 from etils import epath
 
 from lconv.errors import UserError
-from lconv.train import workdir as workdir_lib
+from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 

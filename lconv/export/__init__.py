@@ -35,15 +35,13 @@ from flax import traverse_util
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
-from lconv.cli import runtime
-from lconv.configs import schema
 from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.ops import conv as ops_conv
-from lconv.train import backend, setup
+from lconv.run import backend, restore, schema
 
 SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
@@ -51,7 +49,7 @@ FORMAT_VERSION = 1
 MAX_EXPORT_ROWS = 4096
 
 
-def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
+def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
            widths: Sequence[int] | None = None, beam_size: int | None = None, max_len: int | None = None,
            temperature: float | None = None, top_k: int | None = None, top_p: float | None = None) -> dict[str, Any]:
     """Writes ``trained``'s programs (one per ``rows`` x ``widths`` bucket), params, tokenizer and sidecar into
@@ -63,7 +61,7 @@ def export(trained: setup.Trained, out: str, *, platforms: Sequence[str] = ("cpu
     given = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
     check_task_settings(config.task, beam_size, [name for name, value in given.items() if value is not None])
     widths = default_widths(config) if widths is None else widths
-    _check(config, platforms, rows, widths)
+    check_buckets(config, platforms, rows, widths)
     sampling = {name: schema.SAMPLING_DEFAULTS[name] if value is None else value for name, value in given.items()}
     max_len = sampling["max_len"]
     if lm:  # the rules eval.py and the API apply, before anything is written
@@ -154,7 +152,8 @@ def _prompt_limit(config: Any, max_len: int) -> int:
     return limit
 
 
-def _check(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int]) -> None:
+def check_buckets(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int]) -> None:
+    """The platforms, and the rows and widths of the buckets: known, ascending, within what a program holds."""
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown or not platforms:
         raise UserError(f"--platforms={','.join(platforms)}: choose from {', '.join(PLATFORMS)}")
@@ -351,63 +350,3 @@ def _check_entry_fits(entry: dict[str, Any], exported: jax.export.Exported, side
 def load(path: str) -> Served:
     """The run exported into ``path`` by ``python -m lconv.export``, ready to call."""
     return Served(path)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lconv.export``: the flags, then ``export``."""
-    from absl import app, flags, logging
-
-    from lconv import console
-
-    flags.DEFINE_string("workdir", None, "A directory written by train.py.")
-    flags.DEFINE_string("out", None, "Where to write the programs, params, tokenizer and sidecar.")
-    flags.DEFINE_list("platforms", ["cpu"], f"Platforms to lower for, from {', '.join(PLATFORMS)}.")
-    flags.DEFINE_list("rows", ["1", "8"], "Batch rows of the exported buckets.")
-    flags.DEFINE_list("widths", [], "Input widths (tokens) of the exported buckets (default: 32, 64, ... up to the "
-                      "longest input lconv.load takes: config.data.eval_max_input_length, an LM's model.max_len).")
-    flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
-    flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best.")
-    flags.DEFINE_integer("beam_size", None, "Translation: beam size (default: the stored config's).")
-    sampling = schema.SAMPLING_DEFAULTS  # eval.py's and the API's defaults
-    flags.DEFINE_integer("max_len", None, f"LM: new tokens per prompt (default {sampling['max_len']}).")
-    flags.DEFINE_float("temperature", None, f"LM: sampling temperature (default {sampling['temperature']}: greedy).")
-    flags.DEFINE_integer("top_k", None, f"LM: top-k filter (default {sampling['top_k']}: off).")
-    flags.DEFINE_float("top_p", None, f"LM: nucleus filter (default {sampling['top_p']}: off).")
-    flags.mark_flags_as_required(["workdir", "out"])
-    F = flags.FLAGS
-
-    def run(argv: list[str]) -> None:
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        console.show_log("stdout")
-        with runtime.user_errors():
-            runtime.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, first
-            rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
-            setup.check_checkpoint_choice(F.average_last, F.checkpoint)
-            schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
-            sampling = {name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")}
-            schema.check_sampling(sampling, spell=_flag)
-            config = setup.read_config(F.workdir)
-            check_task_settings(config.task, F.beam_size, [name for name, v in sampling.items() if v is not None])
-            widths = widths or default_widths(config)
-            _check(config, F.platforms, rows, widths)
-            outputs.check_directory(F.out, "export", "--out")  # before the checkpoint is read
-            trained = setup.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)
-            sidecar = export(trained, F.out, platforms=F.platforms, rows=rows, widths=widths,
-                             beam_size=F.beam_size, max_len=F.max_len, temperature=F.temperature, top_k=F.top_k,
-                             top_p=F.top_p)
-            print(f"exported {len(sidecar['programs'])} programs for {','.join(sidecar['platforms'])} to {F.out}")
-
-    logging.set_verbosity(logging.WARNING)  # orbax's and JAX's info lines: stderr holds errors alone
-    app.run(run, argv=argv, flags_parser=runtime.parse_flags)
-
-
-def _integers(values: Sequence[str], flag: str) -> list[int]:
-    try:
-        return [int(v) for v in values]
-    except ValueError:
-        raise UserError(f"{flag}={','.join(values)}: comma-separated integers") from None
-
-
-if __name__ == "__main__":
-    main()

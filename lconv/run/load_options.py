@@ -7,15 +7,15 @@ from typing import Any
 
 import jax
 
-from lconv.configs import schema
 from lconv.errors import UserError
 from lconv.fields import integer
 from lconv.nn.model_config import COMPUTE_DTYPES
+from lconv.run import schema
 
 
 def overrides(*, dtype: str | None, decode_batch_size: int | None,
               max_input_length: int | None) -> Callable[[Any], None] | None:
-    """What ``setup.load_trained`` applies to the stored config before it builds the model (None: nothing)."""
+    """What ``restore.load_trained`` applies to the stored config before it builds the model (None: nothing)."""
     if dtype is not None and dtype not in COMPUTE_DTYPES:
         raise UserError(f"dtype={dtype!r}: must be one of {', '.join(COMPUTE_DTYPES)} (the compute dtype; params "
                         "stay float32)")

@@ -33,6 +33,7 @@ from etils import epath
 from lconv import outputs
 from lconv.data import paths
 from lconv.errors import UserError
+from lconv.run import schema
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +145,9 @@ def config_changes(stored: dict[str, Any], config: Any) -> dict[str, tuple[Any, 
 
 def fields_added_at_their_defaults(stored: dict[str, Any], changes: dict[str, tuple[Any, Any]]) -> set[str]:
     """The changed fields that the stored config lacks and the launch sets to lconv's default
-    (``lconv.configs.common.base_config``): fields added to lconv after the run was made, whose defaults keep the
+    (``lconv.run.schema.base_config``): fields added to lconv after the run was made, whose defaults keep the
     behaviour the run had. Resuming an older run needs no ``accept_changes`` for them."""
-    from lconv.configs import common
-
-    stored_fields, defaults = _flatten(stored), _flatten(_as_json(common.base_config()))
+    stored_fields, defaults = _flatten(stored), _flatten(_as_json(schema.base_config()))
     return {k for k, (_, new) in changes.items() if k not in stored_fields and k in defaults and new == defaults[k]}
 
 

@@ -1,0 +1,107 @@
+"""The loss pass: a model's label-smoothed loss, perplexity and accuracy over a split (padding rows weigh zero), as
+training's validation and eval.py's scoring of an LM both run it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lconv.data import pipeline
+from lconv.infer import decode_and_score, scoring
+from lconv.nn import common as nn_common
+from lconv.run import metrics, model_setup
+
+logger = logging.getLogger(__name__)
+
+PyTree = Any
+Batch = dict[str, Any]
+
+
+def make_eval_step(config: Any) -> Callable:
+    """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
+    def eval_step(params, apply_fn, batch, memory):
+        outputs, memory = model_setup.apply_model(apply_fn, params, memory, batch, deterministic=True,
+                                                  logits=not config.optim.fused_loss)
+        weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
+        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), memory
+
+    return nn_common.under_axis_rules(eval_step, config.mesh.rules)
+
+
+def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
+    """``make_eval_step`` jitted once per run. The memory it returns keeps the batch's sharding, so the next
+    window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
+    and every pass would compile twice)."""
+    return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, model_setup.batch_sharding(mesh)))
+
+
+def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
+                  mesh: jax.sharding.Mesh, memory: PyTree = None,
+                  stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
+    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero); an ``EvalSet``'s
+    examples packed several to a row (``pipeline.loss_batches``).
+
+    With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
+    batches on every process), so the sums cover the whole split once and are the same on every process.
+
+    ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
+    evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
+    the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
+    otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once ``over()`` (a time budget, ``why``
+    naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
+    """
+    sharding = model_setup.batch_sharding(mesh)
+    eval_set = pipeline.loss_batches(eval_set)
+    total, memory, done, previous = None, memory or {}, 0, None
+    with jax.set_mesh(mesh):
+        for batch in eval_set:
+            batch = {k: v for k, v in batch.items() if k != "example_index"}
+            sums, memory = eval_step(params, apply_fn, model_setup.global_batch(batch, sharding), memory)
+            total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+            done += 1
+            previous = model_setup.one_step_ahead(previous, total)
+            if stop_when and done < len(eval_set) and stop_when[0]():  # the clock is now the device's, less a batch
+                break
+    scores = metrics.summarize(total)
+    if stop_when and done < len(eval_set):
+        scores["unscored_batches"] = len(eval_set) - done
+        logger.warning(f"{stop_when[1]} ran out: the loss pass stopped after {done} of {len(eval_set)} "
+                       f"batches ({scores['tokens']:.0f} tokens); its scores cover those only")
+    return scores
+
+
+def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
+                     *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
+                     stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
+    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
+    ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new;
+    ``stop_when``: ``evaluate_loss``'s (a pass cut short has no per-word perplexity)."""
+    mesh = model_setup.make_mesh(config.mesh) if mesh is None else mesh
+    eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
+    memory = model_setup.init_memory(config, model, config.data.eval_batch_size, model_setup.batch_sharding(mesh))
+    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory, stop_when), split=split)
+    if "unscored_batches" not in scores:
+        scores.update(_word_perplexity(eval_set, scores))
+    decode_and_score.write_outputs(workdir, split, None, scores)
+    per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
+    logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
+                f"{scores['tokens']:.0f} tokens)")
+    return scores
+
+
+def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
+    """The per-word perplexity of an eval set of whole texts (``scoring.word_count`` over every process's
+    examples); ``{}`` for document-stream windows or when a text was cut (its NLL would not be the text's)."""
+    examples, stats = getattr(eval_set, "examples", None), getattr(eval_set, "stats", {})
+    if examples is None or not hasattr(eval_set, "tokens"):
+        return {}
+    local = [scoring.word_count(e["targets"] for e in examples), int(stats.get("eval_targets_truncated", 0))]
+    words, truncated = np.sum(decode_and_score.allgather_json(local), axis=0) if jax.process_count() > 1 else local
+    if truncated or not words:
+        return {}
+    return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))

@@ -1,0 +1,152 @@
+"""A run's model, built from its config: the module, the mesh and the shardings its params and batches take, the
+batch ``init`` traces, and the model applied to a batch (the kNN memory threaded through). Training, evaluation,
+the API, export, the importer, the bench and the study all build a model here, so each builds the same one.
+
+One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); parameters are sharded by their logical axis names
+(``config.mesh.rules``), batches and the kNN memory's rows along ``lconv.constants.BATCH_MESH_AXES``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lconv.constants import BATCH_MESH_AXES
+from lconv.errors import UserError
+from lconv.nn import common as nn_common
+from lconv.nn import knn_memory, models
+
+Config = ml_collections.ConfigDict
+PyTree = Any
+Batch = dict[str, Any]
+
+
+def build_model(config: Config, vocab_size: int) -> nn.Module:
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size)
+    if config.task == "lm":
+        return models.DecoderOnlyLM(model_cfg)
+    if config.task in ("translation", "summarization"):
+        return models.EncoderDecoder(model_cfg)
+    raise UserError(f"config.task must be translation, summarization or lm; got {config.task!r}")
+
+
+def make_mesh(mesh_config: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    devices = jax.devices() if devices is None else devices
+    shape = list(mesh_config.shape)
+    if shape.count(-1) > 1:
+        raise UserError(f"config.mesh.shape may hold one -1; got {tuple(shape)}")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) != len(devices):
+        raise UserError(f"config.mesh.shape={tuple(mesh_config.shape)} does not use the {len(devices)} devices")
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(tuple(shape), tuple(mesh_config.axis_names), axis_types, devices=devices)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """Rows of a global batch (and of the kNN memory) split over the mesh's batch axes."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_MESH_AXES))
+
+
+def dummy_batch(config: Config, batch_size: int = 1, length: int | None = None) -> dict[str, np.ndarray]:
+    """A batch of ones with the training shapes (``length``: every sequence's, if given): what ``init`` traces."""
+    lengths = {"targets": config.data.max_target_length}
+    if config.task != "lm":
+        lengths["inputs"] = config.data.max_input_length
+    batch = {}
+    for key, T in lengths.items():
+        T = T if length is None else length
+        batch[key] = np.ones((batch_size, T), np.int32)
+        batch[f"{key}_segmentation"] = np.ones((batch_size, T), np.int32)
+        batch[f"{key}_position"] = np.broadcast_to(np.arange(T, dtype=np.int32), (batch_size, T))
+    return batch
+
+
+def model_inputs(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of the model's ``__call__`` from a pipeline batch."""
+    keys = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
+    kwargs = {k: batch[k] for k in keys if k in batch}
+    args = (batch["inputs"], batch["targets"]) if "inputs" in batch else (batch["targets"],)
+    return args, kwargs
+
+
+def init_memory(config: Config, model: nn.Module, rows: int,
+                sharding: jax.sharding.Sharding | None = None) -> PyTree:
+    """The zeroed (empty) ``'memory'`` collection for ``rows`` stream rows; ``{}`` unless ``config.data.stream``
+    and the model has kNN-memory layers (without a stream there are no past windows to remember).
+
+    ``sharding``: lay the rows out as the batch (created by a jit, so every process builds its shards of one
+    global array); None gives plain arrays (or traced ones inside a jit)."""
+    if not config.data.stream:
+        return {}
+    args, kwargs = model_inputs(dummy_batch(config, rows))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
+    if not shapes:
+        return {}
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731 (init's are zeros)
+    return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+
+
+def param_shardings(config: Config, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+    """Shardings of a (boxed) pytree from its logical axis names and the config's mesh rules."""
+    rules = nn_common.axis_rules(config.mesh.rules)
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, list(rules))
+
+
+def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -> PyTree:
+    """Shape/dtype/sharding structs of the model's (boxed) params: the target of a params-only restore."""
+    args, kwargs = model_inputs(dummy_batch(config))
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
+    shardings = param_shardings(config, abstract, mesh)  # one per box: the tree of the unboxed params
+
+    def place(sharding, leaf):
+        boxed = isinstance(leaf, nn.meta.AxisMetadata)
+        value = leaf.unbox() if boxed else leaf
+        struct = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return leaf.replace_boxed(struct) if boxed else struct
+
+    return jax.tree.map(place, shardings, abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+def count_params(params: PyTree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(params))))
+
+
+def apply_model(apply_fn: Callable, params: PyTree, memory: PyTree, batch: Batch,
+                **kwargs: Any) -> tuple[jax.Array, PyTree]:
+    """``(logits, memory after this window)`` (with ``logits=False`` among ``kwargs``, the model's
+    ``OutputLayer`` instead of logits). With a memory (a stream batch), rows whose ``document_start``
+    is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
+    through (a plain apply)."""
+    args, model_kwargs = model_inputs(batch)
+    if not memory:
+        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), memory
+    memory = knn_memory.reset_memory(memory, batch["document_start"] > 0)
+    logits, updated = apply_fn({"params": params, "memory": memory}, *args, **model_kwargs, **kwargs,
+                               mutable=["memory"])
+    return logits, updated["memory"]
+
+
+def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
+    """This process's rows -> global arrays laid out by ``sharding``."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+
+
+def one_step_ahead(previous: PyTree, current: PyTree) -> PyTree:
+    """Waits for ``previous`` (the outputs of the step before this one) and returns ``current``, to be passed as
+    ``previous`` next time: the host dispatches at most one step ahead of the device, so the device always has the
+    next step queued and never a long queue.
+
+    Unbounded async dispatch deadlocked two processes on CPU: XLA's CPU client admits a fixed number of programs
+    per device and launches a program's per-device parts from a thread pool, so a device's places filled with later
+    programs while an earlier one, whose all-reduce the other devices were already in (over gloo), waited for one.
+    A loop that reads nothing back for many steps (an evaluation pass) now waits here each step."""
+    jax.block_until_ready(previous)
+    return current

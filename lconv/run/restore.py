@@ -1,0 +1,136 @@
+"""A trained run read back from its workdir: its stored config (checked by the schema, the fields lconv added since
+filled in), then its model and parameters (``load_trained``: an orbax partial restore, no optimizer built, nothing
+written). What eval.py, ``lconv.load``, export, the study and ``init_from`` read a run through.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from etils import epath
+
+from lconv.constants import EXPORT_SIDECAR
+from lconv.data import paths
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.errors import UserError
+from lconv.fields import is_integer
+from lconv.run import checkpoints, model_setup
+from lconv.run import workdir as workdir_lib
+from lconv.run.schema import validate_config
+
+Config = ml_collections.ConfigDict
+PyTree = Any
+
+
+@dataclasses.dataclass
+class Trained:
+    """A trained model for evaluation: its stored config, tokenizer, model and (averaged) parameters."""
+
+    config: Config
+    workdir: str
+    tokenizer: tokenizer_lib.Tokenizer
+    model: nn.Module
+    params: PyTree
+    steps: list[int]  # the checkpoint steps the parameters come from (averaged when more than one)
+
+
+def find_run(workdir: str, caller: str = "--workdir") -> str:
+    """The resolved workdir (local or an ``etils.epath`` URL) of a run, or a one-line error naming the path as
+    ``caller`` was given it (``--workdir=runs/x``, ``lconv.load('runs/x')``) and what is there instead: nothing,
+    an export, or a folder without a ``config.json``. ``caller`` may be a config field (``config.train.init_from``)."""
+    label = f"{caller}={workdir}" if caller.startswith(("-", "config.")) else f"{caller}({str(workdir)!r})"
+    paths.check_url(workdir, caller, label=label)
+    resolved = workdir_lib.resolve(workdir)
+    root = epath.Path(resolved)
+    if (root / workdir_lib.CONFIG_FILENAME).exists():
+        return resolved
+    where = "" if resolved == str(workdir) else f" ({resolved})"
+    if not root.exists():
+        raise UserError(f"{label}: no such directory{where}")
+    if (root / EXPORT_SIDECAR).exists():
+        raise UserError(f"{label} is an export, not a run: load it with lconv.export.load")
+    raise UserError(f"{label}: not a run written by train.py (no {workdir_lib.CONFIG_FILENAME} in {resolved})")
+
+
+def read_config(workdir: str, caller: str = "--workdir") -> Config:
+    """The resolved config a run stored in ``<workdir>/config.json``, with the fields lconv added since at their
+    defaults; ``caller``: as ``find_run``'s."""
+    path = epath.Path(find_run(workdir, caller)) / workdir_lib.CONFIG_FILENAME
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
+        raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None
+    if not isinstance(stored, dict):
+        raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
+    try:  # the fields by the schema's rules, as train.py checked them: a hand-edited value is named here
+        config = ml_collections.ConfigDict(stored)
+        validate_config(config)  # also fills the fields lconv added since the run was made
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
+    return config
+
+
+def as_flag(name: str) -> str:
+    """An option as the programs' flags spell it (``average_last`` -> ``--average_last``): errors name what the user
+    typed; the API passes ``spell=str``, so its errors name its own arguments."""
+    return f"--{name}"
+
+
+def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[[str], str] = as_flag) -> None:
+    """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags (``spell=str``: as
+    the API's arguments)."""
+    if not isinstance(checkpoint, str) or checkpoint not in ("latest", "best"):
+        raise UserError(f"{spell('checkpoint')}={checkpoint!r}: must be latest or best")
+    if not is_integer(average_last) or average_last < 1:
+        raise UserError(f"{spell('average_last')}={average_last!r}: must be >= 1, an integer (the number of latest "
+                        "checkpoints to average)")
+    if checkpoint == "best" and average_last > 1:
+        raise UserError(f"{spell('average_last')} averages the latest checkpoints; it does not combine with "
+                        f"{spell('checkpoint')}=best")
+
+
+def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
+                 overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
+                 spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None) -> Trained:
+    """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
+    the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
+    validation loss. ``caller``: how the path was given, for errors (``find_run``); ``spell``: how the other
+    options are named in them (``check_checkpoint_choice``).
+
+    Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
+    nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
+    (decoding fields, say) before the model is built. ``devices``: the mesh's (``config.mesh``; default all)."""
+    check_checkpoint_choice(average_last, checkpoint, spell)
+    config = read_config(workdir, caller)
+    if overrides is not None:
+        overrides(config)
+    workdir = workdir_lib.resolve(workdir)
+    tokenizer = tokenizer_lib.load_tokenizer(workdir)
+    model = model_setup.build_model(config, tokenizer.vocab_size)
+    ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best",
+                                    read_only=True)
+    steps = sorted(ckpt.all_steps())
+    if not steps:
+        raise UserError(f"no checkpoint in {ckpt.directory}; train first with train.py --workdir={workdir}")
+    if average_last > len(steps):  # fewer would be averaged without a word
+        raise UserError(f"{spell('average_last')}={average_last}: {ckpt.directory} holds {len(steps)} checkpoint"
+                        f"{'s' if len(steps) != 1 else ''} (steps {', '.join(map(str, steps))}); average at most "
+                        f"{len(steps)}")
+    target = model_setup.abstract_params(config, model, model_setup.make_mesh(config.mesh, devices))
+    chosen = steps[-average_last:]
+    total = None
+    for step in chosen:
+        params = ckpt.restore_params(target, step)
+        total = params if total is None else jax.tree.map(jnp.add, total, params)
+    ckpt.close()
+    return Trained(config, workdir, tokenizer, model,
+                   jax.tree.map(lambda x: x / len(chosen), total), chosen)

@@ -1,0 +1,361 @@
+"""The config schema: every field of a config, each defined once with its default, rule and one-line doc.
+
+A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it: ``data`` is
+``lconv.data.data_config.DataConfig``, ``model`` is ``lconv.nn.model_config.ModelConfig`` (which also serves users
+who build a model without a config file), and the top level, ``optim``, ``train``, ``decode`` and ``mesh`` are
+below. Everything else is read from them:
+- ``base_config()``: every field at its default (configs/common.py's; family files override values);
+- ``complete(config)``: the fields a config lacks filled with their defaults (a config file that does not start
+  from base_config, or a stored config.json from an older lconv), so no reader needs a fallback of its own;
+- ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
+- ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
+- ``hypotheses_per_source``: n-best lists' rule (at most the beam, or k samples), for the API and eval.py;
+- ``check_sampling``: an LM's sampling settings (``SamplingSettings``: not config fields, but eval.py's flags, the
+  API's and export's arguments), by one set of rules whichever surface takes them;
+- ``markdown()``: docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps
+  the committed file equal to it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_collections
+
+from lconv.constants import STOP_RULES
+from lconv.data.data_config import DataConfig
+from lconv.errors import UserError
+from lconv.fields import (
+    BOOL,
+    MAX_ROWS,
+    MAX_TOKENS,
+    RATE,
+    SIZE_REASON,
+    Rule,
+    as_dict,
+    check,
+    check_values,
+    choice,
+    default_of,
+    defaults,
+    field,
+    integer,
+    markdown_table,
+    number,
+    schema_fields,
+)
+from lconv.nn.model_config import ModelConfig
+
+_POSITIVE = integer(1)
+_NON_NEGATIVE = integer(0)
+_NON_NEGATIVE_NUMBER = number(lambda v: v >= 0, "a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopConfig:
+    """The config's own fields, beside its sections."""
+
+    task: str = field("translation", "what the run learns; lm is a decoder-only language model",
+                      choice("translation", "summarization", "lm"))
+    seed: int = field(0, "params init, dropout (folded with the step) and data shuffling", integer())
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The optimiser and its learning-rate schedule (``lconv.train.setup``)."""
+
+    optimizer: str = field("adam", "adam | adamw | nag", choice("adam", "adamw", "nag"))
+    learning_rate: float = field(5e-4, "peak learning rate", number(lambda v: v > 0, "a number > 0"))
+    schedule: str = field("inverse_sqrt", "inverse_sqrt | cosine | constant (all with linear warmup) | budget (in "
+                          "time: warmup over warmup_fraction of the training time, the peak, then a linear decay to 0 "
+                          "over its last decay_fraction, ending where train.max_minutes stops training; "
+                          "docs/training.md)", choice("inverse_sqrt", "cosine", "constant", "budget"))
+    warmup_fraction: float = field(0.05, "schedule=budget: the share of the training time spent warming up",
+                                   number(lambda v: 0 <= v < 1, "a number in [0, 1)"))
+    decay_fraction: float = field(0.2, "schedule=budget: the final share of the training time over which the rate "
+                                  "falls to 0", number(lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    warmup_steps: int = field(4000, "linear warmup updates", _NON_NEGATIVE)
+    warmup_init_lr: float = field(1e-7, "the learning rate warmup starts from (fairseq's warmup-init-lr)",
+                                  _NON_NEGATIVE_NUMBER)
+    min_lr: float = field(1e-9, "cosine floor", _NON_NEGATIVE_NUMBER)
+    cosine_period: int = field(0, "cosine updates after warmup (fairseq's --lr-period-updates); 0 = the rest of "
+                               "the run", _NON_NEGATIVE)
+    b1: float = field(0.9, "Adam's beta1", RATE)
+    b2: float = field(0.98, "Adam's beta2", RATE)
+    eps: float = field(1e-8, "Adam's epsilon", number(lambda v: v > 0, "a number > 0"))
+    momentum: float = field(0.99, "nag's momentum", RATE)
+    weight_decay: float = field(0.0, "decoupled weight decay (adamw)", _NON_NEGATIVE_NUMBER)
+    clip_norm: float = field(0.0, "global gradient-norm clipping; 0 = off",
+                             number(lambda v: v >= 0, "a number >= 0 (0 = off)"))
+    label_smoothing: float = field(0.1, "label smoothing of the cross-entropy loss", RATE)
+    grad_accum_steps: int = field(1, "micro-batches per update (fairseq's update-freq)", _POSITIVE)
+    fused_loss: bool = field(True, "the output layer and the loss make the logits a chunk of tokens at a time, "
+                             "forward and backward, never the whole [tokens, vocab] array (docs/training.md); False "
+                             "= a log-softmax over the materialised logits", BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop (``lconv.train.loop``)."""
+
+    num_steps: int = field(50_000, "optimizer updates", _POSITIVE)
+    max_minutes: float = field(0.0, "the whole run's wall-time budget: training stops (and checkpoints) early enough "
+                               "for the final validation and test (1.5 x their time on their first batches) to end "
+                               "within it "
+                               "(docs/training.md); 0 = no limit",
+                               number(lambda v: v >= 0, "a number >= 0 (0 = no limit)"))
+    stop_check_every: int = field(10, "several processes agree on a stop (signal, max_minutes) every N steps",
+                                  _POSITIVE)
+    log_every: int = field(100, "steps per log line (and per divergence-guard window)", _POSITIVE)
+    eval_every: int = field(2000, "steps per validation loss / ppl", _POSITIVE)
+    checkpoint_every: int = field(2000, "steps per checkpoint", _POSITIVE)
+    keep_checkpoints: int = field(5, "latest checkpoints kept", _POSITIVE)
+    eval_after_training: bool = field(True, "decode the test split and report BLEU/ROUGE at the end", BOOL)
+    spike_factor: float = field(3.0, "divergence guard: a log window whose mean loss is above spike_factor x the "
+                                "median of the windows before it is a spike (no checkpoint during one); 0 = off",
+                                number(lambda v: v == 0 or v > 1, "0 (off) or a number > 1"))
+    spike_windows: int = field(3, "spike windows in a row that stop the run", _POSITIVE)
+    init_from: str = field("", "a run (its workdir: a path or URL) whose params a new run starts from, with a new "
+                           "optimizer at step 0 (fine-tuning); its task, model and tokenizer are this run's; '' = "
+                           "random init", Rule(lambda v: isinstance(v, str), "a workdir path or URL, or '' (none)"))
+    init_checkpoint: str = field("latest", "init_from's latest checkpoint, or its best by validation loss",
+                                 choice("latest", "best"))
+    checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
+    async_checkpoints: bool = field(True, "checkpoint files are written while training goes on (orbax async)", BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Decoding and scoring a split (``lconv.infer``), at the end of training and by eval.py."""
+
+    beam_size: int = field(5, "beam width (1 = greedy)", Rule(
+        _POSITIVE.test, ">= 1 (1 = greedy), an integer, at most the vocabulary's size - 1 (fairseq's cap: a beam "
+        "holds distinct continuations)"))
+    batch_size: int = field(0, "sources per decoding batch; 0 = auto: data.eval_batch_size on CPU, wider on a "
+                            "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)",
+                                               maximum=MAX_ROWS, reason=SIZE_REASON))
+    lenpen: float = field(1.0, "fairseq length penalty: score / length**lenpen", number(
+        lambda v: v >= 0, "a finite number >= 0 (0 = no length normalisation, 1 = divide by the length)"))
+    max_len_a: float = field(1.2, "max output length = a * source length + b", number(
+        lambda v: 0 <= v <= 1000, f"a number in [0, 1000] ({SIZE_REASON})"))
+    max_len_b: int = field(10, "max output length = a * source length + b",
+                           integer(0, maximum=MAX_TOKENS, reason=SIZE_REASON))
+    split: str = field("test", "the split decoded and scored", Rule(lambda v: isinstance(v, str) and bool(v),
+                                                                     "a split name"))
+    num_print: int = field(5, "sample translations printed at the end", _NON_NEGATIVE)
+    stop: str = field("optimal", 'beam search ends when no alive hypothesis can win | "fairseq" (its generator\'s '
+                      "rule)", choice(*STOP_RULES))
+    compound_split: bool = field(False, "tokenized BLEU splits hyphenated compounds (the paper's WMT En-De BLEU)",
+                                 BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sharding: the device mesh and where each logical axis goes on it."""
+
+    shape: tuple = field((-1, 1, 1), "(data, fsdp, tensor); -1 = all remaining devices", Rule(
+        lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and all(integer().test(s) and (s >= 1 or s == -1)
+                                                                        for s in v),
+        "three sizes (data, fsdp, tensor), each >= 1 or one -1"))
+    axis_names: tuple = field(("data", "fsdp", "tensor"), "the mesh axes' names", Rule(
+        lambda v: isinstance(v, (tuple, list)) and tuple(v) == ("data", "fsdp", "tensor"),
+        "('data', 'fsdp', 'tensor')"))
+    rules: tuple = field(
+        (("embed", "fsdp"), ("vocab", "tensor"), ("mlp", "tensor"), ("conv", "tensor"), ("heads", "tensor"),
+         ("kernel", None), ("length", None), ("key_length", "fsdp")),  # key_length: Fixed / Hadamard's [T, T]
+        "logical axis -> mesh axis (None = replicated); activations follow lconv.constants.DEFAULT_AXIS_RULES "
+        "unless named here",
+        Rule(lambda v: isinstance(v, (tuple, list)) and all(len(r) == 2 and isinstance(r[0], str) for r in v),
+             "(logical axis, mesh axis or None) pairs"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """An LM's sampling settings: eval.py's flags, ``Model.generate``'s and ``lconv.export``'s arguments (not
+    config fields: they are chosen per call)."""
+
+    max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
+    temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
+        lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"))
+    top_k: int = field(0, "sample from the k most likely tokens; 0 = all", integer(0, " (0 = no top-k filter)"))
+    top_p: float = field(1.0, "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
+                         number(lambda v: 0 < v <= 1, "in (0, 1] (1 = no nucleus filter)"))
+    seed: int = field(0, "the sampling seed (a uint32 on the device)", Rule(
+        lambda v: integer().test(v) and 0 <= v < 2**32, "an integer in [0, 2**32)"))
+
+
+SAMPLING_DEFAULTS = defaults(SamplingSettings)  # greedy, 50 tokens
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
+            "decode": DecodeConfig, "mesh": MeshConfig}
+
+
+def _fill(target: Any, section: type) -> None:
+    """Sets each field ``target`` lacks to its default; a None default of a ConfigDict becomes a typed placeholder,
+    so that the command line can still set it."""
+    for f in schema_fields(section):
+        if f.name not in target:
+            value, kind = default_of(f), f.metadata["placeholder"]
+            if value is None and kind is not None and isinstance(target, ml_collections.ConfigDict):
+                value = ml_collections.config_dict.placeholder(kind)
+            target[f.name] = value
+
+
+def complete(config: Any) -> Any:
+    """Fills, in place, every field ``config`` (a ConfigDict or a dict) lacks with its default; returns it."""
+    unlocked = config.unlocked() if isinstance(config, ml_collections.ConfigDict) else contextlib.nullcontext()
+    with unlocked:
+        _fill(config, TopConfig)
+        for name, section in SECTIONS.items():
+            if name not in config:
+                config[name] = ml_collections.ConfigDict() if isinstance(config, ml_collections.ConfigDict) else {}
+            _fill(config[name], section)
+    return config
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field at its default."""
+    return complete(ml_collections.ConfigDict())
+
+
+def validate_config(config: Any) -> None:
+    """Fills the fields ``config`` lacks with their defaults (in place), then checks every field: one line naming
+    the first bad one, before any data is read or file written."""
+    complete(config)
+    values = as_dict(config)
+    top = {f.name for f in schema_fields(TopConfig)}
+    unknown = sorted(set(values) - set(SECTIONS) - top)
+    if unknown:
+        raise UserError(f"config has unknown field(s) {unknown}; known: {sorted(set(SECTIONS) | top)}")
+    check_values(TopConfig, {name: values[name] for name in top}, "config")
+    for name, section in SECTIONS.items():
+        if section is not ModelConfig:  # the model's fields are checked by ModelConfig, below
+            check_values(section, values[name], f"config.{name}")
+    _check_splits(values)
+    if values["data"]["stream"] and values["task"] != "lm":
+        raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
+                        f"not {values['task']!r}")
+    check_search(beam_size=values["decode"]["beam_size"], vocab_size=values["data"]["vocab_size"])
+    model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
+    model_cfg.validate(decoder_only=values["task"] == "lm")
+    model_cfg.check_kernel_counts(decoder_only=values["task"] == "lm")
+    if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
+        raise UserError(f"config.optim.warmup_fraction={values['optim']['warmup_fraction']} and decay_fraction="
+                        f"{values['optim']['decay_fraction']} share the training time: they must add up to at most 1")
+    if values["optim"]["schedule"] == "budget" and not values["train"]["max_minutes"]:
+        raise UserError("config.optim.schedule='budget' decays the learning rate to 0 where train.max_minutes stops "
+                        "training; set train.max_minutes, or choose another schedule")
+    if model_cfg.output_vocab_size and values["optim"]["label_smoothing"]:
+        raise UserError(f"config.optim.label_smoothing={values['optim']['label_smoothing']}: must be 0 with "
+                        f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
+                        "probability onto the ids the decoder cannot predict)")
+
+
+def _check_splits(values: Mapping[str, Any]) -> None:
+    """Training validates on ``validation`` and, with ``train.eval_after_training``, scores ``decode.split``: both
+    among the prepared ``data.eval_splits`` (else a KeyError before training, or after all of it)."""
+    splits = tuple(values["data"]["eval_splits"])
+    if "validation" not in splits:
+        raise UserError(f"config.data.eval_splits={splits}: must include 'validation' (training reports its loss "
+                        "and keeps the best checkpoint by it)")
+    if values["train"]["eval_after_training"] and values["decode"]["split"] not in splits:
+        raise UserError(f"config.decode.split={values['decode']['split']!r}: must be one of config.data.eval_splits="
+                        f"{splits} (the split scored after training), or set train.eval_after_training=False")
+
+
+def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
+                 spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
+                 vocab_size: int | None = None) -> None:
+    """The decode section's rules for the beam search's settings, for every place that takes them: the config,
+    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given. With
+    ``vocab_size`` (once it is known) the beam is at most ``vocab_size - 1``, as fairseq caps it: a wider beam
+    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB)."""
+    check_decode({"beam_size": beam_size, "lenpen": lenpen}, spell)
+    if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
+        raise UserError(f"{spell('beam_size')}={beam_size}: must be at most the vocabulary's size - 1 "
+                        f"({vocab_size - 1}; fairseq's cap: a wider beam holds no more distinct continuations)")
+
+
+def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
+                 ) -> None:
+    """Each given (not None) ``config.decode`` field of ``values`` by its rule, named as ``spell`` says (a flag's
+    name on the command line): the one check of decoding settings, whichever surface takes them."""
+    rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
+    for name, value in values.items():
+        if value is not None:
+            check(spell(name), value, rules[name])
+
+
+def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
+                          spell: Callable[[str], str] = str, vocab_size: int | None = None) -> int:
+    """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
+    (hypotheses returned per source; None = the best alone) checked against it: the one rule for the API's
+    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``. Samples are
+    held as a beam's hypotheses are: with ``vocab_size``, at most ``vocab_size - 1`` of them, as a beam."""
+    if nbest is not None and not (integer().test(nbest) and nbest >= 1):
+        raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
+    if temperature:
+        if beam_size is not None:
+            raise UserError(f"{spell('beam_size')}={beam_size}: not used when sampling ({spell('temperature')}="
+                            f"{temperature}); {spell('nbest')} sets the number of samples per source")
+        if vocab_size is not None and nbest is not None and nbest > vocab_size - 1:
+            raise UserError(f"{spell('nbest')}={nbest}: at most {vocab_size - 1} samples per source (the vocabulary's "
+                            "size - 1, the beam's bound: samples are held as a beam's hypotheses are)")
+        return nbest or 1
+    beams = stored_beam_size if beam_size is None else beam_size
+    if nbest is not None and nbest > beams:
+        raise UserError(f"{spell('nbest')}={nbest}: must be at most the beam size ({beams}); pass "
+                        f"{spell('beam_size')}={nbest} or more")
+    return beams
+
+
+def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
+                   vocab_size: int | None = None, idle: bool = True) -> None:
+    """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
+    ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
+    ``top_k`` may not exceed it. A filter or a seed without a temperature (0 or not given) is refused: greedy
+    decoding and beam search would ignore it (``idle=False`` leaves that to a later call, after checks whose
+    message says more)."""
+    rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
+    unknown = sorted(set(values) - set(rules))
+    if unknown:
+        raise UserError(f"unknown sampling setting(s) {unknown}; known: {sorted(rules)}")
+    for name, value in values.items():
+        if value is not None:
+            check(spell(name), value, rules[name])
+    top_k = values.get("top_k")
+    if vocab_size is not None and top_k is not None and top_k > vocab_size:
+        raise UserError(f"{spell('top_k')}={top_k}: must be at most the model's vocabulary of {vocab_size} tokens "
+                        "(0 = no top-k filter)")
+    if idle and not values.get("temperature"):  # greedy (0 or not given): a filter or a seed would be ignored
+        idle = [f"{spell(name)}={values[name]}" for name, off in (("top_k", 0), ("top_p", 1.0), ("seed", 0))
+                if values.get(name) is not None and values[name] != off]
+        if idle:
+            raise UserError(f"{', '.join(idle)}: {'a sampling setting' if len(idle) == 1 else 'sampling settings'}"
+                            f" for {spell('temperature')} > 0; at {spell('temperature')}=0 (greedy, or beam search) it "
+                            "would be ignored")
+
+
+_DOCS_HEADER = """# Config fields
+
+Every field of a config, with its default, what it allows and what it does. Generated from the schema
+(`lconv/run/schema.py`, `lconv/data/data_config.py`, `lconv/nn/model_config.py`) by
+`python -m lconv.run.schema > docs/config.md`; a test keeps this file equal to it. Family configs
+(`configs/*.py`) override values; any field can be set from the command line, e.g.
+`python train.py --config=configs/default.py --config.model.dropout=0.2`. A config that lacks a field gets its
+default, so a `config.json` written by an older lconv still loads."""
+
+
+def markdown() -> str:
+    """docs/config.md: one table per section."""
+    parts = [_DOCS_HEADER, "## Top level\n\n" + markdown_table(TopConfig, "config")]
+    for name, section in SECTIONS.items():
+        about = (section.__doc__ or "").strip().splitlines()[0]
+        parts.append(f"## {name}\n\n{about}\n\n" + markdown_table(section, f"config.{name}"))
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
