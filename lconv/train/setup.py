@@ -3,7 +3,7 @@ state sharded onto the mesh (``build_run``); or, for evaluation, the model and i
 (``load_trained``: an orbax partial restore, no optimizer built).
 
 One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); parameters are sharded by their logical axis names
-(``config.mesh.rules``), batches and the kNN memory's rows along ``lconv.constants.BATCH_MESH_AXES``.
+(``config.mesh.rules``), batches and the rows of the mixers' carried state along ``lconv.constants.BATCH_MESH_AXES``.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.fields import is_integer
 from lconv.nn import common as nn_common
-from lconv.nn import mixers, models
+from lconv.nn import mixer_state, mixers, models
 from lconv.train import checkpoints
 from lconv.train import workdir as workdir_lib
 
@@ -41,9 +41,10 @@ PyTree = Any
 
 
 class TrainState(train_state.TrainState):
-    # The kNN layers' 'memory' collection ([B, ...] leaves, B = the global batch's rows) carried from one
-    # window of each row's document stream to the next; {} unless data.stream and the model has kNN layers.
-    memory: Any = None
+    # What the model's stateful mixers carry from one window of each row's document stream to the next
+    # (lconv.nn.mixer_state.MixerState, [B, ...] leaves, B = the global batch's rows); empty unless data.stream
+    # and a mixer declares state.
+    mixer_state: Any = None
 
 
 @dataclasses.dataclass
@@ -189,7 +190,7 @@ def make_mesh(mesh_config: Config, devices: Sequence[jax.Device] | None = None) 
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-    """Rows of a global batch (and of the kNN memory) split over the mesh's batch axes."""
+    """Rows of a global batch (and of the mixers' carried state) split over the mesh's batch axes."""
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_MESH_AXES))
 
 
@@ -229,21 +230,16 @@ def model_inputs(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]
     return args, kwargs
 
 
-def init_memory(config: Config, model: nn.Module, rows: int,
-                sharding: jax.sharding.Sharding | None = None) -> PyTree:
-    """The zeroed (empty) ``'memory'`` collection for ``rows`` stream rows; ``{}`` unless ``config.data.stream``
-    and the model has kNN-memory layers (without a stream there are no past windows to remember).
+def init_mixer_state(config: Config, model: nn.Module, rows: int,
+                     sharding: jax.sharding.Sharding | None = None) -> mixer_state.MixerState:
+    """The state the model's stateful mixers start a stream of ``rows`` rows with (``lconv.nn.mixer_state``);
+    empty unless ``config.data.stream`` (without a stream every batch is a fresh document: nothing to carry).
 
-    ``sharding``: lay the rows out as the batch (created by a jit, so every process builds its shards of one
-    global array); None gives plain arrays (or traced ones inside a jit)."""
+    ``sharding``: lay the rows out as the batch; None gives plain arrays (or traced ones inside a jit)."""
     if not config.data.stream:
-        return {}
+        return mixer_state.empty()
     args, kwargs = model_inputs(dummy_batch(config, rows))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
-    if not shapes:
-        return {}
-    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731 (init's are zeros)
-    return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+    return mixer_state.initial(model, args, kwargs, sharding)
 
 
 def param_shardings(config: Config, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
@@ -260,13 +256,13 @@ def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,
     def init(rng):
         variables = model.init(rng, *args, **kwargs)
         return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                 memory=init_memory(config, model, config.data.batch_size))
+                                 mixer_state=init_mixer_state(config, model, config.data.batch_size))
 
     rng = jax.random.key(config.seed)
     abstract = jax.eval_shape(init, rng)
     shardings = param_shardings(config, abstract, mesh)
-    # Memory rows belong to batch rows: shard them as the batch is, never replicate them.
-    shardings = shardings.replace(memory=jax.tree.map(lambda _: batch_sharding(mesh), abstract.memory))
+    # State rows belong to batch rows: shard them as the batch is, never replicate them.
+    shardings = shardings.replace(mixer_state=jax.tree.map(lambda _: batch_sharding(mesh), abstract.mixer_state))
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)(rng)
     return state, shardings

@@ -1,4 +1,5 @@
-"""The compiled steps: one optimizer update (with gradient accumulation and the kNN memory threaded through),
+"""The compiled steps: one optimizer update (with gradient accumulation and the mixers' carried state threaded
+through),
 the evaluation loss, and a pass of it over a split.
 
 Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and a donated state. The dropout rng is
@@ -18,7 +19,7 @@ import optax
 from lconv.data import pipeline
 from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
-from lconv.nn import knn_memory
+from lconv.nn import mixer_state
 from lconv.train import metrics, setup
 
 logger = logging.getLogger(__name__)
@@ -27,19 +28,16 @@ PyTree = Any
 Batch = dict[str, Any]
 
 
-def apply_model(apply_fn: Callable, params: PyTree, memory: PyTree, batch: Batch,
-                **kwargs: Any) -> tuple[jax.Array, PyTree]:
-    """``(logits, memory after this window)`` (with ``logits=False`` among ``kwargs``, the model's
-    ``OutputLayer`` instead of logits). With a memory (a stream batch), rows whose ``document_start``
-    is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
-    through (a plain apply)."""
+def apply_model(apply_fn: Callable, params: PyTree, carried: mixer_state.MixerState, batch: Batch,
+                **kwargs: Any) -> tuple[jax.Array, mixer_state.MixerState]:
+    """``(logits, the mixers' state after this window)`` (with ``logits=False`` among ``kwargs``, the model's
+    ``OutputLayer`` instead of logits). With a state (a stream batch), rows whose ``document_start`` is set first
+    start over (each mixer's ``reset_state``), then the window reads and updates it; the empty state is a plain
+    apply."""
     args, model_kwargs = setup.model_inputs(batch)
-    if not memory:
-        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), memory
-    memory = knn_memory.reset_memory(memory, batch["document_start"] > 0)
-    logits, updated = apply_fn({"params": params, "memory": memory}, *args, **model_kwargs, **kwargs,
-                               mutable=["memory"])
-    return logits, updated["memory"]
+    if carried:
+        carried = carried.reset(batch["document_start"] > 0)
+    return carried.apply(apply_fn, params, *args, **model_kwargs, **kwargs)
 
 
 def _split_rows(tree: PyTree, micro: int) -> PyTree:
@@ -69,55 +67,56 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
     micro = int(config.optim.grad_accum_steps)
 
     def train_step(state, batch, lr_factor=1.0):
-        def loss_sums(params, memory, batch, dropout_rng):
-            outputs, memory = apply_model(state.apply_fn, params, memory, batch, deterministic=False,
+        def loss_sums(params, carried, batch, dropout_rng):
+            outputs, carried = apply_model(state.apply_fn, params, carried, batch, deterministic=False,
                                           rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
             sums = metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
                                                smoothing)
-            return sums["loss"], (sums, memory)
+            return sums["loss"], (sums, carried)
 
         grad_sums = jax.grad(loss_sums, has_aux=True)  # gradient of the summed (not averaged) loss
         dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
         if micro == 1:
-            grads, (sums, memory) = grad_sums(state.params, state.memory, batch, dropout_rng)
+            grads, (sums, carried) = grad_sums(state.params, state.mixer_state, batch, dropout_rng)
         else:
-            def accumulate(total, index_memory_batch):
-                index, micro_memory, micro_batch = index_memory_batch
-                grads, (sums, micro_memory) = grad_sums(state.params, micro_memory, micro_batch,
+            def accumulate(total, index_state_batch):
+                index, micro_state, micro_batch = index_state_batch
+                grads, (sums, micro_state) = grad_sums(state.params, micro_state, micro_batch,
                                                         jax.random.fold_in(dropout_rng, index))
-                return jax.tree.map(jnp.add, total, (grads, sums)), micro_memory
+                return jax.tree.map(jnp.add, total, (grads, sums)), micro_state
 
-            split_batch, split_memory = _split_rows(batch, micro), _split_rows(state.memory, micro)
-            first = jax.tree.map(lambda x: x[0], (split_memory, split_batch))
+            split_batch, split_state = _split_rows(batch, micro), _split_rows(state.mixer_state, micro)
+            first = jax.tree.map(lambda x: x[0], (split_state, split_batch))
             grads_and_sums = jax.eval_shape(grad_sums, state.params, *first, dropout_rng)
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (grads_and_sums[0], grads_and_sums[1][0]))
-            (grads, sums), split_memory = jax.lax.scan(accumulate, zeros,
-                                                       (jnp.arange(micro), split_memory, split_batch))
-            memory = _merge_rows(split_memory)
+            (grads, sums), split_state = jax.lax.scan(accumulate, zeros,
+                                                       (jnp.arange(micro), split_state, split_batch))
+            carried = _merge_rows(split_state)
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
         sums["grad_norm"] = optax.tree.norm(grads)
         sums["lr"] = lr_schedule(state.step) * lr_factor
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: (u * lr_factor).astype(u.dtype), updates)
         return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                             opt_state=opt_state, memory=memory), sums
+                             opt_state=opt_state, mixer_state=carried), sums
 
     return nn_common.under_axis_rules(train_step, config.mesh.rules)
 
 
 def make_eval_step(config: Any) -> Callable:
-    """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
-    def eval_step(params, apply_fn, batch, memory):
-        outputs, memory = apply_model(apply_fn, params, memory, batch, deterministic=True,
+    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state`` (the mixers' carried state) is empty
+    except on streams."""
+    def eval_step(params, apply_fn, batch, carried):
+        outputs, carried = apply_model(apply_fn, params, carried, batch, deterministic=True,
                                       logits=not config.optim.fused_loss)
         weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
-        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), memory
+        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), carried
 
     return nn_common.under_axis_rules(eval_step, config.mesh.rules)
 
 
 def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
-    """``make_eval_step`` jitted once per run. The memory it returns keeps the batch's sharding, so the next
+    """``make_eval_step`` jitted once per run. The state it returns keeps the batch's sharding, so the next
     window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
     and every pass would compile twice)."""
     return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, setup.batch_sharding(mesh)))
@@ -142,7 +141,7 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 
 
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
-                  mesh: jax.sharding.Mesh, memory: PyTree = None,
+                  mesh: jax.sharding.Mesh, carried: mixer_state.MixerState | None = None,
                   stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero); an ``EvalSet``'s
     examples packed several to a row (``pipeline.loss_batches``).
@@ -151,18 +150,19 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     batches on every process), so the sums cover the whole split once and are the same on every process.
 
     ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
-    evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
-    the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
-    otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once ``over()`` (a time budget, ``why``
-    naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
+    evaluations reuse its compilation. ``carried``: on a stream eval set, the mixers' starting state
+    (``init_mixer_state`` for the eval batch's rows, sharded as the batch) that the pass threads from window to
+    window; ``None`` or empty otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once
+    ``over()`` (a time budget, ``why`` naming it): the scores cover the batches done, ``unscored_batches`` counts
+    the rest, and a warning says so.
     """
     sharding = setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
-    total, memory, done, previous = None, memory or {}, 0, None
+    total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
-            sums, memory = eval_step(params, apply_fn, global_batch(batch, sharding), memory)
+            sums, carried = eval_step(params, apply_fn, global_batch(batch, sharding), carried)
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
             done += 1
             previous = one_step_ahead(previous, total)
@@ -184,8 +184,8 @@ def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable
     ``stop_when``: ``evaluate_loss``'s (a pass cut short has no per-word perplexity)."""
     mesh = setup.make_mesh(config.mesh) if mesh is None else mesh
     eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
-    memory = setup.init_memory(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
-    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory, stop_when), split=split)
+    carried = setup.init_mixer_state(config, model, config.data.eval_batch_size, setup.batch_sharding(mesh))
+    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, carried, stop_when), split=split)
     if "unscored_batches" not in scores:
         scores.update(_word_perplexity(eval_set, scores))
     decode_and_score.write_outputs(workdir, split, None, scores)
