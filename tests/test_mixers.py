@@ -380,3 +380,30 @@ def test_a_mixer_is_shown_by_one_name_everywhere():
     bold = {name.strip() for line in section.splitlines() if line.startswith("- **")
             for name in line[4:line.index("**", 4)].split(" / ")}
     assert bold == set(labels.values())
+
+
+def test_a_layout_rule_places_its_mixer_in_the_configs_and_the_study_alike(registry):
+    """One rule on the class (``layout``, ``layout_others``), read by configs/lm1b.py and the study's configs after
+    their layer counts are set: the kNN memory's second-to-last layer, and a plugin's own rule."""
+    from configs import lm1b
+
+    from lconv.study import plan
+
+    assert mixers.layer_layout("knn_memory", 6) == "attention,attention,attention,attention,knn_memory,attention"
+    assert mixers.layer_layout("knn_memory", 1) == "knn_memory"  # -2 of one layer is that layer
+    assert lm1b.get_config("knn").model.decoder_mixer == mixers.layer_layout("knn_memory", 6)
+    assert lm1b.get_config("knn,ddtp").model.decoder_mixer == "attention,knn_memory,attention"
+
+    class Edges(toy_mixers.PrefixMean):
+        layout: ClassVar[tuple[int, ...]] = (0, -1)
+        layout_others: ClassVar[str] = "lightconv"
+
+    lconv.register_mixer("edges", Edges)
+    assert lm1b.get_config("edges,ddtp").model.decoder_mixer == "edges,lightconv,edges"
+    study = plan.normalize(study_config.get_config("quick"))
+    for task in ("translation", "lm"):
+        config = plan.training_config(study, plan.RunKey(task, "edges", 0))
+        for side in ("encoder", "decoder") if task != "lm" else ("decoder",):
+            assert config.model[f"{side}_mixer"] == mixers.layer_layout("edges", config.model[f"{side}_layers"])
+    with pytest.raises(UserError, match="layout"):
+        mixers.info(type("BadLayout", (toy_mixers.PrefixMean,), {"layout": "second to last"}))

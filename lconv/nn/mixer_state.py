@@ -11,9 +11,12 @@ document stream (training, evaluation, a notebook) threads any mixer's state wit
         logits, carried = carried.apply(model.apply, params, *args, **kwargs)   # read, then updated
 
 It is a pytree (the collections are its leaves, the hooks static), so it lives in the train state and its
-checkpoints, is sharded by rows as the batch, and passes through ``jax.jit`` and ``jax.lax.scan``. Decoding reads
-it (``update=False``); a model without stateful mixers, or a batch of fresh documents, has the empty state, and
-``apply`` is then a plain ``apply({'params': ...})``.
+checkpoints, is sharded by rows as the batch, and passes through ``jax.jit`` and ``jax.lax.scan``. A model without
+stateful mixers, or a batch of fresh documents, has the empty state, and ``apply`` is then a plain
+``apply({'params': ...})``: by the contract (``lconv.testing``'s rule ``carry``) a call without the collections is a
+fresh document's, so decoding and the exported programs, which start from a prompt, need none; decoding that
+continues a carried document passes them read-only (``{'params': p, **state.collections}`` as ``lconv.infer.search``'s
+``variables``; the rule ``decoding`` checks it).
 """
 from __future__ import annotations
 
