@@ -385,7 +385,7 @@ def test_a_mixer_is_shown_by_one_name_everywhere():
 def test_a_layout_rule_places_its_mixer_in_the_configs_and_the_study_alike(registry):
     """One rule on the class (``layout``, ``layout_others``), read by configs/lm1b.py and the study's configs after
     their layer counts are set: the kNN memory's second-to-last layer, and a plugin's own rule."""
-    from configs import lm1b
+    from lconv.configs import lm1b
 
     from lconv.study import plan
 
