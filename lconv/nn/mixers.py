@@ -32,7 +32,8 @@ Everything the rest of lconv knows about a mixer is read from class attributes (
   ``ModelConfig`` (``conv_impl``, ``dropout`` rates, ...) and the layer (``causal``, ``kernel_size``). Nothing is
   passed by a coincidence of names: a value the model does not have is an error, not a silent drop.
 - ``sides`` and ``side_reason``: where the mixer may sit, ``("encoder", "decoder")`` or one of them, and why.
-- ``label``: its name in tables and plots; ``variant``: the word that picks it in ``--config=file.py:WORD``.
+- ``label``: the one name it is shown by, the same in every table, plot, bench row and doc; ``variant``: the word
+  that picks it in ``--config=file.py:WORD``.
 - ``example_fields``: the smallest mixer-specific fields that make it valid on a short test sequence (the
   checker, the tests and the bench start from them).
 - ``state``: the collections besides ``cache`` it carries from one window of a document to the next (the kNN
