@@ -32,11 +32,12 @@ def apply_model(apply_fn: Callable, params: PyTree, carried: mixer_state.MixerSt
                 **kwargs: Any) -> tuple[jax.Array, mixer_state.MixerState]:
     """``(logits, the mixers' state after this window)`` (with ``logits=False`` among ``kwargs``, the model's
     ``OutputLayer`` instead of logits). With a state (a stream batch), rows whose ``document_start`` is set first
-    start over (each mixer's ``reset_state``), then the window reads and updates it; the empty state is a plain
-    apply."""
+    start over (each mixer's ``reset_state``), then the window reads and updates it; no state (the empty state,
+    ``None`` or ``{}``) is a plain apply."""
     args, model_kwargs = setup.model_inputs(batch)
-    if carried:
-        carried = carried.reset(batch["document_start"] > 0)
+    if not carried:
+        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), carried
+    carried = carried.reset(batch["document_start"] > 0)
     return carried.apply(apply_fn, params, *args, **model_kwargs, **kwargs)
 
 
