@@ -39,9 +39,10 @@ def parse_args(arg, allowed):
     return words
 
 
-def set_mixer(config, words):
+def set_mixer(config, words, layout=False):
     """Applies a mixer variant word (transformer/lightconv/dynamic/..., a plugin's, or ``package.module:Class``) to
-    both sides of the model."""
+    both sides of the model: to every layer, or with ``layout`` to the layers its class's layout rule names
+    (``lconv.nn.mixers.layer_layout``; the kNN memory's is second to last) for the layer counts set by then."""
     variants = mixer_variants()
     picked = sorted(w for w in words if w in variants or mixers.is_spec(w))
     if len(picked) > 1:
@@ -51,11 +52,24 @@ def set_mixer(config, words):
         sides = mixers.sides(mixer)
         if "decoder" not in sides and config.task == "lm":
             raise UserError(f"mixer variant {mixer!r} is encoder-only; a decoder-only LM cannot use it")
-        config.model.encoder_mixer = mixer if "encoder" in sides else "attention"
-        config.model.decoder_mixer = mixer if "decoder" in sides else "attention"
+        for side in mixers.BOTH_SIDES:
+            layers = config.model[f"{side}_layers"]
+            value = mixers.layer_layout(mixer, layers) if layout else mixer
+            config.model[f"{side}_mixer"] = value if side in sides else "attention"
         if mixer == "attention":  # the Transformer baseline has no conv kernels to drop
             config.model.weight_dropout = 0.0
     return config
+
+
+def carries_state(config):
+    """Whether a layer's mixer carries state from window to window (its class's ``state``): such a model reads
+    document streams (``data.stream``)."""
+    names = []
+    for side in mixers.BOTH_SIDES:
+        value = config.model[f"{side}_mixer"]
+        if config.model[f"{side}_layers"]:
+            names += value.split(",") if isinstance(value, str) else list(value)
+    return any(mixers.info(name.strip()).state for name in names)
 
 
 def smoke_test_sizes(config):

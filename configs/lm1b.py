@@ -22,7 +22,8 @@ More variant words:
   top-32 retrieval, holds the current document's past windows and is cleared at each new one). Billion Word
   is shuffled single sentences, so there a "document" is a sentence; ``ddtp`` has real multi-window documents.
 - ``stream``: the same document streams for any mixer (``transformer,stream`` is the no-memory baseline of
-  ``knn``: the same windows, no memory).
+  ``knn``: the same windows, no memory). A mixer that carries state (its class's ``state``, a plugin's too)
+  gets them without the word.
 - ``ddtp``: the bundled English DDTP descriptions (``ddtp/lm_en``) with a small model for a local run:
   d 256, FFN 1024, 4 heads, 3 layers, kernels 3/7/15, an 8k vocabulary, Adam (3e-3, pre-norm, 100 warmup
   steps), 10 minutes; with ``knn`` the memory holds 512 entries.
@@ -69,13 +70,11 @@ def get_config(arg=None):
         c.train.num_steps, c.train.max_minutes = 1500, 10.0
         c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 50, 1000, 200
         memory_size = 512
-    c = common.set_mixer(c, (words - {"adaptive", "ddtp", "stream"}) or {"dynamic"})
+    # A mixer's layout rule places it (the kNN memory: second to last, attention elsewhere; lconv.nn.mixers)
+    c = common.set_mixer(c, (words - {"adaptive", "ddtp", "stream"}) or {"dynamic"}, layout=True)
     if "knn" in words:
-        layers = ["attention"] * c.model.decoder_layers
-        layers[-2] = "knn_memory"
-        c.model.decoder_mixer = ",".join(layers)
         c.model.mixer_kwargs = {"knn_memory": {"memory_size": memory_size, "num_neighbors": 32}}
-    if "knn" in words or "stream" in words:
+    if "stream" in words or common.carries_state(c):  # a mixer with state reads documents window by window
         c.data.stream = True
         c.data.max_target_length = 64
     return c

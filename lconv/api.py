@@ -282,7 +282,7 @@ class Model(probing.Probing):
         ``nll / ln 2`` and ``ppl`` here."""
         self._need("perplexity", ("lm",))
         if self.config.data.stream:
-            raise UserError("a document-stream run carries its kNN memory across windows: score it with "
+            raise UserError("a document-stream run carries its mixers' state across windows: score it with "
                             "eval.py --split=... instead")
         limit = int(self.config.data.eval_max_target_length)
         blocks = dict(sample_break_mode=sample_break_mode, tokens_per_sample=tokens_per_sample,

@@ -36,7 +36,7 @@ LOGICAL_AXES = (EMBED, MLP, VOCAB, CONV, HEADS, KERNEL, LENGTH)
 
 # --- mesh ----------------------------------------------------------------------------------------------------
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_MESH_AXES = ("data", "fsdp")  # batch rows (and the kNN memory's rows) are split over these
+BATCH_MESH_AXES = ("data", "fsdp")  # batch rows (and the rows of the mixers' carried state) are split over these
 
 # --- masking values ------------------------------------------------------------------------------------------
 # A masked attention logit: finite, so a row with every key masked (padding) softmaxes to numbers, not NaN.

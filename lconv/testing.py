@@ -35,7 +35,14 @@ RULES = {
     "segments": "nothing crosses segments: each packed example's output equals its output alone",
     "padding": "padding does not leak: what padded positions hold changes no real token's output",
     "causality": "a causal mixer never reads the future",
-    "decoding": "incremental decoding over chunks of several sizes equals the full causal pass",
+    "decoding": "incremental decoding over chunks of several sizes equals the full causal pass (with a carried "
+                "state too, which decoding reads and leaves)",
+    "state": "the collections a stateful mixer declares (`state`) are made by init, one [B, ...] leaf per row, and "
+             "keep their shapes and dtypes through a call that updates them",
+    "carry": "the state carried from one window changes the next window's output, row by row (a row's state "
+             "changes only its own row), and a call without the state equals one with init's",
+    "reset": "reset_state returns a row to init's state: a reset row's next window equals a fresh document's, the "
+             "other rows keep theirs",
     "decode_refusal": "a non-causal mixer refuses decode=True with a one-line ValueError",
     "gradients": "gradients with respect to the parameters and the input are finite",
 }
@@ -129,6 +136,10 @@ class _Checker:
         else:
             self._check_decode_refusal()
         self._check_gradients()
+        if self.info.state:
+            self._check_state()
+            if self.causal:
+                self._check_decoding(self.carried, "with the state carried from a first window")
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _init(self) -> dict[str, Any]:
@@ -141,18 +152,19 @@ class _Checker:
                                                                "dropout": jax.random.key(2)})) else "runs"
             raise _Broken(rule, f"init with only a 'params' rng failed: {_first_line(e)}") from None
 
-    def _pass(self, params, x, segment_ids, positions, dropout_rng=None, deterministic=None):
-        variables = {"params": params, **self.state}
+    def _pass(self, params, x, segment_ids, positions, dropout_rng=None, deterministic=None, state=None):
+        variables = {"params": params, **(self.state if state is None else state)}
         rngs = None if dropout_rng is None else {"dropout": dropout_rng}
         deterministic = dropout_rng is None if deterministic is None else deterministic
         return self.module.apply(variables, x, segment_ids=segment_ids, positions=positions,
                                  deterministic=deterministic, rngs=rngs)
 
-    def _run(self, x: Any, segment_ids: Any = None, positions: Any = None, rule: str = "output") -> np.ndarray:
+    def _run(self, x: Any, segment_ids: Any = None, positions: Any = None, rule: str = "output",
+             state: dict[str, Any] | None = None) -> np.ndarray:
         segment_ids = np.ones((B, T), np.int32) if segment_ids is None else segment_ids
         positions = np.tile(np.arange(T, dtype=np.int32), (B, 1)) if positions is None else positions
         try:
-            return np.asarray(self._apply(self.params, x, segment_ids, positions), np.float64)
+            return np.asarray(self._apply(self.params, x, segment_ids, positions, state=state), np.float64)
         except Exception as e:  # noqa: BLE001
             raise _Broken(rule, f"a deterministic call without rngs failed: {_first_line(e)}") from None
 
@@ -238,15 +250,16 @@ class _Checker:
             self._close("causality", self._run(future, rule="causality")[:, :t + 1], base[:, :t + 1],
                         f"positions 0..{t} when only positions after {t} change")
 
-    def _check_decoding(self) -> None:
-        full = self._run(self.x, rule="decoding")
+    def _check_decoding(self, state: dict[str, Any] | None = None, where: str = "") -> None:
+        state = self.state if state is None else state
+        full = self._run(self.x, rule="decoding", state=state)
         try:
             cache = jax.jit(lambda: self.module.init({"params": jax.random.key(1)}, self.x, decode=True))()["cache"]
         except Exception as e:  # noqa: BLE001
             raise _Broken("decoding", f"the cache init (decode=True on a full-length x) failed: {_first_line(e)}") \
                 from None
         step = jax.jit(lambda cache, x, positions: self.module.apply(
-            {"params": self.params, **self.state, "cache": cache}, x, positions=positions, decode=True,
+            {"params": self.params, **state, "cache": cache}, x, positions=positions, decode=True,
             mutable=["cache"]))
         outs, start = [], 0
         for size in DECODE_CHUNKS:
@@ -261,7 +274,49 @@ class _Checker:
         decoded = np.concatenate(outs, axis=1)
         for lo, hi in zip(np.cumsum((0,) + DECODE_CHUNKS[:-1]), np.cumsum(DECODE_CHUNKS)):
             self._close("decoding", decoded[:, lo:hi], full[:, lo:hi],
-                        f"positions {lo}..{hi - 1} decoded in chunks {DECODE_CHUNKS} vs the full causal pass")
+                        f"positions {lo}..{hi - 1} decoded in chunks {DECODE_CHUNKS} vs the full causal pass"
+                        f"{' ' + where if where else ''}")
+
+    def _check_state(self) -> None:
+        """The carried-state rules: a document fed as two windows of one segment per row."""
+        shapes = lambda tree: jax.tree.map(lambda a: (np.shape(a), np.dtype(a.dtype)), tree)  # noqa: E731
+        for collection in self.info.state:
+            leaves = jax.tree.leaves(self.state.get(collection, {}))
+            if not leaves:
+                raise _Broken("state", f"init made no {collection!r} collection (its variables: {sorted(self.state)})")
+            if any(np.shape(leaf)[:1] != (B,) for leaf in leaves):
+                raise _Broken("state", f"{collection!r} has leaves of shapes {[np.shape(v) for v in leaves]} for a "
+                                       f"batch of {B} rows: each leaf is [B, ...], a row per document")
+        mutable = list(self.info.state)
+        step = jax.jit(lambda state, x: self.module.apply({"params": self.params, **state}, x, mutable=mutable))
+        try:
+            _, carried = step(self.state, self.x)
+        except Exception as e:  # noqa: BLE001
+            raise _Broken("state", f"a call with {mutable} mutable failed: {_first_line(e)}") from None
+        carried = {**self.state, **carried}
+        if shapes(carried) != shapes(self.state):
+            raise _Broken("state", f"after a window the state is {shapes(carried)}, init made {shapes(self.state)}")
+        self.carried = carried
+        x2 = _noise(6, (B, T, C)) / 3  # the second window
+        fresh, kept = self._run(x2, rule="carry"), self._run(x2, rule="carry", state=carried)
+        if float(np.abs(kept - fresh).max()) <= 1e-6:
+            raise _Broken("carry", "the next window's output is the same with the carried state as with init's: "
+                                   "the state it declares is not read")
+        without = np.asarray(jax.jit(lambda p, x: self.module.apply({"params": p}, x))(self.params, x2), np.float64)
+        self._close("carry", without, fresh, "the next window called without the state vs with init's")
+        reset_B = np.arange(B) == 0
+        try:
+            once = {c: self.info.reset_state(carried[c], reset_B) for c in self.info.state}
+            every = {c: self.info.reset_state(carried[c], np.ones(B, bool)) for c in self.info.state}
+        except Exception as e:  # noqa: BLE001
+            raise _Broken("reset", f"reset_state failed: {_first_line(e)}") from None
+        for path, got in jax.tree_util.tree_leaves_with_path(every):
+            want = _leaf(self.state, path)
+            if not np.array_equal(np.asarray(got), np.asarray(want)):
+                raise _Broken("reset", f"reset_state of every row left {jax.tree_util.keystr(path)} unlike init's")
+        after = self._run(x2, rule="reset", state={**carried, **once})
+        self._close("reset", after[0], fresh[0], "row 0's next window after its reset vs a fresh document")
+        self._close("carry", after[1:], kept[1:], "the other rows' next window when only row 0 was reset")
 
     def _check_decode_refusal(self) -> None:
         try:
@@ -296,6 +351,12 @@ class _Checker:
             if not np.all(np.isfinite(np.asarray(g))):
                 what = "the input x" if path[0].idx == 1 else f"parameter {jax.tree_util.keystr(path[1:])}"
                 raise _Broken("gradients", f"the gradient for {what} is not finite (with padding and packing)")
+
+
+def _leaf(tree: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        tree = tree[key.key]
+    return tree
 
 
 def _noise(seed: int, shape: tuple[int, ...]) -> np.ndarray:

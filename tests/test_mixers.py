@@ -60,6 +60,10 @@ def test_a_user_mixer_from_its_own_module_meets_the_contract():
     lconv.testing.check_mixer("toy_mixers:PrefixMean")
 
 
+def test_a_user_mixer_with_carried_state_meets_the_contract_on_both_sides():
+    lconv.testing.check_mixer("toy_mixers:CarriedMean")  # non-causal, then causal (decoding from a carried state)
+
+
 @pytest.mark.parametrize("broken", list(toy_mixers.BROKEN), ids=lambda cls: cls.__name__)
 def test_a_mixer_broken_on_purpose_fails_on_its_rule(broken):
     with pytest.raises(AssertionError) as info:
@@ -352,3 +356,53 @@ def test_a_plugin_with_the_wrong_output_fails_the_model_build_naming_it():
     with pytest.raises(UserError) as info:
         jax.eval_shape(models.EncoderDecoder(config).init, jax.random.key(0), tokens, tokens)
     helpers.one_line_error(info, "toy_mixers:TupleOutput", "encoder layer 0", "tuple")
+
+
+def test_a_mixer_is_shown_by_one_name_everywhere():
+    """Its class's ``label``: the bench's mixer rows (and the committed CSV's), the study's tables, the mixer list
+    of docs/models.md; no surface writes a name of its own."""
+    import csv
+    import pathlib
+
+    from lconv.bench import mixers as bench_mixers
+    from lconv.study import plan
+
+    labels = {i.name: i.label for i in mixers.importable_infos()}
+    assert len(set(labels.values())) == len(labels)  # two mixers never share a name
+    assert {c.name for c in bench_mixers.CONFIGS if c.kind == "mixer"} == set(labels.values())
+    assert all(c.name == labels[c.mixer] for c in bench_mixers.CONFIGS if c.kind == "mixer")
+    assert all(plan.label(word) == labels[plan.mixer_name(word)] for word in mixers.variant_words())
+    root = pathlib.Path(__file__).parents[1]
+    with open(root / "docs" / "bench" / "mixers.csv") as f:
+        assert {r["name"] for r in csv.DictReader(f) if r["kind"] == "mixer"} <= set(labels.values())
+    text = (root / "docs" / "models.md").read_text()
+    section = text[text.index("## Mixers: what each one projects"):text.index("## Adding a mixer")]
+    bold = {name.strip() for line in section.splitlines() if line.startswith("- **")
+            for name in line[4:line.index("**", 4)].split(" / ")}
+    assert bold == set(labels.values())
+
+
+def test_a_layout_rule_places_its_mixer_in_the_configs_and_the_study_alike(registry):
+    """One rule on the class (``layout``, ``layout_others``), read by configs/lm1b.py and the study's configs after
+    their layer counts are set: the kNN memory's second-to-last layer, and a plugin's own rule."""
+    from lconv.configs import lm1b
+    from lconv.study import plan
+
+    assert mixers.layer_layout("knn_memory", 6) == "attention,attention,attention,attention,knn_memory,attention"
+    assert mixers.layer_layout("knn_memory", 1) == "knn_memory"  # -2 of one layer is that layer
+    assert lm1b.get_config("knn").model.decoder_mixer == mixers.layer_layout("knn_memory", 6)
+    assert lm1b.get_config("knn,ddtp").model.decoder_mixer == "attention,knn_memory,attention"
+
+    class Edges(toy_mixers.PrefixMean):
+        layout: ClassVar[tuple[int, ...]] = (0, -1)
+        layout_others: ClassVar[str] = "lightconv"
+
+    lconv.register_mixer("edges", Edges)
+    assert lm1b.get_config("edges,ddtp").model.decoder_mixer == "edges,lightconv,edges"
+    study = plan.normalize(study_config.get_config("quick"))
+    for task in ("translation", "lm"):
+        config = plan.training_config(study, plan.RunKey(task, "edges", 0))
+        for side in ("encoder", "decoder") if task != "lm" else ("decoder",):
+            assert config.model[f"{side}_mixer"] == mixers.layer_layout("edges", config.model[f"{side}_layers"])
+    with pytest.raises(UserError, match="layout"):
+        mixers.info(type("BadLayout", (toy_mixers.PrefixMean,), {"layout": "second to last"}))

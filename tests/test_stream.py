@@ -172,7 +172,7 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
         for r in range(batch["targets"].shape[0]):
             row = {k: v[r:r + 1] for k, v in batch.items()}
             if batch["document_start"][r] or not carry or r not in memories:
-                memories[r] = model_setup.init_memory(config, model, 1)  # empty: init's zeros, batch of one
+                memories[r] = model_setup.init_mixer_state(config, model, 1).collections["memory"]  # init's, one row
             logits, memories[r] = apply(params, memories[r], row)
             total += float(metrics.label_smoothed_loss(logits, row["targets"], row["targets_segmentation"] > 0,
                                                        0.0)["loss"])
@@ -189,8 +189,8 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, devices=jax.devices("cpu")[:2])
     state, shardings = setup.create_state(config, model, mesh, tx)
-    assert jax.tree.leaves(state.memory) and all(s.spec[0] == ("data", "fsdp") for s in
-                                                 jax.tree.leaves(shardings.memory))
+    assert jax.tree.leaves(state.mixer_state) and all(s.spec[0] == ("data", "fsdp") for s in
+                                                      jax.tree.leaves(shardings.mixer_state))
     it = stream.DocumentStream(make_documents(12, seed=4), "text", WordTokenizer(), window=8, rows=4, seed=0)
     train_step = jax.jit(steps.make_train_step(config, lr))
     params_per_step, batches, losses = [], [], []
@@ -204,7 +204,8 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     assert sum(b["document_start"].sum() for b in batches[1:]) >= 4  # documents end and start mid-run
     reference, memory = _row_reference(config, model, params_per_step, batches)
     np.testing.assert_allclose(losses, reference, rtol=2e-5)
-    for got, want in zip(jax.tree.leaves(jax.device_get(state.memory)), jax.tree.leaves(memory)):
+    carried = jax.device_get(state.mixer_state.collections["memory"])
+    for got, want in zip(jax.tree.leaves(carried), jax.tree.leaves(memory)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-5)
     # The memory matters: forgetting it at every window gives other losses.
     forgetful, _ = _row_reference(config, model, params_per_step, batches, carry=False)
@@ -227,7 +228,8 @@ def test_memory_rows_stay_on_their_devices():
     sharding = model_setup.batch_sharding(mesh)
     batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,
                                        with_weights=True))
-    eval_step, memory = loss_pass.jit_eval_step(config, mesh), model_setup.init_memory(config, model, 8, sharding)
+    eval_step = loss_pass.jit_eval_step(config, mesh)
+    memory = model_setup.init_mixer_state(config, model, 8, sharding)
     # A whole stream pass compiles the eval step once: the memory it returns keeps the batch's sharding.
     eval_set = stream.StreamEvalSet(make_documents(16), "text", WordTokenizer(), window=8, rows=8)
     scores = loss_pass.evaluate_loss(eval_step, state.params, state.apply_fn, eval_set, mesh, memory)

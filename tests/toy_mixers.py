@@ -3,7 +3,8 @@ rule of ``lconv.testing.RULES``: each must fail the checker on its own rule. Imp
 (tests/ is on the path), so the tests also use the ``package.module:Class`` route of the registry.
 
 ``PrefixMean``: each token's update is a learned projection of the mean of the tokens it may see (its segment;
-in causal use, up to itself). Decoding keeps the inputs so far in a ``'cache'``.
+in causal use, up to itself). Decoding keeps the inputs so far in a ``'cache'``. ``CarriedMean`` adds a state
+carried from one window of a document to the next (the contract's ``state``).
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ class PrefixMean(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        return self.mix(x_BTC, segment_ids, deterministic, decode)
+
+    def mix(self, x_BTC, segment_ids, deterministic, decode):
         B, T, C = x_BTC.shape
         if decode:
             if not self.causal:
@@ -63,6 +67,30 @@ class PrefixMean(nn.Module):
         w_TL = upto_TL / upto_TL.sum(-1, keepdims=True)
         mean_BTC = jnp.einsum("tl,blc->btc", w_TL, inputs.value, precision="highest")
         return self.project(mean_BTC.astype(self.dtype), deterministic)
+
+
+class CarriedMean(PrefixMean):
+    """PrefixMean plus the mean of the previous window's last example, carried per row in the ``'carry'``
+    collection: the row's first example (the document the last window's ends with) reads it."""
+
+    state: ClassVar[tuple[str, ...]] = ("carry",)
+    reads_state: ClassVar[bool] = True
+
+    @nn.compact
+    def __call__(self, x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False):
+        y = self.mix(x_BTC, segment_ids, deterministic, decode)
+        if not (self.has_variable("carry", "mean") or self.is_mutable_collection("carry")):
+            return y  # no state given: a fresh document
+        B, T, C = x_BTC.shape
+        carried = self.variable("carry", "mean", jnp.zeros, (B, C), jnp.float32)
+        seg_BT = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+        reads_BT = (seg_BT == seg_BT[:, :1]) & (seg_BT > 0) & self.reads_state
+        y = y + (reads_BT[..., None] * carried.value[:, None, :]).astype(y.dtype)
+        if self.is_mutable_collection("carry") and not decode and not self.is_initializing():
+            w_BT = ((seg_BT == seg_BT.max(-1, keepdims=True)) & (seg_BT > 0)).astype(jnp.float32)
+            mean_BC = jnp.einsum("bt,btc->bc", w_BT, x_BTC.astype(jnp.float32), precision="highest")
+            carried.value = mean_BC / jnp.maximum(w_BT.sum(-1, keepdims=True), 1.0)
+        return y
 
 
 # ---------------------------------------------------------------- broken on purpose, one rule each
@@ -153,9 +181,23 @@ class NaNGradient(PrefixMean):  # gradients: sqrt at 0 has an infinite slope (ti
         return super().__call__(x_BTC, **kwargs) + 0.0 * jnp.sqrt(jnp.abs(x_BTC) * 0.0)
 
 
+class StateNeverMade(PrefixMean):  # state: declares a collection that init never makes
+    state: ClassVar[tuple[str, ...]] = ("carry",)
+
+
+class StateIgnored(CarriedMean):  # carry: writes its state and never reads it
+    reads_state: ClassVar[bool] = False
+
+
+class ResetToOnes(CarriedMean):  # reset: a reset row is ones, not init's zeros
+    reset_state = staticmethod(lambda tree, reset_B: jax.tree.map(
+        lambda a: jnp.where(jnp.asarray(reset_B)[:, None], 1.0, a), tree))
+
+
 BROKEN = {  # class -> the rule it must fail
     NoCausalField: "fields", RaisesOnCall: "runs", WrongDtype: "output", TupleOutput: "output", NaNOutput: "output",
     AlwaysDropout: "deterministic", NoAxisNames: "logical_axes",
     SameAxisTwice: "logical_axes", SegmentLeak: "segments", PaddingLeak: "padding", PeeksAhead: "causality",
     ForgetfulDecoder: "decoding", EncoderThatDecodes: "decode_refusal", NaNGradient: "gradients",
+    StateNeverMade: "state", StateIgnored: "carry", ResetToOnes: "reset",
 }

@@ -46,6 +46,7 @@ class Config:
     bytes_at: Callable[[int, int], int] = lambda T, B: 0  # a lower bound on memory, checked before building
     max_call_s: float = MAX_CALL_S
     mixer: str | None = None  # the registry name a "mixer" row measures
+    settings: str = ""  # a mixer row's fields, said under the tables (the row is named by the mixer's label)
 
 
 def pallas_backend() -> bool:
@@ -87,7 +88,7 @@ def _plugin_config(name: str) -> Config:
         raise UserError(f"mixer {name!r} fails on a [2, 16, {C}] input ({type(err).__name__}: {line}); "
                         f"lconv.testing.check_mixer({name!r}) names the rule it breaks") from None
     # unknown cost: quadratic, so a slow one is skipped early rather than late
-    return _mixer_config(info.label, name, 1.0, causal=causal, **info.example_fields)
+    return _mixer_config(name, 1.0, causal=causal, **info.example_fields)
 
 
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
@@ -109,8 +110,9 @@ def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
     return Config(f"{'DynamicConv' if dynamic else 'LightConv'} op, {label}", "op", build, 0.0, max_call_s=8.0)
 
 
-def _mixer_config(label, registry_name, exponent=0.0, bytes_at=lambda T, B: 0, max_call_s=MAX_CALL_S, causal=False,
+def _mixer_config(registry_name, exponent=0.0, bytes_at=lambda T, B: 0, max_call_s=MAX_CALL_S, causal=False,
                   **fields):
+    """A mixer row, named by the mixer's one name (its class's ``label``), whatever the fields it is built with."""
     def build(T, B):
         extra = {k: (v(T) if callable(v) else v) for k, v in fields.items()}
         module = mixers.make_mixer(registry_name, num_heads=H, causal=causal, **extra)
@@ -123,7 +125,9 @@ def _mixer_config(label, registry_name, exponent=0.0, bytes_at=lambda T, B: 0, m
             fn = lambda p, x: module.apply(p, x)  # noqa: E731
         return fn, (params, x), (0, 1)
 
-    return Config(label, "mixer", build, exponent, bytes_at, max_call_s, mixer=registry_name)
+    settings = ", ".join(f"{k}={'T' if callable(v) else v}" for k, v in fields.items())
+    return Config(mixers.info(registry_name).label, "mixer", build, exponent, bytes_at, max_call_s,
+                  mixer=registry_name, settings=settings)
 
 
 def _logits_bytes(T, B):
@@ -134,16 +138,15 @@ CONFIGS = [
     op_config("light", "conv"), op_config("light", "band"), op_config("light", "shift"),
     op_config("light", "unfold"),
     op_config("dynamic", "band"), op_config("dynamic", "shift"), op_config("dynamic", "unfold"),
-    _mixer_config("LightConv block", "lightconv", kernel_size=K),
-    _mixer_config("DynamicConv block", "dynamicconv", kernel_size=K),
-    _mixer_config("self-attention", "attention", 1.0, _logits_bytes, max_call_s=8.0),  # the main comparison
-    _mixer_config("Fixed (Synthesizer-Random)", "fixed", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4,
-                  max_len=lambda T: T),
-    _mixer_config("Hadamard", "hadamard", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4,
-                  max_len=lambda T: T),
-    _mixer_config("CoLT5", "colt5", 1.0, lambda T, B: _logits_bytes(T, B) // 2),
-    _mixer_config("kNN memory (M=1024, k=32)", "knn_memory", 1.0, _logits_bytes, memory_size=1024, num_neighbors=32),
+    _mixer_config("lightconv", kernel_size=K),  # the conv blocks, projections included
+    _mixer_config("dynamicconv", kernel_size=K),
+    _mixer_config("attention", 1.0, _logits_bytes, max_call_s=8.0),  # the main comparison
+    _mixer_config("fixed", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
+    _mixer_config("hadamard", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
+    _mixer_config("colt5", 1.0, lambda T, B: _logits_bytes(T, B) // 2),
+    _mixer_config("knn_memory", 1.0, _logits_bytes, memory_size=1024, num_neighbors=32),
 ]
+LIGHT, DYNAMIC, ATTENTION = (mixers.info(name).label for name in ("lightconv", "dynamicconv", "attention"))
 
 
 def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
@@ -221,7 +224,7 @@ def external_rows(T: int, B: int, last: dict, *, budget_s: float) -> list[report
 
 
 FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op, band", "DynamicConv op, shift",
-                    "LightConv block", "DynamicConv block")
+                    LIGHT, DYNAMIC)
 
 
 def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7) -> list[report.Row]:
@@ -291,8 +294,8 @@ RATIOS = [  # (label, slower, faster): how many times faster the second is, meas
     ("LightConv: band vs PyTorch conv1d", "LightConv op, PyTorch conv1d", "LightConv op, band"),
     ("LightConv: band vs fairseq CUDA", "LightConv op, fairseq lightconv_cuda", "LightConv op, band"),
     ("DynamicConv: band vs fairseq CUDA", "DynamicConv op, fairseq dynamicconv_cuda", "DynamicConv op, band"),
-    ("DynamicConv block vs self-attention", "self-attention", "DynamicConv block"),
-    ("LightConv block vs self-attention", "self-attention", "LightConv block"),
+    (f"{DYNAMIC} vs {ATTENTION}", ATTENTION, DYNAMIC),
+    (f"{LIGHT} vs {ATTENTION}", ATTENTION, LIGHT),
 ]
 
 
@@ -302,6 +305,9 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
     parts = [f"### Mixer scaling (`{command}`)\n",
              f"Machine: {timing.describe(info)}. d=C={C}, H={H}, K={K} (centred), B*T={TOKENS} tokens per call, "
              "float32. Medians of several runs after one warm-up; compilation excluded (see the CSV).\n"]
+    settings = [f"{c.name}: {c.settings}" for c in CONFIGS if c.kind == "mixer" and c.settings and c.name in names]
+    if settings:
+        parts.append(f"Mixer rows (each named as the mixer is everywhere) built with: {'; '.join(settings)}.\n")
     devices = sorted({r["device"] for r in rows if r.get("device")})
     if devices:
         parts.append(f"PyTorch and fairseq rows ran on torch's {', '.join(devices)} device; their memory is "

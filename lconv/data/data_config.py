@@ -65,8 +65,8 @@ class DataConfig:
     read_threads: int = field(2, "threads reading and tokenising training examples (grain)",
                               integer(1, maximum=1024, reason="one thread per core is plenty"))
     stream: bool = field(False, "lm only: every row reads whole documents, max_target_length tokens per step "
-                         "(lconv.data.stream); the kNN memory is carried from window to window (reset at each new "
-                         "document)", BOOL)
+                         "(lconv.data.stream); a stateful mixer's state (the kNN memory) is carried from window to "
+                         "window (reset at each new document)", BOOL)
 
     @classmethod
     def from_config(cls, config: Any) -> DataConfig:

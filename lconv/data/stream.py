@@ -1,4 +1,4 @@
-"""Document streams for language models that carry state across steps (the kNN memory of ``lconv.nn.knn_memory``).
+"""Document streams for language models that carry state across steps (a stateful mixer's: ``lconv.nn.mixer_state``).
 
 A row of a stream batch reads whole documents, one after another, a window of ``window`` tokens per step, so
 state threaded from one step to the next (the memory) sees each document in order and only its past::

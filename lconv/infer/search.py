@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID, STOP_RULES
 from lconv.errors import UserError
-from lconv.nn.knn_memory import rowwise_top_k  # per shard of the rows: XLA cannot split a TopK
+from lconv.ops.top_k import rowwise_top_k  # per shard of the rows: XLA cannot split a TopK
 
 if TYPE_CHECKING:
     import flax.linen as nn

@@ -21,10 +21,11 @@ Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, b
     memory/values  [B, M, H, D]  values, ``dtype``
     memory/valid   [B, M] bool   which slots hold an entry; valid entries sit at the end, oldest first
 
-The memory is state of the loop that feeds a document stream window by window, and the loop owns it: it
-threads the collection from one call to the next and, where a batch row starts a new document, clears that
-row with ``reset_memory`` (every kNN layer of a model at once; any model holding these layers works alike).
-``lconv.train.steps`` does this on document streams (``config.data.stream``; ``lconv.data.stream``):
+The memory is the mixer's carried state (``state = ("memory",)``, the mixer contract's; ``lconv.nn.mixer_state``),
+and the loop that feeds a document stream window by window owns it: it threads the collection from one call to
+the next and, where a batch row starts a new document, clears that row with the class's ``reset_state`` (zeroed
+rows; ``reset_memory`` here, every kNN layer of a model at once). ``lconv.train.steps`` does this on document
+streams (``config.data.stream``; ``lconv.data.stream``) for every stateful mixer alike:
 
     mem = model.init(rng, x0)['memory']
     for x, new_document_B in windows:
@@ -59,8 +60,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from lconv.constants import BATCH_MESH_AXES, HEADS, MASKED_LOGIT
+from lconv.constants import HEADS, MASKED_LOGIT
 from lconv.errors import UserError
+from lconv.nn import mixers
 from lconv.nn.attention import AttentionFields
 from lconv.nn.common import (
     FROM_HEADS,
@@ -71,6 +73,7 @@ from lconv.nn.common import (
     segments_and_positions,
 )
 from lconv.ops.attention import attend
+from lconv.ops.top_k import rowwise_top_k
 
 Array = jax.Array
 DType = Any
@@ -94,6 +97,9 @@ class KNNMemoryAttention(AttentionFields):
     variant: ClassVar[str] = "knn"
     example_fields: ClassVar[dict[str, Any]] = {"memory_size": 8, "num_neighbors": 2}
     state: ClassVar[tuple[str, ...]] = ("memory",)  # past windows' keys and values, threaded by the caller
+    reset_state = staticmethod(mixers.zero_rows)  # at a document start the row's memory empties (init's zeros)
+    layout: ClassVar[tuple[int, ...]] = (-2,)  # the paper's layout: one kNN layer, second to last ...
+    layout_others: ClassVar[str] = "attention"  # ... among local-attention layers
 
     causal: bool = True  # the Memorizing Transformer is a decoder; False gives bidirectional local attention
     memory_size: int = 1024
@@ -169,23 +175,13 @@ def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
-    """Clears the rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection.
+    """Clears the rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection: the class's
+    ``reset_state``, ``lconv.nn.mixers.zero_rows`` (an empty row is zeroed, ``valid`` False, as ``init`` makes it).
 
     Works on the collection of any model (any nesting): every ``keys`` / ``values`` / ``valid`` leaf is a
-    ``[B, ...]`` array; the reset rows become empty (``valid`` False, entries zeroed), the others are kept.
+    ``[B, ...]`` array; the reset rows become empty, the others are kept.
     """
-    reset_B = jnp.asarray(reset_B, bool)
-    if reset_B.ndim != 1:
-        raise UserError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
-
-    def reset(path, leaf):
-        if leaf.shape[:1] != reset_B.shape:
-            raise UserError(f"reset_B has batch {reset_B.shape[0]} but memory leaf "
-                             f"{jax.tree_util.keystr(path)} has shape {leaf.shape}")
-        keep = ~reset_B.reshape(reset_B.shape + (1,) * (leaf.ndim - 1))
-        return jnp.where(keep, leaf, jnp.zeros((), leaf.dtype))
-
-    return jax.tree_util.tree_map_with_path(reset, memory)
+    return mixers.zero_rows(memory, reset_B)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,21 +205,6 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
                              preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
     return rowwise_top_k(scores_BHTM, k)
-
-
-def rowwise_top_k(scores_B___: Array, k: int) -> tuple[Array, Array]:
-    """``jax.lax.top_k`` over the last axis, run shard by shard when a mesh (``jax.set_mesh``) splits the rows.
-
-    XLA's SPMD partitioner cannot split TopK: left alone it all-gathers the whole ``[B, H, T, M]`` score array onto
-    every device (a gigabyte per layer and step for ``lm1b:knn``). Rows are independent, so each shard ranks its own.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = () if mesh.empty else tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names)
-    shards = math.prod(mesh.shape[a] for a in axes)
-    if shards <= 1 or scores_B___.shape[0] % shards:
-        return jax.lax.top_k(scores_B___, k)
-    spec = jax.sharding.PartitionSpec(axes)
-    return jax.shard_map(lambda s: tuple(jax.lax.top_k(s, k)), in_specs=spec, out_specs=(spec, spec))(scores_B___)
 
 
 def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,

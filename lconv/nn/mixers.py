@@ -32,10 +32,18 @@ Everything the rest of lconv knows about a mixer is read from class attributes (
   ``ModelConfig`` (``conv_impl``, ``dropout`` rates, ...) and the layer (``causal``, ``kernel_size``). Nothing is
   passed by a coincidence of names: a value the model does not have is an error, not a silent drop.
 - ``sides`` and ``side_reason``: where the mixer may sit, ``("encoder", "decoder")`` or one of them, and why.
-- ``label``: its name in tables and plots; ``variant``: the word that picks it in ``--config=file.py:WORD``.
+- ``label``: the one name it is shown by, the same in every table, plot, bench row and doc; ``variant``: the word
+  that picks it in ``--config=file.py:WORD``.
 - ``example_fields``: the smallest mixer-specific fields that make it valid on a short test sequence (the
   checker, the tests and the bench start from them).
-- ``state``: the collections besides ``cache`` it carries from call to call (the kNN memory's ``'memory'``).
+- ``state``: the collections besides ``cache`` it carries from one window of a document to the next (the kNN
+  memory's ``'memory'``; ``lconv.nn.mixer_state``). ``init`` creates them for a batch of rows, every leaf
+  ``[B, ...]``; a call with them mutable reads them and leaves them updated, a call with them read-only only
+  reads them (decoding), and a call without them is the first window of a document. ``reset_state(tree,
+  reset_B)`` (a ``staticmethod``) returns rows ``reset_B`` of one collection to their ``init`` value, at a
+  document start; the default zeroes them (init's value for zero-initialised state).
+- ``layout`` and ``layout_others``: which layers of a side it takes when a config picks it for a side (Python
+  indices, e.g. the kNN memory's ``(-2,)``, second to last) and the mixer of the others (default: every layer).
 
 Feed-forward sublayers have a registry of their own (``ffn_class``; ``config.model.ffn_type``), with the same
 plugin rules. A name is a registered name or a ``"package.module:Class"`` string imported on first use, so a
@@ -50,10 +58,13 @@ import functools
 import importlib
 import logging
 import re
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from lconv.errors import UserError
 
@@ -93,6 +104,9 @@ class MixerInfo:
     variant: str
     example_fields: dict[str, Any]
     state: tuple[str, ...]
+    reset_state: Callable[[Any, Any], Any]  # (one collection's tree, reset_B [B] bool) -> the tree, rows reset
+    layout: tuple[int, ...] | None  # the layers it takes on a side (Python indices); None: every layer
+    layout_others: str  # the mixer of the layers it does not take
     fields: frozenset[str]  # its constructor fields
 
     @property
@@ -270,7 +284,48 @@ def info(name: str | type[nn.Module]) -> MixerInfo:
         name=name, cls=cls, model_fields=dict(getattr(cls, "model_fields", {})), sides=sides,
         side_reason=str(getattr(cls, "side_reason", "")), label=str(own.get("label", short)),
         variant=str(own.get("variant", short)), example_fields=dict(getattr(cls, "example_fields", {})),
-        state=tuple(getattr(cls, "state", ())), fields=frozenset(constructor_fields(cls)))
+        state=tuple(getattr(cls, "state", ())), reset_state=getattr(cls, "reset_state", zero_rows),
+        layout=_layout(name, getattr(cls, "layout", None)),
+        layout_others=str(getattr(cls, "layout_others", "attention")),
+        fields=frozenset(constructor_fields(cls)))
+
+
+def _layout(name: Any, layout: Any) -> tuple[int, ...] | None:
+    if layout is None:
+        return None
+    if not (isinstance(layout, (tuple, list)) and layout and all(isinstance(i, int) for i in layout)):
+        raise UserError(f"mixer {name!r}: layout={layout!r} must be a non-empty tuple of layer indices (e.g. (-2,))")
+    return tuple(layout)
+
+
+def zero_rows(tree: Any, reset_B: Any) -> Any:
+    """The default ``reset_state``: rows ``reset_B`` (bool ``[B]``) of every ``[B, ...]`` leaf of ``tree`` set to
+    zeros (``False`` for a bool leaf), the others kept."""
+    reset_B = jnp.asarray(reset_B, bool)
+    if reset_B.ndim != 1:
+        raise UserError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
+
+    def reset(path: Any, leaf: Any) -> Any:
+        if leaf.shape[:1] != reset_B.shape:
+            raise UserError(f"reset_B has batch {reset_B.shape[0]} but state leaf {jax.tree_util.keystr(path)} "
+                            f"has shape {leaf.shape}")
+        keep = ~reset_B.reshape(reset_B.shape + (1,) * (leaf.ndim - 1))
+        return jnp.where(keep, leaf, jnp.zeros((), leaf.dtype))
+
+    return jax.tree_util.tree_map_with_path(reset, tree)
+
+
+def layer_layout(name: str, num_layers: int) -> str:
+    """The ``{side}_mixer`` value that gives a side of ``num_layers`` layers mixer ``name`` by its class's layout
+    rule: ``name`` (every layer), or a comma list with ``name`` at the ``layout`` indices (clamped into the stack:
+    ``-2`` of one layer is that layer) and ``layout_others`` elsewhere. Configs and the study both use it."""
+    i = info(name)
+    if i.layout is None or num_layers < 1:
+        return name
+    layers = [i.layout_others] * num_layers
+    for index in i.layout:
+        layers[min(max(index, -num_layers), num_layers - 1)] = name
+    return ",".join(layers)
 
 
 def model_fields(name: str) -> dict[str, str]:

@@ -12,9 +12,10 @@ DynamicConv models, and the other mixers, are configs rather than code (``ModelC
 conv ops' own, which are exact float32 on every backend (``lconv.ops.precision``).
 
 CoLT5 (mixer and ``ffn_type="colt5"``) is encoder-only: its routing ranks future tokens, so a decoder naming
-it is a config error and decoder layers keep the dense FFN. kNN-memory layers keep past windows in the
-``'memory'`` collection, which the caller threads and resets (``lconv.nn.knn_memory.reset_memory``); without it
-they see no past windows. docs/models.md describes every mixer and lists each config's parameter count.
+it is a config error and decoder layers keep the dense FFN. A stateful mixer (the kNN memory's ``'memory'``, a
+plugin's) keeps what it carries between windows in the collections its class declares, which the caller threads
+and resets (``lconv.nn.mixer_state``); without them a layer sees no past windows. docs/models.md describes every
+mixer and lists each config's parameter count.
 
 Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
 inside each packed segment, starting with ``BOS``.

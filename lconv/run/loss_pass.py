@@ -14,6 +14,7 @@ import numpy as np
 from lconv.data import pipeline
 from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
+from lconv.nn import mixer_state
 from lconv.run import metrics, model_setup
 
 logger = logging.getLogger(__name__)
@@ -23,25 +24,26 @@ Batch = dict[str, Any]
 
 
 def make_eval_step(config: Any) -> Callable:
-    """``(params, apply_fn, batch, memory) -> (sums, memory)``; ``memory`` is ``{}`` except on streams."""
-    def eval_step(params, apply_fn, batch, memory):
-        outputs, memory = model_setup.apply_model(apply_fn, params, memory, batch, deterministic=True,
-                                                  logits=not config.optim.fused_loss)
+    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state`` (the mixers' carried state) is empty
+    except on streams."""
+    def eval_step(params, apply_fn, batch, carried):
+        outputs, carried = model_setup.apply_model(apply_fn, params, carried, batch, deterministic=True,
+                                                   logits=not config.optim.fused_loss)
         weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
-        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), memory
+        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), carried
 
     return nn_common.under_axis_rules(eval_step, config.mesh.rules)
 
 
 def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
-    """``make_eval_step`` jitted once per run. The memory it returns keeps the batch's sharding, so the next
+    """``make_eval_step`` jitted once per run. The state it returns keeps the batch's sharding, so the next
     window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
     and every pass would compile twice)."""
     return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, model_setup.batch_sharding(mesh)))
 
 
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
-                  mesh: jax.sharding.Mesh, memory: PyTree = None,
+                  mesh: jax.sharding.Mesh, carried: mixer_state.MixerState | None = None,
                   stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
     """Validation loss / perplexity / accuracy over every example (padding rows weigh zero); an ``EvalSet``'s
     examples packed several to a row (``pipeline.loss_batches``).
@@ -50,18 +52,19 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     batches on every process), so the sums cover the whole split once and are the same on every process.
 
     ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
-    evaluations reuse its compilation. ``memory``: on a stream eval set, the empty memory (``init_memory`` for
-    the eval batch's rows, sharded as the batch) that the pass threads from window to window; ``None`` or ``{}``
-    otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once ``over()`` (a time budget, ``why``
-    naming it): the scores cover the batches done, ``unscored_batches`` counts the rest, and a warning says so.
+    evaluations reuse its compilation. ``carried``: on a stream eval set, the mixers' starting state
+    (``init_mixer_state`` for the eval batch's rows, sharded as the batch) that the pass threads from window to
+    window; ``None`` or empty otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once
+    ``over()`` (a time budget, ``why`` naming it): the scores cover the batches done, ``unscored_batches`` counts
+    the rest, and a warning says so.
     """
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
-    total, memory, done, previous = None, memory or {}, 0, None
+    total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
-            sums, memory = eval_step(params, apply_fn, model_setup.global_batch(batch, sharding), memory)
+            sums, carried = eval_step(params, apply_fn, model_setup.global_batch(batch, sharding), carried)
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
             done += 1
             previous = model_setup.one_step_ahead(previous, total)
@@ -83,8 +86,9 @@ def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable
     ``stop_when``: ``evaluate_loss``'s (a pass cut short has no per-word perplexity)."""
     mesh = model_setup.make_mesh(config.mesh) if mesh is None else mesh
     eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
-    memory = model_setup.init_memory(config, model, config.data.eval_batch_size, model_setup.batch_sharding(mesh))
-    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, memory, stop_when), split=split)
+    carried = model_setup.init_mixer_state(config, model, config.data.eval_batch_size,
+                                           model_setup.batch_sharding(mesh))
+    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, carried, stop_when), split=split)
     if "unscored_batches" not in scores:
         scores.update(_word_perplexity(eval_set, scores))
     decode_and_score.write_outputs(workdir, split, None, scores)

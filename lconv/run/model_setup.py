@@ -1,9 +1,10 @@
 """A run's model, built from its config: the module, the mesh and the shardings its params and batches take, the
-batch ``init`` traces, and the model applied to a batch (the kNN memory threaded through). Training, evaluation,
-the API, export, the importer, the bench and the study all build a model here, so each builds the same one.
+batch ``init`` traces, and the model applied to a batch (the mixers' carried state threaded through). Training,
+evaluation, the API, export, the importer, the bench and the study all build a model here, so each builds the same
+one.
 
 One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); parameters are sharded by their logical axis names
-(``config.mesh.rules``), batches and the kNN memory's rows along ``lconv.constants.BATCH_MESH_AXES``.
+(``config.mesh.rules``), batches and the rows of the mixers' carried state along ``lconv.constants.BATCH_MESH_AXES``.
 """
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from lconv.constants import BATCH_MESH_AXES
 from lconv.errors import UserError
 from lconv.nn import common as nn_common
-from lconv.nn import knn_memory, models
+from lconv.nn import mixer_state, models
 
 Config = ml_collections.ConfigDict
 PyTree = Any
@@ -51,7 +51,7 @@ def make_mesh(mesh_config: Config, devices: Sequence[jax.Device] | None = None) 
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-    """Rows of a global batch (and of the kNN memory) split over the mesh's batch axes."""
+    """Rows of a global batch (and of the mixers' carried state) split over the mesh's batch axes."""
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_MESH_AXES))
 
 
@@ -77,21 +77,16 @@ def model_inputs(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]
     return args, kwargs
 
 
-def init_memory(config: Config, model: nn.Module, rows: int,
-                sharding: jax.sharding.Sharding | None = None) -> PyTree:
-    """The zeroed (empty) ``'memory'`` collection for ``rows`` stream rows; ``{}`` unless ``config.data.stream``
-    and the model has kNN-memory layers (without a stream there are no past windows to remember).
+def init_mixer_state(config: Config, model: nn.Module, rows: int,
+                     sharding: jax.sharding.Sharding | None = None) -> mixer_state.MixerState:
+    """The state the model's stateful mixers start a stream of ``rows`` rows with (``lconv.nn.mixer_state``);
+    empty unless ``config.data.stream`` (without a stream every batch is a fresh document: nothing to carry).
 
-    ``sharding``: lay the rows out as the batch (created by a jit, so every process builds its shards of one
-    global array); None gives plain arrays (or traced ones inside a jit)."""
+    ``sharding``: lay the rows out as the batch; None gives plain arrays (or traced ones inside a jit)."""
     if not config.data.stream:
-        return {}
+        return mixer_state.empty()
     args, kwargs = model_inputs(dummy_batch(config, rows))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)).get("memory", {})
-    if not shapes:
-        return {}
-    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731 (init's are zeros)
-    return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+    return mixer_state.initial(model, args, kwargs, sharding)
 
 
 def param_shardings(config: Config, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
@@ -119,19 +114,17 @@ def count_params(params: PyTree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(params))))
 
 
-def apply_model(apply_fn: Callable, params: PyTree, memory: PyTree, batch: Batch,
-                **kwargs: Any) -> tuple[jax.Array, PyTree]:
-    """``(logits, memory after this window)`` (with ``logits=False`` among ``kwargs``, the model's
-    ``OutputLayer`` instead of logits). With a memory (a stream batch), rows whose ``document_start``
-    is set first forget their previous document, then the window reads and extends the memory; ``{}`` passes
-    through (a plain apply)."""
+def apply_model(apply_fn: Callable, params: PyTree, carried: mixer_state.MixerState, batch: Batch,
+                **kwargs: Any) -> tuple[jax.Array, mixer_state.MixerState]:
+    """``(logits, the mixers' state after this window)`` (with ``logits=False`` among ``kwargs``, the model's
+    ``OutputLayer`` instead of logits). With a state (a stream batch), rows whose ``document_start`` is set first
+    start over (each mixer's ``reset_state``), then the window reads and updates it; no state (the empty state,
+    ``None`` or ``{}``) is a plain apply."""
     args, model_kwargs = model_inputs(batch)
-    if not memory:
-        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), memory
-    memory = knn_memory.reset_memory(memory, batch["document_start"] > 0)
-    logits, updated = apply_fn({"params": params, "memory": memory}, *args, **model_kwargs, **kwargs,
-                               mutable=["memory"])
-    return logits, updated["memory"]
+    if not carried:
+        return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), carried
+    carried = carried.reset(batch["document_start"] > 0)
+    return carried.apply(apply_fn, params, *args, **model_kwargs, **kwargs)
 
 
 def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:

@@ -150,11 +150,12 @@ def fit(task: str, mixer: str) -> tuple[str | None, str]:
     """``(reason the mixer cannot run this task or None, what the mixer means in this task)``."""
     info = mixers.info(mixer_name(mixer))
     sides = info.sides
-    if info.name == "knn_memory":
-        if task == "lm":
-            return None, "Memorizing Transformer: kNN layer second to last, reads the document's past windows"
-        return None, ("kNN layer second to last in the decoder; no document streams here, so its memory is "
-                      "empty and it acts as gated local attention")
+    if info.layout is not None or info.state:
+        where = (f"{info.label} in the {_layer_words(info.layout)}{' of the decoder' * (sides == ('decoder',))} "
+                 f"(its layout rule), {info.layout_others} elsewhere" if info.layout is not None else info.label)
+        if task == "lm" or not info.state:
+            return None, where + (": it carries its state across the document's windows" if info.state else "")
+        return None, where + ("; no document streams here, so its state starts empty at every example")
     if task == "lm" and "decoder" not in sides:
         return (f"{info.label} is {sides[0]}-only ({info.side_reason or 'see its class'}); a decoder-only LM has "
                 f"no encoder layer for it"), ""
@@ -163,18 +164,26 @@ def fit(task: str, mixer: str) -> tuple[str | None, str]:
     return None, ""
 
 
+def _layer_words(layout: tuple[int, ...]) -> str:
+    """``(-2,)`` -> "second-to-last layer"; ``(0, -1)`` -> "layers 0 and last"."""
+    words = [{-1: "last", -2: "second-to-last"}.get(i, str(i) if i >= 0 else f"{-i}th from the end") for i in layout]
+    return f"{words[0]} layer" if len(words) == 1 else f"layers {', '.join(words[:-1])} and {words[-1]}"
+
+
 def training_config(study: Config, key: RunKey) -> Config:
     """The full training config of one run (mixer applied, overrides, seed, the study's training fields)."""
     spec = study[key.task]
     module = importlib.import_module(f"lconv.configs.{spec.family}")
     words = [w for w in spec.words.split(",") if w.strip()]
-    if key.task == "lm":  # lm1b.py applies the mixer word itself (its knn layout included)
+    if key.task == "lm":  # lm1b.py applies the mixer word itself
         c = module.get_config(",".join([key.mixer] + words))
     else:
         c = common.set_mixer(module.get_config(",".join(words) or None), {key.mixer})
     c.update(_plain(spec.overrides))
-    if mixer_name(key.mixer) == "knn_memory":  # after the overrides: the layout depends on the number of decoder layers
-        _memorizing_decoder(c)
+    if mixers.info(mixer_name(key.mixer)).layout is not None:  # after the overrides: it depends on the layer count
+        c = common.set_mixer(c, {key.mixer}, layout=True)
+    if mixer_name(key.mixer) == "knn_memory":  # the study's memory size, on every task
+        c.model.mixer_kwargs = {"knn_memory": dict(KNN_FIELDS)}
     c.update(_plain(dict(study.mixer_overrides).get(key.mixer, {})))
     c.seed = c.data.seed = key.seed
     c.data.data_dir = study.data_dir
@@ -183,15 +192,6 @@ def training_config(study: Config, key: RunKey) -> Config:
     c.train.keep_checkpoints = max(study.average_last, 1)
     c.train.eval_every = c.train.num_steps  # one validation pass, at the end
     return c
-
-
-def _memorizing_decoder(c: Config) -> None:
-    """configs/lm1b.py's knn layout for a decoder: one kNN-memory layer second to last, attention elsewhere."""
-    layers = ["attention"] * c.model.decoder_layers
-    layers[-2 if len(layers) > 1 else -1] = "knn_memory"
-    c.model.encoder_mixer = "attention"
-    c.model.decoder_mixer = ",".join(layers)
-    c.model.mixer_kwargs = {"knn_memory": dict(KNN_FIELDS)}
 
 
 def _plain(value: Any) -> Any:

@@ -180,12 +180,12 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
         workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True)
     writer = logs.MetricWriter(run.workdir, resumed_step=int(run.state.step))
     eval_step = loss_pass.jit_eval_step(config, run.mesh)
-    eval_memory = model_setup.init_memory(config, run.model, config.data.eval_batch_size,
-                                          model_setup.batch_sharding(run.mesh))
+    eval_state = model_setup.init_mixer_state(config, run.model, config.data.eval_batch_size,
+                                              model_setup.batch_sharding(run.mesh))
 
     def score_validation(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
         scores = loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn,
-                                         run.data.eval_sets["validation"], run.mesh, eval_memory, stop_when)
+                                         run.data.eval_sets["validation"], run.mesh, eval_state, stop_when)
         writer.write(step, "validation", scores)
         if "unscored_batches" not in scores:  # a part of the split is not comparable with earlier passes
             best.offer(step, run.state, scores["loss"])
@@ -247,10 +247,10 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
     the budget for it; returns the translator it compiled, for the test split's decoding to reuse."""
     decodes = run.config.task != "lm" and run.config.train.eval_after_training
     translator = compiled.Translator(run.config, run.model, run.state.params) if decodes else None
-    memory = model_setup.init_memory(run.config, run.model, run.config.data.eval_batch_size,
-                                     model_setup.batch_sharding(run.mesh))
+    carried = model_setup.init_mixer_state(run.config, run.model, run.config.data.eval_batch_size,
+                                           model_setup.batch_sharding(run.mesh))
     evaluate = lambda batches: loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
-                                                       run.mesh, memory)
+                                                       run.mesh, carried)
     budget.estimate = budget_lib.estimate_final_evaluation(run, evaluate, translator)
     budget.reserve = budget_lib.SAFETY_MARGIN * budget.estimate
     left = budget.seconds - budget.elapsed()

@@ -35,9 +35,10 @@ PyTree = Any
 
 
 class TrainState(train_state.TrainState):
-    # The kNN layers' 'memory' collection ([B, ...] leaves, B = the global batch's rows) carried from one
-    # window of each row's document stream to the next; {} unless data.stream and the model has kNN layers.
-    memory: Any = None
+    # What the model's stateful mixers carry from one window of each row's document stream to the next
+    # (lconv.nn.mixer_state.MixerState, [B, ...] leaves, B = the global batch's rows); empty unless data.stream
+    # and a mixer declares state.
+    mixer_state: Any = None
 
 
 @dataclasses.dataclass
@@ -131,13 +132,14 @@ def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,
     def init(rng):
         variables = model.init(rng, *args, **kwargs)
         return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                 memory=model_setup.init_memory(config, model, config.data.batch_size))
+                                 mixer_state=model_setup.init_mixer_state(config, model, config.data.batch_size))
 
     rng = jax.random.key(config.seed)
     abstract = jax.eval_shape(init, rng)
     shardings = model_setup.param_shardings(config, abstract, mesh)
-    # Memory rows belong to batch rows: shard them as the batch is, never replicate them.
-    shardings = shardings.replace(memory=jax.tree.map(lambda _: model_setup.batch_sharding(mesh), abstract.memory))
+    # State rows belong to batch rows: shard them as the batch is, never replicate them.
+    shardings = shardings.replace(mixer_state=jax.tree.map(lambda _: model_setup.batch_sharding(mesh),
+                                                           abstract.mixer_state))
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)(rng)
     return state, shardings

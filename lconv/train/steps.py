@@ -1,5 +1,5 @@
-"""The compiled train step: one optimizer update (with gradient accumulation and the kNN memory threaded through).
-The evaluation loss and its pass over a split are ``lconv.run.loss_pass``'s, shared with eval.py.
+"""The compiled train step: one optimizer update (with gradient accumulation and the mixers' carried state threaded
+through). The evaluation loss and its pass over a split are ``lconv.run.loss_pass``'s, shared with eval.py.
 
 Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and a donated state. The dropout rng is
 ``fold_in(seed, step)``, so no rng state is saved.
@@ -46,37 +46,38 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
     micro = int(config.optim.grad_accum_steps)
 
     def train_step(state, batch, lr_factor=1.0):
-        def loss_sums(params, memory, batch, dropout_rng):
-            outputs, memory = model_setup.apply_model(state.apply_fn, params, memory, batch, deterministic=False,
-                                                      rngs={"dropout": dropout_rng}, logits=not config.optim.fused_loss)
+        def loss_sums(params, carried, batch, dropout_rng):
+            outputs, carried = model_setup.apply_model(state.apply_fn, params, carried, batch, deterministic=False,
+                                                       rngs={"dropout": dropout_rng},
+                                                       logits=not config.optim.fused_loss)
             sums = metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
                                                smoothing)
-            return sums["loss"], (sums, memory)
+            return sums["loss"], (sums, carried)
 
         grad_sums = jax.grad(loss_sums, has_aux=True)  # gradient of the summed (not averaged) loss
         dropout_rng = jax.random.fold_in(jax.random.key(config.seed), state.step)
         if micro == 1:
-            grads, (sums, memory) = grad_sums(state.params, state.memory, batch, dropout_rng)
+            grads, (sums, carried) = grad_sums(state.params, state.mixer_state, batch, dropout_rng)
         else:
-            def accumulate(total, index_memory_batch):
-                index, micro_memory, micro_batch = index_memory_batch
-                grads, (sums, micro_memory) = grad_sums(state.params, micro_memory, micro_batch,
+            def accumulate(total, index_state_batch):
+                index, micro_state, micro_batch = index_state_batch
+                grads, (sums, micro_state) = grad_sums(state.params, micro_state, micro_batch,
                                                         jax.random.fold_in(dropout_rng, index))
-                return jax.tree.map(jnp.add, total, (grads, sums)), micro_memory
+                return jax.tree.map(jnp.add, total, (grads, sums)), micro_state
 
-            split_batch, split_memory = _split_rows(batch, micro), _split_rows(state.memory, micro)
-            first = jax.tree.map(lambda x: x[0], (split_memory, split_batch))
+            split_batch, split_state = _split_rows(batch, micro), _split_rows(state.mixer_state, micro)
+            first = jax.tree.map(lambda x: x[0], (split_state, split_batch))
             grads_and_sums = jax.eval_shape(grad_sums, state.params, *first, dropout_rng)
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (grads_and_sums[0], grads_and_sums[1][0]))
-            (grads, sums), split_memory = jax.lax.scan(accumulate, zeros,
-                                                       (jnp.arange(micro), split_memory, split_batch))
-            memory = _merge_rows(split_memory)
+            (grads, sums), split_state = jax.lax.scan(accumulate, zeros,
+                                                       (jnp.arange(micro), split_state, split_batch))
+            carried = _merge_rows(split_state)
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)  # token-weighted mean
         sums["grad_norm"] = optax.tree.norm(grads)
         sums["lr"] = lr_schedule(state.step) * lr_factor
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: (u * lr_factor).astype(u.dtype), updates)
         return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                             opt_state=opt_state, memory=memory), sums
+                             opt_state=opt_state, mixer_state=carried), sums
 
     return nn_common.under_axis_rules(train_step, config.mesh.rules)

@@ -1,0 +1,104 @@
+"""The state a model's mixers carry from one window of a document to the next: the mixer contract's ``state``.
+
+A stateful mixer (the kNN memory, a recurrent or state-space mixer, a plugin's) declares on its class the flax
+collections it carries (``state``) and how a row of them starts over at a document start (``reset_state``;
+``lconv.nn.mixers``). ``MixerState`` holds a model's collections together with those hooks, so whoever feeds a
+document stream (training, evaluation, a notebook) threads any mixer's state without naming one:
+
+    carried = mixer_state.initial(model, args, kwargs)        # init's values, every leaf [rows, ...]
+    for batch in windows:
+        carried = carried.reset(batch["document_start"] > 0)  # rows that start a new document start over
+        logits, carried = carried.apply(model.apply, params, *args, **kwargs)   # read, then updated
+
+It is a pytree (the collections are its leaves, the hooks static), so it lives in the train state and its
+checkpoints, is sharded by rows as the batch, and passes through ``jax.jit`` and ``jax.lax.scan``. A model without
+stateful mixers, or a batch of fresh documents, has the empty state, and ``apply`` is then a plain
+``apply({'params': ...})``: by the contract (``lconv.testing``'s rule ``carry``) a call without the collections is a
+fresh document's, so decoding and the exported programs, which start from a prompt, need none; decoding that
+continues a carried document passes them read-only (``{'params': p, **state.collections}`` as ``lconv.infer.search``'s
+``variables``; the rule ``decoding`` checks it).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import struct
+
+from lconv.errors import UserError
+from lconv.nn import mixers
+
+PyTree = Any
+Reset = Callable[[PyTree, Any], PyTree]
+
+
+@struct.dataclass
+class MixerState:
+    """``{collection: tree of [B, ...] leaves}`` and each collection's reset hook (static: not a leaf)."""
+
+    collections: dict[str, PyTree]
+    resets: tuple[tuple[str, Reset], ...] = struct.field(pytree_node=False, default=())
+
+    def __bool__(self) -> bool:
+        return bool(self.collections)
+
+    def reset(self, reset_B: Any) -> MixerState:
+        """Rows ``reset_B`` (bool ``[B]``) of every collection back to their start, by the mixers' own hooks."""
+        hooks = dict(self.resets)
+        return self.replace(collections={c: hooks[c](tree, reset_B) for c, tree in self.collections.items()})
+
+    def apply(self, apply_fn: Callable[..., Any], params: PyTree, *args: Any, update: bool = True,
+              **kwargs: Any) -> tuple[Any, MixerState]:
+        """``(apply_fn's output, the state after this window)``: the collections are read and, with ``update``,
+        left as the call updated them (``mutable``); without ``update`` (decoding, a fixed memory) only read."""
+        variables = {"params": params, **self.collections}
+        if not self.collections or not update:
+            return apply_fn(variables, *args, **kwargs), self
+        out, updated = apply_fn(variables, *args, mutable=list(self.collections), **kwargs)
+        return out, self.replace(collections={c: updated[c] for c in self.collections})
+
+
+def empty() -> MixerState:
+    return MixerState({})
+
+
+def declared(model_config: Any) -> dict[str, Reset]:
+    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` (a ``ModelConfig``) names.
+    Two mixers may share a collection only with the same hook: one hook resets a collection in every layer."""
+    hooks: dict[str, tuple[Reset, str]] = {}
+    for side in mixers.BOTH_SIDES:
+        if not getattr(model_config, f"{side}_layers", 0):
+            continue
+        for name in dict.fromkeys(model_config.layer_mixers(side)):
+            info = mixers.info(name)
+            for collection in info.state:
+                if collection in ("params", "cache"):
+                    raise UserError(f"mixer {name!r}: state={info.state!r} may not name {collection!r}, which the "
+                                    "model owns; name the collection the mixer carries between windows")
+                hook, owner = hooks.setdefault(collection, (info.reset_state, name))
+                if hook is not info.reset_state:
+                    raise UserError(f"mixers {owner!r} and {name!r} both carry state collection {collection!r} "
+                                    "with different reset_state hooks; give one of them its own collection name")
+    return {collection: hook for collection, (hook, _) in hooks.items()}
+
+
+def initial(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            sharding: jax.sharding.Sharding | None = None) -> MixerState:
+    """The state ``model.init(rng, *args, **kwargs)`` creates for its stateful mixers (the batch's rows), or the
+    empty state. ``sharding``: lay every leaf out so (rows as the batch; created by a jit, so every process builds
+    its shards of one global array); None gives plain arrays (or traced ones inside a jit)."""
+    hooks = declared(model.config)
+    if not hooks:
+        return empty()
+
+    def init() -> dict[str, PyTree]:  # only the state leaves are outputs: XLA drops the parameters' init
+        variables = model.init(jax.random.key(0), *args, **kwargs)
+        return {c: nn.meta.unbox(variables[c]) for c in hooks if c in variables}
+
+    shapes = jax.eval_shape(init)
+    if not shapes:
+        return empty()
+    collections = (jax.jit(init) if sharding is None else jax.jit(init, out_shardings=sharding))()
+    return MixerState(collections, tuple((c, hooks[c]) for c in collections))
