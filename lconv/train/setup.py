@@ -27,6 +27,7 @@ from lconv.configs.schema import validate_config
 from lconv.constants import BATCH_MESH_AXES, EXPORT_SIDECAR
 from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.fields import is_integer
 from lconv.nn import common as nn_common
@@ -121,7 +122,7 @@ def read_config(workdir: str, caller: str = "--workdir") -> Config:
 # Model, optimizer, mesh
 # ----------------------------------------------------------------------------------------------------------------
 def build_model(config: Config, vocab_size: int) -> nn.Module:
-    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size)
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, decoder_only=config.task == "lm")
     if config.task == "lm":
         return models.DecoderOnlyLM(model_cfg)
     if config.task in ("translation", "summarization"):
@@ -293,7 +294,8 @@ def check_plugins_trace(config: Config) -> None:
     """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
     data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
     naming it, rather than after data preparation."""
-    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=int(config.data.vocab_size))
+    model = build_model(config, int(config.data.vocab_size))
+    model_cfg = model.config
     sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
     names = [name for side in sides for name in model_cfg.layer_mixers(side)]
     plugins = sorted({name for name in names if not mixers.mixer_class(name).__module__.startswith("lconv.")})
@@ -301,7 +303,6 @@ def check_plugins_trace(config: Config) -> None:
         plugins.append(f"ffn_type={model_cfg.ffn_type}")
     if not plugins:
         return
-    model = build_model(config, int(config.data.vocab_size))
     args, kwargs = model_inputs(dummy_batch(config, length=8))
     try:
         jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
@@ -327,8 +328,9 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
     if not has_checkpoint:  # nothing to restore: the config is this launch's (a failed launch pins nothing)
         workdir_lib.write_config(config, workdir, config_changes, has_checkpoint=False)
         config_changes = None
-    tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)
-    data = pipeline.make_datasets(config.data, tokenizer)
+    data_cfg = DataConfig.from_config(config.data)  # parsed once, for the tokenizer and the datasets
+    tokenizer = pipeline.load_or_train_tokenizer(data_cfg, workdir)
+    data = pipeline.make_datasets(data_cfg, tokenizer)
     _report_data_source(data.source_report, workdir)
     model = build_model(config, tokenizer.vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
