@@ -26,6 +26,7 @@ from flax.linen import meta as nn_meta
 
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
@@ -107,13 +108,15 @@ class Model(probing.Probing):
 
     # --- translation and summarisation ---------------------------------------------------------------------
     def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None, lenpen: float | None = None,
-                  nbest: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, prefix: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None
+                  nbest: int | None = None, temperature: float | None = None, top_k: int | None = None,
+                  top_p: float | None = None, seed: int | None = None,
+                  prefix: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None
                   ) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """One output per source (``""`` for a blank one), a string for a string and a list for a list: by beam
         search (``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s), or with ``temperature > 0``
         a sample (after ``top_k`` and nucleus ``top_p`` filtering), drawn from ``seed`` and the source alone: the
-        same source and seed give the same sample alone or in any batch.
+        same source and seed give the same sample alone or in any batch. A sampling setting left as None is
+        ``lconv.decode_settings.SamplingSettings``' default (temperature 0: beam search; no filter; seed 0).
 
         With ``nbest=k`` each output is instead a list of up to k dicts, best first (a blank source's is empty):
         ``"text"``; ``"score"``, the search's ``sum(token_scores) / len(token_scores)**lenpen`` (fairseq's);
@@ -127,26 +130,24 @@ class Model(probing.Probing):
         scored under the model as the rest are (so ``score`` of an output gives its scores)."""
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
-        prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str))
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str,  # the arguments' own names
                             vocab_size=self.tokenizer.vocab_size)
         limit = int(self.config.data.eval_max_target_length)
         schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
-        search = {"beam_size": self._hypotheses_per_source(nbest, beam_size, temperature)}
-        if lenpen is not None:
-            search["lenpen"] = lenpen
-        if temperature:
-            search.update(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        settings = DecodeSettings.build(self.config.decode, lenpen=lenpen, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, seed=seed,
+                                        beam_size=self._hypotheses_per_source(nbest, beam_size, temperature))
+        prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str), settings)
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
         found = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
-                                                 translator=self._translator, nbest=nbest or 0, prefixes=prefixes,
-                                                 **search)
+                                                 settings, translator=self._translator, nbest=nbest or 0,
+                                                 prefixes=prefixes)
         outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(sources, str) else outputs
 
-    def _prefix_ids(self, prefix: Any, lines: list[str], one: bool) -> list[np.ndarray]:
+    def _prefix_ids(self, prefix: Any, lines: list[str], one: bool, settings: DecodeSettings) -> list[np.ndarray]:
         """``translate``'s ``prefix`` as id arrays, one per line, each checked to leave room for EOS in the output
         limit of the line's own bucket (a batch's programs are at least as long)."""
         ids = _target_ids(self.tokenizer, [prefix] if one else prefix, one, name="prefix", eos_allowed=False,
@@ -156,14 +157,15 @@ class Model(probing.Probing):
         data = self.config.data
         for i, (line, forced) in enumerate(zip(lines, ids)):
             source_len = min(len(self.tokenizer.encode(line)) + 1, data.eval_max_input_length)
-            limit = compiled.max_output_len(self.config, compiled.width_bucket(source_len, data.eval_max_input_length))
+            width = compiled.width_bucket(source_len, data.eval_max_input_length)
+            limit = compiled.max_output_len(self.config, settings, width)
             if len(forced) >= limit:
                 raise UserError(f"{'prefix' if one else f'prefix[{i}]'}: {len(forced)} tokens; the output of this "
                                 f"source holds at most {limit} (config.decode.max_len_a/b, "
                                 f"config.data.eval_max_target_length), EOS included")
         return ids
 
-    def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float) -> int:
+    def _hypotheses_per_source(self, nbest: int | None, beam_size: int | None, temperature: float | None) -> int:
         """The beams (or samples, when sampling) a search keeps per source, with ``nbest`` checked against it."""
         return schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=temperature,
                                             stored_beam_size=self.config.decode.beam_size,
@@ -234,13 +236,15 @@ class Model(probing.Probing):
         return decode_and_score.score_texts(self.task, hypotheses, references)
 
     # --- language models -----------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[str], *, max_len: int = 50, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, beam_size: int | None = None, lenpen: float | None = None,
+    def generate(self, prompts: str | Sequence[str], *, max_len: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 beam_size: int | None = None, lenpen: float | None = None,
                  nbest: int | None = None) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """Continues each prompt by up to ``max_len`` tokens: greedy at ``temperature=0``, else sampled (after
         ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; a prompt's sample depends on it, the seed and
-        the settings alone, not on the other prompts or its place among them. A prompt too long for
-        ``config.model.max_len`` keeps its last tokens.
+        the settings alone, not on the other prompts or its place among them. A sampling setting left as None is
+        ``lconv.decode_settings.SamplingSettings``' default (50 tokens, greedy, no filter, seed 0). A prompt too
+        long for ``config.model.max_len`` keeps its last tokens.
 
         With ``beam_size`` or ``nbest``, a beam search instead (``beam_size`` / ``lenpen`` default to the stored
         ``config.decode``'s), or with ``temperature > 0`` ``nbest`` samples; with ``nbest=k`` each output is a
@@ -252,19 +256,19 @@ class Model(probing.Probing):
         lines = _lines(prompts, "prompts", one_allowed=True)
         schema.check_sampling(dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
-        search = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         scored = beam_size is not None or nbest is not None
         if lenpen is not None and not scored:
             raise UserError(f"lenpen={lenpen}: ranks a beam search's or n samples' hypotheses; pass beam_size or "
                             "nbest with it")
         if scored:
             schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)
-            search.update(beam_size=self._hypotheses_per_source(nbest, beam_size, temperature),
-                          lenpen=self.config.decode.lenpen if lenpen is None else lenpen)
+            beam_size = self._hypotheses_per_source(nbest, beam_size, temperature)
+        settings = DecodeSettings.build(self.config.decode, max_len=max_len, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, seed=seed, beam_size=beam_size, lenpen=lenpen)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
-        found = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator, max_len=max_len,
-                                                nbest=(nbest or 1) if scored else 0, **search)
+        found = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator, settings,
+                                                nbest=(nbest or 1) if scored else 0)
         outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(prompts, str) else outputs
 

@@ -18,6 +18,7 @@ import tiny_runs
 import lconv
 from lconv.api import Model
 from lconv.constants import EOS_ID, PAD_ID
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, search
 
@@ -45,9 +46,10 @@ def mt():
 def _alone(model: Model, source: str, beam_size: int) -> str:
     """``source`` translated by itself, unpadded, straight through ``search.translate``."""
     ids_1S = np.append(model.tokenizer.encode(source), EOS_ID)[None].astype(np.int32)
+    settings = DecodeSettings.build(model.config.decode, beam_size=beam_size)
     best_1L = search.translate(model.module, {"params": model.params}, ids_1S, beam_size=beam_size,
-                               max_len=compiled.max_output_len(model.config, 32), lenpen=model.config.decode.lenpen,
-                               max_len_a=model.config.decode.max_len_a, max_len_b=model.config.decode.max_len_b)
+                               max_len=compiled.max_output_len(model.config, settings, 32), lenpen=settings.lenpen,
+                               max_len_a=settings.max_len_a, max_len_b=settings.max_len_b, stop=settings.stop)
     return model.tokenizer.decode(np.asarray(best_1L)[0])
 
 
@@ -124,7 +126,7 @@ def test_lm_generation_of_ragged_prompts_equals_each_prompt_alone(lm):
     for prompt, text in zip(prompts, greedy):
         ids = lm.tokenizer.encode(prompt)
         alone = search.lm_generate(lm.module, {"params": lm.params}, jnp.asarray(ids)[None] if len(ids) else None,
-                                   batch_size=1, max_len=6)
+                                   batch_size=1, max_len=6, temperature=0.0, top_k=0, top_p=1.0)
         assert text == lm.tokenizer.decode(np.asarray(alone)[0])
     # top_k=1 keeps only the argmax, so sampling it at any temperature is greedy decoding.
     assert lm.generate(prompts, max_len=6, temperature=1.0, top_k=1, seed=5) == greedy
@@ -271,7 +273,7 @@ def _argmax_reference(model: Model, source: str) -> list[int]:
     decode = model.config.decode
     source_ids = list(model.tokenizer.encode(source)) + [EOS_ID]
     limit = min(int(decode.max_len_a * len(source_ids) + decode.max_len_b) + 1,
-                compiled.max_output_len(model.config, 32))
+                compiled.max_output_len(model.config, DecodeSettings.build(decode), 32))
     inputs_1S = np.asarray([source_ids], np.int32)
     out = []
     while not out or (out[-1] != EOS_ID and len(out) < limit):

@@ -15,6 +15,7 @@ import tiny_runs
 import lconv
 from lconv.api import Model
 from lconv.constants import EOS_ID, PAD_ID
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled
 
@@ -65,7 +66,7 @@ def _reference_beam(members: list[Model], source: str, *, beam: int, lenpen: flo
     decode = members[0].config.decode
     source_ids = list(members[0].tokenizer.encode(source)) + [EOS_ID]
     limit = min(int(decode.max_len_a * len(source_ids) + decode.max_len_b) + 1,
-                compiled.max_output_len(members[0].config, WIDTH))
+                compiled.max_output_len(members[0].config, DecodeSettings.build(decode), WIDTH))
     limit = max(limit, len(prefix) + 1)
     alive, finished = [(0.0, [])], []
     for i in range(limit):

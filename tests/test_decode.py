@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lconv.data import pipeline
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.infer import search as decode
@@ -77,7 +78,7 @@ def _padded(seq, length=L):
 def test_exhaustive_beam_equals_brute_force(lenpen):
     A, Bm, Cp, bias = _tables(seed=int(lenpen))
     fn, cache = _toy(A, Bm, Cp, bias)
-    tokens, scores = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen)
+    tokens, scores = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen, stop="optimal")
     assert tokens.shape == (2, N_HYP, L) and scores.shape == (2, N_HYP)
     for b in range(2):
         ref = _brute_force(A, Bm, Cp, bias[b], L, lenpen)
@@ -90,7 +91,8 @@ def test_small_beam_scores_its_hypotheses_and_respects_row_limits():
     A[:, EOS] -= 3.0  # make EOS unlikely, so the limits bind
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = np.array([2, 3])
-    tokens, scores = jax.jit(lambda c, m: decode.beam_search(fn, c, 2, 3, L, lenpen=1.0, max_len_per_row=m))(
+    tokens, scores = jax.jit(lambda c, m: decode.beam_search(fn, c, 2, 3, L, lenpen=1.0, max_len_per_row=m,
+                                                             stop="optimal"))(
         cache, limits)
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)  # best first
     for b in range(2):
@@ -101,7 +103,7 @@ def test_small_beam_scores_its_hypotheses_and_respects_row_limits():
             assert tokens[b, k].tolist() == _padded(seq)  # PAD only after EOS
             np.testing.assert_allclose(scores[b, k], ref[tuple(seq)], rtol=1e-5)
     # Exhaustive beam under the limits: exactly the brute-force best.
-    tokens, _ = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=1.0, max_len_per_row=limits)
+    tokens, _ = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=1.0, max_len_per_row=limits, stop="optimal")
     for b in range(2):
         assert tokens[b, 0].tolist() == _padded(_brute_force(A, Bm, Cp, bias[b], limits[b], 1.0)[0][1])
 
@@ -150,7 +152,8 @@ def test_the_fairseq_stop_rule_equals_a_plain_reading_of_fairseqs_generator(lenp
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = np.array([6, 8])
     tokens, scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits, stop="fairseq")
-    optimal_tokens, optimal_scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits)
+    optimal_tokens, optimal_scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits,
+                                                        stop="optimal")
     for b in range(2):
         ref = _fairseq_reference(A, Bm, Cp, bias[b], beam, limits[b], lenpen)
         np.testing.assert_allclose(scores[b], [s for s, _ in ref], rtol=1e-5, atol=1e-6)
@@ -158,7 +161,7 @@ def test_the_fairseq_stop_rule_equals_a_plain_reading_of_fairseqs_generator(lenp
             assert tokens[b, n].tolist() == _padded(seq, 8), (b, n)
         assert np.all(optimal_scores[b] >= np.asarray(scores[b]) - 1e-6)  # first come is never better
     with pytest.raises(UserError, match="decode.stop='greedy'"):
-        decode.beam_search(fn, cache, 2, 2, 8, stop="greedy")
+        decode.beam_search(fn, cache, 2, 2, 8, stop="greedy", lenpen=1.0)
 
 
 def _counting(fn):
@@ -177,7 +180,7 @@ def test_early_stopping_keeps_the_full_search_result(lenpen, seed):
     A, Bm, Cp, bias = _tables(seed=seed)
     fn, cache = _toy(A, Bm, Cp, bias)
     fn, calls = _counting(fn)
-    _, scores = decode.beam_search(fn, cache, 2, 2, 8, lenpen=lenpen)
+    _, scores = decode.beam_search(fn, cache, 2, 2, 8, lenpen=lenpen, stop="optimal")
     jax.effects_barrier()
     for b in range(2):
         np.testing.assert_allclose(scores[b], _beam_reference(A, Bm, Cp, bias[b], 2, 8, lenpen), rtol=1e-5)
@@ -234,12 +237,13 @@ def test_sampling_limits_and_determinism():
     fn, cache = _toy(A, Bm, Cp, bias)
     greedy = decode.greedy_search(fn, cache, B, L)
     rng = jax.random.key(0)
-    assert decode.sample(fn, cache, B, L, rng, temperature=1e-4).tolist() == greedy.tolist()
-    assert decode.sample(fn, cache, B, L, rng, top_k=1).tolist() == greedy.tolist()
-    assert decode.sample(fn, cache, B, L, rng, top_p=1e-3).tolist() == greedy.tolist()
-    s1 = decode.sample(fn, cache, B, L, rng, top_k=2)
-    assert s1.tolist() == decode.sample(fn, cache, B, L, rng, top_k=2).tolist()
-    assert s1.tolist() != decode.sample(fn, cache, B, L, jax.random.key(1), top_k=2).tolist()
+    assert decode.sample(fn, cache, B, L, rng, temperature=1e-4, top_k=0, top_p=1.0).tolist() == greedy.tolist()
+    assert decode.sample(fn, cache, B, L, rng, top_k=1, temperature=1.0, top_p=1.0).tolist() == greedy.tolist()
+    assert decode.sample(fn, cache, B, L, rng, top_p=1e-3, temperature=1.0, top_k=0).tolist() == greedy.tolist()
+    s1 = decode.sample(fn, cache, B, L, rng, top_k=2, temperature=1.0, top_p=1.0)
+    assert s1.tolist() == decode.sample(fn, cache, B, L, rng, top_k=2, temperature=1.0, top_p=1.0).tolist()
+    other = decode.sample(fn, cache, B, L, jax.random.key(1), top_k=2, temperature=1.0, top_p=1.0)
+    assert s1.tolist() != other.tolist()
     assert s1.tolist() != greedy.tolist()
     for b in range(B):  # every draw is among the 2 most likely tokens given its prefix
         history = [BOS]
@@ -255,7 +259,7 @@ def test_sample_with_prompt_chunk():
     A, Bm, Cp, bias = _tables(seed=6)
     fn, cache = _toy(A, Bm, Cp, bias)
     prompt = np.array([[2, 4], [4, 4]], np.int32)
-    got = decode.sample(fn, cache, 2, 4, jax.random.key(0), top_k=1, prompt=prompt)
+    got = decode.sample(fn, cache, 2, 4, jax.random.key(0), top_k=1, prompt=prompt, temperature=1.0, top_p=1.0)
     assert got.tolist() == [_greedy_reference(A, Bm, Cp, bias[b], 4, prompt[b]) for b in range(2)]
 
 
@@ -301,7 +305,7 @@ def test_translate_tiles_encoder_output_and_cache_per_beam():
     p = {k: np.asarray(v) for k, v in variables["params"].items()}
     src_len = np.array([2, 3, 1])
     got = jax.jit(lambda v, x: decode.translate(model, v, x, beam_size=N_HYP, max_len=L, lenpen=1.0,
-                                                max_len_a=1.0, max_len_b=0))(variables, inputs)
+                                                max_len_a=1.0, max_len_b=0, stop="optimal"))(variables, inputs)
     for b in range(3):
         bias = p["E"][np.asarray(inputs[b, : src_len[b]])].mean(0)
         best = _brute_force(p["A"], p["Bm"], p["Cp"], bias, min(src_len[b] + 1, L), 1.0)[0][1]
@@ -319,7 +323,8 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
     model = DecoderOnlyLM(cfg)
     prompt = jnp.array([[5, 7, 2], [9, 4, 6]], jnp.int32)
     variables = jax.jit(model.init)(jax.random.key(1), prompt)
-    got = jax.jit(lambda v, p: decode.lm_generate(model, v, p, max_len=steps, eos_id=-1))(variables, prompt)
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0)
+    got = jax.jit(lambda v, p: decode.lm_generate(model, v, p, max_len=steps, eos_id=-1, **greedy))(variables, prompt)
     # No cache: the whole sequence every step. One fixed length (filler 2 after the prefix) so it compiles once;
     # the model is causal, so the filler cannot change the logits read at the prefix's end.
     full = jax.jit(lambda v, s: model.apply(v, s, shift=False))
@@ -332,7 +337,7 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
     assert got.tolist() == seq[:, 4:].tolist()
     if position_tables:  # one more new token needs one more position than the tables hold
         with pytest.raises(UserError, match="exceeds max_len"):
-            decode.lm_generate(model, variables, prompt, max_len=steps + 1, eos_id=-1)
+            decode.lm_generate(model, variables, prompt, max_len=steps + 1, eos_id=-1, **greedy)
 
 
 def _batch_mesh():
@@ -355,7 +360,7 @@ def test_beam_search_on_a_mesh_keeps_each_row_on_its_devices():
 
     def search(prev, bias):
         fn, cache = _toy(A, Bm, Cp, bias)
-        return decode.beam_search(fn, dict(cache, prev=prev), 8, 3, L, lenpen=1.0)
+        return decode.beam_search(fn, dict(cache, prev=prev), 8, 3, L, lenpen=1.0, stop="optimal")
 
     prev = np.full((8,), PAD, np.int32)
     expected = jax.jit(search)(*_on_cpu((prev, bias)))
@@ -387,13 +392,18 @@ def _tiny_split_decoder(batch_size=0):
 def _auto_rows(config, params, eval_set):
     """The rows per batch "auto" decodes ``eval_set`` with, for ``params`` on the platform they live on: the eval
     set's 8 rows on CPU, wider on an accelerator (the 20 sources' 32 on a GPU)."""
-    return decode_and_score._decode_plan(config, params, eval_set, None)[0]
+    return decode_and_score._decode_plan(config, params, eval_set, config.decode.beam_size)[0]
+
+
+def _settings(config):
+    """The search a surface would build from ``config.decode`` (the sampling settings at their defaults)."""
+    return DecodeSettings.build(vars(config.decode))
 
 
 def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
     found = {}
-    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, **kwargs):
+    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, _settings(config), **kwargs):
         assert best.shape[0] == rows  # every row of the global batch, on this (every) process
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     return found
@@ -434,28 +444,30 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
     expected = _split_hypotheses(config, model, params, eval_set, auto)
     real, asked = compiled.Translator(config, model, params), []
 
-    def translator(inputs_BS, **search):  # a device that holds 2 rows at most
+    def translator(inputs_BS, settings):  # a device that holds 2 rows at most
         asked.append(inputs_BS.shape[0])
         if inputs_BS.shape[0] > 2:
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
-        return real(inputs_BS, **search)
+        return real(inputs_BS, settings)
 
     found = {}
-    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, translator=translator):
+    settings = _settings(config)
+    batches = decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator)
+    for batch, best in batches:
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     halvings = [auto >> i for i in range(auto.bit_length() - 1)]  # 8, 4, 2 on CPU
     assert found == expected and asked[:len(halvings)] == halvings and set(asked[len(halvings):]) == {2}
     assert lconv_log() == [f"decoding {rows} rows per batch ran out of device memory: going on with {rows // 2} "
                            "(config.decode.batch_size sets it)" for rows in halvings[:-1]]
 
-    def broken(inputs_BS, **search):
+    def broken(inputs_BS, settings):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
-        list(decode_and_score.decode_batches(config, model, params, eval_set, translator=broken))
+        list(decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=broken))
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
     with pytest.raises(UserError, match=rf"^.*\b{auto} rows.*memory.*config\.decode"):
-        list(decode_and_score.decode_batches(config, model, params, eval_set, translator=translator))
+        list(decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator))
 
 
 @pytest.mark.parametrize("stop,lenpen", [("optimal", 1.0), ("fairseq", 0.5)])
@@ -484,7 +496,7 @@ def test_samples_with_a_length_limit_end_in_eos_and_do_not_depend_on_their_row()
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = jnp.array([3, 6, 8, 4, 8])
     tokens, token_scores = decode.sample(fn, cache, 5, 8, jax.random.key(0), max_len_per_row=limits,
-                                         with_token_scores=True)
+                                         with_token_scores=True, temperature=1.0, top_k=0, top_p=1.0)
     for b in range(5):
         seq = tokens[b].tolist()
         assert EOS in seq and seq.index(EOS) < int(limits[b])
@@ -493,7 +505,8 @@ def test_samples_with_a_length_limit_end_in_eos_and_do_not_depend_on_their_row()
         np.testing.assert_allclose(token_scores[b, :length], expected, rtol=1e-5, atol=1e-6)
     # Row 3 sampled alone (its own cache row, limit and the same key) draws what it drew in the batch of 5.
     fn_alone, cache_alone = _toy(A, Bm, Cp, bias[3:4])
-    alone = decode.sample(fn_alone, cache_alone, 1, 8, jax.random.key(0), max_len_per_row=limits[3:4])
+    alone = decode.sample(fn_alone, cache_alone, 1, 8, jax.random.key(0), max_len_per_row=limits[3:4],
+                          temperature=1.0, top_k=0, top_p=1.0)
     assert alone[0].tolist() == tokens[3].tolist()
     keys = decode.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0], [5, 6, 0, 0], [6, 5, 0, 0]]))
     as_data = jax.random.key_data(keys).tolist()
@@ -545,8 +558,9 @@ def test_samples_with_a_forced_prefix_start_with_it_and_score_it_under_the_model
     prefix = decode.Prefix(jnp.asarray([[4, 4, 2], [2, PAD, PAD], [PAD, PAD, PAD]]), jnp.asarray([3, 1, 0]))
     limits = jnp.asarray([2, 8, 8])  # row 0's limit is raised to hold its prefix and EOS
     tokens, token_scores = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits,
-                                         with_token_scores=True, prefix=prefix)
-    free, _ = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits, with_token_scores=True)
+                                         with_token_scores=True, prefix=prefix, temperature=1.0, top_k=0, top_p=1.0)
+    free, _ = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits, with_token_scores=True,
+                            temperature=1.0, top_k=0, top_p=1.0)
     assert tokens[0].tolist() == [4, 4, 2, EOS] + [PAD] * 4 and tokens[1, 0] == 2
     assert tokens[2].tolist() == free[2].tolist()  # no prefix: the same draws as without any
     for b in range(3):

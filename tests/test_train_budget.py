@@ -15,6 +15,7 @@ import tiny_runs
 
 from lconv.data import pipeline
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.decode_settings import DecodeSettings
 from lconv.infer import decode_and_score
 from lconv.run import model_setup
 from lconv.train import budget, logs, loop
@@ -157,7 +158,7 @@ class FakeTranslator:
     def __init__(self, clock):
         self.clock, self.params, self.widths = clock, {"w": np.zeros(1)}, set()
 
-    def __call__(self, inputs_BS, **search):
+    def __call__(self, inputs_BS, settings):
         width = inputs_BS.shape[1]
         self.clock.now += SECONDS_PER_WIDTH * width + (COMPILE_SECONDS if width not in self.widths else 0.0)
         self.widths.add(width)
@@ -179,13 +180,18 @@ def _config(rows=4):
                                  data=types.SimpleNamespace(eval_batch_size=rows), task="translation")
 
 
+def _settings(config):
+    return DecodeSettings.build(dict(vars(config.decode), max_len_a=1.2, max_len_b=10, stop="optimal"))
+
+
 def test_the_decoding_estimate_is_what_decoding_the_split_takes():
     clock = FakeClock()
     lengths = [5, 9, 20, 31, 40, 60, 70, 100, 130, 150, 3]  # widths 32, 64, 128, 256 over three batches of four
     eval_set, config = _split(lengths), _config()
-    estimate = decode_and_score.estimate_decode_seconds(config, eval_set, FakeTranslator(clock), clock)
+    settings = _settings(config)
+    estimate = decode_and_score.estimate_decode_seconds(config, eval_set, FakeTranslator(clock), settings, clock)
     start = clock.now
-    batches = list(decode_and_score.decode_batches(config, None, {"w": np.zeros(1)}, eval_set,
+    batches = list(decode_and_score.decode_batches(config, None, {"w": np.zeros(1)}, eval_set, settings,
                                                    translator=FakeTranslator(clock)))
     assert len(batches) == 3
     assert estimate == pytest.approx(clock.now - start)  # 3 widths compiled, each batch's run by its width
@@ -197,12 +203,13 @@ def test_decoding_stops_where_the_budget_runs_out_and_the_scores_say_how_much(tm
     calls = collections.Counter()
 
     class Counting(FakeTranslator):
-        def __call__(self, inputs_BS, **search):
+        def __call__(self, inputs_BS, settings):
             calls["batches"] += 1
-            return super().__call__(inputs_BS, **search)
+            return super().__call__(inputs_BS, settings)
 
     scores = decode_and_score.score_split(config, None, {"w": np.zeros(1)}, tiny_runs.tokenizer(),
-                                          {"test": eval_set}, str(tmp_path), translator=Counting(clock),
+                                          {"test": eval_set}, str(tmp_path), _settings(config),
+                                          translator=Counting(clock),
                                           stop_when=(lambda: calls["batches"] >= 2, "train.max_minutes"))
     assert calls["batches"] == 2 and scores["examples"] == 8 and scores["undecoded"] == 2
     assert len((tmp_path / "test.hyp.txt").read_text().splitlines()) == 8

@@ -24,6 +24,7 @@ from lconv.bench import report, timing
 from lconv.configs import common, default
 from lconv.constants import EOS_ID
 from lconv.data import pipeline
+from lconv.decode_settings import DecodeSettings
 from lconv.infer import compiled, decode_and_score
 from lconv.run import model_setup
 
@@ -92,9 +93,10 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
 def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, float]:
     """Seconds of the first pass over ``eval_set`` (it compiles) and the median of ``REPEATS`` more."""
     translator = compiled.Translator(config, model, params)  # fresh programs: each batch size compiles its own
+    settings = DecodeSettings.build(config.decode)
 
     def decode_split():
-        batches = decode_and_score.decode_batches(config, model, params, eval_set, translator=translator)
+        batches = decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator)
         return [best for _, best in batches]
 
     start = time.perf_counter()

@@ -21,6 +21,7 @@ from etils import epath
 from lconv import outputs
 from lconv.data import paths, pipeline
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.run import loss_pass, restore, schema
@@ -46,13 +47,12 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
                             beam_size=beam_size, lenpen=lenpen, source_file=source_file,
                             reference_file=reference_file, output_file=output_file, interactive=interactive,
                             sampling=sampling, nbest=nbest)
-    search = _translation_search(sampling, nbest, beam_size) if task != "lm" else {}
-    sampling = {**SAMPLING_DEFAULTS, **sampling}
+    chosen = _decode_choices(task, sampling, nbest)
     if interactive:
-        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
-        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, sampling, search, nbest)
+        trained, settings = _load(workdir, average_last, checkpoint, beam_size, lenpen, chosen)
+        return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, settings, nbest)
     if source_file is None:
-        trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
+        trained, settings = _load(workdir, average_last, checkpoint, beam_size, lenpen, chosen)
         config = trained.config
         config.data.eval_splits = (split,)
         data = pipeline.make_datasets(config.data, trained.tokenizer)
@@ -60,7 +60,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
             return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
                                               split)
         return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer,
-                                            data.eval_sets, workdir, split=split)
+                                            data.eval_sets, workdir, settings, split=split)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
     if references is not None and len(references) != len(sources):
@@ -73,10 +73,10 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         outputs.check_output_file(output_file, "--output_file",
                                   inputs=[("--source_file", source_file), ("--reference_file", reference_file)])
         _check_writable(output_file, f"--output_file={output_file}")
-    trained = _load(workdir, average_last, checkpoint, beam_size, lenpen)
+    trained, settings = _load(workdir, average_last, checkpoint, beam_size, lenpen, chosen)
     if task == "lm":
-        return _generate_file(trained, sources, source_file, output_file, sampling)
-    return _translate_file(trained, sources, references, source_file, output_file, search, nbest)
+        return _generate_file(trained, sources, source_file, output_file, settings)
+    return _translate_file(trained, sources, references, source_file, output_file, settings, nbest)
 
 
 def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
@@ -134,7 +134,7 @@ def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen:
             raise UserError(f"{', '.join(given)} go with prompts: --source_file (one per line) or --interactive; "
                             "without them eval.py scores the split's perplexity")
         return
-    decode_and_score.prompt_limit(config, sampling.get("max_len", SAMPLING_DEFAULTS["max_len"]), "--max_len")
+    DecodeSettings.build(config.decode, **sampling).prompt_limit(config.model.max_len, "--max_len")
     vocab_size = _vocab_size(config, workdir) if sampling.get("top_k") else None
     schema.check_sampling(sampling, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
@@ -162,21 +162,22 @@ def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None
                         "split is scored on its beam search's best hypotheses")
     # top_k's, the beam's and the samples' upper bound is the vocabulary's size (the tokenizer's)
     vocab_size = _vocab_size(config, workdir) if sampling.get("top_k") or beam_size or nbest else None
-    schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=sampling.get("temperature", 0.0),
+    schema.hypotheses_per_source(nbest=nbest, beam_size=beam_size, temperature=sampling.get("temperature"),
                                  stored_beam_size=config.decode.beam_size, spell=lambda name: f"--{name}",
                                  vocab_size=vocab_size)
     schema.check_search(beam_size=beam_size, spell=lambda name: f"--{name}", vocab_size=vocab_size)
     schema.check_sampling(sampling, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
-def _translation_search(sampling: dict[str, Any], nbest: int | None, beam_size: int | None) -> dict[str, Any]:
-    """``translate_lines``' search settings from the flags: the beams (or samples) per source, and with
-    ``--temperature > 0`` the sampling settings (the beam size and length penalty are in the loaded config)."""
-    temperature = sampling.get("temperature", 0.0)
-    if not temperature:
+def _decode_choices(task: str, sampling: dict[str, Any], nbest: int | None) -> dict[str, Any]:
+    """The decoding settings the flags choose (checked), for ``DecodeSettings.build`` over the loaded config's
+    ``decode`` section (which holds ``--beam_size`` / ``--lenpen``: ``_load``): an LM's sampling flags; a
+    translation's only with ``--temperature > 0``, and then the samples per source (``--nbest``, else one)."""
+    if task == "lm":
+        return dict(sampling)
+    if not sampling.get("temperature"):
         return {}
-    return {"beam_size": nbest or 1, "temperature": temperature, "top_k": sampling.get("top_k", 0),
-            "top_p": sampling.get("top_p", 1.0), "seed": sampling.get("seed", 0)}
+    return {**sampling, "beam_size": nbest or 1}
 
 
 def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None) -> None:
@@ -229,8 +230,9 @@ def _check_writable(path: str, what: str) -> None:
     raise UserError(f"cannot write {what}: {problem}")
 
 
-def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
-          lenpen: float | None) -> restore.Trained:
+def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None,
+          chosen: dict[str, Any]) -> tuple[restore.Trained, DecodeSettings]:
+    """The trained run, and the search eval.py runs: its stored ``config.decode`` with the flags in place."""
     def override(config):
         if beam_size is not None:
             config.decode.beam_size = beam_size
@@ -239,17 +241,18 @@ def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | Non
 
     trained = restore.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, overrides=override)
     logger.info(f"checkpoint(s) {trained.steps}")
-    return trained
+    return trained, DecodeSettings.build(trained.config.decode, **chosen)
 
 
 def _translate_file(trained: restore.Trained, sources: Sequence[str], references: Sequence[str] | None,
-                    source_file: str, output_file: str, search: dict[str, Any], nbest: int | None) -> dict[str, Any]:
+                    source_file: str, output_file: str, settings: DecodeSettings, nbest: int | None
+                    ) -> dict[str, Any]:
     """Decodes the lines, writes one output per input line (with ``nbest``: ``write_nbest``'s lines), reports what
     was not decoded as given, and scores the best hypotheses against ``references`` (blank sources stay in, as
     empty hypotheses)."""
     config = trained.config
     translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
-                                                    name=_line_name, nbest=nbest or 0, **search)
+                                                    settings, name=_line_name, nbest=nbest or 0)
     if nbest:
         _write_text(output_file, "".join(nbest_lines(i, entries) for i, entries in enumerate(translations.nbest)))
     else:
@@ -270,21 +273,21 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
 
 
 def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file: str, output_file: str,
-                   sampling: dict[str, Any]) -> dict[str, Any]:
+                   settings: DecodeSettings) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
-    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, name=_line_name,
-                                              **sampling)
+    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, settings,
+                                              name=_line_name)
     _write_lines(output_file, outputs.hypotheses)
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
               "longest_prompt_tokens": outputs.lengths.longest, "prompt_token_limit": outputs.lengths.limit,
-              **sampling}
+              **{name: getattr(settings, name) for name in SAMPLING_DEFAULTS}}
     logger.info(json.dumps(report))
     return report
 
 
-def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, sampling: dict[str, Any],
-                 search: dict[str, Any], nbest: int | None) -> dict[str, Any]:
+def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, settings: DecodeSettings,
+                 nbest: int | None) -> dict[str, Any]:
     """Decodes each line of ``stdin`` as it arrives and prints its output (one line; with ``nbest``,
     ``nbest_lines``' block) to ``stdout``. The programs are built once: a line compiles only when its length falls
     in a width bucket not seen before."""
@@ -294,13 +297,13 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, sampli
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
         output_of = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line],  # noqa: E731
-                                                                 generator, name=name, **sampling).hypotheses[0]
+                                                                 generator, settings, name=name).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
 
         def output_of(line: str) -> str:
             found = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
-                                                     translator=translator, name=name, nbest=nbest or 0, **search)
+                                                     settings, translator=translator, name=name, nbest=nbest or 0)
             return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
     count, not_utf8 = 0, []

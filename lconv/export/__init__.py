@@ -38,6 +38,7 @@ from lconv import outputs
 from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.decode_settings import SAMPLING_DEFAULTS, DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 from lconv.ops import conv as ops_conv
@@ -55,29 +56,31 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     """Writes ``trained``'s programs (one per ``rows`` x ``widths`` bucket), params, tokenizer and sidecar into
     ``out``; returns the sidecar. ``widths`` default to ``default_widths``: inputs as long as ``lconv.load`` takes
     are decoded whole, so an exported model translates what the loaded one does. The sampling settings are an LM's
-    (None = ``schema.SAMPLING_DEFAULTS``), ``beam_size`` a translation's; the other task's are refused."""
+    (None = ``lconv.decode_settings.SAMPLING_DEFAULTS``), ``beam_size`` a translation's (None = the stored
+    config's); the other task's are refused. The search is one ``DecodeSettings``, built here."""
     config = trained.config
     lm = config.task == "lm"
     given = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
     check_task_settings(config.task, beam_size, [name for name, value in given.items() if value is not None])
     widths = default_widths(config) if widths is None else widths
     check_buckets(config, platforms, rows, widths)
-    sampling = {name: schema.SAMPLING_DEFAULTS[name] if value is None else value for name, value in given.items()}
-    max_len = sampling["max_len"]
     if lm:  # the rules eval.py and the API apply, before anything is written
-        schema.check_sampling(sampling, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
-        widths = sorted({min(w, _prompt_limit(config, max_len)) for w in widths})
+        schema.check_sampling(given, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
+        settings = DecodeSettings.build(config.decode, **given)
+        limit = settings.prompt_limit(config.model.max_len, "--max_len")
+        widths = sorted({max(min(w, limit), 1) for w in widths})  # a 0-token prompt (BOS alone) is a width of 1
     else:
         schema.check_search(beam_size=beam_size, spell=_flag,
                             vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
+        settings = DecodeSettings.build(config.decode, beam_size=beam_size)
     outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     if lm:
-        function = functools.partial(compiled.Generator(config, trained.model, params).function, **sampling)
+        function = functools.partial(compiled.Generator(config, trained.model, params).function,
+                                     settings=settings.program_key())
     else:
-        beam_size = int(beam_size or config.decode.beam_size)
         function = compiled.Translator(config, trained.model, params).function
     directory = epath.Path(out)
     directory.mkdir(parents=True, exist_ok=True)
@@ -90,10 +93,10 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
             if lm:
                 exported = jax.export.export(jax.jit(function), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((r,), jnp.int32), _spec((), jnp.uint32))
-                entry = dict(file=f"generate_r{r}_w{w}.jax", rows=r, width=w, output_len=w + max_len)
+                entry = dict(file=f"generate_r{r}_w{w}.jax", rows=r, width=w, output_len=w + settings.max_len)
             else:
-                length = compiled.max_output_len(config, w)
-                fn = functools.partial(function, max_len=length, beam_size=beam_size)
+                length = compiled.max_output_len(config, settings, w)
+                fn = functools.partial(function, settings=settings.program_key(), output_len=length)
                 exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
                 entry = dict(file=f"translate_r{r}_w{w}.jax", rows=r, width=w, output_len=length)
@@ -109,7 +112,8 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         "platforms": list(platforms),
         "conv_impl": {p: ops_conv.choose_impl(p) if impl == "auto" else impl for p in platforms},
         "tokenizer": trained.tokenizer.filename, "params": "params.npz", "programs": programs,
-        "search": sampling if lm else {"beam_size": beam_size, "lenpen": float(config.decode.lenpen)},
+        "search": {name: getattr(settings, name) for name in ("max_len", "temperature", "top_k", "top_p")} if lm
+        else {"beam_size": settings.beam_size, "lenpen": settings.lenpen},
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
         "jax_version": jax.__version__, "config": json.loads(config.to_json()),
     }
@@ -142,14 +146,6 @@ def check_task_settings(task: str, beam_size: int | None, sampling_given: Sequen
 
 def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _prompt_limit(config: Any, max_len: int) -> int:
-    limit = int(config.model.max_len) - 1 - max_len
-    if limit < 1:
-        raise UserError(f"--max_len={max_len} leaves no room for a prompt in config.model.max_len="
-                        f"{config.model.max_len} positions")
-    return limit
 
 
 def check_buckets(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int]) -> None:
@@ -201,7 +197,7 @@ class Served:
             _check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
             _check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)
 
-    def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int = 0) -> list[str] | np.ndarray:
+    def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int | None = None) -> list[str] | np.ndarray:
         if isinstance(inputs, str):
             raise UserError("inputs: pass a list of strings (or an id array [B, S])")
         if isinstance(inputs, np.ndarray):
@@ -213,13 +209,14 @@ class Served:
             encoded = [np.append(ids, EOS_ID) for ids in encoded]
         return [self.tokenizer.decode(row) for row in self.run_ids(encoded, seed=seed)]
 
-    def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int = 0) -> np.ndarray:
+    def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int | None = None) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS.
         Ids outside the vocabulary are refused; an input wider than every exported bucket is cut to the widest,
         with the warning ``lconv.load`` and eval.py give (a source keeps its first tokens and EOS, a prompt its
         last tokens)."""
         # A uint32 argument of an LM's programs, which only a sampling export reads.
-        schema.check_sampling({"seed": seed, "temperature": self.sidecar["search"].get("temperature", 0.0)})
+        schema.check_sampling({"seed": seed, "temperature": self.sidecar["search"].get("temperature")})
+        seed = SAMPLING_DEFAULTS["seed"] if seed is None else seed
         sequences = self._cut([self._checked_ids(x, i) for i, x in enumerate(sequences)])
         max_rows = max(r for r, _ in self.programs)
         outputs = []

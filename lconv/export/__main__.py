@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from lconv import export as export_lib
 from lconv import outputs
 from lconv.cli import runtime
+from lconv.decode_settings import SAMPLING_DEFAULTS
 from lconv.errors import UserError
 from lconv.run import restore, schema
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
     flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The latest checkpoint(s), or the best.")
     flags.DEFINE_integer("beam_size", None, "Translation: beam size (default: the stored config's).")
-    sampling = schema.SAMPLING_DEFAULTS  # eval.py's and the API's defaults
+    sampling = SAMPLING_DEFAULTS  # eval.py's and the API's defaults
     flags.DEFINE_integer("max_len", None, f"LM: new tokens per prompt (default {sampling['max_len']}).")
     flags.DEFINE_float("temperature", None, f"LM: sampling temperature (default {sampling['temperature']}: greedy).")
     flags.DEFINE_integer("top_k", None, f"LM: top-k filter (default {sampling['top_k']}: off).")

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
+from lconv.decode_settings import DecodeSettings
 from lconv.infer import lm_search, search
 from lconv.nn import common as nn_common
 
@@ -75,9 +76,10 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
-def max_output_len(config: Any, width: int) -> int:
-    """The decoded length for sources ``width`` wide: ``max_len_a * width + max_len_b``, at most the eval limit."""
-    return int(min(config.decode.max_len_a * width + config.decode.max_len_b, config.data.eval_max_target_length))
+def max_output_len(config: Any, settings: DecodeSettings, width: int) -> int:
+    """The decoded length for sources ``width`` wide: ``settings.max_len_a * width + settings.max_len_b``, at most
+    the eval limit (``config.data.eval_max_target_length``)."""
+    return int(min(settings.max_len_a * width + settings.max_len_b, config.data.eval_max_target_length))
 
 
 def mesh_of(params: Any) -> jax.sharding.Mesh | None:
@@ -105,32 +107,32 @@ def place(array: np.ndarray, sharding: NamedSharding | None) -> Any:
 
 
 class Translator:
-    """Beam search (or sampling) over one model's params: ``translator(inputs_BS) -> best beams [B, L]``,
-    ``translator.hypotheses(inputs_BS, ...) -> search.Hypotheses`` (numpy, every row on every process). One program
-    per (rows, width, hypotheses per source, sampling settings); ``lenpen`` and the seed are arguments, so changing
-    them compiles nothing, and the best beam and the n-best lists come from the same program."""
+    """Beam search (or sampling) over one model's params: ``translator(inputs_BS, settings) -> best beams [B, L]``,
+    ``translator.hypotheses(inputs_BS, settings) -> search.Hypotheses`` (numpy, every row on every process), with
+    ``settings`` the caller's ``DecodeSettings`` (built once at its boundary; nothing here has a default of its
+    own). One program per (rows, width, ``settings.program_key()``); ``lenpen`` and the seed are arguments, so
+    changing them compiles nothing, and the best beam and the n-best lists come from the same program."""
 
     def __init__(self, config: Any, model: nn.Module, params: Any):
         self.config, self.params, self.mesh = config, params, mesh_of(params)
-        decode = config.decode
 
-        def hypotheses(params, inputs_BS, lenpen, seed, prefix=None, *, max_len, beam_size, temperature=0.0, top_k=0,
-                       top_p=1.0):
+        def hypotheses(params, inputs_BS, lenpen, seed, prefix=None, *, settings, output_len):
             segmentation_BS = (inputs_BS != PAD_ID).astype(jnp.int32)  # [B, S]
             return search.translate_hypotheses(
-                model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS, beam_size=beam_size,
-                max_len=max_len, lenpen=lenpen, max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
-                stop=decode.stop, rng=jax.random.key(seed) if temperature else None, temperature=temperature,
-                top_k=top_k, top_p=top_p, prefix=prefix)  # [B, N, L], [B, N], [B, N, L]
+                model, {"params": params}, inputs_BS, inputs_segmentation=segmentation_BS,
+                beam_size=settings.beam_size, max_len=output_len, lenpen=lenpen, max_len_a=settings.max_len_a,
+                max_len_b=settings.max_len_b, stop=settings.stop, rng=jax.random.key(seed) if settings.sampling else
+                None, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                prefix=prefix)  # [B, N, L], [B, N], [B, N, L]
 
-        def best(params, inputs_BS, lenpen, *, max_len, beam_size):
-            return hypotheses(params, inputs_BS, lenpen, jnp.uint32(0), max_len=max_len,
-                              beam_size=beam_size).tokens[:, 0]  # [B, L]
+        def best(params, inputs_BS, lenpen, *, settings, output_len):
+            return hypotheses(params, inputs_BS, lenpen, jnp.uint32(0), settings=settings,
+                              output_len=output_len).tokens[:, 0]  # [B, L]
 
         self.function = nn_common.under_axis_rules(best, config.mesh.rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules), out_shardings=replicated,
-                              static_argnames=("max_len", "beam_size", "temperature", "top_k", "top_p"))
+                              static_argnames=("settings", "output_len"))
 
     def with_params(self, params: Any) -> Translator:
         """The same programs over other params of the same shapes (a training run's final ones): nothing compiles
@@ -139,29 +141,25 @@ class Translator:
         other.params = params
         return other
 
-    def __call__(self, inputs_BS: np.ndarray, *, beam_size: int | None = None,
-                 lenpen: float | None = None) -> np.ndarray:
+    def __call__(self, inputs_BS: np.ndarray, settings: DecodeSettings) -> np.ndarray:
         """``inputs_BS``: source ids ending in EOS, PAD after, already cut to a bucket."""
-        return self.hypotheses(inputs_BS, beam_size=beam_size, lenpen=lenpen).tokens[:, 0]  # [B, L]
+        return self.hypotheses(inputs_BS, settings).tokens[:, 0]  # [B, L]
 
-    def hypotheses(self, inputs_BS: np.ndarray, *, beam_size: int | None = None, lenpen: float | None = None,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+    def hypotheses(self, inputs_BS: np.ndarray, settings: DecodeSettings,
                    prefixes: Sequence[np.ndarray] | None = None) -> search.Hypotheses:
-        """``beam_size`` hypotheses per source, best first (``search.translate_hypotheses``): beams, or with
-        ``temperature > 0`` samples drawn from ``seed``. ``prefixes``: per row the ids its outputs start with
-        (``search.Prefix``; at most ``max_output_len - 1`` each), padded here to the output length, so a prefix
-        adds one program per bucket, not one per prefix length."""
-        beam_size = self.config.decode.beam_size if beam_size is None else beam_size
-        lenpen = self.config.decode.lenpen if lenpen is None else lenpen
+        """``settings.beam_size`` hypotheses per source, best first (``search.translate_hypotheses``): beams, or
+        with ``settings.temperature > 0`` samples drawn from ``settings.seed``. ``prefixes``: per row the ids its
+        outputs start with (``search.Prefix``; at most ``max_output_len - 1`` each), padded here to the output
+        length, so a prefix adds one program per bucket, not one per prefix length."""
         inputs_BS = np.asarray(inputs_BS, np.int32)
-        sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)) if temperature else {}
-        max_len = max_output_len(self.config, inputs_BS.shape[1])
+        output_len = max_output_len(self.config, settings, inputs_BS.shape[1])
         rows = row_sharding(self.mesh, inputs_BS.shape[0])
         prefix = None if prefixes is None else search.Prefix(
-            *(place(x, rows) for x in padded_prefixes(prefixes, inputs_BS.shape[0], max_len)))
+            *(place(x, rows) for x in padded_prefixes(prefixes, inputs_BS.shape[0], output_len)))
         with _mesh_context(self.mesh):
-            found = self.jitted(self.params, place(inputs_BS, rows), jnp.float32(lenpen), jnp.uint32(seed), prefix,
-                                beam_size=int(beam_size), max_len=max_len, **sampling)
+            found = self.jitted(self.params, place(inputs_BS, rows), jnp.float32(settings.lenpen),
+                                jnp.uint32(settings.seed), prefix, settings=settings.program_key(),
+                                output_len=output_len)
             return search.Hypotheses(*map(np.asarray, found))  # replicated: every process reads all of it
 
 
@@ -185,8 +183,7 @@ def padded_prefixes(prefixes: Sequence[np.ndarray], rows: int, width: int) -> tu
 
 
 def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,
-             rng: jax.Array | None, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0) -> jax.Array:
+             rng: jax.Array | None, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Continues right-padded prompts of different lengths ``[B, P]`` (``prompt_len_B`` real tokens each) with a
     ``DecoderOnlyLM``; returns ``[B, P + max_len]`` tokens whose first ``prompt_len_B[b]`` are row b's prompt.
 
@@ -222,58 +219,51 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
 
 
 class Generator:
-    """LM sampling over one model's params: ``generator(prompt_BP, prompt_len_B, max_len=...)`` -> continuations
-    ``[B, max_len]`` (numpy, PAD after EOS). One program per (rows, width, max_len, temperature, top_k, top_p);
-    the seed is an argument."""
+    """LM sampling over one model's params: ``generator(prompt_BP, prompt_len_B, settings)`` -> continuations
+    ``[B, settings.max_len]`` (numpy, PAD after EOS), ``generator.hypotheses(...)`` the scored beams or samples.
+    One program per (rows, width, ``settings.program_key()``); ``lenpen`` and the seed are arguments."""
 
     def __init__(self, config: Any, model: nn.Module, params: Any):
         self.config, self.params, self.mesh = config, params, mesh_of(params)
 
-        def run(params, prompt_BP, prompt_len_B, seed, *, max_len, temperature, top_k, top_p):
+        def run(params, prompt_BP, prompt_len_B, seed, *, settings):
             # One key per prompt, from its ids: a prompt samples alike alone or anywhere in any batch.
-            rng = search.row_keys(jax.random.key(seed), prompt_BP) if temperature else None
-            return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len, rng=rng,
-                            temperature=temperature, top_k=top_k, top_p=top_p)
+            rng = search.row_keys(jax.random.key(seed), prompt_BP) if settings.sampling else None
+            return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=settings.max_len, rng=rng,
+                            temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
 
-        def hypotheses(params, prompt_BP, prompt_len_B, lenpen, seed, *, max_len, beam_size, temperature, top_k,
-                       top_p):
-            return lm_search.lm_hypotheses(model, {"params": params}, prompt_BP, prompt_len_B, max_len=max_len,
-                                           beam_size=beam_size, lenpen=lenpen, stop=config.decode.stop,
-                                           rng=jax.random.key(seed) if temperature else None,
-                                           temperature=temperature, top_k=top_k, top_p=top_p)
+        def hypotheses(params, prompt_BP, prompt_len_B, lenpen, seed, *, settings):
+            return lm_search.lm_hypotheses(model, {"params": params}, prompt_BP, prompt_len_B,
+                                           max_len=settings.max_len, beam_size=settings.beam_size, lenpen=lenpen,
+                                           stop=settings.stop, rng=jax.random.key(seed) if settings.sampling else None,
+                                           temperature=settings.temperature, top_k=settings.top_k,
+                                           top_p=settings.top_p)
 
-        self.function = nn_common.under_axis_rules(run, config.mesh.rules)
+        self.function = nn_common.under_axis_rules(run, config.mesh.rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        self.jitted = jax.jit(self.function, static_argnames=("max_len", "temperature", "top_k", "top_p"),
-                              out_shardings=replicated)
+        self.jitted = jax.jit(self.function, static_argnames=("settings",), out_shardings=replicated)
         self.jitted_hypotheses = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules),
-                                         static_argnames=("max_len", "beam_size", "temperature", "top_k", "top_p"),
-                                         out_shardings=replicated)
+                                         static_argnames=("settings",), out_shardings=replicated)
 
-    def hypotheses(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, beam_size: int,
-                   lenpen: float = 1.0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   seed: int = 0) -> search.Hypotheses:
-        """``beam_size`` scored continuations per prompt, best first (``lm_search.lm_hypotheses``): beams, or
-        with ``temperature > 0`` samples; ``[B, N, max_len]`` numpy. One program per (rows, width, max_len,
-        beam_size, sampling settings); ``lenpen`` and the seed are arguments."""
+    def hypotheses(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray,
+                   settings: DecodeSettings) -> search.Hypotheses:
+        """``settings.beam_size`` scored continuations per prompt, best first (``lm_search.lm_hypotheses``):
+        beams, or with ``settings.temperature > 0`` samples; ``[B, N, settings.max_len]`` numpy."""
         prompt_BP, prompt_len_B = np.asarray(prompt_BP, np.int32), np.asarray(prompt_len_B, np.int32)
         sharding = row_sharding(self.mesh, prompt_BP.shape[0])
-        sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         with _mesh_context(self.mesh):
             found = self.jitted_hypotheses(self.params, place(prompt_BP, sharding), place(prompt_len_B, sharding),
-                                           jnp.float32(lenpen), jnp.uint32(seed), max_len=int(max_len),
-                                           beam_size=int(beam_size), **sampling)
+                                           jnp.float32(settings.lenpen), jnp.uint32(settings.seed),
+                                           settings=settings.program_key())
             return search.Hypotheses(*map(np.asarray, found))
 
-    def __call__(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, *, max_len: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+    def __call__(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray, settings: DecodeSettings) -> np.ndarray:
         prompt_BP, prompt_len_B = np.asarray(prompt_BP, np.int32), np.asarray(prompt_len_B, np.int32)
         sharding = row_sharding(self.mesh, prompt_BP.shape[0])
         with _mesh_context(self.mesh):
             tokens_BX = self.jitted(self.params, place(prompt_BP, sharding), place(prompt_len_B, sharding),
-                                    jnp.uint32(seed), max_len=int(max_len), temperature=float(temperature),
-                                    top_k=int(top_k), top_p=float(top_p))
-            return continuations(np.asarray(tokens_BX), prompt_len_B, max_len)
+                                    jnp.uint32(settings.seed), settings=settings.program_key())
+            return continuations(np.asarray(tokens_BX), prompt_len_B, settings.max_len)
 
 
 def continuations(tokens_BX: np.ndarray, prompt_len_B: np.ndarray, max_len: int) -> np.ndarray:

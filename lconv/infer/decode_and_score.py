@@ -26,6 +26,7 @@ from etils import epath
 
 from lconv.constants import PAD_ID
 from lconv.data import pipeline
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, scoring
 
@@ -37,11 +38,11 @@ if TYPE_CHECKING:
     from lconv.data.tokenizer import Tokenizer
 
 
-def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet, *,
-                   translator: Callable[..., Any] | None = None,
-                   per_batch: Callable[[list[int]], dict[str, Any]] | None = None,
-                   **search: Any) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
-    """``(batch, translator(batch's sources, **search))`` over every example of ``eval_set`` (a
+def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet,
+                   settings: DecodeSettings, *, translator: Callable[..., Any] | None = None,
+                   per_batch: Callable[[list[int]], dict[str, Any]] | None = None
+                   ) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
+    """``(batch, translator(batch's sources, settings))`` over every example of ``eval_set`` (a
     ``compiled.Translator``'s best-beam ids ``[B, L]``, or its ``hypotheses``), the whole split (``whole_split``),
     ``compiled.decode_rows`` rows per batch (``config.decode.batch_size``; auto: the eval batch on CPU, wider on an
     accelerator; padding rows included, the caller drops rows with ``example_index < 0``); fewer rows
@@ -50,7 +51,7 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     Examples are decoded in order of source length, each batch cut to the shortest width in ``compiled.WIDTHS``
     that holds it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam
     search stops early together. That is a handful of compiled shapes, each compiled once per ``translator`` (pass
-    one to reuse its programs across calls; ``search``: its ``beam_size`` / ``lenpen``; ``per_batch(examples)``:
+    one to reuse its programs across calls; ``settings``: the search's, built by the caller; ``per_batch(examples)``:
     more arguments for the batch of those example indices, such as their ``prefixes``).
 
     A batch that runs the device out of memory is decoded again in halves (``in_batches``).
@@ -60,21 +61,19 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     axes of the mesh ``params`` live on, and the best beams come back whole to every process.
     """
     translator = translator or compiled.Translator(config, model, params)
-    rows, order = _decode_plan(config, params, eval_set, search.get("beam_size"))
+    rows, order = _decode_plan(config, params, eval_set, settings.beam_size)
 
     def translate_batch(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch, width = _padded_batch(eval_set, chosen, rows)
         more = per_batch(chosen) if per_batch else {}
-        return batch, translator(batch["inputs"][:, :width], **search, **more)  # [rows, L]
+        return batch, translator(batch["inputs"][:, :width], settings, **more)  # [rows, L]
 
     for _, decoded in in_batches(order, rows, translate_batch):
         yield decoded
 
 
-def _decode_plan(config: Any, params: Any, eval_set: pipeline.EvalSet,
-                 beam_size: int | None) -> tuple[int, list[int]]:
+def _decode_plan(config: Any, params: Any, eval_set: pipeline.EvalSet, beam_size: int) -> tuple[int, list[int]]:
     """``(rows per batch, the examples' order)`` of ``decode_batches``: shortest sources first."""
-    beam_size = beam_size or config.decode.beam_size
     rows = compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size, beam_size)
     rows = compiled.row_bucket(len(eval_set.tokens), rows)
     return rows, sorted(range(len(eval_set.tokens)), key=lambda i: len(eval_set.tokens[i]["inputs"]))
@@ -88,22 +87,22 @@ def _padded_batch(eval_set: pipeline.EvalSet, chosen: list[int], rows: int) -> t
 
 
 def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator: compiled.Translator,
-                            clock: Callable[[], float] = time.monotonic) -> float:
-    """Seconds ``decode_batches`` will take over ``eval_set`` with ``translator``, measured on its first batch
-    decoded twice: the second call's time is a batch's run time, scaled to each batch by its width bucket, and the
-    first call's extra time the compilation, paid once per width bucket of the plan. The program compiled here is
-    ``translator``'s, so the split's decoding with the same ``translator`` reuses it."""
+                            settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
+    """Seconds ``decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``, measured on its
+    first batch decoded twice: the second call's time is a batch's run time, scaled to each batch by its width
+    bucket, and the first call's extra time the compilation, paid once per width bucket of the plan. The program
+    compiled here is ``translator``'s, so the split's decoding with the same ``translator`` reuses it."""
     eval_set = whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
-    rows, order = _decode_plan(config, translator.params, eval_set, None)
+    rows, order = _decode_plan(config, translator.params, eval_set, settings.beam_size)
     batches = [order[start:start + rows] for start in range(0, len(order), rows)]
     widths = [_padded_batch(eval_set, chosen, rows)[1] for chosen in batches]
     inputs = _padded_batch(eval_set, batches[0], rows)[0]["inputs"][:, :widths[0]]
     seconds = []
     for _ in range(2):
         start = clock()
-        translator(inputs)
+        translator(inputs, settings)
         seconds.append(clock() - start)
     run, compile_ = seconds[1], max(seconds[0] - seconds[1], 0.0)
     return compile_ * len(set(widths)) + run * sum(width / widths[0] for width in widths)
@@ -134,14 +133,15 @@ def in_batches(order: Sequence[int], rows: int,
 
 
 def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
-                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, *, split: str | None = None,
-                translator: compiled.Translator | None = None,
+                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, settings: DecodeSettings, *,
+                split: str | None = None, translator: compiled.Translator | None = None,
                 stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
     """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``.
 
     With several processes each holds a shard of the split; they decode the whole split together
     (``whole_split``, ``decode_batches``), so every process gets every hypothesis and the same scores, and process
-    0 writes them. A collective: every process calls it. ``translator``: one whose programs to reuse.
+    0 writes them. A collective: every process calls it. ``settings``: the search's (the caller's boundary builds
+    them from ``config.decode``); ``translator``: one whose programs to reuse.
     ``stop_when``: ``(over, why)``; decoding stops once ``over()`` (one process only: a time budget, ``why`` naming
     it), and the scores cover the examples decoded by then (``undecoded`` counts the rest; a warning says so)."""
     split = split or config.decode.split
@@ -150,7 +150,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     eval_set = whole_split(eval_sets[split], config.data.eval_batch_size)
     start = time.time()
     hypotheses = {}
-    for batch, tokens in decode_batches(config, model, params, eval_set, translator=translator):
+    for batch, tokens in decode_batches(config, model, params, eval_set, settings, translator=translator):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[int(index)] = tokenizer.decode(tokens[row])
@@ -167,7 +167,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     lengths = measure_sources(tokenizer, sources, eval_set.lengths["inputs"])
     scores = score_texts(config.task, hyps, refs, split_compounds=config.decode.compound_split)
     scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
-                  sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=config.decode.beam_size,
+                  sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=settings.beam_size,
                   **lengths.counts())
     if len(hyps) < len(eval_set.tokens):
         scores["undecoded"] = len(eval_set.tokens) - len(hyps)
@@ -328,12 +328,12 @@ class LineOutputs:
     nbest: list[list[dict[str, Any]]] | None = None  # with ``nbest``: per line, best first (``nbest_entries``)
 
 
-def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str], *,
-                    translator: compiled.Translator | None = None, name: Callable[[int], str] = "sources[{}]".format,
-                    nbest: int = 0, prefixes: Sequence[np.ndarray] | None = None, **search: Any) -> LineOutputs:
-    """Decodes each line of ``sources`` (translation or summarisation) with ``config.decode``'s search (or
-    ``search``: ``Translator.hypotheses``' ``beam_size``, ``lenpen``, and for sampling ``temperature``,
-    ``top_k``, ``top_p``, ``seed``), on ``translator``'s programs when given. With ``nbest``, also the first
+def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str],
+                    settings: DecodeSettings, *, translator: compiled.Translator | None = None,
+                    name: Callable[[int], str] = "sources[{}]".format, nbest: int = 0,
+                    prefixes: Sequence[np.ndarray] | None = None) -> LineOutputs:
+    """Decodes each line of ``sources`` (translation or summarisation) by the search ``settings`` say (a beam
+    search, or samples), on ``translator``'s programs when given. With ``nbest``, also the first
     ``nbest`` hypotheses of each line (``LineOutputs.nbest``). ``prefixes``: per line, the ids each of its
     outputs starts with (``search.Prefix``; checked by the caller to fit the output limit).
 
@@ -357,8 +357,8 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
     hypotheses = [""] * len(sources)
     lists = [[] for _ in sources] if nbest else None
     per_batch = None if prefixes is None else (lambda chosen: {"prefixes": [prefixes[kept[i]] for i in chosen]})
-    for batch, found in decode_batches(config, model, params, eval_set, translator=translator.hypotheses,
-                                       per_batch=per_batch, **search):
+    for batch, found in decode_batches(config, model, params, eval_set, settings, translator=translator.hypotheses,
+                                       per_batch=per_batch):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
                 hypotheses[kept[int(index)]] = tokenizer.decode(found.tokens[row, 0])
@@ -383,35 +383,24 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
     return entries
 
 
-def prompt_limit(config: Any, max_len: int, name: str = "max_len") -> int:
-    """The most prompt tokens an LM can read before ``max_len`` new ones: BOS + prompt + output fit
-    ``config.model.max_len`` positions. ``name``: the setting's name in the error (``--max_len`` for a flag)."""
-    limit = int(config.model.max_len) - 1 - int(max_len)
-    if limit < 0:
-        raise UserError(f"{name}={max_len} new tokens do not fit the model's config.model.max_len="
-                        f"{config.model.max_len} positions (BOS included); ask for at most {config.model.max_len - 1}")
-    return limit
-
-
-def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator, *,
-                   max_len: int, name: Callable[[int], str] = "prompts[{}]".format, nbest: int = 0,
-                   **sampling: Any) -> LineOutputs:
-    """Continues each of ``prompts`` (an LM run) by up to ``max_len`` tokens: ``sampling`` is ``temperature``,
-    ``top_k``, ``top_p``, ``seed`` (``temperature=0``: greedy). With ``nbest``, the first ``nbest`` of
-    ``Generator.hypotheses`` per prompt instead (``sampling`` then also holds its ``beam_size`` and ``lenpen``):
-    ``LineOutputs.nbest``, and the best one's text as the output. A blank prompt starts from BOS alone. A prompt
-    longer than ``prompt_limit`` keeps its last tokens (those nearest the continuation), with a warning naming it
-    by ``name(index)``; ``LineOutputs.lengths`` says which were cut. Prompts of similar length share a batch,
-    and a batch one program per shape bucket."""
-    limit = prompt_limit(config, max_len)
+def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator,
+                   settings: DecodeSettings, *, name: Callable[[int], str] = "prompts[{}]".format,
+                   nbest: int = 0) -> LineOutputs:
+    """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy at temperature 0,
+    else sampled. With ``nbest``, the first ``nbest`` of ``Generator.hypotheses`` per prompt instead (the beams or
+    samples ``settings`` ask for): ``LineOutputs.nbest``, and the best one's text as the output. A blank prompt
+    starts from BOS alone. A prompt longer than ``settings.prompt_limit`` keeps its last tokens (those nearest the
+    continuation), with a warning naming it by ``name(index)``; ``LineOutputs.lengths`` says which were cut.
+    Prompts of similar length share a batch, and a batch one program per shape bucket."""
+    limit = settings.prompt_limit(config.model.max_len)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
     cut = [i for i, ids in enumerate(encoded) if len(ids) > limit]
     lengths = SourceLengths(cut, max((len(ids) for ids in encoded), default=0), limit, [len(encoded[i]) for i in cut])
-    lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={max_len} new ones "
-                "and BOS", keeps="cut to the last")
+    lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={settings.max_len} "
+                "new ones and BOS", keeps="cut to the last")
     encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
     rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size,
-                                sampling.get("beam_size", 1))
+                                settings.beam_size if nbest else 1)
     rows = compiled.row_bucket(len(encoded), rows)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
 
@@ -422,8 +411,8 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
         for row, i in enumerate(chosen):
             prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
         if nbest:
-            return generator.hypotheses(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, N, max_len]
-        return generator(prompt_BP, prompt_len_B, max_len=max_len, **sampling)  # [rows, max_len]
+            return generator.hypotheses(prompt_BP, prompt_len_B, settings)  # [rows, N, max_len]
+        return generator(prompt_BP, prompt_len_B, settings)  # [rows, max_len]
 
     outputs = [""] * len(prompts)
     lists = [[] for _ in prompts] if nbest else None

@@ -23,8 +23,8 @@ Array = jax.Array
 
 
 def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len_B: Array, *, max_len: int,
-                  beam_size: int, lenpen: Array | float = 1.0, stop: str = "optimal", rng: Array | None = None,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> search.Hypotheses:
+                  beam_size: int, lenpen: Array | float, stop: str, temperature: float, top_k: int, top_p: float,
+                  rng: Array | None = None) -> search.Hypotheses:
     """``beam_size`` continuations of each right-padded prompt (``prompt_len_B`` real tokens each), best first,
     ``[B, N, max_len]``: the finished beams of a beam search or, with ``temperature > 0``, as many samples
     (sample n of a prompt draws with ``fold_in(row_keys(rng, prompt)[b], n)``: it depends on the prompt, ``rng``

@@ -123,11 +123,11 @@ def _mask_pad(logits_XV, pad_id):
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, *, bos_id: int = BOS_ID,
                   eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
     """Argmax decoding, ``[B, max_len]``; stops when every row has emitted EOS (rows without one are cut)."""
-    return sample(tokens_to_logits, cache, batch_size, max_len, None, temperature=0.0, bos_id=bos_id,
-                  eos_id=eos_id, pad_id=pad_id)
+    return sample(tokens_to_logits, cache, batch_size, max_len, None, temperature=0.0, top_k=0, top_p=1.0,
+                  bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
 
 
-def filter_logits(logits_BV: Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Array:
+def filter_logits(logits_BV: Array, *, temperature: float, top_k: int, top_p: float) -> Array:
     """Temperature, then top-k, then nucleus (smallest set whose mass reaches ``top_p``); the rest get -inf."""
     logits_BV = logits_BV / temperature  # [B, V]
     if top_k:
@@ -144,7 +144,7 @@ def filter_logits(logits_BV: Array, *, temperature: float = 1.0, top_k: int = 0,
 
 
 def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, rng: Array | None, *,
-           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, prompt: Array | None = None,
+           temperature: float, top_k: int, top_p: float, prompt: Array | None = None,
            bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID, max_len_per_row: Array | None = None,
            with_token_scores: bool = False, prefix: Prefix | None = None) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
@@ -228,8 +228,8 @@ def row_keys(rng: Array, ids_BT: Array) -> Array:
 # Beam search
 # ----------------------------------------------------------------------------------------------------------------
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
-                lenpen: float = 1.0, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                max_len_per_row: Array | None = None, stop: str = "optimal", with_token_scores: bool = False,
+                lenpen: float, stop: str, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+                max_len_per_row: Array | None = None, with_token_scores: bool = False,
                 prefix: Prefix | None = None, prefix_scored: bool = True) -> tuple[Array, Array] | Hypotheses:
     """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first
     (with ``with_token_scores``, a ``Hypotheses`` holding also each token's log-prob).
@@ -408,23 +408,21 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
 
 
 def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
-              beam_size: int = 4, max_len: int = 256, lenpen: float = 1.0, max_len_a: float | None = None,
-              max_len_b: int | None = None, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-              stop: str = "optimal") -> Array:
+              beam_size: int, max_len: int, lenpen: float, max_len_a: float | None, max_len_b: int | None,
+              stop: str, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
     """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``: the
     first of ``translate_hypotheses``."""
     return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
                                 beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
                                 max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                                stop=stop).tokens[:, 0]  # [B, L]
+                                stop=stop, temperature=0.0, top_k=0, top_p=1.0).tokens[:, 0]  # [B, L]
 
 
 def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
-                         inputs_segmentation: Array | None = None, beam_size: int = 4, max_len: int = 256,
-                         lenpen: float = 1.0, max_len_a: float | None = None, max_len_b: int | None = None,
-                         bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID, stop: str = "optimal",
-                         rng: Array | None = None, temperature: float = 0.0, top_k: int = 0,
-                         top_p: float = 1.0, prefix: Prefix | None = None) -> Hypotheses:
+                         beam_size: int, max_len: int, lenpen: float, max_len_a: float | None,
+                         max_len_b: int | None, stop: str, temperature: float, top_k: int, top_p: float,
+                         inputs_segmentation: Array | None = None, rng: Array | None = None, bos_id: int | None = None,
+                         eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None) -> Hypotheses:
     """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: the finished beams of a beam search
     or, with ``temperature > 0``, as many samples (``sample``'s filters; sample n of a row draws with
     ``fold_in(row_keys(rng, inputs)[b], n)``, so it depends on the source, ``rng`` and n only), scored alike.
@@ -473,12 +471,12 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                       _take(token_scores_BNL, order_BN))
 
 
-def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int,
-                batch_size: int | None = None, rng: Array | None = None, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
+def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int, temperature: float,
+                top_k: int, top_p: float, batch_size: int | None = None, rng: Array | None = None,
+                bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
     """Continues ``prompt [B, T]`` (or starts from BOS) with a ``DecoderOnlyLM``; ``[B, max_len]`` new tokens.
 
-    ``temperature=0`` (the default) is greedy; otherwise ``rng`` is needed.
+    ``temperature=0`` is greedy; otherwise ``rng`` is needed.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = decoder_start_id(model) if bos_id is None else bos_id

@@ -213,9 +213,15 @@ class ModelConfig:
     decoder_learned_positions: bool | None = field(None, "None = learned_positions", _SIDE_BOOL, placeholder=bool)
 
     @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> ModelConfig:
-        """From an ml_collections ``config.model`` (or a dict); unknown fields are a one-line error."""
-        values = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    def from_config(cls, cfg: Any, *, decoder_only: bool = False, **overrides: Any) -> ModelConfig:
+        """From an ml_collections ``config.model`` (or a dict), validated (``validate``) for an encoder-decoder or,
+        with ``decoder_only``, for a decoder-only LM as well; unknown fields are a one-line error. A ModelConfig
+        already validated so is returned as it is."""
+        if isinstance(cfg, cls) and not overrides:
+            cfg.ensure_valid(decoder_only)
+            return cfg
+        values = dict(dataclasses.asdict(cfg) if isinstance(cfg, cls) else
+                      cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
         values.update(overrides)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
@@ -231,10 +237,19 @@ class ModelConfig:
             if key in values and isinstance(values[key], (int, np.integer)):
                 values[key] = (int(values[key]),)
         config = cls(**values)
-        config.validate()
+        config.validate()  # both sides' fields, an LM's unused encoder's too: a typo there is not ignored
+        config.ensure_valid(decoder_only)
         return config
 
+    def ensure_valid(self, decoder_only: bool = False) -> None:
+        """``validate``, unless this object passed it already for the same model kind: a model's ``setup`` runs at
+        every trace (init, each jitted step, each decoding program), and the config it holds is checked once."""
+        if decoder_only not in self.__dict__.get("_valid_for", ()):
+            self.validate(decoder_only)
+
     def validate(self, decoder_only: bool = False) -> None:
+        """Every rule of the fields and their combinations, for an encoder-decoder or (``decoder_only``) an LM: one
+        ``UserError`` line naming the first field broken. Recorded on the object (``ensure_valid``)."""
         self._check_ranges()
         self._check_decoder_ends()
         if self.adaptive_softmax_cutoffs:
@@ -278,6 +293,8 @@ class ModelConfig:
                 self.kernel_size(side, n - 1)
         self._check_mixer_kwargs(decoder_only)
         self._check_widths(decoder_only)  # after the mixer names are known to resolve
+        # Frozen: the record is an attribute beside the fields (not one of them: eq, hash and replace ignore it).
+        object.__setattr__(self, "_valid_for", self.__dict__.get("_valid_for", frozenset()) | {decoder_only})
 
     def check_kernel_counts(self, decoder_only: bool = False) -> None:
         """A config's rule (``lconv.run.schema.validate_config``): one kernel size for all layers, or exactly one

@@ -53,7 +53,7 @@ class EncoderDecoder(nn.Module):
 
     def setup(self) -> None:
         cfg = self.config
-        cfg.validate()
+        cfg.ensure_valid()  # once per config object, not at every trace
         self.source_embed = _embedding(cfg, "encoder", "source_embed")
         self.target_embed = (self.source_embed if cfg.share_embeddings
                              else decoder_ends.token_embedding(cfg, "target_embed"))
@@ -111,9 +111,9 @@ class DecoderOnlyLM(nn.Module):
 
     def setup(self) -> None:
         cfg = self.config
+        cfg.ensure_valid(decoder_only=True)  # once per config object, not at every trace; the norms below break no rule
         if cfg.lm_pre_norm:  # lightconv_lm's and lconv's LMs; fairseq 0.12's transformer_lm follows its flag
             cfg = dataclasses.replace(cfg, normalize_before=True, decoder_normalize_before=True)
-        cfg.validate(decoder_only=True)
         self.embed = decoder_ends.token_embedding(cfg, "embed")
         self.project_in = decoder_ends.project_in(cfg)
         self.project_out = decoder_ends.project_out(cfg)

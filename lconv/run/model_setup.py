@@ -28,7 +28,7 @@ Batch = dict[str, Any]
 
 
 def build_model(config: Config, vocab_size: int) -> nn.Module:
-    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size)
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, decoder_only=config.task == "lm")
     if config.task == "lm":
         return models.DecoderOnlyLM(model_cfg)
     if config.task in ("translation", "summarization"):

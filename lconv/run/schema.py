@@ -10,8 +10,8 @@ below. Everything else is read from them:
 - ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
 - ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
 - ``hypotheses_per_source``: n-best lists' rule (at most the beam, or k samples), for the API and eval.py;
-- ``check_sampling``: an LM's sampling settings (``SamplingSettings``: not config fields, but eval.py's flags, the
-  API's and export's arguments), by one set of rules whichever surface takes them;
+- ``check_sampling``: an LM's sampling settings (``lconv.decode_settings.SamplingSettings``: not config fields, but
+  eval.py's flags, the API's and export's arguments), by one set of rules whichever surface takes them;
 - ``markdown()``: docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps
   the committed file equal to it).
 """
@@ -26,6 +26,7 @@ import ml_collections
 
 from lconv.constants import STOP_RULES
 from lconv.data.data_config import DataConfig
+from lconv.decode_settings import SAMPLING_DEFAULTS, DecodeSettings, SamplingSettings  # noqa: F401 (the schema's too)
 from lconv.errors import UserError
 from lconv.fields import (
     BOOL,
@@ -39,7 +40,6 @@ from lconv.fields import (
     check_values,
     choice,
     default_of,
-    defaults,
     field,
     integer,
     markdown_table,
@@ -171,23 +171,6 @@ class MeshConfig:
              "(logical axis, mesh axis or None) pairs"))
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingSettings:
-    """An LM's sampling settings: eval.py's flags, ``Model.generate``'s and ``lconv.export``'s arguments (not
-    config fields: they are chosen per call)."""
-
-    max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
-    temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
-        lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"))
-    top_k: int = field(0, "sample from the k most likely tokens; 0 = all", integer(0, " (0 = no top-k filter)"))
-    top_p: float = field(1.0, "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
-                         number(lambda v: 0 < v <= 1, "in (0, 1] (1 = no nucleus filter)"))
-    seed: int = field(0, "the sampling seed (a uint32 on the device)", Rule(
-        lambda v: integer().test(v) and 0 <= v < 2**32, "an integer in [0, 2**32)"))
-
-
-SAMPLING_DEFAULTS = defaults(SamplingSettings)  # greedy, 50 tokens
-
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
             "decode": DecodeConfig, "mesh": MeshConfig}
 
@@ -220,9 +203,19 @@ def base_config() -> ml_collections.ConfigDict:
     return complete(ml_collections.ConfigDict())
 
 
-def validate_config(config: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What ``validate_config`` returns: the sections a run reads most, parsed once into typed, frozen objects."""
+
+    task: str
+    model: ModelConfig  # validated for the task's model kind (``ModelConfig.ensure_valid`` then costs nothing)
+    data: DataConfig
+    decode: DecodeSettings  # the config's search: its decode section, the sampling settings at their defaults
+
+
+def validate_config(config: Any) -> Settings:
     """Fills the fields ``config`` lacks with their defaults (in place), then checks every field: one line naming
-    the first bad one, before any data is read or file written."""
+    the first bad one, before any data is read or file written. Returns the checked sections (``Settings``)."""
     complete(config)
     values = as_dict(config)
     top = {f.name for f in schema_fields(TopConfig)}
@@ -230,17 +223,18 @@ def validate_config(config: Any) -> None:
     if unknown:
         raise UserError(f"config has unknown field(s) {unknown}; known: {sorted(set(SECTIONS) | top)}")
     check_values(TopConfig, {name: values[name] for name in top}, "config")
+    data = DataConfig.from_config(values["data"])  # checks the section's fields as it parses them
     for name, section in SECTIONS.items():
-        if section is not ModelConfig:  # the model's fields are checked by ModelConfig, below
+        if section not in (ModelConfig, DataConfig):  # the model's fields are checked by ModelConfig, below
             check_values(section, values[name], f"config.{name}")
     _check_splits(values)
     if values["data"]["stream"] and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
     check_search(beam_size=values["decode"]["beam_size"], vocab_size=values["data"]["vocab_size"])
-    model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]))
-    model_cfg.validate(decoder_only=values["task"] == "lm")
-    model_cfg.check_kernel_counts(decoder_only=values["task"] == "lm")
+    lm = values["task"] == "lm"
+    model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]), decoder_only=lm)
+    model_cfg.check_kernel_counts(decoder_only=lm)
     if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
         raise UserError(f"config.optim.warmup_fraction={values['optim']['warmup_fraction']} and decay_fraction="
                         f"{values['optim']['decay_fraction']} share the training time: they must add up to at most 1")
@@ -251,6 +245,7 @@ def validate_config(config: Any) -> None:
         raise UserError(f"config.optim.label_smoothing={values['optim']['label_smoothing']}: must be 0 with "
                         f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
                         "probability onto the ids the decoder cannot predict)")
+    return Settings(values["task"], model_cfg, data, DecodeSettings.build(values["decode"]))
 
 
 def _check_splits(values: Mapping[str, Any]) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from lconv.bench import timing
 from lconv.constants import PAD_ID
 from lconv.data import sources
+from lconv.decode_settings import DecodeSettings
 from lconv.infer import search
 from lconv.run import model_setup, restore
 from lconv.train import setup, steps
@@ -97,10 +98,12 @@ def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
     second of the median of ``repeats`` calls after the first, compiling one (one call takes ~0.1 s at the
     study's sizes: too short to trust alone on a shared CPU)."""
     model, params = trained.model, trained.params
+    settings = DecodeSettings.build(trained.config.decode, max_len=length)  # the sampling defaults: greedy
 
     @jax.jit
     def generate(params):
-        return search.lm_generate(model, {"params": params}, batch_size=rows, max_len=length)
+        return search.lm_generate(model, {"params": params}, batch_size=rows, max_len=settings.max_len,
+                                  temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
 
     start = time.perf_counter()
     tokens = np.asarray(jax.block_until_ready(generate(params)))  # [rows, length]; greedy: every call alike

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lconv.decode_settings import DecodeSettings
 from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import compiled, decode_and_score
 from lconv.run import checkpoints, integrity, loss_pass, metrics, model_setup
@@ -207,9 +208,10 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
     final evaluation unless a signal stopped training; returns the run's result."""
     t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
     reservation = {}  # the translator the measurement compiled, for the test split's decoding to reuse
+    settings = DecodeSettings.build(run.config.decode)  # the test split's search: the config's, built once
     if budget.enabled:
         def measure() -> None:
-            reservation["translator"] = _reserve_final_evaluation(run, budget, eval_step)
+            reservation["translator"] = _reserve_final_evaluation(run, budget, eval_step, settings)
 
         if jax.process_count() == 1:  # one clock: measured once training is under way (budget.measure_later)
             budget.measure_later(measure)
@@ -228,7 +230,7 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         if not stopped_by:
             evaluation_start = budget_lib.clock()
             stopped_by = _final_evaluation(run, step, result, score_validation, eval_step, writer, budget,
-                                           reservation.get("translator"))
+                                           reservation.get("translator"), settings)
             result["final_evaluation_seconds"] = budget_lib.clock() - evaluation_start
     finally:
         best.close()
@@ -241,8 +243,8 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
     return result
 
 
-def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
-                              eval_step: Callable[..., Any]) -> compiled.Translator | None:
+def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget, eval_step: Callable[..., Any],
+                              settings: DecodeSettings) -> compiled.Translator | None:
     """Measures what the final evaluation will take (``budget.estimate_final_evaluation``) and keeps that much of
     the budget for it; returns the translator it compiled, for the test split's decoding to reuse."""
     decodes = run.config.task != "lm" and run.config.train.eval_after_training
@@ -251,7 +253,7 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
                                            model_setup.batch_sharding(run.mesh))
     evaluate = lambda batches: loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
                                                        run.mesh, carried)
-    budget.estimate = budget_lib.estimate_final_evaluation(run, evaluate, translator)
+    budget.estimate = budget_lib.estimate_final_evaluation(run, evaluate, translator, settings)
     budget.reserve = budget_lib.SAFETY_MARGIN * budget.estimate
     left = budget.seconds - budget.elapsed()
     if budget.reserve >= left:
@@ -268,7 +270,7 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget,
 
 def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_validation: Callable[[int], Any],
                       eval_step: Callable[..., Any], writer: logs.MetricWriter, budget: budget_lib.Budget,
-                      translator: compiled.Translator | None) -> str | None:
+                      translator: compiled.Translator | None, settings: DecodeSettings) -> str | None:
     """The last validation and the test split's score into ``result``; returns the signal that stopped them, if
     any. The final checkpoint is saved by now, so a SIGTERM (or Ctrl-C) here stops at once and cleanly: the same
     command resumes at this step and evaluates it."""
@@ -279,7 +281,7 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_v
             with jax.set_mesh(run.mesh):
                 result["validation"] = score_validation(step, budget.stop_when())
             if run.config.train.eval_after_training:
-                result["test"] = evaluate_test_split(run, eval_step, translator=translator, budget=budget)
+                result["test"] = evaluate_test_split(run, eval_step, settings, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     except Stopped as stop:
         logger.info(f"stopping the final evaluation: {stop.signal_name}; the checkpoint of step {step} is saved, and "
@@ -359,11 +361,12 @@ def _log_first_update(run: setup.Run, seconds: float) -> None:
                 f"compile the train step and run it (and start up, check the config, restore a checkpoint)")
 
 
-def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = None, *,
+def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None, settings: DecodeSettings, *,
                         translator: compiled.Translator | None = None,
                         budget: budget_lib.Budget | None = None) -> dict[str, Any]:
-    """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE (with
-    ``translator``'s programs when given; with one process, the pass stops where ``budget`` runs out)."""
+    """The end-of-training score on ``decode.split``: perplexity for an LM, else decoded BLEU / ROUGE by the search
+    ``settings`` say (with ``translator``'s programs when given; with one process, the pass stops where ``budget``
+    runs out)."""
     config, split = run.config, run.config.decode.split
     stop_when = budget.stop_when() if budget is not None else None
     if config.task == "lm":
@@ -371,4 +374,4 @@ def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None = N
                                           split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
     translator = translator and translator.with_params(run.state.params)
     return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
-                                        run.workdir, translator=translator, stop_when=stop_when)
+                                        run.workdir, settings, translator=translator, stop_when=stop_when)

@@ -21,8 +21,9 @@ from flax.training import train_state
 
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
-from lconv.nn import mixers, models
+from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.run.schema import validate_config
@@ -162,7 +163,8 @@ def check_plugins_trace(config: Config) -> None:
     """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
     data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
     naming it, rather than after data preparation."""
-    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=int(config.data.vocab_size))
+    model = model_setup.build_model(config, int(config.data.vocab_size))
+    model_cfg = model.config
     sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
     names = [name for side in sides for name in model_cfg.layer_mixers(side)]
     plugins = sorted({name for name in names if not mixers.mixer_class(name).__module__.startswith("lconv.")})
@@ -170,7 +172,6 @@ def check_plugins_trace(config: Config) -> None:
         plugins.append(f"ffn_type={model_cfg.ffn_type}")
     if not plugins:
         return
-    model = model_setup.build_model(config, int(config.data.vocab_size))
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config, length=8))
     try:
         jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
@@ -202,9 +203,10 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
         nonlocal mark
         seconds[name], mark = budget_lib.clock() - mark, budget_lib.clock()
 
-    tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)  # the data prepared first, where it is not
+    data_cfg = DataConfig.from_config(config.data)  # parsed once, for the tokenizer and the datasets
+    tokenizer = pipeline.load_or_train_tokenizer(data_cfg, workdir)  # the data prepared first, where it is not
     phase_done("data and tokenizer")
-    data = pipeline.make_datasets(config.data, tokenizer)
+    data = pipeline.make_datasets(data_cfg, tokenizer)
     _report_data_source(data.source_report, workdir)
     phase_done("datasets")
     model = model_setup.build_model(config, tokenizer.vocab_size)

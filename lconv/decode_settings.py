@@ -1,0 +1,95 @@
+"""Decoding settings: every knob of a search, in one frozen object built once at each surface's boundary.
+
+``SamplingSettings`` is the contract for the settings a user picks per call (eval.py's flags, ``Model.generate`` /
+``Model.translate``'s arguments, ``lconv.export``'s): each with its one default, rule and doc (``lconv.fields``).
+The beam's settings (``beam_size``, ``lenpen``, ``max_len_a``/``_b``, ``stop``) are the config's ``decode`` section
+(``lconv.configs.schema.DecodeConfig``), stored with a run. ``DecodeSettings.build`` puts the two together, the
+caller's choices in place of the defaults, and the surfaces (the train loop, eval.py, the API, export) hand the
+result down: ``lconv.infer.compiled`` and ``lconv.infer.search`` take it (or its fields, as required arguments)
+and write no default of their own, so a default cannot differ between layers (tests/test_layout.py checks it).
+
+The temperature's default is 0: greedy decoding (a translation's beam search); sampling is asked for with a
+temperature > 0, and fairseq's usual sampling temperature is then 1.0. It lives here, at the root, because the
+schema (``lconv.configs``) and the search (``lconv.infer``) are siblings of one layer, and both read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lconv.errors import UserError
+from lconv.fields import Rule, defaults, field, integer, number
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """An LM's sampling settings: eval.py's flags, ``Model.generate``'s and ``lconv.export``'s arguments (not
+    config fields: they are chosen per call)."""
+
+    max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
+    temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
+        lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"))
+    top_k: int = field(0, "sample from the k most likely tokens; 0 = all", integer(0, " (0 = no top-k filter)"))
+    top_p: float = field(1.0, "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
+                         number(lambda v: 0 < v <= 1, "in (0, 1] (1 = no nucleus filter)"))
+    seed: int = field(0, "the sampling seed (a uint32 on the device)", Rule(
+        lambda v: integer().test(v) and 0 <= v < 2**32, "an integer in [0, 2**32)"))
+
+
+SAMPLING_DEFAULTS = defaults(SamplingSettings)  # greedy, 50 tokens
+BEAM_FIELDS = ("beam_size", "lenpen", "max_len_a", "max_len_b", "stop")  # from config.decode
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """One search's settings, complete (no field has a default: ``build`` fills them). Hashable, so a compiled
+    program is keyed by it (``program_key``)."""
+
+    beam_size: int  # hypotheses per source or prompt: beams, or with temperature > 0 samples
+    lenpen: float  # fairseq's length penalty: a hypothesis scores sum(log p) / length**lenpen
+    max_len_a: float  # a translation's output length: max_len_a * source length + max_len_b (EOS added)
+    max_len_b: int
+    stop: str  # when a beam search ends: lconv.constants.STOP_RULES
+    max_len: int  # an LM's new tokens per prompt
+    temperature: float  # 0 = greedy / beam search
+    top_k: int  # 0 = no top-k filter
+    top_p: float  # 1 = no nucleus filter
+    seed: int  # the sampling seed
+
+    @classmethod
+    def build(cls, decode: Any, **chosen: Any) -> DecodeSettings:
+        """``decode`` (a config's ``decode`` section) and ``SAMPLING_DEFAULTS``, with each ``chosen`` value that is
+        not None in place (the caller has checked it: ``lconv.configs.schema.check_search`` / ``check_sampling``)."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(chosen) - set(known))
+        if unknown:
+            raise UserError(f"unknown decoding setting(s) {unknown}; known: {known}")
+        values = {name: decode[name] for name in BEAM_FIELDS}
+        values.update(SAMPLING_DEFAULTS)
+        values.update({name: value for name, value in chosen.items() if value is not None})
+        return cls(beam_size=int(values["beam_size"]), lenpen=float(values["lenpen"]),
+                   max_len_a=float(values["max_len_a"]), max_len_b=int(values["max_len_b"]), stop=str(values["stop"]),
+                   max_len=int(values["max_len"]), temperature=float(values["temperature"]),
+                   top_k=int(values["top_k"]), top_p=float(values["top_p"]), seed=int(values["seed"]))
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the search samples (temperature > 0) rather than taking the argmax or beams."""
+        return self.temperature > 0
+
+    def program_key(self) -> DecodeSettings:
+        """What a compiled program depends on: ``lenpen`` and ``seed`` are its arguments (changing them compiles
+        nothing), and greedy or beam search reads no filter."""
+        sampling = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p) if self.sampling else \
+            dict(temperature=0.0, top_k=0, top_p=1.0)
+        return dataclasses.replace(self, lenpen=0.0, seed=0, **sampling)
+
+    def prompt_limit(self, positions: int, name: str = "max_len") -> int:
+        """The most prompt tokens an LM of ``positions`` positions (``config.model.max_len``) reads before
+        ``max_len`` new ones: BOS + prompt + output fit them. A prompt of 0 tokens (BOS alone) is allowed: less is a
+        one-line error naming the setting as ``name`` (``--max_len`` for a flag). The one rule of every surface."""
+        limit = int(positions) - 1 - self.max_len
+        if limit < 0:
+            raise UserError(f"{name}={self.max_len} new tokens do not fit the model's config.model.max_len="
+                            f"{positions} positions (BOS included); ask for at most {int(positions) - 1}")
+        return limit
