@@ -88,6 +88,17 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def cpu_devices(count: int) -> list:
+    """The first ``count`` CPU devices (tests/conftest.py makes 8), or a skip naming why: a user's XLA_FLAGS may set
+    fewer, as on a GPU host run with ``--xla_force_host_platform_device_count=1``."""
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        pytest.skip(f"needs {count} CPU devices; XLA_FLAGS gives {len(devices)} ({DEVICE_COUNT_FLAG})")
+    return devices[:count]
+
+
 def xla_flags(devices: int | None = None) -> str:
     """This process's $XLA_FLAGS for a process a test launches, with ``devices`` virtual CPU devices instead of
     conftest's 8 (None: XLA's default, one): the rest (conftest's CPU compile flags, a user's flags) carries over."""

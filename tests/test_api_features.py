@@ -126,8 +126,8 @@ def test_load_options_change_the_stored_config_for_this_load_only(tiny_run, lcon
 
 @pytest.mark.slow  # compiles the search for an 8-device mesh
 def test_a_run_loaded_onto_eight_devices_translates_as_on_one(tiny_run):
-    one = lconv.load(str(tiny_run.workdir), devices=jax.devices("cpu")[:1])
-    eight = lconv.load(str(tiny_run.workdir), devices=jax.devices("cpu")[:8])
+    one = lconv.load(str(tiny_run.workdir), devices=helpers.cpu_devices(1))
+    eight = lconv.load(str(tiny_run.workdir), devices=helpers.cpu_devices(8))
     assert compiled.mesh_of(eight.params).size == 8
     sources = [SENTENCE, LONG, "Fast text editor.", "Fonts.", "A tool.", "Data files.", "Images.", "Python module."]
     assert eight.translate(sources, beam_size=2) == one.translate(sources, beam_size=2)

@@ -9,6 +9,7 @@ import itertools
 import types
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,7 +344,7 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
 def _batch_mesh():
     """The 8 virtual CPU devices as a training mesh's batch axes (data x fsdp): asked of the CPU, so that the mesh
     tests hold whatever the default backend is (conftest adds the CPU to a user's ``JAX_PLATFORMS``)."""
-    return jax.make_mesh((8, 1), ("data", "fsdp"), (jax.sharding.AxisType.Auto,) * 2, devices=jax.devices("cpu")[:8])
+    return jax.make_mesh((8, 1), ("data", "fsdp"), (jax.sharding.AxisType.Auto,) * 2, devices=helpers.cpu_devices(8))
 
 
 def _on_cpu(tree):

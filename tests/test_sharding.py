@@ -4,6 +4,7 @@ activation to reshard it; per-layer rematerialisation leaves the loss and gradie
 
 Runs on the 8 virtual CPU devices of tests/conftest.py.
 """
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,7 +67,7 @@ ONE_AXIS_OK = {
 def _cpu_mesh_2x2x2():
     """A data x fsdp x tensor mesh of the 8 virtual CPU devices (asked of the CPU: any default backend)."""
     return jax.make_mesh((2, 2, 2), constants.MESH_AXES, (jax.sharding.AxisType.Auto,) * 3,
-                         devices=jax.devices("cpu")[:8])
+                         devices=helpers.cpu_devices(8))
 
 
 def _abstract_params(overrides, decoder_only):
@@ -177,7 +178,7 @@ def _packed_batch(config, seed=0):
 def _loss_and_grads(config, shape, batch):
     """``(loss sum, gradients)`` of ``batch`` with dropout on, on a mesh of ``shape`` built as train.py builds it."""
     config.mesh.shape = shape
-    mesh = model_setup.make_mesh(config.mesh, jax.devices("cpu")[:int(np.prod(shape))])
+    mesh = model_setup.make_mesh(config.mesh, helpers.cpu_devices(int(np.prod(shape))))
     model = model_setup.build_model(config, config.data.vocab_size)
     state, shardings = setup.create_state(config, model, mesh, setup.build_optimizer(config.optim, 10)[0])
     sharding = model_setup.batch_sharding(mesh)

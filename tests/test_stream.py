@@ -187,7 +187,7 @@ def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     config = _knn_config(grad_accum_steps)
     model = model_setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = model_setup.make_mesh(config.mesh, devices=jax.devices("cpu")[:2])
+    mesh = model_setup.make_mesh(config.mesh, devices=helpers.cpu_devices(2))
     state, shardings = setup.create_state(config, model, mesh, tx)
     assert jax.tree.leaves(state.mixer_state) and all(s.spec[0] == ("data", "fsdp") for s in
                                                       jax.tree.leaves(shardings.mixer_state))
@@ -223,7 +223,7 @@ def test_memory_rows_stay_on_their_devices():
     config.data.batch_size = 8
     model = model_setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
-    mesh = model_setup.make_mesh(config.mesh, jax.devices("cpu")[:8])
+    mesh = model_setup.make_mesh(config.mesh, helpers.cpu_devices(8))
     state, _ = setup.create_state(config, model, mesh, tx)
     sharding = model_setup.batch_sharding(mesh)
     batch = next(stream.DocumentStream(make_documents(16), "text", WordTokenizer(), window=8, rows=8,
@@ -265,7 +265,7 @@ def test_resume_restores_the_memory_and_the_stream(tiny_data, tmp_path, first_va
     config.data.eval_splits = ("validation",)
     config.train.num_steps, config.train.eval_every, config.train.checkpoint_every = 6, 1000, 3
     full = helpers.new_workdir(tiny_data, tmp_path / "full")  # the shared joint tokenizer reads English too
-    devices = jax.devices("cpu")[:2]  # the memory sharded over two devices, without eight-way overhead on CI's cores
+    devices = helpers.cpu_devices(2)  # the memory sharded over two devices, without eight-way overhead on CI's cores
     result = loop.train_and_evaluate(config, str(full), devices=devices)
     assert result["validation"]["tokens"] > 1000
     losses = _read_losses(full)
