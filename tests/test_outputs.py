@@ -183,7 +183,7 @@ def test_export_refuses_a_folder_it_does_not_own_before_reading_the_run(tmp_path
     trained = types.SimpleNamespace(config=default.get_config())  # refused before the params are touched
     with pytest.raises(UserError) as info:
         export.export(trained, str(folder))
-    _one_line_naming(info, "--out", str(folder))
+    _one_line_naming(info, f"out={folder} ")  # the function's argument, not the CLI's --out
     assert sorted(p.name for p in folder.iterdir()) == before
 
 

@@ -128,3 +128,59 @@ def test_a_config_built_in_code_is_still_validated_by_its_model():
     cfg = ModelConfig(vocab_size=11, d_model=15, num_heads=2, encoder_layers=1, decoder_layers=1)
     with pytest.raises(UserError, match="d_model=15 must be divisible by config.model.num_heads=2"):
         models.EncoderDecoder(cfg).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """Counts each parse of a config's ``model`` section (``ModelConfig.validate``) and ``data`` section
+    (``DataConfig.from_config`` given a section, not an already parsed ``DataConfig``)."""
+    from lconv.data.data_config import DataConfig
+
+    counts = {"model": 0, "data": 0}
+    validate, parse_data = ModelConfig.validate, DataConfig.from_config.__func__
+
+    def counting_validate(self, decoder_only=False):
+        counts["model"] += 1
+        return validate(self, decoder_only)
+
+    def counting_parse(cls, section):
+        counts["data"] += not isinstance(section, cls)
+        return parse_data(cls, section)
+
+    monkeypatch.setattr(ModelConfig, "validate", counting_validate)
+    monkeypatch.setattr(DataConfig, "from_config", classmethod(counting_parse))
+    return counts
+
+
+def test_a_training_start_parses_the_config_once(parses, tiny_data, tmp_path):
+    """``check_config`` parses the model and data sections; ``build_run`` (tokenizer, datasets, model, state)
+    takes what it parsed instead of parsing them again."""
+    import helpers
+    import tiny_config
+
+    from lconv.train import setup
+
+    config = tiny_config.training_config(tiny_data.data_dir)
+    devices = jax.devices("cpu")[:1]
+    checked = setup.check_config(config, devices)
+    assert parses == {"model": 1, "data": 1}
+    run = setup.build_run(config, str(helpers.new_workdir(tiny_data, tmp_path / "run")), devices, checked=checked)
+    assert parses == {"model": 1, "data": 1}
+    assert run.model.config is checked.settings.model
+
+
+def test_loading_a_run_parses_its_config_once(parses, tiny_run):
+    """``load_trained`` parses the stored config once, reusing what ``read_stored`` parsed (eval.py and export read
+    it first to check their flags); an override that changes the config is checked again."""
+    from lconv.run import restore
+
+    stored = restore.read_stored(str(tiny_run.workdir))
+    trained = restore.load_trained(str(tiny_run.workdir), stored=stored)
+    assert parses == {"model": 1, "data": 1}
+    assert trained.model.config is stored.settings.model
+
+    def bad_override(config):
+        config.decode.beam_size = 0
+
+    with pytest.raises(UserError, match="beam_size"):
+        restore.load_trained(str(tiny_run.workdir), stored=stored, overrides=bad_override)

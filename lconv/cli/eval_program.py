@@ -43,16 +43,17 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     ``seed``). With ``interactive`` the lines come from ``stdin`` and each output goes to ``stdout`` as soon as it
     is decoded. Params only are restored."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
-    task = _check_run_flags(workdir, split=split, average_last=average_last, checkpoint=checkpoint,
+    stored = _check_run_flags(workdir, split=split, average_last=average_last, checkpoint=checkpoint,
                             beam_size=beam_size, lenpen=lenpen, source_file=source_file,
                             reference_file=reference_file, output_file=output_file, interactive=interactive,
                             sampling=sampling, nbest=nbest)
+    task = stored.config.task
     chosen = _decode_choices(task, sampling, nbest)
     if interactive:
-        trained, settings = _load(workdir, average_last, checkpoint, beam_size, lenpen, chosen)
+        trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
         return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, settings, nbest)
     if source_file is None:
-        trained, settings = _load(workdir, average_last, checkpoint, beam_size, lenpen, chosen)
+        trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
         config = trained.config
         config.data.eval_splits = (split,)
         data = pipeline.make_datasets(config.data, trained.tokenizer)
@@ -73,7 +74,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         outputs.check_output_file(output_file, "--output_file",
                                   inputs=[("--source_file", source_file), ("--reference_file", reference_file)])
         _check_writable(output_file, f"--output_file={output_file}")
-    trained, settings = _load(workdir, average_last, checkpoint, beam_size, lenpen, chosen)
+    trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
     if task == "lm":
         return _generate_file(trained, sources, source_file, output_file, settings)
     return _translate_file(trained, sources, references, source_file, output_file, settings, nbest)
@@ -81,8 +82,9 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
 
 def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
                      lenpen: float | None, source_file: str | None, reference_file: str | None,
-                     output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None) -> str:
-    """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's task."""
+                     output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None
+                     ) -> restore.StoredConfig:
+    """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's stored config."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
     schema.check_sampling(sampling, spell=lambda name: f"--{name}", idle=False)  # ranges; the rest per task below
     if interactive:
@@ -93,8 +95,8 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
                                 f"each output to stdout")
         if jax.process_count() > 1:
             raise UserError("--interactive reads this process's stdin: run it as a single process")
-    config = restore.read_config(workdir)
-    task = config.task
+    stored = restore.read_stored(workdir)
+    config, task = stored.config, stored.config.task
     if task == "lm":
         if nbest is not None:
             raise UserError(f"--nbest={nbest}: for translation and summarization runs (hypotheses of a beam search "
@@ -113,7 +115,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
         for name in outputs:
             path = os.path.join(workdir, name)
             _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
-    return task
+    return stored
 
 
 def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen: float | None,
@@ -171,7 +173,7 @@ def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None
 
 def _decode_choices(task: str, sampling: dict[str, Any], nbest: int | None) -> dict[str, Any]:
     """The decoding settings the flags choose (checked), for ``DecodeSettings.build`` over the loaded config's
-    ``decode`` section (which holds ``--beam_size`` / ``--lenpen``: ``_load``): an LM's sampling flags; a
+    ``decode`` section, with ``--beam_size`` / ``--lenpen`` (``_load``): an LM's sampling flags; a
     translation's only with ``--temperature > 0``, and then the samples per source (``--nbest``, else one)."""
     if task == "lm":
         return dict(sampling)
@@ -230,18 +232,12 @@ def _check_writable(path: str, what: str) -> None:
     raise UserError(f"cannot write {what}: {problem}")
 
 
-def _load(workdir: str, average_last: int, checkpoint: str, beam_size: int | None, lenpen: float | None,
-          chosen: dict[str, Any]) -> tuple[restore.Trained, DecodeSettings]:
+def _load(stored: restore.StoredConfig, workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
+          lenpen: float | None, chosen: dict[str, Any]) -> tuple[restore.Trained, DecodeSettings]:
     """The trained run, and the search eval.py runs: its stored ``config.decode`` with the flags in place."""
-    def override(config):
-        if beam_size is not None:
-            config.decode.beam_size = beam_size
-        if lenpen is not None:
-            config.decode.lenpen = lenpen
-
-    trained = restore.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, overrides=override)
+    trained = restore.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, stored=stored)
     logger.info(f"checkpoint(s) {trained.steps}")
-    return trained, DecodeSettings.build(trained.config.decode, **chosen)
+    return trained, DecodeSettings.build(trained.config.decode, **{"beam_size": beam_size, "lenpen": lenpen, **chosen})
 
 
 def _translate_file(trained: restore.Trained, sources: Sequence[str], references: Sequence[str] | None,

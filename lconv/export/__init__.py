@@ -24,7 +24,7 @@ import functools
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -52,28 +52,30 @@ MAX_EXPORT_ROWS = 4096
 
 def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
            widths: Sequence[int] | None = None, beam_size: int | None = None, max_len: int | None = None,
-           temperature: float | None = None, top_k: int | None = None, top_p: float | None = None) -> dict[str, Any]:
+           temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+           spell: Callable[[str], str] = str) -> dict[str, Any]:
     """Writes ``trained``'s programs (one per ``rows`` x ``widths`` bucket), params, tokenizer and sidecar into
     ``out``; returns the sidecar. ``widths`` default to ``default_widths``: inputs as long as ``lconv.load`` takes
     are decoded whole, so an exported model translates what the loaded one does. The sampling settings are an LM's
     (None = ``lconv.decode_settings.SAMPLING_DEFAULTS``), ``beam_size`` a translation's (None = the stored
-    config's); the other task's are refused. The search is one ``DecodeSettings``, built here."""
+    config's); the other task's are refused. The search is one ``DecodeSettings``, built here. Errors name the
+    arguments as ``spell`` writes them: as this function's (``max_len``), or ``python -m lconv.export``'s flags."""
     config = trained.config
     lm = config.task == "lm"
     given = dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p)
-    check_task_settings(config.task, beam_size, [name for name, value in given.items() if value is not None])
+    check_task_settings(config.task, beam_size, [name for name, value in given.items() if value is not None], spell)
     widths = default_widths(config) if widths is None else widths
-    check_buckets(config, platforms, rows, widths)
+    check_buckets(config, platforms, rows, widths, spell)
     if lm:  # the rules eval.py and the API apply, before anything is written
-        schema.check_sampling(given, spell=_flag, vocab_size=trained.tokenizer.vocab_size)
+        schema.check_sampling(given, spell=spell, vocab_size=trained.tokenizer.vocab_size)
         settings = DecodeSettings.build(config.decode, **given)
-        limit = settings.prompt_limit(config.model.max_len, "--max_len")
+        limit = settings.prompt_limit(config.model.max_len, spell("max_len"))
         widths = sorted({max(min(w, limit), 1) for w in widths})  # a 0-token prompt (BOS alone) is a width of 1
     else:
-        schema.check_search(beam_size=beam_size, spell=_flag,
+        schema.check_search(beam_size=beam_size, spell=spell,
                             vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
         settings = DecodeSettings.build(config.decode, beam_size=beam_size)
-    outputs.claim_directory(out, "export", "--out")  # new, empty or an earlier export: never another's files
+    outputs.claim_directory(out, "export", spell("out"))  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -121,10 +123,6 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     return sidecar
 
 
-def _flag(name: str) -> str:
-    return f"--{name}"
-
-
 def default_widths(config: Any) -> list[int]:
     """The width buckets up to the longest input ``lconv.load`` takes: a source's
     ``config.data.eval_max_input_length``, an LM prompt's ``config.model.max_len`` (export cuts a prompt's widths
@@ -133,14 +131,16 @@ def default_widths(config: Any) -> list[int]:
     return sorted({min(w, limit) for w in compiled.WIDTHS if w < limit * 2})
 
 
-def check_task_settings(task: str, beam_size: int | None, sampling_given: Sequence[str]) -> None:
+def check_task_settings(task: str, beam_size: int | None, sampling_given: Sequence[str],
+                        spell: Callable[[str], str] = str) -> None:
     """A translation export beam-searches and an LM export samples: the other task's settings would be ignored."""
     if task == "lm" and beam_size is not None:
-        raise UserError(f"--beam_size={beam_size}: an lm export samples (--temperature, --top_k, --top_p, "
-                        "--max_len); it would ignore a beam size")
+        sampling = ", ".join(map(spell, ("temperature", "top_k", "top_p", "max_len")))
+        raise UserError(f"{spell('beam_size')}={beam_size}: an lm export samples ({sampling}); it would ignore a "
+                        "beam size")
     if task != "lm" and sampling_given:
-        flags = ", ".join(f"--{name}" for name in sampling_given)
-        raise UserError(f"{flags}: for lm exports; a {task} export beam-searches (--beam_size) and would ignore "
+        flags = ", ".join(map(spell, sampling_given))
+        raise UserError(f"{flags}: for lm exports; a {task} export beam-searches ({spell('beam_size')}) and would ignore "
                         f"{'it' if len(sampling_given) == 1 else 'them'}")
 
 
@@ -148,19 +148,20 @@ def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def check_buckets(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int]) -> None:
+def check_buckets(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int],
+                  spell: Callable[[str], str] = str) -> None:
     """The platforms, and the rows and widths of the buckets: known, ascending, within what a program holds."""
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown or not platforms:
-        raise UserError(f"--platforms={','.join(platforms)}: choose from {', '.join(PLATFORMS)}")
-    for flag, values in (("--rows", rows), ("--widths", widths)):
+        raise UserError(f"{spell('platforms')}={','.join(platforms)}: choose from {', '.join(PLATFORMS)}")
+    for flag, values in ((spell("rows"), rows), (spell("widths"), widths)):
         if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
             raise UserError(f"{flag}={','.join(map(str, values))}: positive integers, ascending, no repeats")
     if rows[-1] > MAX_EXPORT_ROWS:
-        raise UserError(f"--rows={','.join(map(str, rows))}: at most {MAX_EXPORT_ROWS} (a program holds its rows' "
+        raise UserError(f"{spell('rows')}={','.join(map(str, rows))}: at most {MAX_EXPORT_ROWS} (a program holds its rows' "
                         "search in memory at once; the exported model splits a larger batch over its largest bucket)")
     if config.task != "lm" and widths[-1] > config.data.eval_max_input_length:
-        raise UserError(f"--widths={','.join(map(str, widths))}: at most config.data.eval_max_input_length="
+        raise UserError(f"{spell('widths')}={','.join(map(str, widths))}: at most config.data.eval_max_input_length="
                         f"{config.data.eval_max_input_length} (the longest source the model decodes)")
 
 
@@ -232,7 +233,7 @@ class Served:
         lengths = [len(x) for x in sequences]
         cut = [i for i, n in enumerate(lengths) if n > widest]
         decode_and_score.SourceLengths(cut, max(lengths, default=0), widest, [lengths[i] for i in cut]).log(
-            "inputs[{}]".format, "the widest exported bucket; export with larger --widths to keep more",
+            "inputs[{}]".format, "the widest exported bucket; export larger widths (--widths) to keep more",
             keeps="cut to the last" if self.task == "lm" else "cut to")
         if self.task == "lm":  # the tokens nearest the continuation, as generate_lines keeps them
             return [np.asarray(x[-widest:]) if len(x) > widest else np.asarray(x) for x in sequences]

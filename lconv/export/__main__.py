@@ -50,16 +50,18 @@ def main(argv: list[str] | None = None) -> None:
             schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
             sampling = {name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")}
             schema.check_sampling(sampling, spell=_flag)
-            config = restore.read_config(F.workdir)
+            stored = restore.read_stored(F.workdir)
+            config = stored.config
             given = [name for name, value in sampling.items() if value is not None]
-            export_lib.check_task_settings(config.task, F.beam_size, given)
+            export_lib.check_task_settings(config.task, F.beam_size, given, _flag)
             widths = widths or export_lib.default_widths(config)
-            export_lib.check_buckets(config, F.platforms, rows, widths)
+            export_lib.check_buckets(config, F.platforms, rows, widths, _flag)
             outputs.check_directory(F.out, "export", "--out")  # before the checkpoint is read
-            trained = restore.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint)
+            trained = restore.load_trained(F.workdir, average_last=F.average_last, checkpoint=F.checkpoint,
+                                           stored=stored)
             sidecar = export_lib.export(trained, F.out, platforms=F.platforms, rows=rows, widths=widths,
                                         beam_size=F.beam_size, max_len=F.max_len, temperature=F.temperature,
-                                        top_k=F.top_k, top_p=F.top_p)
+                                        top_k=F.top_k, top_p=F.top_p, spell=_flag)
             print(f"exported {len(sidecar['programs'])} programs for {','.join(sidecar['platforms'])} to {F.out}")
 
     logging.set_verbosity(logging.WARNING)  # orbax's and JAX's info lines: stderr holds errors alone

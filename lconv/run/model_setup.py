@@ -27,9 +27,15 @@ PyTree = Any
 Batch = dict[str, Any]
 
 
-def build_model(config: Config, vocab_size: int) -> nn.Module:
-    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, decoder_only=config.task == "lm")
-    if config.task == "lm":
+def build_model(config: Config, vocab_size: int, model_cfg: models.ModelConfig | None = None) -> nn.Module:
+    """The model of ``config.task`` at ``vocab_size`` (the tokenizer's). ``model_cfg``: ``config.model`` as
+    ``lconv.run.schema.validate_config`` parsed it, so it is not parsed again; it is re-checked only where the
+    tokenizer's vocabulary differs from ``config.data.vocab_size``, which it was validated for."""
+    lm = config.task == "lm"
+    if model_cfg is None or model_cfg.vocab_size != vocab_size:
+        model_cfg = models.ModelConfig.from_config(config.model if model_cfg is None else model_cfg,
+                                                   vocab_size=vocab_size, decoder_only=lm)
+    if lm:
         return models.DecoderOnlyLM(model_cfg)
     if config.task in ("translation", "summarization"):
         return models.EncoderDecoder(model_cfg)

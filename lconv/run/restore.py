@@ -4,6 +4,7 @@ written). What eval.py, ``lconv.load``, export, the study and ``init_from`` read
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from lconv.errors import UserError
 from lconv.fields import is_integer
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.run.schema import validate_config
+from lconv.run.schema import Settings, validate_config
 
 Config = ml_collections.ConfigDict
 PyTree = Any
@@ -58,9 +59,18 @@ def find_run(workdir: str, caller: str = "--workdir") -> str:
     raise UserError(f"{label}: not a run written by train.py (no {workdir_lib.CONFIG_FILENAME} in {resolved})")
 
 
-def read_config(workdir: str, caller: str = "--workdir") -> Config:
-    """The resolved config a run stored in ``<workdir>/config.json``, with the fields lconv added since at their
-    defaults; ``caller``: as ``find_run``'s."""
+@dataclasses.dataclass(frozen=True)
+class StoredConfig:
+    """A run's ``config.json`` as ``read_stored`` read it: the config with the fields lconv added since at their
+    defaults, and its sections parsed once (``lconv.run.schema.Settings``)."""
+
+    config: Config
+    settings: Settings
+
+
+def read_stored(workdir: str, caller: str = "--workdir") -> StoredConfig:
+    """The resolved config a run stored in ``<workdir>/config.json``, checked by the schema's rules as train.py
+    checked it (a hand-edited value is named here); ``caller``: as ``find_run``'s."""
     path = epath.Path(find_run(workdir, caller)) / workdir_lib.CONFIG_FILENAME
     try:
         stored = json.loads(path.read_text())
@@ -69,14 +79,18 @@ def read_config(workdir: str, caller: str = "--workdir") -> Config:
         raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None
     if not isinstance(stored, dict):
         raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
-    try:  # the fields by the schema's rules, as train.py checked them: a hand-edited value is named here
+    try:
         config = ml_collections.ConfigDict(stored)
-        validate_config(config)  # also fills the fields lconv added since the run was made
+        return StoredConfig(config, validate_config(config))  # validation fills the fields lconv added since
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
-    return config
+
+
+def read_config(workdir: str, caller: str = "--workdir") -> Config:
+    """``read_stored``'s config alone."""
+    return read_stored(workdir, caller).config
 
 
 def as_flag(name: str) -> str:
@@ -100,7 +114,8 @@ def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[
 
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
                  overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
-                 spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None) -> Trained:
+                 spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None,
+                 stored: StoredConfig | None = None) -> Trained:
     """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
     the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
     validation loss. ``caller``: how the path was given, for errors (``find_run``); ``spell``: how the other
@@ -108,14 +123,18 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
 
     Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
     nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
-    (decoding fields, say) before the model is built. ``devices``: the mesh's (``config.mesh``; default all)."""
+    (decoding fields, say) before the model is built; the changed config is checked again. ``devices``: the mesh's
+    (``config.mesh``; default all). ``stored``: what ``read_stored`` returned, when the caller read it already."""
     check_checkpoint_choice(average_last, checkpoint, spell)
-    config = read_config(workdir, caller)
+    stored = read_stored(workdir, caller) if stored is None else stored
+    config, settings = copy.deepcopy(stored.config), stored.settings
     if overrides is not None:
         overrides(config)
+        if config.to_dict() != stored.config.to_dict():
+            settings = validate_config(config)
     workdir = workdir_lib.resolve(workdir)
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
-    model = model_setup.build_model(config, tokenizer.vocab_size)
+    model = model_setup.build_model(config, tokenizer.vocab_size, settings.model)
     ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best",
                                     read_only=True)
     steps = sorted(ckpt.all_steps())

@@ -153,13 +153,14 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
     """
     started = budget_lib.clock()  # train.max_minutes counts from here: data preparation and setup included
     devices = jax.devices() if devices is None else list(devices)
-    mesh = setup.check_config(config, devices)  # before anything is written, the workdir included
+    checked = setup.check_config(config, devices)  # before anything is written, the workdir included
     source = init_from.prepare(config, workdir)  # train.init_from's run, checked against this one
     path = workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(path):
         if source is not None:
             source.copy_tokenizer(path)  # before build_run loads the workdir's tokenizer
-        run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes, mesh=mesh)
+        run = setup.build_run(config, path, devices, accept_config_changes=accept_config_changes,
+                              checked=checked)
         if source is not None and not checkpoints.has_checkpoint(path):
             source.restore_params(run)
         return _resume_then_train(run, started)

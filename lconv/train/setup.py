@@ -21,12 +21,12 @@ from flax.training import train_state
 
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.run.schema import validate_config
+from lconv.nn.model_config import ModelConfig
+from lconv.run.schema import Settings, validate_config
 from lconv.train import budget as budget_lib
 
 logger = logging.getLogger(__name__)
@@ -149,22 +149,30 @@ def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,
 # ----------------------------------------------------------------------------------------------------------------
 # Building a run
 # ----------------------------------------------------------------------------------------------------------------
-def check_config(config: Config, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    """Every check that needs no data: the fields (``lconv.run.schema``), the mesh and the batch's split over it.
-    Returns the mesh."""
-    validate_config(config)
+@dataclasses.dataclass(frozen=True)
+class CheckedConfig:
+    """What ``check_config`` found: the config's sections parsed (once) and the mesh they run on."""
+
+    settings: Settings
+    mesh: jax.sharding.Mesh
+
+
+def check_config(config: Config, devices: Sequence[jax.Device]) -> CheckedConfig:
+    """Every check that needs no data: the fields (``lconv.run.schema``), the mesh and the batch's split over it,
+    and a plugin's trace. Returns the parsed sections and the mesh, which ``build_run`` takes rather than parse
+    the config again."""
+    settings = validate_config(config)
     mesh = model_setup.make_mesh(config.mesh, devices)
     check_batch_divides(config, mesh)
-    check_plugins_trace(config)
-    return mesh
+    check_plugins_trace(config, settings.model)
+    return CheckedConfig(settings, mesh)
 
 
-def check_plugins_trace(config: Config) -> None:
+def check_plugins_trace(config: Config, model_cfg: ModelConfig) -> None:
     """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
     data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
     naming it, rather than after data preparation."""
-    model = model_setup.build_model(config, int(config.data.vocab_size))
-    model_cfg = model.config
+    model = model_setup.build_model(config, model_cfg.vocab_size, model_cfg)
     sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
     names = [name for side in sides for name in model_cfg.layer_mixers(side)]
     plugins = sorted({name for name in names if not mixers.mixer_class(name).__module__.startswith("lconv.")})
@@ -184,12 +192,13 @@ def check_plugins_trace(config: Config) -> None:
 
 
 def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None, *,
-              accept_config_changes: bool = False, mesh: jax.sharding.Mesh | None = None) -> Run:
+              accept_config_changes: bool = False, checked: CheckedConfig | None = None) -> Run:
     """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
-    (the caller restores a checkpoint into it when one exists, and holds the workdir's lock). ``mesh``: the one
+    (the caller restores a checkpoint into it when one exists, and holds the workdir's lock). ``checked``: what
     ``check_config`` returned, when the caller checked already."""
     devices = jax.devices() if devices is None else list(devices)
-    mesh = check_config(config, devices) if mesh is None else mesh
+    checked = check_config(config, devices) if checked is None else checked
+    mesh, settings = checked.mesh, checked.settings
     workdir = workdir_lib.make_workdir(workdir)
     has_checkpoint = checkpoints.has_checkpoint(workdir)
     config_changes = workdir_lib.check_config_change(config, workdir, has_checkpoint=has_checkpoint,
@@ -203,13 +212,12 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
         nonlocal mark
         seconds[name], mark = budget_lib.clock() - mark, budget_lib.clock()
 
-    data_cfg = DataConfig.from_config(config.data)  # parsed once, for the tokenizer and the datasets
-    tokenizer = pipeline.load_or_train_tokenizer(data_cfg, workdir)  # the data prepared first, where it is not
+    tokenizer = pipeline.load_or_train_tokenizer(settings.data, workdir)  # the data prepared first, where it is not
     phase_done("data and tokenizer")
-    data = pipeline.make_datasets(data_cfg, tokenizer)
+    data = pipeline.make_datasets(settings.data, tokenizer)
     _report_data_source(data.source_report, workdir)
     phase_done("datasets")
-    model = model_setup.build_model(config, tokenizer.vocab_size)
+    model = model_setup.build_model(config, tokenizer.vocab_size, settings.model)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
     phase_done("model and optimizer state")
