@@ -4,6 +4,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from lconv.bench import __main__ as bench_main
@@ -226,6 +227,34 @@ def test_the_gpu_floor_moves_each_array_once_in_its_dtype_and_the_plan_measures_
     fast = [p for p in plan if p[1] in gpu.FAST_IMPLS and p[4] == "fwd+bwd"]
     assert plan[:len(fast)] == fast and len(fast) == 2 * len(gpu.T_FULL) * 2 * 2  # dtypes x T x ops x impls
     assert {(op, impl) for op, impl, *_ in plan} == {(op, impl) for op, impls in gpu.OPS.items() for impl in impls}
+    fused = [p for p in plan if p[1] == "pallas-fused"]  # right after the fast rows, at the first and last T
+    assert plan[len(fast):len(fast) + len(fused)] == fused and {p[3] for p in fused} == {256, 16384}
+    assert len(fused) == 2 * 2 * 2 and {p[4] for p in fused} == {"fwd+bwd"}
+
+
+def test_the_gpu_op_stage_gives_the_pallas_bytes_model_and_times_both_backwards():
+    """The Pallas rows' bytes model over the floor: split reads dy twice and x twice (1.5x), fused x twice
+    (1.25x light, 1.3x dynamic); "pallas-fused" lowers to one backward kernel where "pallas" has two."""
+    from jax import export
+
+    from lconv.bench import gpu
+
+    def ratio(op, impl, dtype="float32"):
+        return gpu.model_bytes_per_token(op, impl, dtype, "fwd+bwd") / gpu.floor_bytes_per_token(op, dtype, "fwd+bwd")
+
+    C, HK = gpu.C, gpu.H * gpu.K
+    assert ratio("light", "pallas") == pytest.approx(1.5, abs=0.01)
+    assert ratio("dynamic", "pallas") == pytest.approx(1.5) == ratio("dynamic", "pallas", "bfloat16")
+    assert ratio("light", "pallas-fused") == pytest.approx(1.25, abs=0.01)
+    assert ratio("dynamic", "pallas-fused") == pytest.approx((5 * C + 3 * HK) / (4 * C + 2 * HK))
+    assert gpu.model_bytes_per_token("light", "pallas", "float32", "fwd") == 8 * C
+    assert gpu.model_bytes_per_token("light", "band", "float32", "fwd+bwd") is None
+    triton = "__gpu$xla.gpu.triton"
+    for impl, kernels in (("pallas", 3), ("pallas-fused", 2)):
+        fn, args = gpu._op_program(dict(op="light", impl=impl, dtype="float32", T=64, B=1, passes="fwd+bwd"))
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args)
+        assert exported.mlir_module().count(f"@{triton}(") == kernels, impl
 
 
 def test_a_gpu_stage_past_its_cap_is_killed_reported_and_the_next_stage_runs(tmp_path, monkeypatch):

@@ -26,9 +26,10 @@ VOCAB = 64
 GOLDEN = (4.932626247406006, 3.9955289363861084)  # attention Q/K/V at fairseq's xavier gain 1/sqrt(2) (issue 17)
 
 
-def _tiny_config():
+def _tiny_config(conv_impl="auto"):
     """Every field that matters set here, on the shared base config (not configs/default.py, which is tuned)."""
     c = common.base_config()
+    c.model.conv_impl = conv_impl
     c.model.d_model, c.model.ffn_dim, c.model.num_heads = 16, 32, 2
     c.model.encoder_layers, c.model.decoder_layers = 1, 2
     c.model.encoder_mixer, c.model.decoder_mixer = "dynamicconv", "lightconv,attention"
@@ -60,9 +61,9 @@ def _batch():
     return batch
 
 
-def losses():
+def losses(conv_impl="auto"):
     """(loss before, loss after one train step), both from the deterministic evaluation forward pass."""
-    config = _tiny_config()
+    config = _tiny_config(conv_impl)
     model = model_setup.build_model(config, vocab_size=VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, devices=jax.devices()[:1])
@@ -81,8 +82,9 @@ def losses():
 
 
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
-def test_initial_loss_and_one_step_match_the_recorded_values():
-    before, after = losses()
+@pytest.mark.parametrize("conv_impl", ["auto", "pallas"])  # pallas: its kernels (interpret mode on CPU) in a model
+def test_initial_loss_and_one_step_match_the_recorded_values(conv_impl):
+    before, after = losses(conv_impl)
     # Independent of the golden values: an untrained model with ~unit-variance logits scores about
     # E[logsumexp(z) - z_y] = log V + Var(z)/2 (label smoothing's uniform term is near the same value), and
     # one Adam step at lr 1e-2 on the very batch it is scored on must lower the loss.

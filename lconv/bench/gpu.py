@@ -6,7 +6,9 @@ when its cap nears, and writes its rows and its section of the report as each ro
 crashes is killed at its cap, and the report says so and goes on with the next. The stages, in order:
 
 - ``ops``: the conv ops, every impl, float32 and bfloat16, fwd+bwd at each T (and fwd alone at one T), in µs per
-  token against the memory floor from the copy bandwidth measured in the same process;
+  token against the memory floor from the copy bandwidth measured in the same process; the Pallas rows also give
+  their kernels' bytes model (``pallas_conv.pass_bytes_per_token``) over the floor, and the one-kernel backward
+  (``pallas-fused``) is timed beside the default two-kernel one at the shortest and longest T;
 - ``train``: the LM training step of ``lconv.bench.train`` (Transformer with attention "auto", i.e. cuDNN flash
   attention on a GPU, LightConv, DynamicConv) at T=512 and 4096 in the accelerator's compute dtype;
 - ``run``: the README's default command (configs/default.py, the bundled DDTP en-de) trained for what is left of
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from lconv.bench import beam, mixers, report, timing, train
+from lconv.ops import pallas_conv
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +48,15 @@ KILL_GRACE_S = 20  # past its cap a stage is killed: it stops starting work at t
 C, H, K = mixers.C, mixers.H, mixers.K
 T_FULL, T_QUICK = (256, 1024, 4096, 16384), (64, 128)
 FWD_ONLY_T = 4096  # the forward alone is measured at this T (T_QUICK[-1] in a quick run)
-OPS = {"light": ("band", "pallas", "conv", "shift", "unfold"), "dynamic": ("band", "pallas", "shift", "unfold")}
+OPS = {"light": ("band", "pallas", "pallas-fused", "conv", "shift", "unfold"),
+       "dynamic": ("band", "pallas", "pallas-fused", "shift", "unfold")}
 # Programs compiled at once in the op stage: on the H100's 16 cores, compiling one by one took most of its time
 # (1-7 s a program, 24 of the 80 rows in 100 s); XLA compiles outside the GIL
 COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1)))
 FAST_IMPLS = ("band", "pallas")  # measured first; the others (baselines) after, as the stage's time allows
+# Pallas backwards other than the default, measured after the fast impls at the first and last T (the Pallas
+# figures are flat in T): which backward "pallas" should run is this comparison's to decide
+VARIANT_IMPLS = tuple(mixers.PALLAS_VARIANTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,25 +105,37 @@ def floor_bytes_per_token(op: str, dtype: str, passes: str) -> int:
                                        itemsize=jnp.dtype(dtype).itemsize)
 
 
+def model_bytes_per_token(op: str, impl: str, dtype: str, passes: str) -> float | None:
+    """A Pallas row's bytes model (its kernels' DRAM bytes, ``pallas_conv.pass_bytes_per_token``); None for XLA's."""
+    if not impl.startswith("pallas"):
+        return None
+    backward = mixers.PALLAS_VARIANTS.get(impl, pallas_conv.BACKWARD)
+    return pallas_conv.pass_bytes_per_token(passes, backward, C, H, K, dynamic=op == "dynamic",
+                                            itemsize=jnp.dtype(dtype).itemsize)
+
+
 def _op_plan(quick: bool) -> list[tuple[str, str, str, int, str]]:
-    """``(op, impl, dtype, T, pass)`` in the order measured: the fast impls at every T and dtype first, then their
-    forward alone, then the baselines (XLA conv, shift, unfold) at every T and dtype: what the stage's cap cuts is
-    the least needed."""
+    """``(op, impl, dtype, T, pass)`` in the order measured: the fast impls at every T and dtype first, then the
+    other Pallas backwards, then the fast impls' forward alone, then the baselines (XLA conv, shift, unfold) at
+    every T and dtype: what the stage's cap cuts is the least needed."""
     T_list = T_QUICK if quick else T_FULL
     fwd_T = T_list[-1] if quick else FWD_ONLY_T
     if quick:  # the smoke test: each kind of row once (XLA's depthwise conv alone takes a minute on CPU)
         return [("light", "band", "float32", T_list[0], "fwd+bwd"),
                 ("dynamic", "pallas", "float32", T_list[0], "fwd+bwd"),
+                ("light", "pallas-fused", "float32", T_list[0], "fwd+bwd"),
                 ("dynamic", "band", "bfloat16", T_list[1], "fwd+bwd"),
                 ("light", "band", "float32", fwd_T, "fwd"),
                 ("light", "shift", "float32", T_list[1], "fwd+bwd")]
     fast = [(op, impl, dtype, T, "fwd+bwd") for dtype in ("float32", "bfloat16") for T in T_list
             for op in OPS for impl in FAST_IMPLS]
+    variants = [(op, impl, dtype, T, "fwd+bwd") for dtype in ("float32", "bfloat16") for T in (T_list[0], T_list[-1])
+                for op in OPS for impl in VARIANT_IMPLS]
     forward = [(op, impl, dtype, fwd_T, "fwd") for dtype in ("float32", "bfloat16") for op in OPS
                for impl in FAST_IMPLS]
     baselines = [(op, impl, dtype, T, "fwd+bwd") for dtype in ("float32", "bfloat16") for T in T_list
-                 for op, impls in OPS.items() for impl in impls if impl not in FAST_IMPLS]
-    return fast + forward + baselines
+                 for op, impls in OPS.items() for impl in impls if impl not in FAST_IMPLS + VARIANT_IMPLS]
+    return fast + variants + forward + baselines
 
 
 def ops_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -> list[report.Row]:
@@ -128,10 +147,13 @@ def ops_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -
         group = []
         for op, impl, dtype, T, passes in plan[start:start + COMPILE_THREADS]:
             B = max(tokens // T, 1)
-            floor_us = floor_bytes_per_token(op, dtype, passes) / bandwidth * 1e6
-            rows.append(dict(op=op, impl=impl, dtype=dtype, T=T, B=B, passes=passes, floor_us_per_token=floor_us,
-                             copy_bytes_per_s=bandwidth))
-            if impl == "pallas" and not mixers.pallas_backend():
+            floor_bytes, model_bytes = floor_bytes_per_token(op, dtype, passes), model_bytes_per_token(op, impl, dtype,
+                                                                                                       passes)
+            rows.append(dict(op=op, impl=impl, dtype=dtype, T=T, B=B, passes=passes,
+                             floor_us_per_token=floor_bytes / bandwidth * 1e6, copy_bytes_per_s=bandwidth,
+                             model_bytes_per_token=model_bytes,
+                             model_x_floor=None if model_bytes is None else model_bytes / floor_bytes))
+            if impl.startswith("pallas") and not mixers.pallas_backend():
                 rows[-1]["status"] = "skipped: the Pallas kernel compiles on a GPU only (interpret mode here)"
             elif time.monotonic() > deadline:
                 rows[-1]["status"] = "cut: the stage's time ran out"
@@ -201,11 +223,15 @@ def _ops_section(rows: Sequence[report.Row], info: dict[str, str]) -> str:
         "### The conv ops against the memory floor\n",
         f"Machine: {timing.describe(info)}. C={C}, H={H}, K={K}, centred; {rows[0]['B'] * rows[0]['T']:,} tokens "
         f"per call; µs per token, median. Floor: read x, dy and the kernel and write y, dx and its gradient once "
-        f"(fwd: read x, write y), at the copy bandwidth measured here, {bandwidth / 1e9:.0f} GB/s (read + write).",
+        f"(fwd: read x, write y), at the copy bandwidth measured here, {bandwidth / 1e9:.0f} GB/s (read + write). "
+        f"Bytes model: what the Pallas kernels move by their own count (lconv/ops/pallas_conv.py), over the floor; "
+        f"pallas-fused is the one-kernel backward, pallas the dx + dw kernels.",
         report.markdown_table(
             ["op", "impl", "dtype"] + [f"fwd+bwd T={T}" for T in T_list] + [f"x floor T={T_list[-1]}",
+                                                                             "bytes model x floor",
                                                                              f"fwd T={fwd_T}", "fwd x floor"],
             [[*label, *[cell(label, T, "fwd+bwd") for T in T_list], cell(label, T_list[-1], "fwd+bwd", "x_floor"),
+              cell(label, T_list[-1], "fwd+bwd", "model_x_floor"),
               cell(label, fwd_T, "fwd"), cell(label, fwd_T, "fwd", "x_floor")] for label in labels])])
 
 

@@ -26,6 +26,7 @@ from lconv import ops
 from lconv.bench import external, report, timing
 from lconv.errors import UserError
 from lconv.nn import mixers
+from lconv.ops import pallas_conv
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +92,28 @@ def _plugin_config(name: str) -> Config:
     return _mixer_config(name, 1.0, causal=causal, **info.example_fields)
 
 
+# Bench-only impl names: the Pallas kernels with a backward other than their default (pallas_conv.BACKWARDS), timed
+# beside "pallas" so an accelerator session picks by measurement; lconv.ops' impl list stays the user's choice.
+PALLAS_VARIANTS = {"pallas-fused": "fused"}
+
+
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
-    """A raw conv op (centred, ``padding_left = K // 2``) with a softmax-normalised random kernel."""
+    """A raw conv op (centred, ``padding_left = K // 2``) with a softmax-normalised random kernel; ``impl`` is one of
+    lconv.ops' or a ``PALLAS_VARIANTS`` name."""
     dynamic, pad = op_name == "dynamic", kernel_size // 2
 
     def build(T, B):
         x = timing.random_normal((B, T, C), 0)
         if dynamic:
             w = jax.nn.softmax(timing.random_normal((B, T, H, kernel_size), 1), axis=-1)
-            fn = lambda x, w: ops.dynamic_conv(x, w, pad, impl=impl)  # noqa: E731
         else:
             w = jax.nn.softmax(timing.random_normal((H, kernel_size), 1), axis=-1)
+        if impl in PALLAS_VARIANTS:
+            conv = pallas_conv.dynamic_conv_pallas if dynamic else pallas_conv.light_conv_pallas
+            fn = lambda x, w: conv(x, w, pad, backward=PALLAS_VARIANTS[impl])  # noqa: E731
+        elif dynamic:
+            fn = lambda x, w: ops.dynamic_conv(x, w, pad, impl=impl)  # noqa: E731
+        else:
             fn = lambda x, w: ops.light_conv(x, w, pad, impl=impl)  # noqa: E731
         return fn, (x, w), (0, 1)
 

@@ -2,7 +2,7 @@
 the math of attention. Nothing here holds parameters; ``lconv.nn`` builds modules on top.
 
 - ``lconv.ops.conv``: ``light_conv``, ``dynamic_conv`` (impls conv / band / shift / unfold / pallas), decode steps.
-- ``lconv.ops.pallas_conv``: the fused Pallas kernel, forward and backward (Triton on GPU; interpret mode on CPU).
+- ``lconv.ops.pallas_conv``: the fused Pallas kernels, forward, dx and dw (Triton on GPU; interpret mode on CPU).
 - ``lconv.ops.shift``: the fused shifted multiply-add conv with its custom VJP (the CPU default).
 - ``lconv.ops.attention``: masks, logits and the masked softmax shared by every attention-family module.
 - ``lconv.ops.precision``: ``config.model.matmul_precision`` names -> ``jax.lax.Precision``, and

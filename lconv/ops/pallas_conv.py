@@ -1,39 +1,65 @@
-"""The ``"pallas"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: one fused kernel per pass.
+"""The ``"pallas"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: fused Pallas kernels.
 
 Same semantics as ``lconv.ops.conv`` (fairseq's): ``y[t, c] = sum_k w[t, h(c), k] * x[t + k - P, c]`` with heads
 owning contiguous blocks of ``D = C // H`` channels, zero outside the sequence, and with ``segment_ids`` a tap
 reads zero across a segment boundary or from padding (segment 0), so padding outputs zero. The weights arrive
 normalised (softmax, DropConnect); the kernels do the conv's arithmetic and its custom VJP:
 
-- forward: ``y`` from ``x`` and ``w``;
-- backward, one kernel for both gradients: ``dx[s] = sum_k w[s + P - k, k] dy[s + P - k]`` and
-  ``dw[t, h, k] = sum_d x[t + k - P, h, d] dy[t, h, d]`` (light: summed over ``B, T`` by the kernel per tile,
-  then over the ``B x G`` tiles by XLA: a ``[B, G, H, K]`` partial, ``H K / (L C)`` of ``x``'s size, under 1%).
+- forward: ``y`` from ``x`` and ``w``, a loop over the ``K`` taps of ``[L, D]`` multiply-adds;
+- ``dx[s] = sum_k w[s + P - k, k] dy[s + P - k]``: the same loop, run "transposed": tap ``k`` reads ``dy`` and
+  the weight column at rows ``s + P - k`` (for light ``w`` this is the forward with reversed taps and padding
+  ``K - 1 - P``);
+- ``dw[t, h, k] = sum_d x[t + k - P, h, d] dy[t, h, d]``: per tap, an ``[L, D]`` product of shifted ``x`` rows and
+  the tile's own ``dy`` rows reduced over ``D`` to an ``[L]`` column, put into an ``[L, Kp]`` register tile
+  (``Kp``: ``K`` rounded up to a power of two) by a select; the tile is written once at the end (dynamic: masked to
+  ``k < K``), or for light summed over its ``L`` rows once and written as a ``[Kp]`` partial (a ``[B, G, H, Kp]``
+  array that XLA sums: ``H Kp / (L C)`` of ``x``'s size). No reduction across warps inside the tap loop.
+
+``backward="split"`` (the default) runs dx and dw as two kernels; ``"fused"`` runs both in one tap loop (the
+previous design, now with the register-tile dw). Split keeps one ``[L, D]`` accumulator live per kernel, as the
+forward does, at the price of reading ``dy`` twice; fused keeps two (``dx`` and the tile's ``dy``) and reads every
+row once. Which is faster is a GPU measurement (``python -m lconv.bench gpu`` times both), not yet made.
+
+Bytes moved per token (``kernel_bytes_per_token``; ``s`` bytes a number, C channels, H heads, ``w = H K`` for
+dynamic and 0 for light). Each kernel reads its rows once from DRAM, the tap re-reads served by L1 and the halo by
+L2 (below):
+
+============== ================================ ==========================================
+kernel          reads + writes                   bytes
+============== ================================ ==========================================
+forward         x, w -> y                         ``(2C + w) s``
+dx (split)      dy, w -> dx                       ``(2C + w) s``
+dw (split)      x, dy -> dw                       ``(2C + w) s`` (+ light's partial, ``4 H Kp / L``)
+fused backward  x, w, dy -> dx, dw                ``(3C + 2w) s`` (+ light's partial)
+floor, fwd+bwd  x, w, dy -> y, dx, dw once        ``(4C + 2w) s``
+============== ================================ ==========================================
+
+So fwd+bwd is ``(6C + 3w) s`` split (1.5x the floor, light and dynamic at C=512, H=8, K=31) and ``(5C + 3w) s``
+fused (1.25x light, 1.3x dynamic). Not counted: light's shared ``[H, K]`` weight (read once a call), XLA's sum of
+the partials, and with segments the int32 ids each kernel reads (``4`` bytes a token).
 
 Grid and blocks. One program per ``(g, b, h)``: time tile ``g`` of ``L`` steps (``block_t``, a power of two),
 batch row ``b``, head ``h`` (its ``D`` channels). ``x``, ``dy``, a dynamic ``w`` and the segment ids are handed to
 each program as its whole row (a block spanning ``T``): on Triton a block is only a base pointer, so the program
-loads exactly its ``L`` steps plus the ``K - 1`` halo, one ``[L, D]`` load per tap at rows ``t + k - P``, and keeps
-the taps' weights in registers (scalars for light, an ``[L]`` column per tap for dynamic). The taps re-read
+loads exactly its ``L`` steps plus the ``K - 1`` halo, one ``[L, D]`` load per tap at shifted rows, and keeps the
+taps' weights in registers (scalars for light, an ``[L]`` column per tap for dynamic). The taps re-read
 overlapping rows, which L1 serves; the halo (``(K - 1) / L`` of ``x``: 47% at K=31, L=64) is an L2 hit when the
 neighbouring tile's program runs alongside, which is why ``g`` is the first grid axis (Pallas maps it to CUDA's
 fastest-scheduled ``x``). Rows outside ``[0, T)`` are read at clamped indices and zeroed with the tap's mask, so no
 load is ever out of bounds and no negative start is needed (interpret mode's ``dynamic_slice`` would clamp one and
-shift the data). Stores of the last, partial tile are masked. All arithmetic is float32 elementwise FMAs (no dots,
-so no TF32): exact in float32 on every backend, and bfloat16 inputs accumulate in float32.
+shift the data). Stores of the last, partial tile are masked. All arithmetic is float32 elementwise FMAs and
+reductions (no dots, so no TF32): exact in float32 on every backend, and bfloat16 inputs accumulate in float32.
 
-Bytes moved (fwd + bwd, per token, float32, C channels, H heads): the floor reads ``x, dy, w`` and writes
-``y, dx, dw`` once: ``16 C`` light, ``16 C + 8 H K`` dynamic. Here the backward re-reads ``x`` and ``w`` (the
-forward read them too; keeping ``y`` instead would cost more): ``20 C`` (1.25x the floor) and
-``20 C + 12 H K`` (1.3x at C=512, H=8, K=31), plus the segment ids (4 bytes per read) and the halo.
+Why these shapes: Triton needs every loaded array's size to be a power of two (``L``, ``D``: true for the paper's
+heads, D = 64..128, and ``Kp``) and has no value slicing, so shifting must happen in the loads and a tap's column
+enters the dw tile by a select; whole-row blocks keep every load in bounds without padding copies of ``x``. Mosaic
+(TPU) wants ``(8, 128)``-aligned blocks and cannot gather rows (``int indexing``), so this kernel is GPU +
+interpret only; a TPU version would take ``pl.Element(L + K - 1, padding=(P, K - 1 - P))`` windows.
+``pl.pallas_call`` on GPU is lowered through Triton (``plgpu.CompilerParams``), not Mosaic GPU.
 
-Why these shapes: Triton needs every loaded array's size to be a power of two (``L`` and ``D``: true for the
-paper's heads, D = 64..128) and has no value slicing, so shifting must happen in the loads; whole-row blocks keep
-every load in bounds without padding copies of ``x``. Mosaic (TPU) wants ``(8, 128)``-aligned blocks and cannot
-gather rows (``int indexing``), so this kernel is GPU + interpret only; a TPU version would take
-``pl.Element(L + K - 1, padding=(P, K - 1 - P))`` windows (Mosaic supports element-padded blocks, Triton not).
-``pl.pallas_call`` on GPU is lowered through Triton (``plgpu.CompilerParams``), not Mosaic GPU, whose copies want
-warpgroup-aligned byte counts.
+Tiles: ``block_t`` (``L``, default ``BLOCK_T`` = 64) and ``num_warps`` (default ``NUM_WARPS`` = 4) apply to every
+kernel of a call. The defaults were the forward's on the H100/H200 (3.6x its floor); per dtype and K they are
+unmeasured, so they are parameters for the GPU bench to sweep, not a table.
 
 ``interpret=None`` is decided per backend being lowered (``jax.lax.platform_dependent``): interpret mode when the
 computation is lowered for CPU, Triton for CUDA/ROCm, so an export traced on CPU for CUDA carries the compiled
@@ -42,6 +68,7 @@ kernel. Interpret mode runs the grid as a loop: for tests, not speed.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,86 +81,157 @@ Array = jax.Array
 
 BLOCK_T = 64  # time tile: 64 x D float32 per operand in registers (D = 64: 32 per thread at 4 warps)
 NUM_WARPS = 4
+BACKWARDS = ("split", "fused")  # dx and dw as two kernels, or one
+BACKWARD = "split"
+KERNELS = ("forward", "dx", "dweight", "fused_backward")
 
 
 def light_conv_pallas(x_BTC: Array, weight_HK: Array, padding_left: int, segment_ids_BT: Array | None = None, *,
-                      block_t: int = BLOCK_T, interpret: bool | None = None) -> Array:
+                      block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, backward: str = BACKWARD,
+                      interpret: bool | None = None) -> Array:
     """Lightweight conv with a shared normalised ``[H, K]`` kernel; ``[B, T, C]`` in ``x``'s dtype."""
-    _check(x_BTC, weight_HK, padding_left, segment_ids_BT, block_t, interpret, light=True)
-    return _conv(x_BTC, weight_HK, _segments(segment_ids_BT), padding_left, block_t, interpret)
+    settings = _Settings(padding_left, block_t, num_warps, backward, interpret)
+    _check(x_BTC, weight_HK, segment_ids_BT, settings, light=True)
+    return _conv(x_BTC, weight_HK, _segments(segment_ids_BT), settings)
 
 
 def dynamic_conv_pallas(x_BTC: Array, weight_BTHK: Array, padding_left: int, segment_ids_BT: Array | None = None,
-                        *, block_t: int = BLOCK_T, interpret: bool | None = None) -> Array:
+                        *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, backward: str = BACKWARD,
+                        interpret: bool | None = None) -> Array:
     """Dynamic conv with a normalised kernel per position, ``[B, T, H, K]``; ``[B, T, C]`` in ``x``'s dtype."""
-    _check(x_BTC, weight_BTHK, padding_left, segment_ids_BT, block_t, interpret, light=False)
-    return _conv(x_BTC, weight_BTHK, _segments(segment_ids_BT), padding_left, block_t, interpret)
+    settings = _Settings(padding_left, block_t, num_warps, backward, interpret)
+    _check(x_BTC, weight_BTHK, segment_ids_BT, settings, light=False)
+    return _conv(x_BTC, weight_BTHK, _segments(segment_ids_BT), settings)
+
+
+def kernel_bytes_per_token(kernel: str, channels: int, heads: int, kernel_size: int, *, dynamic: bool,
+                           itemsize: int, block_t: int = BLOCK_T) -> float:
+    """DRAM bytes per token one of ``KERNELS`` moves (the table in the module's docstring): its per-token operands
+    read and outputs written once, the taps' re-reads and the halo served by the caches; without segment ids and
+    light's shared weight (read once a call)."""
+    if kernel not in KERNELS:
+        raise UserError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    w = heads * kernel_size if dynamic else 0
+    light_partial = 0.0 if dynamic else heads * _pow2(kernel_size) * 4 / block_t  # a float32 [Kp] per tile
+    if kernel in ("forward", "dx"):
+        return (2 * channels + w) * itemsize
+    if kernel == "dweight":
+        return (2 * channels + w) * itemsize + light_partial
+    return (3 * channels + 2 * w) * itemsize + light_partial
+
+
+def pass_bytes_per_token(passes: str, backward: str, channels: int, heads: int, kernel_size: int, *,
+                         dynamic: bool, itemsize: int, block_t: int = BLOCK_T) -> float:
+    """``kernel_bytes_per_token`` summed over the kernels of ``passes`` (``"fwd"`` or ``"fwd+bwd"``)."""
+    kernels = ["forward"]
+    if passes != "fwd":
+        kernels += ["dx", "dweight"] if backward == "split" else ["fused_backward"]
+    return sum(kernel_bytes_per_token(k, channels, heads, kernel_size, dynamic=dynamic, itemsize=itemsize,
+                                      block_t=block_t) for k in kernels)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The custom VJP
 # ----------------------------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _conv(x_BTC, weight, seg_BT, padding_left, block_t, interpret):
-    return _forward(x_BTC, weight, seg_BT, padding_left, block_t, interpret)
+class _Settings(NamedTuple):
+    """The static (hashable) arguments: padding, tile, warps, which backward, interpret mode."""
+    P: int
+    L: int
+    num_warps: int
+    backward: str
+    interpret: bool | None
 
 
-def _conv_fwd(x_BTC, weight, seg_BT, padding_left, block_t, interpret):
-    return _forward(x_BTC, weight, seg_BT, padding_left, block_t, interpret), (x_BTC, weight, seg_BT)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv(x_BTC, weight, seg_BT, settings):
+    return _taps(x_BTC, weight, seg_BT, settings, transposed=False)
 
 
-def _conv_bwd(padding_left, block_t, interpret, residuals, dy_BTC):
+def _conv_fwd(x_BTC, weight, seg_BT, settings):
+    return _taps(x_BTC, weight, seg_BT, settings, transposed=False), (x_BTC, weight, seg_BT)
+
+
+def _conv_bwd(settings, residuals, dy_BTC):
     x_BTC, weight, seg_BT = residuals
-    dx_BTC, dw = _backward(x_BTC, weight, seg_BT, dy_BTC, padding_left, block_t, interpret)
+    if settings.backward == "fused":
+        dx_BTC, dw = _fused_backward(x_BTC, weight, seg_BT, dy_BTC, settings)
+    else:
+        dx_BTC = _taps(dy_BTC, weight, seg_BT, settings, transposed=True)
+        dw = _dweight(x_BTC, weight, seg_BT, dy_BTC, settings)
     return dx_BTC, dw, None  # segment ids are integers: no cotangent
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def _forward(x_BTC, weight, seg_BT, P, L, interpret):
-    B, T, C = x_BTC.shape
+def _taps(in_BTC, weight, seg_BT, s: _Settings, transposed):
+    """The forward (``y`` from ``x``) or, ``transposed``, ``dx`` from ``dy``: ``[B, T, C]`` in ``in``'s dtype."""
+    B, T, C = in_BTC.shape
     H, K = weight.shape[-2:]
-    D, G = C // H, pl.cdiv(T, L)
-    light, segmented = weight.ndim == 2, seg_BT is not None
-    kernel = functools.partial(_forward_kernel, T=T, K=K, P=P, L=L, light=light, segmented=segmented)
-    operands = (x_BTC, weight) + ((seg_BT,) if segmented else ())
-    in_specs = [_row_spec(T, D), _weight_spec(weight)] + ([_segment_spec(T)] if segmented else [])
+    D, G = C // H, pl.cdiv(T, s.L)
+    segmented = seg_BT is not None
+    kernel = functools.partial(_taps_kernel, T=T, K=K, P=s.P, L=s.L, light=weight.ndim == 2, segmented=segmented,
+                               transposed=transposed)
     call = functools.partial(
-        _pallas, kernel, grid=(G, B, H), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, L, D), lambda g, b, h: (b, g, h)),
-        out_shape=jax.ShapeDtypeStruct((B, T, C), x_BTC.dtype),
+        _pallas, kernel, num_warps=s.num_warps, grid=(G, B, H),
+        in_specs=[_row_spec(T, D), _weight_spec(weight)] + ([_segment_spec(T)] if segmented else []),
+        out_specs=pl.BlockSpec((None, s.L, D), lambda g, b, h: (b, g, h)),
+        out_shape=jax.ShapeDtypeStruct((B, T, C), in_BTC.dtype),
     )
-    return _run(call, operands, interpret)
+    return _run(call, (in_BTC, weight) + ((seg_BT,) if segmented else ()), s.interpret)
 
 
-def _backward(x_BTC, weight, seg_BT, dy_BTC, P, L, interpret):
+def _dweight(x_BTC, weight, seg_BT, dy_BTC, s: _Settings):
     B, T, C = x_BTC.shape
     H, K = weight.shape[-2:]
-    D, G = C // H, pl.cdiv(T, L)
+    D, G = C // H, pl.cdiv(T, s.L)
     light, segmented = weight.ndim == 2, seg_BT is not None
-    kernel = functools.partial(_backward_kernel, T=T, K=K, P=P, L=L, light=light, segmented=segmented)
-    operands = (x_BTC, weight, dy_BTC) + ((seg_BT,) if segmented else ())
-    in_specs = [_row_spec(T, D), _weight_spec(weight), _row_spec(T, D)] + ([_segment_spec(T)] if segmented else [])
-    if light:  # per-tile partial sums [B, G, H, K], reduced below
-        dw_spec = pl.BlockSpec((None, None, None, K), lambda g, b, h: (b, g, h, 0))
-        dw_shape = jax.ShapeDtypeStruct((B, G, H, K), jnp.float32)
-    else:
-        dw_spec = pl.BlockSpec((None, L, None, K), lambda g, b, h: (b, g, h, 0))
-        dw_shape = jax.ShapeDtypeStruct((B, T, H, K), weight.dtype)
+    kernel = functools.partial(_dweight_kernel, T=T, K=K, P=s.P, L=s.L, light=light, segmented=segmented)
+    dw_spec, dw_shape = _dweight_out(weight, B, G, s.L)
     call = functools.partial(
-        _pallas, kernel, grid=(G, B, H), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, L, D), lambda g, b, h: (b, g, h)), dw_spec],
+        _pallas, kernel, num_warps=s.num_warps, grid=(G, B, H),
+        in_specs=[_row_spec(T, D), _row_spec(T, D)] + ([_segment_spec(T)] if segmented else []),
+        out_specs=dw_spec, out_shape=dw_shape,
+    )
+    dw = _run(call, (x_BTC, dy_BTC) + ((seg_BT,) if segmented else ()), s.interpret)
+    return _finish_dweight(dw, weight)
+
+
+def _fused_backward(x_BTC, weight, seg_BT, dy_BTC, s: _Settings):
+    B, T, C = x_BTC.shape
+    H, K = weight.shape[-2:]
+    D, G = C // H, pl.cdiv(T, s.L)
+    light, segmented = weight.ndim == 2, seg_BT is not None
+    kernel = functools.partial(_fused_backward_kernel, T=T, K=K, P=s.P, L=s.L, light=light, segmented=segmented)
+    dw_spec, dw_shape = _dweight_out(weight, B, G, s.L)
+    call = functools.partial(
+        _pallas, kernel, num_warps=s.num_warps, grid=(G, B, H),
+        in_specs=[_row_spec(T, D), _weight_spec(weight), _row_spec(T, D)] + ([_segment_spec(T)] if segmented else []),
+        out_specs=[pl.BlockSpec((None, s.L, D), lambda g, b, h: (b, g, h)), dw_spec],
         out_shape=[jax.ShapeDtypeStruct((B, T, C), x_BTC.dtype), dw_shape],
     )
-    dx_BTC, dw = _run(call, operands, interpret)
-    if light:
-        dw = dw.sum((0, 1)).astype(weight.dtype)
-    return dx_BTC, dw
+    dx_BTC, dw = _run(call, (x_BTC, weight, dy_BTC) + ((seg_BT,) if segmented else ()), s.interpret)
+    return dx_BTC, _finish_dweight(dw, weight)
 
 
-def _pallas(kernel, *operands, interpret, **spec):
-    params = None if interpret else plgpu.CompilerParams(num_warps=NUM_WARPS)
+def _dweight_out(weight, B, G, L):
+    """dw's block and array: light, per-tile float32 partials ``[B, G, H, Kp]``; dynamic, ``[B, T, H, K]``."""
+    H, K = weight.shape[-2:]
+    if weight.ndim == 2:
+        return (pl.BlockSpec((None, None, None, _pow2(K)), lambda g, b, h: (b, g, h, 0)),
+                jax.ShapeDtypeStruct((B, G, H, _pow2(K)), jnp.float32))
+    return pl.BlockSpec((None, L, None, K), lambda g, b, h: (b, g, h, 0)), jax.ShapeDtypeStruct(weight.shape,
+                                                                                                weight.dtype)
+
+
+def _finish_dweight(dw, weight):
+    if weight.ndim == 2:  # the tiles' partials summed, the power-of-two padding of K dropped
+        return dw.sum((0, 1))[:, :weight.shape[-1]].astype(weight.dtype)
+    return dw
+
+
+def _pallas(kernel, *operands, interpret, num_warps, **spec):
+    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
     return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, **spec)(*operands)
 
 
@@ -162,42 +260,80 @@ def _segment_spec(T):
     return pl.BlockSpec((None, T), lambda g, b, h: (b, 0))
 
 
+def _pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The kernels: one program = (time tile of L steps, batch row, head)
 # ----------------------------------------------------------------------------------------------------------------
-def _forward_kernel(x_ref, w_ref, *refs, T, K, P, L, light, segmented):
-    seg_ref, y_ref = refs if segmented else (None, *refs)
+def _taps_kernel(in_ref, w_ref, *refs, T, K, P, L, light, segmented, transposed):
+    """``out[t] = sum_k in[r] w[., k]``: forward ``r = t + k - P``, weight row ``t``; transposed (dx from dy)
+    ``r = t + P - k``, weight row ``r``."""
+    seg_ref, out_ref = refs if segmented else (None, *refs)
     g, h = pl.program_id(0), pl.program_id(2)
     t_L = g * L + jnp.arange(L, dtype=jnp.int32)  # the tile's output steps
     taps = _Taps(seg_ref, t_L, T)
-    y_LD = jnp.zeros((L, x_ref.shape[-1]), jnp.float32)
+    out_LD = jnp.zeros((L, in_ref.shape[-1]), jnp.float32)
     for k in range(K):
-        s_L = t_L + (k - P)  # tap k of step t reads step s
-        x_LD = taps.rows(x_ref, s_L, taps.ok(s_L))
-        y_LD += x_LD * _tap_weight(w_ref, h, k, t_L, T, light)
-    plgpu.store(y_ref, y_LD.astype(y_ref.dtype), mask=(t_L < T)[:, None])
+        out_LD += _tap(in_ref, w_ref, taps, t_L, h, k, P, light, transposed)
+    plgpu.store(out_ref, out_LD.astype(out_ref.dtype), mask=(t_L < T)[:, None])
 
 
-def _backward_kernel(x_ref, w_ref, dy_ref, *refs, T, K, P, L, light, segmented):
+def _dweight_kernel(x_ref, dy_ref, *refs, T, K, P, L, light, segmented):
+    """``dw[t, k] = sum_d x[t + k - P, d] dy[t, d]`` for the tile's steps ``t``, one ``[L, Kp]`` tile."""
+    seg_ref, dw_ref = refs if segmented else (None, *refs)
+    t_L = pl.program_id(0) * L + jnp.arange(L, dtype=jnp.int32)
+    taps = _Taps(seg_ref, t_L, T)
+    dy_here_LD = taps.rows(dy_ref, t_L, taps.ok(t_L))  # zero past T and on padding: no dw there
+    dw_LK = jnp.zeros((L, _pow2(K)), jnp.float32)
+    for k in range(K):
+        dw_LK = _put_column(dw_LK, k, _dweight_tap(x_ref, taps, t_L, k, P, dy_here_LD))
+    _store_dweight(dw_ref, dw_LK, t_L, T, K, light)
+
+
+def _fused_backward_kernel(x_ref, w_ref, dy_ref, *refs, T, K, P, L, light, segmented):
+    """dx (the transposed taps) and dw in one tap loop over the tile's steps ``s``."""
     seg_ref, dx_ref, dw_ref = refs if segmented else (None, *refs)
     g, h = pl.program_id(0), pl.program_id(2)
-    s_L = g * L + jnp.arange(L, dtype=jnp.int32)  # the tile's steps: inputs of dx, outputs of dw
+    s_L = g * L + jnp.arange(L, dtype=jnp.int32)
     taps = _Taps(seg_ref, s_L, T)
-    dy_here_LD = taps.rows(dy_ref, s_L, taps.ok(s_L))  # zero past T and on padding: no dw there
+    dy_here_LD = taps.rows(dy_ref, s_L, taps.ok(s_L))
     dx_LD = jnp.zeros(dy_here_LD.shape, jnp.float32)
+    dw_LK = jnp.zeros((L, _pow2(K)), jnp.float32)
     for k in range(K):
-        # dx: output step t = s + P - k read step s through tap k (the same segment test, seen from s).
-        t_L = s_L + (P - k)
-        dx_LD += taps.rows(dy_ref, t_L, taps.ok(t_L)) * _tap_weight(w_ref, h, k, t_L, T, light)
-        # dw: step s's tap k read step s + k - P.
-        r_L = s_L + (k - P)
-        dw_L = jnp.sum(taps.rows(x_ref, r_L, taps.ok(r_L)) * dy_here_LD, axis=1)
-        if light:
-            dw_ref[k] = jnp.sum(dw_L)
-        else:
-            # A [L, 1] column: interpret mode's masked store takes slices only, no integer index.
-            plgpu.store(dw_ref.at[:, pl.ds(k, 1)], dw_L[:, None].astype(dw_ref.dtype), mask=(s_L < T)[:, None])
+        dx_LD += _tap(dy_ref, w_ref, taps, s_L, h, k, P, light, transposed=True)
+        dw_LK = _put_column(dw_LK, k, _dweight_tap(x_ref, taps, s_L, k, P, dy_here_LD))
     plgpu.store(dx_ref, dx_LD.astype(dx_ref.dtype), mask=(s_L < T)[:, None])
+    _store_dweight(dw_ref, dw_LK, s_L, T, K, light)
+
+
+def _tap(in_ref, w_ref, taps, t_L, h, k, P, light, transposed):
+    """Tap ``k``'s ``[L, D]`` float32 term of the taps loop (``_taps_kernel``)."""
+    r_L = t_L + (P - k if transposed else k - P)
+    return taps.rows(in_ref, r_L, taps.ok(r_L)) * _tap_weight(w_ref, h, k, r_L if transposed else t_L, taps.T, light)
+
+
+def _dweight_tap(x_ref, taps, t_L, k, P, dy_here_LD):
+    """``[L]``: tap ``k``'s ``sum_d x[t + k - P, d] dy[t, d]``, a reduction within the ``D`` lanes of a row."""
+    r_L = t_L + (k - P)
+    return jnp.sum(taps.rows(x_ref, r_L, taps.ok(r_L)) * dy_here_LD, axis=1)
+
+
+def _put_column(dw_LK, k, dw_L):
+    """``dw_LK`` with column ``k`` set to ``dw_L``: a select, as Triton has no value slicing to write into."""
+    return jnp.where(jnp.arange(dw_LK.shape[1], dtype=jnp.int32)[None, :] == k, dw_L[:, None], dw_LK)
+
+
+def _store_dweight(dw_ref, dw_LK, t_L, T, K, light):
+    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the ``[L, Kp]`` tile masked
+    to the live steps and ``k < K`` (the block is ``[L, K]``; the masked lanes past ``K`` are never written)."""
+    if light:
+        dw_ref[...] = jnp.sum(dw_LK, axis=0)
+        return
+    k_K = jnp.arange(dw_LK.shape[1], dtype=jnp.int32)
+    plgpu.store(dw_ref.at[:, pl.ds(0, dw_LK.shape[1])], dw_LK.astype(dw_ref.dtype),
+                mask=(t_L < T)[:, None] & (k_K < K)[None, :])
 
 
 class _Taps:
@@ -211,7 +347,8 @@ class _Taps:
             self.here_ok &= self.seg_here != 0
 
     def ok(self, r_L):
-        """``[L]`` bool: ``r`` inside ``[0, T)`` and, with segments, in the tile step's own (non-padding) segment."""
+        """``[L]`` bool: ``r`` inside ``[0, T)`` and, with segments, in the tile step's own (non-padding) segment.
+        Symmetric in ``r`` and ``here``, so the transposed taps (dx) use the forward's test seen from ``s``."""
         ok = self.here_ok & (r_L >= 0) & (r_L < self.T)
         if self.seg_ref is not None:
             ok &= self.seg_ref[jnp.clip(r_L, 0, self.T - 1)] == self.seg_here
@@ -223,17 +360,17 @@ class _Taps:
         return jnp.where(ok_L[:, None], rows_LD, 0.0)
 
 
-def _tap_weight(w_ref, h, k, t_L, T, light):
-    """Tap ``k`` of head ``h`` for output steps ``t``: a scalar (light) or ``[L, 1]`` (dynamic), float32."""
+def _tap_weight(w_ref, h, k, rows_L, T, light):
+    """Tap ``k`` of head ``h`` at weight rows ``rows``: a scalar (light) or ``[L, 1]`` (dynamic), float32."""
     if light:
         return w_ref[h, k].astype(jnp.float32)
-    return w_ref[jnp.clip(t_L, 0, T - 1), h, k].astype(jnp.float32)[:, None]
+    return w_ref[jnp.clip(rows_L, 0, T - 1), h, k].astype(jnp.float32)[:, None]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Argument checks: one-line errors naming the argument
 # ----------------------------------------------------------------------------------------------------------------
-def _check(x_BTC, weight, padding_left, segment_ids_BT, block_t, interpret, light):
+def _check(x_BTC, weight, segment_ids_BT, settings: _Settings, light):
     if getattr(x_BTC, "ndim", None) != 3:
         raise UserError(f"x must be [batch, time, channels]; got shape {getattr(x_BTC, 'shape', None)}")
     B, T, C = x_BTC.shape
@@ -244,12 +381,16 @@ def _check(x_BTC, weight, padding_left, segment_ids_BT, block_t, interpret, ligh
     H, K = weight.shape[-2:]
     if K < 1 or H < 1 or C % H:
         raise UserError(f"weight [.., H={H}, K={K}]: need K >= 1 and channels C={C} divisible by H")
-    if not isinstance(padding_left, int) or not 0 <= padding_left <= K - 1:
-        raise UserError(f"padding_left must be an int in 0..K-1 = 0..{K - 1}; got {padding_left!r}")
+    P, block_t, num_warps, backward, interpret = settings
+    if not isinstance(P, int) or not 0 <= P <= K - 1:
+        raise UserError(f"padding_left must be an int in 0..K-1 = 0..{K - 1}; got {P!r}")
     if segment_ids_BT is not None and getattr(segment_ids_BT, "shape", None) != (B, T):
         raise UserError(f"segment_ids must be [batch, time] = [{B}, {T}]; got {getattr(segment_ids_BT, 'shape', None)}")
-    if not isinstance(block_t, int) or block_t < 1 or block_t & (block_t - 1):
-        raise UserError(f"block_t must be a power of two (Triton loads need one); got {block_t!r}")
+    for name, value in (("block_t", block_t), ("num_warps", num_warps)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise UserError(f"{name} must be a power of two (Triton needs one); got {value!r}")
+    if backward not in BACKWARDS:
+        raise UserError(f"backward must be one of {', '.join(BACKWARDS)}; got {backward!r}")
     # The compiled kernel's limits, known here only by the default backend (the kernel is chosen at lowering).
     backend = jax.default_backend()
     if interpret or backend == "cpu":
