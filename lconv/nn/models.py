@@ -36,7 +36,7 @@ from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMA
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
-from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
+from lconv.nn.common import BTC, BTF, BTV, DType, Embed, LayerNorm, constrain, xavier_dense
 from lconv.nn.model_config import SIDE_FIELDS, ModelConfig  # re-exported: models.ModelConfig is documented
 from lconv.ops import activations
 
@@ -328,10 +328,8 @@ def _project(projection: nn.Module | None, x: Array) -> Array:
     return x if projection is None else projection(x)
 
 
-def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name,
-                        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (EMBED,)),
-                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (EMBED,)))
+def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
+    return LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name)
 
 
 class ScaleAndPosition(nn.Module):
