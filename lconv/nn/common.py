@@ -43,6 +43,7 @@ from lconv.constants import (
     HEADS,
 )
 from lconv.errors import UserError
+from lconv.ops import dropout as dropout_ops
 from lconv.ops import layer_norm
 from lconv.ops.attention import attention_mask, decode_mask
 from lconv.ops.precision import lax_precision
@@ -326,3 +327,19 @@ class LayerNorm(nn.Module):
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (EMBED,)), (C,),
                           self.param_dtype)
         return layer_norm.layer_norm(x, scale, bias, self.epsilon, jnp.dtype(self.dtype or x.dtype))
+
+
+class Dropout(nn.Module):
+    """``nn.Dropout``'s interface and rng stream (``make_rng("dropout")``) with ``lconv.ops.dropout``'s mask:
+    16 random bits an element, so the train step keeps half the random words ``nn.Dropout`` makes it keep."""
+
+    rate: float
+    deterministic: bool | None = None
+    rng_collection: str = "dropout"
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool | None = None) -> Array:
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if deterministic or self.rate == 0.0:
+            return x
+        return dropout_ops.dropout(self.make_rng(self.rng_collection), self.rate, x)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from lconv import ops
 from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
-from lconv.nn.common import BT_CONV, BTHD, check_input, constrain, xavier_dense
+from lconv.nn.common import BT_CONV, BTHD, Dropout, check_input, constrain, xavier_dense
 from lconv.ops import conv as conv_ops
 from lconv.ops.precision import lax_precision
 
@@ -76,7 +76,7 @@ class _ConvBase(nn.Module):
     def _normalise(self, logits: Array, deterministic: bool) -> Array:
         """Softmax over K in float32, then DropConnect (scaled by 1/(1-p) by Dropout)."""
         weight = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) if self.weight_softmax else logits
-        return nn.Dropout(self.weight_dropout, name="weight_dropout")(weight, deterministic=deterministic)
+        return Dropout(self.weight_dropout, name="weight_dropout")(weight, deterministic=deterministic)
 
     def _bias(self, y_BTC: Array) -> Array:
         if not self.use_bias:
@@ -233,7 +233,7 @@ class LightConvBlock(nn.Module):
         conv_d = self.conv_features or d
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         precision = self.matmul_precision
-        x_BTC = nn.Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
+        x_BTC = Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
         if self.use_glu:
             h_BTC = GLUProjection(conv_d, name="linear1", matmul_precision=precision, **dense)(x_BTC)
         else:
