@@ -31,3 +31,24 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 def activation(name: str, x: Array) -> Array:
     """``ACTIVATIONS[name](x)`` in float32, returned in ``x``'s dtype."""
     return ACTIVATIONS[name](x.astype(jnp.float32)).astype(x.dtype)
+
+
+@jax.custom_vjp
+def glu(a: Array, b: Array) -> Array:
+    """``a * sigmoid(b)`` (fairseq's GLU halves), whose backward pass recomputes the sigmoid from ``b``."""
+    return a * jax.nn.sigmoid(b)
+
+
+def _glu_forward(a, b):
+    return glu(a, b), (a, b)
+
+
+def _glu_backward(residuals, g):
+    a, b = residuals
+    # sigmoid(b) = (1 + tanh(b / 2)) / 2: another op than the forward pass's logistic, which XLA would otherwise
+    # merge with this one and keep from the forward pass
+    t = jnp.tanh(b * 0.5)
+    return g * (0.5 + 0.5 * t), g * a * (0.25 * (1 - t * t))
+
+
+glu.defvjp(_glu_forward, _glu_backward)

@@ -1,5 +1,6 @@
-"""lconv's layer norm (``lconv.ops.layer_norm``, hand-written VJP) against a float64 NumPy reference (values, and
-gradients by central differences) and against ``flax.linen.LayerNorm`` differentiated by JAX."""
+"""The hand-written VJPs that keep the training step's memory down (issue 36): the layer norm
+(``lconv.ops.layer_norm``) against a float64 NumPy reference (values, and gradients by central differences) and
+against ``flax.linen.LayerNorm`` differentiated by JAX; the GLU (``lconv.ops.activations.glu``) against float64."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import pytest
 from reference import tolerance
 
 from lconv.nn.common import LayerNorm
+from lconv.ops import activations
 from lconv.ops.layer_norm import layer_norm
 
 EPS = 1e-5
@@ -90,3 +92,21 @@ def test_module_equals_flax_layer_norm_values_and_gradients(dtype):
         np.testing.assert_allclose(got[1][0][name], want[1][0][name], rtol=unit, atol=unit * 64, err_msg=name)
     np.testing.assert_allclose(got[1][1].astype(np.float32), want[1][1].astype(np.float32), rtol=unit, atol=unit)
     assert got[1][1].dtype == dtype and ours.apply({"params": params}, x).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_glu_values_and_gradients_match_float64_numpy(dtype):
+    """``activations.glu`` (its backward pass takes the sigmoid as (1 + tanh(b/2)) / 2) against a * sigmoid(b) and
+    its textbook derivatives in float64."""
+    rng = np.random.default_rng(2)
+    a, b, g = (rng.normal(0.0, 3.0, (64, 48)) for _ in range(3))
+    cast = [jnp.asarray(v, dtype) for v in (a, b, g)]
+    a, b, g = (np.asarray(v, np.float64) for v in cast)  # the reference sees the rounded inputs
+    out, vjp = jax.vjp(activations.glu, *cast[:2])
+    da, db = vjp(cast[2])
+    s = 1 / (1 + np.exp(-b))
+    unit = 8 * (F32_EPS if dtype == jnp.float32 else BF16_EPS)  # a few roundings, then one to the dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), a * s, rtol=unit, atol=unit)
+    np.testing.assert_allclose(np.asarray(da, np.float64), g * s, rtol=unit, atol=unit)
+    np.testing.assert_allclose(np.asarray(db, np.float64), g * a * s * (1 - s), rtol=unit, atol=unit * 4)
+    assert out.dtype == da.dtype == db.dtype == dtype
