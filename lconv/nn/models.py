@@ -36,7 +36,7 @@ from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMA
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
-from lconv.nn.common import BTC, BTF, BTV, DType, Dropout, Embed, LayerNorm, constrain, xavier_dense
+from lconv.nn.common import BTC, BTF, BTV, Dropout, DType, Embed, LayerNorm, constrain, xavier_dense
 from lconv.nn.model_config import SIDE_FIELDS, ModelConfig  # re-exported: models.ModelConfig is documented
 from lconv.ops import activations
 
