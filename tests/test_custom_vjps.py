@@ -1,6 +1,7 @@
 """The hand-written VJPs that keep the training step's memory down (issue 36): the layer norm
 (``lconv.ops.layer_norm``) against a float64 NumPy reference (values, and gradients by central differences) and
-against ``flax.linen.LayerNorm`` differentiated by JAX; the GLU (``lconv.ops.activations.glu``) against float64."""
+against ``flax.linen.LayerNorm`` differentiated by JAX; the GLU (``lconv.ops.activations.glu``) against float64; the
+ReLU whose backward pass keeps its mask as bits (``lconv.ops.activations.relu``) against ``jax.nn.relu``."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -110,3 +111,21 @@ def test_glu_values_and_gradients_match_float64_numpy(dtype):
     np.testing.assert_allclose(np.asarray(da, np.float64), g * s, rtol=unit, atol=unit)
     np.testing.assert_allclose(np.asarray(db, np.float64), g * a * s * (1 - s), rtol=unit, atol=unit * 4)
     assert out.dtype == da.dtype == db.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", ["relu", "relu_squared"])
+def test_relu_keeping_its_mask_as_bits_equals_jax_relu_exactly(dtype, name):
+    """``activations.relu`` (the backward pass reads the mask ``x > 0`` packed 8 to a byte) gives jax.nn.relu's
+    values and gradients bit for bit, zeros (derivative 0 at 0) and a last axis that is no multiple of 8
+    included; so does relu_squared, which uses it."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 7, 37))
+    x[0, 0, :5] = 0.0
+    x, g = jnp.asarray(x, dtype), jnp.asarray(rng.normal(size=(5, 7, 37)), dtype)
+    reference = {"relu": jax.nn.relu, "relu_squared": lambda v: jnp.square(jax.nn.relu(v))}[name]
+    out, vjp = jax.vjp(lambda v: activations.activation(name, v), x)
+    want_out, want_vjp = jax.vjp(lambda v: reference(v.astype(jnp.float32)).astype(dtype), x)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(vjp(g)[0], np.float32), np.asarray(want_vjp(g)[0], np.float32))
+    assert out.dtype == dtype
