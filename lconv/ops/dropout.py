@@ -7,9 +7,13 @@ step: 16 MiB per ``[4096, 512]`` dropout, 112 MiB over its seven). Here each 32-
 bits each, so the kept arrays are half as large and threefry does half the work. The drop probability is the
 rate rounded to a multiple of ``2**-16`` (0.1 becomes 0.100006); the kept values are scaled by ``1 / (1 - rate)``,
 as PyTorch's and flax's dropout do (flax's own probability is rounded too, to its uniform's 2**-23 steps). The
-last axis is the one paired, so a batch split over devices stays split.
+last axis is the one paired, so a batch split over devices stays split. The backward pass reads the mask packed 8
+to a byte (a custom VJP): otherwise XLA recomputes the comparison inside the backward fusion and keeps the random
+words instead.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +35,27 @@ def keep_mask(key: Array, rate: float, shape: tuple[int, ...]) -> Array:
     return halves.reshape(shape) >= drop_levels
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _keep_and_scale(x: Array, keep: Array, scale: float) -> Array:
+    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _keep_and_scale_forward(x, keep, scale):
+    return _keep_and_scale(x, keep, scale), jnp.packbits(keep, axis=-1)
+
+
+def _keep_and_scale_backward(scale, bits, g):
+    keep = jnp.unpackbits(bits, axis=-1, count=g.shape[-1]).astype(bool)
+    return _keep_and_scale(g, keep, scale), None
+
+
+_keep_and_scale.defvjp(_keep_and_scale_forward, _keep_and_scale_backward)
+
+
 def dropout(key: Array, rate: float, x: Array) -> Array:
     """``x`` with each element zeroed at ``rate`` (rounded to 16 bits) and the rest divided by ``1 - rate``."""
     if rate == 0.0:
         return x
     if rate >= 1.0:
         return jnp.zeros_like(x)
-    return jnp.where(keep_mask(key, rate, x.shape), x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+    return _keep_and_scale(x, keep_mask(key, rate, x.shape), 1.0 / (1.0 - rate))
