@@ -23,7 +23,7 @@ from lconv.train import setup, steps
 
 VOCAB = 64
 # (loss at init, loss after one step), label-smoothed cross-entropy per target token, deterministic forward.
-GOLDEN = (4.932626247406006, 3.9955289363861084)  # attention Q/K/V at fairseq's xavier gain 1/sqrt(2) (issue 17)
+GOLDEN = (4.932626247406006, 3.9947896003723145)  # dropout masks from 16 random bits an element (issue 36)
 
 
 def _tiny_config(conv_impl="auto"):

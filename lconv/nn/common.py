@@ -43,6 +43,8 @@ from lconv.constants import (
     HEADS,
 )
 from lconv.errors import UserError
+from lconv.ops import dropout as dropout_ops
+from lconv.ops import layer_norm
 from lconv.ops.attention import attention_mask, decode_mask
 from lconv.ops.precision import lax_precision
 
@@ -306,3 +308,38 @@ class Embed(nn.Embed):
         """The table as a tied output layer reads it (``[V, C]``, its own dtype, vocabulary rows split as
         ``table_axes``)."""
         return constrain(self.embedding, self.table_axes)
+
+
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm``'s parameters (``scale`` and ``bias``, ``[C]``, on ``EMBED``) and values, computed by
+    ``lconv.ops.layer_norm``, whose backward pass keeps the input and two floats a row instead of three
+    ``[.., C]`` float32 arrays (see there)."""
+
+    epsilon: float = 1e-5
+    dtype: DType = jnp.float32  # of the output; the statistics and the arithmetic are float32
+    param_dtype: DType = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        C = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), (EMBED,)), (C,),
+                           self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (EMBED,)), (C,),
+                          self.param_dtype)
+        return layer_norm.layer_norm(x, scale, bias, self.epsilon, jnp.dtype(self.dtype or x.dtype))
+
+
+class Dropout(nn.Module):
+    """``nn.Dropout``'s interface and rng stream (``make_rng("dropout")``) with ``lconv.ops.dropout``'s mask:
+    16 random bits an element, so the train step keeps half the random words ``nn.Dropout`` makes it keep."""
+
+    rate: float
+    deterministic: bool | None = None
+    rng_collection: str = "dropout"
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool | None = None) -> Array:
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if deterministic or self.rate == 0.0:
+            return x
+        return dropout_ops.dropout(self.make_rng(self.rng_collection), self.rate, x)

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from lconv import ops
 from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
-from lconv.nn.common import BT_CONV, BTHD, check_input, constrain, xavier_dense
+from lconv.nn.common import BT_CONV, BTHD, Dropout, check_input, constrain, xavier_dense
+from lconv.ops import activations
 from lconv.ops import conv as conv_ops
 from lconv.ops.precision import lax_precision
 
@@ -76,7 +77,7 @@ class _ConvBase(nn.Module):
     def _normalise(self, logits: Array, deterministic: bool) -> Array:
         """Softmax over K in float32, then DropConnect (scaled by 1/(1-p) by Dropout)."""
         weight = jax.nn.softmax(logits.astype(jnp.float32), axis=-1) if self.weight_softmax else logits
-        return nn.Dropout(self.weight_dropout, name="weight_dropout")(weight, deterministic=deterministic)
+        return Dropout(self.weight_dropout, name="weight_dropout")(weight, deterministic=deterministic)
 
     def _bias(self, y_BTC: Array) -> Array:
         if not self.use_bias:
@@ -170,7 +171,8 @@ class GLUProjection(nn.Module):
     matmul_precision: str = "default"
 
     @nn.compact
-    def __call__(self, x_BTC: Array) -> Array:
+    def __call__(self, x_BTC: Array, keep_BT: Array | None = None) -> Array:
+        """``[B, T, C] -> [B, T, features]``; ``keep_BT``: positions whose output is kept (the rest are zeroed)."""
         C, F = x_BTC.shape[-1], self.features
         kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.xavier_uniform(), (EMBED, CONV)),
                             (C, 2 * F), self.param_dtype)
@@ -182,7 +184,10 @@ class GLUProjection(nn.Module):
         kernel_CGF = constrain(constrain(kernel.reshape(C, 2, F), (None, None, None)), (None, None, ACT_CONV))
         h_BTGF = jnp.einsum("btc,cgf->btgf", x_BTC, kernel_CGF, precision=lax_precision(self.matmul_precision))
         h_BTGF = h_BTGF + bias.reshape(2, F)
-        return h_BTGF[..., 0, :] * jax.nn.sigmoid(h_BTGF[..., 1, :])
+        value_BTF = h_BTGF[..., 0, :]
+        if keep_BT is not None:  # zeroed before the GLU's product, so that product is the only [B, T, F] it writes
+            value_BTF = value_BTF * keep_BT[..., None].astype(value_BTF.dtype)
+        return activations.glu(value_BTF, h_BTGF[..., 1, :])
 
 
 class LightConvBlock(nn.Module):
@@ -233,13 +238,14 @@ class LightConvBlock(nn.Module):
         conv_d = self.conv_features or d
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         precision = self.matmul_precision
-        x_BTC = nn.Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
+        x_BTC = Dropout(self.input_dropout)(x_BTC, deterministic=deterministic)
+        keep_BT = None if segment_ids is None else segment_ids != 0  # fairseq zeroes padded positions before the conv
         if self.use_glu:
-            h_BTC = GLUProjection(conv_d, name="linear1", matmul_precision=precision, **dense)(x_BTC)
+            h_BTC = GLUProjection(conv_d, name="linear1", matmul_precision=precision, **dense)(x_BTC, keep_BT)
         else:
             h_BTC = xavier_dense(conv_d, (EMBED, CONV), name="linear1", precision=precision, **dense)(x_BTC)
-        if segment_ids is not None:  # fairseq zeroes padded positions before the conv
-            h_BTC = h_BTC * (segment_ids != 0)[..., None].astype(h_BTC.dtype)
+            if keep_BT is not None:
+                h_BTC = h_BTC * keep_BT[..., None].astype(h_BTC.dtype)
         h_BTC = constrain(h_BTC, BT_CONV)  # channels (= heads' blocks) split like the heads
         conv_cls = LightweightConv1d if self.conv_type == "lightweight" else DynamicConv1d
         h_BTC = conv_cls(

@@ -36,7 +36,7 @@ from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMA
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
-from lconv.nn.common import BTC, BTF, BTV, DType, Embed, constrain, xavier_dense
+from lconv.nn.common import BTC, BTF, BTV, Dropout, DType, Embed, LayerNorm, constrain, xavier_dense
 from lconv.nn.model_config import SIDE_FIELDS, ModelConfig  # re-exported: models.ModelConfig is documented
 from lconv.ops import activations
 
@@ -225,7 +225,7 @@ class Layer(nn.Module):
         residual = x
         if normalize_before:
             x = _layer_norm(cfg, f"{name}_norm")(x)
-        x = nn.Dropout(cfg.dropout)(constrain(fn(x), BTC), deterministic=deterministic)
+        x = Dropout(cfg.dropout)(constrain(fn(x), BTC), deterministic=deterministic)
         x = residual + x
         if not normalize_before:
             x = _layer_norm(cfg, f"{name}_norm")(x)
@@ -251,7 +251,7 @@ class FeedForward(nn.Module):
     def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, deterministic: bool = True) -> Array:
         linear = functools.partial(xavier_dense, dtype=self.dtype, precision=self.matmul_precision)
         h = constrain(linear(self.hidden_dim, (EMBED, MLP), name="fc1")(x_BTC), BTF)
-        h = nn.Dropout(self.relu_dropout)(activations.activation(self.activation, h), deterministic=deterministic)
+        h = Dropout(self.relu_dropout)(activations.activation(self.activation, h), deterministic=deterministic)
         return linear(x_BTC.shape[-1], (MLP, EMBED), name="fc2")(h)
 
 
@@ -328,10 +328,8 @@ def _project(projection: nn.Module | None, x: Array) -> Array:
     return x if projection is None else projection(x)
 
 
-def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name,
-                        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), (EMBED,)),
-                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (EMBED,)))
+def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
+    return LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name)
 
 
 class ScaleAndPosition(nn.Module):
@@ -355,7 +353,7 @@ class ScaleAndPosition(nn.Module):
             x_BTC = x_BTC + self._positions(x_BTC, positions_BT)
         if cfg.layernorm_embedding:
             x_BTC = _layer_norm(cfg, "embedding_norm")(x_BTC)
-        return nn.Dropout(cfg.dropout)(constrain(x_BTC, BTC), deterministic=deterministic)
+        return Dropout(cfg.dropout)(constrain(x_BTC, BTC), deterministic=deterministic)
 
     def _positions(self, x_BTC: Array, positions_BT: Array | None) -> Array:
         cfg = self.config

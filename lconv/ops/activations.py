@@ -14,12 +14,33 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+@jax.custom_vjp
+def relu(x: Array) -> Array:
+    """``max(x, 0)`` with ``jax.nn.relu``'s derivative (the mask ``x > 0``), kept for the backward pass packed 8 to a
+    byte. Differentiated as ``jax.nn.relu``, the backward fusion recomputes ``x > 0`` from the FFN's pre-activation,
+    so XLA keeps that ``[tokens, ffn]`` float32 array beside the output (32 MiB a layer in the bench LM, issue 36);
+    a packed mask is a reduction, which XLA does not recompute inside its consumers."""
+    return jnp.maximum(x, 0)
+
+
+def _relu_forward(x):
+    return relu(x), jnp.packbits(x > 0, axis=-1)
+
+
+def _relu_backward(bits, g):
+    keep = jnp.unpackbits(bits, axis=-1, count=g.shape[-1]).astype(bool)
+    return (jnp.where(keep, g, jnp.zeros((), g.dtype)),)
+
+
+relu.defvjp(_relu_forward, _relu_backward)
+
+
 def _relu_squared(x: Array) -> Array:
     return jnp.square(jax.nn.relu(x))
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "relu": jax.nn.relu,
+    "relu": relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_accurate": lambda x: jax.nn.gelu(x, approximate=True),
     "relu_squared": _relu_squared,
@@ -29,5 +50,28 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 
 
 def activation(name: str, x: Array) -> Array:
-    """``ACTIVATIONS[name](x)`` in float32, returned in ``x``'s dtype."""
+    """``ACTIVATIONS[name](x)`` in float32, returned in ``x``'s dtype (ReLU, exact in every dtype, in ``x``'s)."""
+    if name == "relu":
+        return relu(x)
     return ACTIVATIONS[name](x.astype(jnp.float32)).astype(x.dtype)
+
+
+@jax.custom_vjp
+def glu(a: Array, b: Array) -> Array:
+    """``a * sigmoid(b)`` (fairseq's GLU halves), whose backward pass recomputes the sigmoid from ``b``."""
+    return a * jax.nn.sigmoid(b)
+
+
+def _glu_forward(a, b):
+    return glu(a, b), (a, b)
+
+
+def _glu_backward(residuals, g):
+    a, b = residuals
+    # sigmoid(b) = (1 + tanh(b / 2)) / 2: another op than the forward pass's logistic, which XLA would otherwise
+    # merge with this one and keep from the forward pass
+    t = jnp.tanh(b * 0.5)
+    return g * (0.5 + 0.5 * t), g * a * (0.25 * (1 - t * t))
+
+
+glu.defvjp(_glu_forward, _glu_backward)
