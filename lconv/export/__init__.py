@@ -140,8 +140,8 @@ def check_task_settings(task: str, beam_size: int | None, sampling_given: Sequen
                         "beam size")
     if task != "lm" and sampling_given:
         flags = ", ".join(map(spell, sampling_given))
-        raise UserError(f"{flags}: for lm exports; a {task} export beam-searches ({spell('beam_size')}) and would ignore "
-                        f"{'it' if len(sampling_given) == 1 else 'them'}")
+        raise UserError(f"{flags}: for lm exports; a {task} export beam-searches ({spell('beam_size')}) and would "
+                        f"ignore {'it' if len(sampling_given) == 1 else 'them'}")
 
 
 def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -158,8 +158,9 @@ def check_buckets(config: Any, platforms: Sequence[str], rows: Sequence[int], wi
         if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
             raise UserError(f"{flag}={','.join(map(str, values))}: positive integers, ascending, no repeats")
     if rows[-1] > MAX_EXPORT_ROWS:
-        raise UserError(f"{spell('rows')}={','.join(map(str, rows))}: at most {MAX_EXPORT_ROWS} (a program holds its rows' "
-                        "search in memory at once; the exported model splits a larger batch over its largest bucket)")
+        raise UserError(f"{spell('rows')}={','.join(map(str, rows))}: at most {MAX_EXPORT_ROWS} (a program holds its "
+                        "rows' search in memory at once; the exported model splits a larger batch over its largest "
+                        "bucket)")
     if config.task != "lm" and widths[-1] > config.data.eval_max_input_length:
         raise UserError(f"{spell('widths')}={','.join(map(str, widths))}: at most config.data.eval_max_input_length="
                         f"{config.data.eval_max_input_length} (the longest source the model decodes)")

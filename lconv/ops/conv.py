@@ -23,7 +23,8 @@ inputs to TF32 nor a TPU to one bfloat16 pass (measured on an H100: +6% time for
 - ``"unfold"`` (dynamic, and light through it): stack the ``K`` shifted copies of ``x`` (``[B, T, K, C]``) and
   contract with the kernel. Simple, memory ``K x`` the input.
 - ``"pallas"``: fused Pallas kernels (``lconv.ops.pallas_conv``: the forward, then dx and dw): Triton on GPU,
-  interpret mode on CPU (tests only); segment masking inside the kernels. Not chosen by ``"auto"`` until measured faster on a GPU.
+  interpret mode on CPU (tests only); segment masking inside the kernels. Not chosen by ``"auto"`` until measured
+  faster on a GPU.
 - ``"auto"``: ``"shift"`` on CPU, ``"band"`` elsewhere (``choose_impl``), decided for the platform the program
   is compiled for, not the host that traces it: both are traced and ``jax.lax.platform_dependent`` keeps one when
   the program is lowered (an export for several platforms keeps both, picked when it is compiled).

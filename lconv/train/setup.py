@@ -23,9 +23,9 @@ from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.nn import mixers
+from lconv.nn.model_config import ModelConfig
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.nn.model_config import ModelConfig
 from lconv.run.schema import Settings, validate_config
 from lconv.train import budget as budget_lib
 
