@@ -106,7 +106,8 @@ def test_a_prefix_forced_beam_equals_a_beam_whose_first_steps_are_forced_by_hand
 def test_a_prefix_forces_a_greedy_search_and_samples_too(mt):
     prefix = [7, 11, 13]
     greedy = mt.translate(SOURCES[0], beam_size=1, nbest=1, prefix=prefix)
-    _assert_like_reference(greedy, _reference_beam([mt], SOURCES[0], beam=1, lenpen=1.0, prefix=prefix))
+    _assert_like_reference(greedy, _reference_beam([mt], SOURCES[0], beam=1, lenpen=mt.config.decode.lenpen,
+                                                  prefix=prefix))  # the stored lenpen, which translate used
     samples = mt.translate(SOURCES, temperature=1.0, seed=3, nbest=2, prefix=[prefix, "Werkzeug"])
     forced = [prefix, list(mt.tokenizer.encode("Werkzeug"))]
     assert all(entry["tokens"][:len(ids)] == ids for ids, entries in zip(forced, samples) for entry in entries)
