@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from lconv.constants import ACT_HEADS, ATTENTION_IMPLS, HEADS, KEY_LENGTH, LENGTH
 from lconv.errors import UserError
 from lconv.nn.common import (
+    BHDT,
+    BHTD,
     BTHD,
     FROM_HEADS,
     QKV_GAIN,
@@ -63,6 +65,7 @@ from lconv.ops.attention import (
     dot_product_logits,
     factorized_fixed_logits,
     fixed_logits,
+    head_major_attention,
 )
 from lconv.ops.flash import segment_attention
 from lconv.ops.precision import lax_precision
@@ -147,9 +150,9 @@ class CrossAttention(nn.Module):
 
     Same math and initialisation as ``SelfAttention``; the mask pairs ``query_segment_ids`` with
     ``encoded_segment_ids`` (packed examples only see their own source; padding keys are never read).
-    Not a token mixer (so not in the registry). With ``decode=True`` the projected encoder keys and values
-    ``[B, S, H, D]`` are computed once, on the cache-creating call, and read back from the ``'cache'``
-    collection on every later step (``encoded_BSC`` is then only checked for shape): recomputing them each step
+    Not a token mixer (so not in the registry). With ``decode=True`` the projected encoder keys and values are
+    computed once, on the cache-creating call, kept head-major (``[B, H, S, D]``) in the ``'cache'`` collection
+    and read back on every later step (``encoded_BSC`` is then only checked for shape): recomputing them each step
     cost two ``S x C x C`` projections per token. They are named ``beam_invariant_*``, so beam search neither
     tiles nor reorders them (``lconv.infer.search``); the beams' queries share their row's encoder output.
     ``attention_impl`` and ``matmul_precision`` as in ``SelfAttention``.
@@ -186,9 +189,9 @@ class CrossAttention(nn.Module):
         else:
             m = encoded_BSC.astype(self.dtype)
             k_BSHD, v_BSHD = project_heads(self, "key", m, H, D, gain), project_heads(self, "value", m, H, D, gain)
-            if decode:
-                self.put_variable("cache", "beam_invariant_key", k_BSHD)
-                self.put_variable("cache", "beam_invariant_value", v_BSHD)
+            if decode:  # head-major: the layout every step's dots read (``head_major_attention``)
+                self.put_variable("cache", "beam_invariant_key", constrain(k_BSHD.transpose(0, 2, 3, 1), BHDT))
+                self.put_variable("cache", "beam_invariant_value", constrain(v_BSHD.transpose(0, 2, 1, 3), BHTD))
                 self.put_variable("cache", "beam_invariant_segment_ids", k_seg_BS)
             segmented = query_segment_ids is not None or encoded_segment_ids is not None
             out_BTHD = segment_attention(
@@ -198,20 +201,20 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
     def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array, precision: Any) -> Array:
-        """Queries of ``B = N * b`` rows against the cached ``[b, S, H, D]`` encoder keys/values, ``N``
+        """Queries of ``B = N * b`` rows against the cached head-major ``[b, H, S, D]`` encoder keys/values, ``N``
         consecutive rows per encoded row (the beams of ``lconv.infer.search.tile_cache``, which leaves
         ``beam_invariant_*`` untiled): the beams of a row are folded into its query axis, so the encoder output is
         read once per row, not once per beam."""
-        k_bSHD = self.get_variable("cache", "beam_invariant_key")
-        v_bSHD = self.get_variable("cache", "beam_invariant_value")
+        k_bHDS = self.get_variable("cache", "beam_invariant_key")
+        v_bHSD = self.get_variable("cache", "beam_invariant_value")
         k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")
-        (B, T, H, D), b = q_BTHD.shape, k_bSHD.shape[0]
+        (B, T, H, D), b = q_BTHD.shape, k_bHDS.shape[0]
         if B % b:
             raise UserError(f"x_BTC batch {B} is not a multiple of the cached encoder-output batch {b}")
-        q_bQHD = q_BTHD.reshape(b, (B // b) * T, H, D)  # Q = beams * T
+        q_bHQD = q_BTHD.reshape(b, (B // b) * T, H, D).transpose(0, 2, 1, 3)  # Q = beams * T
         mask_b1QS = attention_mask(q_seg_BT.reshape(b, -1), k_seg_bS)
-        return dot_product_attention(q_bQHD, k_bSHD, v_bSHD, mask_b1QS, dtype=self.dtype,
-                                     precision=precision).reshape(B, T, H, D)
+        out_bHQD = head_major_attention(q_bHQD, k_bHDS, v_bHSD, mask_b1QS, dtype=self.dtype, precision=precision)
+        return out_bHQD.transpose(0, 2, 1, 3).reshape(B, T, H, D)
 
 
 class FixedAttention(AttentionFields):

@@ -85,6 +85,8 @@ FROM_HEADS = (HEADS, EMBED)
 # Logical layouts of activations, for ``constrain``.
 BTC = (ACT_BATCH, ACT_LENGTH, ACT_EMBED)  # the residual stream, a block's input and output
 BTHD = (ACT_BATCH, ACT_LENGTH, ACT_HEADS, None)  # queries / keys / values; [B, T, H, K] dynamic conv kernels
+BHTD = (ACT_BATCH, ACT_HEADS, ACT_LENGTH, None)  # head-major values (a cross-attention's decoding cache)
+BHDT = (ACT_BATCH, ACT_HEADS, None, ACT_LENGTH)  # head-major keys, length last: the logits dot's own layout
 BTF = (ACT_BATCH, ACT_LENGTH, ACT_MLP)  # FFN hidden units
 BT_CONV = (ACT_BATCH, ACT_LENGTH, ACT_CONV)  # the conv block's inner width
 BTV = (ACT_BATCH, ACT_LENGTH, ACT_VOCAB)  # logits
