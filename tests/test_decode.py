@@ -439,6 +439,24 @@ def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerat
     assert [compiled.decode_rows(config, p, 64, 4) for p in ("cpu", "gpu")] == [100, 100]
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_a_prepared_program_decodes_as_the_jitted_one_without_compiling_again(on_mesh):
+    """``Translator.prepare`` compiles a ``[rows, width]`` program in the background; a call of that shape runs it
+    (the jitted function compiles nothing) and finds what a fresh translator's jitted program finds, on one
+    device and with the rows split over a mesh."""
+    config, model, params, eval_set = _tiny_split_decoder()
+    params = jax.device_put(params, NamedSharding(_batch_mesh(), P())) if on_mesh else _on_cpu(params)
+    settings = _settings(config)
+    sources = compiled.pad_rows([t["inputs"] for t in eval_set.tokens[:8]], 8, 16)  # [8, 16]
+    prepared = compiled.Translator(config, model, params)
+    prepared.prepare(8, 16, settings)
+    found = prepared.with_params(params).hypotheses(sources, settings)  # a run's final params share the program
+    expected = compiled.Translator(config, model, params).hypotheses(sources, settings)
+    assert prepared.jitted._cache_size() == 0
+    np.testing.assert_array_equal(found.tokens, expected.tokens)
+    np.testing.assert_array_equal(found.scores, expected.scores)
+
+
 def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(monkeypatch, lconv_log):
     config, model, params, eval_set = _tiny_split_decoder()
     auto = _auto_rows(config, params, eval_set)

@@ -148,19 +148,29 @@ def test_without_a_budget_the_bar_counts_steps():
 # ----------------------------------------------------------------------------------------------------------------
 # Decoding: the estimate and the cap
 # ----------------------------------------------------------------------------------------------------------------
-COMPILE_SECONDS, SECONDS_PER_WIDTH = 5.0, 0.01
+COMPILE_SECONDS, SECONDS_PER_STEP, SECONDS_PER_STEP_AND_WIDTH = 5.0, 0.01, 0.0002
 
 
 class FakeTranslator:
-    """Decodes nothing (every hypothesis is EOS) and costs fake time: a compilation per new width, then a run
-    time proportional to the width: the cost model ``estimate_decode_seconds`` assumes."""
+    """Decodes nothing (every hypothesis is EOS) and costs fake time: a compilation per width not ``prepare``d
+    before, then per search step a time that grows linearly with the width, for as many steps as the longest row
+    may search (a*length + b tokens and EOS, within the program's output length): how a beam search's time goes."""
 
     def __init__(self, clock):
-        self.clock, self.params, self.widths = clock, {"w": np.zeros(1)}, set()
+        self.clock, self.params, self.widths, self.compiled = clock, {"w": np.zeros(1)}, set(), []
+
+    def prepare(self, rows, width, settings):  # compiles in the background: no time of the caller's
+        self.widths.add(width)
 
     def __call__(self, inputs_BS, settings):
         width = inputs_BS.shape[1]
-        self.clock.now += SECONDS_PER_WIDTH * width + (COMPILE_SECONDS if width not in self.widths else 0.0)
+        longest = int(np.max(np.sum(inputs_BS != 0, axis=1)))
+        steps = min(math.floor(settings.max_len_a * longest + settings.max_len_b) + 1,
+                    int(min(settings.max_len_a * width + settings.max_len_b, 200)))
+        self.clock.now += steps * (SECONDS_PER_STEP + SECONDS_PER_STEP_AND_WIDTH * width)
+        if width not in self.widths:
+            self.clock.now += COMPILE_SECONDS
+            self.compiled.append(width)
         self.widths.add(width)
         return np.ones((inputs_BS.shape[0], 2), np.int32)
 
@@ -177,7 +187,8 @@ def _config(rows=4):
     # decode.batch_size = rows, not auto: auto widens the batch on an accelerator, and these tests count batches
     return types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=2, batch_size=rows, compound_split=False,
                                                               num_print=0, split="test", lenpen=1.0),
-                                 data=types.SimpleNamespace(eval_batch_size=rows), task="translation")
+                                 data=types.SimpleNamespace(eval_batch_size=rows, eval_max_target_length=200),
+                                 task="translation")
 
 
 def _settings(config):
@@ -185,16 +196,34 @@ def _settings(config):
 
 
 def test_the_decoding_estimate_is_what_decoding_the_split_takes():
+    """The estimate times the first batch at the plan's narrowest and widest widths and prepares the others, so
+    the split's decoding with the same translator compiles nothing and takes what was estimated: per batch, its
+    longest row's steps at its width's step time (the widest batch's steps, 5x the first's, are counted as such)."""
     clock = FakeClock()
-    lengths = [5, 9, 20, 31, 40, 60, 70, 100, 130, 150, 3]  # widths 32, 64, 128, 256 over three batches of four
+    lengths = [5, 9, 20, 31, 40, 60, 70, 100, 130, 150, 3]  # widths 32, 128, 200 (the padded width) over 3 batches
     eval_set, config = _split(lengths), _config()
     settings = _settings(config)
-    estimate = decode_and_score.estimate_decode_seconds(config, eval_set, FakeTranslator(clock), settings, clock)
+    translator = FakeTranslator(clock)
+    estimate = decode_and_score.estimate_decode_seconds(config, eval_set, translator, settings, clock)
+    assert translator.widths == {32, 128, 200}
     start = clock.now
     batches = list(decode_and_score.decode_batches(config, None, {"w": np.zeros(1)}, eval_set, settings,
-                                                   translator=FakeTranslator(clock)))
+                                                   translator=translator))
     assert len(batches) == 3
-    assert estimate == pytest.approx(clock.now - start)  # 3 widths compiled, each batch's run by its width
+    assert estimate == pytest.approx(clock.now - start)
+    first_batch_steps = math.floor(1.2 * 20 + 10) + 1  # sources of 3, 5, 9 and 20 tokens (EOS included)
+    assert estimate > 3 * first_batch_steps * (SECONDS_PER_STEP + SECONDS_PER_STEP_AND_WIDTH * 32)
+
+
+def test_decoding_a_split_prepares_its_later_widths():
+    """``decode_batches`` has a ``compiled.Translator`` compile the widths after the first in the background, so
+    the decoding compiles only its first width in turn."""
+    clock = FakeClock()
+    eval_set, config = _split([5, 9, 20, 31, 40, 60, 70, 100]), _config()
+    translator = FakeTranslator(clock)
+    list(decode_and_score.decode_batches(config, None, {"w": np.zeros(1)}, eval_set, _settings(config),
+                                         translator=translator))
+    assert translator.compiled == [32] and translator.widths == {32, 128}
 
 
 def test_decoding_stops_where_the_budget_runs_out_and_the_scores_say_how_much(tmp_path, lconv_log):

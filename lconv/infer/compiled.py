@@ -9,8 +9,10 @@ Both take the params as an argument (not a constant folded into the program), wh
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -133,6 +135,25 @@ class Translator:
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules), out_shardings=replicated,
                               static_argnames=("settings", "output_len"))
+        # (rows, width, settings.program_key()) -> a Future of the program ``prepare`` compiles; shared with the
+        # translators ``with_params`` makes, so a program prepared before training ends serves its final params
+        self._prepared: dict[tuple[int, int, Any], concurrent.futures.Future] = {}
+
+    def prepare(self, rows: int, width: int, settings: DecodeSettings) -> None:
+        """Compiles, in a background thread, the program for ``[rows, width]`` sources (no prefixes): a later call
+        of that shape runs it instead of compiling then. What is still to decode (the other widths of a split, a
+        training run's final evaluation) then does not wait for its compilations in turn: XLA compiles on one
+        core, and the decoding or training beside it keeps the others busy."""
+        key = (rows, width, settings.program_key())
+        if key not in self._prepared:
+            self._prepared[key] = _background().submit(self._compile, rows, width, settings)
+
+    def _compile(self, rows: int, width: int, settings: DecodeSettings) -> Any:
+        sources = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=row_sharding(self.mesh, rows))
+        with _mesh_context(self.mesh):
+            return self.jitted.lower(self.params, sources, jnp.float32(settings.lenpen), jnp.uint32(settings.seed),
+                                     None, settings=settings.program_key(),
+                                     output_len=max_output_len(self.config, settings, width)).compile()
 
     def with_params(self, params: Any) -> Translator:
         """The same programs over other params of the same shapes (a training run's final ones): nothing compiles
@@ -156,10 +177,12 @@ class Translator:
         rows = row_sharding(self.mesh, inputs_BS.shape[0])
         prefix = None if prefixes is None else search.Prefix(
             *(place(x, rows) for x in padded_prefixes(prefixes, inputs_BS.shape[0], output_len)))
+        prepared = self._prepared.get((*inputs_BS.shape, settings.program_key())) if prefix is None else None
         with _mesh_context(self.mesh):
-            found = self.jitted(self.params, place(inputs_BS, rows), jnp.float32(settings.lenpen),
-                                jnp.uint32(settings.seed), prefix, settings=settings.program_key(),
-                                output_len=output_len)
+            args = (self.params, place(inputs_BS, rows), jnp.float32(settings.lenpen), jnp.uint32(settings.seed),
+                    prefix)
+            found = prepared.result()(*args) if prepared is not None else self.jitted(
+                *args, settings=settings.program_key(), output_len=output_len)
             return search.Hypotheses(*map(np.asarray, found))  # replicated: every process reads all of it
 
 
@@ -275,6 +298,13 @@ def continuations(tokens_BX: np.ndarray, prompt_len_B: np.ndarray, max_len: int)
         row = row[:ends[0] + 1] if len(ends) else row
         out_BL[b, :len(row)] = row
     return out_BL
+
+
+@functools.cache
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread ``Translator.prepare`` compiles in (one at a time: two would share a core with the work
+    they are meant to stay beside)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lconv-compile")
 
 
 def _mesh_context(mesh: jax.sharding.Mesh | None) -> Any:

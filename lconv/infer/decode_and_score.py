@@ -52,7 +52,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     that holds it: a batch of short sentences neither encodes nor attends over 256 padding positions, and its beam
     search stops early together. That is a handful of compiled shapes, each compiled once per ``translator`` (pass
     one to reuse its programs across calls; ``settings``: the search's, built by the caller; ``per_batch(examples)``:
-    more arguments for the batch of those example indices, such as their ``prefixes``).
+    more arguments for the batch of those example indices, such as their ``prefixes``). A ``compiled.Translator``
+    compiles the later widths' programs in the background (``prepare``) while the first batches decode.
 
     A batch that runs the device out of memory is decoded again in halves (``in_batches``).
 
@@ -62,6 +63,12 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     """
     translator = translator or compiled.Translator(config, model, params)
     rows, order = _decode_plan(config, params, eval_set, settings.beam_size)
+    prepare = getattr(translator, "prepare", None)  # a compiled.Translator's; not a plain function's
+    if prepare is not None and per_batch is None:  # the later widths compile while the first ones decode
+        widths = [_padded_batch(eval_set, order[start:start + rows], rows)[1] for start in range(0, len(order), rows)]
+        for width in dict.fromkeys(widths):
+            if width != widths[0]:
+                prepare(rows, width, settings)
 
     def translate_batch(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         batch, width = _padded_batch(eval_set, chosen, rows)
@@ -88,24 +95,49 @@ def _padded_batch(eval_set: pipeline.EvalSet, chosen: list[int], rows: int) -> t
 
 def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator: compiled.Translator,
                             settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
-    """Seconds ``decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``, measured on its
-    first batch decoded twice: the second call's time is a batch's run time, scaled to each batch by its width
-    bucket, and the first call's extra time the compilation, paid once per width bucket of the plan. The program
-    compiled here is ``translator``'s, so the split's decoding with the same ``translator`` reuses it."""
+    """Seconds ``decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``.
+
+    A batch's time is its search steps times the time of one step at its width. The steps are at most its longest
+    row's length limit (``step_bound``). A step's time grows with the width (the cross-attention reads every
+    source position, the hypotheses' bookkeeping every output position): it is measured on the first batch's
+    sources at the narrowest and at the widest width of the plan, each decoded twice (the first call compiles),
+    and taken linear in between. Those two programs are compiled here and the plan's other widths are
+    ``prepare``d in the background, so the split's decoding with the same ``translator`` compiles nothing.
+    (The width alone undercounted the widest batches: their rows search 5x the steps at 1.5x a step's time.)"""
     eval_set = whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
     rows, order = _decode_plan(config, translator.params, eval_set, settings.beam_size)
     batches = [order[start:start + rows] for start in range(0, len(order), rows)]
     widths = [_padded_batch(eval_set, chosen, rows)[1] for chosen in batches]
-    inputs = _padded_batch(eval_set, batches[0], rows)[0]["inputs"][:, :widths[0]]
-    seconds = []
-    for _ in range(2):
-        start = clock()
-        translator(inputs, settings)
-        seconds.append(clock() - start)
-    run, compile_ = seconds[1], max(seconds[0] - seconds[1], 0.0)
-    return compile_ * len(set(widths)) + run * sum(width / widths[0] for width in widths)
+    narrow, wide = widths[0], max(widths)
+    for width in sorted(set(widths) - {narrow, wide}):
+        translator.prepare(rows, width, settings)
+    first = _padded_batch(eval_set, batches[0], rows)[0]["inputs"]
+    per_step = {}
+    for width in {narrow, wide}:
+        seconds = []
+        for _ in range(2):
+            start = clock()
+            translator(first[:, :width], settings)
+            seconds.append(clock() - start)
+        per_step[width] = seconds[1] / step_bound(config, settings, eval_set, batches[0], width)
+    slope = (per_step[wide] - per_step[narrow]) / max(wide - narrow, 1)
+    return sum((per_step[narrow] + slope * (width - narrow)) * step_bound(config, settings, eval_set, chosen, width)
+               for chosen, width in zip(batches, widths))
+
+
+def step_bound(config: Any, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
+               width: int) -> int:
+    """The most search steps decoding the ``chosen`` examples at ``width`` takes: the longest row's length limit
+    (``settings.max_len_a * source length + max_len_b`` tokens and EOS, ``search.translate_hypotheses``'s rule),
+    within the program's output length. The search may end sooner (``decode.stop``; every row finished)."""
+    output_len = compiled.max_output_len(config, settings, width)
+    if settings.max_len_a is None and settings.max_len_b is None:
+        return output_len
+    longest = max(min(len(eval_set.tokens[i]["inputs"]), width) for i in chosen)
+    limit = math.floor((settings.max_len_a or 0.0) * longest + (settings.max_len_b or 0)) + 1
+    return min(max(limit, 1), output_len)
 
 
 def in_batches(order: Sequence[int], rows: int,
