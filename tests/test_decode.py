@@ -6,6 +6,7 @@ per-row bias (a batch leaf), so a cache that is tiled or reordered wrongly chang
 """
 import collections
 import itertools
+import threading
 import types
 
 import flax.linen as nn
@@ -443,15 +444,21 @@ def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerat
 def test_a_prepared_program_decodes_as_the_jitted_one_without_compiling_again(on_mesh):
     """``Translator.prepare`` compiles a ``[rows, width]`` program in the background; a call of that shape runs it
     (the jitted function compiles nothing) and finds what a fresh translator's jitted program finds, on one
-    device and with the rows split over a mesh."""
+    device and with the rows split over a mesh. The params it was made with may be gone (donated to a training
+    step) by the time the thread compiles."""
     config, model, params, eval_set = _tiny_split_decoder()
     params = jax.device_put(params, NamedSharding(_batch_mesh(), P())) if on_mesh else _on_cpu(params)
+    final = jax.tree.map(jnp.copy, params)  # a training run's later params: same shapes and layouts
     settings = _settings(config)
     sources = compiled.pad_rows([t["inputs"] for t in eval_set.tokens[:8]], 8, 16)  # [8, 16]
     prepared = compiled.Translator(config, model, params)
+    held = threading.Event()
+    compiled._background().submit(held.wait)  # the compile thread runs only once the params are deleted
     prepared.prepare(8, 16, settings)
-    found = prepared.with_params(params).hypotheses(sources, settings)  # a run's final params share the program
-    expected = compiled.Translator(config, model, params).hypotheses(sources, settings)
+    jax.tree.map(lambda x: x.delete(), params)
+    held.set()
+    found = prepared.with_params(final).hypotheses(sources, settings)  # the final params share the program
+    expected = compiled.Translator(config, model, final).hypotheses(sources, settings)
     assert prepared.jitted._cache_size() == 0
     np.testing.assert_array_equal(found.tokens, expected.tokens)
     np.testing.assert_array_equal(found.scores, expected.scores)

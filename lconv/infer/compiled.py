@@ -146,13 +146,16 @@ class Translator:
         core, and the decoding or training beside it keeps the others busy."""
         key = (rows, width, settings.program_key())
         if key not in self._prepared:
-            self._prepared[key] = _background().submit(self._compile, rows, width, settings)
+            # The params' shapes and layouts, taken now: a training step may donate the arrays before the thread runs
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=getattr(x, "sharding", None)), self.params)
+            self._prepared[key] = _background().submit(self._compile, params, rows, width, settings)
 
-    def _compile(self, rows: int, width: int, settings: DecodeSettings) -> Any:
+    def _compile(self, params: Any, rows: int, width: int, settings: DecodeSettings) -> Any:
         sources = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=row_sharding(self.mesh, rows))
         with _mesh_context(self.mesh):
-            return self.jitted.lower(self.params, sources, jnp.float32(settings.lenpen), jnp.uint32(settings.seed),
-                                     None, settings=settings.program_key(),
+            return self.jitted.lower(params, sources, jnp.float32(settings.lenpen), jnp.uint32(settings.seed), None,
+                                     settings=settings.program_key(),
                                      output_len=max_output_len(self.config, settings, width)).compile()
 
     def with_params(self, params: Any) -> Translator:
