@@ -64,8 +64,9 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
     """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT`` (see the module doc).
 
     ``chunk``: the chunk length ``L`` (None: ``chunk_length`` of ``rows_per_device``, the batch rows one device
-    holds, default ``B``); ``vocab_slice``: the most ids a slice of the backward matmuls takes. ``loss`` is differentiable with respect to ``x`` (its gradient in ``x``'s dtype) and
-    the table (in the table's dtype); ``nll`` and ``correct`` carry no gradient."""
+    holds, default ``B``); ``vocab_slice``: the most ids a slice of the backward matmuls takes. ``loss`` is
+    differentiable with respect to ``x`` (its gradient in ``x``'s dtype) and the table (in the table's dtype);
+    ``nll`` and ``correct`` carry no gradient."""
     B, T, _ = x_BTC.shape
     V = table_VC.shape[0]
     valid_vocab = V if valid_vocab is None else int(valid_vocab)
