@@ -40,21 +40,28 @@ def _reference(x, table, targets, weights, eps, valid):
     return sums, np.einsum("btv,vc->btc", dz, table[:valid]), dtable
 
 
-def _fused(x, table, targets, weights, eps, valid, dtype=jnp.float32, chunk=4, precision=HIGHEST):
+def _fused(x, table, targets, weights, eps, valid, dtype=jnp.float32, chunk=4, precision=HIGHEST,
+           vocab_slice=lce.VOCAB_SLICE):
     def loss(x, table):
         sums = lce.cross_entropy_sums(x, table, targets, weights, label_smoothing=eps, valid_vocab=valid,
-                                      chunk=chunk, dtype=dtype, precision=precision)
+                                      chunk=chunk, dtype=dtype, precision=precision, vocab_slice=vocab_slice)
         return sums["loss"], sums
     (_, sums), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, table)
     return sums, *grads
 
 
-@pytest.mark.parametrize("eps, valid", [(0.1, V), (0.0, 31)], ids=["smoothed", "output_vocabulary"])
-def test_sums_and_gradients_equal_float64_numpy(eps, valid):
-    x, table, targets, weights = _inputs()
+@pytest.mark.parametrize("eps, valid, vocab, vocab_slice", [
+    (0.1, V, V, lce.VOCAB_SLICE), (0.0, 31, V, lce.VOCAB_SLICE),
+    (0.1, 31, V, 10),  # slices of 10 ids: the last one overlaps its neighbour (4 x 10 > 37)
+    (0.1, 29, 40, 10),  # 4 slices that tile the vocabulary
+], ids=["smoothed", "output_vocabulary", "ragged_vocabulary_slices", "even_vocabulary_slices"])
+def test_sums_and_gradients_equal_float64_numpy(eps, valid, vocab, vocab_slice):
+    x, table, targets, weights = _inputs(shape=(B, T, C, vocab))
+    targets %= valid  # predictable targets
     targets[0, :4] = np.argmax(x[0, :4] @ table[:valid].T, -1)  # some right answers, so 'correct' is counted
     weights[0, :4] = 1.0
-    sums, dx, dtable = _fused(x, table, targets, weights, eps, valid)
+    targets[1, :3] = valid - 1  # the last predictable id, in the last slice
+    sums, dx, dtable = _fused(x, table, targets, weights, eps, valid, vocab_slice=vocab_slice)
     ref_sums, ref_dx, ref_dtable = _reference(x, table, targets, weights, eps, valid)
     assert ref_sums["correct"] >= 4
     for key in ref_sums:
@@ -109,6 +116,31 @@ def test_the_compiled_gradient_never_holds_the_whole_logits_array():
     plain = temporaries(lambda x, t: metrics.label_smoothed_loss(
         jnp.einsum("btc,vc->btv", x, t), targets, weights, 0.1)["loss"])
     assert plain > logits_bytes > 2 * fused, (plain, fused, logits_bytes)
+
+
+def test_the_table_gradient_is_added_one_vocabulary_slice_at_a_time():
+    """With slices, the program holds no second ``[V, C]`` array (the whole product before its add): its
+    temporaries are at least that much smaller than with one slice."""
+    B_, T_, C_, V_ = 2, 64, 64, 8192
+    x, table = jnp.ones((B_, T_, C_)), jnp.ones((V_, C_)) * 0.01
+    targets, weights = jnp.zeros((B_, T_), jnp.int32), jnp.ones((B_, T_))
+
+    def temporaries(vocab_slice):
+        loss = lambda x, t: lce.cross_entropy_sums(x, t, targets, weights, label_smoothing=0.1, chunk=8,
+                                                   vocab_slice=vocab_slice)["loss"]
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, table).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    table_bytes = V_ * C_ * 4
+    whole, sliced = temporaries(V_), temporaries(V_ // 8)
+    assert whole - sliced >= 0.75 * table_bytes, (whole, sliced, table_bytes)
+
+
+def test_vocabulary_slices_are_even_and_as_few_as_the_width_allows():
+    assert lce._vocab_slicing(32000, 4096) == (8, 4000)
+    assert lce._vocab_slicing(8000, 4096) == (2, 4000)
+    assert lce._vocab_slicing(37, 10) == (4, 10)  # 40 > 37: the last slice overlaps
+    assert lce._vocab_slicing(5, 4096) == (1, 5)
 
 
 def test_the_chunk_length_fits_the_budget_and_divides_the_length_when_it_can():

@@ -81,12 +81,15 @@ class OutputLayer:
 
     def loss_sums(self, targets_BT: jax.Array, weights_BT: jax.Array, label_smoothing: float) -> dict[str, jax.Array]:
         """``linear_cross_entropy.cross_entropy_sums`` (``{loss, nll, correct}``), its chunks sized by the rows one
-        device holds."""
+        device holds. A table split over devices by vocabulary gets one vocabulary slice: a slice at a traced
+        offset of a split axis would gather the whole table and logits onto every device."""
         rows = local_shape(self.features_BTC.shape, BTC)[0]
+        V = self.table_VC.shape[0]
+        split_vocab = local_shape(self.table_VC.shape, (ACT_VOCAB, None))[0] < V
         return linear_cross_entropy.cross_entropy_sums(
             self.features_BTC, self.table_VC, targets_BT, weights_BT, label_smoothing=label_smoothing,
             valid_vocab=self.valid_vocab, dtype=self.dtype, precision=lax_precision(self.matmul_precision),
-            rows_per_device=rows)
+            rows_per_device=rows, vocab_slice=V if split_vocab else linear_cross_entropy.VOCAB_SLICE)
 
     def logits(self) -> jax.Array:
         """The float32 logits ``[B, T, V]`` (ids from ``valid_vocab`` on at -inf)."""

@@ -12,7 +12,9 @@ when the sums are differentiated (a ``custom_vjp``) each chunk's ``dz = w * (sof
 eps / V)`` is formed while its logits are at hand and meets ``x`` and the table in the two backward matmuls there;
 the backward pass only scales the stored ``dx`` and ``dtable`` by the loss's cotangent. The logits are made
 once, as in the unfused head, instead of once more in the backward; an evaluation (no gradient) runs the
-forward alone.
+forward alone. The backward matmuls go one slice of the vocabulary at a time (``VOCAB_SLICE`` ids), each adding
+its ``[slice, C]`` product into the table gradient's ``[V, C]`` accumulator in place: the accumulator is the only
+vocabulary-sized array the pass holds (a whole ``[V, C]`` product before its add was a second one).
 
 The matmuls read ``x`` and the table in ``dtype`` (the model's compute dtype) and accumulate in float32
 (``preferred_element_type``); the sums are float32, and so is the table's gradient, accumulated over the chunks.
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 CHUNK_LOGITS = 2**23  # float32 logits a chunk may hold (per device): 32 MiB, e.g. 1,024 tokens x 8,192 ids
+VOCAB_SLICE = 2048  # ids per slice of a chunk's backward matmuls (at most; the slices of V are even)
 
 
 def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
@@ -57,12 +60,13 @@ def chunk_length(rows: int, length: int, vocab: int, budget: int = CHUNK_LOGITS)
 def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights_BT: Array, *,
                        label_smoothing: float = 0.0, valid_vocab: int | None = None, chunk: int | None = None,
                        dtype: jnp.dtype = jnp.float32, precision: jax.lax.Precision = jax.lax.Precision.DEFAULT,
-                       rows_per_device: int | None = None) -> dict[str, Array]:
+                       rows_per_device: int | None = None, vocab_slice: int = VOCAB_SLICE) -> dict[str, Array]:
     """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT`` (see the module doc).
 
     ``chunk``: the chunk length ``L`` (None: ``chunk_length`` of ``rows_per_device``, the batch rows one device
-    holds, default ``B``). ``loss`` is differentiable with respect to ``x`` (its gradient in ``x``'s dtype) and
-    the table (in the table's dtype); ``nll`` and ``correct`` carry no gradient."""
+    holds, default ``B``); ``vocab_slice``: the most ids a slice of the backward matmuls takes. ``loss`` is
+    differentiable with respect to ``x`` (its gradient in ``x``'s dtype) and the table (in the table's dtype);
+    ``nll`` and ``correct`` carry no gradient."""
     B, T, _ = x_BTC.shape
     V = table_VC.shape[0]
     valid_vocab = V if valid_vocab is None else int(valid_vocab)
@@ -74,74 +78,107 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
         pad = ((0, 0), (0, padded - T))
         x_BTC, targets_BT, weights_BT = (jnp.pad(x_BTC, pad + ((0, 0),)), jnp.pad(targets_BT, pad),
                                          jnp.pad(weights_BT, pad))
-    settings = (L, valid_vocab, float(label_smoothing), jnp.dtype(dtype), precision)  # static, hashable
+    settings = (L, vocab_slice, valid_vocab, float(label_smoothing), jnp.dtype(dtype), precision)  # static
     loss, nll, correct = _sums(x_BTC, table_VC, targets_BT.astype(jnp.int32), weights_BT.astype(jnp.float32),
                                settings)
     return {"loss": loss, "nll": jax.lax.stop_gradient(nll), "correct": jax.lax.stop_gradient(correct)}
 
 
-def _chunks(a_BT: Array, L: int) -> Array:
-    """``[B, T, ...] -> [T / L, B, L, ...]``: the scan's axis first, every row in every chunk."""
-    B, T = a_BT.shape[:2]
-    return jnp.swapaxes(a_BT.reshape(B, T // L, L, *a_BT.shape[2:]), 0, 1)
-
-
-def _unchunk(a_NBL: Array) -> Array:
-    """The inverse of ``_chunks``."""
-    N, B, L = a_NBL.shape[:3]
-    return jnp.swapaxes(a_NBL, 0, 1).reshape(B, N * L, *a_NBL.shape[3:])
-
-
-def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, with_grads):
-    """One chunk's ``(loss, nll, correct)`` sums and, ``with_grads``, ``(dx_BLC, dtable_CV)`` of its loss."""
-    _, valid_vocab, eps, dtype, precision = settings
+def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
+    """One chunk's ``(loss, nll, correct)`` sums and, given the table gradient's accumulator ``dtable_VC``,
+    ``(dx_BLC, dtable_VC)``: the chunk's input gradient and the accumulator with its table gradient added."""
+    _, _, valid_vocab, eps, dtype, precision = settings
     V = table_VC.shape[0]
     table_VC = table_VC.astype(dtype)
     z_BLV = logits(x_BLC, table_VC, valid_vocab, dtype, precision)
-    predicted_V = jnp.arange(V) < valid_vocab
     max_BL = jnp.max(z_BLV, axis=-1)
-    exp_BLV = jnp.exp(z_BLV - max_BL[..., None])
-    sum_BL = jnp.sum(exp_BLV, axis=-1)
+    sum_BL = jnp.sum(jnp.exp(z_BLV - max_BL[..., None]), axis=-1)
     lse_BL = max_BL + jnp.log(sum_BL)
-    target_BLV = jnp.arange(V) == t_BL[..., None]
-    nll_BL = lse_BL - jnp.sum(jnp.where(target_BLV, z_BLV, 0.0), axis=-1)
-    smooth_BL = lse_BL - jnp.sum(jnp.where(predicted_V, z_BLV, 0.0), axis=-1) / valid_vocab
+    # A gather and a sum of the predicted ids' logits, not sums of `where(..., z, 0)`: XLA:CPU's reductions read
+    # their operand materialised, so each `where` was one more chunk-sized array.
+    in_range_BL = (t_BL >= 0) & (t_BL < V)
+    target_BL = jnp.take_along_axis(z_BLV, jnp.clip(t_BL, 0, V - 1)[..., None], axis=-1, mode="clip")[..., 0]
+    nll_BL = lse_BL - jnp.where(in_range_BL, target_BL, 0.0)
+    smooth_BL = lse_BL - jnp.sum(z_BLV[..., :valid_vocab], axis=-1) / valid_vocab
     loss_BL = nll_BL if eps == 0 else (1.0 - eps) * nll_BL + eps * smooth_BL
     correct_BL = jnp.argmax(z_BLV, axis=-1) == t_BL
     sums = tuple(jnp.sum(v * w_BL) for v in (loss_BL, nll_BL, correct_BL.astype(jnp.float32)))
-    if not with_grads:
+    if dtable_VC is None:
         return sums, None
-    p_BLV = exp_BLV / sum_BL[..., None]
-    dz_BLV = w_BL[..., None] * (p_BLV - jnp.where(target_BLV, 1.0 - eps, 0.0)
-                                - jnp.where(predicted_V, eps / valid_vocab, 0.0))
-    dz_BLV = dz_BLV.astype(dtype)
-    dx_BLC = jnp.einsum("blv,vc->blc", dz_BLV, table_VC, precision=precision,
-                        preferred_element_type=jnp.float32).astype(x_BLC.dtype)
-    # One contracting dim of B*L tokens, not two: XLA:CPU's dot runtime has no bfloat16 x bfloat16 -> float32 dot
-    # over two contracting dims (UNIMPLEMENTED on one device), and on every backend it is the same matmul.
-    dtable_CV = jnp.einsum("nc,nv->cv", x_BLC.astype(dtype).reshape(-1, x_BLC.shape[-1]), dz_BLV.reshape(-1, V),
-                           precision=precision, preferred_element_type=jnp.float32)
-    return sums, (dx_BLC, dtable_CV)
+    return sums, _chunk_grads(x_BLC, table_VC, z_BLV, (max_BL, sum_BL), t_BL, w_BL, settings, dtable_VC)
+
+
+def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dtable_VC):
+    """``dz = w * (softmax(z) - (1 - eps) * onehot - eps / V)`` one vocabulary slice at a time, each slice's
+    ``dz`` meeting the table slice (the input gradient, summed over the slices) and ``x`` (the table gradient,
+    added into the accumulator's slice in place). Slices keep the product before the add one slice wide instead
+    of a whole ``[C, V]`` array; the matmuls are the same three per chunk. A loop with a traced slice index, not
+    unrolled slices: XLA turns a constant-index slice of the accumulator into a plain slice, and then no longer
+    updates it in place (a fresh ``[C, V]`` array per slice)."""
+    _, vocab_slice, valid_vocab, eps, dtype, precision = settings
+    max_BL, sum_BL = softmax_stats
+    V, C = table_VC.shape
+    count, width = _vocab_slicing(V, vocab_slice)
+    x_NC = x_BLC.astype(dtype).reshape(-1, C)
+
+    def one_slice(i, carry):
+        dx_BLC, dtable_VC = carry
+        # Equal slices; when they do not tile V the last one ends at V and overlaps its neighbour, and its
+        # ids before `fresh_from` (already done) get no gradient.
+        fresh_from = i * width
+        start = jnp.minimum(fresh_from, V - width)
+        ids_S = start + jnp.arange(width)
+        z_BLS = jax.lax.dynamic_slice_in_dim(z_BLV, start, width, axis=2)
+        p_BLS = jnp.exp(z_BLS - max_BL[..., None]) / sum_BL[..., None]
+        dz_BLS = w_BL[..., None] * (p_BLS - jnp.where(ids_S == t_BL[..., None], 1.0 - eps, 0.0)
+                                    - jnp.where(ids_S < valid_vocab, eps / valid_vocab, 0.0))
+        if count * width != V:
+            dz_BLS = jnp.where(ids_S >= fresh_from, dz_BLS, 0.0)
+        dz_BLS = dz_BLS.astype(dtype)
+        table_SC = jax.lax.dynamic_slice_in_dim(table_VC, start, width, axis=0)
+        dx_BLC = dx_BLC + jnp.einsum("bls,sc->blc", dz_BLS, table_SC, precision=precision,
+                                     preferred_element_type=jnp.float32)
+        # One contracting dim of B*L tokens, not two: XLA:CPU's dot runtime has no bfloat16 x bfloat16 ->
+        # float32 dot over two contracting dims (UNIMPLEMENTED on one device); on every backend the same matmul.
+        dtable_SC = jnp.einsum("ns,nc->sc", dz_BLS.reshape(-1, width), x_NC, precision=precision,
+                               preferred_element_type=jnp.float32)
+        old_SC = jax.lax.dynamic_slice_in_dim(dtable_VC, start, width, axis=0)
+        return dx_BLC, jax.lax.dynamic_update_slice_in_dim(dtable_VC, old_SC + dtable_SC, start, axis=0)
+
+    init = (jnp.zeros(x_BLC.shape, jnp.float32), dtable_VC)
+    dx_BLC, dtable_VC = one_slice(0, init) if count == 1 else jax.lax.fori_loop(0, count, one_slice, init)
+    return dx_BLC.astype(x_BLC.dtype), dtable_VC
+
+
+def _vocab_slicing(vocab: int, most: int) -> tuple[int, int]:
+    """``(count, width)``: the fewest slices of at most ``most`` ids that cover ``vocab``, as even as can be."""
+    count = max(1, math.ceil(vocab / max(most, 1)))
+    return count, math.ceil(vocab / count)
 
 
 def _scan_chunks(x_BTC, table_VC, targets_BT, weights_BT, settings, with_grads):
-    """The sums over every chunk and, ``with_grads``, ``dx_BTC`` and the float32 ``dtable_VC``."""
+    """The sums over every chunk and, ``with_grads``, ``dx_BTC`` and the float32 ``dtable_VC``. Each chunk is
+    sliced out of the inputs, and its ``dx`` written into place, by the loop: a scan over chunked copies would
+    hold a transposed copy of ``x`` and of ``dx`` beside them."""
     L = settings[0]
+    B, T, C = x_BTC.shape
 
-    def one_chunk(carry, chunk):
-        sums, dtable_CV = carry  # accumulated as the matmul writes it; transposed once, after the last chunk
-        x_BLC, t_BL, w_BL = chunk
-        chunk_sums, grads = _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, with_grads)
+    def one_chunk(i, carry):
+        sums, dx_BTC, dtable_VC = carry
+        x_BLC, t_BL, w_BL = (jax.lax.dynamic_slice_in_dim(a, i * L, L, axis=1)
+                             for a in (x_BTC, targets_BT, weights_BT))
+        chunk_sums, grads = _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC)
         sums = tuple(a + b for a, b in zip(sums, chunk_sums))
-        if not with_grads:
-            return (sums, dtable_CV), None
-        return (sums, dtable_CV + grads[1]), grads[0]
+        if grads is None:
+            return sums, dx_BTC, dtable_VC
+        return sums, jax.lax.dynamic_update_slice_in_dim(dx_BTC, grads[0], i * L, axis=1), grads[1]
 
     zeros = (jnp.zeros((), jnp.float32),) * 3
-    dtable_CV = jnp.zeros(table_VC.shape[::-1], jnp.float32) if with_grads else jnp.zeros((), jnp.float32)
-    chunks = tuple(_chunks(a, L) for a in (x_BTC, targets_BT, weights_BT))
-    (sums, dtable_CV), dx_NBLC = jax.lax.scan(one_chunk, (zeros, dtable_CV), chunks)
-    return sums, (None if dx_NBLC is None else _unchunk(dx_NBLC)), dtable_CV.T
+    init = ((zeros, jnp.zeros((B, T, C), x_BTC.dtype), jnp.zeros(table_VC.shape, jnp.float32)) if with_grads
+            else (zeros, None, None))
+    n = T // L
+    sums, dx_BTC, dtable_VC = one_chunk(0, init) if n == 1 else jax.lax.fori_loop(0, n, one_chunk, init)
+    return sums, dx_BTC, dtable_VC
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -94,10 +94,13 @@ def _backward(x_BTC, weight, dy_BTC, P, L):
         dw_BTHK = _band_weight_grad(x_win, dy_blk, K, H, L)
         return dx_BTC, jax.lax.dynamic_update_slice(dw, dw_BTHK, (b, t, 0, 0))
 
-    # Never read (every step overwrites its block), but not the forward's zeros: XLA would merge the two
-    # identical buffers and then copy it for each loop to update in place.
-    dx0 = jnp.full((B, T, C), -0.0, jnp.float32)
-    return blocks.loop(step, (dx0, jnp.zeros(weight.shape, jnp.float32)))
+    # The dx (and a dynamic dw) buffers are never read: every step overwrites its block. Filled from dy, not
+    # with a constant: a constant fill is one buffer that XLA merges across the layers' loops and copies for
+    # each, and it makes them all before the forward pass ends, so they are held at the training step's peak.
+    never_read = dy_BTC[0, 0, 0] * 0.0  # not folded to 0 (NaN * 0 is NaN), so it waits for dy
+    dx0 = jnp.broadcast_to(never_read, (B, T, C))
+    dw0 = jnp.zeros(weight.shape, jnp.float32) if light else jnp.broadcast_to(never_read, weight.shape)
+    return blocks.loop(step, (dx0, dw0))
 
 
 class _Blocks:
