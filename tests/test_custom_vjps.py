@@ -1,7 +1,8 @@
 """The hand-written VJPs that keep the training step's memory down (issue 36): the layer norm
 (``lconv.ops.layer_norm``) against a float64 NumPy reference (values, and gradients by central differences) and
 against ``flax.linen.LayerNorm`` differentiated by JAX; the GLU (``lconv.ops.activations.glu``) against float64; the
-ReLU whose backward pass keeps its mask as bits (``lconv.ops.activations.relu``) against ``jax.nn.relu``."""
+ReLU whose backward pass keeps its mask as bits (``lconv.ops.activations.relu``) against ``jax.nn.relu``; the dense
+layer's matmul whose weight gradient is laid out for XLA:CPU (``lconv.ops.dense``) against float64."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from reference import tolerance
 
 from lconv.nn.common import LayerNorm
 from lconv.ops import activations
+from lconv.ops.dense import dense_dot_general
 from lconv.ops.layer_norm import layer_norm
 
 EPS = 1e-5
@@ -129,3 +131,45 @@ def test_relu_keeping_its_mask_as_bits_equals_jax_relu_exactly(dtype, name):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(np.asarray(vjp(g)[0], np.float32), np.asarray(want_vjp(g)[0], np.float32))
     assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_the_dense_matmul_and_its_gradients_are_float64s(precision):
+    """``dense_dot_general`` as ``flax.linen.Dense`` calls it (``[B, T, I] @ [I, O]``): the product, ``dx`` and the
+    weight gradient (on CPU made from a written-out ``x^T``) equal float64 NumPy's within float32 rounding."""
+    rng = np.random.default_rng(4)
+    x, w, cotangent = (rng.normal(0, 1, shape).astype(np.float32) for shape in [(3, 5, 8), (8, 6), (3, 5, 6)])
+    lax_precision = jax.lax.Precision.HIGHEST if precision == "highest" else None
+    dn = (((2,), (0,)), ((), ()))
+    f = lambda x, w: jnp.sum(dense_dot_general(x, w, dn, precision=lax_precision) * cotangent)  # noqa: E731
+    y = jax.jit(lambda x, w: dense_dot_general(x, w, dn, precision=lax_precision))(x, w)
+    dx, dw = jax.jit(jax.grad(f, (0, 1)))(x, w)
+    x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, cotangent))
+    tol = tolerance(np.float32, precision, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, x64 @ w64, **tol)
+    np.testing.assert_allclose(dx, c64 @ w64.T, **tol)
+    np.testing.assert_allclose(dw, np.einsum("bti,bto->io", x64, c64), **tol)
+
+
+def test_a_contraction_other_than_a_dense_layers_is_plain_dot_general():
+    """Batch axes, or a contraction not over ``x``'s last axis, fall back to ``lax.dot_general`` unchanged."""
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(0, 1, (2, 4, 3)).astype(np.float32), rng.normal(0, 1, (2, 3, 5)).astype(np.float32)
+    dn = (((2,), (1,)), ((0,), (0,)))
+    np.testing.assert_array_equal(dense_dot_general(a, b, dn), jax.lax.dot_general(a, b, dn))
+
+
+def test_on_cpu_the_weight_gradient_is_a_dot_over_a_written_out_transpose():
+    """What makes it fast on CPU, read from the compiled program: no dot contracts its left operand's leading
+    (token) axis, the layout XLA:CPU's matmul library does not take (autodiff's own gradient has one)."""
+    cpu = jax.devices("cpu")[0]  # the CPU's program, whatever the default backend
+    x, w = jax.device_put(jnp.ones((2, 16, 8)), cpu), jax.device_put(jnp.ones((8, 4)), cpu)
+    dn = (((2,), (0,)), ((), ()))
+
+    def dots(dot_general):
+        grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(dot_general(x, w, dn))), (0, 1)))
+        text = grad.lower(x, w).compile().as_text()
+        return [line for line in text.splitlines() if " dot(" in line]
+
+    assert any("lhs_contracting_dims={0}" in line for line in dots(jax.lax.dot_general))
+    assert dots(dense_dot_general) and not any("lhs_contracting_dims={0}" in line for line in dots(dense_dot_general))

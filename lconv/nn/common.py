@@ -46,6 +46,7 @@ from lconv.errors import UserError
 from lconv.ops import dropout as dropout_ops
 from lconv.ops import layer_norm
 from lconv.ops.attention import attention_mask, decode_mask
+from lconv.ops.dense import dense_dot_general
 from lconv.ops.precision import lax_precision
 
 Array = jax.Array
@@ -73,6 +74,7 @@ def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True,
         precision=lax_precision(precision),
         kernel_init=nn.with_logical_partitioning(kernel_init, axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[-1:]),
+        dot_general=dense_dot_general,  # its weight gradient in the layout XLA:CPU's matmuls take (lconv.ops.dense)
         name=name,
     )
 
