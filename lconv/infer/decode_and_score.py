@@ -97,34 +97,53 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
                             settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
     """Seconds ``decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``.
 
-    A batch's time is its search steps times the time of one step at its width. The steps are at most its longest
-    row's length limit (``step_bound``). A step's time grows with the width (the cross-attention reads every
-    source position, the hypotheses' bookkeeping every output position): it is measured on the first batch's
-    sources at the narrowest and at the widest width of the plan, each decoded twice (the first call compiles),
-    and taken linear in between. Those two programs are compiled here and the plan's other widths are
-    ``prepare``d in the background, so the split's decoding with the same ``translator`` compiles nothing.
-    (The width alone undercounted the widest batches: their rows search 5x the steps at 1.5x a step's time.)"""
+    A batch takes a fixed time (encoding its sources, the search's set-up) and then its search steps, at most its
+    longest row's length limit (``step_bound``), each in a step's time; both times grow with the width (the encoder
+    and the cross-attention read every source position, the bookkeeping every output position). Both are measured
+    at the plan's narrowest and widest widths, on the narrowest width's first and last batches (two step counts
+    at one width separate the fixed time from a step's), each decoded twice (the first call compiles), and taken
+    linear in the width in between. Those programs are compiled here and the plan's other widths are
+    ``prepare``d in the background once the timing is done, so the split's decoding with the same ``translator``
+    compiles nothing. (The width alone undercounted the widest batches, whose rows search 5x the first batch's
+    steps; the steps with a single probe per width overcounted a step of the widest by its 1 s of encoding.)"""
     eval_set = whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
     rows, order = _decode_plan(config, translator.params, eval_set, settings.beam_size)
     batches = [order[start:start + rows] for start in range(0, len(order), rows)]
     widths = [_padded_batch(eval_set, chosen, rows)[1] for chosen in batches]
+    steps = [step_bound(config, settings, eval_set, chosen, width) for chosen, width in zip(batches, widths)]
     narrow, wide = widths[0], max(widths)
-    for width in sorted(set(widths) - {narrow, wide}):
-        translator.prepare(rows, width, settings)
-    first = _padded_batch(eval_set, batches[0], rows)[0]["inputs"]
-    per_step = {}
-    for width in {narrow, wide}:
-        seconds = []
-        for _ in range(2):
-            start = clock()
-            translator(first[:, :width], settings)
-            seconds.append(clock() - start)
-        per_step[width] = seconds[1] / step_bound(config, settings, eval_set, batches[0], width)
-    slope = (per_step[wide] - per_step[narrow]) / max(wide - narrow, 1)
-    return sum((per_step[narrow] + slope * (width - narrow)) * step_bound(config, settings, eval_set, chosen, width)
-               for chosen, width in zip(batches, widths))
+    short, long = 0, max(i for i, width in enumerate(widths) if width == narrow)  # the narrowest width's batches
+    fixed, per_step = {}, {}
+    for width in dict.fromkeys((narrow, wide)):
+        sources = {i: _padded_batch(eval_set, batches[i], rows)[0]["inputs"][:, :width] for i in (short, long)}
+        times = {i: _seconds_of_second_call(translator, sources[i], settings, clock) for i in dict.fromkeys(sources)}
+        if steps[long] - steps[short] >= MIN_STEPS_APART:
+            per_step[width] = max((times[long] - times[short]) / (steps[long] - steps[short]), 0.0)
+            fixed[width] = max(times[short] - per_step[width] * steps[short], 0.0)
+        else:  # one step count: the fixed time counted as steps (more than it is)
+            fixed[width], per_step[width] = 0.0, times[short] / steps[short]
+    for width in dict.fromkeys(widths):  # after the timing, which a compile beside it would slow
+        if width not in (narrow, wide):
+            translator.prepare(rows, width, settings)
+
+    def linear(values: dict[int, float], width: int) -> float:
+        return values[narrow] + (values[wide] - values[narrow]) * (width - narrow) / max(wide - narrow, 1)
+
+    return sum(linear(fixed, width) + linear(per_step, width) * count for width, count in zip(widths, steps))
+
+
+MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a step's when their bounds differ so
+
+
+def _seconds_of_second_call(translator: compiled.Translator, inputs_BS: np.ndarray, settings: DecodeSettings,
+                            clock: Callable[[], float]) -> float:
+    """The time of ``translator(inputs_BS, settings)`` called twice (the first call may compile): the second's."""
+    translator(inputs_BS, settings)
+    start = clock()
+    translator(inputs_BS, settings)
+    return clock() - start
 
 
 def step_bound(config: Any, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
