@@ -133,12 +133,14 @@ def test_relu_keeping_its_mask_as_bits_equals_jax_relu_exactly(dtype, name):
     assert out.dtype == dtype
 
 
-@pytest.mark.parametrize("precision", ["default", "highest"])
-def test_the_dense_matmul_and_its_gradients_are_float64s(precision):
+@pytest.mark.parametrize("precision,features", [("default", (8, 6)), ("highest", (8, 6)), ("default", (6, 8))])
+def test_the_dense_matmul_and_its_gradients_are_float64s(precision, features):
     """``dense_dot_general`` as ``flax.linen.Dense`` calls it (``[B, T, I] @ [I, O]``): the product, ``dx`` and the
-    weight gradient (on CPU made from a written-out ``x^T``) equal float64 NumPy's within float32 rounding."""
+    weight gradient (on CPU made from a written-out ``dy^T`` where I > O, ``x^T`` where I < O) equal float64
+    NumPy's within float32 rounding."""
     rng = np.random.default_rng(4)
-    x, w, cotangent = (rng.normal(0, 1, shape).astype(np.float32) for shape in [(3, 5, 8), (8, 6), (3, 5, 6)])
+    I, O = features
+    x, w, cotangent = (rng.normal(0, 1, shape).astype(np.float32) for shape in [(3, 5, I), (I, O), (3, 5, O)])
     lax_precision = jax.lax.Precision.HIGHEST if precision == "highest" else None
     dn = (((2,), (0,)), ((), ()))
     f = lambda x, w: jnp.sum(dense_dot_general(x, w, dn, precision=lax_precision) * cotangent)  # noqa: E731
@@ -159,11 +161,12 @@ def test_a_contraction_other_than_a_dense_layers_is_plain_dot_general():
     np.testing.assert_array_equal(dense_dot_general(a, b, dn), jax.lax.dot_general(a, b, dn))
 
 
-def test_on_cpu_the_weight_gradient_is_a_dot_over_a_written_out_transpose():
+@pytest.mark.parametrize("I,O", [(8, 4), (4, 8)])
+def test_on_cpu_the_weight_gradient_is_a_dot_over_a_written_out_transpose(I, O):
     """What makes it fast on CPU, read from the compiled program: no dot contracts its left operand's leading
     (token) axis, the layout XLA:CPU's matmul library does not take (autodiff's own gradient has one)."""
     cpu = jax.devices("cpu")[0]  # the CPU's program, whatever the default backend
-    x, w = jax.device_put(jnp.ones((2, 16, 8)), cpu), jax.device_put(jnp.ones((8, 4)), cpu)
+    x, w = jax.device_put(jnp.ones((2, 16, I)), cpu), jax.device_put(jnp.ones((I, O)), cpu)
     dn = (((2,), (0,)), ((), ()))
 
     def dots(dot_general):

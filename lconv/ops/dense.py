@@ -4,9 +4,11 @@ Autodiff makes a dense layer's weight gradient ``x^T dy`` as one dot contracting
 operands. XLA:CPU's matmul library does not take that layout and runs it in a fallback at about half the rate of
 the forward's dots: a quarter of the default translation model's CPU training step went to these dots
 (docs/default-run.md). ``dense_dot_general`` (a ``dot_general`` for ``flax.linen.Dense``) has its own VJP
-whose weight gradient, on CPU only, first writes ``x^T`` out (``[I, N]``, behind an optimisation barrier so that
-XLA does not fold the transpose back into the dot) and then multiplies it in the layout the library takes. On every
-other backend the gradient is autodiff's own dot. Both are the same sums, in the same precision and dtype.
+whose weight gradient, on CPU only, first writes the narrower of ``x`` and ``dy`` out transposed (``[I, N]`` or
+``[O, N]``, behind an optimisation barrier so that XLA does not fold the transpose back into the dot; the
+narrower, so that the copy adds the least to the step's peak memory) and then multiplies in the layout the library
+takes. On every other backend the gradient is autodiff's own dot. Both are the same sums, in the same precision
+and dtype.
 """
 from __future__ import annotations
 
@@ -55,9 +57,13 @@ def _dense_bwd(precision, out_dtype, residuals, dy):
                          preferred_element_type=out_dtype)
     x_NI, dy_NO = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
 
-    def cpu(x_NI, dy_NO):  # x^T written out: the library's layout
-        return lax.dot_general(lax.optimization_barrier(x_NI.T), dy_NO, (((1,), (0,)), ((), ())),
-                               precision=precision, preferred_element_type=out_dtype)
+    def cpu(x_NI, dy_NO):  # the narrower of x and dy written out transposed: the library's layout
+        if x_NI.shape[1] <= dy_NO.shape[1]:
+            return lax.dot_general(lax.optimization_barrier(x_NI.T), dy_NO, (((1,), (0,)), ((), ())),
+                                   precision=precision, preferred_element_type=out_dtype)  # [I, N] @ [N, O]
+        dw_OI = lax.dot_general(lax.optimization_barrier(dy_NO.T), x_NI, (((1,), (0,)), ((), ())),
+                                precision=precision, preferred_element_type=out_dtype)  # [O, N] @ [N, I]
+        return lax.optimization_barrier(dw_OI).T  # the barrier: XLA would fold this transpose into the dot too
 
     def default(x_NI, dy_NO):  # autodiff's own contraction over the tokens
         return lax.dot_general(x_NI, dy_NO, (((0,), (0,)), ((), ())), precision=precision,
