@@ -139,17 +139,19 @@ class Translator:
         # translators ``with_params`` makes, so a program prepared before training ends serves its final params
         self._prepared: dict[tuple[int, int, Any], concurrent.futures.Future] = {}
 
-    def prepare(self, rows: int, width: int, settings: DecodeSettings) -> None:
+    def prepare(self, rows: int, width: int, settings: DecodeSettings) -> concurrent.futures.Future:
         """Compiles, in a background thread, the program for ``[rows, width]`` sources (no prefixes): a later call
         of that shape runs it instead of compiling then. What is still to decode (the other widths of a split, a
         training run's final evaluation) then does not wait for its compilations in turn: XLA compiles on one
-        core, and the decoding or training beside it keeps the others busy."""
+        core, and the decoding or training beside it keeps the others busy. Returns the compilation's future
+        (``result()`` waits for it)."""
         key = (rows, width, settings.program_key())
         if key not in self._prepared:
             # The params' shapes and layouts, taken now: a training step may donate the arrays before the thread runs
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                  sharding=getattr(x, "sharding", None)), self.params)
             self._prepared[key] = _background().submit(self._compile, params, rows, width, settings)
+        return self._prepared[key]
 
     def _compile(self, params: Any, rows: int, width: int, settings: DecodeSettings) -> Any:
         sources = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=row_sharding(self.mesh, rows))

@@ -101,11 +101,11 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
     longest row's length limit (``step_bound``), each in a step's time; both times grow with the width (the encoder
     and the cross-attention read every source position, the bookkeeping every output position). Both are measured
     at the plan's narrowest and widest widths, on the narrowest width's first and last batches (two step counts
-    at one width separate the fixed time from a step's), each decoded twice (the first call compiles), and taken
-    linear in the width in between. Those programs are compiled here and the plan's other widths are
-    ``prepare``d in the background once the timing is done, so the split's decoding with the same ``translator``
-    compiles nothing. (The width alone undercounted the widest batches, whose rows search 5x the first batch's
-    steps; the steps with a single probe per width overcounted a step of the widest by its 1 s of encoding.)"""
+    at one width separate the fixed time from a step's), once each after their programs are compiled, and taken
+    linear in the width in between. The plan's other widths are ``prepare``d in the background once the timing is
+    done, so the split's decoding with the same ``translator`` compiles nothing. (The width alone undercounted the
+    widest batches, whose rows search 5x the first batch's steps; steps with a single probe per width overcounted
+    a step of the widest by its 1 s of encoding.)"""
     eval_set = whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
@@ -116,17 +116,18 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
     narrow, wide = widths[0], max(widths)
     short, long = 0, max(i for i, width in enumerate(widths) if width == narrow)  # the narrowest width's batches
     fixed, per_step = {}, {}
+    for compiling in [translator.prepare(rows, width, settings) for width in dict.fromkeys((narrow, wide))]:
+        compiling.result()  # the probes' programs, compiled without running them
     for width in dict.fromkeys((narrow, wide)):
         sources = {i: _padded_batch(eval_set, batches[i], rows)[0]["inputs"][:, :width] for i in (short, long)}
-        times = {i: _seconds_of_second_call(translator, sources[i], settings, clock) for i in dict.fromkeys(sources)}
+        times = {i: _seconds_of_call(translator, sources[i], settings, clock) for i in dict.fromkeys(sources)}
         if steps[long] - steps[short] >= MIN_STEPS_APART:
             per_step[width] = max((times[long] - times[short]) / (steps[long] - steps[short]), 0.0)
             fixed[width] = max(times[short] - per_step[width] * steps[short], 0.0)
         else:  # one step count: the fixed time counted as steps (more than it is)
             fixed[width], per_step[width] = 0.0, times[short] / steps[short]
     for width in dict.fromkeys(widths):  # after the timing, which a compile beside it would slow
-        if width not in (narrow, wide):
-            translator.prepare(rows, width, settings)
+        translator.prepare(rows, width, settings)
 
     def linear(values: dict[int, float], width: int) -> float:
         return values[narrow] + (values[wide] - values[narrow]) * (width - narrow) / max(wide - narrow, 1)
@@ -137,10 +138,8 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
 MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a step's when their bounds differ so
 
 
-def _seconds_of_second_call(translator: compiled.Translator, inputs_BS: np.ndarray, settings: DecodeSettings,
-                            clock: Callable[[], float]) -> float:
-    """The time of ``translator(inputs_BS, settings)`` called twice (the first call may compile): the second's."""
-    translator(inputs_BS, settings)
+def _seconds_of_call(translator: compiled.Translator, inputs_BS: np.ndarray, settings: DecodeSettings,
+                     clock: Callable[[], float]) -> float:
     start = clock()
     translator(inputs_BS, settings)
     return clock() - start
