@@ -8,7 +8,7 @@ plugin, or package.module:Class. Tuned for a 10-minute budget rather than for th
 (stable at a 6x higher peak learning rate than the paper's), a 100-step warmup, no DropConnect, a 4k vocabulary
 for 30k sentence pairs, small packed batches (more updates per minute), and a length penalty of 1.25. Measured
 from a fresh clone on an idle 2-core CPU (README): 975 updates in 10 minutes, test sacreBLEU 20.3 (at lenpen 1);
-on a slow 2-core CPU (134 GFLOP/s) 323 updates and 10.6, 11.6 at lenpen 1.25 (docs/default-run.md).
+on a slow 2-core CPU (114-134 GFLOP/s) 402 updates and 14.4 at lenpen 1.25 (docs/default-run.md).
 """
 from lconv.configs import common
 
