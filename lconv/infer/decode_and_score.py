@@ -65,8 +65,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     rows, order = _decode_plan(config, params, eval_set, settings.beam_size)
     prepare = getattr(translator, "prepare", None)  # a compiled.Translator's; not a plain function's
     if prepare is not None and per_batch is None:  # the later widths compile while the first ones decode
-        widths = [_padded_batch(eval_set, order[start:start + rows], rows)[1] for start in range(0, len(order), rows)]
-        for width in dict.fromkeys(widths):
+        widths = _plan_batches(eval_set, order, rows)[1]
+        for width in dict.fromkeys(widths[1:]):  # the first width compiles as its batches decode
             if width != widths[0]:
                 prepare(rows, width, settings)
 
@@ -88,9 +88,20 @@ def _decode_plan(config: Any, params: Any, eval_set: pipeline.EvalSet, beam_size
 
 def _padded_batch(eval_set: pipeline.EvalSet, chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], int]:
     """The ``chosen`` examples padded to ``rows`` rows, and the width bucket their sources are cut to."""
-    batch = pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths)
+    return pipeline.pad_batch([eval_set.tokens[i] for i in chosen], chosen, rows, eval_set.lengths), _width(
+        eval_set, chosen)
+
+
+def _width(eval_set: pipeline.EvalSet, chosen: list[int]) -> int:
+    """The width bucket the ``chosen`` examples' sources are cut to (within the padded width)."""
     longest = max([len(eval_set.tokens[i]["inputs"]) for i in chosen] + [1])
-    return batch, compiled.width_bucket(longest, batch["inputs"].shape[1])
+    return compiled.width_bucket(longest, eval_set.lengths["inputs"])
+
+
+def _plan_batches(eval_set: pipeline.EvalSet, order: list[int], rows: int) -> tuple[list[list[int]], list[int]]:
+    """``decode_batches``' batches (runs of ``rows`` examples of ``order``) and each one's width bucket."""
+    batches = [order[start:start + rows] for start in range(0, len(order), rows)]
+    return batches, [_width(eval_set, chosen) for chosen in batches]
 
 
 def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator: compiled.Translator,
@@ -110,8 +121,7 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
     if not eval_set.tokens:
         return 0.0
     rows, order = _decode_plan(config, translator.params, eval_set, settings.beam_size)
-    batches = [order[start:start + rows] for start in range(0, len(order), rows)]
-    widths = [_padded_batch(eval_set, chosen, rows)[1] for chosen in batches]
+    batches, widths = _plan_batches(eval_set, order, rows)
     steps = [step_bound(config, settings, eval_set, chosen, width) for chosen, width in zip(batches, widths)]
     narrow, wide = widths[0], max(widths)
     short, long = 0, max(i for i, width in enumerate(widths) if width == narrow)  # the narrowest width's batches

@@ -41,6 +41,12 @@ def dot_product_logits(q_BTHD: Array, k_BSHD: Array, *, precision: Any = None) -
     return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
 
 
+def masked_softmax(logits_BHTS: Array, mask_BHTS: Array) -> Array:
+    """Float32 ``softmax(logits)`` over the keys ``mask`` lets through; 0 elsewhere, and for a query with none."""
+    logits = jnp.where(mask_BHTS, logits_BHTS.astype(jnp.float32), MASKED_LOGIT)
+    return jnp.where(mask_BHTS, jax.nn.softmax(logits, axis=-1), 0.0)
+
+
 def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate: float = 0.0,
            dropout_rng: Array | None = None, dtype: Any = None, precision: Any = None) -> Array:
     """``softmax(logits + mask) V`` in float32; queries with no visible key (padding) get zeros.
@@ -50,8 +56,7 @@ def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate:
     dot's (``jax.lax.Precision``; None = the backend's default). Returns ``[B, T, H, D]`` in ``dtype`` (default
     ``v``'s).
     """
-    logits = jnp.where(mask_BHTS, logits_BHTS.astype(jnp.float32), MASKED_LOGIT)
-    probs_BHTS = jnp.where(mask_BHTS, jax.nn.softmax(logits, axis=-1), 0.0)
+    probs_BHTS = masked_softmax(logits_BHTS, mask_BHTS)
     if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
         probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
@@ -78,8 +83,7 @@ def head_major_attention(q_BHTD: Array, k_BHDS: Array, v_BHSD: Array, mask_BHTS:
     a beam search's time at 256 source tokens)."""
     logits_BHTS = jnp.einsum("bhtd,bhds->bhts", q_BHTD, k_BHDS, precision=precision,
                              preferred_element_type=jnp.float32) / math.sqrt(q_BHTD.shape[-1])
-    logits = jnp.where(mask_BHTS, logits_BHTS, MASKED_LOGIT)
-    probs_BHTS = jnp.where(mask_BHTS, jax.nn.softmax(logits, axis=-1), 0.0)
+    probs_BHTS = masked_softmax(logits_BHTS, mask_BHTS)
     out_BHTD = jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(v_BHSD.dtype), v_BHSD, precision=precision,
                           preferred_element_type=jnp.float32)
     return out_BHTD.astype(dtype or v_BHSD.dtype)
