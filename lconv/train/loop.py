@@ -298,9 +298,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     closes ``ckpt``."""
     config, mesh = run.config, run.mesh
     sharding = model_setup.batch_sharding(mesh)
-    train_step = jax.jit(steps.make_train_step(config, run.lr_schedule),
-                         in_shardings=(run.state_shardings, sharding, None), out_shardings=(run.state_shardings, None),
-                         donate_argnums=0)
+    train_step = run.train_step or steps.jit_train_step(config, run.lr_schedule, run.state_shardings, mesh)
     time_schedule = budget_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
                                             config.optim.decay_fraction)
     preemption = Preemption()
@@ -355,11 +353,14 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
 
 def _log_first_update(run: setup.Run, seconds: float) -> None:
     """Where the launch's time went before its first update: ``build_run``'s parts, then the train step's compile
-    and first update (with a restored checkpoint, its restore too)."""
+    (unless ``lconv.train.early_build`` compiled it beside the data) and first update (with a restored checkpoint,
+    its restore too)."""
     parts = ", ".join(f"{name} {t:.1f} s" for name, t in run.setup_seconds.items())
     rest = seconds - sum(run.setup_seconds.values())
+    step = ("run the train step (compiled beside the data's preparation, with the state)" if run.train_step else
+            "compile the train step and run it")
     logger.info(f"update {int(run.state.step)} done {seconds:.1f} s after the start: {parts}; then {rest:.1f} s to "
-                f"compile the train step and run it (and start up, check the config, restore a checkpoint)")
+                f"{step} (and start up, check the config, restore a checkpoint)")
 
 
 def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None, settings: DecodeSettings, *,

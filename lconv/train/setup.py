@@ -5,6 +5,7 @@ every surface builds them; a trained run read back for evaluation is ``lconv.run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.run.schema import Settings, validate_config
 from lconv.train import budget as budget_lib
+from lconv.train import early_build
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class Run:
     config_changes: dict[str, Any] | None = None
     # Seconds ``build_run`` spent in each part (tokenizer, data, state): where a run's start goes, logged and returned
     setup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The train step compiled while the data was prepared (``lconv.train.early_build``); None: jit it at the start
+    train_step: early_build.PreparedStep | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,19 +216,31 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
         nonlocal mark
         seconds[name], mark = budget_lib.clock() - mark, budget_lib.clock()
 
+    build_state = functools.partial(_build_state, config, settings.model, mesh)
+    early = None
+    if jax.process_count() == 1:  # the state and train step build beside the data (lconv.train.early_build)
+        early = early_build.EarlyBuild(config, mesh, settings.data.vocab_size, build_state)
     tokenizer = pipeline.load_or_train_tokenizer(settings.data, workdir)  # the data prepared first, where it is not
     phase_done("data and tokenizer")
     data = pipeline.make_datasets(settings.data, tokenizer)
     _report_data_source(data.source_report, workdir)
     phase_done("datasets")
-    model = model_setup.build_model(config, tokenizer.vocab_size, settings.model)
+    built = early.result_for(tokenizer.vocab_size) if early is not None else None
+    parts, train_step = built if built is not None else (build_state(tokenizer.vocab_size), None)
+    phase_done("model and optimizer state")  # early: the wait for it and the train step's compilation
+    logger.info(f"model: {model_setup.count_params(parts.state.params):,} parameters; mesh {dict(mesh.shape)}; "
+                f"devices {len(devices)} x {devices[0].platform}")
+    return Run(config, workdir, mesh, tokenizer, data, parts.model, parts.lr_schedule, parts.state,
+               parts.state_shardings, config_changes, seconds, train_step)
+
+
+def _build_state(config: Config, model_config: ModelConfig, mesh: jax.sharding.Mesh,
+                 vocab_size: int) -> early_build.StateParts:
+    """The model for ``vocab_size``, the optimizer, and the fresh state initialised into its shardings."""
+    model = model_setup.build_model(config, vocab_size, model_config)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
-    phase_done("model and optimizer state")
-    logger.info(f"model: {model_setup.count_params(state.params):,} parameters; mesh {dict(mesh.shape)}; "
-                f"devices {len(devices)} x {devices[0].platform}")
-    return Run(config, workdir, mesh, tokenizer, data, model, lr_schedule, state, state_shardings, config_changes,
-               seconds)
+    return early_build.StateParts(model, lr_schedule, state, state_shardings)
 
 
 def _report_data_source(report: dict[str, Any], workdir: str) -> None:

@@ -81,3 +81,12 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
                              opt_state=opt_state, mixer_state=carried), sums
 
     return nn_common.under_axis_rules(train_step, config.mesh.rules)
+
+
+def jit_train_step(config: Any, lr_schedule: optax.Schedule, state_shardings: PyTree,
+                   mesh: jax.sharding.Mesh) -> Callable[..., tuple[Any, dict]]:
+    """``make_train_step`` jitted over ``mesh``: the state in its shardings (donated), the batch's rows split over
+    the mesh's batch axes."""
+    return jax.jit(make_train_step(config, lr_schedule),
+                   in_shardings=(state_shardings, model_setup.batch_sharding(mesh), None),
+                   out_shardings=(state_shardings, None), donate_argnums=0)

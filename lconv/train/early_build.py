@@ -1,0 +1,109 @@
+"""The train state and the train step, built in a background thread while the corpus and tokenizer are prepared.
+
+Neither needs the data: the model's shapes follow from the config and the vocabulary size (which a tokenizer trained
+to ``data.vocab_size`` has), and the train step's from those and the batch's ``[rows, length]``. On a new user's
+first run the corpus's preparation and the tokenizer's training (mostly one core) take 15-20 s on a slow CPU, and
+the init's and the train step's compilations (XLA compiles on one core) as long again: side by side, the first
+update comes that much sooner. What ``build_run`` finds is checked before it is used: a tokenizer of another size
+builds the state again in the usual order, and batches of another signature than the assumed one compile the step
+as a plain ``jax.jit`` would (``PreparedStep``), so the early build can only save time, never change a result.
+
+One process only: on several, a program launched from a second thread could interleave its collectives with the
+main thread's in another order on each process.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lconv.run import model_setup
+from lconv.train import steps
+
+logger = logging.getLogger(__name__)
+PyTree = Any
+
+
+@dataclasses.dataclass
+class StateParts:
+    """What ``build_run`` builds after the tokenizer: the model, optimizer, fresh state and its shardings."""
+
+    model: nn.Module
+    lr_schedule: optax.Schedule
+    state: Any
+    state_shardings: PyTree
+
+
+class PreparedStep:
+    """``jitted`` with one program compiled ahead for one signature of ``(state, batch, lr_factor)``: a call with
+    that signature runs it; any other goes to ``jitted`` (which compiles as usual). The state's signature is checked
+    on the first call (later states are the program's own outputs), the batch's on every call."""
+
+    def __init__(self, jitted: Callable, compiled: Any, state_signature: PyTree, batch_signature: PyTree) -> None:
+        self.jitted, self.compiled = jitted, compiled
+        self._state_signature, self._batch_signature = state_signature, batch_signature
+        self._state_checked = False
+
+    def __call__(self, state: Any, batch: Any, lr_factor: Any) -> Any:
+        if self.compiled is not None and not self._state_checked:
+            self._state_checked = True
+            if signature(state) != self._state_signature:
+                self._give_up("the state")
+        if self.compiled is not None and signature(batch) != self._batch_signature:
+            self._give_up("the batches")
+        return (self.compiled or self.jitted)(state, batch, lr_factor)
+
+    def _give_up(self, what: str) -> None:
+        logger.info(f"the train step compiled during the data's preparation does not fit {what}: compiling it again")
+        self.compiled = None
+
+
+def signature(tree: PyTree) -> tuple:
+    """The tree's structure and each leaf's shape, dtype and sharding: what a compiled program accepts."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x),
+                           getattr(x, "sharding", None)) for x in leaves)
+
+
+def abstract(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class EarlyBuild:
+    """Starts the build of the state and the train step for ``vocab_size`` in a background thread, at once."""
+
+    def __init__(self, config: Any, mesh: jax.sharding.Mesh, vocab_size: int,
+                 build_state: Callable[[int], StateParts]) -> None:
+        self.vocab_size = vocab_size
+        self._config, self._mesh = config, mesh
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lconv-early-build")
+        self._future = executor.submit(self._build, build_state)
+        executor.shutdown(wait=False)
+
+    def _build(self, build_state: Callable[[int], StateParts]) -> tuple[StateParts, PreparedStep]:
+        parts = build_state(self.vocab_size)
+        config, mesh = self._config, self._mesh
+        jitted = steps.jit_train_step(config, parts.lr_schedule, parts.state_shardings, mesh)
+        sharding = model_setup.batch_sharding(mesh)
+        rows = model_setup.dummy_batch(config, config.data.batch_size)
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
+        state = abstract(parts.state)
+        with jax.set_mesh(mesh):
+            compiled = jitted.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        return parts, PreparedStep(jitted, compiled, signature(state), signature(batch))
+
+    def result_for(self, vocab_size: int) -> tuple[StateParts, PreparedStep] | None:
+        """The state and step if they were built for ``vocab_size`` (waits for them); else None."""
+        if vocab_size != self.vocab_size:
+            logger.info(f"the state built during the data's preparation assumed a vocabulary of {self.vocab_size}; "
+                        f"the tokenizer has {vocab_size}: building it again")
+            return None
+        return self._future.result()

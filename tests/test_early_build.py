@@ -1,0 +1,77 @@
+"""lconv.train.early_build: the state and the train step built beside the data's preparation are what the usual
+order builds (the same initial params, bit for bit the same update), the real batches run the program compiled
+ahead, and anything that does not fit it takes the usual path."""
+import helpers
+import jax
+import numpy as np
+import pytest
+import tiny_config
+
+from lconv.run import model_setup
+from lconv.train import early_build, setup, steps
+
+
+@pytest.fixture(scope="module")
+def early_run(tiny_data, tmp_path_factory):
+    config = tiny_config.training_config(tiny_data.data_dir)
+    workdir = helpers.new_workdir(tiny_data, tmp_path_factory.mktemp("early") / "run")
+    return setup.build_run(config, str(workdir), jax.devices("cpu")[:1])
+
+
+def _usual_order(run):
+    """The state and the plain jitted step, built after the tokenizer as they were before the early build."""
+    parts = setup._build_state(run.config, run.model.config, run.mesh, run.tokenizer.vocab_size)
+    return parts, steps.jit_train_step(run.config, parts.lr_schedule, parts.state_shardings, run.mesh)
+
+
+def _batch(run, length=None):
+    rows = next(run.data.train_iter)
+    if length is not None:
+        rows = {k: v[:, :length] for k, v in rows.items()}
+    return model_setup.global_batch(rows, model_setup.batch_sharding(run.mesh))
+
+
+def _assert_same_update(actual, expected):
+    (state, sums), (want_state, want_sums) = actual, expected
+    for got, want in zip(jax.tree.leaves((state.params, state.opt_state, sums)),
+                         jax.tree.leaves((want_state.params, want_state.opt_state, want_sums)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_early_state_and_step_are_the_usual_ones(early_run):
+    run = early_run
+    assert run.train_step is not None and run.train_step.compiled is not None
+    parts, jitted = _usual_order(run)
+    for got, want in zip(jax.tree.leaves(run.state.params), jax.tree.leaves(parts.state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    batch = _batch(run)
+    with jax.set_mesh(run.mesh):
+        expected = jitted(parts.state, batch, np.float32(1.0))
+        actual = run.train_step(run.state, batch, np.float32(1.0))
+    assert run.train_step.compiled is not None  # the pipeline's batches fit the program compiled ahead
+    _assert_same_update(actual, expected)
+
+
+def test_a_batch_of_another_signature_takes_the_jit(early_run, lconv_log):
+    run = early_run
+    parts, jitted = _usual_order(run)
+    prepared = early_build.PreparedStep(jitted, run.train_step.compiled, early_build.signature(parts.state),
+                                        run.train_step._batch_signature)
+    shorter = _batch(run, length=run.config.data.max_target_length // 2)
+    parts_again, jitted_again = _usual_order(run)  # a state's model is part of its tree: each state its own jit
+    with jax.set_mesh(run.mesh):
+        actual = prepared(parts.state, shorter, np.float32(1.0))
+        expected = jitted_again(parts_again.state, shorter, np.float32(1.0))
+    assert prepared.compiled is None
+    assert any("does not fit the batches: compiling it again" in line for line in lconv_log())
+    _assert_same_update(actual, expected)
+
+
+def test_another_vocabulary_builds_again(lconv_log):
+    calls = []
+    early = early_build.EarlyBuild(None, None, 100, lambda vocab: calls.append(vocab) or 1 / 0)
+    assert early.result_for(101) is None
+    assert any("assumed a vocabulary of 100; the tokenizer has 101" in line for line in lconv_log())
+    with pytest.raises(ZeroDivisionError):  # what the build raised reaches the caller who waits for it
+        early.result_for(100)
+    assert calls == [100]
