@@ -198,12 +198,12 @@ def test_a_side_value_overrides_the_shared_one_and_the_command_line_sets_it():
     config = flag_values.config
     schema.validate_config(config)
     model = ModelConfig.from_config(config.model, vocab_size=400)
-    assert model.side("encoder") == SideConfig(name="encoder", d_model=256, ffn_dim=1024, num_heads=4,
+    assert model.side("encoder") == SideConfig(name="encoder", d_model=256, ffn_dim=512, num_heads=4,
                                                use_glu=False, conv_features=256, normalize_before=False,
                                                learned_positions=False)
     assert model.side("decoder") == SideConfig(name="decoder", d_model=128, ffn_dim=256, num_heads=4, use_glu=True,
                                                conv_features=64, normalize_before=True, learned_positions=False)
-    assert config.model.encoder_ffn_dim is None  # unset: the shared ffn_dim (1024)
+    assert config.model.encoder_ffn_dim is None  # unset: the shared ffn_dim (default.py's 512)
 
 
 @pytest.mark.parametrize("overrides, message", [
