@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tiny_config
 
+from lconv.errors import UserError
 from lconv.run import model_setup
 from lconv.train import early_build, setup, steps
 
@@ -67,11 +68,56 @@ def test_a_batch_of_another_signature_takes_the_jit(early_run, lconv_log):
     _assert_same_update(actual, expected)
 
 
-def test_another_vocabulary_builds_again(lconv_log):
+def test_another_vocabulary_or_a_failed_build_builds_again(lconv_log):
     calls = []
     early = early_build.EarlyBuild(None, None, 100, lambda vocab: calls.append(vocab) or 1 / 0)
     assert early.result_for(101) is None
     assert any("assumed a vocabulary of 100; the tokenizer has 101" in line for line in lconv_log())
-    with pytest.raises(ZeroDivisionError):  # what the build raised reaches the caller who waits for it
-        early.result_for(100)
+    assert early.result_for(100) is None  # the usual order builds it (and raises there if the error is real)
+    assert any("failed (ZeroDivisionError: division by zero): building it again" in line for line in lconv_log())
     assert calls == [100]
+
+
+def test_a_config_error_in_the_early_build_reaches_the_caller():
+    def bad_config(vocab):
+        raise UserError("config.model.d_model=5 must be divisible by config.model.num_heads=4")
+
+    with pytest.raises(UserError, match="d_model=5"):
+        early_build.EarlyBuild(None, None, 100, bad_config).result_for(100)
+
+
+_COUNT_LAZY_BLOCKS = """
+import sys
+import etils.epy as epy
+from lconv.data import pipeline
+if sys.argv[2] == "settled":
+    pipeline.import_readers()
+blocks, lazy_imports = [], epy.lazy_imports
+epy.lazy_imports = lambda *a, **k: blocks.append(1) or lazy_imports(*a, **k)
+import tiny_config
+config = tiny_config.training_config(sys.argv[1])
+next(pipeline.tokenizer_texts(config.data))  # the train split's source opened and read, TFDS imported on the way
+print(len(blocks))
+"""
+
+
+@pytest.mark.slow  # two process launches: a module's first import is what is checked
+def test_the_readers_lazy_imports_run_before_the_early_build_thread(tiny_data):
+    """etils' ``epy.lazy_imports`` swaps ``builtins.__import__`` for every thread while a TFDS or grain module's
+    body runs; a run's data preparation imports them first, beside the early build's thread (its tracing then got
+    stand-in modules: "'LazyModule' object is not callable"). After ``import_readers`` none runs there."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)]), "JAX_PLATFORMS": "cpu"}
+
+    def blocks(mode):
+        done = subprocess.run([sys.executable, "-c", _COUNT_LAZY_BLOCKS, str(tiny_data.data_dir), mode], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert blocks("unsettled") > 0  # what the reading would run beside the thread without it
+    assert blocks("settled") == 0

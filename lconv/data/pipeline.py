@@ -151,6 +151,19 @@ def _process(process_index, process_count):
     return process_index, process_count
 
 
+def import_readers() -> None:
+    """Imports the packages that prepare and read the data (TFDS, grain) in the calling thread, now.
+
+    Their modules import through etils' ``epy.lazy_imports``, which swaps ``builtins.__import__`` for *every*
+    thread while such a module's body runs: an import another thread makes meanwhile (JAX imports inside functions
+    as it traces) gets a stand-in module and fails later ("'LazyModule' object is not callable"). A caller about
+    to start a thread beside the data's preparation (``lconv.train.early_build``) calls this first; they are
+    imported lazily otherwise because importing them takes seconds."""
+    import grain  # noqa: F401
+    import tensorflow_datasets  # noqa: F401
+    from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
+
+
 def tokenizer_texts(config: Any) -> Iterator[str]:
     """Training-split text of the dataset (inputs and targets interleaved), for the joint tokenizer."""
     cfg = DataConfig.from_config(config)

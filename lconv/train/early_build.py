@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lconv.data import pipeline
+from lconv.errors import UserError
 from lconv.run import model_setup
 from lconv.train import steps
 
@@ -84,6 +86,7 @@ class EarlyBuild:
                  build_state: Callable[[int], StateParts]) -> None:
         self.vocab_size = vocab_size
         self._config, self._mesh = config, mesh
+        pipeline.import_readers()  # before the thread: their imports would hand its imports stand-ins
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lconv-early-build")
         self._future = executor.submit(self._build, build_state)
         executor.shutdown(wait=False)
@@ -101,9 +104,19 @@ class EarlyBuild:
         return parts, PreparedStep(jitted, compiled, signature(state), signature(batch))
 
     def result_for(self, vocab_size: int) -> tuple[StateParts, PreparedStep] | None:
-        """The state and step if they were built for ``vocab_size`` (waits for them); else None."""
+        """The state and step if they were built for ``vocab_size`` (waits for them); else None: the caller builds
+        them in the usual order. A config error (``UserError``) is raised as the usual order would raise it; any
+        other failure is logged and left to the usual order, which raises it again if it is not the thread's."""
         if vocab_size != self.vocab_size:
             logger.info(f"the state built during the data's preparation assumed a vocabulary of {self.vocab_size}; "
                         f"the tokenizer has {vocab_size}: building it again")
             return None
-        return self._future.result()
+        try:
+            return self._future.result()
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 (built again in order, where a real error surfaces)
+            line = (str(err).strip().splitlines() or [""])[0]
+            logger.info(f"the state built during the data's preparation failed ({type(err).__name__}: {line}): "
+                        "building it again")
+            return None
