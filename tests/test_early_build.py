@@ -14,8 +14,10 @@ from lconv.train import early_build, setup, steps
 
 @pytest.fixture(scope="module")
 def early_run(tiny_data, tmp_path_factory):
+    """A run built in an empty workdir, as a new run is: the tokenizer kept under data_dir is copied in while the
+    state and train step build beside it."""
     config = tiny_config.training_config(tiny_data.data_dir)
-    workdir = helpers.new_workdir(tiny_data, tmp_path_factory.mktemp("early") / "run")
+    workdir = tmp_path_factory.mktemp("early") / "run"
     return setup.build_run(config, str(workdir), jax.devices("cpu")[:1])
 
 
@@ -84,6 +86,55 @@ def test_a_config_error_in_the_early_build_reaches_the_caller():
 
     with pytest.raises(UserError, match="d_model=5"):
         early_build.EarlyBuild(None, None, 100, bad_config).result_for(100)
+
+
+def test_a_workdir_holding_a_tokenizer_builds_in_order(tiny_data, tmp_path):
+    """A resumed run's workdir holds its tokenizer: nothing slow to overlap, so no thread (whose build a data error
+    would then have to wait for before the process exits)."""
+    config = tiny_config.training_config(tiny_data.data_dir)
+    run = setup.build_run(config, str(helpers.new_workdir(tiny_data, tmp_path / "run")), jax.devices("cpu")[:1])
+    assert run.train_step is None
+
+
+def test_a_data_error_cancels_the_build_and_reaches_the_caller(tiny_data, tmp_path, monkeypatch):
+    cancelled = []
+
+    class Recording:
+        def __init__(self, *args):
+            pass
+
+        def cancel(self):
+            cancelled.append(True)
+
+    def no_data(*args, **kwargs):
+        raise UserError("config.data.dataset='ddtp/xx_yy' is not prepared")
+
+    monkeypatch.setattr(early_build, "EarlyBuild", Recording)
+    monkeypatch.setattr(setup.pipeline, "load_or_train_tokenizer", no_data)
+    with pytest.raises(UserError, match="xx_yy"):
+        setup.build_run(tiny_config.training_config(tiny_data.data_dir), str(tmp_path / "run"),
+                        jax.devices("cpu")[:1])
+    assert cancelled == [True]
+
+
+def test_a_cancelled_build_stops_before_its_next_stage(lconv_log):
+    import threading
+
+    started, release, stages = threading.Event(), threading.Event(), []
+
+    def slow_state(vocab):
+        started.set()
+        release.wait(timeout=60)
+        stages.append("state")
+        return object()  # the train step's stage would fail on it: it must not run
+
+    early = early_build.EarlyBuild(None, None, 100, slow_state)
+    started.wait(timeout=60)
+    early.cancel()
+    release.set()
+    assert early.result_for(100) is None
+    assert stages == ["state"]
+    assert not any("failed" in line for line in lconv_log())  # it stopped; it did not try the step on object()
 
 
 _COUNT_LAZY_BLOCKS = """

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -86,13 +87,21 @@ class EarlyBuild:
                  build_state: Callable[[int], StateParts]) -> None:
         self.vocab_size = vocab_size
         self._config, self._mesh = config, mesh
+        self._cancelled = threading.Event()
         pipeline.import_readers()  # before the thread: their imports would hand its imports stand-ins
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lconv-early-build")
         self._future = executor.submit(self._build, build_state)
         executor.shutdown(wait=False)
 
-    def _build(self, build_state: Callable[[int], StateParts]) -> tuple[StateParts, PreparedStep]:
+    def cancel(self) -> None:
+        """The caller failed (its data, say): the thread stops at its next stage rather than compile on. A process
+        exits only once the thread has ended, so its error would otherwise wait for the whole build."""
+        self._cancelled.set()
+
+    def _build(self, build_state: Callable[[int], StateParts]) -> tuple[StateParts, PreparedStep] | None:
         parts = build_state(self.vocab_size)
+        if self._cancelled.is_set():
+            return None
         config, mesh = self._config, self._mesh
         jitted = steps.jit_train_step(config, parts.lr_schedule, parts.state_shardings, mesh)
         sharding = model_setup.batch_sharding(mesh)
@@ -100,7 +109,10 @@ class EarlyBuild:
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
         state = abstract(parts.state)
         with jax.set_mesh(mesh):
-            compiled = jitted.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+            lowered = jitted.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32))
+            if self._cancelled.is_set():
+                return None
+            compiled = lowered.compile()
         return parts, PreparedStep(jitted, compiled, signature(state), signature(batch))
 
     def result_for(self, vocab_size: int) -> tuple[StateParts, PreparedStep] | None:

@@ -218,11 +218,18 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
 
     build_state = functools.partial(_build_state, config, settings.model, mesh)
     early = None
-    if jax.process_count() == 1:  # the state and train step build beside the data (lconv.train.early_build)
+    # The state and train step build beside the data (lconv.train.early_build) where a tokenizer is still to load
+    # or train: a workdir that holds one (a resumed run) has nothing slow to overlap them with.
+    if jax.process_count() == 1 and not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists():
         early = early_build.EarlyBuild(config, mesh, settings.data.vocab_size, build_state)
-    tokenizer = pipeline.load_or_train_tokenizer(settings.data, workdir)  # the data prepared first, where it is not
-    phase_done("data and tokenizer")
-    data = pipeline.make_datasets(settings.data, tokenizer)
+    try:
+        tokenizer = pipeline.load_or_train_tokenizer(settings.data, workdir)  # the data prepared first, if it is not
+        phase_done("data and tokenizer")
+        data = pipeline.make_datasets(settings.data, tokenizer)
+    except BaseException:
+        if early is not None:
+            early.cancel()  # the error is printed at once; the process exits once the build's stage ends
+        raise
     _report_data_source(data.source_report, workdir)
     phase_done("datasets")
     built = early.result_for(tokenizer.vocab_size) if early is not None else None
