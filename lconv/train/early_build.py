@@ -8,8 +8,10 @@ update comes that much sooner. What ``build_run`` finds is checked before it is 
 builds the state again in the usual order, and batches of another signature than the assumed one compile the step
 as a plain ``jax.jit`` would (``PreparedStep``), so the early build can only save time, never change a result.
 
-One process only: on several, a program launched from a second thread could interleave its collectives with the
-main thread's in another order on each process.
+Started only where the workdir holds no tokenizer yet (a resumed run has nothing slow to overlap it with), and on
+one process only: on several, a program launched from a second thread could interleave its collectives with the
+main thread's in another order on each process. A data error cancels it at its next stage (a process exits only
+once the thread has ended).
 """
 from __future__ import annotations
 
