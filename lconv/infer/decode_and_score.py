@@ -66,8 +66,8 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
     prepare = getattr(translator, "prepare", None)  # a compiled.Translator's; not a plain function's
     if prepare is not None and per_batch is None:  # the later widths compile while the first ones decode
         widths = _plan_batches(eval_set, order, rows)[1]
-        for width in dict.fromkeys(widths[1:]):  # the first width compiles as its batches decode
-            if width != widths[0]:
+        for width in dict.fromkeys(widths):
+            if width != widths[0]:  # the first width compiles as its batches decode
                 prepare(rows, width, settings)
 
     def translate_batch(chosen: list[int], rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:

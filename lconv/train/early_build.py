@@ -30,7 +30,7 @@ import optax
 
 from lconv.data import pipeline
 from lconv.errors import UserError
-from lconv.run import model_setup
+from lconv.run import checkpoints, model_setup
 from lconv.train import steps
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,6 @@ def signature(tree: PyTree) -> tuple:
                            getattr(x, "sharding", None)) for x in leaves)
 
 
-def abstract(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 class EarlyBuild:
     """Starts the build of the state and the train step for ``vocab_size`` in a background thread, at once."""
 
@@ -109,7 +105,7 @@ class EarlyBuild:
         sharding = model_setup.batch_sharding(mesh)
         rows = model_setup.dummy_batch(config, config.data.batch_size)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
-        state = abstract(parts.state)
+        state = checkpoints.abstract_like(parts.state)
         with jax.set_mesh(mesh):
             lowered = jitted.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32))
             if self._cancelled.is_set():
