@@ -204,13 +204,18 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
         kept = kept_tokenizer_dir(cfg) if save else None
         in_workdir = epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
         kept_exists = kept is not None and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
+        shipped = shipped_tokenizer_path(cfg) if save and not (in_workdir or kept_exists) else None
         if kept_exists and not in_workdir:  # the workdir gets the kept copy; load_or_train then checks its size
             tokenizer_lib.load_tokenizer(kept).save(workdir)
             logger.info(f"tokenizer: {tokenizer_lib.tokenizer_path(kept)} reused (trained by an earlier run on the "
                         "same data and settings)")
+        elif shipped is not None:
+            tokenizer_lib.read_tokenizer(epath.Path(shipped)).save(workdir)
+            logger.info(f"tokenizer: {shipped} (shipped with lconv: what training on the bundled corpus with these "
+                        "settings gives)")
         tokenizer = tokenizer_lib.load_or_train(workdir, tokenizer_texts(cfg), cfg.vocab_size,
                                                 max_sentences=cfg.tokenizer_max_sentences, save=save)
-        if kept is not None and not kept_exists and not in_workdir:  # trained just now: kept for later runs
+        if kept is not None and not (kept_exists or in_workdir or shipped):  # trained just now: kept for later runs
             try:
                 tokenizer.save(kept)
             except OSError as err:  # a read-only data_dir: the next run trains it again
@@ -255,6 +260,35 @@ def kept_tokenizer_dir(config: Any) -> str:
     name = (f"{cfg.dataset.replace('/', '_')}-{hashlib.sha256(data.encode()).hexdigest()[:12]}-v{cfg.vocab_size}"
             f"-n{cfg.tokenizer_max_sentences}-t{tokenizer_lib.TRAINING_VERSION}")
     return paths.join(paths.expand(cfg.data_dir), tfds_ddtp.CACHE_DIRNAME, KEPT_TOKENIZERS, name)
+
+
+def shipped_tokenizer_name(dataset: str, source_key: str, vocab_size: int, max_sentences: int) -> str:
+    """The file name of the tokenizer trained on a bundled corpus (``source_key``:
+    ``tfds_ddtp.bundled_source_key``) with these settings, as lconv/data/snapshot/ holds it."""
+    return (f"tokenizer-{dataset.replace('/', '_')}-{source_key}-v{vocab_size}-n{max_sentences}"
+            f"-t{tokenizer_lib.TRAINING_VERSION}.model")
+
+
+def shipped_tokenizer_path(config: Any) -> str | None:
+    """The tokenizer lconv ships for ``config``'s data and settings, or None (another corpus or setting).
+
+    Training the default config's tokenizer reads the whole training split back and runs SentencePiece: 8-10 s of
+    a new user's first run on a 2-core CPU, beside the train step's compilation. The bundled snapshot and the
+    default settings always give the same model, so it is trained once (``scripts/ship_tokenizer.py``) and
+    shipped beside the snapshot; its name holds everything the model depends on (the snapshot's key, the
+    vocabulary, the sample size, ``tokenizer.TRAINING_VERSION``), so any other setting trains as before.
+    tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
+    import os
+
+    from lconv.data import ddtp, tfds_ddtp
+
+    cfg = DataConfig.from_config(config)
+    key = tfds_ddtp.bundled_source_key(cfg.dataset) if cfg.raw_dir is None else None
+    if key is None:
+        return None
+    path = os.path.join(ddtp.SNAPSHOT_DIR, shipped_tokenizer_name(cfg.dataset, key, cfg.vocab_size,
+                                                                  cfg.tokenizer_max_sentences))
+    return path if os.path.exists(path) else None
 
 
 # How long the other processes wait for process 0 to prepare the data and train the tokenizer (a big corpus on a

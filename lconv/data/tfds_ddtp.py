@@ -248,6 +248,15 @@ def source_fingerprint(name: str, raw_dir: str | None = None) -> dict:
             "files": described}
 
 
+def bundled_source_key(name: str) -> str | None:
+    """``source_fingerprint(name)["key"]`` where ``name`` is prepared from lconv's bundled snapshot (``ddtp/*``);
+    None for any other dataset (another local builder's raw_dir, or a tfds catalog dataset)."""
+    builder_name = name.partition("/")[0]
+    if BUILDERS.get(builder_name) is not Ddtp:
+        return None
+    return source_fingerprint(name)["key"]
+
+
 def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.DatasetBuilder:
     """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") from its source as array_record in data_dir, unless a
     copy from the same source is there; returns a builder reading that copy (see the module docstring)."""

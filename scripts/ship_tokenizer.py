@@ -1,0 +1,50 @@
+"""Trains the tokenizer a config gets on the bundled corpus and writes it beside the snapshot, to ship with lconv.
+
+    PYTHONPATH=. python scripts/ship_tokenizer.py                  # configs/default.py's data settings
+    PYTHONPATH=. python scripts/ship_tokenizer.py default --data_dir=/tmp/tfds
+
+A run whose data settings name a shipped tokenizer copies it instead of training one
+(``lconv.data.pipeline.shipped_tokenizer_path``); tests/test_shipped_tokenizer.py trains the default's again and
+compares the bytes. Run this after changing the default's vocabulary or sample size, the snapshot, or the
+tokenizer's training (``tokenizer.TRAINING_VERSION``), and delete the file it replaces.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lconv.data import ddtp, pipeline, tfds_ddtp  # noqa: E402
+from lconv.data import tokenizer as tokenizer_lib  # noqa: E402
+from lconv.data.data_config import DataConfig  # noqa: E402
+
+
+def train_for(data: DataConfig) -> tokenizer_lib.Tokenizer:
+    """What ``pipeline.load_or_train_tokenizer`` trains for ``data`` when nothing is kept or shipped."""
+    return tokenizer_lib.train_tokenizer(pipeline.tokenizer_texts(data), data.vocab_size,
+                                         max_sentences=data.tokenizer_max_sentences)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="default", help="a config of lconv.configs, by name")
+    parser.add_argument("--data_dir", help="where the corpus is prepared (default: the config's)")
+    args = parser.parse_args()
+    config = importlib.import_module(f"lconv.configs.{args.config}").get_config()
+    if args.data_dir:
+        config.data.data_dir = args.data_dir
+    data = DataConfig.from_config(config.data)
+    key = tfds_ddtp.bundled_source_key(data.dataset) if data.raw_dir is None else None
+    if key is None:
+        sys.exit(f"error: {data.dataset} (raw_dir={data.raw_dir!r}) is not prepared from the bundled snapshot")
+    path = os.path.join(ddtp.SNAPSHOT_DIR, pipeline.shipped_tokenizer_name(
+        data.dataset, key, data.vocab_size, data.tokenizer_max_sentences))
+    with open(path, "wb") as f:
+        f.write(train_for(data).to_bytes())
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

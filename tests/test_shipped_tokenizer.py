@@ -1,0 +1,59 @@
+"""The tokenizer shipped beside the bundled snapshot: what training gives, used by new workdirs, named by its inputs."""
+import os
+import re
+
+import pytest
+
+from lconv.data import ddtp, pipeline, tfds_ddtp
+from lconv.data import tokenizer as tokenizer_lib
+
+
+def default_data(data_dir):
+    from lconv.configs import default
+
+    config = default.get_config().data
+    config.data_dir = str(data_dir)
+    return config
+
+
+def test_every_shipped_tokenizer_is_named_by_the_snapshot_and_training_of_today():
+    """A file left behind by an older snapshot or tokenizer training would be dead weight that no config reaches."""
+    shipped = [f for f in os.listdir(ddtp.SNAPSHOT_DIR) if f.startswith("tokenizer-")]
+    assert shipped, "configs/default.py's tokenizer is shipped (scripts/ship_tokenizer.py)"
+    for name in shipped:
+        dataset, key, rest = re.fullmatch(r"tokenizer-(ddtp_\w+?)-([0-9a-f]{16})-(.*)\.model", name).groups()
+        assert key == tfds_ddtp.bundled_source_key(dataset.replace("_", "/", 1)), name
+        assert rest.endswith(f"-t{tokenizer_lib.TRAINING_VERSION}"), name
+
+
+def test_a_new_workdir_of_the_default_gets_the_shipped_tokenizer_untrained(tiny_data, tmp_path, monkeypatch, lconv_log):
+    config = default_data(tiny_data.data_dir)
+    shipped = pipeline.shipped_tokenizer_path(config)
+    assert shipped is not None and os.path.dirname(shipped) == ddtp.SNAPSHOT_DIR
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    tokenizer = pipeline.load_or_train_tokenizer(config, str(tmp_path / "workdir"))
+    with open(shipped, "rb") as f:
+        assert tokenizer.to_bytes() == f.read() == (tmp_path / "workdir" / "spm.model").read_bytes()
+    assert tokenizer.vocab_size == config.vocab_size
+    assert lconv_log() == [f"tokenizer: {shipped} (shipped with lconv: what training on the bundled corpus with "
+                           "these settings gives)"]
+    assert not os.path.exists(pipeline.kept_tokenizer_dir(config))  # the shipped file is the copy kept
+
+
+@pytest.mark.parametrize("change", [dict(vocab_size=3000), dict(tokenizer_max_sentences=10_000),
+                                    dict(dataset="ddtp/en_fr"), dict(dataset="iwslt14/de_en"),
+                                    dict(raw_dir="/elsewhere")])
+def test_other_data_or_settings_have_no_shipped_tokenizer(change):
+    config = default_data("/unused")
+    config.update(change)
+    assert pipeline.shipped_tokenizer_path(config) is None
+
+
+@pytest.mark.slow
+def test_the_shipped_tokenizer_is_what_training_gives(tiny_data):
+    """Trained again from the prepared corpus as a run would train it (~10 s on 2 cores), byte for byte."""
+    config = default_data(tiny_data.data_dir)
+    trained = tokenizer_lib.train_tokenizer(pipeline.tokenizer_texts(config), config.vocab_size,
+                                            max_sentences=config.tokenizer_max_sentences)
+    with open(pipeline.shipped_tokenizer_path(config), "rb") as f:
+        assert trained.to_bytes() == f.read(), "the shipped tokenizer is stale: run scripts/ship_tokenizer.py"
