@@ -230,6 +230,30 @@ def test_the_decoding_estimate_is_what_decoding_the_split_takes(lengths, widths)
         assert clock.now - start < estimate < 2 * (clock.now - start)
 
 
+def test_a_probe_slowed_by_a_moment_of_load_does_not_move_the_estimate():
+    """Each probe is the fastest of its calls: a call slowed by other work (here every other call, by 40%) leaves
+    the estimate where an idle machine puts it."""
+    lengths = [3, 5, 9, 10, 12, 20, 25, 30, 31, 40, 45, 60, 70, 100, 130, 150]
+
+    class Loaded(FakeTranslator):
+        calls = 0
+
+        def __call__(self, inputs_BS, settings):
+            start, self.calls = self.clock.now, self.calls + 1
+            out = super().__call__(inputs_BS, settings)
+            self.clock.now += 0.4 * (self.clock.now - start) * (self.calls % 2)
+            return out
+
+    estimates = []
+    for translator_class in (FakeTranslator, Loaded):
+        clock = FakeClock()
+        config = _config()
+        estimates.append(decode_and_score.estimate_decode_seconds(config, _split(lengths), translator_class(clock),
+                                                                  _settings(config), clock))
+    assert estimates[1] == pytest.approx(estimates[0])
+    assert decode_and_score.PROBE_REPEATS >= 2
+
+
 def test_decoding_a_split_prepares_its_later_widths():
     """``decode_batches`` has a ``compiled.Translator`` compile the widths after the first in the background, so
     the decoding compiles only its first width in turn."""

@@ -112,11 +112,11 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
     longest row's length limit (``step_bound``), each in a step's time; both times grow with the width (the encoder
     and the cross-attention read every source position, the bookkeeping every output position). Both are measured
     at the plan's narrowest and widest widths, on the narrowest width's first and last batches (two step counts
-    at one width separate the fixed time from a step's), once each after their programs are compiled, and taken
-    linear in the width in between. The plan's other widths are ``prepare``d in the background once the timing is
-    done, so the split's decoding with the same ``translator`` compiles nothing. (The width alone undercounted the
-    widest batches, whose rows search 5x the first batch's steps; steps with a single probe per width overcounted
-    a step of the widest by its 1 s of encoding.)"""
+    at one width separate the fixed time from a step's), each the fastest of ``PROBE_REPEATS`` calls after their
+    programs are compiled, and taken linear in the width in between. The plan's other widths are ``prepare``d in
+    the background once the timing is done, so the split's decoding with the same ``translator`` compiles nothing.
+    (The width alone undercounted the widest batches, whose rows search 5x the first batch's steps; steps with a
+    single probe per width overcounted a step of the widest by its 1 s of encoding.)"""
     eval_set = whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
@@ -130,7 +130,8 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
         compiling.result()  # the probes' programs, compiled without running them
     for width in dict.fromkeys((narrow, wide)):
         sources = {i: _padded_batch(eval_set, batches[i], rows)[0]["inputs"][:, :width] for i in (short, long)}
-        times = {i: _seconds_of_call(translator, sources[i], settings, clock) for i in dict.fromkeys(sources)}
+        times = {i: min(_seconds_of_call(translator, sources[i], settings, clock) for _ in range(PROBE_REPEATS))
+                 for i in dict.fromkeys(sources)}
         if steps[long] - steps[short] >= MIN_STEPS_APART:
             per_step[width] = max((times[long] - times[short]) / (steps[long] - steps[short]), 0.0)
             fixed[width] = max(times[short] - per_step[width] * steps[short], 0.0)
@@ -145,6 +146,12 @@ def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator:
     return sum(linear(fixed, width) + linear(per_step, width) * count for width, count in zip(widths, steps))
 
 
+# Each probe is the fastest of this many calls. A program's first call is slower (its buffers' first touch: 0.78 s
+# against 0.60 for the default run's narrowest probe on a slow 2-core CPU), and a probe of 1-3 s is short enough for
+# a moment's load to slow it, while its step time multiplies into the split's ~1,000 steps. Slowing only adds time.
+# (Load that lasts through both calls still counts: the default run once stopped training 60 s early on an estimate
+# of 76 s for an evaluation of 52 s, and the same checkpoint's estimate beside a compilation gave 64 s against 37.)
+PROBE_REPEATS = 2
 MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a step's when their bounds differ so
 
 
