@@ -4,7 +4,7 @@
     PYTHONPATH=. python scripts/ship_tokenizer.py default --data_dir=/tmp/tfds
 
 A run whose data settings name a shipped tokenizer copies it instead of training one
-(``lconv.data.pipeline.shipped_tokenizer_path``); tests/test_shipped_tokenizer.py trains the default's again and
+(``lconv.data.tokenizer_files.shipped_path``); tests/test_shipped_tokenizer.py trains the default's again and
 compares the bytes. Run this after changing the default's vocabulary or sample size, the snapshot, or the
 tokenizer's training (``tokenizer.TRAINING_VERSION``), and delete the file it replaces.
 """
@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lconv.data import ddtp, pipeline, tfds_ddtp  # noqa: E402
+from lconv.data import ddtp, pipeline, tfds_ddtp, tokenizer_files  # noqa: E402
 from lconv.data import tokenizer as tokenizer_lib  # noqa: E402
 from lconv.data.data_config import DataConfig  # noqa: E402
 
@@ -39,7 +39,7 @@ def main() -> None:
     key = tfds_ddtp.bundled_source_key(data.dataset) if data.raw_dir is None else None
     if key is None:
         sys.exit(f"error: {data.dataset} (raw_dir={data.raw_dir!r}) is not prepared from the bundled snapshot")
-    path = os.path.join(ddtp.SNAPSHOT_DIR, pipeline.shipped_tokenizer_name(
+    path = os.path.join(ddtp.SNAPSHOT_DIR, tokenizer_files.shipped_name(
         data.dataset, key, data.vocab_size, data.tokenizer_max_sentences))
     with open(path, "wb") as f:
         f.write(train_for(data).to_bytes())

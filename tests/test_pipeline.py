@@ -4,7 +4,7 @@ import collections
 import numpy as np
 import pytest
 
-from lconv.data import EOS_ID, PAD_ID, pipeline
+from lconv.data import EOS_ID, PAD_ID, pipeline, tokenizer_files
 
 
 class WordTokenizer:
@@ -216,7 +216,7 @@ def test_a_new_workdir_reuses_the_tokenizer_trained_for_the_same_data_and_settin
     from lconv.data import tokenizer as tokenizer_lib
 
     config, tokenizer, _ = ddtp_data
-    kept = pipeline.kept_tokenizer_dir(config)
+    kept = tokenizer_files.kept_dir(config)
     assert tokenizer_lib.load_tokenizer(kept).to_bytes() == tokenizer.to_bytes()
     trained = []
     real_train = tokenizer_lib.train_tokenizer
@@ -227,7 +227,7 @@ def test_a_new_workdir_reuses_the_tokenizer_trained_for_the_same_data_and_settin
     assert lconv_log() == [f"tokenizer: {kept}/spm.model reused (trained by an earlier run on the same data and "
                            "settings)"]
     other = {**config, "tokenizer_max_sentences": 1000}
-    assert pipeline.kept_tokenizer_dir(other) != kept
+    assert tokenizer_files.kept_dir(other) != kept
     pipeline.load_or_train_tokenizer(other, str(tmp_path / "third"))
     assert trained == [1]
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from lconv.data import ddtp, pipeline, tfds_ddtp
+from lconv.data import ddtp, pipeline, tfds_ddtp, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 
 
@@ -28,7 +28,7 @@ def test_every_shipped_tokenizer_is_named_by_the_snapshot_and_training_of_today(
 
 def test_a_new_workdir_of_the_default_gets_the_shipped_tokenizer_untrained(tiny_data, tmp_path, monkeypatch, lconv_log):
     config = default_data(tiny_data.data_dir)
-    shipped = pipeline.shipped_tokenizer_path(config)
+    shipped = tokenizer_files.shipped_path(config)
     assert shipped is not None and os.path.dirname(shipped) == ddtp.SNAPSHOT_DIR
     monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
     tokenizer = pipeline.load_or_train_tokenizer(config, str(tmp_path / "workdir"))
@@ -37,7 +37,7 @@ def test_a_new_workdir_of_the_default_gets_the_shipped_tokenizer_untrained(tiny_
     assert tokenizer.vocab_size == config.vocab_size
     assert lconv_log() == [f"tokenizer: {shipped} (shipped with lconv: what training on the bundled corpus with "
                            "these settings gives)"]
-    assert not os.path.exists(pipeline.kept_tokenizer_dir(config))  # the shipped file is the copy kept
+    assert not os.path.exists(tokenizer_files.kept_dir(config))  # the shipped file is the copy kept
 
 
 @pytest.mark.parametrize("change", [dict(vocab_size=3000), dict(tokenizer_max_sentences=10_000),
@@ -46,7 +46,7 @@ def test_a_new_workdir_of_the_default_gets_the_shipped_tokenizer_untrained(tiny_
 def test_other_data_or_settings_have_no_shipped_tokenizer(change):
     config = default_data("/unused")
     config.update(change)
-    assert pipeline.shipped_tokenizer_path(config) is None
+    assert tokenizer_files.shipped_path(config) is None
 
 
 @pytest.mark.slow
@@ -55,5 +55,5 @@ def test_the_shipped_tokenizer_is_what_training_gives(tiny_data):
     config = default_data(tiny_data.data_dir)
     trained = tokenizer_lib.train_tokenizer(pipeline.tokenizer_texts(config), config.vocab_size,
                                             max_sentences=config.tokenizer_max_sentences)
-    with open(pipeline.shipped_tokenizer_path(config), "rb") as f:
+    with open(tokenizer_files.shipped_path(config), "rb") as f:
         assert trained.to_bytes() == f.read(), "the shipped tokenizer is stale: run scripts/ship_tokenizer.py"

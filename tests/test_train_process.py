@@ -17,7 +17,7 @@ import pytest
 import tiny_config
 
 from lconv.cli import eval_program
-from lconv.data import pipeline, sources
+from lconv.data import sources, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.run import checkpoints
 from lconv.train import loop
@@ -181,9 +181,9 @@ def test_two_processes_start_from_an_empty_data_dir_and_workdir(two_process_run)
     vocabulary and end together."""
     workdir, data_dir, outs = two_process_run
     assert (workdir / "spm.model").exists() and sorted(s for s, _ in _logged(workdir)) == list(range(1, 21))
-    prepared = [p for p in (data_dir / "lconv_prepared").iterdir() if p.name != pipeline.KEPT_TOKENIZERS]
+    prepared = [p for p in (data_dir / "lconv_prepared").iterdir() if p.name != tokenizer_files.KEPT_TOKENIZERS]
     assert len(prepared) == 1  # one prepared copy, not one per process
-    (kept,) = (data_dir / "lconv_prepared" / pipeline.KEPT_TOKENIZERS).iterdir()  # process 0's, kept once
+    (kept,) = (data_dir / "lconv_prepared" / tokenizer_files.KEPT_TOKENIZERS).iterdir()  # process 0's, kept once
     assert (kept / "spm.model").read_bytes() == (workdir / "spm.model").read_bytes()
     root = workdir.parent
     assert not list(root.rglob("*.tmp*")) and not list(root.rglob("incomplete.*"))

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from lconv.constants import EOS_ID, PAD_ID
-from lconv.data import sources, stream
+from lconv.data import sources, stream, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
@@ -201,10 +201,10 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
         from lconv.data import paths
 
         paths.check_url(workdir, "workdir")  # a URL whose file system is not installed: one line, before any read
-        kept = kept_tokenizer_dir(cfg) if save else None
+        kept = tokenizer_files.kept_dir(cfg) if save else None
         in_workdir = epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
         kept_exists = kept is not None and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
-        shipped = shipped_tokenizer_path(cfg) if save and not (in_workdir or kept_exists) else None
+        shipped = tokenizer_files.shipped_path(cfg) if save and not (in_workdir or kept_exists) else None
         if kept_exists and not in_workdir:  # the workdir gets the kept copy; load_or_train then checks its size
             tokenizer_lib.load_tokenizer(kept).save(workdir)
             logger.info(f"tokenizer: {tokenizer_lib.tokenizer_path(kept)} reused (trained by an earlier run on the "
@@ -244,53 +244,6 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
 
 
 _OK, _USER_ERROR, _FAILED = 0, 1, 2
-KEPT_TOKENIZERS = "tokenizers"  # under data_dir's lconv_prepared folder
-
-
-def kept_tokenizer_dir(config: Any) -> str:
-    """Where a tokenizer trained for ``config.data``'s data and settings is kept for later runs (a new workdir
-    copies it instead of training again, ~10-20 s on a 2-core CPU): under data_dir, named by the prepared data's
-    folder, the vocabulary size, the sample size and ``tokenizer.TRAINING_VERSION``."""
-    import hashlib
-
-    from lconv.data import paths, tfds_ddtp
-
-    cfg = DataConfig.from_config(config)
-    data = sources.prepared_data_path(cfg.dataset, cfg.data_dir, cfg.raw_dir)
-    name = (f"{cfg.dataset.replace('/', '_')}-{hashlib.sha256(data.encode()).hexdigest()[:12]}-v{cfg.vocab_size}"
-            f"-n{cfg.tokenizer_max_sentences}-t{tokenizer_lib.TRAINING_VERSION}")
-    return paths.join(paths.expand(cfg.data_dir), tfds_ddtp.CACHE_DIRNAME, KEPT_TOKENIZERS, name)
-
-
-def shipped_tokenizer_name(dataset: str, source_key: str, vocab_size: int, max_sentences: int) -> str:
-    """The file name of the tokenizer trained on a bundled corpus (``source_key``:
-    ``tfds_ddtp.bundled_source_key``) with these settings, as lconv/data/snapshot/ holds it."""
-    return (f"tokenizer-{dataset.replace('/', '_')}-{source_key}-v{vocab_size}-n{max_sentences}"
-            f"-t{tokenizer_lib.TRAINING_VERSION}.model")
-
-
-def shipped_tokenizer_path(config: Any) -> str | None:
-    """The tokenizer lconv ships for ``config``'s data and settings, or None (another corpus or setting).
-
-    Training the default config's tokenizer reads the whole training split back and runs SentencePiece: 8-10 s of
-    a new user's first run on a 2-core CPU, beside the train step's compilation. The bundled snapshot and the
-    default settings always give the same model, so it is trained once (``scripts/ship_tokenizer.py``) and
-    shipped beside the snapshot; its name holds everything the model depends on (the snapshot's key, the
-    vocabulary, the sample size, ``tokenizer.TRAINING_VERSION``), so any other setting trains as before.
-    tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
-    import os
-
-    from lconv.data import ddtp, tfds_ddtp
-
-    cfg = DataConfig.from_config(config)
-    key = tfds_ddtp.bundled_source_key(cfg.dataset) if cfg.raw_dir is None else None
-    if key is None:
-        return None
-    path = os.path.join(ddtp.SNAPSHOT_DIR, shipped_tokenizer_name(cfg.dataset, key, cfg.vocab_size,
-                                                                  cfg.tokenizer_max_sentences))
-    return path if os.path.exists(path) else None
-
-
 # How long the other processes wait for process 0 to prepare the data and train the tokenizer (a big corpus on a
 # first launch takes many minutes; a device collective would time out long before).
 PREPARE_TIMEOUT_S = 4 * 3600

@@ -1,0 +1,53 @@
+"""Where a run finds its tokenizer before training one: a copy an earlier run kept under data_dir, or the one lconv
+ships beside the bundled snapshot (``lconv.data.pipeline.load_or_train_tokenizer`` looks in the workdir first, then
+here)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from lconv.data import ddtp, paths, sources
+from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
+
+KEPT_TOKENIZERS = "tokenizers"  # under data_dir's lconv_prepared folder
+
+
+def kept_dir(config: Any) -> str:
+    """Where a tokenizer trained for ``config.data``'s data and settings is kept for later runs (a new workdir
+    copies it instead of training again, ~10-20 s on a 2-core CPU): under data_dir, named by the prepared data's
+    folder, the vocabulary size, the sample size and ``tokenizer.TRAINING_VERSION``."""
+    from lconv.data import tfds_ddtp  # imports tensorflow_datasets: seconds, so only when asked
+
+    cfg = DataConfig.from_config(config)
+    data = sources.prepared_data_path(cfg.dataset, cfg.data_dir, cfg.raw_dir)
+    name = (f"{cfg.dataset.replace('/', '_')}-{hashlib.sha256(data.encode()).hexdigest()[:12]}-v{cfg.vocab_size}"
+            f"-n{cfg.tokenizer_max_sentences}-t{tokenizer_lib.TRAINING_VERSION}")
+    return paths.join(paths.expand(cfg.data_dir), tfds_ddtp.CACHE_DIRNAME, KEPT_TOKENIZERS, name)
+
+
+def shipped_name(dataset: str, source_key: str, vocab_size: int, max_sentences: int) -> str:
+    """The file name of the tokenizer trained on a bundled corpus (``source_key``:
+    ``tfds_ddtp.bundled_source_key``) with these settings, as lconv/data/snapshot/ holds it."""
+    return (f"tokenizer-{dataset.replace('/', '_')}-{source_key}-v{vocab_size}-n{max_sentences}"
+            f"-t{tokenizer_lib.TRAINING_VERSION}.model")
+
+
+def shipped_path(config: Any) -> str | None:
+    """The tokenizer lconv ships for ``config``'s data and settings, or None (another corpus or setting).
+
+    Training the default config's tokenizer reads the whole training split back and runs SentencePiece: 8-10 s of
+    a new user's first run on a 2-core CPU, beside the train step's compilation. The bundled snapshot and the
+    default settings always give the same model, so it is trained once (``scripts/ship_tokenizer.py``) and
+    shipped beside the snapshot; its name holds everything the model depends on (the snapshot's key, the
+    vocabulary, the sample size, ``tokenizer.TRAINING_VERSION``), so any other setting trains as before.
+    tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
+    from lconv.data import tfds_ddtp
+
+    cfg = DataConfig.from_config(config)
+    key = tfds_ddtp.bundled_source_key(cfg.dataset) if cfg.raw_dir is None else None
+    if key is None:
+        return None
+    path = os.path.join(ddtp.SNAPSHOT_DIR, shipped_name(cfg.dataset, key, cfg.vocab_size, cfg.tokenizer_max_sentences))
+    return path if os.path.exists(path) else None
