@@ -9,6 +9,7 @@ def get_config(arg=None):
     del arg
     c = common.smoke_test_sizes(default.get_config())
     c.data.read_threads = 1
+    c.model.dropout = 0.1  # the default has none; the tests keep dropout's paths (its rng, train vs eval) in play
     c.optim.warmup_steps = 2
     c.train.num_steps, c.train.max_minutes = 6, 0.0
     c.train.log_every = c.train.checkpoint_every = 1
