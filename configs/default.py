@@ -7,8 +7,9 @@ Variants: a mixer that fits both sides: dynamic (default), lightconv, transforme
 plugin, or package.module:Class. Tuned for a 10-minute budget rather than for the paper's final numbers: pre-norm
 (stable at a 6x higher peak learning rate than the paper's), a 100-step warmup, no dropout, a 4k vocabulary
 for 30k sentence pairs, an FFN of 2x d_model, small packed batches (more updates per minute), and a length
-penalty of 1.25. Measured from a fresh clone as a new user on a slow 2-core CPU (108-139 GFLOP/s): 483-524 updates
-and test sacreBLEU 16.6 in 10 minutes (README; docs/default-run.md has BLEU against minutes and the recipes tried).
+penalty of 1.25. Measured from a fresh clone as a new user on a slow 2-core CPU (110-156 GFLOP/s): 542-654 updates
+and test sacreBLEU 18.2-19.4 in 10 minutes (README; docs/default-run.md has BLEU against minutes and the recipes
+tried).
 """
 from lconv.configs import common
 
@@ -30,9 +31,9 @@ def get_config(arg=None):
     c.model.decoder_kernel_sizes = (3, 7, 15)
     c.model.max_len = 256
     c.model.normalize_before = True
-    # No dropout: a run of a few hundred updates sees each sentence once or twice, and dropout's masks slowed each
-    # update and the learning per update (654 updates, validation loss 3.55, BLEU 19.4 against 516, 3.75 and 17.0
-    # with 0.1; docs/default-run.md, round 5).
+    # No dropout: a run of a few hundred updates sees each sentence once or twice, too early for dropout to pay. In two
+    # pairs of runs back to back it learned more per update (validation loss 3.55 and 3.65 against 3.75 and 3.73) and
+    # scored BLEU 19.4 and 18.2 against 17.0 and 16.7 with 0.1 (docs/default-run.md, round 5).
     c.model.dropout, c.model.weight_dropout = 0.0, 0.0
     c.optim.learning_rate = 3e-3
     c.optim.warmup_steps = 100
