@@ -186,7 +186,9 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
 
 def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present, else a joint model trained on the training split and saved there.
+    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir by an earlier run or shipped
+    with lconv for the same data and settings (``tokenizer_files``); else a joint model trained on the training split.
+    The workdir gets it, and one trained here is kept under data_dir for later runs.
 
     With several processes (``jax.process_count()`` unless given), process 0 alone loads or trains (and saves)
     the model and sends it to the others (a collective: every process calls this at once). So every process
