@@ -16,15 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lconv.data import ddtp, pipeline, tfds_ddtp, tokenizer_files  # noqa: E402
-from lconv.data import tokenizer as tokenizer_lib  # noqa: E402
-from lconv.data.data_config import DataConfig  # noqa: E402
-
-
-def train_for(data: DataConfig) -> tokenizer_lib.Tokenizer:
-    """What ``pipeline.load_or_train_tokenizer`` trains for ``data`` when nothing is kept or shipped."""
-    return tokenizer_lib.train_tokenizer(pipeline.tokenizer_texts(data), data.vocab_size,
-                                         max_sentences=data.tokenizer_max_sentences)
+from lconv.data import pipeline, tokenizer_files  # noqa: E402
 
 
 def main() -> None:
@@ -35,14 +27,12 @@ def main() -> None:
     config = importlib.import_module(f"lconv.configs.{args.config}").get_config()
     if args.data_dir:
         config.data.data_dir = args.data_dir
-    data = DataConfig.from_config(config.data)
-    key = tfds_ddtp.bundled_source_key(data.dataset) if data.raw_dir is None else None
-    if key is None:
-        sys.exit(f"error: {data.dataset} (raw_dir={data.raw_dir!r}) is not prepared from the bundled snapshot")
-    path = os.path.join(ddtp.SNAPSHOT_DIR, tokenizer_files.shipped_name(
-        data.dataset, key, data.vocab_size, data.tokenizer_max_sentences))
+    path = tokenizer_files.shipped_location(config.data)
+    if path is None:
+        sys.exit(f"error: {config.data.dataset} (raw_dir={config.data.raw_dir!r}) is not prepared from the bundled "
+                 "snapshot")
     with open(path, "wb") as f:
-        f.write(train_for(data).to_bytes())
+        f.write(pipeline.train_tokenizer_for(config.data).to_bytes())
     print(path)
 
 

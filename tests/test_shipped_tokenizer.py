@@ -53,8 +53,7 @@ def test_other_data_or_settings_have_no_shipped_tokenizer(change):
 def test_the_shipped_tokenizer_is_what_training_gives(tiny_data):
     """Trained again from the prepared corpus as a run would train it (~10 s on 2 cores), byte for byte."""
     config = default_data(tiny_data.data_dir)
-    trained = tokenizer_lib.train_tokenizer(pipeline.tokenizer_texts(config), config.vocab_size,
-                                            max_sentences=config.tokenizer_max_sentences)
+    trained = pipeline.train_tokenizer_for(config)
     import sentencepiece
     import tensorflow_datasets as tfds
 

@@ -174,6 +174,14 @@ def tokenizer_texts(config: Any) -> Iterator[str]:
                 yield _text(example[key])
 
 
+def train_tokenizer_for(config: Any) -> tokenizer_lib.Tokenizer:
+    """The tokenizer ``load_or_train_tokenizer`` trains for ``config``'s data and settings when no copy is found
+    (``scripts/ship_tokenizer.py`` and its test train it so)."""
+    cfg = DataConfig.from_config(config)
+    return tokenizer_lib.train_tokenizer(tokenizer_texts(cfg), cfg.vocab_size,
+                                         max_sentences=cfg.tokenizer_max_sentences)
+
+
 def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
     """Every example of a random-access ``source`` in order, a block of records per read where the source can
     (``__getitems__``: TFDS's array_record sources read a block ~3x faster than its records one at a time; the

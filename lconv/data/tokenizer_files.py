@@ -43,11 +43,17 @@ def shipped_path(config: Any) -> str | None:
     shipped beside the snapshot; its name holds everything the model depends on (the snapshot's key, the
     vocabulary, the sample size, ``tokenizer.TRAINING_VERSION``), so any other setting trains as before.
     tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
+    path = shipped_location(config)
+    return path if path is not None and os.path.exists(path) else None
+
+
+def shipped_location(config: Any) -> str | None:
+    """Where lconv/data/snapshot/ holds (or would hold) the tokenizer for ``config``'s data and settings; None for
+    data not prepared from the bundled snapshot."""
     from lconv.data import tfds_ddtp
 
     cfg = DataConfig.from_config(config)
     key = tfds_ddtp.bundled_source_key(cfg.dataset) if cfg.raw_dir is None else None
     if key is None:
         return None
-    path = os.path.join(ddtp.SNAPSHOT_DIR, shipped_name(cfg.dataset, key, cfg.vocab_size, cfg.tokenizer_max_sentences))
-    return path if os.path.exists(path) else None
+    return os.path.join(ddtp.SNAPSHOT_DIR, shipped_name(cfg.dataset, key, cfg.vocab_size, cfg.tokenizer_max_sentences))
