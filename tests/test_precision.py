@@ -71,20 +71,19 @@ def test_every_dot_of_the_conv_ops_is_highest_forward_and_backward(op, impl):
             assert all(out == jnp.float32 for _, out in dots), (impl, dtype, dots)
 
 
-def test_decode_steps_are_highest_or_float32_multiply_adds():
-    """A chunk of new positions (a forced prefix) contracts with HIGHEST dots; one new position (a search step)
-    with elementwise multiply-adds, in float32 for bfloat16 inputs too: no dot for a backend to round."""
+def test_decode_steps_multiply_and_add_in_float32():
+    """A decode step (one new position, a search's step, or a chunk, a forced prefix) is elementwise multiply-adds,
+    in float32 for bfloat16 inputs too: no dot for a backend to round."""
     x, w_light, w_dynamic = _inputs(jnp.float32)
     state = ops.init_conv_state(B, K, C)
-    assert set(_precisions(ops.light_conv_step, x[:, :3], state, w_light)) == {"highest"}
-    assert set(_precisions(ops.dynamic_conv_step, x[:, :3], state, w_dynamic[:, :3])) == {"highest"}
     for dtype in (jnp.float32, jnp.bfloat16):
         x, state = x.astype(dtype), state.astype(dtype)
-        for step, w in ((ops.light_conv_step, w_light), (ops.dynamic_conv_step, w_dynamic[:, :1])):
-            jaxpr = jax.make_jaxpr(step)(x[:, :1], state, w).jaxpr
-            assert not list(_dots(jaxpr)), (step.__name__, dtype)
-            arithmetic = [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name in ("mul", "add")]
-            assert arithmetic and set(arithmetic) == {jnp.dtype(jnp.float32)}, (step.__name__, dtype, arithmetic)
+        for new in (1, 3):
+            for step, w in ((ops.light_conv_step, w_light), (ops.dynamic_conv_step, w_dynamic[:, :new])):
+                jaxpr = jax.make_jaxpr(step)(x[:, :new], state, w).jaxpr
+                assert not list(_dots(jaxpr)), (step.__name__, dtype, new)
+                arithmetic = {e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name in ("mul", "add")}
+                assert arithmetic == {jnp.dtype(jnp.float32)}, (step.__name__, dtype, new, arithmetic)
 
 
 def test_knn_retrieval_and_colt5_routing_scores_are_highest():

@@ -38,7 +38,8 @@ Incremental decoding keeps the last ``P = K - 1`` inputs per channel (``init_con
 ``light_conv_step`` and ``dynamic_conv_step`` take a chunk of ``T >= 1`` new positions and return the outputs of
 the full causal conv for them plus the new state.
 
-All accumulation is float32 (``preferred_element_type``), bfloat16 inputs included; outputs take ``x``'s dtype.
+All accumulation is float32 (``preferred_element_type``; the decode steps' multiply-adds are float32), bfloat16
+inputs included; outputs take ``x``'s dtype.
 """
 from __future__ import annotations
 
@@ -165,27 +166,17 @@ def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[A
 def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tuple[Array, Array]:
     """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``.
 
-    One new position (a beam search's step) is K elementwise float32 multiply-adds: as a dot, XLA:CPU spent more
-    time copying the window into the dot's layout than on the arithmetic (the step's conv 5.4 -> 2.7 ms of 35 for
-    256 hypotheses; docs/default-run.md). Elementwise float32 is float32 on every backend. A sum over an axis
-    instead of the unrolled adds was fused into the next matmul, which then ran 8x slower."""
+    K elementwise float32 multiply-adds of shifted inputs, not a dot: for a beam search's step (T = 1) XLA:CPU
+    spent more time copying the window into a dot's layout than on the arithmetic (the conv 5.4 -> 2.7 ms of a
+    35 ms step for 256 hypotheses; docs/default-run.md). Elementwise float32 is float32 on every backend. The adds
+    are unrolled: a sum over a stacked window was fused into the next matmul, which then ran 8x slower."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, weight_BTHK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     x_all = jnp.concatenate([state_BPC.astype(x_BTC.dtype), x_BTC], axis=1)  # [B, P+T, C]
-    if T == 1:  # a search step: K float32 multiply-adds, where a dot first copied the window into its layout
-        x_BKHD = x_all.astype(jnp.float32).reshape(B, K, H, C // H)
-        w_BHK = weight_BTHK[:, 0].astype(jnp.float32)
-        y_BHD = sum(x_BKHD[:, k] * w_BHK[:, :, k, None] for k in range(K))
-        return y_BHD.reshape(B, T, C).astype(x_BTC.dtype), x_all[:, T:]
     # Output t reads x_all[t : t + K]: a "valid" correlation, so no padding.
-    windows_BTKC = jnp.stack([x_all[:, k : k + T] for k in range(K)], axis=2)
-    y_BTHD = jnp.einsum(
-        "btkhd,bthk->bthd",
-        windows_BTKC.reshape(B, T, K, H, C // H),
-        weight_BTHK.astype(x_BTC.dtype),
-        precision=CONV_PRECISION,
-        preferred_element_type=jnp.float32,
-    )
+    x_BXHD = x_all.astype(jnp.float32).reshape(B, K - 1 + T, H, C // H)  # X = P + T
+    w_BTHK = weight_BTHK.astype(jnp.float32)
+    y_BTHD = sum(x_BXHD[:, k : k + T] * w_BTHK[..., k, None] for k in range(K))
     return y_BTHD.reshape(B, T, C).astype(x_BTC.dtype), x_all[:, T:]
 
 
