@@ -14,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lconv.data import pipeline, tokenizer_files  # noqa: E402
@@ -31,8 +32,10 @@ def main() -> None:
     if path is None:
         sys.exit(f"error: {config.data.dataset} (raw_dir={config.data.raw_dir!r}) is not prepared from the bundled "
                  "snapshot")
+    with tempfile.TemporaryDirectory() as empty_workdir:  # what a run with nothing kept or shipped trains
+        trained = pipeline.load_or_train_tokenizer(config.data, empty_workdir, save=False)
     with open(path, "wb") as f:
-        f.write(pipeline.train_tokenizer_for(config.data).to_bytes())
+        f.write(trained.to_bytes())
     print(path)
 
 

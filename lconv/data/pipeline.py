@@ -174,14 +174,6 @@ def tokenizer_texts(config: Any) -> Iterator[str]:
                 yield _text(example[key])
 
 
-def train_tokenizer_for(config: Any) -> tokenizer_lib.Tokenizer:
-    """The tokenizer ``load_or_train_tokenizer`` trains for ``config``'s data and settings when no copy is found
-    (``scripts/ship_tokenizer.py`` and its test train it so)."""
-    cfg = DataConfig.from_config(config)
-    return tokenizer_lib.train_tokenizer(tokenizer_texts(cfg), cfg.vocab_size,
-                                         max_sentences=cfg.tokenizer_max_sentences)
-
-
 def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
     """Every example of a random-access ``source`` in order, a block of records per read where the source can
     (``__getitems__``: TFDS's array_record sources read a block ~3x faster than its records one at a time; the
@@ -196,7 +188,9 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
     """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir by an earlier run or shipped
     with lconv for the same data and settings (``tokenizer_files``); else a joint model trained on the training split.
-    The workdir gets it, and one trained here is kept under data_dir for later runs.
+    The workdir gets it, and one trained here is kept under data_dir for later runs. ``save=False`` neither reads nor
+    writes a kept or shipped copy, nor the workdir: with an empty workdir it trains, as a run would
+    (``scripts/ship_tokenizer.py`` and its test compare that with the shipped file).
 
     With several processes (``jax.process_count()`` unless given), process 0 alone loads or trains (and saves)
     the model and sends it to the others (a collective: every process calls this at once). So every process
