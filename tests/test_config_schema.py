@@ -206,6 +206,19 @@ def test_a_side_value_overrides_the_shared_one_and_the_command_line_sets_it():
     assert config.model.encoder_ffn_dim is None  # unset: the shared ffn_dim (default.py's 512)
 
 
+@pytest.mark.parametrize("steps_flag, eval_every", [([], 1500), (["--config.train.num_steps=3000"], 3000)])
+def test_the_default_validates_only_at_its_end_whatever_num_steps_the_command_line_gives(steps_flag, eval_every):
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["train.py", "--config=configs/default.py", *steps_flag]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
+    flag_values(argv)
+    schema.validate_config(flag_values.config)
+    assert flag_values.config.train.num_steps == flag_values.config.train.eval_every == eval_every
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(decoder_num_heads=5), "config.model.d_model=256 must be divisible by config.model.decoder_num_heads=5"),
     (dict(encoder_d_model=250), "config.model.encoder_d_model=250 must be divisible by config.model.num_heads=4"),

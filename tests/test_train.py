@@ -194,6 +194,7 @@ def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     ("optim.schedule", "budget"),  # without train.max_minutes it has no end to decay to
     ("optim.warmup_fraction", 1.0),
     ("optim.decay_fraction", 0.0),
+    ("optim.cooldown_fraction", 1.5),
     ("optim.grad_accum_steps", 0),
     ("optim.label_smoothing", 1.0),
     ("task", "tagging"),

@@ -86,17 +86,40 @@ def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_i
     assert bar.total == 60 and bar.bar.unit == "s"  # counts to the budget, in seconds
     assert bar.bar.n == 3 + result["step"]  # where training ended: the rest of the bar is the evaluation
 
-    rows = [json.loads(r) for r in (tmp_path / "budget_1.0" / "metrics.jsonl").read_text().splitlines()]
-    lrs = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}  # each log window's last update's rate
-    measured_after = budget.MEASURE_AT_SHARE * 60  # updates until then; the 3 s measurement; the rest
-    for step, lr in lrs.items():  # update n takes its rate n - 1 fake seconds into training (+3 after the probe)
-        if step <= measured_after:  # until the measurement, training ends where the provisional reserve begins
-            progress = (step - 1) / (60 - budget.PROVISIONAL_RESERVE_SHARE * 60)
-        else:
-            progress = (step - 1 + 3) / (60 - reserve)
+    lrs = _logged_rates(tmp_path / "budget_1.0")
+    for step, lr in lrs.items():
+        progress = _time_progress(step, reserve)
         want = 1e-3 * max(budget.time_factor(progress, 0.2, 0.5), budget.TimeSchedule.FLOOR if progress < 0.2 else 0)
         assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
     assert max(lrs.values()) > 0.8e-3 and lrs[max(lrs)] < 0.1e-3  # near the peak, then near 0 at the end
+
+
+def _logged_rates(workdir) -> dict[int, float]:
+    """Each train log window's last update's learning rate, by its step."""
+    rows = [json.loads(r) for r in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in rows if r["split"] == "train"}
+
+
+def _time_progress(step: int, reserve: float) -> float:
+    """The share of a ``timed_run(1.0)``'s training time gone when its update ``step`` took its rate: update n takes
+    it n - 1 fake seconds into training, +3 once the final evaluation's probe ran (after MEASURE_AT_SHARE of the
+    budget); until then training ends where the provisional reserve begins, after it where ``reserve`` does."""
+    if step <= budget.MEASURE_AT_SHARE * 60:
+        return (step - 1) / (60 - budget.PROVISIONAL_RESERVE_SHARE * 60)
+    return (step - 1 + 3) / (60 - reserve)
+
+
+@pytest.mark.slow  # trains in-process
+def test_a_cooldown_multiplies_the_schedules_rate_down_to_the_end_of_the_budgets_training(timed_run, tmp_path):
+    result, _, validation_batches = timed_run(1.0, schedule="constant", warmup_steps=0, cooldown_fraction=0.5,
+                                              learning_rate=1e-3)
+    reserve = budget.SAFETY_MARGIN * validation_batches
+    assert result["step"] == math.ceil(60 - 3 - reserve)  # the budget ended training, not num_steps (1000)
+    lrs = _logged_rates(tmp_path / "budget_1.0")
+    for step, lr in lrs.items():
+        want = 1e-3 * min(1.0, (1.0 - _time_progress(step, reserve)) / 0.5)
+        assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
+    assert lrs[min(lrs)] == pytest.approx(1e-3) and lrs[max(lrs)] < 0.1e-3  # the peak, then near 0 at the end
 
 
 @pytest.mark.slow  # trains in-process
@@ -137,6 +160,32 @@ def test_the_time_schedule_follows_the_budgets_training_time():
                                          72: 2 / 3, 81: 1 / 3, 90: 0.0, 95: 0.0})
         assert budget.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3).factor() == 1.0  # other schedules: 1
         assert budget.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3).factor() == 1.0  # no budget: no shape
+
+
+def test_a_cooldown_falls_to_zero_over_the_last_share_of_the_steps_or_the_time_whichever_ends_first():
+    clock = FakeClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(budget, "clock", clock)
+        by_steps = budget.TimeSchedule(budget.Budget(0.0), "inverse_sqrt", 0.1, 0.3, cooldown_fraction=0.25,
+                                       num_steps=100)  # no budget: the share of num_steps done
+        assert {step: by_steps.factor(step) for step in (0, 50, 75, 80, 90, 99)} == pytest.approx(
+            {0: 1.0, 50: 1.0, 75: 1.0, 80: 0.8, 90: 0.4, 99: 0.04})
+        run_budget = budget.Budget(2.0)  # training from 10 s to 100 s, as above
+        run_budget.reserve = 20.0
+        clock.now += 10.0
+        by_time = budget.TimeSchedule(run_budget, "constant", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+        factors = {}
+        for second, step in ((0, 0), (45, 10), (72, 20), (81, 30), (90, 40), (95, 50), (45, 900)):
+            clock.now = run_budget.start + 10.0 + second
+            factors[second, step] = by_time.factor(step)
+        assert factors == pytest.approx({(0, 0): 1.0, (45, 10): 1.0, (72, 20): 0.8, (81, 30): 0.4, (90, 40): 0.0,
+                                         (95, 50): 0.0, (45, 900): 0.4})  # the last: 90% of the steps done
+        unshaped = budget.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3, cooldown_fraction=0.0, num_steps=1000)
+        assert unshaped.factor(999) == 1.0
+        clock.now = run_budget.start + 10.0 + 72  # the budget schedule decays over its own decay_fraction alone
+        shaped = budget.TimeSchedule(run_budget, "budget", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+        shaped.first_update = run_budget.start + 10.0
+        assert shaped.factor(999) == pytest.approx(2 / 3)
 
 
 def test_without_a_budget_the_bar_counts_steps():

@@ -76,6 +76,11 @@ class OptimConfig:
                                    number(lambda v: 0 <= v < 1, "a number in [0, 1)"))
     decay_fraction: float = field(0.2, "schedule=budget: the final share of the training time over which the rate "
                                   "falls to 0", number(lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    cooldown_fraction: float = field(0.0, "the rate times a linear fall to 0 over this last share of training "
+                                     "(of train.num_steps, or of the training time train.max_minutes leaves, "
+                                     "whichever ends it first); 0 = none; schedule=budget has decay_fraction "
+                                     "instead",
+                                     number(lambda v: 0 <= v <= 1, "a number in [0, 1]"))
     warmup_steps: int = field(4000, "linear warmup updates", _NON_NEGATIVE)
     warmup_init_lr: float = field(1e-7, "the learning rate warmup starts from (fairseq's warmup-init-lr)",
                                   _NON_NEGATIVE_NUMBER)

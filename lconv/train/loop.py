@@ -299,12 +299,13 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     config, mesh = run.config, run.mesh
     sharding = model_setup.batch_sharding(mesh)
     train_step = run.train_step or steps.jit_train_step(config, run.lr_schedule, run.state_shardings, mesh)
+    step, num_steps = int(run.state.step), config.train.num_steps
     time_schedule = budget_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
-                                            config.optim.decay_fraction)
+                                            config.optim.decay_fraction,
+                                            cooldown_fraction=config.optim.cooldown_fraction, num_steps=num_steps)
     preemption = Preemption()
     guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
     data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
-    step, num_steps = int(run.state.step), config.train.num_steps
     window_sums, window_start, spiking, previous_sums = None, time.time(), False, None
     progress = logs.Progress(step, num_steps, budget)
     try:
