@@ -12,6 +12,7 @@ import ml_collections
 import pytest
 
 from lconv.configs import common, schema
+from lconv.configs import default as default_config
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.fields import schema_fields
@@ -206,17 +207,21 @@ def test_a_side_value_overrides_the_shared_one_and_the_command_line_sets_it():
     assert config.model.encoder_ffn_dim is None  # unset: the shared ffn_dim (default.py's 512)
 
 
-@pytest.mark.parametrize("steps_flag, eval_every", [([], 1500), (["--config.train.num_steps=3000"], 3000)])
-def test_the_default_validates_only_at_its_end_whatever_num_steps_the_command_line_gives(steps_flag, eval_every):
+def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
     from absl import flags
     from ml_collections import config_flags
 
-    argv = ["train.py", "--config=configs/default.py", *steps_flag]
+    # A plain value, not a reference to num_steps: setting a field that holds an ml_collections reference sets what
+    # it refers to, so --config.train.eval_every would have moved num_steps too.
+    argv = ["train.py", "--config=configs/default.py", "--config.train.eval_every=300"]
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
     flag_values(argv)
-    schema.validate_config(flag_values.config)
-    assert flag_values.config.train.num_steps == flag_values.config.train.eval_every == eval_every
+    config = flag_values.config
+    schema.validate_config(config)
+    assert (config.train.eval_every, config.train.num_steps) == (300, 1500)
+    default = default_config.get_config().train
+    assert default.eval_every == default.num_steps  # no pass before the final one (the loop's: step < num_steps)
 
 
 @pytest.mark.parametrize("overrides, message", [
