@@ -46,6 +46,14 @@ def test_training_runs_and_writes_its_outputs(tiny_run):
     assert sorted(validation) == [3, 6] and validation[6] < validation[3]
     assert result["validation"]["tokens"] > 1000  # every validation example was scored
     assert sorted(int(d) for d in os.listdir(workdir / "checkpoints")) == [2, 3, 4, 5, 6]  # keep_checkpoints=5
+    # Each update's logged rate is the schedule's times the cooldown the tiny config keeps from configs/default.py:
+    # with no budget, by the share of num_steps done before the update (update 6: 5/6, so 1/6 / 0.2 of the rate).
+    optim = _config(tiny_run.data_dir).optim
+    schedule = setup.learning_rate_schedule(optim, 6)
+    assert optim.cooldown_fraction == 0.2
+    for step, row in {r["step"]: r for r in _rows(workdir, "train")}.items():
+        cooldown = min(1.0, (1 - (step - 1) / 6) / optim.cooldown_fraction)
+        assert row["lr"] == pytest.approx(float(schedule(step - 1)) * cooldown, rel=1e-6), step
 
 
 def test_the_best_checkpoint_is_the_lowest_validation_loss(tiny_run):

@@ -128,7 +128,7 @@ class TimeSchedule:
 
     def factor(self, step: int = 0) -> float:
         """This process's factor now, for the update from ``step`` (the first call starts the training time)."""
-        return self._factor(self.time_progress(), step) if self.active else 1.0
+        return self._factor(self.time_progress(), step)
 
     def time_progress(self) -> float:
         """The share of this launch's training time gone (0 without a budget; the first call starts it)."""
