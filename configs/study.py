@@ -37,7 +37,7 @@ Modes (the variant word):
 """
 import ml_collections
 
-from lconv.configs import common
+from lconv.configs import common, default
 from lconv.errors import UserError
 from lconv.nn import mixers
 
@@ -46,10 +46,24 @@ TASKS = ("translation", "lm", "summarization")
 MODES = ("full", "quick", "gpu")
 
 
-def _task(family, words, overrides):
+def _task(family, words, overrides, max_seeds=0):
     """One task of the study: a family config (``lconv.configs.<family>``), its variant words besides the mixer,
-    and fields that every run of the task overrides (a nested dict: section -> field -> value)."""
-    return ml_collections.ConfigDict({"family": family, "words": words, "overrides": overrides})
+    fields that every run of the task overrides (a nested dict: section -> field -> value), and how many of the
+    study's seeds it runs (0: all)."""
+    return ml_collections.ConfigDict({"family": family, "words": words, "overrides": overrides,
+                                      "max_seeds": max_seeds})
+
+
+def _default_scale():
+    """The README default's model and recipe (configs/default.py) as study overrides: its size, optimiser,
+    schedule, batches and vocabulary, so the study measures the models a new user trains."""
+    d = default.get_config()
+    pick = {"model": ("d_model", "ffn_dim", "num_heads", "encoder_layers", "decoder_layers", "encoder_kernel_sizes",
+                      "decoder_kernel_sizes", "dropout", "weight_dropout", "normalize_before", "max_len"),
+            "optim": ("optimizer", "learning_rate", "schedule", "warmup_steps", "cooldown_fraction", "clip_norm"),
+            "data": ("batch_size", "max_input_length", "max_target_length", "vocab_size", "tokenizer_max_sentences"),
+            "decode": ("beam_size", "lenpen")}
+    return {section: {name: d[section][name] for name in names} for section, names in pick.items()}
 
 
 def _shared(d_model, ffn_dim, heads, layers, kernels, steps, warmup, rows, length, checkpoint_every):
@@ -96,22 +110,27 @@ def get_config(arg=None):
     # Per-mixer overrides (variant word -> section -> field -> value), applied after the task's; e.g.
     # {"knn": {"model": {"mixer_kwargs": {"knn_memory": {"memory_size": 1024, "num_neighbors": 32}}}}}.
     c.mixer_overrides = {}
+    # The fair recipe: per (task, mixer), short runs of seed `seed` at each peak rate, the lowest validation NLL
+    # wins; then that run's checkpoint decodes the validation split at each length penalty, the best BLEU / ROUGE-L
+    # wins. Every seed then trains at the chosen pair (lconv/study/tuning.py). steps = 0 turns it off.
+    c.tuning = ml_collections.ConfigDict({"learning_rates": (1.5e-3, 3e-3, 6e-3), "lenpens": (1.0, 1.5, 2.0),
+                                          "steps": 0, "seed": 0})
 
     if mode == "full":
-        shared = _merge(_shared(128, 512, 4, 2, (3, 7, 15), steps=300, warmup=50, rows=32, length=64,
-                                checkpoint_every=30), {"data": {"vocab_size": 4000}, "train": {"log_every": 25}})
-        # Fixed and Hadamard hold a [max_len, max_len] table per head and layer: at 256 positions those tables alone
-        # would outweigh the Transformer's FFNs at d 128, so no FFN width could match the parameter counts.
-        # Test sources longer than 128 tokens are cut there (and counted in the run's log), outputs too. Test
-        # batches of 128 rows (the configs' 64 was not compared on this machine).
-        seq2seq = {"model": {"max_len": 128}, "data": {"eval_max_input_length": 128, "eval_max_target_length": 128,
-                                                       "eval_batch_size": 128}}
-        c.translation = _task("default", "", _merge(shared, {"decode": {"beam_size": 4}, **seq2seq}))
+        shared = _merge(_default_scale(), {"train": {"num_steps": 600, "checkpoint_every": 100, "log_every": 50}})
+        c.average_last = 1  # the default's recipe: the final parameters, after its cooldown
+        # Positions up to 128, not the default's 256: Fixed and Hadamard hold a [max_len, max_len] table per head
+        # and layer, which at 256 would take half their FFN to match the Transformer's parameters. Test sources
+        # and outputs past 128 tokens are cut there (and counted in each run's log).
+        seq2seq = {"model": {"max_len": 128}, "data": {"eval_max_input_length": 128, "eval_max_target_length": 128}}
+        c.translation = _task("default", "", _merge(shared, seq2seq))
         c.lm = _task("lm1b", "ddtp,stream", _merge(shared, {
-            "model": {"encoder_layers": 0, "decoder_layers": 3, "decoder_kernel_sizes": (3, 7, 15), "max_len": 64}}))
+            "model": {"encoder_layers": 0, "decoder_layers": 3, "decoder_kernel_sizes": (3, 7, 15), "max_len": 64},
+            "data": {"max_target_length": 64}}))
         c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, {
-            "data": {**seq2seq["data"], "max_input_length": 128, "max_target_length": 32, "pack": True},
-            "model": seq2seq["model"]}))
+            "model": {"max_len": 128}, "data": {**seq2seq["data"], "max_input_length": 128, "max_target_length": 32,
+                                                "pack": True}}), max_seeds=2)
+        c.tuning.steps = 300
     elif mode == "quick":
         c.seeds = (0,)
         c.average_last = 2
@@ -126,6 +145,7 @@ def get_config(arg=None):
         c.lm = _task("lm1b", "ddtp,stream", _merge(_merge(shared, tiny), {
             "data": {"max_target_length": 16}, "model": {"encoder_layers": 0, "max_len": 16}}))
         c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, tiny))
+        c.tuning.update({"learning_rates": (3e-3, 6e-3), "lenpens": (1.0, 1.5), "steps": 6})
     else:  # gpu
         c.average_last = 5
         c.run_timeout_minutes = 120.0
@@ -142,4 +162,5 @@ def get_config(arg=None):
         c.summarization = _task("cnn_dailymail", "ddtp", _merge(shared, {
             "data": {"max_input_length": 256, "max_target_length": 32, "pack": True, "eval_max_input_length": 256},
             "model": {"max_len": 256}}))
+        c.tuning.update({"learning_rates": (5e-4, 1e-3, 2e-3), "steps": 2000})
     return c

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lconv import outputs
@@ -25,8 +25,17 @@ logger = logging.getLogger(__name__)
 ARCHIVE_DIR = os.path.join("results", "runs")  # under the docs dir
 
 
-def archive_path(archive_root: str, key: plan.RunKey) -> str:
-    return os.path.join(archive_root, key.task, key.mixer, f"seed{key.seed}.json")
+def entry_name(record: dict[str, Any]) -> str:
+    """A record's archive entry, ``<task>/<mixer>/<run>``: ``seed<k>``, or a tuning sweep's ``tune_lr<rate>`` /
+    ``lenpen_lr<rate>`` (lconv.study.tuning)."""
+    kind, task, mixer = record.get("kind"), record["task"], record["mixer"]
+    if kind in ("tune", "lenpen"):
+        return f"{task}/{mixer}/{kind}_lr{float(record['learning_rate']):g}"
+    return plan.RunKey(task, mixer, record["seed"]).name
+
+
+def archive_path(archive_root: str, name: str) -> str:
+    return os.path.join(archive_root, *name.split("/")) + ".json"
 
 
 def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str, *, prune: bool = False) -> int:
@@ -44,7 +53,7 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
             continue
         entry = {"record": {k: v for k, v in record.items() if k not in ("skipped", "restored")},
                  "config": spec["config"], "metrics": measure.read_metrics(workdir)}
-        path = archive_path(root, plan.RunKey(record["task"], record["mixer"], record["seed"]))
+        path = archive_path(root, entry_name(record))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         run_lib.write_json(path, entry)
         kept.add(os.path.abspath(path))
@@ -66,31 +75,32 @@ def resolve(resume_from: str) -> str:
     return root
 
 
-def restore(planned: Sequence[plan.Planned], archive_root: str, run_dir: Callable[[plan.RunKey], str]) -> int:
-    """Copies each archived run into its planned workdir as a finished run, unless that workdir already has a
-    result; returns how many. Raises (before copying anything) when an archived run was made with another
-    config than the plan's, naming the run and the first differing field."""
+def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
+    """Copies each archived run of ``planned`` (``(entry name, planned config or None, workdir)``) into its
+    workdir as a finished run, unless that workdir already has a result; returns how many. Raises (before copying
+    anything) when an archived run was made with another config than the plan's, naming the run and the first
+    differing field."""
     todo, stale = [], []
-    for item in planned:
-        path = archive_path(archive_root, item.key)
-        if item.config is None or not os.path.exists(path):
+    for name, config, workdir in planned:
+        path = archive_path(archive_root, name)
+        if config is None or not os.path.exists(path):
             continue
-        if os.path.exists(os.path.join(run_dir(item.key), run_lib.RESULT)):
+        if os.path.exists(os.path.join(workdir, run_lib.RESULT)):
             continue
         entry = run_lib.read_json(path)
         if entry is None or not {"record", "config", "metrics"} <= set(entry):
             raise UserError(f"{path} is not a study run archive entry (unreadable JSON or missing fields)")
-        changes = plan.stored_config_changes(entry["config"], item.config)
+        changes = plan.stored_config_changes(entry["config"], config)
         if changes:
             field, (old, new) = next(iter(changes.items()))
-            stale.append(f"{item.key.name} (config.{field}: {old!r} -> {new!r})")
-        todo.append((item, entry))
+            stale.append(f"{name} (config.{field}: {old!r} -> {new!r})")
+        todo.append((workdir, entry))
     if stale:
         more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
         raise UserError(f"--resume_from archive {archive_root} holds runs made with another study config: "
                         f"{stale[0]}{more}; resume into a study with the config they were made with")
-    for item, entry in todo:
-        _write_run(run_dir(item.key), entry)
+    for workdir, entry in todo:
+        _write_run(workdir, entry)
     if todo:
         logger.info(f"restored {len(todo)} finished runs from {archive_root}")
     return len(todo)

@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from lconv.errors import UserError
-from lconv.study import archive, plan, report
+from lconv.study import archive, plan, report, tuning
 from lconv.study import run as run_lib
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,12 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
     if planned.error:
         return {**record, "status": "failed", "error": planned.error, "stage": "plan"}
     workdir = run_dir(output_dir, planned.key)
-    if not launch:
+    if not launch or planned.waiting:
         found = run_lib.read_json(os.path.join(workdir, run_lib.RESULT))
         failed = run_lib.read_json(os.path.join(workdir, run_lib.FAILURE))
-        return found or ({**record, **failed, "status": "failed"} if failed else {**record, "status": "not run"})
+        waiting = {"error": planned.waiting} if planned.waiting else {}
+        return found or ({**record, **failed, "status": "failed"} if failed else
+                         {**record, **waiting, "status": "not run"})
     spec = {"config": planned.config.to_dict(), "workdir": workdir, "record": record,
             "average_last": study.average_last, "prune_checkpoints": study.prune_checkpoints,
             "lm_generate_rows": study.lm_generate_rows, "lm_generate_tokens": study.lm_generate_tokens}
@@ -76,21 +78,41 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
 
 def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
               resume_from: str | None = None, command: str = "") -> list[dict[str, Any]]:
-    """Runs (or, with ``report_only``, only collects) every planned run, then writes the report into
-    ``docs_dir``. ``resume_from``: a study's docs dir whose archived finished runs are copied in first instead of
-    trained again (``lconv.study.archive``). Returns the records, one per (task, mixer, seed)."""
+    """Runs (or, with ``report_only``, only collects) the tuning sweeps, then every planned run, then writes the
+    report into ``docs_dir``. ``resume_from``: a study's docs dir whose archived finished runs are copied in first
+    instead of trained again (``lconv.study.archive``). Returns the records, one per (task, mixer, seed)."""
     study = plan.normalize(study)
     plan.check_study(study)
+    tuning.check(study)
     start = time.time()
     archive_root = archive.resolve(resume_from) if resume_from else None
     output_dir = os.path.abspath(os.path.expanduser(output_dir))
     os.makedirs(output_dir, exist_ok=True)
     tokenizers = prepare_tokenizers(study, output_dir)
     logger.info("planning: matching parameter counts")
-    planned = plan.plan(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
-    check_runs_match_plan(planned, output_dir)
+    templates = plan.templates(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
+    sweeps = tuning.planned_sweeps(study, templates) if tuning.enabled(study) else []
+    sweep_runs = [(s.name, s.config, os.path.join(output_dir, s.record["workdir"])) for s in sweeps]
+    check_runs_match_plan(sweep_runs, output_dir)
     if archive_root:
-        archive.restore(planned, archive_root, lambda key: run_dir(output_dir, key))
+        archive.restore(sweep_runs, archive_root)
+
+    def launch_sweep(sweep: tuning.Sweep) -> dict[str, Any]:
+        workdir = os.path.join(output_dir, sweep.record["workdir"])
+        spec = {"kind": sweep.record["kind"], "config": sweep.config.to_dict(), "workdir": workdir,
+                "record": sweep.record}
+        record = run_lib.launch(spec, workdir, tokenizers[sweep.record["task"]][0], study.run_timeout_minutes)
+        if record["status"] == "ok" and not record.get("skipped"):
+            archive.write_archive([record], output_dir, docs_dir)
+        logger.info(f"[tuning] {sweep.name}: {describe(record)}")
+        return record
+
+    choices, sweep_records = tuning.choose(study, sweeps, output_dir, None if report_only else launch_sweep)
+    planned = plan.expand(study, templates, _recipe(study, choices) if sweeps else None)
+    check_runs_match_plan([(p.key.name, p.config, run_dir(output_dir, p.key)) for p in planned], output_dir)
+    if archive_root:
+        archive.restore([(p.key.name, p.config, run_dir(output_dir, p.key)) for p in planned if not p.waiting],
+                        archive_root)
     records = []
     for i, item in enumerate(planned, start=1):
         record = outcome(item, study, output_dir, tokenizers, launch=not report_only)
@@ -101,22 +123,33 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
         run_lib.write_json(os.path.join(output_dir, "records.json"), records)
     meta = {"command": command, "output_dir": output_dir, "invocation_seconds": time.time() - start,
             "report_only": report_only}
-    report.write_report(study, records, docs_dir, meta, output_dir)
+    report.write_report(study, records, docs_dir, meta, output_dir, sweep_records, choices)
     return records
 
 
-def check_runs_match_plan(planned: list[plan.Planned], output_dir: str) -> None:
-    """Raises when a run folder was made with another training config than the plan's (the study config was
-    edited since): its result would be skipped, or its checkpoints resumed, as if it were the planned run."""
+def _recipe(study: ml_collections.ConfigDict, choices: dict[tuple[str, str], tuning.Choice]):
+    """``plan.expand``'s recipe: each template's chosen rate and length penalty, or why its runs wait."""
+    def recipe(template: plan.Planned):
+        choice = choices.get((template.key.task, template.key.mixer))
+        if choice is None:
+            return None, "its tuning sweep is not complete (docs/results.md, Tuning)"
+        return (lambda config: tuning.apply(config, choice)), None
+    return recipe
+
+
+def check_runs_match_plan(planned: list[tuple[str, Any, str]], output_dir: str) -> None:
+    """Raises when a run folder (``(name, planned config, workdir)``) was made with another training config than
+    the plan's (the study config was edited since): its result would be skipped, or its checkpoints resumed, as
+    if it were the planned run."""
     stale = []
-    for item in planned:
-        spec = run_lib.read_json(os.path.join(run_dir(output_dir, item.key), run_lib.SPEC))
-        if item.config is None or spec is None:
+    for name, config, workdir in planned:
+        spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))
+        if config is None or spec is None:
             continue
-        changes = plan.stored_config_changes(spec["config"], item.config)
+        changes = plan.stored_config_changes(spec["config"], config)
         if changes:
             field, (old, new) = next(iter(changes.items()))
-            stale.append(f"{item.key.name} (config.{field}: {old!r} -> {new!r})")
+            stale.append(f"{name} (config.{field}: {old!r} -> {new!r})")
     if stale:
         more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
         raise UserError(f"--output_dir={output_dir} holds runs made with another study config: {stale[0]}{more}; "
@@ -128,6 +161,10 @@ def describe(record: dict[str, Any]) -> str:
     status = record.get("status")
     if status != "ok":
         return f"{status}: {record.get('error', '')}"
+    if record.get("kind") == "tune":
+        return f"validation NLL {record['validation_nll']:.4f}{' (finished before)' * bool(record.get('skipped'))}"
+    if record.get("kind") == "lenpen":
+        return f"validation {record['metric']} by length penalty {record['scores']}"
     skipped = (" (restored from the archive)" if record.get("restored") else
                " (finished before, skipped)" if record.get("skipped") else "")
     score = {"translation": lambda r: f"BLEU {r['bleu']:.2f}",

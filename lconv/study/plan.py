@@ -80,6 +80,7 @@ class Planned:
     note: str = ""  # what the mixer means in this task, shown in the report
     not_applicable: str | None = None
     error: str | None = None
+    waiting: str | None = None  # why it cannot run yet (its mixer's tuning sweep is not complete)
 
 
 def normalize(study: Config) -> Config:
@@ -241,10 +242,14 @@ def match_ffn(config: Config, reference: int, tolerance: float, multiple: int,
 
 
 def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
-    """Every (task, mixer, seed) run, seeds outermost: a study stopped part-way has every task and mixer at its
-    first seeds rather than one task at every seed. A config that cannot be built or matched is an ``error`` of
-    its runs (reported as failed), not of the study."""
-    templates = []  # one Planned per (task, mixer): seed 0's, with the matched FFN width
+    """Every (task, mixer, seed) run at the study's own recipe (no tuning sweep): ``expand(templates(...))``."""
+    return expand(study, templates(study, vocab_sizes))
+
+
+def templates(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
+    """One Planned per (task, mixer): seed 0's, with the matched FFN width. A config that cannot be built or
+    matched is an ``error`` of its runs (reported as failed), not of the study."""
+    found = []
     for task in study.tasks:
         vocab = vocab_sizes[task]
         reference = _reference_count(study, task, vocab)
@@ -260,16 +265,37 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
                     config, error = None, _one_line(err)
             if config is not None and task == "lm":
                 check_generation_fits(study, config)
-            templates.append(Planned(RunKey(task, mixer, 0), config, params, reference, note, reason, error))
+            found.append(Planned(RunKey(task, mixer, 0), config, params, reference, note, reason, error))
+    return found
+
+
+def task_seeds(study: Config, task: str) -> tuple[int, ...]:
+    """The seeds a task runs: the study's, or its first ``max_seeds`` of them."""
+    limit = study[task].get("max_seeds", 0)
+    return tuple(study.seeds[:limit] if limit else study.seeds)
+
+
+def expand(study: Config, found: Sequence[Planned],
+           recipe: Callable[[Planned], tuple[Callable[[Config], None] | None, str | None]] | None = None
+           ) -> list[Planned]:
+    """Every (task, mixer, seed) run of the templates, seeds outermost: a study stopped part-way has every task
+    and mixer at its first seeds rather than one task at every seed. ``recipe(template)`` gives
+    ``(adjust, waiting)``: a function that sets the chosen recipe on each seed's config, or why the runs must
+    wait (their tuning sweep is not complete)."""
     runs = []
     for seed in study.seeds:
-        for template in templates:
+        for template in found:
+            if seed not in task_seeds(study, template.key.task):
+                continue
             key = dataclasses.replace(template.key, seed=seed)
-            config = None
+            config, waiting = None, None
             if template.config is not None:
+                adjust, waiting = recipe(template) if recipe else (None, None)
                 config = training_config(study, key)
                 config.model.ffn_dim = template.config.model.ffn_dim
-            runs.append(dataclasses.replace(template, key=key, config=config))
+                if adjust is not None:
+                    adjust(config)
+            runs.append(dataclasses.replace(template, key=key, config=config, waiting=waiting))
     return runs
 
 

@@ -199,8 +199,10 @@ def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], recor
 
 
 def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], docs_dir: str, meta: Record,
-                 output_dir: str) -> str:
-    """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown."""
+                 output_dir: str, sweep_records: Sequence[Record] = (), choices: dict | None = None) -> str:
+    """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown. ``sweep_records`` and
+    ``choices``: the tuning sweeps' processes and the recipe each (task, mixer) was given (lconv.study.tuning)."""
+    choices = choices or {}
     from lconv.bench import timing
 
     results_dir = os.path.join(docs_dir, "results")
@@ -209,23 +211,65 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     meta = {**meta, "machine": timing.machine_info(), "mode": study.mode, "seeds": list(study.seeds),
             "runs_seconds": sum(r.get("wall_seconds") or 0 for r in records if r["status"] in ("ok", "failed"))}
     with open(os.path.join(results_dir, "results.json"), "w") as f:
-        json.dump({"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records)}, f, indent=1,
-                  default=str)
+        chosen = [{"task": t, "mixer": m, "learning_rate": c.learning_rate, "lenpen": c.lenpen}
+                  for (t, m), c in choices.items()]
+        json.dump({"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records),
+                   "tuning": {"chosen": chosen, "runs": list(sweep_records)}}, f, indent=1, default=str)
     with open(os.path.join(results_dir, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(records)
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
-    archive.write_archive(records, output_dir, docs_dir, prune=True)
-    text = markdown(study, rows, records, meta, figures)
+    archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
+    text = markdown(study, rows, records, meta, figures, tuning_lines(study, sweep_records, choices))
     with open(os.path.join(docs_dir, "results.md"), "w") as f:
         f.write(text)
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
     return text
 
 
+def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Record], choices: dict) -> list[str]:
+    """The sweep behind each mixer's recipe: validation NLL per peak rate, validation BLEU / ROUGE-L per length
+    penalty of the chosen rate's run, and the choice."""
+    if not sweep_records:
+        return []
+    rates, lenpens = [float(r) for r in study.tuning.learning_rates], [float(p) for p in study.tuning.lenpens]
+    lines = ["## Tuning: each mixer's recipe, chosen on the validation split\n",
+             f"Per task and mixer, {study.tuning.steps}-update runs of seed {study.tuning.seed} at each peak rate; the "
+             "lowest validation NLL chose the rate. That run's checkpoint then decoded the validation split at each "
+             "length penalty (translation: BLEU, summarization: ROUGE-L), and the best chose the penalty (ties: the "
+             "first). Every seed trained and decoded at the chosen pair; the test split was not read.\n"]
+    for task in study.tasks:
+        runs = [r for r in sweep_records if r["task"] == task]
+        if not runs:
+            continue
+        head = ["mixer"] + [f"NLL @ {r:g}" for r in rates] + ["rate"]
+        if task != "lm":
+            head += [f"{LENPEN_TITLES[task]} @ lp {p:g}" for p in lenpens] + ["length penalty"]
+        lines += [f"**{task}**\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for mixer in dict.fromkeys(r["mixer"] for r in runs):
+            mine = {(r["kind"], r["learning_rate"]): r for r in runs if r["mixer"] == mixer}
+            choice = choices.get((task, mixer))
+            cells = [plan.label(mixer)]
+            for rate in rates:
+                r = mine.get(("tune", rate))
+                cells.append(_fmt(r["validation_nll"], 4) if r and r.get("status") == "ok" else
+                             (r or {}).get("status", "—"))
+            cells.append(f"**{choice.learning_rate:g}**" if choice else "—")
+            if task != "lm":
+                scores = (choice.lenpen_scores or {}) if choice else {}
+                cells += [_fmt(scores.get(f"{p:g}")) for p in lenpens]
+                cells.append(f"**{choice.lenpen:g}**" if choice and choice.lenpen is not None else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+LENPEN_TITLES = {"translation": "BLEU", "summarization": "ROUGE-L"}
+
+
 def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: Sequence[Record], meta: Record,
-             figures: Sequence[str]) -> str:
+             figures: Sequence[str], tuning: Sequence[str] = ()) -> str:
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "failed", "n/a", "not run")}
     machine = meta["machine"]
     parts = [
@@ -254,6 +298,7 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "RSS = the run process's `ru_maxrss` (runtime, data and compilations included); s/run = the run's wall "
         "time. Spread: ± sample standard "
         "deviation over n finished seeds; \"> spread\" = the gap exceeds the sum of the two sds.\n",
+        *tuning,
     ]
     for task in study.tasks:
         task_rows = [r for r in rows if r["task"] == task]

@@ -153,6 +153,41 @@ def _last_line(path: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # The run's side (this module as a program)
 # ----------------------------------------------------------------------------------------------------------------
+def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
+    """A tuning sweep's process (lconv.study.tuning): ``tune`` trains a short run (resuming) and records its
+    final validation loss; ``lenpen`` decodes the validation split with a tuning run's checkpoint at each length
+    penalty. Neither reads the test split."""
+    import ml_collections
+
+    from lconv.cli import eval_program
+    from lconv.study import measure
+    from lconv.train import loop
+
+    config, record = ml_collections.ConfigDict(spec["config"]), dict(spec["record"])
+    if spec["kind"] == "tune":
+        spec["stage"] = "train"
+        trained = loop.train_and_evaluate(config, spec["workdir"])
+        if trained.get("stopped_by"):
+            raise UserError(f"training stopped by {trained['stopped_by']} at step {trained['step']}; a re-run "
+                            "resumes it")
+        validation = trained.get("validation") or {}
+        if "nll" not in validation:
+            raise UserError(f"the run ended without a validation pass (got {sorted(validation)})")
+        record.update(status="ok", step=trained["step"], validation_nll=validation["nll"],
+                      validation_loss=validation.get("loss"), **measure.training_speed(measure.read_metrics(
+                          spec["workdir"])), machine=measure.machine())
+        return record
+    spec["stage"], scores = "decode", {}
+    metric = record["metric"]
+    source = os.path.join(os.path.dirname(spec["workdir"]), f"tune_lr{record['learning_rate']:g}")
+    for lenpen in spec["record"]["lenpens"]:
+        found = eval_program.run(source, split="validation", lenpen=lenpen)
+        scores[f"{lenpen:g}"] = found[metric]
+        logger.info(f"validation {metric} at length penalty {lenpen:g}: {found[metric]:.2f}")
+    record.update(status="ok", scores=scores, machine=measure.machine())
+    return record
+
+
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
     """Trains the run (resuming), scores the test split on the mean of the last checkpoints, measures; returns
     the record written to ``study_result.json``. Raises on failure; ``stage`` in the spec dict says where."""
@@ -228,7 +263,7 @@ def main(argv: list[str]) -> int:
     console.show_log("stdout")  # into study.log, with the run's other output
     _cache_compilations(os.path.join(workdir, "xla_cache"))
     try:
-        record = execute(spec)
+        record = execute_tuning(spec) if spec.get("kind") in ("tune", "lenpen") else execute(spec)
     except (UserError, Exception) as err:  # noqa: BLE001 (every failure is recorded; the study goes on)
         if not isinstance(err, UserError):
             traceback.print_exc()
