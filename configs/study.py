@@ -13,27 +13,19 @@ and the other fields below override as in train.py. How runs are matched and mea
 measure.py.
 
 Modes (the variant word):
-- ``full`` (default): d 128, FFN 512 (the Transformer's; the other mixers' FFN is searched to match its parameter
-  count within 5%), 4 heads, 2+2 layers (LM: 3 decoder layers), a 4k SentencePiece vocabulary per task, packed
-  rows of 64 tokens, 32 rows (LM: 32 windows of 64 tokens of document streams), positions up to 128 (test sources
-  and outputs cut there), Adam 3e-3 with a 50-step warm-up, 300 updates on every task, 3 seeds, every mixer on
-  every task; the last 3 checkpoints (every 30 updates) averaged, beam 4 on all 1,216 En->De / 2,609
-  summarization test examples.
-  Why this size: on this project's 2-core CPU a run's fixed costs (process start, data, compilation, the test
-  split's beam search, measurement) are 1-1.5 minutes, and training runs at ~3.2k target tokens/s, so 300
-  updates of ~2k tokens is what a run can have. Every model is 6x past its warm-up but early in learning (test
-  BLEU 3-4.5, LM perplexity ~220/token), so the table compares how fast each mixer learns, not converged
-  models; docs/results.md says where the differences exceed the seed spread. Measured by the committed run
-  (docs/results.md): the 60 runs took about 3.5 hours of run time, 2-4 minutes each on a 2-core AMD EPYC (seed 0
-  and most of seed 1) and 3-5 minutes on a 2-core Intel Xeon (the rest). That is more than the ~3 hours the study
-  was asked to fit: 3 seeds x 20 runs with every model past its warm-up do not fit 3 hours here
-  (``--config.seeds=0,1`` takes ~2.4). Re-running the command resumes a stopped study.
+- ``full`` (default): the README default's model and recipe (configs/default.py: d 256, FFN 512 for the
+  Transformer, 4 heads, 3+3 layers with kernels (3, 7, 15), pre-norm, no dropout, a 100-step warm-up and a
+  cooldown, packed rows of 64 tokens, its 4k tokenizer); the LM has 3 decoder layers over 64-token windows of
+  document streams. Every mixer trains 600 updates (equal updates, not equal minutes: host speed changes the
+  minutes, not the model) at the peak rate and length penalty its own tuning sweep chose on the validation split
+  (``tuning``, lconv/study/tuning.py), 3 seeds (summarization 2), beam 4 over the whole test split.
 - ``quick``: a smoke test in a few minutes: d 32, one layer each side, vocabulary 512, 12 updates, one seed,
-  greedy decoding of test examples cut to 32 tokens. The numbers mean nothing; it exercises every step.
+  greedy decoding of test examples cut to 32 tokens, a two-rate sweep of 6 updates. The numbers mean nothing.
 - ``gpu``: the same command on one accelerator: d 512, FFN 2048, 8 heads, 6+6 layers (LM: 6) with the paper's
   kernels (3, 7, 15, 31, 31, 31), 8k vocabulary, 64 rows of 128 tokens, 6,000 updates (LM 4,000, windows of
-  256), 3 seeds, beam 5, the last 5 checkpoints averaged. Not run in this project (no accelerator was lent to the
-  session that wrote it); expect roughly 60 runs x 10-20 minutes on an H100.
+  256), 3 seeds, beam 5, the last 5 checkpoints averaged, its sweep over 2,000-update runs.
+
+How long each mode takes on which machine: docs/results.md (its wall-time line) and docs/training.md.
 """
 import ml_collections
 

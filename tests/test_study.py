@@ -30,11 +30,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("study")]
 
 def _quick(data_dir, **fields):
     """The quick study: the Transformer on every task, and CoLT5 made to fail (an invalid training field) where it
-    fits: translation and summarization; it does not fit the LM (encoder-only)."""
+    fits: translation and summarization; it does not fit the LM (encoder-only). No tuning sweep (its runs would
+    triple the processes): ``test_the_tuning_sweep_...`` runs one."""
     c = plan.normalize(study_config.get_config("quick"))
     c.mixers = ("transformer", "colt5")
     c.data_dir = str(data_dir)
     c.mixer_overrides = {"colt5": {"train": {"log_every": 0}}}
+    c.tuning.steps = 0
     c.update(fields)
     return c
 
@@ -184,6 +186,46 @@ def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_ru
                          command="test")
 
 
+def test_the_tuning_sweep_chooses_on_validation_and_its_archive_resumes_it(studied, tmp_path, monkeypatch,
+                                                                          lconv_log):
+    """One rate's short run, its checkpoint decoded on the validation split at two length penalties, then the seed
+    trained and decoded at the choice (tests/test_study_tuning.py checks the choosing itself). A study resumed from
+    the archive the sweep wrote trains and decodes nothing."""
+    root = studied[0]
+    study = _quick(studied[1].data_dir, mixers=("transformer",), tasks=("translation",))
+    study.tuning.update({"steps": 6, "learning_rates": (6e-3,), "lenpens": (1.0, 1.5)})
+    out = tmp_path / "out"
+    shutil.copytree(root / "out" / "tokenizers", out / "tokenizers")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XLA_FLAGS", helpers.xla_flags())
+        records = driver.run_study(study, str(out), str(tmp_path / "docs"), command="test")
+    saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text())
+    tune, lenpen = saved["tuning"]["runs"]
+    assert tune["status"] == "ok" and tune["step"] == 6 and 0 < tune["validation_nll"] < 10
+    assert lenpen["status"] == "ok" and set(lenpen["scores"]) == {"1", "1.5"}
+    chosen = 1.0 if lenpen["scores"]["1"] >= lenpen["scores"]["1.5"] else 1.5
+    assert saved["tuning"]["chosen"] == [{"task": "translation", "mixer": "transformer", "learning_rate": 6e-3,
+                                          "lenpen": chosen}]
+    spec = json.loads((out / "runs" / "translation" / "transformer" / "seed0" / "study_spec.json").read_text())
+    assert spec["config"]["optim"]["learning_rate"] == 6e-3 and spec["config"]["decode"]["lenpen"] == chosen
+    assert records[0]["status"] == "ok" and records[0]["test_examples"] == 1216
+    decoded = (out / "runs" / "translation" / "transformer" / "tune_lr0.006" / "validation.hyp.txt")
+    assert decoded.exists() and not (decoded.parent / "test.hyp.txt").exists()  # the sweep never reads test
+    assert "## Tuning: each mixer's recipe" in (tmp_path / "docs" / "results.md").read_text()
+    archive_dir = tmp_path / "docs" / "results" / "runs" / "translation" / "transformer"
+    archived = sorted(p.name for p in archive_dir.iterdir())
+    assert archived == ["lenpen_lr0.006.json", "seed0.json", "tune_lr0.006.json"]
+
+    monkeypatch.setattr(run_lib, "_run_process", lambda *args: pytest.fail("a restored run was run again"))
+    shutil.copytree(out / "tokenizers", tmp_path / "out2" / "tokenizers")
+    resumed = driver.run_study(study, str(tmp_path / "out2"), str(tmp_path / "docs2"),
+                               resume_from=str(tmp_path / "docs"), command="test")
+    assert resumed[0]["restored"] and resumed[0]["bleu"] == records[0]["bleu"]
+    again = json.loads((tmp_path / "docs2" / "results" / "results.json").read_text())["tuning"]
+    assert again["chosen"] == saved["tuning"]["chosen"]
+    assert any(line.startswith("restored 2 finished runs from") for line in lconv_log())  # the sweep's two
+
+
 def _processes_running(text: str) -> list[int]:
     """Pids of live (not zombie) processes whose command line contains ``text``, from ``ps``."""
     command = ["ps", "-ww", "-eo", "pid=,stat=,args="]  # -ww: whole command lines whatever COLUMNS says
@@ -201,7 +243,7 @@ def test_sigterm_to_the_study_stops_the_run_it_is_waiting_for(studied, tmp_path)
     spec = out / "runs" / "lm" / "transformer" / "seed0" / "study_spec.json"
     env = {**os.environ, "XLA_FLAGS": helpers.xla_flags()}
     study = subprocess.Popen([sys.executable, "-m", "lconv.study", "--config=configs/study.py:quick",
-                              "--config.tasks=lm", "--config.mixers=transformer",
+                              "--config.tasks=lm", "--config.mixers=transformer", "--config.tuning.steps=0",
                               f"--config.data_dir={studied[1].data_dir}",
                               f"--output_dir={out}", f"--docs_dir={tmp_path / 'docs'}"],
                              cwd=pathlib.Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,

@@ -1,0 +1,140 @@
+"""The fair-recipe sweep (``lconv.study.tuning``) without training: which processes it runs, what it chooses from
+their validation figures, and how the seeds' configs take the choice. A fake launcher stands in for the run
+processes; tests/test_study.py runs the sweep for real in the quick study."""
+import pytest
+
+from lconv.configs import study as study_config
+from lconv.errors import UserError
+from lconv.study import archive, plan, report, tuning
+
+VOCAB = {"translation": 512, "lm": 512}
+
+
+@pytest.fixture(scope="module")
+def quick_plan():
+    study = plan.normalize(study_config.get_config("quick"))
+    study.tasks, study.mixers, study.seeds = ("translation", "lm"), ("transformer", "dynamic"), (0, 1)
+    return study, plan.templates(study, VOCAB)
+
+
+class FakeLauncher:
+    """Answers each sweep process from tables: validation NLL per (task, mixer, rate), validation scores per
+    length penalty; ``fail`` names processes that fail. Records what was launched."""
+
+    def __init__(self, nll, scores, fail=()):
+        self.nll, self.scores, self.fail, self.launched = nll, scores, set(fail), []
+
+    def __call__(self, sweep):
+        self.launched.append(sweep.name)
+        r = sweep.record
+        if sweep.name in self.fail:
+            return {**r, "status": "failed", "error": "boom"}
+        if r["kind"] == "tune":
+            return {**r, "status": "ok", "validation_nll": self.nll[(r["task"], r["mixer"], r["learning_rate"])]}
+        return {**r, "status": "ok", "scores": self.scores[(r["task"], r["mixer"])]}
+
+
+def _nll(best_translation_rate, best_lm_rate):
+    """Lower NLL at the named rate, per task, for both mixers."""
+    table = {}
+    for task, best in (("translation", best_translation_rate), ("lm", best_lm_rate)):
+        for mixer in ("transformer", "dynamic"):
+            for rate in (3e-3, 6e-3):
+                table[(task, mixer, rate)] = 4.0 if rate == best else 4.5
+    return table
+
+
+def test_each_mixer_gets_the_rate_with_the_lowest_validation_nll_and_the_best_length_penalty(quick_plan):
+    study, templates = quick_plan
+    sweeps = tuning.planned_sweeps(study, templates)
+    scores = {("translation", "transformer"): {"1": 10.0, "1.5": 12.0},
+              ("translation", "dynamic"): {"1": 11.0, "1.5": 11.0}}  # a tie: the first listed wins
+    launch = FakeLauncher(_nll(6e-3, 3e-3), scores)
+    choices, records = tuning.choose(study, sweeps, "/nowhere", launch)
+    assert choices[("translation", "transformer")].learning_rate == 6e-3
+    assert choices[("translation", "transformer")].lenpen == 1.5
+    assert choices[("translation", "dynamic")].lenpen == 1.0
+    assert choices[("lm", "dynamic")].learning_rate == 3e-3 and choices[("lm", "dynamic")].lenpen is None
+    # Only the chosen rate's run is decoded, and never for the LM; each process once, none of the test split.
+    assert launch.launched == [
+        "translation/transformer/tune_lr0.003", "translation/transformer/tune_lr0.006",
+        "translation/transformer/lenpen_lr0.006", "translation/dynamic/tune_lr0.003",
+        "translation/dynamic/tune_lr0.006", "translation/dynamic/lenpen_lr0.006",
+        "lm/transformer/tune_lr0.003", "lm/transformer/tune_lr0.006", "lm/dynamic/tune_lr0.003",
+        "lm/dynamic/tune_lr0.006"]
+    assert len(records) == len(launch.launched)
+    for sweep in sweeps:  # short runs of the tuning seed at their rate, validated once at their end
+        c = sweep.config
+        assert c.train.num_steps == study.tuning.steps == c.train.eval_every and c.seed == study.tuning.seed
+        assert c.optim.learning_rate == sweep.record["learning_rate"]
+    # Every seed of a mixer trains and decodes at its choice; the matched FFN width is kept.
+    planned = plan.expand(study, templates, _recipe(study, choices))
+    assert len(planned) == 2 * 4
+    for run in planned:
+        choice = choices[(run.key.task, run.key.mixer)]
+        assert run.config.optim.learning_rate == choice.learning_rate and run.waiting is None
+        if run.key.task == "translation":
+            assert run.config.decode.lenpen == choice.lenpen
+        template = next(t for t in templates if t.key.task == run.key.task and t.key.mixer == run.key.mixer)
+        assert run.config.model.ffn_dim == template.config.model.ffn_dim
+    text = "\n".join(report.tuning_lines(study, records, choices))
+    assert "| Transformer | 4.5000 | 4.0000 | **0.006** | 10.00 | 12.00 | **1.5** |" in text
+    assert "| DynamicConv | 4.0000 | 4.5000 | **0.003** |" in text  # the LM table has no length penalty
+
+
+def _recipe(study, choices):
+    from lconv.study import driver
+
+    return driver._recipe(study, choices)
+
+
+def test_an_incomplete_sweep_leaves_its_seeds_waiting_not_run_at_another_recipe(quick_plan):
+    study, templates = quick_plan
+    sweeps = tuning.planned_sweeps(study, templates)
+    launch = FakeLauncher(_nll(3e-3, 3e-3), {("translation", m): {"1": 1.0, "1.5": 2.0}
+                                              for m in ("transformer", "dynamic")},
+                          fail={"translation/dynamic/tune_lr0.006", "translation/transformer/lenpen_lr0.003"})
+    choices, _ = tuning.choose(study, sweeps, "/nowhere", launch)
+    assert ("translation", "dynamic") not in choices and ("translation", "transformer") not in choices
+    assert "translation/dynamic/lenpen_lr0.003" not in launch.launched  # no decoding of an unfinished sweep
+    planned = plan.expand(study, templates, _recipe(study, choices))
+    waiting = {run.key.name for run in planned if run.waiting}
+    assert waiting == {f"translation/{m}/seed{s}" for m in ("transformer", "dynamic") for s in (0, 1)}
+
+
+def test_the_archive_names_each_sweep_process_and_a_task_runs_its_first_seeds(quick_plan):
+    study, templates = quick_plan
+    for sweep in tuning.planned_sweeps(study, templates):
+        assert archive.entry_name(sweep.record) == sweep.name
+        assert archive.archive_path("/a", sweep.name) == f"/a/{sweep.name}.json"
+    assert archive.entry_name({"task": "lm", "mixer": "dynamic", "seed": 2}) == "lm/dynamic/seed2"
+    limited = plan.normalize(study)
+    limited.translation.max_seeds = 1
+    runs = plan.expand(limited, templates)
+    assert sorted(r.key.seed for r in runs if r.key.task == "translation") == [0, 0]
+    assert sorted(r.key.seed for r in runs if r.key.task == "lm") == [0, 0, 1, 1]
+    full = plan.normalize(study_config.get_config("full"))
+    assert plan.task_seeds(full, "summarization") == (0, 1) and plan.task_seeds(full, "lm") == (0, 1, 2)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", -1, "config.tuning.steps=-1"), ("learning_rates", (), "config.tuning.learning_rates=[]"),
+    ("lenpens", (1.0, 1.0), "config.tuning.lenpens=[1.0, 1.0]"), ("seed", -2, "config.tuning.seed=-2")])
+def test_bad_tuning_fields_are_one_line_errors(field, value, message):
+    study = plan.normalize(study_config.get_config("quick"))
+    study.tuning[field] = value
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tuning.check(study)
+
+
+def test_a_length_penalty_sweep_made_with_other_penalties_is_refused(quick_plan):
+    study, templates = quick_plan
+    sweeps = [s for s in tuning.planned_sweeps(study, templates) if s.record["task"] == "translation"]
+
+    def launch(sweep):
+        if sweep.record["kind"] == "tune":
+            return {**sweep.record, "status": "ok", "validation_nll": 1.0}
+        return {**sweep.record, "status": "ok", "lenpens": [1.0, 2.0], "scores": {"1": 1.0, "2": 2.0}}
+
+    with pytest.raises(UserError, match=r"translation/transformer/lenpen_lr0.003 decoded at length penalties"):
+        tuning.choose(study, sweeps, "/nowhere", launch)
