@@ -226,6 +226,23 @@ def test_the_tuning_sweep_chooses_on_validation_and_its_archive_resumes_it(studi
     assert any(line.startswith("restored 2 finished runs from") for line in lconv_log())  # the sweep's two
 
 
+def test_the_speed_table_is_measured_in_the_study_process_and_reported(studied, tmp_path):
+    """``--report_only --speed``: every mixer's real train step and decoding pass, in this process, into
+    results/speed.json and the report's speed table (tests/test_study_tuning.py checks the turns and medians)."""
+    root, study, _, _ = studied
+    only = plan.normalize(study)
+    only.tasks = ("translation", "lm")
+    driver.run_study(only, str(root / "out"), str(tmp_path / "docs"), report_only=True, command="test",
+                     measure_speed=True)
+    measured = json.loads((tmp_path / "docs" / "results" / "speed.json").read_text())
+    assert {(r["task"], r["mixer"]) for r in measured["rows"]} == {("translation", "transformer"),
+                                                                   ("translation", "colt5"), ("lm", "transformer")}
+    for row in measured["rows"]:
+        assert row["train_tokens_per_s"] > 0 and row["decode_sentences_per_s"] > 0 and row["rounds"] == 5
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "## Speed, side by side in one process" in text and "| CoLT5 |" in text
+
+
 def _processes_running(text: str) -> list[int]:
     """Pids of live (not zombie) processes whose command line contains ``text``, from ``ps``."""
     command = ["ps", "-ww", "-eo", "pid=,stat=,args="]  # -ww: whole command lines whatever COLUMNS says

@@ -138,3 +138,36 @@ def test_a_length_penalty_sweep_made_with_other_penalties_is_refused(quick_plan)
 
     with pytest.raises(UserError, match=r"translation/transformer/lenpen_lr0.003 decoded at length penalties"):
         tuning.choose(study, sweeps, "/nowhere", launch)
+
+
+def test_the_speed_table_alternates_the_mixers_in_one_process_and_drops_the_compiling_round(quick_plan,
+                                                                                             monkeypatch):
+    """Turns, not blocks: every round times each mixer once (train, then decode), so a change in the host's load
+    falls on all of them; round 0 compiles and is not counted. Fake programs that advance a fake clock."""
+    from lconv.study import speed
+
+    study, templates = quick_plan
+    study = plan.normalize(study)
+    study.tasks = ("translation",)
+    clock, calls = [0.0], []
+    cost = {("transformer", "train"): 2.0, ("dynamic", "train"): 1.0, ("transformer", "decode"): 4.0,
+            ("dynamic", "decode"): 1.0}
+
+    def program(mixer, kind):
+        def call():
+            calls.append((mixer, kind))
+            clock[0] += cost[(mixer, kind)] * (10 if len(calls) <= 4 else 1)  # the first round compiles: slow
+        return call
+
+    monkeypatch.setattr(speed, "_shared_inputs", lambda config, directory: (None, None))
+    monkeypatch.setattr(speed, "_contender", lambda t, batch, sources, study: speed._Contender(
+        t.key.mixer, program(t.key.mixer, "train"), program(t.key.mixer, "decode"), 1000, 64))
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
+    rows = speed.measure(study, templates, {"translation": "/nowhere"}, rounds=3)
+    assert calls == [(m, k) for _ in range(4) for m in ("transformer", "dynamic") for k in ("train", "decode")]
+    by_mixer = {r["mixer"]: r for r in rows}
+    assert [by_mixer[m]["train_tokens_per_s"] for m in ("transformer", "dynamic")] == [500, 1000]
+    assert [by_mixer[m]["decode_sentences_per_s"] for m in ("transformer", "dynamic")] == [16, 64]
+    text = "\n".join(report.speed_lines(study, {"machine": {"cpu": "test cpu"}, "rows": rows}))
+    assert "| DynamicConv | 1,000 | 2.00x | 64.0 | 4.00x |" in text and "test cpu" in text
+    assert "Not measured yet" in "\n".join(report.speed_lines(study, None))

@@ -21,6 +21,9 @@ flags.DEFINE_bool("report_only", False, "Write the report from the runs already 
 flags.DEFINE_string("resume_from", None, "A study's docs dir (e.g. docs): its archived finished runs "
                     "(results/runs/) are copied into --output_dir instead of trained again; their configs must "
                     "equal the plan's.")
+flags.DEFINE_bool("speed", False, "First measure the speed table: every mixer's train and decode speed at the "
+                  "study's sizes, side by side in this one process (run it on an idle host); with --report_only, "
+                  "that and the report only.")
 flags.mark_flags_as_required(["config", "output_dir"])
 
 
@@ -38,7 +41,7 @@ def main(argv: list[str]) -> None:
         outputs.claim_directory(FLAGS.docs_dir, "study", "--docs_dir", committed_ok=docs_default)
         command = "python -m lconv.study " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         records = driver.run_study(FLAGS.config, FLAGS.output_dir, FLAGS.docs_dir, report_only=FLAGS.report_only,
-                                   resume_from=FLAGS.resume_from, command=command)
+                                   resume_from=FLAGS.resume_from, command=command, measure_speed=FLAGS.speed)
     failed = sum(r["status"] == "failed" for r in records)
     print(f"{len(records)} runs: {sum(r['status'] == 'ok' for r in records)} ok, {failed} failed, "
           f"{sum(r['status'] == 'n/a' for r in records)} n/a; report in {FLAGS.docs_dir}/results.md")

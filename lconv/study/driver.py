@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from lconv.errors import UserError
-from lconv.study import archive, plan, report, tuning
+from lconv.study import archive, plan, report, speed, tuning
 from lconv.study import run as run_lib
 
 logger = logging.getLogger(__name__)
@@ -77,10 +77,11 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
 
 
 def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
-              resume_from: str | None = None, command: str = "") -> list[dict[str, Any]]:
+              resume_from: str | None = None, command: str = "", measure_speed: bool = False) -> list[dict[str, Any]]:
     """Runs (or, with ``report_only``, only collects) the tuning sweeps, then every planned run, then writes the
     report into ``docs_dir``. ``resume_from``: a study's docs dir whose archived finished runs are copied in first
-    instead of trained again (``lconv.study.archive``). Returns the records, one per (task, mixer, seed)."""
+    instead of trained again (``lconv.study.archive``). ``measure_speed``: first the speed table, every mixer in
+    this process (``lconv.study.speed``). Returns the records, one per (task, mixer, seed)."""
     study = plan.normalize(study)
     plan.check_study(study)
     tuning.check(study)
@@ -91,6 +92,9 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     tokenizers = prepare_tokenizers(study, output_dir)
     logger.info("planning: matching parameter counts")
     templates = plan.templates(study, {task: vocab for task, (_, vocab) in tokenizers.items()})
+    if measure_speed:
+        rows = speed.measure(study, templates, {t: os.path.dirname(path) for t, (path, _) in tokenizers.items()})
+        logger.info(f"speed table: {speed.write(rows, docs_dir)}")
     sweeps = tuning.planned_sweeps(study, templates) if tuning.enabled(study) else []
     sweep_runs = [(s.name, s.config, os.path.join(output_dir, s.record["workdir"])) for s in sweeps]
     check_runs_match_plan(sweep_runs, output_dir)

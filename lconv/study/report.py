@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections
 
 from lconv.nn.model_config import ModelConfig
-from lconv.study import archive, measure, plan, plots
+from lconv.study import archive, measure, plan, plots, speed
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +186,21 @@ def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], recor
         rows_text = (f"{d.batch_size} stream rows x {d.max_target_length}-token windows" if task == "lm" else
                      f"{d.batch_size} {'packed ' if d.pack else ''}rows of {d.max_input_length}/"
                      f"{d.max_target_length} tokens")
-        decode = "" if task == "lm" else f"; beam {c.decode.beam_size}, length penalty {c.decode.lenpen}"
+        cooldown = (f", a linear cooldown over the last {c.optim.cooldown_fraction:.0%}"
+                    if c.optim.cooldown_fraction else "")
+        tuned = bool(study.tuning.steps and study.tuning.learning_rates)
+        lenpen = "the length penalty of its sweep" if tuned else f"length penalty {c.decode.lenpen}"
+        decode = "" if task == "lm" else f"; beam {c.decode.beam_size}, {lenpen}"
+        rate = "the peak rate of its sweep (Tuning, below)" if tuned else f"{c.optim.learning_rate:g}"
+        scored = ("the final checkpoint scored" if study.average_last == 1 else
+                  f"the last {study.average_last} averaged for the test score")
         sides = ModelConfig.from_config(m, vocab_size=d.vocab_size)
         width, heads = (sides.per_side(name, task == "lm") for name in ("d_model", "num_heads"))
         lines.append(f"- **{task}**: {c.train.num_steps} updates of {rows_text}; d {width}, {heads} heads, "
                      f"{layers} layers, kernels {tuple(m.decoder_kernel_sizes)}, vocabulary {d.vocab_size}; "
-                     f"{c.optim.optimizer} {c.optim.learning_rate:g}, {c.optim.schedule} after "
-                     f"{c.optim.warmup_steps} warm-up steps; checkpoints every {c.train.checkpoint_every} updates, "
-                     f"the last {study.average_last} averaged for the test score{decode}. FFN width per mixer "
+                     f"{c.optim.optimizer} at {rate}, {c.optim.schedule} after {c.optim.warmup_steps} warm-up "
+                     f"steps{cooldown}; checkpoints every {c.train.checkpoint_every} updates, {scored}{decode}. "
+                     "FFN width per mixer "
                      f"(matched parameters): {widths}.")
     return lines
 
@@ -221,7 +228,8 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
         writer.writerows(records)
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
     archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
-    text = markdown(study, rows, records, meta, figures, tuning_lines(study, sweep_records, choices))
+    text = markdown(study, rows, records, meta, figures,
+                    tuning_lines(study, sweep_records, choices) + speed_lines(study, speed.read(docs_dir)))
     with open(os.path.join(docs_dir, "results.md"), "w") as f:
         f.write(text)
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
@@ -265,6 +273,44 @@ def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Recor
     return lines
 
 
+def limited_seeds(study: ml_collections.ConfigDict) -> str:
+    """``"; summarization runs the first 2"`` for the tasks that run fewer than the study's seeds."""
+    limited = [f"{task} runs the first {len(plan.task_seeds(study, task))}" for task in study.tasks
+               if len(plan.task_seeds(study, task)) < len(study.seeds)]
+    return "".join(f"; {text}" for text in limited)
+
+
+def speed_lines(study: ml_collections.ConfigDict, measured: Record | None) -> list[str]:
+    """The speed table of ``lconv.study.speed``: per task, each mixer's medians and its ratio to the reference."""
+    if not measured:
+        return ["## Speed, side by side in one process\n",
+                "Not measured yet: `python -m lconv.study --config=... --report_only --speed` (on an idle host).\n"]
+    lines = ["## Speed, side by side in one process\n",
+             f"Measured by `--speed` on {timing_line(measured['machine'])}: every mixer of a task built in one "
+             "process at the study's sizes with random weights, taking turns (one train step on the same batch, "
+             "then one decoding pass over the same validation sources: beam search that runs to the length limit, "
+             "or the LM's greedy generation); medians over the rounds (lconv/study/speed.py).\n"]
+    for task in study.tasks:
+        rows = [r for r in measured["rows"] if r["task"] == task]
+        ref = next((r for r in rows if r["mixer"] == study.reference_mixer), None)
+        if not rows:
+            continue
+        decode = "decode rows/s" if task == "lm" else "decode sentences/s"
+        lines += [f"**{task}**\n", f"| mixer | train tokens/s | vs {plan.label(study.reference_mixer)} | {decode} | "
+                  f"vs {plan.label(study.reference_mixer)} |", "|---|---|---|---|---|"]
+        for r in rows:
+            train, decode = (f"{r[k] / ref[k]:.2f}x" if ref else "—" for k in ("train_tokens_per_s",
+                                                                              "decode_sentences_per_s"))
+            lines.append(f"| {r['label']} | {_fmt(r['train_tokens_per_s'], 0)} | {train} | "
+                         f"{_fmt(r['decode_sentences_per_s'], 1)} | {decode} |")
+        lines.append("")
+    return lines
+
+
+def timing_line(machine: Record) -> str:
+    return f"{machine.get('cpu', '?')}; {machine.get('device', '?')}; {machine.get('jax', '?')}"
+
+
 LENPEN_TITLES = {"translation": "BLEU", "summarization": "ROUGE-L"}
 
 
@@ -284,7 +330,8 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         f"{' (report only)' if meta['report_only'] else ''}.{restored_line(records)}\n",
         "## Budget\n",
         f"Every mixer of a task gets the same step budget, data order, tokenizer and seeds "
-        f"({', '.join(map(str, study.seeds))}: each sets the init/dropout seed and the data-shuffling seed); "
+        f"({', '.join(map(str, study.seeds))}: each sets the init/dropout seed and the data-shuffling seed"
+        f"{limited_seeds(study)}); "
         f"parameter counts are matched to the {plan.label(study.reference_mixer)}'s within "
         f"{study.param_tolerance:.0%} by the FFN width alone (lconv/study/plan.py).\n",
         *budget_lines(study, rows, records),
