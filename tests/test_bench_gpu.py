@@ -40,6 +40,9 @@ def test_the_default_command_fits_its_minutes_and_the_run_stage_gets_three_minut
 def test_fit_keeps_rows_in_order_of_value_while_their_estimates_fit_the_cap():
     fitted = gpu_plan.fit(["a", "b", "c", "d"], {"a": 3, "b": 5, "c": 4, "d": 1}.get, 9.0)
     assert fitted.kept == ["a", "b", "d"] and fitted.cut == ["c"] and fitted.seconds == 9  # d still fits after c
+    assert gpu_plan.cut_reason(fitted.seconds, 9.0) == (
+        "cut: not in the plan (the kept rows take an estimated 9 s of the 9 s cap)")
+    assert "earlier stages overran" in gpu_plan.cut_reason(0.0, -1.0)  # nothing left of the cap
 
 
 def test_the_op_plan_measures_bfloat16_first_pallas_beside_band_and_the_baselines_last_at_one_T():

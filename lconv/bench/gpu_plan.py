@@ -88,8 +88,11 @@ def op_row_seconds(impl: str, threads: int) -> float:
 
 
 def cut_reason(seconds: float, cap_s: float) -> str:
-    """A cut row's status: the stage's plan had no room for it."""
-    return f"cut: not in the plan (the rows before it take an estimated {seconds:.0f} s of the {cap_s:.0f} s cap)"
+    """A cut row's status: the stage's plan (its kept rows, an estimated ``seconds``) had no room for it in
+    ``cap_s``, or nothing was left of the cap (earlier stages overran theirs)."""
+    if cap_s <= 0:
+        return "cut: not in the plan (no time left in the stage's cap: earlier stages overran theirs)"
+    return f"cut: not in the plan (the kept rows take an estimated {seconds:.0f} s of the {cap_s:.0f} s cap)"
 
 
 TIME_RAN_OUT = "cut: the stage's time ran out"
