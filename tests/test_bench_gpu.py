@@ -27,6 +27,11 @@ def test_the_default_command_fits_its_minutes_and_the_run_stage_gets_three_minut
         assert sum(cap for _, cap in caps) == pytest.approx(gpu_plan.DEFAULT_MINUTES * 60)
         assert [s for s, _ in caps] == ["ops", "train"] + ["profile"] * profile_on + ["run", "beam"]
         assert gpu_plan.run_budget(dict(caps)["run"]) >= gpu_plan.RUN_MIN_BUDGET_S
+    caps = dict(gpu_plan.stage_caps(gpu_plan.DEFAULT_MINUTES))  # without --profile every train T and beam size fits
+    assert gpu_plan.train_fit(train_suite.T_FULL, caps["train"] - gpu_plan.STAGE_START_S).cut == []
+    from lconv.bench import beam
+
+    assert gpu_plan.beam_fit(beam.TRAINED_ROWS, caps["beam"] - gpu_plan.STAGE_START_S).cut == []
     from lconv.bench import gpu
 
     # the command, each stage's kill grace once (the next stage's cap absorbs an overrun), under 9 minutes

@@ -141,8 +141,8 @@ def ops_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -
 def train_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -> list[report.Row]:
     T_list = (64,) if opts.quick else train.T_FULL
     dtype = "bfloat16" if train.accelerator() else "float32"  # bf16 on CPU is emulated: slower, not faster
-    cap = deadline - time.monotonic() - gpu_plan.TRAIN_MATMUL_S
-    fitted = gpu_plan.fit(T_list, lambda T: gpu_plan.TRAIN_T_S, cap)
+    cap = deadline - time.monotonic()
+    fitted = gpu_plan.train_fit(T_list, cap)
     cuts = [f"T={T} {gpu_plan.cut_reason(fitted.seconds, cap)}" for T in fitted.cut]
     rows = []
     for T in fitted.kept:  # T by T, so a cut stage keeps the shorter length's rows
@@ -260,8 +260,8 @@ def beam_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) 
             report.write_results(opts.out, "gpu_beam", rows, beam.section(rows, info, opts.command), opts.doc)
         return rows
     rows_list = (16,) if opts.quick else beam.TRAINED_ROWS
-    cap = deadline - time.monotonic() - gpu_plan.BEAM_LOAD_S
-    fitted = gpu_plan.fit(rows_list, lambda _: gpu_plan.BEAM_ROWS_S, cap - gpu_plan.BEAM_ROWS_S)  # auto's first
+    cap = deadline - time.monotonic()
+    fitted = gpu_plan.beam_fit(rows_list, cap)
     cuts = [f"{rows} rows {gpu_plan.cut_reason(fitted.seconds, cap)}" for rows in fitted.cut]
     rows = beam.run_trained(workdir, tuple(fitted.kept), limit=QUICK_BEAM_SENTENCES if opts.quick else None,
                             deadline=deadline)

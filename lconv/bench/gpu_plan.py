@@ -16,7 +16,7 @@ Item = TypeVar("Item")
 DEFAULT_MINUTES = 8.0  # the command's default: with one stage's kill grace and the machine's start, under 9 minutes
 # Each stage's share of --minutes; the shares sum to 1, each includes its process's start. The run stage gets the
 # most: under 3 minutes of budget the default trains too few updates for its BLEU to mean anything
-STAGES = (("ops", 0.18), ("train", 0.18), ("run", 0.45), ("beam", 0.19))
+STAGES = (("ops", 0.17), ("train", 0.18), ("run", 0.45), ("beam", 0.20))
 PROFILE_SHARE = 0.07  # --profile adds a stage of this share; the others shrink in proportion
 RUN_MIN_BUDGET_S = 180.0  # the run stage's budget at the default minutes, --profile or not, is at least this
 RUN_MARGIN_S = 10.0  # the run's budget stops this long before its stage's cap (process exit, the report)
@@ -75,16 +75,27 @@ def fit(items: Sequence[Item], estimate: Callable[[Item], float], cap_s: float) 
 # previous group's timing) and timing it (a warm-up call and half a second of runs, the inputs made)
 OP_COMPILE_S = {"band": 2.0, "pallas": 4.0, "pallas-fused": 4.0, "conv": 7.0, "shift": 2.0, "unfold": 3.0}
 OP_MEASURE_S = 1.0
-TRAIN_T_S = 40.0  # one T of the train stage: three models compiled (10-15 s each) and timed in alternation
+TRAIN_T_S = 30.0  # one T of the train stage: three models compiled at once (10-15 s each alone), timed in turn
 TRAIN_MATMUL_S = 3.0  # the matmul rate measured before the first T
 PROFILE_S = 15.0  # one model's step compiled (read back from the shared cache: the train stage compiled it) and traced
 BEAM_LOAD_S = 10.0  # the trained checkpoint read and the test split tokenised
-BEAM_ROWS_S = 20.0  # one decoding batch size: its programs compiled, a first pass and the timed passes
+BEAM_ROWS_S = 19.0  # one decoding batch size: its programs compiled and a first pass (12-16 s), 3 timed passes
 
 
 def op_row_seconds(impl: str, threads: int) -> float:
     """A GPU op row's estimated seconds (``impl``'s compile spread over ``threads``, and its timing)."""
     return OP_COMPILE_S.get(impl, max(OP_COMPILE_S.values())) / max(threads, 1) + OP_MEASURE_S
+
+
+def train_fit(T_list: Sequence[int], seconds_left: float) -> Fitted:
+    """The train stage's lengths that fit ``seconds_left`` after the matmul rate's measurement."""
+    return fit(T_list, lambda T: TRAIN_T_S, seconds_left - TRAIN_MATMUL_S)
+
+
+def beam_fit(rows_list: Sequence[int], seconds_left: float) -> Fitted:
+    """The beam stage's decoding batch sizes that fit ``seconds_left`` after the checkpoint's load and auto's size
+    (which always runs first)."""
+    return fit(rows_list, lambda rows: BEAM_ROWS_S, seconds_left - BEAM_LOAD_S - BEAM_ROWS_S)
 
 
 def cut_reason(seconds: float, cap_s: float) -> str:
