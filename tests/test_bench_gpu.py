@@ -142,6 +142,7 @@ def _trace_file(tmp_path, device: bool) -> str:
               {"ph": "X", "pid": 1, "tid": 11, "name": "fusion.1", "ts": 0, "dur": 300.0},
               {"ph": "X", "pid": 1, "tid": 11, "name": "fusion.1", "ts": 400, "dur": 100.0},
               {"ph": "X", "pid": 1, "tid": 11, "name": "ThreadpoolListener::Record", "ts": 0, "dur": 5.0},
+              {"ph": "X", "pid": 1, "tid": 11, "name": "ThunkExecutor::Execute", "ts": 0, "dur": 800.0},
               {"ph": "X", "pid": 1, "tid": 11, "name": "dot.2", "ts": 600, "dur": 200.0}]
     if device:
         events += [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},

@@ -7,7 +7,8 @@ the kernels the device ran stay. ``trace`` writes the trace (with its Perfetto/C
 - where the trace has a device process (``/device:GPU:0`` ...), its stream threads' events (``Stream #...``; all of
   its threads when none is named so), which are the kernels;
 - otherwise (a CPU run), the events of the host's XLA executor threads (every thread but ``python``), less the
-  profiler's own bookkeeping (``ThreadpoolListener::...``).
+  profiler's and the executor's bookkeeping (``BOOKKEEPING``). CPU spans may still nest (a while loop's encloses
+  its body's ops); a GPU's kernels do not.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import jax
 
 from lconv.bench import report
 
-BOOKKEEPING = ("ThreadpoolListener::", "end: ")  # the CPU client's own markers, not work
+# The CPU client's own markers and the executor's spans that enclose the ops it runs, not work of their own
+BOOKKEEPING = ("ThreadpoolListener::", "ThunkExecutor::", "end: ")
 HOST_THREADS = ("python",)  # the dispatching thread: Python frames and PjRt calls, not the device's work
 
 
