@@ -197,3 +197,14 @@ def test_a_real_trace_of_a_jitted_step_reduces_to_named_work(tmp_path):
     assert rows and all(r["ms_per_step"] >= 0 and r["calls_per_step"] > 0 for r in rows)
     assert sum(r["share"] for r in rows) == pytest.approx(1)
     assert not any(r["kernel"].startswith(profile.BOOKKEEPING) for r in rows)
+
+
+def test_the_gpu_flags_on_another_suite_are_a_one_line_error(capsys):
+    from lconv.bench import __main__ as bench_main
+
+    for flags in (["--profile"], ["--compilation_cache=/tmp/x"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_main.main(["mixers", *flags])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err == "error: --profile and --compilation_cache are the gpu suite's; the mixers suite has neither\n"
