@@ -279,7 +279,7 @@ def test_a_gpu_stage_past_its_cap_is_killed_reported_and_the_next_stage_runs(tmp
     caps = [cap for _, cap in gpu_plan.stage_caps(8.0)]
     assert sum(caps) == pytest.approx(480)
     assert [stage for stage, _ in launched] == ["ops", "train", "run", "beam"]
-    assert [t for _, t in launched[:2]] == [cap + gpu.KILL_GRACE_S for cap in caps[:2]]
+    assert [t for _, t in launched[:2]] == pytest.approx([cap + gpu.KILL_GRACE_S for cap in caps[:2]])
     assert launched[2][1] == pytest.approx(caps[2])  # the run's cap pays the train's overrun (its grace)
     assert launched[3][1] == pytest.approx(caps[3] + gpu.KILL_GRACE_S)
     assert sum(r["cap_s"] for r in rows) + gpu.KILL_GRACE_S == pytest.approx(480)  # the command ends on time
