@@ -7,7 +7,7 @@
 #      OUT/failures.log as it happens (tests/failures_now.py), so a cut run still says what passed and why not.
 # The bench runs alone first: tests sharing the GPU would make its timings wrong.
 #
-#   [TOTAL_SECONDS=N] scripts/accelerator_session.sh BENCH_MINUTES TEST_SECONDS OUT [extra bench flags, e.g. --quick]
+#   [TOTAL_SECONDS=N] scripts/accelerator_session.sh BENCH_MINUTES TEST_SECONDS OUT [extra bench flags, e.g. --profile]
 # On CPU, `TEST_PLATFORMS=cpu scripts/accelerator_session.sh 2 60 /tmp/session --quick` smoke-tests the script.
 set -uo pipefail
 bench_minutes=$1 test_seconds=$2 out=$3
@@ -17,10 +17,11 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi -L 2>/dev/null; python -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
   2>&1 | tee "$out/machine.txt"
 
-# The bench stops its own stages at their caps; the outer timeout is only a backstop (its grace is 20 s a stage).
+# The bench stops its own stages at their caps (a stage's overrun comes out of the next one's); the outer timeout is
+# only a backstop.
 timeout "$(python -c "print(int($bench_minutes * 60 + 100))")" python -m lconv.bench gpu --minutes "$bench_minutes" "$@" \
   2>&1 | tee "$out/bench.log"
-if [ "$*" = "--quick" ]; then results=/tmp/lconv_bench_quick; else results="docs/benchmarks-gpu.md docs/bench/gpu"; fi
+case " $* " in *" --quick "*) results=/tmp/lconv_bench_quick ;; *) results="docs/benchmarks-gpu.md docs/bench/gpu" ;; esac
 tar czf "$out/bench.tgz" $results 2>/dev/null || echo "no bench results to pack" | tee -a "$out/bench.log"
 
 first=(test_decode test_sharding test_stream test_pallas_conv test_ops test_mixers test_linear_cross_entropy

@@ -215,21 +215,21 @@ def test_the_beam_suite_decodes_a_split_of_short_sources_and_tables_the_speed_up
 # ----------------------------------------------------------------------------------------------------------------
 # python -m lconv.bench gpu: one command, its stages under caps
 # ----------------------------------------------------------------------------------------------------------------
-def test_the_gpu_floor_moves_each_array_once_in_its_dtype_and_the_plan_measures_the_fast_impls_first():
-    from lconv.bench import gpu
+def test_the_gpu_floor_moves_each_array_once_in_its_dtype_and_the_plan_measures_every_impl():
+    from lconv.bench import gpu_ops
 
-    C, HK = gpu.C, gpu.H * gpu.K  # read x, dy, w and write y, dx, dw once; fwd: read x (w), write y
-    assert gpu.floor_bytes_per_token("light", "float32", "fwd+bwd") == 16 * C
-    assert gpu.floor_bytes_per_token("dynamic", "float32", "fwd+bwd") == 16 * C + 8 * HK
-    assert gpu.floor_bytes_per_token("dynamic", "bfloat16", "fwd") == 2 * (2 * C + HK)
-    plan = gpu._op_plan(quick=False)
+    C, HK = gpu_ops.C, gpu_ops.H * gpu_ops.K  # read x, dy, w and write y, dx, dw once; fwd: read x (w), write y
+    assert gpu_ops.floor_bytes_per_token("light", "float32", "fwd+bwd") == 16 * C
+    assert gpu_ops.floor_bytes_per_token("dynamic", "float32", "fwd+bwd") == 16 * C + 8 * HK
+    assert gpu_ops.floor_bytes_per_token("dynamic", "bfloat16", "fwd") == 2 * (2 * C + HK)
+    plan = gpu_ops.op_plan(quick=False)
     assert len(plan) == len(set(plan))
-    fast = [p for p in plan if p[1] in gpu.FAST_IMPLS and p[4] == "fwd+bwd"]
-    assert plan[:len(fast)] == fast and len(fast) == 2 * len(gpu.T_FULL) * 2 * 2  # dtypes x T x ops x impls
-    assert {(op, impl) for op, impl, *_ in plan} == {(op, impl) for op, impls in gpu.OPS.items() for impl in impls}
-    fused = [p for p in plan if p[1] == "pallas-fused"]  # right after the fast rows, at the first and last T
-    assert plan[len(fast):len(fast) + len(fused)] == fused and {p[3] for p in fused} == {256, 16384}
-    assert len(fused) == 2 * 2 * 2 and {p[4] for p in fused} == {"fwd+bwd"}
+    every = {("light", i) for i in ("band", "pallas", "pallas-fused", "conv", "shift", "unfold")}
+    every |= {("dynamic", i) for i in ("band", "pallas", "pallas-fused", "shift", "unfold")}
+    assert {(op, impl) for op, impl, *_ in plan} == every
+    fused = [p for p in plan if p[1] == "pallas-fused"]  # beside band and the split backward, at every T and dtype
+    assert {(p[2], p[3]) for p in fused} == {(d, T) for d in ("bfloat16", "float32") for T in gpu_ops.T_FULL}
+    assert len(fused) == 2 * 3 * 2 and {p[4] for p in fused} == {"fwd+bwd"}
 
 
 def test_the_gpu_op_stage_gives_the_pallas_bytes_model_and_times_both_backwards():
@@ -237,7 +237,7 @@ def test_the_gpu_op_stage_gives_the_pallas_bytes_model_and_times_both_backwards(
     (1.25x light, 1.3x dynamic); "pallas-fused" lowers to one backward kernel where "pallas" has two."""
     from jax import export
 
-    from lconv.bench import gpu
+    from lconv.bench import gpu_ops as gpu
 
     def ratio(op, impl, dtype="float32"):
         return gpu.model_bytes_per_token(op, impl, dtype, "fwd+bwd") / gpu.floor_bytes_per_token(op, dtype, "fwd+bwd")
@@ -251,50 +251,61 @@ def test_the_gpu_op_stage_gives_the_pallas_bytes_model_and_times_both_backwards(
     assert gpu.model_bytes_per_token("light", "band", "float32", "fwd+bwd") is None
     triton = "__gpu$xla.gpu.triton"
     for impl, kernels in (("pallas", 3), ("pallas-fused", 2)):
-        fn, args = gpu._op_program(dict(op="light", impl=impl, dtype="float32", T=64, B=1, passes="fwd+bwd"))
+        fn, args = gpu.op_program(dict(op="light", impl=impl, dtype="float32", T=64, B=1, passes="fwd+bwd"))
         exported = export.export(jax.jit(fn), platforms=["cuda"],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args)
         assert exported.mlir_module().count(f"@{triton}(") == kernels, impl
 
 
 def test_a_gpu_stage_past_its_cap_is_killed_reported_and_the_next_stage_runs(tmp_path, monkeypatch):
-    from lconv.bench import gpu
+    from lconv.bench import gpu, gpu_plan
 
-    launched = []
+    launched, clock = [], {"now": 0.0}
 
     def fake_launch(command, timeout):
         stage = next(a.split("=", 1)[1] for a in command if a.startswith("--stage="))
         launched.append((stage, timeout))
-        if stage == "train":
+        if stage == "train":  # it ran to its kill: the stages after it share what is left of the command's time
+            clock["now"] += timeout
             raise subprocess.TimeoutExpired(command, timeout)
+        clock["now"] += timeout - gpu.KILL_GRACE_S  # the others take their whole cap
         return 3 if stage == "beam" else 0
 
     monkeypatch.setattr(gpu, "launch_stage", fake_launch)
+    monkeypatch.setattr(gpu.time, "monotonic", lambda: clock["now"])
     opts = argparse.Namespace(stage=None, minutes=8.0, quick=True, data_dir=None, out=str(tmp_path),
-                              doc=str(tmp_path / "b.md"), command="cmd")
+                              doc=str(tmp_path / "b.md"), command="cmd", profile=False, compilation_cache=None)
     rows = gpu.run_suite(opts, timing.machine_info())
-    caps = [share * 480 for _, share in gpu.STAGES]
-    assert launched == [(stage, cap + gpu.KILL_GRACE_S) for (stage, _), cap in zip(gpu.STAGES, caps)]
+    caps = [cap for _, cap in gpu_plan.stage_caps(8.0)]
     assert sum(caps) == pytest.approx(480)
+    assert [stage for stage, _ in launched] == ["ops", "train", "run", "beam"]
+    assert [t for _, t in launched[:2]] == pytest.approx([cap + gpu.KILL_GRACE_S for cap in caps[:2]])
+    assert launched[2][1] == pytest.approx(caps[2])  # the run's cap pays the train's overrun (its grace)
+    assert launched[3][1] == pytest.approx(caps[3] + gpu.KILL_GRACE_S)
+    assert sum(r["cap_s"] for r in rows) + gpu.KILL_GRACE_S == pytest.approx(480)  # the command ends on time
     status = {r["stage"]: r["status"] for r in rows}
     assert status["ops"] == status["run"] == "done" and status["train"].startswith("killed at its cap")
     assert status["beam"].startswith("failed (exit 3")
     assert "| train | killed at its cap" in (tmp_path / "b.md").read_text()
 
 
-@pytest.mark.slow  # four processes that compile tiny models for about two minutes: the slow tier
+@pytest.mark.slow  # five processes that compile tiny models for several minutes on a shared CPU: the slow tier
 def test_the_gpu_command_runs_every_stage_at_tiny_sizes_on_cpu(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "lconv.bench", "gpu", "--quick", "--minutes=6",
+    result = subprocess.run([sys.executable, "-m", "lconv.bench", "gpu", "--quick", "--profile", "--minutes=12",
                              f"--out={tmp_path}", f"--doc={tmp_path}/b.md"], cwd=_ROOT, capture_output=True,
-                            text=True, timeout=480)
+                            text=True, timeout=1000)
     assert result.returncode == 0, result.stderr[-2000:]
-    from lconv.bench import gpu
+    from lconv.bench import gpu_plan
 
-    for stage, _ in gpu.STAGES:
+    stages = [line.split(":")[0].removeprefix("stage ") for line in result.stdout.splitlines()
+              if line.startswith("stage ")]
+    assert stages == [stage for stage, _ in gpu_plan.stage_caps(12, profile=True)], result.stdout[-3000:]
+    for stage in stages:
         assert f"stage {stage}: done" in result.stdout, result.stdout[-3000:]
     doc = (tmp_path / "b.md").read_text()
-    for section in ("gpu", "gpu_ops", "gpu_train", "gpu_run", "gpu_beam"):
+    for section in ("gpu", "gpu_ops", "gpu_train", "gpu_profile", "gpu_run", "gpu_beam"):
         assert f"<!-- bench:{section} -->" in doc and (tmp_path / f"{section}.csv").is_file()
+    assert "FLOP model T=64" in doc and "| ops | done |" in doc
     import csv
 
     ops_rows = list(csv.DictReader(open(tmp_path / "gpu_ops.csv")))
@@ -307,3 +318,9 @@ def test_the_gpu_command_runs_every_stage_at_tiny_sizes_on_cpu(tmp_path):
     run = next(csv.DictReader(open(tmp_path / "gpu_run.csv")))
     assert int(run["updates"]) == 4 and int(run["test_sentences"]) > 1000 and float(run["first_update_s"]) > 0
     assert run["setup_parts"].startswith("data and tokenizer ") and "model and optimizer state" in run["setup_parts"]
+    beam_rows = list(csv.DictReader(open(tmp_path / "gpu_beam.csv")))  # the run's checkpoint, auto's size first
+    assert [int(r["step"]) for r in beam_rows] == [4, 4] and beam_rows[0]["auto"] == "True"
+    assert float(beam_rows[0]["sentences_per_s"]) > 0 and "The run's final evaluation decoded its 1216" in doc
+    kernels = list(csv.DictReader(open(tmp_path / "gpu_profile.csv")))
+    assert {r["model"] for r in kernels} == {"DynamicConv", "Transformer"} and all(
+        float(r["ms_per_step"]) >= 0 for r in kernels)

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from lconv import console, outputs
+from lconv.bench import gpu_plan
 from lconv.errors import UserError
 
 SUITES = ("mixers", "limits", "decode", "beam", "train")  # "all" runs these
@@ -98,15 +99,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--T", default=None, help="sequence lengths for the mixers suite, e.g. 256,1024,4096")
     parser.add_argument("--mixers", default="", help="the mixers suite's mixer rows, instead of every registered "
                         "mixer's: names or package.module:Class, comma-separated (the conv op rows stay)")
-    parser.add_argument("--minutes", type=float, default=8.0, help="gpu: the whole command's minutes, shared by "
-                        "its stages")
+    parser.add_argument("--minutes", type=float, default=gpu_plan.DEFAULT_MINUTES, help="gpu: the whole command's "
+                        "minutes, shared by its stages")
+    parser.add_argument("--profile", action="store_true", help="gpu: also trace the train step and table its time "
+                        "per kernel name")
+    parser.add_argument("--compilation_cache", default=None, help="gpu: the folder of compiled programs its stages "
+                        "share, or none (default: a folder in the temp dir, so a second try compiles nothing)")
     parser.add_argument("--data_dir", default=None, help="gpu: the prepared corpus of its default-run stage "
                         "(default: configs/default.py's)")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # gpu: the stage a child process runs
     parser.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # ... and its cap
+    parser.add_argument("--scratch", default=None, help=argparse.SUPPRESS)  # ... and the command's scratch folder
+    parser.add_argument("--started", type=float, default=None, help=argparse.SUPPRESS)  # ... its launch, time.time()
     opts = parser.parse_args(argv)
     if opts.suite not in SUITES + ONE_COMMAND_SUITES + ("all",):
         parser.error(f"unknown suite {opts.suite!r}; choose one of {', '.join(SUITES + ONE_COMMAND_SUITES)}, all")
+    if opts.suite != "gpu" and (opts.profile or opts.compilation_cache):
+        parser.error(f"--profile and --compilation_cache are the gpu suite's; the {opts.suite} suite has neither")
     if not 0.5 <= opts.minutes <= 60:
         parser.error(f"--minutes must be between 0.5 and 60; got {opts.minutes}")
     try:
@@ -136,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if opts.suite != "gpu" or opts.stage not in gpu.STAGE_FUNCTIONS or not opts.seconds or not opts.out:
             parser.error("--stage is the gpu suite's own: run python -m lconv.bench gpu")
-        opts.command = "python -m lconv.bench gpu" + " --quick" * opts.quick
+        opts.command = "python -m lconv.bench gpu" + " --quick" * opts.quick + " --profile" * opts.profile
         gpu.run_suite(opts, timing.machine_info())
         return
     resolve_outputs(opts, parser, timing.backend())

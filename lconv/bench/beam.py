@@ -16,6 +16,8 @@ import collections
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,10 +25,11 @@ import numpy as np
 from lconv.bench import report, timing
 from lconv.configs import common, default
 from lconv.constants import EOS_ID
-from lconv.data import pipeline
+from lconv.data import pipeline, sources
+from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import compiled, decode_and_score
-from lconv.run import model_setup
+from lconv.run import model_setup, restore
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,74 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
                         f"{row['sentences_per_s']:8.1f} sentences/s ({batches}; first pass with compile "
                         f"{row['first_pass_s']:.1f} s)")
     return results
+
+
+TRAINED_ROWS = (256, 64, 16)  # the trained run's decoding batch sizes, after auto's: the widest first
+
+
+def test_split(config: Any, tokenizer: Any, limit: int | None = None) -> pipeline.EvalSet:
+    """The test split of ``config``'s dataset as eval.py reads it (its eval lengths and batch), the first ``limit``
+    sentences when given."""
+    data = DataConfig.from_config(config.data)
+    source, input_key, target_key = sources.get_source(data.dataset, "test", data.data_dir, data.raw_dir)
+    lengths = {"inputs": data.eval_max_input_length, "targets": data.eval_max_target_length}
+    split = pipeline.make_eval_set(source, input_key, target_key, tokenizer, lengths, data.eval_batch_size)
+    if limit is None or limit >= len(split.tokens):
+        return split
+    return pipeline.EvalSet(split.examples[:limit], split.tokens[:limit], split.batch_size,
+                            math.ceil(limit / split.batch_size), split.lengths, split.stats)
+
+
+def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
+    """auto's size first (what eval.py and train.py decode with), then ``rows_list``'s in its order, those over
+    ``count`` (the split's size) and auto's left out."""
+    return [auto] + [r for r in dict.fromkeys(rows_list) if r <= count and r != auto]
+
+
+def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limit: int | None = None,
+                deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[report.Row]:
+    """The trained run in ``workdir`` (its latest checkpoint) decodes its test split (the first ``limit`` sentences)
+    at auto's decoding batch size and each of ``rows_list``'s; no new size starts after ``deadline``."""
+    trained = restore.load_trained(workdir, devices=jax.devices()[:1])
+    config, model, params = trained.config, trained.model, trained.params
+    eval_set = test_split(config, trained.tokenizer, limit)
+    count = len(eval_set.tokens)
+    auto = min(count, compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size,
+                                           config.decode.beam_size))
+    results = []
+    for rows in rows_order(auto, rows_list, count):
+        if deadline is not None and clock() > deadline:
+            logger.info(f"  rows {rows} and the sizes after it: cut, the time ran out")
+            break
+        config.decode.batch_size = rows
+        row = dict(model=config.model.decoder_mixer, rows=rows, auto=rows == auto, sentences=count,
+                   batches=math.ceil(count / rows), beam=config.decode.beam_size, step=trained.steps[-1],
+                   **_time_split(config, model, params, eval_set))
+        results.append(row)
+        logger.info(f"  trained step {row['step']} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
+                    f"{row['sentences_per_s']:8.1f} sentences/s (first pass with compile {row['first_pass_s']:.1f} s)")
+    return results
+
+
+def trained_section(rows: list[report.Row], final: dict[str, float] | None, info: dict[str, str],
+                    command: str) -> str:
+    """The trained run's decoding rates by batch size, beside its final evaluation's own rate."""
+    r0 = rows[0]
+    if final:
+        final_text = (f"The run's final evaluation decoded its {final.get('examples')} test sentences at "
+                      f"{final.get('sentences_per_s') or float('nan'):.1f} sentences/s, its programs' compilation "
+                      f"and the first pass's warm-up included ({final.get('decode_seconds') or float('nan'):.1f} s).")
+    else:
+        final_text = "The run's final evaluation left no rate."
+    return "\n\n".join([
+        f"### Beam search of the trained default run, by decoding batch size (`{command}`)\n",
+        f"Machine: {timing.describe(info)}. The run stage's checkpoint (step {r0['step']}, its {r0['model']} "
+        f"decoder), beam {r0['beam']}, over the first {r0['sentences']} sentences of its test split through "
+        f"`decode_batches` (eval.py's path); median of {REPEATS} passes after a first pass that compiles. "
+        f"auto is `decode.batch_size = 0`'s choice here. {final_text}",
+        report.markdown_table(["rows", "auto", "batches", "sentences/s", "first pass with compile, s"],
+                              [[r["rows"], "yes" if r["auto"] else "", r["batches"], r["sentences_per_s"],
+                                r["first_pass_s"]] for r in rows])])
 
 
 def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, float]:

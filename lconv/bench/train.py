@@ -121,24 +121,38 @@ def attention_kernel(config: setup.Config) -> str | None:
                            dropout=config.model.attention_dropout > 0)
 
 
-def _trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
-    """A compiled train step, its state (donated at every step) and one batch, for the ``mixer`` LM at ``T``."""
+def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
+    """The ``mixer`` LM's train step at ``T`` lowered (not yet compiled), with its state and one batch."""
     config = lm_config(mixer, T, dtype, fused_loss, size)
     model = model_setup.build_model(config, vocab)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, model_setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
     batch, lr_factor = _batch(config, vocab), np.float32(1.0)  # the learning-rate factor, as the training loop
-    compiled, compile_s = timing.compile_fn(steps.make_train_step(config, lr), (state, batch, lr_factor),
-                                            donate_argnums=(0,))
-    memory = compiled.memory_analysis()
-    holder = {"state": state, "params": model_setup.count_params(state.params), "attention": attention_kernel(config),
-              "temp_bytes": None if memory is None else memory.temp_size_in_bytes}
+    lowered = jax.jit(steps.make_train_step(config, lr), donate_argnums=(0,)).lower(state, batch, lr_factor)
+    holder = {"state": state, "params": model_setup.count_params(state.params), "attention": attention_kernel(config)}
+    return lowered, holder, batch, lr_factor, config.data.batch_size
 
-    def step():
-        holder["state"], sums = compiled(holder["state"], batch, lr_factor)
-        return sums["loss"]
 
-    return step, compiled, compile_s, holder, config.data.batch_size
+def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
+    """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names (``label: (mixer, T,
+    dtype, vocab, fused_loss, size)``): a compiled train step whose state (donated at every step) ``holder`` keeps,
+    and one batch. The programs compile at once, in threads (XLA compiles outside the GIL); ``compile_s`` is each
+    one's wall time among them."""
+    lowered = {label: _lowered_trainer(*args) for label, args in settings.items()}
+    programs = timing.compile_many([parts[0] for parts in lowered.values()], len(lowered))
+    made = {}
+    for (label, (_, holder, batch, lr_factor, B)), (compiled, compile_s) in zip(lowered.items(), programs):
+        if isinstance(compiled, Exception):
+            raise compiled
+        memory = compiled.memory_analysis()
+        holder["temp_bytes"] = None if memory is None else memory.temp_size_in_bytes
+
+        def step(compiled=compiled, holder=holder, batch=batch, lr_factor=lr_factor):
+            holder["state"], sums = compiled(holder["state"], batch, lr_factor)
+            return sums["loss"]
+
+        made[label] = (step, compiled, compile_s, holder, B)
+    return made
 
 
 def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None = None,
@@ -168,16 +182,16 @@ def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None
 
 
 def _alternate(settings: dict[str, tuple], repeats: int) -> list[report.Row]:
-    """Rows of the trainers ``settings`` names (``label: _trainer's arguments``), their steps in alternation."""
-    trainers = {label: _trainer(*args) for label, args in settings.items()}
+    """Rows of the trainers ``settings`` names (``trainers``' settings), their steps in alternation."""
+    made = trainers(settings)
     times = {label: [] for label in settings}
     for round_ in range(repeats + 1):
-        for label, (step, *_rest) in trainers.items():
+        for label, (step, *_rest) in made.items():
             seconds = timing.time_calls(step, 1, warmup=0)[0]
             if round_:  # round 0 warms up
                 times[label].append(seconds)
     rows = []
-    for label, (_, compiled, compile_s, holder, B) in trainers.items():
+    for label, (_, compiled, compile_s, holder, B) in made.items():
         mixer, T, dtype, vocab, fused, size = settings[label]
         median = timing.summarize(times[label])["median_s"]
         tokens = B * T
@@ -200,9 +214,6 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
     models = [r for r in rows if r["model"] in MODELS]
     sweep = [r for r in rows if r["model"] not in MODELS]
 
-    def get(label, T, dtype, key):
-        return next((r[key] for r in models if r["model"] == label and r["T"] == T and r["dtype"] == dtype), None)
-
     runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in models))
     parts = [f"### Training step (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {_size_text(models[0])}; "
@@ -219,16 +230,40 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
                  [[r["model"], r["T"], r["dtype"], r["attention"], r["params"], r["tokens_per_s"], r["step_s"],
                    r["model_flops_per_token"] / 1e9, r["xla_flops_per_token"] / 1e9, r["mfu"], r.get("temp_mib"),
                    r["compile_s"]] for r in models]),
-             "**Tokens/s relative to the Transformer, same run**\n",
-             report.markdown_table(["model"] + [f"T={T} {dtype}" for T, dtype in runs],
-                                   [[lab] + [get(lab, T, dt, "tokens_per_s") / get("Transformer", T, dt, "tokens_per_s")
-                                             for T, dt in runs] for lab in MODELS])]
+             "**Tokens/s relative to the Transformer, same run**, beside the FLOP model's ideal (the Transformer's "
+             "model FLOPs per token over the model's: the speed-up were every step as fast per FLOP)\n",
+             speed_up_table(models, runs)]
     if sweep:
         parts += [f"**The output layer and loss by vocabulary** (DynamicConv, T={sweep[0]['T']}; the fused loss, "
                   "`config.optim.fused_loss=True`, against a log-softmax over materialised float32 logits, their "
                   "steps alternating)\n", _sweep_table(sweep)]
     parts.append(f"![training tokens/s]({report.figure('train.png')})\n")
     return "\n\n".join(p.strip() for p in parts)
+
+
+def ideal_speed_up(rows: Sequence[report.Row], label: str, T: int, dtype: str) -> float | None:
+    """The FLOP model's speed-up of ``label`` over the Transformer at ``T``: the ratio of their analytic model
+    FLOPs per token (``model_flops_per_token``), which is the measured ratio's ceiling at equal FLOP rates."""
+    def flops(model):
+        return next((r["model_flops_per_token"] for r in rows
+                     if (r["model"], r["T"], r["dtype"]) == (model, T, dtype)), None)
+
+    ours, transformer = flops(label), flops("Transformer")
+    return transformer / ours if ours and transformer else None
+
+
+def speed_up_table(rows: Sequence[report.Row], runs: Sequence[tuple[int, str]]) -> str:
+    """Each model's measured tokens/s over the Transformer's of the same ``(T, dtype)``, then, at each T, its FLOP
+    model's speed-up (the same in every dtype)."""
+    def measured(label, T, dtype):
+        speed = {r["model"]: r["tokens_per_s"] for r in rows if (r["T"], r["dtype"]) == (T, dtype)}
+        return speed[label] / speed["Transformer"] if label in speed and "Transformer" in speed else None
+
+    ideal_at = {T: dtype for T, dtype in runs}  # one column per T
+    header = ["model"] + [f"T={T} {dt}" for T, dt in runs] + [f"FLOP model T={T}" for T in ideal_at]
+    return report.markdown_table(header, [[lab] + [measured(lab, T, dt) for T, dt in runs]
+                                          + [ideal_speed_up(rows, lab, T, dt) for T, dt in ideal_at.items()]
+                                          for lab in MODELS])
 
 
 def _size_text(row: report.Row) -> str:
