@@ -35,7 +35,7 @@ from lconv.run import backend, load_options, metrics, restore, schema
 
 def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1, dtype: str | None = None,
          decode_batch_size: int | None = None, max_input_length: int | None = None,
-         devices: Sequence[jax.Device] | None = None) -> Model:
+         devices: Sequence[jax.Device] | None = None, trust_plugins: bool = False) -> Model:
     """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
     checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only. A list of workdirs
@@ -45,11 +45,15 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     accelerator; the params stay float32, as in training: ``config.model.dtype``), ``decode_batch_size`` the rows
     per decoding batch (``config.decode.batch_size``; 0 = auto), ``max_input_length`` the longest source in
     tokens (``config.data.eval_max_input_length``; longer ones are cut). ``devices``: the mesh the params are laid
-    out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows."""
+    out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows.
+
+    A run from elsewhere is data: a plugin mixer its config names as ``"module:Class"`` is imported (its code run)
+    only with ``trust_plugins=True``, or when this process has it already (registered, or its module imported)."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
     if not isinstance(workdir, (str, os.PathLike)) and isinstance(workdir, Sequence) and workdir:
         options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
-                       decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices)
+                       decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices,
+                       trust_plugins=trust_plugins)
         return ensemble([load(path, **options) for path in workdir])
     if not isinstance(workdir, (str, os.PathLike)) or not str(workdir):
         raise UserError(f"workdir: must be a path or URL of a run (a non-empty string), or a list of them; got "
@@ -58,7 +62,8 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
                                        max_input_length=max_input_length)
     return Model(restore.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
                                       caller="lconv.load", spell=str, overrides=overrides,
-                                      devices=load_options.checked_devices(devices)))
+                                      devices=load_options.checked_devices(devices),
+                                      trust_plugins=bool(trust_plugins)))
 
 
 def ensemble(models: Sequence[Model]) -> Model:

@@ -58,6 +58,7 @@ import functools
 import importlib
 import logging
 import re
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -241,6 +242,17 @@ def import_plugin_module(module_name: str, what: str) -> Any:
         raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 (whatever a plugin raises on import: one line)
         raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
+
+
+def runs_no_new_code(kind: str, spec: str) -> bool:
+    """Whether resolving ``spec`` ("module:Class") imports nothing new: a target this process's registry names
+    (lconv's own mixers, the user's ``register_mixer`` calls, installed entry points), or a module already imported.
+    A spec read from a stored config that is neither would run a file from elsewhere (``trust_plugins``)."""
+    _load_entry_points()
+    table = _MIXERS if kind == "mixer" else _FFNS
+    if any(spec == _describe(target) for target in table.values()):
+        return True
+    return spec.partition(":")[0] in sys.modules
 
 
 def _error_line(error: BaseException) -> str:
