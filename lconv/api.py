@@ -13,7 +13,9 @@ tokens) and kept by the ``Model``, so calling it again on other sentences of sim
 """
 from __future__ import annotations
 
+import copy
 import functools
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -31,6 +33,8 @@ from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
 from lconv.run import backend, load_options, metrics, restore, schema
+
+logger = logging.getLogger(__name__)
 
 
 def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1, dtype: str | None = None,
@@ -70,7 +74,8 @@ def ensemble(models: Sequence[Model]) -> Model:
     """``models`` decoding together, as fairseq-generate's ``--path a.pt:b.pt``: at each step their next-token
     distributions are averaged (the log of the mean probability, ``lconv.nn.ensemble``). The result is a
     ``Model``: ``translate`` / ``score`` / ``bleu`` or ``generate`` / ``perplexity`` run the ensemble, with the
-    first model's config (its decoding settings and limits) and tokenizer, which every member must share. A
+    first model's config (its decoding settings; its length limits the members' minimum) and tokenizer, which
+    every member must share. A
     member that is itself an ensemble adds its members, so every model weighs the same."""
     if isinstance(models, (str, Model)) or not isinstance(models, Sequence) or not models:
         raise UserError("models: pass a non-empty list of lconv.Model (lconv.load(...) of each run)")
@@ -86,11 +91,33 @@ def ensemble(models: Sequence[Model]) -> Model:
         else:
             members.append((model.module, model.params, f"models[{i}]"))
     model_ensemble.check_members([m for m, _, _ in members], [name for _, _, name in members])
-    module = model_ensemble.Ensemble(tuple(m for m, _, _ in members))
+    # Each member its own module instance: one instance listed twice (ensemble([m, m]), or a nested ensemble's
+    # member again) would be bound once, and its decoding caches shared between the two.
+    module = model_ensemble.Ensemble(tuple(m.clone(parent=None) for m, _, _ in members))
     params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(members)}
     first = models[0]
-    return Model(restore.Trained(first.config, ":".join(m.workdir for m in models), first.tokenizer, module, params,
-                                 [step for m in models for step in m.steps]))
+    return Model(restore.Trained(_shared_limits(models), ":".join(m.workdir for m in models), first.tokenizer, module,
+                                 params, [step for m in models for step in m.steps]))
+
+
+LIMITS = ("data.eval_max_input_length", "data.eval_max_target_length", "model.max_len")
+
+
+def _shared_limits(models: Sequence[Model]) -> Any:
+    """The first model's config with each length limit (``LIMITS``, in tokens) the members' minimum, so that no
+    member is handed a source, target or prompt longer than its positions; a lowered limit is said once."""
+    config = copy.deepcopy(models[0].config)
+    lowered = []
+    for name in LIMITS:
+        section, field = name.split(".")
+        values = [min(int(m.config[section][field]), int(m.config.model.max_len)) for m in models]
+        if min(values) < int(config[section][field]):
+            lowered.append(f"config.{name} {config[section][field]} -> {min(values)} "
+                           f"(models[{values.index(min(values))}]'s)")
+            config[section][field] = min(values)
+    if lowered:
+        logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")
+    return config
 
 
 class Model(probing.Probing):

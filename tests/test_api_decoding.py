@@ -3,6 +3,7 @@ search by brute force on the models' full teacher-forced passes (its first steps
 distribution the mean of the members'), and the per-token mixture of the members' own ``score``."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -138,6 +139,33 @@ def test_an_ensemble_of_one_model_is_that_model(mt):
                                mt.score(SOURCES[0], "Ein Werkzeug.")["token_scores"], rtol=1e-6, atol=1e-6)
 
 
+def test_an_ensemble_of_one_model_twice_is_that_model(mt):
+    """One Model object listed twice: each member is its own module instance, so the search's caches are not
+    shared (they were: its translation differed from the model's, its scores from score()'s by 0.71 nats)."""
+    twice = lconv.ensemble([mt, mt])
+    assert twice.module.members[0] is not twice.module.members[1]
+    found = twice.translate(SOURCES, beam_size=3, nbest=3)
+    _assert_same_up_to_rounding(found, mt.translate(SOURCES, beam_size=3, nbest=3))
+    target = found[0][0]["tokens"]
+    np.testing.assert_allclose(twice.score(SOURCES[0], target)["token_scores"],
+                               mt.score(SOURCES[0], target)["token_scores"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_log):
+    """A member with fewer positions than the first member's limits would read positions it has not learned (NaN
+    scores, an empty n-best): the ensemble takes the members' minimum and says so once."""
+    short = copy.copy(mt)
+    short.config = copy.deepcopy(mt.config)
+    short.config.model.max_len = 9
+    pair = lconv.ensemble([mt, short])
+    for limit in ("eval_max_input_length", "eval_max_target_length"):
+        assert pair.config.data[limit] == 9 < mt.config.data[limit]
+    assert pair.config.model.max_len == 9 and mt.config.model.max_len > 9  # the member's own config is kept
+    (line,) = [m for m in lconv_log() if "ensemble" in m]
+    assert "models[1]" in line and "eval_max_input_length" in line
+    assert lconv.ensemble([mt, mt]).config.to_dict() == mt.config.to_dict()
+
+
 def _assert_same_up_to_rounding(a: list[list[dict]], b: list[list[dict]]) -> None:
     """The same hypotheses, scores equal to float32 rounding (the ensemble normalises its log-probs twice)."""
     assert len(a) == len(b)
@@ -161,6 +189,19 @@ def test_an_ensemble_of_two_decodes_the_mean_of_their_distributions(mt, mt_other
     with pytest.raises(UserError) as error:
         pair.kernels(SOURCES[0])
     helpers.one_line_error(error, "kernels()", "ensemble")
+
+
+@pytest.mark.slow  # a three-member ensemble's programs: CI runs it, the quick command skips it
+def test_a_nested_ensemble_weighs_each_model_alike_and_scores_as_its_search_does(mt, mt_other):
+    """ensemble([ensemble([a, b]), a]): three members, a twice (each its own module instance), so per token the
+    log of (2 p_a + p_b) / 3; the search's scores equal score()'s of the tokens it found (they were 1.58 off)."""
+    nested = lconv.ensemble([lconv.ensemble([mt, mt_other]), mt])
+    found = nested.translate(SOURCES[:1], beam_size=2, nbest=1)[0][0]
+    scored = nested.score(SOURCES[0], found["tokens"])
+    own = [np.asarray(m.score(SOURCES[0], found["tokens"])["token_scores"], np.float64) for m in (mt, mt_other)]
+    expected = np.log((2 * np.exp(own[0]) + np.exp(own[1])) / 3)
+    np.testing.assert_allclose(scored["token_scores"], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(found["token_scores"], scored["token_scores"], rtol=1e-5, atol=1e-5)
 
 
 def test_ensembles_of_what_cannot_decode_together_are_one_line_errors(mt):
