@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import jax
-from etils import epath
 
 from lconv import outputs
 from lconv.data import paths, pipeline
@@ -213,7 +212,9 @@ def _check_writable(path: str, what: str) -> None:
     if paths.is_url(path):  # a remote filesystem (gs://...): no local check
         return
     directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    if os.path.islink(path):
+        problem = "it is a symbolic link (lconv writes no output through a link)"
+    elif os.path.isdir(path):
         problem = "it is a directory"
     elif not os.path.isdir(directory):
         problem = f"the directory {directory} does not exist"
@@ -344,7 +345,7 @@ def _write_lines(path: str, outputs: Sequence[str]) -> None:
 
 def _write_text(path: str, text: str) -> None:
     if jax.process_index() == 0:
-        epath.Path(path).write_text(text, encoding="utf-8")
+        outputs.write_atomically(path, text)
         logger.info(f"outputs written to {path}")  # the default, <workdir>/output.txt, is not on the command line
 
 

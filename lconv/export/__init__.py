@@ -102,12 +102,12 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
                 exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
                 entry = dict(file=f"translate_r{r}_w{w}.jax", rows=r, width=w, output_len=length)
-            (directory / entry["file"]).write_bytes(bytes(exported.serialize()))
+            outputs.write_atomically(directory / entry["file"], bytes(exported.serialize()))
             programs.append(entry)
     buffer = io.BytesIO()
     np.savez(buffer, **traverse_util.flatten_dict(params, sep="/"))
-    (directory / "params.npz").write_bytes(buffer.getvalue())
-    (directory / trained.tokenizer.filename).write_bytes(trained.tokenizer.to_bytes())
+    outputs.write_atomically(directory / "params.npz", buffer.getvalue())
+    outputs.write_atomically(directory / trained.tokenizer.filename, trained.tokenizer.to_bytes())
     impl = config.model.conv_impl
     sidecar = {
         "format": FORMAT_VERSION, "task": config.task, "workdir": trained.workdir, "steps": trained.steps,
@@ -119,7 +119,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
         "jax_version": jax.__version__, "config": json.loads(config.to_json()),
     }
-    (directory / SIDECAR).write_text(json.dumps(sidecar, indent=2))
+    outputs.write_atomically(directory / SIDECAR, json.dumps(sidecar, indent=2))
     return sidecar
 
 

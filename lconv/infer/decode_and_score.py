@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from lconv import outputs
 from lconv.constants import PAD_ID
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
@@ -345,8 +346,8 @@ def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, sco
         return
     directory = epath.Path(workdir)
     if hypotheses is not None:
-        (directory / f"{name}.hyp.txt").write_text(lines_text(hypotheses), encoding="utf-8")
-    (directory / f"{name}.scores.json").write_text(json.dumps(scores, indent=2), encoding="utf-8")
+        outputs.write_atomically(directory / f"{name}.hyp.txt", lines_text(hypotheses))
+    outputs.write_atomically(directory / f"{name}.scores.json", json.dumps(scores, indent=2))
 
 
 def lines_text(outputs: Sequence[str]) -> str:
