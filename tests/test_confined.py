@@ -72,3 +72,142 @@ def test_a_failed_write_keeps_the_earlier_file_and_leaves_no_temporary(tmp_path)
     assert path.read_text() == "earlier\n" and sorted(p.name for p in tmp_path.iterdir()) == ["output.txt"]
     outputs.write_atomically(path, "later\n")
     assert path.read_text() == "later\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A checkpoint's manifest names files inside its step folder, and those are plain files
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def step_dir(tmp_path):
+    from lconv.run import integrity
+
+    step = tmp_path / "checkpoints" / "5"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "a").write_bytes(b"abc")
+    integrity.write_manifest(str(step))
+    return step
+
+
+def _tamper(step, change):
+    import json
+
+    from lconv.run import integrity
+
+    path = step / integrity.MANIFEST_FILENAME
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("outside", ["../../outside.txt", "ABSOLUTE", "state/../../../outside.txt", "./state/a"])
+def test_a_manifest_naming_a_path_outside_its_checkpoint_is_corrupt(step_dir, outside):
+    """Even with the right size and digest (it was read and accepted): only paths inside the step folder count."""
+    import hashlib
+
+    from lconv.run import integrity
+
+    target = step_dir.parents[1] / "outside.txt"
+    target.write_bytes(b"abc")
+    outside = str(target) if outside == "ABSOLUTE" else outside
+    _tamper(step_dir, lambda m: m["sha256"].update({outside: [3, hashlib.sha256(b"abc").hexdigest()]}))
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step_dir))
+    helpers.one_line_error(error, str(step_dir), outside, "outside the checkpoint")
+
+
+def test_a_checkpoint_file_linked_out_or_to_a_device_is_corrupt_not_read(step_dir):
+    """``state/a`` linked to /dev/zero hung eval.py forever (hashing an endless file)."""
+    from lconv.run import integrity
+
+    (step_dir / "state" / "a").unlink()
+    (step_dir / "state" / "a").symlink_to("/dev/zero")
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step_dir))
+    helpers.one_line_error(error, "state/a", "symbolic link")
+
+
+@pytest.mark.parametrize("manifest", [[], {"sha256": []}, {"sha256": {"state/a": 3}}, {"sha256": {"state/a": [3]}},
+                                      {"sha256": {"state/a": ["3", "x"]}}, "text"])
+def test_a_malformed_manifest_is_one_line(step_dir, manifest):
+    import json
+
+    from lconv.run import integrity
+
+    (step_dir / integrity.MANIFEST_FILENAME).write_text(json.dumps(manifest))
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step_dir))
+    helpers.one_line_error(error, str(step_dir), integrity.MANIFEST_FILENAME)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An export's sidecar names plain files in its folder; a workdir's tokenizer is its own; reads are bounded
+# ----------------------------------------------------------------------------------------------------------------
+def _export(folder, **changes):
+    """A folder with an export's sidecar (the rest of the export is not needed to reach the checks)."""
+    import json
+
+    from lconv import export
+
+    folder.mkdir(exist_ok=True)
+    sidecar = {"format": export.FORMAT_VERSION, "task": "translation", "tokenizer": "spm.model",
+               "params": "params.npz", "programs": [{"file": "translate_r1_w32.jax", "rows": 1, "width": 32}],
+               "search": {"beam_size": 1, "lenpen": 0.6}}
+    sidecar.update(changes)
+    (folder / export.SIDECAR).write_text(json.dumps(sidecar))
+    return folder
+
+
+@pytest.mark.parametrize("field, name", [("tokenizer", "/etc/hostname"), ("params", "../outside/x.npz"),
+                                         ("params", "/tmp/x.npz"), ("programs", "../p.jax"), ("tokenizer", "..")])
+def test_an_export_sidecar_naming_a_file_outside_it_is_refused(tmp_path, field, name):
+    from lconv import export
+
+    value = [{"file": name, "rows": 1, "width": 32}] if field == "programs" else name
+    folder = _export(tmp_path / "exported", **{field: value})
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, export.SIDECAR, repr(name))
+
+
+def test_an_export_file_linked_out_of_its_folder_or_not_a_file_is_refused(tmp_path, tiny_data):
+    import os
+    import shutil
+
+    from lconv import export
+
+    folder = _export(tmp_path / "exported")
+    (tmp_path / "elsewhere.model").write_bytes(tiny_data.spm.read_bytes())
+    (folder / "spm.model").symlink_to(tmp_path / "elsewhere.model")
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, "spm.model", "leads out of")
+    (folder / "spm.model").unlink()
+    shutil.copy(tiny_data.spm, folder / "spm.model")
+    os.mkfifo(folder / "params.npz")  # would block the reader forever
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, "params.npz", "not a regular file")
+
+
+def test_a_workdirs_tokenizer_linked_to_a_device_or_out_of_it_is_one_line(tmp_path, tiny_data):
+    from lconv.data import tokenizer as tokenizer_lib
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "spm.model").symlink_to("/dev/zero")
+    with pytest.raises(UserError) as error:
+        tokenizer_lib.load_tokenizer(str(workdir))
+    helpers.one_line_error(error, "spm.model")
+    (workdir / "spm.model").unlink()
+    (workdir / "spm.model").symlink_to(tiny_data.spm)
+    with pytest.raises(UserError) as error:
+        tokenizer_lib.load_tokenizer(str(workdir))
+    helpers.one_line_error(error, "spm.model", "leads out of")
+
+
+def test_a_source_file_that_never_ends_is_one_line(monkeypatch):
+    """``--source_file=/dev/zero`` was a MemoryError traceback (or took the host): reads stop at a bound."""
+    monkeypatch.setattr(eval_program, "TEXT_FILE_LIMIT", 1 << 20)
+    with pytest.raises(UserError) as error:
+        eval_program.read_lines("/dev/zero", "--source_file")
+    helpers.one_line_error(error, "--source_file=/dev/zero", "bytes")

@@ -187,14 +187,22 @@ def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, le
     schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=lambda name: f"--{name}")
 
 
+TEXT_FILE_LIMIT = 1 << 30  # bytes of --source_file / --reference_file: every line is held in memory
+
+
 def read_lines(path: str, flag: str) -> list[str]:
     """The lines of a UTF-8 text file, each without its "\\n" (or "\\r\\n"). A byte sequence that is not UTF-8
     is an error naming the line (1-based) and the byte offset in it (0-based), never replaced: a silently
     changed input would be decoded and scored as if it were the user's."""
-    lines = []
+    lines, total = [], 0
     try:
         with open(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
+            number = 0
+            while raw := f.readline(TEXT_FILE_LIMIT - total + 1):  # bounded: /dev/zero is one endless line
+                total, number = total + len(raw), number + 1
+                if total > TEXT_FILE_LIMIT:
+                    raise UserError(f"{flag}={path}: more than {TEXT_FILE_LIMIT:,} bytes; split it into smaller "
+                                    "files")
                 raw = raw.removesuffix(b"\n").removesuffix(b"\r")
                 try:
                     lines.append(raw.decode("utf-8"))
