@@ -293,7 +293,7 @@ class Model(probing.Probing):
             raise UserError(f"lenpen={lenpen}: ranks a beam search's or n samples' hypotheses; pass beam_size or "
                             "nbest with it")
         if scored:
-            schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)
+            schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str, vocab_size=self.tokenizer.vocab_size)
             beam_size = self._hypotheses_per_source(nbest, beam_size, temperature)
         settings = DecodeSettings.build(self.config.decode, max_len=max_len, temperature=temperature, top_k=top_k,
                                         top_p=top_p, seed=seed, beam_size=beam_size, lenpen=lenpen)
@@ -442,6 +442,9 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets
     out = []
     for i, target in enumerate(targets):
         named = name if one else f"{name}[{i}]"
+        if isinstance(target, (bytes, bytearray)):
+            raise UserError(f"{named}: must be a string or a list of token ids; got bytes (decode them first: "
+                            f"{target!r:.40}.decode('utf-8'))")
         if isinstance(target, str):
             out.append(np.asarray(tokenizer.encode(tokenizer_lib.check_text(target, name)), np.int32))
             continue

@@ -13,6 +13,7 @@ import numpy as np
 from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
+from lconv.fields import is_integer
 from lconv.infer import compiled, features
 
 
@@ -48,6 +49,8 @@ class Probing:
         side's output (after its final norm, if any). With ``layer=i`` (negative counts from the end) each side
         gives that state alone. The decoder reads ``target`` when given, else the model's own translation."""
         self._one_model("extract_features")
+        if layer is not None and not is_integer(layer):  # before any work; True would be taken as layer 1
+            raise UserError(f"layer={layer!r}: must be an integer index of a side's states (or None for all)")
         if target is not None and self.task == "lm":
             raise UserError("target: an LM reads the sentence itself; pass target= to a translation run only")
         inputs, targets, ids = self._teacher_forced_ids(sentence, target)
@@ -57,7 +60,7 @@ class Probing:
         out = {}
         for side, side_states in states.items():
             cut = [np.asarray(x[0, :lengths[side]], np.float32) for x in side_states]
-            if layer is not None and not (isinstance(layer, int) and -len(cut) <= layer < len(cut)):
+            if layer is not None and not (is_integer(layer) and -len(cut) <= layer < len(cut)):  # True is no layer
                 raise UserError(f"layer={layer!r}: the {side} has {len(cut)} states (0 = its embeddings, "
                                 f"{len(cut) - 1} = its output); pass one of -{len(cut)}..{len(cut) - 1}")
             out[side] = cut if layer is None else cut[layer]
