@@ -296,10 +296,34 @@ def info(name: str | type[nn.Module]) -> MixerInfo:
         name=name, cls=cls, model_fields=dict(getattr(cls, "model_fields", {})), sides=sides,
         side_reason=str(getattr(cls, "side_reason", "")), label=str(own.get("label", short)),
         variant=str(own.get("variant", short)), example_fields=dict(getattr(cls, "example_fields", {})),
-        state=tuple(getattr(cls, "state", ())), reset_state=getattr(cls, "reset_state", zero_rows),
+        state=_state(name, getattr(cls, "state", ())), reset_state=_reset_state(name, cls),
         layout=_layout(name, getattr(cls, "layout", None)),
         layout_others=str(getattr(cls, "layout_others", "attention")),
         fields=frozenset(constructor_fields(cls)))
+
+
+RESERVED_COLLECTIONS = ("params", "cache", "intermediates")  # lconv's own: a mixer's state is never one of them
+
+
+def _state(name: Any, state: Any) -> tuple[str, ...]:
+    """A class's ``state``: a tuple of collection names of its own (a bare string would be split into letters, and
+    a collection lconv fills itself, such as ``'intermediates'``, would never be carried)."""
+    if not (isinstance(state, (tuple, list)) and all(isinstance(c, str) and c.isidentifier() for c in state)):
+        raise UserError(f"mixer {name!r}: state={state!r} must be a tuple of collection names, e.g. ('memory',)")
+    taken = [c for c in state if c in RESERVED_COLLECTIONS]
+    if taken:
+        raise UserError(f"mixer {name!r}: state names {taken[0]!r}, a collection lconv fills itself "
+                        f"({', '.join(RESERVED_COLLECTIONS)}); name the carried state's collection otherwise")
+    return tuple(state)
+
+
+def _reset_state(name: Any, cls: type) -> Callable[[Any, Any], Any]:
+    """A class's ``reset_state`` (default ``zero_rows``): it must be callable as ``reset_state(tree, reset_B)``."""
+    reset = getattr(cls, "reset_state", zero_rows)
+    if not callable(reset):
+        raise UserError(f"mixer {name!r}: reset_state={reset!r} is not callable; define it as a staticmethod "
+                        "reset_state(tree, reset_B)")
+    return reset
 
 
 def _layout(name: Any, layout: Any) -> tuple[int, ...] | None:
