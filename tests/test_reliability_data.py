@@ -459,3 +459,13 @@ def test_pipeline_rejects_zero_rows_in_one_line(tmp_path, field):
         pipeline.make_datasets(config, _CharTokenizer(), process_index=0, process_count=1)
     assert f"{field}=0" in helpers.one_line_error(error)
     assert os.listdir(tmp_path) == []  # checked before any data is read
+
+
+def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
+    """It was a 42-line NotADirectoryError traceback (named in round 4, still there in round 5)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    for name in ("ddtp/en_de", "wmt14/en_de"):
+        with pytest.raises(UserError) as error:
+            sources.prepared_data_path(name, str(a_file))
+        helpers.one_line_error(error, f"config.data.data_dir={a_file}", "not a directory")
