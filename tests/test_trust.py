@@ -76,3 +76,32 @@ def test_a_plugin_this_process_has_already_needs_no_opt_in(monkeypatch):
     for model in ({"ffn_type": "evil_ffn:F"}, {"mixer_kwargs": {"evil_kw:M": {}}}):
         with pytest.raises(UserError, match="evil_"):
             restore.check_plugins({"model": model}, "config.json")
+
+
+class _Payload:
+    """What a malicious pickle holds: unpickling it calls ``_touch(marker)``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_touch, (str(self.marker),))
+
+
+def _touch(path):
+    import pathlib
+
+    pathlib.Path(path).touch()
+
+
+def test_a_fairseq_checkpoint_that_would_run_code_is_refused_without_the_opt_in(tmp_path):
+    import torch  # requirements.txt pins it (the [fairseq] extra)
+
+    from lconv.interop import fairseq
+
+    marker, path = tmp_path / "ran", tmp_path / "model.pt"
+    torch.save({"model": {}, "payload": _Payload(marker)}, path)
+    with pytest.raises(UserError) as error:
+        fairseq.read_checkpoint(str(path))
+    helpers.one_line_error(error, str(path), "--trust_checkpoint")
+    assert not marker.exists()
