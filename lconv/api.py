@@ -222,10 +222,13 @@ class Model(probing.Probing):
         if len(source_lines) != len(target_ids):
             raise UserError(f"{len(source_lines)} sources for {len(target_ids)} targets; they pair one to one")
         if self.task == "lm":
+            prompts = self.tokenizer.encode_batch(source_lines)
+            _warn_of_cut([len(p) + len(t) + 1 for p, t in zip(prompts, target_ids)], int(self.config.model.max_len),
+                         "sources[{}]", "config.model.max_len, prompt + continuation + EOS; the prompt keeps its "
+                         "last tokens")
             log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs,
                                                                                self.module))
-            out = lm_scoring.continuation_scores(self.config, log_probs, self.params,
-                                                 self.tokenizer.encode_batch(source_lines), target_ids)
+            out = lm_scoring.continuation_scores(self.config, log_probs, self.params, prompts, target_ids)
             return out[0] if one else out
         data = self.config.data
         inputs = [np.append(ids[:data.eval_max_input_length - 1], EOS_ID)
@@ -415,11 +418,16 @@ class Model(probing.Probing):
 def _warn_of_cut_texts(ids: Sequence[Sequence[int]], limit: int) -> None:
     """The one rule for long inputs, for ``perplexity``'s texts: each is cut to ``limit`` tokens (EOS included),
     and one warning names those that were."""
-    lengths = [len(x) + 1 for x in ids]
+    _warn_of_cut([len(x) + 1 for x in ids], limit, "texts[{}]", "config.data.eval_max_target_length, EOS included; "
+                 "sample_break_mode='none' scores long texts whole")
+
+
+def _warn_of_cut(lengths: Sequence[int], limit: int, name: str, where: str) -> None:
+    """One warning naming the inputs (``name.format(index)``) whose ``lengths`` (tokens) pass ``limit``: the rule
+    every surface that cuts long inputs follows (``decode_and_score.SourceLengths``)."""
     cut = [i for i, n in enumerate(lengths) if n > limit]
     decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
-        "texts[{}]".format, "config.data.eval_max_target_length, EOS included; sample_break_mode='none' scores "
-        "long texts whole")
+        name.format, where)
 
 def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     """``texts`` as a list of str, checked like the CLIs check their input: a one-line ``UserError`` naming the

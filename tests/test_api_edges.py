@@ -50,3 +50,40 @@ def test_a_device_listed_twice_is_one_line_not_a_storage_failure(tiny_run):
     with pytest.raises(UserError) as error:
         lconv.load(str(tiny_run.workdir), devices=[device, device])
     helpers.one_line_error(error, "devices", "twice")
+
+
+LONG = " ".join(["Library for the X window system, with fonts and files."] * 30)  # hundreds of tokens
+
+
+def test_an_lm_score_that_cuts_a_long_pair_says_so(lm, lconv_log, monkeypatch):
+    """lm.score cut a pair longer than config.model.max_len without the warning every other path gives."""
+    from lconv.infer import lm_scoring
+
+    monkeypatch.setattr(lm_scoring, "continuation_scores", lambda config, fn, params, prompts, targets:
+                        [{"score": 0.0, "token_scores": []}] * len(prompts))  # the scoring itself is tested elsewhere
+    lm.score(["A tool.", LONG], ["short", "short"])
+    (line,) = [m for m in lconv_log() if "cut" in m]
+    assert "sources[1] had" in line and "config.model.max_len" in line and "sources[0]" not in line
+
+
+def test_extract_features_says_when_it_cuts_a_sentence_or_target(lm, mt, lconv_log):
+    """extract_features cut long inputs silently (it reads the eval limits' first tokens)."""
+    inputs, targets, _ = lm._teacher_forced_ids(LONG, None)
+    assert inputs is None and len(targets) == lm.config.data.eval_max_target_length
+    inputs, targets, _ = mt._teacher_forced_ids(LONG, LONG)
+    assert len(inputs) == mt.config.data.eval_max_input_length
+    lines = [m for m in lconv_log() if "cut" in m]
+    assert len(lines) == 3 and "sentence had" in lines[0] and "target had" in lines[2], lines
+    mt._teacher_forced_ids("A tool.", "Ein Werkzeug.")
+    assert len([m for m in lconv_log() if "cut" in m]) == 3  # a short pair: nothing said
+
+
+def test_generate_at_the_advertised_maximum_does_not_drop_the_prompt(lm):
+    """max_len = config.model.max_len - 1 left no room for a prompt: it was dropped without a word."""
+    positions = lm.config.model.max_len
+    with pytest.raises(UserError) as error:
+        lm.generate(["A small library"], max_len=positions - 1)
+    helpers.one_line_error(error, f"max_len={positions - 1}", "no room for a prompt", f"at most {positions - 2}")
+    with pytest.raises(UserError) as error:
+        lm.generate(["A small library"], max_len=positions)
+    helpers.one_line_error(error, f"max_len={positions}", f"at most {positions - 2}")

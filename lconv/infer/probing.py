@@ -14,7 +14,7 @@ from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.fields import is_integer
-from lconv.infer import compiled, features
+from lconv.infer import compiled, decode_and_score, features
 
 
 class Probing:
@@ -75,11 +75,14 @@ class Probing:
             tokenizer_lib.check_text(target, "target")
         data = self.config.data
         if self.task == "lm":
-            inputs, targets = None, np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_target_length]
+            inputs, targets = None, _cut(self.tokenizer.encode(sentence), data.eval_max_target_length, "sentence",
+                                         "config.data.eval_max_target_length")
         else:
-            inputs = np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_input_length]
+            inputs = _cut(self.tokenizer.encode(sentence), data.eval_max_input_length, "sentence",
+                          "config.data.eval_max_input_length")
             translation = self.translate([sentence])[0] if target is None else target
-            targets = np.append(self.tokenizer.encode(translation), EOS_ID)[:data.eval_max_target_length]
+            targets = _cut(self.tokenizer.encode(translation), data.eval_max_target_length,
+                           "target" if target is not None else "its translation", "config.data.eval_max_target_length")
         ids = [compiled.pad_rows([x], 1, compiled.width_bucket(len(x), limit)) for x, limit in
                ([] if inputs is None else [(inputs, data.eval_max_input_length)])
                + [(targets, data.eval_max_target_length)]]
@@ -126,3 +129,12 @@ def _normalised(logits: Any, length: int) -> np.ndarray | None:
         return None
     kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     return kernels[:length] if kernels.ndim == 3 else kernels
+
+
+def _cut(ids: Any, limit: int, name: str, where: str) -> np.ndarray:
+    """``ids`` and EOS, cut to ``limit`` tokens, with the warning every surface gives a cut input."""
+    ids = np.append(ids, EOS_ID)
+    cut = [0] if len(ids) > limit else []
+    decode_and_score.SourceLengths(cut, len(ids), limit, [len(ids)] * len(cut)).log(
+        lambda _: name, f"{where}, EOS included")
+    return ids[:limit]
