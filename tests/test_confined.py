@@ -211,3 +211,27 @@ def test_a_source_file_that_never_ends_is_one_line(monkeypatch):
     with pytest.raises(UserError) as error:
         eval_program.read_lines("/dev/zero", "--source_file")
     helpers.one_line_error(error, "--source_file=/dev/zero", "bytes")
+
+
+def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_per_compile(tmp_path, capsys,
+                                                                                          monkeypatch, lconv_log):
+    """A bad --compilation_cache leaked JAX's raw warnings on every run (at every compile)."""
+    import jax
+
+    from lconv.cli import runtime
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "cache"):
+        helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={tmp_path / 'run'}",
+                                               f"--compilation_cache={bad}"), f"--compilation_cache={bad}", "folder")
+    saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(a_file / "cache"))
+    try:
+        assert runtime.enable_compilation_cache(str(tmp_path / "run")) is None
+        assert jax.config.jax_enable_compilation_cache is False
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+    (line,) = [m for m in lconv_log() if "compiled programs" in m]
+    assert "JAX_COMPILATION_CACHE_DIR" in line and str(a_file) in line
