@@ -469,3 +469,24 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
         with pytest.raises(UserError) as error:
             sources.prepared_data_path(name, str(a_file))
         helpers.one_line_error(error, f"config.data.data_dir={a_file}", "not a directory")
+
+
+@pytest.mark.slow  # a process launched and stopped mid-preparation: CI runs it, the quick command skips it
+def test_sigterm_during_preparation_leaves_no_temporary_copy(tmp_path):
+    """SIGTERM while a corpus was being prepared left its temporary folder behind forever."""
+    import signal
+    import time
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.Popen([sys.executable, "-m", "lconv.data", "en_de", f"--data_dir={tmp_path / 'tfds'}",
+                            f"--workdir={tmp_path / 'tok'}"], cwd=helpers.ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    for line in run.stdout:  # the temporary copy exists once this is printed
+        if line.startswith("Preparing"):
+            break
+    time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    prepared = tmp_path / "tfds" / tfds_ddtp.CACHE_DIRNAME
+    assert run.returncode == -signal.SIGTERM, err[-2000:]
+    assert not [p.name for p in prepared.iterdir() if ".tmp-" in p.name]
