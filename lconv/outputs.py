@@ -30,7 +30,7 @@ KIND_SIGNATURES = {  # any one of these files marks a folder made before markers
     "bench": tuple(f"{suite}.csv" for suite in ("mixers", "limits", "decode", "beam", "train"))}
 # The entries of a workdir that only train.py / the importer write (eval.py's outputs go beside them).
 WORKDIR_CORE = ("config.json", "spm.model", "pieces.json", "checkpoints", "best", "metrics.jsonl", "tensorboard",
-                "train.lock", "compilation_cache", "checkpoint_errors.log", MARKER)
+                "train.lock", "compilation_cache", "checkpoint_errors.log", "final_evaluation_pending.json", MARKER)
 EVAL_OUTPUTS = (".hyp.txt", ".scores.json", "output.txt")  # what eval.py writes into a workdir by default
 
 
