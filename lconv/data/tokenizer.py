@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -145,7 +146,7 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
 
     for name in (Tokenizer.filename, PiecesTokenizer.filename):
         path = epath.Path(directory) / name
-        if path.exists() or path.is_symlink():
+        if path.exists() or os.path.islink(os.fspath(path)):  # a dangling link is named, not skipped
             return read_tokenizer(path, within=directory)
     raise UserError(f"no tokenizer at {tokenizer_path(directory)}; train one with "
                     "lconv.data.tokenizer.load_or_train")
