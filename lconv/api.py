@@ -13,7 +13,9 @@ tokens) and kept by the ``Model``, so calling it again on other sentences of sim
 """
 from __future__ import annotations
 
+import copy
 import functools
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -32,10 +34,12 @@ from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probi
 from lconv.nn import ensemble as model_ensemble
 from lconv.run import backend, load_options, metrics, restore, schema
 
+logger = logging.getLogger(__name__)
+
 
 def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_last: int = 1, dtype: str | None = None,
          decode_batch_size: int | None = None, max_input_length: int | None = None,
-         devices: Sequence[jax.Device] | None = None) -> Model:
+         devices: Sequence[jax.Device] | None = None, trust_plugins: bool = False) -> Model:
     """The run in ``workdir`` (written by train.py), a local folder or any ``etils.epath`` URL (``gs://...``):
     ``checkpoint`` is ``"latest"`` or ``"best"``; with ``average_last=N`` the params are the mean of the last N
     checkpoints (eval.py's ``--average_last``). Reads only: the workdir may be read-only. A list of workdirs
@@ -45,11 +49,15 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     accelerator; the params stay float32, as in training: ``config.model.dtype``), ``decode_batch_size`` the rows
     per decoding batch (``config.decode.batch_size``; 0 = auto), ``max_input_length`` the longest source in
     tokens (``config.data.eval_max_input_length``; longer ones are cut). ``devices``: the mesh the params are laid
-    out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows."""
+    out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows.
+
+    A run from elsewhere is data: a plugin mixer its config names as ``"module:Class"`` is imported (its code run)
+    only with ``trust_plugins=True``, or when this process has it already (registered, or its module imported)."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
     if not isinstance(workdir, (str, os.PathLike)) and isinstance(workdir, Sequence) and workdir:
         options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
-                       decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices)
+                       decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices,
+                       trust_plugins=trust_plugins)
         return ensemble([load(path, **options) for path in workdir])
     if not isinstance(workdir, (str, os.PathLike)) or not str(workdir):
         raise UserError(f"workdir: must be a path or URL of a run (a non-empty string), or a list of them; got "
@@ -58,14 +66,16 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
                                        max_input_length=max_input_length)
     return Model(restore.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
                                       caller="lconv.load", spell=str, overrides=overrides,
-                                      devices=load_options.checked_devices(devices)))
+                                      devices=load_options.checked_devices(devices),
+                                      trust_plugins=bool(trust_plugins)))
 
 
 def ensemble(models: Sequence[Model]) -> Model:
     """``models`` decoding together, as fairseq-generate's ``--path a.pt:b.pt``: at each step their next-token
     distributions are averaged (the log of the mean probability, ``lconv.nn.ensemble``). The result is a
     ``Model``: ``translate`` / ``score`` / ``bleu`` or ``generate`` / ``perplexity`` run the ensemble, with the
-    first model's config (its decoding settings and limits) and tokenizer, which every member must share. A
+    first model's config (its decoding settings; its length limits the members' minimum) and tokenizer, which
+    every member must share. A
     member that is itself an ensemble adds its members, so every model weighs the same."""
     if isinstance(models, (str, Model)) or not isinstance(models, Sequence) or not models:
         raise UserError("models: pass a non-empty list of lconv.Model (lconv.load(...) of each run)")
@@ -81,11 +91,33 @@ def ensemble(models: Sequence[Model]) -> Model:
         else:
             members.append((model.module, model.params, f"models[{i}]"))
     model_ensemble.check_members([m for m, _, _ in members], [name for _, _, name in members])
-    module = model_ensemble.Ensemble(tuple(m for m, _, _ in members))
+    # Each member its own module instance: one instance listed twice (ensemble([m, m]), or a nested ensemble's
+    # member again) would be bound once, and its decoding caches shared between the two.
+    module = model_ensemble.Ensemble(tuple(m.clone(parent=None) for m, _, _ in members))
     params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(members)}
     first = models[0]
-    return Model(restore.Trained(first.config, ":".join(m.workdir for m in models), first.tokenizer, module, params,
-                                 [step for m in models for step in m.steps]))
+    return Model(restore.Trained(_shared_limits(models), ":".join(m.workdir for m in models), first.tokenizer, module,
+                                 params, [step for m in models for step in m.steps]))
+
+
+LIMITS = ("data.eval_max_input_length", "data.eval_max_target_length", "model.max_len")
+
+
+def _shared_limits(models: Sequence[Model]) -> Any:
+    """The first model's config with each length limit (``LIMITS``, in tokens) the members' minimum, so that no
+    member is handed a source, target or prompt longer than its positions; a lowered limit is said once."""
+    config = copy.deepcopy(models[0].config)
+    lowered = []
+    for name in LIMITS:
+        section, field = name.split(".")
+        values = [min(int(m.config[section][field]), int(m.config.model.max_len)) for m in models]
+        if min(values) < int(config[section][field]):
+            lowered.append(f"config.{name} {config[section][field]} -> {min(values)} "
+                           f"(models[{values.index(min(values))}]'s)")
+            config[section][field] = min(values)
+    if lowered:
+        logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")
+    return config
 
 
 class Model(probing.Probing):
@@ -190,10 +222,13 @@ class Model(probing.Probing):
         if len(source_lines) != len(target_ids):
             raise UserError(f"{len(source_lines)} sources for {len(target_ids)} targets; they pair one to one")
         if self.task == "lm":
+            prompts = self.tokenizer.encode_batch(source_lines)
+            _warn_of_cut([len(p) + len(t) + 1 for p, t in zip(prompts, target_ids)], int(self.config.model.max_len),
+                         "sources[{}]", "config.model.max_len, prompt + continuation + EOS; the prompt keeps its "
+                         "last tokens")
             log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs,
                                                                                self.module))
-            out = lm_scoring.continuation_scores(self.config, log_probs, self.params,
-                                                 self.tokenizer.encode_batch(source_lines), target_ids)
+            out = lm_scoring.continuation_scores(self.config, log_probs, self.params, prompts, target_ids)
             return out[0] if one else out
         data = self.config.data
         inputs = [np.append(ids[:data.eval_max_input_length - 1], EOS_ID)
@@ -261,7 +296,7 @@ class Model(probing.Probing):
             raise UserError(f"lenpen={lenpen}: ranks a beam search's or n samples' hypotheses; pass beam_size or "
                             "nbest with it")
         if scored:
-            schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str)
+            schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str, vocab_size=self.tokenizer.vocab_size)
             beam_size = self._hypotheses_per_source(nbest, beam_size, temperature)
         settings = DecodeSettings.build(self.config.decode, max_len=max_len, temperature=temperature, top_k=top_k,
                                         top_p=top_p, seed=seed, beam_size=beam_size, lenpen=lenpen)
@@ -383,11 +418,16 @@ class Model(probing.Probing):
 def _warn_of_cut_texts(ids: Sequence[Sequence[int]], limit: int) -> None:
     """The one rule for long inputs, for ``perplexity``'s texts: each is cut to ``limit`` tokens (EOS included),
     and one warning names those that were."""
-    lengths = [len(x) + 1 for x in ids]
+    _warn_of_cut([len(x) + 1 for x in ids], limit, "texts[{}]", "config.data.eval_max_target_length, EOS included; "
+                 "sample_break_mode='none' scores long texts whole")
+
+
+def _warn_of_cut(lengths: Sequence[int], limit: int, name: str, where: str) -> None:
+    """One warning naming the inputs (``name.format(index)``) whose ``lengths`` (tokens) pass ``limit``: the rule
+    every surface that cuts long inputs follows (``decode_and_score.SourceLengths``)."""
     cut = [i for i, n in enumerate(lengths) if n > limit]
     decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
-        "texts[{}]".format, "config.data.eval_max_target_length, EOS included; sample_break_mode='none' scores "
-        "long texts whole")
+        name.format, where)
 
 def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:
     """``texts`` as a list of str, checked like the CLIs check their input: a one-line ``UserError`` naming the
@@ -410,6 +450,9 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets
     out = []
     for i, target in enumerate(targets):
         named = name if one else f"{name}[{i}]"
+        if isinstance(target, (bytes, bytearray)):
+            raise UserError(f"{named}: must be a string or a list of token ids; got bytes (decode them first: "
+                            f"{target!r:.40}.decode('utf-8'))")
         if isinstance(target, str):
             out.append(np.asarray(tokenizer.encode(tokenizer_lib.check_text(target, name)), np.int32))
             continue

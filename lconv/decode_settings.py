@@ -91,5 +91,6 @@ class DecodeSettings:
         limit = int(positions) - 1 - self.max_len
         if limit < 0:
             raise UserError(f"{name}={self.max_len} new tokens do not fit the model's config.model.max_len="
-                            f"{positions} positions (BOS included); ask for at most {int(positions) - 1}")
+                            f"{positions} positions (BOS included); ask for at most {int(positions) - 2} "
+                            f"({int(positions) - 1} from blank prompts)")
         return limit

@@ -12,8 +12,10 @@ train.py and the fairseq importer alone; eval.py writes its outputs beside them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
 from collections.abc import Iterable
 
 from etils import epath
@@ -28,8 +30,27 @@ KIND_SIGNATURES = {  # any one of these files marks a folder made before markers
     "bench": tuple(f"{suite}.csv" for suite in ("mixers", "limits", "decode", "beam", "train"))}
 # The entries of a workdir that only train.py / the importer write (eval.py's outputs go beside them).
 WORKDIR_CORE = ("config.json", "spm.model", "pieces.json", "checkpoints", "best", "metrics.jsonl", "tensorboard",
-                "train.lock", "compilation_cache", "checkpoint_errors.log", MARKER)
+                "train.lock", "compilation_cache", "checkpoint_errors.log", "final_evaluation_pending.json", MARKER)
 EVAL_OUTPUTS = (".hyp.txt", ".scores.json", "output.txt")  # what eval.py writes into a workdir by default
+
+
+def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
+    """The one writer of lconv's output files: a temporary file of a unique name beside ``path``, then a rename
+    over it, so a failed write (a full disk, a crash) leaves the earlier file whole and no half file (on an object
+    store the rename is a copy, still never a partial object). A local ``path`` that is a symbolic link is refused:
+    an output never lands in whatever file a link planted in a workdir points at. Failures are one line."""
+    target = epath.Path(path)
+    if not is_url(path) and os.path.islink(path):
+        raise UserError(f"{path} is a symbolic link; lconv writes no output through a link (remove it, or write "
+                        "elsewhere)")
+    temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
+        temporary.replace(target)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise UserError(f"cannot write {path}: {err.strerror or err}; an earlier file there is unchanged") from None
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -126,7 +147,7 @@ def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     try:
         root.mkdir(parents=True, exist_ok=True)
         if not (root / MARKER).exists():
-            (root / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
+            write_atomically(root / MARKER, json.dumps({"kind": kind}) + "\n")
     except OSError as err:
         raise UserError(f"{flag}={path}: cannot create it ({err.strerror or err})") from None
     return str(path)

@@ -3,6 +3,7 @@ search by brute force on the models' full teacher-forced passes (its first steps
 distribution the mean of the members'), and the per-token mixture of the members' own ``score``."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -138,6 +139,33 @@ def test_an_ensemble_of_one_model_is_that_model(mt):
                                mt.score(SOURCES[0], "Ein Werkzeug.")["token_scores"], rtol=1e-6, atol=1e-6)
 
 
+def test_an_ensemble_of_one_model_twice_is_that_model(mt):
+    """One Model object listed twice: each member is its own module instance, so the search's caches are not
+    shared (they were: its translation differed from the model's, its scores from score()'s by 0.71 nats)."""
+    twice = lconv.ensemble([mt, mt])
+    assert twice.module.members[0] is not twice.module.members[1]
+    found = twice.translate(SOURCES, beam_size=3, nbest=3)
+    _assert_same_up_to_rounding(found, mt.translate(SOURCES, beam_size=3, nbest=3))
+    target = found[0][0]["tokens"]
+    np.testing.assert_allclose(twice.score(SOURCES[0], target)["token_scores"],
+                               mt.score(SOURCES[0], target)["token_scores"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_log):
+    """A member with fewer positions than the first member's limits would read positions it has not learned (NaN
+    scores, an empty n-best): the ensemble takes the members' minimum and says so once."""
+    short = copy.copy(mt)
+    short.config = copy.deepcopy(mt.config)
+    short.config.model.max_len = 9
+    pair = lconv.ensemble([mt, short])
+    for limit in ("eval_max_input_length", "eval_max_target_length"):
+        assert pair.config.data[limit] == 9 < mt.config.data[limit]
+    assert pair.config.model.max_len == 9 and mt.config.model.max_len > 9  # the member's own config is kept
+    (line,) = [m for m in lconv_log() if "ensemble" in m]
+    assert "models[1]" in line and "eval_max_input_length" in line
+    assert lconv.ensemble([mt, mt]).config.to_dict() == mt.config.to_dict()
+
+
 def _assert_same_up_to_rounding(a: list[list[dict]], b: list[list[dict]]) -> None:
     """The same hypotheses, scores equal to float32 rounding (the ensemble normalises its log-probs twice)."""
     assert len(a) == len(b)
@@ -161,6 +189,19 @@ def test_an_ensemble_of_two_decodes_the_mean_of_their_distributions(mt, mt_other
     with pytest.raises(UserError) as error:
         pair.kernels(SOURCES[0])
     helpers.one_line_error(error, "kernels()", "ensemble")
+
+
+@pytest.mark.slow  # a three-member ensemble's programs: CI runs it, the quick command skips it
+def test_a_nested_ensemble_weighs_each_model_alike_and_scores_as_its_search_does(mt, mt_other):
+    """ensemble([ensemble([a, b]), a]): three members, a twice (each its own module instance), so per token the
+    log of (2 p_a + p_b) / 3; the search's scores equal score()'s of the tokens it found (they were 1.58 off)."""
+    nested = lconv.ensemble([lconv.ensemble([mt, mt_other]), mt])
+    found = nested.translate(SOURCES[:1], beam_size=2, nbest=1)[0][0]
+    scored = nested.score(SOURCES[0], found["tokens"])
+    own = [np.asarray(m.score(SOURCES[0], found["tokens"])["token_scores"], np.float64) for m in (mt, mt_other)]
+    expected = np.log((2 * np.exp(own[0]) + np.exp(own[1])) / 3)
+    np.testing.assert_allclose(scored["token_scores"], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(found["token_scores"], scored["token_scores"], rtol=1e-5, atol=1e-5)
 
 
 def test_ensembles_of_what_cannot_decode_together_are_one_line_errors(mt):
@@ -233,3 +274,75 @@ def test_per_text_perplexity_adds_up_to_the_corpus_perplexity(lm):
     with pytest.raises(UserError) as error:
         lm.perplexity(texts, per_text=True, sample_break_mode="none")
     helpers.one_line_error(error, "sample_break_mode='none'", "per-text")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad arguments and long inputs (issue 56): one line before any work, or the warning every surface gives
+# ----------------------------------------------------------------------------------------------------------------
+def test_an_lm_beam_wider_than_its_vocabulary_is_one_line(lm):
+    """generate(beam_size=600) was accepted over a 512 vocabulary, and 10**9 was a MemoryError traceback."""
+    for beam in (lm.tokenizer.vocab_size, 10**9):
+        with pytest.raises(UserError) as error:
+            lm.generate(["a"], beam_size=beam)
+        helpers.one_line_error(error, f"beam_size={beam}", str(lm.tokenizer.vocab_size - 1))
+
+
+def test_a_bytes_prefix_is_one_line(mt):
+    for prefix, sources in ((b"Ein", "A tool."), ([b"Ein"], ["A tool."])):
+        with pytest.raises(UserError) as error:
+            mt.translate(sources, prefix=prefix)
+        helpers.one_line_error(error, "prefix", "bytes")
+
+
+def test_a_bool_layer_is_no_layer(mt):
+    """``layer=True`` was taken as layer 1."""
+    for layer in (True, 1.0, "1"):
+        with pytest.raises(UserError) as error:
+            mt.extract_features("A tool.", layer=layer)
+        helpers.one_line_error(error, f"layer={layer!r}", "integer")
+
+
+def test_a_device_listed_twice_is_one_line_not_a_storage_failure(tmp_path):
+    """It was reported as a storage failure with ~1,150 lines of orbax noise; now refused before the run is read
+    (the folder here holds no run at all)."""
+    device = jax.devices("cpu")[0]
+    with pytest.raises(UserError) as error:
+        lconv.load(str(tmp_path), devices=[device, device])
+    helpers.one_line_error(error, "devices", "twice")
+
+
+LONG = " ".join(["Library for the X window system, with fonts and files."] * 30)  # hundreds of tokens
+
+
+def test_an_lm_score_that_cuts_a_long_pair_says_so(lm, lconv_log, monkeypatch):
+    """lm.score cut a pair longer than config.model.max_len without the warning every other path gives."""
+    from lconv.infer import lm_scoring
+
+    monkeypatch.setattr(lm_scoring, "continuation_scores", lambda config, fn, params, prompts, targets:
+                        [{"score": 0.0, "token_scores": []}] * len(prompts))  # the scoring itself is tested elsewhere
+    lm.score(["A tool.", LONG], ["short", "short"])
+    (line,) = [m for m in lconv_log() if "cut" in m]
+    assert "sources[1] had" in line and "config.model.max_len" in line and "sources[0]" not in line
+
+
+def test_extract_features_says_when_it_cuts_a_sentence_or_target(lm, mt, lconv_log):
+    """extract_features cut long inputs silently (it reads the eval limits' first tokens)."""
+    inputs, targets, _ = lm._teacher_forced_ids(LONG, None)
+    assert inputs is None and len(targets) == lm.config.data.eval_max_target_length
+    inputs, targets, _ = mt._teacher_forced_ids(LONG, LONG)
+    assert len(inputs) == mt.config.data.eval_max_input_length
+    lines = [m for m in lconv_log() if "cut" in m]
+    assert len(lines) == 3 and "sentence had" in lines[0] and "target had" in lines[2], lines
+    mt._teacher_forced_ids("A tool.", "Ein Werkzeug.")
+    assert len([m for m in lconv_log() if "cut" in m]) == 3  # a short pair: nothing said
+
+
+def test_generate_at_the_advertised_maximum_does_not_drop_the_prompt(lm):
+    """max_len = config.model.max_len - 1 left no room for a prompt: it was dropped without a word."""
+    positions = lm.config.model.max_len
+    with pytest.raises(UserError) as error:
+        lm.generate(["A small library"], max_len=positions - 1)
+    helpers.one_line_error(error, f"max_len={positions - 1}", "no room for a prompt", f"at most {positions - 2}")
+    with pytest.raises(UserError) as error:
+        lm.generate(["A small library"], max_len=positions)
+    helpers.one_line_error(error, f"max_len={positions}", f"at most {positions - 2}")

@@ -172,3 +172,20 @@ def test_the_readers_lazy_imports_run_before_the_early_build_thread(tiny_data):
 
     assert blocks("unsettled") > 0  # what the reading would run beside the thread without it
     assert blocks("settled") == 0
+
+
+@pytest.mark.slow  # a stream run's state and step, built early: CI runs it, the quick command skips it
+def test_a_stream_run_with_a_stateful_mixer_builds_early_and_its_batches_fit(tiny_data, tmp_path):
+    """The early build failed on every stream run with a stateful mixer (KeyError: 'document_start'), the
+    project's lm1b:knn,ddtp and the docs' EMA included, and the overlap was lost."""
+    import toy_mixers  # noqa: F401  (toy_mixers:CarriedMean, a mixer with carried state)
+
+    config = tiny_config.training_config(tiny_data.data_dir)
+    config.task, config.data.dataset, config.data.stream = "lm", "ddtp/lm_en", True
+    config.model.encoder_layers, config.model.decoder_mixer = 0, "toy_mixers:CarriedMean"
+    run = setup.build_run(config, str(tmp_path / "run"), jax.devices("cpu")[:1])
+    assert run.train_step is not None and run.train_step.compiled is not None
+    batch = _batch(run)
+    with jax.set_mesh(run.mesh):
+        run.train_step(run.state, batch, np.float32(1.0))
+    assert run.train_step.compiled is not None  # the stream's batches run the program compiled ahead

@@ -406,3 +406,27 @@ def test_a_layout_rule_places_its_mixer_in_the_configs_and_the_study_alike(regis
             assert config.model[f"{side}_mixer"] == mixers.layer_layout("edges", config.model[f"{side}_layers"])
     with pytest.raises(UserError, match="layout"):
         mixers.info(type("BadLayout", (toy_mixers.PrefixMean,), {"layout": "second to last"}))
+
+
+@pytest.mark.parametrize("state, named", [("ema", "tuple of collection names"), (("intermediates",), "intermediates"),
+                                          (("cache",), "cache"), ((3,), "tuple of collection names")])
+def test_a_state_that_would_not_be_carried_is_one_line_naming_the_mixer(state, named):
+    """``state = "ema"`` (a string: its letters) or ``'intermediates'`` (a collection lconv fills itself) trained
+    with no state carried, rc 0."""
+    import flax.linen as nn
+
+    class Stateful(nn.Module):
+        num_heads: int = 1
+
+        @nn.compact
+        def __call__(self, x, **kwargs):
+            return x
+
+    Stateful.state = state
+    with pytest.raises(UserError) as error:
+        mixers.info(Stateful)
+    helpers.one_line_error(error, "Stateful", named)
+    Stateful.state, Stateful.reset_state = ("ema",), "zero"
+    with pytest.raises(UserError) as error:
+        mixers.info(Stateful)
+    helpers.one_line_error(error, "reset_state", "not callable")

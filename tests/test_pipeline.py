@@ -232,6 +232,43 @@ def test_a_new_workdir_reuses_the_tokenizer_trained_for_the_same_data_and_settin
     assert trained == [1]
 
 
+@pytest.mark.parametrize("spoil", ["damaged", "swapped", "another_corpus", "no_record"])
+def test_a_kept_tokenizer_that_does_not_fit_is_ignored_said_once_and_kept_anew(ddtp_data, tmp_path, monkeypatch,
+                                                                               lconv_log, spoil):
+    """The kept tokenizer is a cache, checked before a workdir gets it: a damaged one blocked every run on its
+    data_dir, a swapped one was copied into a fresh workdir (which then failed forever), one kept for another
+    corpus trained an en_de run without a word. Each is now trained again (stubbed here) and kept with its record."""
+    import json
+    import os
+    import shutil
+
+    from lconv.data import tokenizer as tokenizer_lib
+
+    config, tokenizer, _ = ddtp_data
+    real = tokenizer_files.kept_dir(config)
+    kept = tmp_path / "kept" / os.path.basename(real)  # a private copy: the fixture's stays as it is
+    shutil.copytree(real, kept)
+    monkeypatch.setattr(tokenizer_files, "kept_dir", lambda cfg: str(kept))
+    record = kept / tokenizer_files.KEPT_RECORD
+    if spoil == "damaged":
+        (kept / "spm.model").write_bytes(tokenizer.to_bytes()[:100])
+    elif spoil == "swapped":
+        (kept / "spm.model").write_bytes(tokenizer_lib.train_tokenizer(["a b c d e f g"] * 50, 300).to_bytes())
+    elif spoil == "another_corpus":
+        record.write_text(json.dumps({**json.loads(record.read_text()), "for": "ddtp_lm_en-0123456789ab-v2000"}))
+    else:
+        record.unlink()
+    trained = []
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: trained.append(1) or tokenizer)
+    again = pipeline.load_or_train_tokenizer(config, str(tmp_path / "workdir"))
+    assert trained == [1] and again.to_bytes() == tokenizer.to_bytes()
+    (line,) = [m for m in lconv_log() if "not used" in m]
+    assert str(kept) in line
+    assert tokenizer_files.usable_kept(str(kept), config["vocab_size"]) is not None  # kept anew, with its record
+    pipeline.load_or_train_tokenizer(config, str(tmp_path / "next"))
+    assert trained == [1]  # the next workdir copies it
+
+
 def test_too_small_vocabulary_is_a_one_line_error():
     from lconv.data import tokenizer as tokenizer_lib
 

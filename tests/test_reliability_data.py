@@ -459,3 +459,34 @@ def test_pipeline_rejects_zero_rows_in_one_line(tmp_path, field):
         pipeline.make_datasets(config, _CharTokenizer(), process_index=0, process_count=1)
     assert f"{field}=0" in helpers.one_line_error(error)
     assert os.listdir(tmp_path) == []  # checked before any data is read
+
+
+def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
+    """It was a 42-line NotADirectoryError traceback (named in round 4, still there in round 5)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    for name in ("ddtp/en_de", "wmt14/en_de"):
+        with pytest.raises(UserError) as error:
+            sources.prepared_data_path(name, str(a_file))
+        helpers.one_line_error(error, f"config.data.data_dir={a_file}", "not a directory")
+
+
+@pytest.mark.slow  # a process launched and stopped mid-preparation: CI runs it, the quick command skips it
+def test_sigterm_during_preparation_leaves_no_temporary_copy(tmp_path):
+    """SIGTERM while a corpus was being prepared left its temporary folder behind forever."""
+    import signal
+    import time
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.Popen([sys.executable, "-m", "lconv.data", "en_de", f"--data_dir={tmp_path / 'tfds'}",
+                            f"--workdir={tmp_path / 'tok'}"], cwd=helpers.ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    for line in run.stdout:  # the temporary copy exists once this is printed
+        if line.startswith("Preparing"):
+            break
+    time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    prepared = tmp_path / "tfds" / tfds_ddtp.CACHE_DIRNAME
+    assert run.returncode == -signal.SIGTERM, err[-2000:]
+    assert not [p.name for p in prepared.iterdir() if ".tmp-" in p.name]

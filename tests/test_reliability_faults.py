@@ -62,3 +62,21 @@ def test_sigterm_during_the_final_evaluation_stops_cleanly(phase, tiny_run, tmp_
     assert ("validation" in result) == (phase == "test")
     assert any("stopping the final evaluation: SIGTERM" in m and "step 6" in m for m in lconv_log()), lconv_log()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handed back
+
+
+@pytest.mark.slow  # a final evaluation stopped, then run again: CI runs it, the quick command skips it
+def test_the_same_command_after_a_stopped_final_evaluation_evaluates_and_trains_no_more(tiny_run, tmp_path,
+                                                                                         monkeypatch):
+    """"The same command evaluates it" was false with a budget or more steps left: the rerun trained on (45 s more
+    under a budget). The stop is recorded in the workdir, and the rerun evaluates that step alone."""
+    workdir = helpers.copy_run(tiny_run, tmp_path / "stopped")
+    with monkeypatch.context() as patched:
+        patched.setattr(loss_pass, "evaluate_loss", _signal_here("the final validation"))
+        config = tiny_config.training_config(tiny_run.data_dir, 6, eval_after_training=False)
+        assert loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)["stopped_by"] == "SIGTERM"
+    assert loop.pending_final_evaluation(str(workdir)) == 6
+    config = tiny_config.training_config(tiny_run.data_dir, 9, eval_after_training=False)  # steps left to train
+    result = loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
+    assert result["step"] == 6 and "validation" in result and "stopped_by" not in result
+    assert loop.pending_final_evaluation(str(workdir)) is None
+    assert checkpoints.Checkpointer(str(workdir)).latest_step() == 6

@@ -445,6 +445,26 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     assert steps == [1, 2, 3, 4, 5]
 
 
+def test_a_rerun_of_a_final_evaluation_replaces_its_row(tmp_path):
+    """kill -9 in the final evaluation after its validation row was written: the rerun resumes from that step's
+    checkpoint and evaluates again; that step's validation row was in metrics.jsonl twice."""
+    import json
+
+    from lconv.train import logs
+
+    rows = [{"step": s, "split": "train", "loss": 1.0} for s in range(1, 7)] + [
+        {"step": 3, "split": "validation", "loss": 2.0}, {"step": 6, "split": "validation", "loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    writer = logs.MetricWriter(str(tmp_path), resumed_step=6)
+    writer.write(6, "validation", {"loss": 1.5})
+    writer.write(6, "test", {"bleu": 3.0})
+    writer.close()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["step"], r["split"]) for r in logged]
+    assert len(keys) == len(set(keys)) == 9
+    assert [r["loss"] for r in logged if (r["step"], r["split"]) == (6, "validation")] == [1.5]  # the rerun's
+
+
 def test_a_tensorboard_write_that_fails_in_its_thread_is_one_warning(tmp_path, monkeypatch, capsys, lconv_log):
     """A full disk: the run's one line was followed by a tensorboardX thread traceback (issue 41)."""
     import errno

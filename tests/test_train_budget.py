@@ -188,6 +188,15 @@ def test_a_cooldown_falls_to_zero_over_the_last_share_of_the_steps_or_the_time_w
         assert shaped.factor(999) == pytest.approx(2 / 3)
 
 
+def test_a_cooldown_with_the_budget_schedule_is_said_not_ignored_silently(lconv_log):
+    """The default config's cooldown_fraction meets --config.optim.schedule=budget: not applied, and said once."""
+    budget.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+    budget.TimeSchedule(budget.Budget(0.0), "cosine", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+    budget.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3, cooldown_fraction=0.0, num_steps=1000)
+    (line,) = [m for m in lconv_log() if "cooldown_fraction" in m]
+    assert "cooldown_fraction=0.25" in line and "schedule=budget" in line and "decay_fraction=0.3" in line
+
+
 def test_without_a_budget_the_bar_counts_steps():
     bar = logs.Progress(3, 10, budget.Budget(0.0))
     bar.advance(4)

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import jax
-from etils import epath
 
 from lconv import outputs
 from lconv.data import paths, pipeline
@@ -188,14 +187,22 @@ def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, le
     schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=lambda name: f"--{name}")
 
 
+TEXT_FILE_LIMIT = 1 << 30  # bytes of --source_file / --reference_file: every line is held in memory
+
+
 def read_lines(path: str, flag: str) -> list[str]:
     """The lines of a UTF-8 text file, each without its "\\n" (or "\\r\\n"). A byte sequence that is not UTF-8
     is an error naming the line (1-based) and the byte offset in it (0-based), never replaced: a silently
     changed input would be decoded and scored as if it were the user's."""
-    lines = []
+    lines, total = [], 0
     try:
         with open(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
+            number = 0
+            while raw := f.readline(TEXT_FILE_LIMIT - total + 1):  # bounded: /dev/zero is one endless line
+                total, number = total + len(raw), number + 1
+                if total > TEXT_FILE_LIMIT:
+                    raise UserError(f"{flag}={path}: more than {TEXT_FILE_LIMIT:,} bytes; split it into smaller "
+                                    "files")
                 raw = raw.removesuffix(b"\n").removesuffix(b"\r")
                 try:
                     lines.append(raw.decode("utf-8"))
@@ -213,7 +220,9 @@ def _check_writable(path: str, what: str) -> None:
     if paths.is_url(path):  # a remote filesystem (gs://...): no local check
         return
     directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    if os.path.islink(path):
+        problem = "it is a symbolic link (lconv writes no output through a link)"
+    elif os.path.isdir(path):
         problem = "it is a directory"
     elif not os.path.isdir(directory):
         problem = f"the directory {directory} does not exist"
@@ -344,7 +353,7 @@ def _write_lines(path: str, outputs: Sequence[str]) -> None:
 
 def _write_text(path: str, text: str) -> None:
     if jax.process_index() == 0:
-        epath.Path(path).write_text(text, encoding="utf-8")
+        outputs.write_atomically(path, text)
         logger.info(f"outputs written to {path}")  # the default, <workdir>/output.txt, is not on the command line
 
 

@@ -21,6 +21,11 @@ def define_compilation_cache() -> None:
                         "'none' compiles every time.")
 
 
+def define_trust_plugins() -> None:
+    flags.DEFINE_bool("trust_plugins", False, "Import the plugin mixers ('module:Class') a stored config names, "
+                      "running their code: only for runs whose source you trust.")
+
+
 def evaluate(argv: list[str] | None = None) -> None:
     """``eval.py``: scores a split, decodes a file (translations, or an LM's continuations of prompts), or
     decodes stdin line by line (``--interactive``)."""
@@ -46,6 +51,7 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_float("top_p", None, "Nucleus sampling, in (0, 1] (default 1: off).")
     flags.DEFINE_integer("seed", None, "The sampling seed (default 0).")
     define_compilation_cache()
+    define_trust_plugins()
     flags.mark_flags_as_required(["workdir"])
     run_program(_evaluate_main, argv)
 
@@ -58,17 +64,19 @@ def _evaluate_main(argv: list[str]) -> None:
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
         from lconv.cli import eval_program
+        from lconv.run import restore
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
                  "output_file", "interactive", "nbest", "max_len", "temperature", "top_k", "top_p", "seed")
-        eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
+        with restore.trusting_plugins(FLAGS.trust_plugins):
+            eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
 
 def run_program(main: Callable[[list[str]], None], argv: list[str] | None) -> None:
     """Runs a program's ``main`` under absl with its flags listed by ``--help`` and lconv's flag parser."""
     for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
                  "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
-                 "nbest", "max_len", "temperature", "top_k", "top_p", "seed"):
+                 "nbest", "max_len", "temperature", "top_k", "top_p", "seed", "trust_plugins"):
         if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
             FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)

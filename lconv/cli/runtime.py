@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import sys
@@ -91,8 +92,30 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
               or os.fspath(epath.Path(workdir) / COMPILATION_CACHE))
     if not (choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")) and _read_only(folder):
         return None  # a read never writes into the workdir
+    problem = _unusable(folder)
+    if problem and choice:
+        raise UserError(f"--compilation_cache={choice}: {problem}; name a folder this process can write, or none")
+    if problem:  # $JAX_COMPILATION_CACHE_DIR: said once here, rather than by JAX at every compile
+        logging.getLogger(__name__).warning(f"compiled programs are not kept: {folder} {problem} "
+                                            "($JAX_COMPILATION_CACHE_DIR)")
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     jax.config.update("jax_compilation_cache_dir", folder)
     return folder
+
+
+def _unusable(folder: str) -> str | None:
+    """Why a local cache ``folder`` cannot hold JAX's entries (JAX would warn at every compile), or None."""
+    if paths.is_url(folder):
+        return None
+    existing = folder
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep)) or "."
+    if not os.path.isdir(existing):
+        return f"is not a folder ({existing} is a file)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be written ({existing}: permission denied)"
+    return None
 
 
 def _read_only(folder: str) -> bool:

@@ -121,9 +121,31 @@ def _read_local(path: str) -> bytes:
         return f.read()
 
 
-def read_bytes(path: epath.Path, missing: str) -> bytes:
+READ_LIMIT = 16 << 30  # bytes: no file lconv reads whole (a tokenizer, params, a program) comes near it
+
+
+def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None, limit: int = READ_LIMIT) -> None:
+    """A local ``path`` that lconv reads whole: a regular file (``/dev/zero`` or a pipe would read forever) of at
+    most ``limit`` bytes and, with ``within``, inside that folder once links are followed (a name in a workdir or
+    an export never leads out of it). One ``UserError`` line otherwise; a missing file is left to the reader."""
+    if is_url(path) or not os.path.lexists(path):
+        return
+    real = os.path.realpath(path)
+    if within is not None and not is_url(within):
+        root = os.path.realpath(within)
+        if os.path.commonpath([root, real]) != root:
+            raise UserError(f"{path}: leads out of {within} (to {real}); a file it names must be inside it")
+    if not os.path.isfile(real):
+        raise UserError(f"{path}: not a regular file ({real}); lconv reads only plain files here")
+    if os.path.getsize(real) > limit:
+        raise UserError(f"{path}: {os.path.getsize(real):,} bytes, more than the {limit:,} lconv reads here")
+
+
+def read_bytes(path: epath.Path, missing: str, *, within: epath.Path | str | None = None,
+               limit: int = READ_LIMIT) -> bytes:
     """The bytes of ``path``; a missing or unreadable file is one ``UserError`` line naming it (``missing``: what
-    to say when it is not there, e.g. "missing; restore it from a copy")."""
+    to say when it is not there, e.g. "missing; restore it from a copy"), and so is one ``check_file`` refuses."""
+    check_file(path, within=within, limit=limit)
     try:
         return path.read_bytes()
     except FileNotFoundError:

@@ -207,10 +207,12 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
         paths.check_url(workdir, "workdir")  # a URL whose file system is not installed: one line, before any read
         kept = tokenizer_files.kept_dir(cfg) if save else None
         in_workdir = epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
-        kept_exists = kept is not None and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
+        kept_exists = kept is not None and not in_workdir and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
+        kept_copy = tokenizer_files.usable_kept(kept, cfg.vocab_size) if kept_exists else None  # checked first
+        kept_exists = kept_copy is not None
         shipped = tokenizer_files.shipped_path(cfg) if save and not (in_workdir or kept_exists) else None
-        if kept_exists and not in_workdir:  # the workdir gets the kept copy; load_or_train then checks its size
-            tokenizer_lib.load_tokenizer(kept).save(workdir)
+        if kept_copy is not None:  # the workdir gets the kept copy; load_or_train then checks its size
+            kept_copy.save(workdir)
             logger.info(f"tokenizer: {tokenizer_lib.tokenizer_path(kept)} reused (trained by an earlier run on the "
                         "same data and settings)")
         elif shipped is not None:
@@ -221,9 +223,9 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
                                                 max_sentences=cfg.tokenizer_max_sentences, save=save)
         if kept is not None and not (kept_exists or in_workdir or shipped):  # trained just now: kept for later runs
             try:
-                tokenizer.save(kept)
-            except OSError as err:  # a read-only data_dir: the next run trains it again
-                logger.info(f"tokenizer: not kept for later runs in {kept} ({err.strerror or err})")
+                tokenizer_files.keep(tokenizer, kept)
+            except (OSError, UserError) as err:  # a read-only data_dir: the next run trains it again
+                logger.info(f"tokenizer: not kept for later runs in {kept} ({getattr(err, 'strerror', None) or err})")
         return tokenizer
 
     process_index, process_count = _process(process_index, process_count)

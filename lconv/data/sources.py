@@ -150,6 +150,10 @@ def describe_report(report: Mapping[str, Any]) -> list[str]:
 
 
 def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None):
+    local = os.path.expanduser(data_dir)
+    if not paths.is_url(data_dir) and os.path.exists(local) and not os.path.isdir(local):
+        raise UserError(f"config.data.data_dir={data_dir}: is a file, not a directory; name a folder (it is created "
+                        "if missing)")
     if spec.local:
         from lconv.data import tfds_ddtp
 

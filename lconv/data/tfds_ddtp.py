@@ -34,11 +34,14 @@ reads no URL but ``gs://``, and random reads over the network would starve train
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
+import threading
 from collections.abc import Iterator, Mapping
 
 import tensorflow_datasets as tfds
@@ -297,7 +300,8 @@ def _prepare_copy(name: str, copy_dir: str, raw_dir: str | None, fingerprint: di
     cls, config = _builder_class(name)
     os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
     temp_dir = paths.unique_temp(copy_dir)  # unique: processes preparing together never share files
-    try:
+    with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, temp_dir, ignore_errors=True)
         builder = cls(config=config, data_dir=temp_dir, raw_dir=raw_dir,
                       file_format=tfds.core.FileFormat.ARRAY_RECORD)
         print(f"Preparing {name} from {fingerprint['source']} ...", flush=True)  # as tfds does: seconds to minutes
@@ -309,8 +313,27 @@ def _prepare_copy(name: str, copy_dir: str, raw_dir: str | None, fingerprint: di
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
         _commit(temp_dir, copy_dir, name)
         print(f"Prepared {name} ({report['examples']} examples) in {copy_dir}", flush=True)
-    finally:
+
+
+@contextlib.contextmanager
+def _removed_on_sigterm(temp_dir: str) -> Iterator[None]:
+    """SIGTERM (a scheduler's stop, ``kill``) removes the temporary copy, then ends the process as SIGTERM does:
+    the default would leave it behind forever. (An exception raised from the handler could land in a callback that
+    swallows it.) The main thread only (Python's rule for handlers); the handler before it is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
         shutil.rmtree(temp_dir, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _commit(temp_dir: str, copy_dir: str, name: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from lconv.errors import UserError
 
 MODEL_FILENAME = "spm.model"
 DEFAULT_MAX_TRAIN_SENTENCES = 200_000  # sentences sampled for training: bounded, so training takes seconds
+TOKENIZER_LIMIT = 256 << 20  # bytes: a SentencePiece model or pieces.json of any real vocabulary is far smaller
 _MAX_SENTENCE_CHARS = 4096  # longer training lines are cut (SentencePiece would skip them)
 # Names how ``train_tokenizer`` makes a model from a text (its sample and trainer settings): a tokenizer kept for
 # later runs (``lconv.data.pipeline.load_or_train_tokenizer``) is reused only under the same version. Change it
@@ -144,18 +146,19 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
 
     for name in (Tokenizer.filename, PiecesTokenizer.filename):
         path = epath.Path(directory) / name
-        if path.exists():
-            return read_tokenizer(path)
+        if path.exists() or os.path.islink(os.fspath(path)):  # a dangling link is named, not skipped
+            return read_tokenizer(path, within=directory)
     raise UserError(f"no tokenizer at {tokenizer_path(directory)}; train one with "
                     "lconv.data.tokenizer.load_or_train")
 
 
-def read_tokenizer(path: Any) -> Tokenizer | PiecesTokenizer:
+def read_tokenizer(path: Any, within: Any = None) -> Tokenizer | PiecesTokenizer:
     """The tokenizer the file ``path`` (an ``epath.Path``: ``spm.model`` or ``pieces.json``) holds; a missing,
-    unreadable, truncated or foreign file is one line naming it."""
+    unreadable, truncated or foreign file is one line naming it, and so is one that is no plain file of a
+    tokenizer's size, or (``within``: the folder naming it) one that leads out of that folder."""
     from lconv.data import paths
 
-    data = paths.read_bytes(path, "missing; restore it from a copy")
+    data = paths.read_bytes(path, "missing; restore it from a copy", within=within, limit=TOKENIZER_LIMIT)
     if not data:
         raise UserError(f"{path}: empty (a write cut short?); restore it from a copy")
     try:

@@ -4,6 +4,8 @@ here)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 from typing import Any
 
@@ -12,6 +14,8 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
 
 KEPT_TOKENIZERS = "tokenizers"  # under data_dir's lconv_prepared folder
+KEPT_RECORD = "kept.json"  # beside a kept tokenizer: what it was kept for, and its bytes' SHA-256
+logger = logging.getLogger(__name__)
 
 
 def kept_dir(config: Any) -> str:
@@ -57,3 +61,43 @@ def shipped_location(config: Any) -> str | None:
     if key is None:
         return None
     return os.path.join(ddtp.SNAPSHOT_DIR, shipped_name(cfg.dataset, key, cfg.vocab_size, cfg.tokenizer_max_sentences))
+
+
+def keep(tokenizer: Any, kept: str) -> None:
+    """Keeps ``tokenizer`` in ``kept`` (``kept_dir``) for later runs, with the record ``usable_kept`` checks."""
+    from lconv import outputs
+
+    tokenizer.save(kept)
+    record = {"for": paths.basename(kept), "sha256": hashlib.sha256(tokenizer.to_bytes()).hexdigest(),
+              "vocab_size": tokenizer.vocab_size}
+    outputs.write_atomically(paths.join(kept, KEPT_RECORD), json.dumps(record, sort_keys=True))
+
+
+def usable_kept(kept: str, vocab_size: int) -> Any:
+    """The tokenizer kept in ``kept`` if it is the one kept there for this data and settings, else None with one
+    warning saying why (it is then trained again and kept anew). A kept tokenizer is a cache, not an input: a
+    damaged file, one swapped in from another corpus or vocabulary, or one without its record (kept by an older
+    lconv) would otherwise be copied into every new workdir."""
+    from etils import epath
+
+    from lconv.errors import UserError
+
+    why = None
+    try:
+        tokenizer = tokenizer_lib.load_tokenizer(kept)
+        record = json.loads(paths.read_bytes(epath.Path(paths.join(kept, KEPT_RECORD)), "no record of what it "
+                                             "was kept for", limit=1 << 20))
+        if not isinstance(record, dict):
+            why = "its record is not a JSON object"
+        elif record.get("for") != paths.basename(kept):
+            why = f"it was kept for {record.get('for')!r}, other data or settings"
+        elif record.get("sha256") != hashlib.sha256(tokenizer.to_bytes()).hexdigest():
+            why = "it is not the file that was kept (its SHA-256 differs from its record's)"
+        elif tokenizer.vocab_size != vocab_size:
+            why = f"its vocabulary has {tokenizer.vocab_size} pieces, not data.vocab_size={vocab_size}"
+    except (UserError, ValueError) as err:
+        why = str(err).splitlines()[0][:300]
+    if why is None:
+        return tokenizer
+    logger.warning(f"tokenizer: the copy kept in {kept} is not used ({why}); training one and keeping it instead")
+    return None

@@ -102,12 +102,12 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
                 exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
                 entry = dict(file=f"translate_r{r}_w{w}.jax", rows=r, width=w, output_len=length)
-            (directory / entry["file"]).write_bytes(bytes(exported.serialize()))
+            outputs.write_atomically(directory / entry["file"], bytes(exported.serialize()))
             programs.append(entry)
     buffer = io.BytesIO()
     np.savez(buffer, **traverse_util.flatten_dict(params, sep="/"))
-    (directory / "params.npz").write_bytes(buffer.getvalue())
-    (directory / trained.tokenizer.filename).write_bytes(trained.tokenizer.to_bytes())
+    outputs.write_atomically(directory / "params.npz", buffer.getvalue())
+    outputs.write_atomically(directory / trained.tokenizer.filename, trained.tokenizer.to_bytes())
     impl = config.model.conv_impl
     sidecar = {
         "format": FORMAT_VERSION, "task": config.task, "workdir": trained.workdir, "steps": trained.steps,
@@ -119,7 +119,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
         "jax_version": jax.__version__, "config": json.loads(config.to_json()),
     }
-    (directory / SIDECAR).write_text(json.dumps(sidecar, indent=2))
+    outputs.write_atomically(directory / SIDECAR, json.dumps(sidecar, indent=2))
     return sidecar
 
 
@@ -190,7 +190,7 @@ class Served:
         self.sidecar = _read_part(directory, SIDECAR, _parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
-        self.tokenizer = tokenizer_lib.read_tokenizer(directory / name)
+        self.tokenizer = tokenizer_lib.read_tokenizer(directory / name, within=directory)
         self.params = _read_part(directory, self.sidecar["params"], _parse_params, "a .npz of the params")
         self.programs = {(p["rows"], p["width"]): (p, _read_part(directory, p["file"], _parse_program,
                                                                  "a serialised jax.export program"))
@@ -272,7 +272,8 @@ class Served:
 def _read_part(directory: epath.Path, name: str, parse: Any, what: str) -> Any:
     """``parse(bytes of directory/name)``; a missing, unreadable or damaged file is one line naming it."""
     path = directory / name
-    data = paths.read_bytes(path, f"missing from the export (listed in its {SIDECAR}); export the run again")
+    data = paths.read_bytes(path, f"missing from the export (listed in its {SIDECAR}); export the run again",
+                            within=directory)
     try:
         return parse(data)
     except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)
@@ -291,10 +292,13 @@ def _parse_sidecar(data: bytes) -> dict[str, Any]:
     if not isinstance(sidecar.get("tokenizer"), str) or not isinstance(sidecar.get("params"), str):
         raise ValueError("no tokenizer or params file named")
     programs = sidecar.get("programs")
-    if not programs or not all(isinstance(p, dict) and isinstance(p.get("file"), str)
-                               and all(isinstance(p.get(k), int) and p[k] >= 1 for k in ("rows", "width"))
-                               for p in programs):
+    if not isinstance(programs, list) or not programs or not all(
+            isinstance(p, dict) and isinstance(p.get("file"), str)
+            and all(isinstance(p.get(k), int) and p[k] >= 1 for k in ("rows", "width")) for p in programs):
         raise ValueError("no programs, or a program without file, rows and width")
+    for name in [sidecar["tokenizer"], sidecar["params"]] + [p["file"] for p in programs]:
+        if not _is_file_name(name):
+            raise ValueError(f"it names {name!r}: an export's files are plain names inside its folder")
     search, needed = sidecar.get("search"), "max_len" if sidecar["task"] == "lm" else "lenpen"
     if not isinstance(search, dict) or needed not in search:
         raise ValueError(f"no search.{needed}")
@@ -304,6 +308,11 @@ def _parse_sidecar(data: bytes) -> dict[str, Any]:
         schema.check_search(beam_size=search.get("beam_size"), lenpen=search["lenpen"],
                             spell=lambda name: f"search.{name}")
     return sidecar
+
+
+def _is_file_name(name: str) -> bool:
+    """A bare file name (what export writes): no folder, no ``..``, no absolute path, on any platform."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\:\0")
 
 
 def _parse_params(data: bytes) -> Any:

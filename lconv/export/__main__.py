@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from lconv import export as export_lib
 from lconv import outputs
-from lconv.cli import runtime
+from lconv.cli import programs, runtime
 from lconv.decode_settings import SAMPLING_DEFAULTS
 from lconv.errors import UserError
 from lconv.run import restore, schema
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_float("temperature", None, f"LM: sampling temperature (default {sampling['temperature']}: greedy).")
     flags.DEFINE_integer("top_k", None, f"LM: top-k filter (default {sampling['top_k']}: off).")
     flags.DEFINE_float("top_p", None, f"LM: nucleus filter (default {sampling['top_p']}: off).")
+    programs.define_trust_plugins()
     flags.mark_flags_as_required(["workdir", "out"])
     F = flags.FLAGS
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
             schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
             sampling = {name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")}
             schema.check_sampling(sampling, spell=_flag)
-            stored = restore.read_stored(F.workdir)
+            stored = restore.read_stored(F.workdir, trust_plugins=F.trust_plugins)
             config = stored.config
             given = [name for name, value in sampling.items() if value is not None]
             export_lib.check_task_settings(config.task, F.beam_size, given, _flag)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from lconv import outputs
 from lconv.constants import PAD_ID
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
@@ -345,8 +346,8 @@ def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, sco
         return
     directory = epath.Path(workdir)
     if hypotheses is not None:
-        (directory / f"{name}.hyp.txt").write_text(lines_text(hypotheses), encoding="utf-8")
-    (directory / f"{name}.scores.json").write_text(json.dumps(scores, indent=2), encoding="utf-8")
+        outputs.write_atomically(directory / f"{name}.hyp.txt", lines_text(hypotheses))
+    outputs.write_atomically(directory / f"{name}.scores.json", json.dumps(scores, indent=2))
 
 
 def lines_text(outputs: Sequence[str]) -> str:
@@ -461,6 +462,10 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
     Prompts of similar length share a batch, and a batch one program per shape bucket."""
     limit = settings.prompt_limit(config.model.max_len)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
+    if limit == 0 and any(len(ids) for ids in encoded):  # every prompt would be dropped, not cut
+        raise UserError(f"max_len={settings.max_len} new tokens leave no room for a prompt in the model's "
+                        f"config.model.max_len={config.model.max_len} positions (BOS included); ask for at most "
+                        f"{settings.max_len - 1} to keep a prompt's last token, or give blank prompts")
     cut = [i for i, ids in enumerate(encoded) if len(ids) > limit]
     lengths = SourceLengths(cut, max((len(ids) for ids in encoded), default=0), limit, [len(encoded[i]) for i in cut])
     lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={settings.max_len} "

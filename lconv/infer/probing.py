@@ -13,7 +13,8 @@ import numpy as np
 from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.infer import compiled, features
+from lconv.fields import is_integer
+from lconv.infer import compiled, decode_and_score, features
 
 
 class Probing:
@@ -48,6 +49,8 @@ class Probing:
         side's output (after its final norm, if any). With ``layer=i`` (negative counts from the end) each side
         gives that state alone. The decoder reads ``target`` when given, else the model's own translation."""
         self._one_model("extract_features")
+        if layer is not None and not is_integer(layer):  # before any work; True would be taken as layer 1
+            raise UserError(f"layer={layer!r}: must be an integer index of a side's states (or None for all)")
         if target is not None and self.task == "lm":
             raise UserError("target: an LM reads the sentence itself; pass target= to a translation run only")
         inputs, targets, ids = self._teacher_forced_ids(sentence, target)
@@ -57,7 +60,7 @@ class Probing:
         out = {}
         for side, side_states in states.items():
             cut = [np.asarray(x[0, :lengths[side]], np.float32) for x in side_states]
-            if layer is not None and not (isinstance(layer, int) and -len(cut) <= layer < len(cut)):
+            if layer is not None and not (is_integer(layer) and -len(cut) <= layer < len(cut)):  # True is no layer
                 raise UserError(f"layer={layer!r}: the {side} has {len(cut)} states (0 = its embeddings, "
                                 f"{len(cut) - 1} = its output); pass one of -{len(cut)}..{len(cut) - 1}")
             out[side] = cut if layer is None else cut[layer]
@@ -72,11 +75,14 @@ class Probing:
             tokenizer_lib.check_text(target, "target")
         data = self.config.data
         if self.task == "lm":
-            inputs, targets = None, np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_target_length]
+            inputs, targets = None, _cut(self.tokenizer.encode(sentence), data.eval_max_target_length, "sentence",
+                                         "config.data.eval_max_target_length")
         else:
-            inputs = np.append(self.tokenizer.encode(sentence), EOS_ID)[:data.eval_max_input_length]
+            inputs = _cut(self.tokenizer.encode(sentence), data.eval_max_input_length, "sentence",
+                          "config.data.eval_max_input_length")
             translation = self.translate([sentence])[0] if target is None else target
-            targets = np.append(self.tokenizer.encode(translation), EOS_ID)[:data.eval_max_target_length]
+            targets = _cut(self.tokenizer.encode(translation), data.eval_max_target_length,
+                           "target" if target is not None else "its translation", "config.data.eval_max_target_length")
         ids = [compiled.pad_rows([x], 1, compiled.width_bucket(len(x), limit)) for x, limit in
                ([] if inputs is None else [(inputs, data.eval_max_input_length)])
                + [(targets, data.eval_max_target_length)]]
@@ -123,3 +129,12 @@ def _normalised(logits: Any, length: int) -> np.ndarray | None:
         return None
     kernels = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     return kernels[:length] if kernels.ndim == 3 else kernels
+
+
+def _cut(ids: Any, limit: int, name: str, where: str) -> np.ndarray:
+    """``ids`` and EOS, cut to ``limit`` tokens, with the warning every surface gives a cut input."""
+    ids = np.append(ids, EOS_ID)
+    cut = [0] if len(ids) > limit else []
+    decode_and_score.SourceLengths(cut, len(ids), limit, [len(ids)] * len(cut)).log(
+        lambda _: name, f"{where}, EOS included")
+    return ids[:limit]

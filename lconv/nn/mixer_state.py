@@ -67,6 +67,11 @@ def empty() -> MixerState:
 def declared(model_config: Any) -> dict[str, Reset]:
     """``{collection: reset hook}`` over the mixers of every layer ``model_config`` (a ``ModelConfig``) names.
     Two mixers may share a collection only with the same hook: one hook resets a collection in every layer."""
+    return {collection: hook for collection, (hook, _) in _declared(model_config).items()}
+
+
+def _declared(model_config: Any) -> dict[str, tuple[Reset, str]]:
+    """``{collection: (reset hook, the first mixer that declares it)}``."""
     hooks: dict[str, tuple[Reset, str]] = {}
     for side in mixers.BOTH_SIDES:
         if not getattr(model_config, f"{side}_layers", 0):
@@ -81,7 +86,7 @@ def declared(model_config: Any) -> dict[str, Reset]:
                 if hook is not info.reset_state:
                     raise UserError(f"mixers {owner!r} and {name!r} both carry state collection {collection!r} "
                                     "with different reset_state hooks; give one of them its own collection name")
-    return {collection: hook for collection, (hook, _) in hooks.items()}
+    return hooks
 
 
 def initial(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -89,9 +94,11 @@ def initial(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     """The state ``model.init(rng, *args, **kwargs)`` creates for its stateful mixers (the batch's rows), or the
     empty state. ``sharding``: lay every leaf out so (rows as the batch; created by a jit, so every process builds
     its shards of one global array); None gives plain arrays (or traced ones inside a jit)."""
-    hooks = declared(model.config)
-    if not hooks:
+    owned = _declared(model.config)
+    if not owned:
         return empty()
+    check_rules(model, args, kwargs, owned)
+    hooks = {collection: hook for collection, (hook, _) in owned.items()}
 
     def init() -> dict[str, PyTree]:  # only the state leaves are outputs: XLA drops the parameters' init
         variables = model.init(jax.random.key(0), *args, **kwargs)
@@ -102,3 +109,66 @@ def initial(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         return empty()
     collections = (jax.jit(init) if sharding is None else jax.jit(init, out_shardings=sharding))()
     return MixerState(collections, tuple((c, hooks[c]) for c in collections))
+
+
+_checked: set[Any] = set()  # (model, batch shapes) whose state rules held: traced once per process
+
+
+def check_rules(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                owned: dict[str, tuple[Reset, str]]) -> None:
+    """The state rules of ``lconv.testing.check_mixer``, on the model and batch a run uses, before any data (traced
+    only, nothing compiled): init makes every declared collection, a window keeps each leaf's shape and dtype (a
+    leaf that grows recompiles every window), and ``reset_state`` returns the tree it was given. Each failure is
+    one line naming the mixer and the rule."""
+    key = (model, jax.tree.map(lambda x: (x.shape, x.dtype), (args, kwargs)).__repr__())
+    try:
+        if key in _checked:
+            return
+    except TypeError:  # an unhashable module: check every time
+        key = None
+    rows = args[0].shape[0]
+
+    def window() -> tuple[PyTree, PyTree]:
+        variables = model.init(jax.random.key(0), *args, **kwargs)
+        state = {c: variables[c] for c in owned if c in variables}
+        _, updated = model.apply({"params": variables["params"], **state}, *args, mutable=list(state), **kwargs)
+        return nn.meta.unbox(state), nn.meta.unbox(dict(updated))
+
+    initial_state, updated = jax.eval_shape(window)
+    for collection, (hook, name) in owned.items():
+        where = f"mixer {name!r}, state collection {collection!r}"
+        if collection not in initial_state:
+            raise UserError(f"{where} (rule state): init made no such collection; a stateful mixer creates it "
+                            "when the model is initialised (self.variable(collection, ...))")
+        before = jax.tree.map(lambda x: (x.shape, x.dtype), initial_state[collection])
+        after = jax.tree.map(lambda x: (x.shape, x.dtype), updated.get(collection, initial_state[collection]))
+        if before != after:
+            raise UserError(f"{where} (rule state): a window changed its leaves from {_first_diff(before, after)}; "
+                            "state keeps its shapes and dtypes from window to window (a growing leaf would "
+                            "recompile every window)")
+        try:
+            reset = jax.eval_shape(hook, initial_state[collection], jax.ShapeDtypeStruct((rows,), bool))
+        except Exception as err:  # noqa: BLE001 (the plugin's hook: whatever it raises is one line naming it)
+            line = (str(err).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"{where} (rule reset): reset_state(tree, reset_B) failed: "
+                            f"{type(err).__name__}: {line}") from None
+        if jax.tree.map(lambda x: (x.shape, x.dtype), reset) != before:
+            raise UserError(f"{where} (rule reset): reset_state returned another tree or shapes than it was given")
+    if key is not None:
+        _checked.add(key)
+
+
+def _first_diff(before: PyTree, after: PyTree) -> str:
+    """``path shape -> shape`` of the first leaf that differs (or the trees' structures when they differ)."""
+    if jax.tree.structure(before, is_leaf=_is_pair) != jax.tree.structure(after, is_leaf=_is_pair):
+        return "one tree to another (leaves added or removed)"
+    pairs = zip(jax.tree_util.tree_leaves_with_path(before, is_leaf=_is_pair),
+                jax.tree.leaves(after, is_leaf=_is_pair))
+    for (path, old), new in pairs:
+        if old != new:
+            return f"{jax.tree_util.keystr(path)} {old[1]}{list(old[0])} to {new[1]}{list(new[0])}"
+    return "one tree to another"
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)

@@ -58,6 +58,7 @@ import functools
 import importlib
 import logging
 import re
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -243,6 +244,17 @@ def import_plugin_module(module_name: str, what: str) -> Any:
         raise UserError(f"{what}: importing module {module_name!r} failed: {_error_line(e)}") from None
 
 
+def runs_no_new_code(kind: str, spec: str) -> bool:
+    """Whether resolving ``spec`` ("module:Class") imports nothing new: a target this process's registry names
+    (lconv's own mixers, the user's ``register_mixer`` calls, installed entry points), or a module already imported.
+    A spec read from a stored config that is neither would run a file from elsewhere (``trust_plugins``)."""
+    _load_entry_points()
+    table = _MIXERS if kind == "mixer" else _FFNS
+    if any(spec == _describe(target) for target in table.values()):
+        return True
+    return spec.partition(":")[0] in sys.modules
+
+
 def _error_line(error: BaseException) -> str:
     """``Type: first line of the message (file:line)``: where in the user's module it went wrong."""
     import traceback
@@ -284,10 +296,34 @@ def info(name: str | type[nn.Module]) -> MixerInfo:
         name=name, cls=cls, model_fields=dict(getattr(cls, "model_fields", {})), sides=sides,
         side_reason=str(getattr(cls, "side_reason", "")), label=str(own.get("label", short)),
         variant=str(own.get("variant", short)), example_fields=dict(getattr(cls, "example_fields", {})),
-        state=tuple(getattr(cls, "state", ())), reset_state=getattr(cls, "reset_state", zero_rows),
+        state=_state(name, getattr(cls, "state", ())), reset_state=_reset_state(name, cls),
         layout=_layout(name, getattr(cls, "layout", None)),
         layout_others=str(getattr(cls, "layout_others", "attention")),
         fields=frozenset(constructor_fields(cls)))
+
+
+RESERVED_COLLECTIONS = ("params", "cache", "intermediates")  # lconv's own: a mixer's state is never one of them
+
+
+def _state(name: Any, state: Any) -> tuple[str, ...]:
+    """A class's ``state``: a tuple of collection names of its own (a bare string would be split into letters, and
+    a collection lconv fills itself, such as ``'intermediates'``, would never be carried)."""
+    if not (isinstance(state, (tuple, list)) and all(isinstance(c, str) and c.isidentifier() for c in state)):
+        raise UserError(f"mixer {name!r}: state={state!r} must be a tuple of collection names, e.g. ('memory',)")
+    taken = [c for c in state if c in RESERVED_COLLECTIONS]
+    if taken:
+        raise UserError(f"mixer {name!r}: state names {taken[0]!r}, a collection lconv fills itself "
+                        f"({', '.join(RESERVED_COLLECTIONS)}); name the carried state's collection otherwise")
+    return tuple(state)
+
+
+def _reset_state(name: Any, cls: type) -> Callable[[Any, Any], Any]:
+    """A class's ``reset_state`` (default ``zero_rows``): it must be callable as ``reset_state(tree, reset_B)``."""
+    reset = getattr(cls, "reset_state", zero_rows)
+    if not callable(reset):
+        raise UserError(f"mixer {name!r}: reset_state={reset!r} is not callable; define it as a staticmethod "
+                        "reset_state(tree, reset_B)")
+    return reset
 
 
 def _layout(name: Any, layout: Any) -> tuple[int, ...] | None:

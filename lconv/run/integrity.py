@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from lconv import outputs
 from lconv.errors import UserError
 from lconv.run import workdir as workdir_lib
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FILENAME = "lconv_manifest.json"
 ERROR_LOG_FILENAME = "checkpoint_errors.log"
+MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists files by name: far smaller than this
 
 
 class CorruptCheckpoint(UserError):
@@ -61,10 +63,15 @@ def _file_digest(path: epath.Path) -> str:
 
 def _files(step_dir: epath.Path, prefix: str = "") -> list[str]:
     """Every file under ``step_dir`` but the manifest, as sorted relative paths (walked level by level: epath's
-    remote backends refuse recursive globs)."""
+    remote backends refuse recursive globs). Orbax writes plain files and folders: a symbolic link (which could
+    lead out of the checkpoint) or a device, pipe or socket (``/dev/zero`` reads forever) is a ``CorruptCheckpoint``."""
     found = []
     for child in step_dir.iterdir():
         relative = f"{prefix}{child.name}"
+        if not outputs.is_url(os.fspath(child)) and (os.path.islink(child) or not (child.is_dir() or
+                                                                                  os.path.isfile(child))):
+            kind = "a symbolic link" if os.path.islink(child) else "not a regular file"
+            raise CorruptCheckpoint(f"checkpoint {step_dir}: {relative} is {kind}; a checkpoint holds plain files")
         if child.is_dir():
             found += _files(child, relative + "/")
         elif relative != MANIFEST_FILENAME:
@@ -95,20 +102,38 @@ def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
         if required:
             raise CorruptCheckpoint(f"checkpoint {step_dir} has no {MANIFEST_FILENAME}")
         return False
-    try:
-        expected = json.loads(path.read_text())["sha256"]
-    except (OSError, ValueError, KeyError) as err:
-        raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} is unreadable ({err})") from None
+    expected = _read_manifest(path, step_dir)
+    present = set(_files(root))
     for rel, (size, digest) in expected.items():
         file = root / rel
-        if not file.exists():
+        if rel.startswith(("/", "\\")) or any(part in ("", ".", "..") for part in rel.replace("\\", "/").split("/")):
+            raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} names {rel!r}, a path outside "
+                                    "the checkpoint")
+        if rel not in present:
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} is missing")
         if file.stat().length != size or _file_digest(file) != digest:
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} changed since it was written (SHA-256 mismatch)")
-    extra = sorted(set(_files(root)) - set(expected))
+    extra = sorted(present - set(expected))
     if extra:
         raise CorruptCheckpoint(f"checkpoint {step_dir}: {extra[0]} was not part of it when it was written")
     return True
+
+
+def _read_manifest(path: epath.Path, step_dir: str) -> dict[str, list]:
+    """The manifest's ``{relative path: [size, sha256]}``: a small JSON file of that shape, else one line."""
+    try:
+        if not outputs.is_url(os.fspath(path)) and (os.path.islink(path) or not os.path.isfile(path)
+                                                    or os.path.getsize(path) > MANIFEST_MAX_BYTES):
+            raise ValueError("not a plain file of at most 64 MB")
+        expected = json.loads(path.read_text())["sha256"]
+        if not (isinstance(expected, dict) and all(
+                isinstance(rel, str) and isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                and isinstance(entry[1], str) for rel, entry in expected.items())):
+            raise ValueError('not {"sha256": {path: [size, sha256]}}')
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} is unreadable "
+                                f"({str(err).splitlines()[0][:200] if str(err) else type(err).__name__})") from None
+    return expected
 
 
 def check_finite(tree: Any, where: str) -> None:

@@ -50,4 +50,8 @@ def checked_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device] | 
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence) or not devices \
             or not all(isinstance(d, jax.Device) for d in devices):
         raise UserError(f"devices: pass a non-empty list of JAX devices (jax.devices()[:n]); got {devices!r:.60}")
+    repeated = [d for i, d in enumerate(devices) if d in devices[:i]]
+    if repeated:
+        raise UserError(f"devices: {repeated[0]} is listed twice; a mesh holds each device once "
+                        "(jax.devices()[:n])")
     return list(devices)

@@ -4,6 +4,8 @@ written). What eval.py, ``lconv.load``, export, the study and ``init_from`` read
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import json
@@ -21,12 +23,50 @@ from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.fields import is_integer
+from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.run.schema import Settings, validate_config
 
 Config = ml_collections.ConfigDict
 PyTree = Any
+TRUST_HINT = ("pass --trust_plugins (train.py, eval.py, python -m lconv.export) or trust_plugins=True (lconv.load), "
+              "or import the module yourself first")
+_trust_plugins = contextvars.ContextVar("trust_plugins", default=False)  # the CLIs' --trust_plugins
+
+
+@contextlib.contextmanager
+def trusting_plugins(trust: bool = True) -> Any:
+    """Within it, a stored config may name plugin modules that are not imported yet (the programs'
+    ``--trust_plugins``; the API passes ``trust_plugins=`` instead)."""
+    token = _trust_plugins.set(bool(trust))
+    try:
+        yield
+    finally:
+        _trust_plugins.reset(token)
+
+
+def check_plugins(stored: dict, path: Any, trust_plugins: bool | None = None) -> None:
+    """A config read from a run someone handed over is data: a ``"module:Class"`` mixer or FFN it names would
+    import that module and run its code. Refused (one line naming the module and the opt-in) unless trusted, or
+    the registry already has it, or the module is imported already; lconv's own mixers need nothing."""
+    if trust_plugins if trust_plugins is not None else _trust_plugins.get():
+        return
+    model = stored.get("model")
+    if not isinstance(model, dict):
+        return
+    named: list[tuple[str, str, Any]] = []  # (kind, field, value)
+    for side in ("encoder_mixer", "decoder_mixer"):
+        value = model.get(side)
+        parts = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+        named += [("mixer", side, part.strip() if isinstance(part, str) else part) for part in parts]
+    if isinstance(model.get("mixer_kwargs"), dict):
+        named += [("mixer", "mixer_kwargs", key) for key in model["mixer_kwargs"]]
+    named.append(("ffn", "ffn_type", model.get("ffn_type")))
+    for kind, field, spec in named:
+        if mixers.is_spec(spec) and not mixers.runs_no_new_code(kind, spec):
+            raise UserError(f"{path}: config.model.{field} names plugin {kind} {spec!r}, which would import module "
+                            f"{spec.partition(':')[0]!r} and run its code; if you trust this run, {TRUST_HINT}")
 
 
 @dataclasses.dataclass
@@ -68,9 +108,10 @@ class StoredConfig:
     settings: Settings
 
 
-def read_stored(workdir: str, caller: str = "--workdir") -> StoredConfig:
+def read_stored(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> StoredConfig:
     """The resolved config a run stored in ``<workdir>/config.json``, checked by the schema's rules as train.py
-    checked it (a hand-edited value is named here); ``caller``: as ``find_run``'s."""
+    checked it (a hand-edited value is named here); ``caller``: as ``find_run``'s. A plugin it names is imported
+    only when trusted (``check_plugins``; None: as ``trusting_plugins`` says)."""
     path = epath.Path(find_run(workdir, caller)) / workdir_lib.CONFIG_FILENAME
     try:
         stored = json.loads(path.read_text())
@@ -79,6 +120,7 @@ def read_stored(workdir: str, caller: str = "--workdir") -> StoredConfig:
         raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None
     if not isinstance(stored, dict):
         raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
+    check_plugins(stored, path, trust_plugins)
     try:
         config = ml_collections.ConfigDict(stored)
         return StoredConfig(config, validate_config(config))  # validation fills the fields lconv added since
@@ -88,9 +130,9 @@ def read_stored(workdir: str, caller: str = "--workdir") -> StoredConfig:
         raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
 
 
-def read_config(workdir: str, caller: str = "--workdir") -> Config:
+def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> Config:
     """``read_stored``'s config alone."""
-    return read_stored(workdir, caller).config
+    return read_stored(workdir, caller, trust_plugins).config
 
 
 def as_flag(name: str) -> str:
@@ -115,7 +157,7 @@ def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
                  overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
                  spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None,
-                 stored: StoredConfig | None = None) -> Trained:
+                 stored: StoredConfig | None = None, trust_plugins: bool | None = None) -> Trained:
     """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
     the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
     validation loss. ``caller``: how the path was given, for errors (``find_run``); ``spell``: how the other
@@ -124,9 +166,10 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
     Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
     nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
     (decoding fields, say) before the model is built; the changed config is checked again. ``devices``: the mesh's
-    (``config.mesh``; default all). ``stored``: what ``read_stored`` returned, when the caller read it already."""
+    (``config.mesh``; default all). ``stored``: what ``read_stored`` returned, when the caller read it already.
+    ``trust_plugins``: as ``read_stored``'s."""
     check_checkpoint_choice(average_last, checkpoint, spell)
-    stored = read_stored(workdir, caller) if stored is None else stored
+    stored = read_stored(workdir, caller, trust_plugins) if stored is None else stored
     config, settings = copy.deepcopy(stored.config), stored.settings
     if overrides is not None:
         overrides(config)

@@ -22,7 +22,6 @@ import logging
 import os
 import socket
 import sys
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -200,9 +199,4 @@ def append_text(path: epath.Path, text: str) -> None:
         path.write_text((path.read_text() if path.exists() else "") + text)
 
 
-def write_atomically(path: epath.Path, text: str | bytes) -> None:
-    """Writes through a temporary file of a unique name, then a rename: a crash never leaves half a file (on an
-    object store the rename is a copy, still never a partial object)."""
-    temporary = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    temporary.write_bytes(text) if isinstance(text, bytes) else temporary.write_text(text)
-    temporary.replace(path)
+write_atomically = outputs.write_atomically  # the one atomic writer, in the bottom layer

@@ -26,6 +26,7 @@ def train(argv: list[str] | None = None) -> None:
                       "Let a resumed run change config fields its checkpoints were trained with (model, data, "
                       "optim); without it such a change is an error.")
     programs.define_compilation_cache()
+    programs.define_trust_plugins()  # for config.train.init_from: a run from elsewhere
     flags.mark_flags_as_required(["config", "workdir"])
     programs.run_program(_train_main, argv)
 
@@ -37,10 +38,12 @@ def _train_main(argv: list[str]) -> None:
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
+        from lconv.run import restore
         from lconv.train import loop  # after the runtime is set up (multi-host initialisation)
 
-        result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir,
-                                         accept_config_changes=FLAGS.accept_config_changes)
+        with restore.trusting_plugins(FLAGS.trust_plugins):
+            result = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir,
+                                             accept_config_changes=FLAGS.accept_config_changes)
     runtime.print_summary(result)
     if result.get("stopped_by") == "SIGINT":
         sys.exit(130)  # the shell's code for Ctrl-C; the checkpoint is saved and the run resumes from it

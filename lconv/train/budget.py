@@ -109,6 +109,9 @@ class TimeSchedule:
                  cooldown_fraction: float = 0.0, num_steps: int = 0) -> None:
         self.budget, self.shaped = budget, schedule == "budget" and budget.enabled
         self.cooldown = cooldown_fraction if schedule != "budget" and num_steps > 0 else 0.0
+        if schedule == "budget" and cooldown_fraction > 0:  # the default config's cooldown meets a budget schedule
+            logger.warning(f"optim.cooldown_fraction={cooldown_fraction} is not applied with optim.schedule=budget, "
+                           f"whose own decay (optim.decay_fraction={decay_fraction}) is its cooldown")
         self.active = self.shaped or self.cooldown > 0
         self.warmup, self.decay, self.num_steps = warmup_fraction, decay_fraction, num_steps
         self.first_update: float | None = None

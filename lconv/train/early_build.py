@@ -104,6 +104,8 @@ class EarlyBuild:
         jitted = steps.jit_train_step(config, parts.lr_schedule, parts.state_shardings, mesh)
         sharding = model_setup.batch_sharding(mesh)
         rows = model_setup.dummy_batch(config, config.data.batch_size)
+        if config.data.stream:  # a document stream's batches also say which rows start a document (lconv.data.stream)
+            rows["document_start"] = np.zeros((config.data.batch_size,), np.int32)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
         state = checkpoints.abstract_like(parts.state)
         with jax.set_mesh(mesh):

@@ -60,7 +60,11 @@ class MetricWriter:
             return
         path = epath.Path(workdir) / "metrics.jsonl"
         _drop_rows_after(path, resumed_step)
-        self.jsonl = _RemoteLines(path) if workdir_lib.is_remote(workdir) else open(path, "a")
+        self.path, self.remote = path, workdir_lib.is_remote(workdir)
+        # The rows of the step resumed from: a rerun may log one again (its final evaluation, killed before it
+        # ended): the new row replaces the old, so the log holds each step's row once.
+        self.logged_at_resume = _rows_at(path, resumed_step)
+        self.jsonl = _RemoteLines(path) if self.remote else open(path, "a")
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
         _quiet_event_thread()
@@ -70,12 +74,22 @@ class MetricWriter:
         if not self.enabled:
             return
         scalars = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+        if (int(step), split) in self.logged_at_resume:
+            self.logged_at_resume.discard((int(step), split))
+            self._drop_row(int(step), split)
         self.jsonl.write(json.dumps({"step": int(step), "split": split, **scalars}) + "\n")
         self.jsonl.flush()
         for key, value in scalars.items():
             self.tensorboard.add_scalar(f"{split}/{key}", value, step)
         if split != "train":
             print(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in scalars.items()), flush=True)
+
+    def _drop_row(self, step: int, split: str) -> None:
+        """Removes the row of ``(step, split)`` written before this launch (rare: a rerun of a final evaluation)."""
+        self.jsonl.close()
+        lines = self.path.read_text().splitlines(keepends=True)
+        self.path.write_text("".join(line for line in lines if _row_key(line) != (step, split)))
+        self.jsonl = _RemoteLines(self.path) if self.remote else open(self.path, "a")
 
     def close(self) -> None:
         if self.enabled:
@@ -114,6 +128,21 @@ def _drop_rows_after(path: epath.Path, step: int) -> None:
     kept = [line for line in lines if _row_step(line) <= step]
     if len(kept) != len(lines):
         path.write_text("".join(kept))
+
+
+def _rows_at(path: epath.Path, step: int) -> set[tuple[int, str]]:
+    """``{(step, split)}`` of the rows logged at ``step``."""
+    if not path.exists():
+        return set()
+    return {key for key in map(_row_key, path.read_text().splitlines()) if key is not None and key[0] == step}
+
+
+def _row_key(line: str) -> tuple[int, str] | None:
+    try:
+        row = json.loads(line)
+        return int(row["step"]), str(row["split"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _row_step(line: str) -> float:

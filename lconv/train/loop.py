@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import math
 import signal
@@ -20,7 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
+from lconv import outputs
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import compiled, decode_and_score
@@ -219,7 +222,13 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         else:  # each process's clock would pick another step for the measurement's collectives: all of them, now
             measure()
     try:
-        step, stopped_by = train(run, ckpt, writer, score_validation, budget)
+        if pending_final_evaluation(run.workdir) == int(run.state.step):  # stopped before: what the rerun does
+            logger.info(f"the final evaluation of step {int(run.state.step)} was stopped: running it, no more "
+                        "training")
+            ckpt.close()
+            step, stopped_by = int(run.state.step), None
+        else:
+            step, stopped_by = train(run, ckpt, writer, score_validation, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
@@ -285,10 +294,36 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_v
                 result["test"] = evaluate_test_split(run, eval_step, settings, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
     except Stopped as stop:
+        _record_final_evaluation(run.workdir, step)
         logger.info(f"stopping the final evaluation: {stop.signal_name}; the checkpoint of step {step} is saved, and "
                     "the same command evaluates it")
         return stop.signal_name
+    _record_final_evaluation(run.workdir, None)
     return None
+
+
+FINAL_EVALUATION = "final_evaluation_pending.json"  # a stopped final evaluation's step: the rerun runs it alone
+
+
+def pending_final_evaluation(workdir: str) -> int | None:
+    """The step whose final evaluation a signal stopped (recorded in the workdir), or None."""
+    path = epath.Path(workdir) / FINAL_EVALUATION
+    try:
+        step = json.loads(path.read_text())["step"] if path.exists() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged record: train as usual
+    return step if isinstance(step, int) else None
+
+
+def _record_final_evaluation(workdir: str, step: int | None) -> None:
+    """Records that step ``step``'s final evaluation was stopped (process 0), or, with None, that none is pending."""
+    if jax.process_index() != 0:
+        return
+    path = epath.Path(workdir) / FINAL_EVALUATION
+    if step is not None:
+        outputs.write_atomically(path, json.dumps({"step": int(step)}))
+    elif path.exists():
+        path.unlink()
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,

@@ -1,0 +1,237 @@
+"""What a run, a checkpoint manifest or an export names stays inside it, and every output goes through one atomic
+writer (issue 56): no output lands through a symbolic link planted in a workdir, and a failed write (a full disk)
+leaves the earlier file whole."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import helpers
+import pytest
+import tiny_config
+
+from lconv import outputs
+from lconv.cli import eval_program
+from lconv.errors import UserError
+from lconv.infer import decode_and_score
+from lconv.run import restore
+
+
+@pytest.fixture
+def config_only(tmp_path, monkeypatch):
+    """A workdir holding only a translation run's config.json, and a ``load_trained`` that fails the test."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(tiny_config.get_config().to_json())
+    monkeypatch.setattr(restore, "load_trained", lambda *a, **k: pytest.fail("loaded before the check"))
+    return workdir
+
+
+@pytest.fixture
+def victim(tmp_path):
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    return path
+
+
+def test_eval_refuses_an_output_that_is_a_symlink_before_loading(config_only, victim, tmp_path, capsys):
+    (config_only / "test.hyp.txt").symlink_to(victim)
+    with pytest.raises(UserError) as error:
+        eval_program.run(str(config_only), split="test")
+    helpers.one_line_error(error, str(config_only / "test.hyp.txt"), "symbolic link")
+    source = tmp_path / "in.en"
+    source.write_text("one line\n")
+    link = tmp_path / "out.de"
+    link.symlink_to(victim)
+    helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={config_only}", f"--source_file={source}",
+                                           f"--output_file={link}"), str(link), "symbolic link")
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_writers_refuse_a_link_planted_after_the_check(tmp_path, victim):
+    """The split's writer itself refuses (a link made between eval.py's check and its write)."""
+    (tmp_path / "test.scores.json").symlink_to(victim)
+    with pytest.raises(UserError) as error:
+        decode_and_score.write_outputs(str(tmp_path), "test", ["a"], {"bleu": 1.0})
+    helpers.one_line_error(error, "test.scores.json", "symbolic link")
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_failed_write_keeps_the_earlier_file_and_leaves_no_temporary(tmp_path):
+    """``ulimit -f``: the write fails part-way (a full disk); the earlier output is whole, the error one line."""
+    path = tmp_path / "output.txt"
+    path.write_text("earlier\n")
+    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+            "from lconv import outputs\nfrom lconv.errors import UserError\n"
+            "try:\n    outputs.write_atomically(sys.argv[1], 'x' * 100000)\n"
+            "except UserError as e:\n    print(e)\n    sys.exit(2)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=helpers.ROOT,
+                            timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert str(path) in result.stdout and len(result.stdout.strip().splitlines()) == 1
+    assert path.read_text() == "earlier\n" and sorted(p.name for p in tmp_path.iterdir()) == ["output.txt"]
+    outputs.write_atomically(path, "later\n")
+    assert path.read_text() == "later\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A checkpoint's manifest names files inside its step folder, and those are plain files
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def step_dir(tmp_path):
+    from lconv.run import integrity
+
+    step = tmp_path / "checkpoints" / "5"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "a").write_bytes(b"abc")
+    integrity.write_manifest(str(step))
+    return step
+
+
+def _tamper(step, change):
+    import json
+
+    from lconv.run import integrity
+
+    path = step / integrity.MANIFEST_FILENAME
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("outside", ["../../outside.txt", "ABSOLUTE", "state/../../../outside.txt", "./state/a"])
+def test_a_manifest_naming_a_path_outside_its_checkpoint_is_corrupt(step_dir, outside):
+    """Even with the right size and digest (it was read and accepted): only paths inside the step folder count."""
+    import hashlib
+
+    from lconv.run import integrity
+
+    target = step_dir.parents[1] / "outside.txt"
+    target.write_bytes(b"abc")
+    outside = str(target) if outside == "ABSOLUTE" else outside
+    _tamper(step_dir, lambda m: m["sha256"].update({outside: [3, hashlib.sha256(b"abc").hexdigest()]}))
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step_dir))
+    helpers.one_line_error(error, str(step_dir), outside, "outside the checkpoint")
+
+
+def test_a_checkpoint_file_linked_out_or_to_a_device_is_corrupt_not_read(step_dir):
+    """``state/a`` linked to /dev/zero hung eval.py forever (hashing an endless file)."""
+    from lconv.run import integrity
+
+    (step_dir / "state" / "a").unlink()
+    (step_dir / "state" / "a").symlink_to("/dev/zero")
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step_dir))
+    helpers.one_line_error(error, "state/a", "symbolic link")
+
+
+@pytest.mark.parametrize("manifest", [[], {"sha256": []}, {"sha256": {"state/a": 3}}, {"sha256": {"state/a": [3]}},
+                                      {"sha256": {"state/a": ["3", "x"]}}, "text"])
+def test_a_malformed_manifest_is_one_line(step_dir, manifest):
+    import json
+
+    from lconv.run import integrity
+
+    (step_dir / integrity.MANIFEST_FILENAME).write_text(json.dumps(manifest))
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step_dir))
+    helpers.one_line_error(error, str(step_dir), integrity.MANIFEST_FILENAME)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An export's sidecar names plain files in its folder; a workdir's tokenizer is its own; reads are bounded
+# ----------------------------------------------------------------------------------------------------------------
+def _export(folder, **changes):
+    """A folder with an export's sidecar (the rest of the export is not needed to reach the checks)."""
+    import json
+
+    from lconv import export
+
+    folder.mkdir(exist_ok=True)
+    sidecar = {"format": export.FORMAT_VERSION, "task": "translation", "tokenizer": "spm.model",
+               "params": "params.npz", "programs": [{"file": "translate_r1_w32.jax", "rows": 1, "width": 32}],
+               "search": {"beam_size": 1, "lenpen": 0.6}}
+    sidecar.update(changes)
+    (folder / export.SIDECAR).write_text(json.dumps(sidecar))
+    return folder
+
+
+@pytest.mark.parametrize("field, name", [("tokenizer", "/etc/hostname"), ("params", "../outside/x.npz"),
+                                         ("params", "/tmp/x.npz"), ("programs", "../p.jax"), ("tokenizer", "..")])
+def test_an_export_sidecar_naming_a_file_outside_it_is_refused(tmp_path, field, name):
+    from lconv import export
+
+    value = [{"file": name, "rows": 1, "width": 32}] if field == "programs" else name
+    folder = _export(tmp_path / "exported", **{field: value})
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, export.SIDECAR, repr(name))
+
+
+def test_an_export_file_linked_out_of_its_folder_or_not_a_file_is_refused(tmp_path, tiny_data):
+    import os
+    import shutil
+
+    from lconv import export
+
+    folder = _export(tmp_path / "exported")
+    (tmp_path / "elsewhere.model").write_bytes(tiny_data.spm.read_bytes())
+    (folder / "spm.model").symlink_to(tmp_path / "elsewhere.model")
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, "spm.model", "leads out of")
+    (folder / "spm.model").unlink()
+    shutil.copy(tiny_data.spm, folder / "spm.model")
+    os.mkfifo(folder / "params.npz")  # would block the reader forever
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, "params.npz", "not a regular file")
+
+
+def test_a_workdirs_tokenizer_linked_to_a_device_or_out_of_it_is_one_line(tmp_path, tiny_data):
+    from lconv.data import tokenizer as tokenizer_lib
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "spm.model").symlink_to("/dev/zero")
+    with pytest.raises(UserError) as error:
+        tokenizer_lib.load_tokenizer(str(workdir))
+    helpers.one_line_error(error, "spm.model")
+    (workdir / "spm.model").unlink()
+    (workdir / "spm.model").symlink_to(tiny_data.spm)
+    with pytest.raises(UserError) as error:
+        tokenizer_lib.load_tokenizer(str(workdir))
+    helpers.one_line_error(error, "spm.model", "leads out of")
+
+
+def test_a_source_file_that_never_ends_is_one_line(monkeypatch):
+    """``--source_file=/dev/zero`` was a MemoryError traceback (or took the host): reads stop at a bound."""
+    monkeypatch.setattr(eval_program, "TEXT_FILE_LIMIT", 1 << 20)
+    with pytest.raises(UserError) as error:
+        eval_program.read_lines("/dev/zero", "--source_file")
+    helpers.one_line_error(error, "--source_file=/dev/zero", "bytes")
+
+
+def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_per_compile(tmp_path, capsys,
+                                                                                          monkeypatch, lconv_log):
+    """A bad --compilation_cache leaked JAX's raw warnings on every run (at every compile)."""
+    import jax
+
+    from lconv.cli import runtime
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "cache"):
+        helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={tmp_path / 'run'}",
+                                               f"--compilation_cache={bad}"), f"--compilation_cache={bad}", "folder")
+    saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(a_file / "cache"))
+    try:
+        assert runtime.enable_compilation_cache(str(tmp_path / "run")) is None
+        assert jax.config.jax_enable_compilation_cache is False
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+    (line,) = [m for m in lconv_log() if "compiled programs" in m]
+    assert "JAX_COMPILATION_CACHE_DIR" in line and str(a_file) in line

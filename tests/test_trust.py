@@ -1,0 +1,107 @@
+"""A run someone hands over is data, not code (issue 56): a ``"module:Class"`` plugin its stored config.json
+names is imported only with ``trust_plugins=True`` / ``--trust_plugins``, or when this process has it already.
+Every reader of a stored config refuses it in one line naming the module and the opt-in, before importing."""
+import json
+import shutil
+import sys
+import uuid
+
+import helpers
+import pytest
+
+import lconv
+from lconv.errors import UserError
+from lconv.run import restore
+
+
+@pytest.fixture
+def evil_run(tiny_run, tmp_path, monkeypatch):
+    """A copy of the shared run's config whose encoder mixer names ``payload_<id>:X``, a module on sys.path that
+    leaves a marker file when imported (what a downloaded run's payload would do)."""
+    name = f"payload_{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "imported"
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nX = 1\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    workdir = tmp_path / "evil"
+    shutil.copytree(tiny_run.workdir, workdir, ignore=shutil.ignore_patterns("checkpoints", "best", "tensorboard"))
+    config = json.loads((workdir / "config.json").read_text())
+    config["model"]["encoder_mixer"] = f"{name}:X"
+    (workdir / "config.json").write_text(json.dumps(config))
+    yield workdir, name, marker
+    sys.modules.pop(name, None)
+
+
+def test_every_reader_of_a_stored_config_refuses_an_unknown_plugin_without_running_it(evil_run, capsys):
+    from lconv.train import init_from
+
+    workdir, name, marker = evil_run
+    for read in (lambda: restore.read_stored(str(workdir)), lambda: lconv.load(str(workdir)),
+                 lambda: lconv.load([str(workdir), str(workdir)]),
+                 lambda: init_from.Source(type("C", (), {"train": type("T", (), {"init_from": str(workdir)})})())):
+        with pytest.raises(UserError) as info:
+            read()
+        helpers.one_line_error(info, name, "config.model.encoder_mixer", "--trust_plugins", "trust_plugins=True")
+    for program, extra in (("eval.py", ()), ("lconv.export", (f"--out={workdir.parent / 'export'}",))):
+        helpers.one_line_error(helpers.run_cli(capsys, program, f"--workdir={workdir}", *extra), name,
+                               "--trust_plugins")
+    assert not marker.exists() and name not in sys.modules
+
+
+def test_the_opt_in_imports_the_plugin(evil_run):
+    workdir, name, marker = evil_run
+    with pytest.raises(UserError, match="not a flax.linen.Module"):  # imported, then found to be no mixer
+        lconv.load(str(workdir), trust_plugins=True)
+    assert marker.exists()
+
+
+def test_the_programs_flag_is_the_opt_in(evil_run):
+    workdir, name, marker = evil_run
+    with restore.trusting_plugins(), pytest.raises(UserError, match="not a flax.linen.Module"):
+        restore.read_stored(str(workdir))
+    assert marker.exists()
+    with pytest.raises(UserError, match="trust_plugins"):  # the opt-in ends with its block
+        restore.check_plugins({"model": {"decoder_mixer": "another_payload:Y"}}, "config.json")
+
+
+def test_a_plugin_this_process_has_already_needs_no_opt_in(monkeypatch):
+    import toy_mixers  # noqa: F401  (the user imported their own mixers)
+
+    from lconv.nn import mixers
+
+    restore.check_plugins({"model": {"encoder_mixer": "toy_mixers:PrefixMean,lightconv"}}, "config.json")
+    monkeypatch.setitem(mixers._MIXERS, "registered_by_user", "not_imported_yet_mixers:Gated")  # register_mixer
+    restore.check_plugins({"model": {"decoder_mixer": ["attention", "not_imported_yet_mixers:Gated"]}}, "c.json")
+    for model in ({"ffn_type": "evil_ffn:F"}, {"mixer_kwargs": {"evil_kw:M": {}}}):
+        with pytest.raises(UserError, match="evil_"):
+            restore.check_plugins({"model": model}, "config.json")
+
+
+class _Payload:
+    """What a malicious pickle holds: unpickling it calls ``_touch(marker)``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_touch, (str(self.marker),))
+
+
+def _touch(path):
+    import pathlib
+
+    pathlib.Path(path).touch()
+
+
+def test_a_fairseq_checkpoint_that_would_run_code_is_refused_without_the_opt_in(tmp_path):
+    import torch  # requirements.txt pins it (the [fairseq] extra)
+
+    from lconv.interop import fairseq
+
+    marker, path = tmp_path / "ran", tmp_path / "model.pt"
+    torch.save({"model": {}, "payload": _Payload(marker)}, path)
+    with pytest.raises(UserError) as error:
+        fairseq.read_checkpoint(str(path))
+    helpers.one_line_error(error, str(path), "--trust_checkpoint")
+    assert not marker.exists()
