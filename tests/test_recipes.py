@@ -155,3 +155,19 @@ def test_fairseqs_label_smoothing_split_gives_its_loss_with_the_logits_and_the_f
         got = metrics.label_smoothed_loss(outputs, jnp.asarray(targets), jnp.asarray(weights), eps, split)
         assert float(got["loss"]) == pytest.approx(want, rel=2e-6), split
     assert abs(fairseq - lconv_all) > 1e-3 * abs(fairseq)
+
+
+@pytest.mark.parametrize("name,arg", [("iwslt14_de_en", "dynamic"), ("wmt_en_de", "dynamic,big"),
+                                      ("wmt_en_fr", "lightconv,big"), ("wmt_zh_en", "dynamic,big"),
+                                      ("lm1b", "dynamic")])
+def test_the_papers_configs_train_with_fairseqs_semantics_and_the_default_with_lconvs(name, arg):
+    import importlib
+
+    from lconv.configs import default
+
+    semantics = ("adam_eps_form", "clip_form", "label_smoothing_split")
+    config = importlib.import_module(f"lconv.configs.{name}").get_config(arg)
+    assert {k: config.optim[k] for k in semantics} == common.FAIRSEQ_SEMANTICS
+    base = common.base_config().optim
+    assert {k: default.get_config().optim[k] for k in semantics} == {k: base[k] for k in semantics} == {
+        "adam_eps_form": "after_correction", "clip_form": "max_norm", "label_smoothing_split": "all"}
