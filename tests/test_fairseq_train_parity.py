@@ -4,9 +4,17 @@ fairseq_train_parity/, made by fairseq alone) replayed through lconv's own train
 weights imported, its batches fed in order, and every update's loss sum, gradient norm, clip decision and
 learning rate, and the weights after updates 1 and 40, compared with fairseq's.
 
-The tolerance is the recording's float-noise floor (how far fairseq moves from itself when its gradient is
-perturbed by one rounding step, README of the recording) times ``fairseq_replay.DEFAULT_FACTOR``; the tests check
-that factor's premise too (see ``test_the_first_update_differs_by_float32_rounding_alone``).
+The tolerance, and why the factor is 8 (``fairseq_replay.DEFAULT_FACTOR``). The recording's float-noise floor is
+how far fairseq moves from itself when some gradient entries move by one rounding step (x / n against
+x * (1 / n)). lconv is a different program: every operation rounds in its own order, so at update 1, before any
+difference can grow, its loss sum and gradient norm are already a few float32 roundings from fairseq's (checked
+below: the loss within 2 eps, the norm, a float32 sum of 220k squares in both programs, within 8 eps), against
+the floor's one. Training amplifies a difference in proportion to its seed, so a port seeded a few roundings
+away must be allowed a few times the floor: 8, the power of two above the seed ratio measured at update 1. The
+floor itself is taken as the larger of the recording's and lconv's own, which the slow replay measures by running
+lconv again from weights each moved by one float32 spacing: the recording's perturbation reaches only the entries
+where the two divisions round apart; on run a the two floors agree, on run b the recording's is far below what one
+rounding step everywhere gives (docs/fairseq.md, "Training parity", has the figures).
 """
 import dataclasses
 import pathlib
@@ -51,7 +59,7 @@ def test_the_first_update_differs_by_float32_rounding_alone(run_b_start):
     assert abs(first.loss[0] - first.loss[1]) / first.loss[1] <= 2 * EPS32
     assert abs(first.grad_norm[0] - first.grad_norm[1]) / first.grad_norm[1] <= fairseq_replay.DEFAULT_FACTOR * EPS32
     assert first.lr == pytest.approx((1e-7, 1e-7), rel=1e-6)  # the inverse-sqrt warmup's first rate
-    ratio, _ = fairseq_replay.judge(run_b_start, _run(RUN_B).noise_floor).ratios["weights after update 1"]
+    ratio, _, _ = fairseq_replay.judge(run_b_start, _run(RUN_B).noise_floor).ratios["weights after update 1"]
     assert ratio <= 1.0
 
 
