@@ -12,9 +12,10 @@ below: the loss within 2 eps, the norm, a float32 sum of 220k squares in both pr
 the floor's one. Training amplifies a difference in proportion to its seed, so a port seeded a few roundings
 away must be allowed a few times the floor: 8, the power of two above the seed ratio measured at update 1. The
 floor itself is taken as the larger of the recording's and lconv's own, which the slow replay measures by running
-lconv again from weights each moved by one float32 spacing: the recording's perturbation reaches only the entries
-where the two divisions round apart; on run a the two floors agree, on run b the recording's is far below what one
-rounding step everywhere gives (docs/fairseq.md, "Training parity", has the figures).
+lconv again with every weight moved by one float32 spacing before each update: the recording's perturbation
+reaches only the entries where the two divisions round apart; on run a the two floors agree, on run b the
+recording's is far below what one rounding step everywhere gives (docs/fairseq.md, "Training parity", has the
+figures).
 """
 import dataclasses
 import pathlib
@@ -116,7 +117,8 @@ def test_both_runs_replay_within_the_noise_floor_through_all_40_updates(name):
     assert len(result.rows) == 40 and set(result.weights) == {1, 40}
     assert min(dataclasses.astuple(result.own_noise_floor)) > 0  # the second pass did start one rounding apart
     verdict = fairseq_replay.judge(result, run.noise_floor)
-    assert verdict.passed, "\n".join(fairseq_replay.format_verdict(name, verdict, fairseq_replay.DEFAULT_FACTOR))
+    assert verdict.passed, "\n".join(fairseq_replay.format_verdict(name, verdict, fairseq_replay.DEFAULT_FACTOR,
+                                                                   result, run.noise_floor))
     clipped = [row.clip_coef[0] < 1 for row in result.rows]
     assert clipped == [row["clipped"] for row in run.updates]  # run a: every update clipped; b: none
 

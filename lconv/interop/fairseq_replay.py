@@ -8,7 +8,8 @@ mapping), builds the optimizer and schedule from fairseq's arguments with fairse
 collation, to ``lconv.train.steps``' train step. It prints, per update, lconv's loss sum, gradient norm, clip
 coefficient and learning rate beside fairseq's, then the weights after update 1 and after the last recorded state,
 and each quantity's worst difference as a ratio to its tolerance: the float-noise floor (the larger of the
-recording's and lconv's own, measured by a second pass from weights one rounding step apart) times ``--factor``.
+recording's and lconv's own, measured by a second pass whose weights move one rounding step before each update)
+times ``--factor``.
 It exits with status 1 when a ratio is above 1 (or a clip decision differs), 2 with one line for a folder it
 cannot read. docs/fairseq.md, "Training parity", has the figures for the shared recording.
 """
@@ -63,9 +64,9 @@ class Replay:
     run: str
     rows: tuple[UpdateRow, ...]
     weights: dict[int, dict[str, tuple[float, float]]]
-    # lconv against itself from weights one float32 rounding step apart: the noise floor of a port whose every
-    # operation rounds differently (the recording's floor perturbs only the gradient entries where x / n and
-    # x * (1 / n) round apart)
+    # lconv against itself with every weight moved one float32 rounding step before each update: the noise floor of
+    # a port whose every operation rounds its own way (the recording's floor perturbs only the gradient entries
+    # where x / n and x * (1 / n) round apart)
     own_noise_floor: NoiseFloor
 
 
@@ -102,21 +103,21 @@ def replay_config(run: RecordedRun, vocab_size: int) -> ml_collections.ConfigDic
 def replay(run: RecordedRun, updates: int | None = None,
            on_update: Callable[[UpdateRow], None] | None = None, *, own_floor: bool = True) -> Replay:
     """Replays ``run``'s first ``updates`` updates (all by default) through lconv's train step; ``on_update`` is
-    called with each update's row as soon as it is known. With ``own_floor``, replays them again from the same
-    weights moved by one float32 rounding step each (``Replay.own_noise_floor``; else zeros), with the same
+    called with each update's row as soon as it is known. With ``own_floor``, replays them again with every weight
+    moved by one float32 rounding step before each update (``Replay.own_noise_floor``; else zeros), with the same
     compiled step."""
     count = len(run.updates) if updates is None else min(updates, len(run.updates))
     prepared = Prepared.build(run, count)
     saved = {u for u in (1, count) if (run.folder / f"state_update{u:03d}.npz").exists()}
     start = run.state(0)
-    nudged = prepared.nudged_state() if own_floor else None  # before the first step donates the state
+    second = prepared.copied_state() if own_floor else None  # before the first step donates the state
     sums, params = prepared.run_updates(prepared.state, count, saved, on_update=lambda update, s: on_update(
         prepared.row(update, s)) if on_update is not None else None)
     rows = tuple(prepared.row(update, s) for update, s in enumerate(sums, 1))
     weights = {u: prepared.weight_difference(params[u], run.state(u), start) for u in sorted(saved)}
     if not own_floor:
         return Replay(run.name, rows, weights, NoiseFloor(0.0, 0.0, 0.0))
-    own_sums, own_params = prepared.run_updates(nudged, count, {count})
+    own_sums, own_params = prepared.run_updates(second, count, {count}, nudge=np.random.default_rng(0))
     last = max(saved) if saved else None
     own = NoiseFloor(
         max(_relative((float(b["loss"]), float(a["loss"]))) for a, b in zip(sums, own_sums)),
@@ -167,21 +168,28 @@ class Prepared:
 
         return cls(run, config, step, jax.device_put(state, shardings), shape, batches, mesh, fields)
 
-    def nudged_state(self) -> Any:
-        """The start state with every weight moved one float32 spacing up or down (seeded): one rounding step."""
-        rng = np.random.default_rng(0)
-        leaves, tree = jax.tree.flatten(jax.device_get(self.state.params))
+    def copied_state(self) -> Any:
+        """A copy of the start state, whose buffers the first step of a replay from ``state`` would donate."""
+        return jax.tree.map(jnp.copy, self.state)
+
+    @staticmethod
+    def nudged(state: Any, rng: np.random.Generator) -> Any:
+        """``state`` with every weight moved one float32 spacing up or down (``rng``): one rounding step."""
+        leaves, tree = jax.tree.flatten(jax.device_get(state.params))
         towards = lambda x: np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(np.float32)  # noqa: E731
         moved = [np.nextafter(x, towards(x)) for x in (np.asarray(x, np.float32) for x in leaves)]
-        shardings = jax.tree.map(lambda x: x.sharding, self.state.params)
-        return jax.tree.map(jnp.copy, self.state.replace(  # copies: the start state's buffers will be donated
-            params=jax.device_put(jax.tree.unflatten(tree, moved), shardings)))
+        shardings = jax.tree.map(lambda x: x.sharding, state.params)
+        return state.replace(params=jax.device_put(jax.tree.unflatten(tree, moved), shardings))
 
-    def run_updates(self, state: Any, count: int, keep: set[int],
-                    on_update: Callable[[int, dict], None] | None = None) -> tuple[list[dict], dict[int, Any]]:
-        """Updates 1..``count`` from ``state``: each update's sums, and the params after the updates in ``keep``."""
+    def run_updates(self, state: Any, count: int, keep: set[int], on_update: Callable[[int, dict], None] | None = None,
+                    nudge: np.random.Generator | None = None) -> tuple[list[dict], dict[int, Any]]:
+        """Updates 1..``count`` from ``state``: each update's sums, and the params after the updates in ``keep``.
+        ``nudge``: every weight moved by one rounding step (``nudged``) before each update, as a program that
+        rounds every operation its own way differs afresh at every update."""
         sums, params = [], {}
         for update in range(1, count + 1):
+            if nudge is not None:
+                state = self.nudged(state, nudge)
             state, update_sums = self.step(state, self.batch(update))
             sums.append(jax.device_get(update_sums))
             if on_update is not None:
