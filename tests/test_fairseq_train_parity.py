@@ -65,22 +65,26 @@ def test_the_first_update_differs_by_float32_rounding_alone(run_b_start):
 
 
 def test_recorded_batches_convert_to_lconvs_collation_and_back_losslessly(run_b_start):
-    """Every micro-batch of both runs survives the round trip through lconv's collation (right-padded sources,
-    lconv's ids, micro-batches interleaved by row) token for token, and update 1's loss is fairseq's."""
-    for name in (RUN_A, RUN_B):
-        run = _run(name)
-        batches = run.batches()
-        updates = [run.micro_batches(batches, u) for u in range(1, len(run.updates) + 1)]
-        shape = fairseq_recording.batch_shape(updates)
-        for micros in updates:
-            batch = fairseq_recording.collate(micros, shape)
-            back = fairseq_recording.to_fairseq(batch, len(micros), [m["target"].shape[0] for m in micros],
-                                                [m["src_tokens"].shape[1] for m in micros],
-                                                [m["target"].shape[1] for m in micros])
-            for original, again in zip(micros, back):
-                for key in ("src_tokens", "src_lengths", "prev_output_tokens", "target"):
-                    np.testing.assert_array_equal(again[key], original[key], err_msg=key)
-            assert batch["targets_segmentation"].sum() == sum((m["target"] != 1).sum() for m in micros)
+    """Every recorded micro-batch survives the round trip through lconv's collation (right-padded sources, lconv's
+    ids, micro-batches interleaved by row) token for token, and update 1's loss is fairseq's. Run b's 80
+    micro-batches hold run a's 40 (the README: b's update u is a's batches 2u - 1 and 2u), checked here too."""
+    run_a, run_b = _run(RUN_A), _run(RUN_B)
+    a_batches, b_batches = run_a.batches(), run_b.batches()
+    for u in range(1, 21):
+        for m in range(2):
+            a_micro, b_micro = run_a.micro_batches(a_batches, 2 * u - 1 + m)[0], run_b.micro_batches(b_batches, u)[m]
+            assert all(np.array_equal(a_micro[k], b_micro[k]) for k in a_micro)
+    updates = [run_b.micro_batches(b_batches, u) for u in range(1, len(run_b.updates) + 1)]
+    shape = fairseq_recording.batch_shape(updates)
+    for micros in updates:
+        batch = fairseq_recording.collate(micros, shape)
+        back = fairseq_recording.to_fairseq(batch, len(micros), [m["target"].shape[0] for m in micros],
+                                            [m["src_tokens"].shape[1] for m in micros],
+                                            [m["target"].shape[1] for m in micros])
+        for original, again in zip(micros, back):
+            for key in ("src_tokens", "src_lengths", "prev_output_tokens", "target"):
+                np.testing.assert_array_equal(again[key], original[key], err_msg=key)
+        assert batch["targets_segmentation"].sum() == sum((m["target"] != 1).sum() for m in micros)
     loss, fairseq_loss = run_b_start.rows[0].loss  # sums over update 1's two micro-batches, natural log
     assert loss == pytest.approx(fairseq_loss, rel=_run(RUN_B).noise_floor.loss_rel * fairseq_replay.DEFAULT_FACTOR)
 
