@@ -19,7 +19,7 @@ from lconv.configs import common
 
 def get_config(arg=None):
     words = common.parse_args(arg, common.mixer_variants())
-    c = common.base_config()
+    c = common.follow_fairseq(common.base_config())  # fairseq's Adam eps, clip and label smoothing split
     c.data.dataset = "iwslt14/de_en"
     c.data.vocab_size = 10000
     c.data.max_input_length = c.data.max_target_length = 256

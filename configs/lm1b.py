@@ -70,6 +70,8 @@ def get_config(arg=None):
         c.train.num_steps, c.train.max_minutes = 1500, 10.0
         c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 50, 1000, 200
         memory_size = 512
+    else:  # fairseq's recipe: its clip (and Adam eps, label smoothing, should they be set); ddtp keeps lconv's
+        common.follow_fairseq(c)
     # A mixer's layout rule places it (the kNN memory: second to last, attention elsewhere; lconv.nn.mixers)
     c = common.set_mixer(c, (words - {"adaptive", "ddtp", "stream"}) or {"dynamic"}, layout=True)
     if "knn" in words:

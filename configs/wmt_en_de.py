@@ -34,7 +34,7 @@ WMT_ROWS, WMT_UPDATE_FREQ = 1792, 16
 
 
 def wmt_config(words, dataset, source_key, target_key, big_dropout):
-    c = common.base_config()
+    c = common.follow_fairseq(common.base_config())  # fairseq's Adam eps, clip and label smoothing split
     c.data.dataset = dataset
     c.data.vocab_size = 32000
     c.data.max_input_length = c.data.max_target_length = 256

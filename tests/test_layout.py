@@ -106,7 +106,8 @@ SURFACES = ("lconv.api", "lconv.export", "lconv.evaluate", "lconv.import_fairseq
 # What a surface that trains may import (training's entry points), and why each such module trains.
 TRAINING_ENTRY = ("lconv.train.loop", "lconv.train.steps", "lconv.train.setup")
 TRAINERS = {"lconv.bench.train": "times the train step", "lconv.bench.gpu": "times training runs",
-            "lconv.study.measure": "times each study task's train step", "lconv.study.run": "trains the study's runs"}
+            "lconv.study.measure": "times each study task's train step", "lconv.study.run": "trains the study's runs",
+            "lconv.interop.fairseq_replay": "replays a recorded fairseq-train run through the train step"}
 
 
 def test_surfaces_never_import_train():

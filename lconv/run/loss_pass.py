@@ -30,7 +30,8 @@ def make_eval_step(config: Any) -> Callable:
         outputs, carried = model_setup.apply_model(apply_fn, params, carried, batch, deterministic=True,
                                                    logits=not config.optim.fused_loss)
         weights = (batch["targets_segmentation"] > 0) & (batch["example_weight"][:, None] > 0)
-        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing), carried
+        return metrics.label_smoothed_loss(outputs, batch["targets"], weights, config.optim.label_smoothing,
+                                           config.optim.label_smoothing_split), carried
 
     return nn_common.under_axis_rules(eval_step, config.mesh.rules)
 

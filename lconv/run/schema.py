@@ -90,11 +90,22 @@ class OptimConfig:
     b1: float = field(0.9, "Adam's beta1", RATE)
     b2: float = field(0.98, "Adam's beta2", RATE)
     eps: float = field(1e-8, "Adam's epsilon", number(lambda v: v > 0, "a number > 0"))
+    adam_eps_form: str = field("after_correction", "where Adam adds eps: to the bias-corrected sqrt(v) "
+                               "(after_correction: optax, PyTorch) | to the uncorrected sqrt(v), the correction "
+                               "folded into the step size (before_correction: fairseq's Adam; docs/fairseq.md)",
+                               choice("after_correction", "before_correction"))
     momentum: float = field(0.99, "nag's momentum", RATE)
     weight_decay: float = field(0.0, "decoupled weight decay (adamw)", _NON_NEGATIVE_NUMBER)
     clip_norm: float = field(0.0, "global gradient-norm clipping; 0 = off",
                              number(lambda v: v >= 0, "a number >= 0 (0 = off)"))
+    clip_form: str = field("max_norm", "the clip's factor: clip_norm / max(norm, clip_norm) (max_norm: optax) | "
+                           "min(1, clip_norm / (norm + 1e-6)), applied to every update (norm_plus_eps: fairseq)",
+                           choice("max_norm", "norm_plus_eps"))
     label_smoothing: float = field(0.1, "label smoothing of the cross-entropy loss", RATE)
+    label_smoothing_split: str = field("all", "how label_smoothing is spread: eps / V on every id, the target's "
+                                       "included (all) | the target keeps 1 - eps and each other id gets "
+                                       "eps / (V - 1) (others: fairseq's label_smoothed_cross_entropy)",
+                                       choice("all", "others"))
     grad_accum_steps: int = field(1, "micro-batches per update (fairseq's update-freq)", _POSITIVE)
     fused_loss: bool = field(True, "the output layer and the loss make the logits a chunk of tokens at a time, "
                              "forward and backward, never the whole [tokens, vocab] array (docs/training.md); False "

@@ -51,7 +51,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
                                                        rngs={"dropout": dropout_rng},
                                                        logits=not config.optim.fused_loss)
             sums = metrics.label_smoothed_loss(outputs, batch["targets"], batch["targets_segmentation"] > 0,
-                                               smoothing)
+                                               smoothing, config.optim.label_smoothing_split)
             return sums["loss"], (sums, carried)
 
         grad_sums = jax.grad(loss_sums, has_aux=True)  # gradient of the summed (not averaged) loss

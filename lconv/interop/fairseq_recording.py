@@ -1,0 +1,207 @@
+"""A recorded ``fairseq-train`` run (the layout of ``../shared/fairseq/train_parity/``) read for a replay, and its
+batches converted to lconv's collation.
+
+A recording is a folder per run beside a ``meta.json`` that lists the runs (``runs.<folder>``: fairseq's
+``model_args`` and ``cfg``, and the float-noise floor its maker measured, ``sanity.float_noise_floor_*``). Each run
+folder holds ``state_update000.npz`` (the weights before update 1; ``001`` and ``040`` after those updates),
+``batches.npz`` (every micro-batch as fairseq's criterion received it) and ``updates.jsonl`` (per update: the loss
+sum, gradient norm before clipping, clip coefficient and learning rate).
+
+fairseq's batches and lconv's differ in three conventions, and ``collate`` / ``to_fairseq`` convert between them
+exactly: fairseq pads sources on the left (lconv on the right), keeps the decoder's input (EOS, then the target
+shifted; lconv's model shifts the targets itself, ``decoder_start="eos"``), and numbers its specials ``<s>`` 0,
+``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3 (``fairseq_vocab.FAIRSEQ_TO_LCONV``). An update's micro-batches (fairseq's
+``--update-freq``) become one global batch whose row ``r`` is micro-batch ``r % n``'s, as lconv's train step splits
+it; rows and lengths past a micro-batch's are padding, which weighs nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from lconv.constants import PAD_ID
+from lconv.errors import UserError
+from lconv.interop import fairseq_vocab
+
+FAIRSEQ_PAD, FAIRSEQ_EOS = 1, 2
+STATES = ("state_update000.npz", "state_update001.npz", "state_update040.npz")
+RUN_FILES = (*STATES, "batches.npz", "updates.jsonl")
+NOISE_FLOOR = "float_noise_floor_replay_grad_divided"  # meta.json: runs.<name>.sanity.<this>
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseFloor:
+    """How far fairseq moves from itself when its gradient is perturbed by one rounding step (the recording's own
+    measurement): the most a port that is not bit-exact can be held to."""
+
+    loss_rel: float  # loss sum, relative, worst over the updates
+    grad_norm_rel: float  # gradient norm before clipping, relative, worst over the updates
+    weights_abs: float  # the last update's weights, max abs difference
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedRun:
+    """One run of a recording: where it is, fairseq's arguments, and what fairseq recorded per update."""
+
+    name: str
+    folder: epath.Path
+    model_args: dict[str, Any]
+    cfg: dict[str, Any]
+    updates: tuple[dict[str, Any], ...]
+    noise_floor: NoiseFloor
+
+    def batches(self) -> dict[str, np.ndarray]:
+        with (self.folder / "batches.npz").open("rb") as f:
+            return dict(np.load(f))
+
+    def state(self, update: int) -> dict[str, np.ndarray]:
+        """fairseq's weights after ``update`` updates (0, 1 or the last), float32, fairseq's names."""
+        with (self.folder / f"state_update{update:03d}.npz").open("rb") as f:
+            state = {k: np.asarray(v, np.float32) for k, v in np.load(f).items()}
+        shared = "decoder.embed_tokens.weight"  # not stored when tied: the encoder's tensor itself
+        if self.model_args.get("share_all_embeddings") and shared not in state:
+            state[shared] = state["encoder.embed_tokens.weight"]
+        return state
+
+    def micro_batches(self, batches: dict[str, np.ndarray], update: int) -> list[dict[str, np.ndarray]]:
+        """Update ``update``'s (1-based) micro-batches, each ``{src_tokens, prev_output_tokens, target, ...}``."""
+        count = int(batches["n_micro"][update - 1])
+        return [{key: batches[f"u{update:03d}_m{m}_{key}"] for key in
+                 ("src_tokens", "src_lengths", "prev_output_tokens", "target")} for m in range(count)]
+
+
+def find_runs(folder: str) -> list[RecordedRun]:
+    """The runs of a recording: ``folder`` is either the recording (its ``meta.json`` lists the runs) or one run
+    folder inside it. A folder of another layout is a one-line error naming what is missing."""
+    path = epath.Path(folder)
+    if not path.is_dir():
+        raise UserError(f"{folder} is not a folder (a fairseq training recording, as ../shared/fairseq/"
+                        "train_parity/, or one run folder of it)")
+    if (path / "meta.json").exists():
+        meta, names = _meta(path / "meta.json"), None
+    elif (path.parent / "meta.json").exists():
+        meta, names, path = _meta(path.parent / "meta.json"), [path.name], path.parent
+    else:
+        raise UserError(f"{folder} has no meta.json (nor its parent): not a fairseq training recording")
+    runs = meta.get("runs")
+    if not isinstance(runs, dict) or not runs:
+        raise UserError(f"{path / 'meta.json'} lists no runs ('runs': {{folder: ...}})")
+    names = sorted(runs) if names is None else names
+    return [_read_run(path / name, runs.get(name)) for name in names]
+
+
+def _meta(path: epath.Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {path} as JSON: {err}") from None
+
+
+def _read_run(folder: epath.Path, meta: dict[str, Any] | None) -> RecordedRun:
+    if meta is None:
+        raise UserError(f"{folder.parent / 'meta.json'} does not list the run {folder.name!r}")
+    missing = [name for name in RUN_FILES if not (folder / name).exists()]
+    if missing:
+        raise UserError(f"{folder} lacks {', '.join(missing)}: not a run folder of a fairseq training recording")
+    for key in ("model_args", "cfg"):
+        if not isinstance(meta.get(key), dict):
+            raise UserError(f"meta.json's runs.{folder.name} has no {key!r}: fairseq's arguments are needed")
+    floor = (meta.get("sanity") or {}).get(NOISE_FLOOR) or {}
+    worst = floor.get("worst_rel_diffs_over_40_updates") or {}
+    try:
+        noise = NoiseFloor(float(worst["loss_sum_rel"]), float(worst["grad_norm_rel"]),
+                           float(floor["update40_max_abs_diff_vs_fixture"]))
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"meta.json's runs.{folder.name}.sanity has no {NOISE_FLOOR} (loss, gradient norm and "
+                        "weights): the tolerance a replay is held to") from None
+    try:
+        updates = tuple(json.loads(line) for line in (folder / "updates.jsonl").read_text().splitlines() if line)
+    except ValueError as err:
+        raise UserError(f"{folder / 'updates.jsonl'}: not one JSON object a line ({err})") from None
+    if [u.get("update") for u in updates] != list(range(1, len(updates) + 1)):
+        raise UserError(f"{folder / 'updates.jsonl'}: the updates must be numbered 1, 2, ... in order")
+    return RecordedRun(folder.name, folder, meta["model_args"], meta["cfg"], updates, noise)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fairseq's batches <-> lconv's collation
+# ----------------------------------------------------------------------------------------------------------------
+def to_lconv_ids(ids: np.ndarray) -> np.ndarray:
+    """fairseq ids -> lconv ids (a joined dictionary: only the four specials are re-numbered)."""
+    out = np.array(ids, np.int32)
+    for fairseq_id, lconv_id in fairseq_vocab.FAIRSEQ_TO_LCONV.items():
+        out[ids == fairseq_id] = lconv_id
+    return out
+
+
+def to_fairseq_ids(ids: np.ndarray) -> np.ndarray:
+    out = np.array(ids, np.int32)
+    for fairseq_id, lconv_id in fairseq_vocab.FAIRSEQ_TO_LCONV.items():
+        out[ids == lconv_id] = fairseq_id
+    return out
+
+
+def batch_shape(micro_batches: list[list[dict[str, np.ndarray]]]) -> tuple[int, int, int]:
+    """``(rows per micro-batch, source length, target length)`` that hold every micro-batch of every update given:
+    one shape, so the train step compiles once for the whole replay."""
+    micros = [m for update in micro_batches for m in update]
+    return (max(m["src_tokens"].shape[0] for m in micros), max(m["src_tokens"].shape[1] for m in micros),
+            max(m["target"].shape[1] for m in micros))
+
+
+def collate(micro_batches: list[dict[str, np.ndarray]], shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    """An update's fairseq micro-batches as one lconv batch of ``len(micro_batches) x rows`` rows: row ``r`` is row
+    ``r // n`` of micro-batch ``r % n`` (``lconv.train.steps`` splits it back so), sources right-padded, targets
+    as fairseq's with lconv's ids (the model makes the decoder's input from them)."""
+    rows, S, T = shape
+    n = len(micro_batches)
+    inputs, targets = np.full((n * rows, S), PAD_ID, np.int32), np.full((n * rows, T), PAD_ID, np.int32)
+    for m, micro in enumerate(micro_batches):
+        _check_conventions(micro)
+        for i, (source, target) in enumerate(zip(micro["src_tokens"], micro["target"])):
+            source, target = source[source != FAIRSEQ_PAD], target[target != FAIRSEQ_PAD]
+            inputs[i * n + m, :len(source)] = to_lconv_ids(source)
+            targets[i * n + m, :len(target)] = to_lconv_ids(target)
+    batch = {"inputs": inputs, "targets": targets}
+    for key in ("inputs", "targets"):
+        length = batch[key].shape[1]
+        batch[f"{key}_segmentation"] = (batch[key] != PAD_ID).astype(np.int32)
+        batch[f"{key}_position"] = np.broadcast_to(np.arange(length, dtype=np.int32), batch[key].shape).copy()
+    return batch
+
+
+def _check_conventions(micro: dict[str, np.ndarray]) -> None:
+    """fairseq's padding as the recording's README states it; anything else would be collated wrongly."""
+    source, target, previous = micro["src_tokens"], micro["target"], micro["prev_output_tokens"]
+    lengths = (source != FAIRSEQ_PAD).sum(1)
+    shifted = np.concatenate([np.full((len(target), 1), FAIRSEQ_EOS), target[:, :-1]], axis=1)
+    real = target != FAIRSEQ_PAD
+    if not (np.array_equal(lengths, micro["src_lengths"]) and np.all(source[:, -1] == FAIRSEQ_EOS)
+            and np.array_equal(np.where(real, shifted, FAIRSEQ_PAD), previous)
+            and np.all(np.diff(real.astype(int), axis=1) <= 0)):
+        raise UserError("a recorded batch is not fairseq's collation (left-padded sources ending in EOS, "
+                        "right-padded targets, prev_output_tokens = EOS + target[:-1])")
+
+
+def to_fairseq(batch: dict[str, np.ndarray], n: int, rows: list[int], source_length: list[int],
+               target_length: list[int]) -> list[dict[str, np.ndarray]]:
+    """The inverse of ``collate``: micro-batch ``m`` has ``rows[m]`` rows and the lengths given, in fairseq's
+    collation (left-padded sources, right-padded targets, ``prev_output_tokens``)."""
+    out = []
+    for m in range(n):
+        inputs, targets = batch["inputs"][m::n][:rows[m]], batch["targets"][m::n][:rows[m]]
+        source = np.full((rows[m], source_length[m]), FAIRSEQ_PAD, np.int32)
+        target = np.full((rows[m], target_length[m]), FAIRSEQ_PAD, np.int32)
+        previous = target.copy()
+        for i in range(rows[m]):
+            s, t = to_fairseq_ids(inputs[i][inputs[i] != PAD_ID]), to_fairseq_ids(targets[i][targets[i] != PAD_ID])
+            source[i, source_length[m] - len(s):] = s
+            target[i, :len(t)] = t
+            previous[i, :len(t)] = np.append(FAIRSEQ_EOS, t[:-1])
+        out.append({"src_tokens": source, "src_lengths": (source != FAIRSEQ_PAD).sum(1).astype(np.int32),
+                    "prev_output_tokens": previous, "target": target})
+    return out
