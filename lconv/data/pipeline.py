@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from lconv.constants import EOS_ID, PAD_ID
-from lconv.data import sources, stream, tokenizer_files
+from lconv.data import eval_caps, sources, stream, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
@@ -313,6 +313,7 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     eval_sets = {}
     for split in cfg.eval_splits:
         eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_source = eval_caps.capped(eval_source, split, cfg)  # config.data.max_*_examples
         eval_lengths = {"targets": cfg.eval_max_target_length}
         if input_key is not None:
             eval_lengths["inputs"] = cfg.eval_max_input_length
@@ -334,6 +335,7 @@ def make_stream_datasets(config: Any, source: sources.Source, input_key: str | N
     eval_sets = {}
     for split in cfg.eval_splits:
         eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_source = eval_caps.capped(eval_source, split, cfg)  # the first documents
         eval_set = stream.StreamEvalSet(eval_source, target_key, tokenizer, window=window,
                                         rows=cfg.eval_batch_size // process_count,
                                         process_index=process_index, process_count=process_count)
