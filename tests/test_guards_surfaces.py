@@ -140,3 +140,17 @@ def test_eval_py_decodes_with_the_guards_as_the_api_does(tmp_path, monkeypatch):
     expected = [text.replace("\n", " ") for text in model.translate(SOURCES, **guards)]
     assert (tmp_path / "out.txt").read_text().split("\n")[:-1] == expected
     assert expected != [text.replace("\n", " ") for text in model.translate(SOURCES)]
+
+
+@pytest.mark.slow  # lowers and serialises a program
+def test_an_export_lowers_the_guards_and_serves_what_the_api_gives(tmp_path):
+    from lconv import export
+
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    guards = dict(no_repeat_ngram_size=2, min_len=6)
+    sidecar = export.export(trained, str(tmp_path), rows=(2,), widths=(32,), beam_size=2, **guards)
+    assert sidecar["guards"] == guards
+    live = Model(trained).translate(SOURCES, beam_size=2, **guards)
+    assert export.load(str(tmp_path))(SOURCES) == live != Model(trained).translate(SOURCES, beam_size=2)
+    with pytest.raises(UserError, match=r"^min_len=-1: must be an integer in \[0, "):
+        export.export(trained, str(tmp_path / "bad"), rows=(2,), widths=(32,), min_len=-1)
