@@ -125,8 +125,9 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
 def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen: float | None,
                     source_file: str | None, reference_file: str | None, interactive: bool,
                     sampling: dict[str, Any], guards: dict[str, int]) -> None:
-    """What an LM run refuses: beam settings, references, sampling without prompts, and sampling settings its
-    model cannot take (``--max_len`` beyond its positions, ``--top_k`` beyond its vocabulary)."""
+    """What an LM run refuses: beam settings, references, sampling or generation guards without prompts (a
+    split's perplexity decodes nothing), and sampling settings its model cannot take (``--max_len`` beyond its
+    positions, ``--top_k`` beyond its vocabulary)."""
     given = [f"--{n}" for n in SAMPLING_DEFAULTS if sampling.get(n) is not None]
     beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
     if beam:
