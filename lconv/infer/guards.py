@@ -75,4 +75,6 @@ def _repeated_ngram_ends(history_BNL: Array, i: Array, n: int, V: int) -> Array:
     ends_BNJ = history_BNL[:, :, n - 1:n - 1 + J]  # [B, N, J] the token completing each n-gram
     b_BNJ = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, N, J))
     n_BNJ = jnp.broadcast_to(jnp.arange(N)[None, :, None], (B, N, J))
-    return jnp.zeros((B, N, V), bool).at[b_BNJ, n_BNJ, ends_BNJ].max(match_BNJ)  # [B, N, V]
+    # An int32 scatter (the common dtype for scatters on every backend; a bool one is untried on GPU/TPU here).
+    hits_BNV = jnp.zeros((B, N, V), jnp.int32).at[b_BNJ, n_BNJ, ends_BNJ].max(match_BNJ.astype(jnp.int32))
+    return hits_BNV > 0  # [B, N, V]
