@@ -142,7 +142,8 @@ class Model(probing.Probing):
     def translate(self, sources: str | Sequence[str], *, beam_size: int | None = None, lenpen: float | None = None,
                   nbest: int | None = None, temperature: float | None = None, top_k: int | None = None,
                   top_p: float | None = None, seed: int | None = None,
-                  prefix: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None
+                  prefix: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None,
+                  no_repeat_ngram_size: int | None = None, min_len: int | None = None
                   ) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """One output per source (``""`` for a blank one), a string for a string and a list for a list: by beam
         search (``beam_size`` / ``lenpen`` default to the stored ``config.decode``'s), or with ``temperature > 0``
@@ -159,16 +160,22 @@ class Model(probing.Probing):
 
         ``prefix`` forces the start of each output (fairseq's ``prefix_tokens``): a string or token ids for a
         string source, a list of them (one per source) for a list. The outputs hold the prefix, and its tokens are
-        scored under the model as the rest are (so ``score`` of an output gives its scores)."""
+        scored under the model as the rest are (so ``score`` of an output gives its scores).
+
+        Generation guards (fairseq's; None = the stored ``config.decode``'s, 0 = off): ``no_repeat_ngram_size=n``
+        lets no n-gram appear twice in an output (its prefix included), ``min_len=m`` forbids EOS before m output
+        tokens (the length limit still wins)."""
         self._need("translate", ("translation", "summarization"))
         lines = _lines(sources, "sources", one_allowed=True)
         schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str,  # the arguments' own names
-                            vocab_size=self.tokenizer.vocab_size)
+                            vocab_size=self.tokenizer.vocab_size, no_repeat_ngram_size=no_repeat_ngram_size,
+                            min_len=min_len)
         limit = int(self.config.data.eval_max_target_length)
         schema.check_sampling(dict(max_len=limit, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
         settings = DecodeSettings.build(self.config.decode, lenpen=lenpen, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, seed=seed,
+                                        top_p=top_p, seed=seed, no_repeat_ngram_size=no_repeat_ngram_size,
+                                        min_len=min_len,
                                         beam_size=self._hypotheses_per_source(nbest, beam_size, temperature))
         prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str), settings)
         if self._translator is None:
@@ -259,7 +266,8 @@ class Model(probing.Probing):
         return jnp.take_along_axis(logp_BTV, targets_BT[:, :, None], axis=-1)[:, :, 0]  # [B, T]
 
     def bleu(self, sources: Sequence[str], references: Sequence[str], *, beam_size: int | None = None,
-             lenpen: float | None = None) -> dict[str, Any]:
+             lenpen: float | None = None, no_repeat_ngram_size: int | None = None,
+             min_len: int | None = None) -> dict[str, Any]:
         """Translates ``sources`` and scores them against ``references``: sacreBLEU (``bleu``, ``bleu_signature``)
         and tokenized BLEU for translation, ROUGE-1/2/L and ROUGE-Lsum for summarisation."""
         sources, references = _lines(sources, "sources"), _lines(references, "references")
@@ -267,14 +275,16 @@ class Model(probing.Probing):
             raise UserError(f"{len(sources)} sources for {len(references)} references; they pair one to one")
         if not sources:
             raise UserError("sources: an empty corpus has no BLEU; give at least one source and reference")
-        hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen)
+        hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen,
+                                    no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
         return decode_and_score.score_texts(self.task, hypotheses, references)
 
     # --- language models -----------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str], *, max_len: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 beam_size: int | None = None, lenpen: float | None = None,
-                 nbest: int | None = None) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
+                 beam_size: int | None = None, lenpen: float | None = None, nbest: int | None = None,
+                 no_repeat_ngram_size: int | None = None, min_len: int | None = None
+                 ) -> str | list[str] | list[dict[str, Any]] | list[list[dict[str, Any]]]:
         """Continues each prompt by up to ``max_len`` tokens: greedy at ``temperature=0``, else sampled (after
         ``top_k`` and nucleus ``top_p`` filtering) from ``seed``; a prompt's sample depends on it, the seed and
         the settings alone, not on the other prompts or its place among them. A sampling setting left as None is
@@ -286,11 +296,15 @@ class Model(probing.Probing):
         list of up to k dicts, best first, as ``translate`` gives them: ``"text"`` and ``"tokens"`` (the
         continuation, EOS last: forced at ``max_len``), ``"token_scores"`` (each one's log-prob given BOS, the
         prompt and the tokens before it: ``score(prompt, tokens)`` gives them again) and ``"score"``
-        (``sum(token_scores) / len**lenpen`` over the continuation, which the beam ranks by)."""
+        (``sum(token_scores) / len**lenpen`` over the continuation, which the beam ranks by).
+
+        ``no_repeat_ngram_size`` / ``min_len``: the generation guards, as ``translate`` takes them; the prompt's
+        n-grams count, and ``min_len`` counts continuation tokens."""
         self._need("generate", ("lm",))
         lines = _lines(prompts, "prompts", one_allowed=True)
         schema.check_sampling(dict(max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
                               vocab_size=self.tokenizer.vocab_size)
+        schema.check_search(no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len, spell=str)
         scored = beam_size is not None or nbest is not None
         if lenpen is not None and not scored:
             raise UserError(f"lenpen={lenpen}: ranks a beam search's or n samples' hypotheses; pass beam_size or "
@@ -299,7 +313,8 @@ class Model(probing.Probing):
             schema.check_search(beam_size=beam_size, lenpen=lenpen, spell=str, vocab_size=self.tokenizer.vocab_size)
             beam_size = self._hypotheses_per_source(nbest, beam_size, temperature)
         settings = DecodeSettings.build(self.config.decode, max_len=max_len, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, seed=seed, beam_size=beam_size, lenpen=lenpen)
+                                        top_p=top_p, seed=seed, beam_size=beam_size, lenpen=lenpen,
+                                        no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
         found = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator, settings,

@@ -38,6 +38,9 @@ class SamplingSettings:
 
 SAMPLING_DEFAULTS = defaults(SamplingSettings)  # greedy, 50 tokens
 BEAM_FIELDS = ("beam_size", "lenpen", "max_len_a", "max_len_b", "stop")  # from config.decode
+# The generation guards (lconv.infer.guards), config.decode's too, and their defaults (off): the schema's fields
+# default to these, and a decode section written before the guards existed reads as them.
+GUARDS_OFF = {"no_repeat_ngram_size": 0, "min_len": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,8 @@ class DecodeSettings:
     top_k: int  # 0 = no top-k filter
     top_p: float  # 1 = no nucleus filter
     seed: int  # the sampling seed
+    no_repeat_ngram_size: int  # no n-gram of this size twice in an output (prefix included); 0 = off
+    min_len: int  # no EOS before this many output tokens (an LM's continuation); 0 = off
 
     @classmethod
     def build(cls, decode: Any, **chosen: Any) -> DecodeSettings:
@@ -65,12 +70,14 @@ class DecodeSettings:
         if unknown:
             raise UserError(f"unknown decoding setting(s) {unknown}; known: {known}")
         values = {name: decode[name] for name in BEAM_FIELDS}
+        values.update({name: decode[name] if name in decode else off for name, off in GUARDS_OFF.items()})
         values.update(SAMPLING_DEFAULTS)
         values.update({name: value for name, value in chosen.items() if value is not None})
         return cls(beam_size=int(values["beam_size"]), lenpen=float(values["lenpen"]),
                    max_len_a=float(values["max_len_a"]), max_len_b=int(values["max_len_b"]), stop=str(values["stop"]),
                    max_len=int(values["max_len"]), temperature=float(values["temperature"]),
-                   top_k=int(values["top_k"]), top_p=float(values["top_p"]), seed=int(values["seed"]))
+                   top_k=int(values["top_k"]), top_p=float(values["top_p"]), seed=int(values["seed"]),
+                   no_repeat_ngram_size=int(values["no_repeat_ngram_size"]), min_len=int(values["min_len"]))
 
     @property
     def sampling(self) -> bool:

@@ -107,6 +107,7 @@ SURFACES = ("lconv.api", "lconv.export", "lconv.evaluate", "lconv.import_fairseq
 TRAINING_ENTRY = ("lconv.train.loop", "lconv.train.steps", "lconv.train.setup")
 TRAINERS = {"lconv.bench.train": "times the train step", "lconv.bench.gpu": "times training runs",
             "lconv.study.measure": "times each study task's train step", "lconv.study.run": "trains the study's runs",
+            "lconv.study.speed": "times every mixer's train step side by side",
             "lconv.interop.fairseq_replay": "replays a recorded fairseq-train run through the train step"}
 
 

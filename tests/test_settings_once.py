@@ -72,7 +72,8 @@ def test_settings_take_the_config_and_the_contract_and_the_choices():
     settings = DecodeSettings.build(config.decode)
     assert settings == DecodeSettings(beam_size=config.decode.beam_size, lenpen=config.decode.lenpen,
                                       max_len_a=config.decode.max_len_a, max_len_b=config.decode.max_len_b,
-                                      stop=config.decode.stop, **SAMPLING_DEFAULTS)
+                                      stop=config.decode.stop, no_repeat_ngram_size=config.decode.no_repeat_ngram_size,
+                                      min_len=config.decode.min_len, **SAMPLING_DEFAULTS)
     assert SAMPLING_DEFAULTS["temperature"] == 0.0 and not settings.sampling  # the one default: greedy / beam
     chosen = DecodeSettings.build(config.decode, temperature=0.7, top_k=None, seed=3, lenpen=0.5)
     assert (chosen.temperature, chosen.top_k, chosen.seed, chosen.lenpen) == (0.7, SAMPLING_DEFAULTS["top_k"], 3, 0.5)

@@ -34,20 +34,23 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         beam_size: int | None = None, lenpen: float | None = None, source_file: str | None = None,
         reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
         nbest: int | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None,
-        **sampling: Any) -> dict[str, Any]:
+        no_repeat_ngram_size: int | None = None, min_len: int | None = None, **sampling: Any) -> dict[str, Any]:
     """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or decodes ``source_file``
     line by line: translations / summaries (scored when ``reference_file`` is given; by beam search, or sampled
     with ``temperature > 0``; with ``nbest``, k hypotheses per line with their scores, ``write_nbest``), or an LM's
     continuations of the prompts in it (``sampling``: ``max_len``, ``temperature``, ``top_k``, ``top_p``,
     ``seed``). With ``interactive`` the lines come from ``stdin`` and each output goes to ``stdout`` as soon as it
-    is decoded. Params only are restored."""
+    is decoded. ``no_repeat_ngram_size`` / ``min_len``: the generation guards of every search (None = the stored
+    config.decode's; ``lconv.infer.guards``). Params only are restored."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
+    guards = {name: value for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
+                                              ("min_len", min_len)) if value is not None}
     stored = _check_run_flags(workdir, split=split, average_last=average_last, checkpoint=checkpoint,
                             beam_size=beam_size, lenpen=lenpen, source_file=source_file,
                             reference_file=reference_file, output_file=output_file, interactive=interactive,
-                            sampling=sampling, nbest=nbest)
+                            sampling=sampling, nbest=nbest, guards=guards)
     task = stored.config.task
-    chosen = _decode_choices(task, sampling, nbest)
+    chosen = {**_decode_choices(task, sampling, nbest), **guards}
     if interactive:
         trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
         return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, settings, nbest)
@@ -81,10 +84,11 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
 
 def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
                      lenpen: float | None, source_file: str | None, reference_file: str | None,
-                     output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None
-                     ) -> restore.StoredConfig:
+                     output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None,
+                     guards: dict[str, int]) -> restore.StoredConfig:
     """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's stored config."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
+    schema.check_search(spell=lambda name: f"--{name}", **guards)
     schema.check_sampling(sampling, spell=lambda name: f"--{name}", idle=False)  # ranges; the rest per task below
     if interactive:
         for flag, value in (("--source_file", source_file), ("--reference_file", reference_file),
@@ -101,7 +105,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
             raise UserError(f"--nbest={nbest}: for translation and summarization runs (hypotheses of a beam search "
                             "or samples); an lm run continues prompts")
         _check_lm_flags(config, workdir, beam_size=beam_size, lenpen=lenpen, source_file=source_file,
-                        reference_file=reference_file, interactive=interactive, sampling=sampling)
+                        reference_file=reference_file, interactive=interactive, sampling=sampling, guards=guards)
     else:
         _check_translation_flags(config, workdir, beam_size=beam_size, source_file=source_file,
                                  interactive=interactive, sampling=sampling, nbest=nbest)
@@ -119,9 +123,10 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
 
 def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen: float | None,
                     source_file: str | None, reference_file: str | None, interactive: bool,
-                    sampling: dict[str, Any]) -> None:
-    """What an LM run refuses: beam settings, references, sampling without prompts, and sampling settings its
-    model cannot take (``--max_len`` beyond its positions, ``--top_k`` beyond its vocabulary)."""
+                    sampling: dict[str, Any], guards: dict[str, int]) -> None:
+    """What an LM run refuses: beam settings, references, sampling or generation guards without prompts (a
+    split's perplexity decodes nothing), and sampling settings its model cannot take (``--max_len`` beyond its
+    positions, ``--top_k`` beyond its vocabulary)."""
     given = [f"--{n}" for n in SAMPLING_DEFAULTS if sampling.get(n) is not None]
     beam = [f for f, v in (("--beam_size", beam_size), ("--lenpen", lenpen)) if v is not None]
     if beam:
@@ -131,6 +136,7 @@ def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen:
         raise UserError("--reference_file: an lm run continues the prompts of --source_file and scores nothing; "
                         "its perplexity is scored on a split (eval.py --split=...)")
     if source_file is None and not interactive:
+        given += [f"--{n}" for n in guards]
         if given:
             raise UserError(f"{', '.join(given)} go with prompts: --source_file (one per line) or --interactive; "
                             "without them eval.py scores the split's perplexity")

@@ -50,6 +50,10 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (default 0: all).")
     flags.DEFINE_float("top_p", None, "Nucleus sampling, in (0, 1] (default 1: off).")
     flags.DEFINE_integer("seed", None, "The sampling seed (default 0).")
+    flags.DEFINE_integer("no_repeat_ngram_size", None, "No n-gram of this size twice in an output, its prefix or "
+                         "prompt included (fairseq's --no-repeat-ngram-size; 0 = off; default: the stored config's).")
+    flags.DEFINE_integer("min_len", None, "No EOS before this many output tokens (fairseq's --min-len; an LM's "
+                         "continuation; 0 = off; default: the stored config's).")
     define_compilation_cache()
     define_trust_plugins()
     flags.mark_flags_as_required(["workdir"])
@@ -67,7 +71,8 @@ def _evaluate_main(argv: list[str]) -> None:
         from lconv.run import restore
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
-                 "output_file", "interactive", "nbest", "max_len", "temperature", "top_k", "top_p", "seed")
+                 "output_file", "interactive", "nbest", "max_len", "temperature", "top_k", "top_p", "seed",
+                 "no_repeat_ngram_size", "min_len")
         with restore.trusting_plugins(FLAGS.trust_plugins):
             eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
@@ -76,7 +81,8 @@ def run_program(main: Callable[[list[str]], None], argv: list[str] | None) -> No
     """Runs a program's ``main`` under absl with its flags listed by ``--help`` and lconv's flag parser."""
     for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
                  "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
-                 "nbest", "max_len", "temperature", "top_k", "top_p", "seed", "trust_plugins"):
+                 "nbest", "max_len", "temperature", "top_k", "top_p", "seed", "no_repeat_ngram_size", "min_len",
+                 "trust_plugins"):
         if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
             FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)

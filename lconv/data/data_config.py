@@ -60,6 +60,12 @@ class DataConfig:
         "at the end)",
         Rule(lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(s, str) for s in v),
              "a non-empty list of split names"))
+    max_validation_examples: int = field(
+        0, "evaluate only the validation split's first N examples (its loss in training, the best checkpoint); "
+        "0 = all", integer(0, " (0 = the whole split)"))
+    max_test_examples: int = field(
+        0, "evaluate only the first N examples of each other eval split (decode.split at the end, eval.py "
+        "--split); 0 = all", integer(0, " (0 = the whole split)"))
     tokenizer_max_sentences: int = field(200_000, "training-split sentences the tokenizer is trained on",
                                          integer(1))
     read_threads: int = field(2, "threads reading and tokenising training examples (grain)",

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from lconv.constants import EOS_ID, PAD_ID
-from lconv.data import sources, stream, tokenizer_files
+from lconv.data import eval_caps, sources, stream, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
@@ -300,6 +300,7 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     if cfg.stream and sources.dataset_spec(cfg.dataset).input_key is not None:
         raise UserError(f"stream=True streams documents to a language model; dataset={cfg.dataset!r} "
                          "has inputs (use a language-modelling dataset, e.g. ddtp/lm_en)")
+    _report_vocabulary(cfg, tokenizer)
     source, input_key, target_key = sources.get_source(cfg.dataset, "train", cfg.data_dir, cfg.raw_dir)
     report = sources.source_report(cfg.dataset, cfg.data_dir, cfg.raw_dir)
     if cfg.stream:
@@ -315,12 +316,23 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
     eval_sets = {}
     for split in cfg.eval_splits:
         eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_source = eval_caps.capped(eval_source, split, cfg)  # config.data.max_*_examples
         eval_lengths = {"targets": cfg.eval_max_target_length}
         if input_key is not None:
             eval_lengths["inputs"] = cfg.eval_max_input_length
         eval_sets[split] = make_eval_set(eval_source, input_key, target_key, tokenizer, eval_lengths,
                                          cfg.eval_batch_size // process_count, process_index, process_count)
     return Datasets(train_iter, eval_sets, input_key, target_key, stats, report)
+
+
+def _report_vocabulary(cfg: DataConfig, tokenizer: Any) -> None:
+    """One warning line when the tokenizer's vocabulary (the model's) is not the one ``config.data.vocab_size`` asks
+    for: SentencePiece gives a small training text fewer pieces than asked, and the run would say so nowhere."""
+    used = getattr(tokenizer, "vocab_size", None)
+    if used is not None and used != cfg.vocab_size:
+        why = " (the training text is too small for more)" if used < cfg.vocab_size else ""
+        logger.warning(f"vocabulary: {used:,} pieces, not the {cfg.vocab_size:,} config.data.vocab_size asks for"
+                       f"{why}; the model is built for {used:,}")
 
 
 def make_stream_datasets(config: Any, source: sources.Source, input_key: str | None, target_key: str,
@@ -336,6 +348,7 @@ def make_stream_datasets(config: Any, source: sources.Source, input_key: str | N
     eval_sets = {}
     for split in cfg.eval_splits:
         eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_source = eval_caps.capped(eval_source, split, cfg)  # the first documents
         eval_set = stream.StreamEvalSet(eval_source, target_key, tokenizer, window=window,
                                         rows=cfg.eval_batch_size // process_count,
                                         process_index=process_index, process_count=process_count)

@@ -53,12 +53,14 @@ MAX_EXPORT_ROWS = 4096
 def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("cpu",), rows: Sequence[int] = (1, 8),
            widths: Sequence[int] | None = None, beam_size: int | None = None, max_len: int | None = None,
            temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-           spell: Callable[[str], str] = str) -> dict[str, Any]:
+           spell: Callable[[str], str] = str, no_repeat_ngram_size: int | None = None,
+           min_len: int | None = None) -> dict[str, Any]:
     """Writes ``trained``'s programs (one per ``rows`` x ``widths`` bucket), params, tokenizer and sidecar into
     ``out``; returns the sidecar. ``widths`` default to ``default_widths``: inputs as long as ``lconv.load`` takes
     are decoded whole, so an exported model translates what the loaded one does. The sampling settings are an LM's
     (None = ``lconv.decode_settings.SAMPLING_DEFAULTS``), ``beam_size`` a translation's (None = the stored
-    config's); the other task's are refused. The search is one ``DecodeSettings``, built here. Errors name the
+    config's); the other task's are refused. ``no_repeat_ngram_size`` / ``min_len``: the generation guards, either
+    task's (None = the stored config.decode's). The search is one ``DecodeSettings``, built here. Errors name the
     arguments as ``spell`` writes them: as this function's (``max_len``), or ``python -m lconv.export``'s flags."""
     config = trained.config
     lm = config.task == "lm"
@@ -66,15 +68,17 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     check_task_settings(config.task, beam_size, [name for name, value in given.items() if value is not None], spell)
     widths = default_widths(config) if widths is None else widths
     check_buckets(config, platforms, rows, widths, spell)
+    guards = dict(no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
+    schema.check_search(spell=spell, **guards)
     if lm:  # the rules eval.py and the API apply, before anything is written
         schema.check_sampling(given, spell=spell, vocab_size=trained.tokenizer.vocab_size)
-        settings = DecodeSettings.build(config.decode, **given)
+        settings = DecodeSettings.build(config.decode, **given, **guards)
         limit = settings.prompt_limit(config.model.max_len, spell("max_len"))
         widths = sorted({max(min(w, limit), 1) for w in widths})  # a 0-token prompt (BOS alone) is a width of 1
     else:
         schema.check_search(beam_size=beam_size, spell=spell,
                             vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
-        settings = DecodeSettings.build(config.decode, beam_size=beam_size)
+        settings = DecodeSettings.build(config.decode, beam_size=beam_size, **guards)
     outputs.claim_directory(out, "export", spell("out"))  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
@@ -116,6 +120,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         "tokenizer": trained.tokenizer.filename, "params": "params.npz", "programs": programs,
         "search": {name: getattr(settings, name) for name in ("max_len", "temperature", "top_k", "top_p")} if lm
         else {"beam_size": settings.beam_size, "lenpen": settings.lenpen},
+        "guards": {"no_repeat_ngram_size": settings.no_repeat_ngram_size, "min_len": settings.min_len},
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
         "jax_version": jax.__version__, "config": json.loads(config.to_json()),
     }

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_integer("top_k", None, f"LM: top-k filter (default {sampling['top_k']}: off).")
     flags.DEFINE_float("top_p", None, f"LM: nucleus filter (default {sampling['top_p']}: off).")
     programs.define_trust_plugins()
+    flags.DEFINE_integer("no_repeat_ngram_size", None, "No n-gram of this size twice in an output (fairseq's; 0 = "
+                         "off; default: the stored config's).")
+    flags.DEFINE_integer("min_len", None, "No EOS before this many output tokens (fairseq's --min-len; 0 = off; "
+                         "default: the stored config's).")
     flags.mark_flags_as_required(["workdir", "out"])
     F = flags.FLAGS
 
@@ -48,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
             runtime.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, first
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             restore.check_checkpoint_choice(F.average_last, F.checkpoint)
-            schema.check_search(beam_size=F.beam_size, spell=_flag)  # the rules eval.py and the API apply
+            schema.check_search(beam_size=F.beam_size, spell=_flag, no_repeat_ngram_size=F.no_repeat_ngram_size,
+                                min_len=F.min_len)  # the rules eval.py and the API apply
             sampling = {name: F[name].value for name in ("max_len", "temperature", "top_k", "top_p")}
             schema.check_sampling(sampling, spell=_flag)
             stored = restore.read_stored(F.workdir, trust_plugins=F.trust_plugins)
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
                                            stored=stored)
             sidecar = export_lib.export(trained, F.out, platforms=F.platforms, rows=rows, widths=widths,
                                         beam_size=F.beam_size, max_len=F.max_len, temperature=F.temperature,
-                                        top_k=F.top_k, top_p=F.top_p, spell=_flag)
+                                        top_k=F.top_k, top_p=F.top_p, spell=_flag,
+                                        no_repeat_ngram_size=F.no_repeat_ngram_size, min_len=F.min_len)
             print(f"exported {len(sidecar['programs'])} programs for {','.join(sidecar['platforms'])} to {F.out}")
 
     logging.set_verbosity(logging.WARNING)  # orbax's and JAX's info lines: stderr holds errors alone

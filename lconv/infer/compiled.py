@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
 from lconv.decode_settings import DecodeSettings
+from lconv.infer import guards as guards_lib
 from lconv.infer import lm_search, search
 from lconv.nn import common as nn_common
 
@@ -125,7 +126,7 @@ class Translator:
                 beam_size=settings.beam_size, max_len=output_len, lenpen=lenpen, max_len_a=settings.max_len_a,
                 max_len_b=settings.max_len_b, stop=settings.stop, rng=jax.random.key(seed) if settings.sampling else
                 None, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                prefix=prefix)  # [B, N, L], [B, N], [B, N, L]
+                prefix=prefix, guards=guards_lib.Guards.of(settings))  # [B, N, L], [B, N], [B, N, L]
 
         def best(params, inputs_BS, lenpen, *, settings, output_len):
             return hypotheses(params, inputs_BS, lenpen, jnp.uint32(0), settings=settings,
@@ -211,7 +212,8 @@ def padded_prefixes(prefixes: Sequence[np.ndarray], rows: int, width: int) -> tu
 
 
 def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,
-             rng: jax.Array | None, temperature: float, top_k: int, top_p: float) -> jax.Array:
+             rng: jax.Array | None, temperature: float, top_k: int, top_p: float,
+             guards: guards_lib.Guards | None = None) -> jax.Array:
     """Continues right-padded prompts of different lengths ``[B, P]`` (``prompt_len_B`` real tokens each) with a
     ``DecoderOnlyLM``; returns ``[B, P + max_len]`` tokens whose first ``prompt_len_B[b]`` are row b's prompt.
 
@@ -219,6 +221,7 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
     fed a token per step instead: while step ``i < prompt_len[b]`` the logits row b samples from are replaced by
     a one-hot on its prompt token, which greedy and every filter then pick with certainty. So a batch of ragged
     prompts (and one width bucket of them) is a single program, at the price of feeding prompts step by step.
+    ``guards`` (``lconv.infer.guards``) act after each row's prompt, which they read as part of the hypothesis.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
@@ -243,7 +246,8 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
         return logits_BV[:, None], (cache, i + 1)  # [B, 1, V]
 
     return search.sample(tokens_to_logits, (cache, jnp.int32(0)), B, total, rng, temperature=temperature,
-                         top_k=top_k, top_p=top_p, bos_id=search.decoder_start_id(model))  # [B, P + max_len]
+                         top_k=top_k, top_p=top_p, bos_id=search.decoder_start_id(model), guards=guards,
+                         output_start_B=prompt_len_B)  # [B, P + max_len]
 
 
 class Generator:
@@ -258,14 +262,15 @@ class Generator:
             # One key per prompt, from its ids: a prompt samples alike alone or anywhere in any batch.
             rng = search.row_keys(jax.random.key(seed), prompt_BP) if settings.sampling else None
             return generate(model, {"params": params}, prompt_BP, prompt_len_B, max_len=settings.max_len, rng=rng,
-                            temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+                            temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                            guards=guards_lib.Guards.of(settings))
 
         def hypotheses(params, prompt_BP, prompt_len_B, lenpen, seed, *, settings):
             return lm_search.lm_hypotheses(model, {"params": params}, prompt_BP, prompt_len_B,
                                            max_len=settings.max_len, beam_size=settings.beam_size, lenpen=lenpen,
                                            stop=settings.stop, rng=jax.random.key(seed) if settings.sampling else None,
                                            temperature=settings.temperature, top_k=settings.top_k,
-                                           top_p=settings.top_p)
+                                           top_p=settings.top_p, guards=guards_lib.Guards.of(settings))
 
         self.function = nn_common.under_axis_rules(run, config.mesh.rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())

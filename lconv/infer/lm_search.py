@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lconv.constants import PAD_ID
+from lconv.infer import guards as guards_lib
 from lconv.infer import search
 
 if TYPE_CHECKING:
@@ -24,11 +25,12 @@ Array = jax.Array
 
 def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len_B: Array, *, max_len: int,
                   beam_size: int, lenpen: Array | float, stop: str, temperature: float, top_k: int, top_p: float,
-                  rng: Array | None = None) -> search.Hypotheses:
+                  rng: Array | None = None, guards: guards_lib.Guards | None = None) -> search.Hypotheses:
     """``beam_size`` continuations of each right-padded prompt (``prompt_len_B`` real tokens each), best first,
     ``[B, N, max_len]``: the finished beams of a beam search or, with ``temperature > 0``, as many samples
     (sample n of a prompt draws with ``fold_in(row_keys(rng, prompt)[b], n)``: it depends on the prompt, ``rng``
-    and n alone), sorted by score as beams are."""
+    and n alone), sorted by score as beams are. ``guards`` (``lconv.infer.guards``) see the prompt as context and
+    count ``min_len`` in continuation tokens."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
     N, total = beam_size, P + max_len
@@ -45,7 +47,7 @@ def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len
     if not temperature:
         found = search.beam_search(tokens_to_logits, cache, B, N, total, lenpen=lenpen, bos_id=start,
                                    max_len_per_row=limit_B, stop=stop, with_token_scores=True, prefix=prompt,
-                                   prefix_scored=False)
+                                   prefix_scored=False, guards=guards)
         return search.Hypotheses(_after_prompt(found.tokens, prompt_len_B, max_len), found.scores,
                                  _after_prompt(found.token_scores, prompt_len_B, max_len))
     fold_n = lambda key: jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(N))  # noqa: E731  [N]
@@ -53,7 +55,8 @@ def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len
     tokens, token_scores = search.sample(tokens_to_logits, search.tile_cache(cache, B, N), B * N, total, keys,
                                          temperature=temperature, top_k=top_k, top_p=top_p, bos_id=start,
                                          max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True,
-                                         prefix=prompt.repeat(N))
+                                         prefix=prompt.repeat(N), guards=guards,
+                                         output_start_B=jnp.repeat(prompt_len_B, N))
     tokens_BNL = _after_prompt(tokens.reshape(B, N, total), prompt_len_B, max_len)  # [B, N, max_len]
     token_scores_BNL = _after_prompt(token_scores.reshape(B, N, total), prompt_len_B, max_len)
     length_BN = jnp.sum(tokens_BNL != PAD_ID, axis=-1).astype(jnp.float32)  # [B, N] EOS included

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 
 from lconv.constants import BOS_ID, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID, STOP_RULES
 from lconv.errors import UserError
+from lconv.infer import guards as guards_lib
+from lconv.infer.guards import Guards
+from lconv.infer.prefix import Prefix  # noqa: F401 (search.Prefix, as the callers name it)
 from lconv.ops.top_k import rowwise_top_k  # per shard of the rows: XLA cannot split a TopK
 
 if TYPE_CHECKING:
@@ -39,28 +42,6 @@ class Hypotheses(NamedTuple):
     tokens: Array  # [B, N, L] the generated tokens, EOS last, PAD after (an empty slot: all PAD)
     scores: Array  # [B, N] sum(token_scores) / length**lenpen, EOS counted in both (an empty slot: -inf)
     token_scores: Array  # [B, N, L] each token's log-prob under the model (log_softmax of its logits), 0 after EOS
-
-
-class Prefix(NamedTuple):
-    """Tokens forced at the start of each row's output (fairseq's ``prefix_tokens``): while ``i < length[b]`` row
-    b's token ``i`` is ``tokens[b, i]``, whatever the model prefers. A forced token keeps the model's log-prob as
-    its token score, so a hypothesis scores as ``score`` rescores it (its prefix included)."""
-
-    tokens: Array  # [B, P] int32, anything after a row's length (PAD)
-    length: Array  # [B] forced tokens per row (0: none)
-
-    def at(self, i: Array) -> tuple[Array, Array]:
-        """``(forcing_B, forced_B)`` at step ``i``: whether each row is still forced, and the token it is forced to."""
-        column = jnp.minimum(i, self.tokens.shape[1] - 1)
-        return i < self.length, jax.lax.dynamic_index_in_dim(self.tokens, column, 1, keepdims=False).astype(jnp.int32)
-
-    def limits(self, limit_B: Array | None, batch_size: int, max_len: int) -> Array:
-        """Each row's length limit (EOS included) raised to hold its prefix and EOS, within ``max_len``."""
-        limit_B = jnp.full((batch_size,), max_len, jnp.int32) if limit_B is None else jnp.asarray(limit_B, jnp.int32)
-        return jnp.clip(jnp.maximum(limit_B, self.length + 1), 1, max_len)  # [B]
-
-    def repeat(self, n: int) -> Prefix:  # row b's prefix for rows b*n .. b*n + n-1, as tile_cache lays them out
-        return Prefix(jnp.repeat(self.tokens, n, axis=0), jnp.repeat(self.length, n, axis=0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,7 +127,8 @@ def filter_logits(logits_BV: Array, *, temperature: float, top_k: int, top_p: fl
 def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, rng: Array | None, *,
            temperature: float, top_k: int, top_p: float, prompt: Array | None = None,
            bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID, max_len_per_row: Array | None = None,
-           with_token_scores: bool = False, prefix: Prefix | None = None) -> Array | tuple[Array, Array]:
+           with_token_scores: bool = False, prefix: Prefix | None = None, guards: Guards | None = None,
+           output_start_B: Array | None = None) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
     ``prompt [B, T]`` (one length ``T`` for all rows) is fed as one chunk ``[BOS, prompt...]`` before the first
@@ -158,7 +140,8 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
     ``max_len_per_row [B]`` EOS is forced at a row's limit (EOS included), as ``beam_search`` does; without it a
     row that has not ended at ``max_len`` is cut. ``with_token_scores``: also ``[B, max_len]`` log-probs of the
     chosen tokens under the model (before temperature and filters), 0 after EOS. ``prefix``: each row's first
-    tokens are forced (``Prefix``; their token scores are still the model's log-probs).
+    tokens are forced (``Prefix``; their token scores are still the model's log-probs). ``guards``: what a step may
+    not pick (``lconv.infer.guards``), from each row's ``output_start_B`` on (default 0).
     """
     B = batch_size
     if prefix is not None:
@@ -170,20 +153,23 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
     if temperature != 0.0:
         keys_B = rng if rng.shape == (B,) else jnp.broadcast_to(rng, (B,))  # [B] keys
 
-    def pick(logits_BV, i):
+    def pick(logits_BV, i, tokens_BL):
         logits_BV = _mask_pad(logits_BV, pad_id)  # [B, V]
         if max_len_per_row is not None:
             at_limit_B1 = (i + 1 >= max_len_per_row)[:, None]  # this token is the row's last
             logits_BV = jnp.where(at_limit_B1 & (jnp.arange(logits_BV.shape[-1]) != eos_id), IMPOSSIBLE_LOGP,
                                   logits_BV)  # [B, V]
+        if guards is not None:
+            logits_BV = guards_lib.apply(logits_BV[:, None], tokens_BL[:, None], i, guards, eos_id=eos_id,
+                                         start_B=output_start_B, limit_B=max_len_per_row)[:, 0]  # [B, V]
         if temperature == 0.0:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)  # [B]
         logits_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)  # [B, V]
         draw = lambda key, logits_V: jax.random.categorical(jax.random.fold_in(key, i), logits_V)  # noqa: E731
         return jax.vmap(draw)(keys_B, logits_BV).astype(jnp.int32)  # [B]: row by row, each with its own key
 
-    def pick_or_force(logits_BV, i):
-        picked_B = pick(logits_BV, i)  # [B]
+    def pick_or_force(logits_BV, i, tokens_BL):
+        picked_B = pick(logits_BV, i, tokens_BL)  # [B]
         if prefix is None:
             return picked_B
         forcing_B, forced_B = prefix.at(i)
@@ -191,7 +177,7 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
 
     def step(i, tokens_BL, scores_BL, finished_B, cache, inputs_BT):
         logits_BV, cache = _last_logits(tokens_to_logits, inputs_BT, cache)  # [B, V]
-        next_B = jnp.where(finished_B, pad_id, pick_or_force(logits_BV, i))  # [B]
+        next_B = jnp.where(finished_B, pad_id, pick_or_force(logits_BV, i, tokens_BL))  # [B]
         tokens_BL = tokens_BL.at[:, i].set(next_B)  # [B, L]
         if with_token_scores:
             logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), next_B[:, None], axis=1)[:, 0]  # [B]
@@ -229,8 +215,8 @@ def row_keys(rng: Array, ids_BT: Array) -> Array:
 # ----------------------------------------------------------------------------------------------------------------
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
                 lenpen: float, stop: str, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                max_len_per_row: Array | None = None, with_token_scores: bool = False,
-                prefix: Prefix | None = None, prefix_scored: bool = True) -> tuple[Array, Array] | Hypotheses:
+                max_len_per_row: Array | None = None, with_token_scores: bool = False, prefix: Prefix | None = None,
+                prefix_scored: bool = True, guards: Guards | None = None) -> tuple[Array, Array] | Hypotheses:
     """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first
     (with ``with_token_scores``, a ``Hypotheses`` holding also each token's log-prob).
 
@@ -246,7 +232,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
     ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
     score -inf and hold PAD. Inside, a set of hypotheses is a pair (tokens, their log-probs), ``[B, X, L]`` each.
     ``prefix`` forces each row's first tokens (``Prefix``), unscored (an LM's prompt: ``_limits_and_penalty``)
-    with ``prefix_scored=False``."""
+    with ``prefix_scored=False``; what ``guards`` ban is never taken (``lconv.infer.guards``)."""
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
         raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
@@ -269,7 +255,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
         prev_BN1 = jnp.where(i == 0, bos_id, last_BN1)  # [B, beam, 1]
         flat_logits, cache = _last_logits(tokens_to_logits, prev_BN1.reshape(B * N, 1), cache)  # [B*beam, V]
         logp_BNV = _allowed_logp(flat_logits.reshape(B, N, -1), i, limit_B, eos_id, pad_id, fairseq, prefix,
-                                 prefix_scored)  # [B, beam, V]
+                                 prefix_scored, guards, alive[0])  # [B, beam, V]
         V = logp_BNV.shape[-1]
         cand_BNV = alive_logp_BN[:, :, None] + logp_BNV  # [B, beam, V]
 
@@ -339,15 +325,21 @@ def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
     return limit_B, penalty
 
 
-def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, prefix_scored=True):
-    """Log-probs of step ``i`` with what may not come masked: PAD always, all but EOS at a row's length limit, and
-    (fairseq's min_len = 1) EOS as the first token; the rows still in their ``prefix`` forced (``_forced_logp``)."""
+def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, prefix_scored=True, guards=None,
+                  history_BNL=None):
+    """Log-probs of step ``i`` with what may not come masked: PAD always, all but EOS at a row's length limit,
+    (fairseq's min_len = 1) EOS as the first token and what ``guards`` ban given the beams' ``history_BNL`` (an
+    unscored prefix is context: the output starts after it); the rows still in their ``prefix`` forced
+    (``_forced_logp``)."""
     logp_BNV = _mask_pad(jax.nn.log_softmax(logits_BNV, axis=-1), pad_id)  # [B, beam, V]
     at_limit_B11 = (i + 1 >= limit_B)[:, None, None]  # this token is the row's last
     only_eos_V = jnp.arange(logp_BNV.shape[-1]) == eos_id  # [V]
     logp_BNV = jnp.where(at_limit_B11 & ~only_eos_V, IMPOSSIBLE_LOGP, logp_BNV)
     if fairseq:
         logp_BNV = jnp.where((i == 0) & only_eos_V & ~at_limit_B11, IMPOSSIBLE_LOGP, logp_BNV)
+    if guards is not None:
+        start_B = None if prefix is None or prefix_scored else prefix.length  # [B]
+        logp_BNV = guards_lib.apply(logp_BNV, history_BNL, i, guards, eos_id=eos_id, start_B=start_B, limit_B=limit_B)
     if prefix is not None:
         logp_BNV = _forced_logp(logp_BNV, logits_BNV, prefix, i, prefix_scored)
     return logp_BNV
@@ -422,7 +414,8 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                          beam_size: int, max_len: int, lenpen: float, max_len_a: float | None,
                          max_len_b: int | None, stop: str, temperature: float, top_k: int, top_p: float,
                          inputs_segmentation: Array | None = None, rng: Array | None = None, bos_id: int | None = None,
-                         eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None) -> Hypotheses:
+                         eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None,
+                         guards: Guards | None = None) -> Hypotheses:
     """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: the finished beams of a beam search
     or, with ``temperature > 0``, as many samples (``sample``'s filters; sample n of a row draws with
     ``fold_in(row_keys(rng, inputs)[b], n)``, so it depends on the source, ``rng`` and n only), scored alike.
@@ -430,7 +423,8 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
     Encodes once; the cache is created for ``B`` rows and tiled per hypothesis, the encoder output and source ids
     are tiled here the same way (row ``b*beam + n``). With ``max_len_a``/``max_len_b`` a row may generate
     ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``. ``prefix``: each
-    row's outputs start with its forced tokens (``Prefix``), scored as the model scores them.
+    row's outputs start with its forced tokens (``Prefix``), scored as the model scores them. ``guards``: what
+    no step may pick (``lconv.infer.guards``).
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = decoder_start_id(model) if bos_id is None else bos_id
@@ -454,7 +448,8 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
     limit_B = jnp.clip(limit_B, 1, max_len)
     if not temperature:
         return beam_search(tokens_to_logits, cache, B, N, max_len, lenpen=lenpen, bos_id=bos_id, eos_id=eos_id,
-                           pad_id=pad_id, max_len_per_row=limit_B, stop=stop, with_token_scores=True, prefix=prefix)
+                           pad_id=pad_id, max_len_per_row=limit_B, stop=stop, with_token_scores=True, prefix=prefix,
+                           guards=guards)
     if rng is None:
         raise UserError(f"translate_hypotheses with temperature={temperature} needs rng (or temperature=0)")
     fold_n = lambda key: jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(N))  # noqa: E731  [N]
@@ -462,7 +457,7 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
     tokens, token_scores = sample(tokens_to_logits, tile_cache(cache, B, N), B * N, max_len, keys,
                                   temperature=temperature, top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id,
                                   pad_id=pad_id, max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True,
-                                  prefix=None if prefix is None else prefix.repeat(N))
+                                  prefix=None if prefix is None else prefix.repeat(N), guards=guards)
     tokens_BNL, token_scores_BNL = tokens.reshape(B, N, max_len), token_scores.reshape(B, N, max_len)
     length_BN = jnp.sum(tokens_BNL != pad_id, axis=-1).astype(jnp.float32)  # [B, N] EOS included
     scores_BN = jnp.sum(token_scores_BNL, axis=-1) / jnp.power(length_BN, jnp.float32(lenpen))  # [B, N]

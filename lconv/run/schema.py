@@ -26,7 +26,12 @@ import ml_collections
 
 from lconv.constants import STOP_RULES
 from lconv.data.data_config import DataConfig
-from lconv.decode_settings import SAMPLING_DEFAULTS, DecodeSettings, SamplingSettings  # noqa: F401 (the schema's too)
+from lconv.decode_settings import (  # noqa: F401 (the schema's too)
+    GUARDS_OFF,
+    SAMPLING_DEFAULTS,
+    DecodeSettings,
+    SamplingSettings,
+)
 from lconv.errors import UserError
 from lconv.fields import (
     BOOL,
@@ -51,6 +56,7 @@ from lconv.nn.model_config import ModelConfig
 _POSITIVE = integer(1)
 _NON_NEGATIVE = integer(0)
 _NON_NEGATIVE_NUMBER = number(lambda v: v >= 0, "a number >= 0")
+MAX_NGRAM = 64  # decode.no_repeat_ngram_size: fairseq's summarizers use 3; the guard unrolls n - 1 comparisons
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +171,13 @@ class DecodeConfig:
                       "rule)", choice(*STOP_RULES))
     compound_split: bool = field(False, "tokenized BLEU splits hyphenated compounds (the paper's WMT En-De BLEU)",
                                  BOOL)
+    no_repeat_ngram_size: int = field(
+        GUARDS_OFF["no_repeat_ngram_size"], "no n-gram of this size twice in an output, its prefix or prompt "
+        "included (fairseq's --no-repeat-ngram-size); 0 = off",
+        integer(0, maximum=MAX_NGRAM, reason="the guard compares n - 1 tokens per step; 0 = off"))
+    min_len: int = field(
+        GUARDS_OFF["min_len"], "no EOS before this many output tokens (fairseq's --min-len; an LM counts its "
+        "continuation only); 0 = off", integer(0, maximum=MAX_TOKENS, reason=SIZE_REASON))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,12 +291,15 @@ def _check_splits(values: Mapping[str, Any]) -> None:
 
 def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
                  spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, no_repeat_ngram_size: int | None = None,
+                 min_len: int | None = None) -> None:
     """The decode section's rules for the beam search's settings, for every place that takes them: the config,
     eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given. With
     ``vocab_size`` (once it is known) the beam is at most ``vocab_size - 1``, as fairseq caps it: a wider beam
-    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB)."""
-    check_decode({"beam_size": beam_size, "lenpen": lenpen}, spell)
+    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB). The generation guards
+    (``no_repeat_ngram_size``, ``min_len``) are checked here too: every search takes them."""
+    check_decode({"beam_size": beam_size, "lenpen": lenpen, "no_repeat_ngram_size": no_repeat_ngram_size,
+                  "min_len": min_len}, spell)
     if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
         raise UserError(f"{spell('beam_size')}={beam_size}: must be at most the vocabulary's size - 1 "
                         f"({vocab_size - 1}; fairseq's cap: a wider beam holds no more distinct continuations)")
