@@ -96,11 +96,14 @@ def test_a_program_key_ignores_what_is_an_argument_or_unread():
 
 def test_one_prompt_rule():
     """BOS + prompt + ``max_len`` new tokens fit the model's positions; a prompt of 0 tokens (BOS alone) fits,
-    so eval.py, the API and export all allow ``max_len = positions - 1`` and refuse one more."""
+    so eval.py, the API and export all allow ``max_len = positions - 1`` and refuse one more. The refusal advertises
+    ``positions - 2``, the most that leaves room for a prompt of one token, and the blank prompts' one more."""
     decode = schema.base_config().decode
     assert DecodeSettings.build(decode, max_len=15).prompt_limit(16) == 0
     assert DecodeSettings.build(decode, max_len=10).prompt_limit(16) == 5
-    with pytest.raises(UserError, match=r"^--max_len=16 new tokens do not fit .*max_len=16 .*at most 15$"):
+    assert DecodeSettings.build(decode, max_len=14).prompt_limit(16) == 1
+    with pytest.raises(UserError, match=r"^--max_len=16 new tokens do not fit .*max_len=16 .*at most 14 \(15 from "
+                                        r"blank prompts\)$"):
         DecodeSettings.build(decode, max_len=16).prompt_limit(16, "--max_len")
 
 
