@@ -4,8 +4,6 @@ flags (one-line errors; the outputs the API gives), and an LM's searches (greedy
 rule after their prompts."""
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import tiny_runs
@@ -88,34 +86,10 @@ def test_an_lms_greedy_beam_and_sampled_continuations_keep_the_guards_after_thei
         check(ids, [t for t in row if t != PAD_ID])
 
 
-def _config_only(tmp_path, config):
-    workdir = tmp_path / "run"
-    workdir.mkdir(exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json())
-    return str(workdir)
-
-
-@pytest.mark.parametrize("task, flags, message", [
-    ("translation", dict(no_repeat_ngram_size=-1), "--no_repeat_ngram_size=-1: must be an integer in [0, 64]"),
-    ("translation", dict(min_len=2.5, source_file="s.txt"), "--min_len=2.5: must be an integer in [0, "),
-    ("lm", dict(min_len=3), "--min_len go with prompts: --source_file (one per line) or --interactive"),
-    ("lm", dict(temperature=0.7, no_repeat_ngram_size=3), "--temperature, --no_repeat_ngram_size go with prompts"),
-])
-def test_eval_guard_flags_that_do_not_fit_are_one_line_errors(task, flags, message, tmp_path, monkeypatch):
-    import tiny_config
-
-    from lconv.cli import eval_program
-    from lconv.run import restore
-
-    monkeypatch.setattr(restore, "load_trained", lambda *a, **k: pytest.fail("loaded before the flags were checked"))
-    config = tiny_runs.lm_config() if task == "lm" else tiny_config.get_config()
-    with pytest.raises(UserError, match=f"^{re.escape(message)}[^\n]*$"):
-        eval_program.run(_config_only(tmp_path, config), **flags)
-
-
 def test_eval_py_takes_the_guard_flags(tmp_path, capsys):
     import helpers
     import tiny_config
+    from test_cli import _config_only
 
     workdir = _config_only(tmp_path, tiny_config.get_config())
     code, _, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--no_repeat_ngram_size=65")
