@@ -93,6 +93,7 @@ FIELDS: dict[str, Callable[[Any], Any]] = {
     "optimizer": lambda c: c.optim.optimizer,
     "Adam betas": lambda c: _adam(c, (c.optim.b1, c.optim.b2)),
     "Adam eps": lambda c: _adam(c, c.optim.eps),
+    "Adam eps form": lambda c: _adam(c, c.optim.adam_eps_form),
     "NAG momentum": lambda c: c.optim.momentum if c.optim.optimizer == "nag" else None,
     "peak lr": lambda c: c.optim.learning_rate,
     "lr schedule": lambda c: c.optim.schedule,
@@ -104,7 +105,9 @@ FIELDS: dict[str, Callable[[Any], Any]] = {
     "updates": lambda c: c.train.num_steps,
     "weight decay": lambda c: c.optim.weight_decay,
     "clip norm": lambda c: c.optim.clip_norm,
+    "clip form": lambda c: c.optim.clip_form if c.optim.clip_norm else None,
     "label smoothing": lambda c: c.optim.label_smoothing,
+    "label smoothing split": lambda c: c.optim.label_smoothing_split if c.optim.label_smoothing else None,
     "target tokens per update": lambda c: c.data.batch_size * c.data.max_target_length,
     "update-freq (grad_accum_steps)": lambda c: c.optim.grad_accum_steps,
     "compute dtype": lambda c: c.model.dtype,
@@ -132,6 +135,7 @@ KERNELS = ((3, 7, 15, 31, 31, 31, 31), (3, 7, 15, 31, 31, 31))
 # fairseq's WMT command (README, "WMT16 En-De"; En-Fr's differs in the values the recipes override).
 WMT_COMMAND = {
     "shared embeddings": True, "optimizer": "adam", "Adam betas": (0.9, 0.98), "Adam eps": 1e-8,  # adam_eps default
+    "Adam eps form": "before_correction", "label smoothing split": "others",  # fairseq's formulas (docs/fairseq.md)
     "peak lr": 1e-3, "lr schedule": "cosine", "warmup updates": 10_000, "warmup init lr": 1e-7,
     "cosine floor (min lr)": 1e-7, "cosine period (updates)": 20_000, "updates": 30_000, "weight decay": 0.0,
     "clip norm": 0.0, "label smoothing": 0.1, "target tokens per update": 3584 * 8 * 16,  # --max-tokens x GPUs x
@@ -176,9 +180,11 @@ RECIPES = [
            {"layers (enc / dec)": (7, 6), "d / FFN / heads": (512, 1024, 4), "kernel sizes (enc / dec)": KERNELS,
             "GLU": False, "pre-norm": False, "shared embeddings": False, "dropout": 0.3, "attention dropout": 0.1,
             "weight dropout (DropConnect)": 0.1, "input dropout": 0.0, "relu dropout": 0.0, "optimizer": "adam",
-            "Adam betas": (0.9, 0.98), "Adam eps": 1e-8, "peak lr": 5e-4, "lr schedule": "inverse_sqrt",
+            "Adam betas": (0.9, 0.98), "Adam eps": 1e-8, "Adam eps form": "before_correction", "peak lr": 5e-4,
+            "lr schedule": "inverse_sqrt",
             "warmup updates": 4000, "warmup init lr": 1e-7, "updates": 50_000, "weight decay": 1e-4,
-            "clip norm": 0.0, "label smoothing": 0.1, "target tokens per update": 4000,
+            "clip norm": 0.0, "label smoothing": 0.1, "label smoothing split": "others",
+            "target tokens per update": 4000,
             "update-freq (grad_accum_steps)": 1, "compute dtype": "float32", "beam": 4, "length penalty": 1.0,
             "compound-split BLEU": False},
            unverified("dropout", "lr schedule", "updates", "target tokens per update",
@@ -193,7 +199,7 @@ RECIPES = [
             "GLU": True, "pre-norm": True, "shared embeddings": False, "dropout": 0.1, "attention dropout": 0.1,
             "weight dropout (DropConnect)": 0.1, "input dropout": 0.1, "relu dropout": 0.0,
             "optimizer": "nag", "NAG momentum": 0.99, "peak lr": 1.0, "lr schedule": "cosine",
-            "warmup updates": 16_000, "warmup init lr": 1e-7, "clip norm": 0.1},
+            "warmup updates": 16_000, "warmup init lr": 1e-7, "clip norm": 0.1, "clip form": "norm_plus_eps"},
            unverified("optimizer", "NAG momentum", "peak lr", "lr schedule", "warmup updates", "warmup init lr",
                       "clip norm", "target tokens per update")),
     Recipe("cnn_dailymail", "dynamic", "CNN-DailyMail summarization",
