@@ -17,6 +17,7 @@ import tiny_runs
 from lconv.data import pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import DecodeSettings
+from lconv.errors import UserError
 from lconv.infer import decode_and_score
 from lconv.run import model_setup
 from lconv.train import budget, logs, loop
@@ -123,7 +124,8 @@ def test_a_cooldown_multiplies_the_schedules_rate_down_to_the_end_of_the_budgets
 
 
 @pytest.mark.slow  # trains in-process
-def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run, lconv_log):
+def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run, lconv_log, monkeypatch):
+    monkeypatch.setattr(budget, "MIN_USEFUL_UPDATES", 1)  # the cut itself, on the few updates such a budget has
     result, bar, validation_batches = timed_run(0.25)  # 15 s: less than the validation's batches alone
     # Training runs until MEASURE_AT_SHARE of the budget is gone (a step a second), then the 3 s measurement finds
     # the evaluation longer than what is left: training stops there, and the evaluation has the rest.
@@ -142,6 +144,29 @@ def test_an_evaluation_longer_than_the_budget_is_cut_at_it_and_says_so(timed_run
     needed = steps_before + 3 + budget.SAFETY_MARGIN * validation_batches
     assert f"train.max_minutes={math.ceil(needed / 60) + 1} " in ahead
     assert bar.total == 15
+
+
+@pytest.mark.slow  # trains in-process
+def test_a_budget_that_cannot_fit_useful_training_fails_in_one_line_instead_of_scoring(timed_run):
+    """15 s: training must stop after 3 updates to leave the evaluation its time, too few to score anything."""
+    with pytest.raises(UserError) as raised:
+        timed_run(0.25)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("train.max_minutes=0.25 cannot fit a useful run: ")
+    assert f"after {math.ceil(budget.MEASURE_AT_SHARE * 15)} update(s)" in message
+
+
+def test_the_useful_run_check_names_the_budget_that_would_fit(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(budget, "clock", clock)
+    run_budget = budget.Budget(1.0)
+    run_budget.reserve = 50.0
+    clock.now += 40.0
+    run_budget.check_useful(budget.MIN_USEFUL_UPDATES, 1.0)  # enough updates: nothing to say
+    with pytest.raises(UserError, match=r"^train.max_minutes=1 cannot fit a useful run: training has to stop after "
+                                        r"2 update\(s\) \(40 s in\), leaving the final evaluation its 50 s of the 20 s "
+                                        r"left, and a model needs 10; give it train.max_minutes=3 or more"):
+        run_budget.check_useful(2, 1.0)
 
 
 def test_the_time_schedule_follows_the_budgets_training_time():

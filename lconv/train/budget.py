@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
+from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,9 @@ SAFETY_MARGIN = 1.5
 # some minutes in decodes as the final one will, where an untrained one babbles to the length limit.
 MEASURE_AT_SHARE = 0.2
 PROVISIONAL_RESERVE_SHARE = 0.25  # training's reserve for the final evaluation until it is measured
+# A model with fewer updates than this is still its initialisation, and its scores measure nothing: a budget whose
+# training time is gone before them fails (exit 2) rather than evaluating it (``check_useful``).
+MIN_USEFUL_UPDATES = 10
 
 
 class Budget:
@@ -80,6 +85,17 @@ class Budget:
     def training_end(self) -> float:
         """The ``clock()`` at which training stops: the budget's end less the final evaluation's reserve."""
         return self.start + self.seconds - self.reserve
+
+    def check_useful(self, step: int, minutes: float) -> None:
+        """Raises a one-line ``UserError`` when training, stopped by the budget at ``step`` (counted from the run's
+        start), has fewer than ``MIN_USEFUL_UPDATES`` updates."""
+        if step >= MIN_USEFUL_UPDATES:
+            return
+        left = max(self.seconds - self.elapsed(), 0.0)
+        raise UserError(f"train.max_minutes={minutes:g} cannot fit a useful run: training has to stop after {step} "
+                        f"update(s) ({self.elapsed():.0f} s in), leaving the final evaluation its {self.reserve:.0f} s "
+                        f"of the {left:.0f} s left, and a model needs {MIN_USEFUL_UPDATES}; give it train.max_minutes="
+                        f"{math.ceil((self.elapsed() + self.reserve) / 60) + 1} or more (or 0: no budget)")
 
     def over(self) -> bool:
         return self.enabled and self.elapsed() >= self.seconds

@@ -228,6 +228,8 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
             ckpt.close()
             step, stopped_by = int(run.state.step), None
         else:
+            if budget.enabled and jax.process_count() == 1 and budget_lib.clock() >= budget.training_end():
+                budget.check_useful(int(run.state.step), run.config.train.max_minutes)  # setup took it all
             step, stopped_by = train(run, ckpt, writer, score_validation, budget)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
@@ -358,6 +360,8 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                 window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
                 progress.advance(step)
                 stop_reason = preemption.agreed_stop(budget.training_over(), step, config.train.stop_check_every)
+                if stop_reason == "train.max_minutes":  # agreed: every process fails at the same step
+                    budget.check_useful(step, config.train.max_minutes)
                 stopping = stop_reason is not None
                 saving = stopping or step % config.train.checkpoint_every == 0
                 if step % config.train.log_every == 0 or step == num_steps or saving:
