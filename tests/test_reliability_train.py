@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import helpers
@@ -17,9 +18,10 @@ import tiny_config
 
 from lconv.cli import runtime
 from lconv.errors import Diverged, LossSpike, UserError
+from lconv.infer import compiled
 from lconv.run import checkpoints, integrity
 from lconv.run import workdir as workdir_lib
-from lconv.train import loop, steps
+from lconv.train import early_build, loop, steps
 
 _config = tiny_config.training_config
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's (tests/conftest.py:tiny_run)
@@ -105,6 +107,36 @@ def test_ctrl_c_outside_the_loop_is_exit_code_130_without_a_traceback(capsys):
     with pytest.raises(SystemExit) as info, runtime.user_errors():
         raise KeyboardInterrupt
     assert info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("thread_name", [early_build.THREAD_NAME, compiled.THREAD_NAME])
+@pytest.mark.parametrize("error, code", [(KeyboardInterrupt, 130), (UserError("bad"), 2)])
+def test_an_exit_during_a_background_compilation_is_at_once_instead_of_waiting_for_it(
+        thread_name, error, code, capsys, monkeypatch):
+    """The interpreter joins running non-daemon threads at exit: sys.exit would wait for the early build's
+    compilation or every decoding program queued for the translator's thread, and a second Ctrl-C in that wait
+    is a threading traceback. The CLIs' exit ends the process at once instead."""
+    compiling = threading.Event()
+    thread = threading.Thread(target=compiling.wait, name=f"{thread_name}_0")
+    thread.start()
+    exits = []
+
+    def exit_now(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(runtime.os, "_exit", exit_now)
+    monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
+    try:
+        with pytest.raises(SystemExit), runtime.user_errors():
+            raise error
+    finally:
+        compiling.set()
+        thread.join()
+    assert exits == [code] and capsys.readouterr().err in ("interrupted\n", "error: bad\n")
+    with pytest.raises(SystemExit), runtime.user_errors():  # the thread done: the usual exit
+        raise error
+    assert exits == [code]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -126,6 +127,9 @@ def _read_only(folder: str) -> bool:
     return os.path.isdir(existing) and not os.access(existing, os.W_OK)
 
 
+COMPILE_THREADS = ("lconv-early-build", "lconv-compile")  # names of lconv's background compile threads
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """A ``UserError`` (a config field, a flag, a file, a checkpoint) ends the program with its one line and exit
@@ -135,10 +139,22 @@ def user_errors() -> Iterator[None]:
         yield
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints and stops by itself)
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit(130)
+
+
+def _exit(code: int) -> NoReturn:
+    """``sys.exit(code)``, or at once while one of lconv's compile threads runs (the early build's, the
+    translator's): the interpreter would wait for every compilation queued there, and a second Ctrl-C in that
+    wait is a threading traceback. Nothing they build outlives the process, so there is nothing to wait for."""
+    if any(t.name.startswith(COMPILE_THREADS) and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpfull", "-helpfull", "--helpshort", "-helpshort")

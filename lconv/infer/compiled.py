@@ -310,11 +310,14 @@ def continuations(tokens_BX: np.ndarray, prompt_len_B: np.ndarray, max_len: int)
     return out_BL
 
 
+THREAD_NAME = "lconv-compile"  # the CLIs' exit does not wait for it (``lconv.cli.runtime``)
+
+
 @functools.cache
 def _background() -> concurrent.futures.ThreadPoolExecutor:
     """The one thread ``Translator.prepare`` compiles in (one at a time: two would share a core with the work
     they are meant to stay beside)."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lconv-compile")
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
 
 
 def _mesh_context(mesh: jax.sharding.Mesh | None) -> Any:

@@ -35,6 +35,7 @@ from lconv.train import steps
 
 logger = logging.getLogger(__name__)
 PyTree = Any
+THREAD_NAME = "lconv-early-build"  # the CLIs' exit does not wait for it (``lconv.cli.runtime``)
 
 
 @dataclasses.dataclass
@@ -87,7 +88,7 @@ class EarlyBuild:
         self._config, self._mesh = config, mesh
         self._cancelled = threading.Event()
         pipeline.import_readers()  # before the thread: their imports would hand its imports stand-ins
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lconv-early-build")
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
         self._future = executor.submit(self._build, build_state)
         executor.shutdown(wait=False)
 
