@@ -33,6 +33,7 @@ def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path)
     served = export.load(str(tmp_path))  # deserialised: no model code runs from here on
     live = Model(trained).translate(SOURCES, beam_size=2)
     assert served(SOURCES) == live
+    assert served(SOURCES[1]) == live[1]  # one string: one string, as translate gives
     ids = [np.append(trained.tokenizer.encode(s), EOS_ID) for s in SOURCES]
     live_BL = compiled.Translator(trained.config, trained.model, trained.params)(
         _padded(ids, 4, 32), DecodeSettings.build(trained.config.decode, beam_size=2))[:3]
@@ -50,6 +51,8 @@ def test_lm_round_trip_gives_the_live_continuations(tmp_path, monkeypatch):
     # Two prompts fill the exported 2-row bucket, as they do the live model's: the same draws from the same seed.
     live = Model(trained).generate(prompts[:2], max_len=5, temperature=1.0, top_k=3, seed=4)
     assert served(prompts[:2], seed=4) == live
+    assert served(prompts[0], seed=4) == Model(trained).generate(prompts[0], max_len=5, temperature=1.0, top_k=3,
+                                                                 seed=4)
     assert len(served(prompts, seed=4)) == 3  # three prompts: two batches of the 2-row program
 
     # Exported again over it, stopped half-way (the disk fills up at the params): not taken for an export.

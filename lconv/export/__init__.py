@@ -204,9 +204,12 @@ class Served:
             _check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
             _check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)
 
-    def __call__(self, inputs: Sequence[str] | np.ndarray, *, seed: int | None = None) -> list[str] | np.ndarray:
+    def __call__(self, inputs: str | Sequence[str] | np.ndarray, *,
+                 seed: int | None = None) -> str | list[str] | np.ndarray:
+        """A string for a string (as ``lconv.load(...).translate`` / ``generate``), a list for a list, and an id
+        array ``[B, S]`` (PAD after) for one."""
         if isinstance(inputs, str):
-            raise UserError("inputs: pass a list of strings (or an id array [B, S])")
+            return self([inputs], seed=seed)[0]
         if isinstance(inputs, np.ndarray):
             if inputs.ndim != 2:
                 raise UserError(f"an id array must be [B, S] (rows of ids, PAD after); got shape {inputs.shape}")
