@@ -8,12 +8,17 @@ from lconv.data import ddtp, pipeline, tfds_ddtp, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 
 
-def default_data(data_dir):
-    from lconv.configs import default
+def default_data(data_dir, name: str = "default"):
+    """The data settings of ``name`` (a config, with its variant after a colon) reading ``data_dir``."""
+    import importlib
 
-    config = default.get_config().data
+    module, _, variant = name.partition(":")
+    config = importlib.import_module(f"lconv.configs.{module}").get_config(variant or None).data
     config.data_dir = str(data_dir)
     return config
+
+
+SHIPPED_FOR = ["default", "lm1b:ddtp"]  # the README's default and its bundled LM
 
 
 def test_every_shipped_tokenizer_is_named_by_the_snapshot_and_training_of_today():
@@ -26,8 +31,9 @@ def test_every_shipped_tokenizer_is_named_by_the_snapshot_and_training_of_today(
         assert rest.endswith(f"-t{tokenizer_lib.TRAINING_VERSION}"), name
 
 
-def test_a_new_workdir_of_the_default_gets_the_shipped_tokenizer_untrained(tiny_data, tmp_path, monkeypatch, lconv_log):
-    config = default_data(tiny_data.data_dir)
+@pytest.mark.parametrize("name", SHIPPED_FOR)
+def test_a_new_workdir_gets_the_shipped_tokenizer_untrained(name, tiny_data, tmp_path, monkeypatch, lconv_log):
+    config = default_data(tiny_data.data_dir, name)
     shipped = tokenizer_files.shipped_path(config)
     assert shipped is not None and os.path.dirname(shipped) == ddtp.SNAPSHOT_DIR
     monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
@@ -50,9 +56,11 @@ def test_other_data_or_settings_have_no_shipped_tokenizer(change):
 
 
 @pytest.mark.slow
-def test_the_shipped_tokenizer_is_what_training_gives(tiny_data, tmp_path, monkeypatch):
-    """Trained again from the prepared corpus as a run would train it (~10 s on 2 cores), byte for byte."""
-    config = default_data(tiny_data.data_dir)
+@pytest.mark.parametrize("name", SHIPPED_FOR)
+def test_the_shipped_tokenizer_is_what_training_gives(name, tiny_data, tmp_path, monkeypatch):
+    """Trained again from the prepared corpus as a run would train it (the LM's corpus prepared first), byte for
+    byte."""
+    config = default_data(tiny_data.data_dir, name)
     trainings, train = [], tokenizer_lib.train_tokenizer
     monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: trainings.append(1) or train(*a, **k))
     trained = pipeline.load_or_train_tokenizer(config, str(tmp_path), save=False)
