@@ -13,7 +13,6 @@ tokens) and kept by the ``Model``, so calling it again on other sentences of sim
 """
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
@@ -32,7 +31,7 @@ from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
 from lconv.nn import ensemble as model_ensemble
-from lconv.run import backend, load_options, metrics, restore, schema
+from lconv.run import backend, ensembles, load_options, loss_pass, metrics, model_setup, restore, schema
 
 logger = logging.getLogger(__name__)
 
@@ -79,45 +78,11 @@ def ensemble(models: Sequence[Model]) -> Model:
     member that is itself an ensemble adds its members, so every model weighs the same."""
     if isinstance(models, (str, Model)) or not isinstance(models, Sequence) or not models:
         raise UserError("models: pass a non-empty list of lconv.Model (lconv.load(...) of each run)")
-    members: list[tuple[Any, Any, str]] = []  # (module, params, name) of every single model
     for i, model in enumerate(models):
         if not isinstance(model, Model):
             raise UserError(f"models[{i}]: must be an lconv.Model; got {type(model).__name__}")
-        if model.tokenizer.to_bytes() != models[0].tokenizer.to_bytes():
-            raise UserError(f"models[{i}] ({model.workdir}) has another tokenizer than models[0] "
-                            f"({models[0].workdir}): an ensemble's members share one vocabulary")
-        if isinstance(model.module, model_ensemble.Ensemble):
-            members += [(m, model.params[f"members_{j}"], f"models[{i}]") for j, m in enumerate(model.module.members)]
-        else:
-            members.append((model.module, model.params, f"models[{i}]"))
-    model_ensemble.check_members([m for m, _, _ in members], [name for _, _, name in members])
-    # Each member its own module instance: one instance listed twice (ensemble([m, m]), or a nested ensemble's
-    # member again) would be bound once, and its decoding caches shared between the two.
-    module = model_ensemble.Ensemble(tuple(m.clone(parent=None) for m, _, _ in members))
-    params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(members)}
-    first = models[0]
-    return Model(restore.Trained(_shared_limits(models), ":".join(m.workdir for m in models), first.tokenizer, module,
-                                 params, [step for m in models for step in m.steps]))
-
-
-LIMITS = ("data.eval_max_input_length", "data.eval_max_target_length", "model.max_len")
-
-
-def _shared_limits(models: Sequence[Model]) -> Any:
-    """The first model's config with each length limit (``LIMITS``, in tokens) the members' minimum, so that no
-    member is handed a source, target or prompt longer than its positions; a lowered limit is said once."""
-    config = copy.deepcopy(models[0].config)
-    lowered = []
-    for name in LIMITS:
-        section, field = name.split(".")
-        values = [min(int(m.config[section][field]), int(m.config.model.max_len)) for m in models]
-        if min(values) < int(config[section][field]):
-            lowered.append(f"config.{name} {config[section][field]} -> {min(values)} "
-                           f"(models[{values.index(min(values))}]'s)")
-            config[section][field] = min(values)
-    if lowered:
-        logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")
-    return config
+    members = [restore.Trained(m.config, m.workdir, m.tokenizer, m.module, m.params, m.steps) for m in models]
+    return Model(ensembles.combine(members, [f"models[{i}]" for i in range(len(models))]))
 
 
 class Model(probing.Probing):
@@ -333,11 +298,13 @@ class Model(probing.Probing):
         texts as one stream in blocks of ``tokens_per_sample`` tokens (default ``eval_max_target_length``),
         ``"complete"`` packs whole texts into such blocks, and ``context_window`` gives each block that many
         tokens before it as unscored context. fairseq prints its loss in base 2 and ``2**loss`` as its perplexity:
-        ``nll / ln 2`` and ``ppl`` here."""
+        ``nll / ln 2`` and ``ppl`` here.
+
+        A document-stream run (``data.stream``) scores the texts as documents, as eval.py scores a split:
+        streamed in its windows, its mixers' state carried across them (``per_text``: each text streamed alone)."""
         self._need("perplexity", ("lm",))
         if self.config.data.stream:
-            raise UserError("a document-stream run carries its mixers' state across windows: score it with "
-                            "eval.py --split=... instead")
+            return self._stream_perplexity(texts, per_text, (sample_break_mode, tokens_per_sample, context_window))
         limit = int(self.config.data.eval_max_target_length)
         blocks = dict(sample_break_mode=sample_break_mode, tokens_per_sample=tokens_per_sample,
                       context_window=context_window)
@@ -362,6 +329,26 @@ class Model(probing.Probing):
             total = {k: total[k] + float(sums[k]) for k in total}
         nll = total["nll"] / max(total["tokens"], 1.0)
         return {"ppl": math.exp(min(nll, 50.0)), "nll": nll, "tokens": total["tokens"]}
+
+    def _stream_perplexity(self, texts: str | Sequence[str], per_text: bool, blocks: tuple[Any, ...]) -> Any:
+        """``perplexity`` of a document-stream run: the texts are documents, streamed as eval.py streams a split
+        (``loss_pass.stream_perplexity``: its windows, its state carried across them)."""
+        if blocks != ("eos", None, 0):
+            raise UserError(f"sample_break_mode={blocks[0]!r}, tokens_per_sample={blocks[1]}, context_window="
+                            f"{blocks[2]}: a document-stream run scores texts in its own windows "
+                            f"(data.max_target_length={self.config.data.max_target_length}); leave them unset")
+        documents = _lines(texts, "texts", one_allowed=True)
+        if not documents:
+            raise UserError("texts: an empty list has no perplexity (0 tokens); give at least one text")
+        if "stream_eval_step" not in self._jitted:
+            self._jitted["stream_eval_step"] = loss_pass.jit_eval_step(
+                self.config, model_setup.make_mesh(self.config.mesh))
+        score = functools.partial(loss_pass.stream_perplexity, self.config, self.module, self.params,
+                                  self.tokenizer, eval_step=self._jitted["stream_eval_step"])
+        if per_text:
+            out = [score([document]) for document in documents]
+            return out[0] if isinstance(texts, str) else out
+        return score(documents)
 
     def _text_perplexities(self, texts: str | Sequence[str], blocks: tuple[Any, ...]) -> Any:
         """``perplexity`` of each text alone (fairseq-eval-lm's ``--sample-break-mode eos``, per text)."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tiny_config
 
+import lconv
 from lconv.data import EOS_ID, PAD_ID, pipeline, sources, stream
 from lconv.run import loss_pass, metrics, model_setup
 from lconv.train import loop, setup, steps
@@ -269,6 +270,13 @@ def test_resume_restores_the_memory_and_the_stream(tiny_data, tmp_path, first_va
     result = loop.train_and_evaluate(config, str(full), devices=devices)
     assert result["validation"]["tokens"] > 1000
     losses = _read_losses(full)
+    # The API scores the same documents as the run's own validation did, its memory carried window by window.
+    source, _, text_key = sources.get_source(config.data.dataset, "validation", config.data.data_dir)
+    documents = [source[i][text_key] for i in range(len(source))]
+    documents = [d.decode() if isinstance(d, bytes) else d for d in documents]
+    scored = lconv.load(str(full)).perplexity(documents)
+    assert scored["tokens"] == result["validation"]["tokens"]
+    assert scored["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-6)
 
     half = helpers.new_workdir(tiny_data, tmp_path / "half")
     config.train.num_steps = 3

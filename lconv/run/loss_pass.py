@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv.data import pipeline
+from lconv.data import pipeline, stream
 from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
 from lconv.nn import mixer_state
@@ -110,3 +110,17 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
     if truncated or not words:
         return {}
     return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))
+
+
+def stream_perplexity(config: Any, model: Any, params: PyTree, tokenizer: Any, documents: list[str],
+                      eval_step: Callable[..., Any] | None = None) -> dict[str, float]:
+    """``documents`` scored as eval.py scores a document-stream LM's split: streamed in windows of
+    ``data.max_target_length`` over ``data.eval_batch_size`` rows, the mixers' state carried from window to
+    window. ``eval_step``: a ``jit_eval_step`` to reuse (one compilation for every call)."""
+    cfg = config.data
+    mesh = model_setup.make_mesh(config.mesh)
+    eval_set = stream.StreamEvalSet([{"text": text} for text in documents], "text", tokenizer,
+                                    window=int(cfg.max_target_length), rows=int(cfg.eval_batch_size))
+    carried = model_setup.init_mixer_state(config, model, int(cfg.eval_batch_size), model_setup.batch_sharding(mesh))
+    scores = evaluate_loss(eval_step or jit_eval_step(config, mesh), params, model.apply, eval_set, mesh, carried)
+    return {"ppl": scores["ppl"], "nll": scores["nll"], "tokens": scores["tokens"]}
