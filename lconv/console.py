@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 ROOT_LOGGER = "lconv"
 
@@ -53,3 +54,20 @@ def show_log(stream: str = "stdout") -> None:
     logger.addHandler(_MessageHandler(stream))
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or unusual stream: not a terminal
+        return False
+
+
+def pass_bar(total: int, desc: str, unit: str) -> Any:
+    """A progress bar with its ETA for an evaluation pass of ``total`` ``unit``s, on a terminal and process 0
+    only: redirected to a file, a bar's carriage returns would clutter the log. Update it; close it at the end."""
+    import jax
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0, leave=False,
+                disable=jax.process_index() != 0 or not is_terminal(sys.stderr))

@@ -1,6 +1,8 @@
 """lconv.console: how the programs show lconv's log (the lines ``print`` wrote before lconv used ``logging``), and
 the training progress when stderr is a file."""
+import io
 import logging
+import sys
 
 import pytest
 
@@ -64,3 +66,22 @@ def test_a_training_log_redirected_to_a_file_has_plain_lines_not_a_bar(restored,
     out, err = capsys.readouterr()
     assert out == "step 1/10 train: loss=3.210 ppl=24.8\n" and "\r" not in err and "\x1b[" not in err, (out, err)
 
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_an_evaluation_pass_has_a_bar_with_its_eta_on_a_terminal_and_none_in_a_file(monkeypatch):
+    for stream, shown in ((_Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = console.pass_bar(4, "loss pass", "batch")
+        bar.update(1)
+        bar.refresh()
+        text = stream.getvalue()
+        bar.close()
+        if shown:  # tqdm's "n/total [elapsed<remaining": the ETA
+            assert "loss pass" in text and "1/4 [" in text and "<" in text.split("1/4 [", 1)[1], text
+        else:
+            assert stream.getvalue() == ""

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lconv import console
 from lconv.data import pipeline, stream
 from lconv.infer import decode_and_score, scoring
 from lconv.nn import common as nn_common
@@ -62,6 +63,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
     total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
+    bar = console.pass_bar(len(eval_set), "loss pass", "batch")
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
@@ -69,8 +71,10 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
             total = sums if total is None else jax.tree.map(jnp.add, total, sums)
             done += 1
             previous = model_setup.one_step_ahead(previous, total)
+            bar.update(1)
             if stop_when and done < len(eval_set) and stop_when[0]():  # the clock is now the device's, less a batch
                 break
+    bar.close()
     scores = metrics.summarize(total)
     if stop_when and done < len(eval_set):
         scores["unscored_batches"] = len(eval_set) - done

@@ -11,16 +11,10 @@ from typing import Any
 import jax
 from etils import epath
 
+from lconv import console
 from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
-
-
-def _is_terminal(stream: Any) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # a closed or unusual stream: not a terminal
-        return False
 
 
 class _Discard:
@@ -166,7 +160,7 @@ class Progress:
         self.budget, self.num_steps, self.step, self.shown = budget, num_steps, step, {}
         timed = budget is not None and budget.enabled
         # Redirected to a file, a bar is carriage returns and cursor moves: a plain line per log window instead.
-        self.plain = jax.process_index() == 0 and not _is_terminal(sys.stderr)
+        self.plain = jax.process_index() == 0 and not console.is_terminal(sys.stderr)
         self.bar = tqdm(initial=min(round(budget.elapsed()), round(budget.seconds)) if timed else step,
                         total=round(budget.seconds) if timed else num_steps, desc="train",
                         unit="s" if timed else "step", dynamic_ncols=True, mininterval=2.0,
