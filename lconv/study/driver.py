@@ -65,11 +65,7 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
         return {**record, "status": "failed", "error": planned.error, "stage": "plan"}
     workdir = run_dir(output_dir, planned.key)
     if not launch or planned.waiting:
-        found = run_lib.read_json(os.path.join(workdir, run_lib.RESULT))
-        failed = run_lib.read_json(os.path.join(workdir, run_lib.FAILURE))
-        waiting = {"error": planned.waiting} if planned.waiting else {}
-        return found or ({**record, **failed, "status": "failed"} if failed else
-                         {**record, **waiting, "status": "not run"})
+        return run_lib.read_record(workdir, record, planned.waiting)
     spec = {"config": planned.config.to_dict(), "workdir": workdir, "record": record,
             "average_last": study.average_last, "prune_checkpoints": study.prune_checkpoints,
             "lm_generate_rows": study.lm_generate_rows, "lm_generate_tokens": study.lm_generate_tokens}

@@ -39,6 +39,16 @@ def read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
+def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None) -> dict[str, Any]:
+    """A run's record as its workdir holds it: the result, else ``record`` failed with the failure's fields, else
+    ``record`` "not run" (``waiting``: why it was not launched)."""
+    found = read_json(os.path.join(workdir, RESULT))
+    failed = read_json(os.path.join(workdir, FAILURE))
+    if found or failed:
+        return found or {**record, **failed, "status": "failed"}
+    return {**record, **({"error": waiting} if waiting else {}), "status": "not run"}
+
+
 def write_json(path: str, value: Any) -> None:
     """Written whole or not at all (a temporary file renamed), so a killed run never leaves half a result."""
     tmp = f"{path}.tmp"

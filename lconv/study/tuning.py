@@ -162,9 +162,7 @@ def _outcome(sweep: Sweep, output_dir: str, launch: Callable[[Sweep], Record] | 
 def _read(workdir: str, record: Record) -> Record:
     from lconv.study import run as run_lib
 
-    found = run_lib.read_json(os.path.join(workdir, run_lib.RESULT))
-    failed = run_lib.read_json(os.path.join(workdir, run_lib.FAILURE))
-    return found or ({**record, **failed, "status": "failed"} if failed else {**record, "status": "not run"})
+    return run_lib.read_record(workdir, record)
 
 
 def apply(config: ml_collections.ConfigDict, choice: Choice | None) -> None:
