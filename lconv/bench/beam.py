@@ -33,7 +33,7 @@ from lconv.run import model_setup, restore
 
 logger = logging.getLogger(__name__)
 
-MODELS = {"DynamicConv": None, "Transformer": "transformer"}  # label -> configs/default.py's word
+MODELS = timing.labelled(("dynamicconv", "attention"))  # label -> registered name (picks configs/default.py's)
 ROWS = (16, 64, 256, 512, 1024)
 BASE_ROWS = 64  # the speed-ups are over this size: the eval batch the issue measured
 REPEATS = 3
@@ -61,8 +61,8 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
     size (the models alternate); no new size starts after ``deadline`` (``time.monotonic()``), if given. ``smoke``:
     the models at a smoke test's sizes (``configs.common.smoke_test_sizes``)."""
     setups = {}
-    for label, word in MODELS.items():
-        config = default.get_config(word)
+    for label, mixer in MODELS.items():
+        config = default.get_config(mixer)
         if smoke:
             common.smoke_test_sizes(config)
         model = model_setup.build_model(config, config.data.vocab_size)

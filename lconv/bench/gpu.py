@@ -163,7 +163,7 @@ def profile_stage(opts: argparse.Namespace, info: dict[str, str], deadline: floa
     T, size = (64, train.SMOKE) if opts.quick else (PROFILE_T, train.FULL)
     dtype = "bfloat16" if train.accelerator() else "float32"
     cap = deadline - time.monotonic()
-    fitted = gpu_plan.fit(("DynamicConv", "Transformer"), lambda _: gpu_plan.PROFILE_S, cap)
+    fitted = gpu_plan.fit(tuple(timing.labelled(("dynamicconv", "attention"))), lambda _: gpu_plan.PROFILE_S, cap)
     cuts = [f"{label} {gpu_plan.cut_reason(fitted.seconds, cap)}" for label in fitted.cut]
     rows, sections = [], []
     for label in fitted.kept:

@@ -62,7 +62,8 @@ def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
     ``--mixers``) replaces the mixer rows: the op rows, then a row for each of them."""
     configs = list(CONFIGS)
     if pallas_backend():
-        configs = [*CONFIGS[:7], op_config("light", "pallas"), op_config("dynamic", "pallas"), *CONFIGS[7:]]
+        configs = [*OP_ROWS, op_config("light", "pallas"), op_config("dynamic", "pallas"),
+                   *CONFIGS[len(OP_ROWS):]]
     if only_mixers:
         configs = [c for c in configs if c.kind == "op" or c.mixer in only_mixers]
     measured = {c.mixer for c in configs}
@@ -146,18 +147,23 @@ def _logits_bytes(T, B):
     return B * H * T * T * 4  # one float32 [B, H, T, T] tensor
 
 
-CONFIGS = [
+# The built-in mixers' cost models and bench fields, by registered name; a mixer without one is timed as a plugin.
+COSTS = {
+    "lightconv": dict(kernel_size=K),  # the conv blocks, projections included
+    "dynamicconv": dict(kernel_size=K),
+    "attention": dict(exponent=1.0, bytes_at=_logits_bytes, max_call_s=8.0),  # the main comparison
+    "fixed": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
+    "hadamard": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
+    "colt5": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) // 2),
+    "knn_memory": dict(exponent=1.0, bytes_at=_logits_bytes, memory_size=1024, num_neighbors=32),
+}
+OP_ROWS = [
     op_config("light", "conv"), op_config("light", "band"), op_config("light", "shift"),
     op_config("light", "unfold"),
     op_config("dynamic", "band"), op_config("dynamic", "shift"), op_config("dynamic", "unfold"),
-    _mixer_config("lightconv", kernel_size=K),  # the conv blocks, projections included
-    _mixer_config("dynamicconv", kernel_size=K),
-    _mixer_config("attention", 1.0, _logits_bytes, max_call_s=8.0),  # the main comparison
-    _mixer_config("fixed", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
-    _mixer_config("hadamard", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
-    _mixer_config("colt5", 1.0, lambda T, B: _logits_bytes(T, B) // 2),
-    _mixer_config("knn_memory", 1.0, _logits_bytes, memory_size=1024, num_neighbors=32),
 ]
+# The op rows, then a row for each registered mixer that has a cost model, in registry order.
+CONFIGS = OP_ROWS + [_mixer_config(i.name, **COSTS[i.name]) for i in mixers.importable_infos() if i.name in COSTS]
 LIGHT, DYNAMIC, ATTENTION = (mixers.info(name).label for name in ("lightconv", "dynamicconv", "attention"))
 
 

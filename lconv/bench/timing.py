@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lconv.nn import mixers
+
 F32_BYTES = 4
 
 
@@ -240,6 +242,14 @@ def machine_info() -> dict[str, str]:
 def describe(info: dict[str, str]) -> str:
     return (f"{info['date']}; {info['cpu']}; {info['device']}; {info['jax']}; "
             f"1-minute load average at start {info['load']}")
+
+
+def labelled(names: Sequence[str]) -> dict[str, str]:
+    """``{label: registered name}`` of mixers ``names``: a row is named by its class's ``label``, as everywhere."""
+    return {mixers.info(name).label: name for name in names}
+
+
+REFERENCE = mixers.info("attention").label  # the baseline the suites' speed-ups are over
 
 
 def random_normal(shape: Sequence[int], seed: int = 0, dtype: Any = jnp.float32) -> jax.Array:

@@ -30,6 +30,7 @@ import numpy as np
 
 from lconv.bench import report, timing
 from lconv.configs import common
+from lconv.nn import mixers
 from lconv.nn.model_config import ModelConfig
 from lconv.ops import flash
 from lconv.run import model_setup
@@ -37,7 +38,7 @@ from lconv.train import setup, steps
 
 logger = logging.getLogger(__name__)
 
-MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
+MODELS = timing.labelled(("attention", "lightconv", "dynamicconv"))  # label -> registered name
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
 
 
@@ -170,9 +171,10 @@ def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None
             rows += _alternate({label: (mixer, T, dtype, VOCAB, True, size) for label, mixer in MODELS.items()},
                                repeats)
         matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
+    swept = mixers.info("dynamicconv").label
     for vocab in vocabs:
         for dtype in dtype_list:
-            rows += _alternate({f"DynamicConv, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused, size)
+            rows += _alternate({f"{swept}, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused, size)
                                 for loss, fused in LOSSES.items()}, repeats)
     matmul = max(matmul_rates)
     logger.info(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
@@ -248,7 +250,7 @@ def ideal_speed_up(rows: Sequence[report.Row], label: str, T: int, dtype: str) -
         return next((r["model_flops_per_token"] for r in rows
                      if (r["model"], r["T"], r["dtype"]) == (model, T, dtype)), None)
 
-    ours, transformer = flops(label), flops("Transformer")
+    ours, transformer = flops(label), flops(timing.REFERENCE)
     return transformer / ours if ours and transformer else None
 
 
@@ -257,7 +259,8 @@ def speed_up_table(rows: Sequence[report.Row], runs: Sequence[tuple[int, str]]) 
     model's speed-up (the same in every dtype)."""
     def measured(label, T, dtype):
         speed = {r["model"]: r["tokens_per_s"] for r in rows if (r["T"], r["dtype"]) == (T, dtype)}
-        return speed[label] / speed["Transformer"] if label in speed and "Transformer" in speed else None
+        reference = speed.get(timing.REFERENCE)
+        return speed[label] / reference if label in speed and reference else None
 
     ideal_at = {T: dtype for T, dtype in runs}  # one column per T
     header = ["model"] + [f"T={T} {dt}" for T, dt in runs] + [f"FLOP model T={T}" for T in ideal_at]
