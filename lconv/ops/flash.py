@@ -1,26 +1,11 @@
 """Attention without ``[B, H, T, S]`` logits: a blockwise XLA kernel for every backend, cuDNN flash attention on
 CUDA, and the per-backend choice between them (``segment_attention``).
 
-The mask is described, not materialised: segment ids (``0`` = padding; ``None`` = one segment everywhere),
-``causal`` (key index <= query index) and ``radius`` (``|key index - query index| <= radius``), indices counted
-from 0 on both sides, exactly as ``lconv.ops.attention.attention_mask`` builds it. Queries that see no key get
-zeros, as in ``lconv.ops.attention.attend``. Logits, softmax and accumulation are float32.
-
-Implementations (``impl``; ``ATTENTION_IMPLS``):
-
-- ``"xla"``: today's path, ``lconv.ops.attention.dot_product_attention`` on a materialised mask and logits.
-- ``"chunked"``: ``chunked_attention``: query blocks of ``block_q`` against key blocks of ``block_k`` with an
-  online softmax (running max and sum in float32), blocks outside the causal / local band skipped. A
-  ``custom_vjp`` keeps only Q, K, V, the output and the per-query log-sum-exp for the backward, which recomputes
-  each block's probabilities (FlashAttention-2's backward): memory O(T·D + block_q·block_k) per head, not O(T·S).
-- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on CUDA; an error where it cannot apply.
-- ``"auto"``: cuDNN on CUDA where it applies (``cudnn_unsupported`` says where not), else ``"chunked"`` when
-  ``T * S`` reaches the platform's threshold in ``XLA_RULES`` (CPU 128², others 1024²), else ``"xla"``.
-
-The backend is the one the program is lowered for, not the host's: the cuDNN branch sits in
-``jax.lax.platform_dependent(cuda=..., default=...)``, so a program traced on a CPU host and exported for CUDA
-carries it. Tracing the cuDNN call needs cuDNN's library on the tracing host (a GPU machine, or a CPU one with
-jax's CUDA plugin and the cuDNN wheel installed): without it the CUDA branch is the XLA choice.
+The mask is described, not materialised (segment ids, ``causal``, ``radius``), exactly as
+``lconv.ops.attention.attention_mask`` builds it; queries that see no key get zeros. Logits, softmax and
+accumulation are float32. ``impl``: "xla" (materialised), "chunked" (online softmax over blocks, a
+FlashAttention-2 style backward), "cudnn", or "auto", chosen for the platform the program is lowered for
+(docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -38,11 +23,8 @@ from lconv.ops.attention import attention_mask, dot_product_attention
 
 Array = jax.Array
 
-# Per lowering platform: (the T * S from which "auto" takes "chunked" over "xla", chunked's default block).
-# CPU (2 shared cores, float32, causal, fwd+bwd, H=8, D=64): chunked is level with xla at T = S = 64 and ahead
-# from 128 on (0.93x the time at 128, 0.66x at 512, 0.36x at 2048), blocks of 256 beat 512 and 1024.
-# Elsewhere (GPU, TPU; unmeasured) XLA's materialised path stays below 1024² pairs, where its [B, H, T, S]
-# float32 logits still fit.
+# Per lowering platform: (the T * S from which "auto" takes "chunked" over "xla", chunked's default block); the
+# CPU's from measurement, the others where XLA's float32 logits still fit (docs/kernels.md).
 XLA_RULES = {"cpu": (128 * 128, 256), "default": (1024 * 1024, 512)}
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 

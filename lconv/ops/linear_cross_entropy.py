@@ -1,29 +1,10 @@
 """The output layer and the label-smoothed cross-entropy in one pass, without the ``[B, T, V]`` logits.
 
-``cross_entropy_sums(x_BTC, table_VC, targets_BT, weights_BT)`` is the loss of the logits ``z = x @ table.T``:
-the sums ``{loss, nll, correct}`` over weighted tokens of ``loss = (1 - eps) * nll + eps * mean_v(-log p_v)``
-(the mean over the predictable ids, those below ``valid_vocab``). The logits are made one chunk of the length
-axis at a time (``[B, L, V]``, every row of the batch in each chunk, so a batch split over devices stays split)
-and consumed at once, so no more than one chunk's float32 logits exist. Shapes: B rows, T length, L chunk
-length, C features, V vocabulary.
-
-The gradient is made in the same pass. Only ``loss`` is differentiable (``nll`` and ``correct`` are reports), so
-when the sums are differentiated (a ``custom_vjp``) each chunk's ``dz = w * (softmax(z) - (1 - eps) * onehot -
-eps / V)`` is formed while its logits are at hand and meets ``x`` and the table in the two backward matmuls there;
-the backward pass only scales the stored ``dx`` and ``dtable`` by the loss's cotangent. The logits are made
-once, as in the unfused head, instead of once more in the backward; an evaluation (no gradient) runs the
-forward alone. The backward matmuls go one slice of the vocabulary at a time (``VOCAB_SLICE`` ids), each adding
-its ``[slice, C]`` product into the table gradient's ``[V, C]`` accumulator in place: the accumulator is the only
-vocabulary-sized array the pass holds (a whole ``[V, C]`` product before its add was a second one).
-
-The matmuls read ``x`` and the table in ``dtype`` (the model's compute dtype) and accumulate in float32
-(``preferred_element_type``); the sums are float32, and so is the table's gradient, accumulated over the chunks.
-In float32 at ``precision="highest"`` the sums and gradients equal a float32 log-softmax over materialised logits
-to rounding (tests/test_linear_cross_entropy.py checks both against float64 NumPy).
-
-Why a scan over chunks of plain jnp rather than a kernel library: it runs on every backend and under every mesh
-the models run on, and none of the libraries keeps label smoothing, weights, the accuracy and an output
-vocabulary (docs/training.md, "The output layer and the loss").
+``cross_entropy_sums(x_BTC, table_VC, targets_BT, weights_BT)`` returns the sums ``{loss, nll, correct}`` of the
+logits ``x @ table.T``, made one chunk of the length axis at a time and consumed at once. The gradient is made in
+the same pass (a ``custom_vjp``): each chunk's ``dz`` meets ``x`` and the table while its logits are at hand, the
+table's gradient accumulated one vocabulary slice at a time. Matmuls in ``dtype``, sums and gradients in float32.
+A scan of plain jnp, not a kernel library, so it runs on every backend and mesh (docs/kernels.md).
 """
 from __future__ import annotations
 
