@@ -1,31 +1,11 @@
 """Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention.
 
-Every mixer here follows the contract in ``lconv/nn/mixers.py``:
-``y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)``.
-The mixer returns the update; the model owns layer norm, residual dropout and the residual add.
-
-All of them reduce to ``softmax(logits_BHTS + mask) V`` and differ only in where the logits come from:
-
-- ``SelfAttention``: ``Q Kᵀ / sqrt(D)`` (Vaswani et al. 2017; projections initialised as in fairseq).
-- ``FixedAttention``: learned, input-independent logits ``W_h[pos_q, pos_k]`` (Synthesizer-Random,
-  Tay et al. 2021), optionally factorised and optionally mixed with ``Q Kᵀ / sqrt(D)``.
-- ``HadamardAttention``: ``W_h[pos_q, pos_k] ⊙ Q Kᵀ / sqrt(D)``, a learned positional re-weighting of the
-  content logits.
-
-Masks are boolean ``[B, 1|H, T, S]``: a query attends a key only if both carry the same non-zero segment id
-(packed examples never mix, padding is never read) and, when causal, the key's index is not after the query's.
-Logits, softmax and the probability-value accumulation run in float32 whatever the activation dtype;
-``matmul_precision`` (``lconv.ops.precision``) sets the precision of the projections and the attention dots.
-
-``SelfAttention`` and ``CrossAttention`` compute ``softmax(Q Kᵀ / sqrt(D) + mask) V`` with the kernel
-``attention_impl`` names (``lconv.ops.flash``): ``"auto"`` is cuDNN flash attention on CUDA where it applies
-(16-bit inputs, no attention dropout), else a blockwise kernel that never forms ``[B, H, T, S]`` logits for long
-sequences (``T * S >= 1024²``), else the materialised path; ``"xla"``, ``"chunked"`` and ``"cudnn"`` force one.
-Decoding steps against a cache always take the materialised path (a chunk of queries is short).
-
-Decoding (``decode=True``, causal mixers only) uses the cache of ``lconv.nn.common`` (see its docstring); the
-arrays each mixer keeps there are listed in its class. The math (masks, logits, masked softmax) is
-``lconv.ops.attention``.
+All follow the mixer contract (docs/models.md) and reduce to ``softmax(logits_BHTS + mask) V``; only the logits
+differ: ``Q Kᵀ / sqrt(D)`` (``SelfAttention``), learned positional logits ``W_h[pos_q, pos_k]``
+(``FixedAttention``, Synthesizer-Random), or their product (``HadamardAttention``). A query sees a key of its own
+non-zero segment (and, when causal, not after it). Logits, softmax and accumulation are float32.
+``attention_impl`` picks the kernel (``lconv.ops.flash``); decoding steps take the materialised path against the
+cache of ``lconv.nn.common``.
 """
 from __future__ import annotations
 

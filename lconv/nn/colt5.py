@@ -1,38 +1,13 @@
-"""CoLT5 conditional computation (Ainslie et al. 2023, "CoLT5: Faster Long-Range Transformers with Conditional
-Computation"): every token takes a cheap light branch, a learned router sends the top-k tokens also through an
-expensive heavy branch, and the heavy output is weighted by the token's (differentiable) routing score:
+"""CoLT5 conditional computation (Ainslie et al. 2023): every token takes a cheap light branch, a learned router
+sends the top-k tokens also through an expensive heavy branch, weighted by the token's routing score::
 
     y_i = Light(X)_i + s_i · Heavy(X_routed)_i        (s_i = 0 for tokens that are not routed)
 
-The model adds the residual X. Routing: raw scores ``r = X u / |u|`` (one learned vector ``u`` per router),
-then a soft top-k relaxation turns them into weights ``s ∈ [0, 1]`` (approximately) with ``Σ s = k``; the hard
-top-k by raw score picks which tokens are gathered. Because ``s`` multiplies the heavy output, the router gets
-gradients although the selection itself is discrete.
-
-Soft top-k (Wang et al. 2022 / Lei et al. 2023 "Conditional Adapters", coordinate descent on the dual of the
-entropy-regularised top-k LP ``max_λ r·λ + ε H(λ)``, ``Σ λ = k``, ``0 ≤ λ ≤ 1``): with dual variables ``a``
-(the sum constraint) and ``b_i ≤ 0`` (the caps), alternate
-``b_i = -relu(r_i + a)`` and ``a = ε (log k - logsumexp((r + b) / ε))``; then ``λ_i = exp((r_i + a + b_i) / ε)``.
-Ending on the ``a`` update makes ``Σ λ = k`` exact; a fixed number of iterations runs in float32, warm-started
-at the hard top-k (caps active above the k-th largest score), which converges far faster at small ε.
-
-Padding tokens (``segment_ids == 0``) are never routed: they get ``r = -inf``, ``s = 0`` and, when ``k``
-exceeds the number of real tokens, ``k`` is reduced to that number for the soft weights; any padding slot
-the hard top-k still has to fill carries weight 0 and segment 0, so it contributes nothing.
-
-``CoLT5Attention`` (registry ``"colt5"``): light = local attention (``|i - j| <= local_radius``, same
-segment) with ``light_num_heads`` heads; heavy = full attention among routed queries over routed keys/values,
-with SEPARATE query and key-value routers; heavy attention stays within segments. How the paper uses the
-key-value routing weights is not specified; here they scale the routed values (so the kv router is trained
-and an un-routed kv token fades in continuously). It is an encoder mixer: routing ranks all tokens, future ones
-included, so ``causal=True`` (and ``decode=True``) raise ``ValueError``; use ``"attention"``/conv mixers in
-the decoder, as the paper does (``lconv.nn.models`` rejects ``"colt5"`` as a decoder mixer for that reason).
-The light branch is blocked local attention (``local_attention``): time is cut into blocks of ``radius``
-tokens and each block attends to itself and its two neighbours, so it costs ``O(T · radius)`` memory, not
-``O(T²)``.
-
-``CoLT5FeedForward``: light FFN (hidden ``light_hidden_dim``) on all tokens plus heavy FFN (hidden
-``heavy_hidden_dim``) on routed tokens; call ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``.
+The soft top-k weights ``s`` (coordinate descent on an entropy-regularised top-k LP) give the router gradients
+although the selection is discrete; padding is never routed. ``CoLT5Attention`` (registry ``"colt5"``): blocked
+local attention plus full attention among routed queries over routed keys/values. ``CoLT5FeedForward``: a light
+FFN on every token plus a heavy one on routed tokens. Encoder only: routing ranks future tokens, so ``causal=True``
+and ``decode=True`` raise ``ValueError``. The routing's formulas: docs/models.md, "The mixers in detail".
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """Helpers every lconv module shares: projections with logical axis names, activation sharding constraints,
 dropout rngs, input checks, and the incremental-decoding cache of attention-like mixers.
 
-Sharding: every parameter carries logical axis names (``lconv.constants``), which ``config.mesh.rules`` maps to
-mesh axes (``axis_rules`` adds lconv's defaults for names a config lacks). Activations are pinned at block
-boundaries with ``constrain`` (``[B, T, C]``: batch over the data and fsdp axes, width replicated), so their layout
-is stated rather than left to XLA's propagation. Parameters read by index (embedding and position tables) and the
-GLU kernel are gathered before use (``Embed``, ``GLUProjection``): read sharded, their outputs inherit a split
-that XLA's partitioner can only undo by replicating them ("involuntary full rematerialization").
-``constrain`` works under the mesh set by ``jax.set_mesh`` (as the train and eval steps run), else it is a no-op.
-
-Decoding (``decode=True``, causal mixers only) follows flax ``examples/wmt``: the first call, on a full
-max-length dummy input under ``mutable=['cache']``, only creates a zeroed cache in the ``'cache'`` collection
-(and returns the ordinary full pass of the dummy). Later calls take a chunk of ``T >= 1`` new tokens, write it
-at ``cache_index`` with ``lax.dynamic_update_slice`` and attend causally to every cached position up to
-their own. The cache always holds ``cached_segment_ids [B, L]`` (0 = not yet written, so unwritten slots are
-masked) and ``cache_index []`` plus the per-mixer arrays. Writing past ``L`` cannot be detected under jit
-(``dynamic_update_slice`` clamps); the decoder must stop at the max length it created.
+Parameters carry logical axis names (``lconv.constants``) that ``config.mesh.rules`` maps to mesh axes;
+activations are pinned at block boundaries with ``constrain`` (a no-op outside ``jax.set_mesh``). Tables read by
+index and the GLU kernel are gathered before use, so XLA never has to replicate their outputs. Decoding follows
+flax ``examples/wmt``: a first ``decode=True`` call on a max-length dummy creates the zeroed ``'cache'``, later
+calls write a chunk at ``cache_index`` and attend causally (docs/models.md, "The mixers in detail").
 """
 from __future__ import annotations
 

@@ -1,54 +1,13 @@
 """Memorizing Transformer kNN-memory attention (Wu et al. 2022, "Memorizing Transformers").
 
-A long document is fed as consecutive windows ("segments" in the paper; here "windows", since ``segment_ids``
-already means packed examples). Each layer attends two ways and gates the results:
-
-- local: (causal) dot-product self-attention inside the current window;
-- memory: each query retrieves its top-``num_neighbors`` (``J``) (key, value) pairs, by exact inner product
-  (``jax.lax.top_k``), from a FIFO of the keys/values of PAST windows of the same document, and attends
-  over just those;
-- ``y = Out(g_h · mem + (1 - g_h) · local)`` with a learned per-head gate ``g_h = sigmoid(b_h)`` (``b_h``
-  starts at 0). A query with nothing to retrieve (empty memory) uses the local result alone.
-
-Queries and keys are L2-normalised and the logits are ``τ_h q̂·k̂`` with a learned per-head scale
-``τ_h = exp(log_scale_h)`` (initialised to ``sqrt(D)``): normalised keys keep stale memory entries on the same
-scale as fresh ones, and make inner-product retrieval a cosine search. The memory is never differentiated
-through (``jax.lax.stop_gradient``), as in the paper.
-
-Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, batch size fixed there):
-
-    memory/keys    [B, M, H, D]  L2-normalised keys, ``dtype`` (``M = memory_size`` slots)
-    memory/values  [B, M, H, D]  values, ``dtype``
-    memory/valid   [B, M] bool   which slots hold an entry; valid entries sit at the end, oldest first
-
-The memory is the mixer's carried state (``state = ("memory",)``, the mixer contract's; ``lconv.nn.mixer_state``),
-and the loop that feeds a document stream window by window owns it: it threads the collection from one call to
-the next and, where a batch row starts a new document, clears that row with the class's ``reset_state`` (zeroed
-rows; ``reset_memory`` here, every kNN layer of a model at once). ``lconv.train.steps`` does this on document
-streams (``config.data.stream``; ``lconv.data.stream``) for every stateful mixer alike:
-
-    mem = model.init(rng, x0)['memory']
-    for x, new_document_B in windows:
-        mem = reset_memory(mem, new_document_B)      # rows that start a new document forget the old one
-        y, upd = model.apply({'params': p, 'memory': mem}, x, mutable=['memory'])
-        mem = upd['memory']
-
-This is the only reset mechanism: it keeps the mixer contract unchanged (no extra call argument to thread
-through the models) and does not overload ``positions``, which the models also feed to position embeddings
-and position-indexed mixers. Within a call the memory is read first and written after (only strictly past
-windows are ever retrieved). The write appends this window's non-padding keys/values and evicts the oldest
-beyond ``memory_size`` (FIFO). When ``'memory'`` is passed but not mutable (evaluation of a fixed memory, or
-``decode=True``) it is only read. When no ``'memory'`` collection is passed at all (a plain
-``apply({'params': p}, ...)``, e.g. sentence-level training where every batch is a fresh document) there are
-no past windows: the memory is empty and the layer is its local attention.
-
-Packed windows (``segment_ids``): only tokens of the row's first segment (the document continuing from the
-previous window) read the memory, only tokens of the last segment (the one continuing into the next window)
-are written, and if the two differ the old memory is dropped. A row that is all padding keeps its memory.
-
-``decode=True`` (``causal=True`` only): the local attention keeps a chunked KV cache in ``'cache'``
-(``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``, ``cache_index``) as in
-``lconv.nn.attention``; the memory is read, not written.
+A document is fed window by window. Each layer attends locally (causal self-attention inside the window) and over
+the top-``num_neighbors`` (key, value) pairs retrieved by exact inner product from a FIFO memory of the same
+document's past windows, and gates the two per head: ``y = Out(g_h · mem + (1 - g_h) · local)``. Queries and keys
+are L2-normalised, so retrieval is a cosine search and stale entries keep their scale; the memory is never
+differentiated through. The memory is the mixer's carried state, the ``'memory'`` collection
+(``state = ("memory",)``; ``lconv.nn.mixer_state``): read first and written after in a call, only read when not
+mutable or when decoding, empty when absent. Its layout, the reset at a document start and the rules for packed
+windows: docs/models.md, "The mixers in detail".
 """
 from __future__ import annotations
 

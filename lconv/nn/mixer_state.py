@@ -1,22 +1,15 @@
 """The state a model's mixers carry from one window of a document to the next: the mixer contract's ``state``.
 
-A stateful mixer (the kNN memory, a recurrent or state-space mixer, a plugin's) declares on its class the flax
-collections it carries (``state``) and how a row of them starts over at a document start (``reset_state``;
-``lconv.nn.mixers``). ``MixerState`` holds a model's collections together with those hooks, so whoever feeds a
-document stream (training, evaluation, a notebook) threads any mixer's state without naming one:
+``MixerState`` holds a model's carried collections with each class's ``reset_state``, so whoever feeds a document
+stream threads any mixer's state without naming one::
 
     carried = mixer_state.initial(model, args, kwargs)        # init's values, every leaf [rows, ...]
     for batch in windows:
         carried = carried.reset(batch["document_start"] > 0)  # rows that start a new document start over
         logits, carried = carried.apply(model.apply, params, *args, **kwargs)   # read, then updated
 
-It is a pytree (the collections are its leaves, the hooks static), so it lives in the train state and its
-checkpoints, is sharded by rows as the batch, and passes through ``jax.jit`` and ``jax.lax.scan``. A model without
-stateful mixers, or a batch of fresh documents, has the empty state, and ``apply`` is then a plain
-``apply({'params': ...})``: by the contract (``lconv.testing``'s rule ``carry``) a call without the collections is a
-fresh document's, so decoding and the exported programs, which start from a prompt, need none; decoding that
-continues a carried document passes them read-only (``{'params': p, **state.collections}`` as ``lconv.infer.search``'s
-``variables``; the rule ``decoding`` checks it).
+It is a pytree, so it lives in the train state and its checkpoints and passes through ``jit`` and ``scan``. The
+contract: docs/models.md, "A mixer with state".
 """
 from __future__ import annotations
 

@@ -1,55 +1,11 @@
 """The token-mixer registry: one name -> one Flax linen module, one call signature for all. Open to plugins.
 
-Every token mixer (LightConv, DynamicConv, self-attention, Fixed, Hadamard, CoLT5, kNN memory, and any a user
-registers) is a ``flax.linen.Module`` that maps an (already normalised) sequence to an update of the same shape.
-The model layer around it owns the layer norm, the residual dropout and the residual add, so mixers are
-swappable per layer by name.
-
-The contract (executable: ``lconv.testing.check_mixer`` checks each rule and names the one a mixer breaks):
-
-    y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)
-
-- ``x_BTC``: ``[batch, time, features]``; ``y_BTC`` has the same shape and ``x_BTC``'s dtype.
-- ``segment_ids``: ``[batch, time]`` int, ``0`` = padding; packed examples carry ids ``1, 2, ...``. A mixer never
-  mixes information across segments or from padding. ``None`` means one segment covering every position.
-- ``positions``: ``[batch, time]`` int, position of each token inside its segment (needed by position-dependent
-  mixers such as Fixed / Hadamard attention). ``None`` means ``arange(time)`` (or, while decoding, the
-  position kept in the cache).
-- ``deterministic``: ``False`` enables dropout / DropConnect (needs a ``'dropout'`` rng); ``True`` needs none.
-- ``decode``: causal mixers keep their state in the ``'cache'`` collection and accept a chunk of one or more new
-  positions per call; the outputs equal the full causal pass. The cache is created by a first call with
-  ``decode=True`` under ``mutable=['cache']`` on a full-length (max decode length) dummy input, as in flax
-  ``examples/wmt``; non-causal mixers raise ``ValueError`` when asked to decode.
-- Parameters carry logical axis names (``nn.with_logical_partitioning``) so the mesh rules can shard them.
-- Constructor fields every mixer accepts: ``num_heads``, ``causal``, ``dtype`` (computation dtype; softmax and
-  accumulation stay in float32), ``param_dtype``, ``matmul_precision`` (``"default" | "high" | "highest"``, the
-  precision of its dots, ``lconv.ops.precision``; a conv's own arithmetic is always exact). The rest are
-  mixer-specific and come from the config.
-
-Everything the rest of lconv knows about a mixer is read from class attributes (``info``), each optional:
-
-- ``model_fields``: ``{constructor field: model value}``, the fields a model layer fills, by name, from its
-  ``ModelConfig`` (``conv_impl``, ``dropout`` rates, ...) and the layer (``causal``, ``kernel_size``). Nothing is
-  passed by a coincidence of names: a value the model does not have is an error, not a silent drop.
-- ``sides`` and ``side_reason``: where the mixer may sit, ``("encoder", "decoder")`` or one of them, and why.
-- ``label``: the one name it is shown by, the same in every table, plot, bench row and doc; ``variant``: the word
-  that picks it in ``--config=file.py:WORD``.
-- ``example_fields``: the smallest mixer-specific fields that make it valid on a short test sequence (the
-  checker, the tests and the bench start from them).
-- ``state``: the collections besides ``cache`` it carries from one window of a document to the next (the kNN
-  memory's ``'memory'``; ``lconv.nn.mixer_state``). ``init`` creates them for a batch of rows, every leaf
-  ``[B, ...]``; a call with them mutable reads them and leaves them updated, a call with them read-only only
-  reads them (decoding), and a call without them is the first window of a document. ``reset_state(tree,
-  reset_B)`` (a ``staticmethod``) returns rows ``reset_B`` of one collection to their ``init`` value, at a
-  document start; the default zeroes them (init's value for zero-initialised state).
-- ``layout`` and ``layout_others``: which layers of a side it takes when a config picks it for a side (Python
-  indices, e.g. the kNN memory's ``(-2,)``, second to last) and the mixer of the others (default: every layer).
-
-Feed-forward sublayers have a registry of their own (``ffn_class``; ``config.model.ffn_type``), with the same
-plugin rules. A name is a registered name or a ``"package.module:Class"`` string imported on first use, so a
-mixer can live in the user's own file: ``--config.model.encoder_mixer=my_mixers:MyMixer``. In-process,
-``register_mixer("mine", MyMixer)`` adds a name; installed packages add names through the ``lconv.mixers`` entry
-point group (``{name} = "package.module:Class"``).
+Every token mixer is a ``flax.linen.Module`` mapping a normalised ``[B, T, C]`` sequence to an update of the same
+shape; the model around it owns the layer norm, the residual dropout and the residual add, so mixers swap per layer
+by name. The contract and the class attributes lconv reads (``info``): docs/models.md, "The mixer contract";
+``lconv.testing.check_mixer`` checks it. A name is a registered one or a ``"package.module:Class"`` imported on
+first use; ``register_mixer`` and the ``lconv.mixers`` entry-point group add names. Feed-forward sublayers have a
+registry of their own with the same rules (``ffn_class``).
 """
 from __future__ import annotations
 
@@ -94,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class MixerInfo:
-    """What lconv knows about a mixer, read from its class (the module docstring lists the attributes)."""
+    """What lconv knows about a mixer, read from its class (docs/models.md lists the attributes)."""
 
     name: Any  # the registered name, the "module:Class" string it was named by, or the class itself
     cls: type[nn.Module]

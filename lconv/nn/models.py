@@ -5,20 +5,9 @@ A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer 
     residual = x;  x = LN(x) if normalize_before;  x = sublayer(x);  x = dropout(x);  x = residual + x
     x = LN(x) if not normalize_before                                  (post-norm, the paper's default)
 
-Which mixer each layer uses (``"lightconv"``, ``"dynamicconv"``, ``"attention"``, ``"fixed"``, ``"hadamard"``,
-``"colt5"``, ``"knn_memory"``) and its kernel size are config values, so the paper's Transformer, LightConv and
-DynamicConv models, and the other mixers, are configs rather than code (``ModelConfig``, in
-``lconv.nn.model_config``). Logits are float32. Every dot runs at ``config.model.matmul_precision`` except the
-conv ops' own, which are exact float32 on every backend (``lconv.ops.precision``).
-
-CoLT5 (mixer and ``ffn_type="colt5"``) is encoder-only: its routing ranks future tokens, so a decoder naming
-it is a config error and decoder layers keep the dense FFN. A stateful mixer (the kNN memory's ``'memory'``, a
-plugin's) keeps what it carries between windows in the collections its class declares, which the caller threads
-and resets (``lconv.nn.mixer_state``); without them a layer sees no past windows. docs/models.md describes every
-mixer and lists each config's parameter count.
-
-Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
-inside each packed segment, starting with ``BOS``.
+Each layer's mixer and kernel size are config values (``ModelConfig``), so the paper's models are configs, not
+code. Logits are float32. Token ids: ``PAD = 0``; the decoder input is the target shifted right inside each packed
+segment, starting with ``BOS``. Every mixer and each config's parameter count: docs/models.md.
 """
 from __future__ import annotations
 
