@@ -1,30 +1,13 @@
 """Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit.
 
-Entry point::
-
     tokenizer = load_or_train_tokenizer(config, workdir)       # <workdir>/spm.model, reused on resume
     data = make_datasets(config, tokenizer)
     batch = next(data.train_iter)                              # packed, shuffled, repeated, this process's shard
-    state = data.train_iter.get_state(); data.train_iter.set_state(state)   # exact resume (grain)
     for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
-    data.source_report                                         # what preparing the data skipped, by reason and split
 
-``config`` is a config's ``data`` section: a ConfigDict, a dict naming some fields, or a ``DataConfig``; the
-fields, their defaults and what each allows are ``lconv.data.data_config.DataConfig`` (docs/config.md). Among them:
-batch_size (global rows per step; each process gets batch_size / process_count), num_epochs (None = repeat
-forever), train_long ("truncate" or "drop"), stream (language modelling over document streams:
-``lconv.data.stream``; windows of max_target_length tokens in training and evaluation).
-
-Batch contract (dict of numpy arrays; B = rows of this process):
-    translation / summarization: inputs [B, Ls] int32, targets [B, Lt] int32,
-        inputs_segmentation, inputs_position [B, Ls] int32, targets_segmentation, targets_position [B, Lt] int32
-    language modelling: targets, targets_segmentation, targets_position (no inputs)
-    eval batches also: example_index [B] int32 (index into EvalSet.examples, -1 for padding rows) and
-        example_weight [B] float32 (1 real row, 0 padding row)
-Token ids: PAD=0, EOS=1 (ends every input and target), UNK=2, BOS=3. Segmentation: 1, 2, 3 ... per packed
-example, 0 = padding; position: 0, 1, ... inside each example. Targets are not shifted (the model shifts).
-Over-long examples are truncated to the length with EOS kept last (or dropped in training with
-train_long="drop"); both are counted in ``stats`` (counts of this process; not part of the checkpoint).
+``config`` is a config's ``data`` section (``lconv.data.data_config.DataConfig``). Batches are dicts of numpy
+arrays: ``inputs``/``targets`` with their ``_segmentation`` and ``_position`` (1, 2, ... per packed example,
+0 = padding), plus ``example_index`` and ``example_weight`` in evaluation. The batch contract: docs/data.md.
 """
 from __future__ import annotations
 

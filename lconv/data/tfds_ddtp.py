@@ -1,35 +1,10 @@
 """tfds builders written as array_record, prepared and read with no TensorFlow installed.
 
-- ``ddtp``: one BuilderConfig per task (``en_de``, ``en_fr``, ``en_es``, ``en_zh``, ``summarize_en``,
-  ``lm_en``), from the bundled snapshot (default) or from raw apt Translation files (``raw_dir=``).
-- ``iwslt14``: config ``de_en``, local parallel text files ``{train,valid,test}.{de,en}`` (one sentence per line,
-  e.g. fairseq's ``prepare-iwslt14.sh`` output before BPE) in ``raw_dir``.
-
-TensorFlow-free, as verified with tensorflow-datasets 4.9.10 and no TensorFlow: a ``GeneratorBasedBuilder``
-whose features are only ``tfds.features.Text`` prepares with ``file_format="array_record"`` through tfds's
-NumPy/pure-Python writer (no Beam), and ``tfds.data_source`` reads it back (Text features come back as bytes).
-Two traps, both handled here: ``dataset_info_from_configs`` wants a package directory with metadata files, so
-``_info`` builds ``tfds.core.DatasetInfo`` directly; and ``code_path`` needs ``importlib_resources`` (see
-``_LocalBuilder``). Preparing ``ddtp/en_de`` from the snapshot takes a few seconds.
-
-The prepared copy is keyed by what it was made from (``source_fingerprint``: the bundled snapshot or raw_dir,
-and the size and SHA-256 of each input file), so a different raw_dir, or a file added or changed in it, is
-prepared anew instead of reusing stale data. Each copy is written once, like an orbax checkpoint step: built in
-a temporary directory of its own, then renamed into place (a rename that finds the copy already there, made by
-another process at the same time, counts as success), and never modified after::
-
-    <data_dir>/lconv_prepared/ddtp_en_de-<key>/ddtp/en_de/1.0.0/     the data, and lconv_report.json: the source
-                                                                     and what was skipped or altered
-    <data_dir>/ddtp/en_de/1.0.0 -> the copy lconv used last           a symlink, for plain tfds readers
-
-    builder = prepare("ddtp/en_de", data_dir)           # idempotent; reuses a prepared copy of the same source
-    source = tfds.data_source("ddtp/en_de", split="train", data_dir=data_dir)   # after importing this module
-
-A URL data_dir (``gs://bucket/tfds``, any ``etils.epath`` file system) keeps the same layout without the symlink
-(object stores have none) and without the rename (not atomic there): the copy is built locally, then uploaded
-with ``lconv_report.json`` last, which is what marks it complete (``paths.upload_tree``). It is read from a local
-mirror (``paths.local_cache_dir``; downloaded from data_dir when another machine prepared it), since array_record
-reads no URL but ``gs://``, and random reads over the network would starve training. raw_dir may be a URL too.
+``ddtp`` (one BuilderConfig per task, from the bundled snapshot or raw apt files) and ``iwslt14`` (``de_en``,
+from local parallel text files). ``prepare(name, data_dir)`` is idempotent: each copy is keyed by what it was made
+from (``source_fingerprint``), written once in a temporary directory and renamed into place (on a URL data_dir,
+built locally and uploaded with ``lconv_report.json`` last), and never modified after. How tfds is kept free of
+TensorFlow, and the prepared layout: docs/data.md.
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """SentencePiece tokenizer: one joint model, trained from training-split text, saved in the run's workdir.
 
-The model is trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3), the one place they
-are defined; ``lconv.data`` re-exports them.
-
-The model file is ``<workdir>/spm.model`` (``tokenizer_path``) so a resumed or evaluation run reuses exactly the
-vocabulary of the run that trained it. ``load_or_train`` is the entry point. Paths may be local or anything
-``etils.epath`` opens (gs://...).
-
-Normalisation is ``identity`` (plus whitespace collapsing) and ``byte_fallback`` is on, so ``decode(encode(s))``
-gives back ``s`` for whitespace-normalised text in any script: BLEU/ROUGE see the text, not an NFKC variant.
+Trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3); the model file is
+``<workdir>/spm.model``, so a resumed or evaluation run reuses the vocabulary that trained it (``load_or_train``).
+Normalisation is ``identity`` with ``byte_fallback``: ``decode(encode(s))`` gives back whitespace-normalised ``s``
+in any script, so BLEU and ROUGE see the text, not an NFKC variant.
 """
 from __future__ import annotations
 
