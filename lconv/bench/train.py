@@ -1,21 +1,11 @@
 """Suite ``train``: tokens/s of a full training step, and model FLOPs utilisation.
 
-Same-size decoder-only LMs (``LAYERS`` layers, d=512, FFN 2048, H=8, vocab 8000; the Transformer's mixer is
-self-attention, the others a K=31 conv block) are trained with lconv's own step (``steps.make_train_step``:
-dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens at T=512 and T=4096:
-``tokens_per_batch()`` tokens per batch (4,096 on CPU; 65,536 on an accelerator, issue 15's H100 anchor), in
-float32 and, on an accelerator, bfloat16 compute too (``model.dtype``). The Transformer's attention is
-``attention_impl="auto"``: cuDNN flash attention on a GPU where it applies (bfloat16; no attention dropout), the
-blockwise kernel for long rows, the materialised one otherwise; each row names the kernel (``flash.auto_impl``).
-
-Each row also gives the compiled step's XLA temporaries (``memory_analysis().temp_size_in_bytes``). A vocabulary
-sweep (``VOCABS``) trains the DynamicConv LM with the fused output layer and loss (``config.optim.fused_loss``,
-``lconv.ops.linear_cross_entropy``) and with a log-softmax over materialised float32 logits, alternating, at T=512.
-
-MFU = model FLOPs per second ÷ the float32 matmul rate measured in the same run (the best of several tries).
-Model FLOPs are counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes
-through, the tied output projection included, plus attention's ``12 T d`` per layer and a conv's ``6 K d``);
-XLA's own count (``cost_analysis()``, which also counts elementwise work) is in the table for comparison.
+Same-size decoder-only LMs (d=512, FFN 2048, H=8, vocab 8000), one per compared mixer, trained with lconv's own
+step (``steps.make_train_step``) on random tokens at T=512 and 4096, ``tokens_per_batch()`` tokens per batch, in
+float32 and, on an accelerator, bfloat16. Each row names the attention kernel "auto" ran and the step's XLA
+temporaries; a vocabulary sweep compares the fused output layer and loss with materialised logits. MFU divides
+analytic model FLOPs (``model_flops_per_token``) by the matmul rate measured in the same run. Details:
+docs/benchmarks.md, "How the suites measure".
 """
 from __future__ import annotations
 
