@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def kept_dir(config: Any) -> str:
     """Where a tokenizer trained for ``config.data``'s data and settings is kept for later runs (a new workdir
-    copies it instead of training again, ~10-20 s on a 2-core CPU): under data_dir, named by the prepared data's
+    copies it instead of training again): under data_dir, named by the prepared data's
     folder, the vocabulary size, the sample size and ``tokenizer.TRAINING_VERSION``."""
     from lconv.data import tfds_ddtp  # imports tensorflow_datasets: seconds, so only when asked
 

@@ -18,8 +18,8 @@ Array = jax.Array
 def relu(x: Array) -> Array:
     """``max(x, 0)`` with ``jax.nn.relu``'s derivative (the mask ``x > 0``), kept for the backward pass packed 8 to a
     byte. Differentiated as ``jax.nn.relu``, the backward fusion recomputes ``x > 0`` from the FFN's pre-activation,
-    so XLA keeps that ``[tokens, ffn]`` float32 array beside the output (32 MiB a layer in the bench LM, issue 36);
-    a packed mask is a reduction, which XLA does not recompute inside its consumers."""
+    so XLA keeps that ``[tokens, ffn]`` float32 array beside the output; a packed mask is a reduction, which XLA
+    does not recompute inside its consumers."""
     return jnp.maximum(x, 0)
 
 

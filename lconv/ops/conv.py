@@ -133,9 +133,8 @@ def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tup
     """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``.
 
     K elementwise float32 multiply-adds of shifted inputs, not a dot: for a beam search's step (T = 1) XLA:CPU
-    spent more time copying the window into a dot's layout than on the arithmetic (the conv 5.4 -> 2.7 ms of a
-    35 ms step for 256 hypotheses; docs/default-run.md). Elementwise float32 is float32 on every backend. The adds
-    are unrolled: a sum over a stacked window was fused into the next matmul, which then ran 8x slower."""
+    spent more time copying the window into a dot's layout than on the arithmetic (docs/default-run.md). The adds
+    are unrolled: a sum over a stacked window was fused into the next matmul, which then ran much slower."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, weight_BTHK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     x_all = jnp.concatenate([state_BPC.astype(x_BTC.dtype), x_BTC], axis=1)  # [B, P+T, C]
