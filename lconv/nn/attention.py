@@ -86,17 +86,9 @@ class AttentionFields(nn.Module):
 
 
 class SelfAttention(AttentionFields):
-    """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
-
-    ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
-    contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform (Q/K/V with gain
-    1/sqrt(2), the output with gain 1) with zero bias, as fairseq's MultiheadAttention. ``attention_dropout``
-    drops attention probabilities in training.
-
-    ``attention_impl``: the kernel (``lconv.ops.flash``; the module docstring). Decode cache (``'cache'``
-    collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``, ``cached_segment_ids [B, L]`` int32,
-    ``cache_index []`` int32.
-    """
+    """Multi-head scaled dot-product self-attention (registry name ``"attention"``), initialised as fairseq's
+    MultiheadAttention. Decode cache: ``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``,
+    ``cache_index []``."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "attention_impl": "attention_impl"}
     label: ClassVar[str] = "Transformer"  # the model every layer of which uses it
@@ -200,21 +192,11 @@ class CrossAttention(nn.Module):
 class FixedAttention(AttentionFields):
     """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
 
-    The logits are learned parameters that do not look at the input: head ``h`` owns a
-    ``[max_len, max_len]`` table indexed by the tokens' within-segment ``positions``, so packed examples see the
-    same table as unpacked ones. Only V and the output are projected.
-
-    - ``factorized_rank > 0``: ``W_h = R1_h @ R2_h`` with ``R1 [H, max_len, F]``, ``R2 [H, F, max_len]``, F the
-      rank (Synthesizer's factorised random variant; ``2 F max_len`` instead of ``max_len²`` parameters per head).
-    - ``mix_dot_product``: logits ``α_h W_h + (1 - α_h) Q Kᵀ/sqrt(D)`` with a learned per-head mixing weight
-      ``α_h = sigmoid(a_h)``, ``a_h`` initialised to 0 (an even mix); adds Q/K projections (Synthesizer's
-      "Random + Dot Product" mixture, whose weights are trainable and sum to one).
-    - ``causal``: the future is masked (index-based, so packed and cached decoding agree).
-
-    A sequence longer than ``max_len`` or positions outside ``[0, max_len)`` raise ``ValueError`` (positions
-    can only be checked when concrete, i.e. outside jit). Decode cache: ``cached_value [B, L, H, D]``,
-    ``cached_positions [B, L]``, ``cached_segment_ids [B, L]``, ``cache_index []`` (+ ``cached_key`` when
-    ``mix_dot_product``); ``L <= max_len`` is enforced when the cache is created.
+    Head ``h``'s logits are a learned ``[max_len, max_len]`` table indexed by within-segment positions, factorised
+    to rank ``factorized_rank`` if set; ``mix_dot_product`` mixes in ``Q Kᵀ/sqrt(D)`` by a learned per-head weight
+    (docs/models.md). Too long a sequence or (outside jit) a position outside ``[0, max_len)`` is a ``ValueError``.
+    Decode cache: ``cached_value``, ``cached_positions``, ``cached_segment_ids``, ``cache_index`` (+ ``cached_key``
+    when mixing); its length is at most ``max_len``.
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
@@ -268,17 +250,10 @@ class FixedAttention(AttentionFields):
 class HadamardAttention(AttentionFields):
     """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
 
-    ``W_h[pos_q, pos_k]`` is a learned per-head ``[max_len, max_len]`` table (initialised to ones, so training
-    starts from plain dot-product attention) multiplied element-wise with the content logits; the mask is added
-    AFTER the product, so a learned weight can never un-mask a key.
-
-    - ``project_qk=False`` (the source's form): Q = K = the input itself, split into ``num_heads`` contiguous
-      heads of size ``C / num_heads``; only V and the output are projected. Positional structure then lives
-      entirely in ``W``.
-    - ``project_qk=True``: Q and K are learned projections of width ``qkv_features`` as in ``SelfAttention``.
-
-    Decode cache: ``cached_key``, ``cached_value [B, L, H, D]``, ``cached_positions [B, L]``,
-    ``cached_segment_ids [B, L]``, ``cache_index []``; ``L <= max_len``.
+    ``W_h`` is a learned per-head ``[max_len, max_len]`` position table, initialised to ones (plain attention at
+    the start); the mask is added after the product, so no weight can un-mask a key. Q = K = the input split into
+    heads unless ``project_qk`` (docs/models.md). Decode cache: ``cached_key``, ``cached_value``,
+    ``cached_positions``, ``cached_segment_ids``, ``cache_index``; its length is at most ``max_len``.
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
