@@ -84,7 +84,7 @@ def lm_config(mixer: str, T: int, dtype: str = "float32", fused_loss: bool = Tru
 
 
 def model_flops_per_token(mixer: str, T: int, vocab: int = VOCAB, size: LMSize = FULL) -> float:
-    """Analytic fwd+bwd FLOPs per token (see the module docstring)."""
+    """Analytic fwd+bwd FLOPs per token (docs/benchmarks.md, "How the suites measure")."""
     d, K = size.d_model, size.kernel
     mixer_weights = {"attention": 4 * d * d, "lightconv": 3 * d * d, "dynamicconv": 3 * d * d + d * size.heads * K}
     per_layer = 6 * (mixer_weights[mixer] + 2 * d * size.ffn)

@@ -23,7 +23,7 @@ from lconv.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-# Why each catalog builder needs TensorFlow to prepare (see the module docstring); its module, which tfds without
+# Why each catalog builder needs TensorFlow to prepare (docs/data.md); its module, which tfds without
 # TensorFlow does not import (so does not register) by itself.
 TENSORFLOW_NEEDED = {
     "wmt14_translate": "tfds unpacks its .tgz downloads with tf.io.gfile",
@@ -95,7 +95,7 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
 def _catalog_builder(tfds_name: str, data_dir: str):
     import tensorflow_datasets as tfds
 
-    if importlib.util.find_spec("importlib_resources") is None:  # see the module docstring
+    if importlib.util.find_spec("importlib_resources") is None:  # tfds imports it (docs/data.md)
         sys.modules.setdefault("importlib_resources", importlib.resources)
     module = _MODULES.get(tfds_name.split("/")[0])
     if module is not None:

@@ -273,7 +273,7 @@ def _collective_broadcast(status: int, payload: bytes) -> tuple[int, bytes]:
 
 def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,
                   process_count: int | None = None) -> Datasets:
-    """Train iterator and eval sets for ``config.dataset`` (see the module docstring for fields and batches)."""
+    """Train iterator and eval sets for ``config.dataset`` (the batch contract: docs/data.md)."""
     process_index, process_count = _process(process_index, process_count)
     cfg = DataConfig.from_config(config)  # each field's own range is checked there, before any data is read
     for field in ("batch_size", "eval_batch_size"):

@@ -23,7 +23,7 @@ from lconv.errors import UserError
 
 
 class DocumentStream:
-    """Iterator of stream batches (see the module docstring) with grain-style ``get_state`` / ``set_state``."""
+    """Iterator of stream batches (docs/data.md) with grain-style ``get_state`` / ``set_state``."""
 
     def __init__(self, source, text_key: str, tokenizer, *, window: int, rows: int, seed: int = 0,
                  num_epochs: int | None = None, shuffle: bool = True, process_index: int = 0,

@@ -237,7 +237,7 @@ def bundled_source_key(name: str) -> str | None:
 
 def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.DatasetBuilder:
     """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") from its source as array_record in data_dir, unless a
-    copy from the same source is there; returns a builder reading that copy (see the module docstring)."""
+    copy from the same source is there; returns a builder reading that copy (docs/data.md)."""
     cls, config = _builder_class(name)
     data_dir = paths.normalize(data_dir)
     paths.check_url(data_dir, "data_dir")

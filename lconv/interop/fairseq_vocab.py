@@ -25,7 +25,7 @@ FAIRSEQ_TO_LCONV = {0: BOS_ID, 1: PAD_ID, 2: EOS_ID, 3: UNK_ID}  # every other i
 class Vocabulary:
     tokenizer: Tokenizer | PiecesTokenizer
     size: int  # rows of the embedding tables: 4 special ids + the dictionary's lines
-    pieces_not_in_dictionary: int  # SentencePiece pieces fairseq would map to <unk> (see the module docstring)
+    pieces_not_in_dictionary: int  # SentencePiece pieces fairseq would map to <unk> (docs/fairseq.md)
 
 
 def read_dictionary(path: str) -> list[str]:
@@ -86,7 +86,7 @@ def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
 
 def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@",
                      symbols: list[str] | None = None) -> Vocabulary:
-    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (module docstring); without a
+    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (docs/fairseq.md); without a
     SentencePiece model, the dictionary alone for text already split into its pieces (Moses + subword-nmt BPE,
     ``continuation`` its joining marker), as fairseq-generate reads binarized data and prints ``--remove-bpe``.
     ``symbols``: the vocabulary's pieces in id order, when they are not ``dictionary_path``'s (``joined_symbols``

@@ -77,7 +77,7 @@ class _Routed(nn.Module):
 
 
 class CoLT5Attention(_Routed):
-    """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (see the module docstring for the math).
+    """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (the math: docs/models.md).
 
     Fields: ``num_heads`` heavy heads of size ``D = C / num_heads``; ``light_num_heads`` (0 = ``num_heads // 2``,
     at least 1) local heads of the same size; ``local_radius``; capacity ``num_routed`` tokens (0 = use
@@ -244,7 +244,7 @@ def soft_top_k(scores_BT: Array, k: int, valid_BT: Array | None = None, *, tempe
                iterations: int = 32) -> Array:
     """Differentiable top-k weights ``λ_BT`` with ``Σ_t λ = min(k, #valid)`` and ``λ ≈`` in ``[0, 1]``.
 
-    Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (see module docstring).
+    Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (docs/models.md).
     Invalid positions get ``λ = 0``. Runs in float32.
     """
     r = scores_BT.astype(jnp.float32)
