@@ -118,17 +118,11 @@ class SelfAttention(AttentionFields):
 
 
 class CrossAttention(nn.Module):
-    """Encoder-decoder attention: decoder queries attend the encoder output ``encoded_BSC``.
+    """Encoder-decoder attention: decoder queries attend the encoder output ``encoded_BSC`` (not a token mixer).
 
-    Same math and initialisation as ``SelfAttention``; the mask pairs ``query_segment_ids`` with
-    ``encoded_segment_ids`` (packed examples only see their own source; padding keys are never read).
-    Not a token mixer (so not in the registry). With ``decode=True`` the projected encoder keys and values are
-    computed once, on the cache-creating call, kept head-major (``[B, H, S, D]``) in the ``'cache'`` collection
-    and read back on every later step (``encoded_BSC`` is then only checked for shape): recomputing them each step
-    cost two ``S x C x C`` projections per token. They are named ``beam_invariant_*``, so beam search neither
-    tiles nor reorders them (``lconv.infer.search``); the beams' queries share their row's encoder output.
-    ``attention_impl`` and ``matmul_precision`` as in ``SelfAttention``.
-    """
+    Same math and initialisation as ``SelfAttention``; a query sees its own example's source only. While decoding,
+    the projected encoder keys and values are computed once, on the cache-creating call, and kept head-major as
+    ``beam_invariant_*`` cache entries, so beam search neither tiles nor reorders them (``lconv.infer.search``)."""
 
     num_heads: int = 8
     dtype: DType = jnp.float32
@@ -173,10 +167,8 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
     def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array, precision: Any) -> Array:
-        """Queries of ``B = N * b`` rows against the cached head-major ``[b, H, S, D]`` encoder keys/values, ``N``
-        consecutive rows per encoded row (the beams of ``lconv.infer.search.tile_cache``, which leaves
-        ``beam_invariant_*`` untiled): the beams of a row are folded into its query axis, so the encoder output is
-        read once per row, not once per beam."""
+        """Queries of ``B = N * b`` rows against the cached ``[b, H, S, D]`` encoder keys/values, ``N`` consecutive
+        rows (a row's beams) per encoded row, folded into its query axis: the encoder output is read once per row."""
         k_bHDS = self.get_variable("cache", "beam_invariant_key")
         v_bHSD = self.get_variable("cache", "beam_invariant_value")
         k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")

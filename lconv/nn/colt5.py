@@ -79,12 +79,8 @@ class _Routed(nn.Module):
 class CoLT5Attention(_Routed):
     """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (the math: docs/models.md).
 
-    Fields: ``num_heads`` heavy heads of size ``D = C / num_heads``; ``light_num_heads`` (0 = ``num_heads // 2``,
-    at least 1) local heads of the same size; ``local_radius``; capacity ``num_routed`` tokens (0 = use
-    ``routed_fraction`` of T, rounded up) for queries and for keys/values alike; soft top-k
-    ``router_temperature`` (ε) and ``router_iterations``. Parameters: ``light_{query,key,value,out}``,
-    ``heavy_{query,key,value,out}``, ``router_q``, ``router_kv`` ``[C]``.
-    """
+    ``light_num_heads`` local heads (0: half of ``num_heads``) within ``local_radius``; ``num_routed`` tokens (0:
+    ``routed_fraction`` of T) routed as queries and as keys/values by separate routers, with soft top-k weights."""
 
     # Mixer metadata (lconv.nn.mixers). Encoder only: the routing ranks every token of the sequence, the
     # future included, so a decoder cannot use it (CoLT5 keeps a Transformer decoder, as here).
@@ -152,10 +148,7 @@ class CoLT5Attention(_Routed):
 class CoLT5FeedForward(_Routed):
     """CoLT5 routed feed-forward: ``y = FFN_light(X) + s ⊙ FFN_heavy(X_routed)``, ReLU, for the model's FFN slot.
 
-    Call: ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``. Fields: ``light_hidden_dim`` (0 = C/2),
-    ``heavy_hidden_dim`` (0 = 4C), routing fields as in ``CoLT5Attention``, ``dropout_rate`` on the hidden
-    activations. Parameters: ``light_in``, ``light_out``, ``heavy_in``, ``heavy_out``, ``router`` ``[C]``.
-    """
+    ``light_hidden_dim`` defaults to C/2, ``heavy_hidden_dim`` to 4C; routing as in ``CoLT5Attention``."""
 
     # Feed-forward metadata (lconv.nn.mixers.ffn_class): filled from the model; encoder layers only, as the
     # attention (a decoder layer keeps the dense FFN).
@@ -194,14 +187,11 @@ class CoLT5FeedForward(_Routed):
 def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, radius: int, *,
                     dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: DType | None = None,
                     precision: jax.lax.Precision | None = None) -> Array:
-    """Each query attends the same-segment keys with ``|key index - query index| <= radius``, ``[B, T, H, D]``;
-    ``precision`` is its dots' (None = the backend's default).
+    """Each query attends the same-segment keys within ``radius`` of it, ``[B, T, H, D]``, in ``O(T · radius)``.
 
-    Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``, in ``O(T · radius)``
-    memory: time is cut into ``G`` blocks (groups) of ``W = clip(radius, 1, T)`` tokens (the end padded with segment
-    0); query block ``n`` attends key blocks ``n - 1, n, n + 1``, which hold every key within the radius, as
-    a batch of ``[W, 3W]`` attentions. The mask then keeps exactly the keys within the radius.
-    """
+    Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``: time is cut into blocks of
+    ``W = clip(radius, 1, T)`` tokens and block ``n`` attends blocks ``n - 1, n, n + 1``, which hold every key
+    within the radius."""
     B, T, H, D = q_BTHD.shape
     W = max(1, min(radius, T))
     G = -(-T // W)
@@ -231,10 +221,8 @@ def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, 
 
 
 def router_scores(x_BTC: Array, u_C: Array) -> Array:
-    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]`` (a unit router keeps the scale set by the input
-    norm, so the temperature means the same thing whatever ``u`` learns). Exact float32 on every backend
-    (HIGHEST): they pick the routed tokens, a choice TF32 rounding must not flip, and a matrix-vector product
-    costs little either way."""
+    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]``: a unit router keeps the temperature's meaning, and
+    HIGHEST precision keeps TF32 rounding from flipping which tokens are routed."""
     u = u_C.astype(jnp.float32)
     return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), precision=jax.lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)

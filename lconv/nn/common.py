@@ -51,10 +51,8 @@ QKV_GAIN = 1 / math.sqrt(2)
 def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True, dtype: DType = jnp.float32,
                  param_dtype: DType = jnp.float32, precision: str = "default", name: str | None = None,
                  gain: float = 1.0) -> nn.Dense:
-    """fairseq's ``Linear``: xavier-uniform kernel (PyTorch's ``gain``: bound ``gain * sqrt(6 / (fan_in +
-    fan_out))``), zero bias, with logical axis names ``(in, out)`` on the kernel and ``(out,)`` on the bias, so
-    every projection shards by the config's mesh rules. ``precision``: a ``config.model.matmul_precision`` name
-    (``lconv.ops.precision``)."""
+    """fairseq's ``Linear``: xavier-uniform kernel (PyTorch's ``gain``), zero bias, logical axis names ``(in, out)``
+    so every projection shards by the config's mesh rules."""
     kernel_init = nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")  # gain 1 = xavier_uniform()
     return nn.Dense(
         features,
@@ -111,10 +109,8 @@ def under_axis_rules(fn: Callable, rules: Sequence[Sequence[Any]] = ()) -> Calla
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
     """Pins ``x``'s layout by logical axis names under the current mesh (``jax.set_mesh``); a no-op without one.
 
-    The names map through ``axis_rules`` of the active ``nn.logical_axis_rules`` context (none = lconv's
-    defaults). Mesh axes the mesh lacks are dropped, and a dim keeps only the leading mesh axes whose sizes
-    divide it (a decode batch of 1 stays whole), so the constraint never asks for an uneven split.
-    """
+    Mesh axes the mesh lacks are dropped, and a dim keeps only the leading mesh axes whose sizes divide it (a
+    decode batch of 1 stays whole), so the constraint never asks for an uneven split."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -170,10 +166,8 @@ def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | Non
 def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str, Array] | None, Array | None]:
     """Writes a chunk into the ``'cache'`` collection; returns ``(full cached arrays, chunk start index)``.
 
-    ``new`` maps names to ``[B, T, ...]`` chunks, stored as ``cached_<name>``. On the first call (no cache yet)
-    the variables are created zeroed with the chunk's shape (the max length) and ``(None, None)`` is returned:
-    the caller then does its ordinary full pass. Later calls write at ``cache_index`` and advance it by ``T``.
-    """
+    The first call creates the ``cached_<name>`` variables zeroed at the chunk's (the max) length and returns
+    ``(None, None)``, so the caller does its full pass; later calls write at ``cache_index`` and advance it."""
     initialized = mdl.has_variable("cache", "cache_index")
     cached = {n: mdl.variable("cache", "cached_" + n, jnp.zeros, a.shape, a.dtype) for n, a in new.items()}
     cache_index = mdl.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
@@ -188,13 +182,8 @@ def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str
 
 
 def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
-    """What a chunk attends to: ``(arrays, mask [B, 1, T, S])`` for a self-attention-like mixer.
-
-    ``new`` holds this chunk's ``[B, T, ...]`` key-side arrays and its ``segment_ids``. In a full pass (and
-    on the cache-creating call) that is ``new`` itself under the segment mask, causal if ``mdl.causal``;
-    while decoding it is the whole cache after ``new`` is written into it (``decode_cache_update``), under
-    the mask of the chunk's queries against every cached position up to their own.
-    """
+    """What a chunk attends to, ``(arrays, mask [B, 1, T, S])``: in a full pass its own key-side arrays ``new``; while
+    decoding the whole cache after ``new`` is written into it, up to each query's position."""
     seg_BT = new["segment_ids"]
     mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
     if not decode:
@@ -274,12 +263,10 @@ def segments_and_positions(x_BTC: Array, segment_ids: Array | None, positions: A
 
 
 class Embed(nn.Embed):
-    """``nn.Embed`` (the same ``embedding`` parameter) whose table is gathered along its width before it is read,
-    as FSDP gathers every parameter before use.
+    """``nn.Embed`` whose table is gathered along its width before it is read, as FSDP gathers every parameter.
 
-    Left to XLA, a lookup from a width-sharded table gives width-sharded ``[B, T, C]`` rows, which its partitioner
-    can only make batch-sharded by replicating them ("involuntary full rematerialization"). ``table_axes``: the
-    activation names the gathered table keeps (vocabulary rows stay split over the tensor axis)."""
+    A lookup from a width-sharded table gives width-sharded rows, which XLA can make batch-sharded only by
+    replicating them. ``table_axes``: the names the gathered table keeps (vocabulary rows stay split)."""
 
     table_axes: tuple[str | None, str | None] = (ACT_VOCAB, None)
     matmul_precision: str = "default"  # of ``attend`` (tied output logits); lookups are exact whatever it is
@@ -305,9 +292,7 @@ class Embed(nn.Embed):
 
 
 class LayerNorm(nn.Module):
-    """``nn.LayerNorm``'s parameters (``scale`` and ``bias``, ``[C]``, on ``EMBED``) and values, computed by
-    ``lconv.ops.layer_norm``, whose backward pass keeps the input and two floats a row instead of three
-    ``[.., C]`` float32 arrays (see there)."""
+    """``nn.LayerNorm``'s parameters and values, computed by ``lconv.ops.layer_norm`` to keep less for the backward."""
 
     epsilon: float = 1e-5
     dtype: DType = jnp.float32  # of the output; the statistics and the arithmetic are float32
@@ -324,8 +309,7 @@ class LayerNorm(nn.Module):
 
 
 class Dropout(nn.Module):
-    """``nn.Dropout``'s interface and rng stream (``make_rng("dropout")``) with ``lconv.ops.dropout``'s mask:
-    16 random bits an element, so the train step keeps half the random words ``nn.Dropout`` makes it keep."""
+    """``nn.Dropout``'s interface and rng stream with ``lconv.ops.dropout``'s 16-bit mask (half the random words)."""
 
     rate: float
     deterministic: bool | None = None

@@ -80,9 +80,8 @@ class OutputLayer:
     matmul_precision: str = struct.field(pytree_node=False)
 
     def loss_sums(self, targets_BT: jax.Array, weights_BT: jax.Array, label_smoothing: float) -> dict[str, jax.Array]:
-        """``linear_cross_entropy.cross_entropy_sums`` (``{loss, nll, correct}``), its chunks sized by the rows one
-        device holds. A table split over devices by vocabulary gets one vocabulary slice: a slice at a traced
-        offset of a split axis would gather the whole table and logits onto every device."""
+        """``linear_cross_entropy.cross_entropy_sums``, chunked by the rows one device holds; a vocabulary-split table
+        gets one slice, since a traced slice of a split axis would gather the whole table onto every device."""
         rows = local_shape(self.features_BTC.shape, BTC)[0]
         V = self.table_VC.shape[0]
         split_vocab = local_shape(self.table_VC.shape, (ACT_VOCAB, None))[0] < V

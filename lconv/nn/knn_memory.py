@@ -42,11 +42,8 @@ PyTree = Any
 class KNNMemoryAttention(AttentionFields):
     """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
 
-    Fields: ``memory_size`` entries per batch row (each entry holds all heads' key/value of one token),
-    ``num_neighbors`` (``J``) retrieved per query and head (``<= memory_size``), ``qkv_features`` (None = C),
-    ``attention_dropout`` on the local attention probabilities. Parameters: ``query``, ``key``, ``value``,
-    ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Called as the mixer contract (``positions`` are not used).
-    """
+    ``memory_size`` entries per row (one token's keys and values for every head), ``num_neighbors`` retrieved per
+    query and head. ``positions`` are not used."""
 
     # Decoder only (mixer metadata, lconv.nn.mixers): its memory is carried across the windows of a document
     # stream, which only a decoder-only LM reads; an encoder would only ever see an empty memory.
@@ -134,12 +131,8 @@ def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
-    """Clears the rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection: the class's
-    ``reset_state``, ``lconv.nn.mixers.zero_rows`` (an empty row is zeroed, ``valid`` False, as ``init`` makes it).
-
-    Works on the collection of any model (any nesting): every ``keys`` / ``values`` / ``valid`` leaf is a
-    ``[B, ...]`` array; the reset rows become empty, the others are kept.
-    """
+    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection of any model, as
+    ``init`` makes them: the class's ``reset_state`` (``lconv.nn.mixers.zero_rows``)."""
     return mixers.zero_rows(memory, reset_B)
 
 
@@ -155,11 +148,8 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
 
 
 def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> tuple[Array, Array]:
-    """Exact top-k memory entries per query and head by inner product: ``(scores, indices)``, ``[B, H, T, J]``
-    (``J = k``).
-
-    The scores are exact float32 on every backend (HIGHEST): TF32 rounding must not change which entries are
-    retrieved. Invalid slots score ``MASKED_LOGIT`` (so they come last and can be masked by score)."""
+    """Exact top-k memory entries per query and head, ``(scores, indices)`` ``[B, H, T, k]``: HIGHEST precision, so
+    TF32 rounding cannot change what is retrieved; invalid slots score ``MASKED_LOGIT`` and come last."""
     scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
@@ -168,11 +158,8 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
 
 def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,
                      precision: jax.lax.Precision | None = None) -> tuple[Array, Array]:
-    """Softmax attention of each query over its own ``J = k`` retrieved entries (float32); ``precision`` is the
-    weighted sum's (retrieval is always HIGHEST).
-
-    Returns ``(out [B, T, H, D] float32, found [B, T, H] bool)``; ``found`` is False where nothing valid was
-    retrieved (then ``out`` is 0)."""
+    """Softmax attention of each query over its ``k`` retrieved entries, float32: ``(out [B, T, H, D], found [B, T, H])``,
+    ``out`` 0 where nothing valid was retrieved."""
     scores_BHTJ, idx_BHTJ = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
     ok_BHTJ = scores_BHTJ > MASKED_LOGIT / 2
     probs_BHTJ = jnp.where(ok_BHTJ, jax.nn.softmax(scores_BHTJ, axis=-1), 0.0)

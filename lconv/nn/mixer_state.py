@@ -109,10 +109,8 @@ _checked: set[Any] = set()  # (model, batch shapes) whose state rules held: trac
 
 def check_rules(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 owned: dict[str, tuple[Reset, str]]) -> None:
-    """The state rules of ``lconv.testing.check_mixer``, on the model and batch a run uses, before any data (traced
-    only, nothing compiled): init makes every declared collection, a window keeps each leaf's shape and dtype (a
-    leaf that grows recompiles every window), and ``reset_state`` returns the tree it was given. Each failure is
-    one line naming the mixer and the rule."""
+    """``lconv.testing.check_mixer``'s state rules on a run's model and batch, traced before any data: init makes every
+    declared collection, a window keeps each leaf's shape and dtype, ``reset_state`` returns its tree. One line each."""
     key = (model, jax.tree.map(lambda x: (x.shape, x.dtype), (args, kwargs)).__repr__())
     try:
         if key in _checked:

@@ -187,9 +187,8 @@ def _import(kind: str, name: str, target: str) -> type[nn.Module]:
 
 
 def import_plugin_module(module_name: str, what: str) -> Any:
-    """The plugin module ``module_name``, imported for ``what`` (e.g. "mixer 'my_mixers:Gated'"): any exception
-    its import raises (a missing module, a syntax error, an error in its own code) is one line naming the module
-    and where it failed. The user's code is to blame, not lconv, so no traceback."""
+    """The plugin module ``module_name``, imported for ``what``; whatever its import raises is one line naming the
+    module and where it failed, with no traceback: the user's code is to blame, not lconv."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -201,9 +200,8 @@ def import_plugin_module(module_name: str, what: str) -> Any:
 
 
 def runs_no_new_code(kind: str, spec: str) -> bool:
-    """Whether resolving ``spec`` ("module:Class") imports nothing new: a target this process's registry names
-    (lconv's own mixers, the user's ``register_mixer`` calls, installed entry points), or a module already imported.
-    A spec read from a stored config that is neither would run a file from elsewhere (``trust_plugins``)."""
+    """Whether resolving ``spec`` ("module:Class") imports nothing new: this process's registry names it or its module
+    is imported. Anything else in a stored config would run a file from elsewhere (``trust_plugins``)."""
     _load_entry_points()
     table = _MIXERS if kind == "mixer" else _FFNS
     if any(spec == _describe(target) for target in table.values()):
@@ -308,9 +306,9 @@ def zero_rows(tree: Any, reset_B: Any) -> Any:
 
 
 def layer_layout(name: str, num_layers: int) -> str:
-    """The ``{side}_mixer`` value that gives a side of ``num_layers`` layers mixer ``name`` by its class's layout
-    rule: ``name`` (every layer), or a comma list with ``name`` at the ``layout`` indices (clamped into the stack:
-    ``-2`` of one layer is that layer) and ``layout_others`` elsewhere. Configs and the study both use it."""
+    """The ``{side}_mixer`` value that gives ``num_layers`` layers mixer ``name`` by its class's ``layout`` rule:
+    ``name`` alone, or a comma list with ``name`` at the (clamped) ``layout`` indices and ``layout_others`` elsewhere.
+    """
     i = info(name)
     if i.layout is None or num_layers < 1:
         return name
@@ -331,9 +329,8 @@ def sides(name: str) -> tuple[str, ...]:
 
 
 def variants() -> dict[str, str]:
-    """``{variant word: registered name}``: each mixer's registered name picks it, and so does its ``variant``
-    word unless that word already picks another mixer (refused at ``register_mixer`` for a class; for a mixer
-    registered by a ``"module:Class"`` string or an entry point, warned about and left out)."""
+    """``{variant word: registered name}``: a mixer's name picks it, and so does its ``variant`` word unless that word
+    already picks another mixer (refused at ``register_mixer``; warned about and left out otherwise)."""
     words = {name: name for name in mixer_names()}
     for i in importable_infos():
         if words.setdefault(i.variant, i.name) != i.name:
@@ -351,9 +348,8 @@ def variant_words(side: str | None = None, both_sides: bool = False) -> list[str
 
 
 def importable_infos() -> list[MixerInfo]:
-    """``info`` of each registered mixer. One registered by a ``"module:Class"`` string or an entry point whose
-    module cannot be imported is left out with a warning, so that it breaks no config that does not name it
-    (naming it is the one-line error of ``mixer_class``)."""
+    """``info`` of each registered mixer; one whose module cannot be imported is left out with a warning, so it breaks
+    no config that does not name it."""
     out = []
     for name in mixer_names():
         try:
@@ -399,9 +395,8 @@ def _build(kind: str, cls: type[nn.Module], name: str, kwargs: dict[str, Any]) -
 
 
 def check_output(name: Any, x: Any, y: Any, where: str) -> None:
-    """The checker's cheap rule (``lconv.testing``'s 'output': one array of x's shape and dtype), applied as a model
-    traces each mixer, so that a plugin's wrong output is one line naming it rather than a shape error deep in the
-    model."""
+    """The checker's 'output' rule (one array of x's shape and dtype), applied as a model traces each mixer: a plugin's
+    wrong output is one line naming it, not a shape error deep in the model."""
     if not (hasattr(y, "shape") and hasattr(y, "dtype")) or (y.shape, y.dtype) != (x.shape, x.dtype):
         raise UserError(f"mixer {_describe(name) if not isinstance(name, str) else name!r} ({where}) returned "
                         f"{describe_output(y)} for x {x.dtype}{list(x.shape)}: a mixer returns one array of x's shape "

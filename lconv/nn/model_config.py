@@ -297,9 +297,8 @@ class ModelConfig:
         object.__setattr__(self, "_valid_for", self.__dict__.get("_valid_for", frozenset()) | {decoder_only})
 
     def check_kernel_counts(self, decoder_only: bool = False) -> None:
-        """A config's rule (``lconv.run.schema.validate_config``): one kernel size for all layers, or exactly one
-        per layer of a side whose mixers take one, since a surplus would be ignored without a word. A model built
-        in code keeps the dataclass's lenience: the paper's kernels by default, the first ``layers`` of them."""
+        """One kernel size for all layers, or exactly one per layer of a side whose mixers take one (a surplus would be
+        ignored without a word); a model built in code may give more and takes the first ``layers``."""
         for side in ("decoder",) if decoder_only else BOTH_SIDES:
             layers = getattr(self, f"{side}_layers")
             if not any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):

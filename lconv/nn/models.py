@@ -156,11 +156,10 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, or ``Layer`` under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``).
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``) if any.
 
-    ``dots`` keeps matmul outputs without batch dimensions (projections and FFN, whose recomputation would cost
-    the most) and recomputes the attention scores, softmax, convs and norms. The parameter tree is the same
-    under every policy. ``deterministic`` and ``decode`` (arguments 4 and 5, counting ``self``) are static."""
+    ``dots`` keeps the projections' and FFN's matmul outputs (the costliest to recompute) and recomputes attention
+    scores, softmax, convs and norms; the parameter tree is the same under every policy."""
     if policy not in REMAT_POLICIES:
         raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -297,12 +296,9 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
 
 def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn.Module | None, deterministic: bool,
             logits: bool) -> Array | decoder_ends.OutputLayer:
-    """The output layer: float32 logits ``[B, T, V]`` (log-probabilities from the adaptive softmax, which has
-    dropout), or with ``logits=False`` its inputs (``decoder_ends.OutputLayer``: the features and the tied
-    embedding or the untied kernel as a ``[V, C]`` table) for a loss that makes the logits itself. The adaptive
-    softmax always gives its log-probabilities. Ids at or above ``output_vocab_size`` (source-only pieces of a
-    model with separate dictionaries) score -inf, so the softmax is over the target dictionary alone, as
-    fairseq's."""
+    """Float32 logits ``[B, T, V]`` (the adaptive softmax's log-probabilities), or with ``logits=False`` the output
+    layer's inputs (``decoder_ends.OutputLayer``) for a loss that makes the logits itself. Ids past
+    ``output_vocab_size`` (source-only pieces) score -inf, as fairseq's target dictionary does."""
     if cfg.adaptive_softmax_cutoffs:
         tied = decoder_ends.tied_bands(cfg, embedding)
         return constrain(projection(x_BTC, deterministic=deterministic, tied=tied), BTV)
@@ -322,12 +318,8 @@ def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
 
 
 class ScaleAndPosition(nn.Module):
-    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side: positions sinusoidal as fairseq's,
-    learned, or none (``token_positions=False``); the layer norm only with ``layernorm_embedding``, where fairseq's
-    transformer puts it (after the positions, before dropout).
-
-    The embedding is looked up at ``position + config.position_offset``: fairseq counts positions from its padding
-    id + 1 (= 2), so a model imported from it has an offset of 2 and a learned table ``offset`` rows longer."""
+    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side, as fairseq's (the norm only with
+    ``layernorm_embedding``). Positions are looked up at ``position + position_offset``: 2 for a fairseq model."""
 
     config: ModelConfig
     side: str  # "encoder" or "decoder": whose learned_positions
