@@ -59,11 +59,8 @@ class EvalSet:
 
 
 class PackedBatches:
-    """An ``EvalSet``'s examples for a loss pass: shortest first, each row filled with the next examples while they
-    fit in every feature's length (segment ids 1, 2, ... and positions from 0 per example, as training packs),
-    ``batch_size`` rows per batch, the same shape as the set's padded batches (so the same compiled step). Rows
-    holding nothing weigh zero (``example_weight``). With several processes every one has the most batches any
-    has, the extra ones empty, so their steps stay in lockstep."""
+    """An ``EvalSet``'s examples packed for a loss pass, shortest first, as training packs, in the set's batch shape
+    (so the same compiled step); empty rows weigh zero, and every process has as many batches as the most."""
 
     def __init__(self, eval_set: EvalSet) -> None:
         self.lengths, self.batch_size = eval_set.lengths, eval_set.batch_size
@@ -135,13 +132,9 @@ def _process(process_index, process_count):
 
 
 def import_readers() -> None:
-    """Imports the packages that prepare and read the data (TFDS, grain) in the calling thread, now.
-
-    Their modules import through etils' ``epy.lazy_imports``, which swaps ``builtins.__import__`` for *every*
-    thread while such a module's body runs: an import another thread makes meanwhile (JAX imports inside functions
-    as it traces) gets a stand-in module and fails later ("'LazyModule' object is not callable"). A caller about
-    to start a thread beside the data's preparation (``lconv.train.early_build``) calls this first; they are
-    imported lazily otherwise because importing them takes seconds."""
+    """Imports TFDS and grain in the calling thread, now. Their modules import through etils' ``epy.lazy_imports``,
+    which swaps ``builtins.__import__`` for every thread meanwhile, so call this before starting a thread beside
+    the data's preparation (``lconv.train.early_build``); they are imported lazily otherwise, as they are slow."""
     import grain  # noqa: F401
     import tensorflow_datasets  # noqa: F401
     from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
@@ -159,8 +152,7 @@ def tokenizer_texts(config: Any) -> Iterator[str]:
 
 def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
     """Every example of a random-access ``source`` in order, a block of records per read where the source can
-    (``__getitems__``: TFDS's array_record sources read a block ~3x faster than its records one at a time; the
-    tokenizer's sample reads ~30k examples before a run's first update)."""
+    (``__getitems__``: much faster than one record at a time)."""
     read_block = getattr(source, "__getitems__", None)
     for start in range(0, len(source), block):
         indices = range(start, min(start + block, len(source)))
@@ -169,17 +161,12 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
 
 def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir by an earlier run or shipped
-    with lconv for the same data and settings (``tokenizer_files``); else a joint model trained on the training split.
-    The workdir gets it, and one trained here is kept under data_dir for later runs. ``save=False`` neither reads nor
-    writes a kept or shipped copy, nor the workdir: with an empty workdir it trains, as a run would
-    (``scripts/ship_tokenizer.py`` and its test compare that with the shipped file).
+    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir or shipped with lconv for the
+    same data and settings (``tokenizer_files``); else a joint model trained on the training split, then kept.
+    ``save=False`` neither reads nor writes any copy.
 
-    With several processes (``jax.process_count()`` unless given), process 0 alone loads or trains (and saves)
-    the model and sends it to the others (a collective: every process calls this at once). So every process
-    holds the same bytes, the training split is read once, and the workdir need not be shared; a UserError on
-    process 0 (say a vocab_size mismatch) is raised on every process instead of leaving the others waiting.
-    """
+    With several processes, process 0 alone loads or trains it and sends it to the others (every process calls
+    this at once), so all hold the same bytes and an error on process 0 is raised on every process."""
     cfg = DataConfig.from_config(config)
 
     def load_or_train() -> tokenizer_lib.Tokenizer:

@@ -110,13 +110,8 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
 
 
 def source_report(name: str, data_dir: str, raw_dir: str | None = None) -> dict:
-    """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for the
-    datasets ``tfds build`` prepared, which lconv did not parse).
-
-    Keys: ``dataset``, ``source`` (one line: the bundled snapshot or raw_dir=...), ``files`` ({role: {file,
-    bytes, sha256}}), ``key``, ``examples`` ({split: n}), ``skipped`` and ``altered`` ({stage: {reason: n}},
-    stage ``parse`` or a split), ``records`` ({lang: records parsed}); see ``tfds_ddtp``.
-    """
+    """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for a
+    ``tfds build`` dataset): the source, its files, key, examples per split, and skipped/altered counts by stage."""
     spec = dataset_spec(name)
     if not spec.local:
         return {}

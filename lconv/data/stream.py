@@ -125,11 +125,7 @@ class DocumentStream:
 
 class StreamEvalSet:
     """An evaluation split as a document stream in source order; iterate for a fresh pass (every token once).
-
-    ``num_batches`` is this process's count of windows per row-slot; multi-host callers take the max over
-    processes (``lconv.data.pipeline`` does) so the eval steps stay in lockstep: extra batches are all padding.
-    The split is read and tokenised once (the counting pass); later passes reuse the ids.
-    """
+    Tokenised once; ``num_batches`` is this process's count, which multi-host callers take the max of."""
 
     def __init__(self, source, text_key, tokenizer, *, window, rows, process_index=0, process_count=1):
         token_cache: dict[int, np.ndarray] = {}

@@ -35,12 +35,8 @@ Translation files}}"""
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Base of the builders here: fixes ``code_path`` for TensorFlow-free use on Python >= 3.9.
-
-    tfds 4.9.10 computes ``code_path`` through ``importlib_resources`` (a backport it only declares for
-    Python < 3.9), so ``download_and_prepare`` of any builder defined in a package fails with
-    ModuleNotFoundError. The path is only used to look for a checksums file next to the code; this file is it.
-    """
+    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through the ``importlib_resources``
+    backport (absent on Python >= 3.9); it only locates a checksums file next to the code."""
 
     @tfds.core.utils.classproperty
     @classmethod
@@ -347,12 +343,8 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, raw_dir: str | No
 
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
-    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``.
-
-    Replaced in one step (a new link renamed over the old). A real directory there (prepared before copies were
-    keyed by their source) is left alone; so is a file system without symlinks: lconv itself reads the copies.
-    Local data_dirs only: under a URL, plain readers name the copy (``<data_dir>/lconv_prepared/<name>-<key>``).
-    """
+    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``, replaced in
+    one step; a real directory there, a file system without links or a URL data_dir is left alone."""
     link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
     target = os.path.relpath(version_dir, os.path.dirname(link))
     if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
@@ -380,12 +372,8 @@ _ALTERED_RE = re.compile(r"^(tab_replaced|control_chars_removed|line_truncated)$
 
 
 def _counts_report(counts: Mapping[str, int], counts_by_split: Mapping[str, Mapping[str, int]]) -> dict:
-    """{"skipped": {stage: {reason: n}}, "altered": {stage: {reason: n}}, "records": {lang: n}}.
-
-    stage: "parse" (reading the Translation files, before descriptions are split) or a split name. Reasons are
-    the count names of ``lconv.data.ddtp`` (e.g. ``invalid_utf8_record_de``, ``en_de_validation_overlap``);
-    "altered" holds what was kept but changed (tabs, control characters, truncation). Non-zero counts only.
-    """
+    """{"skipped": {stage: {reason: n}}, "altered": {stage: {reason: n}}, "records": {lang: n}}, non-zero counts only:
+    stage "parse" or a split, reasons ``lconv.data.ddtp``'s count names."""
     split_totals = collections.Counter()
     for split_counts in counts_by_split.values():
         split_totals.update(split_counts)

@@ -82,10 +82,8 @@ class Tokenizer:
 
 
 def check_texts(texts: Any, argument: str) -> list[str]:
-    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the
-    index: ``None``, bytes and numbers are not turned into ``"None"``, and a lone surrogate (``"\\ud800"``, what
-    ``surrogateescape`` makes of a byte that is not UTF-8) is refused here rather than by SentencePiece's
-    TypeError."""
+    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the index
+    (``None``, bytes, numbers and lone surrogates are refused here rather than by SentencePiece)."""
     if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
         raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
     for i, text in enumerate(texts):
@@ -234,12 +232,8 @@ def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
 
 
 def sample_sentences(texts: Iterable[str], max_sentences: int) -> list[str]:
-    """A deterministic sample of at most max_sentences non-empty texts (in their order), each cut to a bounded
-    length.
-
-    Seeded and uniform, not every k-th text: a translation corpus's texts alternate source and target, so a stride
-    of 2 or 4 kept one language alone, and the other was spelled in byte pieces (a 4k tokenizer from 15k English
-    sentences split the German side into twice the tokens)."""
+    """A deterministic sample of at most max_sentences non-empty texts (in their order), each cut to a bounded length.
+    Seeded and uniform, not every k-th text: a translation corpus alternates languages, so a stride kept one."""
     if max_sentences < 1:
         raise UserError(f"max_sentences={max_sentences} must be >= 1 (tokenizer_max_sentences: the sentences the "
                         "tokenizer is trained on)")

@@ -83,16 +83,14 @@ _AUTO_DEFAULT = "band"
 
 
 def choose_impl(backend: str | None = None) -> str:
-    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (``"cpu"``, ``"cuda"``, ``"tpu"``,
-    ...; default: JAX's default backend) at every shape measured so far (see ``_AUTO_IMPL``), so the rule reads
-    no shape. ``impl="auto"`` applies it per platform of the program being compiled (``_per_platform``)."""
+    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (default: JAX's), at every shape
+    measured so far, so the rule reads no shape."""
     return _AUTO_IMPL.get(backend or jax.default_backend(), _AUTO_DEFAULT)
 
 
 def _per_platform(op, x_BTC, weight, padding_left, segment_ids, block_size):
-    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the one
-    ``choose_impl`` names for the platform the program is lowered for. So a program exported or lowered for a GPU
-    on a CPU host carries the GPU's choice, not the host's (a Python choice at trace time would bake in the host's)."""
+    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the one for the
+    platform the program is lowered for, so a program exported for a GPU from a CPU host carries the GPU's choice."""
     def run(impl):
         return functools.partial(_run_impl, op, impl=impl, padding_left=padding_left, block_size=block_size)
 
@@ -132,9 +130,8 @@ def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[A
 def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tuple[Array, Array]:
     """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``.
 
-    K elementwise float32 multiply-adds of shifted inputs, not a dot: for a beam search's step (T = 1) XLA:CPU
-    spent more time copying the window into a dot's layout than on the arithmetic (docs/default-run.md). The adds
-    are unrolled: a sum over a stacked window was fused into the next matmul, which then ran much slower."""
+    K unrolled float32 multiply-adds of shifted inputs, not a dot: for a beam search's one-token step XLA:CPU spent
+    more on copying the window into a dot's layout than on the arithmetic (docs/kernels.md)."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, weight_BTHK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     x_all = jnp.concatenate([state_BPC.astype(x_BTC.dtype), x_BTC], axis=1)  # [B, P+T, C]

@@ -179,11 +179,8 @@ def chunked_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       precision: Any = None, block_q: int = 512, block_k: int = 512) -> Array:
     """Blockwise masked attention with an online softmax, ``[B, T, H, D]`` in ``dtype`` (default ``v``'s).
 
-    Equals ``dot_product_attention(q, k, v, attention_mask(q_seg, k_seg, causal=causal, radius=radius))``
-    within float32 rounding, and so do its gradients. Lengths need not divide the blocks (the tail is padded
-    with segment 0). Dropout draws its own keep mask per block (the same distribution as ``attend``'s, another
-    stream), redrawn identically by the backward.
-    """
+    Equals ``dot_product_attention`` under ``attention_mask(q_seg, k_seg, causal, radius)`` to float32 rounding, and
+    so do its gradients. Dropout draws its own keep mask per block, redrawn identically by the backward."""
     (B, T, _, D), S = q_BTHD.shape, k_BSHD.shape[1]
     if block_q <= 0 or block_k <= 0:
         raise UserError(f"attention blocks must be positive, got block_q={block_q}, block_k={block_k}")
@@ -221,12 +218,8 @@ def _single_run(seg_BT: Array) -> tuple[Array, Array]:
 
 def _cudnn_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Array | None, k_seg_BS: Array | None,
                      causal: bool, radius: int | None) -> Array:
-    """cuDNN flash attention under lconv's masks.
-
-    No segments: no mask. Otherwise, when every row is one segment followed by padding (unpacked batches,
-    known only at run time), the lengths go to cuDNN as sequence lengths; packed rows take the segment mask as
-    cuDNN's bias (still flash, but the [B, 1, T, S] bias is read). Queries that see no key are zeroed after.
-    """
+    """cuDNN flash attention under lconv's masks: no mask without segments, sequence lengths for rows of one segment
+    then padding, the segment mask as cuDNN's bias for packed rows; queries that see no key are zeroed after."""
     window = None if radius is None else (radius, 0)  # cuDNN: a left window with causal only
     call = functools.partial(jax.nn.dot_product_attention, is_causal=causal, local_window_size=window,
                              implementation="cudnn")
@@ -306,10 +299,8 @@ def segment_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       block_k: int | None = None) -> Array:
     """Masked scaled dot-product attention by ``impl`` (module docstring), ``[B, T, H, D]`` in ``dtype``.
 
-    ``q_seg_BT`` / ``k_seg_BS``: both or neither (neither = one segment, no padding). ``precision`` (a
-    ``jax.lax.Precision``) applies to the XLA paths' dots; cuDNN's inputs are 16-bit with float32 accumulation.
-    ``block_q`` / ``block_k``: the chunked kernel's blocks (None = the lowering platform's, ``XLA_RULES``).
-    """
+    ``q_seg_BT`` / ``k_seg_BS``: both or neither (one segment, no padding). ``precision`` applies to the XLA paths'
+    dots; ``block_q`` / ``block_k`` are the chunked kernel's (None: the platform's, ``XLA_RULES``)."""
     if impl not in ATTENTION_IMPLS:
         raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
     if (q_seg_BT is None) != (k_seg_BS is None):

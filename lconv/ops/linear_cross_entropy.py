@@ -42,12 +42,9 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
                        label_smoothing: float = 0.0, valid_vocab: int | None = None, chunk: int | None = None,
                        dtype: jnp.dtype = jnp.float32, precision: jax.lax.Precision = jax.lax.Precision.DEFAULT,
                        rows_per_device: int | None = None, vocab_slice: int = VOCAB_SLICE) -> dict[str, Array]:
-    """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT`` (see the module doc).
-
-    ``chunk``: the chunk length ``L`` (None: ``chunk_length`` of ``rows_per_device``, the batch rows one device
-    holds, default ``B``); ``vocab_slice``: the most ids a slice of the backward matmuls takes. ``loss`` is
-    differentiable with respect to ``x`` (its gradient in ``x``'s dtype) and the table (in the table's dtype);
-    ``nll`` and ``correct`` carry no gradient."""
+    """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT``; only ``loss`` is
+    differentiable (in ``x`` and the table). ``chunk``: the chunk length (None: sized by ``rows_per_device``);
+    ``vocab_slice``: the most ids a slice of the backward matmuls takes."""
     B, T, _ = x_BTC.shape
     V = table_VC.shape[0]
     valid_vocab = V if valid_vocab is None else int(valid_vocab)
@@ -90,12 +87,9 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
 
 
 def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dtable_VC):
-    """``dz = w * (softmax(z) - (1 - eps) * onehot - eps / V)`` one vocabulary slice at a time, each slice's
-    ``dz`` meeting the table slice (the input gradient, summed over the slices) and ``x`` (the table gradient,
-    added into the accumulator's slice in place). Slices keep the product before the add one slice wide instead
-    of a whole ``[C, V]`` array; the matmuls are the same three per chunk. A loop with a traced slice index, not
-    unrolled slices: XLA turns a constant-index slice of the accumulator into a plain slice, and then no longer
-    updates it in place (a fresh ``[C, V]`` array per slice)."""
+    """``dz = w * (softmax(z) - (1 - eps) * onehot - eps / V)`` one vocabulary slice at a time, each meeting the table
+    (the input gradient) and ``x`` (the table gradient, added into the accumulator in place). A loop with a traced
+    slice index: with constant indices XLA no longer updates the accumulator in place."""
     _, vocab_slice, valid_vocab, eps, dtype, precision = settings
     max_BL, sum_BL = softmax_stats
     V, C = table_VC.shape

@@ -49,9 +49,8 @@ def dynamic_conv_pallas(x_BTC: Array, weight_BTHK: Array, padding_left: int, seg
 
 def kernel_bytes_per_token(kernel: str, channels: int, heads: int, kernel_size: int, *, dynamic: bool,
                            itemsize: int, block_t: int = BLOCK_T) -> float:
-    """DRAM bytes per token one of ``KERNELS`` moves (the table in docs/kernels.md): its per-token operands
-    read and outputs written once, the taps' re-reads and the halo served by the caches; without segment ids and
-    light's shared weight (read once a call)."""
+    """DRAM bytes per token one of ``KERNELS`` moves (the table in docs/kernels.md): operands read and outputs
+    written once, without segment ids and light's shared weight."""
     if kernel not in KERNELS:
         raise UserError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     w = heads * kernel_size if dynamic else 0

@@ -137,12 +137,9 @@ class _Blocks:
 def _shifted_sum(a_BSC, weight, taps):
     """``sum over (a_offset, w_offset, k) in taps of a[:, a_offset + t] * w[:, w_offset + t, :, k]``, float32.
 
-    ``a`` (and a dynamic ``weight``, ``[B, S', H, K]``) come with their halo, so every read is in bounds; the
-    result has ``S - K`` steps. A light ``weight`` is ``[H, K]``, the same at every step. Slices of one buffer
-    keep XLA's fused loop simple (a zero-padding ``lax.pad`` per tap vectorises 4x worse). One step more than
-    needed is computed and dropped: with that final slice XLA:CPU keeps the sum one elementwise loop instead of
-    letting a following dot fusion absorb it (which materialises every shifted copy).
-    """
+    ``a`` (and a dynamic ``weight``) come with their halo, so every read is in bounds; the result has ``S - K``
+    steps. Slices of one buffer keep XLA's fused loop simple, and one extra step, computed and dropped, keeps
+    XLA:CPU from absorbing the sum into a following dot fusion (which materialises every shifted copy)."""
     B, S, C = a_BSC.shape
     H, K = weight.shape[-2:]
     T = S - K
