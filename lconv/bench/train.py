@@ -126,9 +126,8 @@ def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
 
 def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
     """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names (``label: (mixer, T,
-    dtype, vocab, fused_loss, size)``): a compiled train step whose state (donated at every step) ``holder`` keeps,
-    and one batch. The programs compile at once, in threads (XLA compiles outside the GIL); ``compile_s`` is each
-    one's wall time among them."""
+    dtype, vocab, fused_loss, size)``): a compiled train step whose donated state ``holder`` keeps, and one batch,
+    compiled in threads at once."""
     lowered = {label: _lowered_trainer(*args) for label, args in settings.items()}
     programs = timing.compile_many([parts[0] for parts in lowered.values()], len(lowered))
     made = {}
@@ -148,11 +147,8 @@ def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
 
 def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None = None,
         vocabs: Sequence[int] = VOCABS, size: LMSize = FULL) -> list[report.Row]:
-    """At each (T, dtype) the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds),
-    so their ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements
-    before and after each T, so a load spike during one of them does not inflate the MFU. ``dtype_list``: the
-    compute dtypes (default ``dtypes()``); ``vocabs``: the vocabulary sweep's sizes (none: no sweep); ``size``: the
-    LMs' shape."""
+    """At each (T, dtype) the models' steps alternate (a warm-up round, then ``repeats``), so drifting load does not
+    skew their ratio; the matmul rate is the best measured around each T. ``vocabs``: the vocabulary sweep's sizes."""
     dtype_list = dtypes() if dtype_list is None else tuple(dtype_list)
     matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []

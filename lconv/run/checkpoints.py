@@ -83,10 +83,8 @@ class Checkpointer:
         return True
 
     def finish(self) -> None:
-        """Waits for an async save to be written, then makes its manifest. An async save copies the arrays to
-        host memory and returns; the files are written while training goes on, and are hashed (process 0) at
-        the next save or at ``close``. A crash in between leaves a complete checkpoint without a manifest, which
-        restores as "unverified" (it is still checked finite)."""
+        """Waits for an async save to be written, then makes its manifest (hashed by process 0). A crash in between
+        leaves a complete checkpoint without a manifest, which restores as "unverified" (still checked finite)."""
         self.manager.wait_until_finished()
         if self.unfinished is not None and self.checksums:
             integrity.write_manifest(self._step_dir(self.unfinished))
@@ -222,8 +220,7 @@ def _disk_full_cause(err: BaseException | None) -> BaseException | None:
 
 def disk_full(err: BaseException, ckpt: Checkpointer, best: BestCheckpointer) -> DiskFull:
     """The one line for a run that filled its disk, naming the last finished checkpoint, once the checkpointers'
-    unfinished writes are given up quietly (orbax's threads report each failed write, then again at exit: pages
-    of noise, with details kept in ``checkpoint_errors.log`` when there is room for it)."""
+    unfinished writes are given up quietly (orbax's threads would print pages of the same failure)."""
     with integrity.quiet_orbax(ckpt.error_log):
         for manager in (ckpt.manager, best.checkpointer.manager):
             with contextlib.suppress(Exception):

@@ -293,11 +293,9 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
                  spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
                  vocab_size: int | None = None, no_repeat_ngram_size: int | None = None,
                  min_len: int | None = None) -> None:
-    """The decode section's rules for the beam search's settings, for every place that takes them: the config,
-    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given. With
-    ``vocab_size`` (once it is known) the beam is at most ``vocab_size - 1``, as fairseq caps it: a wider beam
-    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB). The generation guards
-    (``no_repeat_ngram_size``, ``min_len``) are checked here too: every search takes them."""
+    """The decode section's rules for the beam search's settings, for the config, eval.py's flags and the API (None
+    = not given), the generation guards included. With ``vocab_size`` the beam is at most ``vocab_size - 1``, as
+    fairseq caps it: a wider beam holds no more distinct continuations, only memory."""
     check_decode({"beam_size": beam_size, "lenpen": lenpen, "no_repeat_ngram_size": no_repeat_ngram_size,
                   "min_len": min_len}, spell)
     if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
@@ -318,9 +316,7 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
 def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
                           spell: Callable[[str], str] = str, vocab_size: int | None = None) -> int:
     """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
-    (hypotheses returned per source; None = the best alone) checked against it: the one rule for the API's
-    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``. Samples are
-    held as a beam's hypotheses are: with ``vocab_size``, at most ``vocab_size - 1`` of them, as a beam."""
+    checked against it: one rule for the API and eval.py. ``beam_size`` None is the run's ``stored_beam_size``."""
     if nbest is not None and not (integer().test(nbest) and nbest >= 1):
         raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
     if temperature:
@@ -340,11 +336,9 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
                    vocab_size: int | None = None, idle: bool = True) -> None:
-    """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
-    ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
-    ``top_k`` may not exceed it. A filter or a seed without a temperature (0 or not given) is refused: greedy
-    decoding and beam search would ignore it (``idle=False`` leaves that to a later call, after checks whose
-    message says more)."""
+    """Each given sampling setting of ``values`` by its rule, named as ``spell`` says; ``top_k`` at most
+    ``vocab_size``. A filter or a seed without a temperature is refused, since greedy decoding and beam search
+    would ignore it (``idle=False`` leaves that to a later call)."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:

@@ -94,9 +94,8 @@ LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is repor
 
 def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
                         repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
-    """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens (up to each row's EOS) per
-    second of the median of ``repeats`` calls after the first, compiling one (one call takes ~0.1 s at the
-    study's sizes: too short to trust alone on a shared CPU)."""
+    """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens per second, the median of
+    ``repeats`` calls after a compiling one (one call is too short to trust alone on a shared CPU)."""
     model, params = trained.model, trained.params
     settings = DecodeSettings.build(trained.config.decode, max_len=length)  # the sampling defaults: greedy
 

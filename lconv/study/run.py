@@ -78,11 +78,9 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
 
 
 def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
-    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the training
-    loop checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``.
-
-    A SIGTERM to the study itself (``kill``, a scheduler) is passed on to the run, which checkpoints; then the
-    study stops with one line. Without that the run would train on unseen, holding the CPU and its workdir."""
+    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the run
+    checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``. A SIGTERM to the study is
+    passed on to the run, so it does not train on unseen."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
