@@ -2,7 +2,7 @@
 
     python train.py --config=configs/lm1b.py:dynamic --workdir=gs://BUCKET/lm1b_dynamic
     python train.py --config=configs/lm1b.py:transformer --workdir=...
-    python train.py --config=configs/lm1b.py:knn,ddtp --workdir=runs/lm_knn     # bundled corpus, laptop CPU
+    python train.py --config=configs/lm1b.py:knn,ddtp --workdir=runs/lm_knn     # bundled corpus, on a CPU
 
 d 512, FFN 4096, 16 heads, 6 layers with kernels [3,7,15,31,31,31], dropout, attention, weight and input dropout
 0.1 (fairseq's architecture); fairseq has no training command for it, so the optimisation is that of fairseq's
