@@ -1,19 +1,12 @@
 """The config schema: every field of a config, each defined once with its default, rule and one-line doc.
 
-A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it: ``data`` is
-``lconv.data.data_config.DataConfig``, ``model`` is ``lconv.nn.model_config.ModelConfig`` (which also serves users
-who build a model without a config file), and the top level, ``optim``, ``train``, ``decode`` and ``mesh`` are
-below. Everything else is read from them:
-- ``base_config()``: every field at its default (configs/common.py's; family files override values);
-- ``complete(config)``: the fields a config lacks filled with their defaults (a config file that does not start
-  from base_config, or a stored config.json from an older lconv), so no reader needs a fallback of its own;
-- ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
-- ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
-- ``hypotheses_per_source``: n-best lists' rule (at most the beam, or k samples), for the API and eval.py;
-- ``check_sampling``: an LM's sampling settings (``lconv.decode_settings.SamplingSettings``: not config fields, but
-  eval.py's flags, the API's and export's arguments), by one set of rules whichever surface takes them;
-- ``markdown()``: docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps
-  the committed file equal to it).
+A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it (``data``:
+``lconv.data.data_config.DataConfig``, ``model``: ``lconv.nn.model_config.ModelConfig``; the top level, ``optim``,
+``train``, ``decode`` and ``mesh`` here). Everything else is read from them: ``base_config()`` (every field at its
+default), ``complete(config)`` (a config's missing fields filled, so no reader needs a fallback),
+``validate_config(config)`` (one ``UserError`` line naming the first bad field), the search and sampling rules
+every surface shares (``check_search``, ``hypotheses_per_source``, ``check_sampling``), and ``markdown()``,
+docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps them equal).
 """
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
 """The study's runs: one training config per (task, mixer, seed), with parameter counts matched across mixers.
 
-A task's config is its family config (``lconv.configs.<family>``) with the mixer's variant word applied the way
-the configs apply it (``lconv.configs.common.set_mixer``: a mixer that fits one side gets attention on the other),
-then the study mode's overrides for the task, then the per-mixer overrides. What each mixer means per task:
-
-- CoLT5 (encoder-only: its routing ranks future tokens): CoLT5 attention in the encoder, attention in the
-  decoder for translation and summarization (the ``colt5`` variant of the configs); no LM run, since a
-  decoder-only LM has no encoder layer to put it in (``not_applicable`` gives the reason).
-- kNN memory (decoder-only): the Memorizing Transformer layout of ``configs/lm1b.py:knn``, one kNN-memory layer
-  second to last in the decoder, attention elsewhere. In the LM it reads document streams (its memory holds the
-  document's past windows). Translation and summarization have no document streams (``data.stream`` is for
-  LMs), so there every example starts with an empty memory and the layer is its gated local attention.
-- The LM runs of every mixer read the same document streams (``lm1b.py``'s ``stream`` word): the same windows,
-  so the same test tokens are scored; only the kNN model carries state between windows.
-
-Parameters are matched to the reference mixer (the Transformer) by the FFN width alone: a model's count is
-affine in ``model.ffn_dim`` (every layer's FFN has ``(2 d + 1) ffn + d`` weights), so two counts of the model's
-own ``init`` (``jax.eval_shape``, no arrays) give the slope, the width that hits the reference is rounded to
-``ffn_multiple`` and counted once more to check the tolerance.
+A task's config is its family config with the mixer's variant word applied as the configs apply it
+(``lconv.configs.common.set_mixer``: a mixer that fits one side gets attention on the other), then the mode's
+overrides for the task, then the per-mixer ones. CoLT5 (encoder-only) gets an attention decoder and no LM run;
+the kNN memory takes its layout rule's layer of the decoder and reads document streams in the LM, as every
+mixer's LM run does (the same windows, so the same test tokens). Parameters are matched to the reference mixer's
+by the FFN width alone: a model's count is affine in ``model.ffn_dim``, so two abstract counts give the slope,
+and the width is rounded to ``ffn_multiple`` and counted once more.
 """
 from __future__ import annotations
 
