@@ -42,8 +42,7 @@ class AdaptiveSoftmax(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: jax.Array, *, deterministic: bool = True,
                  tied: Sequence[tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
-        """``[B, T, d] -> [B, T, V]`` log-probabilities. ``tied``: each adaptive input band's ``(table [ids, width],
-        projection [width, d])`` (``AdaptiveInput.band_weights``), used as the output weights."""
+        """``[B, T, d] -> [B, T, V]`` log-probabilities; ``tied``: the input bands' ``(table, projection)`` as weights."""
         d = x_BTC.shape[-1]
         check_cutoffs(self.cutoffs, self.vocab_size, d, self.factor, "adaptive_softmax_cutoffs")
         edges = [*self.cutoffs, self.vocab_size]

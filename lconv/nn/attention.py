@@ -86,9 +86,7 @@ class AttentionFields(nn.Module):
 
 
 class SelfAttention(AttentionFields):
-    """Multi-head scaled dot-product self-attention (registry name ``"attention"``), initialised as fairseq's
-    MultiheadAttention. Decode cache: ``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``,
-    ``cache_index []``."""
+    """Multi-head scaled dot-product self-attention (registry ``"attention"``), initialised as fairseq's."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "attention_impl": "attention_impl"}
     label: ClassVar[str] = "Transformer"  # the model every layer of which uses it

@@ -146,9 +146,7 @@ class CoLT5Attention(_Routed):
 
 
 class CoLT5FeedForward(_Routed):
-    """CoLT5 routed feed-forward: ``y = FFN_light(X) + s ⊙ FFN_heavy(X_routed)``, ReLU, for the model's FFN slot.
-
-    ``light_hidden_dim`` defaults to C/2, ``heavy_hidden_dim`` to 4C; routing as in ``CoLT5Attention``."""
+    """CoLT5 routed FFN, ``FFN_light(X) + s ⊙ FFN_heavy(X_routed)`` (hidden C/2 and 4C by default), ReLU."""
 
     # Feed-forward metadata (lconv.nn.mixers.ffn_class): filled from the model; encoder layers only, as the
     # attention (a decoder layer keeps the dense FFN).

@@ -51,8 +51,7 @@ QKV_GAIN = 1 / math.sqrt(2)
 def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True, dtype: DType = jnp.float32,
                  param_dtype: DType = jnp.float32, precision: str = "default", name: str | None = None,
                  gain: float = 1.0) -> nn.Dense:
-    """fairseq's ``Linear``: xavier-uniform kernel (PyTorch's ``gain``), zero bias, logical axis names ``(in, out)``
-    so every projection shards by the config's mesh rules."""
+    """fairseq's ``Linear`` (xavier-uniform, zero bias) with logical axis names, so it shards by the mesh rules."""
     kernel_init = nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")  # gain 1 = xavier_uniform()
     return nn.Dense(
         features,
@@ -85,8 +84,7 @@ AxisRules = tuple[tuple[str, Any], ...]
 
 
 def axis_rules(rules: Sequence[Sequence[Any]] = ()) -> AxisRules:
-    """``rules`` (e.g. ``config.mesh.rules``) followed by ``lconv.constants.DEFAULT_AXIS_RULES`` for the logical
-    names ``rules`` does not map: the config's mapping wins, and a config that predates a name still shards it."""
+    """``rules`` then lconv's ``DEFAULT_AXIS_RULES`` for the names it lacks, so an older config still shards them."""
     given = tuple((str(name), target if isinstance(target, (str, type(None))) else tuple(target))
                   for name, target in rules)
     named = {name for name, _ in given}
@@ -94,8 +92,7 @@ def axis_rules(rules: Sequence[Sequence[Any]] = ()) -> AxisRules:
 
 
 def under_axis_rules(fn: Callable, rules: Sequence[Sequence[Any]] = ()) -> Callable:
-    """``fn`` run with ``axis_rules(rules)`` as flax's logical axis rules, so that the activation constraints of a
-    step traced from it follow ``config.mesh.rules`` (the rules are read at trace time; wrap before ``jax.jit``)."""
+    """``fn`` run under ``axis_rules(rules)``: activation constraints are read at trace time, so wrap before jit."""
     merged = list(axis_rules(rules))
 
     @functools.wraps(fn)
@@ -120,8 +117,7 @@ def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
 
 
 def local_shape(shape: Sequence[int], axes: tuple[str | None, ...]) -> tuple[int, ...]:
-    """The shape of one device's block of an array of ``shape`` pinned by ``constrain(x, axes)`` (``shape`` itself
-    without a mesh): what a chunked computation sizes its chunks by."""
+    """One device's block of ``shape`` as ``constrain(x, axes)`` pins it: what chunked computations size by."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return tuple(shape)
@@ -130,8 +126,7 @@ def local_shape(shape: Sequence[int], axes: tuple[str | None, ...]) -> tuple[int
 
 
 def _fitted_axes(mesh: Any, shape: Sequence[int], axes: tuple[str | None, ...]) -> list[list[str]]:
-    """Per dim, the mesh axes ``axes`` names (through the active rules) that the mesh has and whose sizes divide
-    the dim, leading ones first (``constrain``'s rule)."""
+    """Per dim, the mesh axes ``axes`` names that the mesh has and whose sizes divide it (``constrain``'s rule)."""
     spec = nn.logical_to_mesh_axes(axes, axis_rules(nn.get_logical_axis_rules()))
     fitted = []
     for size, target in zip(shape, spec):
@@ -146,16 +141,14 @@ def _fitted_axes(mesh: Any, shape: Sequence[int], axes: tuple[str | None, ...]) 
 
 
 def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str], gain: float = 1.0) -> nn.Dense:
-    """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype``, ``param_dtype`` and
-    ``matmul_precision`` (default ``"default"``)."""
+    """``xavier_dense`` with a module's ``use_bias``, ``dtype``, ``param_dtype`` and ``matmul_precision``."""
     return xavier_dense(features, axes, use_bias=getattr(mdl, "use_bias", True), dtype=mdl.dtype,
                         param_dtype=mdl.param_dtype, precision=getattr(mdl, "matmul_precision", "default"), name=name,
                         gain=gain)
 
 
 def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int, gain: float = QKV_GAIN) -> Array:
-    """An attention Q/K/V projection: ``dense`` (xavier gain ``QKV_GAIN``, as fairseq) into ``H`` heads of width
-    ``D``: ``[B, T, C] -> [B, T, H, D]``, pinned batch- and head-split."""
+    """A Q/K/V projection into heads, ``[B, T, C] -> [B, T, H, D]`` (fairseq's gain), pinned batch- and head-split."""
     return constrain(dense(H * D, name, mdl, TO_HEADS, gain=gain)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
 
 
@@ -279,8 +272,7 @@ class Embed(nn.Embed):
         return jnp.take(constrain(table, self.table_axes), inputs, axis=0)
 
     def attend(self, query: Array) -> Array:
-        """``[..., features] -> [..., num_embeddings]``: inner products with every row (tied output logits),
-        accumulated and returned in float32 whatever ``dtype`` (the loss's softmax reads them)."""
+        """Tied output logits ``[..., num_embeddings]``, in float32 whatever ``dtype`` (the loss's softmax reads them)."""
         query, table = self.promote_dtype(query, self.output_table(), dtype=self.dtype)
         return jnp.dot(query, table.T, precision=lax_precision(self.matmul_precision),
                        preferred_element_type=jnp.float32)

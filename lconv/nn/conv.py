@@ -90,9 +90,7 @@ class _ConvBase(nn.Module):
 
     def _convolve(self, x_BTC: Array, weight: Array, padding_left: int, segment_ids: Array | None, decode: bool,
                   full_fn: Callable[..., Array], step_fn: Callable[..., tuple[Array, Array]]) -> Array:
-        """``full_fn`` over the whole input, or while decoding ``step_fn`` on the cached last P = K-1 inputs; + bias.
-
-        The cache-creating ``decode`` call (no cache yet) creates the zeroed state and runs the full pass."""
+        """``full_fn`` over the input, or while decoding ``step_fn`` on the cached last K-1 inputs; plus the bias."""
         if decode:
             state_BPC, initialised = self._decode_state(x_BTC)
             if initialised:

@@ -44,8 +44,7 @@ def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
 
 
 def project_in(cfg: ModelConfig) -> nn.Module | None:
-    """``decoder_input_width -> d_model`` without bias, for a single table of another width (adaptive input
-    projects each band itself)."""
+    """``decoder_input_width -> d_model`` without bias, for one table of another width (bands project themselves)."""
     if cfg.adaptive_input_cutoffs or cfg.decoder_input_width == cfg.side("decoder").d_model:
         return None
     return xavier_dense(cfg.side("decoder").d_model, (MLP, EMBED), use_bias=False, dtype=cfg.dtype,
@@ -97,8 +96,7 @@ class OutputLayer:
 
 
 class OutputProjection(nn.Module):
-    """An untied output layer's parameter, ``kernel [C, V]`` (``N(0, C^-1/2)``, fairseq's); ``OutputLayer`` reads
-    it as its table, as it reads a tied embedding."""
+    """An untied output layer's ``kernel [C, V]`` (fairseq's init), read by ``OutputLayer`` as its table."""
 
     vocab_size: int
     width: int

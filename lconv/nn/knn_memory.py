@@ -171,9 +171,8 @@ def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_
 
 def fifo_append(keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, new_k_BTHD: Array, new_v_BTHD: Array,
                 new_valid_BT: Array) -> tuple[Array, Array, Array]:
-    """Appends the valid new entries after the valid old ones and keeps the newest ``M`` (oldest evicted).
-
-    A stable sort on ``valid`` moves empty slots to the front while keeping the valid entries in time order."""
+    """Appends the valid new entries after the valid old ones, keeping the newest ``M``: a stable sort on ``valid``
+    moves empty slots first and keeps time order."""
     M = keys_BMHD.shape[1]
     k = jnp.concatenate([keys_BMHD, new_k_BTHD.astype(keys_BMHD.dtype)], axis=1)  # [B, M + T, H, D]
     v = jnp.concatenate([values_BMHD, new_v_BTHD.astype(values_BMHD.dtype)], axis=1)

@@ -111,8 +111,7 @@ def _register(table: dict, kind: str, name: str, target: Any, replace: bool) -> 
 
 
 def _check_words(name: str, target: Any) -> None:
-    """A new mixer's name and (a class's) ``variant`` word may not be words that already pick another mixer:
-    ``--config=file.py:WORD`` could never pick it."""
+    """Refuses a new mixer whose name or ``variant`` word already picks another: ``:WORD`` could never pick it."""
     taken = {word: owner for word, owner in variants().items() if owner != name}
     word = vars(target).get("variant", name) if isinstance(target, type) else name
     for what, value in (("name", name), ("variant word", word)):
@@ -260,8 +259,7 @@ RESERVED_COLLECTIONS = ("params", "cache", "intermediates")  # lconv's own: a mi
 
 
 def _state(name: Any, state: Any) -> tuple[str, ...]:
-    """A class's ``state``: a tuple of collection names of its own (a bare string would be split into letters, and
-    a collection lconv fills itself, such as ``'intermediates'``, would never be carried)."""
+    """A class's ``state``, checked: a tuple of collection names of its own, none that lconv fills itself."""
     if not (isinstance(state, (tuple, list)) and all(isinstance(c, str) and c.isidentifier() for c in state)):
         raise UserError(f"mixer {name!r}: state={state!r} must be a tuple of collection names, e.g. ('memory',)")
     taken = [c for c in state if c in RESERVED_COLLECTIONS]
@@ -289,8 +287,7 @@ def _layout(name: Any, layout: Any) -> tuple[int, ...] | None:
 
 
 def zero_rows(tree: Any, reset_B: Any) -> Any:
-    """The default ``reset_state``: rows ``reset_B`` (bool ``[B]``) of every ``[B, ...]`` leaf of ``tree`` set to
-    zeros (``False`` for a bool leaf), the others kept."""
+    """The default ``reset_state``: rows ``reset_B`` of every ``[B, ...]`` leaf of ``tree`` zeroed, the others kept."""
     reset_B = jnp.asarray(reset_B, bool)
     if reset_B.ndim != 1:
         raise UserError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
@@ -340,8 +337,7 @@ def variants() -> dict[str, str]:
 
 
 def variant_words(side: str | None = None, both_sides: bool = False) -> list[str]:
-    """The word that picks each registered mixer (its ``variant``, or its registered name where another mixer
-    has that word), in registry order, once each; only those that fit ``side`` / both sides."""
+    """The word that picks each registered mixer, in registry order; only those that fit ``side`` / both sides."""
     words = variants()
     return [i.variant if words[i.variant] == i.name else i.name for i in importable_infos()
             if (side is None or side in i.sides) and (i.both_sides or not both_sides)]
@@ -369,8 +365,7 @@ def _warn_once(message: str) -> None:
 
 
 def constructor_fields(cls: type[nn.Module]) -> set[str]:
-    """The fields ``cls(...)`` takes: its dataclass fields, not the ``ClassVar`` attributes (``label``,
-    ``model_fields``) that ``__dataclass_fields__`` lists too."""
+    """The fields ``cls(...)`` takes: its dataclass fields, without the ``ClassVar`` attributes flax lists too."""
     if not dataclasses.is_dataclass(cls):
         return set()
     return {f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
@@ -415,7 +410,6 @@ def describe_output(out: Any) -> str:
 
 
 def ffn_for_side(name: str, side: str) -> str:
-    """The feed-forward a ``side`` layer uses when the config names ``name``: an FFN that cannot sit there (CoLT5's
-    routing ranks future tokens: encoder only) leaves that side the dense one."""
+    """The FFN a ``side`` layer uses for ``name``: one that cannot sit there (CoLT5's, encoder only) leaves the dense."""
     return name if side in getattr(ffn_class(name), "sides", BOTH_SIDES) else "dense"
 

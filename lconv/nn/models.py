@@ -67,8 +67,7 @@ class EncoderDecoder(nn.Module):
                inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
                targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Logits ``[B, T, V]`` (float32) for ``decoder_input`` (already shifted right; see ``shift_right``); with
-        ``logits=False`` the output layer's inputs instead (``_output``)."""
+        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's inputs."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
@@ -92,9 +91,8 @@ class EncoderDecoder(nn.Module):
 
 
 class DecoderOnlyLM(nn.Module):
-    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack with pre-norm (forced, for stability, unless
-    ``lm_pre_norm=False``) and a final norm (unless ``decoder_final_norm=False``); the ends of
-    ``lconv.nn.decoder_ends``."""
+    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack, pre-norm (unless ``lm_pre_norm=False``) and
+    a final norm (unless ``decoder_final_norm=False``)."""
 
     config: ModelConfig
 
@@ -115,8 +113,7 @@ class DecoderOnlyLM(nn.Module):
     def __call__(self, targets_BT: Array, *, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                  shift: bool = True, logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training); with
-        ``logits=False`` the output layer's inputs instead (``_output``)."""
+        """Next-token logits ``[B, T, V]`` (``shift``: of ``targets`` shifted right); ``logits=False``: as ``decode``."""
         inputs = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
         positions = self.positions(inputs, targets_position, decode)
@@ -177,8 +174,7 @@ class Layer(nn.Module):
     @nn.compact
     def __call__(self, x: Array, segment_ids: Array | None, positions: Array | None, deterministic: bool,
                  decode: bool, encoded: Array | None = None, encoded_segment_ids: Array | None = None) -> Array:
-        """One layer, ``[B, T, C] -> [B, T, C]``. Arguments are positional so that ``nn.remat`` can hold
-        ``deterministic`` and ``decode`` static (``remat_layer``)."""
+        """One layer, ``[B, T, C] -> [B, T, C]``; positional arguments let ``nn.remat`` hold two of them static."""
         cfg = self.config
         mixer = mixers.make_mixer(self.mixer_name, **_mixer_fields(cfg, self.mixer_name, self.side, self.layer,
                                                                    self.causal), name="mixer")
@@ -385,8 +381,7 @@ class DecodePositions(nn.Module):
 
 
 def shift_right(targets_BT: Array, segmentation_BT: Array | None = None, start_id: int = BOS_ID) -> Array:
-    """Decoder inputs: ``[start, y_0, ..., y_{T-2}]`` inside every packed segment (``start_id`` at each segment
-    start: BOS, or EOS for a fairseq model, ``ModelConfig.decoder_start_id``)."""
+    """Decoder inputs ``[start, y_0, ..., y_{T-2}]`` inside every packed segment (start: BOS, or EOS for fairseq's)."""
     shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
     if segmentation_BT is None:
         return shifted
