@@ -97,8 +97,7 @@ TRAINED_ROWS = (256, 64, 16)  # the trained run's decoding batch sizes, after au
 
 
 def test_split(config: Any, tokenizer: Any, limit: int | None = None) -> pipeline.EvalSet:
-    """The test split of ``config``'s dataset as eval.py reads it (its eval lengths and batch), the first ``limit``
-    sentences when given."""
+    """The test split of ``config``'s dataset as eval.py reads it, its first ``limit`` sentences if given."""
     data = DataConfig.from_config(config.data)
     source, input_key, target_key = sources.get_source(data.dataset, "test", data.data_dir, data.raw_dir)
     lengths = {"inputs": data.eval_max_input_length, "targets": data.eval_max_target_length}
@@ -110,8 +109,7 @@ def test_split(config: Any, tokenizer: Any, limit: int | None = None) -> pipelin
 
 
 def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
-    """auto's size first (what eval.py and train.py decode with), then ``rows_list``'s in its order, those over
-    ``count`` (the split's size) and auto's left out."""
+    """auto's size first (what eval.py and train.py use), then ``rows_list``'s up to ``count``, auto's left out."""
     return [auto] + [r for r in dict.fromkeys(rows_list) if r <= count and r != auto]
 
 

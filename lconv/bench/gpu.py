@@ -141,8 +141,7 @@ def train_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float)
 
 
 def profile_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -> list[report.Row]:
-    """A trace of the train step at ``PROFILE_T`` per model (DynamicConv, then the Transformer, as the cap allows),
-    reduced to time per kernel name."""
+    """A trace of the train step at ``PROFILE_T`` per model, as the cap allows, reduced to time per kernel name."""
     T, size = (64, train.SMOKE) if opts.quick else (PROFILE_T, train.FULL)
     dtype = "bfloat16" if train.accelerator() else "float32"
     cap = deadline - time.monotonic()
@@ -173,8 +172,7 @@ def run_workdir(opts: argparse.Namespace) -> str | None:
 
 
 def run_config(opts: argparse.Namespace, seconds: float) -> ml_collections.ConfigDict:
-    """configs/default.py with ``train.max_minutes`` set to ``seconds`` (the budget counts setup and the final
-    evaluation too); in a quick run, tests/tiny_config.py's sizes."""
+    """configs/default.py with a ``seconds`` budget (setup and final evaluation included); quick: tiny sizes."""
     from lconv.configs import common, default
 
     config = default.get_config()

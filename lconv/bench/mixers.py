@@ -51,8 +51,7 @@ class Config:
 
 
 def pallas_backend() -> bool:
-    """Whether ``impl="pallas"`` compiles here (Triton on a GPU); on CPU it runs in interpret mode, a test tool
-    whose time means nothing, and there is no TPU kernel (``lconv.ops.pallas_conv``)."""
+    """Whether ``impl="pallas"`` compiles here (Triton on a GPU); interpret mode on CPU times nothing real."""
     return jax.default_backend() == "gpu"
 
 
@@ -74,8 +73,7 @@ def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
 
 
 def _plugin_config(name: str) -> Config:
-    """A row for a mixer no built-in row measures, built first at a small shape: a mixer that fails there (its
-    own code raises, or its output is not x's shape and dtype) is one line before any row is measured."""
+    """A row for a mixer without a cost model, built first at a small shape so a broken one is one line up front."""
     info = mixers.info(name)
     causal = "encoder" not in info.sides
     try:
@@ -99,8 +97,7 @@ PALLAS_VARIANTS = {"pallas-fused": "fused"}
 
 
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
-    """A raw conv op (centred, ``padding_left = K // 2``) with a softmax-normalised random kernel; ``impl`` is one of
-    lconv.ops' or a ``PALLAS_VARIANTS`` name."""
+    """A raw centred conv op with a softmax-normalised random kernel; ``impl``: lconv.ops' or ``PALLAS_VARIANTS``'."""
     dynamic, pad = op_name == "dynamic", kernel_size // 2
 
     def build(T, B):
@@ -246,8 +243,7 @@ FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op
 
 
 def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7) -> list[report.Row]:
-    """fwd+bwd µs/token at ``T_hi`` ÷ at ``T_lo``, timing the two programs in alternation (``rounds`` each), so
-    that the machine's load drifting during the run affects both alike. Returns CSV rows."""
+    """fwd+bwd µs/token at ``T_hi`` over ``T_lo``, the two programs timed in alternation so drifting load hits both."""
     rows = []
     for config in (c for c in CONFIGS if c.name in FLATNESS_CONFIGS):
         calls = {}

@@ -230,8 +230,7 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
 
 
 def ideal_speed_up(rows: Sequence[report.Row], label: str, T: int, dtype: str) -> float | None:
-    """The FLOP model's speed-up of ``label`` over the Transformer at ``T``: the ratio of their analytic model
-    FLOPs per token (``model_flops_per_token``), which is the measured ratio's ceiling at equal FLOP rates."""
+    """The FLOP model's speed-up of ``label`` over the reference at ``T``: the measured ratio's ceiling."""
     def flops(model):
         return next((r["model_flops_per_token"] for r in rows
                      if (r["model"], r["T"], r["dtype"]) == (model, T, dtype)), None)

@@ -34,8 +34,7 @@ def attention_mask(q_seg_BT: Array, k_seg_BS: Array, q_idx_T: Array | None = Non
 
 
 def dot_product_logits(q_BTHD: Array, k_BSHD: Array, *, precision: Any = None) -> Array:
-    """``Q Kᵀ / sqrt(D)`` accumulated and returned in float32, ``[B, H, T, S]``; ``precision``: a
-    ``jax.lax.Precision`` for the dot (None = the backend's default)."""
+    """``Q Kᵀ / sqrt(D)``, ``[B, H, T, S]``, accumulated and returned in float32."""
     logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, precision=precision,
                              preferred_element_type=jnp.float32)
     return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
@@ -63,8 +62,7 @@ def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate:
 def dot_product_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, mask_BHTS: Array, *,
                           dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: Any = None,
                           precision: Any = None) -> Array:
-    """Masked scaled dot-product attention, ``[B, T, H, D]``, on materialised ``[B, H, T, S]`` logits (the
-    reference; ``lconv.ops.flash.segment_attention`` picks a kernel that does not materialise them)."""
+    """Masked attention on materialised ``[B, H, T, S]`` logits: the reference the kernels of ``ops.flash`` match."""
     logits_BHTS = dot_product_logits(q_BTHD, k_BSHD, precision=precision)
     return attend(logits_BHTS, v_BSHD, mask_BHTS, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                   dtype=dtype, precision=precision)

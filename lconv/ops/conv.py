@@ -118,10 +118,7 @@ def init_conv_state(batch_size: int, kernel_size: int, channels: int, dtype: Any
 
 
 def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[Array, Array]:
-    """Causal light conv over ``T >= 1`` new positions given the last ``P = K - 1`` inputs.
-
-    Returns ``(y_BTC, new_state_BPC)``; ``y`` equals ``light_conv(x_all, w, K - 1)`` at those positions.
-    """
+    """Causal light conv over ``T >= 1`` new positions given the last ``K - 1`` inputs: ``(y_BTC, new_state_BPC)``."""
     B, T, C, H, K = _check_light(x_BTC, weight_HK, weight_HK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     return dynamic_conv_step(x_BTC, state_BPC, _broadcast_kernel(weight_HK, B, T))
@@ -208,10 +205,7 @@ def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
 
 
 def _tile_windows(x_BTC, padding_left, K, L, H):
-    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, G, W, H, D]`` and ``G``.
-
-    Needs ``L >= K - 1`` so a tile's halo lies inside the next tile.
-    """
+    """Tiles of ``L`` outputs with their ``L + K - 1`` inputs, ``[B, G, W, H, D]`` and ``G``; needs ``L >= K - 1``."""
     B, T, C = x_BTC.shape
     G = -(-T // L)
     # (G + 1) tiles cover the left padding, T inputs, the right padding and the last tile's halo.

@@ -20,8 +20,7 @@ LEVELS = 2 ** 16
 
 
 def keep_mask(key: Array, rate: float, shape: tuple[int, ...]) -> Array:
-    """``keep [shape] bool``: each element kept with probability ``1 - rate``, the rate rounded to ``2**-16``.
-    ``0 <= rate < 1``."""
+    """``keep [shape] bool``: each element kept with probability ``1 - rate`` (rounded to ``2**-16``)."""
     drop_levels = round(rate * LEVELS)
     if drop_levels >= LEVELS:
         raise ValueError(f"dropout rate {rate} rounds to 1 at 16 bits; a rate of 1 drops everything")

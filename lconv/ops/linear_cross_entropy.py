@@ -22,8 +22,7 @@ VOCAB_SLICE = 2048  # ids per slice of a chunk's backward matmuls (at most; the 
 
 def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
            precision: jax.lax.Precision) -> Array:
-    """Float32 logits ``[B, T, V]`` of ``x`` against the table, read in ``dtype`` with float32 accumulation; the
-    ids from ``valid_vocab`` on at -inf (never predicted)."""
+    """Float32 logits ``[B, T, V]`` of ``x`` against the table, ids from ``valid_vocab`` on at -inf."""
     z_BTV = jnp.einsum("btc,vc->btv", x_BTC.astype(dtype), table_VC.astype(dtype), precision=precision,
                        preferred_element_type=jnp.float32)
     V = z_BTV.shape[-1]
@@ -31,8 +30,8 @@ def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
 
 
 def chunk_length(rows: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
-    """The chunk length ``L``: the longest that keeps ``rows x L x vocab`` logits within ``budget`` (at least 1),
-    lowered to divide ``length`` evenly when a divisor at least half as long exists (no padding copy)."""
+    """The longest chunk that keeps ``rows x L x vocab`` logits within ``budget``, shortened to divide ``length``
+    where a divisor at least half as long exists (no padding copy)."""
     longest = max(1, min(length, budget // max(rows * vocab, 1)))
     divisor = next(d for d in range(longest, 0, -1) if length % d == 0)
     return divisor if 2 * divisor >= longest else longest
@@ -63,8 +62,7 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
 
 
 def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
-    """One chunk's ``(loss, nll, correct)`` sums and, given the table gradient's accumulator ``dtable_VC``,
-    ``(dx_BLC, dtable_VC)``: the chunk's input gradient and the accumulator with its table gradient added."""
+    """One chunk's ``(loss, nll, correct)`` sums and, given the accumulator ``dtable_VC``, ``(dx_BLC, dtable_VC)``."""
     _, _, valid_vocab, eps, dtype, precision = settings
     V = table_VC.shape[0]
     table_VC = table_VC.astype(dtype)
@@ -167,8 +165,7 @@ def _sums_forward(x_BTC, table_VC, targets_BT, weights_BT, settings):
 
 
 def _sums_backward(settings, grads, cotangents):
-    """Scales the gradients of the loss made in the forward by its cotangent (``nll`` and ``correct`` are
-    stopped in ``cross_entropy_sums``, so theirs are zero)."""
+    """Scales the forward's gradients of ``loss`` by its cotangent (``nll`` and ``correct`` carry none)."""
     dx_BTC, dtable_VC = grads
     g_loss = cotangents[0]
     return ((g_loss * dx_BTC).astype(dx_BTC.dtype), (g_loss * dtable_VC).astype(dtable_VC.dtype), None, None)

@@ -268,8 +268,8 @@ def _put_column(dw_LK, k, dw_L):
 
 
 def _store_dweight(dw_ref, dw_LK, t_L, T, K, light):
-    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the ``[L, Kp]`` tile masked
-    to the live steps and ``k < K`` (the block is ``[L, K]``; the masked lanes past ``K`` are never written)."""
+    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the ``[L, Kp]`` tile masked to
+    the live steps and ``k < K``."""
     if light:
         dw_ref[...] = jnp.sum(dw_LK, axis=0)
         return
