@@ -42,7 +42,7 @@ class AdaptiveSoftmax(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: jax.Array, *, deterministic: bool = True,
                  tied: Sequence[tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
-        """``[B, T, d] -> [B, T, V]`` log-probabilities; ``tied``: the input bands' ``(table, projection)`` as weights."""
+        """``[B, T, d] -> [B, T, V]`` log-probabilities; ``tied``: the input bands' tables and projections."""
         d = x_BTC.shape[-1]
         check_cutoffs(self.cutoffs, self.vocab_size, d, self.factor, "adaptive_softmax_cutoffs")
         edges = [*self.cutoffs, self.vocab_size]

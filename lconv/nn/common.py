@@ -272,7 +272,7 @@ class Embed(nn.Embed):
         return jnp.take(constrain(table, self.table_axes), inputs, axis=0)
 
     def attend(self, query: Array) -> Array:
-        """Tied output logits ``[..., num_embeddings]``, in float32 whatever ``dtype`` (the loss's softmax reads them)."""
+        """Tied output logits ``[..., num_embeddings]``, float32 whatever ``dtype`` (the loss's softmax reads them)."""
         query, table = self.promote_dtype(query, self.output_table(), dtype=self.dtype)
         return jnp.dot(query, table.T, precision=lax_precision(self.matmul_precision),
                        preferred_element_type=jnp.float32)

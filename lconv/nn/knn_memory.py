@@ -158,7 +158,8 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
 
 def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,
                      precision: jax.lax.Precision | None = None) -> tuple[Array, Array]:
-    """Softmax attention of each query over its ``k`` retrieved entries, float32: ``(out [B, T, H, D], found [B, T, H])``,
+    """Softmax attention of each query over its ``k`` retrieved entries, float32: ``(out [B, T, H, D], found [B, T,
+    H])``,
     ``out`` 0 where nothing valid was retrieved."""
     scores_BHTJ, idx_BHTJ = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
     ok_BHTJ = scores_BHTJ > MASKED_LOGIT / 2

@@ -44,7 +44,7 @@ class MixerState:
 
     def apply(self, apply_fn: Callable[..., Any], params: PyTree, *args: Any, update: bool = True,
               **kwargs: Any) -> tuple[Any, MixerState]:
-        """``(apply_fn's output, the state after this window)``: read, and with ``update`` left as the call updated it."""
+        """``(apply_fn's output, the state after this window)``: read, and with ``update`` as the call left it."""
         variables = {"params": params, **self.collections}
         if not self.collections or not update:
             return apply_fn(variables, *args, **kwargs), self

@@ -410,6 +410,6 @@ def describe_output(out: Any) -> str:
 
 
 def ffn_for_side(name: str, side: str) -> str:
-    """The FFN a ``side`` layer uses for ``name``: one that cannot sit there (CoLT5's, encoder only) leaves the dense."""
+    """The FFN a ``side`` layer uses for ``name``: one that cannot sit there (CoLT5's) leaves the dense one."""
     return name if side in getattr(ffn_class(name), "sides", BOTH_SIDES) else "dense"
 

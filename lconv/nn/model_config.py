@@ -242,12 +242,12 @@ class ModelConfig:
         return config
 
     def ensure_valid(self, decoder_only: bool = False) -> None:
-        """``validate`` once per model kind: a model's ``setup`` runs at every trace, its config need not be rechecked."""
+        """``validate`` once per model kind: a model's ``setup`` runs at every trace, the check need not."""
         if decoder_only not in self.__dict__.get("_valid_for", ()):
             self.validate(decoder_only)
 
     def validate(self, decoder_only: bool = False) -> None:
-        """Every field rule and combination for an encoder-decoder or (``decoder_only``) an LM; one line, first broken."""
+        """Every field rule and combination for an encoder-decoder or (``decoder_only``) an LM; one line each."""
         self._check_ranges()
         self._check_decoder_ends()
         if self.adaptive_softmax_cutoffs:
@@ -364,7 +364,8 @@ class ModelConfig:
             check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
 
     def side(self, name: str) -> SideConfig:
-        """Side ``name``'s block settings: its ``{name}_<field>`` where set, else the shared one (a conv width 0: its own)."""
+        """Side ``name``'s block settings: its ``{name}_<field>`` where set, else the shared one (a conv width 0: its
+        own)."""
         if name not in BOTH_SIDES:
             raise ValueError(f"side must be one of {BOTH_SIDES}; got {name!r}")
         values = {}

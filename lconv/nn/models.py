@@ -67,7 +67,8 @@ class EncoderDecoder(nn.Module):
                inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
                targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's inputs."""
+        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's
+        inputs."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
@@ -113,7 +114,7 @@ class DecoderOnlyLM(nn.Module):
     def __call__(self, targets_BT: Array, *, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                  shift: bool = True, logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Next-token logits ``[B, T, V]`` (``shift``: of ``targets`` shifted right); ``logits=False``: as ``decode``."""
+        """Next-token logits ``[B, T, V]`` (``shift``: of ``targets`` shifted right); ``logits=False`` as ``decode``."""
         inputs = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
         positions = self.positions(inputs, targets_position, decode)

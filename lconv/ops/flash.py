@@ -276,7 +276,7 @@ def cudnn_unsupported(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, *, segmented:
 
 def auto_impl(platform: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: Any, *, segmented: bool,
               causal: bool = False, radius: int | None = None, dropout: bool = False) -> str:
-    """The kernel ``impl="auto"`` runs for these shapes on ``platform``, as ``segment_attention`` decides (for reports)."""
+    """The kernel ``impl="auto"`` runs for these shapes on ``platform`` (``segment_attention``'s choice)."""
     if platform == "cuda":
         q = jax.ShapeDtypeStruct(q_shape, dtype)
         k = jax.ShapeDtypeStruct(k_shape, dtype)

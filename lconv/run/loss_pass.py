@@ -24,8 +24,8 @@ Batch = dict[str, Any]
 
 
 def make_eval_step(config: Any) -> Callable:
-    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state`` (the mixers' carried state) is empty
-    except on streams."""
+    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``, the mixers' carried state, is empty but on
+    streams."""
     def eval_step(params, apply_fn, batch, carried):
         outputs, carried = model_setup.apply_model(apply_fn, params, carried, batch, deterministic=True,
                                                    logits=not config.optim.fused_loss)

@@ -37,8 +37,7 @@ _trust_plugins = contextvars.ContextVar("trust_plugins", default=False)  # the C
 
 @contextlib.contextmanager
 def trusting_plugins(trust: bool = True) -> Any:
-    """Within it, a stored config may name plugin modules that are not imported yet (the programs'
-    ``--trust_plugins``; the API passes ``trust_plugins=`` instead)."""
+    """Within it, a stored config may name plugin modules not imported yet (the programs' ``--trust_plugins``)."""
     token = _trust_plugins.set(bool(trust))
     try:
         yield
@@ -136,14 +135,12 @@ def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | N
 
 
 def as_flag(name: str) -> str:
-    """An option as the programs' flags spell it (``average_last`` -> ``--average_last``): errors name what the user
-    typed; the API passes ``spell=str``, so its errors name its own arguments."""
+    """An option as the programs' flags spell it (``--average_last``), so errors name what the user typed."""
     return f"--{name}"
 
 
 def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[[str], str] = as_flag) -> None:
-    """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags (``spell=str``: as
-    the API's arguments)."""
+    """Which checkpoints ``load_trained`` may average; errors named as ``spell`` spells the options."""
     if not isinstance(checkpoint, str) or checkpoint not in ("latest", "best"):
         raise UserError(f"{spell('checkpoint')}={checkpoint!r}: must be latest or best")
     if not is_integer(average_last) or average_last < 1:

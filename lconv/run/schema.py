@@ -198,8 +198,7 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "tra
 
 
 def _fill(target: Any, section: type) -> None:
-    """Sets each field ``target`` lacks to its default; a None default of a ConfigDict becomes a typed placeholder,
-    so that the command line can still set it."""
+    """Sets each field ``target`` lacks to its default (a None default as a typed placeholder flags can set)."""
     for f in schema_fields(section):
         if f.name not in target:
             value, kind = default_of(f), f.metadata["placeholder"]
@@ -298,8 +297,8 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
 
 def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
                  ) -> None:
-    """Each given (not None) ``config.decode`` field of ``values`` by its rule, named as ``spell`` says (a flag's
-    name on the command line): the one check of decoding settings, whichever surface takes them."""
+    """Each given ``config.decode`` field of ``values`` by its rule, named as ``spell`` says: one check for every
+    surface."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
     for name, value in values.items():
         if value is not None:

@@ -83,8 +83,7 @@ def peak_rss_bytes() -> int:
 
 
 def machine() -> dict[str, str]:
-    """What the run was measured on (CPU, device, JAX; and when it finished): kept in its record, so a study
-    resumed from an archive made elsewhere says which figures came from which machine."""
+    """What the run was measured on and when, kept so a resumed study says which figures came from where."""
     info = timing.machine_info()
     return {key: info[key] for key in ("cpu", "device", "jax", "date")}
 

@@ -59,8 +59,7 @@ class RunKey:
 
 @dataclasses.dataclass
 class Planned:
-    """One run of the study: its training config, or why it has none (the mixer does not fit the task, or the
-    config could not be built / matched: ``error``)."""
+    """One run of the study: its training config, or why it has none (the mixer does not fit, or ``error``)."""
 
     key: RunKey
     config: Config | None = None
@@ -73,8 +72,7 @@ class Planned:
 
 
 def normalize(study: Config) -> Config:
-    """An unlocked copy with ``mixers``, ``tasks`` and ``seeds`` as tuples, whether the config file or the command
-    line gave them (``--config.mixers=transformer,dynamic`` arrives as one comma-separated string)."""
+    """An unlocked copy with ``mixers``, ``tasks`` and ``seeds`` as tuples, from the file or the command line."""
     def split(values: Any) -> list[str]:
         values = [values] if isinstance(values, (str, int)) else list(values)
         return [w.strip() for v in values for w in str(v).split(",") if w.strip()]
@@ -234,8 +232,7 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
 
 
 def templates(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
-    """One Planned per (task, mixer): seed 0's, with the matched FFN width. A config that cannot be built or
-    matched is an ``error`` of its runs (reported as failed), not of the study."""
+    """One Planned per (task, mixer), seed 0's with the matched FFN; a config that fails is its runs' error."""
     found = []
     for task in study.tasks:
         vocab = vocab_sizes[task]
@@ -287,8 +284,7 @@ def expand(study: Config, found: Sequence[Planned],
 
 
 def check_generation_fits(study: Config, config: Config) -> None:
-    """The LM's decoding-speed measure generates ``lm_generate_tokens`` from BOS, feeding BOS and all but the
-    last: as many positions as tokens, which must fit the positions a Fixed or Hadamard table holds."""
+    """The LM speed measure's ``lm_generate_tokens`` positions must fit a Fixed or Hadamard table's ``max_len``."""
     if study.lm_generate_tokens > config.model.max_len:
         raise UserError(f"config.lm_generate_tokens={study.lm_generate_tokens}: more than the LM's model.max_len="
                         f"{config.model.max_len} positions (the decoding-speed measure feeds BOS and every "

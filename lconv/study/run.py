@@ -108,8 +108,7 @@ class _Terminated(Exception):
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises ``_Terminated`` once; a second one while the study stops its run is ignored (it raised again
-    inside the stop, two tracebacks deep)."""
+    """SIGTERM raises ``_Terminated`` once; a second one while the run is being stopped is ignored."""
     raised = []
 
     def handler(signum: int, frame: Any) -> None:
@@ -251,8 +250,7 @@ def _cache_compilations(directory: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m lconv.study.run <spec.json>``: exit 0 with ``study_result.json``, else 1 with
-    ``study_failure.json`` (the one-line error; the traceback, for a bug, is in the log)."""
+    """``python -m lconv.study.run <spec.json>``: 0 with ``study_result.json``, else 1 with ``study_failure.json``."""
     spec = read_json(argv[1])
     if spec is None:
         print(f"error: cannot read the run spec {argv[1]}", file=sys.stderr)
