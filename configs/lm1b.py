@@ -2,16 +2,12 @@
 
     python train.py --config=configs/lm1b.py:dynamic --workdir=gs://BUCKET/lm1b_dynamic
     python train.py --config=configs/lm1b.py:transformer --workdir=...
-    python train.py --config=configs/lm1b.py:knn,ddtp --workdir=runs/lm_knn     # bundled corpus, laptop CPU
+    python train.py --config=configs/lm1b.py:knn,ddtp --workdir=runs/lm_knn     # bundled corpus, on a CPU
 
-d 512, FFN 4096, 16 heads, 6 layers with kernels [3,7,15,31,31,31], dropout, attention, weight and input dropout
-0.1 (fairseq's architecture); fairseq has no training command for it, so the optimisation is that of fairseq's
-LM command (examples/language_model/README.adaptive_inputs.md): NAG (momentum 0.99), lr warmed up from 1e-7 to 1
-over 16k updates, then here one cosine, gradient-norm clipping 0.1; 256 rows x 256 tokens = 65,536 tokens per
-update (docs/recipes.md compares every value). The output layer is the shared
-embedding over a 32k SentencePiece vocabulary; the ``adaptive`` variant word swaps in fairseq's adaptive softmax
-(``lconv.nn.adaptive_softmax``; its gbw recipe cuts a 793k word vocabulary at 60k/160k, here 32k pieces at 8k/20k,
-factor 4, untied embeddings):
+fairseq's architecture; fairseq has no training command for it, so the optimisation is its LM command's
+(examples/language_model/README.adaptive_inputs.md; docs/recipes.md compares every value). The output layer is
+the shared embedding over a 32k SentencePiece vocabulary; the ``adaptive`` variant word swaps in fairseq's
+adaptive softmax (``lconv.nn.adaptive_softmax``; 32k pieces cut at 8k/20k, factor 4, untied embeddings):
 
     python train.py --config=configs/lm1b.py:dynamic,adaptive --workdir=...
 
@@ -24,9 +20,8 @@ More variant words:
 - ``stream``: the same document streams for any mixer (``transformer,stream`` is the no-memory baseline of
   ``knn``: the same windows, no memory). A mixer that carries state (its class's ``state``, a plugin's too)
   gets them without the word.
-- ``ddtp``: the bundled English DDTP descriptions (``ddtp/lm_en``) with a small model for a local run:
-  d 256, FFN 1024, 4 heads, 3 layers, kernels 3/7/15, an 8k vocabulary, Adam (3e-3, pre-norm, 100 warmup
-  steps), 10 minutes; with ``knn`` the memory holds 512 entries.
+- ``ddtp``: the bundled English DDTP descriptions (``ddtp/lm_en``) with a small model for a 10-minute local run
+  (with ``knn`` the memory holds 512 entries).
 
 Needs tfds ``lm1b`` prepared (see README), except with ``ddtp``.
 """
@@ -47,9 +42,7 @@ def get_config(arg=None):
     c.model.dropout, c.model.attention_dropout, c.model.weight_dropout = 0.1, 0.1, 0.1
     c.model.input_dropout = 0.1  # lightconv_lm's default
     c.optim.optimizer, c.optim.momentum = "nag", 0.99
-    # Peak lr 1: fairseq's LM command (0.12.2: --optimizer nag --lr 1.0 --min-lr 0.0001). 1e-4 here was the cosine
-    # floor of its pre-2020 form (--max-lr 1.0 --lr 0.0001: that cosine scheduler warmed up to --max-lr), read as
-    # the peak.
+    # Peak lr 1: fairseq's LM command (0.12.2: --optimizer nag --lr 1.0 --min-lr 0.0001; docs/recipes.md).
     c.optim.learning_rate, c.optim.schedule, c.optim.warmup_steps = 1.0, "cosine", 16_000
     c.optim.clip_norm = 0.1
     c.optim.label_smoothing = 0.0

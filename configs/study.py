@@ -1,31 +1,15 @@
 """The reproduction study: every mixer on the three bundled DDTP tasks, same data, budget and seeds.
 
-    python -m lconv.study --config=configs/study.py --output_dir=runs/study              # full (see its budget below)
+    python -m lconv.study --config=configs/study.py --output_dir=runs/study              # full
     python -m lconv.study --config=configs/study.py:quick --output_dir=/tmp/study_quick --docs_dir=/tmp/study_quick
     python -m lconv.study --config=configs/study.py:gpu --output_dir=runs/study_gpu      # one accelerator
 
-Re-running a command skips finished runs and resumes interrupted ones. Each finished run is also archived in
-``<docs_dir>/results/runs/`` (a few KB: record, config, training curve; committed with the results), and
-``--resume_from=docs`` copies those runs into a new ``--output_dir`` instead of training them again, so a study
-split over sessions or machines goes on from its committed archive (lconv/study/archive.py). ``--docs_dir``
-(default ``docs``) receives ``results.md`` and ``results/`` (plots, results.json, results.csv); ``--config.seeds=0,1``
-and the other fields below override as in train.py. How runs are matched and measured: lconv/study/plan.py and
-measure.py.
-
-Modes (the variant word):
-- ``full`` (default): the README default's model and recipe (configs/default.py: d 256, FFN 512 for the
-  Transformer, 4 heads, 3+3 layers with kernels (3, 7, 15), pre-norm, no dropout, a 100-step warm-up and a
-  cooldown, packed rows of 64 tokens, its 4k tokenizer); the LM has 3 decoder layers over 64-token windows of
-  document streams. Every mixer trains 600 updates (equal updates, not equal minutes: host speed changes the
-  minutes, not the model) at the peak rate and length penalty its own tuning sweep chose on the validation split
-  (``tuning``, lconv/study/tuning.py), 3 seeds (summarization 2), beam 4 over the whole test split.
-- ``quick``: a smoke test in a few minutes: d 32, one layer each side, vocabulary 512, 12 updates, one seed,
-  greedy decoding of test examples cut to 32 tokens, a two-rate sweep of 6 updates. The numbers mean nothing.
-- ``gpu``: the same command on one accelerator: d 512, FFN 2048, 8 heads, 6+6 layers (LM: 6) with the paper's
-  kernels (3, 7, 15, 31, 31, 31), 8k vocabulary, 64 rows of 128 tokens, 6,000 updates (LM 4,000, windows of
-  256), 3 seeds, beam 5, the last 5 checkpoints averaged, its sweep over 2,000-update runs.
-
-How long each mode takes on which machine: docs/results.md (its wall-time line) and docs/training.md.
+A re-run skips finished runs and resumes interrupted ones; ``--resume_from=docs`` copies the runs archived in
+``<docs_dir>/results/runs/`` instead of training them again (lconv/study/archive.py). Modes: ``full``, the README
+default's model and recipe, 600 updates per run (equal updates, not equal minutes), each mixer at the rate and
+length penalty its own sweep chose;
+``quick``, a smoke test whose numbers mean nothing; ``gpu``, the paper's sizes on one accelerator. How runs are
+matched and measured: lconv/study/plan.py and measure.py; how long each mode takes: docs/results.md.
 """
 import ml_collections
 

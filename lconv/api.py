@@ -70,12 +70,9 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
 
 
 def ensemble(models: Sequence[Model]) -> Model:
-    """``models`` decoding together, as fairseq-generate's ``--path a.pt:b.pt``: at each step their next-token
-    distributions are averaged (the log of the mean probability, ``lconv.nn.ensemble``). The result is a
-    ``Model``: ``translate`` / ``score`` / ``bleu`` or ``generate`` / ``perplexity`` run the ensemble, with the
-    first model's config (its decoding settings; its length limits the members' minimum) and tokenizer, which
-    every member must share. A
-    member that is itself an ensemble adds its members, so every model weighs the same."""
+    """``models`` decoding together, as fairseq-generate's ``--path a.pt:b.pt``: their next-token distributions are
+    averaged at each step (``lconv.nn.ensemble``). The result is a ``Model`` with the first model's config and
+    tokenizer, which every member must share; a member that is an ensemble adds its members, so each weighs the same."""
     if isinstance(models, (str, Model)) or not isinstance(models, Sequence) or not models:
         raise UserError("models: pass a non-empty list of lconv.Model (lconv.load(...) of each run)")
     for i, model in enumerate(models):

@@ -40,12 +40,8 @@ class _MessageHandler(logging.StreamHandler):
 
 
 def show_log(stream: str = "stdout") -> None:
-    """lconv's log from INFO up, one message a line as ``print`` wrote it before lconv used ``logging``, on
-    ``sys.stdout`` or ``sys.stderr`` (``stream``). Replaces an earlier call's handler, so a process that runs two
-    programs shows each line once.
-
-    A plain message rather than absl's format (level, time, file: line) keeps what users and scripts read the same;
-    the records do not propagate to the root logger, where absl's handler would print them a second time."""
+    """lconv's log from INFO up, one plain message a line on ``stream``, as users and scripts read it (not absl's
+    format); replaces an earlier call's handler and does not propagate, so each line shows once."""
     if stream not in ("stdout", "stderr"):
         raise ValueError(f"stream must be 'stdout' or 'stderr'; got {stream!r}")
     logger = logging.getLogger(ROOT_LOGGER)

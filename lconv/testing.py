@@ -1,4 +1,4 @@
-"""The token-mixer contract (``lconv.nn.mixers``) as an executable checker, for mixers of your own.
+"""The token-mixer contract (docs/models.md, "The mixer contract") as an executable checker, for your own mixers.
 
     import lconv.testing
     lconv.testing.check_mixer("my_mixers:MeanPool")            # or a registered name, or the class itself

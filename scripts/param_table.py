@@ -5,7 +5,7 @@
 
 ``--write`` replaces what stands between the ``<!-- param-table:begin -->`` and ``<!-- param-table:end -->``
 lines, so the table in docs/models.md is generated, never hand-edited; tests/test_models.py checks rows of it
-against fresh counts. Takes about a minute on a laptop CPU (tracing only).
+against fresh counts (tracing only, nothing allocated).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The package's shape, checked from its source (AST, function-level imports included): layers that only import
-downwards, no import cycle, no file over 500 lines, no function over 80, annotations on public functions.
+"""The package's shape, checked from its source (AST: function-level imports and imports by name included): layers
+that only import downwards, no import cycle, no file over 500 lines, no function over 80, annotations on public
+functions.
 
 The layers, bottom to top (a module may import its own layer's package and any layer below):
     0  lconv (the root), lconv.constants, lconv.errors        facts and the error type every layer shares
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
+import shutil
 
 import pytest
 
@@ -39,10 +41,10 @@ LAYERS = {"lconv": 0, "lconv.constants": 0, "lconv.errors": 0, "lconv.ops": 1, "
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
 
 
-def _modules() -> dict[str, pathlib.Path]:
+def _modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
     modules = {}
-    for path in sorted((ROOT / "lconv").rglob("*.py")):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in sorted((root / "lconv").rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     return modules
 
@@ -59,43 +61,72 @@ def _group(module: str) -> str:
     raise AssertionError(f"{module} is in no layer; add its package to LAYERS in tests/test_layout.py")
 
 
-def _imports(module: str) -> set[str]:
-    """The lconv modules ``module`` imports anywhere in its body."""
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+def _imported_names(tree: ast.AST, package: str = "") -> set[str]:
+    """Every dotted name a source imports: import statements (relative ones against ``package``), and
+    ``importlib.import_module(...)`` / ``__import__(...)`` calls by the constant start of their argument."""
+    names = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
+                if not package:
+                    continue
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in MODULES:
-                target = target.rpartition(".")[0]
-            if target and target != module and not module.startswith(target + "."):
-                found.add(target)
+            # By the names: ``from lconv import train`` imports lconv.train, ``from lconv.run import x`` lconv.run.
+            names.update(f"{base}.{alias.name}" if base else alias.name for alias in node.names)
+        elif (isinstance(node, ast.Call) and node.args
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            arg = node.args[0]
+            first = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value:
+                names.add(first.value.rstrip("."))  # f"lconv.configs.{family}" imports from lconv.configs
+    return names
+
+
+def _imports(module: str, modules: dict[str, pathlib.Path] = MODULES) -> set[str]:
+    """The lconv modules and packages ``module`` imports anywhere in its body, statically or by name. A folder
+    without ``__init__.py`` is a package too, so ``from lconv import train`` is an import of ``lconv.train``."""
+    path = modules[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    known = {".".join(name.split(".")[:n]) for name in modules for n in range(1, name.count(".") + 2)}
+    found = set()
+    for target in _imported_names(ast.parse(path.read_text(encoding="utf-8")), package):
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != module and not module.startswith(target + "."):
+            found.add(target)
     return found
 
 
-GRAPH = {module: _imports(module) for module in MODULES}
+def _graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    return {module: _imports(module, modules) for module in modules}
 
 
-def test_every_import_points_down_or_stays_in_its_package():
+GRAPH = _graph(MODULES)
+# The root's PEP 562 attributes import these on first use, so ``import lconv`` itself imports nothing above it.
+LAZY_ATTRIBUTES = {("lconv", "lconv.api"), ("lconv", "lconv.nn.mixers")}
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
     wrong = []
-    for module, targets in GRAPH.items():
+    for module, targets in graph.items():
         group = _group(module)
         for target in targets:
             target_group = _group(target)
+            if (module, target) in LAZY_ATTRIBUTES:
+                continue
             if LAYERS[target_group] > LAYERS[group]:
                 wrong.append(f"{module} (layer {LAYERS[group]}) imports {target} (layer {LAYERS[target_group]})")
             elif LAYERS[target_group] == LAYERS[group] and target_group != group and LAYERS[group] > 0:
                 wrong.append(f"{module} imports {target}, a sibling package of the same layer")
+    return wrong
+
+
+def test_every_import_points_down_or_stays_in_its_package():
+    wrong = _layer_violations(GRAPH)
     assert not wrong, "\n".join(wrong)
 
 
@@ -111,9 +142,9 @@ TRAINERS = {"lconv.bench.train": "times the train step", "lconv.bench.gpu": "tim
             "lconv.interop.fairseq_replay": "replays a recorded fairseq-train run through the train step"}
 
 
-def test_surfaces_never_import_train():
+def _surface_violations(graph: dict[str, set[str]]) -> list[str]:
     wrong = []
-    for module, targets in GRAPH.items():
+    for module, targets in graph.items():
         if not any(module == s or module.startswith(s + ".") for s in SURFACES):
             continue
         for target in sorted(t for t in targets if t == "lconv.train" or t.startswith("lconv.train.")):
@@ -121,6 +152,11 @@ def test_surfaces_never_import_train():
                 continue  # it trains (TRAINERS says why), through training's entry points only
             wrong.append(f"{module} imports {target}: a surface imports lconv.run (config, model, restore), never "
                          "lconv.train" + (f" beyond {', '.join(TRAINING_ENTRY)}" if module in TRAINERS else ""))
+    return wrong
+
+
+def test_surfaces_never_import_train():
+    wrong = _surface_violations(GRAPH)
     assert not wrong, "\n".join(wrong)
 
 
@@ -130,24 +166,6 @@ def test_export_never_imports_the_cli():
              if module == "lconv.export" or (module.startswith("lconv.export.") and module != "lconv.export.__main__")
              for target in sorted(targets) if target == "lconv.cli" or target.startswith("lconv.cli.")]
     assert not wrong, "\n".join(wrong)
-
-
-def _imported_names(tree: ast.AST) -> list[str]:
-    """Every module a source imports: import statements, and ``importlib.import_module("...")`` /
-    ``import_module(f"...{x}")`` calls by the constant start of their argument."""
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            names.append(node.module or "")
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-              == "import_module" and node.args):
-            arg = node.args[0]
-            first = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                names.append(first.value)
-    return names
 
 
 def _sources() -> dict[str, str]:
@@ -182,7 +200,7 @@ def test_no_import_cycles():
         for target in sorted(GRAPH[module]):
             if state.get(target) == "open":
                 cycles.append(" -> ".join(path[path.index(target):] + [target]))
-            elif target not in state:
+            elif target not in state and target in GRAPH:  # a folder without __init__.py runs no code
                 visit(target, path + [target])
         state[module] = "done"
 
@@ -196,6 +214,36 @@ def test_the_layer_check_can_fail():
     """The checker sees a real upward import (so the tests above are not vacuous)."""
     assert "lconv.nn.models" in GRAPH["lconv.run.model_setup"]
     assert LAYERS[_group("lconv.run.model_setup")] > LAYERS[_group("lconv.nn.models")]
+
+
+def _copy_of_the_package(tmp_path: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(ROOT / "lconv", tmp_path / "lconv",  # the sources only (lconv/configs is a link: its files)
+                    ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
+                                                  and not pathlib.Path(folder, n).is_dir()])
+    return tmp_path
+
+
+# Each way of importing upwards, planted in a low layer (lconv.nn) and in a surface (lconv.api).
+PLANTED = {"a static import": "import lconv.train.setup",
+           "a from-import of a folder without __init__.py": "from lconv import train",
+           "a relative from-import of that folder": "from {parent} import train",
+           "importlib.import_module": "importlib.import_module('lconv.train.setup')",
+           "import_module of an f-string": "importlib.import_module(f'lconv.train.{name}')",
+           "__import__": "__import__('lconv.train.setup')"}
+
+
+@pytest.mark.parametrize("how", sorted(PLANTED))
+def test_the_checks_fail_on_each_planted_import(tmp_path, how):
+    """The checks above see each kind of import (so their passing is not vacuous): planted in a copy of the package,
+    the import fails the layer check from lconv.nn and the surface check from lconv.api."""
+    root = _copy_of_the_package(tmp_path)  # unplanted, it passes (the tests above)
+    for module, parent in (("nn/common.py", ".."), ("api.py", ".")):
+        path = root / "lconv" / module
+        planted = PLANTED[how].replace("{parent}", parent)
+        path.write_text(path.read_text(encoding="utf-8") + f"\n\ndef _planted(name):\n    {planted}\n")
+    graph = _graph(_modules(root))
+    assert any(v.startswith("lconv.nn.common (layer 2) imports lconv.train") for v in _layer_violations(graph))
+    assert any(v.startswith("lconv.api imports lconv.train") for v in _surface_violations(graph))
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

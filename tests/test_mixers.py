@@ -1,4 +1,4 @@
-"""The mixer contract (lconv/nn/mixers.py), checked the same way for every registered mixer: the executable
+"""The mixer contract (docs/models.md), checked the same way for every registered mixer: the executable
 contract (``lconv.testing.check_mixer``: segments, padding, causality, decoding = the full pass, ...) and mixers
 broken on purpose that it must catch, float32 softmax under bfloat16, one-line ValueErrors that name the bad field
 or argument, and the plugin route (``register_mixer``, ``package.module:Class``) through configs and models.

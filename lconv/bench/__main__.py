@@ -63,8 +63,7 @@ def committed_paths(backend: str) -> tuple[str, str]:
 
 
 def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, backend: str = "cpu") -> None:
-    """Fills ``--out``/``--doc`` (``backend``: where the suites run); a ``--quick`` run writing over committed
-    results is refused."""
+    """Fills ``--out``/``--doc`` for ``backend``; a ``--quick`` run writing over committed results is refused."""
     default_out, default_doc = opts.out is None, opts.doc is None
     if opts.out is not None and opts.doc is None:  # the report goes beside the figures it shows
         opts.doc = os.path.join(opts.out, "benchmarks.md")

@@ -33,7 +33,7 @@ from lconv.run import model_setup, restore
 
 logger = logging.getLogger(__name__)
 
-MODELS = {"DynamicConv": None, "Transformer": "transformer"}  # label -> configs/default.py's word
+MODELS = timing.labelled(("dynamicconv", "attention"))  # label -> registered name (picks configs/default.py's)
 ROWS = (16, 64, 256, 512, 1024)
 BASE_ROWS = 64  # the speed-ups are over this size: the eval batch the issue measured
 REPEATS = 3
@@ -61,8 +61,8 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
     size (the models alternate); no new size starts after ``deadline`` (``time.monotonic()``), if given. ``smoke``:
     the models at a smoke test's sizes (``configs.common.smoke_test_sizes``)."""
     setups = {}
-    for label, word in MODELS.items():
-        config = default.get_config(word)
+    for label, mixer in MODELS.items():
+        config = default.get_config(mixer)
         if smoke:
             common.smoke_test_sizes(config)
         model = model_setup.build_model(config, config.data.vocab_size)
@@ -97,8 +97,7 @@ TRAINED_ROWS = (256, 64, 16)  # the trained run's decoding batch sizes, after au
 
 
 def test_split(config: Any, tokenizer: Any, limit: int | None = None) -> pipeline.EvalSet:
-    """The test split of ``config``'s dataset as eval.py reads it (its eval lengths and batch), the first ``limit``
-    sentences when given."""
+    """The test split of ``config``'s dataset as eval.py reads it, its first ``limit`` sentences if given."""
     data = DataConfig.from_config(config.data)
     source, input_key, target_key = sources.get_source(data.dataset, "test", data.data_dir, data.raw_dir)
     lengths = {"inputs": data.eval_max_input_length, "targets": data.eval_max_target_length}
@@ -110,8 +109,7 @@ def test_split(config: Any, tokenizer: Any, limit: int | None = None) -> pipelin
 
 
 def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
-    """auto's size first (what eval.py and train.py decode with), then ``rows_list``'s in its order, those over
-    ``count`` (the split's size) and auto's left out."""
+    """auto's size first (what eval.py and train.py use), then ``rows_list``'s up to ``count``, auto's left out."""
     return [auto] + [r for r in dict.fromkeys(rows_list) if r <= count and r != auto]
 
 

@@ -23,7 +23,7 @@ from lconv.nn import models
 
 logger = logging.getLogger(__name__)
 
-MIXERS = {"LightConv": "lightconv", "DynamicConv": "dynamicconv", "Transformer": "attention"}
+MIXERS = timing.labelled(("lightconv", "dynamicconv", "attention"))  # label -> registered name
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 2, 8000
 WINDOW = 32
 MIN_WINDOWS = 8  # timed windows per output length at least (a short output is decoded several times)
@@ -119,7 +119,7 @@ def section(rows: Sequence[report.Row], lengths: Sequence[int], info: dict[str, 
     ratio_rows, early_end = [], max(L // 8, 4 * WINDOW)
     for lab in labels:
         early, late = _median_at(rows, lab, L, 2 * WINDOW, early_end), _median_at(rows, lab, L, L // 2)
-        vs_tf = [_median_at(rows, "Transformer", n) / _median_at(rows, lab, n) for n in lengths]
+        vs_tf = [_median_at(rows, timing.REFERENCE, n) / _median_at(rows, lab, n) for n in lengths]
         ratio_rows.append([lab, late / early if early and late else None] + vs_tf)
     parts += [f"**Within-run ratios**: flatness = median per-token time at positions {L // 2 + 1}-{L} ÷ at "
               f"{2 * WINDOW + 1}-{early_end} of the length-{L} run (1.0 = flat); then the Transformer's per-token time "

@@ -1,29 +1,12 @@
 """Suite ``gpu``: every figure an accelerator session needs, from one command of ``--minutes`` (default 8).
 
-Accelerator time comes in short, rare pieces, so the suite is one command whose stages cannot starve each other:
-each stage runs in a process of its own under a time cap (its share of ``--minutes``, ``gpu_plan.stage_caps``; less
-what an earlier stage overran, so the command ends on time), plans its rows in order of value to fit that cap,
-stops starting new work when the cap nears, and writes its rows and its section of the report as each row ends; a
-stage that hangs or crashes is killed at its cap, and the report says so and goes on with the next. Each stage's
-section and the summary say what was cut and why. The stages share one compilation cache (``--compilation_cache``),
-so a program is compiled once for the command (and for a second try of it). The stages, in order:
-
-- ``ops``: the conv ops against the memory floor (``lconv.bench.gpu_ops``): bfloat16 then float32, T = 512, 4,096
-  and 16,384, band beside the Pallas kernel's split and fused backwards, the baselines last at one T;
-- ``train``: the LM training step of ``lconv.bench.train`` (Transformer with attention "auto", i.e. cuDNN flash
-  attention on a GPU, LightConv, DynamicConv) at T=512 and 4096 in the accelerator's compute dtype, beside the FLOP
-  model's ideal speed-up;
-- ``profile`` (with ``--profile``): a ``jax.profiler`` trace of the T=512 train step reduced to time per kernel
-  name (``lconv.bench.profile``);
-- ``run``: the README's default command (configs/default.py, the bundled DDTP en-de) trained for what is left of
-  the stage's cap (at least 3 minutes at the default ``--minutes``), then its test split decoded;
-- ``beam``: the run stage's trained checkpoint decodes its test split by decoding batch size, beside the final
-  evaluation's own rate (``lconv.bench.beam.run_trained``; untrained models on a synthetic split if the run left
-  no checkpoint).
-
-On a GPU a clone's results go to docs/bench/gpu and docs/benchmarks-gpu.md (``__main__.committed_paths``); the
-machine and the GPU are named at the top of the report. ``--quick`` is the CPU smoke test of the whole path (tiny
-sizes; the run stage trains tests/tiny_config.py-sized models on ``--data_dir``'s prepared corpus).
+Accelerator time comes in short, rare pieces, so the stages cannot starve each other: each runs in a process of
+its own under a time cap (``gpu_plan.stage_caps``), plans its rows in order of value, stops starting work as the
+cap nears, and writes each row as it ends; a stage that hangs is killed at its cap and the report says so. The
+stages share one compilation cache. In order: ``ops`` (``gpu_ops``), ``train``, ``profile`` (with
+``--profile``), ``run`` (the README's default command) and ``beam``. On a GPU a clone's results go to
+docs/bench/gpu and docs/benchmarks-gpu.md; ``--quick`` is the CPU smoke test of the whole path. What each stage
+measures: docs/benchmarks.md, "How the suites measure".
 """
 from __future__ import annotations
 
@@ -158,12 +141,11 @@ def train_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float)
 
 
 def profile_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -> list[report.Row]:
-    """A trace of the train step at ``PROFILE_T`` per model (DynamicConv, then the Transformer, as the cap allows),
-    reduced to time per kernel name."""
+    """A trace of the train step at ``PROFILE_T`` per model, as the cap allows, reduced to time per kernel name."""
     T, size = (64, train.SMOKE) if opts.quick else (PROFILE_T, train.FULL)
     dtype = "bfloat16" if train.accelerator() else "float32"
     cap = deadline - time.monotonic()
-    fitted = gpu_plan.fit(("DynamicConv", "Transformer"), lambda _: gpu_plan.PROFILE_S, cap)
+    fitted = gpu_plan.fit(tuple(timing.labelled(("dynamicconv", "attention"))), lambda _: gpu_plan.PROFILE_S, cap)
     cuts = [f"{label} {gpu_plan.cut_reason(fitted.seconds, cap)}" for label in fitted.cut]
     rows, sections = [], []
     for label in fitted.kept:
@@ -190,8 +172,7 @@ def run_workdir(opts: argparse.Namespace) -> str | None:
 
 
 def run_config(opts: argparse.Namespace, seconds: float) -> ml_collections.ConfigDict:
-    """configs/default.py with ``train.max_minutes`` set to ``seconds`` (the budget counts setup and the final
-    evaluation too); in a quick run, tests/tiny_config.py's sizes."""
+    """configs/default.py with a ``seconds`` budget (setup and final evaluation included); quick: tiny sizes."""
     from lconv.configs import common, default
 
     config = default.get_config()

@@ -54,8 +54,8 @@ def model_bytes_per_token(op: str, impl: str, dtype: str, passes: str) -> float 
 
 
 def op_plan(quick: bool) -> list[PlanItem]:
-    """``(op, impl, dtype, T, passes)`` in order of value (the module docstring); a quick run (the CPU smoke test)
-    has each kind of row once, in the same order (XLA's depthwise conv alone takes a minute on CPU)."""
+    """``(op, impl, dtype, T, passes)`` in order of value; a quick run (the CPU smoke test) has each kind of row
+    once, in the same order."""
     if quick:
         short, long = T_QUICK
         return [("light", "band", "bfloat16", short, "fwd+bwd"), ("dynamic", "pallas", "bfloat16", short, "fwd+bwd"),

@@ -58,8 +58,7 @@ class Fitted:
 
 
 def fit(items: Sequence[Item], estimate: Callable[[Item], float], cap_s: float) -> Fitted:
-    """Keeps ``items`` (in order of value) while their ``estimate``s sum to at most ``cap_s``; an item that does
-    not fit is cut and the later (cheaper) ones are still tried."""
+    """Keeps ``items`` (by value) while their ``estimate``s fit ``cap_s``; a cut item does not stop later ones."""
     kept, cut, seconds = [], [], 0.0
     for item in items:
         cost = estimate(item)
@@ -93,8 +92,7 @@ def train_fit(T_list: Sequence[int], seconds_left: float) -> Fitted:
 
 
 def beam_fit(rows_list: Sequence[int], seconds_left: float) -> Fitted:
-    """The beam stage's decoding batch sizes that fit ``seconds_left`` after the checkpoint's load and auto's size
-    (which always runs first)."""
+    """The beam stage's batch sizes that fit ``seconds_left`` after the load and auto's size (always first)."""
     return fit(rows_list, lambda rows: BEAM_ROWS_S, seconds_left - BEAM_LOAD_S - BEAM_ROWS_S)
 
 

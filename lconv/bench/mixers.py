@@ -51,8 +51,7 @@ class Config:
 
 
 def pallas_backend() -> bool:
-    """Whether ``impl="pallas"`` compiles here (Triton on a GPU); on CPU it runs in interpret mode, a test tool
-    whose time means nothing, and there is no TPU kernel (``lconv.ops.pallas_conv``)."""
+    """Whether ``impl="pallas"`` compiles here (Triton on a GPU); interpret mode on CPU times nothing real."""
     return jax.default_backend() == "gpu"
 
 
@@ -62,7 +61,8 @@ def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
     ``--mixers``) replaces the mixer rows: the op rows, then a row for each of them."""
     configs = list(CONFIGS)
     if pallas_backend():
-        configs = [*CONFIGS[:7], op_config("light", "pallas"), op_config("dynamic", "pallas"), *CONFIGS[7:]]
+        configs = [*OP_ROWS, op_config("light", "pallas"), op_config("dynamic", "pallas"),
+                   *CONFIGS[len(OP_ROWS):]]
     if only_mixers:
         configs = [c for c in configs if c.kind == "op" or c.mixer in only_mixers]
     measured = {c.mixer for c in configs}
@@ -73,8 +73,7 @@ def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
 
 
 def _plugin_config(name: str) -> Config:
-    """A row for a mixer no built-in row measures, built first at a small shape: a mixer that fails there (its
-    own code raises, or its output is not x's shape and dtype) is one line before any row is measured."""
+    """A row for a mixer without a cost model, built first at a small shape so a broken one is one line up front."""
     info = mixers.info(name)
     causal = "encoder" not in info.sides
     try:
@@ -98,8 +97,7 @@ PALLAS_VARIANTS = {"pallas-fused": "fused"}
 
 
 def op_config(op_name: str, impl: str, kernel_size: int = K) -> Config:
-    """A raw conv op (centred, ``padding_left = K // 2``) with a softmax-normalised random kernel; ``impl`` is one of
-    lconv.ops' or a ``PALLAS_VARIANTS`` name."""
+    """A raw centred conv op with a softmax-normalised random kernel; ``impl``: lconv.ops' or ``PALLAS_VARIANTS``'."""
     dynamic, pad = op_name == "dynamic", kernel_size // 2
 
     def build(T, B):
@@ -146,18 +144,23 @@ def _logits_bytes(T, B):
     return B * H * T * T * 4  # one float32 [B, H, T, T] tensor
 
 
-CONFIGS = [
+# The built-in mixers' cost models and bench fields, by registered name; a mixer without one is timed as a plugin.
+COSTS = {
+    "lightconv": dict(kernel_size=K),  # the conv blocks, projections included
+    "dynamicconv": dict(kernel_size=K),
+    "attention": dict(exponent=1.0, bytes_at=_logits_bytes, max_call_s=8.0),  # the main comparison
+    "fixed": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
+    "hadamard": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
+    "colt5": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) // 2),
+    "knn_memory": dict(exponent=1.0, bytes_at=_logits_bytes, memory_size=1024, num_neighbors=32),
+}
+OP_ROWS = [
     op_config("light", "conv"), op_config("light", "band"), op_config("light", "shift"),
     op_config("light", "unfold"),
     op_config("dynamic", "band"), op_config("dynamic", "shift"), op_config("dynamic", "unfold"),
-    _mixer_config("lightconv", kernel_size=K),  # the conv blocks, projections included
-    _mixer_config("dynamicconv", kernel_size=K),
-    _mixer_config("attention", 1.0, _logits_bytes, max_call_s=8.0),  # the main comparison
-    _mixer_config("fixed", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
-    _mixer_config("hadamard", 1.0, lambda T, B: _logits_bytes(T, B) + H * T * T * 4, max_len=lambda T: T),
-    _mixer_config("colt5", 1.0, lambda T, B: _logits_bytes(T, B) // 2),
-    _mixer_config("knn_memory", 1.0, _logits_bytes, memory_size=1024, num_neighbors=32),
 ]
+# The op rows, then a row for each registered mixer that has a cost model, in registry order.
+CONFIGS = OP_ROWS + [_mixer_config(i.name, **COSTS[i.name]) for i in mixers.importable_infos() if i.name in COSTS]
 LIGHT, DYNAMIC, ATTENTION = (mixers.info(name).label for name in ("lightconv", "dynamicconv", "attention"))
 
 
@@ -240,8 +243,7 @@ FLATNESS_CONFIGS = ("LightConv op, band", "LightConv op, shift", "DynamicConv op
 
 
 def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7) -> list[report.Row]:
-    """fwd+bwd µs/token at ``T_hi`` ÷ at ``T_lo``, timing the two programs in alternation (``rounds`` each), so
-    that the machine's load drifting during the run affects both alike. Returns CSV rows."""
+    """fwd+bwd µs/token at ``T_hi`` over ``T_lo``, the two programs timed in alternation so drifting load hits both."""
     rows = []
     for config in (c for c in CONFIGS if c.name in FLATNESS_CONFIGS):
         calls = {}

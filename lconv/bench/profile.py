@@ -30,8 +30,7 @@ HOST_THREADS = ("python",)  # the dispatching thread: Python frames and PjRt cal
 
 
 def trace(step: Callable[[], Any], steps: int, logdir: str) -> str:
-    """Runs ``step`` once untraced (warm-up) and ``steps`` times under ``jax.profiler.trace``; the path of the
-    trace's JSON copy (``perfetto_trace.json.gz``)."""
+    """Runs ``step`` once, then ``steps`` times under ``jax.profiler.trace``; the trace's JSON copy's path."""
     jax.block_until_ready(step())
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _ in range(steps):

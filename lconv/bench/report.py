@@ -57,8 +57,7 @@ def replace_section(document: str, name: str, body: str) -> str:
 
 
 def figure(name: str) -> str:
-    """A suite's PNG as linked from its committed doc: docs/bench/NAME on CPU, docs/bench/<backend>/NAME
-    elsewhere (``lconv.bench.__main__.committed_paths``)."""
+    """A suite's PNG as its committed doc links it (``lconv.bench.__main__.committed_paths``)."""
     from lconv.bench import timing  # imports jax, which writing CSV and markdown does not need
 
     backend = timing.backend()

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lconv.nn import mixers
+
 F32_BYTES = 4
 
 
@@ -53,13 +55,9 @@ def predict_seconds(measured: tuple[int, float] | None, T: int, exponent: float)
 
 def conv_bytes_per_token(channels: int, heads: int, kernel_size: int, *, dynamic: bool, backward: bool,
                          one_program: bool = False, itemsize: int = F32_BYTES) -> int:
-    """Bytes a conv must move per token (``itemsize`` bytes a number), the floor for a memory-bound kernel.
-
-    Forward: read x and write y (``2C``), plus, for a dynamic conv, read its ``H*K`` kernel (a light kernel is
-    shared, so ~0 per token). Backward (given dy): read dy and x, write dx (``3C``), plus read the kernel and
-    write its gradient (``2HK``, dynamic only). So fwd+bwd is ``5C`` (light) or ``5C + 3HK`` (dynamic) numbers.
-    ``one_program``: fwd+bwd as one program (``value_and_grad``), which reads x and the kernel once: ``4C``
-    (light) or ``4C + 2HK`` (``lconv.ops.pallas_conv``'s count)."""
+    """Bytes a conv must move per token (``itemsize`` bytes a number), the floor for a memory-bound kernel:
+    fwd+bwd ``5C`` (light) or ``5C + 3HK`` (dynamic) numbers, or with ``one_program`` (x and the kernel read once)
+    ``4C`` or ``4C + 2HK``."""
     kernel = heads * kernel_size if dynamic else 0
     numbers = 2 * channels + kernel
     if backward:
@@ -115,9 +113,8 @@ def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, bu
 
 
 def compile_many(lowered: Sequence[jax.stages.Lowered], threads: int) -> list[tuple[Any, float]]:
-    """``[(compiled or the exception compiling it raised, seconds)]`` for each lowered program, ``threads`` of them
-    compiling at once: XLA compiles outside the GIL, so on a many-core host a table of programs compiles several
-    times faster than one by one (lowering, which traces Python, stays in the caller's thread)."""
+    """``[(compiled or the exception compiling it raised, seconds)]`` for each lowered program, ``threads`` at once:
+    XLA compiles outside the GIL, so a many-core host compiles a table of programs faster in parallel."""
     def one(program: jax.stages.Lowered) -> tuple[Any, float]:
         start = time.perf_counter()
         try:
@@ -184,12 +181,8 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> dict[str, float]:
 
 
 def copy_bytes_per_s(megabytes: int = 256, repeats: int = 10) -> dict[str, float]:
-    """Elementwise ``x + 1`` over a large float32 array; bytes = read + write.
-
-    ``in_place`` donates the input, so the output reuses its (already touched) memory: the memory bandwidth.
-    ``fresh`` writes a new buffer every call, as a program's temporaries are, and so also pays the first-touch
-    page faults of memory the allocator returned to the OS.
-    """
+    """Elementwise ``x + 1`` over a large float32 array; bytes = read + write. ``in_place`` donates the input (the
+    memory bandwidth); ``fresh`` writes a new buffer every call, as temporaries are, paying first-touch page faults."""
     n = megabytes * 2**20 // F32_BYTES
     moved = 2 * n * F32_BYTES
     x = jnp.zeros((n,), jnp.float32)
@@ -240,6 +233,14 @@ def machine_info() -> dict[str, str]:
 def describe(info: dict[str, str]) -> str:
     return (f"{info['date']}; {info['cpu']}; {info['device']}; {info['jax']}; "
             f"1-minute load average at start {info['load']}")
+
+
+def labelled(names: Sequence[str]) -> dict[str, str]:
+    """``{label: registered name}`` of mixers ``names``: a row is named by its class's ``label``, as everywhere."""
+    return {mixers.info(name).label: name for name in names}
+
+
+REFERENCE = mixers.info("attention").label  # the baseline the suites' speed-ups are over
 
 
 def random_normal(shape: Sequence[int], seed: int = 0, dtype: Any = jnp.float32) -> jax.Array:

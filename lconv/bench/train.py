@@ -1,21 +1,11 @@
 """Suite ``train``: tokens/s of a full training step, and model FLOPs utilisation.
 
-Same-size decoder-only LMs (``LAYERS`` layers, d=512, FFN 2048, H=8, vocab 8000; the Transformer's mixer is
-self-attention, the others a K=31 conv block) are trained with lconv's own step (``steps.make_train_step``:
-dropout, label-smoothed loss, gradients, Adam update; the state donated) on random tokens at T=512 and T=4096:
-``tokens_per_batch()`` tokens per batch (4,096 on CPU; 65,536 on an accelerator, issue 15's H100 anchor), in
-float32 and, on an accelerator, bfloat16 compute too (``model.dtype``). The Transformer's attention is
-``attention_impl="auto"``: cuDNN flash attention on a GPU where it applies (bfloat16; no attention dropout), the
-blockwise kernel for long rows, the materialised one otherwise; each row names the kernel (``flash.auto_impl``).
-
-Each row also gives the compiled step's XLA temporaries (``memory_analysis().temp_size_in_bytes``). A vocabulary
-sweep (``VOCABS``) trains the DynamicConv LM with the fused output layer and loss (``config.optim.fused_loss``,
-``lconv.ops.linear_cross_entropy``) and with a log-softmax over materialised float32 logits, alternating, at T=512.
-
-MFU = model FLOPs per second ÷ the float32 matmul rate measured in the same run (the best of several tries).
-Model FLOPs are counted analytically (``model_flops_per_token``: ``6 x`` every matmul weight a token passes
-through, the tied output projection included, plus attention's ``12 T d`` per layer and a conv's ``6 K d``);
-XLA's own count (``cost_analysis()``, which also counts elementwise work) is in the table for comparison.
+Same-size decoder-only LMs (d=512, FFN 2048, H=8, vocab 8000), one per compared mixer, trained with lconv's own
+step (``steps.make_train_step``) on random tokens at T=512 and 4096, ``tokens_per_batch()`` tokens per batch, in
+float32 and, on an accelerator, bfloat16. Each row names the attention kernel "auto" ran and the step's XLA
+temporaries; a vocabulary sweep compares the fused output layer and loss with materialised logits. MFU divides
+analytic model FLOPs (``model_flops_per_token``) by the matmul rate measured in the same run. Details:
+docs/benchmarks.md, "How the suites measure".
 """
 from __future__ import annotations
 
@@ -30,6 +20,7 @@ import numpy as np
 
 from lconv.bench import report, timing
 from lconv.configs import common
+from lconv.nn import mixers
 from lconv.nn.model_config import ModelConfig
 from lconv.ops import flash
 from lconv.run import model_setup
@@ -37,7 +28,7 @@ from lconv.train import setup, steps
 
 logger = logging.getLogger(__name__)
 
-MODELS = {"Transformer": "attention", "LightConv": "lightconv", "DynamicConv": "dynamicconv"}
+MODELS = timing.labelled(("attention", "lightconv", "dynamicconv"))  # label -> registered name
 D_MODEL, FFN, HEADS, K, LAYERS, VOCAB = 512, 2048, 8, 31, 3, 8000
 
 
@@ -93,7 +84,7 @@ def lm_config(mixer: str, T: int, dtype: str = "float32", fused_loss: bool = Tru
 
 
 def model_flops_per_token(mixer: str, T: int, vocab: int = VOCAB, size: LMSize = FULL) -> float:
-    """Analytic fwd+bwd FLOPs per token (see the module docstring)."""
+    """Analytic fwd+bwd FLOPs per token (docs/benchmarks.md, "How the suites measure")."""
     d, K = size.d_model, size.kernel
     mixer_weights = {"attention": 4 * d * d, "lightconv": 3 * d * d, "dynamicconv": 3 * d * d + d * size.heads * K}
     per_layer = 6 * (mixer_weights[mixer] + 2 * d * size.ffn)
@@ -135,9 +126,8 @@ def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
 
 def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
     """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names (``label: (mixer, T,
-    dtype, vocab, fused_loss, size)``): a compiled train step whose state (donated at every step) ``holder`` keeps,
-    and one batch. The programs compile at once, in threads (XLA compiles outside the GIL); ``compile_s`` is each
-    one's wall time among them."""
+    dtype, vocab, fused_loss, size)``): a compiled train step whose donated state ``holder`` keeps, and one batch,
+    compiled in threads at once."""
     lowered = {label: _lowered_trainer(*args) for label, args in settings.items()}
     programs = timing.compile_many([parts[0] for parts in lowered.values()], len(lowered))
     made = {}
@@ -157,11 +147,8 @@ def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
 
 def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None = None,
         vocabs: Sequence[int] = VOCABS, size: LMSize = FULL) -> list[report.Row]:
-    """At each (T, dtype) the three models' steps run in alternation (a warm-up round, then ``repeats`` rounds),
-    so their ratio is not skewed by the machine's load drifting. The matmul rate is the best of the measurements
-    before and after each T, so a load spike during one of them does not inflate the MFU. ``dtype_list``: the
-    compute dtypes (default ``dtypes()``); ``vocabs``: the vocabulary sweep's sizes (none: no sweep); ``size``: the
-    LMs' shape."""
+    """At each (T, dtype) the models' steps alternate (a warm-up round, then ``repeats``), so drifting load does not
+    skew their ratio; the matmul rate is the best measured around each T. ``vocabs``: the vocabulary sweep's sizes."""
     dtype_list = dtypes() if dtype_list is None else tuple(dtype_list)
     matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []
@@ -170,9 +157,10 @@ def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None
             rows += _alternate({label: (mixer, T, dtype, VOCAB, True, size) for label, mixer in MODELS.items()},
                                repeats)
         matmul_rates.append(timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"])
+    swept = mixers.info("dynamicconv").label
     for vocab in vocabs:
         for dtype in dtype_list:
-            rows += _alternate({f"DynamicConv, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused, size)
+            rows += _alternate({f"{swept}, {loss} loss": ("dynamicconv", T_QUICK[0], dtype, vocab, fused, size)
                                 for loss, fused in LOSSES.items()}, repeats)
     matmul = max(matmul_rates)
     logger.info(f"  matmul {', '.join(f'{r / 1e9:.0f}' for r in matmul_rates)} GFLOP/s; MFU uses the best")
@@ -242,13 +230,12 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
 
 
 def ideal_speed_up(rows: Sequence[report.Row], label: str, T: int, dtype: str) -> float | None:
-    """The FLOP model's speed-up of ``label`` over the Transformer at ``T``: the ratio of their analytic model
-    FLOPs per token (``model_flops_per_token``), which is the measured ratio's ceiling at equal FLOP rates."""
+    """The FLOP model's speed-up of ``label`` over the reference at ``T``: the measured ratio's ceiling."""
     def flops(model):
         return next((r["model_flops_per_token"] for r in rows
                      if (r["model"], r["T"], r["dtype"]) == (model, T, dtype)), None)
 
-    ours, transformer = flops(label), flops("Transformer")
+    ours, transformer = flops(label), flops(timing.REFERENCE)
     return transformer / ours if ours and transformer else None
 
 
@@ -257,7 +244,8 @@ def speed_up_table(rows: Sequence[report.Row], runs: Sequence[tuple[int, str]]) 
     model's speed-up (the same in every dtype)."""
     def measured(label, T, dtype):
         speed = {r["model"]: r["tokens_per_s"] for r in rows if (r["T"], r["dtype"]) == (T, dtype)}
-        return speed[label] / speed["Transformer"] if label in speed and "Transformer" in speed else None
+        reference = speed.get(timing.REFERENCE)
+        return speed[label] / reference if label in speed and reference else None
 
     ideal_at = {T: dtype for T, dtype in runs}  # one column per T
     header = ["model"] + [f"T={T} {dt}" for T, dt in runs] + [f"FLOP model T={T}" for T in ideal_at]

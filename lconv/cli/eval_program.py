@@ -35,13 +35,10 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
         nbest: int | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None,
         no_repeat_ngram_size: int | None = None, min_len: int | None = None, **sampling: Any) -> dict[str, Any]:
-    """Scores ``split`` of the run's dataset (BLEU / ROUGE, or perplexity for an LM), or decodes ``source_file``
-    line by line: translations / summaries (scored when ``reference_file`` is given; by beam search, or sampled
-    with ``temperature > 0``; with ``nbest``, k hypotheses per line with their scores, ``write_nbest``), or an LM's
-    continuations of the prompts in it (``sampling``: ``max_len``, ``temperature``, ``top_k``, ``top_p``,
-    ``seed``). With ``interactive`` the lines come from ``stdin`` and each output goes to ``stdout`` as soon as it
-    is decoded. ``no_repeat_ngram_size`` / ``min_len``: the generation guards of every search (None = the stored
-    config.decode's; ``lconv.infer.guards``). Params only are restored."""
+    """Scores ``split`` of the run's dataset (BLEU / ROUGE, or an LM's perplexity), or decodes ``source_file`` line
+    by line: translations (scored against ``reference_file``; by beam search or sampled; with ``nbest``, k per
+    line) or an LM's continuations of prompts (``sampling``). ``interactive`` reads ``stdin`` and writes each
+    output as it is decoded. Only params are restored."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     guards = {name: value for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
                                               ("min_len", min_len)) if value is not None}

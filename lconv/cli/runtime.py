@@ -75,14 +75,11 @@ COMPILATION_CACHE = "compilation_cache"  # the default cache folder, inside the 
 
 
 def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | None:
-    """Keeps the XLA programs a run compiles (train step, evaluation, beam search) in a folder, so that a resumed
-    run or a later ``eval.py`` of the same workdir reads them back instead of compiling again (JAX's persistent
-    cache; an entry is keyed by the program, the compiler options, the device kind and the jax version, so a
-    changed model or a new jax compiles afresh). Before anything compiles.
+    """Keeps the programs a run compiles in a folder (JAX's persistent cache, keyed by program, options, device and
+    jax version), so a resumed run or a later ``eval.py`` reads them back. Call before anything compiles.
 
-    ``choice``: a folder (local or URL), ``"none"`` to compile every time, or None for ``$JAX_COMPILATION_CACHE_DIR``
-    when set, else ``<workdir>/compilation_cache``, unless that is a local folder this process cannot write (an
-    eval of a read-only workdir): then nothing is kept. Returns the folder in use, or None when off."""
+    ``choice``: a folder (local or URL), ``"none"``, or None for ``$JAX_COMPILATION_CACHE_DIR`` else
+    ``<workdir>/compilation_cache`` unless this process cannot write it. Returns the folder in use, or None."""
     import jax
     from etils import epath
 

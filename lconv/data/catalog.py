@@ -1,20 +1,9 @@
 """Preparing the paper's datasets (tfds catalog builders) as array_record: ``python -m lconv.data prepare NAME``.
 
-Reading a prepared dataset needs no TensorFlow (``sources`` reads it with ``tfds.data_source``); preparing one
-does, for every catalog dataset lconv names. From tensorflow-datasets 4.9.10's source:
-
-- all of them: ``tfds.core.download.extractor`` unpacks downloaded archives with ``tf.compat.as_text`` and
-  ``tf.io.gfile.GFile``, and each builder downloads archives: WMT14/WMT17 the europarl / commoncrawl /
-  news-commentary / UN ``.tgz`` files, ``lm1b`` one ``.tar.gz``, ``cnn_dailymail`` the stories ``.tgz``;
-- ``lm1b`` also lists the unpacked files with ``tf.io.gfile.glob``; ``cnn_dailymail`` reads them with
-  ``tf.io.gfile.listdir`` / ``GFile``.
-
-The download (``requests``) and the array_record writer need no TensorFlow, so ``prepare`` checks for it before
-downloading anything and says in one line what to install. tfds 4.9.10 also imports ``importlib_resources`` (a
-backport it declares for Python < 3.9 only) to locate a builder's checksums; the standard library's
-``importlib.resources`` stands in for it here. A URL data_dir (``gs://...``) is prepared in a local staging
-folder (array_record writes local files only) and uploaded with ``dataset_info.json`` last: readers look for that
-file (``sources``), so they never see half a dataset.
+Reading a prepared dataset needs no TensorFlow; preparing one does (tfds unpacks its downloads with ``tf.io``),
+so ``prepare`` checks for it before downloading anything and says in one line what to install. A URL data_dir is
+prepared in a local staging folder and uploaded with ``dataset_info.json`` last, the file readers look for, so
+they never see half a dataset. Which tfds calls need TensorFlow: docs/data.md.
 """
 from __future__ import annotations
 
@@ -34,7 +23,7 @@ from lconv.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-# Why each catalog builder needs TensorFlow to prepare (see the module docstring); its module, which tfds without
+# Why each catalog builder needs TensorFlow to prepare (docs/data.md); its module, which tfds without
 # TensorFlow does not import (so does not register) by itself.
 TENSORFLOW_NEEDED = {
     "wmt14_translate": "tfds unpacks its .tgz downloads with tf.io.gfile",
@@ -106,7 +95,7 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
 def _catalog_builder(tfds_name: str, data_dir: str):
     import tensorflow_datasets as tfds
 
-    if importlib.util.find_spec("importlib_resources") is None:  # see the module docstring
+    if importlib.util.find_spec("importlib_resources") is None:  # tfds imports it (docs/data.md)
         sys.modules.setdefault("importlib_resources", importlib.resources)
     module = _MODULES.get(tfds_name.split("/")[0])
     if module is not None:

@@ -1,29 +1,10 @@
 """DDTP corpus: Debian package descriptions and their human translations (apt ``Translation-*`` files).
 
-Pipeline, pure functions throughout (no I/O except ``read_index_bytes`` / ``load_raw_corpus``):
-
-    raw Translation-{en,de,...} files
-      -> parse_index(...)           one dict md5 -> Description per language; bad data skipped/truncated, counted
-      -> align_corpus(...)          one record per English description: {"md5", "split", "en": [...], "de": [...]}
-      -> build_tasks(records)       task -> split -> list of examples (dicts of strings)
-
-The bundled snapshot (``lconv/data/snapshot/``) stores the *aligned records* (the output of ``align_corpus``),
-so the raw files and the snapshot go through the same ``build_tasks``.
-
-Text conventions (documented in the snapshot README too):
-- A description is a synopsis (one line) and a long description of paragraphs (" ." separates them).
-- Inside a paragraph, lines are joined with one space (no space between two CJK characters, so Chinese lines
-  broken mid-sentence join back); runs of whitespace collapse to one space. Verbatim lines (two leading
-  spaces: lists, code) are joined the same way: the tasks are sentence/paragraph level and do not model layout.
-- Tabs become spaces; other control characters are removed; lines longer than ``MAX_LINE_CHARS`` are truncated.
-  Each of these is counted in the ``counts`` Counter the functions take, never raised.
-- Translation pairs: the two synopses form one pair; paragraphs pair one-to-one only when both sides have the
-  same number of paragraphs (otherwise only the synopses pair, counted as ``paragraph_count_mismatch``).
-  Pairs with an empty side or a side longer than ``MAX_SEGMENT_CHARS`` are skipped and counted.
-- Split: a stable hash of ``Description-md5`` (``split_of``), so no description's text crosses splits. Exact
-  duplicate examples are dropped, and validation/test examples whose source or target text already occurs in
-  an earlier split (train, then validation) are dropped (``*_overlap``), so boilerplate paragraphs shared by
-  many descriptions cannot leak from train into evaluation.
+Pure functions (no I/O but ``read_index_bytes`` / ``load_raw_corpus``): ``parse_index`` reads one language's
+file, ``align_corpus`` makes one record per English description, ``build_tasks`` the task -> split -> examples.
+The bundled snapshot (``lconv/data/snapshot/``) stores the aligned records, so raw files and the snapshot go
+through the same ``build_tasks``. Bad data is skipped or truncated and counted, never raised; splits are a
+stable hash of the description, so no text crosses splits. The text conventions: docs/data.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Paths of data_dir, raw_dir and workdir: local folders or any ``etils.epath`` URL (``gs://bucket/tfds``, ...).
 
-Every file operation of ``lconv.data`` on a user-given path goes through ``epath`` (local paths take its ``os``
-backend, so they behave exactly as ``os``/``open`` do). What object stores lack is done the local way only for
-local paths, with a safe alternative for URLs:
-
-- no atomic rename of a directory (GCS "renames" object by object): a URL copy is uploaded file by file with a
-  commit file last (``upload_tree``), and readers count a copy as there only when its commit file is;
-- no symlinks: the links kept for plain tfds readers are made for local data_dirs only;
-- array_record (what ``tfds.data_source`` reads) opens local files and, through its own GCS client, ``gs://``
-  objects: nothing else. Small prepared copies are therefore read from a local mirror (``local_cache_dir``).
-
-Without TensorFlow, epath reaches ``gs://`` through fsspec, which needs ``gcsfs`` (``check_url`` says so).
+Every file operation of ``lconv.data`` on a user-given path goes through ``epath``. What object stores lack
+(atomic directory renames, symlinks, array_record's reads of other URLs) is done the local way for local paths
+only, with a safe alternative for URLs: an upload with a commit file last (``upload_tree``), no links, and a
+local mirror (``local_cache_dir``). ``gs://`` needs ``gcsfs`` (``check_url``). Details: docs/data.md.
 """
 from __future__ import annotations
 

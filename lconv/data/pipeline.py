@@ -1,30 +1,13 @@
 """Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit.
 
-Entry point::
-
     tokenizer = load_or_train_tokenizer(config, workdir)       # <workdir>/spm.model, reused on resume
     data = make_datasets(config, tokenizer)
     batch = next(data.train_iter)                              # packed, shuffled, repeated, this process's shard
-    state = data.train_iter.get_state(); data.train_iter.set_state(state)   # exact resume (grain)
     for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
-    data.source_report                                         # what preparing the data skipped, by reason and split
 
-``config`` is a config's ``data`` section: a ConfigDict, a dict naming some fields, or a ``DataConfig``; the
-fields, their defaults and what each allows are ``lconv.data.data_config.DataConfig`` (docs/config.md). Among them:
-batch_size (global rows per step; each process gets batch_size / process_count), num_epochs (None = repeat
-forever), train_long ("truncate" or "drop"), stream (language modelling over document streams:
-``lconv.data.stream``; windows of max_target_length tokens in training and evaluation).
-
-Batch contract (dict of numpy arrays; B = rows of this process):
-    translation / summarization: inputs [B, Ls] int32, targets [B, Lt] int32,
-        inputs_segmentation, inputs_position [B, Ls] int32, targets_segmentation, targets_position [B, Lt] int32
-    language modelling: targets, targets_segmentation, targets_position (no inputs)
-    eval batches also: example_index [B] int32 (index into EvalSet.examples, -1 for padding rows) and
-        example_weight [B] float32 (1 real row, 0 padding row)
-Token ids: PAD=0, EOS=1 (ends every input and target), UNK=2, BOS=3. Segmentation: 1, 2, 3 ... per packed
-example, 0 = padding; position: 0, 1, ... inside each example. Targets are not shifted (the model shifts).
-Over-long examples are truncated to the length with EOS kept last (or dropped in training with
-train_long="drop"); both are counted in ``stats`` (counts of this process; not part of the checkpoint).
+``config`` is a config's ``data`` section (``lconv.data.data_config.DataConfig``). Batches are dicts of numpy
+arrays: ``inputs``/``targets`` with their ``_segmentation`` and ``_position`` (1, 2, ... per packed example,
+0 = padding), plus ``example_index`` and ``example_weight`` in evaluation. The batch contract: docs/data.md.
 """
 from __future__ import annotations
 
@@ -76,11 +59,8 @@ class EvalSet:
 
 
 class PackedBatches:
-    """An ``EvalSet``'s examples for a loss pass: shortest first, each row filled with the next examples while they
-    fit in every feature's length (segment ids 1, 2, ... and positions from 0 per example, as training packs),
-    ``batch_size`` rows per batch, the same shape as the set's padded batches (so the same compiled step). Rows
-    holding nothing weigh zero (``example_weight``). With several processes every one has the most batches any
-    has, the extra ones empty, so their steps stay in lockstep."""
+    """An ``EvalSet``'s examples packed for a loss pass, shortest first, as training packs, in the set's batch shape
+    (so the same compiled step); empty rows weigh zero, and every process has as many batches as the most."""
 
     def __init__(self, eval_set: EvalSet) -> None:
         self.lengths, self.batch_size = eval_set.lengths, eval_set.batch_size
@@ -152,13 +132,9 @@ def _process(process_index, process_count):
 
 
 def import_readers() -> None:
-    """Imports the packages that prepare and read the data (TFDS, grain) in the calling thread, now.
-
-    Their modules import through etils' ``epy.lazy_imports``, which swaps ``builtins.__import__`` for *every*
-    thread while such a module's body runs: an import another thread makes meanwhile (JAX imports inside functions
-    as it traces) gets a stand-in module and fails later ("'LazyModule' object is not callable"). A caller about
-    to start a thread beside the data's preparation (``lconv.train.early_build``) calls this first; they are
-    imported lazily otherwise because importing them takes seconds."""
+    """Imports TFDS and grain in the calling thread, now. Their modules import through etils' ``epy.lazy_imports``,
+    which swaps ``builtins.__import__`` for every thread meanwhile, so call this before starting a thread beside
+    the data's preparation (``lconv.train.early_build``); they are imported lazily otherwise, as they are slow."""
     import grain  # noqa: F401
     import tensorflow_datasets  # noqa: F401
     from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
@@ -176,8 +152,7 @@ def tokenizer_texts(config: Any) -> Iterator[str]:
 
 def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
     """Every example of a random-access ``source`` in order, a block of records per read where the source can
-    (``__getitems__``: TFDS's array_record sources read a block ~3x faster than its records one at a time; the
-    tokenizer's sample reads ~30k examples before a run's first update)."""
+    (``__getitems__``: much faster than one record at a time)."""
     read_block = getattr(source, "__getitems__", None)
     for start in range(0, len(source), block):
         indices = range(start, min(start + block, len(source)))
@@ -186,17 +161,12 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
 
 def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir by an earlier run or shipped
-    with lconv for the same data and settings (``tokenizer_files``); else a joint model trained on the training split.
-    The workdir gets it, and one trained here is kept under data_dir for later runs. ``save=False`` neither reads nor
-    writes a kept or shipped copy, nor the workdir: with an empty workdir it trains, as a run would
-    (``scripts/ship_tokenizer.py`` and its test compare that with the shipped file).
+    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir or shipped with lconv for the
+    same data and settings (``tokenizer_files``); else a joint model trained on the training split, then kept.
+    ``save=False`` neither reads nor writes any copy.
 
-    With several processes (``jax.process_count()`` unless given), process 0 alone loads or trains (and saves)
-    the model and sends it to the others (a collective: every process calls this at once). So every process
-    holds the same bytes, the training split is read once, and the workdir need not be shared; a UserError on
-    process 0 (say a vocab_size mismatch) is raised on every process instead of leaving the others waiting.
-    """
+    With several processes, process 0 alone loads or trains it and sends it to the others (every process calls
+    this at once), so all hold the same bytes and an error on process 0 is raised on every process."""
     cfg = DataConfig.from_config(config)
 
     def load_or_train() -> tokenizer_lib.Tokenizer:
@@ -290,7 +260,7 @@ def _collective_broadcast(status: int, payload: bytes) -> tuple[int, bytes]:
 
 def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,
                   process_count: int | None = None) -> Datasets:
-    """Train iterator and eval sets for ``config.dataset`` (see the module docstring for fields and batches)."""
+    """Train iterator and eval sets for ``config.dataset`` (the batch contract: docs/data.md)."""
     process_index, process_count = _process(process_index, process_count)
     cfg = DataConfig.from_config(config)  # each field's own range is checked there, before any data is read
     for field in ("batch_size", "eval_batch_size"):

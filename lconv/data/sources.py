@@ -1,20 +1,10 @@
 """Dataset names -> random-access sources: the bundled DDTP tasks and the paper's datasets.
 
-One function, ``get_source(name, split, data_dir)``, gives ``(source, input_key, target_key)`` for every task;
-``input_key`` is None for language modelling. Sources are ``tfds.data_source``-style: ``len(source)`` and
-``source[i] -> {field: bytes}``, read from array_record files with no TensorFlow.
-
-- ``ddtp/*`` and ``iwslt14/*`` are prepared here on first use (seconds; see ``tfds_ddtp``), once per source:
-  the bundled snapshot and each raw_dir's files get a copy of their own, keyed by the files' contents.
-  ``source_report`` gives what preparing one skipped or altered (a JSON-able dict).
-- The paper's datasets (WMT14 En-De/En-Fr, WMT17 Zh-En, Billion Word ``lm1b``, CNN-DailyMail) are prepared once,
-  where there is network, with ``python -m lconv.data prepare <name> --data_dir=DIR`` (``lconv.data.catalog``:
-  tfds's builders for them need TensorFlow to unpack their downloads; the command says what to install).
-  Unprepared, ``get_source`` raises a one-line UserError giving that command (and ``tfds build``'s equivalent).
-- data_dir (and raw_dir) may be a URL (``gs://bucket/tfds``): every file access goes through ``etils.epath``
-  (``lconv.data.paths``). array_record reads prepared catalog datasets from local disk or ``gs://`` only.
-- IWSLT14 De-En: ``raw_dir`` holds ``{train,valid,test}.{de,en}`` (e.g. fairseq's prepare-iwslt14.sh output
-  before BPE); ``get_source("iwslt14/de_en", split, data_dir, raw_dir=...)`` prepares it once.
+``get_source(name, split, data_dir)`` gives ``(source, input_key, target_key)`` for every task (``input_key`` is
+None for language modelling); a source is ``tfds.data_source``-style, ``len(source)`` and
+``source[i] -> {field: bytes}``, read from array_record files with no TensorFlow. ``ddtp/*`` and ``iwslt14/*``
+are prepared here on first use; the paper's datasets once, with ``python -m lconv.data prepare`` (an unprepared
+one is a one-line error giving the command). Details: docs/data.md.
 """
 from __future__ import annotations
 
@@ -120,13 +110,8 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
 
 
 def source_report(name: str, data_dir: str, raw_dir: str | None = None) -> dict:
-    """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for the
-    datasets ``tfds build`` prepared, which lconv did not parse).
-
-    Keys: ``dataset``, ``source`` (one line: the bundled snapshot or raw_dir=...), ``files`` ({role: {file,
-    bytes, sha256}}), ``key``, ``examples`` ({split: n}), ``skipped`` and ``altered`` ({stage: {reason: n}},
-    stage ``parse`` or a split), ``records`` ({lang: records parsed}); see ``tfds_ddtp``.
-    """
+    """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for a
+    ``tfds build`` dataset): the source, its files, key, examples per split, and skipped/altered counts by stage."""
     spec = dataset_spec(name)
     if not spec.local:
         return {}

@@ -1,25 +1,14 @@
 """Document streams for language models that carry state across steps (a stateful mixer's: ``lconv.nn.mixer_state``).
 
 A row of a stream batch reads whole documents, one after another, a window of ``window`` tokens per step, so
-state threaded from one step to the next (the memory) sees each document in order and only its past::
+state threaded from one step to the next sees each document in order and only its past::
 
     it = DocumentStream(source, "text", tokenizer, window=L, rows=B, seed=0)
     batch = next(it)            # targets, targets_segmentation, targets_position [B, L]; document_start [B]
     state = it.get_state(); it.set_state(state)          # a JSON-able dict: exact resume
 
-- Documents are this process's shard of ``source`` (``process_index::process_count``), shuffled anew every
-  epoch with ``(seed, epoch)``; evaluation streams keep the source order. When a row finishes a document it
-  takes the next one of the shared order (rows served 0..B-1), so the assignment is deterministic.
-- A document is tokenised with EOS at its end, never truncated, and cut into consecutive windows; its last
-  window is padded (segmentation 0), so a window never holds two documents. Documents with no tokens are
-  skipped and counted (``stats["stream_empty_documents"]``).
-- ``document_start[r] = 1`` on the first window of a document: the loop clears row ``r``'s memory there.
-- Positions restart at 0 in every window (position embeddings and position-indexed mixers see the window);
-  the model's shift puts BOS first in every window, so a window's first token is predicted from BOS and the
-  memory, not from the previous window's last token.
-- With a finite ``num_epochs``, rows that run out of documents get all-padding windows (``document_start`` 0)
-  until every row has finished; the iterator then stops. Eval batches add ``example_weight [B]`` (1 for a row
-  holding tokens) as the padded eval batches of ``lconv.data.pipeline`` do.
+A window never holds two documents; ``document_start[r] = 1`` on a document's first window. The rules for shards,
+order, padding and positions: docs/data.md.
 """
 from __future__ import annotations
 
@@ -34,7 +23,7 @@ from lconv.errors import UserError
 
 
 class DocumentStream:
-    """Iterator of stream batches (see the module docstring) with grain-style ``get_state`` / ``set_state``."""
+    """Iterator of stream batches (docs/data.md) with grain-style ``get_state`` / ``set_state``."""
 
     def __init__(self, source, text_key: str, tokenizer, *, window: int, rows: int, seed: int = 0,
                  num_epochs: int | None = None, shuffle: bool = True, process_index: int = 0,
@@ -136,11 +125,7 @@ class DocumentStream:
 
 class StreamEvalSet:
     """An evaluation split as a document stream in source order; iterate for a fresh pass (every token once).
-
-    ``num_batches`` is this process's count of windows per row-slot; multi-host callers take the max over
-    processes (``lconv.data.pipeline`` does) so the eval steps stay in lockstep: extra batches are all padding.
-    The split is read and tokenised once (the counting pass); later passes reuse the ids.
-    """
+    Tokenised once; ``num_batches`` is this process's count, which multi-host callers take the max of."""
 
     def __init__(self, source, text_key, tokenizer, *, window, rows, process_index=0, process_count=1):
         token_cache: dict[int, np.ndarray] = {}

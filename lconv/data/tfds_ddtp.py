@@ -1,35 +1,10 @@
 """tfds builders written as array_record, prepared and read with no TensorFlow installed.
 
-- ``ddtp``: one BuilderConfig per task (``en_de``, ``en_fr``, ``en_es``, ``en_zh``, ``summarize_en``,
-  ``lm_en``), from the bundled snapshot (default) or from raw apt Translation files (``raw_dir=``).
-- ``iwslt14``: config ``de_en``, local parallel text files ``{train,valid,test}.{de,en}`` (one sentence per line,
-  e.g. fairseq's ``prepare-iwslt14.sh`` output before BPE) in ``raw_dir``.
-
-TensorFlow-free, as verified with tensorflow-datasets 4.9.10 and no TensorFlow: a ``GeneratorBasedBuilder``
-whose features are only ``tfds.features.Text`` prepares with ``file_format="array_record"`` through tfds's
-NumPy/pure-Python writer (no Beam), and ``tfds.data_source`` reads it back (Text features come back as bytes).
-Two traps, both handled here: ``dataset_info_from_configs`` wants a package directory with metadata files, so
-``_info`` builds ``tfds.core.DatasetInfo`` directly; and ``code_path`` needs ``importlib_resources`` (see
-``_LocalBuilder``). Preparing ``ddtp/en_de`` from the snapshot takes a few seconds.
-
-The prepared copy is keyed by what it was made from (``source_fingerprint``: the bundled snapshot or raw_dir,
-and the size and SHA-256 of each input file), so a different raw_dir, or a file added or changed in it, is
-prepared anew instead of reusing stale data. Each copy is written once, like an orbax checkpoint step: built in
-a temporary directory of its own, then renamed into place (a rename that finds the copy already there, made by
-another process at the same time, counts as success), and never modified after::
-
-    <data_dir>/lconv_prepared/ddtp_en_de-<key>/ddtp/en_de/1.0.0/     the data, and lconv_report.json: the source
-                                                                     and what was skipped or altered
-    <data_dir>/ddtp/en_de/1.0.0 -> the copy lconv used last           a symlink, for plain tfds readers
-
-    builder = prepare("ddtp/en_de", data_dir)           # idempotent; reuses a prepared copy of the same source
-    source = tfds.data_source("ddtp/en_de", split="train", data_dir=data_dir)   # after importing this module
-
-A URL data_dir (``gs://bucket/tfds``, any ``etils.epath`` file system) keeps the same layout without the symlink
-(object stores have none) and without the rename (not atomic there): the copy is built locally, then uploaded
-with ``lconv_report.json`` last, which is what marks it complete (``paths.upload_tree``). It is read from a local
-mirror (``paths.local_cache_dir``; downloaded from data_dir when another machine prepared it), since array_record
-reads no URL but ``gs://``, and random reads over the network would starve training. raw_dir may be a URL too.
+``ddtp`` (one BuilderConfig per task, from the bundled snapshot or raw apt files) and ``iwslt14`` (``de_en``,
+from local parallel text files). ``prepare(name, data_dir)`` is idempotent: each copy is keyed by what it was made
+from (``source_fingerprint``), written once in a temporary directory and renamed into place (on a URL data_dir,
+built locally and uploaded with ``lconv_report.json`` last), and never modified after. How tfds is kept free of
+TensorFlow, and the prepared layout: docs/data.md.
 """
 from __future__ import annotations
 
@@ -60,12 +35,8 @@ Translation files}}"""
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Base of the builders here: fixes ``code_path`` for TensorFlow-free use on Python >= 3.9.
-
-    tfds 4.9.10 computes ``code_path`` through ``importlib_resources`` (a backport it only declares for
-    Python < 3.9), so ``download_and_prepare`` of any builder defined in a package fails with
-    ModuleNotFoundError. The path is only used to look for a checksums file next to the code; this file is it.
-    """
+    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through the ``importlib_resources``
+    backport (absent on Python >= 3.9); it only locates a checksums file next to the code."""
 
     @tfds.core.utils.classproperty
     @classmethod
@@ -262,7 +233,7 @@ def bundled_source_key(name: str) -> str | None:
 
 def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.DatasetBuilder:
     """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") from its source as array_record in data_dir, unless a
-    copy from the same source is there; returns a builder reading that copy (see the module docstring)."""
+    copy from the same source is there; returns a builder reading that copy (docs/data.md)."""
     cls, config = _builder_class(name)
     data_dir = paths.normalize(data_dir)
     paths.check_url(data_dir, "data_dir")
@@ -372,12 +343,8 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, raw_dir: str | No
 
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
-    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``.
-
-    Replaced in one step (a new link renamed over the old). A real directory there (prepared before copies were
-    keyed by their source) is left alone; so is a file system without symlinks: lconv itself reads the copies.
-    Local data_dirs only: under a URL, plain readers name the copy (``<data_dir>/lconv_prepared/<name>-<key>``).
-    """
+    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``, replaced in
+    one step; a real directory there, a file system without links or a URL data_dir is left alone."""
     link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
     target = os.path.relpath(version_dir, os.path.dirname(link))
     if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
@@ -405,12 +372,8 @@ _ALTERED_RE = re.compile(r"^(tab_replaced|control_chars_removed|line_truncated)$
 
 
 def _counts_report(counts: Mapping[str, int], counts_by_split: Mapping[str, Mapping[str, int]]) -> dict:
-    """{"skipped": {stage: {reason: n}}, "altered": {stage: {reason: n}}, "records": {lang: n}}.
-
-    stage: "parse" (reading the Translation files, before descriptions are split) or a split name. Reasons are
-    the count names of ``lconv.data.ddtp`` (e.g. ``invalid_utf8_record_de``, ``en_de_validation_overlap``);
-    "altered" holds what was kept but changed (tabs, control characters, truncation). Non-zero counts only.
-    """
+    """{"skipped": {stage: {reason: n}}, "altered": {stage: {reason: n}}, "records": {lang: n}}, non-zero counts only:
+    stage "parse" or a split, reasons ``lconv.data.ddtp``'s count names."""
     split_totals = collections.Counter()
     for split_counts in counts_by_split.values():
         split_totals.update(split_counts)

@@ -1,14 +1,9 @@
 """SentencePiece tokenizer: one joint model, trained from training-split text, saved in the run's workdir.
 
-The model is trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3), the one place they
-are defined; ``lconv.data`` re-exports them.
-
-The model file is ``<workdir>/spm.model`` (``tokenizer_path``) so a resumed or evaluation run reuses exactly the
-vocabulary of the run that trained it. ``load_or_train`` is the entry point. Paths may be local or anything
-``etils.epath`` opens (gs://...).
-
-Normalisation is ``identity`` (plus whitespace collapsing) and ``byte_fallback`` is on, so ``decode(encode(s))``
-gives back ``s`` for whitespace-normalised text in any script: BLEU/ROUGE see the text, not an NFKC variant.
+Trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3); the model file is
+``<workdir>/spm.model``, so a resumed or evaluation run reuses the vocabulary that trained it (``load_or_train``).
+Normalisation is ``identity`` with ``byte_fallback``: ``decode(encode(s))`` gives back whitespace-normalised ``s``
+in any script, so BLEU and ROUGE see the text, not an NFKC variant.
 """
 from __future__ import annotations
 
@@ -87,10 +82,8 @@ class Tokenizer:
 
 
 def check_texts(texts: Any, argument: str) -> list[str]:
-    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the
-    index: ``None``, bytes and numbers are not turned into ``"None"``, and a lone surrogate (``"\\ud800"``, what
-    ``surrogateescape`` makes of a byte that is not UTF-8) is refused here rather than by SentencePiece's
-    TypeError."""
+    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the index
+    (``None``, bytes, numbers and lone surrogates are refused here rather than by SentencePiece)."""
     if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
         raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
     for i, text in enumerate(texts):
@@ -239,12 +232,8 @@ def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
 
 
 def sample_sentences(texts: Iterable[str], max_sentences: int) -> list[str]:
-    """A deterministic sample of at most max_sentences non-empty texts (in their order), each cut to a bounded
-    length.
-
-    Seeded and uniform, not every k-th text: a translation corpus's texts alternate source and target, so a stride
-    of 2 or 4 kept one language alone, and the other was spelled in byte pieces (a 4k tokenizer from 15k English
-    sentences split the German side into twice the tokens)."""
+    """A deterministic sample of at most max_sentences non-empty texts (in their order), each cut to a bounded length.
+    Seeded and uniform, not every k-th text: a translation corpus alternates languages, so a stride kept one."""
     if max_sentences < 1:
         raise UserError(f"max_sentences={max_sentences} must be >= 1 (tokenizer_max_sentences: the sentences the "
                         "tokenizer is trained on)")

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def kept_dir(config: Any) -> str:
     """Where a tokenizer trained for ``config.data``'s data and settings is kept for later runs (a new workdir
-    copies it instead of training again, ~10-20 s on a 2-core CPU): under data_dir, named by the prepared data's
+    copies it instead of training again): under data_dir, named by the prepared data's
     folder, the vocabulary size, the sample size and ``tokenizer.TRAINING_VERSION``."""
     from lconv.data import tfds_ddtp  # imports tensorflow_datasets: seconds, so only when asked
 
@@ -41,12 +41,9 @@ def shipped_name(dataset: str, source_key: str, vocab_size: int, max_sentences: 
 def shipped_path(config: Any) -> str | None:
     """The tokenizer lconv ships for ``config``'s data and settings, or None (another corpus or setting).
 
-    Training the default config's tokenizer reads the whole training split back and runs SentencePiece: 8-10 s of
-    a new user's first run on a 2-core CPU, beside the train step's compilation. The bundled snapshot and the
-    default settings always give the same model, so it is trained once (``scripts/ship_tokenizer.py``) and
-    shipped beside the snapshot; its name holds everything the model depends on (the snapshot's key, the
-    vocabulary, the sample size, ``tokenizer.TRAINING_VERSION``), so any other setting trains as before.
-    tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
+    The bundled snapshot and the default settings always give the same model, so it is trained once
+    (``scripts/ship_tokenizer.py``) and shipped, sparing a new user's first run; its name holds everything the model
+    depends on. tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
     path = shipped_location(config)
     return path if path is not None and os.path.exists(path) else None
 
@@ -75,9 +72,7 @@ def keep(tokenizer: Any, kept: str) -> None:
 
 def usable_kept(kept: str, vocab_size: int) -> Any:
     """The tokenizer kept in ``kept`` if it is the one kept there for this data and settings, else None with one
-    warning saying why (it is then trained again and kept anew). A kept tokenizer is a cache, not an input: a
-    damaged file, one swapped in from another corpus or vocabulary, or one without its record (kept by an older
-    lconv) would otherwise be copied into every new workdir."""
+    warning: a kept tokenizer is a cache, and a damaged or foreign one would reach every new workdir."""
     from etils import epath
 
     from lconv.errors import UserError

@@ -1,26 +1,11 @@
 """A fairseq language model checkpoint (``lightconv_lm*`` or ``transformer_lm*``) as lconv's config and params.
 
-Both are fairseq decoders without encoder attention (``DecoderOnlyLM``): pre-norm where the architecture forces
-``decoder_normalize_before`` (``lightconv_lm*`` and the named ``transformer_lm_*``; fairseq 0.12's plain
-``transformer_lm`` registers no architecture function, so it keeps the flag's default, post-norm), with a final
-LayerNorm in a pre-norm ``transformer_lm`` unless ``--no-decoder-final-norm`` (the Baevski & Auli wiki103/gbw
-models set it) and never in ``lightconv_lm`` (built with ``final_norm=False``).
-Their ends (``lconv.nn.decoder_ends``): one embedding table ``decoder_input_dim`` wide, or adaptive input bands
-(``--adaptive-input``, ``--adaptive-input-cutoff``, ``--adaptive-input-factor``), scaled by
-``sqrt(decoder_embed_dim)``, projected in when narrower than the model; projected out to ``decoder_output_dim``;
-then an output table (``--share-decoder-input-output-embed``: the embedding) or an adaptive softmax
-(``--adaptive-softmax-cutoff``, ``--adaptive-softmax-factor``), whose output weights can be the adaptive input's
-tables (``--tie-adaptive-weights``) and its tail projections the input's, transposed (``--tie-adaptive-proj``).
-Positions are added unless ``--no-token-positional-embeddings`` (both architectures). A ``transformer_lm`` also
-maps, as the translation importer does, ``--activation-fn`` (``fairseq.ACTIVATION_NAMES``) and
-``--layernorm-embedding`` (a LayerNorm after the projection in and the positions, before dropout); fairseq's
-``LightConvDecoder`` reads neither (ReLU, no embedding norm, whatever the arguments say), so neither does the import.
-
-fairseq's language-model data is a token stream whose every sentence ends with EOS, read with EOS before the first
-token (``--sample-break-mode eos``: each line is ``[EOS, w1 ... wn]`` -> ``[w1 ... wn, EOS]``): lconv's LM with
-``decoder_start="eos"`` and positions from 2 (``position_offset``) reads a text exactly so. ``fairseq-eval-lm``
-sums the natural-log probability of every target token, EOS included, and prints base 2 (its loss) and
-``2**loss`` (its perplexity, equal to ``exp`` of lconv's ``nll``).
+Both are fairseq decoders without encoder attention (``DecoderOnlyLM``). Their architecture flags (pre- or
+post-norm, a final LayerNorm, adaptive input and softmax and their ties, positions, activation) become
+``config.model`` fields and decoder ends (``lconv.nn.decoder_ends``). fairseq's LM data reads each line as
+``[EOS, w1 ... wn]``, which lconv's LM reproduces with ``decoder_start="eos"`` and ``position_offset=2``;
+``fairseq-eval-lm``'s perplexity equals ``exp`` of lconv's ``nll``. Flag by flag: docs/fairseq.md, "The
+importers in detail".
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""A recorded ``fairseq-train`` run (the layout of ``../shared/fairseq/train_parity/``) read for a replay, and its
-batches converted to lconv's collation.
+"""A recorded ``fairseq-train`` run read for a replay, and its batches converted to lconv's collation.
 
-A recording is a folder per run beside a ``meta.json`` that lists the runs (``runs.<folder>``: fairseq's
-``model_args`` and ``cfg``, and the float-noise floor its maker measured, ``sanity.float_noise_floor_*``). Each run
-folder holds ``state_update000.npz`` (the weights before update 1; ``001`` and ``040`` after those updates),
-``batches.npz`` (every micro-batch as fairseq's criterion received it) and ``updates.jsonl`` (per update: the loss
-sum, gradient norm before clipping, clip coefficient and learning rate).
-
-fairseq's batches and lconv's differ in three conventions, and ``collate`` / ``to_fairseq`` convert between them
-exactly: fairseq pads sources on the left (lconv on the right), keeps the decoder's input (EOS, then the target
-shifted; lconv's model shifts the targets itself, ``decoder_start="eos"``), and numbers its specials ``<s>`` 0,
-``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3 (``fairseq_vocab.FAIRSEQ_TO_LCONV``). An update's micro-batches (fairseq's
-``--update-freq``) become one global batch whose row ``r`` is micro-batch ``r % n``'s, as lconv's train step splits
-it; rows and lengths past a micro-batch's are padding, which weighs nothing.
+A recording is a folder per run beside a ``meta.json`` listing them: the weights before and after some updates,
+every micro-batch as fairseq's criterion received it, and per update the loss sum, gradient norm, clip
+coefficient and learning rate. ``collate`` / ``to_fairseq`` convert exactly between fairseq's batches (sources
+padded left, the decoder's input kept, its own special ids) and lconv's; an update's micro-batches become one
+global batch, split as lconv's train step splits it. The layout: docs/fairseq.md, "The importers in detail".
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """fairseq's dictionary and SentencePiece model as one lconv tokenizer, and the id map between the two.
 
-fairseq numbers its vocabulary ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3, then line n of ``dict.txt`` as
-n + 3; text becomes ids as SentencePiece pieces (strings) looked up in that dictionary. lconv's ids are
-``lconv.constants``' (PAD 0, EOS 1, UNK 2, BOS 3) and its tokenizer is one SentencePiece model whose piece ids are
-the model's token ids. So the import writes a SentencePiece model whose pieces are re-ordered into the
-dictionary's order: the four special pieces at lconv's ids, then line n of ``dict.txt`` at id n + 3 (fairseq's
-id), every piece keeping its score, so text is segmented exactly as fairseq's SentencePiece model segments it.
-Only the four special ids differ between the two numberings (``FAIRSEQ_TO_LCONV``); embedding rows are permuted
-by them (``lconv_rows``).
-
-Without a SentencePiece model (fairseq's published paper models: Moses + subword-nmt BPE) the tokenizer is the
-dictionary alone (``lconv.data.pieces_tokenizer``): text comes already split into pieces, and decoding joins BPE
-units as ``--remove-bpe`` does; the ids are the same as above.
-
-Dictionary entries that are not SentencePiece pieces (``madeupword0000``: fairseq pads the vocabulary to a
-multiple of 8) become unused pieces: never produced by encoding, decoded as their text. SentencePiece pieces the
-dictionary lacks (fairseq maps them to ``<unk>``) become unused pieces too, so lconv's tokenizer segments around
-them where fairseq would emit ``<unk>``; they are counted and reported by the import (none in a dictionary built
-from the same SentencePiece model's output, as fairseq-preprocess builds it).
+The import writes a SentencePiece model whose pieces are re-ordered into ``dict.txt``'s order, with the four
+special pieces at lconv's ids, so text is segmented exactly as fairseq segments it and only the special ids
+differ (``FAIRSEQ_TO_LCONV``; embedding rows are permuted by them, ``lconv_rows``). Without a SentencePiece model
+(the paper's BPE models) the tokenizer is the dictionary alone (``lconv.data.pieces_tokenizer``). Entries on
+one side only become unused pieces, counted by the import. Details: docs/fairseq.md, "The importers in detail".
 """
 from __future__ import annotations
 
@@ -38,7 +25,7 @@ FAIRSEQ_TO_LCONV = {0: BOS_ID, 1: PAD_ID, 2: EOS_ID, 3: UNK_ID}  # every other i
 class Vocabulary:
     tokenizer: Tokenizer | PiecesTokenizer
     size: int  # rows of the embedding tables: 4 special ids + the dictionary's lines
-    pieces_not_in_dictionary: int  # SentencePiece pieces fairseq would map to <unk> (see the module docstring)
+    pieces_not_in_dictionary: int  # SentencePiece pieces fairseq would map to <unk> (docs/fairseq.md)
 
 
 def read_dictionary(path: str) -> list[str]:
@@ -99,7 +86,7 @@ def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
 
 def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@",
                      symbols: list[str] | None = None) -> Vocabulary:
-    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (module docstring); without a
+    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (docs/fairseq.md); without a
     SentencePiece model, the dictionary alone for text already split into its pieces (Moses + subword-nmt BPE,
     ``continuation`` its joining marker), as fairseq-generate reads binarized data and prints ``--remove-bpe``.
     ``symbols``: the vocabulary's pieces in id order, when they are not ``dictionary_path``'s (``joined_symbols``

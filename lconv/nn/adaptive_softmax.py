@@ -1,20 +1,11 @@
 """Adaptive softmax (Grave et al. 2017) with fairseq's parameterisation, as an output layer for large vocabularies.
 
-The vocabulary is cut at ``cutoffs = (c0, c1, ...)``: the head scores the ``c0`` most frequent ids plus one entry
-per tail cluster; tail cluster ``i`` (ids ``[c_i, c_{i+1})``) scores its ids from a ``d / factor**(i+1)``-wide
-projection. ``log p(w) = log p_head(w)`` for ``w < c0`` and ``log p_head(cluster i) + log p_tail_i(w)`` otherwise.
-fairseq: ``head = Linear(d, c0 + n_tails, bias=False)``; ``tail_i = Linear(d, d // factor**(i+1), bias=False)``,
-``Dropout``, ``Linear(., c_{i+1} - c_i, bias=False)``; xavier-uniform weights.
-
-Tied to adaptive input embeddings (fairseq's ``--tie-adaptive-weights``, ``lconv.nn.adaptive_input``), the ``tied``
-bands replace the output weights: the head scores the frequent ids against band 0's table (``x @ E_0^T``, plus its
-own cluster kernel ``head_clusters``, fairseq's ``head.class_proj``), and tail ``i`` scores against band ``i+1``'s
-table (``h @ E_{i+1}^T``). With ``tie_projections`` (``--tie-adaptive-proj``) tail ``i``'s projection is band
-``i+1``'s input projection transposed (``x @ P_{i+1}^T``: the input maps ``width -> d``, the tail ``d -> width``).
-
-The layer returns the full ``[B, T, V]`` log-probabilities (float32), so the loss, the metrics and beam search use it
-as they use logits (a log-softmax of normalised log-probabilities is the identity). The saving is in parameters and
-in the tails' matmuls (``d / factor`` wide instead of ``d``).
+The vocabulary is cut at ``cutoffs``: the head scores the most frequent ids plus one entry per tail cluster, and
+each tail scores its ids from a projection ``factor`` times narrower than the last. Tied to adaptive input
+embeddings (``tied``, ``tie_projections``: fairseq's ``--tie-adaptive-weights`` / ``--tie-adaptive-proj``), the
+input bands' tables and projections replace the output weights. It returns the full ``[B, T, V]`` float32
+log-probabilities, so the loss and beam search use it as logits; the saving is in parameters and the tails'
+matmuls. fairseq's layer by layer: docs/models.md, "The mixers in detail".
 """
 from __future__ import annotations
 
@@ -51,8 +42,7 @@ class AdaptiveSoftmax(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: jax.Array, *, deterministic: bool = True,
                  tied: Sequence[tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
-        """``[B, T, d] -> [B, T, V]`` log-probabilities. ``tied``: each adaptive input band's ``(table [ids, width],
-        projection [width, d])`` (``AdaptiveInput.band_weights``), used as the output weights."""
+        """``[B, T, d] -> [B, T, V]`` log-probabilities; ``tied``: the input bands' tables and projections."""
         d = x_BTC.shape[-1]
         check_cutoffs(self.cutoffs, self.vocab_size, d, self.factor, "adaptive_softmax_cutoffs")
         edges = [*self.cutoffs, self.vocab_size]

@@ -1,31 +1,11 @@
 """Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention.
 
-Every mixer here follows the contract in ``lconv/nn/mixers.py``:
-``y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)``.
-The mixer returns the update; the model owns layer norm, residual dropout and the residual add.
-
-All of them reduce to ``softmax(logits_BHTS + mask) V`` and differ only in where the logits come from:
-
-- ``SelfAttention``: ``Q Kᵀ / sqrt(D)`` (Vaswani et al. 2017; projections initialised as in fairseq).
-- ``FixedAttention``: learned, input-independent logits ``W_h[pos_q, pos_k]`` (Synthesizer-Random,
-  Tay et al. 2021), optionally factorised and optionally mixed with ``Q Kᵀ / sqrt(D)``.
-- ``HadamardAttention``: ``W_h[pos_q, pos_k] ⊙ Q Kᵀ / sqrt(D)``, a learned positional re-weighting of the
-  content logits.
-
-Masks are boolean ``[B, 1|H, T, S]``: a query attends a key only if both carry the same non-zero segment id
-(packed examples never mix, padding is never read) and, when causal, the key's index is not after the query's.
-Logits, softmax and the probability-value accumulation run in float32 whatever the activation dtype;
-``matmul_precision`` (``lconv.ops.precision``) sets the precision of the projections and the attention dots.
-
-``SelfAttention`` and ``CrossAttention`` compute ``softmax(Q Kᵀ / sqrt(D) + mask) V`` with the kernel
-``attention_impl`` names (``lconv.ops.flash``): ``"auto"`` is cuDNN flash attention on CUDA where it applies
-(16-bit inputs, no attention dropout), else a blockwise kernel that never forms ``[B, H, T, S]`` logits for long
-sequences (``T * S >= 1024²``), else the materialised path; ``"xla"``, ``"chunked"`` and ``"cudnn"`` force one.
-Decoding steps against a cache always take the materialised path (a chunk of queries is short).
-
-Decoding (``decode=True``, causal mixers only) uses the cache of ``lconv.nn.common`` (see its docstring); the
-arrays each mixer keeps there are listed in its class. The math (masks, logits, masked softmax) is
-``lconv.ops.attention``.
+All follow the mixer contract (docs/models.md) and reduce to ``softmax(logits_BHTS + mask) V``; only the logits
+differ: ``Q Kᵀ / sqrt(D)`` (``SelfAttention``), learned positional logits ``W_h[pos_q, pos_k]``
+(``FixedAttention``, Synthesizer-Random), or their product (``HadamardAttention``). A query sees a key of its own
+non-zero segment (and, when causal, not after it). Logits, softmax and accumulation are float32.
+``attention_impl`` picks the kernel (``lconv.ops.flash``); decoding steps take the materialised path against the
+cache of ``lconv.nn.common``.
 """
 from __future__ import annotations
 
@@ -106,17 +86,7 @@ class AttentionFields(nn.Module):
 
 
 class SelfAttention(AttentionFields):
-    """Multi-head scaled dot-product self-attention (registry name ``"attention"``).
-
-    ``y = Out(softmax(Q Kᵀ / sqrt(D) + mask) V)`` with ``Q, K, V = x W_q, x W_k, x W_v`` split into ``num_heads``
-    contiguous heads of size ``D = qkv_features / num_heads``. Kernels are xavier-uniform (Q/K/V with gain
-    1/sqrt(2), the output with gain 1) with zero bias, as fairseq's MultiheadAttention. ``attention_dropout``
-    drops attention probabilities in training.
-
-    ``attention_impl``: the kernel (``lconv.ops.flash``; the module docstring). Decode cache (``'cache'``
-    collection): ``cached_key``, ``cached_value`` ``[B, L, H, D]``, ``cached_segment_ids [B, L]`` int32,
-    ``cache_index []`` int32.
-    """
+    """Multi-head scaled dot-product self-attention (registry ``"attention"``), initialised as fairseq's."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "attention_impl": "attention_impl"}
     label: ClassVar[str] = "Transformer"  # the model every layer of which uses it
@@ -146,17 +116,11 @@ class SelfAttention(AttentionFields):
 
 
 class CrossAttention(nn.Module):
-    """Encoder-decoder attention: decoder queries attend the encoder output ``encoded_BSC``.
+    """Encoder-decoder attention: decoder queries attend the encoder output ``encoded_BSC`` (not a token mixer).
 
-    Same math and initialisation as ``SelfAttention``; the mask pairs ``query_segment_ids`` with
-    ``encoded_segment_ids`` (packed examples only see their own source; padding keys are never read).
-    Not a token mixer (so not in the registry). With ``decode=True`` the projected encoder keys and values are
-    computed once, on the cache-creating call, kept head-major (``[B, H, S, D]``) in the ``'cache'`` collection
-    and read back on every later step (``encoded_BSC`` is then only checked for shape): recomputing them each step
-    cost two ``S x C x C`` projections per token. They are named ``beam_invariant_*``, so beam search neither
-    tiles nor reorders them (``lconv.infer.search``); the beams' queries share their row's encoder output.
-    ``attention_impl`` and ``matmul_precision`` as in ``SelfAttention``.
-    """
+    Same math and initialisation as ``SelfAttention``; a query sees its own example's source only. While decoding,
+    the projected encoder keys and values are computed once, on the cache-creating call, and kept head-major as
+    ``beam_invariant_*`` cache entries, so beam search neither tiles nor reorders them (``lconv.infer.search``)."""
 
     num_heads: int = 8
     dtype: DType = jnp.float32
@@ -201,10 +165,8 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
     def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array, precision: Any) -> Array:
-        """Queries of ``B = N * b`` rows against the cached head-major ``[b, H, S, D]`` encoder keys/values, ``N``
-        consecutive rows per encoded row (the beams of ``lconv.infer.search.tile_cache``, which leaves
-        ``beam_invariant_*`` untiled): the beams of a row are folded into its query axis, so the encoder output is
-        read once per row, not once per beam."""
+        """Queries of ``B = N * b`` rows against the cached ``[b, H, S, D]`` encoder keys/values, ``N`` consecutive
+        rows (a row's beams) per encoded row, folded into its query axis: the encoder output is read once per row."""
         k_bHDS = self.get_variable("cache", "beam_invariant_key")
         v_bHSD = self.get_variable("cache", "beam_invariant_value")
         k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")
@@ -220,21 +182,11 @@ class CrossAttention(nn.Module):
 class FixedAttention(AttentionFields):
     """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
 
-    The logits are learned parameters that do not look at the input: head ``h`` owns a
-    ``[max_len, max_len]`` table indexed by the tokens' within-segment ``positions``, so packed examples see the
-    same table as unpacked ones. Only V and the output are projected.
-
-    - ``factorized_rank > 0``: ``W_h = R1_h @ R2_h`` with ``R1 [H, max_len, F]``, ``R2 [H, F, max_len]``, F the
-      rank (Synthesizer's factorised random variant; ``2 F max_len`` instead of ``max_len²`` parameters per head).
-    - ``mix_dot_product``: logits ``α_h W_h + (1 - α_h) Q Kᵀ/sqrt(D)`` with a learned per-head mixing weight
-      ``α_h = sigmoid(a_h)``, ``a_h`` initialised to 0 (an even mix); adds Q/K projections (Synthesizer's
-      "Random + Dot Product" mixture, whose weights are trainable and sum to one).
-    - ``causal``: the future is masked (index-based, so packed and cached decoding agree).
-
-    A sequence longer than ``max_len`` or positions outside ``[0, max_len)`` raise ``ValueError`` (positions
-    can only be checked when concrete, i.e. outside jit). Decode cache: ``cached_value [B, L, H, D]``,
-    ``cached_positions [B, L]``, ``cached_segment_ids [B, L]``, ``cache_index []`` (+ ``cached_key`` when
-    ``mix_dot_product``); ``L <= max_len`` is enforced when the cache is created.
+    Head ``h``'s logits are a learned ``[max_len, max_len]`` table indexed by within-segment positions, factorised
+    to rank ``factorized_rank`` if set; ``mix_dot_product`` mixes in ``Q Kᵀ/sqrt(D)`` by a learned per-head weight
+    (docs/models.md). Too long a sequence or (outside jit) a position outside ``[0, max_len)`` is a ``ValueError``.
+    Decode cache: ``cached_value``, ``cached_positions``, ``cached_segment_ids``, ``cache_index`` (+ ``cached_key``
+    when mixing); its length is at most ``max_len``.
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
@@ -288,17 +240,10 @@ class FixedAttention(AttentionFields):
 class HadamardAttention(AttentionFields):
     """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
 
-    ``W_h[pos_q, pos_k]`` is a learned per-head ``[max_len, max_len]`` table (initialised to ones, so training
-    starts from plain dot-product attention) multiplied element-wise with the content logits; the mask is added
-    AFTER the product, so a learned weight can never un-mask a key.
-
-    - ``project_qk=False`` (the source's form): Q = K = the input itself, split into ``num_heads`` contiguous
-      heads of size ``C / num_heads``; only V and the output are projected. Positional structure then lives
-      entirely in ``W``.
-    - ``project_qk=True``: Q and K are learned projections of width ``qkv_features`` as in ``SelfAttention``.
-
-    Decode cache: ``cached_key``, ``cached_value [B, L, H, D]``, ``cached_positions [B, L]``,
-    ``cached_segment_ids [B, L]``, ``cache_index []``; ``L <= max_len``.
+    ``W_h`` is a learned per-head ``[max_len, max_len]`` position table, initialised to ones (plain attention at
+    the start); the mask is added after the product, so no weight can un-mask a key. Q = K = the input split into
+    heads unless ``project_qk`` (docs/models.md). Decode cache: ``cached_key``, ``cached_value``,
+    ``cached_positions``, ``cached_segment_ids``, ``cache_index``; its length is at most ``max_len``.
     """
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}

@@ -1,38 +1,13 @@
-"""CoLT5 conditional computation (Ainslie et al. 2023, "CoLT5: Faster Long-Range Transformers with Conditional
-Computation"): every token takes a cheap light branch, a learned router sends the top-k tokens also through an
-expensive heavy branch, and the heavy output is weighted by the token's (differentiable) routing score:
+"""CoLT5 conditional computation (Ainslie et al. 2023): every token takes a cheap light branch, a learned router
+sends the top-k tokens also through an expensive heavy branch, weighted by the token's routing score::
 
     y_i = Light(X)_i + s_i · Heavy(X_routed)_i        (s_i = 0 for tokens that are not routed)
 
-The model adds the residual X. Routing: raw scores ``r = X u / |u|`` (one learned vector ``u`` per router),
-then a soft top-k relaxation turns them into weights ``s ∈ [0, 1]`` (approximately) with ``Σ s = k``; the hard
-top-k by raw score picks which tokens are gathered. Because ``s`` multiplies the heavy output, the router gets
-gradients although the selection itself is discrete.
-
-Soft top-k (Wang et al. 2022 / Lei et al. 2023 "Conditional Adapters", coordinate descent on the dual of the
-entropy-regularised top-k LP ``max_λ r·λ + ε H(λ)``, ``Σ λ = k``, ``0 ≤ λ ≤ 1``): with dual variables ``a``
-(the sum constraint) and ``b_i ≤ 0`` (the caps), alternate
-``b_i = -relu(r_i + a)`` and ``a = ε (log k - logsumexp((r + b) / ε))``; then ``λ_i = exp((r_i + a + b_i) / ε)``.
-Ending on the ``a`` update makes ``Σ λ = k`` exact; a fixed number of iterations runs in float32, warm-started
-at the hard top-k (caps active above the k-th largest score), which converges far faster at small ε.
-
-Padding tokens (``segment_ids == 0``) are never routed: they get ``r = -inf``, ``s = 0`` and, when ``k``
-exceeds the number of real tokens, ``k`` is reduced to that number for the soft weights; any padding slot
-the hard top-k still has to fill carries weight 0 and segment 0, so it contributes nothing.
-
-``CoLT5Attention`` (registry ``"colt5"``): light = local attention (``|i - j| <= local_radius``, same
-segment) with ``light_num_heads`` heads; heavy = full attention among routed queries over routed keys/values,
-with SEPARATE query and key-value routers; heavy attention stays within segments. How the paper uses the
-key-value routing weights is not specified; here they scale the routed values (so the kv router is trained
-and an un-routed kv token fades in continuously). It is an encoder mixer: routing ranks all tokens, future ones
-included, so ``causal=True`` (and ``decode=True``) raise ``ValueError``; use ``"attention"``/conv mixers in
-the decoder, as the paper does (``lconv.nn.models`` rejects ``"colt5"`` as a decoder mixer for that reason).
-The light branch is blocked local attention (``local_attention``): time is cut into blocks of ``radius``
-tokens and each block attends to itself and its two neighbours, so it costs ``O(T · radius)`` memory, not
-``O(T²)``.
-
-``CoLT5FeedForward``: light FFN (hidden ``light_hidden_dim``) on all tokens plus heavy FFN (hidden
-``heavy_hidden_dim``) on routed tokens; call ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``.
+The soft top-k weights ``s`` (coordinate descent on an entropy-regularised top-k LP) give the router gradients
+although the selection is discrete; padding is never routed. ``CoLT5Attention`` (registry ``"colt5"``): blocked
+local attention plus full attention among routed queries over routed keys/values. ``CoLT5FeedForward``: a light
+FFN on every token plus a heavy one on routed tokens. Encoder only: routing ranks future tokens, so ``causal=True``
+and ``decode=True`` raise ``ValueError``. The routing's formulas: docs/models.md, "The mixers in detail".
 """
 from __future__ import annotations
 
@@ -102,14 +77,10 @@ class _Routed(nn.Module):
 
 
 class CoLT5Attention(_Routed):
-    """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (see the module docstring for the math).
+    """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (the math: docs/models.md).
 
-    Fields: ``num_heads`` heavy heads of size ``D = C / num_heads``; ``light_num_heads`` (0 = ``num_heads // 2``,
-    at least 1) local heads of the same size; ``local_radius``; capacity ``num_routed`` tokens (0 = use
-    ``routed_fraction`` of T, rounded up) for queries and for keys/values alike; soft top-k
-    ``router_temperature`` (ε) and ``router_iterations``. Parameters: ``light_{query,key,value,out}``,
-    ``heavy_{query,key,value,out}``, ``router_q``, ``router_kv`` ``[C]``.
-    """
+    ``light_num_heads`` local heads (0: half of ``num_heads``) within ``local_radius``; ``num_routed`` tokens (0:
+    ``routed_fraction`` of T) routed as queries and as keys/values by separate routers, with soft top-k weights."""
 
     # Mixer metadata (lconv.nn.mixers). Encoder only: the routing ranks every token of the sequence, the
     # future included, so a decoder cannot use it (CoLT5 keeps a Transformer decoder, as here).
@@ -175,12 +146,7 @@ class CoLT5Attention(_Routed):
 
 
 class CoLT5FeedForward(_Routed):
-    """CoLT5 routed feed-forward: ``y = FFN_light(X) + s ⊙ FFN_heavy(X_routed)``, ReLU, for the model's FFN slot.
-
-    Call: ``y_BTC = ffn(x_BTC, *, segment_ids=None, deterministic=True)``. Fields: ``light_hidden_dim`` (0 = C/2),
-    ``heavy_hidden_dim`` (0 = 4C), routing fields as in ``CoLT5Attention``, ``dropout_rate`` on the hidden
-    activations. Parameters: ``light_in``, ``light_out``, ``heavy_in``, ``heavy_out``, ``router`` ``[C]``.
-    """
+    """CoLT5 routed FFN, ``FFN_light(X) + s ⊙ FFN_heavy(X_routed)`` (hidden C/2 and 4C by default), ReLU."""
 
     # Feed-forward metadata (lconv.nn.mixers.ffn_class): filled from the model; encoder layers only, as the
     # attention (a decoder layer keeps the dense FFN).
@@ -219,14 +185,11 @@ class CoLT5FeedForward(_Routed):
 def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, radius: int, *,
                     dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: DType | None = None,
                     precision: jax.lax.Precision | None = None) -> Array:
-    """Each query attends the same-segment keys with ``|key index - query index| <= radius``, ``[B, T, H, D]``;
-    ``precision`` is its dots' (None = the backend's default).
+    """Each query attends the same-segment keys within ``radius`` of it, ``[B, T, H, D]``, in ``O(T · radius)``.
 
-    Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``, in ``O(T · radius)``
-    memory: time is cut into ``G`` blocks (groups) of ``W = clip(radius, 1, T)`` tokens (the end padded with segment
-    0); query block ``n`` attends key blocks ``n - 1, n, n + 1``, which hold every key within the radius, as
-    a batch of ``[W, 3W]`` attentions. The mask then keeps exactly the keys within the radius.
-    """
+    Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``: time is cut into blocks of
+    ``W = clip(radius, 1, T)`` tokens and block ``n`` attends blocks ``n - 1, n, n + 1``, which hold every key
+    within the radius."""
     B, T, H, D = q_BTHD.shape
     W = max(1, min(radius, T))
     G = -(-T // W)
@@ -256,10 +219,8 @@ def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, 
 
 
 def router_scores(x_BTC: Array, u_C: Array) -> Array:
-    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]`` (a unit router keeps the scale set by the input
-    norm, so the temperature means the same thing whatever ``u`` learns). Exact float32 on every backend
-    (HIGHEST): they pick the routed tokens, a choice TF32 rounding must not flip, and a matrix-vector product
-    costs little either way."""
+    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]``: a unit router keeps the temperature's meaning, and
+    HIGHEST precision keeps TF32 rounding from flipping which tokens are routed."""
     u = u_C.astype(jnp.float32)
     return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), precision=jax.lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
@@ -269,7 +230,7 @@ def soft_top_k(scores_BT: Array, k: int, valid_BT: Array | None = None, *, tempe
                iterations: int = 32) -> Array:
     """Differentiable top-k weights ``λ_BT`` with ``Σ_t λ = min(k, #valid)`` and ``λ ≈`` in ``[0, 1]``.
 
-    Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (see module docstring).
+    Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (docs/models.md).
     Invalid positions get ``λ = 0``. Runs in float32.
     """
     r = scores_BT.astype(jnp.float32)

@@ -1,21 +1,11 @@
 """Helpers every lconv module shares: projections with logical axis names, activation sharding constraints,
 dropout rngs, input checks, and the incremental-decoding cache of attention-like mixers.
 
-Sharding: every parameter carries logical axis names (``lconv.constants``), which ``config.mesh.rules`` maps to
-mesh axes (``axis_rules`` adds lconv's defaults for names a config lacks). Activations are pinned at block
-boundaries with ``constrain`` (``[B, T, C]``: batch over the data and fsdp axes, width replicated), so their layout
-is stated rather than left to XLA's propagation. Parameters read by index (embedding and position tables) and the
-GLU kernel are gathered before use (``Embed``, ``GLUProjection``): read sharded, their outputs inherit a split
-that XLA's partitioner can only undo by replicating them ("involuntary full rematerialization").
-``constrain`` works under the mesh set by ``jax.set_mesh`` (as the train and eval steps run), else it is a no-op.
-
-Decoding (``decode=True``, causal mixers only) follows flax ``examples/wmt``: the first call, on a full
-max-length dummy input under ``mutable=['cache']``, only creates a zeroed cache in the ``'cache'`` collection
-(and returns the ordinary full pass of the dummy). Later calls take a chunk of ``T >= 1`` new tokens, write it
-at ``cache_index`` with ``lax.dynamic_update_slice`` and attend causally to every cached position up to
-their own. The cache always holds ``cached_segment_ids [B, L]`` (0 = not yet written, so unwritten slots are
-masked) and ``cache_index []`` plus the per-mixer arrays. Writing past ``L`` cannot be detected under jit
-(``dynamic_update_slice`` clamps); the decoder must stop at the max length it created.
+Parameters carry logical axis names (``lconv.constants``) that ``config.mesh.rules`` maps to mesh axes;
+activations are pinned at block boundaries with ``constrain`` (a no-op outside ``jax.set_mesh``). Tables read by
+index and the GLU kernel are gathered before use, so XLA never has to replicate their outputs. Decoding follows
+flax ``examples/wmt``: a first ``decode=True`` call on a max-length dummy creates the zeroed ``'cache'``, later
+calls write a chunk at ``cache_index`` and attend causally (docs/models.md, "The mixers in detail").
 """
 from __future__ import annotations
 
@@ -61,10 +51,7 @@ QKV_GAIN = 1 / math.sqrt(2)
 def xavier_dense(features: int, axes: tuple[str, str], *, use_bias: bool = True, dtype: DType = jnp.float32,
                  param_dtype: DType = jnp.float32, precision: str = "default", name: str | None = None,
                  gain: float = 1.0) -> nn.Dense:
-    """fairseq's ``Linear``: xavier-uniform kernel (PyTorch's ``gain``: bound ``gain * sqrt(6 / (fan_in +
-    fan_out))``), zero bias, with logical axis names ``(in, out)`` on the kernel and ``(out,)`` on the bias, so
-    every projection shards by the config's mesh rules. ``precision``: a ``config.model.matmul_precision`` name
-    (``lconv.ops.precision``)."""
+    """fairseq's ``Linear`` (xavier-uniform, zero bias) with logical axis names, so it shards by the mesh rules."""
     kernel_init = nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")  # gain 1 = xavier_uniform()
     return nn.Dense(
         features,
@@ -97,8 +84,7 @@ AxisRules = tuple[tuple[str, Any], ...]
 
 
 def axis_rules(rules: Sequence[Sequence[Any]] = ()) -> AxisRules:
-    """``rules`` (e.g. ``config.mesh.rules``) followed by ``lconv.constants.DEFAULT_AXIS_RULES`` for the logical
-    names ``rules`` does not map: the config's mapping wins, and a config that predates a name still shards it."""
+    """``rules`` then lconv's ``DEFAULT_AXIS_RULES`` for the names it lacks, so an older config still shards them."""
     given = tuple((str(name), target if isinstance(target, (str, type(None))) else tuple(target))
                   for name, target in rules)
     named = {name for name, _ in given}
@@ -106,8 +92,7 @@ def axis_rules(rules: Sequence[Sequence[Any]] = ()) -> AxisRules:
 
 
 def under_axis_rules(fn: Callable, rules: Sequence[Sequence[Any]] = ()) -> Callable:
-    """``fn`` run with ``axis_rules(rules)`` as flax's logical axis rules, so that the activation constraints of a
-    step traced from it follow ``config.mesh.rules`` (the rules are read at trace time; wrap before ``jax.jit``)."""
+    """``fn`` run under ``axis_rules(rules)``: activation constraints are read at trace time, so wrap before jit."""
     merged = list(axis_rules(rules))
 
     @functools.wraps(fn)
@@ -121,10 +106,8 @@ def under_axis_rules(fn: Callable, rules: Sequence[Sequence[Any]] = ()) -> Calla
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
     """Pins ``x``'s layout by logical axis names under the current mesh (``jax.set_mesh``); a no-op without one.
 
-    The names map through ``axis_rules`` of the active ``nn.logical_axis_rules`` context (none = lconv's
-    defaults). Mesh axes the mesh lacks are dropped, and a dim keeps only the leading mesh axes whose sizes
-    divide it (a decode batch of 1 stays whole), so the constraint never asks for an uneven split.
-    """
+    Mesh axes the mesh lacks are dropped, and a dim keeps only the leading mesh axes whose sizes divide it (a
+    decode batch of 1 stays whole), so the constraint never asks for an uneven split."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -134,8 +117,7 @@ def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
 
 
 def local_shape(shape: Sequence[int], axes: tuple[str | None, ...]) -> tuple[int, ...]:
-    """The shape of one device's block of an array of ``shape`` pinned by ``constrain(x, axes)`` (``shape`` itself
-    without a mesh): what a chunked computation sizes its chunks by."""
+    """One device's block of ``shape`` as ``constrain(x, axes)`` pins it: what chunked computations size by."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return tuple(shape)
@@ -144,8 +126,7 @@ def local_shape(shape: Sequence[int], axes: tuple[str | None, ...]) -> tuple[int
 
 
 def _fitted_axes(mesh: Any, shape: Sequence[int], axes: tuple[str | None, ...]) -> list[list[str]]:
-    """Per dim, the mesh axes ``axes`` names (through the active rules) that the mesh has and whose sizes divide
-    the dim, leading ones first (``constrain``'s rule)."""
+    """Per dim, the mesh axes ``axes`` names that the mesh has and whose sizes divide it (``constrain``'s rule)."""
     spec = nn.logical_to_mesh_axes(axes, axis_rules(nn.get_logical_axis_rules()))
     fitted = []
     for size, target in zip(shape, spec):
@@ -160,16 +141,14 @@ def _fitted_axes(mesh: Any, shape: Sequence[int], axes: tuple[str | None, ...]) 
 
 
 def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str], gain: float = 1.0) -> nn.Dense:
-    """``xavier_dense`` with a module's ``use_bias`` (default True), ``dtype``, ``param_dtype`` and
-    ``matmul_precision`` (default ``"default"``)."""
+    """``xavier_dense`` with a module's ``use_bias``, ``dtype``, ``param_dtype`` and ``matmul_precision``."""
     return xavier_dense(features, axes, use_bias=getattr(mdl, "use_bias", True), dtype=mdl.dtype,
                         param_dtype=mdl.param_dtype, precision=getattr(mdl, "matmul_precision", "default"), name=name,
                         gain=gain)
 
 
 def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int, gain: float = QKV_GAIN) -> Array:
-    """An attention Q/K/V projection: ``dense`` (xavier gain ``QKV_GAIN``, as fairseq) into ``H`` heads of width
-    ``D``: ``[B, T, C] -> [B, T, H, D]``, pinned batch- and head-split."""
+    """A Q/K/V projection into heads, ``[B, T, C] -> [B, T, H, D]`` (fairseq's gain), pinned batch- and head-split."""
     return constrain(dense(H * D, name, mdl, TO_HEADS, gain=gain)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
 
 
@@ -180,10 +159,8 @@ def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | Non
 def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str, Array] | None, Array | None]:
     """Writes a chunk into the ``'cache'`` collection; returns ``(full cached arrays, chunk start index)``.
 
-    ``new`` maps names to ``[B, T, ...]`` chunks, stored as ``cached_<name>``. On the first call (no cache yet)
-    the variables are created zeroed with the chunk's shape (the max length) and ``(None, None)`` is returned:
-    the caller then does its ordinary full pass. Later calls write at ``cache_index`` and advance it by ``T``.
-    """
+    The first call creates the ``cached_<name>`` variables zeroed at the chunk's (the max) length and returns
+    ``(None, None)``, so the caller does its full pass; later calls write at ``cache_index`` and advance it."""
     initialized = mdl.has_variable("cache", "cache_index")
     cached = {n: mdl.variable("cache", "cached_" + n, jnp.zeros, a.shape, a.dtype) for n, a in new.items()}
     cache_index = mdl.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
@@ -198,13 +175,8 @@ def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str
 
 
 def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
-    """What a chunk attends to: ``(arrays, mask [B, 1, T, S])`` for a self-attention-like mixer.
-
-    ``new`` holds this chunk's ``[B, T, ...]`` key-side arrays and its ``segment_ids``. In a full pass (and
-    on the cache-creating call) that is ``new`` itself under the segment mask, causal if ``mdl.causal``;
-    while decoding it is the whole cache after ``new`` is written into it (``decode_cache_update``), under
-    the mask of the chunk's queries against every cached position up to their own.
-    """
+    """What a chunk attends to, ``(arrays, mask [B, 1, T, S])``: in a full pass its own key-side arrays ``new``; while
+    decoding the whole cache after ``new`` is written into it, up to each query's position."""
     seg_BT = new["segment_ids"]
     mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
     if not decode:
@@ -284,12 +256,10 @@ def segments_and_positions(x_BTC: Array, segment_ids: Array | None, positions: A
 
 
 class Embed(nn.Embed):
-    """``nn.Embed`` (the same ``embedding`` parameter) whose table is gathered along its width before it is read,
-    as FSDP gathers every parameter before use.
+    """``nn.Embed`` whose table is gathered along its width before it is read, as FSDP gathers every parameter.
 
-    Left to XLA, a lookup from a width-sharded table gives width-sharded ``[B, T, C]`` rows, which its partitioner
-    can only make batch-sharded by replicating them ("involuntary full rematerialization"). ``table_axes``: the
-    activation names the gathered table keeps (vocabulary rows stay split over the tensor axis)."""
+    A lookup from a width-sharded table gives width-sharded rows, which XLA can make batch-sharded only by
+    replicating them. ``table_axes``: the names the gathered table keeps (vocabulary rows stay split)."""
 
     table_axes: tuple[str | None, str | None] = (ACT_VOCAB, None)
     matmul_precision: str = "default"  # of ``attend`` (tied output logits); lookups are exact whatever it is
@@ -302,8 +272,7 @@ class Embed(nn.Embed):
         return jnp.take(constrain(table, self.table_axes), inputs, axis=0)
 
     def attend(self, query: Array) -> Array:
-        """``[..., features] -> [..., num_embeddings]``: inner products with every row (tied output logits),
-        accumulated and returned in float32 whatever ``dtype`` (the loss's softmax reads them)."""
+        """Tied output logits ``[..., num_embeddings]``, float32 whatever ``dtype`` (the loss's softmax reads them)."""
         query, table = self.promote_dtype(query, self.output_table(), dtype=self.dtype)
         return jnp.dot(query, table.T, precision=lax_precision(self.matmul_precision),
                        preferred_element_type=jnp.float32)
@@ -315,9 +284,7 @@ class Embed(nn.Embed):
 
 
 class LayerNorm(nn.Module):
-    """``nn.LayerNorm``'s parameters (``scale`` and ``bias``, ``[C]``, on ``EMBED``) and values, computed by
-    ``lconv.ops.layer_norm``, whose backward pass keeps the input and two floats a row instead of three
-    ``[.., C]`` float32 arrays (see there)."""
+    """``nn.LayerNorm``'s parameters and values, computed by ``lconv.ops.layer_norm`` to keep less for the backward."""
 
     epsilon: float = 1e-5
     dtype: DType = jnp.float32  # of the output; the statistics and the arithmetic are float32
@@ -334,8 +301,7 @@ class LayerNorm(nn.Module):
 
 
 class Dropout(nn.Module):
-    """``nn.Dropout``'s interface and rng stream (``make_rng("dropout")``) with ``lconv.ops.dropout``'s mask:
-    16 random bits an element, so the train step keeps half the random words ``nn.Dropout`` makes it keep."""
+    """``nn.Dropout``'s interface and rng stream with ``lconv.ops.dropout``'s 16-bit mask (half the random words)."""
 
     rate: float
     deterministic: bool | None = None

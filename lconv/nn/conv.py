@@ -90,9 +90,7 @@ class _ConvBase(nn.Module):
 
     def _convolve(self, x_BTC: Array, weight: Array, padding_left: int, segment_ids: Array | None, decode: bool,
                   full_fn: Callable[..., Array], step_fn: Callable[..., tuple[Array, Array]]) -> Array:
-        """``full_fn`` over the whole input, or while decoding ``step_fn`` on the cached last P = K-1 inputs; + bias.
-
-        The cache-creating ``decode`` call (no cache yet) creates the zeroed state and runs the full pass."""
+        """``full_fn`` over the input, or while decoding ``step_fn`` on the cached last K-1 inputs; plus the bias."""
         if decode:
             state_BPC, initialised = self._decode_state(x_BTC)
             if initialised:
@@ -157,13 +155,10 @@ class DynamicConv1d(_ConvBase):
 
 
 class GLUProjection(nn.Module):
-    """``Dense(C -> 2 * features)`` + GLU, ``first half * sigmoid(second half)``: fairseq's ``linear1`` + GLU, the
-    same ``kernel [C, 2F]`` / ``bias [2F]`` parameters and values as ``xavier_dense(2 * features)``.
+    """``Dense(C -> 2 * features)`` + GLU: fairseq's ``linear1`` + GLU, the same parameters as ``xavier_dense``.
 
     The kernel is applied as ``[C, 2, F]`` with F split over the tensor axis, so each device holds matching value
-    and gate halves and the GLU is local. Sliced from a ``[.., 2F]`` output split over that axis, the halves sit
-    on different devices and every layer would swap ``[B, T, F]`` activations between them; this moves the
-    (smaller, FSDP-gathered anyway) kernel instead."""
+    and gate halves and the GLU is local, instead of swapping ``[B, T, F]`` activations every layer."""
 
     features: int
     dtype: Dtype = jnp.float32
@@ -191,12 +186,8 @@ class GLUProjection(nn.Module):
 
 
 class LightConvBlock(nn.Module):
-    """The paper's conv block, a token mixer: ``Dense(d -> 2d)`` + GLU, input dropout, conv, ``Dense(d -> d)``.
-
-    Follows fairseq's ``LightConvEncoderLayer`` / ``DecoderLayer`` up to (not including) the residual: input
-    dropout, ``linear1`` (+ GLU: first half * sigmoid(second half)), padding positions zeroed, the conv,
-    ``linear2``. ``conv_features`` is fairseq's ``conv_dim`` (default: the model width).
-    """
+    """The paper's conv block, a token mixer: input dropout, ``Dense(d -> 2d)`` + GLU, padding zeroed, the conv,
+    ``Dense(d -> d)``: fairseq's ``LightConv*Layer`` up to the residual (``conv_features``: its ``conv_dim``)."""
 
     # Mixer metadata (lconv.nn.mixers): the fields a model layer fills from its config, and where it may sit.
     model_fields: ClassVar[dict[str, str]] = {

@@ -44,8 +44,7 @@ def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
 
 
 def project_in(cfg: ModelConfig) -> nn.Module | None:
-    """``decoder_input_width -> d_model`` without bias, for a single table of another width (adaptive input
-    projects each band itself)."""
+    """``decoder_input_width -> d_model`` without bias, for one table of another width (bands project themselves)."""
     if cfg.adaptive_input_cutoffs or cfg.decoder_input_width == cfg.side("decoder").d_model:
         return None
     return xavier_dense(cfg.side("decoder").d_model, (MLP, EMBED), use_bias=False, dtype=cfg.dtype,
@@ -80,9 +79,8 @@ class OutputLayer:
     matmul_precision: str = struct.field(pytree_node=False)
 
     def loss_sums(self, targets_BT: jax.Array, weights_BT: jax.Array, label_smoothing: float) -> dict[str, jax.Array]:
-        """``linear_cross_entropy.cross_entropy_sums`` (``{loss, nll, correct}``), its chunks sized by the rows one
-        device holds. A table split over devices by vocabulary gets one vocabulary slice: a slice at a traced
-        offset of a split axis would gather the whole table and logits onto every device."""
+        """``linear_cross_entropy.cross_entropy_sums``, chunked by the rows one device holds; a vocabulary-split table
+        gets one slice, since a traced slice of a split axis would gather the whole table onto every device."""
         rows = local_shape(self.features_BTC.shape, BTC)[0]
         V = self.table_VC.shape[0]
         split_vocab = local_shape(self.table_VC.shape, (ACT_VOCAB, None))[0] < V
@@ -98,8 +96,7 @@ class OutputLayer:
 
 
 class OutputProjection(nn.Module):
-    """An untied output layer's parameter, ``kernel [C, V]`` (``N(0, C^-1/2)``, fairseq's); ``OutputLayer`` reads
-    it as its table, as it reads a tied embedding."""
+    """An untied output layer's ``kernel [C, V]`` (fairseq's init), read by ``OutputLayer`` as its table."""
 
     vocab_size: int
     width: int

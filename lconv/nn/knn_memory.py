@@ -1,54 +1,13 @@
 """Memorizing Transformer kNN-memory attention (Wu et al. 2022, "Memorizing Transformers").
 
-A long document is fed as consecutive windows ("segments" in the paper; here "windows", since ``segment_ids``
-already means packed examples). Each layer attends two ways and gates the results:
-
-- local: (causal) dot-product self-attention inside the current window;
-- memory: each query retrieves its top-``num_neighbors`` (``J``) (key, value) pairs, by exact inner product
-  (``jax.lax.top_k``), from a FIFO of the keys/values of PAST windows of the same document, and attends
-  over just those;
-- ``y = Out(g_h · mem + (1 - g_h) · local)`` with a learned per-head gate ``g_h = sigmoid(b_h)`` (``b_h``
-  starts at 0). A query with nothing to retrieve (empty memory) uses the local result alone.
-
-Queries and keys are L2-normalised and the logits are ``τ_h q̂·k̂`` with a learned per-head scale
-``τ_h = exp(log_scale_h)`` (initialised to ``sqrt(D)``): normalised keys keep stale memory entries on the same
-scale as fresh ones, and make inner-product retrieval a cosine search. The memory is never differentiated
-through (``jax.lax.stop_gradient``), as in the paper.
-
-Memory state lives in the ``'memory'`` collection (created zeroed by ``init``, batch size fixed there):
-
-    memory/keys    [B, M, H, D]  L2-normalised keys, ``dtype`` (``M = memory_size`` slots)
-    memory/values  [B, M, H, D]  values, ``dtype``
-    memory/valid   [B, M] bool   which slots hold an entry; valid entries sit at the end, oldest first
-
-The memory is the mixer's carried state (``state = ("memory",)``, the mixer contract's; ``lconv.nn.mixer_state``),
-and the loop that feeds a document stream window by window owns it: it threads the collection from one call to
-the next and, where a batch row starts a new document, clears that row with the class's ``reset_state`` (zeroed
-rows; ``reset_memory`` here, every kNN layer of a model at once). ``lconv.train.steps`` does this on document
-streams (``config.data.stream``; ``lconv.data.stream``) for every stateful mixer alike:
-
-    mem = model.init(rng, x0)['memory']
-    for x, new_document_B in windows:
-        mem = reset_memory(mem, new_document_B)      # rows that start a new document forget the old one
-        y, upd = model.apply({'params': p, 'memory': mem}, x, mutable=['memory'])
-        mem = upd['memory']
-
-This is the only reset mechanism: it keeps the mixer contract unchanged (no extra call argument to thread
-through the models) and does not overload ``positions``, which the models also feed to position embeddings
-and position-indexed mixers. Within a call the memory is read first and written after (only strictly past
-windows are ever retrieved). The write appends this window's non-padding keys/values and evicts the oldest
-beyond ``memory_size`` (FIFO). When ``'memory'`` is passed but not mutable (evaluation of a fixed memory, or
-``decode=True``) it is only read. When no ``'memory'`` collection is passed at all (a plain
-``apply({'params': p}, ...)``, e.g. sentence-level training where every batch is a fresh document) there are
-no past windows: the memory is empty and the layer is its local attention.
-
-Packed windows (``segment_ids``): only tokens of the row's first segment (the document continuing from the
-previous window) read the memory, only tokens of the last segment (the one continuing into the next window)
-are written, and if the two differ the old memory is dropped. A row that is all padding keeps its memory.
-
-``decode=True`` (``causal=True`` only): the local attention keeps a chunked KV cache in ``'cache'``
-(``cached_key``, ``cached_value [B, L, H, D]``, ``cached_segment_ids [B, L]``, ``cache_index``) as in
-``lconv.nn.attention``; the memory is read, not written.
+A document is fed window by window. Each layer attends locally (causal self-attention inside the window) and over
+the top-``num_neighbors`` (key, value) pairs retrieved by exact inner product from a FIFO memory of the same
+document's past windows, and gates the two per head: ``y = Out(g_h · mem + (1 - g_h) · local)``. Queries and keys
+are L2-normalised, so retrieval is a cosine search and stale entries keep their scale; the memory is never
+differentiated through. The memory is the mixer's carried state, the ``'memory'`` collection
+(``state = ("memory",)``; ``lconv.nn.mixer_state``): read first and written after in a call, only read when not
+mutable or when decoding, empty when absent. Its layout, the reset at a document start and the rules for packed
+windows: docs/models.md, "The mixers in detail".
 """
 from __future__ import annotations
 
@@ -83,11 +42,8 @@ PyTree = Any
 class KNNMemoryAttention(AttentionFields):
     """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
 
-    Fields: ``memory_size`` entries per batch row (each entry holds all heads' key/value of one token),
-    ``num_neighbors`` (``J``) retrieved per query and head (``<= memory_size``), ``qkv_features`` (None = C),
-    ``attention_dropout`` on the local attention probabilities. Parameters: ``query``, ``key``, ``value``,
-    ``out`` (Dense), ``log_scale [H]``, ``gate [H]``. Called as the mixer contract (``positions`` are not used).
-    """
+    ``memory_size`` entries per row (one token's keys and values for every head), ``num_neighbors`` retrieved per
+    query and head. ``positions`` are not used."""
 
     # Decoder only (mixer metadata, lconv.nn.mixers): its memory is carried across the windows of a document
     # stream, which only a decoder-only LM reads; an encoder would only ever see an empty memory.
@@ -175,12 +131,8 @@ def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
-    """Clears the rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection: the class's
-    ``reset_state``, ``lconv.nn.mixers.zero_rows`` (an empty row is zeroed, ``valid`` False, as ``init`` makes it).
-
-    Works on the collection of any model (any nesting): every ``keys`` / ``values`` / ``valid`` leaf is a
-    ``[B, ...]`` array; the reset rows become empty, the others are kept.
-    """
+    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection of any model, as
+    ``init`` makes them: the class's ``reset_state`` (``lconv.nn.mixers.zero_rows``)."""
     return mixers.zero_rows(memory, reset_B)
 
 
@@ -196,11 +148,8 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
 
 
 def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> tuple[Array, Array]:
-    """Exact top-k memory entries per query and head by inner product: ``(scores, indices)``, ``[B, H, T, J]``
-    (``J = k``).
-
-    The scores are exact float32 on every backend (HIGHEST): TF32 rounding must not change which entries are
-    retrieved. Invalid slots score ``MASKED_LOGIT`` (so they come last and can be masked by score)."""
+    """Exact top-k memory entries per query and head, ``(scores, indices)`` ``[B, H, T, k]``: HIGHEST precision, so
+    TF32 rounding cannot change what is retrieved; invalid slots score ``MASKED_LOGIT`` and come last."""
     scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
@@ -209,11 +158,9 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
 
 def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,
                      precision: jax.lax.Precision | None = None) -> tuple[Array, Array]:
-    """Softmax attention of each query over its own ``J = k`` retrieved entries (float32); ``precision`` is the
-    weighted sum's (retrieval is always HIGHEST).
-
-    Returns ``(out [B, T, H, D] float32, found [B, T, H] bool)``; ``found`` is False where nothing valid was
-    retrieved (then ``out`` is 0)."""
+    """Softmax attention of each query over its ``k`` retrieved entries, float32: ``(out [B, T, H, D], found [B, T,
+    H])``,
+    ``out`` 0 where nothing valid was retrieved."""
     scores_BHTJ, idx_BHTJ = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
     ok_BHTJ = scores_BHTJ > MASKED_LOGIT / 2
     probs_BHTJ = jnp.where(ok_BHTJ, jax.nn.softmax(scores_BHTJ, axis=-1), 0.0)
@@ -225,9 +172,8 @@ def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_
 
 def fifo_append(keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, new_k_BTHD: Array, new_v_BTHD: Array,
                 new_valid_BT: Array) -> tuple[Array, Array, Array]:
-    """Appends the valid new entries after the valid old ones and keeps the newest ``M`` (oldest evicted).
-
-    A stable sort on ``valid`` moves empty slots to the front while keeping the valid entries in time order."""
+    """Appends the valid new entries after the valid old ones, keeping the newest ``M``: a stable sort on ``valid``
+    moves empty slots first and keeps time order."""
     M = keys_BMHD.shape[1]
     k = jnp.concatenate([keys_BMHD, new_k_BTHD.astype(keys_BMHD.dtype)], axis=1)  # [B, M + T, H, D]
     v = jnp.concatenate([values_BMHD, new_v_BTHD.astype(values_BMHD.dtype)], axis=1)

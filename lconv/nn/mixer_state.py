@@ -1,22 +1,15 @@
 """The state a model's mixers carry from one window of a document to the next: the mixer contract's ``state``.
 
-A stateful mixer (the kNN memory, a recurrent or state-space mixer, a plugin's) declares on its class the flax
-collections it carries (``state``) and how a row of them starts over at a document start (``reset_state``;
-``lconv.nn.mixers``). ``MixerState`` holds a model's collections together with those hooks, so whoever feeds a
-document stream (training, evaluation, a notebook) threads any mixer's state without naming one:
+``MixerState`` holds a model's carried collections with each class's ``reset_state``, so whoever feeds a document
+stream threads any mixer's state without naming one::
 
     carried = mixer_state.initial(model, args, kwargs)        # init's values, every leaf [rows, ...]
     for batch in windows:
         carried = carried.reset(batch["document_start"] > 0)  # rows that start a new document start over
         logits, carried = carried.apply(model.apply, params, *args, **kwargs)   # read, then updated
 
-It is a pytree (the collections are its leaves, the hooks static), so it lives in the train state and its
-checkpoints, is sharded by rows as the batch, and passes through ``jax.jit`` and ``jax.lax.scan``. A model without
-stateful mixers, or a batch of fresh documents, has the empty state, and ``apply`` is then a plain
-``apply({'params': ...})``: by the contract (``lconv.testing``'s rule ``carry``) a call without the collections is a
-fresh document's, so decoding and the exported programs, which start from a prompt, need none; decoding that
-continues a carried document passes them read-only (``{'params': p, **state.collections}`` as ``lconv.infer.search``'s
-``variables``; the rule ``decoding`` checks it).
+It is a pytree, so it lives in the train state and its checkpoints and passes through ``jit`` and ``scan``. The
+contract: docs/models.md, "A mixer with state".
 """
 from __future__ import annotations
 
@@ -51,8 +44,7 @@ class MixerState:
 
     def apply(self, apply_fn: Callable[..., Any], params: PyTree, *args: Any, update: bool = True,
               **kwargs: Any) -> tuple[Any, MixerState]:
-        """``(apply_fn's output, the state after this window)``: the collections are read and, with ``update``,
-        left as the call updated them (``mutable``); without ``update`` (decoding, a fixed memory) only read."""
+        """``(apply_fn's output, the state after this window)``: read, and with ``update`` as the call left it."""
         variables = {"params": params, **self.collections}
         if not self.collections or not update:
             return apply_fn(variables, *args, **kwargs), self
@@ -116,10 +108,8 @@ _checked: set[Any] = set()  # (model, batch shapes) whose state rules held: trac
 
 def check_rules(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 owned: dict[str, tuple[Reset, str]]) -> None:
-    """The state rules of ``lconv.testing.check_mixer``, on the model and batch a run uses, before any data (traced
-    only, nothing compiled): init makes every declared collection, a window keeps each leaf's shape and dtype (a
-    leaf that grows recompiles every window), and ``reset_state`` returns the tree it was given. Each failure is
-    one line naming the mixer and the rule."""
+    """``lconv.testing.check_mixer``'s state rules on a run's model and batch, traced before any data: init makes every
+    declared collection, a window keeps each leaf's shape and dtype, ``reset_state`` returns its tree. One line each."""
     key = (model, jax.tree.map(lambda x: (x.shape, x.dtype), (args, kwargs)).__repr__())
     try:
         if key in _checked:

@@ -1,55 +1,11 @@
 """The token-mixer registry: one name -> one Flax linen module, one call signature for all. Open to plugins.
 
-Every token mixer (LightConv, DynamicConv, self-attention, Fixed, Hadamard, CoLT5, kNN memory, and any a user
-registers) is a ``flax.linen.Module`` that maps an (already normalised) sequence to an update of the same shape.
-The model layer around it owns the layer norm, the residual dropout and the residual add, so mixers are
-swappable per layer by name.
-
-The contract (executable: ``lconv.testing.check_mixer`` checks each rule and names the one a mixer breaks):
-
-    y_BTC = mixer(x_BTC, *, segment_ids=None, positions=None, deterministic=True, decode=False)
-
-- ``x_BTC``: ``[batch, time, features]``; ``y_BTC`` has the same shape and ``x_BTC``'s dtype.
-- ``segment_ids``: ``[batch, time]`` int, ``0`` = padding; packed examples carry ids ``1, 2, ...``. A mixer never
-  mixes information across segments or from padding. ``None`` means one segment covering every position.
-- ``positions``: ``[batch, time]`` int, position of each token inside its segment (needed by position-dependent
-  mixers such as Fixed / Hadamard attention). ``None`` means ``arange(time)`` (or, while decoding, the
-  position kept in the cache).
-- ``deterministic``: ``False`` enables dropout / DropConnect (needs a ``'dropout'`` rng); ``True`` needs none.
-- ``decode``: causal mixers keep their state in the ``'cache'`` collection and accept a chunk of one or more new
-  positions per call; the outputs equal the full causal pass. The cache is created by a first call with
-  ``decode=True`` under ``mutable=['cache']`` on a full-length (max decode length) dummy input, as in flax
-  ``examples/wmt``; non-causal mixers raise ``ValueError`` when asked to decode.
-- Parameters carry logical axis names (``nn.with_logical_partitioning``) so the mesh rules can shard them.
-- Constructor fields every mixer accepts: ``num_heads``, ``causal``, ``dtype`` (computation dtype; softmax and
-  accumulation stay in float32), ``param_dtype``, ``matmul_precision`` (``"default" | "high" | "highest"``, the
-  precision of its dots, ``lconv.ops.precision``; a conv's own arithmetic is always exact). The rest are
-  mixer-specific and come from the config.
-
-Everything the rest of lconv knows about a mixer is read from class attributes (``info``), each optional:
-
-- ``model_fields``: ``{constructor field: model value}``, the fields a model layer fills, by name, from its
-  ``ModelConfig`` (``conv_impl``, ``dropout`` rates, ...) and the layer (``causal``, ``kernel_size``). Nothing is
-  passed by a coincidence of names: a value the model does not have is an error, not a silent drop.
-- ``sides`` and ``side_reason``: where the mixer may sit, ``("encoder", "decoder")`` or one of them, and why.
-- ``label``: the one name it is shown by, the same in every table, plot, bench row and doc; ``variant``: the word
-  that picks it in ``--config=file.py:WORD``.
-- ``example_fields``: the smallest mixer-specific fields that make it valid on a short test sequence (the
-  checker, the tests and the bench start from them).
-- ``state``: the collections besides ``cache`` it carries from one window of a document to the next (the kNN
-  memory's ``'memory'``; ``lconv.nn.mixer_state``). ``init`` creates them for a batch of rows, every leaf
-  ``[B, ...]``; a call with them mutable reads them and leaves them updated, a call with them read-only only
-  reads them (decoding), and a call without them is the first window of a document. ``reset_state(tree,
-  reset_B)`` (a ``staticmethod``) returns rows ``reset_B`` of one collection to their ``init`` value, at a
-  document start; the default zeroes them (init's value for zero-initialised state).
-- ``layout`` and ``layout_others``: which layers of a side it takes when a config picks it for a side (Python
-  indices, e.g. the kNN memory's ``(-2,)``, second to last) and the mixer of the others (default: every layer).
-
-Feed-forward sublayers have a registry of their own (``ffn_class``; ``config.model.ffn_type``), with the same
-plugin rules. A name is a registered name or a ``"package.module:Class"`` string imported on first use, so a
-mixer can live in the user's own file: ``--config.model.encoder_mixer=my_mixers:MyMixer``. In-process,
-``register_mixer("mine", MyMixer)`` adds a name; installed packages add names through the ``lconv.mixers`` entry
-point group (``{name} = "package.module:Class"``).
+Every token mixer is a ``flax.linen.Module`` mapping a normalised ``[B, T, C]`` sequence to an update of the same
+shape; the model around it owns the layer norm, the residual dropout and the residual add, so mixers swap per layer
+by name. The contract and the class attributes lconv reads (``info``): docs/models.md, "The mixer contract";
+``lconv.testing.check_mixer`` checks it. A name is a registered one or a ``"package.module:Class"`` imported on
+first use; ``register_mixer`` and the ``lconv.mixers`` entry-point group add names. Feed-forward sublayers have a
+registry of their own with the same rules (``ffn_class``).
 """
 from __future__ import annotations
 
@@ -94,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class MixerInfo:
-    """What lconv knows about a mixer, read from its class (the module docstring lists the attributes)."""
+    """What lconv knows about a mixer, read from its class (docs/models.md lists the attributes)."""
 
     name: Any  # the registered name, the "module:Class" string it was named by, or the class itself
     cls: type[nn.Module]
@@ -155,8 +111,7 @@ def _register(table: dict, kind: str, name: str, target: Any, replace: bool) -> 
 
 
 def _check_words(name: str, target: Any) -> None:
-    """A new mixer's name and (a class's) ``variant`` word may not be words that already pick another mixer:
-    ``--config=file.py:WORD`` could never pick it."""
+    """Refuses a new mixer whose name or ``variant`` word already picks another: ``:WORD`` could never pick it."""
     taken = {word: owner for word, owner in variants().items() if owner != name}
     word = vars(target).get("variant", name) if isinstance(target, type) else name
     for what, value in (("name", name), ("variant word", word)):
@@ -231,9 +186,8 @@ def _import(kind: str, name: str, target: str) -> type[nn.Module]:
 
 
 def import_plugin_module(module_name: str, what: str) -> Any:
-    """The plugin module ``module_name``, imported for ``what`` (e.g. "mixer 'my_mixers:Gated'"): any exception
-    its import raises (a missing module, a syntax error, an error in its own code) is one line naming the module
-    and where it failed. The user's code is to blame, not lconv, so no traceback."""
+    """The plugin module ``module_name``, imported for ``what``; whatever its import raises is one line naming the
+    module and where it failed, with no traceback: the user's code is to blame, not lconv."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -245,9 +199,8 @@ def import_plugin_module(module_name: str, what: str) -> Any:
 
 
 def runs_no_new_code(kind: str, spec: str) -> bool:
-    """Whether resolving ``spec`` ("module:Class") imports nothing new: a target this process's registry names
-    (lconv's own mixers, the user's ``register_mixer`` calls, installed entry points), or a module already imported.
-    A spec read from a stored config that is neither would run a file from elsewhere (``trust_plugins``)."""
+    """Whether resolving ``spec`` ("module:Class") imports nothing new: this process's registry names it or its module
+    is imported. Anything else in a stored config would run a file from elsewhere (``trust_plugins``)."""
     _load_entry_points()
     table = _MIXERS if kind == "mixer" else _FFNS
     if any(spec == _describe(target) for target in table.values()):
@@ -306,8 +259,7 @@ RESERVED_COLLECTIONS = ("params", "cache", "intermediates")  # lconv's own: a mi
 
 
 def _state(name: Any, state: Any) -> tuple[str, ...]:
-    """A class's ``state``: a tuple of collection names of its own (a bare string would be split into letters, and
-    a collection lconv fills itself, such as ``'intermediates'``, would never be carried)."""
+    """A class's ``state``, checked: a tuple of collection names of its own, none that lconv fills itself."""
     if not (isinstance(state, (tuple, list)) and all(isinstance(c, str) and c.isidentifier() for c in state)):
         raise UserError(f"mixer {name!r}: state={state!r} must be a tuple of collection names, e.g. ('memory',)")
     taken = [c for c in state if c in RESERVED_COLLECTIONS]
@@ -335,8 +287,7 @@ def _layout(name: Any, layout: Any) -> tuple[int, ...] | None:
 
 
 def zero_rows(tree: Any, reset_B: Any) -> Any:
-    """The default ``reset_state``: rows ``reset_B`` (bool ``[B]``) of every ``[B, ...]`` leaf of ``tree`` set to
-    zeros (``False`` for a bool leaf), the others kept."""
+    """The default ``reset_state``: rows ``reset_B`` of every ``[B, ...]`` leaf of ``tree`` zeroed, the others kept."""
     reset_B = jnp.asarray(reset_B, bool)
     if reset_B.ndim != 1:
         raise UserError(f"reset_B must be [batch] bool, got shape {reset_B.shape}")
@@ -352,9 +303,9 @@ def zero_rows(tree: Any, reset_B: Any) -> Any:
 
 
 def layer_layout(name: str, num_layers: int) -> str:
-    """The ``{side}_mixer`` value that gives a side of ``num_layers`` layers mixer ``name`` by its class's layout
-    rule: ``name`` (every layer), or a comma list with ``name`` at the ``layout`` indices (clamped into the stack:
-    ``-2`` of one layer is that layer) and ``layout_others`` elsewhere. Configs and the study both use it."""
+    """The ``{side}_mixer`` value that gives ``num_layers`` layers mixer ``name`` by its class's ``layout`` rule:
+    ``name`` alone, or a comma list with ``name`` at the (clamped) ``layout`` indices and ``layout_others`` elsewhere.
+    """
     i = info(name)
     if i.layout is None or num_layers < 1:
         return name
@@ -375,9 +326,8 @@ def sides(name: str) -> tuple[str, ...]:
 
 
 def variants() -> dict[str, str]:
-    """``{variant word: registered name}``: each mixer's registered name picks it, and so does its ``variant``
-    word unless that word already picks another mixer (refused at ``register_mixer`` for a class; for a mixer
-    registered by a ``"module:Class"`` string or an entry point, warned about and left out)."""
+    """``{variant word: registered name}``: a mixer's name picks it, and so does its ``variant`` word unless that word
+    already picks another mixer (refused at ``register_mixer``; warned about and left out otherwise)."""
     words = {name: name for name in mixer_names()}
     for i in importable_infos():
         if words.setdefault(i.variant, i.name) != i.name:
@@ -387,17 +337,15 @@ def variants() -> dict[str, str]:
 
 
 def variant_words(side: str | None = None, both_sides: bool = False) -> list[str]:
-    """The word that picks each registered mixer (its ``variant``, or its registered name where another mixer
-    has that word), in registry order, once each; only those that fit ``side`` / both sides."""
+    """The word that picks each registered mixer, in registry order; only those that fit ``side`` / both sides."""
     words = variants()
     return [i.variant if words[i.variant] == i.name else i.name for i in importable_infos()
             if (side is None or side in i.sides) and (i.both_sides or not both_sides)]
 
 
 def importable_infos() -> list[MixerInfo]:
-    """``info`` of each registered mixer. One registered by a ``"module:Class"`` string or an entry point whose
-    module cannot be imported is left out with a warning, so that it breaks no config that does not name it
-    (naming it is the one-line error of ``mixer_class``)."""
+    """``info`` of each registered mixer; one whose module cannot be imported is left out with a warning, so it breaks
+    no config that does not name it."""
     out = []
     for name in mixer_names():
         try:
@@ -417,8 +365,7 @@ def _warn_once(message: str) -> None:
 
 
 def constructor_fields(cls: type[nn.Module]) -> set[str]:
-    """The fields ``cls(...)`` takes: its dataclass fields, not the ``ClassVar`` attributes (``label``,
-    ``model_fields``) that ``__dataclass_fields__`` lists too."""
+    """The fields ``cls(...)`` takes: its dataclass fields, without the ``ClassVar`` attributes flax lists too."""
     if not dataclasses.is_dataclass(cls):
         return set()
     return {f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
@@ -443,9 +390,8 @@ def _build(kind: str, cls: type[nn.Module], name: str, kwargs: dict[str, Any]) -
 
 
 def check_output(name: Any, x: Any, y: Any, where: str) -> None:
-    """The checker's cheap rule (``lconv.testing``'s 'output': one array of x's shape and dtype), applied as a model
-    traces each mixer, so that a plugin's wrong output is one line naming it rather than a shape error deep in the
-    model."""
+    """The checker's 'output' rule (one array of x's shape and dtype), applied as a model traces each mixer: a plugin's
+    wrong output is one line naming it, not a shape error deep in the model."""
     if not (hasattr(y, "shape") and hasattr(y, "dtype")) or (y.shape, y.dtype) != (x.shape, x.dtype):
         raise UserError(f"mixer {_describe(name) if not isinstance(name, str) else name!r} ({where}) returned "
                         f"{describe_output(y)} for x {x.dtype}{list(x.shape)}: a mixer returns one array of x's shape "
@@ -464,7 +410,6 @@ def describe_output(out: Any) -> str:
 
 
 def ffn_for_side(name: str, side: str) -> str:
-    """The feed-forward a ``side`` layer uses when the config names ``name``: an FFN that cannot sit there (CoLT5's
-    routing ranks future tokens: encoder only) leaves that side the dense one."""
+    """The FFN a ``side`` layer uses for ``name``: one that cannot sit there (CoLT5's) leaves the dense one."""
     return name if side in getattr(ffn_class(name), "sides", BOTH_SIDES) else "dense"
 

@@ -242,14 +242,12 @@ class ModelConfig:
         return config
 
     def ensure_valid(self, decoder_only: bool = False) -> None:
-        """``validate``, unless this object passed it already for the same model kind: a model's ``setup`` runs at
-        every trace (init, each jitted step, each decoding program), and the config it holds is checked once."""
+        """``validate`` once per model kind: a model's ``setup`` runs at every trace, the check need not."""
         if decoder_only not in self.__dict__.get("_valid_for", ()):
             self.validate(decoder_only)
 
     def validate(self, decoder_only: bool = False) -> None:
-        """Every rule of the fields and their combinations, for an encoder-decoder or (``decoder_only``) an LM: one
-        ``UserError`` line naming the first field broken. Recorded on the object (``ensure_valid``)."""
+        """Every field rule and combination for an encoder-decoder or (``decoder_only``) an LM; one line each."""
         self._check_ranges()
         self._check_decoder_ends()
         if self.adaptive_softmax_cutoffs:
@@ -297,9 +295,8 @@ class ModelConfig:
         object.__setattr__(self, "_valid_for", self.__dict__.get("_valid_for", frozenset()) | {decoder_only})
 
     def check_kernel_counts(self, decoder_only: bool = False) -> None:
-        """A config's rule (``lconv.run.schema.validate_config``): one kernel size for all layers, or exactly one
-        per layer of a side whose mixers take one, since a surplus would be ignored without a word. A model built
-        in code keeps the dataclass's lenience: the paper's kernels by default, the first ``layers`` of them."""
+        """One kernel size for all layers, or exactly one per layer of a side whose mixers take one (a surplus would be
+        ignored without a word); a model built in code may give more and takes the first ``layers``."""
         for side in ("decoder",) if decoder_only else BOTH_SIDES:
             layers = getattr(self, f"{side}_layers")
             if not any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
@@ -367,8 +364,8 @@ class ModelConfig:
             check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
 
     def side(self, name: str) -> SideConfig:
-        """``name``'s ("encoder" or "decoder") block settings: its ``{name}_<field>`` where set, else the shared
-        field; a conv width of 0 / None is the side's own width."""
+        """Side ``name``'s block settings: its ``{name}_<field>`` where set, else the shared one (a conv width 0: its
+        own)."""
         if name not in BOTH_SIDES:
             raise ValueError(f"side must be one of {BOTH_SIDES}; got {name!r}")
         values = {}
@@ -379,8 +376,7 @@ class ModelConfig:
         return SideConfig(name=name, **values)
 
     def per_side(self, name: str, decoder_only: bool = False) -> Any:
-        """Side field ``name`` as tables show it: the value both sides resolve to, or ``(encoder, decoder)`` where
-        they differ (a decoder-only LM: the decoder's)."""
+        """Side field ``name`` as tables show it: one value, or ``(encoder, decoder)`` where the sides differ."""
         encoder, decoder = (getattr(self.side(s), name) for s in BOTH_SIDES)
         return decoder if decoder_only or encoder == decoder else (encoder, decoder)
 

@@ -5,20 +5,9 @@ A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer 
     residual = x;  x = LN(x) if normalize_before;  x = sublayer(x);  x = dropout(x);  x = residual + x
     x = LN(x) if not normalize_before                                  (post-norm, the paper's default)
 
-Which mixer each layer uses (``"lightconv"``, ``"dynamicconv"``, ``"attention"``, ``"fixed"``, ``"hadamard"``,
-``"colt5"``, ``"knn_memory"``) and its kernel size are config values, so the paper's Transformer, LightConv and
-DynamicConv models, and the other mixers, are configs rather than code (``ModelConfig``, in
-``lconv.nn.model_config``). Logits are float32. Every dot runs at ``config.model.matmul_precision`` except the
-conv ops' own, which are exact float32 on every backend (``lconv.ops.precision``).
-
-CoLT5 (mixer and ``ffn_type="colt5"``) is encoder-only: its routing ranks future tokens, so a decoder naming
-it is a config error and decoder layers keep the dense FFN. A stateful mixer (the kNN memory's ``'memory'``, a
-plugin's) keeps what it carries between windows in the collections its class declares, which the caller threads
-and resets (``lconv.nn.mixer_state``); without them a layer sees no past windows. docs/models.md describes every
-mixer and lists each config's parameter count.
-
-Token ids: ``PAD = 0`` (embedding row zero, masked everywhere); the decoder input is the target shifted right
-inside each packed segment, starting with ``BOS``.
+Each layer's mixer and kernel size are config values (``ModelConfig``), so the paper's models are configs, not
+code. Logits are float32. Token ids: ``PAD = 0``; the decoder input is the target shifted right inside each packed
+segment, starting with ``BOS``. Every mixer and each config's parameter count: docs/models.md.
 """
 from __future__ import annotations
 
@@ -78,8 +67,8 @@ class EncoderDecoder(nn.Module):
                inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
                targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Logits ``[B, T, V]`` (float32) for ``decoder_input`` (already shifted right; see ``shift_right``); with
-        ``logits=False`` the output layer's inputs instead (``_output``)."""
+        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's
+        inputs."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
@@ -103,9 +92,8 @@ class EncoderDecoder(nn.Module):
 
 
 class DecoderOnlyLM(nn.Module):
-    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack with pre-norm (forced, for stability, unless
-    ``lm_pre_norm=False``) and a final norm (unless ``decoder_final_norm=False``); the ends of
-    ``lconv.nn.decoder_ends``."""
+    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack, pre-norm (unless ``lm_pre_norm=False``) and
+    a final norm (unless ``decoder_final_norm=False``)."""
 
     config: ModelConfig
 
@@ -126,8 +114,7 @@ class DecoderOnlyLM(nn.Module):
     def __call__(self, targets_BT: Array, *, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                  shift: bool = True, logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Next-token logits ``[B, T, V]``; with ``shift`` the input is ``targets`` shifted right (training); with
-        ``logits=False`` the output layer's inputs instead (``_output``)."""
+        """Next-token logits ``[B, T, V]`` (``shift``: of ``targets`` shifted right); ``logits=False`` as ``decode``."""
         inputs = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id) if shift else targets_BT
         segment_ids = None if decode else _segments(inputs, targets_segmentation, allow_pad_start=True)
         positions = self.positions(inputs, targets_position, decode)
@@ -167,11 +154,10 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, or ``Layer`` under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``).
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``) if any.
 
-    ``dots`` keeps matmul outputs without batch dimensions (projections and FFN, whose recomputation would cost
-    the most) and recomputes the attention scores, softmax, convs and norms. The parameter tree is the same
-    under every policy. ``deterministic`` and ``decode`` (arguments 4 and 5, counting ``self``) are static."""
+    ``dots`` keeps the projections' and FFN's matmul outputs (the costliest to recompute) and recomputes attention
+    scores, softmax, convs and norms; the parameter tree is the same under every policy."""
     if policy not in REMAT_POLICIES:
         raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -189,8 +175,7 @@ class Layer(nn.Module):
     @nn.compact
     def __call__(self, x: Array, segment_ids: Array | None, positions: Array | None, deterministic: bool,
                  decode: bool, encoded: Array | None = None, encoded_segment_ids: Array | None = None) -> Array:
-        """One layer, ``[B, T, C] -> [B, T, C]``. Arguments are positional so that ``nn.remat`` can hold
-        ``deterministic`` and ``decode`` static (``remat_layer``)."""
+        """One layer, ``[B, T, C] -> [B, T, C]``; positional arguments let ``nn.remat`` hold two of them static."""
         cfg = self.config
         mixer = mixers.make_mixer(self.mixer_name, **_mixer_fields(cfg, self.mixer_name, self.side, self.layer,
                                                                    self.causal), name="mixer")
@@ -308,12 +293,9 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
 
 def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn.Module | None, deterministic: bool,
             logits: bool) -> Array | decoder_ends.OutputLayer:
-    """The output layer: float32 logits ``[B, T, V]`` (log-probabilities from the adaptive softmax, which has
-    dropout), or with ``logits=False`` its inputs (``decoder_ends.OutputLayer``: the features and the tied
-    embedding or the untied kernel as a ``[V, C]`` table) for a loss that makes the logits itself. The adaptive
-    softmax always gives its log-probabilities. Ids at or above ``output_vocab_size`` (source-only pieces of a
-    model with separate dictionaries) score -inf, so the softmax is over the target dictionary alone, as
-    fairseq's."""
+    """Float32 logits ``[B, T, V]`` (the adaptive softmax's log-probabilities), or with ``logits=False`` the output
+    layer's inputs (``decoder_ends.OutputLayer``) for a loss that makes the logits itself. Ids past
+    ``output_vocab_size`` (source-only pieces) score -inf, as fairseq's target dictionary does."""
     if cfg.adaptive_softmax_cutoffs:
         tied = decoder_ends.tied_bands(cfg, embedding)
         return constrain(projection(x_BTC, deterministic=deterministic, tied=tied), BTV)
@@ -333,12 +315,8 @@ def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
 
 
 class ScaleAndPosition(nn.Module):
-    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side: positions sinusoidal as fairseq's,
-    learned, or none (``token_positions=False``); the layer norm only with ``layernorm_embedding``, where fairseq's
-    transformer puts it (after the positions, before dropout).
-
-    The embedding is looked up at ``position + config.position_offset``: fairseq counts positions from its padding
-    id + 1 (= 2), so a model imported from it has an offset of 2 and a learned table ``offset`` rows longer."""
+    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side, as fairseq's (the norm only with
+    ``layernorm_embedding``). Positions are looked up at ``position + position_offset``: 2 for a fairseq model."""
 
     config: ModelConfig
     side: str  # "encoder" or "decoder": whose learned_positions
@@ -404,8 +382,7 @@ class DecodePositions(nn.Module):
 
 
 def shift_right(targets_BT: Array, segmentation_BT: Array | None = None, start_id: int = BOS_ID) -> Array:
-    """Decoder inputs: ``[start, y_0, ..., y_{T-2}]`` inside every packed segment (``start_id`` at each segment
-    start: BOS, or EOS for a fairseq model, ``ModelConfig.decoder_start_id``)."""
+    """Decoder inputs ``[start, y_0, ..., y_{T-2}]`` inside every packed segment (start: BOS, or EOS for fairseq's)."""
     shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
     if segmentation_BT is None:
         return shifted

@@ -16,10 +16,8 @@ Array = jax.Array
 
 @jax.custom_vjp
 def relu(x: Array) -> Array:
-    """``max(x, 0)`` with ``jax.nn.relu``'s derivative (the mask ``x > 0``), kept for the backward pass packed 8 to a
-    byte. Differentiated as ``jax.nn.relu``, the backward fusion recomputes ``x > 0`` from the FFN's pre-activation,
-    so XLA keeps that ``[tokens, ffn]`` float32 array beside the output (32 MiB a layer in the bench LM, issue 36);
-    a packed mask is a reduction, which XLA does not recompute inside its consumers."""
+    """``max(x, 0)`` with ``jax.nn.relu``'s derivative, its mask kept for the backward pass packed 8 to a byte: XLA
+    would otherwise keep the FFN's float32 pre-activation to recompute ``x > 0`` (docs/kernels.md)."""
     return jnp.maximum(x, 0)
 
 

@@ -34,8 +34,7 @@ def attention_mask(q_seg_BT: Array, k_seg_BS: Array, q_idx_T: Array | None = Non
 
 
 def dot_product_logits(q_BTHD: Array, k_BSHD: Array, *, precision: Any = None) -> Array:
-    """``Q Kᵀ / sqrt(D)`` accumulated and returned in float32, ``[B, H, T, S]``; ``precision``: a
-    ``jax.lax.Precision`` for the dot (None = the backend's default)."""
+    """``Q Kᵀ / sqrt(D)``, ``[B, H, T, S]``, accumulated and returned in float32."""
     logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, precision=precision,
                              preferred_element_type=jnp.float32)
     return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
@@ -49,13 +48,8 @@ def masked_softmax(logits_BHTS: Array, mask_BHTS: Array) -> Array:
 
 def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate: float = 0.0,
            dropout_rng: Array | None = None, dtype: Any = None, precision: Any = None) -> Array:
-    """``softmax(logits + mask) V`` in float32; queries with no visible key (padding) get zeros.
-
-    ``mask_BHTS`` is boolean and broadcasts against the logits (``[B, 1, T, S]`` is usual). Dropout on the
-    probabilities (scaled by ``1/(1-rate)``) when ``dropout_rng`` is given. ``precision`` is the probability-value
-    dot's (``jax.lax.Precision``; None = the backend's default). Returns ``[B, T, H, D]`` in ``dtype`` (default
-    ``v``'s).
-    """
+    """``softmax(logits + mask) V`` in float32, ``[B, T, H, D]`` in ``dtype`` (default ``v``'s); queries with no
+    visible key (padding) get zeros. Dropout on the probabilities when ``dropout_rng`` is given."""
     probs_BHTS = masked_softmax(logits_BHTS, mask_BHTS)
     if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
@@ -68,8 +62,7 @@ def attend(logits_BHTS: Array, v_BSHD: Array, mask_BHTS: Array, *, dropout_rate:
 def dot_product_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, mask_BHTS: Array, *,
                           dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: Any = None,
                           precision: Any = None) -> Array:
-    """Masked scaled dot-product attention, ``[B, T, H, D]``, on materialised ``[B, H, T, S]`` logits (the
-    reference; ``lconv.ops.flash.segment_attention`` picks a kernel that does not materialise them)."""
+    """Masked attention on materialised ``[B, H, T, S]`` logits: the reference the kernels of ``ops.flash`` match."""
     logits_BHTS = dot_product_logits(q_BTHD, k_BSHD, precision=precision)
     return attend(logits_BHTS, v_BSHD, mask_BHTS, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                   dtype=dtype, precision=precision)
@@ -77,10 +70,8 @@ def dot_product_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, mask_BHTS
 
 def head_major_attention(q_BHTD: Array, k_BHDS: Array, v_BHSD: Array, mask_BHTS: Array, *, dtype: Any = None,
                          precision: Any = None) -> Array:
-    """``dot_product_attention`` on head-major operands, ``[B, H, T, D]`` out: the layout a cache that is read
-    every step is kept in (an encoder's projected keys and values), so that the per-step dots read it as stored.
-    In ``[B, S, H, D]`` XLA:CPU transposed the whole cache into the dot's layout at every decoding step (a third of
-    a beam search's time at 256 source tokens)."""
+    """``dot_product_attention`` on head-major operands, ``[B, H, T, D]`` out: the layout a cache read every step is
+    kept in, since in ``[B, S, H, D]`` XLA:CPU transposed the whole cache at every decoding step."""
     logits_BHTS = jnp.einsum("bhtd,bhds->bhts", q_BHTD, k_BHDS, precision=precision,
                              preferred_element_type=jnp.float32) / math.sqrt(q_BHTD.shape[-1])
     probs_BHTS = masked_softmax(logits_BHTS, mask_BHTS)

@@ -1,45 +1,14 @@
 """Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics.
 
-Both ops are depthwise 1-D cross-correlations over time (no kernel flip), zero outside the sequence. Heads own
-contiguous channel blocks: with ``D = C // H`` channel ``c`` uses head ``c // D``::
+Depthwise 1-D cross-correlations over time, zero outside the sequence; heads own contiguous channel blocks::
 
     y[b, t, c] = sum_{k < K} w[h(c), k] * x[b, t + k - padding_left, c]
 
-``light_conv`` shares one ``[H, K]`` kernel over all positions; ``dynamic_conv`` takes one kernel per position,
-``[B, T, H, K]``. ``padding_left`` is ``K // 2`` for a centred (encoder) conv and ``K - 1`` for a causal
-(decoder) conv, where tap ``K - 1`` reads the current step; any value in ``0..K-1`` works.
-
-Implementations (``impl``), all equal to 1e-5 in float32 on every backend: each dot and conv that does the
-convolution's arithmetic runs at ``precision=lconv.ops.precision.CONV_PRECISION`` (HIGHEST), so a GPU does not round its
-inputs to TF32 nor a TPU to one bfloat16 pass (measured on an H100: +6% time for ``band``, which is memory-bound):
-
-- ``"conv"`` (light only): ``jax.lax.conv_general_dilated`` with ``feature_group_count=C`` (depthwise).
-- ``"band"``: time is cut into tiles of ``L`` steps; each tile reads its ``L`` inputs plus a ``K - 1`` halo and
-  multiplies them by a ``[L, L + K - 1]`` band matrix per head, so every tile is a small dense matmul and memory
-  stays O(T * K) (no dense ``T x T`` band). The band is built from the kernel by a pad-and-reshape skew, with no
-  gather.
-- ``"shift"``: ``K`` multiply-adds of time-shifted inputs, fused by XLA into one elementwise loop, with a custom
-  VJP and a loop over blocks of ~1024 tokens (``lconv.ops.shift``). Fastest on CPU.
-- ``"unfold"`` (dynamic, and light through it): stack the ``K`` shifted copies of ``x`` (``[B, T, K, C]``) and
-  contract with the kernel. Simple, memory ``K x`` the input.
-- ``"pallas"``: fused Pallas kernels (``lconv.ops.pallas_conv``: the forward, then dx and dw): Triton on GPU,
-  interpret mode on CPU (tests only); segment masking inside the kernels. Not chosen by ``"auto"`` until measured
-  faster on a GPU.
-- ``"auto"``: ``"shift"`` on CPU, ``"band"`` elsewhere (``choose_impl``), decided for the platform the program
-  is compiled for, not the host that traces it: both are traced and ``jax.lax.platform_dependent`` keeps one when
-  the program is lowered (an export for several platforms keeps both, picked when it is compiled).
-
-``segment_ids`` (``[B, T]`` int, 0 = padding) makes packed rows behave exactly like separate sequences: a tap
-that would read another segment or padding reads zero, and padding positions output zero. With segments a light
-conv becomes position dependent, so it is computed as a dynamic conv whose kernel is the shared one masked per
-tap (the ``"conv"`` impl keeps the depthwise conv and subtracts the masked-out taps).
-
-Incremental decoding keeps the last ``P = K - 1`` inputs per channel (``init_conv_state``, ``[B, P, C]``);
-``light_conv_step`` and ``dynamic_conv_step`` take a chunk of ``T >= 1`` new positions and return the outputs of
-the full causal conv for them plus the new state.
-
-All accumulation is float32 (``preferred_element_type``; the decode steps' multiply-adds are float32), bfloat16
-inputs included; outputs take ``x``'s dtype.
+``light_conv`` shares one ``[H, K]`` kernel over all positions, ``dynamic_conv`` takes one per position
+(``[B, T, H, K]``). ``impl`` picks the implementation ("conv", "band", "shift", "unfold", "pallas", "auto"), all
+equal to 1e-5 in float32; ``segment_ids`` makes packed rows behave as separate sequences; the ``*_step``
+functions decode a chunk of new positions from a ``[B, K - 1, C]`` state. Accumulation is float32.
+How each implementation works and why "auto" picks what it does: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -107,26 +76,21 @@ def dynamic_conv(x_BTC: Array, weight_BTHK: Array, padding_left: int, *, impl: s
     return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
 
 
-# The "auto" rule, from the measurements in docs/benchmarks.md (`python -m lconv.bench mixers` and `limits`, whose
-# K x T sweep is the table behind this): on a 2-core x86 CPU, fwd+bwd at C=512, H=8, B*T=8192, "shift" was
-# 2-3.5x faster than "band" at K=31 for T in 128..8192, 2.3-5.7x at K in 3..31, and 19-51x faster than "conv" and
-# "unfold", light and dynamic; forward alone 3-8x faster than "band". On one H100 (issue 15) "band" was 1.8-2.4x
-# faster than "shift" and 6x faster than "conv"; other backends keep "band" (dense tiles suit matrix units).
+# The "auto" rule: "shift" measured fastest on CPU, "band" on a GPU (dense tiles suit matrix units); the
+# measurements are in docs/kernels.md and docs/benchmarks.md.
 _AUTO_IMPL = {"cpu": "shift"}  # platform (as jax.lax.platform_dependent names it) -> impl; others get "band"
 _AUTO_DEFAULT = "band"
 
 
 def choose_impl(backend: str | None = None) -> str:
-    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (``"cpu"``, ``"cuda"``, ``"tpu"``,
-    ...; default: JAX's default backend) at every shape measured so far (see ``_AUTO_IMPL``), so the rule reads
-    no shape. ``impl="auto"`` applies it per platform of the program being compiled (``_per_platform``)."""
+    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (default: JAX's), at every shape
+    measured so far, so the rule reads no shape."""
     return _AUTO_IMPL.get(backend or jax.default_backend(), _AUTO_DEFAULT)
 
 
 def _per_platform(op, x_BTC, weight, padding_left, segment_ids, block_size):
-    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the one
-    ``choose_impl`` names for the platform the program is lowered for. So a program exported or lowered for a GPU
-    on a CPU host carries the GPU's choice, not the host's (a Python choice at trace time would bake in the host's)."""
+    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the one for the
+    platform the program is lowered for, so a program exported for a GPU from a CPU host carries the GPU's choice."""
     def run(impl):
         return functools.partial(_run_impl, op, impl=impl, padding_left=padding_left, block_size=block_size)
 
@@ -154,10 +118,7 @@ def init_conv_state(batch_size: int, kernel_size: int, channels: int, dtype: Any
 
 
 def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[Array, Array]:
-    """Causal light conv over ``T >= 1`` new positions given the last ``P = K - 1`` inputs.
-
-    Returns ``(y_BTC, new_state_BPC)``; ``y`` equals ``light_conv(x_all, w, K - 1)`` at those positions.
-    """
+    """Causal light conv over ``T >= 1`` new positions given the last ``K - 1`` inputs: ``(y_BTC, new_state_BPC)``."""
     B, T, C, H, K = _check_light(x_BTC, weight_HK, weight_HK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     return dynamic_conv_step(x_BTC, state_BPC, _broadcast_kernel(weight_HK, B, T))
@@ -166,10 +127,8 @@ def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[A
 def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tuple[Array, Array]:
     """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``.
 
-    K elementwise float32 multiply-adds of shifted inputs, not a dot: for a beam search's step (T = 1) XLA:CPU
-    spent more time copying the window into a dot's layout than on the arithmetic (the conv 5.4 -> 2.7 ms of a
-    35 ms step for 256 hypotheses; docs/default-run.md). Elementwise float32 is float32 on every backend. The adds
-    are unrolled: a sum over a stacked window was fused into the next matmul, which then ran 8x slower."""
+    K unrolled float32 multiply-adds of shifted inputs, not a dot: for a beam search's one-token step XLA:CPU spent
+    more on copying the window into a dot's layout than on the arithmetic (docs/kernels.md)."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, weight_BTHK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     x_all = jnp.concatenate([state_BPC.astype(x_BTC.dtype), x_BTC], axis=1)  # [B, P+T, C]
@@ -246,10 +205,7 @@ def _dynamic_band(x_BTC, weight_BTHK, padding_left, L):
 
 
 def _tile_windows(x_BTC, padding_left, K, L, H):
-    """Tiles of ``L`` outputs with their ``W = L + K - 1`` inputs each: ``[B, G, W, H, D]`` and ``G``.
-
-    Needs ``L >= K - 1`` so a tile's halo lies inside the next tile.
-    """
+    """Tiles of ``L`` outputs with their ``L + K - 1`` inputs, ``[B, G, W, H, D]`` and ``G``; needs ``L >= K - 1``."""
     B, T, C = x_BTC.shape
     G = -(-T // L)
     # (G + 1) tiles cover the left padding, T inputs, the right padding and the last tile's halo.

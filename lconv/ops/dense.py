@@ -23,8 +23,7 @@ Array = jax.Array
 
 def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers: Any, precision: Any = None,
                       preferred_element_type: Any = None) -> Array:
-    """``lax.dot_general`` with the same arguments; a dense layer's contraction (the last axis of ``lhs`` with the
-    first of a 2-D ``rhs``, no batch axes) goes through ``_dense`` and its VJP."""
+    """``lax.dot_general``, with a dense layer's contraction (no batch axes, 2-D ``rhs``) through ``_dense``'s VJP."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if (rhs.ndim == 2 and tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
             and not lhs_batch and not rhs_batch):

@@ -2,14 +2,10 @@
 
 ``flax.linen.Dropout`` draws a 32-bit uniform per element (``jax.random.bernoulli``). With JAX's partitionable
 threefry every drawn word is the xor of two ``uint32`` arrays of the full shape, and XLA keeps those two arrays
-from the forward to the backward pass, where it recomputes the mask from them (measured in the bench LM's train
-step: 16 MiB per ``[4096, 512]`` dropout, 112 MiB over its seven). Here each 32-bit word gives two elements 16
-bits each, so the kept arrays are half as large and threefry does half the work. The drop probability is the
-rate rounded to a multiple of ``2**-16`` (0.1 becomes 0.100006); the kept values are scaled by ``1 / (1 - rate)``,
-as PyTorch's and flax's dropout do (flax's own probability is rounded too, to its uniform's 2**-23 steps). The
-last axis is the one paired, so a batch split over devices stays split. The backward pass reads the mask packed 8
-to a byte (a custom VJP): otherwise XLA recomputes the comparison inside the backward fusion and keeps the random
-words instead.
+from the forward to the backward pass to recompute the mask. Here each 32-bit word gives two elements, so the kept
+arrays are half as large. The drop probability is the rate rounded to a multiple of ``2**-16``; kept values are
+scaled by ``1 / (1 - rate)``. The last axis is the one paired, so a batch split over devices stays split; the
+backward pass reads the mask packed 8 to a byte (a custom VJP), so XLA keeps no random words.
 """
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ LEVELS = 2 ** 16
 
 
 def keep_mask(key: Array, rate: float, shape: tuple[int, ...]) -> Array:
-    """``keep [shape] bool``: each element kept with probability ``1 - rate``, the rate rounded to ``2**-16``.
-    ``0 <= rate < 1``."""
+    """``keep [shape] bool``: each element kept with probability ``1 - rate`` (rounded to ``2**-16``)."""
     drop_levels = round(rate * LEVELS)
     if drop_levels >= LEVELS:
         raise ValueError(f"dropout rate {rate} rounds to 1 at 16 bits; a rate of 1 drops everything")

@@ -1,26 +1,11 @@
 """Attention without ``[B, H, T, S]`` logits: a blockwise XLA kernel for every backend, cuDNN flash attention on
 CUDA, and the per-backend choice between them (``segment_attention``).
 
-The mask is described, not materialised: segment ids (``0`` = padding; ``None`` = one segment everywhere),
-``causal`` (key index <= query index) and ``radius`` (``|key index - query index| <= radius``), indices counted
-from 0 on both sides, exactly as ``lconv.ops.attention.attention_mask`` builds it. Queries that see no key get
-zeros, as in ``lconv.ops.attention.attend``. Logits, softmax and accumulation are float32.
-
-Implementations (``impl``; ``ATTENTION_IMPLS``):
-
-- ``"xla"``: today's path, ``lconv.ops.attention.dot_product_attention`` on a materialised mask and logits.
-- ``"chunked"``: ``chunked_attention``: query blocks of ``block_q`` against key blocks of ``block_k`` with an
-  online softmax (running max and sum in float32), blocks outside the causal / local band skipped. A
-  ``custom_vjp`` keeps only Q, K, V, the output and the per-query log-sum-exp for the backward, which recomputes
-  each block's probabilities (FlashAttention-2's backward): memory O(T·D + block_q·block_k) per head, not O(T·S).
-- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on CUDA; an error where it cannot apply.
-- ``"auto"``: cuDNN on CUDA where it applies (``cudnn_unsupported`` says where not), else ``"chunked"`` when
-  ``T * S`` reaches the platform's threshold in ``XLA_RULES`` (CPU 128², others 1024²), else ``"xla"``.
-
-The backend is the one the program is lowered for, not the host's: the cuDNN branch sits in
-``jax.lax.platform_dependent(cuda=..., default=...)``, so a program traced on a CPU host and exported for CUDA
-carries it. Tracing the cuDNN call needs cuDNN's library on the tracing host (a GPU machine, or a CPU one with
-jax's CUDA plugin and the cuDNN wheel installed): without it the CUDA branch is the XLA choice.
+The mask is described, not materialised (segment ids, ``causal``, ``radius``), exactly as
+``lconv.ops.attention.attention_mask`` builds it; queries that see no key get zeros. Logits, softmax and
+accumulation are float32. ``impl``: "xla" (materialised), "chunked" (online softmax over blocks, a
+FlashAttention-2 style backward), "cudnn", or "auto", chosen for the platform the program is lowered for
+(docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -38,11 +23,8 @@ from lconv.ops.attention import attention_mask, dot_product_attention
 
 Array = jax.Array
 
-# Per lowering platform: (the T * S from which "auto" takes "chunked" over "xla", chunked's default block).
-# CPU (2 shared cores, float32, causal, fwd+bwd, H=8, D=64): chunked is level with xla at T = S = 64 and ahead
-# from 128 on (0.93x the time at 128, 0.66x at 512, 0.36x at 2048), blocks of 256 beat 512 and 1024.
-# Elsewhere (GPU, TPU; unmeasured) XLA's materialised path stays below 1024² pairs, where its [B, H, T, S]
-# float32 logits still fit.
+# Per lowering platform: (the T * S from which "auto" takes "chunked" over "xla", chunked's default block); the
+# CPU's from measurement, the others where XLA's float32 logits still fit (docs/kernels.md).
 XLA_RULES = {"cpu": (128 * 128, 256), "default": (1024 * 1024, 512)}
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -197,11 +179,8 @@ def chunked_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       precision: Any = None, block_q: int = 512, block_k: int = 512) -> Array:
     """Blockwise masked attention with an online softmax, ``[B, T, H, D]`` in ``dtype`` (default ``v``'s).
 
-    Equals ``dot_product_attention(q, k, v, attention_mask(q_seg, k_seg, causal=causal, radius=radius))``
-    within float32 rounding, and so do its gradients. Lengths need not divide the blocks (the tail is padded
-    with segment 0). Dropout draws its own keep mask per block (the same distribution as ``attend``'s, another
-    stream), redrawn identically by the backward.
-    """
+    Equals ``dot_product_attention`` under ``attention_mask(q_seg, k_seg, causal, radius)`` to float32 rounding, and
+    so do its gradients. Dropout draws its own keep mask per block, redrawn identically by the backward."""
     (B, T, _, D), S = q_BTHD.shape, k_BSHD.shape[1]
     if block_q <= 0 or block_k <= 0:
         raise UserError(f"attention blocks must be positive, got block_q={block_q}, block_k={block_k}")
@@ -239,12 +218,8 @@ def _single_run(seg_BT: Array) -> tuple[Array, Array]:
 
 def _cudnn_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Array | None, k_seg_BS: Array | None,
                      causal: bool, radius: int | None) -> Array:
-    """cuDNN flash attention under lconv's masks.
-
-    No segments: no mask. Otherwise, when every row is one segment followed by padding (unpacked batches,
-    known only at run time), the lengths go to cuDNN as sequence lengths; packed rows take the segment mask as
-    cuDNN's bias (still flash, but the [B, 1, T, S] bias is read). Queries that see no key are zeroed after.
-    """
+    """cuDNN flash attention under lconv's masks: no mask without segments, sequence lengths for rows of one segment
+    then padding, the segment mask as cuDNN's bias for packed rows; queries that see no key are zeroed after."""
     window = None if radius is None else (radius, 0)  # cuDNN: a left window with causal only
     call = functools.partial(jax.nn.dot_product_attention, is_causal=causal, local_window_size=window,
                              implementation="cudnn")
@@ -301,8 +276,7 @@ def cudnn_unsupported(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, *, segmented:
 
 def auto_impl(platform: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: Any, *, segmented: bool,
               causal: bool = False, radius: int | None = None, dropout: bool = False) -> str:
-    """The kernel ``impl="auto"`` runs for these shapes when lowered for ``platform`` (cpu, cuda, rocm, tpu):
-    ``"cudnn"``, ``"chunked"`` or ``"xla"``; what ``segment_attention`` decides, for reports and benchmarks."""
+    """The kernel ``impl="auto"`` runs for these shapes on ``platform`` (``segment_attention``'s choice)."""
     if platform == "cuda":
         q = jax.ShapeDtypeStruct(q_shape, dtype)
         k = jax.ShapeDtypeStruct(k_shape, dtype)
@@ -324,10 +298,8 @@ def segment_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       block_k: int | None = None) -> Array:
     """Masked scaled dot-product attention by ``impl`` (module docstring), ``[B, T, H, D]`` in ``dtype``.
 
-    ``q_seg_BT`` / ``k_seg_BS``: both or neither (neither = one segment, no padding). ``precision`` (a
-    ``jax.lax.Precision``) applies to the XLA paths' dots; cuDNN's inputs are 16-bit with float32 accumulation.
-    ``block_q`` / ``block_k``: the chunked kernel's blocks (None = the lowering platform's, ``XLA_RULES``).
-    """
+    ``q_seg_BT`` / ``k_seg_BS``: both or neither (one segment, no padding). ``precision`` applies to the XLA paths'
+    dots; ``block_q`` / ``block_k`` are the chunked kernel's (None: the platform's, ``XLA_RULES``)."""
     if impl not in ATTENTION_IMPLS:
         raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
     if (q_seg_BT is None) != (k_seg_BS is None):

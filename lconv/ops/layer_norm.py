@@ -1,19 +1,10 @@
 """Layer normalisation over the last axis with a hand-written VJP that keeps only the input and two floats a row.
 
-``y = (x - mean) * rsqrt(var + eps) * scale + bias``, statistics and arithmetic in float32 (the two-pass
-variance), ``y`` in ``out_dtype``: the values of ``flax.linen.LayerNorm`` to float32 rounding.
-
-Why not autodiff: differentiating the formula makes the backward pass keep ``x - mean``, ``rsqrt * scale``
-broadcast to ``[.., C]`` and the normalised ``x``, three ``[N, C]`` float32 arrays per norm beside the input
-(measured in the training step's XLA buffer assignment: 24 MiB per norm at 4,096 tokens, d=512). This VJP saves
-the input, the per-row mean and reciprocal standard deviation, and recomputes the normalised ``x`` in the
-backward pass (a fused elementwise pass).
-
-The row sums (the statistics, and the two in the backward pass) are products with a ``[C]`` vector at HIGHEST
-precision (exact float32 on every backend), not ``jnp.mean``: XLA:CPU's reduction fusions take their broadcast
-operands (``scale``, ``1/std``, ``mean``) as materialised ``[.., C]`` arrays and the step kept them from the
-forward to the backward pass, 16 MiB per norm in the bench LM (issue 36). A matrix-vector product reads the
-vector as it is.
+``y = (x - mean) * rsqrt(var + eps) * scale + bias``, in float32 (two-pass variance), ``y`` in ``out_dtype``:
+``flax.linen.LayerNorm``'s values to float32 rounding. Autodiff of the formula would keep three ``[N, C]``
+float32 arrays per norm for the backward pass; this VJP keeps the input, the row means and reciprocal standard
+deviations, and recomputes the rest. Row sums are products with a ``[C]`` vector at HIGHEST precision, so XLA:CPU
+does not materialise broadcast operands (docs/kernels.md).
 """
 from __future__ import annotations
 

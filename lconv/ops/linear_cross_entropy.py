@@ -1,29 +1,10 @@
 """The output layer and the label-smoothed cross-entropy in one pass, without the ``[B, T, V]`` logits.
 
-``cross_entropy_sums(x_BTC, table_VC, targets_BT, weights_BT)`` is the loss of the logits ``z = x @ table.T``:
-the sums ``{loss, nll, correct}`` over weighted tokens of ``loss = (1 - eps) * nll + eps * mean_v(-log p_v)``
-(the mean over the predictable ids, those below ``valid_vocab``). The logits are made one chunk of the length
-axis at a time (``[B, L, V]``, every row of the batch in each chunk, so a batch split over devices stays split)
-and consumed at once, so no more than one chunk's float32 logits exist. Shapes: B rows, T length, L chunk
-length, C features, V vocabulary.
-
-The gradient is made in the same pass. Only ``loss`` is differentiable (``nll`` and ``correct`` are reports), so
-when the sums are differentiated (a ``custom_vjp``) each chunk's ``dz = w * (softmax(z) - (1 - eps) * onehot -
-eps / V)`` is formed while its logits are at hand and meets ``x`` and the table in the two backward matmuls there;
-the backward pass only scales the stored ``dx`` and ``dtable`` by the loss's cotangent. The logits are made
-once, as in the unfused head, instead of once more in the backward; an evaluation (no gradient) runs the
-forward alone. The backward matmuls go one slice of the vocabulary at a time (``VOCAB_SLICE`` ids), each adding
-its ``[slice, C]`` product into the table gradient's ``[V, C]`` accumulator in place: the accumulator is the only
-vocabulary-sized array the pass holds (a whole ``[V, C]`` product before its add was a second one).
-
-The matmuls read ``x`` and the table in ``dtype`` (the model's compute dtype) and accumulate in float32
-(``preferred_element_type``); the sums are float32, and so is the table's gradient, accumulated over the chunks.
-In float32 at ``precision="highest"`` the sums and gradients equal a float32 log-softmax over materialised logits
-to rounding (tests/test_linear_cross_entropy.py checks both against float64 NumPy).
-
-Why a scan over chunks of plain jnp rather than a kernel library: it runs on every backend and under every mesh
-the models run on, and none of the libraries keeps label smoothing, weights, the accuracy and an output
-vocabulary (docs/training.md, "The output layer and the loss").
+``cross_entropy_sums(x_BTC, table_VC, targets_BT, weights_BT)`` returns the sums ``{loss, nll, correct}`` of the
+logits ``x @ table.T``, made one chunk of the length axis at a time and consumed at once. The gradient is made in
+the same pass (a ``custom_vjp``): each chunk's ``dz`` meets ``x`` and the table while its logits are at hand, the
+table's gradient accumulated one vocabulary slice at a time. Matmuls in ``dtype``, sums and gradients in float32.
+A scan of plain jnp, not a kernel library, so it runs on every backend and mesh (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -41,8 +22,7 @@ VOCAB_SLICE = 2048  # ids per slice of a chunk's backward matmuls (at most; the 
 
 def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
            precision: jax.lax.Precision) -> Array:
-    """Float32 logits ``[B, T, V]`` of ``x`` against the table, read in ``dtype`` with float32 accumulation; the
-    ids from ``valid_vocab`` on at -inf (never predicted)."""
+    """Float32 logits ``[B, T, V]`` of ``x`` against the table, ids from ``valid_vocab`` on at -inf."""
     z_BTV = jnp.einsum("btc,vc->btv", x_BTC.astype(dtype), table_VC.astype(dtype), precision=precision,
                        preferred_element_type=jnp.float32)
     V = z_BTV.shape[-1]
@@ -50,8 +30,8 @@ def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
 
 
 def chunk_length(rows: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
-    """The chunk length ``L``: the longest that keeps ``rows x L x vocab`` logits within ``budget`` (at least 1),
-    lowered to divide ``length`` evenly when a divisor at least half as long exists (no padding copy)."""
+    """The longest chunk that keeps ``rows x L x vocab`` logits within ``budget``, shortened to divide ``length``
+    where a divisor at least half as long exists (no padding copy)."""
     longest = max(1, min(length, budget // max(rows * vocab, 1)))
     divisor = next(d for d in range(longest, 0, -1) if length % d == 0)
     return divisor if 2 * divisor >= longest else longest
@@ -61,12 +41,9 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
                        label_smoothing: float = 0.0, valid_vocab: int | None = None, chunk: int | None = None,
                        dtype: jnp.dtype = jnp.float32, precision: jax.lax.Precision = jax.lax.Precision.DEFAULT,
                        rows_per_device: int | None = None, vocab_slice: int = VOCAB_SLICE) -> dict[str, Array]:
-    """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT`` (see the module doc).
-
-    ``chunk``: the chunk length ``L`` (None: ``chunk_length`` of ``rows_per_device``, the batch rows one device
-    holds, default ``B``); ``vocab_slice``: the most ids a slice of the backward matmuls takes. ``loss`` is
-    differentiable with respect to ``x`` (its gradient in ``x``'s dtype) and the table (in the table's dtype);
-    ``nll`` and ``correct`` carry no gradient."""
+    """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT``; only ``loss`` is
+    differentiable (in ``x`` and the table). ``chunk``: the chunk length (None: sized by ``rows_per_device``);
+    ``vocab_slice``: the most ids a slice of the backward matmuls takes."""
     B, T, _ = x_BTC.shape
     V = table_VC.shape[0]
     valid_vocab = V if valid_vocab is None else int(valid_vocab)
@@ -85,8 +62,7 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
 
 
 def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
-    """One chunk's ``(loss, nll, correct)`` sums and, given the table gradient's accumulator ``dtable_VC``,
-    ``(dx_BLC, dtable_VC)``: the chunk's input gradient and the accumulator with its table gradient added."""
+    """One chunk's ``(loss, nll, correct)`` sums and, given the accumulator ``dtable_VC``, ``(dx_BLC, dtable_VC)``."""
     _, _, valid_vocab, eps, dtype, precision = settings
     V = table_VC.shape[0]
     table_VC = table_VC.astype(dtype)
@@ -109,12 +85,9 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
 
 
 def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dtable_VC):
-    """``dz = w * (softmax(z) - (1 - eps) * onehot - eps / V)`` one vocabulary slice at a time, each slice's
-    ``dz`` meeting the table slice (the input gradient, summed over the slices) and ``x`` (the table gradient,
-    added into the accumulator's slice in place). Slices keep the product before the add one slice wide instead
-    of a whole ``[C, V]`` array; the matmuls are the same three per chunk. A loop with a traced slice index, not
-    unrolled slices: XLA turns a constant-index slice of the accumulator into a plain slice, and then no longer
-    updates it in place (a fresh ``[C, V]`` array per slice)."""
+    """``dz = w * (softmax(z) - (1 - eps) * onehot - eps / V)`` one vocabulary slice at a time, each meeting the table
+    (the input gradient) and ``x`` (the table gradient, added into the accumulator in place). A loop with a traced
+    slice index: with constant indices XLA no longer updates the accumulator in place."""
     _, vocab_slice, valid_vocab, eps, dtype, precision = settings
     max_BL, sum_BL = softmax_stats
     V, C = table_VC.shape
@@ -192,8 +165,7 @@ def _sums_forward(x_BTC, table_VC, targets_BT, weights_BT, settings):
 
 
 def _sums_backward(settings, grads, cotangents):
-    """Scales the gradients of the loss made in the forward by its cotangent (``nll`` and ``correct`` are
-    stopped in ``cross_entropy_sums``, so theirs are zero)."""
+    """Scales the forward's gradients of ``loss`` by its cotangent (``nll`` and ``correct`` carry none)."""
     dx_BTC, dtable_VC = grads
     g_loss = cotangents[0]
     return ((g_loss * dx_BTC).astype(dx_BTC.dtype), (g_loss * dtable_VC).astype(dtable_VC.dtype), None, None)

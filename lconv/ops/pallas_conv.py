@@ -1,69 +1,12 @@
 """The ``"pallas"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: fused Pallas kernels.
 
-Same semantics as ``lconv.ops.conv`` (fairseq's): ``y[t, c] = sum_k w[t, h(c), k] * x[t + k - P, c]`` with heads
-owning contiguous blocks of ``D = C // H`` channels, zero outside the sequence, and with ``segment_ids`` a tap
-reads zero across a segment boundary or from padding (segment 0), so padding outputs zero. The weights arrive
-normalised (softmax, DropConnect); the kernels do the conv's arithmetic and its custom VJP:
-
-- forward: ``y`` from ``x`` and ``w``, a loop over the ``K`` taps of ``[L, D]`` multiply-adds;
-- ``dx[s] = sum_k w[s + P - k, k] dy[s + P - k]``: the same loop, run "transposed": tap ``k`` reads ``dy`` and
-  the weight column at rows ``s + P - k`` (for light ``w`` this is the forward with reversed taps and padding
-  ``K - 1 - P``);
-- ``dw[t, h, k] = sum_d x[t + k - P, h, d] dy[t, h, d]``: per tap, an ``[L, D]`` product of shifted ``x`` rows and
-  the tile's own ``dy`` rows reduced over ``D`` to an ``[L]`` column, put into an ``[L, Kp]`` register tile
-  (``Kp``: ``K`` rounded up to a power of two) by a select; the tile is written once at the end (dynamic: masked to
-  ``k < K``), or for light summed over its ``L`` rows once and written as a ``[Kp]`` partial (a ``[B, G, H, Kp]``
-  array that XLA sums: ``H Kp / (L C)`` of ``x``'s size). No reduction across warps inside the tap loop.
-
-``backward="split"`` (the default) runs dx and dw as two kernels; ``"fused"`` runs both in one tap loop (the
-previous design, now with the register-tile dw). Split keeps one ``[L, D]`` accumulator live per kernel, as the
-forward does, at the price of reading ``dy`` twice; fused keeps two (``dx`` and the tile's ``dy``) and reads every
-row once. Which is faster is a GPU measurement (``python -m lconv.bench gpu`` times both), not yet made.
-
-Bytes moved per token (``kernel_bytes_per_token``; ``s`` bytes a number, C channels, H heads, ``w = H K`` for
-dynamic and 0 for light). Each kernel reads its rows once from DRAM, the tap re-reads served by L1 and the halo by
-L2 (below):
-
-============== ================================ ==========================================
-kernel          reads + writes                   bytes
-============== ================================ ==========================================
-forward         x, w -> y                         ``(2C + w) s``
-dx (split)      dy, w -> dx                       ``(2C + w) s``
-dw (split)      x, dy -> dw                       ``(2C + w) s`` (+ light's partial, ``4 H Kp / L``)
-fused backward  x, w, dy -> dx, dw                ``(3C + 2w) s`` (+ light's partial)
-floor, fwd+bwd  x, w, dy -> y, dx, dw once        ``(4C + 2w) s``
-============== ================================ ==========================================
-
-So fwd+bwd is ``(6C + 3w) s`` split (1.5x the floor, light and dynamic at C=512, H=8, K=31) and ``(5C + 3w) s``
-fused (1.25x light, 1.3x dynamic). Not counted: light's shared ``[H, K]`` weight (read once a call), XLA's sum of
-the partials, and with segments the int32 ids each kernel reads (``4`` bytes a token).
-
-Grid and blocks. One program per ``(g, b, h)``: time tile ``g`` of ``L`` steps (``block_t``, a power of two),
-batch row ``b``, head ``h`` (its ``D`` channels). ``x``, ``dy``, a dynamic ``w`` and the segment ids are handed to
-each program as its whole row (a block spanning ``T``): on Triton a block is only a base pointer, so the program
-loads exactly its ``L`` steps plus the ``K - 1`` halo, one ``[L, D]`` load per tap at shifted rows, and keeps the
-taps' weights in registers (scalars for light, an ``[L]`` column per tap for dynamic). The taps re-read
-overlapping rows, which L1 serves; the halo (``(K - 1) / L`` of ``x``: 47% at K=31, L=64) is an L2 hit when the
-neighbouring tile's program runs alongside, which is why ``g`` is the first grid axis (Pallas maps it to CUDA's
-fastest-scheduled ``x``). Rows outside ``[0, T)`` are read at clamped indices and zeroed with the tap's mask, so no
-load is ever out of bounds and no negative start is needed (interpret mode's ``dynamic_slice`` would clamp one and
-shift the data). Stores of the last, partial tile are masked. All arithmetic is float32 elementwise FMAs and
-reductions (no dots, so no TF32): exact in float32 on every backend, and bfloat16 inputs accumulate in float32.
-
-Why these shapes: Triton needs every loaded array's size to be a power of two (``L``, ``D``: true for the paper's
-heads, D = 64..128, and ``Kp``) and has no value slicing, so shifting must happen in the loads and a tap's column
-enters the dw tile by a select; whole-row blocks keep every load in bounds without padding copies of ``x``. Mosaic
-(TPU) wants ``(8, 128)``-aligned blocks and cannot gather rows (``int indexing``), so this kernel is GPU +
-interpret only; a TPU version would take ``pl.Element(L + K - 1, padding=(P, K - 1 - P))`` windows.
-``pl.pallas_call`` on GPU is lowered through Triton (``plgpu.CompilerParams``), not Mosaic GPU.
-
-Tiles: ``block_t`` (``L``, default ``BLOCK_T`` = 64) and ``num_warps`` (default ``NUM_WARPS`` = 4) apply to every
-kernel of a call. The defaults were the forward's on the H100/H200 (3.6x its floor); per dtype and K they are
-unmeasured, so they are parameters for the GPU bench to sweep, not a table.
-
-``interpret=None`` is decided per backend being lowered (``jax.lax.platform_dependent``): interpret mode when the
-computation is lowered for CPU, Triton for CUDA/ROCm, so an export traced on CPU for CUDA carries the compiled
-kernel. Interpret mode runs the grid as a loop: for tests, not speed.
+Same semantics as ``lconv.ops.conv``. Three kernels with a custom VJP: the forward (a loop over the ``K`` taps of
+``[L, D]`` multiply-adds), ``dx`` (the same loop run transposed) and ``dw`` (per tap, shifted ``x`` rows times
+the tile's ``dy``, reduced into an ``[L, Kp]`` register tile). ``backward="split"`` (default) runs dx and dw as two
+kernels, ``"fused"`` as one. One program per ``(time tile, batch row, head)``; all arithmetic is float32 FMAs, so
+exact in float32 on every backend. GPU (Triton) and interpret mode only: Mosaic (TPU) cannot gather rows.
+``interpret=None`` decides per lowering platform. Bytes moved, grid, blocks and why these shapes:
+docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -106,9 +49,8 @@ def dynamic_conv_pallas(x_BTC: Array, weight_BTHK: Array, padding_left: int, seg
 
 def kernel_bytes_per_token(kernel: str, channels: int, heads: int, kernel_size: int, *, dynamic: bool,
                            itemsize: int, block_t: int = BLOCK_T) -> float:
-    """DRAM bytes per token one of ``KERNELS`` moves (the table in the module's docstring): its per-token operands
-    read and outputs written once, the taps' re-reads and the halo served by the caches; without segment ids and
-    light's shared weight (read once a call)."""
+    """DRAM bytes per token one of ``KERNELS`` moves (the table in docs/kernels.md): operands read and outputs
+    written once, without segment ids and light's shared weight."""
     if kernel not in KERNELS:
         raise UserError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     w = heads * kernel_size if dynamic else 0
@@ -326,8 +268,8 @@ def _put_column(dw_LK, k, dw_L):
 
 
 def _store_dweight(dw_ref, dw_LK, t_L, T, K, light):
-    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the ``[L, Kp]`` tile masked
-    to the live steps and ``k < K`` (the block is ``[L, K]``; the masked lanes past ``K`` are never written)."""
+    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the ``[L, Kp]`` tile masked to
+    the live steps and ``k < K``."""
     if light:
         dw_ref[...] = jnp.sum(dw_LK, axis=0)
         return

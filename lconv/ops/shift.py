@@ -1,20 +1,10 @@
 """The ``"shift"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: fast on CPU.
 
-The conv is computed as it is written, ``y[t] = sum_k w[t, k] x[t + k - P]``: K multiply-adds of shifted inputs
-that XLA fuses into one vectorised elementwise loop (no band matrix, no layout change, 2x fewer FLOPs than the
-band). Its custom VJP computes
-
-- the input gradient the same way, ``dx[s] = sum_k w[s + P - k, k] dy[s + P - k]`` (the taps read backwards);
-- the kernel gradient ``dw[t, h, k] = sum_d x[t + k - P, h, d] dy[t, h, d]``, a dot over each head's ``D``
-  channels, with band tiles: per tile of ``L`` steps and head, ``G = dy_tile [L, D] @ windowᵀ [D, L + K - 1]``
-  (window transposed so XLA:CPU's dot needs no transposed operand), and ``dw[l, k] = G[l, l + k]``.
-
-Autodiff of the forward's K slices would instead be K scatter-adds. Everything runs in a loop over blocks of
-about ``CHUNK_TOKENS`` tokens (several short rows or part of a long one, with a ``K - 1`` halo read from the
-neighbours), so the temporaries are a few MB whatever ``B x T``: on CPU a large temporary is fresh memory on
-every call, and first-touch page faults cost more than the arithmetic (docs/benchmarks.md). Accumulation is
-float32, as for the other implementations, and the kernel gradient's dot runs at ``precision=CONV_PRECISION`` (HIGHEST):
-exact float32 on GPU and TPU too.
+The conv as it is written, ``y[t] = sum_k w[t, k] x[t + k - P]``: K multiply-adds of shifted inputs that XLA
+fuses into one elementwise loop. A custom VJP computes the input gradient the same way (the taps read backwards)
+and the kernel gradient with band tiles, instead of autodiff's K scatter-adds. Everything runs in a loop over
+blocks of about ``CHUNK_TOKENS`` tokens, so the temporaries stay a few MB whatever ``B x T`` (on CPU fresh
+memory's page faults cost more than the arithmetic). Accumulation is float32. Details: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -147,12 +137,9 @@ class _Blocks:
 def _shifted_sum(a_BSC, weight, taps):
     """``sum over (a_offset, w_offset, k) in taps of a[:, a_offset + t] * w[:, w_offset + t, :, k]``, float32.
 
-    ``a`` (and a dynamic ``weight``, ``[B, S', H, K]``) come with their halo, so every read is in bounds; the
-    result has ``S - K`` steps. A light ``weight`` is ``[H, K]``, the same at every step. Slices of one buffer
-    keep XLA's fused loop simple (a zero-padding ``lax.pad`` per tap vectorises 4x worse). One step more than
-    needed is computed and dropped: with that final slice XLA:CPU keeps the sum one elementwise loop instead of
-    letting a following dot fusion absorb it (which materialises every shifted copy).
-    """
+    ``a`` (and a dynamic ``weight``) come with their halo, so every read is in bounds; the result has ``S - K``
+    steps. Slices of one buffer keep XLA's fused loop simple, and one extra step, computed and dropped, keeps
+    XLA:CPU from absorbing the sum into a following dot fusion (which materialises every shifted copy)."""
     B, S, C = a_BSC.shape
     H, K = weight.shape[-2:]
     T = S - K

@@ -36,8 +36,8 @@ PyTree = Any
 class Checkpointer:
     def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
                  async_save: bool = False, checksums: bool = True, read_only: bool = False) -> None:
-        """``read_only``: for restoring params (``lconv.load``, eval.py), into a workdir that may be read-only or a
-        bucket without write access: nothing is created, and orbax's warnings go to the log, not to a file."""
+        """``read_only``: for restoring params from a workdir that may be read-only; nothing is created, warnings are
+        logged."""
         self.directory = str(epath.Path(workdir_lib.resolve(workdir)) / subdir)
         # Each directory's own barrier names: orbax names an async save's cross-process barriers after the step
         # alone, so the latest and the best checkpoint of one step (both saved at a validation step) would wait at
@@ -66,8 +66,8 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def save(self, step: int, state: PyTree, data_state: Any, *, force: bool = False) -> bool:
-        """Saves at multiples of ``save_every`` (or when forced); returns whether it saved. ``data_state`` is
-        JSON-able, or a function giving it, called only when saving (e.g. a collective gather)."""
+        """Saves at multiples of ``save_every`` (or when forced); returns whether it saved. ``data_state``: JSON-able,
+        or a function giving it, called only when saving."""
         if not force and (step % self.save_every):
             return False
         if step in self.manager.all_steps():
@@ -83,10 +83,8 @@ class Checkpointer:
         return True
 
     def finish(self) -> None:
-        """Waits for an async save to be written, then makes its manifest. An async save copies the arrays to
-        host memory and returns; the files are written while training goes on, and are hashed (process 0) at
-        the next save or at ``close``. A crash in between leaves a complete checkpoint without a manifest, which
-        restores as "unverified" (it is still checked finite)."""
+        """Waits for an async save to be written, then makes its manifest (hashed by process 0). A crash in between
+        leaves a complete checkpoint without a manifest, which restores as "unverified" (still checked finite)."""
         self.manager.wait_until_finished()
         if self.unfinished is not None and self.checksums:
             integrity.write_manifest(self._step_dir(self.unfinished))
@@ -109,8 +107,7 @@ class Checkpointer:
         return restored["state"], restored["data"]
 
     def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
-        """The ``params`` of checkpoint ``step`` alone, laid out as ``abstract_params``: an orbax partial
-        restore that reads no optimizer moments, step or memory (evaluation needs none of them)."""
+        """The ``params`` of checkpoint ``step`` alone (a partial restore): evaluation needs no optimizer moments."""
         item = {"params": abstract_params}
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
@@ -204,8 +201,7 @@ class DiskFull(UserError):
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """Whether ``err`` or an exception in its chain is the device running out of space: an ``OSError`` ENOSPC
-    (Python's writes: logs, manifests, config) or tensorstore's "No space left on device" (orbax's arrays)."""
+    """Whether ``err`` or an exception in its chain is a full disk (Python's ENOSPC or tensorstore's)."""
     return _disk_full_cause(err) is not None
 
 
@@ -222,8 +218,7 @@ def _disk_full_cause(err: BaseException | None) -> BaseException | None:
 
 def disk_full(err: BaseException, ckpt: Checkpointer, best: BestCheckpointer) -> DiskFull:
     """The one line for a run that filled its disk, naming the last finished checkpoint, once the checkpointers'
-    unfinished writes are given up quietly (orbax's threads report each failed write, then again at exit: pages
-    of noise, with details kept in ``checkpoint_errors.log`` when there is room for it)."""
+    unfinished writes are given up quietly (orbax's threads would print pages of the same failure)."""
     with integrity.quiet_orbax(ckpt.error_log):
         for manager in (ckpt.manager, best.checkpointer.manager):
             with contextlib.suppress(Exception):
@@ -249,8 +244,7 @@ def has_checkpoint(workdir: str) -> bool:
 
 
 def gather_process_states(local_state: Any) -> dict[str, Any]:
-    """This process's JSON-able iterator state -> ``{"process_count": P, "processes": [state of each process]}``,
-    the same on every process (a collective: every process must call it at the same step)."""
+    """Every process's JSON-able iterator state, the same on every process (a collective: all call it at one step)."""
     if jax.process_count() == 1:
         return {"process_count": 1, "processes": [local_state]}
     from jax.experimental import multihost_utils

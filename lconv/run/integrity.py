@@ -213,13 +213,9 @@ class _Collector(io.TextIOBase):
 
 @contextlib.contextmanager
 def quiet_orbax(error_log: str | None) -> Iterator[_Details]:
-    """Orbax and tensorstore report a failed restore with many log records and tracebacks from their worker
-    threads; inside this block they go to the file ``error_log`` (the workdir's ``checkpoint_errors.log``) instead
-    of the terminal, so the user sees lconv's one line (which names the log when anything was written to it).
-
-    ``error_log=None`` (a read: ``lconv.load``, eval.py) writes nothing into the workdir, which may be read-only:
-    the records go to lconv's log instead, as warnings when the block raised, else at debug level (orbax warns
-    on every partial restore)."""
+    """Inside this block orbax's and tensorstore's records of a failed restore (many, with worker threads'
+    tracebacks) go to ``error_log`` (the workdir's ``checkpoint_errors.log``), so the user sees lconv's one line.
+    ``error_log=None`` (a read) writes nothing into the workdir: the records go to lconv's log instead."""
     details = _Details(error_log)
     buffer = details.records
 
@@ -301,10 +297,9 @@ class _OrbaxToFile(logging.Filter):
 
 @contextlib.contextmanager
 def orbax_errors_to_file(error_log: str) -> Iterator[None]:
-    """For a whole run: orbax's warnings and errors (with their tracebacks), logged from its background save
-    threads as each write fails, and what threads started outside Python print go to ``error_log`` instead of the
-    terminal. A failed save surfaces in the main thread at the next save or at the end, as one error; a disk that
-    fills up would otherwise print pages of the same failure from every thread first."""
+    """For a whole run: orbax's warnings and errors from its background save threads, and what threads started
+    outside Python print, go to ``error_log``; a failed save surfaces in the main thread as one error, instead of a
+    full disk printing pages of the same failure from every thread."""
     diverted, absl_logger, stderr = _OrbaxToFile(error_log), logging.getLogger("absl"), sys.stderr
     absl_logger.addFilter(diverted)
     sys.stderr = ForeignThreadStderr(stderr, error_log)
@@ -317,10 +312,8 @@ def orbax_errors_to_file(error_log: str) -> Iterator[None]:
 
 
 def quiet_until_exit(error_log: str) -> None:
-    """After a full disk (``checkpoints.DiskFull``), which ends the run: writes still failing in tensorstore's
-    threads, orbax's tasks collected at exit and tensorboard's retried close at exit would each repeat the failure
-    after its one line. For the rest of the process, what threads started outside Python print, orbax's log records
-    and exceptions nothing can catch go to ``error_log`` (when there is room); Python's own output is untouched."""
+    """After a full disk, which ends the run, the failures still repeating in foreign threads, orbax's exit tasks and
+    tensorboard's close go to ``error_log`` for the rest of the process; Python's own output is untouched."""
     _QUIET_UNTIL_EXIT.append(error_log)
 
     def about_orbax(record: logging.LogRecord) -> bool:

@@ -25,8 +25,8 @@ Batch = dict[str, Any]
 
 
 def make_eval_step(config: Any) -> Callable:
-    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state`` (the mixers' carried state) is empty
-    except on streams."""
+    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``, the mixers' carried state, is empty but on
+    streams."""
     def eval_step(params, apply_fn, batch, carried):
         outputs, carried = model_setup.apply_model(apply_fn, params, carried, batch, deterministic=True,
                                                    logits=not config.optim.fused_loss)
@@ -47,19 +47,11 @@ def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
                   mesh: jax.sharding.Mesh, carried: mixer_state.MixerState | None = None,
                   stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
-    """Validation loss / perplexity / accuracy over every example (padding rows weigh zero); an ``EvalSet``'s
-    examples packed several to a row (``pipeline.loss_batches``).
+    """Validation loss / perplexity / accuracy over every example of ``eval_set``, packed several to a row.
 
-    With several processes each feeds its shard's rows of every global batch (``eval_set`` has the same number of
-    batches on every process), so the sums cover the whole split once and are the same on every process.
-
-    ``eval_step`` is ``jit_eval_step(config, mesh)``, built once per run so periodic
-    evaluations reuse its compilation. ``carried``: on a stream eval set, the mixers' starting state
-    (``init_mixer_state`` for the eval batch's rows, sharded as the batch) that the pass threads from window to
-    window; ``None`` or empty otherwise. ``stop_when``: ``(over, why)``; one process stops the pass once
-    ``over()`` (a time budget, ``why`` naming it): the scores cover the batches done, ``unscored_batches`` counts
-    the rest, and a warning says so.
-    """
+    Each process feeds its shard's rows, so the sums cover the split once and agree on every process.
+    ``eval_step``: ``jit_eval_step``'s, built once per run. ``carried``: a stream eval set's starting mixer state.
+    ``stop_when``: ``(over, why)``; once ``over()`` the pass stops and ``unscored_batches`` counts the rest."""
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
     total, carried, done, previous = None, carried or mixer_state.empty(), 0, None

@@ -12,11 +12,9 @@ from lconv.nn.decoder_ends import OutputLayer
 
 
 def smoothing_weight(label_smoothing: float, split: str, vocab_size: int) -> float:
-    """The weight ``a`` of ``loss = (1 - a) * nll + a * mean_v(-log p_v)`` that spreads ``label_smoothing`` as
-    ``split`` says (``config.optim.label_smoothing_split``): ``"all"`` puts eps / V on every id, the target's
-    included, so ``a = eps``; ``"others"`` (fairseq's) leaves the target 1 - eps and puts eps / (V - 1) on each
-    other id, which is the same form with ``a = eps * V / (V - 1)``. One weight for both splits keeps the fused
-    loss and the logits' loss one formula."""
+    """The weight ``a`` of ``loss = (1 - a) * nll + a * mean_v(-log p_v)`` for ``label_smoothing`` spread as
+    ``split`` says: ``"all"`` (eps / V on every id) is ``a = eps``; ``"others"`` (fairseq's, eps / (V - 1) on each
+    other id) is ``a = eps * V / (V - 1)``. One weight keeps the fused loss and the logits' loss one formula."""
     if split not in ("all", "others"):
         raise ValueError(f"label smoothing split must be 'all' or 'others'; got {split!r}")
     if split == "all" or not label_smoothing:
@@ -26,17 +24,11 @@ def smoothing_weight(label_smoothing: float, split: str, vocab_size: int) -> flo
 
 def label_smoothed_loss(outputs: jax.Array | OutputLayer, targets_BT: jax.Array, weights_BT: jax.Array,
                         label_smoothing: float, split: str = "all") -> dict[str, jax.Array]:
-    """The label-smoothed cross-entropy, summed over weighted tokens.
+    """The label-smoothed cross-entropy's sums ``{loss, nll, correct, tokens}`` over weighted tokens (divided on the
+    host, so accumulation and device reductions stay exact); ``a = smoothing_weight(label_smoothing, split, V)``.
 
-    ``loss = (1 - a) * nll + a * mean_v(-log p_v)`` with ``a = smoothing_weight(label_smoothing, split, V)``
-    (``split="others"``: fairseq's ``label_smoothed_cross_entropy``); returns sums ``{loss, nll, correct,
-    tokens}`` so that gradient accumulation and multi-device reductions stay exact (divide on the host).
-
-    ``outputs``: the logits ``[B, T, V]`` (float32 log-softmax over them), or a model's ``OutputLayer``
-    (``logits=False``), whose logits are made and consumed a chunk at a time with the loss's gradient
-    (``OutputLayer.loss_sums``: only ``loss`` is differentiable there); the two agree to rounding. Without
-    smoothing the loss is the nll (an output vocabulary's -inf logits would make the smoothing term ``0 * inf``).
-    """
+    ``outputs``: logits ``[B, T, V]``, or a model's ``OutputLayer`` whose logits are made a chunk at a time with
+    the gradient (the two agree to rounding). Without smoothing the loss is the nll."""
     weights_BT = weights_BT.astype(jnp.float32)
     vocab = outputs.valid_vocab if isinstance(outputs, OutputLayer) else outputs.shape[-1]
     label_smoothing = smoothing_weight(label_smoothing, split, vocab)

@@ -139,13 +139,10 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 
 
 def one_step_ahead(previous: PyTree, current: PyTree) -> PyTree:
-    """Waits for ``previous`` (the outputs of the step before this one) and returns ``current``, to be passed as
-    ``previous`` next time: the host dispatches at most one step ahead of the device, so the device always has the
-    next step queued and never a long queue.
+    """Waits for ``previous`` (the step before's outputs) and returns ``current``: the host dispatches at most one
+    step ahead, so the device always has the next step queued but never a long queue.
 
     Unbounded async dispatch deadlocked two processes on CPU: XLA's CPU client admits a fixed number of programs
-    per device and launches a program's per-device parts from a thread pool, so a device's places filled with later
-    programs while an earlier one, whose all-reduce the other devices were already in (over gloo), waited for one.
-    A loop that reads nothing back for many steps (an evaluation pass) now waits here each step."""
+    per device, and later programs filled a device's places while an earlier one's all-reduce waited for one."""
     jax.block_until_ready(previous)
     return current

@@ -37,8 +37,7 @@ _trust_plugins = contextvars.ContextVar("trust_plugins", default=False)  # the C
 
 @contextlib.contextmanager
 def trusting_plugins(trust: bool = True) -> Any:
-    """Within it, a stored config may name plugin modules that are not imported yet (the programs'
-    ``--trust_plugins``; the API passes ``trust_plugins=`` instead)."""
+    """Within it, a stored config may name plugin modules not imported yet (the programs' ``--trust_plugins``)."""
     token = _trust_plugins.set(bool(trust))
     try:
         yield
@@ -136,14 +135,12 @@ def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | N
 
 
 def as_flag(name: str) -> str:
-    """An option as the programs' flags spell it (``average_last`` -> ``--average_last``): errors name what the user
-    typed; the API passes ``spell=str``, so its errors name its own arguments."""
+    """An option as the programs' flags spell it (``--average_last``), so errors name what the user typed."""
     return f"--{name}"
 
 
 def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[[str], str] = as_flag) -> None:
-    """Which checkpoints ``load_trained`` may average: one-line errors named as eval.py's flags (``spell=str``: as
-    the API's arguments)."""
+    """Which checkpoints ``load_trained`` may average; errors named as ``spell`` spells the options."""
     if not isinstance(checkpoint, str) or checkpoint not in ("latest", "best"):
         raise UserError(f"{spell('checkpoint')}={checkpoint!r}: must be latest or best")
     if not is_integer(average_last) or average_last < 1:
@@ -158,16 +155,10 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
                  overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
                  spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None,
                  stored: StoredConfig | None = None, trust_plugins: bool | None = None) -> Trained:
-    """The model of a trained ``workdir`` (local or a URL: ``gs://...``) with the params of its latest checkpoint,
-    the mean of the last ``average_last`` (the paper's practice), or, with ``checkpoint="best"``, of the best by
-    validation loss. ``caller``: how the path was given, for errors (``find_run``); ``spell``: how the other
-    options are named in them (``check_checkpoint_choice``).
-
-    Only the params are read (orbax partial restore): no optimizer is built and no moments are loaded, and
-    nothing is written into the workdir, which may be read-only. ``overrides`` may change the stored config
-    (decoding fields, say) before the model is built; the changed config is checked again. ``devices``: the mesh's
-    (``config.mesh``; default all). ``stored``: what ``read_stored`` returned, when the caller read it already.
-    ``trust_plugins``: as ``read_stored``'s."""
+    """The model of a trained ``workdir`` (local or a URL) with the params of its latest checkpoint, the mean of
+    the last ``average_last``, or with ``checkpoint="best"`` the best by validation loss. Reads the params only,
+    writes nothing (the workdir may be read-only). ``overrides`` change the stored config before the model is
+    built (checked again); ``caller`` and ``spell`` name the arguments in errors; ``stored``: ``read_stored``'s."""
     check_checkpoint_choice(average_last, checkpoint, spell)
     stored = read_stored(workdir, caller, trust_plugins) if stored is None else stored
     config, settings = copy.deepcopy(stored.config), stored.settings

@@ -1,19 +1,12 @@
 """The config schema: every field of a config, each defined once with its default, rule and one-line doc.
 
-A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it: ``data`` is
-``lconv.data.data_config.DataConfig``, ``model`` is ``lconv.nn.model_config.ModelConfig`` (which also serves users
-who build a model without a config file), and the top level, ``optim``, ``train``, ``decode`` and ``mesh`` are
-below. Everything else is read from them:
-- ``base_config()``: every field at its default (configs/common.py's; family files override values);
-- ``complete(config)``: the fields a config lacks filled with their defaults (a config file that does not start
-  from base_config, or a stored config.json from an older lconv), so no reader needs a fallback of its own;
-- ``validate_config(config)``: each field against its rule, one ``UserError`` line naming the first bad one;
-- ``check_search``: the beam size and length penalty rules, shared by the config, eval.py's flags and the API;
-- ``hypotheses_per_source``: n-best lists' rule (at most the beam, or k samples), for the API and eval.py;
-- ``check_sampling``: an LM's sampling settings (``lconv.decode_settings.SamplingSettings``: not config fields, but
-  eval.py's flags, the API's and export's arguments), by one set of rules whichever surface takes them;
-- ``markdown()``: docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps
-  the committed file equal to it).
+A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it (``data``:
+``lconv.data.data_config.DataConfig``, ``model``: ``lconv.nn.model_config.ModelConfig``; the top level, ``optim``,
+``train``, ``decode`` and ``mesh`` here). Everything else is read from them: ``base_config()`` (every field at its
+default), ``complete(config)`` (a config's missing fields filled, so no reader needs a fallback),
+``validate_config(config)`` (one ``UserError`` line naming the first bad field), the search and sampling rules
+every surface shares (``check_search``, ``hypotheses_per_source``, ``check_sampling``), and ``markdown()``,
+docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps them equal).
 """
 from __future__ import annotations
 
@@ -205,8 +198,7 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "tra
 
 
 def _fill(target: Any, section: type) -> None:
-    """Sets each field ``target`` lacks to its default; a None default of a ConfigDict becomes a typed placeholder,
-    so that the command line can still set it."""
+    """Sets each field ``target`` lacks to its default (a None default as a typed placeholder flags can set)."""
     for f in schema_fields(section):
         if f.name not in target:
             value, kind = default_of(f), f.metadata["placeholder"]
@@ -293,11 +285,9 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
                  spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
                  vocab_size: int | None = None, no_repeat_ngram_size: int | None = None,
                  min_len: int | None = None) -> None:
-    """The decode section's rules for the beam search's settings, for every place that takes them: the config,
-    eval.py's flags (``spell=lambda n: f"--{n}"``) and the Python API's arguments. None = not given. With
-    ``vocab_size`` (once it is known) the beam is at most ``vocab_size - 1``, as fairseq caps it: a wider beam
-    holds no more distinct continuations, only memory (a beam of 10**9 was killed at 23 GB). The generation guards
-    (``no_repeat_ngram_size``, ``min_len``) are checked here too: every search takes them."""
+    """The decode section's rules for the beam search's settings, for the config, eval.py's flags and the API (None
+    = not given), the generation guards included. With ``vocab_size`` the beam is at most ``vocab_size - 1``, as
+    fairseq caps it: a wider beam holds no more distinct continuations, only memory."""
     check_decode({"beam_size": beam_size, "lenpen": lenpen, "no_repeat_ngram_size": no_repeat_ngram_size,
                   "min_len": min_len}, spell)
     if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
@@ -307,8 +297,8 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
 
 def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
                  ) -> None:
-    """Each given (not None) ``config.decode`` field of ``values`` by its rule, named as ``spell`` says (a flag's
-    name on the command line): the one check of decoding settings, whichever surface takes them."""
+    """Each given ``config.decode`` field of ``values`` by its rule, named as ``spell`` says: one check for every
+    surface."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
     for name, value in values.items():
         if value is not None:
@@ -318,9 +308,7 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
 def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
                           spell: Callable[[str], str] = str, vocab_size: int | None = None) -> int:
     """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
-    (hypotheses returned per source; None = the best alone) checked against it: the one rule for the API's
-    arguments and eval.py's flags (``spell``). ``beam_size`` None = the run's ``stored_beam_size``. Samples are
-    held as a beam's hypotheses are: with ``vocab_size``, at most ``vocab_size - 1`` of them, as a beam."""
+    checked against it: one rule for the API and eval.py. ``beam_size`` None is the run's ``stored_beam_size``."""
     if nbest is not None and not (integer().test(nbest) and nbest >= 1):
         raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
     if temperature:
@@ -340,11 +328,9 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
                    vocab_size: int | None = None, idle: bool = True) -> None:
-    """Each given (not None) sampling setting of ``values`` (``SamplingSettings``' fields) by its rule, named as
-    ``spell`` says (``--top_k`` on the command line); with ``vocab_size`` (the model's, once it is known),
-    ``top_k`` may not exceed it. A filter or a seed without a temperature (0 or not given) is refused: greedy
-    decoding and beam search would ignore it (``idle=False`` leaves that to a later call, after checks whose
-    message says more)."""
+    """Each given sampling setting of ``values`` by its rule, named as ``spell`` says; ``top_k`` at most
+    ``vocab_size``. A filter or a seed without a temperature is refused, since greedy decoding and beam search
+    would ignore it (``idle=False`` leaves that to a later call)."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:

@@ -53,8 +53,7 @@ def resolve(workdir: str) -> str:
 
 
 def make_workdir(workdir: str) -> str:
-    """The resolved workdir, created; a folder holding something else than a run (``lconv.outputs``) or an
-    unwritable location is a one-line error."""
+    """The resolved workdir, created; a folder holding something else or an unwritable place is a one-line error."""
     outputs.claim_directory(str(workdir), "workdir", "--workdir")
     path = resolve(workdir)
     try:
@@ -66,8 +65,8 @@ def make_workdir(workdir: str) -> str:
 
 @contextlib.contextmanager
 def lock(workdir: str) -> Iterator[None]:
-    """Holds ``<workdir>/train.lock`` for the body (on process 0; the other processes of a multi-host run share
-    its workdir). A second run on the workdir fails at once naming the owner."""
+    """Holds ``<workdir>/train.lock`` for the body (process 0); a second run on the workdir fails at once, naming the
+    owner."""
     if jax.process_index() != 0:
         yield
         return

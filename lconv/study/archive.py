@@ -26,8 +26,7 @@ ARCHIVE_DIR = os.path.join("results", "runs")  # under the docs dir
 
 
 def entry_name(record: dict[str, Any]) -> str:
-    """A record's archive entry, ``<task>/<mixer>/<run>``: ``seed<k>``, or a tuning sweep's ``tune_lr<rate>`` /
-    ``lenpen_lr<rate>`` (lconv.study.tuning)."""
+    """A record's archive entry, ``<task>/<mixer>/<run>``: ``seed<k>``, ``tune_lr<rate>`` or ``lenpen_lr<rate>``."""
     kind, task, mixer = record.get("kind"), record["task"], record["mixer"]
     if kind in ("tune", "lenpen"):
         return f"{task}/{mixer}/{kind}_lr{float(record['learning_rate']):g}"
@@ -107,8 +106,7 @@ def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
 
 
 def _write_run(workdir: str, entry: dict[str, Any]) -> None:
-    """The files a finished run leaves that the study and its report read: spec, metrics and, last, the result
-    (whose presence marks the run finished, so a copy cut short is simply done again)."""
+    """The files of a finished run the study reads: spec, metrics, and last the result, which marks it finished."""
     outputs.claim_directory(workdir, "workdir", "a study run's folder")
     run_lib.write_json(os.path.join(workdir, run_lib.SPEC),
                        {"config": entry["config"], "workdir": workdir, "record": entry["record"]})

@@ -28,8 +28,7 @@ def run_dir(output_dir: str, key: plan.RunKey) -> str:
 
 
 def prepare_tokenizers(study: ml_collections.ConfigDict, output_dir: str) -> dict[str, tuple[str, int]]:
-    """``{task: (spm.model path, vocab size)}``: one tokenizer per task, trained once on its training split (the
-    reference mixer's data fields), so every mixer and seed reads the same token ids."""
+    """``{task: (spm.model path, vocab size)}``: one tokenizer per task, so every mixer and seed reads the same ids."""
     from lconv.data import pipeline
 
     tokenizers = {}
@@ -56,8 +55,7 @@ def base_record(planned: plan.Planned, output_dir: str) -> dict[str, Any]:
 
 def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir: str,
             tokenizers: dict[str, tuple[str, int]], *, launch: bool) -> dict[str, Any]:
-    """A run's record: n/a or a planning error as they are; else launched (``launch``) or read from its
-    workdir (``status`` "not run" when it has neither a result nor a failure)."""
+    """A run's record: n/a or a planning error as they are; else launched, or read from its workdir ("not run")."""
     record = base_record(planned, output_dir)
     if planned.not_applicable:
         return {**record, "status": "n/a", "error": planned.not_applicable}

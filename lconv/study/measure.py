@@ -83,8 +83,7 @@ def peak_rss_bytes() -> int:
 
 
 def machine() -> dict[str, str]:
-    """What the run was measured on (CPU, device, JAX; and when it finished): kept in its record, so a study
-    resumed from an archive made elsewhere says which figures came from which machine."""
+    """What the run was measured on and when, kept so a resumed study says which figures came from where."""
     info = timing.machine_info()
     return {key: info[key] for key in ("cpu", "device", "jax", "date")}
 
@@ -94,9 +93,8 @@ LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is repor
 
 def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
                         repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
-    """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens (up to each row's EOS) per
-    second of the median of ``repeats`` calls after the first, compiling one (one call takes ~0.1 s at the
-    study's sizes: too short to trust alone on a shared CPU)."""
+    """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens per second, the median of
+    ``repeats`` calls after a compiling one (one call is too short to trust alone on a shared CPU)."""
     model, params = trained.model, trained.params
     settings = DecodeSettings.build(trained.config.decode, max_len=length)  # the sampling defaults: greedy
 

@@ -1,23 +1,12 @@
 """The study's runs: one training config per (task, mixer, seed), with parameter counts matched across mixers.
 
-A task's config is its family config (``lconv.configs.<family>``) with the mixer's variant word applied the way
-the configs apply it (``lconv.configs.common.set_mixer``: a mixer that fits one side gets attention on the other),
-then the study mode's overrides for the task, then the per-mixer overrides. What each mixer means per task:
-
-- CoLT5 (encoder-only: its routing ranks future tokens): CoLT5 attention in the encoder, attention in the
-  decoder for translation and summarization (the ``colt5`` variant of the configs); no LM run, since a
-  decoder-only LM has no encoder layer to put it in (``not_applicable`` gives the reason).
-- kNN memory (decoder-only): the Memorizing Transformer layout of ``configs/lm1b.py:knn``, one kNN-memory layer
-  second to last in the decoder, attention elsewhere. In the LM it reads document streams (its memory holds the
-  document's past windows). Translation and summarization have no document streams (``data.stream`` is for
-  LMs), so there every example starts with an empty memory and the layer is its gated local attention.
-- The LM runs of every mixer read the same document streams (``lm1b.py``'s ``stream`` word): the same windows,
-  so the same test tokens are scored; only the kNN model carries state between windows.
-
-Parameters are matched to the reference mixer (the Transformer) by the FFN width alone: a model's count is
-affine in ``model.ffn_dim`` (every layer's FFN has ``(2 d + 1) ffn + d`` weights), so two counts of the model's
-own ``init`` (``jax.eval_shape``, no arrays) give the slope, the width that hits the reference is rounded to
-``ffn_multiple`` and counted once more to check the tolerance.
+A task's config is its family config with the mixer's variant word applied as the configs apply it
+(``lconv.configs.common.set_mixer``: a mixer that fits one side gets attention on the other), then the mode's
+overrides for the task, then the per-mixer ones. CoLT5 (encoder-only) gets an attention decoder and no LM run;
+the kNN memory takes its layout rule's layer of the decoder and reads document streams in the LM, as every
+mixer's LM run does (the same windows, so the same test tokens). Parameters are matched to the reference mixer's
+by the FFN width alone: a model's count is affine in ``model.ffn_dim``, so two abstract counts give the slope,
+and the width is rounded to ``ffn_multiple`` and counted once more.
 """
 from __future__ import annotations
 
@@ -70,8 +59,7 @@ class RunKey:
 
 @dataclasses.dataclass
 class Planned:
-    """One run of the study: its training config, or why it has none (the mixer does not fit the task, or the
-    config could not be built / matched: ``error``)."""
+    """One run of the study: its training config, or why it has none (the mixer does not fit, or ``error``)."""
 
     key: RunKey
     config: Config | None = None
@@ -84,8 +72,7 @@ class Planned:
 
 
 def normalize(study: Config) -> Config:
-    """An unlocked copy with ``mixers``, ``tasks`` and ``seeds`` as tuples, whether the config file or the command
-    line gave them (``--config.mixers=transformer,dynamic`` arrives as one comma-separated string)."""
+    """An unlocked copy with ``mixers``, ``tasks`` and ``seeds`` as tuples, from the file or the command line."""
     def split(values: Any) -> list[str]:
         values = [values] if isinstance(values, (str, int)) else list(values)
         return [w.strip() for v in values for w in str(v).split(",") if w.strip()]
@@ -204,10 +191,8 @@ def _plain(value: Any) -> Any:
 
 
 def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int:
-    """The model's parameter count from its own ``init``, traced abstractly (nothing is allocated) on inputs of
-    ``length`` tokens (None: the training lengths). No parameter's shape depends on the input's length (a model
-    decodes one token at a time with the parameters it trained with at full length); 8 tokens plan the gpu mode's
-    256-token models in 13% less time (22.7 s -> 19.8 s on 2 CPU cores)."""
+    """The model's parameter count from its own ``init``, traced abstractly on inputs of ``length`` tokens (None:
+    the training lengths); no parameter's shape depends on the length, so short inputs plan faster."""
     model = model_setup.build_model(config, vocab_size)
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config, length=length))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
@@ -247,8 +232,7 @@ def plan(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
 
 
 def templates(study: Config, vocab_sizes: Mapping[str, int]) -> list[Planned]:
-    """One Planned per (task, mixer): seed 0's, with the matched FFN width. A config that cannot be built or
-    matched is an ``error`` of its runs (reported as failed), not of the study."""
+    """One Planned per (task, mixer), seed 0's with the matched FFN; a config that fails is its runs' error."""
     found = []
     for task in study.tasks:
         vocab = vocab_sizes[task]
@@ -300,8 +284,7 @@ def expand(study: Config, found: Sequence[Planned],
 
 
 def check_generation_fits(study: Config, config: Config) -> None:
-    """The LM's decoding-speed measure generates ``lm_generate_tokens`` from BOS, feeding BOS and all but the
-    last: as many positions as tokens, which must fit the positions a Fixed or Hadamard table holds."""
+    """The LM speed measure's ``lm_generate_tokens`` positions must fit a Fixed or Hadamard table's ``max_len``."""
     if study.lm_generate_tokens > config.model.max_len:
         raise UserError(f"config.lm_generate_tokens={study.lm_generate_tokens}: more than the LM's model.max_len="
                         f"{config.model.max_len} positions (the decoding-speed measure feeds BOS and every "

@@ -125,8 +125,7 @@ def task_table(rows: Sequence[Record], task: str) -> str:
 
 
 def ordering(rows: Sequence[Record], task: str) -> str:
-    """The mixers of a task from best to worst by its headline metric, ``>`` where the gap exceeds the seed spread
-    and ``≈`` where it does not (or cannot be told)."""
+    """A task's mixers best first, ``>`` where the gap exceeds the seed spread, ``≈`` where it does not."""
     key, _, higher = METRICS[task][0]
     done = sorted((r for r in rows if r["ok"]), key=lambda r: r[key], reverse=higher)
     if not done:
@@ -237,8 +236,7 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
 
 
 def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Record], choices: dict) -> list[str]:
-    """The sweep behind each mixer's recipe: validation NLL per peak rate, validation BLEU / ROUGE-L per length
-    penalty of the chosen rate's run, and the choice."""
+    """The sweep behind each mixer's recipe: validation NLL per rate, the chosen run's score per length penalty."""
     if not sweep_records:
         return []
     rates, lenpens = [float(r) for r in study.tuning.learning_rates], [float(p) for p in study.tuning.lenpens]

@@ -88,11 +88,9 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
 
 
 def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
-    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the training
-    loop checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``.
-
-    A SIGTERM to the study itself (``kill``, a scheduler) is passed on to the run, which checkpoints; then the
-    study stops with one line. Without that the run would train on unseen, holding the CPU and its workdir."""
+    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the run
+    checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``. A SIGTERM to the study is
+    passed on to the run, so it does not train on unseen."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -120,8 +118,7 @@ class _Terminated(Exception):
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises ``_Terminated`` once; a second one while the study stops its run is ignored (it raised again
-    inside the stop, two tracebacks deep)."""
+    """SIGTERM raises ``_Terminated`` once; a second one while the run is being stopped is ignored."""
     raised = []
 
     def handler(signum: int, frame: Any) -> None:
@@ -263,8 +260,7 @@ def _cache_compilations(directory: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m lconv.study.run <spec.json>``: exit 0 with ``study_result.json``, else 1 with
-    ``study_failure.json`` (the one-line error; the traceback, for a bug, is in the log)."""
+    """``python -m lconv.study.run <spec.json>``: 0 with ``study_result.json``, else 1 with ``study_failure.json``."""
     spec = read_json(argv[1])
     if spec is None:
         print(f"error: cannot read the run spec {argv[1]}", file=sys.stderr)

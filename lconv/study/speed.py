@@ -77,8 +77,7 @@ def measure(study: ml_collections.ConfigDict, templates: Sequence[plan.Planned],
 
 
 def _shared_inputs(config: ml_collections.ConfigDict, tokenizer_dir: str) -> tuple[dict[str, np.ndarray], Any]:
-    """The task's first training batch and its first ``DECODE_SOURCES`` validation examples (every mixer's
-    config has the task's data fields)."""
+    """The task's first training batch and first ``DECODE_SOURCES`` validation examples, shared by every mixer."""
     from lconv.data import pipeline
     from lconv.data import tokenizer as tokenizer_lib
 

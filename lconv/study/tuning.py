@@ -84,8 +84,7 @@ def best_lenpen(scores: dict[str, float], lenpens: Sequence[float]) -> float:
 
 
 def planned_sweeps(study: ml_collections.ConfigDict, templates: Sequence[plan.Planned]) -> list[Sweep]:
-    """Every process the sweeps may run: per template, its rate runs, and the decoding sweep of each rate's run
-    (only the chosen rate's is ever launched)."""
+    """Every process the sweeps may run: each rate's run and its decoding sweep (only the chosen rate's is launched)."""
     sweeps = []
     for template in templates:
         if template.config is None:

@@ -31,14 +31,12 @@ logger = logging.getLogger(__name__)
 clock: Callable[[], float] = time.monotonic  # seconds; the tests put a fake clock here
 
 PROBE_BATCHES = 3  # validation batches timed for the estimate: the first compiles, the others are timed
-# Training leaves the final evaluation its estimate times this: the probe times a few batches before training, and a
-# shared machine's load changes (the walk-through's default run on a busy 2-core CPU needed about twice its
-# estimate, and its test decoding was cut to 64 of 1,216 sentences); a cut evaluation costs more than the margin.
+# Training leaves the final evaluation its estimate times this: a shared machine's load changes after the probe,
+# and a cut evaluation costs more than the margin.
 SAFETY_MARGIN = 1.5
 # One process measures the final evaluation once training has had this share of the budget (or when the provisional
-# reserve is all that is left), not before the first update: the measurement compiles the evaluation and decoding
-# programs (about 25 s on a slow 2-core CPU), which the end needs anyway, so moving it only moves time; and a model
-# some minutes in decodes as the final one will, where an untrained one babbles to the length limit.
+# reserve is all that is left), not before the first update: the measurement compiles programs the end needs
+# anyway, and a model some minutes in decodes as the final one will, where an untrained one babbles.
 MEASURE_AT_SHARE = 0.2
 PROVISIONAL_RESERVE_SHARE = 0.25  # training's reserve for the final evaluation until it is measured
 # A model with fewer updates than this is still its initialisation, and its scores measure nothing: a budget whose

@@ -1,17 +1,11 @@
 """The train state and the train step, built in a background thread while the corpus and tokenizer are prepared.
 
-Neither needs the data: the model's shapes follow from the config and the vocabulary size (which a tokenizer trained
-to ``data.vocab_size`` has), and the train step's from those and the batch's ``[rows, length]``. On a new user's
-first run the corpus's preparation and the tokenizer's training (mostly one core) take 15-20 s on a slow CPU, and
-the init's and the train step's compilations (XLA compiles on one core) as long again: side by side, the first
-update comes that much sooner. What ``build_run`` finds is checked before it is used: a tokenizer of another size
-builds the state again in the usual order, and batches of another signature than the assumed one compile the step
-as a plain ``jax.jit`` would (``PreparedStep``), so the early build can only save time, never change a result.
-
-Started only where the workdir holds no tokenizer yet (a resumed run has nothing slow to overlap it with), and on
-one process only: on several, a program launched from a second thread could interleave its collectives with the
-main thread's in another order on each process. A data error cancels it at its next stage (a process exits only
-once the thread has ended).
+Neither needs the data: the shapes follow from the config, the vocabulary size and the batch's
+``[rows, length]``. On a first run the data's preparation and the compilations each take seconds, so side by side
+the first update comes sooner. What ``build_run`` finds is checked before use (another tokenizer size builds
+again; another batch signature compiles as a plain ``jax.jit`` would), so the early build can only save time,
+never change a result. It runs only where the workdir has no tokenizer yet, and on one process only, so no
+collective is launched from a second thread.
 """
 from __future__ import annotations
 
