@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lconv.configs import common
-from lconv.train import setup
+from lconv.train import schedule, setup
 
 
 def _optim(**overrides):
@@ -81,7 +81,7 @@ def test_the_cosine_runs_over_fairseqs_period_and_stays_at_its_floor(period):
     optim = _optim(schedule="cosine", warmup_steps=10, warmup_init_lr=1e-7, learning_rate=1e-3, min_lr=1e-7,
                    cosine_period=period)
     num_steps = 40
-    schedule = setup.learning_rate_schedule(optim, num_steps)
+    rate = schedule.step_rate(optim, num_steps)
     span = period or num_steps - 10
     for t in (0, 5, 10, 20, 25, 39, 40, 85, 200):
         if t < 10:
@@ -89,7 +89,7 @@ def test_the_cosine_runs_over_fairseqs_period_and_stays_at_its_floor(period):
         else:
             progress = min((t - 10) / span, 1.0)
             expected = 1e-7 + 0.5 * (1e-3 - 1e-7) * (1 + np.cos(np.pi * progress))
-        assert float(schedule(t)) == pytest.approx(expected, rel=1e-5), t
+        assert float(rate(t)) == pytest.approx(expected, rel=1e-5), t
 
 
 def test_wmt_en_fr_is_fairseqs_command_30k_updates_of_a_70k_cosine():
@@ -98,7 +98,7 @@ def test_wmt_en_fr_is_fairseqs_command_30k_updates_of_a_70k_cosine():
     c = wmt_en_fr.get_config("dynamic,big")
     assert (c.train.num_steps, c.optim.warmup_steps, c.optim.cosine_period, c.decode.lenpen) == (30_000, 10_000,
                                                                                                  70_000, 0.9)
-    lr = setup.learning_rate_schedule(c.optim, c.train.num_steps)
+    lr = schedule.step_rate(c.optim, c.train.num_steps)
     assert float(lr(c.train.num_steps)) > 0.5 * c.optim.learning_rate  # 20k of 70k: still above half the peak
 
 

@@ -15,7 +15,7 @@ import tiny_config
 from lconv.data import pipeline, sources
 from lconv.infer import compiled
 from lconv.run import checkpoints, loss_pass, model_setup, restore
-from lconv.train import loop, setup, steps
+from lconv.train import loop, schedule, setup, steps
 
 _config = tiny_config.training_config
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's (tests/conftest.py:tiny_run)
@@ -49,11 +49,11 @@ def test_training_runs_and_writes_its_outputs(tiny_run):
     # Each update's logged rate is the schedule's times the cooldown the tiny config keeps from configs/default.py:
     # with no budget, by the share of num_steps done before the update (update 6: 5/6, so 1/6 / 0.2 of the rate).
     optim = _config(tiny_run.data_dir).optim
-    schedule = setup.learning_rate_schedule(optim, 6)
+    rate = schedule.step_rate(optim, 6)
     assert optim.cooldown_fraction == 0.2
     for step, row in {r["step"]: r for r in _rows(workdir, "train")}.items():
         cooldown = min(1.0, (1 - (step - 1) / 6) / optim.cooldown_fraction)
-        assert row["lr"] == pytest.approx(float(schedule(step - 1)) * cooldown, rel=1e-6), step
+        assert row["lr"] == pytest.approx(float(rate(step - 1)) * cooldown, rel=1e-6), step
 
 
 def test_the_best_checkpoint_is_the_lowest_validation_loss(tiny_run):

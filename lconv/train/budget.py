@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
@@ -102,76 +101,6 @@ class Budget:
         """What the final evaluation's passes stop at (``over``, named): with one process and a budget; several
         processes would stop at different batches of their collectives, so they finish the passes."""
         return (self.over, "train.max_minutes") if self.enabled and jax.process_count() == 1 else None
-
-
-class TimeSchedule:
-    """The learning rate's factor (0 to 1, the train step's ``lr_factor``) by the share of training done.
-
-    ``optim.schedule="budget"``: by the share of this launch's training time gone, from its first update to where
-    ``budget`` stops training (its end less the final evaluation's reserve): a linear warmup over
-    ``warmup_fraction`` of it, the peak, then a linear decay to 0 over its last ``decay_fraction``
-    (warmup-stable-decay). In time, not steps, so a slow host does not spend a fixed number of its few updates
-    warming up, and the decay ends where training does whatever the host's speed.
-
-    Any other schedule with ``cooldown_fraction`` > 0: the schedule's rate times a linear fall to 0 over the last
-    ``cooldown_fraction`` of training, whichever of ``num_steps`` and the budget's training time ends it first
-    (the share done is the larger of the two shares). Otherwise always 1."""
-
-    FLOOR = 0.01  # the factor of the very first update (progress 0), so that it is not wasted
-
-    def __init__(self, budget: Budget, schedule: str, warmup_fraction: float, decay_fraction: float, *,
-                 cooldown_fraction: float = 0.0, num_steps: int = 0) -> None:
-        self.budget, self.shaped = budget, schedule == "budget" and budget.enabled
-        self.cooldown = cooldown_fraction if schedule != "budget" and num_steps > 0 else 0.0
-        if schedule == "budget" and cooldown_fraction > 0:  # the default config's cooldown meets a budget schedule
-            logger.warning(f"optim.cooldown_fraction={cooldown_fraction} is not applied with optim.schedule=budget, "
-                           f"whose own decay (optim.decay_fraction={decay_fraction}) is its cooldown")
-        self.active = self.shaped or self.cooldown > 0
-        self.warmup, self.decay, self.num_steps = warmup_fraction, decay_fraction, num_steps
-        self.first_update: float | None = None
-        self._agreed: float | None = None
-
-    def agreed_factor(self, step: int, every: int) -> float:
-        """``factor(step)``, the same on every process: with several, the share of the training time gone is
-        process 0's, taken at steps that are multiples of ``every`` (a collective; the processes' clocks differ,
-        and a replicated update must not) and kept between them."""
-        if jax.process_count() == 1 or not self.active:
-            return self.factor(step)
-        if step % max(every, 1) == 0 or self._agreed is None:
-            from jax.experimental import multihost_utils
-
-            self._agreed = float(multihost_utils.broadcast_one_to_all(np.float32(self.time_progress())))
-        return self._factor(self._agreed, step)
-
-    def factor(self, step: int = 0) -> float:
-        """This process's factor now, for the update from ``step`` (the first call starts the training time)."""
-        return self._factor(self.time_progress(), step)
-
-    def time_progress(self) -> float:
-        """The share of this launch's training time gone (0 without a budget; the first call starts it)."""
-        if not self.budget.enabled:
-            return 0.0
-        now = clock()
-        if self.first_update is None:
-            self.first_update = now
-        span = max(self.budget.training_end() - self.first_update, 1e-9)
-        return min(max((now - self.first_update) / span, 0.0), 1.0)
-
-    def _factor(self, time_progress: float, step: int) -> float:
-        if not self.active:
-            return 1.0
-        if self.shaped:
-            floor = self.FLOOR if time_progress < self.warmup else 0.0
-            return max(time_factor(time_progress, self.warmup, self.decay), floor)
-        progress = max(time_progress, step / self.num_steps)
-        return min(1.0, max(1.0 - progress, 0.0) / self.cooldown)
-
-
-def time_factor(progress: float, warmup_fraction: float, decay_fraction: float) -> float:
-    """The budget schedule's shape: ``progress / w`` up to ``w``, 1 until ``1 - d``, then ``(1 - progress) / d``."""
-    if progress < warmup_fraction:
-        return progress / warmup_fraction
-    return min(1.0, (1.0 - progress) / decay_fraction)
 
 
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:

@@ -31,6 +31,7 @@ from lconv.run import checkpoints, integrity, loss_pass, metrics, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.train import budget as budget_lib
 from lconv.train import init_from, logs, setup, steps
+from lconv.train import schedule as schedule_lib
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
     sharding = model_setup.batch_sharding(mesh)
     train_step = run.train_step or steps.jit_train_step(config, run.lr_schedule, run.state_shardings, mesh)
     step, num_steps = int(run.state.step), config.train.num_steps
-    time_schedule = budget_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
+    time_schedule = schedule_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
                                             config.optim.decay_fraction,
                                             cooldown_fraction=config.optim.cooldown_fraction, num_steps=num_steps)
     preemption = Preemption()

@@ -30,6 +30,7 @@ from lconv.run import workdir as workdir_lib
 from lconv.run.schema import Settings, validate_config
 from lconv.train import budget as budget_lib
 from lconv.train import early_build
+from lconv.train import schedule as schedule_lib
 
 logger = logging.getLogger(__name__)
 
@@ -68,40 +69,12 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer, the batch's split
 # ----------------------------------------------------------------------------------------------------------------
-def learning_rate_schedule(optim: Config, num_steps: int) -> optax.Schedule:
-    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant. The cosine falls
-    from the peak to ``min_lr`` over ``cosine_period`` updates after warmup (fairseq's ``--lr-period-updates``;
-    0 = the rest of the run), and stays at ``min_lr`` after it. ``budget`` is the peak at every step: its shape is
-    in time (``lconv.train.budget.TimeSchedule``), a factor the train step multiplies the update by."""
-    peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
-    if optim.schedule not in ("inverse_sqrt", "cosine", "constant", "budget"):
-        raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine, constant or budget; got "
-                        f"{optim.schedule!r}")
-    if optim.schedule == "budget":
-        return lambda step: jnp.full((), peak, jnp.float32)
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = init + (peak - init) * step / max(warmup, 1)
-        if optim.schedule == "inverse_sqrt":
-            after = peak * jnp.sqrt(max(warmup, 1) / jnp.maximum(step, 1.0))
-        elif optim.schedule == "cosine":
-            period = int(optim.cosine_period) or num_steps - warmup
-            progress = jnp.clip((step - warmup) / max(period, 1), 0.0, 1.0)
-            after = optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + jnp.cos(math.pi * progress))
-        else:
-            after = jnp.asarray(peak, jnp.float32)
-        return jnp.where(step < warmup, warm, after)
-
-    return schedule
-
-
 def build_optimizer(optim: Config, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """fairseq's optimisers. Weight decay is decoupled as in fairseq (since 2018): ``p -= lr * weight_decay * p``
     beside the update, on every parameter, never added to the gradient that Adam normalises or NAG's momentum
     accumulates. ``adamw`` is the same optimiser as ``adam`` under its PyTorch name. ``optim.adam_eps_form`` and
     ``optim.clip_form`` choose between optax's and fairseq's formulas (docs/fairseq.md, "Training parity")."""
-    lr = learning_rate_schedule(optim, num_steps)
+    lr = schedule_lib.step_rate(optim, num_steps)
     if optim.optimizer in ("adam", "adamw"):
         if optim.adam_eps_form == "before_correction":
             tx = optax.chain(scale_by_fairseq_adam(optim.b1, optim.b2, optim.eps),

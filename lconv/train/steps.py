@@ -34,7 +34,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
 
     ``lr_factor`` (a float32 scalar; 1 when not given) multiplies the update, so the learning rate is the
     schedule's times it: the time-shaped schedule of ``optim.schedule="budget"``
-    (``lconv.train.budget.TimeSchedule``). Every optimiser lconv builds ends in the learning rate's scaling, so
+    (``lconv.train.schedule.TimeSchedule``). Every optimiser lconv builds ends in the learning rate's scaling, so
     that is the same as scaling the rate.
 
     With ``optim.grad_accum_steps = n`` (fairseq's update-freq) the batch's rows are split into ``n`` micro-batches
