@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import batching, compiled
 from lconv.infer import search as decode
 from lconv.nn.models import DecoderOnlyLM, EncoderDecoder, ModelConfig
 
@@ -394,7 +394,7 @@ def _tiny_split_decoder(batch_size=0):
 def _auto_rows(config, params, eval_set):
     """The rows per batch "auto" decodes ``eval_set`` with, for ``params`` on the platform they live on: the eval
     set's 8 rows on CPU, wider on an accelerator (the 20 sources' 32 on a GPU)."""
-    return decode_and_score._decode_plan(config, params, eval_set, config.decode.beam_size)[0]
+    return batching.plan(config, params, eval_set, config.decode.beam_size)[0]
 
 
 def _settings(config):
@@ -405,7 +405,7 @@ def _settings(config):
 def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
     found = {}
-    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, _settings(config), **kwargs):
+    for batch, best in batching.decode_batches(config, model, params, eval_set, _settings(config), **kwargs):
         assert best.shape[0] == rows  # every row of the global batch, on this (every) process
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     return found
@@ -478,7 +478,7 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
 
     found = {}
     settings = _settings(config)
-    batches = decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator)
+    batches = batching.decode_batches(config, model, params, eval_set, settings, translator=translator)
     for batch, best in batches:
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     halvings = [auto >> i for i in range(auto.bit_length() - 1)]  # 8, 4, 2 on CPU
@@ -490,10 +490,10 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
-        list(decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=broken))
+        list(batching.decode_batches(config, model, params, eval_set, settings, translator=broken))
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
     with pytest.raises(UserError, match=rf"^.*\b{auto} rows.*memory.*config\.decode"):
-        list(decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator))
+        list(batching.decode_batches(config, model, params, eval_set, settings, translator=translator))
 
 
 @pytest.mark.parametrize("stop,lenpen", [("optimal", 1.0), ("fairseq", 0.5)])
