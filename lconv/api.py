@@ -426,7 +426,7 @@ class Model(probing.Probing):
                             f"(use {other})")
 
     def _piece(self, token: int) -> str:
-        return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.decode([token]) or "▁"
+        return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.detokenize([token]) or "▁"
 
 
 

@@ -7,7 +7,7 @@ The model file is ``<workdir>/spm.model`` (``tokenizer_path``) so a resumed or e
 vocabulary of the run that trained it. ``load_or_train`` is the entry point. Paths may be local or anything
 ``etils.epath`` opens (gs://...).
 
-Normalisation is ``identity`` (plus whitespace collapsing) and ``byte_fallback`` is on, so ``decode(encode(s))``
+Normalisation is ``identity`` (plus whitespace collapsing) and ``byte_fallback`` is on, so ``detokenize(encode(s))``
 gives back ``s`` for whitespace-normalised text in any script: BLEU/ROUGE see the text, not an NFKC variant.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ MIN_VOCAB_SIZE = len({PAD_ID, EOS_ID, UNK_ID, BOS_ID}) + _BYTE_PIECES + 2
 
 
 class Tokenizer:
-    """A loaded SentencePiece model. ``encode`` returns int32 ids without EOS; ``decode`` stops at EOS."""
+    """A loaded SentencePiece model. ``encode`` returns int32 ids without EOS; ``detokenize`` stops at EOS."""
 
     filename = MODEL_FILENAME
 
@@ -75,9 +75,11 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
 
-    def decode(self, ids: np.ndarray | Sequence[int]) -> str:
-        """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (detokenised, ready for BLEU/ROUGE)."""
+    def detokenize(self, ids: np.ndarray | Sequence[int]) -> str:
+        """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (ready for BLEU/ROUGE)."""
         return self._sp.decode(content_ids(ids))
+
+    decode = detokenize  # the name before "decode" came to mean the search alone; kept for code written then
 
     def to_bytes(self) -> bytes:
         return self.model_proto

@@ -214,7 +214,7 @@ class Served:
         encoded = self.tokenizer.encode_batch(tokenizer_lib.check_texts(inputs, "inputs"))
         if self.task != "lm":
             encoded = [np.append(ids, EOS_ID) for ids in encoded]
-        return [self.tokenizer.decode(row) for row in self.run_ids(encoded, seed=seed)]
+        return [self.tokenizer.detokenize(row) for row in self.run_ids(encoded, seed=seed)]
 
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int | None = None) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS.

@@ -246,7 +246,7 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
         return logits_BV[:, None], (cache, i + 1)  # [B, 1, V]
 
     return search.sample(tokens_to_logits, (cache, jnp.int32(0)), B, total, rng, temperature=temperature,
-                         top_k=top_k, top_p=top_p, bos_id=search.decoder_start_id(model), guards=guards,
+                         top_k=top_k, top_p=top_p, bos_id=model.config.decoder_start_id, guards=guards,
                          output_start_B=prompt_len_B)  # [B, P + max_len]
 
 

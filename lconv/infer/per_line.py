@@ -74,7 +74,7 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
                                                 translator=translator.hypotheses, per_batch=per_batch):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
-                hypotheses[kept[int(index)]] = tokenizer.decode(found.tokens[row, 0])
+                hypotheses[kept[int(index)]] = tokenizer.detokenize(found.tokens[row, 0])
                 if nbest:
                     lists[kept[int(index)]] = nbest_entries(tokenizer, found, row, nbest)
     return LineOutputs(hypotheses, blank, lengths, lists)
@@ -89,7 +89,7 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
             break  # empty slots come last (-inf)
         tokens = found.tokens[row, n]
         length = int(np.sum(tokens != PAD_ID))  # PAD is never generated: the tokens up to EOS
-        entries.append({"text": tokenizer.decode(tokens), "score": float(found.scores[row, n]),
+        entries.append({"text": tokenizer.detokenize(tokens), "score": float(found.scores[row, n]),
                         "token_scores": found.token_scores[row, n, :length].tolist(),
                         "tokens": tokens[:length].tolist()})
     return entries
@@ -136,5 +136,5 @@ def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], ge
                 lists[i] = nbest_entries(tokenizer, found, row, nbest)
                 outputs[i] = lists[i][0]["text"] if lists[i] else ""
             else:
-                outputs[i] = tokenizer.decode(found[row])
+                outputs[i] = tokenizer.detokenize(found[row])
     return LineOutputs(outputs, [], lengths, lists)

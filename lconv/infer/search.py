@@ -389,11 +389,6 @@ def _append_finished(finished, finished_BN, count_B, top, scores_B2N, is_eos_B2N
 # ----------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------
-def decoder_start_id(model: nn.Module) -> int:
-    """The first decoder input of ``model``: its config's ``decoder_start_id`` (BOS, or EOS for a fairseq model)."""
-    return getattr(getattr(model, "config", None), "decoder_start_id", BOS_ID)
-
-
 def _apply_cache(model, variables, cache, *args, **kwargs):
     out, mutated = model.apply({**variables, "cache": cache}, *args, mutable=["cache"], **kwargs)
     return out, mutated["cache"]
@@ -402,8 +397,8 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
 def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
               beam_size: int, max_len: int, lenpen: float, max_len_a: float | None, max_len_b: int | None,
               stop: str, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``: the
-    first of ``translate_hypotheses``."""
+    """Best beam of an ``EncoderDecoder`` (or a module with its ``encode``, ``run_decoder`` and ``config``),
+    ``[B, max_len]``: the first of ``translate_hypotheses``."""
     return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
                                 beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
                                 max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
@@ -427,19 +422,19 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
     no step may pick (``lconv.infer.guards``).
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
-    bos_id = decoder_start_id(model) if bos_id is None else bos_id
+    bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     B, N = inputs_BS.shape[0], beam_size
     encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
     # [B, ...] -> [B*beam, ...]; the encoder output may be a tuple of arrays (an ensemble's, one per member)
     tile = lambda x: jax.tree.map(lambda leaf: jnp.repeat(leaf, N, axis=0), x)  # noqa: E731
     _, cache = _apply_cache(model, variables, {}, encoded_BSC, inputs_BS, jnp.zeros((B, max_len), jnp.int32),
-                            inputs_segmentation=inputs_segmentation, decode=True, method=model.decode)
+                            inputs_segmentation=inputs_segmentation, decode=True, method=model.run_decoder)
     # The decoder's rows are the B*beam hypotheses: [B*beam, S, C], [B*beam, S], [B*beam, S]
     beam_encoded, beam_inputs, beam_segmentation = tile(encoded_BSC), tile(inputs_BS), tile(inputs_segmentation)
 
     def tokens_to_logits(tokens_BT, cache):  # B here is B*beam
         return _apply_cache(model, variables, cache, beam_encoded, beam_inputs, tokens_BT,
-                            inputs_segmentation=beam_segmentation, decode=True, method=model.decode)
+                            inputs_segmentation=beam_segmentation, decode=True, method=model.run_decoder)
 
     limit_B = jnp.full((B,), max_len, jnp.int32)  # [B] tokens a row may have, EOS included
     if max_len_a is not None or max_len_b is not None:
@@ -474,7 +469,7 @@ def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *
     ``temperature=0`` is greedy; otherwise ``rng`` is needed.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
-    bos_id = decoder_start_id(model) if bos_id is None else bos_id
+    bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     if prompt is None and batch_size is None:
         raise UserError("lm_generate needs a prompt [B, T] or batch_size")
     if temperature != 0.0 and rng is None:

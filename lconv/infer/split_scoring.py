@@ -42,7 +42,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     for batch, tokens in batching.decode_batches(config, model, params, eval_set, settings, translator=translator):
         for row, index in enumerate(batch["example_index"]):
             if index >= 0:
-                hypotheses[int(index)] = tokenizer.decode(tokens[row])
+                hypotheses[int(index)] = tokenizer.detokenize(tokens[row])
         if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
             logger.warning(f"{stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
                            f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those only, "
