@@ -25,19 +25,6 @@ if TYPE_CHECKING:
     from lconv.data.tokenizer import Tokenizer
 
 
-class ListSource:
-    """A random-access source over in-memory examples (what ``make_eval_set`` reads)."""
-
-    def __init__(self, examples):
-        self.examples = examples
-
-    def __len__(self):
-        return len(self.examples)
-
-    def __getitem__(self, i):
-        return self.examples[i]
-
-
 @dataclasses.dataclass
 class LineOutputs:
     """One output per input line, in order, and what was not decoded as given."""
@@ -62,8 +49,8 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
     measured = measure_sources(tokenizer, [sources[i] for i in kept], limit)
     lengths = SourceLengths([kept[i] for i in measured.truncated], measured.longest, limit, measured.cut_from)
     lengths.log(name, SOURCE_LIMIT)
-    examples = [{"inputs": sources[i], "targets": ""} for i in kept]
-    eval_set = pipeline.make_eval_set(ListSource(examples), "inputs", "targets", tokenizer,
+    examples = [{"inputs": sources[i], "targets": ""} for i in kept]  # a list is a random-access source
+    eval_set = pipeline.make_eval_set(examples, "inputs", "targets", tokenizer,
                                       {"inputs": limit, "targets": config.data.eval_max_target_length},
                                       config.data.eval_batch_size)
     translator = translator or compiled.Translator(config, model, params)
