@@ -29,7 +29,7 @@ from lconv.constants import BOS_ID, EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score, lm_blocks, lm_scoring, probing
+from lconv.infer import compiled, lm_blocks, lm_scoring, per_line, probing, scoring, source_lengths
 from lconv.nn import ensemble as model_ensemble
 from lconv.run import backend, ensembles, load_options, loss_pass, metrics, model_setup, restore, schema
 
@@ -142,7 +142,7 @@ class Model(probing.Probing):
         prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str), settings)
         if self._translator is None:
             self._translator = compiled.Translator(self.config, self.module, self.params)
-        found = decode_and_score.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
+        found = per_line.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
                                                  settings, translator=self._translator, nbest=nbest or 0,
                                                  prefixes=prefixes)
         outputs = found.hypotheses if nbest is None else found.nbest
@@ -239,7 +239,7 @@ class Model(probing.Probing):
             raise UserError("sources: an empty corpus has no BLEU; give at least one source and reference")
         hypotheses = self.translate(sources, beam_size=beam_size, lenpen=lenpen,
                                     no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
-        return decode_and_score.score_texts(self.task, hypotheses, references)
+        return scoring.score_texts(self.task, hypotheses, references)
 
     # --- language models -----------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str], *, max_len: int | None = None, temperature: float | None = None,
@@ -279,7 +279,7 @@ class Model(probing.Probing):
                                         no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
         if self._generator is None:
             self._generator = compiled.Generator(self.config, self.module, self.params)
-        found = decode_and_score.generate_lines(self.config, self.tokenizer, lines, self._generator, settings,
+        found = per_line.generate_lines(self.config, self.tokenizer, lines, self._generator, settings,
                                                 nbest=(nbest or 1) if scored else 0)
         outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(prompts, str) else outputs
@@ -410,7 +410,7 @@ class Model(probing.Probing):
                             f"(use {other})")
 
     def _piece(self, token: int) -> str:
-        return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.decode([token]) or "▁"
+        return {BOS_ID: "<s>", EOS_ID: "</s>", PAD_ID: "<pad>"}.get(token) or self.tokenizer.detokenize([token]) or "▁"
 
 
 
@@ -423,9 +423,9 @@ def _warn_of_cut_texts(ids: Sequence[Sequence[int]], limit: int) -> None:
 
 def _warn_of_cut(lengths: Sequence[int], limit: int, name: str, where: str) -> None:
     """One warning naming the inputs (``name.format(index)``) whose ``lengths`` (tokens) pass ``limit``: the rule
-    every surface that cuts long inputs follows (``decode_and_score.SourceLengths``)."""
+    every surface that cuts long inputs follows (``source_lengths.SourceLengths``)."""
     cut = [i for i, n in enumerate(lengths) if n > limit]
-    decode_and_score.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
+    source_lengths.SourceLengths(cut, max(lengths, default=0), limit, [lengths[i] for i in cut]).log(
         name.format, where)
 
 def _lines(texts: Any, argument: str, one_allowed: bool = False) -> list[str]:

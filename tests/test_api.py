@@ -50,7 +50,7 @@ def _alone(model: Model, source: str, beam_size: int) -> str:
     best_1L = search.translate(model.module, {"params": model.params}, ids_1S, beam_size=beam_size,
                                max_len=compiled.max_output_len(model.config, settings, 32), lenpen=settings.lenpen,
                                max_len_a=settings.max_len_a, max_len_b=settings.max_len_b, stop=settings.stop)
-    return model.tokenizer.decode(np.asarray(best_1L)[0])
+    return model.tokenizer.detokenize(np.asarray(best_1L)[0])
 
 
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
@@ -127,7 +127,7 @@ def test_lm_generation_of_ragged_prompts_equals_each_prompt_alone(lm):
         ids = lm.tokenizer.encode(prompt)
         alone = search.lm_generate(lm.module, {"params": lm.params}, jnp.asarray(ids)[None] if len(ids) else None,
                                    batch_size=1, max_len=6, temperature=0.0, top_k=0, top_p=1.0)
-        assert text == lm.tokenizer.decode(np.asarray(alone)[0])
+        assert text == lm.tokenizer.detokenize(np.asarray(alone)[0])
     # top_k=1 keeps only the argmax, so sampling it at any temperature is greedy decoding.
     assert lm.generate(prompts, max_len=6, temperature=1.0, top_k=1, seed=5) == greedy
     assert lm.generate(prompts[::-1], max_len=6, temperature=1.0, top_k=1, seed=6) == greedy[::-1]
@@ -230,7 +230,7 @@ def test_nbest_scores_are_scores_of_the_same_pairs(mt):
     for (_, entry), by_score in zip(pairs, scored):
         tokens, token_scores = entry["tokens"], entry["token_scores"]
         assert tokens[-1] == EOS_ID and EOS_ID not in tokens[:-1] and len(token_scores) == len(tokens)
-        assert entry["text"] == mt.tokenizer.decode(tokens)
+        assert entry["text"] == mt.tokenizer.detokenize(tokens)
         np.testing.assert_allclose(token_scores, by_score["token_scores"], **_tolerance(mt, rtol=1e-5, atol=1e-5))
         assert entry["score"] == pytest.approx(np.sum(token_scores) / len(tokens) ** lenpen, rel=1e-5)
         assert by_score["score"] == pytest.approx(np.sum(by_score["token_scores"]), rel=1e-6)

@@ -230,7 +230,7 @@ def _assert_scored_as_score_scores(lm: Model, prompt: str, entries: list[dict], 
     for entry in entries:
         tokens = entry["tokens"]
         assert tokens[-1] == EOS_ID and EOS_ID not in tokens[:-1] and len(tokens) <= max_len
-        assert entry["text"] == lm.tokenizer.decode(tokens)
+        assert entry["text"] == lm.tokenizer.detokenize(tokens)
         by_score = lm.score(prompt, tokens)
         np.testing.assert_allclose(entry["token_scores"], by_score["token_scores"], rtol=1e-5, atol=1e-5)
         assert entry["score"] == pytest.approx(np.sum(by_score["token_scores"]) / len(tokens) ** lenpen, rel=1e-5)

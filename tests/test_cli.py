@@ -289,14 +289,14 @@ def test_outputs_are_written_by_process_0_only(tmp_path, monkeypatch):
     import jax
 
     from lconv.cli import eval_program
-    from lconv.infer import decode_and_score
+    from lconv.infer import reports
 
-    decode_and_score.write_outputs(str(tmp_path), "test", ["a\nb", "c"], {"bleu": 1.0})
+    reports.write_outputs(str(tmp_path), "test", ["a\nb", "c"], {"bleu": 1.0})
     eval_program._write_lines(str(tmp_path / "out.txt"), ["x"])
     assert (tmp_path / "test.hyp.txt").read_text() == "a b\nc\n" and (tmp_path / "out.txt").read_text() == "x\n"
     assert json.loads((tmp_path / "test.scores.json").read_text()) == {"bleu": 1.0}
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    decode_and_score.write_outputs(str(tmp_path / "p1"), "test", ["a"], {"bleu": 1.0})  # the folder does not even exist
+    reports.write_outputs(str(tmp_path / "p1"), "test", ["a"], {"bleu": 1.0})  # the folder does not even exist
     eval_program._write_lines(str(tmp_path / "p1.txt"), ["x"])
     assert not (tmp_path / "p1").exists() and not (tmp_path / "p1.txt").exists()
 

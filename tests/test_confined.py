@@ -13,7 +13,7 @@ import tiny_config
 from lconv import outputs
 from lconv.cli import eval_program
 from lconv.errors import UserError
-from lconv.infer import decode_and_score
+from lconv.infer import reports
 from lconv.run import restore
 
 
@@ -52,7 +52,7 @@ def test_the_writers_refuse_a_link_planted_after_the_check(tmp_path, victim):
     """The split's writer itself refuses (a link made between eval.py's check and its write)."""
     (tmp_path / "test.scores.json").symlink_to(victim)
     with pytest.raises(UserError) as error:
-        decode_and_score.write_outputs(str(tmp_path), "test", ["a"], {"bleu": 1.0})
+        reports.write_outputs(str(tmp_path), "test", ["a"], {"bleu": 1.0})
     helpers.one_line_error(error, "test.scores.json", "symbolic link")
     assert victim.read_text() == "precious\n"
 

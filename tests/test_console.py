@@ -46,10 +46,10 @@ def test_a_stream_is_stdout_or_stderr(restored):
 def test_a_warning_under_the_users_own_logging_config_says_warning_once(restored):
     """The message carries no level of its own: ``logging.basicConfig``'s ``WARNING:lconv...:`` prefix is the
     only one (issue 41: it read ``WARNING:lconv...:warning: ...``)."""
-    record = logging.LogRecord("lconv.infer.decode_and_score", logging.WARNING, __file__, 1, "1 input cut to %d "
+    record = logging.LogRecord("lconv.infer.source_lengths", logging.WARNING, __file__, 1, "1 input cut to %d "
                                "tokens", (32,), None)
     assert logging.Formatter(logging.BASIC_FORMAT).format(record) == \
-        "WARNING:lconv.infer.decode_and_score:1 input cut to 32 tokens"
+        "WARNING:lconv.infer.source_lengths:1 input cut to 32 tokens"
     assert console.line(record) == "warning: 1 input cut to 32 tokens"
 
 

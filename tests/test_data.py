@@ -266,7 +266,7 @@ def test_tokenizer_round_trip_ids_and_reuse(tmp_path):
     for text in ("Paket 12 enthält die Bibliothek.", "package for Python; 中文软件包", "ünïcödé ☃ ok"):
         ids = tokenizer.encode(text)
         assert ids.dtype == np.int32 and ids.min() > BOS_ID
-        assert tokenizer.decode(np.concatenate([ids, [EOS_ID, 57, PAD_ID]])) == text  # stops at EOS
+        assert tokenizer.detokenize(np.concatenate([ids, [EOS_ID, 57, PAD_ID]])) == text  # stops at EOS
     # A small corpus gives fewer pieces than asked for (339 here); a resume asking for the same size reuses it.
     assert tokenizer.vocab_size < 400 and tokenizer.requested_vocab_size == 400
     again = tokenizer_lib.load_or_train(str(tmp_path), iter(()), vocab_size=400)

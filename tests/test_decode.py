@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score
-from lconv.infer import search as decode
+from lconv.infer import batching, compiled, search
 from lconv.nn.models import DecoderOnlyLM, EncoderDecoder, ModelConfig
 
 PAD, EOS, BOS = 0, 1, 3
@@ -80,7 +79,7 @@ def _padded(seq, length=L):
 def test_exhaustive_beam_equals_brute_force(lenpen):
     A, Bm, Cp, bias = _tables(seed=int(lenpen))
     fn, cache = _toy(A, Bm, Cp, bias)
-    tokens, scores = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen, stop="optimal")
+    tokens, scores = search.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen, stop="optimal")
     assert tokens.shape == (2, N_HYP, L) and scores.shape == (2, N_HYP)
     for b in range(2):
         ref = _brute_force(A, Bm, Cp, bias[b], L, lenpen)
@@ -93,7 +92,7 @@ def test_small_beam_scores_its_hypotheses_and_respects_row_limits():
     A[:, EOS] -= 3.0  # make EOS unlikely, so the limits bind
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = np.array([2, 3])
-    tokens, scores = jax.jit(lambda c, m: decode.beam_search(fn, c, 2, 3, L, lenpen=1.0, max_len_per_row=m,
+    tokens, scores = jax.jit(lambda c, m: search.beam_search(fn, c, 2, 3, L, lenpen=1.0, max_len_per_row=m,
                                                              stop="optimal"))(
         cache, limits)
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)  # best first
@@ -105,7 +104,7 @@ def test_small_beam_scores_its_hypotheses_and_respects_row_limits():
             assert tokens[b, k].tolist() == _padded(seq)  # PAD only after EOS
             np.testing.assert_allclose(scores[b, k], ref[tuple(seq)], rtol=1e-5)
     # Exhaustive beam under the limits: exactly the brute-force best.
-    tokens, _ = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=1.0, max_len_per_row=limits, stop="optimal")
+    tokens, _ = search.beam_search(fn, cache, 2, N_HYP, L, lenpen=1.0, max_len_per_row=limits, stop="optimal")
     for b in range(2):
         assert tokens[b, 0].tolist() == _padded(_brute_force(A, Bm, Cp, bias[b], limits[b], 1.0)[0][1])
 
@@ -153,8 +152,8 @@ def test_the_fairseq_stop_rule_equals_a_plain_reading_of_fairseqs_generator(lenp
     A[:, EOS] += 1.0  # EOS competitive, so early finishes and the first-come rule matter
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = np.array([6, 8])
-    tokens, scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits, stop="fairseq")
-    optimal_tokens, optimal_scores = decode.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits,
+    tokens, scores = search.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits, stop="fairseq")
+    optimal_tokens, optimal_scores = search.beam_search(fn, cache, 2, beam, 8, lenpen=lenpen, max_len_per_row=limits,
                                                         stop="optimal")
     for b in range(2):
         ref = _fairseq_reference(A, Bm, Cp, bias[b], beam, limits[b], lenpen)
@@ -163,7 +162,7 @@ def test_the_fairseq_stop_rule_equals_a_plain_reading_of_fairseqs_generator(lenp
             assert tokens[b, n].tolist() == _padded(seq, 8), (b, n)
         assert np.all(optimal_scores[b] >= np.asarray(scores[b]) - 1e-6)  # first come is never better
     with pytest.raises(UserError, match="decode.stop='greedy'"):
-        decode.beam_search(fn, cache, 2, 2, 8, stop="greedy", lenpen=1.0)
+        search.beam_search(fn, cache, 2, 2, 8, stop="greedy", lenpen=1.0)
 
 
 def _counting(fn):
@@ -182,7 +181,7 @@ def test_early_stopping_keeps_the_full_search_result(lenpen, seed):
     A, Bm, Cp, bias = _tables(seed=seed)
     fn, cache = _toy(A, Bm, Cp, bias)
     fn, calls = _counting(fn)
-    _, scores = decode.beam_search(fn, cache, 2, 2, 8, lenpen=lenpen, stop="optimal")
+    _, scores = search.beam_search(fn, cache, 2, 2, 8, lenpen=lenpen, stop="optimal")
     jax.effects_barrier()
     for b in range(2):
         np.testing.assert_allclose(scores[b], _beam_reference(A, Bm, Cp, bias[b], 2, 8, lenpen), rtol=1e-5)
@@ -208,7 +207,7 @@ def test_greedy_equals_argmax_loop_and_pads_after_eos():
     A[2, EOS] += 4.0  # rows that emit 2 then likely stop; others run to the end
     fn, cache = _toy(A, Bm, Cp, bias)
     fn, calls = _counting(fn)
-    tokens = decode.greedy_search(fn, cache, 3, 6)
+    tokens = search.greedy_search(fn, cache, 3, 6)
     jax.effects_barrier()
     ref = [_greedy_reference(A, Bm, Cp, bias[b], 6) for b in range(3)]
     assert tokens.tolist() == ref
@@ -219,32 +218,32 @@ def test_greedy_equals_argmax_loop_and_pads_after_eos():
 def test_tile_and_gather_cache_keep_scalars():
     cache = {"layer": {"state": jnp.arange(2 * 3 * 2).reshape(2, 3, 2), "position": jnp.int32(7),
                        "beam_invariant_key": jnp.ones((2, 5))}, "cache_index": jnp.int32(5)}
-    tiled = decode.tile_cache(cache, 2, 3)
+    tiled = search.tile_cache(cache, 2, 3)
     assert tiled["layer"]["state"].shape == (6, 3, 2) and int(tiled["cache_index"]) == 5
     assert tiled["layer"]["beam_invariant_key"].shape == (2, 5)  # shared by the beams of a row: not tiled
     np.testing.assert_array_equal(tiled["layer"]["state"][4], cache["layer"]["state"][1])  # row 1, beam 1
     beam_idx = jnp.array([[2, 2, 0], [1, 0, 0]])
-    assert int(decode.gather_beams(tiled, beam_idx)["layer"]["position"]) == 7
+    assert int(search.gather_beams(tiled, beam_idx)["layer"]["position"]) == 7
     marked = tiled["layer"]["state"].at[:, 0, 0].set(jnp.arange(6))  # tell the beams apart
-    got = decode.gather_beams({"s": marked, "p": jnp.int32(7), "beam_invariant_key": marked}, beam_idx)
+    got = search.gather_beams({"s": marked, "p": jnp.int32(7), "beam_invariant_key": marked}, beam_idx)
     assert got["s"][:, 0, 0].tolist() == [2, 2, 0, 4, 3, 3] and int(got["p"]) == 7
     assert got["beam_invariant_key"] is marked  # equal on every beam of a row by contract: not copied
     with pytest.raises(ValueError, match="leading batch dim"):
-        decode.tile_cache({"x": jnp.zeros((4, 2))}, 2, 3)
+        search.tile_cache({"x": jnp.zeros((4, 2))}, 2, 3)
 
 
 def test_sampling_limits_and_determinism():
     B = 16
     A, Bm, Cp, bias = _tables(seed=5, batch=B)
     fn, cache = _toy(A, Bm, Cp, bias)
-    greedy = decode.greedy_search(fn, cache, B, L)
+    greedy = search.greedy_search(fn, cache, B, L)
     rng = jax.random.key(0)
-    assert decode.sample(fn, cache, B, L, rng, temperature=1e-4, top_k=0, top_p=1.0).tolist() == greedy.tolist()
-    assert decode.sample(fn, cache, B, L, rng, top_k=1, temperature=1.0, top_p=1.0).tolist() == greedy.tolist()
-    assert decode.sample(fn, cache, B, L, rng, top_p=1e-3, temperature=1.0, top_k=0).tolist() == greedy.tolist()
-    s1 = decode.sample(fn, cache, B, L, rng, top_k=2, temperature=1.0, top_p=1.0)
-    assert s1.tolist() == decode.sample(fn, cache, B, L, rng, top_k=2, temperature=1.0, top_p=1.0).tolist()
-    other = decode.sample(fn, cache, B, L, jax.random.key(1), top_k=2, temperature=1.0, top_p=1.0)
+    assert search.sample(fn, cache, B, L, rng, temperature=1e-4, top_k=0, top_p=1.0).tolist() == greedy.tolist()
+    assert search.sample(fn, cache, B, L, rng, top_k=1, temperature=1.0, top_p=1.0).tolist() == greedy.tolist()
+    assert search.sample(fn, cache, B, L, rng, top_p=1e-3, temperature=1.0, top_k=0).tolist() == greedy.tolist()
+    s1 = search.sample(fn, cache, B, L, rng, top_k=2, temperature=1.0, top_p=1.0)
+    assert s1.tolist() == search.sample(fn, cache, B, L, rng, top_k=2, temperature=1.0, top_p=1.0).tolist()
+    other = search.sample(fn, cache, B, L, jax.random.key(1), top_k=2, temperature=1.0, top_p=1.0)
     assert s1.tolist() != other.tolist()
     assert s1.tolist() != greedy.tolist()
     for b in range(B):  # every draw is among the 2 most likely tokens given its prefix
@@ -261,7 +260,7 @@ def test_sample_with_prompt_chunk():
     A, Bm, Cp, bias = _tables(seed=6)
     fn, cache = _toy(A, Bm, Cp, bias)
     prompt = np.array([[2, 4], [4, 4]], np.int32)
-    got = decode.sample(fn, cache, 2, 4, jax.random.key(0), top_k=1, prompt=prompt, temperature=1.0, top_p=1.0)
+    got = search.sample(fn, cache, 2, 4, jax.random.key(0), top_k=1, prompt=prompt, temperature=1.0, top_p=1.0)
     assert got.tolist() == [_greedy_reference(A, Bm, Cp, bias[b], 4, prompt[b]) for b in range(2)]
 
 
@@ -282,7 +281,7 @@ class _ToyDecoder(nn.Module):
 
 
 class _StandInTranslator(nn.Module):
-    """EncoderDecoder's ``encode``/``decode`` signatures around the toy: the row bias comes from the source."""
+    """EncoderDecoder's ``encode``/``run_decoder`` signatures around the toy: the row bias comes from the source."""
 
     def setup(self):
         init = nn.initializers.normal(1.0)
@@ -293,8 +292,8 @@ class _StandInTranslator(nn.Module):
     def encode(self, inputs_BS, *, inputs_segmentation=None, inputs_position=None, deterministic=True):
         return self.E[inputs_BS]  # [B, S, V]
 
-    def decode(self, encoded_BSV, inputs_BS, decoder_input_BT, *, inputs_segmentation=None,
-               targets_segmentation=None, targets_position=None, deterministic=True, decode=False):
+    def run_decoder(self, encoded_BSV, inputs_BS, decoder_input_BT, *, inputs_segmentation=None,
+                    targets_segmentation=None, targets_position=None, deterministic=True, decode=False):
         mask_BS1 = (inputs_BS != PAD)[..., None]
         bias_BV = (encoded_BSV * mask_BS1).sum(1) / mask_BS1.sum(1)  # [B, V]
         return self.step((self.A, self.Bm, self.Cp), bias_BV, decoder_input_BT)
@@ -306,8 +305,8 @@ def test_translate_tiles_encoder_output_and_cache_per_beam():
     variables = model.init(jax.random.key(0), inputs, method=model.encode)
     p = {k: np.asarray(v) for k, v in variables["params"].items()}
     src_len = np.array([2, 3, 1])
-    got = jax.jit(lambda v, x: decode.translate(model, v, x, beam_size=N_HYP, max_len=L, lenpen=1.0,
-                                                max_len_a=1.0, max_len_b=0, stop="optimal"))(variables, inputs)
+    got = jax.jit(lambda v, x: search.translate(model, v, x, beam_size=N_HYP, max_len=L, lenpen=1.0, max_len_a=1.0,
+                                                max_len_b=0, stop="optimal", bos_id=BOS))(variables, inputs)
     for b in range(3):
         bias = p["E"][np.asarray(inputs[b, : src_len[b]])].mean(0)
         best = _brute_force(p["A"], p["Bm"], p["Cp"], bias, min(src_len[b] + 1, L), 1.0)[0][1]
@@ -326,7 +325,7 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
     prompt = jnp.array([[5, 7, 2], [9, 4, 6]], jnp.int32)
     variables = jax.jit(model.init)(jax.random.key(1), prompt)
     greedy = dict(temperature=0.0, top_k=0, top_p=1.0)
-    got = jax.jit(lambda v, p: decode.lm_generate(model, v, p, max_len=steps, eos_id=-1, **greedy))(variables, prompt)
+    got = jax.jit(lambda v, p: search.lm_generate(model, v, p, max_len=steps, eos_id=-1, **greedy))(variables, prompt)
     # No cache: the whole sequence every step. One fixed length (filler 2 after the prefix) so it compiles once;
     # the model is causal, so the filler cannot change the logits read at the prefix's end.
     full = jax.jit(lambda v, s: model.apply(v, s, shift=False))
@@ -339,7 +338,7 @@ def test_lm_greedy_cache_path_equals_full_forward_passes(mixer, position_tables)
     assert got.tolist() == seq[:, 4:].tolist()
     if position_tables:  # one more new token needs one more position than the tables hold
         with pytest.raises(UserError, match="exceeds max_len"):
-            decode.lm_generate(model, variables, prompt, max_len=steps + 1, eos_id=-1, **greedy)
+            search.lm_generate(model, variables, prompt, max_len=steps + 1, eos_id=-1, **greedy)
 
 
 def _batch_mesh():
@@ -360,16 +359,16 @@ def test_beam_search_on_a_mesh_keeps_each_row_on_its_devices():
     mesh = _batch_mesh()
     rows = NamedSharding(mesh, P(("data", "fsdp")))
 
-    def search(prev, bias):
+    def search_rows(prev, bias):
         fn, cache = _toy(A, Bm, Cp, bias)
-        return decode.beam_search(fn, dict(cache, prev=prev), 8, 3, L, lenpen=1.0, stop="optimal")
+        return search.beam_search(fn, dict(cache, prev=prev), 8, 3, L, lenpen=1.0, stop="optimal")
 
     prev = np.full((8,), PAD, np.int32)
-    expected = jax.jit(search)(*_on_cpu((prev, bias)))
+    expected = jax.jit(search_rows)(*_on_cpu((prev, bias)))
     prev, bias = jax.device_put((prev, bias), rows)
     with jax.set_mesh(mesh):
-        got = jax.jit(search)(prev, bias)
-        compiled = jax.jit(search).lower(prev, bias).compile().as_text()
+        got = jax.jit(search_rows)(prev, bias)
+        compiled = jax.jit(search_rows).lower(prev, bias).compile().as_text()
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-6)
     assert "all-gather" not in compiled and "all-to-all" not in compiled
@@ -394,7 +393,7 @@ def _tiny_split_decoder(batch_size=0):
 def _auto_rows(config, params, eval_set):
     """The rows per batch "auto" decodes ``eval_set`` with, for ``params`` on the platform they live on: the eval
     set's 8 rows on CPU, wider on an accelerator (the 20 sources' 32 on a GPU)."""
-    return decode_and_score._decode_plan(config, params, eval_set, config.decode.beam_size)[0]
+    return batching.plan(config, params, eval_set, config.decode.beam_size)[0]
 
 
 def _settings(config):
@@ -405,7 +404,7 @@ def _settings(config):
 def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
     found = {}
-    for batch, best in decode_and_score.decode_batches(config, model, params, eval_set, _settings(config), **kwargs):
+    for batch, best in batching.decode_batches(config, model, params, eval_set, _settings(config), **kwargs):
         assert best.shape[0] == rows  # every row of the global batch, on this (every) process
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     return found
@@ -478,7 +477,7 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
 
     found = {}
     settings = _settings(config)
-    batches = decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator)
+    batches = batching.decode_batches(config, model, params, eval_set, settings, translator=translator)
     for batch, best in batches:
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     halvings = [auto >> i for i in range(auto.bit_length() - 1)]  # 8, 4, 2 on CPU
@@ -490,10 +489,10 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
-        list(decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=broken))
+        list(batching.decode_batches(config, model, params, eval_set, settings, translator=broken))
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
     with pytest.raises(UserError, match=rf"^.*\b{auto} rows.*memory.*config\.decode"):
-        list(decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator))
+        list(batching.decode_batches(config, model, params, eval_set, settings, translator=translator))
 
 
 @pytest.mark.parametrize("stop,lenpen", [("optimal", 1.0), ("fairseq", 0.5)])
@@ -502,9 +501,9 @@ def test_token_scores_kept_along_the_beams_are_the_models_log_probs(stop, lenpen
     A[:, EOS] += 1.0  # early finishes: hypotheses of several lengths
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = np.array([5, 8])
-    found = decode.beam_search(fn, cache, 2, 3, 8, lenpen=lenpen, max_len_per_row=limits, stop=stop,
+    found = search.beam_search(fn, cache, 2, 3, 8, lenpen=lenpen, max_len_per_row=limits, stop=stop,
                                with_token_scores=True)
-    tokens, scores = decode.beam_search(fn, cache, 2, 3, 8, lenpen=lenpen, max_len_per_row=limits, stop=stop)
+    tokens, scores = search.beam_search(fn, cache, 2, 3, 8, lenpen=lenpen, max_len_per_row=limits, stop=stop)
     assert found.tokens.tolist() == tokens.tolist() and found.scores.tolist() == scores.tolist()
     for b in range(2):
         for n in range(3):
@@ -521,7 +520,7 @@ def test_samples_with_a_length_limit_end_in_eos_and_do_not_depend_on_their_row()
     A[:, EOS] -= 3.0  # EOS unlikely: most rows reach their limit, where it is forced
     fn, cache = _toy(A, Bm, Cp, bias)
     limits = jnp.array([3, 6, 8, 4, 8])
-    tokens, token_scores = decode.sample(fn, cache, 5, 8, jax.random.key(0), max_len_per_row=limits,
+    tokens, token_scores = search.sample(fn, cache, 5, 8, jax.random.key(0), max_len_per_row=limits,
                                          with_token_scores=True, temperature=1.0, top_k=0, top_p=1.0)
     for b in range(5):
         seq = tokens[b].tolist()
@@ -531,13 +530,13 @@ def test_samples_with_a_length_limit_end_in_eos_and_do_not_depend_on_their_row()
         np.testing.assert_allclose(token_scores[b, :length], expected, rtol=1e-5, atol=1e-6)
     # Row 3 sampled alone (its own cache row, limit and the same key) draws what it drew in the batch of 5.
     fn_alone, cache_alone = _toy(A, Bm, Cp, bias[3:4])
-    alone = decode.sample(fn_alone, cache_alone, 1, 8, jax.random.key(0), max_len_per_row=limits[3:4],
+    alone = search.sample(fn_alone, cache_alone, 1, 8, jax.random.key(0), max_len_per_row=limits[3:4],
                           temperature=1.0, top_k=0, top_p=1.0)
     assert alone[0].tolist() == tokens[3].tolist()
-    keys = decode.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0], [5, 6, 0, 0], [6, 5, 0, 0]]))
+    keys = search.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0], [5, 6, 0, 0], [6, 5, 0, 0]]))
     as_data = jax.random.key_data(keys).tolist()
     assert as_data[0] == as_data[1] != as_data[2]  # by content, not by row
-    padded = decode.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0, 0, 0, 0, 0]]))
+    padded = search.row_keys(jax.random.key(0), jnp.array([[5, 6, 0, 0, 0, 0, 0, 0]]))
     assert jax.random.key_data(padded).tolist()[0] == as_data[0]  # the padded width changes nothing
 
 
@@ -562,8 +561,8 @@ def test_an_exhaustive_beam_with_a_forced_prefix_equals_brute_force_over_the_pre
     A[:, 4] += 2.0  # the model prefers token 4: the prefixes below go against it
     fn, cache = _toy(A, Bm, Cp, bias)
     prefixes = [[2], [3, 2]]  # one per row, ragged
-    prefix = decode.Prefix(jnp.asarray([[2, PAD, PAD], [3, 2, PAD]]), jnp.asarray([1, 2]))
-    found = decode.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen, stop=stop, with_token_scores=True,
+    prefix = search.Prefix(jnp.asarray([[2, PAD, PAD], [3, 2, PAD]]), jnp.asarray([1, 2]))
+    found = search.beam_search(fn, cache, 2, N_HYP, L, lenpen=lenpen, stop=stop, with_token_scores=True,
                                prefix=prefix, prefix_scored=scored)
     for b in range(2):
         ref = _brute_force_prefixed(A, Bm, Cp, bias[b], L, lenpen, prefixes[b], scored)
@@ -581,11 +580,11 @@ def test_an_exhaustive_beam_with_a_forced_prefix_equals_brute_force_over_the_pre
 def test_samples_with_a_forced_prefix_start_with_it_and_score_it_under_the_model():
     A, Bm, Cp, bias = _tables(seed=6, batch=3)
     fn, cache = _toy(A, Bm, Cp, bias)
-    prefix = decode.Prefix(jnp.asarray([[4, 4, 2], [2, PAD, PAD], [PAD, PAD, PAD]]), jnp.asarray([3, 1, 0]))
+    prefix = search.Prefix(jnp.asarray([[4, 4, 2], [2, PAD, PAD], [PAD, PAD, PAD]]), jnp.asarray([3, 1, 0]))
     limits = jnp.asarray([2, 8, 8])  # row 0's limit is raised to hold its prefix and EOS
-    tokens, token_scores = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits,
+    tokens, token_scores = search.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits,
                                          with_token_scores=True, prefix=prefix, temperature=1.0, top_k=0, top_p=1.0)
-    free, _ = decode.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits, with_token_scores=True,
+    free, _ = search.sample(fn, cache, 3, 8, jax.random.key(1), max_len_per_row=limits, with_token_scores=True,
                             temperature=1.0, top_k=0, top_p=1.0)
     assert tokens[0].tolist() == [4, 4, 2, EOS] + [PAD] * 4 and tokens[1, 0] == 2
     assert tokens[2].tolist() == free[2].tolist()  # no prefix: the same draws as without any

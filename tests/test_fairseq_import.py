@@ -80,7 +80,7 @@ def test_text_becomes_fairseqs_ids():
     for source in sources:
         by_hand = [symbols.get(p, 3) for p in pieces.encode(source, out_type=str)]
         assert vocab.tokenizer.encode(source).tolist() == by_hand, source  # ids >= 4 are the same in both
-        assert vocab.tokenizer.decode(vocab.tokenizer.encode(source)) == " ".join(source.split())
+        assert vocab.tokenizer.detokenize(vocab.tokenizer.encode(source)) == " ".join(source.split())
     golden = np.load(FIXTURES / "dynamic" / "golden_lprobs.npz")
     for row, source in zip(golden["src_tokens"], sources):
         assert row[row != 1].tolist() == vocab.tokenizer.encode(source).tolist() + [2]
@@ -458,7 +458,7 @@ def test_the_pieces_tokenizer_joins_bpe_units_as_remove_bpe_does(tmp_path):
     tokenizer = PiecesTokenizer(["Werk@@", "zeug", "zum", "Um@@", "wand@@", "eln", "."], continuation="@@")
     ids = tokenizer.encode("Werk@@ zeug zum Um@@ wand@@ eln unbekannt .")
     assert ids.tolist() == [4, 5, 6, 7, 8, 9, 2, 10]  # an unknown piece is UNK (2)
-    assert tokenizer.decode(np.append(ids, [1, 4])) == "Werkzeug zum Umwandeln <unk> ."  # stops at EOS (1)
+    assert tokenizer.detokenize(np.append(ids, [1, 4])) == "Werkzeug zum Umwandeln <unk> ."  # stops at EOS (1)
     tokenizer_lib.save_tokenizer(tokenizer, str(tmp_path))
     loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
     assert (loaded.symbols, loaded.continuation) == (tokenizer.symbols, "@@")

@@ -119,7 +119,7 @@ def _jitted(cfg, kind):
             full=jax.jit(lambda v, src, tgt: m.apply(v, src, tgt)),
             encode=jax.jit(lambda v, src: m.apply(v, src, method=m.encode)),
             decode=jax.jit(lambda v, enc, src, dec_in: m.apply(v, enc, src, dec_in, decode=True, mutable=["cache"],
-                                                               method=m.decode)))
+                                                               method=m.run_decoder)))
     _JITTED[key] = fns
     return fns
 

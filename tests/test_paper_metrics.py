@@ -6,7 +6,7 @@ import math
 import pytest
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-from lconv.infer import decode_and_score, scoring
+from lconv.infer import scoring
 
 # `perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'` (fairseq's scripts/compound_split_bleu.sh), run on each input.
 PERL_OUTPUTS = {
@@ -71,11 +71,11 @@ def test_word_perplexity_counts_words_plus_one_end_of_sentence_per_text():
 
 def test_evaluation_reports_the_papers_metrics_beside_the_modern_ones():
     hyps, refs = ["A well-known cat sat here."], ["The well-known cat sat there."]
-    translation = decode_and_score.score_texts("translation", hyps, refs, split_compounds=True)
+    translation = scoring.score_texts("translation", hyps, refs, split_compounds=True)
     assert translation["bleu"] == scoring.bleu(hyps, refs)["bleu"]
     assert translation["tokenized_bleu"] == scoring.tokenized_bleu(hyps, refs)["tokenized_bleu"]
     assert "compound split" in translation["tokenized_bleu_text"]
-    summary = decode_and_score.score_texts("summarization", hyps, refs)
+    summary = scoring.score_texts("summarization", hyps, refs)
     assert summary["rougeLsum"] == scoring.rouge_lsum(hyps, refs)["rougeLsum"] and "rouge2" in summary
 
 

@@ -206,7 +206,7 @@ def test_make_datasets_on_the_bundled_snapshot(ddtp_data):
     batches = list(test)
     assert len(batches) == 14 and batches[-1]["example_weight"].sum() == 106 - 13 * 8
     row = int(np.flatnonzero(batches[0]["example_index"] == 0)[0])
-    assert tokenizer.decode(batches[0]["targets"][row]) == test.examples[0]["targets"]
+    assert tokenizer.detokenize(batches[0]["targets"][row]) == test.examples[0]["targets"]
 
 
 def test_a_new_workdir_reuses_the_tokenizer_trained_for_the_same_data_and_settings(ddtp_data, tmp_path, monkeypatch,

@@ -14,7 +14,7 @@ import tiny_config
 from lconv.cli import eval_program
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.infer import decode_and_score
+from lconv.infer import scoring, source_lengths
 from lconv.run import restore
 
 
@@ -210,9 +210,9 @@ def test_measure_sources_counts_what_decoding_cuts(trained):
     tokenizer = tokenizer_lib.load_tokenizer(str(trained))
     lengths = [len(tokenizer.encode(s)) + 1 for s in ("a", "a b c d e f g", "word " * 40)]
     limit = lengths[1]  # exactly at the limit is not cut
-    measured = decode_and_score.measure_sources(tokenizer, ["a", "a b c d e f g", "word " * 40], limit)
+    measured = source_lengths.measure_sources(tokenizer, ["a", "a b c d e f g", "word " * 40], limit)
     assert measured.truncated == [2] and measured.longest == lengths[2] > limit and measured.cut_from == [lengths[2]]
     assert measured.counts() == {"truncated_sources": 1, "longest_source_tokens": lengths[2],
                                  "source_token_limit": limit}
-    assert decode_and_score.measure_sources(tokenizer, [], 8).counts()["longest_source_tokens"] == 0
-    assert decode_and_score.score_texts("translation", [], []) == {}
+    assert source_lengths.measure_sources(tokenizer, [], 8).counts()["longest_source_tokens"] == 0
+    assert scoring.score_texts("translation", [], []) == {}

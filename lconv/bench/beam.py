@@ -2,7 +2,7 @@
 
 The README default's translation models (configs/default.py: DynamicConv and its Transformer; d=256, 3+3 layers,
 vocab 4000, beam 4), untrained, decode a split of synthetic sources (6-40 tokens each, seeded, as DDTP's test
-sentences: width buckets 32 and 64) through ``lconv.infer.decode_and_score.decode_batches``, the path eval.py and the
+sentences: width buckets 32 and 64) through ``lconv.infer.batching.decode_batches``, the path eval.py and the
 end of train.py take, at each decoding batch size of ``ROWS`` (up to the split's size). ``auto`` marks the size
 ``decode.batch_size = 0`` picks on this backend. Each size decodes the split once to compile its programs (timed
 apart as compile + first pass) and then ``REPEATS`` more times; sentences/s is from the median pass. An untrained
@@ -28,7 +28,7 @@ from lconv.constants import EOS_ID
 from lconv.data import pipeline, sources
 from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import batching, compiled
 from lconv.run import model_setup, restore
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, 
     settings = DecodeSettings.build(config.decode)
 
     def decode_split():
-        batches = decode_and_score.decode_batches(config, model, params, eval_set, settings, translator=translator)
+        batches = batching.decode_batches(config, model, params, eval_set, settings, translator=translator)
         return [best for _, best in batches]
 
     start = time.perf_counter()

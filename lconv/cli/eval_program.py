@@ -22,7 +22,7 @@ from lconv.data import paths, pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import compiled, per_line, reports, scoring, split_scoring
 from lconv.run import loss_pass, restore, schema
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         if task == "lm":
             return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
                                               split)
-        return decode_and_score.score_split(config, trained.model, trained.params, trained.tokenizer,
+        return split_scoring.score_split(config, trained.model, trained.params, trained.tokenizer,
                                             data.eval_sets, workdir, settings, split=split)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
@@ -259,7 +259,7 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
     was not decoded as given, and scores the best hypotheses against ``references`` (blank sources stay in, as
     empty hypotheses)."""
     config = trained.config
-    translations = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
+    translations = per_line.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
                                                     settings, name=_line_name, nbest=nbest or 0)
     if nbest:
         _write_text(output_file, "".join(nbest_lines(i, entries) for i, entries in enumerate(translations.nbest)))
@@ -274,7 +274,7 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
         logger.info(f"{count} blank source line{'s' if count != 1 else ''} ({_line_numbers(translations.blank)}): "
                     f"empty output{'s' if count != 1 else ''} in place{scored}")
     if references is not None and sources:
-        scores.update(decode_and_score.score_texts(config.task, translations.hypotheses, references,
+        scores.update(scoring.score_texts(config.task, translations.hypotheses, references,
                                            split_compounds=config.decode.compound_split))
     logger.info(json.dumps({k: v for k, v in scores.items() if k != "bleu_text"}))
     return scores
@@ -284,7 +284,7 @@ def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file
                    settings: DecodeSettings) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
-    outputs = decode_and_score.generate_lines(trained.config, trained.tokenizer, prompts, generator, settings,
+    outputs = per_line.generate_lines(trained.config, trained.tokenizer, prompts, generator, settings,
                                               name=_line_name)
     _write_lines(output_file, outputs.hypotheses)
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
@@ -304,13 +304,13 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, settin
     name = lambda _: f"stdin line {current['line']}"  # noqa: E731
     if config.task == "lm":
         generator = compiled.Generator(config, trained.model, trained.params)
-        output_of = lambda line: decode_and_score.generate_lines(config, trained.tokenizer, [line],  # noqa: E731
+        output_of = lambda line: per_line.generate_lines(config, trained.tokenizer, [line],  # noqa: E731
                                                                  generator, settings, name=name).hypotheses[0]
     else:
         translator = compiled.Translator(config, trained.model, trained.params)
 
         def output_of(line: str) -> str:
-            found = decode_and_score.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
+            found = per_line.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
                                                      settings, translator=translator, name=name, nbest=nbest or 0)
             return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
@@ -351,7 +351,7 @@ def _stdin_lines(stdin: TextIO) -> Iterator[tuple[int, str | None]]:
 
 def _write_lines(path: str, outputs: Sequence[str]) -> None:
     """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
-    _write_text(path, decode_and_score.lines_text(outputs))
+    _write_text(path, reports.lines_text(outputs))
 
 
 def _write_text(path: str, text: str) -> None:

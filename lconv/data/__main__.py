@@ -69,7 +69,7 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     for key in ("inputs", "targets"):
         if key in batch:
             first = batch[key][0][batch[f"{key}_segmentation"][0] == 1]  # the row's first packed example
-            print(f"  {key} text: {tokenizer.decode(first)[:300]!r}")
+            print(f"  {key} text: {tokenizer.detokenize(first)[:300]!r}")
     print(f"  packed examples in the batch: {int(batch['targets_segmentation'].max(axis=1).sum())}, "
           f"train stats so far: {dict(data.stats)}")
     eval_batch = next(iter(data.eval_sets["validation"]))

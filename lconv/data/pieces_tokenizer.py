@@ -2,7 +2,7 @@
 vocabulary and nothing else, for models whose pieces come from an external tool (fairseq's published
 checkpoints: Moses tokenization and subword-nmt BPE, ``lconv.interop``).
 
-``encode`` looks each whitespace-separated piece up (UNK when unknown); ``decode`` joins the pieces with spaces and,
+``encode`` looks each whitespace-separated piece up (UNK when unknown); ``detokenize`` joins the pieces with spaces and,
 given a ``continuation`` marker (subword-nmt's ``@@``), joins ``piece@@ next`` into one word, as fairseq-generate's
 ``--remove-bpe`` does. Ids are ``lconv.constants``' specials (PAD 0, EOS 1, UNK 2, BOS 3), then the vocabulary's
 symbols in order from id 4. Saved as ``<dir>/pieces.json``.
@@ -33,7 +33,7 @@ def content_ids(ids: np.ndarray | Sequence[int]) -> list[int]:
 
 
 class PiecesTokenizer:
-    """``encode(text) -> ids`` (no EOS) by whitespace pieces; ``decode(ids) -> text`` stops at EOS."""
+    """``encode(text) -> ids`` (no EOS) by whitespace pieces; ``detokenize(ids) -> text`` stops at EOS."""
 
     filename = FILENAME
 
@@ -54,12 +54,14 @@ class PiecesTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
-    def decode(self, ids: np.ndarray | Sequence[int]) -> str:
+    def detokenize(self, ids: np.ndarray | Sequence[int]) -> str:
         text = " ".join(self.symbols[i] if 0 <= i < len(self.symbols) else SPECIALS[UNK_ID]
                         for i in content_ids(ids))
         if self.continuation:
             text = (text + " ").replace(self.continuation + " ", "").rstrip()
         return text
+
+    decode = detokenize  # the name before "decode" came to mean the search alone; kept for code written then
 
     def to_bytes(self) -> bytes:
         return json.dumps({"symbols": self.symbols[len(SPECIALS):], "continuation": self.continuation},

@@ -2,7 +2,7 @@
 
 Trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3); the model file is
 ``<workdir>/spm.model``, so a resumed or evaluation run reuses the vocabulary that trained it (``load_or_train``).
-Normalisation is ``identity`` with ``byte_fallback``: ``decode(encode(s))`` gives back whitespace-normalised ``s``
+Normalisation is ``identity`` with ``byte_fallback``: ``detokenize(encode(s))`` gives back whitespace-normalised ``s``
 in any script, so BLEU and ROUGE see the text, not an NFKC variant.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ MIN_VOCAB_SIZE = len({PAD_ID, EOS_ID, UNK_ID, BOS_ID}) + _BYTE_PIECES + 2
 
 
 class Tokenizer:
-    """A loaded SentencePiece model. ``encode`` returns int32 ids without EOS; ``decode`` stops at EOS."""
+    """A loaded SentencePiece model. ``encode`` returns int32 ids without EOS; ``detokenize`` stops at EOS."""
 
     filename = MODEL_FILENAME
 
@@ -70,9 +70,11 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
 
-    def decode(self, ids: np.ndarray | Sequence[int]) -> str:
-        """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (detokenised, ready for BLEU/ROUGE)."""
+    def detokenize(self, ids: np.ndarray | Sequence[int]) -> str:
+        """ids [n] -> text; stops at the first EOS, ignores PAD and BOS (ready for BLEU/ROUGE)."""
         return self._sp.decode(content_ids(ids))
+
+    decode = detokenize  # the name before "decode" came to mean the search alone; kept for code written then
 
     def to_bytes(self) -> bytes:
         return self.model_proto

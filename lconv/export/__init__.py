@@ -40,7 +40,7 @@ from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import SAMPLING_DEFAULTS, DecodeSettings
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import compiled, source_lengths
 from lconv.ops import conv as ops_conv
 from lconv.run import backend, restore, schema
 
@@ -217,7 +217,7 @@ class Served:
         encoded = self.tokenizer.encode_batch(tokenizer_lib.check_texts(inputs, "inputs"))
         if self.task != "lm":
             encoded = [np.append(ids, EOS_ID) for ids in encoded]
-        return [self.tokenizer.decode(row) for row in self.run_ids(encoded, seed=seed)]
+        return [self.tokenizer.detokenize(row) for row in self.run_ids(encoded, seed=seed)]
 
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int | None = None) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS.
@@ -241,7 +241,7 @@ class Served:
         widest = max(w for _, w in self.programs)
         lengths = [len(x) for x in sequences]
         cut = [i for i, n in enumerate(lengths) if n > widest]
-        decode_and_score.SourceLengths(cut, max(lengths, default=0), widest, [lengths[i] for i in cut]).log(
+        source_lengths.SourceLengths(cut, max(lengths, default=0), widest, [lengths[i] for i in cut]).log(
             "inputs[{}]".format, "the widest exported bucket; export larger widths (--widths) to keep more",
             keeps="cut to the last" if self.task == "lm" else "cut to")
         if self.task == "lm":  # the tokens nearest the continuation, as generate_lines keeps them

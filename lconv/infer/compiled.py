@@ -111,10 +111,9 @@ def place(array: np.ndarray, sharding: NamedSharding | None) -> Any:
 
 class Translator:
     """Beam search (or sampling) over one model's params: ``translator(inputs_BS, settings) -> best beams [B, L]``,
-    ``translator.hypotheses(inputs_BS, settings) -> search.Hypotheses`` (numpy, every row on every process), with
-    ``settings`` the caller's ``DecodeSettings`` (built once at its boundary; nothing here has a default of its
-    own). One program per (rows, width, ``settings.program_key()``); ``lenpen`` and the seed are arguments, so
-    changing them compiles nothing, and the best beam and the n-best lists come from the same program."""
+    ``translator.hypotheses(inputs_BS, settings) -> search.Hypotheses`` (numpy, every row on every process).
+    One program per (rows, width, ``settings.program_key()``); ``lenpen`` and the seed are arguments, so changing
+    them compiles nothing, and the best beam and the n-best lists come from the same program."""
 
     def __init__(self, config: Any, model: nn.Module, params: Any):
         self.config, self.params, self.mesh = config, params, mesh_of(params)
@@ -141,11 +140,9 @@ class Translator:
         self._prepared: dict[tuple[int, int, Any], concurrent.futures.Future] = {}
 
     def prepare(self, rows: int, width: int, settings: DecodeSettings) -> concurrent.futures.Future:
-        """Compiles, in a background thread, the program for ``[rows, width]`` sources (no prefixes): a later call
-        of that shape runs it instead of compiling then. What is still to decode (the other widths of a split, a
-        training run's final evaluation) then does not wait for its compilations in turn: XLA compiles on one
-        core, and the decoding or training beside it keeps the others busy. Returns the compilation's future
-        (``result()`` waits for it)."""
+        """Compiles, in a background thread, the program for ``[rows, width]`` sources (no prefixes), so a later
+        call of that shape does not wait for it: XLA compiles on one core while decoding or training beside it
+        keeps the others busy. Returns the compilation's future."""
         key = (rows, width, settings.program_key())
         if key not in self._prepared:
             # The params' shapes and layouts, taken now: a training step may donate the arrays before the thread runs
@@ -217,11 +214,10 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
     """Continues right-padded prompts of different lengths ``[B, P]`` (``prompt_len_B`` real tokens each) with a
     ``DecoderOnlyLM``; returns ``[B, P + max_len]`` tokens whose first ``prompt_len_B[b]`` are row b's prompt.
 
-    ``search.sample`` feeds a prompt as one chunk, so every row's prompt must have one length. Here the prompt is
-    fed a token per step instead: while step ``i < prompt_len[b]`` the logits row b samples from are replaced by
-    a one-hot on its prompt token, which greedy and every filter then pick with certainty. So a batch of ragged
-    prompts (and one width bucket of them) is a single program, at the price of feeding prompts step by step.
-    ``guards`` (``lconv.infer.guards``) act after each row's prompt, which they read as part of the hypothesis.
+    The prompt is fed a token per step (``search.sample`` feeds one chunk, one length for all rows): while step
+    ``i < prompt_len[b]`` row b's logits are a one-hot on its prompt token, which every filter then picks. So a
+    batch of ragged prompts is one program, at the price of feeding prompts step by step. ``guards`` act after each
+    row's prompt, which they read as part of the hypothesis.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
@@ -246,7 +242,7 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
         return logits_BV[:, None], (cache, i + 1)  # [B, 1, V]
 
     return search.sample(tokens_to_logits, (cache, jnp.int32(0)), B, total, rng, temperature=temperature,
-                         top_k=top_k, top_p=top_p, bos_id=search.decoder_start_id(model), guards=guards,
+                         top_k=top_k, top_p=top_p, bos_id=model.config.decoder_start_id, guards=guards,
                          output_start_B=prompt_len_B)  # [B, P + max_len]
 
 

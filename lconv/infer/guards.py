@@ -1,16 +1,11 @@
 """Generation guards against degenerate output: fairseq's ``--no-repeat-ngram-size`` and ``--min-len``.
 
-A guard bans (log-prob -inf) what a step of a search may not pick, before the beam ranks or a sample draws:
-
-- ``no_repeat_ngram_size = n > 0``: a token that would complete an n-gram already present in the hypothesis.
-  The hypothesis is every token at positions before the step, forced ones (a prefix, an LM's prompt) included.
-- ``min_len = m > 0``: EOS, while fewer than ``m`` output tokens precede it (fairseq bans EOS at steps
-  ``< min_len``). An LM counts its continuation only, after the prompt; a translation counts a prefix too.
-
-The row's length limit wins over both: where EOS is forced (the row's last token), EOS is never banned. Steps before
-``start_B`` (an LM's prompt, fed as forced tokens) are left alone. ``Guards.of`` is None when both are off, and
-then a search traces none of this: the guards cost nothing unless asked for. Everything is static-shape and
-jit-able (a fixed window over the ``[B, N, L]`` history, masked by the step).
+A guard bans (log-prob -inf) what a search step may not pick, before the beam ranks or a sample draws:
+``no_repeat_ngram_size = n`` a token that would complete an n-gram already in the hypothesis (forced tokens, a
+prefix or an LM's prompt, included); ``min_len = m`` EOS while fewer than ``m`` output tokens precede it (an LM
+counts its continuation only, a translation its prefix too). Where a row's length limit forces EOS it is never
+banned, and steps before ``start_B`` (an LM's prompt) are left alone. ``Guards.of`` is None when both are off, so
+an unguarded search traces none of this. Shapes are static: a fixed window over the ``[B, N, L]`` history.
 """
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
-"""How ``fairseq-eval-lm`` cuts texts into the rows it scores, so that ``Model.perplexity`` can score a language
-model on exactly fairseq's rows (``--sample-break-mode``, ``--tokens-per-sample``, ``--context-window``).
+"""How ``fairseq-eval-lm`` cuts texts into the rows it scores, so that ``Model.perplexity`` scores a language model
+on exactly fairseq's rows (``--sample-break-mode``, ``--tokens-per-sample``, ``--context-window``; docs/fairseq.md).
 
-Every text is its tokens then EOS, and the texts form one stream. fairseq's ``TokenBlockDataset`` cuts it into
-blocks; a block's targets are its tokens, its inputs the same tokens shifted right by one, the first input being
-the token before the block in the stream, or the decoder start (EOS in fairseq) at the stream's start and at every
-block that begins a text (the token before is then the previous text's EOS, the same id, except in lconv's own
-models, which start from BOS):
-
-- ``eos``: one block per text (fairseq-eval-lm on sentence-per-line data, and lconv's default);
-- ``none``: blocks of ``tokens_per_sample`` tokens, across text boundaries (fairseq's default);
-- ``complete``: whole texts packed in order into blocks of at most ``tokens_per_sample`` tokens (a longer text
-  is a block alone).
-
-With ``context_window = c`` (fairseq's ``LMContextWindowDataset``; blocks then hold ``tokens_per_sample - c``
-tokens) each row's inputs are preceded by the last ``c`` inputs of the row before (its context included), whose
-predictions are not scored. Positions count from each row's start.
+The texts, each its tokens then EOS, form one stream that fairseq's ``TokenBlockDataset`` cuts into blocks:
+``eos`` one per text (lconv's default), ``none`` every ``tokens_per_sample`` tokens across texts (fairseq's),
+``complete`` whole texts packed into blocks of at most ``tokens_per_sample`` tokens (a longer one alone). A block's
+inputs are its tokens shifted right, the first being the token before it in the stream, or the decoder start at
+the stream's start and where a text begins (fairseq's start is EOS, the id ending the text before; lconv's own
+models start from BOS). With ``context_window = c`` (blocks of ``tokens_per_sample - c``) each row is preceded by
+the last ``c`` inputs of the row before, unscored. Positions count from each row's start.
 """
 from __future__ import annotations
 

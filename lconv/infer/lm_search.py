@@ -43,7 +43,7 @@ def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len
     _, cache = tokens_to_logits(jnp.zeros((B, total), jnp.int32), {})  # a cache of ``total`` positions
     prompt = search.Prefix(prompt_BP, prompt_len_B)
     limit_B = prompt_len_B + max_len  # [B] the prompt and at most max_len new tokens, EOS included
-    start = search.decoder_start_id(model)
+    start = model.config.decoder_start_id
     if not temperature:
         found = search.beam_search(tokens_to_logits, cache, B, N, total, lenpen=lenpen, bos_id=start,
                                    max_len_per_row=limit_B, stop=stop, with_token_scores=True, prefix=prompt,

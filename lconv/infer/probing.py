@@ -14,7 +14,7 @@ from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.fields import is_integer
-from lconv.infer import compiled, decode_and_score, features
+from lconv.infer import compiled, features, source_lengths
 
 
 class Probing:
@@ -135,6 +135,6 @@ def _cut(ids: Any, limit: int, name: str, where: str) -> np.ndarray:
     """``ids`` and EOS, cut to ``limit`` tokens, with the warning every surface gives a cut input."""
     ids = np.append(ids, EOS_ID)
     cut = [0] if len(ids) > limit else []
-    decode_and_score.SourceLengths(cut, len(ids), limit, [len(ids)] * len(cut)).log(
+    source_lengths.SourceLengths(cut, len(ids), limit, [len(ids)] * len(cut)).log(
         lambda _: name, f"{where}, EOS included")
     return ids[:limit]

@@ -1,14 +1,25 @@
-"""Scores of decoded text against references: corpus sacreBLEU and ROUGE-1/2/L.
+"""Scores of decoded text against references: corpus sacreBLEU and ROUGE-1/2/L, and the paper's metrics.
 
-Both take one hypothesis per reference, in order, and at least one pair: an empty corpus has no score (callers
+Each metric takes one hypothesis per reference, in order, and at least one pair: an empty corpus has no score (callers
 report "nothing to score" instead), and a length mismatch would silently score the wrong pairs.
 """
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+
+def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str], *,
+                split_compounds: bool = False) -> dict[str, Any]:
+    """A task's scores: ROUGE-1/2/L and ROUGE-Lsum for summarisation, else sacreBLEU and tokenized BLEU (with
+    compounds split when ``split_compounds``, ``config.decode.compound_split``). ``{}`` when there is no example."""
+    if not hypotheses and not references:
+        return {}
+    if task == "summarization":
+        return {**rouge(hypotheses, references), **rouge_lsum(hypotheses, references)}
+    return {**bleu(hypotheses, references), **tokenized_bleu(hypotheses, references, split_compounds=split_compounds)}
 
 
 def _pairs(hypotheses: Iterable[str], references: Iterable[str]) -> tuple[list[str], list[str]]:

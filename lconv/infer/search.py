@@ -1,17 +1,13 @@
 """Autoregressive decoding on incremental caches: greedy, beam search (fairseq's scoring), sampling.
 
-Everything here is model agnostic and jit-able: the token loop is a ``jax.lax.while_loop`` over one step
-function, the **``tokens_to_logits`` contract**::
+Everything here is model agnostic and jit-able: the token loop is a ``jax.lax.while_loop`` over one step function::
 
     logits_BTV, new_cache = tokens_to_logits(tokens_BT, cache)
 
-``tokens_BT`` is a chunk of ``T >= 1`` new decoder inputs per row (the search functions feed ``T = 1``; ``sample``
-feeds ``[BOS, prompt...]`` as one first chunk); ``logits_BTV`` are the next-token logits of every position in the
-chunk (only the last is used); ``cache`` is the Flax ``'cache'`` collection (any pytree). Cache leaves have the
-batch as leading dim, except scalar counters (``position``, ``cache_index``), which are never tiled or reordered.
-
-Token ids are ``lconv.constants``': ``PAD = 0`` (never generated; finished rows emit it after ``EOS``), ``EOS = 1``,
-``BOS = 3`` (the first decoder input). Outputs hold the generated tokens only, ``[..., max_len]``.
+``tokens_BT`` is a chunk of ``T >= 1`` new decoder inputs per row (the searches feed one token; ``sample`` feeds
+``[BOS, prompt...]`` as a first chunk), and only the last position's logits are read. ``cache`` is any pytree whose
+leaves lead with the batch, except scalar counters (``position``, ``cache_index``), never tiled or reordered. PAD
+is never generated (finished rows emit it after EOS); outputs hold the generated tokens only, ``[..., max_len]``.
 """
 from __future__ import annotations
 
@@ -131,17 +127,13 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
            output_start_B: Array | None = None) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
-    ``prompt [B, T]`` (one length ``T`` for all rows) is fed as one chunk ``[BOS, prompt...]`` before the first
-    sampled token; the last sampled token is never fed, so the cache must hold ``T + max_len`` positions (a
-    model of ``max_len`` positions generates ``max_len`` tokens from BOS).
-
-    ``rng`` is one key, used alike by every row, or ``[B]`` keys (``row_keys``); step ``i`` of a row draws with
-    ``fold_in(its key, i)``, so what a row samples does not depend on its index or on the other rows. With
-    ``max_len_per_row [B]`` EOS is forced at a row's limit (EOS included), as ``beam_search`` does; without it a
-    row that has not ended at ``max_len`` is cut. ``with_token_scores``: also ``[B, max_len]`` log-probs of the
-    chosen tokens under the model (before temperature and filters), 0 after EOS. ``prefix``: each row's first
-    tokens are forced (``Prefix``; their token scores are still the model's log-probs). ``guards``: what a step may
-    not pick (``lconv.infer.guards``), from each row's ``output_start_B`` on (default 0).
+    ``prompt [B, T]`` (one length for all rows) is fed as one chunk ``[BOS, prompt...]``; the last sampled token is
+    never fed, so the cache holds ``T + max_len`` positions. ``rng`` is one key or ``[B]`` keys (``row_keys``);
+    step ``i`` of a row draws with ``fold_in(its key, i)``, so a row's sample depends on neither its index nor the
+    other rows. With ``max_len_per_row [B]`` EOS is forced at a row's limit, as ``beam_search`` does; without it a
+    row is cut at ``max_len``. ``with_token_scores``: also the chosen tokens' log-probs under the model (before
+    temperature and filters), 0 after EOS. ``prefix`` forces each row's first tokens (``Prefix``); ``guards`` act
+    from each row's ``output_start_B`` on (default 0).
     """
     B = batch_size
     if prefix is not None:
@@ -217,22 +209,18 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
                 lenpen: float, stop: str, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
                 max_len_per_row: Array | None = None, with_token_scores: bool = False, prefix: Prefix | None = None,
                 prefix_scored: bool = True, guards: Guards | None = None) -> tuple[Array, Array] | Hypotheses:
-    """Beam search with fairseq's scores; returns ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first
-    (with ``with_token_scores``, a ``Hypotheses`` holding also each token's log-prob).
-
-    ``stop="fairseq"`` is fairseq's SequenceGenerator, for like-for-like BLEU: no EOS first (min_len 1); only EOS
-    extensions in the step's top ``beam`` (by summed log-prob) finish, in rank order; a row is done at ``beam``
-    finished, first come, even if an alive one could score higher. The default ``"optimal"`` rule follows.
+    """Beam search with fairseq's scores: ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first (with
+    ``with_token_scores``, a ``Hypotheses`` with each token's log-prob too). Empty finished slots score -inf.
 
     A finished hypothesis scores ``sum(log p) / length**lenpen`` (EOS counted in both). Alive and finished
-    hypotheses are kept apart, so an EOS never takes an alive slot: each step ranks the top ``2*beam``
-    extensions, the best ``beam`` non-EOS ones stay alive, EOS ones compete for the finished set. EOS is forced at
-    ``max_len_per_row[b]`` tokens (EOS included; default ``max_len``). A row stops searching once no alive
-    hypothesis can beat its worst finished one (log-probs only fall; the length bonus is at most
-    ``max(len)**lenpen``). ``cache`` is for ``batch_size`` rows; it is tiled per beam here. Empty finished slots
-    score -inf and hold PAD. Inside, a set of hypotheses is a pair (tokens, their log-probs), ``[B, X, L]`` each.
-    ``prefix`` forces each row's first tokens (``Prefix``), unscored (an LM's prompt: ``_limits_and_penalty``)
-    with ``prefix_scored=False``; what ``guards`` ban is never taken (``lconv.infer.guards``)."""
+    hypotheses are kept apart, so an EOS never takes an alive slot: each step ranks the top ``2*beam`` extensions,
+    the best ``beam`` non-EOS ones stay alive and EOS ones compete for the finished set. EOS is forced at
+    ``max_len_per_row[b]`` tokens (default ``max_len``). ``stop="optimal"`` ends a row once no alive hypothesis
+    can beat its worst finished one (log-probs only fall); ``"fairseq"`` is fairseq's SequenceGenerator, for
+    like-for-like BLEU: no EOS first, only EOS extensions in the step's top ``beam`` finish, and a row is done at
+    ``beam`` finished, first come. ``cache`` is for ``batch_size`` rows and tiled per beam here. ``prefix`` forces
+    each row's first tokens (``Prefix``; unscored with ``prefix_scored=False``, an LM's prompt); what ``guards``
+    ban is never taken."""
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
         raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
@@ -389,11 +377,6 @@ def _append_finished(finished, finished_BN, count_B, top, scores_B2N, is_eos_B2N
 # ----------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------
-def decoder_start_id(model: nn.Module) -> int:
-    """The first decoder input of ``model``: its config's ``decoder_start_id`` (BOS, or EOS for a fairseq model)."""
-    return getattr(getattr(model, "config", None), "decoder_start_id", BOS_ID)
-
-
 def _apply_cache(model, variables, cache, *args, **kwargs):
     out, mutated = model.apply({**variables, "cache": cache}, *args, mutable=["cache"], **kwargs)
     return out, mutated["cache"]
@@ -402,8 +385,8 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
 def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
               beam_size: int, max_len: int, lenpen: float, max_len_a: float | None, max_len_b: int | None,
               stop: str, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Best beam of an ``EncoderDecoder`` (or any module with its ``encode``/``decode``), ``[B, max_len]``: the
-    first of ``translate_hypotheses``."""
+    """Best beam of an ``EncoderDecoder`` (or a module with its ``encode``, ``run_decoder`` and ``config``),
+    ``[B, max_len]``: the first of ``translate_hypotheses``."""
     return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
                                 beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
                                 max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
@@ -417,29 +400,27 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                          eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None,
                          guards: Guards | None = None) -> Hypotheses:
     """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: the finished beams of a beam search
-    or, with ``temperature > 0``, as many samples (``sample``'s filters; sample n of a row draws with
-    ``fold_in(row_keys(rng, inputs)[b], n)``, so it depends on the source, ``rng`` and n only), scored alike.
+    or, with ``temperature > 0``, as many samples, scored alike (sample n of a row draws with
+    ``fold_in(row_keys(rng, inputs)[b], n)``: it depends on the source, ``rng`` and n only).
 
-    Encodes once; the cache is created for ``B`` rows and tiled per hypothesis, the encoder output and source ids
-    are tiled here the same way (row ``b*beam + n``). With ``max_len_a``/``max_len_b`` a row may generate
-    ``a * src_len + b`` tokens plus EOS (fairseq's limit), and never more than ``max_len``. ``prefix``: each
-    row's outputs start with its forced tokens (``Prefix``), scored as the model scores them. ``guards``: what
-    no step may pick (``lconv.infer.guards``).
+    Encodes once, then tiles the cache, encoder output and source ids per hypothesis (row ``b*beam + n``). A row
+    may generate ``max_len_a * src_len + max_len_b`` tokens plus EOS (fairseq's limit), at most ``max_len``.
+    ``prefix``: each row's forced first tokens (``Prefix``), scored as the model scores them.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
-    bos_id = decoder_start_id(model) if bos_id is None else bos_id
+    bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     B, N = inputs_BS.shape[0], beam_size
     encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
     # [B, ...] -> [B*beam, ...]; the encoder output may be a tuple of arrays (an ensemble's, one per member)
     tile = lambda x: jax.tree.map(lambda leaf: jnp.repeat(leaf, N, axis=0), x)  # noqa: E731
     _, cache = _apply_cache(model, variables, {}, encoded_BSC, inputs_BS, jnp.zeros((B, max_len), jnp.int32),
-                            inputs_segmentation=inputs_segmentation, decode=True, method=model.decode)
+                            inputs_segmentation=inputs_segmentation, decode=True, method=model.run_decoder)
     # The decoder's rows are the B*beam hypotheses: [B*beam, S, C], [B*beam, S], [B*beam, S]
     beam_encoded, beam_inputs, beam_segmentation = tile(encoded_BSC), tile(inputs_BS), tile(inputs_segmentation)
 
     def tokens_to_logits(tokens_BT, cache):  # B here is B*beam
         return _apply_cache(model, variables, cache, beam_encoded, beam_inputs, tokens_BT,
-                            inputs_segmentation=beam_segmentation, decode=True, method=model.decode)
+                            inputs_segmentation=beam_segmentation, decode=True, method=model.run_decoder)
 
     limit_B = jnp.full((B,), max_len, jnp.int32)  # [B] tokens a row may have, EOS included
     if max_len_a is not None or max_len_b is not None:
@@ -474,7 +455,7 @@ def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *
     ``temperature=0`` is greedy; otherwise ``rng`` is needed.
     """
     variables = {name: v for name, v in variables.items() if name != "cache"}
-    bos_id = decoder_start_id(model) if bos_id is None else bos_id
+    bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     if prompt is None and batch_size is None:
         raise UserError("lm_generate needs a prompt [B, T] or batch_size")
     if temperature != 0.0 and rng is None:

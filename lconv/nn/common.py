@@ -181,7 +181,7 @@ def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tu
     mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
     if not decode:
         return new, mask_B1TS
-    check_decode(mdl.causal, type(mdl).__name__)
+    require_causal(mdl.causal, type(mdl).__name__)
     cache, index = decode_cache_update(mdl, new)
     if cache is None:
         return new, mask_B1TS
@@ -217,7 +217,7 @@ def check_dropout(rate: float, field: str = "attention_dropout") -> None:
         raise UserError(f"{field} must be in [0, 1), got {rate}")
 
 
-def check_decode(causal: bool, mixer: str) -> None:
+def require_causal(causal: bool, mixer: str) -> None:
     if not causal:
         raise UserError(f"{mixer}: decode=True needs causal=True (a non-causal mixer cannot decode)")
 

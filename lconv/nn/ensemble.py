@@ -31,7 +31,7 @@ def mixture(logits: Sequence[Array]) -> Array:
 
 class Ensemble(nn.Module):
     """``members`` (all ``EncoderDecoder`` or all ``DecoderOnlyLM``, one vocabulary) as one model: ``encode``
-    gives each member's encoder output (a tuple), ``decode`` and ``__call__`` the mixture's log-probs."""
+    gives each member's encoder output (a tuple), ``run_decoder`` and ``__call__`` the mixture's log-probs."""
 
     members: tuple[nn.Module, ...]
 
@@ -43,9 +43,10 @@ class Ensemble(nn.Module):
     def encode(self, inputs_BS: Array, **kwargs: Any) -> tuple[Array, ...]:
         return tuple(member.encode(inputs_BS, **kwargs) for member in self.members)  # ([B, S, C_m], ...)
 
-    def decode(self, encoded: tuple[Array, ...], inputs_BS: Array, decoder_input_BT: Array, **kwargs: Any) -> Array:
+    def run_decoder(self, encoded: tuple[Array, ...], inputs_BS: Array, decoder_input_BT: Array,
+                    **kwargs: Any) -> Array:
         _logits_only(kwargs)
-        return mixture([member.decode(encoded_m, inputs_BS, decoder_input_BT, **kwargs)
+        return mixture([member.run_decoder(encoded_m, inputs_BS, decoder_input_BT, **kwargs)
                         for member, encoded_m in zip(self.members, encoded)])  # [B, T, V]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Array:

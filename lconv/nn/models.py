@@ -36,7 +36,7 @@ Array = jax.Array
 # Models
 # ----------------------------------------------------------------------------------------------------------------
 class EncoderDecoder(nn.Module):
-    """fairseq's ``lightconv`` translation model. ``__call__`` = ``encode`` then ``decode`` (teacher forcing)."""
+    """fairseq's ``lightconv`` translation model. ``__call__`` = ``encode`` then ``run_decoder`` (teacher forcing)."""
 
     config: ModelConfig
 
@@ -63,10 +63,10 @@ class EncoderDecoder(nn.Module):
         x = self.source_positions(self.source_embed(inputs_BS), inputs_position, deterministic=deterministic)
         return self.encoder(x, segment_ids=segment_ids, positions=inputs_position, deterministic=deterministic)
 
-    def decode(self, encoded_BSC: Array, inputs_BS: Array, decoder_input_BT: Array, *,
-               inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
-               targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
-               logits: bool = True) -> Array | decoder_ends.OutputLayer:
+    def run_decoder(self, encoded_BSC: Array, inputs_BS: Array, decoder_input_BT: Array, *,
+                    inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
+                    targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
+                    logits: bool = True) -> Array | decoder_ends.OutputLayer:
         """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's
         inputs."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
@@ -86,9 +86,9 @@ class EncoderDecoder(nn.Module):
         encoded_BSC = self.encode(inputs_BS, inputs_segmentation=inputs_segmentation,
                                   inputs_position=inputs_position, deterministic=deterministic)
         decoder_input_BT = shift_right(targets_BT, targets_segmentation, self.config.decoder_start_id)
-        return self.decode(encoded_BSC, inputs_BS, decoder_input_BT, inputs_segmentation=inputs_segmentation,
-                           targets_segmentation=targets_segmentation, targets_position=targets_position,
-                           deterministic=deterministic, logits=logits)
+        return self.run_decoder(encoded_BSC, inputs_BS, decoder_input_BT, inputs_segmentation=inputs_segmentation,
+                                targets_segmentation=targets_segmentation, targets_position=targets_position,
+                                deterministic=deterministic, logits=logits)
 
 
 class DecoderOnlyLM(nn.Module):

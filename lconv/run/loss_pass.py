@@ -13,7 +13,7 @@ import numpy as np
 
 from lconv import console
 from lconv.data import pipeline, stream
-from lconv.infer import decode_and_score, scoring
+from lconv.infer import reports, scoring, shards
 from lconv.nn import common as nn_common
 from lconv.nn import mixer_state
 from lconv.run import metrics, model_setup
@@ -88,7 +88,7 @@ def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable
     scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, carried, stop_when), split=split)
     if "unscored_batches" not in scores:
         scores.update(_word_perplexity(eval_set, scores))
-    decode_and_score.write_outputs(workdir, split, None, scores)
+    reports.write_outputs(workdir, split, None, scores)
     per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
     logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
                 f"{scores['tokens']:.0f} tokens)")
@@ -102,7 +102,7 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
     if examples is None or not hasattr(eval_set, "tokens"):
         return {}
     local = [scoring.word_count(e["targets"] for e in examples), int(stats.get("eval_targets_truncated", 0))]
-    words, truncated = np.sum(decode_and_score.allgather_json(local), axis=0) if jax.process_count() > 1 else local
+    words, truncated = np.sum(shards.allgather_json(local), axis=0) if jax.process_count() > 1 else local
     if truncated or not words:
         return {}
     return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))

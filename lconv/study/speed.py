@@ -97,7 +97,7 @@ def _shared_inputs(config: ml_collections.ConfigDict, tokenizer_dir: str) -> tup
 def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: Any,
                study: ml_collections.ConfigDict) -> _Contender:
     from lconv.decode_settings import DecodeSettings
-    from lconv.infer import compiled, decode_and_score, search
+    from lconv.infer import batching, compiled, search
     from lconv.run import model_setup
     from lconv.train import setup, steps
 
@@ -133,7 +133,7 @@ def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: An
         translator = compiled.Translator(config, model, decode_params)
 
         def decode() -> None:
-            for _ in decode_and_score.decode_batches(config, model, decode_params, sources, settings,
+            for _ in batching.decode_batches(config, model, decode_params, sources, settings,
                                                      translator=translator):
                 pass
         sentences = len(sources.tokens)

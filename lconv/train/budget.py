@@ -23,7 +23,7 @@ import jax
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import compiled, time_estimate
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def estimate_final_evaluation(run: Any, evaluate_loss: Callable[[Any], Any],
                               translator: compiled.Translator | None, settings: DecodeSettings) -> float:
     """Seconds the final evaluation of ``run`` will take: the validation loss pass (``evaluate_loss(batches)``),
     and with ``train.eval_after_training`` the test split's (an LM's perplexity: the same pass; else decoding
-    with ``translator`` and ``settings``, ``decode_and_score.estimate_decode_seconds``)."""
+    with ``translator`` and ``settings``, ``time_estimate.estimate_decode_seconds``)."""
     config, eval_sets = run.config, run.data.eval_sets
     validation = pipeline.loss_batches(eval_sets["validation"])
     per_batch = _seconds_per_batch(evaluate_loss, validation)
@@ -130,5 +130,5 @@ def estimate_final_evaluation(run: Any, evaluate_loss: Callable[[Any], Any],
         if config.task == "lm":
             seconds += per_batch * len(pipeline.loss_batches(eval_sets[split]))
         else:
-            seconds += decode_and_score.estimate_decode_seconds(config, eval_sets[split], translator, settings, clock)
+            seconds += time_estimate.estimate_decode_seconds(config, eval_sets[split], translator, settings, clock)
     return seconds

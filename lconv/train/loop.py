@@ -26,7 +26,7 @@ from etils import epath
 from lconv import outputs
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import LossSpike, NonFiniteLoss
-from lconv.infer import compiled, decode_and_score
+from lconv.infer import compiled, split_scoring
 from lconv.run import checkpoints, integrity, loss_pass, metrics, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.train import budget as budget_lib
@@ -416,5 +416,5 @@ def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None, se
         return loss_pass.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
                                           split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
     translator = translator and translator.with_params(run.state.params)
-    return decode_and_score.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
+    return split_scoring.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
                                         run.workdir, settings, translator=translator, stop_when=stop_when)

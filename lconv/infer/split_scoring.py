@@ -1,0 +1,66 @@
+"""Decoding a prepared eval split and scoring it: the end of training and ``eval.py --split``.
+
+With several processes each holds a shard of the split; they decode the whole split together
+(``shards.whole_split``), so every process gets every hypothesis and the same scores, and process 0 writes them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from lconv.data import pipeline
+from lconv.decode_settings import DecodeSettings
+from lconv.errors import UserError
+from lconv.infer import batching, compiled, reports, scoring, shards
+from lconv.infer.source_lengths import SOURCE_LIMIT, measure_sources
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+
+    from lconv.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
+                eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, settings: DecodeSettings, *,
+                split: str | None = None, translator: compiled.Translator | None = None,
+                stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
+    """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``.
+
+    A collective: every process calls it. ``settings``: the search's; ``translator``: one whose programs to reuse.
+    ``stop_when``: ``(over, why)``; decoding stops once ``over()`` (a time budget, ``why`` naming it), and the
+    scores cover the examples decoded by then (``undecoded`` counts the rest; a warning says so)."""
+    split = split or config.decode.split
+    if split not in eval_sets:
+        raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
+    eval_set = shards.whole_split(eval_sets[split], config.data.eval_batch_size)
+    start = time.time()
+    hypotheses = {}
+    for batch, tokens in batching.decode_batches(config, model, params, eval_set, settings, translator=translator):
+        for row, index in enumerate(batch["example_index"]):
+            if index >= 0:
+                hypotheses[int(index)] = tokenizer.detokenize(tokens[row])
+        if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
+            logger.warning(f"{stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
+                           f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those only, "
+                           f"and eval.py --split={split} scores them all")
+            break
+    seconds = time.time() - start
+    order = sorted(hypotheses)
+    hyps = [hypotheses[i] for i in order]
+    refs = [eval_set.examples[i]["targets"] for i in order]
+    sources = [eval_set.examples[i]["inputs"] for i in order]
+    lengths = measure_sources(tokenizer, sources, eval_set.lengths["inputs"])
+    scores = scoring.score_texts(config.task, hyps, refs, split_compounds=config.decode.compound_split)
+    scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
+                  sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=settings.beam_size,
+                  **lengths.counts())
+    if len(hyps) < len(eval_set.tokens):
+        scores["undecoded"] = len(eval_set.tokens) - len(hyps)
+    reports.write_outputs(workdir, split, hyps, scores)
+    lengths.log(lambda i: f"{split}[{order[i]}]", SOURCE_LIMIT)
+    logger.info(reports.format_report(scores, sources, refs, hyps, config.decode.num_print))
+    return scores

@@ -1,0 +1,80 @@
+"""How long decoding a split will take, measured before it runs (the training budget's final evaluation).
+
+A batch takes a fixed time (encoding, the search's set-up) plus its search steps, at most its longest row's
+length limit (``step_bound``). Both grow with the width, so both are timed at the plan's narrowest and widest
+widths, on two batches of different step counts, and taken linear in the width in between. The measurements
+behind this design are in docs/default-run.md.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from lconv.data import pipeline
+from lconv.decode_settings import DecodeSettings
+from lconv.infer import batching, compiled, shards
+
+# Each probe is the fastest of this many calls: a program's first call is slower, and a moment's load on the host
+# only adds time (docs/default-run.md has the figures).
+PROBE_REPEATS = 2
+MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a step's when their bounds differ so
+
+
+def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator: compiled.Translator,
+                            settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
+    """Seconds ``batching.decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``.
+
+    Each probe is the fastest of ``PROBE_REPEATS`` calls after its program is compiled. Once the timing is done the
+    plan's other widths are ``prepare``d in the background, so decoding the split with the same ``translator``
+    compiles nothing."""
+    eval_set = shards.whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
+    if not eval_set.tokens:
+        return 0.0
+    rows, order = batching.plan(config, translator.params, eval_set, settings.beam_size)
+    batches, widths = batching.batches_of(eval_set, order, rows)
+    steps = [step_bound(config, settings, eval_set, chosen, width) for chosen, width in zip(batches, widths)]
+    narrow, wide = widths[0], max(widths)
+    short, long = 0, max(i for i, width in enumerate(widths) if width == narrow)  # the narrowest width's batches
+    fixed, per_step = {}, {}
+    for compiling in [translator.prepare(rows, width, settings) for width in dict.fromkeys((narrow, wide))]:
+        compiling.result()  # the probes' programs, compiled without running them
+    for width in dict.fromkeys((narrow, wide)):
+        sources = {i: batching.padded_batch(eval_set, batches[i], rows)[0]["inputs"][:, :width] for i in (short, long)}
+        times = {i: min(_seconds_of_call(translator, sources[i], settings, clock) for _ in range(PROBE_REPEATS))
+                 for i in dict.fromkeys(sources)}
+        if steps[long] - steps[short] >= MIN_STEPS_APART:
+            per_step[width] = max((times[long] - times[short]) / (steps[long] - steps[short]), 0.0)
+            fixed[width] = max(times[short] - per_step[width] * steps[short], 0.0)
+        else:  # one step count: the fixed time counted as steps (more than it is)
+            fixed[width], per_step[width] = 0.0, times[short] / steps[short]
+    for width in dict.fromkeys(widths):  # after the timing, which a compile beside it would slow
+        translator.prepare(rows, width, settings)
+
+    def linear(values: dict[int, float], width: int) -> float:
+        return values[narrow] + (values[wide] - values[narrow]) * (width - narrow) / max(wide - narrow, 1)
+
+    return sum(linear(fixed, width) + linear(per_step, width) * count for width, count in zip(widths, steps))
+
+
+def _seconds_of_call(translator: compiled.Translator, inputs_BS: np.ndarray, settings: DecodeSettings,
+                     clock: Callable[[], float]) -> float:
+    start = clock()
+    translator(inputs_BS, settings)
+    return clock() - start
+
+
+def step_bound(config: Any, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
+               width: int) -> int:
+    """The most search steps decoding the ``chosen`` examples at ``width`` takes: the longest row's length limit
+    (``max_len_a * source length + max_len_b`` tokens and EOS, as ``search.translate_hypotheses`` counts), within the
+    program's output length. The search may end sooner (``decode.stop``; every row finished)."""
+    output_len = compiled.max_output_len(config, settings, width)
+    if settings.max_len_a is None and settings.max_len_b is None:
+        return output_len
+    longest = max(min(len(eval_set.tokens[i]["inputs"]), width) for i in chosen)
+    limit = math.floor((settings.max_len_a or 0.0) * longest + (settings.max_len_b or 0)) + 1
+    return min(max(limit, 1), output_len)
