@@ -257,6 +257,7 @@ def validate_config(config: Any) -> Settings:
         if section not in (ModelConfig, DataConfig):  # the model's fields are checked by ModelConfig, below
             check_values(section, values[name], f"config.{name}")
     _check_splits(values)
+    _check_own_files(values)
     if values["data"]["stream"] and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
@@ -275,6 +276,20 @@ def validate_config(config: Any) -> Settings:
                         f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
                         "probability onto the ids the decoder cannot predict)")
     return Settings(values["task"], model_cfg, data, DecodeSettings.build(values["decode"]))
+
+
+def _check_own_files(values: Mapping[str, Any]) -> None:
+    """Your own files (``data.dataset=files``) hold pairs for translation and summarization, texts for an LM: the
+    language codes say which, so they must agree with the task."""
+    data, task = values["data"], values["task"]
+    if data["dataset"] != "files":
+        return
+    if task == "lm" and data["source_lang"] is not None:
+        raise UserError(f"config.data.source_lang={data['source_lang']!r}: a language model (task=lm) reads texts "
+                        "alone; leave source_lang unset")
+    if task != "lm" and (data["source_lang"] is None or data["target_lang"] is None):
+        raise UserError(f"config.task={task!r} reads pairs of your files: set config.data.source_lang and "
+                        "config.data.target_lang (xx and yy for train.xx + train.yy)")
 
 
 def _check_splits(values: Mapping[str, Any]) -> None:
