@@ -125,16 +125,14 @@ def _bad(tmp_path, case):
 
 @pytest.mark.parametrize("case", ["ragged", "not utf-8", "empty split", "missing split", "half a pair", "two formats",
                                   "wrong codes", "tsv columns", "not json", "missing key"])
-def test_each_bad_file_is_one_line_naming_it(case, tmp_path):
-    import tensorflow_datasets as tfds
-
-    tfds.disable_progress_bar()
+def test_each_bad_file_is_one_error_line_naming_it(case, tmp_path, capsys):
     folder, named = _bad(tmp_path, case)
-    codes = dict(source_lang="de", target_lang="en") if case == "wrong codes" else {}
-    config = _config(folder, **codes)
-    with pytest.raises(UserError) as error:  # as training meets it: preparing the folder (tfds writing it)
-        sources.config_source(config, "train")
-    helpers.one_line_error(error, *named)
+    codes = ("de", "en") if case == "wrong codes" else ("xx", "yy")
+    # python -m lconv.data files ...: the folder prepared as training prepares it (tfds writing it), in this process
+    outcome = helpers.run_cli(capsys, "lconv.data", "files", f"--raw_dir={folder}", f"--source_lang={codes[0]}",
+                              f"--target_lang={codes[1]}", f"--data_dir={tmp_path / 'tfds'}",
+                              f"--workdir={tmp_path / 'tokenizer'}")
+    helpers.one_line_error(outcome, *named)
     assert not list((tmp_path / "tfds" / "lconv_prepared").glob("*/files"))  # no half-prepared copy left
 
 

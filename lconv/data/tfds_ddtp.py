@@ -346,7 +346,8 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
         builder = cls(config=config, data_dir=temp_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
         # As tfds does: seconds to minutes.
         print(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ...", flush=True)
-        builder.download_and_prepare()
+        with _no_progress_bars():
+            builder.download_and_prepare()
         report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
                   **_counts_report(builder.counts, builder.counts_by_split)}
         with open(os.path.join(builder.data_dir, REPORT_FILENAME), "w", encoding="utf-8") as f:
@@ -354,6 +355,20 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
         _commit(temp_dir, copy_dir, name)
         print(f"Prepared {fingerprint['dataset']} ({report['examples']} examples) in {copy_dir}", flush=True)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """tfds's progress bars off while a copy is built (put back after): the lines before and after say what is
+    going on, and a bad file's one error line would come after a screen of bars."""
+    from tensorflow_datasets.core.utils import tqdm_utils
+
+    shown = getattr(tqdm_utils, "_active", True)
+    tfds.display_progress_bar(False)
+    try:
+        yield
+    finally:
+        tfds.display_progress_bar(shown)
 
 
 @contextlib.contextmanager
