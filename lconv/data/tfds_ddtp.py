@@ -169,15 +169,13 @@ class Files(_LocalBuilder):
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = tfds.features.FeaturesDict({key: tfds.features.Text() for key in self._layout.keys})
-        # Unshuffled: the examples keep the files' order, so a test split's hypotheses line up with its lines.
         return tfds.core.DatasetInfo(builder=self, description=f"{self._layout.name}: {self.__doc__}",
-                                     features=features, disable_shuffling=True)
+                                     features=features, disable_shuffling=True)  # file order: hyps line up
 
     def _split_generators(self, dl_manager):
         del dl_manager
-        self.counts = collections.Counter()
         found = own_files.find_files(self._layout)
-        self.counts_by_split = {split: collections.Counter() for split in found}
+        self.counts, self.counts_by_split = collections.Counter(), {split: collections.Counter() for split in found}
         return {split: self._generate_examples(split, files) for split, files in found.items()}
 
     def _generate_examples(self, split: str, files: Mapping[str, str]) -> Iterator[tuple[int, dict]]:
@@ -344,8 +342,7 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
     with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, temp_dir, ignore_errors=True)
         builder = cls(config=config, data_dir=temp_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
-        # As tfds does: seconds to minutes.
-        print(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ...", flush=True)
+        print(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ...", flush=True)  # as tfds does
         with _no_progress_bars():
             builder.download_and_prepare()
         report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
@@ -359,11 +356,8 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
 
 @contextlib.contextmanager
 def _no_progress_bars() -> Iterator[None]:
-    """tfds's progress bars off while a copy is built (put back after): the lines before and after say what is
-    going on, and a bad file's one error line would come after a screen of bars."""
-    from tensorflow_datasets.core.utils import tqdm_utils
-
-    shown = getattr(tqdm_utils, "_active", True)
+    """tfds's progress bars off while a copy is built (lines before and after say so; bars would bury an error)."""
+    shown = getattr(tfds.core.utils.tqdm_utils, "_active", True)
     tfds.display_progress_bar(False)
     try:
         yield
