@@ -62,6 +62,11 @@ def run_cli(capsys, program: str, *args: str) -> tuple[int, str, str]:
     from lconv.train import __main__ as train_program
 
     app.define_help_flags()  # absl defines --help & co. on its first run only: keep them out of the snapshot's diff
+    # grain defines absl flags when first imported: imported inside a call, they would be removed after it, and the
+    # next grain pipeline of this process would fail (AttributeError: grain_py_traceback_filtering)
+    from lconv.data import pipeline
+
+    pipeline.import_readers()
     saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
     before = set(flags.FLAGS)
     capsys.readouterr()

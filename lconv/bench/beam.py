@@ -99,7 +99,7 @@ TRAINED_ROWS = (256, 64, 16)  # the trained run's decoding batch sizes, after au
 def test_split(config: Any, tokenizer: Any, limit: int | None = None) -> pipeline.EvalSet:
     """The test split of ``config``'s dataset as eval.py reads it, its first ``limit`` sentences if given."""
     data = DataConfig.from_config(config.data)
-    source, input_key, target_key = sources.get_source(data.dataset, "test", data.data_dir, data.raw_dir)
+    source, input_key, target_key = sources.config_source(data, "test")
     lengths = {"inputs": data.eval_max_input_length, "targets": data.eval_max_target_length}
     split = pipeline.make_eval_set(source, input_key, target_key, tokenizer, lengths, data.eval_batch_size)
     if limit is None or limit >= len(split.tokens):

@@ -3,6 +3,7 @@
     python -m lconv.data                       # every DDTP task, from the bundled snapshot
     python -m lconv.data en_de lm_en           # some (or full names: ddtp/de_en, iwslt14/de_en, lm1b, ...)
     python -m lconv.data en_de --raw_dir=DIR   # from apt Translation-* files instead of the snapshot
+    python -m lconv.data files --raw_dir=DIR --source_lang=xx --target_lang=yy   # check your own files' folder
     python -m lconv.data en_de --data_dir=/tmp/tfds --workdir=/tmp/tok --vocab_size=8000
     python -m lconv.data prepare wmt14/en_de --data_dir=gs://bucket/tfds     # once, where there is network
 
@@ -25,6 +26,7 @@ import numpy as np
 from lconv import console
 from lconv.data import catalog, ddtp, paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 
 
@@ -40,7 +42,7 @@ def _exit_with(message: str) -> None:
 
 def dataset_name(task: str) -> str:
     """A DDTP task (``en_de``) or a dataset name (``ddtp/de_en``, ``lm1b``) -> the dataset name."""
-    if task in sources.DATASETS:
+    if task in sources.DATASETS or task == sources.FILES:
         return task
     if f"ddtp/{task}" in sources.DATASETS:
         return f"ddtp/{task}"
@@ -50,14 +52,20 @@ def dataset_name(task: str) -> str:
 
 
 def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences: int, batch_size: int,
-         raw_dir: str | None = None) -> None:
-    config = dict(dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size,
-                  tokenizer_max_sentences=max_sentences, batch_size=batch_size, eval_batch_size=batch_size,
-                  max_input_length=64, max_target_length=64, read_threads=1)
+         raw_dir: str | None = None, source_lang: str | None = None, target_lang: str | None = None,
+         data_name: str | None = None) -> None:
+    """Counts, the data report and an example batch of dataset ``name``; the rest: your own files' settings
+    (``name="files"``: config.data.source_lang, target_lang and name)."""
+    files = dict(source_lang=source_lang, target_lang=target_lang, name=data_name)
+    config = DataConfig.from_config(dict(
+        dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size, tokenizer_max_sentences=max_sentences,
+        batch_size=batch_size, eval_batch_size=batch_size, max_input_length=64, max_target_length=64, read_threads=1,
+        **(files if name == sources.FILES else {})))
+    name = sources.display_name(config)
     tokenizer = pipeline.load_or_train_tokenizer(config, paths.join(workdir, name.replace("/", "_")),
                                                  process_index=0, process_count=1)
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
-    counts = {"train": len(sources.get_source(name, "train", data_dir, raw_dir)[0])}
+    counts = {"train": len(sources.config_source(config, "train")[0])}
     counts.update({split: len(eval_set.examples) for split, eval_set in data.eval_sets.items()})
     print(f"== {name}: examples {counts}; inputs={data.input_key!r} targets={data.target_key!r}; "
           f"vocab {tokenizer.vocab_size}")
@@ -85,7 +93,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _Parser(prog="python -m lconv.data", description=__doc__.splitlines()[0])
     parser.add_argument("tasks", nargs="*", default=list(ddtp.TASKS), help=f"default: all of {ddtp.TASKS}")
     parser.add_argument("--data_dir", default=data.data_dir, help="default: the configs' (where train.py reads)")
-    parser.add_argument("--raw_dir", default=None, help="apt Translation-* files (ddtp) or IWSLT14 text files")
+    parser.add_argument("--raw_dir", default=None, help="apt Translation-* files (ddtp), IWSLT14 text files, or "
+                        "the folder of your files (files)")
+    for code in ("source_lang", "target_lang"):
+        parser.add_argument(f"--{code}", default=None, help="files: config.data." + code)
+    parser.add_argument("--name", default=None, help="files: config.data.name")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lconv_data_tokenizers"),
                         help="where the inspection's tokenizers go (a run trains its own in its workdir)")
     parser.add_argument("--vocab_size", type=int, default=data.vocab_size, help="default: configs/default.py's")
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name in args.names:
             show(name, args.data_dir, args.workdir, args.vocab_size, args.max_sentences, args.batch_size,
-                 args.raw_dir)
+                 args.raw_dir, source_lang=args.source_lang, target_lang=args.target_lang, data_name=args.name)
     except UserError as err:
         _exit_with(str(err))
 

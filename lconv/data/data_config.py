@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lconv.data import own_files
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.fields import (
     BOOL,
@@ -23,19 +24,29 @@ from lconv.fields import (
 
 _LENGTH = integer(2, " (EOS and at least one token)", maximum=MAX_TOKENS, reason=SIZE_REASON)
 _ROWS = integer(1, maximum=MAX_ROWS, reason=SIZE_REASON)
+_CODE = Rule(own_files.check_code, "None or a code of letters, digits, _ and - (not tsv or jsonl), e.g. de or src")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The dataset, its tokenizer and the input pipeline's batches (``lconv.data.pipeline``)."""
 
-    dataset: str = field("ddtp/en_de", "tfds name[/config]; ddtp/* is built from the corpus bundled with lconv",
+    dataset: str = field("ddtp/en_de", "tfds name[/config]; ddtp/* is built from the corpus bundled with lconv; "
+                         "files = your own files in raw_dir (README, Train on your own data)",
                          Rule(lambda v: isinstance(v, str) and bool(v), "a dataset name, e.g. ddtp/en_de"))
     data_dir: str = field("~/tensorflow_datasets", "where tfds datasets are (or, for ddtp, get) prepared",
                           Rule(lambda v: isinstance(v, str) and bool(v), "a directory"))
-    raw_dir: str | None = field(None, "ddtp: a directory of raw apt Translation-* files (None = the bundled snapshot)",
+    raw_dir: str | None = field(None, "files: the folder of your files (lconv/data/own_files.py); iwslt14: its text "
+                                "files; ddtp: raw apt Translation-* files (None = the bundled snapshot)",
                                 Rule(lambda v: v is None or isinstance(v, str), "a directory or None"),
                                 placeholder=str)
+    source_lang: str | None = field(None, "files: the inputs' code: train.<code> beside train.<target_lang>, the "
+                                    "JSON-lines key; None = a language model (train.txt)", _CODE, placeholder=str)
+    target_lang: str | None = field(None, "files: the targets' code (file suffix, JSON-lines key); None = txt files "
+                                    "and the key text (a language model)", _CODE, placeholder=str)
+    name: str | None = field(None, "files: what logs and the data report call your data (None = raw_dir's folder "
+                             "name)", Rule(lambda v: v is None or (isinstance(v, str) and bool(v.strip())),
+                                           "a name or None"), placeholder=str)
     # An imported vocabulary (a fairseq dictionary) can be smaller than any lconv trains: the rule is the 4 special
     # ids and a piece; training a tokenizer checks its own minimum (tokenizer.MIN_VOCAB_SIZE) when it trains.
     vocab_size: int = field(8000, "joint SentencePiece vocabulary, trained from the training split",

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -143,7 +144,7 @@ def import_readers() -> None:
 def tokenizer_texts(config: Any) -> Iterator[str]:
     """Training-split text of the dataset (inputs and targets interleaved), for the joint tokenizer."""
     cfg = DataConfig.from_config(config)
-    source, input_key, target_key = sources.get_source(cfg.dataset, "train", cfg.data_dir, cfg.raw_dir)
+    source, input_key, target_key = sources.config_source(cfg, "train")
     for example in _in_order(source):
         for key in (input_key, target_key):
             if key is not None:
@@ -189,8 +190,15 @@ def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, pro
             tokenizer_lib.read_tokenizer(epath.Path(shipped)).save(workdir)
             logger.info(f"tokenizer: {shipped} (shipped with lconv: what training on the bundled corpus with these "
                         "settings gives)")
+        training = not (in_workdir or kept_exists or shipped)
+        if training:  # seconds to minutes, reading the training split first: say so before, and how it went after
+            start = time.perf_counter()
+            logger.info(f"tokenizer: training a {cfg.vocab_size:,}-piece SentencePiece model on up to "
+                        f"{cfg.tokenizer_max_sentences:,} training texts of {sources.display_name(cfg)} ...")
         tokenizer = tokenizer_lib.load_or_train(workdir, tokenizer_texts(cfg), cfg.vocab_size,
                                                 max_sentences=cfg.tokenizer_max_sentences, save=save)
+        if training:
+            logger.info(f"tokenizer: trained in {time.perf_counter() - start:.1f} s: {tokenizer.vocab_size:,} pieces")
         if kept is not None and not (kept_exists or in_workdir or shipped):  # trained just now: kept for later runs
             try:
                 tokenizer_files.keep(tokenizer, kept)
@@ -267,12 +275,12 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
         if getattr(cfg, field) % process_count:
             raise UserError(f"{field}={getattr(cfg, field)} is not divisible by process_count={process_count}; "
                             f"change it")
-    if cfg.stream and sources.dataset_spec(cfg.dataset).input_key is not None:
+    if cfg.stream and sources.config_spec(cfg).input_key is not None:
         raise UserError(f"stream=True streams documents to a language model; dataset={cfg.dataset!r} "
                          "has inputs (use a language-modelling dataset, e.g. ddtp/lm_en)")
     _report_vocabulary(cfg, tokenizer)
-    source, input_key, target_key = sources.get_source(cfg.dataset, "train", cfg.data_dir, cfg.raw_dir)
-    report = sources.source_report(cfg.dataset, cfg.data_dir, cfg.raw_dir)
+    source, input_key, target_key = sources.config_source(cfg, "train")
+    report = sources.config_report(cfg)
     if cfg.stream:
         data = make_stream_datasets(cfg, source, input_key, target_key, tokenizer, process_index, process_count)
         return dataclasses.replace(data, source_report=report)
@@ -285,7 +293,7 @@ def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_in
         process_index=process_index, process_count=process_count, read_threads=cfg.read_threads)
     eval_sets = {}
     for split in cfg.eval_splits:
-        eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_source, _, _ = sources.config_source(cfg, split)
         eval_source = eval_caps.capped(eval_source, split, cfg)  # config.data.max_*_examples
         eval_lengths = {"targets": cfg.eval_max_target_length}
         if input_key is not None:
@@ -317,7 +325,7 @@ def make_stream_datasets(config: Any, source: sources.Source, input_key: str | N
                                        process_count=process_count)
     eval_sets = {}
     for split in cfg.eval_splits:
-        eval_source, _, _ = sources.get_source(cfg.dataset, split, cfg.data_dir, cfg.raw_dir)
+        eval_source, _, _ = sources.config_source(cfg, split)
         eval_source = eval_caps.capped(eval_source, split, cfg)  # the first documents
         eval_set = stream.StreamEvalSet(eval_source, target_key, tokenizer, window=window,
                                         rows=cfg.eval_batch_size // process_count,

@@ -4,7 +4,8 @@
 None for language modelling); a source is ``tfds.data_source``-style, ``len(source)`` and
 ``source[i] -> {field: bytes}``, read from array_record files with no TensorFlow. ``ddtp/*`` and ``iwslt14/*``
 are prepared here on first use; the paper's datasets once, with ``python -m lconv.data prepare`` (an unprepared
-one is a one-line error giving the command). Details: docs/data.md.
+one is a one-line error giving the command). Your own files
+(``dataset="files"``): a folder of text pairs, TSV or JSON lines, ``lconv.data.own_files``. Details: docs/data.md.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from lconv.data import ddtp, paths
+from lconv.data import ddtp, own_files, paths
 from lconv.errors import UserError
 
 
@@ -59,12 +60,47 @@ def _specs() -> dict[str, DatasetSpec]:
 
 
 DATASETS = _specs()
+FILES = "files"  # config.data.dataset: your own files in config.data.raw_dir (lconv.data.own_files)
+_FILES_BUILDER = "files/data"
 
 
 def dataset_spec(name: str) -> DatasetSpec:
     if name not in DATASETS:
-        raise UserError(f"dataset={name!r} is unknown; use one of {sorted(DATASETS)}")
+        raise UserError(f"dataset={name!r} is unknown; use one of {sorted(DATASETS)}, or {FILES!r} for your own "
+                        "files in data.raw_dir (README, \"Train on your own data\")")
     return DATASETS[name]
+
+
+def files_layout(config: Any) -> own_files.FileLayout | None:
+    """How your own files read (a ``DataConfig`` whose dataset is ``files``); None for any other dataset."""
+    return own_files.layout_for(config) if config.dataset == FILES else None
+
+
+def config_spec(config: Any) -> DatasetSpec:
+    """The ``DatasetSpec`` of a ``DataConfig``'s dataset, your own files' included."""
+    return _spec(config.dataset, files_layout(config))
+
+
+def display_name(config: Any) -> str:
+    """What logs call a ``DataConfig``'s dataset: its name, or for your own files the name you gave (data.name,
+    else the folder's)."""
+    layout = files_layout(config)
+    return config.dataset if layout is None else layout.name
+
+
+def config_source(config: Any, split: str) -> tuple[Source, str | None, str]:
+    """``get_source`` for a ``DataConfig``."""
+    return get_source(config.dataset, split, config.data_dir, config.raw_dir, layout=files_layout(config))
+
+
+def config_report(config: Any) -> dict:
+    """``source_report`` for a ``DataConfig``."""
+    return source_report(config.dataset, config.data_dir, config.raw_dir, layout=files_layout(config))
+
+
+def config_data_path(config: Any) -> str:
+    """``prepared_data_path`` for a ``DataConfig``."""
+    return prepared_data_path(config.dataset, config.data_dir, config.raw_dir, layout=files_layout(config))
 
 
 def prepare_command(tfds_name: str, data_dir: str) -> str:
@@ -89,18 +125,21 @@ def _data_dir(data_dir: str) -> str:
     return data_dir
 
 
-def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None) -> tuple[Source, str | None, str]:
+def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None,
+               layout: own_files.FileLayout | None = None) -> tuple[Source, str | None, str]:
     """(random-access source, input_key or None, target_key) for dataset ``name`` and split train/validation/test.
 
     raw_dir: for ``ddtp/*`` raw apt Translation files instead of the bundled snapshot; for ``iwslt14/*`` the
-    folder of text files. Each source is prepared into a copy of its own under data_dir (``tfds_ddtp.prepare``).
+    folder of text files. layout: your own files (``name`` is then ``files``; ``config_source`` passes it).
+    Each source is prepared into a copy of its own under data_dir (``tfds_ddtp.prepare``).
     """
-    spec = dataset_spec(name)
+    spec = _spec(name, layout)
     tfds_split = dict(spec.split_names).get(split, split)
     data_dir = _data_dir(data_dir)
-    builder = _builder(spec, data_dir, raw_dir)
+    builder = _builder(spec, data_dir, raw_dir, layout)
     if tfds_split not in builder.info.splits:
-        raise UserError(f"split={split!r} is not in {spec.tfds_name} (has {sorted(builder.info.splits)})")
+        shown = spec.tfds_name if layout is None else f"{layout.name} ({layout.folder})"
+        raise UserError(f"split={split!r} is not in {shown} (has {sorted(builder.info.splits)})")
     try:
         source = builder.as_data_source(split=tfds_split)
     except NotImplementedError as e:  # prepared in TFRecord format
@@ -109,15 +148,16 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None)
     return source, spec.input_key, spec.target_key
 
 
-def source_report(name: str, data_dir: str, raw_dir: str | None = None) -> dict:
+def source_report(name: str, data_dir: str, raw_dir: str | None = None,
+                  layout: own_files.FileLayout | None = None) -> dict:
     """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for a
     ``tfds build`` dataset): the source, its files, key, examples per split, and skipped/altered counts by stage."""
-    spec = dataset_spec(name)
+    spec = _spec(name, layout)
     if not spec.local:
         return {}
     from lconv.data import tfds_ddtp
 
-    return tfds_ddtp.read_report(_builder(spec, _data_dir(data_dir), raw_dir))
+    return tfds_ddtp.read_report(_builder(spec, _data_dir(data_dir), raw_dir, layout))
 
 
 def describe_report(report: Mapping[str, Any]) -> list[str]:
@@ -134,7 +174,14 @@ def describe_report(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None):
+def _spec(name: str, layout: own_files.FileLayout | None) -> DatasetSpec:
+    if layout is None:
+        return dataset_spec(name)
+    kind = "lm" if layout.input_key is None else "translation"  # or summarization: the same pairs
+    return DatasetSpec(_FILES_BUILDER, layout.input_key, layout.target_key, kind, True)
+
+
+def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None, layout: own_files.FileLayout | None = None):
     local = os.path.expanduser(data_dir)
     if not paths.is_url(data_dir) and os.path.exists(local) and not os.path.isdir(local):
         raise UserError(f"config.data.data_dir={data_dir}: is a file, not a directory; name a folder (it is created "
@@ -142,6 +189,8 @@ def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None):
     if spec.local:
         from lconv.data import tfds_ddtp
 
+        if layout is not None:
+            return tfds_ddtp.prepare(spec.tfds_name, data_dir, layout=layout)
         return tfds_ddtp.prepare(spec.tfds_name, data_dir, raw_dir=raw_dir)
     if raw_dir is not None:
         raise UserError(f"raw_dir={raw_dir!r} is only read by the ddtp/* and iwslt14/* datasets; {spec.tfds_name} "
@@ -172,8 +221,9 @@ def _prepared_builder(tfds_name: str, data_dir: str):
     return tfds.builder_from_directory(str(version_dir))
 
 
-def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None) -> str:
+def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None,
+                       layout: own_files.FileLayout | None = None) -> str:
     """The folder dataset ``name``'s prepared copy is read from (a ddtp/iwslt14 source's copy is keyed by its files'
     contents, so another raw_dir or snapshot has another folder); prepares it if need be."""
-    return str(_builder(dataset_spec(name), paths.expand(data_dir), raw_dir).data_dir)
+    return str(_builder(_spec(name, layout), paths.expand(data_dir), raw_dir, layout).data_dir)
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv.data import ddtp, paths
+from lconv.data import ddtp, own_files, paths
 from lconv.errors import UserError
 
 _TASK_FIELDS = {
@@ -128,6 +128,33 @@ class Iwslt14(_LocalBuilder):
             yield i, {"de": de.strip(), "en": en.strip()}
 
 
+class Files(_LocalBuilder):
+    """Your own files in a folder: text pairs, TSV or JSON lines (``lconv.data.own_files``)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="data", description="your files, read as own_files says")]
+
+    def __init__(self, *, layout: own_files.FileLayout, **kwargs):
+        self._layout = layout
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        features = tfds.features.FeaturesDict({key: tfds.features.Text() for key in self._layout.keys})
+        return tfds.core.DatasetInfo(builder=self, description=f"{self._layout.name}: {self.__doc__}",
+                                     features=features, disable_shuffling=True)  # file order: hyps line up
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        found = own_files.find_files(self._layout)
+        self.counts, self.counts_by_split = collections.Counter(), {split: collections.Counter() for split in found}
+        return {split: self._generate_examples(split, files) for split, files in found.items()}
+
+    def _generate_examples(self, split: str, files: Mapping[str, str]) -> Iterator[tuple[int, dict]]:
+        counts = self.counts_by_split[split]
+        yield from enumerate(own_files.read_examples(self._layout, files, counts))
+        self.counts.update({k: n for k, n in counts.items() if k.startswith("records_")})  # lines read, per file
+
+
 def _read_lines(path: str) -> list[str]:
     try:  # decoded whole then split: the same lines as text-mode open() gives (splitlines takes \r\n and \r)
         return epath.Path(path).read_bytes().decode("utf-8").splitlines()
@@ -135,7 +162,7 @@ def _read_lines(path: str) -> list[str]:
         raise UserError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
 
 
-BUILDERS = {"ddtp": Ddtp, "iwslt14": Iwslt14}
+BUILDERS = {"ddtp": Ddtp, "iwslt14": Iwslt14, "files": Files}
 
 
 CACHE_DIRNAME = "lconv_prepared"  # under data_dir: one directory per (dataset, source) prepared
@@ -153,9 +180,12 @@ def _builder_class(name: str) -> tuple[type[_LocalBuilder], str]:
     return cls, config
 
 
-def _source_files(name: str, raw_dir: str | None) -> dict[str, str]:
+def _source_files(name: str, raw_dir: str | None, layout: own_files.FileLayout | None = None) -> dict[str, str]:
     """{role: path} of the files ``name`` is prepared from; a missing one is a UserError naming them all."""
     cls, config = _builder_class(name)
+    if cls is Files:
+        return {paths.basename(path): path for split in own_files.find_files(layout).values()
+                for path in split.values()}
     if cls is Ddtp:
         if raw_dir is None:
             return {split: ddtp.snapshot_file(ddtp.SNAPSHOT_DIR, split) for split in ddtp.SPLITS}
@@ -203,18 +233,22 @@ def _absolute(path: str) -> str:
     return path if paths.is_url(path) else os.path.abspath(path)
 
 
-def source_fingerprint(name: str, raw_dir: str | None = None) -> dict:
+def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.FileLayout | None = None) -> dict:
     """What ``name`` is prepared from: the bundled snapshot or raw_dir, each file's name, size and SHA-256.
 
     The ``"key"`` (hex) names the prepared copy; it depends on the dataset, the builder version and the files'
-    contents only, so moving raw_dir keeps the copy and changing a file makes a new one.
+    contents only, so moving raw_dir keeps the copy and changing a file makes a new one. Your own files
+    (``layout``) are named as the layout names them, and the way they read is part of the key.
     """
     cls, _ = _builder_class(name)
-    files = _source_files(name, raw_dir)
+    files = _source_files(name, raw_dir, layout)
     described = {role: {"file": paths.basename(path), "bytes": _size(path), "sha256": _sha256(path)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
                 "files": {role: d["sha256"] for role, d in described.items()}}
+    if layout is not None:
+        identity["layout"] = layout.identity()
+        name, raw_dir = layout.name, layout.folder
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return {"dataset": name, "version": str(cls.VERSION), "key": key,
             "raw_dir": None if raw_dir is None else _absolute(raw_dir),
@@ -231,28 +265,33 @@ def bundled_source_key(name: str) -> str | None:
     return source_fingerprint(name)["key"]
 
 
-def prepare(name: str, data_dir: str, raw_dir: str | None = None) -> tfds.core.DatasetBuilder:
-    """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en") from its source as array_record in data_dir, unless a
-    copy from the same source is there; returns a builder reading that copy (docs/data.md)."""
+def prepare(name: str, data_dir: str, raw_dir: str | None = None,
+            layout: own_files.FileLayout | None = None) -> tfds.core.DatasetBuilder:
+    """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en", "files/data" with ``layout``) from its source as
+    array_record in data_dir, unless a copy from the same source is there; returns a builder reading that copy
+    (docs/data.md)."""
     cls, config = _builder_class(name)
     data_dir = paths.normalize(data_dir)
     paths.check_url(data_dir, "data_dir")
-    fingerprint = source_fingerprint(name, raw_dir)
-    copy_name = f"{name.replace('/', '_')}-{fingerprint['key']}"
+    fingerprint = source_fingerprint(name, raw_dir, layout)
+    options = {"raw_dir": raw_dir} if layout is None else {"layout": layout}  # the builder's own arguments
+    label = name.replace("/", "_") if layout is None else own_files.copy_label(layout)
+    copy_name = f"{label}-{fingerprint['key']}"
     copy_dir = paths.join(data_dir, CACHE_DIRNAME, copy_name)
     if paths.is_url(data_dir):
-        read_dir = _mirror_url_copy(name, copy_dir, os.path.join(paths.local_cache_dir(), copy_name), raw_dir,
+        read_dir = _mirror_url_copy(name, copy_dir, os.path.join(paths.local_cache_dir(), copy_name), options,
                                     fingerprint)
     else:
         read_dir = copy_dir
         if not _is_complete(copy_dir, name):
             try:
-                _prepare_copy(name, copy_dir, raw_dir, fingerprint)
+                _prepare_copy(name, copy_dir, options, fingerprint)
             except PermissionError as e:
-                raise UserError(f"data_dir={data_dir!r} is not writable ({e.strerror}: {e.filename}); {name} "
+                raise UserError(f"data_dir={data_dir!r} is not writable ({e.strerror}: {e.filename}); "
+                                f"{fingerprint['dataset']} "
                                 "needs to be prepared there once: use a writable data_dir") from e
-    builder = cls(config=config, data_dir=read_dir, raw_dir=raw_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD)
-    if not paths.is_url(data_dir):  # object stores have no symlinks
+    builder = cls(config=config, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
+    if not paths.is_url(data_dir) and layout is None:  # object stores have no symlinks; your files, no tfds name
         _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
 
@@ -266,24 +305,35 @@ def _is_complete(copy_dir: str, name: str) -> bool:
     return epath.Path(_report_path(copy_dir, name, _builder_class(name)[0].VERSION)).is_file()
 
 
-def _prepare_copy(name: str, copy_dir: str, raw_dir: str | None, fingerprint: dict) -> None:
+def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) -> None:
     """Builds the copy in a local directory of this process's own, then renames it to ``copy_dir`` in one step."""
     cls, config = _builder_class(name)
     os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
     temp_dir = paths.unique_temp(copy_dir)  # unique: processes preparing together never share files
     with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, temp_dir, ignore_errors=True)
-        builder = cls(config=config, data_dir=temp_dir, raw_dir=raw_dir,
-                      file_format=tfds.core.FileFormat.ARRAY_RECORD)
-        print(f"Preparing {name} from {fingerprint['source']} ...", flush=True)  # as tfds does: seconds to minutes
-        builder.download_and_prepare()
+        builder = cls(config=config, data_dir=temp_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
+        print(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ...", flush=True)  # as tfds does
+        with _no_progress_bars():
+            builder.download_and_prepare()
         report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
                   **_counts_report(builder.counts, builder.counts_by_split)}
         with open(os.path.join(builder.data_dir, REPORT_FILENAME), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, ensure_ascii=False)
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
         _commit(temp_dir, copy_dir, name)
-        print(f"Prepared {name} ({report['examples']} examples) in {copy_dir}", flush=True)
+        print(f"Prepared {fingerprint['dataset']} ({report['examples']} examples) in {copy_dir}", flush=True)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """tfds's progress bars off while a copy is built (lines before and after say so; bars would bury an error)."""
+    shown = getattr(tfds.core.utils.tqdm_utils, "_active", True)
+    tfds.display_progress_bar(False)
+    try:
+        yield
+    finally:
+        tfds.display_progress_bar(shown)
 
 
 @contextlib.contextmanager
@@ -317,7 +367,7 @@ def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
                             "run again") from None
 
 
-def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, raw_dir: str | None, fingerprint: dict) -> str:
+def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fingerprint: dict) -> str:
     """For a URL data_dir: makes sure the copy is both at ``copy_dir`` (shared, e.g. by a pod's hosts) and at
     ``local_dir`` (read by array_record at local speed); returns ``local_dir``."""
     on_url = _is_complete(copy_dir, name)
@@ -331,14 +381,14 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, raw_dir: str | No
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
         else:
-            _prepare_copy(name, local_dir, raw_dir, fingerprint)
+            _prepare_copy(name, local_dir, options, fingerprint)
     if not on_url:
         try:
             paths.upload_tree(local_dir, copy_dir, commit_last=[REPORT_FILENAME])
         except OSError as e:
             raise UserError(f"data_dir: cannot write {copy_dir} ({type(e).__name__}: {e}); check that data_dir "
                             "is reachable and writable and run again (the upload is redone)") from e
-        print(f"Stored {name} in {copy_dir}", flush=True)
+        print(f"Stored {fingerprint['dataset']} in {copy_dir}", flush=True)
     return local_dir
 
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from lconv.data import ddtp, paths, sources
@@ -25,8 +26,9 @@ def kept_dir(config: Any) -> str:
     from lconv.data import tfds_ddtp  # imports tensorflow_datasets: seconds, so only when asked
 
     cfg = DataConfig.from_config(config)
-    data = sources.prepared_data_path(cfg.dataset, cfg.data_dir, cfg.raw_dir)
-    name = (f"{cfg.dataset.replace('/', '_')}-{hashlib.sha256(data.encode()).hexdigest()[:12]}-v{cfg.vocab_size}"
+    data = sources.config_data_path(cfg)
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", sources.display_name(cfg))  # ddtp/en_de -> ddtp_en_de; your name
+    name = (f"{label}-{hashlib.sha256(data.encode()).hexdigest()[:12]}-v{cfg.vocab_size}"
             f"-n{cfg.tokenizer_max_sentences}-t{tokenizer_lib.TRAINING_VERSION}")
     return paths.join(paths.expand(cfg.data_dir), tfds_ddtp.CACHE_DIRNAME, KEPT_TOKENIZERS, name)
 

@@ -173,23 +173,34 @@ class Checkpointer:
 
 
 class BestCheckpointer:
-    """The state with the lowest validation loss so far: one checkpoint in ``<workdir>/best`` whose JSON item is
-    ``{"step", "validation_loss"}``. A resumed run reads the loss to beat back from it."""
+    """The state with the best validation score so far: one checkpoint in ``<workdir>/best`` whose JSON item is
+    ``{"step", "validation_loss"}``, and ``validation_<metric>`` when another metric (``config.train.best_metric``,
+    ``lconv.train.eval_control``) picks it. A resumed run reads the value to beat back from it (none recorded for
+    its metric: the first pass sets it)."""
 
-    def __init__(self, workdir: str, *, checksums: bool = True, async_save: bool = False) -> None:
+    def __init__(self, workdir: str, *, checksums: bool = True, async_save: bool = False, metric: str = "loss",
+                 higher_is_better: bool = False) -> None:
         self.checkpointer = Checkpointer(workdir, keep=1, save_every=1, subdir="best", checksums=checksums,
                                          async_save=async_save)
+        self.metric, self.higher_is_better = metric, higher_is_better
+        self.key = "validation_loss" if metric == "loss" else f"validation_{metric}"
         step = self.checkpointer.latest_step()
-        self.loss = math.inf if step is None else float(self.checkpointer.read_data(step)["validation_loss"])
+        record = {} if step is None else self.checkpointer.read_data(step)
+        self.value = float(record[self.key]) if self.key in record else -math.inf if higher_is_better else math.inf
 
-    def offer(self, step: int, state: PyTree, validation_loss: float) -> bool:
-        """Saves ``state`` if its loss beats the best so far; returns whether it did."""
-        if not validation_loss < self.loss:
+    def beats(self, value: float) -> bool:
+        """Whether ``value`` is better than the best so far."""
+        return value > self.value if self.higher_is_better else value < self.value
+
+    def offer(self, step: int, state: PyTree, validation_loss: float, value: float | None = None) -> bool:
+        """Saves ``state`` if its ``value`` (by default its loss) beats the best so far; returns whether it did."""
+        value = validation_loss if value is None else value
+        if not self.beats(value):
             return False
-        saved = self.checkpointer.save(step, state, {"step": int(step), "validation_loss": float(validation_loss)},
-                                       force=True)
+        record = {"step": int(step), "validation_loss": float(validation_loss), self.key: float(value)}
+        saved = self.checkpointer.save(step, state, record, force=True)
         if saved:
-            self.loss = float(validation_loss)
+            self.value = float(value)
         return saved
 
     def close(self) -> None:

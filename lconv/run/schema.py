@@ -137,6 +137,15 @@ class TrainConfig:
                            "random init", Rule(lambda v: isinstance(v, str), "a workdir path or URL, or '' (none)"))
     init_checkpoint: str = field("latest", "init_from's latest checkpoint, or its best by validation loss",
                                  choice("latest", "best"))
+    best_metric: str = field("loss", "what picks <workdir>/best and early stopping: validation loss, or the BLEU "
+                             "(translation) / ROUGE-L (summarization) of the validation split decoded at each "
+                             "validation pass (lconv/train/eval_control.py)", choice("loss", "bleu", "rougeL"))
+    validation_beam_size: int = field(1, "best_metric bleu/rougeL: the validation decode's beam (1 = greedy, the "
+                                      "fastest)", _POSITIVE)
+    validation_lenpen: float = field(1.0, "best_metric bleu/rougeL: the validation decode's length penalty",
+                                     _NON_NEGATIVE_NUMBER)
+    patience: int = field(0, "stop training after this many validation passes in a row without a better "
+                          "best_metric (counted from the run's start or resume); 0 = never", _NON_NEGATIVE)
     checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
     async_checkpoints: bool = field(True, "checkpoint files are written while training goes on (orbax async)", BOOL)
 
@@ -249,6 +258,8 @@ def validate_config(config: Any) -> Settings:
         if section not in (ModelConfig, DataConfig):  # the model's fields are checked by ModelConfig, below
             check_values(section, values[name], f"config.{name}")
     _check_splits(values)
+    _check_own_files(values)
+    _check_best_metric(values)
     if values["data"]["stream"] and values["task"] != "lm":
         raise UserError(f"config.data.stream=True feeds document streams to a language model; it needs task=lm, "
                         f"not {values['task']!r}")
@@ -267,6 +278,31 @@ def validate_config(config: Any) -> Settings:
                         f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
                         "probability onto the ids the decoder cannot predict)")
     return Settings(values["task"], model_cfg, data, DecodeSettings.build(values["decode"]))
+
+
+def _check_best_metric(values: Mapping[str, Any]) -> None:
+    """BLEU picks a translation run's best checkpoint, ROUGE-L a summarizer's; the loss any run's."""
+    train, task = values["train"], values["task"]
+    allowed = {"translation": ("loss", "bleu"), "summarization": ("loss", "rougeL")}.get(task, ("loss",))
+    if train["best_metric"] not in allowed:
+        raise UserError(f"config.train.best_metric={train['best_metric']!r}: a {task} run is scored by "
+                        f"{' or '.join(allowed)}")
+    check_search(beam_size=train["validation_beam_size"], lenpen=train["validation_lenpen"],
+                 spell=lambda name: f"config.train.validation_{name}", vocab_size=values["data"]["vocab_size"])
+
+
+def _check_own_files(values: Mapping[str, Any]) -> None:
+    """Your own files (``data.dataset=files``) hold pairs for translation and summarization, texts for an LM: the
+    language codes say which, so they must agree with the task."""
+    data, task = values["data"], values["task"]
+    if data["dataset"] != "files":
+        return
+    if task == "lm" and data["source_lang"] is not None:
+        raise UserError(f"config.data.source_lang={data['source_lang']!r}: a language model (task=lm) reads texts "
+                        "alone; leave source_lang unset")
+    if task != "lm" and (data["source_lang"] is None or data["target_lang"] is None):
+        raise UserError(f"config.task={task!r} reads pairs of your files: set config.data.source_lang and "
+                        "config.data.target_lang (xx and yy for train.xx + train.yy)")
 
 
 def _check_splits(values: Mapping[str, Any]) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from lconv.bench import timing
 from lconv.constants import PAD_ID
 from lconv.data import sources
+from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import search
 from lconv.run import model_setup, restore
@@ -115,7 +116,7 @@ def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
 
 def word_count(config: Any, split: str) -> int:
     """Words in an LM split: whitespace-separated words plus one end of document per non-empty document."""
-    source, _, key = sources.get_source(config.data.dataset, split, config.data.data_dir, config.data.raw_dir)
+    source, _, key = sources.config_source(DataConfig.from_config(config.data), split)
     total = 0
     for i in range(len(source)):
         value = source[i][key]

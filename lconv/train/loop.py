@@ -30,7 +30,7 @@ from lconv.infer import compiled, split_scoring
 from lconv.run import checkpoints, integrity, loss_pass, metrics, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.train import budget as budget_lib
-from lconv.train import init_from, logs, setup, steps
+from lconv.train import eval_control, init_from, logs, setup, steps
 from lconv.train import schedule as schedule_lib
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,9 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
     verify, async_save = config.train.checkpoint_checksums, config.train.async_checkpoints
     ckpt = checkpoints.Checkpointer(run.workdir, keep=config.train.keep_checkpoints,
                                     save_every=config.train.checkpoint_every, checksums=verify, async_save=async_save)
-    best = checkpoints.BestCheckpointer(run.workdir, checksums=verify, async_save=async_save)
+    control = eval_control.EvalControl.from_config(config.train)  # the metric of the best checkpoint, patience
+    best = eval_control.best_checkpointer(control, run.workdir, checksums=verify, async_save=async_save)
+    tracker = eval_control.Tracker(control, best)
     if ckpt.latest_step() is not None:
         run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state))
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
@@ -192,14 +194,14 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
     def score_validation(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
         scores = loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn,
                                          run.data.eval_sets["validation"], run.mesh, eval_state, stop_when)
+        scores = tracker.after_validation(run, step, scores, stop_when)  # + BLEU / ROUGE-L if chosen; offered
         writer.write(step, "validation", scores)
-        if "unscored_batches" not in scores:  # a part of the split is not comparable with earlier passes
-            best.offer(step, run.state, scores["loss"])
         return scores
 
     with integrity.orbax_errors_to_file(ckpt.error_log):
         try:
-            return _train_within_budget(run, ckpt, best, writer, score_validation, eval_step, started)
+            return _train_within_budget(run, ckpt, best, writer, score_validation, eval_step, started,
+                                        tracker.stop_reason)
         except Exception as err:
             if not checkpoints.is_disk_full(err):
                 raise
@@ -208,7 +210,8 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
 
 def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: checkpoints.BestCheckpointer,
                          writer: logs.MetricWriter, score_validation: Callable[[int], Any],
-                         eval_step: Callable[..., Any], started: float) -> dict[str, Any]:
+                         eval_step: Callable[..., Any], started: float,
+                         early_stop: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
     """Trains within ``train.max_minutes`` (its final evaluation's share measured and reserved), then runs the
     final evaluation unless a signal stopped training; returns the run's result."""
     t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
@@ -231,7 +234,7 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         else:
             if budget.enabled and jax.process_count() == 1 and budget_lib.clock() >= budget.training_end():
                 budget.check_useful(int(run.state.step), run.config.train.max_minutes)  # setup took it all
-            step, stopped_by = train(run, ckpt, writer, score_validation, budget)
+            step, stopped_by = train(run, ckpt, writer, score_validation, budget, early_stop)
     except BaseException:
         best.close()  # complete a best checkpoint still being written
         raise
@@ -330,10 +333,11 @@ def _record_final_evaluation(workdir: str, step: int | None) -> None:
 
 
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
-          score_validation: Callable[[int], Any], budget: budget_lib.Budget) -> tuple[int, str | None]:
+          score_validation: Callable[[int], Any], budget: budget_lib.Budget,
+          early_stop: Callable[[], str | None] = lambda: None) -> tuple[int, str | None]:
     """Steps ``run.state`` to ``train.num_steps`` (or until ``budget`` leaves only the final evaluation's time,
-    SIGTERM or SIGINT); returns ``(last step, the signal that stopped it or None)``. Saves the final checkpoint and
-    closes ``ckpt``."""
+    SIGTERM or SIGINT, or ``early_stop`` gives a reason after a validation pass); returns ``(last step, the signal
+    that stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
     config, mesh = run.config, run.mesh
     sharding = model_setup.batch_sharding(mesh)
     train_step = run.train_step or steps.jit_train_step(config, run.lr_schedule, run.state_shardings, mesh)
@@ -376,6 +380,8 @@ def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWri
                     window_sums, window_start = None, time.time()
                 if step % config.train.eval_every == 0 and step < num_steps:
                     score_validation(step)
+                    if not stopping and early_stop():  # agreed: every process has the same scores
+                        stop_reason, stopping = early_stop(), True
                 if not spiking:  # a state in a loss spike is never checkpointed
                     ckpt.save(step, run.state, data_item, force=stopping)
                 if stopping:

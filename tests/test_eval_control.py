@@ -1,0 +1,89 @@
+"""Evaluation control (lconv/train/eval_control.py): the best checkpoint by a chosen metric, kept across a resume,
+and early stopping after ``train.patience`` validation passes without a better value."""
+import json
+
+import helpers
+import jax
+import numpy as np
+import pytest
+
+from lconv.errors import UserError
+from lconv.run import checkpoints
+from lconv.train import eval_control
+
+
+def test_the_best_checkpoint_by_bleu_keeps_the_highest_and_a_resume_reads_it_back(tmp_path):
+    state = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
+    control = eval_control.EvalControl("bleu", beam_size=1, lenpen=1.0, patience=2)
+    best = eval_control.best_checkpointer(control, str(tmp_path), async_save=False)
+    tracker = eval_control.Tracker(control, best)
+    decoded = iter([5.0, 7.0, 6.0, 7.0])  # the BLEU of each pass's validation decode
+    tracker._decode = lambda run, stop_when: {"bleu": next(decoded)}
+    run = type("Run", (), {"state": state})
+    stops = []
+    for step, loss in zip((2, 4, 6, 8), (3.0, 2.0, 1.0, 0.5)):
+        scores = tracker.after_validation(run, step, {"loss": loss})
+        stops.append(tracker.stop_reason())
+        assert scores["bleu"] == best.value if step <= 4 else scores["bleu"] <= best.value
+    assert stops[:3] == [None, None, None] and "2 validation pass(es)" in stops[3] and "bleu" in stops[3]
+    best.close()
+    assert best.checkpointer.read_data(4) == {"step": 4, "validation_loss": 2.0, "validation_bleu": 7.0}
+    resumed = eval_control.best_checkpointer(control, str(tmp_path))
+    assert resumed.value == 7.0 and not resumed.beats(7.0) and resumed.beats(7.5)
+    by_loss = eval_control.best_checkpointer(eval_control.EvalControl("loss", 1, 1.0, 0), str(tmp_path))
+    assert by_loss.value == 2.0 and by_loss.beats(1.9)  # the record keeps the loss too
+    for checkpointer in (resumed, by_loss):
+        checkpointer.close()
+
+
+def test_a_pass_cut_short_is_neither_scored_nor_counted():
+    control = eval_control.EvalControl("loss", 1, 1.0, patience=1)
+    tracker = eval_control.Tracker(control, best=None)  # never reached: nothing is offered
+    assert tracker.after_validation(None, 5, {"loss": 9.0, "unscored_batches": 3}) == {"loss": 9.0,
+                                                                                       "unscored_batches": 3}
+    assert tracker.stop_reason() is None
+
+
+@pytest.mark.parametrize("task, fields, named", [
+    ("lm", dict(best_metric="bleu"), ["config.train.best_metric='bleu'", "lm", "loss"]),
+    ("translation", dict(best_metric="rougeL"), ["config.train.best_metric='rougeL'", "bleu"]),
+    ("translation", dict(validation_beam_size=0), ["config.train.validation_beam_size"]),
+    ("summarization", dict(patience=-1), ["config.train.patience"]),
+])
+def test_the_settings_are_checked_with_the_config(task, fields, named):
+    from lconv.configs import common
+    from lconv.run import schema
+
+    config = common.base_config()
+    config.task = task
+    if task == "lm":
+        config.model.encoder_layers = 0
+    config.train.update(fields)
+    with pytest.raises(UserError) as error:
+        schema.validate_config(config)
+    helpers.one_line_error(error, *named)
+
+
+@pytest.mark.slow  # trains and decodes a tiny model in this process: compiles for many seconds
+def test_a_run_picks_its_best_by_bleu_and_stops_after_patience(tiny_data, tmp_path, lconv_log):
+    import tiny_config
+
+    from lconv.train import loop
+
+    config = tiny_config.training_config(tiny_data.data_dir, num_steps=12, eval_every=2,
+                                         best_metric="bleu", patience=1)
+    config.data.max_validation_examples = 16  # the validation decode: a few seconds
+    workdir = helpers.new_workdir(tiny_data, tmp_path / "run")
+    result = loop.train_and_evaluate(config, str(workdir), devices=jax.devices("cpu")[:1])
+    with open(workdir / "metrics.jsonl") as f:
+        passes = [(r["step"], r["bleu"]) for r in map(json.loads, f) if r["split"] == "validation"]
+    # patience=1: training stops at the first pass whose BLEU is not above every earlier one
+    expected_stop = next((step for i, (step, bleu) in enumerate(passes[1:], 1)
+                          if bleu <= max(b for _, b in passes[:i])), 12)
+    assert result["step"] == expected_stop
+    if expected_stop < 12:
+        assert any(f"stopping at step {expected_stop}: early stopping" in line for line in lconv_log())
+    best = checkpoints.BestCheckpointer(str(workdir), metric="bleu", higher_is_better=True)
+    record = best.checkpointer.read_data(best.checkpointer.latest_step())
+    assert record["validation_bleu"] == max(bleu for _, bleu in passes) and "validation_loss" in record
+    best.close()
