@@ -223,7 +223,7 @@ def fairseq_worker(settings: Settings, launched: float, args: dict[str, Any], vo
         trainer.train_step([sample])
 
     def profile(n):
-        return profiler().fairseq_profile(step, model, n)
+        return profiler().fairseq_profile(step, model, criterion, n)
 
     params = sum(p.numel() for p in model.parameters())
     serve(step, int(sample["ntokens"]), launched, dict(params=params, torch_threads=torch.get_num_threads()),
