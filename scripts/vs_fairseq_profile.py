@@ -112,11 +112,11 @@ def lconv_profile(step: Callable[[], Any], compiled, steps: int) -> dict[str, An
     classes = hlo_classes(compiled.as_text())
     step()
     logdir = tempfile.mkdtemp(prefix="vs_fairseq_trace_")
-    start = time.perf_counter()
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        start = time.perf_counter()  # inside: the profiler's own start and stop are not the step's
         for _ in range(steps):
             step()
-    wall_us = (time.perf_counter() - start) * 1e6
+        wall_us = (time.perf_counter() - start) * 1e6
     path = glob.glob(f"{logdir}/**/perfetto_trace.json.gz", recursive=True)[-1]
     events = profile.read_events(path)
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
@@ -206,11 +206,11 @@ def fairseq_profile(step: Callable[[], Any], model, criterion, steps: int) -> di
 
     scope_modules(model, criterion)
     step()
-    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()  # inside: the profiler's own start and stop are not the step's
         for _ in range(steps):
             step()
-    wall_us = (time.perf_counter() - start) * 1e6
+        wall_us = (time.perf_counter() - start) * 1e6
     events = prof.events()
     forward_class = {}  # autograd node (sequence number) -> the class of the forward op that made it
     for e in events:
