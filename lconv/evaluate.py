@@ -16,7 +16,7 @@ an LM run, ``--source_file`` holds prompts and the output file their continuatio
 gets k hypotheses (k <= the beam size; or k samples), written as fairseq-generate writes them, best first: a line
 ``H-<i>``, score, text and a line ``P-<i>``, the token log-probabilities (tab-separated; ``i`` the 0-based line; see
 docs/training.md). ``--workdir`` may be a URL
-(``gs://...``) or read-only: only a split's outputs (and, when it can, the compilation cache) are written into it.
+(``gs://...``) or read-only: only a split's outputs are written into it (the compilation cache is this user's).
 Bad flags (and flag combinations), unreadable or non-UTF-8 input files and unwritable outputs are reported in one
 line (exit code 2) before anything is loaded. A blank --source_file line gets an empty output line; a line longer
 than config.data.eval_max_input_length tokens is cut to it with a warning naming it; both are counted in the

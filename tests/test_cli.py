@@ -348,9 +348,10 @@ def test_asking_an_absl_entry_point_for_help_prints_its_flags_and_succeeds(entry
 
 
 @pytest.mark.slow  # launches a process: the slow tier
-def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_cache(tmp_path):
-    """eval.py keeps what it compiles in <workdir>/compilation_cache: the same command again compiles nothing
-    (every program a persistent-cache hit, none a miss), adds no entry and writes the same outputs."""
+def test_a_second_eval_reads_every_program_back_from_the_users_compilation_cache(tmp_path):
+    """eval.py keeps what it compiles in this user's cache folder, not the workdir (an entry is code): the same
+    command again compiles nothing (every program a persistent-cache hit, none a miss), adds no entry and writes the
+    same outputs."""
     from lconv.interop import fairseq_workdir
 
     fixtures = ROOT / "tests" / "fixtures" / "fairseq"
@@ -360,8 +361,10 @@ def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_ca
     sources = (fixtures / "test.src").read_text(encoding="utf-8").splitlines()[:4]
     (tmp_path / "sources.txt").write_text("\n".join(sources) + "\n", encoding="utf-8")
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_LOG_COMPILES": "1",
-           "JAX_EXPLAIN_CACHE_MISSES": "1"}  # cache every program; log each hit and miss
+           "JAX_EXPLAIN_CACHE_MISSES": "1",  # cache every program; log each hit and miss
+           "XDG_CACHE_HOME": str(tmp_path / "xdg")}  # the user's cache, here rather than the real ~/.cache
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cache = tmp_path / "xdg" / "lconv" / runtime.COMPILATION_CACHE
 
     def evaluate(output):
         done = subprocess.run([sys.executable, "eval.py", f"--workdir={workdir}",
@@ -371,9 +374,10 @@ def test_a_second_eval_reads_every_program_back_from_the_workdirs_compilation_ca
         return done.stderr
 
     first = evaluate("first.txt")
-    entries = sorted(os.listdir(workdir / runtime.COMPILATION_CACHE))
+    entries = sorted(os.listdir(cache))
     assert "PERSISTENT COMPILATION CACHE MISS" in first and entries
+    assert not (workdir / runtime.COMPILATION_CACHE).exists()
     second = evaluate("second.txt")
     assert "Persistent compilation cache hit" in second and "PERSISTENT COMPILATION CACHE MISS" not in second
-    assert sorted(os.listdir(workdir / runtime.COMPILATION_CACHE)) == entries
+    assert sorted(os.listdir(cache)) == entries
     assert (tmp_path / "second.txt").read_text() == (tmp_path / "first.txt").read_text()

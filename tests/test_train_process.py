@@ -48,12 +48,14 @@ def _launch(prepared, workdir, *overrides, devices=8, env=None, data_dir=None):
     command = [sys.executable, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
                f"--config.data.data_dir={data_dir or tiny_data.data_dir}", *overrides]
     # A single process inherits $JAX_COMPILATION_CACHE_DIR (tests/conftest.py): the launches share compiled
-    # programs. Processes of a multi-process run keep train.py's own per-workdir cache, as a user's run does.
+    # programs. Processes of a multi-process run keep train.py's default cache, as a user's run does: the user's
+    # folder, here one beside the workdir for each run ($XDG_CACHE_HOME) rather than the real ~/.cache.
     full_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1",
                 "XLA_FLAGS": helpers.xla_flags(devices), **(env or {})}
     if "LCONV_NUM_PROCESSES" in full_env:
         full_env.pop("JAX_COMPILATION_CACHE_DIR", None)
         full_env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
+        full_env["XDG_CACHE_HOME"] = f"{workdir}.user_cache"
     return subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

@@ -1,7 +1,10 @@
 """A run someone hands over is data, not code (issue 56): a ``"module:Class"`` plugin its stored config.json
 names is imported only with ``trust_plugins=True`` / ``--trust_plugins``, or when this process has it already.
-Every reader of a stored config refuses it in one line naming the module and the opt-in, before importing."""
+Every reader of a stored config refuses it in one line naming the module and the opt-in, before importing. A
+compilation-cache entry a workdir carries (native code) is never read: the cache is this user's."""
+import contextlib
 import json
+import os
 import shutil
 import sys
 import uuid
@@ -105,3 +108,58 @@ def test_a_fairseq_checkpoint_that_would_run_code_is_refused_without_the_opt_in(
         fairseq.read_checkpoint(str(path))
     helpers.one_line_error(error, str(path), "--trust_checkpoint")
     assert not marker.exists()
+
+
+@contextlib.contextmanager
+def _jax_cache_config():
+    """Puts back the compilation-cache settings ``enable_compilation_cache`` changes (tests/conftest.py set them)."""
+    import jax
+
+    saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
+    try:
+        yield jax.config
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+
+
+def test_a_compilation_cache_entry_planted_in_a_workdir_is_not_read(tmp_path, monkeypatch, lconv_log):
+    """A downloaded workdir's compilation_cache/ held an entry copied over another program's name, and eval.py ran
+    it: by default the cache is this user's folder, created for its owner alone, never the workdir's."""
+    from lconv.cli import runtime
+
+    workdir = tmp_path / "run"
+    planted = workdir / runtime.COMPILATION_CACHE / "jit_hypotheses-0123abcd-cache"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"native code from elsewhere")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    user = tmp_path / "xdg" / "lconv" / runtime.COMPILATION_CACHE
+    with _jax_cache_config() as config:
+        assert runtime.enable_compilation_cache(str(workdir)) == str(user)
+        assert config.jax_compilation_cache_dir == str(user)
+    assert os.listdir(user) == [] and os.stat(user).st_mode & 0o777 == 0o700
+    (line,) = [m for m in lconv_log() if "is not read" in m]
+    assert str(planted.parent) in line and str(user) in line
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert runtime.user_compilation_cache() == str(tmp_path / "home" / ".cache" / "lconv" / runtime.COMPILATION_CACHE)
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda folder: folder.parent.mkdir(parents=True) or folder.write_text("x"), "is not a folder"),
+    (lambda folder: folder.mkdir(parents=True) or folder.chmod(0o777), "can be written by other users"),
+], ids=["a_file", "writable_by_others"])
+def test_a_user_cache_that_cannot_hold_code_safely_is_one_warning_and_the_cache_off(make, problem, tmp_path,
+                                                                                    monkeypatch, lconv_log):
+    """The default folder unusable, or open to other users' planted entries: one warning, compiling every time."""
+    from lconv.cli import runtime
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    make(tmp_path / "xdg" / "lconv" / runtime.COMPILATION_CACHE)
+    with _jax_cache_config() as config:
+        assert runtime.enable_compilation_cache(str(tmp_path / "run")) is None
+        assert config.jax_enable_compilation_cache is False
+    (line,) = [m for m in lconv_log() if "compiled programs" in m]
+    assert problem in line and "--compilation_cache" in line

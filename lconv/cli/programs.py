@@ -16,9 +16,10 @@ FLAGS = flags.FLAGS
 
 
 def define_compilation_cache() -> None:
-    flags.DEFINE_string("compilation_cache", None, "Where compiled XLA programs are kept for the next run of this "
-                        "workdir (default: $JAX_COMPILATION_CACHE_DIR if set, else <workdir>/compilation_cache); "
-                        "'none' compiles every time.")
+    flags.DEFINE_string("compilation_cache", None, "Where compiled XLA programs are kept for later runs (default: "
+                        "$JAX_COMPILATION_CACHE_DIR if set, else lconv/compilation_cache in this user's "
+                        "$XDG_CACHE_HOME or ~/.cache, never the workdir's: an entry is code); 'none' compiles every "
+                        "time.")
 
 
 def define_trust_plugins() -> None:

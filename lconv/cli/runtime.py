@@ -71,33 +71,44 @@ def initialize() -> None:
     check_backend()
 
 
-COMPILATION_CACHE = "compilation_cache"  # the default cache folder, inside the run's workdir
+COMPILATION_CACHE = "compilation_cache"  # the cache folder's name: this user's, and older runs' in their workdir
+
+
+def user_compilation_cache() -> str:
+    """The default cache folder: this user's (``$XDG_CACHE_HOME/lconv/compilation_cache``, else under
+    ``~/.cache``), shared by every run on this machine. Never a workdir's: an entry is native code that JAX runs,
+    and a workdir from elsewhere is data."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lconv", COMPILATION_CACHE)
 
 
 def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | None:
     """Keeps the programs a run compiles in a folder (JAX's persistent cache, keyed by program, options, device and
     jax version), so a resumed run or a later ``eval.py`` reads them back. Call before anything compiles.
 
-    ``choice``: a folder (local or URL), ``"none"``, or None for ``$JAX_COMPILATION_CACHE_DIR`` else
-    ``<workdir>/compilation_cache`` unless this process cannot write it. Returns the folder in use, or None."""
+    ``choice``: a folder (local or URL), ``"none"``, or None for ``$JAX_COMPILATION_CACHE_DIR`` else this user's
+    folder (``user_compilation_cache``), never one inside ``workdir``. Returns the folder in use, or None."""
     import jax
-    from etils import epath
 
     if choice is not None and choice.lower() == "none":
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    folder = (choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-              or os.fspath(epath.Path(workdir) / COMPILATION_CACHE))
-    if not (choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")) and _read_only(folder):
-        return None  # a read never writes into the workdir
-    problem = _unusable(folder)
+    chosen = choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    folder = chosen or user_compilation_cache()
+    problem = _unusable(folder) or (None if chosen else _make_private(folder))
     if problem and choice:
         raise UserError(f"--compilation_cache={choice}: {problem}; name a folder this process can write, or none")
-    if problem:  # $JAX_COMPILATION_CACHE_DIR: said once here, rather than by JAX at every compile
-        logging.getLogger(__name__).warning(f"compiled programs are not kept: {folder} {problem} "
-                                            "($JAX_COMPILATION_CACHE_DIR)")
+    if problem:  # said once here, rather than by JAX at every compile
+        source = "$JAX_COMPILATION_CACHE_DIR" if chosen else "this user's cache; --compilation_cache=DIR names another"
+        logging.getLogger(__name__).warning(f"compiled programs are not kept: {folder} {problem} ({source})")
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    old = os.path.join(workdir, COMPILATION_CACHE)
+    if not paths.is_url(workdir) and os.path.isdir(old) and os.path.realpath(old) != os.path.realpath(folder):
+        logging.getLogger(__name__).info(f"{old} is not read (a cache entry is code, a workdir is data); "
+                                         f"compiled programs are kept in {folder}")
     jax.config.update("jax_compilation_cache_dir", folder)
     return folder
 
@@ -116,12 +127,21 @@ def _unusable(folder: str) -> str | None:
     return None
 
 
-def _read_only(folder: str) -> bool:
-    """A local ``folder`` (or, when it is not there yet, its parent) that exists and this process cannot write."""
-    if paths.is_url(folder):
-        return False  # an object store: no cheap check; JAX warns when it cannot write an entry
-    existing = folder if os.path.exists(folder) else os.path.dirname(folder)
-    return os.path.isdir(existing) and not os.access(existing, os.W_OK)
+def _make_private(folder: str) -> str | None:
+    """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code
+    (another user could plant an entry), or None."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        status = os.stat(folder)
+    except OSError as error:
+        return f"cannot be made ({error.strerror})"
+    if not hasattr(os, "getuid"):
+        return None  # no POSIX owner and mode bits to check
+    if status.st_uid != os.getuid():
+        return "belongs to another user"
+    if status.st_mode & 0o022:
+        return f"can be written by other users (chmod go-w {folder})"
+    return None
 
 
 COMPILE_THREADS = ("lconv-early-build", "lconv-compile")  # names of lconv's background compile threads
