@@ -109,34 +109,53 @@ def test_ctrl_c_outside_the_loop_is_exit_code_130_without_a_traceback(capsys):
     assert info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
 
 
-@pytest.mark.parametrize("thread_name", [early_build.THREAD_NAME, compiled.THREAD_NAME])
-@pytest.mark.parametrize("error, code", [(KeyboardInterrupt, 130), (UserError("bad"), 2)])
-def test_an_exit_during_a_background_compilation_is_at_once_instead_of_waiting_for_it(
-        thread_name, error, code, capsys, monkeypatch):
-    """The interpreter joins running non-daemon threads at exit: sys.exit would wait for the early build's
-    compilation or every decoding program queued for the translator's thread, and a second Ctrl-C in that wait
-    is a threading traceback. The CLIs' exit ends the process at once instead."""
-    compiling = threading.Event()
-    thread = threading.Thread(target=compiling.wait, name=f"{thread_name}_0")
-    thread.start()
-    exits = []
+@pytest.fixture
+def exits(monkeypatch):
+    """The codes ``os._exit`` was called with (raising SystemExit instead of ending pytest's process)."""
+    codes = []
 
     def exit_now(code):
-        exits.append(code)
+        codes.append(code)
         raise SystemExit(code)
 
     monkeypatch.setattr(runtime.os, "_exit", exit_now)
     monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
+    return codes
+
+
+@pytest.mark.parametrize("busy", ["early build", "translator"])
+@pytest.mark.parametrize("error, code", [(KeyboardInterrupt, 130), (UserError("bad"), 2)])
+def test_an_exit_during_a_background_compilation_is_at_once_instead_of_waiting_for_it(
+        busy, error, code, capsys, exits):
+    """The interpreter joins running non-daemon threads at exit: sys.exit would wait for the early build's
+    compilation or every decoding program queued for the translator's thread, and a second Ctrl-C in that wait
+    is a threading traceback. The CLIs' exit ends the process at once instead."""
+    compiling = threading.Event()
+    if busy == "early build":
+        thread = threading.Thread(target=compiling.wait, name=f"{early_build.THREAD_NAME}_0")
+        thread.start()
+    else:
+        queued = compiled._background().submit(compiling.wait)
+        compiled._in_flight.add(queued)
+        queued.add_done_callback(compiled._in_flight.discard)
     try:
         with pytest.raises(SystemExit), runtime.user_errors():
             raise error
     finally:
         compiling.set()
-        thread.join()
+        thread.join() if busy == "early build" else queued.result()
     assert exits == [code] and capsys.readouterr().err in ("interrupted\n", "error: bad\n")
-    with pytest.raises(SystemExit), runtime.user_errors():  # the thread done: the usual exit
+    with pytest.raises(SystemExit), runtime.user_errors():  # the compilation done: the usual exit
         raise error
     assert exits == [code]
+
+
+def test_an_idle_translator_thread_leaves_the_usual_exit(exits):
+    """The translator's thread stays alive between compilations: alive and idle is not compiling."""
+    compiled._background().submit(lambda: None).result()
+    with pytest.raises(SystemExit) as info, runtime.user_errors():
+        raise UserError("bad")
+    assert info.value.code == 2 and exits == []
 
 
 # ----------------------------------------------------------------------------------------------------------------

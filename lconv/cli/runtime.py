@@ -144,7 +144,7 @@ def _make_private(folder: str) -> str | None:
     return None
 
 
-COMPILE_THREADS = ("lconv-early-build", "lconv-compile")  # names of lconv's background compile threads
+EARLY_BUILD_THREAD = "lconv-early-build"  # ``lconv.train.early_build``'s thread: alive while it builds
 
 
 @contextlib.contextmanager
@@ -166,12 +166,20 @@ def _exit(code: int) -> NoReturn:
     """``sys.exit(code)``, or at once while one of lconv's compile threads runs (the early build's, the
     translator's): the interpreter would wait for every compilation queued there, and a second Ctrl-C in that
     wait is a threading traceback. Nothing they build outlives the process, so there is nothing to wait for."""
-    if any(t.name.startswith(COMPILE_THREADS) and t.is_alive() for t in threading.enumerate()):
+    if _compiling():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _compiling() -> bool:
+    """Whether the early build or the translator's thread is compiling (looked up only if imported)."""
+    if any(t.name.startswith(EARLY_BUILD_THREAD) and t.is_alive() for t in threading.enumerate()):
+        return True
+    compiled = sys.modules.get("lconv.infer.compiled")
+    return compiled is not None and compiled.compiling()
 
 
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpfull", "-helpfull", "--helpshort", "-helpshort")

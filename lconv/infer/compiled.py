@@ -148,7 +148,9 @@ class Translator:
             # The params' shapes and layouts, taken now: a training step may donate the arrays before the thread runs
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                  sharding=getattr(x, "sharding", None)), self.params)
-            self._prepared[key] = _background().submit(self._compile, params, rows, width, settings)
+            self._prepared[key] = future = _background().submit(self._compile, params, rows, width, settings)
+            _in_flight.add(future)
+            future.add_done_callback(_in_flight.discard)
         return self._prepared[key]
 
     def _compile(self, params: Any, rows: int, width: int, settings: DecodeSettings) -> Any:
@@ -306,7 +308,14 @@ def continuations(tokens_BX: np.ndarray, prompt_len_B: np.ndarray, max_len: int)
     return out_BL
 
 
-THREAD_NAME = "lconv-compile"  # the CLIs' exit does not wait for it (``lconv.cli.runtime``)
+THREAD_NAME = "lconv-compile"
+_in_flight: set[concurrent.futures.Future] = set()  # compilations queued or running on that thread
+
+
+def compiling() -> bool:
+    """Whether a compilation is queued or running in the background (the CLIs' exit does not wait for it,
+    ``lconv.cli.runtime``); the thread itself stays alive, idle, between them."""
+    return any(not future.done() for future in list(_in_flight))
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from lconv.train import steps
 
 logger = logging.getLogger(__name__)
 PyTree = Any
-THREAD_NAME = "lconv-early-build"  # the CLIs' exit does not wait for it (``lconv.cli.runtime``)
+THREAD_NAME = "lconv-early-build"  # the CLIs' exit does not wait for it (``lconv.cli.runtime.EARLY_BUILD_THREAD``)
 
 
 @dataclasses.dataclass
