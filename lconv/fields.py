@@ -103,9 +103,16 @@ def defaults(section: type) -> dict[str, Any]:
     return {f.name: default_of(f) for f in schema_fields(section)}
 
 
+def one_line(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` on one line and cut at ``limit`` characters: a ConfigDict's repr spans lines, and an error
+    names the value in one."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check(name: str, value: Any, rule: Rule) -> None:
     if not rule.test(value):
-        raise UserError(f"{name}={value!r}: must be {rule.requirement}")
+        raise UserError(f"{name}={one_line(value)}: must be {rule.requirement}")
 
 
 def check_values(section: type, values: Mapping[str, Any], prefix: str) -> None:

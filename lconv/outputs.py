@@ -17,6 +17,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 from etils import epath
 
@@ -40,9 +41,7 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     store the rename is a copy, still never a partial object). A local ``path`` that is a symbolic link is refused:
     an output never lands in whatever file a link planted in a workdir points at. Failures are one line."""
     target = epath.Path(path)
-    if not is_url(path) and os.path.islink(path):
-        raise UserError(f"{path} is a symbolic link; lconv writes no output through a link (remove it, or write "
-                        "elsewhere)")
+    refuse_link(path, "lconv writes no output through a link (remove it, or write elsewhere)")
     temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
@@ -51,6 +50,32 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             temporary.unlink()
         raise UserError(f"cannot write {path}: {err.strerror or err}; an earlier file there is unchanged") from None
+
+
+IN_WORKDIR = "lconv writes only regular files in a workdir (remove the link)"
+
+
+def refuse_link(path: str | os.PathLike, reason: str = IN_WORKDIR) -> None:
+    """One line naming ``path`` if it is a local symbolic link (an object store has none): a file lconv writes never
+    lands in whatever file a link planted there points at (a workdir handed over, shared, or tampered with)."""
+    if not is_url(path) and os.path.islink(path):
+        raise UserError(f"{path} is a symbolic link; {reason}")
+
+
+def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` of a local file that is not a symbolic link (``O_NOFOLLOW``: no window between a
+    check and the open); a link is ``refuse_link``'s one line."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError:
+        if os.path.islink(path):
+            refuse_link(path)
+        raise
+
+
+def open_append(path: str | os.PathLike) -> Any:
+    """A local text file opened to append (created if need be), refusing a symbolic link (``open_regular``)."""
+    return os.fdopen(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 
 def is_url(path: str | os.PathLike) -> bool:

@@ -235,3 +235,42 @@ def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_p
             jax.config.update(name, value)
     (line,) = [m for m in lconv_log() if "compiled programs" in m]
     assert "JAX_COMPILATION_CACHE_DIR" in line and str(a_file) in line
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The files train.py writes inside a workdir: never through a symbolic link
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["train.lock", "metrics.jsonl", "checkpoint_errors.log"])
+def test_train_py_resuming_a_workdir_refuses_a_planted_link_before_writing(tiny_run, tmp_path, victim, name,
+                                                                           capsys):
+    """A link planted in a workdir handed over: the lock was emptied into its target, the logs appended to theirs."""
+    workdir = helpers.copy_run(tiny_run, tmp_path / "run")
+    (workdir / name).unlink(missing_ok=True)
+    (workdir / name).symlink_to(victim)
+    outcome = helpers.run_cli(capsys, "train.py", "--config=tests/tiny_config.py", f"--workdir={workdir}",
+                              f"--config.data.data_dir={tiny_run.data_dir}")
+    helpers.one_line_error(outcome, str(workdir / name), "is a symbolic link", "regular files in a workdir")
+    assert victim.read_text() == "precious\n"
+
+
+def test_each_workdir_writer_refuses_a_link_planted_after_the_check(tmp_path, victim):
+    """The writers themselves refuse (a link made after ``make_workdir``'s check): the lock, metrics.jsonl (read,
+    rewritten and appended), and the appended logs (checkpoint_errors.log, config_changes.jsonl)."""
+    from etils import epath
+
+    from lconv.run import workdir as workdir_lib
+    from lconv.train import logs
+
+    for name in ("train.lock", "metrics.jsonl", "checkpoint_errors.log"):
+        (tmp_path / name).symlink_to(victim)
+    attempts = {"train.lock": lambda: workdir_lib.lock(str(tmp_path)).__enter__(),
+                "metrics.jsonl": lambda: logs.MetricWriter(str(tmp_path)),
+                "checkpoint_errors.log": lambda: workdir_lib.append_text(epath.Path(tmp_path) /
+                                                                         "checkpoint_errors.log", "details\n")}
+    for name, attempt in attempts.items():
+        with pytest.raises(UserError) as error:
+            attempt()
+        helpers.one_line_error(error, str(tmp_path / name), "is a symbolic link")
+    with pytest.raises(UserError):
+        outputs.open_append(tmp_path / "metrics.jsonl")
+    assert victim.read_text() == "precious\n"

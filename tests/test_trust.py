@@ -10,6 +10,7 @@ import sys
 import uuid
 
 import helpers
+import ml_collections
 import pytest
 
 import lconv
@@ -163,3 +164,37 @@ def test_a_user_cache_that_cannot_hold_code_safely_is_one_warning_and_the_cache_
         assert config.jax_enable_compilation_cache is False
     (line,) = [m for m in lconv_log() if "compiled programs" in m]
     assert problem in line and "--compilation_cache" in line
+
+
+def test_a_mixer_given_as_a_json_object_is_refused_before_anything_is_imported(evil_run, capsys, tmp_path):
+    """``"decoder_mixer": {"payload:X": 1}``: a JSON object is no mixer list (``list()`` of it gave its keys,
+    resolved past the trust check). Every reader refuses it in one line naming the field, trusted or not, and so
+    does the schema for train.py's own config."""
+    import tiny_config
+
+    from lconv.run.schema import validate_config
+    from lconv.train import init_from
+
+    workdir, name, marker = evil_run
+    config = json.loads((workdir / "config.json").read_text())
+    config["model"]["encoder_mixer"] = "dynamicconv"
+    for field, value in (("decoder_mixer", {f"{name}:X": 1}), ("decoder_mixer", [{f"{name}:X": 1}]),
+                         ("ffn_type", {f"{name}:F": 1})):
+        stored = {**config, "model": {**config["model"], field: value}}
+        (workdir / "config.json").write_text(json.dumps(stored))
+        for read in (lambda: lconv.load(str(workdir)), lambda: lconv.load(str(workdir), trust_plugins=True),
+                     lambda: init_from.prepare(tiny_config.training_config(tmp_path, 1, init_from=str(workdir)),
+                                               str(tmp_path / "new"))):
+            with pytest.raises(UserError) as info:
+                read()
+            helpers.one_line_error(info, f"config.model.{field}=")
+        for program, extra in (("eval.py", ()), ("lconv.export", (f"--out={workdir.parent / 'export'}",))):
+            helpers.one_line_error(helpers.run_cli(capsys, program, f"--workdir={workdir}", *extra),
+                                   f"config.model.{field}=")
+        own = tiny_config.training_config(tmp_path, 1).to_dict()
+        own["model"][field] = value  # train.py's own config (a ConfigDict: its repr spans lines)
+        own = ml_collections.ConfigDict(own)
+        with pytest.raises(UserError) as info:
+            validate_config(own)
+        helpers.one_line_error(info, f"config.model.{field}=")
+    assert not marker.exists() and name not in sys.modules

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -150,8 +151,9 @@ EARLY_BUILD_THREAD = "lconv-early-build"  # ``lconv.train.early_build``'s thread
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """A ``UserError`` (a config field, a flag, a file, a checkpoint) ends the program with its one line and exit
-    code 2; Ctrl-C ends it with exit code 130 and no traceback; any other exception keeps its traceback, since it
-    is a bug to report rather than an input to fix."""
+    code 2; Ctrl-C ends it with exit code 130 and no traceback (``on_interrupt`` while the body runs); any other
+    exception keeps its traceback, since it is a bug to report rather than an input to fix."""
+    installed = _install_interrupt_handler()
     try:
         yield
     except UserError as err:
@@ -160,6 +162,48 @@ def user_errors() -> Iterator[None]:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints and stops by itself)
         print("interrupted", file=sys.stderr)
         _exit(130)
+    finally:
+        if installed:
+            with contextlib.suppress(ValueError):
+                if signal.getsignal(signal.SIGINT) is on_interrupt:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_INTERRUPTS: list[int] = []  # the Ctrl-Cs ``on_interrupt`` has seen since ``user_errors`` installed it
+
+
+def _install_interrupt_handler() -> bool:
+    """``on_interrupt`` as the SIGINT handler, only over Python's default (never over SIG_IGN, a background job's,
+    or a caller's own handler) and in the main thread; True when installed."""
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return False
+        signal.signal(signal.SIGINT, on_interrupt)
+    except ValueError:  # not the main thread
+        return False
+    _INTERRUPTS.clear()
+    return True
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C outside the training loop (whose ``Preemption`` takes SIGINT over while it runs): a KeyboardInterrupt
+    as usual, but where one cannot end the program it ends the process at once with ``interrupted`` and code 130:
+    a second Ctrl-C (the first was lost: raised inside a gc callback such as JAX's, Python ignores it), or while one
+    of lconv's compile threads runs (the interpreter would wait for it)."""
+    del frame
+    _INTERRUPTS.append(signum)
+    if len(_INTERRUPTS) > 1 or _compiling():
+        print("interrupted", file=sys.stderr)
+        _exit_now(130)
+    raise KeyboardInterrupt
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process without unwinding or joining threads, its logs and output flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit(code: int) -> NoReturn:
@@ -167,10 +211,7 @@ def _exit(code: int) -> NoReturn:
     translator's): the interpreter would wait for every compilation queued there, and a second Ctrl-C in that
     wait is a threading traceback. Nothing they build outlives the process, so there is nothing to wait for."""
     if _compiling():
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     sys.exit(code)
 
 

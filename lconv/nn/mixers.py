@@ -145,6 +145,16 @@ def ffn_names() -> list[str]:
     return list(_FFNS)
 
 
+LAYER_SPEC = "a mixer name, a comma list, or a list of names, one per layer"
+
+
+def is_layer_spec(value: Any) -> bool:
+    """Whether ``value`` can be a mixer field (``encoder_mixer``): a string or a list of strings. Anything else (a
+    JSON object in a stored config) is refused before it is read, for ``list()`` of a dict gives its keys, which
+    would then be resolved, and a ``"module:Class"`` key imported, past the trust check."""
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
+
+
 def is_spec(name: Any) -> bool:
     """Whether ``name`` is a ``"package.module:Class"`` string rather than a registered name."""
     return isinstance(name, str) and ":" in name

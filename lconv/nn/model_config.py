@@ -106,10 +106,10 @@ class ModelConfig:
     # One mixer name for all layers, or one per layer; checked against the registry by ``validate``.
     encoder_mixer: str | Sequence[str] = field("dynamicconv", "a registered mixer or package.module:Class, or "
                                                "a comma list, one per layer",
-                                               anything("a mixer name, or one per layer"))
+                                               Rule(mixers.is_layer_spec, mixers.LAYER_SPEC))
     decoder_mixer: str | Sequence[str] = field("dynamicconv", "a registered mixer or package.module:Class, or "
                                                "a comma list, one per layer",
-                                               anything("a mixer name, or one per layer"))
+                                               Rule(mixers.is_layer_spec, mixers.LAYER_SPEC))
     encoder_kernel_sizes: Sequence[int] = field(PAPER_ENCODER_KERNELS, "one per layer, or one for all (the "
                                                 "paper's, Wu et al. 2019 Sec. 6.1)", _KERNELS)
     decoder_kernel_sizes: Sequence[int] = field(PAPER_DECODER_KERNELS, "one per layer, or one for all", _KERNELS)
@@ -427,6 +427,7 @@ class ModelConfig:
 
     def layer_mixers(self, side: str) -> list[str]:
         spec = getattr(self, f"{side}_mixer")
+        check(f"config.model.{side}_mixer", spec, Rule(mixers.is_layer_spec, mixers.LAYER_SPEC))  # never list(a dict)
         n = getattr(self, f"{side}_layers")
         names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
         if len(names) == 1:

@@ -22,7 +22,7 @@ from lconv.constants import EXPORT_SIDECAR
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.fields import is_integer
+from lconv.fields import is_integer, one_line
 from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
@@ -48,16 +48,22 @@ def trusting_plugins(trust: bool = True) -> Any:
 def check_plugins(stored: dict, path: Any, trust_plugins: bool | None = None) -> None:
     """A config read from a run someone handed over is data: a ``"module:Class"`` mixer or FFN it names would
     import that module and run its code. Refused (one line naming the module and the opt-in) unless trusted, or
-    the registry already has it, or the module is imported already; lconv's own mixers need nothing."""
-    if trust_plugins if trust_plugins is not None else _trust_plugins.get():
-        return
+    the registry already has it, or the module is imported already; lconv's own mixers need nothing. A mixer or FFN
+    field that is not a string (or a list of strings) is refused first, trusted or not: nothing could be checked."""
     model = stored.get("model")
     if not isinstance(model, dict):
         return
+    for name, valid, requirement in (("encoder_mixer", mixers.is_layer_spec, mixers.LAYER_SPEC),
+                                     ("decoder_mixer", mixers.is_layer_spec, mixers.LAYER_SPEC),
+                                     ("ffn_type", lambda v: isinstance(v, str), "a feed-forward name")):
+        if name in model and not valid(model[name]):  # e.g. {"module:X": 1}: its keys would be resolved
+            raise UserError(f"{path}: config.model.{name}={one_line(model[name])}: must be {requirement}")
+    if trust_plugins if trust_plugins is not None else _trust_plugins.get():
+        return
     named: list[tuple[str, str, Any]] = []  # (kind, field, value)
     for side in ("encoder_mixer", "decoder_mixer"):
-        value = model.get(side)
-        parts = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+        value = model.get(side, "")
+        parts = value.split(",") if isinstance(value, str) else value
         named += [("mixer", side, part.strip() if isinstance(part, str) else part) for part in parts]
     if isinstance(model.get("mixer_kwargs"), dict):
         named += [("mixer", "mixer_kwargs", key) for key in model["mixer_kwargs"]]

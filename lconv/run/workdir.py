@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILENAME = "config.json"
 LOCK_FILENAME = "train.lock"
+# The files train.py writes or appends to at a workdir's top: none may be a symbolic link (``make_workdir``).
+OWN_FILES = (CONFIG_FILENAME, LOCK_FILENAME, "spm.model", "pieces.json", "metrics.jsonl", "checkpoint_errors.log",
+             "config_changes.jsonl", "final_evaluation_pending.json", "data_report.json", outputs.MARKER)
 # Fields a resumed run may change freely: they steer the run, not what its checkpoints hold.
 RUN_FIELDS = ("train.", "decode.", "mesh.", "data.data_dir", "data.eval_batch_size", "data.read_threads")
 
@@ -60,6 +63,9 @@ def make_workdir(workdir: str) -> str:
         epath.Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--workdir={workdir}: cannot create it ({err.strerror or err})") from None
+    if not is_remote(path):  # before anything is written: a link planted in a resumed workdir is named first
+        for name in OWN_FILES:
+            outputs.refuse_link(os.path.join(path, name))
     return path
 
 
@@ -79,7 +85,7 @@ def lock(workdir: str) -> Iterator[None]:
 
     path = os.path.join(workdir, LOCK_FILENAME)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = outputs.open_regular(path, os.O_RDWR | os.O_CREAT)  # a link would be emptied at the end
     except OSError as err:
         raise UserError(f"--workdir={workdir} is not writable ({err.strerror})") from None
     try:
@@ -190,9 +196,10 @@ def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[
 
 
 def append_text(path: epath.Path, text: str) -> None:
-    """Appends ``text``: a real append locally; on an object store, which cannot append, a rewrite."""
+    """Appends ``text``: a real append locally (never through a symbolic link); on an object store, which cannot
+    append, a rewrite."""
     if not is_remote(path):
-        with open(path, "a") as f:
+        with outputs.open_append(path) as f:
             f.write(text)
     else:
         path.write_text((path.read_text() if path.exists() else "") + text)

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from lconv import console
+from lconv import console, outputs
 from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,13 @@ class MetricWriter:
         if not self.enabled:
             return
         path = epath.Path(workdir) / "metrics.jsonl"
+        outputs.refuse_link(path)  # before it is read or rewritten: its rows would land in the link's target
         _drop_rows_after(path, resumed_step)
         self.path, self.remote = path, workdir_lib.is_remote(workdir)
         # The rows of the step resumed from: a rerun may log one again (its final evaluation, killed before it
         # ended): the new row replaces the old, so the log holds each step's row once.
         self.logged_at_resume = _rows_at(path, resumed_step)
-        self.jsonl = _RemoteLines(path) if self.remote else open(path, "a")
+        self.jsonl = _RemoteLines(path) if self.remote else outputs.open_append(path)
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
         _quiet_event_thread()
@@ -82,8 +83,8 @@ class MetricWriter:
         """Removes the row of ``(step, split)`` written before this launch (rare: a rerun of a final evaluation)."""
         self.jsonl.close()
         lines = self.path.read_text().splitlines(keepends=True)
-        self.path.write_text("".join(line for line in lines if _row_key(line) != (step, split)))
-        self.jsonl = _RemoteLines(self.path) if self.remote else open(self.path, "a")
+        outputs.write_atomically(self.path, "".join(line for line in lines if _row_key(line) != (step, split)))
+        self.jsonl = _RemoteLines(self.path) if self.remote else outputs.open_append(self.path)
 
     def close(self) -> None:
         if self.enabled:
@@ -121,7 +122,7 @@ def _drop_rows_after(path: epath.Path, step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if _row_step(line) <= step]
     if len(kept) != len(lines):
-        path.write_text("".join(kept))
+        outputs.write_atomically(path, "".join(kept))
 
 
 def _rows_at(path: epath.Path, step: int) -> set[tuple[int, str]]:

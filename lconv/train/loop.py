@@ -53,7 +53,11 @@ class Preemption:
     def __init__(self, interrupt: bool = False) -> None:
         self.signal_name: str | None = None
         self.interrupt = interrupt
+        self.outer = signal.default_int_handler  # the SIGINT handler it takes over from (the CLIs': on_interrupt)
         try:
+            outer = signal.getsignal(signal.SIGINT)
+            self.outer = outer if callable(outer) and not isinstance(getattr(outer, "__self__", None), Preemption) \
+                else self.outer
             signal.signal(signal.SIGTERM, self._handler)
             signal.signal(signal.SIGINT, self._handler)
         except ValueError:  # not the main thread (e.g. in a notebook worker)
@@ -66,15 +70,15 @@ class Preemption:
     def _handler(self, signum, frame) -> None:
         del frame
         self.signal_name = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once
+            signal.signal(signal.SIGINT, self.outer)
         if self.interrupt:
             raise Stopped(self.signal_name)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, self.outer)
 
     def __enter__(self) -> Preemption:
         return self

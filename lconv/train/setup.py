@@ -20,6 +20,7 @@ import optax
 from etils import epath
 from flax.training import train_state
 
+from lconv import outputs
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
@@ -284,6 +285,6 @@ def _report_data_source(report: dict[str, Any], workdir: str) -> None:
         return
     for line in sources.describe_report(report):
         logger.info(line)
-    (epath.Path(workdir) / "data_report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    outputs.write_atomically(epath.Path(workdir) / "data_report.json", json.dumps(report, indent=1, sort_keys=True))
 
 
