@@ -55,6 +55,22 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", False)  # tests opt in to float64 explicitly with numpy references
 
 
+@pytest.fixture(autouse=True)
+def _exit_in_process(monkeypatch):
+    """The CLIs end the process at once (``os._exit``) when an exit would wait for a background compilation; a
+    test running a CLI in this process gets a SystemExit with the code instead, as a plain exit gives. The tests
+    of that path put the real one back (``.real``) with ``os._exit`` faked."""
+    from lconv.cli import runtime
+
+    real = runtime._exit_now
+
+    def exit_in_process(code):
+        raise SystemExit(code)
+
+    exit_in_process.real = real
+    monkeypatch.setattr(runtime, "_exit_now", exit_in_process)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     """One persistent compilation cache per test run, shared by the xdist workers and every process the tests

@@ -31,6 +31,7 @@ def exits(monkeypatch):
 
     monkeypatch.setattr(runtime.os, "_exit", fake_exit)
     monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
+    monkeypatch.setattr(runtime, "_exit_now", runtime._exit_now.real)  # the path itself, os._exit faked
     return codes
 
 

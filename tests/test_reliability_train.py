@@ -120,6 +120,7 @@ def exits(monkeypatch):
 
     monkeypatch.setattr(runtime.os, "_exit", exit_now)
     monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
+    monkeypatch.setattr(runtime, "_exit_now", runtime._exit_now.real)  # the path itself, os._exit faked
     return codes
 
 

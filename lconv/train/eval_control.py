@@ -84,11 +84,11 @@ class Tracker:
                 f"than {self.best.value:.4g} (config.train.patience={patience})")
 
     def _decode(self, run: Any, stop_when: tuple[Any, str] | None) -> dict[str, Any]:
-        """The validation split decoded with the control's search and scored (``decode_and_score.score_split``)."""
-        from lconv.infer import decode_and_score  # decoding's modules: imported by the runs that decode only
+        """The validation split decoded with the control's search and scored (``split_scoring.score_split``)."""
+        from lconv.infer import split_scoring  # decoding's modules: imported by the runs that decode only
 
         settings = DecodeSettings.build(run.config.decode, beam_size=self.control.beam_size,
                                         lenpen=self.control.lenpen)
-        return decode_and_score.score_split(run.config, run.model, run.state.params, run.tokenizer,
-                                            run.data.eval_sets, run.workdir, settings, split="validation",
-                                            stop_when=stop_when)
+        return split_scoring.score_split(run.config, run.model, run.state.params, run.tokenizer,
+                                         run.data.eval_sets, run.workdir, settings, split="validation",
+                                         stop_when=stop_when)
