@@ -59,9 +59,10 @@ def is_terminal(stream: Any) -> bool:
         return False
 
 
-def pass_bar(total: int, desc: str, unit: str) -> Any:
-    """A progress bar with its ETA for an evaluation pass of ``total`` ``unit``s, on a terminal and process 0
-    only: redirected to a file, a bar's carriage returns would clutter the log. Update it; close it at the end."""
+def pass_bar(total: int | None, desc: str, unit: str) -> Any:
+    """A progress bar with its ETA for an evaluation pass of ``total`` ``unit``s (None: unknown, a count without
+    an ETA), on a terminal and process 0 only: redirected to a file, a bar's carriage returns would clutter the
+    log. Update it; close it at the end."""
     import jax
     from tqdm import tqdm
 

@@ -55,7 +55,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
     total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
-    bar = console.pass_bar(len(eval_set), "loss pass", "batch")
+    bar = console.pass_bar(len(eval_set) if hasattr(eval_set, "__len__") else None, "loss pass", "batch")
     with jax.set_mesh(mesh):
         for batch in eval_set:
             batch = {k: v for k, v in batch.items() if k != "example_index"}
