@@ -71,6 +71,23 @@ def _exit_in_process(monkeypatch):
     monkeypatch.setattr(runtime, "_exit_now", exit_in_process)
 
 
+@pytest.fixture
+def exits(monkeypatch):
+    """The codes the CLIs' at-once exit (``runtime._exit_now``, its ``os._exit`` faked) was called with."""
+    from lconv.cli import runtime
+
+    codes: list[int] = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise helpers.ExitedAtOnce(code)
+
+    monkeypatch.setattr(runtime.os, "_exit", fake_exit)
+    monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
+    monkeypatch.setattr(runtime, "_exit_now", runtime._exit_now.real)
+    return codes
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     """One persistent compilation cache per test run, shared by the xdist workers and every process the tests

@@ -148,3 +148,7 @@ def copy_run(tiny_run, path: pathlib.Path) -> pathlib.Path:
     shutil.copytree(tiny_run.workdir, path)
     return path
 
+
+
+class ExitedAtOnce(SystemExit):
+    """What the ``exits`` fixture's fake ``os._exit`` raises: the code, without ending pytest's process."""

@@ -17,24 +17,6 @@ from lconv.cli import runtime
 from lconv.train import loop
 
 
-class _Exited(BaseException):
-    """What the monkeypatched ``os._exit`` raises, so a test sees the code instead of the process ending."""
-
-
-@pytest.fixture
-def exits(monkeypatch):
-    codes: list[int] = []
-
-    def fake_exit(code):
-        codes.append(code)
-        raise _Exited(code)
-
-    monkeypatch.setattr(runtime.os, "_exit", fake_exit)
-    monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
-    monkeypatch.setattr(runtime, "_exit_now", runtime._exit_now.real)  # the path itself, os._exit faked
-    return codes
-
-
 def test_user_errors_installs_the_handler_over_the_default_only_and_puts_it_back():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(SystemExit), runtime.user_errors():
@@ -53,7 +35,7 @@ def test_user_errors_installs_the_handler_over_the_default_only_and_puts_it_back
 
 
 def test_a_first_ctrl_c_raises_and_a_second_ends_the_process_at_once(exits, capsys):
-    with pytest.raises(_Exited), runtime.user_errors():
+    with pytest.raises(helpers.ExitedAtOnce), runtime.user_errors():
         with pytest.raises(KeyboardInterrupt):
             runtime.on_interrupt(signal.SIGINT, None)  # propagates as usual
         # ... unless it was raised where Python ignores it (a gc callback): the next one cannot be lost
@@ -66,7 +48,7 @@ def test_a_ctrl_c_while_a_compile_thread_runs_ends_the_process_at_once(exits, ca
     thread = threading.Thread(target=compiling.wait, name=f"{runtime.EARLY_BUILD_THREAD}_0")
     thread.start()
     try:
-        with pytest.raises(_Exited), runtime.user_errors():
+        with pytest.raises(helpers.ExitedAtOnce), runtime.user_errors():
             runtime.on_interrupt(signal.SIGINT, None)
     finally:
         compiling.set()

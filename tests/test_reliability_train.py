@@ -109,21 +109,6 @@ def test_ctrl_c_outside_the_loop_is_exit_code_130_without_a_traceback(capsys):
     assert info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
 
 
-@pytest.fixture
-def exits(monkeypatch):
-    """The codes ``os._exit`` was called with (raising SystemExit instead of ending pytest's process)."""
-    codes = []
-
-    def exit_now(code):
-        codes.append(code)
-        raise SystemExit(code)
-
-    monkeypatch.setattr(runtime.os, "_exit", exit_now)
-    monkeypatch.setattr(runtime.logging, "shutdown", lambda: None)  # it would close pytest's capture too
-    monkeypatch.setattr(runtime, "_exit_now", runtime._exit_now.real)  # the path itself, os._exit faked
-    return codes
-
-
 @pytest.mark.parametrize("busy", ["early build", "translator"])
 @pytest.mark.parametrize("error, code", [(KeyboardInterrupt, 130), (UserError("bad"), 2)])
 def test_an_exit_during_a_background_compilation_is_at_once_instead_of_waiting_for_it(
