@@ -141,8 +141,8 @@ class Model(probing.Probing):
                                         beam_size=self._hypotheses_per_source(nbest, beam_size, temperature))
         prefixes = None if prefix is None else self._prefix_ids(prefix, lines, isinstance(sources, str), settings)
         if self._translator is None:
-            self._translator = compiled.Translator(self.config, self.module, self.params)
-        found = per_line.translate_lines(self.config, self.module, self.params, self.tokenizer, lines,
+            self._translator = compiled.Translator(self.config.infer, self.module, self.params)
+        found = per_line.translate_lines(self.config.infer, self.module, self.params, self.tokenizer, lines,
                                                  settings, translator=self._translator, nbest=nbest or 0,
                                                  prefixes=prefixes)
         outputs = found.hypotheses if nbest is None else found.nbest
@@ -159,7 +159,7 @@ class Model(probing.Probing):
         for i, (line, forced) in enumerate(zip(lines, ids)):
             source_len = min(len(self.tokenizer.encode(line)) + 1, data.eval_max_input_length)
             width = compiled.width_bucket(source_len, data.eval_max_input_length)
-            limit = compiled.max_output_len(self.config, settings, width)
+            limit = compiled.max_output_len(self.config.infer, settings, width)
             if len(forced) >= limit:
                 raise UserError(f"{'prefix' if one else f'prefix[{i}]'}: {len(forced)} tokens; the output of this "
                                 f"source holds at most {limit} (config.decode.max_len_a/b, "
@@ -197,7 +197,7 @@ class Model(probing.Probing):
                          "last tokens")
             log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs,
                                                                                self.module))
-            out = lm_scoring.continuation_scores(self.config, log_probs, self.params, prompts, target_ids)
+            out = lm_scoring.continuation_scores(self.config.infer, log_probs, self.params, prompts, target_ids)
             return out[0] if one else out
         data = self.config.data
         inputs = [np.append(ids[:data.eval_max_input_length - 1], EOS_ID)
@@ -278,8 +278,8 @@ class Model(probing.Probing):
                                         top_p=top_p, seed=seed, beam_size=beam_size, lenpen=lenpen,
                                         no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
         if self._generator is None:
-            self._generator = compiled.Generator(self.config, self.module, self.params)
-        found = per_line.generate_lines(self.config, self.tokenizer, lines, self._generator, settings,
+            self._generator = compiled.Generator(self.config.infer, self.module, self.params)
+        found = per_line.generate_lines(self.config.infer, self.tokenizer, lines, self._generator, settings,
                                                 nbest=(nbest or 1) if scored else 0)
         outputs = found.hypotheses if nbest is None else found.nbest
         return outputs[0] if isinstance(prompts, str) else outputs
@@ -355,7 +355,7 @@ class Model(probing.Probing):
         encoded = self.tokenizer.encode_batch(_lines(texts, "texts", one_allowed=True))
         _warn_of_cut_texts(encoded, int(self.config.data.eval_max_target_length))
         log_probs = self._function("lm_token_log_probs", functools.partial(lm_scoring.token_log_probs, self.module))
-        out = lm_scoring.text_perplexities(self.config, log_probs, self.params, encoded)
+        out = lm_scoring.text_perplexities(self.config.infer, log_probs, self.params, encoded)
         return out[0] if isinstance(texts, str) else out
 
     def _fairseq_perplexity(self, texts: Sequence[str], mode: str, tokens_per_sample: int,

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from lconv.errors import UserError
-from lconv.fields import Rule, defaults, field, integer, number
+from lconv.fields import Rule, as_dict, defaults, field, integer, number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +63,14 @@ class DecodeSettings:
 
     @classmethod
     def build(cls, decode: Any, **chosen: Any) -> DecodeSettings:
-        """``decode`` (a config's ``decode`` section) and ``SAMPLING_DEFAULTS``, with each ``chosen`` value that is
-        not None in place (the caller has checked it: ``lconv.configs.schema.check_search`` / ``check_sampling``)."""
+        """``decode`` (a config's ``decode`` section, or ``RunConfig.decode``) and ``SAMPLING_DEFAULTS``, with each
+        ``chosen`` value that is not None in place (the caller has checked it: ``lconv.run.schema.check_search`` /
+        ``check_sampling``)."""
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(chosen) - set(known))
         if unknown:
             raise UserError(f"unknown decoding setting(s) {unknown}; known: {known}")
+        decode = as_dict(decode)
         values = {name: decode[name] for name in BEAM_FIELDS}
         values.update({name: decode[name] if name in decode else off for name, off in GUARDS_OFF.items()})
         values.update(SAMPLING_DEFAULTS)

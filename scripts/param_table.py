@@ -19,7 +19,7 @@ import jax  # noqa: E402
 
 from lconv.nn import mixers  # noqa: E402
 from lconv.nn.model_config import ModelConfig  # noqa: E402
-from lconv.run import model_setup
+from lconv.run import model_setup, schema
 
 BEGIN, END = "<!-- param-table:begin -->", "<!-- param-table:end -->"
 FAIRSEQ_WMT_VOCAB = 32_768  # the joined 32K-BPE dictionary fairseq's WMT En-De models were counted with
@@ -55,6 +55,7 @@ def get_config(name: str, variant: str):
 
 def count_parameters(config, vocab_size: int | None = None) -> int:
     """Parameters of the model ``config`` builds (the training init's inputs), counted abstractly."""
+    config = schema.validate_config(config)
     model = model_setup.build_model(config, vocab_size=vocab_size or config.data.vocab_size)
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))

@@ -151,10 +151,10 @@ def lconv_worker(settings: Settings, launched: float) -> None:
     import jax
     import numpy as np
 
-    from lconv.run import model_setup
+    from lconv.run import model_setup, schema
     from lconv.train import setup, steps
 
-    config = lconv_config(settings)
+    config = schema.validate_config(lconv_config(settings))
     model = model_setup.build_model(config, config.data.vocab_size)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])

@@ -48,8 +48,9 @@ def _alone(model: Model, source: str, beam_size: int) -> str:
     ids_1S = np.append(model.tokenizer.encode(source), EOS_ID)[None].astype(np.int32)
     settings = DecodeSettings.build(model.config.decode, beam_size=beam_size)
     best_1L = search.translate(model.module, {"params": model.params}, ids_1S, beam_size=beam_size,
-                               max_len=compiled.max_output_len(model.config, settings, 32), lenpen=settings.lenpen,
-                               max_len_a=settings.max_len_a, max_len_b=settings.max_len_b, stop=settings.stop)
+                               max_len=compiled.max_output_len(model.config.infer, settings, 32),
+                               lenpen=settings.lenpen, max_len_a=settings.max_len_a, max_len_b=settings.max_len_b,
+                               stop=settings.stop)
     return model.tokenizer.detokenize(np.asarray(best_1L)[0])
 
 
@@ -273,7 +274,7 @@ def _argmax_reference(model: Model, source: str) -> list[int]:
     decode = model.config.decode
     source_ids = list(model.tokenizer.encode(source)) + [EOS_ID]
     limit = min(int(decode.max_len_a * len(source_ids) + decode.max_len_b) + 1,
-                compiled.max_output_len(model.config, DecodeSettings.build(decode), 32))
+                compiled.max_output_len(model.config.infer, DecodeSettings.build(decode), 32))
     inputs_1S = np.asarray([source_ids], np.int32)
     out = []
     while not out or (out[-1] != EOS_ID and len(out) < limit):

@@ -67,7 +67,7 @@ def _reference_beam(members: list[Model], source: str, *, beam: int, lenpen: flo
     decode = members[0].config.decode
     source_ids = list(members[0].tokenizer.encode(source)) + [EOS_ID]
     limit = min(int(decode.max_len_a * len(source_ids) + decode.max_len_b) + 1,
-                compiled.max_output_len(members[0].config, DecodeSettings.build(decode), WIDTH))
+                compiled.max_output_len(members[0].config.infer, DecodeSettings.build(decode), WIDTH))
     limit = max(limit, len(prefix) + 1)
     alive, finished = [(0.0, [])], []
     for i in range(limit):
@@ -155,15 +155,14 @@ def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_
     """A member with fewer positions than the first member's limits would read positions it has not learned (NaN
     scores, an empty n-best): the ensemble takes the members' minimum and says so once."""
     short = copy.copy(mt)
-    short.config = copy.deepcopy(mt.config)
-    short.config.model.max_len = 9
+    short.config = mt.config.replace(model={"max_len": 9})
     pair = lconv.ensemble([mt, short])
     for limit in ("eval_max_input_length", "eval_max_target_length"):
-        assert pair.config.data[limit] == 9 < mt.config.data[limit]
+        assert getattr(pair.config.data, limit) == 9 < getattr(mt.config.data, limit)
     assert pair.config.model.max_len == 9 and mt.config.model.max_len > 9  # the member's own config is kept
     (line,) = [m for m in lconv_log() if "ensemble" in m]
     assert "models[1]" in line and "eval_max_input_length" in line
-    assert lconv.ensemble([mt, mt]).config.to_dict() == mt.config.to_dict()
+    assert lconv.ensemble([mt, mt]).config == mt.config
 
 
 def _assert_same_up_to_rounding(a: list[list[dict]], b: list[list[dict]]) -> None:

@@ -103,7 +103,7 @@ def test_load_options_change_the_stored_config_for_this_load_only(tiny_run, lcon
     model = lconv.load(str(tiny_run.workdir), dtype="bfloat16", decode_batch_size=2, max_input_length=16)
     assert (model.config.model.dtype, model.config.decode.batch_size, model.config.data.eval_max_input_length) == \
         ("bfloat16", 2, 16) and model.module.config.dtype == jnp.bfloat16
-    assert compiled.decode_rows(model.config, "cpu", model.config.data.eval_batch_size, 4) == 2
+    assert compiled.decode_rows(model.config.infer, "cpu", model.config.data.eval_batch_size, 4) == 2
     assert stored.config.model.dtype == "float32" and stored.config.data.eval_max_input_length == 32
     # bfloat16 compute on float32 params: the float32 model's scores to bfloat16's rounding, but not exactly.
     target = "Ein kleines Werkzeug."

@@ -119,7 +119,7 @@ def _workdir_of(tmp_path, trained, monkeypatch):
 
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / "config.json").write_text(trained.config.to_json())
+    (workdir / "config.json").write_text(json.dumps(trained.config.as_config()))
     monkeypatch.setattr(restore, "load_trained", lambda *args, **kwargs: trained)
     return workdir
 

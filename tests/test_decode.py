@@ -5,6 +5,7 @@ The toy's next-token logits at step t are ``A[y_t] + Bm[y_{t-1}] + Cp[t] + bias[
 per-row bias (a batch leaf), so a cache that is tiled or reordered wrongly changes the scores.
 """
 import collections
+import dataclasses
 import itertools
 import threading
 import types
@@ -22,6 +23,7 @@ from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import batching, compiled, search
+from lconv.infer.infer_config import InferConfig
 from lconv.nn.models import DecoderOnlyLM, EncoderDecoder, ModelConfig
 
 PAD, EOS, BOS = 0, 1, 3
@@ -382,8 +384,9 @@ def _tiny_split_decoder(batch_size=0):
     params = jax.jit(model.init)(jax.random.key(3), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
     config = types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=3, lenpen=1.0, max_len_a=1.0, max_len_b=4,
                                                                 batch_size=batch_size, stop="optimal"),
-                                   data=types.SimpleNamespace(eval_max_target_length=16),
-                                   mesh=types.SimpleNamespace(rules=()))
+                                   infer=InferConfig(task="translation", mesh_rules=(), batch_size=batch_size,
+                                                     eval_batch_size=8, max_input_length=16, max_target_length=16,
+                                                     max_positions=16))
     r = np.random.default_rng(0)
     tokens = [{"inputs": np.append(r.integers(4, 13, r.integers(1, 12)), 1).astype(np.int32)} for _ in range(20)]
     eval_set = pipeline.EvalSet([{}] * 20, tokens, 8, 3, {"inputs": 16}, collections.Counter())
@@ -393,7 +396,7 @@ def _tiny_split_decoder(batch_size=0):
 def _auto_rows(config, params, eval_set):
     """The rows per batch "auto" decodes ``eval_set`` with, for ``params`` on the platform they live on: the eval
     set's 8 rows on CPU, wider on an accelerator (the 20 sources' 32 on a GPU)."""
-    return batching.plan(config, params, eval_set, config.decode.beam_size)[0]
+    return batching.plan(config.infer, params, eval_set, config.decode.beam_size)[0]
 
 
 def _settings(config):
@@ -404,7 +407,7 @@ def _settings(config):
 def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     """{example index: best beam} of ``decode_batches``, checking every batch has ``rows`` rows."""
     found = {}
-    for batch, best in batching.decode_batches(config, model, params, eval_set, _settings(config), **kwargs):
+    for batch, best in batching.decode_batches(config.infer, model, params, eval_set, _settings(config), **kwargs):
         assert best.shape[0] == rows  # every row of the global batch, on this (every) process
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     return found
@@ -429,14 +432,15 @@ def test_the_decoding_batch_size_changes_the_batches_not_the_hypotheses():
 
 
 def test_auto_decoding_batches_keep_the_eval_batch_on_cpu_and_widen_on_accelerators():
-    config = types.SimpleNamespace(decode=types.SimpleNamespace(batch_size=0))
-    assert compiled.decode_rows(config, "cpu", 64, 4) == 64
-    assert compiled.decode_rows(config, "gpu", 64, 4) == 512  # 2,048 hypotheses
-    assert compiled.decode_rows(config, "tpu", 64, 5) == 256  # 512 x 5 would pass 2,048
-    assert compiled.decode_rows(config, "gpu", 48, 1) == 1536  # a multiple of the eval batch: the mesh splits it alike
-    assert compiled.decode_rows(config, "gpu", 4096, 4) == 4096  # never fewer than the eval batch
-    config.decode.batch_size = 100
-    assert [compiled.decode_rows(config, p, 64, 4) for p in ("cpu", "gpu")] == [100, 100]
+    infer = InferConfig(task="translation", mesh_rules=(), batch_size=0, eval_batch_size=64, max_input_length=16,
+                        max_target_length=16, max_positions=16)
+    assert compiled.decode_rows(infer, "cpu", 64, 4) == 64
+    assert compiled.decode_rows(infer, "gpu", 64, 4) == 512  # 2,048 hypotheses
+    assert compiled.decode_rows(infer, "tpu", 64, 5) == 256  # 512 x 5 would pass 2,048
+    assert compiled.decode_rows(infer, "gpu", 48, 1) == 1536  # a multiple of the eval batch: the mesh splits it alike
+    assert compiled.decode_rows(infer, "gpu", 4096, 4) == 4096  # never fewer than the eval batch
+    infer = dataclasses.replace(infer, batch_size=100)
+    assert [compiled.decode_rows(infer, p, 64, 4) for p in ("cpu", "gpu")] == [100, 100]
 
 
 @pytest.mark.parametrize("on_mesh", [False, True])
@@ -450,14 +454,14 @@ def test_a_prepared_program_decodes_as_the_jitted_one_without_compiling_again(on
     final = jax.tree.map(jnp.copy, params)  # a training run's later params: same shapes and layouts
     settings = _settings(config)
     sources = compiled.pad_rows([t["inputs"] for t in eval_set.tokens[:8]], 8, 16)  # [8, 16]
-    prepared = compiled.Translator(config, model, params)
+    prepared = compiled.Translator(config.infer, model, params)
     held = threading.Event()
     compiled._background().submit(held.wait)  # the compile thread runs only once the params are deleted
     prepared.prepare(8, 16, settings)
     jax.tree.map(lambda x: x.delete(), params)
     held.set()
     found = prepared.with_params(final).hypotheses(sources, settings)  # the final params share the program
-    expected = compiled.Translator(config, model, final).hypotheses(sources, settings)
+    expected = compiled.Translator(config.infer, model, final).hypotheses(sources, settings)
     assert prepared.jitted._cache_size() == 0
     np.testing.assert_array_equal(found.tokens, expected.tokens)
     np.testing.assert_array_equal(found.scores, expected.scores)
@@ -467,7 +471,7 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
     config, model, params, eval_set = _tiny_split_decoder()
     auto = _auto_rows(config, params, eval_set)
     expected = _split_hypotheses(config, model, params, eval_set, auto)
-    real, asked = compiled.Translator(config, model, params), []
+    real, asked = compiled.Translator(config.infer, model, params), []
 
     def translator(inputs_BS, settings):  # a device that holds 2 rows at most
         asked.append(inputs_BS.shape[0])
@@ -477,7 +481,7 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
 
     found = {}
     settings = _settings(config)
-    batches = batching.decode_batches(config, model, params, eval_set, settings, translator=translator)
+    batches = batching.decode_batches(config.infer, model, params, eval_set, settings, translator=translator)
     for batch, best in batches:
         found.update({int(i): best[row].tolist() for row, i in enumerate(batch["example_index"]) if i >= 0})
     halvings = [auto >> i for i in range(auto.bit_length() - 1)]  # 8, 4, 2 on CPU
@@ -489,10 +493,10 @@ def test_a_batch_that_runs_the_device_out_of_memory_is_decoded_again_in_halves(m
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # only running out of memory is retried
-        list(batching.decode_batches(config, model, params, eval_set, settings, translator=broken))
+        list(batching.decode_batches(config.infer, model, params, eval_set, settings, translator=broken))
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # every process must run the same batches: no retry
     with pytest.raises(UserError, match=rf"^.*\b{auto} rows.*memory.*config\.decode"):
-        list(batching.decode_batches(config, model, params, eval_set, settings, translator=translator))
+        list(batching.decode_batches(config.infer, model, params, eval_set, settings, translator=translator))
 
 
 @pytest.mark.parametrize("stop,lenpen", [("optimal", 1.0), ("fairseq", 0.5)])

@@ -35,7 +35,7 @@ def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path)
     assert served(SOURCES) == live
     assert served(SOURCES[1]) == live[1]  # one string: one string, as translate gives
     ids = [np.append(trained.tokenizer.encode(s), EOS_ID) for s in SOURCES]
-    live_BL = compiled.Translator(trained.config, trained.model, trained.params)(
+    live_BL = compiled.Translator(trained.config.infer, trained.model, trained.params)(
         _padded(ids, 4, 32), DecodeSettings.build(trained.config.decode, beam_size=2))[:3]
     np.testing.assert_array_equal(served.run_ids(ids), live_BL)
     wide = np.append(np.arange(4, 43, dtype=np.int32), EOS_ID)  # 40 tokens: wider than every bucket, cut to 32

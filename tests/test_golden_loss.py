@@ -18,7 +18,7 @@ import pytest
 from reference import tolerance
 
 from lconv.configs import common
-from lconv.run import loss_pass, model_setup
+from lconv.run import loss_pass, model_setup, schema
 from lconv.train import setup, steps
 
 VOCAB = 64
@@ -63,7 +63,7 @@ def _batch():
 
 def losses(conv_impl="auto"):
     """(loss before, loss after one train step), both from the deterministic evaluation forward pass."""
-    config = _tiny_config(conv_impl)
+    config = schema.validate_config(_tiny_config(conv_impl))
     model = model_setup.build_model(config, vocab_size=VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, devices=jax.devices()[:1])

@@ -4,6 +4,8 @@ flags (one-line errors; the outputs the API gives), and an LM's searches (greedy
 rule after their prompts."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tiny_runs
@@ -29,7 +31,7 @@ def _guarded_reference_beam(model: Model, source: str, *, beam: int, lenpen: flo
     decode = model.config.decode
     source_ids = list(model.tokenizer.encode(source)) + [EOS_ID]
     limit = min(int(decode.max_len_a * len(source_ids) + decode.max_len_b) + 1,
-                compiled.max_output_len(model.config, DecodeSettings.build(decode), WIDTH))
+                compiled.max_output_len(model.config.infer, DecodeSettings.build(decode), WIDTH))
     limit = max(limit, len(prefix) + 1)
     alive, finished = [(0.0, [])], []
     for i in range(limit):
@@ -81,7 +83,7 @@ def test_an_lms_greedy_beam_and_sampled_continuations_keep_the_guards_after_thei
     settings = DecodeSettings.build(lm.config.decode, max_len=12, no_repeat_ngram_size=ngram, min_len=min_len)
     rows = compiled.pad_rows([np.asarray(ids, np.int32) for ids in prompt_ids], 4, 32)
     lengths = np.asarray([len(ids) for ids in prompt_ids] + [0], np.int32)
-    greedy = compiled.Generator(lm.config, lm.module, lm.params)(rows, lengths, settings)  # [4, 12] PAD after EOS
+    greedy = compiled.Generator(lm.config.infer, lm.module, lm.params)(rows, lengths, settings)  # [4, 12] PAD after EOS
     for ids, row in zip(prompt_ids, greedy.tolist()):
         check(ids, [t for t in row if t != PAD_ID])
 
@@ -104,7 +106,7 @@ def test_eval_py_decodes_with_the_guards_as_the_api_does(tmp_path, monkeypatch):
     trained = tiny_runs.in_memory(tiny_runs.translation_config())
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / "config.json").write_text(trained.config.to_json())
+    (workdir / "config.json").write_text(json.dumps(trained.config.as_config()))
     monkeypatch.setattr(restore, "load_trained", lambda *args, **kwargs: trained)
     (tmp_path / "in.txt").write_text("\n".join(SOURCES) + "\n")
     guards = dict(no_repeat_ngram_size=2, min_len=6)

@@ -10,7 +10,7 @@ import pytest
 import tiny_config
 
 from lconv.errors import UserError
-from lconv.run import checkpoints, model_setup, restore
+from lconv.run import checkpoints, model_setup, restore, schema
 from lconv.train import init_from, loop, setup
 
 _ONE_DEVICE = jax.devices("cpu")[:1]
@@ -43,6 +43,7 @@ def test_a_run_started_from_another_starts_at_its_params_with_a_new_optimizer(ti
 def _fresh_state(config, workdir):
     from lconv.data import tokenizer
 
+    config = schema.validate_config(config)
     model = model_setup.build_model(config, tokenizer.load_tokenizer(str(workdir)).vocab_size)
     optimizer, _ = setup.build_optimizer(config.optim, config.train.num_steps)
     return setup.create_state(config, model, model_setup.make_mesh(config.mesh, _ONE_DEVICE), optimizer)[0]
@@ -62,7 +63,7 @@ def test_a_model_that_does_not_fit_is_one_line_naming_the_fields_before_anything
 def test_fields_that_leave_the_params_alone_may_differ(tiny_run, tmp_path):
     config = _from(tiny_run)
     config.model.dropout, config.model.conv_impl = 0.3, "unfold"
-    source = init_from.prepare(config, str(tmp_path / "new"))
+    source = init_from.prepare(schema.validate_config(config), str(tmp_path / "new"))
     assert source.workdir == str(tiny_run.workdir)
 
 
@@ -74,17 +75,18 @@ def test_another_vocabulary_or_task_is_one_line(tiny_run, tmp_path, change, name
     config = _from(tiny_run)
     change(config)
     with pytest.raises(UserError) as error:
-        init_from.prepare(config, str(tmp_path / "new"))
+        init_from.prepare(schema.validate_config(config), str(tmp_path / "new"))
     helpers.one_line_error(error, "config.train.init_from=", *named)
 
 
 def test_a_source_that_is_not_a_run_is_one_line(tmp_path):
     config = tiny_config.training_config(tmp_path, 1, init_from=str(tmp_path / "nowhere"))
     with pytest.raises(UserError) as error:
-        init_from.prepare(config, str(tmp_path / "new"))
+        init_from.prepare(schema.validate_config(config), str(tmp_path / "new"))
     helpers.one_line_error(error, f"config.train.init_from={tmp_path / 'nowhere'}")
 
 
 def test_a_resumed_run_restores_its_own_checkpoint_not_the_source(tiny_run):
     config = _from(tiny_run)
-    assert init_from.prepare(config, str(tiny_run.workdir)) is None  # the workdir has checkpoints of its own
+    # the workdir has checkpoints of its own
+    assert init_from.prepare(schema.validate_config(config), str(tiny_run.workdir)) is None

@@ -9,7 +9,7 @@ from reference import tolerance
 
 from lconv.configs import common
 from lconv.ops import linear_cross_entropy as lce
-from lconv.run import metrics, model_setup
+from lconv.run import metrics, model_setup, schema
 from lconv.train import setup, steps
 
 B, T, C, V = 3, 13, 7, 37  # primes: a shape bug cannot hide; T=13 in chunks of 4 leaves a ragged last chunk
@@ -178,6 +178,7 @@ def test_a_train_step_with_the_fused_loss_equals_one_with_materialised_logits(lm
     for fused in (True, False):
         c = _tiny_train_config(lm)
         c.optim.fused_loss = fused
+        c = schema.validate_config(c)
         model = model_setup.build_model(c, c.data.vocab_size)
         tx, lr = setup.build_optimizer(c.optim, 10)
         state, _ = setup.create_state(c, model, model_setup.make_mesh(c.mesh, jax.devices("cpu")[:1]), tx)

@@ -168,6 +168,7 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_and_reported(tmp_path, lconv_lo
 def test_before_its_first_checkpoint_a_workdir_takes_the_new_launchs_config(tmp_path):
     first, second = tiny_config.get_config(), tiny_config.get_config()
     second.model.d_model = 32
+    first, second = workdir_lib.as_record(first), workdir_lib.as_record(second)  # as config.json holds them
     workdir_lib.write_config(first, str(tmp_path), {}, has_checkpoint=False)  # a launch killed before step 1
     changes = workdir_lib.check_config_change(second, str(tmp_path), has_checkpoint=False)
     assert changes == {"model.d_model": (16, 32)}
@@ -180,15 +181,15 @@ def test_resuming_a_run_made_before_a_field_existed_takes_its_default_without_as
     """A field added to lconv after the run was made is absent from its config.json: at its default (which keeps
     the old behaviour) it is recorded, not refused; at any other value it changes what the run trained with."""
     config = tiny_config.get_config()
-    workdir_lib.write_config(config, str(tmp_path), {}, has_checkpoint=False)
+    workdir_lib.write_config(workdir_lib.as_record(config), str(tmp_path), {}, has_checkpoint=False)
     stored = json.loads((tmp_path / "config.json").read_text())
     del stored["optim"]["cosine_period"]
     (tmp_path / "config.json").write_text(json.dumps(stored))
-    assert workdir_lib.check_config_change(config, str(tmp_path), has_checkpoint=True) == {
+    assert workdir_lib.check_config_change(workdir_lib.as_record(config), str(tmp_path), has_checkpoint=True) == {
         "optim.cosine_period": (None, 0)}
     config.optim.cosine_period = 500
     with pytest.raises(UserError) as error:
-        workdir_lib.check_config_change(config, str(tmp_path), has_checkpoint=True)
+        workdir_lib.check_config_change(workdir_lib.as_record(config), str(tmp_path), has_checkpoint=True)
     helpers.one_line_error(error, "config.optim.cosine_period: None -> 500")
 
 
@@ -200,11 +201,12 @@ def test_on_resume_run_fields_may_change_and_model_fields_only_on_purpose(tiny_r
                            "--accept_config_changes")
     more_steps = _config(tiny_run.data_dir, num_steps=9)
     more_steps.decode.beam_size = 2
-    assert workdir_lib.check_config_change(more_steps, str(workdir), has_checkpoint=True) == {
+    assert workdir_lib.check_config_change(workdir_lib.as_record(more_steps), str(workdir), has_checkpoint=True) == {
         "decode.beam_size": (4, 2), "train.num_steps": (6, 9)}
     accepted = _config(tiny_run.data_dir)
     accepted.optim.learning_rate = 0.01
-    assert workdir_lib.check_config_change(accepted, str(workdir), has_checkpoint=True, accept_changes=True) == {
+    assert workdir_lib.check_config_change(workdir_lib.as_record(accepted), str(workdir), has_checkpoint=True,
+                                           accept_changes=True) == {
         "optim.learning_rate": (0.003, 0.01)}
 
 

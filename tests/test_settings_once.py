@@ -81,7 +81,7 @@ def test_settings_take_the_config_and_the_contract_and_the_choices():
         chosen.temperature = 1.0
     with pytest.raises(UserError, match=r"unknown decoding setting\(s\) \['temprature'\]"):
         DecodeSettings.build(config.decode, temprature=1.0)
-    assert schema.validate_config(config).decode == settings  # validation returns the same, parsed once
+    assert schema.validate_config(config).search == settings  # the typed config gives the same search
 
 
 def test_a_program_key_ignores_what_is_an_argument_or_unread():
@@ -170,7 +170,7 @@ def test_a_training_start_parses_the_config_once(parses, tiny_data, tmp_path):
     assert parses == {"model": 1, "data": 1}
     run = setup.build_run(config, str(helpers.new_workdir(tiny_data, tmp_path / "run")), devices, checked=checked)
     assert parses == {"model": 1, "data": 1}
-    assert run.model.config is checked.settings.model
+    assert run.model.config is checked.config.model
 
 
 def test_loading_a_run_parses_its_config_once(parses, tiny_run):
@@ -181,10 +181,65 @@ def test_loading_a_run_parses_its_config_once(parses, tiny_run):
     stored = restore.read_stored(str(tiny_run.workdir))
     trained = restore.load_trained(str(tiny_run.workdir), stored=stored)
     assert parses == {"model": 1, "data": 1}
-    assert trained.model.config is stored.settings.model
-
-    def bad_override(config):
-        config.decode.beam_size = 0
+    assert trained.model.config is stored.config.model
 
     with pytest.raises(UserError, match="beam_size"):
-        restore.load_trained(str(tiny_run.workdir), stored=stored, overrides=bad_override)
+        restore.load_trained(str(tiny_run.workdir), stored=stored, overrides={"decode": {"beam_size": 0}})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The config typed below the edges
+# ----------------------------------------------------------------------------------------------------------------
+# Where a config as its file spells it (a ConfigDict or a plain dict) comes in and is typed once: the programs and
+# surfaces that write configs or take them from a user, and the parsers themselves. Everything else takes the
+# typed ``RunConfig`` (lconv.run.schema) or the section it needs.
+EDGE_FOLDERS = ("lconv/cli/", "lconv/configs/", "lconv/study/", "lconv/bench/", "lconv/interop/")
+EDGE_FILES = {"lconv/api.py", "lconv/run/schema.py", "lconv/run/workdir.py", "lconv/fields.py",
+              "lconv/nn/model_config.py", "lconv/data/data_config.py", "lconv/train/__main__.py",
+              "lconv/data/__main__.py"}
+EDGE_FUNCTIONS = {("lconv/train/loop.py", "train_and_evaluate"), ("lconv/train/setup.py", "check_config"),
+                  ("lconv/train/setup.py", "build_run")}  # training from Python: a config as its file writes it
+CONFIG_NAMES = {"config", "cfg", "model_config", "run_config"}
+UNTYPED = {"Any", "Config", "ConfigDict", "ml_collections.ConfigDict", "dict", "Mapping"}
+
+
+def untyped_configs(source: str, path: str) -> list[str]:
+    """Each parameter named as a config with no annotation or an untyped one, and each ml_collections import,
+    in ``source`` (the file ``path``) outside ``EDGE_FUNCTIONS``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(name.split(".")[0] == "ml_collections" for name in names):
+                found.append(f"{path}:{node.lineno} imports ml_collections")
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or (path, node.name) in EDGE_FUNCTIONS:
+            continue
+        for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+            annotation = ast.unparse(arg.annotation) if arg.annotation is not None else None
+            if arg.arg in CONFIG_NAMES and (annotation is None or annotation in UNTYPED):
+                found.append(f"{path}:{node.lineno} {node.name}({arg.arg}: {annotation})")
+    return found
+
+
+def test_below_the_edges_every_config_parameter_is_typed():
+    """No ``config: Any`` (or ConfigDict) below the edges: each ``config.<section>.<field>`` read there reads a
+    typed, frozen field, checked once by ``validate_config``."""
+    found = []
+    for path in sorted((ROOT / "lconv").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(EDGE_FOLDERS) or rel in EDGE_FILES:
+            continue
+        found += untyped_configs(path.read_text(encoding="utf-8"), rel)
+    assert not found, found
+
+
+def test_the_typed_config_check_sees_a_planted_config_dict():
+    planted = ("import ml_collections\n"
+               "def decode(config: Any, width: int): ...\n"
+               "def train_and_evaluate(config, workdir): ...\n"
+               "def build(cfg): ...\n"
+               "def fine(config: RunConfig, data: DataConfig): ...\n")
+    assert untyped_configs(planted, "lconv/infer/x.py") == [
+        "lconv/infer/x.py:1 imports ml_collections", "lconv/infer/x.py:2 decode(config: Any)",
+        "lconv/infer/x.py:3 train_and_evaluate(config: None)", "lconv/infer/x.py:4 build(cfg: None)"]
+    assert untyped_configs(planted, "lconv/train/loop.py")[2:] == ["lconv/train/loop.py:4 build(cfg: None)"]

@@ -17,7 +17,7 @@ from lconv.configs import common
 from lconv.errors import UserError
 from lconv.nn import knn_memory, models
 from lconv.nn.common import BTC, axis_rules, constrain, under_axis_rules
-from lconv.run import metrics, model_setup
+from lconv.run import metrics, model_setup, schema
 from lconv.train import setup
 from scripts import param_table
 
@@ -113,6 +113,7 @@ def test_real_configs_hold_a_quarter_of_their_parameters_per_device(name, varian
     """On a 2x2x2 mesh (fsdp x tensor = 4) each device holds ~1/4 of the parameters (param_shardings' path)."""
     config = param_table.get_config(name, variant)
     config.mesh.rules = axis_rules(config.mesh.rules)
+    config = schema.validate_config(config)
     mesh = _cpu_mesh_2x2x2()
     model = model_setup.build_model(config, config.data.vocab_size)
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
@@ -178,6 +179,7 @@ def _packed_batch(config, seed=0):
 def _loss_and_grads(config, shape, batch):
     """``(loss sum, gradients)`` of ``batch`` with dropout on, on a mesh of ``shape`` built as train.py builds it."""
     config.mesh.shape = shape
+    config = schema.validate_config(config)
     mesh = model_setup.make_mesh(config.mesh, helpers.cpu_devices(int(np.prod(shape))))
     model = model_setup.build_model(config, config.data.vocab_size)
     state, shardings = setup.create_state(config, model, mesh, setup.build_optimizer(config.optim, 10)[0])

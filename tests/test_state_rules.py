@@ -16,7 +16,7 @@ import toy_mixers
 
 from lconv.errors import UserError
 from lconv.nn import mixers
-from lconv.run import model_setup
+from lconv.run import model_setup, schema
 
 
 class _Stateful(toy_mixers.PrefixMean):
@@ -57,6 +57,7 @@ def _initial_state(name, monkeypatch):
     config = tiny_config.training_config("unused")
     config.task, config.data.dataset, config.data.stream = "lm", "ddtp/lm_en", True
     config.model.encoder_layers, config.model.decoder_mixer = 0, name.lower()
+    config = schema.validate_config(config)
     model = model_setup.build_model(config, config.data.vocab_size)
     return model_setup.init_mixer_state(config, model, 3)
 

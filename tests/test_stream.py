@@ -13,7 +13,7 @@ import tiny_config
 
 import lconv
 from lconv.data import EOS_ID, PAD_ID, pipeline, sources, stream
-from lconv.run import loss_pass, metrics, model_setup
+from lconv.run import loss_pass, metrics, model_setup, schema
 from lconv.train import loop, setup, steps
 
 
@@ -185,7 +185,7 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
 def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
-    config = _knn_config(grad_accum_steps)
+    config = schema.validate_config(_knn_config(grad_accum_steps))
     model = model_setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, devices=helpers.cpu_devices(2))
@@ -222,6 +222,7 @@ def test_memory_rows_stay_on_their_devices():
 
     config = _knn_config()
     config.data.batch_size = 8
+    config = schema.validate_config(config)
     model = model_setup.build_model(config, VOCAB)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, helpers.cpu_devices(8))

@@ -14,7 +14,7 @@ import tiny_config
 
 from lconv.data import pipeline, sources
 from lconv.infer import compiled
-from lconv.run import checkpoints, loss_pass, model_setup, restore
+from lconv.run import checkpoints, loss_pass, model_setup, restore, schema
 from lconv.train import loop, schedule, setup, steps
 
 _config = tiny_config.training_config
@@ -152,6 +152,7 @@ def step_setup():
     config.model.dropout = config.model.weight_dropout = 0.0  # micro-batches would draw other dropout masks
     config.optim.warmup_init_lr = config.optim.learning_rate  # a first update of a visible size
     config.optim.optimizer = "nag"  # updates linear in the gradient (Adam's first step is ~sign(g): noise-prone)
+    config = schema.validate_config(config)
     model = model_setup.build_model(config, 512)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh)
@@ -173,8 +174,7 @@ def _one_step(config, lr, mesh, state, batch):
 def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
     config, model, tx, lr, mesh, state, batch = step_setup
     whole, whole_sums = _one_step(config, lr, mesh, state, batch)
-    config = config.copy_and_resolve_references()
-    config.optim.grad_accum_steps = 4
+    config = config.replace(optim={"grad_accum_steps": 4})
     split, split_sums = _one_step(config, lr, mesh, state, batch)
     assert float(split_sums["tokens"]) == float(whole_sums["tokens"]) == float((batch["targets"] > 0).sum())
     assert float(split_sums["loss"]) == pytest.approx(float(whole_sums["loss"]), rel=1e-5)
@@ -187,8 +187,7 @@ def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
 def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     config, model, tx, lr, mesh, state, batch = step_setup
     _, f32_sums = _one_step(config, lr, mesh, state, batch)
-    config = config.copy_and_resolve_references()
-    config.model.dtype = "bfloat16"
+    config = config.replace(model={"dtype": "bfloat16"})
     bf16_state = state.replace(apply_fn=model_setup.build_model(config, 512).apply)
     new_state, bf16_sums = _one_step(config, lr, mesh, bf16_state, batch)
     assert bf16_sums["loss"].dtype == np.float32
@@ -237,7 +236,7 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
     from lconv.cli import eval_program
 
     workdir = helpers.copy_run(tiny_run, tmp_path / "run")  # eval.py writes its outputs into the workdir
-    config = _config(tiny_run.data_dir)
+    config = schema.validate_config(_config(tiny_run.data_dir))
     model = model_setup.build_model(config, 512)
     trained = restore.load_trained(str(workdir), average_last=3)
     averaged, chosen = trained.params, trained.steps
@@ -264,8 +263,8 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
 def test_a_packed_loss_pass_scores_what_one_example_per_row_scores(tiny_run):
     """The validation pass packs examples several to a row; no mixer may let one example see another."""
     trained = restore.load_trained(str(tiny_run.workdir))
-    config = trained.config
-    config.data.eval_max_input_length = config.data.eval_max_target_length = 256  # rows with room for several
+    # rows with room for several examples
+    config = trained.config.replace(data={"eval_max_input_length": 256, "eval_max_target_length": 256})
     validation = pipeline.make_datasets(config.data, trained.tokenizer, process_index=0,
                                         process_count=1).eval_sets["validation"]
     mesh = compiled.mesh_of(trained.params)  # the mesh load_trained put the params on

@@ -19,6 +19,7 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import batching, split_scoring, time_estimate
+from lconv.infer.infer_config import InferConfig
 from lconv.run import model_setup
 from lconv.train import budget, logs, loop, schedule
 
@@ -278,8 +279,10 @@ def _config(rows=4):
     # decode.batch_size = rows, not auto: auto widens the batch on an accelerator, and these tests count batches
     return types.SimpleNamespace(decode=types.SimpleNamespace(beam_size=2, batch_size=rows, compound_split=False,
                                                               num_print=0, split="test", lenpen=1.0),
-                                 data=types.SimpleNamespace(eval_batch_size=rows, eval_max_target_length=200),
-                                 task="translation")
+                                 infer=InferConfig(task="translation", mesh_rules=(), batch_size=rows,
+                                                   eval_batch_size=rows, max_input_length=200, max_target_length=200,
+                                                   max_positions=200, split="test", compound_split=False,
+                                                   num_print=0))
 
 
 def _settings(config):
@@ -302,10 +305,10 @@ def test_the_decoding_estimate_is_what_decoding_the_split_takes(lengths, widths)
     eval_set, config = _split(lengths), _config()
     settings = _settings(config)
     translator = FakeTranslator(clock)
-    estimate = time_estimate.estimate_decode_seconds(config, eval_set, translator, settings, clock)
+    estimate = time_estimate.estimate_decode_seconds(config.infer, eval_set, translator, settings, clock)
     assert translator.widths == widths
     start = clock.now
-    batches = list(batching.decode_batches(config, None, {"w": np.zeros(1)}, eval_set, settings,
+    batches = list(batching.decode_batches(config.infer, None, {"w": np.zeros(1)}, eval_set, settings,
                                                    translator=translator))
     assert len(batches) == -(-len(lengths) // 4) and translator.compiled == []  # all prepared
     if len(lengths) == 16:
@@ -332,7 +335,7 @@ def test_a_probe_slowed_by_a_moment_of_load_does_not_move_the_estimate():
     for translator_class in (FakeTranslator, Loaded):
         clock = FakeClock()
         config = _config()
-        estimates.append(time_estimate.estimate_decode_seconds(config, _split(lengths), translator_class(clock),
+        estimates.append(time_estimate.estimate_decode_seconds(config.infer, _split(lengths), translator_class(clock),
                                                                   _settings(config), clock))
     assert estimates[1] == pytest.approx(estimates[0])
     assert time_estimate.PROBE_REPEATS >= 2
@@ -344,7 +347,7 @@ def test_decoding_a_split_prepares_its_later_widths():
     clock = FakeClock()
     eval_set, config = _split([5, 9, 20, 31, 40, 60, 70, 100]), _config()
     translator = FakeTranslator(clock)
-    list(batching.decode_batches(config, None, {"w": np.zeros(1)}, eval_set, _settings(config),
+    list(batching.decode_batches(config.infer, None, {"w": np.zeros(1)}, eval_set, _settings(config),
                                          translator=translator))
     assert translator.compiled == [32] and translator.widths == {32, 128}
 
@@ -359,7 +362,7 @@ def test_decoding_stops_where_the_budget_runs_out_and_the_scores_say_how_much(tm
             calls["batches"] += 1
             return super().__call__(inputs_BS, settings)
 
-    scores = split_scoring.score_split(config, None, {"w": np.zeros(1)}, tiny_runs.tokenizer(),
+    scores = split_scoring.score_split(config.infer, None, {"w": np.zeros(1)}, tiny_runs.tokenizer(),
                                           {"test": eval_set}, str(tmp_path), _settings(config),
                                           translator=Counting(clock),
                                           stop_when=(lambda: calls["batches"] >= 2, "train.max_minutes"))

@@ -15,7 +15,7 @@ import pytest
 
 import lconv
 from lconv.errors import UserError
-from lconv.run import restore
+from lconv.run import restore, schema
 
 
 @pytest.fixture
@@ -183,8 +183,8 @@ def test_a_mixer_given_as_a_json_object_is_refused_before_anything_is_imported(e
         stored = {**config, "model": {**config["model"], field: value}}
         (workdir / "config.json").write_text(json.dumps(stored))
         for read in (lambda: lconv.load(str(workdir)), lambda: lconv.load(str(workdir), trust_plugins=True),
-                     lambda: init_from.prepare(tiny_config.training_config(tmp_path, 1, init_from=str(workdir)),
-                                               str(tmp_path / "new"))):
+                     lambda: init_from.prepare(schema.validate_config(tiny_config.training_config(
+                         tmp_path, 1, init_from=str(workdir))), str(tmp_path / "new"))):
             with pytest.raises(UserError) as info:
                 read()
             helpers.one_line_error(info, f"config.model.{field}=")

@@ -11,7 +11,7 @@ import tiny_config
 
 from lconv.configs import lm1b
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.run import model_setup, restore
+from lconv.run import model_setup, restore, schema
 
 WORDS = ("the a package tool library for and of to with files images convert data system window small fast "
          "server client network text editor font support python module documentation").split()
@@ -41,6 +41,7 @@ def lm_config():
 def in_memory(config, tok: tokenizer_lib.Tokenizer | None = None, seed: int = 0) -> restore.Trained:
     """``config``'s model with freshly initialised params (single device) and a tokenizer."""
     tok = tok or tokenizer()
+    config = schema.validate_config(config)
     model = model_setup.build_model(config, tok.vocab_size)
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     params = jax.jit(model.init)(jax.random.key(seed), *args, **kwargs)["params"]

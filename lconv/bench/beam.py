@@ -29,7 +29,7 @@ from lconv.data import pipeline, sources
 from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import batching, compiled
-from lconv.run import model_setup, restore
+from lconv.run import model_setup, restore, schema
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +65,14 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
         config = default.get_config(mixer)
         if smoke:
             common.smoke_test_sizes(config)
+        config = schema.validate_config(config)
         model = model_setup.build_model(config, config.data.vocab_size)
         args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
         params = jax.jit(model.init)(jax.random.key(0), *args, **kwargs)["params"]
         setups[label] = (config, model, params, synthetic_split(count, config.data.vocab_size,
                                                                 config.data.eval_batch_size))
     config, _, params, eval_set = next(iter(setups.values()))
-    auto = min(count, compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size,
+    auto = min(count, compiled.decode_rows(config.infer, compiled.platform_of(params), eval_set.batch_size,
                                            config.decode.beam_size))
     results = []
     sizes = sorted({r for r in rows_list if r <= count} - {auto})
@@ -121,7 +122,7 @@ def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limi
     config, model, params = trained.config, trained.model, trained.params
     eval_set = test_split(config, trained.tokenizer, limit)
     count = len(eval_set.tokens)
-    auto = min(count, compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size,
+    auto = min(count, compiled.decode_rows(config.infer, compiled.platform_of(params), eval_set.batch_size,
                                            config.decode.beam_size))
     results = []
     for rows in rows_order(auto, rows_list, count):
@@ -161,11 +162,11 @@ def trained_section(rows: list[report.Row], final: dict[str, float] | None, info
 
 def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, float]:
     """Seconds of the first pass over ``eval_set`` (it compiles) and the median of ``REPEATS`` more."""
-    translator = compiled.Translator(config, model, params)  # fresh programs: each batch size compiles its own
+    translator = compiled.Translator(config.infer, model, params)  # fresh programs: each batch size compiles its own
     settings = DecodeSettings.build(config.decode)
 
     def decode_split():
-        batches = batching.decode_batches(config, model, params, eval_set, settings, translator=translator)
+        batches = batching.decode_batches(config.infer, model, params, eval_set, settings, translator=translator)
         return [best for _, best in batches]
 
     start = time.perf_counter()

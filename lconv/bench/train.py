@@ -23,7 +23,7 @@ from lconv.configs import common
 from lconv.nn import mixers
 from lconv.nn.model_config import ModelConfig
 from lconv.ops import flash
-from lconv.run import model_setup
+from lconv.run import model_setup, schema
 from lconv.train import setup, steps
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def attention_kernel(config: setup.Config) -> str | None:
 
 def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
     """The ``mixer`` LM's train step at ``T`` lowered (not yet compiled), with its state and one batch."""
-    config = lm_config(mixer, T, dtype, fused_loss, size)
+    config = schema.validate_config(lm_config(mixer, T, dtype, fused_loss, size))
     model = model_setup.build_model(config, vocab)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, model_setup.make_mesh(config.mesh, jax.devices()[:1]), tx)

@@ -53,13 +53,12 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, settings, nbest)
     if source_file is None:
         trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
-        config = trained.config
-        config.data.eval_splits = (split,)
+        config = trained.config.replace(data={"eval_splits": (split,)})
         data = pipeline.make_datasets(config.data, trained.tokenizer)
         if task == "lm":
             return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
                                               split)
-        return split_scoring.score_split(config, trained.model, trained.params, trained.tokenizer,
+        return split_scoring.score_split(config.infer, trained.model, trained.params, trained.tokenizer,
                                             data.eval_sets, workdir, settings, split=split)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
@@ -118,7 +117,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
     return stored
 
 
-def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen: float | None,
+def _check_lm_flags(config: schema.RunConfig, workdir: str, *, beam_size: int | None, lenpen: float | None,
                     source_file: str | None, reference_file: str | None, interactive: bool,
                     sampling: dict[str, Any], guards: dict[str, int]) -> None:
     """What an LM run refuses: beam settings, references, sampling or generation guards without prompts (a
@@ -143,7 +142,7 @@ def _check_lm_flags(config: Any, workdir: str, *, beam_size: int | None, lenpen:
     schema.check_sampling(sampling, spell=lambda name: f"--{name}", vocab_size=vocab_size)
 
 
-def _vocab_size(config: Any, workdir: str) -> int:
+def _vocab_size(config: schema.RunConfig, workdir: str) -> int:
     """The upper bound of ``--top_k``, ``--beam_size`` and ``--nbest``: the tokenizer's vocabulary (the model's), or
     where there is no tokenizer to read the config's (loading the run then says what is missing)."""
     try:
@@ -152,7 +151,7 @@ def _vocab_size(config: Any, workdir: str) -> int:
         return int(config.data.vocab_size)
 
 
-def _check_translation_flags(config: Any, workdir: str, *, beam_size: int | None, source_file: str | None,
+def _check_translation_flags(config: schema.RunConfig, workdir: str, *, beam_size: int | None, source_file: str | None,
                              interactive: bool, sampling: dict[str, Any], nbest: int | None) -> None:
     """What a translation or summarization run refuses: ``--max_len`` (its lengths are config.decode.max_len_a and
     _b), sampling or ``--nbest`` without sources to decode, ``--nbest`` beyond the beam (the API's rule,
@@ -259,7 +258,7 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
     was not decoded as given, and scores the best hypotheses against ``references`` (blank sources stay in, as
     empty hypotheses)."""
     config = trained.config
-    translations = per_line.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
+    translations = per_line.translate_lines(config.infer, trained.model, trained.params, trained.tokenizer, sources,
                                                     settings, name=_line_name, nbest=nbest or 0)
     if nbest:
         _write_text(output_file, "".join(nbest_lines(i, entries) for i, entries in enumerate(translations.nbest)))
@@ -283,8 +282,8 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
 def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file: str, output_file: str,
                    settings: DecodeSettings) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
-    generator = compiled.Generator(trained.config, trained.model, trained.params)
-    outputs = per_line.generate_lines(trained.config, trained.tokenizer, prompts, generator, settings,
+    generator = compiled.Generator(trained.config.infer, trained.model, trained.params)
+    outputs = per_line.generate_lines(trained.config.infer, trained.tokenizer, prompts, generator, settings,
                                               name=_line_name)
     _write_lines(output_file, outputs.hypotheses)
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
@@ -303,14 +302,14 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, settin
     current = {"line": 0}  # the stdin line being decoded, for the warning when it is cut
     name = lambda _: f"stdin line {current['line']}"  # noqa: E731
     if config.task == "lm":
-        generator = compiled.Generator(config, trained.model, trained.params)
-        output_of = lambda line: per_line.generate_lines(config, trained.tokenizer, [line],  # noqa: E731
+        generator = compiled.Generator(config.infer, trained.model, trained.params)
+        output_of = lambda line: per_line.generate_lines(config.infer, trained.tokenizer, [line],  # noqa: E731
                                                                  generator, settings, name=name).hypotheses[0]
     else:
-        translator = compiled.Translator(config, trained.model, trained.params)
+        translator = compiled.Translator(config.infer, trained.model, trained.params)
 
         def output_of(line: str) -> str:
-            found = per_line.translate_lines(config, trained.model, trained.params, trained.tokenizer, [line],
+            found = per_line.translate_lines(config.infer, trained.model, trained.params, trained.tokenizer, [line],
                                                      settings, translator=translator, name=name, nbest=nbest or 0)
             return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")

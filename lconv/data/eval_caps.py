@@ -12,6 +12,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from lconv.data.data_config import DataConfig
+
 logger = logging.getLogger(__name__)
 
 VALIDATION = "validation"  # the split training reports its loss on and keeps the best checkpoint by
@@ -37,7 +39,7 @@ def cap_field(split: str) -> str:
     return "max_validation_examples" if split == VALIDATION else "max_test_examples"
 
 
-def capped(source: Any, split: str, config: Any) -> Any:
+def capped(source: Any, split: str, config: DataConfig) -> Any:
     """``source`` cut to the cap ``config`` (a ``DataConfig``) sets for ``split`` (0 = no cap), logged when it cuts."""
     field = cap_field(split)
     cap = getattr(config, field)

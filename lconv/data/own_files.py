@@ -26,7 +26,6 @@ import dataclasses
 import json
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from etils import epath
 
@@ -78,23 +77,6 @@ class FileLayout:
         if self.source_lang is None:
             return (self.target_lang or LM_SUFFIX,)
         return (self.source_lang, self.target_lang)
-
-
-def layout_for(config: Any) -> FileLayout:
-    """The ``FileLayout`` of a ``DataConfig`` whose dataset is ``files``: its eval_splits must be in the folder."""
-    if config.raw_dir is None:
-        raise UserError("config.data.dataset='files' reads your files from config.data.raw_dir: set it to their folder "
-                        "(README, \"Train on your own data\")")
-    if config.source_lang is not None and config.target_lang is None:
-        raise UserError(f"config.data.source_lang={config.source_lang!r} needs config.data.target_lang (the other "
-                        "side of each pair)")
-    if config.source_lang is not None and config.source_lang == config.target_lang:
-        raise UserError(f"config.data.source_lang and target_lang are both {config.source_lang!r}; name the two "
-                        "sides apart (e.g. src and tgt)")
-    folder = paths.normalize(config.raw_dir)
-    name = config.name or paths.basename(folder)
-    return FileLayout(folder, config.source_lang, config.target_lang, config.stream, name,
-                      ("train", *config.eval_splits))
 
 
 def find_files(layout: FileLayout) -> dict[str, dict[str, str]]:

@@ -141,7 +141,7 @@ def import_readers() -> None:
     from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
 
 
-def tokenizer_texts(config: Any) -> Iterator[str]:
+def tokenizer_texts(config: DataConfig) -> Iterator[str]:
     """Training-split text of the dataset (inputs and targets interleaved), for the joint tokenizer."""
     cfg = DataConfig.from_config(config)
     source, input_key, target_key = sources.config_source(cfg, "train")
@@ -160,7 +160,7 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
         yield from (read_block(list(indices)) if read_block else (source[i] for i in indices))
 
 
-def load_or_train_tokenizer(config: Any, workdir: str, *, save: bool = True, process_index: int | None = None,
+def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
     """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir or shipped with lconv for the
     same data and settings (``tokenizer_files``); else a joint model trained on the training split, then kept.
@@ -266,7 +266,7 @@ def _collective_broadcast(status: int, payload: bytes) -> tuple[int, bytes]:
     return int(header[0]), data.astype(np.uint8).tobytes()
 
 
-def make_datasets(config: Any, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,
+def make_datasets(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer, *, process_index: int | None = None,
                   process_count: int | None = None) -> Datasets:
     """Train iterator and eval sets for ``config.dataset`` (the batch contract: docs/data.md)."""
     process_index, process_count = _process(process_index, process_count)
@@ -313,7 +313,7 @@ def _report_vocabulary(cfg: DataConfig, tokenizer: Any) -> None:
                        f"{why}; the model is built for {used:,}")
 
 
-def make_stream_datasets(config: Any, source: sources.Source, input_key: str | None, target_key: str,
+def make_stream_datasets(config: DataConfig, source: sources.Source, input_key: str | None, target_key: str,
                          tokenizer: tokenizer_lib.Tokenizer, process_index: int, process_count: int) -> Datasets:
     """``make_datasets`` for ``stream=True``: document streams for training and every eval split."""
     cfg = DataConfig.from_config(config)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from etils import epath
 
 from lconv.data import ddtp, own_files, paths
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 
 
@@ -71,34 +72,49 @@ def dataset_spec(name: str) -> DatasetSpec:
     return DATASETS[name]
 
 
-def files_layout(config: Any) -> own_files.FileLayout | None:
-    """How your own files read (a ``DataConfig`` whose dataset is ``files``); None for any other dataset."""
-    return own_files.layout_for(config) if config.dataset == FILES else None
+def files_layout(config: DataConfig) -> own_files.FileLayout | None:
+    """How your own files read (a ``DataConfig`` whose dataset is ``files``; its eval_splits must be in the
+    folder); None for any other dataset."""
+    if config.dataset != FILES:
+        return None
+    if config.raw_dir is None:
+        raise UserError("config.data.dataset='files' reads your files from config.data.raw_dir: set it to their folder "
+                        "(README, \"Train on your own data\")")
+    if config.source_lang is not None and config.target_lang is None:
+        raise UserError(f"config.data.source_lang={config.source_lang!r} needs config.data.target_lang (the other "
+                        "side of each pair)")
+    if config.source_lang is not None and config.source_lang == config.target_lang:
+        raise UserError(f"config.data.source_lang and target_lang are both {config.source_lang!r}; name the two "
+                        "sides apart (e.g. src and tgt)")
+    folder = paths.normalize(config.raw_dir)
+    name = config.name or paths.basename(folder)
+    return own_files.FileLayout(folder, config.source_lang, config.target_lang, config.stream, name,
+                                ("train", *config.eval_splits))
 
 
-def config_spec(config: Any) -> DatasetSpec:
+def config_spec(config: DataConfig) -> DatasetSpec:
     """The ``DatasetSpec`` of a ``DataConfig``'s dataset, your own files' included."""
     return _spec(config.dataset, files_layout(config))
 
 
-def display_name(config: Any) -> str:
+def display_name(config: DataConfig) -> str:
     """What logs call a ``DataConfig``'s dataset: its name, or for your own files the name you gave (data.name,
     else the folder's)."""
     layout = files_layout(config)
     return config.dataset if layout is None else layout.name
 
 
-def config_source(config: Any, split: str) -> tuple[Source, str | None, str]:
+def config_source(config: DataConfig, split: str) -> tuple[Source, str | None, str]:
     """``get_source`` for a ``DataConfig``."""
     return get_source(config.dataset, split, config.data_dir, config.raw_dir, layout=files_layout(config))
 
 
-def config_report(config: Any) -> dict:
+def config_report(config: DataConfig) -> dict:
     """``source_report`` for a ``DataConfig``."""
     return source_report(config.dataset, config.data_dir, config.raw_dir, layout=files_layout(config))
 
 
-def config_data_path(config: Any) -> str:
+def config_data_path(config: DataConfig) -> str:
     """``prepared_data_path`` for a ``DataConfig``."""
     return prepared_data_path(config.dataset, config.data_dir, config.raw_dir, layout=files_layout(config))
 

@@ -19,7 +19,7 @@ KEPT_RECORD = "kept.json"  # beside a kept tokenizer: what it was kept for, and 
 logger = logging.getLogger(__name__)
 
 
-def kept_dir(config: Any) -> str:
+def kept_dir(config: DataConfig) -> str:
     """Where a tokenizer trained for ``config.data``'s data and settings is kept for later runs (a new workdir
     copies it instead of training again): under data_dir, named by the prepared data's
     folder, the vocabulary size, the sample size and ``tokenizer.TRAINING_VERSION``."""
@@ -40,7 +40,7 @@ def shipped_name(dataset: str, source_key: str, vocab_size: int, max_sentences: 
             f"-t{tokenizer_lib.TRAINING_VERSION}.model")
 
 
-def shipped_path(config: Any) -> str | None:
+def shipped_path(config: DataConfig) -> str | None:
     """The tokenizer lconv ships for ``config``'s data and settings, or None (another corpus or setting).
 
     The bundled snapshot and the default settings always give the same model, so it is trained once
@@ -50,7 +50,7 @@ def shipped_path(config: Any) -> str | None:
     return path if path is not None and os.path.exists(path) else None
 
 
-def shipped_location(config: Any) -> str | None:
+def shipped_location(config: DataConfig) -> str | None:
     """Where lconv/data/snapshot/ holds (or would hold) the tokenizer for ``config``'s data and settings; None for
     data not prepared from the bundled snapshot."""
     from lconv.data import tfds_ddtp

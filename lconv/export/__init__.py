@@ -84,10 +84,10 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     if lm:
-        function = functools.partial(compiled.Generator(config, trained.model, params).function,
+        function = functools.partial(compiled.Generator(config.infer, trained.model, params).function,
                                      settings=settings.program_key())
     else:
-        function = compiled.Translator(config, trained.model, params).function
+        function = compiled.Translator(config.infer, trained.model, params).function
     directory = epath.Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     # The sidecar goes first and comes back last: an export stopped half-way (SIGTERM, a full disk), even over an
@@ -101,7 +101,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
                     abstract, _spec((r, w), jnp.int32), _spec((r,), jnp.int32), _spec((), jnp.uint32))
                 entry = dict(file=f"generate_r{r}_w{w}.jax", rows=r, width=w, output_len=w + settings.max_len)
             else:
-                length = compiled.max_output_len(config, settings, w)
+                length = compiled.max_output_len(config.infer, settings, w)
                 fn = functools.partial(function, settings=settings.program_key(), output_len=length)
                 exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
@@ -122,13 +122,13 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         else {"beam_size": settings.beam_size, "lenpen": settings.lenpen},
         "guards": {"no_repeat_ngram_size": settings.no_repeat_ngram_size, "min_len": settings.min_len},
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
-        "jax_version": jax.__version__, "config": json.loads(config.to_json()),
+        "jax_version": jax.__version__, "config": config.as_config(),
     }
     outputs.write_atomically(directory / SIDECAR, json.dumps(sidecar, indent=2))
     return sidecar
 
 
-def default_widths(config: Any) -> list[int]:
+def default_widths(config: schema.RunConfig) -> list[int]:
     """The width buckets up to the longest input ``lconv.load`` takes: a source's
     ``config.data.eval_max_input_length``, an LM prompt's ``config.model.max_len`` (export cuts a prompt's widths
     to what its ``max_len`` leaves)."""
@@ -153,7 +153,7 @@ def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def check_buckets(config: Any, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int],
+def check_buckets(config: schema.RunConfig, platforms: Sequence[str], rows: Sequence[int], widths: Sequence[int],
                   spell: Callable[[str], str] = str) -> None:
     """The platforms, and the rows and widths of the buckets: known, ascending, within what a program holds."""
     unknown = [p for p in platforms if p not in PLATFORMS]

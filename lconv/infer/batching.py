@@ -18,6 +18,7 @@ from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled
+from lconv.infer.infer_config import InferConfig
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipeline.EvalSet,
+def decode_batches(config: InferConfig, model: nn.Module, params: Any, eval_set: pipeline.EvalSet,
                    settings: DecodeSettings, *, translator: Callable[..., Any] | None = None,
                    per_batch: Callable[[list[int]], dict[str, Any]] | None = None
                    ) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
@@ -54,7 +55,7 @@ def decode_batches(config: Any, model: nn.Module, params: Any, eval_set: pipelin
         yield decoded
 
 
-def plan(config: Any, params: Any, eval_set: pipeline.EvalSet, beam_size: int) -> tuple[int, list[int]]:
+def plan(config: InferConfig, params: Any, eval_set: pipeline.EvalSet, beam_size: int) -> tuple[int, list[int]]:
     """``(rows per batch, the examples' order)``: ``compiled.decode_rows`` rows (fewer when the set is smaller than
     a batch), shortest sources first."""
     rows = compiled.decode_rows(config, compiled.platform_of(params), eval_set.batch_size, beam_size)

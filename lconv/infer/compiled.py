@@ -26,6 +26,7 @@ from lconv.constants import BATCH_MESH_AXES, EOS_ID, IMPOSSIBLE_LOGP, PAD_ID
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import guards as guards_lib
 from lconv.infer import lm_search, search
+from lconv.infer.infer_config import InferConfig
 from lconv.nn import common as nn_common
 
 if TYPE_CHECKING:
@@ -51,11 +52,11 @@ def row_bucket(count: int, rows: int) -> int:
 ACCELERATOR_HYPOTHESES = 2048
 
 
-def decode_rows(config: Any, platform: str, eval_rows: int, beam_size: int) -> int:
+def decode_rows(config: InferConfig, platform: str, eval_rows: int, beam_size: int) -> int:
     """Rows (sources or prompts) per decoding batch: ``config.decode.batch_size``, or for 0 (auto) ``eval_rows``
     (``data.eval_batch_size``) on CPU and, on other platforms, ``eval_rows`` doubled while ``rows * beam_size``
     stays within ``ACCELERATOR_HYPOTHESES`` (a multiple of the eval batch, so it splits over the mesh alike)."""
-    chosen = config.decode.batch_size
+    chosen = config.batch_size
     if chosen:
         return chosen
     rows = eval_rows
@@ -79,10 +80,10 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
-def max_output_len(config: Any, settings: DecodeSettings, width: int) -> int:
+def max_output_len(config: InferConfig, settings: DecodeSettings, width: int) -> int:
     """The decoded length for sources ``width`` wide: ``settings.max_len_a * width + settings.max_len_b``, at most
     the eval limit (``config.data.eval_max_target_length``)."""
-    return int(min(settings.max_len_a * width + settings.max_len_b, config.data.eval_max_target_length))
+    return int(min(settings.max_len_a * width + settings.max_len_b, config.max_target_length))
 
 
 def mesh_of(params: Any) -> jax.sharding.Mesh | None:
@@ -115,7 +116,7 @@ class Translator:
     One program per (rows, width, ``settings.program_key()``); ``lenpen`` and the seed are arguments, so changing
     them compiles nothing, and the best beam and the n-best lists come from the same program."""
 
-    def __init__(self, config: Any, model: nn.Module, params: Any):
+    def __init__(self, config: InferConfig, model: nn.Module, params: Any):
         self.config, self.params, self.mesh = config, params, mesh_of(params)
 
         def hypotheses(params, inputs_BS, lenpen, seed, prefix=None, *, settings, output_len):
@@ -131,9 +132,9 @@ class Translator:
             return hypotheses(params, inputs_BS, lenpen, jnp.uint32(0), settings=settings,
                               output_len=output_len).tokens[:, 0]  # [B, L]
 
-        self.function = nn_common.under_axis_rules(best, config.mesh.rules)  # what lconv.export lowers
+        self.function = nn_common.under_axis_rules(best, config.mesh_rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        self.jitted = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules), out_shardings=replicated,
+        self.jitted = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh_rules), out_shardings=replicated,
                               static_argnames=("settings", "output_len"))
         # (rows, width, settings.program_key()) -> a Future of the program ``prepare`` compiles; shared with the
         # translators ``with_params`` makes, so a program prepared before training ends serves its final params
@@ -253,7 +254,7 @@ class Generator:
     ``[B, settings.max_len]`` (numpy, PAD after EOS), ``generator.hypotheses(...)`` the scored beams or samples.
     One program per (rows, width, ``settings.program_key()``); ``lenpen`` and the seed are arguments."""
 
-    def __init__(self, config: Any, model: nn.Module, params: Any):
+    def __init__(self, config: InferConfig, model: nn.Module, params: Any):
         self.config, self.params, self.mesh = config, params, mesh_of(params)
 
         def run(params, prompt_BP, prompt_len_B, seed, *, settings):
@@ -270,10 +271,10 @@ class Generator:
                                            temperature=settings.temperature, top_k=settings.top_k,
                                            top_p=settings.top_p, guards=guards_lib.Guards.of(settings))
 
-        self.function = nn_common.under_axis_rules(run, config.mesh.rules)  # what lconv.export lowers
+        self.function = nn_common.under_axis_rules(run, config.mesh_rules)  # what lconv.export lowers
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.jitted = jax.jit(self.function, static_argnames=("settings",), out_shardings=replicated)
-        self.jitted_hypotheses = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh.rules),
+        self.jitted_hypotheses = jax.jit(nn_common.under_axis_rules(hypotheses, config.mesh_rules),
                                          static_argnames=("settings",), out_shardings=replicated)
 
     def hypotheses(self, prompt_BP: np.ndarray, prompt_len_B: np.ndarray,

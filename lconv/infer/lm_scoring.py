@@ -17,6 +17,7 @@ import numpy as np
 
 from lconv.constants import EOS_ID, PAD_ID
 from lconv.infer import compiled
+from lconv.infer.infer_config import InferConfig
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -33,12 +34,12 @@ def token_log_probs(model: nn.Module, params: Any, targets_BT: jax.Array) -> jax
     return jnp.take_along_axis(logp_BTV, targets_BT[:, :, None], axis=-1)[:, :, 0]  # [B, T]
 
 
-def continuation_scores(config: Any, log_probs: LogProbs, params: Any, prompts: Sequence[np.ndarray],
+def continuation_scores(config: InferConfig, log_probs: LogProbs, params: Any, prompts: Sequence[np.ndarray],
                         continuations: Sequence[np.ndarray]) -> list[dict[str, Any]]:
     """Per pair ``{"score": sum of token_scores, "token_scores": [...]}``: log p of each continuation token and EOS
     given BOS and the prompt. A pair longer than ``config.model.max_len`` positions keeps the prompt's last tokens
     (as ``generate`` does) and, if the continuation alone is too long, its first ``max_len - 1`` tokens."""
-    positions = int(config.model.max_len)
+    positions = int(config.max_positions)
     rows_of = []
     for prompt, continuation in zip(prompts, continuations):
         continuation = np.append(continuation[:positions - 1], EOS_ID)
@@ -49,11 +50,11 @@ def continuation_scores(config: Any, log_probs: LogProbs, params: Any, prompts: 
             for scores in _scored(config, log_probs, params, rows_of, positions)]
 
 
-def text_perplexities(config: Any, log_probs: LogProbs, params: Any,
+def text_perplexities(config: InferConfig, log_probs: LogProbs, params: Any,
                       texts: Sequence[np.ndarray]) -> list[dict[str, float]]:
     """Per text ``{"ppl", "nll", "tokens"}``: the text and EOS from BOS, cut to ``eval_max_target_length`` tokens
     as ``perplexity`` cuts it; ``nll`` per token (natural log), ``ppl = exp(nll)``."""
-    limit = int(config.data.eval_max_target_length)
+    limit = int(config.max_target_length)
     rows_of = [(np.append(ids[:limit - 1], EOS_ID).astype(np.int32), 0) for ids in texts]
     out = []
     for scores in _scored(config, log_probs, params, rows_of, limit):
@@ -62,11 +63,11 @@ def text_perplexities(config: Any, log_probs: LogProbs, params: Any,
     return out
 
 
-def _scored(config: Any, log_probs: LogProbs, params: Any, rows_of: list[tuple[np.ndarray, int]],
+def _scored(config: InferConfig, log_probs: LogProbs, params: Any, rows_of: list[tuple[np.ndarray, int]],
             limit: int) -> list[np.ndarray]:
     """Each ``(targets, first scored position)``'s token log-probs from that position on, in batches of
     ``data.eval_batch_size`` rows (a power-of-two bucket) padded to a width bucket."""
-    rows = compiled.row_bucket(len(rows_of), config.data.eval_batch_size)
+    rows = compiled.row_bucket(len(rows_of), config.eval_batch_size)
     out = []
     for start in range(0, len(rows_of), rows):
         chunk = rows_of[start:start + rows]

@@ -17,6 +17,7 @@ from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import batching, compiled
+from lconv.infer.infer_config import InferConfig
 from lconv.infer.source_lengths import SOURCE_LIMIT, SourceLengths, measure_sources
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class LineOutputs:
     nbest: list[list[dict[str, Any]]] | None = None  # with ``nbest``: per line, best first (``nbest_entries``)
 
 
-def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str],
+def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str],
                     settings: DecodeSettings, *, translator: compiled.Translator | None = None,
                     name: Callable[[int], str] = "sources[{}]".format, nbest: int = 0,
                     prefixes: Sequence[np.ndarray] | None = None) -> LineOutputs:
@@ -45,14 +46,14 @@ def translate_lines(config: Any, model: nn.Module, params: Any, tokenizer: Token
     the warning about over-long lines."""
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]
-    limit = config.data.eval_max_input_length
+    limit = config.max_input_length
     measured = measure_sources(tokenizer, [sources[i] for i in kept], limit)
     lengths = SourceLengths([kept[i] for i in measured.truncated], measured.longest, limit, measured.cut_from)
     lengths.log(name, SOURCE_LIMIT)
     examples = [{"inputs": sources[i], "targets": ""} for i in kept]  # a list is a random-access source
     eval_set = pipeline.make_eval_set(examples, "inputs", "targets", tokenizer,
-                                      {"inputs": limit, "targets": config.data.eval_max_target_length},
-                                      config.data.eval_batch_size)
+                                      {"inputs": limit, "targets": config.max_target_length},
+                                      config.eval_batch_size)
     translator = translator or compiled.Translator(config, model, params)
     hypotheses = [""] * len(sources)
     lists = [[] for _ in sources] if nbest else None
@@ -82,25 +83,25 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
     return entries
 
 
-def generate_lines(config: Any, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator,
+def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator,
                    settings: DecodeSettings, *, name: Callable[[int], str] = "prompts[{}]".format,
                    nbest: int = 0) -> LineOutputs:
     """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy at temperature 0,
     else sampled; with ``nbest``, the first ``nbest`` of ``Generator.hypotheses`` per prompt, the best one's text
     as the output. A prompt longer than ``settings.prompt_limit`` keeps its last tokens, those nearest the
     continuation. Prompts of similar length share a batch, and a batch one program per shape bucket."""
-    limit = settings.prompt_limit(config.model.max_len)
+    limit = settings.prompt_limit(config.max_positions)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
     if limit == 0 and any(len(ids) for ids in encoded):  # every prompt would be dropped, not cut
         raise UserError(f"max_len={settings.max_len} new tokens leave no room for a prompt in the model's "
-                        f"config.model.max_len={config.model.max_len} positions (BOS included); ask for at most "
+                        f"config.model.max_len={config.max_positions} positions (BOS included); ask for at most "
                         f"{settings.max_len - 1} to keep a prompt's last token, or give blank prompts")
     cut = [i for i, ids in enumerate(encoded) if len(ids) > limit]
     lengths = SourceLengths(cut, max((len(ids) for ids in encoded), default=0), limit, [len(encoded[i]) for i in cut])
-    lengths.log(name, f"what config.model.max_len={config.model.max_len} leaves beside max_len={settings.max_len} "
+    lengths.log(name, f"what config.model.max_len={config.max_positions} leaves beside max_len={settings.max_len} "
                 "new ones and BOS", keeps="cut to the last")
     encoded = [ids[len(ids) - limit:] if len(ids) > limit else ids for ids in encoded]
-    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.data.eval_batch_size,
+    rows = compiled.decode_rows(config, compiled.platform_of(generator.params), config.eval_batch_size,
                                 settings.beam_size if nbest else 1)
     rows = compiled.row_bucket(len(encoded), rows)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))

@@ -14,6 +14,7 @@ from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import batching, compiled, reports, scoring, shards
+from lconv.infer.infer_config import InferConfig
 from lconv.infer.source_lengths import SOURCE_LIMIT, measure_sources
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer,
+def score_split(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer,
                 eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, settings: DecodeSettings, *,
                 split: str | None = None, translator: compiled.Translator | None = None,
                 stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
@@ -33,10 +34,10 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     A collective: every process calls it. ``settings``: the search's; ``translator``: one whose programs to reuse.
     ``stop_when``: ``(over, why)``; decoding stops once ``over()`` (a time budget, ``why`` naming it), and the
     scores cover the examples decoded by then (``undecoded`` counts the rest; a warning says so)."""
-    split = split or config.decode.split
+    split = split or config.split
     if split not in eval_sets:
         raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
-    eval_set = shards.whole_split(eval_sets[split], config.data.eval_batch_size)
+    eval_set = shards.whole_split(eval_sets[split], config.eval_batch_size)
     start = time.time()
     hypotheses = {}
     for batch, tokens in batching.decode_batches(config, model, params, eval_set, settings, translator=translator):
@@ -54,7 +55,7 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
     refs = [eval_set.examples[i]["targets"] for i in order]
     sources = [eval_set.examples[i]["inputs"] for i in order]
     lengths = measure_sources(tokenizer, sources, eval_set.lengths["inputs"])
-    scores = scoring.score_texts(config.task, hyps, refs, split_compounds=config.decode.compound_split)
+    scores = scoring.score_texts(config.task, hyps, refs, split_compounds=config.compound_split)
     scores.update(split=split, examples=len(hyps), decode_seconds=seconds,
                   sentences_per_s=len(hyps) / max(seconds, 1e-9), beam_size=settings.beam_size,
                   **lengths.counts())
@@ -62,5 +63,5 @@ def score_split(config: Any, model: nn.Module, params: Any, tokenizer: Tokenizer
         scores["undecoded"] = len(eval_set.tokens) - len(hyps)
     reports.write_outputs(workdir, split, hyps, scores)
     lengths.log(lambda i: f"{split}[{order[i]}]", SOURCE_LIMIT)
-    logger.info(reports.format_report(scores, sources, refs, hyps, config.decode.num_print))
+    logger.info(reports.format_report(scores, sources, refs, hyps, config.num_print))
     return scores

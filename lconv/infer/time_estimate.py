@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import batching, compiled, shards
+from lconv.infer.infer_config import InferConfig
 
 # Each probe is the fastest of this many calls: a program's first call is slower, and a moment's load on the host
 # only adds time (docs/default-run.md has the figures).
@@ -24,14 +24,14 @@ PROBE_REPEATS = 2
 MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a step's when their bounds differ so
 
 
-def estimate_decode_seconds(config: Any, eval_set: pipeline.EvalSet, translator: compiled.Translator,
+def estimate_decode_seconds(config: InferConfig, eval_set: pipeline.EvalSet, translator: compiled.Translator,
                             settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
     """Seconds ``batching.decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``.
 
     Each probe is the fastest of ``PROBE_REPEATS`` calls after its program is compiled. Once the timing is done the
     plan's other widths are ``prepare``d in the background, so decoding the split with the same ``translator``
     compiles nothing."""
-    eval_set = shards.whole_split(eval_set, config.data.eval_batch_size)  # what score_split decodes (a collective)
+    eval_set = shards.whole_split(eval_set, config.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
     rows, order = batching.plan(config, translator.params, eval_set, settings.beam_size)
@@ -67,7 +67,7 @@ def _seconds_of_call(translator: compiled.Translator, inputs_BS: np.ndarray, set
     return clock() - start
 
 
-def step_bound(config: Any, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
+def step_bound(config: InferConfig, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
                width: int) -> int:
     """The most search steps decoding the ``chosen`` examples at ``width`` takes: the longest row's length limit
     (``max_len_a * source length + max_len_b`` tokens and EOS, as ``search.translate_hypotheses`` counts), within the

@@ -29,7 +29,7 @@ from lconv.configs import common
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_workdir
 from lconv.interop.fairseq_recording import NoiseFloor, RecordedRun, batch_shape, collate, find_runs
-from lconv.run import model_setup
+from lconv.run import model_setup, schema
 from lconv.train import setup, steps
 
 # The tolerance is the noise floor times this factor: lconv rounds every operation in its own order, a few float32
@@ -133,7 +133,7 @@ class Prepared:
     batches (fairseq's, collated on demand)."""
 
     run: RecordedRun
-    config: ml_collections.ConfigDict
+    config: schema.RunConfig
     step: Callable[..., Any]
     state: Any
     shape: tuple[int, int, int]
@@ -152,6 +152,7 @@ class Prepared:
         shape = shape or batch_shape([run.micro_batches(batches, u) for u in range(1, count + 1)])
         config.data.batch_size = shape[0] * config.optim.grad_accum_steps
         config.data.max_input_length, config.data.max_target_length = shape[1], shape[2]
+        config = schema.validate_config(config)
         fields = fairseq.model_fields(run.model_args, vocab_size)
         params = jax.tree.map(jnp.asarray, fairseq.lconv_params(weights, fields))
         mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])

@@ -73,10 +73,11 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
             fields["output_vocab_size"] = 4 + len(fairseq_vocab.read_dictionary(target_dictionary))
         config = translation_config(fields, dataset, decode)
         params = fairseq.lconv_params(weights, fields, orders)
-    model = model_setup.build_model(config, vocab.size)
-    boxed = _as_model_tree(model, config, params)
+    typed = schema.validate_config(config)
+    model = model_setup.build_model(typed, vocab.size)
+    boxed = _as_model_tree(model, typed, params)
     workdir = workdir_lib.make_workdir(workdir)
-    workdir_lib.write_config(config, workdir, {}, has_checkpoint=False)
+    workdir_lib.write_config(workdir_lib.as_record(config), workdir, {}, has_checkpoint=False)
     tokenizer_lib.save_tokenizer(vocab.tokenizer, workdir)
     step = max(updates, 1)
     saver = checkpoints.Checkpointer(workdir)
@@ -179,7 +180,7 @@ def translation_config(fields: dict[str, Any], dataset: str = "",
     return config
 
 
-def _as_model_tree(model: Any, config: ml_collections.ConfigDict, params: dict[str, Any]) -> Any:
+def _as_model_tree(model: Any, config: schema.RunConfig, params: dict[str, Any]) -> Any:
     """``params`` in the model's own (boxed, logically partitioned) tree; a tree or shape mismatch is an error."""
     from lconv.run import model_setup
 

@@ -22,6 +22,7 @@ from flax import struct
 
 from lconv.errors import UserError
 from lconv.nn import mixers
+from lconv.nn.model_config import ModelConfig
 
 PyTree = Any
 Reset = Callable[[PyTree, Any], PyTree]
@@ -56,13 +57,13 @@ def empty() -> MixerState:
     return MixerState({})
 
 
-def declared(model_config: Any) -> dict[str, Reset]:
-    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` (a ``ModelConfig``) names.
+def declared(model_config: ModelConfig) -> dict[str, Reset]:
+    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` names.
     Two mixers may share a collection only with the same hook: one hook resets a collection in every layer."""
     return {collection: hook for collection, (hook, _) in _declared(model_config).items()}
 
 
-def _declared(model_config: Any) -> dict[str, tuple[Reset, str]]:
+def _declared(model_config: ModelConfig) -> dict[str, tuple[Reset, str]]:
     """``{collection: (reset hook, the first mixer that declares it)}``."""
     hooks: dict[str, tuple[Reset, str]] = {}
     for side in mixers.BOTH_SIDES:

@@ -2,7 +2,6 @@
 ``lconv.ensemble`` and eval.py's ``--ensemble``."""
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from lconv.errors import UserError
 from lconv.nn import ensemble as model_ensemble
 from lconv.run import restore
+from lconv.run.schema import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +37,18 @@ def combine(members: Sequence[restore.Trained], names: Sequence[str]) -> restore
                            module, params, [step for t in members for step in t.steps])
 
 
-def shared_limits(members: Sequence[restore.Trained], names: Sequence[str]) -> Any:
+def shared_limits(members: Sequence[restore.Trained], names: Sequence[str]) -> RunConfig:
     """The first member's config with each length limit (``LIMITS``, in tokens) the members' minimum, so that no
     member is handed a source, target or prompt longer than its positions; a lowered limit is said once."""
-    config = copy.deepcopy(members[0].config)
-    lowered = []
+    config, lowered, changes = members[0].config, [], {}
     for name in LIMITS:
         section, field = name.split(".")
-        values = [min(int(t.config[section][field]), int(t.config.model.max_len)) for t in members]
-        if min(values) < int(config[section][field]):
-            lowered.append(f"config.{name} {config[section][field]} -> {min(values)} "
-                           f"({names[values.index(min(values))]}'s)")
-            config[section][field] = min(values)
+        values = [min(int(getattr(getattr(t.config, section), field)), int(t.config.model.max_len))
+                  for t in members]
+        ours = int(getattr(getattr(config, section), field))
+        if min(values) < ours:
+            lowered.append(f"config.{name} {ours} -> {min(values)} ({names[values.index(min(values))]}'s)")
+            changes.setdefault(section, {})[field] = min(values)
     if lowered:
         logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")
-    return config
+    return config.replace(**changes) if changes else config

@@ -2,7 +2,7 @@
 and the devices its params are laid out on, each checked and named as the argument the user passed."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,8 +14,9 @@ from lconv.run import schema
 
 
 def overrides(*, dtype: str | None, decode_batch_size: int | None,
-              max_input_length: int | None) -> Callable[[Any], None] | None:
-    """What ``restore.load_trained`` applies to the stored config before it builds the model (None: nothing)."""
+              max_input_length: int | None) -> dict[str, dict[str, Any]] | None:
+    """What ``restore.load_trained`` changes in the stored config before it builds the model
+    (``{section: {field: value}}``, for ``RunConfig.replace``; None: nothing)."""
     if dtype is not None and dtype not in COMPUTE_DTYPES:
         raise UserError(f"dtype={dtype!r}: must be one of {', '.join(COMPUTE_DTYPES)} (the compute dtype; params "
                         "stay float32)")
@@ -24,21 +25,10 @@ def overrides(*, dtype: str | None, decode_batch_size: int | None,
     if max_input_length is not None and not (integer().test(max_input_length) and max_input_length >= 1):
         raise UserError(f"max_input_length={max_input_length!r}: must be an integer >= 1 (source tokens, EOS "
                         "included)")
-    if (dtype, decode_batch_size, max_input_length) == (None, None, None):
-        return None
-
-    def change(config: Any) -> None:
-        if max_input_length is not None and max_input_length > config.model.max_len:
-            raise UserError(f"max_input_length={max_input_length}: at most the model's config.model.max_len="
-                            f"{config.model.max_len} positions")
-        if dtype is not None:
-            config.model.dtype = dtype
-        if decode_batch_size is not None:
-            config.decode.batch_size = decode_batch_size
-        if max_input_length is not None:
-            config.data.eval_max_input_length = max_input_length
-
-    return change
+    changes = {"model": {"dtype": dtype}, "decode": {"batch_size": decode_batch_size},
+               "data": {"eval_max_input_length": max_input_length}}
+    changes = {section: {k: v for k, v in fields.items() if v is not None} for section, fields in changes.items()}
+    return {section: fields for section, fields in changes.items() if fields} or None
 
 
 def checked_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device] | None:

@@ -17,6 +17,7 @@ from lconv.infer import reports, scoring, shards
 from lconv.nn import common as nn_common
 from lconv.nn import mixer_state
 from lconv.run import metrics, model_setup
+from lconv.run.schema import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ PyTree = Any
 Batch = dict[str, Any]
 
 
-def make_eval_step(config: Any) -> Callable:
+def make_eval_step(config: RunConfig) -> Callable:
     """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``, the mixers' carried state, is empty but on
     streams."""
     def eval_step(params, apply_fn, batch, carried):
@@ -37,7 +38,7 @@ def make_eval_step(config: Any) -> Callable:
     return nn_common.under_axis_rules(eval_step, config.mesh.rules)
 
 
-def jit_eval_step(config: Any, mesh: jax.sharding.Mesh) -> Callable:
+def jit_eval_step(config: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
     """``make_eval_step`` jitted once per run. The state it returns keeps the batch's sharding, so the next
     window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
     and every pass would compile twice)."""
@@ -75,7 +76,7 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
     return scores
 
 
-def score_perplexity(config: Any, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
+def score_perplexity(config: RunConfig, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
                      *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
                      stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
     """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
@@ -108,7 +109,7 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
     return scoring.word_perplexity(scores["nll"] * scores["tokens"], int(words))
 
 
-def stream_perplexity(config: Any, model: Any, params: PyTree, tokenizer: Any, documents: list[str],
+def stream_perplexity(config: RunConfig, model: Any, params: PyTree, tokenizer: Any, documents: list[str],
                       eval_step: Callable[..., Any] | None = None) -> dict[str, float]:
     """``documents`` scored as eval.py scores a document-stream LM's split: streamed in windows of
     ``data.max_target_length`` over ``data.eval_batch_size`` rows, the mixers' state carried from window to

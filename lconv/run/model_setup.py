@@ -14,27 +14,24 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 
 from lconv.constants import BATCH_MESH_AXES
 from lconv.errors import UserError
 from lconv.nn import common as nn_common
 from lconv.nn import mixer_state, models
+from lconv.run.schema import MeshConfig, RunConfig
 
-Config = ml_collections.ConfigDict
 PyTree = Any
 Batch = dict[str, Any]
 
 
-def build_model(config: Config, vocab_size: int, model_cfg: models.ModelConfig | None = None) -> nn.Module:
-    """The model of ``config.task`` at ``vocab_size`` (the tokenizer's). ``model_cfg``: ``config.model`` as
-    ``lconv.run.schema.validate_config`` parsed it, so it is not parsed again; it is re-checked only where the
-    tokenizer's vocabulary differs from ``config.data.vocab_size``, which it was validated for."""
-    lm = config.task == "lm"
-    if model_cfg is None or model_cfg.vocab_size != vocab_size:
-        model_cfg = models.ModelConfig.from_config(config.model if model_cfg is None else model_cfg,
-                                                   vocab_size=vocab_size, decoder_only=lm)
+def build_model(config: RunConfig, vocab_size: int | None = None) -> nn.Module:
+    """The model of ``config.task`` at ``vocab_size`` (the tokenizer's; None: ``config.data.vocab_size``). The
+    model config is checked again only where the tokenizer's vocabulary differs from the one it was checked for."""
+    lm, model_cfg = config.task == "lm", config.model
+    if vocab_size is not None and model_cfg.vocab_size != vocab_size:
+        model_cfg = models.ModelConfig.from_config(model_cfg, vocab_size=vocab_size, decoder_only=lm)
     if lm:
         return models.DecoderOnlyLM(model_cfg)
     if config.task in ("translation", "summarization"):
@@ -42,7 +39,7 @@ def build_model(config: Config, vocab_size: int, model_cfg: models.ModelConfig |
     raise UserError(f"config.task must be translation, summarization or lm; got {config.task!r}")
 
 
-def make_mesh(mesh_config: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
     devices = jax.devices() if devices is None else devices
     shape = list(mesh_config.shape)
     if shape.count(-1) > 1:
@@ -61,7 +58,7 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_MESH_AXES))
 
 
-def dummy_batch(config: Config, batch_size: int = 1, length: int | None = None) -> dict[str, np.ndarray]:
+def dummy_batch(config: RunConfig, batch_size: int = 1, length: int | None = None) -> dict[str, np.ndarray]:
     """A batch of ones with the training shapes (``length``: every sequence's, if given): what ``init`` traces."""
     lengths = {"targets": config.data.max_target_length}
     if config.task != "lm":
@@ -83,7 +80,7 @@ def model_inputs(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]
     return args, kwargs
 
 
-def init_mixer_state(config: Config, model: nn.Module, rows: int,
+def init_mixer_state(config: RunConfig, model: nn.Module, rows: int,
                      sharding: jax.sharding.Sharding | None = None) -> mixer_state.MixerState:
     """The state the model's stateful mixers start a stream of ``rows`` rows with (``lconv.nn.mixer_state``);
     empty unless ``config.data.stream`` (without a stream every batch is a fresh document: nothing to carry).
@@ -95,13 +92,13 @@ def init_mixer_state(config: Config, model: nn.Module, rows: int,
     return mixer_state.initial(model, args, kwargs, sharding)
 
 
-def param_shardings(config: Config, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+def param_shardings(config: RunConfig, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Shardings of a (boxed) pytree from its logical axis names and the config's mesh rules."""
     rules = nn_common.axis_rules(config.mesh.rules)
     return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, list(rules))
 
 
-def abstract_params(config: Config, model: nn.Module, mesh: jax.sharding.Mesh) -> PyTree:
+def abstract_params(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh) -> PyTree:
     """Shape/dtype/sharding structs of the model's (boxed) params: the target of a params-only restore."""
     args, kwargs = model_inputs(dummy_batch(config))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -15,7 +14,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 from etils import epath
 
 from lconv.constants import EXPORT_SIDECAR
@@ -26,9 +24,8 @@ from lconv.fields import is_integer, one_line
 from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.run.schema import Settings, validate_config
+from lconv.run.schema import RunConfig, validate_config
 
-Config = ml_collections.ConfigDict
 PyTree = Any
 TRUST_HINT = ("pass --trust_plugins (train.py, eval.py, python -m lconv.export) or trust_plugins=True (lconv.load), "
               "or import the module yourself first")
@@ -78,7 +75,7 @@ def check_plugins(stored: dict, path: Any, trust_plugins: bool | None = None) ->
 class Trained:
     """A trained model for evaluation: its stored config, tokenizer, model and (averaged) parameters."""
 
-    config: Config
+    config: RunConfig
     workdir: str
     tokenizer: tokenizer_lib.Tokenizer
     model: nn.Module
@@ -106,11 +103,11 @@ def find_run(workdir: str, caller: str = "--workdir") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StoredConfig:
-    """A run's ``config.json`` as ``read_stored`` read it: the config with the fields lconv added since at their
-    defaults, and its sections parsed once (``lconv.run.schema.Settings``)."""
+    """A run's ``config.json`` as ``read_stored`` read it: the stored dict with the fields lconv added since at
+    their defaults, and the typed config parsed from it once."""
 
-    config: Config
-    settings: Settings
+    record: dict[str, Any]
+    config: RunConfig
 
 
 def read_stored(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> StoredConfig:
@@ -127,15 +124,15 @@ def read_stored(workdir: str, caller: str = "--workdir", trust_plugins: bool | N
         raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
     check_plugins(stored, path, trust_plugins)
     try:
-        config = ml_collections.ConfigDict(stored)
-        return StoredConfig(config, validate_config(config))  # validation fills the fields lconv added since
+        config = validate_config(stored)  # fills, in place, the fields lconv added since
+        return StoredConfig(stored, config)
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
 
 
-def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> Config:
+def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> RunConfig:
     """``read_stored``'s config alone."""
     return read_stored(workdir, caller, trust_plugins).config
 
@@ -158,23 +155,26 @@ def check_checkpoint_choice(average_last: int, checkpoint: str, spell: Callable[
 
 
 def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "latest",
-                 overrides: Callable[[Config], None] | None = None, caller: str = "--workdir",
+                 overrides: dict[str, dict[str, Any]] | None = None, caller: str = "--workdir",
                  spell: Callable[[str], str] = as_flag, devices: Sequence[jax.Device] | None = None,
                  stored: StoredConfig | None = None, trust_plugins: bool | None = None) -> Trained:
     """The model of a trained ``workdir`` (local or a URL) with the params of its latest checkpoint, the mean of
     the last ``average_last``, or with ``checkpoint="best"`` the best by validation loss. Reads the params only,
-    writes nothing (the workdir may be read-only). ``overrides`` change the stored config before the model is
-    built (checked again); ``caller`` and ``spell`` name the arguments in errors; ``stored``: ``read_stored``'s."""
+    writes nothing (the workdir may be read-only). ``overrides`` (``{section: {field: value}}``) change the stored
+    config before the model is built (``RunConfig.replace``: checked again); ``caller`` and ``spell`` name the
+    arguments in errors; ``stored``: ``read_stored``'s."""
     check_checkpoint_choice(average_last, checkpoint, spell)
     stored = read_stored(workdir, caller, trust_plugins) if stored is None else stored
-    config, settings = copy.deepcopy(stored.config), stored.settings
-    if overrides is not None:
-        overrides(config)
-        if config.to_dict() != stored.config.to_dict():
-            settings = validate_config(config)
+    config = stored.config
+    if overrides:
+        limit = overrides.get("data", {}).get("eval_max_input_length")
+        if limit is not None and limit > config.model.max_len:
+            raise UserError(f"{spell('max_input_length')}={limit}: at most the model's config.model.max_len="
+                            f"{config.model.max_len} positions")
+        config = config.replace(**overrides)
     workdir = workdir_lib.resolve(workdir)
     tokenizer = tokenizer_lib.load_tokenizer(workdir)
-    model = model_setup.build_model(config, tokenizer.vocab_size, settings.model)
+    model = model_setup.build_model(config, tokenizer.vocab_size)
     ckpt = checkpoints.Checkpointer(workdir, subdir="checkpoints" if checkpoint == "latest" else "best",
                                     read_only=True)
     steps = sorted(ckpt.all_steps())

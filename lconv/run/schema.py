@@ -44,6 +44,7 @@ from lconv.fields import (
     number,
     schema_fields,
 )
+from lconv.infer.infer_config import InferConfig
 from lconv.nn.model_config import ModelConfig
 
 _POSITIVE = integer(1)
@@ -234,18 +235,62 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """What ``validate_config`` returns: the sections a run reads most, parsed once into typed, frozen objects."""
+class RunConfig:
+    """A checked config, every section parsed once into its typed, frozen dataclass (``validate_config``). Code
+    below the edges (the CLIs, config.json, the API's arguments) reads this, never the ConfigDict; an override is
+    ``dataclasses.replace``."""
 
     task: str
-    model: ModelConfig  # validated for the task's model kind (``ModelConfig.ensure_valid`` then costs nothing)
+    seed: int
     data: DataConfig
-    decode: DecodeSettings  # the config's search: its decode section, the sampling settings at their defaults
+    model: ModelConfig  # validated for the task's model kind (``ModelConfig.ensure_valid`` then costs nothing)
+    optim: OptimConfig
+    train: TrainConfig
+    decode: DecodeConfig
+    mesh: MeshConfig
+
+    @property
+    def search(self) -> DecodeSettings:
+        """The config's search: its decode section, the sampling settings at their defaults."""
+        return DecodeSettings.build(self.decode)
+
+    @property
+    def infer(self) -> InferConfig:
+        """What ``lconv.infer`` reads: the mesh rules, decoding's rows and the length limits."""
+        return InferConfig(task=self.task, mesh_rules=tuple(map(tuple, self.mesh.rules)),
+                           batch_size=self.decode.batch_size, eval_batch_size=self.data.eval_batch_size,
+                           max_input_length=self.data.eval_max_input_length,
+                           max_target_length=self.data.eval_max_target_length, max_positions=self.model.max_len,
+                           split=self.decode.split, compound_split=self.decode.compound_split,
+                           num_print=self.decode.num_print)
+
+    def replace(self, **sections: Mapping[str, Any]) -> RunConfig:
+        """A copy with fields of some sections changed (``replace(data={"eval_batch_size": 8})``), checked by
+        the schema's rules again: the one way code below the edges overrides a run's settings."""
+        values = self.as_config()
+        for name, changes in sections.items():
+            values[name].update(changes)
+        return validate_config(values)
+
+    def as_config(self) -> dict[str, Any]:
+        """The plain nested dict of a config file's fields (what ``validate_config`` reads back)."""
+        return {"task": self.task, "seed": self.seed,
+                **{name: _config_fields(getattr(self, name)) for name in SECTIONS}}
 
 
-def validate_config(config: Any) -> Settings:
+def _config_fields(section: Any) -> dict[str, Any]:
+    """A section as a config spells it: the fields a config names (the model's ``vocab_size`` comes from the data
+    section), each through its ``to_config``."""
+    values = {}
+    for f in schema_fields(type(section)):
+        to_config = f.metadata.get("to_config")
+        values[f.name] = to_config(getattr(section, f.name)) if to_config else getattr(section, f.name)
+    return values
+
+
+def validate_config(config: Any) -> RunConfig:
     """Fills the fields ``config`` lacks with their defaults (in place), then checks every field: one line naming
-    the first bad one, before any data is read or file written. Returns the checked sections (``Settings``)."""
+    the first bad one, before any data is read or file written. Returns the typed config (``RunConfig``)."""
     complete(config)
     values = as_dict(config)
     top = {f.name for f in schema_fields(TopConfig)}
@@ -277,7 +322,8 @@ def validate_config(config: Any) -> Settings:
         raise UserError(f"config.optim.label_smoothing={values['optim']['label_smoothing']}: must be 0 with "
                         f"config.model.output_vocab_size={model_cfg.output_vocab_size} (smoothing would spread "
                         "probability onto the ids the decoder cannot predict)")
-    return Settings(values["task"], model_cfg, data, DecodeSettings.build(values["decode"]))
+    return RunConfig(values["task"], int(values["seed"]), data, model_cfg, OptimConfig(**values["optim"]),
+                     TrainConfig(**values["train"]), DecodeConfig(**values["decode"]), MeshConfig(**values["mesh"]))
 
 
 def _check_best_metric(values: Mapping[str, Any]) -> None:
@@ -394,7 +440,11 @@ Every field of a config, with its default, what it allows and what it does. Gene
 `python -m lconv.run.schema > docs/config.md`; a test keeps this file equal to it. Family configs
 (`configs/*.py`) override values; any field can be set from the command line, e.g.
 `python train.py --config=configs/default.py --config.model.dropout=0.2`. A config that lacks a field gets its
-default, so a `config.json` written by an older lconv still loads."""
+default, so a `config.json` written by an older lconv still loads.
+
+A config is checked once, where it comes in (train.py's flags, a stored `config.json`, `lconv.load`'s arguments),
+into a typed, frozen `RunConfig` (`lconv.run.schema.validate_config`); the code below reads that, or the section
+it needs, and an override is `RunConfig.replace(data={...})`, checked by the same rules."""
 
 
 def markdown() -> str:

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import ml_collections
 from etils import epath
 
 from lconv import outputs
@@ -137,13 +136,16 @@ def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _as_json(config: Any) -> dict[str, Any]:
-    return json.loads(config.to_json_best_effort(sort_keys=True))
+def as_record(config: Any) -> dict[str, Any]:
+    """A config (a ConfigDict or a dict) as ``config.json`` stores it: plain JSON values."""
+    if hasattr(config, "to_json_best_effort"):
+        return json.loads(config.to_json_best_effort(sort_keys=True))
+    return json.loads(json.dumps(config, sort_keys=True))
 
 
-def config_changes(stored: dict[str, Any], config: Any) -> dict[str, tuple[Any, Any]]:
-    """``{dotted field: (stored value, new value)}`` of every field that differs (JSON-normalised)."""
-    old, new = _flatten(stored), _flatten(_as_json(config))
+def config_changes(stored: dict[str, Any], record: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted field: (stored value, new value)}`` of every field that differs (``record``: ``as_record``'s)."""
+    old, new = _flatten(stored), _flatten(record)
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
@@ -151,11 +153,11 @@ def fields_added_at_their_defaults(stored: dict[str, Any], changes: dict[str, tu
     """The changed fields that the stored config lacks and the launch sets to lconv's default
     (``lconv.run.schema.base_config``): fields added to lconv after the run was made, whose defaults keep the
     behaviour the run had. Resuming an older run needs no ``accept_changes`` for them."""
-    stored_fields, defaults = _flatten(stored), _flatten(_as_json(schema.base_config()))
+    stored_fields, defaults = _flatten(stored), _flatten(as_record(schema.base_config()))
     return {k for k, (_, new) in changes.items() if k not in stored_fields and k in defaults and new == defaults[k]}
 
 
-def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_checkpoint: bool,
+def check_config_change(record: dict[str, Any], workdir: str, *, has_checkpoint: bool,
                         accept_changes: bool = False) -> dict[str, tuple[Any, Any]] | None:
     """The changes this launch makes to ``config.json`` (None: nothing to write); raises when the workdir has a
     checkpoint and a field other than ``RUN_FIELDS`` changes without ``accept_changes`` (module docstring)."""
@@ -166,7 +168,7 @@ def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_
         stored = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"{path} is unreadable ({err}); restore it or use a new --workdir") from None
-    changes = config_changes(stored, config)
+    changes = config_changes(stored, record)
     added = fields_added_at_their_defaults(stored, changes)
     fixed = [k for k in changes if not k.startswith(RUN_FIELDS) and k not in added]
     if has_checkpoint and fixed and not accept_changes:
@@ -178,7 +180,7 @@ def check_config_change(config: ml_collections.ConfigDict, workdir: str, *, has_
     return changes or None
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
+def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
                  has_checkpoint: bool) -> None:
     """Writes ``config.json`` (process 0) after ``check_config_change``; a resumed run calls it once its
     checkpoint has restored, so an accepted change that does not fit never reaches the file. Changes are logged
@@ -192,7 +194,7 @@ def write_config(config: ml_collections.ConfigDict, workdir: str, changes: dict[
                              "after_checkpoint": has_checkpoint,
                              "changes": {k: list(v) for k, v in changes.items()}}) + "\n"
         append_text(epath.Path(workdir) / "config_changes.jsonl", record)
-    write_atomically(epath.Path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2, sort_keys=True))
+    write_atomically(epath.Path(workdir) / CONFIG_FILENAME, json.dumps(record, indent=2, sort_keys=True))
 
 
 def append_text(path: epath.Path, text: str) -> None:

@@ -30,7 +30,7 @@ from lconv.data import sources
 from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import search
-from lconv.run import model_setup, restore
+from lconv.run import model_setup, restore, schema
 from lconv.train import setup, steps
 
 
@@ -61,6 +61,7 @@ def training_speed(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
     """The compiled train step's bytes (``memory_analysis``), compiled for the run's shapes and shardings."""
+    config = schema.validate_config(config)
     mesh = model_setup.make_mesh(config.mesh)
     model = model_setup.build_model(config, vocab_size)
     tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)

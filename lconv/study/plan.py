@@ -23,7 +23,7 @@ import ml_collections
 from lconv.configs import common
 from lconv.errors import UserError
 from lconv.nn import mixers
-from lconv.run import model_setup
+from lconv.run import model_setup, schema
 
 Config = ml_collections.ConfigDict
 
@@ -193,6 +193,7 @@ def _plain(value: Any) -> Any:
 def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int:
     """The model's parameter count from its own ``init``, traced abstractly on inputs of ``length`` tokens (None:
     the training lengths); no parameter's shape depends on the length, so short inputs plan faster."""
+    config = schema.validate_config(copy.deepcopy(config))
     model = model_setup.build_model(config, vocab_size)
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config, length=length))
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
@@ -296,7 +297,7 @@ def stored_config_changes(stored: dict[str, Any], config: Config) -> dict[str, t
     fields added to lconv since the run was made, at their defaults, do not count (they keep its behaviour)."""
     from lconv.run import workdir as workdir_lib
 
-    changes = workdir_lib.config_changes(stored, config)
+    changes = workdir_lib.config_changes(stored, workdir_lib.as_record(config))
     for added in workdir_lib.fields_added_at_their_defaults(stored, changes):
         del changes[added]
     return changes

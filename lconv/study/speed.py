@@ -12,6 +12,7 @@ its longest, the same work for every mixer, below a trained model's rate.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -98,10 +99,10 @@ def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: An
                study: ml_collections.ConfigDict) -> _Contender:
     from lconv.decode_settings import DecodeSettings
     from lconv.infer import batching, compiled, search
-    from lconv.run import model_setup
+    from lconv.run import model_setup, schema
     from lconv.train import setup, steps
 
-    config = template.config
+    config = schema.validate_config(copy.deepcopy(template.config))
     vocab = config.data.vocab_size
     mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])
     model = model_setup.build_model(config, vocab)
@@ -130,10 +131,10 @@ def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: An
         sentences = rows
     else:
         settings = DecodeSettings.build(config.decode)
-        translator = compiled.Translator(config, model, decode_params)
+        translator = compiled.Translator(config.infer, model, decode_params)
 
         def decode() -> None:
-            for _ in batching.decode_batches(config, model, decode_params, sources, settings,
+            for _ in batching.decode_batches(config.infer, model, decode_params, sources, settings,
                                                      translator=translator):
                 pass
         sentences = len(sources.tokens)

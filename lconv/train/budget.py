@@ -130,5 +130,6 @@ def estimate_final_evaluation(run: Any, evaluate_loss: Callable[[Any], Any],
         if config.task == "lm":
             seconds += per_batch * len(pipeline.loss_batches(eval_sets[split]))
         else:
-            seconds += time_estimate.estimate_decode_seconds(config, eval_sets[split], translator, settings, clock)
+            seconds += time_estimate.estimate_decode_seconds(config.infer, eval_sets[split], translator, settings,
+                                                             clock)
     return seconds

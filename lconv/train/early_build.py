@@ -25,6 +25,7 @@ import optax
 from lconv.data import pipeline
 from lconv.errors import UserError
 from lconv.run import checkpoints, model_setup
+from lconv.run.schema import RunConfig
 from lconv.train import steps
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def signature(tree: PyTree) -> tuple:
 class EarlyBuild:
     """Starts the build of the state and the train step for ``vocab_size`` in a background thread, at once."""
 
-    def __init__(self, config: Any, mesh: jax.sharding.Mesh, vocab_size: int,
+    def __init__(self, config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int,
                  build_state: Callable[[int], StateParts]) -> None:
         self.vocab_size = vocab_size
         self._config, self._mesh = config, mesh

@@ -89,6 +89,6 @@ class Tracker:
 
         settings = DecodeSettings.build(run.config.decode, beam_size=self.control.beam_size,
                                         lenpen=self.control.lenpen)
-        return split_scoring.score_split(run.config, run.model, run.state.params, run.tokenizer,
+        return split_scoring.score_split(run.config.infer, run.model, run.state.params, run.tokenizer,
                                          run.data.eval_sets, run.workdir, settings, split="validation",
                                          stop_when=stop_when)

@@ -11,7 +11,6 @@ restores that, and ``init_from`` is not read again.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -20,8 +19,11 @@ from etils import epath
 
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
+from lconv.fields import schema_fields
+from lconv.nn.model_config import ModelConfig
 from lconv.run import checkpoints, model_setup, restore
 from lconv.run import workdir as workdir_lib
+from lconv.run.schema import RunConfig
 from lconv.train import setup
 
 logger = logging.getLogger(__name__)
@@ -33,13 +35,13 @@ class Source:
     """The run ``config.train.init_from`` names: its resolved workdir and stored config, checked against
     ``config`` (``check``) before anything is written."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: RunConfig) -> None:
         self.given = config.train.init_from
         self.workdir = restore.find_run(self.given, FIELD)
         self.config = restore.read_config(self.workdir, FIELD)
         self.label = f"{FIELD}={self.given}"
 
-    def check(self, config: Any) -> None:
+    def check(self, config: RunConfig) -> None:
         """The task, ``data.vocab_size`` and the model's fields against the source's: one line naming what
         differs when the params would not fit."""
         theirs, ours = self.config, config
@@ -50,11 +52,11 @@ class Source:
             raise UserError(f"{self.label}: config.data.vocab_size is {ours.data.vocab_size} here and "
                             f"{theirs.data.vocab_size} there; the run takes the source's tokenizer, so set "
                             f"--config.data.vocab_size={theirs.data.vocab_size}")
-        differing = [name for name in sorted(set(ours.model) | set(theirs.model))
-                     if _plain(ours.model.get(name)) != _plain(theirs.model.get(name))]
+        differing = [f.name for f in schema_fields(ModelConfig)
+                     if getattr(ours.model, f.name) != getattr(theirs.model, f.name)]
         if differing and _param_shapes(ours) != _param_shapes(theirs):
-            changes = ", ".join(f"config.model.{name} is {ours.model.get(name)!r} here and "
-                                f"{theirs.model.get(name)!r} there" for name in differing)
+            changes = ", ".join(f"config.model.{name} is {getattr(ours.model, name)!r} here and "
+                                f"{getattr(theirs.model, name)!r} there" for name in differing)
             raise UserError(f"{self.label}: its params do not fit this model: {changes}")
 
     def copy_tokenizer(self, workdir: str) -> None:
@@ -91,12 +93,7 @@ class Source:
                     "optimizer state, step 0")
 
 
-def _plain(value: Any) -> Any:
-    """A field's value as config.json holds it (tuples as lists), so a stored config compares equal to a live one."""
-    return json.loads(json.dumps(value.to_dict() if hasattr(value, "to_dict") else value))
-
-
-def prepare(config: Any, workdir: str) -> Source | None:
+def prepare(config: RunConfig, workdir: str) -> Source | None:
     """The source run of a new run that has ``train.init_from``, checked against ``config`` (call before anything
     is written); None without one, or when ``workdir`` has a checkpoint (a resume restores its own)."""
     if not config.train.init_from or checkpoints.has_checkpoint(workdir):
@@ -106,9 +103,9 @@ def prepare(config: Any, workdir: str) -> Source | None:
     return source
 
 
-def _param_shapes(config: Any) -> Any:
+def _param_shapes(config: RunConfig) -> Any:
     """The shapes and dtypes of ``config``'s model params (no array is made)."""
-    model = model_setup.build_model(config, int(config.data.vocab_size))
+    model = model_setup.build_model(config)
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
     return jax.tree.map(lambda x: (x.shape, str(x.dtype)), abstract)

@@ -162,7 +162,7 @@ def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Devic
     started = budget_lib.clock()  # train.max_minutes counts from here: data preparation and setup included
     devices = jax.devices() if devices is None else list(devices)
     checked = setup.check_config(config, devices)  # before anything is written, the workdir included
-    source = init_from.prepare(config, workdir)  # train.init_from's run, checked against this one
+    source = init_from.prepare(checked.config, workdir)  # train.init_from's run, checked against this one
     path = workdir_lib.make_workdir(workdir)
     with workdir_lib.lock(path):
         if source is not None:
@@ -189,7 +189,7 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
         run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state))
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
         logger.info(f"resumed from step {int(run.state.step)}")
-        workdir_lib.write_config(config, run.workdir, run.config_changes, has_checkpoint=True)
+        workdir_lib.write_config(run.record, run.workdir, run.config_changes, has_checkpoint=True)
     writer = logs.MetricWriter(run.workdir, resumed_step=int(run.state.step))
     eval_step = loss_pass.jit_eval_step(config, run.mesh)
     eval_state = model_setup.init_mixer_state(config, run.model, config.data.eval_batch_size,
@@ -220,7 +220,7 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
     final evaluation unless a signal stopped training; returns the run's result."""
     t0, budget = time.time(), budget_lib.Budget(run.config.train.max_minutes, started)
     reservation = {}  # the translator the measurement compiled, for the test split's decoding to reuse
-    settings = DecodeSettings.build(run.config.decode)  # the test split's search: the config's, built once
+    settings = run.config.search  # the test split's search: the config's, built once
     if budget.enabled:
         def measure() -> None:
             reservation["translator"] = _reserve_final_evaluation(run, budget, eval_step, settings)
@@ -268,7 +268,7 @@ def _reserve_final_evaluation(run: setup.Run, budget: budget_lib.Budget, eval_st
     """Measures what the final evaluation will take (``budget.estimate_final_evaluation``) and keeps that much of
     the budget for it; returns the translator it compiled, for the test split's decoding to reuse."""
     decodes = run.config.task != "lm" and run.config.train.eval_after_training
-    translator = compiled.Translator(run.config, run.model, run.state.params) if decodes else None
+    translator = compiled.Translator(run.config.infer, run.model, run.state.params) if decodes else None
     carried = model_setup.init_mixer_state(run.config, run.model, run.config.data.eval_batch_size,
                                            model_setup.batch_sharding(run.mesh))
     evaluate = lambda batches: loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn, batches,  # noqa
@@ -426,5 +426,5 @@ def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None, se
         return loss_pass.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
                                           split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
     translator = translator and translator.with_params(run.state.params)
-    return split_scoring.score_split(config, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
+    return split_scoring.score_split(config.infer, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
                                         run.workdir, settings, translator=translator, stop_when=stop_when)

@@ -15,7 +15,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from etils import epath
 from flax.training import train_state
@@ -25,17 +24,15 @@ from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.nn import mixers
-from lconv.nn.model_config import ModelConfig
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.run.schema import Settings, validate_config
+from lconv.run.schema import OptimConfig, RunConfig, validate_config
 from lconv.train import budget as budget_lib
 from lconv.train import early_build
 from lconv.train import schedule as schedule_lib
 
 logger = logging.getLogger(__name__)
 
-Config = ml_collections.ConfigDict
 PyTree = Any
 
 
@@ -50,7 +47,7 @@ class TrainState(train_state.TrainState):
 class Run:
     """Everything a training run is built from, built once by ``build_run`` and then passed down."""
 
-    config: Config
+    config: RunConfig
     workdir: str
     mesh: jax.sharding.Mesh
     tokenizer: tokenizer_lib.Tokenizer
@@ -59,6 +56,7 @@ class Run:
     lr_schedule: optax.Schedule
     state: TrainState
     state_shardings: PyTree
+    record: dict[str, Any]  # the config as config.json stores it (``CheckedConfig.record``)
     # Changes to config.json this launch makes to a run with checkpoints: written once the checkpoint restores.
     config_changes: dict[str, Any] | None = None
     # Seconds ``build_run`` spent in each part (tokenizer, data, state): where a run's start goes, logged and returned
@@ -70,7 +68,7 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer, the batch's split
 # ----------------------------------------------------------------------------------------------------------------
-def build_optimizer(optim: Config, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(optim: OptimConfig, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """fairseq's optimisers. Weight decay is decoupled as in fairseq (since 2018): ``p -= lr * weight_decay * p``
     beside the update, on every parameter, never added to the gradient that Adam normalises or NAG's momentum
     accumulates. ``adamw`` is the same optimiser as ``adam`` under its PyTorch name. ``optim.adam_eps_form`` and
@@ -141,7 +139,7 @@ def clip_by_norm_plus_eps(clip_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def check_batch_divides(config: Config, mesh: jax.sharding.Mesh) -> None:
+def check_batch_divides(config: RunConfig, mesh: jax.sharding.Mesh) -> None:
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     accum = int(config.optim.grad_accum_steps)
     if config.data.batch_size % (shards * accum):
@@ -157,7 +155,7 @@ def check_batch_divides(config: Config, mesh: jax.sharding.Mesh) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,
+def create_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh,
                  tx: optax.GradientTransformation) -> tuple[TrainState, PyTree]:
     """Initialises the train state directly into its shardings; returns ``(state, state_shardings)``."""
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
@@ -183,28 +181,31 @@ def create_state(config: Config, model: nn.Module, mesh: jax.sharding.Mesh,
 # ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CheckedConfig:
-    """What ``check_config`` found: the config's sections parsed (once) and the mesh they run on."""
+    """What ``check_config`` found: the typed config, the mesh it runs on, and the config as config.json stores
+    it (a plain dict: what a resumed run compares and ``lconv.run.workdir`` writes)."""
 
-    settings: Settings
+    config: RunConfig
     mesh: jax.sharding.Mesh
+    record: dict[str, Any]
 
 
-def check_config(config: Config, devices: Sequence[jax.Device]) -> CheckedConfig:
+def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
     """Every check that needs no data: the fields (``lconv.run.schema``), the mesh and the batch's split over it,
     and a plugin's trace. Returns the parsed sections and the mesh, which ``build_run`` takes rather than parse
     the config again."""
-    settings = validate_config(config)
-    mesh = model_setup.make_mesh(config.mesh, devices)
-    check_batch_divides(config, mesh)
-    check_plugins_trace(config, settings.model)
-    return CheckedConfig(settings, mesh)
+    checked = validate_config(config)
+    mesh = model_setup.make_mesh(checked.mesh, devices)
+    check_batch_divides(checked, mesh)
+    check_plugins_trace(checked)
+    return CheckedConfig(checked, mesh, workdir_lib.as_record(config))
 
 
-def check_plugins_trace(config: Config, model_cfg: ModelConfig) -> None:
+def check_plugins_trace(config: RunConfig) -> None:
     """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
     data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
     naming it, rather than after data preparation."""
-    model = model_setup.build_model(config, model_cfg.vocab_size, model_cfg)
+    model_cfg = config.model
+    model = model_setup.build_model(config, model_cfg.vocab_size)
     sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
     names = [name for side in sides for name in model_cfg.layer_mixers(side)]
     plugins = sorted({name for name in names if not mixers.mixer_class(name).__module__.startswith("lconv.")})
@@ -223,20 +224,20 @@ def check_plugins_trace(config: Config, model_cfg: ModelConfig) -> None:
                         f"{line}); lconv.testing.check_mixer names the rule a mixer breaks") from None
 
 
-def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None = None, *,
+def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = None, *,
               accept_config_changes: bool = False, checked: CheckedConfig | None = None) -> Run:
     """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
     (the caller restores a checkpoint into it when one exists, and holds the workdir's lock). ``checked``: what
     ``check_config`` returned, when the caller checked already."""
     devices = jax.devices() if devices is None else list(devices)
     checked = check_config(config, devices) if checked is None else checked
-    mesh, settings = checked.mesh, checked.settings
+    mesh, config = checked.mesh, checked.config
     workdir = workdir_lib.make_workdir(workdir)
     has_checkpoint = checkpoints.has_checkpoint(workdir)
-    config_changes = workdir_lib.check_config_change(config, workdir, has_checkpoint=has_checkpoint,
+    config_changes = workdir_lib.check_config_change(checked.record, workdir, has_checkpoint=has_checkpoint,
                                                      accept_changes=accept_config_changes)
     if not has_checkpoint:  # nothing to restore: the config is this launch's (a failed launch pins nothing)
-        workdir_lib.write_config(config, workdir, config_changes, has_checkpoint=False)
+        workdir_lib.write_config(checked.record, workdir, config_changes, has_checkpoint=False)
         config_changes = None
     seconds, mark = {}, budget_lib.clock()  # the budget's clock: first_update_seconds is on it too
 
@@ -244,16 +245,16 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
         nonlocal mark
         seconds[name], mark = budget_lib.clock() - mark, budget_lib.clock()
 
-    build_state = functools.partial(_build_state, config, settings.model, mesh)
+    build_state = functools.partial(_build_state, config, mesh)
     early = None
     # The state and train step build beside the data (lconv.train.early_build) where a tokenizer is still to load
     # or train: a workdir that holds one (a resumed run) has nothing slow to overlap them with.
     if jax.process_count() == 1 and not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists():
-        early = early_build.EarlyBuild(config, mesh, settings.data.vocab_size, build_state)
+        early = early_build.EarlyBuild(config, mesh, config.data.vocab_size, build_state)
     try:
-        tokenizer = pipeline.load_or_train_tokenizer(settings.data, workdir)  # the data prepared first, if it is not
+        tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)  # the data prepared first, if it is not
         phase_done("data and tokenizer")
-        data = pipeline.make_datasets(settings.data, tokenizer)
+        data = pipeline.make_datasets(config.data, tokenizer)
     except BaseException:
         if early is not None:
             early.cancel()  # the error is printed at once; the process exits once the build's stage ends
@@ -266,13 +267,12 @@ def build_run(config: Config, workdir: str, devices: Sequence[jax.Device] | None
     logger.info(f"model: {model_setup.count_params(parts.state.params):,} parameters; mesh {dict(mesh.shape)}; "
                 f"devices {len(devices)} x {devices[0].platform}")
     return Run(config, workdir, mesh, tokenizer, data, parts.model, parts.lr_schedule, parts.state,
-               parts.state_shardings, config_changes, seconds, train_step)
+               parts.state_shardings, checked.record, config_changes, seconds, train_step)
 
 
-def _build_state(config: Config, model_config: ModelConfig, mesh: jax.sharding.Mesh,
-                 vocab_size: int) -> early_build.StateParts:
+def _build_state(config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int) -> early_build.StateParts:
     """The model for ``vocab_size``, the optimizer, and the fresh state initialised into its shardings."""
-    model = model_setup.build_model(config, vocab_size, model_config)
+    model = model_setup.build_model(config, vocab_size)
     tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
     return early_build.StateParts(model, lr_schedule, state, state_shardings)

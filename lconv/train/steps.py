@@ -15,6 +15,7 @@ import optax
 
 from lconv.nn import common as nn_common
 from lconv.run import metrics, model_setup
+from lconv.run.schema import RunConfig
 
 PyTree = Any
 
@@ -29,7 +30,7 @@ def _merge_rows(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
-def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., tuple[Any, dict]]:
+def make_train_step(config: RunConfig, lr_schedule: optax.Schedule) -> Callable[..., tuple[Any, dict]]:
     """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch.
 
     ``lr_factor`` (a float32 scalar; 1 when not given) multiplies the update, so the learning rate is the
@@ -83,7 +84,7 @@ def make_train_step(config: Any, lr_schedule: optax.Schedule) -> Callable[..., t
     return nn_common.under_axis_rules(train_step, config.mesh.rules)
 
 
-def jit_train_step(config: Any, lr_schedule: optax.Schedule, state_shardings: PyTree,
+def jit_train_step(config: RunConfig, lr_schedule: optax.Schedule, state_shardings: PyTree,
                    mesh: jax.sharding.Mesh) -> Callable[..., tuple[Any, dict]]:
     """``make_train_step`` jitted over ``mesh``: the state in its shardings (donated), the batch's rows split over
     the mesh's batch axes."""
