@@ -121,3 +121,43 @@ def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch):
     stopped = split_scoring._decode(None, None, None, tokenizer, eval_set, None, "test", None,
                                     (lambda: True, "train.max_minutes"))
     assert len(stopped) == 2 and bars[1].done == 2 and bars[1].closed
+
+
+def test_eval_pys_file_decoding_counts_its_lines_on_a_bar_and_the_apis_has_none(monkeypatch):
+    """``per_line.translate_lines`` with ``progress`` (eval.py --source_file) feeds a bar of the lines it decodes
+    (a blank line is not decoded); without it (the API's calls) no bar is made."""
+    import types
+
+    import numpy as np
+    import tiny_config
+    import tiny_runs
+
+    from lconv.decode_settings import DecodeSettings
+    from lconv.infer import batching, per_line
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, unit):
+            self.args, self.done, self.closed = (total, desc, unit), 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    def decode_batches(config, model, params, eval_set, settings, translator=None, per_batch=None):
+        found = types.SimpleNamespace(tokens=np.array([[[5, 1]], [[6, 1]], [[0, 0]]]))
+        yield {"example_index": np.array([1, 0, -1])}, found
+
+    monkeypatch.setattr(console, "pass_bar", Bar)
+    monkeypatch.setattr(batching, "decode_batches", decode_batches)
+    config, translator = tiny_config.get_config(), types.SimpleNamespace(hypotheses=None)
+    settings = DecodeSettings.build(config.decode)
+    sources = ["Fast tool.", "", "A library."]
+    for progress in ("decoding in.txt", None):
+        per_line.translate_lines(config, None, None, tiny_runs.tokenizer(), sources, settings,
+                                 translator=translator, progress=progress)
+    assert len(bars) == 1 and bars[0].args == (2, "decoding in.txt", "line") and bars[0].done == 2 and bars[0].closed

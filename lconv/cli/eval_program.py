@@ -283,7 +283,8 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
     empty hypotheses)."""
     config = trained.config
     translations = per_line.translate_lines(config, trained.model, trained.params, trained.tokenizer, sources,
-                                                    settings, name=_line_name, nbest=nbest or 0)
+                                            settings, name=_line_name, nbest=nbest or 0,
+                                            progress=f"decoding {os.path.basename(source_file)}")
     if nbest:
         _write_text(output_file, "".join(nbest_lines(i, entries) for i, entries in enumerate(translations.nbest)))
     else:
@@ -308,7 +309,7 @@ def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config, trained.model, trained.params)
     outputs = per_line.generate_lines(trained.config, trained.tokenizer, prompts, generator, settings,
-                                              name=_line_name)
+                                      name=_line_name, progress=f"continuing {os.path.basename(source_file)}")
     _write_lines(output_file, outputs.hypotheses)
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
               "longest_prompt_tokens": outputs.lengths.longest, "prompt_token_limit": outputs.lengths.limit,
