@@ -130,3 +130,15 @@ def test_members_that_cannot_decode_together_are_one_line_each_before_anything_l
     code, _, err = helpers.run_cli(capsys, "eval.py", f"--workdir={paths['mt']}", f"--ensemble={paths['lm']}",
                                    "--compilation_cache=none")  # the flag, as eval.py passes it
     assert code == 2 and "--ensemble[1]" in err and "one task" in err
+
+
+def test_an_lm_with_itself_lowers_no_limit_it_did_not_have(lconv_log):
+    """An LM's input limit past its positions is cut to them alone too: an ensemble of it with itself warned that
+    its members' minimum lowered it."""
+    from lconv.run import ensembles
+
+    lm = tiny_runs.in_memory(tiny_runs.lm_config())
+    assert lm.config.data.eval_max_input_length > lm.config.model.max_len
+    pair = ensembles.combine([lm, lm], ["--workdir", "--ensemble[1]"])
+    assert pair.config.data.eval_max_input_length == lm.config.model.max_len
+    assert not [line for line in lconv_log() if "ensemble" in line]

@@ -39,15 +39,17 @@ def combine(members: Sequence[restore.Trained], names: Sequence[str]) -> restore
 
 def shared_limits(members: Sequence[restore.Trained], names: Sequence[str]) -> Any:
     """The first member's config with each length limit (``LIMITS``, in tokens) the members' minimum, so that no
-    member is handed a source, target or prompt longer than its positions; a lowered limit is said once."""
+    member is handed a source, target or prompt longer than its positions; a limit lowered below what the first
+    member alone allows (its positions: an LM's unused input limit is no news) is said once."""
     config = copy.deepcopy(members[0].config)
     lowered = []
     for name in LIMITS:
         section, field = name.split(".")
         values = [min(int(t.config[section][field]), int(t.config.model.max_len)) for t in members]
-        if min(values) < int(config[section][field]):
+        if min(values) < values[0]:
             lowered.append(f"config.{name} {config[section][field]} -> {min(values)} "
                            f"({names[values.index(min(values))]}'s)")
+        if min(values) < int(config[section][field]):
             config[section][field] = min(values)
     if lowered:
         logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")
