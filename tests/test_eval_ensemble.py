@@ -51,6 +51,7 @@ def _nbest(path) -> dict[int, list[tuple[float, str, list[float]]]]:
     return blocks
 
 
+@pytest.mark.slow  # four decodes, the single model's and the ensemble's programs: ~10 s of CPU
 def test_an_ensemble_of_a_run_with_itself_is_that_run_and_keeps_its_outputs(tmp_path, monkeypatch):
     trained = tiny_runs.in_memory(tiny_runs.translation_config())
     run = _workdirs(tmp_path, monkeypatch, {"a": trained})["a"]
