@@ -32,6 +32,7 @@ from lconv.errors import UserError
 from lconv.infer import compiled, lm_blocks, lm_scoring, per_line, probing, scoring, source_lengths
 from lconv.nn import ensemble as model_ensemble
 from lconv.run import backend, ensembles, load_options, loss_pass, metrics, model_setup, restore, schema
+from lconv.run import compilation_cache as user_cache
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,13 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     out on (``config.mesh``, default every device), whose batch axes split each decoding batch's rows.
 
     A run from elsewhere is data: a plugin mixer its config names as ``"module:Class"`` is imported (its code run)
-    only with ``trust_plugins=True``, or when this process has it already (registered, or its module imported)."""
+    only with ``trust_plugins=True``, or when this process has it already (registered, or its module imported).
+
+    Compiled programs are kept in this user's cache folder, as train.py and eval.py keep them
+    (``lconv.run.compilation_cache``; never the workdir's), unless this process turned JAX's cache off or chose
+    another folder."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
+    user_cache.use_user_folder()
     if not isinstance(workdir, (str, os.PathLike)) and isinstance(workdir, Sequence) and workdir:
         options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
                        decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices,

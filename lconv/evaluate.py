@@ -10,6 +10,7 @@ package, ``python eval.py`` from a clone (the same program and flags).
     python -m lconv.evaluate --workdir=runs/lm --source_file=prompts.txt [--max_len=50 --temperature=0.8 --top_p=0.9]
     python -m lconv.evaluate --workdir=runs/default --interactive          # stdin -> stdout, a line at a time
     python -m lconv.evaluate --workdir=runs/cnn --no_repeat_ngram_size=3 --min_len=10   # generation guards
+    python -m lconv.evaluate --workdir=runs/a --ensemble=runs/b,runs/c   # an ensemble -> runs/a/test.ensemble.*
 
 Writes hypotheses and a JSON of scores (sacreBLEU with its signature, ROUGE-1/2/L, or an LM's perplexity); for
 an LM run, ``--source_file`` holds prompts and the output file their continuations. With ``--nbest=k`` each source

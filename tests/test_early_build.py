@@ -189,3 +189,53 @@ def test_a_stream_run_with_a_stateful_mixer_builds_early_and_its_batches_fit(tin
     with jax.set_mesh(run.mesh):
         run.train_step(run.state, batch, np.float32(1.0))
     assert run.train_step.compiled is not None  # the stream's batches run the program compiled ahead
+
+
+def _own_files(tmp_path, sentences: int):
+    """A folder of your own pair files (tests/tiny_runs.py's sentences) and the tiny config reading it."""
+    import tiny_runs
+
+    folder = tmp_path / "zed"
+    folder.mkdir()
+    texts = tiny_runs.sentences(sentences + 20)
+    for stem, part in (("train", texts[:sentences]), ("valid", texts[sentences:sentences + 10]),
+                       ("test", texts[sentences + 10:])):
+        (folder / f"{stem}.src").write_text("".join(f"{text}\n" for text in part))
+        (folder / f"{stem}.tgt").write_text("".join(f"{' '.join(reversed(text.split()))}\n" for text in part))
+    config = tiny_config.training_config(tmp_path / "tfds")
+    config.data.update(dict(dataset="files", raw_dir=str(folder), source_lang="src", target_lang="tgt"))
+    return folder, config
+
+
+def test_a_small_corpus_of_your_own_trains_its_tokenizer_first(tmp_path):
+    """Under BYTES_PER_PIECE bytes of training text per piece asked for, the vocabulary may come out smaller: the
+    tokenizer goes first. A larger corpus, a bundled dataset, or files that are not there keep the usual order."""
+    from lconv.data.data_config import DataConfig
+
+    folder, config = _own_files(tmp_path, 200)
+    data = DataConfig.from_config(config.data)
+    size = sum((folder / f"train.{code}").stat().st_size for code in ("src", "tgt"))
+    assert size < early_build.BYTES_PER_PIECE * data.vocab_size and early_build.tokenizer_first(data)
+    (folder / "train.src").write_text("x y z\n" * (early_build.BYTES_PER_PIECE * data.vocab_size // 6 + 1))
+    (folder / "train.tgt").write_text("x y z\n" * (early_build.BYTES_PER_PIECE * data.vocab_size // 6 + 1))
+    assert not early_build.tokenizer_first(data)
+    assert not early_build.tokenizer_first(DataConfig.from_config(tiny_config.get_config().data))
+    (folder / "train.src").unlink()  # the usual order reports it
+    assert not early_build.tokenizer_first(data)
+
+
+@pytest.mark.slow  # builds and compiles the tiny model's state and train step: ~15 s of CPU
+def test_a_small_corpus_builds_early_for_the_vocabulary_its_tokenizer_gives(tmp_path, lconv_log):
+    """4,000 asked, fewer given (the issue's 395 of 4,000): the early build assumed the vocabulary given, so its
+    state and compiled step are used, not built again; the vocabulary used is said once."""
+    _, config = _own_files(tmp_path, 200)
+    config.data.vocab_size = 4000
+    run = setup.build_run(config, str(tmp_path / "run"), jax.devices("cpu")[:1])
+    log = lconv_log()
+    assert run.tokenizer.vocab_size < 4000
+    assert run.train_step is not None and run.train_step.compiled is not None  # the early build's, used
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(run.state.params)]
+    assert (run.tokenizer.vocab_size, config.model.d_model) in shapes  # the embedding: one row per piece given
+    assert not [line for line in log if "building it again" in line]
+    (line,) = [line for line in log if line.startswith("warning: vocabulary:")]
+    assert f"{run.tokenizer.vocab_size:,} pieces, not the 4,000" in line

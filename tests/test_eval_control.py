@@ -87,3 +87,78 @@ def test_a_run_picks_its_best_by_bleu_and_stops_after_patience(tiny_data, tmp_pa
     record = best.checkpointer.read_data(best.checkpointer.latest_step())
     assert record["validation_bleu"] == max(bleu for _, bleu in passes) and "validation_loss" in record
     best.close()
+
+
+class _Best:
+    """A best checkpoint in memory (``BestCheckpointer``'s ``value``, ``beats`` and ``offer``, lower is better)."""
+
+    def __init__(self, value: float = float("inf")) -> None:
+        self.value = value
+
+    def beats(self, value: float) -> bool:
+        return value < self.value
+
+    def offer(self, step, state, validation_loss, value=None) -> bool:
+        if not self.beats(validation_loss if value is None else value):
+            return False
+        self.value = validation_loss if value is None else value
+        return True
+
+
+# (step, validation scores): a pass cut short by a time budget is logged but neither compared nor counted
+_PASSES = [(2, {"loss": 5.0}), (4, {"loss": 4.0}), (6, {"loss": 4.5}), (8, {"loss": 4.2, "unscored_batches": 2}),
+           (10, {"loss": 3.9}), (12, {"loss": 4.0}), (14, {"loss": 3.95}), (16, {"loss": 4.1}), (18, {"loss": 3.8})]
+
+
+def _train(tracker, workdir, passes, resumed_step=0):
+    """Each pass through the tracker and into metrics.jsonl as the training loop logs it; the step the run stops
+    at (patience ran out), or None."""
+    from lconv.train import logs
+
+    workdir.mkdir(exist_ok=True)
+    writer = logs.MetricWriter(str(workdir), resumed_step=resumed_step)
+    try:
+        for step, scores in passes:
+            writer.write(step, "validation", tracker.after_validation(type("Run", (), {"state": None}), step,
+                                                                      dict(scores)))
+            if tracker.stop_reason():
+                return step
+    finally:
+        writer.close()
+    return None
+
+
+@pytest.mark.parametrize("interrupted_at", [2, 4, 6, 8, 10, 12])
+def test_patience_counts_across_a_resume_and_stops_at_the_uninterrupted_runs_pass(tmp_path, interrupted_at):
+    """Killed after logging two more passes than its last checkpoint (``interrupted_at``), a resumed run replays
+    the count and its best value from metrics.jsonl and stops at the pass the uninterrupted run stops at. Counted
+    from the resume against the best checkpoint's value (as it was), it stopped elsewhere."""
+    control = eval_control.EvalControl("loss", 1, 1.0, patience=3)
+    whole = _train(eval_control.Tracker(control, _Best()), tmp_path / "whole", _PASSES)
+    assert whole == 16  # 12, 14, 16: three passes in a row not below 3.9 (the cut pass at 8 is not one)
+    workdir = tmp_path / "resumed"
+    before = [(s, scores) for s, scores in _PASSES if s <= interrupted_at + 4]  # logged, then killed
+    first = eval_control.Tracker(control, _Best())
+    assert _train(first, workdir, before) in (None, 16)
+    best_checkpoint = _Best(min(p["loss"] for s, p in before if "unscored_batches" not in p))  # saved past the resume
+    resumed = eval_control.Tracker(control, best_checkpoint)
+    resumed.resume(str(workdir), interrupted_at)
+    rest = [(s, scores) for s, scores in _PASSES if s > interrupted_at]
+    assert _train(resumed, workdir, rest, resumed_step=interrupted_at) == whole
+    logged = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [s for s, _ in _PASSES if s <= whole]
+    fresh = eval_control.Tracker(control, _Best(best_checkpoint.value))  # the count restarted at the resume
+    if interrupted_at in (8, 12):  # 8: the checkpoint's 3.9, saved at 10, makes 10 no better; 12: 14-18 go on
+        assert _train(fresh, tmp_path / "fresh", rest) != whole
+
+
+def test_a_run_resumed_where_patience_ran_out_stops_there(tmp_path):
+    control = eval_control.EvalControl("loss", 1, 1.0, patience=3)
+    assert _train(eval_control.Tracker(control, _Best()), tmp_path, _PASSES) == 16
+    resumed = eval_control.Tracker(control, _Best(3.9))
+    resumed.resume(str(tmp_path), 16)
+    assert resumed.passes_without_better == 3 and "3 validation pass(es)" in resumed.stop_reason()
+    assert "3.9" in resumed.stop_reason()
+    without = eval_control.Tracker(eval_control.EvalControl("loss", 1, 1.0, patience=0), _Best(3.9))
+    without.resume(str(tmp_path), 16)  # no patience: nothing read, nothing counted
+    assert without.passes_without_better == 0 and without.stop_reason() is None

@@ -187,3 +187,26 @@ def test_a_tiny_run_trains_from_a_folder_and_names_it_everywhere(tmp_path, lconv
                               f"--config.data.raw_dir={folder}", "--config.data.source_lang=src",
                               "--config.data.target_lang=tgt")
     helpers.one_line_error(outcome, "train.src", "200 lines", "train.tgt")
+
+
+def test_a_small_corpus_tokenizer_kept_for_later_runs_is_reused_though_it_has_fewer_pieces(tmp_path, lconv_log):
+    """SentencePiece gives a small corpus fewer pieces than asked; the copy kept under data_dir was refused for
+    that (its size is not data.vocab_size) and trained again, with a warning, on every later run."""
+    import tiny_runs
+
+    from lconv.data import pipeline
+
+    folder = tmp_path / "zed"
+    folder.mkdir()
+    texts = tiny_runs.sentences(60)
+    for stem, part in (("train", texts[:40]), ("valid", texts[40:50]), ("test", texts[50:])):
+        (folder / f"{stem}.src").write_text("".join(f"{text}\n" for text in part))
+        (folder / f"{stem}.tgt").write_text("".join(f"{text.upper()}\n" for text in part))
+    config = _config(folder, source_lang="src", target_lang="tgt", vocab_size=2000)
+    first = pipeline.load_or_train_tokenizer(config, str(tmp_path / "run1"))
+    assert first.vocab_size < 2000
+    second = pipeline.load_or_train_tokenizer(config, str(tmp_path / "run2"))
+    log = lconv_log()
+    assert second.to_bytes() == first.to_bytes()
+    assert len([line for line in log if "tokenizer: training" in line]) == 1 and any("reused" in line for line in log)
+    assert not [line for line in log if "not used" in line]

@@ -147,6 +147,39 @@ def test_a_compilation_cache_entry_planted_in_a_workdir_is_not_read(tmp_path, mo
     assert runtime.user_compilation_cache() == str(tmp_path / "home" / ".cache" / "lconv" / runtime.COMPILATION_CACHE)
 
 
+class _Loaded(Exception):
+    """Raised by a stand-in ``load_trained``: ``lconv.load`` got as far as loading the run."""
+
+
+def test_lconv_load_keeps_programs_in_this_users_cache_never_the_workdirs(tmp_path, monkeypatch):
+    """``lconv.load`` sets this user's folder before it loads (and so before anything compiles), as eval.py does;
+    a workdir's compilation_cache/ is never it, and the process's own choice (cache off, another folder) stands."""
+    import jax
+
+    import lconv
+    from lconv.run import compilation_cache, restore
+
+    workdir = tmp_path / "run"
+    (workdir / compilation_cache.FOLDER_NAME).mkdir(parents=True)
+    seen = []
+
+    def load_trained(*args, **kwargs):
+        seen.append((jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir))
+        raise _Loaded
+
+    monkeypatch.setattr(restore, "load_trained", load_trained)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    user = tmp_path / "xdg" / "lconv" / compilation_cache.FOLDER_NAME
+    for enabled, folder in ((True, None), (False, None), (True, str(tmp_path / "mine"))):
+        with _jax_cache_config() as config:
+            config.update("jax_enable_compilation_cache", enabled)
+            config.update("jax_compilation_cache_dir", folder)
+            with pytest.raises(_Loaded):
+                lconv.load(str(workdir))
+    assert seen == [(True, str(user)), (False, None), (True, str(tmp_path / "mine"))]
+    assert os.stat(user).st_mode & 0o777 == 0o700 and os.listdir(workdir / compilation_cache.FOLDER_NAME) == []
+
+
 @pytest.mark.parametrize("make, problem", [
     (lambda folder: folder.parent.mkdir(parents=True) or folder.write_text("x"), "is not a folder"),
     (lambda folder: folder.mkdir(parents=True) or folder.chmod(0o777), "can be written by other users"),

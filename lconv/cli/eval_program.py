@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import jax
 
 from lconv import outputs
+from lconv.cli import eval_ensemble
 from lconv.data import paths, pipeline
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import DecodeSettings
@@ -34,45 +35,48 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         beam_size: int | None = None, lenpen: float | None = None, source_file: str | None = None,
         reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
         nbest: int | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None,
-        no_repeat_ngram_size: int | None = None, min_len: int | None = None, **sampling: Any) -> dict[str, Any]:
+        no_repeat_ngram_size: int | None = None, min_len: int | None = None,
+        ensemble: str | Sequence[str] | None = None, **sampling: Any) -> dict[str, Any]:
     """Scores ``split`` of the run's dataset (BLEU / ROUGE, or an LM's perplexity), or decodes ``source_file`` line
     by line: translations (scored against ``reference_file``; by beam search or sampled; with ``nbest``, k per
     line) or an LM's continuations of prompts (``sampling``). ``interactive`` reads ``stdin`` and writes each
-    output as it is decoded. Only params are restored."""
+    output as it is decoded. ``ensemble``: more workdirs decoding with ``workdir``'s (``eval_ensemble``; outputs
+    named for it). Only params are restored."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     guards = {name: value for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
                                               ("min_len", min_len)) if value is not None}
+    others = eval_ensemble.parse(ensemble)
+    stem = f"{split}.{eval_ensemble.NAME}" if others else split  # a split's outputs: <workdir>/<stem>.hyp.txt
     stored = _check_run_flags(workdir, split=split, average_last=average_last, checkpoint=checkpoint,
                             beam_size=beam_size, lenpen=lenpen, source_file=source_file,
                             reference_file=reference_file, output_file=output_file, interactive=interactive,
-                            sampling=sampling, nbest=nbest, guards=guards)
+                            sampling=sampling, nbest=nbest, guards=guards, stem=stem)
+    members = eval_ensemble.check(workdir, stored, others) if others else None
+    if members is not None and stored.config.data.stream and source_file is None and not interactive:
+        raise UserError("--ensemble: a document-stream LM's split is scored with one model's mixer state carried "
+                        "across windows; score the runs one at a time")
     task = stored.config.task
     chosen = {**_decode_choices(task, sampling, nbest), **guards}
+    load = lambda: _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen, members)  # noqa: E731
     if interactive:
-        trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
+        trained, settings = load()
         return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, settings, nbest)
     if source_file is None:
-        trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
-        config = trained.config.replace(data={"eval_splits": (split,)})
-        data = pipeline.make_datasets(config.data, trained.tokenizer)
-        if task == "lm":
-            return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
-                                              split)
-        return split_scoring.score_split(config.infer, trained.model, trained.params, trained.tokenizer,
-                                            data.eval_sets, workdir, settings, split=split)
+        trained, settings = load()
+        return _score_split(trained, settings, workdir, split, stem, members)
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
     if references is not None and len(references) != len(sources):
         raise UserError(f"--reference_file has {len(references)} lines for {len(sources)} source lines "
                         f"({reference_file} vs {source_file}); they must pair line by line")
     if output_file is None:
-        output_file = os.path.join(workdir, "output.txt")
+        output_file = os.path.join(workdir, f"output.{eval_ensemble.NAME}.txt" if others else "output.txt")
         _check_writable(output_file, f"the default --output_file={output_file} (pass --output_file elsewhere)")
     else:  # never over an input, another command's output or committed docs (lconv.outputs), then writable
         outputs.check_output_file(output_file, "--output_file",
                                   inputs=[("--source_file", source_file), ("--reference_file", reference_file)])
         _check_writable(output_file, f"--output_file={output_file}")
-    trained, settings = _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen)
+    trained, settings = load()
     if task == "lm":
         return _generate_file(trained, sources, source_file, output_file, settings)
     return _translate_file(trained, sources, references, source_file, output_file, settings, nbest)
@@ -81,7 +85,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
 def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint: str, beam_size: int | None,
                      lenpen: float | None, source_file: str | None, reference_file: str | None,
                      output_file: str | None, interactive: bool, sampling: dict[str, Any], nbest: int | None,
-                     guards: dict[str, int]) -> restore.StoredConfig:
+                     guards: dict[str, int], stem: str) -> restore.StoredConfig:
     """Every flag combination ``run`` refuses, checked before anything is loaded; returns the run's stored config."""
     check_flags(average_last=average_last, checkpoint=checkpoint, beam_size=beam_size, lenpen=lenpen)
     schema.check_search(spell=lambda name: f"--{name}", **guards)
@@ -110,7 +114,7 @@ def _check_run_flags(workdir: str, *, split: str, average_last: int, checkpoint:
             if value is not None:
                 raise UserError(f"{flag} goes with --source_file; a split is scored against its own references "
                                 f"and written to <workdir>/{split}.hyp.txt")
-        outputs = [f"{split}.scores.json"] + ([] if task == "lm" else [f"{split}.hyp.txt"])
+        outputs = [f"{stem}.scores.json"] + ([] if task == "lm" else [f"{stem}.hyp.txt"])
         for name in outputs:
             path = os.path.join(workdir, name)
             _check_writable(path, f"{path} (eval writes a split's outputs into --workdir)")
@@ -244,11 +248,30 @@ def _check_writable(path: str, what: str) -> None:
 
 
 def _load(stored: restore.StoredConfig, workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
-          lenpen: float | None, chosen: dict[str, Any]) -> tuple[restore.Trained, DecodeSettings]:
-    """The trained run, and the search eval.py runs: its stored ``config.decode`` with the flags in place."""
-    trained = restore.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, stored=stored)
-    logger.info(f"checkpoint(s) {trained.steps}")
+          lenpen: float | None, chosen: dict[str, Any], members: eval_ensemble.Members | None = None
+          ) -> tuple[restore.Trained, DecodeSettings]:
+    """The trained run (or the ensemble of ``members``), and the search eval.py runs: the (first) run's stored
+    ``config.decode`` with the flags in place."""
+    if members is not None:
+        trained = eval_ensemble.load(members, average_last=average_last, checkpoint=checkpoint)
+    else:
+        trained = restore.load_trained(workdir, average_last=average_last, checkpoint=checkpoint, stored=stored)
+        logger.info(f"checkpoint(s) {trained.steps}")
     return trained, DecodeSettings.build(trained.config.decode, **{"beam_size": beam_size, "lenpen": lenpen, **chosen})
+
+
+def _score_split(trained: restore.Trained, settings: DecodeSettings, workdir: str, split: str, stem: str,
+                 members: eval_ensemble.Members | None) -> dict[str, Any]:
+    """``split`` of the run's dataset decoded and scored (an LM: its perplexity), written as ``<workdir>/<stem>.*``;
+    an ensemble's scores name its members."""
+    config = trained.config.replace(data={"eval_splits": (split,)})
+    data = pipeline.make_datasets(config.data, trained.tokenizer)
+    extra = eval_ensemble.report(members) if members is not None else {}
+    if config.task == "lm":
+        return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
+                                          split, output_name=stem, extra=extra)
+    return split_scoring.score_split(config.infer, trained.model, trained.params, trained.tokenizer, data.eval_sets,
+                                     workdir, settings, split=split, output_name=stem, extra=extra)
 
 
 def _translate_file(trained: restore.Trained, sources: Sequence[str], references: Sequence[str] | None,
@@ -259,7 +282,8 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
     empty hypotheses)."""
     config = trained.config
     translations = per_line.translate_lines(config.infer, trained.model, trained.params, trained.tokenizer, sources,
-                                                    settings, name=_line_name, nbest=nbest or 0)
+                                            settings, name=_line_name, nbest=nbest or 0,
+                                            progress=f"decoding {os.path.basename(source_file)}")
     if nbest:
         _write_text(output_file, "".join(nbest_lines(i, entries) for i, entries in enumerate(translations.nbest)))
     else:
@@ -284,7 +308,7 @@ def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config.infer, trained.model, trained.params)
     outputs = per_line.generate_lines(trained.config.infer, trained.tokenizer, prompts, generator, settings,
-                                              name=_line_name)
+                                      name=_line_name, progress=f"continuing {os.path.basename(source_file)}")
     _write_lines(output_file, outputs.hypotheses)
     report = {"examples": len(prompts), "truncated_prompts": len(outputs.lengths.truncated),
               "longest_prompt_tokens": outputs.lengths.longest, "prompt_token_limit": outputs.lengths.limit,

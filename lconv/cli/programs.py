@@ -31,6 +31,10 @@ def evaluate(argv: list[str] | None = None) -> None:
     """``eval.py``: scores a split, decodes a file (translations, or an LM's continuations of prompts), or
     decodes stdin line by line (``--interactive``)."""
     flags.DEFINE_string("workdir", None, "A directory written by train.py.")
+    flags.DEFINE_string("ensemble", None, "More runs' workdirs, comma-separated, decoding together with --workdir's "
+                        "(fairseq-generate's --path a.pt:b.pt: the mean of their next-token probabilities); same task "
+                        "and tokenizer; outputs go to --workdir as <split>.ensemble.hyp.txt / .scores.json (naming the "
+                        "members) or output.ensemble.txt.")
     flags.DEFINE_string("split", "test", "Split of the run's dataset to score.")
     flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N >= 1 checkpoints.")
     flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"],
@@ -73,7 +77,7 @@ def _evaluate_main(argv: list[str]) -> None:
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
                  "output_file", "interactive", "nbest", "max_len", "temperature", "top_k", "top_p", "seed",
-                 "no_repeat_ngram_size", "min_len")
+                 "no_repeat_ngram_size", "min_len", "ensemble")
         with restore.trusting_plugins(FLAGS.trust_plugins):
             eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
@@ -83,7 +87,7 @@ def run_program(main: Callable[[list[str]], None], argv: list[str] | None) -> No
     for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
                  "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
                  "nbest", "max_len", "temperature", "top_k", "top_p", "seed", "no_repeat_ngram_size", "min_len",
-                 "trust_plugins"):
+                 "trust_plugins", "ensemble"):
         if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
             FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from lconv.data import paths
 from lconv.errors import UserError
+from lconv.run import compilation_cache
 from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
 
@@ -72,17 +73,8 @@ def initialize() -> None:
     check_backend()
 
 
-COMPILATION_CACHE = "compilation_cache"  # the cache folder's name: this user's, and older runs' in their workdir
-
-
-def user_compilation_cache() -> str:
-    """The default cache folder: this user's (``$XDG_CACHE_HOME/lconv/compilation_cache``, else under
-    ``~/.cache``), shared by every run on this machine. Never a workdir's: an entry is native code that JAX runs,
-    and a workdir from elsewhere is data."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lconv", COMPILATION_CACHE)
+COMPILATION_CACHE = compilation_cache.FOLDER_NAME  # this user's cache folder's name, and older runs' in their workdir
+user_compilation_cache = compilation_cache.user_folder
 
 
 def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | None:
@@ -98,7 +90,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         return None
     chosen = choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     folder = chosen or user_compilation_cache()
-    problem = _unusable(folder) or (None if chosen else _make_private(folder))
+    problem = compilation_cache.unusable(folder) or (None if chosen else compilation_cache.make_private(folder))
     if problem and choice:
         raise UserError(f"--compilation_cache={choice}: {problem}; name a folder this process can write, or none")
     if problem:  # said once here, rather than by JAX at every compile
@@ -112,37 +104,6 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
                                          f"compiled programs are kept in {folder}")
     jax.config.update("jax_compilation_cache_dir", folder)
     return folder
-
-
-def _unusable(folder: str) -> str | None:
-    """Why a local cache ``folder`` cannot hold JAX's entries (JAX would warn at every compile), or None."""
-    if paths.is_url(folder):
-        return None
-    existing = folder
-    while existing and not os.path.exists(existing):
-        existing = os.path.dirname(existing.rstrip(os.sep)) or "."
-    if not os.path.isdir(existing):
-        return f"is not a folder ({existing} is a file)"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot be written ({existing}: permission denied)"
-    return None
-
-
-def _make_private(folder: str) -> str | None:
-    """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code
-    (another user could plant an entry), or None."""
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        status = os.stat(folder)
-    except OSError as error:
-        return f"cannot be made ({error.strerror})"
-    if not hasattr(os, "getuid"):
-        return None  # no POSIX owner and mode bits to check
-    if status.st_uid != os.getuid():
-        return "belongs to another user"
-    if status.st_mode & 0o022:
-        return f"can be written by other users (chmod go-w {folder})"
-    return None
 
 
 EARLY_BUILD_THREAD = "lconv-early-build"  # ``lconv.train.early_build``'s thread: alive while it builds

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lconv import console
 from lconv.constants import PAD_ID
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
@@ -39,11 +40,11 @@ class LineOutputs:
 def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer, sources: Sequence[str],
                     settings: DecodeSettings, *, translator: compiled.Translator | None = None,
                     name: Callable[[int], str] = "sources[{}]".format, nbest: int = 0,
-                    prefixes: Sequence[np.ndarray] | None = None) -> LineOutputs:
+                    prefixes: Sequence[np.ndarray] | None = None, progress: str | None = None) -> LineOutputs:
     """Translates (or summarises) each line of ``sources`` by the search ``settings`` say, on ``translator``'s
     programs when given. With ``nbest``, also each line's first ``nbest`` hypotheses. ``prefixes``: per line, the
     ids each of its outputs starts with (``search.Prefix``, checked by the caller). ``name(index)`` names a line in
-    the warning about over-long lines."""
+    the warning about over-long lines; ``progress``: a progress bar's description (eval.py's files), or none."""
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]
     limit = config.max_input_length
@@ -58,6 +59,7 @@ def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenize
     hypotheses = [""] * len(sources)
     lists = [[] for _ in sources] if nbest else None
     per_batch = None if prefixes is None else (lambda chosen: {"prefixes": [prefixes[kept[i]] for i in chosen]})
+    bar = _bar(len(kept), progress)
     for batch, found in batching.decode_batches(config, model, params, eval_set, settings,
                                                 translator=translator.hypotheses, per_batch=per_batch):
         for row, index in enumerate(batch["example_index"]):
@@ -65,7 +67,22 @@ def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenize
                 hypotheses[kept[int(index)]] = tokenizer.detokenize(found.tokens[row, 0])
                 if nbest:
                     lists[kept[int(index)]] = nbest_entries(tokenizer, found, row, nbest)
+                bar.update(1)
+    bar.close()
     return LineOutputs(hypotheses, blank, lengths, lists)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, progress: str | None) -> Any:
+    """``console.pass_bar`` of ``total`` lines described by ``progress``; without one, none (the API's calls)."""
+    return console.pass_bar(total, progress, "line") if progress else _NoBar()
 
 
 def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
@@ -85,11 +102,12 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
 
 def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator,
                    settings: DecodeSettings, *, name: Callable[[int], str] = "prompts[{}]".format,
-                   nbest: int = 0) -> LineOutputs:
+                   nbest: int = 0, progress: str | None = None) -> LineOutputs:
     """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy at temperature 0,
     else sampled; with ``nbest``, the first ``nbest`` of ``Generator.hypotheses`` per prompt, the best one's text
-    as the output. A prompt longer than ``settings.prompt_limit`` keeps its last tokens, those nearest the
-    continuation. Prompts of similar length share a batch, and a batch one program per shape bucket."""
+    as the output (``progress``: ``translate_lines``'). A prompt longer than ``settings.prompt_limit`` keeps its
+    last tokens, those nearest the continuation. Prompts of similar length share a batch, and a batch one program
+    per shape bucket."""
     limit = settings.prompt_limit(config.max_positions)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
     if limit == 0 and any(len(ids) for ids in encoded):  # every prompt would be dropped, not cut
@@ -118,6 +136,7 @@ def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[
 
     outputs = [""] * len(prompts)
     lists = [[] for _ in prompts] if nbest else None
+    bar = _bar(len(prompts), progress)
     for chosen, found in batching.in_batches(order, rows, generate_batch):
         for row, i in enumerate(chosen):
             if nbest:
@@ -125,4 +144,6 @@ def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[
                 outputs[i] = lists[i][0]["text"] if lists[i] else ""
             else:
                 outputs[i] = tokenizer.detokenize(found[row])
+        bar.update(len(chosen))
+    bar.close()
     return LineOutputs(outputs, [], lengths, lists)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from lconv import console
 from lconv.data import pipeline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
@@ -28,8 +29,10 @@ logger = logging.getLogger(__name__)
 def score_split(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer,
                 eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, settings: DecodeSettings, *,
                 split: str | None = None, translator: compiled.Translator | None = None,
-                stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
-    """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``.
+                stop_when: tuple[Callable[[], bool], str] | None = None, output_name: str | None = None,
+                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``
+    (``output_name`` in place of ``<split>``; ``extra`` added to the scores), with a progress bar.
 
     A collective: every process calls it. ``settings``: the search's; ``translator``: one whose programs to reuse.
     ``stop_when``: ``(over, why)``; decoding stops once ``over()`` (a time budget, ``why`` naming it), and the
@@ -39,16 +42,7 @@ def score_split(config: InferConfig, model: nn.Module, params: Any, tokenizer: T
         raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
     eval_set = shards.whole_split(eval_sets[split], config.eval_batch_size)
     start = time.time()
-    hypotheses = {}
-    for batch, tokens in batching.decode_batches(config, model, params, eval_set, settings, translator=translator):
-        for row, index in enumerate(batch["example_index"]):
-            if index >= 0:
-                hypotheses[int(index)] = tokenizer.detokenize(tokens[row])
-        if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
-            logger.warning(f"{stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
-                           f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those only, "
-                           f"and eval.py --split={split} scores them all")
-            break
+    hypotheses = _decode(config, model, params, tokenizer, eval_set, settings, split, translator, stop_when)
     seconds = time.time() - start
     order = sorted(hypotheses)
     hyps = [hypotheses[i] for i in order]
@@ -61,7 +55,32 @@ def score_split(config: InferConfig, model: nn.Module, params: Any, tokenizer: T
                   **lengths.counts())
     if len(hyps) < len(eval_set.tokens):
         scores["undecoded"] = len(eval_set.tokens) - len(hyps)
-    reports.write_outputs(workdir, split, hyps, scores)
+    scores.update(extra or {})
+    reports.write_outputs(workdir, output_name or split, hyps, scores)
     lengths.log(lambda i: f"{split}[{order[i]}]", SOURCE_LIMIT)
     logger.info(reports.format_report(scores, sources, refs, hyps, config.num_print))
     return scores
+
+
+def _decode(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer, eval_set: pipeline.EvalSet,
+            settings: DecodeSettings, split: str, translator: compiled.Translator | None,
+            stop_when: tuple[Callable[[], bool], str] | None) -> dict[int, str]:
+    """{example index: its hypothesis} of ``eval_set``, every one unless ``stop_when`` stops the pass, with a
+    progress bar and its ETA in sentences (``console.pass_bar``: on a terminal only)."""
+    hypotheses = {}
+    bar = console.pass_bar(len(eval_set.tokens), f"decoding {split}", "sentence")
+    try:
+        for batch, tokens in batching.decode_batches(config, model, params, eval_set, settings,
+                                                     translator=translator):
+            for row, index in enumerate(batch["example_index"]):
+                if index >= 0:
+                    hypotheses[int(index)] = tokenizer.detokenize(tokens[row])
+                    bar.update(1)
+            if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
+                logger.warning(f"{stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
+                               f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those "
+                               f"only, and eval.py --split={split} scores them all")
+                break
+    finally:
+        bar.close()
+    return hypotheses

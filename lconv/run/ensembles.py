@@ -39,15 +39,17 @@ def combine(members: Sequence[restore.Trained], names: Sequence[str]) -> restore
 
 def shared_limits(members: Sequence[restore.Trained], names: Sequence[str]) -> RunConfig:
     """The first member's config with each length limit (``LIMITS``, in tokens) the members' minimum, so that no
-    member is handed a source, target or prompt longer than its positions; a lowered limit is said once."""
+    member is handed a source, target or prompt longer than its positions; a limit lowered below what the first
+    member alone allows (its positions: an LM's unused input limit is no news) is said once."""
     config, lowered, changes = members[0].config, [], {}
     for name in LIMITS:
         section, field = name.split(".")
         values = [min(int(getattr(getattr(t.config, section), field)), int(t.config.model.max_len))
                   for t in members]
         ours = int(getattr(getattr(config, section), field))
-        if min(values) < ours:
+        if min(values) < values[0]:
             lowered.append(f"config.{name} {ours} -> {min(values)} ({names[values.index(min(values))]}'s)")
+        if min(values) < ours:
             changes.setdefault(section, {})[field] = min(values)
     if lowered:
         logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")

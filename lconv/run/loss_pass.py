@@ -78,10 +78,12 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
 
 def score_perplexity(config: RunConfig, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
                      *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
-                     stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, Any]:
-    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``.
-    ``mesh`` and ``eval_step``: a training run's own, so the end-of-training score compiles nothing new;
-    ``stop_when``: ``evaluate_loss``'s (a pass cut short has no per-word perplexity)."""
+                     stop_when: tuple[Callable[[], bool], str] | None = None, output_name: str | None = None,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``
+    (``output_name`` in place of ``<split>``; ``extra`` added to the scores). ``mesh`` and ``eval_step``: a
+    training run's own, so the end-of-training score compiles nothing new; ``stop_when``: ``evaluate_loss``'s (a
+    pass cut short has no per-word perplexity)."""
     mesh = model_setup.make_mesh(config.mesh) if mesh is None else mesh
     eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
     carried = model_setup.init_mixer_state(config, model, config.data.eval_batch_size,
@@ -89,7 +91,8 @@ def score_perplexity(config: RunConfig, model: Any, params: PyTree, eval_set: It
     scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, carried, stop_when), split=split)
     if "unscored_batches" not in scores:
         scores.update(_word_perplexity(eval_set, scores))
-    reports.write_outputs(workdir, split, None, scores)
+    scores.update(extra or {})
+    reports.write_outputs(workdir, output_name or split, None, scores)
     per_word = f", {scores['word_ppl']:.2f} per word" if "word_ppl" in scores else ""
     logger.info(f"{split}: perplexity {scores['ppl']:.2f} per token{per_word} (nll {scores['nll']:.4f}/token over "
                 f"{scores['tokens']:.0f} tokens)")

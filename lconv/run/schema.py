@@ -146,7 +146,7 @@ class TrainConfig:
     validation_lenpen: float = field(1.0, "best_metric bleu/rougeL: the validation decode's length penalty",
                                      _NON_NEGATIVE_NUMBER)
     patience: int = field(0, "stop training after this many validation passes in a row without a better "
-                          "best_metric (counted from the run's start or resume); 0 = never", _NON_NEGATIVE)
+                          "best_metric (counted across resumes, from metrics.jsonl); 0 = never", _NON_NEGATIVE)
     checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
     async_checkpoints: bool = field(True, "checkpoint files are written while training goes on (orbax async)", BOOL)
 

@@ -5,15 +5,22 @@ With ``best_metric="loss"`` the best checkpoint is the lowest validation loss, a
 (translation) or ``rougeL`` (summarization) each validation pass also decodes the validation split with its own
 search (greedy by default: the cheapest) and scores it, as fairseq's ``--eval-bleu`` and
 ``--best-checkpoint-metric`` do; ``data.max_validation_examples`` caps what it decodes. ``patience`` stops training
-after that many passes in a row without a better value (fairseq's ``--patience``), counted from the run's start or
-resume; the final evaluation still runs. The training loop's one call: its validation pass hands its loss scores to
+after that many passes in a row without a better value (fairseq's ``--patience``), counted from the run's start: a
+resumed run replays the count from metrics.jsonl, so it stops at the pass an uninterrupted run would; the final
+evaluation still runs. The training loop's one call: its validation pass hands its loss scores to
 ``Tracker.after_validation`` and asks ``Tracker.stop_reason`` after it.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
 
 from lconv.decode_settings import DecodeSettings
 from lconv.run import checkpoints
@@ -55,6 +62,8 @@ class Tracker:
     def __init__(self, control: EvalControl, best: checkpoints.BestCheckpointer) -> None:
         self.control, self.best = control, best
         self.passes_without_better = 0
+        # the value the count compares with: the best checkpoint's, but where a resume replays it (``resume``)
+        self.best_value = best.value if best is not None else _worst(control.metric)
 
     def after_validation(self, run: Any, step: int, scores: dict[str, Any],
                          stop_when: tuple[Any, str] | None = None) -> dict[str, Any]:
@@ -70,10 +79,30 @@ class Tracker:
             scores, value = {**scores, self.control.metric: decoded[self.control.metric]}, decoded[self.control.metric]
             if "undecoded" in decoded:
                 return scores
-        better = self.best.beats(value)
+        better = _beats(self.control.metric, value, self.best_value)
         self.best.offer(step, run.state, scores["loss"], value)
         self.passes_without_better = 0 if better else self.passes_without_better + 1
+        self.best_value = value if better else self.best_value
         return scores
+
+    def resume(self, workdir: str, step: int) -> None:
+        """The count, and the value it compares with, as an uninterrupted run had them after ``step`` (the
+        checkpoint resumed from): replayed from the validation rows of ``<workdir>/metrics.jsonl`` up to it, the
+        log of every pass (the best checkpoint records only the best). No rows: the best checkpoint's value."""
+        if not self.control.patience:
+            return
+        values = validation_values(workdir, step, self.control.metric)
+        if values:
+            self.best_value, self.passes_without_better = replay(self.control.metric, values)
+        if jax.process_count() > 1:  # every process stops at the same pass: process 0's reading of the log
+            from jax.experimental import multihost_utils
+
+            agreed = multihost_utils.broadcast_one_to_all(np.array([self.best_value, self.passes_without_better]))
+            self.best_value, self.passes_without_better = float(agreed[0]), int(agreed[1])
+        if self.passes_without_better:
+            logger.info(f"resumed with {self.passes_without_better} validation pass(es) in a row without a better "
+                        f"{self.control.metric} than {self.best_value:.4g} (config.train.patience="
+                        f"{self.control.patience})")
 
     def stop_reason(self) -> str | None:
         """Why training stops early (``patience`` passes without a better value), or None."""
@@ -81,7 +110,7 @@ class Tracker:
         if not patience or self.passes_without_better < patience:
             return None
         return (f"early stopping: {patience} validation pass(es) in a row without a better {self.control.metric} "
-                f"than {self.best.value:.4g} (config.train.patience={patience})")
+                f"than {self.best_value:.4g} (config.train.patience={patience})")
 
     def _decode(self, run: Any, stop_when: tuple[Any, str] | None) -> dict[str, Any]:
         """The validation split decoded with the control's search and scored (``split_scoring.score_split``)."""
@@ -92,3 +121,41 @@ class Tracker:
         return split_scoring.score_split(run.config.infer, run.model, run.state.params, run.tokenizer,
                                          run.data.eval_sets, run.workdir, settings, split="validation",
                                          stop_when=stop_when)
+
+
+def _worst(metric: str) -> float:
+    return -math.inf if HIGHER_IS_BETTER[metric] else math.inf
+
+
+def _beats(metric: str, value: float, best: float) -> bool:
+    return value > best if HIGHER_IS_BETTER[metric] else value < best
+
+
+def replay(metric: str, values: list[float]) -> tuple[float, int]:
+    """``(best value, passes in a row without a better one)`` after the passes that scored ``values``, in order."""
+    best, count = _worst(metric), 0
+    for value in values:
+        better = _beats(metric, value, best)
+        best, count = (value, 0) if better else (best, count + 1)
+    return best, count
+
+
+def validation_values(workdir: str, step: int, metric: str) -> list[float]:
+    """``metric``'s value of each validation pass logged in ``<workdir>/metrics.jsonl`` at a step up to ``step``, in
+    step order (a step logged twice: its last row). A pass cut short (``unscored_batches``, ``undecoded``) was
+    not compared, and is left out as ``Tracker.after_validation`` leaves it out."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    by_step = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            if row.get("split") != "validation" or int(row["step"]) > step:
+                continue
+            if "unscored_batches" in row or "undecoded" in row or metric not in row:
+                continue
+            by_step[int(row["step"])] = float(row[metric])
+        except (ValueError, KeyError, TypeError, AttributeError):  # a torn or foreign line: not a pass
+            continue
+    return [by_step[s] for s in sorted(by_step)]

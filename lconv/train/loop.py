@@ -189,6 +189,7 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
         run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state))
         run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
         logger.info(f"resumed from step {int(run.state.step)}")
+        tracker.resume(run.workdir, int(run.state.step))  # patience's count, before the log drops later rows
         workdir_lib.write_config(run.record, run.workdir, run.config_changes, has_checkpoint=True)
     writer = logs.MetricWriter(run.workdir, resumed_step=int(run.state.step))
     eval_step = loss_pass.jit_eval_step(config, run.mesh)
@@ -233,6 +234,10 @@ def _train_within_budget(run: setup.Run, ckpt: checkpoints.Checkpointer, best: c
         if pending_final_evaluation(run.workdir) == int(run.state.step):  # stopped before: what the rerun does
             logger.info(f"the final evaluation of step {int(run.state.step)} was stopped: running it, no more "
                         "training")
+            ckpt.close()
+            step, stopped_by = int(run.state.step), None
+        elif early_stop():  # resumed at the pass where patience ran out (a rerun): it stops there, as it did
+            logger.info(f"stopping at step {int(run.state.step)}: {early_stop()}")
             ckpt.close()
             step, stopped_by = int(run.state.step), None
         else:

@@ -248,12 +248,17 @@ def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = 
     build_state = functools.partial(_build_state, config, mesh)
     early = None
     # The state and train step build beside the data (lconv.train.early_build) where a tokenizer is still to load
-    # or train: a workdir that holds one (a resumed run) has nothing slow to overlap them with.
-    if jax.process_count() == 1 and not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists():
+    # or train: a workdir that holds one (a resumed run) has nothing slow to overlap them with. A small corpus of
+    # your own trains its tokenizer first, for the vocabulary it gives (fewer pieces than asked, maybe).
+    builds_early = jax.process_count() == 1 and not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
+    tokenizer_first = builds_early and early_build.tokenizer_first(config.data)
+    if builds_early and not tokenizer_first:
         early = early_build.EarlyBuild(config, mesh, config.data.vocab_size, build_state)
     try:
         tokenizer = pipeline.load_or_train_tokenizer(config.data, workdir)  # the data prepared first, if it is not
         phase_done("data and tokenizer")
+        if tokenizer_first:
+            early = early_build.EarlyBuild(config, mesh, tokenizer.vocab_size, build_state)
         data = pipeline.make_datasets(config.data, tokenizer)
     except BaseException:
         if early is not None:

@@ -1,0 +1,79 @@
+"""This user's folder for JAX's persistent compilation cache: what train.py and eval.py use by default
+(``lconv.cli.runtime.enable_compilation_cache``) and ``lconv.load`` uses too (``use_user_folder``).
+
+Never a workdir's folder: a cache entry is native code that JAX runs, and a workdir from elsewhere is data.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from lconv.data import paths
+
+logger = logging.getLogger(__name__)
+
+FOLDER_NAME = "compilation_cache"  # this user's cache folder's name (and older runs' in their workdir)
+
+
+def user_folder() -> str:
+    """The default cache folder: this user's (``$XDG_CACHE_HOME/lconv/compilation_cache``, else under
+    ``~/.cache``), shared by every run on this machine."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lconv", FOLDER_NAME)
+
+
+def use_user_folder() -> str | None:
+    """For the API: this user's folder as JAX's cache, so a notebook reads back what train.py, eval.py or an
+    earlier session compiled. The process's own choice stands: caching turned off (``jax_enable_compilation_cache``
+    false, e.g. ``JAX_ENABLE_COMPILATION_CACHE=false``) gives None, a folder already set (``jax.config``,
+    ``$JAX_COMPILATION_CACHE_DIR``) is kept. A folder that cannot safely hold code is not used (said at INFO).
+    Returns the folder in use, or None."""
+    import jax
+
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    folder = user_folder()
+    problem = unusable(folder) or make_private(folder)
+    if problem:
+        logger.info(f"compiled programs are not kept: {folder} {problem}")
+        return None
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", folder)
+    compilation_cache.reset_cache()  # a program compiled before without a folder marked the cache unused: look again
+    return folder
+
+
+def unusable(folder: str) -> str | None:
+    """Why a local cache ``folder`` cannot hold JAX's entries (JAX would warn at every compile), or None."""
+    if paths.is_url(folder):
+        return None
+    existing = folder
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep)) or "."
+    if not os.path.isdir(existing):
+        return f"is not a folder ({existing} is a file)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be written ({existing}: permission denied)"
+    return None
+
+
+def make_private(folder: str) -> str | None:
+    """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code
+    (another user could plant an entry), or None."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        status = os.stat(folder)
+    except OSError as error:
+        return f"cannot be made ({error.strerror})"
+    if not hasattr(os, "getuid"):
+        return None  # no POSIX owner and mode bits to check
+    if status.st_uid != os.getuid():
+        return "belongs to another user"
+    if status.st_mode & 0o022:
+        return f"can be written by other users (chmod go-w {folder})"
+    return None
