@@ -98,7 +98,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         return None
     chosen = choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     folder = chosen or user_compilation_cache()
-    problem = _unusable(folder) or (None if chosen else _make_private(folder))
+    problem = _unusable(folder) or (None if chosen else make_private(folder))
     if problem and choice:
         raise UserError(f"--compilation_cache={choice}: {problem}; name a folder this process can write, or none")
     if problem:  # said once here, rather than by JAX at every compile
@@ -128,7 +128,7 @@ def _unusable(folder: str) -> str | None:
     return None
 
 
-def _make_private(folder: str) -> str | None:
+def make_private(folder: str) -> str | None:
     """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code
     (another user could plant an entry), or None."""
     try:
