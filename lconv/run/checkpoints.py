@@ -39,6 +39,7 @@ class Checkpointer:
         """``read_only``: for restoring params from a workdir that may be read-only; nothing is created, warnings are
         logged."""
         self.directory = str(epath.Path(workdir_lib.resolve(workdir)) / subdir)
+        workdir_lib.check_inside(self.directory, workdir_lib.resolve(workdir))
         # Each directory's own barrier names: orbax names an async save's cross-process barriers after the step
         # alone, so the latest and the best checkpoint of one step (both saved at a validation step) would wait at
         # the same barrier. The coordination service pairs arrivals in order, so process 0's "latest" could pass
@@ -62,7 +63,8 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def read_data(self, step: int) -> Any:
-        """The JSON item of checkpoint ``step`` alone (no arrays are read)."""
+        """The JSON item of checkpoint ``step`` alone (no arrays are read), its files checked first."""
+        integrity.check_plain(self._step_dir(step))
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def save(self, step: int, state: PyTree, data_state: Any, *, force: bool = False) -> bool:
