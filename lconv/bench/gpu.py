@@ -25,7 +25,7 @@ import jax
 import ml_collections
 
 from lconv.bench import beam, gpu_ops, gpu_plan, profile, report, timing, train
-from lconv.cli import runtime
+from lconv.run import compile_cache
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,11 @@ def launch_stage(command: list[str], timeout: float) -> int:
 
 
 def shared_cache() -> str:
-    """A full run's cache: this user's folder, as train.py's and eval.py's (``runtime.user_compilation_cache``),
+    """A full run's cache: this user's folder, as train.py's and eval.py's (``compile_cache``),
     never one in the world-shared temporary folder, where another user could plant an entry (native code).
     ``"none"``, with one warning, when it cannot be kept for this user alone."""
-    folder = runtime.user_compilation_cache()
-    problem = runtime.make_private(folder)
+    folder = compile_cache.user_compilation_cache()
+    problem = compile_cache.make_private(folder)
     if problem:
         logger.warning(f"compiled programs are not kept: {folder} {problem}; --compilation_cache=DIR names another")
         return "none"

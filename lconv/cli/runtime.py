@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
+from lconv.run.compile_cache import COMPILATION_CACHE, make_private, user_compilation_cache  # noqa: F401
 
 
 def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:
@@ -72,19 +73,6 @@ def initialize() -> None:
     check_backend()
 
 
-COMPILATION_CACHE = "compilation_cache"  # the cache folder's name: this user's, and older runs' in their workdir
-
-
-def user_compilation_cache() -> str:
-    """The default cache folder: this user's (``$XDG_CACHE_HOME/lconv/compilation_cache``, else under
-    ``~/.cache``), shared by every run on this machine. Never a workdir's: an entry is native code that JAX runs,
-    and a workdir from elsewhere is data."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lconv", COMPILATION_CACHE)
-
-
 def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | None:
     """Keeps the programs a run compiles in a folder (JAX's persistent cache, keyed by program, options, device and
     jax version), so a resumed run or a later ``eval.py`` reads them back. Call before anything compiles.
@@ -125,23 +113,6 @@ def _unusable(folder: str) -> str | None:
         return f"is not a folder ({existing} is a file)"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"cannot be written ({existing}: permission denied)"
-    return None
-
-
-def make_private(folder: str) -> str | None:
-    """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code
-    (another user could plant an entry), or None."""
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        status = os.stat(folder)
-    except OSError as error:
-        return f"cannot be made ({error.strerror})"
-    if not hasattr(os, "getuid"):
-        return None  # no POSIX owner and mode bits to check
-    if status.st_uid != os.getuid():
-        return "belongs to another user"
-    if status.st_mode & 0o022:
-        return f"can be written by other users (chmod go-w {folder})"
     return None
 
 
