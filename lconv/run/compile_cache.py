@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-
 COMPILATION_CACHE = "compilation_cache"  # the cache folder's name: this user's, and older runs' in their workdir
 
 
