@@ -98,6 +98,7 @@ def use_compilation_cache(folder: str | None) -> None:
     second. ``"none"`` or None: compile everything afresh."""
     if folder and folder.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", folder)
+        compile_cache.report_cache_errors(folder)
 
 
 def note_cuts(opts: argparse.Namespace, stage: str, lines: Sequence[str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from lconv.data import paths
 from lconv.errors import UserError
+from lconv.run import compile_cache
 from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 from lconv.run.compile_cache import COMPILATION_CACHE, make_private, user_compilation_cache  # noqa: F401
 
@@ -99,6 +100,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         logging.getLogger(__name__).info(f"{old} is not read (a cache entry is code, a workdir is data); "
                                          f"compiled programs are kept in {folder}")
     jax.config.update("jax_compilation_cache_dir", folder)
+    compile_cache.report_cache_errors(folder)
     return folder
 
 
