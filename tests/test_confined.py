@@ -264,7 +264,7 @@ def test_a_cache_entry_that_cannot_be_written_is_one_lconv_warning_per_process(m
             jax.jit(lambda x, s=scale: x * s + 0.125)(jnp.ones(3)).block_until_ready()
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
-    warnings.warn("another warning", UserWarning)
+    warnings.warn("another warning", UserWarning, stacklevel=1)
     (line,) = [m for m in lconv_log() if "compilation cache" in m]
     assert "/the/cache" in line and "No space left on device" in line
     assert [str(w.message) for w in recwarn] == ["another warning"]
