@@ -126,9 +126,9 @@ def check_plain(step_dir: str) -> list[str] | None:
     folder of plain files (``_files``; a pipe as ``state/_METADATA`` hung eval.py), and its metadata files
     (``state/_METADATA``, ``data/metadata``, ...: all but the arrays' chunks under ``d/``), which orbax reads whole,
     of at most ``METADATA_MAX_BYTES`` (one linked to /dev/zero ran out of memory). Each failure is a
-    ``CorruptCheckpoint``; returns the files (None for a URL: an object store has no links or devices)."""
-    if outputs.is_url(step_dir):
-        return None
+    ``CorruptCheckpoint``; returns the files (None for a URL, which has no links or devices, or no folder)."""
+    if outputs.is_url(step_dir) or not os.path.lexists(step_dir):
+        return None  # a missing checkpoint: its reader says so
     if os.path.islink(step_dir):
         raise CorruptCheckpoint(f"checkpoint {step_dir} is a symbolic link; a checkpoint is a plain folder")
     root = epath.Path(step_dir)
