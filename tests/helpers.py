@@ -19,6 +19,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------------------------------------------
 # "Every bad input is one line naming the field, flag or file"
 # ----------------------------------------------------------------------------------------------------------------
+def config_json(config) -> str:
+    """``config`` (a ConfigDict a test built, or a loaded run's typed ``RunConfig``) as config.json holds it."""
+    import json
+
+    return json.dumps(config.as_config()) if hasattr(config, "as_config") else config.to_json()
+
+
 def one_line_error(outcome, *named: str) -> str:
     """Asserts that ``outcome`` is a user error reported in one line naming each of ``named`` (a config field, a
     flag, a file...) and returns that line without its ``error: `` prefix. ``outcome`` is one of:

@@ -208,3 +208,20 @@ def test_the_gpu_flags_on_another_suite_are_a_one_line_error(capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert err == "error: --profile and --compilation_cache are the gpu suite's; the mixers suite has neither\n"
+
+
+def test_a_full_runs_compilation_cache_is_this_users_own_folder_not_the_shared_tmp(tmp_path, monkeypatch):
+    """An entry is native code that JAX runs: a cache in the world-shared temporary folder could be planted by any
+    user. A full run's default is this user's folder, as train.py's, made for its owner alone."""
+    import argparse
+
+    from lconv.bench import gpu
+    from lconv.cli import runtime
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    seen = {}
+    monkeypatch.setattr(gpu, "_run_stages", lambda opts, info, planned, scratch, cache: seen.setdefault("cache", cache))
+    opts = argparse.Namespace(stage=None, compilation_cache=None, quick=False, minutes=8, profile=False)
+    gpu.run_suite(opts, INFO)
+    assert seen["cache"] == runtime.user_compilation_cache() == str(tmp_path / "xdg" / "lconv" / "compilation_cache")
+    assert (tmp_path / "xdg" / "lconv" / "compilation_cache").stat().st_mode & 0o777 == 0o700

@@ -119,7 +119,7 @@ def _workdir_of(tmp_path, trained, monkeypatch):
 
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / "config.json").write_text(json.dumps(trained.config.as_config()))
+    (workdir / "config.json").write_text(helpers.config_json(trained.config))
     monkeypatch.setattr(restore, "load_trained", lambda *args, **kwargs: trained)
     return workdir
 
@@ -235,7 +235,7 @@ def test_eval_py_samples_translations_as_the_api_does(tmp_path, monkeypatch):
 def _config_only(tmp_path, config):
     workdir = tmp_path / "run"
     workdir.mkdir(exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json())
+    (workdir / "config.json").write_text(helpers.config_json(config))
     return str(workdir)
 
 

@@ -237,6 +237,39 @@ def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_p
     assert "JAX_COMPILATION_CACHE_DIR" in line and str(a_file) in line
 
 
+def test_a_cache_entry_that_cannot_be_written_is_one_lconv_warning_per_process(monkeypatch, lconv_log, recwarn):
+    """A full disk when JAX writes a cache entry leaked JAX's raw UserWarning, once per compiled program: one lconv
+    line naming the cache folder instead, and other warnings still shown."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src import compilation_cache as jax_cache
+
+    from lconv.run import compilation_cache
+
+    monkeypatch.setattr(compilation_cache, "_reported", [])
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # put back after the test
+    compilation_cache.report_cache_errors("/the/cache")
+    compilation_cache.report_cache_errors("/the/cache")  # installed once however often it is called
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jax_cache, "put_executable_and_time", disk_full)
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        for scale in (2.5, 3.5):  # two programs, two failed writes
+            jax.jit(lambda x, s=scale: x * s + 0.125)(jnp.ones(3)).block_until_ready()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+    warnings.warn("another warning", UserWarning, stacklevel=1)
+    (line,) = [m for m in lconv_log() if "compilation cache" in m]
+    assert "/the/cache" in line and "No space left on device" in line
+    assert [str(w.message) for w in recwarn] == ["another warning"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The files train.py writes inside a workdir: never through a symbolic link
 # ----------------------------------------------------------------------------------------------------------------

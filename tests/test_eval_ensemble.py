@@ -32,7 +32,7 @@ def _workdirs(tmp_path, monkeypatch, runs: dict[str, restore.Trained]) -> dict[s
     for name, trained in runs.items():
         workdir = tmp_path / name
         workdir.mkdir()
-        (workdir / "config.json").write_text(trained.config.to_json())
+        (workdir / "config.json").write_text(helpers.config_json(trained.config))
         (workdir / "spm.model").write_bytes(trained.tokenizer.model_proto)
         paths[name] = str(workdir)
     by_path = {paths[name]: trained for name, trained in runs.items()}

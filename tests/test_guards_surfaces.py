@@ -4,8 +4,7 @@ flags (one-line errors; the outputs the API gives), and an LM's searches (greedy
 rule after their prompts."""
 from __future__ import annotations
 
-import json
-
+import helpers
 import numpy as np
 import pytest
 import tiny_runs
@@ -106,7 +105,7 @@ def test_eval_py_decodes_with_the_guards_as_the_api_does(tmp_path, monkeypatch):
     trained = tiny_runs.in_memory(tiny_runs.translation_config())
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / "config.json").write_text(json.dumps(trained.config.as_config()))
+    (workdir / "config.json").write_text(helpers.config_json(trained.config))
     monkeypatch.setattr(restore, "load_trained", lambda *args, **kwargs: trained)
     (tmp_path / "in.txt").write_text("\n".join(SOURCES) + "\n")
     guards = dict(no_repeat_ngram_size=2, min_len=6)

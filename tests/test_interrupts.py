@@ -90,3 +90,69 @@ def test_ctrl_c_in_a_process_busy_in_gc_callbacks_ends_it_with_130():
     finally:
         process.kill()
     assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr[-2000:]
+
+
+def test_a_ctrl_c_while_a_checkpoint_is_written_ends_at_once_and_the_next_start_clears_what_it_left(
+        exits, capsys, tmp_path, lconv_log):
+    """The loop's save after a first Ctrl-C, then a second Ctrl-C in orbax's wait: a traceback from its threads and
+    a temporary folder left forever. Now one line, exit 130, and the next Checkpointer removes the folder, saying
+    so once."""
+    import jax.numpy as jnp
+
+    from lconv.run import checkpoints
+
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=True)
+    ckpt.save(1, {"w": jnp.ones(3)}, {"a": 1})
+    assert checkpoints.writing() == [str(tmp_path / "checkpoints" / "1")]
+    try:
+        with pytest.raises(helpers.ExitedAtOnce), runtime.user_errors():
+            runtime.on_interrupt(signal.SIGINT, None)
+    finally:
+        ckpt.close()
+    assert exits == [130] and checkpoints.writing() == []
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("interrupted") and str(tmp_path / "checkpoints" / "1") in line
+    left = tmp_path / "checkpoints" / f"2{checkpoints.TMP_SUFFIX}-1764410000"  # as an interrupted save leaves it
+    (left / "state").mkdir(parents=True)
+    (left / "state" / "_METADATA").write_text("{")
+    assert checkpoints.Checkpointer(str(tmp_path)).all_steps() == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+    checkpoints.Checkpointer(str(tmp_path))
+    (said,) = [m for m in lconv_log() if "unfinished checkpoint" in m]
+    assert left.name in said and "complete checkpoints are kept" in said
+
+
+_TWO_CTRL_CS_IN_A_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+from lconv.cli import runtime
+from lconv.run import checkpoints
+from lconv.train import loop
+with runtime.user_errors():
+    ckpt = checkpoints.Checkpointer(sys.argv[1], save_every=1, async_save=True)
+    with loop.Preemption() as preemption:
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: the loop saves and stops
+        ckpt.save(1, {"w": jnp.zeros(1 << 24)}, {"a": 1}, force=preemption.requested)
+        os.kill(os.getpid(), signal.SIGINT)  # the second, while the save is written
+        ckpt.finish()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_ctrl_cs_during_an_async_save_end_the_process_in_one_line_and_leave_nothing_after_the_next_start(
+        tmp_path):
+    """The process boundary is the point: orbax's threads are writing when the second Ctrl-C comes (it was a
+    traceback from them at interpreter shutdown, and ``1.orbax-checkpoint-tmp`` was left forever)."""
+    from lconv.run import checkpoints
+
+    run = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+           " sys.argv = sys.argv[1:]; exec(sys.argv[0])", _TWO_CTRL_CS_IN_A_SAVE, str(tmp_path)]
+    done = subprocess.run(run, cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if "WARNING" not in line and line.strip()]
+    assert done.returncode == 130 and len(lines) == 1 and lines[0].startswith("interrupted while checkpoint"), \
+        done.stderr[-3000:]
+    assert "not reached" not in done.stdout
+    clear = "from lconv.run import checkpoints; import sys; checkpoints.Checkpointer(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", clear, str(tmp_path)], cwd=helpers.ROOT, check=True, timeout=300)
+    assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if checkpoints.TMP_SUFFIX in p.name]

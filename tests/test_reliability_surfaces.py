@@ -37,7 +37,7 @@ def _workdir(tmp_path, config, name="run"):
     ``lconv.load`` read before any checkpoint."""
     workdir = tmp_path / name
     workdir.mkdir()
-    (workdir / "config.json").write_text(config.to_json())
+    (workdir / "config.json").write_text(helpers.config_json(config))
     (workdir / "spm.model").write_bytes(tiny_runs.tokenizer().to_bytes())
     return workdir
 
@@ -396,3 +396,55 @@ def test_eval_py_refuses_what_it_would_ignore_before_loading(flags, named, tmp_p
     outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", f"--source_file={tmp_path}/sources.txt",
                               f"--output_file={tmp_path}/out.txt", *flags)
     helpers.one_line_error(outcome, *named)
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda s: s["programs"][0].update(rows=True), ("programs[0].rows", "a boolean", "integer")),
+    (lambda s: s["programs"][0].update(width=32.0), ("programs[0].width", "a number", "integer")),
+    (lambda s: s["programs"].__setitem__(0, 3), ("programs[0]", "an integer", "object")),
+    (lambda s: s.update(format="1"), ("format", "a string", "integer")),
+    (lambda s: s.update(tokenizer=5), ("tokenizer", "an integer", "string")),
+    (lambda s: s.update(programs={}), ("programs", "an object", "array")),
+    (lambda s: s.update(search=None), ("search", "null", "object")),
+    (lambda s: s.update(guards="x"), ("guards", "a string", "object")),
+    (lambda s: s.pop("params"), ("no params", "string")),
+], ids=["rows_true", "width_float", "program_int", "format_str", "tokenizer_int", "programs_obj", "search_null",
+        "guards_str", "params_missing"])
+def test_a_sidecar_field_of_the_wrong_type_is_one_line_naming_it_and_its_type(change, named, exported, tmp_path):
+    """``"rows": true`` was a TypeError traceback: every field's type is checked in one place, before use."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    sidecar = json.loads((exported / export.SIDECAR).read_text())
+    change(sidecar)
+    (folder / export.SIDECAR).write_text(json.dumps(sidecar))
+    with pytest.raises(UserError) as error:
+        export.load(str(folder))
+    helpers.one_line_error(error, str(folder / export.SIDECAR), *named)
+
+
+def _zip_member(archive, name, header_shape, zeros):
+    """A .npy member of ``archive``: a header claiming ``header_shape`` float32, then ``zeros`` zero bytes."""
+    with archive.open(name, "w", force_zip64=True) as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": header_shape})
+        for _ in range(zeros >> 20):
+            f.write(bytes(1 << 20))
+
+
+@pytest.mark.parametrize("bomb", ["declared_size", "header_shape"])
+def test_a_params_zip_bomb_is_refused_before_it_decompresses(bomb, exported, tmp_path, monkeypatch):
+    """A params.npz of a few kB that decompresses to far more than the programs' params take (here 16 MB of
+    zeros), or whose member's header claims 10**10 values: one line, and nothing decompressed or allocated."""
+    import zipfile
+
+    copy = shutil.copytree(exported, tmp_path / "export")
+    with zipfile.ZipFile(copy / "params.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+        if bomb == "declared_size":
+            _zip_member(archive, "a.npy", (16 << 18,), 16 << 20)
+        else:
+            _zip_member(archive, "a.npy", (10**10,), 0)
+    assert (copy / "params.npz").stat().st_size < 64 << 10
+    monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load reached"))
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(copy / "params.npz"),
+                           "decompress to 16,777,344 bytes" if bomb == "declared_size" else "header claims")

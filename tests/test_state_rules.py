@@ -75,3 +75,21 @@ def test_a_mixer_that_keeps_the_rules_starts_its_stream(monkeypatch):
     state = _initial_state("Kept", monkeypatch)
     assert list(state.collections) == ["carried"]
     assert [leaf.shape for leaf in jax.tree.leaves(state.collections)] == [(3, 2)]
+
+
+def test_train_py_checks_the_state_rules_before_any_data_is_prepared(monkeypatch, tmp_path):
+    """The rules ran only once the data was prepared (minutes on a real corpus): now in ``check_config``, on the
+    dummy batch, before the tokenizer or any dataset is touched."""
+    from lconv.data import pipeline
+    from lconv.train import setup
+
+    monkeypatch.setitem(mixers._MIXERS, "growing", Growing)
+    monkeypatch.setattr(pipeline, "load_or_train_tokenizer", lambda *a, **k: pytest.fail("data prepared first"))
+    monkeypatch.setattr(pipeline, "make_datasets", lambda *a, **k: pytest.fail("data prepared first"))
+    config = tiny_config.training_config(str(tmp_path / "no_data"))
+    config.task, config.data.dataset, config.data.stream = "lm", "ddtp/lm_en", True
+    config.model.encoder_layers, config.model.decoder_mixer = 0, "growing"
+    with pytest.raises(UserError) as error:
+        setup.build_run(config, str(tmp_path / "run"), jax.devices("cpu")[:1])
+    helpers.one_line_error(error, "mixer 'growing'", "'carried'", "rule state")
+    assert not (tmp_path / "run").exists()

@@ -25,11 +25,11 @@ import jax
 import ml_collections
 
 from lconv.bench import beam, gpu_ops, gpu_plan, profile, report, timing, train
+from lconv.run import compilation_cache
 
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 20  # past its cap a stage is killed: it stops starting work at the cap, one measurement may run on
-SHARED_CACHE = os.path.join(tempfile.gettempdir(), "lconv_gpu_compilation_cache")  # a full run's default
 PROFILE_T, PROFILE_STEPS = 512, 3
 QUICK_BEAM_SENTENCES = 24  # a quick run's trained beam decodes this many test sentences
 
@@ -43,7 +43,7 @@ def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row
         started_s_ago = time.time() - opts.started if getattr(opts, "started", None) else 0.0  # the process's start
         return STAGE_FUNCTIONS[opts.stage](opts, info, time.monotonic() + opts.seconds - max(started_s_ago, 0.0))
     scratch = tempfile.mkdtemp(prefix="lconv_gpu_")  # the run's workdir (the beam stage reads it) and the cuts
-    cache = opts.compilation_cache or (os.path.join(scratch, "compilation_cache") if opts.quick else SHARED_CACHE)
+    cache = opts.compilation_cache or (os.path.join(scratch, "compilation_cache") if opts.quick else shared_cache())
     planned = gpu_plan.stage_caps(opts.minutes, opts.profile)
     try:
         return _run_stages(opts, info, planned, scratch, cache)
@@ -80,12 +80,25 @@ def launch_stage(command: list[str], timeout: float) -> int:
     return subprocess.run(command, timeout=timeout).returncode
 
 
+def shared_cache() -> str:
+    """A full run's cache: this user's folder, as train.py's and eval.py's (``lconv.run.compilation_cache``),
+    never one in the world-shared temporary folder, where another user could plant an entry (native code).
+    ``"none"``, with one warning, when it cannot be kept for this user alone."""
+    folder = compilation_cache.user_folder()
+    problem = compilation_cache.make_private(folder)
+    if problem:
+        logger.warning(f"compiled programs are not kept: {folder} {problem}; --compilation_cache=DIR names another")
+        return "none"
+    return folder
+
+
 def use_compilation_cache(folder: str | None) -> None:
     """Keeps (and reads back) this process's compiled programs in ``folder``, which every stage shares: a program
     the train stage compiled is read back by the profile stage, the run's by the beam stage, a first try's by a
     second. ``"none"`` or None: compile everything afresh."""
     if folder and folder.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", folder)
+        compilation_cache.report_cache_errors(folder)
 
 
 def note_cuts(opts: argparse.Namespace, stage: str, lines: Sequence[str]) -> None:

@@ -103,6 +103,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         logging.getLogger(__name__).info(f"{old} is not read (a cache entry is code, a workdir is data); "
                                          f"compiled programs are kept in {folder}")
     jax.config.update("jax_compilation_cache_dir", folder)
+    compilation_cache.report_cache_errors(folder)
     return folder
 
 
@@ -149,10 +150,16 @@ def _install_interrupt_handler() -> bool:
 def on_interrupt(signum: int, frame: Any) -> None:
     """Ctrl-C outside the training loop (whose ``Preemption`` takes SIGINT over while it runs): a KeyboardInterrupt
     as usual, but where one cannot end the program it ends the process at once with ``interrupted`` and code 130:
-    a second Ctrl-C (the first was lost: raised inside a gc callback such as JAX's, Python ignores it), or while one
-    of lconv's compile threads runs (the interpreter would wait for it)."""
+    a second Ctrl-C (the first was lost: raised inside a gc callback such as JAX's, Python ignores it), while one
+    of lconv's compile threads runs (the interpreter would wait for it), or while a checkpoint is being written
+    (the loop's own save after a first Ctrl-C: the write is dropped, its folder removed at the next start)."""
     del frame
     _INTERRUPTS.append(signum)
+    writing = _writing_checkpoints()
+    if writing:  # a KeyboardInterrupt in orbax's wait was a traceback from its threads and a folder left behind
+        print(f"interrupted while checkpoint {writing[0]} was being written: it is dropped (the next run removes "
+              "what it left and resumes from the last complete checkpoint)", file=sys.stderr)
+        _exit_now(130)
     if len(_INTERRUPTS) > 1 or _compiling():
         print("interrupted", file=sys.stderr)
         _exit_now(130)
@@ -174,6 +181,12 @@ def _exit(code: int) -> NoReturn:
     if _compiling():
         _exit_now(code)
     sys.exit(code)
+
+
+def _writing_checkpoints() -> list[str]:
+    """The checkpoints being written now (``lconv.run.checkpoints.writing``; looked up only if imported)."""
+    checkpoints = sys.modules.get("lconv.run.checkpoints")
+    return checkpoints.writing() if checkpoints is not None else []
 
 
 def _compiling() -> bool:

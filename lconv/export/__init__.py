@@ -40,13 +40,14 @@ from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import SAMPLING_DEFAULTS, DecodeSettings
 from lconv.errors import UserError
+from lconv.export import files
+from lconv.export.files import FORMAT_VERSION
 from lconv.infer import compiled, source_lengths
 from lconv.ops import conv as ops_conv
 from lconv.run import backend, restore, schema
 
 SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
-FORMAT_VERSION = 1
 MAX_EXPORT_ROWS = 4096
 
 
@@ -192,17 +193,23 @@ class Served:
             raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
         # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
         # what is wrong with it, never a traceback (or wrong outputs) at the first call.
-        self.sidecar = _read_part(directory, SIDECAR, _parse_sidecar, "the export's JSON sidecar")
+        self.sidecar = files.read_part(directory, SIDECAR, files.parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
         self.tokenizer = tokenizer_lib.read_tokenizer(directory / name, within=directory)
-        self.params = _read_part(directory, self.sidecar["params"], _parse_params, "a .npz of the params")
-        self.programs = {(p["rows"], p["width"]): (p, _read_part(directory, p["file"], _parse_program,
-                                                                 "a serialised jax.export program"))
+        for part in [self.sidecar["params"]] + [p["file"] for p in self.sidecar["programs"]]:
+            paths.check_file(directory / part, within=directory)  # each a plain file inside, before any is read
+        self.programs = {(p["rows"], p["width"]): (p, files.read_part(directory, p["file"], files.parse_program,
+                                                                      "a serialised jax.export program"))
                          for p in self.sidecar["programs"]}
+        # The programs say what params they take: a params.npz declaring more is refused before it decompresses.
+        leaves, size = files.params_limit(next(iter(self.programs.values()))[1])
+        self.params = files.read_part(directory, self.sidecar["params"],
+                                      functools.partial(files.parse_params, leaves=leaves, size=size),
+                                      "a .npz of the params", limit=size + files.NPY_HEADER_BYTES * (leaves + 1))
         for entry, exported in self.programs.values():
-            _check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
-            _check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)
+            files.check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
+            files.check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)
 
     def __call__(self, inputs: str | Sequence[str] | np.ndarray, *,
                  seed: int | None = None) -> str | list[str] | np.ndarray:
@@ -275,92 +282,6 @@ class Served:
         else:
             out = np.asarray(exported.call(self.params, batch, np.float32(self.sidecar["search"]["lenpen"])))
         return out[:len(chunk)]
-
-
-def _read_part(directory: epath.Path, name: str, parse: Any, what: str) -> Any:
-    """``parse(bytes of directory/name)``; a missing, unreadable or damaged file is one line naming it."""
-    path = directory / name
-    data = paths.read_bytes(path, f"missing from the export (listed in its {SIDECAR}); export the run again",
-                            within=directory)
-    try:
-        return parse(data)
-    except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"{path}: not {what} ({reason}); the file is damaged: export the run again") from None
-
-
-def _parse_sidecar(data: bytes) -> dict[str, Any]:
-    sidecar = json.loads(data)
-    if not isinstance(sidecar, dict):
-        raise ValueError(f"a JSON {type(sidecar).__name__}, not an object")
-    if sidecar.get("format") != FORMAT_VERSION:
-        raise ValueError(f"format {sidecar.get('format')!r}, where this lconv reads format {FORMAT_VERSION}")
-    if sidecar.get("task") not in ("translation", "summarization", "lm"):
-        raise ValueError(f"task {sidecar.get('task')!r}")
-    if not isinstance(sidecar.get("tokenizer"), str) or not isinstance(sidecar.get("params"), str):
-        raise ValueError("no tokenizer or params file named")
-    programs = sidecar.get("programs")
-    if not isinstance(programs, list) or not programs or not all(
-            isinstance(p, dict) and isinstance(p.get("file"), str)
-            and all(isinstance(p.get(k), int) and p[k] >= 1 for k in ("rows", "width")) for p in programs):
-        raise ValueError("no programs, or a program without file, rows and width")
-    for name in [sidecar["tokenizer"], sidecar["params"]] + [p["file"] for p in programs]:
-        if not _is_file_name(name):
-            raise ValueError(f"it names {name!r}: an export's files are plain names inside its folder")
-    search, needed = sidecar.get("search"), "max_len" if sidecar["task"] == "lm" else "lenpen"
-    if not isinstance(search, dict) or needed not in search:
-        raise ValueError(f"no search.{needed}")
-    if needed == "max_len":
-        schema.check_sampling(search)  # the settings the programs were lowered with
-    else:
-        schema.check_search(beam_size=search.get("beam_size"), lenpen=search["lenpen"],
-                            spell=lambda name: f"search.{name}")
-    return sidecar
-
-
-def _is_file_name(name: str) -> bool:
-    """A bare file name (what export writes): no folder, no ``..``, no absolute path, on any platform."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\:\0")
-
-
-def _parse_params(data: bytes) -> Any:
-    with np.load(io.BytesIO(data)) as flat:
-        return traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
-
-
-def _parse_program(data: bytes) -> jax.export.Exported:
-    return jax.export.deserialize(bytearray(data))
-
-
-def _check_params_fit(params: Any, exported: jax.export.Exported, params_path: epath.Path, program: str) -> None:
-    """The params are the programs' first argument: the same tree, shapes and dtypes, or one line saying what
-    differs (a params.npz from another export, or edited)."""
-    expected = exported.in_tree.children()[0].children()[0]
-    if jax.tree.structure(params) != expected:
-        raise UserError(f"{params_path} does not hold the params {program} takes (another export's, or damaged); "
-                        "export the run again")
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    for (key, leaf), aval in zip(flat, exported.in_avals):
-        if (leaf.shape, leaf.dtype) != (aval.shape, aval.dtype):
-            raise UserError(f"{params_path}: {jax.tree_util.keystr(key)} is {leaf.dtype}{list(leaf.shape)} where "
-                            f"{program} takes {aval.dtype}{list(aval.shape)}; export the run again")
-
-
-def _check_entry_fits(entry: dict[str, Any], exported: jax.export.Exported, sidecar: dict[str, Any],
-                      sidecar_path: epath.Path) -> None:
-    """The sidecar's rows, width and (an LM's) max_len are what the program was lowered for: an edited sidecar
-    would otherwise fail at the first call with XLA's "Shape mismatch"."""
-    ids = exported.in_avals[len(exported.in_avals) - (3 if sidecar["task"] == "lm" else 2)]
-    out = exported.out_avals[0]
-    expected = {"rows x width": (entry["rows"], entry["width"])}
-    found = {"rows x width": tuple(ids.shape)}
-    if sidecar["task"] == "lm":
-        expected["output width (width + search.max_len)"] = entry["width"] + sidecar["search"]["max_len"]
-        found["output width (width + search.max_len)"] = out.shape[1]
-    for what, value in expected.items():
-        if found[what] != value:
-            raise UserError(f"{sidecar_path}: {entry['file']} is listed with {what} {value}, but the program takes "
-                            f"{found[what]}; the sidecar was edited or is another export's: export the run again")
 
 
 def load(path: str) -> Served:

@@ -104,6 +104,13 @@ def initial(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     return MixerState(collections, tuple((c, hooks[c]) for c in collections))
 
 
+def check(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``check_rules`` for the stateful mixers ``model`` has (none: nothing to check)."""
+    owned = _declared(model.config)
+    if owned:
+        check_rules(model, args, kwargs, owned)
+
+
 _checked: set[Any] = set()  # (model, batch shapes) whose state rules held: traced once per process
 
 

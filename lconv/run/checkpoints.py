@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ class Checkpointer:
         """``read_only``: for restoring params from a workdir that may be read-only; nothing is created, warnings are
         logged."""
         self.directory = str(epath.Path(workdir_lib.resolve(workdir)) / subdir)
+        workdir_lib.check_inside(self.directory, workdir_lib.resolve(workdir))
         # Each directory's own barrier names: orbax names an async save's cross-process barriers after the step
         # alone, so the latest and the best checkpoint of one step (both saved at a validation step) would wait at
         # the same barrier. The coordination service pairs arrivals in order, so process 0's "latest" could pass
@@ -47,6 +49,8 @@ class Checkpointer:
             max_to_keep=keep, save_interval_steps=1, create=not read_only, enable_async_checkpointing=async_save,
             multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=f"lconv_{subdir}"),
         )
+        if not read_only:
+            remove_unfinished(self.directory)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every, self.async_save = save_every, async_save
         self.checksums = checksums
@@ -62,7 +66,8 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def read_data(self, step: int) -> Any:
-        """The JSON item of checkpoint ``step`` alone (no arrays are read)."""
+        """The JSON item of checkpoint ``step`` alone (no arrays are read), its files checked first."""
+        integrity.check_plain(self._step_dir(step))
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def save(self, step: int, state: PyTree, data_state: Any, *, force: bool = False) -> bool:
@@ -75,9 +80,14 @@ class Checkpointer:
         if callable(data_state):
             data_state = data_state()
         self.finish()
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
-        self.unfinished = step
+        self.unfinished = step  # from here until ``finish``, a Ctrl-C ends the process at once (``writing``)
+        _WRITING.add(self)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+        except BaseException:
+            self.unfinished = None
+            raise
         if not self.async_save:
             self.finish()
         return True
@@ -85,10 +95,12 @@ class Checkpointer:
     def finish(self) -> None:
         """Waits for an async save to be written, then makes its manifest (hashed by process 0). A crash in between
         leaves a complete checkpoint without a manifest, which restores as "unverified" (still checked finite)."""
-        self.manager.wait_until_finished()
-        if self.unfinished is not None and self.checksums:
-            integrity.write_manifest(self._step_dir(self.unfinished))
-        self.unfinished = None
+        try:
+            self.manager.wait_until_finished()
+            if self.unfinished is not None and self.checksums:
+                integrity.write_manifest(self._step_dir(self.unfinished))
+        finally:
+            self.unfinished = None
 
     def _step_dir(self, step: int) -> str:
         return str(epath.Path(self.directory) / str(step))
@@ -170,6 +182,34 @@ class Checkpointer:
     def close(self) -> None:
         self.finish()
         self.manager.close()
+
+
+_WRITING: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # checkpointers that have started a save
+TMP_SUFFIX = getattr(ocp.utils, "TMP_DIR_SUFFIX", ".orbax-checkpoint-tmp")  # orbax's unfinished step folders
+
+
+def writing() -> list[str]:
+    """The step folders being written now (an async save not yet finished, or a save in progress): a Ctrl-C then
+    ends the process at once (``lconv.cli.runtime.on_interrupt``), and ``remove_unfinished`` clears what the write
+    left at the next start, instead of a traceback from orbax's threads."""
+    return [c._step_dir(c.unfinished) for c in list(_WRITING) if c.unfinished is not None]
+
+
+def remove_unfinished(directory: str) -> None:
+    """Removes the temporary step folders an interrupted save left in ``directory`` (process 0), said in one line:
+    orbax never lists them as steps, so they only took space."""
+    folder = epath.Path(directory)
+    if jax.process_index() != 0 or not folder.is_dir():
+        return
+    left = sorted(p for p in folder.iterdir() if TMP_SUFFIX in p.name)
+    for path in left:
+        if path.is_dir():
+            path.rmtree(missing_ok=True)
+        else:
+            path.unlink(missing_ok=True)
+    if left:
+        logger.info(f"removed {len(left)} unfinished checkpoint folder(s) an interrupted save left in {directory} "
+                    f"({', '.join(p.name for p in left[:3])}); the complete checkpoints are kept")
 
 
 class BestCheckpointer:

@@ -1,5 +1,6 @@
 """This user's folder for JAX's persistent compilation cache: what train.py and eval.py use by default
-(``lconv.cli.runtime.enable_compilation_cache``) and ``lconv.load`` uses too (``use_user_folder``).
+(``lconv.cli.runtime.enable_compilation_cache``), ``lconv.load`` (``use_user_folder``) and the benchmarks too; a
+failure to write an entry is one warning line (``report_cache_errors``).
 
 Never a workdir's folder: a cache entry is native code that JAX runs, and a workdir from elsewhere is data.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
+from typing import Any
 
 from lconv.data import paths
 
@@ -77,3 +80,32 @@ def make_private(folder: str) -> str | None:
     if status.st_mode & 0o022:
         return f"can be written by other users (chmod go-w {folder})"
     return None
+
+
+_CACHE_ERRORS = ("Error writing persistent compilation cache entry", "Error reading persistent compilation cache entry")
+_reported: list[str] = []  # the cache folder whose failure was said (once per process)
+_watching: list[str] = []  # the folder ``report_cache_errors`` watches, once installed
+
+
+def report_cache_errors(folder: str) -> None:
+    """JAX's warning at each cache entry it fails to write or read (a full disk: one per compiled program) becomes
+    one lconv warning line per process naming ``folder``; every other warning is shown as before."""
+    _watching[:] = [folder]
+    if getattr(warnings.showwarning, "lconv_cache_errors", False):
+        return
+    previous = warnings.showwarning
+
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        text = str(message)
+        if not text.startswith(_CACHE_ERRORS):
+            previous(message, category, filename, lineno, file, line)
+            return
+        if not _reported:
+            _reported.append(_watching[0])
+            reason = text.split("': ", 1)[-1].splitlines()[0][:200]
+            logger.warning(
+                f"compiled programs cannot be kept in the compilation cache {_watching[0]} ({reason}); the run goes "
+                "on, compiling them afresh (free space there, or pass --compilation_cache=none)")
+
+    show.lconv_cache_errors = True
+    warnings.showwarning = show

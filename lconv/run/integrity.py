@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 MANIFEST_FILENAME = "lconv_manifest.json"
 ERROR_LOG_FILENAME = "checkpoint_errors.log"
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists files by name: far smaller than this
+METADATA_MAX_BYTES = 256 << 20  # orbax reads its metadata files (all but the arrays' ``d/`` chunks) whole
 
 
 class CorruptCheckpoint(UserError):
@@ -101,9 +102,10 @@ def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
     if not path.exists():
         if required:
             raise CorruptCheckpoint(f"checkpoint {step_dir} has no {MANIFEST_FILENAME}")
+        check_plain(step_dir)
         return False
     expected = _read_manifest(path, step_dir)
-    present = set(_files(root))
+    present = set(check_plain(step_dir) or _files(root))
     for rel, (size, digest) in expected.items():
         file = root / rel
         if rel.startswith(("/", "\\")) or any(part in ("", ".", "..") for part in rel.replace("\\", "/").split("/")):
@@ -117,6 +119,28 @@ def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
     if extra:
         raise CorruptCheckpoint(f"checkpoint {step_dir}: {extra[0]} was not part of it when it was written")
     return True
+
+
+def check_plain(step_dir: str) -> list[str] | None:
+    """What orbax will read of a local checkpoint, checked before it does, with or without a manifest: a plain
+    folder of plain files (``_files``; a pipe as ``state/_METADATA`` hung eval.py), and its metadata files
+    (``state/_METADATA``, ``data/metadata``, ...: all but the arrays' chunks under ``d/``), which orbax reads whole,
+    of at most ``METADATA_MAX_BYTES`` (one linked to /dev/zero ran out of memory). Each failure is a
+    ``CorruptCheckpoint``; returns the files (None for a URL, which has no links or devices, or no folder)."""
+    if outputs.is_url(step_dir) or not os.path.lexists(step_dir):
+        return None  # a missing checkpoint: its reader says so
+    if os.path.islink(step_dir):
+        raise CorruptCheckpoint(f"checkpoint {step_dir} is a symbolic link; a checkpoint is a plain folder")
+    root = epath.Path(step_dir)
+    files = _files(root)
+    for rel in files:
+        if "d" in rel.split("/")[:-1]:
+            continue
+        size = os.path.getsize(root / rel)
+        if size > METADATA_MAX_BYTES:
+            raise CorruptCheckpoint(f"checkpoint {root}: {rel} is {size:,} bytes, more than the {METADATA_MAX_BYTES:,} "
+                                    "a checkpoint's metadata file holds")
+    return files
 
 
 def _read_manifest(path: epath.Path, step_dir: str) -> dict[str, list]:

@@ -114,9 +114,10 @@ def read_stored(workdir: str, caller: str = "--workdir", trust_plugins: bool | N
     """The resolved config a run stored in ``<workdir>/config.json``, checked by the schema's rules as train.py
     checked it (a hand-edited value is named here); ``caller``: as ``find_run``'s. A plugin it names is imported
     only when trusted (``check_plugins``; None: as ``trusting_plugins`` says)."""
-    path = epath.Path(find_run(workdir, caller)) / workdir_lib.CONFIG_FILENAME
+    root = find_run(workdir, caller)
+    path = epath.Path(root) / workdir_lib.CONFIG_FILENAME
     try:
-        stored = json.loads(path.read_text())
+        stored = json.loads(workdir_lib.read_config_bytes(path, root))
     except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
         reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
         raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None

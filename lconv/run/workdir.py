@@ -40,6 +40,7 @@ LOCK_FILENAME = "train.lock"
 # The files train.py writes or appends to at a workdir's top: none may be a symbolic link (``make_workdir``).
 OWN_FILES = (CONFIG_FILENAME, LOCK_FILENAME, "spm.model", "pieces.json", "metrics.jsonl", "checkpoint_errors.log",
              "config_changes.jsonl", "final_evaluation_pending.json", "data_report.json", outputs.MARKER)
+CHECKPOINT_FOLDERS = ("checkpoints", "best")  # lconv.run.checkpoints' folders in a workdir
 # Fields a resumed run may change freely: they steer the run, not what its checkpoints hold.
 RUN_FIELDS = ("train.", "decode.", "mesh.", "data.data_dir", "data.eval_batch_size", "data.read_threads")
 
@@ -65,7 +66,21 @@ def make_workdir(workdir: str) -> str:
     if not is_remote(path):  # before anything is written: a link planted in a resumed workdir is named first
         for name in OWN_FILES:
             outputs.refuse_link(os.path.join(path, name))
+        for name in CHECKPOINT_FOLDERS:
+            check_inside(os.path.join(path, name), path)
     return path
+
+
+def check_inside(directory: str, workdir: str) -> None:
+    """A workdir's checkpoint folder (or the folder set aside beside it) that is a symbolic link leading out of the
+    workdir is one line: a run's reads and writes stay inside the folder named (a workdir from elsewhere is data)."""
+    if is_remote(directory):
+        return
+    for folder in (directory, directory + "_unreadable"):
+        real, root = os.path.realpath(folder), os.path.realpath(workdir)
+        if os.path.islink(folder) and os.path.commonpath([real, root]) != root:
+            raise UserError(f"{folder} leads out of the workdir (a symbolic link to {real}); lconv reads and writes "
+                            "a run's checkpoints inside its workdir only: move the folder there")
 
 
 @contextlib.contextmanager
@@ -165,8 +180,8 @@ def check_config_change(record: dict[str, Any], workdir: str, *, has_checkpoint:
     if not path.exists():
         return {}
     try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        stored = json.loads(read_config_bytes(path, workdir))
+    except ValueError as err:
         raise UserError(f"{path} is unreadable ({err}); restore it or use a new --workdir") from None
     changes = config_changes(stored, record)
     added = fields_added_at_their_defaults(stored, changes)
@@ -180,6 +195,16 @@ def check_config_change(record: dict[str, Any], workdir: str, *, has_checkpoint:
     return changes or None
 
 
+CONFIG_MAX_BYTES = 64 << 20  # a config is a few kB of JSON; far more is not one
+
+
+def read_config_bytes(path: epath.Path, workdir: str) -> bytes:
+    """The bytes of a run's ``config.json``: a regular file inside ``workdir`` of a sane size, else one line naming
+    it (linked to ``/dev/zero`` or a pipe it was read until memory ran out, or forever)."""
+    return paths.read_bytes(path, "missing; restore it from a copy of the run", within=workdir,
+                            limit=CONFIG_MAX_BYTES)
+
+
 def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
                  has_checkpoint: bool) -> None:
     """Writes ``config.json`` (process 0) after ``check_config_change``; a resumed run calls it once its
@@ -190,10 +215,10 @@ def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[
     if changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:5])
         logger.info(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
-        record = json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
-                             "after_checkpoint": has_checkpoint,
-                             "changes": {k: list(v) for k, v in changes.items()}}) + "\n"
-        append_text(epath.Path(workdir) / "config_changes.jsonl", record)
+        line = json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
+                           "after_checkpoint": has_checkpoint,
+                           "changes": {k: list(v) for k, v in changes.items()}}) + "\n"
+        append_text(epath.Path(workdir) / "config_changes.jsonl", line)
     write_atomically(epath.Path(workdir) / CONFIG_FILENAME, json.dumps(record, indent=2, sort_keys=True))
 
 

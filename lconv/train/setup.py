@@ -23,7 +23,7 @@ from lconv import outputs
 from lconv.data import pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
-from lconv.nn import mixers
+from lconv.nn import mixer_state, mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.run.schema import OptimConfig, RunConfig, validate_config
@@ -197,7 +197,17 @@ def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
     mesh = model_setup.make_mesh(checked.mesh, devices)
     check_batch_divides(checked, mesh)
     check_plugins_trace(checked)
+    check_state_rules(checked)
     return CheckedConfig(checked, mesh, workdir_lib.as_record(config))
+
+
+def check_state_rules(config: RunConfig) -> None:
+    """A stream's stateful mixers keep the state rules (``lconv.nn.mixer_state.check_rules``), traced abstractly
+    on the dummy batch before any data is prepared: a broken plugin fails in seconds, in one line naming it."""
+    if not config.data.stream:
+        return  # nothing is carried between batches: init_mixer_state makes no state
+    model = model_setup.build_model(config)
+    mixer_state.check(model, *model_setup.model_inputs(model_setup.dummy_batch(config, config.data.batch_size)))
 
 
 def check_plugins_trace(config: RunConfig) -> None:

@@ -1,0 +1,148 @@
+"""What a run from elsewhere names is read only inside its folder and within bounds: a checkpoint's metadata, a
+workdir's config.json and checkpoint folders (issue 56). Each case is one line, never a hang or a MemoryError."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import helpers
+import pytest
+
+from lconv.errors import UserError
+
+
+@pytest.fixture
+def unverified_step(tmp_path):
+    """A checkpoint step folder without a manifest (an older lconv's, or a crash before it was written)."""
+    step = tmp_path / "checkpoints" / "5"
+    (step / "state" / "d").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "state" / "d" / "chunk").write_bytes(b"x" * 64)
+    return step
+
+
+@pytest.mark.parametrize("make", ["fifo", "dev_zero"])
+def test_an_unverified_checkpoints_metadata_that_never_ends_is_refused_before_orbax_reads_it(unverified_step, make):
+    """``state/_METADATA`` a pipe hung eval.py; linked to /dev/zero it was a MemoryError."""
+    from lconv.run import integrity
+
+    metadata = unverified_step / "state" / "_METADATA"
+    metadata.unlink()
+    os.mkfifo(metadata) if make == "fifo" else metadata.symlink_to("/dev/zero")
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        assert not integrity.verify_manifest(str(unverified_step))
+    helpers.one_line_error(error, "state/_METADATA", "not a regular file" if make == "fifo" else "symbolic link")
+
+
+def test_a_checkpoints_metadata_over_its_bound_is_refused_and_array_chunks_are_not_bounded(unverified_step,
+                                                                                            monkeypatch):
+    from lconv.run import integrity
+
+    monkeypatch.setattr(integrity, "METADATA_MAX_BYTES", 16)
+    assert integrity.check_plain(str(unverified_step)) == ["state/_METADATA", "state/d/chunk"]  # a 64-byte chunk
+    (unverified_step / "state" / "_METADATA").write_text("{" + " " * 40 + "}")
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(unverified_step))
+    helpers.one_line_error(error, "state/_METADATA", "42 bytes")
+    integrity.write_manifest(str(unverified_step))  # a verified checkpoint is bounded the same way
+    with pytest.raises(integrity.CorruptCheckpoint):
+        integrity.verify_manifest(str(unverified_step))
+
+
+def test_a_step_folder_that_is_a_link_is_corrupt(unverified_step, tmp_path):
+    from lconv.run import integrity
+
+    elsewhere = tmp_path / "elsewhere"
+    unverified_step.rename(elsewhere)
+    unverified_step.symlink_to(elsewhere)
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(unverified_step))
+    helpers.one_line_error(error, str(unverified_step), "symbolic link")
+
+
+def test_eval_of_a_run_whose_unverified_metadata_is_a_pipe_is_one_line(tiny_run, tmp_path, capsys):
+    from lconv.run import integrity
+
+    workdir = helpers.copy_run(tiny_run, tmp_path / "run")
+    step = max((workdir / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+    (step / integrity.MANIFEST_FILENAME).unlink()
+    (step / "state" / "_METADATA").unlink()
+    os.mkfifo(step / "state" / "_METADATA")
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--split=validation")
+    helpers.one_line_error(outcome, str(step), "state/_METADATA", "not a regular file")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config.json: a regular file of a sane size inside the workdir
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", ["dev_zero", "fifo", "huge"])
+def test_a_config_json_that_never_ends_or_is_huge_is_one_line_for_readers_and_train(make, tmp_path, monkeypatch):
+    """Linked to /dev/zero it was an unbounded read (a MemoryError traceback); a pipe hung the reader."""
+    from lconv.run import restore
+    from lconv.run import workdir as workdir_lib
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    config = workdir / "config.json"
+    if make == "dev_zero":
+        config.symlink_to("/dev/zero")
+    elif make == "fifo":
+        os.mkfifo(config)
+    else:
+        config.write_text("{}" + " " * 100)
+        monkeypatch.setattr(workdir_lib, "CONFIG_MAX_BYTES", 64)
+    named = {"dev_zero": "leads out of", "fifo": "not a regular file", "huge": "102 bytes"}[make]
+    with pytest.raises(UserError) as error:
+        restore.read_stored(str(workdir))
+    helpers.one_line_error(error, str(config), named)
+    with pytest.raises(UserError) as error:  # train.py resuming the workdir
+        workdir_lib.check_config_change(None, str(workdir), has_checkpoint=True)
+    helpers.one_line_error(error, str(config), named)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints/ or best/ a symbolic link out of the workdir: refused for reads and writes
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def linked_out(tiny_run, tmp_path):
+    """A copy of the tiny run whose checkpoints/ is a link to a folder outside it."""
+    workdir = helpers.copy_run(tiny_run, tmp_path / "run")
+    outside = tmp_path / "outside"
+    shutil.move(workdir / "checkpoints", outside)
+    (workdir / "checkpoints").symlink_to(outside)
+    return workdir
+
+
+def test_a_checkpoints_folder_linked_out_of_the_workdir_is_refused_by_every_reader(linked_out, capsys):
+    import lconv
+
+    link = str(linked_out / "checkpoints")
+    for program, extra in (("eval.py", ("--split=validation",)),
+                           ("lconv.export", (f"--out={linked_out.parent / 'export'}",))):
+        outcome = helpers.run_cli(capsys, program, f"--workdir={linked_out}", *extra)
+        helpers.one_line_error(outcome, link, "leads out of the workdir")
+    with pytest.raises(UserError) as error:
+        lconv.load(str(linked_out))
+    helpers.one_line_error(error, link, "leads out of the workdir")
+    assert not (linked_out.parent / "export").exists()
+
+
+def test_a_checkpoints_folder_linked_inside_the_workdir_is_followed(tmp_path):
+    from lconv.run import checkpoints
+    from lconv.run import workdir as workdir_lib
+
+    (tmp_path / "run" / "kept").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints").symlink_to(tmp_path / "run" / "kept")
+    workdir_lib.check_inside(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "run"))
+    (tmp_path / "run" / "best").symlink_to(tmp_path)  # the workdir's parent: out
+    with pytest.raises(UserError) as error:
+        checkpoints.Checkpointer(str(tmp_path / "run"), subdir="best")
+    helpers.one_line_error(error, str(tmp_path / "run" / "best"), "leads out of the workdir")
+
+
+def test_train_py_refuses_a_checkpoints_folder_linked_out_before_writing(linked_out, tiny_run, tmp_path, capsys):
+    before = sorted(os.listdir(tmp_path / "outside"))
+    outcome = helpers.run_cli(capsys, "train.py", "--config=tests/tiny_config.py", f"--workdir={linked_out}",
+                              f"--config.data.data_dir={tiny_run.data_dir}", "--config.train.num_steps=8")
+    helpers.one_line_error(outcome, str(linked_out / "checkpoints"), "leads out of the workdir")
+    assert sorted(os.listdir(tmp_path / "outside")) == before
