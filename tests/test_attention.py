@@ -255,6 +255,41 @@ def test_bad_call_raises(cls, kw):
             m.init(jax.random.PRNGKey(0), jnp.asarray(X), positions=jnp.full((B, T), L, jnp.int32))
 
 
+def test_cross_attention_gradients_match_float64_central_differences():
+    """Every parameter's gradient (the Q/K/V biases' included, whose cotangent is written out once on CPU) and the
+    inputs' equal central differences of a float64 NumPy forward pass."""
+    S, rng = 5, np.random.default_rng(7)
+    x, mem = rng.normal(size=(B, 4, C)).astype(np.float32), rng.normal(size=(B, S, C)).astype(np.float32)
+    mseg, weights = np.array([[1, 1, 1, 0, 0], [1] * 5], np.int32), rng.normal(size=(B, 4, C))
+    m = CrossAttention(num_heads=H, matmul_precision="highest")
+    params = nn.meta.unbox(m.init(jax.random.PRNGKey(1), jnp.asarray(x), jnp.asarray(mem))["params"])
+    params = jax.tree.map(lambda p: p + 0.1 * rng.normal(size=p.shape).astype(np.float32), params)  # biases != 0
+
+    def np_loss(params, x, mem):
+        q, k, v = (np_dense(params[n], a).reshape(B, -1, H, D) for n, a in [("query", x), ("key", mem),
+                                                                             ("value", mem)])
+        logits = np.where(mseg[:, None, None, :] > 0, np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D), -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        out = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v).reshape(B, -1, C)
+        return float((np_dense(params["out"], out) * weights).sum())
+
+    loss = lambda p, x, mem: jnp.sum(m.apply({"params": p}, x, mem, encoded_segment_ids=jnp.asarray(mseg))  # noqa: E731
+                                     * weights)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(params, jnp.asarray(x), jnp.asarray(mem))
+    args64 = jax.tree.map(lambda a: np.asarray(a, np.float64), (params, x, mem))
+    leaves, tree = jax.tree.flatten(args64)
+    for leaf, grad in zip(leaves, jax.tree.leaves(grads)):
+        numeric = np.zeros_like(leaf)
+        for i in np.ndindex(leaf.shape):
+            old = leaf[i]
+            leaf[i] = old + 1e-6
+            up = np_loss(*jax.tree.unflatten(tree, leaves))
+            leaf[i] = old - 1e-6
+            numeric[i] = (up - np_loss(*jax.tree.unflatten(tree, leaves))) / 2e-6
+            leaf[i] = old
+        np.testing.assert_allclose(grad, numeric, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunked_kernel_in_the_module_matches_numpy_reference(causal):
     """attention_impl='chunked' (lconv.ops.flash): the same numbers as the reference, packing and padding kept."""

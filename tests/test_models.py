@@ -327,3 +327,26 @@ def test_bad_model_configs_fail_with_one_line(overrides, message):
 def test_unknown_model_field_is_named():
     with pytest.raises(ValueError, match="unknown field.*'kernel_size'"):
         models.ModelConfig.from_config({**TINY, "kernel_size": 3})
+
+
+def test_sinusoidal_positions_are_fairseqs_table_inside_and_past_the_constant_one():
+    """``ScaleAndPosition``'s sinusoidal positions (rows of a constant table, computed past its end) equal fairseq's
+    formula in float64 NumPy within float32 rounding, and the table's rows equal the computed ones bit for bit."""
+    cfg = _small(max_len=8, scale_embeddings=False)
+    C, length = cfg.d_model, 8 + cfg.position_offset
+    layer = models.ScaleAndPosition(cfg, side="encoder")
+    zeros = jnp.zeros((2, 3, C))
+
+    def numpy_table(p):
+        half = C // 2
+        angles = (np.asarray(p, np.float64)[..., None] + cfg.position_offset) * np.exp(
+            np.arange(half) * -(np.log(10000.0) / (half - 1)))
+        return np.concatenate([np.sin(angles), np.cos(angles)], -1)
+
+    for p in ([[0, 1, 2], [5, 6, 7]], [[0, 1, 2], [6, 7, 30]]):  # the second past the table: computed
+        p = np.asarray(p, np.int32)
+        got = jax.jit(lambda p: layer.apply({}, zeros, p, deterministic=True))(p)
+        np.testing.assert_allclose(got, numpy_table(p), rtol=0, atol=1e-5)
+    table = models.sinusoidal_table(length, C)
+    positions = jnp.arange(length)[None]
+    np.testing.assert_array_equal(table, jax.jit(models.sinusoidal_positions, static_argnums=1)(positions, C)[0])

@@ -149,7 +149,30 @@ def dense(features: int, name: str, mdl: nn.Module, axes: tuple[str, str], gain:
 
 def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int, gain: float = QKV_GAIN) -> Array:
     """A Q/K/V projection into heads, ``[B, T, C] -> [B, T, H, D]`` (fairseq's gain), pinned batch- and head-split."""
-    return constrain(dense(H * D, name, mdl, TO_HEADS, gain=gain)(x_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
+    y_BTC = dense(H * D, name, mdl, TO_HEADS, gain=gain)(x_BTC)
+    return constrain(_one_cotangent(y_BTC).reshape(*x_BTC.shape[:2], H, D), BTHD)
+
+
+@jax.custom_vjp
+def _one_cotangent(x: Array) -> Array:
+    """The identity, whose cotangent XLA:CPU writes out once (behind an optimisation barrier): a projection's
+    weight and bias gradients then read one ``[B, T, C]`` array, where XLA transposed the heads' cotangent from
+    ``[B, H, T, D]`` twice, once for each."""
+    return x
+
+
+def _one_cotangent_fwd(x):
+    return x, None
+
+
+def _one_cotangent_bwd(_, g):
+    def cpu(g):  # as [N, C], a shape no head-major layout fits: XLA writes it out row-major, then both read it
+        return lax.optimization_barrier(g.reshape(-1, g.shape[-1])).reshape(g.shape)
+
+    return (lax.platform_dependent(g, cpu=cpu, default=lambda g: g),)
+
+
+_one_cotangent.defvjp(_one_cotangent_fwd, _one_cotangent_bwd)
 
 
 def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | None:

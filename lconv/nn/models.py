@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMAT_POLICIES, VOCAB
 from lconv.errors import UserError
@@ -343,7 +344,12 @@ class ScaleAndPosition(nn.Module):
             init = nn.with_logical_partitioning(nn.initializers.normal(C ** -0.5), (LENGTH, EMBED))
             return Embed(cfg.max_len + cfg.position_offset, C, dtype=cfg.dtype, embedding_init=init,
                          table_axes=(ACT_LENGTH, None), name="learned")(positions_BT)
-        return sinusoidal_positions(positions_BT, C).astype(x_BTC.dtype)
+        length = max(cfg.max_len, T) + cfg.position_offset
+        table_LC = jnp.asarray(sinusoidal_table(length, C))
+        inside = jnp.all((positions_BT >= 0) & (positions_BT < length))
+        rows_BTC = jax.lax.cond(inside, lambda p: table_LC.at[p].get(mode="promise_in_bounds"),
+                                lambda p: sinusoidal_positions(p, C), positions_BT)  # a table row, else computed
+        return rows_BTC.astype(x_BTC.dtype)
 
 
 def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:
@@ -353,6 +359,15 @@ def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:
     angles = positions_BT[..., None].astype(jnp.float32) * freq  # [B, T, half]
     table = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     return jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, dim - 2 * half)])
+
+
+@functools.lru_cache(maxsize=8)
+def sinusoidal_table(length: int, dim: int) -> np.ndarray:
+    """``sinusoidal_positions`` of positions ``0 .. length - 1``, ``[length, dim]``: one constant for every step,
+    computed once by the same XLA ops (so each row is bit for bit what the step would compute)."""
+    with jax.ensure_compile_time_eval():
+        rows = jax.jit(sinusoidal_positions, static_argnums=1)(jnp.arange(length, dtype=jnp.int32)[None], dim)
+        return np.asarray(rows[0])
 
 
 def _segments(tokens_BT: Array, segmentation_BT: Array | None, allow_pad_start: bool = False) -> Array:

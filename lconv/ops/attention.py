@@ -35,9 +35,16 @@ def attention_mask(q_seg_BT: Array, k_seg_BS: Array, q_idx_T: Array | None = Non
 
 def dot_product_logits(q_BTHD: Array, k_BSHD: Array, *, precision: Any = None) -> Array:
     """``Q Kᵀ / sqrt(D)``, ``[B, H, T, S]``, accumulated and returned in float32."""
-    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD, precision=precision,
+    logits_BHTS = jnp.einsum("bthd,bhsd->bhts", q_BTHD, _head_major(k_BSHD), precision=precision,
                              preferred_element_type=jnp.float32)
     return logits_BHTS / math.sqrt(q_BTHD.shape[-1])
+
+
+def _head_major(k_BSHD: Array) -> Array:
+    """``[B, H, S, D]``, on CPU written out once behind an optimisation barrier: the logits' dot and the query
+    gradient's both read it, where XLA wrote the keys out twice, as ``[B, H, S, D]`` and ``[B, H, D, S]``."""
+    return jax.lax.platform_dependent(k_BSHD, cpu=lambda k: jax.lax.optimization_barrier(k.transpose(0, 2, 1, 3)),
+                                      default=lambda k: k.transpose(0, 2, 1, 3))
 
 
 def masked_softmax(logits_BHTS: Array, mask_BHTS: Array) -> Array:
