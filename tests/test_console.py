@@ -87,7 +87,27 @@ def test_an_evaluation_pass_has_a_bar_with_its_eta_on_a_terminal_and_none_in_a_f
             assert stream.getvalue() == ""
 
 
-def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch):
+@pytest.fixture
+def bars(monkeypatch):
+    """The bars ``console.pass_bar`` makes, each recording its arguments, its updates and whether it closed."""
+    made = []
+
+    class Bar:
+        def __init__(self, total, desc, unit):
+            self.args, self.done, self.closed = (total, desc, unit), 0, False
+            made.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(console, "pass_bar", Bar)
+    return made
+
+
+def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch, bars):
     """score_split's decoding (the final evaluation's and eval.py --split's) feeds a ``pass_bar`` of the split's
     sentences, padding rows not counted, and closes it when a time budget stops the pass."""
     import types
@@ -96,22 +116,8 @@ def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch):
 
     from lconv.infer import batching, split_scoring
 
-    bars = []
-
-    class Bar:
-        def __init__(self, total, desc, unit):
-            self.args, self.done, self.closed = (total, desc, unit), 0, False
-            bars.append(self)
-
-        def update(self, n):
-            self.done += n
-
-        def close(self):
-            self.closed = True
-
     batches = [({"example_index": np.array([2, 0, -1])}, [[5], [6], [0]]),
                ({"example_index": np.array([1, 3, -1])}, [[7], [8], [0]])]
-    monkeypatch.setattr(console, "pass_bar", Bar)
     monkeypatch.setattr(batching, "decode_batches", lambda *args, **kwargs: iter(batches))
     eval_set = types.SimpleNamespace(tokens=[None] * 4)
     tokenizer = types.SimpleNamespace(detokenize=lambda ids: f"w{ids[0]}")
@@ -123,7 +129,7 @@ def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch):
     assert len(stopped) == 2 and bars[1].done == 2 and bars[1].closed
 
 
-def test_eval_pys_file_decoding_counts_its_lines_on_a_bar_and_the_apis_has_none(monkeypatch):
+def test_eval_pys_file_decoding_counts_its_lines_on_a_bar_and_the_apis_has_none(monkeypatch, bars):
     """``per_line.translate_lines`` with ``progress`` (eval.py --source_file) feeds a bar of the lines it decodes
     (a blank line is not decoded); without it (the API's calls) no bar is made."""
     import types
@@ -136,24 +142,10 @@ def test_eval_pys_file_decoding_counts_its_lines_on_a_bar_and_the_apis_has_none(
     from lconv.infer import batching, per_line
     from lconv.run import schema
 
-    bars = []
-
-    class Bar:
-        def __init__(self, total, desc, unit):
-            self.args, self.done, self.closed = (total, desc, unit), 0, False
-            bars.append(self)
-
-        def update(self, n):
-            self.done += n
-
-        def close(self):
-            self.closed = True
-
     def decode_batches(config, model, params, eval_set, settings, translator=None, per_batch=None):
         found = types.SimpleNamespace(tokens=np.array([[[5, 1]], [[6, 1]], [[0, 0]]]))
         yield {"example_index": np.array([1, 0, -1])}, found
 
-    monkeypatch.setattr(console, "pass_bar", Bar)
     monkeypatch.setattr(batching, "decode_batches", decode_batches)
     config, translator = schema.validate_config(tiny_config.get_config()), types.SimpleNamespace(hypotheses=None)
     settings = DecodeSettings.build(config.decode)

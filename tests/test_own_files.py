@@ -157,19 +157,28 @@ def test_the_config_says_what_your_files_need(tmp_path):
 
 
 @pytest.mark.slow  # trains a tiny model in this process and runs train.py in it: compiles for many seconds
+def _pairs_folder(root, sizes, target):
+    """``root/zed`` holding train/valid/test ``.src`` files of ``sizes`` of the tiny runs' sentences and ``.tgt``
+    files of ``target(sentence)``, line by line."""
+    import tiny_runs
+
+    folder = root / "zed"
+    folder.mkdir()
+    texts, start = tiny_runs.sentences(sum(sizes)), 0
+    for stem, size in zip(("train", "valid", "test"), sizes):
+        part, start = texts[start:start + size], start + size
+        (folder / f"{stem}.src").write_text("".join(f"{text}\n" for text in part))
+        (folder / f"{stem}.tgt").write_text("".join(f"{target(text)}\n" for text in part))
+    return folder
+
+
 def test_a_tiny_run_trains_from_a_folder_and_names_it_everywhere(tmp_path, lconv_log, capsys):
     import jax
     import tiny_config
-    import tiny_runs
 
     from lconv.train import loop
 
-    folder = tmp_path / "zed"
-    folder.mkdir()
-    texts = tiny_runs.sentences(240)
-    for stem, part in (("train", texts[:200]), ("valid", texts[200:220]), ("test", texts[220:])):
-        (folder / f"{stem}.src").write_text("".join(f"{text}\n" for text in part))
-        (folder / f"{stem}.tgt").write_text("".join(f"{' '.join(reversed(text.split()))}\n" for text in part))
+    folder = _pairs_folder(tmp_path, (200, 20, 20), lambda text: " ".join(reversed(text.split())))
     config = tiny_config.training_config(tmp_path / "tfds", num_steps=3, eval_every=3)
     config.data.update(dict(dataset="files", raw_dir=str(folder), source_lang="src", target_lang="tgt"))
     result = loop.train_and_evaluate(config, str(tmp_path / "run"), devices=jax.devices("cpu")[:1])
@@ -192,16 +201,10 @@ def test_a_tiny_run_trains_from_a_folder_and_names_it_everywhere(tmp_path, lconv
 def test_a_small_corpus_tokenizer_kept_for_later_runs_is_reused_though_it_has_fewer_pieces(tmp_path, lconv_log):
     """SentencePiece gives a small corpus fewer pieces than asked; the copy kept under data_dir was refused for
     that (its size is not data.vocab_size) and trained again, with a warning, on every later run."""
-    import tiny_runs
 
     from lconv.data import pipeline
 
-    folder = tmp_path / "zed"
-    folder.mkdir()
-    texts = tiny_runs.sentences(60)
-    for stem, part in (("train", texts[:40]), ("valid", texts[40:50]), ("test", texts[50:])):
-        (folder / f"{stem}.src").write_text("".join(f"{text}\n" for text in part))
-        (folder / f"{stem}.tgt").write_text("".join(f"{text.upper()}\n" for text in part))
+    folder = _pairs_folder(tmp_path, (40, 10, 10), str.upper)
     config = _config(folder, source_lang="src", target_lang="tgt", vocab_size=2000)
     first = pipeline.load_or_train_tokenizer(config, str(tmp_path / "run1"))
     assert first.vocab_size < 2000

@@ -199,7 +199,7 @@ EDGE_FILES = {"lconv/api.py", "lconv/run/schema.py", "lconv/run/workdir.py", "lc
               "lconv/data/__main__.py"}
 EDGE_FUNCTIONS = {("lconv/train/loop.py", "train_and_evaluate"), ("lconv/train/setup.py", "check_config"),
                   ("lconv/train/setup.py", "build_run")}  # training from Python: a config as its file writes it
-CONFIG_NAMES = {"config", "cfg", "model_config", "run_config"}
+CONFIG_NAMES = {"config", "cfg", "model_config", "data_config", "mesh_config", "run_config"}
 UNTYPED = {"Any", "Config", "ConfigDict", "ml_collections.ConfigDict", "dict", "Mapping"}
 
 

@@ -28,6 +28,7 @@ import optax
 from etils import epath
 
 from lconv.data import own_files, pipeline, sources
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.run import checkpoints, model_setup
 from lconv.run.schema import RunConfig
@@ -138,14 +139,14 @@ class EarlyBuild:
             return None
 
 
-def tokenizer_first(data_config: Any) -> bool:
+def tokenizer_first(data_config: DataConfig) -> bool:
     """Whether the tokenizer is trained before the early build starts, which then assumes the vocabulary it gave:
     your own files (``dataset="files"``) whose training split has under ``BYTES_PER_PIECE`` bytes per piece asked
     for. Files that cannot be listed or measured leave the usual order, which reports them."""
     if data_config.dataset != sources.FILES:
         return False
     try:
-        train = own_files.find_files(own_files.layout_for(data_config))["train"]
+        train = own_files.find_files(sources.files_layout(data_config))["train"]
         size = sum(int(epath.Path(path).stat().length) for path in train.values())
     except (UserError, OSError, KeyError, ValueError):
         return False
