@@ -58,6 +58,8 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     (``lconv.run.compilation_cache``; never the workdir's), unless this process turned JAX's cache off or chose
     another folder."""
     backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
+    if not isinstance(trust_plugins, bool):  # "false" is a non-empty string: truthy, and an opt-in it is not
+        raise UserError(f"trust_plugins: must be True or False; got {trust_plugins!r:.60}")
     user_cache.use_user_folder()
     if not isinstance(workdir, (str, os.PathLike)) and isinstance(workdir, Sequence) and workdir:
         options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
@@ -72,7 +74,7 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     return Model(restore.load_trained(os.fspath(workdir), average_last=average_last, checkpoint=checkpoint,
                                       caller="lconv.load", spell=str, overrides=overrides,
                                       devices=load_options.checked_devices(devices),
-                                      trust_plugins=bool(trust_plugins)))
+                                      trust_plugins=trust_plugins))
 
 
 def ensemble(models: Sequence[Model]) -> Model:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -42,6 +44,9 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     an output never lands in whatever file a link planted in a workdir points at. Failures are one line."""
     target = epath.Path(path)
     refuse_link(path, "lconv writes no output through a link (remove it, or write elsewhere)")
+    if _special(path):  # a device the user named (--output_file=/dev/null): written into, never renamed over
+        _write_into_device(path, data)
+        return
     temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
@@ -62,15 +67,67 @@ def refuse_link(path: str | os.PathLike, reason: str = IN_WORKDIR) -> None:
         raise UserError(f"{path} is a symbolic link; {reason}")
 
 
-def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
-    """``os.open(path, flags)`` of a local file that is not a symbolic link (``O_NOFOLLOW``: no window between a
-    check and the open); a link is ``refuse_link``'s one line."""
+def refuse_special(path: str | os.PathLike) -> None:
+    """One line naming ``path`` if it is a pipe, socket or device: a file lconv writes in a workdir is a regular
+    file (opening a planted pipe would wait for a reader for ever)."""
+    if _special(path):
+        raise UserError(f"{path} is a pipe, socket or device; lconv writes only regular files in a workdir "
+                        "(remove it)")
+
+
+def _special(path: str | os.PathLike) -> bool:
+    """Whether a local ``path`` exists as something other than a regular file, a folder or a link."""
+    if is_url(path):
+        return False
     try:
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+
+
+def _write_into_device(path: str | os.PathLike, data: str | bytes) -> None:
+    """Writes into a character device (``/dev/null``, a terminal); a pipe or any other special file is one line
+    (a pipe with no reader would block forever)."""
+    if not stat.S_ISCHR(os.lstat(path).st_mode):
+        raise UserError(f"cannot write {path}: it is a pipe, socket or block device, not a file; name a file")
+    try:
+        with open(path, "wb") as device:
+            device.write(data if isinstance(data, bytes) else data.encode("utf-8"))
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` of a local regular file that is not a symbolic link (``O_NOFOLLOW``: no window
+    between a check and the open; ``O_NONBLOCK``: a pipe planted in its place is refused, not waited on for
+    ever); a link or a special file is one line. A file with other hard links (a run copied with ``cp -al``, or
+    a link planted to a file outside) is first made this path's own copy, so what is written here lands nowhere
+    else."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
     except OSError:
         if os.path.islink(path):
             refuse_link(path)
+        refuse_special(path)
         raise
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(fd)
+        raise UserError(f"{path} is not a regular file; lconv writes only regular files in a workdir (remove it)")
+    if status.st_nlink > 1:
+        os.close(fd)
+        _unshare(path)
+        return open_regular(path, flags, mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _unshare(path: str | os.PathLike) -> None:
+    """Replaces a hard-linked file by a copy of its own (a rename, so the other links keep their content)."""
+    copy = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.unshared"
+    shutil.copyfile(path, copy, follow_symlinks=False)
+    os.replace(copy, path)
 
 
 def open_append(path: str | os.PathLike) -> Any:
@@ -93,7 +150,7 @@ def kind_of(directory: str) -> str | None:
     root = epath.Path(directory)
     try:
         marker = root / MARKER
-        if marker.exists():
+        if marker.exists() and not _special(marker):  # a planted pipe would be read for ever
             kind = json.loads(marker.read_text()).get("kind")
             if kind in KIND_NAMES:
                 return kind

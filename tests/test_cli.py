@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import helpers
 import numpy as np
@@ -381,3 +382,24 @@ def test_a_second_eval_reads_every_program_back_from_the_users_compilation_cache
     assert "Persistent compilation cache hit" in second and "PERSISTENT COMPILATION CACHE MISS" not in second
     assert sorted(os.listdir(cache)) == entries
     assert (tmp_path / "second.txt").read_text() == (tmp_path / "first.txt").read_text()
+
+
+def test_eval_py_scores_the_test_split_by_default(monkeypatch, tmp_path):
+    """The split eval.py scores is a view of the run's data for that pass: training's rule that eval_splits hold
+    validation does not refuse ``--split=test`` (it did, for every run, once the config was typed)."""
+    import tiny_runs
+
+    from lconv.cli import eval_program
+    from lconv.data import pipeline
+    from lconv.infer import split_scoring
+
+    trained, seen = tiny_runs.in_memory(tiny_runs.translation_config()), {}
+
+    def make_datasets(data, tokenizer):
+        seen["data"] = data
+        return types.SimpleNamespace(eval_sets={"test": []})
+
+    monkeypatch.setattr(pipeline, "make_datasets", make_datasets)
+    monkeypatch.setattr(split_scoring, "score_split", lambda config, *args, **kwargs: {"split": kwargs["split"]})
+    assert eval_program._score_split(trained, None, str(tmp_path), "test", "test", None) == {"split": "test"}
+    assert seen["data"].eval_splits == ("test",) and trained.config.data.eval_splits == ("validation", "test")

@@ -146,3 +146,76 @@ def test_train_py_refuses_a_checkpoints_folder_linked_out_before_writing(linked_
                               f"--config.data.data_dir={tiny_run.data_dir}", "--config.train.num_steps=8")
     helpers.one_line_error(outcome, str(linked_out / "checkpoints"), "leads out of the workdir")
     assert sorted(os.listdir(tmp_path / "outside")) == before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Special files and hard links where a run writes (the round-6 campaign)
+# ----------------------------------------------------------------------------------------------------------------
+def _workdir_with(tmp_path, name):
+    """A workdir (its config.json marks it) and the path ``name`` inside it."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text("{}")
+    return workdir, workdir / name
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "train.lock", "checkpoint_errors.log"])
+def test_a_pipe_planted_among_a_workdirs_own_files_is_one_line_not_a_hang(tmp_path, name):
+    from lconv import outputs
+    from lconv.run import workdir as workdir_lib
+
+    workdir, planted = _workdir_with(tmp_path, name)
+    os.mkfifo(planted)
+    with pytest.raises(UserError) as error:
+        workdir_lib.make_workdir(str(workdir))
+    helpers.one_line_error(error, str(planted), "pipe")
+    with pytest.raises(UserError) as error:  # and the writer itself, past the check: refused at the open
+        outputs.open_append(planted)
+    helpers.one_line_error(error, str(planted), "pipe")
+
+
+def test_a_tensorboard_folder_linked_out_of_the_workdir_is_refused(tmp_path):
+    from lconv.run import workdir as workdir_lib
+
+    workdir, link = _workdir_with(tmp_path, "tensorboard")
+    (tmp_path / "outside").mkdir()
+    link.symlink_to(tmp_path / "outside")
+    with pytest.raises(UserError) as error:
+        workdir_lib.make_workdir(str(workdir))
+    helpers.one_line_error(error, str(link), "leads out of the workdir")
+
+
+def test_a_hard_linked_log_is_appended_to_in_this_workdir_alone(tmp_path):
+    """A run copied with ``cp -al`` (or a link planted to a file elsewhere): the other link keeps its content."""
+    from lconv import outputs
+
+    workdir, log = _workdir_with(tmp_path, "metrics.jsonl")
+    elsewhere = tmp_path / "other_runs_metrics.jsonl"
+    elsewhere.write_text("theirs\n")
+    os.link(elsewhere, log)
+    with outputs.open_append(log) as f:
+        f.write("ours\n")
+    assert elsewhere.read_text() == "theirs\n" and log.read_text() == "theirs\nours\n"
+    assert os.stat(log).st_nlink == 1 and os.stat(elsewhere).st_nlink == 1
+
+
+def test_an_output_named_as_a_device_is_written_into_and_a_pipe_refused(tmp_path):
+    """``--output_file=/dev/null`` replaced the host's /dev/null by a file (written beside it, renamed over it)."""
+    import stat
+
+    from lconv import outputs
+
+    controller, terminal = os.openpty()  # a character device this user owns, in place of /dev/null
+    try:
+        device = os.ttyname(terminal)
+        outputs.write_atomically(device, "a line")
+        assert stat.S_ISCHR(os.stat(device).st_mode) and os.read(controller, 100).startswith(b"a line")
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(UserError) as error:
+        outputs.write_atomically(pipe, "a line")
+    helpers.one_line_error(error, str(pipe), "pipe")
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)

@@ -231,3 +231,11 @@ def test_a_mixer_given_as_a_json_object_is_refused_before_anything_is_imported(e
             validate_config(own)
         helpers.one_line_error(info, f"config.model.{field}=")
     assert not marker.exists() and name not in sys.modules
+
+
+@pytest.mark.parametrize("given", ["false", "no", 1, None])
+def test_the_opt_in_is_true_or_false_and_nothing_that_looks_like_one(given, tmp_path):
+    """``trust_plugins="false"`` is a non-empty string, so it read as an opt-in: the payload ran."""
+    with pytest.raises(UserError) as error:
+        lconv.load(str(tmp_path / "never_read"), trust_plugins=given)
+    helpers.one_line_error(error, "trust_plugins: must be True or False")

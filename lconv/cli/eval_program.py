@@ -7,6 +7,7 @@ outputs can be written. A decoding pass is never lost to a mistake that could ha
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -264,7 +265,8 @@ def _score_split(trained: restore.Trained, settings: DecodeSettings, workdir: st
                  members: eval_ensemble.Members | None) -> dict[str, Any]:
     """``split`` of the run's dataset decoded and scored (an LM: its perplexity), written as ``<workdir>/<stem>.*``;
     an ensemble's scores name its members."""
-    config = trained.config.replace(data={"eval_splits": (split,)})
+    # The split alone: a view for this pass (training's rule that eval_splits holds validation does not apply)
+    config = dataclasses.replace(trained.config, data=dataclasses.replace(trained.config.data, eval_splits=(split,)))
     data = pipeline.make_datasets(config.data, trained.tokenizer)
     extra = eval_ensemble.report(members) if members is not None else {}
     if config.task == "lm":

@@ -66,21 +66,23 @@ def make_workdir(workdir: str) -> str:
     if not is_remote(path):  # before anything is written: a link planted in a resumed workdir is named first
         for name in OWN_FILES:
             outputs.refuse_link(os.path.join(path, name))
-        for name in CHECKPOINT_FOLDERS:
+            outputs.refuse_special(os.path.join(path, name))
+        for name in (*CHECKPOINT_FOLDERS, "tensorboard"):
             check_inside(os.path.join(path, name), path)
     return path
 
 
 def check_inside(directory: str, workdir: str) -> None:
-    """A workdir's checkpoint folder (or the folder set aside beside it) that is a symbolic link leading out of the
-    workdir is one line: a run's reads and writes stay inside the folder named (a workdir from elsewhere is data)."""
+    """A workdir's checkpoint or tensorboard folder (or the folder set aside beside it) that is a symbolic link
+    leading out of the workdir is one line: a run's reads and writes stay inside the folder named (a workdir from
+    elsewhere is data)."""
     if is_remote(directory):
         return
     for folder in (directory, directory + "_unreadable"):
         real, root = os.path.realpath(folder), os.path.realpath(workdir)
         if os.path.islink(folder) and os.path.commonpath([real, root]) != root:
             raise UserError(f"{folder} leads out of the workdir (a symbolic link to {real}); lconv reads and writes "
-                            "a run's checkpoints inside its workdir only: move the folder there")
+                            "a run's files inside its workdir only: move the folder there")
 
 
 @contextlib.contextmanager
