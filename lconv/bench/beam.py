@@ -83,9 +83,9 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
             logger.info(f"  rows {rows} and more: cut, the time ran out")
             break
         for label, (config, model, params, eval_set) in setups.items():
-            config.decode.batch_size = rows
+            sized = config.replace(decode={"batch_size": rows})
             row = dict(model=label, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
-                       beam=config.decode.beam_size, **_time_split(config, model, params, eval_set))
+                       beam=config.decode.beam_size, **_time_split(sized, model, params, eval_set))
             results.append(row)
             batches = f"{row['batches']} batch{'es' if row['batches'] != 1 else ''}"
             logger.info(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
@@ -129,10 +129,10 @@ def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limi
         if deadline is not None and clock() > deadline:
             logger.info(f"  rows {rows} and the sizes after it: cut, the time ran out")
             break
-        config.decode.batch_size = rows
+        sized = config.replace(decode={"batch_size": rows})
         row = dict(model=config.model.decoder_mixer, rows=rows, auto=rows == auto, sentences=count,
                    batches=math.ceil(count / rows), beam=config.decode.beam_size, step=trained.steps[-1],
-                   **_time_split(config, model, params, eval_set))
+                   **_time_split(sized, model, params, eval_set))
         results.append(row)
         logger.info(f"  trained step {row['step']} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
                     f"{row['sentences_per_s']:8.1f} sentences/s (first pass with compile {row['first_pass_s']:.1f} s)")
