@@ -18,12 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from lconv.configs import common
 from lconv.errors import UserError
-from lconv.nn import mixers
-from lconv.run import model_setup, schema
+from lconv.nn import mixers, models
+from lconv.run import model_setup
 
 Config = ml_collections.ConfigDict
 
@@ -193,10 +194,14 @@ def _plain(value: Any) -> Any:
 def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int:
     """The model's parameter count from its own ``init``, traced abstractly on inputs of ``length`` tokens (None:
     the training lengths); no parameter's shape depends on the length, so short inputs plan faster."""
-    config = schema.validate_config(copy.deepcopy(config))
-    model = model_setup.build_model(config, vocab_size)
-    args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config, length=length))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
+    # The model section alone: a run's other fields (checked when it launches) fail that run, not the plan.
+    lm = config.task == "lm"
+    model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, decoder_only=lm)
+    model = models.DecoderOnlyLM(model_cfg) if lm else models.EncoderDecoder(model_cfg)
+    sides = ("targets",) if lm else ("inputs", "targets")
+    lengths = {"inputs": config.data.max_input_length, "targets": config.data.max_target_length}
+    args = tuple(jnp.ones((1, length or lengths[side]), jnp.int32) for side in sides)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
     return model_setup.count_params(shapes)
 
 
