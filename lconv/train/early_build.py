@@ -37,8 +37,8 @@ from lconv.train import steps
 logger = logging.getLogger(__name__)
 PyTree = Any
 THREAD_NAME = "lconv-early-build"  # the CLIs' exit does not wait for it (``lconv.cli.runtime.EARLY_BUILD_THREAD``)
-# Below this many bytes of training text per piece asked for, SentencePiece may give fewer pieces (the bundled DDTP
-# text: 4,000 asked, 3,334 given on 73 KB, all of them on 292 KB) and trains in seconds
+# Below this many bytes of training text per piece asked for, SentencePiece may give fewer pieces, and trains in
+# seconds (docs/data.md, "Your own files")
 BYTES_PER_PIECE = 100
 
 
