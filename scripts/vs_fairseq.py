@@ -152,14 +152,14 @@ def lconv_worker(settings: Settings, launched: float) -> None:
     import numpy as np
 
     from lconv.run import model_setup, schema
-    from lconv.train import setup, steps
+    from lconv.train import setup, update
 
     config = schema.validate_config(lconv_config(settings))
     model = model_setup.build_model(config, config.data.vocab_size)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])
     state, shardings = setup.create_state(config, model, mesh, tx)
-    train_step = steps.jit_train_step(config, lr, shardings, mesh)
+    train_step = update.jit_train_step(config, lr, shardings, mesh)
     batch = packed_batch(settings, config.data.batch_size, config.data[ROW_LENGTH_KEY], config.data.vocab_size)
     holder, lr_factor = {"state": state}, np.float32(1.0)
     compiled = train_step.lower(state, batch, lr_factor).compile()  # what the first call would compile

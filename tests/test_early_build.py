@@ -9,7 +9,7 @@ import tiny_config
 
 from lconv.errors import UserError
 from lconv.run import model_setup
-from lconv.train import early_build, setup, steps
+from lconv.train import early_build, setup, update
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def early_run(tiny_data, tmp_path_factory):
 def _usual_order(run):
     """The state and the plain jitted step, built after the tokenizer as they were before the early build."""
     parts = setup._build_state(run.config, run.mesh, run.tokenizer.vocab_size)
-    return parts, steps.jit_train_step(run.config, parts.lr_schedule, parts.state_shardings, run.mesh)
+    return parts, update.jit_train_step(run.config, parts.lr_schedule, parts.state_shardings, run.mesh)
 
 
 def _batch(run, length=None):

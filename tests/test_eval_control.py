@@ -18,7 +18,7 @@ def test_the_best_checkpoint_by_bleu_keeps_the_highest_and_a_resume_reads_it_bac
     best = eval_control.best_checkpointer(control, str(tmp_path), async_save=False)
     tracker = eval_control.Tracker(control, best)
     decoded = iter([5.0, 7.0, 6.0, 7.0])  # the BLEU of each pass's validation decode
-    tracker._decode = lambda run, stop_when: {"bleu": next(decoded)}
+    tracker._decode = lambda run, deadline: {"bleu": next(decoded)}
     run = type("Run", (), {"state": state})
     stops = []
     for step, loss in zip((2, 4, 6, 8), (3.0, 2.0, 1.0, 0.5)):

@@ -19,7 +19,7 @@ from reference import tolerance
 
 from lconv.configs import common
 from lconv.run import loss_pass, model_setup, schema
-from lconv.train import setup, steps
+from lconv.train import setup, update
 
 VOCAB = 64
 # (loss at init, loss after one step), label-smoothed cross-entropy per target token, deterministic forward.
@@ -65,10 +65,10 @@ def losses(conv_impl="auto"):
     """(loss before, loss after one train step), both from the deterministic evaluation forward pass."""
     config = schema.validate_config(_tiny_config(conv_impl))
     model = model_setup.build_model(config, vocab_size=VOCAB)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, devices=jax.devices()[:1])
     state, _ = setup.create_state(config, model, mesh, tx)
-    train_step = jax.jit(steps.make_train_step(config, lr))
+    train_step = jax.jit(update.make_train_step(config, lr))
     eval_step = jax.jit(loss_pass.make_eval_step(config), static_argnums=1)
     batch = _batch()
 

@@ -11,7 +11,7 @@ import tiny_config
 
 from lconv.errors import UserError
 from lconv.run import checkpoints, model_setup, restore, schema
-from lconv.train import init_from, loop, setup
+from lconv.train import init_from, loop, setup, update
 
 _ONE_DEVICE = jax.devices("cpu")[:1]
 
@@ -45,7 +45,7 @@ def _fresh_state(config, workdir):
 
     config = schema.validate_config(config)
     model = model_setup.build_model(config, tokenizer.load_tokenizer(str(workdir)).vocab_size)
-    optimizer, _ = setup.build_optimizer(config.optim, config.train.num_steps)
+    optimizer, _ = update.build_optimizer(config.optim, config.train.num_steps)
     return setup.create_state(config, model, model_setup.make_mesh(config.mesh, _ONE_DEVICE), optimizer)[0]
 
 

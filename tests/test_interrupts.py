@@ -14,14 +14,14 @@ import helpers
 import pytest
 
 from lconv.cli import runtime
-from lconv.train import loop
+from lconv.train import hooks
 
 
 def test_user_errors_installs_the_handler_over_the_default_only_and_puts_it_back():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(SystemExit), runtime.user_errors():
         assert signal.getsignal(signal.SIGINT) is runtime.on_interrupt
-        with loop.Preemption() as preemption:  # the training loop takes it over, then hands it back
+        with hooks.Preemption() as preemption:  # the training loop takes it over, then hands it back
             assert signal.getsignal(signal.SIGINT) == preemption._handler
         assert signal.getsignal(signal.SIGINT) is runtime.on_interrupt
         raise KeyboardInterrupt
@@ -58,7 +58,7 @@ def test_a_ctrl_c_while_a_compile_thread_runs_ends_the_process_at_once(exits, ca
 
 def test_the_training_loops_second_ctrl_c_goes_to_the_clis_handler():
     with pytest.raises(SystemExit), runtime.user_errors():
-        preemption = loop.Preemption()
+        preemption = hooks.Preemption()
         preemption._handler(signal.SIGINT, None)  # the first: a checkpoint and a clean stop
         assert preemption.requested and signal.getsignal(signal.SIGINT) is runtime.on_interrupt
         preemption.close()
@@ -127,10 +127,10 @@ import os, signal, sys
 import jax.numpy as jnp
 from lconv.cli import runtime
 from lconv.run import checkpoints
-from lconv.train import loop
+from lconv.train import hooks
 with runtime.user_errors():
     ckpt = checkpoints.Checkpointer(sys.argv[1], save_every=1, async_save=True)
-    with loop.Preemption() as preemption:
+    with hooks.Preemption() as preemption:
         os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: the loop saves and stops
         ckpt.save(1, {"w": jnp.zeros(1 << 24)}, {"a": 1}, force=preemption.requested)
         os.kill(os.getpid(), signal.SIGINT)  # the second, while the save is written

@@ -135,7 +135,7 @@ def test_every_import_points_down_or_stays_in_its_package():
 SURFACES = ("lconv.api", "lconv.export", "lconv.evaluate", "lconv.import_fairseq", "lconv.cli", "lconv.interop",
             "lconv.bench", "lconv.study")
 # What a surface that trains may import (training's entry points), and why each such module trains.
-TRAINING_ENTRY = ("lconv.train.loop", "lconv.train.steps", "lconv.train.setup")
+TRAINING_ENTRY = ("lconv.train.loop", "lconv.train.update", "lconv.train.setup")
 TRAINERS = {"lconv.bench.train": "times the train step", "lconv.bench.gpu": "times training runs",
             "lconv.study.measure": "times each study task's train step", "lconv.study.run": "trains the study's runs",
             "lconv.study.speed": "times every mixer's train step side by side",

@@ -10,7 +10,7 @@ from reference import tolerance
 from lconv.configs import common
 from lconv.ops import linear_cross_entropy as lce
 from lconv.run import metrics, model_setup, schema
-from lconv.train import setup, steps
+from lconv.train import setup, update
 
 B, T, C, V = 3, 13, 7, 37  # primes: a shape bug cannot hide; T=13 in chunks of 4 leaves a ragged last chunk
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -180,7 +180,7 @@ def test_a_train_step_with_the_fused_loss_equals_one_with_materialised_logits(lm
         c.optim.fused_loss = fused
         c = schema.validate_config(c)
         model = model_setup.build_model(c, c.data.vocab_size)
-        tx, lr = setup.build_optimizer(c.optim, 10)
+        tx, lr = update.build_optimizer(c.optim, 10)
         state, _ = setup.create_state(c, model, model_setup.make_mesh(c.mesh, jax.devices("cpu")[:1]), tx)
         if not results:
             seg = np.ones((3, 10), np.int32)
@@ -192,7 +192,7 @@ def test_a_train_step_with_the_fused_loss_equals_one_with_materialised_logits(lm
                              inputs_segmentation=np.ones((3, 12), np.int32),
                              inputs_position=np.tile(np.arange(12, dtype=np.int32), (3, 1)))
         before = jax.device_get(state.params)
-        new_state, sums = jax.jit(steps.make_train_step(c, lr))(state, batch)
+        new_state, sums = jax.jit(update.make_train_step(c, lr))(state, batch)
         results.append((jax.device_get(sums), jax.tree.map(np.subtract, jax.device_get(new_state.params), before)))
     (fused_sums, fused_updates), (plain_sums, plain_updates) = results
     for key in ("loss", "nll", "correct", "tokens", "grad_norm"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lconv.configs import common
-from lconv.train import schedule, setup
+from lconv.train import update
 
 
 def _optim(**overrides):
@@ -18,7 +18,7 @@ def _optim(**overrides):
 
 
 def _run(optim, params, grads_per_step):
-    tx, lr = setup.build_optimizer(optim, num_steps=100)
+    tx, lr = update.build_optimizer(optim, num_steps=100)
     state, p = tx.init(params), params
     for g in grads_per_step:
         updates, state = tx.update(g, state, p)
@@ -81,7 +81,7 @@ def test_the_cosine_runs_over_fairseqs_period_and_stays_at_its_floor(period):
     optim = _optim(schedule="cosine", warmup_steps=10, warmup_init_lr=1e-7, learning_rate=1e-3, min_lr=1e-7,
                    cosine_period=period)
     num_steps = 40
-    rate = schedule.step_rate(optim, num_steps)
+    rate = update.step_rate(optim, num_steps)
     span = period or num_steps - 10
     for t in (0, 5, 10, 20, 25, 39, 40, 85, 200):
         if t < 10:
@@ -98,7 +98,7 @@ def test_wmt_en_fr_is_fairseqs_command_30k_updates_of_a_70k_cosine():
     c = wmt_en_fr.get_config("dynamic,big")
     assert (c.train.num_steps, c.optim.warmup_steps, c.optim.cosine_period, c.decode.lenpen) == (30_000, 10_000,
                                                                                                  70_000, 0.9)
-    lr = schedule.step_rate(c.optim, c.train.num_steps)
+    lr = update.step_rate(c.optim, c.train.num_steps)
     assert float(lr(c.train.num_steps)) > 0.5 * c.optim.learning_rate  # 20k of 70k: still above half the peak
 
 
@@ -129,7 +129,7 @@ def test_fairseqs_clip_multiplies_by_clip_over_norm_plus_1e_6_capped_at_1(scale)
                        schedule="constant", warmup_steps=0, learning_rate=1.0)
         got, _ = _run(optim, jnp.zeros(2), [jnp.asarray(g)])
         np.testing.assert_allclose(-got, g * coefficient, rtol=1e-6)
-        assert float(setup.clip_coefficient(jnp.float32(5 * scale), clip, form)) == pytest.approx(coefficient,
+        assert float(update.clip_coefficient(jnp.float32(5 * scale), clip, form)) == pytest.approx(coefficient,
                                                                                                    rel=1e-6)
 
 

@@ -21,7 +21,7 @@ from lconv.errors import Diverged, LossSpike, UserError
 from lconv.infer import compiled
 from lconv.run import checkpoints, integrity
 from lconv.run import workdir as workdir_lib
-from lconv.train import early_build, loop, steps
+from lconv.train import early_build, hooks, loop, update
 
 _config = tiny_config.training_config
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's (tests/conftest.py:tiny_run)
@@ -342,7 +342,7 @@ def test_the_latest_and_the_best_checkpoint_of_one_step_wait_at_different_cross_
 # ----------------------------------------------------------------------------------------------------------------
 def test_the_spike_guard_against_a_brute_force_reading_of_its_rule():
     losses = [9.0, 8.0, 7.0, 6.5, 30.0, 6.0, 25.0, 26.0, 27.0]
-    guard, seen = loop.SpikeGuard(factor=3.0, windows=3, history=20, min_history=3), []
+    guard, seen = hooks.SpikeGuard(factor=3.0, windows=3, history=20, min_history=3), []
     with pytest.raises(LossSpike, match=r"loss 27 by step 9 is above 3 x its running median 7.*3 log windows.*"
                                         r"\(step 4\)"):
         for step, loss in enumerate(losses, 1):
@@ -373,7 +373,7 @@ def test_a_finite_divergence_stops_and_keeps_the_checkpoint_before_it(tiny_data,
 
 def test_a_loss_spike_is_never_checkpointed(tiny_data, tmp_path, monkeypatch):
     spiking = helpers.new_workdir(tiny_data, tmp_path / "spiking")
-    make_step = steps.make_train_step
+    make_step = update.make_train_step
 
     def spiked(config, lr_schedule):  # from the 5th update on, the loss reads 1000x (finite)
         step_fn = make_step(config, lr_schedule)
@@ -385,7 +385,7 @@ def test_a_loss_spike_is_never_checkpointed(tiny_data, tmp_path, monkeypatch):
 
         return train_step
 
-    monkeypatch.setattr(steps, "make_train_step", spiked)
+    monkeypatch.setattr(update, "make_train_step", spiked)
     with pytest.raises(LossSpike, match=r"by step 6 .* for 2 log windows in a row.*kept \(step 4\)"):
         loop.train_and_evaluate(_config(tiny_data.data_dir, 8, spike_windows=2), str(spiking), devices=_ONE_DEVICE)
     assert checkpoints.Checkpointer(spiking).all_steps() == [1, 2, 3, 4]

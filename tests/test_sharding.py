@@ -18,7 +18,7 @@ from lconv.errors import UserError
 from lconv.nn import knn_memory, models
 from lconv.nn.common import BTC, axis_rules, constrain, under_axis_rules
 from lconv.run import metrics, model_setup, schema
-from lconv.train import setup
+from lconv.train import setup, update
 from scripts import param_table
 
 MESH_SIZES = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -182,7 +182,7 @@ def _loss_and_grads(config, shape, batch):
     config = schema.validate_config(config)
     mesh = model_setup.make_mesh(config.mesh, helpers.cpu_devices(int(np.prod(shape))))
     model = model_setup.build_model(config, config.data.vocab_size)
-    state, shardings = setup.create_state(config, model, mesh, setup.build_optimizer(config.optim, 10)[0])
+    state, shardings = setup.create_state(config, model, mesh, update.build_optimizer(config.optim, 10)[0])
     sharding = model_setup.batch_sharding(mesh)
 
     def loss(params, batch):  # the train step's loss: the fused output layer unless the config turns it off

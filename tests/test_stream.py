@@ -14,7 +14,7 @@ import tiny_config
 import lconv
 from lconv.data import EOS_ID, PAD_ID, pipeline, sources, stream
 from lconv.run import loss_pass, metrics, model_setup, schema
-from lconv.train import loop, setup, steps
+from lconv.train import loop, setup, update
 
 
 class WordTokenizer:
@@ -187,13 +187,13 @@ def _row_reference(config, model, params_per_step, batches, carry=True):
 def test_train_step_threads_the_memory_as_a_per_row_loop_does(grad_accum_steps):
     config = schema.validate_config(_knn_config(grad_accum_steps))
     model = model_setup.build_model(config, VOCAB)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, devices=helpers.cpu_devices(2))
     state, shardings = setup.create_state(config, model, mesh, tx)
     assert jax.tree.leaves(state.mixer_state) and all(s.spec[0] == ("data", "fsdp") for s in
                                                       jax.tree.leaves(shardings.mixer_state))
     it = stream.DocumentStream(make_documents(12, seed=4), "text", WordTokenizer(), window=8, rows=4, seed=0)
-    train_step = jax.jit(steps.make_train_step(config, lr))
+    train_step = jax.jit(update.make_train_step(config, lr))
     params_per_step, batches, losses = [], [], []
     with jax.set_mesh(mesh):
         for _ in range(10):
@@ -224,7 +224,7 @@ def test_memory_rows_stay_on_their_devices():
     config.data.batch_size = 8
     config = schema.validate_config(config)
     model = model_setup.build_model(config, VOCAB)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh, helpers.cpu_devices(8))
     state, _ = setup.create_state(config, model, mesh, tx)
     sharding = model_setup.batch_sharding(mesh)
@@ -239,7 +239,7 @@ def test_memory_rows_stay_on_their_devices():
     assert eval_step._cache_size() == 1
     with jax.set_mesh(mesh):
         batch = model_setup.global_batch(batch, sharding)
-        train_hlo = jax.jit(steps.make_train_step(config, lr)).lower(state, batch).compile().as_text()
+        train_hlo = jax.jit(update.make_train_step(config, lr)).lower(state, batch).compile().as_text()
         eval_hlo = eval_step.lower(state.params, state.apply_fn, batch, memory).compile().as_text()
     collectives = lambda hlo: sorted(set(re.findall(r"(all-gather|all-to-all|all-reduce)[-a-z]*\(", hlo)))  # noqa: E731
     assert collectives(train_hlo) == collectives(eval_hlo) == ["all-reduce"]  # the loss sums (and gradients)

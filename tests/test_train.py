@@ -15,7 +15,7 @@ import tiny_config
 from lconv.data import pipeline, sources
 from lconv.infer import compiled
 from lconv.run import checkpoints, loss_pass, model_setup, restore, schema
-from lconv.train import loop, schedule, setup, steps
+from lconv.train import loop, setup, update
 
 _config = tiny_config.training_config
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's (tests/conftest.py:tiny_run)
@@ -49,7 +49,7 @@ def test_training_runs_and_writes_its_outputs(tiny_run):
     # Each update's logged rate is the schedule's times the cooldown the tiny config keeps from configs/default.py:
     # with no budget, by the share of num_steps done before the update (update 6: 5/6, so 1/6 / 0.2 of the rate).
     optim = _config(tiny_run.data_dir).optim
-    rate = schedule.step_rate(optim, 6)
+    rate = update.step_rate(optim, 6)
     assert optim.cooldown_fraction == 0.2
     for step, row in {r["step"]: r for r in _rows(workdir, "train")}.items():
         cooldown = min(1.0, (1 - (step - 1) / 6) / optim.cooldown_fraction)
@@ -121,7 +121,7 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_a_clear_error(tiny_run, tm
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tiny_run, tiny_data, tmp_path,
                                                                               monkeypatch):
     diverging = helpers.new_workdir(tiny_data, tmp_path / "diverging")
-    make_step = steps.make_train_step
+    make_step = update.make_train_step
 
     def poisoned(config, lr_schedule):  # from the 4th update on, the params and the loss become NaN
         step_fn = make_step(config, lr_schedule)
@@ -135,7 +135,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tin
 
         return train_step
 
-    monkeypatch.setattr(steps, "make_train_step", poisoned)
+    monkeypatch.setattr(update, "make_train_step", poisoned)
     with pytest.raises(FloatingPointError, match="step 4.*step 3"):  # where it stopped, the checkpoint it kept
         loop.train_and_evaluate(_config(tiny_run.data_dir), str(diverging), devices=_ONE_DEVICE)
     ckpt = checkpoints.Checkpointer(diverging)
@@ -154,7 +154,7 @@ def step_setup():
     config.optim.optimizer = "nag"  # updates linear in the gradient (Adam's first step is ~sign(g): noise-prone)
     config = schema.validate_config(config)
     model = model_setup.build_model(config, 512)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     mesh = model_setup.make_mesh(config.mesh)
     state, _ = setup.create_state(config, model, mesh, tx)
     rng = np.random.default_rng(0)
@@ -168,7 +168,7 @@ def step_setup():
 
 def _one_step(config, lr, mesh, state, batch):
     with jax.set_mesh(mesh):
-        return jax.jit(steps.make_train_step(config, lr))(state, batch)
+        return jax.jit(update.make_train_step(config, lr))(state, batch)
 
 
 def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
@@ -243,7 +243,7 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
     assert chosen == [4, 5, 6]
     ckpt = checkpoints.Checkpointer(workdir)
     template = checkpoints.abstract_like(setup.create_state(
-        config, model, model_setup.make_mesh(config.mesh), setup.build_optimizer(config.optim, 6)[0])[0])
+        config, model, model_setup.make_mesh(config.mesh), update.build_optimizer(config.optim, 6)[0])[0])
     each = [jax.tree.leaves(ckpt.restore(template, step)[0].params) for step in chosen]
     ckpt.close()
     for got, *separate in zip(jax.tree.leaves(averaged), *each):

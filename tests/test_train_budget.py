@@ -16,12 +16,13 @@ import tiny_runs
 
 from lconv.data import pipeline
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import batching, split_scoring, time_estimate
 from lconv.infer.infer_config import InferConfig
 from lconv.run import model_setup
-from lconv.train import budget, logs, loop, schedule
+from lconv.train import budget, logs, loop, update
 
 _ONE_DEVICE = jax.devices("cpu")[:1]
 
@@ -91,8 +92,8 @@ def test_a_budget_ends_the_run_with_its_final_validation_and_the_bar_counts_to_i
     lrs = _logged_rates(tmp_path / "budget_1.0")
     for step, lr in lrs.items():
         progress = _time_progress(step, reserve)
-        floor = schedule.TimeSchedule.FLOOR if progress < 0.2 else 0
-        want = 1e-3 * max(schedule.time_factor(progress, 0.2, 0.5), floor)
+        floor = update.TimeSchedule.FLOOR if progress < 0.2 else 0
+        want = 1e-3 * max(update.time_factor(progress, 0.2, 0.5), floor)
         assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), (step, lr, want)
     assert max(lrs.values()) > 0.8e-3 and lrs[max(lrs)] < 0.1e-3  # near the peak, then near 0 at the end
 
@@ -178,48 +179,48 @@ def test_the_time_schedule_follows_the_budgets_training_time():
         run_budget = budget.Budget(2.0)  # 120 s from now; the evaluation keeps the last 20
         run_budget.reserve = 20.0
         clock.now += 10.0  # setup: training starts 10 s in, so it has 90 s
-        shaped = schedule.TimeSchedule(run_budget, "budget", 0.1, 0.3)
+        shaped = update.TimeSchedule(run_budget, "budget", 0.1, 0.3)
         factors = {}
         for second in (0, 4.5, 9, 45, 63, 72, 81, 90, 95):
             clock.now = run_budget.start + 10.0 + second
             factors[second] = shaped.factor()
-        assert factors == pytest.approx({0: schedule.TimeSchedule.FLOOR, 4.5: 0.5, 9: 1.0, 45: 1.0, 63: 1.0,
+        assert factors == pytest.approx({0: update.TimeSchedule.FLOOR, 4.5: 0.5, 9: 1.0, 45: 1.0, 63: 1.0,
                                          72: 2 / 3, 81: 1 / 3, 90: 0.0, 95: 0.0})
-        assert schedule.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3).factor() == 1.0  # other schedules: 1
-        assert schedule.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3).factor() == 1.0  # no budget: no shape
+        assert update.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3).factor() == 1.0  # other schedules: 1
+        assert update.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3).factor() == 1.0  # no budget: no shape
 
 
 def test_a_cooldown_falls_to_zero_over_the_last_share_of_the_steps_or_the_time_whichever_ends_first():
     clock = FakeClock()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(budget, "clock", clock)
-        by_steps = schedule.TimeSchedule(budget.Budget(0.0), "inverse_sqrt", 0.1, 0.3, cooldown_fraction=0.25,
+        by_steps = update.TimeSchedule(budget.Budget(0.0), "inverse_sqrt", 0.1, 0.3, cooldown_fraction=0.25,
                                        num_steps=100)  # no budget: the share of num_steps done
         assert {step: by_steps.factor(step) for step in (0, 50, 75, 80, 90, 99)} == pytest.approx(
             {0: 1.0, 50: 1.0, 75: 1.0, 80: 0.8, 90: 0.4, 99: 0.04})
         run_budget = budget.Budget(2.0)  # training from 10 s to 100 s, as above
         run_budget.reserve = 20.0
         clock.now += 10.0
-        by_time = schedule.TimeSchedule(run_budget, "constant", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+        by_time = update.TimeSchedule(run_budget, "constant", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
         factors = {}
         for second, step in ((0, 0), (45, 10), (72, 20), (81, 30), (90, 40), (95, 50), (45, 900)):
             clock.now = run_budget.start + 10.0 + second
             factors[second, step] = by_time.factor(step)
         assert factors == pytest.approx({(0, 0): 1.0, (45, 10): 1.0, (72, 20): 0.8, (81, 30): 0.4, (90, 40): 0.0,
                                          (95, 50): 0.0, (45, 900): 0.4})  # the last: 90% of the steps done
-        unshaped = schedule.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3, cooldown_fraction=0.0, num_steps=1000)
+        unshaped = update.TimeSchedule(run_budget, "inverse_sqrt", 0.1, 0.3, cooldown_fraction=0.0, num_steps=1000)
         assert unshaped.factor(999) == 1.0
         clock.now = run_budget.start + 10.0 + 72  # the budget schedule decays over its own decay_fraction alone
-        shaped = schedule.TimeSchedule(run_budget, "budget", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+        shaped = update.TimeSchedule(run_budget, "budget", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
         shaped.first_update = run_budget.start + 10.0
         assert shaped.factor(999) == pytest.approx(2 / 3)
 
 
 def test_a_cooldown_with_the_budget_schedule_is_said_not_ignored_silently(lconv_log):
     """The default config's cooldown_fraction meets --config.optim.schedule=budget: not applied, and said once."""
-    schedule.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
-    schedule.TimeSchedule(budget.Budget(0.0), "cosine", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
-    schedule.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3, cooldown_fraction=0.0, num_steps=1000)
+    update.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+    update.TimeSchedule(budget.Budget(0.0), "cosine", 0.1, 0.3, cooldown_fraction=0.25, num_steps=1000)
+    update.TimeSchedule(budget.Budget(0.0), "budget", 0.1, 0.3, cooldown_fraction=0.0, num_steps=1000)
     (line,) = [m for m in lconv_log() if "cooldown_fraction" in m]
     assert "cooldown_fraction=0.25" in line and "schedule=budget" in line and "decay_fraction=0.3" in line
 
@@ -365,7 +366,7 @@ def test_decoding_stops_where_the_budget_runs_out_and_the_scores_say_how_much(tm
     scores = split_scoring.score_split(config.infer, None, {"w": np.zeros(1)}, tiny_runs.tokenizer(),
                                           {"test": eval_set}, str(tmp_path), _settings(config),
                                           translator=Counting(clock),
-                                          stop_when=(lambda: calls["batches"] >= 2, "train.max_minutes"))
+                                          deadline=Deadline(2, "train.max_minutes", clock=lambda: calls["batches"]))
     assert calls["batches"] == 2 and scores["examples"] == 8 and scores["undecoded"] == 2
     assert len((tmp_path / "test.hyp.txt").read_text().splitlines()) == 8
     (warning,) = [m for m in lconv_log() if "train.max_minutes" in m]

@@ -1,7 +1,7 @@
 """Suite ``train``: tokens/s of a full training step, and model FLOPs utilisation.
 
 Same-size decoder-only LMs (d=512, FFN 2048, H=8, vocab 8000), one per compared mixer, trained with lconv's own
-step (``steps.make_train_step``) on random tokens at T=512 and 4096, ``tokens_per_batch()`` tokens per batch, in
+step (``update.make_train_step``) on random tokens at T=512 and 4096, ``tokens_per_batch()`` tokens per batch, in
 float32 and, on an accelerator, bfloat16. Each row names the attention kernel "auto" ran and the step's XLA
 temporaries; a vocabulary sweep compares the fused output layer and loss with materialised logits. MFU divides
 analytic model FLOPs (``model_flops_per_token``) by the matmul rate measured in the same run. Details:
@@ -24,7 +24,7 @@ from lconv.nn import mixers
 from lconv.nn.model_config import ModelConfig
 from lconv.ops import flash
 from lconv.run import model_setup, schema
-from lconv.train import setup, steps
+from lconv.train import setup, update
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +116,10 @@ def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
     """The ``mixer`` LM's train step at ``T`` lowered (not yet compiled), with its state and one batch."""
     config = schema.validate_config(lm_config(mixer, T, dtype, fused_loss, size))
     model = model_setup.build_model(config, vocab)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     state, _ = setup.create_state(config, model, model_setup.make_mesh(config.mesh, jax.devices()[:1]), tx)
     batch, lr_factor = _batch(config, vocab), np.float32(1.0)  # the learning-rate factor, as the training loop
-    lowered = jax.jit(steps.make_train_step(config, lr), donate_argnums=(0,)).lower(state, batch, lr_factor)
+    lowered = jax.jit(update.make_train_step(config, lr), donate_argnums=(0,)).lower(state, batch, lr_factor)
     holder = {"state": state, "params": model_setup.count_params(state.params), "attention": attention_kernel(config)}
     return lowered, holder, batch, lr_factor, config.data.batch_size
 
@@ -205,7 +205,7 @@ def section(rows: Sequence[report.Row], T_list: Sequence[int], info: dict[str, s
     runs = list(dict.fromkeys((r["T"], r["dtype"]) for r in models))
     parts = [f"### Training step (`{command}`)\n",
              f"Machine: {timing.describe(info)}. DecoderOnlyLM, {_size_text(models[0])}; "
-             f"{models[0]['B'] * models[0]['T']:,} tokens per batch; `steps.make_train_step` "
+             f"{models[0]['B'] * models[0]['T']:,} tokens per batch; `update.make_train_step` "
              f"(dropout 0.1, label smoothing, Adam; the fused output layer and loss), state donated; compute in "
              f"{' and '.join(dict.fromkeys(r['dtype'] for r in models))} (params float32); the three models' "
              "steps alternate, median of the rounds. "

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lconv import console
 from lconv.data import pipeline
+from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import batching, compiled, reports, scoring, shards
@@ -29,20 +30,20 @@ logger = logging.getLogger(__name__)
 def score_split(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer,
                 eval_sets: Mapping[str, pipeline.EvalSet], workdir: str, settings: DecodeSettings, *,
                 split: str | None = None, translator: compiled.Translator | None = None,
-                stop_when: tuple[Callable[[], bool], str] | None = None, output_name: str | None = None,
+                deadline: Deadline | None = None, output_name: str | None = None,
                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Decodes ``split`` of the eval sets, writes ``<workdir>/<split>.hyp.txt`` and ``<split>.scores.json``
     (``output_name`` in place of ``<split>``; ``extra`` added to the scores), with a progress bar.
 
     A collective: every process calls it. ``settings``: the search's; ``translator``: one whose programs to reuse.
-    ``stop_when``: ``(over, why)``; decoding stops once ``over()`` (a time budget, ``why`` naming it), and the
-    scores cover the examples decoded by then (``undecoded`` counts the rest; a warning says so)."""
+    ``deadline``: decoding stops once it has passed (a time budget), and the scores cover the examples decoded
+    by then (``undecoded`` counts the rest; a warning says so)."""
     split = split or config.split
     if split not in eval_sets:
         raise UserError(f"split {split!r} is not prepared; available: {sorted(eval_sets)}")
     eval_set = shards.whole_split(eval_sets[split], config.eval_batch_size)
     start = time.time()
-    hypotheses = _decode(config, model, params, tokenizer, eval_set, settings, split, translator, stop_when)
+    hypotheses = _decode(config, model, params, tokenizer, eval_set, settings, split, translator, deadline)
     seconds = time.time() - start
     order = sorted(hypotheses)
     hyps = [hypotheses[i] for i in order]
@@ -64,8 +65,8 @@ def score_split(config: InferConfig, model: nn.Module, params: Any, tokenizer: T
 
 def _decode(config: InferConfig, model: nn.Module, params: Any, tokenizer: Tokenizer, eval_set: pipeline.EvalSet,
             settings: DecodeSettings, split: str, translator: compiled.Translator | None,
-            stop_when: tuple[Callable[[], bool], str] | None) -> dict[int, str]:
-    """{example index: its hypothesis} of ``eval_set``, every one unless ``stop_when`` stops the pass, with a
+            deadline: Deadline | None) -> dict[int, str]:
+    """{example index: its hypothesis} of ``eval_set``, every one unless ``deadline`` stops the pass, with a
     progress bar and its ETA in sentences (``console.pass_bar``: on a terminal only)."""
     hypotheses = {}
     bar = console.pass_bar(len(eval_set.tokens), f"decoding {split}", "sentence")
@@ -76,8 +77,8 @@ def _decode(config: InferConfig, model: nn.Module, params: Any, tokenizer: Token
                 if index >= 0:
                     hypotheses[int(index)] = tokenizer.detokenize(tokens[row])
                     bar.update(1)
-            if stop_when and stop_when[0]() and len(hypotheses) < len(eval_set.tokens):
-                logger.warning(f"{stop_when[1]} ran out: {split} decoding stopped after {len(hypotheses)} of "
+            if deadline and deadline.passed() and len(hypotheses) < len(eval_set.tokens):
+                logger.warning(f"{deadline.name} ran out: {split} decoding stopped after {len(hypotheses)} of "
                                f"{len(eval_set.tokens)} examples (the shortest sources); its scores cover those "
                                f"only, and eval.py --split={split} scores them all")
                 break

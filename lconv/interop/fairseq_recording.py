@@ -147,7 +147,7 @@ def batch_shape(micro_batches: list[list[dict[str, np.ndarray]]]) -> tuple[int, 
 
 def collate(micro_batches: list[dict[str, np.ndarray]], shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
     """An update's fairseq micro-batches as one lconv batch of ``len(micro_batches) x rows`` rows: row ``r`` is row
-    ``r // n`` of micro-batch ``r % n`` (``lconv.train.steps`` splits it back so), sources right-padded, targets
+    ``r // n`` of micro-batch ``r % n`` (``lconv.train.update`` splits it back so), sources right-padded, targets
     as fairseq's with lconv's ids (the model makes the decoder's input from them)."""
     rows, S, T = shape
     n = len(micro_batches)

@@ -5,7 +5,7 @@ through lconv's own train step and compared with what fairseq recorded, update b
 The replay imports fairseq's weights before update 1 (``lconv.interop.fairseq``, the checkpoint importer's
 mapping), builds the optimizer and schedule from fairseq's arguments with fairseq's semantics
 (``lconv.configs.common.FAIRSEQ_SEMANTICS``), and feeds the recorded batches in order, converted to lconv's
-collation, to ``lconv.train.steps``' train step. It prints, per update, lconv's loss sum, gradient norm, clip
+collation, to ``lconv.train.update``' train step. It prints, per update, lconv's loss sum, gradient norm, clip
 coefficient and learning rate beside fairseq's, then the weights after update 1 and after the last recorded state,
 and each quantity's worst difference as a ratio to its tolerance: the float-noise floor (the larger of the
 recording's and lconv's own, measured by a second pass whose weights move one rounding step before each update)
@@ -30,7 +30,8 @@ from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_workdir
 from lconv.interop.fairseq_recording import NoiseFloor, RecordedRun, batch_shape, collate, find_runs
 from lconv.run import model_setup, schema
-from lconv.train import setup, steps
+from lconv.train import setup
+from lconv.train import update as update_lib
 
 # The tolerance is the noise floor times this factor: lconv rounds every operation in its own order, a few float32
 # roundings from fairseq at update 1 where the floor is seeded by one (tests/test_fairseq_train_parity.py derives
@@ -157,11 +158,11 @@ class Prepared:
         params = jax.tree.map(jnp.asarray, fairseq.lconv_params(weights, fields))
         mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])
         model = model_setup.build_model(config, vocab_size)
-        tx, lr_schedule = setup.build_optimizer(config.optim, config.train.num_steps)
+        tx, lr_schedule = update_lib.build_optimizer(config.optim, config.train.num_steps)
         state = setup.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         shardings = jax.tree.map(lambda _: replicated, state)
-        train_step = steps.jit_train_step(config, lr_schedule, shardings, mesh)
+        train_step = update_lib.jit_train_step(config, lr_schedule, shardings, mesh)
 
         def step(state, batch):
             with jax.set_mesh(mesh):
@@ -207,7 +208,7 @@ class Prepared:
         recorded = self.run.updates[update - 1]
         optim = self.config.optim
         norm = float(sums["grad_norm"])
-        coef = float(setup.clip_coefficient(jnp.float32(norm), optim.clip_norm, optim.clip_form))
+        coef = float(update_lib.clip_coefficient(jnp.float32(norm), optim.clip_norm, optim.clip_form))
         theirs_coef = recorded.get("clip_coef")
         return UpdateRow(update, (float(sums["loss"]), float(recorded["loss_sum"])),
                          (norm, float(recorded["grad_norm"])),

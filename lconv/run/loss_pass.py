@@ -13,6 +13,7 @@ import numpy as np
 
 from lconv import console
 from lconv.data import pipeline, stream
+from lconv.deadline import Deadline
 from lconv.infer import reports, scoring, shards
 from lconv.nn import common as nn_common
 from lconv.nn import mixer_state
@@ -47,12 +48,12 @@ def jit_eval_step(config: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
 
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
                   mesh: jax.sharding.Mesh, carried: mixer_state.MixerState | None = None,
-                  stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
+                  deadline: Deadline | None = None) -> dict[str, float]:
     """Validation loss / perplexity / accuracy over every example of ``eval_set``, packed several to a row.
 
     Each process feeds its shard's rows, so the sums cover the split once and agree on every process.
     ``eval_step``: ``jit_eval_step``'s, built once per run. ``carried``: a stream eval set's starting mixer state.
-    ``stop_when``: ``(over, why)``; once ``over()`` the pass stops and ``unscored_batches`` counts the rest."""
+    ``deadline``: once it has passed, the pass stops and ``unscored_batches`` counts the rest."""
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
     total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
@@ -65,30 +66,30 @@ def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_
             done += 1
             previous = model_setup.one_step_ahead(previous, total)
             bar.update(1)
-            if stop_when and done < len(eval_set) and stop_when[0]():  # the clock is now the device's, less a batch
+            if deadline and done < len(eval_set) and deadline.passed():  # the clock is now the device's, less a batch
                 break
     bar.close()
     scores = metrics.summarize(total)
-    if stop_when and done < len(eval_set):
+    if deadline and done < len(eval_set):
         scores["unscored_batches"] = len(eval_set) - done
-        logger.warning(f"{stop_when[1]} ran out: the loss pass stopped after {done} of {len(eval_set)} "
+        logger.warning(f"{deadline.name} ran out: the loss pass stopped after {done} of {len(eval_set)} "
                        f"batches ({scores['tokens']:.0f} tokens); its scores cover those only")
     return scores
 
 
 def score_perplexity(config: RunConfig, model: Any, params: PyTree, eval_set: Iterable[Batch], workdir: str, split: str,
                      *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
-                     stop_when: tuple[Callable[[], bool], str] | None = None, output_name: str | None = None,
+                     deadline: Deadline | None = None, output_name: str | None = None,
                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``
     (``output_name`` in place of ``<split>``; ``extra`` added to the scores). ``mesh`` and ``eval_step``: a
-    training run's own, so the end-of-training score compiles nothing new; ``stop_when``: ``evaluate_loss``'s (a
+    training run's own, so the end-of-training score compiles nothing new; ``deadline``: ``evaluate_loss``'s (a
     pass cut short has no per-word perplexity)."""
     mesh = model_setup.make_mesh(config.mesh) if mesh is None else mesh
     eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
     carried = model_setup.init_mixer_state(config, model, config.data.eval_batch_size,
                                            model_setup.batch_sharding(mesh))
-    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, carried, stop_when), split=split)
+    scores = dict(evaluate_loss(eval_step, params, model.apply, eval_set, mesh, carried, deadline), split=split)
     if "unscored_batches" not in scores:
         scores.update(_word_perplexity(eval_set, scores))
     scores.update(extra or {})

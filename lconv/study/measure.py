@@ -31,7 +31,7 @@ from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import search
 from lconv.run import model_setup, restore, schema
-from lconv.train import setup, steps
+from lconv.train import setup, update
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -64,13 +64,13 @@ def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
     config = schema.validate_config(config)
     mesh = model_setup.make_mesh(config.mesh)
     model = model_setup.build_model(config, vocab_size)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     state, shardings = setup.create_state(config, model, mesh, tx)
     batch = model_setup.dummy_batch(config, config.data.batch_size)
     if config.data.stream:
         batch["document_start"] = np.zeros((config.data.batch_size,), np.int32)
     sharding = model_setup.batch_sharding(mesh)
-    step = jax.jit(steps.make_train_step(config, lr), in_shardings=(shardings, sharding, None),
+    step = jax.jit(update.make_train_step(config, lr), in_shardings=(shardings, sharding, None),
                    out_shardings=(shardings, None), donate_argnums=0)  # as the training loop jits it
     with jax.set_mesh(mesh):
         compiled = step.lower(state, model_setup.global_batch(batch, sharding), np.float32(1.0)).compile()

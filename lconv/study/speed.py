@@ -100,7 +100,7 @@ def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: An
     from lconv.decode_settings import DecodeSettings
     from lconv.infer import batching, compiled, search
     from lconv.run import model_setup, schema
-    from lconv.train import setup, steps
+    from lconv.train import setup, update
 
     config = copy.deepcopy(template.config)
     with config.unlocked():  # the step and the search are measured: the loop's own fields (logging, checkpoints,
@@ -110,9 +110,9 @@ def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: An
     vocab = config.data.vocab_size
     mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])
     model = model_setup.build_model(config, vocab)
-    tx, lr = setup.build_optimizer(config.optim, config.train.num_steps)
+    tx, lr = update.build_optimizer(config.optim, config.train.num_steps)
     state, shardings = setup.create_state(config, model, mesh, tx)
-    train_step = steps.jit_train_step(config, lr, shardings, mesh)
+    train_step = update.jit_train_step(config, lr, shardings, mesh)
     device_batch = model_setup.global_batch({k: v for k, v in batch.items() if k != "example_index"},
                                             model_setup.batch_sharding(mesh))
     decode_params = jax.tree.map(jnp.copy, state.params)  # the train step donates the state's own

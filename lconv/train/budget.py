@@ -6,7 +6,7 @@ What the evaluation needs is measured (``estimate_final_evaluation``) once train
 the budget (one process; several measure before the first update, together): the validation loss over a few
 batches of the validation split, and for a decoded test split (BLEU / ROUGE) its first batch decoded twice,
 extrapolated to every batch of both splits. When the estimate was short (or the evaluation alone needs more than
-the budget), the final passes stop at the budget too (one process; ``Budget.stop_when``): their scores then cover the
+the budget), the final passes stop at the budget too (one process; ``Budget.deadline``): their scores then cover the
 batches done by then, and a warning says so.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from lconv.data import pipeline
+from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, time_estimate
@@ -94,13 +95,12 @@ class Budget:
                         f"of the {left:.0f} s left, and a model needs {MIN_USEFUL_UPDATES}; give it train.max_minutes="
                         f"{math.ceil((self.elapsed() + self.reserve) / 60) + 1} or more (or 0: no budget)")
 
-    def over(self) -> bool:
-        return self.enabled and self.elapsed() >= self.seconds
-
-    def stop_when(self) -> tuple[Callable[[], bool], str] | None:
-        """What the final evaluation's passes stop at (``over``, named): with one process and a budget; several
+    def deadline(self) -> Deadline | None:
+        """What the final evaluation's passes stop at: the budget's end, with one process and a budget; several
         processes would stop at different batches of their collectives, so they finish the passes."""
-        return (self.over, "train.max_minutes") if self.enabled and jax.process_count() == 1 else None
+        if not self.enabled or jax.process_count() > 1:
+            return None
+        return Deadline(self.start + self.seconds, "train.max_minutes", clock=lambda: clock())  # the tests' clock
 
 
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:

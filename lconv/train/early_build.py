@@ -32,7 +32,7 @@ from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.run import checkpoints, model_setup
 from lconv.run.schema import RunConfig
-from lconv.train import steps
+from lconv.train import update
 
 logger = logging.getLogger(__name__)
 PyTree = Any
@@ -106,7 +106,7 @@ class EarlyBuild:
         if self._cancelled.is_set():
             return None
         config, mesh = self._config, self._mesh
-        jitted = steps.jit_train_step(config, parts.lr_schedule, parts.state_shardings, mesh)
+        jitted = update.jit_train_step(config, parts.lr_schedule, parts.state_shardings, mesh)
         sharding = model_setup.batch_sharding(mesh)
         rows = model_setup.dummy_batch(config, config.data.batch_size)
         if config.data.stream:  # a document stream's batches also say which rows start a document (lconv.data.stream)

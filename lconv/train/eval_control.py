@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.run import checkpoints
 
@@ -66,16 +67,16 @@ class Tracker:
         self.best_value = best.value if best is not None else _worst(control.metric)
 
     def after_validation(self, run: Any, step: int, scores: dict[str, Any],
-                         stop_when: tuple[Any, str] | None = None) -> dict[str, Any]:
+                         deadline: Deadline | None = None) -> dict[str, Any]:
         """``scores`` (a validation loss pass of ``run``, a ``setup.Run``) with the decoded metric added when it is
         the chosen one; the state is offered to the best checkpoint. A pass cut short (``unscored_batches``, or a
-        decode ``stop_when`` stopped: the final evaluation's time budget) is not comparable with the others: it is
+        decode ``deadline`` stopped: the final evaluation's time budget) is not comparable with the others: it is
         not offered."""
         if "unscored_batches" in scores:
             return scores
         value = scores["loss"]
         if self.control.decodes:
-            decoded = self._decode(run, stop_when)
+            decoded = self._decode(run, deadline)
             scores, value = {**scores, self.control.metric: decoded[self.control.metric]}, decoded[self.control.metric]
             if "undecoded" in decoded:
                 return scores
@@ -112,7 +113,7 @@ class Tracker:
         return (f"early stopping: {patience} validation pass(es) in a row without a better {self.control.metric} "
                 f"than {self.best_value:.4g} (config.train.patience={patience})")
 
-    def _decode(self, run: Any, stop_when: tuple[Any, str] | None) -> dict[str, Any]:
+    def _decode(self, run: Any, deadline: Deadline | None) -> dict[str, Any]:
         """The validation split decoded with the control's search and scored (``split_scoring.score_split``)."""
         from lconv.infer import split_scoring  # decoding's modules: imported by the runs that decode only
 
@@ -120,7 +121,7 @@ class Tracker:
                                         lenpen=self.control.lenpen)
         return split_scoring.score_split(run.config.infer, run.model, run.state.params, run.tokenizer,
                                          run.data.eval_sets, run.workdir, settings, split="validation",
-                                         stop_when=stop_when)
+                                         deadline=deadline)
 
 
 def _worst(metric: str) -> float:

@@ -1,152 +1,34 @@
-"""The training loop: resume, step, log, validate, checkpoint, stop cleanly; then the final evaluation.
+"""The training loop: step -> update -> hooks, then the final evaluation.
 
-``train_and_evaluate`` builds the run once (``setup.build_run``), restores its latest readable checkpoint
-(state and data-iterator position, so a resume is exact), trains until ``train.num_steps``,
-``train.max_minutes`` or SIGTERM, and then scores the test split (BLEU / ROUGE, or perplexity for LMs).
-``train.max_minutes`` budgets the whole run, the final evaluation included (``lconv.train.budget``).
+``train_and_evaluate`` builds the run once (``setup.build_run``), restores its latest readable checkpoint (state
+and data-iterator position, so a resume is exact), then each step runs the update (``lconv.train.update``) and
+the hooks (``lconv.train.hooks``: stop, log, validation, checkpoint) until ``train.num_steps``, the time budget
+or a signal; then it scores the test split (BLEU / ROUGE, or perplexity for LMs). ``train.max_minutes`` budgets
+the whole run, the final evaluation included (``lconv.train.budget``).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging
 import math
-import signal
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
 from lconv import outputs
+from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
-from lconv.errors import LossSpike, NonFiniteLoss
 from lconv.infer import compiled, split_scoring
-from lconv.run import checkpoints, integrity, loss_pass, metrics, model_setup
+from lconv.run import checkpoints, integrity, loss_pass, model_setup
 from lconv.run import workdir as workdir_lib
 from lconv.train import budget as budget_lib
-from lconv.train import eval_control, init_from, logs, setup, steps
-from lconv.train import schedule as schedule_lib
+from lconv.train import eval_control, hooks, init_from, logs, setup, update
 
 logger = logging.getLogger(__name__)
-
-
-class Stopped(BaseException):
-    """A signal during the final evaluation (``Preemption(interrupt=True)``); a BaseException, like
-    KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-
-
-class Preemption:
-    """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) sets a flag; the loop saves a checkpoint and stops
-    cleanly at the next step. A second Ctrl-C interrupts at once. With ``interrupt`` (the final validation and
-    test decoding, which have no step to stop at and nothing left to save) the signal raises ``Stopped`` instead."""
-
-    def __init__(self, interrupt: bool = False) -> None:
-        self.signal_name: str | None = None
-        self.interrupt = interrupt
-        self.outer = signal.default_int_handler  # the SIGINT handler it takes over from (the CLIs': on_interrupt)
-        try:
-            outer = signal.getsignal(signal.SIGINT)
-            self.outer = outer if callable(outer) and not isinstance(getattr(outer, "__self__", None), Preemption) \
-                else self.outer
-            signal.signal(signal.SIGTERM, self._handler)
-            signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread (e.g. in a notebook worker)
-            pass
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    def _handler(self, signum, frame) -> None:
-        del frame
-        self.signal_name = signal.Signals(signum).name
-        if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once
-            signal.signal(signal.SIGINT, self.outer)
-        if self.interrupt:
-            raise Stopped(self.signal_name)
-
-    def close(self) -> None:
-        with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, self.outer)
-
-    def __enter__(self) -> Preemption:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def agreed_stop(self, out_of_time: bool, step: int | None = None, every: int = 1) -> str | None:
-        """Why every process stops after this step (``"SIGINT"``, ``"SIGTERM"``, ``"train.max_minutes"``), or None.
-
-        Signals and clocks are per process, but the checkpoint save that follows a stop is a collective: one process
-        saving while another starts the next step hangs a pod. So the processes agree on the strongest local reason
-        (``STOP_REASONS`` order): one process's SIGTERM stops all of them at the same step, and they all exit the
-        same way. With several processes that is an all-gather the host waits for, which would stall the device
-        queue if done every step: it is done at steps that are multiples of ``every`` (always when ``step`` is
-        None); a signal or the clock is kept until then. One process needs no agreement and checks every step."""
-        local = self.signal_name or ("train.max_minutes" if out_of_time else None)
-        if jax.process_count() == 1:
-            return local
-        if step is not None and step % max(every, 1):
-            return None
-        from jax.experimental import multihost_utils
-
-        codes = multihost_utils.process_allgather(np.asarray(STOP_REASONS.index(local), np.int32))  # [P]
-        return STOP_REASONS[int(np.max(codes))]
-
-
-STOP_REASONS = (None, "train.max_minutes", "SIGTERM", "SIGINT")  # weakest first: Ctrl-C wins over a preemption
-
-
-class SpikeGuard:
-    """The divergence guard: a log window whose mean loss exceeds ``factor`` x the median of the (up to
-    ``history``) windows before it is a spike. No checkpoint is written during a spike, so the last one is from
-    before it; ``windows`` spikes in a row stop the run. Judged from the second window on: the first is about
-    ln(vocab), the loss of a uniform guess, so a window far above it has diverged, however early."""
-
-    def __init__(self, factor: float, windows: int, history: int = 20, min_history: int = 1) -> None:
-        self.factor, self.windows, self.min_history = factor, windows, min_history
-        self.losses: collections.deque[float] = collections.deque(maxlen=history)
-        self.in_a_row = 0
-
-    def observe(self, loss: float, step: int, last_checkpoint: int | None) -> bool:
-        """Records a window's mean ``loss``; returns whether it is a spike; raises ``LossSpike`` on the
-        ``windows``-th in a row."""
-        median = statistics.median(self.losses) if len(self.losses) >= self.min_history else math.inf
-        spike = bool(self.factor) and loss > self.factor * median
-        if not spike:
-            self.losses.append(loss)
-            self.in_a_row = 0
-            return False
-        self.in_a_row += 1
-        if self.in_a_row >= self.windows:
-            raise LossSpike(
-                f"loss {loss:.4g} by step {step} is above {self.factor:g} x its running median {median:.4g} for "
-                f"{self.in_a_row} log windows in a row; stopped, and the last checkpoint before the spike is kept "
-                f"(step {last_checkpoint}); lower config.optim.learning_rate, set optim.clip_norm, or set "
-                "train.spike_factor=0 to turn the guard off")
-        return True
-
-
-def check_finite(sums: dict[str, Any], step: int, ckpt: checkpoints.Checkpointer) -> dict[str, float]:
-    """Raises on a non-finite loss in ``sums`` (a window of steps ending at ``step``); returns the summary."""
-    summary = metrics.summarize(sums)
-    if not math.isfinite(summary["loss"]):
-        raise NonFiniteLoss(
-            f"non-finite loss ({summary['loss']}) by step {step}; the last good checkpoint is kept "
-            f"(step {ckpt.latest_step()}); lower config.optim.learning_rate or set optim.clip_norm")
-    return summary
 
 
 def train_and_evaluate(config: Any, workdir: str, *, devices: Sequence[jax.Device] | None = None,
@@ -196,10 +78,10 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
     eval_state = model_setup.init_mixer_state(config, run.model, config.data.eval_batch_size,
                                               model_setup.batch_sharding(run.mesh))
 
-    def score_validation(step: int, stop_when: tuple[Callable[[], bool], str] | None = None) -> dict[str, float]:
+    def score_validation(step: int, deadline: Deadline | None = None) -> dict[str, float]:
         scores = loss_pass.evaluate_loss(eval_step, run.state.params, run.state.apply_fn,
-                                         run.data.eval_sets["validation"], run.mesh, eval_state, stop_when)
-        scores = tracker.after_validation(run, step, scores, stop_when)  # + BLEU / ROUGE-L if chosen; offered
+                                         run.data.eval_sets["validation"], run.mesh, eval_state, deadline)
+        scores = tracker.after_validation(run, step, scores, deadline)  # + BLEU / ROUGE-L if chosen; offered
         writer.write(step, "validation", scores)
         return scores
 
@@ -302,13 +184,13 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_v
     # One process stops at once. Several would stop at different points of a collective and leave the others
     # waiting in it: there the signal is only kept from killing the process, and the evaluation completes.
     try:
-        with Preemption(interrupt=jax.process_count() == 1):
+        with hooks.Preemption(interrupt=jax.process_count() == 1):
             with jax.set_mesh(run.mesh):
-                result["validation"] = score_validation(step, budget.stop_when())
+                result["validation"] = score_validation(step, budget.deadline())
             if run.config.train.eval_after_training:
                 result["test"] = evaluate_test_split(run, eval_step, settings, translator=translator, budget=budget)
                 writer.write(step, "test", {k: v for k, v in result["test"].items() if isinstance(v, (int, float))})
-    except Stopped as stop:
+    except hooks.Stopped as stop:
         _record_final_evaluation(run.workdir, step)
         logger.info(f"stopping the final evaluation: {stop.signal_name}; the checkpoint of step {step} is saved, and "
                     "the same command evaluates it")
@@ -344,65 +226,49 @@ def _record_final_evaluation(workdir: str, step: int | None) -> None:
 def train(run: setup.Run, ckpt: checkpoints.Checkpointer, writer: logs.MetricWriter,
           score_validation: Callable[[int], Any], budget: budget_lib.Budget,
           early_stop: Callable[[], str | None] = lambda: None) -> tuple[int, str | None]:
-    """Steps ``run.state`` to ``train.num_steps`` (or until ``budget`` leaves only the final evaluation's time,
-    SIGTERM or SIGINT, or ``early_stop`` gives a reason after a validation pass); returns ``(last step, the signal
-    that stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
+    """Steps ``run.state`` to ``train.num_steps``: each step an update, then the hooks (``lconv.train.hooks``: the
+    stop, the log, validation, the checkpoint), until one of them stops it. Returns ``(last step, the signal that
+    stopped it or None)``. Saves the final checkpoint and closes ``ckpt``."""
     config, mesh = run.config, run.mesh
     sharding = model_setup.batch_sharding(mesh)
-    train_step = run.train_step or steps.jit_train_step(config, run.lr_schedule, run.state_shardings, mesh)
-    step, num_steps = int(run.state.step), config.train.num_steps
-    time_schedule = schedule_lib.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
-                                            config.optim.decay_fraction,
-                                            cooldown_fraction=config.optim.cooldown_fraction, num_steps=num_steps)
-    preemption = Preemption()
-    guard = SpikeGuard(config.train.spike_factor, config.train.spike_windows)
-    data_item = lambda: checkpoints.gather_process_states(run.data.train_iter.get_state())  # noqa: E731
-    window_sums, window_start, spiking, previous_sums = None, time.time(), False, None
+    train_step = run.train_step or update.jit_train_step(config, run.lr_schedule, run.state_shardings, mesh)
+    step, num_steps, every = int(run.state.step), config.train.num_steps, config.train.stop_check_every
+    rate = update.TimeSchedule(budget, config.optim.schedule, config.optim.warmup_fraction,
+                               config.optim.decay_fraction, cooldown_fraction=config.optim.cooldown_fraction,
+                               num_steps=num_steps)
+    preemption = hooks.Preemption()
     progress = logs.Progress(step, num_steps, budget)
+    log = hooks.LogHook(writer, progress, hooks.SpikeGuard(config.train.spike_factor, config.train.spike_windows),
+                        ckpt, log_every=config.train.log_every, checkpoint_every=config.train.checkpoint_every,
+                        num_steps=num_steps)
+    checkpoint = hooks.CheckpointHook(ckpt, run)
+    after_step: list[hooks.Hook] = [
+        hooks.StopHook(preemption, budget, config.train.max_minutes, every,
+                       lambda seconds: _log_first_update(run, seconds)),
+        log,
+        hooks.ValidationHook(score_validation, early_stop, eval_every=config.train.eval_every, num_steps=num_steps),
+        checkpoint,
+    ]
+    previous_sums = None
     try:
         with jax.set_mesh(mesh):
             while step < num_steps:
-                lr_factor = np.float32(time_schedule.agreed_factor(step, config.train.stop_check_every))
-                run.state, sums = train_step(run.state, model_setup.global_batch(next(run.data.train_iter), sharding),
-                                             lr_factor)
+                lr_factor = np.float32(rate.agreed_factor(step, every))
+                batch = model_setup.global_batch(next(run.data.train_iter), sharding)
+                run.state, sums = train_step(run.state, batch, lr_factor)
                 previous_sums = model_setup.one_step_ahead(previous_sums, sums)
-                if budget.first_update_seconds is None:  # the device's time: the update done, not dispatched
-                    jax.block_until_ready(sums)
-                    budget.first_update_seconds = budget.elapsed()
-                    _log_first_update(run, budget.first_update_seconds)
                 step += 1
-                window_sums = sums if window_sums is None else jax.tree.map(jnp.add, window_sums, sums)
-                progress.advance(step)
-                stop_reason = preemption.agreed_stop(budget.training_over(), step, config.train.stop_check_every)
-                if stop_reason == "train.max_minutes":  # agreed: every process fails at the same step
-                    budget.check_useful(step, config.train.max_minutes)
-                stopping = stop_reason is not None
-                saving = stopping or step % config.train.checkpoint_every == 0
-                if step % config.train.log_every == 0 or step == num_steps or saving:
-                    summary = check_finite(window_sums, step, ckpt)  # never checkpoint a diverged state
-                    spiking = guard.observe(summary["loss"], step, ckpt.latest_step())
-                    summary.update(lr=float(sums["lr"]), grad_norm=float(sums["grad_norm"]),
-                                   tokens_per_s=summary["tokens"] / max(time.time() - window_start, 1e-9))
-                    writer.write(step, "train", summary)
-                    progress.set_postfix(loss=f"{summary['loss']:.3f}", ppl=f"{summary['ppl']:.1f}",
-                                         tok_s=f"{summary['tokens_per_s']:.0f}")
-                    window_sums, window_start = None, time.time()
-                if step % config.train.eval_every == 0 and step < num_steps:
-                    score_validation(step)
-                    if not stopping and early_stop():  # agreed: every process has the same scores
-                        stop_reason, stopping = early_stop(), True
-                if not spiking:  # a state in a loss spike is never checkpointed
-                    ckpt.save(step, run.state, data_item, force=stopping)
-                if stopping:
-                    logger.info(f"stopping at step {step}: {stop_reason}")
+                end = hooks.StepEnd(step, sums)
+                for hook in after_step:
+                    hook.after_step(end)
+                if end.stopping:
+                    logger.info(f"stopping at step {step}: {end.stop_reason}")
                     break
     finally:
         preemption.close()
         progress.close()
         ckpt.finish()  # a save still being written when an error stops the run is the last good one: complete it
-    if not spiking:
-        ckpt.save(step, run.state, data_item, force=True)
-    ckpt.close()
+    checkpoint.final(step, log.spiking)
     # Agreed once more: a signal that came during the last step's save still skips the evaluation on every process.
     return step, preemption.agreed_stop(out_of_time=False)
 
@@ -426,10 +292,10 @@ def evaluate_test_split(run: setup.Run, eval_step: Callable[..., Any] | None, se
     ``settings`` say (with ``translator``'s programs when given; with one process, the pass stops where ``budget``
     runs out)."""
     config, split = run.config, run.config.decode.split
-    stop_when = budget.stop_when() if budget is not None else None
+    deadline = budget.deadline() if budget is not None else None
     if config.task == "lm":
         return loss_pass.score_perplexity(config, run.model, run.state.params, run.data.eval_sets[split], run.workdir,
-                                          split, mesh=run.mesh, eval_step=eval_step, stop_when=stop_when)
+                                          split, mesh=run.mesh, eval_step=eval_step, deadline=deadline)
     translator = translator and translator.with_params(run.state.params)
     return split_scoring.score_split(config.infer, run.model, run.state.params, run.tokenizer, run.data.eval_sets,
-                                        run.workdir, settings, translator=translator, stop_when=stop_when)
+                                        run.workdir, settings, translator=translator, deadline=deadline)

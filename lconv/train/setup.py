@@ -8,13 +8,11 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from etils import epath
 from flax.training import train_state
@@ -26,10 +24,9 @@ from lconv.errors import UserError
 from lconv.nn import mixer_state, mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.run.schema import OptimConfig, RunConfig, validate_config
+from lconv.run.schema import RunConfig, validate_config
 from lconv.train import budget as budget_lib
-from lconv.train import early_build
-from lconv.train import schedule as schedule_lib
+from lconv.train import early_build, update
 
 logger = logging.getLogger(__name__)
 
@@ -66,79 +63,8 @@ class Run:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Optimizer, the batch's split
+# The batch's split
 # ----------------------------------------------------------------------------------------------------------------
-def build_optimizer(optim: OptimConfig, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """fairseq's optimisers. Weight decay is decoupled as in fairseq (since 2018): ``p -= lr * weight_decay * p``
-    beside the update, on every parameter, never added to the gradient that Adam normalises or NAG's momentum
-    accumulates. ``adamw`` is the same optimiser as ``adam`` under its PyTorch name. ``optim.adam_eps_form`` and
-    ``optim.clip_form`` choose between optax's and fairseq's formulas (docs/fairseq.md, "Training parity")."""
-    lr = schedule_lib.step_rate(optim, num_steps)
-    if optim.optimizer in ("adam", "adamw"):
-        if optim.adam_eps_form == "before_correction":
-            tx = optax.chain(scale_by_fairseq_adam(optim.b1, optim.b2, optim.eps),
-                             optax.add_decayed_weights(optim.weight_decay), optax.scale_by_learning_rate(lr))
-        else:
-            tx = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
-    elif optim.optimizer == "nag":
-        tx = optax.chain(optax.trace(decay=optim.momentum, nesterov=True),
-                         optax.add_decayed_weights(optim.weight_decay), optax.scale_by_learning_rate(lr))
-    else:
-        raise UserError(f"config.optim.optimizer must be adam, adamw or nag; got {optim.optimizer!r}")
-    if optim.clip_norm:
-        clip = (optax.clip_by_global_norm(optim.clip_norm) if optim.clip_form == "max_norm"
-                else clip_by_norm_plus_eps(optim.clip_norm))
-        tx = optax.chain(clip, tx)
-    return tx, lr  # gradient accumulation happens inside the train step (steps.make_train_step)
-
-
-def scale_by_fairseq_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
-    """Adam as fairseq's ``Adam`` computes it: ``sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, eps added
-    to the uncorrected ``sqrt(v)`` (Kingma & Ba's efficient form). optax adds it to the corrected one, which
-    differs where ``sqrt(v)`` is near eps: early updates and rarely used parameters (embedding rows)."""
-
-    def init(params):
-        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
-        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
-
-    def update(grads, state, params=None):
-        del params
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
-        count = optax.safe_increment(state.count)
-        t = count.astype(jnp.float32)
-        # 1 - b^t as -expm1(t log b), log b rounded once from float64: float32's b ** t is off by t ulps of b,
-        # which 1 - b^t (0.02 at t = 1) magnifies 50-fold; fairseq computes the step size in float64.
-        step_size = jnp.sqrt(-jnp.expm1(t * math.log(b2))) / -jnp.expm1(t * math.log(b1))
-        updates = jax.tree.map(lambda m, v: step_size * (m / (jnp.sqrt(v) + eps)), mu, nu)
-        return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
-
-    return optax.GradientTransformation(init, update)
-
-
-def clip_coefficient(norm: jax.Array, clip_norm: float, clip_form: str) -> jax.Array:
-    """The factor the clip multiplies the gradient by at global norm ``norm`` (1 when it does not clip):
-    ``clip_norm / max(norm, clip_norm)`` (``max_norm``) or fairseq's ``min(1, clip_norm / (norm + 1e-6))``
-    (``norm_plus_eps``); 0 ``clip_norm`` is no clip."""
-    if not clip_norm:
-        return jnp.ones((), jnp.float32)
-    if clip_form == "max_norm":
-        return clip_norm / jnp.maximum(norm, clip_norm)
-    return jnp.minimum(1.0, clip_norm / (norm + 1e-6))
-
-
-def clip_by_norm_plus_eps(clip_norm: float) -> optax.GradientTransformation:
-    """fairseq's clip (``clip_grad_norm_``): every gradient times ``min(1, clip_norm / (norm + 1e-6))``, the
-    multiply done even when the factor is 1."""
-
-    def update(grads, state, params=None):
-        del params
-        coefficient = clip_coefficient(optax.tree.norm(grads), clip_norm, "norm_plus_eps")
-        return jax.tree.map(lambda g: (g * coefficient).astype(g.dtype), grads), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
 def check_batch_divides(config: RunConfig, mesh: jax.sharding.Mesh) -> None:
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     accum = int(config.optim.grad_accum_steps)
@@ -288,7 +214,7 @@ def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = 
 def _build_state(config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int) -> early_build.StateParts:
     """The model for ``vocab_size``, the optimizer, and the fresh state initialised into its shardings."""
     model = model_setup.build_model(config, vocab_size)
-    tx, lr_schedule = build_optimizer(config.optim, config.train.num_steps)
+    tx, lr_schedule = update.build_optimizer(config.optim, config.train.num_steps)
     state, state_shardings = create_state(config, model, mesh, tx)
     return early_build.StateParts(model, lr_schedule, state, state_shardings)
 
