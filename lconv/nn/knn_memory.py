@@ -1,13 +1,10 @@
 """Memorizing Transformer kNN-memory attention (Wu et al. 2022, "Memorizing Transformers").
 
-A document is fed window by window. Each layer attends locally (causal self-attention inside the window) and over
-the top-``num_neighbors`` (key, value) pairs retrieved by exact inner product from a FIFO memory of the same
-document's past windows, and gates the two per head: ``y = Out(g_h · mem + (1 - g_h) · local)``. Queries and keys
-are L2-normalised, so retrieval is a cosine search and stale entries keep their scale; the memory is never
-differentiated through. The memory is the mixer's carried state, the ``'memory'`` collection
-(``state = ("memory",)``; ``lconv.nn.mixer_state``): read first and written after in a call, only read when not
-mutable or when decoding, empty when absent. Its layout, the reset at a document start and the rules for packed
-windows: docs/models.md, "The mixers in detail".
+A document is fed window by window. Each layer attends locally (causal, inside the window) and over the
+top-``num_neighbors`` (key, value) pairs retrieved by exact inner product from a FIFO memory of the document's past
+windows, gated per head: ``y = Out(g_h · mem + (1 - g_h) · local)``. The memory is the mixer's carried state (the
+``'memory'`` collection, ``lconv.nn.mixer_state``); its layout, reset and packing rules: docs/models.md, "The mixers in
+detail".
 """
 from __future__ import annotations
 
@@ -40,13 +37,10 @@ PyTree = Any
 
 
 class KNNMemoryAttention(AttentionFields):
-    """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
+    """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``); ``memory_size``
+    entries per row, ``num_neighbors`` retrieved per query and head."""
 
-    ``memory_size`` entries per row (one token's keys and values for every head), ``num_neighbors`` retrieved per
-    query and head. ``positions`` are not used."""
-
-    # Decoder only (mixer metadata, lconv.nn.mixers): its memory is carried across the windows of a document
-    # stream, which only a decoder-only LM reads; an encoder would only ever see an empty memory.
+    # Decoder only: the memory is carried across a document's windows, which only a decoder-only LM reads.
     sides: ClassVar[tuple[str, ...]] = ("decoder",)
     side_reason: ClassVar[str] = "its memory is carried across the windows of a decoder's document stream"
     label: ClassVar[str] = "kNN memory"
@@ -92,7 +86,6 @@ class KNNMemoryAttention(AttentionFields):
         out_BTHD = local_BTHD
         if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
             out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode, precision)
-        # else: no 'memory' collection was passed, so there are no past windows (an empty memory).
         out_BTC = dense(C, "out", self, FROM_HEADS)(out_BTHD.astype(self.dtype).reshape(B, T, H * D))
         return out_BTC.astype(x_BTC.dtype)
 
@@ -131,14 +124,12 @@ def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
-    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection of any model, as
-    ``init`` makes them: the class's ``reset_state`` (``lconv.nn.mixers.zero_rows``)."""
+    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection, as ``init`` makes them.
+    """
     return mixers.zero_rows(memory, reset_B)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Pure math
-# ----------------------------------------------------------------------------------------------------------
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
@@ -159,8 +150,7 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
 def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,
                      precision: jax.lax.Precision | None = None) -> tuple[Array, Array]:
     """Softmax attention of each query over its ``k`` retrieved entries, float32: ``(out [B, T, H, D], found [B, T,
-    H])``,
-    ``out`` 0 where nothing valid was retrieved."""
+    H])``, ``out`` 0 where nothing valid was retrieved."""
     scores_BHTJ, idx_BHTJ = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
     ok_BHTJ = scores_BHTJ > MASKED_LOGIT / 2
     probs_BHTJ = jnp.where(ok_BHTJ, jax.nn.softmax(scores_BHTJ, axis=-1), 0.0)

@@ -149,9 +149,8 @@ LAYER_SPEC = "a mixer name, a comma list, or a list of names, one per layer"
 
 
 def is_layer_spec(value: Any) -> bool:
-    """Whether ``value`` can be a mixer field (``encoder_mixer``): a string or a list of strings. Anything else (a
-    JSON object in a stored config) is refused before it is read, for ``list()`` of a dict gives its keys, which
-    would then be resolved, and a ``"module:Class"`` key imported, past the trust check."""
+    """Whether ``value`` can be a mixer field: a string or a list of strings. Anything else (a JSON object in a stored
+    config) is refused before ``list()`` could resolve, and import, its keys past the trust check."""
     return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
 
 
@@ -313,9 +312,8 @@ def zero_rows(tree: Any, reset_B: Any) -> Any:
 
 
 def layer_layout(name: str, num_layers: int) -> str:
-    """The ``{side}_mixer`` value that gives ``num_layers`` layers mixer ``name`` by its class's ``layout`` rule:
-    ``name`` alone, or a comma list with ``name`` at the (clamped) ``layout`` indices and ``layout_others`` elsewhere.
-    """
+    """The ``{side}_mixer`` value that gives ``num_layers`` layers mixer ``name`` by its class's ``layout`` rule
+    (``layout`` indices, ``layout_others`` elsewhere)."""
     i = info(name)
     if i.layout is None or num_layers < 1:
         return name

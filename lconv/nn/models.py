@@ -33,9 +33,7 @@ from lconv.ops import activations
 Array = jax.Array
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Models
-# ----------------------------------------------------------------------------------------------------------------
 class EncoderDecoder(nn.Module):
     """fairseq's ``lightconv`` translation model. ``__call__`` = ``encode`` then ``run_decoder`` (teacher forcing)."""
 
@@ -126,9 +124,7 @@ class DecoderOnlyLM(nn.Module):
                        deterministic, logits)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Layers
-# ----------------------------------------------------------------------------------------------------------------
 class Stack(nn.Module):
     """Encoder or decoder layers, with the final layer norm that pre-norm models need."""
 
@@ -155,10 +151,8 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``) if any.
-
-    ``dots`` keeps the projections' and FFN's matmul outputs (the costliest to recompute) and recomputes attention
-    scores, softmax, convs and norms; the parameter tree is the same under every policy."""
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``) if any; the
+    parameter tree is the same under every policy."""
     if policy not in REMAT_POLICIES:
         raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -219,9 +213,8 @@ class Layer(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """``Dense(d -> ffn) -> activation -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases
-    (``ffn_type`` ``"dense"``; ReLU unless ``activation`` names another, ``lconv.ops.activations``). Feed-forward
-    sublayers take ``segment_ids`` too (CoLT5's routes within segments)."""
+    """``Dense(d -> ffn) -> activation -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases (ReLU unless
+    ``activation`` names another); takes ``segment_ids`` as every FFN does."""
 
     model_fields: ClassVar[dict[str, str]] = {"hidden_dim": "ffn_dim", "relu_dropout": "relu_dropout",
                                               "activation": "activation", "dtype": "dtype",
@@ -241,9 +234,7 @@ class FeedForward(nn.Module):
         return linear(x_BTC.shape[-1], (MLP, EMBED), name="fc2")(h)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Pieces
-# ----------------------------------------------------------------------------------------------------------------
 def _mixer_fields(cfg: ModelConfig, name: str, side: str, layer: int, causal: bool) -> dict[str, Any]:
     """Layer ``layer``'s mixer fields: the model values its class declares (``model_fields``), by name, then the
     config's ``mixer_kwargs`` for it. A declared value the model does not provide is an error, never a drop."""
@@ -295,8 +286,7 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
 def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn.Module | None, deterministic: bool,
             logits: bool) -> Array | decoder_ends.OutputLayer:
     """Float32 logits ``[B, T, V]`` (the adaptive softmax's log-probabilities), or with ``logits=False`` the output
-    layer's inputs (``decoder_ends.OutputLayer``) for a loss that makes the logits itself. Ids past
-    ``output_vocab_size`` (source-only pieces) score -inf, as fairseq's target dictionary does."""
+    layer's inputs; ids past ``output_vocab_size`` score -inf, as in fairseq."""
     if cfg.adaptive_softmax_cutoffs:
         tied = decoder_ends.tied_bands(cfg, embedding)
         return constrain(projection(x_BTC, deterministic=deterministic, tied=tied), BTV)
@@ -363,8 +353,8 @@ def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:
 
 @functools.lru_cache(maxsize=8)
 def sinusoidal_table(length: int, dim: int) -> np.ndarray:
-    """``sinusoidal_positions`` of positions ``0 .. length - 1``, ``[length, dim]``: one constant for every step,
-    computed once by the same XLA ops (so each row is bit for bit what the step would compute)."""
+    """``sinusoidal_positions`` of positions ``0 .. length - 1``, ``[length, dim]``, computed once by the same XLA ops.
+    """
     with jax.ensure_compile_time_eval():
         rows = jax.jit(sinusoidal_positions, static_argnums=1)(jnp.arange(length, dtype=jnp.int32)[None], dim)
         return np.asarray(rows[0])
