@@ -50,8 +50,7 @@ class EvalSet:
         return self.num_batches
 
     def packed(self) -> PackedBatches:
-        """The same examples packed several to a row (``PackedBatches``), for a loss pass: every token scored once,
-        in the batches' fixed shape, with far fewer padding positions than one example per row."""
+        """The same examples packed several to a row (``PackedBatches``), for a loss pass with far less padding."""
         if self._packed is None:
             self._packed = PackedBatches(self)
         return self._packed
@@ -60,8 +59,8 @@ class EvalSet:
 
 
 class PackedBatches:
-    """An ``EvalSet``'s examples packed for a loss pass, shortest first, as training packs, in the set's batch shape
-    (so the same compiled step); empty rows weigh zero, and every process has as many batches as the most."""
+    """An ``EvalSet``'s examples packed for a loss pass as training packs, in the set's batch shape (the same compiled
+    step); empty rows weigh zero."""
 
     def __init__(self, eval_set: EvalSet) -> None:
         self.lengths, self.batch_size = eval_set.lengths, eval_set.batch_size
@@ -94,8 +93,7 @@ class PackedBatches:
 
 
 def pack_row(sequences: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Id sequences -> one row ``(ids, segmentation 1.. per sequence, position 0.. per sequence)``, each ``[length]``
-    and padded with zeros."""
+    """Id sequences -> one zero-padded row ``(ids, segmentation 1.., position 0..)``, each ``[length]``."""
     ids, segments, positions = (np.zeros(length, np.int32) for _ in range(3))
     start = 0
     for segment, sequence in enumerate(sequences, 1):
@@ -106,8 +104,7 @@ def pack_row(sequences: list[np.ndarray], length: int) -> tuple[np.ndarray, np.n
 
 
 def loss_batches(eval_set: Any) -> Any:
-    """What a loss pass over ``eval_set`` iterates: an ``EvalSet``'s packed batches; anything else (document-stream
-    windows, a slice of batches) as it is."""
+    """What a loss pass over ``eval_set`` iterates: an ``EvalSet``'s packed batches, anything else as it is."""
     return eval_set.packed() if isinstance(eval_set, EvalSet) else eval_set
 
 
@@ -118,9 +115,7 @@ class Datasets:
     input_key: str | None
     target_key: str
     stats: collections.Counter  # training-side counts (truncated / dropped examples) of this process
-    # What preparing the dataset from its source skipped or altered (``sources.source_report``): JSON-able,
-    # {"skipped": {stage: {reason: n}}, "altered": ..., "examples": {split: n}, "source": ...}; {} for the
-    # datasets ``tfds build`` prepared. The same on every process.
+    # What preparing the dataset skipped or altered (``sources.source_report``); {} for ``tfds build``'s datasets.
     source_report: dict = dataclasses.field(default_factory=dict)
 
 
@@ -133,9 +128,8 @@ def _process(process_index, process_count):
 
 
 def import_readers() -> None:
-    """Imports TFDS and grain in the calling thread, now. Their modules import through etils' ``epy.lazy_imports``,
-    which swaps ``builtins.__import__`` for every thread meanwhile, so call this before starting a thread beside
-    the data's preparation (``lconv.train.early_build``); they are imported lazily otherwise, as they are slow."""
+    """Imports TFDS and grain in the calling thread now: their lazy imports swap ``builtins.__import__`` for every
+    thread, so call this before starting a thread beside the data's preparation."""
     import grain  # noqa: F401
     import tensorflow_datasets  # noqa: F401
     from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
@@ -152,8 +146,7 @@ def tokenizer_texts(config: DataConfig) -> Iterator[str]:
 
 
 def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
-    """Every example of a random-access ``source`` in order, a block of records per read where the source can
-    (``__getitems__``: much faster than one record at a time)."""
+    """Every example of a random-access ``source`` in order, a block of records per read where the source can."""
     read_block = getattr(source, "__getitems__", None)
     for start in range(0, len(source), block):
         indices = range(start, min(start + block, len(source)))
@@ -162,12 +155,11 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
 
 def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir or shipped with lconv for the
-    same data and settings (``tokenizer_files``); else a joint model trained on the training split, then kept.
-    ``save=False`` neither reads nor writes any copy.
+    """``<workdir>/spm.model`` if present; else a kept copy for the same data and settings (``tokenizer_files``); else a
+    joint model trained on the training split, then kept (``save=False``: no copy read or written).
 
-    With several processes, process 0 alone loads or trains it and sends it to the others (every process calls
-    this at once), so all hold the same bytes and an error on process 0 is raised on every process."""
+    With several processes, process 0 alone loads or trains it and sends it to the others (all call this at once).
+    """
     cfg = DataConfig.from_config(config)
 
     def load_or_train() -> tokenizer_lib.Tokenizer:
@@ -228,16 +220,14 @@ def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = Tr
 
 
 _OK, _USER_ERROR, _FAILED = 0, 1, 2
-# How long the other processes wait for process 0 to prepare the data and train the tokenizer (a big corpus on a
-# first launch takes many minutes; a device collective would time out long before).
+# How long the other processes wait for process 0 to prepare the data (a device collective would time out).
 PREPARE_TIMEOUT_S = 4 * 3600
 _broadcasts = 0  # numbers each broadcast's key in the coordinator's key-value store
 
 
 def _broadcast_from_process_0(status: int, payload: bytes) -> tuple[int, bytes]:
-    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` coordinator's key-value
-    store: the others wait without a device collective, so a long preparation on process 0 cannot time out
-    their collectives (without a coordinator, e.g. one process: a collective broadcast)."""
+    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` coordinator's key-value store (a
+    collective broadcast without one)."""
     global _broadcasts
     from jax._src import distributed  # the coordinator client (orbax reads it the same way)
 
@@ -304,8 +294,8 @@ def make_datasets(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer, *, pro
 
 
 def _report_vocabulary(cfg: DataConfig, tokenizer: Any) -> None:
-    """One warning line when the tokenizer's vocabulary (the model's) is not the one ``config.data.vocab_size`` asks
-    for: SentencePiece gives a small training text fewer pieces than asked, and the run would say so nowhere."""
+    """One warning line when the tokenizer's vocabulary is not the ``vocab_size`` asked for (a small text gives fewer
+    pieces)."""
     used = getattr(tokenizer, "vocab_size", None)
     if used is not None and used != cfg.vocab_size:
         why = " (the training text is too small for more)" if used < cfg.vocab_size else ""
@@ -350,12 +340,9 @@ def make_train_iter(source: sources.Source, input_key: str | None, target_key: s
                     rows: int, seed: int, num_epochs: int | None = None, pack: bool = True,
                     drop_long: bool = False, process_index: int = 0, process_count: int = 1,
                     read_threads: int = 2) -> tuple[Iterator[dict[str, np.ndarray]], collections.Counter]:
-    """(grain DatasetIterator of train batches [rows, L], stats Counter) over this process's shard of source.
-
-    Shuffled with ``seed`` (a new order every epoch), tokenised with EOS, truncated (or dropped) to ``lengths``
-    ({"inputs": Ls, "targets": Lt}), packed first-fit into ``rows`` rows per batch. With a finite num_epochs
-    the last partial batch is padded with empty rows, so no example is lost.
-    """
+    """(grain DatasetIterator of train batches [rows, L], stats Counter) over this process's shard of source: shuffled
+    per epoch with ``seed``, tokenised with EOS, cut to ``lengths``, packed first-fit; a finite run's last batch is
+    padded."""
     import grain
 
     stats = collections.Counter()
@@ -401,7 +388,6 @@ def make_eval_set(source: sources.Source, input_key: str | None, target_key: str
     return EvalSet(examples, tokens, rows, math.ceil(per_process / rows), dict(lengths), stats)
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Pure functions.
 
 
