@@ -1,14 +1,9 @@
 """The study's speed table: every mixer's training and decoding speed at the study's sizes, in one process.
 
-Per task, each planned model (its matched FFN width, the study's batch shape, random weights) is built in this one
-process, and the mixers take turns: every round times one train step of each model on the same first training
-batch, then one decoding pass of each over the same validation sources (beam search at the task's beam for
-translation and summarization, greedy generation for the LM). The table gives each mixer's median over the rounds
-and its ratio to the reference mixer. Turns in one process put every mixer under the same host conditions; the
-run processes' own figures (the task tables) move with the host's load at their hour.
-
-Random weights seldom end a beam, so every hypothesis runs to the length limit: decoding is timed per sentence at
-its longest, the same work for every mixer, below a trained model's rate.
+Each planned model (matched FFN width, the study's batch, random weights) is built in this process and the mixers take
+turns, round after round, on the same batch and sources, so every mixer meets the same host conditions; the table gives
+medians and ratios to the reference. Random weights seldom end a beam, so decoding runs every hypothesis to the length
+limit: the same work for every mixer.
 """
 from __future__ import annotations
 
@@ -48,8 +43,8 @@ class _Contender:
 
 def measure(study: ml_collections.ConfigDict, templates: Sequence[plan.Planned], tokenizer_dirs: dict[str, str],
             rounds: int = 5) -> list[dict[str, Any]]:
-    """A row per (task, mixer): train tokens/s and decode sentences/s, medians of ``rounds`` turns after a
-    compiling one."""
+    """A row per (task, mixer): train tokens/s and decode sentences/s, medians of ``rounds`` turns after a compiling
+    one."""
     rows = []
     for task in study.tasks:
         planned = [t for t in templates if t.key.task == task and t.config is not None]
