@@ -48,8 +48,7 @@ def dataset_name(task: str) -> str:
 def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences: int, batch_size: int,
          raw_dir: str | None = None, source_lang: str | None = None, target_lang: str | None = None,
          data_name: str | None = None) -> None:
-    """Counts, the data report and an example batch of dataset ``name`` (``"files"``: your own, per ``source_lang``,
-    ``target_lang`` and ``name``)."""
+    """Counts, the data report and an example batch of dataset ``name`` (``"files"``: your own files)."""
     files = dict(source_lang=source_lang, target_lang=target_lang, name=data_name)
     config = DataConfig.from_config(dict(
         dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size, tokenizer_max_sentences=max_sentences,

@@ -52,8 +52,7 @@ def prepared_dir(tfds_name: str, data_dir: str) -> str | None:
 
 
 def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual_dir: str | None = None) -> str:
-    """Prepares catalog dataset ``name`` (``wmt14/en_de``, ``lm1b``, ...) as array_record under data_dir unless it
-    is there; returns its version folder. A missing requirement or a failed download is a one-line UserError."""
+    """Prepares catalog dataset ``name`` as array_record under data_dir unless there; returns its version folder."""
     spec = sources.dataset_spec(name)
     if spec.local:
         raise UserError(f"{name} is prepared by lconv itself (lconv.data.tfds_ddtp.prepare), not from the catalog")

@@ -57,8 +57,7 @@ class Description:
 
 
 def read_index_bytes(path: str | os.PathLike) -> bytes:
-    """Bytes of an apt Translation index: xz, lz4 (if installed) or plain; a damaged file is a one-line UserError naming
-    it."""
+    """Bytes of an apt Translation index (xz, lz4 if installed, or plain); a damaged file is a UserError."""
     data = epath.Path(path).read_bytes()  # local or a URL (raw_dir=gs://...)
     name = paths.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
@@ -118,8 +117,7 @@ def find_task_files(raw_dir: str | os.PathLike, tasks: Iterable[str]) -> dict[st
 
 def load_raw_corpus(raw_dir: str | os.PathLike, langs: Iterable[str] = LANGS,
                     counts: collections.Counter | None = None) -> dict[str, dict[str, Description]]:
-    """Parses every ``Translation-<lang>`` file in raw_dir; English is required, missing others are counted, a file with
-    no usable description is a UserError."""
+    """Parses every ``Translation-<lang>`` file in raw_dir; English is required, missing others are counted."""
     counts = collections.Counter() if counts is None else counts
     corpus = {}
     for lang in langs:
@@ -258,8 +256,7 @@ def parse_index(data: bytes, lang: str, counts: collections.Counter) -> dict[str
 
 def align_corpus(corpus: Mapping[str, Mapping[str, Description]],
                  counts: collections.Counter) -> list[dict]:
-    """One JSON-able record per English description, sorted by md5: ``{"md5", "split", "en": [synopsis, *paragraphs],
-    "<lang>": [...]}`` for every translation with the same md5."""
+    """One JSON-able record per English description, sorted by md5, with every translation of that md5."""
     english = corpus["en"]
     for lang, descs in corpus.items():
         if lang != "en":
@@ -330,8 +327,7 @@ def build_tasks(records: Iterable[Mapping], tasks: Iterable[str] = TASKS,
                 counts: collections.Counter | None = None,
                 counts_by_split: Mapping[str, collections.Counter] | None = None,
                 ) -> dict[str, dict[str, list[dict]]]:
-    """Aligned records -> {task: {split: [example, ...]}}, de-duplicated, no text shared across splits, in md5 order;
-    ``counts_by_split`` also receives each split's skip counts."""
+    """Aligned records -> {task: {split: [example, ...]}}, de-duplicated, no text shared across splits."""
     counts = collections.Counter() if counts is None else counts
     records = list(records)
     out = {}
@@ -411,8 +407,7 @@ def load_tasks(raw_dir: str | os.PathLike | None = None, tasks: Iterable[str] = 
                counts: collections.Counter | None = None,
                counts_by_split: Mapping[str, collections.Counter] | None = None,
                ) -> dict[str, dict[str, list[dict]]]:
-    """{task: {split: examples}} from raw Translation files in raw_dir (each needed language must be there), or the
-    bundled snapshot if None."""
+    """{task: {split: examples}} from raw Translation files in raw_dir, or the bundled snapshot if None."""
     counts = collections.Counter() if counts is None else counts
     tasks = tuple(tasks)
     if raw_dir is None:

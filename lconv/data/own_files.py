@@ -64,8 +64,7 @@ class FileLayout:
 
 
 def find_files(layout: FileLayout) -> dict[str, dict[str, str]]:
-    """{split: {role: path}} of every split the folder has (role: a suffix, "tsv" or "jsonl"); a missing required split,
-    half a pair, or two formats for one split is one UserError line."""
+    """{split: {role: path}} of every split the folder has; a missing or ambiguous split is a UserError."""
     paths.check_url(layout.folder, "config.data.raw_dir")
     if not epath.Path(layout.folder).is_dir():
         raise UserError(f"config.data.raw_dir={layout.folder}: not a folder; name the folder of your files")
@@ -140,8 +139,7 @@ def read_examples(layout: FileLayout, files: Mapping[str, str], counts: collecti
 
 
 def read_lines(path: str, counts: collections.Counter) -> list[str]:
-    """The lines of a UTF-8 file (universal newlines), counted as ``records_<file name>``; not UTF-8 is one UserError
-    line."""
+    """The lines of a UTF-8 file, counted as ``records_<file name>``; not UTF-8 is a UserError."""
     data = paths.read_bytes(epath.Path(path), "missing")
     try:
         text = data.decode("utf-8")

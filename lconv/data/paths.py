@@ -52,8 +52,7 @@ def basename(path: str | os.PathLike) -> str:
 
 
 def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -> None:
-    """A one-line UserError (starting with ``label``, default ``flag=path``) when ``path`` is a URL whose file system
-    Python cannot reach here (e.g. ``gs://`` without ``gcsfs``)."""
+    """A one-line UserError (led by ``label``) when ``path`` is a URL Python cannot reach here."""
     if not is_url(path):
         return
     shown = label or f"{flag}={os.fspath(path)!r}"
@@ -68,14 +67,12 @@ def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -
 
 
 def local_cache_dir() -> str:
-    """The local folder mirroring copies prepared under a URL data_dir: ``$LCONV_DATA_CACHE``, else
-    ``<tmp>/lconv_data_cache``."""
+    """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``<tmp>/lconv_data_cache``."""
     return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "lconv_data_cache")
 
 
 def upload_tree(local_dir: str, remote_dir: str, commit_last: Iterable[str]) -> None:
-    """Copies every file under ``local_dir`` to ``remote_dir`` (any epath URL), the files named ``commit_last`` last, so
-    a reader that checks the commit file sees nothing or every file."""
+    """Copies every file under ``local_dir`` to ``remote_dir``, the ``commit_last`` files last."""
     commit_last = set(commit_last)
     files = []
     for root, _, names in os.walk(local_dir):
@@ -115,8 +112,7 @@ READ_LIMIT = 16 << 30  # bytes: no file lconv reads whole (a tokenizer, params, 
 
 
 def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None, limit: int = READ_LIMIT) -> None:
-    """A local ``path`` that lconv reads whole: a regular file of at most ``limit`` bytes and, with ``within``, inside
-    that folder once links are followed; one ``UserError`` line otherwise."""
+    """A local ``path`` lconv reads whole: a regular file of at most ``limit`` bytes, inside ``within``."""
     if is_url(path) or not os.path.lexists(path):
         return
     real = os.path.realpath(path)
@@ -132,8 +128,7 @@ def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None
 
 def read_bytes(path: epath.Path, missing: str, *, within: epath.Path | str | None = None,
                limit: int = READ_LIMIT) -> bytes:
-    """The bytes of ``path``; a missing, unreadable or refused (``check_file``) file is one ``UserError`` line naming it
-    (``missing``: what to say when it is not there)."""
+    """The bytes of ``path``; a missing, unreadable or refused file is one ``UserError`` line naming it."""
     check_file(path, within=within, limit=limit)
     try:
         return path.read_bytes()

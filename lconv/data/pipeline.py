@@ -59,8 +59,7 @@ class EvalSet:
 
 
 class PackedBatches:
-    """An ``EvalSet``'s examples packed for a loss pass as training packs, in the set's batch shape (the same compiled
-    step); empty rows weigh zero."""
+    """An ``EvalSet``'s examples packed as training packs, in the set's batch shape; empty rows weigh zero."""
 
     def __init__(self, eval_set: EvalSet) -> None:
         self.lengths, self.batch_size = eval_set.lengths, eval_set.batch_size
@@ -128,8 +127,7 @@ def _process(process_index, process_count):
 
 
 def import_readers() -> None:
-    """Imports TFDS and grain in the calling thread now: their lazy imports swap ``builtins.__import__`` for every
-    thread, so call this before starting a thread beside the data's preparation."""
+    """Imports TFDS and grain in this thread now: call it before starting a thread beside data preparation."""
     import grain  # noqa: F401
     import tensorflow_datasets  # noqa: F401
     from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
@@ -226,8 +224,7 @@ _broadcasts = 0  # numbers each broadcast's key in the coordinator's key-value s
 
 
 def _broadcast_from_process_0(status: int, payload: bytes) -> tuple[int, bytes]:
-    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` coordinator's key-value store (a
-    collective broadcast without one)."""
+    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` key-value store."""
     global _broadcasts
     from jax._src import distributed  # the coordinator client (orbax reads it the same way)
 
@@ -294,8 +291,7 @@ def make_datasets(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer, *, pro
 
 
 def _report_vocabulary(cfg: DataConfig, tokenizer: Any) -> None:
-    """One warning line when the tokenizer's vocabulary is not the ``vocab_size`` asked for (a small text gives fewer
-    pieces)."""
+    """One warning line when the tokenizer's vocabulary is not the ``vocab_size`` asked for."""
     used = getattr(tokenizer, "vocab_size", None)
     if used is not None and used != cfg.vocab_size:
         why = " (the training text is too small for more)" if used < cfg.vocab_size else ""
@@ -340,9 +336,7 @@ def make_train_iter(source: sources.Source, input_key: str | None, target_key: s
                     rows: int, seed: int, num_epochs: int | None = None, pack: bool = True,
                     drop_long: bool = False, process_index: int = 0, process_count: int = 1,
                     read_threads: int = 2) -> tuple[Iterator[dict[str, np.ndarray]], collections.Counter]:
-    """(grain DatasetIterator of train batches [rows, L], stats Counter) over this process's shard of source: shuffled
-    per epoch with ``seed``, tokenised with EOS, cut to ``lengths``, packed first-fit; a finite run's last batch is
-    padded."""
+    """(grain iterator of train batches [rows, L], stats Counter): shuffled, tokenised, cut and packed."""
     import grain
 
     stats = collections.Counter()

@@ -209,8 +209,7 @@ def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None, layout: own_
 
 
 def prepared_version_dir(tfds_name: str, data_dir: str) -> epath.Path:
-    """The newest finished version folder of ``tfds_name`` under data_dir; unprepared: a UserError giving the command.
-    """
+    """The newest finished version folder of ``tfds_name`` under data_dir; else a UserError with the command."""
     paths.check_url(data_dir, "data_dir")
     versions = sorted(epath.Path(data_dir).glob(f"{tfds_name}/*/dataset_info.json"),
                       key=lambda p: [int(x) if x.isdigit() else 0 for x in p.parent.name.split(".")])
@@ -233,7 +232,6 @@ def _prepared_builder(tfds_name: str, data_dir: str):
 
 def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None,
                        layout: own_files.FileLayout | None = None) -> str:
-    """The folder dataset ``name``'s prepared copy is read from (keyed by its files' contents); prepares it if need be.
-    """
+    """The folder dataset ``name``'s prepared copy is read from; prepares it if need be."""
     return str(_builder(_spec(name, layout), paths.expand(data_dir), raw_dir, layout).data_dir)
 

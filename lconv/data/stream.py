@@ -118,8 +118,7 @@ class DocumentStream:
 
 
 class StreamEvalSet:
-    """An evaluation split as a document stream in source order (every token once), tokenised once; ``num_batches`` is
-    this process's count."""
+    """An evaluation split as a document stream in source order (every token once), tokenised once."""
 
     def __init__(self, source, text_key, tokenizer, *, window, rows, process_index=0, process_count=1):
         token_cache: dict[int, np.ndarray] = {}

@@ -35,8 +35,7 @@ Translation files}}"""
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through an absent
-    ``importlib_resources`` backport."""
+    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through an absent backport."""
 
     @tfds.core.utils.classproperty
     @classmethod
@@ -332,8 +331,7 @@ def _no_progress_bars() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _removed_on_sigterm(temp_dir: str) -> Iterator[None]:
-    """SIGTERM removes the temporary copy, then ends the process as SIGTERM does (the default would leave it behind);
-    main thread only, the old handler put back after."""
+    """SIGTERM removes the temporary copy, then ends the process as SIGTERM does (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -361,8 +359,7 @@ def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
 
 
 def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fingerprint: dict) -> str:
-    """For a URL data_dir: the copy both at ``copy_dir`` (shared) and at ``local_dir`` (read at local speed); returns
-    ``local_dir``."""
+    """For a URL data_dir: the copy both at ``copy_dir`` and at ``local_dir``; returns ``local_dir``."""
     on_url = _is_complete(copy_dir, name)
     if not _is_complete(local_dir, name):
         if on_url:  # prepared by another machine: fetch it rather than parse again
@@ -386,8 +383,7 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fi
 
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
-    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``, where it can.
-    """
+    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, where it can."""
     link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
     target = os.path.relpath(version_dir, os.path.dirname(link))
     if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
@@ -414,8 +410,7 @@ _ALTERED_RE = re.compile(r"^(tab_replaced|control_chars_removed|line_truncated)$
 
 
 def _counts_report(counts: Mapping[str, int], counts_by_split: Mapping[str, Mapping[str, int]]) -> dict:
-    """{"skipped": {stage: {reason: n}}, "altered": ..., "records": {lang: n}}, non-zero counts only (stage "parse" or a
-    split)."""
+    """{"skipped": ..., "altered": ..., "records": {lang: n}}: the non-zero counts by stage and reason."""
     split_totals = collections.Counter()
     for split_counts in counts_by_split.values():
         split_totals.update(split_counts)
@@ -443,8 +438,7 @@ _PARSE_COUNT_RE = re.compile(
 
 
 def _snapshot_parse_counts(langs: tuple[str, ...]) -> collections.Counter:
-    """The parse counts recorded when the bundled snapshot was made (``counts.json``): ``langs``' and the shared ones.
-    """
+    """The parse counts recorded when the bundled snapshot was made, for ``langs``."""
     with open(os.path.join(ddtp.SNAPSHOT_DIR, "counts.json"), encoding="utf-8") as f:
         recorded = json.load(f)["processing"]
     parse = collections.Counter()

@@ -78,8 +78,7 @@ class Tokenizer:
 
 
 def check_texts(texts: Any, argument: str) -> list[str]:
-    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the index.
-    """
+    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming the index."""
     if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
         raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
     for i, text in enumerate(texts):
@@ -102,8 +101,7 @@ def check_text(text: Any, name: str) -> str:
 
 
 def save_tokenizer(tokenizer: Tokenizer | PiecesTokenizer, directory: str) -> str:
-    """Writes ``<directory>/<tokenizer.filename>`` through a uniquely named temporary file and one rename: readers never
-    see half a model."""
+    """Writes ``<directory>/<tokenizer.filename>`` through a temporary file and one rename."""
     from etils import epath
 
     directory = epath.Path(directory)
@@ -141,8 +139,7 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
 
 
 def read_tokenizer(path: Any, within: Any = None) -> Tokenizer | PiecesTokenizer:
-    """The tokenizer the file ``path`` (``spm.model`` or ``pieces.json``) holds; a missing, unreadable, foreign or
-    oversized file, or one leading out of ``within``, is one line naming it."""
+    """The tokenizer the file ``path`` holds; a missing, bad or out-of-``within`` file is one line naming it."""
     from lconv.data import paths
 
     data = paths.read_bytes(path, "missing; restore it from a copy", within=within, limit=TOKENIZER_LIMIT)
@@ -159,8 +156,7 @@ def read_tokenizer(path: Any, within: Any = None) -> Tokenizer | PiecesTokenizer
 
 def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,
                   max_sentences: int = DEFAULT_MAX_TRAIN_SENTENCES, save: bool = True) -> Tokenizer:
-    """Loads ``<directory>/spm.model`` if it exists (its vocab size must match), else trains on ``texts`` (read lazily;
-    at most ``max_sentences * 4`` looked at) and saves it."""
+    """Loads ``<directory>/spm.model`` if it exists (its vocab size must match), else trains and saves it."""
     from etils import epath
 
     from lconv.data import paths
@@ -208,8 +204,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
 
 
 def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
-    """The model with ``vocab_size`` as its trainer spec's vocab_size, so a resumed run asking the same size reuses a
-    small corpus's model."""
+    """The model with ``vocab_size`` recorded as asked, so a resumed run asking the same size reuses it."""
     from sentencepiece import sentencepiece_model_pb2
 
     model = sentencepiece_model_pb2.ModelProto()
@@ -221,8 +216,7 @@ def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
 
 
 def sample_sentences(texts: Iterable[str], max_sentences: int) -> list[str]:
-    """A seeded, uniform sample of at most max_sentences non-empty texts, in order, each cut to a bounded length (a
-    stride would keep one side of an alternating corpus)."""
+    """A seeded, uniform sample of at most max_sentences non-empty texts, in order, each cut short."""
     if max_sentences < 1:
         raise UserError(f"max_sentences={max_sentences} must be >= 1 (tokenizer_max_sentences: the sentences the "
                         "tokenizer is trained on)")
