@@ -159,8 +159,7 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
     def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array, precision: Any) -> Array:
-        """Queries of ``B = N * b`` rows (a row's beams folded into its query axis) against the cached ``[b, H, S, D]``
-        encoder keys/values."""
+        """Queries of ``B = N * b`` rows (beams folded into the query axis) against the cached encoder keys/values."""
         k_bHDS = self.get_variable("cache", "beam_invariant_key")
         v_bHSD = self.get_variable("cache", "beam_invariant_value")
         k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")
@@ -283,6 +282,5 @@ def _named(init: nn.initializers.Initializer, axes: tuple[str | None, ...]) -> n
 
 
 def _gathered(table_H__: Array) -> Array:
-    """A position table gathered over its positions before it is indexed, heads kept split (else the logits would be
-    split by key position)."""
+    """A position table gathered over its positions before it is indexed, heads kept split."""
     return constrain(table_H__, (ACT_HEADS,) + (None,) * (table_H__.ndim - 1))

@@ -210,8 +210,7 @@ def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, 
 
 
 def router_scores(x_BTC: Array, u_C: Array) -> Array:
-    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]``: a unit router keeps the temperature's meaning, and
-    HIGHEST precision keeps TF32 rounding from flipping which tokens are routed."""
+    """Routing scores ``X u / |u|`` in float32 at HIGHEST precision (TF32 could flip the routing), ``[B, T]``."""
     u = u_C.astype(jnp.float32)
     return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), precision=jax.lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)

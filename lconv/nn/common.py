@@ -152,8 +152,7 @@ def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int, gain:
 
 @jax.custom_vjp
 def _one_cotangent(x: Array) -> Array:
-    """The identity, whose cotangent XLA:CPU writes out once (an optimisation barrier), so a projection's weight and
-    bias gradients read one array instead of two transposes."""
+    """The identity, whose cotangent XLA:CPU writes out once (one array for weight and bias gradients)."""
     return x
 
 
@@ -192,8 +191,7 @@ def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str
 
 
 def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
-    """What a chunk attends to, ``(arrays, mask [B, 1, T, S])``: in a full pass its own key-side arrays ``new``; while
-    decoding the whole cache after ``new`` is written into it, up to each query's position."""
+    """What a chunk attends to, ``(arrays, mask [B, 1, T, S])``: its own arrays, or while decoding the cache."""
     seg_BT = new["segment_ids"]
     mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
     if not decode:

@@ -149,8 +149,7 @@ class DynamicConv1d(_ConvBase):
 
 
 class GLUProjection(nn.Module):
-    """``Dense(C -> 2 * features)`` + GLU (fairseq's ``linear1``), applied as ``[C, 2, F]`` with F split over the tensor
-    axis so each device's GLU is local."""
+    """``Dense(C -> 2 * features)`` + GLU (fairseq's ``linear1``), with F split so each device's GLU is local."""
 
     features: int
     dtype: Dtype = jnp.float32

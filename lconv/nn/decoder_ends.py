@@ -21,8 +21,7 @@ from lconv.ops.precision import lax_precision
 
 
 def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
-    """The decoder's embeddings: adaptive input bands (``adaptive_input_cutoffs``), or one ``N(0, width^-1/2)``
-    table ``decoder_input_width`` wide with a zero PAD row, as fairseq's ``Embedding``."""
+    """The decoder's embeddings: adaptive input bands, or one table ``decoder_input_width`` wide, as fairseq's."""
     width = cfg.decoder_input_width
     if cfg.adaptive_input_cutoffs:
         return AdaptiveInput(cfg.vocab_size, tuple(cfg.adaptive_input_cutoffs), width, cfg.side("decoder").d_model,
@@ -71,8 +70,7 @@ class OutputLayer:
     matmul_precision: str = struct.field(pytree_node=False)
 
     def loss_sums(self, targets_BT: jax.Array, weights_BT: jax.Array, label_smoothing: float) -> dict[str, jax.Array]:
-        """``linear_cross_entropy.cross_entropy_sums``, chunked by the rows one device holds (a vocabulary-split table
-        gets one slice)."""
+        """``linear_cross_entropy.cross_entropy_sums``, chunked by the rows one device holds."""
         rows = local_shape(self.features_BTC.shape, BTC)[0]
         V = self.table_VC.shape[0]
         split_vocab = local_shape(self.table_VC.shape, (ACT_VOCAB, None))[0] < V

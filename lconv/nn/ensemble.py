@@ -21,15 +21,13 @@ Array = jax.Array
 
 
 def mixture(logits: Sequence[Array]) -> Array:
-    """``[B, T, V]`` float32 log-probs of the mean of the members' distributions (``logits``: one ``[B, T, V]`` each).
-    """
+    """``[B, T, V]`` float32 log-probs of the mean of the members' distributions (``logits``: one each)."""
     logp_MBTV = jnp.stack([jax.nn.log_softmax(x.astype(jnp.float32), axis=-1) for x in logits])  # [M, B, T, V]
     return jax.nn.logsumexp(logp_MBTV, axis=0) - jnp.float32(math.log(len(logits)))  # [B, T, V]
 
 
 class Ensemble(nn.Module):
-    """``members`` (all ``EncoderDecoder`` or all ``DecoderOnlyLM``, one vocabulary) as one model (``encode``: a tuple,
-    one per member)."""
+    """``members`` (all ``EncoderDecoder`` or all ``DecoderOnlyLM``, one vocabulary) as one model."""
 
     members: tuple[nn.Module, ...]
 

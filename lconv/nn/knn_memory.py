@@ -124,8 +124,7 @@ def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
-    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection, as ``init`` makes them.
-    """
+    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection."""
     return mixers.zero_rows(memory, reset_B)
 
 
@@ -139,8 +138,7 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
 
 
 def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> tuple[Array, Array]:
-    """Exact top-k memory entries per query and head, ``(scores, indices)`` ``[B, H, T, k]``: HIGHEST precision, so
-    TF32 rounding cannot change what is retrieved; invalid slots score ``MASKED_LOGIT`` and come last."""
+    """Exact top-k entries per query and head, ``(scores, indices) [B, H, T, k]``, invalid slots last."""
     scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
@@ -162,8 +160,7 @@ def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_
 
 def fifo_append(keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, new_k_BTHD: Array, new_v_BTHD: Array,
                 new_valid_BT: Array) -> tuple[Array, Array, Array]:
-    """Appends the valid new entries after the valid old ones, keeping the newest ``M``: a stable sort on ``valid``
-    moves empty slots first and keeps time order."""
+    """Appends the valid new entries after the valid old ones, keeping the newest ``M`` in time order."""
     M = keys_BMHD.shape[1]
     k = jnp.concatenate([keys_BMHD, new_k_BTHD.astype(keys_BMHD.dtype)], axis=1)  # [B, M + T, H, D]
     v = jnp.concatenate([values_BMHD, new_v_BTHD.astype(values_BMHD.dtype)], axis=1)

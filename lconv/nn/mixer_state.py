@@ -51,8 +51,7 @@ def empty() -> MixerState:
 
 
 def declared(model_config: ModelConfig) -> dict[str, Reset]:
-    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` names (a shared collection needs one
-    hook)."""
+    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` names."""
     return {collection: hook for collection, (hook, _) in _declared(model_config).items()}
 
 

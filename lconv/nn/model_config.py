@@ -209,8 +209,7 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, cfg: Any, *, decoder_only: bool = False, **overrides: Any) -> ModelConfig:
-        """From an ml_collections ``config.model`` (or a dict), validated for an encoder-decoder or (``decoder_only``)
-        an LM; unknown fields are a one-line error."""
+        """From an ml_collections ``config.model`` (or a dict), validated; unknown fields are a one-line error."""
         if isinstance(cfg, cls) and not overrides:
             cfg.ensure_valid(decoder_only)
             return cfg
@@ -289,8 +288,7 @@ class ModelConfig:
         object.__setattr__(self, "_valid_for", self.__dict__.get("_valid_for", frozenset()) | {decoder_only})
 
     def check_kernel_counts(self, decoder_only: bool = False) -> None:
-        """One kernel size for all layers, or exactly one per layer of a side whose mixers take one (a surplus would be
-        ignored silently)."""
+        """One kernel size for all layers, or exactly one per layer of a side whose mixers take one."""
         for side in ("decoder",) if decoder_only else BOTH_SIDES:
             layers = getattr(self, f"{side}_layers")
             if not any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
@@ -302,8 +300,7 @@ class ModelConfig:
                                 f"layers{surplus}: give one per layer, or one for all")
 
     def _check_mixer_kwargs(self, decoder_only: bool) -> None:
-        """``mixer_kwargs`` and ``ffn_kwargs`` name registered mixers (or the layers' specs) and fields they have: a
-        typo would otherwise be ignored."""
+        """``mixer_kwargs`` and ``ffn_kwargs`` name registered mixers and fields they have (no typo ignored)."""
         used: dict[str, set[str]] = {}
         for side in ("decoder",) if decoder_only else BOTH_SIDES:
             for name in self.layer_mixers(side):

@@ -66,8 +66,7 @@ class EncoderDecoder(nn.Module):
                     inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
                     targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                     logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's
-        inputs."""
+        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input`` (``logits=False``: the output's inputs)."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
@@ -91,8 +90,7 @@ class EncoderDecoder(nn.Module):
 
 
 class DecoderOnlyLM(nn.Module):
-    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack, pre-norm (unless ``lm_pre_norm=False``) and
-    a final norm (unless ``decoder_final_norm=False``)."""
+    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack, pre-norm and a final norm by default."""
 
     config: ModelConfig
 
@@ -151,8 +149,7 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``) if any; the
-    parameter tree is the same under every policy."""
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names, if any."""
     if policy not in REMAT_POLICIES:
         raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -236,8 +233,7 @@ class FeedForward(nn.Module):
 
 # Pieces
 def _mixer_fields(cfg: ModelConfig, name: str, side: str, layer: int, causal: bool) -> dict[str, Any]:
-    """Layer ``layer``'s mixer fields: the model values its class declares (``model_fields``), by name, then the
-    config's ``mixer_kwargs`` for it. A declared value the model does not provide is an error, never a drop."""
+    """Layer ``layer``'s mixer fields: those its class declares, then ``mixer_kwargs``; a missing one is an error."""
     kwargs = _model_values(cfg, name, mixers.mixer_class(name), side, layer, causal)
     extra = dict(cfg.mixer_kwargs or {})  # keyed by the name a layer uses (a plugin's also by its class name)
     kwargs.update(dict(extra.get(name, extra.get(name.rpartition(":")[2], {}) if mixers.is_spec(name) else {})))
@@ -306,8 +302,8 @@ def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
 
 
 class ScaleAndPosition(nn.Module):
-    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side, as fairseq's (the norm only with
-    ``layernorm_embedding``). Positions are looked up at ``position + position_offset``: 2 for a fairseq model."""
+    """``dropout(LN?(sqrt(d) * embedding + positions))`` of one side, as fairseq's, positions at ``+ position_offset``.
+    """
 
     config: ModelConfig
     side: str  # "encoder" or "decoder": whose learned_positions
@@ -353,8 +349,7 @@ def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:
 
 @functools.lru_cache(maxsize=8)
 def sinusoidal_table(length: int, dim: int) -> np.ndarray:
-    """``sinusoidal_positions`` of positions ``0 .. length - 1``, ``[length, dim]``, computed once by the same XLA ops.
-    """
+    """``sinusoidal_positions`` of ``0 .. length - 1``, ``[length, dim]``, computed once by the same XLA ops."""
     with jax.ensure_compile_time_eval():
         rows = jax.jit(sinusoidal_positions, static_argnums=1)(jnp.arange(length, dtype=jnp.int32)[None], dim)
         return np.asarray(rows[0])
