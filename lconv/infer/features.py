@@ -23,8 +23,7 @@ STACK_INPUTS = {"encoder": "source_positions", "decoder": "target_positions", "l
 
 
 def layer_states(model: nn.Module, params: Any, *ids: jax.Array, lm: bool) -> dict[str, list[jax.Array]]:
-    """Per side (``"encoder"`` and ``"decoder"``, or an LM's ``"decoder"``), the ``L + 1`` states ``[B, T, C]`` of
-    the teacher-forced pass on ``ids`` (source and target ids, or an LM's targets; PAD after each row)."""
+    """Per side, the ``L + 1`` states ``[B, T, C]`` of the teacher-forced pass on ``ids`` (PAD after each row)."""
     inputs = {"decoder": STACK_INPUTS["lm"]} if lm else {side: STACK_INPUTS[side] for side in ("encoder", "decoder")}
     wanted = set(inputs) | set(inputs.values())
 

@@ -25,8 +25,7 @@ class Row:
 
 
 def check_settings(sample_break_mode: str, tokens_per_sample: int, context_window: int, max_positions: int) -> None:
-    """One-line errors naming the argument: a mode fairseq has, a block of at least one token, rows that fit the
-    positions."""
+    """One-line errors naming the argument: a mode fairseq has, blocks of a token or more that fit the positions."""
     if sample_break_mode not in SAMPLE_BREAK_MODES:
         raise UserError(f"sample_break_mode={sample_break_mode!r}: must be one of {', '.join(SAMPLE_BREAK_MODES)}")
     if not (isinstance(context_window, int) and context_window >= 0):

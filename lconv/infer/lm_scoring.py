@@ -22,8 +22,7 @@ LogProbs = Callable[[Any, np.ndarray], Any]  # (params, targets [B, T]) -> [B, T
 
 
 def token_log_probs(model: nn.Module, params: Any, targets_BT: jax.Array) -> jax.Array:
-    """``[B, T]``: log p(target token t | BOS, targets before t) under a ``DecoderOnlyLM`` (or an ensemble of
-    them), float32."""
+    """``[B, T]`` float32: log p(target t | BOS, targets before t) under a ``DecoderOnlyLM`` (or an ensemble)."""
     logits_BTV = model.apply({"params": params}, targets_BT,
                              targets_segmentation=(targets_BT != PAD_ID).astype(jnp.int32))
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)  # [B, T, V]
@@ -47,8 +46,7 @@ def continuation_scores(config: InferConfig, log_probs: LogProbs, params: Any, p
 
 def text_perplexities(config: InferConfig, log_probs: LogProbs, params: Any,
                       texts: Sequence[np.ndarray]) -> list[dict[str, float]]:
-    """Per text ``{"ppl", "nll", "tokens"}``: the text and EOS from BOS, cut as ``perplexity`` cuts it; ``nll`` per
-    token."""
+    """Per text ``{"ppl", "nll", "tokens"}``: the text and EOS from BOS, cut as ``perplexity`` cuts it."""
     limit = int(config.max_target_length)
     rows_of = [(np.append(ids[:limit - 1], EOS_ID).astype(np.int32), 0) for ids in texts]
     out = []
@@ -60,8 +58,7 @@ def text_perplexities(config: InferConfig, log_probs: LogProbs, params: Any,
 
 def _scored(config: InferConfig, log_probs: LogProbs, params: Any, rows_of: list[tuple[np.ndarray, int]],
             limit: int) -> list[np.ndarray]:
-    """Each ``(targets, first scored position)``'s token log-probs from that position on, in batches of
-    ``data.eval_batch_size`` rows (a power-of-two bucket) padded to a width bucket."""
+    """Each ``(targets, first scored position)``'s token log-probs from that position on, in bucketed batches."""
     rows = compiled.row_bucket(len(rows_of), config.eval_batch_size)
     out = []
     for start in range(0, len(rows_of), rows):

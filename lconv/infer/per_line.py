@@ -82,8 +82,7 @@ def _bar(total: int, progress: str | None) -> Any:
 
 
 def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
-    """Row ``row``'s first ``count`` hypotheses of ``found``, best first: ``text``, ``score``, ``token_scores`` and
-    ``tokens``; empty slots left out."""
+    """Row ``row``'s first ``count`` hypotheses of ``found``, best first, as dicts; empty slots left out."""
     entries = []
     for n in range(count):
         if not np.isfinite(found.scores[row, n]):

@@ -17,8 +17,7 @@ from lconv.infer import compiled, features, source_lengths
 
 
 class Probing:
-    """``lconv.api.Model``'s probing methods; they read ``config``, ``tokenizer``, ``module``, ``params``,
-    ``task`` and the model's helpers (``translate``, ``_function``, ``_piece``, ``_one_model``)."""
+    """``lconv.api.Model``'s probing methods, reading the model's config, tokenizer, module, params and helpers."""
 
     def kernels(self, sentence: str) -> dict[str, Any]:
         """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
@@ -60,8 +59,7 @@ class Probing:
         return {**out, **self._tokens_read(inputs, targets)}
 
     def _teacher_forced_ids(self, sentence: str, target: str | None) -> tuple[Any, np.ndarray, list[np.ndarray]]:
-        """``(source ids or None for an LM, target ids, the padded [1, width] rows the model reads)``, cut to the eval
-        limits; text that is not a str is a one-line error."""
+        """``(source ids or None, target ids, the padded [1, width] rows the model reads)``, cut to the eval limits."""
         tokenizer_lib.check_text(sentence, "sentence")
         if target is not None:
             tokenizer_lib.check_text(target, "target")
@@ -88,8 +86,7 @@ class Probing:
         return out
 
     def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:
-        """Per side, per layer: the LightConv kernel's logits ``[H, K]``, the DynamicConv predictor's ``[T, H, K]``
-        output (row 0 of ``ids``), or None."""
+        """Per side and layer: the LightConv logits ``[H, K]``, the DynamicConv predictor's ``[T, H, K]``, or None."""
         is_predictor = lambda module, method: method == "__call__" and module.name == "weight_linear"  # noqa: E731
         segmentation = [(x != PAD_ID).astype(jnp.int32) for x in ids]
         if self.task == "lm":

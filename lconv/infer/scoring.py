@@ -10,8 +10,7 @@ from typing import Any
 
 def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str], *,
                 split_compounds: bool = False) -> dict[str, Any]:
-    """A task's scores: ROUGE-1/2/L and ROUGE-Lsum for summarisation, else sacreBLEU and tokenized BLEU (compounds split
-    with ``split_compounds``); ``{}`` without examples."""
+    """A task's scores: ROUGE for summarisation, else sacreBLEU and tokenized BLEU; ``{}`` without examples."""
     if not hypotheses and not references:
         return {}
     if task == "summarization":
@@ -63,8 +62,7 @@ def compound_split(text: str) -> str:
 
 def tokenized_bleu(hypotheses: Iterable[str], references: Iterable[str], *, tokenize: str = "13a",
                    split_compounds: bool = True) -> dict[str, Any]:
-    """The paper's WMT En-De BLEU: tokenized text, compounds split as fairseq's script does, plain corpus BLEU without
-    smoothing (fairseq-score's); higher than sacreBLEU on the same output."""
+    """The paper's WMT En-De BLEU: tokenized, compounds split, fairseq-score's BLEU (higher than sacreBLEU)."""
     import sacrebleu
 
     hypotheses, references = _pairs(hypotheses, references)
@@ -77,8 +75,7 @@ def tokenized_bleu(hypotheses: Iterable[str], references: Iterable[str], *, toke
 
 
 def rouge_lsum(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str, float]:
-    """ROUGE-Lsum (summary-level LCS, as ROUGE-1.5.5), stemmed, averaged over examples, in percent; sentences split on "
-    . " when a text has no newlines."""
+    """ROUGE-Lsum (summary-level LCS, as ROUGE-1.5.5), stemmed, averaged over examples, in percent."""
     from rouge_score import rouge_scorer
 
     hypotheses, references = _pairs(hypotheses, references)
@@ -89,14 +86,12 @@ def rouge_lsum(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str
 
 
 def word_count(texts: Iterable[str]) -> int:
-    """Words as word-level LMs (the paper's Billion Word figure) count them: whitespace-separated words plus one
-    end-of-sentence per text."""
+    """Words as word-level LMs count them: whitespace-separated words plus one end-of-sentence per text."""
     return sum(len(t.split()) + 1 for t in texts)
 
 
 def word_perplexity(total_nll: float, words: int) -> dict[str, float]:
-    """Per-word perplexity ``exp(nll / words)`` from a summed NLL over an LM's pieces: comparable with a word-level
-    model's."""
+    """Per-word perplexity ``exp(nll / words)`` from a summed NLL over an LM's pieces."""
     if words < 1:
         raise ValueError("no words to score: word perplexity needs at least one text")
     return {"word_ppl": math.exp(total_nll / words), "words": float(words)}

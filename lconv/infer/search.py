@@ -45,8 +45,7 @@ BEAM_INVARIANT_PREFIX = "beam_invariant_"  # cache entries equal on every beam o
 
 
 def tile_cache(cache: Any, batch_size: int, beam_size: int) -> Any:
-    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]`` (row ``b*beam + n`` = beam n of row b); scalars and
-    ``beam_invariant_*`` entries (the same on every beam of a row) stay as they are."""
+    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]``; scalars and ``beam_invariant_*`` entries stay."""
     def tile(path, x):
         if x.ndim == 0 or _beam_invariant(path):
             return x
@@ -62,8 +61,7 @@ def _beam_invariant(path):
 
 
 def gather_beams(cache: Any, beam_idx_BN: Array) -> Any:
-    """Reorders a tiled cache: new beam n of row b takes old beam ``beam_idx[b, n]`` (scalars, ``beam_invariant_*``
-    kept)."""
+    """Reorders a tiled cache: new beam n of row b takes old beam ``beam_idx[b, n]``."""
     B, N = beam_idx_BN.shape
 
     def gather(path, x):
@@ -180,8 +178,7 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
 
 
 def row_keys(rng: Array, ids_BT: Array) -> Array:
-    """One key per row, ``[B]``: ``rng`` folded with a hash of the row's ids (PAD after them changes nothing), so a
-    row's draws depend on its content and ``rng`` only, not on its index, the batch or the padded width."""
+    """One key per row, ``[B]``: ``rng`` folded with a hash of the row's ids, so draws follow content only."""
     multiplier = jnp.uint32(0x01000193)  # FNV-1's 32-bit prime: odd, so each position's term is a bijection
     powers_T = jnp.cumprod(jnp.full((ids_BT.shape[1],), multiplier, jnp.uint32))  # [T], wrapping mod 2**32
     hash_B = jnp.sum(ids_BT.astype(jnp.uint32) * powers_T, axis=1, dtype=jnp.uint32)  # [B]; PAD = 0 adds 0
@@ -278,8 +275,7 @@ def _take(seqs_BXL: Array, index_BY: Array) -> Array:
 
 
 def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
-    """``(limit_B, penalty)``: the tokens each row may have (EOS included, raised to hold a prefix), and the length
-    penalty ``penalty(length_B) -> [B]``, which does not count unscored prefix tokens."""
+    """``(limit_B, penalty)``: the tokens each row may have (EOS included), and the length penalty function."""
     limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
     limit_B = limit_B.astype(jnp.int32)  # [B]
     if prefix is not None:
@@ -294,8 +290,7 @@ def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
 
 def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, prefix_scored=True, guards=None,
                   history_BNL=None):
-    """Step ``i``'s log-probs with PAD, EOS first (fairseq's min_len = 1), all but EOS at a row's limit and what
-    ``guards`` ban masked; rows still in their ``prefix`` forced (``_forced_logp``)."""
+    """Step ``i``'s log-probs with what may not come masked and the rows in their ``prefix`` forced."""
     logp_BNV = _mask_pad(jax.nn.log_softmax(logits_BNV, axis=-1), pad_id)  # [B, beam, V]
     at_limit_B11 = (i + 1 >= limit_B)[:, None, None]  # this token is the row's last
     only_eos_V = jnp.arange(logp_BNV.shape[-1]) == eos_id  # [V]
@@ -320,8 +315,7 @@ def _forced_logp(logp_BNV, logits_BNV, prefix, i, scored):
 
 
 def _best_finished(finished, finished_BN, top, scores_B2N, keep):
-    """The default rule: the ``keep`` best of the finished set and this step's EOS extensions; sets are (tokens, token
-    log-probs) pairs."""
+    """The default rule: the ``keep`` best of the finished set and this step's EOS extensions."""
     all_scores_B3N = jnp.concatenate([finished_BN, scores_B2N], axis=1)  # [B, 3beam]
     finished_BN, best_BN = rowwise_top_k(all_scores_B3N, keep)  # [B, beam]
     return jax.tree.map(lambda old, new: _take(jnp.concatenate([old, new], axis=1), best_BN), finished, top), \
@@ -329,8 +323,7 @@ def _best_finished(finished, finished_BN, top, scores_B2N, keep):
 
 
 def _append_finished(finished, finished_BN, count_B, top, scores_B2N, is_eos_B2N, top_logp_B2N):
-    """fairseq's rule: the EOS extensions among the top ``beam`` candidates fill a row's free finished slots in rank
-    order (``count_B`` counts the filled ones)."""
+    """fairseq's rule: EOS extensions among the top ``beam`` fill a row's free finished slots in rank order."""
     N = finished_BN.shape[1]
     rank_2N = jnp.arange(2 * N)
     eligible_B2N = is_eos_B2N & (rank_2N < N)[None] & (top_logp_B2N > IMPOSSIBLE_LOGP / 2)  # [B, 2beam]
@@ -416,8 +409,7 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
 def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int, temperature: float,
                 top_k: int, top_p: float, batch_size: int | None = None, rng: Array | None = None,
                 bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Continues ``prompt [B, T]`` (or BOS) with a ``DecoderOnlyLM``: ``[B, max_len]`` new tokens (``rng`` unless
-    greedy)."""
+    """Continues ``prompt [B, T]`` (or BOS) with a ``DecoderOnlyLM``: ``[B, max_len]`` new tokens."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     if prompt is None and batch_size is None:

@@ -21,8 +21,7 @@ MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a 
 
 def estimate_decode_seconds(config: InferConfig, eval_set: pipeline.EvalSet, translator: compiled.Translator,
                             settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
-    """Seconds ``batching.decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``; afterwards
-    the plan's other widths compile in the background."""
+    """Seconds ``batching.decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``."""
     eval_set = shards.whole_split(eval_set, config.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
@@ -61,8 +60,7 @@ def _seconds_of_call(translator: compiled.Translator, inputs_BS: np.ndarray, set
 
 def step_bound(config: InferConfig, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
                width: int) -> int:
-    """The most search steps decoding the ``chosen`` examples at ``width`` takes: the longest row's length limit (as
-    ``search.translate_hypotheses`` counts it), within the program's output length."""
+    """The most search steps decoding ``chosen`` at ``width`` takes: the longest row's length limit."""
     output_len = compiled.max_output_len(config, settings, width)
     if settings.max_len_a is None and settings.max_len_b is None:
         return output_len
