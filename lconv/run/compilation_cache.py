@@ -24,8 +24,7 @@ def user_folder() -> str:
 
 
 def use_user_folder() -> str | None:
-    """For the API: this user's folder as JAX's cache, unless the process turned caching off (None) or set a folder
-    (kept); an unsafe folder is not used. Returns the folder in use, or None."""
+    """For the API: this user's folder as JAX's cache unless the process chose otherwise; the folder, or None."""
     import jax
 
     if not jax.config.jax_enable_compilation_cache:
@@ -59,8 +58,7 @@ def unusable(folder: str) -> str | None:
 
 
 def make_private(folder: str) -> str | None:
-    """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code, or
-    None."""
+    """Creates this user's cache ``folder``, owner-writable only; why it cannot be trusted, or None."""
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         status = os.stat(folder)
@@ -81,8 +79,7 @@ _watching: list[str] = []  # the folder ``report_cache_errors`` watches, once in
 
 
 def report_cache_errors(folder: str) -> None:
-    """JAX's warning at each cache entry it fails to write or read becomes one lconv warning line per process naming
-    ``folder``."""
+    """JAX's warnings for cache entries it fails to write or read become one lconv line per process."""
     _watching[:] = [folder]
     if getattr(warnings.showwarning, "lconv_cache_errors", False):
         return

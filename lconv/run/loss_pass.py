@@ -27,8 +27,7 @@ Batch = dict[str, Any]
 
 
 def make_eval_step(config: RunConfig) -> Callable:
-    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``, the mixers' carried state, is empty but on
-    streams."""
+    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``: the mixers' carried state (streams)."""
     def eval_step(params, apply_fn, batch, carried):
         outputs, carried = model_setup.apply_model(apply_fn, params, carried, batch, deterministic=True,
                                                    logits=not config.optim.fused_loss)
@@ -40,8 +39,7 @@ def make_eval_step(config: RunConfig) -> Callable:
 
 
 def jit_eval_step(config: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
-    """``make_eval_step`` jitted once per run; the returned state keeps the batch's sharding, so each window hits the
-    same compilation."""
+    """``make_eval_step`` jitted once per run, its returned state in the batch's sharding (one compilation)."""
     return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, model_setup.batch_sharding(mesh)))
 
 
@@ -112,8 +110,7 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
 
 def stream_perplexity(config: RunConfig, model: Any, params: PyTree, tokenizer: Any, documents: list[str],
                       eval_step: Callable[..., Any] | None = None) -> dict[str, float]:
-    """``documents`` scored as eval.py scores a document-stream LM's split: windows of ``data.max_target_length`` over
-    ``data.eval_batch_size`` rows, the mixers' state carried."""
+    """``documents`` scored as eval.py scores a document-stream LM's split, the mixers' state carried."""
     cfg = config.data
     mesh = model_setup.make_mesh(config.mesh)
     eval_set = stream.StreamEvalSet([{"text": text} for text in documents], "text", tokenizer,

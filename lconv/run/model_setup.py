@@ -127,7 +127,6 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 
 
 def one_step_ahead(previous: PyTree, current: PyTree) -> PyTree:
-    """Waits for ``previous`` (the step before's outputs) and returns ``current``: at most one step dispatched ahead
-    (why: docs/training.md, "Sharding and several hosts")."""
+    """Waits for ``previous`` and returns ``current``: one step dispatched ahead at most (docs/training.md)."""
     jax.block_until_ready(previous)
     return current

@@ -234,8 +234,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """A checked config, every section parsed once into its typed, frozen dataclass: what code below the edges reads (an
-    override is ``dataclasses.replace``)."""
+    """A checked config, each section a typed, frozen dataclass: what code below the edges reads."""
 
     task: str
     seed: int
@@ -262,8 +261,7 @@ class RunConfig:
                            num_print=self.decode.num_print)
 
     def replace(self, **sections: Mapping[str, Any]) -> RunConfig:
-        """A copy with fields of some sections changed (``replace(data={"eval_batch_size": 8})``), checked again: the
-        one way below the edges to override a run's settings."""
+        """A copy with fields of some sections changed, checked again: ``replace(data={"eval_batch_size": 8})``."""
         values = self.as_config()
         for name, changes in sections.items():
             values[name].update(changes)
@@ -285,8 +283,7 @@ def _config_fields(section: Any) -> dict[str, Any]:
 
 
 def validate_config(config: Any) -> RunConfig:
-    """Fills the fields ``config`` lacks with their defaults (in place), then checks every field (one line naming the
-    first bad one); returns the typed ``RunConfig``."""
+    """Fills the missing fields with defaults (in place), checks every field; returns the typed ``RunConfig``."""
     complete(config)
     values = as_dict(config)
     top = {f.name for f in schema_fields(TopConfig)}
@@ -334,8 +331,7 @@ def _check_best_metric(values: Mapping[str, Any]) -> None:
 
 
 def _check_own_files(values: Mapping[str, Any]) -> None:
-    """Your own files hold pairs for translation and summarization, texts for an LM: the language codes must agree with
-    the task."""
+    """Your own files' language codes must agree with the task (pairs for translation, texts for an LM)."""
     data, task = values["data"], values["task"]
     if data["dataset"] != "files":
         return
@@ -403,8 +399,7 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
                    vocab_size: int | None = None, idle: bool = True) -> None:
-    """Each given sampling setting of ``values`` by its rule; a filter or seed without a temperature is refused
-    (``idle=False`` leaves that to a later call)."""
+    """Each given sampling setting of ``values`` by its rule; a filter or seed without a temperature is refused."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:

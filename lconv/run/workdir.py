@@ -75,8 +75,7 @@ def check_inside(directory: str, workdir: str) -> None:
 
 @contextlib.contextmanager
 def lock(workdir: str) -> Iterator[None]:
-    """Holds ``<workdir>/train.lock`` for the body (process 0); a second run on the workdir fails at once, naming the
-    owner."""
+    """Holds ``<workdir>/train.lock`` for the body (process 0); a second run fails at once, naming the owner."""
     if jax.process_index() != 0:
         yield
         return
@@ -155,8 +154,7 @@ def config_changes(stored: dict[str, Any], record: dict[str, Any]) -> dict[str, 
 
 
 def fields_added_at_their_defaults(stored: dict[str, Any], changes: dict[str, tuple[Any, Any]]) -> set[str]:
-    """The changed fields that the stored config lacks and the launch sets to their default: fields added to lconv
-    since, which need no ``accept_changes``."""
+    """The changed fields the stored config lacks, set to their defaults: new to lconv, no ``accept_changes``."""
     stored_fields, defaults = _flatten(stored), _flatten(as_record(schema.base_config()))
     return {k for k, (_, new) in changes.items() if k not in stored_fields and k in defaults and new == defaults[k]}
 
@@ -188,16 +186,14 @@ CONFIG_MAX_BYTES = 64 << 20  # a config is a few kB of JSON; far more is not one
 
 
 def read_config_bytes(path: epath.Path, workdir: str) -> bytes:
-    """The bytes of a run's ``config.json``: a regular file inside ``workdir`` of a sane size, else one line naming it.
-    """
+    """The bytes of a run's ``config.json``: a regular file inside ``workdir`` of a sane size, else one line."""
     return paths.read_bytes(path, "missing; restore it from a copy of the run", within=workdir,
                             limit=CONFIG_MAX_BYTES)
 
 
 def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
                  has_checkpoint: bool) -> None:
-    """Writes ``config.json`` (process 0) after ``check_config_change``, once a resumed run's checkpoint has restored;
-    changes are logged and appended to ``config_changes.jsonl``."""
+    """Writes ``config.json`` (process 0) once a resumed run has restored; changes go to ``config_changes.jsonl``."""
     if changes is None or jax.process_index() != 0:
         return
     if changes:
