@@ -35,8 +35,7 @@ def archive_path(archive_root: str, name: str) -> str:
 
 
 def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str, *, prune: bool = False) -> int:
-    """Archives every finished run of ``records`` whose workdir still holds its spec; returns how many (``prune``:
-    delete entries of other runs)."""
+    """Archives every finished run of ``records``; returns how many (``prune``: delete other runs' entries)."""
     root, written, kept = os.path.join(docs_dir, ARCHIVE_DIR), 0, set()
     for record in records:
         if record.get("status") != "ok":

@@ -134,8 +134,7 @@ def _recipe(study: ml_collections.ConfigDict, choices: dict[tuple[str, str], tun
 
 
 def check_runs_match_plan(planned: list[tuple[str, Any, str]], output_dir: str) -> None:
-    """Raises when a run folder was made with another training config than the plan's (the study config was edited
-    since)."""
+    """Raises when a run folder was made with another training config than the plan's."""
     stale = []
     for name, config, workdir in planned:
         spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))

@@ -85,8 +85,7 @@ LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is repor
 
 def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
                         repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
-    """Greedy generation of ``rows`` x ``length`` tokens from BOS: tokens per second, the median of ``repeats`` calls
-    after a compiling one."""
+    """Greedy generation of ``rows`` x ``length`` tokens from BOS: tokens/s, the median of ``repeats`` calls."""
     model, params = trained.model, trained.params
     settings = DecodeSettings.build(trained.config.decode, max_len=length)  # the sampling defaults: greedy
 

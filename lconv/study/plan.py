@@ -85,8 +85,7 @@ def normalize(study: Config) -> Config:
 
 
 def quote_word_lists(argv: list[str]) -> list[str]:
-    """``--config.mixers=transformer,my_mixers:GatedMean`` as the tuple literal ml_collections parses (it reads ``a,b``
-    as a tuple only for plain words)."""
+    """``--config.mixers=a,pkg.mod:Class`` as a tuple literal (ml_collections takes plain words only)."""
     out = []
     for arg in argv:
         name, eq, value = arg.partition("=")
@@ -189,8 +188,7 @@ def _plain(value: Any) -> Any:
 
 
 def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int:
-    """The model's parameter count from its own ``init``, traced abstractly on ``length`` tokens (None: the training
-    lengths; no shape depends on it)."""
+    """The model's parameter count from its own ``init``, traced abstractly on ``length`` tokens."""
     # The model section alone: a run's other fields (checked when it launches) fail that run, not the plan.
     lm = config.task == "lm"
     model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, decoder_only=lm)
@@ -292,8 +290,7 @@ def check_generation_fits(study: Config, config: Config) -> None:
 
 
 def stored_config_changes(stored: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
-    """``{dotted field: (stored, planned)}`` where a run's stored training config differs from the plan's; fields new to
-    lconv at their defaults do not count."""
+    """``{dotted field: (stored, planned)}`` where a run's stored training config differs from the plan's."""
     from lconv.run import workdir as workdir_lib
 
     changes = workdir_lib.config_changes(stored, workdir_lib.as_record(config))

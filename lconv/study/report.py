@@ -202,8 +202,7 @@ def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], recor
 
 def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], docs_dir: str, meta: Record,
                  output_dir: str, sweep_records: Sequence[Record] = (), choices: dict | None = None) -> str:
-    """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown (``sweep_records``, ``choices``:
-    the tuning sweeps')."""
+    """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown."""
     choices = choices or {}
     from lconv.bench import timing
 

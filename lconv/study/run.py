@@ -36,8 +36,7 @@ def read_json(path: str) -> dict[str, Any] | None:
 
 
 def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None) -> dict[str, Any]:
-    """A run's record as its workdir holds it: the result, else ``record`` failed, else ``record`` "not run"
-    (``waiting``: why)."""
+    """A run's record as its workdir holds it: the result, a failure, or "not run" (``waiting``: why)."""
     found = read_json(os.path.join(workdir, RESULT))
     failed = read_json(os.path.join(workdir, FAILURE))
     if found or failed:
@@ -186,8 +185,7 @@ def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Trains the run (resuming), scores the test split on the mean of the last checkpoints, measures; returns the
-    record (raises on failure, ``stage`` says where)."""
+    """Trains the run, scores the test split on the last checkpoints' mean, measures; returns the record."""
     import ml_collections
 
     from lconv.cli import eval_program
@@ -239,8 +237,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cache_compilations(directory: str) -> None:
-    """JAX's persistent compilation cache, private to the run: ``measure.train_step_memory`` reads training's step back,
-    and no run's timings profit from another's."""
+    """JAX's persistent compilation cache, private to the run (no run's timings profit from another's)."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", directory)

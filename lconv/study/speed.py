@@ -43,8 +43,7 @@ class _Contender:
 
 def measure(study: ml_collections.ConfigDict, templates: Sequence[plan.Planned], tokenizer_dirs: dict[str, str],
             rounds: int = 5) -> list[dict[str, Any]]:
-    """A row per (task, mixer): train tokens/s and decode sentences/s, medians of ``rounds`` turns after a compiling
-    one."""
+    """A row per (task, mixer): train tokens/s and decode sentences/s, medians of ``rounds`` turns."""
     rows = []
     for task in study.tasks:
         planned = [t for t in templates if t.key.task == task and t.config is not None]
