@@ -36,8 +36,7 @@ MIN_USEFUL_UPDATES = 10
 
 
 class Budget:
-    """``train.max_minutes`` from ``start`` (the ``clock()`` when the run started; default now); 0 = no budget
-    (nothing is ever over)."""
+    """``train.max_minutes`` from ``start`` (the run's start ``clock()``; default now); 0 = no budget."""
 
     def __init__(self, minutes: float, start: float | None = None) -> None:
         self.seconds, self.start = 60.0 * minutes, clock() if start is None else start
@@ -55,14 +54,12 @@ class Budget:
         return clock() - self.start
 
     def measure_later(self, measure: Callable[[], None]) -> None:
-        """Keeps ``PROVISIONAL_RESERVE_SHARE`` of the budget for the final evaluation until ``measure`` has run (at
-        ``MEASURE_AT_SHARE``)."""
+        """Keeps ``PROVISIONAL_RESERVE_SHARE`` of the budget for the final evaluation until ``measure`` has run."""
         self._measure, self._measure_at = measure, MEASURE_AT_SHARE * self.seconds
         self.reserve = PROVISIONAL_RESERVE_SHARE * self.seconds
 
     def training_over(self) -> bool:
-        """Whether training must stop now to leave the final evaluation its time (measuring it first when
-        ``measure_later``'s time has come)."""
+        """Whether training must stop now to leave the final evaluation its time (measuring it when due)."""
         if not self.enabled:
             return False
         if self._measure is not None and (self.elapsed() >= self._measure_at or clock() >= self.training_end()):
@@ -75,8 +72,7 @@ class Budget:
         return self.start + self.seconds - self.reserve
 
     def check_useful(self, step: int, minutes: float) -> None:
-        """A one-line ``UserError`` when training, stopped by the budget at ``step``, has fewer than
-        ``MIN_USEFUL_UPDATES`` updates."""
+        """A one-line ``UserError`` when the budget stopped training before ``MIN_USEFUL_UPDATES`` updates."""
         if step >= MIN_USEFUL_UPDATES:
             return
         left = max(self.seconds - self.elapsed(), 0.0)
@@ -86,16 +82,14 @@ class Budget:
                         f"{math.ceil((self.elapsed() + self.reserve) / 60) + 1} or more (or 0: no budget)")
 
     def deadline(self) -> Deadline | None:
-        """What the final evaluation's passes stop at: the budget's end with one process (several must finish together).
-        """
+        """What the final evaluation's passes stop at: the budget's end with one process, else None."""
         if not self.enabled or jax.process_count() > 1:
             return None
         return Deadline(self.start + self.seconds, "train.max_minutes", clock=lambda: clock())  # the tests' clock
 
 
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:
-    """The time of one batch of ``evaluate(batches)`` over ``eval_set``: the first compiles untimed, the next
-    ``PROBE_BATCHES - 1`` are timed."""
+    """The time of one batch of ``evaluate(batches)`` over ``eval_set``, its compilation untimed."""
     start = clock()
     evaluate(itertools.islice(iter(eval_set), 1))
     if len(eval_set) < 2:
@@ -108,8 +102,7 @@ def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:
 
 def estimate_final_evaluation(run: Any, evaluate_loss: Callable[[Any], Any],
                               translator: compiled.Translator | None, settings: DecodeSettings) -> float:
-    """Seconds the final evaluation of ``run`` will take: the validation loss pass, and with ``eval_after_training`` the
-    test split's (a perplexity pass, or decoding: ``time_estimate``)."""
+    """Seconds the final evaluation of ``run`` will take: the validation loss pass and the test split's."""
     config, eval_sets = run.config, run.data.eval_sets
     validation = pipeline.loss_batches(eval_sets["validation"])
     per_batch = _seconds_per_batch(evaluate_loss, validation)

@@ -89,8 +89,7 @@ class EarlyBuild:
         executor.shutdown(wait=False)
 
     def cancel(self) -> None:
-        """The caller failed: the thread stops at its next stage rather than compile on (the process waits for it to
-        end)."""
+        """The caller failed: the thread stops at its next stage rather than compile on."""
         self._cancelled.set()
 
     def _build(self, build_state: Callable[[int], StateParts]) -> tuple[StateParts, PreparedStep] | None:
@@ -131,8 +130,7 @@ class EarlyBuild:
 
 
 def tokenizer_first(data_config: DataConfig) -> bool:
-    """Whether the tokenizer is trained before the early build: your own files with under ``BYTES_PER_PIECE`` training
-    bytes per piece asked."""
+    """Whether the tokenizer is trained before the early build: your own files under ``BYTES_PER_PIECE``."""
     if data_config.dataset != sources.FILES:
         return False
     try:

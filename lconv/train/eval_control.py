@@ -48,8 +48,7 @@ def best_checkpointer(control: EvalControl, workdir: str, **options: Any) -> che
 
 
 class Tracker:
-    """Scores each validation pass by the chosen metric, offers it to the best checkpoint, and counts passes without a
-    better one."""
+    """Scores each validation pass, offers it to the best checkpoint, and counts passes without a better one."""
 
     def __init__(self, control: EvalControl, best: checkpoints.BestCheckpointer) -> None:
         self.control, self.best = control, best
@@ -76,8 +75,7 @@ class Tracker:
         return scores
 
     def resume(self, workdir: str, step: int) -> None:
-        """The count and value as an uninterrupted run had them after ``step``, replayed from ``metrics.jsonl``'s
-        validation rows (none: the best checkpoint's value)."""
+        """The count and value an uninterrupted run had after ``step``, replayed from ``metrics.jsonl``."""
         if not self.control.patience:
             return
         values = validation_values(workdir, step, self.control.metric)
@@ -130,8 +128,7 @@ def replay(metric: str, values: list[float]) -> tuple[float, int]:
 
 
 def validation_values(workdir: str, step: int, metric: str) -> list[float]:
-    """``metric``'s value of each validation pass logged in ``metrics.jsonl`` up to ``step``, in step order; passes cut
-    short are left out."""
+    """``metric``'s value of each validation pass in ``metrics.jsonl`` up to ``step`` (cut passes left out)."""
     path = epath.Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []

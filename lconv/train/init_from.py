@@ -51,8 +51,7 @@ class Source:
             raise UserError(f"{self.label}: its params do not fit this model: {changes}")
 
     def copy_tokenizer(self, workdir: str) -> None:
-        """The source's tokenizer into ``workdir`` (process 0) unless the same file is there; another one there is an
-        error."""
+        """The source's tokenizer into ``workdir`` (process 0) unless the same file is there."""
         if jax.process_index() != 0:
             return
         for name in (tokenizer_lib.Tokenizer.filename, tokenizer_lib.PiecesTokenizer.filename):

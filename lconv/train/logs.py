@@ -28,8 +28,7 @@ class _Discard:
 
 
 class _RemoteLines:
-    """An append-only text file on an object store (which cannot append): the lines are kept and the whole file
-    rewritten on each flush."""
+    """An append-only text file on an object store: the whole file is rewritten on each flush."""
 
     def __init__(self, path: epath.Path) -> None:
         self.path = path
@@ -95,8 +94,7 @@ class MetricWriter:
 
 
 def _quiet_event_thread() -> None:
-    """A failed tensorboardX write in its own thread (a full disk) becomes a warning, not a traceback; metrics.jsonl
-    keeps every value."""
+    """A failed tensorboardX write in its own thread (a full disk) becomes a warning, not a traceback."""
     previous = threading.excepthook
     if getattr(previous, "lconv_quiet_events", False):
         return
@@ -113,8 +111,7 @@ def _quiet_event_thread() -> None:
 
 
 def _drop_rows_after(path: epath.Path, step: int) -> None:
-    """Removes the rows of steps after ``step`` (the checkpoint a run resumes from), which the run trains and logs
-    again."""
+    """Removes the rows of steps after ``step`` (the checkpoint a run resumes from)."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -149,8 +146,7 @@ BUDGET_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the bud
 
 
 class Progress:
-    """The training bar: steps to ``train.num_steps`` or, with a time budget, its seconds, the final evaluation's part
-    included."""
+    """The training bar: steps to ``train.num_steps`` or, with a time budget, its seconds."""
 
     def __init__(self, step: int, num_steps: int, budget: Any) -> None:
         from tqdm import tqdm

@@ -99,8 +99,7 @@ def create_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh,
 # Building a run
 @dataclasses.dataclass(frozen=True)
 class CheckedConfig:
-    """What ``check_config`` found: the typed config, its mesh, and the config as config.json stores it (a plain dict).
-    """
+    """What ``check_config`` found: the typed config, its mesh, and the config as config.json stores it."""
 
     config: RunConfig
     mesh: jax.sharding.Mesh
@@ -108,8 +107,7 @@ class CheckedConfig:
 
 
 def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
-    """Every check that needs no data: the fields (``lconv.run.schema``), the mesh and the batch's split, and a plugin's
-    trace; returns what ``build_run`` takes."""
+    """Every check that needs no data (fields, mesh, batch split, a plugin's trace); what ``build_run`` takes."""
     checked = validate_config(config)
     mesh = model_setup.make_mesh(checked.mesh, devices)
     check_batch_divides(checked, mesh)
@@ -119,8 +117,7 @@ def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
 
 
 def check_state_rules(config: RunConfig) -> None:
-    """A stream's stateful mixers keep the state rules (``mixer_state.check_rules``), traced abstractly before any data
-    is prepared."""
+    """A stream's stateful mixers keep the state rules, traced abstractly before any data is prepared."""
     if not config.data.stream:
         return  # nothing is carried between batches: init_mixer_state makes no state
     model = model_setup.build_model(config)
@@ -128,8 +125,7 @@ def check_state_rules(config: RunConfig) -> None:
 
 
 def check_plugins_trace(config: RunConfig) -> None:
-    """A model with a mixer or FFN from outside lconv is traced once, abstractly and short, before any data is prepared:
-    a misfit fails now, in one line."""
+    """A model with a plugin mixer or FFN is traced once, abstractly, before any data: a misfit fails now."""
     model_cfg = config.model
     model = model_setup.build_model(config, model_cfg.vocab_size)
     sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
@@ -207,8 +203,7 @@ def _build_state(config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int) ->
 
 
 def _report_data_source(report: dict[str, Any], workdir: str) -> None:
-    """What the prepared data was built from and what was skipped or altered: logged and written to
-    ``data_report.json``."""
+    """What the prepared data was built from and what was skipped: logged and written to ``data_report.json``."""
     if not report or jax.process_index() != 0:
         return
     for line in sources.describe_report(report):

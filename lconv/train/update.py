@@ -79,8 +79,7 @@ class TimeSchedule:
         self._agreed: float | None = None
 
     def agreed_factor(self, step: int, every: int) -> float:
-        """``factor(step)``, the same on every process: with several, process 0's share of time gone, agreed at
-        multiples of ``every`` (a collective) and kept between them."""
+        """``factor(step)``, the same on every process: process 0's, agreed every ``every`` steps (a collective)."""
         if jax.process_count() == 1 or not self.active:
             return self.factor(step)
         if step % max(every, 1) == 0 or self._agreed is None:
@@ -145,8 +144,7 @@ def build_optimizer(optim: OptimConfig, num_steps: int) -> tuple[optax.GradientT
 
 
 def scale_by_fairseq_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
-    """Adam as fairseq computes it: eps added to the uncorrected ``sqrt(v)``, which differs from optax where ``sqrt(v)``
-    is near eps (early updates, rare embedding rows)."""
+    """Adam as fairseq computes it: eps added to the uncorrected ``sqrt(v)`` (optax adds it after correction)."""
 
     def init(params):
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
@@ -167,8 +165,7 @@ def scale_by_fairseq_adam(b1: float, b2: float, eps: float) -> optax.GradientTra
 
 
 def clip_coefficient(norm: jax.Array, clip_norm: float, clip_form: str) -> jax.Array:
-    """The factor the clip multiplies the gradient by at global norm ``norm``: ``max_norm`` or fairseq's
-    ``norm_plus_eps`` formula (0 ``clip_norm``: no clip)."""
+    """The factor the clip multiplies the gradient by at global norm ``norm`` (0 ``clip_norm``: no clip)."""
     if not clip_norm:
         return jnp.ones((), jnp.float32)
     if clip_form == "max_norm":
@@ -248,8 +245,7 @@ def make_train_step(config: RunConfig, lr_schedule: optax.Schedule) -> Callable[
 
 def jit_train_step(config: RunConfig, lr_schedule: optax.Schedule, state_shardings: PyTree,
                    mesh: jax.sharding.Mesh) -> Callable[..., tuple[Any, dict]]:
-    """``make_train_step`` jitted over ``mesh``: the state in its shardings (donated), the batch's rows split over the
-    batch axes."""
+    """``make_train_step`` jitted over ``mesh``: the state donated in its shardings, the batch rows split."""
     return jax.jit(make_train_step(config, lr_schedule),
                    in_shardings=(state_shardings, model_setup.batch_sharding(mesh), None),
                    out_shardings=(state_shardings, None), donate_argnums=0)
