@@ -51,8 +51,7 @@ def parse_T_list(text: str) -> tuple[int, ...]:
 
 
 def committed_paths(backend: str) -> tuple[str, str]:
-    """Where a clone keeps a backend's results: CPU's in docs/bench and docs/benchmarks.md, another's in
-    docs/bench/<backend> and docs/benchmarks-<backend>.md."""
+    """Where a clone keeps a backend's results: docs/bench (CPU) or docs/bench/<backend>, and its benchmarks page."""
     if backend == "cpu":
         return COMMITTED_OUT, COMMITTED_DOC
     return f"{COMMITTED_OUT}/{backend}", COMMITTED_DOC.replace(".md", f"-{backend}.md")

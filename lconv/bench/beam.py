@@ -105,8 +105,7 @@ def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
 
 def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limit: int | None = None,
                 deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[report.Row]:
-    """The trained run in ``workdir`` decodes its test split (its first ``limit`` sentences) at auto's batch size and
-    each of ``rows_list``'s; no new size starts after ``deadline``."""
+    """The trained run in ``workdir`` decodes its test split at auto's batch size and each of ``rows_list``'s."""
     trained = restore.load_trained(workdir, devices=jax.devices()[:1])
     config, model, params = trained.config, trained.model, trained.params
     eval_set = test_split(config, trained.tokenizer, limit)

@@ -75,8 +75,7 @@ def launch_stage(command: list[str], timeout: float) -> int:
 
 
 def shared_cache() -> str:
-    """A full run's cache: this user's folder (``lconv.run.compilation_cache``), never a world-shared one; ``"none"``,
-    with a warning, when it cannot be kept for this user alone."""
+    """A full run's cache: this user's folder, never a world-shared one; ``"none"`` when it cannot be private."""
     folder = compilation_cache.user_folder()
     problem = compilation_cache.make_private(folder)
     if problem:
@@ -86,8 +85,7 @@ def shared_cache() -> str:
 
 
 def use_compilation_cache(folder: str | None) -> None:
-    """Keeps (and reads back) this process's compiled programs in ``folder``, shared by every stage; ``"none"`` or None:
-    compile afresh."""
+    """Keeps (and reads back) compiled programs in ``folder``, shared by every stage; ``"none"`` or None: afresh."""
     if folder and folder.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", folder)
         compilation_cache.report_cache_errors(folder)

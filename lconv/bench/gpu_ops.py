@@ -70,8 +70,7 @@ def _row(item: PlanItem, tokens: int, bandwidth: float) -> report.Row:
 
 def ops_stage(quick: bool, out: str, doc: str, info: dict[str, str], deadline: float, *,
               clock: Callable[[], float] = time.monotonic, overlap: bool | None = None) -> list[report.Row]:
-    """Times ``op_plan``'s rows that fit before ``deadline``, writing the report as each group ends (``overlap``:
-    compile the next group while timing this one)."""
+    """Times ``op_plan``'s rows that fit before ``deadline``, writing the report as each group of rows ends."""
     tokens = 1024 if quick else (65_536 if jax.default_backend() != "cpu" else 4096)
     bandwidth = timing.copy_bytes_per_s(64 if quick else 1024, repeats=5)["copy_bytes_per_s"]
     logger.info(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")

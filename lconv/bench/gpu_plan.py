@@ -22,8 +22,7 @@ STAGE_START_S = 8.0  # a stage process's start: Python, jax and the backend (mea
 
 
 def stage_caps(minutes: float, profile: bool = False) -> list[tuple[str, float]]:
-    """``[(stage, cap seconds)]`` in running order: ``STAGES``' shares of ``minutes``, and with ``profile`` a
-    ``profile`` stage after ``train``."""
+    """``[(stage, cap seconds)]`` in running order: ``STAGES``' shares of ``minutes`` (and ``profile``'s)."""
     total = minutes * 60
     if not profile:
         return [(stage, share * total) for stage, share in STAGES]
@@ -41,8 +40,7 @@ def run_budget(cap_s: float) -> float:
 
 
 def stage_cap(planned_s: float, later_s: float, left_s: float) -> float:
-    """A stage's cap with ``left_s`` seconds left and ``later_s`` planned after it: its cap less what earlier stages
-    overran, never below a tenth."""
+    """A stage's cap less what earlier stages overran (``left_s`` left, ``later_s`` planned after), at least a tenth."""
     return max(min(planned_s, left_s - later_s), 0.1 * planned_s)
 
 

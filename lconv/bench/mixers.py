@@ -196,8 +196,7 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0,
 
 
 def external_rows(T: int, B: int, last: dict, *, budget_s: float) -> list[report.Row]:
-    """The PyTorch / fairseq baselines (``lconv.bench.external``) at one T, in the op rows' shapes; skipped rows say
-    why."""
+    """The PyTorch / fairseq baselines (``lconv.bench.external``) at one T; skipped rows say why."""
     torch, missing = external.torch_or_reason()
     rows = []
     for label, builder, dynamic in external.BASELINES:

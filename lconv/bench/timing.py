@@ -40,8 +40,7 @@ def repeats_for(estimate_s: float, budget_s: float, lo: int = 3, hi: int = 10) -
 
 
 def predict_seconds(measured: tuple[int, float] | None, T: int, exponent: float) -> float | None:
-    """Extrapolates one call's time from the last measured ``(T, seconds)`` as ``s * (T / T0) ** exponent`` (0:
-    linear-time mixers at fixed tokens per batch; 1: attention)."""
+    """One call's time extrapolated from the last ``(T, seconds)`` as ``s * (T / T0) ** exponent``."""
     if measured is None:
         return None
     T0, seconds = measured
@@ -105,8 +104,7 @@ def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, bu
 
 
 def compile_many(lowered: Sequence[jax.stages.Lowered], threads: int) -> list[tuple[Any, float]]:
-    """``[(compiled or the exception compiling it raised, seconds)]`` for each lowered program, ``threads`` at once (XLA
-    compiles outside the GIL)."""
+    """``[(compiled or its exception, seconds)]`` per lowered program, ``threads`` at once (outside the GIL)."""
     def one(program: jax.stages.Lowered) -> tuple[Any, float]:
         start = time.perf_counter()
         try:

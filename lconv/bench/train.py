@@ -122,8 +122,7 @@ def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
 
 
 def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
-    """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names, compiled in threads at
-    once (``holder`` keeps the donated state)."""
+    """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names, compiled at once."""
     lowered = {label: _lowered_trainer(*args) for label, args in settings.items()}
     programs = timing.compile_many([parts[0] for parts in lowered.values()], len(lowered))
     made = {}
@@ -143,8 +142,7 @@ def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
 
 def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None = None,
         vocabs: Sequence[int] = VOCABS, size: LMSize = FULL) -> list[report.Row]:
-    """At each (T, dtype) the models' steps alternate, so drifting load does not skew their ratio; ``vocabs``: the
-    vocabulary sweep's sizes."""
+    """At each (T, dtype) the models' steps alternate, so drifting load does not skew their ratio."""
     dtype_list = dtypes() if dtype_list is None else tuple(dtype_list)
     matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []
