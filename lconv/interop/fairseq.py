@@ -151,8 +151,7 @@ def _max_len(args: Mapping[str, Any], problems: list[str]) -> int:
 
 
 def _lightconv_fields(args: Mapping[str, Any], require: Callable[..., None]) -> dict[str, Any]:
-    """fairseq's lightconv ignores --activation-fn, --layernorm-embedding and --no-scale-embedding, so they are not
-    read."""
+    """fairseq's lightconv ignores --activation-fn, --layernorm-embedding and --no-scale-embedding."""
     fields: dict[str, Any] = dict(
         encoder_mixer=CONV_MIXERS.get(args.get("encoder_conv_type"), args.get("encoder_conv_type")),
         decoder_mixer=CONV_MIXERS.get(args.get("decoder_conv_type"), args.get("decoder_conv_type")),

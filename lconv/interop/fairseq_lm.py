@@ -136,8 +136,7 @@ def _decoder_ends(args: Mapping[str, Any], vocab_size: int, d_model: int, proble
 
 
 def _cutoffs(args: Mapping[str, Any], key: str, vocab_size: int, problems: list[str]) -> tuple[int, ...]:
-    """fairseq's cutoffs without the vocabulary size it allows as the last one; the special ids must all be in band 0.
-    """
+    """fairseq's cutoffs without the vocabulary size as the last one; the special ids must be in band 0."""
     cuts = cutoff_list(args.get(key), key)
     if cuts and cuts[-1] == vocab_size:
         cuts = cuts[:-1]
@@ -183,8 +182,7 @@ def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -
 
 
 def _embedding(state: fairseq.StateDict, fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """One table (rows re-numbered to lconv's ids), or the adaptive input's bands (only band 0's special ids
-    re-numbered) and their projections."""
+    """One table (rows re-numbered to lconv's ids), or the adaptive input's bands and their projections."""
     if not fields["adaptive_input_cutoffs"]:
         return {"embedding": lconv_rows(state.take("decoder.embed_tokens.weight"))}
     bands: dict[str, np.ndarray] = {}

@@ -25,8 +25,7 @@ NOISE_FLOOR = "float_noise_floor_replay_grad_divided"  # meta.json: runs.<name>.
 
 @dataclasses.dataclass(frozen=True)
 class NoiseFloor:
-    """How far fairseq moves from itself when its gradient is perturbed by one rounding step (the recording's own
-    measurement): the most a port that is not bit-exact can be held to."""
+    """How far fairseq moves from itself under a one-rounding-step gradient perturbation (its own measurement)."""
 
     loss_rel: float  # loss sum, relative, worst over the updates
     grad_norm_rel: float  # gradient norm before clipping, relative, worst over the updates
@@ -65,8 +64,7 @@ class RecordedRun:
 
 
 def find_runs(folder: str) -> list[RecordedRun]:
-    """The runs of a recording (``folder``: the recording or one run folder in it); another layout is a one-line error.
-    """
+    """The runs of a recording (``folder``: the recording or one run folder); another layout is one line."""
     path = epath.Path(folder)
     if not path.is_dir():
         raise UserError(f"{folder} is not a folder (a fairseq training recording, as ../shared/fairseq/"

@@ -48,8 +48,7 @@ class UpdateRow:
 
 @dataclasses.dataclass(frozen=True)
 class Replay:
-    """What a replay measured: every update's row, and the weights' max abs difference from fairseq's after each
-    recorded update (``{update: {fairseq key: (max abs difference, its ratio to update 1's tolerance)}}``)."""
+    """What a replay measured: every update's row, and per recorded update each weight's difference from fairseq's."""
 
     run: str
     rows: tuple[UpdateRow, ...]
@@ -59,8 +58,7 @@ class Replay:
 
 
 def replay_config(run: RecordedRun, vocab_size: int) -> ml_collections.ConfigDict:
-    """lconv's config for fairseq's run: the imported model (``fairseq_workdir.translation_config``) and fairseq's
-    optimisation, with fairseq's semantics. Settings the replay cannot reproduce are one-line errors."""
+    """lconv's config for fairseq's run, with fairseq's semantics; what the replay cannot reproduce is one line."""
     cfg, args = run.cfg, run.model_args
     optim_cfg, schedule, criterion = cfg.get("optimizer", {}), cfg.get("lr_scheduler", {}), cfg.get("criterion", {})
     unsupported = {"optimizer": (optim_cfg.get("_name"), "adam"), "lr_scheduler": (schedule.get("_name"),
@@ -115,8 +113,7 @@ def replay(run: RecordedRun, updates: int | None = None,
 
 @dataclasses.dataclass
 class Prepared:
-    """A run ready to replay: its config, the train step compiled for one batch shape, the start state, and the
-    batches (fairseq's, collated on demand)."""
+    """A run ready to replay: its config, the compiled train step, the start state, and the batches."""
 
     run: RecordedRun
     config: schema.RunConfig
@@ -220,8 +217,7 @@ def _at(tree: Any, path: tuple) -> np.ndarray:
 
 
 def key_names(weights: dict[str, np.ndarray], fields: dict[str, Any]) -> dict[str, str]:
-    """``{lconv parameter path: the fairseq key it is imported from}``, found by importing each tensor filled with its
-    own index."""
+    """``{lconv parameter path: fairseq key}``, found by importing each tensor filled with its own index."""
     keys = sorted(weights)
     marked = {k: np.full(weights[k].shape, i, np.float32) for i, k in enumerate(keys)}
     for key in keys:  # a tied copy stays a copy
@@ -237,8 +233,7 @@ def key_names(weights: dict[str, np.ndarray], fields: dict[str, Any]) -> dict[st
 # Judging and printing a replay
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """Each quantity's worst difference as a ratio to its tolerance (``{name: (ratio, where)}``; above 1 fails)
-    and the updates whose clip decision differs from fairseq's."""
+    """Each quantity's worst ratio to its tolerance (above 1 fails) and the updates whose clip decision differs."""
 
     ratios: dict[str, tuple[float, str, float]]  # name -> (ratio, where, the difference itself)
     clip_differs: tuple[int, ...]
@@ -311,8 +306,7 @@ def format_verdict(run: str, verdict: Verdict, factor: float, result: Replay | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command: replays every run of the folder; 0 when all are within tolerance, 1 when one is not, 2 (one
-    line) for a folder it cannot replay."""
+    """The command: replays every run of the folder; exit 0 within tolerance, 1 outside, 2 unreadable."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m lconv.interop.fairseq_replay", description=__doc__.split(

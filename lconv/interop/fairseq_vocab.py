@@ -24,8 +24,7 @@ class Vocabulary:
 
 
 def read_dictionary(path: str) -> list[str]:
-    """The symbols of a fairseq ``dict.txt`` (``<symbol> <count> [#fairseq:overwrite]`` per line), in id order
-    from id 4."""
+    """The symbols of a fairseq ``dict.txt``, in id order from id 4."""
     from etils import epath
 
     try:
@@ -54,22 +53,19 @@ def lconv_rows(table_VC: np.ndarray, order: np.ndarray | None = None) -> np.ndar
 
 
 def joined_symbols(source: list[str], target: list[str]) -> list[str]:
-    """One vocabulary for separate dictionaries: the target's symbols first (its ids stay fairseq's), then the source's
-    others."""
+    """One vocabulary for separate dictionaries: the target's symbols first, then the source's others."""
     known = set(target)
     return target + [symbol for symbol in source if symbol not in known]
 
 
 def lconv_ids(symbols: list[str], dictionary: list[str]) -> np.ndarray:
-    """``[4 + len(dictionary)]``: the lconv id of each fairseq id of one side's ``dictionary`` in the vocabulary
-    ``symbols``."""
+    """``[4 + len(dictionary)]``: the lconv id of each fairseq id of one side's ``dictionary``."""
     ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(symbols)}
     return np.array([FAIRSEQ_TO_LCONV[i] for i in range(len(FAIRSEQ_SPECIALS))] + [ids[s] for s in dictionary])
 
 
 def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
-    """For each lconv id of ``symbols``, the fairseq id of its symbol in one side's ``dictionary``, or that side's
-    ``<unk>`` (3)."""
+    """For each lconv id of ``symbols``, the fairseq id of its symbol in ``dictionary``, or its ``<unk>`` (3)."""
     ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(dictionary)}
     order = np.array([FAIRSEQ_SPECIALS.index("<unk>")] * (len(FAIRSEQ_SPECIALS) + len(symbols)))
     for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():

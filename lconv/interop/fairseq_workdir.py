@@ -129,8 +129,7 @@ def _check_language_model_vocabulary(weights: dict[str, np.ndarray], size: int, 
 
 
 def language_model_config(fields: dict[str, Any], dataset: str = "") -> ml_collections.ConfigDict:
-    """lconv's base config as a language model with the imported ``model`` (dots at "highest"); texts are read up to
-    fairseq's ``max_target_positions`` tokens."""
+    """lconv's base config as a language model with the imported ``model`` (dots at "highest")."""
     from lconv.configs import common
 
     config = common.base_config()
@@ -146,8 +145,7 @@ def language_model_config(fields: dict[str, Any], dataset: str = "") -> ml_colle
 
 def translation_config(fields: dict[str, Any], dataset: str = "",
                        decode: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
-    """lconv's base config with the imported ``model`` (dots at "highest", as fairseq's float32) and fairseq-generate's
-    decoding."""
+    """lconv's base config with the imported ``model`` (dots at "highest") and fairseq-generate's decoding."""
     from lconv.configs import common
 
     config = common.base_config()
