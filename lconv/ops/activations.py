@@ -13,8 +13,7 @@ Array = jax.Array
 
 @jax.custom_vjp
 def relu(x: Array) -> Array:
-    """``max(x, 0)`` with its backward mask packed 8 to a byte, so XLA keeps no float32 pre-activation
-    (docs/kernels.md)."""
+    """``max(x, 0)`` with its backward mask packed 8 to a byte (docs/kernels.md)."""
     return jnp.maximum(x, 0)
 
 

@@ -85,8 +85,7 @@ def choose_impl(backend: str | None = None) -> str:
 
 
 def _per_platform(op, x_BTC, weight, padding_left, segment_ids, block_size):
-    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the lowering
-    platform's."""
+    """``op`` with ``impl="auto"``: ``jax.lax.platform_dependent`` keeps the lowering platform's candidate."""
     def run(impl):
         return functools.partial(_run_impl, op, impl=impl, padding_left=padding_left, block_size=block_size)
 
@@ -208,8 +207,7 @@ def _tile_windows(x_BTC, padding_left, K, L, H):
 
 
 def _skew(rows_LK):
-    """``[..., L, K] -> [..., L, L+K-1]`` with row ``i`` shifted right by ``i`` (zeros elsewhere), by pad/reshape/slice,
-    which XLA fuses."""
+    """``[..., L, K] -> [..., L, L+K-1]`` with row ``i`` shifted right by ``i``, by pad/reshape/slice."""
     *lead, L, K = rows_LK.shape
     padded = jnp.pad(rows_LK, [(0, 0)] * len(lead) + [(0, 0), (0, L)])  # [..., L, L+K]
     flat = padded.reshape(*lead, L * (L + K))[..., : L * (L + K - 1)]

@@ -28,8 +28,7 @@ def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
 
 
 def chunk_length(rows: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
-    """The longest chunk that keeps ``rows x L x vocab`` logits within ``budget``, shortened to a divisor of ``length``
-    where one is at least half as long."""
+    """The longest chunk keeping ``rows x L x vocab`` logits within ``budget``, a divisor of ``length`` if it can."""
     longest = max(1, min(length, budget // max(rows * vocab, 1)))
     divisor = next(d for d in range(longest, 0, -1) if length % d == 0)
     return divisor if 2 * divisor >= longest else longest
@@ -81,8 +80,7 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
 
 
 def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dtable_VC):
-    """``dz`` one vocabulary slice at a time, each meeting the table and ``x`` (added into the accumulator in place,
-    which a traced slice index keeps)."""
+    """``dz`` one vocabulary slice at a time, meeting the table and ``x`` (the accumulator updated in place)."""
     _, vocab_slice, valid_vocab, eps, dtype, precision = settings
     max_BL, sum_BL = softmax_stats
     V, C = table_VC.shape

@@ -279,8 +279,7 @@ class _Taps:
             self.here_ok &= self.seg_here != 0
 
     def ok(self, r_L):
-        """``[L]`` bool: ``r`` inside ``[0, T)`` and, with segments, in the tile step's own segment (symmetric, so dx
-        reuses it)."""
+        """``[L]`` bool: ``r`` inside ``[0, T)`` and, with segments, in the tile step's own segment."""
         ok = self.here_ok & (r_L >= 0) & (r_L < self.T)
         if self.seg_ref is not None:
             ok &= self.seg_ref[jnp.clip(r_L, 0, self.T - 1)] == self.seg_here

@@ -86,8 +86,7 @@ def _backward(x_BTC, weight, dy_BTC, P, L):
 
 
 class _Blocks:
-    """Blocks of ``Bc`` rows x ``Tc`` steps covering ``[B, T]``; a row's last piece may overlap its neighbour
-    (``start``: where its new values begin)."""
+    """Blocks of ``Bc`` rows x ``Tc`` steps covering ``[B, T]`` (a row's last piece may overlap: ``start``)."""
 
     def __init__(self, B, T):
         if T >= CHUNK_TOKENS:
