@@ -14,8 +14,7 @@ ROOT_LOGGER = "lconv"
 
 
 def line(record: logging.LogRecord) -> str:
-    """A record as the programs print it: its message, after ``warning: `` for a warning. The messages themselves
-    carry no level, so a notebook's own logging config (``WARNING:lconv...:``) does not print it twice."""
+    """A record as the programs print it: its message, after ``warning: `` for a warning."""
     message = record.getMessage()
     return f"warning: {message}" if record.levelno == logging.WARNING else message
 
@@ -26,8 +25,7 @@ class _LineFormatter(logging.Formatter):
 
 
 class _MessageHandler(logging.StreamHandler):
-    """Each record's message alone, flushed, on ``sys.stdout`` or ``sys.stderr`` as it is when the record is
-    written: a stream redirected or captured after ``show_log`` (pytest's capsys) still gets the lines."""
+    """Each record's message alone, flushed, on the current ``sys.stdout`` / ``sys.stderr`` (captures work)."""
 
     def __init__(self, stream_name: str) -> None:
         super().__init__(getattr(sys, stream_name))
@@ -40,8 +38,7 @@ class _MessageHandler(logging.StreamHandler):
 
 
 def show_log(stream: str = "stdout") -> None:
-    """lconv's log from INFO up, one plain message a line on ``stream``, as users and scripts read it (not absl's
-    format); replaces an earlier call's handler and does not propagate, so each line shows once."""
+    """lconv's log from INFO up, one plain message a line on ``stream``, shown once (no propagation)."""
     if stream not in ("stdout", "stderr"):
         raise ValueError(f"stream must be 'stdout' or 'stderr'; got {stream!r}")
     logger = logging.getLogger(ROOT_LOGGER)

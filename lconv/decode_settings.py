@@ -16,8 +16,7 @@ from lconv.fields import Rule, as_dict, defaults, field, integer, number
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
-    """An LM's sampling settings: eval.py's flags, ``Model.generate``'s and ``lconv.export``'s arguments (not
-    config fields: they are chosen per call)."""
+    """An LM's sampling settings, chosen per call (eval.py's flags, the API's and export's arguments)."""
 
     max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
     temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
@@ -37,8 +36,7 @@ GUARDS_OFF = {"no_repeat_ngram_size": 0, "min_len": 0}
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-    """One search's settings, complete (no field has a default: ``build`` fills them). Hashable, so a compiled
-    program is keyed by it (``program_key``)."""
+    """One search's settings, complete (``build`` fills them); hashable, so compiled programs are keyed by it."""
 
     beam_size: int  # hypotheses per source or prompt: beams, or with temperature > 0 samples
     lenpen: float  # fairseq's length penalty: a hypothesis scores sum(log p) / length**lenpen
@@ -55,8 +53,7 @@ class DecodeSettings:
 
     @classmethod
     def build(cls, decode: Any, **chosen: Any) -> DecodeSettings:
-        """``decode`` (a config's ``decode`` section) and ``SAMPLING_DEFAULTS``, with each ``chosen`` value that is not
-        None in place (already checked by ``lconv.run.schema``)."""
+        """``decode`` and ``SAMPLING_DEFAULTS`` with each ``chosen`` value that is not None in place (checked)."""
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(chosen) - set(known))
         if unknown:
@@ -78,8 +75,7 @@ class DecodeSettings:
         return self.temperature > 0
 
     def program_key(self) -> DecodeSettings:
-        """What a compiled program depends on: ``lenpen`` and ``seed`` are its arguments, and greedy or beam search
-        reads no filter."""
+        """What a compiled program depends on (``lenpen`` and ``seed`` are its arguments)."""
         sampling = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p) if self.sampling else \
             dict(temperature=0.0, top_k=0, top_p=1.0)
         return dataclasses.replace(self, lenpen=0.0, seed=0, **sampling)
