@@ -1,14 +1,6 @@
-"""Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit.
-
-    tokenizer = load_or_train_tokenizer(config, workdir)       # <workdir>/spm.model, reused on resume
-    data = make_datasets(config, tokenizer)
-    batch = next(data.train_iter)                              # packed, shuffled, repeated, this process's shard
-    for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
-
-``config`` is a config's ``data`` section (``lconv.data.data_config.DataConfig``). Batches are dicts of numpy
-arrays: ``inputs``/``targets`` with their ``_segmentation`` and ``_position`` (1, 2, ... per packed example,
-0 = padding), plus ``example_index`` and ``example_weight`` in evaluation. The batch contract: docs/data.md.
-"""
+"""Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit: packed, shuffled training
+batches of this process's shard (``make_datasets``), padded evaluation batches, and the run's tokenizer
+(``load_or_train_tokenizer``). The batch contract: docs/data.md."""
 from __future__ import annotations
 
 import collections
