@@ -1,12 +1,6 @@
-"""Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention.
-
-All follow the mixer contract (docs/models.md) and reduce to ``softmax(logits_BHTS + mask) V``; only the logits
-differ: ``Q Kᵀ / sqrt(D)`` (``SelfAttention``), learned positional logits ``W_h[pos_q, pos_k]``
-(``FixedAttention``, Synthesizer-Random), or their product (``HadamardAttention``). A query sees a key of its own
-non-zero segment (and, when causal, not after it). Logits, softmax and accumulation are float32.
-``attention_impl`` picks the kernel (``lconv.ops.flash``); decoding steps take the materialised path against the
-cache of ``lconv.nn.common``.
-"""
+"""Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention. All reduce
+to ``softmax(logits_BHTS + mask) V``; only the logits differ. ``attention_impl`` picks the kernel (``lconv.ops.flash``).
+docs/models.md has each one's math."""
 from __future__ import annotations
 
 from typing import Any, ClassVar

@@ -1,14 +1,7 @@
-"""CoLT5 conditional computation (Ainslie et al. 2023): every token takes a cheap light branch, a learned router
-sends the top-k tokens also through an expensive heavy branch, weighted by the token's routing score::
-
-    y_i = Light(X)_i + s_i · Heavy(X_routed)_i        (s_i = 0 for tokens that are not routed)
-
-The soft top-k weights ``s`` (coordinate descent on an entropy-regularised top-k LP) give the router gradients
-although the selection is discrete; padding is never routed. ``CoLT5Attention`` (registry ``"colt5"``): blocked
-local attention plus full attention among routed queries over routed keys/values. ``CoLT5FeedForward``: a light
-FFN on every token plus a heavy one on routed tokens. Encoder only: routing ranks future tokens, so ``causal=True``
-and ``decode=True`` raise ``ValueError``. The routing's formulas: docs/models.md, "The mixers in detail".
-"""
+"""CoLT5 conditional computation (Ainslie et al. 2023): every token takes a cheap light branch, a learned router sends
+the top-k tokens also through a heavy branch, weighted by the token's soft routing score. ``CoLT5Attention`` (registry
+``"colt5"``) and ``CoLT5FeedForward``; encoder only (routing ranks future tokens). The formulas: docs/models.md, "The
+mixers in detail"."""
 from __future__ import annotations
 
 import math

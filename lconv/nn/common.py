@@ -1,12 +1,6 @@
-"""Helpers every lconv module shares: projections with logical axis names, activation sharding constraints,
-dropout rngs, input checks, and the incremental-decoding cache of attention-like mixers.
-
-Parameters carry logical axis names (``lconv.constants``) that ``config.mesh.rules`` maps to mesh axes;
-activations are pinned at block boundaries with ``constrain`` (a no-op outside ``jax.set_mesh``). Tables read by
-index and the GLU kernel are gathered before use, so XLA never has to replicate their outputs. Decoding follows
-flax ``examples/wmt``: a first ``decode=True`` call on a max-length dummy creates the zeroed ``'cache'``, later
-calls write a chunk at ``cache_index`` and attend causally (docs/models.md, "The mixers in detail").
-"""
+"""Helpers every lconv module shares: projections with logical axis names, activation sharding constraints, dropout
+rngs, input checks, and the incremental-decoding cache of attention-like mixers (docs/models.md, "Sharding and the
+decoding cache")."""
 from __future__ import annotations
 
 import functools

@@ -1,11 +1,8 @@
 """The token-mixer registry: one name -> one Flax linen module, one call signature for all. Open to plugins.
 
-Every token mixer is a ``flax.linen.Module`` mapping a normalised ``[B, T, C]`` sequence to an update of the same
-shape; the model around it owns the layer norm, the residual dropout and the residual add, so mixers swap per layer
-by name. The contract and the class attributes lconv reads (``info``): docs/models.md, "The mixer contract";
-``lconv.testing.check_mixer`` checks it. A name is a registered one or a ``"package.module:Class"`` imported on
-first use; ``register_mixer`` and the ``lconv.mixers`` entry-point group add names. Feed-forward sublayers have a
-registry of their own with the same rules (``ffn_class``).
+A name is a registered one or a ``"package.module:Class"`` imported on first use; ``register_mixer`` and the
+``lconv.mixers`` entry-point group add names, and FFNs have a registry with the same rules. The contract:
+docs/models.md, "The mixer contract" (``lconv.testing.check_mixer`` checks it).
 """
 from __future__ import annotations
 

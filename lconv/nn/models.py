@@ -1,13 +1,8 @@
 """Encoder-decoder and decoder-only models built from the token-mixer registry (fairseq's LightConv architecture).
 
-A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer wrapped as fairseq does::
-
-    residual = x;  x = LN(x) if normalize_before;  x = sublayer(x);  x = dropout(x);  x = residual + x
-    x = LN(x) if not normalize_before                                  (post-norm, the paper's default)
-
-Each layer's mixer and kernel size are config values (``ModelConfig``), so the paper's models are configs, not
-code. Logits are float32. Token ids: ``PAD = 0``; the decoder input is the target shifted right inside each packed
-segment, starting with ``BOS``. Every mixer and each config's parameter count: docs/models.md.
+A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer wrapped as fairseq does (pre- or
+post-norm, dropout, residual); each layer's mixer and kernel size are config values, so the paper's models are configs,
+not code. Every mixer and each config's parameter count: docs/models.md.
 """
 from __future__ import annotations
 
