@@ -1,15 +1,7 @@
-"""Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics.
-
-Depthwise 1-D cross-correlations over time, zero outside the sequence; heads own contiguous channel blocks::
-
-    y[b, t, c] = sum_{k < K} w[h(c), k] * x[b, t + k - padding_left, c]
-
-``light_conv`` shares one ``[H, K]`` kernel over all positions, ``dynamic_conv`` takes one per position
-(``[B, T, H, K]``). ``impl`` picks the implementation ("conv", "band", "shift", "unfold", "pallas", "auto"), all
-equal to 1e-5 in float32; ``segment_ids`` makes packed rows behave as separate sequences; the ``*_step``
-functions decode a chunk of new positions from a ``[B, K - 1, C]`` state. Accumulation is float32.
-How each implementation works and why "auto" picks what it does: docs/kernels.md.
-"""
+"""Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics: depthwise
+1-D cross-correlations over time, heads owning contiguous channel blocks. ``impl`` picks the implementation (all equal
+to 1e-5 in float32); ``segment_ids`` keeps packed rows apart; the ``*_step`` functions decode from a ``[B, K - 1, C]``
+state. How each implementation works and what "auto" picks: docs/kernels.md."""
 from __future__ import annotations
 
 import functools

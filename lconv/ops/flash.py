@@ -1,12 +1,6 @@
-"""Attention without ``[B, H, T, S]`` logits: a blockwise XLA kernel for every backend, cuDNN flash attention on
-CUDA, and the per-backend choice between them (``segment_attention``).
-
-The mask is described, not materialised (segment ids, ``causal``, ``radius``), exactly as
-``lconv.ops.attention.attention_mask`` builds it; queries that see no key get zeros. Logits, softmax and
-accumulation are float32. ``impl``: "xla" (materialised), "chunked" (online softmax over blocks, a
-FlashAttention-2 style backward), "cudnn", or "auto", chosen for the platform the program is lowered for
-(docs/kernels.md).
-"""
+"""Attention without ``[B, H, T, S]`` logits: a blockwise XLA kernel for every backend, cuDNN flash attention on CUDA,
+and the per-platform choice between them (``segment_attention``). The mask is described (segments, ``causal``,
+``radius``), not materialised; accumulation is float32. docs/kernels.md."""
 from __future__ import annotations
 
 import functools
