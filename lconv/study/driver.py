@@ -1,12 +1,5 @@
-"""The study from start to end: tokenizers, the plan, every run (skipping finished ones), then the report.
-
-Layout of ``--output_dir``::
-
-    tokenizers/<task>-<vocab>/spm.model     one SentencePiece model per task, copied into each of its runs
-    runs/<task>/<mixer>/seed<k>/            a train.py workdir + study_spec.json, study.log and the outcome
-                                            (study_result.json or study_failure.json; lconv.study.run)
-    records.json                            every run's record so far (rewritten after each run)
-"""
+"""The study from start to end: tokenizers (``tokenizers/<task>-<vocab>/``), the plan, every run
+(``runs/<task>/<mixer>/seed<k>/``, skipping finished ones; ``records.json``), then the report."""
 from __future__ import annotations
 
 import logging
