@@ -1,10 +1,6 @@
 """Preparing the paper's datasets (tfds catalog builders) as array_record: ``python -m lconv.data prepare NAME``.
-
-Reading a prepared dataset needs no TensorFlow; preparing one does (tfds unpacks its downloads with ``tf.io``),
-so ``prepare`` checks for it before downloading anything and says in one line what to install. A URL data_dir is
-prepared in a local staging folder and uploaded with ``dataset_info.json`` last, the file readers look for, so
-they never see half a dataset. Which tfds calls need TensorFlow: docs/data.md.
-"""
+Preparing needs TensorFlow (checked first, in one line), reading does not; a URL data_dir is staged locally and uploaded
+with ``dataset_info.json`` last. docs/data.md."""
 from __future__ import annotations
 
 import importlib

@@ -1,11 +1,6 @@
-"""DDTP corpus: Debian package descriptions and their human translations (apt ``Translation-*`` files).
-
-Pure functions (no I/O but ``read_index_bytes`` / ``load_raw_corpus``): ``parse_index`` reads one language's
-file, ``align_corpus`` makes one record per English description, ``build_tasks`` the task -> split -> examples.
-The bundled snapshot (``lconv/data/snapshot/``) stores the aligned records, so raw files and the snapshot go
-through the same ``build_tasks``. Bad data is skipped or truncated and counted, never raised; splits are a
-stable hash of the description, so no text crosses splits. The text conventions: docs/data.md.
-"""
+"""DDTP corpus: Debian package descriptions and their human translations (apt ``Translation-*`` files), parsed, aligned
+by description and split by a stable hash of it (no text crosses splits); bad data is skipped and counted, never raised.
+The bundled snapshot stores the aligned records. The text conventions: docs/data.md."""
 from __future__ import annotations
 
 import collections

@@ -1,10 +1,5 @@
-"""Paths of data_dir, raw_dir and workdir: local folders or any ``etils.epath`` URL (``gs://bucket/tfds``, ...).
-
-Every file operation of ``lconv.data`` on a user-given path goes through ``epath``. What object stores lack
-(atomic directory renames, symlinks, array_record's reads of other URLs) is done the local way for local paths
-only, with a safe alternative for URLs: an upload with a commit file last (``upload_tree``), no links, and a
-local mirror (``local_cache_dir``). ``gs://`` needs ``gcsfs`` (``check_url``). Details: docs/data.md.
-"""
+"""Paths of data_dir, raw_dir and workdir: local folders or any ``etils.epath`` URL (``gs://bucket/tfds``, ...), with a
+safe alternative for URLs to what object stores lack (renames, links). Details: docs/data.md."""
 from __future__ import annotations
 
 import os

@@ -1,11 +1,6 @@
-"""tfds builders written as array_record, prepared and read with no TensorFlow installed.
-
-``ddtp`` (one BuilderConfig per task, from the bundled snapshot or raw apt files) and ``iwslt14`` (``de_en``,
-from local parallel text files). ``prepare(name, data_dir)`` is idempotent: each copy is keyed by what it was made
-from (``source_fingerprint``), written once in a temporary directory and renamed into place (on a URL data_dir,
-built locally and uploaded with ``lconv_report.json`` last), and never modified after. How tfds is kept free of
-TensorFlow, and the prepared layout: docs/data.md.
-"""
+"""tfds builders written as array_record, prepared and read with no TensorFlow installed: ``ddtp`` (a config per task)
+and ``iwslt14`` and your own ``files``. ``prepare(name, data_dir)`` writes each copy once, keyed by its source
+(``source_fingerprint``), and never modifies it after. The prepared layout: docs/data.md."""
 from __future__ import annotations
 
 import collections
