@@ -1,7 +1,5 @@
-"""Tokens forced at the start of each row's output (``Prefix``): a translation's prefix, an LM's prompt.
-
-Kept beside ``lconv.infer.search`` (which names it ``search.Prefix``) so that the search stays one readable file.
-"""
+"""Tokens forced at the start of each row's output (``Prefix``, ``search.Prefix``): a translation's prefix, an LM's
+prompt."""
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -1,8 +1,5 @@
-"""An eval split gathered from its process shards, so that every process decodes and scores all of it.
-
-``pipeline.make_datasets`` gives process ``p`` of ``P`` examples ``p, p + P, p + 2P, ...``; ``whole_split``
-gathers them back into source order. Both functions are collectives: every process calls them at the same point.
-"""
+"""An eval split gathered from its process shards into source order, so every process decodes and scores all of it
+(collectives: every process calls them at the same point)."""
 from __future__ import annotations
 
 import collections

@@ -1,9 +1,5 @@
-"""Inputs longer than a model takes: the one rule every surface follows (the API, eval.py, an exported program).
-
-Each over-long input is cut, and one warning names each and its length. Lengths are in tokens with EOS, the unit
-``config.data.eval_max_input_length`` counts; the scores count them (``truncated_sources``,
-``longest_source_tokens``, ``source_token_limit``).
-"""
+"""Inputs longer than a model takes, by the one rule of every surface: each is cut (in tokens with EOS), with one
+warning naming it, and the scores count them."""
 from __future__ import annotations
 
 import dataclasses
