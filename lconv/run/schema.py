@@ -1,11 +1,6 @@
-"""The config schema: every field of a config, each defined once with its default, rule and one-line doc.
-
-A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it (``data``: ``DataConfig``,
-``model``: ``ModelConfig``; the top level, ``optim``, ``train``, ``decode`` and ``mesh`` here). Read from them:
-``base_config()``, ``complete(config)``, ``validate_config(config)`` (one ``UserError`` line for the first bad field),
-the search and sampling rules every surface shares, and ``markdown()``, docs/config.md's tables (``python -m
-lconv.run.schema > docs/config.md``; a test keeps them equal).
-"""
+"""The config schema: every field of a config, each defined once with its default, rule and one-line doc. Sections are
+dataclasses at the lowest layer that uses them (``DataConfig``, ``ModelConfig``; the rest here); defaults, checks and
+docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``) are read from them."""
 from __future__ import annotations
 
 import contextlib
