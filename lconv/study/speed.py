@@ -1,10 +1,5 @@
-"""The study's speed table: every mixer's training and decoding speed at the study's sizes, in one process.
-
-Each planned model (matched FFN width, the study's batch, random weights) is built in this process and the mixers take
-turns, round after round, on the same batch and sources, so every mixer meets the same host conditions; the table gives
-medians and ratios to the reference. Random weights seldom end a beam, so decoding runs every hypothesis to the length
-limit: the same work for every mixer.
-"""
+"""The study's speed table: every mixer's training and decoding speed at the study's sizes, the mixers taking turns in
+one process so all meet the same host conditions (random weights: every beam runs to its length limit)."""
 from __future__ import annotations
 
 import copy

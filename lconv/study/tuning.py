@@ -1,10 +1,5 @@
-"""The fair recipe: each mixer's peak learning rate and length penalty, chosen on the validation split.
-
-Each (task, mixer) gets a ``tuning.steps``-update run per rate of ``tuning.learning_rates``; the lowest validation NLL
-wins. For translation and summarization that run's checkpoint decodes the validation split at each of
-``tuning.lenpens``; the best BLEU / ROUGE-L wins (ties: the first listed). The test split is never read. Layout:
-``runs/<task>/<mixer>/tune_lr<rate>/`` and ``lenpen_lr<rate>/``. docs/results.md shows the sweep.
-"""
+"""The fair recipe: each mixer's peak learning rate (lowest validation NLL of short runs) and length penalty (best
+validation BLEU / ROUGE-L of that run), never reading the test split. docs/results.md shows the sweep."""
 from __future__ import annotations
 
 import dataclasses
