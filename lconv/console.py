@@ -1,9 +1,5 @@
-"""Where lconv's log reaches the terminal: every module logs to ``logging.getLogger(__name__)`` (under the
-``lconv`` logger) and each program (train.py, eval.py, ``python -m lconv.*``) calls ``show_log`` once.
-
-As a library lconv configures no handler, as the ``logging`` documentation asks of libraries: a notebook or a
-script that wants the progress lines calls ``show_log()`` itself (or configures ``logging`` its own way).
-"""
+"""Where lconv's log reaches the terminal: modules log under the ``lconv`` logger and each program calls ``show_log``
+once; as a library lconv configures no handler (a notebook calls ``show_log()`` itself)."""
 from __future__ import annotations
 
 import logging
