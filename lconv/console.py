@@ -53,9 +53,8 @@ def is_terminal(stream: Any) -> bool:
 
 
 def pass_bar(total: int | None, desc: str, unit: str) -> Any:
-    """A progress bar with its ETA for an evaluation pass of ``total`` ``unit``s (None: unknown, a count without
-    an ETA), on a terminal and process 0 only: redirected to a file, a bar's carriage returns would clutter the
-    log. Update it; close it at the end."""
+    """A progress bar with ETA for an evaluation pass of ``total`` ``unit``s (None: a count), on a terminal, process 0.
+    """
     import jax
     from tqdm import tqdm
 
