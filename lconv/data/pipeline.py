@@ -145,11 +145,8 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
 
 def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present; else a kept copy for the same data and settings (``tokenizer_files``); else a
-    joint model trained on the training split, then kept (``save=False``: no copy read or written).
-
-    With several processes, process 0 alone loads or trains it and sends it to the others (all call this at once).
-    """
+    """``<workdir>/spm.model``, else a kept copy (``tokenizer_files``), else one trained on the training split and kept;
+    process 0 makes it and sends it to the others (``save=False``: no copy read or written)."""
     cfg = DataConfig.from_config(config)
 
     def load_or_train() -> tokenizer_lib.Tokenizer:

@@ -138,12 +138,8 @@ def _data_dir(data_dir: str) -> str:
 
 def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None,
                layout: own_files.FileLayout | None = None) -> tuple[Source, str | None, str]:
-    """(random-access source, input_key or None, target_key) for dataset ``name`` and split train/validation/test,
-    prepared into a copy of its own under data_dir (``tfds_ddtp.prepare``).
-
-    raw_dir: ``ddtp/*``'s raw apt files (instead of the snapshot) or ``iwslt14/*``'s text files. layout: your own files
-    (``name`` is then ``files``).
-    """
+    """(source, input_key or None, target_key) of dataset ``name``'s split, prepared under data_dir; ``raw_dir``:
+    ``ddtp/*``'s apt files or ``iwslt14/*``'s texts; ``layout``: your own files (``name="files"``)."""
     spec = _spec(name, layout)
     tfds_split = dict(spec.split_names).get(split, split)
     data_dir = _data_dir(data_dir)
