@@ -31,9 +31,8 @@ class Guards(NamedTuple):
 
 def apply(logp_BNV: Array, history_BNL: Array, i: Array, guards: Guards, *, eos_id: int,
           start_B: Array | None = None, limit_B: Array | None = None) -> Array:
-    """Step ``i``'s log-probs with what the guards ban set to -inf. ``history_BNL``: each hypothesis' tokens (positions
-    ``< i``); ``start_B``: where each row's output starts; ``limit_B``: tokens each row may have, EOS included (None: no
-    limit)."""
+    """Step ``i``'s log-probs with what the guards ban set to -inf, given each hypothesis' ``history_BNL`` (positions
+    ``< i``), where each row's output starts (``start_B``) and its token limit (``limit_B``, None: none)."""
     B, N, V = logp_BNV.shape
     start_B = jnp.zeros((B,), jnp.int32) if start_B is None else start_B
     banned_BNV = jnp.zeros((B, N, V), bool)

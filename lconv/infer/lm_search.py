@@ -24,9 +24,8 @@ Array = jax.Array
 def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len_B: Array, *, max_len: int,
                   beam_size: int, lenpen: Array | float, stop: str, temperature: float, top_k: int, top_p: float,
                   rng: Array | None = None, guards: guards_lib.Guards | None = None) -> search.Hypotheses:
-    """``beam_size`` continuations of each right-padded prompt (``prompt_len_B`` real tokens), best first, ``[B, N,
-    max_len]``: a beam search's finished beams or, with ``temperature > 0``, as many samples (drawn as
-    ``translate_hypotheses`` draws them). ``guards`` count ``min_len`` in continuation tokens."""
+    """``beam_size`` continuations per right-padded prompt (``prompt_len_B`` tokens), best first, ``[B, N, max_len]``:
+    beams or, with ``temperature > 0``, samples; ``guards`` count ``min_len`` in continuation tokens."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
     N, total = beam_size, P + max_len

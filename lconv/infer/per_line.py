@@ -38,9 +38,8 @@ def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenize
                     settings: DecodeSettings, *, translator: compiled.Translator | None = None,
                     name: Callable[[int], str] = "sources[{}]".format, nbest: int = 0,
                     prefixes: Sequence[np.ndarray] | None = None, progress: str | None = None) -> LineOutputs:
-    """Translates (or summarises) each line of ``sources`` by ``settings``, on ``translator``'s programs when given;
-    ``nbest``: also each line's first hypotheses. ``prefixes``: per line, the ids its outputs start with.
-    ``name(index)`` names a line in warnings; ``progress``: a bar's description."""
+    """Translates (or summarises) each line of ``sources`` by ``settings``; ``nbest``: also each line's hypotheses;
+    ``prefixes``: each line's forced first ids; ``name(index)``: a line's name in warnings."""
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]
     limit = config.max_input_length
@@ -98,9 +97,8 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
 def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator,
                    settings: DecodeSettings, *, name: Callable[[int], str] = "prompts[{}]".format,
                    nbest: int = 0, progress: str | None = None) -> LineOutputs:
-    """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy at temperature 0, else
-    sampled; ``nbest``: the first hypotheses per prompt. A prompt longer than ``settings.prompt_limit`` keeps its last
-    tokens."""
+    """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy or sampled; a prompt over
+    ``settings.prompt_limit`` keeps its last tokens."""
     limit = settings.prompt_limit(config.max_positions)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
     if limit == 0 and any(len(ids) for ids in encoded):  # every prompt would be dropped, not cut

@@ -20,12 +20,9 @@ class Probing:
     """``lconv.api.Model``'s probing methods, reading the model's config, tokenizer, module, params and helpers."""
 
     def kernels(self, sentence: str) -> dict[str, Any]:
-        """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
-
-        ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}`` (an LM: the decoder's
-        only): a LightConv layer's ``[H, K]`` kernel, a DynamicConv layer's ``[T, H, K]``, other mixers ``None``. The
-        decoder is teacher-forced on the translation; tap ``k`` of position t weighs input ``t + k - P``.
-        """
+        """The normalised conv kernels ``sentence`` meets per layer of each side (LightConv ``[H, K]``, DynamicConv
+        ``[T, H, K]``, others ``None``), with the tokens each side reads; the decoder is teacher-forced on the
+        translation."""
         self._one_model("kernels")
         inputs, targets, ids = self._teacher_forced_ids(sentence, None)
         kernel_logits = self._function("kernel_logits", self._kernel_logits)
@@ -38,8 +35,7 @@ class Probing:
     def extract_features(self, sentence: str, *, layer: int | None = None,
                          target: str | None = None) -> dict[str, Any]:
         """Each layer's hidden states on ``sentence``, keyed as ``kernels``: per side L + 1 float32 ``[T, C]`` states
-        (the embeddings, each layer's output, the last after the final norm); ``layer=i`` gives one. The decoder reads
-        ``target``, else the model's translation."""
+        (``layer=i``: one); the decoder reads ``target``, else the translation."""
         self._one_model("extract_features")
         if layer is not None and not is_integer(layer):  # before any work; True would be taken as layer 1
             raise UserError(f"layer={layer!r}: must be an integer index of a side's states (or None for all)")

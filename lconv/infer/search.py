@@ -115,10 +115,9 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
            output_start_B: Array | None = None) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
-    ``prompt [B, T]`` is fed as one chunk ``[BOS, prompt...]``. ``rng``: one key or ``[B]`` keys (``row_keys``); step
-    ``i`` of a row draws with ``fold_in(its key, i)``. ``max_len_per_row [B]`` forces EOS at a row's limit (else rows
-    are cut at ``max_len``). ``with_token_scores``: also the chosen tokens' log-probs (before temperature and filters).
-    ``prefix`` forces each row's first tokens; ``guards`` act from ``output_start_B`` on (default 0).
+    ``prompt [B, T]`` is fed as one chunk after BOS. ``rng``: one key or ``[B]`` keys (``row_keys``). ``max_len_per_row
+    [B]`` forces EOS at a row's limit. ``with_token_scores``: also the chosen tokens' log-probs (before temperature and
+    filters). ``prefix`` forces each row's first tokens; ``guards`` act from ``output_start_B`` on.
     """
     B = batch_size
     if prefix is not None:
@@ -190,13 +189,12 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, b
                 lenpen: float, stop: str, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
                 max_len_per_row: Array | None = None, with_token_scores: bool = False, prefix: Prefix | None = None,
                 prefix_scored: bool = True, guards: Guards | None = None) -> tuple[Array, Array] | Hypotheses:
-    """Beam search with fairseq's scores: ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first (with
-    ``with_token_scores``, a ``Hypotheses``). Empty finished slots score -inf.
+    """Beam search with fairseq's scores (``sum(log p) / length**lenpen``): ``tokens [B, beam, max_len]``, ``scores [B,
+    beam]``, best first (a ``Hypotheses`` with ``with_token_scores``); empty slots score -inf.
 
-    A finished hypothesis scores ``sum(log p) / length**lenpen``; alive and finished hypotheses are kept apart. EOS is
-    forced at ``max_len_per_row[b]`` tokens (default ``max_len``). ``stop``: ``"optimal"`` or ``"fairseq"`` (see
-    docs/training.md). ``cache`` is for ``batch_size`` rows, tiled per beam here. ``prefix`` forces each row's first
-    tokens (unscored with ``prefix_scored=False``: an LM's prompt); what ``guards`` ban is never taken.
+    EOS is forced at ``max_len_per_row[b]`` tokens. ``stop``: ``"optimal"`` or ``"fairseq"`` (docs/training.md).
+    ``cache`` is for ``batch_size`` rows. ``prefix`` forces each row's first tokens (unscored with
+    ``prefix_scored=False``); what ``guards`` ban is never taken.
     """
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
@@ -364,14 +362,12 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                          inputs_segmentation: Array | None = None, rng: Array | None = None, bos_id: int | None = None,
                          eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None,
                          guards: Guards | None = None) -> Hypotheses:
-    """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: a beam search's finished beams or, with
-    ``temperature > 0``, as many samples scored alike (sample n of row b draws with ``fold_in(row_keys(rng, inputs)[b],
-    n)``). A row may generate ``max_len_a * src_len + max_len_b`` tokens plus EOS, at most ``max_len``."""
+    """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: beams or, with ``temperature > 0``,
+    samples; a row may generate ``max_len_a * src_len + max_len_b`` tokens plus EOS, at most ``max_len``."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     B, N = inputs_BS.shape[0], beam_size
     encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
-    # [B, ...] -> [B*beam, ...]; the encoder output may be a tuple of arrays (an ensemble's, one per member)
     tile = lambda x: jax.tree.map(lambda leaf: jnp.repeat(leaf, N, axis=0), x)  # noqa: E731
     _, cache = _apply_cache(model, variables, {}, encoded_BSC, inputs_BS, jnp.zeros((B, max_len), jnp.int32),
                             inputs_segmentation=inputs_segmentation, decode=True, method=model.run_decoder)

@@ -29,10 +29,8 @@ class SourceLengths:
                 "source_token_limit": self.limit}
 
     def warning(self, name: Callable[[int], str], limit: str, *, keeps: str = "cut to") -> str:
-        """E.g. ``1 input cut to 32 tokens (config.data.eval_max_input_length, EOS included): sources[3] had 81``.
-
-        ``name(index)`` names an input as its caller knows it; ``limit`` says where the limit comes from; ``keeps``:
-        ``"cut to the last"`` for an LM prompt, which keeps the tokens nearest its continuation."""
+        """E.g. ``1 input cut to 32 tokens (...): sources[3] had 81``; ``name(index)`` names an input, ``limit`` its
+        source, ``keeps`` the side kept."""
         count, shown = len(self.truncated), 5
         cut = ", ".join(f"{name(i)} had {n}" for i, n in zip(self.truncated[:shown], self.cut_from))
         more = f" and {count - shown} more" if count > shown else ""
