@@ -195,9 +195,8 @@ def _embedding(state: fairseq.StateDict, fields: Mapping[str, Any]) -> dict[str,
 
 def _adaptive_softmax(state: fairseq.StateDict, fields: Mapping[str, Any],
                       embed: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """fairseq's ``AdaptiveSoftmax`` (``head``, per tail ``tail.i.0`` projection and ``tail.i.2`` table), or its tied
-    form reading the adaptive input's tables and projections; the stored copies of tied tensors must be the same tensor.
-    """
+    """fairseq's ``AdaptiveSoftmax`` (``head``, per tail ``tail.i.0`` and ``tail.i.2``) or its tied form on the adaptive
+    input's weights."""
     prefix = "decoder.adaptive_softmax"
     tails = range(len(fields["adaptive_softmax_cutoffs"]))
     if not fields["tie_adaptive_weights"]:

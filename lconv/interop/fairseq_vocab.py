@@ -77,9 +77,8 @@ def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
 
 def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@",
                      symbols: list[str] | None = None) -> Vocabulary:
-    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt``, or without one the dictionary alone
-    for pre-split text (``continuation``: BPE's joining marker). ``symbols``: the pieces in id order, when not
-    ``dictionary_path``'s."""
+    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt``, or the dictionary alone for pre-split
+    text (``continuation``: BPE's marker); ``symbols``: pieces in id order, if not the file's."""
     symbols = read_dictionary(dictionary_path) if symbols is None else symbols
     clash = sorted(set(symbols) & set(FAIRSEQ_SPECIALS))
     if clash:

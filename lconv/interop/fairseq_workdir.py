@@ -36,12 +36,9 @@ SCORING_DEFAULTS = {"compound_split": False}
 def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir: str, *, dataset: str = "",
                       decode: dict[str, Any] | None = None, continuation: str = "@@", target_dictionary: str = "",
                       trust: bool = False) -> dict[str, Any]:
-    """Writes ``workdir`` from a fairseq translation or language model checkpoint; returns the import record.
-
-    ``decode``: ``config.decode`` fields over ``GENERATE_DEFAULTS`` (translation only). ``spm=None``: text comes split
-    into the dictionary's pieces (``continuation`` their joining marker). ``target_dictionary``: the target side's, for
-    separate dictionaries.
-    """
+    """Writes ``workdir`` from a fairseq translation or LM checkpoint; returns the import record. ``decode``: over
+    ``GENERATE_DEFAULTS``; ``spm=None``: text split into the dictionary's pieces; ``target_dictionary``: for separate
+    dictionaries."""
     from lconv.run import checkpoints, model_setup
     from lconv.run import workdir as workdir_lib
 
