@@ -167,11 +167,8 @@ class CrossAttention(nn.Module):
 
 
 class FixedAttention(AttentionFields):
-    """Synthesizer-Random attention (registry ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
-
-    ``W_h``: a learned ``[max_len, max_len]`` table per head, of rank ``factorized_rank`` if set; ``mix_dot_product``
-    mixes in ``Q Kᵀ/sqrt(D)`` (docs/models.md). Positions must lie in ``[0, max_len)``.
-    """
+    """Synthesizer-Random attention (registry ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``, ``W_h`` a
+    learned ``[max_len, max_len]`` table per head (docs/models.md)."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
     label: ClassVar[str] = "Fixed (Synthesizer-R)"
@@ -222,11 +219,8 @@ class FixedAttention(AttentionFields):
 
 
 class HadamardAttention(AttentionFields):
-    """Hadamard attention (registry ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
-
-    ``W_h``: a learned ``[max_len, max_len]`` table per head, initialised to ones; the mask is added after the product.
-    Q = K = the input split into heads unless ``project_qk`` (docs/models.md).
-    """
+    """Hadamard attention (registry ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``, ``W_h`` a learned
+    table per head, initialised to ones (docs/models.md)."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
     label: ClassVar[str] = "Hadamard"

@@ -72,7 +72,6 @@ class KNNMemoryAttention(AttentionFields):
                                  self.param_dtype)
         q_BTHD = (q_BTHD * jnp.exp(log_scale_H.astype(jnp.float32))[:, None]).astype(self.dtype)  # τ_h q̂
 
-        # Local attention within the window (or the decode cache).
         kv, mask = attention_context(self, {"key": k_BTHD, "value": v_BTHD, "segment_ids": seg_BT}, decode)
         precision = self._precision()  # matmul_precision: projections and attention; retrieval is always HIGHEST
         logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, kv["key"], precision=precision,
@@ -81,7 +80,6 @@ class KNNMemoryAttention(AttentionFields):
                             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic),
                             dtype=jnp.float32, precision=precision)
 
-        # Memory: read (past windows only), then write this window.
         gate_H = jax.nn.sigmoid(self.param("gate", per_head(nn.initializers.zeros), (H,), self.param_dtype))
         out_BTHD = local_BTHD
         if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
