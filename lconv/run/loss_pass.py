@@ -46,12 +46,8 @@ def jit_eval_step(config: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
                   mesh: jax.sharding.Mesh, carried: mixer_state.MixerState | None = None,
                   deadline: Deadline | None = None) -> dict[str, float]:
-    """Validation loss / perplexity / accuracy over every example of ``eval_set``, packed several to a row; the sums
-    cover the split once and agree on every process.
-
-    ``eval_step``: ``jit_eval_step``'s. ``carried``: a stream's starting mixer state. ``deadline``: once passed, the
-    pass stops and ``unscored_batches`` counts the rest.
-    """
+    """Validation loss / perplexity / accuracy over every example of ``eval_set``, the same on every process;
+    ``carried``: a stream's starting state; past ``deadline`` the pass stops (``unscored_batches``)."""
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
     total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
