@@ -261,9 +261,7 @@ def task_seeds(study: Config, task: str) -> tuple[int, ...]:
 def expand(study: Config, found: Sequence[Planned],
            recipe: Callable[[Planned], tuple[Callable[[Config], None] | None, str | None]] | None = None
            ) -> list[Planned]:
-    """Every (task, mixer, seed) run of the templates, seeds outermost (a study stopped part-way has every mixer at its
-    first seeds). ``recipe(template)``: ``(adjust, waiting)``, a function setting the chosen recipe, or why the runs
-    wait."""
+    """Every (task, mixer, seed) run of the templates, seeds outermost; ``recipe(template)``: ``(adjust, waiting)``."""
     runs = []
     for seed in study.seeds:
         for template in found:
