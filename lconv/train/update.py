@@ -29,9 +29,8 @@ PyTree = Any
 
 # The learning rate
 def step_rate(optim: OptimConfig, num_steps: int) -> optax.Schedule:
-    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine (to ``min_lr`` over ``cosine_period``
-    updates, 0 = the rest of the run) or constant; ``budget`` is the peak throughout (its shape is ``TimeSchedule``'s).
-    """
+    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine (to ``min_lr`` over ``cosine_period``)
+    or constant; ``budget`` is the peak throughout."""
     peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
     if optim.schedule not in ("inverse_sqrt", "cosine", "constant", "budget"):
         raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine, constant or budget; got "
@@ -56,13 +55,8 @@ def step_rate(optim: OptimConfig, num_steps: int) -> optax.Schedule:
 
 
 class TimeSchedule:
-    """The learning rate's factor (0 to 1, the train step's ``lr_factor``) by the share of training done
-    (docs/training.md, "A time budget for the whole run").
-
-    ``optim.schedule="budget"``: warmup-stable-decay over this launch's training time (``warmup_fraction``,
-    ``decay_fraction``). Any other schedule with ``cooldown_fraction`` > 0: a linear fall to 0 over that last share of
-    steps or time, whichever ends training first. Otherwise always 1.
-    """
+    """The learning rate's factor (0 to 1, the step's ``lr_factor``) by the share of training done: the budget's
+    warmup-stable-decay, another schedule's cooldown, else 1 (docs/training.md, "A time budget for the whole run")."""
 
     FLOOR = 0.01  # the factor of the very first update (progress 0), so that it is not wasted
 
@@ -196,12 +190,8 @@ def _merge_rows(tree: PyTree) -> PyTree:
 
 
 def make_train_step(config: RunConfig, lr_schedule: optax.Schedule) -> Callable[..., tuple[Any, dict]]:
-    """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch; ``lr_factor``
-    (float32 scalar, default 1) multiplies the update, i.e. the rate.
-
-    With ``optim.grad_accum_steps = n`` (fairseq's update-freq) row ``r`` goes to micro-batch ``r % n``; the summed
-    gradients are scanned, so the update equals the unsplit batch's at ``1/n`` of the activations.
-    """
+    """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch, scaled by
+    ``lr_factor``; with ``optim.grad_accum_steps = n`` row ``r`` goes to micro-batch ``r % n``."""
     smoothing = config.optim.label_smoothing
     micro = int(config.optim.grad_accum_steps)
 
