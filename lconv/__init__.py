@@ -1,12 +1,7 @@
-"""lconv: lightweight and dynamic convolutions (Wu et al., ICLR 2019) and other self-attention replacements in
-JAX/Flax. The layers, bottom to top: ``constants``/``errors``, ``ops`` and ``data``, ``nn``, ``infer``, ``train``,
-``cli`` (README "Layout"); the shape letters in names are ``lconv.constants``' legend.
-
-``lconv.load(workdir)`` returns a trained run as an ``lconv.api.Model`` (translate, score, generate, kernels);
-``lconv.ensemble([model, ...])`` several of them decoding together.
-``lconv.register_mixer(name, cls_or_"module:Class")`` adds a token mixer, ``lconv.testing.check_mixer`` checks
-one against the mixer contract.
-"""
+"""lconv: lightweight and dynamic convolutions (Wu et al., ICLR 2019) and other self-attention replacements in JAX/Flax
+(the layers: README "Layout"). ``lconv.load(workdir)`` returns a trained run as an ``lconv.api.Model``,
+``lconv.ensemble`` several decoding together; ``lconv.register_mixer`` adds a token mixer and
+``lconv.testing.check_mixer`` checks one against the mixer contract."""
 from __future__ import annotations
 
 from typing import Any

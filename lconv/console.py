@@ -1,9 +1,5 @@
-"""Where lconv's log reaches the terminal: every module logs to ``logging.getLogger(__name__)`` (under the
-``lconv`` logger) and each program (train.py, eval.py, ``python -m lconv.*``) calls ``show_log`` once.
-
-As a library lconv configures no handler, as the ``logging`` documentation asks of libraries: a notebook or a
-script that wants the progress lines calls ``show_log()`` itself (or configures ``logging`` its own way).
-"""
+"""Where lconv's log reaches the terminal: modules log under the ``lconv`` logger and each program calls ``show_log``
+once; as a library lconv configures no handler (a notebook calls ``show_log()`` itself)."""
 from __future__ import annotations
 
 import logging
@@ -14,8 +10,7 @@ ROOT_LOGGER = "lconv"
 
 
 def line(record: logging.LogRecord) -> str:
-    """A record as the programs print it: its message, after ``warning: `` for a warning. The messages themselves
-    carry no level, so a notebook's own logging config (``WARNING:lconv...:``) does not print it twice."""
+    """A record as the programs print it: its message, after ``warning: `` for a warning."""
     message = record.getMessage()
     return f"warning: {message}" if record.levelno == logging.WARNING else message
 
@@ -26,8 +21,7 @@ class _LineFormatter(logging.Formatter):
 
 
 class _MessageHandler(logging.StreamHandler):
-    """Each record's message alone, flushed, on ``sys.stdout`` or ``sys.stderr`` as it is when the record is
-    written: a stream redirected or captured after ``show_log`` (pytest's capsys) still gets the lines."""
+    """Each record's message alone, flushed, on the current ``sys.stdout`` / ``sys.stderr`` (captures work)."""
 
     def __init__(self, stream_name: str) -> None:
         super().__init__(getattr(sys, stream_name))
@@ -40,8 +34,7 @@ class _MessageHandler(logging.StreamHandler):
 
 
 def show_log(stream: str = "stdout") -> None:
-    """lconv's log from INFO up, one plain message a line on ``stream``, as users and scripts read it (not absl's
-    format); replaces an earlier call's handler and does not propagate, so each line shows once."""
+    """lconv's log from INFO up, one plain message a line on ``stream``, shown once (no propagation)."""
     if stream not in ("stdout", "stderr"):
         raise ValueError(f"stream must be 'stdout' or 'stderr'; got {stream!r}")
     logger = logging.getLogger(ROOT_LOGGER)
@@ -60,9 +53,8 @@ def is_terminal(stream: Any) -> bool:
 
 
 def pass_bar(total: int | None, desc: str, unit: str) -> Any:
-    """A progress bar with its ETA for an evaluation pass of ``total`` ``unit``s (None: unknown, a count without
-    an ETA), on a terminal and process 0 only: redirected to a file, a bar's carriage returns would clutter the
-    log. Update it; close it at the end."""
+    """A progress bar with ETA for an evaluation pass of ``total`` ``unit``s (None: a count), on a terminal, process 0.
+    """
     import jax
     from tqdm import tqdm
 

@@ -1,21 +1,5 @@
-"""Facts every layer of lconv shares, each defined once: special token ids, logical axis names, mesh axes,
-masking values.
-
-Shape letters used in names across the package (``x_BTC``, ``w_HK``, ``logits_BHTS``):
-
-    B  batch rows                      T  time: the sequence (target, query, or a decoded chunk's new positions)
-    S  source: encoder length / the keys attended to       C  channels: the model or block width
-    H  heads                           D  the width of one head (C // H or qkv_features // H)
-    K  conv kernel taps                P  previous inputs a causal conv keeps while decoding (K - 1)
-    L  a length fixed ahead: time tile of the band conv, max decode length of a cache, max_len of a table
-    V  vocabulary                      N  beams of a beam search
-    M  kNN-memory slots                J  neighbours retrieved from the kNN memory (its top-k)
-    R  tokens CoLT5 routes to its heavy branch        F  factors of Fixed attention's factorized table (its rank)
-    G  tiles of a tiled computation (the band conv: T / L of them)
-    W  the inputs one tile reads (its L positions and the K - 1 before them: L + K - 1)
-
-A ``_`` separates letters of a rank-agnostic name (``scores_B___``: batch first, any dims after).
-"""
+"""Facts every layer of lconv shares, each defined once: special token ids, logical axis names, mesh axes, masking
+values. The shape letters in names (``x_BTC``): docs/models.md, "Shape letters in names"."""
 from __future__ import annotations
 
 # --- token ids (SentencePiece is trained with exactly these; lconv.data.tokenizer) ----------------------------
@@ -41,18 +25,15 @@ BATCH_MESH_AXES = ("data", "fsdp")  # batch rows (and the rows of the mixers' ca
 # --- masking values ------------------------------------------------------------------------------------------
 # A masked attention logit: finite, so a row with every key masked (padding) softmaxes to numbers, not NaN.
 MASKED_LOGIT = -1e30
-# A log-probability that can never win (dead beams, filtered tokens): only compared or max-ed, never
-# softmaxed over a whole row, so -inf is safe and exact.
+# A log-probability that can never win (dead beams, filtered tokens): never softmaxed over a row, so -inf is exact.
 IMPOSSIBLE_LOGP = float("-inf")
 
-# --- more logical axis names (appended with the pods-and-clusters sharding work) -------------------------------
-# The key-position side of a [H, L, L] position-pair table (Fixed / Hadamard attention): max_len² entries per
-# head, too many to replicate, so it is sharded like the model width (fsdp); the query side stays LENGTH.
+# --- more logical axis names ----------------------------------------------------------------------------------
+# The key side of a [H, L, L] position-pair table: max_len² entries per head, so sharded like EMBED (fsdp).
 KEY_LENGTH = "key_length"
 PARAM_AXES = LOGICAL_AXES + (KEY_LENGTH,)
 
-# Activations carry their own names: a [B, T, C] activation's batch takes the data and fsdp mesh axes, so its
-# width cannot also go to fsdp as a parameter's EMBED does (one array cannot use a mesh axis twice).
+# Activations' own names: their batch takes the data and fsdp axes, so their width cannot also go to fsdp.
 ACT_BATCH = "activation_batch"
 ACT_LENGTH = "activation_length"
 ACT_EMBED = "activation_embed"  # the model width of a [B, T, C] activation: replicated (params are gathered)
@@ -61,8 +42,7 @@ ACT_MLP = "activation_mlp"  # FFN hidden units
 ACT_CONV = "activation_conv"  # the conv block's inner width
 ACT_VOCAB = "activation_vocab"  # logits
 
-# What lconv maps when the config's mesh rules do not name an axis (lconv.nn.common.axis_rules merges them,
-# the config's rules first): the config then only needs the parameter names of configs/common.py.
+# What lconv maps when the config's mesh rules do not name an axis (``lconv.nn.common.axis_rules``).
 DEFAULT_AXIS_RULES = (
     (KEY_LENGTH, "fsdp"),
     (ACT_BATCH, BATCH_MESH_AXES),
@@ -74,13 +54,9 @@ DEFAULT_AXIS_RULES = (
     (ACT_VOCAB, "tensor"),
 )
 
-# Per-layer rematerialisation (config.model.remat): what the backward pass keeps from the forward pass of a
-# layer; the rest is recomputed.
-# config.model.matmul_precision: the precision of dots outside the conv ops (those always run float32 exactly at
-# "highest"). "default" is the backend's fast path (TF32 on GPU, one bfloat16 pass on TPU, exact on CPU).
+# config.model.matmul_precision: dots outside the conv ops; "default" is the backend's fast path (TF32 on GPU).
 MATMUL_PRECISIONS = ("default", "high", "highest")
-# config.model.attention_impl: the attention kernel (lconv.ops.flash): auto = cuDNN flash where it applies on CUDA,
-# blockwise (online softmax) on long sequences, else materialised logits.
+# config.model.attention_impl: the attention kernel (lconv.ops.flash).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn")
 # config.decode.stop: when beam search ends (lconv.infer.search.beam_search).
 STOP_RULES = ("optimal", "fairseq")

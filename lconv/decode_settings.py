@@ -1,16 +1,9 @@
 """Decoding settings: every knob of a search, in one frozen object built once at each surface's boundary.
 
-``SamplingSettings`` is the contract for the settings a user picks per call (eval.py's flags, ``Model.generate`` /
-``Model.translate``'s arguments, ``lconv.export``'s): each with its one default, rule and doc (``lconv.fields``).
-The beam's settings (``beam_size``, ``lenpen``, ``max_len_a``/``_b``, ``stop``) are the config's ``decode`` section
-(``lconv.configs.schema.DecodeConfig``), stored with a run. ``DecodeSettings.build`` puts the two together, the
-caller's choices in place of the defaults, and the surfaces (the train loop, eval.py, the API, export) hand the
-result down: ``lconv.infer.compiled`` and ``lconv.infer.search`` take it (or its fields, as required arguments)
-and write no default of their own, so a default cannot differ between layers (tests/test_layout.py checks it).
-
-The temperature's default is 0: greedy decoding (a translation's beam search); sampling is asked for with a
-temperature > 0, and fairseq's usual sampling temperature is then 1.0. It lives here, at the root, because the
-schema (``lconv.configs``) and the search (``lconv.infer``) are siblings of one layer, and both read it.
+``SamplingSettings`` holds what a user picks per call (eval.py's flags, the API's and export's arguments); the beam's
+settings are the config's ``decode`` section. ``DecodeSettings.build`` puts the two together and the surfaces hand the
+result down: ``lconv.infer`` writes no default of its own, so no default can differ between layers (tests/test_layout.py
+checks it). The temperature's default, 0, is greedy decoding.
 """
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ from lconv.fields import Rule, as_dict, defaults, field, integer, number
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
-    """An LM's sampling settings: eval.py's flags, ``Model.generate``'s and ``lconv.export``'s arguments (not
-    config fields: they are chosen per call)."""
+    """An LM's sampling settings, chosen per call (eval.py's flags, the API's and export's arguments)."""
 
     max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
     temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
@@ -38,15 +30,13 @@ class SamplingSettings:
 
 SAMPLING_DEFAULTS = defaults(SamplingSettings)  # greedy, 50 tokens
 BEAM_FIELDS = ("beam_size", "lenpen", "max_len_a", "max_len_b", "stop")  # from config.decode
-# The generation guards (lconv.infer.guards), config.decode's too, and their defaults (off): the schema's fields
-# default to these, and a decode section written before the guards existed reads as them.
+# The generation guards' defaults (off): a decode section written before the guards existed reads as them.
 GUARDS_OFF = {"no_repeat_ngram_size": 0, "min_len": 0}
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-    """One search's settings, complete (no field has a default: ``build`` fills them). Hashable, so a compiled
-    program is keyed by it (``program_key``)."""
+    """One search's settings, complete (``build`` fills them); hashable, so compiled programs are keyed by it."""
 
     beam_size: int  # hypotheses per source or prompt: beams, or with temperature > 0 samples
     lenpen: float  # fairseq's length penalty: a hypothesis scores sum(log p) / length**lenpen
@@ -63,9 +53,7 @@ class DecodeSettings:
 
     @classmethod
     def build(cls, decode: Any, **chosen: Any) -> DecodeSettings:
-        """``decode`` (a config's ``decode`` section, or ``RunConfig.decode``) and ``SAMPLING_DEFAULTS``, with each
-        ``chosen`` value that is not None in place (the caller has checked it: ``lconv.run.schema.check_search`` /
-        ``check_sampling``)."""
+        """``decode`` and ``SAMPLING_DEFAULTS`` with each ``chosen`` value that is not None in place (checked)."""
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(chosen) - set(known))
         if unknown:
@@ -87,16 +75,14 @@ class DecodeSettings:
         return self.temperature > 0
 
     def program_key(self) -> DecodeSettings:
-        """What a compiled program depends on: ``lenpen`` and ``seed`` are its arguments (changing them compiles
-        nothing), and greedy or beam search reads no filter."""
+        """What a compiled program depends on (``lenpen`` and ``seed`` are its arguments)."""
         sampling = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p) if self.sampling else \
             dict(temperature=0.0, top_k=0, top_p=1.0)
         return dataclasses.replace(self, lenpen=0.0, seed=0, **sampling)
 
     def prompt_limit(self, positions: int, name: str = "max_len") -> int:
-        """The most prompt tokens an LM of ``positions`` positions (``config.model.max_len``) reads before
-        ``max_len`` new ones: BOS + prompt + output fit them. A prompt of 0 tokens (BOS alone) is allowed: less is a
-        one-line error naming the setting as ``name`` (``--max_len`` for a flag). The one rule of every surface."""
+        """The most prompt tokens an LM of ``positions`` positions reads before ``max_len`` new ones (BOS + prompt +
+        output); too few is a one-line error naming ``name``."""
         limit = int(positions) - 1 - self.max_len
         if limit < 0:
             raise UserError(f"{name}={self.max_len} new tokens do not fit the model's config.model.max_len="

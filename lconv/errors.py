@@ -1,9 +1,5 @@
-"""The error type of mistakes a user can fix: a config field, a flag, a file, a checkpoint.
-
-lconv's own checks raise ``UserError`` with one line naming what is wrong and, where there is one, the fix.
-The entry points print a ``UserError`` as that one line (exit 2) and let every other exception, JAX's own
-shape errors included, keep its traceback: those are bugs to report, not inputs to fix.
-"""
+"""The error type of mistakes a user can fix (a config field, a flag, a file, a checkpoint): one line naming what is
+wrong and the fix, printed by the entry points with exit code 2; every other exception keeps its traceback."""
 from __future__ import annotations
 
 

@@ -1,14 +1,6 @@
 """The config schema's building block: a dataclass field that carries its default, its rule (type and range) and a
-one-line doc, so that each config field is written once.
-
-Each config section is a dataclass of such fields, at the lowest layer that uses it:
-``lconv.data.data_config.DataConfig``, ``lconv.nn.model_config.ModelConfig``, and the optimiser, loop, decoding
-and mesh sections in ``lconv.run.schema``. The base config (``configs/common.py``), the checks
-(``validate_config``) and docs/config.md's field tables are all read from these fields.
-
-A rule is a test (type and range together: a value is checked, never coerced) and the requirement it prints: a
-broken rule is one ``UserError`` line, ``config.<section>.<field>=<value>: must be <requirement>``.
-"""
+one-line doc, so that each config field is written once (the sections: ``lconv.run.schema``). A rule checks, never
+coerces; a broken one is one ``UserError`` line, ``config.<section>.<field>=<value>: must be <requirement>``."""
 from __future__ import annotations
 
 import copy
@@ -45,8 +37,7 @@ def integer(minimum: int | None = None, note: str = "", *, maximum: int | None =
                 f"an integer in [{minimum}, {maximum:,}]{note}{f' ({reason})' if reason else ''}")
 
 
-# Upper bounds on sizes: far above any real run, low enough that a typo (an extra zero, 1e20) is refused in one line
-# before data is prepared, instead of an overflow, a MemoryError or an hours-long loop later.
+# Upper bounds on sizes, far above any real run: a typo (an extra zero, 1e20) is refused in one line up front.
 MAX_WIDTH = 2**16  # model and FFN widths, heads
 MAX_LAYERS = 1024
 MAX_TOKENS = 2**20  # one sequence's tokens (lengths, positions, kernel taps)
@@ -83,8 +74,7 @@ def field(default: Any, doc: str, rule: Rule, *, to_config: Callable[[Any], Any]
 
 
 def schema_fields(section: type) -> list[dataclasses.Field]:
-    """The section's fields that have a default: those a config holds (``vocab_size`` of the model comes from the
-    data section and has none)."""
+    """The section's fields that have a default: those a config holds."""
     return [f for f in dataclasses.fields(section) if "rule" in f.metadata and _has_default(f)]
 
 
@@ -104,8 +94,7 @@ def defaults(section: type) -> dict[str, Any]:
 
 
 def one_line(value: Any, limit: int = 200) -> str:
-    """``repr(value)`` on one line and cut at ``limit`` characters: a ConfigDict's repr spans lines, and an error
-    names the value in one."""
+    """``repr(value)`` on one line, cut at ``limit`` characters, for a one-line error."""
     text = " ".join(repr(value).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

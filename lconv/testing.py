@@ -4,12 +4,8 @@
     lconv.testing.check_mixer("my_mixers:MeanPool")            # or a registered name, or the class itself
     lconv.testing.check_mixer("fixed", factorized_rank=2)      # constructor fields on top of example_fields
 
-Each rule of ``RULES`` is checked on a short packed batch (two examples and padding in one row), for every side
-the mixer may sit on (non-causal for an encoder, causal for a decoder). A broken rule raises ``AssertionError``
-whose first line is ``rule '<name>' broken by <mixer> (causal=...): <the rule>``; the lines after it say what
-was seen. Dots run at ``matmul_precision="highest"`` where the mixer has that field, so the comparisons are
-exact float32 on every backend, and ``*dropout*`` fields not given are set to 0.1 so that the ``deterministic``
-rule means something. Everything runs at one set of small shapes, jitted: a few seconds per mixer on a CPU.
+Each rule of ``RULES`` is checked on a short packed batch, for every side the mixer may sit on, at exact float32 dots; a
+broken rule raises ``AssertionError`` whose first line names it. A few seconds per mixer on a CPU.
 """
 from __future__ import annotations
 
@@ -61,10 +57,8 @@ class _Broken(AssertionError):
 
 
 def check_mixer(mixer: str | type[nn.Module], **fields: Any) -> None:
-    """Checks every rule of ``RULES`` for ``mixer`` (a registered name, ``"package.module:Class"`` or a class),
-    built with its ``example_fields`` and ``fields``: on each side it may sit on, or only at ``causal`` if given.
-    Returns ``None`` or raises ``AssertionError`` whose first line names the broken rule.
-    """
+    """Checks every rule of ``RULES`` for ``mixer`` (a registered name, ``"package.module:Class"`` or a class), built
+    with its ``example_fields`` and ``fields``, on each side it may sit on (or only at ``causal``)."""
     info = mixers.info(mixer)
     causal_settings = [fields.pop("causal")] if "causal" in fields else _causal_settings(info)
     for causal in causal_settings:

@@ -1,12 +1,8 @@
 """``python -m lconv.bench <suite> [--quick] [--out docs/bench] [--doc docs/benchmarks.md] [--T 256,1024]``.
 
-Suites: mixers, limits, decode, beam, train, or all of them; and gpu, one command of about 8 minutes for an
-accelerator session (``lconv.bench.gpu``: its own op table, train step, default run and beam stages). Kept thin:
-argument checks here, the work in the suite modules.
-A ``--quick`` run is a smoke test: its numbers go to a scratch folder (``QUICK_DIR``), never over the committed
-results in docs/bench and docs/benchmarks.md. Those are the defaults of a full run only from the root of a clone
-(the folder holding the imported lconv and docs/benchmarks.md); from an installed package a full run writes to
-``--out`` / ``--doc`` or, by default, to ``INSTALLED_DIR``.
+Suites: mixers, limits, decode, beam, train, or all of them; and gpu, one command for an accelerator session
+(``lconv.bench.gpu``). A ``--quick`` run is a smoke test written to a scratch folder (``QUICK_DIR``); committed results
+are the default only of a full run from the root of a clone (else ``--out`` / ``--doc`` or ``INSTALLED_DIR``).
 """
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ def parse_T_list(text: str) -> tuple[int, ...]:
 
 
 def committed_paths(backend: str) -> tuple[str, str]:
-    """Where a clone keeps a backend's results: CPU's in docs/bench and docs/benchmarks.md, another backend's in
-    docs/bench/<backend> and docs/benchmarks-<backend>.md, so a GPU run never overwrites the CPU tables."""
+    """Where a clone keeps a backend's results: docs/bench (CPU) or docs/bench/<backend>, and its benchmarks page."""
     if backend == "cpu":
         return COMMITTED_OUT, COMMITTED_DOC
     return f"{COMMITTED_OUT}/{backend}", COMMITTED_DOC.replace(".md", f"-{backend}.md")

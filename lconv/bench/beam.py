@@ -1,14 +1,5 @@
-"""Suite ``beam``: beam search over a whole split, sentences/s by decoding batch size (``decode.batch_size``).
-
-The README default's translation models (configs/default.py: DynamicConv and its Transformer; d=256, 3+3 layers,
-vocab 4000, beam 4), untrained, decode a split of synthetic sources (6-40 tokens each, seeded, as DDTP's test
-sentences: width buckets 32 and 64) through ``lconv.infer.batching.decode_batches``, the path eval.py and the
-end of train.py take, at each decoding batch size of ``ROWS`` (up to the split's size). ``auto`` marks the size
-``decode.batch_size = 0`` picks on this backend. Each size decodes the split once to compile its programs (timed
-apart as compile + first pass) and then ``REPEATS`` more times; sentences/s is from the median pass. An untrained
-model seldom ends a beam, so beams run to their length limit (1.2 x width + 10): more steps than a trained model
-takes, the same at every batch size.
-"""
+"""Suite ``beam``: beam search over a whole split, sentences/s by decoding batch size (``decode.batch_size``), for the
+README default's models through the path eval.py takes. What and how: docs/benchmarks.md, "The beam suite"."""
 from __future__ import annotations
 
 import argparse
@@ -57,9 +48,8 @@ def synthetic_split(count: int, vocab: int, rows: int, seed: int = 0) -> pipelin
 
 def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
         smoke: bool = False) -> list[report.Row]:
-    """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's, size by
-    size (the models alternate); no new size starts after ``deadline`` (``time.monotonic()``), if given. ``smoke``:
-    the models at a smoke test's sizes (``configs.common.smoke_test_sizes``)."""
+    """Each model decodes the split at every batch size of ``rows_list`` up to ``count`` and at auto's, the models
+    alternating; no new size starts after ``deadline``. ``smoke``: a smoke test's sizes."""
     setups = {}
     for label, mixer in MODELS.items():
         config = default.get_config(mixer)
@@ -76,8 +66,7 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
                                            config.decode.beam_size))
     results = []
     sizes = sorted({r for r in rows_list if r <= count} - {auto})
-    # auto's size first (what eval.py and train.py decode with), then 64 (the speed-ups' base), then the rest: what a
-    # deadline cuts is the least needed
+    # auto's size first, then 64 (the speed-ups' base), then the rest: what a deadline cuts is the least needed
     for rows in [auto, *sorted(sizes, key=lambda r: (r != BASE_ROWS, r))]:
         if deadline is not None and time.monotonic() > deadline:
             logger.info(f"  rows {rows} and more: cut, the time ran out")
@@ -116,8 +105,7 @@ def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
 
 def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limit: int | None = None,
                 deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[report.Row]:
-    """The trained run in ``workdir`` (its latest checkpoint) decodes its test split (the first ``limit`` sentences)
-    at auto's decoding batch size and each of ``rows_list``'s; no new size starts after ``deadline``."""
+    """The trained run in ``workdir`` decodes its test split at auto's batch size and each of ``rows_list``'s."""
     trained = restore.load_trained(workdir, devices=jax.devices()[:1])
     config, model, params = trained.config, trained.model, trained.params
     eval_set = test_split(config, trained.tokenizer, limit)

@@ -1,12 +1,5 @@
-"""Suite ``decode``: incremental decoding time per token and cache size vs output length.
-
-A small ``DecoderOnlyLM`` (``LAYERS`` layers, d=512, FFN 2048, H=8, conv K=31) decodes greedily one token per
-step on its ``'cache'`` (``decode=True``), batch 1, for output lengths up to 4096. Steps run in jitted windows of
-``WINDOW`` steps (a ``fori_loop``, the cache donated), so Python dispatch is amortised as in ``lconv.infer.search``;
-every window is timed, which gives the per-token time at every position of the output. The cache is created
-for the whole output length ``L`` up front (as ``lconv.infer.search`` does): a Transformer's KV cache is ``[L, d]`` per
-layer, and its attention reads all of it at every step; a conv's cache is its last ``K - 1`` inputs.
-"""
+"""Suite ``decode``: incremental decoding time per token and cache size vs output length, for a small LM per mixer
+decoding greedily on its cache. The method: docs/benchmarks.md, "The decode suite"."""
 from __future__ import annotations
 
 import argparse

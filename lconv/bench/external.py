@@ -1,12 +1,5 @@
-"""Baselines outside JAX for the ``mixers`` suite's op rows: PyTorch's depthwise ``F.conv1d`` (cuDNN on a GPU)
-and, where fairseq's CUDA extensions are importable, its ``lightconv_cuda`` / ``dynamicconv_cuda`` kernels (the
-paper's own). Each runs on torch's device (CUDA when torch sees one, else CPU), fwd and fwd+bwd w.r.t. x and the
-kernel, on the same shapes as lconv's op rows, timed as medians with torch's own synchronisation.
-
-torch is optional (the ``[fairseq]`` extra): without it, or without fairseq's extensions, the rows are skipped
-with the reason. Layouts are torch's: ``x [B, C, T]``; a LightConv kernel ``[H, K]`` serves the contiguous
-channel block ``[h*C/H, (h+1)*C/H)``, as in ``lconv.ops``; a DynamicConv kernel is ``[B, H, K, T]``.
-"""
+"""Baselines outside JAX for the ``mixers`` suite's op rows: PyTorch's depthwise ``F.conv1d`` and fairseq's CUDA kernels
+where importable, skipped with the reason without them (docs/benchmarks.md, "Baselines outside JAX")."""
 from __future__ import annotations
 
 import importlib

@@ -1,12 +1,8 @@
 """Suite ``gpu``: every figure an accelerator session needs, from one command of ``--minutes`` (default 8).
 
-Accelerator time comes in short, rare pieces, so the stages cannot starve each other: each runs in a process of
-its own under a time cap (``gpu_plan.stage_caps``), plans its rows in order of value, stops starting work as the
-cap nears, and writes each row as it ends; a stage that hangs is killed at its cap and the report says so. The
-stages share one compilation cache. In order: ``ops`` (``gpu_ops``), ``train``, ``profile`` (with
-``--profile``), ``run`` (the README's default command) and ``beam``. On a GPU a clone's results go to
-docs/bench/gpu and docs/benchmarks-gpu.md; ``--quick`` is the CPU smoke test of the whole path. What each stage
-measures: docs/benchmarks.md, "How the suites measure".
+Each stage (``ops``, ``train``, ``profile``, ``run``, ``beam``) runs in a process of its own under a time cap
+(``gpu_plan.stage_caps``), so short, rare accelerator time is never starved by one stage; they share one compilation
+cache. What each measures: docs/benchmarks.md, "The accelerator suite".
 """
 from __future__ import annotations
 
@@ -34,9 +30,7 @@ PROFILE_T, PROFILE_STEPS = 512, 3
 QUICK_BEAM_SENTENCES = 24  # a quick run's trained beam decodes this many test sentences
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The parent: one process per stage, each under its cap
-# ----------------------------------------------------------------------------------------------------------------
 def run_suite(opts: argparse.Namespace, info: dict[str, str]) -> list[report.Row]:
     if opts.stage:
         use_compilation_cache(opts.compilation_cache)
@@ -81,9 +75,7 @@ def launch_stage(command: list[str], timeout: float) -> int:
 
 
 def shared_cache() -> str:
-    """A full run's cache: this user's folder, as train.py's and eval.py's (``lconv.run.compilation_cache``),
-    never one in the world-shared temporary folder, where another user could plant an entry (native code).
-    ``"none"``, with one warning, when it cannot be kept for this user alone."""
+    """A full run's cache: this user's folder, never a world-shared one; ``"none"`` when it cannot be private."""
     folder = compilation_cache.user_folder()
     problem = compilation_cache.make_private(folder)
     if problem:
@@ -93,9 +85,7 @@ def shared_cache() -> str:
 
 
 def use_compilation_cache(folder: str | None) -> None:
-    """Keeps (and reads back) this process's compiled programs in ``folder``, which every stage shares: a program
-    the train stage compiled is read back by the profile stage, the run's by the beam stage, a first try's by a
-    second. ``"none"`` or None: compile everything afresh."""
+    """Keeps (and reads back) compiled programs in ``folder``, shared by every stage; ``"none"`` or None: afresh."""
     if folder and folder.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", folder)
         compilation_cache.report_cache_errors(folder)
@@ -125,9 +115,7 @@ def _summary(rows: Sequence[report.Row], info: dict[str, str], command: str, cac
                               [[r["stage"], r["status"], r["seconds"], r["cap_s"], r.get("cut", "-")] for r in rows])])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Stages ops, train and profile
-# ----------------------------------------------------------------------------------------------------------------
 def ops_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -> list[report.Row]:
     rows = gpu_ops.ops_stage(opts.quick, opts.out, opts.doc, info, deadline)
     note_cuts(opts, "ops", gpu_ops.cut_summary(rows))
@@ -176,9 +164,7 @@ def profile_stage(opts: argparse.Namespace, info: dict[str, str], deadline: floa
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Stage run: the README's default command end to end
-# ----------------------------------------------------------------------------------------------------------------
 def run_workdir(opts: argparse.Namespace) -> str | None:
     """Where the run stage trains and the beam stage finds its checkpoint (None outside the command)."""
     return os.path.join(opts.scratch, "run") if getattr(opts, "scratch", None) else None
@@ -241,9 +227,7 @@ def _run_section(rows: Sequence[report.Row], info: dict[str, str]) -> str:
                                 r["sentences_per_s"]]])])
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Stage beam: the trained run's decoding speed by batch size
-# ----------------------------------------------------------------------------------------------------------------
 def beam_stage(opts: argparse.Namespace, info: dict[str, str], deadline: float) -> list[report.Row]:
     workdir = run_workdir(opts)
     if workdir is None or not os.path.isdir(os.path.join(workdir, "checkpoints")):

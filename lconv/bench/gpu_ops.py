@@ -1,14 +1,5 @@
 """The gpu command's ``ops`` stage: the conv ops against the memory floor, rows in order of value, fitted to its cap.
-
-Order (what the cap cuts is the least needed): bfloat16 (what users train in) then float32, fwd+bwd at T = 512,
-4,096 and 16,384, each op's band impl beside the Pallas kernel's split (``pallas``) and one-kernel (``pallas-fused``)
-backwards (on a GPU only: on CPU the Pallas rows are skipped); then the forward alone at one T; the baselines (XLA's
-depthwise conv, shift, unfold) last, at one T. Rows compile ``COMPILE_THREADS`` at once, and on an accelerator the
-next group compiles while the current one is timed (lowering stays on the timing thread, which is idle then).
-
-Per token, in µs: the time against the floor from the copy bandwidth measured in the same process; the Pallas rows
-also give their kernels' bytes model (``pallas_conv.pass_bytes_per_token``) over the floor.
-"""
+The order, what each row reports and how groups compile: docs/benchmarks.md, "The ops stage"."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -54,8 +45,7 @@ def model_bytes_per_token(op: str, impl: str, dtype: str, passes: str) -> float 
 
 
 def op_plan(quick: bool) -> list[PlanItem]:
-    """``(op, impl, dtype, T, passes)`` in order of value; a quick run (the CPU smoke test) has each kind of row
-    once, in the same order."""
+    """``(op, impl, dtype, T, passes)`` in order of value; a quick run has each kind of row once, in the same order."""
     if quick:
         short, long = T_QUICK
         return [("light", "band", "bfloat16", short, "fwd+bwd"), ("dynamic", "pallas", "bfloat16", short, "fwd+bwd"),
@@ -80,8 +70,7 @@ def _row(item: PlanItem, tokens: int, bandwidth: float) -> report.Row:
 
 def ops_stage(quick: bool, out: str, doc: str, info: dict[str, str], deadline: float, *,
               clock: Callable[[], float] = time.monotonic, overlap: bool | None = None) -> list[report.Row]:
-    """Times ``op_plan``'s rows that fit before ``deadline`` (``clock``'s seconds), writing the report as each
-    group of rows ends. ``overlap``: compile the next group while timing this one (default: on an accelerator)."""
+    """Times ``op_plan``'s rows that fit before ``deadline``, writing the report as each group of rows ends."""
     tokens = 1024 if quick else (65_536 if jax.default_backend() != "cpu" else 4096)
     bandwidth = timing.copy_bytes_per_s(64 if quick else 1024, repeats=5)["copy_bytes_per_s"]
     logger.info(f"  copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
@@ -113,8 +102,7 @@ def ops_stage(quick: bool, out: str, doc: str, info: dict[str, str], deadline: f
 
 def timed_groups(groups: Sequence[Sequence[report.Row]], deadline: float, clock: Callable[[], float],
                  overlap: bool) -> Iterator[tuple[Sequence[report.Row], list[report.Row]]]:
-    """``(group, its results)`` for each group started before ``deadline`` (the later groups' rows are marked cut);
-    with ``overlap``, group k + 1 compiles in a thread while group k is timed."""
+    """``(group, its results)`` for each group started before ``deadline`` (the later groups' rows are marked cut)."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         compiling = None

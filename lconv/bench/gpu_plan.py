@@ -1,9 +1,8 @@
 """The gpu command's budget: each stage's cap from ``--minutes``, and each stage's rows fitted to its cap.
 
-Pure arithmetic, so a test can check with a fake clock that a plan fits its cap. The per-row estimates are
-seconds on a datacenter GPU (docs/benchmarks-gpu.md: compiles of 1-7 s a program, about 15 s per decoding batch
-size's first pass, 10-15 s per train-step model); a stage keeps its rows, in order of value, while their
-estimates fit its cap, and marks the others cut with the reason, so the report says what was cut and why.
+Pure arithmetic, so a test can check with a fake clock that a plan fits its cap. The per-row estimates are seconds on a
+datacenter GPU (docs/benchmarks-gpu.md); a stage keeps its rows in order of value while they fit, and marks the others
+cut with the reason.
 """
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from typing import TypeVar
 Item = TypeVar("Item")
 
 DEFAULT_MINUTES = 8.0  # the command's default: with one stage's kill grace and the machine's start, under 9 minutes
-# Each stage's share of --minutes; the shares sum to 1, each includes its process's start. The run stage gets the
-# most: under 3 minutes of budget the default trains too few updates for its BLEU to mean anything
+# Each stage's share of --minutes (summing to 1); the run stage needs 3 minutes for a BLEU that means anything.
 STAGES = (("ops", 0.17), ("train", 0.18), ("run", 0.45), ("beam", 0.20))
 PROFILE_SHARE = 0.07  # --profile adds a stage of this share; the others shrink in proportion
 RUN_MIN_BUDGET_S = 180.0  # the run stage's budget at the default minutes, --profile or not, is at least this
@@ -24,8 +22,7 @@ STAGE_START_S = 8.0  # a stage process's start: Python, jax and the backend (mea
 
 
 def stage_caps(minutes: float, profile: bool = False) -> list[tuple[str, float]]:
-    """``[(stage, cap seconds)]`` in the order they run: ``STAGES``' shares of ``minutes``, and with ``profile`` a
-    ``profile`` stage after ``train`` (``PROFILE_SHARE``; the others scaled down to leave the total the same)."""
+    """``[(stage, cap seconds)]`` in running order: ``STAGES``' shares of ``minutes`` (and ``profile``'s)."""
     total = minutes * 60
     if not profile:
         return [(stage, share * total) for stage, share in STAGES]
@@ -43,8 +40,7 @@ def run_budget(cap_s: float) -> float:
 
 
 def stage_cap(planned_s: float, later_s: float, left_s: float) -> float:
-    """A stage's cap when the command has ``left_s`` seconds left and the stages after it are planned ``later_s``:
-    its planned cap, less what earlier stages overran (so the command ends on time), never below a tenth of it."""
+    """A stage's cap less what earlier stages overran (``left_s`` left, ``later_s`` planned after), at least a tenth."""
     return max(min(planned_s, left_s - later_s), 0.1 * planned_s)
 
 
@@ -70,8 +66,7 @@ def fit(items: Sequence[Item], estimate: Callable[[Item], float], cap_s: float) 
     return Fitted(kept, cut, seconds)
 
 
-# Seconds a GPU takes per op row: compiling its program (spread over the compile threads, and overlapped with the
-# previous group's timing) and timing it (a warm-up call and half a second of runs, the inputs made)
+# Seconds a GPU takes per op row: compiling its program (spread over the threads) and timing it
 OP_COMPILE_S = {"band": 2.0, "pallas": 4.0, "pallas-fused": 4.0, "conv": 7.0, "shift": 2.0, "unfold": 3.0}
 OP_MEASURE_S = 1.0
 TRAIN_T_S = 30.0  # one T of the train stage: three models compiled at once (10-15 s each alone), timed in turn
@@ -97,8 +92,7 @@ def beam_fit(rows_list: Sequence[int], seconds_left: float) -> Fitted:
 
 
 def cut_reason(seconds: float, cap_s: float) -> str:
-    """A cut row's status: the stage's plan (its kept rows, an estimated ``seconds``) had no room for it in
-    ``cap_s``, or nothing was left of the cap (earlier stages overran theirs)."""
+    """A cut row's status: the stage's plan had no room for it in ``cap_s``, or nothing was left of the cap."""
     if cap_s <= 0:
         return "cut: not in the plan (no time left in the stage's cap: earlier stages overran theirs)"
     return f"cut: not in the plan (the kept rows take an estimated {seconds:.0f} s of the {cap_s:.0f} s cap)"

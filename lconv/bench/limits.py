@@ -1,11 +1,5 @@
-"""Suite ``limits``: the machine's float32 matmul rate and copy bandwidth, and how close the convs get to them.
-
-Measured in one run: a large matmul (FLOP/s), a large elementwise copy (bytes/s, in place and into a fresh
-buffer), then each conv op's fwd+bwd. A conv must at least move ``conv_bytes_per_token`` bytes per token (read
-x, dy, the kernel; write y, dx, the kernel gradient; see ``timing.conv_bytes_per_token``), so
-``bytes_per_token / time_per_token`` as a fraction of the copy bandwidth says how far it is from the
-memory-bound floor; ``flops / time`` against the matmul rate says the same for arithmetic.
-"""
+"""Suite ``limits``: the machine's float32 matmul rate and copy bandwidth, and how close the convs get to them
+(docs/benchmarks.md, "The limits suite")."""
 from __future__ import annotations
 
 import argparse

@@ -1,16 +1,6 @@
-"""Suite ``mixers``: time per token and peak memory of every token mixer vs sequence length.
-
-The tokens per batch are fixed (``B * T = TOKENS``), so a linear-time mixer should cost the same per token at
-every T and attention's per-token cost grows as T. Two kinds of rows:
-
-- ``op``: the raw conv ops, ``lconv.ops.light_conv`` / ``dynamic_conv`` with each ``impl`` (the kernel is an
-  input; fwd+bwd differentiates w.r.t. x and the kernel);
-- ``mixer``: the registry's modules (``make_mixer``) as a model uses them, projections included, with
-  ``impl="auto"`` for the convs; fwd+bwd differentiates w.r.t. the parameters and x.
-
-Fwd+bwd is one call of ``value_and_grad`` of ``<y, g>`` for a fixed random ``g``. Configurations whose
-predicted time per call (extrapolated from the previous T) or memory is past the caps are skipped and say so.
-"""
+"""Suite ``mixers``: time per token and peak memory of every token mixer vs sequence length, at fixed tokens per batch:
+raw conv ops (``op`` rows) and the registry's modules (``mixer`` rows). What and how: docs/benchmarks.md, "The mixers
+suite"."""
 from __future__ import annotations
 
 import argparse
@@ -56,9 +46,8 @@ def pallas_backend() -> bool:
 
 
 def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
-    """``CONFIGS``, with the fused Pallas ops where they compile (``pallas_backend``), then a row for each
-    registered mixer no row measures yet (plugins). ``only_mixers`` (registered names or ``package.module:Class``,
-    ``--mixers``) replaces the mixer rows: the op rows, then a row for each of them."""
+    """``CONFIGS``, with the fused Pallas ops where they compile, then a row for each registered mixer not yet measured
+    (plugins); ``only_mixers`` (``--mixers``) replaces the mixer rows."""
     configs = list(CONFIGS)
     if pallas_backend():
         configs = [*OP_ROWS, op_config("light", "pallas"), op_config("dynamic", "pallas"),
@@ -91,8 +80,7 @@ def _plugin_config(name: str) -> Config:
     return _mixer_config(name, 1.0, causal=causal, **info.example_fields)
 
 
-# Bench-only impl names: the Pallas kernels with a backward other than their default (pallas_conv.BACKWARDS), timed
-# beside "pallas" so an accelerator session picks by measurement; lconv.ops' impl list stays the user's choice.
+# Bench-only impl names: the Pallas kernels with another backward (pallas_conv.BACKWARDS), timed beside "pallas".
 PALLAS_VARIANTS = {"pallas-fused": "fused"}
 
 
@@ -208,8 +196,7 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0,
 
 
 def external_rows(T: int, B: int, last: dict, *, budget_s: float) -> list[report.Row]:
-    """The PyTorch / fairseq baselines (``lconv.bench.external``) at one T, in the op rows' shapes; skipped rows
-    say why (torch or fairseq's CUDA extension missing, or past the time cap)."""
+    """The PyTorch / fairseq baselines (``lconv.bench.external``) at one T; skipped rows say why."""
     torch, missing = external.torch_or_reason()
     rows = []
     for label, builder, dynamic in external.BASELINES:
@@ -279,9 +266,7 @@ def _skip_reason(config, T, B, last, last_bytes):
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Tables and plots
-# ----------------------------------------------------------------------------------------------------------------
 def _cell(rows, name, T, pass_name, key="us_per_token"):
     for r in rows:
         if r["name"] == name and r["T"] == T and r.get("pass") == pass_name:

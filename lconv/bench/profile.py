@@ -1,14 +1,8 @@
 """A ``jax.profiler`` trace of a few steps reduced to a table of time per kernel name.
 
-On a GPU the train step runs as CUDA graphs (command buffers), which hide XLA's op names in the trace; the names of
-the kernels the device ran stay. ``trace`` writes the trace (with its Perfetto/Chrome JSON copy) and
-``kernel_times`` sums the complete events (``"ph": "X"``) of the device's work by name:
-
-- where the trace has a device process (``/device:GPU:0`` ...), its stream threads' events (``Stream #...``; all of
-  its threads when none is named so), which are the kernels;
-- otherwise (a CPU run), the events of the host's XLA executor threads (every thread but ``python``), less the
-  profiler's and the executor's bookkeeping (``BOOKKEEPING``). CPU spans may still nest (a while loop's encloses
-  its body's ops); a GPU's kernels do not.
+``trace`` writes the trace and ``kernel_times`` sums the complete events (``"ph": "X"``) of the device's work by name: a
+GPU's stream threads (the kernels: CUDA graphs hide XLA's op names), or on CPU the XLA executor threads less the
+profiler's ``BOOKKEEPING`` (CPU spans may still nest).
 """
 from __future__ import annotations
 
@@ -50,8 +44,7 @@ def read_events(path: str) -> list[dict[str, Any]]:
 
 
 def kernel_times(events: Sequence[dict[str, Any]], steps: int = 1) -> list[report.Row]:
-    """``[{kernel, ms_per_step, calls_per_step, share}]`` of the device's work (see the module docstring), the
-    longest first; ``steps``: how many steps the trace holds (the totals are divided by it)."""
+    """``[{kernel, ms_per_step, calls_per_step, share}]`` of the device's work, longest first, divided by ``steps``."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}")
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}

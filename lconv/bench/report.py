@@ -1,8 +1,5 @@
-"""Writing results: CSV rows, markdown tables, the generated sections of docs/benchmarks.md, and plots.
-
-A suite's section in docs/benchmarks.md sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; a
-run replaces only its own section (appending it the first time), so hand-written text around it is kept.
-"""
+"""Writing results: CSV rows, markdown tables, plots, and a suite's section of docs/benchmarks.md (between ``<!--
+bench:NAME -->`` and ``<!-- /bench:NAME -->``, so the text around it is kept)."""
 from __future__ import annotations
 
 import csv

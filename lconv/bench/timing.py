@@ -24,9 +24,7 @@ from lconv.nn import mixers
 F32_BYTES = 4
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Pure helpers (unit-tested in tests/test_bench.py)
-# ----------------------------------------------------------------------------------------------------------------
 def summarize(times_s: Sequence[float]) -> dict[str, float]:
     """Median, min and max of per-run times; the median is what the tables report."""
     if not times_s:
@@ -42,11 +40,7 @@ def repeats_for(estimate_s: float, budget_s: float, lo: int = 3, hi: int = 10) -
 
 
 def predict_seconds(measured: tuple[int, float] | None, T: int, exponent: float) -> float | None:
-    """Extrapolates one call's time from the last measured ``(T, seconds)`` as ``s * (T / T0) ** exponent``.
-
-    At a fixed number of tokens per batch a linear-time mixer's call costs the same at every T (exponent 0)
-    and an attention layer's grows as T (exponent 1, from its ``B * T * T`` logits).
-    """
+    """One call's time extrapolated from the last ``(T, seconds)`` as ``s * (T / T0) ** exponent``."""
     if measured is None:
         return None
     T0, seconds = measured
@@ -55,9 +49,8 @@ def predict_seconds(measured: tuple[int, float] | None, T: int, exponent: float)
 
 def conv_bytes_per_token(channels: int, heads: int, kernel_size: int, *, dynamic: bool, backward: bool,
                          one_program: bool = False, itemsize: int = F32_BYTES) -> int:
-    """Bytes a conv must move per token (``itemsize`` bytes a number), the floor for a memory-bound kernel:
-    fwd+bwd ``5C`` (light) or ``5C + 3HK`` (dynamic) numbers, or with ``one_program`` (x and the kernel read once)
-    ``4C`` or ``4C + 2HK``."""
+    """Bytes a conv must move per token (``itemsize`` bytes a number), a memory-bound kernel's floor: fwd+bwd ``5C``
+    (light) or ``5C + 3HK`` (dynamic), with ``one_program`` ``4C`` or ``4C + 2HK``."""
     kernel = heads * kernel_size if dynamic else 0
     numbers = 2 * channels + kernel
     if backward:
@@ -70,9 +63,7 @@ def conv_flops_per_token(channels: int, kernel_size: int, *, backward: bool) -> 
     return 2 * kernel_size * channels * (3 if backward else 1)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Measuring
-# ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Measurement:
     """One timed configuration: per-call times in seconds, compile time and the compiled program's memory."""
@@ -113,8 +104,7 @@ def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, bu
 
 
 def compile_many(lowered: Sequence[jax.stages.Lowered], threads: int) -> list[tuple[Any, float]]:
-    """``[(compiled or the exception compiling it raised, seconds)]`` for each lowered program, ``threads`` at once:
-    XLA compiles outside the GIL, so a many-core host compiles a table of programs faster in parallel."""
+    """``[(compiled or its exception, seconds)]`` per lowered program, ``threads`` at once (outside the GIL)."""
     def one(program: jax.stages.Lowered) -> tuple[Any, float]:
         start = time.perf_counter()
         try:
@@ -169,9 +159,7 @@ def xla_flops(compiled: jax.stages.Compiled) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Machine limits, measured in the run that uses them
-# ----------------------------------------------------------------------------------------------------------------
 def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> dict[str, float]:
     """Float32 ``[n, n] @ [n, n]``: ``2 n^3`` FLOPs per call; median rate."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
@@ -182,7 +170,7 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> dict[str, float]:
 
 def copy_bytes_per_s(megabytes: int = 256, repeats: int = 10) -> dict[str, float]:
     """Elementwise ``x + 1`` over a large float32 array; bytes = read + write. ``in_place`` donates the input (the
-    memory bandwidth); ``fresh`` writes a new buffer every call, as temporaries are, paying first-touch page faults."""
+    bandwidth); ``fresh`` writes a new buffer each call, paying first-touch page faults."""
     n = megabytes * 2**20 // F32_BYTES
     moved = 2 * n * F32_BYTES
     x = jnp.zeros((n,), jnp.float32)
@@ -200,9 +188,7 @@ def copy_bytes_per_s(megabytes: int = 256, repeats: int = 10) -> dict[str, float
             "copy_fresh_bytes_per_s": moved / fresh["median_s"]}
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The machine
-# ----------------------------------------------------------------------------------------------------------------
 def backend() -> str:
     """Where the suites run: ``jax.default_backend()`` (cpu, gpu, tpu)."""
     return jax.default_backend()

@@ -1,11 +1,8 @@
 """Suite ``train``: tokens/s of a full training step, and model FLOPs utilisation.
 
-Same-size decoder-only LMs (d=512, FFN 2048, H=8, vocab 8000), one per compared mixer, trained with lconv's own
-step (``update.make_train_step``) on random tokens at T=512 and 4096, ``tokens_per_batch()`` tokens per batch, in
-float32 and, on an accelerator, bfloat16. Each row names the attention kernel "auto" ran and the step's XLA
-temporaries; a vocabulary sweep compares the fused output layer and loss with materialised logits. MFU divides
-analytic model FLOPs (``model_flops_per_token``) by the matmul rate measured in the same run. Details:
-docs/benchmarks.md, "How the suites measure".
+Same-size decoder-only LMs, one per compared mixer, trained with lconv's own step on random tokens at T=512 and 4096; a
+vocabulary sweep compares the fused output layer and loss with materialised logits. Details: docs/benchmarks.md, "The
+train suite".
 """
 from __future__ import annotations
 
@@ -125,9 +122,7 @@ def _lowered_trainer(mixer, T, dtype, vocab=VOCAB, fused_loss=True, size=FULL):
 
 
 def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
-    """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names (``label: (mixer, T,
-    dtype, vocab, fused_loss, size)``): a compiled train step whose donated state ``holder`` keeps, and one batch,
-    compiled in threads at once."""
+    """``{label: (step, compiled, compile_s, holder, B)}`` of the trainers ``settings`` names, compiled at once."""
     lowered = {label: _lowered_trainer(*args) for label, args in settings.items()}
     programs = timing.compile_many([parts[0] for parts in lowered.values()], len(lowered))
     made = {}
@@ -147,8 +142,7 @@ def trainers(settings: dict[str, tuple]) -> dict[str, tuple]:
 
 def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None = None,
         vocabs: Sequence[int] = VOCABS, size: LMSize = FULL) -> list[report.Row]:
-    """At each (T, dtype) the models' steps alternate (a warm-up round, then ``repeats``), so drifting load does not
-    skew their ratio; the matmul rate is the best measured around each T. ``vocabs``: the vocabulary sweep's sizes."""
+    """At each (T, dtype) the models' steps alternate, so drifting load does not skew their ratio."""
     dtype_list = dtypes() if dtype_list is None else tuple(dtype_list)
     matmul_rates = [timing.matmul_flops_per_s(2048, repeats=5)["matmul_flops_per_s"]]
     rows = []
@@ -240,8 +234,7 @@ def ideal_speed_up(rows: Sequence[report.Row], label: str, T: int, dtype: str) -
 
 
 def speed_up_table(rows: Sequence[report.Row], runs: Sequence[tuple[int, str]]) -> str:
-    """Each model's measured tokens/s over the Transformer's of the same ``(T, dtype)``, then, at each T, its FLOP
-    model's speed-up (the same in every dtype)."""
+    """Each model's tokens/s over the Transformer's at the same ``(T, dtype)``, then its FLOP model's speed-up per T."""
     def measured(label, T, dtype):
         speed = {r["model"]: r["tokens_per_s"] for r in rows if (r["T"], r["dtype"]) == (T, dtype)}
         reference = speed.get(timing.REFERENCE)

@@ -4,15 +4,9 @@
     python -m lconv.data en_de lm_en           # some (or full names: ddtp/de_en, iwslt14/de_en, lm1b, ...)
     python -m lconv.data en_de --raw_dir=DIR   # from apt Translation-* files instead of the snapshot
     python -m lconv.data files --raw_dir=DIR --source_lang=xx --target_lang=yy   # check your own files' folder
-    python -m lconv.data en_de --data_dir=/tmp/tfds --workdir=/tmp/tok --vocab_size=8000
     python -m lconv.data prepare wmt14/en_de --data_dir=gs://bucket/tfds     # once, where there is network
 
-A tokenizer per task is trained on a small training sample (``--max_sentences``) into ``--workdir/<task>``
-(reused when it exists). ``--data_dir``, ``--vocab_size`` and ``--max_sentences`` default to configs/default.py's,
-so the data prepared here is the copy train.py reads. ``prepare`` writes a dataset as array_record under
-``--data_dir`` (default: the configs' ``~/tensorflow_datasets``): the paper's datasets through their tfds
-builders (``lconv.data.catalog``: they need TensorFlow to prepare, not to train), ``ddtp/*`` and ``iwslt14/*`` as
-training would. A bad argument or input is one ``error: ...`` line on stderr and exit code 2.
+Defaults are configs/default.py's, so the data prepared here is the copy train.py reads; details: docs/data.md.
 """
 from __future__ import annotations
 
@@ -54,8 +48,7 @@ def dataset_name(task: str) -> str:
 def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences: int, batch_size: int,
          raw_dir: str | None = None, source_lang: str | None = None, target_lang: str | None = None,
          data_name: str | None = None) -> None:
-    """Counts, the data report and an example batch of dataset ``name``; the rest: your own files' settings
-    (``name="files"``: config.data.source_lang, target_lang and name)."""
+    """Counts, the data report and an example batch of dataset ``name`` (``"files"``: your own files)."""
     files = dict(source_lang=source_lang, target_lang=target_lang, name=data_name)
     config = DataConfig.from_config(dict(
         dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size, tokenizer_max_sentences=max_sentences,
@@ -87,8 +80,7 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     from lconv.configs import default
 
-    # The default config's data settings: the copy prepared here is the one train.py reads, and the example batch
-    # is cut into the pieces of the vocabulary training would use.
+    # The default config's data settings: the copy prepared here is the one train.py reads.
     data = default.get_config().data
     parser = _Parser(prog="python -m lconv.data", description=__doc__.splitlines()[0])
     parser.add_argument("tasks", nargs="*", default=list(ddtp.TASKS), help=f"default: all of {ddtp.TASKS}")

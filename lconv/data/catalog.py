@@ -1,10 +1,6 @@
 """Preparing the paper's datasets (tfds catalog builders) as array_record: ``python -m lconv.data prepare NAME``.
-
-Reading a prepared dataset needs no TensorFlow; preparing one does (tfds unpacks its downloads with ``tf.io``),
-so ``prepare`` checks for it before downloading anything and says in one line what to install. A URL data_dir is
-prepared in a local staging folder and uploaded with ``dataset_info.json`` last, the file readers look for, so
-they never see half a dataset. Which tfds calls need TensorFlow: docs/data.md.
-"""
+Preparing needs TensorFlow (checked first, in one line), reading does not; a URL data_dir is staged locally and uploaded
+with ``dataset_info.json`` last. docs/data.md."""
 from __future__ import annotations
 
 import importlib
@@ -52,8 +48,7 @@ def prepared_dir(tfds_name: str, data_dir: str) -> str | None:
 
 
 def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual_dir: str | None = None) -> str:
-    """Prepares catalog dataset ``name`` (``wmt14/en_de``, ``lm1b``, ...) as array_record under data_dir unless it
-    is there; returns its version folder. A missing requirement or a failed download is a one-line UserError."""
+    """Prepares catalog dataset ``name`` as array_record under data_dir unless there; returns its version folder."""
     spec = sources.dataset_spec(name)
     if spec.local:
         raise UserError(f"{name} is prepared by lconv itself (lconv.data.tfds_ddtp.prepare), not from the catalog")

@@ -87,8 +87,7 @@ class DataConfig:
 
     @classmethod
     def from_config(cls, config: Any) -> DataConfig:
-        """From a config's ``data`` section (a ConfigDict or a dict naming some fields; the rest get their
-        defaults); an unknown field or a value out of range is a one-line error naming it."""
+        """From a config's ``data`` section (missing fields at their defaults); a bad field is a one-line error."""
         if isinstance(config, cls):
             return config
         values = as_dict(config)

@@ -1,11 +1,6 @@
-"""DDTP corpus: Debian package descriptions and their human translations (apt ``Translation-*`` files).
-
-Pure functions (no I/O but ``read_index_bytes`` / ``load_raw_corpus``): ``parse_index`` reads one language's
-file, ``align_corpus`` makes one record per English description, ``build_tasks`` the task -> split -> examples.
-The bundled snapshot (``lconv/data/snapshot/``) stores the aligned records, so raw files and the snapshot go
-through the same ``build_tasks``. Bad data is skipped or truncated and counted, never raised; splits are a
-stable hash of the description, so no text crosses splits. The text conventions: docs/data.md.
-"""
+"""DDTP corpus: Debian package descriptions and their human translations (apt ``Translation-*`` files), parsed, aligned
+by description and split by a stable hash of it (no text crosses splits); bad data is skipped and counted, never raised.
+The bundled snapshot stores the aligned records. The text conventions: docs/data.md."""
 from __future__ import annotations
 
 import collections
@@ -28,8 +23,7 @@ LANGS = ("en", "de", "fr", "es", "zh_CN")
 TRANSLATION_TASKS = {"en_de": "de", "en_fr": "fr", "en_es": "es", "en_zh": "zh_CN"}
 TASKS = (*TRANSLATION_TASKS, "summarize_en", "lm_en")
 SPLITS = ("train", "validation", "test")
-# Per-mille buckets of the split hash: [0, TEST) -> test, [TEST, TEST + VALIDATION) -> validation, rest train.
-# 45/1000 gives ~1.2k En-De test pairs after de-duplication and overlap removal.
+# Per-mille buckets of the split hash: [0, TEST) test, then validation, then train; 45 gives ~1.2k En-De test pairs.
 TEST_PER_MILLE = 45
 VALIDATION_PER_MILLE = 45
 MAX_LINE_CHARS = 2000  # a raw line longer than this is truncated (real lines are < 1200 chars)
@@ -40,8 +34,7 @@ MAX_DOCUMENT_CHARS = 8000  # summarization inputs / LM documents are truncated t
 _MD5_RE = re.compile(r"^[0-9a-f]{32}$")
 _FIELD_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_-]*):\s?(.*)$")
 _WS_RE = re.compile(r"\s+")
-# C0/C1 controls (tab/newline handled before), surrogates, and invisible format characters (bidi marks, BOM,
-# zero-width space); zero-width (non-)joiners stay because some scripts need them.
+# C0/C1 controls, surrogates and invisible format characters; zero-width (non-)joiners stay (some scripts need them).
 _CONTROL_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u200b\u200e\u200f\u202a-\u202e"
                          "\u2060-\u2064\ufeff]")
 
@@ -55,16 +48,11 @@ class Description:
     paragraphs: tuple[str, ...]  # the long description, one cleaned string per paragraph
 
 
-# ---------------------------------------------------------------------------------------------------------
 # I/O: the only functions that touch files.
 
 
 def read_index_bytes(path: str | os.PathLike) -> bytes:
-    """Bytes of an apt Translation index: xz, lz4 (if the ``lz4`` module is installed) or plain text.
-
-    A damaged or truncated compressed file is a one-line UserError naming it (a partial file would otherwise
-    give a partial corpus, or a decompressor traceback that does not say which file).
-    """
+    """Bytes of an apt Translation index (xz, lz4 if installed, or plain); a damaged file is a UserError."""
     data = epath.Path(path).read_bytes()  # local or a URL (raw_dir=gs://...)
     name = paths.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
@@ -124,10 +112,7 @@ def find_task_files(raw_dir: str | os.PathLike, tasks: Iterable[str]) -> dict[st
 
 def load_raw_corpus(raw_dir: str | os.PathLike, langs: Iterable[str] = LANGS,
                     counts: collections.Counter | None = None) -> dict[str, dict[str, Description]]:
-    """Parses every ``Translation-<lang>`` file in raw_dir; English is required, missing others are counted.
-
-    A file that holds no usable description at all (an error page saved under the name, say) is a UserError.
-    """
+    """Parses every ``Translation-<lang>`` file in raw_dir; English is required, missing others are counted."""
     counts = collections.Counter() if counts is None else counts
     corpus = {}
     for lang in langs:
@@ -144,7 +129,6 @@ def load_raw_corpus(raw_dir: str | os.PathLike, langs: Iterable[str] = LANGS,
     return corpus
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Pure functions.
 
 
@@ -267,11 +251,7 @@ def parse_index(data: bytes, lang: str, counts: collections.Counter) -> dict[str
 
 def align_corpus(corpus: Mapping[str, Mapping[str, Description]],
                  counts: collections.Counter) -> list[dict]:
-    """One JSON-able record per English description, sorted by md5.
-
-    Record: ``{"md5": str, "split": str, "en": [synopsis, *paragraphs], "<lang>": [...], ...}`` with every
-    translation that has the same md5. Translations of descriptions missing from English are counted.
-    """
+    """One JSON-able record per English description, sorted by md5, with every translation of that md5."""
     english = corpus["en"]
     for lang, descs in corpus.items():
         if lang != "en":
@@ -342,11 +322,7 @@ def build_tasks(records: Iterable[Mapping], tasks: Iterable[str] = TASKS,
                 counts: collections.Counter | None = None,
                 counts_by_split: Mapping[str, collections.Counter] | None = None,
                 ) -> dict[str, dict[str, list[dict]]]:
-    """Aligned records -> {task: {split: [example, ...]}}, de-duplicated, no text shared across splits.
-
-    Examples keep the records' md5 order within a split. Each example is a dict of strings plus ``"md5"``.
-    counts_by_split: {split: Counter} to also receive the skip counts of each split (they go to ``counts`` too).
-    """
+    """Aligned records -> {task: {split: [example, ...]}}, de-duplicated, no text shared across splits."""
     counts = collections.Counter() if counts is None else counts
     records = list(records)
     out = {}
@@ -379,7 +355,6 @@ def build_tasks(records: Iterable[Mapping], tasks: Iterable[str] = TASKS,
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
 # The bundled snapshot: aligned records, one xz-compressed JSON-lines file per split.
 
 SNAPSHOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot")
@@ -427,10 +402,7 @@ def load_tasks(raw_dir: str | os.PathLike | None = None, tasks: Iterable[str] = 
                counts: collections.Counter | None = None,
                counts_by_split: Mapping[str, collections.Counter] | None = None,
                ) -> dict[str, dict[str, list[dict]]]:
-    """{task: {split: examples}} from raw Translation files in raw_dir, or the bundled snapshot if None.
-
-    Only the languages the tasks need are read from raw_dir, and each of them must be there (``find_task_files``).
-    """
+    """{task: {split: examples}} from raw Translation files in raw_dir, or the bundled snapshot if None."""
     counts = collections.Counter() if counts is None else counts
     tasks = tuple(tasks)
     if raw_dir is None:

@@ -1,11 +1,5 @@
-"""Evaluation caps: the first ``n`` examples of an evaluation split, so that a quick run's evaluations take
-seconds, not the minutes a whole split can (``config.data.max_validation_examples`` for the validation split,
-``config.data.max_test_examples`` for every other one: the split decoded and scored at the end, eval.py's).
-
-A capped split is a prefix of the split in its own order (the same examples on every process and in every
-evaluation, so losses stay comparable from one evaluation to the next), and the log says so and by how much: a
-score on part of a split must not read as the split's.
-"""
+"""Evaluation caps: the first ``n`` examples of an evaluation split (``config.data.max_validation_examples``,
+``max_test_examples``), so a quick run's evaluations take seconds; the same prefix every time, and the log says so."""
 from __future__ import annotations
 
 import logging

@@ -1,23 +1,7 @@
 """Your own data (``config.data.dataset="files"``): a folder of plain-text, TSV or JSON-lines files, one per split.
 
-The folder (``config.data.raw_dir``) holds, for each split, one of these (``valid`` or ``validation``; the splits
-``config.data.eval_splits`` names must be there, ``train`` always)::
-
-    train.xx + train.yy     one example a line, line i of one file paired with line i of the other
-                            (xx, yy: config.data.source_lang / target_lang, any codes: src/tgt, de/en, ...)
-    train.txt               a language model (no source_lang): one text a line; with config.data.stream, documents
-                            separated by blank lines (a document's lines joined with a space)
-    train.tsv               source<TAB>target a line (a language model: the text alone); a first line naming the
-                            columns (xx<TAB>yy or source<TAB>target; text) is a header, and skipped
-    train.jsonl             one JSON object a line: {"xx": ..., "yy": ...} (a language model: {"text": ...});
-                            other keys are ignored
-
-Every file is UTF-8 (a leading byte-order mark is dropped). Lines are stripped of surrounding whitespace. An
-empty line (or pair with an empty side, or JSON value "") is skipped and counted in the data report; anything
-else malformed (pair files of different lengths, a row with the wrong number of columns, a line that is not JSON,
-bytes that are not UTF-8, a split with no example) is one ``UserError`` line naming the file, and the line where
-there is one. ``lconv.data.tfds_ddtp.Files`` prepares the examples like any bundled dataset (README, "Train on your
-own data").
+Empty lines are skipped and counted; anything else malformed is one ``UserError`` line naming the file. The formats and
+rules in full: docs/data.md, "Your own files".
 """
 from __future__ import annotations
 
@@ -80,8 +64,7 @@ class FileLayout:
 
 
 def find_files(layout: FileLayout) -> dict[str, dict[str, str]]:
-    """{split: {role: path}} of every split the folder has (role: a suffix, "tsv" or "jsonl"); a missing required
-    split, half a pair, or two formats for one split is one UserError line."""
+    """{split: {role: path}} of every split the folder has; a missing or ambiguous split is a UserError."""
     paths.check_url(layout.folder, "config.data.raw_dir")
     if not epath.Path(layout.folder).is_dir():
         raise UserError(f"config.data.raw_dir={layout.folder}: not a folder; name the folder of your files")
@@ -156,8 +139,7 @@ def read_examples(layout: FileLayout, files: Mapping[str, str], counts: collecti
 
 
 def read_lines(path: str, counts: collections.Counter) -> list[str]:
-    """The lines of a UTF-8 file (universal newlines, no line-end characters), counted in ``counts`` as
-    ``records_<file name>``; not UTF-8 is one UserError line."""
+    """The lines of a UTF-8 file, counted as ``records_<file name>``; not UTF-8 is a UserError."""
     data = paths.read_bytes(epath.Path(path), "missing")
     try:
         text = data.decode("utf-8")

@@ -1,10 +1,5 @@
-"""Paths of data_dir, raw_dir and workdir: local folders or any ``etils.epath`` URL (``gs://bucket/tfds``, ...).
-
-Every file operation of ``lconv.data`` on a user-given path goes through ``epath``. What object stores lack
-(atomic directory renames, symlinks, array_record's reads of other URLs) is done the local way for local paths
-only, with a safe alternative for URLs: an upload with a commit file last (``upload_tree``), no links, and a
-local mirror (``local_cache_dir``). ``gs://`` needs ``gcsfs`` (``check_url``). Details: docs/data.md.
-"""
+"""Paths of data_dir, raw_dir and workdir: local folders or any ``etils.epath`` URL (``gs://bucket/tfds``, ...), with a
+safe alternative for URLs to what object stores lack (renames, links). Details: docs/data.md."""
 from __future__ import annotations
 
 import os
@@ -52,9 +47,7 @@ def basename(path: str | os.PathLike) -> str:
 
 
 def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -> None:
-    """A one-line UserError when ``path`` is a URL whose file system cannot be reached from Python here (e.g.
-    ``gs://`` without ``gcsfs`` or TensorFlow); local paths and reachable URLs pass. The error starts with
-    ``label``, by default ``flag=path``."""
+    """A one-line UserError (led by ``label``) when ``path`` is a URL Python cannot reach here."""
     if not is_url(path):
         return
     shown = label or f"{flag}={os.fspath(path)!r}"
@@ -69,16 +62,12 @@ def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -
 
 
 def local_cache_dir() -> str:
-    """The local folder where copies prepared under a URL data_dir are mirrored: ``$LCONV_DATA_CACHE``, else
-    ``<tmp>/lconv_data_cache``. Each copy's name holds its source's SHA-256 key, so a mirror is never stale."""
+    """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``<tmp>/lconv_data_cache``."""
     return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "lconv_data_cache")
 
 
 def upload_tree(local_dir: str, remote_dir: str, commit_last: Iterable[str]) -> None:
-    """Copies every file under ``local_dir`` to ``remote_dir`` (any epath URL), the files named ``commit_last``
-    (base names) after all others. A reader that checks the commit file sees either nothing or every file: an
-    interrupted upload is resumed by the next one (same content, objects overwritten whole), and processes
-    uploading the same copy at once write the same records."""
+    """Copies every file under ``local_dir`` to ``remote_dir``, the ``commit_last`` files last."""
     commit_last = set(commit_last)
     files = []
     for root, _, names in os.walk(local_dir):
@@ -118,9 +107,7 @@ READ_LIMIT = 16 << 30  # bytes: no file lconv reads whole (a tokenizer, params, 
 
 
 def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None, limit: int = READ_LIMIT) -> None:
-    """A local ``path`` that lconv reads whole: a regular file (``/dev/zero`` or a pipe would read forever) of at
-    most ``limit`` bytes and, with ``within``, inside that folder once links are followed (a name in a workdir or
-    an export never leads out of it). One ``UserError`` line otherwise; a missing file is left to the reader."""
+    """A local ``path`` lconv reads whole: a regular file of at most ``limit`` bytes, inside ``within``."""
     if is_url(path) or not os.path.lexists(path):
         return
     real = os.path.realpath(path)
@@ -136,8 +123,7 @@ def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None
 
 def read_bytes(path: epath.Path, missing: str, *, within: epath.Path | str | None = None,
                limit: int = READ_LIMIT) -> bytes:
-    """The bytes of ``path``; a missing or unreadable file is one ``UserError`` line naming it (``missing``: what
-    to say when it is not there, e.g. "missing; restore it from a copy"), and so is one ``check_file`` refuses."""
+    """The bytes of ``path``; a missing, unreadable or refused file is one ``UserError`` line naming it."""
     check_file(path, within=within, limit=limit)
     try:
         return path.read_bytes()

@@ -1,12 +1,6 @@
-"""A tokenizer for text that is already split into pieces (words or BPE units, separated by spaces): a
-vocabulary and nothing else, for models whose pieces come from an external tool (fairseq's published
-checkpoints: Moses tokenization and subword-nmt BPE, ``lconv.interop``).
-
-``encode`` looks each whitespace-separated piece up (UNK when unknown); ``detokenize`` joins the pieces with spaces and,
-given a ``continuation`` marker (subword-nmt's ``@@``), joins ``piece@@ next`` into one word, as fairseq-generate's
-``--remove-bpe`` does. Ids are ``lconv.constants``' specials (PAD 0, EOS 1, UNK 2, BOS 3), then the vocabulary's
-symbols in order from id 4. Saved as ``<dir>/pieces.json``.
-"""
+"""A tokenizer for text that is already split into pieces (words or BPE units, separated by spaces): a vocabulary and
+nothing else, for fairseq's published checkpoints (Moses + subword-nmt BPE). ``detokenize`` joins ``continuation``
+pieces (``@@``) as ``--remove-bpe`` does; saved as ``<dir>/pieces.json`` (docs/fairseq.md)."""
 from __future__ import annotations
 
 import json

@@ -1,14 +1,6 @@
-"""Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit.
-
-    tokenizer = load_or_train_tokenizer(config, workdir)       # <workdir>/spm.model, reused on resume
-    data = make_datasets(config, tokenizer)
-    batch = next(data.train_iter)                              # packed, shuffled, repeated, this process's shard
-    for batch in data.eval_sets["validation"]: ...             # padded, every example, last batch padded
-
-``config`` is a config's ``data`` section (``lconv.data.data_config.DataConfig``). Batches are dicts of numpy
-arrays: ``inputs``/``targets`` with their ``_segmentation`` and ``_position`` (1, 2, ... per packed example,
-0 = padding), plus ``example_index`` and ``example_weight`` in evaluation. The batch contract: docs/data.md.
-"""
+"""Input pipeline: grain over a random-access source -> fixed-shape numpy batches for jit: packed, shuffled training
+batches of this process's shard (``make_datasets``), padded evaluation batches, and the run's tokenizer
+(``load_or_train_tokenizer``). The batch contract: docs/data.md."""
 from __future__ import annotations
 
 import collections
@@ -50,8 +42,7 @@ class EvalSet:
         return self.num_batches
 
     def packed(self) -> PackedBatches:
-        """The same examples packed several to a row (``PackedBatches``), for a loss pass: every token scored once,
-        in the batches' fixed shape, with far fewer padding positions than one example per row."""
+        """The same examples packed several to a row (``PackedBatches``), for a loss pass with far less padding."""
         if self._packed is None:
             self._packed = PackedBatches(self)
         return self._packed
@@ -60,8 +51,7 @@ class EvalSet:
 
 
 class PackedBatches:
-    """An ``EvalSet``'s examples packed for a loss pass, shortest first, as training packs, in the set's batch shape
-    (so the same compiled step); empty rows weigh zero, and every process has as many batches as the most."""
+    """An ``EvalSet``'s examples packed as training packs, in the set's batch shape; empty rows weigh zero."""
 
     def __init__(self, eval_set: EvalSet) -> None:
         self.lengths, self.batch_size = eval_set.lengths, eval_set.batch_size
@@ -94,8 +84,7 @@ class PackedBatches:
 
 
 def pack_row(sequences: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Id sequences -> one row ``(ids, segmentation 1.. per sequence, position 0.. per sequence)``, each ``[length]``
-    and padded with zeros."""
+    """Id sequences -> one zero-padded row ``(ids, segmentation 1.., position 0..)``, each ``[length]``."""
     ids, segments, positions = (np.zeros(length, np.int32) for _ in range(3))
     start = 0
     for segment, sequence in enumerate(sequences, 1):
@@ -106,8 +95,7 @@ def pack_row(sequences: list[np.ndarray], length: int) -> tuple[np.ndarray, np.n
 
 
 def loss_batches(eval_set: Any) -> Any:
-    """What a loss pass over ``eval_set`` iterates: an ``EvalSet``'s packed batches; anything else (document-stream
-    windows, a slice of batches) as it is."""
+    """What a loss pass over ``eval_set`` iterates: an ``EvalSet``'s packed batches, anything else as it is."""
     return eval_set.packed() if isinstance(eval_set, EvalSet) else eval_set
 
 
@@ -118,9 +106,7 @@ class Datasets:
     input_key: str | None
     target_key: str
     stats: collections.Counter  # training-side counts (truncated / dropped examples) of this process
-    # What preparing the dataset from its source skipped or altered (``sources.source_report``): JSON-able,
-    # {"skipped": {stage: {reason: n}}, "altered": ..., "examples": {split: n}, "source": ...}; {} for the
-    # datasets ``tfds build`` prepared. The same on every process.
+    # What preparing the dataset skipped or altered (``sources.source_report``); {} for ``tfds build``'s datasets.
     source_report: dict = dataclasses.field(default_factory=dict)
 
 
@@ -133,9 +119,7 @@ def _process(process_index, process_count):
 
 
 def import_readers() -> None:
-    """Imports TFDS and grain in the calling thread, now. Their modules import through etils' ``epy.lazy_imports``,
-    which swaps ``builtins.__import__`` for every thread meanwhile, so call this before starting a thread beside
-    the data's preparation (``lconv.train.early_build``); they are imported lazily otherwise, as they are slow."""
+    """Imports TFDS and grain in this thread now: call it before starting a thread beside data preparation."""
     import grain  # noqa: F401
     import tensorflow_datasets  # noqa: F401
     from tensorflow_datasets.core import dataset_metadata  # noqa: F401  (one such module the package leaves out)
@@ -152,8 +136,7 @@ def tokenizer_texts(config: DataConfig) -> Iterator[str]:
 
 
 def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
-    """Every example of a random-access ``source`` in order, a block of records per read where the source can
-    (``__getitems__``: much faster than one record at a time)."""
+    """Every example of a random-access ``source`` in order, a block of records per read where the source can."""
     read_block = getattr(source, "__getitems__", None)
     for start in range(0, len(source), block):
         indices = range(start, min(start + block, len(source)))
@@ -162,12 +145,8 @@ def _in_order(source: Any, block: int = 1024) -> Iterator[Any]:
 
 def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = True, process_index: int | None = None,
                             process_count: int | None = None) -> tokenizer_lib.Tokenizer:
-    """``<workdir>/spm.model`` if present; else a copy of the one kept under data_dir or shipped with lconv for the
-    same data and settings (``tokenizer_files``); else a joint model trained on the training split, then kept.
-    ``save=False`` neither reads nor writes any copy.
-
-    With several processes, process 0 alone loads or trains it and sends it to the others (every process calls
-    this at once), so all hold the same bytes and an error on process 0 is raised on every process."""
+    """``<workdir>/spm.model``, else a kept copy (``tokenizer_files``), else one trained on the training split and kept;
+    process 0 makes it and sends it to the others (``save=False``: no copy read or written)."""
     cfg = DataConfig.from_config(config)
 
     def load_or_train() -> tokenizer_lib.Tokenizer:
@@ -228,16 +207,13 @@ def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = Tr
 
 
 _OK, _USER_ERROR, _FAILED = 0, 1, 2
-# How long the other processes wait for process 0 to prepare the data and train the tokenizer (a big corpus on a
-# first launch takes many minutes; a device collective would time out long before).
+# How long the other processes wait for process 0 to prepare the data (a device collective would time out).
 PREPARE_TIMEOUT_S = 4 * 3600
 _broadcasts = 0  # numbers each broadcast's key in the coordinator's key-value store
 
 
 def _broadcast_from_process_0(status: int, payload: bytes) -> tuple[int, bytes]:
-    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` coordinator's key-value
-    store: the others wait without a device collective, so a long preparation on process 0 cannot time out
-    their collectives (without a coordinator, e.g. one process: a collective broadcast)."""
+    """(status, bytes) of process 0 on every process, through the ``jax.distributed`` key-value store."""
     global _broadcasts
     from jax._src import distributed  # the coordinator client (orbax reads it the same way)
 
@@ -304,8 +280,7 @@ def make_datasets(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer, *, pro
 
 
 def _report_vocabulary(cfg: DataConfig, tokenizer: Any) -> None:
-    """One warning line when the tokenizer's vocabulary (the model's) is not the one ``config.data.vocab_size`` asks
-    for: SentencePiece gives a small training text fewer pieces than asked, and the run would say so nowhere."""
+    """One warning line when the tokenizer's vocabulary is not the ``vocab_size`` asked for."""
     used = getattr(tokenizer, "vocab_size", None)
     if used is not None and used != cfg.vocab_size:
         why = " (the training text is too small for more)" if used < cfg.vocab_size else ""
@@ -350,12 +325,7 @@ def make_train_iter(source: sources.Source, input_key: str | None, target_key: s
                     rows: int, seed: int, num_epochs: int | None = None, pack: bool = True,
                     drop_long: bool = False, process_index: int = 0, process_count: int = 1,
                     read_threads: int = 2) -> tuple[Iterator[dict[str, np.ndarray]], collections.Counter]:
-    """(grain DatasetIterator of train batches [rows, L], stats Counter) over this process's shard of source.
-
-    Shuffled with ``seed`` (a new order every epoch), tokenised with EOS, truncated (or dropped) to ``lengths``
-    ({"inputs": Ls, "targets": Lt}), packed first-fit into ``rows`` rows per batch. With a finite num_epochs
-    the last partial batch is padded with empty rows, so no example is lost.
-    """
+    """(grain iterator of train batches [rows, L], stats Counter): shuffled, tokenised, cut and packed."""
     import grain
 
     stats = collections.Counter()
@@ -401,7 +371,6 @@ def make_eval_set(source: sources.Source, input_key: str | None, target_key: str
     return EvalSet(examples, tokens, rows, math.ceil(per_process / rows), dict(lengths), stats)
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Pure functions.
 
 

@@ -1,11 +1,9 @@
-"""Dataset names -> random-access sources: the bundled DDTP tasks and the paper's datasets.
+"""Dataset names -> random-access sources: the bundled DDTP tasks, the paper's datasets and your own files.
 
-``get_source(name, split, data_dir)`` gives ``(source, input_key, target_key)`` for every task (``input_key`` is
-None for language modelling); a source is ``tfds.data_source``-style, ``len(source)`` and
-``source[i] -> {field: bytes}``, read from array_record files with no TensorFlow. ``ddtp/*`` and ``iwslt14/*``
-are prepared here on first use; the paper's datasets once, with ``python -m lconv.data prepare`` (an unprepared
-one is a one-line error giving the command). Your own files
-(``dataset="files"``): a folder of text pairs, TSV or JSON lines, ``lconv.data.own_files``. Details: docs/data.md.
+``get_source(name, split, data_dir)`` gives ``(source, input_key, target_key)`` (``input_key`` None for language
+modelling); a source is ``tfds.data_source``-style (``len``, ``source[i] -> {field: bytes}``), read from array_record
+with no TensorFlow. ``ddtp/*`` and ``iwslt14/*`` are prepared on first use, the paper's datasets with ``python -m
+lconv.data prepare``. Details: docs/data.md.
 """
 from __future__ import annotations
 
@@ -73,8 +71,7 @@ def dataset_spec(name: str) -> DatasetSpec:
 
 
 def files_layout(config: DataConfig) -> own_files.FileLayout | None:
-    """How your own files read (a ``DataConfig`` whose dataset is ``files``; its eval_splits must be in the
-    folder); None for any other dataset."""
+    """How your own files read (a ``DataConfig`` whose dataset is ``files``); None for any other dataset."""
     if config.dataset != FILES:
         return None
     if config.raw_dir is None:
@@ -98,8 +95,7 @@ def config_spec(config: DataConfig) -> DatasetSpec:
 
 
 def display_name(config: DataConfig) -> str:
-    """What logs call a ``DataConfig``'s dataset: its name, or for your own files the name you gave (data.name,
-    else the folder's)."""
+    """What logs call a ``DataConfig``'s dataset: its name, or for your own files data.name, else the folder's."""
     layout = files_layout(config)
     return config.dataset if layout is None else layout.name
 
@@ -128,8 +124,7 @@ def prepare_command(tfds_name: str, data_dir: str) -> str:
 
 
 def _data_dir(data_dir: str) -> str:
-    """``data_dir`` expanded; a local one under a file (the path itself, or a folder on it) is one line, not tfds'
-    NotADirectoryError."""
+    """``data_dir`` expanded; a local one under a file is one line, not tfds' NotADirectoryError."""
     data_dir = paths.expand(data_dir)
     if not paths.is_url(data_dir):
         existing = os.path.abspath(data_dir)
@@ -143,12 +138,8 @@ def _data_dir(data_dir: str) -> str:
 
 def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None,
                layout: own_files.FileLayout | None = None) -> tuple[Source, str | None, str]:
-    """(random-access source, input_key or None, target_key) for dataset ``name`` and split train/validation/test.
-
-    raw_dir: for ``ddtp/*`` raw apt Translation files instead of the bundled snapshot; for ``iwslt14/*`` the
-    folder of text files. layout: your own files (``name`` is then ``files``; ``config_source`` passes it).
-    Each source is prepared into a copy of its own under data_dir (``tfds_ddtp.prepare``).
-    """
+    """(source, input_key or None, target_key) of dataset ``name``'s split, prepared under data_dir; ``raw_dir``:
+    ``ddtp/*``'s apt files or ``iwslt14/*``'s texts; ``layout``: your own files (``name="files"``)."""
     spec = _spec(name, layout)
     tfds_split = dict(spec.split_names).get(split, split)
     data_dir = _data_dir(data_dir)
@@ -166,8 +157,7 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None,
 
 def source_report(name: str, data_dir: str, raw_dir: str | None = None,
                   layout: own_files.FileLayout | None = None) -> dict:
-    """What preparing dataset ``name`` from its source skipped or altered, as a JSON-able dict (``{}`` for a
-    ``tfds build`` dataset): the source, its files, key, examples per split, and skipped/altered counts by stage."""
+    """What preparing dataset ``name`` skipped or altered, as a JSON-able dict (``{}`` for a ``tfds build`` dataset)."""
     spec = _spec(name, layout)
     if not spec.local:
         return {}
@@ -215,8 +205,7 @@ def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None, layout: own_
 
 
 def prepared_version_dir(tfds_name: str, data_dir: str) -> epath.Path:
-    """The newest version folder of ``tfds_name`` that ``tfds build`` (or ``lconv.data.catalog``) finished under
-    data_dir: its ``dataset_info.json``, written last, is there. Unprepared: a UserError giving the command."""
+    """The newest finished version folder of ``tfds_name`` under data_dir; else a UserError with the command."""
     paths.check_url(data_dir, "data_dir")
     versions = sorted(epath.Path(data_dir).glob(f"{tfds_name}/*/dataset_info.json"),
                       key=lambda p: [int(x) if x.isdigit() else 0 for x in p.parent.name.split(".")])
@@ -239,7 +228,6 @@ def _prepared_builder(tfds_name: str, data_dir: str):
 
 def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None,
                        layout: own_files.FileLayout | None = None) -> str:
-    """The folder dataset ``name``'s prepared copy is read from (a ddtp/iwslt14 source's copy is keyed by its files'
-    contents, so another raw_dir or snapshot has another folder); prepares it if need be."""
+    """The folder dataset ``name``'s prepared copy is read from; prepares it if need be."""
     return str(_builder(_spec(name, layout), paths.expand(data_dir), raw_dir, layout).data_dir)
 

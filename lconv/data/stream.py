@@ -1,14 +1,8 @@
 """Document streams for language models that carry state across steps (a stateful mixer's: ``lconv.nn.mixer_state``).
 
-A row of a stream batch reads whole documents, one after another, a window of ``window`` tokens per step, so
-state threaded from one step to the next sees each document in order and only its past::
-
-    it = DocumentStream(source, "text", tokenizer, window=L, rows=B, seed=0)
-    batch = next(it)            # targets, targets_segmentation, targets_position [B, L]; document_start [B]
-    state = it.get_state(); it.set_state(state)          # a JSON-able dict: exact resume
-
-A window never holds two documents; ``document_start[r] = 1`` on a document's first window. The rules for shards,
-order, padding and positions: docs/data.md.
+A row of a stream batch reads whole documents one after another, a window of ``window`` tokens per step, so state
+threaded from step to step sees each document in order; ``get_state`` / ``set_state`` resume exactly. A window never
+holds two documents (``document_start[r] = 1`` on a document's first). The rules: docs/data.md.
 """
 from __future__ import annotations
 
@@ -124,8 +118,7 @@ class DocumentStream:
 
 
 class StreamEvalSet:
-    """An evaluation split as a document stream in source order; iterate for a fresh pass (every token once).
-    Tokenised once; ``num_batches`` is this process's count, which multi-host callers take the max of."""
+    """An evaluation split as a document stream in source order (every token once), tokenised once."""
 
     def __init__(self, source, text_key, tokenizer, *, window, rows, process_index=0, process_count=1):
         token_cache: dict[int, np.ndarray] = {}

@@ -1,11 +1,6 @@
-"""tfds builders written as array_record, prepared and read with no TensorFlow installed.
-
-``ddtp`` (one BuilderConfig per task, from the bundled snapshot or raw apt files) and ``iwslt14`` (``de_en``,
-from local parallel text files). ``prepare(name, data_dir)`` is idempotent: each copy is keyed by what it was made
-from (``source_fingerprint``), written once in a temporary directory and renamed into place (on a URL data_dir,
-built locally and uploaded with ``lconv_report.json`` last), and never modified after. How tfds is kept free of
-TensorFlow, and the prepared layout: docs/data.md.
-"""
+"""tfds builders written as array_record, prepared and read with no TensorFlow installed: ``ddtp`` (a config per task)
+and ``iwslt14`` and your own ``files``. ``prepare(name, data_dir)`` writes each copy once, keyed by its source
+(``source_fingerprint``), and never modifies it after. The prepared layout: docs/data.md."""
 from __future__ import annotations
 
 import collections
@@ -35,8 +30,7 @@ Translation files}}"""
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through the ``importlib_resources``
-    backport (absent on Python >= 3.9); it only locates a checksums file next to the code."""
+    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through an absent backport."""
 
     @tfds.core.utils.classproperty
     @classmethod
@@ -234,12 +228,8 @@ def _absolute(path: str) -> str:
 
 
 def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.FileLayout | None = None) -> dict:
-    """What ``name`` is prepared from: the bundled snapshot or raw_dir, each file's name, size and SHA-256.
-
-    The ``"key"`` (hex) names the prepared copy; it depends on the dataset, the builder version and the files'
-    contents only, so moving raw_dir keeps the copy and changing a file makes a new one. Your own files
-    (``layout``) are named as the layout names them, and the way they read is part of the key.
-    """
+    """What ``name`` is prepared from: the snapshot or raw_dir, each file's name, size and SHA-256; the ``"key"`` (hex)
+    names the prepared copy and depends on the contents only (and the layout's reading rules)."""
     cls, _ = _builder_class(name)
     files = _source_files(name, raw_dir, layout)
     described = {role: {"file": paths.basename(path), "bytes": _size(path), "sha256": _sha256(path)}
@@ -257,8 +247,7 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
 
 
 def bundled_source_key(name: str) -> str | None:
-    """``source_fingerprint(name)["key"]`` where ``name`` is prepared from lconv's bundled snapshot (``ddtp/*``);
-    None for any other dataset (another local builder's raw_dir, or a tfds catalog dataset)."""
+    """``source_fingerprint(name)["key"]`` where ``name`` is prepared from lconv's bundled snapshot; None otherwise."""
     builder_name = name.partition("/")[0]
     if BUILDERS.get(builder_name) is not Ddtp:
         return None
@@ -267,9 +256,8 @@ def bundled_source_key(name: str) -> str | None:
 
 def prepare(name: str, data_dir: str, raw_dir: str | None = None,
             layout: own_files.FileLayout | None = None) -> tfds.core.DatasetBuilder:
-    """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en", "files/data" with ``layout``) from its source as
-    array_record in data_dir, unless a copy from the same source is there; returns a builder reading that copy
-    (docs/data.md)."""
+    """Prepares ``name`` ("ddtp/en_de", "iwslt14/de_en", "files/data" with ``layout``) as array_record in data_dir
+    unless a copy from the same source is there; returns a builder reading that copy (docs/data.md)."""
     cls, config = _builder_class(name)
     data_dir = paths.normalize(data_dir)
     paths.check_url(data_dir, "data_dir")
@@ -338,9 +326,7 @@ def _no_progress_bars() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _removed_on_sigterm(temp_dir: str) -> Iterator[None]:
-    """SIGTERM (a scheduler's stop, ``kill``) removes the temporary copy, then ends the process as SIGTERM does:
-    the default would leave it behind forever. (An exception raised from the handler could land in a callback that
-    swallows it.) The main thread only (Python's rule for handlers); the handler before it is put back after."""
+    """SIGTERM removes the temporary copy, then ends the process as SIGTERM does (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -368,8 +354,7 @@ def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
 
 
 def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fingerprint: dict) -> str:
-    """For a URL data_dir: makes sure the copy is both at ``copy_dir`` (shared, e.g. by a pod's hosts) and at
-    ``local_dir`` (read by array_record at local speed); returns ``local_dir``."""
+    """For a URL data_dir: the copy both at ``copy_dir`` and at ``local_dir``; returns ``local_dir``."""
     on_url = _is_complete(copy_dir, name)
     if not _is_complete(local_dir, name):
         if on_url:  # prepared by another machine: fetch it rather than parse again
@@ -393,8 +378,7 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fi
 
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
-    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, for ``tfds.data_source(name)``, replaced in
-    one step; a real directory there, a file system without links or a URL data_dir is left alone."""
+    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, where it can."""
     link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
     target = os.path.relpath(version_dir, os.path.dirname(link))
     if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
@@ -414,7 +398,6 @@ def read_report(builder: tfds.core.DatasetBuilder) -> dict:
     return json.loads((epath.Path(builder.data_dir) / REPORT_FILENAME).read_text(encoding="utf-8"))
 
 
-# ---------------------------------------------------------------------------------------------------------
 # The counts of ``lconv.data.ddtp`` grouped for people to read.
 
 _TOTALS_RE = re.compile(r"^(records_|unique_descriptions_|missing_file_)|_examples$")
@@ -422,8 +405,7 @@ _ALTERED_RE = re.compile(r"^(tab_replaced|control_chars_removed|line_truncated)$
 
 
 def _counts_report(counts: Mapping[str, int], counts_by_split: Mapping[str, Mapping[str, int]]) -> dict:
-    """{"skipped": {stage: {reason: n}}, "altered": {stage: {reason: n}}, "records": {lang: n}}, non-zero counts only:
-    stage "parse" or a split, reasons ``lconv.data.ddtp``'s count names."""
+    """{"skipped": ..., "altered": ..., "records": {lang: n}}: the non-zero counts by stage and reason."""
     split_totals = collections.Counter()
     for split_counts in counts_by_split.values():
         split_totals.update(split_counts)
@@ -451,8 +433,7 @@ _PARSE_COUNT_RE = re.compile(
 
 
 def _snapshot_parse_counts(langs: tuple[str, ...]) -> collections.Counter:
-    """The parse counts recorded when the bundled snapshot was made from the apt files (``counts.json``): those
-    of ``langs``, and the ones not kept per language (tabs, control characters ...: all of its languages)."""
+    """The parse counts recorded when the bundled snapshot was made, for ``langs``."""
     with open(os.path.join(ddtp.SNAPSHOT_DIR, "counts.json"), encoding="utf-8") as f:
         recorded = json.load(f)["processing"]
     parse = collections.Counter()

@@ -1,9 +1,7 @@
 """SentencePiece tokenizer: one joint model, trained from training-split text, saved in the run's workdir.
 
-Trained with ``lconv.constants``' special ids (PAD 0, EOS 1, UNK 2, BOS 3); the model file is
-``<workdir>/spm.model``, so a resumed or evaluation run reuses the vocabulary that trained it (``load_or_train``).
-Normalisation is ``identity`` with ``byte_fallback``: ``detokenize(encode(s))`` gives back whitespace-normalised ``s``
-in any script, so BLEU and ROUGE see the text, not an NFKC variant.
+Trained with ``lconv.constants``' special ids; ``<workdir>/spm.model`` is reused by a resumed or evaluation run.
+Normalisation is ``identity`` with ``byte_fallback``, so BLEU and ROUGE see the text, not an NFKC variant.
 """
 from __future__ import annotations
 
@@ -24,14 +22,10 @@ MODEL_FILENAME = "spm.model"
 DEFAULT_MAX_TRAIN_SENTENCES = 200_000  # sentences sampled for training: bounded, so training takes seconds
 TOKENIZER_LIMIT = 256 << 20  # bytes: a SentencePiece model or pieces.json of any real vocabulary is far smaller
 _MAX_SENTENCE_CHARS = 4096  # longer training lines are cut (SentencePiece would skip them)
-# Names how ``train_tokenizer`` makes a model from a text (its sample and trainer settings): a tokenizer kept for
-# later runs (``lconv.data.pipeline.load_or_train_tokenizer``) is reused only under the same version. Change it
-# with either.
+# Names how ``train_tokenizer`` makes a model: a kept tokenizer is reused only under the same version.
 TRAINING_VERSION = 2  # 2: the seeded, uniform sample (1: every k-th text)
 _BYTE_PIECES = 256  # byte_fallback: one piece per byte value, so any text encodes without UNK
-# The smallest vocabulary SentencePiece can train here, whatever the text: the 4 special pieces (PAD EOS UNK BOS),
-# the 256 byte pieces, the word-boundary piece and one character. Text with more distinct characters needs more
-# (train_tokenizer says how many).
+# The smallest vocabulary SentencePiece can train: the special, byte and word-boundary pieces and one character.
 MIN_VOCAB_SIZE = len({PAD_ID, EOS_ID, UNK_ID, BOS_ID}) + _BYTE_PIECES + 2
 
 
@@ -84,8 +78,7 @@ class Tokenizer:
 
 
 def check_texts(texts: Any, argument: str) -> list[str]:
-    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming ``argument`` and the index
-    (``None``, bytes, numbers and lone surrogates are refused here rather than by SentencePiece)."""
+    """``texts`` as a list of str that encode as UTF-8, or a one-line ``UserError`` naming the index."""
     if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
         raise UserError(f"{argument}: must be a list of strings; got {type(texts).__name__}")
     for i, text in enumerate(texts):
@@ -108,8 +101,7 @@ def check_text(text: Any, name: str) -> str:
 
 
 def save_tokenizer(tokenizer: Tokenizer | PiecesTokenizer, directory: str) -> str:
-    """Writes ``<directory>/<tokenizer.filename>`` through a temporary file of a unique name, then one rename over
-    the old file: readers never see half a model, and processes saving at the same time never share a file."""
+    """Writes ``<directory>/<tokenizer.filename>`` through a temporary file and one rename."""
     from etils import epath
 
     directory = epath.Path(directory)
@@ -135,8 +127,7 @@ def tokenizer_path(directory: str) -> str:
 
 
 def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
-    """The workdir's SentencePiece model, or, for an imported model whose text comes split into pieces (BPE), its
-    pieces vocabulary (``lconv.data.pieces_tokenizer``)."""
+    """The workdir's SentencePiece model, or an imported model's pieces vocabulary (``lconv.data.pieces_tokenizer``)."""
     from etils import epath
 
     for name in (Tokenizer.filename, PiecesTokenizer.filename):
@@ -148,9 +139,7 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
 
 
 def read_tokenizer(path: Any, within: Any = None) -> Tokenizer | PiecesTokenizer:
-    """The tokenizer the file ``path`` (an ``epath.Path``: ``spm.model`` or ``pieces.json``) holds; a missing,
-    unreadable, truncated or foreign file is one line naming it, and so is one that is no plain file of a
-    tokenizer's size, or (``within``: the folder naming it) one that leads out of that folder."""
+    """The tokenizer the file ``path`` holds; a missing, bad or out-of-``within`` file is one line naming it."""
     from lconv.data import paths
 
     data = paths.read_bytes(path, "missing; restore it from a copy", within=within, limit=TOKENIZER_LIMIT)
@@ -167,12 +156,7 @@ def read_tokenizer(path: Any, within: Any = None) -> Tokenizer | PiecesTokenizer
 
 def load_or_train(directory: str, texts: Iterable[str], vocab_size: int, *,
                   max_sentences: int = DEFAULT_MAX_TRAIN_SENTENCES, save: bool = True) -> Tokenizer:
-    """Loads ``<directory>/spm.model`` if it exists (its vocab size must match), else trains and saves it.
-
-    texts: training-split text, read lazily (only the first ``max_sentences * 4`` are looked at; a
-    deterministic stride sample of them is used). Several processes: ``lconv.data.pipeline.load_or_train_tokenizer``
-    calls this on process 0 only and sends the model to the others.
-    """
+    """Loads ``<directory>/spm.model`` if it exists (its vocab size must match), else trains and saves it."""
     from etils import epath
 
     from lconv.data import paths
@@ -220,9 +204,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, max_sentences: int
 
 
 def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
-    """The model with ``vocab_size`` as its trainer spec's vocab_size. With ``hard_vocab_limit=False`` a small
-    corpus gets fewer pieces and SentencePiece records that count instead of what was asked; keeping the request
-    lets a resumed run that asks for the same size reuse the model (``load_or_train``)."""
+    """The model with ``vocab_size`` recorded as asked, so a resumed run asking the same size reuses it."""
     from sentencepiece import sentencepiece_model_pb2
 
     model = sentencepiece_model_pb2.ModelProto()
@@ -234,8 +216,7 @@ def _record_requested_size(model_proto: bytes, vocab_size: int) -> bytes:
 
 
 def sample_sentences(texts: Iterable[str], max_sentences: int) -> list[str]:
-    """A deterministic sample of at most max_sentences non-empty texts (in their order), each cut to a bounded length.
-    Seeded and uniform, not every k-th text: a translation corpus alternates languages, so a stride kept one."""
+    """A seeded, uniform sample of at most max_sentences non-empty texts, in order, each cut short."""
     if max_sentences < 1:
         raise UserError(f"max_sentences={max_sentences} must be >= 1 (tokenizer_max_sentences: the sentences the "
                         "tokenizer is trained on)")

@@ -20,9 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def kept_dir(config: DataConfig) -> str:
-    """Where a tokenizer trained for ``config.data``'s data and settings is kept for later runs (a new workdir
-    copies it instead of training again): under data_dir, named by the prepared data's
-    folder, the vocabulary size, the sample size and ``tokenizer.TRAINING_VERSION``."""
+    """Where a tokenizer for ``config.data``'s data and settings is kept under data_dir for later runs."""
     from lconv.data import tfds_ddtp  # imports tensorflow_datasets: seconds, so only when asked
 
     cfg = DataConfig.from_config(config)
@@ -34,25 +32,19 @@ def kept_dir(config: DataConfig) -> str:
 
 
 def shipped_name(dataset: str, source_key: str, vocab_size: int, max_sentences: int) -> str:
-    """The file name of the tokenizer trained on a bundled corpus (``source_key``:
-    ``tfds_ddtp.bundled_source_key``) with these settings, as lconv/data/snapshot/ holds it."""
+    """The file name of the tokenizer trained on a bundled corpus with these settings."""
     return (f"tokenizer-{dataset.replace('/', '_')}-{source_key}-v{vocab_size}-n{max_sentences}"
             f"-t{tokenizer_lib.TRAINING_VERSION}.model")
 
 
 def shipped_path(config: DataConfig) -> str | None:
-    """The tokenizer lconv ships for ``config``'s data and settings, or None (another corpus or setting).
-
-    The bundled snapshot and the default settings always give the same model, so it is trained once
-    (``scripts/ship_tokenizer.py``) and shipped, sparing a new user's first run; its name holds everything the model
-    depends on. tests/test_shipped_tokenizer.py trains it again and compares the bytes."""
+    """The tokenizer lconv ships for ``config``'s data and settings (``scripts/ship_tokenizer.py``), or None."""
     path = shipped_location(config)
     return path if path is not None and os.path.exists(path) else None
 
 
 def shipped_location(config: DataConfig) -> str | None:
-    """Where lconv/data/snapshot/ holds (or would hold) the tokenizer for ``config``'s data and settings; None for
-    data not prepared from the bundled snapshot."""
+    """Where lconv/data/snapshot/ holds (or would hold) the tokenizer for ``config``; None for other data."""
     from lconv.data import tfds_ddtp
 
     cfg = DataConfig.from_config(config)
@@ -73,8 +65,7 @@ def keep(tokenizer: Any, kept: str) -> None:
 
 
 def usable_kept(kept: str, vocab_size: int) -> Any:
-    """The tokenizer kept in ``kept`` if it is the one kept there for this data and settings, else None with one
-    warning: a kept tokenizer is a cache, and a damaged or foreign one would reach every new workdir."""
+    """The tokenizer kept in ``kept`` for this data and settings, else None with one warning."""
     from etils import epath
 
     from lconv.errors import UserError

@@ -1,11 +1,6 @@
-"""Each layer's hidden states as a model computes them, for probing (fairseq hub's ``extract_features``, Hugging
-Face's ``output_hidden_states``).
-
-A side of ``L`` layers has ``L + 1`` states, ``[T, C]`` each: state 0 is what its first layer reads (the scaled
-embeddings with positions), state ``i`` what layer ``i`` outputs, and the last the stack's output: layer ``L``'s
-after the stack's final norm when it has one (pre-norm models), as Hugging Face's last hidden state. They are
-captured from one teacher-forced pass (flax's ``capture_intermediates``), so they are the model's own numbers.
-"""
+"""Each layer's hidden states as a model computes them, for probing (fairseq hub's ``extract_features``, Hugging Face's
+``output_hidden_states``): per side ``L + 1`` states (the embeddings, each layer's output, the last after the final
+norm), captured from one teacher-forced pass with ``capture_intermediates``."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -23,8 +18,7 @@ STACK_INPUTS = {"encoder": "source_positions", "decoder": "target_positions", "l
 
 
 def layer_states(model: nn.Module, params: Any, *ids: jax.Array, lm: bool) -> dict[str, list[jax.Array]]:
-    """Per side (``"encoder"`` and ``"decoder"``, or an LM's ``"decoder"``), the ``L + 1`` states ``[B, T, C]`` of
-    the teacher-forced pass on ``ids`` (source and target ids, or an LM's targets; PAD after each row)."""
+    """Per side, the ``L + 1`` states ``[B, T, C]`` of the teacher-forced pass on ``ids`` (PAD after each row)."""
     inputs = {"decoder": STACK_INPUTS["lm"]} if lm else {side: STACK_INPUTS[side] for side in ("encoder", "decoder")}
     wanted = set(inputs) | set(inputs.values())
 

@@ -1,11 +1,8 @@
 """Generation guards against degenerate output: fairseq's ``--no-repeat-ngram-size`` and ``--min-len``.
 
-A guard bans (log-prob -inf) what a search step may not pick, before the beam ranks or a sample draws:
-``no_repeat_ngram_size = n`` a token that would complete an n-gram already in the hypothesis (forced tokens, a
-prefix or an LM's prompt, included); ``min_len = m`` EOS while fewer than ``m`` output tokens precede it (an LM
-counts its continuation only, a translation its prefix too). Where a row's length limit forces EOS it is never
-banned, and steps before ``start_B`` (an LM's prompt) are left alone. ``Guards.of`` is None when both are off, so
-an unguarded search traces none of this. Shapes are static: a fixed window over the ``[B, N, L]`` history.
+A guard bans (log-prob -inf) what a step may not pick: with ``no_repeat_ngram_size = n`` a token completing an n-gram
+already in the hypothesis, with ``min_len = m`` EOS before ``m`` output tokens. A row's forced EOS is never banned, and
+steps before ``start_B`` (an LM's prompt) are left alone. ``Guards.of`` is None when both are off.
 """
 from __future__ import annotations
 
@@ -34,9 +31,8 @@ class Guards(NamedTuple):
 
 def apply(logp_BNV: Array, history_BNL: Array, i: Array, guards: Guards, *, eos_id: int,
           start_B: Array | None = None, limit_B: Array | None = None) -> Array:
-    """Step ``i``'s log-probs (or logits) with what the guards ban set to -inf. ``history_BNL``: each hypothesis'
-    tokens, positions ``< i`` filled (later ones are ignored); ``start_B``: where each row's output starts (its
-    first free step; 0 = the first); ``limit_B``: the tokens each row may have, EOS included (None = no limit)."""
+    """Step ``i``'s log-probs with what the guards ban set to -inf, given each hypothesis' ``history_BNL`` (positions
+    ``< i``), where each row's output starts (``start_B``) and its token limit (``limit_B``, None: none)."""
     B, N, V = logp_BNV.shape
     start_B = jnp.zeros((B,), jnp.int32) if start_B is None else start_B
     banned_BNV = jnp.zeros((B, N, V), bool)
@@ -53,8 +49,7 @@ def apply(logp_BNV: Array, history_BNL: Array, i: Array, guards: Guards, *, eos_
 
 
 def _repeated_ngram_ends(history_BNL: Array, i: Array, n: int, V: int) -> Array:
-    """``[B, N, V]``: the tokens that would complete, at position ``i``, an n-gram the hypothesis already holds:
-    the n-gram starting at ``j`` (ending before ``i``) whose first ``n - 1`` tokens equal the last ``n - 1``."""
+    """``[B, N, V]``: the tokens that would complete, at position ``i``, an n-gram the hypothesis already holds."""
     B, N, L = history_BNL.shape
     J = L - n + 1  # n-gram starts that fit the history
     if J <= 0:

@@ -1,8 +1,5 @@
-"""What decoding and scoring read of a run's config, as one typed, frozen object (``RunConfig.infer`` makes it).
-
-``lconv.infer`` sits below the run layer that owns the config schema (the README's "Layout"), so it takes this
-view rather than the whole config: a search, a split's decoding or an LM's scoring needs only these fields.
-"""
+"""What decoding and scoring read of a run's config, as one typed, frozen object (``RunConfig.infer`` makes it):
+``lconv.infer`` sits below the schema's layer, so it takes this view."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,9 @@
-"""How ``fairseq-eval-lm`` cuts texts into the rows it scores, so that ``Model.perplexity`` scores a language model
-on exactly fairseq's rows (``--sample-break-mode``, ``--tokens-per-sample``, ``--context-window``; docs/fairseq.md).
+"""How ``fairseq-eval-lm`` cuts texts into the rows it scores, so that ``Model.perplexity`` scores a language model on
+exactly fairseq's rows (``--sample-break-mode``, ``--tokens-per-sample``, ``--context-window``).
 
-The texts, each its tokens then EOS, form one stream that fairseq's ``TokenBlockDataset`` cuts into blocks:
-``eos`` one per text (lconv's default), ``none`` every ``tokens_per_sample`` tokens across texts (fairseq's),
-``complete`` whole texts packed into blocks of at most ``tokens_per_sample`` tokens (a longer one alone). A block's
-inputs are its tokens shifted right, the first being the token before it in the stream, or the decoder start at
-the stream's start and where a text begins (fairseq's start is EOS, the id ending the text before; lconv's own
-models start from BOS). With ``context_window = c`` (blocks of ``tokens_per_sample - c``) each row is preceded by
-the last ``c`` inputs of the row before, unscored. Positions count from each row's start.
+The texts, each ending in EOS, form one stream that fairseq's ``TokenBlockDataset`` cuts into blocks (``eos``: one per
+text, ``none``: every ``tokens_per_sample`` tokens, ``complete``: whole texts packed); with ``context_window = c`` each
+row is preceded by the last ``c`` inputs of the row before, unscored. docs/fairseq.md, "Language models".
 """
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ class Row:
 
 
 def check_settings(sample_break_mode: str, tokens_per_sample: int, context_window: int, max_positions: int) -> None:
-    """One-line errors naming the argument: a mode fairseq has, a block of at least one token, rows that fit the
-    model's positions."""
+    """One-line errors naming the argument: a mode fairseq has, blocks of a token or more that fit the positions."""
     if sample_break_mode not in SAMPLE_BREAK_MODES:
         raise UserError(f"sample_break_mode={sample_break_mode!r}: must be one of {', '.join(SAMPLE_BREAK_MODES)}")
     if not (isinstance(context_window, int) and context_window >= 0):

@@ -1,10 +1,6 @@
-"""A language model's teacher-forced scores of given texts: each token's log-prob, per text.
-
-``continuation_scores`` scores continuations of prompts (what ``lm_search`` generates: the tokens after a prompt,
-EOS included, given BOS and the prompt), ``text_perplexities`` each text alone from BOS (``perplexity``'s
-``sample_break_mode="eos"``, per text). Both run one teacher-forced pass per batch, ``token_log_probs`` jitted by
-the caller once per model, in the shape buckets of ``compiled``.
-"""
+"""A language model's teacher-forced scores of given texts: each token's log-prob, per text. ``continuation_scores``
+scores continuations of prompts, ``text_perplexities`` each text alone from BOS; one pass per batch, in ``compiled``'s
+shape buckets."""
 from __future__ import annotations
 
 import math
@@ -26,8 +22,7 @@ LogProbs = Callable[[Any, np.ndarray], Any]  # (params, targets [B, T]) -> [B, T
 
 
 def token_log_probs(model: nn.Module, params: Any, targets_BT: jax.Array) -> jax.Array:
-    """``[B, T]``: log p(target token t | BOS, targets before t) under a ``DecoderOnlyLM`` (or an ensemble of
-    them), float32."""
+    """``[B, T]`` float32: log p(target t | BOS, targets before t) under a ``DecoderOnlyLM`` (or an ensemble)."""
     logits_BTV = model.apply({"params": params}, targets_BT,
                              targets_segmentation=(targets_BT != PAD_ID).astype(jnp.int32))
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)  # [B, T, V]
@@ -36,9 +31,8 @@ def token_log_probs(model: nn.Module, params: Any, targets_BT: jax.Array) -> jax
 
 def continuation_scores(config: InferConfig, log_probs: LogProbs, params: Any, prompts: Sequence[np.ndarray],
                         continuations: Sequence[np.ndarray]) -> list[dict[str, Any]]:
-    """Per pair ``{"score": sum of token_scores, "token_scores": [...]}``: log p of each continuation token and EOS
-    given BOS and the prompt. A pair longer than ``config.model.max_len`` positions keeps the prompt's last tokens
-    (as ``generate`` does) and, if the continuation alone is too long, its first ``max_len - 1`` tokens."""
+    """Per pair ``{"score", "token_scores"}``: log p of each continuation token and EOS given BOS and the prompt; too
+    long a pair keeps the prompt's last tokens (and the continuation's first ``max_len - 1``)."""
     positions = int(config.max_positions)
     rows_of = []
     for prompt, continuation in zip(prompts, continuations):
@@ -52,8 +46,7 @@ def continuation_scores(config: InferConfig, log_probs: LogProbs, params: Any, p
 
 def text_perplexities(config: InferConfig, log_probs: LogProbs, params: Any,
                       texts: Sequence[np.ndarray]) -> list[dict[str, float]]:
-    """Per text ``{"ppl", "nll", "tokens"}``: the text and EOS from BOS, cut to ``eval_max_target_length`` tokens
-    as ``perplexity`` cuts it; ``nll`` per token (natural log), ``ppl = exp(nll)``."""
+    """Per text ``{"ppl", "nll", "tokens"}``: the text and EOS from BOS, cut as ``perplexity`` cuts it."""
     limit = int(config.max_target_length)
     rows_of = [(np.append(ids[:limit - 1], EOS_ID).astype(np.int32), 0) for ids in texts]
     out = []
@@ -65,8 +58,7 @@ def text_perplexities(config: InferConfig, log_probs: LogProbs, params: Any,
 
 def _scored(config: InferConfig, log_probs: LogProbs, params: Any, rows_of: list[tuple[np.ndarray, int]],
             limit: int) -> list[np.ndarray]:
-    """Each ``(targets, first scored position)``'s token log-probs from that position on, in batches of
-    ``data.eval_batch_size`` rows (a power-of-two bucket) padded to a width bucket."""
+    """Each ``(targets, first scored position)``'s token log-probs from that position on, in bucketed batches."""
     rows = compiled.row_bucket(len(rows_of), config.eval_batch_size)
     out = []
     for start in range(0, len(rows_of), rows):

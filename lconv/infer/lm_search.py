@@ -1,10 +1,8 @@
 """A language model's scored hypotheses for prompts of different lengths: beams or samples continuing each prompt.
 
-Each prompt is a forced prefix (``search.Prefix``) of its row, fed a token per step after BOS, so prompts of any
-lengths share one program (one per width bucket), as ``compiled.generate`` feeds them. The prompt is context, not
-output: a hypothesis is its continuation, ``max_len`` tokens at most with EOS (forced at the limit), scored
-``sum(token_scores) / len**lenpen`` over the continuation alone (the beam ranks by that too), each token score
-its log-prob under the model given BOS, the prompt and the tokens before it.
+Each prompt is a forced prefix (``search.Prefix``) of its row, so prompts of any lengths share one program per width
+bucket. A hypothesis is the continuation alone (at most ``max_len`` tokens with EOS), scored ``sum(token_scores) /
+len**lenpen`` over it.
 """
 from __future__ import annotations
 
@@ -26,11 +24,8 @@ Array = jax.Array
 def lm_hypotheses(model: nn.Module, variables: Any, prompt_BP: Array, prompt_len_B: Array, *, max_len: int,
                   beam_size: int, lenpen: Array | float, stop: str, temperature: float, top_k: int, top_p: float,
                   rng: Array | None = None, guards: guards_lib.Guards | None = None) -> search.Hypotheses:
-    """``beam_size`` continuations of each right-padded prompt (``prompt_len_B`` real tokens each), best first,
-    ``[B, N, max_len]``: the finished beams of a beam search or, with ``temperature > 0``, as many samples
-    (sample n of a prompt draws with ``fold_in(row_keys(rng, prompt)[b], n)``: it depends on the prompt, ``rng``
-    and n alone), sorted by score as beams are. ``guards`` (``lconv.infer.guards``) see the prompt as context and
-    count ``min_len`` in continuation tokens."""
+    """``beam_size`` continuations per right-padded prompt (``prompt_len_B`` tokens), best first, ``[B, N, max_len]``:
+    beams or, with ``temperature > 0``, samples; ``guards`` count ``min_len`` in continuation tokens."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
     N, total = beam_size, P + max_len

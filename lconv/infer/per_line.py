@@ -1,9 +1,6 @@
-"""Decoding lines of text, one output per line in order: the API's ``translate`` / ``generate`` and eval.py's files.
-
-A translation's blank line is not decoded (from EOS alone a model hallucinates) and gets an empty output, so the
-outputs stay aligned with the lines; an LM's blank prompt starts from BOS alone. Over-long inputs are cut by the
-rule of ``source_lengths``. With several processes each passes the same lines and gets every output.
-"""
+"""Decoding lines of text, one output per line in order: the API's ``translate`` / ``generate`` and eval.py's files. A
+translation's blank line is not decoded and gets an empty output (from EOS alone a model hallucinates); an LM's blank
+prompt starts from BOS alone. Over-long inputs are cut by ``source_lengths``' rule."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,10 +38,8 @@ def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenize
                     settings: DecodeSettings, *, translator: compiled.Translator | None = None,
                     name: Callable[[int], str] = "sources[{}]".format, nbest: int = 0,
                     prefixes: Sequence[np.ndarray] | None = None, progress: str | None = None) -> LineOutputs:
-    """Translates (or summarises) each line of ``sources`` by the search ``settings`` say, on ``translator``'s
-    programs when given. With ``nbest``, also each line's first ``nbest`` hypotheses. ``prefixes``: per line, the
-    ids each of its outputs starts with (``search.Prefix``, checked by the caller). ``name(index)`` names a line in
-    the warning about over-long lines; ``progress``: a progress bar's description (eval.py's files), or none."""
+    """Translates (or summarises) each line of ``sources`` by ``settings``; ``nbest``: also each line's hypotheses;
+    ``prefixes``: each line's forced first ids; ``name(index)``: a line's name in warnings."""
     kept = [i for i, source in enumerate(sources) if source.strip()]
     blank = [i for i, source in enumerate(sources) if not source.strip()]
     limit = config.max_input_length
@@ -86,8 +81,7 @@ def _bar(total: int, progress: str | None) -> Any:
 
 
 def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
-    """Row ``row``'s first ``count`` hypotheses of ``found`` (a ``search.Hypotheses``), best first: ``text``,
-    ``score`` (length-penalised), ``token_scores`` and ``tokens`` (EOS included). Empty slots are left out."""
+    """Row ``row``'s first ``count`` hypotheses of ``found``, best first, as dicts; empty slots left out."""
     entries = []
     for n in range(count):
         if not np.isfinite(found.scores[row, n]):
@@ -103,11 +97,8 @@ def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> lis
 def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[str], generator: compiled.Generator,
                    settings: DecodeSettings, *, name: Callable[[int], str] = "prompts[{}]".format,
                    nbest: int = 0, progress: str | None = None) -> LineOutputs:
-    """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy at temperature 0,
-    else sampled; with ``nbest``, the first ``nbest`` of ``Generator.hypotheses`` per prompt, the best one's text
-    as the output (``progress``: ``translate_lines``'). A prompt longer than ``settings.prompt_limit`` keeps its
-    last tokens, those nearest the continuation. Prompts of similar length share a batch, and a batch one program
-    per shape bucket."""
+    """Continues each of ``prompts`` (an LM run) by up to ``settings.max_len`` tokens, greedy or sampled; a prompt over
+    ``settings.prompt_limit`` keeps its last tokens."""
     limit = settings.prompt_limit(config.max_positions)
     encoded = tokenizer.encode_batch(list(prompts)) if prompts else []
     if limit == 0 and any(len(ids) for ids in encoded):  # every prompt would be dropped, not cut

@@ -1,7 +1,5 @@
-"""Tokens forced at the start of each row's output (``Prefix``): a translation's prefix, an LM's prompt.
-
-Kept beside ``lconv.infer.search`` (which names it ``search.Prefix``) so that the search stays one readable file.
-"""
+"""Tokens forced at the start of each row's output (``Prefix``, ``search.Prefix``): a translation's prefix, an LM's
+prompt."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -13,9 +11,8 @@ Array = jax.Array
 
 
 class Prefix(NamedTuple):
-    """Tokens forced at the start of each row's output (fairseq's ``prefix_tokens``): while ``i < length[b]`` row
-    b's token ``i`` is ``tokens[b, i]``, whatever the model prefers. A forced token keeps the model's log-prob as
-    its token score, so a hypothesis scores as ``score`` rescores it (its prefix included)."""
+    """Tokens forced at the start of each row's output (fairseq's ``prefix_tokens``): row b's token ``i < length[b]`` is
+    ``tokens[b, i]``, scored by the model's log-prob."""
 
     tokens: Array  # [B, P] int32, anything after a row's length (PAD)
     length: Array  # [B] forced tokens per row (0: none)

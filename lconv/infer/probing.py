@@ -1,6 +1,5 @@
-"""Reading a trained model's insides, for plots and probing: ``lconv.api.Model``'s methods ``kernels`` (the
-normalised conv kernels each layer applies) and ``extract_features`` (each layer's hidden states). One model's
-layers: an ensemble has none of its own (``Model._one_model``)."""
+"""Reading a trained model's insides, for plots and probing: ``lconv.api.Model``'s ``kernels`` and ``extract_features``,
+for one model's layers (an ensemble has none of its own)."""
 from __future__ import annotations
 
 import functools
@@ -18,19 +17,12 @@ from lconv.infer import compiled, features, source_lengths
 
 
 class Probing:
-    """``lconv.api.Model``'s probing methods; they read ``config``, ``tokenizer``, ``module``, ``params``,
-    ``task`` and the model's helpers (``translate``, ``_function``, ``_piece``, ``_one_model``)."""
+    """``lconv.api.Model``'s probing methods, reading the model's config, tokenizer, module, params and helpers."""
 
     def kernels(self, sentence: str) -> dict[str, Any]:
-        """The normalised (softmax over K) conv kernels ``sentence`` meets, per layer of each side.
-
-        Returns ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}``: a
-        LightConv layer's entry is its ``[H, K]`` kernel (the same at every position), a DynamicConv layer's its
-        ``[T, H, K]`` kernels (one per token), any other mixer's ``None``. For translation the encoder reads the
-        sentence (+ EOS) and the decoder its translation, teacher-forced: decoder position t reads
-        ``target_tokens[t]`` (BOS, then the translation). An LM has ``"decoder"`` and ``"target_tokens"`` only
-        (BOS, then the sentence). Tap ``k`` of position t weighs input ``t + k - P`` (``P = K // 2`` in the
-        encoder, ``K - 1`` in the decoder)."""
+        """The normalised conv kernels ``sentence`` meets per layer of each side (LightConv ``[H, K]``, DynamicConv
+        ``[T, H, K]``, others ``None``), with the tokens each side reads; the decoder is teacher-forced on the
+        translation."""
         self._one_model("kernels")
         inputs, targets, ids = self._teacher_forced_ids(sentence, None)
         kernel_logits = self._function("kernel_logits", self._kernel_logits)
@@ -42,12 +34,8 @@ class Probing:
 
     def extract_features(self, sentence: str, *, layer: int | None = None,
                          target: str | None = None) -> dict[str, Any]:
-        """Each layer's hidden states as the model computes them on ``sentence`` (``lconv.infer.features``), for
-        probing: ``{"encoder": [...], "decoder": [...], "source_tokens": [...], "target_tokens": [...]}`` as
-        ``kernels`` reads them (an LM: ``"decoder"`` and ``"target_tokens"``). A side of L layers has L + 1
-        float32 ``[T, C]`` states: 0 the embeddings its first layer reads, i layer i's output, the last the
-        side's output (after its final norm, if any). With ``layer=i`` (negative counts from the end) each side
-        gives that state alone. The decoder reads ``target`` when given, else the model's own translation."""
+        """Each layer's hidden states on ``sentence``, keyed as ``kernels``: per side L + 1 float32 ``[T, C]`` states
+        (``layer=i``: one); the decoder reads ``target``, else the translation."""
         self._one_model("extract_features")
         if layer is not None and not is_integer(layer):  # before any work; True would be taken as layer 1
             raise UserError(f"layer={layer!r}: must be an integer index of a side's states (or None for all)")
@@ -67,9 +55,7 @@ class Probing:
         return {**out, **self._tokens_read(inputs, targets)}
 
     def _teacher_forced_ids(self, sentence: str, target: str | None) -> tuple[Any, np.ndarray, list[np.ndarray]]:
-        """``(source ids or None for an LM, target ids, the padded [1, width] rows the model reads)``: the
-        sentence (+ EOS) and, for translation, ``target`` or the model's own translation (+ EOS), cut to the
-        eval limits. Text that is not a str UTF-8 can hold is a one-line error naming the argument."""
+        """``(source ids or None, target ids, the padded [1, width] rows the model reads)``, cut to the eval limits."""
         tokenizer_lib.check_text(sentence, "sentence")
         if target is not None:
             tokenizer_lib.check_text(target, "target")
@@ -96,8 +82,7 @@ class Probing:
         return out
 
     def _kernel_logits(self, params: Any, *ids: jax.Array) -> dict[str, list[Any]]:
-        """Per side, per layer: the LightConv kernel's logits ``[H, K]``, the DynamicConv kernel predictor's
-        output as ``[T, H, K]`` (captured as the model runs on row 0 of ``ids``), or None for another mixer."""
+        """Per side and layer: the LightConv logits ``[H, K]``, the DynamicConv predictor's ``[T, H, K]``, or None."""
         is_predictor = lambda module, method: method == "__call__" and module.name == "weight_linear"  # noqa: E731
         segmentation = [(x != PAD_ID).astype(jnp.int32) for x in ids]
         if self.task == "lm":

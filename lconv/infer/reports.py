@@ -12,8 +12,7 @@ from lconv import outputs
 
 
 def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, scores: Mapping[str, Any]) -> None:
-    """``<workdir>/<name>.hyp.txt`` (one line per hypothesis, unless None) and ``<name>.scores.json``, local or a
-    URL (``gs://``); process 0 only."""
+    """``<workdir>/<name>.hyp.txt`` (unless None) and ``<name>.scores.json``, local or a URL; process 0 only."""
     if jax.process_index() != 0:
         return
     directory = epath.Path(workdir)

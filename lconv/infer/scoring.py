@@ -1,8 +1,5 @@
-"""Scores of decoded text against references: corpus sacreBLEU and ROUGE-1/2/L, and the paper's metrics.
-
-Each metric takes one hypothesis per reference, in order, and at least one pair: an empty corpus has no score (callers
-report "nothing to score" instead), and a length mismatch would silently score the wrong pairs.
-"""
+"""Scores of decoded text against references: corpus sacreBLEU and ROUGE-1/2/L, and the paper's metrics. Each takes one
+hypothesis per reference, in order, and at least one pair."""
 from __future__ import annotations
 
 import math
@@ -13,8 +10,7 @@ from typing import Any
 
 def score_texts(task: str, hypotheses: Sequence[str], references: Sequence[str], *,
                 split_compounds: bool = False) -> dict[str, Any]:
-    """A task's scores: ROUGE-1/2/L and ROUGE-Lsum for summarisation, else sacreBLEU and tokenized BLEU (with
-    compounds split when ``split_compounds``, ``config.decode.compound_split``). ``{}`` when there is no example."""
+    """A task's scores: ROUGE for summarisation, else sacreBLEU and tokenized BLEU; ``{}`` without examples."""
     if not hypotheses and not references:
         return {}
     if task == "summarization":
@@ -55,27 +51,18 @@ def rouge(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str, flo
     return {key: 100.0 * value / len(hypotheses) for key, value in totals.items()}
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The paper's metrics, beside the modern ones
-# ----------------------------------------------------------------------------------------------------------------
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
 def compound_split(text: str) -> str:
-    r"""fairseq's ``compound_split_bleu.sh`` rewrite: ``"co-operation"`` -> ``"co ##AT##-##AT## operation"``.
-
-    Like the script's ``perl s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g``, matches do not overlap: a match consumes the
-    character after its hyphen, so ``"a-b-c-d"`` -> ``"a ##AT##-##AT## b-c ##AT##-##AT## d"``.
-    """
+    r"""fairseq's ``compound_split_bleu.sh``: ``"co-operation"`` -> ``"co ##AT##-##AT## operation"`` (no overlaps)."""
     return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", text)
 
 
 def tokenized_bleu(hypotheses: Iterable[str], references: Iterable[str], *, tokenize: str = "13a",
                    split_compounds: bool = True) -> dict[str, Any]:
-    """The paper's WMT En-De BLEU: tokenized text (here sacreBLEU's ``tokenize`` tokenizer on detokenized
-    output, where the paper's data was Moses-tokenized), hyphenated compounds split as fairseq's script does,
-    then plain corpus BLEU on whitespace tokens without smoothing (fairseq-score's). Not comparable with
-    sacreBLEU: it is higher on the same output."""
+    """The paper's WMT En-De BLEU: tokenized, compounds split, fairseq-score's BLEU (higher than sacreBLEU)."""
     import sacrebleu
 
     hypotheses, references = _pairs(hypotheses, references)
@@ -88,9 +75,7 @@ def tokenized_bleu(hypotheses: Iterable[str], references: Iterable[str], *, toke
 
 
 def rouge_lsum(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str, float]:
-    """ROUGE-Lsum (summary-level LCS over sentences, as ROUGE-1.5.5 computes the ROUGE-L that summarization
-    papers report), stemmed, averaged over examples, in percent. Sentences are split on " . " boundaries when
-    the text has no newlines (one summary per line)."""
+    """ROUGE-Lsum (summary-level LCS, as ROUGE-1.5.5), stemmed, averaged over examples, in percent."""
     from rouge_score import rouge_scorer
 
     hypotheses, references = _pairs(hypotheses, references)
@@ -101,15 +86,12 @@ def rouge_lsum(hypotheses: Iterable[str], references: Iterable[str]) -> dict[str
 
 
 def word_count(texts: Iterable[str]) -> int:
-    """Words as word-level LMs (the paper's Billion Word figure) count them: whitespace-separated words plus one
-    end-of-sentence per text."""
+    """Words as word-level LMs count them: whitespace-separated words plus one end-of-sentence per text."""
     return sum(len(t.split()) + 1 for t in texts)
 
 
 def word_perplexity(total_nll: float, words: int) -> dict[str, float]:
-    """Per-word perplexity ``exp(nll / words)`` from a summed natural-log NLL over an LM's pieces (EOS included)
-    of texts holding ``words`` words (``word_count``): the pieces' NLL is the text's, so it compares with a
-    word-level model's perplexity where the per-piece one does not."""
+    """Per-word perplexity ``exp(nll / words)`` from a summed NLL over an LM's pieces."""
     if words < 1:
         raise ValueError("no words to score: word perplexity needs at least one text")
     return {"word_ppl": math.exp(total_nll / words), "words": float(words)}

@@ -40,18 +40,12 @@ class Hypotheses(NamedTuple):
     token_scores: Array  # [B, N, L] each token's log-prob under the model (log_softmax of its logits), 0 after EOS
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Cache helpers
-# ----------------------------------------------------------------------------------------------------------------
 BEAM_INVARIANT_PREFIX = "beam_invariant_"  # cache entries equal on every beam of a row (e.g. projected encoder keys)
 
 
 def tile_cache(cache: Any, batch_size: int, beam_size: int) -> Any:
-    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]`` (row ``b*beam + n`` = beam n of row b).
-
-    Scalars (counters shared by all rows) and ``beam_invariant_*`` entries (the same for every beam of a row;
-    their module folds the beams into its queries) stay as they are.
-    """
+    """Repeats every batch leaf ``[B, ...] -> [B*beam, ...]``; scalars and ``beam_invariant_*`` entries stay."""
     def tile(path, x):
         if x.ndim == 0 or _beam_invariant(path):
             return x
@@ -67,11 +61,7 @@ def _beam_invariant(path):
 
 
 def gather_beams(cache: Any, beam_idx_BN: Array) -> Any:
-    """Reorders a tiled cache: new beam n of row b takes old beam ``beam_idx[b, n]``.
-
-    Scalars are kept, and so are ``beam_invariant_*`` entries (see ``tile_cache``): reordering the beams of a row
-    leaves them unchanged.
-    """
+    """Reorders a tiled cache: new beam n of row b takes old beam ``beam_idx[b, n]``."""
     B, N = beam_idx_BN.shape
 
     def gather(path, x):
@@ -94,9 +84,7 @@ def _mask_pad(logits_XV, pad_id):
     return logits_XV.at[..., pad_id].set(IMPOSSIBLE_LOGP)  # PAD is never generated
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Greedy and sampling
-# ----------------------------------------------------------------------------------------------------------------
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, *, bos_id: int = BOS_ID,
                   eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
     """Argmax decoding, ``[B, max_len]``; stops when every row has emitted EOS (rows without one are cut)."""
@@ -127,13 +115,9 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
            output_start_B: Array | None = None) -> Array | tuple[Array, Array]:
     """Ancestral sampling, ``[B, max_len]`` new tokens; ``temperature=0`` is argmax (``rng`` unused).
 
-    ``prompt [B, T]`` (one length for all rows) is fed as one chunk ``[BOS, prompt...]``; the last sampled token is
-    never fed, so the cache holds ``T + max_len`` positions. ``rng`` is one key or ``[B]`` keys (``row_keys``);
-    step ``i`` of a row draws with ``fold_in(its key, i)``, so a row's sample depends on neither its index nor the
-    other rows. With ``max_len_per_row [B]`` EOS is forced at a row's limit, as ``beam_search`` does; without it a
-    row is cut at ``max_len``. ``with_token_scores``: also the chosen tokens' log-probs under the model (before
-    temperature and filters), 0 after EOS. ``prefix`` forces each row's first tokens (``Prefix``); ``guards`` act
-    from each row's ``output_start_B`` on (default 0).
+    ``prompt [B, T]`` is fed as one chunk after BOS. ``rng``: one key or ``[B]`` keys (``row_keys``). ``max_len_per_row
+    [B]`` forces EOS at a row's limit. ``with_token_scores``: also the chosen tokens' log-probs (before temperature and
+    filters). ``prefix`` forces each row's first tokens; ``guards`` act from ``output_start_B`` on.
     """
     B = batch_size
     if prefix is not None:
@@ -193,34 +177,25 @@ def sample(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_le
 
 
 def row_keys(rng: Array, ids_BT: Array) -> Array:
-    """One key per row, ``[B]``: ``rng`` folded with a hash of the row's ids (PAD after them changes nothing). A
-    row's draws then depend on its content and ``rng`` only, not on its index, the batch or the padded width,
-    and rows of different content draw independently (one key for all would share their noise)."""
+    """One key per row, ``[B]``: ``rng`` folded with a hash of the row's ids, so draws follow content only."""
     multiplier = jnp.uint32(0x01000193)  # FNV-1's 32-bit prime: odd, so each position's term is a bijection
     powers_T = jnp.cumprod(jnp.full((ids_BT.shape[1],), multiplier, jnp.uint32))  # [T], wrapping mod 2**32
     hash_B = jnp.sum(ids_BT.astype(jnp.uint32) * powers_T, axis=1, dtype=jnp.uint32)  # [B]; PAD = 0 adds 0
     return jax.vmap(jax.random.fold_in, (None, 0))(rng, hash_B)  # [B]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Beam search
-# ----------------------------------------------------------------------------------------------------------------
 def beam_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, beam_size: int, max_len: int, *,
                 lenpen: float, stop: str, bos_id: int = BOS_ID, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
                 max_len_per_row: Array | None = None, with_token_scores: bool = False, prefix: Prefix | None = None,
                 prefix_scored: bool = True, guards: Guards | None = None) -> tuple[Array, Array] | Hypotheses:
-    """Beam search with fairseq's scores: ``tokens [B, beam, max_len]``, ``scores [B, beam]``, best first (with
-    ``with_token_scores``, a ``Hypotheses`` with each token's log-prob too). Empty finished slots score -inf.
+    """Beam search with fairseq's scores (``sum(log p) / length**lenpen``): ``tokens [B, beam, max_len]``, ``scores [B,
+    beam]``, best first (a ``Hypotheses`` with ``with_token_scores``); empty slots score -inf.
 
-    A finished hypothesis scores ``sum(log p) / length**lenpen`` (EOS counted in both). Alive and finished
-    hypotheses are kept apart, so an EOS never takes an alive slot: each step ranks the top ``2*beam`` extensions,
-    the best ``beam`` non-EOS ones stay alive and EOS ones compete for the finished set. EOS is forced at
-    ``max_len_per_row[b]`` tokens (default ``max_len``). ``stop="optimal"`` ends a row once no alive hypothesis
-    can beat its worst finished one (log-probs only fall); ``"fairseq"`` is fairseq's SequenceGenerator, for
-    like-for-like BLEU: no EOS first, only EOS extensions in the step's top ``beam`` finish, and a row is done at
-    ``beam`` finished, first come. ``cache`` is for ``batch_size`` rows and tiled per beam here. ``prefix`` forces
-    each row's first tokens (``Prefix``; unscored with ``prefix_scored=False``, an LM's prompt); what ``guards``
-    ban is never taken."""
+    EOS is forced at ``max_len_per_row[b]`` tokens. ``stop``: ``"optimal"`` or ``"fairseq"`` (docs/training.md).
+    ``cache`` is for ``batch_size`` rows. ``prefix`` forces each row's first tokens (unscored with
+    ``prefix_scored=False``); what ``guards`` ban is never taken.
+    """
     B, N, L = batch_size, beam_size, max_len
     if stop not in STOP_RULES:
         raise UserError(f"decode.stop={stop!r}: must be one of {', '.join(STOP_RULES)}")
@@ -298,9 +273,7 @@ def _take(seqs_BXL: Array, index_BY: Array) -> Array:
 
 
 def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
-    """``(limit_B, penalty)``: the tokens each row may have (EOS included; raised to hold a prefix and EOS), and
-    the length penalty ``penalty(length_B) -> [B]`` of hypotheses that long, whose unscored prefix tokens (an LM's
-    prompt) do not count."""
+    """``(limit_B, penalty)``: the tokens each row may have (EOS included), and the length penalty function."""
     limit_B = jnp.clip(jnp.full((B,), L) if max_len_per_row is None else jnp.asarray(max_len_per_row), 1, L)
     limit_B = limit_B.astype(jnp.int32)  # [B]
     if prefix is not None:
@@ -315,10 +288,7 @@ def _limits_and_penalty(B, L, max_len_per_row, prefix, prefix_scored, lenpen):
 
 def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, prefix_scored=True, guards=None,
                   history_BNL=None):
-    """Log-probs of step ``i`` with what may not come masked: PAD always, all but EOS at a row's length limit,
-    (fairseq's min_len = 1) EOS as the first token and what ``guards`` ban given the beams' ``history_BNL`` (an
-    unscored prefix is context: the output starts after it); the rows still in their ``prefix`` forced
-    (``_forced_logp``)."""
+    """Step ``i``'s log-probs with what may not come masked and the rows in their ``prefix`` forced."""
     logp_BNV = _mask_pad(jax.nn.log_softmax(logits_BNV, axis=-1), pad_id)  # [B, beam, V]
     at_limit_B11 = (i + 1 >= limit_B)[:, None, None]  # this token is the row's last
     only_eos_V = jnp.arange(logp_BNV.shape[-1]) == eos_id  # [V]
@@ -334,8 +304,7 @@ def _allowed_logp(logits_BNV, i, limit_B, eos_id, pad_id, fairseq, prefix=None, 
 
 
 def _forced_logp(logp_BNV, logits_BNV, prefix, i, scored):
-    """Step ``i``'s log-probs with the rows still in their prefix forced: the prefix token keeps its log-prob under
-    the model (or 0 when the prefix is not scored), every other token -inf."""
+    """Step ``i``'s log-probs with the rows in their prefix forced: the prefix token keeps its log-prob (0 unscored)."""
     forcing_B, forced_B = prefix.at(i)  # [B], [B]
     is_forced_BNV = jnp.arange(logp_BNV.shape[-1]) == forced_B[:, None, None]  # [B, 1, V]
     model_BNV = jax.nn.log_softmax(logits_BNV, axis=-1) if scored else jnp.zeros_like(logp_BNV)  # [B, beam, V]
@@ -344,18 +313,15 @@ def _forced_logp(logp_BNV, logits_BNV, prefix, i, scored):
 
 
 def _best_finished(finished, finished_BN, top, scores_B2N, keep):
-    """The default rule: the ``keep`` best of the finished set and this step's EOS extensions (also sorts the
-    fairseq rule's set, given as the new ones beside an empty set). Sets are (tokens, token log-probs) pairs."""
+    """The default rule: the ``keep`` best of the finished set and this step's EOS extensions."""
     all_scores_B3N = jnp.concatenate([finished_BN, scores_B2N], axis=1)  # [B, 3beam]
     finished_BN, best_BN = rowwise_top_k(all_scores_B3N, keep)  # [B, beam]
-    # [B, 3beam, L] -> [B, beam, L] each
     return jax.tree.map(lambda old, new: _take(jnp.concatenate([old, new], axis=1), best_BN), finished, top), \
         finished_BN
 
 
 def _append_finished(finished, finished_BN, count_B, top, scores_B2N, is_eos_B2N, top_logp_B2N):
-    """fairseq's rule: the EOS extensions among the top ``beam`` candidates fill a row's free finished slots in
-    rank order; ``count_B`` counts the filled ones. Sets are (tokens, token log-probs) pairs."""
+    """fairseq's rule: EOS extensions among the top ``beam`` fill a row's free finished slots in rank order."""
     N = finished_BN.shape[1]
     rank_2N = jnp.arange(2 * N)
     eligible_B2N = is_eos_B2N & (rank_2N < N)[None] & (top_logp_B2N > IMPOSSIBLE_LOGP / 2)  # [B, 2beam]
@@ -374,9 +340,7 @@ def _append_finished(finished, finished_BN, count_B, top, scores_B2N, is_eos_B2N
     return jax.tree.map(fill, finished, top), finished_BN, count_B + jnp.sum(take_B2N, axis=1)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Models
-# ----------------------------------------------------------------------------------------------------------------
 def _apply_cache(model, variables, cache, *args, **kwargs):
     out, mutated = model.apply({**variables, "cache": cache}, *args, mutable=["cache"], **kwargs)
     return out, mutated["cache"]
@@ -385,8 +349,7 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
 def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
               beam_size: int, max_len: int, lenpen: float, max_len_a: float | None, max_len_b: int | None,
               stop: str, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Best beam of an ``EncoderDecoder`` (or a module with its ``encode``, ``run_decoder`` and ``config``),
-    ``[B, max_len]``: the first of ``translate_hypotheses``."""
+    """Best beam of an ``EncoderDecoder``, ``[B, max_len]``: the first of ``translate_hypotheses``."""
     return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
                                 beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
                                 max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
@@ -399,23 +362,15 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                          inputs_segmentation: Array | None = None, rng: Array | None = None, bos_id: int | None = None,
                          eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None,
                          guards: Guards | None = None) -> Hypotheses:
-    """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: the finished beams of a beam search
-    or, with ``temperature > 0``, as many samples, scored alike (sample n of a row draws with
-    ``fold_in(row_keys(rng, inputs)[b], n)``: it depends on the source, ``rng`` and n only).
-
-    Encodes once, then tiles the cache, encoder output and source ids per hypothesis (row ``b*beam + n``). A row
-    may generate ``max_len_a * src_len + max_len_b`` tokens plus EOS (fairseq's limit), at most ``max_len``.
-    ``prefix``: each row's forced first tokens (``Prefix``), scored as the model scores them.
-    """
+    """``beam_size`` hypotheses per row of an ``EncoderDecoder``, best first: beams or, with ``temperature > 0``,
+    samples; a row may generate ``max_len_a * src_len + max_len_b`` tokens plus EOS, at most ``max_len``."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     B, N = inputs_BS.shape[0], beam_size
     encoded_BSC = model.apply(variables, inputs_BS, inputs_segmentation=inputs_segmentation, method=model.encode)
-    # [B, ...] -> [B*beam, ...]; the encoder output may be a tuple of arrays (an ensemble's, one per member)
     tile = lambda x: jax.tree.map(lambda leaf: jnp.repeat(leaf, N, axis=0), x)  # noqa: E731
     _, cache = _apply_cache(model, variables, {}, encoded_BSC, inputs_BS, jnp.zeros((B, max_len), jnp.int32),
                             inputs_segmentation=inputs_segmentation, decode=True, method=model.run_decoder)
-    # The decoder's rows are the B*beam hypotheses: [B*beam, S, C], [B*beam, S], [B*beam, S]
     beam_encoded, beam_inputs, beam_segmentation = tile(encoded_BSC), tile(inputs_BS), tile(inputs_segmentation)
 
     def tokens_to_logits(tokens_BT, cache):  # B here is B*beam
@@ -450,10 +405,7 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
 def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int, temperature: float,
                 top_k: int, top_p: float, batch_size: int | None = None, rng: Array | None = None,
                 bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Continues ``prompt [B, T]`` (or starts from BOS) with a ``DecoderOnlyLM``; ``[B, max_len]`` new tokens.
-
-    ``temperature=0`` is greedy; otherwise ``rng`` is needed.
-    """
+    """Continues ``prompt [B, T]`` (or BOS) with a ``DecoderOnlyLM``: ``[B, max_len]`` new tokens."""
     variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     if prompt is None and batch_size is None:

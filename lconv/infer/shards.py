@@ -1,8 +1,5 @@
-"""An eval split gathered from its process shards, so that every process decodes and scores all of it.
-
-``pipeline.make_datasets`` gives process ``p`` of ``P`` examples ``p, p + P, p + 2P, ...``; ``whole_split``
-gathers them back into source order. Both functions are collectives: every process calls them at the same point.
-"""
+"""An eval split gathered from its process shards into source order, so every process decodes and scores all of it
+(collectives: every process calls them at the same point)."""
 from __future__ import annotations
 
 import collections
@@ -17,10 +14,8 @@ from lconv.data import pipeline
 
 
 def whole_split(eval_set: pipeline.EvalSet, rows: int) -> pipeline.EvalSet:
-    """The whole split on every process, in source order, ``rows`` (``data.eval_batch_size``) rows per batch.
-
-    ``eval_set`` is either already whole (one process, or ``rows`` rows per batch) or this process's shard, of
-    ``rows / P`` rows per batch."""
+    """The whole split on every process, in source order, ``rows`` rows per batch, from this process's shard (or as it
+    is when already whole)."""
     count = jax.process_count()
     if count == 1 or eval_set.batch_size == rows:
         return eval_set

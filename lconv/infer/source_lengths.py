@@ -1,9 +1,5 @@
-"""Inputs longer than a model takes: the one rule every surface follows (the API, eval.py, an exported program).
-
-Each over-long input is cut, and one warning names each and its length. Lengths are in tokens with EOS, the unit
-``config.data.eval_max_input_length`` counts; the scores count them (``truncated_sources``,
-``longest_source_tokens``, ``source_token_limit``).
-"""
+"""Inputs longer than a model takes, by the one rule of every surface: each is cut (in tokens with EOS), with one
+warning naming it, and the scores count them."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,10 +29,8 @@ class SourceLengths:
                 "source_token_limit": self.limit}
 
     def warning(self, name: Callable[[int], str], limit: str, *, keeps: str = "cut to") -> str:
-        """E.g. ``1 input cut to 32 tokens (config.data.eval_max_input_length, EOS included): sources[3] had 81``.
-
-        ``name(index)`` names an input as its caller knows it; ``limit`` says where the limit comes from; ``keeps``:
-        ``"cut to the last"`` for an LM prompt, which keeps the tokens nearest its continuation."""
+        """E.g. ``1 input cut to 32 tokens (...): sources[3] had 81``; ``name(index)`` names an input, ``limit`` its
+        source, ``keeps`` the side kept."""
         count, shown = len(self.truncated), 5
         cut = ", ".join(f"{name(i)} had {n}" for i, n in zip(self.truncated[:shown], self.cut_from))
         more = f" and {count - shown} more" if count > shown else ""

@@ -1,10 +1,6 @@
-"""How long decoding a split will take, measured before it runs (the training budget's final evaluation).
-
-A batch takes a fixed time (encoding, the search's set-up) plus its search steps, at most its longest row's
-length limit (``step_bound``). Both grow with the width, so both are timed at the plan's narrowest and widest
-widths, on two batches of different step counts, and taken linear in the width in between. The measurements
-behind this design are in docs/default-run.md.
-"""
+"""How long decoding a split will take, measured before it runs (the training budget's final evaluation): a batch's
+fixed time plus its search steps, timed at the plan's narrowest and widest widths and taken linear in between. The
+measurements behind this design: docs/default-run.md."""
 from __future__ import annotations
 
 import math
@@ -18,19 +14,14 @@ from lconv.decode_settings import DecodeSettings
 from lconv.infer import batching, compiled, shards
 from lconv.infer.infer_config import InferConfig
 
-# Each probe is the fastest of this many calls: a program's first call is slower, and a moment's load on the host
-# only adds time (docs/default-run.md has the figures).
+# Each probe is the fastest of this many calls: a first call is slower, and load only adds time.
 PROBE_REPEATS = 2
 MIN_STEPS_APART = 8  # the two probes of a width separate its fixed time from a step's when their bounds differ so
 
 
 def estimate_decode_seconds(config: InferConfig, eval_set: pipeline.EvalSet, translator: compiled.Translator,
                             settings: DecodeSettings, clock: Callable[[], float] = time.monotonic) -> float:
-    """Seconds ``batching.decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``.
-
-    Each probe is the fastest of ``PROBE_REPEATS`` calls after its program is compiled. Once the timing is done the
-    plan's other widths are ``prepare``d in the background, so decoding the split with the same ``translator``
-    compiles nothing."""
+    """Seconds ``batching.decode_batches`` will take over ``eval_set`` with ``translator`` and ``settings``."""
     eval_set = shards.whole_split(eval_set, config.eval_batch_size)  # what score_split decodes (a collective)
     if not eval_set.tokens:
         return 0.0
@@ -69,9 +60,7 @@ def _seconds_of_call(translator: compiled.Translator, inputs_BS: np.ndarray, set
 
 def step_bound(config: InferConfig, settings: DecodeSettings, eval_set: pipeline.EvalSet, chosen: list[int],
                width: int) -> int:
-    """The most search steps decoding the ``chosen`` examples at ``width`` takes: the longest row's length limit
-    (``max_len_a * source length + max_len_b`` tokens and EOS, as ``search.translate_hypotheses`` counts), within the
-    program's output length. The search may end sooner (``decode.stop``; every row finished)."""
+    """The most search steps decoding ``chosen`` at ``width`` takes: the longest row's length limit."""
     output_len = compiled.max_output_len(config, settings, width)
     if settings.max_len_a is None and settings.max_len_b is None:
         return output_len

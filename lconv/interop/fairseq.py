@@ -1,18 +1,9 @@
 """A fairseq translation checkpoint (``lightconv`` or ``transformer`` architectures) as lconv's config and params.
 
-``read_checkpoint`` reads the ``.pt`` file (torch is needed for that alone: ``pip install "lconv[fairseq]"``);
-``model_fields`` turns fairseq's model arguments into ``config.model`` fields, refusing in one line what lconv's
-model cannot express; ``lconv_params`` maps the state dict onto lconv's parameter tree and fails on any tensor
-left over or missing. ``lconv.interop.fairseq_workdir`` writes the result as a workdir. Language models
-(``lightconv_lm*``, ``transformer_lm*``) go through ``lconv.interop.fairseq_lm``, which reuses the reading and
-the layers here.
-
-fairseq's conventions become model options, not a fork of the model (``ModelConfig``): the decoder starts from
-EOS (``decoder_start="eos"``), positions count from the padding id + 1 (``position_offset=2``), embeddings are
-scaled by sqrt(d) unless ``--no-scale-embedding``. Its dictionary ids are re-numbered into lconv's
-(``fairseq_vocab``), so embedding rows are permuted. Left-padded sources need nothing: lconv pads on the right,
-and both zero padding before a conv and mask it in attention, so real positions see the same inputs.
-Torch stores linear weights ``[out, in]``; flax kernels are ``[in, out]``.
+``read_checkpoint`` reads the ``.pt`` file (torch needed: ``pip install "lconv[fairseq]"``); ``model_fields`` turns
+fairseq's arguments into ``config.model`` fields, refusing in one line what lconv cannot express; ``lconv_params`` maps
+the state dict onto lconv's tree and fails on any tensor left over or missing. fairseq's conventions become model
+options (``decoder_start``, ``position_offset``, ...), not a fork of the model; the mapping: docs/fairseq.md.
 """
 from __future__ import annotations
 
@@ -37,11 +28,8 @@ _BETTER_TRANSFORMER = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out
 
 
 def read_checkpoint(path: str, *, trust: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any], int]:
-    """``(state dict as float32 numpy, model arguments, updates trained)`` of a fairseq ``.pt`` file.
-
-    The file is read with torch's ``weights_only`` loader (tensors, containers and ``argparse.Namespace`` only):
-    a checkpoint is a pickle, and a pickle from elsewhere could run code. ``trust=True`` uses the full unpickler
-    for older checkpoints holding other objects (fairseq's meters), for files whose source you trust."""
+    """``(state dict as float32 numpy, model arguments, updates trained)`` of a fairseq ``.pt`` file, read with torch's
+    ``weights_only`` loader (a pickle could run code); ``trust=True`` uses the full unpickler, for files you trust."""
     try:
         import torch
     except ImportError:
@@ -98,9 +86,8 @@ _TRANSFORMER_ABSENT = {
 
 
 def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
-    """``config.model`` fields equal to fairseq's model arguments; one ``UserError`` lists all that lconv cannot
-    express (adaptive softmax, an activation lconv lacks, ...). The shared fields take the encoder's values and
-    ``decoder_<field>`` is set where the decoder's differ."""
+    """``config.model`` fields equal to fairseq's model arguments (``decoder_<field>`` where the decoder's differ); one
+    ``UserError`` lists all that lconv cannot express."""
     arch = str(args.get("arch") or "")
     if is_language_model(args):
         raise UserError(f"fairseq architecture {arch!r} is a language model: import it with "
@@ -164,8 +151,7 @@ def _max_len(args: Mapping[str, Any], problems: list[str]) -> int:
 
 
 def _lightconv_fields(args: Mapping[str, Any], require: Callable[..., None]) -> dict[str, Any]:
-    """fairseq's lightconv ignores --activation-fn, --layernorm-embedding and --no-scale-embedding (ReLU, no
-    embedding norm, always scaled), so they are not read here."""
+    """fairseq's lightconv ignores --activation-fn, --layernorm-embedding and --no-scale-embedding."""
     fields: dict[str, Any] = dict(
         encoder_mixer=CONV_MIXERS.get(args.get("encoder_conv_type"), args.get("encoder_conv_type")),
         decoder_mixer=CONV_MIXERS.get(args.get("decoder_conv_type"), args.get("decoder_conv_type")),
@@ -239,9 +225,8 @@ class StateDict:
 
 def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any],
                  orders: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict, for the model ``fields`` describe.
-    ``orders``: ``{side: the fairseq id of each lconv id}`` (``fairseq_vocab.side_order``) for a model trained with
-    separate dictionaries; without it both sides have one dictionary."""
+    """lconv's parameter tree (``EncoderDecoder``) from a fairseq state dict; ``orders``: ``{side: the fairseq id of
+    each lconv id}`` for separate dictionaries."""
     if orders is None and len(weights.get("encoder.embed_tokens.weight", ())) != \
             len(weights.get("decoder.embed_tokens.weight", ())):  # rows: one per dictionary entry
         raise UserError("the checkpoint's source and target dictionaries differ (fairseq-preprocess without "

@@ -1,12 +1,6 @@
-"""A fairseq language model checkpoint (``lightconv_lm*`` or ``transformer_lm*``) as lconv's config and params.
-
-Both are fairseq decoders without encoder attention (``DecoderOnlyLM``). Their architecture flags (pre- or
-post-norm, a final LayerNorm, adaptive input and softmax and their ties, positions, activation) become
-``config.model`` fields and decoder ends (``lconv.nn.decoder_ends``). fairseq's LM data reads each line as
-``[EOS, w1 ... wn]``, which lconv's LM reproduces with ``decoder_start="eos"`` and ``position_offset=2``;
-``fairseq-eval-lm``'s perplexity equals ``exp`` of lconv's ``nll``. Flag by flag: docs/fairseq.md, "The
-importers in detail".
-"""
+"""A fairseq language model checkpoint (``lightconv_lm*`` or ``transformer_lm*``) as lconv's config and params: its
+architecture flags become ``config.model`` fields and decoder ends (``lconv.nn.decoder_ends``). Flag by flag, and how
+fairseq's LM data and perplexity map onto lconv's: docs/fairseq.md, "Language models"."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -69,8 +63,7 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         vocab_size=vocab_size, d_model=d_model, ffn_dim=int(args["decoder_ffn_embed_dim"]),
         num_heads=int(args["decoder_attention_heads"]), encoder_layers=0, decoder_layers=int(args["decoder_layers"]),
         dropout=args.get("dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.0),
-        # fairseq's named LM architectures force pre-norm; its plain transformer_lm (0.12) keeps the flag's default,
-        # post-norm: lconv follows the flag as stored
+        # named LM architectures force pre-norm, plain transformer_lm (0.12) keeps the default: follow the flag
         normalize_before=bool(args.get("decoder_normalize_before", True)), lm_pre_norm=False,
         learned_positions=bool(args.get("decoder_learned_pos")), max_len=int(max_len),
         token_positions=not args.get("no_token_positional_embeddings", False),
@@ -103,8 +96,7 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
 
 
 def _upgraded(args: Mapping[str, Any]) -> dict[str, Any]:
-    """Older transformer_lm arguments as fairseq 0.12 reads them (``base_lm_architecture``): ``no_tie_adaptive_proj``
-    (the models before it had no final norm) and ``decoder_final_norm``."""
+    """Older transformer_lm arguments as fairseq 0.12 reads them (``base_lm_architecture``)."""
     args = dict(args)
     if "no_tie_adaptive_proj" in args:
         args["no_decoder_final_norm"] = True
@@ -144,8 +136,7 @@ def _decoder_ends(args: Mapping[str, Any], vocab_size: int, d_model: int, proble
 
 
 def _cutoffs(args: Mapping[str, Any], key: str, vocab_size: int, problems: list[str]) -> tuple[int, ...]:
-    """fairseq's cutoffs without the vocabulary size it allows as the last one; the special ids (0-3, which lconv
-    re-numbers among themselves) must all be in the first band."""
+    """fairseq's cutoffs without the vocabulary size as the last one; the special ids must be in band 0."""
     cuts = cutoff_list(args.get(key), key)
     if cuts and cuts[-1] == vocab_size:
         cuts = cuts[:-1]
@@ -191,8 +182,7 @@ def lconv_params(weights: Mapping[str, np.ndarray], fields: Mapping[str, Any]) -
 
 
 def _embedding(state: fairseq.StateDict, fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """One table (rows re-numbered to lconv's ids), or the adaptive input's bands (band 0 holds the special ids,
-    re-numbered; the other bands' ids are the same in both numberings) and their ``[width, d]`` projections."""
+    """One table (rows re-numbered to lconv's ids), or the adaptive input's bands and their projections."""
     if not fields["adaptive_input_cutoffs"]:
         return {"embedding": lconv_rows(state.take("decoder.embed_tokens.weight"))}
     bands: dict[str, np.ndarray] = {}
@@ -205,11 +195,8 @@ def _embedding(state: fairseq.StateDict, fields: Mapping[str, Any]) -> dict[str,
 
 def _adaptive_softmax(state: fairseq.StateDict, fields: Mapping[str, Any],
                       embed: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """fairseq's ``AdaptiveSoftmax``: ``head`` ([c0 + tails, d], the frequent ids first) and per tail ``tail.i.0``
-    (the projection, ``[width, d]``) and ``tail.i.2`` (``[ids, width]``). Tied (``TiedHeadModule``, ``TiedLinear``):
-    ``head.word_proj`` is band 0's table and ``head.class_proj`` the clusters; ``tail.i.2`` is band i+1's table
-    and, with ``tie_adaptive_proj``, ``tail.i.0`` band i+1's projection ``[d, width]`` used transposed. The stored
-    copies of tied tensors are checked to be the same tensor and read no further."""
+    """fairseq's ``AdaptiveSoftmax`` (``head``, per tail ``tail.i.0`` and ``tail.i.2``) or its tied form on the adaptive
+    input's weights."""
     prefix = "decoder.adaptive_softmax"
     tails = range(len(fields["adaptive_softmax_cutoffs"]))
     if not fields["tie_adaptive_weights"]:

@@ -1,10 +1,8 @@
 """A recorded ``fairseq-train`` run read for a replay, and its batches converted to lconv's collation.
 
-A recording is a folder per run beside a ``meta.json`` listing them: the weights before and after some updates,
-every micro-batch as fairseq's criterion received it, and per update the loss sum, gradient norm, clip
-coefficient and learning rate. ``collate`` / ``to_fairseq`` convert exactly between fairseq's batches (sources
-padded left, the decoder's input kept, its own special ids) and lconv's; an update's micro-batches become one
-global batch, split as lconv's train step splits it. The layout: docs/fairseq.md, "The importers in detail".
+A recording is a folder per run beside a ``meta.json``: weights before and after some updates, every micro-batch, and
+each update's figures. ``collate`` / ``to_fairseq`` convert exactly between fairseq's batches and lconv's. The layout:
+docs/fairseq.md, "A recorded fairseq-train run".
 """
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ NOISE_FLOOR = "float_noise_floor_replay_grad_divided"  # meta.json: runs.<name>.
 
 @dataclasses.dataclass(frozen=True)
 class NoiseFloor:
-    """How far fairseq moves from itself when its gradient is perturbed by one rounding step (the recording's own
-    measurement): the most a port that is not bit-exact can be held to."""
+    """How far fairseq moves from itself under a one-rounding-step gradient perturbation (its own measurement)."""
 
     loss_rel: float  # loss sum, relative, worst over the updates
     grad_norm_rel: float  # gradient norm before clipping, relative, worst over the updates
@@ -67,8 +64,7 @@ class RecordedRun:
 
 
 def find_runs(folder: str) -> list[RecordedRun]:
-    """The runs of a recording: ``folder`` is either the recording (its ``meta.json`` lists the runs) or one run
-    folder inside it. A folder of another layout is a one-line error naming what is missing."""
+    """The runs of a recording (``folder``: the recording or one run folder); another layout is one line."""
     path = epath.Path(folder)
     if not path.is_dir():
         raise UserError(f"{folder} is not a folder (a fairseq training recording, as ../shared/fairseq/"
@@ -119,9 +115,7 @@ def _read_run(folder: epath.Path, meta: dict[str, Any] | None) -> RecordedRun:
     return RecordedRun(folder.name, folder, meta["model_args"], meta["cfg"], updates, noise)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # fairseq's batches <-> lconv's collation
-# ----------------------------------------------------------------------------------------------------------------
 def to_lconv_ids(ids: np.ndarray) -> np.ndarray:
     """fairseq ids -> lconv ids (a joined dictionary: only the four specials are re-numbered)."""
     out = np.array(ids, np.int32)
@@ -138,17 +132,15 @@ def to_fairseq_ids(ids: np.ndarray) -> np.ndarray:
 
 
 def batch_shape(micro_batches: list[list[dict[str, np.ndarray]]]) -> tuple[int, int, int]:
-    """``(rows per micro-batch, source length, target length)`` that hold every micro-batch of every update given:
-    one shape, so the train step compiles once for the whole replay."""
+    """``(rows per micro-batch, source length, target length)`` holding every micro-batch given: one compiled shape."""
     micros = [m for update in micro_batches for m in update]
     return (max(m["src_tokens"].shape[0] for m in micros), max(m["src_tokens"].shape[1] for m in micros),
             max(m["target"].shape[1] for m in micros))
 
 
 def collate(micro_batches: list[dict[str, np.ndarray]], shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
-    """An update's fairseq micro-batches as one lconv batch of ``len(micro_batches) x rows`` rows: row ``r`` is row
-    ``r // n`` of micro-batch ``r % n`` (``lconv.train.update`` splits it back so), sources right-padded, targets
-    as fairseq's with lconv's ids (the model makes the decoder's input from them)."""
+    """An update's fairseq micro-batches as one lconv batch: row ``r`` is row ``r // n`` of micro-batch ``r % n`` (as
+    ``lconv.train.update`` splits it), sources right-padded, targets in lconv's ids."""
     rows, S, T = shape
     n = len(micro_batches)
     inputs, targets = np.full((n * rows, S), PAD_ID, np.int32), np.full((n * rows, T), PAD_ID, np.int32)
@@ -181,8 +173,7 @@ def _check_conventions(micro: dict[str, np.ndarray]) -> None:
 
 def to_fairseq(batch: dict[str, np.ndarray], n: int, rows: list[int], source_length: list[int],
                target_length: list[int]) -> list[dict[str, np.ndarray]]:
-    """The inverse of ``collate``: micro-batch ``m`` has ``rows[m]`` rows and the lengths given, in fairseq's
-    collation (left-padded sources, right-padded targets, ``prev_output_tokens``)."""
+    """The inverse of ``collate``: micro-batch ``m`` has ``rows[m]`` rows, in fairseq's collation."""
     out = []
     for m in range(n):
         inputs, targets = batch["inputs"][m::n][:rows[m]], batch["targets"][m::n][:rows[m]]

@@ -1,17 +1,10 @@
-"""``python -m lconv.interop.fairseq_replay FOLDER``: does lconv train as fairseq trains? A recorded
-``fairseq-train`` run (``lconv.interop.fairseq_recording``; e.g. ../shared/fairseq/train_parity/) is replayed
-through lconv's own train step and compared with what fairseq recorded, update by update.
+"""``python -m lconv.interop.fairseq_replay FOLDER``: does lconv train as fairseq trains? A recorded ``fairseq-train``
+run (``lconv.interop.fairseq_recording``; e.g. ../shared/fairseq/train_parity/) is replayed through lconv's own train
+step and compared with what fairseq recorded, update by update.
 
-The replay imports fairseq's weights before update 1 (``lconv.interop.fairseq``, the checkpoint importer's
-mapping), builds the optimizer and schedule from fairseq's arguments with fairseq's semantics
-(``lconv.configs.common.FAIRSEQ_SEMANTICS``), and feeds the recorded batches in order, converted to lconv's
-collation, to ``lconv.train.update``' train step. It prints, per update, lconv's loss sum, gradient norm, clip
-coefficient and learning rate beside fairseq's, then the weights after update 1 and after the last recorded state,
-and each quantity's worst difference as a ratio to its tolerance: the float-noise floor (the larger of the
-recording's and lconv's own, measured by a second pass whose weights move one rounding step before each update)
-times ``--factor``.
-It exits with status 1 when a ratio is above 1 (or a clip decision differs), 2 with one line for a folder it
-cannot read. docs/fairseq.md, "Training parity", has the figures for the shared recording.
+Each quantity's worst difference is printed as a ratio to its tolerance, the float-noise floor times ``--factor``; exit
+status 1 when a ratio is above 1 (or a clip decision differs), 2 for a folder it cannot read. The method and figures:
+docs/fairseq.md, "Training parity".
 """
 from __future__ import annotations
 
@@ -33,16 +26,12 @@ from lconv.run import model_setup, schema
 from lconv.train import setup
 from lconv.train import update as update_lib
 
-# The tolerance is the noise floor times this factor: lconv rounds every operation in its own order, a few float32
-# roundings from fairseq at update 1 where the floor is seeded by one (tests/test_fairseq_train_parity.py derives
-# it; docs/fairseq.md, "Training parity").
+# The tolerance is the noise floor times this: lconv rounds every operation its own way (docs/fairseq.md).
 DEFAULT_FACTOR = 8.0
 LR_RTOL = 1e-6  # lconv's schedule runs in float32, fairseq's in float64: a few float32 roundings apart
-# A parameter whose gradient is mathematically zero moves only through float noise, which Adam amplifies: fairseq's
-# encoder-attention key bias (softmax is shift-invariant in the keys). It is compared absolutely, with the weights.
+# Its gradient is mathematically zero (softmax is shift-invariant in the keys): compared absolutely, with the weights.
 ZERO_GRADIENT_SUFFIX = "encoder_attn.k_proj.bias"
-# After update 1 (steps of at most lr = 1e-7, too small for the noise floor to say anything) each weight is held to
-# one float32 spacing plus this share of fairseq's own step there: the same first step, to rounding.
+# After update 1 (steps of ~1e-7) each weight is held to one float32 spacing plus this share of fairseq's step.
 STEP_RTOL = 0.05
 
 
@@ -59,21 +48,17 @@ class UpdateRow:
 
 @dataclasses.dataclass(frozen=True)
 class Replay:
-    """What a replay measured: every update's row, and the weights' max abs difference from fairseq's after each
-    recorded update (``{update: {fairseq key: (max abs difference, its ratio to update 1's tolerance)}}``)."""
+    """What a replay measured: every update's row, and per recorded update each weight's difference from fairseq's."""
 
     run: str
     rows: tuple[UpdateRow, ...]
     weights: dict[int, dict[str, tuple[float, float]]]
-    # lconv against itself with every weight moved one float32 rounding step before each update: the noise floor of
-    # a port whose every operation rounds its own way (the recording's floor perturbs only the gradient entries
-    # where x / n and x * (1 / n) round apart)
+    # lconv against itself with every weight moved one rounding step before each update: its own noise floor
     own_noise_floor: NoiseFloor
 
 
 def replay_config(run: RecordedRun, vocab_size: int) -> ml_collections.ConfigDict:
-    """lconv's config for fairseq's run: the imported model (``fairseq_workdir.translation_config``) and fairseq's
-    optimisation, with fairseq's semantics. Settings the replay cannot reproduce are one-line errors."""
+    """lconv's config for fairseq's run, with fairseq's semantics; what the replay cannot reproduce is one line."""
     cfg, args = run.cfg, run.model_args
     optim_cfg, schedule, criterion = cfg.get("optimizer", {}), cfg.get("lr_scheduler", {}), cfg.get("criterion", {})
     unsupported = {"optimizer": (optim_cfg.get("_name"), "adam"), "lr_scheduler": (schedule.get("_name"),
@@ -103,10 +88,8 @@ def replay_config(run: RecordedRun, vocab_size: int) -> ml_collections.ConfigDic
 
 def replay(run: RecordedRun, updates: int | None = None,
            on_update: Callable[[UpdateRow], None] | None = None, *, own_floor: bool = True) -> Replay:
-    """Replays ``run``'s first ``updates`` updates (all by default) through lconv's train step; ``on_update`` is
-    called with each update's row as soon as it is known. With ``own_floor``, replays them again with every weight
-    moved by one float32 rounding step before each update (``Replay.own_noise_floor``; else zeros), with the same
-    compiled step."""
+    """Replays ``run``'s first ``updates`` updates (all by default) through lconv's train step, calling ``on_update``
+    with each row; with ``own_floor``, again with weights nudged one rounding step per update."""
     count = len(run.updates) if updates is None else min(updates, len(run.updates))
     prepared = Prepared.build(run, count)
     saved = {u for u in (1, count) if (run.folder / f"state_update{u:03d}.npz").exists()}
@@ -130,8 +113,7 @@ def replay(run: RecordedRun, updates: int | None = None,
 
 @dataclasses.dataclass
 class Prepared:
-    """A run ready to replay: its config, the train step compiled for one batch shape, the start state, and the
-    batches (fairseq's, collated on demand)."""
+    """A run ready to replay: its config, the compiled train step, the start state, and the batches."""
 
     run: RecordedRun
     config: schema.RunConfig
@@ -144,8 +126,7 @@ class Prepared:
 
     @classmethod
     def build(cls, run: RecordedRun, count: int, shape: tuple[int, int, int] | None = None) -> Prepared:
-        """``shape``: the batch shape to compile for (``batch_shape`` of the ``count`` updates by default); a
-        larger one lets several replays share one compilation."""
+        """``shape``: the batch shape to compile for (``batch_shape`` of the ``count`` updates by default)."""
         weights = run.state(0)
         vocab_size = weights["encoder.embed_tokens.weight"].shape[0]
         config = replay_config(run, vocab_size)
@@ -185,9 +166,8 @@ class Prepared:
 
     def run_updates(self, state: Any, count: int, keep: set[int], on_update: Callable[[int, dict], None] | None = None,
                     nudge: np.random.Generator | None = None) -> tuple[list[dict], dict[int, Any]]:
-        """Updates 1..``count`` from ``state``: each update's sums, and the params after the updates in ``keep``.
-        ``nudge``: every weight moved by one rounding step (``nudged``) before each update, as a program that
-        rounds every operation its own way differs afresh at every update."""
+        """Updates 1..``count`` from ``state``: each update's sums, and the params after the updates in ``keep``;
+        ``nudge``: every weight moved one rounding step before each update."""
         sums, params = [], {}
         for update in range(1, count + 1):
             if nudge is not None:
@@ -217,9 +197,8 @@ class Prepared:
 
     def weight_difference(self, params: Any, recorded: dict[str, np.ndarray],
                           start: dict[str, np.ndarray]) -> dict[str, tuple[float, float]]:
-        """Per fairseq key, lconv's params against fairseq's weights (both imported the same way): the max abs
-        difference, and its worst ratio to one float32 spacing of fairseq's value plus ``STEP_RTOL`` of fairseq's
-        own step from ``start`` (the test of a first update, whose steps are ~1e-7: the same step to rounding)."""
+        """Per fairseq key, the max abs difference of lconv's params from fairseq's weights and its worst ratio to one
+        float32 spacing plus ``STEP_RTOL`` of fairseq's step from ``start``."""
         theirs, before = fairseq.lconv_params(recorded, self.fields), fairseq.lconv_params(start, self.fields)
         names = key_names(recorded, self.fields)
         out = {}
@@ -238,8 +217,7 @@ def _at(tree: Any, path: tuple) -> np.ndarray:
 
 
 def key_names(weights: dict[str, np.ndarray], fields: dict[str, Any]) -> dict[str, str]:
-    """``{lconv parameter path: the fairseq key it is imported from}``: each tensor imported once filled with its
-    own index, so that the importer's mapping (transposes, row orders) names itself."""
+    """``{lconv parameter path: fairseq key}``, found by importing each tensor filled with its own index."""
     keys = sorted(weights)
     marked = {k: np.full(weights[k].shape, i, np.float32) for i, k in enumerate(keys)}
     for key in keys:  # a tied copy stays a copy
@@ -252,13 +230,10 @@ def key_names(weights: dict[str, np.ndarray], fields: dict[str, Any]) -> dict[st
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Judging and printing a replay
-# ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """Each quantity's worst difference as a ratio to its tolerance (``{name: (ratio, where)}``; above 1 fails)
-    and the updates whose clip decision differs from fairseq's."""
+    """Each quantity's worst ratio to its tolerance (above 1 fails) and the updates whose clip decision differs."""
 
     ratios: dict[str, tuple[float, str, float]]  # name -> (ratio, where, the difference itself)
     clip_differs: tuple[int, ...]
@@ -274,10 +249,8 @@ def _relative(pair: tuple[float, float]) -> float:
 
 
 def judge(result: Replay, floor: NoiseFloor, factor: float = DEFAULT_FACTOR) -> Verdict:
-    """``result`` against the noise floor times ``factor`` (loss sums and gradient norms relative, the last
-    update's weights absolute, the encoder-attention key bias included), the rate against ``LR_RTOL``, the first
-    update's weights against one spacing plus ``STEP_RTOL`` of fairseq's step. The noise floor of each quantity is
-    the larger of the recording's (``floor``) and lconv's own (``result.own_noise_floor``)."""
+    """``result`` against the larger of the recording's and lconv's own noise floor times ``factor``, the rate against
+    ``LR_RTOL``, the first update's weights against one spacing plus ``STEP_RTOL`` of fairseq's step."""
     floor = NoiseFloor(*(max(a, b) for a, b in zip(dataclasses.astuple(floor),
                                                    dataclasses.astuple(result.own_noise_floor))))
 
@@ -333,8 +306,7 @@ def format_verdict(run: str, verdict: Verdict, factor: float, result: Replay | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command: replays every run of the folder; 0 when all are within tolerance, 1 when one is not, 2 (one
-    line) for a folder it cannot replay."""
+    """The command: replays every run of the folder; exit 0 within tolerance, 1 outside, 2 unreadable."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m lconv.interop.fairseq_replay", description=__doc__.split(

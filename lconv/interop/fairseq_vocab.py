@@ -1,11 +1,6 @@
-"""fairseq's dictionary and SentencePiece model as one lconv tokenizer, and the id map between the two.
-
-The import writes a SentencePiece model whose pieces are re-ordered into ``dict.txt``'s order, with the four
-special pieces at lconv's ids, so text is segmented exactly as fairseq segments it and only the special ids
-differ (``FAIRSEQ_TO_LCONV``; embedding rows are permuted by them, ``lconv_rows``). Without a SentencePiece model
-(the paper's BPE models) the tokenizer is the dictionary alone (``lconv.data.pieces_tokenizer``). Entries on
-one side only become unused pieces, counted by the import. Details: docs/fairseq.md, "The importers in detail".
-"""
+"""fairseq's dictionary and SentencePiece model as one lconv tokenizer, and the id map between the two: pieces
+re-ordered into ``dict.txt``'s order, the four specials at lconv's ids (``FAIRSEQ_TO_LCONV``), so text segments as in
+fairseq. Details: docs/fairseq.md, "The vocabulary"."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +24,7 @@ class Vocabulary:
 
 
 def read_dictionary(path: str) -> list[str]:
-    """The symbols of a fairseq ``dict.txt`` (``<symbol> <count> [#fairseq:overwrite]`` per line), in id order
-    from id 4."""
+    """The symbols of a fairseq ``dict.txt``, in id order from id 4."""
     from etils import epath
 
     try:
@@ -49,8 +43,8 @@ def read_dictionary(path: str) -> list[str]:
 
 
 def lconv_rows(table_VC: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
-    """A table indexed by fairseq ids (embeddings, an output layer) -> the same rows at lconv's ids. ``order``:
-    the fairseq id of each lconv id (``side_order``); default: the table's own ids, the four specials re-numbered."""
+    """A table indexed by fairseq ids -> the same rows at lconv's ids; ``order``: the fairseq id of each lconv id
+    (default: the four specials re-numbered)."""
     if order is None:
         order = np.arange(table_VC.shape[0])
         for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():
@@ -59,22 +53,19 @@ def lconv_rows(table_VC: np.ndarray, order: np.ndarray | None = None) -> np.ndar
 
 
 def joined_symbols(source: list[str], target: list[str]) -> list[str]:
-    """One vocabulary for a model trained with separate dictionaries: the target's symbols first, so its ids stay
-    fairseq's target ids (and the decoder predicts only ids below ``4 + len(target)``), then the source's others."""
+    """One vocabulary for separate dictionaries: the target's symbols first, then the source's others."""
     known = set(target)
     return target + [symbol for symbol in source if symbol not in known]
 
 
 def lconv_ids(symbols: list[str], dictionary: list[str]) -> np.ndarray:
-    """``[4 + len(dictionary)]``: the lconv id of each fairseq id of one side's ``dictionary``, in the vocabulary
-    ``symbols`` (ids from 4) that holds every symbol of it: how a batch of fairseq ids becomes lconv's."""
+    """``[4 + len(dictionary)]``: the lconv id of each fairseq id of one side's ``dictionary``."""
     ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(symbols)}
     return np.array([FAIRSEQ_TO_LCONV[i] for i in range(len(FAIRSEQ_SPECIALS))] + [ids[s] for s in dictionary])
 
 
 def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
-    """For each lconv id of the vocabulary ``symbols`` (ids from 4), the fairseq id of its symbol in one side's
-    ``dictionary``, or that side's ``<unk>`` (3) where the dictionary lacks it, as fairseq maps such a piece."""
+    """For each lconv id of ``symbols``, the fairseq id of its symbol in ``dictionary``, or its ``<unk>`` (3)."""
     ids = {symbol: i + len(FAIRSEQ_SPECIALS) for i, symbol in enumerate(dictionary)}
     order = np.array([FAIRSEQ_SPECIALS.index("<unk>")] * (len(FAIRSEQ_SPECIALS) + len(symbols)))
     for fairseq_id, lconv_id in FAIRSEQ_TO_LCONV.items():
@@ -86,11 +77,8 @@ def side_order(symbols: list[str], dictionary: list[str]) -> np.ndarray:
 
 def build_vocabulary(dictionary_path: str, spm_path: str | None, continuation: str = "@@",
                      symbols: list[str] | None = None) -> Vocabulary:
-    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt`` (docs/fairseq.md); without a
-    SentencePiece model, the dictionary alone for text already split into its pieces (Moses + subword-nmt BPE,
-    ``continuation`` its joining marker), as fairseq-generate reads binarized data and prints ``--remove-bpe``.
-    ``symbols``: the vocabulary's pieces in id order, when they are not ``dictionary_path``'s (``joined_symbols``
-    of separate source and target dictionaries)."""
+    """The lconv tokenizer equal to fairseq's SentencePiece model + ``dict.txt``, or the dictionary alone for pre-split
+    text (``continuation``: BPE's marker); ``symbols``: pieces in id order, if not the file's."""
     symbols = read_dictionary(dictionary_path) if symbols is None else symbols
     clash = sorted(set(symbols) & set(FAIRSEQ_SPECIALS))
     if clash:

@@ -1,14 +1,7 @@
 """A fairseq checkpoint written as an lconv workdir (``python -m lconv.import_fairseq``) that ``eval.py``,
-``lconv.load`` and the study read like a trained run.
-
-The workdir holds ``config.json`` (a translation config whose ``model`` follows fairseq's arguments and
-conventions, and whose ``decode`` is fairseq-generate's: beam 5, lenpen 1, fairseq's stopping rule; or, for a
-``lightconv_lm*`` / ``transformer_lm*`` checkpoint, a language-model config, ``lconv.interop.fairseq_lm``),
-``spm.model`` (fairseq's SentencePiece model re-numbered to its dictionary, ``fairseq_vocab``), one params
-checkpoint at the checkpoint's update count, and ``imported.json`` (where it came from: path, SHA-256, fairseq's
-model arguments, anything the import counted). The params are checked against the model's own tree, shape by
-shape, before anything is written.
-"""
+``lconv.load`` and the study read like a trained run: ``config.json`` (decoding as fairseq-generate's), ``spm.model``
+(``fairseq_vocab``), one params checkpoint checked shape by shape against the model's tree, and ``imported.json`` (where
+it came from). The layout: docs/fairseq.md, "What the import writes"."""
 from __future__ import annotations
 
 import datetime
@@ -43,11 +36,9 @@ SCORING_DEFAULTS = {"compound_split": False}
 def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir: str, *, dataset: str = "",
                       decode: dict[str, Any] | None = None, continuation: str = "@@", target_dictionary: str = "",
                       trust: bool = False) -> dict[str, Any]:
-    """Writes ``workdir`` from a fairseq translation or language model checkpoint; returns the import record.
-    ``decode``: fields of ``config.decode`` over fairseq-generate's defaults (``GENERATE_DEFAULTS``; translation
-    only). ``spm=None``: text is given split into the dictionary's pieces (BPE, ``continuation`` its joining
-    marker). ``target_dictionary``: the target side's, when the model was trained with separate dictionaries
-    (``_vocabulary``)."""
+    """Writes ``workdir`` from a fairseq translation or LM checkpoint; returns the import record. ``decode``: over
+    ``GENERATE_DEFAULTS``; ``spm=None``: text split into the dictionary's pieces; ``target_dictionary``: for separate
+    dictionaries."""
     from lconv.run import checkpoints, model_setup
     from lconv.run import workdir as workdir_lib
 
@@ -100,12 +91,8 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
 
 def _vocabulary(weights: dict[str, np.ndarray], dictionary: str, target_dictionary: str, spm: str | None,
                 continuation: str) -> tuple[fairseq_vocab.Vocabulary, dict[str, np.ndarray] | None]:
-    """lconv's one vocabulary, and for separate source and target dictionaries each side's row order.
-
-    One dictionary (``target_dictionary`` empty or the same): it numbers both embedding tables. Separate ones
-    (fairseq-preprocess without --joined-dictionary): the vocabulary is the target's symbols, then the source's
-    others (``fairseq_vocab.joined_symbols``); each side's table is gathered into it, a symbol its dictionary
-    lacks reading that side's <unk> row, as fairseq maps it."""
+    """lconv's one vocabulary, and for separate source and target dictionaries each side's row order: the target's
+    symbols, then the source's others, a missing symbol reading that side's <unk> row as fairseq maps it."""
     source = fairseq_vocab.read_dictionary(dictionary)
     target = fairseq_vocab.read_dictionary(target_dictionary) if target_dictionary else source
     rows = {side: weights.get(f"{side}.embed_tokens.weight", np.zeros((0, 0))).shape[0]
@@ -139,8 +126,7 @@ def _check_language_model_vocabulary(weights: dict[str, np.ndarray], size: int, 
 
 
 def language_model_config(fields: dict[str, Any], dataset: str = "") -> ml_collections.ConfigDict:
-    """lconv's base config as a language model with the imported ``model`` (dots at "highest", as
-    ``translation_config``); texts are read up to fairseq's ``max_target_positions`` tokens, EOS included."""
+    """lconv's base config as a language model with the imported ``model`` (dots at "highest")."""
     from lconv.configs import common
 
     config = common.base_config()
@@ -156,8 +142,7 @@ def language_model_config(fields: dict[str, Any], dataset: str = "") -> ml_colle
 
 def translation_config(fields: dict[str, Any], dataset: str = "",
                        decode: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
-    """lconv's base config with the imported ``model`` (dots at "highest": float32 as fairseq's PyTorch computes
-    it, on every backend) and fairseq-generate's decoding rule and defaults."""
+    """lconv's base config with the imported ``model`` (dots at "highest") and fairseq-generate's decoding."""
     from lconv.configs import common
 
     config = common.base_config()
@@ -184,7 +169,6 @@ def _as_model_tree(model: Any, config: schema.RunConfig, params: dict[str, Any])
     """``params`` in the model's own (boxed, logically partitioned) tree; a tree or shape mismatch is an error."""
     from lconv.run import model_setup
 
-    # the tree a restore reads
     abstract = model_setup.abstract_params(config, model, model_setup.make_mesh(config.mesh))
     expected = nn_meta.unbox(abstract)
     paths = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}

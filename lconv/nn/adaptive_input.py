@@ -1,14 +1,8 @@
 """Adaptive input embeddings (Baevski & Auli 2019) with fairseq's parameterisation (``fairseq.modules.AdaptiveInput``).
 
-The vocabulary is cut at ``cutoffs = (c0, c1, ...)`` into bands, the most frequent ids first: band ``i`` (ids
-``[c_{i-1}, c_i)``, band 0 from id 0, the last band up to the vocabulary's size) has its own embedding table
-``d_in / factor**i`` wide, followed by its own bias-free projection to the model width ``d``. Rare words get
-narrow embeddings, so most of a large vocabulary's parameters are saved. fairseq's names: band ``i`` is
-``embeddings.i.0`` (``nn.Embedding``, ``N(0, dim^-1/2)``, the padding row zeroed in band 0) and ``embeddings.i.1``
-(``Linear(dim, d, bias=False)``, xavier-uniform).
-
-The tables are also the output layer's when the adaptive softmax is tied to them (fairseq's
-``--tie-adaptive-weights``, ``lconv.nn.adaptive_softmax``): ``band_weights`` hands them out.
+The vocabulary is cut at ``cutoffs`` into bands, the most frequent ids first; band ``i`` has its own table ``d_in /
+factor**i`` wide and a bias-free projection to the model width, so rare words get narrow embeddings. The tables are also
+the adaptive softmax's when tied (``band_weights``). fairseq's names: docs/fairseq.md.
 """
 from __future__ import annotations
 
@@ -64,8 +58,7 @@ class AdaptiveInput(nn.Module):
         out_BTC = jnp.zeros((*tokens_BT.shape, self.output_dim), self.dtype)
         for band, (start, end) in enumerate(band_edges(self.cutoffs, self.vocab_size)):
             in_band_BT = (tokens_BT >= start) & (tokens_BT < end)
-            # every token reads some row of every band (clipped ids), and only its own band's result is kept:
-            # static shapes, and B·T·Σ width·d flops, far below the output layer's
+            # every token reads a row of every band (clipped ids), keeping its own band's: static shapes, few flops
             table = constrain(self.tables[band].astype(self.dtype), (ACT_VOCAB, None))  # gathered, as Embed
             rows_BTW = jnp.take(table, jnp.clip(tokens_BT - start, 0, end - start - 1), axis=0)
             projected_BTC = jnp.dot(rows_BTW, self.projections[band].astype(self.dtype),

@@ -1,12 +1,7 @@
-"""Adaptive softmax (Grave et al. 2017) with fairseq's parameterisation, as an output layer for large vocabularies.
-
-The vocabulary is cut at ``cutoffs``: the head scores the most frequent ids plus one entry per tail cluster, and
-each tail scores its ids from a projection ``factor`` times narrower than the last. Tied to adaptive input
-embeddings (``tied``, ``tie_projections``: fairseq's ``--tie-adaptive-weights`` / ``--tie-adaptive-proj``), the
-input bands' tables and projections replace the output weights. It returns the full ``[B, T, V]`` float32
-log-probabilities, so the loss and beam search use it as logits; the saving is in parameters and the tails'
-matmuls. fairseq's layer by layer: docs/models.md, "The mixers in detail".
-"""
+"""Adaptive softmax (Grave et al. 2017) with fairseq's parameterisation, as an output layer for large vocabularies: a
+head for the frequent ids and the tail clusters, each tail from a ``factor`` times narrower projection, optionally tied
+to the adaptive input. It returns full ``[B, T, V]`` float32 log-probabilities, so the loss and beam search use it as
+logits. fairseq's layer by layer: docs/models.md, "The mixers in detail"."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -69,8 +64,7 @@ class AdaptiveSoftmax(nn.Module):
                 h_BTW = linear(width, (EMBED, MLP), f"tail_{i}_projection")(x)
             h_BTW = nn.Dropout(self.dropout)(h_BTW, deterministic=deterministic)
             if tied is None:
-                # The tail's input side is named EMBED: the rules send mlp and vocab both to the tensor axis, and
-                # one array cannot use an axis twice, so EMBED (fsdp) is the side FSDP shards.
+                # Tail input side named EMBED: mlp and vocab both go to the tensor axis, so EMBED (fsdp) is FSDP's.
                 tail_logits = linear(edges[i + 1] - edges[i], (EMBED, VOCAB), f"tail_{i}")(h_BTW)
             else:
                 tail_logits = against(h_BTW, tied[i + 1][0])

@@ -1,12 +1,6 @@
-"""Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention.
-
-All follow the mixer contract (docs/models.md) and reduce to ``softmax(logits_BHTS + mask) V``; only the logits
-differ: ``Q Kᵀ / sqrt(D)`` (``SelfAttention``), learned positional logits ``W_h[pos_q, pos_k]``
-(``FixedAttention``, Synthesizer-Random), or their product (``HadamardAttention``). A query sees a key of its own
-non-zero segment (and, when causal, not after it). Logits, softmax and accumulation are float32.
-``attention_impl`` picks the kernel (``lconv.ops.flash``); decoding steps take the materialised path against the
-cache of ``lconv.nn.common``.
-"""
+"""Attention-family token mixers: dot-product self-attention, cross-attention, Fixed and Hadamard attention. All reduce
+to ``softmax(logits_BHTS + mask) V``; only the logits differ. ``attention_impl`` picks the kernel (``lconv.ops.flash``).
+docs/models.md has each one's math."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -50,9 +44,7 @@ from lconv.ops.attention import (
 from lconv.ops.flash import segment_attention
 from lconv.ops.precision import lax_precision
 
-# ----------------------------------------------------------------------------------------------------------
 # Modules
-# ----------------------------------------------------------------------------------------------------------
 
 
 class AttentionFields(nn.Module):
@@ -116,11 +108,8 @@ class SelfAttention(AttentionFields):
 
 
 class CrossAttention(nn.Module):
-    """Encoder-decoder attention: decoder queries attend the encoder output ``encoded_BSC`` (not a token mixer).
-
-    Same math and initialisation as ``SelfAttention``; a query sees its own example's source only. While decoding,
-    the projected encoder keys and values are computed once, on the cache-creating call, and kept head-major as
-    ``beam_invariant_*`` cache entries, so beam search neither tiles nor reorders them (``lconv.infer.search``)."""
+    """Encoder-decoder attention (not a token mixer): ``SelfAttention``'s math over ``encoded_BSC``. While decoding, the
+    projected encoder keys and values are computed once and kept as ``beam_invariant_*`` cache entries."""
 
     num_heads: int = 8
     dtype: DType = jnp.float32
@@ -144,8 +133,7 @@ class CrossAttention(nn.Module):
         precision = lax_precision(self.matmul_precision)
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(encoded_BSC, encoded_segment_ids, None, "encoded_segment_ids")
-        # fairseq scales the Q/K/V init by QKV_GAIN only when keys and values have the queries' width (its
-        # qkv_same_dim); a decoder narrower or wider than its encoder gets plain xavier-uniform.
+        # fairseq scales the Q/K/V init by QKV_GAIN only when keys and values have the queries' width.
         gain = QKV_GAIN if encoded_BSC.shape[-1] == C else 1.0
         q_BTHD = project_heads(self, "query", x_BTC.astype(self.dtype), H, D, gain)
         if decode and self.has_variable("cache", "beam_invariant_key"):
@@ -165,8 +153,7 @@ class CrossAttention(nn.Module):
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
     def _attend_cached(self, q_BTHD: Array, q_seg_BT: Array, precision: Any) -> Array:
-        """Queries of ``B = N * b`` rows against the cached ``[b, H, S, D]`` encoder keys/values, ``N`` consecutive
-        rows (a row's beams) per encoded row, folded into its query axis: the encoder output is read once per row."""
+        """Queries of ``B = N * b`` rows (beams folded into the query axis) against the cached encoder keys/values."""
         k_bHDS = self.get_variable("cache", "beam_invariant_key")
         v_bHSD = self.get_variable("cache", "beam_invariant_value")
         k_seg_bS = self.get_variable("cache", "beam_invariant_segment_ids")
@@ -180,14 +167,8 @@ class CrossAttention(nn.Module):
 
 
 class FixedAttention(AttentionFields):
-    """Synthesizer-Random attention (registry name ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``.
-
-    Head ``h``'s logits are a learned ``[max_len, max_len]`` table indexed by within-segment positions, factorised
-    to rank ``factorized_rank`` if set; ``mix_dot_product`` mixes in ``Q Kᵀ/sqrt(D)`` by a learned per-head weight
-    (docs/models.md). Too long a sequence or (outside jit) a position outside ``[0, max_len)`` is a ``ValueError``.
-    Decode cache: ``cached_value``, ``cached_positions``, ``cached_segment_ids``, ``cache_index`` (+ ``cached_key``
-    when mixing); its length is at most ``max_len``.
-    """
+    """Synthesizer-Random attention (registry ``"fixed"``): ``Out(softmax(W_h[pos_q, pos_k] + mask) V)``, ``W_h`` a
+    learned ``[max_len, max_len]`` table per head (docs/models.md)."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
     label: ClassVar[str] = "Fixed (Synthesizer-R)"
@@ -238,13 +219,8 @@ class FixedAttention(AttentionFields):
 
 
 class HadamardAttention(AttentionFields):
-    """Hadamard attention (registry name ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``.
-
-    ``W_h`` is a learned per-head ``[max_len, max_len]`` position table, initialised to ones (plain attention at
-    the start); the mask is added after the product, so no weight can un-mask a key. Q = K = the input split into
-    heads unless ``project_qk`` (docs/models.md). Decode cache: ``cached_key``, ``cached_value``,
-    ``cached_positions``, ``cached_segment_ids``, ``cache_index``; its length is at most ``max_len``.
-    """
+    """Hadamard attention (registry ``"hadamard"``): ``Out(softmax(W_h ⊙ Q Kᵀ/sqrt(D) + mask) V)``, ``W_h`` a learned
+    table per head, initialised to ones (docs/models.md)."""
 
     model_fields: ClassVar[dict[str, str]] = {**AttentionFields.model_fields, "max_len": "max_len"}
     label: ClassVar[str] = "Hadamard"
@@ -294,7 +270,5 @@ def _named(init: nn.initializers.Initializer, axes: tuple[str | None, ...]) -> n
 
 
 def _gathered(table_H__: Array) -> Array:
-    """A position table gathered over its positions before it is indexed (FSDP's gather-before-use), heads kept
-    split: indexing a position-sharded table would leave [B, H, T, S] logits split by key position, which the
-    partitioner cannot turn batch-split without replicating them."""
+    """A position table gathered over its positions before it is indexed, heads kept split."""
     return constrain(table_H__, (ACT_HEADS,) + (None,) * (table_H__.ndim - 1))

@@ -1,14 +1,7 @@
-"""CoLT5 conditional computation (Ainslie et al. 2023): every token takes a cheap light branch, a learned router
-sends the top-k tokens also through an expensive heavy branch, weighted by the token's routing score::
-
-    y_i = Light(X)_i + s_i · Heavy(X_routed)_i        (s_i = 0 for tokens that are not routed)
-
-The soft top-k weights ``s`` (coordinate descent on an entropy-regularised top-k LP) give the router gradients
-although the selection is discrete; padding is never routed. ``CoLT5Attention`` (registry ``"colt5"``): blocked
-local attention plus full attention among routed queries over routed keys/values. ``CoLT5FeedForward``: a light
-FFN on every token plus a heavy one on routed tokens. Encoder only: routing ranks future tokens, so ``causal=True``
-and ``decode=True`` raise ``ValueError``. The routing's formulas: docs/models.md, "The mixers in detail".
-"""
+"""CoLT5 conditional computation (Ainslie et al. 2023): every token takes a cheap light branch, a learned router sends
+the top-k tokens also through a heavy branch, weighted by the token's soft routing score. ``CoLT5Attention`` (registry
+``"colt5"``) and ``CoLT5FeedForward``; encoder only (routing ranks future tokens). The formulas: docs/models.md, "The
+mixers in detail"."""
 from __future__ import annotations
 
 import math
@@ -77,13 +70,10 @@ class _Routed(nn.Module):
 
 
 class CoLT5Attention(_Routed):
-    """CoLT5 routed attention: ``Light(X) + s^q ⊙ Heavy(X)`` (the math: docs/models.md).
+    """CoLT5 routed attention, ``Light(X) + s^q ⊙ Heavy(X)`` (docs/models.md): ``light_num_heads`` local heads (0: half
+    of ``num_heads``) within ``local_radius``, ``num_routed`` tokens (0: ``routed_fraction`` of T) routed."""
 
-    ``light_num_heads`` local heads (0: half of ``num_heads``) within ``local_radius``; ``num_routed`` tokens (0:
-    ``routed_fraction`` of T) routed as queries and as keys/values by separate routers, with soft top-k weights."""
-
-    # Mixer metadata (lconv.nn.mixers). Encoder only: the routing ranks every token of the sequence, the
-    # future included, so a decoder cannot use it (CoLT5 keeps a Transformer decoder, as here).
+    # Mixer metadata (lconv.nn.mixers). Encoder only: the routing ranks future tokens too.
     model_fields: ClassVar[dict[str, str]] = {
         "num_heads": "num_heads", "causal": "causal", "dtype": "dtype", "attention_dropout": "attention_dropout",
         "matmul_precision": "matmul_precision"}
@@ -148,8 +138,7 @@ class CoLT5Attention(_Routed):
 class CoLT5FeedForward(_Routed):
     """CoLT5 routed FFN, ``FFN_light(X) + s ⊙ FFN_heavy(X_routed)`` (hidden C/2 and 4C by default), ReLU."""
 
-    # Feed-forward metadata (lconv.nn.mixers.ffn_class): filled from the model; encoder layers only, as the
-    # attention (a decoder layer keeps the dense FFN).
+    # Feed-forward metadata (lconv.nn.mixers.ffn_class); encoder layers only, as the attention.
     model_fields: ClassVar[dict[str, str]] = {"dtype": "dtype", "matmul_precision": "matmul_precision"}
     sides: ClassVar[tuple[str, ...]] = ("encoder",)
 
@@ -177,19 +166,14 @@ class CoLT5FeedForward(_Routed):
         return (light_BTC + self._weighted_scatter(heavy_BRC, w_BT, idx_BR, T)).astype(x_BTC.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Pure math
-# ----------------------------------------------------------------------------------------------------------
 
 
 def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, radius: int, *,
                     dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: DType | None = None,
                     precision: jax.lax.Precision | None = None) -> Array:
-    """Each query attends the same-segment keys within ``radius`` of it, ``[B, T, H, D]``, in ``O(T · radius)``.
-
-    Exactly ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``: time is cut into blocks of
-    ``W = clip(radius, 1, T)`` tokens and block ``n`` attends blocks ``n - 1, n, n + 1``, which hold every key
-    within the radius."""
+    """Each query attends the same-segment keys within ``radius`` of it, ``[B, T, H, D]``, in ``O(T · radius)``: exactly
+    ``dot_product_attention`` under ``attention_mask(seg, seg, radius=radius)``, in blocks of ``clip(radius, 1, T)``."""
     B, T, H, D = q_BTHD.shape
     W = max(1, min(radius, T))
     G = -(-T // W)
@@ -219,8 +203,7 @@ def local_attention(q_BTHD: Array, k_BTHD: Array, v_BTHD: Array, seg_BT: Array, 
 
 
 def router_scores(x_BTC: Array, u_C: Array) -> Array:
-    """Raw routing scores ``X u / |u|`` in float32, ``[B, T]``: a unit router keeps the temperature's meaning, and
-    HIGHEST precision keeps TF32 rounding from flipping which tokens are routed."""
+    """Routing scores ``X u / |u|`` in float32 at HIGHEST precision (TF32 could flip the routing), ``[B, T]``."""
     u = u_C.astype(jnp.float32)
     return jnp.einsum("btc,c->bt", x_BTC, u / jnp.linalg.norm(u), precision=jax.lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
@@ -228,11 +211,8 @@ def router_scores(x_BTC: Array, u_C: Array) -> Array:
 
 def soft_top_k(scores_BT: Array, k: int, valid_BT: Array | None = None, *, temperature: float = 0.1,
                iterations: int = 32) -> Array:
-    """Differentiable top-k weights ``λ_BT`` with ``Σ_t λ = min(k, #valid)`` and ``λ ≈`` in ``[0, 1]``.
-
-    Coordinate descent on the dual of ``max r·λ + ε H(λ)`` s.t. ``Σ λ = k``, ``λ ≤ 1`` (docs/models.md).
-    Invalid positions get ``λ = 0``. Runs in float32.
-    """
+    """Differentiable top-k weights ``λ_BT``, ``Σ_t λ = min(k, #valid)``, ``λ`` in ``[0, 1]``, 0 at invalid positions;
+    coordinate descent on the entropy-regularised dual (docs/models.md), in float32."""
     r = scores_BT.astype(jnp.float32)
     valid = jnp.ones(r.shape, bool) if valid_BT is None else valid_BT
     r = jnp.where(valid, r, MASKED_LOGIT)
@@ -247,8 +227,7 @@ def soft_top_k(scores_BT: Array, k: int, valid_BT: Array | None = None, *, tempe
         b_BT = -jax.nn.relu(r + a_B1)  # the caps λ_i <= 1
         return a_update(b_BT), b_BT
 
-    # Warm start at the hard top-k: caps active above the k-th largest score (converges in far fewer steps
-    # than b = 0 when ε is small).
+    # Warm start at the hard top-k: far fewer steps than b = 0 when ε is small.
     k_int_B1 = k_B1.astype(jnp.int32)
     kth_B1 = jnp.take_along_axis(jax.lax.top_k(r, min(k, r.shape[-1]))[0], k_int_B1 - 1, axis=-1)
     b0 = -jax.nn.relu(r - jax.lax.stop_gradient(kth_B1))

@@ -1,12 +1,6 @@
-"""Helpers every lconv module shares: projections with logical axis names, activation sharding constraints,
-dropout rngs, input checks, and the incremental-decoding cache of attention-like mixers.
-
-Parameters carry logical axis names (``lconv.constants``) that ``config.mesh.rules`` maps to mesh axes;
-activations are pinned at block boundaries with ``constrain`` (a no-op outside ``jax.set_mesh``). Tables read by
-index and the GLU kernel are gathered before use, so XLA never has to replicate their outputs. Decoding follows
-flax ``examples/wmt``: a first ``decode=True`` call on a max-length dummy creates the zeroed ``'cache'``, later
-calls write a chunk at ``cache_index`` and attend causally (docs/models.md, "The mixers in detail").
-"""
+"""Helpers every lconv module shares: projections with logical axis names, activation sharding constraints, dropout
+rngs, input checks, and the incremental-decoding cache of attention-like mixers (docs/models.md, "Sharding and the
+decoding cache")."""
 from __future__ import annotations
 
 import functools
@@ -43,8 +37,7 @@ Array = jax.Array
 DType = Any
 
 
-# fairseq's MultiheadAttention initialises q/k/v_proj with xavier_uniform(gain=1/sqrt(2)) when Q, K and V share
-# the model width (its note: this scaled init converges much better empirically); out_proj keeps gain 1.
+# fairseq's q/k/v_proj init when Q, K and V share the model width (its note: converges much better); out_proj keeps 1.
 QKV_GAIN = 1 / math.sqrt(2)
 
 
@@ -104,10 +97,8 @@ def under_axis_rules(fn: Callable, rules: Sequence[Sequence[Any]] = ()) -> Calla
 
 
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
-    """Pins ``x``'s layout by logical axis names under the current mesh (``jax.set_mesh``); a no-op without one.
-
-    Mesh axes the mesh lacks are dropped, and a dim keeps only the leading mesh axes whose sizes divide it (a
-    decode batch of 1 stays whole), so the constraint never asks for an uneven split."""
+    """Pins ``x``'s layout by logical axis names under the current mesh (a no-op without one); a dim keeps only the mesh
+    axes that exist and divide it, so the split is never uneven."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -155,9 +146,7 @@ def project_heads(mdl: nn.Module, name: str, x_BTC: Array, H: int, D: int, gain:
 
 @jax.custom_vjp
 def _one_cotangent(x: Array) -> Array:
-    """The identity, whose cotangent XLA:CPU writes out once (behind an optimisation barrier): a projection's
-    weight and bias gradients then read one ``[B, T, C]`` array, where XLA transposed the heads' cotangent from
-    ``[B, H, T, D]`` twice, once for each."""
+    """The identity, whose cotangent XLA:CPU writes out once (one array for weight and bias gradients)."""
     return x
 
 
@@ -180,10 +169,8 @@ def dropout_rng(mdl: nn.Module, rate: float, deterministic: bool) -> Array | Non
 
 
 def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str, Array] | None, Array | None]:
-    """Writes a chunk into the ``'cache'`` collection; returns ``(full cached arrays, chunk start index)``.
-
-    The first call creates the ``cached_<name>`` variables zeroed at the chunk's (the max) length and returns
-    ``(None, None)``, so the caller does its full pass; later calls write at ``cache_index`` and advance it."""
+    """Writes a chunk into the ``'cache'`` collection: ``(full cached arrays, chunk start index)``, or ``(None, None)``
+    on the first call, which creates the zeroed cache and lets the caller do its full pass."""
     initialized = mdl.has_variable("cache", "cache_index")
     cached = {n: mdl.variable("cache", "cached_" + n, jnp.zeros, a.shape, a.dtype) for n, a in new.items()}
     cache_index = mdl.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
@@ -198,8 +185,7 @@ def decode_cache_update(mdl: nn.Module, new: dict[str, Array]) -> tuple[dict[str
 
 
 def attention_context(mdl: nn.Module, new: dict[str, Array], decode: bool) -> tuple[dict[str, Array], Array]:
-    """What a chunk attends to, ``(arrays, mask [B, 1, T, S])``: in a full pass its own key-side arrays ``new``; while
-    decoding the whole cache after ``new`` is written into it, up to each query's position."""
+    """What a chunk attends to, ``(arrays, mask [B, 1, T, S])``: its own arrays, or while decoding the cache."""
     seg_BT = new["segment_ids"]
     mask_B1TS = attention_mask(seg_BT, seg_BT, causal=mdl.causal)
     if not decode:
@@ -279,10 +265,8 @@ def segments_and_positions(x_BTC: Array, segment_ids: Array | None, positions: A
 
 
 class Embed(nn.Embed):
-    """``nn.Embed`` whose table is gathered along its width before it is read, as FSDP gathers every parameter.
-
-    A lookup from a width-sharded table gives width-sharded rows, which XLA can make batch-sharded only by
-    replicating them. ``table_axes``: the names the gathered table keeps (vocabulary rows stay split)."""
+    """``nn.Embed`` whose table is gathered along its width before it is read (a width-sharded lookup could only be
+    batch-split by replicating); ``table_axes``: the names the gathered table keeps."""
 
     table_axes: tuple[str | None, str | None] = (ACT_VOCAB, None)
     matmul_precision: str = "default"  # of ``attend`` (tied output logits); lookups are exact whatever it is
@@ -301,8 +285,7 @@ class Embed(nn.Embed):
                        preferred_element_type=jnp.float32)
 
     def output_table(self) -> Array:
-        """The table as a tied output layer reads it (``[V, C]``, its own dtype, vocabulary rows split as
-        ``table_axes``)."""
+        """The table as a tied output layer reads it: ``[V, C]``, its own dtype, rows split as ``table_axes``."""
         return constrain(self.embedding, self.table_axes)
 
 

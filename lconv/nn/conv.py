@@ -1,16 +1,12 @@
 """Flax linen modules for lightweight and dynamic convolutions, parameterised as fairseq does.
 
-- ``LightweightConv1d``: a learned ``[H, K]`` kernel, softmax-normalised over K, DropConnect, optional bias.
-- ``DynamicConv1d``: a kernel predicted per position by ``Dense(C -> H*K)`` (no bias) from the conv input.
-- ``LightConvBlock`` / ``DynamicConvBlock``: the paper's Fig. 2 block, a token mixer (see ``lconv.nn.mixers``):
-  ``Dense(d -> 2d)`` + GLU, the conv, ``Dense(d -> d)``. The model owns norm, residual dropout and the residual.
+- ``LightweightConv1d``: a learned ``[H, K]`` kernel, softmax-normalised over K, DropConnect, optional bias. -
+``DynamicConv1d``: a kernel predicted per position by ``Dense(C -> H*K)`` (no bias) from the conv input. -
+``LightConvBlock`` / ``DynamicConvBlock``: the paper's Fig. 2 block, a token mixer:
+  ``Dense(d -> 2d)`` + GLU, the conv, ``Dense(d -> d)``.
 
-The conv itself is exact in float32 on every backend (``lconv.ops``); the projections run at ``matmul_precision``
-(``config.model.matmul_precision``: ``"default"`` is the backend's fast path, TF32 on GPU).
-
-Decoding (``decode=True``, causal only) keeps the last ``P = K - 1`` conv inputs in the ``'cache'`` collection
-(``conv_state [B, P, C]``), whatever the output length. As in flax ``examples/wmt``, the first ``decode=True``
-call (under ``mutable=['cache']``) only creates the cache; later calls take chunks of one or more positions.
+The conv is exact in float32 on every backend (``lconv.ops``). Decoding keeps the last ``K - 1`` conv inputs in the
+``'cache'`` collection (``conv_state [B, K-1, C]``); see docs/models.md.
 """
 from __future__ import annotations
 
@@ -134,9 +130,7 @@ class DynamicConv1d(_ConvBase):
         self._check_channels(x_BTC)
         padding_left = self._padding()
         H, K = self.num_heads, self.kernel_size
-        # fairseq's effective init of this projection is PyTorch's default Linear init, U(+-1/sqrt(C)). Its input
-        # side is named EMBED although it is the conv width: the rules send conv and heads both to the tensor axis,
-        # and one array cannot use an axis twice, so EMBED (fsdp) is the side FSDP shards.
+        # fairseq's effective init is PyTorch's default Linear, U(+-1/sqrt(C)); EMBED names the side FSDP shards.
         predictor = nn.Dense(
             H * K,
             use_bias=False,
@@ -155,10 +149,7 @@ class DynamicConv1d(_ConvBase):
 
 
 class GLUProjection(nn.Module):
-    """``Dense(C -> 2 * features)`` + GLU: fairseq's ``linear1`` + GLU, the same parameters as ``xavier_dense``.
-
-    The kernel is applied as ``[C, 2, F]`` with F split over the tensor axis, so each device holds matching value
-    and gate halves and the GLU is local, instead of swapping ``[B, T, F]`` activations every layer."""
+    """``Dense(C -> 2 * features)`` + GLU (fairseq's ``linear1``), with F split so each device's GLU is local."""
 
     features: int
     dtype: Dtype = jnp.float32
@@ -174,8 +165,7 @@ class GLUProjection(nn.Module):
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (CONV,)), (2 * F,),
                           self.param_dtype)
         x_BTC, kernel, bias = nn.dtypes.promote_dtype(x_BTC, kernel, bias, dtype=self.dtype)
-        # Gathered whole, then split by F: XLA's partitioner cannot move a split between the merged and the unmerged
-        # dims of the reshape directly (it would replicate, with a warning), but gathers and local slices it can.
+        # Gathered, then split by F: the partitioner would replicate a split moved across the reshape's merged dims.
         kernel_CGF = constrain(constrain(kernel.reshape(C, 2, F), (None, None, None)), (None, None, ACT_CONV))
         h_BTGF = jnp.einsum("btc,cgf->btgf", x_BTC, kernel_CGF, precision=lax_precision(self.matmul_precision))
         h_BTGF = h_BTGF + bias.reshape(2, F)
@@ -187,7 +177,7 @@ class GLUProjection(nn.Module):
 
 class LightConvBlock(nn.Module):
     """The paper's conv block, a token mixer: input dropout, ``Dense(d -> 2d)`` + GLU, padding zeroed, the conv,
-    ``Dense(d -> d)``: fairseq's ``LightConv*Layer`` up to the residual (``conv_features``: its ``conv_dim``)."""
+    ``Dense(d -> d)`` (``conv_features``: fairseq's ``conv_dim``)."""
 
     # Mixer metadata (lconv.nn.mixers): the fields a model layer fills from its config, and where it may sit.
     model_fields: ClassVar[dict[str, str]] = {

@@ -1,14 +1,7 @@
-"""The decoder's two ends as fairseq builds them: its token embeddings (one table or adaptive input, optionally
-narrower than the model and projected in) and what its output layer reads (the last layer's output, optionally
-projected out; the adaptive input's tables when the adaptive softmax is tied to them).
-
-fairseq's decoder (``TransformerDecoder``, ``LightConvDecoder``): ``x = embed_scale * embed_tokens(tokens)``, then
-``project_in_dim`` (``Linear(decoder_input_dim -> decoder_embed_dim, bias=False)``, present when the embedding is
-narrower or wider than the model), then positions; after the layers (and the final norm) ``project_out_dim``
-(``Linear(decoder_embed_dim -> decoder_output_dim, bias=False)``, present when the widths differ and the adaptive
-weights are not tied), then the output layer. ``embed_scale`` is ``sqrt(decoder_embed_dim)``, the model's width,
-whatever the embedding's: lconv scales after the projection (``ScaleAndPosition``), the same product.
-"""
+"""The decoder's two ends as fairseq builds them: its token embeddings (one table or adaptive input, optionally narrower
+than the model and projected in) and what its output layer reads (the last layer's output, optionally projected out; the
+adaptive input's tables when the adaptive softmax is tied to them). fairseq's names and order: docs/fairseq.md,
+"Language models"."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,8 +21,7 @@ from lconv.ops.precision import lax_precision
 
 
 def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
-    """The decoder's embeddings: adaptive input bands (``adaptive_input_cutoffs``), or one ``N(0, width^-1/2)``
-    table ``decoder_input_width`` wide with a zero PAD row, as fairseq's ``Embedding``."""
+    """The decoder's embeddings: adaptive input bands, or one table ``decoder_input_width`` wide, as fairseq's."""
     width = cfg.decoder_input_width
     if cfg.adaptive_input_cutoffs:
         return AdaptiveInput(cfg.vocab_size, tuple(cfg.adaptive_input_cutoffs), width, cfg.side("decoder").d_model,
@@ -68,9 +60,8 @@ def tied_bands(cfg: ModelConfig, embedding: nn.Module) -> Sequence[tuple[jax.Arr
 
 @struct.dataclass
 class OutputLayer:
-    """The output layer's inputs instead of its logits (a model called with ``logits=False``): the last features
-    ``[B, T, C]`` and the output table ``[V, C]``, for a loss that makes the logits a chunk at a time
-    (``loss_sums``). ``logits()`` materialises what the model would have returned."""
+    """The output layer's inputs instead of its logits (``logits=False``): features ``[B, T, C]`` and the table ``[V,
+    C]``, for a loss that makes the logits a chunk at a time."""
 
     features_BTC: jax.Array
     table_VC: jax.Array
@@ -79,8 +70,7 @@ class OutputLayer:
     matmul_precision: str = struct.field(pytree_node=False)
 
     def loss_sums(self, targets_BT: jax.Array, weights_BT: jax.Array, label_smoothing: float) -> dict[str, jax.Array]:
-        """``linear_cross_entropy.cross_entropy_sums``, chunked by the rows one device holds; a vocabulary-split table
-        gets one slice, since a traced slice of a split axis would gather the whole table onto every device."""
+        """``linear_cross_entropy.cross_entropy_sums``, chunked by the rows one device holds."""
         rows = local_shape(self.features_BTC.shape, BTC)[0]
         V = self.table_VC.shape[0]
         split_vocab = local_shape(self.table_VC.shape, (ACT_VOCAB, None))[0] < V

@@ -1,11 +1,9 @@
 """Several models decoding together (fairseq-generate's ``--path a.pt:b.pt``), as one flax module.
 
 At every position the members' next-token distributions are averaged, as fairseq's ``EnsembleModel`` does:
-``log((p_1 + ... + p_M) / M) = logsumexp_m(log p_m) - log M`` (the mean of the probabilities, in log space; not the
-mean of the log-probabilities, which would be a product of experts). ``Ensemble`` outputs these log-probs where a
-model outputs logits; they are normalised, so the search's and the scorer's ``log_softmax`` leaves them as they
-are, and an ensemble is searched, sampled and scored by the code that runs one model. Its params are
-``{"members_0": ..., "members_1": ...}``, each member's own tree; each member keeps its own decoding cache.
+``logsumexp_m(log p_m) - log M``, the mean of the probabilities (not a product of experts). These normalised log-probs
+stand where a model's logits do, so one model's search and scoring code runs an ensemble too. Its params are
+``{"members_0": ..., "members_1": ...}``.
 """
 from __future__ import annotations
 
@@ -23,15 +21,13 @@ Array = jax.Array
 
 
 def mixture(logits: Sequence[Array]) -> Array:
-    """``[B, T, V]`` log-probs of the mean of the members' distributions (``logits``: one ``[B, T, V]`` each),
-    in float32."""
+    """``[B, T, V]`` float32 log-probs of the mean of the members' distributions (``logits``: one each)."""
     logp_MBTV = jnp.stack([jax.nn.log_softmax(x.astype(jnp.float32), axis=-1) for x in logits])  # [M, B, T, V]
     return jax.nn.logsumexp(logp_MBTV, axis=0) - jnp.float32(math.log(len(logits)))  # [B, T, V]
 
 
 class Ensemble(nn.Module):
-    """``members`` (all ``EncoderDecoder`` or all ``DecoderOnlyLM``, one vocabulary) as one model: ``encode``
-    gives each member's encoder output (a tuple), ``run_decoder`` and ``__call__`` the mixture's log-probs."""
+    """``members`` (all ``EncoderDecoder`` or all ``DecoderOnlyLM``, one vocabulary) as one model."""
 
     members: tuple[nn.Module, ...]
 

@@ -1,13 +1,10 @@
 """Memorizing Transformer kNN-memory attention (Wu et al. 2022, "Memorizing Transformers").
 
-A document is fed window by window. Each layer attends locally (causal self-attention inside the window) and over
-the top-``num_neighbors`` (key, value) pairs retrieved by exact inner product from a FIFO memory of the same
-document's past windows, and gates the two per head: ``y = Out(g_h · mem + (1 - g_h) · local)``. Queries and keys
-are L2-normalised, so retrieval is a cosine search and stale entries keep their scale; the memory is never
-differentiated through. The memory is the mixer's carried state, the ``'memory'`` collection
-(``state = ("memory",)``; ``lconv.nn.mixer_state``): read first and written after in a call, only read when not
-mutable or when decoding, empty when absent. Its layout, the reset at a document start and the rules for packed
-windows: docs/models.md, "The mixers in detail".
+A document is fed window by window. Each layer attends locally (causal, inside the window) and over the
+top-``num_neighbors`` (key, value) pairs retrieved by exact inner product from a FIFO memory of the document's past
+windows, gated per head: ``y = Out(g_h · mem + (1 - g_h) · local)``. The memory is the mixer's carried state (the
+``'memory'`` collection, ``lconv.nn.mixer_state``); its layout, reset and packing rules: docs/models.md, "The mixers in
+detail".
 """
 from __future__ import annotations
 
@@ -40,13 +37,10 @@ PyTree = Any
 
 
 class KNNMemoryAttention(AttentionFields):
-    """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``).
+    """Local attention + top-k retrieval from a FIFO memory of past windows (registry ``"knn_memory"``); ``memory_size``
+    entries per row, ``num_neighbors`` retrieved per query and head."""
 
-    ``memory_size`` entries per row (one token's keys and values for every head), ``num_neighbors`` retrieved per
-    query and head. ``positions`` are not used."""
-
-    # Decoder only (mixer metadata, lconv.nn.mixers): its memory is carried across the windows of a document
-    # stream, which only a decoder-only LM reads; an encoder would only ever see an empty memory.
+    # Decoder only: the memory is carried across a document's windows, which only a decoder-only LM reads.
     sides: ClassVar[tuple[str, ...]] = ("decoder",)
     side_reason: ClassVar[str] = "its memory is carried across the windows of a decoder's document stream"
     label: ClassVar[str] = "kNN memory"
@@ -78,7 +72,6 @@ class KNNMemoryAttention(AttentionFields):
                                  self.param_dtype)
         q_BTHD = (q_BTHD * jnp.exp(log_scale_H.astype(jnp.float32))[:, None]).astype(self.dtype)  # τ_h q̂
 
-        # Local attention within the window (or the decode cache).
         kv, mask = attention_context(self, {"key": k_BTHD, "value": v_BTHD, "segment_ids": seg_BT}, decode)
         precision = self._precision()  # matmul_precision: projections and attention; retrieval is always HIGHEST
         logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, kv["key"], precision=precision,
@@ -87,12 +80,10 @@ class KNNMemoryAttention(AttentionFields):
                             dropout_rng=dropout_rng(self, self.attention_dropout, deterministic),
                             dtype=jnp.float32, precision=precision)
 
-        # Memory: read (past windows only), then write this window.
         gate_H = jax.nn.sigmoid(self.param("gate", per_head(nn.initializers.zeros), (H,), self.param_dtype))
         out_BTHD = local_BTHD
         if self.has_variable("memory", "keys") or self.is_mutable_collection("memory"):
             out_BTHD = self._read_then_write(q_BTHD, k_BTHD, v_BTHD, local_BTHD, gate_H, seg_BT, decode, precision)
-        # else: no 'memory' collection was passed, so there are no past windows (an empty memory).
         out_BTC = dense(C, "out", self, FROM_HEADS)(out_BTHD.astype(self.dtype).reshape(B, T, H * D))
         return out_BTC.astype(x_BTC.dtype)
 
@@ -131,14 +122,11 @@ def per_head(init: nn.initializers.Initializer) -> nn.initializers.Initializer:
 
 
 def reset_memory(memory: PyTree, reset_B: ArrayLike) -> PyTree:
-    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection of any model, as
-    ``init`` makes them: the class's ``reset_state`` (``lconv.nn.mixers.zero_rows``)."""
+    """Empties rows ``reset_B`` (bool ``[B]``) of every kNN layer in a ``'memory'`` collection."""
     return mixers.zero_rows(memory, reset_B)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Pure math
-# ----------------------------------------------------------------------------------------------------------
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
@@ -148,8 +136,7 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
 
 
 def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> tuple[Array, Array]:
-    """Exact top-k memory entries per query and head, ``(scores, indices)`` ``[B, H, T, k]``: HIGHEST precision, so
-    TF32 rounding cannot change what is retrieved; invalid slots score ``MASKED_LOGIT`` and come last."""
+    """Exact top-k entries per query and head, ``(scores, indices) [B, H, T, k]``, invalid slots last."""
     scores_BHTM = jnp.einsum("bthd,bmhd->bhtm", q_BTHD, keys_BMHD, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     scores_BHTM = jnp.where(valid_BM[:, None, None, :], scores_BHTM, MASKED_LOGIT)
@@ -159,8 +146,7 @@ def retrieve_top_k(q_BTHD: Array, keys_BMHD: Array, valid_BM: Array, k: int) -> 
 def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, k: int, *,
                      precision: jax.lax.Precision | None = None) -> tuple[Array, Array]:
     """Softmax attention of each query over its ``k`` retrieved entries, float32: ``(out [B, T, H, D], found [B, T,
-    H])``,
-    ``out`` 0 where nothing valid was retrieved."""
+    H])``, ``out`` 0 where nothing valid was retrieved."""
     scores_BHTJ, idx_BHTJ = retrieve_top_k(q_BTHD, keys_BMHD, valid_BM, k)
     ok_BHTJ = scores_BHTJ > MASKED_LOGIT / 2
     probs_BHTJ = jnp.where(ok_BHTJ, jax.nn.softmax(scores_BHTJ, axis=-1), 0.0)
@@ -172,8 +158,7 @@ def memory_attention(q_BTHD: Array, keys_BMHD: Array, values_BMHD: Array, valid_
 
 def fifo_append(keys_BMHD: Array, values_BMHD: Array, valid_BM: Array, new_k_BTHD: Array, new_v_BTHD: Array,
                 new_valid_BT: Array) -> tuple[Array, Array, Array]:
-    """Appends the valid new entries after the valid old ones, keeping the newest ``M``: a stable sort on ``valid``
-    moves empty slots first and keeps time order."""
+    """Appends the valid new entries after the valid old ones, keeping the newest ``M`` in time order."""
     M = keys_BMHD.shape[1]
     k = jnp.concatenate([keys_BMHD, new_k_BTHD.astype(keys_BMHD.dtype)], axis=1)  # [B, M + T, H, D]
     v = jnp.concatenate([values_BMHD, new_v_BTHD.astype(values_BMHD.dtype)], axis=1)

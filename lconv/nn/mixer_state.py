@@ -1,15 +1,8 @@
 """The state a model's mixers carry from one window of a document to the next: the mixer contract's ``state``.
 
-``MixerState`` holds a model's carried collections with each class's ``reset_state``, so whoever feeds a document
-stream threads any mixer's state without naming one::
-
-    carried = mixer_state.initial(model, args, kwargs)        # init's values, every leaf [rows, ...]
-    for batch in windows:
-        carried = carried.reset(batch["document_start"] > 0)  # rows that start a new document start over
-        logits, carried = carried.apply(model.apply, params, *args, **kwargs)   # read, then updated
-
-It is a pytree, so it lives in the train state and its checkpoints and passes through ``jit`` and ``scan``. The
-contract: docs/models.md, "A mixer with state".
+``MixerState`` holds a model's carried collections with each class's ``reset_state``, so whoever feeds a document stream
+threads any mixer's state without naming one (``initial``, then per window ``reset`` and ``apply``). It is a pytree: it
+lives in the train state and passes through ``jit`` and ``scan``. The contract: docs/models.md, "A mixer with state".
 """
 from __future__ import annotations
 
@@ -58,8 +51,7 @@ def empty() -> MixerState:
 
 
 def declared(model_config: ModelConfig) -> dict[str, Reset]:
-    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` names.
-    Two mixers may share a collection only with the same hook: one hook resets a collection in every layer."""
+    """``{collection: reset hook}`` over the mixers of every layer ``model_config`` names."""
     return {collection: hook for collection, (hook, _) in _declared(model_config).items()}
 
 
@@ -84,9 +76,8 @@ def _declared(model_config: ModelConfig) -> dict[str, tuple[Reset, str]]:
 
 def initial(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             sharding: jax.sharding.Sharding | None = None) -> MixerState:
-    """The state ``model.init(rng, *args, **kwargs)`` creates for its stateful mixers (the batch's rows), or the
-    empty state. ``sharding``: lay every leaf out so (rows as the batch; created by a jit, so every process builds
-    its shards of one global array); None gives plain arrays (or traced ones inside a jit)."""
+    """The state ``model.init(rng, *args, **kwargs)`` creates for its stateful mixers, or the empty state; ``sharding``
+    lays every leaf out with the batch's rows (None: plain arrays)."""
     owned = _declared(model.config)
     if not owned:
         return empty()
@@ -116,8 +107,7 @@ _checked: set[Any] = set()  # (model, batch shapes) whose state rules held: trac
 
 def check_rules(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 owned: dict[str, tuple[Reset, str]]) -> None:
-    """``lconv.testing.check_mixer``'s state rules on a run's model and batch, traced before any data: init makes every
-    declared collection, a window keeps each leaf's shape and dtype, ``reset_state`` returns its tree. One line each."""
+    """``lconv.testing.check_mixer``'s state rules on a run's model and batch, traced before any data; one line each."""
     key = (model, jax.tree.map(lambda x: (x.shape, x.dtype), (args, kwargs)).__repr__())
     try:
         if key in _checked:

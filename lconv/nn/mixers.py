@@ -1,11 +1,8 @@
 """The token-mixer registry: one name -> one Flax linen module, one call signature for all. Open to plugins.
 
-Every token mixer is a ``flax.linen.Module`` mapping a normalised ``[B, T, C]`` sequence to an update of the same
-shape; the model around it owns the layer norm, the residual dropout and the residual add, so mixers swap per layer
-by name. The contract and the class attributes lconv reads (``info``): docs/models.md, "The mixer contract";
-``lconv.testing.check_mixer`` checks it. A name is a registered one or a ``"package.module:Class"`` imported on
-first use; ``register_mixer`` and the ``lconv.mixers`` entry-point group add names. Feed-forward sublayers have a
-registry of their own with the same rules (``ffn_class``).
+A name is a registered one or a ``"package.module:Class"`` imported on first use; ``register_mixer`` and the
+``lconv.mixers`` entry-point group add names, and FFNs have a registry with the same rules. The contract:
+docs/models.md, "The mixer contract" (``lconv.testing.check_mixer`` checks it).
 """
 from __future__ import annotations
 
@@ -149,9 +146,8 @@ LAYER_SPEC = "a mixer name, a comma list, or a list of names, one per layer"
 
 
 def is_layer_spec(value: Any) -> bool:
-    """Whether ``value`` can be a mixer field (``encoder_mixer``): a string or a list of strings. Anything else (a
-    JSON object in a stored config) is refused before it is read, for ``list()`` of a dict gives its keys, which
-    would then be resolved, and a ``"module:Class"`` key imported, past the trust check."""
+    """Whether ``value`` can be a mixer field: a string or a list of strings. Anything else (a JSON object in a stored
+    config) is refused before ``list()`` could resolve, and import, its keys past the trust check."""
     return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
 
 
@@ -196,8 +192,7 @@ def _import(kind: str, name: str, target: str) -> type[nn.Module]:
 
 
 def import_plugin_module(module_name: str, what: str) -> Any:
-    """The plugin module ``module_name``, imported for ``what``; whatever its import raises is one line naming the
-    module and where it failed, with no traceback: the user's code is to blame, not lconv."""
+    """The plugin module ``module_name``; whatever its import raises is one line naming where it failed."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -209,8 +204,7 @@ def import_plugin_module(module_name: str, what: str) -> Any:
 
 
 def runs_no_new_code(kind: str, spec: str) -> bool:
-    """Whether resolving ``spec`` ("module:Class") imports nothing new: this process's registry names it or its module
-    is imported. Anything else in a stored config would run a file from elsewhere (``trust_plugins``)."""
+    """Whether resolving ``spec`` ("module:Class") imports nothing new (else ``trust_plugins`` is needed)."""
     _load_entry_points()
     table = _MIXERS if kind == "mixer" else _FFNS
     if any(spec == _describe(target) for target in table.values()):
@@ -313,9 +307,7 @@ def zero_rows(tree: Any, reset_B: Any) -> Any:
 
 
 def layer_layout(name: str, num_layers: int) -> str:
-    """The ``{side}_mixer`` value that gives ``num_layers`` layers mixer ``name`` by its class's ``layout`` rule:
-    ``name`` alone, or a comma list with ``name`` at the (clamped) ``layout`` indices and ``layout_others`` elsewhere.
-    """
+    """The ``{side}_mixer`` value that gives ``num_layers`` layers mixer ``name`` by its ``layout`` rule."""
     i = info(name)
     if i.layout is None or num_layers < 1:
         return name
@@ -336,8 +328,7 @@ def sides(name: str) -> tuple[str, ...]:
 
 
 def variants() -> dict[str, str]:
-    """``{variant word: registered name}``: a mixer's name picks it, and so does its ``variant`` word unless that word
-    already picks another mixer (refused at ``register_mixer``; warned about and left out otherwise)."""
+    """``{variant word: registered name}``: the words that pick each mixer, besides its name."""
     words = {name: name for name in mixer_names()}
     for i in importable_infos():
         if words.setdefault(i.variant, i.name) != i.name:
@@ -354,8 +345,7 @@ def variant_words(side: str | None = None, both_sides: bool = False) -> list[str
 
 
 def importable_infos() -> list[MixerInfo]:
-    """``info`` of each registered mixer; one whose module cannot be imported is left out with a warning, so it breaks
-    no config that does not name it."""
+    """``info`` of each registered mixer; one that cannot be imported is left out with a warning."""
     out = []
     for name in mixer_names():
         try:
@@ -400,8 +390,7 @@ def _build(kind: str, cls: type[nn.Module], name: str, kwargs: dict[str, Any]) -
 
 
 def check_output(name: Any, x: Any, y: Any, where: str) -> None:
-    """The checker's 'output' rule (one array of x's shape and dtype), applied as a model traces each mixer: a plugin's
-    wrong output is one line naming it, not a shape error deep in the model."""
+    """The checker's 'output' rule, applied as a model traces each mixer: a wrong output is one line."""
     if not (hasattr(y, "shape") and hasattr(y, "dtype")) or (y.shape, y.dtype) != (x.shape, x.dtype):
         raise UserError(f"mixer {_describe(name) if not isinstance(name, str) else name!r} ({where}) returned "
                         f"{describe_output(y)} for x {x.dtype}{list(x.shape)}: a mixer returns one array of x's shape "

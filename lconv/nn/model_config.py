@@ -1,9 +1,6 @@
-"""``ModelConfig``: the hyper-parameters of both model kinds (``lconv.nn.models``) and their validation, one
-place for every check a config's ``model`` field gets before anything is traced.
-
-Each field carries its default, rule and doc (``lconv.fields``): the config's ``model`` section
-(``configs/common.py``) and docs/config.md are read from them, and a model built without a config file gets the
-same defaults."""
+"""``ModelConfig``: the hyper-parameters of both model kinds (``lconv.nn.models``) and every check a config's ``model``
+field gets before anything is traced. Each field carries its default, rule and doc (``lconv.fields``), which
+docs/config.md is made from."""
 from __future__ import annotations
 
 import dataclasses
@@ -160,7 +157,6 @@ class ModelConfig:
     share_decoder_input_output: bool = field(
         False, "with share_embeddings=False: the target embedding is also the output layer (fairseq's "
         "--share-decoder-input-output-embed)", BOOL)
-    # --- The decoder's two ends as fairseq's language models build them (lconv.nn.decoder_ends) -------------------
     decoder_input_dim: int = field(0, "token embedding width of the decoder, projected to d_model without bias "
                                    "(fairseq's decoder_input_dim, project_in_dim); 0 = d_model", _OPTIONAL_WIDTH)
     decoder_output_dim: int = field(0, "width the decoder's output is projected to, without bias, before the "
@@ -191,8 +187,7 @@ class ModelConfig:
                                    "with separate source and target dictionaries: the target's come first)",
                                    integer(0))
 
-    # ---- Per-side overrides (fairseq's encoder_* / decoder_* arguments): None = the shared field of the same
-    # name above. Model code reads them through ``side(name)``, never directly.
+    # Per-side overrides (fairseq's encoder_* / decoder_*): None = the shared field; read through ``side(name)``.
     encoder_d_model: int | None = field(None, "encoder width; None = d_model", _SIDE_COUNT, placeholder=int)
     decoder_d_model: int | None = field(None, "decoder width; None = d_model (the encoder-decoder attention reads "
                                         "keys and values of the encoder's width)", _SIDE_COUNT, placeholder=int)
@@ -214,9 +209,7 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, cfg: Any, *, decoder_only: bool = False, **overrides: Any) -> ModelConfig:
-        """From an ml_collections ``config.model`` (or a dict), validated (``validate``) for an encoder-decoder or,
-        with ``decoder_only``, for a decoder-only LM as well; unknown fields are a one-line error. A ModelConfig
-        already validated so is returned as it is."""
+        """From an ml_collections ``config.model`` (or a dict), validated; unknown fields are a one-line error."""
         if isinstance(cfg, cls) and not overrides:
             cfg.ensure_valid(decoder_only)
             return cfg
@@ -295,8 +288,7 @@ class ModelConfig:
         object.__setattr__(self, "_valid_for", self.__dict__.get("_valid_for", frozenset()) | {decoder_only})
 
     def check_kernel_counts(self, decoder_only: bool = False) -> None:
-        """One kernel size for all layers, or exactly one per layer of a side whose mixers take one (a surplus would be
-        ignored without a word); a model built in code may give more and takes the first ``layers``."""
+        """One kernel size for all layers, or exactly one per layer of a side whose mixers take one."""
         for side in ("decoder",) if decoder_only else BOTH_SIDES:
             layers = getattr(self, f"{side}_layers")
             if not any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
@@ -308,8 +300,7 @@ class ModelConfig:
                                 f"layers{surplus}: give one per layer, or one for all")
 
     def _check_mixer_kwargs(self, decoder_only: bool) -> None:
-        """``mixer_kwargs`` names registered mixers or the layers' (a plugin's spec or class name), and fields they
-        have: a typo (``dynamic_conv``) would otherwise be ignored; ``ffn_kwargs`` names the FFN's fields."""
+        """``mixer_kwargs`` and ``ffn_kwargs`` name registered mixers and fields they have (no typo ignored)."""
         used: dict[str, set[str]] = {}
         for side in ("decoder",) if decoder_only else BOTH_SIDES:
             for name in self.layer_mixers(side):
@@ -364,8 +355,7 @@ class ModelConfig:
             check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
 
     def side(self, name: str) -> SideConfig:
-        """Side ``name``'s block settings: its ``{name}_<field>`` where set, else the shared one (a conv width 0: its
-        own)."""
+        """Side ``name``'s block settings: its ``{name}_<field>`` where set, else the shared one."""
         if name not in BOTH_SIDES:
             raise ValueError(f"side must be one of {BOTH_SIDES}; got {name!r}")
         values = {}

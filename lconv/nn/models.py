@@ -1,13 +1,8 @@
 """Encoder-decoder and decoder-only models built from the token-mixer registry (fairseq's LightConv architecture).
 
-A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer wrapped as fairseq does::
-
-    residual = x;  x = LN(x) if normalize_before;  x = sublayer(x);  x = dropout(x);  x = residual + x
-    x = LN(x) if not normalize_before                                  (post-norm, the paper's default)
-
-Each layer's mixer and kernel size are config values (``ModelConfig``), so the paper's models are configs, not
-code. Logits are float32. Token ids: ``PAD = 0``; the decoder input is the target shifted right inside each packed
-segment, starting with ``BOS``. Every mixer and each config's parameter count: docs/models.md.
+A layer is ``mixer block -> [encoder-decoder attention] -> FFN``, each sublayer wrapped as fairseq does (pre- or
+post-norm, dropout, residual); each layer's mixer and kernel size are config values, so the paper's models are configs,
+not code. Every mixer and each config's parameter count: docs/models.md.
 """
 from __future__ import annotations
 
@@ -33,9 +28,7 @@ from lconv.ops import activations
 Array = jax.Array
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Models
-# ----------------------------------------------------------------------------------------------------------------
 class EncoderDecoder(nn.Module):
     """fairseq's ``lightconv`` translation model. ``__call__`` = ``encode`` then ``run_decoder`` (teacher forcing)."""
 
@@ -68,8 +61,7 @@ class EncoderDecoder(nn.Module):
                     inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
                     targets_position: Array | None = None, deterministic: bool = True, decode: bool = False,
                     logits: bool = True) -> Array | decoder_ends.OutputLayer:
-        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input``; with ``logits=False`` the output layer's
-        inputs."""
+        """Float32 logits ``[B, T, V]`` of the shifted ``decoder_input`` (``logits=False``: the output's inputs)."""
         encoded_segments = _segments(inputs_BS, inputs_segmentation)
         segment_ids = None if decode else _segments(decoder_input_BT, targets_segmentation, allow_pad_start=True)
         positions = self.positions(decoder_input_BT, targets_position, decode)
@@ -93,8 +85,7 @@ class EncoderDecoder(nn.Module):
 
 
 class DecoderOnlyLM(nn.Module):
-    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack, pre-norm (unless ``lm_pre_norm=False``) and
-    a final norm (unless ``decoder_final_norm=False``)."""
+    """fairseq's ``lightconv_lm`` / ``transformer_lm``: a causal stack, pre-norm and a final norm by default."""
 
     config: ModelConfig
 
@@ -126,9 +117,7 @@ class DecoderOnlyLM(nn.Module):
                        deterministic, logits)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Layers
-# ----------------------------------------------------------------------------------------------------------------
 class Stack(nn.Module):
     """Encoder or decoder layers, with the final layer norm that pre-norm models need."""
 
@@ -155,10 +144,7 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``REMAT_POLICIES``) if any.
-
-    ``dots`` keeps the projections' and FFN's matmul outputs (the costliest to recompute) and recomputes attention
-    scores, softmax, convs and norms; the parameter tree is the same under every policy."""
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names, if any."""
     if policy not in REMAT_POLICIES:
         raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -219,9 +205,8 @@ class Layer(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """``Dense(d -> ffn) -> activation -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases
-    (``ffn_type`` ``"dense"``; ReLU unless ``activation`` names another, ``lconv.ops.activations``). Feed-forward
-    sublayers take ``segment_ids`` too (CoLT5's routes within segments)."""
+    """``Dense(d -> ffn) -> activation -> dropout -> Dense(ffn -> d)``, xavier-uniform with zero biases (ReLU unless
+    ``activation`` names another); takes ``segment_ids`` as every FFN does."""
 
     model_fields: ClassVar[dict[str, str]] = {"hidden_dim": "ffn_dim", "relu_dropout": "relu_dropout",
                                               "activation": "activation", "dtype": "dtype",
@@ -241,12 +226,9 @@ class FeedForward(nn.Module):
         return linear(x_BTC.shape[-1], (MLP, EMBED), name="fc2")(h)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Pieces
-# ----------------------------------------------------------------------------------------------------------------
 def _mixer_fields(cfg: ModelConfig, name: str, side: str, layer: int, causal: bool) -> dict[str, Any]:
-    """Layer ``layer``'s mixer fields: the model values its class declares (``model_fields``), by name, then the
-    config's ``mixer_kwargs`` for it. A declared value the model does not provide is an error, never a drop."""
+    """Layer ``layer``'s mixer fields: those its class declares, then ``mixer_kwargs``; a missing one is an error."""
     kwargs = _model_values(cfg, name, mixers.mixer_class(name), side, layer, causal)
     extra = dict(cfg.mixer_kwargs or {})  # keyed by the name a layer uses (a plugin's also by its class name)
     kwargs.update(dict(extra.get(name, extra.get(name.rpartition(":")[2], {}) if mixers.is_spec(name) else {})))
@@ -295,8 +277,7 @@ def _output_projection(cfg: ModelConfig) -> nn.Module:
 def _output(cfg: ModelConfig, x_BTC: Array, embedding: nn.Module, projection: nn.Module | None, deterministic: bool,
             logits: bool) -> Array | decoder_ends.OutputLayer:
     """Float32 logits ``[B, T, V]`` (the adaptive softmax's log-probabilities), or with ``logits=False`` the output
-    layer's inputs (``decoder_ends.OutputLayer``) for a loss that makes the logits itself. Ids past
-    ``output_vocab_size`` (source-only pieces) score -inf, as fairseq's target dictionary does."""
+    layer's inputs; ids past ``output_vocab_size`` score -inf, as in fairseq."""
     if cfg.adaptive_softmax_cutoffs:
         tied = decoder_ends.tied_bands(cfg, embedding)
         return constrain(projection(x_BTC, deterministic=deterministic, tied=tied), BTV)
@@ -316,8 +297,8 @@ def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
 
 
 class ScaleAndPosition(nn.Module):
-    """``dropout(LN?(sqrt(d) * embedding + position embedding))`` of one side, as fairseq's (the norm only with
-    ``layernorm_embedding``). Positions are looked up at ``position + position_offset``: 2 for a fairseq model."""
+    """``dropout(LN?(sqrt(d) * embedding + positions))`` of one side, as fairseq's, positions at ``+ position_offset``.
+    """
 
     config: ModelConfig
     side: str  # "encoder" or "decoder": whose learned_positions
@@ -363,8 +344,7 @@ def sinusoidal_positions(positions_BT: Array, dim: int) -> Array:
 
 @functools.lru_cache(maxsize=8)
 def sinusoidal_table(length: int, dim: int) -> np.ndarray:
-    """``sinusoidal_positions`` of positions ``0 .. length - 1``, ``[length, dim]``: one constant for every step,
-    computed once by the same XLA ops (so each row is bit for bit what the step would compute)."""
+    """``sinusoidal_positions`` of ``0 .. length - 1``, ``[length, dim]``, computed once by the same XLA ops."""
     with jax.ensure_compile_time_eval():
         rows = jax.jit(sinusoidal_positions, static_argnums=1)(jnp.arange(length, dtype=jnp.int32)[None], dim)
         return np.asarray(rows[0])

@@ -1,9 +1,6 @@
-"""The FFN's activation functions by name (``config.model.activation``; fairseq's ``--activation-fn``).
-
-``gelu`` is the exact erf form (fairseq's ``gelu``, PyTorch's default); ``gelu_accurate`` is the tanh approximation
-(fairseq's ``gelu_accurate``, which its ``gelu_fast`` is an old name of). Each is computed in float32 and cast
-back, as fairseq's ``gelu`` does, so a bfloat16 model's activation is rounded once, not at every step.
-"""
+"""The FFN's activation functions by name (``config.model.activation``; fairseq's ``--activation-fn``): ``gelu`` the
+exact erf form, ``gelu_accurate`` the tanh approximation. Each is computed in float32 and cast back, as fairseq's
+``gelu`` is, so a bfloat16 activation is rounded once."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,8 +13,7 @@ Array = jax.Array
 
 @jax.custom_vjp
 def relu(x: Array) -> Array:
-    """``max(x, 0)`` with ``jax.nn.relu``'s derivative, its mask kept for the backward pass packed 8 to a byte: XLA
-    would otherwise keep the FFN's float32 pre-activation to recompute ``x > 0`` (docs/kernels.md)."""
+    """``max(x, 0)`` with its backward mask packed 8 to a byte (docs/kernels.md)."""
     return jnp.maximum(x, 0)
 
 
@@ -66,8 +62,7 @@ def _glu_forward(a, b):
 
 def _glu_backward(residuals, g):
     a, b = residuals
-    # sigmoid(b) = (1 + tanh(b / 2)) / 2: another op than the forward pass's logistic, which XLA would otherwise
-    # merge with this one and keep from the forward pass
+    # sigmoid(b) via tanh: another op than the forward's logistic, which XLA would merge with it and keep
     t = jnp.tanh(b * 0.5)
     return g * (0.5 + 0.5 * t), g * a * (0.25 * (1 - t * t))
 

@@ -1,9 +1,5 @@
-"""The math of attention, pure ``jnp``: masks, logits, the masked softmax and its weighted sum.
-
-Shared by every attention-family module (``lconv.nn.attention``, ``lconv.nn.colt5``, ``lconv.nn.knn_memory``).
-Masks are boolean ``[B, 1|H, T, S]``; logits, softmax and the probability-value accumulation run in float32
-whatever the activation dtype.
-"""
+"""The math of attention, pure ``jnp``: masks, logits, the masked softmax and its weighted sum, shared by every
+attention-family module. Masks are boolean ``[B, 1|H, T, S]``; logits, softmax and accumulation run in float32."""
 from __future__ import annotations
 
 import math
@@ -19,8 +15,7 @@ Array = jax.Array
 
 def attention_mask(q_seg_BT: Array, k_seg_BS: Array, q_idx_T: Array | None = None, k_idx_S: Array | None = None,
                    *, causal: bool = False, radius: int | None = None) -> Array:
-    """Boolean ``[B, 1, T, S]``: same non-zero segment; if ``causal`` key index <= query index; if ``radius``
-    is given, ``|key index - query index| <= radius`` (local attention)."""
+    """Boolean ``[B, 1, T, S]``: same non-zero segment, and key <= query if ``causal``, within ``radius`` if given."""
     m_BTS = (q_seg_BT[:, :, None] == k_seg_BS[:, None, :]) & (q_seg_BT[:, :, None] != 0)
     if causal or radius is not None:
         q_idx_T = jnp.arange(q_seg_BT.shape[1]) if q_idx_T is None else q_idx_T
@@ -41,8 +36,7 @@ def dot_product_logits(q_BTHD: Array, k_BSHD: Array, *, precision: Any = None) -
 
 
 def _head_major(k_BSHD: Array) -> Array:
-    """``[B, H, S, D]``, on CPU written out once behind an optimisation barrier: the logits' dot and the query
-    gradient's both read it, where XLA wrote the keys out twice, as ``[B, H, S, D]`` and ``[B, H, D, S]``."""
+    """``[B, H, S, D]``, on CPU written out once behind an optimisation barrier (not twice)."""
     return jax.lax.platform_dependent(k_BSHD, cpu=lambda k: jax.lax.optimization_barrier(k.transpose(0, 2, 1, 3)),
                                       default=lambda k: k.transpose(0, 2, 1, 3))
 
@@ -77,8 +71,7 @@ def dot_product_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, mask_BHTS
 
 def head_major_attention(q_BHTD: Array, k_BHDS: Array, v_BHSD: Array, mask_BHTS: Array, *, dtype: Any = None,
                          precision: Any = None) -> Array:
-    """``dot_product_attention`` on head-major operands, ``[B, H, T, D]`` out: the layout a cache read every step is
-    kept in, since in ``[B, S, H, D]`` XLA:CPU transposed the whole cache at every decoding step."""
+    """``dot_product_attention`` on head-major operands, ``[B, H, T, D]`` out: a cache's layout."""
     logits_BHTS = jnp.einsum("bhtd,bhds->bhts", q_BHTD, k_BHDS, precision=precision,
                              preferred_element_type=jnp.float32) / math.sqrt(q_BHTD.shape[-1])
     probs_BHTS = masked_softmax(logits_BHTS, mask_BHTS)

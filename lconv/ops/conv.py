@@ -1,15 +1,7 @@
-"""Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics.
-
-Depthwise 1-D cross-correlations over time, zero outside the sequence; heads own contiguous channel blocks::
-
-    y[b, t, c] = sum_{k < K} w[h(c), k] * x[b, t + k - padding_left, c]
-
-``light_conv`` shares one ``[H, K]`` kernel over all positions, ``dynamic_conv`` takes one per position
-(``[B, T, H, K]``). ``impl`` picks the implementation ("conv", "band", "shift", "unfold", "pallas", "auto"), all
-equal to 1e-5 in float32; ``segment_ids`` makes packed rows behave as separate sequences; the ``*_step``
-functions decode a chunk of new positions from a ``[B, K - 1, C]`` state. Accumulation is float32.
-How each implementation works and why "auto" picks what it does: docs/kernels.md.
-"""
+"""Pure functions for lightweight and dynamic convolutions (Wu et al., ICLR 2019), with fairseq's semantics: depthwise
+1-D cross-correlations over time, heads owning contiguous channel blocks. ``impl`` picks the implementation (all equal
+to 1e-5 in float32); ``segment_ids`` keeps packed rows apart; the ``*_step`` functions decode from a ``[B, K - 1, C]``
+state. How each implementation works and what "auto" picks: docs/kernels.md."""
 from __future__ import annotations
 
 import functools
@@ -29,9 +21,7 @@ LIGHT_IMPLS = ("auto", "conv", "band", "shift", "unfold", "pallas")
 DYNAMIC_IMPLS = ("auto", "band", "shift", "unfold", "pallas")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Public API
-# ----------------------------------------------------------------------------------------------------------------
 def light_conv(x_BTC: Array, weight_HK: Array, padding_left: int, *, impl: str = "auto",
                segment_ids: Array | None = None, block_size: int | None = None) -> Array:
     """Lightweight convolution: one normalised ``[H, K]`` kernel shared over positions. Returns ``[B, T, C]``."""
@@ -76,21 +66,18 @@ def dynamic_conv(x_BTC: Array, weight_BTHK: Array, padding_left: int, *, impl: s
     return _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size).astype(x_BTC.dtype)
 
 
-# The "auto" rule: "shift" measured fastest on CPU, "band" on a GPU (dense tiles suit matrix units); the
-# measurements are in docs/kernels.md and docs/benchmarks.md.
+# The "auto" rule: "shift" measured fastest on CPU, "band" on a GPU (docs/kernels.md, docs/benchmarks.md).
 _AUTO_IMPL = {"cpu": "shift"}  # platform (as jax.lax.platform_dependent names it) -> impl; others get "band"
 _AUTO_DEFAULT = "band"
 
 
 def choose_impl(backend: str | None = None) -> str:
-    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (default: JAX's), at every shape
-    measured so far, so the rule reads no shape."""
+    """The ``"auto"`` rule: the implementation measured fastest on ``backend`` (default: JAX's), whatever the shape."""
     return _AUTO_IMPL.get(backend or jax.default_backend(), _AUTO_DEFAULT)
 
 
 def _per_platform(op, x_BTC, weight, padding_left, segment_ids, block_size):
-    """``op`` with ``impl="auto"``: every candidate is traced and ``jax.lax.platform_dependent`` keeps the one for the
-    platform the program is lowered for, so a program exported for a GPU from a CPU host carries the GPU's choice."""
+    """``op`` with ``impl="auto"``: ``jax.lax.platform_dependent`` keeps the lowering platform's candidate."""
     def run(impl):
         return functools.partial(_run_impl, op, impl=impl, padding_left=padding_left, block_size=block_size)
 
@@ -125,10 +112,8 @@ def light_conv_step(x_BTC: Array, state_BPC: Array, weight_HK: Array) -> tuple[A
 
 
 def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tuple[Array, Array]:
-    """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``.
-
-    K unrolled float32 multiply-adds of shifted inputs, not a dot: for a beam search's one-token step XLA:CPU spent
-    more on copying the window into a dot's layout than on the arithmetic (docs/kernels.md)."""
+    """Causal dynamic conv over ``T >= 1`` new positions, each with its own kernel ``weight [B, T, H, K]``: K unrolled
+    multiply-adds, not a dot (docs/kernels.md)."""
     B, T, C, H, K = _check_dynamic(x_BTC, weight_BTHK, weight_BTHK.shape[-1] - 1)
     _check_state(state_BPC, B, K, C)
     x_all = jnp.concatenate([state_BPC.astype(x_BTC.dtype), x_BTC], axis=1)  # [B, P+T, C]
@@ -139,9 +124,7 @@ def dynamic_conv_step(x_BTC: Array, state_BPC: Array, weight_BTHK: Array) -> tup
     return y_BTHD.reshape(B, T, C).astype(x_BTC.dtype), x_all[:, T:]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Implementations
-# ----------------------------------------------------------------------------------------------------------------
 def _dynamic(x_BTC, weight_BTHK, padding_left, impl, block_size):
     K = weight_BTHK.shape[-1]
     if impl == "band":
@@ -216,11 +199,7 @@ def _tile_windows(x_BTC, padding_left, K, L, H):
 
 
 def _skew(rows_LK):
-    """``[..., L, K] -> [..., L, L+K-1]`` with row ``i`` shifted right by ``i`` (zeros elsewhere).
-
-    Pad each row to ``L + K`` and read the flat buffer with row stride ``L + K - 1``: row ``i`` then starts ``i``
-    places later. Pure pad/reshape/slice, so XLA fuses it and its transpose is as cheap.
-    """
+    """``[..., L, K] -> [..., L, L+K-1]`` with row ``i`` shifted right by ``i``, by pad/reshape/slice."""
     *lead, L, K = rows_LK.shape
     padded = jnp.pad(rows_LK, [(0, 0)] * len(lead) + [(0, 0), (0, L)])  # [..., L, L+K]
     flat = padded.reshape(*lead, L * (L + K))[..., : L * (L + K - 1)]
@@ -240,9 +219,7 @@ def _block(block_size, T, K):
     return max(block_size, K - 1, 1)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Argument checks: one-line ValueErrors naming the argument
-# ----------------------------------------------------------------------------------------------------------------
 def _check_x(x_BTC):
     if getattr(x_BTC, "ndim", None) != 3:
         raise UserError(f"x must be [batch, time, channels]; got shape {getattr(x_BTC, 'shape', None)}")

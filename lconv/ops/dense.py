@@ -1,15 +1,6 @@
-"""The matmul of a dense layer, ``x[..., I] @ w[I, O]``, whose weight gradient XLA:CPU runs at full speed.
-
-Autodiff makes a dense layer's weight gradient ``x^T dy`` as one dot contracting the leading (token) axis of both
-operands. XLA:CPU's matmul library does not take that layout and runs it in a fallback at about half the rate of
-the forward's dots: a quarter of the default translation model's CPU training step went to these dots
-(docs/default-run.md). ``dense_dot_general`` (a ``dot_general`` for ``flax.linen.Dense``) has its own VJP
-whose weight gradient, on CPU only, first writes the narrower of ``x`` and ``dy`` out transposed (``[I, N]`` or
-``[O, N]``, behind an optimisation barrier so that XLA does not fold the transpose back into the dot; the
-narrower, so that the copy adds the least to the step's peak memory) and then multiplies in the layout the library
-takes. On every other backend the gradient is autodiff's own dot. Both are the same sums, in the same precision
-and dtype.
-"""
+"""The matmul of a dense layer, ``x[..., I] @ w[I, O]``, whose weight gradient XLA:CPU runs at full speed: on CPU the
+VJP writes the narrower operand out transposed first, into the layout XLA:CPU's matmul library takes; elsewhere it is
+autodiff's dot. Why and how: docs/kernels.md, "The dense layers' weight gradient"."""
 from __future__ import annotations
 
 import functools

@@ -1,11 +1,7 @@
 """Dropout's keep mask from 16 random bits an element, half the random words (and memory) of ``nn.Dropout``'s.
 
-``flax.linen.Dropout`` draws a 32-bit uniform per element (``jax.random.bernoulli``). With JAX's partitionable
-threefry every drawn word is the xor of two ``uint32`` arrays of the full shape, and XLA keeps those two arrays
-from the forward to the backward pass to recompute the mask. Here each 32-bit word gives two elements, so the kept
-arrays are half as large. The drop probability is the rate rounded to a multiple of ``2**-16``; kept values are
-scaled by ``1 / (1 - rate)``. The last axis is the one paired, so a batch split over devices stays split; the
-backward pass reads the mask packed 8 to a byte (a custom VJP), so XLA keeps no random words.
+The drop probability is the rate rounded to a multiple of ``2**-16``; kept values are scaled by ``1 / (1 - rate)``; the
+backward reads the mask packed 8 to a byte. Details: docs/kernels.md.
 """
 from __future__ import annotations
 

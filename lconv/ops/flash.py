@@ -1,12 +1,6 @@
-"""Attention without ``[B, H, T, S]`` logits: a blockwise XLA kernel for every backend, cuDNN flash attention on
-CUDA, and the per-backend choice between them (``segment_attention``).
-
-The mask is described, not materialised (segment ids, ``causal``, ``radius``), exactly as
-``lconv.ops.attention.attention_mask`` builds it; queries that see no key get zeros. Logits, softmax and
-accumulation are float32. ``impl``: "xla" (materialised), "chunked" (online softmax over blocks, a
-FlashAttention-2 style backward), "cudnn", or "auto", chosen for the platform the program is lowered for
-(docs/kernels.md).
-"""
+"""Attention without ``[B, H, T, S]`` logits: a blockwise XLA kernel for every backend, cuDNN flash attention on CUDA,
+and the per-platform choice between them (``segment_attention``). The mask is described (segments, ``causal``,
+``radius``), not materialised; accumulation is float32. docs/kernels.md."""
 from __future__ import annotations
 
 import functools
@@ -23,15 +17,12 @@ from lconv.ops.attention import attention_mask, dot_product_attention
 
 Array = jax.Array
 
-# Per lowering platform: (the T * S from which "auto" takes "chunked" over "xla", chunked's default block); the
-# CPU's from measurement, the others where XLA's float32 logits still fit (docs/kernels.md).
+# Per platform: (the T * S from which "auto" takes "chunked" over "xla", chunked's block); docs/kernels.md.
 XLA_RULES = {"cpu": (128 * 128, 256), "default": (1024 * 1024, 512)}
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # The blockwise kernel
-# ----------------------------------------------------------------------------------------------------------
 
 
 class _Blocks(NamedTuple):
@@ -177,10 +168,8 @@ def chunked_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       k_seg_BS: Array | None = None, *, causal: bool = False, radius: int | None = None,
                       dropout_rate: float = 0.0, dropout_rng: Array | None = None, dtype: Any = None,
                       precision: Any = None, block_q: int = 512, block_k: int = 512) -> Array:
-    """Blockwise masked attention with an online softmax, ``[B, T, H, D]`` in ``dtype`` (default ``v``'s).
-
-    Equals ``dot_product_attention`` under ``attention_mask(q_seg, k_seg, causal, radius)`` to float32 rounding, and
-    so do its gradients. Dropout draws its own keep mask per block, redrawn identically by the backward."""
+    """Blockwise masked attention with an online softmax, ``[B, T, H, D]`` in ``dtype`` (default ``v``'s):
+    ``dot_product_attention`` to float32 rounding, gradients too; dropout redraws its mask per block."""
     (B, T, _, D), S = q_BTHD.shape, k_BSHD.shape[1]
     if block_q <= 0 or block_k <= 0:
         raise UserError(f"attention blocks must be positive, got block_q={block_q}, block_k={block_k}")
@@ -199,9 +188,7 @@ def chunked_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
     return out[:, :T].astype(dtype or v_BSHD.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # cuDNN flash attention
-# ----------------------------------------------------------------------------------------------------------
 
 
 def _rows_with_grad(ok_BT: Array, x_BTHD: Array) -> Array:
@@ -218,8 +205,8 @@ def _single_run(seg_BT: Array) -> tuple[Array, Array]:
 
 def _cudnn_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Array | None, k_seg_BS: Array | None,
                      causal: bool, radius: int | None) -> Array:
-    """cuDNN flash attention under lconv's masks: no mask without segments, sequence lengths for rows of one segment
-    then padding, the segment mask as cuDNN's bias for packed rows; queries that see no key are zeroed after."""
+    """cuDNN flash attention under lconv's masks (lengths for one-segment rows, a bias for packed ones); queries that
+    see no key are zeroed after."""
     window = None if radius is None else (radius, 0)  # cuDNN: a left window with causal only
     call = functools.partial(jax.nn.dot_product_attention, is_causal=causal, local_window_size=window,
                              implementation="cudnn")
@@ -286,9 +273,7 @@ def auto_impl(platform: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     return "chunked" if q_shape[1] * k_shape[1] >= min_pairs else "xla"
 
 
-# ----------------------------------------------------------------------------------------------------------
 # The dispatch
-# ----------------------------------------------------------------------------------------------------------
 
 
 def segment_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Array | None = None,
@@ -296,10 +281,8 @@ def segment_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       impl: str = "auto", dropout_rate: float = 0.0, dropout_rng: Array | None = None,
                       dtype: Any = None, precision: Any = None, block_q: int | None = None,
                       block_k: int | None = None) -> Array:
-    """Masked scaled dot-product attention by ``impl`` (module docstring), ``[B, T, H, D]`` in ``dtype``.
-
-    ``q_seg_BT`` / ``k_seg_BS``: both or neither (one segment, no padding). ``precision`` applies to the XLA paths'
-    dots; ``block_q`` / ``block_k`` are the chunked kernel's (None: the platform's, ``XLA_RULES``)."""
+    """Masked scaled dot-product attention by ``impl`` (module docstring), ``[B, T, H, D]`` in ``dtype``; ``q_seg_BT`` /
+    ``k_seg_BS``: both or neither. ``block_q`` / ``block_k``: the chunked kernel's (None: ``XLA_RULES``)."""
     if impl not in ATTENTION_IMPLS:
         raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
     if (q_seg_BT is None) != (k_seg_BS is None):

@@ -1,11 +1,6 @@
-"""Layer normalisation over the last axis with a hand-written VJP that keeps only the input and two floats a row.
-
-``y = (x - mean) * rsqrt(var + eps) * scale + bias``, in float32 (two-pass variance), ``y`` in ``out_dtype``:
-``flax.linen.LayerNorm``'s values to float32 rounding. Autodiff of the formula would keep three ``[N, C]``
-float32 arrays per norm for the backward pass; this VJP keeps the input, the row means and reciprocal standard
-deviations, and recomputes the rest. Row sums are products with a ``[C]`` vector at HIGHEST precision, so XLA:CPU
-does not materialise broadcast operands (docs/kernels.md).
-"""
+"""Layer normalisation over the last axis with a hand-written VJP that keeps only the input and two floats a row:
+``flax.linen.LayerNorm``'s values to float32 rounding, without autodiff's three kept ``[N, C]`` float32 arrays. Details:
+docs/kernels.md, "Layer norm"."""
 from __future__ import annotations
 
 import functools

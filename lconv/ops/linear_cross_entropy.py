@@ -1,10 +1,8 @@
 """The output layer and the label-smoothed cross-entropy in one pass, without the ``[B, T, V]`` logits.
 
-``cross_entropy_sums(x_BTC, table_VC, targets_BT, weights_BT)`` returns the sums ``{loss, nll, correct}`` of the
-logits ``x @ table.T``, made one chunk of the length axis at a time and consumed at once. The gradient is made in
-the same pass (a ``custom_vjp``): each chunk's ``dz`` meets ``x`` and the table while its logits are at hand, the
-table's gradient accumulated one vocabulary slice at a time. Matmuls in ``dtype``, sums and gradients in float32.
-A scan of plain jnp, not a kernel library, so it runs on every backend and mesh (docs/kernels.md).
+``cross_entropy_sums`` makes the logits one chunk of the length axis at a time, with the gradient in the same pass (a
+``custom_vjp``); matmuls in ``dtype``, sums and gradients in float32. Plain jnp, so every backend and mesh runs it
+(docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def logits(x_BTC: Array, table_VC: Array, valid_vocab: int, dtype: jnp.dtype,
 
 
 def chunk_length(rows: int, length: int, vocab: int, budget: int = CHUNK_LOGITS) -> int:
-    """The longest chunk that keeps ``rows x L x vocab`` logits within ``budget``, shortened to divide ``length``
-    where a divisor at least half as long exists (no padding copy)."""
+    """The longest chunk keeping ``rows x L x vocab`` logits within ``budget``, a divisor of ``length`` if it can."""
     longest = max(1, min(length, budget // max(rows * vocab, 1)))
     divisor = next(d for d in range(longest, 0, -1) if length % d == 0)
     return divisor if 2 * divisor >= longest else longest
@@ -41,9 +38,8 @@ def cross_entropy_sums(x_BTC: Array, table_VC: Array, targets_BT: Array, weights
                        label_smoothing: float = 0.0, valid_vocab: int | None = None, chunk: int | None = None,
                        dtype: jnp.dtype = jnp.float32, precision: jax.lax.Precision = jax.lax.Precision.DEFAULT,
                        rows_per_device: int | None = None, vocab_slice: int = VOCAB_SLICE) -> dict[str, Array]:
-    """``{loss, nll, correct}``, float32 sums over the tokens weighted by ``weights_BT``; only ``loss`` is
-    differentiable (in ``x`` and the table). ``chunk``: the chunk length (None: sized by ``rows_per_device``);
-    ``vocab_slice``: the most ids a slice of the backward matmuls takes."""
+    """``{loss, nll, correct}``, float32 sums weighted by ``weights_BT`` (only ``loss`` differentiable); ``chunk``: None
+    sizes it by ``rows_per_device``; ``vocab_slice``: the most ids one backward slice takes."""
     B, T, _ = x_BTC.shape
     V = table_VC.shape[0]
     valid_vocab = V if valid_vocab is None else int(valid_vocab)
@@ -70,8 +66,7 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
     max_BL = jnp.max(z_BLV, axis=-1)
     sum_BL = jnp.sum(jnp.exp(z_BLV - max_BL[..., None]), axis=-1)
     lse_BL = max_BL + jnp.log(sum_BL)
-    # A gather and a sum of the predicted ids' logits, not sums of `where(..., z, 0)`: XLA:CPU's reductions read
-    # their operand materialised, so each `where` was one more chunk-sized array.
+    # A gather of the predicted ids' logits, not sums of where(...): XLA:CPU materialises each reduction's operand.
     in_range_BL = (t_BL >= 0) & (t_BL < V)
     target_BL = jnp.take_along_axis(z_BLV, jnp.clip(t_BL, 0, V - 1)[..., None], axis=-1, mode="clip")[..., 0]
     nll_BL = lse_BL - jnp.where(in_range_BL, target_BL, 0.0)
@@ -85,9 +80,7 @@ def _chunk_sums(x_BLC, table_VC, t_BL, w_BL, settings, dtable_VC):
 
 
 def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dtable_VC):
-    """``dz = w * (softmax(z) - (1 - eps) * onehot - eps / V)`` one vocabulary slice at a time, each meeting the table
-    (the input gradient) and ``x`` (the table gradient, added into the accumulator in place). A loop with a traced
-    slice index: with constant indices XLA no longer updates the accumulator in place."""
+    """``dz`` one vocabulary slice at a time, meeting the table and ``x`` (the accumulator updated in place)."""
     _, vocab_slice, valid_vocab, eps, dtype, precision = settings
     max_BL, sum_BL = softmax_stats
     V, C = table_VC.shape
@@ -96,8 +89,7 @@ def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dt
 
     def one_slice(i, carry):
         dx_BLC, dtable_VC = carry
-        # Equal slices; when they do not tile V the last one ends at V and overlaps its neighbour, and its
-        # ids before `fresh_from` (already done) get no gradient.
+        # When equal slices do not tile V, the last overlaps its neighbour; its ids before `fresh_from` get no gradient.
         fresh_from = i * width
         start = jnp.minimum(fresh_from, V - width)
         ids_S = start + jnp.arange(width)
@@ -111,8 +103,7 @@ def _chunk_grads(x_BLC, table_VC, z_BLV, softmax_stats, t_BL, w_BL, settings, dt
         table_SC = jax.lax.dynamic_slice_in_dim(table_VC, start, width, axis=0)
         dx_BLC = dx_BLC + jnp.einsum("bls,sc->blc", dz_BLS, table_SC, precision=precision,
                                      preferred_element_type=jnp.float32)
-        # One contracting dim of B*L tokens, not two: XLA:CPU's dot runtime has no bfloat16 x bfloat16 ->
-        # float32 dot over two contracting dims (UNIMPLEMENTED on one device); on every backend the same matmul.
+        # One contracting dim of B*L tokens: XLA:CPU has no bf16 x bf16 -> f32 dot over two contracting dims.
         dtable_SC = jnp.einsum("ns,nc->sc", dz_BLS.reshape(-1, width), x_NC, precision=precision,
                                preferred_element_type=jnp.float32)
         old_SC = jax.lax.dynamic_slice_in_dim(dtable_VC, start, width, axis=0)
@@ -130,9 +121,8 @@ def _vocab_slicing(vocab: int, most: int) -> tuple[int, int]:
 
 
 def _scan_chunks(x_BTC, table_VC, targets_BT, weights_BT, settings, with_grads):
-    """The sums over every chunk and, ``with_grads``, ``dx_BTC`` and the float32 ``dtable_VC``. Each chunk is
-    sliced out of the inputs, and its ``dx`` written into place, by the loop: a scan over chunked copies would
-    hold a transposed copy of ``x`` and of ``dx`` beside them."""
+    """The sums over every chunk and, ``with_grads``, ``dx_BTC`` and the float32 ``dtable_VC``; the loop slices the
+    chunks (a scan would hold transposed copies)."""
     L = settings[0]
     B, T, C = x_BTC.shape
 

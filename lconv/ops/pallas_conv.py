@@ -1,12 +1,8 @@
 """The ``"pallas"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: fused Pallas kernels.
 
-Same semantics as ``lconv.ops.conv``. Three kernels with a custom VJP: the forward (a loop over the ``K`` taps of
-``[L, D]`` multiply-adds), ``dx`` (the same loop run transposed) and ``dw`` (per tap, shifted ``x`` rows times
-the tile's ``dy``, reduced into an ``[L, Kp]`` register tile). ``backward="split"`` (default) runs dx and dw as two
-kernels, ``"fused"`` as one. One program per ``(time tile, batch row, head)``; all arithmetic is float32 FMAs, so
-exact in float32 on every backend. GPU (Triton) and interpret mode only: Mosaic (TPU) cannot gather rows.
-``interpret=None`` decides per lowering platform. Bytes moved, grid, blocks and why these shapes:
-docs/kernels.md.
+Same semantics as ``lconv.ops.conv``. Three kernels with a custom VJP (forward, ``dx``, ``dw``; ``backward="fused"``
+runs the last two as one), one program per ``(time tile, batch row, head)``, float32 FMAs throughout. GPU (Triton) and
+interpret mode only. Bytes moved, grid, blocks and why these shapes: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -49,8 +45,7 @@ def dynamic_conv_pallas(x_BTC: Array, weight_BTHK: Array, padding_left: int, seg
 
 def kernel_bytes_per_token(kernel: str, channels: int, heads: int, kernel_size: int, *, dynamic: bool,
                            itemsize: int, block_t: int = BLOCK_T) -> float:
-    """DRAM bytes per token one of ``KERNELS`` moves (the table in docs/kernels.md): operands read and outputs
-    written once, without segment ids and light's shared weight."""
+    """DRAM bytes per token one of ``KERNELS`` moves (the table in docs/kernels.md), operands and outputs once each."""
     if kernel not in KERNELS:
         raise UserError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     w = heads * kernel_size if dynamic else 0
@@ -72,9 +67,7 @@ def pass_bytes_per_token(passes: str, backward: str, channels: int, heads: int, 
                                       block_t=block_t) for k in kernels)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The custom VJP
-# ----------------------------------------------------------------------------------------------------------------
 class _Settings(NamedTuple):
     """The static (hashable) arguments: padding, tile, warps, which backward, interpret mode."""
     P: int
@@ -206,9 +199,7 @@ def _pow2(n):
     return 1 << (n - 1).bit_length()
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The kernels: one program = (time tile of L steps, batch row, head)
-# ----------------------------------------------------------------------------------------------------------------
 def _taps_kernel(in_ref, w_ref, *refs, T, K, P, L, light, segmented, transposed):
     """``out[t] = sum_k in[r] w[., k]``: forward ``r = t + k - P``, weight row ``t``; transposed (dx from dy)
     ``r = t + P - k``, weight row ``r``."""
@@ -268,8 +259,7 @@ def _put_column(dw_LK, k, dw_L):
 
 
 def _store_dweight(dw_ref, dw_LK, t_L, T, K, light):
-    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the ``[L, Kp]`` tile masked to
-    the live steps and ``k < K``."""
+    """One store per program: light, the ``[Kp]`` sum over the tile's rows; dynamic, the masked ``[L, Kp]`` tile."""
     if light:
         dw_ref[...] = jnp.sum(dw_LK, axis=0)
         return
@@ -289,8 +279,7 @@ class _Taps:
             self.here_ok &= self.seg_here != 0
 
     def ok(self, r_L):
-        """``[L]`` bool: ``r`` inside ``[0, T)`` and, with segments, in the tile step's own (non-padding) segment.
-        Symmetric in ``r`` and ``here``, so the transposed taps (dx) use the forward's test seen from ``s``."""
+        """``[L]`` bool: ``r`` inside ``[0, T)`` and, with segments, in the tile step's own segment."""
         ok = self.here_ok & (r_L >= 0) & (r_L < self.T)
         if self.seg_ref is not None:
             ok &= self.seg_ref[jnp.clip(r_L, 0, self.T - 1)] == self.seg_here
@@ -309,9 +298,7 @@ def _tap_weight(w_ref, h, k, rows_L, T, light):
     return w_ref[jnp.clip(rows_L, 0, T - 1), h, k].astype(jnp.float32)[:, None]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Argument checks: one-line errors naming the argument
-# ----------------------------------------------------------------------------------------------------------------
 def _check(x_BTC, weight, segment_ids_BT, settings: _Settings, light):
     if getattr(x_BTC, "ndim", None) != 3:
         raise UserError(f"x must be [batch, time, channels]; got shape {getattr(x_BTC, 'shape', None)}")

@@ -1,9 +1,5 @@
-"""Names of matmul precisions (``config.model.matmul_precision``) -> ``jax.lax.Precision``.
-
-``"highest"`` makes a float32 dot float32 on every backend (on GPU the default is TF32, on TPU one bfloat16
-pass); ``"high"`` is bfloat16x3 on TPU and TF32 on GPU; ``"default"`` is the backend's fast path. The conv ops
-use ``CONV_PRECISION`` for the einsums that do the convolution's own arithmetic, whatever the model's setting.
-"""
+"""Names of matmul precisions (``config.model.matmul_precision``) -> ``jax.lax.Precision``. ``"highest"`` is float32 on
+every backend, ``"default"`` the backend's fast path (TF32 on GPU); the conv ops always use ``CONV_PRECISION``."""
 from __future__ import annotations
 
 import jax

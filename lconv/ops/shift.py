@@ -1,10 +1,7 @@
 """The ``"shift"`` implementation of ``lconv.ops.light_conv`` / ``dynamic_conv``: fast on CPU.
 
-The conv as it is written, ``y[t] = sum_k w[t, k] x[t + k - P]``: K multiply-adds of shifted inputs that XLA
-fuses into one elementwise loop. A custom VJP computes the input gradient the same way (the taps read backwards)
-and the kernel gradient with band tiles, instead of autodiff's K scatter-adds. Everything runs in a loop over
-blocks of about ``CHUNK_TOKENS`` tokens, so the temporaries stay a few MB whatever ``B x T`` (on CPU fresh
-memory's page faults cost more than the arithmetic). Accumulation is float32. Details: docs/kernels.md.
+K multiply-adds of shifted inputs that XLA fuses into one loop, with a custom VJP (dx the same way, dw by band tiles),
+over blocks of about ``CHUNK_TOKENS`` tokens so the temporaries stay small. Details: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ import jax.numpy as jnp
 
 from lconv.ops.precision import CONV_PRECISION
 
-# Tokens per loop step: large enough that the loop overhead is negligible, small enough that a step's
-# temporaries (a few [CHUNK_TOKENS + K, C] buffers) stay in cache. Measured in docs/benchmarks.md.
+# Tokens per loop step: negligible loop overhead, a step's temporaries still in cache (docs/benchmarks.md).
 CHUNK_TOKENS = 1024
 
 
@@ -43,9 +39,7 @@ def _shift_conv_bwd(padding_left, tile_length, residuals, dy_BTC):
 _shift_conv.defvjp(_shift_conv_fwd, _shift_conv_bwd)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The loops over blocks
-# ----------------------------------------------------------------------------------------------------------------
 def _forward(x_BTC, weight, P):
     B, T, C = x_BTC.shape
     K = weight.shape[-1]
@@ -84,9 +78,7 @@ def _backward(x_BTC, weight, dy_BTC, P, L):
         dw_BTHK = _band_weight_grad(x_win, dy_blk, K, H, L)
         return dx_BTC, jax.lax.dynamic_update_slice(dw, dw_BTHK, (b, t, 0, 0))
 
-    # The dx (and a dynamic dw) buffers are never read: every step overwrites its block. Filled from dy, not
-    # with a constant: a constant fill is one buffer that XLA merges across the layers' loops and copies for
-    # each, and it makes them all before the forward pass ends, so they are held at the training step's peak.
+    # Filled from dy, not a constant, which XLA would merge across layers and hold at the step's peak.
     never_read = dy_BTC[0, 0, 0] * 0.0  # not folded to 0 (NaN * 0 is NaN), so it waits for dy
     dx0 = jnp.broadcast_to(never_read, (B, T, C))
     dw0 = jnp.zeros(weight.shape, jnp.float32) if light else jnp.broadcast_to(never_read, weight.shape)
@@ -94,11 +86,7 @@ def _backward(x_BTC, weight, dy_BTC, P, L):
 
 
 class _Blocks:
-    """Blocks of ``Bc`` rows x ``Tc`` steps covering ``[B, T]``: whole rows when T is short, else row pieces.
-
-    When ``Tc`` does not divide ``T`` the last piece of a row starts at ``T - Tc`` and overlaps its neighbour;
-    it recomputes (and rewrites) identical values, and ``start`` says from which step its values are new.
-    """
+    """Blocks of ``Bc`` rows x ``Tc`` steps covering ``[B, T]`` (a row's last piece may overlap: ``start``)."""
 
     def __init__(self, B, T):
         if T >= CHUNK_TOKENS:
@@ -120,8 +108,7 @@ class _Blocks:
         if n > self.T:  # short rows: pad the block's rows (small) and read them at the block's start
             rows = jax.lax.dynamic_slice_in_dim(a, b, self.Bc, axis=0)
             return jax.lax.dynamic_slice_in_dim(_pad_time(rows, left, right), t, n, axis=1)
-        # dynamic_slice clamps its start into range; pad the clamped read and re-slice so the steps outside
-        # [0, T) come out as zeros at the right places.
+        # dynamic_slice clamps its start: pad the clamped read and re-slice so steps outside [0, T) are zeros.
         clamped = jnp.clip(t - left, 0, self.T - n)
         inner = jax.lax.dynamic_slice(a, (b, clamped) + (0,) * (a.ndim - 2), (self.Bc, n) + a.shape[2:])
         return jax.lax.dynamic_slice_in_dim(_pad_time(inner, left, right), t - clamped, n, axis=1)
@@ -131,15 +118,10 @@ class _Blocks:
         return step(0, init) if n == 1 else jax.lax.fori_loop(0, n, step, init)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # One block
-# ----------------------------------------------------------------------------------------------------------------
 def _shifted_sum(a_BSC, weight, taps):
-    """``sum over (a_offset, w_offset, k) in taps of a[:, a_offset + t] * w[:, w_offset + t, :, k]``, float32.
-
-    ``a`` (and a dynamic ``weight``) come with their halo, so every read is in bounds; the result has ``S - K``
-    steps. Slices of one buffer keep XLA's fused loop simple, and one extra step, computed and dropped, keeps
-    XLA:CPU from absorbing the sum into a following dot fusion (which materialises every shifted copy)."""
+    """``sum over (a_offset, w_offset, k) in taps of a[:, a_offset + t] * w[:, w_offset + t, :, k]``, float32, over
+    inputs with their halo (``S - K`` steps: one extra, dropped, keeps XLA:CPU from a dot fusion)."""
     B, S, C = a_BSC.shape
     H, K = weight.shape[-2:]
     T = S - K

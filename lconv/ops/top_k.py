@@ -9,8 +9,7 @@ from lconv.constants import BATCH_MESH_AXES
 
 
 def rowwise_top_k(scores_B___: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k`` over the last axis, run shard by shard when a mesh splits the rows: XLA cannot partition
-    TopK and would all-gather the whole score array onto every device."""
+    """``jax.lax.top_k`` over the last axis, shard by shard when a mesh splits the rows (XLA would all-gather them)."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(a for a in BATCH_MESH_AXES if a in mesh.axis_names)
     shards = math.prod(mesh.shape[a] for a in axes)

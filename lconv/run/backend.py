@@ -10,9 +10,7 @@ from lconv.errors import UserError
 
 
 def check_backend() -> None:
-    """Brings up the backends JAX is told to use (``JAX_PLATFORMS``), here rather than wherever a device is first
-    asked for: a backend that is not there (``JAX_PLATFORMS=tpu`` on a GPU host) is one line naming it and the
-    platforms this host has, not JAX's traceback."""
+    """Brings up the backends JAX is told to use (``JAX_PLATFORMS``) now: a missing one is one line, not a traceback."""
     import jax
 
     try:

@@ -1,9 +1,6 @@
-"""This user's folder for JAX's persistent compilation cache: what train.py and eval.py use by default
-(``lconv.cli.runtime.enable_compilation_cache``), ``lconv.load`` (``use_user_folder``) and the benchmarks too; a
-failure to write an entry is one warning line (``report_cache_errors``).
-
-Never a workdir's folder: a cache entry is native code that JAX runs, and a workdir from elsewhere is data.
-"""
+"""This user's folder for JAX's persistent compilation cache: what train.py, eval.py, ``lconv.load`` and the benchmarks
+use; a failure to write an entry is one warning line. Never a workdir's folder: a cache entry is native code that JAX
+runs, and a workdir from elsewhere is data."""
 from __future__ import annotations
 
 import logging
@@ -19,8 +16,7 @@ FOLDER_NAME = "compilation_cache"  # this user's cache folder's name (and older 
 
 
 def user_folder() -> str:
-    """The default cache folder: this user's (``$XDG_CACHE_HOME/lconv/compilation_cache``, else under
-    ``~/.cache``), shared by every run on this machine."""
+    """The default cache folder: ``$XDG_CACHE_HOME/lconv/compilation_cache``, else under ``~/.cache``."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
         base = os.path.join(os.path.expanduser("~"), ".cache")
@@ -28,11 +24,7 @@ def user_folder() -> str:
 
 
 def use_user_folder() -> str | None:
-    """For the API: this user's folder as JAX's cache, so a notebook reads back what train.py, eval.py or an
-    earlier session compiled. The process's own choice stands: caching turned off (``jax_enable_compilation_cache``
-    false, e.g. ``JAX_ENABLE_COMPILATION_CACHE=false``) gives None, a folder already set (``jax.config``,
-    ``$JAX_COMPILATION_CACHE_DIR``) is kept. A folder that cannot safely hold code is not used (said at INFO).
-    Returns the folder in use, or None."""
+    """For the API: this user's folder as JAX's cache unless the process chose otherwise; the folder, or None."""
     import jax
 
     if not jax.config.jax_enable_compilation_cache:
@@ -66,8 +58,7 @@ def unusable(folder: str) -> str | None:
 
 
 def make_private(folder: str) -> str | None:
-    """Creates this user's cache ``folder``, writable by its owner only; says why it cannot be trusted to hold code
-    (another user could plant an entry), or None."""
+    """Creates this user's cache ``folder``, owner-writable only; why it cannot be trusted, or None."""
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         status = os.stat(folder)
@@ -88,8 +79,7 @@ _watching: list[str] = []  # the folder ``report_cache_errors`` watches, once in
 
 
 def report_cache_errors(folder: str) -> None:
-    """JAX's warning at each cache entry it fails to write or read (a full disk: one per compiled program) becomes
-    one lconv warning line per process naming ``folder``; every other warning is shown as before."""
+    """JAX's warnings for cache entries it fails to write or read become one lconv line per process."""
     _watching[:] = [folder]
     if getattr(warnings.showwarning, "lconv_cache_errors", False):
         return

@@ -15,8 +15,7 @@ from lconv.run import schema
 
 def overrides(*, dtype: str | None, decode_batch_size: int | None,
               max_input_length: int | None) -> dict[str, dict[str, Any]] | None:
-    """What ``restore.load_trained`` changes in the stored config before it builds the model
-    (``{section: {field: value}}``, for ``RunConfig.replace``; None: nothing)."""
+    """What ``restore.load_trained`` changes in the stored config (``{section: {field: value}}``; None: nothing)."""
     if dtype is not None and dtype not in COMPUTE_DTYPES:
         raise UserError(f"dtype={dtype!r}: must be one of {', '.join(COMPUTE_DTYPES)} (the compute dtype; params "
                         "stay float32)")

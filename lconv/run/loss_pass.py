@@ -27,8 +27,7 @@ Batch = dict[str, Any]
 
 
 def make_eval_step(config: RunConfig) -> Callable:
-    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``, the mixers' carried state, is empty but on
-    streams."""
+    """``(params, apply_fn, batch, state) -> (sums, state)``; ``state``: the mixers' carried state (streams)."""
     def eval_step(params, apply_fn, batch, carried):
         outputs, carried = model_setup.apply_model(apply_fn, params, carried, batch, deterministic=True,
                                                    logits=not config.optim.fused_loss)
@@ -40,20 +39,15 @@ def make_eval_step(config: RunConfig) -> Callable:
 
 
 def jit_eval_step(config: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
-    """``make_eval_step`` jitted once per run. The state it returns keeps the batch's sharding, so the next
-    window's call hits the same compilation (left to XLA it comes back as an equivalent but different spec,
-    and every pass would compile twice)."""
+    """``make_eval_step`` jitted once per run, its returned state in the batch's sharding (one compilation)."""
     return jax.jit(make_eval_step(config), static_argnums=1, out_shardings=(None, model_setup.batch_sharding(mesh)))
 
 
 def evaluate_loss(eval_step: Callable, params: PyTree, apply_fn: Callable, eval_set: Iterable[Batch],
                   mesh: jax.sharding.Mesh, carried: mixer_state.MixerState | None = None,
                   deadline: Deadline | None = None) -> dict[str, float]:
-    """Validation loss / perplexity / accuracy over every example of ``eval_set``, packed several to a row.
-
-    Each process feeds its shard's rows, so the sums cover the split once and agree on every process.
-    ``eval_step``: ``jit_eval_step``'s, built once per run. ``carried``: a stream eval set's starting mixer state.
-    ``deadline``: once it has passed, the pass stops and ``unscored_batches`` counts the rest."""
+    """Validation loss / perplexity / accuracy over every example of ``eval_set``, the same on every process;
+    ``carried``: a stream's starting state; past ``deadline`` the pass stops (``unscored_batches``)."""
     sharding = model_setup.batch_sharding(mesh)
     eval_set = pipeline.loss_batches(eval_set)
     total, carried, done, previous = None, carried or mixer_state.empty(), 0, None
@@ -81,10 +75,8 @@ def score_perplexity(config: RunConfig, model: Any, params: PyTree, eval_set: It
                      *, mesh: jax.sharding.Mesh | None = None, eval_step: Callable[..., Any] | None = None,
                      deadline: Deadline | None = None, output_name: str | None = None,
                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An LM's token-level perplexity (and loss, accuracy) on ``split``; written to ``<split>.scores.json``
-    (``output_name`` in place of ``<split>``; ``extra`` added to the scores). ``mesh`` and ``eval_step``: a
-    training run's own, so the end-of-training score compiles nothing new; ``deadline``: ``evaluate_loss``'s (a
-    pass cut short has no per-word perplexity)."""
+    """An LM's token-level perplexity (and loss, accuracy) on ``split``, written to ``<split>.scores.json``
+    (``output_name``, plus ``extra``); ``mesh`` and ``eval_step``: a training run's own, so nothing compiles again."""
     mesh = model_setup.make_mesh(config.mesh) if mesh is None else mesh
     eval_step = jit_eval_step(config, mesh) if eval_step is None else eval_step
     carried = model_setup.init_mixer_state(config, model, config.data.eval_batch_size,
@@ -101,8 +93,7 @@ def score_perplexity(config: RunConfig, model: Any, params: PyTree, eval_set: It
 
 
 def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
-    """The per-word perplexity of an eval set of whole texts (``scoring.word_count`` over every process's
-    examples); ``{}`` for document-stream windows or when a text was cut (its NLL would not be the text's)."""
+    """The per-word perplexity of an eval set of whole texts; ``{}`` for stream windows or when a text was cut."""
     examples, stats = getattr(eval_set, "examples", None), getattr(eval_set, "stats", {})
     if examples is None or not hasattr(eval_set, "tokens"):
         return {}
@@ -115,9 +106,7 @@ def _word_perplexity(eval_set: Any, scores: dict[str, Any]) -> dict[str, float]:
 
 def stream_perplexity(config: RunConfig, model: Any, params: PyTree, tokenizer: Any, documents: list[str],
                       eval_step: Callable[..., Any] | None = None) -> dict[str, float]:
-    """``documents`` scored as eval.py scores a document-stream LM's split: streamed in windows of
-    ``data.max_target_length`` over ``data.eval_batch_size`` rows, the mixers' state carried from window to
-    window. ``eval_step``: a ``jit_eval_step`` to reuse (one compilation for every call)."""
+    """``documents`` scored as eval.py scores a document-stream LM's split, the mixers' state carried."""
     cfg = config.data
     mesh = model_setup.make_mesh(config.mesh)
     eval_set = stream.StreamEvalSet([{"text": text} for text in documents], "text", tokenizer,

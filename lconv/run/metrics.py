@@ -12,9 +12,8 @@ from lconv.nn.decoder_ends import OutputLayer
 
 
 def smoothing_weight(label_smoothing: float, split: str, vocab_size: int) -> float:
-    """The weight ``a`` of ``loss = (1 - a) * nll + a * mean_v(-log p_v)`` for ``label_smoothing`` spread as
-    ``split`` says: ``"all"`` (eps / V on every id) is ``a = eps``; ``"others"`` (fairseq's, eps / (V - 1) on each
-    other id) is ``a = eps * V / (V - 1)``. One weight keeps the fused loss and the logits' loss one formula."""
+    """The weight ``a`` of ``loss = (1 - a) * nll + a * mean_v(-log p_v)``: ``eps`` for ``split="all"``, ``eps * V / (V
+    - 1)`` for fairseq's ``"others"``."""
     if split not in ("all", "others"):
         raise ValueError(f"label smoothing split must be 'all' or 'others'; got {split!r}")
     if split == "all" or not label_smoothing:
@@ -24,11 +23,8 @@ def smoothing_weight(label_smoothing: float, split: str, vocab_size: int) -> flo
 
 def label_smoothed_loss(outputs: jax.Array | OutputLayer, targets_BT: jax.Array, weights_BT: jax.Array,
                         label_smoothing: float, split: str = "all") -> dict[str, jax.Array]:
-    """The label-smoothed cross-entropy's sums ``{loss, nll, correct, tokens}`` over weighted tokens (divided on the
-    host, so accumulation and device reductions stay exact); ``a = smoothing_weight(label_smoothing, split, V)``.
-
-    ``outputs``: logits ``[B, T, V]``, or a model's ``OutputLayer`` whose logits are made a chunk at a time with
-    the gradient (the two agree to rounding). Without smoothing the loss is the nll."""
+    """The label-smoothed cross-entropy's sums ``{loss, nll, correct, tokens}`` (divided on the host); ``outputs``:
+    logits ``[B, T, V]`` or a model's ``OutputLayer`` (chunked, the same to rounding)."""
     weights_BT = weights_BT.astype(jnp.float32)
     vocab = outputs.valid_vocab if isinstance(outputs, OutputLayer) else outputs.shape[-1]
     label_smoothing = smoothing_weight(label_smoothing, split, vocab)

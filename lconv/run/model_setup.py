@@ -1,11 +1,7 @@
-"""A run's model, built from its config: the module, the mesh and the shardings its params and batches take, the
-batch ``init`` traces, and the model applied to a batch (the mixers' carried state threaded through). Training,
-evaluation, the API, export, the importer, the bench and the study all build a model here, so each builds the same
-one.
-
-One ``jax.sharding.Mesh`` with axes (data, fsdp, tensor); parameters are sharded by their logical axis names
-(``config.mesh.rules``), batches and the rows of the mixers' carried state along ``lconv.constants.BATCH_MESH_AXES``.
-"""
+"""A run's model, built from its config: the module, the mesh and the shardings its params and batches take, the batch
+``init`` traces, and the model applied to a batch (the mixers' carried state threaded through). Every surface builds its
+model here, so each builds the same one. One mesh with axes (data, fsdp, tensor); params are sharded by logical axis
+names (``config.mesh.rules``), batches along ``BATCH_MESH_AXES``."""
 from __future__ import annotations
 
 import math
@@ -27,8 +23,7 @@ Batch = dict[str, Any]
 
 
 def build_model(config: RunConfig, vocab_size: int | None = None) -> nn.Module:
-    """The model of ``config.task`` at ``vocab_size`` (the tokenizer's; None: ``config.data.vocab_size``). The
-    model config is checked again only where the tokenizer's vocabulary differs from the one it was checked for."""
+    """The model of ``config.task`` at ``vocab_size`` (the tokenizer's; None: ``config.data.vocab_size``)."""
     lm, model_cfg = config.task == "lm", config.model
     if vocab_size is not None and model_cfg.vocab_size != vocab_size:
         model_cfg = models.ModelConfig.from_config(model_cfg, vocab_size=vocab_size, decoder_only=lm)
@@ -82,10 +77,8 @@ def model_inputs(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]
 
 def init_mixer_state(config: RunConfig, model: nn.Module, rows: int,
                      sharding: jax.sharding.Sharding | None = None) -> mixer_state.MixerState:
-    """The state the model's stateful mixers start a stream of ``rows`` rows with (``lconv.nn.mixer_state``);
-    empty unless ``config.data.stream`` (without a stream every batch is a fresh document: nothing to carry).
-
-    ``sharding``: lay the rows out as the batch; None gives plain arrays (or traced ones inside a jit)."""
+    """The state the model's stateful mixers start a stream of ``rows`` rows with (empty unless ``config.data.stream``);
+    ``sharding`` lays the rows out as the batch (None: plain arrays)."""
     if not config.data.stream:
         return mixer_state.empty()
     args, kwargs = model_inputs(dummy_batch(config, rows))
@@ -119,10 +112,8 @@ def count_params(params: PyTree) -> int:
 
 def apply_model(apply_fn: Callable, params: PyTree, carried: mixer_state.MixerState, batch: Batch,
                 **kwargs: Any) -> tuple[jax.Array, mixer_state.MixerState]:
-    """``(logits, the mixers' state after this window)`` (with ``logits=False`` among ``kwargs``, the model's
-    ``OutputLayer`` instead of logits). With a state (a stream batch), rows whose ``document_start`` is set first
-    start over (each mixer's ``reset_state``), then the window reads and updates it; no state (the empty state,
-    ``None`` or ``{}``) is a plain apply."""
+    """``(logits, the mixers' state after this window)`` (``logits=False``: the ``OutputLayer``); rows with
+    ``document_start`` set start over first. No state is a plain apply."""
     args, model_kwargs = model_inputs(batch)
     if not carried:
         return apply_fn({"params": params}, *args, **model_kwargs, **kwargs), carried
@@ -136,10 +127,6 @@ def global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> Batch:
 
 
 def one_step_ahead(previous: PyTree, current: PyTree) -> PyTree:
-    """Waits for ``previous`` (the step before's outputs) and returns ``current``: the host dispatches at most one
-    step ahead, so the device always has the next step queued but never a long queue.
-
-    Unbounded async dispatch deadlocked two processes on CPU: XLA's CPU client admits a fixed number of programs
-    per device, and later programs filled a device's places while an earlier one's all-reduce waited for one."""
+    """Waits for ``previous`` and returns ``current``: one step dispatched ahead at most (docs/training.md)."""
     jax.block_until_ready(previous)
     return current

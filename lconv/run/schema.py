@@ -1,13 +1,6 @@
-"""The config schema: every field of a config, each defined once with its default, rule and one-line doc.
-
-A section is a dataclass of ``lconv.fields.field``s at the lowest layer that uses it (``data``:
-``lconv.data.data_config.DataConfig``, ``model``: ``lconv.nn.model_config.ModelConfig``; the top level, ``optim``,
-``train``, ``decode`` and ``mesh`` here). Everything else is read from them: ``base_config()`` (every field at its
-default), ``complete(config)`` (a config's missing fields filled, so no reader needs a fallback),
-``validate_config(config)`` (one ``UserError`` line naming the first bad field), the search and sampling rules
-every surface shares (``check_search``, ``hypotheses_per_source``, ``check_sampling``), and ``markdown()``,
-docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``; a test keeps them equal).
-"""
+"""The config schema: every field of a config, each defined once with its default, rule and one-line doc. Sections are
+dataclasses at the lowest layer that uses them (``DataConfig``, ``ModelConfig``; the rest here); defaults, checks and
+docs/config.md's tables (``python -m lconv.run.schema > docs/config.md``) are read from them."""
 from __future__ import annotations
 
 import contextlib
@@ -236,9 +229,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """A checked config, every section parsed once into its typed, frozen dataclass (``validate_config``). Code
-    below the edges (the CLIs, config.json, the API's arguments) reads this, never the ConfigDict; an override is
-    ``dataclasses.replace``."""
+    """A checked config, each section a typed, frozen dataclass: what code below the edges reads."""
 
     task: str
     seed: int
@@ -265,8 +256,7 @@ class RunConfig:
                            num_print=self.decode.num_print)
 
     def replace(self, **sections: Mapping[str, Any]) -> RunConfig:
-        """A copy with fields of some sections changed (``replace(data={"eval_batch_size": 8})``), checked by
-        the schema's rules again: the one way code below the edges overrides a run's settings."""
+        """A copy with fields of some sections changed, checked again: ``replace(data={"eval_batch_size": 8})``."""
         values = self.as_config()
         for name, changes in sections.items():
             values[name].update(changes)
@@ -279,8 +269,7 @@ class RunConfig:
 
 
 def _config_fields(section: Any) -> dict[str, Any]:
-    """A section as a config spells it: the fields a config names (the model's ``vocab_size`` comes from the data
-    section), each through its ``to_config``."""
+    """A section as a config spells it: the fields a config names, each through its ``to_config``."""
     values = {}
     for f in schema_fields(type(section)):
         to_config = f.metadata.get("to_config")
@@ -289,8 +278,7 @@ def _config_fields(section: Any) -> dict[str, Any]:
 
 
 def validate_config(config: Any) -> RunConfig:
-    """Fills the fields ``config`` lacks with their defaults (in place), then checks every field: one line naming
-    the first bad one, before any data is read or file written. Returns the typed config (``RunConfig``)."""
+    """Fills the missing fields with defaults (in place), checks every field; returns the typed ``RunConfig``."""
     complete(config)
     values = as_dict(config)
     top = {f.name for f in schema_fields(TopConfig)}
@@ -338,8 +326,7 @@ def _check_best_metric(values: Mapping[str, Any]) -> None:
 
 
 def _check_own_files(values: Mapping[str, Any]) -> None:
-    """Your own files (``data.dataset=files``) hold pairs for translation and summarization, texts for an LM: the
-    language codes say which, so they must agree with the task."""
+    """Your own files' language codes must agree with the task (pairs for translation, texts for an LM)."""
     data, task = values["data"], values["task"]
     if data["dataset"] != "files":
         return
@@ -352,8 +339,7 @@ def _check_own_files(values: Mapping[str, Any]) -> None:
 
 
 def _check_splits(values: Mapping[str, Any]) -> None:
-    """Training validates on ``validation`` and, with ``train.eval_after_training``, scores ``decode.split``: both
-    among the prepared ``data.eval_splits`` (else a KeyError before training, or after all of it)."""
+    """Training validates on ``validation`` and may score ``decode.split``: both must be among ``data.eval_splits``."""
     splits = tuple(values["data"]["eval_splits"])
     if "validation" not in splits:
         raise UserError(f"config.data.eval_splits={splits}: must include 'validation' (training reports its loss "
@@ -367,9 +353,8 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
                  spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
                  vocab_size: int | None = None, no_repeat_ngram_size: int | None = None,
                  min_len: int | None = None) -> None:
-    """The decode section's rules for the beam search's settings, for the config, eval.py's flags and the API (None
-    = not given), the generation guards included. With ``vocab_size`` the beam is at most ``vocab_size - 1``, as
-    fairseq caps it: a wider beam holds no more distinct continuations, only memory."""
+    """The decode section's rules for the beam search's settings (None = not given), for every surface; with
+    ``vocab_size`` the beam is at most ``vocab_size - 1``, as fairseq caps it."""
     check_decode({"beam_size": beam_size, "lenpen": lenpen, "no_repeat_ngram_size": no_repeat_ngram_size,
                   "min_len": min_len}, spell)
     if vocab_size is not None and beam_size is not None and beam_size > vocab_size - 1:
@@ -379,8 +364,7 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
 
 def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
                  ) -> None:
-    """Each given ``config.decode`` field of ``values`` by its rule, named as ``spell`` says: one check for every
-    surface."""
+    """Each given ``config.decode`` field of ``values`` by its rule, named as ``spell`` says."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
     for name, value in values.items():
         if value is not None:
@@ -389,8 +373,8 @@ def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda
 
 def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperature: float, stored_beam_size: int,
                           spell: Callable[[str], str] = str, vocab_size: int | None = None) -> int:
-    """The beams (or, with ``temperature > 0``, samples) a translation search keeps per source, with ``nbest``
-    checked against it: one rule for the API and eval.py. ``beam_size`` None is the run's ``stored_beam_size``."""
+    """The beams (or samples) a translation search keeps per source, ``nbest`` checked against it; ``beam_size`` None is
+    the run's ``stored_beam_size``."""
     if nbest is not None and not (integer().test(nbest) and nbest >= 1):
         raise UserError(f"{spell('nbest')}={nbest!r}: must be an integer >= 1 (hypotheses per source)")
     if temperature:
@@ -410,9 +394,7 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
                    vocab_size: int | None = None, idle: bool = True) -> None:
-    """Each given sampling setting of ``values`` by its rule, named as ``spell`` says; ``top_k`` at most
-    ``vocab_size``. A filter or a seed without a temperature is refused, since greedy decoding and beam search
-    would ignore it (``idle=False`` leaves that to a later call)."""
+    """Each given sampling setting of ``values`` by its rule; a filter or seed without a temperature is refused."""
     rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
     unknown = sorted(set(values) - set(rules))
     if unknown:

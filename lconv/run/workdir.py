@@ -1,17 +1,7 @@
-"""A run's workdir: one training process at a time (``lock``) and a ``config.json`` that matches its checkpoints
-(``check_config_change``, ``write_config``).
-
-The lock is an OS file lock (``flock``) on ``<workdir>/train.lock``, which also holds the owner's host, pid and
-start time for the error message. The OS drops the lock when its process dies, however it dies, so a crashed
-run never leaves a stale lock behind: the next run takes it over and says whose it was.
-
-``config.json`` is the config the checkpoints were trained with; eval.py builds the model from it. Before the
-first checkpoint it simply follows the latest launch. After, fields that shape the model, the data or the
-optimisation may change only on purpose (``accept_changes``); fields that only steer the run (``RUN_FIELDS``:
-more steps, logging, decoding, the mesh, where the data lives) follow the latest launch, and so do fields added to
-lconv since the run was made, at their defaults (``fields_added_at_their_defaults``). Every change is appended to
-``config_changes.jsonl``.
-"""
+"""A run's workdir: one training process at a time (``lock``, an OS file lock on ``<workdir>/train.lock``) and a
+``config.json`` that matches its checkpoints (``check_config_change``, ``write_config``): after the first checkpoint
+only ``RUN_FIELDS`` and fields new to lconv change without ``accept_changes``. The rules: docs/training.md,
+"Checkpoints, preemption and failures"."""
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +63,7 @@ def make_workdir(workdir: str) -> str:
 
 
 def check_inside(directory: str, workdir: str) -> None:
-    """A workdir's checkpoint or tensorboard folder (or the folder set aside beside it) that is a symbolic link
-    leading out of the workdir is one line: a run's reads and writes stay inside the folder named (a workdir from
-    elsewhere is data)."""
+    """A workdir's checkpoint or tensorboard folder that is a symbolic link leading out of the workdir is one line."""
     if is_remote(directory):
         return
     for folder in (directory, directory + "_unreadable"):
@@ -87,8 +75,7 @@ def check_inside(directory: str, workdir: str) -> None:
 
 @contextlib.contextmanager
 def lock(workdir: str) -> Iterator[None]:
-    """Holds ``<workdir>/train.lock`` for the body (process 0); a second run on the workdir fails at once, naming the
-    owner."""
+    """Holds ``<workdir>/train.lock`` for the body (process 0); a second run fails at once, naming the owner."""
     if jax.process_index() != 0:
         yield
         return
@@ -167,17 +154,15 @@ def config_changes(stored: dict[str, Any], record: dict[str, Any]) -> dict[str, 
 
 
 def fields_added_at_their_defaults(stored: dict[str, Any], changes: dict[str, tuple[Any, Any]]) -> set[str]:
-    """The changed fields that the stored config lacks and the launch sets to lconv's default
-    (``lconv.run.schema.base_config``): fields added to lconv after the run was made, whose defaults keep the
-    behaviour the run had. Resuming an older run needs no ``accept_changes`` for them."""
+    """The changed fields the stored config lacks, set to their defaults: new to lconv, no ``accept_changes``."""
     stored_fields, defaults = _flatten(stored), _flatten(as_record(schema.base_config()))
     return {k for k, (_, new) in changes.items() if k not in stored_fields and k in defaults and new == defaults[k]}
 
 
 def check_config_change(record: dict[str, Any], workdir: str, *, has_checkpoint: bool,
                         accept_changes: bool = False) -> dict[str, tuple[Any, Any]] | None:
-    """The changes this launch makes to ``config.json`` (None: nothing to write); raises when the workdir has a
-    checkpoint and a field other than ``RUN_FIELDS`` changes without ``accept_changes`` (module docstring)."""
+    """The changes this launch makes to ``config.json`` (None: none); raises when a checkpointed run changes a field
+    outside ``RUN_FIELDS`` without ``accept_changes``."""
     path = epath.Path(workdir) / CONFIG_FILENAME
     if not path.exists():
         return {}
@@ -201,17 +186,14 @@ CONFIG_MAX_BYTES = 64 << 20  # a config is a few kB of JSON; far more is not one
 
 
 def read_config_bytes(path: epath.Path, workdir: str) -> bytes:
-    """The bytes of a run's ``config.json``: a regular file inside ``workdir`` of a sane size, else one line naming
-    it (linked to ``/dev/zero`` or a pipe it was read until memory ran out, or forever)."""
+    """The bytes of a run's ``config.json``: a regular file inside ``workdir`` of a sane size, else one line."""
     return paths.read_bytes(path, "missing; restore it from a copy of the run", within=workdir,
                             limit=CONFIG_MAX_BYTES)
 
 
 def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[Any, Any]] | None, *,
                  has_checkpoint: bool) -> None:
-    """Writes ``config.json`` (process 0) after ``check_config_change``; a resumed run calls it once its
-    checkpoint has restored, so an accepted change that does not fit never reaches the file. Changes are logged
-    and appended to ``config_changes.jsonl``."""
+    """Writes ``config.json`` (process 0) once a resumed run has restored; changes go to ``config_changes.jsonl``."""
     if changes is None or jax.process_index() != 0:
         return
     if changes:
@@ -225,8 +207,7 @@ def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[
 
 
 def append_text(path: epath.Path, text: str) -> None:
-    """Appends ``text``: a real append locally (never through a symbolic link); on an object store, which cannot
-    append, a rewrite."""
+    """Appends ``text``: a real append locally (never through a symbolic link), a rewrite on an object store."""
     if not is_remote(path):
         with outputs.open_append(path) as f:
             f.write(text)

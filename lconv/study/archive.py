@@ -1,11 +1,8 @@
 """The study's run archive: every finished run, small enough to commit, and a later study resumed from it.
 
-The report writes ``<docs_dir>/results/runs/<task>/<mixer>/seed<k>.json`` for each finished run: its record (the
-scores and measurements), the training config it ran with and its ``metrics.jsonl`` rows (the training curve),
-a few KB where the run's workdir holds MBs. ``python -m lconv.study ... --resume_from=<docs_dir>`` copies each
-archived run whose config equals the plan's into ``--output_dir`` as a finished run, so a study split over
-several machines' sessions (or cut off with its scratch folder) goes on where its committed archive ends, and the
-report is still written from whole runs. A restored record keeps the machine it was measured on.
+The report writes ``<docs_dir>/results/runs/<task>/<mixer>/seed<k>.json`` per finished run (its record, config and
+``metrics.jsonl`` rows); ``--resume_from=<docs_dir>`` copies each archived run whose config equals the plan's back as a
+finished run, so a study split over several sessions goes on where its archive ends.
 """
 from __future__ import annotations
 
@@ -38,9 +35,7 @@ def archive_path(archive_root: str, name: str) -> str:
 
 
 def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str, *, prune: bool = False) -> int:
-    """Archives every finished run of ``records`` whose workdir still holds its spec; returns how many.
-    ``prune``: ``records`` are the whole study, so entries of runs that are not among them are deleted (the
-    archive mirrors the report)."""
+    """Archives every finished run of ``records``; returns how many (``prune``: delete other runs' entries)."""
     root, written, kept = os.path.join(docs_dir, ARCHIVE_DIR), 0, set()
     for record in records:
         if record.get("status") != "ok":
@@ -75,10 +70,8 @@ def resolve(resume_from: str) -> str:
 
 
 def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
-    """Copies each archived run of ``planned`` (``(entry name, planned config or None, workdir)``) into its
-    workdir as a finished run, unless that workdir already has a result; returns how many. Raises (before copying
-    anything) when an archived run was made with another config than the plan's, naming the run and the first
-    differing field."""
+    """Copies each archived run of ``planned`` into its workdir as a finished run unless it has a result; returns how
+    many. Raises, before copying, on a config that differs from the plan's."""
     todo, stale = [], []
     for name, config, workdir in planned:
         path = archive_path(archive_root, name)

@@ -1,12 +1,5 @@
-"""The study from start to end: tokenizers, the plan, every run (skipping finished ones), then the report.
-
-Layout of ``--output_dir``::
-
-    tokenizers/<task>-<vocab>/spm.model     one SentencePiece model per task, copied into each of its runs
-    runs/<task>/<mixer>/seed<k>/            a train.py workdir + study_spec.json, study.log and the outcome
-                                            (study_result.json or study_failure.json; lconv.study.run)
-    records.json                            every run's record so far (rewritten after each run)
-"""
+"""The study from start to end: tokenizers (``tokenizers/<task>-<vocab>/``), the plan, every run
+(``runs/<task>/<mixer>/seed<k>/``, skipping finished ones; ``records.json``), then the report."""
 from __future__ import annotations
 
 import logging
@@ -72,10 +65,8 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
 
 def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
               resume_from: str | None = None, command: str = "", measure_speed: bool = False) -> list[dict[str, Any]]:
-    """Runs (or, with ``report_only``, only collects) the tuning sweeps, then every planned run, then writes the
-    report into ``docs_dir``. ``resume_from``: a study's docs dir whose archived finished runs are copied in first
-    instead of trained again (``lconv.study.archive``). ``measure_speed``: first the speed table, every mixer in
-    this process (``lconv.study.speed``). Returns the records, one per (task, mixer, seed)."""
+    """Runs (or with ``report_only`` collects) the tuning sweeps, every planned run, then writes the report into
+    ``docs_dir``; ``resume_from``: an archive to copy finished runs from; ``measure_speed``: the speed table first."""
     study = plan.normalize(study)
     plan.check_study(study)
     tuning.check(study)
@@ -136,9 +127,7 @@ def _recipe(study: ml_collections.ConfigDict, choices: dict[tuple[str, str], tun
 
 
 def check_runs_match_plan(planned: list[tuple[str, Any, str]], output_dir: str) -> None:
-    """Raises when a run folder (``(name, planned config, workdir)``) was made with another training config than
-    the plan's (the study config was edited since): its result would be skipped, or its checkpoints resumed, as
-    if it were the planned run."""
+    """Raises when a run folder was made with another training config than the plan's."""
     stale = []
     for name, config, workdir in planned:
         spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))

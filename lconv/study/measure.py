@@ -1,16 +1,7 @@
-"""What a study run measures besides its score, in the run's own process (so on the same machine, same load):
-
-- training tokens/s: the median of the training log windows' ``tokens_per_s`` (``metrics.jsonl``: target tokens,
-  padding excluded, over each window's wall time), the first window of the run left out (it holds compilation);
-- the training step's memory: XLA's ``memory_analysis()`` of the run's own compiled train step (arguments +
-  outputs + temporaries − donated aliases: the bytes the step needs, state and batch included), via
-  ``lconv.bench.timing.program_memory``; and the process's peak resident memory (``ru_maxrss``), which also holds
-  the runtime, data and compilations;
-- LM decoding speed: greedy generation (``lconv.infer.search.lm_generate``) of a fixed shape from BOS, the median
-  of ``LM_DECODE_REPEATS`` calls after a first, compiling one;
-- per-word perplexity: the summed token NLL over the split's words (whitespace-separated, plus one end of
-  document per document, the token the LM also predicts), so tokenisers of any granularity compare.
-"""
+"""What a study run measures besides its score, in the run's own process (the same machine and load): training tokens/s
+(median over log windows, the first left out), the train step's memory (``memory_analysis``) and the peak RSS, LM
+decoding speed (greedy generation from BOS), and per-word perplexity (so tokenisers compare). How each is taken:
+docs/results.md, "How it is measured"."""
 from __future__ import annotations
 
 import json
@@ -35,8 +26,7 @@ from lconv.train import setup, update
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """``metrics.jsonl``'s rows; a step logged twice (a resumed run repeats the steps after its checkpoint) keeps
-    its last row."""
+    """``metrics.jsonl``'s rows; a step logged twice (a resumed run) keeps its last row."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
@@ -95,8 +85,7 @@ LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is repor
 
 def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
                         repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
-    """Greedy generation of ``rows`` x ``length`` tokens from BOS: generated tokens per second, the median of
-    ``repeats`` calls after a compiling one (one call is too short to trust alone on a shared CPU)."""
+    """Greedy generation of ``rows`` x ``length`` tokens from BOS: tokens/s, the median of ``repeats`` calls."""
     model, params = trained.model, trained.params
     settings = DecodeSettings.build(trained.config.decode, max_len=length)  # the sampling defaults: greedy
 

@@ -1,12 +1,9 @@
 """The study's runs: one training config per (task, mixer, seed), with parameter counts matched across mixers.
 
-A task's config is its family config with the mixer's variant word applied as the configs apply it
-(``lconv.configs.common.set_mixer``: a mixer that fits one side gets attention on the other), then the mode's
-overrides for the task, then the per-mixer ones. CoLT5 (encoder-only) gets an attention decoder and no LM run;
-the kNN memory takes its layout rule's layer of the decoder and reads document streams in the LM, as every
-mixer's LM run does (the same windows, so the same test tokens). Parameters are matched to the reference mixer's
-by the FFN width alone: a model's count is affine in ``model.ffn_dim``, so two abstract counts give the slope,
-and the width is rounded to ``ffn_multiple`` and counted once more.
+A task's config is its family config with the mixer's variant word applied (``lconv.configs.common.set_mixer``), then
+the mode's and the per-mixer overrides. CoLT5 (encoder-only) gets an attention decoder and no LM run; every LM run reads
+document streams. Parameters are matched to the reference mixer's by the FFN width alone (the count is affine in
+``model.ffn_dim``: ``match_ffn``).
 """
 from __future__ import annotations
 
@@ -88,8 +85,7 @@ def normalize(study: Config) -> Config:
 
 
 def quote_word_lists(argv: list[str]) -> list[str]:
-    """``--config.mixers=transformer,my_mixers:GatedMean`` as the tuple literal ml_collections parses: its own
-    parser reads ``a,b`` as a tuple only when every word is a Python literal or a plain name, not ``module:Class``."""
+    """``--config.mixers=a,pkg.mod:Class`` as a tuple literal (ml_collections takes plain words only)."""
     out = []
     for arg in argv:
         name, eq, value = arg.partition("=")
@@ -192,8 +188,7 @@ def _plain(value: Any) -> Any:
 
 
 def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int:
-    """The model's parameter count from its own ``init``, traced abstractly on inputs of ``length`` tokens (None:
-    the training lengths); no parameter's shape depends on the length, so short inputs plan faster."""
+    """The model's parameter count from its own ``init``, traced abstractly on ``length`` tokens."""
     # The model section alone: a run's other fields (checked when it launches) fail that run, not the plan.
     lm = config.task == "lm"
     model_cfg = models.ModelConfig.from_config(config.model, vocab_size=vocab_size, decoder_only=lm)
@@ -207,10 +202,8 @@ def count_params(config: Config, vocab_size: int, length: int | None = 8) -> int
 
 def match_ffn(config: Config, reference: int, tolerance: float, multiple: int,
               count: Callable[[Config], int]) -> int:
-    """Sets ``config.model.ffn_dim`` so the model's count is within ``tolerance`` of ``reference``; returns it.
-
-    The count is affine in the FFN width, so one probe gives the slope; the solution is rounded to ``multiple``
-    and counted again (the check is on the model's own count, not on the formula)."""
+    """Sets ``config.model.ffn_dim`` so the model's count is within ``tolerance`` of ``reference``; returns it. One
+    probe gives the slope; the rounded width is counted again."""
     if config.model.encoder_ffn_dim is not None or config.model.decoder_ffn_dim is not None:
         raise UserError("the study matches parameter counts through config.model.ffn_dim, which "
                         "config.model.encoder_ffn_dim / decoder_ffn_dim override; leave them unset (None)")
@@ -268,10 +261,7 @@ def task_seeds(study: Config, task: str) -> tuple[int, ...]:
 def expand(study: Config, found: Sequence[Planned],
            recipe: Callable[[Planned], tuple[Callable[[Config], None] | None, str | None]] | None = None
            ) -> list[Planned]:
-    """Every (task, mixer, seed) run of the templates, seeds outermost: a study stopped part-way has every task
-    and mixer at its first seeds rather than one task at every seed. ``recipe(template)`` gives
-    ``(adjust, waiting)``: a function that sets the chosen recipe on each seed's config, or why the runs must
-    wait (their tuning sweep is not complete)."""
+    """Every (task, mixer, seed) run of the templates, seeds outermost; ``recipe(template)``: ``(adjust, waiting)``."""
     runs = []
     for seed in study.seeds:
         for template in found:
@@ -298,8 +288,7 @@ def check_generation_fits(study: Config, config: Config) -> None:
 
 
 def stored_config_changes(stored: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
-    """``{dotted field: (stored, planned)}`` where a run's stored training config differs from the planned one;
-    fields added to lconv since the run was made, at their defaults, do not count (they keep its behaviour)."""
+    """``{dotted field: (stored, planned)}`` where a run's stored training config differs from the plan's."""
     from lconv.run import workdir as workdir_lib
 
     changes = workdir_lib.config_changes(stored, workdir_lib.as_record(config))

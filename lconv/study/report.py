@@ -1,10 +1,6 @@
 """The study's report, written from the run records: ``results.md`` (tables, plots, the machine and budget, the
-comparison with the paper) and ``results/`` (``results.json``, ``results.csv``, PNGs) for notebooks.
-
-Spread over seeds is the sample standard deviation (``n - 1``); a difference between two mixers "exceeds the
-seed spread" when it is larger than the sum of their two standard deviations (their mean ± sd intervals do not
-overlap), which needs at least two seeds of each.
-"""
+comparison with the paper) and ``results/`` (``results.json``, ``results.csv``, PNGs) for notebooks. A gap "exceeds the
+seed spread" when it is larger than the two mixers' sample standard deviations summed."""
 from __future__ import annotations
 
 import csv
@@ -206,8 +202,7 @@ def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], recor
 
 def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], docs_dir: str, meta: Record,
                  output_dir: str, sweep_records: Sequence[Record] = (), choices: dict | None = None) -> str:
-    """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown. ``sweep_records`` and
-    ``choices``: the tuning sweeps' processes and the recipe each (task, mixer) was given (lconv.study.tuning)."""
+    """Writes ``docs_dir/results.md`` and ``docs_dir/results/*``; returns the markdown."""
     choices = choices or {}
     from lconv.bench import timing
 

@@ -1,12 +1,8 @@
 """One study run, in a process of its own: train (resuming), score the averaged last checkpoints, measure.
 
-The study process writes ``<workdir>/study_spec.json`` and runs ``python -m lconv.study.run <spec>``; that
-process's output goes to ``<workdir>/study.log``. A separate process per run keeps one run's failure (or crash, or
-memory) from the others, and gives each run its own peak-memory figure. The run's outcome is a file:
-
-- ``study_result.json``: finished; a later study skips the run;
-- ``study_failure.json``: ``{"error": one line, "stage": ...}``; a later study tries the run again, resuming from
-  its checkpoints (``lconv.train.loop``'s own resume), so an interrupted or timed-out run loses little.
+``python -m lconv.study.run <spec>`` (output in ``<workdir>/study.log``): a process per run keeps one run's failure or
+memory from the others. The outcome is ``study_result.json`` (finished, skipped later) or ``study_failure.json``
+(``{"error", "stage"}``; a later study resumes the run from its checkpoints).
 """
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ def read_json(path: str) -> dict[str, Any] | None:
 
 
 def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None) -> dict[str, Any]:
-    """A run's record as its workdir holds it: the result, else ``record`` failed with the failure's fields, else
-    ``record`` "not run" (``waiting``: why it was not launched)."""
+    """A run's record as its workdir holds it: the result, a failure, or "not run" (``waiting``: why)."""
     found = read_json(os.path.join(workdir, RESULT))
     failed = read_json(os.path.join(workdir, FAILURE))
     if found or failed:
@@ -57,9 +52,7 @@ def write_json(path: str, value: Any) -> None:
     os.replace(tmp, path)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The study's side: launch a run's process, wait, read its outcome
-# ----------------------------------------------------------------------------------------------------------------
 def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minutes: float) -> dict[str, Any]:
     """Runs one planned run unless its result exists; returns its record (``status`` ok / failed)."""
     done = read_json(os.path.join(workdir, RESULT))
@@ -88,9 +81,8 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
 
 
 def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
-    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout (the run
-    checkpoints and stops), SIGKILL a minute later. Returns ``(exit code, timed out)``. A SIGTERM to the study is
-    passed on to the run, so it does not train on unseen."""
+    """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout, SIGKILL a minute later
+    (a SIGTERM to the study is passed on). Returns ``(exit code, timed out)``."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -157,13 +149,10 @@ def _last_line(path: str) -> str:
     return lines[-1][:500] if lines else ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The run's side (this module as a program)
-# ----------------------------------------------------------------------------------------------------------------
 def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
-    """A tuning sweep's process (lconv.study.tuning): ``tune`` trains a short run (resuming) and records its
-    final validation loss; ``lenpen`` decodes the validation split with a tuning run's checkpoint at each length
-    penalty. Neither reads the test split."""
+    """A tuning sweep's process (lconv.study.tuning): ``tune`` trains a short run and records its validation loss;
+    ``lenpen`` decodes the validation split at each length penalty."""
     import ml_collections
 
     from lconv.cli import eval_program
@@ -196,8 +185,7 @@ def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Trains the run (resuming), scores the test split on the mean of the last checkpoints, measures; returns
-    the record written to ``study_result.json``. Raises on failure; ``stage`` in the spec dict says where."""
+    """Trains the run, scores the test split on the last checkpoints' mean, measures; returns the record."""
     import ml_collections
 
     from lconv.cli import eval_program
@@ -249,9 +237,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cache_compilations(directory: str) -> None:
-    """JAX's persistent compilation cache, private to the run: the train step that ``measure.train_step_memory``
-    compiles again for its ``memory_analysis`` is the one training compiled, so it is read back instead of
-    compiled twice. Private, so no run's timings (decoding includes compilation) profit from another run."""
+    """JAX's persistent compilation cache, private to the run (no run's timings profit from another's)."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", directory)

@@ -1,15 +1,5 @@
-"""The study's speed table: every mixer's training and decoding speed at the study's sizes, in one process.
-
-Per task, each planned model (its matched FFN width, the study's batch shape, random weights) is built in this one
-process, and the mixers take turns: every round times one train step of each model on the same first training
-batch, then one decoding pass of each over the same validation sources (beam search at the task's beam for
-translation and summarization, greedy generation for the LM). The table gives each mixer's median over the rounds
-and its ratio to the reference mixer. Turns in one process put every mixer under the same host conditions; the
-run processes' own figures (the task tables) move with the host's load at their hour.
-
-Random weights seldom end a beam, so every hypothesis runs to the length limit: decoding is timed per sentence at
-its longest, the same work for every mixer, below a trained model's rate.
-"""
+"""The study's speed table: every mixer's training and decoding speed at the study's sizes, the mixers taking turns in
+one process so all meet the same host conditions (random weights: every beam runs to its length limit)."""
 from __future__ import annotations
 
 import copy
@@ -48,8 +38,7 @@ class _Contender:
 
 def measure(study: ml_collections.ConfigDict, templates: Sequence[plan.Planned], tokenizer_dirs: dict[str, str],
             rounds: int = 5) -> list[dict[str, Any]]:
-    """A row per (task, mixer): train tokens/s and decode sentences/s, medians of ``rounds`` turns after a
-    compiling one."""
+    """A row per (task, mixer): train tokens/s and decode sentences/s, medians of ``rounds`` turns."""
     rows = []
     for task in study.tasks:
         planned = [t for t in templates if t.key.task == task and t.config is not None]

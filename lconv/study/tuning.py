@@ -1,16 +1,5 @@
-"""The fair recipe: each mixer's peak learning rate and length penalty, chosen on the validation split.
-
-The study's shared recipe was tuned for one mixer; a comparison at it favours that mixer. So before its seeds, each
-(task, mixer) gets ``tuning.steps``-update runs of seed ``tuning.seed``, one per rate of ``tuning.learning_rates``
-(each in its own process, like every study run). The rate whose run ends with the lowest validation NLL is chosen.
-For translation and summarization that run's checkpoint then decodes the validation split at each of
-``tuning.lenpens``, and the best BLEU / ROUGE-L wins (a tie goes to the first listed). Every seed of the mixer
-trains and decodes at the chosen pair. The test split is never read here. docs/results.md shows the sweep.
-
-Layout under a run folder's ``<output_dir>/runs/<task>/<mixer>/``: ``tune_lr<rate>/`` (a training workdir) and
-``lenpen_lr<rate>/`` (the decoding sweep of that rate's run); the archive mirrors it
-(``<task>/<mixer>/tune_lr<rate>.json``).
-"""
+"""The fair recipe: each mixer's peak learning rate (lowest validation NLL of short runs) and length penalty (best
+validation BLEU / ROUGE-L of that run), never reading the test split. docs/results.md shows the sweep."""
 from __future__ import annotations
 
 import dataclasses
@@ -119,8 +108,8 @@ class Sweep:
 
 def choose(study: ml_collections.ConfigDict, sweeps: Sequence[Sweep], output_dir: str,
            launch: Callable[[Sweep], Record] | None) -> tuple[dict[tuple[str, str], Choice], list[Record]]:
-    """Runs (``launch`` given: one process, ``lconv.study.run.launch``) or only reads each (task, mixer)'s sweep.
-    Returns ``{(task, mixer): Choice}`` for each sweep that is complete, and the records of every process run."""
+    """Runs (``launch``: ``lconv.study.run.launch``) or only reads each (task, mixer)'s sweep; returns ``{(task, mixer):
+    Choice}`` for the complete ones, and every process's records."""
     choices, records = {}, []
     by_pair: dict[tuple[str, str], list[Sweep]] = {}
     for sweep in sweeps:

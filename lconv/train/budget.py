@@ -1,13 +1,8 @@
 """The run's time budget, ``train.max_minutes``: training, the final validation and the test score together.
 
-Training stops when the time left is what the final evaluation needs (its estimate x ``SAFETY_MARGIN``), so that the
-whole run ends within the budget.
-What the evaluation needs is measured (``estimate_final_evaluation``) once training has had ``MEASURE_AT_SHARE`` of
-the budget (one process; several measure before the first update, together): the validation loss over a few
-batches of the validation split, and for a decoded test split (BLEU / ROUGE) its first batch decoded twice,
-extrapolated to every batch of both splits. When the estimate was short (or the evaluation alone needs more than
-the budget), the final passes stop at the budget too (one process; ``Budget.deadline``): their scores then cover the
-batches done by then, and a warning says so.
+Training stops when the time left is what the final evaluation needs (its measured estimate x ``SAFETY_MARGIN``); an
+estimate that was short makes the final passes stop at the budget too, and a warning says so. How the estimate is
+measured: docs/training.md, "A time budget for the whole run".
 """
 from __future__ import annotations
 
@@ -31,22 +26,17 @@ logger = logging.getLogger(__name__)
 clock: Callable[[], float] = time.monotonic  # seconds; the tests put a fake clock here
 
 PROBE_BATCHES = 3  # validation batches timed for the estimate: the first compiles, the others are timed
-# Training leaves the final evaluation its estimate times this: a shared machine's load changes after the probe,
-# and a cut evaluation costs more than the margin.
+# Training leaves the final evaluation its estimate times this: a shared machine's load changes after the probe.
 SAFETY_MARGIN = 1.5
-# One process measures the final evaluation once training has had this share of the budget (or when the provisional
-# reserve is all that is left), not before the first update: the measurement compiles programs the end needs
-# anyway, and a model some minutes in decodes as the final one will, where an untrained one babbles.
+# Measured once training has had this share: its programs are needed anyway, and a trained model decodes as at the end.
 MEASURE_AT_SHARE = 0.2
 PROVISIONAL_RESERVE_SHARE = 0.25  # training's reserve for the final evaluation until it is measured
-# A model with fewer updates than this is still its initialisation, and its scores measure nothing: a budget whose
-# training time is gone before them fails (exit 2) rather than evaluating it (``check_useful``).
+# Fewer updates than this leave the initialisation, whose scores mean nothing (``check_useful`` fails).
 MIN_USEFUL_UPDATES = 10
 
 
 class Budget:
-    """``train.max_minutes`` from ``start`` (the ``clock()`` when the run started; default now); 0 = no budget
-    (nothing is ever over)."""
+    """``train.max_minutes`` from ``start`` (the run's start ``clock()``; default now); 0 = no budget."""
 
     def __init__(self, minutes: float, start: float | None = None) -> None:
         self.seconds, self.start = 60.0 * minutes, clock() if start is None else start
@@ -64,15 +54,12 @@ class Budget:
         return clock() - self.start
 
     def measure_later(self, measure: Callable[[], None]) -> None:
-        """Keeps ``PROVISIONAL_RESERVE_SHARE`` of the budget for the final evaluation until ``measure`` (which sets
-        ``estimate`` and ``reserve``) has run: ``training_over`` runs it once ``MEASURE_AT_SHARE`` of the budget is
-        gone, or sooner if only the provisional reserve is left."""
+        """Keeps ``PROVISIONAL_RESERVE_SHARE`` of the budget for the final evaluation until ``measure`` has run."""
         self._measure, self._measure_at = measure, MEASURE_AT_SHARE * self.seconds
         self.reserve = PROVISIONAL_RESERVE_SHARE * self.seconds
 
     def training_over(self) -> bool:
-        """Whether training must stop now to leave the final evaluation its time (measuring it first when
-        ``measure_later``'s time has come)."""
+        """Whether training must stop now to leave the final evaluation its time (measuring it when due)."""
         if not self.enabled:
             return False
         if self._measure is not None and (self.elapsed() >= self._measure_at or clock() >= self.training_end()):
@@ -85,8 +72,7 @@ class Budget:
         return self.start + self.seconds - self.reserve
 
     def check_useful(self, step: int, minutes: float) -> None:
-        """Raises a one-line ``UserError`` when training, stopped by the budget at ``step`` (counted from the run's
-        start), has fewer than ``MIN_USEFUL_UPDATES`` updates."""
+        """A one-line ``UserError`` when the budget stopped training before ``MIN_USEFUL_UPDATES`` updates."""
         if step >= MIN_USEFUL_UPDATES:
             return
         left = max(self.seconds - self.elapsed(), 0.0)
@@ -96,16 +82,14 @@ class Budget:
                         f"{math.ceil((self.elapsed() + self.reserve) / 60) + 1} or more (or 0: no budget)")
 
     def deadline(self) -> Deadline | None:
-        """What the final evaluation's passes stop at: the budget's end, with one process and a budget; several
-        processes would stop at different batches of their collectives, so they finish the passes."""
+        """What the final evaluation's passes stop at: the budget's end with one process, else None."""
         if not self.enabled or jax.process_count() > 1:
             return None
         return Deadline(self.start + self.seconds, "train.max_minutes", clock=lambda: clock())  # the tests' clock
 
 
 def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:
-    """The time of one batch of ``evaluate(batches)`` over ``eval_set``: its first batch compiles untimed, the next
-    ``PROBE_BATCHES - 1`` are timed; a set of one batch is timed with its compilation (an upper bound)."""
+    """The time of one batch of ``evaluate(batches)`` over ``eval_set``, its compilation untimed."""
     start = clock()
     evaluate(itertools.islice(iter(eval_set), 1))
     if len(eval_set) < 2:
@@ -118,9 +102,7 @@ def _seconds_per_batch(evaluate: Callable[[Any], Any], eval_set: Any) -> float:
 
 def estimate_final_evaluation(run: Any, evaluate_loss: Callable[[Any], Any],
                               translator: compiled.Translator | None, settings: DecodeSettings) -> float:
-    """Seconds the final evaluation of ``run`` will take: the validation loss pass (``evaluate_loss(batches)``),
-    and with ``train.eval_after_training`` the test split's (an LM's perplexity: the same pass; else decoding
-    with ``translator`` and ``settings``, ``time_estimate.estimate_decode_seconds``)."""
+    """Seconds the final evaluation of ``run`` will take: the validation loss pass and the test split's."""
     config, eval_sets = run.config, run.data.eval_sets
     validation = pipeline.loss_batches(eval_sets["validation"])
     per_batch = _seconds_per_batch(evaluate_loss, validation)

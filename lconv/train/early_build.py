@@ -1,15 +1,9 @@
 """The train state and the train step, built in a background thread while the corpus and tokenizer are prepared.
 
-Neither needs the data: the shapes follow from the config, the vocabulary size and the batch's
-``[rows, length]``. On a first run the data's preparation and the compilations each take seconds, so side by side
-the first update comes sooner. What ``build_run`` finds is checked before use (another tokenizer size builds
-again; another batch signature compiles as a plain ``jax.jit`` would), so the early build can only save time,
-never change a result. It runs only where the workdir has no tokenizer yet, and on one process only, so no
-collective is launched from a second thread.
-
-The vocabulary size is the one asked for (``config.data.vocab_size``), which SentencePiece gives any corpus of real
-size. A small corpus of your own (``tokenizer_first``) may give fewer pieces: there the tokenizer, trained in
-moments, comes first and the build assumes what it gave, still beside the datasets' preparation.
+Neither needs the data (the shapes follow from the config, vocabulary size and batch shape), so the first update comes
+sooner. What ``build_run`` finds is checked before use, so the early build can only save time, never change a result. It
+runs on one process, where the workdir has no tokenizer yet; a small corpus of your own trains its tokenizer first
+(``tokenizer_first``). Measurements: docs/default-run.md.
 """
 from __future__ import annotations
 
@@ -37,8 +31,7 @@ from lconv.train import update
 logger = logging.getLogger(__name__)
 PyTree = Any
 THREAD_NAME = "lconv-early-build"  # the CLIs' exit does not wait for it (``lconv.cli.runtime.EARLY_BUILD_THREAD``)
-# Below this many bytes of training text per piece asked for, SentencePiece may give fewer pieces, and trains in
-# seconds (docs/data.md, "Your own files")
+# Below this many bytes of training text per piece asked, SentencePiece may give fewer pieces (docs/data.md).
 BYTES_PER_PIECE = 100
 
 
@@ -53,9 +46,8 @@ class StateParts:
 
 
 class PreparedStep:
-    """``jitted`` with one program compiled ahead for one signature of ``(state, batch, lr_factor)``: a call with
-    that signature runs it; any other goes to ``jitted`` (which compiles as usual). The state's signature is checked
-    on the first call (later states are the program's own outputs), the batch's on every call."""
+    """``jitted`` with one program compiled ahead for one ``(state, batch, lr_factor)`` signature; any other call goes
+    to ``jitted``."""
 
     def __init__(self, jitted: Callable, compiled: Any, state_signature: PyTree, batch_signature: PyTree) -> None:
         self.jitted, self.compiled = jitted, compiled
@@ -97,8 +89,7 @@ class EarlyBuild:
         executor.shutdown(wait=False)
 
     def cancel(self) -> None:
-        """The caller failed (its data, say): the thread stops at its next stage rather than compile on. A process
-        exits only once the thread has ended, so its error would otherwise wait for the whole build."""
+        """The caller failed: the thread stops at its next stage rather than compile on."""
         self._cancelled.set()
 
     def _build(self, build_state: Callable[[int], StateParts]) -> tuple[StateParts, PreparedStep] | None:
@@ -121,9 +112,8 @@ class EarlyBuild:
         return parts, PreparedStep(jitted, compiled, signature(state), signature(batch))
 
     def result_for(self, vocab_size: int) -> tuple[StateParts, PreparedStep] | None:
-        """The state and step if they were built for ``vocab_size`` (waits for them); else None: the caller builds
-        them in the usual order. A config error (``UserError``) is raised as the usual order would raise it; any
-        other failure is logged and left to the usual order, which raises it again if it is not the thread's."""
+        """The state and step if built for ``vocab_size`` (waits for them); else None. A ``UserError`` is raised as the
+        usual order would; other failures are logged and left to it."""
         if vocab_size != self.vocab_size:
             logger.info(f"the state built during the data's preparation assumed a vocabulary of {self.vocab_size}; "
                         f"the tokenizer has {vocab_size}: building it again")
@@ -140,9 +130,7 @@ class EarlyBuild:
 
 
 def tokenizer_first(data_config: DataConfig) -> bool:
-    """Whether the tokenizer is trained before the early build starts, which then assumes the vocabulary it gave:
-    your own files (``dataset="files"``) whose training split has under ``BYTES_PER_PIECE`` bytes per piece asked
-    for. Files that cannot be listed or measured leave the usual order, which reports them."""
+    """Whether the tokenizer is trained before the early build: your own files under ``BYTES_PER_PIECE``."""
     if data_config.dataset != sources.FILES:
         return False
     try:

@@ -1,15 +1,6 @@
 """Evaluation control: the metric that picks ``<workdir>/best``, and early stopping (``config.train.best_metric``,
-``validation_beam_size``, ``validation_lenpen``, ``patience``; docs/config.md).
-
-With ``best_metric="loss"`` the best checkpoint is the lowest validation loss, as it always was. With ``bleu``
-(translation) or ``rougeL`` (summarization) each validation pass also decodes the validation split with its own
-search (greedy by default: the cheapest) and scores it, as fairseq's ``--eval-bleu`` and
-``--best-checkpoint-metric`` do; ``data.max_validation_examples`` caps what it decodes. ``patience`` stops training
-after that many passes in a row without a better value (fairseq's ``--patience``), counted from the run's start: a
-resumed run replays the count from metrics.jsonl, so it stops at the pass an uninterrupted run would; the final
-evaluation still runs. The training loop's one call: its validation pass hands its loss scores to
-``Tracker.after_validation`` and asks ``Tracker.stop_reason`` after it.
-"""
+``validation_beam_size``, ``validation_lenpen``, ``patience``). The training loop's validation pass hands its scores to
+``Tracker.after_validation`` and asks ``Tracker.stop_reason``. The rules: docs/training.md, "Evaluation"."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +48,7 @@ def best_checkpointer(control: EvalControl, workdir: str, **options: Any) -> che
 
 
 class Tracker:
-    """Scores each validation pass by the chosen metric, offers it to the best checkpoint, and counts the passes in
-    a row that did not beat the best."""
+    """Scores each validation pass, offers it to the best checkpoint, and counts passes without a better one."""
 
     def __init__(self, control: EvalControl, best: checkpoints.BestCheckpointer) -> None:
         self.control, self.best = control, best
@@ -68,10 +58,8 @@ class Tracker:
 
     def after_validation(self, run: Any, step: int, scores: dict[str, Any],
                          deadline: Deadline | None = None) -> dict[str, Any]:
-        """``scores`` (a validation loss pass of ``run``, a ``setup.Run``) with the decoded metric added when it is
-        the chosen one; the state is offered to the best checkpoint. A pass cut short (``unscored_batches``, or a
-        decode ``deadline`` stopped: the final evaluation's time budget) is not comparable with the others: it is
-        not offered."""
+        """``scores`` (a validation loss pass of ``run``) with the decoded metric added when chosen; the state is
+        offered to the best checkpoint unless the pass was cut short."""
         if "unscored_batches" in scores:
             return scores
         value = scores["loss"]
@@ -87,9 +75,7 @@ class Tracker:
         return scores
 
     def resume(self, workdir: str, step: int) -> None:
-        """The count, and the value it compares with, as an uninterrupted run had them after ``step`` (the
-        checkpoint resumed from): replayed from the validation rows of ``<workdir>/metrics.jsonl`` up to it, the
-        log of every pass (the best checkpoint records only the best). No rows: the best checkpoint's value."""
+        """The count and value an uninterrupted run had after ``step``, replayed from ``metrics.jsonl``."""
         if not self.control.patience:
             return
         values = validation_values(workdir, step, self.control.metric)
@@ -142,9 +128,7 @@ def replay(metric: str, values: list[float]) -> tuple[float, int]:
 
 
 def validation_values(workdir: str, step: int, metric: str) -> list[float]:
-    """``metric``'s value of each validation pass logged in ``<workdir>/metrics.jsonl`` at a step up to ``step``, in
-    step order (a step logged twice: its last row). A pass cut short (``unscored_batches``, ``undecoded``) was
-    not compared, and is left out as ``Tracker.after_validation`` leaves it out."""
+    """``metric``'s value of each validation pass in ``metrics.jsonl`` up to ``step`` (cut passes left out)."""
     path = epath.Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []

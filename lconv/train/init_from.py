@@ -1,14 +1,7 @@
-"""Starting a run from another run's params (``train.init_from``): fine-tuning on new data or with another config,
-as t5x's ``initial checkpoint`` does.
-
-The new run is a new run: its own optimizer state, step 0, its own schedule and data. What it takes from the source
-workdir (a path or URL, what ``lconv.load`` accepts) is the params of its latest checkpoint (``train.init_checkpoint
-= "best"``: of the best by validation loss) and its tokenizer, copied into the new workdir, since the embeddings
-are rows of that vocabulary. So the model must be the source's: its task and every model field that shapes the
-params (dropout rates and other fields that leave the params alone may differ), and ``data.vocab_size`` the
-source's; otherwise one line names the differing fields. Once the new run has a checkpoint of its own, a resume
-restores that, and ``init_from`` is not read again.
-"""
+"""Starting a run from another run's params (``train.init_from``): fine-tuning on new data or with another config, as
+t5x's ``initial checkpoint`` does. The new run has its own optimizer state, step 0, schedule and data; it takes the
+source's params and tokenizer, so its model must be the source's. The rules: docs/training.md, "Starting from another
+run (fine-tuning)"."""
 from __future__ import annotations
 
 import logging
@@ -32,8 +25,7 @@ FIELD = "config.train.init_from"
 
 
 class Source:
-    """The run ``config.train.init_from`` names: its resolved workdir and stored config, checked against
-    ``config`` (``check``) before anything is written."""
+    """The run ``config.train.init_from`` names: its resolved workdir and stored config, checked against ``config``."""
 
     def __init__(self, config: RunConfig) -> None:
         self.given = config.train.init_from
@@ -42,8 +34,7 @@ class Source:
         self.label = f"{FIELD}={self.given}"
 
     def check(self, config: RunConfig) -> None:
-        """The task, ``data.vocab_size`` and the model's fields against the source's: one line naming what
-        differs when the params would not fit."""
+        """The task, ``data.vocab_size`` and the model's fields against the source's: one line naming what differs."""
         theirs, ours = self.config, config
         if theirs.task != ours.task:
             raise UserError(f"{self.label}: config.task is {ours.task!r} here and {theirs.task!r} there; a run "
@@ -60,8 +51,7 @@ class Source:
             raise UserError(f"{self.label}: its params do not fit this model: {changes}")
 
     def copy_tokenizer(self, workdir: str) -> None:
-        """The source's tokenizer into ``workdir`` (process 0; the others receive it from there), unless the
-        same file is there already; another one there is an error naming both."""
+        """The source's tokenizer into ``workdir`` (process 0) unless the same file is there."""
         if jax.process_index() != 0:
             return
         for name in (tokenizer_lib.Tokenizer.filename, tokenizer_lib.PiecesTokenizer.filename):
@@ -78,8 +68,7 @@ class Source:
         raise UserError(f"{self.label}: no tokenizer in {self.workdir}")
 
     def restore_params(self, run: setup.Run) -> None:
-        """The source checkpoint's params into ``run.state`` (laid out as its own), the rest of the state kept:
-        a fresh optimizer at step 0."""
+        """The source checkpoint's params into ``run.state`` (laid out as its own), with a fresh optimizer at step 0."""
         which = run.config.train.init_checkpoint
         ckpt = checkpoints.Checkpointer(self.workdir, subdir="checkpoints" if which == "latest" else "best",
                                         read_only=True)
@@ -94,8 +83,8 @@ class Source:
 
 
 def prepare(config: RunConfig, workdir: str) -> Source | None:
-    """The source run of a new run that has ``train.init_from``, checked against ``config`` (call before anything
-    is written); None without one, or when ``workdir`` has a checkpoint (a resume restores its own)."""
+    """The checked source run of a new run with ``train.init_from`` (call before anything is written); None without one,
+    or when ``workdir`` has a checkpoint."""
     if not config.train.init_from or checkpoints.has_checkpoint(workdir):
         return None
     source = Source(config)

@@ -28,8 +28,7 @@ class _Discard:
 
 
 class _RemoteLines:
-    """An append-only text file on an object store (gs://...), which cannot append: the lines are kept and the
-    whole file is rewritten on each flush (metrics are small: a row per log step)."""
+    """An append-only text file on an object store: the whole file is rewritten on each flush."""
 
     def __init__(self, path: epath.Path) -> None:
         self.path = path
@@ -56,8 +55,7 @@ class MetricWriter:
         outputs.refuse_link(path)  # before it is read or rewritten: its rows would land in the link's target
         _drop_rows_after(path, resumed_step)
         self.path, self.remote = path, workdir_lib.is_remote(workdir)
-        # The rows of the step resumed from: a rerun may log one again (its final evaluation, killed before it
-        # ended): the new row replaces the old, so the log holds each step's row once.
+        # A rerun may log the resumed step's row again: the new row replaces the old.
         self.logged_at_resume = _rows_at(path, resumed_step)
         self.jsonl = _RemoteLines(path) if self.remote else outputs.open_append(path)
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
@@ -96,9 +94,7 @@ class MetricWriter:
 
 
 def _quiet_event_thread() -> None:
-    """tensorboardX writes events in a thread of its own: a write that fails there (a full disk) printed a thread
-    traceback after the run's one line. It is a warning instead (metrics.jsonl keeps every value); other threads'
-    exceptions are untouched."""
+    """A failed tensorboardX write in its own thread (a full disk) becomes a warning, not a traceback."""
     previous = threading.excepthook
     if getattr(previous, "lconv_quiet_events", False):
         return
@@ -115,8 +111,7 @@ def _quiet_event_thread() -> None:
 
 
 def _drop_rows_after(path: epath.Path, step: int) -> None:
-    """Removes the rows of steps after ``step`` (the checkpoint a run resumes from): a run killed after it logged
-    them trains those steps again and logs them anew, and each step is in the log once."""
+    """Removes the rows of steps after ``step`` (the checkpoint a run resumes from)."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -151,9 +146,7 @@ BUDGET_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s of the bud
 
 
 class Progress:
-    """The training bar. It counts steps to ``train.num_steps``, or with a time budget (``train.max_minutes``, which
-    then ends the run unless num_steps comes first) the budget's seconds, with the step beside them: its end is the
-    run's end, the final evaluation included, which takes the part of the bar training leaves."""
+    """The training bar: steps to ``train.num_steps`` or, with a time budget, its seconds."""
 
     def __init__(self, step: int, num_steps: int, budget: Any) -> None:
         from tqdm import tqdm

@@ -34,9 +34,7 @@ PyTree = Any
 
 
 class TrainState(train_state.TrainState):
-    # What the model's stateful mixers carry from one window of each row's document stream to the next
-    # (lconv.nn.mixer_state.MixerState, [B, ...] leaves, B = the global batch's rows); empty unless data.stream
-    # and a mixer declares state.
+    # What stateful mixers carry between a row's stream windows (``MixerState``); empty unless data.stream.
     mixer_state: Any = None
 
 
@@ -56,15 +54,13 @@ class Run:
     record: dict[str, Any]  # the config as config.json stores it (``CheckedConfig.record``)
     # Changes to config.json this launch makes to a run with checkpoints: written once the checkpoint restores.
     config_changes: dict[str, Any] | None = None
-    # Seconds ``build_run`` spent in each part (tokenizer, data, state): where a run's start goes, logged and returned
+    # Seconds ``build_run`` spent in each part (tokenizer, data, state), logged and returned.
     setup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    # The train step compiled while the data was prepared (``lconv.train.early_build``); None: jit it at the start
+    # The train step compiled while the data was prepared (``early_build``); None: jit it at the start.
     train_step: early_build.PreparedStep | None = None
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The batch's split
-# ----------------------------------------------------------------------------------------------------------------
 def check_batch_divides(config: RunConfig, mesh: jax.sharding.Mesh) -> None:
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     accum = int(config.optim.grad_accum_steps)
@@ -76,9 +72,7 @@ def check_batch_divides(config: RunConfig, mesh: jax.sharding.Mesh) -> None:
                         f"{shards} data-parallel devices (mesh data x fsdp)")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # State
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def create_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh,
@@ -102,13 +96,10 @@ def create_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh,
     return state, shardings
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Building a run
-# ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CheckedConfig:
-    """What ``check_config`` found: the typed config, the mesh it runs on, and the config as config.json stores
-    it (a plain dict: what a resumed run compares and ``lconv.run.workdir`` writes)."""
+    """What ``check_config`` found: the typed config, its mesh, and the config as config.json stores it."""
 
     config: RunConfig
     mesh: jax.sharding.Mesh
@@ -116,9 +107,7 @@ class CheckedConfig:
 
 
 def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
-    """Every check that needs no data: the fields (``lconv.run.schema``), the mesh and the batch's split over it,
-    and a plugin's trace. Returns the parsed sections and the mesh, which ``build_run`` takes rather than parse
-    the config again."""
+    """Every check that needs no data (fields, mesh, batch split, a plugin's trace); what ``build_run`` takes."""
     checked = validate_config(config)
     mesh = model_setup.make_mesh(checked.mesh, devices)
     check_batch_divides(checked, mesh)
@@ -128,8 +117,7 @@ def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
 
 
 def check_state_rules(config: RunConfig) -> None:
-    """A stream's stateful mixers keep the state rules (``lconv.nn.mixer_state.check_rules``), traced abstractly
-    on the dummy batch before any data is prepared: a broken plugin fails in seconds, in one line naming it."""
+    """A stream's stateful mixers keep the state rules, traced abstractly before any data is prepared."""
     if not config.data.stream:
         return  # nothing is carried between batches: init_mixer_state makes no state
     model = model_setup.build_model(config)
@@ -137,9 +125,7 @@ def check_state_rules(config: RunConfig) -> None:
 
 
 def check_plugins_trace(config: RunConfig) -> None:
-    """A model with a mixer or FFN from outside lconv is traced once, abstractly and at a short length, before any
-    data is prepared: a plugin whose output does not fit (``lconv.nn.mixers.check_output``) fails now, in one line
-    naming it, rather than after data preparation."""
+    """A model with a plugin mixer or FFN is traced once, abstractly, before any data: a misfit fails now."""
     model_cfg = config.model
     model = model_setup.build_model(config, model_cfg.vocab_size)
     sides = ("decoder",) if config.task == "lm" else ("encoder", "decoder")
@@ -162,9 +148,8 @@ def check_plugins_trace(config: RunConfig) -> None:
 
 def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = None, *,
               accept_config_changes: bool = False, checked: CheckedConfig | None = None) -> Run:
-    """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir``
-    (the caller restores a checkpoint into it when one exists, and holds the workdir's lock). ``checked``: what
-    ``check_config`` returned, when the caller checked already."""
+    """Checks ``config``, then builds the mesh, tokenizer, datasets, model and fresh train state for ``workdir`` (the
+    caller restores a checkpoint and holds the lock); ``checked``: ``check_config``'s result, if already run."""
     devices = jax.devices() if devices is None else list(devices)
     checked = check_config(config, devices) if checked is None else checked
     mesh, config = checked.mesh, checked.config
@@ -183,9 +168,7 @@ def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = 
 
     build_state = functools.partial(_build_state, config, mesh)
     early = None
-    # The state and train step build beside the data (lconv.train.early_build) where a tokenizer is still to load
-    # or train: a workdir that holds one (a resumed run) has nothing slow to overlap them with. A small corpus of
-    # your own trains its tokenizer first, for the vocabulary it gives (fewer pieces than asked, maybe).
+    # State and step build beside the data only where a tokenizer is still to make (else nothing slow to overlap).
     builds_early = jax.process_count() == 1 and not epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
     tokenizer_first = builds_early and early_build.tokenizer_first(config.data)
     if builds_early and not tokenizer_first:
@@ -220,8 +203,7 @@ def _build_state(config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int) ->
 
 
 def _report_data_source(report: dict[str, Any], workdir: str) -> None:
-    """What the prepared data was built from and how many records were skipped or altered, and why: logged and
-    written to ``<workdir>/data_report.json`` (process 0)."""
+    """What the prepared data was built from and what was skipped: logged and written to ``data_report.json``."""
     if not report or jax.process_index() != 0:
         return
     for line in sources.describe_report(report):

@@ -1,10 +1,8 @@
 """One update: the learning rate, the optimizer and the compiled train step.
 
-The rate is ``step_rate`` (traced in the step, by update count) times ``TimeSchedule``'s factor by the share of
-training done (host-side, the step's ``lr_factor``): a schedule change is made here alone. The optimisers are
-fairseq's (docs/fairseq.md, "Training parity"). Steps are ``jax.jit`` with ``in_shardings`` / ``out_shardings``
-and a donated state; the dropout rng is ``fold_in(seed, step)``, so no rng state is saved. The evaluation loss
-is ``lconv.run.loss_pass``'s, shared with eval.py. docs/training.md has the schedules and the budget.
+The rate is ``step_rate`` (traced in the step) times ``TimeSchedule``'s factor by the share of training done (host-side,
+the step's ``lr_factor``): a schedule change is made here alone. The optimisers are fairseq's; the dropout rng is
+``fold_in(seed, step)``. Schedules and the budget: docs/training.md; parity: docs/fairseq.md.
 """
 from __future__ import annotations
 
@@ -29,14 +27,10 @@ logger = logging.getLogger(__name__)
 PyTree = Any
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The learning rate
-# ----------------------------------------------------------------------------------------------------------------
 def step_rate(optim: OptimConfig, num_steps: int) -> optax.Schedule:
-    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine, or constant. The cosine falls
-    from the peak to ``min_lr`` over ``cosine_period`` updates after warmup (fairseq's ``--lr-period-updates``;
-    0 = the rest of the run), and stays at ``min_lr`` after it. ``budget`` is the peak at every step: its shape is
-    in time (``TimeSchedule``), a factor the train step multiplies the update by."""
+    """Linear warmup from ``warmup_init_lr``, then inverse-sqrt (fairseq), cosine (to ``min_lr`` over ``cosine_period``)
+    or constant; ``budget`` is the peak throughout."""
     peak, warmup, init = optim.learning_rate, max(int(optim.warmup_steps), 0), optim.warmup_init_lr
     if optim.schedule not in ("inverse_sqrt", "cosine", "constant", "budget"):
         raise UserError(f"config.optim.schedule must be inverse_sqrt, cosine, constant or budget; got "
@@ -61,17 +55,8 @@ def step_rate(optim: OptimConfig, num_steps: int) -> optax.Schedule:
 
 
 class TimeSchedule:
-    """The learning rate's factor (0 to 1, the train step's ``lr_factor``) by the share of training done.
-
-    ``optim.schedule="budget"``: by the share of this launch's training time gone, from its first update to where
-    ``budget`` stops training (its end less the final evaluation's reserve): a linear warmup over
-    ``warmup_fraction`` of it, the peak, then a linear decay to 0 over its last ``decay_fraction``
-    (warmup-stable-decay). In time, not steps, so a slow host does not spend a fixed number of its few updates
-    warming up, and the decay ends where training does whatever the host's speed.
-
-    Any other schedule with ``cooldown_fraction`` > 0: the schedule's rate times a linear fall to 0 over the last
-    ``cooldown_fraction`` of training, whichever of ``num_steps`` and the budget's training time ends it first
-    (the share done is the larger of the two shares). Otherwise always 1."""
+    """The learning rate's factor (0 to 1, the step's ``lr_factor``) by the share of training done: the budget's
+    warmup-stable-decay, another schedule's cooldown, else 1 (docs/training.md, "A time budget for the whole run")."""
 
     FLOOR = 0.01  # the factor of the very first update (progress 0), so that it is not wasted
 
@@ -88,9 +73,7 @@ class TimeSchedule:
         self._agreed: float | None = None
 
     def agreed_factor(self, step: int, every: int) -> float:
-        """``factor(step)``, the same on every process: with several, the share of the training time gone is
-        process 0's, taken at steps that are multiples of ``every`` (a collective; the processes' clocks differ,
-        and a replicated update must not) and kept between them."""
+        """``factor(step)``, the same on every process: process 0's, agreed every ``every`` steps (a collective)."""
         if jax.process_count() == 1 or not self.active:
             return self.factor(step)
         if step % max(every, 1) == 0 or self._agreed is None:
@@ -130,14 +113,11 @@ def time_factor(progress: float, warmup_fraction: float, decay_fraction: float) 
     return min(1.0, (1.0 - progress) / decay_fraction)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The optimizer
-# ----------------------------------------------------------------------------------------------------------------
 def build_optimizer(optim: OptimConfig, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """fairseq's optimisers. Weight decay is decoupled as in fairseq (since 2018): ``p -= lr * weight_decay * p``
-    beside the update, on every parameter, never added to the gradient that Adam normalises or NAG's momentum
-    accumulates. ``adamw`` is the same optimiser as ``adam`` under its PyTorch name. ``optim.adam_eps_form`` and
-    ``optim.clip_form`` choose between optax's and fairseq's formulas (docs/fairseq.md, "Training parity")."""
+    """fairseq's optimisers, weight decay decoupled (``p -= lr * weight_decay * p`` on every parameter); ``adamw`` is
+    ``adam``'s PyTorch name. ``adam_eps_form`` and ``clip_form`` pick optax's or fairseq's formulas (docs/fairseq.md,
+    "Training parity")."""
     lr = step_rate(optim, num_steps)
     if optim.optimizer in ("adam", "adamw"):
         if optim.adam_eps_form == "before_correction":
@@ -158,9 +138,7 @@ def build_optimizer(optim: OptimConfig, num_steps: int) -> tuple[optax.GradientT
 
 
 def scale_by_fairseq_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
-    """Adam as fairseq's ``Adam`` computes it: ``sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``, eps added
-    to the uncorrected ``sqrt(v)`` (Kingma & Ba's efficient form). optax adds it to the corrected one, which
-    differs where ``sqrt(v)`` is near eps: early updates and rarely used parameters (embedding rows)."""
+    """Adam as fairseq computes it: eps added to the uncorrected ``sqrt(v)`` (optax adds it after correction)."""
 
     def init(params):
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
@@ -172,8 +150,7 @@ def scale_by_fairseq_adam(b1: float, b2: float, eps: float) -> optax.GradientTra
         nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
-        # 1 - b^t as -expm1(t log b), log b rounded once from float64: float32's b ** t is off by t ulps of b,
-        # which 1 - b^t (0.02 at t = 1) magnifies 50-fold; fairseq computes the step size in float64.
+        # 1 - b^t as -expm1(t log b): float32's b ** t is off by t ulps, which 1 - b^t magnifies (fairseq uses float64).
         step_size = jnp.sqrt(-jnp.expm1(t * math.log(b2))) / -jnp.expm1(t * math.log(b1))
         updates = jax.tree.map(lambda m, v: step_size * (m / (jnp.sqrt(v) + eps)), mu, nu)
         return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
@@ -182,9 +159,7 @@ def scale_by_fairseq_adam(b1: float, b2: float, eps: float) -> optax.GradientTra
 
 
 def clip_coefficient(norm: jax.Array, clip_norm: float, clip_form: str) -> jax.Array:
-    """The factor the clip multiplies the gradient by at global norm ``norm`` (1 when it does not clip):
-    ``clip_norm / max(norm, clip_norm)`` (``max_norm``) or fairseq's ``min(1, clip_norm / (norm + 1e-6))``
-    (``norm_plus_eps``); 0 ``clip_norm`` is no clip."""
+    """The factor the clip multiplies the gradient by at global norm ``norm`` (0 ``clip_norm``: no clip)."""
     if not clip_norm:
         return jnp.ones((), jnp.float32)
     if clip_form == "max_norm":
@@ -193,8 +168,7 @@ def clip_coefficient(norm: jax.Array, clip_norm: float, clip_form: str) -> jax.A
 
 
 def clip_by_norm_plus_eps(clip_norm: float) -> optax.GradientTransformation:
-    """fairseq's clip (``clip_grad_norm_``): every gradient times ``min(1, clip_norm / (norm + 1e-6))``, the
-    multiply done even when the factor is 1."""
+    """fairseq's clip (``clip_grad_norm_``): every gradient times ``min(1, clip_norm / (norm + 1e-6))``, even when 1."""
 
     def update(grads, state, params=None):
         del params
@@ -204,9 +178,7 @@ def clip_by_norm_plus_eps(clip_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The compiled step
-# ----------------------------------------------------------------------------------------------------------------
 def _split_rows(tree: PyTree, micro: int) -> PyTree:
     """``[B, ...] -> [micro, B / micro, ...]`` with row ``r`` in micro-batch ``r % micro``."""
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, micro, *x.shape[1:]), 0, 1), tree)
@@ -218,18 +190,8 @@ def _merge_rows(tree: PyTree) -> PyTree:
 
 
 def make_train_step(config: RunConfig, lr_schedule: optax.Schedule) -> Callable[..., tuple[Any, dict]]:
-    """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch.
-
-    ``lr_factor`` (a float32 scalar; 1 when not given) multiplies the update, so the learning rate is the
-    schedule's times it: the time-shaped schedule of ``optim.schedule="budget"``
-    (``TimeSchedule``). Every optimiser lconv builds ends in the learning rate's scaling, so
-    that is the same as scaling the rate.
-
-    With ``optim.grad_accum_steps = n`` (fairseq's update-freq) the batch's rows are split into ``n`` micro-batches
-    (row ``r`` goes to micro-batch ``r % n``, so every data shard contributes to each) whose summed gradients are
-    scanned, then divided by the batch's total target tokens: the update equals the unsplit batch's, with a
-    ``1/n`` activation footprint.
-    """
+    """``(state, batch[, lr_factor]) -> (state, sums)``: one optimizer update from a global batch, scaled by
+    ``lr_factor``; with ``optim.grad_accum_steps = n`` row ``r`` goes to micro-batch ``r % n``."""
     smoothing = config.optim.label_smoothing
     micro = int(config.optim.grad_accum_steps)
 
@@ -273,8 +235,7 @@ def make_train_step(config: RunConfig, lr_schedule: optax.Schedule) -> Callable[
 
 def jit_train_step(config: RunConfig, lr_schedule: optax.Schedule, state_shardings: PyTree,
                    mesh: jax.sharding.Mesh) -> Callable[..., tuple[Any, dict]]:
-    """``make_train_step`` jitted over ``mesh``: the state in its shardings (donated), the batch's rows split over
-    the mesh's batch axes."""
+    """``make_train_step`` jitted over ``mesh``: the state donated in its shardings, the batch rows split."""
     return jax.jit(make_train_step(config, lr_schedule),
                    in_shardings=(state_shardings, model_setup.batch_sharding(mesh), None),
                    out_shardings=(state_shardings, None), donate_argnums=0)
