@@ -23,7 +23,7 @@ LANGS = ("en", "de", "fr", "es", "zh_CN")
 TRANSLATION_TASKS = {"en_de": "de", "en_fr": "fr", "en_es": "es", "en_zh": "zh_CN"}
 TASKS = (*TRANSLATION_TASKS, "summarize_en", "lm_en")
 SPLITS = ("train", "validation", "test")
-# Per-mille buckets of the split hash: [0, TEST) test, then validation, then train; 45 gives ~1.2k En-De test pairs.
+# Per-mille buckets of the split hash: [0, TEST) test, then validation, then train; the counts: docs/data.md.
 TEST_PER_MILLE = 45
 VALIDATION_PER_MILLE = 45
 MAX_LINE_CHARS = 2000  # a raw line longer than this is truncated (real lines are < 1200 chars)
