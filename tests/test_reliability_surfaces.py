@@ -448,3 +448,16 @@ def test_a_params_zip_bomb_is_refused_before_it_decompresses(bomb, exported, tmp
         export.load(str(copy))
     helpers.one_line_error(error, str(copy / "params.npz"),
                            "decompress to 16,777,344 bytes" if bomb == "declared_size" else "header claims")
+
+
+def test_params_with_nan_are_one_line_naming_the_array_not_an_empty_output(exported, tmp_path):
+    """A params.npz whose arrays hold NaN (a diverged run's, or damaged) translated every input to '' silently."""
+    copy = shutil.copytree(exported, tmp_path / "export")
+    with np.load(copy / "params.npz") as flat:
+        arrays = {name: flat[name] for name in flat.files}
+    name = next(k for k in sorted(arrays) if arrays[k].dtype.kind == "f")
+    arrays[name] = np.full_like(arrays[name], np.nan)
+    np.savez(copy / "params.npz", **arrays)
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(copy / "params.npz"), "NaN")

@@ -207,6 +207,7 @@ class Served:
         self.params = files.read_part(directory, self.sidecar["params"],
                                       functools.partial(files.parse_params, leaves=leaves, size=size),
                                       "a .npz of the params", limit=size + files.NPY_HEADER_BYTES * (leaves + 1))
+        files.check_finite_params(self.params, directory / self.sidecar["params"])
         for entry, exported in self.programs.values():
             files.check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
             files.check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)
