@@ -3,6 +3,7 @@ writer (issue 56): no output lands through a symbolic link planted in a workdir,
 leaves the earlier file whole."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,19 @@ def test_eval_refuses_an_output_that_is_a_symlink_before_loading(config_only, vi
     helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={config_only}", f"--source_file={source}",
                                            f"--output_file={link}"), str(link), "symbolic link")
     assert victim.read_text() == "precious\n"
+
+
+def test_eval_refuses_an_output_that_is_a_fifo_naming_it_before_loading(config_only, tmp_path, capsys):
+    """A FIFO as --output_file was "File or stream is not seekable", naming neither the pipe nor the fix."""
+    source, pipe = tmp_path / "in.en", tmp_path / "out.fifo"
+    source.write_text("one line\n")
+    os.mkfifo(pipe)
+    helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={config_only}", f"--source_file={source}",
+                                           f"--output_file={pipe}"), str(pipe), "pipe", "not a regular file")
+    os.mkfifo(config_only / "test.hyp.txt")
+    with pytest.raises(UserError) as error:
+        eval_program.run(str(config_only), split="test")
+    helpers.one_line_error(error, str(config_only / "test.hyp.txt"), "pipe", "not a regular file")
 
 
 def test_the_writers_refuse_a_link_planted_after_the_check(tmp_path, victim):
@@ -170,7 +184,6 @@ def test_an_export_sidecar_naming_a_file_outside_it_is_refused(tmp_path, field, 
 
 
 def test_an_export_file_linked_out_of_its_folder_or_not_a_file_is_refused(tmp_path, tiny_data):
-    import os
     import shutil
 
     from lconv import export
