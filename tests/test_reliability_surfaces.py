@@ -461,3 +461,21 @@ def test_params_with_nan_are_one_line_naming_the_array_not_an_empty_output(expor
     with pytest.raises(UserError) as error:
         export.load(str(copy))
     helpers.one_line_error(error, str(copy / "params.npz"), "NaN")
+
+
+@pytest.mark.parametrize("repeat", ["same_entry", "same_file"])
+def test_a_sidecar_repeating_a_program_is_one_line_before_any_program_is_read(repeat, exported, tmp_path,
+                                                                            monkeypatch):
+    """A sidecar listing its one program 100,000 times deserialised it 100,000 times: minutes of load."""
+    from lconv.export import files
+
+    copy = shutil.copytree(exported, tmp_path / "export")
+    sidecar = json.loads((copy / export.SIDECAR).read_text())
+    program = sidecar["programs"][0]
+    again = dict(program) if repeat == "same_entry" else dict(program, rows=program["rows"] + 1)
+    sidecar["programs"] = [program] + [again] * 100_000
+    (copy / export.SIDECAR).write_text(json.dumps(sidecar))
+    monkeypatch.setattr(files, "parse_program", lambda data: pytest.fail("a program was read"))
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(copy / export.SIDECAR), "programs[1]", "repeats programs[0]")
