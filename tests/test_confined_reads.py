@@ -219,3 +219,14 @@ def test_an_output_named_as_a_device_is_written_into_and_a_pipe_refused(tmp_path
         outputs.write_atomically(pipe, "a line")
     helpers.one_line_error(error, str(pipe), "pipe")
     assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+
+
+def test_a_lock_file_that_is_a_folder_is_one_line_naming_it(tmp_path):
+    """A train.lock planted as a folder was "--workdir=... is not writable (Is a directory)", naming no file."""
+    from lconv.run import workdir as workdir_lib
+
+    (tmp_path / workdir_lib.LOCK_FILENAME).mkdir()
+    with pytest.raises(UserError) as error:
+        with workdir_lib.lock(str(tmp_path)):
+            pass
+    helpers.one_line_error(error, str(tmp_path / workdir_lib.LOCK_FILENAME), "Is a directory")
