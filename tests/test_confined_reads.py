@@ -230,3 +230,19 @@ def test_a_lock_file_that_is_a_folder_is_one_line_naming_it(tmp_path):
         with workdir_lib.lock(str(tmp_path)):
             pass
     helpers.one_line_error(error, str(tmp_path / workdir_lib.LOCK_FILENAME), "Is a directory")
+
+
+def test_a_huge_metrics_log_is_one_line_before_it_is_read(tmp_path, monkeypatch):
+    """A workdir's metrics.jsonl is read whole on resume: one planted as a 20 GB sparse file was a MemoryError
+    traceback. Over the limit (lowered here, so the test reads little) it is one line naming it."""
+    from lconv.train import eval_control, logs
+
+    monkeypatch.setattr(logs, "METRICS_READ_LIMIT", 1 << 20, raising=False)
+    log = tmp_path / "metrics.jsonl"
+    with open(log, "wb") as f:
+        f.truncate(2 << 20)
+    for read in (lambda: logs.MetricWriter(str(tmp_path), resumed_step=4),
+                 lambda: eval_control.validation_values(str(tmp_path), 4, "loss")):
+        with pytest.raises(UserError) as error:
+            read()
+        helpers.one_line_error(error, str(log), "more than")
