@@ -246,3 +246,16 @@ def test_a_huge_metrics_log_is_one_line_before_it_is_read(tmp_path, monkeypatch)
         with pytest.raises(UserError) as error:
             read()
         helpers.one_line_error(error, str(log), "more than")
+
+
+def test_a_huge_pending_final_evaluation_record_is_not_read(tmp_path, monkeypatch):
+    """final_evaluation_pending.json holds {"step": N}: one planted as a 20 GB sparse file was read whole on
+    resume (a MemoryError). Too large to be the record, it is a damaged one: training goes on as usual."""
+    from etils import epath
+
+    from lconv.train import loop
+
+    with open(tmp_path / loop.FINAL_EVALUATION, "wb") as f:
+        f.truncate(1 << 20)
+    monkeypatch.setattr(epath.Path, "read_text", lambda *a, **k: pytest.fail("the record was read"))
+    assert loop.pending_final_evaluation(str(tmp_path)) is None
