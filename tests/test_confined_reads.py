@@ -259,3 +259,22 @@ def test_a_huge_pending_final_evaluation_record_is_not_read(tmp_path, monkeypatc
         f.truncate(1 << 20)
     monkeypatch.setattr(epath.Path, "read_text", lambda *a, **k: pytest.fail("the record was read"))
     assert loop.pending_final_evaluation(str(tmp_path)) is None
+
+
+def test_a_damaged_step_metadata_is_not_echoed_to_the_terminal(tmp_path, caplog):
+    """Orbax logged a step's damaged _CHECKPOINT_METADATA with its content, raw, at every open of the workdir: a
+    file from elsewhere printed (escape sequences included) into the user's terminal."""
+    import logging
+
+    import numpy as np
+
+    from lconv.run import checkpoints
+
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=False)
+    ckpt.save(1, {"w": np.zeros(4, np.float32)}, {"process_count": 1, "processes": [None]})
+    ckpt.close()
+    (tmp_path / "checkpoints" / "1" / "_CHECKPOINT_METADATA").write_text('{"x": \x1b[2J\x1b]0;owned\x07')
+    with caplog.at_level(logging.INFO):
+        reader = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    assert reader.all_steps() == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "\x1b" in r.getMessage()]

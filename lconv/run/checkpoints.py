@@ -51,11 +51,14 @@ class Checkpointer:
         )
         if not read_only:
             remove_unfinished(self.directory)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.error_log = None if read_only else str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
+        # Orbax reads each step's metadata here and logs a damaged one with its content, raw: to the error log (a
+        # read: lconv's debug log), never the terminal; the restore still checks that step.
+        with integrity.quiet_orbax(self.error_log):
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every, self.async_save = save_every, async_save
         self.checksums = checksums
         self.verified = False  # whether the last restore was checked against its manifest
-        self.error_log = None if read_only else str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
         self.read_attempts, self.retry_seconds = 3, 1.0  # a failed read is tried again after 1 s, then 2 s
         self.unfinished: int | None = None  # an async save still being written, its manifest not yet made
 
