@@ -42,7 +42,7 @@ def test_a_file_size_limit_during_an_async_save_is_the_same_one_line(tiny_run, t
     """``ulimit -f`` (the campaign's full disk): Python ignores SIGXFSZ, so the async save's writes fail in orbax's
     threads with EFBIG and surface at the next save or close, which was a 356-line traceback."""
     workdir = helpers.copy_run(tiny_run, tmp_path / "limited")
-    config = tiny_config.training_config(tiny_run.data_dir, 9, async_checkpoints=True)
+    config = tiny_config.training_config(tiny_run.data_dir, 7, async_checkpoints=True)  # step 7: over the limit
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (32_000, limits[1]))  # under a checkpoint's files, over the logs
     try:
