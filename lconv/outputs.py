@@ -216,7 +216,8 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     root = _path(path)
     try:
         if root.exists() and not root.is_dir():
-            raise UserError(f"{flag}={path} is a file; {KIND_NAMES[kind]} is a folder")
+            what = "a pipe, socket or device" if _special(os.path.expanduser(path)) else "a file"
+            raise UserError(f"{flag}={path} is {what}; {KIND_NAMES[kind]} is a folder")
         entries = [entry.name for entry in root.iterdir()] if root.exists() else []
     except OSError as err:
         raise UserError(f"{flag}={path}: cannot read it ({err.strerror or err})") from None
