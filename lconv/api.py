@@ -61,6 +61,9 @@ def load(workdir: str | Sequence[str], *, checkpoint: str = "latest", average_la
     if not isinstance(trust_plugins, bool):  # "false" is a non-empty string: truthy, and an opt-in it is not
         raise UserError(f"trust_plugins: must be True or False; got {trust_plugins!r:.60}")
     user_cache.use_user_folder()
+    if isinstance(workdir, (bytes, bytearray, memoryview)):  # a Sequence too: read as a list of its byte values
+        raise UserError(f"workdir: a workdir path (str or os.PathLike) is expected, not {type(workdir).__name__} "
+                        f"({bytes(workdir)[:60]!r}); decode it first")
     if not isinstance(workdir, (str, os.PathLike)) and isinstance(workdir, Sequence) and workdir:
         options = dict(checkpoint=checkpoint, average_last=average_last, dtype=dtype,
                        decode_batch_size=decode_batch_size, max_input_length=max_input_length, devices=devices,

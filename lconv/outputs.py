@@ -75,6 +75,17 @@ def refuse_special(path: str | os.PathLike) -> None:
                         "(remove it)")
 
 
+def check_targets(directory: str | os.PathLike, names: Iterable[str], flag: str) -> None:
+    """Refuses, before anything is written, any of the files a command will write into ``directory`` that is a
+    symbolic link or a pipe, socket or device: a refusal found at the write left the files written before it."""
+    for name in names:
+        path = os.path.join(os.path.expanduser(os.fspath(directory)), name)
+        refuse_link(path, f"lconv writes no output through a link ({flag}: remove it, or write elsewhere)")
+        if _special(path):
+            raise UserError(f"{path} is a pipe, socket or device, not a regular file; {flag} holds regular files "
+                            "alone (remove it)")
+
+
 def _special(path: str | os.PathLike) -> bool:
     """Whether a local ``path`` exists as something other than a regular file, a folder or a link."""
     if is_url(path):
@@ -205,7 +216,8 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     root = _path(path)
     try:
         if root.exists() and not root.is_dir():
-            raise UserError(f"{flag}={path} is a file; {KIND_NAMES[kind]} is a folder")
+            what = "a pipe, socket or device" if _special(os.path.expanduser(path)) else "a file"
+            raise UserError(f"{flag}={path} is {what}; {KIND_NAMES[kind]} is a folder")
         entries = [entry.name for entry in root.iterdir()] if root.exists() else []
     except OSError as err:
         raise UserError(f"{flag}={path}: cannot read it ({err.strerror or err})") from None

@@ -165,6 +165,19 @@ def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_
     assert lconv.ensemble([mt, mt]).config == mt.config
 
 
+def test_the_ensemble_warning_names_the_members_field_that_binds(mt, lconv_log):
+    """A member's positions (model.max_len) cap its input limit: the warning named the member's
+    eval_max_input_length, which was larger, instead of the max_len that set the value."""
+    short = copy.copy(mt)
+    short.config = mt.config.replace(model={"max_len": 9}, data={"eval_max_target_length": 7})
+    lconv.ensemble([mt, short])
+    (line,) = [m for m in lconv_log() if "ensemble" in m]
+    data = mt.config.data
+    assert f"eval_max_input_length {data.eval_max_input_length} -> 9 (models[1]'s config.model.max_len)" in line
+    assert f"eval_max_target_length {data.eval_max_target_length} -> 7 (models[1]'s " \
+           "config.data.eval_max_target_length)" in line, line
+
+
 def _assert_same_up_to_rounding(a: list[list[dict]], b: list[list[dict]]) -> None:
     """The same hypotheses, scores equal to float32 rounding (the ensemble normalises its log-probs twice)."""
     assert len(a) == len(b)

@@ -197,3 +197,11 @@ def test_the_readmes_python_api_block_runs_as_written(tiny_run, tmp_path, monkey
     monkeypatch.setattr(lconv, "load", lambda workdir, **kwargs: Model(tiny_runs.in_memory(tiny_runs.lm_config()))
                         if workdir == "runs/lm" else real_load(workdir, **kwargs))
     exec(compile(block, "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("workdir", [b"runs/tiny", bytearray(b"runs/tiny"), [b"runs/tiny"]])
+def test_a_workdir_given_as_bytes_is_one_line_asking_for_a_path(workdir):
+    """bytes are a Sequence: lconv.load read them as a list of workdirs and said "got 47" (the first byte)."""
+    with pytest.raises(UserError) as error:
+        lconv.load(workdir)
+    helpers.one_line_error(error, "workdir", "str or os.PathLike", "runs/tiny")

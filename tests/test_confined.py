@@ -3,6 +3,8 @@ writer (issue 56): no output lands through a symbolic link planted in a workdir,
 leaves the earlier file whole."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -46,6 +48,40 @@ def test_eval_refuses_an_output_that_is_a_symlink_before_loading(config_only, vi
     helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={config_only}", f"--source_file={source}",
                                            f"--output_file={link}"), str(link), "symbolic link")
     assert victim.read_text() == "precious\n"
+
+
+def test_eval_refuses_an_output_that_is_a_fifo_naming_it_before_loading(config_only, tmp_path, capsys):
+    """A FIFO as --output_file was "File or stream is not seekable", naming neither the pipe nor the fix."""
+    source, pipe = tmp_path / "in.en", tmp_path / "out.fifo"
+    source.write_text("one line\n")
+    os.mkfifo(pipe)
+    helpers.one_line_error(helpers.run_cli(capsys, "eval.py", f"--workdir={config_only}", f"--source_file={source}",
+                                           f"--output_file={pipe}"), str(pipe), "pipe", "not a regular file")
+    os.mkfifo(config_only / "test.hyp.txt")
+    with pytest.raises(UserError) as error:
+        eval_program.run(str(config_only), split="test")
+    helpers.one_line_error(error, str(config_only / "test.hyp.txt"), "pipe", "not a regular file")
+
+
+def test_eval_prepares_a_splits_data_only_where_the_user_says(config_only, tmp_path):
+    """A run from elsewhere whose config.json named ``"data_dir": "/etc"`` had eval.py --split=test prepare a dataset
+    into /etc: a stored data_dir is read when its copy is there, and data is prepared only in --data_dir."""
+    elsewhere = tmp_path / "elsewhere"
+    stored = json.loads((config_only / "config.json").read_text())
+    stored["data"]["data_dir"] = str(elsewhere)
+    (config_only / "config.json").write_text(json.dumps(stored))
+    with pytest.raises(UserError) as error:
+        eval_program.run(str(config_only), split="test")
+    helpers.one_line_error(error, f"config.data.data_dir={elsewhere}", str(config_only / "config.json"),
+                           "--data_dir")
+    assert not elsewhere.exists()
+    with pytest.raises(pytest.fail.Exception, match="loaded before the check"):  # past the check: loading
+        eval_program.run(str(config_only), split="test", data_dir=str(tmp_path / "mine"))
+    source = tmp_path / "in.en"
+    source.write_text("one line\n")
+    with pytest.raises(UserError) as error:
+        eval_program.run(str(config_only), source_file=str(source), data_dir=str(tmp_path / "mine"))
+    helpers.one_line_error(error, "--data_dir", "--source_file")
 
 
 def test_the_writers_refuse_a_link_planted_after_the_check(tmp_path, victim):
@@ -170,7 +206,6 @@ def test_an_export_sidecar_naming_a_file_outside_it_is_refused(tmp_path, field, 
 
 
 def test_an_export_file_linked_out_of_its_folder_or_not_a_file_is_refused(tmp_path, tiny_data):
-    import os
     import shutil
 
     from lconv import export

@@ -219,3 +219,62 @@ def test_an_output_named_as_a_device_is_written_into_and_a_pipe_refused(tmp_path
         outputs.write_atomically(pipe, "a line")
     helpers.one_line_error(error, str(pipe), "pipe")
     assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+
+
+def test_a_lock_file_that_is_a_folder_is_one_line_naming_it(tmp_path):
+    """A train.lock planted as a folder was "--workdir=... is not writable (Is a directory)", naming no file."""
+    from lconv.run import workdir as workdir_lib
+
+    (tmp_path / workdir_lib.LOCK_FILENAME).mkdir()
+    with pytest.raises(UserError) as error:
+        with workdir_lib.lock(str(tmp_path)):
+            pass
+    helpers.one_line_error(error, str(tmp_path / workdir_lib.LOCK_FILENAME), "Is a directory")
+
+
+def test_a_huge_metrics_log_is_one_line_before_it_is_read(tmp_path, monkeypatch):
+    """A workdir's metrics.jsonl is read whole on resume: one planted as a 20 GB sparse file was a MemoryError
+    traceback. Over the limit (lowered here, so the test reads little) it is one line naming it."""
+    from lconv.train import eval_control, logs
+
+    monkeypatch.setattr(logs, "METRICS_READ_LIMIT", 1 << 20, raising=False)
+    log = tmp_path / "metrics.jsonl"
+    with open(log, "wb") as f:
+        f.truncate(2 << 20)
+    for read in (lambda: logs.MetricWriter(str(tmp_path), resumed_step=4),
+                 lambda: eval_control.validation_values(str(tmp_path), 4, "loss")):
+        with pytest.raises(UserError) as error:
+            read()
+        helpers.one_line_error(error, str(log), "more than")
+
+
+def test_a_huge_pending_final_evaluation_record_is_not_read(tmp_path, monkeypatch):
+    """final_evaluation_pending.json holds {"step": N}: one planted as a 20 GB sparse file was read whole on
+    resume (a MemoryError). Too large to be the record, it is a damaged one: training goes on as usual."""
+    from etils import epath
+
+    from lconv.train import loop
+
+    with open(tmp_path / loop.FINAL_EVALUATION, "wb") as f:
+        f.truncate(1 << 20)
+    monkeypatch.setattr(epath.Path, "read_text", lambda *a, **k: pytest.fail("the record was read"))
+    assert loop.pending_final_evaluation(str(tmp_path)) is None
+
+
+def test_a_damaged_step_metadata_is_not_echoed_to_the_terminal(tmp_path, caplog):
+    """Orbax logged a step's damaged _CHECKPOINT_METADATA with its content, raw, at every open of the workdir: a
+    file from elsewhere printed (escape sequences included) into the user's terminal."""
+    import logging
+
+    import numpy as np
+
+    from lconv.run import checkpoints
+
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=False)
+    ckpt.save(1, {"w": np.zeros(4, np.float32)}, {"process_count": 1, "processes": [None]})
+    ckpt.close()
+    (tmp_path / "checkpoints" / "1" / "_CHECKPOINT_METADATA").write_text('{"x": \x1b[2J\x1b]0;owned\x07')
+    with caplog.at_level(logging.INFO):
+        reader = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    assert reader.all_steps() == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "\x1b" in r.getMessage()]

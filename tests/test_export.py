@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -40,6 +41,26 @@ def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path)
     np.testing.assert_array_equal(served.run_ids(ids), live_BL)
     wide = np.append(np.arange(4, 43, dtype=np.int32), EOS_ID)  # 40 tokens: wider than every bucket, cut to 32
     np.testing.assert_array_equal(served.run_ids([wide]), served.run_ids([np.append(wide[:31], EOS_ID)]))
+
+
+@pytest.mark.parametrize("planted", ["params.npz", "translate_r1_w32.jax", export.SIDECAR, "spm.model"])
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_an_export_refuses_a_planted_link_or_pipe_before_writing_anything(tmp_path, planted, kind):
+    """A params.npz linked out of --out was refused at its write, after the marker and the programs were
+    written: every file the export writes is checked first."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    out.mkdir()
+    victim.write_text("victim")
+    if kind == "link":
+        (out / planted).symlink_to(victim)
+    else:
+        os.mkfifo(out / planted)
+    before = sorted(p.name for p in out.iterdir())
+    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+    with pytest.raises(UserError) as error:
+        export.export(trained, str(out), rows=(1,), widths=(32,), beam_size=2)
+    helpers.one_line_error(error, str(out / planted))
+    assert sorted(p.name for p in out.iterdir()) == before and victim.read_text() == "victim"
 
 
 def test_lm_round_trip_gives_the_live_continuations(tmp_path, monkeypatch):

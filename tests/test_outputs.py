@@ -76,6 +76,16 @@ def test_a_file_where_a_folder_goes_is_refused(tmp_path):
     _one_line_naming(info, "--out")
 
 
+def test_a_pipe_where_a_folder_goes_is_named_a_pipe_not_a_file(tmp_path):
+    """``--out=<a FIFO>`` was refused as "is a file"."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(UserError) as info:
+        outputs.claim_directory(str(tmp_path / "pipe"), "export", "--out")
+    _one_line_naming(info, "--out", str(tmp_path / "pipe"), "is a pipe, socket or device")
+
+
 @pytest.mark.parametrize("relative", ["config.json", "spm.model", "checkpoints/10/x", "metrics.jsonl",
                                       "best/state", outputs.MARKER])
 def test_a_file_output_never_lands_on_a_workdirs_core(tmp_path, relative):

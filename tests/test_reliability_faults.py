@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import signal
 
 import helpers
@@ -35,6 +36,31 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(tiny_run, tmp_p
     line = helpers.one_line_error(error, "no space left", f"step {last}", str(workdir / "checkpoints" / str(last)))
     assert isinstance(error.value, checkpoints.DiskFull) and last in (7, 8), line
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_file_size_limit_during_an_async_save_is_the_same_one_line(tiny_run, tmp_path, capsys):
+    """``ulimit -f`` (the campaign's full disk): Python ignores SIGXFSZ, so the async save's writes fail in orbax's
+    threads with EFBIG and surface at the next save or close, which was a 356-line traceback."""
+    workdir = helpers.copy_run(tiny_run, tmp_path / "limited")
+    config = tiny_config.training_config(tiny_run.data_dir, 7, async_checkpoints=True)  # step 7: over the limit
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32_000, limits[1]))  # under a checkpoint's files, over the logs
+    try:
+        with pytest.raises(UserError) as error:
+            loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    last = checkpoints.Checkpointer(str(workdir)).latest_step()
+    line = helpers.one_line_error(error, "file size limit", f"step {last}")
+    assert isinstance(error.value, checkpoints.DiskFull), line
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_quota_or_size_limit_is_recognised_in_tensorstores_words():
+    text = 'Failed writing: "/w/checkpoints/5/d/x": Failed to write 14124 bytes to file 14: File too large'
+    assert checkpoints.is_disk_full(ValueError(f"OUT_OF_RANGE: {text} [os_error_code='27']"))
+    assert checkpoints.is_disk_full(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)))
+    assert not checkpoints.is_disk_full(OSError(errno.EACCES, os.strerror(errno.EACCES)))
 
 
 def _signal_here(name):

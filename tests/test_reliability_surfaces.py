@@ -448,3 +448,34 @@ def test_a_params_zip_bomb_is_refused_before_it_decompresses(bomb, exported, tmp
         export.load(str(copy))
     helpers.one_line_error(error, str(copy / "params.npz"),
                            "decompress to 16,777,344 bytes" if bomb == "declared_size" else "header claims")
+
+
+def test_params_with_nan_are_one_line_naming_the_array_not_an_empty_output(exported, tmp_path):
+    """A params.npz whose arrays hold NaN (a diverged run's, or damaged) translated every input to '' silently."""
+    copy = shutil.copytree(exported, tmp_path / "export")
+    with np.load(copy / "params.npz") as flat:
+        arrays = {name: flat[name] for name in flat.files}
+    name = next(k for k in sorted(arrays) if arrays[k].dtype.kind == "f")
+    arrays[name] = np.full_like(arrays[name], np.nan)
+    np.savez(copy / "params.npz", **arrays)
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(copy / "params.npz"), "NaN")
+
+
+@pytest.mark.parametrize("repeat", ["same_entry", "same_file"])
+def test_a_sidecar_repeating_a_program_is_one_line_before_any_program_is_read(repeat, exported, tmp_path,
+                                                                            monkeypatch):
+    """A sidecar listing its one program 100,000 times deserialised it 100,000 times: minutes of load."""
+    from lconv.export import files
+
+    copy = shutil.copytree(exported, tmp_path / "export")
+    sidecar = json.loads((copy / export.SIDECAR).read_text())
+    program = sidecar["programs"][0]
+    again = dict(program) if repeat == "same_entry" else dict(program, rows=program["rows"] + 1)
+    sidecar["programs"] = [program] + [again] * 100_000
+    (copy / export.SIDECAR).write_text(json.dumps(sidecar))
+    monkeypatch.setattr(files, "parse_program", lambda data: pytest.fail("a program was read"))
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(copy / export.SIDECAR), "programs[1]", "repeats programs[0]")

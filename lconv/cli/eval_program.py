@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -20,8 +21,9 @@ import jax
 
 from lconv import outputs
 from lconv.cli import eval_ensemble
-from lconv.data import paths, pipeline
+from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError
 from lconv.infer import compiled, per_line, reports, scoring, split_scoring
@@ -37,12 +39,13 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         reference_file: str | None = None, output_file: str | None = None, interactive: bool = False,
         nbest: int | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None,
         no_repeat_ngram_size: int | None = None, min_len: int | None = None,
-        ensemble: str | Sequence[str] | None = None, **sampling: Any) -> dict[str, Any]:
+        ensemble: str | Sequence[str] | None = None, data_dir: str | None = None, **sampling: Any) -> dict[str, Any]:
     """Scores ``split`` of the run's dataset (BLEU / ROUGE, or an LM's perplexity), or decodes ``source_file`` line
     by line: translations (scored against ``reference_file``; by beam search or sampled; with ``nbest``, k per
     line) or an LM's continuations of prompts (``sampling``). ``interactive`` reads ``stdin`` and writes each
     output as it is decoded. ``ensemble``: more workdirs decoding with ``workdir``'s (``eval_ensemble``; outputs
-    named for it). Only params are restored."""
+    named for it). ``data_dir``: where a split's data is read (and prepared if need be) instead of the run's own
+    ``config.data.data_dir`` (``_split_data_dir``). Only params are restored."""
     sampling = {name: value for name, value in sampling.items() if value is not None}
     guards = {name: value for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
                                               ("min_len", min_len)) if value is not None}
@@ -60,11 +63,16 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     chosen = {**_decode_choices(task, sampling, nbest), **guards}
     load = lambda: _load(stored, workdir, average_last, checkpoint, beam_size, lenpen, chosen, members)  # noqa: E731
     if interactive:
+        if data_dir is not None:
+            raise UserError("--data_dir goes with scoring a split (eval.py --split=...); --interactive reads stdin")
         trained, settings = load()
         return _interactive(trained, stdin or sys.stdin, stdout or sys.stdout, settings, nbest)
     if source_file is None:
+        split_data_dir = _split_data_dir(stored, workdir, data_dir)  # before the checkpoint is read
         trained, settings = load()
-        return _score_split(trained, settings, workdir, split, stem, members)
+        return _score_split(trained, settings, workdir, split, stem, members, split_data_dir)
+    if data_dir is not None:
+        raise UserError("--data_dir goes with scoring a split (eval.py --split=...); --source_file is read as given")
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
     if references is not None and len(references) != len(sources):
@@ -231,6 +239,8 @@ def _check_writable(path: str, what: str) -> None:
         problem = "it is a symbolic link (lconv writes no output through a link)"
     elif os.path.isdir(path):
         problem = "it is a directory"
+    elif _special_kind(path):
+        problem = f"it is a {_special_kind(path)}, not a regular file (name a regular file, or a device to write to)"
     elif not os.path.isdir(directory):
         problem = f"the directory {directory} does not exist"
     else:
@@ -248,6 +258,17 @@ def _check_writable(path: str, what: str) -> None:
     raise UserError(f"cannot write {what}: {problem}")
 
 
+def _special_kind(path: str) -> str | None:
+    """What ``path`` is when it is a pipe, socket or block device: opened to write, a pipe waits for a reader or
+    fails as "not seekable". A character device (``/dev/null``) is written into, so it is none of these."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    kinds = {stat.S_ISFIFO: "named pipe (FIFO)", stat.S_ISSOCK: "socket", stat.S_ISBLK: "block device"}
+    return next((name for test, name in kinds.items() if test(mode)), None)
+
+
 def _load(stored: restore.StoredConfig, workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
           lenpen: float | None, chosen: dict[str, Any], members: eval_ensemble.Members | None = None
           ) -> tuple[restore.Trained, DecodeSettings]:
@@ -261,12 +282,30 @@ def _load(stored: restore.StoredConfig, workdir: str, average_last: int, checkpo
     return trained, DecodeSettings.build(trained.config.decode, **{"beam_size": beam_size, "lenpen": lenpen, **chosen})
 
 
+def _split_data_dir(stored: restore.StoredConfig, workdir: str, data_dir: str | None) -> str:
+    """The folder a split's data is read from: ``--data_dir`` (prepared there if need be), else the run's own
+    ``config.data.data_dir`` if its copy is complete there. The stored folder is whoever made the run's choice: a
+    run from elsewhere naming ``/etc`` had eval.py prepare a dataset into it, a write where the user never said."""
+    if data_dir is not None:
+        if not str(data_dir).strip():
+            raise UserError("--data_dir is empty: name the folder to read (or prepare) the split's data in")
+        return data_dir
+    data = DataConfig.from_config(stored.config.data)
+    if not sources.config_is_prepared(data):
+        raise UserError(f"config.data.data_dir={data.data_dir} ({os.path.join(workdir, 'config.json')}) holds no "
+                        f"prepared copy of {sources.display_name(data)}; eval.py writes data only where you say: "
+                        "pass --data_dir=DIR to read or prepare it there")
+    return data.data_dir
+
+
 def _score_split(trained: restore.Trained, settings: DecodeSettings, workdir: str, split: str, stem: str,
-                 members: eval_ensemble.Members | None) -> dict[str, Any]:
-    """``split`` of the run's dataset decoded and scored (an LM: its perplexity), written as ``<workdir>/<stem>.*``;
-    an ensemble's scores name its members."""
+                 members: eval_ensemble.Members | None, data_dir: str | None = None) -> dict[str, Any]:
+    """``split`` of the run's dataset (read from ``data_dir``, default the run's own) decoded and scored (an LM: its
+    perplexity), written as ``<workdir>/<stem>.*``; an ensemble's scores name its members."""
+    data_dir = trained.config.data.data_dir if data_dir is None else data_dir
     # The split alone: a view for this pass (training's rule that eval_splits holds validation does not apply)
-    config = dataclasses.replace(trained.config, data=dataclasses.replace(trained.config.data, eval_splits=(split,)))
+    config = dataclasses.replace(trained.config, data=dataclasses.replace(trained.config.data, eval_splits=(split,),
+                                                                          data_dir=data_dir))
     data = pipeline.make_datasets(config.data, trained.tokenizer)
     extra = eval_ensemble.report(members) if members is not None else {}
     if config.task == "lm":

@@ -59,6 +59,8 @@ def evaluate(argv: list[str] | None = None) -> None:
                          "prompt included (fairseq's --no-repeat-ngram-size; 0 = off; default: the stored config's).")
     flags.DEFINE_integer("min_len", None, "No EOS before this many output tokens (fairseq's --min-len; an LM's "
                          "continuation; 0 = off; default: the stored config's).")
+    flags.DEFINE_string("data_dir", None, "Where a split's data is read, and prepared if it is not there (default: "
+                        "the run's config.data.data_dir, read only if its copy is there already).")
     define_compilation_cache()
     define_trust_plugins()
     flags.mark_flags_as_required(["workdir"])
@@ -77,7 +79,7 @@ def _evaluate_main(argv: list[str]) -> None:
 
         names = ("split", "average_last", "checkpoint", "beam_size", "lenpen", "source_file", "reference_file",
                  "output_file", "interactive", "nbest", "max_len", "temperature", "top_k", "top_p", "seed",
-                 "no_repeat_ngram_size", "min_len", "ensemble")
+                 "no_repeat_ngram_size", "min_len", "ensemble", "data_dir")
         with restore.trusting_plugins(FLAGS.trust_plugins):
             eval_program.run(FLAGS.workdir, **{name: FLAGS[name].value for name in names})
 
@@ -87,7 +89,7 @@ def run_program(main: Callable[[list[str]], None], argv: list[str] | None) -> No
     for name in ("workdir", "config", "accept_config_changes", "compilation_cache", "split", "average_last",
                  "checkpoint", "beam_size", "lenpen", "source_file", "reference_file", "output_file", "interactive",
                  "nbest", "max_len", "temperature", "top_k", "top_p", "seed", "no_repeat_ngram_size", "min_len",
-                 "trust_plugins", "ensemble"):
+                 "trust_plugins", "ensemble", "data_dir"):
         if name in FLAGS:  # --help lists the flags of the program's main module: these are the program's own
             FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)

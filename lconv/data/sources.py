@@ -105,6 +105,18 @@ def config_source(config: DataConfig, split: str) -> tuple[Source, str | None, s
     return get_source(config.dataset, split, config.data_dir, config.raw_dir, layout=files_layout(config))
 
 
+def config_is_prepared(config: DataConfig) -> bool:
+    """Whether reading ``config``'s dataset writes nothing under its data_dir: a catalog dataset is only ever read
+    (``tfds build`` prepares it), a local one (ddtp/*, iwslt14/*, your files) when its copy is complete there."""
+    layout = files_layout(config)
+    spec = _spec(config.dataset, layout)
+    if not spec.local:
+        return True
+    from lconv.data import tfds_ddtp
+
+    return tfds_ddtp.is_prepared(spec.tfds_name, paths.expand(config.data_dir), config.raw_dir, layout)
+
+
 def config_report(config: DataConfig) -> dict:
     """``source_report`` for a ``DataConfig``."""
     return source_report(config.dataset, config.data_dir, config.raw_dir, layout=files_layout(config))

@@ -261,11 +261,8 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
     cls, config = _builder_class(name)
     data_dir = paths.normalize(data_dir)
     paths.check_url(data_dir, "data_dir")
-    fingerprint = source_fingerprint(name, raw_dir, layout)
+    fingerprint, copy_name, copy_dir = _copy_of(name, data_dir, raw_dir, layout)
     options = {"raw_dir": raw_dir} if layout is None else {"layout": layout}  # the builder's own arguments
-    label = name.replace("/", "_") if layout is None else own_files.copy_label(layout)
-    copy_name = f"{label}-{fingerprint['key']}"
-    copy_dir = paths.join(data_dir, CACHE_DIRNAME, copy_name)
     if paths.is_url(data_dir):
         read_dir = _mirror_url_copy(name, copy_dir, os.path.join(paths.local_cache_dir(), copy_name), options,
                                     fingerprint)
@@ -282,6 +279,23 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
     if not paths.is_url(data_dir) and layout is None:  # object stores have no symlinks; your files, no tfds name
         _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
+
+
+def _copy_of(name: str, data_dir: str, raw_dir: str | None,
+             layout: own_files.FileLayout | None) -> tuple[dict, str, str]:
+    """``(fingerprint, copy name, copy folder)`` of ``name``'s prepared copy under ``data_dir``."""
+    fingerprint = source_fingerprint(name, raw_dir, layout)
+    label = name.replace("/", "_") if layout is None else own_files.copy_label(layout)
+    copy_name = f"{label}-{fingerprint['key']}"
+    return fingerprint, copy_name, paths.join(data_dir, CACHE_DIRNAME, copy_name)
+
+
+def is_prepared(name: str, data_dir: str, raw_dir: str | None = None,
+                layout: own_files.FileLayout | None = None) -> bool:
+    """Whether ``prepare`` would find a complete copy of ``name`` under ``data_dir`` (and so build nothing there)."""
+    data_dir = paths.normalize(data_dir)
+    paths.check_url(data_dir, "data_dir")
+    return _is_complete(_copy_of(name, data_dir, raw_dir, layout)[2], name)
 
 
 def _report_path(copy_dir: str, name: str, version) -> str:

@@ -80,6 +80,11 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         schema.check_search(beam_size=beam_size, spell=spell,
                             vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
         settings = DecodeSettings.build(config.decode, beam_size=beam_size, **guards)
+    names = [f"{'generate' if lm else 'translate'}_r{r}_w{w}.jax" for r in rows for w in widths]
+    # Every file this export writes is checked first: a refusal at its write left the files before it written.
+    outputs.check_directory(out, "export", spell("out"))
+    outputs.check_targets(out, [outputs.MARKER, SIDECAR, *names, "params.npz", trained.tokenizer.filename],
+                          spell("out"))
     outputs.claim_directory(out, "export", spell("out"))  # new, empty or an earlier export: never another's files
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
@@ -100,13 +105,13 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
             if lm:
                 exported = jax.export.export(jax.jit(function), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((r,), jnp.int32), _spec((), jnp.uint32))
-                entry = dict(file=f"generate_r{r}_w{w}.jax", rows=r, width=w, output_len=w + settings.max_len)
+                entry = dict(file=names[len(programs)], rows=r, width=w, output_len=w + settings.max_len)
             else:
                 length = compiled.max_output_len(config.infer, settings, w)
                 fn = functools.partial(function, settings=settings.program_key(), output_len=length)
                 exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
                     abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
-                entry = dict(file=f"translate_r{r}_w{w}.jax", rows=r, width=w, output_len=length)
+                entry = dict(file=names[len(programs)], rows=r, width=w, output_len=length)
             outputs.write_atomically(directory / entry["file"], bytes(exported.serialize()))
             programs.append(entry)
     buffer = io.BytesIO()
@@ -207,6 +212,7 @@ class Served:
         self.params = files.read_part(directory, self.sidecar["params"],
                                       functools.partial(files.parse_params, leaves=leaves, size=size),
                                       "a .npz of the params", limit=size + files.NPY_HEADER_BYTES * (leaves + 1))
+        files.check_finite_params(self.params, directory / self.sidecar["params"])
         for entry, exported in self.programs.values():
             files.check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])
             files.check_entry_fits(entry, exported, self.sidecar, directory / SIDECAR)

@@ -79,10 +79,18 @@ def parse_sidecar(data: bytes) -> dict[str, Any]:
         raise ValueError(f"task {sidecar['task']!r}")
     if not sidecar["programs"]:
         raise ValueError("no programs")
+    buckets: dict[Any, int] = {}
     for i, program in enumerate(sidecar["programs"]):
         check_types(program, PROGRAM_FIELDS, OPTIONAL_PROGRAM_FIELDS, f"programs[{i}].")
         if program["rows"] < 1 or program["width"] < 1:
             raise ValueError(f"programs[{i}] has rows {program['rows']} and width {program['width']}; both are >= 1")
+        # One entry per bucket and per file: a repeated one was read and deserialised again each time (a sidecar
+        # repeating one program 100,000 times kept lconv.export.load busy for minutes).
+        for key in ((program["rows"], program["width"]), program["file"]):
+            if key in buckets:
+                raise ValueError(f"programs[{i}] repeats programs[{buckets[key]}]'s "
+                                 f"{'file' if isinstance(key, str) else 'rows and width'}")
+            buckets[key] = i
     for name in [sidecar["tokenizer"], sidecar["params"]] + [p["file"] for p in sidecar["programs"]]:
         if not is_file_name(name):
             raise ValueError(f"it names {name!r}: an export's files are plain names inside its folder")
@@ -134,6 +142,15 @@ def parse_params(data: bytes, leaves: int | None = None, size: int | None = None
                 raise ValueError(f"{member.filename}: its header claims {shape} {dtype}, more than the member holds")
     with np.load(io.BytesIO(data), allow_pickle=False) as flat:
         return traverse_util.unflatten_dict({k: flat[k] for k in flat.files}, sep="/")
+
+
+def check_finite_params(params: Any, params_path: epath.Path) -> None:
+    """Params with a NaN or inf decode every input to an empty output without an error: one line naming the first
+    such array instead (one pass over arrays already in memory)."""
+    for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if np.issubdtype(leaf.dtype, np.inexact) and not np.isfinite(leaf).all():
+            raise UserError(f"{params_path}: {jax.tree_util.keystr(key)} holds NaN or inf values (a diverged or "
+                            "damaged model); export the run again from a checkpoint with finite params")
 
 
 def parse_program(data: bytes) -> jax.export.Exported:

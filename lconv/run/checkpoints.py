@@ -51,11 +51,14 @@ class Checkpointer:
         )
         if not read_only:
             remove_unfinished(self.directory)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.error_log = None if read_only else str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
+        # Orbax reads each step's metadata here and logs a damaged one with its content, raw: to the error log (a
+        # read: lconv's debug log), never the terminal; the restore still checks that step.
+        with integrity.quiet_orbax(self.error_log):
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self.save_every, self.async_save = save_every, async_save
         self.checksums = checksums
         self.verified = False  # whether the last restore was checked against its manifest
-        self.error_log = None if read_only else str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
         self.read_attempts, self.retry_seconds = 3, 1.0  # a failed read is tried again after 1 s, then 2 s
         self.unfinished: int | None = None  # an async save still being written, its manifest not yet made
 
@@ -248,20 +251,39 @@ class BestCheckpointer:
 
 
 class DiskFull(UserError):
-    """No space left on the device while the run wrote its checkpoints or logs; the finished checkpoints stay."""
+    """No room to write the run's checkpoints or logs (a full disk, a quota or the file size limit); the finished
+    checkpoints stay."""
+
+
+# errno -> what the user reads. A file size limit (``ulimit -f``: Python ignores SIGXFSZ, so writes fail with EFBIG)
+# and a quota stop a run's writes as a full disk does, and orbax's threads fail as loudly for each.
+_NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "the file size limit (ulimit -f) was reached",
+            errno.EDQUOT: "the disk quota is exceeded"}
+_NO_ROOM_TEXTS = {"No space left on device": errno.ENOSPC, "File too large": errno.EFBIG,
+                  "Disk quota exceeded": errno.EDQUOT}
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """Whether ``err`` or an exception in its chain is a full disk (Python's ENOSPC or tensorstore's)."""
+    """Whether ``err`` or an exception in its chain is a write that found no room (Python's ENOSPC, EFBIG or
+    EDQUOT, or tensorstore's text of them)."""
     return _disk_full_cause(err) is not None
+
+
+def _no_room_errno(err: BaseException) -> int | None:
+    if isinstance(err, OSError) and err.errno in _NO_ROOM:
+        return err.errno
+    text = str(err)
+    for code in _NO_ROOM:  # tensorstore's errors are ValueErrors that quote the OS error
+        if f"os_error_code='{code}'" in text:
+            return code
+    return next((code for phrase, code in _NO_ROOM_TEXTS.items() if phrase in text), None)
 
 
 def _disk_full_cause(err: BaseException | None) -> BaseException | None:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err) \
-                or "os_error_code='28'" in str(err):
+        if _no_room_errno(err) is not None:
             return err
         err = err.__cause__ or err.__context__
     return None
@@ -277,12 +299,13 @@ def disk_full(err: BaseException, ckpt: Checkpointer, best: BestCheckpointer) ->
         gc.collect()  # orbax's abandoned tasks report "exception never retrieved" when collected: now, quietly
     integrity.quiet_until_exit(ckpt.error_log)  # writes still failing in tensorstore's threads say it again later
     cause = _disk_full_cause(err)
+    reason = _NO_ROOM[_no_room_errno(cause)] if cause is not None else _NO_ROOM[errno.ENOSPC]
     path = getattr(cause, "filename", None) or next(iter(re.findall(r'"(/[^"]+)"', str(cause))), None)
     steps = sorted(int(p.name) for p in epath.Path(ckpt.directory).iterdir() if p.name.isdigit()) \
         if epath.Path(ckpt.directory).is_dir() else []
     last = f"step {steps[-1]} ({epath.Path(ckpt.directory) / str(steps[-1])})" if steps else "none (no step finished)"
-    return DiskFull(f"no space left on the device{f' writing {path}' if path else ''}; the last good checkpoint is "
-                    f"{last}; free space (or move --workdir) and run the same command to resume from it")
+    return DiskFull(f"{reason}{f' writing {path}' if path else ''}; the last good checkpoint is {last}; free space "
+                    "(or raise the limit, or move --workdir) and run the same command to resume from it")
 
 
 def has_checkpoint(workdir: str) -> bool:

@@ -48,7 +48,11 @@ def shared_limits(members: Sequence[restore.Trained], names: Sequence[str]) -> R
                   for t in members]
         ours = int(getattr(getattr(config, section), field))
         if min(values) < values[0]:
-            lowered.append(f"config.{name} {ours} -> {min(values)} ({names[values.index(min(values))]}'s)")
+            binding = members[values.index(min(values))]
+            # The member's own field that sets the value: its positions (model.max_len) cap each of its limits.
+            bound_by = name if int(getattr(getattr(binding.config, section), field)) == min(values) else "model.max_len"
+            lowered.append(f"config.{name} {ours} -> {min(values)} ({names[values.index(min(values))]}'s "
+                           f"config.{bound_by})")
         if min(values) < ours:
             changes.setdefault(section, {})[field] = min(values)
     if lowered:

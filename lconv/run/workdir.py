@@ -90,7 +90,7 @@ def lock(workdir: str) -> Iterator[None]:
     try:
         fd = outputs.open_regular(path, os.O_RDWR | os.O_CREAT)  # a link would be emptied at the end
     except OSError as err:
-        raise UserError(f"--workdir={workdir} is not writable ({err.strerror})") from None
+        raise UserError(f"--workdir={workdir} (its lock file {path}) is not writable ({err.strerror})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

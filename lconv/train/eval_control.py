@@ -16,6 +16,7 @@ from etils import epath
 from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.run import checkpoints
+from lconv.train import logs
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def validation_values(workdir: str, step: int, metric: str) -> list[float]:
     if not path.exists():
         return []
     by_step = {}
-    for line in path.read_text().splitlines():
+    for line in logs.read_metrics(path).splitlines():
         try:
             row = json.loads(line)
             if row.get("split") != "validation" or int(row["step"]) > step:

@@ -12,6 +12,7 @@ import jax
 from etils import epath
 
 from lconv import console, outputs
+from lconv.data import paths
 from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,18 @@ class _RemoteLines:
 
     def close(self) -> None:
         self.flush()
+
+
+# A row is about 200 bytes: a million steps' rows are well under this. A workdir's metrics.jsonl is read whole on
+# resume, so one planted as a huge sparse file was a MemoryError traceback (or took the host without a limit).
+METRICS_READ_LIMIT = 1 << 30
+
+
+def read_metrics(path: epath.Path) -> str:
+    """The text of a workdir's ``metrics.jsonl``: a regular file of at most ``METRICS_READ_LIMIT`` bytes, else one
+    line naming it."""
+    paths.check_file(path, limit=METRICS_READ_LIMIT)
+    return path.read_text()
 
 
 class MetricWriter:
@@ -80,7 +93,7 @@ class MetricWriter:
     def _drop_row(self, step: int, split: str) -> None:
         """Removes the row of ``(step, split)`` written before this launch (rare: a rerun of a final evaluation)."""
         self.jsonl.close()
-        lines = self.path.read_text().splitlines(keepends=True)
+        lines = read_metrics(self.path).splitlines(keepends=True)
         outputs.write_atomically(self.path, "".join(line for line in lines if _row_key(line) != (step, split)))
         self.jsonl = _RemoteLines(self.path) if self.remote else outputs.open_append(self.path)
 
@@ -114,7 +127,7 @@ def _drop_rows_after(path: epath.Path, step: int) -> None:
     """Removes the rows of steps after ``step`` (the checkpoint a run resumes from)."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
+    lines = read_metrics(path).splitlines(keepends=True)
     kept = [line for line in lines if _row_step(line) <= step]
     if len(kept) != len(lines):
         outputs.write_atomically(path, "".join(kept))
@@ -124,7 +137,7 @@ def _rows_at(path: epath.Path, step: int) -> set[tuple[int, str]]:
     """``{(step, split)}`` of the rows logged at ``step``."""
     if not path.exists():
         return set()
-    return {key for key in map(_row_key, path.read_text().splitlines()) if key is not None and key[0] == step}
+    return {key for key in map(_row_key, read_metrics(path).splitlines()) if key is not None and key[0] == step}
 
 
 def _row_key(line: str) -> tuple[int, str] | None:

@@ -20,6 +20,7 @@ import numpy as np
 from etils import epath
 
 from lconv import outputs
+from lconv.data import paths
 from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.infer import compiled, split_scoring
@@ -200,14 +201,17 @@ def _final_evaluation(run: setup.Run, step: int, result: dict[str, Any], score_v
 
 
 FINAL_EVALUATION = "final_evaluation_pending.json"  # a stopped final evaluation's step: the rerun runs it alone
+PENDING_RECORD_LIMIT = 4096  # bytes: the record is {"step": N}
 
 
 def pending_final_evaluation(workdir: str) -> int | None:
     """The step whose final evaluation a signal stopped (recorded in the workdir), or None."""
     path = epath.Path(workdir) / FINAL_EVALUATION
     try:
+        # A few bytes, checked before it is read: one planted as a huge sparse file was a MemoryError.
+        paths.check_file(path, limit=PENDING_RECORD_LIMIT)
         step = json.loads(path.read_text())["step"] if path.exists() else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # UserError (check_file's) is a ValueError
         return None  # a damaged record: train as usual
     return step if isinstance(step, int) else None
 
