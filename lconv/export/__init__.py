@@ -70,16 +70,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     widths = default_widths(config) if widths is None else widths
     check_buckets(config, platforms, rows, widths, spell)
     guards = dict(no_repeat_ngram_size=no_repeat_ngram_size, min_len=min_len)
-    schema.check_search(spell=spell, **guards)
-    if lm:  # the rules eval.py and the API apply, before anything is written
-        schema.check_sampling(given, spell=spell, vocab_size=trained.tokenizer.vocab_size)
-        settings = DecodeSettings.build(config.decode, **given, **guards)
-        limit = settings.prompt_limit(config.model.max_len, spell("max_len"))
-        widths = sorted({max(min(w, limit), 1) for w in widths})  # a 0-token prompt (BOS alone) is a width of 1
-    else:
-        schema.check_search(beam_size=beam_size, spell=spell,
-                            vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
-        settings = DecodeSettings.build(config.decode, beam_size=beam_size, **guards)
+    settings, widths = _search(trained, beam_size, given, guards, widths, spell)
     names = [f"{'generate' if lm else 'translate'}_r{r}_w{w}.jax" for r in rows for w in widths]
     # Every file this export writes is checked first: a refusal at its write left the files before it written.
     outputs.check_directory(out, "export", spell("out"))
@@ -132,6 +123,22 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     }
     outputs.write_atomically(directory / SIDECAR, json.dumps(sidecar, indent=2))
     return sidecar
+
+
+def _search(trained: restore.Trained, beam_size: int | None, given: dict[str, Any], guards: dict[str, Any],
+            widths: Sequence[int], spell: Callable[[str], str]) -> tuple[DecodeSettings, Sequence[int]]:
+    """The export's search, checked by the rules eval.py and the API apply, before anything is written; an LM's
+    widths cut to the prompt its ``max_len`` leaves."""
+    config = trained.config
+    schema.check_search(spell=spell, **guards)
+    if config.task != "lm":
+        schema.check_search(beam_size=beam_size, spell=spell,
+                            vocab_size=None if beam_size is None else trained.tokenizer.vocab_size)
+        return DecodeSettings.build(config.decode, beam_size=beam_size, **guards), widths
+    schema.check_sampling(given, spell=spell, vocab_size=trained.tokenizer.vocab_size)
+    settings = DecodeSettings.build(config.decode, **given, **guards)
+    limit = settings.prompt_limit(config.model.max_len, spell("max_len"))
+    return settings, sorted({max(min(w, limit), 1) for w in widths})  # a 0-token prompt (BOS alone) is width 1
 
 
 def default_widths(config: schema.RunConfig) -> list[int]:
