@@ -114,6 +114,7 @@ def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch, bar
 
     import numpy as np
 
+    from lconv.deadline import Deadline
     from lconv.infer import batching, split_scoring
 
     batches = [({"example_index": np.array([2, 0, -1])}, [[5], [6], [0]]),
@@ -125,7 +126,7 @@ def test_a_splits_decoding_pass_counts_its_sentences_on_the_bar(monkeypatch, bar
     assert found == {2: "w5", 0: "w6", 1: "w7", 3: "w8"}
     assert bars[0].args == (4, "decoding test", "sentence") and bars[0].done == 4 and bars[0].closed
     stopped = split_scoring._decode(None, None, None, tokenizer, eval_set, None, "test", None,
-                                    (lambda: True, "train.max_minutes"))
+                                    Deadline(0.0, "train.max_minutes", clock=lambda: 1.0))
     assert len(stopped) == 2 and bars[1].done == 2 and bars[1].closed
 
 
