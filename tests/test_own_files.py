@@ -111,6 +111,10 @@ def _bad(tmp_path, case):
         return folder, ["train.xx", "train.tsv", "keep one"]
     if case == "wrong codes":
         return folder, ["no train split", "train.de + train.en", "train.xx"]
+    if case == "a device":  # a link to /dev/zero: hashed or read, it never ends
+        train_xx.unlink()
+        train_xx.symlink_to("/dev/zero")
+        return folder, ["train.xx", "not a regular file"]
     (folder / "train.xx").unlink()
     (folder / "train.yy").unlink()
     if case == "tsv columns":
@@ -124,7 +128,7 @@ def _bad(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["ragged", "not utf-8", "empty split", "missing split", "half a pair", "two formats",
-                                  "wrong codes", "tsv columns", "not json", "missing key"])
+                                  "wrong codes", "a device", "tsv columns", "not json", "missing key"])
 def test_each_bad_file_is_one_error_line_naming_it(case, tmp_path, capsys):
     folder, named = _bad(tmp_path, case)
     codes = ("de", "en") if case == "wrong codes" else ("xx", "yy")
