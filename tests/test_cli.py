@@ -403,3 +403,17 @@ def test_eval_py_scores_the_test_split_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr(split_scoring, "score_split", lambda config, *args, **kwargs: {"split": kwargs["split"]})
     assert eval_program._score_split(trained, None, str(tmp_path), "test", "test", None) == {"split": "test"}
     assert seen["data"].eval_splits == ("test",) and trained.config.data.eval_splits == ("validation", "test")
+
+
+def test_an_interactive_line_without_end_is_one_error_not_all_memory():
+    """``--interactive < /dev/zero``: a line past the limit is one line naming it; the lines before it are decoded."""
+    import io
+
+    from lconv.cli import eval_program
+
+    limit = eval_program.STDIN_LINE_LIMIT
+    lines = eval_program._stdin_lines(io.BytesIO(b"ka lo\n" + b"\0" * (limit + 1)))
+    assert next(lines) == (1, "ka lo")
+    with pytest.raises(UserError, match=f"stdin line 2: more than {limit:,} bytes without a newline"):
+        next(lines)
+    assert list(eval_program._stdin_lines(io.StringIO("a\n\nb"))) == [(1, "a"), (2, ""), (3, "b")]

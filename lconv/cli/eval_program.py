@@ -394,11 +394,18 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, settin
     return {"examples": count, "not_utf8_lines": len(not_utf8)}
 
 
+STDIN_LINE_LIMIT = 1 << 20  # bytes of one --interactive line
+
+
 def _stdin_lines(stdin: TextIO) -> Iterator[tuple[int, str | None]]:
     """(line number, the line without its newline), or None for a line that is not UTF-8 (logged, naming the byte).
     Lines are read as bytes: a text stream would end the session at the first bad byte (or, under the C locale's
     surrogateescape, pass the tokenizer lone surrogates it refuses)."""
-    for number, raw in enumerate(getattr(stdin, "buffer", stdin), start=1):
+    stream = getattr(stdin, "buffer", stdin)
+    for number, raw in enumerate(iter(lambda: stream.readline(STDIN_LINE_LIMIT + 1), stream.read(0)), start=1):
+        if len(raw) > STDIN_LINE_LIMIT:  # /dev/zero has no newline: held whole, it would take the host's memory
+            raise UserError(f"stdin line {number}: more than {STDIN_LINE_LIMIT:,} bytes without a newline; "
+                            "--interactive reads one source or prompt a line")
         if isinstance(raw, str):  # a text stream without bytes beneath (io.StringIO): its bad characters as bytes
             try:
                 raw = raw.encode("utf-8", "surrogateescape")
