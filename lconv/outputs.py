@@ -42,6 +42,8 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     over it, so a failed write (a full disk, a crash) leaves the earlier file whole and no half file (on an object
     store the rename is a copy, still never a partial object). A local ``path`` that is a symbolic link is refused:
     an output never lands in whatever file a link planted in a workdir points at. Failures are one line."""
+    if not is_url(path) and os.fspath(path).endswith(os.sep):  # a path would drop the slash and write a file
+        raise UserError(f"{path}: names a folder; give the output a file name")
     target = epath.Path(path)
     refuse_link(path, "lconv writes no output through a link (remove it, or write elsewhere)")
     if _special(path):  # a device the user named (--output_file=/dev/null): written into, never renamed over
@@ -50,6 +52,8 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
+        if not is_url(path) and os.path.isfile(path):  # the file replaced keeps its permissions (a private 0600)
+            os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode))
         temporary.replace(target)
     except OSError as err:
         with contextlib.suppress(OSError):

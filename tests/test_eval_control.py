@@ -162,3 +162,15 @@ def test_a_run_resumed_where_patience_ran_out_stops_there(tmp_path):
     without = eval_control.Tracker(eval_control.EvalControl("loss", 1, 1.0, patience=0), _Best(3.9))
     without.resume(str(tmp_path), 16)  # no patience: nothing read, nothing counted
     assert without.passes_without_better == 0 and without.stop_reason() is None
+
+
+def test_a_metrics_log_with_an_infinite_or_foreign_step_is_read_past(tmp_path):
+    """metrics.jsonl from elsewhere: a row whose step is 1e999 (JSON's infinity) or not a number is not a pass,
+    and the log's other rows still are; the resume's row bookkeeping skips it the same way."""
+    from lconv.train import logs
+
+    rows = ['{"step": 2, "split": "validation", "loss": 3.0}', '{"step": 1e999, "split": "validation", "loss": 1}',
+            '{"step": "x", "split": "validation", "loss": 1}', '{"step": 4, "split": "validation", "loss": 2.5}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert eval_control.validation_values(str(tmp_path), 10, "loss") == [3.0, 2.5]
+    assert [logs._row_key(row) for row in rows] == [(2, "validation"), None, None, (4, "validation")]

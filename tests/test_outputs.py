@@ -249,3 +249,16 @@ def test_the_fairseq_importer_checks_decode_settings_as_eval_py_does(tmp_path, d
                                           str(tmp_path / "run"), decode=decode)
     _one_line_naming(info, flag)
     assert not (tmp_path / "run").exists()
+
+
+def test_an_output_written_over_keeps_its_permissions_and_a_folder_path_is_refused(tmp_path):
+    """The atomic writer's rename replaces the file: a private (0600) output stays private; ``dir/`` that does
+    not exist is refused rather than written as a file named ``dir``."""
+    private = tmp_path / "out.txt"
+    private.write_text("old\n")
+    private.chmod(0o600)
+    outputs.write_atomically(private, "new\n")
+    assert private.read_text() == "new\n" and private.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(UserError, match="names a folder"):
+        outputs.write_atomically(f"{tmp_path / 'newdir'}/", "text\n")
+    assert not (tmp_path / "newdir").exists()

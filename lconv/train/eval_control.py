@@ -142,6 +142,6 @@ def validation_values(workdir: str, step: int, metric: str) -> list[float]:
             if "unscored_batches" in row or "undecoded" in row or metric not in row:
                 continue
             by_step[int(row["step"])] = float(row[metric])
-        except (ValueError, KeyError, TypeError, AttributeError):  # a torn or foreign line: not a pass
+        except (ValueError, OverflowError, KeyError, TypeError, AttributeError):  # a torn or foreign line: not a pass
             continue
     return [by_step[s] for s in sorted(by_step)]

@@ -144,14 +144,14 @@ def _row_key(line: str) -> tuple[int, str] | None:
     try:
         row = json.loads(line)
         return int(row["step"]), str(row["split"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, OverflowError, KeyError, TypeError):
         return None
 
 
 def _row_step(line: str) -> float:
     try:
         return float(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, OverflowError, KeyError, TypeError):
         return float("inf")  # a line cut by the kill: dropped too
 
 
