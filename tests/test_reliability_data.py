@@ -465,10 +465,10 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
     """It was a 42-line NotADirectoryError traceback (named in round 4, still there in round 5)."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a folder")
-    for name in ("ddtp/en_de", "wmt14/en_de"):
+    for name, data_dir in (("ddtp/en_de", a_file), ("wmt14/en_de", a_file), ("ddtp/en_de", a_file / "below")):
         with pytest.raises(UserError) as error:
-            sources.prepared_data_path(name, str(a_file))
-        helpers.one_line_error(error, f"config.data.data_dir={a_file}", "not a directory")
+            sources.prepared_data_path(name, str(data_dir))
+        helpers.one_line_error(error, f"config.data.data_dir={data_dir}", "not a directory")
 
 
 @pytest.mark.slow  # a process launched and stopped mid-preparation: CI runs it, the quick command skips it

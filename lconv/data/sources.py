@@ -143,7 +143,7 @@ def _data_dir(data_dir: str) -> str:
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
-            raise UserError(f"config.data.data_dir={data_dir}: {existing} is a file, not a folder; name a folder "
+            raise UserError(f"config.data.data_dir={data_dir}: {existing} is a file, not a directory; name a folder "
                             "where datasets are (or get) prepared")
     return data_dir
 
@@ -200,10 +200,7 @@ def _spec(name: str, layout: own_files.FileLayout | None) -> DatasetSpec:
 
 
 def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None, layout: own_files.FileLayout | None = None):
-    local = os.path.expanduser(data_dir)
-    if not paths.is_url(data_dir) and os.path.exists(local) and not os.path.isdir(local):
-        raise UserError(f"config.data.data_dir={data_dir}: is a file, not a directory; name a folder (it is created "
-                        "if missing)")
+    _data_dir(data_dir)  # a file at it or above it: one line
     if spec.local:
         from lconv.data import tfds_ddtp
 
@@ -241,5 +238,5 @@ def _prepared_builder(tfds_name: str, data_dir: str):
 def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None,
                        layout: own_files.FileLayout | None = None) -> str:
     """The folder dataset ``name``'s prepared copy is read from; prepares it if need be."""
-    return str(_builder(_spec(name, layout), paths.expand(data_dir), raw_dir, layout).data_dir)
+    return str(_builder(_spec(name, layout), _data_dir(data_dir), raw_dir, layout).data_dir)
 
