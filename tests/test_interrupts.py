@@ -156,3 +156,25 @@ def test_two_ctrl_cs_during_an_async_save_end_the_process_in_one_line_and_leave_
     clear = "from lconv.run import checkpoints; import sys; checkpoints.Checkpointer(sys.argv[1])"
     subprocess.run([sys.executable, "-c", clear, str(tmp_path)], cwd=helpers.ROOT, check=True, timeout=300)
     assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if checkpoints.TMP_SUFFIX in p.name]
+
+
+def test_a_file_where_unreadable_checkpoints_go_is_one_line(tmp_path):
+    """A workdir whose ``checkpoints_unreadable`` is a file: the damaged step cannot be moved aside, said in one line
+    naming it (it was a FileExistsError traceback), and nothing is moved or lost."""
+    import jax.numpy as jnp
+
+    from lconv.errors import UserError
+    from lconv.run import checkpoints
+
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, {"w": jnp.full(4, float(step))}, {"a": step})
+    ckpt.close()
+    for path in (tmp_path / "checkpoints" / "2").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    (tmp_path / "checkpoints_unreadable").write_text("planted")
+    ckpt = checkpoints.Checkpointer(str(tmp_path))
+    with pytest.raises(UserError, match=r"checkpoints_unreadable is not a folder: the unreadable checkpoint\(s\) \[2\]"):
+        ckpt.restore_latest_readable(checkpoints.abstract_like({"w": jnp.zeros(4)}))
+    assert (tmp_path / "checkpoints" / "2").is_dir()

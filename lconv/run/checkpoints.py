@@ -173,6 +173,9 @@ class Checkpointer:
     def _set_aside(self, steps: list[int]) -> None:
         if jax.process_index() == 0:
             aside = epath.Path(self.directory + "_unreadable")
+            if aside.exists() and not aside.is_dir():
+                raise UserError(f"{aside} is not a folder: the unreadable checkpoint(s) {steps} are moved there "
+                                "(remove it, or move them aside yourself)")
             aside.mkdir(parents=True, exist_ok=True)
             for step in steps:
                 epath.Path(self._step_dir(step)).rename(aside / f"{step}.{int(time.time())}")
