@@ -140,6 +140,19 @@ def test_a_checkpoints_folder_linked_inside_the_workdir_is_followed(tmp_path):
     helpers.one_line_error(error, str(tmp_path / "run" / "best"), "leads out of the workdir")
 
 
+
+def test_a_best_folder_linked_to_the_checkpoints_folder_is_refused_before_training(tmp_path):
+    """``ln -s checkpoints best`` inside the workdir: two checkpoint managers in one folder (an orbax traceback,
+    then a hang) become one line naming both, before any checkpoint is written."""
+    from lconv.run import workdir as workdir_lib
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "best").symlink_to("checkpoints")
+    with pytest.raises(UserError) as error:
+        workdir_lib.make_workdir(str(tmp_path / "run"))
+    helpers.one_line_error(error, str(tmp_path / "run" / "best"), str(tmp_path / "run" / "checkpoints"))
+    assert (tmp_path / "run" / "best").is_symlink() and not os.listdir(tmp_path / "run" / "checkpoints")
+
 def test_train_py_refuses_a_checkpoints_folder_linked_out_before_writing(linked_out, tiny_run, tmp_path, capsys):
     before = sorted(os.listdir(tmp_path / "outside"))
     outcome = helpers.run_cli(capsys, "train.py", "--config=tests/tiny_config.py", f"--workdir={linked_out}",

@@ -59,7 +59,19 @@ def make_workdir(workdir: str) -> str:
             outputs.refuse_special(os.path.join(path, name))
         for name in (*CHECKPOINT_FOLDERS, "tensorboard"):
             check_inside(os.path.join(path, name), path)
+        check_apart([os.path.join(path, name) for name in (*CHECKPOINT_FOLDERS, "tensorboard")])
     return path
+
+
+def check_apart(folders: list[str]) -> None:
+    """One line if two of a workdir's folders are one (``best`` linked to ``checkpoints``): two checkpoint managers
+    writing one folder fail, and a run would hang in them."""
+    real = {folder: os.path.realpath(folder) for folder in folders if os.path.lexists(folder)}
+    for folder, target in real.items():
+        for other, other_target in real.items():
+            if folder != other and os.path.commonpath([target, other_target]) == other_target:
+                raise UserError(f"{folder} leads into {other} (a symbolic link to {target}); each of a run's "
+                                "folders is its own: remove the link")
 
 
 def check_inside(directory: str, workdir: str) -> None:
