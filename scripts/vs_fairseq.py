@@ -160,7 +160,7 @@ def lconv_worker(settings: Settings, launched: float) -> None:
     mesh = model_setup.make_mesh(config.mesh, jax.devices()[:1])
     state, shardings = setup.create_state(config, model, mesh, tx)
     train_step = update.jit_train_step(config, lr, shardings, mesh)
-    batch = packed_batch(settings, config.data.batch_size, config.data[ROW_LENGTH_KEY], config.data.vocab_size)
+    batch = packed_batch(settings, config.data.batch_size, getattr(config.data, ROW_LENGTH_KEY), config.data.vocab_size)
     holder, lr_factor = {"state": state}, np.float32(1.0)
     compiled = train_step.lower(state, batch, lr_factor).compile()  # what the first call would compile
 
