@@ -150,6 +150,25 @@ def test_an_output_file_that_cannot_be_written_is_an_error_before_loading(config
     helpers.one_line_error(error, f"--output_file={config_only / 'output.txt'}")
 
 
+
+def test_an_existing_output_in_a_folder_that_takes_no_new_file_is_an_error_before_loading(config_only, tmp_path,
+                                                                                           monkeypatch):
+    """The writer puts a temporary file beside the output and renames it over: a writable file in a folder that
+    takes no new file (read-only to this user, or /proc) failed only after decoding, naming the wrong reason."""
+    import tempfile
+
+    (tmp_path / "in.en").write_text("one line\n")
+    (tmp_path / "out.de").write_text("earlier\n")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(UserError) as error:
+        eval_program.run(str(config_only), source_file=str(tmp_path / "in.en"), output_file=str(tmp_path / "out.de"))
+    helpers.one_line_error(error, f"cannot write --output_file={tmp_path / 'out.de'}", "Permission denied")
+    assert (tmp_path / "out.de").read_text() == "earlier\n"
+
 def test_a_split_whose_outputs_cannot_be_written_is_an_error_before_loading(config_only):
     (config_only / "validation.hyp.txt").mkdir()
     with pytest.raises(UserError) as error:

@@ -248,10 +248,10 @@ def _check_writable(path: str, what: str) -> None:
             if os.path.exists(path):
                 with open(path, "r+b"):  # open for writing without truncating
                     pass
-            else:
-                handle, probe = tempfile.mkstemp(dir=directory, prefix=".lconv-write-check-")
-                os.close(handle)
-                os.remove(probe)
+            # the writer's temporary file beside it, renamed over it: the folder must take one too
+            handle, probe = tempfile.mkstemp(dir=directory, prefix=".lconv-write-check-")
+            os.close(handle)
+            os.remove(probe)
             return
         except OSError as err:
             problem = err.strerror or str(err)
