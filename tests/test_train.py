@@ -337,3 +337,21 @@ def test_each_process_gets_its_own_data_position_back():
         checkpoints.this_process_state({"process_count": 2, "processes": [{}, {}]}, "ckpt/6")
     with pytest.raises(ValueError, match="no per-process data-iterator state"):
         checkpoints.this_process_state({"position": 7}, "ckpt/6")
+
+
+def test_a_data_position_the_iterator_cannot_take_is_one_line_naming_the_checkpoint():
+    """A checkpoint without a manifest whose ``data/metadata`` says ``"next_index": "16"``: grain's TypeError
+    traceback becomes one line naming the checkpoint; a good state is set as it is."""
+    import grain
+
+    from lconv.errors import UserError
+
+    iterator = iter(grain.MapDataset.range(40).to_iter_dataset())
+    next(iterator)
+    good = checkpoints.gather_process_states(iterator.get_state())
+    next(iterator)
+    checkpoints.restore_iterator(iterator, good, "ckpt/6")
+    assert next(iterator) == 1
+    bad = checkpoints.gather_process_states({**iterator.get_state(), "next_index": "16"})
+    with pytest.raises(UserError, match=r"checkpoint ckpt/6: its data-iterator state is unreadable \(TypeError"):
+        checkpoints.restore_iterator(iterator, bad, "ckpt/6")

@@ -347,6 +347,17 @@ def this_process_state(data_item: Any, directory: str = "") -> Any:
     return data_item["processes"][jax.process_index()]
 
 
+def restore_iterator(iterator: Any, data_item: Any, directory: str = "") -> None:
+    """Sets ``iterator`` (the train split's) to this process's state in a checkpoint's ``data`` item; a state the
+    iterator cannot take (damaged, or hand-written in a checkpoint without a manifest) is one line naming it."""
+    state = this_process_state(data_item, directory)
+    try:
+        iterator.set_state(state)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
+        raise UserError(f"checkpoint {directory}: its data-iterator state is unreadable ({_first_line(err)}); "
+                        "the checkpoint is damaged: remove that step to resume from the one before") from None
+
+
 def abstract_like(tree: PyTree) -> PyTree:
     """Shape/dtype/sharding structs of a (possibly sharded) pytree, the target layout for a restore."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),

@@ -70,7 +70,7 @@ def _resume_then_train(run: setup.Run, started: float) -> dict[str, Any]:
     tracker = eval_control.Tracker(control, best)
     if ckpt.latest_step() is not None:
         run.state, data_item = ckpt.restore_latest_readable(checkpoints.abstract_like(run.state))
-        run.data.train_iter.set_state(checkpoints.this_process_state(data_item, ckpt.directory))
+        checkpoints.restore_iterator(run.data.train_iter, data_item, ckpt.directory)
         logger.info(f"resumed from step {int(run.state.step)}")
         tracker.resume(run.workdir, int(run.state.step))  # patience's count, before the log drops later rows
         workdir_lib.write_config(run.record, run.workdir, run.config_changes, has_checkpoint=True)
