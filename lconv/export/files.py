@@ -16,7 +16,7 @@ from flax import traverse_util
 from lconv.constants import EXPORT_SIDECAR as SIDECAR
 from lconv.data import paths
 from lconv.errors import UserError
-from lconv.run import schema
+from lconv.run import integrity, schema
 
 FORMAT_VERSION = 1
 
@@ -147,10 +147,10 @@ def parse_params(data: bytes, leaves: int | None = None, size: int | None = None
 def check_finite_params(params: Any, params_path: epath.Path) -> None:
     """Params with a NaN or inf decode every input to an empty output without an error: one line naming the first
     such array instead (one pass over arrays already in memory)."""
-    for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if np.issubdtype(leaf.dtype, np.inexact) and not np.isfinite(leaf).all():
-            raise UserError(f"{params_path}: {jax.tree_util.keystr(key)} holds NaN or inf values (a diverged or "
-                            "damaged model); export the run again from a checkpoint with finite params")
+    where = integrity.first_non_finite(params)
+    if where is not None:
+        raise UserError(f"{params_path}: {where} holds NaN or inf values (a diverged or damaged model); export the "
+                        "run again from a checkpoint with finite params")
 
 
 def parse_program(data: bytes) -> jax.export.Exported:

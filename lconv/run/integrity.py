@@ -167,11 +167,15 @@ def check_finite(tree: Any, where: str) -> None:
     if not leaves:
         return
     all_finite = jax.jit(lambda xs: jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs])))
-    if not bool(np.asarray(all_finite(leaves))):
-        path = next(jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-                    if hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
-                    and not bool(np.isfinite(np.asarray(x)).all()))
-        raise CorruptCheckpoint(f"checkpoint {where} holds non-finite values (first in {path})")
+    if not bool(np.asarray(all_finite(leaves))):  # one device pass; the host's search only names the array
+        raise CorruptCheckpoint(f"checkpoint {where} holds non-finite values (first in {first_non_finite(tree)})")
+
+
+def first_non_finite(tree: Any) -> str | None:
+    """The key path of the first floating array in ``tree`` holding a NaN or inf, or None."""
+    return next((jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                 if hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+                 and not bool(np.isfinite(np.asarray(x)).all())), None)
 
 
 def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
