@@ -71,12 +71,12 @@ def refuse_link(path: str | os.PathLike, reason: str = IN_WORKDIR) -> None:
         raise UserError(f"{path} is a symbolic link; {reason}")
 
 
-def refuse_special(path: str | os.PathLike) -> None:
-    """One line naming ``path`` if it is a pipe, socket or device: a file lconv writes in a workdir is a regular
+def refuse_special(path: str | os.PathLike, reason: str = "lconv writes only regular files in a workdir") -> None:
+    """One line naming ``path`` and what it is if it is a pipe, socket or device: a file lconv writes is a regular
     file (opening a planted pipe would wait for a reader for ever)."""
-    if _special(path):
-        raise UserError(f"{path} is a pipe, socket or device; lconv writes only regular files in a workdir "
-                        "(remove it)")
+    kind = special_kind(path)
+    if kind is not None:
+        raise UserError(f"{path} is a {kind}, not a regular file; {reason} (remove it)")
 
 
 def check_targets(directory: str | os.PathLike, names: Iterable[str], flag: str) -> None:
@@ -85,20 +85,27 @@ def check_targets(directory: str | os.PathLike, names: Iterable[str], flag: str)
     for name in names:
         path = os.path.join(os.path.expanduser(os.fspath(directory)), name)
         refuse_link(path, f"lconv writes no output through a link ({flag}: remove it, or write elsewhere)")
-        if _special(path):
-            raise UserError(f"{path} is a pipe, socket or device, not a regular file; {flag} holds regular files "
-                            "alone (remove it)")
+        refuse_special(path, f"{flag} holds regular files alone")
+
+
+SPECIAL_KINDS = {stat.S_ISFIFO: "named pipe (FIFO)", stat.S_ISSOCK: "socket", stat.S_ISBLK: "block device",
+                 stat.S_ISCHR: "character device"}
+
+
+def special_kind(path: str | os.PathLike, *, follow_links: bool = False) -> str | None:
+    """What a local ``path`` is when it is none of a regular file, a folder or a link (``SPECIAL_KINDS``), else
+    None."""
+    if is_url(path):
+        return None
+    try:
+        mode = (os.stat if follow_links else os.lstat)(path).st_mode
+    except OSError:
+        return None
+    return next((name for test, name in SPECIAL_KINDS.items() if test(mode)), None)
 
 
 def _special(path: str | os.PathLike) -> bool:
-    """Whether a local ``path`` exists as something other than a regular file, a folder or a link."""
-    if is_url(path):
-        return False
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+    return special_kind(path) is not None
 
 
 def _write_into_device(path: str | os.PathLike, data: str | bytes) -> None:

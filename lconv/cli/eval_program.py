@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import stat
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -239,8 +238,9 @@ def _check_writable(path: str, what: str) -> None:
         problem = "it is a symbolic link (lconv writes no output through a link)"
     elif os.path.isdir(path):
         problem = "it is a directory"
-    elif _special_kind(path):
-        problem = f"it is a {_special_kind(path)}, not a regular file (name a regular file, or a device to write to)"
+    elif outputs.special_kind(path, follow_links=True) not in (None, "character device"):  # /dev/null: written into
+        problem = (f"it is a {outputs.special_kind(path, follow_links=True)}, not a regular file (name a regular "
+                   "file, or a device to write to)")
     elif not os.path.isdir(directory):
         problem = f"the directory {directory} does not exist"
     else:
@@ -256,17 +256,6 @@ def _check_writable(path: str, what: str) -> None:
         except OSError as err:
             problem = err.strerror or str(err)
     raise UserError(f"cannot write {what}: {problem}")
-
-
-def _special_kind(path: str) -> str | None:
-    """What ``path`` is when it is a pipe, socket or block device: opened to write, a pipe waits for a reader or
-    fails as "not seekable". A character device (``/dev/null``) is written into, so it is none of these."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    kinds = {stat.S_ISFIFO: "named pipe (FIFO)", stat.S_ISSOCK: "socket", stat.S_ISBLK: "block device"}
-    return next((name for test, name in kinds.items() if test(mode)), None)
 
 
 def _load(stored: restore.StoredConfig, workdir: str, average_last: int, checkpoint: str, beam_size: int | None,
