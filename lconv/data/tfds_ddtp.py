@@ -204,8 +204,7 @@ def _sha256(path: str) -> str:
             with epath.Path(path).open("rb") as f:
                 _DIGESTS[key] = _digest(f)
         return _DIGESTS[key]
-    if not os.path.isfile(path):  # a device or pipe (a link to /dev/zero) would be read forever
-        raise UserError(f"{path}: not a regular file ({os.path.realpath(path)}); a corpus file must be a plain file")
+    paths.check_file(path)  # a device or pipe (a link to /dev/zero) would be hashed for ever
     stat = os.stat(path)
     key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS:

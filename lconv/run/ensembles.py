@@ -46,15 +46,15 @@ def shared_limits(members: Sequence[restore.Trained], names: Sequence[str]) -> R
         section, field = name.split(".")
         values = [min(int(getattr(getattr(t.config, section), field)), int(t.config.model.max_len))
                   for t in members]
-        ours = int(getattr(getattr(config, section), field))
-        if min(values) < values[0]:
-            binding = members[values.index(min(values))]
+        ours, lowest = int(getattr(getattr(config, section), field)), min(values)
+        if lowest < values[0]:
+            at = values.index(lowest)
             # The member's own field that sets the value: its positions (model.max_len) cap each of its limits.
-            bound_by = name if int(getattr(getattr(binding.config, section), field)) == min(values) else "model.max_len"
-            lowered.append(f"config.{name} {ours} -> {min(values)} ({names[values.index(min(values))]}'s "
-                           f"config.{bound_by})")
-        if min(values) < ours:
-            changes.setdefault(section, {})[field] = min(values)
+            own = int(getattr(getattr(members[at].config, section), field))
+            lowered.append(f"config.{name} {ours} -> {lowest} ({names[at]}'s "
+                           f"config.{name if own == lowest else 'model.max_len'})")
+        if lowest < ours:
+            changes.setdefault(section, {})[field] = lowest
     if lowered:
         logger.warning(f"ensemble: its length limits are its members' minimum: {', '.join(lowered)}")
     return config.replace(**changes) if changes else config
