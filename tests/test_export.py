@@ -24,8 +24,14 @@ from lconv.infer import compiled
 SOURCES = ["The small package for images.", "Fast text editor with python support and fonts.", "Data."]
 
 
-def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path):
-    trained = tiny_runs.in_memory(tiny_runs.translation_config())
+@pytest.fixture(scope="module")
+def translation_in_memory():
+    """The in-memory translation model, built once: export reads it and never changes it."""
+    return tiny_runs.in_memory(tiny_runs.translation_config())
+
+
+def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path, translation_in_memory):
+    trained = translation_in_memory
     sidecar = export.export(trained, str(tmp_path), platforms=("cpu", "cuda"), rows=(1, 4), widths=(32,),
                             beam_size=2)
     assert sidecar["platforms"] == ["cpu", "cuda"] and sidecar["conv_impl"] == {"cpu": "shift", "cuda": "band"}
@@ -45,7 +51,8 @@ def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path)
 
 @pytest.mark.parametrize("planted", ["params.npz", "translate_r1_w32.jax", export.SIDECAR, "spm.model"])
 @pytest.mark.parametrize("kind", ["link", "fifo"])
-def test_an_export_refuses_a_planted_link_or_pipe_before_writing_anything(tmp_path, planted, kind):
+def test_an_export_refuses_a_planted_link_or_pipe_before_writing_anything(tmp_path, planted, kind,
+                                                                           translation_in_memory):
     """A params.npz linked out of --out was refused at its write, after the marker and the programs were
     written: every file the export writes is checked first."""
     out, victim = tmp_path / "out", tmp_path / "victim"
@@ -56,9 +63,8 @@ def test_an_export_refuses_a_planted_link_or_pipe_before_writing_anything(tmp_pa
     else:
         os.mkfifo(out / planted)
     before = sorted(p.name for p in out.iterdir())
-    trained = tiny_runs.in_memory(tiny_runs.translation_config())
     with pytest.raises(UserError) as error:
-        export.export(trained, str(out), rows=(1,), widths=(32,), beam_size=2)
+        export.export(translation_in_memory, str(out), rows=(1,), widths=(32,), beam_size=2)
     helpers.one_line_error(error, str(out / planted))
     assert sorted(p.name for p in out.iterdir()) == before and victim.read_text() == "victim"
 

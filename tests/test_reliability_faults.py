@@ -38,6 +38,7 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(tiny_run, tmp_p
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # trains a step with async saves under ulimit -f: CI runs it, the quick command skips it
 def test_a_file_size_limit_during_an_async_save_is_the_same_one_line(tiny_run, tmp_path, capsys):
     """``ulimit -f`` (the campaign's full disk): Python ignores SIGXFSZ, so the async save's writes fail in orbax's
     threads with EFBIG and surface at the next save or close, which was a 356-line traceback."""
