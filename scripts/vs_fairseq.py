@@ -148,6 +148,9 @@ def say(message: dict[str, Any]) -> None:
 
 
 def lconv_worker(settings: Settings, launched: float) -> None:
+    from lconv.run import host_memory
+
+    host_memory.reuse_freed_memory()  # as train.py does, before the backend is up
     import jax
     import numpy as np
 

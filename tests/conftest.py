@@ -50,6 +50,9 @@ if _platforms in ([], ["cpu"]):
     for _flag in _known_to_jaxlib([f for f in _CPU_FLAGS if f not in os.environ["XLA_FLAGS"]]):
         os.environ["XLA_FLAGS"] += f" {_flag}={_CPU_FLAGS[_flag]}"
 
+from lconv.run import host_memory  # noqa: E402
+
+host_memory.reuse_freed_memory()  # as the CLIs do, before the backend is up
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)  # tests opt in to float64 explicitly with numpy references

@@ -17,6 +17,7 @@ import time
 from lconv import console, outputs
 from lconv.bench import gpu_plan
 from lconv.errors import UserError
+from lconv.run import host_memory
 
 SUITES = ("mixers", "limits", "decode", "beam", "train")  # "all" runs these
 ONE_COMMAND_SUITES = ("gpu",)  # each a whole session's figures by itself: not part of "all"
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     opts.mixers = [m.strip() for m in opts.mixers.split(",") if m.strip()]
+    try:
+        host_memory.reuse_freed_memory()  # before the backend is up: XLA:CPU's temporaries reused, not re-faulted
+    except UserError as err:
+        parser.error(str(err))
     from lconv.bench import timing  # imports jax: after the arguments are known to be good
     from lconv.nn import mixers
 

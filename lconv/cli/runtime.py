@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from lconv.data import paths
 from lconv.errors import UserError
-from lconv.run import compilation_cache
+from lconv.run import compilation_cache, host_memory
 from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
 
@@ -47,7 +47,9 @@ def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def initialize() -> None:
-    """``jax.distributed.initialize`` when this process is one of several (``cluster_environment``)."""
+    """``jax.distributed.initialize`` when this process is one of several (``cluster_environment``), after
+    ``host_memory.reuse_freed_memory`` (before any backend is up)."""
+    host_memory.reuse_freed_memory()
     import jax
 
     cluster = cluster_environment()

@@ -11,6 +11,7 @@ from ml_collections import config_flags
 
 from lconv import console
 from lconv.cli import runtime
+from lconv.run import host_memory
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "The study config, e.g. configs/study.py[:quick|:gpu].",
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     console.show_log("stdout")  # the study's progress, a line per run
     with runtime.user_errors():
+        host_memory.reuse_freed_memory()  # before the speed table's models bring up the backend
         from lconv import outputs
         from lconv.study import driver
 

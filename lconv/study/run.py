@@ -21,6 +21,7 @@ from typing import Any
 
 from lconv import console, outputs
 from lconv.errors import UserError
+from lconv.run import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,7 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot read the run spec {argv[1]}", file=sys.stderr)
         return 2
     workdir, start = spec["workdir"], time.time()
+    host_memory.reuse_freed_memory()  # the driver checked the variable: it raised there, not here
     console.show_log("stdout")  # into study.log, with the run's other output
     _cache_compilations(os.path.join(workdir, "xla_cache"))
     try:
