@@ -4,6 +4,7 @@ import collections
 import json
 import lzma
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -210,10 +211,14 @@ def tfds_quiet():
     return tfds
 
 
-def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet):
+def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet, monkeypatch):
     from lconv.data import tfds_ddtp
 
+    system_temp = tmp_path / "system_temp"
+    system_temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_temp))
     tfds_ddtp.prepare("ddtp/en_de", str(tmp_path), raw_dir=raw_dir)
+    assert not list(system_temp.iterdir())  # tfds's bucket lookup left an empty tmp*tfds folder at each preparation
     assert list((tmp_path / "ddtp" / "en_de" / "1.0.0").glob("*.array_record*"))
     expected = ddtp.load_tasks(raw_dir, tasks=["en_de"])["en_de"]
     for split in ddtp.SPLITS:

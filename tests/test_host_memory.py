@@ -32,12 +32,13 @@ def test_a_cpu_programs_temporaries_are_not_faulted_in_at_each_call():
     for _ in range(10):  # the heap grows until it holds the temporaries freed while the next call runs
         compiled(x_NN, w_NK).block_until_ready()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    calls = 5
+    calls = 8
     for _ in range(calls):
         assert float(compiled(x_NN, w_NK)) == 2.0 * 4096 * 4096 * 8
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    if applied:  # without the setting: one fault per page per call, every call (~16k each)
-        assert faults < 0.1 * temporary_pages * calls, (faults, temporary_pages)
+    if applied:  # without the setting every call faults in every page (~16k each); with it the odd call may still
+        # extend the heap, where smaller blocks took part of the freed one since
+        assert faults < 0.3 * temporary_pages * calls, (faults, temporary_pages)
 
 
 def test_the_opt_out_and_a_bad_value(monkeypatch):

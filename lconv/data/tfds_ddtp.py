@@ -44,6 +44,14 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         pass
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+    """The builders' DatasetInfo: theirs is never on tfds's bucket, and tfds's lookup there leaves an empty
+    ``/tmp/tmp*tfds`` folder behind at each preparation (it makes the folder before finding GCS off)."""
+
+    def initialize_from_bucket(self) -> None:
+        pass
+
+
 class DdtpConfig(tfds.core.BuilderConfig):
     """A DDTP task: its text fields (plus ``md5``, the description the example comes from)."""
 
@@ -65,7 +73,7 @@ class Ddtp(_LocalBuilder):
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = {field: tfds.features.Text() for field in (*self.builder_config.fields, "md5")}
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self, description=self.__doc__, features=tfds.features.FeaturesDict(features),
             supervised_keys=tuple(self.builder_config.fields) if len(self.builder_config.fields) == 2 else None,
             homepage="https://www.debian.org/international/l10n/ddtp", citation=_CITATION)
@@ -102,7 +110,7 @@ class Iwslt14(_LocalBuilder):
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = tfds.features.FeaturesDict({"de": tfds.features.Text(), "en": tfds.features.Text()})
-        return tfds.core.DatasetInfo(builder=self, description=self.__doc__, features=features,
+        return _LocalInfo(builder=self, description=self.__doc__, features=features,
                                      supervised_keys=("de", "en"))
 
     def _split_generators(self, dl_manager):
@@ -134,7 +142,7 @@ class Files(_LocalBuilder):
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = tfds.features.FeaturesDict({key: tfds.features.Text() for key in self._layout.keys})
-        return tfds.core.DatasetInfo(builder=self, description=f"{self._layout.name}: {self.__doc__}",
+        return _LocalInfo(builder=self, description=f"{self._layout.name}: {self.__doc__}",
                                      features=features, disable_shuffling=True)  # file order: hyps line up
 
     def _split_generators(self, dl_manager):
