@@ -3,10 +3,13 @@ one line naming the last good checkpoint, and SIGTERM during the final validatio
 cleanly (the final checkpoint is saved before them) instead of killing it."""
 from __future__ import annotations
 
+import _thread
 import errno
 import os
 import resource
 import signal
+import sys
+import threading
 
 import helpers
 import jax
@@ -74,6 +77,24 @@ def _signal_here(name):
         pytest.fail(f"SIGTERM during {name} did not stop it")
 
     return phase
+
+
+def test_after_a_failed_read_foreign_threads_print_nothing_of_it(capsys):
+    """After a restore fails, tensorstore's threads go on calling orbax's closed event loop and each printed
+    ``RuntimeError: Event loop is closed`` around eval.py's one line (round-8 campaign); what threads started outside
+    Python print then goes to lconv's debug log. A thread's ``_thread.start_new_thread`` is such a thread to Python."""
+    with pytest.raises(OSError), integrity.quiet_orbax(None):
+        raise OSError("the restore failed")
+    printed = threading.Event()
+
+    def foreign_thread():
+        print("RuntimeError: Event loop is closed", file=sys.stderr)
+        printed.set()
+
+    _thread.start_new_thread(foreign_thread, ())
+    assert printed.wait(30)
+    print("error: checkpoint ... is unreadable", file=sys.stderr)  # Python's own threads still print
+    assert capsys.readouterr().err == "error: checkpoint ... is unreadable\n"
 
 
 @pytest.mark.parametrize("phase", ["validation", "test"])

@@ -270,6 +270,9 @@ def quiet_orbax(error_log: str | None) -> Iterator[_Details]:
         for lg, handlers, propagate in saved:
             lg.handlers, lg.propagate = handlers, propagate
         threading.excepthook, sys.unraisablehook, sys.stderr = thread_hook, unraisable_hook, stderr
+        if failed and not isinstance(sys.stderr, ForeignThreadStderr):
+            # tensorstore's threads go on calling orbax's closed event loop, each printing a traceback
+            sys.stderr = ForeignThreadStderr(sys.stderr, details.path)
         if buffer and details.path is None:
             for line in buffer:
                 logger.log(logging.WARNING if failed else logging.DEBUG, line)
@@ -288,18 +291,21 @@ def _append(error_log: str, text: str) -> None:
 
 
 class ForeignThreadStderr(io.TextIOBase):
-    """``sys.stderr`` for a run: what Python's threads print (the progress bar, warnings, errors) goes through;
-    what threads started outside Python print (tensorstore's callbacks print tracebacks once orbax's event loop has
-    closed) goes to ``error_log``."""
+    """``sys.stderr`` for a run, or after a failed restore: what Python's threads print (the progress bar, warnings,
+    errors) goes through; what threads started outside Python print (tensorstore's callbacks print tracebacks once
+    orbax's event loop has closed) goes to ``error_log``, or to lconv's debug log where there is none (a read)."""
 
-    def __init__(self, stream: Any, error_log: str) -> None:
+    def __init__(self, stream: Any, error_log: str | None) -> None:
         self.stream, self.error_log = stream, error_log
 
     def write(self, text: str) -> int:
         # A thread Python did not start is a "dummy" to the threading module (its class is private: by name).
         if type(threading.current_thread()).__name__ != "_DummyThread":
             return self.stream.write(text)
-        _append(self.error_log, text)
+        if self.error_log:
+            _append(self.error_log, text)
+        elif text.strip():
+            logger.debug("%s", text.rstrip("\n"))
         return len(text)
 
     def flush(self) -> None:
