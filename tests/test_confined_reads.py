@@ -291,3 +291,29 @@ def test_a_damaged_step_metadata_is_not_echoed_to_the_terminal(tmp_path, caplog)
         reader = checkpoints.Checkpointer(str(tmp_path), read_only=True)
     assert reader.all_steps() == [1]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "\x1b" in r.getMessage()]
+
+
+@pytest.mark.parametrize("damage", ["shard a pipe", "report a pipe", "report linked out", "shard linked out",
+                                    "version folder linked out"])
+def test_a_prepared_copy_holding_a_pipe_or_a_link_out_is_one_line_before_tfds_reads_it(damage, tiny_data,
+                                                                                        tmp_path):
+    """A data_dir a run's config names comes from elsewhere: each of these hung eval.py, had it read a file outside
+    (a report linked to /etc/hostname), or score a split from outside (round-9 campaign)."""
+    from lconv.data import sources, tfds_ddtp
+
+    data_dir = tmp_path / "data"
+    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
+    (version,) = (data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*/ddtp/en_de/1.0.0")
+    shard, report = next(version.glob("*test.array_record*")), version / tfds_ddtp.REPORT_FILENAME
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    planted = {"shard a pipe": shard, "report a pipe": report, "report linked out": report,
+               "shard linked out": shard, "version folder linked out": version}[damage]
+    shutil.move(planted, outside / planted.name)
+    if "pipe" in damage:
+        os.mkfifo(planted)
+    else:
+        planted.symlink_to(outside / planted.name)
+    with pytest.raises(UserError) as error:
+        sources.get_source("ddtp/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(planted))

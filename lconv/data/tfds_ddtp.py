@@ -284,10 +284,30 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
                 raise UserError(f"data_dir={data_dir!r} is not writable ({e.strerror}: {e.filename}); "
                                 f"{fingerprint['dataset']} "
                                 "needs to be prepared there once: use a writable data_dir") from e
+    if not paths.is_url(data_dir):
+        _check_copy(copy_dir)  # before tfds opens any of it
     builder = cls(config=config, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
     if not paths.is_url(data_dir) and layout is None:  # object stores have no symlinks; your files, no tfds name
         _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
+
+
+def _check_copy(copy_dir: str) -> None:
+    """A prepared copy holds the plain files lconv wrote: each a regular file inside the copy, of a size lconv reads,
+    else one line naming it. A copy in a data_dir a run's config names comes from elsewhere: a pipe in it hung
+    eval.py, and a link out of it had eval.py read and score files outside (round-9 campaign)."""
+    for path in (os.path.dirname(copy_dir), copy_dir):
+        if os.path.islink(path):
+            raise UserError(f"{path}: a link where lconv keeps its prepared copies; they are plain folders (remove "
+                            "it to prepare the data again)")
+    for folder, subfolders, files in os.walk(copy_dir):  # links to folders are listed, never followed
+        for name in subfolders:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                raise UserError(f"{path}: a link in the prepared copy {copy_dir}; lconv's copies hold plain "
+                                "folders and files (remove the copy to prepare it again)")
+        for name in files:
+            paths.check_file(os.path.join(folder, name), within=copy_dir)
 
 
 def _copy_of(name: str, data_dir: str, raw_dir: str | None,
