@@ -23,6 +23,7 @@ from typing import Any
 
 from etils import epath
 
+from lconv import json_text
 from lconv.errors import UserError
 
 MARKER = ".lconv-output.json"
@@ -173,7 +174,7 @@ def kind_of(directory: str) -> str | None:
     try:
         marker = root / MARKER
         if marker.exists() and not _special(marker):  # a planted pipe would be read for ever
-            kind = json.loads(marker.read_text()).get("kind")
+            kind = json_text.loads(marker.read_text()).get("kind")
             if kind in KIND_NAMES:
                 return kind
         for kind, files in KIND_SIGNATURES.items():

@@ -317,3 +317,23 @@ def test_a_prepared_copy_holding_a_pipe_or_a_link_out_is_one_line_before_tfds_re
     with pytest.raises(UserError) as error:
         sources.get_source("ddtp/en_de", "test", str(data_dir))
     helpers.one_line_error(error, str(planted))
+
+
+def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(tiny_data, tmp_path):
+    """Python's JSON reader fails on deep nesting with a RecursionError, which no reader caught (round-9 campaign:
+    the same traceback from a report, config.json, a manifest, metrics.jsonl, the pending record, an output marker);
+    they all parse through ``lconv.json_text``."""
+    from lconv import json_text
+    from lconv.data import sources, tfds_ddtp
+
+    with pytest.raises(ValueError, match="nested deeper"):
+        json_text.loads("[" * 100_000 + "]" * 100_000)
+    data_dir = tmp_path / "data"
+    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
+    (version,) = (data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*/ddtp/en_de/1.0.0")
+    report = version / tfds_ddtp.REPORT_FILENAME
+    for text in ("[" * 100_000 + "]" * 100_000, "not json", "[1, 2]"):
+        report.write_text(text)
+        with pytest.raises(UserError) as error:
+            sources.source_report("ddtp/en_de", str(data_dir))
+        helpers.one_line_error(error, str(report))

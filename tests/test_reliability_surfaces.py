@@ -147,6 +147,7 @@ _WORKDIR_DAMAGE = {
     "config.json not JSON": ("config.json", b'{"task": "translation",'),
     "config.json not an object": ("config.json", b"[1, 2]"),
     "config.json not UTF-8": ("config.json", b"\xff\xfe{}"),
+    "config.json nested too deep": ("config.json", b"[" * 100_000 + b"]" * 100_000),  # a RecursionError traceback
     "config.json with a bad field": ("config.json", None),
     "spm.model truncated": ("spm.model", slice(0, 100)),
     "spm.model empty": ("spm.model", b""),

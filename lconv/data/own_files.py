@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 
 from etils import epath
 
+from lconv import json_text
 from lconv.data import paths
 from lconv.errors import UserError
 
@@ -221,7 +222,7 @@ def _jsonl_examples(layout: FileLayout, path: str, counts: collections.Counter) 
             counts["empty_line"] += 1
             continue
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}: line {number} is not JSON ({e.msg}); each line holds one object") from None
         missing = [k for k in layout.keys if not isinstance(record, dict) or k not in record]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lconv import json_text
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from lconv.errors import UserError
 
@@ -64,7 +65,7 @@ class PiecesTokenizer:
     @classmethod
     def from_bytes(cls, data: bytes, where: str = FILENAME) -> PiecesTokenizer:
         try:
-            spec = json.loads(data.decode("utf-8"))
+            spec = json_text.loads(data.decode("utf-8"))
             return cls(list(spec["symbols"]), str(spec.get("continuation", "")))
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"{where} is not a pieces vocabulary ({type(err).__name__}: {err})") from None

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 import tensorflow_datasets as tfds
 from etils import epath
 
+from lconv import json_text
 from lconv.data import ddtp, own_files, paths
 from lconv.errors import UserError
 
@@ -438,7 +439,15 @@ def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
 
 def read_report(builder: tfds.core.DatasetBuilder) -> dict:
     """The ``lconv_report.json`` of a copy ``prepare`` returned: source, examples, skipped and altered counts."""
-    return json.loads((epath.Path(builder.data_dir) / REPORT_FILENAME).read_text(encoding="utf-8"))
+    path = epath.Path(builder.data_dir) / REPORT_FILENAME
+    data = paths.read_bytes(path, "missing from the prepared copy (remove the copy to prepare it again)")
+    try:
+        report = json_text.loads(data)
+    except ValueError as err:
+        raise UserError(f"{path}: not the report lconv wrote ({err}); remove the copy to prepare it again") from None
+    if not isinstance(report, dict):
+        raise UserError(f"{path}: not the report lconv wrote (not an object); remove the copy to prepare it again")
+    return report
 
 
 # The counts of ``lconv.data.ddtp`` grouped for people to read.

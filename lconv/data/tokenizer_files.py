@@ -10,6 +10,7 @@ import os
 import re
 from typing import Any
 
+from lconv import json_text
 from lconv.data import ddtp, paths, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
@@ -73,7 +74,7 @@ def usable_kept(kept: str, vocab_size: int) -> Any:
     why = None
     try:
         tokenizer = tokenizer_lib.load_tokenizer(kept)
-        record = json.loads(paths.read_bytes(epath.Path(paths.join(kept, KEPT_RECORD)), "no record of what it "
+        record = json_text.loads(paths.read_bytes(epath.Path(paths.join(kept, KEPT_RECORD)), "no record of what it "
                                              "was kept for", limit=1 << 20))
         if not isinstance(record, dict):
             why = "its record is not a JSON object"

@@ -13,6 +13,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
+from lconv import json_text
 from lconv.constants import EXPORT_SIDECAR as SIDECAR
 from lconv.data import paths
 from lconv.errors import UserError
@@ -71,7 +72,7 @@ def _json_type(value: Any) -> str:
 def parse_sidecar(data: bytes) -> dict[str, Any]:
     """The sidecar: its fields of their types (``check_types``, in one place), its files plain names, its search
     settings the ones the programs were lowered with; a ``ValueError`` naming what is wrong otherwise."""
-    sidecar = json.loads(data)
+    sidecar = json_text.loads(data)
     check_types(sidecar, SIDECAR_FIELDS, OPTIONAL_FIELDS)
     if sidecar["format"] != FORMAT_VERSION:
         raise ValueError(f"format {sidecar['format']!r}, where this lconv reads format {FORMAT_VERSION}")

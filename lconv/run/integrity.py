@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from lconv import outputs
+from lconv import json_text, outputs
 from lconv.errors import UserError
 from lconv.run import workdir as workdir_lib
 
@@ -149,7 +149,7 @@ def _read_manifest(path: epath.Path, step_dir: str) -> dict[str, list]:
         if not outputs.is_url(os.fspath(path)) and (os.path.islink(path) or not os.path.isfile(path)
                                                     or os.path.getsize(path) > MANIFEST_MAX_BYTES):
             raise ValueError("not a plain file of at most 64 MB")
-        expected = json.loads(path.read_text())["sha256"]
+        expected = json_text.loads(path.read_text())["sha256"]
         if not (isinstance(expected, dict) and all(
                 isinstance(rel, str) and isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
                 and isinstance(entry[1], str) for rel, entry in expected.items())):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
+from lconv import json_text
 from lconv.constants import EXPORT_SIDECAR
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
@@ -117,7 +117,7 @@ def read_stored(workdir: str, caller: str = "--workdir", trust_plugins: bool | N
     root = find_run(workdir, caller)
     path = epath.Path(root) / workdir_lib.CONFIG_FILENAME
     try:
-        stored = json.loads(workdir_lib.read_config_bytes(path, root))
+        stored = json_text.loads(workdir_lib.read_config_bytes(path, root))
     except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
         reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
         raise UserError(f"{path}: not a readable JSON config ({reason}); restore it from a copy of the run") from None

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from lconv import outputs
+from lconv import json_text, outputs
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import schema
@@ -127,7 +127,7 @@ def lock(workdir: str) -> Iterator[None]:
 def _owner(fd: int) -> str:
     os.lseek(fd, 0, os.SEEK_SET)
     try:
-        owner = json.loads(os.read(fd, 4096).decode() or "null")
+        owner = json_text.loads(os.read(fd, 4096).decode() or "null")
     except (ValueError, UnicodeDecodeError):
         owner = None
     if not isinstance(owner, dict):
@@ -155,8 +155,8 @@ def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
 def as_record(config: Any) -> dict[str, Any]:
     """A config (a ConfigDict or a dict) as ``config.json`` stores it: plain JSON values."""
     if hasattr(config, "to_json_best_effort"):
-        return json.loads(config.to_json_best_effort(sort_keys=True))
-    return json.loads(json.dumps(config, sort_keys=True))
+        return json_text.loads(config.to_json_best_effort(sort_keys=True))
+    return json_text.loads(json.dumps(config, sort_keys=True))
 
 
 def config_changes(stored: dict[str, Any], record: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -179,7 +179,7 @@ def check_config_change(record: dict[str, Any], workdir: str, *, has_checkpoint:
     if not path.exists():
         return {}
     try:
-        stored = json.loads(read_config_bytes(path, workdir))
+        stored = json_text.loads(read_config_bytes(path, workdir))
     except ValueError as err:
         raise UserError(f"{path} is unreadable ({err}); restore it or use a new --workdir") from None
     changes = config_changes(stored, record)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from typing import Any
@@ -13,6 +12,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from lconv import json_text
 from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
 from lconv.run import checkpoints
@@ -136,7 +136,7 @@ def validation_values(workdir: str, step: int, metric: str) -> list[float]:
     by_step = {}
     for line in logs.read_metrics(path).splitlines():
         try:
-            row = json.loads(line)
+            row = json_text.loads(line)
             if row.get("split") != "validation" or int(row["step"]) > step:
                 continue
             if "unscored_batches" in row or "undecoded" in row or metric not in row:

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from lconv import console, outputs
+from lconv import console, json_text, outputs
 from lconv.data import paths
 from lconv.run import workdir as workdir_lib
 
@@ -142,7 +142,7 @@ def _rows_at(path: epath.Path, step: int) -> set[tuple[int, str]]:
 
 def _row_key(line: str) -> tuple[int, str] | None:
     try:
-        row = json.loads(line)
+        row = json_text.loads(line)
         return int(row["step"]), str(row["split"])
     except (ValueError, OverflowError, KeyError, TypeError):
         return None
@@ -150,7 +150,7 @@ def _row_key(line: str) -> tuple[int, str] | None:
 
 def _row_step(line: str) -> float:
     try:
-        return float(json.loads(line)["step"])
+        return float(json_text.loads(line)["step"])
     except (ValueError, OverflowError, KeyError, TypeError):
         return float("inf")  # a line cut by the kill: dropped too
 

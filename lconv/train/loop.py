@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from lconv import outputs
+from lconv import json_text, outputs
 from lconv.data import paths
 from lconv.deadline import Deadline
 from lconv.decode_settings import DecodeSettings
@@ -210,7 +210,7 @@ def pending_final_evaluation(workdir: str) -> int | None:
     try:
         # A few bytes, checked before it is read: one planted as a huge sparse file was a MemoryError.
         paths.check_file(path, limit=PENDING_RECORD_LIMIT)
-        step = json.loads(path.read_text())["step"] if path.exists() else None
+        step = json_text.loads(path.read_text())["step"] if path.exists() else None
     except (OSError, ValueError, KeyError, TypeError):  # UserError (check_file's) is a ValueError
         return None  # a damaged record: train as usual
     return step if isinstance(step, int) else None
