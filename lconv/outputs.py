@@ -43,7 +43,7 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     over it, so a failed write (a full disk, a crash) leaves the earlier file whole and no half file (on an object
     store the rename is a copy, still never a partial object). A local ``path`` that is a symbolic link is refused:
     an output never lands in whatever file a link planted in a workdir points at. Failures are one line."""
-    if not is_url(path) and os.fspath(path).endswith(os.sep):  # a path would drop the slash and write a file
+    if not is_url(path) and _names_a_folder(os.fspath(path)):  # a path would drop the slash and write a file
         raise UserError(f"{path}: names a folder; give the output a file name")
     target = epath.Path(path)
     refuse_link(path, "lconv writes no output through a link (remove it, or write elsewhere)")
@@ -63,6 +63,11 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
 
 
 IN_WORKDIR = "lconv writes only regular files in a workdir (remove the link)"
+
+
+def _names_a_folder(path: str) -> bool:
+    """``dir/``, ``dir/.`` or ``dir/..``: a folder whatever is there (``dir/new/.`` was written as a file ``new``)."""
+    return path.endswith(os.sep) or os.path.basename(path) in (".", "..")
 
 
 def refuse_link(path: str | os.PathLike, reason: str = IN_WORKDIR) -> None:
@@ -287,6 +292,8 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
     writer's ``own_kind``)."""
     if not path or not str(path).strip():
         raise UserError(f"{flag} is empty: name a file")
+    if not is_url(path) and _names_a_folder(str(path)):
+        raise UserError(f"{flag}={path} names a folder; give the output a file name")
     target = _absolute(str(path))
     for input_flag, input_path in inputs:
         if input_path and _absolute(str(input_path)) == target:

@@ -259,6 +259,15 @@ def test_an_output_written_over_keeps_its_permissions_and_a_folder_path_is_refus
     private.chmod(0o600)
     outputs.write_atomically(private, "new\n")
     assert private.read_text() == "new\n" and private.stat().st_mode & 0o777 == 0o600
-    with pytest.raises(UserError, match="names a folder"):
-        outputs.write_atomically(f"{tmp_path / 'newdir'}/", "text\n")
-    assert not (tmp_path / "newdir").exists()
+    for folder in ("newdir/", "newdir/.", "newdir/sub/.."):  # dir/. was written as a file dir (round-9 campaign)
+        with pytest.raises(UserError, match="names a folder"):
+            outputs.write_atomically(f"{tmp_path}/{folder}", "text\n")
+        assert not (tmp_path / "newdir").exists()
+
+
+@pytest.mark.parametrize("folder", ["newdir/", "newdir/.", "newdir/sub/.."])
+def test_an_output_file_naming_a_folder_is_refused_before_any_work(folder, tmp_path):
+    with pytest.raises(UserError) as info:
+        outputs.check_output_file(f"{tmp_path}/{folder}", "--output_file")
+    _one_line_naming(info, "--output_file")
+    assert "names a folder" in str(info.value)

@@ -111,6 +111,19 @@ def test_a_fairseq_checkpoint_that_would_run_code_is_refused_without_the_opt_in(
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("special", ["pipe", "/dev/zero"])
+def test_a_fairseq_checkpoint_or_dictionary_that_is_a_pipe_or_a_device_is_one_line(special, tmp_path):
+    """A named pipe hung ``python -m lconv.import_fairseq``; /dev/zero reached torch's loader (round-9 campaign)."""
+    from lconv.interop import fairseq, fairseq_vocab
+
+    path = tmp_path / "special"
+    os.mkfifo(path) if special == "pipe" else path.symlink_to(special)
+    for read in (fairseq.read_checkpoint, fairseq_vocab.read_dictionary):
+        with pytest.raises(UserError) as error:
+            read(str(path))
+        helpers.one_line_error(error, str(path), "not a regular file")
+
+
 @contextlib.contextmanager
 def _jax_cache_config():
     """Puts back the compilation-cache settings ``enable_compilation_cache`` changes (tests/conftest.py set them)."""

@@ -37,8 +37,11 @@ def read_checkpoint(path: str, *, trust: bool = False) -> tuple[dict[str, np.nda
             from None
     from etils import epath
 
+    from lconv.data import paths
+
     if not epath.Path(path).exists():
         raise UserError(f"no fairseq checkpoint at {path}")
+    paths.check_file(path)  # a pipe hung the import; /dev/zero reached torch's loader
     torch.serialization.add_safe_globals([argparse.Namespace])
     try:
         with epath.Path(path).open("rb") as f:

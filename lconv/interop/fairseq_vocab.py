@@ -27,6 +27,9 @@ def read_dictionary(path: str) -> list[str]:
     """The symbols of a fairseq ``dict.txt``, in id order from id 4."""
     from etils import epath
 
+    from lconv.data import paths
+
+    paths.check_file(path)  # a pipe or a device: one line, not a hang
     try:
         lines = epath.Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
