@@ -141,6 +141,19 @@ def test_a_checkpoints_folder_linked_inside_the_workdir_is_followed(tmp_path):
 
 
 
+def test_a_checkpoint_step_that_is_a_link_is_one_line_before_training(tmp_path):
+    """Training went on two steps, then died in orbax's rmtree of the step it no longer kept (round-9 campaign)."""
+    from lconv.run import workdir as workdir_lib
+
+    (tmp_path / "elsewhere" / "1").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "1").symlink_to(tmp_path / "elsewhere" / "1")
+    with pytest.raises(UserError) as error:
+        workdir_lib.make_workdir(str(tmp_path / "run"))
+    helpers.one_line_error(error, str(tmp_path / "run" / "checkpoints" / "1"), "symbolic link")
+    assert (tmp_path / "elsewhere" / "1").is_dir()
+
+
 def test_a_best_folder_linked_to_the_checkpoints_folder_is_refused_before_training(tmp_path):
     """``ln -s checkpoints best`` inside the workdir: two checkpoint managers in one folder (an orbax traceback,
     then a hang) become one line naming both, before any checkpoint is written."""

@@ -60,7 +60,20 @@ def make_workdir(workdir: str) -> str:
         for name in (*CHECKPOINT_FOLDERS, "tensorboard"):
             check_inside(os.path.join(path, name), path)
         check_apart([os.path.join(path, name) for name in (*CHECKPOINT_FOLDERS, "tensorboard")])
+        for name in CHECKPOINT_FOLDERS:
+            check_plain_steps(os.path.join(path, name))
     return path
+
+
+def check_plain_steps(directory: str) -> None:
+    """A checkpoint folder's entries are plain folders: a step that is a link is one line before training, not an
+    orbax traceback when the run deletes the step it no longer keeps (round-9 campaign)."""
+    if not os.path.isdir(directory):
+        return
+    for entry in os.scandir(directory):
+        if entry.is_symlink():
+            raise UserError(f"{entry.path} is a symbolic link (to {os.path.realpath(entry.path)}); a run's "
+                            "checkpoints are plain folders in its workdir: move the checkpoint there")
 
 
 def check_apart(folders: list[str]) -> None:
