@@ -350,3 +350,20 @@ def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(tiny_da
         with pytest.raises(UserError) as error:
             sources.source_report("ddtp/en_de", str(data_dir))
         helpers.one_line_error(error, str(report))
+
+
+def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(tiny_data, tmp_path):
+    """A shard of random bytes: array_record's RuntimeError was a 34-line traceback from eval.py (round-9 campaign)."""
+    from lconv.data import pipeline, sources, tfds_ddtp
+    from lconv.data import tokenizer as tokenizer_lib
+
+    data_dir = tmp_path / "data"
+    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
+    (version,) = (data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*/ddtp/en_de/1.0.0")
+    shard = next(version.glob("*test.array_record*"))
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    source, input_key, target_key = sources.get_source("ddtp/en_de", "test", str(data_dir))
+    tokenizer = tokenizer_lib.load_tokenizer(str(tiny_data.spm.parent))
+    with pytest.raises(UserError) as error:
+        pipeline.make_eval_set(source, input_key, target_key, tokenizer, {"inputs": 32, "targets": 32}, rows=4)
+    helpers.one_line_error(error, str(shard), "damaged")
