@@ -230,6 +230,10 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     if committed_ok and _absolute(committed_ok) == _absolute(path) and checkout_docs(path):
         return True  # the command's own committed results, by its default from the checkout's root
     _refuse_committed_docs(path, flag)
+    owner = _nearest_owner(_absolute(path))
+    if owner is not None and (owner[0] == "export" or (owner[0] == "workdir" and owner[2] in WORKDIR_CORE)):
+        raise UserError(f"{flag}={path} is inside {KIND_NAMES[owner[0]]} ({owner[1]}), among its own files; choose "
+                        "a folder outside it")
     root = _path(path)
     try:
         if root.exists() and not root.is_dir():
@@ -301,16 +305,24 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
     if committed_ok and _absolute(committed_ok) == target and checkout_docs(target):
         return
     _refuse_committed_docs(str(path), flag)
+    owner = _nearest_owner(target)
+    if owner is not None:  # the nearest owner decides (a study's runs are workdirs inside its folder)
+        kind, parent, first = owner
+        if kind != own_kind and (kind != "workdir" or first in WORKDIR_CORE):
+            raise UserError(f"{flag}={path} would overwrite part of {KIND_NAMES[kind]} ({parent}); write the "
+                            f"output elsewhere")
+
+
+def _nearest_owner(target: str) -> tuple[str, str, str] | None:
+    """``(kind, folder, first entry below it on the way to target)`` of the nearest lconv output folder above
+    ``target`` (an absolute path), or None."""
     parent = os.path.dirname(target) if not is_url(target) else target.rsplit("/", 1)[0]
-    for _ in range(64):  # each folder above the file, up to the root
+    for _ in range(64):  # each folder above, up to the root
         kind = kind_of(parent)
-        if kind is not None:  # the nearest owner decides (a study's runs are workdirs inside its folder)
-            first = (target[len(parent):].lstrip("/" + os.sep).replace(os.sep, "/").split("/") or [""])[0]
-            if kind != own_kind and (kind != "workdir" or first in WORKDIR_CORE):
-                raise UserError(f"{flag}={path} would overwrite part of {KIND_NAMES[kind]} ({parent}); write the "
-                                f"output elsewhere")
-            return
+        if kind is not None:
+            return kind, parent, (target[len(parent):].lstrip("/" + os.sep).replace(os.sep, "/").split("/") or [""])[0]
         up = os.path.dirname(parent) if not is_url(parent) else parent.rsplit("/", 1)[0]
         if up == parent or not up or up.endswith(":/"):
-            return
+            return None
         parent = up
+    return None

@@ -271,3 +271,17 @@ def test_an_output_file_naming_a_folder_is_refused_before_any_work(folder, tmp_p
         outputs.check_output_file(f"{tmp_path}/{folder}", "--output_file")
     _one_line_naming(info, "--output_file")
     assert "names a folder" in str(info.value)
+
+
+def test_a_folder_output_inside_a_workdirs_own_entries_or_an_export_is_refused(tmp_path):
+    """An export written into ``checkpoints/4/exp`` left checkpoint 4 unreadable (a file orbax did not write; round-9
+    campaign). A folder beside a workdir's own entries is the user's to use."""
+    workdir = pathlib.Path(outputs.claim_directory(str(tmp_path / "run"), "workdir", "--workdir"))
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    exported = pathlib.Path(outputs.claim_directory(str(tmp_path / "exp"), "export", "--out"))
+    for inside in (workdir / "checkpoints" / "4" / "exp", workdir / "best" / "exp", exported / "again"):
+        with pytest.raises(UserError) as info:
+            outputs.claim_directory(str(inside), "export", "--out")
+        _one_line_naming(info, "--out", "inside")
+        assert not inside.exists()
+    assert outputs.claim_directory(str(workdir / "exports"), "export", "--out")
