@@ -306,17 +306,26 @@ def test_a_damaged_step_metadata_is_not_echoed_to_the_terminal(tmp_path, caplog)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "\x1b" in r.getMessage()]
 
 
+@pytest.fixture
+def en_de_copy(tiny_data, tmp_path):
+    """``(data_dir, version folder)``: a private copy of the shared tiny data's prepared ddtp/en_de alone, to damage."""
+    from lconv.data import tfds_ddtp
+
+    (prepared,) = (tiny_data.data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*")
+    data_dir = tmp_path / "data"
+    shutil.copytree(prepared, data_dir / tfds_ddtp.CACHE_DIRNAME / prepared.name, symlinks=True)
+    return data_dir, data_dir / tfds_ddtp.CACHE_DIRNAME / prepared.name / "ddtp" / "en_de" / "1.0.0"
+
+
 @pytest.mark.parametrize("damage", ["shard a pipe", "report a pipe", "report linked out", "shard linked out",
                                     "version folder linked out"])
-def test_a_prepared_copy_holding_a_pipe_or_a_link_out_is_one_line_before_tfds_reads_it(damage, tiny_data,
+def test_a_prepared_copy_holding_a_pipe_or_a_link_out_is_one_line_before_tfds_reads_it(damage, en_de_copy,
                                                                                         tmp_path):
     """A data_dir a run's config names comes from elsewhere: each of these hung eval.py, had it read a file outside
     (a report linked to /etc/hostname), or score a split from outside (round-9 campaign)."""
     from lconv.data import sources, tfds_ddtp
 
-    data_dir = tmp_path / "data"
-    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
-    (version,) = (data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*/ddtp/en_de/1.0.0")
+    data_dir, version = en_de_copy
     shard, report = next(version.glob("*test.array_record*")), version / tfds_ddtp.REPORT_FILENAME
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -332,7 +341,7 @@ def test_a_prepared_copy_holding_a_pipe_or_a_link_out_is_one_line_before_tfds_re
     helpers.one_line_error(error, str(planted))
 
 
-def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(tiny_data, tmp_path):
+def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(en_de_copy):
     """Python's JSON reader fails on deep nesting with a RecursionError, which no reader caught (round-9 campaign:
     the same traceback from a report, config.json, a manifest, metrics.jsonl, the pending record, an output marker);
     they all parse through ``lconv.json_text``."""
@@ -341,9 +350,7 @@ def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(tiny_da
 
     with pytest.raises(ValueError, match="nested deeper"):
         json_text.loads("[" * 100_000 + "]" * 100_000)
-    data_dir = tmp_path / "data"
-    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
-    (version,) = (data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*/ddtp/en_de/1.0.0")
+    data_dir, version = en_de_copy
     report = version / tfds_ddtp.REPORT_FILENAME
     for text in ("[" * 100_000 + "]" * 100_000, "not json", "[1, 2]"):
         report.write_text(text)
@@ -352,18 +359,16 @@ def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(tiny_da
         helpers.one_line_error(error, str(report))
 
 
-def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(tiny_data, tmp_path):
+def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(en_de_copy, tiny_data):
     """A shard of random bytes: array_record's RuntimeError was a 34-line traceback from eval.py (round-9 campaign)."""
-    from lconv.data import pipeline, sources, tfds_ddtp
+    from lconv.data import pipeline, sources
     from lconv.data import tokenizer as tokenizer_lib
 
-    data_dir = tmp_path / "data"
-    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
-    (version,) = (data_dir / tfds_ddtp.CACHE_DIRNAME).glob("ddtp_en_de-*/ddtp/en_de/1.0.0")
+    data_dir, version = en_de_copy
     shard = next(version.glob("*test.array_record*"))
     shard.write_bytes(os.urandom(shard.stat().st_size))
     source, input_key, target_key = sources.get_source("ddtp/en_de", "test", str(data_dir))
     tokenizer = tokenizer_lib.load_tokenizer(str(tiny_data.spm.parent))
     with pytest.raises(UserError) as error:
         pipeline.make_eval_set(source, input_key, target_key, tokenizer, {"inputs": 32, "targets": 32}, rows=4)
-    helpers.one_line_error(error, str(shard), "damaged")
+    helpers.one_line_error(error, str(version), "damaged")

@@ -361,8 +361,8 @@ def make_eval_set(source: sources.Source, input_key: str | None, target_key: str
             raw = source[i]
         except RuntimeError as err:  # array_record's words for a damaged shard (a hash mismatch, not a record file)
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            files = ", ".join(map(str, getattr(getattr(source, "data_source", None), "_paths", []))) or "its files"
-            raise UserError(f"example {i} cannot be read from {files} ({first}); the prepared copy is damaged: "
+            where = getattr(getattr(source, "dataset_info", None), "data_dir", None) or "the prepared copy"
+            raise UserError(f"example {i} cannot be read from {where} ({first}); the prepared copy is damaged: "
                             "remove it to prepare it again") from None
         example = {"targets": _text(raw[target_key])}
         if input_key is not None:

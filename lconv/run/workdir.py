@@ -168,8 +168,8 @@ def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
 def as_record(config: Any) -> dict[str, Any]:
     """A config (a ConfigDict or a dict) as ``config.json`` stores it: plain JSON values."""
     if hasattr(config, "to_json_best_effort"):
-        return json_text.loads(config.to_json_best_effort(sort_keys=True))
-    return json_text.loads(json.dumps(config, sort_keys=True))
+        return json.loads(config.to_json_best_effort(sort_keys=True))
+    return json.loads(json.dumps(config, sort_keys=True))
 
 
 def config_changes(stored: dict[str, Any], record: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
