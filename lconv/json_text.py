@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+NESTED_TOO_DEEP = "nested deeper than lconv reads"  # the JSONDecodeError's msg for that case
+
 
 def loads(text: str | bytes) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise json.JSONDecodeError("nested deeper than lconv reads", text if isinstance(text, str) else "", 0) \
-            from None
+        raise json.JSONDecodeError(NESTED_TOO_DEEP, text if isinstance(text, str) else "", 0) from None

@@ -306,6 +306,53 @@ def test_a_damaged_step_metadata_is_not_echoed_to_the_terminal(tmp_path, caplog)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "\x1b" in r.getMessage()]
 
 
+def _nested(path):
+    path.write_text("[" * 100_000 + "]" * 100_000)
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_nested, "nested deeper"),
+    (lambda path: os.truncate(path, 2 << 20), "2,097,152 bytes"),
+    (lambda path: (path.unlink(), path.symlink_to("/dev/zero")), "symbolic link"),
+    (lambda path: (path.unlink(), os.mkfifo(path)), "not a regular file"),
+    (lambda path: (path.unlink(), path.mkdir()), "not a regular file"),
+    (lambda path: path.write_text('{"commit_timestamp_nsecs": "soon"}'), "not orbax's step metadata"),
+    (lambda path: (path.parent / "metrics").mkdir(), "metrics item"),  # orbax reads one at each open too
+], ids=["nested", "huge", "dev_zero", "fifo", "folder", "wrong_types", "metrics_item"])
+def test_a_step_metadata_orbax_cannot_read_is_a_corrupt_step_the_others_still_read(tmp_path, damage, named):
+    """Orbax reads every step's _CHECKPOINT_METADATA when a checkpoint folder is opened: nested 100,000 deep it died
+    of a RecursionError (a 79-line traceback from eval.py, round-9 campaign), of a ValueError on a field of the wrong
+    type; a pipe or /dev/zero never ends. The step is listed but kept from orbax, and reading it is the one-line
+    ``CorruptCheckpoint``."""
+    import numpy as np
+
+    from lconv.run import checkpoints, integrity
+
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, {"w": np.zeros(4, np.float32)}, {"process_count": 1, "processes": [step]})
+    ckpt.close()
+    damage(tmp_path / "checkpoints" / "2" / integrity.STEP_METADATA_FILENAME)
+    reader = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    assert reader.all_steps() == [1, 2] and reader.latest_step() == 2
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        reader.read_data(2)
+    helpers.one_line_error(error, str(tmp_path / "checkpoints" / "2"), named)
+    assert reader.read_data(1)["processes"] == [1]
+    reader.close()
+
+
+def test_eval_of_a_run_whose_latest_step_metadata_is_nested_too_deep_is_one_line(tiny_run, tmp_path, capsys):
+    from lconv.run import integrity
+
+    workdir = helpers.copy_run(tiny_run, tmp_path / "run")
+    step = max((workdir / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+    (step / integrity.MANIFEST_FILENAME).unlink()
+    _nested(step / integrity.STEP_METADATA_FILENAME)
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--split=validation")
+    helpers.one_line_error(outcome, str(step), integrity.STEP_METADATA_FILENAME, "nested deeper")
+
+
 @pytest.fixture
 def en_de_copy(tiny_data, tmp_path):
     """``(data_dir, version folder)``: a private copy of the shared tiny data's prepared ddtp/en_de alone, to damage."""

@@ -90,3 +90,20 @@ def test_a_resumed_run_restores_its_own_checkpoint_not_the_source(tiny_run):
     config = _from(tiny_run)
     # the workdir has checkpoints of its own
     assert init_from.prepare(schema.validate_config(config), str(tiny_run.workdir)) is None
+
+
+def test_a_source_whose_step_metadata_is_nested_too_deep_is_one_line_before_anything_is_written(tiny_run, tmp_path):
+    """A source run whose latest step's _CHECKPOINT_METADATA is nested 100,000 deep: orbax's RecursionError was an
+    80-line traceback after the new workdir got its config, tokenizer, data report and lock (round-9 campaign)."""
+    from lconv.run import integrity
+
+    source = helpers.copy_run(tiny_run, tmp_path / "source")
+    step = max((source / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+    (step / integrity.MANIFEST_FILENAME).unlink()
+    (step / integrity.STEP_METADATA_FILENAME).write_text("[" * 100_000 + "]" * 100_000)
+    config = tiny_config.training_config(tiny_run.data_dir, 1, init_from=str(source))
+    workdir = tmp_path / "new"
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
+    helpers.one_line_error(error, str(step), integrity.STEP_METADATA_FILENAME, "nested deeper")
+    assert not workdir.exists()

@@ -2,6 +2,7 @@
 hold, every bad file is one error line naming it, and a tiny run trains from a folder and names it in its log."""
 import collections
 import json
+import os
 
 import helpers
 import pytest
@@ -217,3 +218,57 @@ def test_a_small_corpus_tokenizer_kept_for_later_runs_is_reused_though_it_has_fe
     assert second.to_bytes() == first.to_bytes()
     assert len([line for line in log if "tokenizer: training" in line]) == 1 and any("reused" in line for line in log)
     assert not [line for line in log if "not used" in line]
+
+
+def _memory(monkeypatch, available):
+    from lconv.data import paths
+
+    monkeypatch.setattr(paths, "available_memory", lambda: available)
+
+
+def test_a_file_too_big_for_memory_is_one_line_before_it_is_hashed_or_read(tmp_path, capsys, monkeypatch):
+    """A 15 GB train.en under READ_LIMIT: eval.py of a stored run hashed it for 53 s, then read it whole into a
+    71-line MemoryError traceback (round-9 campaign). With no copy of the folder yet in data_dir, nothing is hashed."""
+    from lconv.data import tfds_ddtp
+
+    folder = _write_pairs(tmp_path / "big", "text")
+    os.truncate(folder / "train.xx", 1 << 20)  # sparse: nothing is written, and nothing may read it
+    _memory(monkeypatch, 4 * (1 << 19))  # room for half of it, held own_files.READ_COPIES times over
+    monkeypatch.setattr(tfds_ddtp, "_digest", lambda f: pytest.fail("a file was hashed"))
+    outcome = helpers.run_cli(capsys, "lconv.data", "files", f"--raw_dir={folder}", "--source_lang=xx",
+                              "--target_lang=yy", f"--data_dir={tmp_path / 'tfds'}", f"--workdir={tmp_path / 'tok'}")
+    helpers.one_line_error(outcome, str(folder / "train.xx"), "1,048,576 bytes", "memory")
+    assert not (tmp_path / "tfds").exists()
+
+
+def test_with_a_copy_in_data_dir_a_file_too_big_is_refused_before_any_split_is_read(tmp_path, monkeypatch):
+    """Another copy of the folder may be the one asked for (only the hashes tell): the files are hashed, and a split
+    too big for memory is refused before any split's file is read."""
+    from lconv.data import tfds_ddtp
+
+    folder = _write_pairs(tmp_path / "big", "text")
+    config = _config(folder)
+    (tmp_path / "tfds" / tfds_ddtp.CACHE_DIRNAME / "files_big-0123456789abcdef").mkdir(parents=True)
+    _memory(monkeypatch, 4 * 20)  # the split's two files together are 62 bytes
+    monkeypatch.setattr(own_files, "_split_lines", lambda *a: pytest.fail("a file was read"))
+    with pytest.raises(UserError) as error:
+        sources.config_source(config, "test")
+    helpers.one_line_error(error, "big/train.", "with its partner", "memory")
+    assert not list((tmp_path / "tfds").glob(f"{tfds_ddtp.CACHE_DIRNAME}/*/files"))
+
+
+def test_running_out_of_memory_reading_a_file_is_one_line(tmp_path, monkeypatch):
+    from lconv.data import paths
+
+    folder = _write_pairs(tmp_path / "oom", "text")
+    assert paths.memory_read_limit(4) <= paths.READ_LIMIT
+    _memory(monkeypatch, None)  # not known: lconv's READ_LIMIT alone
+    assert paths.memory_read_limit(4) == paths.READ_LIMIT
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(paths, "read_bytes", no_memory)
+    with pytest.raises(UserError) as error:
+        own_files.read_lines(str(folder / "train.xx"), collections.Counter())
+    helpers.one_line_error(error, str(folder / "train.xx"), "out of memory")

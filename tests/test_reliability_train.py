@@ -524,3 +524,19 @@ def test_a_tensorboard_write_that_fails_in_its_thread_is_one_warning(tmp_path, m
     assert [m for m in lconv_log() if "TensorBoard" in m] == [
         "warning: TensorBoard events are no longer written (OSError: [Errno 28] No space left on device); "
         "metrics.jsonl has every value"]
+
+
+def test_a_step_whose_orbax_metadata_is_nested_too_deep_is_set_aside_for_the_step_before(tmp_path, lconv_log):
+    """A ``_CHECKPOINT_METADATA`` nested 100,000 deep: orbax's reader, run on every step when the folder is opened,
+    died of a RecursionError (an 80-line traceback, round-9 campaign). Now it is a corrupt step like any other: a
+    resume falls back to the step before and moves it aside."""
+    ckpt, abstract = _two_checkpoints(tmp_path)
+    ckpt.close()
+    (tmp_path / "checkpoints" / "2" / integrity.STEP_METADATA_FILENAME).write_text("[" * 100_000 + "]" * 100_000)
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1)
+    assert ckpt.all_steps() == [1, 2] and ckpt.latest_step() == 2  # listed, never opened by orbax
+    state, _ = ckpt.restore_latest_readable(abstract)
+    assert float(state["w"][0]) == 1 and ckpt.all_steps() == [1]
+    assert "[2] unreadable or corrupt" in lconv_log()[0] and "nested deeper" in lconv_log()[0], lconv_log()
+    assert len(os.listdir(tmp_path / "checkpoints_unreadable")) == 1
+    ckpt.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 
@@ -21,6 +22,9 @@ SPLIT_STEMS = {"train": ("train",), "validation": ("valid", "validation"), "test
 LM_SUFFIX, LM_KEY = "txt", "text"  # a language model's text files and JSON key, unless target_lang names them
 TABLE_SUFFIXES = ("tsv", "jsonl")
 _CODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+# A split's files are read whole: each is held as bytes, as text and as lines (with their objects' overhead) while
+# its partner is read, so a split needs a few times its size in memory.
+READ_COPIES = 4
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what text-mode open() splits on; str.splitlines would also split on
 # U+2028, U+0085 ... inside a sentence, and one such character in one file of a pair would misalign every later line
 
@@ -139,8 +143,44 @@ def read_examples(layout: FileLayout, files: Mapping[str, str], counts: collecti
         raise UserError(f"{names}: no example (every line is empty, or the file is); a split needs at least one")
 
 
+def check_readable(found: Mapping[str, Mapping[str, str]]) -> None:
+    """Each split's files ({split: {role: path}}) plain files that fit in memory together, checked before any is read:
+    one too big is a UserError naming it, not a MemoryError traceback after minutes of reading."""
+    for files in found.values():
+        check_fits(list(files.values()))
+
+
+def check_fits(split_files: list[str]) -> None:
+    """The files of one split, read whole together: plain files (``paths.check_file``) whose bytes, ``READ_COPIES``
+    times over, fit in the memory available now."""
+    for path in split_files:
+        paths.check_file(path)
+    sizes = {path: _size(path) for path in split_files}
+    limit = paths.memory_read_limit(READ_COPIES)
+    if sum(sizes.values()) <= limit:
+        return
+    biggest = max(sizes, key=sizes.get)
+    together = f" ({sum(sizes.values()):,} with its partner)" if len(sizes) > 1 else ""
+    raise UserError(f"{biggest}: {sizes[biggest]:,} bytes{together}, more than lconv can read into this machine's "
+                    f"memory ({limit:,} bytes: a file is read whole, held about {READ_COPIES} times over); split the "
+                    "data into smaller files, or prepare it on a machine with more memory")
+
+
+def _size(path: str) -> int:
+    return epath.Path(path).stat().length if paths.is_url(path) else os.path.getsize(path)
+
+
 def read_lines(path: str, counts: collections.Counter) -> list[str]:
-    """The lines of a UTF-8 file, counted as ``records_<file name>``; not UTF-8 is a UserError."""
+    """The lines of a UTF-8 file, counted as ``records_<file name>``; not UTF-8 or too big to hold is a UserError."""
+    check_fits([path])
+    try:
+        return _split_lines(path, counts)
+    except MemoryError:  # the memory went elsewhere since it was checked
+        raise UserError(f"{path}: out of memory reading it whole ({_size(path):,} bytes); split the data into "
+                        "smaller files, or prepare it on a machine with more memory") from None
+
+
+def _split_lines(path: str, counts: collections.Counter) -> list[str]:
     data = paths.read_bytes(epath.Path(path), "missing")
     try:
         text = data.decode("utf-8")

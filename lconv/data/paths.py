@@ -2,6 +2,7 @@
 safe alternative for URLs to what object stores lack (renames, links). Details: docs/data.md."""
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import tempfile
@@ -104,6 +105,31 @@ def _read_local(path: str) -> bytes:
 
 
 READ_LIMIT = 16 << 30  # bytes: no file lconv reads whole (a tokenizer, params, a program) comes near it
+# (limit, usage) files of a container's memory cgroup, v2 then v1: /proc/meminfo tells the host's memory, not its own
+_CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the kernel's ``MemAvailable``, within its container's memory limit;
+    None where neither is known (not Linux)."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo", encoding="ascii") as f:
+            found.append(1024 * int(next(line.split()[1] for line in f if line.startswith("MemAvailable:"))))
+    for limit_file, usage_file in _CGROUP_MEMORY:
+        with contextlib.suppress(OSError, ValueError):
+            with open(limit_file, encoding="ascii") as limit, open(usage_file, encoding="ascii") as usage:
+                found.append(int(limit.read()) - int(usage.read()))  # "max" (no limit) is a ValueError: skipped
+            break
+    return max(0, min(found)) if found else None
+
+
+def memory_read_limit(copies: int) -> int:
+    """The most bytes lconv reads whole where the data is held ``copies`` times over while it is parsed: a share of
+    the memory available now, never over ``READ_LIMIT``."""
+    available = available_memory()
+    return READ_LIMIT if available is None else min(READ_LIMIT, available // copies)
 
 
 def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None, limit: int = READ_LIMIT) -> None:

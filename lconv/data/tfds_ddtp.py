@@ -149,6 +149,7 @@ class Files(_LocalBuilder):
     def _split_generators(self, dl_manager):
         del dl_manager
         found = own_files.find_files(self._layout)
+        own_files.check_readable(found)  # every split, before any is read
         self.counts, self.counts_by_split = collections.Counter(), {split: collections.Counter() for split in found}
         return {split: self._generate_examples(split, files) for split, files in found.items()}
 
@@ -314,10 +315,18 @@ def _check_copy(copy_dir: str) -> None:
 def _copy_of(name: str, data_dir: str, raw_dir: str | None,
              layout: own_files.FileLayout | None) -> tuple[dict, str, str]:
     """``(fingerprint, copy name, copy folder)`` of ``name``'s prepared copy under ``data_dir``."""
-    fingerprint = source_fingerprint(name, raw_dir, layout)
     label = name.replace("/", "_") if layout is None else own_files.copy_label(layout)
+    if layout is not None and not _may_hold_copy(data_dir, label):  # it will be prepared: refused before hashing
+        own_files.check_readable(own_files.find_files(layout))
+    fingerprint = source_fingerprint(name, raw_dir, layout)
     copy_name = f"{label}-{fingerprint['key']}"
     return fingerprint, copy_name, paths.join(data_dir, CACHE_DIRNAME, copy_name)
+
+
+def _may_hold_copy(data_dir: str, label: str) -> bool:
+    """Whether ``data_dir`` may hold a copy labelled ``label`` (of a source only hashing its files tells); a URL may."""
+    root = os.path.join(data_dir, CACHE_DIRNAME)
+    return paths.is_url(data_dir) or (os.path.isdir(root) and any(n.startswith(f"{label}-") for n in os.listdir(root)))
 
 
 def is_prepared(name: str, data_dir: str, raw_dir: str | None = None,

@@ -15,6 +15,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import time
 import weakref
@@ -45,13 +46,18 @@ class Checkpointer:
         # alone, so the latest and the best checkpoint of one step (both saved at a validation step) would wait at
         # the same barrier. The coordination service pairs arrivals in order, so process 0's "latest" could pass
         # with process 1's "best", commit a step another process is still writing, and hang the run.
+        # The steps orbax must not list (``integrity.check_listed_step``), each with its error: kept out of orbax's
+        # listing, still listed here, and restoring one raises its error, as any other corrupt step does.
+        self.withheld: dict[int, integrity.CorruptCheckpoint] = {}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=1, create=not read_only, enable_async_checkpointing=async_save,
             multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=f"lconv_{subdir}"),
+            step_name_format=_VettedSteps(ocp.step.standard_name_format(), self.withheld),
         )
         if not read_only:
             remove_unfinished(self.directory)
         self.error_log = None if read_only else str(epath.Path(self.directory).parent / integrity.ERROR_LOG_FILENAME)
+        self._vet_steps()
         # Orbax reads each step's metadata here and logs a damaged one with its content, raw: to the error log (a
         # read: lconv's debug log), never the terminal; the restore still checks that step.
         with integrity.quiet_orbax(self.error_log):
@@ -63,14 +69,34 @@ class Checkpointer:
         self.unfinished: int | None = None  # an async save still being written, its manifest not yet made
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        return max(self.all_steps(), default=None)
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        return sorted({*self.manager.all_steps(), *self.withheld})
+
+    def _vet_steps(self) -> None:
+        """Fills ``withheld`` with the step folders orbax must not list (``integrity.check_listed_step``)."""
+        self.withheld.clear()
+        if workdir_lib.is_remote(self.directory) or not os.path.isdir(self.directory):
+            return
+        with integrity.quiet_orbax(self.error_log):  # orbax logs a step metadata it cannot parse with its content
+            for entry in os.scandir(self.directory):
+                if entry.name.isdigit():
+                    try:
+                        integrity.check_listed_step(entry.path, int(entry.name))
+                    except integrity.CorruptCheckpoint as err:
+                        self.withheld[int(entry.name)] = err
+
+    def check_step(self, step: int) -> None:
+        """Checkpoint ``step``'s folder and files, checked as a restore first does but with no file hashed: its step
+        metadata, plain files, metadata files within their bound (``CorruptCheckpoint``)."""
+        if step in self.withheld:
+            raise self.withheld[step]
+        integrity.check_plain(self._step_dir(step))
 
     def read_data(self, step: int) -> Any:
         """The JSON item of checkpoint ``step`` alone (no arrays are read), its files checked first."""
-        integrity.check_plain(self._step_dir(step))
+        self.check_step(step)
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def save(self, step: int, state: PyTree, data_state: Any, *, force: bool = False) -> bool:
@@ -78,7 +104,7 @@ class Checkpointer:
         or a function giving it, called only when saving."""
         if not force and (step % self.save_every):
             return False
-        if step in self.manager.all_steps():
+        if step in self.all_steps():
             return False
         if callable(data_state):
             data_state = data_state()
@@ -115,7 +141,7 @@ class Checkpointer:
         ``UnreadableCheckpoint`` (an unverified one orbax cannot read) or ``CheckpointReadError`` (a verified one
         that still fails to read after retries: a storage problem, not the checkpoint's).
         """
-        step = self.manager.latest_step() if step is None else step
+        step = self.latest_step() if step is None else step
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
         restored = self._read(step, args, abstract_state, prefix=())
         integrity.check_finite(restored["state"], self._step_dir(step))
@@ -132,6 +158,8 @@ class Checkpointer:
 
     def _read(self, step: int, args: Any, abstract: PyTree, prefix: tuple[str, ...]) -> Any:
         where = self._step_dir(step)
+        if step in self.withheld:
+            raise self.withheld[step]
         self.verified = integrity.verify_manifest(where, required=False)
         integrity.check_shapes(str(epath.Path(where) / "state"), abstract, where, self.error_log, prefix=prefix)
         for attempt in range(self.read_attempts):
@@ -139,7 +167,7 @@ class Checkpointer:
                 with integrity.quiet_orbax(self.error_log) as details:  # sees the failure: read-only, it logs it
                     return self.manager.restore(step, args=args)
             except Exception as err:  # noqa: BLE001 (orbax/tensorstore raise many types)
-                failure = f"{_first_line(err)}{details.where()}"
+                failure = f"{integrity.first_line(err)}{details.where()}"
             if attempt + 1 < self.read_attempts:
                 time.sleep(self.retry_seconds * 2 ** attempt)  # a flaky filesystem or network: try again
         if self.verified:  # its bytes are the ones written: the storage failed, not the checkpoint
@@ -152,7 +180,7 @@ class Checkpointer:
         """Restores the newest checkpoint that reads. Newer corrupt or unreadable ones (a crash mid-write, a bad
         disk) are moved to ``<dir>_unreadable/`` and reported, so nothing is deleted; a checkpoint of another
         model or a storage failure on a verified one stops here (nothing moved, never an older fallback)."""
-        steps = sorted(self.manager.all_steps(), reverse=True)
+        steps = sorted(self.all_steps(), reverse=True)
         errors = []
         for step in steps:
             try:
@@ -183,11 +211,34 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("lconv_checkpoints_set_aside")  # every process sees the move
+        self._vet_steps()
         self.manager.reload()
 
     def close(self) -> None:
         self.finish()
         self.manager.close()
+
+
+class _VettedSteps:
+    """Orbax's standard step names, less the ``withheld`` steps: orbax reads the ``_CHECKPOINT_METADATA`` of every
+    step it finds, so a step whose file it must not read is one it never finds (``Checkpointer.withheld``)."""
+
+    def __init__(self, standard: Any, withheld: dict[int, integrity.CorruptCheckpoint]) -> None:
+        self.standard, self.withheld = standard, withheld
+
+    def build_name(self, step: int) -> str:
+        return self.standard.build_name(step)
+
+    def find_all(self, base_path: Any) -> Any:
+        return (found for found in self.standard.find_all(base_path) if found.step not in self.withheld)
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        if step in self.withheld:
+            raise ValueError(f"step {step} is withheld: {self.withheld[step]}")
+        return self.standard.find_step(base_path, step)
+
+    def __getattr__(self, name: str) -> Any:  # the rest of orbax's NameFormat: the standard one's
+        return getattr(self.standard, name)
 
 
 _WRITING: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # checkpointers that have started a save
@@ -354,7 +405,7 @@ def restore_iterator(iterator: Any, data_item: Any, directory: str = "") -> None
     try:
         iterator.set_state(state)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
-        raise UserError(f"checkpoint {directory}: its data-iterator state is unreadable ({_first_line(err)}); "
+        raise UserError(f"checkpoint {directory}: its data-iterator state is unreadable ({integrity.first_line(err)}); "
                         "the checkpoint is damaged: remove that step to resume from the one before") from None
 
 
@@ -363,7 +414,3 @@ def abstract_like(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                         tree)
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"

@@ -36,6 +36,8 @@ MANIFEST_FILENAME = "lconv_manifest.json"
 ERROR_LOG_FILENAME = "checkpoint_errors.log"
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest lists files by name: far smaller than this
 METADATA_MAX_BYTES = 256 << 20  # orbax reads its metadata files (all but the arrays' ``d/`` chunks) whole
+STEP_METADATA_FILENAME = "_CHECKPOINT_METADATA"  # orbax's, read for every step it lists when a folder is opened
+STEP_METADATA_MAX_BYTES = 1 << 20  # orbax writes item handler names and timestamps there: well under a kilobyte
 
 
 class CorruptCheckpoint(UserError):
@@ -141,6 +143,54 @@ def check_plain(step_dir: str) -> list[str] | None:
             raise CorruptCheckpoint(f"checkpoint {root}: {rel} is {size:,} bytes, more than the {METADATA_MAX_BYTES:,} "
                                     "a checkpoint's metadata file holds")
     return files
+
+
+def check_listed_step(step_dir: str, step: int) -> None:
+    """What orbax reads of a local step when it lists it (at each open of a checkpoint folder, before any step is
+    chosen), checked before it does: a link (to a file outside, whose content orbax logs, or to /dev/zero), a pipe, a
+    huge file, JSON nested too deep for Python's reader (a ``RecursionError``) or of types orbax refuses (a
+    ``ValueError``) as ``_CHECKPOINT_METADATA``, or a ``metrics`` item (lconv writes none), ended eval.py in a hang or
+    a traceback. Each is a ``CorruptCheckpoint``. Text that is not JSON orbax does without (it logs it, to the error
+    log); the step's files are verified at its restore as any other's."""
+    if outputs.is_url(step_dir):
+        return
+    if os.path.islink(step_dir):
+        raise CorruptCheckpoint(f"checkpoint {step_dir} is a symbolic link; a checkpoint is a plain folder")
+    if os.path.lexists(os.path.join(step_dir, "metrics")):
+        raise CorruptCheckpoint(f"checkpoint {step_dir} holds a metrics item, which lconv never writes")
+    path = os.path.join(step_dir, STEP_METADATA_FILENAME)
+    if not os.path.lexists(path):
+        return  # orbax reads a step without one
+    if os.path.islink(path) or not os.path.isfile(path):
+        kind = "a symbolic link" if os.path.islink(path) else "not a regular file"
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: {STEP_METADATA_FILENAME} is {kind}; a checkpoint holds "
+                                "plain files")
+    size = os.path.getsize(path)
+    if size > STEP_METADATA_MAX_BYTES:
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: {STEP_METADATA_FILENAME} is {size:,} bytes, more than the "
+                                f"{STEP_METADATA_MAX_BYTES:,} orbax's step metadata holds")
+    try:
+        with open(path, "rb") as f:
+            json_text.loads(f.read())
+    except json.JSONDecodeError as err:
+        if err.msg == json_text.NESTED_TOO_DEEP:  # what orbax's own json.loads dies of, a RecursionError
+            raise CorruptCheckpoint(f"checkpoint {step_dir}: {STEP_METADATA_FILENAME} is JSON {err.msg}; orbax "
+                                    "writes a flat record there") from None
+    except (UnicodeDecodeError, OSError):
+        pass  # orbax logs what it cannot read and does without
+    import orbax.checkpoint as ocp
+
+    try:  # the read orbax makes at each open, now that it can neither hang nor recurse
+        ocp.step.Metadata(step=step, path=epath.Path(step_dir)).commit_timestamp  # noqa: B018 (read for its errors)
+    except Exception as err:  # noqa: BLE001 (orbax raises ValueError, TypeError, OverflowError...)
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: {STEP_METADATA_FILENAME} is not orbax's step metadata "
+                                f"({first_line(err)})") from None
+
+
+def first_line(err: BaseException) -> str:
+    """``Type: the first line of its message`` (at most 200 characters), for the end of a one-line error."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _read_manifest(path: epath.Path, step_dir: str) -> dict[str, list]:

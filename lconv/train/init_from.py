@@ -67,14 +67,30 @@ class Source:
             return
         raise UserError(f"{self.label}: no tokenizer in {self.workdir}")
 
-    def restore_params(self, run: setup.Run) -> None:
-        """The source checkpoint's params into ``run.state`` (laid out as its own), with a fresh optimizer at step 0."""
-        which = run.config.train.init_checkpoint
+    def _checkpointer(self, config: RunConfig) -> tuple[checkpoints.Checkpointer, int]:
+        """A reader of the source's chosen checkpoints (``train.init_checkpoint``) and the step it starts from."""
+        which = config.train.init_checkpoint
         ckpt = checkpoints.Checkpointer(self.workdir, subdir="checkpoints" if which == "latest" else "best",
                                         read_only=True)
         step = ckpt.latest_step()
         if step is None:
+            ckpt.close()
             raise UserError(f"{self.label}: no checkpoint in {ckpt.directory}")
+        return ckpt, step
+
+    def check_checkpoint(self, config: RunConfig) -> None:
+        """The step the run will start from, its folder and metadata files checked as its restore will (no file is
+        hashed): a damaged one is one line before the new workdir is made."""
+        ckpt, step = self._checkpointer(config)
+        try:
+            ckpt.check_step(step)
+        finally:
+            ckpt.close()
+
+    def restore_params(self, run: setup.Run) -> None:
+        """The source checkpoint's params into ``run.state`` (laid out as its own), with a fresh optimizer at step 0."""
+        which = run.config.train.init_checkpoint
+        ckpt, step = self._checkpointer(run.config)
         params = ckpt.restore_params(checkpoints.abstract_like(run.state.params), step)
         ckpt.close()
         run.state = run.state.replace(params=params)
@@ -89,6 +105,7 @@ def prepare(config: RunConfig, workdir: str) -> Source | None:
         return None
     source = Source(config)
     source.check(config)
+    source.check_checkpoint(config)
     return source
 
 
