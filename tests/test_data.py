@@ -4,6 +4,7 @@ import collections
 import json
 import lzma
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -211,6 +212,36 @@ def tfds_quiet():
     return tfds
 
 
+@pytest.mark.parametrize("planted", ["linked_folder", "linked_version", "file"])
+def test_the_plain_readers_link_goes_only_through_real_folders_and_replaces_only_lconvs_own(tmp_path, planted):
+    from lconv.data import tfds_ddtp
+
+    data_dir, victim = tmp_path / "data", tmp_path / "victim"
+    version_dir = data_dir / tfds_ddtp.CACHE_DIRNAME / "ddtp_en_de-key" / "ddtp" / "en_de" / "1.0.0"
+    version_dir.mkdir(parents=True)
+    victim.mkdir()
+    if planted == "linked_folder":  # <data_dir>/ddtp leads elsewhere
+        (data_dir / "ddtp").symlink_to(victim)
+    elif planted == "linked_version":  # the user's own link where lconv's would go
+        (data_dir / "ddtp" / "en_de").mkdir(parents=True)
+        (data_dir / "ddtp" / "en_de" / "1.0.0").symlink_to(victim)
+    else:
+        (data_dir / "ddtp").write_text("mine")
+    before = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    tfds_ddtp._point_plain_readers(str(data_dir), "ddtp/en_de", str(version_dir))
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")} == before
+    assert not list(victim.iterdir())
+    if planted == "linked_version":
+        assert os.readlink(data_dir / "ddtp" / "en_de" / "1.0.0") == str(victim)
+        old = data_dir / tfds_ddtp.CACHE_DIRNAME / "ddtp_en_de-old" / "ddtp" / "en_de" / "1.0.0"
+        old.mkdir(parents=True)  # a link lconv made to an older copy is moved on to the new one
+        link = data_dir / "ddtp" / "en_de" / "1.0.0"
+        link.unlink()
+        link.symlink_to(os.path.relpath(old, link.parent))
+        tfds_ddtp._point_plain_readers(str(data_dir), "ddtp/en_de", str(version_dir))
+        assert link.resolve() == version_dir.resolve()
+
+
 def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet, monkeypatch):
     from lconv.data import tfds_ddtp
 
@@ -227,6 +258,10 @@ def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, 
         assert got == sorted((e["en"], e["de"], e["md5"]) for e in expected[split])
     total = sum(len(v) for v in expected.values())
     assert total == 8  # good (3 pairs), tabs, empty, huge, mismatch, dup (1 pair each)
+    # Reading a copy already there (a data_dir a run's config names) adds nothing to its data_dir.
+    shutil.rmtree(tmp_path / "ddtp")
+    tfds_ddtp.prepare("ddtp/en_de", str(tmp_path), raw_dir=raw_dir)
+    assert not (tmp_path / "ddtp").exists()
     assert {split: len(v) for split, v in expected.items()} == {"train": 6, "validation": 1, "test": 1}
     # get_source gives the same, in both directions
     source, input_key, target_key = sources.get_source("ddtp/de_en", "train", str(tmp_path), raw_dir=raw_dir)

@@ -279,7 +279,8 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
                                     fingerprint)
     else:
         read_dir = copy_dir
-        if not _is_complete(copy_dir, name):
+        prepared_here = not _is_complete(copy_dir, name)
+        if prepared_here:
             try:
                 _prepare_copy(name, copy_dir, options, fingerprint)
             except PermissionError as e:
@@ -289,7 +290,9 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
     if not paths.is_url(data_dir):
         _check_copy(copy_dir)  # before tfds opens any of it
     builder = cls(config=config, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
-    if not paths.is_url(data_dir) and layout is None:  # object stores have no symlinks; your files, no tfds name
+    # Only in a data_dir this call wrote to, the user's: one a run's config names is read, never added to. Object
+    # stores have no symlinks; your own files have no tfds name.
+    if not paths.is_url(data_dir) and layout is None and prepared_here:
         _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
 
@@ -431,11 +434,18 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fi
 
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
-    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy in use, where it can."""
-    link = os.path.join(data_dir, *name.split("/"), os.path.basename(version_dir))
-    target = os.path.relpath(version_dir, os.path.dirname(link))
-    if (os.path.islink(link) and os.readlink(link) == target) or (os.path.exists(link) and not os.path.islink(link)):
-        return
+    """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy just prepared, where it can: only through real
+    folders, and replacing only a link of lconv's own (into ``CACHE_DIRNAME``), never the user's."""
+    folder = data_dir
+    for part in name.split("/"):
+        folder = os.path.join(folder, part)
+        if os.path.islink(folder) or (os.path.lexists(folder) and not os.path.isdir(folder)):
+            return  # not a folder lconv made: left as it is
+    link = os.path.join(folder, os.path.basename(version_dir))
+    target = os.path.relpath(version_dir, folder)
+    ours = os.path.relpath(os.path.join(data_dir, CACHE_DIRNAME), folder) + os.sep
+    if os.path.lexists(link) and not (os.path.islink(link) and os.readlink(link).startswith(ours)):
+        return  # a folder, a file or someone else's link
     temp_link = paths.unique_temp(os.path.join(data_dir, CACHE_DIRNAME, "link"))
     try:
         os.makedirs(os.path.dirname(link), exist_ok=True)
