@@ -278,3 +278,24 @@ def test_a_data_dir_that_is_a_file_is_one_line_naming_it(tmp_path):
         with pytest.raises(UserError) as error:
             sources.get_source("ddtp/en_de", "train", str(data_dir))
         helpers.one_line_error(error, "config.data.data_dir", "notes.txt")
+
+
+def test_lconvs_default_scratch_folders_are_this_users_not_the_shared_temporary_one(monkeypatch, tmp_path):
+    """A folder in /tmp is anyone's: a link planted there had ``python -m lconv.data`` write its tokenizer where
+    the link pointed."""
+    import tempfile
+
+    from lconv.bench import __main__ as bench_main
+    from lconv.data import __main__ as data_main
+    from lconv.run import compilation_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(paths.CACHE_ENV, raising=False)
+    mine = str(tmp_path / "cache" / "lconv")
+    assert data_main._parse(["en_de"]).workdir == f"{mine}/data_tokenizers"
+    assert paths.local_cache_dir() == f"{mine}/data_cache"
+    assert compilation_cache.user_folder() == f"{mine}/compilation_cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec: ignored
+    assert paths.user_cache_folder("x") == os.path.join(os.path.expanduser("~"), ".cache", "lconv", "x")
+    for folder in (bench_main.QUICK_DIR, bench_main.INSTALLED_DIR):
+        assert not folder.startswith(tempfile.gettempdir() + os.sep)

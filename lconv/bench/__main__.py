@@ -11,19 +11,19 @@ import importlib
 import os
 import shlex
 import sys
-import tempfile
 import time
 
 from lconv import console, outputs
 from lconv.bench import gpu_plan
+from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import host_memory
 
 SUITES = ("mixers", "limits", "decode", "beam", "train")  # "all" runs these
 ONE_COMMAND_SUITES = ("gpu",)  # each a whole session's figures by itself: not part of "all"
 COMMITTED_OUT, COMMITTED_DOC = "docs/bench", "docs/benchmarks.md"
-QUICK_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench_quick")
-INSTALLED_DIR = os.path.join(tempfile.gettempdir(), "lconv_bench")  # a full run's default outside a clone
+QUICK_DIR = paths.user_cache_folder("bench_quick")
+INSTALLED_DIR = paths.user_cache_folder("bench")  # a full run's default outside a clone
 
 
 def in_clone_root() -> bool:

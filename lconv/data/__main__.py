@@ -11,9 +11,7 @@ Defaults are configs/default.py's, so the data prepared here is the copy train.p
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -90,8 +88,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for code in ("source_lang", "target_lang"):
         parser.add_argument(f"--{code}", default=None, help="files: config.data." + code)
     parser.add_argument("--name", default=None, help="files: config.data.name")
-    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lconv_data_tokenizers"),
-                        help="where the inspection's tokenizers go (a run trains its own in its workdir)")
+    parser.add_argument("--workdir", default=paths.user_cache_folder("data_tokenizers"),
+                        help="where the inspection's tokenizers go (a run trains its own in its workdir); default: "
+                        "this user's cache folder")
     parser.add_argument("--vocab_size", type=int, default=data.vocab_size, help="default: configs/default.py's")
     parser.add_argument("--max_sentences", type=int, default=data.tokenizer_max_sentences,
                         help="default: configs/default.py's")

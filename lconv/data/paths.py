@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import tempfile
 import uuid
 from collections.abc import Iterable
 
@@ -62,9 +61,18 @@ def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -
                         "(s3://, az://, hf://)") from e
 
 
+def user_cache_folder(name: str) -> str:
+    """``$XDG_CACHE_HOME/lconv/<name>``, else under ``~/.cache``: this user's own, never the shared temporary folder,
+    where anyone may plant a link or a file that lconv would then write through or read."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lconv", name)
+
+
 def local_cache_dir() -> str:
-    """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``<tmp>/lconv_data_cache``."""
-    return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "lconv_data_cache")
+    """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``user_cache_folder``'s."""
+    return os.environ.get(CACHE_ENV) or user_cache_folder("data_cache")
 
 
 def upload_tree(local_dir: str, remote_dir: str, commit_last: Iterable[str]) -> None:

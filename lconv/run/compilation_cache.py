@@ -17,10 +17,7 @@ FOLDER_NAME = "compilation_cache"  # this user's cache folder's name (and older 
 
 def user_folder() -> str:
     """The default cache folder: ``$XDG_CACHE_HOME/lconv/compilation_cache``, else under ``~/.cache``."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lconv", FOLDER_NAME)
+    return paths.user_cache_folder(FOLDER_NAME)
 
 
 def use_user_folder() -> str | None:
