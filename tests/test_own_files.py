@@ -116,6 +116,11 @@ def _bad(tmp_path, case):
         train_xx.unlink()
         train_xx.symlink_to("/dev/zero")
         return folder, ["train.xx", "not a regular file"]
+    if case == "a link out":  # a run from elsewhere naming its raw_dir: /etc/hostname was read and shown
+        (tmp_path / "outside.txt").write_text("secret\n")
+        (folder / "test.xx").unlink()
+        (folder / "test.xx").symlink_to(tmp_path / "outside.txt")
+        return folder, ["test.xx", "leads out of", str(folder)]
     (folder / "train.xx").unlink()
     (folder / "train.yy").unlink()
     if case == "tsv columns":
@@ -129,7 +134,7 @@ def _bad(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["ragged", "not utf-8", "empty split", "missing split", "half a pair", "two formats",
-                                  "wrong codes", "a device", "tsv columns", "not json", "missing key"])
+                                  "wrong codes", "a device", "a link out", "tsv columns", "not json", "missing key"])
 def test_each_bad_file_is_one_error_line_naming_it(case, tmp_path, capsys):
     folder, named = _bad(tmp_path, case)
     codes = ("de", "en") if case == "wrong codes" else ("xx", "yy")

@@ -181,7 +181,7 @@ def read_lines(path: str, counts: collections.Counter) -> list[str]:
 
 
 def _split_lines(path: str, counts: collections.Counter) -> list[str]:
-    data = paths.read_bytes(epath.Path(path), "missing")
+    data = paths.read_bytes(epath.Path(path), "missing", within=os.path.dirname(path))  # no link out of raw_dir
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

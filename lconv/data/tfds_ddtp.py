@@ -243,6 +243,10 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
     names the prepared copy and depends on the contents only (and the layout's reading rules)."""
     cls, _ = _builder_class(name)
     files = _source_files(name, raw_dir, layout)
+    folder = raw_dir if layout is None else layout.folder
+    for path in files.values():  # a link out of the folder (a run from elsewhere naming it) is never read
+        if folder is not None:
+            paths.check_file(path, within=folder)
     described = {role: {"file": paths.basename(path), "bytes": _size(path), "sha256": _sha256(path)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
