@@ -388,6 +388,27 @@ def test_a_prepared_copy_holding_a_pipe_or_a_link_out_is_one_line_before_tfds_re
     helpers.one_line_error(error, str(planted))
 
 
+@pytest.mark.parametrize("where", ["checkpoint", "prepared copy"])
+def test_folders_nested_a_thousand_deep_are_one_line_not_a_recursion_error(where, unverified_step, request):
+    """Python 3.11's ``os.walk`` recurses: a planted tree 1,200 folders deep was a RecursionError traceback."""
+    from lconv.data import sources
+    from lconv.run import integrity
+
+    en_de_copy = None if where == "checkpoint" else request.getfixturevalue("en_de_copy")
+    root = unverified_step / "state" if where == "checkpoint" else en_de_copy[1]
+    folders = [os.path.join(root, *["a"] * depth) for depth in range(1, 1201)]
+    for folder in folders:  # os.makedirs and shutil.rmtree recurse too
+        os.mkdir(folder)
+    with pytest.raises(UserError) as error:
+        if where == "checkpoint":
+            integrity.verify_manifest(str(unverified_step))
+        else:
+            sources.get_source("ddtp/en_de", "test", str(en_de_copy[0]))
+    for folder in reversed(folders):
+        os.rmdir(folder)
+    helpers.one_line_error(error, "nested")
+
+
 def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(en_de_copy):
     """Python's JSON reader fails on deep nesting with a RecursionError, which no reader caught (round-9 campaign:
     the same traceback from a report, config.json, a manifest, metrics.jsonl, the pending record, an output marker);

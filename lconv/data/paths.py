@@ -112,6 +112,8 @@ def _read_local(path: str) -> bytes:
         return f.read()
 
 
+MAX_FOLDER_DEPTH = 64  # folders lconv writes (a prepared copy, a checkpoint) nest a few deep; Python 3.11's
+# os.walk recurses, so a planted tree 1,000 deep was a RecursionError traceback
 READ_LIMIT = 16 << 30  # bytes: no file lconv reads whole (a tokenizer, params, a program) comes near it
 # (limit, usage) files of a container's memory cgroup, v2 then v1: /proc/meminfo tells the host's memory, not its own
 _CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),

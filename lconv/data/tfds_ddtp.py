@@ -310,6 +310,9 @@ def _check_copy(copy_dir: str) -> None:
             raise UserError(f"{path}: a link where lconv keeps its prepared copies; they are plain folders (remove "
                             "it to prepare the data again)")
     for folder, subfolders, files in os.walk(copy_dir):  # links to folders are listed, never followed
+        if os.path.relpath(folder, copy_dir).count(os.sep) >= paths.MAX_FOLDER_DEPTH:
+            raise UserError(f"{copy_dir}: folders nested deeper than {paths.MAX_FOLDER_DEPTH} in the prepared copy; "
+                            "lconv's copies are a few folders deep (remove the copy to prepare it again)")
         for name in subfolders:
             path = os.path.join(folder, name)
             if os.path.islink(path):

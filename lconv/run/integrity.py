@@ -27,6 +27,7 @@ import numpy as np
 from etils import epath
 
 from lconv import json_text, outputs
+from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import workdir as workdir_lib
 
@@ -64,10 +65,13 @@ def _file_digest(path: epath.Path) -> str:
     return digest.hexdigest()
 
 
-def _files(step_dir: epath.Path, prefix: str = "") -> list[str]:
+def _files(step_dir: epath.Path, prefix: str = "", depth: int = 0) -> list[str]:
     """Every file under ``step_dir`` but the manifest, as sorted relative paths (walked level by level: epath's
     remote backends refuse recursive globs). Orbax writes plain files and folders: a symbolic link (which could
     lead out of the checkpoint) or a device, pipe or socket (``/dev/zero`` reads forever) is a ``CorruptCheckpoint``."""
+    if depth > paths.MAX_FOLDER_DEPTH:
+        raise CorruptCheckpoint(f"checkpoint folder {step_dir} is nested more than {paths.MAX_FOLDER_DEPTH} deep; "
+                                "orbax writes a few levels")
     found = []
     for child in step_dir.iterdir():
         relative = f"{prefix}{child.name}"
@@ -76,7 +80,7 @@ def _files(step_dir: epath.Path, prefix: str = "") -> list[str]:
             kind = "a symbolic link" if os.path.islink(child) else "not a regular file"
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {relative} is {kind}; a checkpoint holds plain files")
         if child.is_dir():
-            found += _files(child, relative + "/")
+            found += _files(child, relative + "/", depth + 1)
         elif relative != MANIFEST_FILENAME:
             found.append(relative)
     return sorted(found)
