@@ -2,6 +2,7 @@
 workdir's config.json and checkpoint folders (issue 56). Each case is one line, never a hang or a MemoryError."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -397,15 +398,18 @@ def test_folders_nested_a_thousand_deep_are_one_line_not_a_recursion_error(where
     en_de_copy = None if where == "checkpoint" else request.getfixturevalue("en_de_copy")
     root = unverified_step / "state" if where == "checkpoint" else en_de_copy[1]
     folders = [os.path.join(root, *["a"] * depth) for depth in range(1, 1201)]
-    for folder in folders:  # os.makedirs and shutil.rmtree recurse too
-        os.mkdir(folder)
-    with pytest.raises(UserError) as error:
-        if where == "checkpoint":
-            integrity.verify_manifest(str(unverified_step))
-        else:
-            sources.get_source("ddtp/en_de", "test", str(en_de_copy[0]))
-    for folder in reversed(folders):
-        os.rmdir(folder)
+    try:
+        for folder in folders:  # os.makedirs and shutil.rmtree recurse too: pytest could not remove the tree
+            os.mkdir(folder)
+        with pytest.raises(UserError) as error:
+            if where == "checkpoint":
+                integrity.verify_manifest(str(unverified_step))
+            else:
+                sources.get_source("ddtp/en_de", "test", str(en_de_copy[0]))
+    finally:
+        for folder in reversed(folders):
+            if os.path.isdir(folder):
+                os.rmdir(folder)
     helpers.one_line_error(error, "nested")
 
 
@@ -420,7 +424,10 @@ def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(en_de_c
         json_text.loads("[" * 100_000 + "]" * 100_000)
     data_dir, version = en_de_copy
     report = version / tfds_ddtp.REPORT_FILENAME
-    for text in ("[" * 100_000 + "]" * 100_000, "not json", "[1, 2]"):
+    good = json.loads(report.read_text())
+    confused = [json.dumps({**good, field: value}) for field, value in  # python -m lconv.data: AttributeError
+                (("skipped", 5), ("examples", {"test": "many"}), ("altered", {"parse": [1]}), ("source", None))]
+    for text in ("[" * 100_000 + "]" * 100_000, "not json", "[1, 2]", *confused):
         report.write_text(text)
         with pytest.raises(UserError) as error:
             sources.source_report("ddtp/en_de", str(data_dir))

@@ -12,7 +12,8 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -473,7 +474,26 @@ def read_report(builder: tfds.core.DatasetBuilder) -> dict:
         raise UserError(f"{path}: not the report lconv wrote ({err}); remove the copy to prepare it again") from None
     if not isinstance(report, dict):
         raise UserError(f"{path}: not the report lconv wrote (not an object); remove the copy to prepare it again")
+    for field, valid in _REPORT_FIELDS.items():
+        if not valid(report.get(field)):
+            raise UserError(f"{path}: not the report lconv wrote ({field!r} is {report.get(field)!r:.60}); remove the "
+                            "copy to prepare it again")
     return report
+
+
+def _counts_by(depth: int) -> Callable[[Any], bool]:
+    """Whether a value is ``{name: count}`` nested ``depth`` objects deep (what the report's counts are)."""
+    def valid(value: Any) -> bool:
+        if depth == 0:
+            return isinstance(value, int) and not isinstance(value, bool)
+        inner = _counts_by(depth - 1)
+        return isinstance(value, dict) and all(isinstance(k, str) and inner(v) for k, v in value.items())
+    return valid
+
+
+_REPORT_FIELDS: dict[str, Callable[[Any], bool]] = {  # what lconv reads back from a report
+    "dataset": lambda value: isinstance(value, str), "source": lambda value: isinstance(value, str),
+    "examples": _counts_by(1), "records": _counts_by(1), "skipped": _counts_by(2), "altered": _counts_by(2)}
 
 
 # The counts of ``lconv.data.ddtp`` grouped for people to read.
