@@ -434,6 +434,18 @@ def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(en_de_c
         helpers.one_line_error(error, str(report))
 
 
+def test_a_prepared_copys_dataset_info_tfds_cannot_parse_is_one_line(en_de_copy):
+    """tfds parses it with protobuf: nested too deep or of the wrong types, a 74-79-line ParseError traceback."""
+    from lconv.data import sources
+
+    data_dir, version = en_de_copy
+    for text in ("[" * 100_000 + "]" * 100_000, '{"name": 5, "splits": "x"}'):
+        (version / "dataset_info.json").write_text(text)
+        with pytest.raises(UserError) as error:
+            sources.get_source("ddtp/en_de", "test", str(data_dir))
+        helpers.one_line_error(error, "dataset_info.json", str(version.parents[2]))
+
+
 def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(en_de_copy, tiny_data):
     """A shard of random bytes: array_record's RuntimeError was a 34-line traceback from eval.py (round-9 campaign)."""
     from lconv.data import pipeline, sources

@@ -294,12 +294,24 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
                                 "needs to be prepared there once: use a writable data_dir") from e
     if not paths.is_url(data_dir):
         _check_copy(copy_dir)  # before tfds opens any of it
-    builder = cls(config=config, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
+    builder = _open_copy(cls, config, read_dir, options)
     # Only in a data_dir this call wrote to, the user's: one a run's config names is read, never added to. Object
     # stores have no symlinks; your own files have no tfds name.
     if not paths.is_url(data_dir) and layout is None and prepared_here:
         _point_plain_readers(data_dir, name, builder.data_dir)
     return builder
+
+
+def _open_copy(cls: type, config: Any, read_dir: str, options: dict) -> tfds.core.DatasetBuilder:
+    """The builder reading the copy under ``read_dir``; a ``dataset_info.json`` tfds cannot parse is one line."""
+    from google.protobuf import json_format
+
+    try:
+        return cls(config=config, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
+    except (json_format.ParseError, RecursionError) as err:
+        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+        raise UserError(f"{read_dir}: the prepared copy's dataset_info.json is not what lconv wrote ({first}); "
+                        "remove the copy to prepare it again") from None
 
 
 def _check_copy(copy_dir: str) -> None:
