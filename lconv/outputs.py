@@ -230,10 +230,7 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     if committed_ok and _absolute(committed_ok) == _absolute(path) and checkout_docs(path):
         return True  # the command's own committed results, by its default from the checkout's root
     _refuse_committed_docs(path, flag)
-    owner = _nearest_owner(_absolute(path))
-    if owner is not None and (owner[0] == "export" or (owner[0] == "workdir" and owner[2] in WORKDIR_CORE)):
-        raise UserError(f"{flag}={path} is inside {KIND_NAMES[owner[0]]} ({owner[1]}), among its own files; choose "
-                        "a folder outside it")
+    check_outside_outputs(path, flag)
     root = _path(path)
     try:
         if root.exists() and not root.is_dir():
@@ -252,6 +249,15 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
         if found != kind:
             raise UserError(f"{flag}={path} holds {KIND_NAMES[found]}, not {KIND_NAMES[kind]}; choose another folder")
     return False
+
+
+def check_outside_outputs(path: str, flag: str) -> None:
+    """Refuses a folder lconv writes into (an output, prepared data, a compilation cache) that lies among a
+    workdir's own entries (a checkpoint step: it would fail its manifest after) or inside an export."""
+    owner = _nearest_owner(_absolute(str(path)))
+    if owner is not None and (owner[0] == "export" or (owner[0] == "workdir" and owner[2] in WORKDIR_CORE)):
+        raise UserError(f"{flag}={path} is inside {KIND_NAMES[owner[0]]} ({owner[1]}), among its own files; choose "
+                        "a folder outside it")
 
 
 def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> str:

@@ -285,3 +285,20 @@ def test_a_folder_output_inside_a_workdirs_own_entries_or_an_export_is_refused(t
         _one_line_naming(info, "--out", "inside")
         assert not inside.exists()
     assert outputs.claim_directory(str(workdir / "exports"), "export", "--out")
+
+
+def test_prepared_data_and_a_compilation_cache_never_go_among_a_workdirs_own_entries(tmp_path):
+    """``--data_dir`` and ``--compilation_cache`` inside another run's checkpoint step wrote files its manifest does
+    not list, so that step was refused after (round-10 campaign)."""
+    from lconv.cli import runtime
+    from lconv.data import tfds_ddtp
+
+    workdir = pathlib.Path(outputs.claim_directory(str(tmp_path / "run"), "workdir", "--workdir"))
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    with pytest.raises(UserError) as info:
+        tfds_ddtp.prepare("ddtp/en_de", str(workdir / "checkpoints" / "4" / "dd"))
+    _one_line_naming(info, "data_dir", "inside")
+    with pytest.raises(UserError) as info:
+        runtime.enable_compilation_cache(str(tmp_path / "other"), str(workdir / "best" / "cc"))
+    _one_line_naming(info, "--compilation_cache", "inside")
+    assert sorted(p.name for p in workdir.rglob("*")) == sorted(["4", "checkpoints", outputs.MARKER])

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
+from lconv import outputs
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import compilation_cache, host_memory
@@ -90,6 +91,8 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
     if choice is not None and choice.lower() == "none":
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    if choice:
+        outputs.check_outside_outputs(choice, "--compilation_cache")
     chosen = choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     folder = chosen or user_compilation_cache()
     problem = compilation_cache.unusable(folder) or (None if chosen else compilation_cache.make_private(folder))

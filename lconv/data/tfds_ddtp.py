@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv import json_text
+from lconv import json_text, outputs
 from lconv.data import ddtp, own_files, paths
 from lconv.errors import UserError
 
@@ -286,6 +286,7 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
         read_dir = copy_dir
         prepared_here = not _is_complete(copy_dir, name)
         if prepared_here:
+            outputs.check_outside_outputs(data_dir, "data_dir")  # a checkpoint step written into fails its manifest
             try:
                 _prepare_copy(name, copy_dir, options, fingerprint)
             except PermissionError as e:
