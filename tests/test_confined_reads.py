@@ -446,14 +446,27 @@ def test_a_prepared_copys_dataset_info_tfds_cannot_parse_is_one_line(en_de_copy)
         helpers.one_line_error(error, "dataset_info.json", str(version.parents[2]))
 
 
-def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(en_de_copy, tiny_data):
-    """A shard of random bytes: array_record's RuntimeError was a 34-line traceback from eval.py (round-9 campaign)."""
+@pytest.mark.parametrize("damage", ["random bytes", "random records", "empty records"])
+def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(damage, en_de_copy, tiny_data):
+    """A shard of random bytes: array_record's RuntimeError was a 34-line traceback from eval.py (round-9 campaign);
+    well-formed records that are not examples, a protobuf DecodeError traceback; empty ones scored every source and
+    reference as the text "None", without a word (round-10)."""
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
     from lconv.data import pipeline, sources
     from lconv.data import tokenizer as tokenizer_lib
 
     data_dir, version = en_de_copy
     shard = next(version.glob("*test.array_record*"))
-    shard.write_bytes(os.urandom(shard.stat().st_size))
+    if damage == "random bytes":
+        shard.write_bytes(os.urandom(shard.stat().st_size))
+    else:
+        count = ArrayRecordReader(str(shard)).num_records()
+        shard.unlink()
+        writer = ArrayRecordWriter(str(shard), "group_size:1")
+        for _ in range(count):
+            writer.write(os.urandom(40) if damage == "random records" else b"")
+        writer.close()
     source, input_key, target_key = sources.get_source("ddtp/en_de", "test", str(data_dir))
     tokenizer = tokenizer_lib.load_tokenizer(str(tiny_data.spm.parent))
     with pytest.raises(UserError) as error:

@@ -356,17 +356,24 @@ def make_eval_set(source: sources.Source, input_key: str | None, target_key: str
     stats = collections.Counter()
     indices = range(process_index, len(source), process_count)
     examples = []
+    from google.protobuf.message import DecodeError
+
+    def damaged(i: int, why: str) -> UserError:
+        where = getattr(getattr(source, "dataset_info", None), "data_dir", None) or "the prepared copy"
+        return UserError(f"example {i} cannot be read from {where} ({why}); the prepared copy is damaged: remove it "
+                         "to prepare it again")
+
     for i in indices:
         try:
             raw = source[i]
-        except RuntimeError as err:  # array_record's words for a damaged shard (a hash mismatch, not a record file)
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            where = getattr(getattr(source, "dataset_info", None), "data_dir", None) or "the prepared copy"
-            raise UserError(f"example {i} cannot be read from {where} ({first}); the prepared copy is damaged: "
-                            "remove it to prepare it again") from None
-        example = {"targets": _text(raw[target_key])}
-        if input_key is not None:
-            example["inputs"] = _text(raw[input_key])
+        except (RuntimeError, DecodeError) as err:  # a damaged shard: array_record's hash, or records not examples
+            raise damaged(i, (str(err).strip().splitlines() or [type(err).__name__])[0][:200]) from None
+        example = {}
+        for name, key in (("targets", target_key), ("inputs", input_key)):
+            if key is not None:
+                if not isinstance(raw.get(key), (bytes, str)):  # an empty record parses with every feature None
+                    raise damaged(i, f"no text under {key!r}")
+                example[name] = _text(raw[key])
         examples.append(example)
     keys = [k for k in ("inputs", "targets") if k in lengths]
     encoded = {k: tokenizer.encode_batch([e[k] for e in examples]) for k in keys}
