@@ -7,7 +7,6 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -102,7 +101,7 @@ def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
 
 
 def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limit: int | None = None,
-                deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[report.Row]:
+                deadline: float | None = None) -> list[report.Row]:
     """The trained run in ``workdir`` decodes its test split at auto's batch size and each of ``rows_list``'s."""
     trained = restore.load_trained(workdir, devices=jax.devices()[:1])
     config, model, params = trained.config, trained.model, trained.params
@@ -112,7 +111,7 @@ def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limi
                                            config.decode.beam_size))
     results = []
     for rows in rows_order(auto, rows_list, count):
-        if deadline is not None and clock() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             logger.info(f"  rows {rows} and the sizes after it: cut, the time ran out")
             break
         row = _decode_row(config, model, params, eval_set, rows, auto, model_name=config.model.decoder_mixer,

@@ -362,7 +362,7 @@ def run_machines(records: Sequence[Record]) -> dict[str, int]:
     for r in records:
         if r["status"] == "ok":
             m = r.get("machine")
-            name = f"{m['cpu']}; {m['device']}; {m['jax']}" if m else "not recorded"
+            name = timing_line(m) if m else "not recorded"
             machines[name] = machines.get(name, 0) + 1
     return machines
 
@@ -374,7 +374,7 @@ def machines_line(records: Sequence[Record], report_machine: Record) -> str:
     if len(machines) <= 1:
         name = next(iter(machines), "no finished run")
         if name in ("not recorded", "no finished run"):
-            name = f"{report_machine['cpu']}; {report_machine['device']}; {report_machine['jax']} (the report's)"
+            name = f"{timing_line(report_machine)} (the report's)"
         return f"**Machine**: {name}; {load}"
     listed = "; ".join(f"{name} ({n} runs)" for name, n in machines.items())
     return f"**Machines** (speeds compare only within one): {listed}. {load}"
