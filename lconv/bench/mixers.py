@@ -161,11 +161,13 @@ def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
     return loss_and_grads
 
 
-def fwd_bwd_program(config: Config, T: int, B: int, dtype: Any = jnp.float32) -> tuple[Callable, tuple]:
-    """``(fn, args)`` of ``config``'s fwd+bwd at ``[B, T]``, its inputs and a random cotangent in ``dtype``."""
+def fwd_bwd_program(config: Config, T: int, B: int, dtype: Any = None) -> tuple[Callable, tuple]:
+    """``(fn, args)`` of ``config``'s fwd+bwd at ``[B, T]``: its inputs (an op's cast to ``dtype`` if given) and a
+    random cotangent."""
     fn, args, argnums = config.build(T, B)
-    args = tuple(a.astype(dtype) for a in args)
-    return fwd_bwd(fn, argnums), (*args, timing.random_normal((B, T, C), 2, dtype))
+    if dtype is not None:  # an op row's x and kernel (a mixer row's first input is its params)
+        args = tuple(a.astype(dtype) for a in args)
+    return fwd_bwd(fn, argnums), (*args, timing.random_normal((B, T, C), 2, dtype or jnp.float32))
 
 
 def _skipped_rows(base: report.Row, reason: str) -> list[report.Row]:
