@@ -144,6 +144,7 @@ def test_the_speed_table_alternates_the_mixers_in_one_process_and_drops_the_comp
                                                                                              monkeypatch):
     """Turns, not blocks: every round times each mixer once (train, then decode), so a change in the host's load
     falls on all of them; round 0 compiles and is not counted. Fake programs that advance a fake clock."""
+    from lconv.bench import timing
     from lconv.study import speed
 
     study, templates = quick_plan
@@ -162,7 +163,7 @@ def test_the_speed_table_alternates_the_mixers_in_one_process_and_drops_the_comp
     monkeypatch.setattr(speed, "_shared_inputs", lambda config, directory: (None, None))
     monkeypatch.setattr(speed, "_contender", lambda t, batch, sources, study: speed._Contender(
         t.key.mixer, program(t.key.mixer, "train"), program(t.key.mixer, "decode"), 1000, 64))
-    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])  # timing.alternate's clock
     rows = speed.measure(study, templates, {"translation": "/nowhere"}, rounds=3)
     assert calls == [(m, k) for _ in range(4) for m in ("transformer", "dynamic") for k in ("train", "decode")]
     by_mixer = {r["mixer"]: r for r in rows}

@@ -132,10 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in opts.mixers:  # a plugin that cannot be imported or run fails now, not after the other rows
         try:
             mixers.mixer_class(name)
-            if opts.suite in ("mixers", "all"):
-                from lconv.bench.mixers import op_configs
+            from lconv.bench.mixers import op_configs  # the suite is mixers or all: checked above
 
-                op_configs([name])
+            op_configs([name])
         except UserError as err:
             parser.error(f"--mixers: {err}")
     console.show_log("stdout")  # each suite's progress lines, between the suite headers printed here

@@ -7,7 +7,6 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -71,10 +70,8 @@ def run(count: int, rows_list: tuple[int, ...], deadline: float | None = None,
         if deadline is not None and time.monotonic() > deadline:
             logger.info(f"  rows {rows} and more: cut, the time ran out")
             break
-        for label, (config, model, params, eval_set) in setups.items():
-            sized = config.replace(decode={"batch_size": rows})
-            row = dict(model=label, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
-                       beam=config.decode.beam_size, **_time_split(sized, model, params, eval_set))
+        for label, setup in setups.items():
+            row = _decode_row(*setup, rows, auto, model_name=label)
             results.append(row)
             batches = f"{row['batches']} batch{'es' if row['batches'] != 1 else ''}"
             logger.info(f"  {label:12s} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
@@ -104,7 +101,7 @@ def rows_order(auto: int, rows_list: tuple[int, ...], count: int) -> list[int]:
 
 
 def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limit: int | None = None,
-                deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[report.Row]:
+                deadline: float | None = None) -> list[report.Row]:
     """The trained run in ``workdir`` decodes its test split at auto's batch size and each of ``rows_list``'s."""
     trained = restore.load_trained(workdir, devices=jax.devices()[:1])
     config, model, params = trained.config, trained.model, trained.params
@@ -114,13 +111,11 @@ def run_trained(workdir: str, rows_list: tuple[int, ...] = TRAINED_ROWS, *, limi
                                            config.decode.beam_size))
     results = []
     for rows in rows_order(auto, rows_list, count):
-        if deadline is not None and clock() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             logger.info(f"  rows {rows} and the sizes after it: cut, the time ran out")
             break
-        sized = config.replace(decode={"batch_size": rows})
-        row = dict(model=config.model.decoder_mixer, rows=rows, auto=rows == auto, sentences=count,
-                   batches=math.ceil(count / rows), beam=config.decode.beam_size, step=trained.steps[-1],
-                   **_time_split(sized, model, params, eval_set))
+        row = _decode_row(config, model, params, eval_set, rows, auto, model_name=config.model.decoder_mixer,
+                          step=trained.steps[-1])
         results.append(row)
         logger.info(f"  trained step {row['step']} rows {rows:5d}{' (auto)' if row['auto'] else '':7s}: "
                     f"{row['sentences_per_s']:8.1f} sentences/s (first pass with compile {row['first_pass_s']:.1f} s)")
@@ -148,8 +143,10 @@ def trained_section(rows: list[report.Row], final: dict[str, float] | None, info
                                 r["first_pass_s"]] for r in rows])])
 
 
-def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, float]:
-    """Seconds of the first pass over ``eval_set`` (it compiles) and the median of ``REPEATS`` more."""
+def _decode_row(config: Any, model: Any, params: Any, eval_set: pipeline.EvalSet, rows: int, auto: int, *,
+                model_name: str = "", **fields: Any) -> report.Row:
+    """A batch size's row: the first pass over ``eval_set`` (it compiles) and the median of ``REPEATS`` more."""
+    config = config.replace(decode={"batch_size": rows})
     translator = compiled.Translator(config.infer, model, params)  # fresh programs: each batch size compiles its own
     settings = DecodeSettings.build(config.decode)
 
@@ -157,11 +154,12 @@ def _time_split(config, model, params, eval_set: pipeline.EvalSet) -> dict[str, 
         batches = batching.decode_batches(config.infer, model, params, eval_set, settings, translator=translator)
         return [best for _, best in batches]
 
-    start = time.perf_counter()
-    decode_split()
-    first_s = time.perf_counter() - start
+    first_s = timing.time_calls(decode_split, 1, warmup=0)[0]
     median_s = timing.summarize(timing.time_calls(decode_split, REPEATS, warmup=0))["median_s"]
-    return dict(seconds=median_s, sentences_per_s=len(eval_set.tokens) / median_s, first_pass_s=first_s)
+    count = len(eval_set.tokens)
+    return dict(model=model_name, rows=rows, auto=rows == auto, sentences=count, batches=math.ceil(count / rows),
+                beam=config.decode.beam_size, **fields, seconds=median_s, sentences_per_s=count / median_s,
+                first_pass_s=first_s)
 
 
 def section(rows: list[report.Row], info: dict[str, str], command: str) -> str:

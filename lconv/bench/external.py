@@ -3,7 +3,6 @@ where importable, skipped with the reason without them (docs/benchmarks.md, "Bas
 from __future__ import annotations
 
 import importlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,8 +63,8 @@ def fairseq_kernel(torch: Any, dynamic: bool, B: int, T: int, C: int, H: int, K:
     return Op.apply, (x, w)
 
 
-def measure(torch: Any, fn: Callable, args: tuple, *, backward: bool, budget_s: float) -> dict[str, Any]:
-    """Median seconds per call of ``fn(*args)`` (with ``backward``: and the gradients of ``<fn(*args), g>``)."""
+def measure(torch: Any, fn: Callable, args: tuple, *, backward: bool, budget_s: float) -> timing.Measurement:
+    """Seconds per call of ``fn(*args)`` (with ``backward``: and the gradients of ``<fn(*args), g>``)."""
     cuda = device_name(torch) == "cuda"
     leaves = [a.detach().requires_grad_(backward) for a in args]
     g = torch.randn_like(fn(*leaves)) if backward else None
@@ -84,17 +83,10 @@ def measure(torch: Any, fn: Callable, args: tuple, *, backward: bool, budget_s: 
     call()  # warm-up: cuDNN's algorithm choice, allocations
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    call()
-    times = []
-    for _ in range(timing.repeats_for(time.perf_counter() - start, budget_s)):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    stats = timing.summarize(times)
+    stats, runs = timing.budgeted_runs(call, budget_s)
     memory = torch.cuda.max_memory_allocated() if cuda else None
-    return {"median_s": stats["median_s"], "min_s": stats["min_s"], "runs": len(times), "memory_bytes": memory,
-            "memory_source": "torch.cuda.max_memory_allocated" if cuda else None}
+    return timing.Measurement(stats["median_s"], stats["min_s"], runs, None, memory,
+                              "torch.cuda.max_memory_allocated" if cuda else None)
 
 
 def build(torch: Any, builder: str, dynamic: bool, B: int, T: int, C: int, H: int, K: int,

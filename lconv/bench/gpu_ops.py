@@ -158,12 +158,11 @@ def measure_group(group: Sequence[report.Row], ready: Sequence[tuple]) -> list[r
 
 def op_program(row: report.Row) -> tuple[Callable, tuple]:
     """``(fn, args)`` of one op row: the op alone (``fwd``), or its forward and both gradients (``fwd+bwd``)."""
-    fn, (x, w), argnums = mixers.op_config(row["op"], row["impl"]).build(row["T"], row["B"])
-    x, w = x.astype(row["dtype"]), w.astype(row["dtype"])
-    if row["passes"] == "fwd":
-        return fn, (x, w)
-    g = timing.random_normal((row["B"], row["T"], C), 2, jnp.dtype(row["dtype"]))
-    return mixers.fwd_bwd(fn, argnums), (x, w, g)
+    config = mixers.op_config(row["op"], row["impl"])
+    if row["passes"] != "fwd":
+        return mixers.fwd_bwd_program(config, row["T"], row["B"], jnp.dtype(row["dtype"]))
+    fn, (x, w), _ = config.build(row["T"], row["B"])
+    return fn, (x.astype(row["dtype"]), w.astype(row["dtype"]))
 
 
 def _failed(err: BaseException) -> report.Row:

@@ -13,8 +13,6 @@ from lconv.bench import mixers, report, timing
 
 logger = logging.getLogger(__name__)
 
-OPS = [("light", "conv"), ("light", "band"), ("light", "shift"), ("light", "unfold"),
-       ("dynamic", "band"), ("dynamic", "shift"), ("dynamic", "unfold")]
 K_SWEEP, T_SWEEP = (3, 7, 15, 31), (64, 1024)  # the evidence behind ops.choose_impl (impl="auto")
 
 
@@ -31,15 +29,12 @@ def run(T_list: Sequence[int], *, quick: bool = False) -> list[report.Row]:
                  note=f"x + 1 on {limits['copy_mb']} MiB, donated; read + write bytes"),
             dict(kind="limit", name="copy (fresh output)", T=None, value=limits["copy_fresh_bytes_per_s"],
                  unit="B/s", note="same, a new output buffer per call (first-touch page faults)")]
-    pallas = [("light", "pallas"), ("dynamic", "pallas")] if mixers.pallas_backend() else []
-    for op_name, impl in OPS + pallas:
+    for op_name, impl in mixers.OPS + (mixers.PALLAS_OPS if mixers.pallas_backend() else []):
         config = mixers.op_config(op_name, impl)
         dynamic = op_name == "dynamic"
         for T in T_list:
             B = max(mixers.TOKENS // T, 1)
-            fn, args, argnums = config.build(T, B)
-            m = timing.measure(mixers.fwd_bwd(fn, argnums), (*args, timing.random_normal((B, T, mixers.C), 2)),
-                               budget_s=0.5 if quick else 1.0)
+            m = timing.measure(*mixers.fwd_bwd_program(config, T, B), budget_s=0.5 if quick else 1.0)
             s_per_token = m.median_s / (B * T)
             moved = timing.conv_bytes_per_token(mixers.C, mixers.H, mixers.K, dynamic=dynamic, backward=True)
             flops = timing.conv_flops_per_token(mixers.C, mixers.K, backward=True)
@@ -63,9 +58,8 @@ def impl_choice(*, quick: bool = False) -> list[report.Row]:
             impls = ("band", "shift") + (("pallas",) if mixers.pallas_backend() else ())
             for op_name in ("light", "dynamic"):
                 for impl in impls:
-                    fn, args, argnums = mixers.op_config(op_name, impl, kernel_size=K).build(T, B)
-                    m = timing.measure(mixers.fwd_bwd(fn, argnums),
-                                       (*args, timing.random_normal((B, T, mixers.C), 2)), budget_s=0.5)
+                    program = mixers.fwd_bwd_program(mixers.op_config(op_name, impl, kernel_size=K), T, B)
+                    m = timing.measure(*program, budget_s=0.5)
                     rows.append(dict(kind="impl_choice", name=f"{op_name} {impl}", K=K, T=T,
                                      us_per_token=m.median_s / (B * T) * 1e6, runs=m.runs, compile_s=m.compile_s))
             latest = rows[-2 * len(impls):]

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +51,7 @@ def op_configs(only_mixers: Sequence[str] = ()) -> list[Config]:
     (plugins); ``only_mixers`` (``--mixers``) replaces the mixer rows."""
     configs = list(CONFIGS)
     if pallas_backend():
-        configs = [*OP_ROWS, op_config("light", "pallas"), op_config("dynamic", "pallas"),
-                   *CONFIGS[len(OP_ROWS):]]
+        configs = [*OP_ROWS, *(op_config(op_name, impl) for op_name, impl in PALLAS_OPS), *CONFIGS[len(OP_ROWS):]]
     if only_mixers:
         configs = [c for c in configs if c.kind == "op" or c.mixer in only_mixers]
     measured = {c.mixer for c in configs}
@@ -142,11 +142,11 @@ COSTS = {
     "colt5": dict(exponent=1.0, bytes_at=lambda T, B: _logits_bytes(T, B) // 2),
     "knn_memory": dict(exponent=1.0, bytes_at=_logits_bytes, memory_size=1024, num_neighbors=32),
 }
-OP_ROWS = [
-    op_config("light", "conv"), op_config("light", "band"), op_config("light", "shift"),
-    op_config("light", "unfold"),
-    op_config("dynamic", "band"), op_config("dynamic", "shift"), op_config("dynamic", "unfold"),
-]
+# (op, impl) of the op rows; the fused Pallas ones (PALLAS_OPS) join them where they compile
+OPS = [("light", "conv"), ("light", "band"), ("light", "shift"), ("light", "unfold"),
+       ("dynamic", "band"), ("dynamic", "shift"), ("dynamic", "unfold")]
+PALLAS_OPS = [("light", "pallas"), ("dynamic", "pallas")]
+OP_ROWS = [op_config(op_name, impl) for op_name, impl in OPS]
 # The op rows, then a row for each registered mixer that has a cost model, in registry order.
 CONFIGS = OP_ROWS + [_mixer_config(i.name, **COSTS[i.name]) for i in mixers.importable_infos() if i.name in COSTS]
 LIGHT, DYNAMIC, ATTENTION = (mixers.info(name).label for name in ("lightconv", "dynamicconv", "attention"))
@@ -161,6 +161,26 @@ def fwd_bwd(fn: Callable, argnums: int | tuple[int, ...]) -> Callable:
     return loss_and_grads
 
 
+def fwd_bwd_program(config: Config, T: int, B: int, dtype: Any = None) -> tuple[Callable, tuple]:
+    """``(fn, args)`` of ``config``'s fwd+bwd at ``[B, T]``: its inputs (an op's cast to ``dtype`` if given) and a
+    random cotangent."""
+    fn, args, argnums = config.build(T, B)
+    if dtype is not None:  # an op row's x and kernel (a mixer row's first input is its params)
+        args = tuple(a.astype(dtype) for a in args)
+    return fwd_bwd(fn, argnums), (*args, timing.random_normal((B, T, C), 2, dtype or jnp.float32))
+
+
+def _skipped_rows(base: report.Row, reason: str) -> list[report.Row]:
+    return [dict(base, **{"pass": p, "status": f"skipped: {reason}"}) for p in ("fwd", "fwd+bwd")]
+
+
+def _timed_row(base: report.Row, pass_name: str, m: timing.Measurement) -> report.Row:
+    tokens = base["B"] * base["T"]
+    return dict(base, **{"pass": pass_name}, status="ok", us_per_token=m.median_s / tokens * 1e6,
+                min_us_per_token=m.min_s / tokens * 1e6, runs=m.runs, compile_s=m.compile_s,
+                memory_mb=None if m.memory_bytes is None else m.memory_bytes / 2**20, memory_source=m.memory_source)
+
+
 def run(T_list: Sequence[int], *, budget_s: float = 1.0,
         only_mixers: Sequence[str] = ()) -> list[report.Row]:
     """Measures every configuration at every T, T by T (so the ratios at one T are minutes apart at most)."""
@@ -173,7 +193,7 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0,
             base = dict(kind=config.kind, name=config.name, T=T, B=B)
             skip = _skip_reason(config, T, B, last[config.name], last_bytes[config.name])
             if skip:
-                rows += [dict(base, **{"pass": p, "status": f"skipped: {skip}"}) for p in ("fwd", "fwd+bwd")]
+                rows += _skipped_rows(base, skip)
                 logger.info(f"  {config.name:32s} T={T:5d} skipped: {skip}")
                 continue
             fn, args, argnums = config.build(T, B)
@@ -183,11 +203,7 @@ def run(T_list: Sequence[int], *, budget_s: float = 1.0,
                 last[config.name][pass_name] = (T, m.median_s)
                 if pass_name == "fwd+bwd" and m.memory_bytes:
                     last_bytes[config.name] = (T, m.memory_bytes)
-                rows.append(dict(base, **{"pass": pass_name}, status="ok",
-                                 us_per_token=m.median_s / (B * T) * 1e6, min_us_per_token=m.min_s / (B * T) * 1e6,
-                                 runs=m.runs, compile_s=m.compile_s,
-                                 memory_mb=None if m.memory_bytes is None else m.memory_bytes / 2**20,
-                                 memory_source=m.memory_source))
+                rows.append(_timed_row(base, pass_name, m))
                 logger.info(f"  {config.name:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
                             f"(compile {m.compile_s:.1f} s, {m.runs} runs)")
             del fn, args
@@ -210,16 +226,13 @@ def external_rows(T: int, B: int, last: dict, *, budget_s: float) -> list[report
             except ImportError as err:
                 skip = f"{err}"
         if skip:
-            rows += [dict(base, **{"pass": p, "status": f"skipped: {skip}"}) for p in ("fwd", "fwd+bwd")]
+            rows += _skipped_rows(base, skip)
             continue
         fn, args = built
         for pass_name in ("fwd", "fwd+bwd"):
             m = external.measure(torch, fn, args, backward=pass_name == "fwd+bwd", budget_s=budget_s)
-            history[pass_name] = (T, m["median_s"])
-            rows.append(dict(base, **{"pass": pass_name}, status="ok", us_per_token=m["median_s"] / (B * T) * 1e6,
-                             min_us_per_token=m["min_s"] / (B * T) * 1e6, runs=m["runs"], compile_s=None,
-                             memory_mb=None if m["memory_bytes"] is None else m["memory_bytes"] / 2**20,
-                             memory_source=m["memory_source"]))
+            history[pass_name] = (T, m.median_s)
+            rows.append(_timed_row(base, pass_name, m))
             logger.info(f"  {label:32s} T={T:5d} {pass_name:8s} {rows[-1]['us_per_token']:9.2f} us/token "
                         f"({base['device']})")
     return rows
@@ -233,20 +246,14 @@ def interleaved_flatness(T_lo: int, T_hi: int, *, rounds: int = 7) -> list[repor
     """fwd+bwd µs/token at ``T_hi`` over ``T_lo``, the two programs timed in alternation so drifting load hits both."""
     rows = []
     for config in (c for c in CONFIGS if c.name in FLATNESS_CONFIGS):
-        calls = {}
+        calls, tokens = {}, {}
         for T in (T_lo, T_hi):
             B = max(TOKENS // T, 1)
-            fn, args, argnums = config.build(T, B)
-            f_args = (*args, timing.random_normal((B, T, C), 2))
-            compiled, _ = timing.compile_fn(fwd_bwd(fn, argnums), f_args)
-            jax.block_until_ready(compiled(*f_args))
-            calls[T] = (compiled, f_args, B * T)
-        times = {T: [] for T in calls}
-        for _ in range(rounds):
-            for T, (compiled, f_args, tokens) in calls.items():
-                call = functools.partial(compiled, *f_args)
-                times[T] += [t / tokens * 1e6 for t in timing.time_calls(call, 1, warmup=0)]
-        lo, hi = (timing.summarize(times[T])["median_s"] for T in (T_lo, T_hi))
+            fn, args = fwd_bwd_program(config, T, B)
+            compiled, _ = timing.compile_fn(fn, args)
+            calls[T], tokens[T] = functools.partial(compiled, *args), B * T
+        times = timing.alternate(calls, rounds)
+        lo, hi = (timing.summarize(times[T])["median_s"] / tokens[T] * 1e6 for T in (T_lo, T_hi))
         rows.append(dict(kind="flatness", name=config.name, T=T_hi, T_lo=T_lo, us_per_token=hi, us_per_token_lo=lo,
                          ratio=hi / lo, runs=rounds))
         logger.info(f"  {config.name:32s} interleaved: {hi:.2f} us/token at T={T_hi} / {lo:.2f} at T={T_lo} "

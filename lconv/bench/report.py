@@ -74,8 +74,8 @@ def write_results(out_dir: str, name: str, rows: Sequence[dict[str, Any]], secti
 
 
 def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
-               xlabel: str, ylabel: str, logx: bool = True, logy: bool = True) -> None:
-    """One line per series (``label -> (xs, ys)``), saved as a small PNG."""
+               xlabel: str, ylabel: str) -> None:
+    """One line per series (``label -> (xs, ys)``) on log-log axes, saved as a small PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,10 +87,8 @@ def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[floa
         if xs:  # past 10 lines, 20 colours and the second half dashed
             ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label, color=colors[i % len(colors)],
                     linestyle="-" if i < 10 else "--")
-    if logx:
-        ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

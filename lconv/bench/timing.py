@@ -71,9 +71,9 @@ class Measurement:
     median_s: float
     min_s: float
     runs: int
-    compile_s: float
+    compile_s: float | None  # None: not a JAX program (the PyTorch baselines)
     memory_bytes: int | None = None
-    memory_source: str = "n/a"
+    memory_source: str | None = "n/a"
     flops: float | None = None  # XLA's cost_analysis() count, when available
 
 
@@ -97,10 +97,10 @@ def time_calls(call: Callable[[], Any], repeats: int, warmup: int = 1) -> list[f
     return times
 
 
-def measure(fn: Callable, args: Sequence[Any], *, repeats: int | None = None, budget_s: float = 2.0) -> Measurement:
+def measure(fn: Callable, args: Sequence[Any], *, budget_s: float = 2.0) -> Measurement:
     """Compiles ``fn`` for ``args`` and times it: one warm-up call also sets the repeat count (``budget_s``)."""
     compiled, compile_s = compile_fn(fn, args)
-    return measure_compiled(compiled, compile_s, fn, args, repeats=repeats, budget_s=budget_s)
+    return measure_compiled(compiled, compile_s, fn, args, budget_s=budget_s)
 
 
 def compile_many(lowered: Sequence[jax.stages.Lowered], threads: int) -> list[tuple[Any, float]]:
@@ -116,14 +116,28 @@ def compile_many(lowered: Sequence[jax.stages.Lowered], threads: int) -> list[tu
         return list(pool.map(one, lowered))
 
 
+def budgeted_runs(call: Callable[[], Any], budget_s: float) -> tuple[dict[str, float], int]:
+    """``(summarize of the timed runs, their count)``: one untimed first call's time sets how many fit ``budget_s``."""
+    n = repeats_for(time_calls(call, 1, warmup=0)[0], budget_s)
+    return summarize(time_calls(call, n, warmup=0)), n
+
+
+def alternate(calls: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, list[float]]:
+    """Seconds per call of each of ``calls``, taking turns for ``rounds`` rounds after an untimed one (it compiles or
+    warms up), so load drifting during the rounds hits them all alike."""
+    times: dict[Any, list[float]] = {key: [] for key in calls}
+    for round_ in range(rounds + 1):
+        for key, call in calls.items():
+            seconds = time_calls(call, 1, warmup=0)[0]
+            if round_:
+                times[key].append(seconds)
+    return times
+
+
 def measure_compiled(compiled: jax.stages.Compiled, compile_s: float, fn: Callable, args: Sequence[Any], *,
-                     repeats: int | None = None, budget_s: float = 2.0) -> Measurement:
+                     budget_s: float = 2.0) -> Measurement:
     """``measure`` of a program already compiled (``compile_s`` seconds) from ``fn`` for ``args``."""
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    first_s = time.perf_counter() - start
-    n = repeats or repeats_for(first_s, budget_s)
-    stats = summarize(time_calls(lambda: compiled(*args), n, warmup=0))
+    stats, n = budgeted_runs(lambda: compiled(*args), budget_s)
     memory, source = program_memory(compiled)
     if memory is None:
         memory, source = estimate_memory(args, jax.eval_shape(fn, *args)), "estimate: arguments + outputs"

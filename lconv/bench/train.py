@@ -166,12 +166,7 @@ def run(T_list: Sequence[int], *, repeats: int, dtype_list: Sequence[str] | None
 def _alternate(settings: dict[str, tuple], repeats: int) -> list[report.Row]:
     """Rows of the trainers ``settings`` names (``trainers``' settings), their steps in alternation."""
     made = trainers(settings)
-    times = {label: [] for label in settings}
-    for round_ in range(repeats + 1):
-        for label, (step, *_rest) in made.items():
-            seconds = timing.time_calls(step, 1, warmup=0)[0]
-            if round_:  # round 0 warms up
-                times[label].append(seconds)
+    times = timing.alternate({label: step for label, (step, *_rest) in made.items()}, repeats)
     rows = []
     for label, (_, compiled, compile_s, holder, B) in made.items():
         mixer, T, dtype, vocab, fused, size = settings[label]

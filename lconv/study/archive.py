@@ -72,7 +72,7 @@ def resolve(resume_from: str) -> str:
 def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
     """Copies each archived run of ``planned`` into its workdir as a finished run unless it has a result; returns how
     many. Raises, before copying, on a config that differs from the plan's."""
-    todo, stale = [], []
+    todo = []
     for name, config, workdir in planned:
         path = archive_path(archive_root, name)
         if config is None or not os.path.exists(path):
@@ -82,16 +82,11 @@ def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
         entry = run_lib.read_json(path)
         if entry is None or not {"record", "config", "metrics"} <= set(entry):
             raise UserError(f"{path} is not a study run archive entry (unreadable JSON or missing fields)")
-        changes = plan.stored_config_changes(entry["config"], config)
-        if changes:
-            field, (old, new) = next(iter(changes.items()))
-            stale.append(f"{name} (config.{field}: {old!r} -> {new!r})")
-        todo.append((workdir, entry))
-    if stale:
-        more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
-        raise UserError(f"--resume_from archive {archive_root} holds runs made with another study config: "
-                        f"{stale[0]}{more}; resume into a study with the config they were made with")
-    for workdir, entry in todo:
+        todo.append((name, workdir, entry, config))
+    plan.check_stored_configs([(name, entry["config"], config) for name, _, entry, config in todo],
+                              f"--resume_from archive {archive_root} holds runs made with another study config",
+                              "resume into a study with the config they were made with")
+    for _, workdir, entry, _ in todo:
         _write_run(workdir, entry)
     if todo:
         logger.info(f"restored {len(todo)} finished runs from {archive_root}")

@@ -9,7 +9,6 @@ from typing import Any
 
 import ml_collections
 
-from lconv.errors import UserError
 from lconv.study import archive, plan, report, speed, tuning
 from lconv.study import run as run_lib
 
@@ -128,19 +127,11 @@ def _recipe(study: ml_collections.ConfigDict, choices: dict[tuple[str, str], tun
 
 def check_runs_match_plan(planned: list[tuple[str, Any, str]], output_dir: str) -> None:
     """Raises when a run folder was made with another training config than the plan's."""
-    stale = []
-    for name, config, workdir in planned:
-        spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))
-        if config is None or spec is None:
-            continue
-        changes = plan.stored_config_changes(spec["config"], config)
-        if changes:
-            field, (old, new) = next(iter(changes.items()))
-            stale.append(f"{name} (config.{field}: {old!r} -> {new!r})")
-    if stale:
-        more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
-        raise UserError(f"--output_dir={output_dir} holds runs made with another study config: {stale[0]}{more}; "
-                        "use a new --output_dir, or restore the config they were made with")
+    specs = [(name, run_lib.read_json(os.path.join(workdir, run_lib.SPEC)), config)
+             for name, config, workdir in planned if config is not None]
+    plan.check_stored_configs([(name, spec["config"], config) for name, spec, config in specs if spec is not None],
+                              f"--output_dir={output_dir} holds runs made with another study config",
+                              "use a new --output_dir, or restore the config they were made with")
 
 
 def describe(record: dict[str, Any]) -> str:

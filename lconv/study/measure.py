@@ -10,6 +10,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,11 +60,10 @@ def train_step_memory(config: Any, vocab_size: int) -> dict[str, Any]:
     batch = model_setup.dummy_batch(config, config.data.batch_size)
     if config.data.stream:
         batch["document_start"] = np.zeros((config.data.batch_size,), np.int32)
-    sharding = model_setup.batch_sharding(mesh)
-    step = jax.jit(update.make_train_step(config, lr), in_shardings=(shardings, sharding, None),
-                   out_shardings=(shardings, None), donate_argnums=0)  # as the training loop jits it
+    step = update.jit_train_step(config, lr, shardings, mesh)  # as the training loop jits it
     with jax.set_mesh(mesh):
-        compiled = step.lower(state, model_setup.global_batch(batch, sharding), np.float32(1.0)).compile()
+        compiled = step.lower(state, model_setup.global_batch(batch, model_setup.batch_sharding(mesh)),
+                              np.float32(1.0)).compile()
     memory, source = timing.program_memory(compiled)
     return {"train_step_bytes": memory, "train_step_memory_source": source}
 
@@ -83,17 +83,18 @@ def machine() -> dict[str, str]:
 LM_DECODE_REPEATS = 5  # timed calls of the LM generation; their median is reported
 
 
+def lm_generator(model: Any, decode_config: Any, rows: int, length: int) -> Callable[[Any], jax.Array]:
+    """``params -> [rows, length] tokens``, jitted: greedy generation from BOS (the sampling defaults)."""
+    settings = DecodeSettings.build(decode_config, max_len=length)
+    return jax.jit(lambda params: search.lm_generate(
+        model, {"params": params}, batch_size=rows, max_len=settings.max_len, temperature=settings.temperature,
+        top_k=settings.top_k, top_p=settings.top_p))
+
+
 def lm_generation_speed(trained: restore.Trained, rows: int, length: int,
                         repeats: int = LM_DECODE_REPEATS) -> dict[str, float]:
     """Greedy generation of ``rows`` x ``length`` tokens from BOS: tokens/s, the median of ``repeats`` calls."""
-    model, params = trained.model, trained.params
-    settings = DecodeSettings.build(trained.config.decode, max_len=length)  # the sampling defaults: greedy
-
-    @jax.jit
-    def generate(params):
-        return search.lm_generate(model, {"params": params}, batch_size=rows, max_len=settings.max_len,
-                                  temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
-
+    generate, params = lm_generator(trained.model, trained.config.decode, rows, length), trained.params
     start = time.perf_counter()
     tokens = np.asarray(jax.block_until_ready(generate(params)))  # [rows, length]; greedy: every call alike
     compile_s = time.perf_counter() - start

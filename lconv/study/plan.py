@@ -297,6 +297,20 @@ def stored_config_changes(stored: dict[str, Any], config: Config) -> dict[str, t
     return changes
 
 
+def check_stored_configs(stored: Sequence[tuple[str, dict[str, Any], Config]], problem: str, remedy: str) -> None:
+    """Raises ``"<problem>: <run> (config.<field>: old -> new)[ and N more]; <remedy>"`` when any of ``(name, stored
+    config, planned config)`` differ."""
+    stale = []
+    for name, stored_config, config in stored:
+        changes = stored_config_changes(stored_config, config)
+        if changes:
+            field, (old, new) = next(iter(changes.items()))
+            stale.append(f"{name} (config.{field}: {old!r} -> {new!r})")
+    if stale:
+        more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
+        raise UserError(f"{problem}: {stale[0]}{more}; {remedy}")
+
+
 def _reference_count(study: Config, task: str, vocab: int) -> int:
     try:
         return count_params(training_config(study, RunKey(task, study.reference_mixer, 0)), vocab)

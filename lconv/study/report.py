@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from lconv.bench import report as bench_report
 from lconv.nn.model_config import ModelConfig
 from lconv.study import archive, measure, plan, plots, speed
 
@@ -94,7 +95,7 @@ def task_table(rows: Sequence[Record], task: str) -> str:
     head = [h for h in head if h]
     key, _, higher = metrics[0]
     ref = rows[0] if rows and rows[0]["ok"] else None  # the reference mixer comes first
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for row in rows:
         params = "—" if row["params"] is None else (
             f"{row['params'] / 1e6:.3f}M ({row['params'] / row['reference_params'] - 1:+.1%})")
@@ -116,8 +117,8 @@ def task_table(rows: Sequence[Record], task: str) -> str:
         notes += [f"**failed** {f}" for f in row["failed"]]
         notes += [f"not run yet: seed {', '.join(map(str, row['not_run']))}"] if row["not_run"] else []
         cells.append("; ".join(n.replace("|", "/") for n in notes))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return bench_report.markdown_table(head, table)
 
 
 def ordering(rows: Sequence[Record], task: str) -> str:
@@ -247,7 +248,7 @@ def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Recor
         head = ["mixer"] + [f"NLL @ {r:g}" for r in rates] + ["rate"]
         if task != "lm":
             head += [f"{LENPEN_TITLES[task]} @ lp {p:g}" for p in lenpens] + ["length penalty"]
-        lines += [f"**{task}**\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        table = []
         for mixer in dict.fromkeys(r["mixer"] for r in runs):
             mine = {(r["kind"], r["learning_rate"]): r for r in runs if r["mixer"] == mixer}
             choice = choices.get((task, mixer))
@@ -261,8 +262,8 @@ def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Recor
                 scores = (choice.lenpen_scores or {}) if choice else {}
                 cells += [_fmt(scores.get(f"{p:g}")) for p in lenpens]
                 cells.append(f"**{choice.lenpen:g}**" if choice and choice.lenpen is not None else "—")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+            table.append(cells)
+        lines += [f"**{task}**\n", bench_report.markdown_table(head, table), ""]
     return lines
 
 
@@ -288,16 +289,16 @@ def speed_lines(study: ml_collections.ConfigDict, measured: Record | None) -> li
         ref = next((r for r in rows if r["mixer"] == study.reference_mixer), None)
         if not rows:
             continue
-        decode = "decode rows/s" if task == "lm" else "decode sentences/s"
-        lines += [f"**{task}**\n", f"| mixer | train tokens/s | vs {plan.label(study.reference_mixer)} | {decode} | "
-                  f"vs {plan.label(study.reference_mixer)} |", "|---|---|---|---|---|"]
-        for r in rows:
-            train, decode = (f"{r[k] / ref[k]:.2f}x" if ref else "—" for k in ("train_tokens_per_s",
-                                                                              "decode_sentences_per_s"))
-            lines.append(f"| {r['label']} | {_fmt(r['train_tokens_per_s'], 0)} | {train} | "
-                         f"{_fmt(r['decode_sentences_per_s'], 1)} | {decode} |")
-        lines.append("")
+        versus = f"vs {plan.label(study.reference_mixer)}"
+        head = ["mixer", "train tokens/s", versus, "decode rows/s" if task == "lm" else "decode sentences/s", versus]
+        table = [[r["label"], _fmt(r["train_tokens_per_s"], 0), _ratio(r, ref, "train_tokens_per_s"),
+                  _fmt(r["decode_sentences_per_s"], 1), _ratio(r, ref, "decode_sentences_per_s")] for r in rows]
+        lines += [f"**{task}**\n", bench_report.markdown_table(head, table), ""]
     return lines
+
+
+def _ratio(row: Record, ref: Record | None, key: str) -> str:
+    return f"{row[key] / ref[key]:.2f}x" if ref else "—"
 
 
 def timing_line(machine: Record) -> str:
@@ -361,7 +362,7 @@ def run_machines(records: Sequence[Record]) -> dict[str, int]:
     for r in records:
         if r["status"] == "ok":
             m = r.get("machine")
-            name = f"{m['cpu']}; {m['device']}; {m['jax']}" if m else "not recorded"
+            name = timing_line(m) if m else "not recorded"
             machines[name] = machines.get(name, 0) + 1
     return machines
 
@@ -373,7 +374,7 @@ def machines_line(records: Sequence[Record], report_machine: Record) -> str:
     if len(machines) <= 1:
         name = next(iter(machines), "no finished run")
         if name in ("not recorded", "no finished run"):
-            name = f"{report_machine['cpu']}; {report_machine['device']}; {report_machine['jax']} (the report's)"
+            name = f"{timing_line(report_machine)} (the report's)"
         return f"**Machine**: {name}; {load}"
     listed = "; ".join(f"{name} ({n} runs)" for name, n in machines.items())
     return f"**Machines** (speeds compare only within one): {listed}. {load}"

@@ -47,10 +47,7 @@ def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None
 
 def write_json(path: str, value: Any) -> None:
     """Written whole or not at all (a temporary file renamed), so a killed run never leaves half a result."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    outputs.write_atomically(path, json.dumps(value, indent=1, sort_keys=True, default=str))
 
 
 # The study's side: launch a run's process, wait, read its outcome
@@ -151,6 +148,17 @@ def _last_line(path: str) -> str:
 
 
 # The run's side (this module as a program)
+def _train(spec: dict[str, Any], config: Any) -> dict[str, Any]:
+    """Trains (or resumes) the run to its last step; a run stopped early (a signal, its time) fails, to resume later."""
+    from lconv.train import loop
+
+    spec["stage"] = "train"
+    trained = loop.train_and_evaluate(config, spec["workdir"])
+    if trained.get("stopped_by"):
+        raise UserError(f"training stopped by {trained['stopped_by']} at step {trained['step']}; a re-run resumes it")
+    return trained
+
+
 def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
     """A tuning sweep's process (lconv.study.tuning): ``tune`` trains a short run and records its validation loss;
     ``lenpen`` decodes the validation split at each length penalty."""
@@ -158,15 +166,10 @@ def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lconv.cli import eval_program
     from lconv.study import measure
-    from lconv.train import loop
 
     config, record = ml_collections.ConfigDict(spec["config"]), dict(spec["record"])
     if spec["kind"] == "tune":
-        spec["stage"] = "train"
-        trained = loop.train_and_evaluate(config, spec["workdir"])
-        if trained.get("stopped_by"):
-            raise UserError(f"training stopped by {trained['stopped_by']} at step {trained['step']}; a re-run "
-                            "resumes it")
+        trained = _train(spec, config)
         validation = trained.get("validation") or {}
         if "nll" not in validation:
             raise UserError(f"the run ended without a validation pass (got {sorted(validation)})")
@@ -193,14 +196,10 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
     from lconv.data import tokenizer as tokenizer_lib
     from lconv.run import restore
     from lconv.study import measure
-    from lconv.train import loop
 
     config, workdir = ml_collections.ConfigDict(spec["config"]), spec["workdir"]
-    record, times = dict(spec["record"]), {}
-    spec["stage"], start = "train", time.time()
-    trained = loop.train_and_evaluate(config, workdir)
-    if trained.get("stopped_by"):
-        raise UserError(f"training stopped by {trained['stopped_by']} at step {trained['step']}; a re-run resumes it")
+    record, times, start = dict(spec["record"]), {}, time.time()
+    trained = _train(spec, config)
     times["train_seconds"] = time.time() - start
     spec["stage"], start = "evaluate", time.time()
     split = config.decode.split

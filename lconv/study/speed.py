@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import math
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,17 +45,11 @@ def measure(study: ml_collections.ConfigDict, templates: Sequence[plan.Planned],
             continue
         batch, sources = _shared_inputs(planned[0].config, tokenizer_dirs[task])
         contenders = [_contender(t, batch, sources, study) for t in planned]
-        times: dict[str, dict[str, list[float]]] = {c.mixer: {"train": [], "decode": []} for c in contenders}
-        for round_ in range(rounds + 1):  # round 0 compiles
-            for c in contenders:
-                for kind in ("train", "decode"):
-                    start = time.perf_counter()
-                    getattr(c, kind)()
-                    if round_:
-                        times[c.mixer][kind].append(time.perf_counter() - start)
+        # the first round compiles
+        times = timing.alternate({(c.mixer, kind): getattr(c, kind) for c in contenders
+                                  for kind in ("train", "decode")}, rounds)
         for c in contenders:
-            train_s = timing.summarize(times[c.mixer]["train"])["median_s"]
-            decode_s = timing.summarize(times[c.mixer]["decode"])["median_s"]
+            train_s, decode_s = (timing.summarize(times[(c.mixer, kind)])["median_s"] for kind in ("train", "decode"))
             rows.append({"task": task, "mixer": c.mixer, "label": plan.label(c.mixer), "rounds": rounds,
                          "train_tokens_per_s": c.target_tokens / train_s,
                          "decode_sentences_per_s": c.sentences / decode_s, "train_step_s": train_s,
@@ -87,8 +80,9 @@ def _shared_inputs(config: ml_collections.ConfigDict, tokenizer_dir: str) -> tup
 def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: Any,
                study: ml_collections.ConfigDict) -> _Contender:
     from lconv.decode_settings import DecodeSettings
-    from lconv.infer import batching, compiled, search
+    from lconv.infer import batching, compiled
     from lconv.run import model_setup, schema
+    from lconv.study import measure
     from lconv.train import setup, update
 
     config = copy.deepcopy(template.config)
@@ -113,15 +107,11 @@ def _contender(template: plan.Planned, batch: dict[str, np.ndarray], sources: An
         jax.block_until_ready(sums)
 
     if config.task == "lm":
-        rows, length = study.lm_generate_rows, study.lm_generate_tokens
-        settings = DecodeSettings.build(config.decode, max_len=length)  # the sampling defaults: greedy
-        generate = jax.jit(lambda params: search.lm_generate(
-            model, {"params": params}, batch_size=rows, max_len=settings.max_len, temperature=settings.temperature,
-            top_k=settings.top_k, top_p=settings.top_p))
+        generate = measure.lm_generator(model, config.decode, study.lm_generate_rows, study.lm_generate_tokens)
 
         def decode() -> None:
             jax.block_until_ready(generate(decode_params))
-        sentences = rows
+        sentences = study.lm_generate_rows
     else:
         settings = DecodeSettings.build(config.decode)
         translator = compiled.Translator(config.infer, model, decode_params)

@@ -45,10 +45,6 @@ def check(study: ml_collections.ConfigDict) -> None:
         raise UserError(f"config.tuning.seed={t.seed!r}: must be an integer >= 0")
 
 
-def folder(learning_rate: float) -> str:
-    return f"tune_lr{learning_rate:g}"
-
-
 def tuning_config(study: ml_collections.ConfigDict, template: plan.Planned,
                   learning_rate: float) -> ml_collections.ConfigDict:
     """A template's config (matched FFN width) shortened to ``tuning.steps`` at one peak rate, seed ``tuning.seed``."""
@@ -79,21 +75,18 @@ def planned_sweeps(study: ml_collections.ConfigDict, templates: Sequence[plan.Pl
         if template.config is None:
             continue
         key, base = template.key, os.path.join("runs", template.key.task, template.key.mixer)
-        for rate in study.tuning.learning_rates:
-            record = {"task": key.task, "mixer": key.mixer, "label": plan.label(key.mixer), "kind": "tune",
-                      "seed": study.tuning.seed, "learning_rate": float(rate), "params": template.params,
-                      "workdir": os.path.join(base, folder(rate))}
-            sweeps.append(Sweep(f"{key.task}/{key.mixer}/{folder(rate)}", record,
-                                tuning_config(study, template, rate)))
-        if key.task in LENPEN_METRIC:
+        for kind in ("tune", "lenpen") if key.task in LENPEN_METRIC else ("tune",):
             for rate in study.tuning.learning_rates:
-                record = {"task": key.task, "mixer": key.mixer, "label": plan.label(key.mixer), "kind": "lenpen",
-                          "learning_rate": float(rate), "metric": LENPEN_METRIC[key.task],
-                          "lenpens": [float(p) for p in study.tuning.lenpens],
-                          "workdir": os.path.join(base, f"lenpen_lr{float(rate):g}")}
+                run = f"{kind}_lr{float(rate):g}"  # its folder, as archive.entry_name names it
+                fields = ({"seed": study.tuning.seed, "learning_rate": float(rate), "params": template.params}
+                          if kind == "tune" else {"learning_rate": float(rate), "metric": LENPEN_METRIC[key.task],
+                                                  "lenpens": [float(p) for p in study.tuning.lenpens]})
+                record = {"task": key.task, "mixer": key.mixer, "label": plan.label(key.mixer), "kind": kind,
+                          **fields, "workdir": os.path.join(base, run)}
                 config = tuning_config(study, template, rate)
-                config.decode.lenpen = 0.0  # the sweep's own: the stored config names the run it decodes
-                sweeps.append(Sweep(f"{key.task}/{key.mixer}/lenpen_lr{float(rate):g}", record, config))
+                if kind == "lenpen":
+                    config.decode.lenpen = 0.0  # the sweep's own: the stored config names the run it decodes
+                sweeps.append(Sweep(f"{key.task}/{key.mixer}/{run}", record, config))
     return sweeps
 
 
