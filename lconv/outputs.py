@@ -180,7 +180,7 @@ def kind_of(directory: str) -> str | None:
         marker = root / MARKER
         if marker.exists() and not _special(marker):  # a planted pipe would be read for ever
             kind = json_text.loads(marker.read_text()).get("kind")
-            if kind in KIND_NAMES:
+            if isinstance(kind, str) and kind in KIND_NAMES:  # a hand-written {"kind": {...}} is no kind
                 return kind
         for kind, files in KIND_SIGNATURES.items():
             if any((root / name).exists() for name in files):

@@ -285,3 +285,12 @@ def test_a_folder_output_inside_a_workdirs_own_entries_or_an_export_is_refused(t
         _one_line_naming(info, "--out", "inside")
         assert not inside.exists()
     assert outputs.claim_directory(str(workdir / "exports"), "export", "--out")
+
+
+@pytest.mark.parametrize("marker", ['{"kind": {"a": 1}}', '{"kind": ["workdir"]}', '{"kind": 5}', "[1]"])
+def test_a_hand_written_marker_of_the_wrong_type_marks_no_kind(tmp_path, marker):
+    folder = tmp_path / "o"
+    folder.mkdir()
+    (folder / outputs.MARKER).write_text(marker)
+    assert outputs.kind_of(str(folder)) is None
+    outputs.check_output_file(str(folder / "out.txt"), "--output_file")  # as any folder, the output may go there
