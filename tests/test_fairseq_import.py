@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -273,6 +274,18 @@ def test_lightconv_arguments_missing_or_of_the_wrong_type_are_one_line_naming_th
     hand_made = {**{k: v for k, v in args.items() if k not in removed}, **changed}
     with pytest.raises(UserError, match=named):
         fairseq.model_fields(hand_made, 6)
+
+
+def test_an_spm_model_that_is_a_pipe_or_too_big_is_one_line_not_a_hang(tmp_path):
+    from lconv.data.tokenizer import TOKENIZER_LIMIT
+
+    pipe, huge = tmp_path / "spm.fifo", tmp_path / "huge.model"
+    os.mkfifo(pipe)  # no writer: reading it waited for ever
+    with open(huge, "wb") as f:  # sparse: stands for /dev/zero, read until memory ran out
+        f.truncate(TOKENIZER_LIMIT + 1)
+    for spm_path, named in ((pipe, "not a regular file"), (huge, "more than the")):
+        with pytest.raises(UserError, match=named):
+            fairseq_vocab.build_vocabulary(str(FIXTURES / "dict.txt"), str(spm_path))
 
 
 def test_the_import_record_names_its_source_and_counts_fairseqs_parameters(workdirs):
