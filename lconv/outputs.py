@@ -138,6 +138,8 @@ def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
         if os.path.islink(path):
             refuse_link(path)
         refuse_special(path)
+        if os.path.isdir(path):  # a folder in a file's place was an IsADirectoryError traceback
+            raise UserError(f"{path} is a folder; lconv writes a regular file there (move the folder away)") from None
         raise
     status = os.fstat(fd)
     if not stat.S_ISREG(status.st_mode):
