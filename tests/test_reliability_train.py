@@ -561,3 +561,19 @@ def test_a_step_whose_orbax_metadata_is_nested_too_deep_is_set_aside_for_the_ste
     assert "[2] unreadable or corrupt" in lconv_log()[0] and "nested deeper" in lconv_log()[0], lconv_log()
     assert len(os.listdir(tmp_path / "checkpoints_unreadable")) == 1
     ckpt.close()
+
+
+@pytest.mark.parametrize("record", ['{"step": 2, "validation_loss": [1]}', '{"step": 2, "validation_loss": "x"}',
+                                    "[1]", '{"step": 2, "validation_loss": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+                         ids=["a_list", "a_string", "not_a_dict", "nested_too_deep"])
+def test_a_best_checkpoint_whose_record_is_not_lconvs_is_one_line_naming_it(tmp_path, record):
+    """A hand-written ``best/<step>/data/metadata``: a list where the loss goes was a TypeError traceback at the
+    resume, one nested 100,000 deep a RecursionError from orbax's JSON reader."""
+    best = checkpoints.BestCheckpointer(str(tmp_path))
+    assert best.offer(2, {"w": np.ones((3,), np.float32)}, 1.5)
+    best.close()
+    (tmp_path / "best" / "2" / integrity.MANIFEST_FILENAME).unlink()
+    (tmp_path / "best" / "2" / "data" / "metadata").write_text(record)
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        checkpoints.BestCheckpointer(str(tmp_path))
+    helpers.one_line_error(error, str(tmp_path / "best" / "2"))
