@@ -3,6 +3,7 @@ once; as a library lconv configures no handler (a notebook calls ``show_log()`` 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -43,6 +44,16 @@ def show_log(stream: str = "stdout") -> None:
     logger.addHandler(_MessageHandler(stream))
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+# C0 controls but tab and newline, DEL and C1 controls: ESC, BEL and CSI drive the terminal (title, screen, colour).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x1b``), for the terminal: a file name or a
+    text from a run's data then shows as itself rather than setting the title, clearing the screen or colouring."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def is_terminal(stream: Any) -> bool:

@@ -138,6 +138,8 @@ def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
         if os.path.islink(path):
             refuse_link(path)
         refuse_special(path)
+        if os.path.isdir(path):  # a folder in a file's place was an IsADirectoryError traceback
+            raise UserError(f"{path} is a folder; lconv writes a regular file there (move the folder away)") from None
         raise
     status = os.fstat(fd)
     if not stat.S_ISREG(status.st_mode):
@@ -180,7 +182,7 @@ def kind_of(directory: str) -> str | None:
         marker = root / MARKER
         if marker.exists() and not _special(marker):  # a planted pipe would be read for ever
             kind = json_text.loads(marker.read_text()).get("kind")
-            if kind in KIND_NAMES:
+            if isinstance(kind, str) and kind in KIND_NAMES:  # a hand-written {"kind": {...}} is no kind
                 return kind
         for kind, files in KIND_SIGNATURES.items():
             if any((root / name).exists() for name in files):

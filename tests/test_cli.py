@@ -28,6 +28,17 @@ def test_a_user_error_is_one_line_and_exit_code_2(capsys):
     assert capsys.readouterr().err == "error: config.model.num_heads=0: must be >= 1\n"
 
 
+def test_a_user_error_shows_the_control_characters_of_a_name_as_escapes_never_raw(capsys):
+    hostile_name = "x\x1b]0;PWNED-TITLE\x07\x1b[2J\x1b[31mRED\x9b"
+    with pytest.raises(SystemExit), runtime.user_errors():
+        raise UserError(f"checkpoint file {hostile_name} is a pipe")
+    err = capsys.readouterr().err
+    assert err == "error: checkpoint file x\\x1b]0;PWNED-TITLE\\x07\\x1b[2J\\x1b[31mRED\\x9b is a pipe\n"
+    with pytest.raises(SystemExit):  # a flag's line (a config file's name) is printed the same way
+        runtime._exit_with("--config=/nowhere/\x1b[2Jx.py: no such file")
+    assert capsys.readouterr().err == "error: --config=/nowhere/\\x1b[2Jx.py: no such file\n"
+
+
 def test_a_diverged_run_is_a_user_error_and_still_a_floating_point_error(capsys):
     with pytest.raises(SystemExit), runtime.user_errors():
         raise NonFiniteLoss("non-finite loss (nan) by step 4")

@@ -155,3 +155,14 @@ def test_eval_pys_file_decoding_counts_its_lines_on_a_bar_and_the_apis_has_none(
         per_line.translate_lines(config.infer, None, None, tiny_runs.tokenizer(), sources, settings,
                                  translator=translator, progress=progress)
     assert len(bars) == 1 and bars[0].args == (2, "decoding in.txt", "line") and bars[0].done == 2 and bars[0].closed
+
+
+def test_sample_outputs_show_the_escape_sequences_of_a_text_and_never_send_them():
+    from lconv.infer import reports
+
+    text = "hello \x1b]0;TITLE\x07\x1b[2J\x1b[31mred\tend"
+    scores = {"split": "test", "bleu": 1.0, "bleu_signature": "s", "examples": 1, "sentences_per_s": 1.0}
+    report = reports.format_report(scores, [text], [text], [text], num_print=1)
+    assert not set(report) & {"\x1b", "\x07"}
+    assert "hello \\x1b]0;TITLE\\x07\\x1b[2J\\x1b[31mred\tend" in report
+    assert reports.lines_text([text]) == text + "\n"  # the hypothesis file keeps the text as it is

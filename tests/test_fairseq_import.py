@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -239,6 +240,52 @@ def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
     with pytest.raises(UserError, match=r'lconv\[fairseq\]'):
         fairseq.read_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize("state, named", [
+    ({"model": {}, "cfg": {"model": 5}}, "model arguments are int 5"),
+    ({"model": [], "args": {"arch": "lightconv"}}, "no 'model' state dict"),
+    ({"model": {}, "args": {"arch": "lightconv"}, "optimizer_history": [5]}, r"optimizer_history is \[5\]"),
+    ({"model": {}, "args": {"arch": "lightconv"}, "optimizer_history": 5}, "optimizer_history is 5"),
+    ({"model": {}, "args": {"arch": "lightconv"}, "optimizer_history": [{"num_updates": "x"}]}, "num_updates"),
+])
+def test_a_checkpoint_of_the_wrong_shape_is_one_line_naming_what_is_malformed(tmp_path, state, named):
+    import torch
+
+    path = tmp_path / "x.pt"
+    torch.save(state, path)
+    with pytest.raises(UserError, match=named) as err:
+        fairseq.read_checkpoint(str(path))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("removed, changed, named", [
+    (["encoder_kernel_size_list"], {}, "lack encoder_kernel_size_list"),
+    (["encoder_layers", "decoder_kernel_size_list"], {}, "lack encoder_layers, decoder_kernel_size_list"),
+    ([], {"encoder_layers": "two"}, "encoder_layers='two' is not a layer count"),
+    ([], {"decoder_layers": None}, "decoder_layers=None is not a layer count"),
+    ([], {"decoder_kernel_size_list": 3}, "decoder_kernel_size_list=3: fairseq records a list"),
+])
+def test_lightconv_arguments_missing_or_of_the_wrong_type_are_one_line_naming_them(removed, changed, named):
+    args = {"arch": "lightconv", "encoder_layers": 2, "decoder_layers": 2, "encoder_embed_dim": 4,
+            "decoder_embed_dim": 4, "encoder_kernel_size_list": [3, 3], "decoder_kernel_size_list": [3, 3],
+            "encoder_conv_type": "lightweight", "decoder_conv_type": "lightweight"}
+    assert fairseq.model_fields(args, 6)["encoder_kernel_sizes"] == (3, 3)
+    hand_made = {**{k: v for k, v in args.items() if k not in removed}, **changed}
+    with pytest.raises(UserError, match=named):
+        fairseq.model_fields(hand_made, 6)
+
+
+def test_an_spm_model_that_is_a_pipe_or_too_big_is_one_line_not_a_hang(tmp_path):
+    from lconv.data.tokenizer import TOKENIZER_LIMIT
+
+    pipe, huge = tmp_path / "spm.fifo", tmp_path / "huge.model"
+    os.mkfifo(pipe)  # no writer: reading it waited for ever
+    with open(huge, "wb") as f:  # sparse: stands for /dev/zero, read until memory ran out
+        f.truncate(TOKENIZER_LIMIT + 1)
+    for spm_path, named in ((pipe, "not a regular file"), (huge, "more than the")):
+        with pytest.raises(UserError, match=named):
+            fairseq_vocab.build_vocabulary(str(FIXTURES / "dict.txt"), str(spm_path))
 
 
 def test_the_import_record_names_its_source_and_counts_fairseqs_parameters(workdirs):

@@ -302,3 +302,12 @@ def test_prepared_data_and_a_compilation_cache_never_go_among_a_workdirs_own_ent
         runtime.enable_compilation_cache(str(tmp_path / "other"), str(workdir / "best" / "cc"))
     _one_line_naming(info, "--compilation_cache", "inside")
     assert sorted(p.name for p in workdir.rglob("*")) == sorted(["4", "checkpoints", outputs.MARKER])
+
+
+@pytest.mark.parametrize("marker", ['{"kind": {"a": 1}}', '{"kind": ["workdir"]}', '{"kind": 5}', "[1]"])
+def test_a_hand_written_marker_of_the_wrong_type_marks_no_kind(tmp_path, marker):
+    folder = tmp_path / "o"
+    folder.mkdir()
+    (folder / outputs.MARKER).write_text(marker)
+    assert outputs.kind_of(str(folder)) is None
+    outputs.check_output_file(str(folder / "out.txt"), "--output_file")  # as any folder, the output may go there

@@ -177,6 +177,19 @@ def test_before_its_first_checkpoint_a_workdir_takes_the_new_launchs_config(tmp_
     assert json.loads((tmp_path / "config_changes.jsonl").read_text())["changes"] == {"model.d_model": [16, 32]}
 
 
+def test_a_folder_in_config_changes_place_is_one_line_and_no_update_is_claimed(tmp_path, lconv_log):
+    first, second = tiny_config.get_config(), tiny_config.get_config()
+    second.train.num_steps = 3
+    first, second = workdir_lib.as_record(first), workdir_lib.as_record(second)
+    workdir_lib.write_config(first, str(tmp_path), {}, has_checkpoint=False)
+    (tmp_path / "config_changes.jsonl").mkdir()
+    changes = workdir_lib.check_config_change(second, str(tmp_path), has_checkpoint=True)
+    with pytest.raises(UserError, match="config_changes.jsonl is a folder; lconv writes a regular file there"):
+        workdir_lib.write_config(second, str(tmp_path), changes, has_checkpoint=True)
+    assert not [m for m in lconv_log() if "updated" in m]  # config.json was not updated, and nothing says it was
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["num_steps"] == first["train"]["num_steps"]
+
+
 def test_resuming_a_run_made_before_a_field_existed_takes_its_default_without_asking(tmp_path):
     """A field added to lconv after the run was made is absent from its config.json: at its default (which keeps
     the old behaviour) it is recorded, not refused; at any other value it changes what the run trained with."""
@@ -526,6 +539,14 @@ def test_a_tensorboard_write_that_fails_in_its_thread_is_one_warning(tmp_path, m
         "metrics.jsonl has every value"]
 
 
+def test_a_file_in_tensorboards_place_is_one_line(tmp_path):
+    from lconv.train import logs
+
+    (tmp_path / "tensorboard").write_text("x")
+    with pytest.raises(UserError, match="cannot write TensorBoard's events in .*tensorboard: .*must be a folder"):
+        logs.MetricWriter(str(tmp_path), resumed_step=2)
+
+
 def test_a_step_whose_orbax_metadata_is_nested_too_deep_is_set_aside_for_the_step_before(tmp_path, lconv_log):
     """A ``_CHECKPOINT_METADATA`` nested 100,000 deep: orbax's reader, run on every step when the folder is opened,
     died of a RecursionError (an 80-line traceback, round-9 campaign). Now it is a corrupt step like any other: a
@@ -540,3 +561,19 @@ def test_a_step_whose_orbax_metadata_is_nested_too_deep_is_set_aside_for_the_ste
     assert "[2] unreadable or corrupt" in lconv_log()[0] and "nested deeper" in lconv_log()[0], lconv_log()
     assert len(os.listdir(tmp_path / "checkpoints_unreadable")) == 1
     ckpt.close()
+
+
+@pytest.mark.parametrize("record", ['{"step": 2, "validation_loss": [1]}', '{"step": 2, "validation_loss": "x"}',
+                                    "[1]", '{"step": 2, "validation_loss": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+                         ids=["a_list", "a_string", "not_a_dict", "nested_too_deep"])
+def test_a_best_checkpoint_whose_record_is_not_lconvs_is_one_line_naming_it(tmp_path, record):
+    """A hand-written ``best/<step>/data/metadata``: a list where the loss goes was a TypeError traceback at the
+    resume, one nested 100,000 deep a RecursionError from orbax's JSON reader."""
+    best = checkpoints.BestCheckpointer(str(tmp_path))
+    assert best.offer(2, {"w": np.ones((3,), np.float32)}, 1.5)
+    best.close()
+    (tmp_path / "best" / "2" / integrity.MANIFEST_FILENAME).unlink()
+    (tmp_path / "best" / "2" / "data" / "metadata").write_text(record)
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        checkpoints.BestCheckpointer(str(tmp_path))
+    helpers.one_line_error(error, str(tmp_path / "best" / "2"))

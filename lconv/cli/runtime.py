@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
-from lconv import outputs
+from lconv import console, outputs
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import compilation_cache, host_memory
@@ -124,7 +124,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {console.printable(str(err))}", file=sys.stderr)
         _exit(2)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints and stops by itself)
         print("interrupted", file=sys.stderr)
@@ -314,7 +314,7 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 def _exit_with(line: str) -> NoReturn:
-    print(f"error: {line}", file=sys.stderr)
+    print(f"error: {console.printable(line)}", file=sys.stderr)
     sys.exit(2)
 
 

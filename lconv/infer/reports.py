@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from lconv import outputs
+from lconv import console, outputs
 
 
 def write_outputs(workdir: str, name: str, hypotheses: Sequence[str] | None, scores: Mapping[str, Any]) -> None:
@@ -32,9 +32,10 @@ def format_report(scores: Mapping[str, Any], sources: Sequence[str], references:
     if not hypotheses:
         return f"{scores['split']}: no examples, nothing to score"
     lines = []
-    for i in range(min(num_print, len(hypotheses))):
-        lines += [f"  source:     {sources[i][:300]}", f"  reference:  {references[i][:300]}",
-                  f"  hypothesis: {hypotheses[i][:300]}", ""]
+    for i in range(min(num_print, len(hypotheses))):  # a text with escape sequences shows them, never runs them
+        lines += [f"  source:     {console.printable(sources[i][:300])}",
+                  f"  reference:  {console.printable(references[i][:300])}",
+                  f"  hypothesis: {console.printable(hypotheses[i][:300])}", ""]
     if "bleu" in scores:
         head = f"{scores['split']}: sacreBLEU {scores['bleu']:.2f}  ({scores['bleu_signature']})"
     else:

@@ -8,6 +8,7 @@ options (``decoder_start``, ``position_offset``, ...), not a fork of the model; 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,12 +51,24 @@ def read_checkpoint(path: str, *, trust: bool = False) -> tuple[dict[str, np.nda
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         hint = "" if trust else " (if it holds other objects and you trust its source, pass --trust_checkpoint)"
         raise UserError(f"cannot read {path} as a torch checkpoint: {first[:200]}{hint}") from None
-    if not isinstance(state, Mapping) or "model" not in state:
+    if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
         raise UserError(f"{path} is not a fairseq checkpoint (no 'model' state dict)")
     args = _model_args(state, path)
     weights = {k: v.detach().float().numpy() for k, v in state["model"].items() if hasattr(v, "detach")}
+    return weights, args, _updates(state, path)
+
+
+def _updates(state: Mapping[str, Any], path: str) -> int:
+    """The updates trained, from the last of ``optimizer_history``'s records (0 when it has none)."""
     history = state.get("optimizer_history") or [{}]
-    return weights, args, int(history[-1].get("num_updates", 0) or 0)
+    last = history[-1] if isinstance(history, (list, tuple)) else None
+    updates = last.get("num_updates") if isinstance(last, Mapping) else "no record"
+    if updates is None:
+        return 0
+    if isinstance(updates, bool) or not isinstance(updates, (int, float)) or not math.isfinite(updates):
+        raise UserError(f"{path}: optimizer_history is {str(history)[:80]}; fairseq records a list of dicts, the "
+                        "last with num_updates a count")
+    return int(updates)
 
 
 def _model_args(state: Mapping[str, Any], path: str) -> dict[str, Any]:
@@ -66,6 +79,9 @@ def _model_args(state: Mapping[str, Any], path: str) -> dict[str, Any]:
         source = state.get("args")
     if source is None:
         raise UserError(f"{path} records no model arguments (neither cfg['model'] nor args)")
+    if not isinstance(source, (argparse.Namespace, Mapping)):
+        raise UserError(f"{path}: its model arguments are {type(source).__name__} {str(source)[:40]}; fairseq records "
+                        "a dict or an argparse.Namespace")
     args = dict(vars(source)) if isinstance(source, argparse.Namespace) else dict(source)
     args.setdefault("arch", args.get("_name"))
     return args
@@ -99,6 +115,7 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
         raise UserError(f"fairseq architecture {arch!r} is not importable; lconv imports lightconv* and "
                         "transformer* translation models and lightconv_lm* and transformer_lm* language models")
     lightconv = arch.startswith(LIGHTCONV_ARCHS)
+    _check_recorded(args, arch, lightconv)
     problems: list[str] = []
 
     def require(key: str, allowed: Callable[[Any], bool], why: str) -> None:
@@ -137,6 +154,19 @@ def model_fields(args: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     return fields
 
 
+def _check_recorded(args: Mapping[str, Any], arch: str, lightconv: bool) -> None:
+    """The arguments fairseq always writes are there and the layer counts positive ints (else the record is hand-made
+    or truncated)."""
+    required = ("encoder_layers", "decoder_layers") + (
+        ("encoder_kernel_size_list", "decoder_kernel_size_list") if lightconv else ())
+    missing = [name for name in required if name not in args]
+    if missing:
+        raise UserError(f"this {arch} checkpoint's model arguments lack {', '.join(missing)}")
+    for name in ("encoder_layers", "decoder_layers"):
+        if type(args[name]) is not int or args[name] < 1:
+            raise UserError(f"this {arch} checkpoint's {name}={args[name]!r:.40} is not a layer count")
+
+
 def _per_side(fields: dict[str, Any], name: str, encoder_value: Any, decoder_value: Any) -> None:
     """The shared field takes the encoder's value; ``decoder_<name>`` only where the decoder's differs."""
     fields[name] = encoder_value
@@ -158,8 +188,7 @@ def _lightconv_fields(args: Mapping[str, Any], require: Callable[..., None]) -> 
     fields: dict[str, Any] = dict(
         encoder_mixer=CONV_MIXERS.get(args.get("encoder_conv_type"), args.get("encoder_conv_type")),
         decoder_mixer=CONV_MIXERS.get(args.get("decoder_conv_type"), args.get("decoder_conv_type")),
-        encoder_kernel_sizes=tuple(args["encoder_kernel_size_list"]),
-        decoder_kernel_sizes=tuple(args["decoder_kernel_size_list"]),
+        encoder_kernel_sizes=_kernel_sizes(args, "encoder"), decoder_kernel_sizes=_kernel_sizes(args, "decoder"),
         relu_dropout=args.get("relu_dropout", 0.0), input_dropout=args.get("input_dropout", 0.0),
         weight_dropout=args.get("weight_dropout", 0.0), weight_softmax=bool(args.get("weight_softmax", True)),
         scale_embeddings=True)
@@ -169,6 +198,13 @@ def _lightconv_fields(args: Mapping[str, Any], require: Callable[..., None]) -> 
     for side in ("encoder", "decoder"):
         require(f"{side}_conv_type", lambda v: v in CONV_MIXERS, "lightweight or dynamic")
     return fields
+
+
+def _kernel_sizes(args: Mapping[str, Any], side: str) -> tuple[int, ...]:
+    sizes = args[f"{side}_kernel_size_list"]
+    if not isinstance(sizes, (list, tuple)) or not all(type(size) is int for size in sizes):
+        raise UserError(f"{side}_kernel_size_list={sizes!r:.60}: fairseq records a list of kernel widths, one a layer")
+    return tuple(sizes)
 
 
 def _transformer_fields(args: Mapping[str, Any], require: Callable[..., None]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from lconv.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from lconv.data.pieces_tokenizer import PiecesTokenizer
-from lconv.data.tokenizer import Tokenizer
+from lconv.data.tokenizer import TOKENIZER_LIMIT, Tokenizer
 from lconv.errors import UserError
 
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq ids 0..3
@@ -95,10 +95,15 @@ def _sentencepiece_vocabulary(symbols: list[str], spm_path: str, dictionary_path
     from etils import epath
     from sentencepiece import sentencepiece_model_pb2
 
+    from lconv.data import paths
+
+    # a pipe hung the import and /dev/zero was read until memory ran out: a regular file of a tokenizer's size
+    data = paths.read_bytes(epath.Path(spm_path), "no such file; pass the spm.model the dictionary was made with",
+                            limit=TOKENIZER_LIMIT)
     source = sentencepiece_model_pb2.ModelProto()
     try:
-        source.ParseFromString(epath.Path(spm_path).read_bytes())
-    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError, or a file that cannot be read
+        source.ParseFromString(data)
+    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError, or another of its errors
         raise UserError(f"{spm_path} is not a SentencePiece model ({type(err).__name__}: {err})") from None
     Piece = sentencepiece_model_pb2.ModelProto.SentencePiece
     by_text = {p.piece: p for p in source.pieces if p.type in (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE)}

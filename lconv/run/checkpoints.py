@@ -97,7 +97,12 @@ class Checkpointer:
     def read_data(self, step: int) -> Any:
         """The JSON item of checkpoint ``step`` alone (no arrays are read), its files checked first."""
         self.check_step(step)
-        return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+        except RecursionError:  # a hand-written item nested 100,000 deep: Python's JSON reader gives up
+            message = (f"checkpoint {self._step_dir(step)}: its JSON item is nested deeper than Python reads, so "
+                       "lconv did not write it; move the folder aside")
+            raise integrity.CorruptCheckpoint(message) from None
 
     def save(self, step: int, state: PyTree, data_state: Any, *, force: bool = False) -> bool:
         """Saves at multiples of ``save_every`` (or when forced); returns whether it saved. ``data_state``: JSON-able,
@@ -283,7 +288,12 @@ class BestCheckpointer:
         self.key = "validation_loss" if metric == "loss" else f"validation_{metric}"
         step = self.checkpointer.latest_step()
         record = {} if step is None else self.checkpointer.read_data(step)
-        self.value = float(record[self.key]) if self.key in record else -math.inf if higher_is_better else math.inf
+        value = record.get(self.key) if isinstance(record, dict) else None
+        if not isinstance(record, dict) or (self.key in record and not _is_number(value)):
+            raise integrity.CorruptCheckpoint(
+                f"best checkpoint {self.checkpointer._step_dir(step)}: its record {str(record)[:80]} is not lconv's "
+                f"(a {self.key} number); move it aside, and the next validation pass keeps the best from there")
+        self.value = float(value) if self.key in record else -math.inf if higher_is_better else math.inf
 
     def beats(self, value: float) -> bool:
         """Whether ``value`` is better than the best so far."""
@@ -302,6 +312,10 @@ class BestCheckpointer:
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class DiskFull(UserError):

@@ -222,13 +222,14 @@ def write_config(record: dict[str, Any], workdir: str, changes: dict[str, tuple[
     if changes is None or jax.process_index() != 0:
         return
     if changes:
-        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:5])
-        logger.info(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
         line = json.dumps({"time": datetime.datetime.now().isoformat(timespec="seconds"),
                            "after_checkpoint": has_checkpoint,
                            "changes": {k: list(v) for k, v in changes.items()}}) + "\n"
         append_text(epath.Path(workdir) / "config_changes.jsonl", line)
     write_atomically(epath.Path(workdir) / CONFIG_FILENAME, json.dumps(record, indent=2, sort_keys=True))
+    if changes:  # said once both files are written, never before a write that fails
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:5])
+        logger.info(f"config.json updated ({listed}{' ...' if len(changes) > 5 else ''})")
 
 
 def append_text(path: epath.Path, text: str) -> None:

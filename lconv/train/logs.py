@@ -13,6 +13,7 @@ from etils import epath
 
 from lconv import console, json_text, outputs
 from lconv.data import paths
+from lconv.errors import UserError
 from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,12 @@ class MetricWriter:
         from tensorboardX import SummaryWriter  # writes gs:// and s3:// itself
 
         _quiet_event_thread()
-        self.tensorboard = SummaryWriter(f"{workdir}/tensorboard")
+        events = f"{workdir}/tensorboard"
+        try:
+            self.tensorboard = SummaryWriter(events)
+        except OSError as err:  # a file or an unwritable folder in its place was tensorboardX's traceback
+            raise UserError(f"cannot write TensorBoard's events in {events}: {err.strerror or err}; it must be a "
+                            "folder this process can write (move what is there away)") from None
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
         if not self.enabled:
