@@ -222,17 +222,10 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
     batch of ragged prompts is one program, at the price of feeding prompts step by step. ``guards`` act after each
     row's prompt, which they read as part of the hypothesis.
     """
-    variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
     total = P + max_len
-
-    def apply(tokens_BT, cache):
-        logits_BTV, mutated = model.apply({**variables, "cache": cache}, tokens_BT, decode=True, shift=False,
-                                          mutable=["cache"])
-        return logits_BTV, mutated["cache"]
-
     # Positions fed: BOS, the prompt and every new token but the last (``search.sample`` never feeds the last).
-    _, cache = apply(jnp.zeros((B, total), jnp.int32), {})
+    apply, cache = search.lm_decoder(model, variables, B, total)
 
     def tokens_to_logits(tokens_BT, state):
         cache, i = state
