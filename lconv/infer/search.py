@@ -84,14 +84,7 @@ def _mask_pad(logits_XV, pad_id):
     return logits_XV.at[..., pad_id].set(IMPOSSIBLE_LOGP)  # PAD is never generated
 
 
-# Greedy and sampling
-def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, *, bos_id: int = BOS_ID,
-                  eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Argmax decoding, ``[B, max_len]``; stops when every row has emitted EOS (rows without one are cut)."""
-    return sample(tokens_to_logits, cache, batch_size, max_len, None, temperature=0.0, top_k=0, top_p=1.0,
-                  bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-
-
+# Sampling
 def filter_logits(logits_BV: Array, *, temperature: float, top_k: int, top_p: float) -> Array:
     """Temperature, then top-k, then nucleus (smallest set whose mass reaches ``top_p``); the rest get -inf."""
     logits_BV = logits_BV / temperature  # [B, V]
@@ -377,16 +370,6 @@ def sampled_hypotheses(tokens_to_logits: TokensToLogits, cache: Any, rng_B: Arra
     order_BN = jnp.argsort(-scores_BN, axis=1)  # [B, N] best first, as beams are
     return Hypotheses(_take(tokens_BNL, order_BN), jnp.take_along_axis(scores_BN, order_BN, axis=1),
                       _take(token_scores_BNL, order_BN))
-
-
-def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
-              beam_size: int, max_len: int, lenpen: float, max_len_a: float | None, max_len_b: int | None,
-              stop: str, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Best beam of an ``EncoderDecoder``, ``[B, max_len]``: the first of ``translate_hypotheses``."""
-    return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
-                                beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
-                                max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                                stop=stop, temperature=0.0, top_k=0, top_p=1.0).tokens[:, 0]  # [B, L]
 
 
 def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
