@@ -204,11 +204,8 @@ def padded_prefixes(prefixes: Sequence[np.ndarray], rows: int, width: int) -> tu
     """Per-row prefix ids -> ``(tokens [rows, width] PAD after each, lengths [rows])``; missing rows have none."""
     if any(len(ids) >= width for ids in prefixes):
         raise ValueError(f"a prefix of {max(map(len, prefixes))} tokens leaves no room for EOS in {width}")
-    tokens_BL = np.full((rows, width), PAD_ID, np.int32)
-    length_B = np.zeros((rows,), np.int32)
-    for row, ids in enumerate(prefixes):
-        tokens_BL[row, :len(ids)], length_B[row] = ids, len(ids)
-    return tokens_BL, length_B
+    return pad_rows(prefixes, rows, width), np.asarray([len(ids) for ids in prefixes] + [0] * (rows - len(prefixes)),
+                                                       np.int32)
 
 
 def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,

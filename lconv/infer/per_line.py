@@ -117,10 +117,8 @@ def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[
 
     def generate_batch(chosen: list[int], rows: int) -> np.ndarray:
         width = compiled.width_bucket(max(len(encoded[i]) for i in chosen), limit) or 1
-        prompt_BP = np.zeros((rows, width), np.int32)  # PAD rows for a short last batch
-        prompt_len_B = np.zeros((rows,), np.int32)
-        for row, i in enumerate(chosen):
-            prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
+        prompt_BP = compiled.pad_rows([encoded[i] for i in chosen], rows, width)  # PAD rows for a short last batch
+        prompt_len_B = np.asarray([len(encoded[i]) for i in chosen] + [0] * (rows - len(chosen)), np.int32)
         if nbest:
             return generator.hypotheses(prompt_BP, prompt_len_B, settings)  # [rows, N, max_len]
         return generator(prompt_BP, prompt_len_B, settings)  # [rows, max_len]
