@@ -67,17 +67,11 @@ def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenize
     return LineOutputs(hypotheses, blank, lengths, lists)
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _bar(total: int, progress: str | None) -> Any:
     """``console.pass_bar`` of ``total`` lines described by ``progress``; without one, none (the API's calls)."""
-    return console.pass_bar(total, progress, "line") if progress else _NoBar()
+    from tqdm import tqdm
+
+    return console.pass_bar(total, progress, "line") if progress else tqdm(disable=True)
 
 
 def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
