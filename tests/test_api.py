@@ -44,14 +44,15 @@ def mt():
 
 
 def _alone(model: Model, source: str, beam_size: int) -> str:
-    """``source`` translated by itself, unpadded, straight through ``search.translate``."""
+    """``source`` translated by itself, unpadded, straight through ``search.translate_hypotheses``' best beam."""
     ids_1S = np.append(model.tokenizer.encode(source), EOS_ID)[None].astype(np.int32)
     settings = DecodeSettings.build(model.config.decode, beam_size=beam_size)
-    best_1L = search.translate(model.module, {"params": model.params}, ids_1S, beam_size=beam_size,
-                               max_len=compiled.max_output_len(model.config.infer, settings, 32),
-                               lenpen=settings.lenpen, max_len_a=settings.max_len_a, max_len_b=settings.max_len_b,
-                               stop=settings.stop)
-    return model.tokenizer.detokenize(np.asarray(best_1L)[0])
+    found = search.translate_hypotheses(model.module, {"params": model.params}, ids_1S, beam_size=beam_size,
+                                        max_len=compiled.max_output_len(model.config.infer, settings, 32),
+                                        lenpen=settings.lenpen, max_len_a=settings.max_len_a,
+                                        max_len_b=settings.max_len_b, stop=settings.stop, temperature=0.0, top_k=0,
+                                        top_p=1.0)
+    return model.tokenizer.detokenize(np.asarray(found.tokens)[0, 0])
 
 
 @pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it

@@ -209,7 +209,7 @@ def test_greedy_equals_argmax_loop_and_pads_after_eos():
     A[2, EOS] += 4.0  # rows that emit 2 then likely stop; others run to the end
     fn, cache = _toy(A, Bm, Cp, bias)
     fn, calls = _counting(fn)
-    tokens = search.greedy_search(fn, cache, 3, 6)
+    tokens = search.sample(fn, cache, 3, 6, None, temperature=0.0, top_k=0, top_p=1.0)  # greedy
     jax.effects_barrier()
     ref = [_greedy_reference(A, Bm, Cp, bias[b], 6) for b in range(3)]
     assert tokens.tolist() == ref
@@ -238,7 +238,7 @@ def test_sampling_limits_and_determinism():
     B = 16
     A, Bm, Cp, bias = _tables(seed=5, batch=B)
     fn, cache = _toy(A, Bm, Cp, bias)
-    greedy = search.greedy_search(fn, cache, B, L)
+    greedy = search.sample(fn, cache, B, L, None, temperature=0.0, top_k=0, top_p=1.0)
     rng = jax.random.key(0)
     assert search.sample(fn, cache, B, L, rng, temperature=1e-4, top_k=0, top_p=1.0).tolist() == greedy.tolist()
     assert search.sample(fn, cache, B, L, rng, top_k=1, temperature=1.0, top_p=1.0).tolist() == greedy.tolist()
@@ -307,8 +307,9 @@ def test_translate_tiles_encoder_output_and_cache_per_beam():
     variables = model.init(jax.random.key(0), inputs, method=model.encode)
     p = {k: np.asarray(v) for k, v in variables["params"].items()}
     src_len = np.array([2, 3, 1])
-    got = jax.jit(lambda v, x: search.translate(model, v, x, beam_size=N_HYP, max_len=L, lenpen=1.0, max_len_a=1.0,
-                                                max_len_b=0, stop="optimal", bos_id=BOS))(variables, inputs)
+    got = jax.jit(lambda v, x: search.translate_hypotheses(
+        model, v, x, beam_size=N_HYP, max_len=L, lenpen=1.0, max_len_a=1.0, max_len_b=0, stop="optimal", bos_id=BOS,
+        temperature=0.0, top_k=0, top_p=1.0).tokens[:, 0])(variables, inputs)  # the best beam
     for b in range(3):
         bias = p["E"][np.asarray(inputs[b, : src_len[b]])].mean(0)
         best = _brute_force(p["A"], p["Bm"], p["Cp"], bias, min(src_len[b] + 1, L), 1.0)[0][1]

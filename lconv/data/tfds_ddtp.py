@@ -32,7 +32,14 @@ Translation files}}"""
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Base of the builders here: fixes ``code_path``, which tfds 4.9.10 computes through an absent backport."""
+    """Base of the builders here, reading ``raw_dir`` (ddtp: None is the bundled snapshot) or your files' ``layout``;
+    fixes ``code_path``, which tfds 4.9.10 computes through an absent backport."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, raw_dir: str | None = None, layout: own_files.FileLayout | None = None, **kwargs):
+        self._raw_dir, self._layout = raw_dir, layout
+        super().__init__(**kwargs)
 
     @tfds.core.utils.classproperty
     @classmethod
@@ -65,13 +72,8 @@ class DdtpConfig(tfds.core.BuilderConfig):
 class Ddtp(_LocalBuilder):
     """DDTP: Debian package descriptions and their human translations (see lconv/data/snapshot/README.md)."""
 
-    VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Debian 12 bookworm main; md5-hash split; de-duplicated, no text across splits."}
     BUILDER_CONFIGS = [DdtpConfig(name=task, description=f"DDTP task {task}") for task in ddtp.TASKS]
-
-    def __init__(self, *, raw_dir: str | None = None, **kwargs):
-        self._raw_dir = raw_dir  # None: the bundled snapshot
-        super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = {field: tfds.features.Text() for field in (*self.builder_config.fields, "md5")}
@@ -103,17 +105,11 @@ class Ddtp(_LocalBuilder):
 class Iwslt14(_LocalBuilder):
     """IWSLT14 De-En from local files ``{train,valid,test}.{de,en}`` in ``raw_dir`` (no download)."""
 
-    VERSION = tfds.core.Version("1.0.0")
     BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="de_en", description="IWSLT14 German-English, local files")]
-
-    def __init__(self, *, raw_dir: str | None = None, **kwargs):
-        self._raw_dir = raw_dir
-        super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = tfds.features.FeaturesDict({"de": tfds.features.Text(), "en": tfds.features.Text()})
-        return _LocalInfo(builder=self, description=self.__doc__, features=features,
-                                     supervised_keys=("de", "en"))
+        return _LocalInfo(builder=self, description=self.__doc__, features=features, supervised_keys=("de", "en"))
 
     def _split_generators(self, dl_manager):
         del dl_manager
@@ -135,17 +131,12 @@ class Iwslt14(_LocalBuilder):
 class Files(_LocalBuilder):
     """Your own files in a folder: text pairs, TSV or JSON lines (``lconv.data.own_files``)."""
 
-    VERSION = tfds.core.Version("1.0.0")
     BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="data", description="your files, read as own_files says")]
-
-    def __init__(self, *, layout: own_files.FileLayout, **kwargs):
-        self._layout = layout
-        super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = tfds.features.FeaturesDict({key: tfds.features.Text() for key in self._layout.keys})
-        return _LocalInfo(builder=self, description=f"{self._layout.name}: {self.__doc__}",
-                                     features=features, disable_shuffling=True)  # file order: hyps line up
+        return _LocalInfo(builder=self, description=f"{self._layout.name}: {self.__doc__}", features=features,
+                          disable_shuffling=True)  # file order: hyps line up
 
     def _split_generators(self, dl_manager):
         del dl_manager
@@ -208,27 +199,17 @@ def _source_files(name: str, raw_dir: str | None, layout: own_files.FileLayout |
 
 def _sha256(path: str) -> str:
     """The file's SHA-256, computed once per (path, size, modification time)."""
-    if paths.is_url(path):
-        stat = epath.Path(path).stat()
-        key = (path, stat.length, stat.mtime)
-        if key not in _DIGESTS or not stat.mtime:  # a store that gives no mtime is read every time
-            with epath.Path(path).open("rb") as f:
-                _DIGESTS[key] = _digest(f)
-        return _DIGESTS[key]
+    url = paths.is_url(path)
     paths.check_file(path)  # a device or pipe (a link to /dev/zero) would be hashed for ever
-    stat = os.stat(path)
-    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _DIGESTS:
-        with open(path, "rb") as f:
-            _DIGESTS[key] = _digest(f)
+    stat = epath.Path(path).stat() if url else os.stat(path)
+    key = (path, stat.length, stat.mtime) if url else (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS or (url and not stat.mtime):  # a store that gives no mtime is read every time
+        digest = hashlib.sha256()
+        with epath.Path(path).open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
     return _DIGESTS[key]
-
-
-def _digest(f) -> str:
-    digest = hashlib.sha256()
-    for block in iter(lambda: f.read(1 << 20), b""):
-        digest.update(block)
-    return digest.hexdigest()
 
 
 def _size(path: str) -> int:

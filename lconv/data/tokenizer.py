@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import itertools
 import os
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -101,19 +100,14 @@ def check_text(text: Any, name: str) -> str:
 
 
 def save_tokenizer(tokenizer: Tokenizer | PiecesTokenizer, directory: str) -> str:
-    """Writes ``<directory>/<tokenizer.filename>`` through a temporary file and one rename."""
+    """Writes ``<directory>/<tokenizer.filename>`` atomically (``lconv.outputs.write_atomically``)."""
     from etils import epath
 
-    directory = epath.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{tokenizer.filename}.{uuid.uuid4().hex}.tmp"
-    try:
-        tmp.write_bytes(tokenizer.to_bytes())
-        tmp.replace(directory / tokenizer.filename)  # os.replace locally: atomic, and an existing file is fine
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return str(directory / tokenizer.filename)
+    from lconv import outputs
+
+    epath.Path(directory).mkdir(parents=True, exist_ok=True)
+    outputs.write_atomically(epath.Path(directory) / tokenizer.filename, tokenizer.to_bytes())
+    return str(epath.Path(directory) / tokenizer.filename)
 
 
 def tokenizer_from_bytes(filename: str, data: bytes) -> Tokenizer | PiecesTokenizer:

@@ -80,11 +80,8 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     # Plain host arrays (no logical-axis boxes, which do not serialise): the programs are single-device.
     params = jax.tree.map(np.asarray, nn_meta.unbox(trained.params))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    if lm:
-        function = functools.partial(compiled.Generator(config.infer, trained.model, params).function,
-                                     settings=settings.program_key())
-    else:
-        function = compiled.Translator(config.infer, trained.model, params).function
+    program = (compiled.Generator if lm else compiled.Translator)(config.infer, trained.model, params)
+    function = functools.partial(program.function, settings=settings.program_key())
     directory = epath.Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     # The sidecar goes first and comes back last: an export stopped half-way (SIGTERM, a full disk), even over an
@@ -93,18 +90,15 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     programs = []
     for r in rows:
         for w in widths:
-            if lm:
-                exported = jax.export.export(jax.jit(function), platforms=tuple(platforms))(
-                    abstract, _spec((r, w), jnp.int32), _spec((r,), jnp.int32), _spec((), jnp.uint32))
-                entry = dict(file=names[len(programs)], rows=r, width=w, output_len=w + settings.max_len)
-            else:
+            if lm:  # after the prompt ids: their lengths and a seed
+                length, fn, more = w + settings.max_len, function, (_spec((r,), jnp.int32), _spec((), jnp.uint32))
+            else:  # after the source ids: a length penalty
                 length = compiled.max_output_len(config.infer, settings, w)
-                fn = functools.partial(function, settings=settings.program_key(), output_len=length)
-                exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(
-                    abstract, _spec((r, w), jnp.int32), _spec((), jnp.float32))
-                entry = dict(file=names[len(programs)], rows=r, width=w, output_len=length)
-            outputs.write_atomically(directory / entry["file"], bytes(exported.serialize()))
-            programs.append(entry)
+                fn, more = functools.partial(function, output_len=length), (_spec((), jnp.float32),)
+            exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(abstract, _spec((r, w), jnp.int32),
+                                                                                  *more)
+            programs.append(dict(file=names[len(programs)], rows=r, width=w, output_len=length))
+            outputs.write_atomically(directory / programs[-1]["file"], bytes(exported.serialize()))
     buffer = io.BytesIO()
     np.savez(buffer, **traverse_util.flatten_dict(params, sep="/"))
     outputs.write_atomically(directory / "params.npz", buffer.getvalue())
@@ -285,9 +279,7 @@ class Served:
         longest = max(len(x) for x in chunk)
         fits = sorted((r, w) for r, w in self.programs if r >= len(chunk) and w >= longest)
         entry, exported = self.programs[fits[0]]  # there is one: run_ids cut every input to the widest
-        batch = np.full((entry["rows"], entry["width"]), PAD_ID, np.int32)
-        for row, x in enumerate(chunk):
-            batch[row, :len(x)] = x
+        batch = compiled.pad_rows(chunk, entry["rows"], entry["width"])
         if self.task == "lm":
             lengths = np.asarray([len(x) for x in chunk] + [0] * (entry["rows"] - len(chunk)), np.int32)
             tokens = exported.call(self.params, batch, lengths, np.uint32(seed))

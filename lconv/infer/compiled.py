@@ -204,11 +204,8 @@ def padded_prefixes(prefixes: Sequence[np.ndarray], rows: int, width: int) -> tu
     """Per-row prefix ids -> ``(tokens [rows, width] PAD after each, lengths [rows])``; missing rows have none."""
     if any(len(ids) >= width for ids in prefixes):
         raise ValueError(f"a prefix of {max(map(len, prefixes))} tokens leaves no room for EOS in {width}")
-    tokens_BL = np.full((rows, width), PAD_ID, np.int32)
-    length_B = np.zeros((rows,), np.int32)
-    for row, ids in enumerate(prefixes):
-        tokens_BL[row, :len(ids)], length_B[row] = ids, len(ids)
-    return tokens_BL, length_B
+    return pad_rows(prefixes, rows, width), np.asarray([len(ids) for ids in prefixes] + [0] * (rows - len(prefixes)),
+                                                       np.int32)
 
 
 def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_B: jax.Array, *, max_len: int,
@@ -222,17 +219,10 @@ def generate(model: nn.Module, variables: Any, prompt_BP: jax.Array, prompt_len_
     batch of ragged prompts is one program, at the price of feeding prompts step by step. ``guards`` act after each
     row's prompt, which they read as part of the hypothesis.
     """
-    variables = {name: v for name, v in variables.items() if name != "cache"}
     B, P = prompt_BP.shape
     total = P + max_len
-
-    def apply(tokens_BT, cache):
-        logits_BTV, mutated = model.apply({**variables, "cache": cache}, tokens_BT, decode=True, shift=False,
-                                          mutable=["cache"])
-        return logits_BTV, mutated["cache"]
-
     # Positions fed: BOS, the prompt and every new token but the last (``search.sample`` never feeds the last).
-    _, cache = apply(jnp.zeros((B, total), jnp.int32), {})
+    apply, cache = search.lm_decoder(model, variables, B, total)
 
     def tokens_to_logits(tokens_BT, state):
         cache, i = state

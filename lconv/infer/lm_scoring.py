@@ -64,9 +64,7 @@ def _scored(config: InferConfig, log_probs: LogProbs, params: Any, rows_of: list
     for start in range(0, len(rows_of), rows):
         chunk = rows_of[start:start + rows]
         width = compiled.width_bucket(max(len(targets) for targets, _ in chunk), limit)
-        targets_BT = np.full((rows, width), PAD_ID, np.int32)
-        for row, (targets, _) in enumerate(chunk):
-            targets_BT[row, :len(targets)] = targets
+        targets_BT = compiled.pad_rows([targets for targets, _ in chunk], rows, width)
         logp_BT = np.asarray(log_probs(params, targets_BT))
         out += [logp_BT[row, first:len(targets)] for row, (targets, first) in enumerate(chunk)]
     return out

@@ -67,17 +67,11 @@ def translate_lines(config: InferConfig, model: nn.Module, params: Any, tokenize
     return LineOutputs(hypotheses, blank, lengths, lists)
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _bar(total: int, progress: str | None) -> Any:
     """``console.pass_bar`` of ``total`` lines described by ``progress``; without one, none (the API's calls)."""
-    return console.pass_bar(total, progress, "line") if progress else _NoBar()
+    from tqdm import tqdm
+
+    return console.pass_bar(total, progress, "line") if progress else tqdm(disable=True)
 
 
 def nbest_entries(tokenizer: Tokenizer, found: Any, row: int, count: int) -> list[dict[str, Any]]:
@@ -117,10 +111,8 @@ def generate_lines(config: InferConfig, tokenizer: Tokenizer, prompts: Sequence[
 
     def generate_batch(chosen: list[int], rows: int) -> np.ndarray:
         width = compiled.width_bucket(max(len(encoded[i]) for i in chosen), limit) or 1
-        prompt_BP = np.zeros((rows, width), np.int32)  # PAD rows for a short last batch
-        prompt_len_B = np.zeros((rows,), np.int32)
-        for row, i in enumerate(chosen):
-            prompt_BP[row, :len(encoded[i])], prompt_len_B[row] = encoded[i], len(encoded[i])
+        prompt_BP = compiled.pad_rows([encoded[i] for i in chosen], rows, width)  # PAD rows for a short last batch
+        prompt_len_B = np.asarray([len(encoded[i]) for i in chosen] + [0] * (rows - len(chosen)), np.int32)
         if nbest:
             return generator.hypotheses(prompt_BP, prompt_len_B, settings)  # [rows, N, max_len]
         return generator(prompt_BP, prompt_len_B, settings)  # [rows, max_len]

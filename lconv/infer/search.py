@@ -84,14 +84,7 @@ def _mask_pad(logits_XV, pad_id):
     return logits_XV.at[..., pad_id].set(IMPOSSIBLE_LOGP)  # PAD is never generated
 
 
-# Greedy and sampling
-def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, batch_size: int, max_len: int, *, bos_id: int = BOS_ID,
-                  eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Argmax decoding, ``[B, max_len]``; stops when every row has emitted EOS (rows without one are cut)."""
-    return sample(tokens_to_logits, cache, batch_size, max_len, None, temperature=0.0, top_k=0, top_p=1.0,
-                  bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-
-
+# Sampling
 def filter_logits(logits_BV: Array, *, temperature: float, top_k: int, top_p: float) -> Array:
     """Temperature, then top-k, then nucleus (smallest set whose mass reaches ``top_p``); the rest get -inf."""
     logits_BV = logits_BV / temperature  # [B, V]
@@ -346,14 +339,37 @@ def _apply_cache(model, variables, cache, *args, **kwargs):
     return out, mutated["cache"]
 
 
-def translate(model: nn.Module, variables: Any, inputs_BS: Array, *, inputs_segmentation: Array | None = None,
-              beam_size: int, max_len: int, lenpen: float, max_len_a: float | None, max_len_b: int | None,
-              stop: str, bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
-    """Best beam of an ``EncoderDecoder``, ``[B, max_len]``: the first of ``translate_hypotheses``."""
-    return translate_hypotheses(model, variables, inputs_BS, inputs_segmentation=inputs_segmentation,
-                                beam_size=beam_size, max_len=max_len, lenpen=lenpen, max_len_a=max_len_a,
-                                max_len_b=max_len_b, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                                stop=stop, temperature=0.0, top_k=0, top_p=1.0).tokens[:, 0]  # [B, L]
+def lm_decoder(model: nn.Module, variables: Any, batch_size: int, positions: int) -> tuple[TokensToLogits, Any]:
+    """A ``DecoderOnlyLM``'s step function and its empty cache of ``positions`` positions for ``batch_size`` rows."""
+    variables = {name: v for name, v in variables.items() if name != "cache"}
+
+    def tokens_to_logits(tokens_BT, cache):
+        return _apply_cache(model, variables, cache, tokens_BT, decode=True, shift=False)
+
+    return tokens_to_logits, tokens_to_logits(jnp.zeros((batch_size, positions), jnp.int32), {})[1]
+
+
+def sampled_hypotheses(tokens_to_logits: TokensToLogits, cache: Any, rng_B: Array, beam_size: int, max_len: int, *,
+                       lenpen: Array | float, limit_B: Array, temperature: float, top_k: int, top_p: float,
+                       bos_id: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID, prefix: Prefix | None = None,
+                       guards: Guards | None = None, output_start_B: Array | None = None,
+                       scored: Callable[[Array], Array] = lambda x_BNL: x_BNL) -> Hypotheses:
+    """``beam_size`` samples per row (the n-th drawn with ``rng_B[b]`` folded with n), each scored as a beam is over
+    the positions ``scored`` keeps of ``[B, N, max_len]``, best first."""
+    B, N = rng_B.shape[0], beam_size
+    fold_n = lambda key: jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(N))  # noqa: E731  [N]
+    keys = jax.vmap(fold_n)(rng_B).reshape(B * N)  # [B*N]: row b*N + n
+    tokens, token_scores = sample(tokens_to_logits, tile_cache(cache, B, N), B * N, max_len, keys,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id,
+                                  pad_id=pad_id, max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True,
+                                  prefix=None if prefix is None else prefix.repeat(N), guards=guards,
+                                  output_start_B=None if output_start_B is None else jnp.repeat(output_start_B, N))
+    tokens_BNL, token_scores_BNL = (scored(x.reshape(B, N, max_len)) for x in (tokens, token_scores))
+    length_BN = jnp.sum(tokens_BNL != pad_id, axis=-1).astype(jnp.float32)  # [B, N] EOS included
+    scores_BN = jnp.sum(token_scores_BNL, axis=-1) / jnp.power(length_BN, jnp.float32(lenpen))  # [B, N]
+    order_BN = jnp.argsort(-scores_BN, axis=1)  # [B, N] best first, as beams are
+    return Hypotheses(_take(tokens_BNL, order_BN), jnp.take_along_axis(scores_BN, order_BN, axis=1),
+                      _take(token_scores_BNL, order_BN))
 
 
 def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
@@ -388,25 +404,15 @@ def translate_hypotheses(model: nn.Module, variables: Any, inputs_BS: Array, *,
                            guards=guards)
     if rng is None:
         raise UserError(f"translate_hypotheses with temperature={temperature} needs rng (or temperature=0)")
-    fold_n = lambda key: jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(N))  # noqa: E731  [N]
-    keys = jax.vmap(fold_n)(row_keys(rng, inputs_BS)).reshape(B * N)  # [B*N]: row b*N + n
-    tokens, token_scores = sample(tokens_to_logits, tile_cache(cache, B, N), B * N, max_len, keys,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id,
-                                  pad_id=pad_id, max_len_per_row=jnp.repeat(limit_B, N), with_token_scores=True,
-                                  prefix=None if prefix is None else prefix.repeat(N), guards=guards)
-    tokens_BNL, token_scores_BNL = tokens.reshape(B, N, max_len), token_scores.reshape(B, N, max_len)
-    length_BN = jnp.sum(tokens_BNL != pad_id, axis=-1).astype(jnp.float32)  # [B, N] EOS included
-    scores_BN = jnp.sum(token_scores_BNL, axis=-1) / jnp.power(length_BN, jnp.float32(lenpen))  # [B, N]
-    order_BN = jnp.argsort(-scores_BN, axis=1)  # [B, N] best first, as beams are
-    return Hypotheses(_take(tokens_BNL, order_BN), jnp.take_along_axis(scores_BN, order_BN, axis=1),
-                      _take(token_scores_BNL, order_BN))
+    return sampled_hypotheses(tokens_to_logits, cache, row_keys(rng, inputs_BS), N, max_len, lenpen=lenpen,
+                              limit_B=limit_B, temperature=temperature, top_k=top_k, top_p=top_p, bos_id=bos_id,
+                              eos_id=eos_id, pad_id=pad_id, prefix=prefix, guards=guards)
 
 
 def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *, max_len: int, temperature: float,
                 top_k: int, top_p: float, batch_size: int | None = None, rng: Array | None = None,
                 bos_id: int | None = None, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Array:
     """Continues ``prompt [B, T]`` (or BOS) with a ``DecoderOnlyLM``: ``[B, max_len]`` new tokens."""
-    variables = {name: v for name, v in variables.items() if name != "cache"}
     bos_id = model.config.decoder_start_id if bos_id is None else bos_id
     if prompt is None and batch_size is None:
         raise UserError("lm_generate needs a prompt [B, T] or batch_size")
@@ -415,11 +421,6 @@ def lm_generate(model: nn.Module, variables: Any, prompt: Array | None = None, *
     B = prompt.shape[0] if prompt is not None else batch_size
     T = prompt.shape[1] if prompt is not None else 0
     # Positions fed: BOS + prompt + every new token but the last (``sample`` never feeds the last one).
-    _, cache = _apply_cache(model, variables, {}, jnp.zeros((B, T + max_len), jnp.int32), decode=True,
-                            shift=False)
-
-    def tokens_to_logits(tokens_BT, cache):
-        return _apply_cache(model, variables, cache, tokens_BT, decode=True, shift=False)
-
+    tokens_to_logits, cache = lm_decoder(model, variables, B, T + max_len)
     return sample(tokens_to_logits, cache, B, max_len, rng, temperature=temperature, top_k=top_k, top_p=top_p,
                   prompt=prompt, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)

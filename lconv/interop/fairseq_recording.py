@@ -116,18 +116,11 @@ def _read_run(folder: epath.Path, meta: dict[str, Any] | None) -> RecordedRun:
 
 
 # fairseq's batches <-> lconv's collation
-def to_lconv_ids(ids: np.ndarray) -> np.ndarray:
-    """fairseq ids -> lconv ids (a joined dictionary: only the four specials are re-numbered)."""
+def renumbered(ids: np.ndarray, to_lconv: bool = True) -> np.ndarray:
+    """fairseq ids -> lconv ids, or back (a joined dictionary: only the four specials are re-numbered)."""
     out = np.array(ids, np.int32)
     for fairseq_id, lconv_id in fairseq_vocab.FAIRSEQ_TO_LCONV.items():
-        out[ids == fairseq_id] = lconv_id
-    return out
-
-
-def to_fairseq_ids(ids: np.ndarray) -> np.ndarray:
-    out = np.array(ids, np.int32)
-    for fairseq_id, lconv_id in fairseq_vocab.FAIRSEQ_TO_LCONV.items():
-        out[ids == lconv_id] = fairseq_id
+        out[ids == (fairseq_id if to_lconv else lconv_id)] = lconv_id if to_lconv else fairseq_id
     return out
 
 
@@ -148,8 +141,8 @@ def collate(micro_batches: list[dict[str, np.ndarray]], shape: tuple[int, int, i
         _check_conventions(micro)
         for i, (source, target) in enumerate(zip(micro["src_tokens"], micro["target"])):
             source, target = source[source != FAIRSEQ_PAD], target[target != FAIRSEQ_PAD]
-            inputs[i * n + m, :len(source)] = to_lconv_ids(source)
-            targets[i * n + m, :len(target)] = to_lconv_ids(target)
+            inputs[i * n + m, :len(source)] = renumbered(source)
+            targets[i * n + m, :len(target)] = renumbered(target)
     batch = {"inputs": inputs, "targets": targets}
     for key in ("inputs", "targets"):
         length = batch[key].shape[1]
@@ -181,7 +174,7 @@ def to_fairseq(batch: dict[str, np.ndarray], n: int, rows: list[int], source_len
         target = np.full((rows[m], target_length[m]), FAIRSEQ_PAD, np.int32)
         previous = target.copy()
         for i in range(rows[m]):
-            s, t = to_fairseq_ids(inputs[i][inputs[i] != PAD_ID]), to_fairseq_ids(targets[i][targets[i] != PAD_ID])
+            s, t = (renumbered(x[x != PAD_ID], to_lconv=False) for x in (inputs[i], targets[i]))
             source[i, source_length[m] - len(s):] = s
             target[i, :len(t)] = t
             previous[i, :len(t)] = np.append(FAIRSEQ_EOS, t[:-1])

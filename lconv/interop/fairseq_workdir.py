@@ -127,34 +127,20 @@ def _check_language_model_vocabulary(weights: dict[str, np.ndarray], size: int, 
 
 def language_model_config(fields: dict[str, Any], dataset: str = "") -> ml_collections.ConfigDict:
     """lconv's base config as a language model with the imported ``model`` (dots at "highest")."""
-    from lconv.configs import common
-
-    config = common.base_config()
-    config.task = "lm"
-    config.data.vocab_size = fields["vocab_size"]
+    config = _imported_config("lm", fields)
     config.data.dataset = dataset or "lm1b"
     config.data.max_target_length = config.data.eval_max_target_length = int(fields["max_len"])
-    model = {k: v for k, v in fields.items() if k != "vocab_size"}
-    config.model.update({k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
-    config.model.matmul_precision = "highest"
     return config
 
 
 def translation_config(fields: dict[str, Any], dataset: str = "",
                        decode: dict[str, Any] | None = None) -> ml_collections.ConfigDict:
     """lconv's base config with the imported ``model`` (dots at "highest") and fairseq-generate's decoding."""
-    from lconv.configs import common
-
-    config = common.base_config()
-    config.task = "translation"
-    config.data.vocab_size = fields["vocab_size"]
+    config = _imported_config("translation", fields)
     if dataset:
         config.data.dataset = dataset
     # fairseq caps positions at max_*_positions; lconv cuts longer inputs and counts them
     config.data.eval_max_input_length = config.data.eval_max_target_length = int(fields["max_len"])
-    model = {k: v for k, v in fields.items() if k != "vocab_size"}
-    config.model.update({k: list(v) if isinstance(v, tuple) else v for k, v in model.items()})
-    config.model.matmul_precision = "highest"
     if fields.get("output_vocab_size"):  # smoothing would put probability on the ids the decoder cannot predict
         config.optim.label_smoothing = 0.0
     allowed = {**GENERATE_DEFAULTS, **SCORING_DEFAULTS}
@@ -162,6 +148,18 @@ def translation_config(fields: dict[str, Any], dataset: str = "",
     if unknown:
         raise UserError(f"decode settings {unknown} are not importable; choose from {sorted(allowed)}")
     config.decode.update({**allowed, **(decode or {}), "stop": "fairseq"})
+    return config
+
+
+def _imported_config(task: str, fields: dict[str, Any]) -> ml_collections.ConfigDict:
+    """lconv's base config for ``task`` with the imported ``model`` fields, its dots at "highest"."""
+    from lconv.configs import common
+
+    config = common.base_config()
+    config.task = task
+    config.data.vocab_size = fields["vocab_size"]
+    config.model.update({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if k != "vocab_size"})
+    config.model.matmul_precision = "highest"
     return config
 
 
