@@ -256,7 +256,7 @@ def test_a_lock_file_that_is_a_folder_is_one_line_naming_it(tmp_path):
     with pytest.raises(UserError) as error:
         with workdir_lib.lock(str(tmp_path)):
             pass
-    helpers.one_line_error(error, str(tmp_path / workdir_lib.LOCK_FILENAME), "Is a directory")
+    helpers.one_line_error(error, str(tmp_path / workdir_lib.LOCK_FILENAME), "is a folder")
 
 
 def test_a_huge_metrics_log_is_one_line_before_it_is_read(tmp_path, monkeypatch):

@@ -239,7 +239,7 @@ def test_a_file_too_big_for_memory_is_one_line_before_it_is_hashed_or_read(tmp_p
     folder = _write_pairs(tmp_path / "big", "text")
     os.truncate(folder / "train.xx", 1 << 20)  # sparse: nothing is written, and nothing may read it
     _memory(monkeypatch, 4 * (1 << 19))  # room for half of it, held own_files.READ_COPIES times over
-    monkeypatch.setattr(tfds_ddtp, "_digest", lambda f: pytest.fail("a file was hashed"))
+    monkeypatch.setattr(tfds_ddtp, "_sha256", lambda path: pytest.fail("a file was hashed"))
     outcome = helpers.run_cli(capsys, "lconv.data", "files", f"--raw_dir={folder}", "--source_lang=xx",
                               "--target_lang=yy", f"--data_dir={tmp_path / 'tfds'}", f"--workdir={tmp_path / 'tok'}")
     helpers.one_line_error(outcome, str(folder / "train.xx"), "1,048,576 bytes", "memory")
