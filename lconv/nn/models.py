@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMAT_POLICIES, VOCAB
+from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, VOCAB
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
@@ -144,9 +144,7 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names, if any."""
-    if policy not in REMAT_POLICIES:
-        raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``ModelConfig`` checked it)."""
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
     return Layer if policy == "none" else nn.remat(Layer, policy=policies[policy], static_argnums=(4, 5))
 
