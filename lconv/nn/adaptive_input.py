@@ -67,7 +67,7 @@ class AdaptiveInput(nn.Module):
         return out_BTC
 
 
-def embedding_init(zero_row: int | None = PAD_ID):
+def embedding_init(zero_row: int | None = PAD_ID) -> nn.initializers.Initializer:
     """fairseq's ``Embedding`` init, ``N(0, width^-1/2)``, with the padding row zeroed (adaptive input: in band 0)."""
     def init(key: jax.Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> jax.Array:
         table = jax.random.normal(key, shape, dtype) * shape[1] ** -0.5
