@@ -63,11 +63,8 @@ class DecodeSettings:
         values.update({name: decode[name] if name in decode else off for name, off in GUARDS_OFF.items()})
         values.update(SAMPLING_DEFAULTS)
         values.update({name: value for name, value in chosen.items() if value is not None})
-        return cls(beam_size=int(values["beam_size"]), lenpen=float(values["lenpen"]),
-                   max_len_a=float(values["max_len_a"]), max_len_b=int(values["max_len_b"]), stop=str(values["stop"]),
-                   max_len=int(values["max_len"]), temperature=float(values["temperature"]),
-                   top_k=int(values["top_k"]), top_p=float(values["top_p"]), seed=int(values["seed"]),
-                   no_repeat_ngram_size=int(values["no_repeat_ngram_size"]), min_len=int(values["min_len"]))
+        as_type = {"int": int, "float": float, "str": str}  # each field's annotation: a plain value, hashable
+        return cls(**{f.name: as_type[f.type](values[f.name]) for f in dataclasses.fields(cls)})
 
     @property
     def sampling(self) -> bool:

@@ -44,7 +44,7 @@ class AdaptiveInput(nn.Module):
         for band, (start, end) in enumerate(band_edges(self.cutoffs, self.vocab_size)):
             width = band_width(self.input_dim, self.factor, band)
             tables.append(self.param(f"band_{band}", nn.with_logical_partitioning(
-                _embedding_init(zero_row=PAD_ID if band == 0 else None), (VOCAB, EMBED)), (end - start, width)))
+                embedding_init(zero_row=PAD_ID if band == 0 else None), (VOCAB, EMBED)), (end - start, width)))
             # xavier-uniform as fairseq's Linear; [width, d] as every flax kernel ([in, out])
             projections.append(self.param(f"band_{band}_projection", nn.with_logical_partitioning(
                 nn.initializers.xavier_uniform(), (MLP, EMBED)), (width, self.output_dim)))
@@ -67,8 +67,8 @@ class AdaptiveInput(nn.Module):
         return out_BTC
 
 
-def _embedding_init(zero_row: int | None):
-    """fairseq's ``N(0, width^-1/2)`` embedding init, with the padding row zeroed in band 0."""
+def embedding_init(zero_row: int | None = PAD_ID) -> nn.initializers.Initializer:
+    """fairseq's ``Embedding`` init, ``N(0, width^-1/2)``, with the padding row zeroed (adaptive input: in band 0)."""
     def init(key: jax.Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> jax.Array:
         table = jax.random.normal(key, shape, dtype) * shape[1] ** -0.5
         return table if zero_row is None else table.at[zero_row].set(0.0)

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lconv.constants import ACT_HEADS, ATTENTION_IMPLS, HEADS, KEY_LENGTH, LENGTH
+from lconv.constants import ACT_HEADS, HEADS, KEY_LENGTH, LENGTH
 from lconv.errors import UserError
 from lconv.nn.common import (
     BHDT,
@@ -41,7 +41,7 @@ from lconv.ops.attention import (
     fixed_logits,
     head_major_attention,
 )
-from lconv.ops.flash import segment_attention
+from lconv.ops.flash import check_impl, segment_attention
 from lconv.ops.precision import lax_precision
 
 # Modules
@@ -76,6 +76,14 @@ class AttentionFields(nn.Module):
     def _precision(self) -> Any:
         return lax_precision(self.matmul_precision)
 
+    def _attend_out(self, logits_BHTS: Array, kv: dict[str, Array], mask: Array, x_BTC: Array, det: bool) -> Array:
+        """``Out(softmax(logits + mask) V)``, back to ``x``'s width and dtype."""
+        B, T, C = x_BTC.shape
+        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
+                          dropout_rng=dropout_rng(self, self.attention_dropout, det), dtype=self.dtype,
+                          precision=self._precision())
+        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, -1)).astype(x_BTC.dtype)
+
 
 class SelfAttention(AttentionFields):
     """Multi-head scaled dot-product self-attention (registry ``"attention"``), initialised as fairseq's."""
@@ -89,7 +97,7 @@ class SelfAttention(AttentionFields):
     def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
                  deterministic: bool = True, decode: bool = False) -> Array:
         B, T, C, H, D = self._dims(x_BTC)
-        _check_impl(self.attention_impl)
+        check_impl(self.attention_impl)
         seg_BT, _ = segments_and_positions(x_BTC, segment_ids, positions)
         x = x_BTC.astype(self.dtype)
         q_BTHD, k_BSHD, v_BSHD = (project_heads(self, n, x, H, D) for n in ("query", "key", "value"))
@@ -107,30 +115,22 @@ class SelfAttention(AttentionFields):
         return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
 
 
-class CrossAttention(nn.Module):
-    """Encoder-decoder attention (not a token mixer): ``SelfAttention``'s math over ``encoded_BSC``. While decoding, the
-    projected encoder keys and values are computed once and kept as ``beam_invariant_*`` cache entries."""
+class CrossAttention(AttentionFields):
+    """Encoder-decoder attention (not a token mixer, so ``causal`` is unused): ``SelfAttention``'s math over
+    ``encoded_BSC``. While decoding, the projected encoder keys and values are computed once and kept as
+    ``beam_invariant_*`` cache entries."""
 
-    num_heads: int = 8
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
-    qkv_features: int | None = None
-    attention_dropout: float = 0.0
-    use_bias: bool = True
-    matmul_precision: str = "default"  # projections and attention dots: default | high | highest
     attention_impl: str = "auto"  # auto | xla | chunked | cudnn
 
     @nn.compact
     def __call__(self, x_BTC: Array, encoded_BSC: Array, *, query_segment_ids: Array | None = None,
                  encoded_segment_ids: Array | None = None, deterministic: bool = True, decode: bool = False) -> Array:
-        B, T, C = check_input(x_BTC)
-        _, S, _ = check_input(encoded_BSC, "encoded_BSC")
+        B, T, C, H, D = self._dims(x_BTC)
+        check_input(encoded_BSC, "encoded_BSC")
         if encoded_BSC.shape[0] != B:
             raise UserError(f"encoded_BSC batch {encoded_BSC.shape[0]} != x_BTC batch {B}")
-        H, D = head_dims(self.num_heads, self.qkv_features, C)
-        check_dropout(self.attention_dropout)
-        _check_impl(self.attention_impl)
-        precision = lax_precision(self.matmul_precision)
+        check_impl(self.attention_impl)
+        precision = self._precision()
         q_seg_BT, _ = segments_and_positions(x_BTC, query_segment_ids, None, "query_segment_ids")
         k_seg_BS, _ = segments_and_positions(encoded_BSC, encoded_segment_ids, None, "encoded_segment_ids")
         # fairseq scales the Q/K/V init by QKV_GAIN only when keys and values have the queries' width.
@@ -212,10 +212,7 @@ class FixedAttention(AttentionFields):
             alpha = alpha_H.astype(jnp.float32)[None, :, None, None]
             content_BHTS = dot_product_logits(q_BTHD, kv["key"], precision=self._precision())
             logits_BHTS = alpha * logits_BHTS + (1 - alpha) * content_BHTS
-        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
-                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype,
-                          precision=self._precision())
-        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
+        return self._attend_out(logits_BHTS, kv, mask, x_BTC, deterministic)
 
 
 class HadamardAttention(AttentionFields):
@@ -254,15 +251,7 @@ class HadamardAttention(AttentionFields):
                            (H, self.max_len, self.max_len), self.param_dtype)
         content_BHTS = dot_product_logits(q_BTHD, kv["key"], precision=self._precision())
         logits_BHTS = fixed_logits(_gathered(w_HLL), pos_BT, kv["positions"]) * content_BHTS
-        out_BTHD = attend(logits_BHTS, kv["value"], mask, dropout_rate=self.attention_dropout,
-                          dropout_rng=dropout_rng(self, self.attention_dropout, deterministic), dtype=self.dtype,
-                          precision=self._precision())
-        return dense(C, "out", self, FROM_HEADS)(out_BTHD.reshape(B, T, H * D)).astype(x_BTC.dtype)
-
-
-def _check_impl(impl: str) -> None:
-    if impl not in ATTENTION_IMPLS:
-        raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
+        return self._attend_out(logits_BHTS, kv, mask, x_BTC, deterministic)
 
 
 def _named(init: nn.initializers.Initializer, axes: tuple[str | None, ...]) -> nn.initializers.Initializer:

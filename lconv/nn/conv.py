@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from lconv import ops
 from lconv.constants import ACT_CONV, CONV, EMBED, HEADS, KERNEL
 from lconv.errors import UserError
-from lconv.nn.common import BT_CONV, BTHD, Dropout, check_input, constrain, xavier_dense
+from lconv.nn.common import BT_CONV, BTHD, Dropout, check_input, constrain, segments_and_positions, xavier_dense
 from lconv.ops import activations
 from lconv.ops import conv as conv_ops
 from lconv.ops.precision import lax_precision
@@ -208,11 +208,8 @@ class LightConvBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BTC: Array, *, segment_ids: Array | None = None, positions: Array | None = None,
                  deterministic: bool = True, decode: bool = False) -> Array:
-        if x_BTC.ndim != 3:
-            raise UserError(f"x_BTC must be [batch, time, features]; got shape {x_BTC.shape}")
-        for name, ids in (("segment_ids", segment_ids), ("positions", positions)):  # positions: unused, a conv
-            if ids is not None and ids.shape != x_BTC.shape[:2]:  # is translation invariant; checked all the same
-                raise UserError(f"{name} must be [batch, time] = {x_BTC.shape[:2]}; got {ids.shape}")
+        check_input(x_BTC)
+        segments_and_positions(x_BTC, segment_ids, positions)  # shapes only: a conv reads no positions
         if self.conv_type not in ("lightweight", "dynamic"):
             raise UserError(f"conv_type must be 'lightweight' or 'dynamic'; got {self.conv_type!r}")
         d = x_BTC.shape[-1]

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lconv.constants import ACT_VOCAB, EMBED, MLP, PAD_ID, VOCAB
-from lconv.nn.adaptive_input import AdaptiveInput
+from lconv.constants import ACT_VOCAB, EMBED, MLP, VOCAB
+from lconv.nn.adaptive_input import AdaptiveInput, embedding_init
 from lconv.nn.common import BTC, Embed, constrain, local_shape, xavier_dense
 from lconv.nn.model_config import ModelConfig
 from lconv.ops import linear_cross_entropy
@@ -27,12 +27,13 @@ def token_embedding(cfg: ModelConfig, name: str) -> nn.Module:
         return AdaptiveInput(cfg.vocab_size, tuple(cfg.adaptive_input_cutoffs), width, cfg.side("decoder").d_model,
                              cfg.adaptive_input_factor, dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
                              name=name)
+    return embedding(cfg, width, name)
 
-    def init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        return (jax.random.normal(key, shape, dtype) * width ** -0.5).at[PAD_ID].set(0.0)
 
+def embedding(cfg: ModelConfig, width: int, name: str) -> Embed:
+    """One ``[V, width]`` table, initialised as fairseq's ``Embedding`` (a zero PAD row)."""
     return Embed(cfg.vocab_size, width, dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
-                 embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
+                 embedding_init=nn.with_logical_partitioning(embedding_init(), (VOCAB, EMBED)), name=name)
 
 
 def project_in(cfg: ModelConfig) -> nn.Module | None:

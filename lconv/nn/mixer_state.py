@@ -62,11 +62,8 @@ def _declared(model_config: ModelConfig) -> dict[str, tuple[Reset, str]]:
         if not getattr(model_config, f"{side}_layers", 0):
             continue
         for name in dict.fromkeys(model_config.layer_mixers(side)):
-            info = mixers.info(name)
+            info = mixers.info(name)  # its state names none of lconv's own collections (``mixers.info`` checks)
             for collection in info.state:
-                if collection in ("params", "cache"):
-                    raise UserError(f"mixer {name!r}: state={info.state!r} may not name {collection!r}, which the "
-                                    "model owns; name the collection the mixer carries between windows")
                 hook, owner = hooks.setdefault(collection, (info.reset_state, name))
                 if hook is not info.reset_state:
                     raise UserError(f"mixers {owner!r} and {name!r} both carry state collection {collection!r} "

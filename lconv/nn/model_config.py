@@ -241,7 +241,8 @@ class ModelConfig:
 
     def validate(self, decoder_only: bool = False) -> None:
         """Every field rule and combination for an encoder-decoder or (``decoder_only``) an LM; one line each."""
-        self._check_ranges()
+        for f in dataclasses.fields(self):  # each field's own rule first: a zero head count would divide by zero
+            check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
         self._check_decoder_ends()
         if self.adaptive_softmax_cutoffs:
             adaptive_softmax.check_cutoffs(self.adaptive_softmax_cutoffs, self.vocab_size, self.decoder_output_width,
@@ -348,11 +349,6 @@ class ModelConfig:
         if name == "conv_features" and not getattr(self, f"{side}_conv_features") and not self.conv_features:
             return f"{side}_d_model" if getattr(self, f"{side}_d_model") is not None else "d_model"
         return f"{side}_{name}" if getattr(self, f"{side}_{name}") is not None else name
-
-    def _check_ranges(self) -> None:
-        """Each field's own rule, before any arithmetic with it (a zero head count would divide by zero)."""
-        for f in dataclasses.fields(self):
-            check(f"config.model.{f.name}", getattr(self, f.name), f.metadata["rule"])
 
     def side(self, name: str) -> SideConfig:
         """Side ``name``'s block settings: its ``{name}_<field>`` where set, else the shared one."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID, REMAT_POLICIES, VOCAB
+from lconv.constants import ACT_LENGTH, BOS_ID, EMBED, LENGTH, MLP, PAD_ID
 from lconv.errors import UserError
 from lconv.nn import adaptive_softmax, decoder_ends, mixers
 from lconv.nn.attention import CrossAttention
@@ -37,7 +37,7 @@ class EncoderDecoder(nn.Module):
     def setup(self) -> None:
         cfg = self.config
         cfg.ensure_valid()  # once per config object, not at every trace
-        self.source_embed = _embedding(cfg, "encoder", "source_embed")
+        self.source_embed = decoder_ends.embedding(cfg, cfg.side("encoder").d_model, "source_embed")
         self.target_embed = (self.source_embed if cfg.share_embeddings
                              else decoder_ends.token_embedding(cfg, "target_embed"))
         self.project_in = decoder_ends.project_in(cfg)
@@ -144,9 +144,7 @@ class Stack(nn.Module):
 
 @functools.cache
 def remat_layer(policy: str) -> type[nn.Module]:
-    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names, if any."""
-    if policy not in REMAT_POLICIES:
-        raise UserError(f"config.model.remat={policy!r}: must be one of {', '.join(REMAT_POLICIES)}")
+    """``Layer``, under ``nn.remat`` with the checkpoint policy ``policy`` names (``ModelConfig`` checked it)."""
     policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
     return Layer if policy == "none" else nn.remat(Layer, policy=policies[policy], static_argnums=(4, 5))
 
@@ -251,18 +249,6 @@ def _model_values(cfg: ModelConfig, name: str, cls: type[nn.Module], side: str, 
         return getattr(cfg, source)
 
     return {field: value(source) for field, source in getattr(cls, "model_fields", {}).items()}
-
-
-def _embedding(cfg: ModelConfig, side: str, name: str) -> Embed:
-    """N(0, d^-1/2) embeddings of ``side``'s width with a zero PAD row, as fairseq's ``Embedding``."""
-    width = cfg.side(side).d_model
-
-    def init(key: Array, shape: tuple[int, ...], dtype: DType = jnp.float32) -> Array:
-        table = jax.random.normal(key, shape, dtype) * width ** -0.5
-        return table.at[PAD_ID].set(0.0)
-
-    return Embed(cfg.vocab_size, width, dtype=cfg.dtype, matmul_precision=cfg.matmul_precision,
-                 embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)), name=name)
 
 
 def _output_projection(cfg: ModelConfig) -> nn.Module:

@@ -4,7 +4,6 @@ to 1e-5 in float32); ``segment_ids`` keeps packed rows apart; the ``*_step`` fun
 state. How each implementation works and what "auto" picks: docs/kernels.md."""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -79,14 +78,10 @@ def choose_impl(backend: str | None = None) -> str:
 def _per_platform(op, x_BTC, weight, padding_left, segment_ids, block_size):
     """``op`` with ``impl="auto"``: ``jax.lax.platform_dependent`` keeps the lowering platform's candidate."""
     def run(impl):
-        return functools.partial(_run_impl, op, impl=impl, padding_left=padding_left, block_size=block_size)
+        return lambda x, w, seg: op(x, w, padding_left, impl=impl, segment_ids=seg, block_size=block_size)
 
     per_platform = {platform: run(impl) for platform, impl in _AUTO_IMPL.items()}
     return jax.lax.platform_dependent(x_BTC, weight, segment_ids, default=run(_AUTO_DEFAULT), **per_platform)
-
-
-def _run_impl(op, x_BTC, weight, segment_ids, *, impl, padding_left, block_size):
-    return op(x_BTC, weight, padding_left, impl=impl, segment_ids=segment_ids, block_size=block_size)
 
 
 def tap_mask(segment_ids_BT: Array, kernel_size: int, padding_left: int) -> Array:

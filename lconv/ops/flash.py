@@ -276,6 +276,11 @@ def auto_impl(platform: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
 # The dispatch
 
 
+def check_impl(impl: str) -> None:
+    if impl not in ATTENTION_IMPLS:
+        raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
+
+
 def segment_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Array | None = None,
                       k_seg_BS: Array | None = None, *, causal: bool = False, radius: int | None = None,
                       impl: str = "auto", dropout_rate: float = 0.0, dropout_rng: Array | None = None,
@@ -283,8 +288,7 @@ def segment_attention(q_BTHD: Array, k_BSHD: Array, v_BSHD: Array, q_seg_BT: Arr
                       block_k: int | None = None) -> Array:
     """Masked scaled dot-product attention by ``impl`` (module docstring), ``[B, T, H, D]`` in ``dtype``; ``q_seg_BT`` /
     ``k_seg_BS``: both or neither. ``block_q`` / ``block_k``: the chunked kernel's (None: ``XLA_RULES``)."""
-    if impl not in ATTENTION_IMPLS:
-        raise UserError(f"attention_impl {impl!r}: must be one of {', '.join(ATTENTION_IMPLS)}")
+    check_impl(impl)
     if (q_seg_BT is None) != (k_seg_BS is None):
         raise UserError("segment_attention: give both query and key segment ids, or neither")
     T, S = q_BTHD.shape[1], k_BSHD.shape[1]

@@ -102,51 +102,42 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 def _taps(in_BTC, weight, seg_BT, s: _Settings, transposed):
     """The forward (``y`` from ``x``) or, ``transposed``, ``dx`` from ``dy``: ``[B, T, C]`` in ``in``'s dtype."""
     B, T, C = in_BTC.shape
-    H, K = weight.shape[-2:]
-    D, G = C // H, pl.cdiv(T, s.L)
-    segmented = seg_BT is not None
-    kernel = functools.partial(_taps_kernel, T=T, K=K, P=s.P, L=s.L, light=weight.ndim == 2, segmented=segmented,
-                               transposed=transposed)
-    call = functools.partial(
-        _pallas, kernel, num_warps=s.num_warps, grid=(G, B, H),
-        in_specs=[_row_spec(T, D), _weight_spec(weight)] + ([_segment_spec(T)] if segmented else []),
-        out_specs=pl.BlockSpec((None, s.L, D), lambda g, b, h: (b, g, h)),
-        out_shape=jax.ShapeDtypeStruct((B, T, C), in_BTC.dtype),
-    )
-    return _run(call, (in_BTC, weight) + ((seg_BT,) if segmented else ()), s.interpret)
+    D = C // weight.shape[-2]
+    return _launch(_taps_kernel, s, weight, seg_BT, (in_BTC, weight), [_row_spec(T, D), _weight_spec(weight)],
+                   pl.BlockSpec((None, s.L, D), lambda g, b, h: (b, g, h)),
+                   jax.ShapeDtypeStruct((B, T, C), in_BTC.dtype), transposed=transposed)
 
 
 def _dweight(x_BTC, weight, seg_BT, dy_BTC, s: _Settings):
     B, T, C = x_BTC.shape
-    H, K = weight.shape[-2:]
-    D, G = C // H, pl.cdiv(T, s.L)
-    light, segmented = weight.ndim == 2, seg_BT is not None
-    kernel = functools.partial(_dweight_kernel, T=T, K=K, P=s.P, L=s.L, light=light, segmented=segmented)
-    dw_spec, dw_shape = _dweight_out(weight, B, G, s.L)
-    call = functools.partial(
-        _pallas, kernel, num_warps=s.num_warps, grid=(G, B, H),
-        in_specs=[_row_spec(T, D), _row_spec(T, D)] + ([_segment_spec(T)] if segmented else []),
-        out_specs=dw_spec, out_shape=dw_shape,
-    )
-    dw = _run(call, (x_BTC, dy_BTC) + ((seg_BT,) if segmented else ()), s.interpret)
+    D = C // weight.shape[-2]
+    dw_spec, dw_shape = _dweight_out(weight, B, pl.cdiv(T, s.L), s.L)
+    dw = _launch(_dweight_kernel, s, weight, seg_BT, (x_BTC, dy_BTC), [_row_spec(T, D), _row_spec(T, D)], dw_spec,
+                 dw_shape)
     return _finish_dweight(dw, weight)
 
 
 def _fused_backward(x_BTC, weight, seg_BT, dy_BTC, s: _Settings):
     B, T, C = x_BTC.shape
-    H, K = weight.shape[-2:]
-    D, G = C // H, pl.cdiv(T, s.L)
-    light, segmented = weight.ndim == 2, seg_BT is not None
-    kernel = functools.partial(_fused_backward_kernel, T=T, K=K, P=s.P, L=s.L, light=light, segmented=segmented)
-    dw_spec, dw_shape = _dweight_out(weight, B, G, s.L)
-    call = functools.partial(
-        _pallas, kernel, num_warps=s.num_warps, grid=(G, B, H),
-        in_specs=[_row_spec(T, D), _weight_spec(weight), _row_spec(T, D)] + ([_segment_spec(T)] if segmented else []),
-        out_specs=[pl.BlockSpec((None, s.L, D), lambda g, b, h: (b, g, h)), dw_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, T, C), x_BTC.dtype), dw_shape],
-    )
-    dx_BTC, dw = _run(call, (x_BTC, weight, dy_BTC) + ((seg_BT,) if segmented else ()), s.interpret)
+    D = C // weight.shape[-2]
+    dw_spec, dw_shape = _dweight_out(weight, B, pl.cdiv(T, s.L), s.L)
+    dx_BTC, dw = _launch(_fused_backward_kernel, s, weight, seg_BT, (x_BTC, weight, dy_BTC),
+                         [_row_spec(T, D), _weight_spec(weight), _row_spec(T, D)],
+                         [pl.BlockSpec((None, s.L, D), lambda g, b, h: (b, g, h)), dw_spec],
+                         [jax.ShapeDtypeStruct((B, T, C), x_BTC.dtype), dw_shape])
     return dx_BTC, _finish_dweight(dw, weight)
+
+
+def _launch(kernel, s: _Settings, weight, seg_BT, operands, in_specs, out_specs, out_shape, **static):
+    """``kernel`` on the ``(time tile, batch row, head)`` grid over ``operands``, the segment ids appended if any."""
+    B, T, _ = operands[0].shape
+    H, K = weight.shape[-2:]
+    segmented = seg_BT is not None
+    kernel = functools.partial(kernel, T=T, K=K, P=s.P, L=s.L, light=weight.ndim == 2, segmented=segmented, **static)
+    call = functools.partial(_pallas, kernel, num_warps=s.num_warps, grid=(pl.cdiv(T, s.L), B, H),
+                             in_specs=in_specs + ([_segment_spec(T)] if segmented else []), out_specs=out_specs,
+                             out_shape=out_shape)
+    return _run(call, operands + ((seg_BT,) if segmented else ()), s.interpret)
 
 
 def _dweight_out(weight, B, G, L):

@@ -362,10 +362,10 @@ def check_search(*, beam_size: int | None = None, lenpen: float | None = None,
                         f"({vocab_size - 1}; fairseq's cap: a wider beam holds no more distinct continuations)")
 
 
-def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}"
-                 ) -> None:
-    """Each given ``config.decode`` field of ``values`` by its rule, named as ``spell`` says."""
-    rules = {f.name: f.metadata["rule"] for f in schema_fields(DecodeConfig)}
+def check_decode(values: Mapping[str, Any], spell: Callable[[str], str] = lambda name: f"config.decode.{name}",
+                 section: type = DecodeConfig) -> None:
+    """Each given field of ``values`` by its rule in ``section`` (``config.decode``'s), named as ``spell`` says."""
+    rules = {f.name: f.metadata["rule"] for f in schema_fields(section)}
     for name, value in values.items():
         if value is not None:
             check(spell(name), value, rules[name])
@@ -395,13 +395,11 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
 def check_sampling(values: Mapping[str, Any], spell: Callable[[str], str] = str, *,
                    vocab_size: int | None = None, idle: bool = True) -> None:
     """Each given sampling setting of ``values`` by its rule; a filter or seed without a temperature is refused."""
-    rules = {f.name: f.metadata["rule"] for f in schema_fields(SamplingSettings)}
-    unknown = sorted(set(values) - set(rules))
+    known = {f.name for f in schema_fields(SamplingSettings)}
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise UserError(f"unknown sampling setting(s) {unknown}; known: {sorted(rules)}")
-    for name, value in values.items():
-        if value is not None:
-            check(spell(name), value, rules[name])
+        raise UserError(f"unknown sampling setting(s) {unknown}; known: {sorted(known)}")
+    check_decode(values, spell, SamplingSettings)
     top_k = values.get("top_k")
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise UserError(f"{spell('top_k')}={top_k}: must be at most the model's vocabulary of {vocab_size} tokens "
