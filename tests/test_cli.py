@@ -119,6 +119,16 @@ def test_a_cluster_launch_initializes_jax_distributed_from_the_environment(monke
     runtime.initialize()
     assert calls[-1] == {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1}
     assert settings == {"jax_cpu_collectives_implementation": "gloo", "jax_cpu_enable_async_dispatch": False}
+    # An index past the count was a 21-line ValueError from jax; a port-less coordinator, a wait without end.
+    for name, value, named in (("LCONV_PROCESS_ID", "7", "0 to 1"), ("LCONV_PROCESS_ID", "one", "0 to 1"),
+                               ("LCONV_COORDINATOR", "localhost", "host:port")):
+        monkeypatch.setenv("LCONV_COORDINATOR", "localhost:1234")
+        monkeypatch.setenv("LCONV_PROCESS_ID", "1")
+        monkeypatch.setenv(name, value)
+        with pytest.raises(UserError) as error:
+            runtime.initialize()
+        helpers.one_line_error(error, name, repr(value), named)
+    assert len(calls) == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -59,6 +59,17 @@ def initialize() -> None:
         if missing:
             raise UserError(f"LCONV_NUM_PROCESSES={os.environ['LCONV_NUM_PROCESSES']} needs {' and '.join(missing)} "
                             "too (the coordinator's host:port and this process's index)")
+        processes, index = int(os.environ["LCONV_NUM_PROCESSES"]), os.environ["LCONV_PROCESS_ID"].strip()
+        if not (index.isdigit() and int(index) < processes):
+            raise UserError(f"LCONV_PROCESS_ID={os.environ['LCONV_PROCESS_ID']!r} must be this process's index, 0 to "
+                            f"{processes - 1} (LCONV_NUM_PROCESSES={processes})")
+        host, _, port = os.environ["LCONV_COORDINATOR"].rpartition(":")
+        if not (host and port.isdigit()):
+            raise UserError(f"LCONV_COORDINATOR={os.environ['LCONV_COORDINATOR']!r} must be the coordinator's "
+                            "host:port")
+        # jax.distributed says nothing while it waits for the others: a wrong address looked like a hang.
+        logging.getLogger(__name__).info(f"process {index} of {processes}: waiting for the coordinator at "
+                                            f"{os.environ['LCONV_COORDINATOR']} and the other processes")
         # CPU devices of different processes talk over gloo (TPU/GPU use their own interconnect regardless).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # Each CPU program runs to its end before the next is dispatched. With JAX's async CPU dispatch, programs
@@ -68,8 +79,8 @@ def initialize() -> None:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         jax.distributed.initialize(
             coordinator_address=os.environ["LCONV_COORDINATOR"],
-            num_processes=int(os.environ["LCONV_NUM_PROCESSES"]),
-            process_id=int(os.environ["LCONV_PROCESS_ID"]),
+            num_processes=processes,
+            process_id=int(index),
         )
     elif cluster is not None:
         jax.distributed.initialize()  # SLURM, Open MPI, Cloud TPU: JAX reads everything from the environment
