@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import random
 import shutil
 import sys
 
@@ -228,6 +229,19 @@ def test_a_damaged_export_is_one_line_naming_the_file(damage, exported, tmp_path
     with pytest.raises(UserError) as error:
         export.load(str(copy))
     helpers.one_line_error(error, str(path))
+
+
+def test_an_exported_program_altered_inside_is_one_line_at_its_first_call(exported, tmp_path):
+    """Three bytes flipped in a program's body: it deserialises, then its first call was a 34-line JaxRuntimeError."""
+    copy = shutil.copytree(exported, tmp_path / "export")
+    program = copy / "translate_r1_w32.jax"
+    data = bytearray(program.read_bytes())
+    for position in random.Random(3).sample(range(len(data) // 3, len(data) * 9 // 10), 3):
+        data[position] ^= 0x5A
+    program.write_bytes(bytes(data))
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))(["Fast tool."])
+    helpers.one_line_error(error, str(program), "cannot run")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -199,6 +199,7 @@ class Served:
             raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
         # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
         # what is wrong with it, never a traceback (or wrong outputs) at the first call.
+        self.directory = directory
         self.sidecar = files.read_part(directory, SIDECAR, files.parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name = self.sidecar["tokenizer"]
@@ -280,12 +281,17 @@ class Served:
         fits = sorted((r, w) for r, w in self.programs if r >= len(chunk) and w >= longest)
         entry, exported = self.programs[fits[0]]  # there is one: run_ids cut every input to the widest
         batch = compiled.pad_rows(chunk, entry["rows"], entry["width"])
-        if self.task == "lm":
-            lengths = np.asarray([len(x) for x in chunk] + [0] * (entry["rows"] - len(chunk)), np.int32)
-            tokens = exported.call(self.params, batch, lengths, np.uint32(seed))
-            out = compiled.continuations(np.asarray(tokens), lengths, self.sidecar["search"]["max_len"])
-        else:
-            out = np.asarray(exported.call(self.params, batch, np.float32(self.sidecar["search"]["lenpen"])))
+        try:
+            if self.task == "lm":
+                lengths = np.asarray([len(x) for x in chunk] + [0] * (entry["rows"] - len(chunk)), np.int32)
+                tokens = exported.call(self.params, batch, lengths, np.uint32(seed))
+                out = compiled.continuations(np.asarray(tokens), lengths, self.sidecar["search"]["max_len"])
+            else:
+                out = np.asarray(exported.call(self.params, batch, np.float32(self.sidecar["search"]["lenpen"])))
+        except jax.errors.JaxRuntimeError as err:  # a program that deserialises can still fail to compile or run
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise UserError(f"{self.directory / entry['file']}: the exported program cannot run ({first}); if the "
+                            "file was altered, export the run again") from None
         return out[:len(chunk)]
 
 
