@@ -2,10 +2,11 @@
 once; as a library lconv configures no handler (a notebook calls ``show_log()`` itself)."""
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT_LOGGER = "lconv"
 
@@ -71,3 +72,17 @@ def pass_bar(total: int | None, desc: str, unit: str) -> Any:
 
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0, leave=False,
                 disable=jax.process_index() != 0 or not is_terminal(sys.stderr))
+
+
+def exit_with(line: str) -> NoReturn:
+    """A command's one-line error: ``error: <line>`` on stderr (controls escaped, whitespace runs as one space),
+    exit status 2."""
+    print(f"error: {printable(' '.join(line.split()))}", file=sys.stderr)
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage errors as one ``exit_with`` line, as every entry point reports a user error."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_with(message)

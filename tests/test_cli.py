@@ -14,6 +14,7 @@ import helpers
 import numpy as np
 import pytest
 
+from lconv import console
 from lconv.cli import runtime
 from lconv.errors import NonFiniteLoss, UserError
 from lconv.nn import mixers, models
@@ -35,8 +36,10 @@ def test_a_user_error_shows_the_control_characters_of_a_name_as_escapes_never_ra
     err = capsys.readouterr().err
     assert err == "error: checkpoint file x\\x1b]0;PWNED-TITLE\\x07\\x1b[2J\\x1b[31mRED\\x9b is a pipe\n"
     with pytest.raises(SystemExit):  # a flag's line (a config file's name) is printed the same way
-        runtime._exit_with("--config=/nowhere/\x1b[2Jx.py: no such file")
+        console.exit_with("--config=/nowhere/\x1b[2Jx.py: no such file")
     assert capsys.readouterr().err == "error: --config=/nowhere/\\x1b[2Jx.py: no such file\n"
+    code, _, err = helpers.run_cli(capsys, "lconv.data", "en_\x1b[2Jde")  # python -m lconv.data's own parser
+    assert code == 2 and "\x1b" not in err and "en_\\x1b[2Jde" in err and err.count("\n") == 1
 
 
 def test_a_diverged_run_is_a_user_error_and_still_a_floating_point_error(capsys):

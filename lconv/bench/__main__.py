@@ -34,12 +34,6 @@ def in_clone_root() -> bool:
     return os.path.samefile(root, os.getcwd()) and os.path.isfile(COMMITTED_DOC)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like the other entry points' user errors
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_T_list(text: str) -> tuple[int, ...]:
     """``"256,1024"`` -> ``(256, 1024)``; positive integers, ascending, no repeats."""
     try:
@@ -83,7 +77,7 @@ def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, b
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _Parser(prog="python -m lconv.bench", description=__doc__.splitlines()[0])
+    parser = console.OneLineParser(prog="python -m lconv.bench", description=__doc__.splitlines()[0])
     parser.add_argument("suite", help=f"one of {', '.join(SUITES + ONE_COMMAND_SUITES)}, all")
     parser.add_argument("--quick", action="store_true", help="short lists and fewer runs: a smoke test")
     parser.add_argument("--out", default=None, help=f"folder for the CSV and PNG files (default {COMMITTED_OUT} in a "

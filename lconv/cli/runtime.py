@@ -225,7 +225,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         resolved = resolve_config_argument(argv)
     except UserError as err:
-        _exit_with(str(err))
+        console.exit_with(str(err))
     try:
         remaining = flags.FLAGS(resolved)
     except SystemExit as exit_:
@@ -234,10 +234,11 @@ def parse_flags(argv: list[str]) -> list[str]:
             raise SystemExit(0) from None
         raise
     except Exception as err:  # noqa: BLE001 (every flag and config-file error is an input to fix)
-        _exit_with(_flag_error_line(err, argv))
+        console.exit_with(_flag_error_line(err, argv))
     if len(remaining) > 1:  # absl's UsageError would print the whole --help and exit 1
-        _exit_with(f"unexpected argument{'s' if len(remaining) > 2 else ''} {' '.join(remaining[1:])}: every setting "
-                   "is a flag, --name=value (see --help)")
+        extra = ' '.join(remaining[1:])
+        console.exit_with(f"unexpected argument{'s' if len(remaining) > 2 else ''} {extra}: every setting is a flag, "
+                          "--name=value (see --help)")
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), None)
     if config_arg is not None and "config" in flags.FLAGS:
         try:  # ml_collections defers a config file's load error to the first use of the config
@@ -245,10 +246,10 @@ def parse_flags(argv: list[str]) -> list[str]:
             value.keys()
         except OSError as err:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            _exit_with(f"{config_arg}: {lines[-1] if lines else type(err).__name__}")
+            console.exit_with(f"{config_arg}: {lines[-1] if lines else type(err).__name__}")
         except AttributeError:
-            _exit_with(f"{config_arg}: get_config() returned {type(value).__name__} {value!r:.40}; it must return an "
-                       "ml_collections.ConfigDict (start from lconv.configs.common.base_config())")
+            console.exit_with(f"{config_arg}: get_config() returned {type(value).__name__} {value!r:.40}; it must "
+                              "return an ml_collections.ConfigDict (start from lconv.configs.common.base_config())")
     return remaining
 
 
@@ -322,11 +323,6 @@ def _root_cause(err: BaseException) -> BaseException:
         chain.append(nxt)
     users = [e for e in chain[1:] if isinstance(e, UserError) and "Traceback" not in str(e)]
     return users[-1] if users else chain[-1]
-
-
-def _exit_with(line: str) -> NoReturn:
-    print(f"error: {console.printable(line)}", file=sys.stderr)
-    sys.exit(2)
 
 
 def print_summary(result: dict[str, Any]) -> None:

@@ -22,16 +22,6 @@ from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like the other entry points' user errors
-        _exit_with(message)
-
-
-def _exit_with(message: str) -> None:
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
-    sys.exit(2)
-
-
 def dataset_name(task: str) -> str:
     """A DDTP task (``en_de``) or a dataset name (``ddtp/de_en``, ``lm1b``) -> the dataset name."""
     if task in sources.DATASETS or task == sources.FILES:
@@ -80,7 +70,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
     # The default config's data settings: the copy prepared here is the one train.py reads.
     data = default.get_config().data
-    parser = _Parser(prog="python -m lconv.data", description=__doc__.splitlines()[0])
+    parser = console.OneLineParser(prog="python -m lconv.data", description=__doc__.splitlines()[0])
     parser.add_argument("tasks", nargs="*", default=list(ddtp.TASKS), help=f"default: all of {ddtp.TASKS}")
     parser.add_argument("--data_dir", default=data.data_dir, help="default: the configs' (where train.py reads)")
     parser.add_argument("--raw_dir", default=None, help="apt Translation-* files (ddtp), IWSLT14 text files, or "
@@ -110,7 +100,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _parse_prepare(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m lconv.data prepare", description="Prepares a dataset as array_record.")
+    parser = console.OneLineParser(prog="python -m lconv.data prepare",
+                                   description="Prepares a dataset as array_record.")
     parser.add_argument("name", help="a dataset name (wmt14/en_de, lm1b, cnn_dailymail, ddtp/en_de, ...)")
     parser.add_argument("--data_dir", default="~/tensorflow_datasets", help="local folder or URL (gs://...)")
     parser.add_argument("--raw_dir", default=None, help="ddtp/* and iwslt14/* only: their raw files")
@@ -140,7 +131,7 @@ def prepare_main(argv: list[str]) -> None:
         else:
             catalog.prepare(args.name, args.data_dir, download_dir=args.download_dir, manual_dir=args.manual_dir)
     except UserError as err:
-        _exit_with(str(err))
+        console.exit_with(str(err))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             show(name, args.data_dir, args.workdir, args.vocab_size, args.max_sentences, args.batch_size,
                  args.raw_dir, source_lang=args.source_lang, target_lang=args.target_lang, data_name=args.name)
     except UserError as err:
-        _exit_with(str(err))
+        console.exit_with(str(err))
 
 
 if __name__ == "__main__":
