@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from lconv import console
-from lconv.data import catalog, ddtp, paths, pipeline, sources
+from lconv.data import catalog, copy_report, ddtp, paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
@@ -126,7 +126,7 @@ def prepare_main(argv: list[str]) -> None:
 
             spec = sources.dataset_spec(args.name)
             builder = tfds_ddtp.prepare(spec.tfds_name, args.data_dir, raw_dir=args.raw_dir)
-            report = tfds_ddtp.read_report(builder)
+            report = copy_report.read_report(builder)
             print(f"{args.name}: examples {report['examples']} in {builder.data_dir}")
         else:
             catalog.prepare(args.name, args.data_dir, download_dir=args.download_dir, manual_dir=args.manual_dir)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from lconv.data import ddtp, own_files, paths
+from lconv.data import copy_report, ddtp, own_files, paths
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 
@@ -173,9 +173,7 @@ def source_report(name: str, data_dir: str, raw_dir: str | None = None,
     spec = _spec(name, layout)
     if not spec.local:
         return {}
-    from lconv.data import tfds_ddtp
-
-    return tfds_ddtp.read_report(_builder(spec, _data_dir(data_dir), raw_dir, layout))
+    return copy_report.read_report(_builder(spec, _data_dir(data_dir), raw_dir, layout))
 
 
 def describe_report(report: Mapping[str, Any]) -> list[str]:

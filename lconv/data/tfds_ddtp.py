@@ -8,18 +8,17 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv import json_text, outputs
-from lconv.data import ddtp, own_files, paths
+from lconv import outputs
+from lconv.data import copy_report, ddtp, own_files, paths
+from lconv.data.copy_report import REPORT_FILENAME
 from lconv.errors import UserError
 
 _TASK_FIELDS = {
@@ -90,10 +89,10 @@ class Ddtp(_LocalBuilder):
         tasks = ddtp.load_tasks(self._raw_dir, tasks=[task], counts=self.counts,
                                 counts_by_split=self.counts_by_split)
         if self._raw_dir is None:  # the snapshot holds parsed records: its parse counts were saved beside it
-            self.counts.update(_snapshot_parse_counts(ddtp.task_langs(task)))
+            self.counts.update(copy_report.snapshot_parse_counts(ddtp.task_langs(task)))
         if not tasks[task]["train"]:
             raise UserError(f"raw_dir={self._raw_dir!r} gives no {task} training example "
-                            f"(records read: {_records(self.counts)}); check its Translation files")
+                            f"(records read: {copy_report.records(self.counts)}); check its Translation files")
         return {split: self._generate_examples(examples)  # tfds cannot write an empty split (tiny corpora)
                 for split, examples in tasks[task].items() if examples}
 
@@ -162,7 +161,6 @@ BUILDERS = {"ddtp": Ddtp, "iwslt14": Iwslt14, "files": Files}
 
 
 CACHE_DIRNAME = "lconv_prepared"  # under data_dir: one directory per (dataset, source) prepared
-REPORT_FILENAME = "lconv_report.json"  # in a prepared version directory: its source and skip counts
 _IWSLT_FILES = tuple(f"{prefix}.{lang}" for prefix in ("train", "valid", "test") for lang in ("de", "en"))
 _DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: each file hashed once
 
@@ -284,12 +282,12 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
     return builder
 
 
-def _open_copy(cls: type, config: Any, read_dir: str, options: dict) -> tfds.core.DatasetBuilder:
+def _open_copy(cls: type, config_name: str, read_dir: str, options: dict) -> tfds.core.DatasetBuilder:
     """The builder reading the copy under ``read_dir``; a ``dataset_info.json`` tfds cannot parse is one line."""
     from google.protobuf import json_format
 
     try:
-        return cls(config=config, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
+        return cls(config=config_name, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
     except (json_format.ParseError, RecursionError) as err:
         first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
         raise UserError(f"{read_dir}: the prepared copy's dataset_info.json is not what lconv wrote ({first}); "
@@ -363,7 +361,7 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
         with _no_progress_bars():
             builder.download_and_prepare()
         report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
-                  **_counts_report(builder.counts, builder.counts_by_split)}
+                  **copy_report.counts_report(builder.counts, builder.counts_by_split)}
         with open(os.path.join(builder.data_dir, REPORT_FILENAME), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, ensure_ascii=False)
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
@@ -456,81 +454,3 @@ def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
     except OSError:
         if os.path.islink(temp_link):
             os.unlink(temp_link)
-
-
-def read_report(builder: tfds.core.DatasetBuilder) -> dict:
-    """The ``lconv_report.json`` of a copy ``prepare`` returned: source, examples, skipped and altered counts."""
-    path = epath.Path(builder.data_dir) / REPORT_FILENAME
-    data = paths.read_bytes(path, "missing from the prepared copy (remove the copy to prepare it again)")
-    try:
-        report = json_text.loads(data)
-    except ValueError as err:
-        raise UserError(f"{path}: not the report lconv wrote ({err}); remove the copy to prepare it again") from None
-    if not isinstance(report, dict):
-        raise UserError(f"{path}: not the report lconv wrote (not an object); remove the copy to prepare it again")
-    for field, valid in _REPORT_FIELDS.items():
-        if not valid(report.get(field)):
-            raise UserError(f"{path}: not the report lconv wrote ({field!r} is {report.get(field)!r:.60}); remove the "
-                            "copy to prepare it again")
-    return report
-
-
-def _counts_by(depth: int) -> Callable[[Any], bool]:
-    """Whether a value is ``{name: count}`` nested ``depth`` objects deep (what the report's counts are)."""
-    def valid(value: Any) -> bool:
-        if depth == 0:
-            return isinstance(value, int) and not isinstance(value, bool)
-        inner = _counts_by(depth - 1)
-        return isinstance(value, dict) and all(isinstance(k, str) and inner(v) for k, v in value.items())
-    return valid
-
-
-_REPORT_FIELDS: dict[str, Callable[[Any], bool]] = {  # what lconv reads back from a report
-    "dataset": lambda value: isinstance(value, str), "source": lambda value: isinstance(value, str),
-    "examples": _counts_by(1), "records": _counts_by(1), "skipped": _counts_by(2), "altered": _counts_by(2)}
-
-
-# The counts of ``lconv.data.ddtp`` grouped for people to read.
-
-_TOTALS_RE = re.compile(r"^(records_|unique_descriptions_|missing_file_)|_examples$")
-_ALTERED_RE = re.compile(r"^(tab_replaced|control_chars_removed|line_truncated)$|_truncated$")
-
-
-def _counts_report(counts: Mapping[str, int], counts_by_split: Mapping[str, Mapping[str, int]]) -> dict:
-    """{"skipped": ..., "altered": ..., "records": {lang: n}}: the non-zero counts by stage and reason."""
-    split_totals = collections.Counter()
-    for split_counts in counts_by_split.values():
-        split_totals.update(split_counts)
-    stages = {"parse": {k: n - split_totals[k] for k, n in counts.items()}, **counts_by_split}
-    report = {"skipped": {}, "altered": {}}
-    for stage, stage_counts in stages.items():
-        for reason, n in sorted(stage_counts.items()):
-            if n and not _TOTALS_RE.search(reason):
-                kind = "altered" if _ALTERED_RE.search(reason) else "skipped"
-                report[kind].setdefault(stage, {})[reason] = int(n)
-    report["records"] = _records(counts)
-    return report
-
-
-def _records(counts: Mapping[str, int]) -> dict[str, int]:
-    """{lang: records parsed} from ddtp's counts."""
-    return {k.removeprefix("records_"): int(n) for k, n in sorted(counts.items()) if k.startswith("records_")}
-
-
-_PARSE_COUNT_RE = re.compile(
-    r"^(?:records|unique_descriptions|invalid_utf8_record|conflicting_duplicate_md5|duplicate_md5|no_english_source)"
-    r"_(?P<lang>.+)$|^(?:record_without_md5|record_without_description|whitespace_line_skipped|"
-    r"stray_continuation_line|malformed_line|empty_paragraph_skipped|tab_replaced|control_chars_removed|"
-    r"line_truncated)$")
-
-
-def _snapshot_parse_counts(langs: tuple[str, ...]) -> collections.Counter:
-    """The parse counts recorded when the bundled snapshot was made, for ``langs``."""
-    with open(os.path.join(ddtp.SNAPSHOT_DIR, "counts.json"), encoding="utf-8") as f:
-        recorded = json.load(f)["processing"]
-    parse = collections.Counter()
-    for reason, n in recorded.items():
-        match = _PARSE_COUNT_RE.match(reason)
-        if match and match["lang"] in (None, *langs):
-            parse[reason] = n
-    return parse
