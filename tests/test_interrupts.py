@@ -92,6 +92,23 @@ def test_ctrl_c_in_a_process_busy_in_gc_callbacks_ends_it_with_130():
     assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr[-2000:]
 
 
+# An exit handler registered before the program runs (as JAX registers its own at import) runs after lconv's, and
+# takes a second Ctrl-C there: before, a KeyboardInterrupt traceback followed "interrupted".
+_SECOND_CTRL_C_AT_EXIT = """
+import atexit, os, signal, time
+from lconv.cli import runtime
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))
+with runtime.user_errors():
+    raise KeyboardInterrupt
+"""
+
+
+def test_a_second_ctrl_c_while_the_exit_handlers_run_is_ignored():
+    process = subprocess.run([sys.executable, "-c", _SECOND_CTRL_C_AT_EXIT], cwd=helpers.ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert process.returncode == 130 and process.stderr == "interrupted\n", process.stderr[-2000:]
+
+
 def test_a_ctrl_c_while_a_checkpoint_is_written_ends_at_once_and_the_next_start_clears_what_it_left(
         exits, capsys, tmp_path, lconv_log):
     """The loop's save after a first Ctrl-C, then a second Ctrl-C in orbax's wait: a traceback from its threads and

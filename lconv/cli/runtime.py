@@ -2,6 +2,7 @@
 errors."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -139,6 +140,8 @@ def user_errors() -> Iterator[None]:
         _exit(2)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints and stops by itself)
         print("interrupted", file=sys.stderr)
+        if installed:  # exit handlers run last-registered first: a second Ctrl-C in JAX's was a traceback
+            atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
         _exit(130)
     finally:
         if installed:
