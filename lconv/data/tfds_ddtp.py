@@ -297,7 +297,7 @@ def _open_copy(cls: type, config_name: str, read_dir: str, options: dict) -> tfd
 def _check_copy(copy_dir: str) -> None:
     """A prepared copy holds the plain files lconv wrote: each a regular file inside the copy, of a size lconv reads,
     else one line naming it. A copy in a data_dir a run's config names comes from elsewhere: a pipe in it hung
-    eval.py, and a link out of it had eval.py read and score files outside (round-9 campaign)."""
+    eval.py, and a link out of it had eval.py read and score files outside."""
     for path in (os.path.dirname(copy_dir), copy_dir):
         if os.path.islink(path):
             raise UserError(f"{path}: a link where lconv keeps its prepared copies; they are plain folders (remove "

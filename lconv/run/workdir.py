@@ -67,7 +67,7 @@ def make_workdir(workdir: str) -> str:
 
 def check_plain_steps(directory: str) -> None:
     """A checkpoint folder's entries are plain folders: a step that is a link is one line before training, not an
-    orbax traceback when the run deletes the step it no longer keeps (round-9 campaign)."""
+    orbax traceback when the run deletes the step it no longer keeps."""
     if not os.path.isdir(directory):
         return
     for entry in os.scandir(directory):
