@@ -17,3 +17,9 @@ class NonFiniteLoss(Diverged):
 
 class LossSpike(Diverged):
     """A finite loss far above its running median for several log windows in a row (``train.spike_factor``)."""
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of ``err``'s message (at most ``limit`` characters), or its type's name when it has none: what
+    a one-line error quotes of a library's exception."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]

@@ -155,7 +155,7 @@ def check_fits(split_files: list[str]) -> None:
     times over, fit in the memory available now."""
     for path in split_files:
         paths.check_file(path)
-    sizes = {path: _size(path) for path in split_files}
+    sizes = {path: paths.size(path) for path in split_files}
     limit = paths.memory_read_limit(READ_COPIES)
     if sum(sizes.values()) <= limit:
         return
@@ -166,17 +166,13 @@ def check_fits(split_files: list[str]) -> None:
                     "data into smaller files, or prepare it on a machine with more memory")
 
 
-def _size(path: str) -> int:
-    return epath.Path(path).stat().length if paths.is_url(path) else os.path.getsize(path)
-
-
 def read_lines(path: str, counts: collections.Counter) -> list[str]:
     """The lines of a UTF-8 file, counted as ``records_<file name>``; not UTF-8 or too big to hold is a UserError."""
     check_fits([path])
     try:
         return _split_lines(path, counts)
     except MemoryError:  # the memory went elsewhere since it was checked
-        raise UserError(f"{path}: out of memory reading it whole ({_size(path):,} bytes); split the data into "
+        raise UserError(f"{path}: out of memory reading it whole ({paths.size(path):,} bytes); split the data into "
                         "smaller files, or prepare it on a machine with more memory") from None
 
 

@@ -70,6 +70,11 @@ def user_cache_folder(name: str) -> str:
     return os.path.join(base, "lconv", name)
 
 
+def size(path: str) -> int:
+    """A local file's or a URL's size in bytes."""
+    return epath.Path(path).stat().length if is_url(path) else os.path.getsize(path)
+
+
 def local_cache_dir() -> str:
     """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``user_cache_folder``'s."""
     return os.environ.get(CACHE_ENV) or user_cache_folder("data_cache")
@@ -113,7 +118,7 @@ def _read_local(path: str) -> bytes:
 
 
 MAX_FOLDER_DEPTH = 64  # folders lconv writes (a prepared copy, a checkpoint) nest a few deep; Python 3.11's
-# os.walk recurses, so a planted tree 1,000 deep was a RecursionError traceback
+# os.walk recurses, so a planted deep tree was a RecursionError traceback
 READ_LIMIT = 16 << 30  # bytes: no file lconv reads whole (a tokenizer, params, a program) comes near it
 # (limit, usage) files of a container's memory cgroup, v2 then v1: /proc/meminfo tells the host's memory, not its own
 _CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),

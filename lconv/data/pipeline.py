@@ -17,7 +17,7 @@ from lconv.constants import EOS_ID, PAD_ID
 from lconv.data import eval_caps, sources, stream, tokenizer_files
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ def make_eval_set(source: sources.Source, input_key: str | None, target_key: str
         try:
             raw = source[i]
         except (RuntimeError, DecodeError) as err:  # a damaged shard: array_record's hash, or records not examples
-            raise damaged(i, (str(err).strip().splitlines() or [type(err).__name__])[0][:200]) from None
+            raise damaged(i, first_line(err)) from None
         example = {}
         for name, key in (("targets", target_key), ("inputs", input_key)):
             if key is not None:

@@ -19,7 +19,7 @@ from etils import epath
 from lconv import outputs
 from lconv.data import copy_report, ddtp, own_files, paths
 from lconv.data.copy_report import REPORT_FILENAME
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 
 _TASK_FIELDS = {
     **{task: ("en", task.split("_")[1]) for task in ddtp.TRANSLATION_TASKS},
@@ -210,10 +210,6 @@ def _sha256(path: str) -> str:
     return _DIGESTS[key]
 
 
-def _size(path: str) -> int:
-    return epath.Path(path).stat().length if paths.is_url(path) else os.path.getsize(path)
-
-
 def _absolute(path: str) -> str:
     return path if paths.is_url(path) else os.path.abspath(path)
 
@@ -227,7 +223,7 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
     for path in files.values():  # a link out of the folder (a run from elsewhere naming it) is never read
         if folder is not None:
             paths.check_file(path, within=folder)
-    described = {role: {"file": paths.basename(path), "bytes": _size(path), "sha256": _sha256(path)}
+    described = {role: {"file": paths.basename(path), "bytes": paths.size(path), "sha256": _sha256(path)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
                 "files": {role: d["sha256"] for role, d in described.items()}}
@@ -289,8 +285,8 @@ def _open_copy(cls: type, config_name: str, read_dir: str, options: dict) -> tfd
     try:
         return cls(config=config_name, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
     except (json_format.ParseError, RecursionError) as err:
-        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
-        raise UserError(f"{read_dir}: the prepared copy's dataset_info.json is not what lconv wrote ({first}); "
+        raise UserError(f"{read_dir}: the prepared copy's dataset_info.json is not what lconv wrote "
+                        f"({first_line(err, 120)}); "
                         "remove the copy to prepare it again") from None
 
 

@@ -39,7 +39,7 @@ from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.decode_settings import SAMPLING_DEFAULTS, DecodeSettings
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 from lconv.export import files
 from lconv.export.files import FORMAT_VERSION
 from lconv.infer import compiled, source_lengths
@@ -289,9 +289,8 @@ class Served:
             else:
                 out = np.asarray(exported.call(self.params, batch, np.float32(self.sidecar["search"]["lenpen"])))
         except jax.errors.JaxRuntimeError as err:  # a program that deserialises can still fail to compile or run
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            raise UserError(f"{self.directory / entry['file']}: the exported program cannot run ({first}); if the "
-                            "file was altered, export the run again") from None
+            raise UserError(f"{self.directory / entry['file']}: the exported program cannot run "
+                            f"({first_line(err)}); if the file was altered, export the run again") from None
         return out[:len(chunk)]
 
 

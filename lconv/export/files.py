@@ -16,7 +16,7 @@ from flax import traverse_util
 from lconv import json_text
 from lconv.constants import EXPORT_SIDECAR as SIDECAR
 from lconv.data import paths
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 from lconv.run import integrity, schema
 
 FORMAT_VERSION = 1
@@ -31,7 +31,7 @@ def read_part(directory: epath.Path, name: str, parse: Any, what: str, limit: in
     try:
         return parse(data)
     except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        reason = first_line(err)
         raise UserError(f"{path}: not {what} ({reason}); the file is damaged: export the run again") from None
 
 
