@@ -155,7 +155,8 @@ def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_
     """A member with fewer positions than the first member's limits would read positions it has not learned (NaN
     scores, an empty n-best): the ensemble takes the members' minimum and says so once."""
     short = copy.copy(mt)
-    short.config = mt.config.replace(model={"max_len": 9})
+    short.config = mt.config.replace(model={"max_len": 9}, data={"eval_max_input_length": 9,
+                                                                 "eval_max_target_length": 9})
     pair = lconv.ensemble([mt, short])
     for limit in ("eval_max_input_length", "eval_max_target_length"):
         assert getattr(pair.config.data, limit) == 9 < getattr(mt.config.data, limit)
@@ -165,14 +166,15 @@ def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_
     assert lconv.ensemble([mt, mt]).config == mt.config
 
 
-def test_the_ensemble_warning_names_the_members_field_that_binds(mt, lconv_log):
+def test_the_ensemble_warning_names_the_members_field_that_binds(lm, lconv_log):
     """A member's positions (model.max_len) cap its input limit: the warning named the member's
-    eval_max_input_length, which was larger, instead of the max_len that set the value."""
-    short = copy.copy(mt)
-    short.config = mt.config.replace(model={"max_len": 9}, data={"eval_max_target_length": 7})
-    lconv.ensemble([mt, short])
+    eval_max_input_length, which was larger, instead of the max_len that set the value. (An LM's, since a seq2seq
+    run's limits are within its positions from the start.)"""
+    short = copy.copy(lm)
+    short.config = lm.config.replace(model={"max_len": 9}, data={"eval_max_target_length": 7})
+    lconv.ensemble([lm, short])
     (line,) = [m for m in lconv_log() if "ensemble" in m]
-    data = mt.config.data
+    data = lm.config.data
     assert f"eval_max_input_length {data.eval_max_input_length} -> 9 (models[1]'s config.model.max_len)" in line
     assert f"eval_max_target_length {data.eval_max_target_length} -> 7 (models[1]'s " \
            "config.data.eval_max_target_length)" in line, line

@@ -81,6 +81,9 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
     ("decode.beam_size", 0, "config.decode.beam_size=0: must be >= 1 (1 = greedy)"),
     ("model.weight_dropout", 1.0, "config.model.weight_dropout=1.0: must be a rate in [0, 1)"),
     ("train.spike_windows_typo", 1, "config.train has unknown field(s) ['spike_windows_typo']"),
+    # A seq2seq run decodes within its positions (one 1,441-token line had decoded silently for minutes)
+    ("data.eval_max_input_length", 1025, "config.data.eval_max_input_length=1025: at most config.model.max_len=1024"),
+    ("data.eval_max_target_length", 10**6, "config.data.eval_max_target_length=1000000: at most config.model.max_len"),
 ])
 def test_a_bad_field_is_one_line_naming_it(field, value, message):
     config = common.base_config()
@@ -170,11 +173,16 @@ _OLD_MODEL_SECTION = {
     "scale_embeddings": True, "share_decoder_input_output": False}
 
 
-def test_an_old_model_section_loads_with_each_side_taking_the_shared_values(tmp_path):
+def test_an_old_model_section_loads_with_each_side_taking_the_shared_values(tmp_path, lconv_log):
     stored = common.base_config().to_dict()
     stored["model"] = dict(_OLD_MODEL_SECTION)
     (tmp_path / "config.json").write_text(json.dumps(stored))
     config = restore.read_config(str(tmp_path))  # checked by the schema as it is read
+    # Its evaluation limits (256) predate the rule that they fit its 64 learned positions: lowered, said once each
+    assert (config.data.eval_max_input_length, config.data.eval_max_target_length) == (64, 64)
+    assert [m.split("config.json: ", 1)[1] for m in lconv_log()] == [
+        f"config.data.{name} 256 -> 64 (config.model.max_len, the model's positions)"
+        for name in ("eval_max_input_length", "eval_max_target_length")]
     model = ModelConfig.from_config(config.model, vocab_size=400)
     assert (model.activation, model.layernorm_embedding, model.token_positions) == ("relu", False, True)
     for side in ("encoder", "decoder"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,9 +25,11 @@ from lconv.fields import is_integer, one_line
 from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
 from lconv.run import workdir as workdir_lib
-from lconv.run.schema import RunConfig, validate_config
+from lconv.run.schema import EVAL_LIMITS, RunConfig, complete, validate_config
 
 PyTree = Any
+logger = logging.getLogger(__name__)
+
 TRUST_HINT = ("pass --trust_plugins (train.py, eval.py, python -m lconv.export) or trust_plugins=True (lconv.load), "
               "or import the module yourself first")
 _trust_plugins = contextvars.ContextVar("trust_plugins", default=False)  # the CLIs' --trust_plugins
@@ -125,12 +128,27 @@ def read_stored(workdir: str, caller: str = "--workdir", trust_plugins: bool | N
         raise UserError(f"{path}: holds a JSON {type(stored).__name__}, not a config object")
     check_plugins(stored, path, trust_plugins)
     try:
-        config = validate_config(stored)  # fills, in place, the fields lconv added since
+        _fit_eval_limits(complete(stored), path)  # fills, in place, the fields lconv added since
+        config = validate_config(stored)
         return StoredConfig(stored, config)
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise UserError(f"{path}: not a config lconv can read ({type(err).__name__}: {err})") from None
+
+
+def _fit_eval_limits(stored: dict[str, Any], path: Any) -> None:
+    """A seq2seq run stored before its evaluation limits had to fit its positions (the schema's
+    ``_check_eval_lengths``) reads with them lowered to ``model.max_len``, said once, instead of failing to load."""
+    data, model = stored["data"], stored["model"]
+    positions = model.get("max_len") if isinstance(model, dict) else None
+    if stored.get("task") == "lm" or not isinstance(data, dict) or not is_integer(positions) or positions < 1:
+        return  # an LM scores in windows; a malformed value is the schema's to name
+    for name in EVAL_LIMITS:
+        if is_integer(data.get(name)) and data[name] > positions:
+            logger.warning(f"{path}: config.data.{name} {data[name]} -> {positions} (config.model.max_len, the "
+                           "model's positions)")
+            data[name] = positions
 
 
 def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> RunConfig:

@@ -300,6 +300,7 @@ def validate_config(config: Any) -> RunConfig:
     lm = values["task"] == "lm"
     model_cfg = ModelConfig.from_config(values["model"], vocab_size=int(values["data"]["vocab_size"]), decoder_only=lm)
     model_cfg.check_kernel_counts(decoder_only=lm)
+    _check_eval_lengths(values)  # after the model's fields are checked: max_len is a positive int
     if values["optim"]["warmup_fraction"] + values["optim"]["decay_fraction"] > 1:
         raise UserError(f"config.optim.warmup_fraction={values['optim']['warmup_fraction']} and decay_fraction="
                         f"{values['optim']['decay_fraction']} share the training time: they must add up to at most 1")
@@ -336,6 +337,22 @@ def _check_own_files(values: Mapping[str, Any]) -> None:
     if task != "lm" and (data["source_lang"] is None or data["target_lang"] is None):
         raise UserError(f"config.task={task!r} reads pairs of your files: set config.data.source_lang and "
                         "config.data.target_lang (xx and yy for train.xx + train.yy)")
+
+
+EVAL_LIMITS = ("eval_max_input_length", "eval_max_target_length")  # a seq2seq run's, at most its positions
+
+
+def _check_eval_lengths(values: Mapping[str, Any]) -> None:
+    """A source or an output past the model's positions (``model.max_len``, as fairseq's max positions) would be
+    decoded past what any sinusoid or table was built for, one long line for minutes: a seq2seq run's evaluation
+    limits stay within them (an LM scores longer texts in windows of its positions)."""
+    if values["task"] == "lm":
+        return
+    positions = values["model"]["max_len"]
+    for name in EVAL_LIMITS:
+        if values["data"][name] > positions:
+            raise UserError(f"config.data.{name}={values['data'][name]}: at most config.model.max_len={positions}, "
+                            "the model's positions; raise model.max_len or lower the limit")
 
 
 def _check_splits(values: Mapping[str, Any]) -> None:
