@@ -3,6 +3,7 @@ safe alternative for URLs to what object stores lack (renames, links). Details: 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import posixpath
 import uuid
@@ -73,6 +74,15 @@ def user_cache_folder(name: str) -> str:
 def size(path: str) -> int:
     """A local file's or a URL's size in bytes."""
     return epath.Path(path).stat().length if is_url(path) else os.path.getsize(path)
+
+
+def sha256(path: epath.Path | str) -> str:
+    """The file's SHA-256 in hex, read in blocks (a local file or a URL)."""
+    digest = hashlib.sha256()
+    with epath.Path(path).open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def local_cache_dir() -> str:

@@ -202,11 +202,7 @@ def _sha256(path: str) -> str:
     stat = epath.Path(path).stat() if url else os.stat(path)
     key = (path, stat.length, stat.mtime) if url else (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS or (url and not stat.mtime):  # a store that gives no mtime is read every time
-        digest = hashlib.sha256()
-        with epath.Path(path).open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _DIGESTS[key] = digest.hexdigest()
+        _DIGESTS[key] = paths.sha256(path)
     return _DIGESTS[key]
 
 

@@ -5,7 +5,6 @@ it came from). The layout: docs/fairseq.md, "What the import writes"."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 from typing import Any
@@ -17,6 +16,7 @@ from etils import epath
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
+from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_lm, fairseq_vocab
@@ -74,7 +74,7 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     saver = checkpoints.Checkpointer(workdir)
     saver.save(step, {"params": boxed}, {"imported_from": str(checkpoint)}, force=True)
     saver.close()
-    record = {"checkpoint": str(checkpoint), "sha256": _sha256(checkpoint), "dictionary": str(dictionary),
+    record = {"checkpoint": str(checkpoint), "sha256": paths.sha256(checkpoint), "dictionary": str(dictionary),
               "spm": None if spm is None else str(spm), "tokenizer": vocab.tokenizer.filename,
               "updates": updates, "step": step, "arch": args.get("arch"),
               "parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
@@ -178,14 +178,6 @@ def _as_model_tree(model: Any, config: schema.RunConfig, params: dict[str, Any])
                         f"shapes {shapes[:3]}")
     leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(params)]
     return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with epath.Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _jsonable(value: Any) -> bool:

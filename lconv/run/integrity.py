@@ -10,7 +10,6 @@ lconv, or a crash between orbax's rename and the manifest) is restored unverifie
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -57,14 +56,6 @@ class CheckpointReadError(UserError):
     """A verified checkpoint that failed to read even after retries: the storage's fault, nothing moved."""
 
 
-def _file_digest(path: epath.Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _files(step_dir: epath.Path, prefix: str = "", depth: int = 0) -> list[str]:
     """Every file under ``step_dir`` but the manifest, as sorted relative paths (walked level by level: epath's
     remote backends refuse recursive globs). Orbax writes plain files and folders: a symbolic link (which could
@@ -90,7 +81,7 @@ def write_manifest(step_dir: str) -> None:
     """Writes ``<step_dir>/lconv_manifest.json`` (process 0; every process waits for it)."""
     if jax.process_index() == 0:
         root = epath.Path(step_dir)
-        manifest = {rel: [(root / rel).stat().length, _file_digest(root / rel)] for rel in _files(root)}
+        manifest = {rel: [(root / rel).stat().length, paths.sha256(root / rel)] for rel in _files(root)}
         temporary = root / f".{MANIFEST_FILENAME}.{os.getpid()}.tmp"
         temporary.write_text(json.dumps({"sha256": manifest}, indent=0, sort_keys=True))
         temporary.replace(root / MANIFEST_FILENAME)
@@ -119,7 +110,7 @@ def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
                                     "the checkpoint")
         if rel not in present:
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} is missing")
-        if file.stat().length != size or _file_digest(file) != digest:
+        if file.stat().length != size or paths.sha256(file) != digest:
             raise CorruptCheckpoint(f"checkpoint {step_dir}: {rel} changed since it was written (SHA-256 mismatch)")
     extra = sorted(present - set(expected))
     if extra:
