@@ -547,6 +547,32 @@ def test_a_file_in_tensorboards_place_is_one_line(tmp_path):
         logs.MetricWriter(str(tmp_path), resumed_step=2)
 
 
+def test_tensorboards_file_is_no_name_a_link_or_a_pipe_could_be_planted_at(tmp_path):
+    """TensorBoard named its file ``events.out.tfevents.<second>.<host>``: links planted at the next minutes' names
+    in a resumed workdir's ``tensorboard/`` had a user's file outside replaced by events, and pipes hung train.py
+    (round-11 campaign S1). The name now ends in a random part."""
+    import socket
+    import time
+
+    from lconv.train import logs
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file")
+    workdir = tmp_path / "run"
+    (workdir / "tensorboard").mkdir(parents=True)
+    now = int(time.time())
+    for second in range(now - 5, now + 120):
+        name = f"events.out.tfevents.{second}.{socket.gethostname()}"
+        (workdir / "tensorboard" / name).symlink_to(victim)
+        (workdir / "tensorboard" / (name + ".fifo")).symlink_to(victim)  # a prefix of the new names
+    writer = logs.MetricWriter(str(workdir))
+    writer.write(1, "train", {"loss": 1.0})
+    writer.close()
+    assert victim.read_text() == "the user's own file"
+    written = [p for p in (workdir / "tensorboard").iterdir() if not p.is_symlink()]
+    assert len(written) == 1 and written[0].is_file() and written[0].stat().st_size > 0
+
+
 def test_a_step_whose_orbax_metadata_is_nested_too_deep_is_set_aside_for_the_step_before(tmp_path, lconv_log):
     """A ``_CHECKPOINT_METADATA`` nested 100,000 deep: orbax's reader, run on every step when the folder is opened,
     died of a RecursionError (an 80-line traceback, round-9 campaign). Now it is a corrupt step like any other: a

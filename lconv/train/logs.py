@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
+import uuid
 from typing import Any
 
 import jax
@@ -76,8 +78,11 @@ class MetricWriter:
 
         _quiet_event_thread()
         events = f"{workdir}/tensorboard"
+        # TensorBoard names its file by the second and the host name alone: a name anyone could plant a link or a
+        # pipe at in the folder beforehand. A random suffix makes this launch's file a name nobody could foresee.
+        suffix = f".{os.getpid()}.{uuid.uuid4().hex}"
         try:
-            self.tensorboard = SummaryWriter(events)
+            self.tensorboard = SummaryWriter(events, filename_suffix=suffix)
         except OSError as err:  # a file or an unwritable folder in its place was tensorboardX's traceback
             raise UserError(f"cannot write TensorBoard's events in {events}: {err.strerror or err}; it must be a "
                             "folder this process can write (move what is there away)") from None
