@@ -107,3 +107,26 @@ def test_a_source_whose_step_metadata_is_nested_too_deep_is_one_line_before_anyt
         loop.train_and_evaluate(config, str(workdir), devices=_ONE_DEVICE)
     helpers.one_line_error(error, str(step), integrity.STEP_METADATA_FILENAME, "nested deeper")
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("plant", ["link_out", "pipe"])
+def test_the_sources_tokenizer_is_read_only_as_a_regular_file_inside_it(tiny_run, tmp_path, plant):
+    """The source's ``spm.model`` was copied with no check: a link out of the source run was read and copied into
+    the new workdir, and a pipe hung train.py without a line (round-11 campaign S2)."""
+    import os
+
+    source = helpers.copy_run(tiny_run, tmp_path / "source")
+    (source / "spm.model").unlink()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a file outside the source run")
+    if plant == "link_out":
+        (source / "spm.model").symlink_to(outside)
+    else:
+        os.mkfifo(source / "spm.model")
+    config = tiny_config.training_config(tiny_run.data_dir, 1, init_from=str(source))
+    new = tmp_path / "new"
+    new.mkdir()
+    with pytest.raises(UserError) as error:
+        init_from.prepare(schema.validate_config(config), str(new)).copy_tokenizer(str(new))
+    helpers.one_line_error(error, str(source / "spm.model"), "leads out of" if plant == "link_out" else "not a regular")
+    assert not (new / "spm.model").exists()

@@ -5,11 +5,13 @@ run (fine-tuning)"."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import jax
 from etils import epath
 
+from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.fields import schema_fields
@@ -51,19 +53,21 @@ class Source:
             raise UserError(f"{self.label}: its params do not fit this model: {changes}")
 
     def copy_tokenizer(self, workdir: str) -> None:
-        """The source's tokenizer into ``workdir`` (process 0) unless the same file is there."""
+        """The source's tokenizer into ``workdir`` (process 0) unless the same file is there. Both are read as every
+        reader of a run's tokenizer reads it: a regular file of a tokenizer's size inside its run (a link out of the
+        source was copied in, and a pipe there hung train.py)."""
         if jax.process_index() != 0:
             return
         for name in (tokenizer_lib.Tokenizer.filename, tokenizer_lib.PiecesTokenizer.filename):
-            theirs = epath.Path(self.workdir) / name
-            if not theirs.exists():
+            theirs, ours = epath.Path(self.workdir) / name, epath.Path(workdir) / name
+            if not _present(theirs):
                 continue
-            ours = epath.Path(workdir) / name
-            if ours.exists() and ours.read_bytes() != theirs.read_bytes():
+            data = paths.read_bytes(theirs, "missing", within=self.workdir, limit=tokenizer_lib.TOKENIZER_LIMIT)
+            if not _present(ours):
+                workdir_lib.write_atomically(ours, data)
+            elif paths.read_bytes(ours, "missing", within=workdir, limit=tokenizer_lib.TOKENIZER_LIMIT) != data:
                 raise UserError(f"{self.label}: {ours} is another tokenizer than the source's {theirs}; a run "
                                 "started from another run uses that run's (remove this one)")
-            if not ours.exists():
-                workdir_lib.write_atomically(ours, theirs.read_bytes())
             return
         raise UserError(f"{self.label}: no tokenizer in {self.workdir}")
 
@@ -115,3 +119,8 @@ def _param_shapes(config: RunConfig) -> Any:
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs)["params"])
     return jax.tree.map(lambda x: (x.shape, str(x.dtype)), abstract)
+
+
+def _present(path: epath.Path) -> bool:
+    """A file there, or a link (a dangling one is named by the read, not taken for no file)."""
+    return path.exists() or os.path.islink(os.fspath(path))
