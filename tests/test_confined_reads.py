@@ -472,3 +472,33 @@ def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(damage, en_de_
     with pytest.raises(UserError) as error:
         pipeline.make_eval_set(source, input_key, target_key, tokenizer, {"inputs": 32, "targets": 32}, rows=4)
     helpers.one_line_error(error, str(version), "damaged")
+
+
+@pytest.mark.parametrize("swap", ["link_out", "pipe"])
+def test_a_file_swapped_after_its_check_is_refused_on_what_was_opened(tmp_path, monkeypatch, swap):
+    """A read checked the name, then opened it by name: a file swapped for a link out of its folder (or a pipe) in
+    between was read (a race shown at function level in the round-11 campaign, R1). What was opened is checked."""
+    from etils import epath
+
+    from lconv.data import paths
+
+    folder, outside = tmp_path / "raw", tmp_path / "secret.txt"
+    folder.mkdir()
+    outside.write_text("secret")
+    corpus = folder / "test.en"
+    corpus.write_text("a line\n")
+    checked = paths.check_file
+
+    def check_then_swap(path, **kwargs):
+        checked(path, **kwargs)
+        corpus.unlink()
+        corpus.symlink_to(outside) if swap == "link_out" else os.mkfifo(corpus)
+
+    monkeypatch.setattr(paths, "check_file", check_then_swap)
+    for read in (lambda: paths.read_bytes(epath.Path(corpus), "missing", within=folder),
+                 lambda: paths.sha256(corpus, within=folder)):
+        with pytest.raises(UserError) as error:
+            read()
+        helpers.one_line_error(error, str(corpus), "leads out of" if swap == "link_out" else "not a regular file")
+        corpus.unlink()
+        corpus.write_text("a line\n")

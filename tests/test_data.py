@@ -242,6 +242,31 @@ def test_the_plain_readers_link_goes_only_through_real_folders_and_replaces_only
         assert link.resolve() == version_dir.resolve()
 
 
+def test_the_plain_readers_link_is_made_in_the_folders_opened_not_through_one_swapped_in(tmp_path, monkeypatch):
+    """The folders were checked by name, then written by name: ``<data_dir>/ddtp`` swapped for a link in between
+    had the link made in the victim's folder (a race shown at function level in the round-11 campaign, R1)."""
+    from lconv.data import tfds_ddtp
+
+    data_dir, victim = tmp_path / "data", tmp_path / "victim"
+    version_dir = data_dir / tfds_ddtp.CACHE_DIRNAME / "ddtp_en_de-key" / "ddtp" / "en_de" / "1.0.0"
+    version_dir.mkdir(parents=True)
+    (data_dir / "ddtp" / "en_de").mkdir(parents=True)
+    victim.mkdir()
+    real_open = os.open
+
+    def open_then_swap(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if str(path) == str(data_dir):  # the data_dir is open: its ddtp/ becomes a link to the victim
+            shutil.rmtree(data_dir / "ddtp")
+            (data_dir / "ddtp").symlink_to(victim)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_swap)
+    tfds_ddtp._point_plain_readers(str(data_dir), "ddtp/en_de", str(version_dir))
+    monkeypatch.undo()
+    assert not list(victim.iterdir()) and (data_dir / "ddtp").is_symlink()
+
+
 def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet, monkeypatch):
     from lconv.data import tfds_ddtp
 

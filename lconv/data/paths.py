@@ -6,8 +6,10 @@ import contextlib
 import hashlib
 import os
 import posixpath
+import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 
 from etils import epath
 
@@ -76,10 +78,10 @@ def size(path: str) -> int:
     return epath.Path(path).stat().length if is_url(path) else os.path.getsize(path)
 
 
-def sha256(path: epath.Path | str) -> str:
-    """The file's SHA-256 in hex, read in blocks (a local file or a URL)."""
+def sha256(path: epath.Path | str, *, within: epath.Path | str | None = None) -> str:
+    """The file's SHA-256 in hex, read in blocks (a local file or a URL) as ``open_checked`` opens it."""
     digest = hashlib.sha256()
-    with epath.Path(path).open("rb") as f:
+    with open_checked(path, within=within, limit=None) as f:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
@@ -175,10 +177,46 @@ def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None
 def read_bytes(path: epath.Path, missing: str, *, within: epath.Path | str | None = None,
                limit: int = READ_LIMIT) -> bytes:
     """The bytes of ``path``; a missing, unreadable or refused file is one ``UserError`` line naming it."""
-    check_file(path, within=within, limit=limit)
     try:
-        return path.read_bytes()
+        with open_checked(path, within=within, limit=limit) as f:
+            data = f.read(limit + 1)
     except FileNotFoundError:
         raise UserError(f"{path}: {missing}") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
+    if len(data) > limit:  # it grew after it was opened
+        raise UserError(f"{path}: more than the {limit:,} bytes lconv reads here")
+    return data
+
+
+@contextlib.contextmanager
+def open_checked(path: epath.Path | str, *, within: epath.Path | str | None = None,
+                 limit: int | None = READ_LIMIT) -> Iterator[BinaryIO]:
+    """``path`` open for reading under ``check_file``'s rules (``limit=None``: any size), checked again on the file
+    that was opened: a name swapped for a link out or a pipe between a check and an open by name was read."""
+    check_file(path, within=within, limit=READ_LIMIT if limit is None else limit)
+    if is_url(path):
+        with epath.Path(path).open("rb") as f:
+            yield f
+        return
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a pipe swapped in: no wait
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{path}: not a regular file; lconv reads only plain files here")
+        if limit is not None and info.st_size > limit:
+            raise UserError(f"{path}: {info.st_size:,} bytes, more than the {limit:,} lconv reads here")
+        opened = _opened_path(fd)
+        if within is not None and not is_url(within) and opened is not None:
+            root = os.path.realpath(within)
+            if os.path.commonpath([root, opened]) != root:
+                raise UserError(f"{path}: leads out of {within} (to {opened}); a file it names must be inside it")
+        yield f
+
+
+def _opened_path(fd: int) -> str | None:
+    """Where the file open as ``fd`` is (Linux's ``/proc``); None where the system does not say."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None

@@ -195,14 +195,14 @@ def _source_files(name: str, raw_dir: str | None, layout: own_files.FileLayout |
     return {f: paths.join(raw_dir, f) for f in _IWSLT_FILES}
 
 
-def _sha256(path: str) -> str:
-    """The file's SHA-256, computed once per (path, size, modification time)."""
+def _sha256(path: str, within: str | None) -> str:
+    """The file's SHA-256, computed once per (path, size, modification time); read only inside ``within``."""
     url = paths.is_url(path)
     paths.check_file(path)  # a device or pipe (a link to /dev/zero) would be hashed for ever
     stat = epath.Path(path).stat() if url else os.stat(path)
     key = (path, stat.length, stat.mtime) if url else (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS or (url and not stat.mtime):  # a store that gives no mtime is read every time
-        _DIGESTS[key] = paths.sha256(path)
+        _DIGESTS[key] = paths.sha256(path, within=within)
     return _DIGESTS[key]
 
 
@@ -219,7 +219,7 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
     for path in files.values():  # a link out of the folder (a run from elsewhere naming it) is never read
         if folder is not None:
             paths.check_file(path, within=folder)
-    described = {role: {"file": paths.basename(path), "bytes": paths.size(path), "sha256": _sha256(path)}
+    described = {role: {"file": paths.basename(path), "bytes": paths.size(path), "sha256": _sha256(path, folder)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
                 "files": {role: d["sha256"] for role, d in described.items()}}
@@ -427,22 +427,45 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fi
 
 def _point_plain_readers(data_dir: str, name: str, version_dir: str) -> None:
     """Makes ``<data_dir>/<name>/<version>`` a symlink to the copy just prepared, where it can: only through real
-    folders, and replacing only a link of lconv's own (into ``CACHE_DIRNAME``), never the user's."""
-    folder = data_dir
-    for part in name.split("/"):
-        folder = os.path.join(folder, part)
-        if os.path.islink(folder) or (os.path.lexists(folder) and not os.path.isdir(folder)):
-            return  # not a folder lconv made: left as it is
-    link = os.path.join(folder, os.path.basename(version_dir))
-    target = os.path.relpath(version_dir, folder)
-    ours = os.path.relpath(os.path.join(data_dir, CACHE_DIRNAME), folder) + os.sep
-    if os.path.lexists(link) and not (os.path.islink(link) and os.readlink(link).startswith(ours)):
-        return  # a folder, a file or someone else's link
-    temp_link = paths.unique_temp(os.path.join(data_dir, CACHE_DIRNAME, "link"))
+    folders, and replacing only a link of lconv's own (into ``CACHE_DIRNAME``), never the user's. Each folder is
+    opened without following a link and the link is made in the folder opened, so a folder swapped for a link
+    meanwhile is not followed either."""
     try:
-        os.makedirs(os.path.dirname(link), exist_ok=True)
-        os.symlink(target, temp_link)
-        os.replace(temp_link, link)
+        folder_fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
-        if os.path.islink(temp_link):
-            os.unlink(temp_link)
+        return
+    try:
+        folder = data_dir
+        for part in name.split("/"):
+            folder = os.path.join(folder, part)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=folder_fd)
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder_fd)
+            except OSError:
+                return  # a link or a file: not a folder lconv made, left as it is
+            os.close(folder_fd)
+            folder_fd = inner
+        _link_in(folder_fd, os.path.basename(version_dir), target=os.path.relpath(version_dir, folder),
+                 ours=os.path.relpath(os.path.join(data_dir, CACHE_DIRNAME), folder) + os.sep)
+    finally:
+        os.close(folder_fd)
+
+
+def _link_in(folder_fd: int, name: str, *, target: str, ours: str) -> None:
+    """``name`` in the open folder a link to ``target``, unless something other than a link starting ``ours`` is
+    there: a folder, a file or someone else's link."""
+    try:
+        if not os.readlink(name, dir_fd=folder_fd).startswith(ours):
+            return
+    except FileNotFoundError:
+        pass
+    except OSError:  # not a link
+        return
+    temp = os.path.basename(paths.unique_temp(name))
+    try:
+        os.symlink(target, temp, dir_fd=folder_fd)
+        os.replace(temp, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=folder_fd)
