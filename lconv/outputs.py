@@ -13,6 +13,7 @@ train.py and the fairseq importer alone; eval.py writes its outputs beside them.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -63,6 +64,13 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
 
 
 IN_WORKDIR = "lconv writes only regular files in a workdir (remove the link)"
+
+
+def write_figure(fig: Any, path: str | os.PathLike, **savefig_options: Any) -> None:
+    """A matplotlib figure saved through ``write_atomically``, in the format its name ends in."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=os.path.splitext(os.fspath(path))[1].lstrip(".") or "png", **savefig_options)
+    write_atomically(path, buffer.getvalue())
 
 
 def _names_a_folder(path: str) -> bool:

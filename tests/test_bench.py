@@ -46,6 +46,24 @@ def test_report_writers():
         report.markdown_table(["a", "b"], [[1]])
 
 
+@pytest.mark.parametrize("planted", ["limits.csv", "benchmarks.md", "limits.png"])
+def test_the_reports_files_are_never_written_through_a_link_planted_in_the_out_folder(tmp_path, planted):
+    """The CSV, the markdown and the plots were written with a plain ``open``: links planted in ``--out`` had two
+    files outside overwritten (round-11 campaign S4)."""
+    from lconv.errors import UserError
+
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("the user's own file")
+    (out / planted).symlink_to(victim)
+    with pytest.raises(UserError, match="symbolic link") as error:
+        if planted.endswith(".png"):
+            report.plot_bars(str(out / planted), ["a"], {"x": [1.0]}, title="t", ylabel="y")
+        else:
+            report.write_results(str(out), "limits", [{"a": 1}], "table", str(out / "benchmarks.md"))
+    assert "\n" not in str(error.value) and victim.read_text() == "the user's own file"
+
+
 @pytest.mark.parametrize("text,want", [("256", (256,)), ("128,256,8192", (128, 256, 8192))])
 def test_T_list(text, want):
     assert parse_T_list(text) == want

@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lconv import outputs
+
 Row = dict[str, Any]  # one result row of a suite (a CSV line)
 
 
@@ -65,11 +67,12 @@ def write_results(out_dir: str, name: str, rows: Sequence[dict[str, Any]], secti
     """Writes ``out_dir/NAME.csv`` and the suite's section of ``doc_path``; returns the CSV path."""
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, f"{name}.csv")
-    with open(csv_path, "w") as f:
-        f.write(csv_text(rows))
+    outputs.write_atomically(csv_path, csv_text(rows))
+    reason = "the benchmarks write no output through a link or into a special file (remove it)"
+    outputs.refuse_link(doc_path, reason)  # before it is read: its section is rewritten in place
+    outputs.refuse_special(doc_path, reason)
     document = open(doc_path).read() if os.path.exists(doc_path) else "# Benchmarks\n"
-    with open(doc_path, "w") as f:
-        f.write(replace_section(document, name, section))
+    outputs.write_atomically(doc_path, replace_section(document, name, section))
     return csv_path
 
 
@@ -93,7 +96,7 @@ def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[floa
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path)
+    outputs.write_figure(fig, path)
     plt.close(fig)
 
 
@@ -114,5 +117,5 @@ def plot_bars(path: str, labels: Sequence[str], groups: dict[str, Sequence[float
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    outputs.write_figure(fig, path)
     plt.close(fig)

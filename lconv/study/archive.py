@@ -98,6 +98,6 @@ def _write_run(workdir: str, entry: dict[str, Any]) -> None:
     outputs.claim_directory(workdir, "workdir", "a study run's folder")
     run_lib.write_json(os.path.join(workdir, run_lib.SPEC),
                        {"config": entry["config"], "workdir": workdir, "record": entry["record"]})
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in entry["metrics"])
+    outputs.write_atomically(os.path.join(workdir, "metrics.jsonl"),
+                             "".join(json.dumps(row) + "\n" for row in entry["metrics"]))
     run_lib.write_json(os.path.join(workdir, run_lib.RESULT), {**entry["record"], "restored": True})

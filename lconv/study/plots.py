@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lconv import outputs
 from lconv.study import measure, plan
 
 Record = dict[str, Any]
@@ -90,6 +91,6 @@ def _save(fig: Any, title: str, path: str) -> str:
 
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    outputs.write_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

@@ -4,6 +4,7 @@ seed spread" when it is larger than the two mixers' sample standard deviations s
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ from typing import Any
 
 import ml_collections
 
+from lconv import outputs
 from lconv.bench import report as bench_report
 from lconv.nn.model_config import ModelConfig
 from lconv.study import archive, measure, plan, plots, speed
@@ -212,21 +214,21 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     rows = aggregate(records)
     meta = {**meta, "machine": timing.machine_info(), "mode": study.mode, "seeds": list(study.seeds),
             "runs_seconds": sum(r.get("wall_seconds") or 0 for r in records if r["status"] in ("ok", "failed"))}
-    with open(os.path.join(results_dir, "results.json"), "w") as f:
-        chosen = [{"task": t, "mixer": m, "learning_rate": c.learning_rate, "lenpen": c.lenpen}
-                  for (t, m), c in choices.items()]
-        json.dump({"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records),
-                   "tuning": {"chosen": chosen, "runs": list(sweep_records)}}, f, indent=1, default=str)
-    with open(os.path.join(results_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(records)
+    chosen = [{"task": t, "mixer": m, "learning_rate": c.learning_rate, "lenpen": c.lenpen}
+              for (t, m), c in choices.items()]
+    outputs.write_atomically(os.path.join(results_dir, "results.json"), json.dumps(
+        {"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records),
+         "tuning": {"chosen": chosen, "runs": list(sweep_records)}}, indent=1, default=str))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(records)
+    outputs.write_atomically(os.path.join(results_dir, "results.csv"), table.getvalue())
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
     archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
     text = markdown(study, rows, records, meta, figures,
                     tuning_lines(study, sweep_records, choices) + speed_lines(study, speed.read(docs_dir)))
-    with open(os.path.join(docs_dir, "results.md"), "w") as f:
-        f.write(text)
+    outputs.write_atomically(os.path.join(docs_dir, "results.md"), text)
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
     return text
 
