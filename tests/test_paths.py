@@ -299,3 +299,63 @@ def test_lconvs_default_scratch_folders_are_this_users_not_the_shared_temporary_
     assert paths.user_cache_folder("x") == os.path.join(os.path.expanduser("~"), ".cache", "lconv", "x")
     for folder in (bench_main.QUICK_DIR, bench_main.INSTALLED_DIR):
         assert not folder.startswith(tempfile.gettempdir() + os.sep)
+
+
+@pytest.mark.parametrize("opened", ["lconv", "data_tokenizers", "none"])
+def test_the_data_tokenizer_folder_another_user_could_write_is_refused_not_written_through(opened, monkeypatch,
+                                                                                        tmp_path, capsys):
+    """``~/.cache/lconv`` (or ``data_tokenizers`` below it) left writable by every user: another user planted
+    ``data_tokenizers/ddtp_en_de -> victim`` and ``python -m lconv.data en_de`` wrote its tokenizer there. Every
+    folder from ``lconv/`` down is now this user's alone, and the dataset's folder no link: else one line."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    mine = tmp_path / "cache" / "lconv"
+    (mine / "data_tokenizers").mkdir(parents=True, mode=0o700)
+    mine.chmod(0o700)
+    if opened != "none":
+        (mine.parent / opened if opened == "lconv" else mine / opened).chmod(0o777)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "spm.model").write_text("another user's file")
+    link = mine / "data_tokenizers" / "ddtp_en_de"
+    link.symlink_to(victim)
+
+    outcome = helpers.run_cli(capsys, "lconv.data", "en_de", f"--data_dir={tmp_path / 'tfds'}")
+
+    named = {"lconv": (str(mine), "other users"), "data_tokenizers": (str(mine / "data_tokenizers"), "other users"),
+             "none": (f"{link} is a link (to {victim})",)}[opened]
+    helpers.one_line_error(outcome, str(link), *named)
+    assert os.listdir(victim) == ["spm.model"] and (victim / "spm.model").read_text() == "another user's file"
+    assert not (tmp_path / "tfds").exists()  # refused before any data is prepared
+
+
+def test_a_cache_home_that_is_a_file_is_one_line_naming_the_variable(monkeypatch, tmp_path, capsys):
+    """``XDG_CACHE_HOME`` naming a regular file: ``python -m lconv.data en_de`` (the tokenizer's default folder is
+    under it) was a 28-line NotADirectoryError traceback."""
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    outcome = helpers.run_cli(capsys, "lconv.data", "en_de", f"--data_dir={tmp_path / 'tfds'}")
+
+    helpers.one_line_error(outcome, f"$XDG_CACHE_HOME={tmp_path / 'cache'}", "not a folder")
+    assert (tmp_path / "cache").read_text() == "not a folder"
+
+
+def test_every_folder_of_this_users_cache_is_made_private_and_checked_from_lconv_down(monkeypatch, tmp_path):
+    """The rule the compilation cache and the data tokenizers share (``paths.private_cache_problem``): folders it
+    makes are owner-only; a link, a file or a folder others can write, at any level from ``lconv/`` down, is named."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = paths.user_cache_folder("data_tokenizers") + "/ddtp_en_de"
+    assert paths.private_cache_problem(folder) is None
+    for level in (tmp_path / "cache" / "lconv", tmp_path / "cache" / "lconv" / "data_tokenizers", folder):
+        assert os.stat(level).st_mode & 0o777 == 0o700
+    os.rmdir(folder)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", folder)
+    assert paths.private_cache_problem(folder) == f"is a link (to {tmp_path / 'elsewhere'})"
+    assert os.listdir(tmp_path / "elsewhere") == []
+    os.unlink(folder)
+    (tmp_path / "cache" / "lconv" / "data_tokenizers").chmod(0o770)
+    assert paths.private_cache_problem(folder) == (
+        f"is inside {tmp_path / 'cache' / 'lconv' / 'data_tokenizers'}, which can be written by other users (chmod "
+        f"go-w {tmp_path / 'cache' / 'lconv' / 'data_tokenizers'})")
+    assert not os.path.lexists(folder)

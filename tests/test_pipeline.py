@@ -288,3 +288,79 @@ def test_a_prepared_catalog_dataset_is_read_without_its_builder_code(ddtp_data):
     config, _, _ = ddtp_data  # the ddtp/en_zh files stand in for a `tfds build` output
     builder = pipeline.sources._prepared_builder("ddtp/en_zh", config["data_dir"])
     assert len(builder.as_data_source(split="test")) == 106
+
+
+def _tree(folder):
+    """Every file and folder under ``folder``: {relative path: its bytes, or None for a folder}."""
+    import os
+
+    found = {}
+    for root, folders, files in os.walk(folder):
+        for name in folders + files:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, folder)] = None if os.path.isdir(path) else open(path, "rb").read()
+    return found
+
+
+@pytest.mark.parametrize("victim_holds", ["a_matching_kept_copy", "another_runs_tokenizer"])
+@pytest.mark.parametrize("depth", ["tokenizer_folder", "tokenizers", "lconv_prepared"])
+def test_a_link_on_the_kept_tokenizers_path_is_neither_read_nor_written_through(ddtp_data, tmp_path, monkeypatch,
+                                                                                caplog, depth, victim_holds):
+    """A link planted in a shared data_dir at ``lconv_prepared``, ``tokenizers`` or the kept tokenizer's folder had
+    a run read a tokenizer from outside data_dir (a kept copy with its record) or replace the one it led to
+    (another run's), and a fresh copy prepared through ``lconv_prepared``. The kept cache is now not used (one
+    warning naming the link and where it leads; the run's tokenizer is the one it trains); a linked
+    ``lconv_prepared``, which holds the data too, is one line. The folder the link leads to is untouched."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    import helpers
+
+    from lconv.data import tokenizer as tokenizer_lib
+    from lconv.errors import UserError
+
+    config, tokenizer, _ = ddtp_data
+    shutil.copytree(config["data_dir"], tmp_path / "shared", symlinks=True,  # the prepared copy, no kept tokenizer
+                    ignore=shutil.ignore_patterns(tokenizer_files.KEPT_TOKENIZERS))
+    config = {**config, "data_dir": str(tmp_path / "shared")}
+    kept = tokenizer_files.kept_dir(config)
+    link = {"tokenizer_folder": kept, "tokenizers": os.path.dirname(kept),
+            "lconv_prepared": os.path.dirname(os.path.dirname(kept))}[depth]
+    victim = tmp_path / "victim"
+    if depth == "lconv_prepared" and victim_holds == "a_matching_kept_copy":  # another data_dir's, its copy too
+        os.rename(link, victim)
+    elif depth == "lconv_prepared":  # holds no copy: one was prepared into it
+        shutil.rmtree(link)
+    target = victim / os.path.relpath(kept, link)  # where the kept copy lands through the link
+    target.mkdir(parents=True, exist_ok=True)
+    (victim / "precious.txt").write_text("another user's file")
+    if victim_holds == "a_matching_kept_copy":  # what an earlier run kept: reused through the link before
+        tokenizer.save(str(target))
+        (target / tokenizer_files.KEPT_RECORD).write_text(json.dumps({
+            "for": os.path.basename(kept), "sha256": hashlib.sha256(tokenizer.to_bytes()).hexdigest(),
+            "vocab_size": tokenizer.vocab_size}))
+    else:  # another run's workdir: its spm.model was replaced, and a kept.json added
+        (target / "spm.model").write_bytes(b"another run's tokenizer")
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    os.symlink(victim, link)
+    before = _tree(victim)
+    trained_here = tokenizer_lib.train_tokenizer(["a b c d e f g"] * 50, 300)  # not the victim's tokenizer
+    trained = []
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", lambda *a, **k: trained.append(1) or trained_here)
+
+    if depth == "lconv_prepared":
+        with pytest.raises(UserError) as info:
+            pipeline.load_or_train_tokenizer(config, str(tmp_path / "workdir"))
+        helpers.one_line_error(info, link)
+        assert not (tmp_path / "workdir" / "spm.model").exists()
+    else:
+        got = pipeline.load_or_train_tokenizer(config, str(tmp_path / "workdir"))
+        assert trained == [1] and got.to_bytes() == trained_here.to_bytes()
+        assert (tmp_path / "workdir" / "spm.model").read_bytes() == trained_here.to_bytes()
+        said = [record.getMessage() for record in caplog.records if record.name.startswith("lconv")]
+        (line,) = [m for m in said if link in m]  # the whole message: lconv_log shortens long paths
+        assert f"{link} is a link (to {victim})" in line and "training one for this run" in line
+        assert not [m for m in said if "reused" in m]
+    assert _tree(victim) == before and os.path.islink(link)

@@ -196,7 +196,9 @@ def test_lconv_load_keeps_programs_in_this_users_cache_never_the_workdirs(tmp_pa
 @pytest.mark.parametrize("make, problem", [
     (lambda folder: folder.parent.mkdir(parents=True) or folder.write_text("x"), "is not a folder"),
     (lambda folder: folder.mkdir(parents=True) or folder.chmod(0o777), "can be written by other users"),
-], ids=["a_file", "writable_by_others"])
+    (lambda folder: folder.mkdir(parents=True, mode=0o700) or folder.parent.chmod(0o777), "can be written by other"),
+    (lambda folder: folder.parent.mkdir(parents=True) or folder.symlink_to(folder.parent), "is a link"),
+], ids=["a_file", "writable_by_others", "lconv_folder_writable_by_others", "a_link"])
 def test_a_user_cache_that_cannot_hold_code_safely_is_one_warning_and_the_cache_off(make, problem, tmp_path,
                                                                                     monkeypatch, lconv_log):
     """The default folder unusable, or open to other users' planted entries: one warning, compiling every time."""

@@ -21,6 +21,8 @@ from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 
+TOKENIZER_CACHE = "data_tokenizers"  # the inspection's tokenizers, under this user's cache folder
+
 
 def dataset_name(task: str) -> str:
     """A DDTP task (``en_de``) or a dataset name (``ddtp/de_en``, ``lm1b``) -> the dataset name."""
@@ -35,16 +37,21 @@ def dataset_name(task: str) -> str:
 
 def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences: int, batch_size: int,
          raw_dir: str | None = None, source_lang: str | None = None, target_lang: str | None = None,
-         data_name: str | None = None) -> None:
-    """Counts, the data report and an example batch of dataset ``name`` (``"files"``: your own files)."""
+         data_name: str | None = None, own_cache: bool = False) -> None:
+    """Counts, the data report and an example batch of dataset ``name`` (``"files"``: your own files);
+    ``own_cache``: ``workdir`` is this user's cache folder (the default), which must be this user's alone."""
     files = dict(source_lang=source_lang, target_lang=target_lang, name=data_name)
     config = DataConfig.from_config(dict(
         dataset=name, data_dir=data_dir, raw_dir=raw_dir, vocab_size=vocab_size, tokenizer_max_sentences=max_sentences,
         batch_size=batch_size, eval_batch_size=batch_size, max_input_length=64, max_target_length=64, read_threads=1,
         **(files if name == sources.FILES else {})))
     name = sources.display_name(config)
-    tokenizer = pipeline.load_or_train_tokenizer(config, paths.join(workdir, name.replace("/", "_")),
-                                                 process_index=0, process_count=1)
+    tokenizer_dir = paths.join(workdir, name.replace("/", "_"))
+    problem = paths.private_cache_problem(tokenizer_dir) if own_cache else None
+    if problem:  # a folder another user can write: a link planted there had the tokenizer written where it led
+        raise UserError(f"the tokenizer folder {tokenizer_dir} {problem}; lconv writes there only when the folder is "
+                        "this user's alone (--workdir=DIR names another)")
+    tokenizer = pipeline.load_or_train_tokenizer(config, tokenizer_dir, process_index=0, process_count=1)
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
     counts = {"train": len(sources.config_source(config, "train")[0])}
     counts.update({split: len(eval_set.examples) for split, eval_set in data.eval_sets.items()})
@@ -78,7 +85,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for code in ("source_lang", "target_lang"):
         parser.add_argument(f"--{code}", default=None, help="files: config.data." + code)
     parser.add_argument("--name", default=None, help="files: config.data.name")
-    parser.add_argument("--workdir", default=paths.user_cache_folder("data_tokenizers"),
+    parser.add_argument("--workdir", default=None,
                         help="where the inspection's tokenizers go (a run trains its own in its workdir); default: "
                         "this user's cache folder")
     parser.add_argument("--vocab_size", type=int, default=data.vocab_size, help="default: configs/default.py's")
@@ -86,6 +93,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="default: configs/default.py's")
     parser.add_argument("--batch_size", type=int, default=4)
     args = parser.parse_args(argv)
+    args.own_cache = args.workdir is None
+    if args.own_cache:
+        args.workdir = paths.user_cache_folder(TOKENIZER_CACHE)
     if args.vocab_size < tokenizer_lib.MIN_VOCAB_SIZE:
         parser.error(f"--vocab_size={args.vocab_size}: must be >= {tokenizer_lib.MIN_VOCAB_SIZE} (the tokenizer's "
                      "special and byte pieces)")
@@ -147,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name in args.names:
             show(name, args.data_dir, args.workdir, args.vocab_size, args.max_sentences, args.batch_size,
-                 args.raw_dir, source_lang=args.source_lang, target_lang=args.target_lang, data_name=args.name)
+                 args.raw_dir, source_lang=args.source_lang, target_lang=args.target_lang, data_name=args.name,
+                 own_cache=args.own_cache)
     except UserError as err:
         console.exit_with(str(err))
 

@@ -67,10 +67,63 @@ def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -
 def user_cache_folder(name: str) -> str:
     """``$XDG_CACHE_HOME/lconv/<name>``, else under ``~/.cache``: this user's own, never the shared temporary folder,
     where anyone may plant a link or a file that lconv would then write through or read."""
+    return os.path.join(_cache_base()[0], "lconv", name)
+
+
+def _cache_base() -> tuple[str, str]:
+    """The folder holding lconv's cache folders, and how to name it in a message (the variable that set it)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lconv", name)
+    if os.path.isabs(base):  # the XDG spec: a relative path is ignored
+        return base, f"$XDG_CACHE_HOME={base}"
+    base = os.path.join(os.path.expanduser("~"), ".cache")
+    return base, base
+
+
+def private_cache_problem(folder: str) -> str | None:
+    """Makes ``folder`` (a ``user_cache_folder`` or a folder below one) this user's alone; why it is not, or None.
+    Every folder from ``lconv/`` down must be a real folder this user owns and no other user can write: else another
+    user could plant a link or a file there for lconv to write through, read, or run (a compiled program)."""
+    base, named = _cache_base()
+    root = os.path.join(base, "lconv")
+    below = os.path.relpath(folder, root)
+    if below == os.pardir or below.startswith(os.pardir + os.sep):
+        raise ValueError(f"{folder} is not under {root}")
+    if os.path.lexists(base) and not os.path.isdir(base):
+        return f"is inside {named}, which is not a folder"
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    except OSError as err:
+        return f"is inside {named}, which cannot be made ({err.strerror})"
+    path = root
+    for part in [] if below == os.curdir else below.split(os.sep):
+        problem = _not_private(path)
+        if problem:
+            return f"is inside {path}, which {problem}"
+        path = os.path.join(path, part)
+    return _not_private(path)
+
+
+def _not_private(folder: str) -> str | None:
+    """Makes ``folder`` (owner-only) if missing; why it is not this user's alone (a link, a file, another user's
+    or writable by other users), or None. ``lstat``: a link is named, never followed."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as err:
+        return f"cannot be made ({err.strerror})"
+    status = os.lstat(folder)
+    if stat.S_ISLNK(status.st_mode):
+        return f"is a link (to {os.path.realpath(folder)})"
+    if not stat.S_ISDIR(status.st_mode):
+        return "is not a folder"
+    if not hasattr(os, "getuid"):
+        return None  # no POSIX owner and mode bits to check
+    if status.st_uid != os.getuid():
+        return "belongs to another user"
+    if status.st_mode & 0o022:
+        return f"can be written by other users (chmod go-w {folder})"
+    return None
 
 
 def size(path: str) -> int:

@@ -155,9 +155,9 @@ def load_or_train_tokenizer(config: DataConfig, workdir: str, *, save: bool = Tr
         from lconv.data import paths
 
         paths.check_url(workdir, "workdir")  # a URL whose file system is not installed: one line, before any read
-        kept = tokenizer_files.kept_dir(cfg) if save else None
         in_workdir = epath.Path(tokenizer_lib.tokenizer_path(workdir)).exists()
-        kept_exists = kept is not None and not in_workdir and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
+        kept = tokenizer_files.kept_folder(cfg) if save and not in_workdir else None  # None: no cache to use
+        kept_exists = kept is not None and epath.Path(tokenizer_lib.tokenizer_path(kept)).exists()
         kept_copy = tokenizer_files.usable_kept(kept, cfg.vocab_size) if kept_exists else None  # checked first
         kept_exists = kept_copy is not None
         shipped = tokenizer_files.shipped_path(cfg) if save and not (in_workdir or kept_exists) else None

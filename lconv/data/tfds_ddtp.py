@@ -255,6 +255,7 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
                                     fingerprint)
     else:
         read_dir = copy_dir
+        _check_copy_folders(copy_dir)  # before anything is written or read through a link
         prepared_here = not _is_complete(copy_dir, name)
         if prepared_here:
             outputs.check_outside_outputs(data_dir, "data_dir")  # a checkpoint step written into fails its manifest
@@ -286,14 +287,20 @@ def _open_copy(cls: type, config_name: str, read_dir: str, options: dict) -> tfd
                         "remove the copy to prepare it again") from None
 
 
-def _check_copy(copy_dir: str) -> None:
-    """A prepared copy holds the plain files lconv wrote: each a regular file inside the copy, of a size lconv reads,
-    else one line naming it. A copy in a data_dir a run's config names comes from elsewhere: a pipe in it hung
-    eval.py, and a link out of it had eval.py read and score files outside."""
+def _check_copy_folders(copy_dir: str) -> None:
+    """``lconv_prepared`` and the copy's folder are plain folders, not links: checked before a copy is prepared too,
+    as a link planted at ``lconv_prepared`` had the copy written where it led."""
     for path in (os.path.dirname(copy_dir), copy_dir):
         if os.path.islink(path):
             raise UserError(f"{path}: a link where lconv keeps its prepared copies; they are plain folders (remove "
                             "it to prepare the data again)")
+
+
+def _check_copy(copy_dir: str) -> None:
+    """A prepared copy holds the plain files lconv wrote: each a regular file inside the copy, of a size lconv reads,
+    else one line naming it. A copy in a data_dir a run's config names comes from elsewhere: a pipe in it hung
+    eval.py, and a link out of it had eval.py read and score files outside."""
+    _check_copy_folders(copy_dir)
     for folder, subfolders, files in os.walk(copy_dir):  # links to folders are listed, never followed
         if os.path.relpath(folder, copy_dir).count(os.sep) >= paths.MAX_FOLDER_DEPTH:
             raise UserError(f"{copy_dir}: folders nested deeper than {paths.MAX_FOLDER_DEPTH} in the prepared copy; "

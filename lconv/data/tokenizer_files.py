@@ -3,6 +3,7 @@ ships beside the bundled snapshot (``lconv.data.pipeline.load_or_train_tokenizer
 here)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,6 +33,38 @@ def kept_dir(config: DataConfig) -> str:
     return paths.join(paths.expand(cfg.data_dir), tfds_ddtp.CACHE_DIRNAME, KEPT_TOKENIZERS, name)
 
 
+def kept_folder(config: DataConfig) -> str | None:
+    """``kept_dir``'s folder, or None (one warning) where it is not a cache lconv can use: a link or a file at
+    ``lconv_prepared``, ``tokenizers`` or the tokenizer's folder. A link planted in a shared data_dir had a run
+    write its tokenizer where it led (replacing another run's) and read one from outside data_dir."""
+    kept = kept_dir(config)
+    problem = kept_folder_problem(kept)
+    if problem:
+        logger.warning(f"tokenizer: no copy kept under data_dir is read or written: {problem}; lconv keeps one only "
+                       "in real folders below data_dir (training one for this run)")
+        return None
+    return kept
+
+
+def kept_folder_problem(kept: str, *, make: bool = False) -> str | None:
+    """Why ``kept`` (``kept_dir``'s) is not a real folder below data_dir at each of its three levels, or None; a
+    level not made yet is fine (``make``: made here, one level at a time, never through a link). URLs have none."""
+    if paths.is_url(kept):
+        return None
+    levels = (os.path.dirname(os.path.dirname(kept)), os.path.dirname(kept), kept)
+    if make:
+        os.makedirs(os.path.dirname(levels[0]), exist_ok=True)  # data_dir: the folder the user named
+    for folder in levels:
+        if make and not os.path.lexists(folder):
+            with contextlib.suppress(FileExistsError):  # another run made it meanwhile: checked below
+                os.mkdir(folder)  # its parent was checked just before: a real folder
+        if os.path.islink(folder):
+            return f"{folder} is a link (to {os.path.realpath(folder)})"
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            return f"{folder} is not a folder"
+    return None
+
+
 def shipped_name(dataset: str, source_key: str, vocab_size: int, max_sentences: int) -> str:
     """The file name of the tokenizer trained on a bundled corpus with these settings."""
     return (f"tokenizer-{dataset.replace('/', '_')}-{source_key}-v{vocab_size}-n{max_sentences}"
@@ -58,7 +91,11 @@ def shipped_location(config: DataConfig) -> str | None:
 def keep(tokenizer: Any, kept: str) -> None:
     """Keeps ``tokenizer`` in ``kept`` (``kept_dir``) for later runs, with the record ``usable_kept`` checks."""
     from lconv import outputs
+    from lconv.errors import UserError
 
+    problem = kept_folder_problem(kept, make=True)  # again: a link planted since kept_folder is not written through
+    if problem:
+        raise UserError(problem)
     tokenizer.save(kept)
     record = {"for": paths.basename(kept), "sha256": hashlib.sha256(tokenizer.to_bytes()).hexdigest(),
               "vocab_size": tokenizer.vocab_size}
@@ -75,7 +112,7 @@ def usable_kept(kept: str, vocab_size: int) -> Any:
     try:
         tokenizer = tokenizer_lib.load_tokenizer(kept)
         record = json_text.loads(paths.read_bytes(epath.Path(paths.join(kept, KEPT_RECORD)), "no record of what it "
-                                             "was kept for", limit=1 << 20))
+                                             "was kept for", within=kept, limit=1 << 20))
         if not isinstance(record, dict):
             why = "its record is not a JSON object"
         elif record.get("for") != paths.basename(kept):

@@ -55,19 +55,9 @@ def unusable(folder: str) -> str | None:
 
 
 def make_private(folder: str) -> str | None:
-    """Creates this user's cache ``folder``, owner-writable only; why it cannot be trusted, or None."""
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        status = os.stat(folder)
-    except OSError as error:
-        return f"cannot be made ({error.strerror})"
-    if not hasattr(os, "getuid"):
-        return None  # no POSIX owner and mode bits to check
-    if status.st_uid != os.getuid():
-        return "belongs to another user"
-    if status.st_mode & 0o022:
-        return f"can be written by other users (chmod go-w {folder})"
-    return None
+    """Creates this user's cache ``folder``, owner-writable only; why it cannot be trusted, or None (the rule every
+    folder of this user's cache follows: ``paths.private_cache_problem``)."""
+    return paths.private_cache_problem(folder)
 
 
 _CACHE_ERRORS = ("Error writing persistent compilation cache entry", "Error reading persistent compilation cache entry")
