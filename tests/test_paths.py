@@ -328,6 +328,18 @@ def test_the_data_tokenizer_folder_another_user_could_write_is_refused_not_writt
     assert not (tmp_path / "tfds").exists()  # refused before any data is prepared
 
 
+def test_a_link_at_the_tokenizer_folder_in_a_named_workdir_is_refused_not_written_through(tmp_path, capsys):
+    """``python -m lconv.data en_de --workdir=WK`` with ``WK/ddtp_en_de -> victim``: the tokenizer was written into
+    the victim folder (round-11 campaign e107)."""
+    workdir, victim = tmp_path / "wk", tmp_path / "victim"
+    workdir.mkdir()
+    victim.mkdir()
+    (workdir / "ddtp_en_de").symlink_to(victim)
+    outcome = helpers.run_cli(capsys, "lconv.data", "en_de", f"--data_dir={tmp_path / 'tfds'}", f"--workdir={workdir}")
+    helpers.one_line_error(outcome, str(workdir / "ddtp_en_de"), f"is a link (to {victim})")
+    assert not os.listdir(victim) and not (tmp_path / "tfds").exists()
+
+
 def test_a_cache_home_that_is_a_file_is_one_line_naming_the_variable(monkeypatch, tmp_path, capsys):
     """``XDG_CACHE_HOME`` naming a regular file: ``python -m lconv.data en_de`` (the tokenizer's default folder is
     under it) was a 28-line NotADirectoryError traceback."""

@@ -11,6 +11,7 @@ Defaults are configs/default.py's, so the data prepared here is the copy train.p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -51,6 +52,9 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     if problem:  # a folder another user can write: a link planted there had the tokenizer written where it led
         raise UserError(f"the tokenizer folder {tokenizer_dir} {problem}; lconv writes there only when the folder is "
                         "this user's alone (--workdir=DIR names another)")
+    if not paths.is_url(tokenizer_dir) and os.path.islink(tokenizer_dir):  # a link would take the tokenizer out
+        raise UserError(f"the tokenizer folder {tokenizer_dir} is a link (to {os.path.realpath(tokenizer_dir)}); "
+                        "lconv writes the tokenizer in a real folder inside --workdir (remove the link)")
     tokenizer = pipeline.load_or_train_tokenizer(config, tokenizer_dir, process_index=0, process_count=1)
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
     counts = {"train": len(sources.config_source(config, "train")[0])}
