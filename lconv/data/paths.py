@@ -232,13 +232,16 @@ def read_bytes(path: epath.Path, missing: str, *, within: epath.Path | str | Non
     """The bytes of ``path``; a missing, unreadable or refused file is one ``UserError`` line naming it."""
     try:
         with open_checked(path, within=within, limit=limit) as f:
-            data = f.read(limit + 1)
+            if is_url(path):
+                return f.read()
+            size = os.fstat(f.fileno()).st_size  # at most limit (checked); a buffer of limit bytes would be taken
+            data = f.read(size + 1)
     except FileNotFoundError:
         raise UserError(f"{path}: {missing}") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read it ({err.strerror or err})") from None
-    if len(data) > limit:  # it grew after it was opened
-        raise UserError(f"{path}: more than the {limit:,} bytes lconv reads here")
+    if len(data) > size:
+        raise UserError(f"{path}: grew while it was read; read it again when nothing writes it")
     return data
 
 
