@@ -74,6 +74,7 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
     ("model.d_model", 10**20, f"config.model.d_model={10**20}: must be an integer in [1, 65,536] (the upper bound"),
     ("data.max_input_length", 10**11, f"config.data.max_input_length={10**11}: must be an integer in [2, 1,048,576]"),
     ("model.encoder_layers", 10**8, f"config.model.encoder_layers={10**8}: must be an integer in [0, 1,024]"),
+    ("train.max_minutes", 1e308, "config.train.max_minutes=1e+308: must be a number in [0, 525,600] (0 = no limit;"),
     ("decode.beam_size", 8000, "config.decode.beam_size=8000: must be at most the vocabulary's size - 1 (7999;"),
     ("data.eval_splits", ("test",), "config.data.eval_splits=('test',): must include 'validation'"),
     ("decode.split", "train", "config.decode.split='train': must be one of config.data.eval_splits="),

@@ -105,6 +105,9 @@ class OptimConfig:
                              "= a log-softmax over the materialised logits", BOOL)
 
 
+MAX_MINUTES = 365 * 24 * 60  # a year: more is a typo, and a huge budget overflows the deadline's seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The training loop (``lconv.train.loop``)."""
@@ -114,7 +117,8 @@ class TrainConfig:
                                "for the final validation and test (1.5 x their time on their first batches) to end "
                                "within it "
                                "(docs/training.md); 0 = no limit",
-                               number(lambda v: v >= 0, "a number >= 0 (0 = no limit)"))
+                               number(lambda v: 0 <= v <= MAX_MINUTES,
+                                      f"a number in [0, {MAX_MINUTES:,}] (0 = no limit; {SIZE_REASON})"))
     stop_check_every: int = field(10, "several processes agree on a stop (signal, max_minutes) every N steps",
                                   _POSITIVE)
     log_every: int = field(100, "steps per log line (and per divergence-guard window)", _POSITIVE)
