@@ -208,6 +208,21 @@ def test_a_state_dict_that_does_not_fit_its_arguments_is_refused(dynamic_checkpo
                              fields)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32"])
+def test_an_unused_huge_tensor_of_any_dtype_is_refused_without_being_converted(tmp_path, dtype):
+    import torch
+
+    state = torch.load(FIXTURES / "dynamic" / "checkpoint_last.pt", map_location="cpu", weights_only=False)  # ours
+    # A few bytes on disk (zero strides), 4 TB as float32: converted before the leftover check, it was a traceback
+    state["model"]["encoder.extra.weight"] = torch.zeros(1, dtype=getattr(torch, dtype)).expand(10**6, 10**6)
+    checkpoint = tmp_path / "huge.pt"
+    torch.save(state, checkpoint)
+    with pytest.raises(UserError, match=r"would not use: \['encoder.extra.weight'\]") as err:
+        fairseq_workdir.import_checkpoint(str(checkpoint), str(FIXTURES / "dict.txt"), str(FIXTURES / "spm.model"),
+                                          str(tmp_path / "run"))
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
 def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
     checkpoint, dictionary, model = (str(FIXTURES / "dynamic" / "checkpoint_last.pt"), str(FIXTURES / "dict.txt"),
                                      str(FIXTURES / "spm.model"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,9 +28,31 @@ _BETTER_TRANSFORMER = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out
                        "fc1_bias", "fc2_weight", "fc2_bias")
 
 
-def read_checkpoint(path: str, *, trust: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any], int]:
-    """``(state dict as float32 numpy, model arguments, updates trained)`` of a fairseq ``.pt`` file, read with torch's
-    ``weights_only`` loader (a pickle could run code); ``trust=True`` uses the full unpickler, for files you trust."""
+class Float32Tensors(Mapping[str, np.ndarray]):
+    """A state dict's tensors, each turned into float32 numpy when first read: a tensor the import never reads is
+    never converted (an unused int8 tensor stored with zero strides would otherwise be allocated whole as float32
+    before the leftover check refuses it)."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.tensors = {k: v for k, v in tensors.items() if hasattr(v, "detach")}
+        self.converted: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.converted:
+            self.converted[key] = self.tensors[key].detach().float().numpy()
+        return self.converted[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def read_checkpoint(path: str, *, trust: bool = False) -> tuple[Mapping[str, np.ndarray], dict[str, Any], int]:
+    """``(state dict as float32 numpy, each converted when read; model arguments; updates trained)`` of a fairseq
+    ``.pt`` file, read with torch's ``weights_only`` loader (a pickle could run code); ``trust=True`` uses the full
+    unpickler, for files you trust."""
     try:
         import torch
     except ImportError:
@@ -54,8 +76,7 @@ def read_checkpoint(path: str, *, trust: bool = False) -> tuple[dict[str, np.nda
     if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
         raise UserError(f"{path} is not a fairseq checkpoint (no 'model' state dict)")
     args = _model_args(state, path)
-    weights = {k: v.detach().float().numpy() for k, v in state["model"].items() if hasattr(v, "detach")}
-    return weights, args, _updates(state, path)
+    return Float32Tensors(state["model"]), args, _updates(state, path)
 
 
 def _updates(state: Mapping[str, Any], path: str) -> int:
@@ -229,7 +250,7 @@ class StateDict:
     """The checkpoint's tensors, handed out once each, so that ``leftover`` lists what no lconv parameter used."""
 
     def __init__(self, weights: Mapping[str, np.ndarray]):
-        self.weights = dict(weights)
+        self.weights = weights  # not copied: a Float32Tensors converts only the tensors taken
         self.used: set[str] = set()
 
     def take(self, key: str) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -89,7 +90,7 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
     return record
 
 
-def _vocabulary(weights: dict[str, np.ndarray], dictionary: str, target_dictionary: str, spm: str | None,
+def _vocabulary(weights: Mapping[str, np.ndarray], dictionary: str, target_dictionary: str, spm: str | None,
                 continuation: str) -> tuple[fairseq_vocab.Vocabulary, dict[str, np.ndarray] | None]:
     """lconv's one vocabulary, and for separate source and target dictionaries each side's row order: the target's
     symbols, then the source's others, a missing symbol reading that side's <unk> row as fairseq maps it."""
@@ -115,9 +116,9 @@ def _vocabulary(weights: dict[str, np.ndarray], dictionary: str, target_dictiona
                    "decoder": fairseq_vocab.side_order(symbols, target)}
 
 
-def _check_language_model_vocabulary(weights: dict[str, np.ndarray], size: int, dictionary: str) -> None:
+def _check_language_model_vocabulary(weights: Mapping[str, np.ndarray], size: int, dictionary: str) -> None:
     """The dictionary must number the embedding's rows (all bands' rows with adaptive input)."""
-    bands = [v.shape[0] for k, v in weights.items()
+    bands = [weights[k].shape[0] for k in weights  # keys first: only the bands' tensors are read
              if k.startswith("decoder.embed_tokens.embeddings.") and k.endswith(".0.weight")]
     rows = sum(bands) if bands else weights.get("decoder.embed_tokens.weight", np.zeros((0, 0))).shape[0]
     if rows != size:
