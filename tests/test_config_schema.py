@@ -79,6 +79,11 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
     ("data.eval_splits", ("test",), "config.data.eval_splits=('test',): must include 'validation'"),
     ("decode.split", "train", "config.decode.split='train': must be one of config.data.eval_splits="),
     ("mesh.shape", (2, 2), "config.mesh.shape=(2, 2): must be three sizes"),
+    # A rule sharding onto an axis the mesh lacks was a jax traceback at the first compile
+    ("mesh.rules", [["embed", "nope"]], "config.mesh.rules has ('embed', 'nope'): its mesh axis must be one of "
+                                        "config.mesh.axis_names ('data', 'fsdp', 'tensor')"),
+    ("mesh.rules", [["batch", ["data", "nope"]]], "config.mesh.rules has ('batch', ['data', 'nope']): its mesh"),
+    ("mesh.rules", [5], "config.mesh.rules=(5,): must be (logical axis, mesh axis or None) pairs"),
     ("decode.beam_size", 0, "config.decode.beam_size=0: must be >= 1 (1 = greedy)"),
     ("model.weight_dropout", 1.0, "config.model.weight_dropout=1.0: must be a rate in [0, 1)"),
     ("train.spike_windows_typo", 1, "config.train has unknown field(s) ['spike_windows_typo']"),

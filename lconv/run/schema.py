@@ -35,6 +35,7 @@ from lconv.fields import (
     integer,
     markdown_table,
     number,
+    one_line,
     schema_fields,
 )
 from lconv.infer.infer_config import InferConfig
@@ -196,8 +197,10 @@ class MeshConfig:
          ("kernel", None), ("length", None), ("key_length", "fsdp")),  # key_length: Fixed / Hadamard's [T, T]
         "logical axis -> mesh axis (None = replicated); activations follow lconv.constants.DEFAULT_AXIS_RULES "
         "unless named here",
-        Rule(lambda v: isinstance(v, (tuple, list)) and all(len(r) == 2 and isinstance(r[0], str) for r in v),
-             "(logical axis, mesh axis or None) pairs"))
+        Rule(lambda v: isinstance(v, (tuple, list)) and all(isinstance(r, (tuple, list)) and len(r) == 2
+                                                            and isinstance(r[0], str) for r in v),
+             "(logical axis, mesh axis or None) pairs; a mesh axis is one of config.mesh.axis_names, or a list "
+             "of them"))
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
@@ -295,6 +298,7 @@ def validate_config(config: Any) -> RunConfig:
         if section not in (ModelConfig, DataConfig):  # the model's fields are checked by ModelConfig, below
             check_values(section, values[name], f"config.{name}")
     _check_splits(values)
+    _check_mesh_rules(values["mesh"])
     _check_own_files(values)
     _check_best_metric(values)
     if values["data"]["stream"] and values["task"] != "lm":
@@ -317,6 +321,17 @@ def validate_config(config: Any) -> RunConfig:
                         "probability onto the ids the decoder cannot predict)")
     return RunConfig(values["task"], int(values["seed"]), data, model_cfg, OptimConfig(**values["optim"]),
                      TrainConfig(**values["train"]), DecodeConfig(**values["decode"]), MeshConfig(**values["mesh"]))
+
+
+def _check_mesh_rules(mesh: Mapping[str, Any]) -> None:
+    """Each rule shards onto the mesh's own axes: an unknown one was a jax traceback at the first compile."""
+    names = tuple(mesh["axis_names"])
+    for rule in mesh["rules"]:
+        target = rule[1]
+        axes = [target] if target is None or isinstance(target, str) else target
+        if not isinstance(axes, (tuple, list)) or not all(axis is None or axis in names for axis in axes):
+            raise UserError(f"config.mesh.rules has {one_line(tuple(rule))}: its mesh axis must be one of "
+                            f"config.mesh.axis_names {names}, a list of them, or None")
 
 
 def _check_best_metric(values: Mapping[str, Any]) -> None:
