@@ -12,8 +12,9 @@ ROOT_LOGGER = "lconv"
 
 
 def line(record: logging.LogRecord) -> str:
-    """A record as the programs print it: its message, after ``warning: `` for a warning."""
-    message = record.getMessage()
+    """A record as the programs print it: its message, after ``warning: `` for a warning; control characters shown
+    as escapes, since a message may name a file or a config value from elsewhere."""
+    message = printable(record.getMessage())
     return f"warning: {message}" if record.levelno == logging.WARNING else message
 
 

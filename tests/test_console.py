@@ -166,3 +166,10 @@ def test_sample_outputs_show_the_escape_sequences_of_a_text_and_never_send_them(
     assert not set(report) & {"\x1b", "\x07"}
     assert "hello \\x1b]0;TITLE\\x07\\x1b[2J\\x1b[31mred\tend" in report
     assert reports.lines_text([text]) == text + "\n"  # the hypothesis file keeps the text as it is
+
+
+def test_a_log_line_shows_the_escape_sequences_of_a_name_and_never_sends_them(restored, capsys):
+    console.show_log("stdout")
+    logging.getLogger("lconv.data.catalog").info("Prepared %s in %s", "wmt\x1b]0;TITLE\x07", "/data/\x1b[2Jred\x9b")
+    out, _ = capsys.readouterr()
+    assert out == "Prepared wmt\\x1b]0;TITLE\\x07 in /data/\\x1b[2Jred\\x9b\n"

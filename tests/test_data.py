@@ -267,6 +267,17 @@ def test_the_plain_readers_link_is_made_in_the_folders_opened_not_through_one_sw
     assert not list(victim.iterdir()) and (data_dir / "ddtp").is_symlink()
 
 
+def test_preparing_from_a_raw_dir_named_with_escape_sequences_shows_them_as_escapes(raw_dir, tmp_path, capsys):
+    from lconv.data import tfds_ddtp
+
+    hostile = tmp_path / "raw\x1b]0;TITLE\x07\x1b[2J\x1b[31m"  # a run's stored raw_dir could name such a folder
+    shutil.copytree(raw_dir, hostile)
+    tfds_ddtp.prepare("ddtp/en_de", str(tmp_path / "data"), raw_dir=str(hostile))
+    out = capsys.readouterr().out
+    assert "Preparing ddtp/en_de from raw_dir=" in out and "Prepared ddtp/en_de" in out
+    assert "raw\\x1b]0;TITLE\\x07\\x1b[2J\\x1b[31m" in out and not set(out) & {"\x1b", "\x07"}
+
+
 def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet, monkeypatch):
     from lconv.data import tfds_ddtp
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv import outputs
+from lconv import console, outputs
 from lconv.data import copy_report, ddtp, own_files, paths
 from lconv.data.copy_report import REPORT_FILENAME
 from lconv.errors import UserError, first_line
@@ -356,7 +356,8 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
     with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, temp_dir, ignore_errors=True)
         builder = cls(config=config, data_dir=temp_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
-        print(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ...", flush=True)  # as tfds does
+        # as tfds does; the name and the raw_dir come from a config, perhaps a run's from elsewhere
+        print(console.printable(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ..."), flush=True)
         with _no_progress_bars():
             builder.download_and_prepare()
         report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
@@ -365,7 +366,8 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
             json.dump(report, f, indent=1, ensure_ascii=False)
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
         _commit(temp_dir, copy_dir, name)
-        print(f"Prepared {fingerprint['dataset']} ({report['examples']} examples) in {copy_dir}", flush=True)
+        print(console.printable(f"Prepared {fingerprint['dataset']} ({report['examples']} examples) in {copy_dir}"),
+              flush=True)
 
 
 @contextlib.contextmanager
@@ -428,7 +430,7 @@ def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fi
         except OSError as e:
             raise UserError(f"data_dir: cannot write {copy_dir} ({type(e).__name__}: {e}); check that data_dir "
                             "is reachable and writable and run again (the upload is redone)") from e
-        print(f"Stored {fingerprint['dataset']} in {copy_dir}", flush=True)
+        print(console.printable(f"Stored {fingerprint['dataset']} in {copy_dir}"), flush=True)
     return local_dir
 
 
