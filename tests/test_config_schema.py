@@ -257,6 +257,14 @@ def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
     (dict(mixer_kwargs={"dynamicconv": {"kernel": 3}}), "config.model.mixer_kwargs['dynamicconv']: mixer "
                                                         "'dynamicconv' has no field(s) ['kernel']"),
     (dict(ffn_kwargs={"hidden": 3}), "config.model.ffn_kwargs: ffn_type 'dense' has no field(s) ['hidden']"),
+    # A module (already imported, so no plugin) that is no mixer was a flax traceback at the first trace
+    (dict(encoder_mixer="flax.linen:Dense"), "config.model.encoder_mixer='flax.linen:Dense' cannot be a mixer: "
+                                             "flax.linen.linear:Dense needs field(s) ['features']"),
+    (dict(decoder_mixer="flax.linen:Dense", mixer_kwargs={"Dense": {"features": 256}}),
+     "config.model.decoder_mixer='flax.linen:Dense' cannot be a mixer: flax.linen.linear:Dense cannot take a layer's "
+     "call mixer(x, segment_ids=..., positions=..., deterministic=..., decode=...): got an unexpected keyword"),
+    (dict(ffn_type="flax.linen:Dense"), "config.model.ffn_type='flax.linen:Dense' cannot be an FFN: "
+                                        "flax.linen.linear:Dense needs field(s) ['features']"),
     (dict(activation="gelu", ffn_type="colt5"), "config.model.activation='gelu' needs an FFN with an activation "
                                                 "field; ffn_type='colt5' has none"),
 ])

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any
 
@@ -369,6 +370,36 @@ def constructor_fields(cls: type[nn.Module]) -> set[str]:
     if not dataclasses.is_dataclass(cls):
         return set()
     return {f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name")}
+
+
+def required_fields(cls: type[nn.Module]) -> set[str]:
+    """The constructor fields ``cls(...)`` cannot do without: those with no default."""
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    return {f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")
+            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+
+# The keywords a model layer calls each kind with (docs/models.md, "The mixer contract").
+CALL_KEYWORDS = {"mixer": ("segment_ids", "positions", "deterministic", "decode"),
+                 "ffn": ("segment_ids", "deterministic")}
+
+
+def contract_problem(kind: str, cls: type[nn.Module], given: Iterable[str]) -> str | None:
+    """What keeps ``cls`` from being built with the fields ``given`` and called as a model layer calls a ``kind``
+    (a class such as ``flax.linen:Dense`` failed in flax's own traceback); None when nothing does."""
+    missing = sorted(required_fields(cls) - set(given))
+    if missing:
+        return (f"{_describe(cls)} needs field(s) {missing}, which a layer does not give (it gives the class's "
+                f"model_fields and config.model.{kind}_kwargs)")
+    try:
+        inspect.signature(cls.__call__).bind(None, None, **dict.fromkeys(CALL_KEYWORDS[kind]))
+    except TypeError as err:
+        keywords = ", ".join(f"{k}=..." for k in CALL_KEYWORDS[kind])
+        return f"{_describe(cls)} cannot take a layer's call {kind}(x, {keywords}): {err}"
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        pass
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- building

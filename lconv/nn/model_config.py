@@ -284,6 +284,7 @@ class ModelConfig:
             if any("kernel_size" in mixers.model_fields(m) for m in self.layer_mixers(side)):
                 self.kernel_size(side, n - 1)
         self._check_mixer_kwargs(decoder_only)
+        self._check_contracts(decoder_only)  # after the kwargs are known to be dicts of the classes' fields
         self._check_widths(decoder_only)  # after the mixer names are known to resolve
         # Frozen: the record is an attribute beside the fields (not one of them: eq, hash and replace ignore it).
         object.__setattr__(self, "_valid_for", self.__dict__.get("_valid_for", frozenset()) | {decoder_only})
@@ -325,6 +326,22 @@ class ModelConfig:
         ffn = mixers.ffn_class(self.ffn_type)
         _check_field_dict("config.model.ffn_kwargs", self.ffn_kwargs or {}, mixers.constructor_fields(ffn),
                           f"ffn_type {self.ffn_type!r}")
+
+    def _check_contracts(self, decoder_only: bool) -> None:
+        """Each mixer and the FFN can be built with what a layer gives and called as it calls them: a module that
+        cannot (a stored ``"flax.linen:Dense"``) is one line here, not a traceback at the first trace."""
+        kwargs = self.mixer_kwargs or {}
+        for side in ("decoder",) if decoder_only else BOTH_SIDES:
+            for name in dict.fromkeys(self.layer_mixers(side)):
+                extra = kwargs.get(name, kwargs.get(name.rpartition(":")[2], {}) if mixers.is_spec(name) else {})
+                problem = mixers.contract_problem("mixer", mixers.mixer_class(name),
+                                                  {*mixers.model_fields(name), *extra})
+                if problem:
+                    raise UserError(f"config.model.{side}_mixer={name!r} cannot be a mixer: {problem}")
+        ffn = mixers.ffn_class(self.ffn_type)
+        problem = mixers.contract_problem("ffn", ffn, {*getattr(ffn, "model_fields", {}), *(self.ffn_kwargs or {})})
+        if problem:
+            raise UserError(f"config.model.ffn_type={self.ffn_type!r} cannot be an FFN: {problem}")
 
     def _check_widths(self, decoder_only: bool) -> None:
         """Each side's heads divide its width and its conv width (named by the field that set the value)."""
