@@ -4,6 +4,7 @@ import collections
 import json
 import lzma
 import os
+import resource
 import shutil
 import tempfile
 
@@ -276,6 +277,25 @@ def test_preparing_from_a_raw_dir_named_with_escape_sequences_shows_them_as_esca
     out = capsys.readouterr().out
     assert "Preparing ddtp/en_de from raw_dir=" in out and "Prepared ddtp/en_de" in out
     assert "raw\\x1b]0;TITLE\\x07\\x1b[2J\\x1b[31m" in out and not set(out) & {"\x1b", "\x07"}
+
+
+def test_a_file_size_limit_while_a_copy_is_prepared_is_one_line_naming_the_copy(raw_dir, tmp_path, capsys):
+    """``ulimit -f`` (the campaign's full disk): Python ignores SIGXFSZ, so tfds's writes fail with EFBIG, which was a
+    66-line RuntimeError traceback from eval.py."""
+    from lconv.data import tfds_ddtp
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, limits[1]))  # under the copy's shards and records
+    try:
+        with pytest.raises(UserError) as error:
+            tfds_ddtp.prepare("ddtp/en_de", str(tmp_path / "data"), raw_dir=raw_dir)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    message = str(error.value)
+    assert message.startswith("the file size limit (ulimit -f) was reached while preparing ddtp/en_de in "
+                              f"{tmp_path / 'data'}") and "\n" not in message
+    assert not [p for p in (tmp_path / "data").rglob("*") if p.is_file()]  # nothing of the copy is kept
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_tfds_builder_prepares_from_raw_files_and_data_source_reads_it(raw_dir, tmp_path, tfds_quiet, monkeypatch):

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv import console, outputs
+from lconv import console, no_room, outputs
 from lconv.data import copy_report, ddtp, own_files, paths
 from lconv.data.copy_report import REPORT_FILENAME
 from lconv.errors import UserError, first_line
@@ -353,7 +353,7 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
     cls, config = _builder_class(name)
     os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
     temp_dir = paths.unique_temp(copy_dir)  # unique: processes preparing together never share files
-    with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup:
+    with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup, _no_room_is_one_line(name, copy_dir):
         cleanup.callback(shutil.rmtree, temp_dir, ignore_errors=True)
         builder = cls(config=config, data_dir=temp_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
         # as tfds does; the name and the raw_dir come from a config, perhaps a run's from elsewhere
@@ -368,6 +368,20 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
         _commit(temp_dir, copy_dir, name)
         print(console.printable(f"Prepared {fingerprint['dataset']} ({report['examples']} examples) in {copy_dir}"),
               flush=True)
+
+
+@contextlib.contextmanager
+def _no_room_is_one_line(name: str, copy_dir: str) -> Iterator[None]:
+    """A full disk, a quota or ``ulimit -f`` while a copy is built: one line naming the copy, not tfds's traceback
+    (the partial copy is removed as the block exits)."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - tfds and array_record raise RuntimeErrors that quote the OS error
+        why = no_room.reason(err)
+        if why is None:
+            raise
+        raise UserError(f"{why} while preparing {name} in {copy_dir} (nothing of it was kept); free space or "
+                        "raise the limit, then run again") from None
 
 
 @contextlib.contextmanager

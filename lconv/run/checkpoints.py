@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from lconv import no_room
 from lconv.errors import UserError
 from lconv.run import integrity
 from lconv.run import workdir as workdir_lib
@@ -323,38 +324,10 @@ class DiskFull(UserError):
     checkpoints stay."""
 
 
-# errno -> what the user reads. A file size limit (``ulimit -f``: Python ignores SIGXFSZ, so writes fail with EFBIG)
-# and a quota stop a run's writes as a full disk does, and orbax's threads fail as loudly for each.
-_NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "the file size limit (ulimit -f) was reached",
-            errno.EDQUOT: "the disk quota is exceeded"}
-_NO_ROOM_TEXTS = {"No space left on device": errno.ENOSPC, "File too large": errno.EFBIG,
-                  "Disk quota exceeded": errno.EDQUOT}
-
-
 def is_disk_full(err: BaseException) -> bool:
     """Whether ``err`` or an exception in its chain is a write that found no room (Python's ENOSPC, EFBIG or
     EDQUOT, or tensorstore's text of them)."""
-    return _disk_full_cause(err) is not None
-
-
-def _no_room_errno(err: BaseException) -> int | None:
-    if isinstance(err, OSError) and err.errno in _NO_ROOM:
-        return err.errno
-    text = str(err)
-    for code in _NO_ROOM:  # tensorstore's errors are ValueErrors that quote the OS error
-        if f"os_error_code='{code}'" in text:
-            return code
-    return next((code for phrase, code in _NO_ROOM_TEXTS.items() if phrase in text), None)
-
-
-def _disk_full_cause(err: BaseException | None) -> BaseException | None:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if _no_room_errno(err) is not None:
-            return err
-        err = err.__cause__ or err.__context__
-    return None
+    return no_room.no_room_cause(err) is not None
 
 
 def disk_full(err: BaseException, ckpt: Checkpointer, best: BestCheckpointer) -> DiskFull:
@@ -366,8 +339,8 @@ def disk_full(err: BaseException, ckpt: Checkpointer, best: BestCheckpointer) ->
                 manager.close()
         gc.collect()  # orbax's abandoned tasks report "exception never retrieved" when collected: now, quietly
     integrity.quiet_until_exit(ckpt.error_log)  # writes still failing in tensorstore's threads say it again later
-    cause = _disk_full_cause(err)
-    reason = _NO_ROOM[_no_room_errno(cause)] if cause is not None else _NO_ROOM[errno.ENOSPC]
+    cause = no_room.no_room_cause(err)
+    reason = no_room.reason(err) or no_room.REASONS[errno.ENOSPC]
     path = getattr(cause, "filename", None) or next(iter(re.findall(r'"(/[^"]+)"', str(cause))), None)
     steps = sorted(int(p.name) for p in epath.Path(ckpt.directory).iterdir() if p.name.isdigit()) \
         if epath.Path(ckpt.directory).is_dir() else []
