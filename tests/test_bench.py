@@ -47,9 +47,11 @@ def test_report_writers():
 
 
 @pytest.mark.parametrize("planted", ["limits.csv", "benchmarks.md", "limits.png"])
-def test_the_reports_files_are_never_written_through_a_link_planted_in_the_out_folder(tmp_path, planted):
+def test_the_reports_files_are_never_written_through_a_link_planted_in_the_out_folder(tmp_path, capsys, planted):
     """The CSV, the markdown and the plots were written with a plain ``open``: links planted in ``--out`` had two
-    files outside overwritten (round-11 campaign S4)."""
+    files outside overwritten (round-11 campaign S4). The command refuses them before any suite runs, and each
+    writer at its write."""
+    from lconv import console
     from lconv.errors import UserError
 
     out, victim = tmp_path / "out", tmp_path / "victim.txt"
@@ -62,6 +64,11 @@ def test_the_reports_files_are_never_written_through_a_link_planted_in_the_out_f
         else:
             report.write_results(str(out), "limits", [{"a": 1}], "table", str(out / "benchmarks.md"))
     assert "\n" not in str(error.value) and victim.read_text() == "the user's own file"
+    opts = argparse.Namespace(quick=True, out=str(out), doc=None)
+    with pytest.raises(SystemExit) as exit_:
+        bench_main.resolve_outputs(opts, console.OneLineParser(prog="python -m lconv.bench"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and str(out / planted) in line and "symbolic link" in line
 
 
 @pytest.mark.parametrize("text,want", [("256", (256,)), ("128,256,8192", (128, 256, 8192))])

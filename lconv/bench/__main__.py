@@ -72,6 +72,9 @@ def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, b
     try:
         outputs.claim_directory(opts.out, "bench", "--out", committed_ok=opts.out if default_out else None)
         outputs.check_output_file(opts.doc, "--doc", own_kind="bench", committed_ok=opts.doc if default_doc else None)
+        # Before any suite runs: a link or a pipe planted among its files is refused at the write, after the work
+        outputs.check_targets(opts.out, sorted(os.listdir(os.path.expanduser(opts.out))), "--out")
+        outputs.check_targets(os.path.dirname(opts.doc) or ".", [os.path.basename(opts.doc)], "--doc")
     except UserError as err:
         parser.error(str(err))
 
