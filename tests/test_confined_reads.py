@@ -502,3 +502,19 @@ def test_a_file_swapped_after_its_check_is_refused_on_what_was_opened(tmp_path, 
         helpers.one_line_error(error, str(corpus), "leads out of" if swap == "link_out" else "not a regular file")
         corpus.unlink()
         corpus.write_text("a line\n")
+
+
+@pytest.mark.parametrize("reader", ["iwslt14_lines", "ddtp_index"])
+def test_the_corpus_readers_read_only_files_inside_their_folder(tmp_path, reader):
+    """IWSLT'14's lines and DDTP's index were read by name with no check: a corpus file swapped for a link out after
+    the copy's fingerprint was read into the prepared copy, and scored later (round-12 campaign N2)."""
+    from lconv.data import ddtp, tfds_ddtp
+
+    folder, outside = tmp_path / "raw", tmp_path / "secret.txt"
+    folder.mkdir()
+    outside.write_text("a line from elsewhere\n")
+    (folder / "test.en").symlink_to(outside)
+    read = {"iwslt14_lines": tfds_ddtp._read_lines, "ddtp_index": ddtp.read_index_bytes}[reader]
+    with pytest.raises(UserError) as error:
+        read(str(folder / "test.en"))
+    helpers.one_line_error(error, str(folder / "test.en"), "leads out of")

@@ -53,7 +53,8 @@ class Description:
 
 def read_index_bytes(path: str | os.PathLike) -> bytes:
     """Bytes of an apt Translation index (xz, lz4 if installed, or plain); a damaged file is a UserError."""
-    data = epath.Path(path).read_bytes()  # local or a URL (raw_dir=gs://...)
+    # local or a URL (raw_dir=gs://...), read as opened and inside its folder (a link swapped in is refused)
+    data = paths.read_bytes(epath.Path(path), "missing", within=os.path.dirname(os.fspath(path)))
     name = paths.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
         try:

@@ -152,7 +152,9 @@ class Files(_LocalBuilder):
 
 def _read_lines(path: str) -> list[str]:
     try:  # decoded whole then split: the same lines as text-mode open() gives (splitlines takes \r\n and \r)
-        return epath.Path(path).read_bytes().decode("utf-8").splitlines()
+        # read as opened, inside its folder: a file swapped for a link out after the fingerprint is refused
+        data = paths.read_bytes(epath.Path(path), "missing", within=os.path.dirname(path))
+        return data.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
 
