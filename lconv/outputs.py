@@ -93,6 +93,22 @@ def refuse_special(path: str | os.PathLike, reason: str = "lconv writes only reg
         raise UserError(f"{path} is a {kind}, not a regular file; {reason} (remove it)")
 
 
+def refuse_links_within(directory: str | os.PathLike, flag: str, *, max_depth: int = 64) -> None:
+    """One line naming the first symbolic link, pipe, socket or device anywhere below a local ``directory`` that a
+    command writes and reads whole (a study's folders): a link planted in a sub-folder had files written and read
+    where it led. Links to folders are listed, never followed; folders nested past ``max_depth`` are refused."""
+    root = os.path.expanduser(os.fspath(directory))
+    if is_url(root) or not os.path.isdir(root):
+        return
+    for folder, subfolders, files in os.walk(root):
+        if os.path.relpath(folder, root).count(os.sep) >= max_depth:
+            raise UserError(f"{folder}: folders nested deeper than {max_depth} in {flag}={directory}")
+        for name in sorted(subfolders + files):
+            path = os.path.join(folder, name)
+            refuse_link(path, f"{flag} holds real folders and files alone (remove it)")
+            refuse_special(path, f"{flag} holds regular files alone")
+
+
 def check_targets(directory: str | os.PathLike, names: Iterable[str], flag: str) -> None:
     """Refuses, before anything is written, any of the files a command will write into ``directory`` that is a
     symbolic link or a pipe, socket or device: a refusal found at the write left the files written before it."""

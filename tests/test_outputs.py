@@ -2,8 +2,10 @@
 folder, and no file output lands on an input, on another command's output or in a checkout's committed docs/.
 Each writer meets each foreign target here; the CLIs' tests check that they call these rules first."""
 import json
+import os
 import pathlib
 
+import helpers
 import pytest
 
 from lconv import outputs
@@ -311,3 +313,28 @@ def test_a_hand_written_marker_of_the_wrong_type_marks_no_kind(tmp_path, marker)
     (folder / outputs.MARKER).write_text(marker)
     assert outputs.kind_of(str(folder)) is None
     outputs.check_output_file(str(folder / "out.txt"), "--output_file")  # as any folder, the output may go there
+
+
+@pytest.mark.parametrize("plant", ["linked_folder", "dangling_file_link", "pipe", "none"])
+def test_a_study_folder_holding_a_link_or_a_pipe_anywhere_is_refused(tmp_path, plant):
+    """The study writes and reads everything below --output_dir and --docs_dir by name: a ``results`` folder linked
+    to another had a user's results.csv overwritten, a linked ``tokenizers`` folder had tokenizers written outside
+    and read back (round-12 campaign N1). Any link or special file below them is now one line, before any work."""
+    root, victim = tmp_path / "docs", tmp_path / "victim"
+    (root / "results" / "runs").mkdir(parents=True)
+    victim.mkdir()
+    (root / "results" / "runs" / "a.json").write_text("{}")
+    planted = root / "results" / "runs" / "b"
+    if plant == "linked_folder":
+        planted.symlink_to(victim)
+    elif plant == "dangling_file_link":
+        planted.symlink_to(victim / "spm.model")
+    elif plant == "pipe":
+        os.mkfifo(planted)
+    if plant == "none":
+        outputs.refuse_links_within(root, "--docs_dir")  # real folders and files: nothing to say
+        return
+    with pytest.raises(UserError) as error:
+        outputs.refuse_links_within(root, "--docs_dir")
+    helpers.one_line_error(error, str(planted), "--docs_dir")
+    assert not os.listdir(victim)

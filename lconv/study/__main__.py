@@ -41,6 +41,8 @@ def main(argv: list[str]) -> None:
         outputs.claim_directory(FLAGS.output_dir, "study", "--output_dir")
         docs_default = FLAGS.docs_dir if not FLAGS["docs_dir"].present else None
         outputs.claim_directory(FLAGS.docs_dir, "study", "--docs_dir", committed_ok=docs_default)
+        for flag, folder in (("--output_dir", FLAGS.output_dir), ("--docs_dir", FLAGS.docs_dir)):
+            outputs.refuse_links_within(folder, flag)  # the study writes and reads everything below them by name
         command = "python -m lconv.study " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         records = driver.run_study(FLAGS.config, FLAGS.output_dir, FLAGS.docs_dir, report_only=FLAGS.report_only,
                                    resume_from=FLAGS.resume_from, command=command, measure_speed=FLAGS.speed)
