@@ -573,6 +573,30 @@ def test_tensorboards_file_is_no_name_a_link_or_a_pipe_could_be_planted_at(tmp_p
     assert len(written) == 1 and written[0].is_file() and written[0].stat().st_size > 0
 
 
+def test_a_tensorboard_folder_swapped_for_a_link_after_its_checks_is_not_written_through(tmp_path, monkeypatch):
+    """``tensorboard/`` swapped for a link between the workdir's checks and the event file's creation had the file
+    made where the link led (round-12 campaign N3, a race). The folder is opened once, and written through that."""
+    import tensorboardX
+
+    from lconv.train import logs
+
+    workdir, victim = tmp_path / "run", tmp_path / "victim"
+    (workdir / "tensorboard").mkdir(parents=True)
+    victim.mkdir()
+    opened = tensorboardX.SummaryWriter.__init__
+
+    def swap_then_open(self, *args, **kwargs):
+        (workdir / "tensorboard").rename(workdir / "moved")
+        (workdir / "tensorboard").symlink_to(victim)
+        opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(tensorboardX.SummaryWriter, "__init__", swap_then_open)
+    writer = logs.MetricWriter(str(workdir))
+    writer.write(1, "train", {"loss": 1.0})
+    writer.close()
+    assert not os.listdir(victim) and len(os.listdir(workdir / "moved")) == 1
+
+
 def test_a_step_whose_orbax_metadata_is_nested_too_deep_is_set_aside_for_the_step_before(tmp_path, lconv_log):
     """A ``_CHECKPOINT_METADATA`` nested 100,000 deep: orbax's reader, run on every step when the folder is opened,
     died of a RecursionError (an 80-line traceback, round-9 campaign). Now it is a corrupt step like any other: a

@@ -81,11 +81,31 @@ class MetricWriter:
         # TensorBoard names its file by the second and the host name alone: a name anyone could plant a link or a
         # pipe at in the folder beforehand. A random suffix makes this launch's file a name nobody could foresee.
         suffix = f".{os.getpid()}.{uuid.uuid4().hex}"
+        self._events_fd = None
         try:
-            self.tensorboard = SummaryWriter(events, filename_suffix=suffix)
+            self.tensorboard = SummaryWriter(self._pinned(events), filename_suffix=suffix)
         except OSError as err:  # a file or an unwritable folder in its place was tensorboardX's traceback
             raise UserError(f"cannot write TensorBoard's events in {events}: {err.strerror or err}; it must be a "
                             "folder this process can write (move what is there away)") from None
+
+    def _pinned(self, events: str) -> str:
+        """``events`` as a name of the folder itself, where the system gives one (Linux's ``/proc/self/fd``): the
+        folder is opened without following a link, so one swapped in for it after the workdir's checks is not where
+        the events go."""
+        if self.remote:
+            return events
+        os.makedirs(events, exist_ok=True)
+        try:
+            fd = os.open(events, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            outputs.refuse_link(events)  # a link: one line; anything else is the caller's OSError
+            raise
+        pinned = f"/proc/self/fd/{fd}"
+        if not os.path.isdir(pinned):
+            os.close(fd)
+            return events
+        self._events_fd = fd
+        return pinned
 
     def write(self, step: int, split: str, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -115,6 +135,9 @@ class MetricWriter:
                 self.tensorboard.close()
             except (OSError, ValueError) as err:  # its file failed already (a full disk): said once, by the thread
                 logger.debug(f"TensorBoard writer closed with {type(err).__name__}: {err}")
+            if self._events_fd is not None:
+                os.close(self._events_fd)
+                self._events_fd = None
 
 
 def _quiet_event_thread() -> None:
