@@ -254,3 +254,17 @@ def test_the_opt_in_is_true_or_false_and_nothing_that_looks_like_one(given, tmp_
     with pytest.raises(UserError) as error:
         lconv.load(str(tmp_path / "never_read"), trust_plugins=given)
     helpers.one_line_error(error, "trust_plugins: must be True or False")
+
+
+@pytest.mark.parametrize("named", ["flax.linen:Module", "flax.linen:RNNCellBase", "lconv.nn.attention:AttentionFields"])
+def test_an_imported_class_that_passes_the_checks_but_cannot_trace_is_one_line(tiny_run, tmp_path, named):
+    """A stored mixer naming a class this process already has (so no opt-in is asked) that the config's contract
+    check lets through but flax cannot build: a 53-59-line traceback from eval.py and lconv.load (round-12 f12)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(tiny_run.workdir, workdir, ignore=shutil.ignore_patterns("tensorboard"))
+    config = json.loads((workdir / "config.json").read_text())
+    config["model"]["decoder_mixer"] = named
+    (workdir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as info:
+        lconv.load(str(workdir))
+    helpers.one_line_error(info, named, "cannot be built")

@@ -20,7 +20,7 @@ from lconv import json_text
 from lconv.constants import EXPORT_SIDECAR
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 from lconv.fields import is_integer, one_line
 from lconv.nn import mixers
 from lconv.run import checkpoints, model_setup
@@ -151,6 +151,33 @@ def _fit_eval_limits(stored: dict[str, Any], path: Any) -> None:
             data[name] = positions
 
 
+def _traced_params(config: RunConfig, model: nn.Module, mesh: Any) -> Any:
+    """The model's abstract params, traced once. A class the stored config names (``module:Class``) that passes the
+    config's checks but fails to trace (``flax.linen:Module`` as a mixer) is one line naming it, not flax's
+    traceback; lconv's own mixers failing is lconv's bug, and its traceback is kept."""
+    try:
+        return model_setup.abstract_params(config, model, mesh)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 (anything a class from elsewhere raises while it is traced)
+        named = sorted(_class_names(config.as_config()["model"]))
+        if not named:
+            raise
+        raise UserError(f"the model of config.model naming {', '.join(named)} cannot be built: "
+                        f"{type(err).__name__}: {first_line(err, 200)}") from None
+
+
+def _class_names(value: Any) -> set[str]:
+    """Every ``module:Class`` string in a config section's values."""
+    if isinstance(value, str):
+        return {value} if ":" in value else set()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return set().union(*map(_class_names, value)) if value else set()
+    return set()
+
+
 def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> RunConfig:
     """``read_stored``'s config alone."""
     return read_stored(workdir, caller, trust_plugins).config
@@ -203,7 +230,7 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
         raise UserError(f"{spell('average_last')}={average_last}: {ckpt.directory} holds {len(steps)} checkpoint"
                         f"{'s' if len(steps) != 1 else ''} (steps {', '.join(map(str, steps))}); average at most "
                         f"{len(steps)}")
-    target = model_setup.abstract_params(config, model, model_setup.make_mesh(config.mesh, devices))
+    target = _traced_params(config, model, model_setup.make_mesh(config.mesh, devices))
     chosen = steps[-average_last:]
     total = None
     for step in chosen:
