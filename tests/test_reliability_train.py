@@ -441,6 +441,22 @@ def _two_checkpoints(directory):
     return ckpt, checkpoints.abstract_like({"w": np.ones((3,), np.float32)})
 
 
+def test_a_checkpoint_folder_of_very_many_steps_says_so_before_orbax_reads_them(tmp_path, monkeypatch, lconv_log):
+    """20,000 empty step folders: eval.py was silent for 95 s while orbax read each one's metadata, then gave its
+    one line (round-11 campaign e24). Past ``MANY_STEPS`` folders, a warning says why it takes a while."""
+    ckpt, abstract = _two_checkpoints(tmp_path)
+    ckpt.close()
+    for step in range(100, 104):
+        (tmp_path / "checkpoints" / str(step)).mkdir()
+    monkeypatch.setattr(checkpoints.Checkpointer, "MANY_STEPS", 5)
+    checkpoints.Checkpointer(str(tmp_path), read_only=True).close()
+    (line,) = [m for m in lconv_log() if "step folders" in m]
+    assert f"{tmp_path / 'checkpoints'} holds 6 step folders" in line
+    monkeypatch.setattr(checkpoints.Checkpointer, "MANY_STEPS", 6)
+    checkpoints.Checkpointer(str(tmp_path), read_only=True).close()
+    assert len([m for m in lconv_log() if "step folders" in m]) == 1  # at the bound: nothing said
+
+
 def _failing(manager, failures):
     """``manager.restore`` raising an OSError for its first ``failures`` calls (a flaky filesystem)."""
     real, calls = manager.restore, []

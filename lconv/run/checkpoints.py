@@ -37,6 +37,8 @@ PyTree = Any
 
 
 class Checkpointer:
+    MANY_STEPS = 1000  # step folders past which opening the folder is said to take a while
+
     def __init__(self, workdir: str, *, keep: int = 5, save_every: int = 1000, subdir: str = "checkpoints",
                  async_save: bool = False, checksums: bool = True, read_only: bool = False) -> None:
         """``read_only``: for restoring params from a workdir that may be read-only; nothing is created, warnings are
@@ -80,13 +82,18 @@ class Checkpointer:
         self.withheld.clear()
         if workdir_lib.is_remote(self.directory) or not os.path.isdir(self.directory):
             return
+        steps = 0
         with integrity.quiet_orbax(self.error_log):  # orbax logs a step metadata it cannot parse with its content
             for entry in os.scandir(self.directory):
                 if entry.name.isdigit():
+                    steps += 1
                     try:
                         integrity.check_listed_step(entry.path, int(entry.name))
                     except integrity.CorruptCheckpoint as err:
                         self.withheld[int(entry.name)] = err
+        if steps > self.MANY_STEPS:  # orbax reads every step's metadata before any restore: minutes, said first
+            logger.warning(f"{self.directory} holds {steps:,} step folders; orbax reads each one's metadata before "
+                           "a checkpoint is restored, which takes a while (move the old steps away to skip it)")
 
     def check_step(self, step: int) -> None:
         """Checkpoint ``step``'s folder and files, checked as a restore first does but with no file hashed: its step
