@@ -518,3 +518,21 @@ def test_the_corpus_readers_read_only_files_inside_their_folder(tmp_path, reader
     with pytest.raises(UserError) as error:
         read(str(folder / "test.en"))
     helpers.one_line_error(error, str(folder / "test.en"), "leads out of")
+
+
+def test_a_files_hash_has_no_size_bound_while_a_whole_read_has(tmp_path, monkeypatch):
+    """``paths.sha256`` streams a file of any size (a checkpoint's can pass the whole-read bound); only reading a
+    file whole is bounded. The hash had taken the read bound too."""
+    import hashlib
+
+    from etils import epath
+
+    from lconv.data import paths
+
+    big = tmp_path / "chunk"
+    big.write_bytes(b"x" * 64)
+    monkeypatch.setattr(paths, "READ_LIMIT", 16)
+    assert paths.sha256(big, within=tmp_path) == hashlib.sha256(b"x" * 64).hexdigest()
+    with pytest.raises(UserError) as error:
+        paths.read_bytes(epath.Path(big), "missing", limit=16)
+    helpers.one_line_error(error, str(big), "64 bytes", "more than the 16")

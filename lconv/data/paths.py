@@ -212,19 +212,26 @@ def memory_read_limit(copies: int) -> int:
     return READ_LIMIT if available is None else min(READ_LIMIT, available // copies)
 
 
-def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None, limit: int = READ_LIMIT) -> None:
-    """A local ``path`` lconv reads whole: a regular file of at most ``limit`` bytes, inside ``within``."""
+def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None,
+               limit: int | None = READ_LIMIT) -> None:
+    """A local ``path`` lconv reads whole: a regular file of at most ``limit`` bytes (None: any size), inside
+    ``within``."""
     if is_url(path) or not os.path.lexists(path):
         return
     real = os.path.realpath(path)
+    _check_inside(path, real, within)
+    if not os.path.isfile(real):
+        raise UserError(f"{path}: not a regular file ({real}); lconv reads only plain files here")
+    if limit is not None and os.path.getsize(real) > limit:
+        raise UserError(f"{path}: {os.path.getsize(real):,} bytes, more than the {limit:,} lconv reads here")
+
+
+def _check_inside(path: epath.Path | str, real: str, within: epath.Path | str | None) -> None:
+    """``path``, which really is ``real``, lies inside a local ``within`` (None: anywhere)."""
     if within is not None and not is_url(within):
         root = os.path.realpath(within)
         if os.path.commonpath([root, real]) != root:
             raise UserError(f"{path}: leads out of {within} (to {real}); a file it names must be inside it")
-    if not os.path.isfile(real):
-        raise UserError(f"{path}: not a regular file ({real}); lconv reads only plain files here")
-    if os.path.getsize(real) > limit:
-        raise UserError(f"{path}: {os.path.getsize(real):,} bytes, more than the {limit:,} lconv reads here")
 
 
 def read_bytes(path: epath.Path, missing: str, *, within: epath.Path | str | None = None,
@@ -250,7 +257,7 @@ def open_checked(path: epath.Path | str, *, within: epath.Path | str | None = No
                  limit: int | None = READ_LIMIT) -> Iterator[BinaryIO]:
     """``path`` open for reading under ``check_file``'s rules (``limit=None``: any size), checked again on the file
     that was opened: a name swapped for a link out or a pipe between a check and an open by name was read."""
-    check_file(path, within=within, limit=READ_LIMIT if limit is None else limit)
+    check_file(path, within=within, limit=limit)
     if is_url(path):
         with epath.Path(path).open("rb") as f:
             yield f
@@ -263,10 +270,8 @@ def open_checked(path: epath.Path | str, *, within: epath.Path | str | None = No
         if limit is not None and info.st_size > limit:
             raise UserError(f"{path}: {info.st_size:,} bytes, more than the {limit:,} lconv reads here")
         opened = _opened_path(fd)
-        if within is not None and not is_url(within) and opened is not None:
-            root = os.path.realpath(within)
-            if os.path.commonpath([root, opened]) != root:
-                raise UserError(f"{path}: leads out of {within} (to {opened}); a file it names must be inside it")
+        if opened is not None:
+            _check_inside(path, opened, within)
         yield f
 
 

@@ -199,8 +199,7 @@ def _source_files(name: str, raw_dir: str | None, layout: own_files.FileLayout |
 
 def _sha256(path: str, within: str | None) -> str:
     """The file's SHA-256, computed once per (path, size, modification time); read only inside ``within``."""
-    url = paths.is_url(path)
-    paths.check_file(path)  # a device or pipe (a link to /dev/zero) would be hashed for ever
+    url = paths.is_url(path)  # a device or a pipe (a link to /dev/zero) is refused as paths.sha256 opens it
     stat = epath.Path(path).stat() if url else os.stat(path)
     key = (path, stat.length, stat.mtime) if url else (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS or (url and not stat.mtime):  # a store that gives no mtime is read every time

@@ -60,6 +60,15 @@ def check_plugins(stored: dict, path: Any, trust_plugins: bool | None = None) ->
             raise UserError(f"{path}: config.model.{name}={one_line(model[name])}: must be {requirement}")
     if trust_plugins if trust_plugins is not None else _trust_plugins.get():
         return
+    for kind, field, spec in named_classes(model):
+        if not mixers.runs_no_new_code(kind, spec):
+            raise UserError(f"{path}: config.model.{field} names plugin {kind} {spec!r}, which would import module "
+                            f"{spec.partition(':')[0]!r} and run its code; if you trust this run, {TRUST_HINT}")
+
+
+def named_classes(model: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(kind, field, "module:Class")`` of every class a config's model section names: its mixers (each side's
+    layers and ``mixer_kwargs``' keys) and its FFN."""
     named: list[tuple[str, str, Any]] = []  # (kind, field, value)
     for side in ("encoder_mixer", "decoder_mixer"):
         value = model.get(side, "")
@@ -68,10 +77,7 @@ def check_plugins(stored: dict, path: Any, trust_plugins: bool | None = None) ->
     if isinstance(model.get("mixer_kwargs"), dict):
         named += [("mixer", "mixer_kwargs", key) for key in model["mixer_kwargs"]]
     named.append(("ffn", "ffn_type", model.get("ffn_type")))
-    for kind, field, spec in named:
-        if mixers.is_spec(spec) and not mixers.runs_no_new_code(kind, spec):
-            raise UserError(f"{path}: config.model.{field} names plugin {kind} {spec!r}, which would import module "
-                            f"{spec.partition(':')[0]!r} and run its code; if you trust this run, {TRUST_HINT}")
+    return [(kind, field, spec) for kind, field, spec in named if mixers.is_spec(spec)]
 
 
 @dataclasses.dataclass
@@ -160,22 +166,11 @@ def _traced_params(config: RunConfig, model: nn.Module, mesh: Any) -> Any:
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 (anything a class from elsewhere raises while it is traced)
-        named = sorted(_class_names(config.as_config()["model"]))
+        named = sorted({spec for _, _, spec in named_classes(config.as_config()["model"])})
         if not named:
             raise
         raise UserError(f"the model of config.model naming {', '.join(named)} cannot be built: "
                         f"{type(err).__name__}: {first_line(err, 200)}") from None
-
-
-def _class_names(value: Any) -> set[str]:
-    """Every ``module:Class`` string in a config section's values."""
-    if isinstance(value, str):
-        return {value} if ":" in value else set()
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return set().union(*map(_class_names, value)) if value else set()
-    return set()
 
 
 def read_config(workdir: str, caller: str = "--workdir", trust_plugins: bool | None = None) -> RunConfig:
