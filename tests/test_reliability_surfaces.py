@@ -11,6 +11,7 @@ Each ends in one ``error: ...`` line and exit code 2 on the command line, a one-
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import io
 import json
@@ -21,6 +22,7 @@ import shutil
 import sys
 
 import helpers
+import jax
 import numpy as np
 import pytest
 import tiny_config
@@ -193,6 +195,7 @@ _EXPORT_DAMAGE = {
     "sidecar width edited": (export.SIDECAR, "width"),  # fails at call time with XLA's "Shape mismatch" otherwise
     "sidecar rows edited": (export.SIDECAR, "rows"),
     "sidecar beam size not a number": (export.SIDECAR, "beam"),
+    "sidecar digest of a file it does not name": (export.SIDECAR, "sha256"),
 }
 
 
@@ -200,7 +203,7 @@ def _damage_export(folder, name, how):
     path = folder / name
     if how == "delete":
         path.unlink()
-    elif how in ("programs", "format", "width", "rows", "beam"):
+    elif how in ("programs", "format", "width", "rows", "beam", "sha256"):
         sidecar = json.loads(path.read_text())
         if how == "programs":
             sidecar.pop("programs")
@@ -208,6 +211,8 @@ def _damage_export(folder, name, how):
             sidecar.update(format=99)
         elif how == "beam":
             sidecar["search"]["beam_size"] = "four"
+        elif how == "sha256":
+            sidecar["sha256"]["../outside.npz"] = "0" * 64
         else:
             sidecar["programs"][0][how] *= 2
         path.write_text(json.dumps(sidecar))
@@ -231,17 +236,34 @@ def test_a_damaged_export_is_one_line_naming_the_file(damage, exported, tmp_path
     helpers.one_line_error(error, str(path))
 
 
-def test_an_exported_program_altered_inside_is_one_line_at_its_first_call(exported, tmp_path):
-    """Three bytes flipped in a program's body: it deserialises, then its first call was a 34-line JaxRuntimeError."""
+@pytest.mark.parametrize("part", ["translate_r1_w32.jax", "params.npz", "tokenizer"])
+def test_an_export_file_altered_inside_is_one_line_at_load(exported, tmp_path, part):
+    """Three bytes flipped in a file's body: a program deserialised and then either ran or was a 34-line
+    JaxRuntimeError at its first call, depending on where the bytes fell. The sidecar's digests catch any change."""
     copy = shutil.copytree(exported, tmp_path / "export")
-    program = copy / "translate_r1_w32.jax"
-    data = bytearray(program.read_bytes())
+    name = json.loads((copy / export.SIDECAR).read_text())["tokenizer"] if part == "tokenizer" else part
+    path = copy / name
+    data = bytearray(path.read_bytes())
     for position in random.Random(3).sample(range(len(data) // 3, len(data) * 9 // 10), 3):
         data[position] ^= 0x5A
-    program.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
     with pytest.raises(UserError) as error:
-        export.load(str(copy))(["Fast tool."])
-    helpers.one_line_error(error, str(program), "cannot run")
+        export.load(str(copy))
+    helpers.one_line_error(error, str(path), "altered")
+
+
+def test_an_exported_program_that_fails_to_run_is_one_line(exported, monkeypatch):
+    """A program that deserialises can still fail in XLA (a platform's compiler, an altered file whose sidecar
+    was rewritten to match): one line naming its file, not the runtime's traceback."""
+    served = export.load(str(exported))
+
+    def fails(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: a deliberately failing program")
+
+    monkeypatch.setattr(jax.export.Exported, "call", fails)
+    with pytest.raises(UserError) as error:
+        served(["Fast tool."])
+    helpers.one_line_error(error, str(exported / "translate_r1_w32.jax"), "cannot run")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -445,6 +467,14 @@ def _zip_member(archive, name, header_shape, zeros):
             f.write(bytes(1 << 20))
 
 
+def _reseal(folder, name):
+    """The sidecar's digest rewritten to match an edited file, as a hostile export would: the checks behind the
+    digest must still hold."""
+    sidecar = json.loads((folder / export.SIDECAR).read_text())
+    sidecar["sha256"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / export.SIDECAR).write_text(json.dumps(sidecar))
+
+
 @pytest.mark.parametrize("bomb", ["declared_size", "header_shape"])
 def test_a_params_zip_bomb_is_refused_before_it_decompresses(bomb, exported, tmp_path, monkeypatch):
     """A params.npz of a few kB that decompresses to far more than the programs' params take (here 16 MB of
@@ -458,6 +488,7 @@ def test_a_params_zip_bomb_is_refused_before_it_decompresses(bomb, exported, tmp
         else:
             _zip_member(archive, "a.npy", (10**10,), 0)
     assert (copy / "params.npz").stat().st_size < 64 << 10
+    _reseal(copy, "params.npz")
     monkeypatch.setattr(np, "load", lambda *a, **k: pytest.fail("np.load reached"))
     with pytest.raises(UserError) as error:
         export.load(str(copy))
@@ -473,6 +504,7 @@ def test_params_with_nan_are_one_line_naming_the_array_not_an_empty_output(expor
     name = next(k for k in sorted(arrays) if arrays[k].dtype.kind == "f")
     arrays[name] = np.full_like(arrays[name], np.nan)
     np.savez(copy / "params.npz", **arrays)
+    _reseal(copy, "params.npz")
     with pytest.raises(UserError) as error:
         export.load(str(copy))
     helpers.one_line_error(error, str(copy / "params.npz"), "NaN")

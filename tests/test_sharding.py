@@ -221,6 +221,7 @@ def test_a_2x2x2_mesh_gives_one_devices_loss_and_gradients(variant, capfd):
     common.set_mixer(config, {variant})
     config.mesh.rules = axis_rules(config.mesh.rules)
     config.model.max_len = config.data.max_target_length
+    config.data.eval_max_input_length = config.data.eval_max_target_length = config.model.max_len  # within them
     config.model.dropout = config.model.attention_dropout = config.model.weight_dropout = 0.1
     batch = _packed_batch(config)
     params_1, loss_1, grads_1 = _loss_and_grads(config, (1, 1, 1), batch)

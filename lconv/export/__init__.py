@@ -21,6 +21,7 @@ takes texts (or token ids) and runs the serialised programs, with no model code 
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import os
@@ -87,7 +88,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
     # The sidecar goes first and comes back last: an export stopped half-way (SIGTERM, a full disk), even over an
     # earlier one, never looks complete, and load() names the missing sidecar instead of mixing two exports.
     (directory / SIDECAR).unlink(missing_ok=True)
-    programs = []
+    programs, written = [], {}
     for r in rows:
         for w in widths:
             if lm:  # after the prompt ids: their lengths and a seed
@@ -98,11 +99,12 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
             exported = jax.export.export(jax.jit(fn), platforms=tuple(platforms))(abstract, _spec((r, w), jnp.int32),
                                                                                   *more)
             programs.append(dict(file=names[len(programs)], rows=r, width=w, output_len=length))
-            outputs.write_atomically(directory / programs[-1]["file"], bytes(exported.serialize()))
+            written[programs[-1]["file"]] = bytes(exported.serialize())
     buffer = io.BytesIO()
     np.savez(buffer, **traverse_util.flatten_dict(params, sep="/"))
-    outputs.write_atomically(directory / "params.npz", buffer.getvalue())
-    outputs.write_atomically(directory / trained.tokenizer.filename, trained.tokenizer.to_bytes())
+    written.update({"params.npz": buffer.getvalue(), trained.tokenizer.filename: trained.tokenizer.to_bytes()})
+    for name, data in written.items():
+        outputs.write_atomically(directory / name, data)
     impl = config.model.conv_impl
     sidecar = {
         "format": FORMAT_VERSION, "task": config.task, "workdir": trained.workdir, "steps": trained.steps,
@@ -114,6 +116,7 @@ def export(trained: restore.Trained, out: str, *, platforms: Sequence[str] = ("c
         "guards": {"no_repeat_ngram_size": settings.no_repeat_ngram_size, "min_len": settings.min_len},
         "ids": {"pad": PAD_ID, "eos": EOS_ID},
         "jax_version": jax.__version__, "config": config.as_config(),
+        "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in written.items()},
     }
     outputs.write_atomically(directory / SIDECAR, json.dumps(sidecar, indent=2))
     return sidecar
@@ -202,18 +205,24 @@ class Served:
         self.directory = directory
         self.sidecar = files.read_part(directory, SIDECAR, files.parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
-        name = self.sidecar["tokenizer"]
+        name, digests = self.sidecar["tokenizer"], self.sidecar.get("sha256", {})
+        if name in digests:  # before it is parsed: an altered tokenizer is named as altered
+            data = paths.read_bytes(directory / name, f"missing from the export (listed in its {EXPORT_SIDECAR})",
+                                    within=directory, limit=tokenizer_lib.TOKENIZER_LIMIT)
+            files.check_digest(directory / name, data, digests[name])
         self.tokenizer = tokenizer_lib.read_tokenizer(directory / name, within=directory)
         for part in [self.sidecar["params"]] + [p["file"] for p in self.sidecar["programs"]]:
             paths.check_file(directory / part, within=directory)  # each a plain file inside, before any is read
         self.programs = {(p["rows"], p["width"]): (p, files.read_part(directory, p["file"], files.parse_program,
-                                                                      "a serialised jax.export program"))
+                                                                      "a serialised jax.export program",
+                                                                      sha256=digests.get(p["file"])))
                          for p in self.sidecar["programs"]}
         # The programs say what params they take: a params.npz declaring more is refused before it decompresses.
         leaves, size = files.params_limit(next(iter(self.programs.values()))[1])
         self.params = files.read_part(directory, self.sidecar["params"],
                                       functools.partial(files.parse_params, leaves=leaves, size=size),
-                                      "a .npz of the params", limit=size + files.NPY_HEADER_BYTES * (leaves + 1))
+                                      "a .npz of the params", limit=size + files.NPY_HEADER_BYTES * (leaves + 1),
+                                      sha256=digests.get(self.sidecar["params"]))
         files.check_finite_params(self.params, directory / self.sidecar["params"])
         for entry, exported in self.programs.values():
             files.check_params_fit(self.params, exported, directory / self.sidecar["params"], entry["file"])

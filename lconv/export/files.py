@@ -3,8 +3,10 @@ damaged, edited or hostile export is one line naming the file and what is wrong,
 decompression that takes all memory."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import re
 import zipfile
 from typing import Any
 
@@ -22,12 +24,14 @@ from lconv.run import integrity, schema
 FORMAT_VERSION = 1
 
 
-def read_part(directory: epath.Path, name: str, parse: Any, what: str, limit: int = paths.READ_LIMIT) -> Any:
+def read_part(directory: epath.Path, name: str, parse: Any, what: str, limit: int = paths.READ_LIMIT,
+              sha256: str | None = None) -> Any:
     """``parse(bytes of directory/name)``; a missing, unreadable or damaged file is one line naming it, and so is
-    one over ``limit`` bytes."""
+    one over ``limit`` bytes or one whose bytes are not those the sidecar's ``sha256`` recorded."""
     path = directory / name
     data = paths.read_bytes(path, f"missing from the export (listed in its {SIDECAR}); export the run again",
                             within=directory, limit=limit)
+    check_digest(path, data, sha256)
     try:
         return parse(data)
     except Exception as err:  # noqa: BLE001 (whatever a damaged file makes its parser raise, the file is to blame)
@@ -35,12 +39,21 @@ def read_part(directory: epath.Path, name: str, parse: Any, what: str, limit: in
         raise UserError(f"{path}: not {what} ({reason}); the file is damaged: export the run again") from None
 
 
+def check_digest(path: epath.Path, data: bytes, sha256: str | None) -> None:
+    """A file whose bytes changed since the export wrote them is one line: a flipped byte in a program can
+    deserialise and run, or fail only at the first call (sidecars written before digests are not checked)."""
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise UserError(f"{path}: its bytes differ from those the export wrote (its sha256 in {SIDECAR}); the "
+                        "file was altered or damaged: export the run again")
+
+
 # The sidecar's fields, each with the JSON type it holds ("integer": a JSON number without a fraction, never
 # true/false); those not required are informative. A program entry's fields likewise.
 SIDECAR_FIELDS = {"format": "integer", "task": "string", "tokenizer": "string", "params": "string",
                   "programs": "array", "search": "object"}
 OPTIONAL_FIELDS = {"workdir": "string", "steps": "array", "platforms": "array", "conv_impl": "object",
-                   "guards": "object", "ids": "object", "jax_version": "string", "config": "object"}
+                   "guards": "object", "ids": "object", "jax_version": "string", "config": "object",
+                   "sha256": "object"}
 PROGRAM_FIELDS = {"file": "string", "rows": "integer", "width": "integer"}
 OPTIONAL_PROGRAM_FIELDS = {"output_len": "integer"}
 _TYPES = {"integer": int, "string": str, "array": list, "object": dict}
@@ -92,9 +105,13 @@ def parse_sidecar(data: bytes) -> dict[str, Any]:
                 raise ValueError(f"programs[{i}] repeats programs[{buckets[key]}]'s "
                                  f"{'file' if isinstance(key, str) else 'rows and width'}")
             buckets[key] = i
-    for name in [sidecar["tokenizer"], sidecar["params"]] + [p["file"] for p in sidecar["programs"]]:
+    names = [sidecar["tokenizer"], sidecar["params"]] + [p["file"] for p in sidecar["programs"]]
+    for name in names:
         if not is_file_name(name):
             raise ValueError(f"it names {name!r}: an export's files are plain names inside its folder")
+    for name, digest in sidecar.get("sha256", {}).items():
+        if name not in names or not isinstance(digest, str) or not re.fullmatch("[0-9a-f]{64}", digest):
+            raise ValueError(f"sha256[{name!r}] is not a SHA-256 in hex of one of the files it names")
     search, needed = sidecar["search"], "max_len" if sidecar["task"] == "lm" else "lenpen"
     if needed not in search:
         raise ValueError(f"no search.{needed}")
