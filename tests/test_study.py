@@ -216,6 +216,19 @@ def test_the_tuning_sweep_chooses_on_validation_and_its_archive_resumes_it(studi
     archived = sorted(p.name for p in archive_dir.iterdir())
     assert archived == ["lenpen_lr0.006.json", "seed0.json", "tune_lr0.006.json"]
 
+    # An archive holding the tuning run but not its length-penalty sweep (a study stopped between them, resumed on
+    # another machine): the restored run keeps no checkpoint, so it trains again and the sweep decodes the same.
+    partial = tmp_path / "docs_partial"
+    shutil.copytree(tmp_path / "docs", partial)
+    (partial / "results" / "runs" / "translation" / "transformer" / "lenpen_lr0.006.json").unlink()
+    shutil.copytree(out / "tokenizers", tmp_path / "out3" / "tokenizers")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XLA_FLAGS", helpers.xla_flags())
+        driver.run_study(study, str(tmp_path / "out3"), str(tmp_path / "docs3"), resume_from=str(partial),
+                         command="test")
+    again = json.loads((tmp_path / "docs3" / "results" / "results.json").read_text())["tuning"]
+    assert again["runs"][1]["scores"] == lenpen["scores"] and again["chosen"] == saved["tuning"]["chosen"]
+
     monkeypatch.setattr(run_lib, "_run_process", lambda *args: pytest.fail("a restored run was run again"))
     shutil.copytree(out / "tokenizers", tmp_path / "out2" / "tokenizers")
     resumed = driver.run_study(study, str(tmp_path / "out2"), str(tmp_path / "docs2"),

@@ -159,6 +159,23 @@ def _train(spec: dict[str, Any], config: Any) -> dict[str, Any]:
     return trained
 
 
+def _train_restored(workdir: str) -> None:
+    """A tuning run restored from the archive keeps no checkpoint (a study resumed on another machine): it trains
+    again from its stored config and seed, so the length-penalty sweep has a checkpoint to decode."""
+    import ml_collections
+
+    spec = read_json(os.path.join(workdir, SPEC))
+    archived = (read_json(os.path.join(workdir, RESULT)) or {}).get("validation_nll")
+    if spec is None:
+        raise UserError(f"{workdir}: no {SPEC}; the chosen tuning run cannot be trained again to decode it")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(workdir, "metrics.jsonl"))  # the archive's rows (it keeps them): training writes its own
+    trained = _train(dict(spec, workdir=workdir), ml_collections.ConfigDict(spec["config"]))
+    found = (trained.get("validation") or {}).get("nll")
+    logger.info(f"{workdir}: restored without a checkpoint, trained again to decode it: validation NLL "
+                f"{found if found is None else round(found, 4)} (archived {archived})")
+
+
 def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
     """A tuning sweep's process (lconv.study.tuning): ``tune`` trains a short run and records its validation loss;
     ``lenpen`` decodes the validation split at each length penalty."""
@@ -177,9 +194,11 @@ def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
                       validation_loss=validation.get("loss"), **measure.training_speed(measure.read_metrics(
                           spec["workdir"])), machine=measure.machine())
         return record
-    spec["stage"], scores = "decode", {}
-    metric = record["metric"]
+    scores, metric = {}, record["metric"]
     source = os.path.join(os.path.dirname(spec["workdir"]), f"tune_lr{record['learning_rate']:g}")
+    if not os.path.exists(os.path.join(source, "config.json")):
+        _train_restored(source)
+    spec["stage"] = "decode"
     for lenpen in spec["record"]["lenpens"]:
         found = eval_program.run(source, split="validation", lenpen=lenpen)
         scores[f"{lenpen:g}"] = found[metric]
