@@ -6,6 +6,7 @@ import pytest
 from lconv.configs import study as study_config
 from lconv.errors import UserError
 from lconv.study import archive, plan, report, tuning
+from lconv.study import run as run_lib
 
 VOCAB = {"translation": 512, "lm": 512}
 
@@ -172,3 +173,65 @@ def test_the_speed_table_alternates_the_mixers_in_one_process_and_drops_the_comp
     text = "\n".join(report.speed_lines(study, {"machine": {"cpu": "test cpu"}, "rows": rows}))
     assert "| DynamicConv | 1,000 | 2.00x | 64.0 | 4.00x |" in text and "test cpu" in text
     assert "Not measured yet" in "\n".join(report.speed_lines(study, None))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A --resume_from archive from elsewhere: its figures are read, what a run is and where it lives are the plan's
+# ----------------------------------------------------------------------------------------------------------------
+def _hostile_archive(tmp_path, quick_plan, **record_fields):
+    """An archive holding the first planned tuning run, its record edited by ``record_fields``."""
+    import json
+
+    study, templates = quick_plan
+    sweep = tuning.planned_sweeps(study, templates)[0]
+    root = tmp_path / "docs" / "results" / "runs"
+    path = tmp_path / "docs" / archive.archive_path("results/runs", sweep.name)
+    path.parent.mkdir(parents=True)
+    record = {**sweep.record, "status": "ok", "validation_nll": 1.5, "step": 6, **record_fields}
+    path.write_text(json.dumps({"record": record, "config": sweep.config.to_dict(), "metrics": []}))
+    workdir = tmp_path / "out" / sweep.record["workdir"]
+    return sweep, str(root), path, (sweep.name, sweep.config, str(workdir), sweep.record)
+
+
+def test_a_restored_record_names_the_plans_folder_not_the_archives(quick_plan, tmp_path):
+    """An archived record naming another folder ("workdir": a victim run, "task": ../..) had the sweep delete that
+    run's checkpoints and the report overwrite a file outside the archive."""
+    import json
+
+    victim = tmp_path / "victim"
+    (victim / "checkpoints").mkdir(parents=True)
+    sweep, root, _, planned = _hostile_archive(tmp_path, quick_plan, workdir=str(victim), task="../../../victim",
+                                               mixer="x")
+    assert archive.restore([planned], root) == 1
+    restored = json.loads((tmp_path / "out" / sweep.record["workdir"] / "study_result.json").read_text())
+    assert {k: restored[k] for k in sweep.record} == sweep.record and restored["validation_nll"] == 1.5
+    assert archive.entry_name(restored) == sweep.name
+    # A result file edited in the output folder itself: the study reads its figures, and the plan's folder.
+    result = tmp_path / "out" / sweep.record["workdir"] / "study_result.json"
+    result.write_text(json.dumps({**restored, "workdir": str(victim)}))
+    assert run_lib.read_record(str(result.parent), sweep.record)["workdir"] == sweep.record["workdir"]
+    skipped = run_lib.launch({"record": sweep.record}, str(result.parent), "unused", 1.0)
+    assert skipped["workdir"] == sweep.record["workdir"] and skipped["skipped"]
+    assert (victim / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["fifo", "nested", "figure_a_string", "not_an_object"])
+def test_a_damaged_archive_entry_is_one_line(quick_plan, tmp_path, damage):
+    """A FIFO entry hung the study; JSON nested 100,000 deep was a RecursionError traceback; a string figure a
+    TypeError in the report."""
+    import os
+
+    import helpers
+
+    _, root, path, planned = _hostile_archive(tmp_path, quick_plan,
+                                              **({"validation_nll": "low"} if damage == "figure_a_string" else {}))
+    if damage == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif damage == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "not_an_object":
+        path.write_text("[1, 2]")
+    with pytest.raises(UserError) as error:
+        archive.restore([planned], root)
+    helpers.one_line_error(error, str(path))

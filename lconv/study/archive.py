@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from lconv import outputs
-from lconv.errors import UserError
+from lconv import json_text, outputs
+from lconv.data import paths
+from lconv.errors import UserError, first_line
 from lconv.study import measure, plan
 from lconv.study import run as run_lib
 
@@ -48,6 +50,8 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
         entry = {"record": {k: v for k, v in record.items() if k not in ("skipped", "restored")},
                  "config": spec["config"], "metrics": measure.read_metrics(workdir)}
         path = archive_path(root, entry_name(record))
+        if os.path.commonpath([os.path.abspath(path), os.path.abspath(root)]) != os.path.abspath(root):
+            raise UserError(f"the study record of {record['workdir']} names the archive entry {path}, outside {root}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         run_lib.write_json(path, entry)
         kept.add(os.path.abspath(path))
@@ -69,20 +73,27 @@ def resolve(resume_from: str) -> str:
     return root
 
 
-def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
-    """Copies each archived run of ``planned`` into its workdir as a finished run unless it has a result; returns how
-    many. Raises, before copying, on a config that differs from the plan's."""
+ENTRY_LIMIT = 64 << 20  # bytes: an entry holds one run's record, config and metrics rows (tens of kB)
+# The figures the report reads from a restored record, by kind or task: each a finite number in the entry.
+_FIGURES = {"tune": ("validation_nll",), "translation": ("bleu",), "lm": ("ppl", "ppl_word"),
+            "summarization": ("rouge1", "rouge2", "rougeL")}
+
+
+def restore(planned: Sequence[tuple[str, Any, str, dict[str, Any]]], archive_root: str) -> int:
+    """Copies each archived run of ``planned`` (name, config, workdir, the plan's record) into its workdir as a
+    finished run unless it has a result; returns how many. Raises, before copying, on a config that differs from
+    the plan's or an entry that is not one. An entry's figures are its own; what the run is and where it lives
+    (task, mixer, seed, rate, workdir) are the plan's, never the entry's: an archive from elsewhere had a record
+    name another folder, whose checkpoints the sweep then deleted."""
     todo = []
-    for name, config, workdir in planned:
+    for name, config, workdir, record in planned:
         path = archive_path(archive_root, name)
-        if config is None or not os.path.exists(path):
+        if config is None or not os.path.lexists(path):
             continue
         if os.path.exists(os.path.join(workdir, run_lib.RESULT)):
             continue
-        entry = run_lib.read_json(path)
-        if entry is None or not {"record", "config", "metrics"} <= set(entry):
-            raise UserError(f"{path} is not a study run archive entry (unreadable JSON or missing fields)")
-        todo.append((name, workdir, entry, config))
+        entry = read_entry(path, archive_root, record)
+        todo.append((name, workdir, {**entry, "record": {**entry["record"], **record}}, config))
     plan.check_stored_configs([(name, entry["config"], config) for name, _, entry, config in todo],
                               f"--resume_from archive {archive_root} holds runs made with another study config",
                               "resume into a study with the config they were made with")
@@ -91,6 +102,29 @@ def restore(planned: Sequence[tuple[str, Any, str]], archive_root: str) -> int:
     if todo:
         logger.info(f"restored {len(todo)} finished runs from {archive_root}")
     return len(todo)
+
+
+def read_entry(path: str, archive_root: str, record: dict[str, Any]) -> dict[str, Any]:
+    """The archive entry at ``path``: a regular file inside the archive holding a record, a config and metrics rows,
+    with the figures a run of ``record``'s kind reports as finite numbers; else one line naming it."""
+    data = paths.read_bytes(path, "missing", within=archive_root, limit=ENTRY_LIMIT)
+    try:
+        entry = json_text.loads(data)
+    except ValueError as err:
+        raise UserError(f"{path}: not a study run archive entry ({first_line(err, 120)})") from None
+    if not (isinstance(entry, dict) and isinstance(entry.get("record"), dict) and isinstance(entry.get("config"), dict)
+            and isinstance(entry.get("metrics"), list) and all(isinstance(row, dict) for row in entry["metrics"])):
+        raise UserError(f"{path} is not a study run archive entry (a record, a config and metrics rows)")
+    kind = record.get("kind") or record["task"]
+    figures = {name: entry["record"].get(name) for name in _FIGURES.get(kind, ())}
+    if kind == "lenpen":
+        scores = entry["record"].get("scores")
+        figures = {f"scores[{p:g}]": (scores or {}).get(f"{p:g}") if isinstance(scores, dict) else None
+                   for p in record["lenpens"]}
+    for name, value in figures.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{path}: its record's {name} is {json.dumps(value)[:40]}, where a finite number belongs")
+    return entry
 
 
 def _write_run(workdir: str, entry: dict[str, Any]) -> None:

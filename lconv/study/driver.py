@@ -83,7 +83,7 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     sweep_runs = [(s.name, s.config, os.path.join(output_dir, s.record["workdir"])) for s in sweeps]
     check_runs_match_plan(sweep_runs, output_dir)
     if archive_root:
-        archive.restore(sweep_runs, archive_root)
+        archive.restore([(*run, s.record) for run, s in zip(sweep_runs, sweeps, strict=True)], archive_root)
 
     def launch_sweep(sweep: tuning.Sweep) -> dict[str, Any]:
         workdir = os.path.join(output_dir, sweep.record["workdir"])
@@ -99,8 +99,8 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     planned = plan.expand(study, templates, _recipe(study, choices) if sweeps else None)
     check_runs_match_plan([(p.key.name, p.config, run_dir(output_dir, p.key)) for p in planned], output_dir)
     if archive_root:
-        archive.restore([(p.key.name, p.config, run_dir(output_dir, p.key)) for p in planned if not p.waiting],
-                        archive_root)
+        archive.restore([(p.key.name, p.config, run_dir(output_dir, p.key), base_record(p, output_dir))
+                         for p in planned if not p.waiting], archive_root)
     records = []
     for i, item in enumerate(planned, start=1):
         record = outcome(item, study, output_dir, tokenizers, launch=not report_only)

@@ -19,29 +19,32 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from lconv import console, outputs
+from lconv import console, json_text, outputs
 from lconv.errors import UserError
 from lconv.run import host_memory
 
 logger = logging.getLogger(__name__)
 
 RESULT, FAILURE, SPEC, LOG = "study_result.json", "study_failure.json", "study_spec.json", "study.log"
+RECORD_LIMIT = 64 << 20  # bytes read of a study JSON file: a run's spec or record is tens of kB
 
 
 def read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None for a missing, unreadable or malformed one, or one that is no object."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            found = json_text.loads(f.read(RECORD_LIMIT))
     except (OSError, ValueError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None) -> dict[str, Any]:
     """A run's record as its workdir holds it: the result, a failure, or "not run" (``waiting``: why)."""
     found = read_json(os.path.join(workdir, RESULT))
     failed = read_json(os.path.join(workdir, FAILURE))
-    if found or failed:
-        return found or {**record, **failed, "status": "failed"}
+    if found or failed:  # what the run is and where it lives are the plan's, never the file's
+        return {**found, **record} if found else {**record, **failed, "status": "failed"}
     return {**record, **({"error": waiting} if waiting else {}), "status": "not run"}
 
 
@@ -55,7 +58,7 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
     """Runs one planned run unless its result exists; returns its record (``status`` ok / failed)."""
     done = read_json(os.path.join(workdir, RESULT))
     if done is not None:
-        return {**done, "skipped": True}
+        return {**done, **spec["record"], "skipped": True}
     outputs.claim_directory(workdir, "workdir", "a study run's folder")  # a run's workdir, the study's files beside
     if not os.path.exists(os.path.join(workdir, "spm.model")):  # every run of a task shares one tokenizer
         shutil.copy(tokenizer_file, os.path.join(workdir, "spm.model"))
@@ -67,7 +70,7 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
     code, timed_out = _run_process(workdir, timeout_minutes)
     result = read_json(os.path.join(workdir, RESULT))
     if result is not None:
-        return result
+        return {**result, **spec["record"]}
     failure = read_json(failure_path) or {"error": _last_line(os.path.join(workdir, LOG)) or f"exit code {code}",
                                           "stage": "unknown"}
     if timed_out:

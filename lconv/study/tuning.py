@@ -123,9 +123,10 @@ def choose(study: ml_collections.ConfigDict, sweeps: Sequence[Sweep], output_dir
             scores = found["scores"]
             lenpen = best_lenpen(scores, study.tuning.lenpens)
             if launch is not None and study.prune_checkpoints:
-                for r in runs:  # the sweep is decided: the tuning runs' checkpoints are no longer needed
-                    for name in ("checkpoints", "best", "xla_cache"):
-                        shutil.rmtree(os.path.join(output_dir, r["workdir"], name), ignore_errors=True)
+                for s in items:  # the sweep is decided: the tuning runs' checkpoints are no longer needed
+                    for name in ("checkpoints", "best", "xla_cache"):  # in the plan's folders, never a record's
+                        if s.record["kind"] == "tune":
+                            shutil.rmtree(os.path.join(output_dir, s.record["workdir"], name), ignore_errors=True)
         choices[(task, mixer)] = Choice(rate, lenpen, tuple(runs), scores)
     return choices, records
 
