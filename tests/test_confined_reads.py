@@ -536,3 +536,54 @@ def test_a_files_hash_has_no_size_bound_while_a_whole_read_has(tmp_path, monkeyp
     with pytest.raises(UserError) as error:
         paths.read_bytes(epath.Path(big), "missing", limit=16)
     helpers.one_line_error(error, str(big), "64 bytes", "more than the 16")
+
+
+def _catalog_copy(version, root):
+    """``(data_dir, version folder)``: the ddtp/en_de files laid out as a `tfds build` output of wmt14_translate/de-en,
+    read by ``sources._prepared_builder`` (no builder code)."""
+    target = root / "wmt14_translate" / "de-en" / "1.0.0"
+    target.mkdir(parents=True)
+    info = json.loads((version / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "name": "wmt14_translate", "configName": "de-en"}))
+    shutil.copy(version / "features.json", target)
+    for shard in version.glob("ddtp-*.array_record-*"):
+        shutil.copy(shard, target / shard.name.replace("ddtp-", "wmt14_translate-"))
+    return root, target
+
+
+@pytest.mark.parametrize("reader", ["lconv's copy", "catalog copy"])
+@pytest.mark.parametrize("damage", ["feature class of another module", "split files outside", "shard linked out"])
+def test_a_prepared_copys_json_naming_code_or_files_outside_is_one_line(damage, reader, en_de_copy, tmp_path):
+    """tfds imports the module a features.json class name gives (round 13: a marker module ran through eval.py,
+    train.py and python -m lconv.data), opens the files a dataset_info.json's template names (an outside shard
+    was scored), and catalog copies had none of lconv's copies' checks (a shard linked out was scored)."""
+    import sys
+
+    from lconv.data import sources
+
+    data_dir, version = en_de_copy
+    if reader == "catalog copy":
+        data_dir, version = _catalog_copy(version, tmp_path / "catalog")
+    outside = tmp_path / "outside.array_record"
+    shard = next(version.glob("*test.array_record*"))
+    shutil.copy(shard, outside)
+    if damage == "feature class of another module":
+        path = version / "features.json"
+        path.write_text(json.dumps({"pythonClassName": "lconv_r13_marker_module.X", "featuresDict": {}}))
+    elif damage == "split files outside":
+        path = version / "dataset_info.json"
+        info = json.loads(path.read_text())
+        for split in info["splits"]:
+            split["filepathTemplate"] = f"../../../../../../../..{tmp_path}/outside.array_record"
+        path.write_text(json.dumps(info))
+    else:
+        path = shard
+        shard.unlink()
+        shard.symlink_to(outside)
+    with pytest.raises(UserError) as error:
+        if reader == "catalog copy":
+            sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
+        else:
+            sources.get_source("ddtp/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(path))
+    assert "lconv_r13_marker_module" not in sys.modules

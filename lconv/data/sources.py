@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from lconv.data import copy_report, ddtp, own_files, paths
+from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 
@@ -230,6 +230,8 @@ def _prepared_builder(tfds_name: str, data_dir: str):
     if paths.is_url(data_dir) and paths.scheme(data_dir) != "gs":
         raise UserError(f"data_dir={data_dir!r}: array_record (tfds.data_source) reads local files and gs:// only; "
                         f"copy {data_dir}/{tfds_name} to local disk or gs://")
+    if not paths.is_url(data_dir):  # a copy a run's config names may come from elsewhere: checked as lconv's own
+        prepared_files.check_tree(str(version_dir))
     return tfds.builder_from_directory(str(version_dir))
 
 

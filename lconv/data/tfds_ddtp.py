@@ -17,7 +17,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from lconv import console, no_room, outputs
-from lconv.data import copy_report, ddtp, own_files, paths
+from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.copy_report import REPORT_FILENAME
 from lconv.errors import UserError, first_line
 
@@ -298,21 +298,11 @@ def _check_copy_folders(copy_dir: str) -> None:
 
 
 def _check_copy(copy_dir: str) -> None:
-    """A prepared copy holds the plain files lconv wrote: each a regular file inside the copy, of a size lconv reads,
-    else one line naming it. A copy in a data_dir a run's config names comes from elsewhere: a pipe in it hung
-    eval.py, and a link out of it had eval.py read and score files outside."""
+    """A prepared copy holds the plain files lconv wrote, each inside it, its JSON naming nothing outside
+    (``prepared_files.check_tree``). A copy in a data_dir a run's config names comes from elsewhere: a pipe in it
+    hung eval.py, and a link out of it had eval.py read and score files outside."""
     _check_copy_folders(copy_dir)
-    for folder, subfolders, files in os.walk(copy_dir):  # links to folders are listed, never followed
-        if os.path.relpath(folder, copy_dir).count(os.sep) >= paths.MAX_FOLDER_DEPTH:
-            raise UserError(f"{copy_dir}: folders nested deeper than {paths.MAX_FOLDER_DEPTH} in the prepared copy; "
-                            "lconv's copies are a few folders deep (remove the copy to prepare it again)")
-        for name in subfolders:
-            path = os.path.join(folder, name)
-            if os.path.islink(path):
-                raise UserError(f"{path}: a link in the prepared copy {copy_dir}; lconv's copies hold plain "
-                                "folders and files (remove the copy to prepare it again)")
-        for name in files:
-            paths.check_file(os.path.join(folder, name), within=copy_dir)
+    prepared_files.check_tree(copy_dir)
 
 
 def _copy_of(name: str, data_dir: str, raw_dir: str | None,
