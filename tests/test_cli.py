@@ -124,7 +124,8 @@ def test_a_cluster_launch_initializes_jax_distributed_from_the_environment(monke
     assert settings == {"jax_cpu_collectives_implementation": "gloo", "jax_cpu_enable_async_dispatch": False}
     # An index past the count was a 21-line ValueError from jax; a port-less coordinator, a wait without end.
     for name, value, named in (("LCONV_PROCESS_ID", "7", "0 to 1"), ("LCONV_PROCESS_ID", "one", "0 to 1"),
-                               ("LCONV_COORDINATOR", "localhost", "host:port")):
+                               ("LCONV_COORDINATOR", "localhost", "host:port"),
+                               ("LCONV_COORDINATOR", "127.0.0.1:99999", "port 1-65535")):
         monkeypatch.setenv("LCONV_COORDINATOR", "localhost:1234")
         monkeypatch.setenv("LCONV_PROCESS_ID", "1")
         monkeypatch.setenv(name, value)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import fairseq_reference
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -524,9 +525,13 @@ def test_the_pieces_tokenizer_joins_bpe_units_as_remove_bpe_does(tmp_path):
     tokenizer_lib.save_tokenizer(tokenizer, str(tmp_path))
     loaded = tokenizer_lib.load_tokenizer(str(tmp_path))
     assert (loaded.symbols, loaded.continuation) == (tokenizer.symbols, "@@")
-    (tmp_path / "pieces.json").write_text("{not json")
-    with pytest.raises(UserError, match="is not a pieces vocabulary"):
-        tokenizer_lib.load_tokenizer(str(tmp_path))
+    # Not JSON; and numbers among the symbols (round 13: loaded, then a TypeError traceback at the first decoding).
+    for text, named in (("{not json", "JSONDecodeError"), ('{"symbols": ["a", 100, 101]}', "symbols[1] is 100"),
+                        ('{"symbols": "abc"}', "list of strings")):
+        (tmp_path / "pieces.json").write_text(text)
+        with pytest.raises(UserError) as error:
+            tokenizer_lib.load_tokenizer(str(tmp_path))
+        helpers.one_line_error(error, "is not a pieces vocabulary", named)
 
 
 def _save_checkpoint(path: pathlib.Path, weights: dict[str, np.ndarray], args: dict) -> None:

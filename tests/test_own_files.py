@@ -129,12 +129,16 @@ def _bad(tmp_path, case):
     if case == "not json":
         (folder / "train.jsonl").write_text('{"xx": "a", "yy": "b"}\n{"xx": "a",\n')
         return folder, ["train.jsonl", "line 2", "not JSON"]
+    if case == "lone surrogate":  # valid JSON, no valid text: an 81-line tfds UnicodeEncodeError (round 13)
+        (folder / "train.jsonl").write_text('{"xx": "a", "yy": "b"}\n{"xx": "a\\u0000b\\ud800", "yy": "x"}\n')
+        return folder, ["train.jsonl", "line 2", "'xx'", "lone surrogate"]
     (folder / "train.jsonl").write_text('{"xx": "a", "yy": "b"}\n{"xx": "a", "target": "b"}\n')
     return folder, ["train.jsonl", "line 2", "'yy'"]
 
 
 @pytest.mark.parametrize("case", ["ragged", "not utf-8", "empty split", "missing split", "half a pair", "two formats",
-                                  "wrong codes", "a device", "a link out", "tsv columns", "not json", "missing key"])
+                                  "wrong codes", "a device", "a link out", "tsv columns", "not json", "lone surrogate",
+                                  "missing key"])
 def test_each_bad_file_is_one_error_line_naming_it(case, tmp_path, capsys):
     folder, named = _bad(tmp_path, case)
     codes = ("de", "en") if case == "wrong codes" else ("xx", "yy")

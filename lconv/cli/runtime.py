@@ -65,9 +65,9 @@ def initialize() -> None:
             raise UserError(f"LCONV_PROCESS_ID={os.environ['LCONV_PROCESS_ID']!r} must be this process's index, 0 to "
                             f"{processes - 1} (LCONV_NUM_PROCESSES={processes})")
         host, _, port = os.environ["LCONV_COORDINATOR"].rpartition(":")
-        if not (host and port.isdigit()):
+        if not (host and port.isdigit() and 1 <= int(port) <= 65535):  # a port past 65535 was a silent wait
             raise UserError(f"LCONV_COORDINATOR={os.environ['LCONV_COORDINATOR']!r} must be the coordinator's "
-                            "host:port")
+                            "host:port (port 1-65535)")
         # jax.distributed says nothing while it waits for the others: a wrong address looked like a hang.
         logging.getLogger(__name__).info(f"process {index} of {processes}: waiting for the coordinator at "
                                             f"{os.environ['LCONV_COORDINATOR']} and the other processes")

@@ -268,10 +268,23 @@ def _jsonl_examples(layout: FileLayout, path: str, counts: collections.Counter) 
         wrong = [k for k in layout.keys if not isinstance(record[k], str)]
         if wrong:
             raise UserError(f"{path}: line {number}: {wrong[0]!r} is {type(record[wrong[0]]).__name__}, not a string")
+        # JSON's \ud800 escapes decode to a lone surrogate, which no UTF-8 holds: tfds failed writing the copy.
+        lone = next((k for k in layout.keys if not record[k].isascii() and _has_lone_surrogate(record[k])), None)
+        if lone is not None:
+            raise UserError(f"{path}: line {number}: {lone!r} holds a lone surrogate (a \\ud800-\\udfff escape "
+                            "without its pair), which is no character; fix or remove that line")
         example = (_pair(layout, record[layout.source_lang], record[layout.target_lang], counts)
                    if layout.source_lang else _text(layout, record[layout.target_key], counts))
         if example is not None:
             yield example
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def copy_label(layout: FileLayout) -> str:

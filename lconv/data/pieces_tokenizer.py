@@ -66,6 +66,12 @@ class PiecesTokenizer:
     def from_bytes(cls, data: bytes, where: str = FILENAME) -> PiecesTokenizer:
         try:
             spec = json_text.loads(data.decode("utf-8"))
-            return cls(list(spec["symbols"]), str(spec.get("continuation", "")))
+            symbols, continuation = spec["symbols"], spec.get("continuation", "")
+            if not isinstance(symbols, list) or not isinstance(continuation, str):
+                raise TypeError("its symbols are a list of strings and its continuation a string")
+            odd = next((i for i, s in enumerate(symbols) if not isinstance(s, str)), None)
+            if odd is not None:  # a number among them loaded, then failed at the first decoding
+                raise TypeError(f"symbols[{odd}] is {json.dumps(symbols[odd])[:40]}, where a string belongs")
+            return cls(symbols, continuation)
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"{where} is not a pieces vocabulary ({type(err).__name__}: {err})") from None
