@@ -27,6 +27,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def is_split_name(value: Any) -> bool:
+    """A split's name, as file names carry it (``<split>.hyp.txt``): no folder in it, no leading dot."""
+    return isinstance(value, str) and bool(value) and not value.startswith(".") and "/" not in value \
+        and "\\" not in value
+
+
 def integer(minimum: int | None = None, note: str = "", *, maximum: int | None = None, reason: str = "") -> Rule:
     """An integer >= ``minimum``; with ``maximum`` also <= it, the requirement saying ``reason`` (why the bound)."""
     if minimum is None:

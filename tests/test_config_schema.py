@@ -78,6 +78,9 @@ def test_an_older_runs_config_json_loads_with_the_fields_added_since(tmp_path):
     ("decode.beam_size", 8000, "config.decode.beam_size=8000: must be at most the vocabulary's size - 1 (7999;"),
     ("data.eval_splits", ("test",), "config.data.eval_splits=('test',): must include 'validation'"),
     ("decode.split", "train", "config.decode.split='train': must be one of config.data.eval_splits="),
+    # A split names its output files (<split>.hyp.txt): a stored '../..' would write outside the workdir
+    ("decode.split", "../../x", "config.decode.split='../../x': must be a split name (no folder in it)"),
+    ("data.eval_splits", ("validation", "../x"), "config.data.eval_splits=('validation', '../x'): must be a non-empty"),
     ("mesh.shape", (2, 2), "config.mesh.shape=(2, 2): must be three sizes"),
     # A rule sharding onto an axis the mesh lacks was a jax traceback at the first compile
     ("mesh.rules", [["embed", "nope"]], "config.mesh.rules has ('embed', 'nope'): its mesh axis must be one of "

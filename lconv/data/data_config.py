@@ -20,6 +20,7 @@ from lconv.fields import (
     choice,
     field,
     integer,
+    is_split_name,
 )
 
 _LENGTH = integer(2, " (EOS and at least one token)", maximum=MAX_TOKENS, reason=SIZE_REASON)
@@ -69,8 +70,8 @@ class DataConfig:
     eval_splits: tuple[str, ...] = field(
         ("validation", "test"), "the splits prepared for evaluation (validation loss in training; decode.split "
         "at the end)",
-        Rule(lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(s, str) for s in v),
-             "a non-empty list of split names"))
+        Rule(lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(is_split_name(s) for s in v),
+             "a non-empty list of split names (no folder in one)"))
     max_validation_examples: int = field(
         0, "evaluate only the validation split's first N examples (its loss in training, the best checkpoint); "
         "0 = all", integer(0, " (0 = the whole split)"))

@@ -33,6 +33,7 @@ from lconv.fields import (
     default_of,
     field,
     integer,
+    is_split_name,
     markdown_table,
     number,
     one_line,
@@ -165,8 +166,7 @@ class DecodeConfig:
         lambda v: 0 <= v <= 1000, f"a number in [0, 1000] ({SIZE_REASON})"))
     max_len_b: int = field(10, "max output length = a * source length + b",
                            integer(0, maximum=MAX_TOKENS, reason=SIZE_REASON))
-    split: str = field("test", "the split decoded and scored", Rule(lambda v: isinstance(v, str) and bool(v),
-                                                                     "a split name"))
+    split: str = field("test", "the split decoded and scored", Rule(is_split_name, "a split name (no folder in it)"))
     num_print: int = field(5, "sample translations printed at the end", _NON_NEGATIVE)
     stop: str = field("optimal", 'beam search ends when no alive hypothesis can win | "fairseq" (its generator\'s '
                       "rule)", choice(*STOP_RULES))
