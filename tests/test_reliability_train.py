@@ -4,6 +4,7 @@ checkpoints, the divergence guard and Ctrl-C. The cheap cases run train.py in a 
 on one tiny run (tests/tiny_config.py)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -643,3 +644,25 @@ def test_a_best_checkpoint_whose_record_is_not_lconvs_is_one_line_naming_it(tmp_
     with pytest.raises(integrity.CorruptCheckpoint) as error:
         checkpoints.BestCheckpointer(str(tmp_path))
     helpers.one_line_error(error, str(tmp_path / "best" / "2"))
+
+
+def test_a_step_folder_holding_another_steps_state_is_set_aside_and_saving_goes_on(tmp_path, lconv_log):
+    """``cp -a checkpoints/6 checkpoints/1000``: the copy read, the run went on from its state, and orbax refused
+    every later save as older than step 1000 (step 7 lost, a 52-line traceback; round 13)."""
+    from flax.training import train_state
+
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1)
+    state = train_state.TrainState(step=np.int32(2), apply_fn=None, params={"w": np.full((3,), 2.0, np.float32)},
+                                   tx=None, opt_state=())
+    data = {"process_count": 1, "processes": [None]}
+    ckpt.save(2, state, data)
+    ckpt.close()
+    shutil.copytree(tmp_path / "checkpoints" / "2", tmp_path / "checkpoints" / "1000")
+    ckpt = checkpoints.Checkpointer(str(tmp_path), save_every=1)
+    restored, _ = ckpt.restore_latest_readable(checkpoints.abstract_like(state))
+    assert int(restored.step) == 2 and ckpt.all_steps() == [2]
+    assert "[1000] unreadable or corrupt" in lconv_log()[0] and "holds step 2's state" in lconv_log()[0]
+    assert ckpt.save(3, restored.replace(step=np.int32(3)), data, force=True)
+    ckpt.finish()
+    assert ckpt.all_steps() == [2, 3] and len(os.listdir(tmp_path / "checkpoints_unreadable")) == 1
+    ckpt.close()

@@ -158,6 +158,10 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
         restored = self._read(step, args, abstract_state, prefix=())
         integrity.check_finite(restored["state"], self._step_dir(step))
+        held = getattr(restored["state"], "step", None)
+        if held is not None and int(held) != step:  # a folder copied or renamed: orbax then refused every save
+            raise integrity.CorruptCheckpoint(f"checkpoint {self._step_dir(step)} holds step {int(held)}'s state; "
+                                              "a step's folder is named by its step")
         return restored["state"], restored["data"]
 
     def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
