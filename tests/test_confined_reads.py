@@ -587,3 +587,62 @@ def test_a_prepared_copys_json_naming_code_or_files_outside_is_one_line(damage, 
             sources.get_source("ddtp/en_de", "test", str(data_dir))
     helpers.one_line_error(error, str(path))
     assert "lconv_r13_marker_module" not in sys.modules
+
+
+@pytest.mark.parametrize("reader", ["lconv's copy", "catalog copy"])
+@pytest.mark.parametrize("damage", ["legacy type key", "snake_case class key", "name reaching outside",
+                                    "snake_case template", "version folder linked"])
+def test_whatever_spelling_a_copy_uses_tfds_imports_nothing_and_reads_only_inside(damage, reader, en_de_copy,
+                                                                                  tmp_path, monkeypatch):
+    """Round 14: the class under the legacy ``type`` key or ``python_class_name`` was imported, and a ``name`` or a
+    ``filepath_template`` of ../.. (tfds expands both into the shard paths) or a linked version folder had an
+    outside split scored. The guard is where tfds resolves a class; the check is on the paths it expanded."""
+    import sys
+
+    from lconv.data import sources
+
+    data_dir, version = en_de_copy
+    if reader == "catalog copy":
+        data_dir, version = _catalog_copy(version, tmp_path / "catalog")
+    (tmp_path / "importable").mkdir()  # the marker module can be imported: only the guard keeps it out
+    (tmp_path / "importable" / "lconv_r14_marker_module.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "importable"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for shard in version.glob("*.array_record*"):
+        shutil.copy(shard, outside / shard.name)
+    info_path, features_path = version / "dataset_info.json", version / "features.json"
+    info = json.loads(info_path.read_text())
+    named = [str(data_dir)]
+    if damage == "legacy type key":
+        features_path.write_text(json.dumps({"type": "lconv_r14_marker_module.X", "content": {}}))
+        named.append("would import")
+    elif damage == "snake_case class key":
+        features_path.write_text(json.dumps({"python_class_name": "lconv_r14_marker_module.X"}))
+        named.append("would import")
+    elif damage == "name reaching outside":
+        info["name"] = os.path.relpath(outside, version) + "/" + info["name"]
+        info_path.write_text(json.dumps(info))
+        named.append(str(outside))
+    elif damage == "snake_case template":
+        for split in info["splits"]:
+            split.pop("filepathTemplate", None)
+            split["filepath_template"] = os.path.relpath(outside, version) + "/{DATASET}-{SPLIT}.{FILEFORMAT}-" \
+                                                                               "{SHARD_X_OF_Y}"
+        info_path.write_text(json.dumps(info))
+        named.append(str(outside))
+    else:
+        moved = tmp_path / "elsewhere"
+        shutil.move(str(version), moved)
+        version.symlink_to(moved)
+        named.append("a link")
+    if reader == "lconv's copy" and damage in ("legacy type key", "snake_case class key"):  # its features are code
+        assert len(sources.get_source("ddtp/en_de", "test", str(data_dir))) > 0
+    else:
+        with pytest.raises(UserError) as error:
+            if reader == "catalog copy":
+                sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
+            else:
+                sources.get_source("ddtp/en_de", "test", str(data_dir))
+        helpers.one_line_error(error, *named)
+    assert "lconv_r14_marker_module" not in sys.modules

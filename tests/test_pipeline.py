@@ -1,5 +1,7 @@
 """Input pipeline: packing invariants against an independent reference, eval batches, checkpoints, sharding."""
 import collections
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -284,9 +286,10 @@ def test_make_datasets_rejects_bad_fields(ddtp_data):
         pipeline.make_datasets({**config, "train_long": "skip"}, tokenizer, process_index=0, process_count=1)
 
 
-def test_a_prepared_catalog_dataset_is_read_without_its_builder_code(ddtp_data):
-    config, _, _ = ddtp_data  # the ddtp/en_zh files stand in for a `tfds build` output
-    builder = pipeline.sources._prepared_builder("ddtp/en_zh", config["data_dir"])
+def test_a_prepared_catalog_dataset_is_read_without_its_builder_code(ddtp_data, tmp_path):
+    config, _, _ = ddtp_data  # the ddtp/en_zh files stand in for a `tfds build` output (copied: a link is refused)
+    shutil.copytree(pathlib.Path(config["data_dir"]) / "ddtp" / "en_zh", tmp_path / "ddtp" / "en_zh")
+    builder = pipeline.sources._prepared_builder("ddtp/en_zh", str(tmp_path))
     assert len(builder.as_data_source(split="test")) == 106
 
 

@@ -2,7 +2,9 @@
 may come from elsewhere, and tfds trusts what its JSON says (docs/security.md)."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from lconv import json_text
@@ -33,6 +35,50 @@ def check_tree(copy_dir: str) -> None:
                 _check_feature_classes(path, _read_json(path, copy_dir))
             elif name == "dataset_info.json":
                 _check_split_files(path, _read_json(path, copy_dir))
+
+
+@contextlib.contextmanager
+def no_feature_imports(copy_dir: str) -> Iterator[None]:
+    """While tfds opens a copy: a feature class it is not already registered (tfds's own) is refused, never
+    imported. tfds imports the module of any class name a features.json gives, in any of its spellings (a current
+    or legacy key, JSON inside a string), so the guard sits where tfds turns a name into a class."""
+    from tensorflow_datasets.core.features import feature
+
+    connector = feature.FeatureConnector
+    resolve = connector.__dict__["cls_from_name"]
+
+    def registered_only(cls: type, python_class_name: str) -> type:
+        if python_class_name not in connector._registered_features:  # noqa: SLF001 (tfds's own registry)
+            raise UserError(f"{copy_dir}: its features name the class {str(python_class_name)[:80]!r}, which tfds "
+                            f"would import; a prepared copy names only tfds's own feature classes ({_REMEDY})")
+        return resolve.__func__(cls, python_class_name)
+
+    connector.cls_from_name = classmethod(registered_only)
+    try:
+        yield
+    finally:
+        connector.cls_from_name = resolve
+
+
+def check_split_files(builder: Any, copy_dir: str) -> None:
+    """Every file the builder will read for its splits is a regular file inside ``copy_dir``: the paths tfds
+    expands from the info's name, config and templates (a name or a template of ``../..`` read files outside)."""
+    for split in builder.info.splits.values():
+        for path in split.filepaths:
+            paths.check_file(str(path), within=copy_dir)
+
+
+def check_no_links(root: str, folder: str) -> None:
+    """No folder from ``root`` down to ``folder`` is a link: a version folder linked elsewhere was read whole."""
+    relative = os.path.relpath(folder, root)
+    if relative.startswith(".."):
+        raise UserError(f"{folder}: outside {root}")
+    current = root
+    for part in [] if relative == "." else relative.split(os.sep):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            raise UserError(f"{current}: a link in the prepared data under {root}; prepared copies are plain "
+                            f"folders ({_REMEDY})")
 
 
 def _read_json(path: str, copy_dir: str) -> Any:

@@ -16,7 +16,7 @@ from etils import epath
 
 from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.data_config import DataConfig
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 
 
 class Source(Protocol):
@@ -230,9 +230,21 @@ def _prepared_builder(tfds_name: str, data_dir: str):
     if paths.is_url(data_dir) and paths.scheme(data_dir) != "gs":
         raise UserError(f"data_dir={data_dir!r}: array_record (tfds.data_source) reads local files and gs:// only; "
                         f"copy {data_dir}/{tfds_name} to local disk or gs://")
-    if not paths.is_url(data_dir):  # a copy a run's config names may come from elsewhere: checked as lconv's own
-        prepared_files.check_tree(str(version_dir))
-    return tfds.builder_from_directory(str(version_dir))
+    if paths.is_url(data_dir):
+        return tfds.builder_from_directory(str(version_dir))
+    # A copy a run's config names may come from elsewhere: checked as lconv's own are, what tfds reads included.
+    prepared_files.check_no_links(paths.expand(data_dir), str(version_dir))
+    prepared_files.check_tree(str(version_dir))
+    try:
+        with prepared_files.no_feature_imports(str(version_dir)):
+            builder = tfds.builder_from_directory(str(version_dir))
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 (tfds and protobuf raise many types for a copy they cannot read)
+        raise UserError(f"{version_dir}: not a prepared copy tfds can read ({type(err).__name__}: "
+                        f"{first_line(err, 120)}); prepare it again") from None
+    prepared_files.check_split_files(builder, str(version_dir))
+    return builder
 
 
 def prepared_data_path(name: str, data_dir: str, raw_dir: str | None = None,

@@ -281,11 +281,15 @@ def _open_copy(cls: type, config_name: str, read_dir: str, options: dict) -> tfd
     from google.protobuf import json_format
 
     try:
-        return cls(config=config_name, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
+        with prepared_files.no_feature_imports(read_dir):
+            builder = cls(config=config_name, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD,
+                          **options)
     except (json_format.ParseError, RecursionError) as err:
         raise UserError(f"{read_dir}: the prepared copy's dataset_info.json is not what lconv wrote "
                         f"({first_line(err, 120)}); "
                         "remove the copy to prepare it again") from None
+    prepared_files.check_split_files(builder, read_dir)
+    return builder
 
 
 def _check_copy_folders(copy_dir: str) -> None:
