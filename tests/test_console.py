@@ -173,3 +173,8 @@ def test_a_log_line_shows_the_escape_sequences_of_a_name_and_never_sends_them(re
     logging.getLogger("lconv.data.catalog").info("Prepared %s in %s", "wmt\x1b]0;TITLE\x07", "/data/\x1b[2Jred\x9b")
     out, _ = capsys.readouterr()
     assert out == "Prepared wmt\\x1b]0;TITLE\\x07 in /data/\\x1b[2Jred\\x9b\n"
+
+
+def test_printable_escapes_control_characters_and_keeps_lines():
+    """What the CLIs print and the study's results.md hold: a record's ESC sequences shown, never acted on."""
+    assert console.printable("cpu \x1b[2J done\ttab\nnext\x7f") == "cpu \\x1b[2J done\ttab\nnext\\x7f"

@@ -215,16 +215,18 @@ def test_a_restored_record_names_the_plans_folder_not_the_archives(quick_plan, t
     assert (victim / "checkpoints").is_dir()
 
 
-@pytest.mark.parametrize("damage", ["fifo", "nested", "figure_a_string", "not_an_object"])
+@pytest.mark.parametrize("damage", ["fifo", "nested", "figure_a_string", "not_an_object", "speed_a_string",
+                                    "metrics_row_without_split"])
 def test_a_damaged_archive_entry_is_one_line(quick_plan, tmp_path, damage):
     """A FIFO entry hung the study; JSON nested 100,000 deep was a RecursionError traceback; a string figure a
     TypeError in the report."""
+    import json
     import os
 
     import helpers
 
-    _, root, path, planned = _hostile_archive(tmp_path, quick_plan,
-                                              **({"validation_nll": "low"} if damage == "figure_a_string" else {}))
+    fields = {"figure_a_string": {"validation_nll": "low"}, "speed_a_string": {"train_tokens_per_s": "fast"}}
+    _, root, path, planned = _hostile_archive(tmp_path, quick_plan, **fields.get(damage, {}))
     if damage == "fifo":
         path.unlink()
         os.mkfifo(path)
@@ -232,6 +234,60 @@ def test_a_damaged_archive_entry_is_one_line(quick_plan, tmp_path, damage):
         path.write_text("[" * 100_000 + "]" * 100_000)
     elif damage == "not_an_object":
         path.write_text("[1, 2]")
+    elif damage == "metrics_row_without_split":  # a 31-line KeyError in the report, after the study's training
+        entry = json.loads(path.read_text())
+        path.write_text(json.dumps({**entry, "metrics": [{}]}))
     with pytest.raises(UserError) as error:
         archive.restore([planned], root)
     helpers.one_line_error(error, str(path))
+
+
+def test_a_result_or_failure_file_gives_figures_never_what_the_run_is(quick_plan, tmp_path):
+    """Round 14: a seed's result saying ``"kind": "tune"`` had the report prune that seed's archive entry; a failure
+    file naming ``"mixer": "payload:X"`` had the report import it; a string figure was a ValueError traceback."""
+    import json
+
+    from lconv.study import driver
+
+    study, templates = quick_plan
+    planned = plan.expand(study, templates, None)[0]
+    record = driver.base_record(planned, str(tmp_path))
+    workdir = tmp_path / "seed0"
+    workdir.mkdir()
+    (workdir / run_lib.RESULT).write_text(json.dumps({**record, "status": "ok", "kind": "tune", "bleu": 1.0,
+                                                      "validation_nll": 0.5, "mixer": "payload:X"}))
+    found = run_lib.read_record(str(workdir), record)
+    assert found["kind"] == "seed" and found["mixer"] == record["mixer"] and found["bleu"] == 1.0
+    (workdir / run_lib.RESULT).write_text(json.dumps({**record, "status": "ok", "bleu": 1.0,
+                                                      "train_tokens_per_s": "x"}))
+    found = run_lib.read_record(str(workdir), record)
+    assert found["status"] == "failed" and "train_tokens_per_s" in found["error"] and "\n" not in found["error"]
+    (workdir / run_lib.RESULT).unlink()
+    (workdir / run_lib.FAILURE).write_text(json.dumps({"error": "x", "stage": "train", "mixer": "payload:X",
+                                                       "workdir": "/elsewhere"}))
+    found = run_lib.read_record(str(workdir), record)
+    assert found["status"] == "failed" and (found["mixer"], found["workdir"]) == (record["mixer"], record["workdir"])
+
+
+def test_the_length_penalty_sweep_decodes_only_the_plans_tuning_run(quick_plan, tmp_path):
+    """Round 14: a trained run planted as the tuning folder (its config.json naming other data) was decoded, and
+    tfds imported what that data named. Its config.json must be its spec's, which the study checks against the plan."""
+    import json
+
+    import helpers
+
+    from lconv.run import workdir as workdir_lib
+
+    study, templates = quick_plan
+    sweep = tuning.planned_sweeps(study, templates)[0]
+    folder = tmp_path / "tune"
+    folder.mkdir()
+    (folder / run_lib.SPEC).write_text(json.dumps({"config": sweep.config.to_dict(), "record": sweep.record}))
+    (folder / "config.json").write_text(json.dumps(workdir_lib.as_record(sweep.config)))
+    run_lib._check_plans_run(str(folder))  # the plan's run: decoded
+    planted = workdir_lib.as_record(sweep.config)
+    planted["data"]["data_dir"] = "/tmp/elsewhere"
+    (folder / "config.json").write_text(json.dumps(planted))
+    with pytest.raises(UserError) as error:
+        run_lib._check_plans_run(str(folder))
+    helpers.one_line_error(error, str(folder), "data.data_dir")

@@ -38,7 +38,7 @@ def prepare_tokenizers(study: ml_collections.ConfigDict, output_dir: str) -> dic
 def base_record(planned: plan.Planned, output_dir: str) -> dict[str, Any]:
     """What the plan knows of a run: its key, matched size and what the mixer means in the task."""
     key, config = planned.key, planned.config
-    return {"task": key.task, "mixer": key.mixer, "label": plan.label(key.mixer), "seed": key.seed,
+    return {"task": key.task, "mixer": key.mixer, "label": plan.label(key.mixer), "kind": "seed", "seed": key.seed,
             "params": planned.params, "reference_params": planned.reference_params, "note": planned.note,
             "ffn_dim": config.model.ffn_dim if config is not None else None,
             "d_model": config.model.d_model if config is not None else None,

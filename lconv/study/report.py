@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from lconv import outputs
+from lconv import console, outputs
 from lconv.bench import report as bench_report
 from lconv.nn.model_config import ModelConfig
 from lconv.study import archive, measure, plan, plots, speed
@@ -228,7 +228,8 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
     text = markdown(study, rows, records, meta, figures,
                     tuning_lines(study, sweep_records, choices) + speed_lines(study, speed.read(docs_dir)))
-    outputs.write_atomically(os.path.join(docs_dir, "results.md"), text)
+    # A committed page: a record's text (a machine's name, an error) shows its control characters as escapes.
+    outputs.write_atomically(os.path.join(docs_dir, "results.md"), console.printable(text))
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
     return text
 

@@ -44,8 +44,23 @@ def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None
     found = read_json(os.path.join(workdir, RESULT))
     failed = read_json(os.path.join(workdir, FAILURE))
     if found or failed:  # what the run is and where it lives are the plan's, never the file's
-        return {**found, **record} if found else {**record, **failed, "status": "failed"}
+        return checked_result({**found, **record}, record, workdir) if found else \
+            {**failed, **record, "status": "failed"}
     return {**record, **({"error": waiting} if waiting else {}), "status": "not run"}
+
+
+def checked_result(found: dict[str, Any], record: dict[str, Any], workdir: str) -> dict[str, Any]:
+    """A finished run's record as read back: its figures numbers (``archive.check_figures``), or a failed record
+    saying which one is not, so one bad file fails its run instead of the report."""
+    from lconv.study import archive
+
+    if found.get("status") != "ok":
+        return found
+    try:
+        archive.check_figures(found, record, os.path.join(workdir, RESULT))
+    except UserError as err:
+        return {**record, "status": "failed", "error": str(err), "stage": "result"}
+    return found
 
 
 def write_json(path: str, value: Any) -> None:
@@ -58,7 +73,7 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
     """Runs one planned run unless its result exists; returns its record (``status`` ok / failed)."""
     done = read_json(os.path.join(workdir, RESULT))
     if done is not None:
-        return {**done, **spec["record"], "skipped": True}
+        return checked_result({**done, **spec["record"], "skipped": True}, spec["record"], workdir)
     outputs.claim_directory(workdir, "workdir", "a study run's folder")  # a run's workdir, the study's files beside
     if not os.path.exists(os.path.join(workdir, "spm.model")):  # every run of a task shares one tokenizer
         shutil.copy(tokenizer_file, os.path.join(workdir, "spm.model"))
@@ -70,7 +85,7 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
     code, timed_out = _run_process(workdir, timeout_minutes)
     result = read_json(os.path.join(workdir, RESULT))
     if result is not None:
-        return {**result, **spec["record"]}
+        return checked_result({**result, **spec["record"]}, spec["record"], workdir)
     failure = read_json(failure_path) or {"error": _last_line(os.path.join(workdir, LOG)) or f"exit code {code}",
                                           "stage": "unknown"}
     if timed_out:
@@ -162,6 +177,21 @@ def _train(spec: dict[str, Any], config: Any) -> dict[str, Any]:
     return trained
 
 
+def _check_plans_run(workdir: str) -> None:
+    """The tuning run to decode is the plan's: its ``config.json`` is its spec's config, which the study checked
+    against the plan. A run planted in the folder named its own data and mixer, which decoding it would read."""
+    import ml_collections
+
+    from lconv.study import plan
+
+    spec, stored = read_json(os.path.join(workdir, SPEC)), read_json(os.path.join(workdir, "config.json"))
+    changes = plan.stored_config_changes(stored, ml_collections.ConfigDict(spec["config"])) \
+        if spec is not None and isinstance(spec.get("config"), dict) and stored is not None else {"config.json": ()}
+    if changes:
+        raise UserError(f"{workdir}: its config.json is not the planned tuning run's (first: {next(iter(changes))}); "
+                        "remove the folder and the study trains it again")
+
+
 def _train_restored(workdir: str) -> None:
     """A tuning run restored from the archive keeps no checkpoint (a study resumed on another machine): it trains
     again from its stored config and seed, so the length-penalty sweep has a checkpoint to decode."""
@@ -201,6 +231,7 @@ def execute_tuning(spec: dict[str, Any]) -> dict[str, Any]:
     source = os.path.join(os.path.dirname(spec["workdir"]), f"tune_lr{record['learning_rate']:g}")
     if not os.path.exists(os.path.join(source, "config.json")):
         _train_restored(source)
+    _check_plans_run(source)
     spec["stage"] = "decode"
     for lenpen in spec["record"]["lenpens"]:
         found = eval_program.run(source, split="validation", lenpen=lenpen)
