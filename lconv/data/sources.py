@@ -230,8 +230,9 @@ def _prepared_builder(tfds_name: str, data_dir: str):
     if paths.is_url(data_dir) and paths.scheme(data_dir) != "gs":
         raise UserError(f"data_dir={data_dir!r}: array_record (tfds.data_source) reads local files and gs:// only; "
                         f"copy {data_dir}/{tfds_name} to local disk or gs://")
-    if paths.is_url(data_dir):
-        return tfds.builder_from_directory(str(version_dir))
+    if paths.is_url(data_dir):  # no local files to check: still nothing imported
+        with prepared_files.no_feature_imports(str(version_dir)):
+            return tfds.builder_from_directory(str(version_dir))
     # A copy a run's config names may come from elsewhere: checked as lconv's own are, what tfds reads included.
     prepared_files.check_no_links(paths.expand(data_dir), str(version_dir))
     prepared_files.check_tree(str(version_dir))

@@ -132,11 +132,13 @@ def load_tokenizer(directory: str) -> Tokenizer | PiecesTokenizer:
                     "lconv.data.tokenizer.load_or_train")
 
 
-def read_tokenizer(path: Any, within: Any = None) -> Tokenizer | PiecesTokenizer:
-    """The tokenizer the file ``path`` holds; a missing, bad or out-of-``within`` file is one line naming it."""
+def read_tokenizer(path: Any, within: Any = None, data: bytes | None = None) -> Tokenizer | PiecesTokenizer:
+    """The tokenizer the file ``path`` holds (``data``: its bytes, already read and checked); a missing, bad or
+    out-of-``within`` file is one line naming it."""
     from lconv.data import paths
 
-    data = paths.read_bytes(path, "missing; restore it from a copy", within=within, limit=TOKENIZER_LIMIT)
+    if data is None:
+        data = paths.read_bytes(path, "missing; restore it from a copy", within=within, limit=TOKENIZER_LIMIT)
     if not data:
         raise UserError(f"{path}: empty (a write cut short?); restore it from a copy")
     try:

@@ -206,11 +206,10 @@ class Served:
         self.sidecar = files.read_part(directory, SIDECAR, files.parse_sidecar, "the export's JSON sidecar")
         self.task = self.sidecar["task"]
         name, digests = self.sidecar["tokenizer"], self.sidecar.get("sha256", {})
-        if name in digests:  # before it is parsed: an altered tokenizer is named as altered
-            data = paths.read_bytes(directory / name, f"missing from the export (listed in its {EXPORT_SIDECAR})",
-                                    within=directory, limit=tokenizer_lib.TOKENIZER_LIMIT)
-            files.check_digest(directory / name, data, digests[name])
-        self.tokenizer = tokenizer_lib.read_tokenizer(directory / name, within=directory)
+        data = paths.read_bytes(directory / name, f"missing from the export (listed in its {EXPORT_SIDECAR})",
+                                within=directory, limit=tokenizer_lib.TOKENIZER_LIMIT)
+        files.check_digest(directory / name, data, digests.get(name))  # the bytes parsed next: no second read
+        self.tokenizer = tokenizer_lib.read_tokenizer(directory / name, data=data)
         for part in [self.sidecar["params"]] + [p["file"] for p in self.sidecar["programs"]]:
             paths.check_file(directory / part, within=directory)  # each a plain file inside, before any is read
         self.programs = {(p["rows"], p["width"]): (p, files.read_part(directory, p["file"], files.parse_program,
