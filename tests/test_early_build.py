@@ -23,7 +23,7 @@ def early_run(tiny_data, tmp_path_factory):
 
 def _usual_order(run):
     """The state and the plain jitted step, built after the tokenizer as they were before the early build."""
-    parts = setup._build_state(run.config, run.mesh, run.tokenizer.vocab_size)
+    parts = setup._build_state(run.config, run.mesh, run.tokenizer.vocab_size).build()
     return parts, update.jit_train_step(run.config, parts.lr_schedule, parts.state_shardings, run.mesh)
 
 

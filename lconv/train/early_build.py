@@ -1,4 +1,5 @@
-"""The train state and the train step, built in a background thread while the corpus and tokenizer are prepared.
+"""The train state and the train step, built in background threads (the step compiling beside the state's
+initialisers) while the corpus and tokenizer are prepared.
 
 Neither needs the data (the shapes follow from the config, vocabulary size and batch shape), so the first update comes
 sooner. What ``build_run`` finds is checked before use, so the early build can only save time, never change a result. It
@@ -24,7 +25,7 @@ from etils import epath
 from lconv.data import own_files, pipeline, sources
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
-from lconv.run import checkpoints, model_setup
+from lconv.run import model_setup
 from lconv.run.schema import RunConfig
 from lconv.train import update
 
@@ -43,6 +44,21 @@ class StateParts:
     lr_schedule: optax.Schedule
     state: Any
     state_shardings: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlan:
+    """``StateParts`` before the state is made: its ``layout`` (shapes, dtypes, shardings) is what the train step
+    compiles for, so the step can compile while ``initialise`` compiles and runs (``lconv.train.setup.plan_state``)."""
+
+    model: nn.Module
+    lr_schedule: optax.Schedule
+    initialise: Callable[[], Any]
+    layout: PyTree
+    state_shardings: PyTree
+
+    def build(self) -> StateParts:
+        return StateParts(self.model, self.lr_schedule, self.initialise(), self.state_shardings)
 
 
 class PreparedStep:
@@ -79,7 +95,7 @@ class EarlyBuild:
     """Starts the build of the state and the train step for ``vocab_size`` in a background thread, at once."""
 
     def __init__(self, config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int,
-                 build_state: Callable[[int], StateParts]) -> None:
+                 build_state: Callable[[int], StatePlan]) -> None:
         self.vocab_size = vocab_size
         self._config, self._mesh = config, mesh
         self._cancelled = threading.Event()
@@ -92,24 +108,29 @@ class EarlyBuild:
         """The caller failed: the thread stops at its next stage rather than compile on."""
         self._cancelled.set()
 
-    def _build(self, build_state: Callable[[int], StateParts]) -> tuple[StateParts, PreparedStep] | None:
-        parts = build_state(self.vocab_size)
+    def _build(self, build_state: Callable[[int], StatePlan]) -> tuple[StateParts, PreparedStep] | None:
+        plan = build_state(self.vocab_size)
         if self._cancelled.is_set():
             return None
+        # The state's initialisers compile and run in a second thread while this one compiles the step: two
+        # programs that need nothing of each other, on two cores where there are two.
+        helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        made = helper.submit(plan.build)
+        helper.shutdown(wait=False)
         config, mesh = self._config, self._mesh
-        jitted = update.jit_train_step(config, parts.lr_schedule, parts.state_shardings, mesh)
+        jitted = update.jit_train_step(config, plan.lr_schedule, plan.state_shardings, mesh)
         sharding = model_setup.batch_sharding(mesh)
         rows = model_setup.dummy_batch(config, config.data.batch_size)
         if config.data.stream:  # a document stream's batches also say which rows start a document (lconv.data.stream)
             rows["document_start"] = np.zeros((config.data.batch_size,), np.int32)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in rows.items()}
-        state = checkpoints.abstract_like(parts.state)
         with jax.set_mesh(mesh):
-            lowered = jitted.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32))
-            if self._cancelled.is_set():
-                return None
-            compiled = lowered.compile()
-        return parts, PreparedStep(jitted, compiled, signature(state), signature(batch))
+            lowered = jitted.lower(plan.layout, batch, jax.ShapeDtypeStruct((), jnp.float32))
+            compiled = None if self._cancelled.is_set() else lowered.compile()
+        parts = made.result()
+        if compiled is None:
+            return None
+        return parts, PreparedStep(jitted, compiled, signature(plan.layout), signature(batch))
 
     def result_for(self, vocab_size: int) -> tuple[StateParts, PreparedStep] | None:
         """The state and step if built for ``vocab_size`` (waits for them); else None. A ``UserError`` is raised as the

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -78,6 +78,14 @@ def check_batch_divides(config: RunConfig, mesh: jax.sharding.Mesh) -> None:
 def create_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh,
                  tx: optax.GradientTransformation) -> tuple[TrainState, PyTree]:
     """Initialises the train state directly into its shardings; returns ``(state, state_shardings)``."""
+    initialise, _, shardings = plan_state(config, model, mesh, tx)
+    return initialise(), shardings
+
+
+def plan_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
+               ) -> tuple[Callable[[], TrainState], TrainState, PyTree]:
+    """``(initialise, layout, shardings)``: the fresh state's initialiser traced into its shardings, and the
+    state's shapes, dtypes and shardings, known before ``initialise()`` compiles and runs anything."""
     args, kwargs = model_setup.model_inputs(model_setup.dummy_batch(config))
 
     def init(rng):
@@ -92,8 +100,13 @@ def create_state(config: RunConfig, model: nn.Module, mesh: jax.sharding.Mesh,
     shardings = shardings.replace(mixer_state=jax.tree.map(lambda _: model_setup.batch_sharding(mesh),
                                                            abstract.mixer_state))
     with jax.set_mesh(mesh):
-        state = jax.jit(init, out_shardings=shardings)(rng)
-    return state, shardings
+        traced = jax.jit(init, out_shardings=shardings).trace(rng)
+
+    def initialise() -> TrainState:
+        with jax.set_mesh(mesh):
+            return traced.lower().compile()(rng)
+
+    return initialise, traced.out_info, shardings
 
 
 # Building a run
@@ -186,7 +199,7 @@ def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = 
     _report_data_source(data.source_report, workdir)
     phase_done("datasets")
     built = early.result_for(tokenizer.vocab_size) if early is not None else None
-    parts, train_step = built if built is not None else (build_state(tokenizer.vocab_size), None)
+    parts, train_step = built if built is not None else (build_state(tokenizer.vocab_size).build(), None)
     phase_done("model and optimizer state")  # early: the wait for it and the train step's compilation
     logger.info(f"model: {model_setup.count_params(parts.state.params):,} parameters; mesh {dict(mesh.shape)}; "
                 f"devices {len(devices)} x {devices[0].platform}")
@@ -194,12 +207,11 @@ def build_run(config: Any, workdir: str, devices: Sequence[jax.Device] | None = 
                parts.state_shardings, checked.record, config_changes, seconds, train_step)
 
 
-def _build_state(config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int) -> early_build.StateParts:
-    """The model for ``vocab_size``, the optimizer, and the fresh state initialised into its shardings."""
+def _build_state(config: RunConfig, mesh: jax.sharding.Mesh, vocab_size: int) -> early_build.StatePlan:
+    """The model for ``vocab_size``, the optimizer, and the plan of the fresh state in its shardings."""
     model = model_setup.build_model(config, vocab_size)
     tx, lr_schedule = update.build_optimizer(config.optim, config.train.num_steps)
-    state, state_shardings = create_state(config, model, mesh, tx)
-    return early_build.StateParts(model, lr_schedule, state, state_shardings)
+    return early_build.StatePlan(model, lr_schedule, *plan_state(config, model, mesh, tx))
 
 
 def _report_data_source(report: dict[str, Any], workdir: str) -> None:
