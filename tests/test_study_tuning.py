@@ -291,3 +291,38 @@ def test_the_length_penalty_sweep_decodes_only_the_plans_tuning_run(quick_plan, 
     with pytest.raises(UserError) as error:
         run_lib._check_plans_run(str(folder))
     helpers.one_line_error(error, str(folder), "data.data_dir")
+
+
+def test_round_15_study_files_are_one_line_or_their_text_alone(quick_plan, tmp_path):
+    """A failure file's numbers (``"wall_seconds": "x"``: a TypeError in the report), a record's ``machine`` that is
+    no object (an AttributeError), a metrics row without its split or with a string loss (a KeyError, or the string
+    plotted and archived), and a --resume_from whose results/ is a link (read from wherever it led)."""
+    import json
+    import os
+
+    import helpers
+
+    from lconv.study import driver, measure
+
+    study, templates = quick_plan
+    record = driver.base_record(plan.expand(study, templates, None)[0], str(tmp_path))
+    workdir = tmp_path / "seed0"
+    workdir.mkdir()
+    (workdir / run_lib.FAILURE).write_text(json.dumps({"error": "x", "stage": "train", "wall_seconds": "x"}))
+    found = run_lib.read_record(str(workdir), record)
+    assert found["status"] == "failed" and "wall_seconds" not in found and found["error"] == "x"
+    (workdir / run_lib.RESULT).write_text(json.dumps({**record, "status": "ok", "bleu": 1.0, "machine": [1, 2]}))
+    found = run_lib.read_record(str(workdir), record)
+    assert found["status"] == "failed" and "machine" in found["error"]
+    for row in ({"x": 1}, {"split": "train", "step": 1, "loss": "x"}):
+        (workdir / "metrics.jsonl").write_text(json.dumps({"split": "train", "step": 0, "loss": 1.0}) + "\n" +
+                                               json.dumps(row) + "\n")
+        with pytest.raises(UserError) as error:
+            measure.read_metrics(str(workdir))
+        helpers.one_line_error(error, str(workdir / "metrics.jsonl"), "line 2")
+    (tmp_path / "theirs" / "results" / "runs").mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    os.symlink(tmp_path / "theirs" / "results", tmp_path / "mine" / "results")
+    with pytest.raises(UserError) as error:
+        archive.resolve(str(tmp_path / "mine"))
+    helpers.one_line_error(error, "is a link")

@@ -65,6 +65,9 @@ def check_split_files(builder: Any, copy_dir: str) -> None:
     expands from the info's name, config and templates (a name or a template of ``../..`` read files outside)."""
     for split in builder.info.splits.values():
         for path in split.filepaths:
+            if not os.path.lexists(str(path)):
+                raise UserError(f"{path}: missing from the prepared copy {copy_dir} (its dataset_info.json lists "
+                                f"it for split {split.name!r}; {_REMEDY})")
             paths.check_file(str(path), within=copy_dir)
 
 

@@ -239,12 +239,12 @@ def _prepared_builder(tfds_name: str, data_dir: str):
     try:
         with prepared_files.no_feature_imports(str(version_dir)):
             builder = tfds.builder_from_directory(str(version_dir))
+            prepared_files.check_split_files(builder, str(version_dir))
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 (tfds and protobuf raise many types for a copy they cannot read)
         raise UserError(f"{version_dir}: not a prepared copy tfds can read ({type(err).__name__}: "
                         f"{first_line(err, 120)}); prepare it again") from None
-    prepared_files.check_split_files(builder, str(version_dir))
     return builder
 
 

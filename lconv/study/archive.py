@@ -66,10 +66,15 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
 
 def resolve(resume_from: str) -> str:
     """The archive folder of ``--resume_from`` (a study's docs dir); a one-line error when it has none."""
-    root = os.path.join(os.path.abspath(os.path.expanduser(resume_from)), ARCHIVE_DIR)
+    docs = os.path.abspath(os.path.expanduser(resume_from))
+    root = os.path.join(docs, ARCHIVE_DIR)
     if not os.path.isdir(root):
         raise UserError(f"--resume_from={resume_from} has no {ARCHIVE_DIR}/ (the run archive a study's report "
                         "writes into its --docs_dir)")
+    for folder in (os.path.join(docs, "results"), root):  # a linked archive was read from wherever it led
+        if os.path.islink(folder):
+            raise UserError(f"--resume_from={resume_from}: {folder} is a link; the archive is read from plain "
+                            "folders (copy it there)")
     return root
 
 
@@ -138,6 +143,10 @@ def check_figures(found: dict[str, Any], record: dict[str, Any], where: str) -> 
     for name, value in figures.items():
         if not _is_number(value):
             raise UserError(f"{where}: its record's {name} is {json.dumps(value)[:40]}, where a finite number belongs")
+    machine = found.get("machine", {})
+    if not (isinstance(machine, dict) and all(isinstance(v, str) for v in machine.values())):
+        raise UserError(f"{where}: its record's machine is {json.dumps(machine)[:40]}, where an object of names "
+                        "belongs")
 
 
 def _is_number(value: Any) -> bool:

@@ -4,7 +4,6 @@ decoding speed (greedy generation from BOS), and per-word perplexity (so tokenis
 docs/results.md, "How it is measured"."""
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
@@ -16,11 +15,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from lconv import json_text
 from lconv.bench import timing
 from lconv.constants import PAD_ID
 from lconv.data import sources
 from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
+from lconv.errors import UserError, first_line
 from lconv.infer import search
 from lconv.run import model_setup, restore, schema
 from lconv.train import setup, update
@@ -32,12 +33,24 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     rows: dict[tuple[str, int], dict[str, Any]] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                rows[(row["split"], row["step"])] = row
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json_text.loads(line)
+            except ValueError as err:
+                raise UserError(f"{path}: line {number} is not JSON ({first_line(err, 80)})") from None
+            numbers = [v for k, v in row.items() if k not in ("split", "step")] if isinstance(row, dict) else []
+            if not (isinstance(row, dict) and isinstance(row.get("split"), str) and _is_number(row.get("step"))
+                    and all(_is_number(v) or v is None for v in numbers)):
+                raise UserError(f"{path}: line {number} is not a metrics row (a split, a step and numbers)")
+            rows[(row["split"], row["step"])] = row
     return sorted(rows.values(), key=lambda r: (r["split"], r["step"]))
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def training_speed(rows: list[dict[str, Any]]) -> dict[str, float]:

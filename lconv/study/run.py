@@ -44,9 +44,14 @@ def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None
     found = read_json(os.path.join(workdir, RESULT))
     failed = read_json(os.path.join(workdir, FAILURE))
     if found or failed:  # what the run is and where it lives are the plan's, never the file's
-        return checked_result({**found, **record}, record, workdir) if found else \
-            {**failed, **record, "status": "failed"}
+        return checked_result({**found, **record}, record, workdir) if found else failure_record(failed, record)
     return {**record, **({"error": waiting} if waiting else {}), "status": "not run"}
+
+
+def failure_record(failed: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """A failed run's record: the plan's, with the failure file's error and stage as text (nothing else of it)."""
+    return {**record, "status": "failed", "error": str(failed.get("error", ""))[:500],
+            "stage": str(failed.get("stage", "unknown"))[:40]}
 
 
 def checked_result(found: dict[str, Any], record: dict[str, Any], workdir: str) -> dict[str, Any]:
@@ -55,7 +60,7 @@ def checked_result(found: dict[str, Any], record: dict[str, Any], workdir: str) 
     from lconv.study import archive
 
     if found.get("status") != "ok":
-        return found
+        return failure_record(found, record)
     try:
         archive.check_figures(found, record, os.path.join(workdir, RESULT))
     except UserError as err:
