@@ -43,7 +43,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
                 raise UserError(f"{path}: line {number} is not JSON ({first_line(err, 80)})") from None
             numbers = [v for k, v in row.items() if k not in ("split", "step")] if isinstance(row, dict) else []
             if not (isinstance(row, dict) and isinstance(row.get("split"), str) and _is_number(row.get("step"))
-                    and all(_is_number(v) or v is None for v in numbers)):
+                    and all(isinstance(v, (int, float)) or v is None for v in numbers)):
                 raise UserError(f"{path}: line {number} is not a metrics row (a split, a step and numbers)")
             rows[(row["split"], row["step"])] = row
     return sorted(rows.values(), key=lambda r: (r["split"], r["step"]))
