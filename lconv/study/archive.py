@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from lconv import json_text, outputs
 from lconv.data import paths
 from lconv.errors import UserError, first_line
-from lconv.study import measure, plan
+from lconv.study import figures, measure, plan
 from lconv.study import run as run_lib
 
 logger = logging.getLogger(__name__)
@@ -79,15 +78,6 @@ def resolve(resume_from: str) -> str:
 
 
 ENTRY_LIMIT = 64 << 20  # bytes: an entry holds one run's record, config and metrics rows (tens of kB)
-# The figures the report reads from a restored record, by kind or task: each a finite number in the entry.
-_FIGURES = {"tune": ("validation_nll",), "translation": ("bleu",), "lm": ("ppl", "ppl_word"),
-            "summarization": ("rouge1", "rouge2", "rougeL")}
-# Numbers wherever a record holds them (the report's tables and lines format them as numbers).
-NUMBERS = ("step", "params", "validation_nll", "validation_loss", "bleu", "ppl", "ppl_word", "rouge1", "rouge2",
-           "rougeL", "train_tokens_per_s", "train_tokens", "decode_sentences_per_s", "decode_tokens_per_s",
-           "train_step_bytes", "peak_rss_bytes", "train_seconds", "evaluate_seconds", "wall_seconds")
-
-
 def restore(planned: Sequence[tuple[str, Any, str, dict[str, Any]]], archive_root: str) -> int:
     """Copies each archived run of ``planned`` (name, config, workdir, the plan's record) into its workdir as a
     finished run unless it has a result; returns how many. Raises, before copying, on a config that differs from
@@ -124,33 +114,10 @@ def read_entry(path: str, archive_root: str, record: dict[str, Any]) -> dict[str
     if not (isinstance(entry, dict) and isinstance(entry.get("record"), dict) and isinstance(entry.get("config"), dict)
             and isinstance(entry.get("metrics"), list) and all(isinstance(row, dict) for row in entry["metrics"])):
         raise UserError(f"{path} is not a study run archive entry (a record, a config and metrics rows)")
-    if not all(isinstance(row.get("split"), str) and _is_number(row.get("step")) for row in entry["metrics"]):
+    if not all(isinstance(row.get("split"), str) and figures.is_number(row.get("step")) for row in entry["metrics"]):
         raise UserError(f"{path}: a metrics row without its split and step")
-    check_figures(entry["record"], record, path)
+    figures.check_figures(entry["record"], record, path)
     return entry
-
-
-def check_figures(found: dict[str, Any], record: dict[str, Any], where: str) -> None:
-    """The figures a run of ``record``'s kind reports are finite numbers in ``found``, and so is every other
-    number the report reads that ``found`` holds; else one line naming ``where``."""
-    kind = record["task"] if record.get("kind") in (None, "seed") else record["kind"]
-    figures = {name: found.get(name) for name in _FIGURES.get(kind, ())}
-    if kind == "lenpen":
-        scores = found.get("scores")
-        figures = {f"scores[{p:g}]": (scores or {}).get(f"{p:g}") if isinstance(scores, dict) else None
-                   for p in record["lenpens"]}
-    figures.update({name: found[name] for name in NUMBERS if found.get(name) is not None and name not in figures})
-    for name, value in figures.items():
-        if not _is_number(value):
-            raise UserError(f"{where}: its record's {name} is {json.dumps(value)[:40]}, where a finite number belongs")
-    machine = found.get("machine", {})
-    if not (isinstance(machine, dict) and all(isinstance(v, str) for v in machine.values())):
-        raise UserError(f"{where}: its record's machine is {json.dumps(machine)[:40]}, where an object of names "
-                        "belongs")
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _write_run(workdir: str, entry: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from lconv import console, json_text, outputs
 from lconv.errors import UserError
 from lconv.run import host_memory
+from lconv.study import figures
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +56,12 @@ def failure_record(failed: dict[str, Any], record: dict[str, Any]) -> dict[str, 
 
 
 def checked_result(found: dict[str, Any], record: dict[str, Any], workdir: str) -> dict[str, Any]:
-    """A finished run's record as read back: its figures numbers (``archive.check_figures``), or a failed record
+    """A finished run's record as read back: its figures numbers (``figures.check_figures``), or a failed record
     saying which one is not, so one bad file fails its run instead of the report."""
-    from lconv.study import archive
-
     if found.get("status") != "ok":
         return failure_record(found, record)
     try:
-        archive.check_figures(found, record, os.path.join(workdir, RESULT))
+        figures.check_figures(found, record, os.path.join(workdir, RESULT))
     except UserError as err:
         return {**record, "status": "failed", "error": str(err), "stage": "result"}
     return found
