@@ -580,12 +580,15 @@ def test_a_prepared_copys_json_naming_code_or_files_outside_is_one_line(damage, 
         path = shard
         shard.unlink()
         shard.symlink_to(outside)
-    with pytest.raises(UserError) as error:
-        if reader == "catalog copy":
-            sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
-        else:
-            sources.get_source("ddtp/en_de", "test", str(data_dir))
-    helpers.one_line_error(error, str(path))
+    if reader == "lconv's copy" and damage == "feature class of another module":  # its features are code
+        assert len(sources.get_source("ddtp/en_de", "test", str(data_dir))) > 0
+    else:
+        with pytest.raises(UserError) as error:
+            if reader == "catalog copy":
+                sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
+            else:
+                sources.get_source("ddtp/en_de", "test", str(data_dir))
+        helpers.one_line_error(error, str(data_dir), "would import" if "feature" in damage else "")
     assert "lconv_r13_marker_module" not in sys.modules
 
 

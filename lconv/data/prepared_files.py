@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
-from lconv import json_text
 from lconv.data import paths
-from lconv.errors import UserError, first_line
+from lconv.errors import UserError
 
-# tfds imports the module a features.json class name gives: only its own feature classes are named in a copy.
-FEATURE_MODULE = "tensorflow_datasets.core.features."
-JSON_LIMIT = 16 << 20  # bytes: a copy's dataset_info.json and features.json are a few kB
+JSON_LIMIT = 16 << 20  # bytes: a copy's dataset_info.json and features.json are a few kB; tfds reads them whole
+_PATCH_LOCK = threading.RLock()  # two threads opening copies at once restore tfds's resolver in order
 _REMEDY = "remove the copy to prepare it again"
 
 
 def check_tree(copy_dir: str) -> None:
-    """Each file a regular file inside ``copy_dir`` (no links, pipes or devices), folders plain and a few deep, and
-    what its JSON names (feature classes, split files) is tfds's own and inside the copy; else one line."""
+    """Each file a regular file inside ``copy_dir`` (no links, pipes or devices), its JSON of a size tfds may read
+    whole, folders plain and a few deep; else one line. What the JSON names is checked where tfds uses it
+    (``no_feature_imports``, ``check_split_files``), whatever its spelling."""
     for folder, subfolders, files in os.walk(copy_dir):  # links to folders are listed, never followed
         if os.path.relpath(folder, copy_dir).count(os.sep) >= paths.MAX_FOLDER_DEPTH:
             raise UserError(f"{copy_dir}: folders nested deeper than {paths.MAX_FOLDER_DEPTH} in the prepared copy; "
@@ -29,12 +29,8 @@ def check_tree(copy_dir: str) -> None:
                 raise UserError(f"{os.path.join(folder, name)}: a link in the prepared copy {copy_dir}; prepared "
                                 f"copies hold plain folders and files ({_REMEDY})")
         for name in files:
-            path = os.path.join(folder, name)
-            paths.check_file(path, within=copy_dir)
-            if name == "features.json":
-                _check_feature_classes(path, _read_json(path, copy_dir))
-            elif name == "dataset_info.json":
-                _check_split_files(path, _read_json(path, copy_dir))
+            paths.check_file(os.path.join(folder, name), within=copy_dir,
+                             limit=JSON_LIMIT if name.endswith(".json") else None)
 
 
 @contextlib.contextmanager
@@ -45,7 +41,6 @@ def no_feature_imports(copy_dir: str) -> Iterator[None]:
     from tensorflow_datasets.core.features import feature
 
     connector = feature.FeatureConnector
-    resolve = connector.__dict__["cls_from_name"]
 
     def registered_only(cls: type, python_class_name: str) -> type:
         if python_class_name not in connector._registered_features:  # noqa: SLF001 (tfds's own registry)
@@ -53,11 +48,13 @@ def no_feature_imports(copy_dir: str) -> Iterator[None]:
                             f"would import; a prepared copy names only tfds's own feature classes ({_REMEDY})")
         return resolve.__func__(cls, python_class_name)
 
-    connector.cls_from_name = classmethod(registered_only)
-    try:
-        yield
-    finally:
-        connector.cls_from_name = resolve
+    with _PATCH_LOCK:  # the resolver read and replaced under the lock: a nested or concurrent use restores in order
+        resolve = connector.__dict__["cls_from_name"]
+        connector.cls_from_name = classmethod(registered_only)
+        try:
+            yield
+        finally:
+            connector.cls_from_name = resolve
 
 
 def check_split_files(builder: Any, copy_dir: str) -> None:
@@ -82,38 +79,3 @@ def check_no_links(root: str, folder: str) -> None:
         if os.path.islink(current):
             raise UserError(f"{current}: a link in the prepared data under {root}; prepared copies are plain "
                             f"folders ({_REMEDY})")
-
-
-def _read_json(path: str, copy_dir: str) -> Any:
-    data = paths.read_bytes(path, "missing", within=copy_dir, limit=JSON_LIMIT)
-    try:
-        return json_text.loads(data)
-    except ValueError as err:
-        raise UserError(f"{path}: not the JSON tfds writes ({first_line(err, 120)}); {_REMEDY}") from None
-
-
-def _check_feature_classes(path: str, value: Any) -> None:
-    """Every ``pythonClassName`` is one of tfds's feature classes: any other is a module tfds would import."""
-    if isinstance(value, dict):
-        name = value.get("pythonClassName")
-        if name is not None and not (isinstance(name, str) and name.startswith(FEATURE_MODULE)):
-            raise UserError(f"{path}: names the feature class {str(name)[:80]!r}, which tfds would import; a prepared "
-                            f"copy names only {FEATURE_MODULE}* ({_REMEDY})")
-        values = value.values()
-    elif isinstance(value, list):
-        values = value
-    else:
-        return
-    for item in values:
-        _check_feature_classes(path, item)
-
-
-def _check_split_files(path: str, info: Any) -> None:
-    """Each split's file template is a bare file name: a template with a folder in it sent tfds outside the copy."""
-    splits = info.get("splits", []) if isinstance(info, dict) else []
-    for split in splits if isinstance(splits, list) else []:
-        template = split.get("filepathTemplate") if isinstance(split, dict) else None
-        if template is not None and (not isinstance(template, str) or "/" in template or "\\" in template
-                                     or ".." in template):
-            raise UserError(f"{path}: split {split.get('name')!r} reads files at {str(template)[:80]!r}; a prepared "
-                            f"copy's split files are bare names inside it ({_REMEDY})")
