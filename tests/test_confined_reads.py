@@ -434,6 +434,17 @@ def test_a_prepared_copys_report_nested_too_deep_or_not_json_is_one_line(en_de_c
         helpers.one_line_error(error, str(report))
 
 
+def test_a_prepared_copys_report_text_reaches_the_terminal_as_escapes():
+    """A copy's report is text from whoever made the copy: its ``source`` holding ``ESC ] 0 ; ... BEL ESC [ 2 J`` set
+    the terminal's title and cleared it from ``python -m lconv.data`` and train.py's log (round 15, r15-8)."""
+    from lconv.data import sources
+
+    report = {"dataset": "ddtp/en_de", "source": "\x1b]0;OWNED\x07\x1b[2J src", "examples": {"test": 3},
+              "records": 3, "skipped": {"read\x1b[2J": {"empty\x07": 1}}, "altered": {}}
+    lines = sources.describe_report(report)
+    assert not any(ch in line for line in lines for ch in "\x1b\x07"), lines
+    assert "prepared from \\x1b]0;OWNED\\x07\\x1b[2J src" in lines[0] and "empty\\x07 1" in lines[1]
+
 def test_a_prepared_copys_dataset_info_tfds_cannot_parse_is_one_line(en_de_copy):
     """tfds parses it with protobuf: nested too deep or of the wrong types, a 74-79-line ParseError traceback."""
     from lconv.data import sources
@@ -472,6 +483,29 @@ def test_a_damaged_shard_in_a_prepared_copy_is_one_line_naming_it(damage, en_de_
     with pytest.raises(UserError) as error:
         pipeline.make_eval_set(source, input_key, target_key, tokenizer, {"inputs": 32, "targets": 32}, rows=4)
     helpers.one_line_error(error, str(version), "damaged")
+
+
+def test_a_shard_swapped_for_a_link_out_after_the_check_is_never_read(en_de_copy, tmp_path):
+    """array_record opens a shard at its first read, long after lconv's check: a planter who can write into the copy
+    swapped the shard for a link to an outside one in that window, and the outside records were read (round 15,
+    r15-2). The source reads the file that was checked, held open, whatever the name points at later."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from lconv.data import sources
+
+    data_dir, version = en_de_copy
+    shard = next(version.glob("*test.array_record*"))
+    source, _, _ = sources.get_source("ddtp/en_de", "test", str(data_dir))
+    outside = tmp_path / "outside.array_record"
+    writer = ArrayRecordWriter(str(outside), "group_size:1")
+    for _ in range(len(source)):
+        writer.write(b"outside")
+    writer.close()
+    shard.rename(tmp_path / "moved_away")
+    shard.symlink_to(outside)
+    first = source[0]
+    assert sorted(first) == ["de", "en", "md5"] and first["en"], first
+    assert len(source[len(source) - 1]["de"]) > 0
 
 
 @pytest.mark.parametrize("swap", ["link_out", "pipe"])
@@ -550,6 +584,34 @@ def _catalog_copy(version, root):
         shutil.copy(shard, target / shard.name.replace("ddtp-", "wmt14_translate-"))
     return root, target
 
+
+
+_NOT_TEXT = {
+    "an image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
+                 "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "png"}},
+    "an integer tensor": {"pythonClassName": "tensorflow_datasets.core.features.tensor_feature.Tensor",
+                          "tensor": {"shape": {}, "dtype": "int64", "encoding": "none"}},
+}
+
+
+@pytest.mark.parametrize("damage", ["an image", "an integer tensor", "a field missing"])
+def test_a_catalog_copy_whose_features_are_not_the_text_lconv_reads_is_one_line(damage, en_de_copy, tmp_path):
+    """tfds decodes every field with the decoder its features.json names: a text field turned into an image ran PIL
+    on the copy's bytes (a 33-line traceback, and an image decoder fed by whoever made the copy), an integer one a
+    22-line ValueError, a missing field a KeyError (round 15, r15-6)."""
+    from lconv.data import sources
+
+    data_dir, version = _catalog_copy(en_de_copy[1], tmp_path / "catalog")
+    features = json.loads((version / "features.json").read_text())
+    fields = features["featuresDict"]["features"]
+    if damage == "a field missing":
+        del fields["de"]
+    else:
+        fields["en"] = _NOT_TEXT[damage]
+    (version / "features.json").write_text(json.dumps(features))
+    with pytest.raises(UserError) as error:
+        sources.get_source("wmt14/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(version), "lack ['de']" if damage == "a field missing" else "text only")
 
 @pytest.mark.parametrize("reader", ["lconv's copy", "catalog copy"])
 @pytest.mark.parametrize("damage", ["feature class of another module", "split files outside", "shard linked out"])

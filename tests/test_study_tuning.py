@@ -326,3 +326,37 @@ def test_round_15_study_files_are_one_line_or_their_text_alone(quick_plan, tmp_p
     with pytest.raises(UserError) as error:
         archive.resolve(str(tmp_path / "mine"))
     helpers.one_line_error(error, "is a link")
+
+
+def test_a_records_control_characters_reach_the_results_csv_as_escapes(quick_plan, tmp_path):
+    """A failure's error holding ``ESC ] 0 ; ... BEL ESC [ 2 J`` reached results.csv raw, to set a terminal's title
+    and clear it when the file is shown (round 15, r15-8); results.md already escaped it."""
+    import csv
+    import io
+
+    from lconv.study import driver, report
+
+    study, templates = quick_plan
+    record = {**driver.base_record(plan.expand(study, templates, None)[0], str(tmp_path)), "status": "failed",
+              "error": "\x1b]0;OWNED\x07\x1b[2J lost"}
+    text = report.csv_text([record])
+    assert "\x1b" not in text and "\x07" not in text
+    (row,) = csv.DictReader(io.StringIO(text, newline=""))
+    assert row["error"] == "\\x1b]0;OWNED\\x07\\x1b[2J lost" and row["status"] == "failed"
+
+
+def test_the_report_keeps_the_archive_entry_of_a_planned_run_that_did_not_finish_here(quick_plan, tmp_path):
+    """An output folder whose seed had no result (stopped, or handed over) had the report delete that seed's
+    committed archive entry without a word (round 15, r15-3). Only entries of runs the plan no longer has go."""
+    from lconv.study import driver
+
+    study, templates = quick_plan
+    record = {**driver.base_record(plan.expand(study, templates, None)[0], str(tmp_path)), "status": "failed"}
+    docs = tmp_path / "docs"
+    planned = docs / archive.archive_path(archive.ARCHIVE_DIR, archive.entry_name(record))
+    dropped = docs / archive.archive_path(archive.ARCHIVE_DIR, "translation/no_such_mixer/seed0")
+    for entry in (planned, dropped):
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.write_text("{}")
+    assert archive.write_archive([record], str(tmp_path / "out"), str(docs), prune=True) == 0
+    assert planned.exists() and not dropped.exists()

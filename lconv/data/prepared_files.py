@@ -3,8 +3,10 @@ may come from elsewhere, and tfds trusts what its JSON says (docs/security.md)."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +70,28 @@ def check_split_files(builder: Any, copy_dir: str) -> None:
             paths.check_file(str(path), within=copy_dir)
 
 
+def check_text_features(builder: Any, keys: list[str], copy_dir: str) -> None:
+    """A copy's features are text and hold the fields lconv reads: tfds decodes every field of an example it serves,
+    and any other feature type runs another decoder on the copy's bytes (an image's, PIL)."""
+    from tensorflow_datasets.core import features as tfds_features
+
+    features = builder.info.features
+    if not isinstance(features, tfds_features.FeaturesDict):
+        raise UserError(f"{copy_dir}: its features are a {type(features).__name__}, not fields of text ({_REMEDY})")
+    fields = list(features.items())
+    while fields:
+        name, feature = fields.pop()
+        if isinstance(feature, tfds_features.FeaturesDict):
+            fields += [(f"{name}/{key}", inner) for key, inner in feature.items()]
+        elif type(feature) is not tfds_features.Text:
+            raise UserError(f"{copy_dir}: its feature {str(name)[:80]!r} is a {type(feature).__name__}; lconv's "
+                            f"datasets hold text only ({_REMEDY})")
+    missing = [key for key in keys if key not in features.keys()]
+    if missing:
+        raise UserError(f"{copy_dir}: its features lack {missing} (it has {sorted(features.keys())[:8]}); "
+                        f"{_REMEDY}")
+
+
 def check_no_links(root: str, folder: str) -> None:
     """No folder from ``root`` down to ``folder`` is a link: a version folder linked elsewhere was read whole."""
     relative = os.path.relpath(folder, root)
@@ -79,3 +103,33 @@ def check_no_links(root: str, folder: str) -> None:
         if os.path.islink(current):
             raise UserError(f"{current}: a link in the prepared data under {root}; prepared copies are plain "
                             f"folders ({_REMEDY})")
+
+
+def read_through_held_files(source: Any, copy_dir: str) -> Any:
+    """tfds's array_record ``source`` reading each shard through a file opened and checked now, held open while the
+    source lives: a shard swapped for a link out after the check is never what is read, since Linux's
+    ``/proc/self/fd`` reopens the file held, whatever its name points at later. Elsewhere, ``source`` unchanged."""
+    if paths.is_url(copy_dir) or not os.path.isdir("/proc/self/fd"):
+        return source
+    from array_record.python import array_record_data_source
+    from tensorflow_datasets.core.data_sources import base
+
+    held: list[int] = []
+    try:
+        instructions = []
+        for instruction in base.file_instructions(source.dataset_info, source.split):
+            held.append(paths.open_fd_checked(instruction.filename, within=copy_dir, limit=None))
+            instructions.append(dataclasses.replace(instruction, filename=f"/proc/self/fd/{held[-1]}"))
+        reader = array_record_data_source.ArrayRecordDataSource(instructions)
+    except BaseException:
+        _close_all(held)
+        raise
+    weakref.finalize(reader, _close_all, held)  # the files close with the reader that reads them
+    source.data_source = reader
+    return source
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from etils import epath
 
+from lconv import console
 from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError, first_line
@@ -160,7 +161,8 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None,
         shown = spec.tfds_name if layout is None else f"{layout.name} ({layout.folder})"
         raise UserError(f"split={split!r} is not in {shown} (has {sorted(builder.info.splits)})")
     try:
-        source = builder.as_data_source(split=tfds_split)
+        source = prepared_files.read_through_held_files(builder.as_data_source(split=tfds_split),
+                                                        str(builder.data_dir))
     except NotImplementedError as e:  # prepared in TFRecord format
         raise UserError(f"{spec.tfds_name} in {data_dir} is not array_record; delete {builder.data_dir} and "
                         f"prepare it again with: {prepare_command(spec.tfds_name, data_dir)}") from e
@@ -187,7 +189,7 @@ def describe_report(report: Mapping[str, Any]) -> list[str]:
             lines.append(f"{kind} ({stage}): {', '.join(f'{reason} {n}' for reason, n in reasons.items())}")
     if not report["skipped"]:
         lines.append("skipped: nothing")
-    return lines
+    return [console.printable(line) for line in lines]  # a copy's report is text from whoever made the copy
 
 
 def _spec(name: str, layout: own_files.FileLayout | None) -> DatasetSpec:
@@ -198,6 +200,13 @@ def _spec(name: str, layout: own_files.FileLayout | None) -> DatasetSpec:
 
 
 def _builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None, layout: own_files.FileLayout | None = None):
+    builder = _open_builder(spec, data_dir, raw_dir, layout)
+    keys = [key for key in (spec.input_key, spec.target_key) if key is not None]
+    prepared_files.check_text_features(builder, keys, str(builder.data_dir))
+    return builder
+
+
+def _open_builder(spec: DatasetSpec, data_dir: str, raw_dir: str | None, layout: own_files.FileLayout | None):
     _data_dir(data_dir)  # a file at it or above it: one line
     if spec.local:
         from lconv.data import tfds_ddtp

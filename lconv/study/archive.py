@@ -36,8 +36,11 @@ def archive_path(archive_root: str, name: str) -> str:
 
 
 def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: str, *, prune: bool = False) -> int:
-    """Archives every finished run of ``records``; returns how many (``prune``: delete other runs' entries)."""
-    root, written, kept = os.path.join(docs_dir, ARCHIVE_DIR), 0, set()
+    """Archives every finished run of ``records``; returns how many. ``prune``: delete the entries of runs the plan
+    no longer has; a planned run that did not finish in this output keeps its entry (a stopped or handed-over
+    output folder never costs a committed result)."""
+    root, written = os.path.join(docs_dir, ARCHIVE_DIR), 0
+    kept = {os.path.abspath(archive_path(root, entry_name(record))) for record in records}
     for record in records:
         if record.get("status") != "ok":
             continue
@@ -53,12 +56,12 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
             raise UserError(f"the study record of {record['workdir']} names the archive entry {path}, outside {root}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         run_lib.write_json(path, entry)
-        kept.add(os.path.abspath(path))
         written += 1
     if prune:
         for folder, _, names in os.walk(root):
             for name in names:
                 if name.endswith(".json") and os.path.abspath(os.path.join(folder, name)) not in kept:
+                    logger.info(f"archive: {os.path.join(folder, name)} is no run of this plan; removed")
                     os.remove(os.path.join(folder, name))
     return written
 

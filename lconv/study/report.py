@@ -219,11 +219,7 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     outputs.write_atomically(os.path.join(results_dir, "results.json"), json.dumps(
         {"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records),
          "tuning": {"chosen": chosen, "runs": list(sweep_records)}}, indent=1, default=str))
-    table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(records)
-    outputs.write_atomically(os.path.join(results_dir, "results.csv"), table.getvalue())
+    outputs.write_atomically(os.path.join(results_dir, "results.csv"), csv_text(records))
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
     archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
     text = markdown(study, rows, records, meta, figures,
@@ -232,6 +228,17 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     outputs.write_atomically(os.path.join(docs_dir, "results.md"), console.printable(text))
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
     return text
+
+
+def csv_text(records: Sequence[Record]) -> str:
+    """``results/results.csv``: one row per run. It is read in terminals and notebooks as often as results.md, so a
+    record's text (an error, a machine's name) shows its control characters as escapes there too."""
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({key: console.printable(value) if isinstance(value, str) else value
+                      for key, value in record.items()} for record in records)
+    return table.getvalue()
 
 
 def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Record], choices: dict) -> list[str]:
