@@ -586,6 +586,32 @@ def _catalog_copy(version, root):
 
 
 
+def test_a_split_of_more_shards_than_files_may_be_open_is_one_line(en_de_copy, monkeypatch):
+    """Each shard is held open while its source lives: a split listing more shards than the process may open
+    (``ulimit -n``) is one line, not an OSError traceback; below the hard limit the soft one is raised instead."""
+    import errno
+    import resource
+
+    from lconv.data import paths, prepared_files, sources
+
+    data_dir, version = en_de_copy
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 64
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        prepared_files._allow_open_files(1000)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(hard, low + 1000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    def no_more_files(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(paths, "open_fd_checked", no_more_files)
+    with pytest.raises(UserError) as error:
+        sources.get_source("ddtp/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(version), "ulimit -n")
+
 _NOT_TEXT = {
     "an image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
                  "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "png"}},

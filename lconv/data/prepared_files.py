@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import threading
 import weakref
@@ -114,19 +115,39 @@ def read_through_held_files(source: Any, copy_dir: str) -> Any:
     from array_record.python import array_record_data_source
     from tensorflow_datasets.core.data_sources import base
 
+    listed = base.file_instructions(source.dataset_info, source.split)
+    _allow_open_files(2 * len(listed))  # each shard held, then opened again by its reader
     held: list[int] = []
     try:
         instructions = []
-        for instruction in base.file_instructions(source.dataset_info, source.split):
+        for instruction in listed:
             held.append(paths.open_fd_checked(instruction.filename, within=copy_dir, limit=None))
             instructions.append(dataclasses.replace(instruction, filename=f"/proc/self/fd/{held[-1]}"))
         reader = array_record_data_source.ArrayRecordDataSource(instructions)
+    except OSError as err:
+        _close_all(held)
+        if err.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise UserError(f"{copy_dir}: its split {source.split!r} lists {len(listed):,} shards, more files than this "
+                        "process may hold open (ulimit -n); raise the limit, or prepare it in fewer shards") from None
     except BaseException:
         _close_all(held)
         raise
     weakref.finalize(reader, _close_all, held)  # the files close with the reader that reads them
     source.data_source = reader
     return source
+
+
+def _allow_open_files(more: int) -> None:
+    """The soft limit on open files raised towards the hard one when ``more`` files, and a margin, would pass it."""
+    import resource  # POSIX only, as /proc is
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = len(os.listdir("/proc/self/fd")) + more + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY
+                                                        else min(wanted, hard), hard))
 
 
 def _close_all(fds: list[int]) -> None:
