@@ -508,6 +508,24 @@ def test_a_shard_swapped_for_a_link_out_after_the_check_is_never_read(en_de_copy
     assert len(source[len(source) - 1]["de"]) > 0
 
 
+def test_a_link_turned_back_into_a_file_while_its_path_resolves_is_one_line(tmp_path, monkeypatch):
+    """``os.path.realpath`` raised EINVAL when a link became a file between its lstat and its readlink: a 20-line
+    OSError traceback from the shard-swap race, about 1 run in 40 (round 16, r16-1)."""
+    import errno
+
+    from lconv.data import paths
+
+    corpus = tmp_path / "test.en"
+    corpus.write_text("a line\n")
+
+    def swapped(path, *args, **kwargs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os.path, "realpath", swapped)
+    with pytest.raises(UserError) as error:
+        paths.check_file(corpus, within=tmp_path)
+    helpers.one_line_error(error, str(corpus), "changed while it was checked")
+
 @pytest.mark.parametrize("swap", ["link_out", "pipe"])
 def test_a_file_swapped_after_its_check_is_refused_on_what_was_opened(tmp_path, monkeypatch, swap):
     """A read checked the name, then opened it by name: a file swapped for a link out of its folder (or a pipe) in
@@ -586,6 +604,31 @@ def _catalog_copy(version, root):
 
 
 
+@pytest.mark.parametrize("swapped", ["version folder", "shard"])
+def test_a_folder_or_shard_swapped_for_a_link_after_the_checks_is_refused_not_read(swapped, en_de_copy, tmp_path,
+                                                                                     monkeypatch):
+    """The checks go by path; the reads came later, by path again: the version folder exchanged for a link to an
+    outside copy in between had that copy read as the test split (round 16, r16-12: 1-8 of 40 runs). The folder
+    is entered from data_dir without following a link, and each shard opened in it."""
+    from lconv.data import paths, sources
+
+    data_dir, version = en_de_copy
+    outside = tmp_path / "outside_copy"
+    shutil.copytree(version, outside)
+    entered = paths.open_folder_below
+
+    def swap_then_enter(root, folder):
+        name = None if swapped == "version folder" else next(version.glob("*test.array_record*")).name
+        target = version if name is None else version / name
+        target.rename(tmp_path / "moved_away")
+        target.symlink_to(outside if name is None else outside / name)
+        return entered(root, folder)
+
+    monkeypatch.setattr(paths, "open_folder_below", swap_then_enter)
+    with pytest.raises(UserError) as error:
+        sources.get_source("ddtp/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(version), "plain")
+
 def test_a_split_of_more_shards_than_files_may_be_open_is_one_line(en_de_copy, monkeypatch):
     """Each shard is held open while its source lives: a split listing more shards than the process may open
     (``ulimit -n``) is one line, not an OSError traceback; below the hard limit the soft one is raised instead."""
@@ -607,10 +650,33 @@ def test_a_split_of_more_shards_than_files_may_be_open_is_one_line(en_de_copy, m
     def no_more_files(*args, **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr(paths, "open_fd_checked", no_more_files)
+    monkeypatch.setattr(paths, "open_in_folder", no_more_files)
     with pytest.raises(UserError) as error:
         sources.get_source("ddtp/en_de", "test", str(data_dir))
     helpers.one_line_error(error, str(version), "ulimit -n")
+
+
+@pytest.mark.parametrize("damage", ["shard_lengths negative", "shard_lengths empty", "file_format parquet"])
+def test_a_copy_whose_info_lists_shard_lengths_or_a_format_lconv_cannot_read_is_one_line(damage, en_de_copy,
+                                                                                           tmp_path):
+    """Shard lengths of -5 or none were a 42-56-line ValueError from tfds's slicing or array_record; a fileFormat of
+    parquet sent the copy to tfds's parquet reader, which reads whole shards by path (a decompression bomb took 5 GB;
+    round 16, r16-3 and r16-4)."""
+    from lconv.data import sources
+
+    data_dir, version = _catalog_copy(en_de_copy[1], tmp_path / "catalog")
+    info = json.loads((version / "dataset_info.json").read_text())
+    test = next(split for split in info["splits"] if split["name"] == "test")
+    if damage == "file_format parquet":  # its shards named as that format names them
+        info["fileFormat"] = "parquet"
+        for shard in version.glob("*.array_record-*"):
+            shard.rename(version / shard.name.replace(".array_record-", ".parquet-"))
+    else:
+        test["shardLengths"] = ["-5"] if damage == "shard_lengths negative" else []
+    (version / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(UserError) as error:
+        sources.get_source("wmt14/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(version) if "shard" in damage else "not array_record")
 
 _NOT_TEXT = {
     "an image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
@@ -620,11 +686,12 @@ _NOT_TEXT = {
 }
 
 
-@pytest.mark.parametrize("damage", ["an image", "an integer tensor", "a field missing"])
+@pytest.mark.parametrize("damage", ["an image", "an integer tensor", "a field missing", "many fields"])
 def test_a_catalog_copy_whose_features_are_not_the_text_lconv_reads_is_one_line(damage, en_de_copy, tmp_path):
     """tfds decodes every field with the decoder its features.json names: a text field turned into an image ran PIL
     on the copy's bytes (a 33-line traceback, and an image decoder fed by whoever made the copy), an integer one a
-    22-line ValueError, a missing field a KeyError (round 15, r15-6)."""
+    22-line ValueError, a missing field a KeyError (round 15, r15-6); 100,000 extra text fields took 1.9 s an
+    example, without a word (round 16, r16-14)."""
     from lconv.data import sources
 
     data_dir, version = _catalog_copy(en_de_copy[1], tmp_path / "catalog")
@@ -632,12 +699,15 @@ def test_a_catalog_copy_whose_features_are_not_the_text_lconv_reads_is_one_line(
     fields = features["featuresDict"]["features"]
     if damage == "a field missing":
         del fields["de"]
+    elif damage == "many fields":
+        fields.update({f"x{i}": fields["en"] for i in range(40)})
     else:
         fields["en"] = _NOT_TEXT[damage]
     (version / "features.json").write_text(json.dumps(features))
     with pytest.raises(UserError) as error:
         sources.get_source("wmt14/en_de", "test", str(data_dir))
-    helpers.one_line_error(error, str(version), "lack ['de']" if damage == "a field missing" else "text only")
+    expected = {"a field missing": "lack ['de']", "many fields": "more than 16 fields"}.get(damage, "text only")
+    helpers.one_line_error(error, str(version), expected)
 
 @pytest.mark.parametrize("reader", ["lconv's copy", "catalog copy"])
 @pytest.mark.parametrize("damage", ["feature class of another module", "split files outside", "shard linked out"])

@@ -266,6 +266,41 @@ def test_an_exported_program_that_fails_to_run_is_one_line(exported, monkeypatch
     helpers.one_line_error(error, str(exported / "translate_r1_w32.jax"), "cannot run")
 
 
+
+def test_an_exported_program_calling_a_host_callback_is_refused_at_load(exported, tmp_path, monkeypatch):
+    """A program of the export's signature holding a Python callback's native call (exported with jax's check
+    switched off, its digest rewritten as a forger would): it loaded, then its first call killed the process with
+    SIGSEGV, the handler indexing a table by a number from the file (round 16, r16-7)."""
+    import hashlib
+
+    import jax.numpy as jnp
+    from jax._src.export import _export as jax_export_internals
+
+    monkeypatch.setattr(jax_export_internals, "_check_lowering", lambda lowering: None)  # the forger's export
+    copy = shutil.copytree(exported, tmp_path / "export")
+    sidecar = json.loads((copy / export.SIDECAR).read_text())
+    name = sidecar["programs"][0]["file"]
+    original = jax.export.deserialize(bytearray((copy / name).read_bytes()))
+    args = jax.tree.unflatten(original.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in original.in_avals])
+
+    def calls_back(*positional, **named):
+        last = jax.tree.leaves((positional, named))[-1]
+        echoed = jax.pure_callback(lambda x: x, jax.ShapeDtypeStruct(last.shape, last.dtype), last)
+        zero = jnp.sum(echoed) * 0
+        return jax.tree.unflatten(original.out_tree, [jnp.zeros(a.shape, a.dtype) + zero.astype(a.dtype)
+                                                      for a in original.out_avals])
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target)
+              for target in ("xla_python_cpu_callback", "xla_ffi_python_cpu_callback")]
+    data = jax.export.export(jax.jit(calls_back), platforms=original.platforms,
+                             disabled_checks=checks)(*args[0], **args[1]).serialize()
+    (copy / name).write_bytes(data)
+    sidecar["sha256"][name] = hashlib.sha256(data).hexdigest()
+    (copy / export.SIDECAR).write_text(json.dumps(sidecar))
+    with pytest.raises(UserError) as error:
+        export.load(str(copy))
+    helpers.one_line_error(error, str(copy / name), "native target", "callback")
+
 # ----------------------------------------------------------------------------------------------------------------
 # eval.py --interactive: a line that is not UTF-8 is reported and skipped; the session goes on
 # ----------------------------------------------------------------------------------------------------------------

@@ -360,3 +360,30 @@ def test_the_report_keeps_the_archive_entry_of_a_planned_run_that_did_not_finish
         entry.write_text("{}")
     assert archive.write_archive([record], str(tmp_path / "out"), str(docs), prune=True) == 0
     assert planned.exists() and not dropped.exists()
+
+
+def test_round_16_a_runs_damaged_pipe_or_endless_files_are_named_never_waited_on(quick_plan, tmp_path):
+    """A result that is not JSON showed as "not run: " (and would be trained again unseen); a result or metrics log
+    swapped for a pipe hung the report, one linked to /dev/zero was read to 7.6 GB (round 16, r16-11 and r16-13)."""
+    import os
+
+    import helpers
+
+    from lconv.study import driver, measure
+
+    study, templates = quick_plan
+    record = driver.base_record(plan.expand(study, templates, None)[0], str(tmp_path))
+    workdir = tmp_path / "seed0"
+    workdir.mkdir()
+    result = workdir / run_lib.RESULT
+    result.write_text("not json")
+    found = run_lib.read_record(str(workdir), record)
+    assert found["status"] == "failed" and f"{run_lib.RESULT} is damaged" in found["error"]
+    result.unlink()
+    os.mkfifo(result)
+    found = run_lib.read_record(str(workdir), record)
+    assert found["status"] == "failed" and "not a regular file" in found["error"]
+    os.symlink("/dev/zero", workdir / "metrics.jsonl")
+    with pytest.raises(UserError) as error:
+        measure.read_metrics(str(workdir))
+    helpers.one_line_error(error, str(workdir / "metrics.jsonl"), "not a regular file")

@@ -3,6 +3,7 @@ safe alternative for URLs to what object stores lack (renames, links). Details: 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import posixpath
@@ -218,12 +219,17 @@ def check_file(path: epath.Path | str, *, within: epath.Path | str | None = None
     ``within``."""
     if is_url(path) or not os.path.lexists(path):
         return
-    real = os.path.realpath(path)
-    _check_inside(path, real, within)
-    if not os.path.isfile(real):
-        raise UserError(f"{path}: not a regular file ({real}); lconv reads only plain files here")
-    if limit is not None and os.path.getsize(real) > limit:
-        raise UserError(f"{path}: {os.path.getsize(real):,} bytes, more than the {limit:,} lconv reads here")
+    try:
+        real = os.path.realpath(path)
+        _check_inside(path, real, within)
+        if not os.path.isfile(real):
+            raise UserError(f"{path}: not a regular file ({real}); lconv reads only plain files here")
+        size = os.path.getsize(real)
+    except OSError as err:  # a link swapped for a file (or gone) while its path was resolved
+        raise UserError(f"{path}: changed while it was checked ({err.strerror or err}); read it when nothing "
+                        "writes it") from None
+    if limit is not None and size > limit:
+        raise UserError(f"{path}: {size:,} bytes, more than the {limit:,} lconv reads here")
 
 
 def _check_inside(path: epath.Path | str, real: str, within: epath.Path | str | None) -> None:
@@ -284,6 +290,49 @@ def open_fd_checked(path: epath.Path | str, *, within: epath.Path | str | None =
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def is_within(path: str, folder: str) -> bool:
+    """Whether local ``path`` is ``folder`` or below it, by their absolute names (no link resolved)."""
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def open_folder_below(root: str, folder: str) -> int:
+    """``folder`` open as a directory descriptor the caller closes, reached from ``root`` one folder at a time
+    without following a link: a folder swapped for a link after a check by path is refused, never entered."""
+    relative = os.path.relpath(folder, root)
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        raise UserError(f"{folder}: outside {root}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [] if relative == os.curdir else relative.split(os.sep):
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except OSError as err:
+        os.close(fd)
+        raise UserError(f"{folder}: cannot be entered from {root} without following a link ({err.strerror}); "
+                        "lconv reads plain folders here") from None
+    return fd
+
+
+def open_in_folder(folder_fd: int, name: str, shown: str) -> int:
+    """The regular file ``name`` directly in the open folder, as a descriptor the caller closes (no link followed,
+    no wait on a pipe); ``shown``: its path, for the one line a refusal gives."""
+    if not name or os.sep in name or name in (os.curdir, os.pardir):
+        raise UserError(f"{shown}: not a file directly in its folder")
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+    except OSError as err:
+        if err.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, not the file: the caller says which
+            raise
+        raise UserError(f"{shown}: cannot be opened as a plain file ({err.strerror}); lconv reads only plain files "
+                        "here") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{shown}: not a regular file; lconv reads only plain files here")
     return fd
 
 

@@ -15,8 +15,10 @@ from lconv.data import paths
 from lconv.errors import UserError
 
 JSON_LIMIT = 16 << 20  # bytes: a copy's dataset_info.json and features.json are a few kB; tfds reads them whole
+FEATURES_LIMIT = 1 << 20  # bytes of features.json: a few text fields (tfds parses it into feature objects, slowly)
 _PATCH_LOCK = threading.RLock()  # two threads opening copies at once restore tfds's resolver in order
 _REMEDY = "remove the copy to prepare it again"
+MAX_FIELDS = 16  # text fields a copy's examples may hold: lconv's datasets have two to four
 
 
 def check_tree(copy_dir: str) -> None:
@@ -32,8 +34,8 @@ def check_tree(copy_dir: str) -> None:
                 raise UserError(f"{os.path.join(folder, name)}: a link in the prepared copy {copy_dir}; prepared "
                                 f"copies hold plain folders and files ({_REMEDY})")
         for name in files:
-            paths.check_file(os.path.join(folder, name), within=copy_dir,
-                             limit=JSON_LIMIT if name.endswith(".json") else None)
+            limit = FEATURES_LIMIT if name == "features.json" else JSON_LIMIT if name.endswith(".json") else None
+            paths.check_file(os.path.join(folder, name), within=copy_dir, limit=limit)
 
 
 @contextlib.contextmanager
@@ -79,7 +81,7 @@ def check_text_features(builder: Any, keys: list[str], copy_dir: str) -> None:
     features = builder.info.features
     if not isinstance(features, tfds_features.FeaturesDict):
         raise UserError(f"{copy_dir}: its features are a {type(features).__name__}, not fields of text ({_REMEDY})")
-    fields = list(features.items())
+    fields, leaves = list(features.items()), 0
     while fields:
         name, feature = fields.pop()
         if isinstance(feature, tfds_features.FeaturesDict):
@@ -87,6 +89,11 @@ def check_text_features(builder: Any, keys: list[str], copy_dir: str) -> None:
         elif type(feature) is not tfds_features.Text:
             raise UserError(f"{copy_dir}: its feature {str(name)[:80]!r} is a {type(feature).__name__}; lconv's "
                             f"datasets hold text only ({_REMEDY})")
+        else:
+            leaves += 1
+        if leaves + len(fields) > MAX_FIELDS:  # tfds decodes every field of every example, read or not
+            raise UserError(f"{copy_dir}: its features hold more than {MAX_FIELDS} fields; lconv's datasets have a "
+                            f"few ({_REMEDY})")
     missing = [key for key in keys if key not in features.keys()]
     if missing:
         raise UserError(f"{copy_dir}: its features lack {missing} (it has {sorted(features.keys())[:8]}); "
@@ -106,10 +113,11 @@ def check_no_links(root: str, folder: str) -> None:
                             f"folders ({_REMEDY})")
 
 
-def read_through_held_files(source: Any, copy_dir: str) -> Any:
-    """tfds's array_record ``source`` reading each shard through a file opened and checked now, held open while the
-    source lives: a shard swapped for a link out after the check is never what is read, since Linux's
-    ``/proc/self/fd`` reopens the file held, whatever its name points at later. Elsewhere, ``source`` unchanged."""
+def read_through_held_files(source: Any, copy_dir: str, data_dir: str) -> Any:
+    """tfds's array_record ``source`` reading each shard through a file opened now, held open while the source
+    lives: the copy's folder is entered from ``data_dir`` without following a link and each shard opened in it,
+    so a folder or shard swapped for a link after the checks is never what is read (Linux's ``/proc/self/fd``
+    reopens the file held, whatever its name points at later). Elsewhere, ``source`` unchanged."""
     if paths.is_url(copy_dir) or not os.path.isdir("/proc/self/fd"):
         return source
     from array_record.python import array_record_data_source
@@ -118,10 +126,13 @@ def read_through_held_files(source: Any, copy_dir: str) -> Any:
     listed = base.file_instructions(source.dataset_info, source.split)
     _allow_open_files(2 * len(listed))  # each shard held, then opened again by its reader
     held: list[int] = []
+    inside = not paths.is_url(data_dir) and paths.is_within(copy_dir, data_dir)
+    folder_fd = paths.open_folder_below(data_dir if inside else copy_dir, copy_dir)  # else lconv's own mirror
     try:
         instructions = []
         for instruction in listed:
-            held.append(paths.open_fd_checked(instruction.filename, within=copy_dir, limit=None))
+            name = os.path.relpath(instruction.filename, copy_dir)
+            held.append(paths.open_in_folder(folder_fd, name, instruction.filename))
             instructions.append(dataclasses.replace(instruction, filename=f"/proc/self/fd/{held[-1]}"))
         reader = array_record_data_source.ArrayRecordDataSource(instructions)
     except OSError as err:
@@ -133,6 +144,8 @@ def read_through_held_files(source: Any, copy_dir: str) -> Any:
     except BaseException:
         _close_all(held)
         raise
+    finally:
+        os.close(folder_fd)
     weakref.finalize(reader, _close_all, held)  # the files close with the reader that reads them
     source.data_source = reader
     return source

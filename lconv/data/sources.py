@@ -160,12 +160,20 @@ def get_source(name: str, split: str, data_dir: str, raw_dir: str | None = None,
     if tfds_split not in builder.info.splits:
         shown = spec.tfds_name if layout is None else f"{layout.name} ({layout.folder})"
         raise UserError(f"split={split!r} is not in {shown} (has {sorted(builder.info.splits)})")
+    not_array_record = UserError(f"{spec.tfds_name} in {data_dir} is not array_record; delete {builder.data_dir} "
+                                 f"and prepare it again with: {prepare_command(spec.tfds_name, data_dir)}")
+    if getattr(builder.info.file_format, "value", None) != "array_record":  # tfds has other readers (parquet's
+        raise not_array_record  # reads whole shards by path, before lconv holds them)
     try:
         source = prepared_files.read_through_held_files(builder.as_data_source(split=tfds_split),
-                                                        str(builder.data_dir))
-    except NotImplementedError as e:  # prepared in TFRecord format
-        raise UserError(f"{spec.tfds_name} in {data_dir} is not array_record; delete {builder.data_dir} and "
-                        f"prepare it again with: {prepare_command(spec.tfds_name, data_dir)}") from e
+                                                        str(builder.data_dir), data_dir)
+    except NotImplementedError:
+        raise not_array_record from None
+    except UserError:
+        raise
+    except ValueError as err:  # its info's shard lengths or file list (tfds's slicing, array_record's paths)
+        raise UserError(f"{builder.data_dir}: split {split!r} cannot be read as its dataset_info.json lists it "
+                        f"({first_line(err, 120)}); delete the copy and prepare it again") from None
     return source, spec.input_key, spec.target_key
 
 

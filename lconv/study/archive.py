@@ -45,9 +45,10 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
         if record.get("status") != "ok":
             continue
         workdir = os.path.join(output_dir, record["workdir"])
-        spec = run_lib.read_json(os.path.join(workdir, run_lib.SPEC))
+        spec, damaged = run_lib.load_json(os.path.join(workdir, run_lib.SPEC))
         if spec is None:
-            logger.info(f"archive: {record['workdir']} has no {run_lib.SPEC}; not archived")
+            found = f"a damaged {run_lib.SPEC} ({damaged})" if damaged else f"no {run_lib.SPEC}"
+            logger.info(f"archive: {record['workdir']} has {found}; not archived")
             continue
         entry = {"record": {k: v for k, v in record.items() if k not in ("skipped", "restored")},
                  "config": spec["config"], "metrics": measure.read_metrics(workdir)}

@@ -18,13 +18,13 @@ import numpy as np
 from lconv import json_text
 from lconv.bench import timing
 from lconv.constants import PAD_ID
-from lconv.data import sources
+from lconv.data import paths, sources
 from lconv.data.data_config import DataConfig
 from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError, first_line
 from lconv.infer import search
 from lconv.run import model_setup, restore, schema
-from lconv.train import setup, update
+from lconv.train import logs, setup, update
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -33,7 +33,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     rows: dict[tuple[str, int], dict[str, Any]] = {}
-    with open(path, "rb") as f:
+    with paths.open_checked(path, limit=logs.METRICS_READ_LIMIT) as f:  # a regular file, bounded
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from lconv import console, json_text, outputs
-from lconv.errors import UserError
+from lconv.data import paths
+from lconv.errors import UserError, first_line
 from lconv.run import host_memory
 from lconv.study import figures
 
@@ -32,18 +33,28 @@ RECORD_LIMIT = 64 << 20  # bytes read of a study JSON file: a run's spec or reco
 
 def read_json(path: str) -> dict[str, Any] | None:
     """The JSON object in ``path``; None for a missing, unreadable or malformed one, or one that is no object."""
+    return load_json(path)[0]
+
+
+def load_json(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """``(object, None)``; ``(None, None)`` for a missing file; else ``(None, what is wrong with it)``. Read as a
+    bounded regular file: a pipe or ``/dev/zero`` put in a run's folder is neither a wait nor a flood."""
     try:
-        with open(path, "rb") as f:
-            found = json_text.loads(f.read(RECORD_LIMIT))
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) else None
+        with paths.open_checked(path, limit=RECORD_LIMIT) as f:
+            found = json_text.loads(f.read(RECORD_LIMIT + 1))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, UserError) as err:
+        return None, first_line(err, 120)
+    return (found, None) if isinstance(found, dict) else (None, "not a JSON object")
 
 
 def read_record(workdir: str, record: dict[str, Any], waiting: str | None = None) -> dict[str, Any]:
     """A run's record as its workdir holds it: the result, a failure, or "not run" (``waiting``: why)."""
-    found = read_json(os.path.join(workdir, RESULT))
+    found, damaged = load_json(os.path.join(workdir, RESULT))
     failed = read_json(os.path.join(workdir, FAILURE))
+    if damaged:  # a run with a result lconv cannot read is no run to train again unseen
+        return failure_record({"error": f"{RESULT} is damaged ({damaged})", "stage": "result"}, record)
     if found or failed:  # what the run is and where it lives are the plan's, never the file's
         return checked_result({**found, **record}, record, workdir) if found else failure_record(failed, record)
     return {**record, **({"error": waiting} if waiting else {}), "status": "not run"}
