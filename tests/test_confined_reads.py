@@ -656,12 +656,13 @@ def test_a_split_of_more_shards_than_files_may_be_open_is_one_line(en_de_copy, m
     helpers.one_line_error(error, str(version), "ulimit -n")
 
 
-@pytest.mark.parametrize("damage", ["shard_lengths negative", "shard_lengths empty", "file_format parquet"])
+@pytest.mark.parametrize("damage", ["shard_lengths negative", "shard_lengths empty", "file_format parquet",
+                                    "template_spec", "template_attribute"])
 def test_a_copy_whose_info_lists_shard_lengths_or_a_format_lconv_cannot_read_is_one_line(damage, en_de_copy,
                                                                                            tmp_path):
     """Shard lengths of -5 or none were a 42-56-line ValueError from tfds's slicing or array_record; a fileFormat of
     parquet sent the copy to tfds's parquet reader, which reads whole shards by path (a decompression bomb took 5 GB;
-    round 16, r16-3 and r16-4)."""
+    round 16, r16-3 and r16-4); a template's format spec built a 3 GB name from a 1 kB file (r16-5)."""
     from lconv.data import sources
 
     data_dir, version = _catalog_copy(en_de_copy[1], tmp_path / "catalog")
@@ -671,12 +672,17 @@ def test_a_copy_whose_info_lists_shard_lengths_or_a_format_lconv_cannot_read_is_
         info["fileFormat"] = "parquet"
         for shard in version.glob("*.array_record-*"):
             shard.rename(version / shard.name.replace(".array_record-", ".parquet-"))
+    elif damage.startswith("template"):
+        field = "{DATASET:>100000000}" if damage == "template_spec" else "{DATASET.__class__}"
+        test["filepathTemplate"] = field + "-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
     else:
         test["shardLengths"] = ["-5"] if damage == "shard_lengths negative" else []
     (version / "dataset_info.json").write_text(json.dumps(info))
     with pytest.raises(UserError) as error:
         sources.get_source("wmt14/en_de", "test", str(data_dir))
-    helpers.one_line_error(error, str(version) if "shard" in damage else "not array_record")
+    expected = {"file_format parquet": ["not array_record"], "template_spec": ["dataset_info.json", "plain fields"],
+                "template_attribute": ["dataset_info.json", "plain fields"]}.get(damage, [str(version)])
+    helpers.one_line_error(error, *expected)
 
 _NOT_TEXT = {
     "an image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",

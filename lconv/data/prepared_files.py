@@ -6,11 +6,15 @@ import contextlib
 import dataclasses
 import errno
 import os
+import string
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from etils import epath
+
+from lconv import json_text
 from lconv.data import paths
 from lconv.errors import UserError
 
@@ -18,6 +22,7 @@ JSON_LIMIT = 16 << 20  # bytes: a copy's dataset_info.json and features.json are
 FEATURES_LIMIT = 1 << 20  # bytes of features.json: a few text fields (tfds parses it into feature objects, slowly)
 _PATCH_LOCK = threading.RLock()  # two threads opening copies at once restore tfds's resolver in order
 _REMEDY = "remove the copy to prepare it again"
+TEMPLATE_FIELDS = frozenset({"DATASET", "SPLIT", "FILEFORMAT", "SHARD_INDEX", "NUM_SHARDS", "SHARD_X_OF_Y"})
 MAX_FIELDS = 16  # text fields a copy's examples may hold: lconv's datasets have two to four
 
 
@@ -36,6 +41,32 @@ def check_tree(copy_dir: str) -> None:
         for name in files:
             limit = FEATURES_LIMIT if name == "features.json" else JSON_LIMIT if name.endswith(".json") else None
             paths.check_file(os.path.join(folder, name), within=copy_dir, limit=limit)
+            if name == "dataset_info.json":
+                _check_templates(os.path.join(folder, name))
+
+
+def _check_templates(info_path: str) -> None:
+    """Each split's file template names only tfds's own fields, plainly: tfds formats it with ``str.format``, so a
+    format spec (``{DATASET:>1000000000}``) built a 1 GB name from a 1 kB file, and an attribute reached objects."""
+    data = paths.read_bytes(epath.Path(info_path), "missing", limit=JSON_LIMIT)
+    try:
+        info = json_text.loads(data)
+    except ValueError:
+        return  # tfds's own parse refuses it, in one line where the copy is opened
+    splits = info.get("splits") if isinstance(info, dict) else None
+    for split in splits if isinstance(splits, list) else []:
+        for key in ("filepathTemplate", "filepath_template"):
+            template = split.get(key) if isinstance(split, dict) else None
+            if template is None:
+                continue
+            try:
+                parts = list(string.Formatter().parse(str(template)))
+            except ValueError:
+                parts = [("", "?", "", None)]
+            if any(field is not None and (field not in TEMPLATE_FIELDS or spec or conversion)
+                   for _, field, spec, conversion in parts):
+                raise UserError(f"{info_path}: a split's file template {str(template)[:80]!r} holds more than tfds's "
+                                f"plain fields ({', '.join(sorted(TEMPLATE_FIELDS))}); {_REMEDY}")
 
 
 @contextlib.contextmanager
