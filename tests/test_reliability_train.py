@@ -666,3 +666,22 @@ def test_a_step_folder_holding_another_steps_state_is_set_aside_and_saving_goes_
     ckpt.finish()
     assert ckpt.all_steps() == [2, 3] and len(os.listdir(tmp_path / "checkpoints_unreadable")) == 1
     ckpt.close()
+
+
+def test_a_verified_checkpoint_whose_json_orbax_cannot_parse_is_not_blamed_on_the_storage(tmp_path, monkeypatch):
+    """A step's orbax JSON nested 100,000 deep with its manifest rewritten to match: retried three times, then
+    "verified but could not be read ... check the storage" (round 16, r16-8). A parse failure is the checkpoint's,
+    the same at every try: read once, and the older good step is the one restored."""
+    ckpt, abstract = _two_checkpoints(tmp_path)
+    real, calls = ckpt.manager.restore, []
+
+    def restore(step, **kwargs):
+        calls.append(step)
+        if step == 2:
+            raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(ckpt.manager, "restore", restore)
+    state, _ = ckpt.restore_latest_readable(abstract)
+    assert float(state["w"][0]) == 1 and calls == [2, 1]
+    ckpt.close()

@@ -32,6 +32,9 @@ from lconv.run import integrity
 from lconv.run import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
+# What a checkpoint's content, not its storage, makes orbax raise: a JSON file nested too deep or malformed.
+# Storage failures come as OSError or tensorstore's ValueError, and are retried.
+NOT_STORAGE = (RecursionError, json.JSONDecodeError)
 
 PyTree = Any
 
@@ -183,6 +186,10 @@ class Checkpointer:
             try:
                 with integrity.quiet_orbax(self.error_log) as details:  # sees the failure: read-only, it logs it
                     return self.manager.restore(step, args=args)
+            except NOT_STORAGE as err:  # its files parse as no checkpoint: the same at every try, whatever the disk
+                raise integrity.UnreadableCheckpoint(
+                    f"checkpoint {where} holds files orbax cannot parse ({integrity.first_line(err)}"
+                    f"{details.where()}): damaged, or not written by lconv") from None
             except Exception as err:  # noqa: BLE001 (orbax/tensorstore raise many types)
                 failure = f"{integrity.first_line(err)}{details.where()}"
             if attempt + 1 < self.read_attempts:
