@@ -24,7 +24,7 @@ from lconv.decode_settings import DecodeSettings
 from lconv.errors import UserError, first_line
 from lconv.infer import search
 from lconv.run import model_setup, restore, schema
-from lconv.train import logs, setup, update
+from lconv.train import setup, update
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -33,7 +33,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     rows: dict[tuple[str, int], dict[str, Any]] = {}
-    with paths.open_checked(path, limit=logs.METRICS_READ_LIMIT) as f:  # a regular file, bounded
+    with paths.open_checked(path) as f:  # a regular file, of at most the bound on whole reads
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
