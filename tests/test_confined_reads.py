@@ -684,6 +684,21 @@ def test_a_copy_whose_info_lists_shard_lengths_or_a_format_lconv_cannot_read_is_
                 "template_attribute": ["dataset_info.json", "plain fields"]}.get(damage, [str(version)])
     helpers.one_line_error(error, *expected)
 
+
+@pytest.mark.parametrize("file_format", ["tfrecord", "parquet", "bogus"])
+def test_lconvs_own_copy_whose_info_names_another_format_is_one_line(file_format, en_de_copy):
+    """lconv opens its own copies as array_record: tfds's ValueError at another fileFormat was a 41-50-line traceback
+    from ``python -m lconv.data`` and eval.py (round 17, after r16-4's fix for catalog copies)."""
+    from lconv.data import sources
+
+    data_dir, version = en_de_copy
+    info = json.loads((version / "dataset_info.json").read_text())
+    info["fileFormat"] = file_format
+    (version / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(UserError) as error:
+        sources.get_source("ddtp/en_de", "test", str(data_dir))
+    helpers.one_line_error(error, str(version.parents[2]), "dataset_info.json")
+
 _NOT_TEXT = {
     "an image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
                  "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "png"}},

@@ -387,3 +387,9 @@ def test_round_16_a_runs_damaged_pipe_or_endless_files_are_named_never_waited_on
     with pytest.raises(UserError) as error:
         measure.read_metrics(str(workdir))
     helpers.one_line_error(error, str(workdir / "metrics.jsonl"), "not a regular file")
+    (workdir / "metrics.jsonl").unlink()  # a sparse file of 7 GB took 7.4 GB to a MemoryError (round 17)
+    with open(workdir / "metrics.jsonl", "wb") as f:
+        f.truncate(measure.METRICS_LIMIT + 1)
+    with pytest.raises(UserError) as error:
+        measure.read_metrics(str(workdir))
+    helpers.one_line_error(error, str(workdir / "metrics.jsonl"), "more than")

@@ -284,7 +284,9 @@ def _open_copy(cls: type, config_name: str, read_dir: str, options: dict) -> tfd
         with prepared_files.no_feature_imports(read_dir):
             builder = cls(config=config_name, data_dir=read_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD,
                           **options)
-    except (json_format.ParseError, RecursionError) as err:
+    except UserError:
+        raise
+    except (json_format.ParseError, RecursionError, ValueError) as err:  # ValueError: a fileFormat not array_record
         raise UserError(f"{read_dir}: the prepared copy's dataset_info.json is not what lconv wrote "
                         f"({first_line(err, 120)}); "
                         "remove the copy to prepare it again") from None

@@ -26,6 +26,8 @@ from lconv.infer import search
 from lconv.run import model_setup, restore, schema
 from lconv.train import setup, update
 
+METRICS_LIMIT = 256 << 20  # bytes of a study run's metrics.jsonl: thousands of rows are a few MB
+
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """``metrics.jsonl``'s rows; a step logged twice (a resumed run) keeps its last row."""
@@ -33,7 +35,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     rows: dict[tuple[str, int], dict[str, Any]] = {}
-    with paths.open_checked(path) as f:  # a regular file, of at most the bound on whole reads
+    with paths.open_checked(path, limit=METRICS_LIMIT) as f:  # a regular file, bounded
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

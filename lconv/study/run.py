@@ -45,7 +45,7 @@ def load_json(path: str) -> tuple[dict[str, Any] | None, str | None]:
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError, UserError) as err:
-        return None, first_line(err, 120)
+        return None, first_line(err, 300)
     return (found, None) if isinstance(found, dict) else (None, "not a JSON object")
 
 
