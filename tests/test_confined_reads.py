@@ -590,6 +590,15 @@ def test_a_files_hash_has_no_size_bound_while_a_whole_read_has(tmp_path, monkeyp
     helpers.one_line_error(error, str(big), "64 bytes", "more than the 16")
 
 
+def _open_copy(reader, data_dir):
+    """What each reader does first with a copy: lconv's own through ``get_source``, a catalog dataset's through the
+    read-only builder of a ``tfds build`` output."""
+    from lconv.data import sources
+
+    if reader == "catalog copy":
+        return sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
+    return sources.get_source("ddtp/en_de", "test", str(data_dir))
+
 def _catalog_copy(version, root):
     """``(data_dir, version folder)``: the ddtp/en_de files laid out as a `tfds build` output of wmt14_translate/de-en,
     read by ``sources._prepared_builder`` (no builder code)."""
@@ -738,7 +747,6 @@ def test_a_prepared_copys_json_naming_code_or_files_outside_is_one_line(damage, 
     was scored), and catalog copies had none of lconv's copies' checks (a shard linked out was scored)."""
     import sys
 
-    from lconv.data import sources
 
     data_dir, version = en_de_copy
     if reader == "catalog copy":
@@ -760,13 +768,10 @@ def test_a_prepared_copys_json_naming_code_or_files_outside_is_one_line(damage, 
         shard.unlink()
         shard.symlink_to(outside)
     if reader == "lconv's copy" and damage == "feature class of another module":  # its features are code
-        assert len(sources.get_source("ddtp/en_de", "test", str(data_dir))) > 0
+        assert len(_open_copy(reader, data_dir)[0]) > 0
     else:
         with pytest.raises(UserError) as error:
-            if reader == "catalog copy":
-                sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
-            else:
-                sources.get_source("ddtp/en_de", "test", str(data_dir))
+            _open_copy(reader, data_dir)
         helpers.one_line_error(error, str(data_dir), "would import" if "feature" in damage else "")
     assert "lconv_r13_marker_module" not in sys.modules
 
@@ -781,7 +786,6 @@ def test_whatever_spelling_a_copy_uses_tfds_imports_nothing_and_reads_only_insid
     outside split scored. The guard is where tfds resolves a class; the check is on the paths it expanded."""
     import sys
 
-    from lconv.data import sources
 
     data_dir, version = en_de_copy
     if reader == "catalog copy":
@@ -822,12 +826,9 @@ def test_whatever_spelling_a_copy_uses_tfds_imports_nothing_and_reads_only_insid
         version.symlink_to(moved)
         named.append("a link")
     if reader == "lconv's copy" and damage in ("legacy type key", "snake_case class key"):  # its features are code
-        assert len(sources.get_source("ddtp/en_de", "test", str(data_dir))) > 0
+        assert len(_open_copy(reader, data_dir)[0]) > 0
     else:
         with pytest.raises(UserError) as error:
-            if reader == "catalog copy":
-                sources._prepared_builder("wmt14_translate/de-en", str(data_dir))
-            else:
-                sources.get_source("ddtp/en_de", "test", str(data_dir))
+            _open_copy(reader, data_dir)
         helpers.one_line_error(error, *named)
     assert "lconv_r14_marker_module" not in sys.modules

@@ -263,22 +263,13 @@ def open_checked(path: epath.Path | str, *, within: epath.Path | str | None = No
                  limit: int | None = READ_LIMIT) -> Iterator[BinaryIO]:
     """``path`` open for reading under ``check_file``'s rules (``limit=None``: any size), checked again on the file
     that was opened: a name swapped for a link out or a pipe between a check and an open by name was read."""
+    check_file(path, within=within, limit=limit)
     if is_url(path):
-        check_file(path, within=within, limit=limit)
         with epath.Path(path).open("rb") as f:
             yield f
         return
-    with os.fdopen(open_fd_checked(path, within=within, limit=limit), "rb") as f:
-        yield f
-
-
-def open_fd_checked(path: epath.Path | str, *, within: epath.Path | str | None = None,
-                    limit: int | None = READ_LIMIT) -> int:
-    """A local ``path`` opened for reading under ``check_file``'s rules, as a file descriptor the caller closes; the
-    file that was opened is checked again (a name swapped for a link out or a pipe after the first check)."""
-    check_file(path, within=within, limit=limit)
     fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a pipe swapped in: no wait
-    try:
+    with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise UserError(f"{path}: not a regular file; lconv reads only plain files here")
@@ -287,10 +278,7 @@ def open_fd_checked(path: epath.Path | str, *, within: epath.Path | str | None =
         opened = _opened_path(fd)
         if opened is not None:
             _check_inside(path, opened, within)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        yield f
 
 
 def is_within(path: str, folder: str) -> bool:

@@ -53,7 +53,7 @@ def write_archive(records: Sequence[dict[str, Any]], output_dir: str, docs_dir: 
         entry = {"record": {k: v for k, v in record.items() if k not in ("skipped", "restored")},
                  "config": spec["config"], "metrics": measure.read_metrics(workdir)}
         path = archive_path(root, entry_name(record))
-        if os.path.commonpath([os.path.abspath(path), os.path.abspath(root)]) != os.path.abspath(root):
+        if not paths.is_within(path, root):
             raise UserError(f"the study record of {record['workdir']} names the archive entry {path}, outside {root}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         run_lib.write_json(path, entry)
