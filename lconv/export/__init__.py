@@ -35,7 +35,7 @@ from etils import epath
 from flax import traverse_util
 from flax.linen import meta as nn_meta
 
-from lconv import outputs
+from lconv import outputs, shared_folders
 from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
@@ -200,6 +200,7 @@ class Served:
             hint = "a run's workdir: load it with lconv.load" if (directory / "config.json").exists() else \
                 "export a run there with python -m lconv.export"
             raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
+        shared_folders.check(str(directory), label)
         # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
         # what is wrong with it, never a traceback (or wrong outputs) at the first call.
         self.directory = directory

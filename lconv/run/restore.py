@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from lconv import json_text
+from lconv import json_text, shared_folders
 from lconv.constants import EXPORT_SIDECAR
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
@@ -101,6 +101,7 @@ def find_run(workdir: str, caller: str = "--workdir") -> str:
     resolved = workdir_lib.resolve(workdir)
     root = epath.Path(resolved)
     if (root / workdir_lib.CONFIG_FILENAME).exists():
+        shared_folders.check(resolved, label)
         return resolved
     where = "" if resolved == str(workdir) else f" ({resolved})"
     if not root.exists():

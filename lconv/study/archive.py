@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lconv import json_text, outputs
+from lconv import json_text, outputs, shared_folders
 from lconv.data import paths
 from lconv.errors import UserError, first_line
 from lconv.study import figures, measure, plan
@@ -78,6 +78,7 @@ def resolve(resume_from: str) -> str:
         if os.path.islink(folder):
             raise UserError(f"--resume_from={resume_from}: {folder} is a link; the archive is read from plain "
                             "folders (copy it there)")
+    shared_folders.check(root, f"--resume_from={resume_from}")
     return root
 
 
