@@ -289,15 +289,13 @@ def check_outside_outputs(path: str, flag: str) -> None:
 def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> str:
     """``check_directory``, then creates ``path`` and marks it as ``kind``'s; returns it. Another user must not be
     able to change it while the command writes (``shared_folders``), and what the command makes stays so."""
-    shared_folders.check(str(path), flag)
-    if shared_folders.enforced(str(path)):
-        shared_folders.keep_private()
+    shared_folders.check(str(path), f"{flag}={path}")
     if check_directory(path, kind, flag, committed_ok=committed_ok):
         return str(path)
     root = _path(str(path))
     try:
         root.mkdir(parents=True, exist_ok=True)
-        shared_folders.check(str(path), flag)  # made now: its own mode bits
+        shared_folders.check(str(path), f"{flag}={path}")  # made now: its own mode bits
         if not (root / MARKER).exists():
             write_atomically(root / MARKER, json.dumps({"kind": kind}) + "\n")
     except OSError as err:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
+from collections.abc import Iterator
 
 from lconv.errors import UserError
 
 OPT_IN = "LCONV_ALLOW_SHARED_FOLDERS"
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+_WAY_FIX = "work in a folder only you can write"
 
 
 def enforced(folder: str) -> bool:
@@ -23,51 +27,101 @@ def enforced(folder: str) -> bool:
 
 
 def check(folder: str, label: str) -> None:
-    """A one-line ``UserError`` (``label``: the flag or call that named it) when another user could change
-    ``folder`` while lconv works in it: a folder on the way to it that others can write (sticky ones such as /tmp
-    excepted) or that another user owns, or anything inside it that another user owns or can write."""
+    """A one-line ``UserError`` (``label``: the flag or call that named it) when another user could change the
+    working folder ``folder`` while lconv works in it (``problem``). Passing, it keeps what this process makes
+    private (``keep_private``)."""
+    _raise(problem(folder), label)
+
+
+def check_way(folder: str, label: str) -> None:
+    """As ``check`` for a folder lconv writes one file into (``--output_file``'s, a report's): the way to it and the
+    folder itself as a folder on the way (a sticky /tmp passes), not everything else it holds."""
+    _raise(problem(folder, whole_tree=False), label)
+
+
+def problem(folder: str, *, whole_tree: bool = True) -> tuple[str, str] | None:
+    """``(what, fix)`` when another user could change ``folder``: a folder on the way that others can write (a
+    sticky one such as /tmp excepted) or that another user owns, a link on the way that another user owns, or (with
+    ``whole_tree``) anything inside it that another user owns or can write, or a default ACL that would let them
+    write what is made there. None when not ``enforced`` or nothing is wrong; then the umask is kept private."""
     if not enforced(folder):
-        return
-    problem, fix = _problem(os.path.abspath(os.path.expanduser(str(folder))))
-    if problem:
-        raise UserError(f"{label}: {problem}, so another user could swap what lconv checked there while it works; "
-                        f"{fix}, or set {OPT_IN}=1 to accept that risk (docs/security.md)")
+        return None
+    real, found = _resolve(os.path.abspath(os.path.expanduser(str(folder))))
+    if found:
+        return found, _WAY_FIX
+    if not whole_tree:
+        found = _unsafe_on_the_way(real)
+        if found:
+            return f"{real} {found}", _WAY_FIX
+    else:
+        for path in _tree(real):
+            found = _unsafe_inside(path)
+            if found:
+                return f"{path} {found}", _inside_fix(found, real)
+    keep_private()
+    return None
 
 
 def keep_private() -> None:
-    """Adds group and others' write to the process's umask, so the folders lconv and orbax make while writing a
-    checked folder pass ``check`` when the run is read again (a umask of 002 would make them group-writable)."""
+    """Adds group and others' write to the process's umask, so what lconv and orbax make in a checked folder passes
+    the next check (under a umask of 002 the step folders and eval.py's outputs would be group-writable)."""
     old = os.umask(0o022)
     os.umask(old | 0o022)
 
 
-def _problem(folder: str) -> tuple[str | None, str]:
-    """What another user could change on the way to ``folder`` or inside it, and how to fix it."""
-    for chain in dict.fromkeys((folder, os.path.realpath(folder))):  # a linked folder: both ways to it
-        for above in _ancestors(chain):
-            problem = _unsafe_on_the_way(above)
-            if problem:
-                return f"{above} {problem}", "work in a folder only you can write"
-    for path in _tree(folder):
-        problem = _unsafe_inside(path)
-        if problem:
-            return f"{path} {problem}", (f"chmod -R go-w {folder}" if "written" in problem else
-                                         f"chown -R {os.getuid()} {folder}")
-    return None, ""
+def _raise(found: tuple[str, str] | None, label: str) -> None:
+    if found:
+        what, fix = found
+        raise UserError(f"{label}: {what}, so another user could swap what lconv checked there while it works; "
+                        f"{fix}, or set {OPT_IN}=1 to accept that risk (docs/security.md)")
 
 
-def _ancestors(folder: str) -> list[str]:
-    """The folders in which ``folder``'s path is looked up, from the root down to its parent."""
-    out, path = [], os.path.dirname(folder)
-    while True:
-        out.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            return out[::-1]
-        path = parent
+def _inside_fix(found: str, folder: str) -> str:
+    if "written" in found:
+        return f"chmod -R go-w {folder}"
+    if "ACL" in found:
+        return f"setfacl -R -k {folder}"
+    if os.getuid() == 0:
+        return f"chown -R 0 {folder}"
+    return f"copy {folder} into a folder of your own"
 
 
-def _tree(folder: str):
+def _resolve(path: str) -> tuple[str, str | None]:
+    """``path`` followed from the root one name at a time as the kernel would, checking each folder a name is looked
+    up in and each link's owner: ``(real path, None)``, or ``("", what)`` for the first thing another user could
+    change. A name not there yet ends the walk (nothing below it to swap)."""
+    pending = [part for part in path.split(os.sep) if part]
+    current, links = os.sep, 0
+    while pending:
+        name = pending.pop(0)
+        if name == os.curdir:
+            continue
+        if name == os.pardir:
+            current = os.path.dirname(current)
+            continue
+        found = _unsafe_on_the_way(current)
+        if found:
+            return "", f"{current} {found}"
+        entry = os.path.join(current, name)
+        try:
+            status = os.lstat(entry)
+        except OSError:
+            return os.path.join(entry, *pending), None
+        if not stat.S_ISLNK(status.st_mode):
+            current = entry
+            continue
+        if not _trusted(status.st_uid):
+            return "", f"{entry} is a link another user owns (uid {status.st_uid})"
+        links += 1
+        if links > _MAX_LINKS:
+            return "", f"{path} goes through more than {_MAX_LINKS} links"
+        target = os.readlink(entry)
+        current = os.sep if os.path.isabs(target) else current
+        pending[:0] = [part for part in target.split(os.sep) if part]
+    return current, None
+
+
+def _tree(folder: str) -> Iterator[str]:
     """``folder`` and every entry below it, links named but never followed."""
     yield folder
     for top, dirs, files in os.walk(folder, followlinks=False):
@@ -98,6 +152,27 @@ def _unsafe_inside(path: str) -> str | None:
         return None  # removed while walked: nothing left to swap
     if not _trusted(status.st_uid):
         return f"belongs to another user (uid {status.st_uid})"
-    if not stat.S_ISLNK(status.st_mode) and status.st_mode & _OTHERS_WRITE:  # a link's own mode means nothing
+    if stat.S_ISLNK(status.st_mode):
+        return None  # a link's own mode means nothing; where it leads is the reader's check
+    if status.st_mode & _OTHERS_WRITE:
         return f"can be written by other users (mode {stat.S_IMODE(status.st_mode):o})"
+    if stat.S_ISDIR(status.st_mode) and _default_acl_lets_others_write(path):
+        return "has a default ACL that lets other users write what is made in it"
     return None
+
+
+# POSIX ACL entries as Linux stores them in the system.posix_acl_default attribute: a 4-byte version, then
+# (tag u16, permissions u16, id u32) each; the tags that can name someone other than the owner.
+_ACL_MASKED = {0x02, 0x04, 0x08}  # a named user, the owning group, a named group: limited by the mask entry
+_ACL_OTHER, _ACL_MASK, _ACL_WRITE = 0x20, 0x10, 0x02
+
+
+def _default_acl_lets_others_write(folder: str) -> bool:
+    try:
+        raw = os.getxattr(folder, "system.posix_acl_default", follow_symlinks=False)
+    except (OSError, AttributeError):  # none set, a file system without ACLs, or a system without xattrs
+        return False
+    entries = [struct.unpack_from("<HHI", raw, offset)[:2] for offset in range(4, len(raw) - 7, 8)]
+    mask_writes = all(perm & _ACL_WRITE for tag, perm in entries if tag == _ACL_MASK)
+    writers = {tag for tag, perm in entries if perm & _ACL_WRITE}
+    return _ACL_OTHER in writers or bool(writers & _ACL_MASKED) and mask_writes

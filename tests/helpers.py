@@ -2,6 +2,7 @@
 artefacts of tests/conftest.py (built once per test run, copied by the tests that change them)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pathlib
@@ -159,3 +160,16 @@ def copy_run(tiny_run, path: pathlib.Path) -> pathlib.Path:
 
 class ExitedAtOnce(SystemExit):
     """What the ``exits`` fixture's fake ``os._exit`` raises: the code, without ending pytest's process."""
+
+
+@contextlib.contextmanager
+def jax_cache_config():
+    """Puts back the compilation-cache settings ``enable_compilation_cache`` changes (tests/conftest.py set them)."""
+    import jax
+
+    saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
+    try:
+        yield jax.config
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)

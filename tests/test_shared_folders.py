@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import helpers
 import pytest
 
 from lconv import outputs, shared_folders
@@ -113,7 +114,7 @@ def test_a_claimed_output_that_others_can_write_is_refused_before_anything_is_wr
     out = tmp_path / "work"
     out.mkdir(mode=0o755)
     out.chmod(0o775)
-    with pytest.raises(UserError, match="--out: .*can be written by other users"):
+    with pytest.raises(UserError, match=f"--out={out}: {out} can be written by other users"):
         outputs.claim_directory(str(out), "export", "--out")
     assert os.listdir(out) == []
 
@@ -138,3 +139,140 @@ def test_an_export_that_others_can_write_is_refused_before_its_files_are_read(tm
     export.chmod(0o775)
     with pytest.raises(UserError, match=f"lconv.export.load.*{export} can be written by other users"):
         lconv.export.load(str(export))
+
+
+def test_a_link_held_by_a_shared_folder_on_the_way_is_refused(tmp_path, enforced):
+    """``mine/l1 -> shared/l2 -> private/run``: the folder holding the middle link is where a lookup happens, so
+    it is checked, though neither the path as given nor the real path passes through it (round 18, r18-5)."""
+    private, shared, mine = tmp_path / "private", tmp_path / "shared", tmp_path / "mine"
+    (private / "run").mkdir(parents=True)
+    (private / "run" / "config.json").write_text("{}")
+    shared.mkdir()
+    mine.mkdir()
+    (shared / "l2").symlink_to(private)
+    (mine / "l1").symlink_to(shared / "l2")
+    _find_run(mine / "l1" / "run")
+    shared.chmod(0o777)
+    with pytest.raises(UserError, match=f"{shared} can be written by other users"):
+        _find_run(mine / "l1" / "run")
+
+
+def test_a_link_on_the_way_that_another_user_owns_is_refused(run_folder, monkeypatch):
+    """A link another user made in a sticky folder (/tmp) is theirs to repoint (r18-6): its owner is checked, as
+    ``lstat`` sees it, not the folder it leads to."""
+    import tempfile
+
+    link = tempfile.mktemp(prefix="lconv-test-link-", dir="/tmp")
+    os.symlink(run_folder, link)
+    try:
+        if os.getuid() == 0:
+            os.lchown(link, 4243, -1)
+            owner = 4243
+        else:
+            owner = os.getuid()
+            monkeypatch.setattr(os, "getuid", lambda: 4243)  # the link, made by this user, is now another's
+        with pytest.raises(UserError, match=f"{link} is a link another user owns .uid {owner}."):
+            _find_run(link)
+    finally:
+        os.remove(link)
+
+
+def _acl(*entries: tuple[int, int]) -> bytes:
+    """A ``system.posix_acl_default`` value as Linux stores it: version 2, then (tag, permissions, id) each."""
+    import struct
+
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 65534) for tag, perm in entries)
+
+
+@pytest.mark.parametrize("entries, refused", [
+    (((0x01, 7), (0x02, 7), (0x04, 5), (0x10, 7), (0x20, 5)), True),   # a named user with write, the mask allows
+    (((0x01, 7), (0x02, 7), (0x04, 5), (0x10, 5), (0x20, 5)), False),  # ... the mask takes write away
+    (((0x01, 7), (0x04, 5), (0x20, 7)), True),                         # everyone else may write
+    (((0x01, 7), (0x04, 5), (0x20, 5)), False),                        # only the owner writes
+], ids=["named_user", "masked", "other", "owner_only"])
+def test_a_default_acl_that_lets_others_write_new_entries_is_refused(run_folder, monkeypatch, entries, refused):
+    """A default ACL gives what is made in a folder its entries whatever the umask (r18-9): the step folders
+    train.py makes would be another user's to swap. The attribute is given by a stand-in, so the rule is checked
+    on any file system."""
+    target = str(run_folder / "checkpoints")
+    real_getxattr = getattr(os, "getxattr", None)
+
+    def getxattr(path, name, *, follow_symlinks=True):
+        if os.fspath(path) == target and name == "system.posix_acl_default":
+            return _acl(*entries)
+        if real_getxattr is None:
+            raise OSError("no extended attributes here")
+        return real_getxattr(path, name, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(os, "getxattr", getxattr, raising=False)
+    if not refused:
+        _find_run(run_folder)
+        return
+    with pytest.raises(UserError, match=f"{target} has a default ACL .*setfacl -R -k {run_folder}"):
+        _find_run(run_folder)
+
+
+def test_reading_a_run_keeps_what_the_process_writes_next_private(run_folder):
+    """eval.py writes its outputs into the run it read: under ``umask 002`` they were group-writable, and the next
+    eval.py of one's own run was refused (r18-21)."""
+    old = os.umask(0o002)
+    try:
+        _find_run(run_folder)
+        assert os.umask(0o002) & 0o022 == 0o022
+    finally:
+        os.umask(old)
+
+
+def test_a_foreign_entry_is_fixed_by_a_copy_when_not_root(monkeypatch):
+    """``chown`` to oneself needs root (r18-25): anyone else is told to copy the run."""
+    monkeypatch.setattr(os, "getuid", lambda: 4243)
+    assert shared_folders._inside_fix("belongs to another user (uid 5)", "/runs/x") == \
+        "copy /runs/x into a folder of your own"
+
+
+def test_evals_output_file_in_a_shared_folder_is_refused_before_decoding(tmp_path, enforced):
+    """The output's folder swapped for a link moved the output into a folder only root could write (r18-16)."""
+    from lconv.cli import eval_program
+
+    shared = tmp_path / "shared"
+    (shared / "out").mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(UserError, match=f"--output_file=.*: {shared} can be written by other users"):
+        eval_program._check_writable(str(shared / "out" / "o.txt"), f"--output_file={shared / 'out' / 'o.txt'}")
+    eval_program._check_writable("/dev/null", "--output_file=/dev/null")  # a device in root's /dev: written into
+
+
+def test_the_benchmarks_doc_in_a_shared_folder_is_refused(tmp_path, capsys, enforced):
+    """``--doc`` is read, then rewritten: a link swapped in between read a root-only file (r18-17)."""
+    import argparse
+
+    from lconv import console
+    from lconv.bench import __main__ as bench_main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    opts = argparse.Namespace(quick=True, out=str(tmp_path / "out"), doc=str(shared / "bench.md"))
+    with pytest.raises(SystemExit) as exit_:
+        bench_main.resolve_outputs(opts, console.OneLineParser(prog="python -m lconv.bench"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and f"{shared} can be written by other users" in line
+
+
+def test_a_compilation_cache_another_user_can_change_is_refused_or_off(tmp_path, monkeypatch, enforced, lconv_log):
+    """A cache entry is code (r18-18): a chosen ``--compilation_cache`` under a shared folder is one line; this
+    user's own cache under a shared ``$XDG_CACHE_HOME`` is one warning, and programs are compiled every time."""
+    from lconv.cli import runtime
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UserError, match=f"--compilation_cache=.*{shared} can be written by other users.*plant"):
+        runtime.enable_compilation_cache(str(tmp_path / "run"), str(shared / "cc"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared / "xdg"))
+    with helpers.jax_cache_config() as config:
+        assert runtime.enable_compilation_cache(str(tmp_path / "run")) is None
+        assert config.jax_enable_compilation_cache is False
+    (line,) = [m for m in lconv_log() if "compiled programs" in m]
+    assert f"{shared} can be written by other users" in line

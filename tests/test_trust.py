@@ -2,7 +2,6 @@
 names is imported only with ``trust_plugins=True`` / ``--trust_plugins``, or when this process has it already.
 Every reader of a stored config refuses it in one line naming the module and the opt-in, before importing. A
 compilation-cache entry a workdir carries (native code) is never read: the cache is this user's."""
-import contextlib
 import json
 import os
 import shutil
@@ -124,19 +123,6 @@ def test_a_fairseq_checkpoint_or_dictionary_that_is_a_pipe_or_a_device_is_one_li
         helpers.one_line_error(error, str(path), "not a regular file")
 
 
-@contextlib.contextmanager
-def _jax_cache_config():
-    """Puts back the compilation-cache settings ``enable_compilation_cache`` changes (tests/conftest.py set them)."""
-    import jax
-
-    saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", "jax_enable_compilation_cache")}
-    try:
-        yield jax.config
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-
-
 def test_a_compilation_cache_entry_planted_in_a_workdir_is_not_read(tmp_path, monkeypatch, lconv_log):
     """A downloaded workdir's compilation_cache/ held an entry copied over another program's name, and eval.py ran
     it: by default the cache is this user's folder, created for its owner alone, never the workdir's."""
@@ -149,7 +135,7 @@ def test_a_compilation_cache_entry_planted_in_a_workdir_is_not_read(tmp_path, mo
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     user = tmp_path / "xdg" / "lconv" / runtime.COMPILATION_CACHE
-    with _jax_cache_config() as config:
+    with helpers.jax_cache_config() as config:
         assert runtime.enable_compilation_cache(str(workdir)) == str(user)
         assert config.jax_compilation_cache_dir == str(user)
     assert os.listdir(user) == [] and os.stat(user).st_mode & 0o777 == 0o700
@@ -184,7 +170,7 @@ def test_lconv_load_keeps_programs_in_this_users_cache_never_the_workdirs(tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     user = tmp_path / "xdg" / "lconv" / compilation_cache.FOLDER_NAME
     for enabled, folder in ((True, None), (False, None), (True, str(tmp_path / "mine"))):
-        with _jax_cache_config() as config:
+        with helpers.jax_cache_config() as config:
             config.update("jax_enable_compilation_cache", enabled)
             config.update("jax_compilation_cache_dir", folder)
             with pytest.raises(_Loaded):
@@ -207,7 +193,7 @@ def test_a_user_cache_that_cannot_hold_code_safely_is_one_warning_and_the_cache_
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     make(tmp_path / "xdg" / "lconv" / runtime.COMPILATION_CACHE)
-    with _jax_cache_config() as config:
+    with helpers.jax_cache_config() as config:
         assert runtime.enable_compilation_cache(str(tmp_path / "run")) is None
         assert config.jax_enable_compilation_cache is False
     (line,) = [m for m in lconv_log() if "compiled programs" in m]

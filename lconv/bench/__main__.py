@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 
-from lconv import console, outputs
+from lconv import console, outputs, shared_folders
 from lconv.bench import gpu_plan
 from lconv.data import paths
 from lconv.errors import UserError
@@ -75,6 +75,7 @@ def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, b
         # Before any suite runs: a link or a pipe planted among its files is refused at the write, after the work
         outputs.check_targets(opts.out, sorted(os.listdir(os.path.expanduser(opts.out))), "--out")
         outputs.check_targets(os.path.dirname(opts.doc) or ".", [os.path.basename(opts.doc)], "--doc")
+        shared_folders.check_way(os.path.dirname(opts.doc) or ".", f"--doc={opts.doc}")  # read, then rewritten
     except UserError as err:
         parser.error(str(err))
 

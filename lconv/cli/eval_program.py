@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import jax
 
-from lconv import outputs
+from lconv import outputs, shared_folders
 from lconv.cli import eval_ensemble
 from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
@@ -244,7 +244,11 @@ def _check_writable(path: str, what: str) -> None:
     elif not os.path.isdir(directory):
         problem = f"the directory {directory} does not exist"
     else:
+        shared_folders.check_way(directory, what)  # its folder swapped for a link would move the output elsewhere
         try:
+            if outputs.special_kind(path, follow_links=True) == "character device":  # written into, never renamed
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                return
             if os.path.exists(path):
                 with open(path, "r+b"):  # open for writing without truncating
                     pass

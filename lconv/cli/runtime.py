@@ -107,7 +107,8 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         outputs.check_outside_outputs(choice, "--compilation_cache")
     chosen = choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     folder = chosen or user_compilation_cache()
-    problem = compilation_cache.unusable(folder) or (None if chosen else compilation_cache.make_private(folder))
+    problem = (compilation_cache.unusable(folder) or (None if chosen else compilation_cache.make_private(folder))
+               or compilation_cache.shared(folder))
     if problem and choice:
         raise UserError(f"--compilation_cache={choice}: {problem}; name a folder this process can write, or none")
     if problem:  # said once here, rather than by JAX at every compile

@@ -8,6 +8,7 @@ import os
 import warnings
 from typing import Any
 
+from lconv import shared_folders
 from lconv.data import paths
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,12 @@ def make_private(folder: str) -> str | None:
     """Creates this user's cache ``folder``, owner-writable only; why it cannot be trusted, or None (the rule every
     folder of this user's cache follows: ``paths.private_cache_problem``)."""
     return paths.private_cache_problem(folder)
+
+
+def shared(folder: str) -> str | None:
+    """Why another user could change the cache ``folder`` (``lconv.shared_folders``; an entry is code), or None."""
+    found = shared_folders.problem(folder)
+    return f"is not yours alone: {found[0]} (another user could plant compiled code there)" if found else None
 
 
 _CACHE_ERRORS = ("Error writing persistent compilation cache entry", "Error reading persistent compilation cache entry")
