@@ -276,3 +276,29 @@ def test_a_compilation_cache_another_user_can_change_is_refused_or_off(tmp_path,
         assert config.jax_enable_compilation_cache is False
     (line,) = [m for m in lconv_log() if "compiled programs" in m]
     assert f"{shared} can be written by other users" in line
+
+
+@pytest.mark.parametrize("shared", ["data_dir_parent", "lconv_prepared"])
+def test_data_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced, shared):
+    """tfds writes a copy by path: ``lconv_prepared`` swapped for a link mid-write would put it where the link led.
+    Refused before anything is written; reading a prepared copy needs no check (its files are held open)."""
+    from lconv.data import tfds_ddtp
+
+    data_dir = tmp_path / "shared" / "data"
+    (data_dir / "lconv_prepared").mkdir(parents=True)
+    target = tmp_path / "shared" if shared == "data_dir_parent" else data_dir / "lconv_prepared"
+    target.chmod(0o777)
+    with pytest.raises(UserError, match=f"data_dir={data_dir}: {target} can be written by other users"):
+        tfds_ddtp.prepare("ddtp/en_de", str(data_dir))
+    assert os.listdir(data_dir / "lconv_prepared") == []
+
+
+def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced):
+    from lconv.data import catalog
+
+    data_dir = tmp_path / "shared" / "tfds"
+    data_dir.mkdir(parents=True)
+    data_dir.chmod(0o777)
+    with pytest.raises(UserError, match=f"--data_dir={data_dir}: {data_dir} can be written by other users"):
+        catalog.prepare("wmt14/en_de", str(data_dir))
+    assert os.listdir(data_dir) == []

@@ -14,6 +14,7 @@ import tempfile
 
 from etils import epath
 
+from lconv import shared_folders
 from lconv.data import paths, sources
 from lconv.errors import UserError
 
@@ -59,6 +60,10 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
         logger.info(f"{spec.tfds_name} is already prepared in {done}")
         return done
     builder_name = spec.tfds_name.split("/")[0]
+    if not paths.is_url(data_dir):  # tfds writes by path: a folder swapped for a link would move what it writes
+        shared_folders.check_way(data_dir, f"--data_dir={data_dir}")
+        shared_folders.check(os.path.join(data_dir, builder_name), f"--data_dir={data_dir}")
+        shared_folders.check_way(download_dir or os.path.join(data_dir, "downloads"), f"--data_dir={data_dir}")
     if not has_tensorflow():
         raise UserError(f"preparing {name} needs TensorFlow ({TENSORFLOW_NEEDED.get(builder_name, 'tfds')}): "
                         f"{INSTALL}, then run this again (training reads it without TensorFlow)")

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv import console, no_room, outputs
+from lconv import console, no_room, outputs, shared_folders
 from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.copy_report import REPORT_FILENAME
 from lconv.errors import UserError, first_line
@@ -260,6 +260,9 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
         prepared_here = not _is_complete(copy_dir, name)
         if prepared_here:
             outputs.check_outside_outputs(data_dir, "data_dir")  # a checkpoint step written into fails its manifest
+            # tfds writes by path: lconv_prepared swapped for a link mid-write would put the copy where it led
+            shared_folders.check_way(data_dir, f"data_dir={data_dir}")
+            shared_folders.check(os.path.dirname(copy_dir), f"data_dir={data_dir}")
             try:
                 _prepare_copy(name, copy_dir, options, fingerprint)
             except PermissionError as e:
