@@ -51,11 +51,14 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     if _special(path):  # a device the user named (--output_file=/dev/null): written into, never renamed over
         _write_into_device(path, data)
         return
+    replaces = not is_url(path) and os.path.isfile(path)
+    if replaces:
+        shared_folders.check_owner(os.fspath(path), "lconv replaces no other user's file with its output")
     temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
-        if not is_url(path) and os.path.isfile(path):  # the file replaced keeps its permissions (a private 0600)
-            os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode))
+        if replaces:  # the file replaced keeps its permissions (a private 0600)
+            os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode) & _KEPT_MODE)  # never setuid or others' write
         temporary.replace(target)
     except OSError as err:
         with contextlib.suppress(OSError):
@@ -63,6 +66,7 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
         raise UserError(f"cannot write {path}: {err.strerror or err}; an earlier file there is unchanged") from None
 
 
+_KEPT_MODE = 0o755  # of the replaced file's mode: read and run bits, the owner's write; no setuid/setgid/sticky
 IN_WORKDIR = "lconv writes only regular files in a workdir (remove the link)"
 
 

@@ -19,6 +19,7 @@ OPT_IN = "LCONV_ALLOW_SHARED_FOLDERS"
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
 _WAY_FIX = "work in a folder only you can write"
+_SWAP = ", so another user could swap what lconv checked there while it works"
 
 
 def enforced(folder: str) -> bool:
@@ -43,23 +44,46 @@ def problem(folder: str, *, whole_tree: bool = True) -> tuple[str, str] | None:
     """``(what, fix)`` when another user could change ``folder``: a folder on the way that others can write (a
     sticky one such as /tmp excepted) or that another user owns, a link on the way that another user owns, or (with
     ``whole_tree``) anything inside it that another user owns or can write, or a default ACL that would let them
-    write what is made there. None when not ``enforced`` or nothing is wrong; then the umask is kept private."""
+    write what is made there. Also a path whose ``..`` after a link leads the system elsewhere than lconv reads it
+    (lconv makes paths absolute as text). None when not ``enforced`` or nothing is wrong; then the umask is kept
+    private."""
     if not enforced(folder):
         return None
-    real, found = _resolve(os.path.abspath(os.path.expanduser(str(folder))))
+    given = os.path.expanduser(str(folder))
+    lexical, found = _resolve(os.path.abspath(given))
     if found:
-        return found, _WAY_FIX
+        return f"{found}{_SWAP}", _WAY_FIX
+    physical, found = _resolve(os.path.join(os.getcwd(), given))  # ".." read after the links, as the kernel does
+    if found:
+        return f"{found}{_SWAP}", _WAY_FIX
+    if physical != lexical:
+        return (f"{folder} leads to {physical}, though read as text it names {lexical} (a '..' after a link)",
+                "name the folder without '..'")
     if not whole_tree:
-        found = _unsafe_on_the_way(real)
+        found = _unsafe_on_the_way(lexical) or _default_acl(lexical)
         if found:
-            return f"{real} {found}", _WAY_FIX
+            return f"{lexical} {found}{_SWAP}", _WAY_FIX
     else:
-        for path in _tree(real):
+        for path in _tree(lexical):
             found = _unsafe_inside(path)
             if found:
-                return f"{path} {found}", _inside_fix(found, real)
+                return f"{path} {found}{_SWAP}", _inside_fix(found, lexical)
     keep_private()
     return None
+
+
+def check_owner(path: str, why: str) -> None:
+    """A one-line ``UserError`` when the existing ``path`` belongs to another user (``why``: what lconv will not
+    do to it): replaced, its owner's file would become this process's, with the modes it had."""
+    if not enforced(path):
+        return
+    try:
+        owner = os.lstat(path).st_uid
+    except OSError:
+        return
+    if not _trusted(owner):
+        raise UserError(f"{path}: belongs to another user (uid {owner}); {why} (remove it, write elsewhere, or set "
+                        f"{OPT_IN}=1)")
 
 
 def keep_private() -> None:
@@ -72,13 +96,13 @@ def keep_private() -> None:
 def _raise(found: tuple[str, str] | None, label: str) -> None:
     if found:
         what, fix = found
-        raise UserError(f"{label}: {what}, so another user could swap what lconv checked there while it works; "
-                        f"{fix}, or set {OPT_IN}=1 to accept that risk (docs/security.md)")
+        raise UserError(f"{label}: {what}; {fix}, or set {OPT_IN}=1 to accept that risk (docs/security.md)")
 
 
 def _inside_fix(found: str, folder: str) -> str:
-    if "written" in found:
-        return f"chmod -R go-w {folder}"
+    if "written" in found:  # a copy, since chmod leaves writable whatever another user already holds open
+        return f"copy it into a folder only you can write (cp -r {folder} ...; a chmod would not close the files " \
+               "another user may hold open)"
     if "ACL" in found:
         return f"setfacl -R -k {folder}"
     if os.getuid() == 0:
@@ -105,8 +129,9 @@ def _resolve(path: str) -> tuple[str, str | None]:
         entry = os.path.join(current, name)
         try:
             status = os.lstat(entry)
-        except OSError:
-            return os.path.join(entry, *pending), None
+        except OSError:  # not there yet: made in ``current``, whose default ACL would then be the new entry's
+            found = _default_acl(current)
+            return ("", f"{current} {found}") if found else (os.path.normpath(os.path.join(entry, *pending)), None)
         if not stat.S_ISLNK(status.st_mode):
             current = entry
             continue
@@ -156,7 +181,11 @@ def _unsafe_inside(path: str) -> str | None:
         return None  # a link's own mode means nothing; where it leads is the reader's check
     if status.st_mode & _OTHERS_WRITE:
         return f"can be written by other users (mode {stat.S_IMODE(status.st_mode):o})"
-    if stat.S_ISDIR(status.st_mode) and _default_acl_lets_others_write(path):
+    return _default_acl(path) if stat.S_ISDIR(status.st_mode) else None
+
+
+def _default_acl(folder: str) -> str | None:
+    if _default_acl_lets_others_write(folder):
         return "has a default ACL that lets other users write what is made in it"
     return None
 

@@ -48,7 +48,8 @@ def test_anything_in_a_run_that_others_can_write_is_one_line_naming_it(run_folde
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"--workdir={run_folder}: ")
     assert f"{os.path.normpath(target)} can be written by other users" in message
-    assert f"chmod -R go-w {run_folder}" in message and shared_folders.OPT_IN in message
+    assert f"copy it into a folder only you can write (cp -r {run_folder} " in message
+    assert shared_folders.OPT_IN in message
 
 
 def test_the_opt_in_accepts_a_shared_run(run_folder, monkeypatch):
@@ -302,3 +303,82 @@ def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_
     with pytest.raises(UserError, match=f"--data_dir={data_dir}: {data_dir} can be written by other users"):
         catalog.prepare("wmt14/en_de", str(data_dir))
     assert os.listdir(data_dir) == []
+
+
+def test_a_dotdot_after_a_link_that_leads_elsewhere_than_it_reads_is_refused(tmp_path, enforced):
+    """``lk/../x`` with ``lk -> other/sub``: lconv makes paths absolute as text (``x`` beside ``lk``) while the
+    system reads ``..`` after the link (``other/x``); checks on one and writes to the other let another user's
+    folder in (round 19, r19-3/6/17/26). Refused, whoever can write either place."""
+    (tmp_path / "other" / "sub").mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "lk").symlink_to(tmp_path / "other" / "sub")
+    given = str(tmp_path / "mine" / "lk" / ".." / "x")
+    with pytest.raises(UserError, match=f"leads to {tmp_path / 'other' / 'x'}, though read as text it names "
+                                        f"{tmp_path / 'mine' / 'x'} .a '..' after a link.; name the folder without"):
+        outputs.claim_directory(given, "export", "--out")
+    assert not (tmp_path / "other" / "x").exists() and not (tmp_path / "mine" / "x").exists()
+    outputs.claim_directory(str(tmp_path / "mine" / "plain" / ".." / "x"), "export", "--out")  # no link: as text
+
+
+def test_an_output_is_never_written_over_another_users_file(tmp_path, monkeypatch, enforced):
+    """A file another user made in a sticky folder at the output's name: replacing it gave root's output that
+    user's mode (setuid, world-writable) and let them write into it (r19-24)."""
+    target = tmp_path / "out.txt"
+    target.write_text("theirs")
+    if os.getuid() == 0:
+        os.chown(target, 4243, -1)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4243)
+    with pytest.raises(UserError, match=f"{target}: belongs to another user .uid [0-9]+.; lconv replaces no other"):
+        outputs.write_atomically(str(target), "mine")
+    assert target.read_text() == "theirs" and os.listdir(tmp_path) == ["out.txt"]
+
+
+def test_a_replaced_output_keeps_its_owner_bits_but_never_setuid_or_others_write(tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    target.chmod(0o6777)
+    outputs.write_atomically(str(target), "new")
+    assert target.read_text() == "new" and os.stat(target).st_mode & 0o7777 == 0o755
+    target.chmod(0o600)
+    outputs.write_atomically(str(target), "newer")
+    assert os.stat(target).st_mode & 0o7777 == 0o600  # a private file stays private
+
+
+def test_a_default_acl_where_lconv_makes_or_writes_a_folder_is_refused(tmp_path, monkeypatch, enforced):
+    """The folder an output goes into, or that a new workdir is made in, with a default ACL letting another user
+    write: what lconv makes there inherits it, whatever the umask (r19-39/40)."""
+    acl_folder = tmp_path / "acl"
+    acl_folder.mkdir()
+    real_getxattr = getattr(os, "getxattr", None)
+
+    def getxattr(path, name, *, follow_symlinks=True):
+        if os.fspath(path) == str(acl_folder) and name == "system.posix_acl_default":
+            return _acl((0x01, 7), (0x02, 7), (0x04, 5), (0x10, 7), (0x20, 5))
+        if real_getxattr is None:
+            raise OSError("no extended attributes here")
+        return real_getxattr(path, name, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(os, "getxattr", getxattr, raising=False)
+    with pytest.raises(UserError, match=f"{acl_folder} has a default ACL"):
+        shared_folders.check_way(str(acl_folder), "--output_file")
+    with pytest.raises(UserError, match=f"{acl_folder} has a default ACL"):
+        outputs.claim_directory(str(acl_folder / "new_run"), "workdir", "--workdir")
+    assert not (acl_folder / "new_run").exists()
+
+
+def test_an_exported_program_carrying_its_own_kernel_is_refused_at_load():
+    """``tpu_custom_call`` and ``mosaic_gpu_v2`` are on jax's stable list, but their operand is a kernel the file
+    brings: on a TPU or GPU, loading a handed-over export would run it (r19-19). lconv's exports hold none."""
+    import jax
+    import jax.numpy as jnp
+
+    from lconv.export import files
+
+    for target in ("tpu_custom_call", "mosaic_gpu_v2"):
+        def calls(x, target=target):
+            return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+        data = jax.export.export(jax.jit(calls), platforms=("cpu",))(jax.ShapeDtypeStruct((2,), jnp.float32))
+        with pytest.raises(ValueError, match=f"it calls '{target}', which runs a kernel the file itself carries"):
+            files.parse_program(data.serialize())

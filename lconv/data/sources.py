@@ -138,13 +138,13 @@ def prepare_command(tfds_name: str, data_dir: str) -> str:
 
 def _data_dir(data_dir: str) -> str:
     """``data_dir`` expanded; a local one under a file is one line, not tfds' NotADirectoryError."""
-    data_dir = paths.expand(data_dir)
+    given, data_dir = data_dir, paths.normalize(data_dir)  # absolute as text once: opened where it was checked
     if not paths.is_url(data_dir):
-        existing = os.path.abspath(data_dir)
+        existing = data_dir
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
-            raise UserError(f"config.data.data_dir={data_dir}: {existing} is a file, not a directory; name a folder "
+            raise UserError(f"config.data.data_dir={given}: {existing} is a file, not a directory; name a folder "
                             "where datasets are (or get) prepared")
     return data_dir
 

@@ -180,7 +180,17 @@ def parse_program(data: bytes) -> jax.export.Exported:
     unknown = sorted(called - _stable_targets())
     if unknown:
         raise ValueError(f"it calls the native target {unknown[0][:80]!r}, which no program jax exports holds")
+    carried = sorted(called & _KERNEL_CARRYING)
+    if carried:
+        raise ValueError(f"it calls {carried[0]!r}, which runs a kernel the file itself carries; lconv's exports "
+                         "hold none (export the run again)")
     return exported
+
+
+# Stable targets whose operand is code from the file (a Pallas/Mosaic kernel, a TensorFlow function): loading one
+# from a handed-over export would run that code on the device.
+_KERNEL_CARRYING = frozenset({"tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "tf.call_tf_function",
+                              "triton_kernel_call", "__gpu$xla.gpu.triton"})
 
 
 _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call @([\w.$\-]+)|call_target_name = "([^"]*)"')
