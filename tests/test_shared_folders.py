@@ -382,3 +382,28 @@ def test_an_exported_program_carrying_its_own_kernel_is_refused_at_load():
         data = jax.export.export(jax.jit(calls), platforms=("cpu",))(jax.ShapeDtypeStruct((2,), jnp.float32))
         with pytest.raises(ValueError, match=f"it calls '{target}', which runs a kernel the file itself carries"):
             files.parse_program(data.serialize())
+
+
+def test_a_kept_tokenizer_another_user_could_replace_is_not_used(tmp_path, enforced):
+    """A data_dir another user owns or can write: they could plant a tokenizer with a matching record, which later
+    runs would reuse as their own (r19-54/55). The kept cache is then not read or written (a warning; the run
+    trains its own)."""
+    from lconv.data import tokenizer_files
+
+    kept = tmp_path / "data" / "lconv_prepared" / tokenizer_files.KEPT_TOKENIZERS / "ddtp_en_de-x"
+    kept.mkdir(parents=True)
+    assert tokenizer_files.kept_folder_problem(str(kept)) is None
+    kept.parent.chmod(0o777)
+    assert f"{kept.parent} can be written by other users" in tokenizer_files.kept_folder_problem(str(kept))
+
+
+def test_the_data_commands_tokenizer_folder_is_checked_before_it_is_written(tmp_path, enforced):
+    """``python -m lconv.data --workdir=DIR`` writes its tokenizer into DIR and reads it back (r19-38)."""
+    from lconv.data import __main__ as data_main
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UserError, match=f"--workdir={shared}: {shared} can be written by other users"):
+        data_main.show("en_de", str(tmp_path / "data"), str(shared), vocab_size=256, max_sentences=100,
+                       batch_size=8)

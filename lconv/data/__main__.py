@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from lconv import console
+from lconv import console, shared_folders
 from lconv.data import catalog, copy_report, ddtp, paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
@@ -55,6 +55,7 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     if not paths.is_url(tokenizer_dir) and os.path.islink(tokenizer_dir):  # a link would take the tokenizer out
         raise UserError(f"the tokenizer folder {tokenizer_dir} is a link (to {os.path.realpath(tokenizer_dir)}); "
                         "lconv writes the tokenizer in a real folder inside --workdir (remove the link)")
+    shared_folders.check(tokenizer_dir, f"--workdir={workdir}")  # written, then read back, by path
     tokenizer = pipeline.load_or_train_tokenizer(config, tokenizer_dir, process_index=0, process_count=1)
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
     counts = {"train": len(sources.config_source(config, "train")[0])}

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any
 
-from lconv import json_text
+from lconv import json_text, shared_folders
 from lconv.data import ddtp, paths, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.data.data_config import DataConfig
@@ -62,7 +62,8 @@ def kept_folder_problem(kept: str, *, make: bool = False) -> str | None:
             return f"{folder} is a link (to {os.path.realpath(folder)})"
         if os.path.lexists(folder) and not os.path.isdir(folder):
             return f"{folder} is not a folder"
-    return None
+    shared = shared_folders.problem(kept)  # another user's planted tokenizer and record would pass as kept
+    return shared[0] if shared else None
 
 
 def shipped_name(dataset: str, source_key: str, vocab_size: int, max_sentences: int) -> str:
