@@ -140,7 +140,10 @@ def _resolve(path: str) -> tuple[str, str | None]:
         links += 1
         if links > _MAX_LINKS:
             return "", f"{path} goes through more than {_MAX_LINKS} links"
-        target = os.readlink(entry)
+        try:
+            target = os.readlink(entry)
+        except OSError:  # replaced since the lstat
+            return "", f"{entry} changed while it was read"
         current = os.sep if os.path.isabs(target) else current
         pending[:0] = [part for part in target.split(os.sep) if part]
     return current, None

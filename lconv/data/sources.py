@@ -137,7 +137,8 @@ def prepare_command(tfds_name: str, data_dir: str) -> str:
 
 
 def _data_dir(data_dir: str) -> str:
-    """``data_dir`` expanded; a local one under a file is one line, not tfds' NotADirectoryError."""
+    """``data_dir`` made absolute (``paths.normalize``); a local one under a file is one line, not tfds'
+    NotADirectoryError."""
     given, data_dir = data_dir, paths.normalize(data_dir)  # absolute as text once: opened where it was checked
     if not paths.is_url(data_dir):
         existing = data_dir
