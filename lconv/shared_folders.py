@@ -111,27 +111,31 @@ def _inside_fix(found: str, folder: str) -> str:
 
 
 def _resolve(path: str) -> tuple[str, str | None]:
-    """``path`` followed from the root one name at a time as the kernel would, checking each folder a name is looked
-    up in and each link's owner: ``(real path, None)``, or ``("", what)`` for the first thing another user could
-    change. A name not there yet ends the walk (nothing below it to swap)."""
+    """``path`` followed from the root one name at a time as the kernel would, checking each folder a name (``..``
+    too) is looked up in and each link's owner: ``(real path, None)``, or ``("", what)`` for the first thing another
+    user could change. A name not there yet is taken as the plain folder ``mkdir -p`` would make, so a ``..`` after
+    it leads where the kernel would then go; the real folder it would be made in has its default ACL checked."""
     pending = [part for part in path.split(os.sep) if part]
     current, links = os.sep, 0
     while pending:
         name = pending.pop(0)
         if name == os.curdir:
             continue
+        found = _unsafe_on_the_way(current)  # a folder still to be made has nothing to check: None
+        if found:
+            return "", f"{current} {found}"
         if name == os.pardir:
             current = os.path.dirname(current)
             continue
-        found = _unsafe_on_the_way(current)
-        if found:
-            return "", f"{current} {found}"
         entry = os.path.join(current, name)
         try:
             status = os.lstat(entry)
         except OSError:  # not there yet: made in ``current``, whose default ACL would then be the new entry's
             found = _default_acl(current)
-            return ("", f"{current} {found}") if found else (os.path.normpath(os.path.join(entry, *pending)), None)
+            if found:
+                return "", f"{current} {found}"
+            current = entry
+            continue
         if not stat.S_ISLNK(status.st_mode):
             current = entry
             continue

@@ -407,3 +407,81 @@ def test_the_data_commands_tokenizer_folder_is_checked_before_it_is_written(tmp_
     with pytest.raises(UserError, match=f"--workdir={shared}: {shared} can be written by other users"):
         data_main.show("en_de", str(tmp_path / "data"), str(shared), vocab_size=256, max_sentences=100,
                        batch_size=8)
+
+
+def test_a_dotdot_after_a_folder_not_made_yet_is_followed_as_mkdir_would_make_it(tmp_path, enforced):
+    """``new/../lk/../x``: ``new`` does not exist, so the rest was once read as text (``x``); ``mkdir -p`` then
+    makes ``new`` and the system follows ``lk`` (round 20, r20-16/17/18). Refused before anything is made."""
+    (tmp_path / "other" / "sub").mkdir(parents=True)
+    (tmp_path / "lk").symlink_to(tmp_path / "other" / "sub")
+    given = str(tmp_path / "new" / ".." / "lk" / ".." / "x")
+    with pytest.raises(UserError, match=f"leads to {tmp_path / 'other' / 'x'}, though read as text"):
+        outputs.claim_directory(given, "export", "--out")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "other" / "x").exists()
+
+
+def test_a_dotdot_out_of_another_users_folder_is_refused(tmp_path, monkeypatch, enforced):
+    """``theirs/../x``: the system looks ``..`` up in ``theirs``, which its owner may swap for a link (r20-23)."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.getuid() == 0:
+        os.chown(theirs, 4243, -1)
+        expected = f"{theirs} belongs to another user .uid 4243."
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4243)
+        expected = "belongs to another user"
+    with pytest.raises(UserError, match=expected):
+        outputs.claim_directory(str(theirs / ".." / "x"), "export", "--out")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_run_or_output_named_with_a_dotdot_after_a_link_is_checked_as_given(tmp_path, enforced):
+    """eval.py checked the run and its output's folder made absolute as text, then wrote to the path as given, which
+    the system followed through the link (r20-3/4/22)."""
+    from lconv.cli import eval_program
+
+    (tmp_path / "other" / "sub").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "lk").symlink_to(tmp_path / "other" / "sub")
+    with pytest.raises(UserError, match="a '..' after a link"):
+        _find_run(str(tmp_path / "lk" / ".." / "run"))
+    with pytest.raises(UserError, match="a '..' after a link"):
+        eval_program._check_writable(str(tmp_path / "lk" / ".." / "o.txt"), "--output_file")
+
+
+def test_the_apis_compilation_cache_is_never_one_another_user_could_fill(tmp_path, enforced, lconv_log):
+    """``lconv.load`` took ``$JAX_COMPILATION_CACHE_DIR`` (or this process's choice) unchecked, and a program another
+    user planted there ran (r20-24). One warning, and programs are compiled every time."""
+    from lconv.run import compilation_cache
+
+    shared = tmp_path / "shared"
+    (shared / "cc").mkdir(parents=True)
+    shared.chmod(0o777)
+    with helpers.jax_cache_config() as config:
+        config.update("jax_enable_compilation_cache", True)
+        config.update("jax_compilation_cache_dir", str(shared / "cc"))
+        assert compilation_cache.use_user_folder() is None
+        assert config.jax_enable_compilation_cache is False
+    (line,) = [m for m in lconv_log() if "compiled programs" in m]
+    assert f"{shared} can be written by other users" in line
+
+
+def test_the_benchmarks_doc_another_user_owns_is_refused_before_any_suite(tmp_path, capsys, monkeypatch, enforced):
+    """It was refused only at the report's write, after the benchmarks ran, as a traceback (r20-13)."""
+    import argparse
+
+    from lconv import console
+    from lconv.bench import __main__ as bench_main
+
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Benchmarks\n")
+    if os.getuid() == 0:
+        os.chown(doc, 4243, -1)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4243)
+    opts = argparse.Namespace(quick=True, out=str(tmp_path / "out"), doc=str(doc))
+    with pytest.raises(SystemExit) as exit_:
+        bench_main.resolve_outputs(opts, console.OneLineParser(prog="python -m lconv.bench"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and "belongs to another user" in line

@@ -76,6 +76,8 @@ def resolve_outputs(opts: argparse.Namespace, parser: argparse.ArgumentParser, b
         outputs.check_targets(opts.out, sorted(os.listdir(os.path.expanduser(opts.out))), "--out")
         outputs.check_targets(os.path.dirname(opts.doc) or ".", [os.path.basename(opts.doc)], "--doc")
         shared_folders.check_way(os.path.dirname(opts.doc) or ".", f"--doc={opts.doc}")  # read, then rewritten
+        if os.path.isfile(opts.doc):  # before any suite runs, not at the report's write
+            shared_folders.check_owner(opts.doc, "the benchmarks replace no other user's file")
     except UserError as err:
         parser.error(str(err))
 

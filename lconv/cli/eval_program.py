@@ -244,7 +244,8 @@ def _check_writable(path: str, what: str) -> None:
     elif not os.path.isdir(directory):
         problem = f"the directory {directory} does not exist"
     else:
-        shared_folders.check_way(directory, what)  # its folder swapped for a link would move the output elsewhere
+        # as given: its folder swapped for a link, or a '..' after one, would move the output elsewhere
+        shared_folders.check_way(os.path.dirname(path) or os.curdir, what)
         try:
             if outputs.special_kind(path, follow_links=True) == "character device":  # written into, never renamed
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))

@@ -200,7 +200,7 @@ class Served:
             hint = "a run's workdir: load it with lconv.load" if (directory / "config.json").exists() else \
                 "export a run there with python -m lconv.export"
             raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
-        shared_folders.check(str(directory), label)
+        shared_folders.check(path, label)  # as given: a '..' after a link is refused, not resolved away
         # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
         # what is wrong with it, never a traceback (or wrong outputs) at the first call.
         self.directory = directory

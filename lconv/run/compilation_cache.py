@@ -27,10 +27,16 @@ def use_user_folder() -> str | None:
 
     if not jax.config.jax_enable_compilation_cache:
         return None
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
+    chosen = jax.config.jax_compilation_cache_dir  # $JAX_COMPILATION_CACHE_DIR, or set by this process
+    if chosen:
+        problem = shared(chosen)
+        if problem:  # an entry is code: not read from a folder another user could fill
+            logger.warning(f"compiled programs are not kept: {chosen} {problem}")
+            jax.config.update("jax_enable_compilation_cache", False)
+            return None
+        return chosen
     folder = user_folder()
-    problem = unusable(folder) or make_private(folder)
+    problem = unusable(folder) or make_private(folder) or shared(folder)
     if problem:
         logger.info(f"compiled programs are not kept: {folder} {problem}")
         return None

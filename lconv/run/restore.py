@@ -101,7 +101,7 @@ def find_run(workdir: str, caller: str = "--workdir") -> str:
     resolved = workdir_lib.resolve(workdir)
     root = epath.Path(resolved)
     if (root / workdir_lib.CONFIG_FILENAME).exists():
-        shared_folders.check(resolved, label)
+        shared_folders.check(str(workdir), label)  # as given: a '..' after a link is refused, not resolved away
         return resolved
     where = "" if resolved == str(workdir) else f" ({resolved})"
     if not root.exists():

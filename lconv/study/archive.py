@@ -78,7 +78,7 @@ def resolve(resume_from: str) -> str:
         if os.path.islink(folder):
             raise UserError(f"--resume_from={resume_from}: {folder} is a link; the archive is read from plain "
                             "folders (copy it there)")
-    shared_folders.check(root, f"--resume_from={resume_from}")
+    shared_folders.check(os.path.join(os.path.expanduser(resume_from), ARCHIVE_DIR), f"--resume_from={resume_from}")
     return root
 
 
