@@ -293,7 +293,7 @@ def check_outside_outputs(path: str, flag: str) -> None:
 def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> str:
     """``check_directory``, then creates ``path`` and marks it as ``kind``'s; returns it. Another user must not be
     able to change it while the command writes (``shared_folders``), and what the command makes stays so."""
-    shared_folders.check(str(path), f"{flag}={path}")
+    shared_folders.check(str(path), f"{flag}={path}", made_here=True)  # checked again once made, below
     if check_directory(path, kind, flag, committed_ok=committed_ok):
         return str(path)
     root = _path(str(path))

@@ -27,11 +27,11 @@ def enforced(folder: str) -> bool:
     return "://" not in str(folder) and hasattr(os, "getuid") and os.environ.get(OPT_IN, "") != "1"
 
 
-def check(folder: str, label: str) -> None:
+def check(folder: str, label: str, *, made_here: bool = False) -> None:
     """A one-line ``UserError`` (``label``: the flag or call that named it) when another user could change the
     working folder ``folder`` while lconv works in it (``problem``). Passing, it keeps what this process makes
     private (``keep_private``)."""
-    _raise(problem(folder), label)
+    _raise(problem(folder, made_here=made_here), label)
 
 
 def check_way(folder: str, label: str) -> None:
@@ -40,20 +40,21 @@ def check_way(folder: str, label: str) -> None:
     _raise(problem(folder, whole_tree=False), label)
 
 
-def problem(folder: str, *, whole_tree: bool = True) -> tuple[str, str] | None:
+def problem(folder: str, *, whole_tree: bool = True, made_here: bool = False) -> tuple[str, str] | None:
     """``(what, fix)`` when another user could change ``folder``: a folder on the way that others can write (a
     sticky one such as /tmp excepted) or that another user owns, a link on the way that another user owns, or (with
     ``whole_tree``) anything inside it that another user owns or can write, or a default ACL that would let them
     write what is made there. Also a path whose ``..`` after a link leads the system elsewhere than lconv reads it
-    (lconv makes paths absolute as text). None when not ``enforced`` or nothing is wrong; then the umask is kept
-    private."""
+    (lconv makes paths absolute as text), and a folder not made yet where other users may make it first (in /tmp),
+    unless ``made_here``: the caller makes it and checks again. None when not ``enforced`` or nothing is wrong;
+    then the umask is kept private."""
     if not enforced(folder):
         return None
     given = os.path.expanduser(str(folder))
-    lexical, found = _resolve(os.path.abspath(given))
+    lexical, found = _resolve(os.path.abspath(given), made_here)
     if found:
         return f"{found}{_SWAP}", _WAY_FIX
-    physical, found = _resolve(os.path.join(os.getcwd(), given))  # ".." read after the links, as the kernel does
+    physical, found = _resolve(os.path.join(os.getcwd(), given), made_here)  # ".." after links, as the kernel
     if found:
         return f"{found}{_SWAP}", _WAY_FIX
     if physical != lexical:
@@ -110,11 +111,12 @@ def _inside_fix(found: str, folder: str) -> str:
     return f"copy {folder} into a folder of your own"
 
 
-def _resolve(path: str) -> tuple[str, str | None]:
+def _resolve(path: str, made_here: bool = False) -> tuple[str, str | None]:
     """``path`` followed from the root one name at a time as the kernel would, checking each folder a name (``..``
     too) is looked up in and each link's owner: ``(real path, None)``, or ``("", what)`` for the first thing another
     user could change. A name not there yet is taken as the plain folder ``mkdir -p`` would make, so a ``..`` after
-    it leads where the kernel would then go; the real folder it would be made in has its default ACL checked."""
+    it leads where the kernel would then go; the real folder it would be made in has its default ACL checked, and
+    must let no other user make it first unless ``made_here``."""
     pending = [part for part in path.split(os.sep) if part]
     current, links = os.sep, 0
     while pending:
@@ -131,9 +133,9 @@ def _resolve(path: str) -> tuple[str, str | None]:
         try:
             status = os.lstat(entry)
         except OSError:  # not there yet: made in ``current``, whose default ACL would then be the new entry's
-            found = _default_acl(current)
+            found = _default_acl(current) or (None if made_here else _others_may_make(current))
             if found:
-                return "", f"{current} {found}"
+                return "", f"{current} {found} ({name} is not made yet)"
             current = entry
             continue
         if not stat.S_ISLNK(status.st_mode):
@@ -189,6 +191,15 @@ def _unsafe_inside(path: str) -> str | None:
     if status.st_mode & _OTHERS_WRITE:
         return f"can be written by other users (mode {stat.S_IMODE(status.st_mode):o})"
     return _default_acl(path) if stat.S_ISDIR(status.st_mode) else None
+
+
+def _others_may_make(folder: str) -> str | None:
+    """A sticky folder others can write (/tmp): they may make a name in it first, as their folder or a link."""
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return None  # itself still to be made, inside a folder this walk found
+    return "lets other users make that name first; make it yourself beforehand" if mode & _OTHERS_WRITE else None
 
 
 def _default_acl(folder: str) -> str | None:

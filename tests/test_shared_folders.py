@@ -485,3 +485,35 @@ def test_the_benchmarks_doc_another_user_owns_is_refused_before_any_suite(tmp_pa
         bench_main.resolve_outputs(opts, console.OneLineParser(prog="python -m lconv.bench"))
     (line,) = capsys.readouterr().err.splitlines()
     assert exit_.value.code == 2 and "belongs to another user" in line
+
+
+def test_a_folder_not_made_yet_where_others_may_make_it_first_is_refused_unless_made_here(tmp_path, enforced):
+    """In a sticky folder others can write (/tmp), another user could make the name between the check and lconv's
+    first write (round 21, r21-18/19/20/21). A command that makes the folder and checks it again passes."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with pytest.raises(UserError, match=f"{sticky} lets other users make that name first.*new is not made yet"):
+        shared_folders.check(str(sticky / "new"), "--workdir")
+    outputs.claim_directory(str(sticky / "new"), "workdir", "--workdir")
+    assert os.stat(sticky / "new").st_uid == os.getuid()
+
+
+def test_a_chosen_compilation_cache_not_made_yet_is_made_private_before_use(tmp_path, enforced, lconv_log):
+    """``--compilation_cache`` / ``$JAX_COMPILATION_CACHE_DIR`` naming a folder not made yet in /tmp: another user
+    made it first and planted a program that then ran (r21-18/19). lconv makes it (owner-only) before the check;
+    the benchmarks check the folder they were given too (r21-23/24)."""
+    from lconv.bench import gpu
+    from lconv.cli import runtime
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with helpers.jax_cache_config() as config:
+        assert runtime.enable_compilation_cache(str(tmp_path / "run"), str(sticky / "cc")) == str(sticky / "cc")
+        assert os.stat(sticky / "cc").st_mode & 0o777 == 0o700 and config.jax_enable_compilation_cache
+        (sticky / "cc").chmod(0o777)  # as if another user's
+        config.update("jax_enable_compilation_cache", True)
+        gpu.use_compilation_cache(str(sticky / "cc"))
+        assert config.jax_enable_compilation_cache is False
+    assert any(f"{sticky / 'cc'} can be written by other users" in m for m in lconv_log())

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     from lconv.bench import timing  # imports jax: after the arguments are known to be good
     from lconv.nn import mixers
+    from lconv.run import compilation_cache
+
+    compilation_cache.check_chosen()  # $JAX_COMPILATION_CACHE_DIR: never one another user could fill with code
 
     if opts.mixers and opts.suite not in ("mixers", "all"):
         parser.error(f"--mixers chooses the mixers suite's rows; the {opts.suite} suite has none")

@@ -77,7 +77,7 @@ def launch_stage(command: list[str], timeout: float) -> int:
 def shared_cache() -> str:
     """A full run's cache: this user's folder, never a world-shared one; ``"none"`` when it cannot be private."""
     folder = compilation_cache.user_folder()
-    problem = compilation_cache.make_private(folder)
+    problem = compilation_cache.make_private(folder) or compilation_cache.shared(folder)
     if problem:
         logger.warning(f"compiled programs are not kept: {folder} {problem}; --compilation_cache=DIR names another")
         return "none"
@@ -88,7 +88,8 @@ def use_compilation_cache(folder: str | None) -> None:
     """Keeps (and reads back) compiled programs in ``folder``, shared by every stage; ``"none"`` or None: afresh."""
     if folder and folder.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", folder)
-        compilation_cache.report_cache_errors(folder)
+        if compilation_cache.check_chosen():  # an entry is code: never from a folder another user could fill
+            compilation_cache.report_cache_errors(folder)
 
 
 def note_cuts(opts: argparse.Namespace, stage: str, lines: Sequence[str]) -> None:

@@ -72,6 +72,8 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         return _score_split(trained, settings, workdir, split, stem, members, split_data_dir)
     if data_dir is not None:
         raise UserError("--data_dir goes with scoring a split (eval.py --split=...); --source_file is read as given")
+    source_file, reference_file, output_file = (None if f is None else paths.expand(f)  # ~ as the user's home
+                                                for f in (source_file, reference_file, output_file))
     sources = read_lines(source_file, "--source_file")
     references = read_lines(reference_file, "--reference_file") if reference_file else None
     if references is not None and len(references) != len(sources):

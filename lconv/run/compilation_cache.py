@@ -21,6 +21,22 @@ def user_folder() -> str:
     return paths.user_cache_folder(FOLDER_NAME)
 
 
+def check_chosen() -> bool:
+    """The cache folder this process was given (``$JAX_COMPILATION_CACHE_DIR``), unless another user could fill it:
+    then one warning and the cache off, since an entry is code. Whether a folder is in use."""
+    import jax
+
+    chosen = jax.config.jax_compilation_cache_dir
+    if not (chosen and jax.config.jax_enable_compilation_cache):
+        return False
+    problem = shared(chosen)
+    if problem:
+        logger.warning(f"compiled programs are not kept: {chosen} {problem}")
+        jax.config.update("jax_enable_compilation_cache", False)
+        return False
+    return True
+
+
 def use_user_folder() -> str | None:
     """For the API: this user's folder as JAX's cache unless the process chose otherwise; the folder, or None."""
     import jax
@@ -29,12 +45,7 @@ def use_user_folder() -> str | None:
         return None
     chosen = jax.config.jax_compilation_cache_dir  # $JAX_COMPILATION_CACHE_DIR, or set by this process
     if chosen:
-        problem = shared(chosen)
-        if problem:  # an entry is code: not read from a folder another user could fill
-            logger.warning(f"compiled programs are not kept: {chosen} {problem}")
-            jax.config.update("jax_enable_compilation_cache", False)
-            return None
-        return chosen
+        return chosen if check_chosen() else None
     folder = user_folder()
     problem = unusable(folder) or make_private(folder) or shared(folder)
     if problem:
@@ -68,7 +79,13 @@ def make_private(folder: str) -> str | None:
 
 
 def shared(folder: str) -> str | None:
-    """Why another user could change the cache ``folder`` (``lconv.shared_folders``; an entry is code), or None."""
+    """Why another user could change the cache ``folder`` (``lconv.shared_folders``; an entry is code), or None.
+    The folder is made first (owner-only), so nobody can make it between this check and JAX's first entry."""
+    if shared_folders.enforced(folder):
+        try:
+            os.makedirs(os.path.expanduser(folder), mode=0o700, exist_ok=True)
+        except OSError as err:
+            return f"cannot be made ({err.strerror})"
     found = shared_folders.problem(folder)
     return f"is not yours alone: {found[0]} (another user could plant compiled code there)" if found else None
 
