@@ -27,6 +27,15 @@ def run_folder(tmp_path, enforced):
     return run
 
 
+def _make_another_users(path, monkeypatch) -> None:
+    """``path`` becomes another user's: root hands it to uid 4243; anyone else takes uid 4243 as its own, so that
+    everything it made (``path`` and the folders above it) is another user's."""
+    if os.getuid() == 0:
+        os.chown(path, 4243, -1, follow_symlinks=False)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4243)
+
+
 def _find_run(run) -> None:
     from lconv.run import restore
 
@@ -325,10 +334,7 @@ def test_an_output_is_never_written_over_another_users_file(tmp_path, monkeypatc
     user's mode (setuid, world-writable) and let them write into it (r19-24)."""
     target = tmp_path / "out.txt"
     target.write_text("theirs")
-    if os.getuid() == 0:
-        os.chown(target, 4243, -1)
-    else:
-        monkeypatch.setattr(os, "getuid", lambda: 4243)
+    _make_another_users(target, monkeypatch)
     with pytest.raises(UserError, match=f"{target}: belongs to another user .uid [0-9]+.; lconv replaces no other"):
         outputs.write_atomically(str(target), "mine")
     assert target.read_text() == "theirs" and os.listdir(tmp_path) == ["out.txt"]
@@ -476,10 +482,7 @@ def test_the_benchmarks_doc_another_user_owns_is_refused_before_any_suite(tmp_pa
 
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n")
-    if os.getuid() == 0:
-        os.chown(doc, 4243, -1)
-    else:
-        monkeypatch.setattr(os, "getuid", lambda: 4243)
+    _make_another_users(doc, monkeypatch)
     opts = argparse.Namespace(quick=True, out=str(tmp_path / "out"), doc=str(doc))
     with pytest.raises(SystemExit) as exit_:
         bench_main.resolve_outputs(opts, console.OneLineParser(prog="python -m lconv.bench"))
