@@ -520,3 +520,25 @@ def test_a_chosen_compilation_cache_not_made_yet_is_made_private_before_use(tmp_
         gpu.use_compilation_cache(str(sticky / "cc"))
         assert config.jax_enable_compilation_cache is False
     assert any(f"{sticky / 'cc'} can be written by other users" in m for m in lconv_log())
+
+
+def test_a_compilation_cache_spelled_with_a_tilde_is_checked_and_used_in_the_home_folder(tmp_path, monkeypatch,
+                                                                                          enforced):
+    """``~/cc`` was checked as ``$HOME/cc`` while JAX took it literally, as ``./~/cc`` in the working folder, where
+    another user had made ``~`` and planted a program (round 22, r22-20..23)."""
+    from lconv.cli import runtime
+    from lconv.run import compilation_cache
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    (cwd / "~").mkdir(parents=True)
+    (cwd / "~").chmod(0o777)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    with helpers.jax_cache_config() as config:
+        assert runtime.enable_compilation_cache(str(tmp_path / "run"), "~/cc") == str(home / "cc")
+        assert config.jax_compilation_cache_dir == str(home / "cc")
+        config.update("jax_compilation_cache_dir", "~/cc2")  # as $JAX_COMPILATION_CACHE_DIR would set it
+        config.update("jax_enable_compilation_cache", True)
+        assert compilation_cache.check_chosen() and config.jax_compilation_cache_dir == str(home / "cc2")
+    assert os.listdir(cwd / "~") == []

@@ -87,7 +87,7 @@ def shared_cache() -> str:
 def use_compilation_cache(folder: str | None) -> None:
     """Keeps (and reads back) compiled programs in ``folder``, shared by every stage; ``"none"`` or None: afresh."""
     if folder and folder.lower() != "none":
-        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(folder))
         if compilation_cache.check_chosen():  # an entry is code: never from a folder another user could fill
             compilation_cache.report_cache_errors(folder)
 

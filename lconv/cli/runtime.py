@@ -105,7 +105,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         return None
     if choice:
         outputs.check_outside_outputs(choice, "--compilation_cache")
-    chosen = choice or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    chosen = paths.expand(choice or os.environ.get("JAX_COMPILATION_CACHE_DIR") or "")  # ~ once, for check and use
     folder = chosen or user_compilation_cache()
     problem = (compilation_cache.unusable(folder) or (None if chosen else compilation_cache.make_private(folder))
                or compilation_cache.shared(folder))

@@ -56,6 +56,7 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
         raise UserError(f"the tokenizer folder {tokenizer_dir} is a link (to {os.path.realpath(tokenizer_dir)}); "
                         "lconv writes the tokenizer in a real folder inside --workdir (remove the link)")
     if not paths.is_url(tokenizer_dir):  # made first: nobody makes it between the check and the tokenizer's write
+        shared_folders.check(tokenizer_dir, f"--workdir={workdir}", made_here=True)  # no folder made through a link
         os.makedirs(os.path.expanduser(tokenizer_dir), exist_ok=True)
     shared_folders.check(tokenizer_dir, f"--workdir={workdir}")  # written, then read back, by path
     tokenizer = pipeline.load_or_train_tokenizer(config, tokenizer_dir, process_index=0, process_count=1)

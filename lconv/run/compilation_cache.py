@@ -29,6 +29,9 @@ def check_chosen() -> bool:
     chosen = jax.config.jax_compilation_cache_dir
     if not (chosen and jax.config.jax_enable_compilation_cache):
         return False
+    if chosen != paths.expand(chosen):  # JAX would take "~" as a folder of that name: checked and used expanded
+        chosen = paths.expand(chosen)
+        jax.config.update("jax_compilation_cache_dir", chosen)
     problem = shared(chosen)
     if problem:
         logger.warning(f"compiled programs are not kept: {chosen} {problem}")
@@ -82,6 +85,10 @@ def shared(folder: str) -> str | None:
     """Why another user could change the cache ``folder`` (``lconv.shared_folders``; an entry is code), or None.
     The folder is made first (owner-only), so nobody can make it between this check and JAX's first entry."""
     if shared_folders.enforced(folder):
+        found = shared_folders.problem(folder, made_here=True)  # the way first: no folder made through their link
+        if found:
+            return f"is not yours alone: {found[0]} (another user could plant compiled code there)"
+        shared_folders.keep_private()  # the folders made on the way too, under a umask of 002
         try:
             os.makedirs(os.path.expanduser(folder), mode=0o700, exist_ok=True)
         except OSError as err:
