@@ -31,13 +31,13 @@ def check(folder: str, label: str, *, made_here: bool = False) -> None:
     """A one-line ``UserError`` (``label``: the flag or call that named it) when another user could change the
     working folder ``folder`` while lconv works in it (``problem``). Passing, it keeps what this process makes
     private (``keep_private``)."""
-    _raise(problem(folder, made_here=made_here), label)
+    raise_problem(problem(folder, made_here=made_here), label)
 
 
 def check_way(folder: str, label: str) -> None:
     """As ``check`` for a folder lconv writes one file into (``--output_file``'s, a report's): the way to it and the
     folder itself as a folder on the way (a sticky /tmp passes), not everything else it holds."""
-    _raise(problem(folder, whole_tree=False), label)
+    raise_problem(problem(folder, whole_tree=False), label)
 
 
 def problem(folder: str, *, whole_tree: bool = True, made_here: bool = False) -> tuple[str, str] | None:
@@ -73,6 +73,21 @@ def problem(folder: str, *, whole_tree: bool = True, made_here: bool = False) ->
     return None
 
 
+def make_checked(folder: str) -> tuple[str, str] | None:
+    """``folder`` made (owner-only) once the way to it passes, then ``problem``'s answer for it: made by this
+    process before anything is written there, no other user can make it first, and none made through their link."""
+    if not enforced(folder):
+        return None
+    found = problem(folder, made_here=True)  # passing, the umask is private for the folders made on the way too
+    if found:
+        return found
+    try:
+        os.makedirs(os.path.expanduser(str(folder)), mode=0o700, exist_ok=True)
+    except OSError as err:
+        return f"{folder} cannot be made ({err.strerror})", "name a folder you can write"
+    return problem(folder)
+
+
 def check_owner(path: str, why: str) -> None:
     """A one-line ``UserError`` when the existing ``path`` belongs to another user (``why``: what lconv will not
     do to it): replaced, its owner's file would become this process's, with the modes it had."""
@@ -94,7 +109,8 @@ def keep_private() -> None:
     os.umask(old | 0o022)
 
 
-def _raise(found: tuple[str, str] | None, label: str) -> None:
+def raise_problem(found: tuple[str, str] | None, label: str) -> None:
+    """``found`` (``problem``'s answer) as the one-line ``UserError`` naming ``label``; nothing when None."""
     if found:
         what, fix = found
         raise UserError(f"{label}: {what}; {fix}, or set {OPT_IN}=1 to accept that risk (docs/security.md)")

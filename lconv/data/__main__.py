@@ -55,10 +55,8 @@ def show(name: str, data_dir: str, workdir: str, vocab_size: int, max_sentences:
     if not paths.is_url(tokenizer_dir) and os.path.islink(tokenizer_dir):  # a link would take the tokenizer out
         raise UserError(f"the tokenizer folder {tokenizer_dir} is a link (to {os.path.realpath(tokenizer_dir)}); "
                         "lconv writes the tokenizer in a real folder inside --workdir (remove the link)")
-    if not paths.is_url(tokenizer_dir):  # made first: nobody makes it between the check and the tokenizer's write
-        shared_folders.check(tokenizer_dir, f"--workdir={workdir}", made_here=True)  # no folder made through a link
-        os.makedirs(os.path.expanduser(tokenizer_dir), exist_ok=True)
-    shared_folders.check(tokenizer_dir, f"--workdir={workdir}")  # written, then read back, by path
+    # Written, then read back, by path: made first, so nobody makes it between the check and the tokenizer's write
+    shared_folders.raise_problem(shared_folders.make_checked(tokenizer_dir), f"--workdir={workdir}")
     tokenizer = pipeline.load_or_train_tokenizer(config, tokenizer_dir, process_index=0, process_count=1)
     data = pipeline.make_datasets(config, tokenizer, process_index=0, process_count=1)
     counts = {"train": len(sources.config_source(config, "train")[0])}

@@ -84,16 +84,7 @@ def make_private(folder: str) -> str | None:
 def shared(folder: str) -> str | None:
     """Why another user could change the cache ``folder`` (``lconv.shared_folders``; an entry is code), or None.
     The folder is made first (owner-only), so nobody can make it between this check and JAX's first entry."""
-    if shared_folders.enforced(folder):
-        found = shared_folders.problem(folder, made_here=True)  # the way first: no folder made through their link
-        if found:
-            return f"is not yours alone: {found[0]} (another user could plant compiled code there)"
-        shared_folders.keep_private()  # the folders made on the way too, under a umask of 002
-        try:
-            os.makedirs(os.path.expanduser(folder), mode=0o700, exist_ok=True)
-        except OSError as err:
-            return f"cannot be made ({err.strerror})"
-    found = shared_folders.problem(folder)
+    found = shared_folders.make_checked(folder)
     return f"is not yours alone: {found[0]} (another user could plant compiled code there)" if found else None
 
 
