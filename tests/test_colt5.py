@@ -105,7 +105,7 @@ def attn(k, **kw):
 
 
 # Parameter shapes do not depend on num_routed.
-PARAMS = nn.meta.unbox(attn(T).init(jax.random.PRNGKey(1), jnp.asarray(X))["params"])
+PARAMS = nn.meta.unbox(jax.jit(attn(T).init)(jax.random.PRNGKey(1), jnp.asarray(X))["params"])
 apply = jax.jit(lambda m, p, x, seg: m.apply({"params": p}, x, segment_ids=seg), static_argnums=0)
 
 

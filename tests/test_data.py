@@ -1,6 +1,7 @@
 """DDTP parsing/alignment on a hand-written bad corpus, splits, the bundled snapshot, tfds builders, sources,
 tokenizer."""
 import collections
+import itertools
 import json
 import lzma
 import os
@@ -18,7 +19,8 @@ from lconv.errors import UserError
 
 def _md5s_in(split, n):
     """n md5-like keys that ddtp.split_of puts in ``split`` (so a tiny corpus fills every split)."""
-    return [f"{i:032x}" for i in range(100000) if ddtp.split_of(f"{i:032x}") == split][:n]
+    return list(itertools.islice((key for key in map("{:032x}".format, range(100000)) if ddtp.split_of(key) == split),
+                                 n))
 
 
 _TRAIN = _md5s_in("train", 6)

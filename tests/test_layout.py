@@ -26,6 +26,7 @@ The root's ``lconv.load`` is a lazy attribute (PEP 562, ``importlib``): ``import
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import pathlib
 import shutil
@@ -105,7 +106,12 @@ def _graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     return {module: _imports(module, modules) for module in modules}
 
 
-GRAPH = _graph(MODULES)
+@functools.cache
+def _lconv_graph() -> dict[str, set[str]]:
+    """lconv's import graph, parsed when a test first asks (not at collection, which every xdist worker runs)."""
+    return _graph(MODULES)
+
+
 # The root's PEP 562 attributes import these on first use, so ``import lconv`` itself imports nothing above it.
 LAZY_ATTRIBUTES = {("lconv", "lconv.api"), ("lconv", "lconv.nn.mixers")}
 
@@ -126,7 +132,7 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_every_import_points_down_or_stays_in_its_package():
-    wrong = _layer_violations(GRAPH)
+    wrong = _layer_violations(_lconv_graph())
     assert not wrong, "\n".join(wrong)
 
 
@@ -156,13 +162,13 @@ def _surface_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_surfaces_never_import_train():
-    wrong = _surface_violations(GRAPH)
+    wrong = _surface_violations(_lconv_graph())
     assert not wrong, "\n".join(wrong)
 
 
 def test_export_never_imports_the_cli():
     """The export library is a surface beside the CLIs; only its program (``python -m lconv.export``) uses them."""
-    wrong = [f"{module} imports {target}" for module, targets in GRAPH.items()
+    wrong = [f"{module} imports {target}" for module, targets in _lconv_graph().items()
              if module == "lconv.export" or (module.startswith("lconv.export.") and module != "lconv.export.__main__")
              for target in sorted(targets) if target == "lconv.cli" or target.startswith("lconv.cli.")]
     assert not wrong, "\n".join(wrong)
@@ -197,10 +203,10 @@ def test_no_import_cycles():
 
     def visit(module, path):
         state[module] = "open"
-        for target in sorted(GRAPH[module]):
+        for target in sorted(_lconv_graph()[module]):
             if state.get(target) == "open":
                 cycles.append(" -> ".join(path[path.index(target):] + [target]))
-            elif target not in state and target in GRAPH:  # a folder without __init__.py runs no code
+            elif target not in state and target in _lconv_graph():  # a folder without __init__.py runs no code
                 visit(target, path + [target])
         state[module] = "done"
 
@@ -212,7 +218,7 @@ def test_no_import_cycles():
 
 def test_the_layer_check_can_fail():
     """The checker sees a real upward import (so the tests above are not vacuous)."""
-    assert "lconv.nn.models" in GRAPH["lconv.run.model_setup"]
+    assert "lconv.nn.models" in _lconv_graph()["lconv.run.model_setup"]
     assert LAYERS[_group("lconv.run.model_setup")] > LAYERS[_group("lconv.nn.models")]
 
 

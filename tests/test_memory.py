@@ -18,7 +18,7 @@ WINDOWS = [np.asarray(jax.random.normal(jax.random.PRNGKey(w), (B, T, C)), np.fl
 ONES = np.ones((B, T), np.int32)
 PRECISION = "highest"  # exact float32 on every backend, so float32's tolerances hold on all of them
 MODEL = KNNMemoryAttention(num_heads=H, memory_size=M, num_neighbors=K, matmul_precision=PRECISION)
-VARS = MODEL.init(jax.random.PRNGKey(1), jnp.asarray(WINDOWS[0]))
+VARS = jax.jit(MODEL.init)(jax.random.PRNGKey(1), jnp.asarray(WINDOWS[0]))
 PARAMS = dict(nn.meta.unbox(VARS["params"]), gate=jnp.array([-1.0, 0.5, 2.0]))  # distinct per-head gates
 EMPTY = VARS["memory"]
 
