@@ -207,9 +207,9 @@ def kind_of(directory: str) -> str | None:
     """The kind of output ``directory`` holds (its marker, else its signature file), or None."""
     root = epath.Path(directory)
     try:
-        marker = root / MARKER
-        if marker.exists() and not _special(marker):  # a planted pipe would be read for ever
-            kind = json_text.loads(marker.read_text()).get("kind")
+        text = _small_text(root / MARKER, _MARKER_MAX_BYTES, owned=True)
+        if text is not None:
+            kind = json_text.loads(text).get("kind")
             if isinstance(kind, str) and kind in KIND_NAMES:  # a hand-written {"kind": {...}} is no kind
                 return kind
         for kind, files in KIND_SIGNATURES.items():
@@ -236,11 +236,33 @@ def checkout_docs(path: str) -> str | None:
 
 
 def _is_lconv_checkout(directory: str) -> bool:
+    text = _small_text(os.path.join(directory, "pyproject.toml"), _PYPROJECT_MAX_BYTES)
+    return text is not None and 'name = "lconv"' in text and os.path.isdir(os.path.join(directory, "lconv"))
+
+
+_MARKER_MAX_BYTES = 1 << 16  # a marker is one line of JSON
+_PYPROJECT_MAX_BYTES = 1 << 20
+
+
+def _small_text(path: str | os.PathLike, limit: int, *, owned: bool = False) -> str | None:
+    """The text of ``path`` when it is a regular file of at most ``limit`` bytes (and with ``owned``, this user's or
+    root's, where ``shared_folders`` is enforced), else None: lconv looks at these files in folders it does not own
+    (each folder above an output), where a pipe would be waited on for ever, a link to /dev/zero read without end, and
+    another user's marker in /tmp would claim every output below it."""
+    if is_url(path):
+        target = epath.Path(path)
+        return target.read_text() if target.exists() else None
     try:
-        with open(os.path.join(directory, "pyproject.toml"), encoding="utf-8") as f:
-            return 'name = "lconv"' in f.read() and os.path.isdir(os.path.join(directory, "lconv"))
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        if owned and shared_folders.enforced(os.fspath(path)) and info.st_uid not in (os.getuid(), 0):
+            return None
+        return f.read(limit + 1).decode("utf-8", errors="replace")
 
 
 def _refuse_committed_docs(path: str, flag: str) -> None:

@@ -172,11 +172,20 @@ def _resolve(path: str, made_here: bool = False) -> tuple[str, str | None]:
 
 
 def _tree(folder: str) -> Iterator[str]:
-    """``folder`` and every entry below it, links named but never followed."""
+    """``folder`` and every entry below it, links named but never followed. A stack, not ``os.walk``: Python 3.11's
+    walk recurses once a folder, and another user's tree a thousand folders deep would end it in a RecursionError."""
     yield folder
-    for top, dirs, files in os.walk(folder, followlinks=False):
-        for name in (*dirs, *files):
-            yield os.path.join(top, name)
+    pending = [folder]
+    while pending:
+        top = pending.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue  # removed while walked, or not ours to list: nothing in it to swap
+        for entry in entries:
+            yield entry.path
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
 
 
 def _trusted(uid: int) -> bool:

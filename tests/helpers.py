@@ -173,3 +173,12 @@ def jax_cache_config():
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
+
+
+def make_another_users(path, monkeypatch) -> None:
+    """``path`` becomes another user's: root hands it to uid 4243; anyone else takes uid 4243 as its own, so that
+    everything it made (``path`` and the folders above it) is another user's."""
+    if os.getuid() == 0:
+        os.chown(path, 4243, -1, follow_symlinks=False)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4243)

@@ -8,7 +8,7 @@ import pathlib
 import helpers
 import pytest
 
-from lconv import outputs
+from lconv import outputs, shared_folders
 from lconv.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -313,6 +313,35 @@ def test_a_hand_written_marker_of_the_wrong_type_marks_no_kind(tmp_path, marker)
     (folder / outputs.MARKER).write_text(marker)
     assert outputs.kind_of(str(folder)) is None
     outputs.check_output_file(str(folder / "out.txt"), "--output_file")  # as any folder, the output may go there
+
+
+@pytest.mark.parametrize("plant", ["pipe", "link_to_dev_zero", "another_users", "oversized"])
+def test_a_marker_or_checkout_file_that_is_no_small_file_of_ours_is_ignored_without_a_wait(tmp_path, plant,
+                                                                                         monkeypatch):
+    """lconv reads the marker of every folder above an output, and each one's pyproject.toml (is it a checkout?),
+    in folders it does not own: a pipe there hung eval.py, a link to /dev/zero ran it out of memory, and another
+    user's export marker in /tmp refused every output below it (round-23 campaign). Each is now no marker at all."""
+    monkeypatch.delenv(shared_folders.OPT_IN, raising=False)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "lconv").mkdir()
+    for name in (outputs.MARKER, "pyproject.toml"):
+        planted = folder / name
+        if plant == "pipe":  # behind a link, which a check of the name alone passes
+            os.mkfifo(folder / f"{name}.fifo")
+            planted.symlink_to(folder / f"{name}.fifo")
+        elif plant == "link_to_dev_zero":
+            planted.symlink_to("/dev/zero")
+        elif plant == "oversized":
+            planted.write_text('{"kind": "export"}' + " " * (1 << 20) + '\nname = "lconv"\n')
+        else:
+            planted.write_text('{"kind": "export"}\nname = "lconv"\n')
+            helpers.make_another_users(planted, monkeypatch)
+    assert outputs.kind_of(str(folder)) is None
+    if plant != "another_users":  # root's own pyproject.toml in a checkout is read whoever owns it
+        assert outputs.checkout_docs(str(folder / "docs" / "x")) is None
+    outputs.check_output_file(str(folder / "out.txt"), "--output_file")
+    outputs.check_directory(str(folder / "run"), "workdir", "--workdir")
 
 
 @pytest.mark.parametrize("plant", ["linked_folder", "dangling_file_link", "pipe", "none"])

@@ -27,15 +27,6 @@ def run_folder(tmp_path, enforced):
     return run
 
 
-def _make_another_users(path, monkeypatch) -> None:
-    """``path`` becomes another user's: root hands it to uid 4243; anyone else takes uid 4243 as its own, so that
-    everything it made (``path`` and the folders above it) is another user's."""
-    if os.getuid() == 0:
-        os.chown(path, 4243, -1, follow_symlinks=False)
-    else:
-        monkeypatch.setattr(os, "getuid", lambda: 4243)
-
-
 def _find_run(run) -> None:
     from lconv.run import restore
 
@@ -334,7 +325,7 @@ def test_an_output_is_never_written_over_another_users_file(tmp_path, monkeypatc
     user's mode (setuid, world-writable) and let them write into it (r19-24)."""
     target = tmp_path / "out.txt"
     target.write_text("theirs")
-    _make_another_users(target, monkeypatch)
+    helpers.make_another_users(target, monkeypatch)
     with pytest.raises(UserError, match=f"{target}: belongs to another user .uid [0-9]+.; lconv replaces no other"):
         outputs.write_atomically(str(target), "mine")
     assert target.read_text() == "theirs" and os.listdir(tmp_path) == ["out.txt"]
@@ -482,7 +473,7 @@ def test_the_benchmarks_doc_another_user_owns_is_refused_before_any_suite(tmp_pa
 
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n")
-    _make_another_users(doc, monkeypatch)
+    helpers.make_another_users(doc, monkeypatch)
     opts = argparse.Namespace(quick=True, out=str(tmp_path / "out"), doc=str(doc))
     with pytest.raises(SystemExit) as exit_:
         bench_main.resolve_outputs(opts, console.OneLineParser(prog="python -m lconv.bench"))
@@ -542,3 +533,20 @@ def test_a_compilation_cache_spelled_with_a_tilde_is_checked_and_used_in_the_hom
         config.update("jax_enable_compilation_cache", True)
         assert compilation_cache.check_chosen() and config.jax_compilation_cache_dir == str(home / "cc2")
     assert os.listdir(cwd / "~") == []
+
+
+def test_a_tree_deeper_than_pythons_recursion_limit_is_walked_to_its_bottom(tmp_path, enforced):
+    """Python 3.11's ``os.walk`` recurses once a folder: a run holding a tree 1,100 folders deep was a RecursionError
+    traceback from eval.py, train.py and ``lconv.load`` (round-23 campaign). The walk now reaches the bottom and names
+    what it finds there."""
+    run = tmp_path / "run"
+    deep = run / "tensorboard"
+    deep.mkdir(parents=True)
+    for _ in range(1_100):
+        deep = deep / "a"
+        deep.mkdir()
+    assert shared_folders.problem(str(run)) is None
+    (deep / "planted").write_text("")
+    (deep / "planted").chmod(0o666)
+    what, _ = shared_folders.problem(str(run))
+    assert what.startswith(str(deep / "planted")) and "written by other users" in what
