@@ -13,6 +13,10 @@ from typing import Any
 from lconv.errors import UserError
 from lconv.fields import Rule, as_dict, defaults, field, integer, number
 
+# Below it sampling is the greedy choice, and logits / temperature overflows float32 near 1e-36: a subnormal
+# temperature sampled garbage.
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
@@ -20,7 +24,7 @@ class SamplingSettings:
 
     max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
     temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
-        lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"))
+        lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"))
     top_k: int = field(0, "sample from the k most likely tokens; 0 = all", integer(0, " (0 = no top-k filter)"))
     top_p: float = field(1.0, "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
                          number(lambda v: 0 < v <= 1, "in (0, 1] (1 = no nucleus filter)"))

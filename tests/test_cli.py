@@ -281,7 +281,9 @@ def _config_only(tmp_path, config):
     ("translation", dict(interactive=True, output_file="o.txt"), "--output_file does not go with --interactive"),
     ("lm", dict(top_p=0.0, source_file="p.txt"), "--top_p=0.0: must be in (0, 1]"),
     ("lm", dict(max_len=0, source_file="p.txt"), "--max_len=0: must be an integer >= 1"),
-    ("lm", dict(temperature=float("nan"), interactive=True), "--temperature=nan: must be a finite number >= 0"),
+    ("lm", dict(temperature=float("nan"), interactive=True), "--temperature=nan: must be 0 (greedy) or a finite "),
+    ("lm", dict(temperature=1e-38, interactive=True), "--temperature=1e-38: must be 0 (greedy) or a finite number "
+                                                      ">= 1e-06"),
     ("translation", dict(no_repeat_ngram_size=-1), "--no_repeat_ngram_size=-1: must be an integer in [0, 64]"),
     ("translation", dict(min_len=2.5, source_file="s.txt"), "--min_len=2.5: must be an integer in [0, "),
     ("lm", dict(min_len=3), "--min_len go with prompts: --source_file (one per line) or --interactive"),
