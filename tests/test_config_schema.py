@@ -260,6 +260,8 @@ def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
     (dict(mixer_kwargs={"dynamicconv": {"kernel": 3}}), "config.model.mixer_kwargs['dynamicconv']: mixer "
                                                         "'dynamicconv' has no field(s) ['kernel']"),
     (dict(ffn_kwargs={"hidden": 3}), "config.model.ffn_kwargs: ffn_type 'dense' has no field(s) ['hidden']"),
+    (dict(mixer_kwargs={"dynamicconv": {"param_dtype": "float64x"}}),  # a stored config's: a 71-line TypeError
+     "config.model.mixer_kwargs['dynamicconv']['param_dtype']='float64x': not a dtype"),
     # A module (already imported, so no plugin) that is no mixer was a flax traceback at the first trace
     (dict(encoder_mixer="flax.linen:Dense"), "config.model.encoder_mixer='flax.linen:Dense' cannot be a mixer: "
                                              "flax.linen.linear:Dense needs field(s) ['features']"),

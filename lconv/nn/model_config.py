@@ -457,6 +457,17 @@ def _check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> 
     unknown = sorted(set(values) - fields)
     if unknown:
         raise UserError(f"{where}: {owner} has no field(s) {unknown}; its fields are {sorted(fields)}")
+    for name, value in values.items():  # flax takes a dtype field as it is: a bad name was a traceback at the trace
+        if (name == "dtype" or name.endswith("_dtype")) and value is not None and not _is_dtype(value):
+            raise UserError(f"{where}[{name!r}]={value!r}: not a dtype (e.g. 'float32', 'bfloat16')")
+
+
+def _is_dtype(value: Any) -> bool:
+    try:
+        jnp.dtype(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _registered(field: str, lookup: Any, name: Any) -> Any:
