@@ -333,6 +333,19 @@ def test_an_output_is_never_written_over_another_users_file(tmp_path, monkeypatc
     assert target.read_text() == "theirs" and os.listdir(tmp_path) == ["out.txt"]
 
 
+def test_eval_refuses_another_users_file_as_its_output_before_decoding(tmp_path, monkeypatch, enforced):
+    """The writer refused it only after the decoding, so the decoding was lost (round 23): eval.py's up-front check
+    of its outputs now refuses it too."""
+    from lconv.cli import eval_program
+
+    target = tmp_path / "out.txt"
+    target.write_text("theirs")
+    helpers.make_another_users(target, monkeypatch)
+    with pytest.raises(UserError, match="belongs to another user"):
+        eval_program._check_writable(str(target), f"--output_file={target}")
+    assert target.read_text() == "theirs"
+
+
 def test_a_replaced_output_keeps_its_owner_bits_but_never_setuid_or_others_write(tmp_path):
     target = tmp_path / "out.txt"
     target.write_text("old")

@@ -252,6 +252,8 @@ def _check_writable(path: str, what: str) -> None:
             if outputs.special_kind(path, follow_links=True) == "character device":  # written into, never renamed
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
                 return
+            # the writer would refuse it after decoding: say so before
+            shared_folders.check_owner(path, "lconv replaces no other user's file with its output")
             if os.path.exists(path):
                 with open(path, "r+b"):  # open for writing without truncating
                     pass
