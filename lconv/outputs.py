@@ -199,6 +199,28 @@ def is_url(path: str | os.PathLike) -> bool:
     return "://" in (os.fspath(path) if isinstance(path, os.PathLike) else str(path))
 
 
+def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -> None:
+    """A one-line UserError (led by ``label``) when ``path`` is a URL Python cannot reach here."""
+    if not is_url(path):
+        return
+    shown = label or f"{flag}={os.fspath(path)!r}"
+    try:
+        epath.Path(path).exists()
+    except ImportError as e:
+        package = _FS_PACKAGES.get(_scheme(path), "its fsspec implementation")
+        raise UserError(f"{shown} is on {_scheme(path)}://, which needs {package} here: pip install {package}") from e
+    except (KeyError, NotImplementedError) as e:  # epath knows no such scheme
+        raise UserError(f"{shown}: etils.epath has no {_scheme(path)}:// file system; use a local path or gs:// "
+                        "(s3://, az://, hf://)") from e
+
+
+def _scheme(path: str | os.PathLike) -> str:
+    return os.fspath(path).split("://", 1)[0]
+
+
+_FS_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_hub"}
+
+
 def _absolute(path: str) -> str:
     return path if is_url(path) else os.path.realpath(os.path.expanduser(path))
 
@@ -279,6 +301,7 @@ def check_directory(path: str, kind: str, flag: str, *, committed_ok: str | None
     if not path or not str(path).strip():
         raise UserError(f"{flag} is empty: name a folder for {KIND_NAMES[kind]}")
     path = str(path)
+    check_url(path, flag)
     if committed_ok and _absolute(committed_ok) == _absolute(path) and checkout_docs(path):
         return True  # the command's own committed results, by its default from the checkout's root
     _refuse_committed_docs(path, flag)
@@ -357,6 +380,7 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
     writer's ``own_kind``)."""
     if not path or not str(path).strip():
         raise UserError(f"{flag} is empty: name a file")
+    check_url(path, flag)
     if not is_url(path) and _names_a_folder(str(path)):
         raise UserError(f"{flag}={path} names a folder; give the output a file name")
     target = _absolute(str(path))

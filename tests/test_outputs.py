@@ -367,3 +367,23 @@ def test_a_study_folder_holding_a_link_or_a_pipe_anywhere_is_refused(tmp_path, p
         outputs.refuse_links_within(root, "--docs_dir")
     helpers.one_line_error(error, str(planted), "--docs_dir")
     assert not os.listdir(victim)
+
+
+@pytest.mark.parametrize("url", ["foo://bucket/x", "/tmp/lconv-test/a://b"])
+def test_an_output_on_a_file_system_epath_does_not_know_is_one_line_before_any_work(tmp_path, url, monkeypatch):
+    """A scheme epath has no file system for (or a local name holding "://", which reads as one) was a KeyError
+    traceback after decoding from eval.py, at the first compile from --compilation_cache, and from train.py's
+    --workdir and export's --out (round-23 campaign)."""
+    from lconv.cli import runtime
+
+    for check in (lambda: outputs.check_output_file(f"{url}/o.txt", "--output_file"),
+                  lambda: outputs.check_directory(url, "workdir", "--workdir"),
+                  lambda: outputs.claim_directory(url, "export", "--out"),
+                  lambda: runtime.enable_compilation_cache(str(tmp_path), url)):
+        with pytest.raises(UserError) as error:
+            check()
+        helpers.one_line_error(error, url, "has no")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", url)
+    with pytest.raises(UserError) as error:
+        runtime.enable_compilation_cache(str(tmp_path))
+    helpers.one_line_error(error, "$JAX_COMPILATION_CACHE_DIR", url)

@@ -104,8 +104,10 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     if choice:
+        paths.check_url(choice, "--compilation_cache")
         outputs.check_outside_outputs(choice, "--compilation_cache")
     chosen = paths.expand(choice or os.environ.get("JAX_COMPILATION_CACHE_DIR") or "")  # ~ once, for check and use
+    paths.check_url(chosen, "$JAX_COMPILATION_CACHE_DIR")
     folder = chosen or user_compilation_cache()
     problem = (compilation_cache.unusable(folder) or (None if chosen else compilation_cache.make_private(folder))
                or compilation_cache.shared(folder))

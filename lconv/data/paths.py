@@ -18,10 +18,10 @@ from lconv import outputs
 from lconv.errors import UserError
 
 CACHE_ENV = "LCONV_DATA_CACHE"  # where copies prepared under a URL data_dir are mirrored for reading
-_FS_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_hub"}
 
 
 is_url = outputs.is_url  # ``scheme://...``, not a local path: one definition, in the bottom layer
+check_url = outputs.check_url
 
 
 def scheme(path: str | os.PathLike) -> str | None:
@@ -48,21 +48,6 @@ def join(base: str | os.PathLike, *parts: str) -> str:
 
 def basename(path: str | os.PathLike) -> str:
     return posixpath.basename(os.fspath(path).rstrip("/"))
-
-
-def check_url(path: str | os.PathLike, flag: str, *, label: str | None = None) -> None:
-    """A one-line UserError (led by ``label``) when ``path`` is a URL Python cannot reach here."""
-    if not is_url(path):
-        return
-    shown = label or f"{flag}={os.fspath(path)!r}"
-    try:
-        epath.Path(path).exists()
-    except ImportError as e:
-        package = _FS_PACKAGES.get(scheme(path), "its fsspec implementation")
-        raise UserError(f"{shown} is on {scheme(path)}://, which needs {package} here: pip install {package}") from e
-    except (KeyError, NotImplementedError) as e:  # epath knows no such scheme
-        raise UserError(f"{shown}: etils.epath has no {scheme(path)}:// file system; use a local path or gs:// "
-                        "(s3://, az://, hf://)") from e
 
 
 def user_cache_folder(name: str) -> str:
