@@ -41,6 +41,8 @@ def test_translation_round_trip_for_cpu_and_cuda_gives_the_live_tokens(tmp_path,
     live = Model(trained).translate(SOURCES, beam_size=2)
     assert served(SOURCES) == live
     assert served(SOURCES[1]) == live[1]  # one string: one string, as translate gives
+    blank = ["", SOURCES[0], "  "]  # not decoded, as translate leaves them (served from EOS alone a model's babble)
+    assert served(blank) == Model(trained).translate(blank, beam_size=2) == ["", live[0], ""]
     ids = [np.append(trained.tokenizer.encode(s), EOS_ID) for s in SOURCES]
     live_BL = compiled.Translator(trained.config.infer, trained.model, trained.params)(
         _padded(ids, 4, 32), DecodeSettings.build(trained.config.decode, beam_size=2))[:3]

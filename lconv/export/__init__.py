@@ -238,10 +238,18 @@ class Served:
             if inputs.ndim != 2:
                 raise UserError(f"an id array must be [B, S] (rows of ids, PAD after); got shape {inputs.shape}")
             return self.run_ids([row[row != PAD_ID] for row in inputs], seed=seed)
-        encoded = self.tokenizer.encode_batch(tokenizer_lib.check_texts(inputs, "inputs"))
-        if self.task != "lm":
-            encoded = [np.append(ids, EOS_ID) for ids in encoded]
-        return [self.tokenizer.detokenize(row) for row in self.run_ids(encoded, seed=seed)]
+        texts = tokenizer_lib.check_texts(inputs, "inputs")
+        if self.task == "lm":
+            return [self.tokenizer.detokenize(row) for row in self.run_ids(self.tokenizer.encode_batch(texts),
+                                                                           seed=seed)]
+        # A blank source is not decoded and gets "", as lconv.load's translate gives it (from EOS alone a model
+        # hallucinates)
+        kept = [i for i, text in enumerate(texts) if text.strip()]
+        encoded = [np.append(ids, EOS_ID) for ids in self.tokenizer.encode_batch([texts[i] for i in kept])]
+        results = [""] * len(texts)
+        for i, row in zip(kept, self.run_ids(encoded, seed=seed)):
+            results[i] = self.tokenizer.detokenize(row)
+        return results
 
     def run_ids(self, sequences: Sequence[np.ndarray], *, seed: int | None = None) -> np.ndarray:
         """Source ids (with EOS) or LM prompts, one array each -> outputs ``[len(sequences), L]``, PAD after EOS.
