@@ -13,6 +13,7 @@ import tiny_config
 
 from lconv.cli import eval_program
 from lconv.data import tokenizer as tokenizer_lib
+from lconv.data.data_config import DataConfig
 from lconv.errors import UserError
 from lconv.infer import scoring, source_lengths
 from lconv.run import restore
@@ -235,3 +236,23 @@ def test_measure_sources_counts_what_decoding_cuts(trained):
                                  "source_token_limit": limit}
     assert source_lengths.measure_sources(tokenizer, [], 8).counts()["longest_source_tokens"] == 0
     assert scoring.score_texts("translation", [], []) == {}
+
+
+def test_a_split_holding_other_examples_than_the_run_recorded_is_said_and_kept_in_the_scores(tiny_run, tmp_path,
+                                                                                              lconv_log):
+    """A data_dir prepared by someone else, its test and validation swapped, was scored as the run's test split
+    without a word (round-23 campaign, r23-8): the split's count against the run's data_report.json is now a
+    warning and a pair of counts in the scores."""
+    workdir = helpers.copy_run(tiny_run, tmp_path / "run")
+    data = DataConfig.from_config(json.loads((workdir / "config.json").read_text())["data"])
+    assert eval_program._split_as_recorded(data, str(workdir), "test") == {}  # the run's own copy: nothing to say
+    report = json.loads((workdir / "data_report.json").read_text())
+    recorded = report["examples"]["test"]
+    report["examples"]["test"] = recorded + 28
+    (workdir / "data_report.json").write_text(json.dumps(report))
+    assert eval_program._split_as_recorded(data, str(workdir), "test") == {
+        "examples_in_split": recorded, "examples_recorded_by_run": recorded + 28}
+    assert any(f"holds {recorded:,} examples, where this run's data_report.json recorded {recorded + 28:,}" in line
+               for line in lconv_log())
+    (workdir / "data_report.json").unlink()  # a run with no report (a catalog dataset's): nothing to compare
+    assert eval_program._split_as_recorded(data, str(workdir), "test") == {}

@@ -306,11 +306,30 @@ def _score_split(trained: restore.Trained, settings: DecodeSettings, workdir: st
                                                                           data_dir=data_dir))
     data = pipeline.make_datasets(config.data, trained.tokenizer)
     extra = eval_ensemble.report(members) if members is not None else {}
+    extra.update(_split_as_recorded(config.data, workdir, split))
     if config.task == "lm":
         return loss_pass.score_perplexity(config, trained.model, trained.params, data.eval_sets[split], workdir,
                                           split, output_name=stem, extra=extra)
     return split_scoring.score_split(config.infer, trained.model, trained.params, trained.tokenizer, data.eval_sets,
                                      workdir, settings, split=split, output_name=stem, extra=extra)
+
+
+def _split_as_recorded(data: DataConfig, workdir: str, split: str) -> dict[str, Any]:
+    """``{}`` when ``split`` holds as many examples as the run's ``data_report.json`` recorded (or it recorded
+    none); else a warning, and the two counts for the scores: another copy or version of the dataset (a data_dir
+    someone else prepared) would be scored without a word."""
+    try:
+        with paths.open_checked(paths.join(workdir, "data_report.json"), within=workdir, limit=1 << 20) as f:
+            recorded = json.loads(f.read()).get("examples", {}).get(split)
+    except (UserError, OSError, ValueError, AttributeError):
+        return {}  # none recorded (a catalog dataset, a run from before the report): nothing to compare
+    found = len(sources.config_source(data, split)[0])
+    if not isinstance(recorded, int) or recorded == found:
+        return {}
+    logger.warning(f"the {split} split in {data.data_dir} holds {found:,} examples, where this run's "
+                   f"data_report.json recorded {recorded:,}: the scores are of this copy of "
+                   f"{sources.display_name(data)}, not of the one the run was made with")
+    return {"examples_in_split": found, "examples_recorded_by_run": recorded}
 
 
 def _translate_file(trained: restore.Trained, sources: Sequence[str], references: Sequence[str] | None,
