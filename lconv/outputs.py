@@ -222,7 +222,12 @@ _FS_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "hf": "huggingface_h
 
 
 def _absolute(path: str) -> str:
-    return path if is_url(path) else os.path.realpath(os.path.expanduser(path))
+    if is_url(path):
+        return path
+    try:
+        return os.path.realpath(os.path.expanduser(path))
+    except OSError:  # a link changing while it is resolved: the path as text (each check of it still runs)
+        return os.path.abspath(os.path.expanduser(path))
 
 
 def kind_of(directory: str) -> str | None:

@@ -71,6 +71,51 @@ def test_the_reports_files_are_never_written_through_a_link_planted_in_the_out_f
     assert exit_.value.code == 2 and str(out / planted) in line and "symbolic link" in line
 
 
+@pytest.mark.parametrize("planted", ["link", "pipe", "another_users"])
+def test_the_doc_is_read_through_one_descriptor_never_through_a_link_put_there_after_the_checks(tmp_path, planted,
+                                                                                                monkeypatch):
+    """The doc was checked (no link, no pipe), then opened by name: a link put there in between had a file only root
+    could read written out, world-readable, as the doc (round 23, r23-1). Read once, without following a link: a
+    link, a pipe or another user's file there is one line (and no wait on the pipe)."""
+    import os
+
+    import helpers
+
+    from lconv import shared_folders
+    from lconv.errors import UserError
+
+    monkeypatch.delenv(shared_folders.OPT_IN, raising=False)
+    doc, secret = tmp_path / "benchmarks.md", tmp_path / "secret.txt"
+    secret.write_text("root only")
+    if planted == "link":
+        doc.symlink_to(secret)
+    elif planted == "pipe":
+        os.mkfifo(doc)
+    else:
+        doc.write_text("# theirs\n")
+        helpers.make_another_users(doc, monkeypatch)
+    with pytest.raises(UserError) as error:
+        report.write_results(str(tmp_path / "out"), "limits", [{"a": 1}], "table", str(doc))
+    helpers.one_line_error(error, f"--doc={doc}", "plain file of their own")
+    assert secret.read_text() == "root only"
+
+
+def test_an_output_refused_at_its_write_after_a_suite_ran_is_one_line(tmp_path, capsys, monkeypatch):
+    """A link put at the doc's name while the suite ran is refused by the writer: that refusal was a 29-line
+    traceback after the whole suite (r23-17)."""
+    from lconv.bench import limits
+    from lconv.errors import UserError
+
+    def refused(opts, info):
+        raise UserError(f"--doc={opts.doc}: a link was put there")
+
+    monkeypatch.setattr(limits, "run_suite", refused)
+    with pytest.raises(SystemExit) as exit_:
+        bench_main.main(["limits", "--quick", f"--out={tmp_path / 'out'}", f"--doc={tmp_path / 'doc.md'}"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and "a link was put there" in line
+
+
 @pytest.mark.parametrize("text,want", [("256", (256,)), ("128,256,8192", (128, 256, 8192))])
 def test_T_list(text, want):
     assert parse_T_list(text) == want

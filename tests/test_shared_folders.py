@@ -284,7 +284,7 @@ def test_a_compilation_cache_another_user_can_change_is_refused_or_off(tmp_path,
 @pytest.mark.parametrize("shared", ["data_dir_parent", "lconv_prepared"])
 def test_data_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced, shared):
     """tfds writes a copy by path: ``lconv_prepared`` swapped for a link mid-write would put it where the link led.
-    Refused before anything is written; reading a prepared copy needs no check (its files are held open)."""
+    Refused before anything is written (a copy already there is checked as a run is: below)."""
     from lconv.data import tfds_ddtp
 
     data_dir = tmp_path / "shared" / "data"
@@ -294,6 +294,44 @@ def test_data_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforce
     with pytest.raises(UserError, match=f"data_dir={data_dir}: {target} can be written by other users"):
         tfds_ddtp.prepare("ddtp/en_de", str(data_dir))
     assert os.listdir(data_dir / "lconv_prepared") == []
+
+
+@pytest.mark.parametrize("owner", ["another_user", "writable_by_others"])
+def test_a_prepared_copy_already_there_is_read_only_when_no_other_user_can_change_it(tiny_data, tmp_path,
+                                                                                     monkeypatch, enforced, owner):
+    """A complete copy is found by a name every user's copy takes: another user planted one in a data_dir they
+    made first (/tmp/tfds), its test split the validation set's, and eval.py and train.py read it as the run's
+    (round 23, r23-2/3/4). Read only as a run is: no other user's, nothing others can write."""
+    import shutil
+
+    from lconv.data import tfds_ddtp
+
+    data_dir = tmp_path / "tfds"
+    shutil.copytree(tiny_data.data_dir, data_dir, symlinks=True)
+    tfds_ddtp.prepare("ddtp/en_de", str(data_dir))  # one's own copy: read
+    (copy,) = (data_dir / "lconv_prepared").glob("ddtp_en_de-*")
+    if owner == "another_user":
+        helpers.make_another_users(copy, monkeypatch)
+    else:
+        copy.chmod(0o777)
+    with pytest.raises(UserError) as error:
+        tfds_ddtp.prepare("ddtp/en_de", str(data_dir))
+    helpers.one_line_error(error, f"data_dir={data_dir}", "another user", shared_folders.OPT_IN)
+
+
+def test_the_local_mirror_of_a_url_data_dir_is_this_users_alone(bucket, tmp_path, monkeypatch, enforced):
+    """The mirror of a gs:// data_dir is read and uploaded as the stored copy: in a folder another user can write,
+    their planted mirror went into the user's bucket (r23-34). Refused before anything is read or written."""
+    from lconv.data import paths, tfds_ddtp
+
+    mirror = tmp_path / "shared_mirror"
+    mirror.mkdir()
+    mirror.chmod(0o777)
+    monkeypatch.setenv(paths.CACHE_ENV, str(mirror))
+    with pytest.raises(UserError) as error:
+        tfds_ddtp.prepare("ddtp/en_de", "gs://bucket/tfds")
+    helpers.one_line_error(error, paths.CACHE_ENV, str(mirror), "can be written by other users")
+    assert os.listdir(mirror) == [] and not (bucket / "bucket").exists()
 
 
 def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced):

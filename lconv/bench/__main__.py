@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in SUITES if opts.suite == "all" else (opts.suite,):
         start = time.perf_counter()
         print(f"suite {name}", flush=True)
-        importlib.import_module(f"lconv.bench.{name}").run_suite(opts, info)
+        try:
+            importlib.import_module(f"lconv.bench.{name}").run_suite(opts, info)
+        except UserError as err:  # an output refused at its write (a link put there meanwhile): one line
+            parser.error(str(err))
         print(f"suite {name} done in {time.perf_counter() - start:.0f} s; results in {opts.out} and {opts.doc}",
               flush=True)
 

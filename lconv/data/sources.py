@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from lconv import console
+from lconv import console, shared_folders
 from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.data_config import DataConfig
 from lconv.errors import UserError, first_line
@@ -252,6 +252,7 @@ def _prepared_builder(tfds_name: str, data_dir: str):
         with prepared_files.no_feature_imports(str(version_dir)):
             return tfds.builder_from_directory(str(version_dir))
     # A copy a run's config names may come from elsewhere: checked as lconv's own are, what tfds reads included.
+    shared_folders.check(str(version_dir), f"data_dir={data_dir}")
     prepared_files.check_no_links(paths.expand(data_dir), str(version_dir))
     prepared_files.check_tree(str(version_dir))
     try:

@@ -270,6 +270,9 @@ def prepare(name: str, data_dir: str, raw_dir: str | None = None,
                                 f"{fingerprint['dataset']} "
                                 "needs to be prepared there once: use a writable data_dir") from e
     if not paths.is_url(data_dir):
+        # a copy already there may be another user's, planted under the name every user's copy takes: data is read
+        # only from folders no one else can change, as a run is
+        shared_folders.check(copy_dir, f"data_dir={data_dir}")
         _check_copy(copy_dir)  # before tfds opens any of it
     builder = _open_copy(cls, config, read_dir, options)
     # Only in a data_dir this call wrote to, the user's: one a run's config names is read, never added to. Object
@@ -425,7 +428,10 @@ def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
 
 
 def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fingerprint: dict) -> str:
-    """For a URL data_dir: the copy both at ``copy_dir`` and at ``local_dir``; returns ``local_dir``."""
+    """For a URL data_dir: the copy both at ``copy_dir`` and at ``local_dir``; returns ``local_dir``. The local
+    mirror is read and uploaded as the stored copy: its folder (``$LCONV_DATA_CACHE``) must be this user's alone."""
+    found = shared_folders.make_checked(os.path.dirname(local_dir))
+    shared_folders.raise_problem(found, f"the local mirror of data_dir ({paths.CACHE_ENV}={paths.local_cache_dir()})")
     on_url = _is_complete(copy_dir, name)
     if not _is_complete(local_dir, name):
         if on_url:  # prepared by another machine: fetch it rather than parse again
