@@ -28,6 +28,7 @@ from lconv import json_text, shared_folders
 from lconv.errors import UserError
 
 MARKER = ".lconv-output.json"
+PREPARED_DIRNAME = "lconv_prepared"  # under a data_dir: lconv's prepared copies and kept tokenizers
 KIND_NAMES = {"workdir": "a training workdir", "export": "an exported model", "bench": "benchmark results",
               "study": "a study's runs"}
 KIND_SIGNATURES = {  # any one of these files marks a folder made before markers
@@ -338,6 +339,17 @@ def check_outside_outputs(path: str, flag: str) -> None:
     if owner is not None and (owner[0] == "export" or (owner[0] == "workdir" and owner[2] in WORKDIR_CORE)):
         raise UserError(f"{flag}={path} is inside {KIND_NAMES[owner[0]]} ({owner[1]}), among its own files; choose "
                         "a folder outside it")
+    _refuse_prepared_data(_absolute(str(path)), path, flag)
+
+
+def _refuse_prepared_data(target: str, path: str, flag: str) -> None:
+    """Refuses an output among prepared data copies and kept tokenizers (``PREPARED_DIRNAME``): a file written
+    there left the copy unreadable (round 23, r23-16)."""
+    parts = target.replace("\\", "/").split("/")
+    if PREPARED_DIRNAME in parts[:-1] or parts[-1] == PREPARED_DIRNAME:
+        folder = "/".join(parts[:parts.index(PREPARED_DIRNAME) + 1])
+        raise UserError(f"{flag}={path} is inside {folder}, lconv's prepared data copies and kept tokenizers; "
+                        "write the output elsewhere")
 
 
 def claim_directory(path: str, kind: str, flag: str, *, committed_ok: str | None = None) -> str:
@@ -395,6 +407,7 @@ def check_output_file(path: str, flag: str, *, inputs: Iterable[tuple[str, str |
     if committed_ok and _absolute(committed_ok) == target and checkout_docs(target):
         return
     _refuse_committed_docs(str(path), flag)
+    _refuse_prepared_data(target, str(path), flag)
     owner = _nearest_owner(target)
     if owner is not None:  # the nearest owner decides (a study's runs are workdirs inside its folder)
         kind, parent, first = owner

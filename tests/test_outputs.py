@@ -387,3 +387,17 @@ def test_an_output_on_a_file_system_epath_does_not_know_is_one_line_before_any_w
     with pytest.raises(UserError) as error:
         runtime.enable_compilation_cache(str(tmp_path))
     helpers.one_line_error(error, "$JAX_COMPILATION_CACHE_DIR", url)
+
+
+@pytest.mark.parametrize("inside", ["ddtp_en_de-f809964a084ce9ed/ddtp/en_de/1.0.0/dataset_info.json",
+                                    "tokenizers/kept.json"])
+def test_an_output_among_prepared_copies_and_kept_tokenizers_is_refused(tmp_path, inside):
+    """eval.py's --output_file over a prepared copy's dataset_info.json left the copy unreadable (round 23,
+    r23-16); a folder output there (a compilation cache, a workdir) the same."""
+    target = tmp_path / "data" / outputs.PREPARED_DIRNAME / inside
+    with pytest.raises(UserError) as error:
+        outputs.check_output_file(str(target), "--output_file")
+    helpers.one_line_error(error, str(target), str(tmp_path / "data" / outputs.PREPARED_DIRNAME))
+    with pytest.raises(UserError):
+        outputs.check_directory(str(target.parent / "run"), "workdir", "--workdir")
+    outputs.check_output_file(str(tmp_path / "data" / "out.txt"), "--output_file")  # beside them: fine

@@ -162,7 +162,7 @@ def _read_lines(path: str) -> list[str]:
 BUILDERS = {"ddtp": Ddtp, "iwslt14": Iwslt14, "files": Files}
 
 
-CACHE_DIRNAME = "lconv_prepared"  # under data_dir: one directory per (dataset, source) prepared
+CACHE_DIRNAME = outputs.PREPARED_DIRNAME  # under data_dir: one directory per (dataset, source) prepared
 _IWSLT_FILES = tuple(f"{prefix}.{lang}" for prefix in ("train", "valid", "test") for lang in ("de", "en"))
 _DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: each file hashed once
 
