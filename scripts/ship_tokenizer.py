@@ -1,7 +1,7 @@
 """Trains the tokenizer a config gets on the bundled corpus and writes it beside the snapshot, to ship with lconv.
 
     PYTHONPATH=. python scripts/ship_tokenizer.py                  # configs/default.py's data settings
-    PYTHONPATH=. python scripts/ship_tokenizer.py default --data_dir=/tmp/tfds
+    PYTHONPATH=. python scripts/ship_tokenizer.py default --data_dir=runs/tfds
     PYTHONPATH=. python scripts/ship_tokenizer.py lm1b:ddtp        # the bundled LM's (ddtp/lm_en)
 
 A run whose data settings name a shipped tokenizer copies it instead of training one

@@ -1,6 +1,6 @@
 """A tiny translation config for the training tests (in-process and through ``train.py`` in a subprocess).
 
-    python train.py --config=tests/tiny_config.py --workdir=/tmp/tiny --config.data.data_dir=/tmp/tfds
+    python train.py --config=tests/tiny_config.py --workdir=runs/tiny --config.data.data_dir=runs/tfds
 """
 from lconv.configs import common, default
 
