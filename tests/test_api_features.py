@@ -98,6 +98,7 @@ def test_lm_features_start_from_the_embeddings_and_end_in_the_output(tmp_path):
 LONG = " ".join(["Library for the X window system, with fonts and files."] * 3)  # > 16 tokens
 
 
+@pytest.mark.slow  # compiles bfloat16 and ensemble programs: CI runs it, the quick command skips it
 def test_load_options_change_the_stored_config_for_this_load_only(tiny_run, lconv_log):
     stored = lconv.load(str(tiny_run.workdir))
     model = lconv.load(str(tiny_run.workdir), dtype="bfloat16", decode_batch_size=2, max_input_length=16)

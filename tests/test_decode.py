@@ -414,6 +414,7 @@ def _split_hypotheses(config, model, params, eval_set, rows, **kwargs):
     return found
 
 
+@pytest.mark.slow  # a multi-device mesh: CI runs it, the quick command skips it
 def test_decoding_a_split_on_the_params_mesh_matches_one_device():
     """``decode_batches`` splits each batch's rows over the mesh the params live on and hands every row back;
     the hypotheses are those of plain single-device params."""

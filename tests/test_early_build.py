@@ -55,6 +55,7 @@ def test_the_early_state_and_step_are_the_usual_ones(early_run):
     _assert_same_update(actual, expected)
 
 
+@pytest.mark.slow  # compiles a second train step: CI runs it, the quick command skips it
 def test_a_batch_of_another_signature_takes_the_jit(early_run, lconv_log):
     run = early_run
     parts, jitted = _usual_order(run)

@@ -71,6 +71,7 @@ def test_an_export_refuses_a_planted_link_or_pipe_before_writing_anything(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == before and victim.read_text() == "victim"
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_lm_round_trip_gives_the_live_continuations(tmp_path, monkeypatch):
     trained = tiny_runs.in_memory(tiny_runs.lm_config())
     settings = dict(rows=(2,), widths=(32,), max_len=5, temperature=1.0, top_k=3)

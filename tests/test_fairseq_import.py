@@ -139,6 +139,7 @@ def test_beam_search_reproduces_fairseq_generate(workdirs, name):
     assert sacrebleu.corpus_bleu(ours, [_lines(FIXTURES / "test.ref")]).score == pytest.approx(result["bleu"])
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_nbest_scores_are_fairseq_generates_and_score_gives_them_back(workdirs):
     """``translate(..., nbest=1)``'s score of each of the first 8 test sentences is the one fairseq-generate
     printed (base 2 there: ln-score / ln 2), and ``score`` of the same pair, teacher-forced, adds up to it."""

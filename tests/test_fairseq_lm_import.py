@@ -270,6 +270,7 @@ def _reference_greedy(weights, args, prompt: list[int], steps: int) -> list[int]
     return out
 
 
+@pytest.mark.slow  # compiles for many seconds: CI runs it, the quick command skips it
 def test_an_imported_lm_workdir_scores_and_continues_as_fairseq(tmp_path):
     """``python -m lconv.import_fairseq``'s function on a fairseq-written ``.pt`` (tied adaptive input and softmax):
     ``lconv.load`` opens an LM whose perplexity is fairseq-eval-lm's (``--sample-break-mode eos``: each line read

@@ -186,6 +186,7 @@ def _pairs_folder(root, sizes, target):
     return folder
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_a_tiny_run_trains_from_a_folder_and_names_it_everywhere(tmp_path, lconv_log, capsys):
     import jax
     import tiny_config

@@ -127,6 +127,7 @@ def test_an_interrupted_upload_is_not_taken_for_a_copy_and_is_completed_next_tim
     assert bucket.os_calls == []
 
 
+@pytest.mark.slow  # two processes: CI runs it, the quick command skips it
 def test_two_processes_preparing_one_url_copy_at_once_both_succeed(bucket, monkeypatch):
     """Another process prepares and uploads the same copy while this one is half way through parsing."""
     real_load_tasks, nested = ddtp.load_tasks, []

@@ -126,6 +126,7 @@ def test_matmul_precision_reaches_every_dot_of_a_model(precision, output):
     assert set(_precisions(jax.grad(loss), variables)) <= {precision, "highest"}
 
 
+@pytest.mark.slow  # every mixer's model: CI runs it, the quick command skips it
 def test_matmul_precision_reaches_every_dot_of_an_encoder_decoder_with_every_mixer():
     """Every mixer, cross-attention and the routed FFN: at "high" no dot is left at the backend's default."""
     every = dict(decoder_mixer="lightconv,dynamicconv,attention,fixed,hadamard,knn_memory", decoder_layers=6,

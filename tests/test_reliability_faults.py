@@ -23,6 +23,7 @@ from lconv.train import loop
 _ONE_DEVICE = jax.devices("cpu")[:1]  # the shared run's
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(tiny_run, tmp_path, monkeypatch, capsys):
     workdir = helpers.copy_run(tiny_run, tmp_path / "full")
     write_manifest = integrity.write_manifest

@@ -248,6 +248,7 @@ def _flip_bytes(step_dir, count=4096):
     return target
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_a_checkpoint_with_flipped_bytes_is_set_aside_and_the_run_resumes_from_the_one_before(tiny_run, tmp_path,
                                                                                                lconv_log):
     workdir = helpers.copy_run(tiny_run, tmp_path / "flipped")
@@ -371,6 +372,7 @@ def test_the_spike_guard_against_a_brute_force_reading_of_its_rule():
     assert seen == expected == [False, False, False, False, True, False, True, True]
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_a_finite_divergence_stops_and_keeps_the_checkpoint_before_it(tiny_data, tmp_path):
     diverging = helpers.new_workdir(tiny_data, tmp_path / "lr_1e4")
     config = _config(tiny_data.data_dir, 30, spike_windows=2)
@@ -385,6 +387,7 @@ def test_a_finite_divergence_stops_and_keeps_the_checkpoint_before_it(tiny_data,
     assert all(train_losses[s] < 3 * min(train_losses.values()) for s in kept)  # no diverged state was saved
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_a_loss_spike_is_never_checkpointed(tiny_data, tmp_path, monkeypatch):
     spiking = helpers.new_workdir(tiny_data, tmp_path / "spiking")
     make_step = update.make_train_step

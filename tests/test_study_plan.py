@@ -10,6 +10,7 @@ from lconv.errors import UserError
 from lconv.study import plan, report
 
 
+@pytest.mark.slow  # a sweep of every mixer's models: CI runs it, the quick command skips it
 def test_param_matching_lands_within_the_tolerance():
     """Every mixer's FFN width found by the search gives a count within 5% of the Transformer's (at the quick
     sizes CoLT5's routers and light heads cost FFN width, LightConv's ~3 d^2 per layer instead of 4 d^2 buys some)."""

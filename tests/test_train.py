@@ -88,6 +88,7 @@ def test_eight_devices_give_the_losses_of_one(tiny_run, tiny_data, tmp_path):
         assert one[step] == pytest.approx(eight[step], rel=2e-5), step
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_half_written_and_corrupt_checkpoints_are_skipped(tiny_run, tmp_path, lconv_log):
     damaged = helpers.copy_run(tiny_run, tmp_path / "damaged")
     half = damaged / "checkpoints" / "9.orbax-checkpoint-tmp-1700000000"  # a save killed before its rename
@@ -118,6 +119,7 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_a_clear_error(tiny_run, tm
     assert json.loads((other / "config.json").read_text())["model"]["d_model"] == 16  # still the checkpoints' own
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(tiny_run, tiny_data, tmp_path,
                                                                               monkeypatch):
     diverging = helpers.new_workdir(tiny_data, tmp_path / "diverging")
@@ -171,6 +173,7 @@ def _one_step(config, lr, mesh, state, batch):
         return jax.jit(update.make_train_step(config, lr))(state, batch)
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
     config, model, tx, lr, mesh, state, batch = step_setup
     whole, whole_sums = _one_step(config, lr, mesh, state, batch)
@@ -184,6 +187,7 @@ def test_gradient_accumulation_equals_the_unsplit_batch(step_setup):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # in-process training: CI runs it, the quick command skips it
 def test_bfloat16_compute_keeps_float32_params_and_loss(step_setup):
     config, model, tx, lr, mesh, state, batch = step_setup
     _, f32_sums = _one_step(config, lr, mesh, state, batch)
@@ -260,6 +264,7 @@ def test_eval_averages_the_last_checkpoints_and_scores_a_split(tiny_run, tmp_pat
         assert json.load(f)["bleu"] == pytest.approx(scores["bleu"])
 
 
+@pytest.mark.slow  # compiles the loss pass at two widths for many seconds: CI runs it, the quick command skips it
 def test_a_packed_loss_pass_scores_what_one_example_per_row_scores(tiny_run):
     """The validation pass packs examples several to a row; no mixer may let one example see another."""
     trained = restore.load_trained(str(tiny_run.workdir))
