@@ -57,9 +57,16 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
         shared_folders.check_owner(os.fspath(path), "lconv replaces no other user's file with its output")
     temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
-        if replaces:  # the file replaced keeps its permissions (a private 0600)
-            os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode) & _KEPT_MODE)  # never setuid or others' write
+        if replaces:  # the file replaced keeps its permissions (a private 0600), never setuid or others' write
+            mode = stat.S_IMODE(os.stat(path).st_mode) & _KEPT_MODE
+            # made owner-only before a byte is written: made with the umask's 0644 and narrowed after, a private
+            # file's new contents could be opened by another user meanwhile and read through that descriptor
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data if isinstance(data, bytes) else data.encode("utf-8"))
+            os.chmod(temporary, mode)
+        else:
+            temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
         temporary.replace(target)
     except OSError as err:
         with contextlib.suppress(OSError):
@@ -241,11 +248,23 @@ def kind_of(directory: str) -> str | None:
             if isinstance(kind, str) and kind in KIND_NAMES:  # a hand-written {"kind": {...}} is no kind
                 return kind
         for kind, files in KIND_SIGNATURES.items():
-            if any((root / name).exists() for name in files):
+            if any(_signature(root / name) for name in files):
                 return kind
     except (OSError, ValueError, AttributeError):
         return None
     return None
+
+
+def _signature(path: epath.Path) -> bool:
+    """Whether a command's signature file is there, and (locally, where ``shared_folders`` is enforced) this
+    user's or root's: another user's ``lconv_export.json`` in /tmp refused every output below /tmp (round 24)."""
+    if is_url(path):
+        return path.exists()
+    try:
+        owner = os.lstat(path).st_uid
+    except OSError:
+        return False
+    return owner in (os.getuid(), 0) or not shared_folders.enforced(os.fspath(path))
 
 
 def checkout_docs(path: str) -> str | None:
@@ -281,7 +300,8 @@ def _small_text(path: str | os.PathLike, limit: int, *, owned: bool = False) -> 
         target = epath.Path(path)
         return target.read_text() if target.exists() else None
     try:
-        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # no link followed (another user's, to a device whose open acts, or to one of this user's own markers)
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:

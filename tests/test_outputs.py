@@ -4,6 +4,7 @@ Each writer meets each foreign target here; the CLIs' tests check that they call
 import json
 import os
 import pathlib
+import stat
 
 import helpers
 import pytest
@@ -401,3 +402,45 @@ def test_an_output_among_prepared_copies_and_kept_tokenizers_is_refused(tmp_path
     with pytest.raises(UserError):
         outputs.check_directory(str(target.parent / "run"), "workdir", "--workdir")
     outputs.check_output_file(str(tmp_path / "data" / "out.txt"), "--output_file")  # beside them: fine
+
+
+def test_a_private_file_replaced_is_never_readable_by_others_while_its_new_contents_are_written(tmp_path,
+                                                                                                monkeypatch):
+    """The temporary file was made with the umask's 0644, written whole, then narrowed to the old 0600: another
+    user who opened it meanwhile read the new contents (round 24, r24-37). It is owner-only from its creation."""
+    target = tmp_path / "private.md"
+    target.write_text("old")
+    target.chmod(0o600)
+    seen = []
+    real_fdopen = os.fdopen
+
+    def watching(fd, *args, **kwargs):  # the temporary file's mode as its contents are written
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", watching)
+    outputs.write_atomically(str(target), "new secret")
+    assert seen == [0o600] and target.read_text() == "new secret" and stat.S_IMODE(target.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("plant", ["another_users_signature_file", "link_to_my_own_marker"])
+def test_no_other_user_can_claim_the_outputs_below_a_folder_they_can_write_into(tmp_path, plant, monkeypatch):
+    """Another user's ``lconv_export.json`` (a command's signature file) in /tmp refused every output below /tmp, as
+    did their link to one of this user's own export markers (round 24, r24-25/26)."""
+    monkeypatch.delenv(shared_folders.OPT_IN, raising=False)
+    folder, mine = tmp_path / "shared", tmp_path / "my_export"
+    folder.mkdir()
+    mine.mkdir()
+    (mine / outputs.MARKER).write_text('{"kind": "export"}')
+    if plant == "link_to_my_own_marker":
+        (folder / outputs.MARKER).symlink_to(mine / outputs.MARKER)
+        assert outputs.kind_of(str(mine)) == "export"
+    else:
+        (folder / "lconv_export.json").write_text("{}")
+        if os.getuid() == 0:
+            os.chown(folder / "lconv_export.json", 4243, -1)
+        else:
+            monkeypatch.setattr(os, "getuid", lambda: 4243)
+    assert outputs.kind_of(str(folder)) is None
+    outputs.check_output_file(str(folder / "o.txt"), "--output_file")
+    outputs.check_directory(str(folder / "run"), "workdir", "--workdir")
