@@ -262,6 +262,12 @@ def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
     (dict(ffn_kwargs={"hidden": 3}), "config.model.ffn_kwargs: ffn_type 'dense' has no field(s) ['hidden']"),
     (dict(mixer_kwargs={"dynamicconv": {"param_dtype": "float64x"}}),  # a stored config's: a 71-line TypeError
      "config.model.mixer_kwargs['dynamicconv']['param_dtype']='float64x': not a dtype"),
+    (dict(mixer_kwargs={"dynamicconv": {"causal": "false"}}),  # was read as true without a word (r24-28)
+     "config.model.mixer_kwargs['dynamicconv']['causal']='false': must be a bool"),
+    (dict(mixer_kwargs={"dynamicconv": {"kernel_size": 3.5}}),  # a traceback at the first trace (r24-27)
+     "config.model.mixer_kwargs['dynamicconv']['kernel_size']=3.5: must be an int"),
+    (dict(mixer_kwargs={"lightconv": {"conv_features": "16"}}),
+     "config.model.mixer_kwargs['lightconv']['conv_features']='16': must be an int | None"),
     # A module (already imported, so no plugin) that is no mixer was a flax traceback at the first trace
     (dict(encoder_mixer="flax.linen:Dense"), "config.model.encoder_mixer='flax.linen:Dense' cannot be a mixer: "
                                              "flax.linen.linear:Dense needs field(s) ['features']"),
