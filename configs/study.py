@@ -1,7 +1,7 @@
 """The reproduction study: every mixer on the three bundled DDTP tasks, same data, budget and seeds.
 
     python -m lconv.study --config=configs/study.py --output_dir=runs/study              # full
-    python -m lconv.study --config=configs/study.py:quick --output_dir=/tmp/study_quick --docs_dir=/tmp/study_quick
+    python -m lconv.study --config=configs/study.py:quick --output_dir=runs/study_quick --docs_dir=runs/study_quick
     python -m lconv.study --config=configs/study.py:gpu --output_dir=runs/study_gpu      # one accelerator
 
 A re-run skips finished runs and resumes interrupted ones; ``--resume_from=docs`` copies the runs archived in

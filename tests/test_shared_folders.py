@@ -345,6 +345,22 @@ def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_
     assert os.listdir(data_dir) == []
 
 
+def test_a_catalog_dataset_for_a_url_is_staged_only_in_a_folder_of_this_users(bucket, tmp_path, monkeypatch,
+                                                                               enforced):
+    """Staged under $LCONV_DATA_CACHE, read back by path and uploaded: in a folder another user can write, their
+    tree could be swapped in before the upload (round 24, r24-29). Refused before anything is downloaded."""
+    from lconv.data import catalog, paths
+
+    mirror = tmp_path / "shared_mirror"
+    mirror.mkdir()
+    mirror.chmod(0o777)
+    monkeypatch.setenv(paths.CACHE_ENV, str(mirror))
+    with pytest.raises(UserError) as error:
+        catalog.prepare("wmt14/en_de", "gs://bucket/tfds")
+    helpers.one_line_error(error, "local staging", str(mirror), "can be written by other users")
+    assert os.listdir(mirror) == []
+
+
 def test_a_dotdot_after_a_link_that_leads_elsewhere_than_it_reads_is_refused(tmp_path, enforced):
     """``lk/../x`` with ``lk -> other/sub``: lconv makes paths absolute as text (``x`` beside ``lk``) while the
     system reads ``..`` after the link (``other/x``); checks on one and writes to the other let another user's
