@@ -27,7 +27,7 @@ from lconv.fields import (
     integer,
     number,
 )
-from lconv.nn import adaptive_softmax, mixers
+from lconv.nn import adaptive_softmax, kwarg_checks, mixers
 from lconv.nn.mixers import BOTH_SIDES
 from lconv.ops.activations import ACTIVATIONS
 from lconv.ops.conv import DYNAMIC_IMPLS, LIGHT_IMPLS
@@ -322,13 +322,13 @@ class ModelConfig:
             else:
                 raise UserError(f"{where}: {key!r} is no registered mixer and no layer's (the layers use "
                                 f"{sorted(used)}); it would be ignored")
-            _check_field_dict(where, values, fields, f"mixer {key!r}")
-            _check_field_kinds(where, values, mixers.mixer_class(key) if key in mixers.mixer_names() or
+            kwarg_checks.check_field_dict(where, values, fields, f"mixer {key!r}")
+            kwarg_checks.check_field_kinds(where, values, mixers.mixer_class(key) if key in mixers.mixer_names() or
                                mixers.is_spec(key) else None)
         ffn = mixers.ffn_class(self.ffn_type)
-        _check_field_dict("config.model.ffn_kwargs", self.ffn_kwargs or {}, mixers.constructor_fields(ffn),
+        kwarg_checks.check_field_dict("config.model.ffn_kwargs", self.ffn_kwargs or {}, mixers.constructor_fields(ffn),
                           f"ffn_type {self.ffn_type!r}")
-        _check_field_kinds("config.model.ffn_kwargs", self.ffn_kwargs or {}, ffn)
+        kwarg_checks.check_field_kinds("config.model.ffn_kwargs", self.ffn_kwargs or {}, ffn)
 
     def _check_contracts(self, decoder_only: bool) -> None:
         """Each mixer and the FFN can be built with what a layer gives and called as it calls them: a module that
@@ -452,48 +452,6 @@ class ModelConfig:
                 f" {side} layers"
             )
         return sizes[layer]
-
-
-def _check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> None:
-    if not isinstance(values, dict):
-        raise UserError(f"{where}={values!r}: must be a dict of {owner}'s fields ({sorted(fields)})")
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise UserError(f"{where}: {owner} has no field(s) {unknown}; its fields are {sorted(fields)}")
-    for name, value in values.items():  # flax takes a dtype field as it is: a bad name was a traceback at the trace
-        if (name == "dtype" or name.endswith("_dtype")) and value is not None and not _is_dtype(value):
-            raise UserError(f"{where}[{name!r}]={value!r}: not a dtype (e.g. 'float32', 'bfloat16')")
-
-
-# A field annotated with one of these takes only that kind of value (a bool is no int, an int is a float): a stored
-# config's "false" for a boolean field was read as true without a word (round 24, r24-28).
-_KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
-
-
-def _check_field_kinds(where: str, values: dict, cls: type | None) -> None:
-    """Each value of ``values`` whose field ``cls`` annotates as bool, int, float or str (or one of them ``| None``)
-    is of that kind."""
-    if cls is None or not dataclasses.is_dataclass(cls):
-        return
-    annotations = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-                   for f in dataclasses.fields(cls)}
-    for name, value in values.items():
-        annotation = str(annotations.get(name, ""))
-        optional = annotation.endswith(" | None")
-        kinds = _KINDS.get(annotation.removesuffix(" | None"))
-        if kinds is None or (optional and value is None):
-            continue
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise UserError(f"{where}[{name!r}]={value!r}: must be {'a' if annotation[0] != 'i' else 'an'} "
-                            f"{annotation}")
-
-
-def _is_dtype(value: Any) -> bool:
-    try:
-        jnp.dtype(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _registered(field: str, lookup: Any, name: Any) -> Any:

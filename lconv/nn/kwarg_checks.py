@@ -1,0 +1,54 @@
+"""The checks of a config's ``mixer_kwargs`` and ``ffn_kwargs`` values, which go to a module's constructor as they
+are: a field the module lacks, a dtype that is none, or a value of another kind than the field's annotation is one
+line with the config (flax would take it, and fail at the first trace or read it wrongly)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from lconv.errors import UserError
+
+
+def check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> None:
+    """``values`` is a dict of ``owner``'s ``fields`` (no name it lacks), and a dtype field names a dtype."""
+    if not isinstance(values, dict):
+        raise UserError(f"{where}={values!r}: must be a dict of {owner}'s fields ({sorted(fields)})")
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise UserError(f"{where}: {owner} has no field(s) {unknown}; its fields are {sorted(fields)}")
+    for name, value in values.items():  # flax takes a dtype field as it is: a bad name was a traceback at the trace
+        if (name == "dtype" or name.endswith("_dtype")) and value is not None and not _is_dtype(value):
+            raise UserError(f"{where}[{name!r}]={value!r}: not a dtype (e.g. 'float32', 'bfloat16')")
+
+
+# A field annotated with one of these takes only that kind of value (a bool is no int, an int is a float): a stored
+# config's "false" for a boolean field was read as true without a word (round 24, r24-28).
+_KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def check_field_kinds(where: str, values: dict, cls: type | None) -> None:
+    """Each value of ``values`` whose field ``cls`` annotates as bool, int, float or str (or one of them ``| None``)
+    is of that kind."""
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return
+    annotations = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+                   for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        annotation = str(annotations.get(name, ""))
+        optional = annotation.endswith(" | None")
+        kinds = _KINDS.get(annotation.removesuffix(" | None"))
+        if kinds is None or (optional and value is None):
+            continue
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise UserError(f"{where}[{name!r}]={value!r}: must be {'a' if annotation[0] != 'i' else 'an'} "
+                            f"{annotation}")
+
+
+def _is_dtype(value: Any) -> bool:
+    try:
+        jnp.dtype(value)
+    except (TypeError, ValueError):
+        return False
+    return True
