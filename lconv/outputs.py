@@ -257,7 +257,7 @@ def kind_of(directory: str) -> str | None:
 
 def _signature(path: epath.Path) -> bool:
     """Whether a command's signature file is there, and (locally, where ``shared_folders`` is enforced) this
-    user's or root's: another user's ``lconv_export.json`` in /tmp refused every output below /tmp (round 24)."""
+    user's or root's: another user's ``lconv_export.json`` in /tmp refused every output below /tmp."""
     if is_url(path):
         return path.exists()
     try:
@@ -364,7 +364,7 @@ def check_outside_outputs(path: str, flag: str) -> None:
 
 def _refuse_prepared_data(target: str, path: str, flag: str) -> None:
     """Refuses an output among prepared data copies and kept tokenizers (``PREPARED_DIRNAME``): a file written
-    there left the copy unreadable (round 23, r23-16)."""
+    there left the copy unreadable."""
     parts = target.replace("\\", "/").split("/")
     if PREPARED_DIRNAME in parts[:-1] or parts[-1] == PREPARED_DIRNAME:
         folder = "/".join(parts[:parts.index(PREPARED_DIRNAME) + 1])

@@ -319,21 +319,6 @@ def test_a_prepared_copy_already_there_is_read_only_when_no_other_user_can_chang
     helpers.one_line_error(error, f"data_dir={data_dir}", "another user", shared_folders.OPT_IN)
 
 
-def test_the_local_mirror_of_a_url_data_dir_is_this_users_alone(bucket, tmp_path, monkeypatch, enforced):
-    """The mirror of a gs:// data_dir is read and uploaded as the stored copy: in a folder another user can write,
-    their planted mirror went into the user's bucket (r23-34). Refused before anything is read or written."""
-    from lconv.data import paths, tfds_ddtp
-
-    mirror = tmp_path / "shared_mirror"
-    mirror.mkdir()
-    mirror.chmod(0o777)
-    monkeypatch.setenv(paths.CACHE_ENV, str(mirror))
-    with pytest.raises(UserError) as error:
-        tfds_ddtp.prepare("ddtp/en_de", "gs://bucket/tfds")
-    helpers.one_line_error(error, paths.CACHE_ENV, str(mirror), "can be written by other users")
-    assert os.listdir(mirror) == [] and not (bucket / "bucket").exists()
-
-
 def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced):
     from lconv.data import catalog
 
@@ -345,20 +330,22 @@ def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_
     assert os.listdir(data_dir) == []
 
 
-def test_a_catalog_dataset_for_a_url_is_staged_only_in_a_folder_of_this_users(bucket, tmp_path, monkeypatch,
-                                                                               enforced):
-    """Staged under $LCONV_DATA_CACHE, read back by path and uploaded: in a folder another user can write, their
-    tree could be swapped in before the upload (round 24, r24-29). Refused before anything is downloaded."""
-    from lconv.data import catalog, paths
+@pytest.mark.parametrize("dataset", ["ddtp/en_de", "wmt14/en_de"])
+def test_what_a_url_data_dir_stages_locally_is_staged_only_in_a_folder_of_this_users(bucket, tmp_path, monkeypatch,
+                                                                                     enforced, dataset):
+    """The local mirror of a gs:// data_dir (and a catalog dataset's staging beside it) is read back by path and
+    uploaded as the stored copy: in a folder another user can write, their planted mirror went into the user's
+    bucket (rounds 23 and 24). Refused before anything is read, downloaded or written."""
+    from lconv.data import catalog, paths, tfds_ddtp
 
     mirror = tmp_path / "shared_mirror"
     mirror.mkdir()
     mirror.chmod(0o777)
     monkeypatch.setenv(paths.CACHE_ENV, str(mirror))
     with pytest.raises(UserError) as error:
-        catalog.prepare("wmt14/en_de", "gs://bucket/tfds")
-    helpers.one_line_error(error, "local staging", str(mirror), "can be written by other users")
-    assert os.listdir(mirror) == []
+        (tfds_ddtp.prepare if dataset.startswith("ddtp") else catalog.prepare)(dataset, "gs://bucket/tfds")
+    helpers.one_line_error(error, paths.CACHE_ENV, str(mirror), "can be written by other users")
+    assert os.listdir(mirror) == [] and not (bucket / "bucket").exists()
 
 
 def test_a_dotdot_after_a_link_that_leads_elsewhere_than_it_reads_is_refused(tmp_path, enforced):

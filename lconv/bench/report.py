@@ -80,8 +80,8 @@ _DOC_MAX_BYTES = 16 << 20  # a markdown page of tables
 
 def _read_doc(doc_path: str) -> str:
     """The doc's text (a new doc's heading if there is none), read through one descriptor opened without following
-    a link: checked, then opened by name, a link swapped in between had another file read and written out (round 23,
-    r23-1); a regular file of this user's or root's, of a page's size."""
+    a link (checked, then opened by name, a link swapped in between had another file read and written out): a
+    regular file of this user's or root's, of a page's size. docs/security.md."""
     refusal = f"--doc={doc_path}: the benchmarks read and rewrite only a plain file of their own"
     try:
         fd = os.open(doc_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

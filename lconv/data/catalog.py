@@ -64,16 +64,15 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
         shared_folders.check_way(data_dir, f"--data_dir={data_dir}")
         shared_folders.check(os.path.join(data_dir, builder_name), f"--data_dir={data_dir}")
         shared_folders.check_way(download_dir or os.path.join(data_dir, "downloads"), f"--data_dir={data_dir}")
-    else:  # staged locally, read back by path and uploaded as the stored copy: a folder of this user's alone
-        staging_root = os.path.dirname(os.path.abspath(download_dir or os.path.join(paths.local_cache_dir(), "d")))
-        shared_folders.raise_problem(shared_folders.make_checked(staging_root),
-                                     f"the local staging of --data_dir={data_dir} ({staging_root})")
+    else:  # staged beside the downloads, read back by path and uploaded: a folder of this user's alone
+        download_dir = download_dir or os.path.join(paths.local_cache_dir(), "downloads")
+        paths.private_folder(os.path.dirname(os.path.abspath(download_dir)),
+                             f"the local staging of --data_dir={data_dir}")
     if not has_tensorflow():
         raise UserError(f"preparing {name} needs TensorFlow ({TENSORFLOW_NEEDED.get(builder_name, 'tfds')}): "
                         f"{INSTALL}, then run this again (training reads it without TensorFlow)")
     staging = None
     if paths.is_url(data_dir):  # downloads kept locally (a rerun resumes them); the build staged beside them
-        download_dir = download_dir or os.path.join(paths.local_cache_dir(), "downloads")
         os.makedirs(download_dir, exist_ok=True)
         staging = tempfile.mkdtemp(prefix="lconv_prepare_", dir=os.path.dirname(os.path.abspath(download_dir)))
     try:

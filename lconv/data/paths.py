@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 from etils import epath
 
-from lconv import outputs
+from lconv import outputs, shared_folders
 from lconv.errors import UserError
 
 CACHE_ENV = "LCONV_DATA_CACHE"  # where copies prepared under a URL data_dir are mirrored for reading
@@ -127,8 +127,18 @@ def sha256(path: epath.Path | str, *, within: epath.Path | str | None = None) ->
 
 
 def local_cache_dir() -> str:
-    """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``user_cache_folder``'s."""
-    return os.environ.get(CACHE_ENV) or user_cache_folder("data_cache")
+    """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``user_cache_folder``'s. What is
+    staged there is read back by path and uploaded as the stored copy, so it is made owner-only and must be this
+    user's alone (``private_folder``)."""
+    return private_folder(os.environ.get(CACHE_ENV) or user_cache_folder("data_cache"),
+                          f"the local mirror of a URL data_dir (${CACHE_ENV})")
+
+
+def private_folder(folder: str, label: str) -> str:
+    """``folder``, made owner-only if new; a one-line ``UserError`` (led by ``label``) when another user could change
+    it (``shared_folders.make_checked``)."""
+    shared_folders.raise_problem(shared_folders.make_checked(folder), label)
+    return folder
 
 
 def upload_tree(local_dir: str, remote_dir: str, commit_last: Iterable[str]) -> None:

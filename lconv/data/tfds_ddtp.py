@@ -429,9 +429,7 @@ def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
 
 def _mirror_url_copy(name: str, copy_dir: str, local_dir: str, options: dict, fingerprint: dict) -> str:
     """For a URL data_dir: the copy both at ``copy_dir`` and at ``local_dir``; returns ``local_dir``. The local
-    mirror is read and uploaded as the stored copy: its folder (``$LCONV_DATA_CACHE``) must be this user's alone."""
-    found = shared_folders.make_checked(os.path.dirname(local_dir))
-    shared_folders.raise_problem(found, f"the local mirror of data_dir ({paths.CACHE_ENV}={paths.local_cache_dir()})")
+    mirror is read and uploaded as the stored copy: its folder is checked by ``paths.local_cache_dir``."""
     on_url = _is_complete(copy_dir, name)
     if not _is_complete(local_dir, name):
         if on_url:  # prepared by another machine: fetch it rather than parse again

@@ -24,7 +24,7 @@ def check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> N
 
 
 # A field annotated with one of these takes only that kind of value (a bool is no int, an int is a float): a stored
-# config's "false" for a boolean field was read as true without a word (round 24, r24-28).
+# config's "false" for a boolean field was read as true without a word.
 _KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 
 
