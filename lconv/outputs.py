@@ -56,17 +56,20 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     if replaces:
         shared_folders.check_owner(os.fspath(path), "lconv replaces no other user's file with its output")
     temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    payload = data if isinstance(data, bytes) else data.encode("utf-8")
     try:
-        if replaces:  # the file replaced keeps its permissions (a private 0600), never setuid or others' write
-            mode = stat.S_IMODE(os.stat(path).st_mode) & _KEPT_MODE
-            # made owner-only before a byte is written: made with the umask's 0644 and narrowed after, a private
-            # file's new contents could be opened by another user meanwhile and read through that descriptor
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data if isinstance(data, bytes) else data.encode("utf-8"))
-            os.chmod(temporary, mode)
+        if is_url(path):
+            temporary.write_bytes(payload)
         else:
-            temporary.write_bytes(data) if isinstance(data, bytes) else temporary.write_text(data, encoding="utf-8")
+            # made owner-only before a byte is written when it replaces a file: made with the umask's 0644 and
+            # narrowed after, a private file's new contents could be opened by another user meanwhile
+            kept_mode = stat.S_IMODE(os.stat(path).st_mode) & _KEPT_MODE if replaces else None
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o666 if kept_mode is None else 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            if kept_mode is not None:  # the file replaced keeps its permissions, never setuid or others' write
+                os.chmod(temporary, kept_mode)
         temporary.replace(target)
     except OSError as err:
         with contextlib.suppress(OSError):

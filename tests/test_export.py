@@ -12,7 +12,6 @@ import helpers
 import numpy as np
 import pytest
 import tiny_runs
-from etils import epath
 
 from lconv import export
 from lconv.api import Model
@@ -86,14 +85,14 @@ def test_lm_round_trip_gives_the_live_continuations(tmp_path, monkeypatch):
     assert len(served(prompts, seed=4)) == 3  # three prompts: two batches of the 2-row program
 
     # Exported again over it, stopped half-way (the disk fills up at the params): not taken for an export.
-    write_bytes = epath.Path.write_bytes
+    real_open = os.open
 
-    def full_disk_at_the_params(path, data):
-        if path.name.startswith(".params.npz."):  # the atomic writer's temporary file beside params.npz
+    def full_disk_at_the_params(path, flags, mode=0o777, **kwargs):
+        if os.path.basename(path).startswith(".params.npz."):  # the atomic writer's temporary file beside it
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write_bytes(path, data)
+        return real_open(path, flags, mode, **kwargs)
 
-    monkeypatch.setattr(epath.Path, "write_bytes", full_disk_at_the_params)
+    monkeypatch.setattr(os, "open", full_disk_at_the_params)
     with pytest.raises(UserError) as error:  # one line naming the file (it was an OSError traceback)
         export.export(trained, str(tmp_path), **settings)
     helpers.one_line_error(error, str(tmp_path / "params.npz"), "No space left on device")
