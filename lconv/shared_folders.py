@@ -122,9 +122,10 @@ def _inside_fix(found: str, folder: str) -> str:
                "another user may hold open)"
     if "ACL" in found:
         return f"setfacl -R -k {folder}"
-    if os.getuid() == 0:
-        return f"chown -R 0 {folder}"
-    return f"copy {folder} into a folder of your own"
+    # Adopting it (chown, or a copy) would trust whatever another user put there: say to check that first.
+    adopt = f"chown -R 0 {folder}" if os.getuid() == 0 else f"copy {folder} into a folder of your own"
+    return f"if you did not put its contents there, remove it (another user may have planted them); if you trust " \
+           f"them, {adopt}"
 
 
 def _resolve(path: str, made_here: bool = False) -> tuple[str, str | None]:

@@ -146,6 +146,10 @@ def test_a_path_that_holds_no_run_is_one_line_naming_it(tmp_path, monkeypatch, t
         with pytest.raises(UserError) as error:
             lconv.export.load(path)
         helpers.one_line_error(error, path, fact)
+    with pytest.raises(UserError) as error:  # a control character in the name is shown as its escape
+        lconv.export.load("nope\x1b[2J\x00")
+    assert "(" + str(tmp_path / "nope") + "\\x1b[2J\\x00)" in str(error.value), str(error.value)
+    assert "\x1b" not in str(error.value) and "\x00" not in str(error.value)  # the label's repr escapes them too
 
 
 @pytest.mark.parametrize("options, named", [(dict(average_last=0), "average_last=0"),

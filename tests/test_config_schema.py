@@ -261,7 +261,11 @@ def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
                                                         "'dynamicconv' has no field(s) ['kernel']"),
     (dict(ffn_kwargs={"hidden": 3}), "config.model.ffn_kwargs: ffn_type 'dense' has no field(s) ['hidden']"),
     (dict(mixer_kwargs={"dynamicconv": {"param_dtype": "float64x"}}),  # a stored config's: a 71-line TypeError
-     "config.model.mixer_kwargs['dynamicconv']['param_dtype']='float64x': not a dtype"),
+     "config.model.mixer_kwargs['dynamicconv']['param_dtype']='float64x': not a floating-point dtype"),
+    (dict(mixer_kwargs={"dynamicconv": {"param_dtype": "int8"}}),  # a dtype, but no parameter's: a traceback
+     "config.model.mixer_kwargs['dynamicconv']['param_dtype']='int8': not a floating-point dtype"),
+    (dict(ffn_kwargs={"activation": "bogus"}),  # a KeyError traceback at the first trace
+     "config.model.ffn_kwargs['activation']='bogus': must be one of relu, gelu, gelu_accurate"),
     (dict(mixer_kwargs={"dynamicconv": {"causal": "false"}}),  # was read as true without a word (r24-28)
      "config.model.mixer_kwargs['dynamicconv']['causal']='false': must be a bool"),
     (dict(mixer_kwargs={"dynamicconv": {"kernel_size": 3.5}}),  # a traceback at the first trace (r24-27)

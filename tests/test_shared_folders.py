@@ -227,9 +227,11 @@ def test_reading_a_run_keeps_what_the_process_writes_next_private(run_folder):
 
 
 def test_a_foreign_entry_is_fixed_by_a_copy_when_not_root(monkeypatch):
-    """``chown`` to oneself needs root (r18-25): anyone else is told to copy the run."""
+    """``chown`` to oneself needs root: anyone else is told to copy the run; either only once they know its contents
+    are theirs (adopting a folder another user planted would trust what they put there)."""
     monkeypatch.setattr(os, "getuid", lambda: 4243)
     assert shared_folders._inside_fix("belongs to another user (uid 5)", "/runs/x") == \
+        "if you did not put its contents there, remove it (another user may have planted them); if you trust them, " \
         "copy /runs/x into a folder of your own"
 
 

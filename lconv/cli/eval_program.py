@@ -254,9 +254,8 @@ def _check_writable(path: str, what: str) -> None:
                 return
             # the writer would refuse it after decoding: say so before
             shared_folders.check_owner(path, "lconv replaces no other user's file with its output")
-            if os.path.exists(path):
-                with open(path, "r+b"):  # open for writing without truncating
-                    pass
+            if os.path.exists(path):  # open for writing without truncating, never through a link swapped in
+                os.close(os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC))
             # the writer's temporary file beside it, renamed over it: the folder must take one too
             handle, probe = tempfile.mkstemp(dir=directory, prefix=".lconv-write-check-")
             os.close(handle)

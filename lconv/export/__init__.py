@@ -35,7 +35,7 @@ from etils import epath
 from flax import traverse_util
 from flax.linen import meta as nn_meta
 
-from lconv import outputs, shared_folders
+from lconv import console, outputs, shared_folders
 from lconv.constants import EOS_ID, EXPORT_SIDECAR, PAD_ID
 from lconv.data import paths
 from lconv.data import tokenizer as tokenizer_lib
@@ -195,11 +195,12 @@ class Served:
         paths.check_url(path, "path", label=label)
         directory = epath.Path(paths.normalize(path))
         if not (directory / SIDECAR).exists():
+            shown = console.printable(str(directory))  # a control character in the name shows as its escape
             if not directory.exists():
-                raise UserError(f"{label}: no such directory ({directory})")
+                raise UserError(f"{label}: no such directory ({shown})")
             hint = "a run's workdir: load it with lconv.load" if (directory / "config.json").exists() else \
                 "export a run there with python -m lconv.export"
-            raise UserError(f"{label}: no {SIDECAR} in {directory} ({hint})")
+            raise UserError(f"{label}: no {SIDECAR} in {shown} ({hint})")
         shared_folders.check(path, label)  # as given: a '..' after a link is refused, not resolved away
         # Each file is read and checked here, so a damaged or incomplete export is one line naming the file and
         # what is wrong with it, never a traceback (or wrong outputs) at the first call.

@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from lconv.errors import UserError
+from lconv.ops.activations import ACTIVATIONS
 
 
 def check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> None:
@@ -19,9 +20,14 @@ def check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> N
     if unknown:
         raise UserError(f"{where}: {owner} has no field(s) {unknown}; its fields are {sorted(fields)}")
     for name, value in values.items():  # flax takes a dtype field as it is: a bad name was a traceback at the trace
-        if (name == "dtype" or name.endswith("_dtype")) and value is not None and not _is_dtype(value):
-            raise UserError(f"{where}[{name!r}]={value!r}: not a dtype (e.g. 'float32', 'bfloat16')")
+        if (name == "dtype" or name.endswith("_dtype")) and value is not None and not _is_float_dtype(value):
+            raise UserError(f"{where}[{name!r}]={value!r}: not a floating-point dtype (e.g. 'float32', 'bfloat16')")
 
+
+
+# lconv's modules' fields that name an entry of a table: another name was a KeyError traceback at the first trace.
+# (A plugin's field of the same name may have its own table, so only lconv's own modules are checked.)
+_NAMED_CHOICES = {"activation": tuple(ACTIVATIONS)}
 
 # A field annotated with one of these takes only that kind of value (a bool is no int, an int is a float): a stored
 # config's "false" for a boolean field was read as true without a word.
@@ -30,12 +36,15 @@ _KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 
 def check_field_kinds(where: str, values: dict, cls: type | None) -> None:
     """Each value of ``values`` whose field ``cls`` annotates as bool, int, float or str (or one of them ``| None``)
-    is of that kind."""
+    is of that kind, and one of lconv's own modules' named choices is one it has."""
     if cls is None or not dataclasses.is_dataclass(cls):
         return
     annotations = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
                    for f in dataclasses.fields(cls)}
+    own_module = cls.__module__.startswith("lconv.")
     for name, value in values.items():
+        if own_module and name in _NAMED_CHOICES and isinstance(value, str) and value not in _NAMED_CHOICES[name]:
+            raise UserError(f"{where}[{name!r}]={value!r}: must be one of {', '.join(_NAMED_CHOICES[name])}")
         annotation = str(annotations.get(name, ""))
         optional = annotation.endswith(" | None")
         kinds = _KINDS.get(annotation.removesuffix(" | None"))
@@ -46,9 +55,9 @@ def check_field_kinds(where: str, values: dict, cls: type | None) -> None:
                             f"{annotation}")
 
 
-def _is_dtype(value: Any) -> bool:
+def _is_float_dtype(value: Any) -> bool:
+    """A module's parameters and activations are floating point: an integer dtype failed at the first trace."""
     try:
-        jnp.dtype(value)
+        return jnp.issubdtype(jnp.dtype(value), jnp.floating)
     except (TypeError, ValueError):
         return False
-    return True
