@@ -354,7 +354,13 @@ class Model(probing.Probing):
         score = functools.partial(loss_pass.stream_perplexity, self.config, self.module, self.params,
                                   self.tokenizer, eval_step=self._jitted["stream_eval_step"])
         if per_text:
-            out = [score([document]) for document in documents]
+            out = []
+            for index, document in enumerate(documents):
+                try:
+                    out.append(score([document]))
+                except UserError as err:  # an empty text: say which
+                    where = "texts" if isinstance(texts, str) else f"texts[{index}]"
+                    raise UserError(f"{where}: {str(err).removeprefix('texts: ')}") from None
             return out[0] if isinstance(texts, str) else out
         return score(documents)
 

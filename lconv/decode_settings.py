@@ -14,8 +14,12 @@ from lconv.errors import UserError
 from lconv.fields import Rule, as_dict, defaults, field, integer, number
 
 # Below it sampling is the greedy choice, and logits / temperature overflows float32 near 1e-36: a subnormal
-# temperature sampled garbage.
-MIN_TEMPERATURE = 1e-6
+# temperature sampled garbage. Above the maximum sampling is uniform to float32's precision, and near 1e38 the
+# inverse temperature flushes to zero, so every output came back empty.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+# A nucleus below the top token's probability keeps that token alone, as this does; below float32's smallest normal
+# number the filter kept nothing and every output came back empty.
+MIN_TOP_P = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +28,11 @@ class SamplingSettings:
 
     max_len: int = field(50, "new tokens per prompt", integer(1, " (new tokens per prompt)"))
     temperature: float = field(0.0, "sampling temperature; 0 = greedy", number(
-        lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"))
+        lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+        f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"))
     top_k: int = field(0, "sample from the k most likely tokens; 0 = all", integer(0, " (0 = no top-k filter)"))
     top_p: float = field(1.0, "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
-                         number(lambda v: 0 < v <= 1, "in (0, 1] (1 = no nucleus filter)"))
+                         number(lambda v: MIN_TOP_P <= v <= 1, f"in [{MIN_TOP_P:g}, 1] (1 = no nucleus filter)"))
     seed: int = field(0, "the sampling seed (a uint32 on the device)", Rule(
         lambda v: integer().test(v) and 0 <= v < 2**32, "an integer in [0, 2**32)"))
 

@@ -279,11 +279,11 @@ def _config_only(tmp_path, config):
     ("lm", dict(nbest=2, source_file="p.txt"), "--nbest=2: for translation and summarization runs"),
     ("translation", dict(interactive=True, source_file="s.txt"), "--source_file does not go with --interactive"),
     ("translation", dict(interactive=True, output_file="o.txt"), "--output_file does not go with --interactive"),
-    ("lm", dict(top_p=0.0, source_file="p.txt"), "--top_p=0.0: must be in (0, 1]"),
+    ("lm", dict(top_p=0.0, source_file="p.txt"), "--top_p=0.0: must be in [1e-06, 1]"),
     ("lm", dict(max_len=0, source_file="p.txt"), "--max_len=0: must be an integer >= 1"),
-    ("lm", dict(temperature=float("nan"), interactive=True), "--temperature=nan: must be 0 (greedy) or a finite "),
-    ("lm", dict(temperature=1e-38, interactive=True), "--temperature=1e-38: must be 0 (greedy) or a finite number "
-                                                      ">= 1e-06"),
+    ("lm", dict(temperature=float("nan"), interactive=True), "--temperature=nan: must be 0 (greedy) or a number in "),
+    ("lm", dict(temperature=1e-38, interactive=True), "--temperature=1e-38: must be 0 (greedy) or a number in "
+                                                      "[1e-06, 1e+06]"),
     ("translation", dict(no_repeat_ngram_size=-1), "--no_repeat_ngram_size=-1: must be an integer in [0, 64]"),
     ("translation", dict(min_len=2.5, source_file="s.txt"), "--min_len=2.5: must be an integer in [0, "),
     ("lm", dict(min_len=3), "--min_len go with prompts: --source_file (one per line) or --interactive"),

@@ -108,7 +108,9 @@ def test_a_bad_field_is_one_line_naming_it(field, value, message):
 def test_beam_settings_have_one_rule_wherever_they_are_given(spell, shown):
     for kwargs, message in [(dict(beam_size=0), "beam_size=0: must be >= 1"),
                             (dict(beam_size=2.5), "beam_size=2.5: must be >= 1"),
-                            (dict(lenpen=float("nan")), "lenpen=nan: must be a finite number >= 0"),
+                            (dict(lenpen=float("nan")), "lenpen=nan: must be a number in [0, 10]"),
+                            # a float32 length**lenpen overflowed: every hypothesis scored alike, without a word
+                            (dict(lenpen=1e308), "lenpen=1e+308: must be a number in [0, 10]"),
                             (dict(beam_size=10**9, vocab_size=400), f"beam_size={10**9}: must be at most the "
                                                                     "vocabulary's size - 1 (399")]:
         with pytest.raises(UserError) as error:
@@ -264,6 +266,13 @@ def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
      "config.model.mixer_kwargs['dynamicconv']['param_dtype']='float64x': not a floating-point dtype"),
     (dict(mixer_kwargs={"dynamicconv": {"param_dtype": "int8"}}),  # a dtype, but no parameter's: a traceback
      "config.model.mixer_kwargs['dynamicconv']['param_dtype']='int8': not a floating-point dtype"),
+    (dict(mixer_kwargs={"dynamicconv": {"conv_features": -1}}),  # a traceback from inside JAX at the first trace
+     "config.model.mixer_kwargs['dynamicconv']['conv_features']=-1: must be >= 1"),
+    (dict(ffn_kwargs={"hidden_dim": 0}), "config.model.ffn_kwargs['hidden_dim']=0: must be >= 1"),
+    (dict(mixer_kwargs={"dynamicconv": {"weight_dropout": 2.0}}),
+     "config.model.mixer_kwargs['dynamicconv']['weight_dropout']=2.0: a dropout rate must be in [0, 1)"),
+    (dict(mixer_kwargs={"dynamicconv": {"input_dropout": float("nan")}}),
+     "config.model.mixer_kwargs['dynamicconv']['input_dropout']=nan: a dropout rate must be in [0, 1)"),
     (dict(ffn_kwargs={"activation": "bogus"}),  # a KeyError traceback at the first trace
      "config.model.ffn_kwargs['activation']='bogus': must be one of relu, gelu, gelu_accurate"),
     (dict(mixer_kwargs={"dynamicconv": {"causal": "false"}}),  # was read as true without a word (r24-28)

@@ -73,6 +73,8 @@ def exported(tmp_path_factory):
     ({"top_k": -1}, "top_k=-1"), ({"top_k": 2.0}, "top_k=2.0"), ({"top_p": math.nan}, "top_p=nan"),
     ({"top_p": 0.0}, "top_p=0.0"), ({"temperature": math.inf}, "temperature=inf"), ({"max_len": 0}, "max_len=0"),
     ({"top_k": 401}, "top_k=401"),
+    # beyond float32's range on the device: every output came back empty, without a word
+    ({"temperature": 1e39}, "temperature=1e+39"), ({"top_p": 1e-40}, "top_p=1e-40"),
 ])
 @pytest.mark.parametrize("spell", [str, lambda name: f"--{name}"])
 def test_sampling_settings_have_one_rule_wherever_they_are_given(settings, shown, spell):

@@ -13,6 +13,7 @@ import tiny_config
 
 import lconv
 from lconv.data import EOS_ID, PAD_ID, pipeline, sources, stream
+from lconv.errors import UserError
 from lconv.run import loss_pass, metrics, model_setup, schema
 from lconv.train import loop, setup, update
 
@@ -275,9 +276,16 @@ def test_resume_restores_the_memory_and_the_stream(tiny_data, tmp_path, first_va
     source, _, text_key = sources.get_source(config.data.dataset, "validation", config.data.data_dir)
     documents = [source[i][text_key] for i in range(len(source))]
     documents = [d.decode() if isinstance(d, bytes) else d for d in documents]
-    scored = lconv.load(str(full)).perplexity(documents)
+    model = lconv.load(str(full))
+    scored = model.perplexity(documents)
     assert scored["tokens"] == result["validation"]["tokens"]
     assert scored["ppl"] == pytest.approx(result["validation"]["ppl"], rel=1e-6)
+    # Texts with no token (the stream skips them, as its pipeline does): one line, not an AttributeError
+    for texts, per_text, named in (("", False, "texts: nothing to score"), ([" ", ""], False, "texts: nothing"),
+                                   ([documents[0], ""], True, "texts[1]: nothing to score")):
+        with pytest.raises(UserError) as error:
+            model.perplexity(texts, per_text=per_text)
+        helpers.one_line_error(error, named)
 
     half = helpers.new_workdir(tiny_data, tmp_path / "half")
     config.train.num_steps = 3

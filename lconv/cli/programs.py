@@ -40,7 +40,7 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"],
                       "The latest checkpoint(s), or the best by validation.")
     flags.DEFINE_integer("beam_size", None, "Beam size >= 1 (default: the stored config's). Translation runs.")
-    flags.DEFINE_float("lenpen", None, "Length penalty, finite and >= 0 (default: the stored config's).")
+    flags.DEFINE_float("lenpen", None, "Length penalty, in [0, 10] (default: the stored config's).")
     flags.DEFINE_string("source_file", None, "Decode this UTF-8 file, one example per line: sources to "
                         "translate/summarise, or an LM's prompts.")
     flags.DEFINE_string("reference_file", None, "References for --source_file, one per line.")
@@ -50,10 +50,10 @@ def evaluate(argv: list[str] | None = None) -> None:
                          "(or k samples) per source, k <= the beam size, written as fairseq-generate's H-<i> (score, "
                          "text) and P-<i> (token log-probabilities) lines.")
     flags.DEFINE_integer("max_len", None, "LM runs: new tokens per prompt (default 50).")
-    flags.DEFINE_float("temperature", None, "Sampling temperature >= 0 (default 0: greedy for an LM, beam search for "
-                       "a translation run); with --source_file or --interactive.")
+    flags.DEFINE_float("temperature", None, "Sampling temperature, 0 or in [1e-6, 1e6] (default 0: greedy for an "
+                       "LM, beam search for a translation run); with --source_file or --interactive.")
     flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (default 0: all).")
-    flags.DEFINE_float("top_p", None, "Nucleus sampling, in (0, 1] (default 1: off).")
+    flags.DEFINE_float("top_p", None, "Nucleus sampling, in [1e-6, 1] (default 1: off).")
     flags.DEFINE_integer("seed", None, "The sampling seed (default 0).")
     flags.DEFINE_integer("no_repeat_ngram_size", None, "No n-gram of this size twice in an output, its prefix or "
                          "prompt included (fairseq's --no-repeat-ngram-size; 0 = off; default: the stored config's).")

@@ -53,6 +53,24 @@ def check_field_kinds(where: str, values: dict, cls: type | None) -> None:
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             raise UserError(f"{where}[{name!r}]={value!r}: must be {'a' if annotation[0] != 'i' else 'an'} "
                             f"{annotation}")
+        if own_module:
+            _check_range(f"{where}[{name!r}]={value!r}", name, value)
+
+
+# lconv's own modules' sizes and rates: out of range was a traceback from inside JAX at the first trace, or (a
+# dropout above 1) a model silently wrong in training. A size of 0 elsewhere means "derived" (light_num_heads ...).
+_AT_LEAST_ONE = {"conv_features", "qkv_features", "hidden_dim", "num_heads", "kernel_size", "max_len", "memory_size",
+                 "num_neighbors", "router_iterations"}
+_SIGNED = {"padding_left"}  # checked against the kernel by its module
+
+
+def _check_range(shown: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, int) and name not in _SIGNED and value < (1 if name in _AT_LEAST_ONE else 0):
+        raise UserError(f"{shown}: must be {'>= 1' if name in _AT_LEAST_ONE else '>= 0'}")
+    if name.endswith("dropout") and not 0.0 <= value < 1.0:  # NaN fails both comparisons
+        raise UserError(f"{shown}: a dropout rate must be in [0, 1)")
 
 
 def _is_float_dtype(value: Any) -> bool:

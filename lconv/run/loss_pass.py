@@ -14,6 +14,7 @@ import numpy as np
 from lconv import console
 from lconv.data import pipeline, stream
 from lconv.deadline import Deadline
+from lconv.errors import UserError
 from lconv.infer import reports, scoring, shards
 from lconv.nn import common as nn_common
 from lconv.nn import mixer_state
@@ -111,6 +112,9 @@ def stream_perplexity(config: RunConfig, model: Any, params: PyTree, tokenizer: 
     mesh = model_setup.make_mesh(config.mesh)
     eval_set = stream.StreamEvalSet([{"text": text} for text in documents], "text", tokenizer,
                                     window=int(cfg.max_target_length), rows=int(cfg.eval_batch_size))
+    if eval_set.num_batches == 0:  # evaluate_loss would have no sums to summarize
+        raise UserError("texts: nothing to score: a document-stream run skips empty texts, as its data pipeline "
+                        "does, and no text given has a token")
     carried = model_setup.init_mixer_state(config, model, int(cfg.eval_batch_size), model_setup.batch_sharding(mesh))
     scores = evaluate_loss(eval_step or jit_eval_step(config, mesh), params, model.apply, eval_set, mesh, carried)
     return {"ppl": scores["ppl"], "nll": scores["nll"], "tokens": scores["tokens"]}

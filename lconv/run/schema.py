@@ -45,6 +45,10 @@ from lconv.nn.model_config import ModelConfig
 _POSITIVE = integer(1)
 _NON_NEGATIVE = integer(0)
 _NON_NEGATIVE_NUMBER = number(lambda v: v >= 0, "a number >= 0")
+# length**lenpen is float32 on the device: past this a long output's penalty overflows and the ranking is lost.
+MAX_LENPEN = 10
+_LENPEN = number(lambda v: 0 <= v <= MAX_LENPEN, f"a number in [0, {MAX_LENPEN}] (0 = no length normalisation, 1 = "
+                                                  "divide by the length)")
 MAX_NGRAM = 64  # decode.no_repeat_ngram_size: fairseq's summarizers use 3; the guard unrolls n - 1 comparisons
 
 
@@ -143,7 +147,7 @@ class TrainConfig:
     validation_beam_size: int = field(1, "best_metric bleu/rougeL: the validation decode's beam (1 = greedy, the "
                                       "fastest)", _POSITIVE)
     validation_lenpen: float = field(1.0, "best_metric bleu/rougeL: the validation decode's length penalty",
-                                     _NON_NEGATIVE_NUMBER)
+                                     _LENPEN)
     patience: int = field(0, "stop training after this many validation passes in a row without a better "
                           "best_metric (counted across resumes, from metrics.jsonl); 0 = never", _NON_NEGATIVE)
     checkpoint_checksums: bool = field(True, "a SHA-256 manifest per checkpoint, verified on restore", BOOL)
@@ -160,8 +164,7 @@ class DecodeConfig:
     batch_size: int = field(0, "sources per decoding batch; 0 = auto: data.eval_batch_size on CPU, wider on a "
                             "GPU/TPU", integer(0, " (0 = auto: the eval batch on CPU, wider on a GPU/TPU)",
                                                maximum=MAX_ROWS, reason=SIZE_REASON))
-    lenpen: float = field(1.0, "fairseq length penalty: score / length**lenpen", number(
-        lambda v: v >= 0, "a finite number >= 0 (0 = no length normalisation, 1 = divide by the length)"))
+    lenpen: float = field(1.0, "fairseq length penalty: score / length**lenpen", _LENPEN)
     max_len_a: float = field(1.2, "max output length = a * source length + b", number(
         lambda v: 0 <= v <= 1000, f"a number in [0, 1000] ({SIZE_REASON})"))
     max_len_b: int = field(10, "max output length = a * source length + b",
