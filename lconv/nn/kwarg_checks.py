@@ -24,7 +24,6 @@ def check_field_dict(where: str, values: Any, fields: set[str], owner: str) -> N
             raise UserError(f"{where}[{name!r}]={value!r}: not a floating-point dtype (e.g. 'float32', 'bfloat16')")
 
 
-
 # lconv's modules' fields that name an entry of a table: another name was a KeyError traceback at the first trace.
 # (A plugin's field of the same name may have its own table, so only lconv's own modules are checked.)
 _NAMED_CHOICES = {"activation": tuple(ACTIVATIONS)}
