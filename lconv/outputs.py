@@ -193,10 +193,23 @@ def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
 
 
 def _unshare(path: str | os.PathLike) -> None:
-    """Replaces a hard-linked file by a copy of its own (a rename, so the other links keep their content)."""
+    """Replaces a hard-linked file by a copy of its own (a rename, so the other links keep their content), with the
+    file's permissions from before its first byte: a private file's copy is never readable by others meanwhile."""
     copy = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.unshared"
-    shutil.copyfile(path, copy, follow_symlinks=False)
-    os.replace(copy, path)
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as source:
+        if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):  # swapped since it was opened to append
+            raise UserError(f"{path} is not a regular file; lconv writes only regular files in a workdir (remove it)")
+        mode = stat.S_IMODE(os.fstat(source.fileno()).st_mode) & _KEPT_MODE
+        fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as destination:
+                shutil.copyfileobj(source, destination)
+            os.chmod(copy, mode)
+            os.replace(copy, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(copy)
+            raise
 
 
 def open_append(path: str | os.PathLike) -> Any:

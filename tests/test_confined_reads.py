@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 
 import helpers
 import pytest
@@ -219,17 +220,17 @@ def test_a_hard_linked_log_is_appended_to_in_this_workdir_alone(tmp_path):
     workdir, log = _workdir_with(tmp_path, "metrics.jsonl")
     elsewhere = tmp_path / "other_runs_metrics.jsonl"
     elsewhere.write_text("theirs\n")
+    os.chmod(elsewhere, 0o600)  # private: its copy is too (it was made with the umask's mode)
     os.link(elsewhere, log)
     with outputs.open_append(log) as f:
         f.write("ours\n")
     assert elsewhere.read_text() == "theirs\n" and log.read_text() == "theirs\nours\n"
     assert os.stat(log).st_nlink == 1 and os.stat(elsewhere).st_nlink == 1
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
 
 
 def test_an_output_named_as_a_device_is_written_into_and_a_pipe_refused(tmp_path):
     """``--output_file=/dev/null`` replaced the host's /dev/null by a file (written beside it, renamed over it)."""
-    import stat
-
     from lconv import outputs
 
     controller, terminal = os.openpty()  # a character device this user owns, in place of /dev/null
