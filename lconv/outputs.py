@@ -299,7 +299,7 @@ def checkout_docs(path: str) -> str | None:
 
 
 def _is_lconv_checkout(directory: str) -> bool:
-    text = _small_text(os.path.join(directory, "pyproject.toml"), _PYPROJECT_MAX_BYTES)
+    text = _small_text(os.path.join(directory, "pyproject.toml"), _PYPROJECT_MAX_BYTES, owned=True)
     return text is not None and 'name = "lconv"' in text and os.path.isdir(os.path.join(directory, "lconv"))
 
 

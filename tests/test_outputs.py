@@ -321,7 +321,8 @@ def test_a_marker_or_checkout_file_that_is_no_small_file_of_ours_is_ignored_with
                                                                                          monkeypatch):
     """lconv reads the marker of every folder above an output, and each one's pyproject.toml (is it a checkout?),
     in folders it does not own: a pipe there hung eval.py, a link to /dev/zero ran it out of memory, and another
-    user's export marker in /tmp refused every output below it (round-23 campaign). Each is now no marker at all."""
+    user's export marker in /tmp refused every output below it (round-23 campaign), their pyproject.toml every
+    output below its docs/ (round 25). Each is now no marker and no checkout at all."""
     monkeypatch.delenv(shared_folders.OPT_IN, raising=False)
     folder = tmp_path / "shared"
     folder.mkdir()
@@ -339,8 +340,7 @@ def test_a_marker_or_checkout_file_that_is_no_small_file_of_ours_is_ignored_with
             planted.write_text('{"kind": "export"}\nname = "lconv"\n')
             helpers.make_another_users(planted, monkeypatch)
     assert outputs.kind_of(str(folder)) is None
-    if plant != "another_users":  # root's own pyproject.toml in a checkout is read whoever owns it
-        assert outputs.checkout_docs(str(folder / "docs" / "x")) is None
+    assert outputs.checkout_docs(str(folder / "docs" / "x")) is None  # another user's files make no checkout here
     outputs.check_output_file(str(folder / "out.txt"), "--output_file")
     outputs.check_directory(str(folder / "run"), "workdir", "--workdir")
 
