@@ -51,6 +51,31 @@ def test_a_checkpoints_metadata_over_its_bound_is_refused_and_array_chunks_are_n
         integrity.verify_manifest(str(unverified_step))
 
 
+def test_a_manifest_listing_more_than_the_model_holds_is_refused_before_a_byte_is_hashed(tiny_run, tmp_path,
+                                                                                           capsys):
+    """A sparse file of terabytes added to a handed-over run, listed with its true size and digest: every load hashed
+    it for hours (round 25). The manifest's total is bounded by what a checkpoint of the model can hold."""
+    from lconv.run import integrity
+
+    workdir = helpers.copy_run(tiny_run, tmp_path / "run")
+    step = max((workdir / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+    hole = step / "state" / "d" / "zz_sparse"
+    with open(hole, "wb") as f:
+        f.truncate(1 << 40)  # 1 TiB, no block on disk
+    manifest = step / integrity.MANIFEST_FILENAME
+    listed = json.loads(manifest.read_text())
+    listed["sha256"]["state/d/zz_sparse"] = [1 << 40, "0" * 64]  # the digest is never reached
+    manifest.write_text(json.dumps(listed))
+    outcome = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", "--split=validation")
+    total = sum(size for size, _ in listed["sha256"].values())
+    helpers.one_line_error(outcome, str(step), integrity.MANIFEST_FILENAME, f"lists {total:,} bytes")
+    listed["sha256"]["state/d/zz_sparse"] = [-1, "0" * 64]  # nor can a negative size make room for it
+    manifest.write_text(json.dumps(listed))
+    with pytest.raises(integrity.CorruptCheckpoint) as error:
+        integrity.verify_manifest(str(step), max_bytes=1 << 30)
+    helpers.one_line_error(error, "unreadable")
+
+
 def test_a_step_folder_that_is_a_link_is_corrupt(unverified_step, tmp_path):
     from lconv.run import integrity
 

@@ -180,7 +180,8 @@ class Checkpointer:
         where = self._step_dir(step)
         if step in self.withheld:
             raise self.withheld[step]
-        self.verified = integrity.verify_manifest(where, required=False)
+        self.verified = integrity.verify_manifest(where, required=False,
+                                                  max_bytes=integrity.checkpoint_bound(abstract))
         integrity.check_shapes(str(epath.Path(where) / "state"), abstract, where, self.error_log, prefix=prefix)
         for attempt in range(self.read_attempts):
             try:

@@ -91,9 +91,11 @@ def write_manifest(step_dir: str) -> None:
         multihost_utils.sync_global_devices("lconv_checkpoint_manifest")
 
 
-def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
+def verify_manifest(step_dir: str, *, required: bool = False, max_bytes: int | None = None) -> bool:
     """Checks every file of a checkpoint against its manifest; returns False when there is no manifest (an error
-    if ``required``). A missing, resized or changed file is a ``CorruptCheckpoint``."""
+    if ``required``). A missing, resized or changed file is a ``CorruptCheckpoint``, and so is a manifest listing
+    more than ``max_bytes`` in all (what the model's checkpoint can hold: a sparse file of terabytes, listed with its
+    true digest, was hashed for hours at every load)."""
     root = epath.Path(step_dir)
     path = root / MANIFEST_FILENAME
     if not path.exists():
@@ -102,6 +104,10 @@ def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
         check_plain(step_dir)
         return False
     expected = _read_manifest(path, step_dir)
+    listed = sum(size for size, _ in expected.values())
+    if max_bytes is not None and listed > max_bytes:
+        raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} lists {listed:,} bytes, more than "
+                                f"the {max_bytes:,} a checkpoint of this model holds")
     present = set(check_plain(step_dir) or _files(root))
     for rel, (size, digest) in expected.items():
         file = root / rel
@@ -116,6 +122,17 @@ def verify_manifest(step_dir: str, *, required: bool = False) -> bool:
     if extra:
         raise CorruptCheckpoint(f"checkpoint {step_dir}: {extra[0]} was not part of it when it was written")
     return True
+
+
+def checkpoint_bound(abstract: Any) -> int:
+    """The most bytes a checkpoint holding ``abstract`` (the state, or the params of it) can take: its arrays
+    ``CHECKPOINT_COPIES`` times over (the params, the optimizer's moments, an average), and the metadata files."""
+    arrays = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                 for leaf in jax.tree.leaves(abstract) if hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+    return CHECKPOINT_COPIES * arrays + METADATA_MAX_BYTES
+
+
+CHECKPOINT_COPIES = 8  # Adam keeps two moments beside the params, an EMA a third copy: twice that, for slack
 
 
 def check_plain(step_dir: str) -> list[str] | None:
@@ -197,7 +214,7 @@ def _read_manifest(path: epath.Path, step_dir: str) -> dict[str, list]:
         expected = json_text.loads(path.read_text())["sha256"]
         if not (isinstance(expected, dict) and all(
                 isinstance(rel, str) and isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
-                and isinstance(entry[1], str) for rel, entry in expected.items())):
+                and entry[0] >= 0 and isinstance(entry[1], str) for rel, entry in expected.items())):
             raise ValueError('not {"sha256": {path: [size, sha256]}}')
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CorruptCheckpoint(f"checkpoint {step_dir}: its {MANIFEST_FILENAME} is unreadable "
