@@ -2,6 +2,7 @@
 other exception keeps its traceback, since it is a bug to report, not an input to fix."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -193,6 +194,21 @@ def test_interactive_decodes_each_line_with_one_program_per_bucket(tmp_path, mon
     assert built[0].jitted._cache_size() == 1  # three lengths, one (1 row, 32 wide) bucket: compiled once
     model = Model(trained)
     assert stdout.getvalue().splitlines() == [model.translate([line])[0] for line in lines]
+
+    # A run's pieces can hold escape sequences (a handed-over spm.model): a terminal is shown them escaped, a pipe
+    # gets the text as it is.
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    from lconv.infer import per_line
+
+    found = per_line.translate_lines
+    monkeypatch.setattr(per_line, "translate_lines", lambda *a, **k: dataclasses.replace(
+        found(*a, **k), hypotheses=["\x1b]0;PWNED\x07\x1b[2J"]))
+    for stdout, shown in ((Terminal(), "\\x1b]0;PWNED\\x07\\x1b[2J"), (io.StringIO(), "\x1b]0;PWNED\x07\x1b[2J")):
+        eval_program.run(str(workdir), interactive=True, stdin=io.StringIO("Data\n"), stdout=stdout)
+        assert stdout.getvalue() == shown + "\n"
 
 
 def _nbest_blocks(text):

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import jax
 
-from lconv import outputs, shared_folders
+from lconv import console, outputs, shared_folders
 from lconv.cli import eval_ensemble
 from lconv.data import paths, pipeline, sources
 from lconv.data import tokenizer as tokenizer_lib
@@ -394,6 +394,8 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, settin
                                                      settings, translator=translator, name=name, nbest=nbest or 0)
             return nbest_lines(current["line"] - 1, found.nbest[0]).rstrip("\n") if nbest else found.hypotheses[0]
     logger.info(f"reading {'prompts' if config.task == 'lm' else 'sources'} from stdin, one per line (end with Ctrl-D)")
+    # On a terminal a run's pieces could hold escape sequences (set the title, clear the screen): shown escaped.
+    shown = console.printable if console.is_terminal(stdout) else (lambda text: text)
     count, not_utf8 = 0, []
     for number, line in _stdin_lines(stdin):
         if line is None:  # reported; an empty output line keeps outputs paired with inputs
@@ -402,7 +404,7 @@ def _interactive(trained: restore.Trained, stdin: TextIO, stdout: TextIO, settin
             continue
         current["line"] = number
         output = output_of(line)
-        print(output if nbest else output.replace("\n", " "), file=stdout, flush=True)
+        print(shown(output if nbest else output.replace("\n", " ")), file=stdout, flush=True)
         count += 1
     if not_utf8:
         logger.warning(f"{len(not_utf8)} stdin line(s) not UTF-8, each skipped with an empty output "
