@@ -321,6 +321,59 @@ def test_a_prepared_copy_already_there_is_read_only_when_no_other_user_can_chang
     helpers.one_line_error(error, f"data_dir={data_dir}", "another user", shared_folders.OPT_IN)
 
 
+def _iwslt_files(folder):
+    folder.mkdir(mode=0o755)
+    for stem in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            (folder / f"{stem}.{lang}").write_text("".join(f"{stem} {lang} line {i}\n" for i in range(8)))
+    return folder
+
+
+@pytest.mark.parametrize("shared", ["another_users_folder", "a_file_others_can_write"])
+def test_a_raw_dir_another_user_can_change_is_never_prepared_from(tmp_path, monkeypatch, enforced, shared):
+    """The raw files are hashed (the copy's name), then parsed by path: another user who could change them swapped
+    the test split in between, and the copy kept the honest files' name and digests with their data, read by every
+    later run from the user's own honest files (round 25, r25-48). Refused before a byte is hashed."""
+    from lconv.data import tfds_ddtp
+
+    raw = _iwslt_files(tmp_path / "raw")
+    if shared == "another_users_folder":
+        helpers.make_another_users(raw, monkeypatch)
+    else:
+        (raw / "test.de").chmod(0o666)
+    with pytest.raises(UserError) as error:
+        tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))
+    helpers.one_line_error(error, f"config.data.raw_dir={raw}", shared_folders.OPT_IN)
+    assert not (tmp_path / "tfds").exists()
+
+
+def test_a_raw_file_changed_while_its_copy_is_built_leaves_no_copy(tmp_path, monkeypatch, enforced):
+    """A file edited between its hash (the copy's name) and the end of the parse: nothing is kept under that name."""
+    import contextlib
+
+    from lconv.data import copy_guards, tfds_ddtp
+
+    raw = _iwslt_files(tmp_path / "raw")
+    quiet = copy_guards.no_progress_bars
+
+    @contextlib.contextmanager
+    def edited_meanwhile():
+        with quiet():
+            yield
+        for lang in ("de", "en"):  # a line added to the pair
+            with open(raw / f"test.{lang}", "a") as f:
+                f.write(f"an edited line {lang}\n")
+
+    monkeypatch.setattr(copy_guards, "no_progress_bars", edited_meanwhile)
+    with pytest.raises(UserError) as error:
+        tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))
+    helpers.one_line_error(error, str(raw / "test.de"), "changed while")
+    assert os.listdir(tmp_path / "tfds" / "lconv_prepared") == []
+    monkeypatch.setattr(copy_guards, "no_progress_bars", quiet)
+    builder = tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))  # the file is final now
+    assert len(builder.as_data_source(split="test")) == 9
+
+
 def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced):
     from lconv.data import catalog
 

@@ -9,15 +9,13 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import threading
 from collections.abc import Iterator, Mapping
 
 import tensorflow_datasets as tfds
 from etils import epath
 
-from lconv import console, no_room, outputs, shared_folders
-from lconv.data import copy_report, ddtp, own_files, paths, prepared_files
+from lconv import console, outputs, shared_folders
+from lconv.data import copy_guards, copy_report, ddtp, own_files, paths, prepared_files
 from lconv.data.copy_report import REPORT_FILENAME
 from lconv.errors import UserError, first_line
 
@@ -220,6 +218,9 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
     for path in files.values():  # a link out of the folder (a run from elsewhere naming it) is never read
         if folder is not None:
             paths.check_file(path, within=folder)
+            # hashed here, parsed later by path: another user who can change a file could swap it in between, and
+            # the copy would carry this file's name and digest with their data, as a planted copy would
+            shared_folders.check(path, f"config.data.raw_dir={folder}")
     described = {role: {"file": paths.basename(path), "bytes": paths.size(path), "sha256": _sha256(path, folder)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
@@ -356,15 +357,17 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
     cls, config = _builder_class(name)
     os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
     temp_dir = paths.unique_temp(copy_dir)  # unique: processes preparing together never share files
-    with _removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup, _no_room_is_one_line(name, copy_dir):
+    with copy_guards.removed_on_sigterm(temp_dir), contextlib.ExitStack() as cleanup, \
+            copy_guards.no_room_is_one_line(name, copy_dir):
         cleanup.callback(shutil.rmtree, temp_dir, ignore_errors=True)
         builder = cls(config=config, data_dir=temp_dir, file_format=tfds.core.FileFormat.ARRAY_RECORD, **options)
         # as tfds does; the name and the raw_dir come from a config, perhaps a run's from elsewhere
         print(console.printable(f"Preparing {fingerprint['dataset']} from {fingerprint['source']} ..."), flush=True)
-        with _no_progress_bars():
+        with copy_guards.no_progress_bars():
             builder.download_and_prepare()
         report = {**fingerprint, "examples": {split: info.num_examples for split, info in builder.info.splits.items()},
                   **copy_report.counts_report(builder.counts, builder.counts_by_split)}
+        _check_unchanged(name, fingerprint, options)
         with open(os.path.join(builder.data_dir, REPORT_FILENAME), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, ensure_ascii=False)
         shutil.rmtree(os.path.join(temp_dir, "downloads"), ignore_errors=True)  # tfds's, empty: nothing to download
@@ -373,48 +376,16 @@ def _prepare_copy(name: str, copy_dir: str, options: dict, fingerprint: dict) ->
               flush=True)
 
 
-@contextlib.contextmanager
-def _no_room_is_one_line(name: str, copy_dir: str) -> Iterator[None]:
-    """A full disk, a quota or ``ulimit -f`` while a copy is built: one line naming the copy, not tfds's traceback
-    (the partial copy is removed as the block exits)."""
-    try:
-        yield
-    except Exception as err:  # noqa: BLE001 - tfds and array_record raise RuntimeErrors that quote the OS error
-        why = no_room.reason(err)
-        if why is None:
-            raise
-        raise UserError(f"{why} while preparing {name} in {copy_dir} (nothing of it was kept); free space or "
-                        "raise the limit, then run again") from None
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """tfds's progress bars off while a copy is built (lines before and after say so; bars would bury an error)."""
-    shown = getattr(tfds.core.utils.tqdm_utils, "_active", True)
-    tfds.display_progress_bar(False)
-    try:
-        yield
-    finally:
-        tfds.display_progress_bar(shown)
-
-
-@contextlib.contextmanager
-def _removed_on_sigterm(temp_dir: str) -> Iterator[None]:
-    """SIGTERM removes the temporary copy, then ends the process as SIGTERM does (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+def _check_unchanged(name: str, fingerprint: dict, options: dict) -> None:
+    """The source files still hold what the copy is named by (hashed again, uncached): a copy is never stored
+    under one content's name with another's data (a file edited while it was parsed)."""
+    folder = fingerprint["raw_dir"]
+    if folder is None:  # the bundled snapshot, inside the package
         return
-
-    def stop(signum: int, frame: object) -> None:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    for role, path in _source_files(name, options.get("raw_dir"), options.get("layout")).items():
+        if paths.sha256(path, within=folder) != fingerprint["files"][role]["sha256"]:
+            raise UserError(f"{path} changed while {fingerprint['dataset']} was prepared from it; nothing was kept: "
+                            "prepare it again once the file is final")
 
 
 def _commit(temp_dir: str, copy_dir: str, name: str) -> None:
