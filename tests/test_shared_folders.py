@@ -403,6 +403,26 @@ def test_what_a_url_data_dir_stages_locally_is_staged_only_in_a_folder_of_this_u
     assert os.listdir(mirror) == [] and not (bucket / "bucket").exists()
 
 
+def test_a_catalog_staging_beside_ones_own_downloads_checks_them_not_everything_beside(bucket, tmp_path,
+                                                                                      monkeypatch, enforced):
+    """``--download_dir=~/dl`` for a gs:// data_dir: the whole home folder was walked, and any group-writable file in
+    it refused the staging (round 25, r25-49). The downloads' folder is checked whole, its parent as a way."""
+    from lconv.data import catalog
+
+    home = tmp_path / "home"
+    (home / "projects").mkdir(parents=True)
+    (home / "projects" / "notes.txt").write_text("unrelated")
+    (home / "projects" / "notes.txt").chmod(0o664)
+    monkeypatch.setattr(catalog, "has_tensorflow", lambda: False)  # stops right after the staging checks
+    with pytest.raises(UserError, match="needs TensorFlow"):
+        catalog.prepare("lm1b", "gs://bucket/tfds", download_dir=str(home / "dl"))
+    (home / "dl" / "planted").write_text("x")
+    (home / "dl" / "planted").chmod(0o666)  # inside the downloads: read back by path, so refused
+    with pytest.raises(UserError) as error:
+        catalog.prepare("lm1b", "gs://bucket/tfds", download_dir=str(home / "dl"))
+    helpers.one_line_error(error, str(home / "dl" / "planted"), "can be written by other users")
+
+
 def test_a_dotdot_after_a_link_that_leads_elsewhere_than_it_reads_is_refused(tmp_path, enforced):
     """``lk/../x`` with ``lk -> other/sub``: lconv makes paths absolute as text (``x`` beside ``lk``) while the
     system reads ``..`` after the link (``other/x``); checks on one and writes to the other let another user's

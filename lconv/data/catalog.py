@@ -64,10 +64,11 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
         shared_folders.check_way(data_dir, f"--data_dir={data_dir}")
         shared_folders.check(os.path.join(data_dir, builder_name), f"--data_dir={data_dir}")
         shared_folders.check_way(download_dir or os.path.join(data_dir, "downloads"), f"--data_dir={data_dir}")
-    else:  # staged beside the downloads, read back by path and uploaded: a folder of this user's alone
+    else:  # downloads read back by path, and the build staged in a new owner-only folder beside them, uploaded
         download_dir = download_dir or os.path.join(paths.local_cache_dir(), "downloads")
-        paths.private_folder(os.path.dirname(os.path.abspath(download_dir)),
-                             f"the local staging of --data_dir={data_dir}")
+        label = f"the local staging of --data_dir={data_dir}"
+        shared_folders.check_way(os.path.dirname(os.path.abspath(download_dir)), label)  # not all else it holds
+        paths.private_folder(download_dir, label)
     if not has_tensorflow():
         raise UserError(f"preparing {name} needs TensorFlow ({TENSORFLOW_NEEDED.get(builder_name, 'tfds')}): "
                         f"{INSTALL}, then run this again (training reads it without TensorFlow)")
