@@ -130,8 +130,9 @@ def local_cache_dir() -> str:
     """The local mirror of copies under a URL data_dir: ``$LCONV_DATA_CACHE``, else ``user_cache_folder``'s. What is
     staged there is read back by path and uploaded as the stored copy, so it is made owner-only and must be this
     user's alone (``private_folder``)."""
-    return private_folder(os.environ.get(CACHE_ENV) or user_cache_folder("data_cache"),
-                          f"the local mirror of a URL data_dir (${CACHE_ENV})")
+    chosen = os.environ.get(CACHE_ENV)
+    where = f"${CACHE_ENV}" if chosen else f"this user's cache; ${CACHE_ENV} names another"
+    return private_folder(chosen or user_cache_folder("data_cache"), f"the local mirror of a URL data_dir ({where})")
 
 
 def private_folder(folder: str, label: str) -> str:
