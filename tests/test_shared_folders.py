@@ -374,6 +374,27 @@ def test_a_raw_file_changed_while_its_copy_is_built_leaves_no_copy(tmp_path, mon
     assert len(builder.as_data_source(split="test")) == 9
 
 
+@pytest.mark.parametrize("bad", ["another_users_data_dir", "unknown_dataset"])
+def test_train_refuses_a_data_dir_or_dataset_before_its_workdir_is_made(tmp_path, monkeypatch, enforced, bad):
+    """Refused at the data's first read, train.py had already made the workdir and stored its config there
+    (round 25, r25-3 and r25-35): a rerun with the fix then met a config it had never trained."""
+    import tiny_config
+
+    from lconv.train import loop
+
+    config = tiny_config.get_config()
+    config.data.data_dir = str(tmp_path / "tfds")
+    (tmp_path / "tfds").mkdir()
+    if bad == "another_users_data_dir":
+        helpers.make_another_users(tmp_path / "tfds", monkeypatch)
+    else:
+        config.data.dataset = "evil:X"
+    with pytest.raises(UserError) as error:
+        loop.train_and_evaluate(config, str(tmp_path / "run"))
+    helpers.one_line_error(error, "another user" if bad == "another_users_data_dir" else "evil:X")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_catalog_dataset_is_prepared_only_where_no_other_user_can_move_it(tmp_path, enforced):
     from lconv.data import catalog
 

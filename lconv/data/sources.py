@@ -95,6 +95,16 @@ def config_spec(config: DataConfig) -> DatasetSpec:
     return _spec(config.dataset, files_layout(config))
 
 
+def check_before_writing(config: DataConfig) -> None:
+    """What train.py checks of the data before it writes anything in a new workdir: the dataset names one
+    (``config_spec``), and no other user can change the way to a local data_dir (as preparing or reading a copy
+    there would check later, after the workdir was made)."""
+    config_spec(config)
+    data_dir = _data_dir(config.data_dir)
+    if not paths.is_url(data_dir):
+        shared_folders.check_way(data_dir, f"config.data.data_dir={config.data_dir}")
+
+
 def display_name(config: DataConfig) -> str:
     """What logs call a ``DataConfig``'s dataset: its name, or for your own files data.name, else the folder's."""
     layout = files_layout(config)

@@ -120,8 +120,10 @@ class CheckedConfig:
 
 
 def check_config(config: Any, devices: Sequence[jax.Device]) -> CheckedConfig:
-    """Every check that needs no data (fields, mesh, batch split, a plugin's trace); what ``build_run`` takes."""
+    """Every check that needs no data (fields, the dataset's name and folder, mesh, batch split, a plugin's
+    trace); what ``build_run`` takes."""
     checked = validate_config(config)
+    sources.check_before_writing(checked.data)
     mesh = model_setup.make_mesh(checked.mesh, devices)
     check_batch_divides(checked, mesh)
     check_plugins_trace(checked)
