@@ -10,6 +10,7 @@ def main(argv: list[str] | None = None) -> None:
     from lconv import console
     from lconv.cli import runtime
     from lconv.interop import fairseq_workdir
+    from lconv.run import compilation_cache
 
     flags.DEFINE_string("checkpoint", None, "fairseq checkpoint (.pt) of a lightconv* or transformer* translation "
                         "model, or a lightconv_lm* or transformer_lm* language model.")
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
             raise app.UsageError(f"unexpected arguments: {args[1:]}")
         with runtime.user_errors():
             runtime.check_backend()
+            compilation_cache.use_user_folder()  # an entry is code: never from a folder another user could fill
             decode = {name: F[name].value for name in (*defaults, "compound_split")}
             fairseq_workdir.import_checkpoint(F.checkpoint, F.dict, F.spm, F.workdir, dataset=F.dataset, decode=decode,
                                               continuation=F.bpe_continuation,

@@ -24,7 +24,7 @@ from typing import Any
 
 from etils import epath
 
-from lconv import json_text, shared_folders
+from lconv import console, json_text, shared_folders
 from lconv.errors import UserError
 
 MARKER = ".lconv-output.json"
@@ -154,12 +154,15 @@ def _special(path: str | os.PathLike) -> bool:
 
 
 def _write_into_device(path: str | os.PathLike, data: str | bytes) -> None:
-    """Writes into a character device (``/dev/null``, a terminal); a pipe or any other special file is one line
-    (a pipe with no reader would block forever)."""
+    """Writes into a character device (``/dev/null``, a terminal: shown with control characters escaped); a pipe or
+    any other special file is one line (a pipe with no reader would block forever)."""
     if not stat.S_ISCHR(os.lstat(path).st_mode):
         raise UserError(f"cannot write {path}: it is a pipe, socket or block device, not a file; name a file")
     try:
         with open(path, "wb") as device:
+            if device.isatty():  # a run's text could hold escape sequences (set the title, clear the screen)
+                text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+                data = console.printable(text)
             device.write(data if isinstance(data, bytes) else data.encode("utf-8"))
     except OSError as err:
         raise UserError(f"cannot write {path}: {err.strerror or err}") from None

@@ -263,6 +263,9 @@ def test_an_output_named_as_a_device_is_written_into_and_a_pipe_refused(tmp_path
         device = os.ttyname(terminal)
         outputs.write_atomically(device, "a line")
         assert stat.S_ISCHR(os.stat(device).st_mode) and os.read(controller, 100).startswith(b"a line")
+        # a terminal: a run's escape sequences are shown escaped (they set the title and cleared the screen; r26-26)
+        outputs.write_atomically(device, "\x1b]0;PWNED\x07\x1b[2J\n")
+        assert os.read(controller, 100).startswith(b"\\x1b]0;PWNED\\x07\\x1b[2J")
     finally:
         os.close(controller)
         os.close(terminal)

@@ -252,6 +252,9 @@ def test_bad_files_are_one_line_errors(tmp_path, monkeypatch, workdirs):
         fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, str(tmp_path / "run"),
                                           target_dictionary=str(other))
     assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="evil:X"):  # stored, it was found only at eval.py's first read (r26-16)
+        fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, str(tmp_path / "run"), dataset="evil:X")
+    assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="already holds checkpoints"):
         fairseq_workdir.import_checkpoint(checkpoint, dictionary, model, workdirs["dynamic"])
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed

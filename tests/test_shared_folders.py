@@ -329,18 +329,22 @@ def _iwslt_files(folder):
     return folder
 
 
-@pytest.mark.parametrize("shared", ["another_users_folder", "a_file_others_can_write"])
+@pytest.mark.parametrize("shared", ["another_users_folder", "a_file_others_can_write", "a_sticky_folder"])
 def test_a_raw_dir_another_user_can_change_is_never_prepared_from(tmp_path, monkeypatch, enforced, shared):
-    """The raw files are hashed (the copy's name), then parsed by path: another user who could change them swapped
-    the test split in between, and the copy kept the honest files' name and digests with their data, read by every
-    later run from the user's own honest files (round 25, r25-48). Refused before a byte is hashed."""
+    """The raw files are hashed (the copy's name), then listed and parsed again by path: another user who could
+    change them swapped the test split in between (round 25, r25-48), or in a sticky folder such as /tmp added a file
+    the builder picks before the hashed one and removed it after (round 26, r26-21/23); the copy kept the honest
+    files' name and digests with their data, read by every later run from the user's own honest files. Refused
+    before a byte is hashed."""
     from lconv.data import tfds_ddtp
 
     raw = _iwslt_files(tmp_path / "raw")
     if shared == "another_users_folder":
         helpers.make_another_users(raw, monkeypatch)
-    else:
+    elif shared == "a_file_others_can_write":
         (raw / "test.de").chmod(0o666)
+    else:
+        raw.chmod(0o1777)
     with pytest.raises(UserError) as error:
         tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))
     helpers.one_line_error(error, f"config.data.raw_dir={raw}", shared_folders.OPT_IN)
@@ -372,9 +376,16 @@ def test_a_raw_file_changed_while_its_copy_is_built_leaves_no_copy(tmp_path, mon
     monkeypatch.setattr(copy_guards, "no_progress_bars", quiet)
     builder = tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))  # the file is final now
     assert len(builder.as_data_source(split="test")) == 9
+    # A file that appeared or went meanwhile (an optional split of your own files): one line, not a KeyError
+    fingerprint = tfds_ddtp.source_fingerprint("iwslt14/de_en", str(raw))
+    fewer = {**fingerprint, "files": {k: v for k, v in fingerprint["files"].items() if k != "test.de"}}
+    with pytest.raises(UserError) as error:
+        tfds_ddtp._check_unchanged("iwslt14/de_en", fewer, {"raw_dir": str(raw)})
+    helpers.one_line_error(error, str(raw), "test.de", "appeared or went")
 
 
-@pytest.mark.parametrize("bad", ["another_users_data_dir", "unknown_dataset"])
+@pytest.mark.parametrize("bad", ["another_users_data_dir", "unknown_dataset", "another_users_raw_dir",
+                                 "no_raw_dir"])
 def test_train_refuses_a_data_dir_or_dataset_before_its_workdir_is_made(tmp_path, monkeypatch, enforced, bad):
     """Refused at the data's first read, train.py had already made the workdir and stored its config there
     (round 25, r25-3 and r25-35): a rerun with the fix then met a config it had never trained."""
@@ -385,13 +396,19 @@ def test_train_refuses_a_data_dir_or_dataset_before_its_workdir_is_made(tmp_path
     config = tiny_config.get_config()
     config.data.data_dir = str(tmp_path / "tfds")
     (tmp_path / "tfds").mkdir()
+    named = {"another_users_data_dir": "another user", "unknown_dataset": "evil:X",
+             "another_users_raw_dir": "config.data.raw_dir", "no_raw_dir": "no such folder"}[bad]
     if bad == "another_users_data_dir":
         helpers.make_another_users(tmp_path / "tfds", monkeypatch)
-    else:
+    elif bad == "unknown_dataset":
         config.data.dataset = "evil:X"
+    else:
+        config.data.dataset, config.data.raw_dir = "iwslt14/de_en", str(tmp_path / "raw")
+        if bad == "another_users_raw_dir":
+            helpers.make_another_users(_iwslt_files(tmp_path / "raw"), monkeypatch)
     with pytest.raises(UserError) as error:
         loop.train_and_evaluate(config, str(tmp_path / "run"))
-    helpers.one_line_error(error, "another user" if bad == "another_users_data_dir" else "evil:X")
+    helpers.one_line_error(error, named)
     assert not (tmp_path / "run").exists()
 
 
@@ -614,6 +631,57 @@ def test_the_apis_compilation_cache_is_never_one_another_user_could_fill(tmp_pat
         assert config.jax_enable_compilation_cache is False
     (line,) = [m for m in lconv_log() if "compiled programs" in m]
     assert f"{shared} can be written by other users" in line
+
+
+def test_a_refused_compilation_cache_is_left_even_where_the_process_compiled_before(tmp_path, enforced,
+                                                                                    lconv_log):
+    """A notebook's earlier cell compiled with ``$JAX_COMPILATION_CACHE_DIR`` another user can fill: JAX had then
+    taken the folder as its cache for good, and ``lconv.load``'s refusal ("not kept") left it in use: the decode
+    program was written there and read back (round 26, r26-19)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    from lconv.run import compilation_cache
+
+    shared = tmp_path / "shared"
+    (shared / "cc").mkdir(parents=True)
+    shared.chmod(0o777)
+    min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+    with helpers.jax_cache_config() as config:
+        try:
+            config.update("jax_enable_compilation_cache", True)
+            config.update("jax_compilation_cache_dir", str(shared / "cc"))
+            config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax_cache.reset_cache()
+            jax.jit(lambda x: x * 5.0 + 1.0)(jnp.ones(3))  # the earlier cell: the folder is JAX's cache now
+            kept = sorted(os.listdir(shared / "cc"))
+            assert kept  # (so the folder was in use)
+            assert compilation_cache.use_user_folder() is None
+            jax.jit(lambda x: x * 7.0 - 2.0)(jnp.ones(3))
+            assert sorted(os.listdir(shared / "cc")) == kept
+        finally:
+            config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+            jax_cache.reset_cache()  # the next test's programs go to the suite's own cache again
+    assert any("compiled programs are not kept" in m for m in lconv_log())
+
+
+def test_an_export_loaded_keeps_no_program_in_a_cache_another_user_could_fill(tmp_path, enforced, lconv_log):
+    """``lconv.export.load`` (and ``python -m lconv.export``, ``lconv.import_fairseq``) compiled with
+    ``$JAX_COMPILATION_CACHE_DIR`` unchecked: another user swapped the cached program, and the export returned their
+    program's outputs (round 26, r26-18). The same check as ``lconv.load``'s, before anything compiles."""
+    from lconv import export
+
+    shared = tmp_path / "shared"
+    (shared / "cc").mkdir(parents=True)
+    shared.chmod(0o777)
+    with helpers.jax_cache_config() as config:
+        config.update("jax_enable_compilation_cache", True)
+        config.update("jax_compilation_cache_dir", str(shared / "cc"))
+        with pytest.raises(UserError):  # checked before the folder is read: the cache is off by then
+            export.load(str(tmp_path / "no_export"))
+        assert config.jax_enable_compilation_cache is False
+    assert any("compiled programs are not kept" in m for m in lconv_log())
 
 
 def test_the_benchmarks_doc_another_user_owns_is_refused_before_any_suite(tmp_path, capsys, monkeypatch, enforced):

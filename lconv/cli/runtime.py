@@ -101,7 +101,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
     import jax
 
     if choice is not None and choice.lower() == "none":
-        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.turn_off()
         return None
     if choice:
         paths.check_url(choice, "--compilation_cache")
@@ -116,7 +116,7 @@ def enable_compilation_cache(workdir: str, choice: str | None = None) -> str | N
     if problem:  # said once here, rather than by JAX at every compile
         source = "$JAX_COMPILATION_CACHE_DIR" if chosen else "this user's cache; --compilation_cache=DIR names another"
         logging.getLogger(__name__).warning(f"compiled programs are not kept: {folder} {problem} ({source})")
-        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.turn_off()
         return None
     old = os.path.join(workdir, COMPILATION_CACHE)
     if not paths.is_url(workdir) and os.path.isdir(old) and os.path.realpath(old) != os.path.realpath(folder):

@@ -63,12 +63,17 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
     if not paths.is_url(data_dir):  # tfds writes by path: a folder swapped for a link would move what it writes
         shared_folders.check_way(data_dir, f"--data_dir={data_dir}")
         shared_folders.check(os.path.join(data_dir, builder_name), f"--data_dir={data_dir}")
-        shared_folders.check_way(download_dir or os.path.join(data_dir, "downloads"), f"--data_dir={data_dir}")
+        downloads = download_dir or os.path.join(data_dir, "downloads")
+        shared_folders.check_way(downloads, f"--data_dir={data_dir}")
+        if os.path.isdir(downloads):  # tfds reads what is there back by path: a planted archive or extracted file
+            shared_folders.check(downloads, f"--data_dir={data_dir}")
     else:  # downloads read back by path, and the build staged in a new owner-only folder beside them, uploaded
         download_dir = download_dir or os.path.join(paths.local_cache_dir(), "downloads")
         label = f"the local staging of --data_dir={data_dir}"
         shared_folders.check_way(os.path.dirname(os.path.abspath(download_dir)), label)  # not all else it holds
         paths.private_folder(download_dir, label)
+    if manual_dir and not paths.is_url(manual_dir):  # read by path into the copy, as the downloads are
+        shared_folders.check(manual_dir, f"--manual_dir={manual_dir}")
     if not has_tensorflow():
         raise UserError(f"preparing {name} needs TensorFlow ({TENSORFLOW_NEEDED.get(builder_name, 'tfds')}): "
                         f"{INSTALL}, then run this again (training reads it without TensorFlow)")

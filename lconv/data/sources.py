@@ -97,12 +97,17 @@ def config_spec(config: DataConfig) -> DatasetSpec:
 
 def check_before_writing(config: DataConfig) -> None:
     """What train.py checks of the data before it writes anything in a new workdir: the dataset names one
-    (``config_spec``), and no other user can change the way to a local data_dir (as preparing or reading a copy
-    there would check later, after the workdir was made)."""
+    (``config_spec``), no other user can change the way to a local data_dir, and a raw_dir is a folder no other user
+    can change (as preparing or reading a copy would check later, after the workdir was made)."""
     config_spec(config)
     data_dir = _data_dir(config.data_dir)
     if not paths.is_url(data_dir):
         shared_folders.check_way(data_dir, f"config.data.data_dir={config.data_dir}")
+    if config.raw_dir is not None and not paths.is_url(config.raw_dir):  # as preparing from it checks it
+        raw_dir = paths.normalize(config.raw_dir)
+        if not os.path.isdir(raw_dir):
+            raise UserError(f"config.data.raw_dir={config.raw_dir}: no such folder; name the folder of the raw files")
+        shared_folders.check(raw_dir, f"config.data.raw_dir={raw_dir}")
 
 
 def display_name(config: DataConfig) -> str:

@@ -215,12 +215,14 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
     cls, _ = _builder_class(name)
     files = _source_files(name, raw_dir, layout)
     folder = raw_dir if layout is None else layout.folder
+    if folder is not None and not paths.is_url(folder):
+        # hashed here, then listed and parsed again by the builder: another user who could change the folder (add a
+        # file the builder would pick, even in a sticky one) would give the copy this name and digests with their
+        # data, as a planted copy would. The folder is checked whole, as a run's is.
+        shared_folders.check(folder, f"config.data.raw_dir={folder}")
     for path in files.values():  # a link out of the folder (a run from elsewhere naming it) is never read
         if folder is not None:
             paths.check_file(path, within=folder)
-            # hashed here, parsed later by path: another user who can change a file could swap it in between, and
-            # the copy would carry this file's name and digest with their data, as a planted copy would
-            shared_folders.check(path, f"config.data.raw_dir={folder}")
     described = {role: {"file": paths.basename(path), "bytes": paths.size(path), "sha256": _sha256(path, folder)}
                  for role, path in sorted(files.items())}
     identity = {"dataset": name, "version": str(cls.VERSION),
@@ -382,7 +384,12 @@ def _check_unchanged(name: str, fingerprint: dict, options: dict) -> None:
     folder = fingerprint["raw_dir"]
     if folder is None:  # the bundled snapshot, inside the package
         return
-    for role, path in _source_files(name, options.get("raw_dir"), options.get("layout")).items():
+    files = _source_files(name, options.get("raw_dir"), options.get("layout"))
+    if set(files) != set(fingerprint["files"]):  # a file added or removed meanwhile
+        changed = sorted(set(files) ^ set(fingerprint["files"]))[0]
+        raise UserError(f"{folder}: its {changed} file appeared or went while {fingerprint['dataset']} was prepared "
+                        "from it; nothing was kept: prepare it again once the folder is final")
+    for role, path in files.items():
         if paths.sha256(path, within=folder) != fingerprint["files"][role]["sha256"]:
             raise UserError(f"{path} changed while {fingerprint['dataset']} was prepared from it; nothing was kept: "
                             "prepare it again once the file is final")

@@ -45,7 +45,7 @@ from lconv.export import files
 from lconv.export.files import FORMAT_VERSION
 from lconv.infer import compiled, source_lengths
 from lconv.ops import conv as ops_conv
-from lconv.run import backend, restore, schema
+from lconv.run import backend, compilation_cache, restore, schema
 
 SIDECAR = EXPORT_SIDECAR
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # jax.export's platform names
@@ -187,6 +187,7 @@ class Served:
 
     def __init__(self, path: str):
         backend.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, as on the CLIs
+        compilation_cache.use_user_folder()  # the programs compile at the first call: never into another user's cache
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise UserError(f"lconv.export.load: path must be an export's folder (a non-empty string); got "
                             f"{path!r:.60}")

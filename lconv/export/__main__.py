@@ -9,7 +9,7 @@ from lconv import outputs
 from lconv.cli import programs, runtime
 from lconv.decode_settings import SAMPLING_DEFAULTS
 from lconv.errors import UserError
-from lconv.run import restore, schema
+from lconv.run import compilation_cache, restore, schema
 
 
 def _flag(name: str) -> str:
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         console.show_log("stdout")
         with runtime.user_errors():
             runtime.check_backend()  # JAX_PLATFORMS naming a backend that is not there: one line, first
+            compilation_cache.use_user_folder()  # an entry is code: never from a folder another user could fill
             rows, widths = (_integers(F[name].value, f"--{name}") for name in ("rows", "widths"))
             restore.check_checkpoint_choice(F.average_last, F.checkpoint)
             schema.check_search(beam_size=F.beam_size, spell=_flag, no_repeat_ngram_size=F.no_repeat_ngram_size,

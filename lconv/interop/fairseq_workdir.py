@@ -17,7 +17,7 @@ from etils import epath
 from flax.linen import meta as nn_meta
 
 from lconv import outputs
-from lconv.data import paths
+from lconv.data import paths, sources
 from lconv.data import tokenizer as tokenizer_lib
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_lm, fairseq_vocab
@@ -66,6 +66,7 @@ def import_checkpoint(checkpoint: str, dictionary: str, spm: str | None, workdir
         config = translation_config(fields, dataset, decode)
         params = fairseq.lconv_params(weights, fields, orders)
     typed = schema.validate_config(config)
+    sources.config_spec(typed.data)  # --dataset names one, as train.py checks it: not stored for eval.py to find
     model = model_setup.build_model(typed, vocab.size)
     boxed = _as_model_tree(model, typed, params)
     workdir = workdir_lib.make_workdir(workdir)

@@ -35,9 +35,19 @@ def check_chosen() -> bool:
     problem = shared(chosen)
     if problem:
         logger.warning(f"compiled programs are not kept: {chosen} {problem}")
-        jax.config.update("jax_enable_compilation_cache", False)
+        turn_off()
         return False
     return True
+
+
+def turn_off() -> None:
+    """No compiled program kept or read from here on, even where the process compiled before: JAX decides at its
+    first compile whether the cache is used and keeps that answer until it is reset."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
 
 
 def use_user_folder() -> str | None:
