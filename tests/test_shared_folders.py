@@ -616,25 +616,32 @@ def test_a_run_or_output_named_with_a_dotdot_after_a_link_is_checked_as_given(tm
         eval_program._check_writable(str(tmp_path / "lk" / ".." / "o.txt"), "--output_file")
 
 
-def test_the_apis_compilation_cache_is_never_one_another_user_could_fill(tmp_path, enforced, lconv_log):
-    """``lconv.load`` took ``$JAX_COMPILATION_CACHE_DIR`` (or this process's choice) unchecked, and a program another
-    user planted there ran (r20-24). One warning, and programs are compiled every time."""
-    from lconv.run import compilation_cache
-
+@pytest.fixture
+def shared_cache(tmp_path, enforced):
+    """``$JAX_COMPILATION_CACHE_DIR`` chosen in a folder every user can write: ``(folder, jax.config)``, the settings
+    put back after."""
     shared = tmp_path / "shared"
     (shared / "cc").mkdir(parents=True)
     shared.chmod(0o777)
     with helpers.jax_cache_config() as config:
         config.update("jax_enable_compilation_cache", True)
         config.update("jax_compilation_cache_dir", str(shared / "cc"))
-        assert compilation_cache.use_user_folder() is None
-        assert config.jax_enable_compilation_cache is False
+        yield shared / "cc", config
+
+
+def test_the_apis_compilation_cache_is_never_one_another_user_could_fill(shared_cache, lconv_log):
+    """``lconv.load`` took ``$JAX_COMPILATION_CACHE_DIR`` (or this process's choice) unchecked, and a program another
+    user planted there ran (r20-24). One warning, and programs are compiled every time."""
+    from lconv.run import compilation_cache
+
+    folder, config = shared_cache
+    assert compilation_cache.use_user_folder() is None
+    assert config.jax_enable_compilation_cache is False
     (line,) = [m for m in lconv_log() if "compiled programs" in m]
-    assert f"{shared} can be written by other users" in line
+    assert f"{folder.parent} can be written by other users" in line
 
 
-def test_a_refused_compilation_cache_is_left_even_where_the_process_compiled_before(tmp_path, enforced,
-                                                                                    lconv_log):
+def test_a_refused_compilation_cache_is_left_even_where_the_process_compiled_before(shared_cache, lconv_log):
     """A notebook's earlier cell compiled with ``$JAX_COMPILATION_CACHE_DIR`` another user can fill: JAX had then
     taken the folder as its cache for good, and ``lconv.load``'s refusal ("not kept") left it in use: the decode
     program was written there and read back (round 26, r26-19)."""
@@ -644,43 +651,33 @@ def test_a_refused_compilation_cache_is_left_even_where_the_process_compiled_bef
 
     from lconv.run import compilation_cache
 
-    shared = tmp_path / "shared"
-    (shared / "cc").mkdir(parents=True)
-    shared.chmod(0o777)
-    min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
-    with helpers.jax_cache_config() as config:
-        try:
-            config.update("jax_enable_compilation_cache", True)
-            config.update("jax_compilation_cache_dir", str(shared / "cc"))
-            config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-            jax_cache.reset_cache()
-            jax.jit(lambda x: x * 5.0 + 1.0)(jnp.ones(3))  # the earlier cell: the folder is JAX's cache now
-            kept = sorted(os.listdir(shared / "cc"))
-            assert kept  # (so the folder was in use)
-            assert compilation_cache.use_user_folder() is None
-            jax.jit(lambda x: x * 7.0 - 2.0)(jnp.ones(3))
-            assert sorted(os.listdir(shared / "cc")) == kept
-        finally:
-            config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
-            jax_cache.reset_cache()  # the next test's programs go to the suite's own cache again
+    folder, config = shared_cache
+    min_seconds = config.jax_persistent_cache_min_compile_time_secs
+    try:
+        config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax_cache.reset_cache()
+        jax.jit(lambda x: x * 5.0 + 1.0)(jnp.ones(3))  # the earlier cell: the folder is JAX's cache now
+        kept = sorted(os.listdir(folder))
+        assert kept  # (so the folder was in use)
+        assert compilation_cache.use_user_folder() is None
+        jax.jit(lambda x: x * 7.0 - 2.0)(jnp.ones(3))
+        assert sorted(os.listdir(folder)) == kept
+    finally:
+        config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+        jax_cache.reset_cache()  # the next test's programs go to the suite's own cache again
     assert any("compiled programs are not kept" in m for m in lconv_log())
 
 
-def test_an_export_loaded_keeps_no_program_in_a_cache_another_user_could_fill(tmp_path, enforced, lconv_log):
+def test_an_export_loaded_keeps_no_program_in_a_cache_another_user_could_fill(shared_cache, tmp_path, lconv_log):
     """``lconv.export.load`` (and ``python -m lconv.export``, ``lconv.import_fairseq``) compiled with
     ``$JAX_COMPILATION_CACHE_DIR`` unchecked: another user swapped the cached program, and the export returned their
     program's outputs (round 26, r26-18). The same check as ``lconv.load``'s, before anything compiles."""
     from lconv import export
 
-    shared = tmp_path / "shared"
-    (shared / "cc").mkdir(parents=True)
-    shared.chmod(0o777)
-    with helpers.jax_cache_config() as config:
-        config.update("jax_enable_compilation_cache", True)
-        config.update("jax_compilation_cache_dir", str(shared / "cc"))
-        with pytest.raises(UserError):  # checked before the folder is read: the cache is off by then
-            export.load(str(tmp_path / "no_export"))
-        assert config.jax_enable_compilation_cache is False
+    _, config = shared_cache
+    with pytest.raises(UserError):  # checked before the folder is read: the cache is off by then
+        export.load(str(tmp_path / "no_export"))
+    assert config.jax_enable_compilation_cache is False
     assert any("compiled programs are not kept" in m for m in lconv_log())
 
 
