@@ -861,3 +861,26 @@ def test_whatever_spelling_a_copy_uses_tfds_imports_nothing_and_reads_only_insid
             _open_copy(reader, data_dir)
         helpers.one_line_error(error, *named)
     assert "lconv_r14_marker_module" not in sys.modules
+
+
+def test_a_stream_runs_carried_state_counts_in_what_its_manifest_may_list(tmp_path, monkeypatch):
+    """A kNN memory can outweigh the params many times over: bounded by the params alone, a legitimate stream run's
+    checkpoint was refused at lconv.load and init_from. What a checkpoint holds beside the params is counted."""
+    import jax
+    import numpy as np
+
+    from lconv.run import checkpoints, integrity
+
+    params = {"w": np.ones((4,), np.float32)}
+    memory = {"keys": np.random.default_rng(0).standard_normal((256, 256), np.float32)}  # 256 kB beside 16 bytes
+    saver = checkpoints.Checkpointer(str(tmp_path))
+    saver.save(1, {"params": params, "mixer_state": memory}, {}, force=True)
+    saver.close()
+    monkeypatch.setattr(integrity, "METADATA_MAX_BYTES", 4096)  # the metadata allowance, small enough to see
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    reader = checkpoints.Checkpointer(str(tmp_path), read_only=True)
+    with pytest.raises(integrity.CorruptCheckpoint, match="more than"):
+        reader.restore_params(abstract(params), 1)
+    restored = reader.restore_params(abstract(params), 1, also_held=abstract(memory))
+    reader.close()
+    assert np.array_equal(restored["w"], params["w"])

@@ -167,21 +167,24 @@ class Checkpointer:
                                               "a step's folder is named by its step")
         return restored["state"], restored["data"]
 
-    def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
-        """The ``params`` of checkpoint ``step`` alone (a partial restore): evaluation needs no optimizer moments."""
+    def restore_params(self, abstract_params: PyTree, step: int, *, also_held: PyTree = None) -> PyTree:
+        """The ``params`` of checkpoint ``step`` alone (a partial restore): evaluation needs no optimizer moments.
+        ``also_held``: the abstract of the rest the checkpoint holds beside the params' copies (a stream run's
+        carried mixer state, which can outweigh the params), counted in what its manifest may list."""
         item = {"params": abstract_params}
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-        params = self._read(step, args, abstract_params, prefix=("params",))["state"]["params"]
+        params = self._read(step, args, abstract_params, prefix=("params",),
+                            held=(abstract_params, also_held))["state"]["params"]
         integrity.check_finite(params, self._step_dir(step))
         return params
 
-    def _read(self, step: int, args: Any, abstract: PyTree, prefix: tuple[str, ...]) -> Any:
+    def _read(self, step: int, args: Any, abstract: PyTree, prefix: tuple[str, ...], held: PyTree = None) -> Any:
         where = self._step_dir(step)
         if step in self.withheld:
             raise self.withheld[step]
-        self.verified = integrity.verify_manifest(where, required=False,
-                                                  max_bytes=integrity.checkpoint_bound(abstract))
+        bound = integrity.checkpoint_bound(abstract if held is None else held)
+        self.verified = integrity.verify_manifest(where, required=False, max_bytes=bound)
         integrity.check_shapes(str(epath.Path(where) / "state"), abstract, where, self.error_log, prefix=prefix)
         for attempt in range(self.read_attempts):
             try:

@@ -81,6 +81,14 @@ def init_mixer_state(config: RunConfig, model: nn.Module, rows: int,
     return mixer_state.initial(model, args, kwargs, sharding)
 
 
+def abstract_mixer_state(config: RunConfig, model: nn.Module) -> mixer_state.MixerState:
+    """The shapes of the state a training stream carries (``init_mixer_state`` of a train batch), computed without
+    allocating it: part of what a stream run's checkpoint holds."""
+    if not config.data.stream:
+        return mixer_state.empty()
+    return jax.eval_shape(lambda: init_mixer_state(config, model, config.data.batch_size))
+
+
 def param_shardings(config: RunConfig, abstract: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
     """Shardings of a (boxed) pytree from its logical axis names and the config's mesh rules."""
     rules = nn_common.axis_rules(config.mesh.rules)

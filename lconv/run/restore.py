@@ -227,10 +227,11 @@ def load_trained(workdir: str, *, average_last: int = 1, checkpoint: str = "late
                         f"{'s' if len(steps) != 1 else ''} (steps {', '.join(map(str, steps))}); average at most "
                         f"{len(steps)}")
     target = _traced_params(config, model, model_setup.make_mesh(config.mesh, devices))
+    carried = model_setup.abstract_mixer_state(config, model)  # held beside the params by a stream run's steps
     chosen = steps[-average_last:]
     total = None
     for step in chosen:
-        params = ckpt.restore_params(target, step)
+        params = ckpt.restore_params(target, step, also_held=carried)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     ckpt.close()
     return Trained(config, workdir, tokenizer, model,

@@ -95,7 +95,8 @@ class Source:
         """The source checkpoint's params into ``run.state`` (laid out as its own), with a fresh optimizer at step 0."""
         which = run.config.train.init_checkpoint
         ckpt, step = self._checkpointer(run.config)
-        params = ckpt.restore_params(checkpoints.abstract_like(run.state.params), step)
+        params = ckpt.restore_params(checkpoints.abstract_like(run.state.params), step,
+                                     also_held=checkpoints.abstract_like(run.state.mixer_state))
         ckpt.close()
         run.state = run.state.replace(params=params)
         logger.info(f"starting from the params of {self.workdir} ({which} checkpoint, step {step}); a new "
