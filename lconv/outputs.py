@@ -283,7 +283,7 @@ def _signature(path: epath.Path) -> bool:
         owner = os.lstat(path).st_uid
     except OSError:
         return False
-    return owner in (os.getuid(), 0) or not shared_folders.enforced(os.fspath(path))
+    return shared_folders.trusted_owner(os.fspath(path), owner)
 
 
 def checkout_docs(path: str) -> str | None:
@@ -327,7 +327,7 @@ def _small_text(path: str | os.PathLike, limit: int, *, owned: bool = False) -> 
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
             return None
-        if owned and shared_folders.enforced(os.fspath(path)) and info.st_uid not in (os.getuid(), 0):
+        if owned and not shared_folders.trusted_owner(os.fspath(path), info.st_uid):
             return None
         return f.read(limit + 1).decode("utf-8", errors="replace")
 

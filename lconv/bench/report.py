@@ -95,7 +95,7 @@ def _read_doc(doc_path: str) -> str:
             raise UserError(f"{refusal}, and it is not a regular file")
         if info.st_size > _DOC_MAX_BYTES:
             raise UserError(f"{refusal}, and it is over {_DOC_MAX_BYTES >> 20} MB")
-        if shared_folders.enforced(doc_path) and info.st_uid not in (os.getuid(), 0):
+        if not shared_folders.trusted_owner(doc_path, info.st_uid):
             raise UserError(f"{refusal}, and it belongs to another user (uid {info.st_uid})")
         return f.read(_DOC_MAX_BYTES + 1).decode("utf-8", errors="replace")
 
