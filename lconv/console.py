@@ -48,6 +48,7 @@ def show_log(stream: str = "stdout") -> None:
     logger.propagate = False
 
 
+STDOUT_NAMES = ("-", "/dev/stdout")  # an output file named so is printed (eval.py --output_file)
 # C0 controls but tab and newline, DEL and C1 controls: ESC, BEL and CSI drive the terminal (title, screen, colour).
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 

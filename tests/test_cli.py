@@ -245,6 +245,27 @@ def test_eval_py_writes_nbest_lists_with_the_apis_scores(tmp_path, monkeypatch, 
         assert [(text, score) for score, text, _ in entries] == written
         for (_, _, token_scores), entry in zip(entries, expected[index], strict=True):
             np.testing.assert_allclose(token_scores, entry["token_scores"], atol=5e-5)  # printed to 4 decimals
+    code, out, err = helpers.run_cli(capsys, "eval.py", f"--workdir={workdir}", f"--source_file={tmp_path / 'in.txt'}",
+                                     "--output_file=-", "--beam_size=3", "--nbest=2", "--compilation_cache=none")
+    assert code == 0, err
+    assert out == (tmp_path / "out.txt").read_text() and "outputs written" not in out  # the log goes to stderr
+
+
+def test_printed_outputs_are_escaped_on_a_terminal_only():
+    """``--output_file=-`` prints a run's text: on a terminal its control characters (which set the title or clear
+    the screen) are shown as escapes; through a pipe the bytes are the program's data, as written to a file."""
+    import io
+
+    from lconv.cli import eval_program
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    text = "a \x1b]0;title\x07b\n"
+    for stream, expected in ((io.StringIO(), text), (Terminal(), "a \\x1b]0;title\\x07b\n")):
+        eval_program._write_text(stream, text)
+        assert stream.getvalue() == expected
 
 
 def test_eval_py_samples_translations_as_the_api_does(tmp_path, monkeypatch):

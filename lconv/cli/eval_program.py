@@ -72,6 +72,7 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
         return _score_split(trained, settings, workdir, split, stem, members, split_data_dir)
     if data_dir is not None:
         raise UserError("--data_dir goes with scoring a split (eval.py --split=...); --source_file is read as given")
+    printed = output_file in console.STDOUT_NAMES
     source_file, reference_file, output_file = (None if f is None else paths.expand(f)  # ~ as the user's home
                                                 for f in (source_file, reference_file, output_file))
     sources = read_lines(source_file, "--source_file")
@@ -79,7 +80,9 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     if references is not None and len(references) != len(sources):
         raise UserError(f"--reference_file has {len(references)} lines for {len(sources)} source lines "
                         f"({reference_file} vs {source_file}); they must pair line by line")
-    if output_file is None:
+    if printed:
+        output_file = stdout or sys.stdout
+    elif output_file is None:
         output_file = os.path.join(workdir, f"output.{eval_ensemble.NAME}.txt" if others else "output.txt")
         _check_writable(output_file, f"the default --output_file={output_file} (pass --output_file elsewhere)")
     else:  # never over an input, another command's output or committed docs (lconv.outputs), then writable
@@ -332,7 +335,7 @@ def _split_as_recorded(data: DataConfig, workdir: str, split: str) -> dict[str, 
 
 
 def _translate_file(trained: restore.Trained, sources: Sequence[str], references: Sequence[str] | None,
-                    source_file: str, output_file: str, settings: DecodeSettings, nbest: int | None
+                    source_file: str, output_file: str | TextIO, settings: DecodeSettings, nbest: int | None
                     ) -> dict[str, Any]:
     """Decodes the lines, writes one output per input line (with ``nbest``: ``write_nbest``'s lines), reports what
     was not decoded as given, and scores the best hypotheses against ``references`` (blank sources stay in, as
@@ -347,7 +350,8 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
         _write_lines(output_file, translations.hypotheses)
     scores = {"examples": len(sources), "blank_sources": len(translations.blank), **translations.lengths.counts()}
     if not sources:
-        logger.info(f"--source_file={source_file} has no lines: {output_file} is empty, nothing to score")
+        written = output_file if isinstance(output_file, str) else "the output"
+        logger.info(f"--source_file={source_file} has no lines: {written} is empty, nothing to score")
     if translations.blank:
         scored = "; scored as empty hypotheses" if references is not None else ""
         count = len(translations.blank)
@@ -360,7 +364,7 @@ def _translate_file(trained: restore.Trained, sources: Sequence[str], references
     return scores
 
 
-def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file: str, output_file: str,
+def _generate_file(trained: restore.Trained, prompts: Sequence[str], source_file: str, output_file: str | TextIO,
                    settings: DecodeSettings) -> dict[str, Any]:
     """An LM's continuation of each prompt line, one output line per prompt (a blank prompt starts from BOS)."""
     generator = compiled.Generator(trained.config.infer, trained.model, trained.params)
@@ -438,15 +442,23 @@ def _stdin_lines(stdin: TextIO) -> Iterator[tuple[int, str | None]]:
             yield number, None
 
 
-def _write_lines(path: str, outputs: Sequence[str]) -> None:
-    """One output per line, local or a URL (gs://); process 0 writes (every process holds every output)."""
-    _write_text(path, reports.lines_text(outputs))
+def _write_lines(output: str | TextIO, outputs: Sequence[str]) -> None:
+    """One output per line, to a local file, a URL (gs://) or stdout; process 0 writes (every process holds every
+    output)."""
+    _write_text(output, reports.lines_text(outputs))
 
 
-def _write_text(path: str, text: str) -> None:
-    if jax.process_index() == 0:
-        outputs.write_atomically(path, text)
-        logger.info(f"outputs written to {path}")  # the default, <workdir>/output.txt, is not on the command line
+def _write_text(output: str | TextIO, text: str) -> None:
+    """Writes ``text`` to the file named ``output`` (atomically), or prints it (``--output_file=-``: control
+    characters escaped on a terminal)."""
+    if jax.process_index() != 0:
+        return
+    if isinstance(output, str):
+        outputs.write_atomically(output, text)
+        logger.info(f"outputs written to {output}")  # the default, <workdir>/output.txt, is not on the command line
+    else:
+        output.write(console.printable(text) if console.is_terminal(output) else text)
+        output.flush()
 
 
 def nbest_lines(index: int, entries: Sequence[dict[str, Any]]) -> str:

@@ -44,7 +44,8 @@ def evaluate(argv: list[str] | None = None) -> None:
     flags.DEFINE_string("source_file", None, "Decode this UTF-8 file, one example per line: sources to "
                         "translate/summarise, or an LM's prompts.")
     flags.DEFINE_string("reference_file", None, "References for --source_file, one per line.")
-    flags.DEFINE_string("output_file", None, "Where --source_file's outputs go (default: <workdir>/output.txt).")
+    flags.DEFINE_string("output_file", None, "Where --source_file's outputs go (default: <workdir>/output.txt; "
+                        "'-' or /dev/stdout: printed, the log on stderr).")
     flags.DEFINE_bool("interactive", False, "Read lines from stdin and print each one's output as it is decoded.")
     flags.DEFINE_integer("nbest", None, "Translation runs with --source_file or --interactive: the k best hypotheses "
                          "(or k samples) per source, k <= the beam size, written as fairseq-generate's H-<i> (score, "
@@ -70,7 +71,8 @@ def evaluate(argv: list[str] | None = None) -> None:
 def _evaluate_main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    console.show_log("stderr" if FLAGS.interactive else "stdout")  # --interactive's stdout holds outputs only
+    printed = FLAGS.interactive or FLAGS.output_file in console.STDOUT_NAMES
+    console.show_log("stderr" if printed else "stdout")  # then stdout holds the outputs only
     with runtime.user_errors():
         runtime.initialize()
         runtime.enable_compilation_cache(FLAGS.workdir, FLAGS.compilation_cache)
