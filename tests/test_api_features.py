@@ -117,8 +117,9 @@ def test_load_options_change_the_stored_config_for_this_load_only(tiny_run, lcon
     assert len(twice.module.members) == 2 and twice.steps == stored.steps * 2
     np.testing.assert_allclose(twice.score(SENTENCE, target)["token_scores"], f32, rtol=1e-5, atol=1e-6)
     for kwargs, named in [(dict(dtype="float64"), "dtype='float64'"), (dict(decode_batch_size=-1), "decode_batch_size"),
-                          (dict(max_input_length=0), "max_input_length=0"), (dict(max_input_length=10 ** 6),
-                                                                              "config.model.max_len"),
+                          (dict(max_input_length=0), "max_input_length=0"),
+                          (dict(max_input_length=1), "max_input_length=1"),
+                          (dict(max_input_length=10 ** 6), "config.model.max_len"),
                           (dict(devices="cpu"), "devices")]:
         with pytest.raises(UserError) as error:
             lconv.load(str(tiny_run.workdir), **kwargs)

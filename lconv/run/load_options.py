@@ -21,9 +21,9 @@ def overrides(*, dtype: str | None, decode_batch_size: int | None,
                         "stay float32)")
     if decode_batch_size is not None:
         schema.check_decode({"batch_size": decode_batch_size}, spell=lambda name: "decode_batch_size")
-    if max_input_length is not None and not (integer().test(max_input_length) and max_input_length >= 1):
-        raise UserError(f"max_input_length={max_input_length!r}: must be an integer >= 1 (source tokens, EOS "
-                        "included)")
+    if max_input_length is not None and not (integer().test(max_input_length) and max_input_length >= 2):
+        raise UserError(f"max_input_length={max_input_length!r}: must be an integer >= 2 (source tokens, EOS "
+                        "included: EOS and at least one token)")
     changes = {"model": {"dtype": dtype}, "decode": {"batch_size": decode_batch_size},
                "data": {"eval_max_input_length": max_input_length}}
     changes = {section: {k: v for k, v in fields.items() if v is not None} for section, fields in changes.items()}
