@@ -186,6 +186,33 @@ def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_ru
                          command="test")
 
 
+def test_a_retrained_run_gives_its_archived_figure(studied, tmp_path, lconv_log):
+    """``--retrain``: one archived run trained again in a new output folder while the others are restored and
+    nothing else trains; with the same code on the same host its figure is the archived one, and the comparison
+    says so. Asked for without an archive to compare with, or over it, or for a run the archive lacks: one line."""
+    root, study, records, _ = studied
+    out = tmp_path / "out"
+    shutil.copytree(root / "out" / "tokenizers", out / "tokenizers")
+    archived, docs = str(root / "docs"), str(tmp_path / "docs")
+    for changed, message in [(dict(resume_from=None), "^--retrain goes with --resume_from"),
+                             (dict(docs_dir=archived), "a --docs_dir other than --resume_from"),
+                             (dict(retrain_runs=["lm/transformer/seed9"]), "no run of this study has that name"),
+                             (dict(retrain_runs=["translation/colt5/seed0"]), "has no result of it to compare")]:
+        call = {"docs_dir": docs, "resume_from": archived, "retrain_runs": ["lm/transformer/seed0"], **changed}
+        with pytest.raises(UserError, match=message):
+            driver.run_study(study, str(out), call.pop("docs_dir"), command="test", **call)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XLA_FLAGS", helpers.xla_flags())
+        again = _by_name(driver.run_study(study, str(out), docs, resume_from=archived, command="test",
+                                          retrain_runs=["lm/transformer/seed0"]))
+    (compared,) = json.loads((out / "retrained.json").read_text())
+    assert compared["run"] == "lm/transformer/seed0" and compared["n"] == 1 and compared["within_spread"] is None
+    assert compared["retrained"] == compared["archived"] == _by_name(records)["lm/transformer"]["ppl"]
+    assert again["lm/transformer"]["status"] == "ok" and not again["lm/transformer"].get("restored")
+    assert again["translation/transformer"]["restored"] and again["translation/colt5"]["status"] == "not run"
+    assert any(line.startswith("retrained lm/transformer/seed0: test ppl/token") for line in lconv_log())
+
+
 def test_the_tuning_sweep_chooses_on_validation_and_its_archive_resumes_it(studied, tmp_path, monkeypatch,
                                                                           lconv_log):
     """One rate's short run, its checkpoint decoded on the validation split at two length penalties, then the seed

@@ -393,3 +393,32 @@ def test_round_16_a_runs_damaged_pipe_or_endless_files_are_named_never_waited_on
     with pytest.raises(UserError) as error:
         measure.read_metrics(str(workdir))
     helpers.one_line_error(error, str(workdir / "metrics.jsonl"), "more than")
+
+
+def test_a_retrained_figure_is_set_against_the_archived_seeds_spread(tmp_path):
+    """``--retrain``'s comparison (lconv.study.retrain): the archived seed's figure, and the sample sd of every
+    archived seed of that mixer and task, as the report computes it; within the spread when the change is at most
+    one sd. The end to end retraining: tests/test_study.py -k retrained."""
+    import json
+    import statistics
+
+    from lconv.study import retrain
+
+    root = tmp_path / "results" / "runs"
+    (root / "translation" / "dynamic").mkdir(parents=True)
+    archived = {0: 19.32, 1: 18.40, 2: 20.10}
+    for seed, bleu in archived.items():
+        entry = {"record": {"task": "translation", "mixer": "dynamic", "seed": seed, "bleu": bleu}, "config": {},
+                 "metrics": []}
+        (root / "translation" / "dynamic" / f"seed{seed}.json").write_text(json.dumps(entry))
+    sd = statistics.stdev(archived.values())
+    for retrained, within in ((19.32 + sd * 0.99, True), (19.32 - sd * 1.01, False)):
+        found = retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 0, "status": "ok",
+                                 "bleu": retrained}, str(root))
+        assert (found["archived"], found["n"], found["within_spread"]) == (19.32, 3, within)
+        assert found["sd"] == pytest.approx(sd, rel=1e-12) and found["mean"] == pytest.approx(57.82 / 3, rel=1e-12)
+        assert retrain.describe(found).startswith(f"retrained translation/dynamic/seed0: test BLEU {retrained:.2f}, "
+                                                  "archived 19.32")
+        assert ("within the archived seeds' spread" in retrain.describe(found)) == within
+    failed = retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 2, "status": "failed"}, str(root))
+    assert failed["retrained"] is None and "did not finish; archived test BLEU 20.10" in retrain.describe(failed)

@@ -25,6 +25,9 @@ flags.DEFINE_string("resume_from", None, "A study's docs dir (e.g. docs): its ar
 flags.DEFINE_bool("speed", False, "First measure the speed table: every mixer's train and decode speed at the "
                   "study's sizes, side by side in this one process (run it on an idle host); with --report_only, "
                   "that and the report only.")
+flags.DEFINE_list("retrain", [], "Runs of the --resume_from archive to train again, e.g. lm/transformer/seed0: only "
+                  "these are trained, and each figure is set against the archived one and its seeds' spread "
+                  "(<output_dir>/retrained.json); the report goes to a --docs_dir other than the archive's.")
 flags.mark_flags_as_required(["config", "output_dir"])
 
 
@@ -45,7 +48,8 @@ def main(argv: list[str]) -> None:
             outputs.refuse_links_within(folder, flag)  # the study writes and reads everything below them by name
         command = "python -m lconv.study " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         records = driver.run_study(FLAGS.config, FLAGS.output_dir, FLAGS.docs_dir, report_only=FLAGS.report_only,
-                                   resume_from=FLAGS.resume_from, command=command, measure_speed=FLAGS.speed)
+                                   resume_from=FLAGS.resume_from, command=command, measure_speed=FLAGS.speed,
+                                   retrain_runs=FLAGS.retrain)
     failed = sum(r["status"] == "failed" for r in records)
     print(f"{len(records)} runs: {sum(r['status'] == 'ok' for r in records)} ok, {failed} failed, "
           f"{sum(r['status'] == 'n/a' for r in records)} n/a; report in {FLAGS.docs_dir}/results.md")

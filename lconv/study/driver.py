@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 
-from lconv.study import archive, plan, report, speed, tuning
+from lconv.study import archive, plan, report, retrain, speed, tuning
 from lconv.study import run as run_lib
 
 logger = logging.getLogger(__name__)
@@ -63,12 +64,16 @@ def outcome(planned: plan.Planned, study: ml_collections.ConfigDict, output_dir:
 
 
 def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, *, report_only: bool = False,
-              resume_from: str | None = None, command: str = "", measure_speed: bool = False) -> list[dict[str, Any]]:
+              resume_from: str | None = None, command: str = "", measure_speed: bool = False,
+              retrain_runs: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Runs (or with ``report_only`` collects) the tuning sweeps, every planned run, then writes the report into
-    ``docs_dir``; ``resume_from``: an archive to copy finished runs from; ``measure_speed``: the speed table first."""
+    ``docs_dir``; ``resume_from``: an archive to copy finished runs from; ``measure_speed``: the speed table first;
+    ``retrain_runs``: train only these archived runs again and compare them with the archive (lconv.study.retrain).
+    """
     study = plan.normalize(study)
     plan.check_study(study)
     tuning.check(study)
+    retrain_runs = retrain.check_flags(retrain_runs, resume_from, docs_dir)
     start = time.time()
     archive_root = archive.resolve(resume_from) if resume_from else None
     output_dir = os.path.abspath(os.path.expanduser(output_dir))
@@ -95,20 +100,29 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
         logger.info(f"[tuning] {sweep.name}: {describe(record)}")
         return record
 
-    choices, sweep_records = tuning.choose(study, sweeps, output_dir, None if report_only else launch_sweep)
+    sweeping = not (report_only or retrain_runs)  # a retrained run takes the archived sweep's choice
+    choices, sweep_records = tuning.choose(study, sweeps, output_dir, launch_sweep if sweeping else None)
     planned = plan.expand(study, templates, _recipe(study, choices) if sweeps else None)
     check_runs_match_plan([(p.key.name, p.config, run_dir(output_dir, p.key)) for p in planned], output_dir)
     if archive_root:
+        retrain.check_planned(retrain_runs, planned, archive_root)
         archive.restore([(p.key.name, p.config, run_dir(output_dir, p.key), base_record(p, output_dir))
-                         for p in planned if not p.waiting], archive_root)
+                         for p in planned if not p.waiting and p.key.name not in retrain_runs], archive_root)
     records = []
     for i, item in enumerate(planned, start=1):
-        record = outcome(item, study, output_dir, tokenizers, launch=not report_only)
+        launch = not report_only and (not retrain_runs or item.key.name in retrain_runs)
+        record = outcome(item, study, output_dir, tokenizers, launch=launch)
         records.append(record)
         if not report_only and record["status"] == "ok" and not record.get("skipped"):
             archive.write_archive([record], output_dir, docs_dir)  # committed as it goes: see archive.py
         logger.info(f"[{i}/{len(planned)}] {item.key.name}: {describe(record)}")
         run_lib.write_json(os.path.join(output_dir, "records.json"), records)
+    if retrain_runs:
+        compared = [retrain.compare(r, archive_root) for r in records if r.get("kind") == "seed"
+                    and plan.RunKey(r["task"], r["mixer"], r["seed"]).name in retrain_runs]
+        run_lib.write_json(os.path.join(output_dir, "retrained.json"), compared)
+        for comparison in compared:
+            logger.info(retrain.describe(comparison))
     meta = {"command": command, "output_dir": output_dir, "invocation_seconds": time.time() - start,
             "report_only": report_only}
     report.write_report(study, records, docs_dir, meta, output_dir, sweep_records, choices)

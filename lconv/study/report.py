@@ -349,6 +349,9 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "RSS = the run process's `ru_maxrss` (runtime, data and compilations included); s/run = the run's wall "
         "time. Spread: ± sample standard "
         "deviation over n finished seeds; \"> spread\" = the gap exceeds the sum of the two sds.\n",
+        "**Checking a result**: `--resume_from=<this docs dir> --retrain=<task>/<mixer>/seed<k>` (with another "
+        "`--docs_dir`) trains that run again and sets its figure against the archived one and the spread of its "
+        "archived seeds.\n",
         *tuning,
     ]
     for task in study.tasks:
