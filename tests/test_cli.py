@@ -377,6 +377,9 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
     assert runtime.resolve_config_argument(["p", "--config=default"]) == ["p", f"--config={packaged}"]
     (tmp_path / "mine.py").write_text("")
     assert runtime.resolve_config_argument(["p", "--config=mine.py:x"]) == ["p", "--config=mine.py:x"]
+    (tmp_path / "default.py").write_text("raise SystemExit('planted')")  # a bare packaged name is never this file
+    assert runtime.resolve_config_argument(["p", "--config=default.py"]) == ["p", f"--config={packaged}"]
+    assert runtime.resolve_config_argument(["p", "--config=./default.py"]) == ["p", "--config=./default.py"]
     assert runtime.resolve_config_argument(["p", "--config=configs/default.py"]) == [
         "p", "--config=configs/default.py"]  # a path: left for ml_collections to load (or name as missing)
     with pytest.raises(UserError, match="^--config=nope: no such file, nor a config packaged with lconv; "

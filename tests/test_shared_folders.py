@@ -772,3 +772,27 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_walked_to_its_bottom(tmp_
     finally:
         sys.setrecursionlimit(limit)
     assert found[0].startswith(str(deep / "planted")) and "written by other users" in found[0]
+
+
+def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monkeypatch, enforced):
+    """A config file is code train.py runs (r27-13): another user's file, or one in a folder others can write, is
+    one line; the user's own file in a sticky folder (/tmp) is loaded. A packaged config's name never reads the
+    working folder (tests/test_cli.py -k packaged_config)."""
+    from lconv.cli import runtime
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    config = shared / "mine.py"
+    config.write_text("")
+    shared.chmod(0o777)
+    with pytest.raises(UserError, match=f"^--config={config}.*{shared} can be written by other users"):
+        runtime.resolve_config_argument(["p", f"--config={config}"])
+    shared.chmod(0o1777)
+    assert runtime.resolve_config_argument(["p", f"--config={config}:x"]) == ["p", f"--config={config}:x"]
+    real_uid = os.getuid()
+    if real_uid == 0:
+        os.chown(config, 4243, -1)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4243)
+    with pytest.raises(UserError, match=f"^{config}: belongs to another user .*a config file is code"):
+        runtime.resolve_config_argument(["p", f"--config={config}"])

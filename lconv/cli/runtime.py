@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
-from lconv import console, outputs
+from lconv import console, outputs, shared_folders
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import compilation_cache, host_memory
@@ -272,10 +272,10 @@ def _packaged_config_dir() -> str:
 
 
 def resolve_config_argument(argv: list[str]) -> list[str]:
-    """``--config=NAME[:ARGS]`` naming a packaged config (``default``, ``wmt_en_de.py``) rather than an existing
-    file -> the packaged file's path, which is what ml_collections loads: ``python -m lconv.train
-    --config=default`` works from any directory, one holding a workdir named ``default`` too. A file that exists is
-    kept as it is, and so is anything with a slash (ml_collections then names the missing file)."""
+    """``--config=NAME[:ARGS]`` naming a packaged config (``default``, ``wmt_en_de.py``) -> the packaged file's
+    path, which is what ml_collections loads: ``python -m lconv.train --config=default`` works from any directory,
+    whatever it holds (a file of that name there is ``./default``). Any other name is a file, kept as it is once it
+    is found to be this user's (ml_collections names a missing one)."""
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == "--config" and i + 1 < len(out):
@@ -287,13 +287,24 @@ def resolve_config_argument(argv: list[str]) -> list[str]:
 
 def _config_path(value: str) -> str:
     name, colon, args = value.partition(":")
-    if os.path.isfile(name) or "/" in name or os.sep in name:  # a folder named "default" (a workdir) is no config
-        return value
     packaged = os.path.join(_packaged_config_dir(), name.removesuffix(".py") + ".py")
-    if not os.path.isfile(packaged):
-        raise UserError(f"--config={value}: no such file, nor a config packaged with lconv; packaged: "
-                        f"{', '.join(packaged_configs())}")
-    return packaged + colon + args
+    bare = "/" not in name and os.sep not in name
+    if bare and os.path.isfile(packaged):  # a packaged name is the packaged config, whatever the folder holds
+        return packaged + colon + args
+    if not bare or os.path.isfile(name):
+        _check_config_file(name, value)
+        return value
+    raise UserError(f"--config={value}: no such file, nor a config packaged with lconv; packaged: "
+                    f"{', '.join(packaged_configs())}")
+
+
+def _check_config_file(path: str, value: str) -> None:
+    """A config file is code this process runs: one line when another user owns it or could replace it."""
+    if not os.path.isfile(path):
+        return  # ml_collections names the missing file
+    why = "a config file is code that lconv would run as you"
+    shared_folders.check_owner(path, why)
+    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
 
 
 def _flag_error_line(err: BaseException, argv: list[str]) -> str:
