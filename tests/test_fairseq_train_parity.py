@@ -19,6 +19,7 @@ figures).
 """
 import dataclasses
 import functools
+import json
 import pathlib
 
 import numpy as np
@@ -96,6 +97,38 @@ def test_a_folder_that_is_not_a_recording_is_one_line(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
     assert "no meta.json" in lines[1] and "lacks state_update000.npz" in lines[2]
+
+
+def test_a_recordings_arrays_are_read_bounded_and_bad_ones_are_one_line(tmp_path, monkeypatch, capsys):
+    """A small .npz that inflates to gigabytes was read until memory ran out, and a damaged one was a traceback
+    (round 27, r27-36/22); a negative or NaN --factor was taken, turning a FAIL into a PASS (r27-23)."""
+    import shutil
+
+    from lconv.data import paths
+    from lconv.errors import UserError
+
+    shutil.copytree(RECORDING, tmp_path / "rec")
+    run = fairseq_recording.find_runs(str(tmp_path / "rec" / RUN_B))[0]
+    assert set(run.batches()) == set(_run(RUN_B).batches())
+    np.savez_compressed(tmp_path / "rec" / RUN_B / "batches.npz", n_micro=np.zeros(1 << 22, np.int64))  # 32 MiB
+    with monkeypatch.context() as patch:
+        patch.setattr(paths, "memory_read_limit", lambda copies: 1 << 20)  # a host with little memory to spare
+        with pytest.raises(UserError, match=r"batches.npz: its arrays decompress to 33,554,\d+ bytes .*1,048,576"):
+            run.batches()
+    (tmp_path / "rec" / RUN_B / "batches.npz").write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(UserError, match="batches.npz: not a readable .npz of arrays"):
+        run.batches()
+    for factor in ("-1e-9", "nan", "0"):
+        assert fairseq_replay.main([str(tmp_path / "rec"), f"--factor={factor}"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all("must be a number above 0" in line for line in lines)
+    escape = "r\x1b]0;title\x07\x1b[2J"  # a recording's run name, printed: it set the terminal's title and cleared it
+    (tmp_path / "esc").mkdir()
+    (tmp_path / "esc" / "meta.json").write_text(json.dumps({"runs": {escape: {"model_args": {}, "cfg": {}}}}))
+    (tmp_path / "esc" / escape).mkdir()
+    assert fairseq_replay.main([str(tmp_path / "esc")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "\x1b" not in line and "r\\x1b]0;title\\x07" in line
 
 
 def test_settings_the_replay_cannot_reproduce_are_refused_in_one_line():

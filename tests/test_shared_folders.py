@@ -796,3 +796,23 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
         monkeypatch.setattr(os, "getuid", lambda: 4243)
     with pytest.raises(UserError, match=f"^{config}: belongs to another user .*a config file is code"):
         runtime.resolve_config_argument(["p", f"--config={config}"])
+
+
+def test_the_study_and_the_fairseq_replay_keep_no_program_in_a_cache_another_user_could_fill(shared_cache,
+                                                                                            tmp_path, lconv_log):
+    """The study's driver (its planning compiles) and ``python -m lconv.interop.fairseq_replay`` compiled with
+    ``$JAX_COMPILATION_CACHE_DIR`` unchecked: another user's swapped train step turned the replay's PASS into a FAIL
+    (round 27, r27-14/15). Both make ``lconv.load``'s check before anything compiles."""
+    from lconv.configs import study as study_config
+    from lconv.interop import fairseq_replay
+    from lconv.study import driver
+
+    _, config = shared_cache
+    with pytest.raises(UserError):  # refused after the check: nothing is planned or compiled
+        driver.run_study(study_config.get_config("quick"), str(tmp_path / "out"), str(tmp_path / "docs"),
+                         resume_from=str(tmp_path / "no_docs"))
+    assert config.jax_enable_compilation_cache is False
+    config.update("jax_enable_compilation_cache", True)
+    assert fairseq_replay.main([str(tmp_path / "no_recording")]) == 2
+    assert config.jax_enable_compilation_cache is False
+    assert sum("compiled programs are not kept" in m for m in lconv_log()) == 2

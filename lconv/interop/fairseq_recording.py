@@ -7,14 +7,18 @@ docs/fairseq.md, "A recorded fairseq-train run".
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import zipfile
 from typing import Any
 
 import numpy as np
 from etils import epath
 
+from lconv import shared_folders
 from lconv.constants import PAD_ID
-from lconv.errors import UserError
+from lconv.data import paths
+from lconv.errors import UserError, first_line
 from lconv.interop import fairseq_vocab
 
 FAIRSEQ_PAD, FAIRSEQ_EOS = 1, 2
@@ -44,13 +48,12 @@ class RecordedRun:
     noise_floor: NoiseFloor
 
     def batches(self) -> dict[str, np.ndarray]:
-        with (self.folder / "batches.npz").open("rb") as f:
-            return dict(np.load(f))
+        return read_npz(self.folder / "batches.npz")
 
     def state(self, update: int) -> dict[str, np.ndarray]:
         """fairseq's weights after ``update`` updates (0, 1 or the last), float32, fairseq's names."""
-        with (self.folder / f"state_update{update:03d}.npz").open("rb") as f:
-            state = {k: np.asarray(v, np.float32) for k, v in np.load(f).items()}
+        arrays = read_npz(self.folder / f"state_update{update:03d}.npz")
+        state = {k: np.asarray(v, np.float32) for k, v in arrays.items()}
         shared = "decoder.embed_tokens.weight"  # not stored when tied: the encoder's tensor itself
         if self.model_args.get("share_all_embeddings") and shared not in state:
             state[shared] = state["encoder.embed_tokens.weight"]
@@ -63,12 +66,36 @@ class RecordedRun:
                  ("src_tokens", "src_lengths", "prev_output_tokens", "target")} for m in range(count)]
 
 
+NPZ_COPIES = 3  # a recording's arrays are held about this many times over while a replay reads them
+
+
+def read_npz(path: epath.Path) -> dict[str, np.ndarray]:
+    """The arrays of a recording's ``.npz``, or one line naming it: refused before anything is decompressed when
+    its zip directory declares more bytes than memory can hold (a small file of zeros that inflates to gigabytes)."""
+    limit = paths.memory_read_limit(NPZ_COPIES)
+    data = paths.read_bytes(path, "missing: the recording is incomplete", limit=limit)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            declared = sum(member.file_size for member in archive.infolist())
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise UserError(f"{path}: not a readable .npz of arrays ({first_line(err, 120)})") from None
+    if declared > limit:
+        raise UserError(f"{path}: its arrays decompress to {declared:,} bytes (the zip directory says), more "
+                        f"than the {limit:,} this host can hold for them")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            return {name: arrays[name] for name in arrays.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise UserError(f"{path}: not a readable .npz of arrays ({first_line(err, 120)})") from None
+
+
 def find_runs(folder: str) -> list[RecordedRun]:
     """The runs of a recording (``folder``: the recording or one run folder); another layout is one line."""
     path = epath.Path(folder)
     if not path.is_dir():
         raise UserError(f"{folder} is not a folder (a fairseq training recording, as ../shared/fairseq/"
                         "train_parity/, or one run folder of it)")
+    shared_folders.check(str(path), folder)  # a recording another user could change would decide the verdict
     if (path / "meta.json").exists():
         meta, names = _meta(path / "meta.json"), None
     elif (path.parent / "meta.json").exists():

@@ -9,6 +9,7 @@ docs/fairseq.md, "Training parity".
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from lconv import console
 from lconv.configs import common
 from lconv.errors import UserError
 from lconv.interop import fairseq, fairseq_workdir
 from lconv.interop.fairseq_recording import NoiseFloor, RecordedRun, batch_shape, collate, find_runs
-from lconv.run import model_setup, schema
+from lconv.run import compilation_cache, model_setup, schema
 from lconv.train import setup
 from lconv.train import update as update_lib
 
@@ -320,17 +322,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.updates is not None and args.updates < 1:
             raise UserError(f"--updates={args.updates}: must be at least 1")
+        if not (math.isfinite(args.factor) and args.factor > 0):
+            raise UserError(f"--factor={args.factor}: must be a number above 0 (the tolerance's multiple of the "
+                            "noise floor)")
+        compilation_cache.check_chosen()  # an entry is code: never one from a folder another user could fill
         runs = find_runs(args.folder)
         passed = True
         for run in runs:
-            print(f"{run.name}: replaying {args.updates or len(run.updates)} of {len(run.updates)} updates")
+            updates = min(args.updates or len(run.updates), len(run.updates))
+            print(console.printable(f"{run.name}: replaying {updates} of {len(run.updates)} updates"))
             print(HEADER)
-            result = replay(run, args.updates, lambda row: print(format_row(row), flush=True))
+            result = replay(run, updates, lambda row: print(format_row(row), flush=True))
             verdict = judge(result, run.noise_floor, args.factor)
-            print("\n".join(format_verdict(run.name, verdict, args.factor, result, run.noise_floor)), flush=True)
+            lines = format_verdict(run.name, verdict, args.factor, result, run.noise_floor)
+            print(console.printable("\n".join(lines)), flush=True)  # a run's name is the recording's text
             passed = passed and verdict.passed
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(console.printable(f"error: {err}"), file=sys.stderr)
         return 2
     return 0 if passed else 1
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import ml_collections
 
+from lconv.run import compilation_cache
 from lconv.study import archive, plan, report, retrain, speed, tuning
 from lconv.study import run as run_lib
 
@@ -70,6 +71,7 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     ``docs_dir``; ``resume_from``: an archive to copy finished runs from; ``measure_speed``: the speed table first;
     ``retrain_runs``: train only these archived runs again and compare them with the archive (lconv.study.retrain).
     """
+    compilation_cache.check_chosen()  # planning compiles in this process: never from a folder others could fill
     study = plan.normalize(study)
     plan.check_study(study)
     tuning.check(study)
