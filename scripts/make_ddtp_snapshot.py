@@ -18,7 +18,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lconv import outputs, shared_folders  # noqa: E402
 from lconv.data import ddtp  # noqa: E402
+from lconv.errors import UserError  # noqa: E402
 
 _README = """# DDTP snapshot (bundled)
 
@@ -48,6 +50,12 @@ legal advice.
   `lconv.data.ddtp.split_of`: {test}/1000 test, {validation}/1000 validation, the rest train), so no
   description crosses splits. Nothing is subsampled: every task is derived from these records by
   `lconv.data.ddtp.build_tasks`, the same function the raw files go through.
+- `tokenizer-<task>-<key>-v<vocab>-n<sample>-t<version>.model`: the SentencePiece models that training on this
+  snapshot gives for configs/default.py's data settings (`en_de`) and configs/lm1b.py:ddtp's (`lm_en`) (`<key>`:
+  the snapshot's files and the builder version, `lconv.data.tfds_ddtp.source_fingerprint`). A new workdir with those
+  settings copies it instead of training
+  (`lconv.data.tokenizer_files.shipped_path`); `scripts/ship_tokenizer.py [config[:variant]]` makes one, and
+  tests/test_shipped_tokenizer.py trains each again and compares the bytes.
 - `counts.json`: the parser's counts (bad data skipped/truncated, duplicates) and the examples per task/split.
 
 ## Processing
@@ -81,21 +89,26 @@ def main(argv=None) -> None:
     parser.add_argument("--out_dir", default=ddtp.SNAPSHOT_DIR, help="where the snapshot is written")
     args = parser.parse_args(argv)
     start = time.time()
+    try:  # the raw files are read, and the snapshot written, only where no other user could change them
+        shared_folders.check(args.raw_dir, "--raw_dir")
+        os.makedirs(args.out_dir, exist_ok=True)
+        shared_folders.check(args.out_dir, "--out_dir", made_here=True)
+    except UserError as err:
+        raise SystemExit(f"error: {err}") from None
     counts = collections.Counter()
     records = ddtp.align_corpus(ddtp.load_raw_corpus(args.raw_dir, counts=counts), counts)
     sizes = ddtp.write_snapshot(records, args.out_dir)
     tasks = ddtp.build_tasks(records, counts=counts)
     per_task = {task: {split: len(examples) for split, examples in splits.items()}
                 for task, splits in tasks.items()}
-    with open(os.path.join(args.out_dir, "counts.json"), "w") as f:
-        json.dump({"examples": per_task, "processing": dict(sorted(counts.items()))}, f, indent=1)
-        f.write("\n")
+    outputs.write_atomically(os.path.join(args.out_dir, "counts.json"),
+                             json.dumps({"examples": per_task, "processing": dict(sorted(counts.items()))},
+                                        indent=1) + "\n")
     table = "\n".join(f"| `{task}` | {c['train']} | {c['validation']} | {c['test']} |" for task, c in per_task.items())
     readme = _README.format(test=ddtp.TEST_PER_MILLE, validation=ddtp.VALIDATION_PER_MILLE,
                             max_line=ddtp.MAX_LINE_CHARS, max_segment=ddtp.MAX_SEGMENT_CHARS,
                             max_doc=ddtp.MAX_DOCUMENT_CHARS, table=table, size_mb=sum(sizes.values()) / 1e6)
-    with open(os.path.join(args.out_dir, "README.md"), "w") as f:
-        f.write(readme)
+    outputs.write_atomically(os.path.join(args.out_dir, "README.md"), readme)
     print(f"wrote {len(records)} records, {sum(sizes.values()) / 1e6:.1f} MB to {args.out_dir} "
           f"in {time.time() - start:.0f}s")
     for task, c in per_task.items():

@@ -884,3 +884,26 @@ def test_a_stream_runs_carried_state_counts_in_what_its_manifest_may_list(tmp_pa
     restored = reader.restore_params(abstract(params), 1, also_held=abstract(memory))
     reader.close()
     assert np.array_equal(restored["w"], params["w"])
+
+
+def test_a_compressed_index_that_inflates_past_memory_is_one_line(tmp_path, monkeypatch):
+    """A 1.4 MB ``Translation-de.xz`` of zeros inflated to 9 GiB and ended in a MemoryError (round 27, r27-18): the
+    decompression stops past what the host can parse. A whole, honest file still reads, and a truncated one is one
+    line."""
+    import lzma
+
+    from lconv.data import ddtp, paths
+
+    text = b"Package: a\nDescription-md5: 0\nDescription-de: x\n\n" * 2000
+    path = tmp_path / "Translation-de.xz"
+    path.write_bytes(lzma.compress(text))
+    assert ddtp.read_index_bytes(str(path)) == text
+    monkeypatch.setattr(paths, "memory_read_limit", lambda copies: len(text) - 1)
+    with pytest.raises(UserError) as error:
+        ddtp.read_index_bytes(str(path))
+    helpers.one_line_error(error, str(path), f"decompresses to more than {len(text) - 1:,} bytes")
+    monkeypatch.undo()
+    path.write_bytes(lzma.compress(text)[:-40])
+    with pytest.raises(UserError) as error:
+        ddtp.read_index_bytes(str(path))
+    helpers.one_line_error(error, str(path), "damaged or truncated xz file")

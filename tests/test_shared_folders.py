@@ -816,3 +816,32 @@ def test_the_study_and_the_fairseq_replay_keep_no_program_in_a_cache_another_use
     assert fairseq_replay.main([str(tmp_path / "no_recording")]) == 2
     assert config.jax_enable_compilation_cache is False
     assert sum("compiled programs are not kept" in m for m in lconv_log()) == 2
+
+
+def test_the_snapshot_script_reads_and_writes_only_folders_no_other_user_can_change(tmp_path, enforced):
+    """``scripts/make_ddtp_snapshot.py`` wrote with plain ``open``: a link another user planted in its output folder
+    overwrote a private file outside it, and it read a raw_dir another user could change (round 27, r27-16)."""
+    import importlib.util
+
+    from lconv.data import ddtp
+
+    spec = importlib.util.spec_from_file_location("make_ddtp_snapshot", helpers.ROOT / "scripts" /
+                                                  "make_ddtp_snapshot.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shared = tmp_path / "shared"
+    (shared / "raw").mkdir(parents=True)
+    (tmp_path / "raw").mkdir()
+    shared.chmod(0o777)
+    for args, flag in ((["--raw_dir", str(shared / "raw"), "--out_dir", str(tmp_path / "out")], "--raw_dir"),
+                       (["--raw_dir", str(tmp_path / "raw"), "--out_dir", str(shared / "out")], "--out_dir")):
+        with pytest.raises(SystemExit, match=f"^error: {flag}.*can be written by other users"):
+            script.main(args)
+    private = tmp_path / "private.txt"
+    private.write_text("mine\n")
+    (tmp_path / "out").mkdir(exist_ok=True)
+    planted = tmp_path / "out" / os.path.basename(ddtp.snapshot_file(str(tmp_path / "out"), "train"))
+    planted.symlink_to(private)
+    with pytest.raises(UserError, match="link"):
+        ddtp.write_snapshot([], str(tmp_path / "out"))
+    assert private.read_text() == "mine\n"

@@ -12,9 +12,11 @@ import os
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from etils import epath
 
+from lconv import outputs
 from lconv.data import paths
 from lconv.errors import UserError
 
@@ -51,14 +53,29 @@ class Description:
 # I/O: the only functions that touch files.
 
 
+INDEX_COPIES = 8  # an index's text is held about this many times over while it is parsed into descriptions
+
+
+def _inflate(decompressor: Any, data: bytes, limit: int, path: str | os.PathLike) -> bytes:
+    """``data`` decompressed, at most ``limit`` bytes of it (a small file of zeros inflates to all memory)."""
+    text = decompressor.decompress(data, max_length=limit + 1)
+    if len(text) > limit:
+        raise UserError(f"{path} decompresses to more than {limit:,} bytes, more than this host can parse (an apt "
+                        "Translation file is tens of MB); is it one?")
+    if not decompressor.eof:
+        raise EOFError("the compressed data ends early")
+    return text
+
+
 def read_index_bytes(path: str | os.PathLike) -> bytes:
     """Bytes of an apt Translation index (xz, lz4 if installed, or plain); a damaged file is a UserError."""
     # local or a URL (raw_dir=gs://...), read as opened and inside its folder (a link swapped in is refused)
-    data = paths.read_bytes(epath.Path(path), "missing", within=os.path.dirname(os.fspath(path)))
+    limit = paths.memory_read_limit(INDEX_COPIES)
+    data = paths.read_bytes(epath.Path(path), "missing", within=os.path.dirname(os.fspath(path)), limit=limit)
     name = paths.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
         try:
-            return lzma.decompress(data)
+            return _inflate(lzma.LZMADecompressor(), data, limit, path)
         except (lzma.LZMAError, EOFError) as e:
             raise UserError(f"{path} is a damaged or truncated xz file ({e}); download {name} again") from e
     if data.startswith(b"\x04\x22\x4d\x18"):  # lz4 frame magic (apt's lists/*_Translation-*.lz4)
@@ -67,8 +84,8 @@ def read_index_bytes(path: str | os.PathLike) -> bytes:
         except ImportError as e:
             raise UserError(f"{path} is lz4-compressed; pip install lz4 or pass the .xz/plain file") from e
         try:
-            return lz4.frame.decompress(data)
-        except RuntimeError as e:
+            return _inflate(lz4.frame.LZ4FrameDecompressor(), data, limit, path)
+        except (RuntimeError, EOFError) as e:
             raise UserError(f"{path} is a damaged or truncated lz4 file ({e}); download {name} again") from e
     for suffix in (".xz", ".lz4"):
         if name.endswith(suffix):
@@ -376,8 +393,7 @@ def write_snapshot(records: Iterable[Mapping], snapshot_dir: str | os.PathLike) 
     for split in SPLITS:
         data = ("\n".join(lines[split]) + "\n").encode("utf-8")
         path = snapshot_file(snapshot_dir, split)
-        with open(path, "wb") as f:
-            f.write(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+        outputs.write_atomically(path, lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))  # never via a link
         sizes[path] = os.path.getsize(path)
     return sizes
 
