@@ -269,6 +269,8 @@ def test_the_default_validates_only_at_its_end_and_its_fields_stay_apart():
     (dict(mixer_kwargs={"dynamicconv": {"conv_features": -1}}),  # a traceback from inside JAX at the first trace
      "config.model.mixer_kwargs['dynamicconv']['conv_features']=-1: must be >= 1"),
     (dict(ffn_kwargs={"hidden_dim": 0}), "config.model.ffn_kwargs['hidden_dim']=0: must be >= 1"),
+    (dict(mixer_kwargs={"knn_memory": {"memory_size": 10 ** 8}}),  # 400 GB asked at load (r27-35, r27-17)
+     "config.model.mixer_kwargs['knn_memory']['memory_size']=100000000: must be at most 1,048,576"),
     (dict(mixer_kwargs={"dynamicconv": {"weight_dropout": 2.0}}),
      "config.model.mixer_kwargs['dynamicconv']['weight_dropout']=2.0: a dropout rate must be in [0, 1)"),
     (dict(mixer_kwargs={"dynamicconv": {"input_dropout": float("nan")}}),
