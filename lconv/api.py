@@ -477,7 +477,7 @@ def _target_ids(tokenizer: Any, targets: Any, one: bool, *, name: str = "targets
         if ids is not None and len(ids) == 0:
             out.append(np.zeros((0,), np.int32))
             continue
-        lowest = 0 if eos_allowed else PAD_ID + 1  # a prefix is forced as given: never PAD
+        lowest = PAD_ID + 1  # PAD is no token: a score counted a log-probability for it, a prefix forced it
         if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids < lowest).any() \
                 or (ids >= tokenizer.vocab_size).any() or (ids[:-1] == EOS_ID).any() \
                 or (ids[-1] == EOS_ID and not eos_allowed):

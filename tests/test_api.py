@@ -264,6 +264,7 @@ def test_score_is_a_numpy_log_softmax_of_the_teacher_forced_logits_with_translat
                         (lambda: mt.score(["a"], "b"), ["targets"]),
                         (lambda: mt.score(["a"], [None]), ["targets[0]"]),
                         (lambda: mt.score(["a"], [[5, 10 ** 6]]), ["targets[0]"]),
+                        (lambda: mt.score(["a"], [[5, PAD_ID, 7]]), ["targets[0]", "ids in [1, "]),  # r27-43
                         (lambda: mt.score(["a", "b"], ["x", [EOS_ID, 5]]), ["targets[1]", "EOS"])]:
         with pytest.raises(UserError) as error:
             call()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -238,6 +239,22 @@ def test_a_workdirs_tokenizer_linked_to_a_device_or_out_of_it_is_one_line(tmp_pa
     with pytest.raises(UserError) as error:
         tokenizer_lib.load_tokenizer(str(workdir))
     helpers.one_line_error(error, "spm.model", "leads out of")
+
+
+def test_a_damaged_tokenizer_is_one_line_however_it_is_damaged(tmp_path, tiny_data):
+    """A byte piece damaged into bytes that are not UTF-8 made SentencePiece's own error undecodable: a
+    UnicodeDecodeError traceback from eval.py and import_fairseq (round 27, r27-29); a cut file is the same line."""
+    from lconv.data import tokenizer as tokenizer_lib
+
+    model = pathlib.Path(tiny_data.spm).read_bytes()
+    assert model.count(b"<0x33>") == 1
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    for damaged in (model.replace(b"<0x33>", b"<0x\xf23>"), model[:len(model) // 2]):
+        (workdir / "spm.model").write_bytes(damaged)
+        with pytest.raises(UserError) as error:
+            tokenizer_lib.load_tokenizer(str(workdir))
+        helpers.one_line_error(error, "spm.model", "not a SentencePiece model", "truncated or damaged")
 
 
 def test_a_source_file_that_never_ends_is_one_line(monkeypatch):

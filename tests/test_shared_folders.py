@@ -845,3 +845,18 @@ def test_the_snapshot_script_reads_and_writes_only_folders_no_other_user_can_cha
     with pytest.raises(UserError, match="link"):
         ddtp.write_snapshot([], str(tmp_path / "out"))
     assert private.read_text() == "mine\n"
+
+
+def test_a_local_data_dirs_refused_download_dir_is_named_as_given(tmp_path, monkeypatch, enforced):
+    """``--download_dir`` others can write, for a local data_dir, was refused under the label ``--data_dir=``
+    (round 27, r27-32)."""
+    from lconv.data import catalog
+
+    monkeypatch.setattr(catalog, "has_tensorflow", lambda: False)
+    (tmp_path / "data").mkdir()
+    shared = tmp_path / "shared"
+    (shared / "dl").mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(UserError) as error:
+        catalog.prepare("lm1b", str(tmp_path / "data"), download_dir=str(shared / "dl"))
+    helpers.one_line_error(error, f"--download_dir={shared / 'dl'}", "can be written by other users")

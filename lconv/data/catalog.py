@@ -64,9 +64,10 @@ def prepare(name: str, data_dir: str, *, download_dir: str | None = None, manual
         shared_folders.check_way(data_dir, f"--data_dir={data_dir}")
         shared_folders.check(os.path.join(data_dir, builder_name), f"--data_dir={data_dir}")
         downloads = download_dir or os.path.join(data_dir, "downloads")
-        shared_folders.check_way(downloads, f"--data_dir={data_dir}")
+        label = f"--download_dir={download_dir}" if download_dir else f"--data_dir={data_dir}"
+        shared_folders.check_way(downloads, label)
         if os.path.isdir(downloads):  # tfds reads what is there back by path: a planted archive or extracted file
-            shared_folders.check(downloads, f"--data_dir={data_dir}")
+            shared_folders.check(downloads, label)
     else:  # downloads read back by path, and the build staged in a new owner-only folder beside them, uploaded
         download_dir = download_dir or os.path.join(paths.local_cache_dir(), "downloads")
         label = f"the local staging of --data_dir={data_dir}"

@@ -145,7 +145,7 @@ def read_tokenizer(path: Any, within: Any = None, data: bytes | None = None) -> 
         return tokenizer_from_bytes(str(path), data)
     except UserError as err:  # the special ids, or a pieces.json that names itself
         raise UserError(str(err) if str(path) in str(err) else f"{path}: {err}") from None
-    except RuntimeError:  # SentencePiece's parser: "INTERNAL: ... ParseFromArray(...)"
+    except (RuntimeError, ValueError):  # SentencePiece's parser; a piece that is not UTF-8 (UnicodeDecodeError)
         raise UserError(f"{path}: not a SentencePiece model ({len(data):,} bytes; truncated or damaged); restore "
                         "it from a copy: the model it belongs to fits no other tokenizer") from None
 
