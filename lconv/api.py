@@ -345,6 +345,9 @@ class Model(probing.Probing):
             raise UserError(f"sample_break_mode={blocks[0]!r}, tokens_per_sample={blocks[1]}, context_window="
                             f"{blocks[2]}: a document-stream run scores texts in its own windows "
                             f"(data.max_target_length={self.config.data.max_target_length}); leave them unset")
+        if hasattr(self.module, "members"):  # the stream's state is each member's: no mixture carries it
+            raise UserError("perplexity: an ensemble of document-stream LMs has none here (each member carries its "
+                            "own state across windows); score each run alone")
         documents = _lines(texts, "texts", one_allowed=True)
         if not documents:
             raise UserError("texts: an empty list has no perplexity (0 tokens); give at least one text")

@@ -166,6 +166,18 @@ def test_an_ensembles_length_limits_are_its_members_minimum_said_once(mt, lconv_
     assert lconv.ensemble([mt, mt]).config == mt.config
 
 
+def test_an_ensemble_of_runs_on_different_datasets_is_said(mt, lconv_log):
+    """Members trained on en_de and on de_en (one tokenizer) were averaged without a word (round 27, r27-31): two
+    corpora of one direction are a fair ensemble, a swapped direction is not, so it is said, naming each."""
+    other = copy.copy(mt)
+    other.config = mt.config.replace(data={"dataset": "ddtp/de_en"})
+    lconv.ensemble([mt, other])
+    (line,) = [m for m in lconv_log() if "different datasets" in m]
+    assert f"models[0]: {mt.config.data.dataset}" in line and "models[1]: ddtp/de_en" in line
+    lconv.ensemble([mt, mt])
+    assert len([m for m in lconv_log() if "different datasets" in m]) == 1
+
+
 def test_the_ensemble_warning_names_the_members_field_that_binds(lm, lconv_log):
     """A member's positions (model.max_len) cap its input limit: the warning named the member's
     eval_max_input_length, which was larger, instead of the max_len that set the value. (An LM's, since a seq2seq

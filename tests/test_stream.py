@@ -286,6 +286,9 @@ def test_resume_restores_the_memory_and_the_stream(tiny_data, tmp_path, first_va
         with pytest.raises(UserError) as error:
             model.perplexity(texts, per_text=per_text)
         helpers.one_line_error(error, named)
+    with pytest.raises(UserError) as error:  # it was refused in internal words, "logits=False" (r27-37)
+        lconv.ensemble([model, lconv.load(str(full))]).perplexity(documents[:2])
+    helpers.one_line_error(error, "an ensemble of document-stream LMs", "score each run alone")
 
     half = helpers.new_workdir(tiny_data, tmp_path / "half")
     config.train.num_steps = 3

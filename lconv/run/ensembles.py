@@ -31,6 +31,11 @@ def combine(members: Sequence[restore.Trained], names: Sequence[str]) -> restore
         else:
             singles.append((trained.model, trained.params, name))
     model_ensemble.check_members([m for m, _, _ in singles], [name for _, _, name in singles])
+    datasets = {name: trained.config.data.dataset for trained, name in zip(members, names)}
+    if len(set(datasets.values())) > 1:  # legitimate (two corpora, one direction), or a swapped direction
+        logger.warning("ensemble: its members were trained on different datasets ("
+                       f"{', '.join(f'{name}: {dataset}' for name, dataset in datasets.items())}); their "
+                       "distributions are averaged as they are: check they translate in one direction")
     module = model_ensemble.Ensemble(tuple(m.clone(parent=None) for m, _, _ in singles))
     params = {f"members_{j}": member_params for j, (_, member_params, _) in enumerate(singles)}
     return restore.Trained(shared_limits(members, names), ":".join(t.workdir for t in members), first.tokenizer,
