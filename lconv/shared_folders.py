@@ -40,6 +40,21 @@ def check_way(folder: str, label: str) -> None:
     raise_problem(problem(folder, whole_tree=False), label)
 
 
+def check_code_folder(folder: str, label: str) -> None:
+    """As ``check_way`` for the folder of a Python file lconv runs (a config), which must also take no name from
+    another user, not even as a sticky /tmp does: Python loads a ``__pycache__`` planted beside a module instead of
+    it. A ``__pycache__`` already there is checked whole."""
+    check_way(folder, label)
+    if not enforced(folder):
+        return
+    if _others_may_make(folder):
+        raise UserError(f"{label}: {folder} lets other users add files, and Python would run one planted there "
+                        f"(a __pycache__) in its place; {_WAY_FIX} (or set {OPT_IN}=1 to accept that risk)")
+    cache = os.path.join(folder, "__pycache__")
+    if os.path.lexists(cache):
+        check(cache, label)
+
+
 def problem(folder: str, *, whole_tree: bool = True, made_here: bool = False) -> tuple[str, str] | None:
     """``(what, fix)`` when another user could change ``folder``: a folder on the way that others can write (a
     sticky one such as /tmp excepted) or that another user owns, a link on the way that another user owns, or (with

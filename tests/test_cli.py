@@ -380,6 +380,9 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
     (tmp_path / "default.py").write_text("raise SystemExit('planted')")  # a bare packaged name is never this file
     assert runtime.resolve_config_argument(["p", "--config=default.py"]) == ["p", f"--config={packaged}"]
     assert runtime.resolve_config_argument(["p", "--config=./default.py"]) == ["p", "--config=./default.py"]
+    for argv in (["p", "-config=default.py"], ["p", "-config", "default"], ["p", "--config", "default"]):
+        assert runtime.resolve_config_argument(argv)[-1].endswith(f"={packaged}") or \
+            runtime.resolve_config_argument(argv)[-1] == packaged  # absl's one-dash spellings too (r28-5)
     assert runtime.resolve_config_argument(["p", "--config=configs/default.py"]) == [
         "p", "--config=configs/default.py"]  # a path: left for ml_collections to load (or name as missing)
     with pytest.raises(UserError, match="^--config=nope: no such file, nor a config packaged with lconv; "
@@ -484,3 +487,17 @@ def test_an_interactive_line_without_end_is_one_error_not_all_memory():
     with pytest.raises(UserError, match=f"stdin line 2: more than {limit:,} bytes without a newline"):
         next(lines)
     assert list(eval_program._stdin_lines(io.StringIO("a\n\nb"))) == [(1, "a"), (2, ""), (3, "b")]
+
+
+def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatch, capsys):
+    """``--flagfile`` holding ``--config=default``, run in a folder holding another ``default``: absl read the
+    flagfile after lconv had resolved the command line's config names, so the folder's file ran (round 28,
+    r28-6)."""
+    import helpers
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").write_text("import pathlib\\npathlib.Path('ran').write_text('planted')\\n")
+    (tmp_path / "flags.txt").write_text("--config=default\\n--config.train.num_steps=-1\\n")
+    code, _, err = helpers.run_cli(capsys, "train.py", f"--flagfile={tmp_path / 'flags.txt'}",
+                                   f"--workdir={tmp_path / 'run'}")
+    assert code == 2 and "num_steps=-1" in err and not (tmp_path / "ran").exists()

@@ -775,27 +775,44 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_walked_to_its_bottom(tmp_
 
 
 def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monkeypatch, enforced):
-    """A config file is code train.py runs (r27-13): another user's file, or one in a folder others can write, is
-    one line; the user's own file in a sticky folder (/tmp) is loaded. A packaged config's name never reads the
-    working folder (tests/test_cli.py -k packaged_config)."""
+    """A config file is code train.py runs (r27-13): another user's file (or where a link leads, r28-4), a pipe
+    (r28-3), a file in a folder others can add files to, even a sticky one (a planted ``__pycache__`` ran instead of
+    the source, r28-34), or a ``__pycache__`` another user owns: one line each. The user's own file in a private
+    folder loads. A packaged config's name never reads the working folder (tests/test_cli.py -k packaged_config)."""
     from lconv.cli import runtime
+
+    def refused(config, *named):
+        with pytest.raises(UserError) as error:
+            runtime.resolve_config_argument(["p", f"--config={config}"])
+        helpers.one_line_error(error, *named)
 
     shared = tmp_path / "shared"
     shared.mkdir()
-    config = shared / "mine.py"
-    config.write_text("")
-    shared.chmod(0o777)
-    with pytest.raises(UserError, match=f"^--config={config}.*{shared} can be written by other users"):
-        runtime.resolve_config_argument(["p", f"--config={config}"])
-    shared.chmod(0o1777)
-    assert runtime.resolve_config_argument(["p", f"--config={config}:x"]) == ["p", f"--config={config}:x"]
+    (shared / "mine.py").write_text("")
+    for mode, named in ((0o777, "can be written by other users"), (0o1777, "lets other users add files")):
+        shared.chmod(mode)
+        refused(shared / "mine.py", f"--config={shared / 'mine.py'}", named)
+    own = tmp_path / "own"
+    own.mkdir(mode=0o755)
+    (own / "mine.py").write_text("")
+    assert runtime.resolve_config_argument(["p", f"--config={own / 'mine.py'}:x"]) == [
+        "p", f"--config={own / 'mine.py'}:x"]
+    os.mkfifo(own / "pipe.py")
+    refused(own / "pipe.py", "not a regular file")
+    (own / "__pycache__").mkdir()
+    (own / "__pycache__").chmod(0o777)
+    refused(own / "mine.py", str(own / "__pycache__"), "can be written by other users")
+    (own / "__pycache__").chmod(0o755)
+    elsewhere = tmp_path / "theirs"
+    elsewhere.mkdir(mode=0o755)
+    (elsewhere / "cfg.py").write_text("")
+    (own / "link.py").symlink_to(elsewhere / "cfg.py")
     real_uid = os.getuid()
     if real_uid == 0:
-        os.chown(config, 4243, -1)
+        os.chown(elsewhere / "cfg.py", 4243, -1)
     else:
         monkeypatch.setattr(os, "getuid", lambda: 4243)
-    with pytest.raises(UserError, match=f"^{config}: belongs to another user .*a config file is code"):
-        runtime.resolve_config_argument(["p", f"--config={config}"])
+    refused(own / "link.py", f"{elsewhere / 'cfg.py'}: belongs to another user", "a config file is code")
 
 
 def test_the_study_and_the_fairseq_replay_keep_no_program_in_a_cache_another_user_could_fill(shared_cache,

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -16,7 +17,7 @@ from typing import Any, NoReturn
 
 from lconv import console, outputs, shared_folders
 from lconv.data import paths
-from lconv.errors import UserError
+from lconv.errors import UserError, first_line
 from lconv.run import compilation_cache, host_memory
 from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
@@ -228,10 +229,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     reported in one line instead of a traceback."""
     from absl import flags
 
-    try:
-        resolved = resolve_config_argument(argv)
+    try:  # a --flagfile's flags are resolved as the command line's (absl would read them after this)
+        expanded = argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+        resolved = resolve_config_argument(expanded)
     except UserError as err:
         console.exit_with(str(err))
+    except flags.Error as err:  # a --flagfile that cannot be read
+        console.exit_with(f"error: {first_line(err, 200)}")
     try:
         remaining = flags.FLAGS(resolved)
     except SystemExit as exit_:
@@ -278,10 +282,13 @@ def resolve_config_argument(argv: list[str]) -> list[str]:
     is found to be this user's (ml_collections names a missing one)."""
     out = list(argv)
     for i, arg in enumerate(out):
-        if arg == "--config" and i + 1 < len(out):
+        name, equals, value = arg.partition("=")
+        if name not in ("--config", "-config"):  # absl takes either
+            continue
+        if equals:
+            out[i] = f"{name}={_config_path(value)}"
+        elif i + 1 < len(out):
             out[i + 1] = _config_path(out[i + 1])
-        elif arg.startswith("--config="):
-            out[i] = "--config=" + _config_path(arg.removeprefix("--config="))
     return out
 
 
@@ -299,12 +306,18 @@ def _config_path(value: str) -> str:
 
 
 def _check_config_file(path: str, value: str) -> None:
-    """A config file is code this process runs: one line when another user owns it or could replace it."""
-    if not os.path.isfile(path):
+    """A config file is code this process runs: one line unless it is a regular file of this user's (where a link
+    leads), in a folder no other user can add a file to or change the way to."""
+    real = os.path.realpath(path)
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
         return  # ml_collections names the missing file
     why = "a config file is code that lconv would run as you"
-    shared_folders.check_owner(path, why)
-    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
+    if not stat.S_ISREG(mode):
+        raise UserError(f"--config={value}: {real} is not a regular file ({why}; a pipe or device is refused)")
+    shared_folders.check_owner(real, why)
+    shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
 
 
 def _flag_error_line(err: BaseException, argv: list[str]) -> str:
