@@ -19,13 +19,18 @@ Into ``--out`` (as the runs go, so a cut session still returns them): ``machine.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lconv import outputs, shared_folders  # noqa: E402
+from lconv.errors import UserError  # noqa: E402
 
 KEPT_FILES = ("metrics.jsonl", "test.scores.json", "config.json", "data_report.json")
 RATE_SNIPPET = ("import json; from lconv.bench.timing import matmul_flops_per_s; "
@@ -40,20 +45,23 @@ def parse_run(text: str) -> dict:
 
 
 def machine_facts(out: str) -> None:
-    with open(os.path.join(out, "machine.txt"), "w") as f:
-        for command in (["lscpu"], ["nvidia-smi", "-L"], [sys.executable, "-c",
-                        "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"]):
-            try:
-                f.write(subprocess.run(command, capture_output=True, text=True, timeout=60).stdout)
-            except (OSError, subprocess.TimeoutExpired) as error:
-                f.write(f"{command[0]}: {error}\n")
+    facts = []
+    # -P: the working folder is not put first on sys.path, so an lconv/ or jax/ planted there is never imported
+    for command in (["lscpu"], ["nvidia-smi", "-L"], [sys.executable, "-P", "-c",
+                    "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"]):
+        try:
+            facts.append(subprocess.run(command, capture_output=True, text=True, timeout=60).stdout)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            facts.append(f"{command[0]}: {error}\n")
+    outputs.write_atomically(os.path.join(out, "machine.txt"), "".join(facts))
 
 
 def measure_rates(runs: list[dict], root: str) -> dict:
     """Each CPU run's set measures its matmul rate, all sets at once (the load the runs will share)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = {r["name"]: subprocess.Popen(["taskset", "-c", r["cpus"], sys.executable, "-c", RATE_SNIPPET], env=env,
-                                         stdout=subprocess.PIPE, text=True) for r in runs if r["platform"] == "cpu"}
+    procs = {r["name"]: subprocess.Popen(["taskset", "-c", r["cpus"], sys.executable, "-P", "-c", RATE_SNIPPET],
+                                         env=env, stdout=subprocess.PIPE, text=True)
+             for r in runs if r["platform"] == "cpu"}
     rates = {}
     for name, proc in procs.items():
         text = proc.communicate(timeout=300)[0].strip().splitlines()
@@ -79,16 +87,16 @@ def workdir(run: dict, scratch: str) -> str:
 
 
 def pack(runs: list[dict], scratch: str, out: str) -> None:
-    """The logs and small workdir files into out/runs.tgz, written aside and renamed (a cut call gets a whole one)."""
-    partial = os.path.join(out, ".runs.tgz")
-    with tarfile.open(partial, "w:gz") as tar:
+    """The logs and small workdir files into out/runs.tgz, written whole (a cut call leaves the last one)."""
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w:gz") as tar:
         for run in runs:
             tar.add(os.path.join(scratch, run["name"] + ".log"), arcname=f"{run['name']}/train.log")
             for name in KEPT_FILES:
                 path = os.path.join(workdir(run, scratch), name)
                 if os.path.exists(path):
                     tar.add(path, arcname=f"{run['name']}/{name}")
-    os.replace(partial, os.path.join(out, "runs.tgz"))
+    outputs.write_atomically(os.path.join(out, "runs.tgz"), packed.getvalue())
 
 
 def run_summary(run: dict, scratch: str, rate: float | None) -> dict:
@@ -118,8 +126,7 @@ def write_summary(rows: list[dict], out: str) -> None:
                "validation_loss", "final_eval_s", "run_s", "bleu", "sentences_per_s"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row.get(c, "-")) for c in columns) + " |" for row in rows]
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    outputs.write_atomically(os.path.join(out, "summary.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -127,17 +134,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", action="append", required=True, type=parse_run)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scratch", default="/tmp/concurrent_runs")
+    parser.add_argument("--scratch", default=None, help="a folder to make for the runs (default: a new private "
+                        "one in the system's temporary folder)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds from start: runs still going are cut")
     args = parser.parse_args()
     start, root = time.monotonic(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.makedirs(args.out, exist_ok=True)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    os.makedirs(args.scratch)
+    try:  # written only where no other user could swap a file for a link, or plant one
+        outputs.claim_directory(args.out, "bench", "--out")
+        if args.scratch is None:
+            args.scratch = tempfile.mkdtemp(prefix="concurrent_runs-")
+        else:
+            os.makedirs(args.scratch)  # a new folder: never one emptied by name
+            shared_folders.check(args.scratch, "--scratch", made_here=True)
+    except FileExistsError:
+        raise SystemExit(f"error: --scratch={args.scratch} exists; name a folder to make") from None
+    except UserError as err:
+        raise SystemExit(f"error: {err}") from None
     machine_facts(args.out)
     rates = measure_rates(args.run, root)
-    with open(os.path.join(args.out, "rates.json"), "w") as f:
-        json.dump(rates, f, indent=1)
+    outputs.write_atomically(os.path.join(args.out, "rates.json"), json.dumps(rates, indent=1))
     print("matmul rates (GFLOP/s, all sets at once):", {k: v and round(v / 1e9) for k, v in rates.items()}, flush=True)
     procs = [launch(run, root, args.scratch) for run in args.run]
     while any(p.poll() is None for p in procs):

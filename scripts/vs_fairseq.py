@@ -154,7 +154,9 @@ def lconv_worker(settings: Settings, launched: float) -> None:
     import jax
     import numpy as np
 
-    from lconv.run import model_setup, schema
+    from lconv.run import compilation_cache, model_setup, schema
+
+    compilation_cache.check_chosen()  # an entry is code: never from a folder another user could fill
     from lconv.train import setup, update
 
     config = schema.validate_config(lconv_config(settings))
@@ -315,7 +317,8 @@ def fairseq_missing(python: str) -> str | None:
     """Why fairseq cannot be timed (one line), or None."""
     if not python:
         return "fairseq not timed: no --fairseq_python (a Python with torch and fairseq 0.12.2)"
-    probe = subprocess.run([python, "-c", "import torch, fairseq.models.lightconv"], capture_output=True, text=True)
+    probe = subprocess.run([python, "-P", "-c", "import torch, fairseq.models.lightconv"], capture_output=True,
+                           text=True)
     if probe.returncode:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return f"fairseq not timed: {python} cannot import it ({last[:150]})"

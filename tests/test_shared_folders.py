@@ -877,3 +877,26 @@ def test_a_local_data_dirs_refused_download_dir_is_named_as_given(tmp_path, monk
     with pytest.raises(UserError) as error:
         catalog.prepare("lm1b", str(tmp_path / "data"), download_dir=str(shared / "dl"))
     helpers.one_line_error(error, f"--download_dir={shared / 'dl'}", "can be written by other users")
+
+
+@pytest.mark.slow  # launches two Python processes: the process boundary is what it checks
+def test_the_processes_lconv_starts_never_import_an_lconv_planted_in_the_working_folder(tmp_path, monkeypatch):
+    """``python -m`` puts the working folder first on sys.path: the study's run processes and the GPU bench's stages
+    imported another user's ``lconv/`` planted in /tmp, as root (round 28, r28-38). They start with ``-P`` and find
+    this lconv by PYTHONPATH."""
+    from lconv.bench import gpu
+    from lconv.study import run as run_lib
+
+    planted = tmp_path / "cwd" / "lconv"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('x')\n")
+    (planted / "study").mkdir()
+    (planted / "study" / "__init__.py").write_text("")
+    (planted / "study" / "run.py").write_text("import pathlib\npathlib.Path('RAN').write_text('x')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    (tmp_path / "run").mkdir()
+    code, _ = run_lib._run_process(str(tmp_path / "run"), 5.0)  # no study_spec.json: the real module says so
+    assert code != 0 and "study_spec.json" in (tmp_path / "run" / run_lib.LOG).read_text()
+    command = [sys.executable, "-P", "-c", "import lconv, sys; sys.exit(0 if 'cwd' not in lconv.__file__ else 3)"]
+    assert gpu.launch_stage(command, 120) == 0
+    assert not (planted / "RAN").exists() and not (tmp_path / "cwd" / "RAN").exists()

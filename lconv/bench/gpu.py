@@ -51,7 +51,7 @@ def _run_stages(opts: argparse.Namespace, info: dict[str, str], planned: list[tu
     end, rows = time.monotonic() + opts.minutes * 60, []
     for k, (stage, planned_cap) in enumerate(planned):
         cap = gpu_plan.stage_cap(planned_cap, sum(c for _, c in planned[k + 1:]), end - time.monotonic())
-        command = [sys.executable, "-m", "lconv.bench", "gpu", f"--stage={stage}", f"--seconds={cap:.0f}",
+        command = [sys.executable, "-P", "-m", "lconv.bench", "gpu", f"--stage={stage}", f"--seconds={cap:.0f}",
                    f"--out={opts.out}", f"--doc={opts.doc}", f"--minutes={opts.minutes}", f"--scratch={scratch}",
                    f"--compilation_cache={cache}", f"--started={time.time():.3f}"]
         command += ["--quick"] * opts.quick + ["--profile"] * opts.profile
@@ -70,8 +70,12 @@ def _run_stages(opts: argparse.Namespace, info: dict[str, str], planned: list[tu
 
 
 def launch_stage(command: list[str], timeout: float) -> int:
-    """Runs a stage's process; its exit code (``subprocess.TimeoutExpired`` once ``timeout`` seconds pass)."""
-    return subprocess.run(command, timeout=timeout).returncode
+    """Runs a stage's process; its exit code (``subprocess.TimeoutExpired`` once ``timeout`` seconds pass). It
+    imports this lconv by PYTHONPATH (``-P``: never a planted lconv/ in the working folder)."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep))])}
+    return subprocess.run(command, timeout=timeout, env=env).returncode
 
 
 def shared_cache() -> str:

@@ -120,7 +120,8 @@ def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
     with open(os.path.join(workdir, LOG), "a") as out, _sigterm_raises():
         out.write(f"\n=== study run started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         out.flush()
-        process = subprocess.Popen([sys.executable, "-m", "lconv.study.run", os.path.join(workdir, SPEC)],
+        # -P: lconv from PYTHONPATH above, never from the working folder (another user's planted lconv/ in /tmp)
+        process = subprocess.Popen([sys.executable, "-P", "-m", "lconv.study.run", os.path.join(workdir, SPEC)],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             return process.wait(timeout=timeout_minutes * 60), False
