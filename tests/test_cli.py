@@ -262,6 +262,10 @@ def test_printed_outputs_are_escaped_on_a_terminal_only():
         def isatty(self):
             return True
 
+    with pytest.MonkeyPatch.context() as patch:  # started with stdout closed: Python's sys.stdout is None (r28-37)
+        patch.setattr(sys, "stdout", None)
+        with pytest.raises(UserError, match="^--output_file=-: stdout is closed"):
+            eval_program.run("no_run", source_file="in.txt", output_file="-")
     text = "a \x1b]0;title\x07b\n"
     for stream, expected in ((io.StringIO(), text), (Terminal(), "a \\x1b]0;title\\x07b\n")):
         eval_program._write_text(stream, text)

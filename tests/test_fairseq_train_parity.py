@@ -19,8 +19,10 @@ figures).
 """
 import dataclasses
 import functools
+import io
 import json
 import pathlib
+import zipfile
 
 import numpy as np
 import pytest
@@ -115,6 +117,15 @@ def test_a_recordings_arrays_are_read_bounded_and_bad_ones_are_one_line(tmp_path
         patch.setattr(paths, "memory_read_limit", lambda copies: 1 << 20)  # a host with little memory to spare
         with pytest.raises(UserError, match=r"batches.npz: its arrays decompress to 33,554,\d+ bytes .*1,048,576"):
             run.batches()
+    header = io.BytesIO()  # a 200-byte member whose header claims 8 TB: np.load allocated it (r28-31)
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10 ** 12,)})
+    with zipfile.ZipFile(tmp_path / "rec" / RUN_B / "batches.npz", "w") as archive:
+        archive.writestr("n_micro.npy", header.getvalue() + b"\0" * 64)
+    with pytest.raises(UserError, match=r"n_micro.npy: its header claims \(1000000000000,\) float64"):
+        run.batches()
+    np.savez(tmp_path / "rec" / RUN_B / "batches.npz", other=np.zeros(3))  # no n_micro: a KeyError (r28-32)
+    with pytest.raises(UserError, match="lacks update 1's batch .*'n_micro'"):
+        run.micro_batches(run.batches(), 1)
     (tmp_path / "rec" / RUN_B / "batches.npz").write_bytes(b"PK\x03\x04 not a zip")
     with pytest.raises(UserError, match="batches.npz: not a readable .npz of arrays"):
         run.batches()

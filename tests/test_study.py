@@ -197,10 +197,19 @@ def test_a_retrained_run_gives_its_archived_figure(studied, tmp_path, lconv_log)
     for changed, message in [(dict(resume_from=None), "^--retrain goes with --resume_from"),
                              (dict(docs_dir=archived), "a --docs_dir other than --resume_from"),
                              (dict(retrain_runs=["lm/transformer/seed9"]), "no run of this study has that name"),
-                             (dict(retrain_runs=["translation/colt5/seed0"]), "has no result of it to compare")]:
+                             (dict(retrain_runs=["translation/colt5/seed0"]), "has no result of it to compare"),
+                             (dict(report_only=True), "does not go with --report_only")]:
         call = {"docs_dir": docs, "resume_from": archived, "retrain_runs": ["lm/transformer/seed0"], **changed}
         with pytest.raises(UserError, match=message):
             driver.run_study(study, str(out), call.pop("docs_dir"), command="test", **call)
+    restored = tmp_path / "restored"  # an earlier --resume_from put the archived result there (r28-36)
+    shutil.copytree(root / "out" / "tokenizers", restored / "tokenizers")
+    with pytest.MonkeyPatch.context() as env:
+        env.setattr(run_lib, "_run_process", lambda *args: pytest.fail("nothing is trained"))
+        driver.run_study(study, str(restored), str(tmp_path / "docs_r"), resume_from=archived, command="test")
+        with pytest.raises(UserError, match="lm/transformer/seed0.*holds the archived result.*new --output_dir"):
+            driver.run_study(study, str(restored), str(tmp_path / "docs_r"), resume_from=archived, command="test",
+                             retrain_runs=["lm/transformer/seed0"])
     with pytest.MonkeyPatch.context() as env:
         env.setenv("XLA_FLAGS", helpers.xla_flags())
         again = _by_name(driver.run_study(study, str(out), docs, resume_from=archived, command="test",

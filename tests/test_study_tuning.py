@@ -422,3 +422,13 @@ def test_a_retrained_figure_is_set_against_the_archived_seeds_spread(tmp_path):
         assert ("within the archived seeds' spread" in retrain.describe(found)) == within
     failed = retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 2, "status": "failed"}, str(root))
     assert failed["retrained"] is None and "did not finish; archived test BLEU 20.10" in retrain.describe(failed)
+    for seed in (1, 2):
+        (root / "translation" / "dynamic" / f"seed{seed}.json").unlink()
+    entry = {"record": {"task": "translation", "mixer": "dynamic", "seed": 0, "bleu": 0.0}, "config": {},
+             "metrics": []}
+    (root / "translation" / "dynamic" / "seed0.json").write_text(json.dumps(entry))
+    alone = retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 0, "status": "ok", "bleu": 0.5},
+                            str(root))  # one archived seed, at 0: no spread, no relative change (r28-30, r28-33)
+    assert (alone["sd"], alone["within_spread"]) == (None, None) and json.loads(json.dumps(alone, allow_nan=False))
+    assert retrain.describe(alone) == ("retrained translation/dynamic/seed0: test BLEU 0.50, archived 0.00 (+0.50); "
+                                       "one archived seed, so no spread to compare with yet")

@@ -45,6 +45,8 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     output as it is decoded. ``ensemble``: more workdirs decoding with ``workdir``'s (``eval_ensemble``; outputs
     named for it). ``data_dir``: where a split's data is read (and prepared if need be) instead of the run's own
     ``config.data.data_dir`` (``_split_data_dir``). Only params are restored."""
+    if output_file in console.STDOUT_NAMES and (stdout or sys.stdout) is None:  # started with stdout closed
+        raise UserError(f"--output_file={output_file}: stdout is closed; name a file to write the outputs to")
     sampling = {name: value for name, value in sampling.items() if value is not None}
     guards = {name: value for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
                                               ("min_len", min_len)) if value is not None}

@@ -61,22 +61,34 @@ class RecordedRun:
 
     def micro_batches(self, batches: dict[str, np.ndarray], update: int) -> list[dict[str, np.ndarray]]:
         """Update ``update``'s (1-based) micro-batches, each ``{src_tokens, prev_output_tokens, target, ...}``."""
-        count = int(batches["n_micro"][update - 1])
-        return [{key: batches[f"u{update:03d}_m{m}_{key}"] for key in
-                 ("src_tokens", "src_lengths", "prev_output_tokens", "target")} for m in range(count)]
+        try:
+            count = int(batches["n_micro"][update - 1])
+            return [{key: batches[f"u{update:03d}_m{m}_{key}"] for key in
+                     ("src_tokens", "src_lengths", "prev_output_tokens", "target")} for m in range(count)]
+        except (KeyError, IndexError) as err:
+            raise UserError(f"{self.folder / 'batches.npz'} lacks update {update}'s batch ({err}): the recording is "
+                            "incomplete") from None
 
 
 NPZ_COPIES = 3  # a recording's arrays are held about this many times over while a replay reads them
+NPZ_MAX_BYTES = 2 << 30  # one file's arrays: a recorded model's weights (4 bytes a parameter), far above the fixtures'
 
 
 def read_npz(path: epath.Path) -> dict[str, np.ndarray]:
     """The arrays of a recording's ``.npz``, or one line naming it: refused before anything is decompressed when
     its zip directory declares more bytes than memory can hold (a small file of zeros that inflates to gigabytes)."""
-    limit = paths.memory_read_limit(NPZ_COPIES)
+    limit = min(paths.memory_read_limit(NPZ_COPIES), NPZ_MAX_BYTES)
     data = paths.read_bytes(path, "missing: the recording is incomplete", limit=limit)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             declared = sum(member.file_size for member in archive.infolist())
+            for member in archive.infolist():  # a header may claim far more values than its member holds
+                with archive.open(member) as f:
+                    version = np.lib.format.read_magic(f)
+                    shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                                       np.lib.format.read_array_header_2_0)(f)
+                if int(np.prod(shape)) * dtype.itemsize > member.file_size:
+                    raise ValueError(f"{member.filename}: its header claims {shape} {dtype}, more than it holds")
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise UserError(f"{path}: not a readable .npz of arrays ({first_line(err, 120)})") from None
     if declared > limit:

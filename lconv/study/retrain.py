@@ -9,14 +9,17 @@ from typing import Any
 
 from lconv.errors import UserError
 from lconv.study import archive, plan, report
+from lconv.study import run as run_lib
 
 
-def check_flags(names: Sequence[str], resume_from: str | None, docs_dir: str) -> tuple[str, ...]:
-    """The runs to train again, once each; one line when there is no archive to compare with, or when the report
-    would be written over it."""
+def check_flags(names: Sequence[str], resume_from: str | None, docs_dir: str, report_only: bool) -> tuple[str, ...]:
+    """The runs to train again, once each; one line when there is no archive to compare with, when the report
+    would be written over it, or with ``--report_only``, which trains nothing."""
     names = tuple(dict.fromkeys(names))
     if not names:
         return ()
+    if report_only:
+        raise UserError("--retrain trains the runs it names; it does not go with --report_only")
     if resume_from is None:
         raise UserError("--retrain goes with --resume_from: the archive whose runs are trained again and compared")
     same = os.path.realpath(os.path.expanduser(docs_dir)) == os.path.realpath(os.path.expanduser(resume_from))
@@ -42,6 +45,16 @@ def check_planned(names: Sequence[str], planned: Sequence[plan.Planned], archive
             raise UserError(f"--retrain={name}: {archive_root} has no result of it to compare with")
 
 
+def check_not_restored(names: Sequence[str], run_dirs: Sequence[str]) -> None:
+    """A run folder holding the archive's own result (an earlier ``--resume_from`` into the same output folder) would
+    be skipped as finished, and the comparison would set the archive against itself."""
+    for name, workdir in zip(names, run_dirs, strict=True):
+        result = run_lib.read_json(os.path.join(workdir, run_lib.RESULT))
+        if result is not None and result.get("restored"):
+            raise UserError(f"--retrain={name}: {workdir} holds the archived result, restored there by an earlier "
+                            "command; retrain into a new --output_dir")
+
+
 def compare(record: dict[str, Any], archive_root: str) -> dict[str, Any]:
     """The retrained run's headline figure, the archived run's, and the archived seeds' mean, sd and count."""
     key, label, _ = report.METRICS[record["task"]][0]
@@ -54,7 +67,8 @@ def compare(record: dict[str, Any], archive_root: str) -> dict[str, Any]:
     mean, sd, n = report.mean_sd(list(seeds.values()))
     found = record.get(key) if record.get("status") == "ok" else None
     return {"run": plan.RunKey(record["task"], record["mixer"], record["seed"]).name, "figure": label,
-            "retrained": found, "archived": archived, "archived_seeds": seeds, "mean": mean, "sd": sd, "n": n,
+            "retrained": found, "archived": archived, "archived_seeds": seeds, "mean": mean,
+            "sd": sd if n >= 2 else None, "n": n,  # JSON has no NaN: no spread is None
             "within_spread": None if found is None or n < 2 else abs(found - archived) <= sd}
 
 
@@ -64,8 +78,9 @@ def describe(comparison: dict[str, Any]) -> str:
     if c["retrained"] is None:
         return f"retrained {c['run']}: did not finish; archived {c['figure']} {c['archived']:.2f}"
     change = c["retrained"] - c["archived"]
+    relative = f", {change / c['archived']:+.2%}" if c["archived"] else ""
     line = (f"retrained {c['run']}: {c['figure']} {c['retrained']:.2f}, archived {c['archived']:.2f} "
-            f"({change:+.2f}, {change / c['archived']:+.2%})")
+            f"({change:+.2f}{relative})")
     if c["within_spread"] is None:
         return f"{line}; one archived seed, so no spread to compare with yet"
     verdict = "within" if c["within_spread"] else "outside"
