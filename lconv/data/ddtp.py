@@ -54,6 +54,7 @@ class Description:
 
 
 INDEX_COPIES = 8  # an index's text is held about this many times over while it is parsed into descriptions
+INDEX_MAX_BYTES = 1 << 30  # an apt Translation file is tens of MB: a GiB is far above any real one
 
 
 def _inflate(decompressor: Any, data: bytes, limit: int, path: str | os.PathLike) -> bytes:
@@ -70,7 +71,7 @@ def _inflate(decompressor: Any, data: bytes, limit: int, path: str | os.PathLike
 def read_index_bytes(path: str | os.PathLike) -> bytes:
     """Bytes of an apt Translation index (xz, lz4 if installed, or plain); a damaged file is a UserError."""
     # local or a URL (raw_dir=gs://...), read as opened and inside its folder (a link swapped in is refused)
-    limit = paths.memory_read_limit(INDEX_COPIES)
+    limit = min(paths.memory_read_limit(INDEX_COPIES), INDEX_MAX_BYTES)
     data = paths.read_bytes(epath.Path(path), "missing", within=os.path.dirname(os.fspath(path)), limit=limit)
     name = paths.basename(path)
     if data.startswith(b"\xfd7zXZ\x00"):
