@@ -505,3 +505,7 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
     code, _, err = helpers.run_cli(capsys, "train.py", f"--flagfile={tmp_path / 'flags.txt'}",
                                    f"--workdir={tmp_path / 'run'}")
     assert code == 2 and "num_steps=-1" in err and not (tmp_path / "ran").exists()
+    for program in ("train.py", "eval.py"):  # a flagfile that is not there: a traceback from train.py's flags
+        code, _, err = helpers.run_cli(capsys, program, f"--flagfile={tmp_path / 'missing.txt'}", "--workdir=w")
+        assert code == 2 and err.strip().splitlines() == [f"error: ERROR:: Unable to open flagfile: [Errno 2] No "
+                                                          f"such file or directory: '{tmp_path / 'missing.txt'}'"]

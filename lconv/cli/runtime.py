@@ -235,7 +235,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     except UserError as err:
         console.exit_with(str(err))
     except flags.Error as err:  # a --flagfile that cannot be read
-        console.exit_with(f"error: {first_line(err, 200)}")
+        console.exit_with(first_line(err, 200))
     try:
         remaining = flags.FLAGS(resolved)
     except SystemExit as exit_:
