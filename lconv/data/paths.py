@@ -326,3 +326,25 @@ def _opened_path(fd: int) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
+
+
+def npz_directory(data: bytes) -> tuple[int, int]:
+    """``(arrays, bytes they decompress to)`` of an ``.npz``, as its zip directory declares them, once each member's
+    header is found to claim no more values than the member holds; ``ValueError`` or ``zipfile.BadZipFile``
+    otherwise. Only the headers are decompressed, so a caller can refuse a zip bomb before loading it."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = archive.infolist()
+        for member in members:
+            with archive.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+            if int(np.prod(shape)) * dtype.itemsize > member.file_size:
+                raise ValueError(f"{member.filename}: its header claims {shape} {dtype}, more than the member holds")
+    return len(members), sum(m.file_size for m in members)
