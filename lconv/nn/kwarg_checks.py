@@ -69,7 +69,8 @@ def _check_range(shown: str, name: str, value: Any) -> None:
         return
     if isinstance(value, int) and name not in _SIGNED and value < (1 if name in _AT_LEAST_ONE else 0):
         raise UserError(f"{shown}: must be {'>= 1' if name in _AT_LEAST_ONE else '>= 0'}")
-    # A stored memory_size of 1e8 asked for 400 GB, and swelled the bound on what a checkpoint may list (hashed at load)
+    # Past any real run a size is a typo or a handed-over run's trap: memory it cannot allocate, and a larger bound
+    # on what its checkpoint may list (hashed at load)
     if isinstance(value, int) and name in _AT_LEAST_ONE and value > MAX_TOKENS:
         raise UserError(f"{shown}: must be at most {MAX_TOKENS:,} ({SIZE_REASON})")
     if name.endswith("dropout") and not 0.0 <= value < 1.0:  # NaN fails both comparisons
