@@ -40,6 +40,22 @@ def check_way(folder: str, label: str) -> None:
     raise_problem(problem(folder, whole_tree=False), label)
 
 
+def check_source_folder(folder: str, label: str) -> None:
+    """As ``check`` for a folder lconv reads source files from by name (a raw_dir): the way to it, the folder itself,
+    which no other user may add a name to (not even as a sticky /tmp lets them: a planted file would be picked), and
+    what its top level holds. Its subfolders are never read, so whoever owns them (apt's ``partial/`` in its lists
+    folder) changes nothing lconv reads."""
+    found = problem(folder, whole_tree=False)
+    if not found and enforced(folder):
+        top = os.path.abspath(os.path.expanduser(str(folder)))
+        for path in [top, *_files_in(top)]:
+            what = _unsafe_inside(path)
+            if what:
+                found = f"{path} {what}{_SWAP}", "copy the files lconv reads from it into a folder of your own"
+                break
+    raise_problem(found, label)
+
+
 def check_code_folder(folder: str, label: str) -> None:
     """As ``check_way`` for the folder of a Python file lconv runs (a config), which must also take no name from
     another user, not even as a sticky /tmp does: Python loads a ``__pycache__`` planted beside a module instead of
@@ -202,6 +218,14 @@ def _tree(folder: str) -> Iterator[str]:
             yield entry.path
             if entry.is_dir(follow_symlinks=False):
                 pending.append(entry.path)
+
+
+def _files_in(folder: str) -> list[str]:
+    """The entries of ``folder`` that are not folders (links included, never followed)."""
+    try:
+        return [entry.path for entry in os.scandir(folder) if not entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []  # not ours to list: the reader names it
 
 
 def _trusted(uid: int) -> bool:

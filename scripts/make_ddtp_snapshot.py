@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     start = time.time()
     try:  # the raw files are read, and the snapshot written, only where no other user could change them
-        shared_folders.check(args.raw_dir, "--raw_dir")
+        shared_folders.check_source_folder(args.raw_dir, "--raw_dir")
         os.makedirs(args.out_dir, exist_ok=True)
         shared_folders.check(args.out_dir, "--out_dir", made_here=True)
     except UserError as err:

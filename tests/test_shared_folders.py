@@ -347,8 +347,24 @@ def test_a_raw_dir_another_user_can_change_is_never_prepared_from(tmp_path, monk
         raw.chmod(0o1777)
     with pytest.raises(UserError) as error:
         tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))
-    helpers.one_line_error(error, f"config.data.raw_dir={raw}", shared_folders.OPT_IN)
+    message = helpers.one_line_error(error, f"config.data.raw_dir={raw}", shared_folders.OPT_IN)
+    assert "chown" not in message  # adopting another user's files would trust what they planted
     assert not (tmp_path / "tfds").exists()
+
+
+def test_a_raw_dir_whose_subfolders_others_can_change_is_prepared_from(tmp_path, enforced):
+    """The builders read a raw_dir's top level only. apt's lists folder, the ddtp corpus's home, keeps a
+    ``partial/`` that apt's own user owns and writes: it changes nothing lconv reads (round 27, r27-24)."""
+    from lconv.data import tfds_ddtp
+
+    raw = _iwslt_files(tmp_path / "raw")
+    partial = raw / "partial"
+    partial.mkdir()
+    (partial / "test.de").write_text("planted\n")
+    (partial / "test.de").chmod(0o666)
+    partial.chmod(0o777)
+    builder = tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))
+    assert len(builder.as_data_source(split="test")) == 8
 
 
 def test_a_raw_file_changed_while_its_copy_is_built_leaves_no_copy(tmp_path, monkeypatch, enforced):

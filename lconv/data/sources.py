@@ -107,7 +107,7 @@ def check_before_writing(config: DataConfig) -> None:
         raw_dir = paths.normalize(config.raw_dir)
         if not os.path.isdir(raw_dir):
             raise UserError(f"config.data.raw_dir={config.raw_dir}: no such folder; name the folder of the raw files")
-        shared_folders.check(raw_dir, f"config.data.raw_dir={raw_dir}")
+        shared_folders.check_source_folder(raw_dir, f"config.data.raw_dir={raw_dir}")
 
 
 def display_name(config: DataConfig) -> str:

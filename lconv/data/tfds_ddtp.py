@@ -218,8 +218,8 @@ def source_fingerprint(name: str, raw_dir: str | None = None, layout: own_files.
     if folder is not None and not paths.is_url(folder):
         # hashed here, then listed and parsed again by the builder: another user who could change the folder (add a
         # file the builder would pick, even in a sticky one) would give the copy this name and digests with their
-        # data, as a planted copy would. The folder is checked whole, as a run's is.
-        shared_folders.check(folder, f"config.data.raw_dir={folder}")
+        # data, as a planted copy would. The builders read its top level only, so that is what is checked.
+        shared_folders.check_source_folder(folder, f"config.data.raw_dir={folder}")
     for path in files.values():  # a link out of the folder (a run from elsewhere naming it) is never read
         if folder is not None:
             paths.check_file(path, within=folder)
