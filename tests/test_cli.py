@@ -380,10 +380,12 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
     (tmp_path / "default").mkdir()  # `--config=default --workdir=default`, run again to resume: found by name again
     assert runtime.resolve_config_argument(["p", "--config=default"]) == ["p", f"--config={packaged}"]
     (tmp_path / "mine.py").write_text("")
-    assert runtime.resolve_config_argument(["p", "--config=mine.py:x"]) == ["p", "--config=mine.py:x"]
+    mine = os.path.realpath(tmp_path / "mine.py")  # the file checked is the file loaded: by its resolved path
+    assert runtime.resolve_config_argument(["p", "--config=mine.py:x"]) == ["p", f"--config={mine}:x"]
     (tmp_path / "default.py").write_text("raise SystemExit('planted')")  # a bare packaged name is never this file
     assert runtime.resolve_config_argument(["p", "--config=default.py"]) == ["p", f"--config={packaged}"]
-    assert runtime.resolve_config_argument(["p", "--config=./default.py"]) == ["p", "--config=./default.py"]
+    assert runtime.resolve_config_argument(["p", "--config=./default.py"]) == [
+        "p", f"--config={os.path.realpath(tmp_path / 'default.py')}"]
     for argv in (["p", "-config=default.py"], ["p", "-config", "default"], ["p", "--config", "default"]):
         assert runtime.resolve_config_argument(argv)[-1].endswith(f"={packaged}") or \
             runtime.resolve_config_argument(argv)[-1] == packaged  # absl's one-dash spellings too (r28-5)

@@ -812,7 +812,12 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
     own.mkdir(mode=0o755)
     (own / "mine.py").write_text("")
     assert runtime.resolve_config_argument(["p", f"--config={own / 'mine.py'}:x"]) == [
-        "p", f"--config={own / 'mine.py'}:x"]
+        "p", f"--config={os.path.realpath(own / 'mine.py')}:x"]
+    # What is loaded is the file checked: a link on the way is not followed again after the check, when another user
+    # could have flipped it in between (r29-6 ran nobody's file in 2 of 8 tries).
+    (tmp_path / "via").symlink_to(own)
+    assert runtime.resolve_config_argument(["p", "--config", str(tmp_path / "via" / "mine.py")]) == [
+        "p", "--config", os.path.realpath(own / "mine.py")]
     os.mkfifo(own / "pipe.py")
     refused(own / "pipe.py", "not a regular file")
     (own / "__pycache__").mkdir()
@@ -829,6 +834,11 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
     else:
         monkeypatch.setattr(os, "getuid", lambda: 4243)
     refused(own / "link.py", f"{elsewhere / 'cfg.py'}: belongs to another user", "a config file is code")
+    if real_uid == 0:  # another user's link on the way is refused, as on the way to a run
+        os.chown(elsewhere / "cfg.py", 0, -1)
+        (tmp_path / "their_link").symlink_to(elsewhere)
+        os.chown(tmp_path / "their_link", 4243, -1, follow_symlinks=False)
+        refused(tmp_path / "their_link" / "cfg.py", str(tmp_path / "their_link"), "another user")
 
 
 def test_the_study_and_the_fairseq_replay_keep_no_program_in_a_cache_another_user_could_fill(shared_cache,

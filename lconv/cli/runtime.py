@@ -299,25 +299,29 @@ def _config_path(value: str) -> str:
     if bare and os.path.isfile(packaged):  # a packaged name is the packaged config, whatever the folder holds
         return packaged + colon + args
     if not bare or os.path.isfile(name):
-        _check_config_file(name, value)
-        return value
+        # What is loaded is the file checked, by its resolved path: a link on the way is not followed a second time,
+        # when another user could have pointed it elsewhere between the check and the load.
+        return _check_config_file(name, value) + colon + args
     raise UserError(f"--config={value}: no such file, nor a config packaged with lconv; packaged: "
                     f"{', '.join(packaged_configs())}")
 
 
-def _check_config_file(path: str, value: str) -> None:
-    """A config file is code this process runs: one line unless it is a regular file of this user's (where a link
-    leads), in a folder no other user can add a file to or change the way to."""
+def _check_config_file(path: str, value: str) -> str:
+    """A config file is code this process runs: its resolved path, or one line unless it is a regular file of this
+    user's (where a link leads), in a folder no other user can add a file to or change the way to (no other user's
+    link on the way either)."""
     real = os.path.realpath(path)
     try:
         mode = os.stat(real).st_mode
     except OSError:
-        return  # ml_collections names the missing file
+        return path  # ml_collections names the missing file
     why = "a config file is code that lconv would run as you"
+    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
     if not stat.S_ISREG(mode):
         raise UserError(f"--config={value}: {real} is not a regular file ({why}; a pipe or device is refused)")
     shared_folders.check_owner(real, why)
     shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
+    return real
 
 
 def _flag_error_line(err: BaseException, argv: list[str]) -> str:
