@@ -311,16 +311,17 @@ def _check_config_file(path: str, value: str) -> str:
     user's (where a link leads), in a folder no other user can add a file to or change the way to (no other user's
     link on the way either)."""
     real = os.path.realpath(path)
+    why = "a config file is code that lconv would run as you"
+    # The folders first, even for a file not there: where another user may add it, it could appear before the load.
+    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
+    shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
     try:
         mode = os.stat(real).st_mode
     except OSError:
-        return path  # ml_collections names the missing file
-    why = "a config file is code that lconv would run as you"
-    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
+        return path  # ml_collections names the missing file as it was typed
     if not stat.S_ISREG(mode):
         raise UserError(f"--config={value}: {real} is not a regular file ({why}; a pipe or device is refused)")
     shared_folders.check_owner(real, why)
-    shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
     return real
 
 
