@@ -210,7 +210,7 @@ def test_a_retrained_run_gives_its_archived_figure(studied, tmp_path, lconv_log)
         env.setattr(run_lib, "_run_process", lambda *args: pytest.fail("nothing is trained"))
         driver.run_study(study, str(restored), str(tmp_path / "docs_r"), resume_from=archived, command="test",
                          report_only=True)  # restores the archived runs, trains nothing
-        with pytest.raises(UserError, match="lm/transformer/seed0.*holds the archived result.*new --output_dir"):
+        with pytest.raises(UserError, match="lm/transformer/seed0.*already holds.*restored there.*new --output_dir"):
             driver.run_study(study, str(restored), str(tmp_path / "docs_r"), resume_from=archived, command="test",
                              retrain_runs=["lm/transformer/seed0"])
     with pytest.MonkeyPatch.context() as env:
@@ -223,6 +223,11 @@ def test_a_retrained_run_gives_its_archived_figure(studied, tmp_path, lconv_log)
     assert again["lm/transformer"]["status"] == "ok" and not again["lm/transformer"].get("restored")
     assert again["translation/transformer"]["restored"] and again["translation/colt5"]["status"] == "not run"
     assert any(line.startswith("retrained lm/transformer/seed0: test ppl/token") for line in lconv_log())
+    # The folder now holds a run trained there, as the one an archive was made from does: skipped, it would
+    # "reproduce" the archived figure exactly without training (r29-18).
+    with pytest.raises(UserError, match="lm/transformer/seed0.*already holds.*trained there.*new --output_dir"):
+        driver.run_study(study, str(out), docs, resume_from=archived, command="test",
+                         retrain_runs=["lm/transformer/seed0"])
 
 
 def test_the_tuning_sweep_chooses_on_validation_and_its_archive_resumes_it(studied, tmp_path, monkeypatch,

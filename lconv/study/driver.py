@@ -108,7 +108,7 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     check_runs_match_plan([(p.key.name, p.config, run_dir(output_dir, p.key)) for p in planned], output_dir)
     if archive_root:
         retrain.check_planned(retrain_runs, planned, archive_root)
-        retrain.check_not_restored(retrain_runs, [run_dir(output_dir, p.key) for name in retrain_runs
+        retrain.check_not_finished(retrain_runs, [run_dir(output_dir, p.key) for name in retrain_runs
                                                   for p in planned if p.key.name == name])
         archive.restore([(p.key.name, p.config, run_dir(output_dir, p.key), base_record(p, output_dir))
                          for p in planned if not p.waiting and p.key.name not in retrain_runs], archive_root)

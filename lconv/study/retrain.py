@@ -45,14 +45,16 @@ def check_planned(names: Sequence[str], planned: Sequence[plan.Planned], archive
             raise UserError(f"--retrain={name}: {archive_root} has no result of it to compare with")
 
 
-def check_not_restored(names: Sequence[str], run_dirs: Sequence[str]) -> None:
-    """A run folder holding the archive's own result (an earlier ``--resume_from`` into the same output folder) would
-    be skipped as finished, and the comparison would set the archive against itself."""
+def check_not_finished(names: Sequence[str], run_dirs: Sequence[str]) -> None:
+    """A run folder that already holds a finished result (restored there by an earlier ``--resume_from``, or trained
+    there before it was archived) would be skipped as finished, and the comparison would set the archive against
+    itself."""
     for name, workdir in zip(names, run_dirs, strict=True):
         result = run_lib.read_json(os.path.join(workdir, run_lib.RESULT))
-        if result is not None and result.get("restored"):
-            raise UserError(f"--retrain={name}: {workdir} holds the archived result, restored there by an earlier "
-                            "command; retrain into a new --output_dir")
+        if result is not None:
+            how = "restored there by an earlier command" if result.get("restored") else "trained there"
+            raise UserError(f"--retrain={name}: {workdir} already holds a finished result of it ({how}), which would "
+                            "be skipped, not trained; retrain into a new --output_dir")
 
 
 def compare(record: dict[str, Any], archive_root: str) -> dict[str, Any]:
@@ -65,7 +67,7 @@ def compare(record: dict[str, Any], archive_root: str) -> dict[str, Any]:
         seeds[os.path.basename(path)[:-len(".json")]] = entry["record"][key]
     archived = seeds.get(f"seed{record['seed']}")
     mean, sd, n = report.mean_sd(list(seeds.values()))
-    found = record.get(key) if record.get("status") == "ok" else None
+    found = record.get(key) if record.get("status") == "ok" and not record.get("skipped") else None
     return {"run": plan.RunKey(record["task"], record["mixer"], record["seed"]).name, "figure": label,
             "retrained": found, "archived": archived, "archived_seeds": seeds, "mean": mean,
             "sd": sd if n >= 2 else None, "n": n,  # JSON has no NaN: no spread is None
