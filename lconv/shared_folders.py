@@ -119,6 +119,20 @@ def make_checked(folder: str) -> tuple[str, str] | None:
     return problem(folder)
 
 
+def child_environment(package_root: str | None = None, **extra: str) -> dict[str, str]:
+    """``os.environ`` (with ``extra``) for a Python process lconv starts: ``package_root``, the lconv it should
+    import, first on PYTHONPATH, then the caller's entries without an empty one. Python reads an empty entry as the
+    working folder even under ``-P``, so a trailing ``:`` would import another user's ``lconv/`` planted there."""
+    env = {**os.environ, **extra}
+    entries = [package_root] if package_root else []
+    entries += [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
 def check_owner(path: str, why: str) -> None:
     """A one-line ``UserError`` when the existing ``path`` belongs to another user (``why``: what lconv will not
     do to it): replaced, its owner's file would become this process's, with the modes it had."""

@@ -33,8 +33,9 @@ from lconv import outputs, shared_folders  # noqa: E402
 from lconv.errors import UserError  # noqa: E402
 
 KEPT_FILES = ("metrics.jsonl", "test.scores.json", "config.json", "data_report.json")
-RATE_SNIPPET = ("import json; from lconv.bench.timing import matmul_flops_per_s; "
-                "print(json.dumps(matmul_flops_per_s()))")
+# The probe compiles, so it checks the compilation cache it was given as every lconv entry point does
+RATE_SNIPPET = ("import json; from lconv.run import compilation_cache; compilation_cache.check_chosen(); "
+                "from lconv.bench.timing import matmul_flops_per_s; print(json.dumps(matmul_flops_per_s()))")
 
 
 def parse_run(text: str) -> dict:
@@ -50,7 +51,8 @@ def machine_facts(out: str) -> None:
     for command in (["lscpu"], ["nvidia-smi", "-L"], [sys.executable, "-P", "-c",
                     "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"]):
         try:
-            facts.append(subprocess.run(command, capture_output=True, text=True, timeout=60).stdout)
+            facts.append(subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                        env=shared_folders.child_environment()).stdout)
         except (OSError, subprocess.TimeoutExpired) as error:
             facts.append(f"{command[0]}: {error}\n")
     outputs.write_atomically(os.path.join(out, "machine.txt"), "".join(facts))
@@ -58,7 +60,7 @@ def machine_facts(out: str) -> None:
 
 def measure_rates(runs: list[dict], root: str) -> dict:
     """Each CPU run's set measures its matmul rate, all sets at once (the load the runs will share)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = shared_folders.child_environment(root, JAX_PLATFORMS="cpu")
     procs = {r["name"]: subprocess.Popen(["taskset", "-c", r["cpus"], sys.executable, "-P", "-c", RATE_SNIPPET],
                                          env=env, stdout=subprocess.PIPE, text=True)
              for r in runs if r["platform"] == "cpu"}
@@ -72,7 +74,7 @@ def measure_rates(runs: list[dict], root: str) -> dict:
 def launch(run: dict, root: str, scratch: str) -> subprocess.Popen:
     home = os.path.join(scratch, run["name"], "home")
     os.makedirs(home, exist_ok=True)
-    env = {**os.environ, "HOME": home, "JAX_PLATFORMS": run["platform"], "PYTHONUNBUFFERED": "1"}
+    env = shared_folders.child_environment(HOME=home, JAX_PLATFORMS=run["platform"], PYTHONUNBUFFERED="1")
     command = ["taskset", "-c", run["cpus"], sys.executable, os.path.join(root, "train.py"),
                f"--config={os.path.join(root, 'configs/default.py')}", f"--workdir={workdir(run, scratch)}",
                f"--config.train.max_minutes={run['minutes']}", *(f"--config.{o}" for o in run["overrides"])]

@@ -314,7 +314,7 @@ def eval_lm(stream: list[torch.Tensor], dictionary: Dictionary, folder: pathlib.
     raw = folder / "stream"  # fairseq-preprocess reads <testpref> itself when no language is given
     raw.write_text("".join(as_text(dictionary, s) + "\n" for s in stream), encoding="utf-8")
     binarized = folder / "stream-bin"
-    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--srcdict",
+    subprocess.run([sys.executable, "-P", "-m", "fairseq_cli.preprocess", "--only-source", "--srcdict",
                     str(folder / "dict.txt"), "--testpref", str(raw), "--destdir", str(binarized),
                     "--workers", "1"], check=True, capture_output=True)
     flags = [str(binarized), "--path", str(checkpoint), "--sample-break-mode", "eos", "--gen-subset", "test",

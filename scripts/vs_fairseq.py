@@ -303,7 +303,9 @@ class Worker:
 
 def worker_env(settings: Settings, name: str) -> tuple[list[str], dict[str, str]]:
     """The command prefix (``taskset`` when pinned) and environment of a system's worker."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from lconv import shared_folders
+
+    env = shared_folders.child_environment(ROOT)
     flags = [env.get("XLA_FLAGS", ""), settings.lconv_xla_flags if name == "lconv" else ""]
     if settings.mode == "pinned":
         flags.append("--xla_cpu_multi_thread_eigen=false")

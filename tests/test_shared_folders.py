@@ -907,17 +907,36 @@ def test_a_local_data_dirs_refused_download_dir_is_named_as_given(tmp_path, monk
     helpers.one_line_error(error, f"--download_dir={shared / 'dl'}", "can be written by other users")
 
 
+def test_a_child_process_pythonpath_holds_no_empty_entry(monkeypatch):
+    """Python reads an empty PYTHONPATH entry as the working folder, even under ``-P`` (r29-7, r29-22)."""
+    for given, expected in (("", "/pkg"), (":", "/pkg"), (":/a::/b:", "/pkg:/a:/b"), (None, "/pkg")):
+        if given is None:
+            monkeypatch.delenv("PYTHONPATH", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONPATH", given.replace(":", os.pathsep))
+        assert shared_folders.child_environment("/pkg")["PYTHONPATH"] == expected.replace(":", os.pathsep)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep)
+    assert "PYTHONPATH" not in shared_folders.child_environment(HOME="/h")
+    assert shared_folders.child_environment(HOME="/h")["HOME"] == "/h"
+
+
+def _plant_lconv(folder, package="lconv"):
+    planted = folder / package
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('x')\n")
+    return planted
+
+
 @pytest.mark.slow  # launches two Python processes: the process boundary is what it checks
 def test_the_processes_lconv_starts_never_import_an_lconv_planted_in_the_working_folder(tmp_path, monkeypatch):
     """``python -m`` puts the working folder first on sys.path: the study's run processes and the GPU bench's stages
     imported another user's ``lconv/`` planted in /tmp, as root (round 28, r28-38). They start with ``-P`` and find
-    this lconv by PYTHONPATH."""
+    this lconv by PYTHONPATH, which holds no empty entry: Python reads one as the working folder (r29-7)."""
     from lconv.bench import gpu
     from lconv.study import run as run_lib
 
-    planted = tmp_path / "cwd" / "lconv"
-    planted.mkdir(parents=True)
-    (planted / "__init__.py").write_text("import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('x')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep + os.environ.get("PYTHONPATH", ""))
+    planted = _plant_lconv(tmp_path / "cwd")
     (planted / "study").mkdir()
     (planted / "study" / "__init__.py").write_text("")
     (planted / "study" / "run.py").write_text("import pathlib\npathlib.Path('RAN').write_text('x')\n")
@@ -928,3 +947,28 @@ def test_the_processes_lconv_starts_never_import_an_lconv_planted_in_the_working
     command = [sys.executable, "-P", "-c", "import lconv, sys; sys.exit(0 if 'cwd' not in lconv.__file__ else 3)"]
     assert gpu.launch_stage(command, 120) == 0
     assert not (planted / "RAN").exists() and not (tmp_path / "cwd" / "RAN").exists()
+
+
+@pytest.mark.slow  # launches a Python process that compiles: the process boundary is what it checks
+def test_the_rate_probe_of_concurrent_runs_imports_and_compiles_nothing_another_user_could_plant(
+        shared_cache, tmp_path, monkeypatch):
+    """``scripts/concurrent_runs.py``'s matmul probe imported an ``lconv/`` planted in the working folder when
+    PYTHONPATH was unset (r29-7), and compiled into ``$JAX_COMPILATION_CACHE_DIR`` unchecked: another user's
+    swapped entry ran as its matmul and reported 1,807 GFLOP/s (r29-8)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("concurrent_runs", helpers.ROOT / "scripts" / "concurrent_runs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folder, _ = shared_cache
+    planted = [_plant_lconv(tmp_path / "cwd", package) for package in ("lconv", "jax")]  # jax: after lconv's root
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(folder))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    monkeypatch.setattr(script, "RATE_SNIPPET", script.RATE_SNIPPET.replace("matmul_flops_per_s()",
+                                                                            "matmul_flops_per_s(256, 3)"))
+    rates = script.measure_rates([{"name": "c", "cpus": "0", "platform": "cpu"}], str(helpers.ROOT))
+    assert rates["c"] > 0
+    assert not any((p / "RAN").exists() for p in planted) and os.listdir(folder) == []

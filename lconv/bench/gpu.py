@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 
+from lconv import shared_folders
 from lconv.bench import beam, gpu_ops, gpu_plan, profile, report, timing, train
 from lconv.run import compilation_cache
 
@@ -73,9 +74,7 @@ def launch_stage(command: list[str], timeout: float) -> int:
     """Runs a stage's process; its exit code (``subprocess.TimeoutExpired`` once ``timeout`` seconds pass). It
     imports this lconv by PYTHONPATH (``-P``: never a planted lconv/ in the working folder)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, os.environ.get(
-        "PYTHONPATH", "").split(os.pathsep))])}
-    return subprocess.run(command, timeout=timeout, env=env).returncode
+    return subprocess.run(command, timeout=timeout, env=shared_folders.child_environment(package_root)).returncode
 
 
 def shared_cache() -> str:

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from lconv import console, json_text, outputs
+from lconv import console, json_text, outputs, shared_folders
 from lconv.data import paths
 from lconv.errors import UserError, first_line
 from lconv.run import host_memory
@@ -114,9 +114,8 @@ def launch(spec: dict[str, Any], workdir: str, tokenizer_file: str, timeout_minu
 def _run_process(workdir: str, timeout_minutes: float) -> tuple[int, bool]:
     """``python -m lconv.study.run <spec>`` with its output in ``study.log``; SIGTERM on timeout, SIGKILL a minute later
     (a SIGTERM to the study is passed on). Returns ``(exit code, timed out)``."""
-    env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = shared_folders.child_environment(root)
     with open(os.path.join(workdir, LOG), "a") as out, _sigterm_raises():
         out.write(f"\n=== study run started {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         out.flush()
