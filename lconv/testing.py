@@ -19,6 +19,7 @@ import numpy as np
 
 from lconv.nn import mixers
 from lconv.nn.common import axis_rules
+from lconv.run import compilation_cache
 
 RULES = {
     "fields": "the model can build it: model_fields name constructor fields and model values, and a mixer that "
@@ -59,6 +60,7 @@ class _Broken(AssertionError):
 def check_mixer(mixer: str | type[nn.Module], **fields: Any) -> None:
     """Checks every rule of ``RULES`` for ``mixer`` (a registered name, ``"package.module:Class"`` or a class), built
     with its ``example_fields`` and ``fields``, on each side it may sit on (or only at ``causal``)."""
+    compilation_cache.check_chosen()  # it compiles: never from a folder another user could fill with code
     info = mixers.info(mixer)
     causal_settings = [fields.pop("causal")] if "causal" in fields else _causal_settings(info)
     for causal in causal_settings:

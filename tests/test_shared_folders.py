@@ -657,6 +657,19 @@ def test_the_apis_compilation_cache_is_never_one_another_user_could_fill(shared_
     assert f"{folder.parent} can be written by other users" in line
 
 
+def test_the_mixer_contract_check_compiles_nothing_into_a_cache_another_user_could_fill(shared_cache, monkeypatch,
+                                                                                         lconv_log):
+    """``lconv.testing.check_mixer``, the README's check of a plugin, compiled with ``$JAX_COMPILATION_CACHE_DIR``
+    unchecked and read entries another user could have swapped (r29-26). The check comes before anything compiles."""
+    import lconv.testing
+
+    folder, config = shared_cache
+    monkeypatch.setattr(lconv.testing._Checker, "run", lambda self: None)
+    lconv.testing.check_mixer("lightconv")
+    assert config.jax_enable_compilation_cache is False
+    assert any(f"{folder.parent} can be written by other users" in m for m in lconv_log())
+
+
 def test_a_refused_compilation_cache_is_left_even_where_the_process_compiled_before(shared_cache, lconv_log):
     """A notebook's earlier cell compiled with ``$JAX_COMPILATION_CACHE_DIR`` another user can fill: JAX had then
     taken the folder as its cache for good, and ``lconv.load``'s refusal ("not kept") left it in use: the decode
