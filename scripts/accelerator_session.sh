@@ -21,7 +21,11 @@ export PYTHONUNBUFFERED=1
 # only a backstop.
 timeout "$(python -c "print(int($bench_minutes * 60 + 100))")" python -m lconv.bench gpu --minutes "$bench_minutes" "$@" \
   2>&1 | tee "$out/bench.log"
-case " $* " in *" --quick "*) results=/tmp/lconv_bench_quick ;; *) results="docs/benchmarks-gpu.md docs/bench/gpu" ;; esac
+# --quick writes to this user's own scratch folder (lconv.bench's QUICK_DIR), never a fixed name in /tmp
+case " $* " in
+  *" --quick "*) results=$(python -c "from lconv.bench.__main__ import QUICK_DIR; print(QUICK_DIR)") ;;
+  *) results="docs/benchmarks-gpu.md docs/bench/gpu" ;;
+esac
 tar czf "$out/bench.tgz" $results 2>/dev/null || echo "no bench results to pack" | tee -a "$out/bench.log"
 
 first=(test_decode test_sharding test_stream test_pallas_conv test_ops test_mixers test_linear_cross_entropy
