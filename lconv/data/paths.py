@@ -340,11 +340,14 @@ def npz_directory(data: bytes) -> tuple[int, int]:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         members = archive.infolist()
         for member in members:
-            with archive.open(member) as f:
-                version = np.lib.format.read_magic(f)
-                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                    np.lib.format.read_array_header_2_0
-                shape, _, dtype = read_header(f)
+            try:
+                with archive.open(member) as f:
+                    version = np.lib.format.read_magic(f)
+                    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                        np.lib.format.read_array_header_2_0
+                    shape, _, dtype = read_header(f)
+            except (RuntimeError, NotImplementedError) as err:  # zipfile's words for encrypted or unknown methods
+                raise ValueError(f"{member.filename}: {err}") from None
             if int(np.prod(shape)) * dtype.itemsize > member.file_size:
                 raise ValueError(f"{member.filename}: its header claims {shape} {dtype}, more than the member holds")
     return len(members), sum(m.file_size for m in members)
