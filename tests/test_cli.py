@@ -315,6 +315,7 @@ def _config_only(tmp_path, config):
     ("translation", dict(nbest=2), "--nbest go with sources: --source_file (one per line) or --interactive"),
     ("translation", dict(max_len=5, source_file="s.txt"), "--max_len: for lm runs"),
     ("translation", dict(nbest=5, beam_size=4, source_file="s.txt"), "--nbest=5: must be at most the beam size (4)"),
+    ("translation", dict(nbest=10**6, beam_size=4, source_file="s.txt"), "--nbest=1000000: at most "),  # r29-32
     ("translation", dict(nbest=0, source_file="s.txt"), "--nbest=0: must be an integer >= 1"),
     ("translation", dict(temperature=0.5, beam_size=3, interactive=True), "--beam_size=3: not used when sampling"),
     ("lm", dict(nbest=2, source_file="p.txt"), "--nbest=2: for translation and summarization runs"),

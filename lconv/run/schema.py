@@ -426,6 +426,9 @@ def hypotheses_per_source(*, nbest: int | None, beam_size: int | None, temperatu
         return nbest or 1
     beams = stored_beam_size if beam_size is None else beam_size
     if nbest is not None and nbest > beams:
+        if vocab_size is not None and nbest > vocab_size - 1:  # no beam can be that wide: advise what can be passed
+            raise UserError(f"{spell('nbest')}={nbest}: at most {vocab_size - 1} hypotheses per source (the widest "
+                            "beam: the vocabulary's size - 1)")
         raise UserError(f"{spell('nbest')}={nbest}: must be at most the beam size ({beams}); pass "
                         f"{spell('beam_size')}={nbest} or more")
     return beams
