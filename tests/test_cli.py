@@ -266,6 +266,11 @@ def test_printed_outputs_are_escaped_on_a_terminal_only():
         patch.setattr(sys, "stdout", None)
         with pytest.raises(UserError, match="^--output_file=-: stdout is closed"):
             eval_program.run("no_run", source_file="in.txt", output_file="-")
+    for closed in ("stdin", "stdout"):  # --interactive with either closed: a traceback after loading (r29-27)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, closed, None)
+            with pytest.raises(UserError, match="^--interactive .* one of them closed"):
+                eval_program.run("no_run", interactive=True)
     text = "a \x1b]0;title\x07b\n"
     for stream, expected in ((io.StringIO(), text), (Terminal(), "a \\x1b]0;title\\x07b\n")):
         eval_program._write_text(stream, text)

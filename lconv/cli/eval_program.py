@@ -47,6 +47,9 @@ def run(workdir: str, *, split: str = "test", average_last: int = 1, checkpoint:
     ``config.data.data_dir`` (``_split_data_dir``). Only params are restored."""
     if output_file in console.STDOUT_NAMES and (stdout or sys.stdout) is None:  # started with stdout closed
         raise UserError(f"--output_file={output_file}: stdout is closed; name a file to write the outputs to")
+    if interactive and ((stdin or sys.stdin) is None or (stdout or sys.stdout) is None):  # checked before loading
+        raise UserError("--interactive reads lines from stdin and prints to stdout, and this process was started "
+                        "with one of them closed; pass --source_file instead")
     sampling = {name: value for name, value in sampling.items() if value is not None}
     guards = {name: value for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size),
                                               ("min_len", min_len)) if value is not None}
