@@ -507,13 +507,30 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
     r28-6)."""
     import helpers
 
+    from lconv.cli import flag_files
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "default").write_text("import pathlib\\npathlib.Path('ran').write_text('planted')\\n")
     (tmp_path / "flags.txt").write_text("--config=default\\n--config.train.num_steps=-1\\n")
     code, _, err = helpers.run_cli(capsys, "train.py", f"--flagfile={tmp_path / 'flags.txt'}",
                                    f"--workdir={tmp_path / 'run'}")
     assert code == 2 and "num_steps=-1" in err and not (tmp_path / "ran").exists()
-    for program in ("train.py", "eval.py"):  # a flagfile that is not there: a traceback from train.py's flags
-        code, _, err = helpers.run_cli(capsys, program, f"--flagfile={tmp_path / 'missing.txt'}", "--workdir=w")
-        assert code == 2 and err.strip().splitlines() == [f"error: ERROR:: Unable to open flagfile: [Errno 2] No "
-                                                          f"such file or directory: '{tmp_path / 'missing.txt'}'"]
+    # absl and ml_collections read any flag file whole, before lconv's errors could name it: a missing one was a
+    # traceback from train.py, /dev/zero took the host's memory (r29-15), bytes not UTF-8 a traceback (r29-25)
+    (tmp_path / "binary.txt").write_bytes(b"--workdir=w\n\xff\n")
+    (tmp_path / "big.txt").write_text("# " + "x" * flag_files.LIMIT_BYTES + "\n")
+    (tmp_path / "nested.txt").write_text(f"--flagfile={tmp_path / 'binary.txt'}\n")
+    os.mkfifo(tmp_path / "pipe.txt")
+    for name, named in (("missing.txt", "no such file"), ("binary.txt", "byte offset 12 is not UTF-8"),
+                        ("big.txt", "more than the 1,048,576"), ("nested.txt", "binary.txt: byte offset 12"),
+                        ("pipe.txt", "not a regular file")):
+        for program in ("train.py", "eval.py"):
+            outcome = helpers.run_cli(capsys, program, "--flagfile", str(tmp_path / name), "--workdir=w")
+            helpers.one_line_error(outcome, "--flagfile=", named)
+    if os.getuid() == 0:  # another user's flag file: its flags would be the command line's (--trust_plugins)
+        (tmp_path / "theirs.txt").write_text("--trust_plugins\n")
+        os.chown(tmp_path / "theirs.txt", 4243, -1)
+        with pytest.raises(UserError, match="theirs.txt: belongs to another user"):
+            flag_files.check(["p", f"--flagfile={tmp_path / 'theirs.txt'}"])
+    (tmp_path / "cycle.txt").write_text(f"--flagfile={tmp_path / 'cycle.txt'}\n--config.train.num_steps=-1\n")
+    flag_files.check(["p", f"-flagfile={tmp_path / 'cycle.txt'}"])  # read once: absl skips it the second time

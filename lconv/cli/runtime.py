@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 from lconv import console, outputs, shared_folders
+from lconv.cli import flag_files
 from lconv.data import paths
 from lconv.errors import UserError, first_line
 from lconv.run import compilation_cache, host_memory
@@ -230,6 +231,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     from absl import flags
 
     try:  # a --flagfile's flags are resolved as the command line's (absl would read them after this)
+        flag_files.check(argv)
         expanded = argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
         resolved = resolve_config_argument(expanded)
     except UserError as err:
