@@ -835,6 +835,7 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
         "p", "--config", os.path.realpath(own / "mine.py")]
     os.mkfifo(own / "pipe.py")
     refused(own / "pipe.py", "not a regular file")
+    refused("/dev/stdin", "not a regular file")  # a pipe or a device, whatever it leads to (r29-23)
     (own / "__pycache__").mkdir()
     (own / "__pycache__").chmod(0o777)
     refused(own / "mine.py", str(own / "__pycache__"), "can be written by other users")

@@ -318,7 +318,7 @@ def _check_config_file(path: str, value: str) -> str:
     shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
     shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
     try:
-        mode = os.stat(real).st_mode
+        mode = os.stat(path).st_mode  # /dev/stdin resolves to no path (a pipe's), but is one: refused below
     except OSError:
         return path  # ml_collections names the missing file as it was typed
     if not stat.S_ISREG(mode):
