@@ -531,6 +531,15 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
         (tmp_path / "theirs.txt").write_text("--trust_plugins\n")
         os.chown(tmp_path / "theirs.txt", 4243, -1)
         with pytest.raises(UserError, match="theirs.txt: belongs to another user"):
-            flag_files.check(["p", f"--flagfile={tmp_path / 'theirs.txt'}"])
-    (tmp_path / "cycle.txt").write_text(f"--flagfile={tmp_path / 'cycle.txt'}\n--config.train.num_steps=-1\n")
-    flag_files.check(["p", f"-flagfile={tmp_path / 'cycle.txt'}"])  # read once: absl skips it the second time
+            flag_files.expand(["p", f"--flagfile={tmp_path / 'theirs.txt'}"])
+        (tmp_path / "their_link.txt").symlink_to(tmp_path / "cycle.txt")  # they could point it elsewhere (r30-1)
+        os.chown(tmp_path / "their_link.txt", 4243, -1, follow_symlinks=False)
+        with pytest.raises(UserError, match="their_link.txt: belongs to another user"):
+            flag_files.expand(["p", f"--flagfile={tmp_path / 'their_link.txt'}"])
+    (tmp_path / "cycle.txt").write_text(f"# a comment\n\n  --flagfile={tmp_path / 'cycle.txt'}  \n"
+                                        "--config.train.num_steps=-1\n// another\n")
+    (tmp_path / "two_lines.txt").write_text(f"--flagfile\n{tmp_path / 'cycle.txt'}\n--beam_size=2\n")
+    assert flag_files.expand(["p", "-a", f"-flagfile={tmp_path / 'cycle.txt'}", "--flagfile",
+                              str(tmp_path / "two_lines.txt"), "--", "--flagfile=x"]) == [
+        "p", "-a", "--config.train.num_steps=-1", "--config.train.num_steps=-1", "--beam_size=2", "--",
+        "--flagfile=x"]  # each file read once per nesting, as absl does; a file's two-line form too (r30-3)

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from lconv import console, outputs, shared_folders
 from lconv.cli import flag_files
 from lconv.data import paths
-from lconv.errors import UserError, first_line
+from lconv.errors import UserError
 from lconv.run import compilation_cache, host_memory
 from lconv.run.backend import check_backend  # noqa: F401 (the CLIs' name for it)
 
@@ -230,14 +230,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     reported in one line instead of a traceback."""
     from absl import flags
 
-    try:  # a --flagfile's flags are resolved as the command line's (absl would read them after this)
-        flag_files.check(argv)
-        expanded = argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+    try:  # a --flagfile's flags are resolved as the command line's, and read by lconv alone (lconv.cli.flag_files)
+        expanded = flag_files.expand(argv)
         resolved = resolve_config_argument(expanded)
     except UserError as err:
         console.exit_with(str(err))
-    except flags.Error as err:  # a --flagfile that cannot be read
-        console.exit_with(first_line(err, 200))
+    if argv == sys.argv:  # ml_collections reads --config.* overrides from sys.argv: no flag file left for it either
+        sys.argv[:] = expanded
     try:
         remaining = flags.FLAGS(resolved)
     except SystemExit as exit_:
@@ -263,6 +262,15 @@ def parse_flags(argv: list[str]) -> list[str]:
             console.exit_with(f"{config_arg}: get_config() returned {type(value).__name__} {value!r:.40}; it must "
                               "return an ml_collections.ConfigDict (start from lconv.configs.common.base_config())")
     return remaining
+
+
+def expand_flag_files() -> None:
+    """``sys.argv`` with its flag files' flags in their place (``lconv.cli.flag_files``), or one line (exit 2): for
+    a program whose ml_collections config flag, defined next, reads the command line before ``parse_flags`` runs."""
+    try:
+        sys.argv[:] = flag_files.expand(sys.argv)
+    except UserError as err:
+        console.exit_with(str(err))
 
 
 def packaged_configs() -> list[str]:

@@ -10,15 +10,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lconv import console
-from lconv.cli import flag_files, runtime
-from lconv.errors import UserError
+from lconv.cli import runtime
 from lconv.run import host_memory
 
 FLAGS = flags.FLAGS
-try:  # ml_collections reads the command line's --flagfile as the config flag is defined: checked first
-    flag_files.check(sys.argv)
-except UserError as err:
-    console.exit_with(str(err))
+runtime.expand_flag_files()  # ml_collections reads the command line (and its flag files) as --config is defined
 config_flags.DEFINE_config_file("config", None, "The study config, e.g. configs/study.py[:quick|:gpu].",
                                 lock_config=True)
 flags.DEFINE_string("output_dir", None, "Where each run's workdir, the tokenizers and records.json go.")
