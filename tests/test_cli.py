@@ -543,3 +543,9 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
                               str(tmp_path / "two_lines.txt"), "--", "--flagfile=x"]) == [
         "p", "-a", "--config.train.num_steps=-1", "--config.train.num_steps=-1", "--beam_size=2", "--",
         "--flagfile=x"]  # each file read once per nesting, as absl does; a file's two-line form too (r30-3)
+    # A file named 3,000 times in a file named 3,000 times: absl expanded 450 million flags (r30-11)
+    (tmp_path / "c.txt").write_text("--beam_size=2\n" * 50)
+    (tmp_path / "b.txt").write_text(f"--flagfile={tmp_path / 'c.txt'}\n" * 3000)
+    (tmp_path / "a.txt").write_text(f"--flagfile={tmp_path / 'b.txt'}\n" * 3000)
+    with pytest.raises(UserError, match=f"b.txt: more than {flag_files.LIMIT_FLAGS:,} flags"):
+        flag_files.expand(["p", f"--flagfile={tmp_path / 'a.txt'}"])

@@ -836,6 +836,9 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
     os.mkfifo(own / "pipe.py")
     refused(own / "pipe.py", "not a regular file")
     refused("/dev/stdin", "not a regular file")  # a pipe or a device, whatever it leads to (r29-23)
+    (shared / "dangling.py").symlink_to(tmp_path / "nothing.py")
+    shared.chmod(0o755)
+    refused(shared / "dangling.py", "a link to nothing")  # where another user could point it at the load (r30-2)
     (own / "__pycache__").mkdir()
     (own / "__pycache__").chmod(0o777)
     refused(own / "mine.py", str(own / "__pycache__"), "can be written by other users")
@@ -855,6 +858,9 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
         (tmp_path / "their_link").symlink_to(elsewhere)
         os.chown(tmp_path / "their_link", 4243, -1, follow_symlinks=False)
         refused(tmp_path / "their_link" / "cfg.py", str(tmp_path / "their_link"), "another user")
+        (own / "their_cfg.py").symlink_to(elsewhere / "cfg.py")  # the last name: their link in your folder (r30-2)
+        os.chown(own / "their_cfg.py", 4243, -1, follow_symlinks=False)
+        refused(own / "their_cfg.py", str(own / "their_cfg.py"), "belongs to another user")
 
 
 def test_the_study_and_the_fairseq_replay_keep_no_program_in_a_cache_another_user_could_fill(shared_cache,

@@ -13,6 +13,7 @@ from lconv import shared_folders
 from lconv.errors import UserError
 
 LIMIT_BYTES = 1 << 20  # far past any command line's flags
+LIMIT_FLAGS = 1 << 16  # in all, nested files expanded: a file named 3,000 times in one named 3,000 times is not one
 _DIRECTIVES = ("--flagfile", "-flagfile")
 _WHY = "a flag file's flags are your command line's"
 
@@ -23,12 +24,17 @@ def expand(argv: Sequence[str]) -> list[str]:
     flag files they name in turn expanded in place, a file already being expanded skipped; the command line's
     ``--`` ends the flags. Each file is a regular file of this user's (or root's), at most ``LIMIT_BYTES`` of UTF-8
     text, reached by no other user's link; else one ``UserError`` line naming it."""
-    return [*argv[:1], *_expand(list(argv[1:]), ())]
+    texts: dict[str, str] = {}  # each file read once, however often it is named
+    return [*argv[:1], *_expand(list(argv[1:]), (), texts)]
 
 
-def _expand(args: list[str], reading: tuple[str, ...]) -> list[str]:
+def _expand(args: list[str], reading: tuple[str, ...], texts: dict[str, str]) -> list[str]:
     out, i = [], 0
     while i < len(args):
+        if len(out) > LIMIT_FLAGS:
+            where = f"--flagfile={reading[-1]}" if reading else "the command line"
+            raise UserError(f"{where}: more than {LIMIT_FLAGS:,} flags with the flag files it names; name each "
+                            "flag file once")
         arg = args[i]
         if arg == "--":
             return out + args[i:]
@@ -41,8 +47,11 @@ def _expand(args: list[str], reading: tuple[str, ...]) -> list[str]:
             raise UserError(f"{name}: name the flag file, {name}=FILE")
         path = os.path.expanduser((value if equals else args[i + 1]).strip())
         i += 1 if equals else 2
-        if path and os.path.realpath(path) not in reading:  # absl skips a file named again inside itself
-            out += _expand(_lines(_read(path)), (*reading, os.path.realpath(path)))
+        real = os.path.realpath(path)
+        if path and real not in reading:  # absl skips a file named again inside itself
+            if real not in texts:
+                texts[real] = _read(path)
+            out += _expand(_lines(texts[real]), (*reading, real), texts)
     return out
 
 

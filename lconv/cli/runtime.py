@@ -325,9 +325,13 @@ def _check_config_file(path: str, value: str) -> str:
     # The folders first, even for a file not there: where another user may add it, it could appear before the load.
     shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
     shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
+    if os.path.islink(path):  # the name itself: another user's link could point anywhere at the load
+        shared_folders.check_owner(path, why)
     try:
         mode = os.stat(path).st_mode  # /dev/stdin resolves to no path (a pipe's), but is one: refused below
     except OSError:
+        if os.path.lexists(path):
+            raise UserError(f"--config={value}: {path} is a link to nothing ({real})") from None
         return path  # ml_collections names the missing file as it was typed
     if not stat.S_ISREG(mode):
         raise UserError(f"--config={value}: {real} is not a regular file ({why}; a pipe or device is refused)")

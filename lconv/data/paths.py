@@ -340,13 +340,15 @@ def npz_directory(data: bytes) -> tuple[int, int]:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         members = archive.infolist()
         for member in members:
+            if member.flag_bits & 0x1:  # zipfile's own message starts with the member's whole repr
+                raise ValueError(f"{member.filename}: encrypted; an .npz lconv reads holds plain arrays")
             try:
                 with archive.open(member) as f:
                     version = np.lib.format.read_magic(f)
                     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                         np.lib.format.read_array_header_2_0
                     shape, _, dtype = read_header(f)
-            except (RuntimeError, NotImplementedError) as err:  # zipfile's words for encrypted or unknown methods
+            except (RuntimeError, NotImplementedError) as err:  # zipfile's words for an unknown method
                 raise ValueError(f"{member.filename}: {err}") from None
             if int(np.prod(shape)) * dtype.itemsize > member.file_size:
                 raise ValueError(f"{member.filename}: its header claims {shape} {dtype}, more than the member holds")
