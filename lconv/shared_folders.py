@@ -49,11 +49,21 @@ def check_source_folder(folder: str, label: str) -> None:
     if not found and enforced(folder):
         top = os.path.abspath(os.path.expanduser(str(folder)))
         for path in [top, *_files_in(top)]:
-            what = _unsafe_inside(path)
+            what = _unsafe_inside(path) or (_unsafe_target(path) if os.path.islink(path) else None)
             if what:
                 found = f"{path} {what}{_SWAP}", "copy the files lconv reads from it into a folder of your own"
                 break
     raise_problem(found, label)
+
+
+def _unsafe_target(link: str) -> str | None:
+    """What another user could change of the file a link leads to: the file itself, or a folder on the way to it
+    (a link into a subfolder another user owns reads their file)."""
+    real = os.path.realpath(link)
+    found = _unsafe_inside(real) or problem(os.path.dirname(real), whole_tree=False)
+    if found:
+        return f"leads to {real}, which another user could change ({found if isinstance(found, str) else found[0]})"
+    return None
 
 
 def check_code_folder(folder: str, label: str) -> None:

@@ -8,11 +8,19 @@
 # The bench runs alone first: tests sharing the GPU would make its timings wrong.
 #
 #   [TOTAL_SECONDS=N] scripts/accelerator_session.sh BENCH_MINUTES TEST_SECONDS OUT [extra bench flags, e.g. --profile]
-# On CPU, `TEST_PLATFORMS=cpu scripts/accelerator_session.sh 2 60 /tmp/session --quick` smoke-tests the script.
+# OUT is a new folder (made here, owner-only), or an empty one of yours that no other user can write: the session's
+# files are written into it by name, so another user's folder or link there would take them.
+# On CPU, `TEST_PLATFORMS=cpu scripts/accelerator_session.sh 2 60 ~/session --quick` smoke-tests the script.
 set -uo pipefail
 bench_minutes=$1 test_seconds=$2 out=$3
 shift 3
-mkdir -p "$out"
+if ! mkdir -m 700 -- "$out" 2>/dev/null; then
+  if [ -L "$out" ] || [ ! -d "$out" ] || [ ! -O "$out" ] || [ -n "$(ls -A -- "$out")" ] ||
+     [ $(( 8#$(stat -c %a -- "$out") & 8#022 )) -ne 0 ]; then
+    echo "error: OUT=$out: name a new folder, or an empty one of yours that no other user can write" >&2
+    exit 2
+  fi
+fi
 export PYTHONUNBUFFERED=1
 { nvidia-smi -L 2>/dev/null; python -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
   2>&1 | tee "$out/machine.txt"

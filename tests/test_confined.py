@@ -257,12 +257,17 @@ def test_a_damaged_tokenizer_is_one_line_however_it_is_damaged(tmp_path, tiny_da
         helpers.one_line_error(error, "spm.model", "not a SentencePiece model", "truncated or damaged")
 
 
-def test_a_source_file_that_never_ends_is_one_line(monkeypatch):
-    """``--source_file=/dev/zero`` was a MemoryError traceback (or took the host): reads stop at a bound."""
-    monkeypatch.setattr(eval_program, "TEXT_FILE_LIMIT", 1 << 20)
+def test_a_source_file_that_never_ends_is_one_line(monkeypatch, tmp_path):
+    """``--source_file=/dev/zero`` was a MemoryError traceback (or took the host), then read 1 GiB before the bound
+    refused it (r30-16): a device is refused at once; a file or a pipe is read up to a bound."""
     with pytest.raises(UserError) as error:
         eval_program.read_lines("/dev/zero", "--source_file")
-    helpers.one_line_error(error, "--source_file=/dev/zero", "bytes")
+    helpers.one_line_error(error, "--source_file=/dev/zero", "a device")
+    monkeypatch.setattr(eval_program, "TEXT_FILE_LIMIT", 1 << 20)
+    (tmp_path / "long.txt").write_bytes(b"x" * (1 << 20) + b"\n")  # one line past the bound
+    with pytest.raises(UserError) as error:
+        eval_program.read_lines(str(tmp_path / "long.txt"), "--source_file")
+    helpers.one_line_error(error, "long.txt", "bytes")
 
 
 def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_per_compile(tmp_path, capsys,

@@ -123,7 +123,8 @@ def test_a_recordings_arrays_are_read_bounded_and_bad_ones_are_one_line(tmp_path
         archive.writestr("n_micro.npy", header.getvalue() + b"\0" * 64)
     with pytest.raises(UserError, match=r"n_micro.npy: its header claims \(1000000000000,\) float64"):
         run.batches()
-    for offset, value, named in ((8, 1, "n_micro.npy: encrypted"), (10, 97, "n_micro.npy: .*compression method")):  # r29-24
+    encrypted, unknown_method = (8, 1, "n_micro.npy: encrypted"), (10, 97, "n_micro.npy: .*compression method")
+    for offset, value, named in (encrypted, unknown_method):  # tracebacks (r29-24)
         np.savez(tmp_path / "rec" / RUN_B / "batches.npz", n_micro=np.zeros(3))
         data = bytearray((tmp_path / "rec" / RUN_B / "batches.npz").read_bytes())
         central = data.index(b"PK\x01\x02")  # the central directory's entry: its flag bits, its method

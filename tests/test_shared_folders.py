@@ -365,6 +365,11 @@ def test_a_raw_dir_whose_subfolders_others_can_change_is_prepared_from(tmp_path,
     partial.chmod(0o777)
     builder = tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds"), raw_dir=str(raw))
     assert len(builder.as_data_source(split="test")) == 8
+    (raw / "test.de").unlink()  # a link of yours at the top level into that subfolder reads theirs (r30-22)
+    (raw / "test.de").symlink_to(partial / "test.de")
+    with pytest.raises(UserError) as error:
+        tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds2"), raw_dir=str(raw))
+    helpers.one_line_error(error, str(raw / "test.de"), f"leads to {partial / 'test.de'}")
 
 
 def test_a_raw_file_changed_while_its_copy_is_built_leaves_no_copy(tmp_path, monkeypatch, enforced):

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -221,6 +222,9 @@ def read_lines(path: str, flag: str) -> list[str]:
     lines, total = [], 0
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) and not f.isatty():  # /dev/zero: read to the bound
+                raise UserError(f"{flag}={path}: a device, not a text file; name a file, a pipe or a terminal")
             number = 0
             while raw := f.readline(TEXT_FILE_LIMIT - total + 1):  # bounded: /dev/zero is one endless line
                 total, number = total + len(raw), number + 1
