@@ -57,13 +57,10 @@ def check_source_folder(folder: str, label: str) -> None:
 
 
 def _unsafe_target(link: str) -> str | None:
-    """What another user could change of the file a link leads to: the file itself, or a folder on the way to it
-    (a link into a subfolder another user owns reads their file)."""
-    real = os.path.realpath(link)
-    found = _unsafe_inside(real) or problem(os.path.dirname(real), whole_tree=False)
-    if found:
-        return f"leads to {real}, which another user could change ({found if isinstance(found, str) else found[0]})"
-    return None
+    """What another user could change on the way a link leads, links after it followed too: a folder a name is
+    looked up in, a link, or the file itself (a link into a subfolder another user owns reads their file)."""
+    found = problem(link, whole_tree=False)
+    return f"leads where another user could change it ({found[0]})" if found else None
 
 
 def check_code_folder(folder: str, label: str) -> None:

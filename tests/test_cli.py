@@ -395,8 +395,8 @@ def test_a_packaged_config_is_found_by_name_from_any_directory(tmp_path, monkeyp
     for argv in (["p", "-config=default.py"], ["p", "-config", "default"], ["p", "--config", "default"]):
         assert runtime.resolve_config_argument(argv)[-1].endswith(f"={packaged}") or \
             runtime.resolve_config_argument(argv)[-1] == packaged  # absl's one-dash spellings too (r28-5)
-    assert runtime.resolve_config_argument(["p", "--config=configs/default.py"]) == [
-        "p", "--config=configs/default.py"]  # a path: left for ml_collections to load (or name as missing)
+    with pytest.raises(UserError, match="^--config=configs/default.py: no such file"):  # a path, not a name
+        runtime.resolve_config_argument(["p", "--config=configs/default.py"])
     with pytest.raises(UserError, match="^--config=nope: no such file, nor a config packaged with lconv; "
                                         "packaged: .*default.*wmt_en_de"):
         runtime.resolve_config_argument(["p", "--config=nope"])
@@ -530,11 +530,11 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
     if os.getuid() == 0:  # another user's flag file: its flags would be the command line's (--trust_plugins)
         (tmp_path / "theirs.txt").write_text("--trust_plugins\n")
         os.chown(tmp_path / "theirs.txt", 4243, -1)
-        with pytest.raises(UserError, match="theirs.txt: belongs to another user"):
+        with pytest.raises(UserError, match="theirs.txt belongs to another user"):
             flag_files.expand(["p", f"--flagfile={tmp_path / 'theirs.txt'}"])
         (tmp_path / "their_link.txt").symlink_to(tmp_path / "cycle.txt")  # they could point it elsewhere (r30-1)
         os.chown(tmp_path / "their_link.txt", 4243, -1, follow_symlinks=False)
-        with pytest.raises(UserError, match="their_link.txt: belongs to another user"):
+        with pytest.raises(UserError, match="their_link.txt is a link another user owns"):
             flag_files.expand(["p", f"--flagfile={tmp_path / 'their_link.txt'}"])
     (tmp_path / "cycle.txt").write_text(f"# a comment\n\n  --flagfile={tmp_path / 'cycle.txt'}  \n"
                                         "--config.train.num_steps=-1\n// another\n")
@@ -547,5 +547,20 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
     (tmp_path / "c.txt").write_text("--beam_size=2\n" * 50)
     (tmp_path / "b.txt").write_text(f"--flagfile={tmp_path / 'c.txt'}\n" * 3000)
     (tmp_path / "a.txt").write_text(f"--flagfile={tmp_path / 'b.txt'}\n" * 3000)
-    with pytest.raises(UserError, match=f"b.txt: more than {flag_files.LIMIT_FLAGS:,} flags"):
+    with pytest.raises(UserError, match=f"more than {flag_files.LIMIT_FLAGS:,} flags and flag files in all"):
         flag_files.expand(["p", f"--flagfile={tmp_path / 'a.txt'}"])
+    # ... or files that expand to nothing, named often enough to keep a core busy (r31-5); a chain deeper than
+    # Python's recursion (r31-6)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "many.txt").write_text(f"--flagfile={tmp_path / 'empty.txt'}\n" * 1500)
+    for number in range(5):
+        (tmp_path / f"chain{number}.txt").write_text(f"--flagfile={tmp_path / f'chain{number + 1}.txt'}\n")
+    (tmp_path / "chain5.txt").write_text("--beam_size=2\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(flag_files, "LIMIT_FLAGS", 1000)
+        patch.setattr(flag_files, "LIMIT_DEPTH", 3)
+        with pytest.raises(UserError, match="many.txt: more than 1,000 flags and flag files"):
+            flag_files.expand(["p", f"--flagfile={tmp_path / 'many.txt'}"])
+        with pytest.raises(UserError, match="chain3.txt: flag files nested more than 3 deep"):
+            flag_files.expand(["p", f"--flagfile={tmp_path / 'chain0.txt'}"])
+    assert flag_files.expand(["p", f"--flagfile={tmp_path / 'chain0.txt'}"]) == ["p", "--beam_size=2"]

@@ -268,6 +268,10 @@ def test_a_source_file_that_never_ends_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(UserError) as error:
         eval_program.read_lines(str(tmp_path / "long.txt"), "--source_file")
     helpers.one_line_error(error, "long.txt", "bytes")
+    (tmp_path / "short.txt").write_bytes(b"a\n" * ((1 << 20) // 60))  # 35 kB of lines, each held as a string
+    with pytest.raises(UserError) as error:  # yes | eval.py --source_file=/dev/stdin held 16 GB by 1 GiB (r31-17)
+        eval_program.read_lines(str(tmp_path / "short.txt"), "--source_file")
+    helpers.one_line_error(error, "short.txt", "bytes to hold")
 
 
 def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_per_compile(tmp_path, capsys,

@@ -369,7 +369,14 @@ def test_a_raw_dir_whose_subfolders_others_can_change_is_prepared_from(tmp_path,
     (raw / "test.de").symlink_to(partial / "test.de")
     with pytest.raises(UserError) as error:
         tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds2"), raw_dir=str(raw))
-    helpers.one_line_error(error, str(raw / "test.de"), f"leads to {partial / 'test.de'}")
+    helpers.one_line_error(error, str(raw / "test.de"), "leads where another user could change it")
+    (raw / "test.de").unlink()  # ... or through a link in it that leads back to the top level (r31-7)
+    (raw / "own.de").write_text("mine\n")
+    (partial / "hop").symlink_to(raw / "own.de")
+    (raw / "test.de").symlink_to(partial / "hop")
+    with pytest.raises(UserError) as error:
+        tfds_ddtp.prepare("iwslt14/de_en", str(tmp_path / "tfds2"), raw_dir=str(raw))
+    helpers.one_line_error(error, str(raw / "test.de"), f"{partial} can be written by other users")
 
 
 def test_a_raw_file_changed_while_its_copy_is_built_leaves_no_copy(tmp_path, monkeypatch, enforced):
@@ -827,7 +834,8 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
         shared.chmod(mode)
         refused(shared / "mine.py", f"--config={shared / 'mine.py'}", named)
         # not there when checked, another user could add it before the load (r29-23 ran theirs in 3 of 6 tries)
-        refused(shared / "missing.py", f"--config={shared / 'missing.py'}", named)
+        refused(shared / "missing.py", f"--config={shared / 'missing.py'}",
+                "can be written by other users" if mode == 0o777 else "lets other users make that name first")
     own = tmp_path / "own"
     own.mkdir(mode=0o755)
     (own / "mine.py").write_text("")
@@ -843,7 +851,7 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
     refused("/dev/stdin", "not a regular file")  # a pipe or a device, whatever it leads to (r29-23)
     (shared / "dangling.py").symlink_to(tmp_path / "nothing.py")
     shared.chmod(0o755)
-    refused(shared / "dangling.py", "a link to nothing")  # where another user could point it at the load (r30-2)
+    refused(shared / "dangling.py", "no such file", "leads to")  # never left for ml_collections to open (r30-2)
     (own / "__pycache__").mkdir()
     (own / "__pycache__").chmod(0o777)
     refused(own / "mine.py", str(own / "__pycache__"), "can be written by other users")
@@ -857,7 +865,7 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
         os.chown(elsewhere / "cfg.py", 4243, -1)
     else:
         monkeypatch.setattr(os, "getuid", lambda: 4243)
-    refused(own / "link.py", f"{elsewhere / 'cfg.py'}: belongs to another user", "a config file is code")
+    refused(own / "link.py", f"{elsewhere / 'cfg.py'} belongs to another user", "a config file is code")
     if real_uid == 0:  # another user's link on the way is refused, as on the way to a run
         os.chown(elsewhere / "cfg.py", 0, -1)
         (tmp_path / "their_link").symlink_to(elsewhere)
@@ -865,7 +873,17 @@ def test_a_config_file_another_user_could_have_written_is_refused(tmp_path, monk
         refused(tmp_path / "their_link" / "cfg.py", str(tmp_path / "their_link"), "another user")
         (own / "their_cfg.py").symlink_to(elsewhere / "cfg.py")  # the last name: their link in your folder (r30-2)
         os.chown(own / "their_cfg.py", 4243, -1, follow_symlinks=False)
-        refused(own / "their_cfg.py", str(own / "their_cfg.py"), "belongs to another user")
+        refused(own / "their_cfg.py", f"{own / 'their_cfg.py'} is a link another user owns")
+        # A link of yours into another user's folder, whose file they make a link to a root-owned file holding
+        # their text (/proc/<pid>/cmdline of their non-dumpable process): refused on the way (r31-15)
+        team = tmp_path / "team"
+        team.mkdir()
+        (team / "cfg.py").write_text("")
+        os.chown(team, 4243, -1)
+        (own / "team_cfg.py").symlink_to(team / "cfg.py")
+        refused(own / "team_cfg.py", f"{team} belongs to another user")
+    # A file whose size is not what it holds (/proc's): never taken for what was checked
+    refused("/proc/self/cmdline", "holds other than its size says")
 
 
 def test_the_study_and_the_fairseq_replay_keep_no_program_in_a_cache_another_user_could_fill(shared_cache,

@@ -213,6 +213,7 @@ def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, le
 
 
 TEXT_FILE_LIMIT = 1 << 30  # bytes of --source_file / --reference_file: every line is held in memory
+LINE_OVERHEAD_BYTES = 64  # a Python string's own size and its place in the list
 
 
 def read_lines(path: str, flag: str) -> list[str]:
@@ -227,10 +228,11 @@ def read_lines(path: str, flag: str) -> list[str]:
                 raise UserError(f"{flag}={path}: a device, not a text file; name a file, a pipe or a terminal")
             number = 0
             while raw := f.readline(TEXT_FILE_LIMIT - total + 1):  # bounded: /dev/zero is one endless line
-                total, number = total + len(raw), number + 1
+                # what holding it takes: its text, and each line's own string (short lines cost far more than bytes)
+                total, number = total + len(raw) + LINE_OVERHEAD_BYTES, number + 1
                 if total > TEXT_FILE_LIMIT:
-                    raise UserError(f"{flag}={path}: more than {TEXT_FILE_LIMIT:,} bytes; split it into smaller "
-                                    "files")
+                    raise UserError(f"{flag}={path}: more than {TEXT_FILE_LIMIT:,} bytes to hold (its text and "
+                                    f"{LINE_OVERHEAD_BYTES} a line); split it into smaller files")
                 raw = raw.removesuffix(b"\n").removesuffix(b"\r")
                 try:
                     lines.append(raw.decode("utf-8"))

@@ -6,14 +6,14 @@ so it is held to a config file's rules for who may have written it (docs/securit
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Sequence
 
-from lconv import shared_folders
+from lconv.cli import command_files
 from lconv.errors import UserError
 
 LIMIT_BYTES = 1 << 20  # far past any command line's flags
-LIMIT_FLAGS = 1 << 16  # in all, nested files expanded: a file named 3,000 times in one named 3,000 times is not one
+LIMIT_FLAGS = 1 << 16  # flags and flag files named, in all: a file named 3,000 times in one named 3,000 times
+LIMIT_DEPTH = 64  # flag files inside flag files
 _DIRECTIVES = ("--flagfile", "-flagfile")
 _WHY = "a flag file's flags are your command line's"
 
@@ -25,16 +25,21 @@ def expand(argv: Sequence[str]) -> list[str]:
     ``--`` ends the flags. Each file is a regular file of this user's (or root's), at most ``LIMIT_BYTES`` of UTF-8
     text, reached by no other user's link; else one ``UserError`` line naming it."""
     texts: dict[str, str] = {}  # each file read once, however often it is named
-    return [*argv[:1], *_expand(list(argv[1:]), (), texts)]
+    return [*argv[:1], *_expand(list(argv[1:]), (), texts, [0])]
 
 
-def _expand(args: list[str], reading: tuple[str, ...], texts: dict[str, str]) -> list[str]:
+def _expand(args: list[str], reading: tuple[str, ...], texts: dict[str, str], taken: list[int]) -> list[str]:
+    """``args`` expanded; ``reading``: the files being expanded, outermost first; ``taken``: the arguments taken so
+    far, flags and flag files, in all (one counter shared by every level)."""
+    where = f"--flagfile={reading[-1]}" if reading else "the command line"
+    if len(reading) > LIMIT_DEPTH:
+        raise UserError(f"{where}: flag files nested more than {LIMIT_DEPTH} deep")
     out, i = [], 0
     while i < len(args):
-        if len(out) > LIMIT_FLAGS:
-            where = f"--flagfile={reading[-1]}" if reading else "the command line"
-            raise UserError(f"{where}: more than {LIMIT_FLAGS:,} flags with the flag files it names; name each "
-                            "flag file once")
+        taken[0] += 1
+        if taken[0] > LIMIT_FLAGS:
+            raise UserError(f"{where}: more than {LIMIT_FLAGS:,} flags and flag files in all; name each flag file "
+                            "once")
         arg = args[i]
         if arg == "--":
             return out + args[i:]
@@ -47,12 +52,19 @@ def _expand(args: list[str], reading: tuple[str, ...], texts: dict[str, str]) ->
             raise UserError(f"{name}: name the flag file, {name}=FILE")
         path = os.path.expanduser((value if equals else args[i + 1]).strip())
         i += 1 if equals else 2
-        real = os.path.realpath(path)
+        real = path and _resolved(path)
         if path and real not in reading:  # absl skips a file named again inside itself
             if real not in texts:
                 texts[real] = _read(path)
-            out += _expand(_lines(texts[real]), (*reading, real), texts)
+            out += _expand(_lines(texts[real]), (*reading, real), texts, taken)
     return out
+
+
+def _resolved(path: str) -> str:
+    try:
+        return os.path.realpath(path)
+    except OSError as err:  # a link gone while it was followed
+        raise UserError(f"--flagfile={path}: changed while it was read ({err.strerror or err})") from None
 
 
 def _lines(text: str) -> list[str]:
@@ -61,29 +73,9 @@ def _lines(text: str) -> list[str]:
 
 
 def _read(path: str) -> str:
-    """The text of one flag file, read through the one descriptor its checks were made on."""
+    """The text of one flag file, read once it passes ``command_files.read_checked``."""
     label = f"--flagfile={path}"
-    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"{label} ({_WHY})")
-    if os.path.islink(path):  # the name itself: a link another user could point elsewhere
-        shared_folders.check_owner(path, _WHY)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a pipe: no wait for a writer
-    except FileNotFoundError:
-        raise UserError(f"{label}: no such file") from None
-    except OSError as err:
-        raise UserError(f"{label}: cannot read it ({err.strerror or err})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UserError(f"{label}: not a regular file (a pipe or device is refused)")
-        if not shared_folders.trusted_owner(path, info.st_uid):
-            raise UserError(f"{label}: belongs to another user (uid {info.st_uid}); {_WHY} (set "
-                            f"{shared_folders.OPT_IN}=1 to accept that risk)")
-        if info.st_size > LIMIT_BYTES:
-            raise UserError(f"{label}: {info.st_size:,} bytes, more than the {LIMIT_BYTES:,} a flag file may hold")
-        data = f.read(LIMIT_BYTES + 1)
-    if len(data) > LIMIT_BYTES:
-        raise UserError(f"{label}: grew past {LIMIT_BYTES:,} bytes while it was read")
+    _, data = command_files.read_checked(path, label, _WHY, LIMIT_BYTES)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

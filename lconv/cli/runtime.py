@@ -9,14 +9,13 @@ import logging
 import os
 import re
 import signal
-import stat
 import sys
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
-from lconv import console, outputs, shared_folders
-from lconv.cli import flag_files
+from lconv import console, outputs
+from lconv.cli import command_files, flag_files
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import compilation_cache, host_memory
@@ -221,6 +220,7 @@ def _compiling() -> bool:
     return compiled is not None and compiled.compiling()
 
 
+CONFIG_LIMIT_BYTES = 1 << 24  # far past any config file
 _HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpfull", "-helpfull", "--helpshort", "-helpshort")
 
 
@@ -317,25 +317,11 @@ def _config_path(value: str) -> str:
 
 
 def _check_config_file(path: str, value: str) -> str:
-    """A config file is code this process runs: its resolved path, or one line unless it is a regular file of this
-    user's (where a link leads), in a folder no other user can add a file to or change the way to (no other user's
-    link on the way either)."""
-    real = os.path.realpath(path)
-    why = "a config file is code that lconv would run as you"
-    # The folders first, even for a file not there: where another user may add it, it could appear before the load.
-    shared_folders.check_way(os.path.dirname(os.path.abspath(path)), f"--config={value} ({why})")
-    shared_folders.check_code_folder(os.path.dirname(real), f"--config={value} ({why})")
-    if os.path.islink(path):  # the name itself: another user's link could point anywhere at the load
-        shared_folders.check_owner(path, why)
-    try:
-        mode = os.stat(path).st_mode  # /dev/stdin resolves to no path (a pipe's), but is one: refused below
-    except OSError:
-        if os.path.lexists(path):
-            raise UserError(f"--config={value}: {path} is a link to nothing ({real})") from None
-        return path  # ml_collections names the missing file as it was typed
-    if not stat.S_ISREG(mode):
-        raise UserError(f"--config={value}: {real} is not a regular file ({why}; a pipe or device is refused)")
-    shared_folders.check_owner(real, why)
+    """A config file is code this process runs: the resolved path ml_collections is to load, once the file passes
+    ``command_files.read_checked`` (a regular file of this user's, on a way and in a folder no other user can
+    change); else one line."""
+    real, _ = command_files.read_checked(path, f"--config={value}", "a config file is code that lconv would run as "
+                                         "you", CONFIG_LIMIT_BYTES, code=True)
     return real
 
 
