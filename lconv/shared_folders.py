@@ -63,16 +63,21 @@ def _unsafe_target(link: str) -> str | None:
     return f"leads where another user could change it ({found[0]})" if found else None
 
 
-def check_code_folder(folder: str, label: str) -> None:
-    """As ``check_way`` for the folder of a Python file lconv runs (a config), which must also take no name from
-    another user, not even as a sticky /tmp does: Python loads a ``__pycache__`` planted beside a module instead of
-    it. A ``__pycache__`` already there is checked whole."""
+def check_closed_folder(folder: str, label: str, why: str) -> None:
+    """As ``check_way`` for a folder that must also take no new name from another user, not even as a sticky /tmp
+    does (``why``: what a planted name would do)."""
     check_way(folder, label)
+    if enforced(folder) and _others_may_make(folder):
+        raise UserError(f"{label}: {folder} lets other users add files, and {why}; {_WAY_FIX} (or set {OPT_IN}=1 to "
+                        "accept that risk)")
+
+
+def check_code_folder(folder: str, label: str) -> None:
+    """As ``check_closed_folder`` for the folder of a Python file lconv runs (a config): Python loads a
+    ``__pycache__`` planted beside a module instead of it. A ``__pycache__`` already there is checked whole."""
+    check_closed_folder(folder, label, "Python would run one planted there (a __pycache__) in its place")
     if not enforced(folder):
         return
-    if _others_may_make(folder):
-        raise UserError(f"{label}: {folder} lets other users add files, and Python would run one planted there "
-                        f"(a __pycache__) in its place; {_WAY_FIX} (or set {OPT_IN}=1 to accept that risk)")
     cache = os.path.join(folder, "__pycache__")
     if os.path.lexists(cache):
         check(cache, label)

@@ -91,8 +91,7 @@ def main(argv=None) -> None:
     start = time.time()
     try:  # the raw files are read, and the snapshot written, only where no other user could change them
         shared_folders.check_source_folder(args.raw_dir, "--raw_dir")
-        os.makedirs(args.out_dir, exist_ok=True)
-        shared_folders.check(args.out_dir, "--out_dir", made_here=True)
+        shared_folders.raise_problem(shared_folders.make_checked(args.out_dir), "--out_dir")  # checked, then made
     except UserError as err:
         raise SystemExit(f"error: {err}") from None
     counts = collections.Counter()

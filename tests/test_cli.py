@@ -556,6 +556,18 @@ def test_a_flagfiles_config_name_is_the_packaged_config_too(tmp_path, monkeypatc
     for number in range(5):
         (tmp_path / f"chain{number}.txt").write_text(f"--flagfile={tmp_path / f'chain{number + 1}.txt'}\n")
     (tmp_path / "chain5.txt").write_text("--beam_size=2\n")
+    (tmp_path / "wide.txt").write_text("--beam_size=2 " + "#" * 1000 + "\n")  # one long flag, named often (r32-12)
+    (tmp_path / "often.txt").write_text(f"--flagfile={tmp_path / 'wide.txt'}\n" * 20)
+    sticky = tmp_path / "sticky"  # a name another user put in a sticky folder would be taken as yours (r32-11)
+    sticky.mkdir()
+    (sticky / "flags.txt").write_text("--beam_size=2\n")
+    sticky.chmod(0o1777)
+    with pytest.raises(UserError, match="lets other users add files"):
+        flag_files.expand(["p", f"--flagfile={sticky / 'flags.txt'}"])
+    with monkeypatch.context() as patch:
+        patch.setattr(flag_files, "LIMIT_EXPANDED_BYTES", 10_000)
+        with pytest.raises(UserError, match="wide.txt: the flag files named take more than 10,000 bytes"):
+            flag_files.expand(["p", f"--flagfile={tmp_path / 'often.txt'}"])
     with monkeypatch.context() as patch:
         patch.setattr(flag_files, "LIMIT_FLAGS", 1000)
         patch.setattr(flag_files, "LIMIT_DEPTH", 3)

@@ -272,6 +272,11 @@ def test_a_source_file_that_never_ends_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(UserError) as error:  # yes | eval.py --source_file=/dev/stdin held 16 GB by 1 GiB (r31-17)
         eval_program.read_lines(str(tmp_path / "short.txt"), "--source_file")
     helpers.one_line_error(error, "short.txt", "bytes to hold")
+    monkeypatch.setattr(eval_program, "TEXT_LINE_LIMIT", 10)  # 15.5 million short lines held 4.7 GB once tokenized
+    (tmp_path / "lines.txt").write_text("a\n" * 11)  # (r32-13)
+    with pytest.raises(UserError) as error:
+        eval_program.read_lines(str(tmp_path / "lines.txt"), "--source_file")
+    helpers.one_line_error(error, "lines.txt", "more than 10 lines")
 
 
 def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_per_compile(tmp_path, capsys,

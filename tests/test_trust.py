@@ -108,6 +108,17 @@ def test_a_fairseq_checkpoint_that_would_run_code_is_refused_without_the_opt_in(
         fairseq.read_checkpoint(str(path))
     helpers.one_line_error(error, str(path), "--trust_checkpoint")
     assert not marker.exists()
+    # Trusted, it is code: a file in a folder another user can add to is refused as a config there is (r32-16)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "model.pt").write_bytes(path.read_bytes())
+    shared.chmod(0o1777)
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("LCONV_ALLOW_SHARED_FOLDERS", raising=False)
+        with pytest.raises(UserError) as error:
+            fairseq.read_checkpoint(str(shared / "model.pt"), trust=True)
+    helpers.one_line_error(error, str(shared / "model.pt"), "lets other users add files")
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("special", ["pipe", "/dev/zero"])

@@ -214,6 +214,7 @@ def check_flags(*, average_last: int, checkpoint: str, beam_size: int | None, le
 
 TEXT_FILE_LIMIT = 1 << 30  # bytes of --source_file / --reference_file: every line is held in memory
 LINE_OVERHEAD_BYTES = 64  # a Python string's own size and its place in the list
+TEXT_LINE_LIMIT = 1 << 20  # lines of one --source_file: far past any test set
 
 
 def read_lines(path: str, flag: str) -> list[str]:
@@ -230,6 +231,9 @@ def read_lines(path: str, flag: str) -> list[str]:
             while raw := f.readline(TEXT_FILE_LIMIT - total + 1):  # bounded: /dev/zero is one endless line
                 # what holding it takes: its text, and each line's own string (short lines cost far more than bytes)
                 total, number = total + len(raw) + LINE_OVERHEAD_BYTES, number + 1
+                if number > TEXT_LINE_LIMIT:  # each is tokenized and held before the first batch
+                    raise UserError(f"{flag}={path}: more than {TEXT_LINE_LIMIT:,} lines; split it into smaller "
+                                    "files")
                 if total > TEXT_FILE_LIMIT:
                     raise UserError(f"{flag}={path}: more than {TEXT_FILE_LIMIT:,} bytes to hold (its text and "
                                     f"{LINE_OVERHEAD_BYTES} a line); split it into smaller files")

@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from lconv.cli import command_files
+from lconv import command_files
 from lconv.errors import UserError
 
 LIMIT_BYTES = 1 << 20  # far past any command line's flags
 LIMIT_FLAGS = 1 << 16  # flags and flag files named, in all: a file named 3,000 times in one named 3,000 times
 LIMIT_DEPTH = 64  # flag files inside flag files
+LIMIT_EXPANDED_BYTES = 1 << 24  # the text of every file expanded, a file named twice counted twice
 _DIRECTIVES = ("--flagfile", "-flagfile")
 _WHY = "a flag file's flags are your command line's"
 
@@ -25,12 +26,12 @@ def expand(argv: Sequence[str]) -> list[str]:
     ``--`` ends the flags. Each file is a regular file of this user's (or root's), at most ``LIMIT_BYTES`` of UTF-8
     text, reached by no other user's link; else one ``UserError`` line naming it."""
     texts: dict[str, str] = {}  # each file read once, however often it is named
-    return [*argv[:1], *_expand(list(argv[1:]), (), texts, [0])]
+    return [*argv[:1], *_expand(list(argv[1:]), (), texts, [0, 0])]
 
 
 def _expand(args: list[str], reading: tuple[str, ...], texts: dict[str, str], taken: list[int]) -> list[str]:
     """``args`` expanded; ``reading``: the files being expanded, outermost first; ``taken``: the arguments taken so
-    far, flags and flag files, in all (one counter shared by every level)."""
+    far, flags and flag files, and the bytes of the files expanded, in all (shared by every level)."""
     where = f"--flagfile={reading[-1]}" if reading else "the command line"
     if len(reading) > LIMIT_DEPTH:
         raise UserError(f"{where}: flag files nested more than {LIMIT_DEPTH} deep")
@@ -56,6 +57,10 @@ def _expand(args: list[str], reading: tuple[str, ...], texts: dict[str, str], ta
         if path and real not in reading:  # absl skips a file named again inside itself
             if real not in texts:
                 texts[real] = _read(path)
+            taken[1] += len(texts[real])
+            if taken[1] > LIMIT_EXPANDED_BYTES:
+                raise UserError(f"--flagfile={path}: the flag files named take more than {LIMIT_EXPANDED_BYTES:,} "
+                                "bytes in all; name each flag file once")
             out += _expand(_lines(texts[real]), (*reading, real), texts, taken)
     return out
 

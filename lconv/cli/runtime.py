@@ -14,8 +14,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
-from lconv import console, outputs
-from lconv.cli import command_files, flag_files
+from lconv import command_files, console, outputs
+from lconv.cli import flag_files
 from lconv.data import paths
 from lconv.errors import UserError
 from lconv.run import compilation_cache, host_memory

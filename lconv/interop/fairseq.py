@@ -8,12 +8,14 @@ options (``decoder_start``, ``position_offset``, ...), not a fork of the model; 
 from __future__ import annotations
 
 import argparse
+import io
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
+from lconv import command_files
 from lconv.errors import UserError
 from lconv.interop.fairseq_vocab import lconv_rows
 from lconv.nn.model_config import ModelConfig
@@ -66,8 +68,12 @@ def read_checkpoint(path: str, *, trust: bool = False) -> tuple[Mapping[str, np.
         raise UserError(f"no fairseq checkpoint at {path}")
     paths.check_file(path)  # a pipe hung the import; /dev/zero reached torch's loader
     torch.serialization.add_safe_globals([argparse.Namespace])
+    trusted = None
+    if trust and not paths.is_url(path):  # code it runs: the file this user wrote, read once as a config is
+        _, trusted = command_files.read_checked(path, f"--checkpoint={path}", "with --trust_checkpoint it is code "
+                                                "lconv would run as you", paths.READ_LIMIT)
     try:
-        with epath.Path(path).open("rb") as f:
+        with (io.BytesIO(trusted) if trusted is not None else epath.Path(path).open("rb")) as f:
             state = torch.load(f, map_location="cpu", weights_only=not trust)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds; each becomes one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

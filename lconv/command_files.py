@@ -13,17 +13,24 @@ from lconv.errors import UserError
 def read_checked(path: str, label: str, why: str, limit: int, *, code: bool = False) -> tuple[str, bytes]:
     """``(resolved path, bytes)`` of the command file ``path``, or one ``UserError`` line naming ``label``. Every
     folder a name is looked up in on the way, links followed, and every link there is this user's or root's, so
-    the resolved path names this file for as long as the command runs; with ``code``, its folder also takes no new
-    name from another user (Python would load a planted ``__pycache__`` instead). The file is read through the
+    the resolved path names this file for as long as the command runs; its folder takes no new name from another
+    user (with ``code``, holds no ``__pycache__`` of theirs either: Python would load it). The file is read through the
     descriptor of the checked file, whole: a file whose size is not what it holds (``/proc``'s, owned by root but
     written by whoever runs the process) is refused."""
     try:
-        if os.path.exists(path) and not os.path.isfile(path):
+        try:
+            named = os.stat(path)
+        except FileNotFoundError:
+            named = None
+        if named is not None and not stat.S_ISREG(named.st_mode):
             raise UserError(f"{label}: not a regular file ({why}; a pipe or device is refused)")
         shared_folders.raise_problem(shared_folders.problem(path, whole_tree=False), f"{label} ({why})")
         real = os.path.realpath(path)
         if code:
             shared_folders.check_code_folder(os.path.dirname(real), f"{label} ({why})")
+        else:  # a name another user put there (a hard link to a file of root's) would be taken as yours
+            shared_folders.check_closed_folder(os.path.dirname(real), f"{label} ({why})",
+                                               "a file another user put there would be read as yours")
         try:
             checked = os.stat(real)
         except FileNotFoundError:
