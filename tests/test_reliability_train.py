@@ -72,7 +72,7 @@ def test_a_config_whose_get_config_returns_no_config_is_one_line(tmp_path, capsy
 @pytest.mark.slow  # launches a process: the slow tier
 @pytest.mark.parametrize("config, named", [
     ("configs/default.py:nonsense", ["--config=configs/default.py:nonsense", "nonsense"]),
-    ("configs/nope.py", ["--config=configs/nope.py", "No such file"]),
+    ("configs/nope.py", ["--config=configs/nope.py", "no such file"]),
     ("configs/common.py", ["--config=configs/common.py", "get_config()"]),
 ])
 def test_a_config_file_that_does_not_load_is_one_line_with_exit_code_2(config, named, tmp_path):
