@@ -17,13 +17,10 @@ def read_checked(path: str, label: str, why: str, limit: int, *, code: bool = Fa
     user (with ``code``, holds no ``__pycache__`` of theirs either: Python would load it). The file is read through the
     descriptor of the checked file, whole: a file whose size is not what it holds (``/proc``'s, owned by root but
     written by whoever runs the process) is refused."""
+    not_regular = UserError(f"{label}: not a regular file ({why}; a pipe or device is refused)")
     try:
-        try:
-            named = os.stat(path)
-        except FileNotFoundError:
-            named = None
-        if named is not None and not stat.S_ISREG(named.st_mode):
-            raise UserError(f"{label}: not a regular file ({why}; a pipe or device is refused)")
+        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):  # /dev/stdin: its resolved path is none
+            raise not_regular
         shared_folders.raise_problem(shared_folders.problem(path, whole_tree=False), f"{label} ({why})")
         real = os.path.realpath(path)
         if code:
@@ -37,7 +34,7 @@ def read_checked(path: str, label: str, why: str, limit: int, *, code: bool = Fa
             raise UserError(f"{label}: no such file" + (f" ({path} leads to {real})" if real != os.path.abspath(path)
                                                         else "")) from None
         if not stat.S_ISREG(checked.st_mode):
-            raise UserError(f"{label}: not a regular file ({why}; a pipe or device is refused)")
+            raise not_regular
         if not shared_folders.trusted_owner(real, checked.st_uid):
             raise UserError(f"{label}: {real} belongs to another user (uid {checked.st_uid}); {why} (or set "
                             f"{shared_folders.OPT_IN}=1 to accept that risk)")

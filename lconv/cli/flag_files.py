@@ -12,7 +12,7 @@ from lconv import command_files
 from lconv.errors import UserError
 
 LIMIT_BYTES = 1 << 20  # far past any command line's flags
-LIMIT_FLAGS = 1 << 16  # flags and flag files named, in all: a file named 3,000 times in one named 3,000 times
+LIMIT_FLAGS = 1 << 16  # flags and flag files named, in all: files named many times in files named many times multiply
 LIMIT_DEPTH = 64  # flag files inside flag files
 LIMIT_EXPANDED_BYTES = 1 << 24  # the text of every file expanded, a file named twice counted twice
 _DIRECTIVES = ("--flagfile", "-flagfile")

@@ -9,7 +9,6 @@ from absl import app, flags
 
 from lconv import console
 from lconv.cli import programs, runtime
-from lconv.errors import first_line
 
 FLAGS = flags.FLAGS
 
@@ -21,12 +20,9 @@ def train(argv: list[str] | None = None) -> None:
 
     flags.DEFINE_string("workdir", None, "Directory for checkpoints, the tokenizer, logs and outputs.")
     runtime.expand_flag_files()  # ml_collections reads the command line (and its flag files) as --config is defined
-    try:
-        config_flags.DEFINE_config_file(
-            "config", None, "Config file, e.g. configs/default.py[:variant], or the name of a config packaged with "
-            f"lconv ({', '.join(runtime.packaged_configs())}), e.g. default:transformer.", lock_config=True)
-    except flags.Error as err:  # a flag error met as it reads the command line
-        console.exit_with(first_line(err, 200))
+    config_flags.DEFINE_config_file(
+        "config", None, "Config file, e.g. configs/default.py[:variant], or the name of a config packaged with "
+        f"lconv ({', '.join(runtime.packaged_configs())}), e.g. default:transformer.", lock_config=True)
     flags.DEFINE_bool("accept_config_changes", False,
                       "Let a resumed run change config fields its checkpoints were trained with (model, data, "
                       "optim); without it such a change is an error.")
