@@ -3,6 +3,7 @@ writer (issue 56): no output lands through a symbolic link planted in a workdir,
 leaves the earlier file whole."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -303,7 +304,8 @@ def test_a_compilation_cache_that_cannot_be_a_folder_is_one_line_not_a_warning_p
     assert "JAX_COMPILATION_CACHE_DIR" in line and str(a_file) in line
 
 
-def test_a_cache_entry_that_cannot_be_written_is_one_lconv_warning_per_process(monkeypatch, lconv_log, recwarn):
+def test_a_cache_entry_that_cannot_be_written_is_one_lconv_warning_per_process(monkeypatch, lconv_log, recwarn,
+                                                                               tmp_path):
     """A full disk when JAX writes a cache entry leaked JAX's raw UserWarning, once per compiled program: one lconv
     line naming the cache folder instead, and other warnings still shown."""
     import warnings
@@ -311,6 +313,14 @@ def test_a_cache_entry_that_cannot_be_written_is_one_lconv_warning_per_process(m
     import jax
     import jax.numpy as jnp
     from jax._src import compilation_cache as jax_cache
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache_api
+
+    # A cache in use whatever earlier tests of this process did: JAX decides at a compile whether it uses one
+    config = contextlib.ExitStack()
+    config.enter_context(helpers.jax_cache_config()).update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+    jax_cache_api.reset_cache()
+    config.callback(jax_cache_api.reset_cache)
 
     from lconv.run import compilation_cache
 
@@ -325,11 +335,12 @@ def test_a_cache_entry_that_cannot_be_written_is_one_lconv_warning_per_process(m
     monkeypatch.setattr(jax_cache, "put_executable_and_time", disk_full)
     saved = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    try:
-        for scale in (2.5, 3.5):  # two programs, two failed writes
-            jax.jit(lambda x, s=scale: x * s + 0.125)(jnp.ones(3)).block_until_ready()
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+    with config:
+        try:
+            for scale in (2.5, 3.5):  # two programs, two failed writes
+                jax.jit(lambda x, s=scale: x * s + 0.125)(jnp.ones(3)).block_until_ready()
+        finally:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
     warnings.warn("another warning", UserWarning, stacklevel=1)
     (line,) = [m for m in lconv_log() if "compilation cache" in m]
     assert "/the/cache" in line and "No space left on device" in line
