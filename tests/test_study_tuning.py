@@ -432,3 +432,43 @@ def test_a_retrained_figure_is_set_against_the_archived_seeds_spread(tmp_path):
     assert (alone["sd"], alone["within_spread"]) == (None, None) and json.loads(json.dumps(alone, allow_nan=False))
     assert retrain.describe(alone) == ("retrained translation/dynamic/seed0: test BLEU 0.50, archived 0.00 (+0.50); "
                                        "one archived seed, so no spread to compare with yet")
+
+
+def test_the_report_counts_the_sweeps_hours_and_says_where_speeds_mix_machines(quick_plan, tmp_path):
+    """results.md gave the seed runs' hours as the study's whole wall time (the sweep's runs, most of the compute,
+    left out), averaged speeds over runs on different machines without a word, and results.json held bare NaN
+    (no spread) that strict JSON readers refuse."""
+    import json
+
+    from lconv.study import driver, report
+
+    study, templates = quick_plan
+    machines = [{"cpu": "host A", "device": "cpu", "jax": "j"}, {"cpu": "host B", "device": "cpu", "jax": "j"}]
+    records, bleus = [], {("transformer", 0): 9.0, ("transformer", 1): 9.2, ("dynamic", 0): 11.0, ("dynamic", 1): 11.4}
+    for planned in plan.expand(study, templates, None):
+        record = driver.base_record(planned, str(tmp_path / "out"))
+        key = (record["mixer"], record["seed"])
+        if record["task"] != "translation" or key not in bleus:
+            records.append({**record, "status": "not run"})
+            continue
+        records.append({**record, "status": "ok", "bleu": bleus[key], "wall_seconds": 1800.0, "step": 10,
+                        "train_tokens_per_s": 1000.0, "decode_sentences_per_s": 5.0, "decode_tokens_per_s": 90.0,
+                        "train_step_bytes": 2**20, "peak_rss_bytes": 2**30, "machine": machines[record["seed"]]})
+    sweep = [{"task": "translation", "mixer": "dynamic", "kind": "tune", "learning_rate": 3e-3, "status": "ok",
+              "validation_nll": 4.0, "wall_seconds": 7200.0, "workdir": "tune"}]
+    meta = {"command": "python -m lconv.study", "invocation_seconds": 1.0, "report_only": True}
+    text = report.write_report(study, records, str(tmp_path / "docs"), meta, str(tmp_path / "out"), sweep)
+    assert "the seed runs took 2.00 hours in all, and the tuning sweep's runs 2.00 hours more" in text
+    assert "{" not in text.split("## Budget")[0]  # every field of the summary filled in
+    assert "host A; cpu; j (2 runs); host B; cpu; j (2 runs)" in text
+    assert "Its runs were measured on 2 machines" in text  # under the translation table, not the LM's
+    assert text.count("Its runs were measured on") == 1
+    assert "Against Transformer (9.10 ± 0.14, n 2): ahead beyond the spread: DynamicConv (+2.10)" in text
+    assert "2 seeds per mixer" in text
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text(), parse_constant=refuse)
+    assert {row["mixer"]: row["ppl_sd"] for row in saved["aggregate"] if row["task"] == "lm"} == {
+        "transformer": None, "dynamic": None}

@@ -1,6 +1,6 @@
 """The study's report, written from the run records: ``results.md`` (tables, plots, the machine and budget, the
-comparison with the paper) and ``results/`` (``results.json``, ``results.csv``, PNGs) for notebooks. A gap "exceeds the
-seed spread" when it is larger than the two mixers' sample standard deviations summed."""
+comparison with the paper) and ``results/`` (``results.json``, ``results.csv``, PNGs) for notebooks. What the numbers
+say (orderings, the seed spread) is ``lconv.study.verdicts``."""
 from __future__ import annotations
 
 import csv
@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,33 +18,28 @@ from lconv import console, outputs
 from lconv.bench import report as bench_report
 from lconv.nn.model_config import ModelConfig
 from lconv.study import archive, measure, plan, plots, speed
+from lconv.study.verdicts import (
+    METRICS,
+    ORDER_KEY,
+    compare_with_paper,
+    fmt,
+    leader,
+    mean_pm,
+    mean_sd,
+    ordering,
+    resolved,
+    versus_reference,
+)
 
 logger = logging.getLogger(__name__)
 
 Record = dict[str, Any]
-# task -> [(record key, column title, higher is better)]; the first is the task's headline metric
-METRICS = {
-    "translation": [("bleu", "test BLEU", True)],
-    "lm": [("ppl", "test ppl/token", False), ("ppl_word", "test ppl/word", False)],
-    "summarization": [("rougeL", "ROUGE-L", True), ("rouge1", "ROUGE-1", True), ("rouge2", "ROUGE-2", True)],
-}
 TASK_TITLES = {"translation": "Translation, DDTP En→De (ddtp/en_de)", "lm": "Language modelling (ddtp/lm_en)",
                "summarization": "Summarization, description → synopsis (ddtp/summarize_en)"}
-# The paper's BLEU (Wu et al. 2019, Tables 1 and 3): benchmark -> {mixer: BLEU}
-PAPER = {"IWSLT14 De-En": {"transformer": 34.4, "lightconv": 34.8, "dynamic": 35.2},
-         "WMT14 En-De": {"transformer": 28.9, "dynamic": 29.7}}
 CSV_FIELDS = ("task", "mixer", "label", "seed", "status", "error", "params", "reference_params", "ffn_dim", "step",
               "bleu", "ppl", "ppl_word", "rouge1", "rouge2", "rougeL", "train_tokens_per_s", "train_tokens",
               "decode_sentences_per_s", "decode_tokens_per_s", "train_step_bytes", "peak_rss_bytes",
               "train_seconds", "evaluate_seconds", "wall_seconds", "workdir")
-
-
-def mean_sd(values: Sequence[float]) -> tuple[float, float, int]:
-    """``(mean, sample sd or nan for one value, n)``."""
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return math.nan, math.nan, 0
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan, len(values)
 
 
 def aggregate(records: Sequence[Record]) -> list[Record]:
@@ -69,23 +63,6 @@ def aggregate(records: Sequence[Record]) -> list[Record]:
     return rows
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
-
-
-def _mean_pm(row: Record, key: str, digits: int = 2) -> str:
-    if not row["ok"]:
-        return "—"
-    sd = row.get(f"{key}_sd")
-    return _fmt(row[key], digits) + (f" ± {_fmt(sd, digits)}" if sd is not None and math.isfinite(sd) else "")
-
-
-def resolved(a: Record, b: Record, key: str) -> bool | None:
-    """Whether ``b[key] - a[key]`` exceeds the sum of their seed sds; None without two seeds of each."""
-    if min(a["ok"], b["ok"]) < 2:
-        return None
-    return abs(b[key] - a[key]) > a[f"{key}_sd"] + b[f"{key}_sd"]
-
 
 def task_table(rows: Sequence[Record], task: str) -> str:
     """The markdown table of one task: quality (mean ± sd, n), size, speed, memory, and each run's fate."""
@@ -106,13 +83,13 @@ def task_table(rows: Sequence[Record], task: str) -> str:
             mark = {True: " (> spread)", False: " (within spread)", None: ""}[resolved(ref, row, key)]
             delta = f"{row[key] - ref[key]:+.2f}{mark}"
         cells = [row["label"], params, f"{row['ok']}/{row['seeds']}"]
-        cells += [_mean_pm(row, k) for k, _, _ in metrics] + [delta, _mean_pm(row, "train_tokens_per_s", 0)]
+        cells += [mean_pm(row, k) for k, _, _ in metrics] + [delta, mean_pm(row, "train_tokens_per_s", 0)]
         if task == "lm":
-            cells += [_mean_pm(row, "decode_tokens_per_s", 0)]
+            cells += [mean_pm(row, "decode_tokens_per_s", 0)]
         else:
-            cells += [_mean_pm(row, "decode_sentences_per_s", 1), _mean_pm(row, "decode_tokens_per_s", 0)]
-        cells += [_fmt(row["train_step_bytes"] / 2**20, 1) if row["ok"] else "—",
-                  _fmt(row["peak_rss_bytes"] / 2**20, 0) if row["ok"] else "—", _fmt(row["wall_seconds"], 0)]
+            cells += [mean_pm(row, "decode_sentences_per_s", 1), mean_pm(row, "decode_tokens_per_s", 0)]
+        cells += [fmt(row["train_step_bytes"] / 2**20, 1) if row["ok"] else "—",
+                  fmt(row["peak_rss_bytes"] / 2**20, 0) if row["ok"] else "—", fmt(row["wall_seconds"], 0)]
         notes = [row["note"]] if row["note"] else []
         if row["not_applicable"]:
             notes = [f"**not applicable**: {row['not_applicable']}"]
@@ -122,55 +99,6 @@ def task_table(rows: Sequence[Record], task: str) -> str:
         table.append(cells)
     return bench_report.markdown_table(head, table)
 
-
-def ordering(rows: Sequence[Record], task: str) -> str:
-    """A task's mixers best first, ``>`` where the gap exceeds the seed spread, ``≈`` where it does not."""
-    key, _, higher = METRICS[task][0]
-    done = sorted((r for r in rows if r["ok"]), key=lambda r: r[key], reverse=higher)
-    if not done:
-        return "no finished runs"
-    text = f"{done[0]['label']} ({_fmt(done[0][key])})"
-    for a, b in zip(done, done[1:]):
-        text += f" {'>' if resolved(b, a, key) else '≈'} {b['label']} ({_fmt(b[key])})"
-    return text
-
-
-def compare_with_paper(rows: Sequence[Record]) -> list[str]:
-    """Sentences on each ordered pair of the paper's BLEU, from our translation means and sds."""
-    ours = {r["mixer"]: r for r in rows if r["task"] == "translation" and r["ok"]}
-    lines = []
-    for bench, scores in PAPER.items():
-        order = sorted(scores, key=scores.get)
-        for i, a in enumerate(order):
-            for b in order[i + 1:]:
-                paper = f"{bench}: {plan.label(a)} {scores[a]} < {plan.label(b)} {scores[b]}"
-                if a not in ours or b not in ours:
-                    lines.append(f"- {paper}. Not compared: the study has no finished translation runs of both.")
-                    continue
-                lines.append(f"- {paper}. {_pair_sentence(ours[a], ours[b])}")
-    return lines
-
-
-def _pair_sentence(a: Record, b: Record) -> str:
-    diff = b["bleu"] - a["bleu"]
-    here = (f"Here {a['label']} {_fmt(a['bleu'])} ± {_fmt(a['bleu_sd'])} and {b['label']} {_fmt(b['bleu'])} ± "
-            f"{_fmt(b['bleu_sd'])} (n = {a['ok']}, {b['ok']}): ")
-    same = diff > 0
-    verdict = resolved(a, b, "bleu")
-    if verdict is None:
-        return here + (f"{'the same' if same else 'the opposite'} order ({diff:+.2f}), but with fewer than two "
-                       "seeds there is no spread to judge it by: no evidence either way.")
-    if same and verdict:
-        return here + (f"the same order, and the gap ({diff:+.2f}) exceeds the seed spread: at this scale the data "
-                       "agree with the paper.")
-    if same:
-        return here + (f"the same order, but the gap ({diff:+.2f}) is within the seed spread: consistent with the "
-                       "paper, not evidence for it.")
-    if verdict:
-        return here + (f"the opposite order, and the gap ({-diff:.2f} in {a['label']}'s favour) exceeds the seed "
-                       "spread: at this scale the paper's ordering does not hold.")
-    return here + (f"the opposite order ({-diff:.2f} in {a['label']}'s favour), within the seed spread: no "
-                   "evidence either way.")
 
 
 def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], records: Sequence[Record]) -> list[str]:
@@ -213,12 +141,12 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     os.makedirs(results_dir, exist_ok=True)
     rows = aggregate(records)
     meta = {**meta, "machine": timing.machine_info(), "mode": study.mode, "seeds": list(study.seeds),
-            "runs_seconds": sum(r.get("wall_seconds") or 0 for r in records if r["status"] in ("ok", "failed"))}
+            "runs_seconds": _wall_seconds(records), "tuning_seconds": _wall_seconds(sweep_records)}
     chosen = [{"task": t, "mixer": m, "learning_rate": c.learning_rate, "lenpen": c.lenpen}
               for (t, m), c in choices.items()]
-    outputs.write_atomically(os.path.join(results_dir, "results.json"), json.dumps(
+    outputs.write_atomically(os.path.join(results_dir, "results.json"), json.dumps(_finite(
         {"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records),
-         "tuning": {"chosen": chosen, "runs": list(sweep_records)}}, indent=1, default=str))
+         "tuning": {"chosen": chosen, "runs": list(sweep_records)}}), indent=1, default=str, allow_nan=False))
     outputs.write_atomically(os.path.join(results_dir, "results.csv"), csv_text(records))
     figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
     archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
@@ -228,6 +156,22 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
     outputs.write_atomically(os.path.join(docs_dir, "results.md"), console.printable(text))
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
     return text
+
+
+def _wall_seconds(records: Sequence[Record]) -> float:
+    """The runs' own wall time, start-up to result, of those that ran here or in the archive's invocation."""
+    return sum(r.get("wall_seconds") or 0 for r in records if r.get("status") in ("ok", "failed"))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity (no spread, no run) as None: strict JSON has neither."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def csv_text(records: Sequence[Record]) -> str:
@@ -265,12 +209,12 @@ def tuning_lines(study: ml_collections.ConfigDict, sweep_records: Sequence[Recor
             cells = [plan.label(mixer)]
             for rate in rates:
                 r = mine.get(("tune", rate))
-                cells.append(_fmt(r["validation_nll"], 4) if r and r.get("status") == "ok" else
+                cells.append(fmt(r["validation_nll"], 4) if r and r.get("status") == "ok" else
                              (r or {}).get("status", "—"))
             cells.append(f"**{choice.learning_rate:g}**" if choice else "—")
             if task != "lm":
                 scores = (choice.lenpen_scores or {}) if choice else {}
-                cells += [_fmt(scores.get(f"{p:g}")) for p in lenpens]
+                cells += [fmt(scores.get(f"{p:g}")) for p in lenpens]
                 cells.append(f"**{choice.lenpen:g}**" if choice and choice.lenpen is not None else "—")
             table.append(cells)
         lines += [f"**{task}**\n", bench_report.markdown_table(head, table), ""]
@@ -301,8 +245,8 @@ def speed_lines(study: ml_collections.ConfigDict, measured: Record | None) -> li
             continue
         versus = f"vs {plan.label(study.reference_mixer)}"
         head = ["mixer", "train tokens/s", versus, "decode rows/s" if task == "lm" else "decode sentences/s", versus]
-        table = [[r["label"], _fmt(r["train_tokens_per_s"], 0), _ratio(r, ref, "train_tokens_per_s"),
-                  _fmt(r["decode_sentences_per_s"], 1), _ratio(r, ref, "decode_sentences_per_s")] for r in rows]
+        table = [[r["label"], fmt(r["train_tokens_per_s"], 0), _ratio(r, ref, "train_tokens_per_s"),
+                  fmt(r["decode_sentences_per_s"], 1), _ratio(r, ref, "decode_sentences_per_s")] for r in rows]
         lines += [f"**{task}**\n", bench_report.markdown_table(head, table), ""]
     return lines
 
@@ -328,9 +272,8 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "output directory; nothing here is edited by hand. Machine-readable: [results/results.json]"
         "(results/results.json), [results/results.csv](results/results.csv).\n",
         f"{machines_line(records, machine)} **Runs**: {counts['ok']} finished, {counts['failed']} failed, "
-        f"{counts['n/a']} not applicable, {counts['not run']} not run. **Wall time**: the runs took "
-        f"{meta['runs_seconds'] / 3600:.2f} hours in all (each run's own process, start-up to result); this "
-        f"invocation took {meta['invocation_seconds'] / 3600:.2f} hours"
+        f"{counts['n/a']} not applicable, {counts['not run']} not run. **Wall time**: {wall_time(meta)} (each run's "
+        f"own process, start-up to result); this invocation took {meta['invocation_seconds'] / 3600:.2f} hours"
         f"{' (report only)' if meta['report_only'] else ''}.{restored_line(records)}\n",
         "## Budget\n",
         f"Every mixer of a task gets the same step budget, data order, tokenizer and seeds "
@@ -358,8 +301,10 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         task_rows = [r for r in rows if r["task"] == task]
         ref = next((r for r in task_rows if r["mixer"] == study.reference_mixer), None)
         task_rows = ([ref] if ref else []) + [r for r in task_rows if r is not ref]
-        parts += [f"## {TASK_TITLES[task]}\n", task_table(task_rows, task) + "\n",
-                  f"Ordering by {METRICS[task][0][1]}: {ordering(task_rows, task)}.\n"]
+        parts += [f"## {TASK_TITLES[task]}\n", task_table(task_rows, task) + "\n", *speed_caveat(records, task),
+                  f"Ordering by {METRICS[task][0][1]} ({ORDER_KEY}): {ordering(task_rows, task)}. "
+                  f"{versus_reference(task_rows, task, study.reference_mixer)}. "
+                  + "".join(f"{line}.\n" for line in [leader(task_rows, task)] if line)]
     parts += ["## Plots\n"] + [f"![{os.path.basename(f)}](results/{os.path.basename(f)})\n" for f in figures]
     parts += ["## Against the paper's ordering\n",
               "Wu et al. (2019) report BLEU on IWSLT14 De-En (Transformer 34.4, LightConv 34.8, DynamicConv 35.2) "
@@ -389,8 +334,26 @@ def machines_line(records: Sequence[Record], report_machine: Record) -> str:
         if name in ("not recorded", "no finished run"):
             name = f"{timing_line(report_machine)} (the report's)"
         return f"**Machine**: {name}; {load}"
-    listed = "; ".join(f"{name} ({n} runs)" for name, n in machines.items())
+    listed = "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in machines.items())
     return f"**Machines** (speeds compare only within one): {listed}. {load}"
+
+
+def wall_time(meta: Record) -> str:
+    """The seed runs' hours, and the tuning sweep's beside them when it ran."""
+    text = f"the seed runs took {meta['runs_seconds'] / 3600:.2f} hours in all"
+    tuning = meta.get("tuning_seconds") or 0
+    return text + (f", and the tuning sweep's runs {tuning / 3600:.2f} hours more" if tuning else "")
+
+
+def speed_caveat(records: Sequence[Record], task: str) -> list[str]:
+    """A line under a task's table whose finished runs were measured on more than one machine: its speed columns
+    then mix machines, and compare across mixers only where the machines match."""
+    machines = run_machines([r for r in records if r["task"] == task])
+    if len(machines) <= 1:
+        return []
+    return [f"Its runs were measured on {len(machines)} machines (listed at the top): the speed and memory columns "
+            "are means over each mixer's own runs, so they compare across mixers only where the machines match; "
+            "the one-process speed table compares the mixers side by side.\n"]
 
 
 def restored_line(records: Sequence[Record]) -> str:
@@ -417,9 +380,15 @@ def caveat(study: ml_collections.ConfigDict, rows: Sequence[Record]) -> str:
 
 def headline(study: ml_collections.ConfigDict, rows: Sequence[Record], records: Sequence[Record],
              meta: Record) -> list[str]:
-    """The closing note: each task's ordering and the wall time, from the numbers."""
-    lines = [f"- {task}: {ordering([r for r in rows if r['task'] == task], task)}." for task in study.tasks]
+    """The closing note: each task's ordering, its mixers against the reference, and the wall time, from the
+    numbers."""
+    lines = []
+    for task in study.tasks:
+        task_rows = [r for r in rows if r["task"] == task]
+        lines.append(f"- {task}: {ordering(task_rows, task)}. "
+                     f"{versus_reference(task_rows, task, study.reference_mixer)}.")
     machines = " and ".join(m for m in run_machines(records) if m != "not recorded") or meta["machine"]["cpu"]
-    lines.append(f"- Wall time: {meta['runs_seconds'] / 3600:.2f} hours of runs on {machines}, mode "
-                 f"`{study.mode}`, {len(study.seeds)} seed(s) per mixer.")
+    seeds = f"{len(study.seeds)} seed{'s' if len(study.seeds) != 1 else ''} per mixer{limited_seeds(study)}"
+    lines.append(f"- Wall time: {wall_time(meta)}, on {machines}; mode `{study.mode}`, {seeds}.")
+    lines.append(f"- Orderings mark neighbours only ({ORDER_KEY}).")
     return lines

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lconv.errors import UserError
-from lconv.study import archive, plan, report
+from lconv.study import archive, plan, verdicts
 from lconv.study import run as run_lib
 
 
@@ -59,14 +59,14 @@ def check_not_finished(names: Sequence[str], run_dirs: Sequence[str]) -> None:
 
 def compare(record: dict[str, Any], archive_root: str) -> dict[str, Any]:
     """The retrained run's headline figure, the archived run's, and the archived seeds' mean, sd and count."""
-    key, label, _ = report.METRICS[record["task"]][0]
+    key, label, _ = verdicts.METRICS[record["task"]][0]
     folder = os.path.join(archive_root, record["task"], record["mixer"])
     seeds = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(folder), "seed*.json"))):
         entry = archive.read_entry(path, archive_root, {"kind": "seed", "task": record["task"]})
         seeds[os.path.basename(path)[:-len(".json")]] = entry["record"][key]
     archived = seeds.get(f"seed{record['seed']}")
-    mean, sd, n = report.mean_sd(list(seeds.values()))
+    mean, sd, n = verdicts.mean_sd(list(seeds.values()))
     found = record.get(key) if record.get("status") == "ok" and not record.get("skipped") else None
     return {"run": plan.RunKey(record["task"], record["mixer"], record["seed"]).name, "figure": label,
             "retrained": found, "archived": archived, "archived_seeds": seeds, "mean": mean,
