@@ -465,6 +465,7 @@ def test_the_report_counts_the_sweeps_hours_and_says_where_speeds_mix_machines(q
     assert text.count("Its runs were measured on") == 1
     assert "Against Transformer (9.10 ± 0.14, n 2): ahead beyond the spread: DynamicConv (+2.10)" in text
     assert "2 seeds per mixer" in text
+    assert "| mixer | params (vs ref.) | n | test BLEU | Δ test BLEU vs Transformer | train step MiB |" in text
 
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
@@ -472,3 +473,29 @@ def test_the_report_counts_the_sweeps_hours_and_says_where_speeds_mix_machines(q
     saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text(), parse_constant=refuse)
     assert {row["mixer"]: row["ppl_sd"] for row in saved["aggregate"] if row["task"] == "lm"} == {
         "transformer": None, "dynamic": None}
+
+
+def test_the_quality_vs_speed_plot_takes_the_one_process_speeds_where_it_has_every_mixer(tmp_path, monkeypatch):
+    """Each run's own tokens/s was measured on whatever host and load it had; the plot's x is the speed table's
+    (one process, side by side) when that table has every mixer of the task, and says which it is."""
+    import matplotlib
+
+    from lconv.study import plots, verdicts
+
+    matplotlib.use("Agg")
+    import matplotlib.axes
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, x, y, **kw: drawn.append((kw["label"], x)))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xlabel", lambda self, text, **kw: drawn.append(("x", text)))
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", lambda self, **kw: None)  # nothing drawn to label
+    rows = [{"task": "translation", "mixer": m, "label": plan.label(m), "ok": 1, "params": 10**6, "bleu": b,
+             "bleu_sd": float("nan"), "train_tokens_per_s": run_speed}
+            for m, b, run_speed in (("transformer", 10.0, 900.0), ("dynamic", 12.0, 400.0))]
+    both = {("translation", "transformer"): 3000.0, ("translation", "dynamic"): 3300.0}
+    for speeds, expected, where in ((both, [3000.0, 3300.0], "one process, side by side"),
+                                    ({("translation", "dynamic"): 3300.0}, [900.0, 400.0], "as each run ran")):
+        drawn.clear()
+        plots.quality_vs_speed(rows, ["translation"], verdicts.METRICS, str(tmp_path / "q.png"), speeds)
+        assert [x for label, x in drawn if label != "x"] == expected
+        assert ("x", f"training target tokens/s ({where})") in drawn

@@ -14,15 +14,17 @@ Record = dict[str, Any]
 
 
 def write_plots(records: Sequence[Record], rows: Sequence[Record], output_dir: str, results_dir: str,
-                metrics: Mapping[str, Sequence[tuple[str, str, bool]]]) -> list[str]:
-    """Writes ``quality_vs_speed.png`` and ``training_curves.png`` into ``results_dir``; returns their paths."""
+                metrics: Mapping[str, Sequence[tuple[str, str, bool]]], measured: Record | None = None) -> list[str]:
+    """Writes ``quality_vs_speed.png`` and ``training_curves.png`` into ``results_dir``; returns their paths. The
+    speeds are ``measured``'s (the one-process table, ``lconv.study.speed``) where it has them."""
     import matplotlib
 
     matplotlib.use("Agg")
     tasks = list(dict.fromkeys(r["task"] for r in records))
     if not tasks:
         return []
-    return [quality_vs_speed(rows, tasks, metrics, os.path.join(results_dir, "quality_vs_speed.png")),
+    speeds = {(r["task"], r["mixer"]): r["train_tokens_per_s"] for r in (measured or {}).get("rows", [])}
+    return [quality_vs_speed(rows, tasks, metrics, os.path.join(results_dir, "quality_vs_speed.png"), speeds),
             training_curves(records, tasks, output_dir, os.path.join(results_dir, "training_curves.png"))]
 
 
@@ -34,8 +36,11 @@ def _colors(mixers: Sequence[str]) -> dict[str, Any]:
 
 
 def quality_vs_speed(rows: Sequence[Record], tasks: Sequence[str],
-                     metrics: Mapping[str, Sequence[tuple[str, str, bool]]], path: str) -> str:
-    """Per task: headline metric (mean ± sd over seeds) against training tokens/s; marker area ∝ parameters."""
+                     metrics: Mapping[str, Sequence[tuple[str, str, bool]]], path: str,
+                     speeds: Mapping[tuple[str, str], float] | None = None) -> str:
+    """Per task: headline metric (mean ± sd over seeds) against training tokens/s, from ``speeds`` (one process,
+    side by side) where it has the task's every mixer, else each mixer's runs as they ran; marker area ∝
+    parameters."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
@@ -44,12 +49,16 @@ def quality_vs_speed(rows: Sequence[Record], tasks: Sequence[str],
         key, title, higher = metrics[task][0]
         done = [r for r in rows if r["task"] == task and r["ok"]]
         largest = max([r["params"] for r in done if r["params"]] + [1])
+        side_by_side = bool(done) and all((task, r["mixer"]) in (speeds or {}) for r in done)
         for r in done:
             sd = r.get(f"{key}_sd")
-            ax.errorbar(r["train_tokens_per_s"], r[key], yerr=sd if sd is not None and math.isfinite(sd) else None,
+            x = speeds[(task, r["mixer"])] if side_by_side else r["train_tokens_per_s"]
+            ax.errorbar(x, r[key], yerr=sd if sd is not None and math.isfinite(sd) else None,
                         fmt="o", color=colors[r["mixer"]], markersize=4 + 10 * (r["params"] or 0) / largest,
                         capsize=3, label=f"{r['label']} ({(r['params'] or 0) / 1e6:.2f}M)")
-        _label_axes(ax, "training target tokens/s", f"{title} ({'higher' if higher else 'lower'} is better)", task,
+        where = "one process, side by side" if side_by_side else "as each run ran"
+        better = "higher" if higher else "lower"
+        _label_axes(ax, f"training target tokens/s ({where})", f"{title} ({better} is better)", task,
                     legend=bool(done))
     return _save(fig, "quality vs training speed (marker area ∝ parameters; bars: ± sd over seeds)", path)
 

@@ -65,13 +65,11 @@ def aggregate(records: Sequence[Record]) -> list[Record]:
 
 
 def task_table(rows: Sequence[Record], task: str) -> str:
-    """The markdown table of one task: quality (mean ± sd, n), size, speed, memory, and each run's fate."""
+    """The markdown table of one task: quality (mean ± sd, n), size, memory, wall time and each run's fate. Speeds
+    are the one-process table's: each run's own, measured on whatever host and load it had, are in results.csv."""
     metrics = METRICS[task]
     head = ["mixer", "params (vs ref.)", "n"] + [title for _, title, _ in metrics] + [
-        f"Δ {metrics[0][1]} vs {rows[0]['label'] if rows else ''}", "train tokens/s",
-        "decode sent/s" if task != "lm" else "decode tokens/s", "decode tokens/s" if task != "lm" else "",
-        "train step MiB", "peak RSS MiB", "s/run", "notes"]
-    head = [h for h in head if h]
+        f"Δ {metrics[0][1]} vs {rows[0]['label'] if rows else ''}", "train step MiB", "peak RSS MiB", "s/run", "notes"]
     key, _, higher = metrics[0]
     ref = rows[0] if rows and rows[0]["ok"] else None  # the reference mixer comes first
     table = []
@@ -83,11 +81,7 @@ def task_table(rows: Sequence[Record], task: str) -> str:
             mark = {True: " (> spread)", False: " (within spread)", None: ""}[resolved(ref, row, key)]
             delta = f"{row[key] - ref[key]:+.2f}{mark}"
         cells = [row["label"], params, f"{row['ok']}/{row['seeds']}"]
-        cells += [mean_pm(row, k) for k, _, _ in metrics] + [delta, mean_pm(row, "train_tokens_per_s", 0)]
-        if task == "lm":
-            cells += [mean_pm(row, "decode_tokens_per_s", 0)]
-        else:
-            cells += [mean_pm(row, "decode_sentences_per_s", 1), mean_pm(row, "decode_tokens_per_s", 0)]
+        cells += [mean_pm(row, k) for k, _, _ in metrics] + [delta]
         cells += [fmt(row["train_step_bytes"] / 2**20, 1) if row["ok"] else "—",
                   fmt(row["peak_rss_bytes"] / 2**20, 0) if row["ok"] else "—", fmt(row["wall_seconds"], 0)]
         notes = [row["note"]] if row["note"] else []
@@ -148,10 +142,11 @@ def write_report(study: ml_collections.ConfigDict, records: Sequence[Record], do
         {"study": meta, "config": study.to_dict(), "aggregate": rows, "runs": list(records),
          "tuning": {"chosen": chosen, "runs": list(sweep_records)}}), indent=1, default=str, allow_nan=False))
     outputs.write_atomically(os.path.join(results_dir, "results.csv"), csv_text(records))
-    figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS)
+    measured = speed.read(docs_dir)
+    figures = plots.write_plots(records, rows, output_dir, results_dir, METRICS, measured)
     archive.write_archive(list(records) + list(sweep_records), output_dir, docs_dir, prune=True)
     text = markdown(study, rows, records, meta, figures,
-                    tuning_lines(study, sweep_records, choices) + speed_lines(study, speed.read(docs_dir)))
+                    tuning_lines(study, sweep_records, choices) + speed_lines(study, measured))
     # A committed page: a record's text (a machine's name, an error) shows its control characters as escapes.
     outputs.write_atomically(os.path.join(docs_dir, "results.md"), console.printable(text))
     logger.info(f"report: {os.path.join(docs_dir, 'results.md')} and {results_dir}/")
@@ -283,15 +278,15 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         f"{study.param_tolerance:.0%} by the FFN width alone (lconv/study/plan.py).\n",
         *budget_lines(study, rows, records),
         "",
-        "**How it is measured** (all in each run's own process): train tokens/s = median over the training log "
-        "windows (first window, with compilation, left out) of target tokens per second; decode = beam search over "
-        "the whole test split, compilation included (sentences/s and hypothesis tokens/s), or for the LM greedy "
-        f"generation from BOS, the median of {measure.LM_DECODE_REPEATS} calls after a compiling one; train step "
-        "MiB = XLA "
-        "`memory_analysis()` of the run's compiled train step (arguments + outputs + temporaries − donated); peak "
-        "RSS = the run process's `ru_maxrss` (runtime, data and compilations included); s/run = the run's wall "
-        "time. Spread: ± sample standard "
-        "deviation over n finished seeds; \"> spread\" = the gap exceeds the sum of the two sds.\n",
+        "**How it is measured** (in each run's own process): train step MiB = XLA `memory_analysis()` of the run's "
+        "compiled train step (arguments + outputs + temporaries − donated); peak RSS = the run process's "
+        "`ru_maxrss` (runtime, data and compilations included); s/run = the run's wall time. Speeds are the "
+        "one-process table's (below): the runs were spread over hosts and loads, so each run's own train tokens/s "
+        "(the median over its training log windows, the first left out) and decode rate (beam search over the "
+        "whole test split, compilation included, or for the LM greedy generation from BOS, the median of "
+        f"{measure.LM_DECODE_REPEATS} calls after a compiling one) are in results.csv, not compared here. Spread: "
+        "± sample standard deviation over n finished seeds; \"> spread\" = the gap exceeds the sum of the two "
+        "sds.\n",
         "**Checking a result**: `--resume_from=<this docs dir> --retrain=<task>/<mixer>/seed<k>` (with another "
         "`--docs_dir`) trains that run again and sets its figure against the archived one and the spread of its "
         "archived seeds.\n",
@@ -346,14 +341,13 @@ def wall_time(meta: Record) -> str:
 
 
 def speed_caveat(records: Sequence[Record], task: str) -> list[str]:
-    """A line under a task's table whose finished runs were measured on more than one machine: its speed columns
-    then mix machines, and compare across mixers only where the machines match."""
+    """A line under a task's table whose finished runs were measured on more than one machine: its wall-time and
+    memory columns then mix machines, and compare across mixers only where the machines match."""
     machines = run_machines([r for r in records if r["task"] == task])
     if len(machines) <= 1:
         return []
-    return [f"Its runs were measured on {len(machines)} machines (listed at the top): the speed and memory columns "
-            "are means over each mixer's own runs, so they compare across mixers only where the machines match; "
-            "the one-process speed table compares the mixers side by side.\n"]
+    return [f"Its runs were measured on {len(machines)} machines (listed at the top): the s/run and peak RSS columns "
+            "are means over each mixer's own runs, so they compare across mixers only where the machines match.\n"]
 
 
 def restored_line(records: Sequence[Record]) -> str:
