@@ -63,7 +63,6 @@ def aggregate(records: Sequence[Record]) -> list[Record]:
     return rows
 
 
-
 def task_table(rows: Sequence[Record], task: str) -> str:
     """The markdown table of one task: quality (mean ± sd, n), size, memory, wall time and each run's fate. Speeds
     are the one-process table's: each run's own, measured on whatever host and load it had, are in results.csv."""
@@ -92,7 +91,6 @@ def task_table(rows: Sequence[Record], task: str) -> str:
         cells.append("; ".join(n.replace("|", "/") for n in notes))
         table.append(cells)
     return bench_report.markdown_table(head, table)
-
 
 
 def budget_lines(study: ml_collections.ConfigDict, rows: Sequence[Record], records: Sequence[Record]) -> list[str]:
@@ -296,7 +294,7 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         task_rows = [r for r in rows if r["task"] == task]
         ref = next((r for r in task_rows if r["mixer"] == study.reference_mixer), None)
         task_rows = ([ref] if ref else []) + [r for r in task_rows if r is not ref]
-        parts += [f"## {TASK_TITLES[task]}\n", task_table(task_rows, task) + "\n", *speed_caveat(records, task),
+        parts += [f"## {TASK_TITLES[task]}\n", task_table(task_rows, task) + "\n", *machines_caveat(records, task),
                   f"Ordering by {METRICS[task][0][1]} ({ORDER_KEY}): {ordering(task_rows, task)}. "
                   f"{versus_reference(task_rows, task, study.reference_mixer)}. "
                   + "".join(f"{line}.\n" for line in [leader(task_rows, task)] if line)]
@@ -330,7 +328,7 @@ def machines_line(records: Sequence[Record], report_machine: Record) -> str:
             name = f"{timing_line(report_machine)} (the report's)"
         return f"**Machine**: {name}; {load}"
     listed = "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in machines.items())
-    return f"**Machines** (speeds compare only within one): {listed}. {load}"
+    return f"**Machines** (wall times and memory compare only within one): {listed}. {load}"
 
 
 def wall_time(meta: Record) -> str:
@@ -340,7 +338,7 @@ def wall_time(meta: Record) -> str:
     return text + (f", and the tuning sweep's runs {tuning / 3600:.2f} hours more" if tuning else "")
 
 
-def speed_caveat(records: Sequence[Record], task: str) -> list[str]:
+def machines_caveat(records: Sequence[Record], task: str) -> list[str]:
     """A line under a task's table whose finished runs were measured on more than one machine: its wall-time and
     memory columns then mix machines, and compare across mixers only where the machines match."""
     machines = run_machines([r for r in records if r["task"] == task])
