@@ -17,8 +17,6 @@ METRICS = {
     "lm": [("ppl", "test ppl/token", False), ("ppl_word", "test ppl/word", False)],
     "summarization": [("rougeL", "ROUGE-L", True), ("rouge1", "ROUGE-1", True), ("rouge2", "ROUGE-2", True)],
 }
-
-
 # The paper's BLEU (Wu et al. 2019, Tables 1 and 3): benchmark -> {mixer: BLEU}
 PAPER = {"IWSLT14 De-En": {"transformer": 34.4, "lightconv": 34.8, "dynamic": 35.2},
          "WMT14 En-De": {"transformer": 28.9, "dynamic": 29.7}}
@@ -30,7 +28,6 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float, int]:
     if not values:
         return math.nan, math.nan, 0
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan, len(values)
-
 
 
 def fmt(value: float | None, digits: int = 2) -> str:
@@ -51,8 +48,8 @@ def resolved(a: Record, b: Record, key: str) -> bool | None:
     return abs(b[key] - a[key]) > a[f"{key}_sd"] + b[f"{key}_sd"]
 
 
-
 ORDER_KEY = "between neighbours: > a gap beyond the seed spread, ≈ within it, ? fewer than two seeds of either"
+_ORDER_MARKS = {True: ">", False: "≈", None: "?"}
 
 
 def ordering(rows: Sequence[Record], task: str) -> str:
@@ -67,9 +64,6 @@ def ordering(rows: Sequence[Record], task: str) -> str:
     for a, b in zip(done, done[1:]):
         text += f" {_ORDER_MARKS[resolved(b, a, key)]} {b['label']} ({fmt(b[key])})"
     return text
-
-
-_ORDER_MARKS = {True: ">", False: "≈", None: "?"}
 
 
 def _sides(rows: Sequence[Record], pivot: Record, task: str) -> dict[str, list[str]]:
