@@ -420,6 +420,15 @@ def test_a_retrained_figure_is_set_against_the_archived_seeds_spread(tmp_path):
         assert retrain.describe(found).startswith(f"retrained translation/dynamic/seed0: test BLEU {retrained:.2f}, "
                                                   "archived 19.32")
         assert ("within the archived seeds' spread" in retrain.describe(found)) == within
+    unplanned = {"record": {"task": "translation", "mixer": "dynamic", "seed": 7, "bleu": 40.0}, "config": {},
+                 "metrics": []}
+    (root / "translation" / "dynamic" / "seed7.json").write_text(json.dumps(unplanned))  # a seed the study lacks
+    planned = retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 0, "status": "ok", "bleu": 19.0},
+                              str(root), planned_seeds=(0, 1, 2))
+    assert (planned["n"], planned["sd"]) == (3, pytest.approx(sd, rel=1e-12))
+    assert retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 0, "status": "ok", "bleu": 19.0},
+                           str(root))["n"] == 4  # without the plan, every archived seed file counts
+    (root / "translation" / "dynamic" / "seed7.json").unlink()
     failed = retrain.compare({"task": "translation", "mixer": "dynamic", "seed": 2, "status": "failed"}, str(root))
     assert failed["retrained"] is None and "did not finish; archived test BLEU 20.10" in retrain.describe(failed)
     for seed in (1, 2):

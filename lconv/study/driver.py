@@ -122,7 +122,8 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
         logger.info(f"[{i}/{len(planned)}] {item.key.name}: {describe(record)}")
         run_lib.write_json(os.path.join(output_dir, "records.json"), records)
     if retrain_runs:
-        compared = [retrain.compare(r, archive_root) for r in records if r.get("kind") == "seed"
+        compared = [retrain.compare(r, archive_root, plan.task_seeds(study, r["task"])) for r in records
+                    if r.get("kind") == "seed"
                     and plan.RunKey(r["task"], r["mixer"], r["seed"]).name in retrain_runs]
         run_lib.write_json(os.path.join(output_dir, "retrained.json"), compared)
         for comparison in compared:

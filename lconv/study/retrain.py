@@ -57,12 +57,15 @@ def check_not_finished(names: Sequence[str], run_dirs: Sequence[str]) -> None:
                             "be skipped, not trained; retrain into a new --output_dir")
 
 
-def compare(record: dict[str, Any], archive_root: str) -> dict[str, Any]:
-    """The retrained run's headline figure, the archived run's, and the archived seeds' mean, sd and count."""
+def compare(record: dict[str, Any], archive_root: str, planned_seeds: Sequence[int] | None = None) -> dict[str, Any]:
+    """The retrained run's headline figure, the archived run's, and the archived seeds' mean, sd and count (of
+    ``planned_seeds`` alone when given: an archived seed the study does not plan is not in its spread)."""
     key, label, _ = verdicts.METRICS[record["task"]][0]
     folder = os.path.join(archive_root, record["task"], record["mixer"])
     seeds = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(folder), "seed*.json"))):
+        if planned_seeds is not None and os.path.basename(path) not in {f"seed{k}.json" for k in planned_seeds}:
+            continue
         entry = archive.read_entry(path, archive_root, {"kind": "seed", "task": record["task"]})
         seeds[os.path.basename(path)[:-len(".json")]] = entry["record"][key]
     archived = seeds.get(f"seed{record['seed']}")
