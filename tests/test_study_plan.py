@@ -141,6 +141,8 @@ def test_each_mixer_is_judged_against_the_reference_and_the_leader_beyond_its_ne
         "Against Transformer (121.00 ± 1.00, n 3): ahead beyond the spread: DynamicConv (-20.00); fewer than two "
         "seeds, no spread to judge by: Fixed (Synthesizer-R) (+19.00)")
     assert "its lead is not yet judged" in verdicts.leader(lm, "lm")
+    lm[2] = _row("lm", "fixed", [100.5, 101.5, 102.5])  # a label holding " (": named whole
+    assert verdicts.leader(lm, "lm") == "DynamicConv is first, but within the spread of Fixed (Synthesizer-R)"
     lm[0]["ok"] = 0  # the reference unfinished
     assert verdicts.versus_reference(lm, "lm", "transformer").endswith("has no finished run: nothing to set the "
                                                                         "others against")

@@ -69,7 +69,7 @@ def task_table(rows: Sequence[Record], task: str) -> str:
     metrics = METRICS[task]
     head = ["mixer", "params (vs ref.)", "n"] + [title for _, title, _ in metrics] + [
         f"Δ {metrics[0][1]} vs {rows[0]['label'] if rows else ''}", "train step MiB", "peak RSS MiB", "s/run", "notes"]
-    key, _, higher = metrics[0]
+    key = metrics[0][0]
     ref = rows[0] if rows and rows[0]["ok"] else None  # the reference mixer comes first
     table = []
     for row in rows:

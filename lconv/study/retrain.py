@@ -62,9 +62,10 @@ def compare(record: dict[str, Any], archive_root: str, planned_seeds: Sequence[i
     ``planned_seeds`` alone when given: an archived seed the study does not plan is not in its spread)."""
     key, label, _ = verdicts.METRICS[record["task"]][0]
     folder = os.path.join(archive_root, record["task"], record["mixer"])
+    planned = None if planned_seeds is None else {f"seed{k}.json" for k in planned_seeds}
     seeds = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(folder), "seed*.json"))):
-        if planned_seeds is not None and os.path.basename(path) not in {f"seed{k}.json" for k in planned_seeds}:
+        if planned is not None and os.path.basename(path) not in planned:
             continue
         entry = archive.read_entry(path, archive_root, {"kind": "seed", "task": record["task"]})
         seeds[os.path.basename(path)[:-len(".json")]] = entry["record"][key]

@@ -56,8 +56,8 @@ def ordering(rows: Sequence[Record], task: str) -> str:
     """A task's mixers best first; between neighbours ``>`` where the gap exceeds the seed spread, ``≈`` where it does
     not, ``?`` where either has fewer than two seeds (no spread to judge by). ``≈`` does not chain: two mixers apart
     in the chain may differ beyond the spread (``versus_reference`` and ``leader`` say which)."""
-    key, _, higher = METRICS[task][0]
-    done = sorted((r for r in rows if r["ok"]), key=lambda r: r[key], reverse=higher)
+    key = METRICS[task][0][0]
+    done = _best_first(rows, task)
     if not done:
         return "no finished runs"
     text = f"{done[0]['label']} ({fmt(done[0][key])})"
@@ -66,19 +66,25 @@ def ordering(rows: Sequence[Record], task: str) -> str:
     return text
 
 
-def _sides(rows: Sequence[Record], pivot: Record, task: str) -> dict[str, list[str]]:
-    """Every other finished mixer by where it stands against ``pivot``: ahead or behind beyond the seed spread,
-    within it, or without a spread (fewer than two seeds); each with its gap in the metric's own sign."""
+def _best_first(rows: Sequence[Record], task: str) -> list[Record]:
+    """A task's finished mixers, best first by its headline metric."""
     key, _, higher = METRICS[task][0]
-    sides: dict[str, list[str]] = {"ahead": [], "behind": [], "within": [], "unjudged": []}
-    for row in sorted((r for r in rows if r["ok"]), key=lambda r: r[key], reverse=higher):  # best first
+    return sorted((r for r in rows if r["ok"]), key=lambda r: r[key], reverse=higher)
+
+
+def _sides(rows: Sequence[Record], pivot: Record, task: str) -> dict[str, list[tuple[str, float]]]:
+    """Every other finished mixer by where it stands against ``pivot``: ahead or behind beyond the seed spread,
+    within it, or without a spread (fewer than two seeds); each ``(label, gap in the metric's own sign)``."""
+    key, _, higher = METRICS[task][0]
+    sides: dict[str, list[tuple[str, float]]] = {"ahead": [], "behind": [], "within": [], "unjudged": []}
+    for row in _best_first(rows, task):
         if row is pivot:
             continue
         gap = row[key] - pivot[key]
         verdict = resolved(pivot, row, key)
         side = ("unjudged" if verdict is None else "within" if not verdict else
                 "ahead" if (gap > 0) == higher else "behind")
-        sides[side].append(f"{row['label']} ({gap:+.2f})")
+        sides[side].append((row["label"], gap))
     return sides
 
 
@@ -92,15 +98,15 @@ def versus_reference(rows: Sequence[Record], task: str, reference: str) -> str:
     sides = _sides(rows, ref, task)
     words = {"ahead": "ahead beyond the spread", "behind": "behind beyond the spread", "within": "within the spread",
              "unjudged": "fewer than two seeds, no spread to judge by"}
-    parts = [f"{words[side]}: {', '.join(names)}" for side, names in sides.items() if names]
+    parts = [f"{words[side]}: {', '.join(f'{label} ({gap:+.2f})' for label, gap in found)}"
+             for side, found in sides.items() if found]
     head = f"Against {ref['label']} ({mean_pm(ref, key)}, n {ref['ok']})"
     return f"{head}: {'; '.join(parts)}" if parts else f"{head}: no other finished mixer"
 
 
 def leader(rows: Sequence[Record], task: str) -> str:
     """Whether the first mixer's lead holds beyond the seed spread against each other one."""
-    key, _, higher = METRICS[task][0]
-    done = sorted((r for r in rows if r["ok"]), key=lambda r: r[key], reverse=higher)
+    done = _best_first(rows, task)
     if len(done) < 2:
         return ""
     sides = _sides(done, done[0], task)
@@ -108,7 +114,7 @@ def leader(rows: Sequence[Record], task: str) -> str:
         return f"{done[0]['label']} is first; with fewer than two seeds of some mixers, its lead is not yet judged"
     if not sides["within"]:
         return f"{done[0]['label']} is first, beyond the spread of every other mixer"
-    names = ", ".join(name.split(" (")[0] for name in sides["within"])
+    names = ", ".join(label for label, _ in sides["within"])
     return f"{done[0]['label']} is first, but within the spread of {names}"
 
 
