@@ -29,12 +29,13 @@ cpu = jax.devices("cpu")[0]
 x_NN = jax.device_put(np.ones((4096, 4096), np.float32), cpu)  # 64 MiB: past any mmap threshold of glibc's
 w_NK = jax.device_put(np.ones((4096, 8), np.float32), cpu)
 compiled = transposed_product.lower(x_NN, w_NK).compile()
-for _ in range(10):  # the heap grows until it holds the temporaries freed while the next call runs
+for _ in range(20):  # the heap grows until it holds the temporaries freed while the next call runs
     compiled(x_NN, w_NK).block_until_ready()
-before, values = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, []
-for _ in range(8):
+values, faults = [], []
+for _ in range(24):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     values.append(float(compiled(x_NN, w_NK)))
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 pages = compiled.memory_analysis().temp_size_in_bytes / resource.getpagesize()
 print(json.dumps(dict(applied=applied, values=values, faults=faults, pages=pages)))
 """
@@ -42,19 +43,24 @@ print(json.dumps(dict(applied=applied, values=values, faults=faults, pages=pages
 
 @pytest.mark.slow  # two processes
 def test_a_cpu_programs_temporaries_are_not_faulted_in_at_each_call():
-    processes = {choice: subprocess.Popen([sys.executable, "-c", _PROGRAM], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                          env={**os.environ, host_memory.OPT_OUT_VARIABLE: choice})
-                 for choice in ("reuse", "system")}
-    reports = {choice: json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])
-               for choice, p in processes.items()}
+    reports = {}
+    for choice in ("reuse", "system"):  # one after the other: the more loaded the host, the later XLA's frees
+        environment = {**os.environ, host_memory.OPT_OUT_VARIABLE: choice}
+        printed = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, cwd=ROOT,
+                                 env=environment, timeout=300, check=True).stdout
+        reports[choice] = json.loads(printed.strip().splitlines()[-1])
     reuse, system = reports["reuse"], reports["system"]
     assert reuse["applied"] == host_memory._glibc() and system["applied"] is False
-    assert reuse["values"] == system["values"] == [2.0 * 4096 * 4096 * 8] * 8  # where the buffers live, not what
-    assert reuse["pages"] * os.sysconf("SC_PAGE_SIZE") >= 64 * 2**20
     calls = len(reuse["values"])
-    if reuse["applied"]:  # glibc's own way: every call maps its temporaries afresh and faults in every page
-        assert system["faults"] > 0.7 * system["pages"] * calls, system
-        assert reuse["faults"] < 0.3 * reuse["pages"] * calls, reuse  # the odd call may still extend the heap
+    assert reuse["values"] == system["values"] == [2.0 * 4096 * 4096 * 8] * calls  # where buffers live, not what
+    assert reuse["pages"] * os.sysconf("SC_PAGE_SIZE") >= 64 * 2**20
+    if reuse["applied"]:
+        # glibc's own way: every call maps its temporaries afresh and faults in every page.
+        assert all(faults > 0.7 * system["pages"] for faults in system["faults"]), system
+        # Kept: a call faults in a block only where the heap grows, when the previous call's temporaries were not yet
+        # freed (XLA may free them after the result is ready); the heap then holds both and stops growing.
+        extended = [faults for faults in reuse["faults"] if faults > 0.05 * reuse["pages"]]
+        assert len(extended) <= calls // 6, reuse
 
 
 def test_the_opt_out_and_a_bad_value(monkeypatch):
