@@ -3,8 +3,8 @@
 XLA:CPU allocates a program's temporaries at each call, from its execution thread. glibc serves a block that large
 from a fresh ``mmap`` and unmaps it on free, so every step faults in every page again (docs/benchmarks.md, "The
 step's fresh memory"). With one malloc arena, no ``mmap`` for big blocks and no trimming, the freed block stays in
-the heap and the next step reuses it; the process keeps its peak, never grows past it. What is computed is
-unchanged: only where the buffers live.
+the heap and the next step reuses it; the heap grows until it holds the blocks alive at once (a step may start
+before XLA has freed the last one's), then stops. What is computed is unchanged: only where the buffers live.
 
 Call ``reuse_freed_memory`` before JAX brings up a backend (``jax.devices()``, the first array or jit): a thread
 keeps the arena it first allocated from. train.py, eval.py, the study, the benchmarks and the tests do. Set
