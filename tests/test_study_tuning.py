@@ -5,7 +5,7 @@ import pytest
 
 from lconv.configs import study as study_config
 from lconv.errors import UserError
-from lconv.study import archive, plan, report, tuning
+from lconv.study import archive, driver, plan, report, tuning
 from lconv.study import run as run_lib
 
 VOCAB = {"translation": 512, "lm": 512}
@@ -508,3 +508,12 @@ def test_the_quality_vs_speed_plot_takes_the_one_process_speeds_where_it_has_eve
         plots.quality_vs_speed(rows, ["translation"], verdicts.METRICS, str(tmp_path / "q.png"), speeds)
         assert [x for label, x in drawn if label != "x"] == expected
         assert ("x", f"training target tokens/s ({where})") in drawn
+
+
+def test_a_progress_line_says_why_only_where_there_is_a_why(tmp_path):
+    """A run the report only reads is "not run", with the wait's reason where the plan gave one, never a bare colon."""
+    record = {"task": "lm", "mixer": "dynamic", "seed": 1}
+    assert driver.describe(run_lib.read_record(str(tmp_path), record)) == "not run"
+    waiting = run_lib.read_record(str(tmp_path), record, "its tuning sweep is not complete")
+    assert driver.describe(waiting) == "not run: its tuning sweep is not complete"
+    assert driver.describe({"status": "n/a", "error": "CoLT5 is encoder-only"}) == "n/a: CoLT5 is encoder-only"

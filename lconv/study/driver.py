@@ -157,7 +157,7 @@ def describe(record: dict[str, Any]) -> str:
     """One progress line: the outcome and the headline number."""
     status = record.get("status")
     if status != "ok":
-        return f"{status}: {record.get('error', '')}"
+        return f"{status}: {record['error']}" if record.get("error") else str(status)
     if record.get("kind") == "tune":
         return f"validation NLL {record['validation_nll']:.4f}{' (finished before)' * bool(record.get('skipped'))}"
     if record.get("kind") == "lenpen":
