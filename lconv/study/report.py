@@ -68,7 +68,7 @@ def task_table(rows: Sequence[Record], task: str) -> str:
     are the one-process table's: each run's own, measured on whatever host and load it had, are in results.csv."""
     metrics = METRICS[task]
     head = ["mixer", "params (vs ref.)", "n"] + [title for _, title, _ in metrics] + [
-        f"Δ {metrics[0][1]} vs {rows[0]['label'] if rows else ''}", "train step MiB", "peak RSS MiB", "s/run", "notes"]
+        f"Δ {metrics[0][1]} vs {rows[0]['label'] if rows else ''}", "train step MiB", "peak RSS MiB", "notes"]
     key = metrics[0][0]
     ref = rows[0] if rows and rows[0]["ok"] else None  # the reference mixer comes first
     table = []
@@ -82,7 +82,7 @@ def task_table(rows: Sequence[Record], task: str) -> str:
         cells = [row["label"], params, f"{row['ok']}/{row['seeds']}"]
         cells += [mean_pm(row, k) for k, _, _ in metrics] + [delta]
         cells += [fmt(row["train_step_bytes"] / 2**20, 1) if row["ok"] else "—",
-                  fmt(row["peak_rss_bytes"] / 2**20, 0) if row["ok"] else "—", fmt(row["wall_seconds"], 0)]
+                  fmt(row["peak_rss_bytes"] / 2**20, 0) if row["ok"] else "—"]
         notes = [row["note"]] if row["note"] else []
         if row["not_applicable"]:
             notes = [f"**not applicable**: {row['not_applicable']}"]
@@ -265,8 +265,8 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "output directory; nothing here is edited by hand. Machine-readable: [results/results.json]"
         "(results/results.json), [results/results.csv](results/results.csv).\n",
         f"{machines_line(records, machine)} **Runs**: {counts['ok']} finished, {counts['failed']} failed, "
-        f"{counts['n/a']} not applicable, {counts['not run']} not run. **Wall time**: {wall_time(meta)} (each run's "
-        f"own process, start-up to result); this invocation took {meta['invocation_seconds'] / 3600:.2f} hours"
+        f"{counts['n/a']} not applicable, {counts['not run']} not run. **Wall time**: {wall_time(meta)}; this "
+        f"invocation took {meta['invocation_seconds'] / 3600:.2f} hours"
         f"{' (report only)' if meta['report_only'] else ''}.{restored_line(records)}\n",
         "## Budget\n",
         f"Every mixer of a task gets the same step budget, data order, tokenizer and seeds "
@@ -278,8 +278,8 @@ def markdown(study: ml_collections.ConfigDict, rows: Sequence[Record], records: 
         "",
         "**How it is measured** (in each run's own process): train step MiB = XLA `memory_analysis()` of the run's "
         "compiled train step (arguments + outputs + temporaries − donated); peak RSS = the run process's "
-        "`ru_maxrss` (runtime, data and compilations included); s/run = the run's wall time. Speeds are the "
-        "one-process table's (below): the runs were spread over hosts and loads, so each run's own train tokens/s "
+        "`ru_maxrss` (runtime, data and compilations included). Speeds are the one-process table's (below): the "
+        "runs were spread over hosts, loads and interruptions, so each run's own wall time, train tokens/s "
         "(the median over its training log windows, the first left out) and decode rate (beam search over the "
         "whole test split, compilation included, or for the LM greedy generation from BOS, the median of "
         f"{measure.LM_DECODE_REPEATS} calls after a compiling one) are in results.csv, not compared here. Spread: "
@@ -335,17 +335,19 @@ def wall_time(meta: Record) -> str:
     """The seed runs' hours, and the tuning sweep's beside them when it ran."""
     text = f"the seed runs took {meta['runs_seconds'] / 3600:.2f} hours in all"
     tuning = meta.get("tuning_seconds") or 0
-    return text + (f", and the tuning sweep's runs {tuning / 3600:.2f} hours more" if tuning else "")
+    text += f", and the tuning sweep's runs {tuning / 3600:.2f} hours more" if tuning else ""
+    return text + (" (each run's last process, start-up to result: a run resumed after an interruption counts only "
+                   "the process that finished it)")
 
 
 def machines_caveat(records: Sequence[Record], task: str) -> list[str]:
-    """A line under a task's table whose finished runs were measured on more than one machine: its wall-time and
-    memory columns then mix machines, and compare across mixers only where the machines match."""
+    """A line under a task's table whose finished runs were measured on more than one machine: its memory columns
+    then mix machines, and compare across mixers only where the machines match."""
     machines = run_machines([r for r in records if r["task"] == task])
     if len(machines) <= 1:
         return []
-    return [f"Its runs were measured on {len(machines)} machines (listed at the top): the s/run and peak RSS columns "
-            "are means over each mixer's own runs, so they compare across mixers only where the machines match.\n"]
+    return [f"Its runs were measured on {len(machines)} machines (listed at the top): the peak RSS column is a mean "
+            "over each mixer's own runs, so it compares across mixers only where the machines match.\n"]
 
 
 def restored_line(records: Sequence[Record]) -> str:
