@@ -160,7 +160,7 @@ def test_a_study_resumed_from_its_archive_trains_nothing_and_reports_the_same_ru
     only.mixers = ("transformer",)
     resumed = driver.run_study(only, str(out), str(tmp_path / "docs"), resume_from=str(root / "docs"),
                                command="test")
-    assert any(line.startswith("restored 3 finished runs from") for line in lconv_log())
+    assert any(line.startswith("restored 3 finished seed runs from") for line in lconv_log())
     before, after = _by_name(records), _by_name(resumed)
     for name, record in after.items():
         assert record["status"] == "ok" and record["restored"]
@@ -280,7 +280,7 @@ def test_the_tuning_sweep_chooses_on_validation_and_its_archive_resumes_it(studi
     assert resumed[0]["restored"] and resumed[0]["bleu"] == records[0]["bleu"]
     again = json.loads((tmp_path / "docs2" / "results" / "results.json").read_text())["tuning"]
     assert again["chosen"] == saved["tuning"]["chosen"]
-    assert any(line.startswith("restored 2 finished runs from") for line in lconv_log())  # the sweep's two
+    assert any(line.startswith("restored 2 finished tuning-sweep runs from") for line in lconv_log())
 
 
 def test_the_speed_table_is_measured_in_the_study_process_and_reported(studied, tmp_path):

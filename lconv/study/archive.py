@@ -83,12 +83,14 @@ def resolve(resume_from: str) -> str:
 
 
 ENTRY_LIMIT = 64 << 20  # bytes: an entry holds one run's record, config and metrics rows (tens of kB)
-def restore(planned: Sequence[tuple[str, Any, str, dict[str, Any]]], archive_root: str) -> int:
+
+
+def restore(planned: Sequence[tuple[str, Any, str, dict[str, Any]]], archive_root: str, kind: str = "runs") -> int:
     """Copies each archived run of ``planned`` (name, config, workdir, the plan's record) into its workdir as a
-    finished run unless it has a result; returns how many. Raises, before copying, on a config that differs from
-    the plan's or an entry that is not one. An entry's figures are its own; what the run is and where it lives
-    (task, mixer, seed, rate, workdir) are the plan's, never the entry's: an archive from elsewhere had a record
-    name another folder, whose checkpoints the sweep then deleted."""
+    finished run unless it has a result; returns how many (the log line calls them ``kind``). Raises, before
+    copying, on a config that differs from the plan's or an entry that is not one. An entry's figures are its own;
+    what the run is and where it lives (task, mixer, seed, rate, workdir) are the plan's, never the entry's: an
+    archive from elsewhere had a record name another folder, whose checkpoints the sweep then deleted."""
     todo = []
     for name, config, workdir, record in planned:
         path = archive_path(archive_root, name)
@@ -104,7 +106,7 @@ def restore(planned: Sequence[tuple[str, Any, str, dict[str, Any]]], archive_roo
     for _, workdir, entry, _ in todo:
         _write_run(workdir, entry)
     if todo:
-        logger.info(f"restored {len(todo)} finished runs from {archive_root}")
+        logger.info(f"restored {len(todo)} finished {kind} from {archive_root}")
     return len(todo)
 
 

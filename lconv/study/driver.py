@@ -90,7 +90,8 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
     sweep_runs = [(s.name, s.config, os.path.join(output_dir, s.record["workdir"])) for s in sweeps]
     check_runs_match_plan(sweep_runs, output_dir)
     if archive_root:
-        archive.restore([(*run, s.record) for run, s in zip(sweep_runs, sweeps, strict=True)], archive_root)
+        archive.restore([(*run, s.record) for run, s in zip(sweep_runs, sweeps, strict=True)], archive_root,
+                        "tuning-sweep runs")
 
     def launch_sweep(sweep: tuning.Sweep) -> dict[str, Any]:
         workdir = os.path.join(output_dir, sweep.record["workdir"])
@@ -111,7 +112,8 @@ def run_study(study: ml_collections.ConfigDict, output_dir: str, docs_dir: str, 
         retrain.check_not_finished(retrain_runs, [run_dir(output_dir, p.key) for name in retrain_runs
                                                   for p in planned if p.key.name == name])
         archive.restore([(p.key.name, p.config, run_dir(output_dir, p.key), base_record(p, output_dir))
-                         for p in planned if not p.waiting and p.key.name not in retrain_runs], archive_root)
+                         for p in planned if not p.waiting and p.key.name not in retrain_runs], archive_root,
+                        "seed runs")
     records = []
     for i, item in enumerate(planned, start=1):
         launch = not report_only and (not retrain_runs or item.key.name in retrain_runs)
